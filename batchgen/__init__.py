@@ -1,0 +1,28 @@
+"""batchgen: offline batch inference for LLMs over a paged-attention engine.
+
+``batchgen.LLM(model).generate(prompts, batchgen.SamplingParams(...))`` for the Python API;
+the ``batchgen`` command for Parquet-to-Parquet jobs.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import batchgen` stays cheap (no torch import) for the CLI's --help and config errors.
+    if name == "LLM":
+        from batchgen.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from batchgen.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name == "EngineConfig":
+        from batchgen.engine.config import EngineConfig
+
+        return EngineConfig
+    raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

@@ -1,0 +1,79 @@
+"""Engine configuration: one typed dataclass shared by the Python API and the Hydra job config."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """Parse a memory size such as ``4GiB``, ``512MB``, ``1e9`` or ``4000000000`` into bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid memory size {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value!r}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"invalid memory size {value!r}: use a number of bytes or a number with a unit "
+            f"(B, KB, MB, GB, KiB, MiB, GiB, TiB), e.g. '4GiB'"
+        )
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return n
+
+
+@dataclass
+class EngineConfig:
+    """Options of the paged-attention engine (``engine.*`` in the job config)."""
+
+    block_size: int = 16
+    """Tokens per KV-cache block (8, 16, 32 or 64)."""
+    max_num_seqs: int = 256
+    """Most sequences scheduled in one step."""
+    max_num_batched_tokens: int = 4096
+    """Token budget of one step (decodes + prefill chunks); prompts longer than this are prefilled in chunks."""
+    max_model_len: int | None = None
+    """Longest prompt + generation, in tokens (default: the model's max_position_embeddings)."""
+    gpu_memory_utilization: float = 0.90
+    """CUDA: fraction of the device's total memory the engine may use (weights + activations + KV cache)."""
+    kv_cache_memory: str = "2GiB"
+    """CPU: bytes for the KV cache pool, e.g. '4GiB'."""
+    num_blocks: int | None = None
+    """Exact number of KV blocks; overrides gpu_memory_utilization and kv_cache_memory."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical token prefixes across requests."""
+    attention_backend: str = "auto"
+    """'auto' (triton on CUDA, torch on CPU), 'torch' or 'triton'."""
+    device: str = "auto"
+    """'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'."""
+    seed: int = 0
+    """Seed of the engine's sampling generator for requests without their own seed."""
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64):
+            raise ValueError(f"engine.block_size must be one of 8, 16, 32, 64, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"engine.max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"engine.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        parse_bytes(self.kv_cache_memory)
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"engine.num_blocks must be >= 1, got {self.num_blocks}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"engine.attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"engine.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

@@ -1,0 +1,157 @@
+"""Builds the flat batch tensors for one step, runs the model over the paged KV cache, returns logits.
+
+Also owns the KV cache tensor and its sizing: on CUDA a profiling forward at the full token budget measures
+peak activation memory and the pool takes ``total * gpu_memory_utilization - weights - activations``; on CPU
+``kv_cache_memory`` bytes; ``num_blocks`` overrides both.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
+from batchgen.engine.config import EngineConfig, parse_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Invariant: ``kv_cache`` is zero-initialised and only ever holds finite K/V written by ``store_kv``."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device, backend: str) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        mc = model.config
+        self.num_layers = mc.num_layers
+        self.num_kv_heads = mc.num_kv_heads
+        self.head_dim = mc.head_dim
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = config.block_size
+        self.attn = PagedAttention(backend)
+        self.kv_cache: Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------ sizing
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def determine_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            peak_activations = self.profile_activation_memory()
+            budget = int(total * cfg.gpu_memory_utilization) - self.weights_bytes() - peak_activations
+            used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
+            budget -= max(0, used_elsewhere)
+            num_blocks = budget // self.bytes_per_block
+            logger.info(
+                "CUDA memory: total %.1f GiB, weights %.2f GiB, peak activations %.2f GiB, KV budget %.2f GiB",
+                total / 2**30, self.weights_bytes() / 2**30, peak_activations / 2**30, max(budget, 0) / 2**30,
+            )
+        else:
+            num_blocks = parse_bytes(cfg.kv_cache_memory) // self.bytes_per_block
+        if num_blocks < 1:
+            raise RuntimeError(
+                "no memory left for the KV cache: raise engine.gpu_memory_utilization / engine.kv_cache_memory, "
+                "lower engine.max_num_batched_tokens, or set engine.num_blocks"
+            )
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def profile_activation_memory(self) -> int:
+        """Run one forward at the full token budget on a tiny KV cache and measure peak activation memory."""
+        tokens = self.config.max_num_batched_tokens
+        blocks = -(-tokens // self.block_size)
+        self.allocate_kv_cache(blocks)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(tokens, dtype=torch.long, device=self.device) % max(1, tokens)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(tokens, dtype=torch.long, device=self.device),
+            num_decode_seqs=0,
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
+            max_seq_len=tokens,
+            max_query_len=tokens,
+        )
+        hidden = self.model(ids, positions, ForwardContext(self.attn, meta, self.kv_cache))
+        self.model.compute_logits(hidden[-min(tokens, self.config.max_num_seqs) :])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_cache = None
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # ----------------------------------------------------------------------------------------- forward
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            mapping = torch.tensor(copies, dtype=torch.long, device=self.device)
+            self.attn.copy_blocks(self.kv_cache, mapping)
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        token_chunks: list[list[int]],
+        start_positions: list[int],
+        block_tables: list[list[int]],
+        num_decode_seqs: int,
+        sample_rows: list[int],
+    ) -> Tensor:
+        """Run one packed forward and return float32 logits for the last token of each sequence in
+        ``sample_rows`` (indices into the batch), in that order.
+
+        ``token_chunks[b]`` are the new tokens of sequence ``b``, at positions ``start_positions[b]...``;
+        decode sequences (one token each) come first.
+        """
+        bs = self.block_size
+        q_lens = [len(c) for c in token_chunks]
+        seq_lens = [s + n for s, n in zip(start_positions, q_lens)]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for chunk, start, table in zip(token_chunks, start_positions, block_tables):
+            input_ids.extend(chunk)
+            if len(chunk) == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                rng = range(start, start + len(chunk))
+                positions.extend(rng)
+                slots.extend(table[p // bs] * bs + p % bs for p in rng)
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        max_blocks = max(len(t) for t in block_tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_seqs=num_decode_seqs,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            max_seq_len=max(seq_lens),
+            max_query_len=max(q_lens),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache))
+        last = torch.tensor([cu[b + 1] - 1 for b in sample_rows], dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden[last]).float()

@@ -1,0 +1,269 @@
+"""Batched token sampler: one call turns a ``[N, V]`` block of next-token logits into N token ids.
+
+Pipeline for each row (every stage is vectorised over the rows that need it; rows that don't skip it):
+
+1. **logprobs** (rows with ``params.logprobs`` set): ``log_softmax`` of the *raw* model logits, before any
+   penalty, temperature or filter (vLLM's default ``raw_logprobs`` mode). The row gets the top-``k`` tokens
+   plus the sampled token.
+2. **banned tokens** (``SamplingRow.banned_token_ids``, e.g. eos/stop ids while ``min_tokens`` is not yet
+   reached): logit set to ``-inf``.
+3. **penalties**: repetition (transformers: over prompt + output tokens, positive logits divided by the
+   penalty, negative ones multiplied), then frequency and presence (OpenAI/vLLM: output tokens only,
+   ``logit -= frequency * count + presence * (count > 0)``).
+4. **greedy rows** (``temperature < 1e-5``): argmax of the penalised logits. Ties go to the lowest token id
+   (``torch.argmax``), as in transformers.
+5. **random rows**: temperature, top-k, top-p, min-p (transformers' order; top-p acts on the distribution
+   renormalised after top-k), then one draw by the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``,
+   which samples exactly from ``p``. A row with its own ``torch.Generator`` (seeded request) draws its
+   ``q`` from that generator alone, so its tokens do not depend on the other rows of the batch; the other
+   rows share the Sampler's generator.
+
+When every row is greedy and nothing else is asked for, the call is a single ``argmax`` (the hot path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+from torch import Tensor
+
+from batchgen.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """Everything the sampler needs to know about one row of the logits batch (built by the engine).
+
+    ``generator`` must be set for requests with a seed: the engine creates it once per sequence (e.g.
+    ``torch.Generator().manual_seed(seed + sample_index)``) and passes the same object every step; the
+    sampler advances it by exactly one draw of V numbers per random (non-greedy) step. It may live on the CPU
+    even when the logits are on CUDA (the draw is then copied over).
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    banned_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SamplerOutput:
+    """``token_ids[i]`` is row i's sampled token; ``logprobs[i]`` is ``None`` unless row i asked for
+    logprobs, else ``{token_id: logprob}`` with the top ``params.logprobs`` tokens and the sampled token
+    (so ``k`` or ``k + 1`` entries)."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Stateless apart from its random generator(s) (one per device, seeded with ``seed``)."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The sampler's own generator on ``device`` (used by rows without a seed)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._generators[device] = gen
+        return gen
+
+    @torch.inference_mode()
+    def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row. ``logits``: float32 ``[N, V]`` with ``N == len(rows)``; not modified."""
+        n = len(rows)
+        if logits.dim() != 2 or logits.shape[0] != n:
+            raise ValueError(f"logits must be [len(rows), vocab], got {tuple(logits.shape)} for {n} rows")
+        if n == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        params = [r.params for r in rows]
+
+        all_greedy = all(p.greedy for p in params)
+        needs_processing = any(r.banned_token_ids or r.params.needs_penalties for r in rows)
+        want_logprobs = any(p.logprobs is not None for p in params)
+
+        if all_greedy and not needs_processing:
+            sampled = logits.argmax(dim=-1)
+        else:
+            x = logits.float().clone()
+            if needs_processing:
+                _apply_banned(x, rows)
+                _apply_penalties(x, rows)
+            if all_greedy:
+                sampled = x.argmax(dim=-1)
+            else:
+                sampled = self._sample(x, rows)
+
+        token_ids = sampled.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * n
+        if want_logprobs:
+            _gather_logprobs(logits, rows, sampled, logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _sample(self, x: Tensor, rows: list[SamplingRow]) -> Tensor:
+        """Greedy rows take the argmax of ``x``; random rows are filtered and drawn. Returns ``[N]`` int64."""
+        device = x.device
+        sampled = x.argmax(dim=-1)
+        rand_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+        rand_rows = [rows[i] for i in rand_idx]
+        idx = torch.tensor(rand_idx, device=device)
+        probs = _filtered_probs(x[idx], [r.params for r in rand_rows])
+
+        # Exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. is a draw from p. q is clamped away from 0
+        # so that a token with p == 0 can never win (0 / tiny == 0).
+        q = torch.empty_like(probs)
+        unseeded = [j for j, r in enumerate(rand_rows) if r.generator is None]
+        if unseeded:
+            if len(unseeded) == len(rand_rows):
+                q.exponential_(generator=self.generator(device))
+            else:
+                uidx = torch.tensor(unseeded, device=device)
+                qu = torch.empty((len(unseeded), probs.shape[1]), device=device, dtype=probs.dtype)
+                q[uidx] = qu.exponential_(generator=self.generator(device))
+        for j, r in enumerate(rand_rows):
+            gen = r.generator
+            if gen is None:
+                continue
+            if gen.device == device:
+                q[j].exponential_(generator=gen)
+            else:
+                qj = torch.empty(probs.shape[1], dtype=probs.dtype, device=gen.device)
+                q[j] = qj.exponential_(generator=gen).to(device)
+        q.clamp_(min=torch.finfo(q.dtype).tiny)
+        sampled[idx] = (probs / q).argmax(dim=-1)
+        return sampled
+
+
+def _apply_banned(x: Tensor, rows: list[SamplingRow]) -> None:
+    """Set the logits of each row's banned tokens (ids outside the vocab are ignored) to -inf, in place."""
+    vocab = x.shape[1]
+    r_idx: list[int] = []
+    t_idx: list[int] = []
+    for i, r in enumerate(rows):
+        for t in r.banned_token_ids:
+            if 0 <= t < vocab:
+                r_idx.append(i)
+                t_idx.append(t)
+    if r_idx:
+        x[torch.tensor(r_idx, device=x.device), torch.tensor(t_idx, device=x.device)] = -float("inf")
+
+
+def _flat_index(token_lists: list[list[int]], vocab: int, device: torch.device) -> Tensor:
+    """Flat indices ``row * vocab + token`` of every (row, token) pair, ids outside the vocab dropped."""
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64)
+    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
+    row_ids = torch.repeat_interleave(torch.arange(len(token_lists), dtype=torch.int64), lengths)
+    valid = (tokens >= 0) & (tokens < vocab)
+    return (row_ids[valid] * vocab + tokens[valid]).to(device)
+
+
+def _apply_penalties(x: Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition, then frequency and presence penalties, in place, for the rows that have any."""
+    vocab = x.shape[1]
+    device = x.device
+
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        seen = torch.zeros(len(rep) * vocab, dtype=torch.bool, device=device)
+        seen[_flat_index([rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep], vocab, device)] = True
+        seen = seen.view(len(rep), vocab)
+        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=device).unsqueeze(1)
+        idx = torch.tensor(rep, device=device)
+        sub = x[idx]
+        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+        x[idx] = torch.where(seen, penalised, sub)
+
+    freq = [
+        i
+        for i, r in enumerate(rows)
+        if (r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0) and r.output_token_ids
+    ]
+    if freq:
+        flat = _flat_index([rows[i].output_token_ids for i in freq], vocab, device)
+        counts = torch.zeros(len(freq) * vocab, dtype=x.dtype, device=device)
+        counts.index_add_(0, flat, torch.ones(flat.shape[0], dtype=x.dtype, device=device))
+        counts = counts.view(len(freq), vocab)
+        fp = torch.tensor([rows[i].params.frequency_penalty for i in freq], dtype=x.dtype, device=device)
+        pp = torch.tensor([rows[i].params.presence_penalty for i in freq], dtype=x.dtype, device=device)
+        idx = torch.tensor(freq, device=device)
+        x[idx] -= fp.unsqueeze(1) * counts + pp.unsqueeze(1) * (counts > 0).to(x.dtype)
+
+
+def _filtered_probs(x: Tensor, params: list[SamplingParams]) -> Tensor:
+    """Probabilities ``[M, V]`` after temperature, top-k, top-p and min-p (each row with its own values).
+
+    Filtered-out tokens have probability exactly 0; the most likely token always survives.
+    """
+    m, vocab = x.shape
+    device = x.device
+    temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device)
+    x = x / temp.unsqueeze(1)
+
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    use_top_k = any(k < vocab for k in top_k)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if use_top_p:
+        # One sort serves both filters. sorted_x[:, j] is the j-th largest logit.
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        if use_top_k:
+            # Same rule as the topk-only branch below: drop logits below the k-th largest (ties kept).
+            k = torch.tensor(top_k, device=device)
+            kth = sorted_x.gather(1, (k - 1).unsqueeze(1))
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, -float("inf"))
+        sorted_probs = sorted_x.softmax(dim=-1)
+        # Keep token j iff the mass strictly before it is < top_p: the smallest prefix reaching top_p.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=device).unsqueeze(1)
+        drop = (mass_before >= top_p) & (top_p < 1.0)
+        drop[:, 0] = False
+        sorted_x = sorted_x.masked_fill(drop, -float("inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    elif use_top_k:
+        max_k = max(top_k)
+        top_vals = x.topk(max_k, dim=-1).values
+        k = torch.tensor(top_k, device=device)
+        kth = top_vals.gather(1, (k - 1).clamp(max=max_k - 1).unsqueeze(1))
+        # Rows with top-k off get kth = -inf (nothing removed). Ties at the k-th value are all kept.
+        kth = kth.masked_fill((k >= vocab).unsqueeze(1), -float("inf"))
+        x = x.masked_fill(x < kth, -float("inf"))
+
+    probs = x.softmax(dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=device).unsqueeze(1)
+        threshold = min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _gather_logprobs(
+    logits: Tensor, rows: list[SamplingRow], sampled: Tensor, out: list[dict[int, float] | None]
+) -> None:
+    """Fill ``out[i]`` with the top-k and sampled-token logprobs (raw logits) of each row asking for them."""
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    device = logits.device
+    idx = torch.tensor(want, device=device)
+    logp = torch.log_softmax(logits[idx].float(), dim=-1)
+    chosen = logp.gather(1, sampled[idx].unsqueeze(1)).squeeze(1).tolist()
+    chosen_ids = sampled[idx].tolist()
+    max_k = min(max(rows[i].params.logprobs for i in want), logp.shape[1])
+    if max_k > 0:
+        top_vals, top_ids = logp.topk(max_k, dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    for j, i in enumerate(want):
+        k = rows[i].params.logprobs
+        d: dict[int, float] = {}
+        if k and max_k > 0:
+            d = dict(zip(top_ids[j][:k], top_vals[j][:k]))
+        d[chosen_ids[j]] = chosen[j]
+        out[i] = d

@@ -1,0 +1,51 @@
+"""Running totals of an engine: the figures the job report and progress bar print."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started.
+
+    ``prompt_tokens_cached`` counts prompt tokens served from the prefix cache at admission;
+    ``prompt_tokens_computed`` counts tokens run through the model as prefill (recomputation after a
+    preemption included). KV figures: ``kv_usage`` is blocks in use ÷ pool size; ``kv_utilisation`` is token
+    slots holding live tokens ÷ slots in allocated blocks; ``kv_fragmentation`` is 1 − kv_utilisation.
+    """
+
+    num_blocks: int = 0
+    block_size: int = 0
+    bytes_per_block: int = 0
+    max_model_len: int = 0
+    num_requests: int = 0
+    num_finished_requests: int = 0
+    num_error_requests: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_cow_copies: int = 0
+    running_seqs: int = 0
+    waiting_seqs: int = 0
+    peak_running_seqs: int = 0
+    kv_blocks_used: int = 0
+    kv_usage: float = 0.0
+    peak_kv_usage: float = 0.0
+    kv_utilisation: float = 1.0
+    min_kv_utilisation: float = 1.0
+    kv_fragmentation: float = 0.0
+    peak_kv_fragmentation: float = 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of admitted prompt tokens served from the prefix cache."""
+        return self.prompt_tokens_cached / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["prefix_hit_rate"] = self.prefix_hit_rate
+        return d

@@ -1,0 +1,204 @@
+"""Per-request sampling options (the ``sampling.*`` group of the job config, ``batchgen.SamplingParams``).
+
+Semantics follow vLLM / the OpenAI API where they exist, so a config written for one works with the other:
+
+* ``temperature < 1e-5`` (normally ``0``) means greedy decoding: argmax of the (penalised) logits. The
+  random filters (top-k/top-p/min-p) and the seed are then irrelevant.
+* ``top_k`` of ``0`` or ``-1`` disables top-k; ``top_p == 1`` disables top-p; ``min_p == 0`` disables min-p.
+* The repetition penalty follows transformers (over prompt + generated tokens); presence and frequency
+  penalties follow OpenAI / vLLM (over generated tokens only).
+
+Validation happens in ``__post_init__`` (also after ``dataclasses.replace``): a bad value raises a
+``ValueError`` naming the field and its allowed range. Numeric values from configs or Parquet columns
+(numpy scalars, integral floats) are coerced to plain Python ``int`` / ``float``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+GREEDY_EPS = 1e-5
+"""Temperatures below this are treated as greedy (argmax) decoding."""
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not isinstance(value, numbers.Integral):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError(f"{name} must be a number, got nan")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to generate the completion(s) of one prompt.
+
+    Invariants after construction: every field has its documented type and range; ``stop`` is ``None`` or a
+    non-empty list of non-empty strings; ``stop_token_ids`` is ``None`` or a list of non-negative ints;
+    ``min_tokens <= max_tokens`` when ``max_tokens`` is set.
+    """
+
+    n: int = 1
+    """Number of completions generated for the prompt (>= 1). They share the prompt's KV blocks."""
+    temperature: float = 1.0
+    """Softmax temperature (>= 0). Below 1e-5 (e.g. 0) decoding is greedy: the argmax token."""
+    top_p: float = 1.0
+    """Nucleus sampling, in (0, 1]: keep the smallest set of most likely tokens whose mass reaches top_p."""
+    top_k: int = 0
+    """Keep only the top_k most likely tokens; 0 or -1 disables it (values > vocab size mean 'all')."""
+    min_p: float = 0.0
+    """In [0, 1]: drop tokens whose probability is below min_p times the most likely token's probability."""
+    repetition_penalty: float = 1.0
+    """> 0; 1 disables. Tokens seen in the prompt or the output get their logit divided by it when positive,
+    multiplied by it when negative (transformers semantics; > 1 discourages repetition)."""
+    presence_penalty: float = 0.0
+    """In [-2, 2]: subtracted once from the logit of every token already generated (not prompt tokens)."""
+    frequency_penalty: float = 0.0
+    """In [-2, 2]: subtracted from a token's logit once per time it has been generated (not prompt tokens)."""
+    max_tokens: int | None = 16
+    """Most tokens to generate (>= 1); None means up to the engine's max_model_len."""
+    min_tokens: int = 0
+    """Generate at least this many tokens (>= 0, <= max_tokens) before eos or stop_token_ids may end it."""
+    stop: list[str] | None = None
+    """Strings that end the generation when they appear in the output text (a single str is accepted).
+    The returned text is cut before the stop string unless include_stop_str_in_output."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end the generation (in addition to the model's eos ids unless ignore_eos); the
+    stop token itself is kept in token_ids."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the returned text."""
+    ignore_eos: bool = False
+    """Keep generating after the model's eos token(s) (stop_token_ids still apply)."""
+    logprobs: int | None = None
+    """If set (>= 0): return, for each generated token, the log-probabilities of the ``logprobs`` most likely
+    tokens plus the sampled token's, from the raw model logits (before penalties/temperature/filters)."""
+    seed: int | None = None
+    """Seed of this request's own random generator: the same seed gives the same tokens whatever else is
+    in the batch. None uses the engine's generator (reproducible per run, not per request)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (eos, chat markers, ...) out of the returned text."""
+
+    def __post_init__(self) -> None:
+        self.n = _as_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+        self.temperature = _as_float("temperature", self.temperature)
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+
+        self.top_p = _as_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+        self.top_k = _as_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0
+
+        self.min_p = _as_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+        self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}"
+            )
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+
+        if self.max_tokens is not None:
+            self.max_tokens = _as_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1 (or None for no limit), got {self.max_tokens}")
+
+        self.min_tokens = _as_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+
+        if self.stop is not None:
+            stop = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            if any(s == "" for s in stop):
+                raise ValueError("stop strings must be non-empty, got an empty string")
+            # Keep the user's order (the index of the matched string is reported) but drop duplicates.
+            self.stop = list(dict.fromkeys(stop)) or None
+
+        if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+                raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            ids = [_as_int("stop_token_ids", t) for t in self.stop_token_ids]
+            if any(t < 0 for t in ids):
+                raise ValueError(f"stop_token_ids must be non-negative token ids, got {ids}")
+            self.stop_token_ids = list(dict.fromkeys(ids)) or None
+
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                # numpy.bool_ and 0/1 ints from Parquet/Hydra are accepted; anything else is a mistake.
+                if isinstance(value, numbers.Integral) and int(value) in (0, 1):
+                    value = bool(value)
+                elif type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+                    value = bool(value)
+                else:
+                    raise ValueError(f"{name} must be a bool, got {value!r}")
+                setattr(self, name, value)
+
+        if self.logprobs is not None:
+            self.logprobs = _as_int("logprobs", self.logprobs)
+            if self.logprobs < 0:
+                raise ValueError(f"logprobs must be >= 0 (or None), got {self.logprobs}")
+
+        if self.seed is not None:
+            self.seed = _as_int("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**64:
+                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is greedy (temperature < 1e-5): the argmax of the penalised logits."""
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        """True when any of the repetition / presence / frequency penalties is active."""
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-serialisable dict of every field (for the job config and Parquet schema metadata)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Inverse of :meth:`to_dict`; missing keys take their defaults, unknown keys are a ValueError."""
+        names = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; valid names: {sorted(names)}")
+        return cls(**dict(d))

@@ -1,0 +1,1 @@
+"""Hydra configuration files shipped with batchgen (installed as ``batchgen.conf``)."""
