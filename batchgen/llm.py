@@ -23,7 +23,9 @@ class LLM:
     >>> outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
     """
 
-    def __init__(self, model: str, dtype: str = "auto", tokenizer: str | None = None, **engine_options) -> None:
+    def __init__(
+        self, model: str, dtype: str = "auto", tokenizer: str | None = None, **engine_options
+    ) -> None:
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(engine_options) - known)
         if unknown:

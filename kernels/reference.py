@@ -1,23 +1,57 @@
 """Torch reference implementations of the paged-attention kernels.
 
-These define the semantics of every kernel in this package and are the engine's CPU path.
+These define the semantics of every kernel in this package and are the engine's CPU path, so they are written
+for speed as well as clarity: K/V are gathered once per call with ``index_select`` (optionally into a reusable
+:class:`Workspace`, which saves allocating — and page-faulting — tens of MB per layer on CPU), never converted
+to float32 as a copy, and attention runs in ``torch.nn.functional.scaled_dot_product_attention`` (the fused CPU
+flash kernel: float32 softmax and accumulation, GQA without repeating K/V) on strided views of the gathered
+blocks. There is no Python loop per token; prefill loops over sequences only when padding them into one
+batch would waste more than it saves.
 
-KV cache layout: one tensor ``kv_cache[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``;
-layer ``i`` reads ``k_cache = kv_cache[i, 0]`` and ``v_cache = kv_cache[i, 1]``, each
-``[num_blocks, block_size, num_kv_heads, head_dim]`` and contiguous. Token ``t`` of a sequence lives at slot
+KV cache layout: see :mod:`batchgen.kernels`. Token ``t`` of a sequence lives at slot
 ``block_table[t // block_size] * block_size + t % block_size``. Slot ``-1`` means "do not store".
 GQA: query head ``h`` reads kv head ``h // (num_q_heads // num_kv_heads)``. Scores and softmax accumulate in
-float32; outputs have the query's dtype.
+float32; outputs have the query's dtype. Every query attends to at least one key (``seq_lens >= 1``), so no
+softmax row is empty; positions past a sequence's length are masked out and never reach the output.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+class Workspace:
+    """Reusable scratch buffers for gathered K/V (one per name; grown by 25 % headroom when too small).
+
+    Not thread-safe: one workspace per engine (``PagedAttention`` owns one). A buffer handed out stays valid
+    until the next :meth:`get` of the same name.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+    def clear(self) -> None:
+        self._buffers.clear()
 
 
 def store_kv_ref(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into the paged caches at ``slot_mapping`` ``[T]`` (−1 = skip)."""
+    if key.shape[0] == 0:
+        return
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping.long()
     keep = slots >= 0
@@ -27,34 +61,67 @@ def store_kv_ref(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, s
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def _gather_context(cache: Tensor, block_tables: Tensor, max_len: int) -> Tensor:
-    """Gather ``[B, max_len, Hkv, D]`` contiguous K or V of each sequence through its block table."""
-    block_size = cache.shape[1]
-    num_blocks = (max_len + block_size - 1) // block_size
-    gathered = cache[block_tables[:, :num_blocks].long()]  # [B, nb, bs, Hkv, D]
-    b = gathered.shape[0]
-    return gathered.reshape(b, num_blocks * block_size, cache.shape[2], cache.shape[3])[:, :max_len]
+def _gather(
+    cache: Tensor, block_ids: Tensor, name: str, workspace: Workspace | None
+) -> Tensor:  # [n, block_size, Hkv, D]
+    """Gather the blocks ``block_ids`` (any int dtype, any shape) of ``cache`` into one contiguous tensor."""
+    idx = block_ids.reshape(-1)
+    if workspace is None:
+        return cache.index_select(0, idx)
+    out = workspace.get(name, (idx.numel(), *cache.shape[1:]), cache.dtype, cache.device)
+    return torch.index_select(cache, 0, idx, out=out)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool = False) -> Tensor:
+    """``q [B,Hq,Q,D]``, ``k/v [B,Hkv,L,D]`` (any strides) → ``[B,Hq,Q,D]`` in float32 accumulation.
+
+    ``mask`` is boolean (True = attend), broadcastable to ``[B,Hq,Q,L]``.
+    """
+    if q.dtype != k.dtype:  # mixed precision: compute in float32, as the kernels do
+        q, k, v = q.float(), k.float(), v.float()
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq == hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    if _SDPA_HAS_GQA:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
+    group = hq // hkv  # torch < 2.5: repeat K/V per query head
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
 
 def paged_decode_attention_ref(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    *,
+    workspace: Workspace | None = None,
 ) -> Tensor:
-    """One query per sequence (the token at position ``seq_lens[b] - 1``) attending to its whole context."""
+    """One query per sequence (the token at position ``seq_lens[b] - 1``) attending to its whole context.
+
+    ``q [B,Hq,D]`` → ``[B,Hq,D]``. Sequences are padded to the longest context (padding keys masked).
+    """
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return q.new_empty(q.shape)
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    max_len = int(seq_lens.max())
-    k = _gather_context(k_cache, block_tables, max_len).float()  # [B, L, Hkv, D]
-    v = _gather_context(v_cache, block_tables, max_len).float()
-    qg = q.float().view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale  # [B, Hkv, G, L]
-    pos = torch.arange(max_len, device=q.device)
-    invalid = pos[None, :] >= seq_lens.to(q.device).long()[:, None]  # [B, L]
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    lens = seq_lens.to(q.device)
+    max_len, min_len = int(lens.max()), int(lens.min())
+    num_blocks = (max_len + block_size - 1) // block_size
+    ids = block_tables[:, :num_blocks]
+    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    # [B, L, Hkv, D] -> strided [B, Hkv, L, D] views: no copy beyond the gather itself.
+    k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :max_len].transpose(1, 2)
+    v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :max_len].transpose(1, 2)
+    mask = None
+    if min_len != max_len:
+        pos = torch.arange(max_len, device=q.device)
+        mask = (pos[None, :] < lens[:, None]).view(batch, 1, 1, max_len)
+    out = _sdpa(q.unsqueeze(2), k, v, mask, scale)  # [B, Hq, 1, D]
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
@@ -66,45 +133,105 @@ def paged_prefill_attention_ref(
     seq_lens: Tensor,
     block_tables: Tensor,
     scale: float,
+    *,
+    workspace: Workspace | None = None,
 ) -> Tensor:
     """Variable-length query chunks attending causally to their cached context plus themselves.
 
     Sequence ``b`` owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` at absolute positions
     ``seq_lens[b] - q_len_b .. seq_lens[b] - 1``; a query at position ``p`` attends to keys ``0..p``, all read
-    from the paged cache (the new tokens' K/V must already be stored).
+    from the paged cache (the new tokens' K/V must already be stored). ``q [T,Hq,D]`` → ``[T,Hq,D]``.
     """
-    total, num_q_heads, head_dim = q.shape
+    total = q.shape[0]
     batch = cu_seqlens_q.numel() - 1
     if total == 0 or batch == 0:
         return q.new_empty(q.shape)
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [cu[b + 1] - cu[b] for b in range(batch)]
+    max_q, max_len = max(q_lens), max(lens)
+    useful = sum(n * s for n, s in zip(q_lens, lens))
+    if batch > 1 and batch * max_q * max_len <= 2 * useful:
+        return _prefill_padded(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace)
+    out = torch.empty_like(q)
+    for b in range(batch):
+        s, e = cu[b], cu[b + 1]
+        if s < e:
+            out[s:e] = _prefill_one(q[s:e], k_cache, v_cache, lens[b], block_tables[b], scale, workspace)
+    return out
+
+
+def _prefill_one(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    seq_len: int,
+    block_table: Tensor,
+    scale: float,
+    workspace: Workspace | None,
+) -> Tensor:
+    """One sequence: ``q [n,Hq,D]`` at positions ``seq_len-n .. seq_len-1`` → ``[n,Hq,D]``."""
+    n, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    ids = block_table[:num_blocks]
+    shape = (1, num_blocks * block_size, num_kv_heads, head_dim)
+    k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :seq_len].transpose(1, 2)
+    v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :seq_len].transpose(1, 2)
+    qb = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    ctx = seq_len - n
+    if ctx == 0:  # square causal: SDPA's own (top-left aligned) causal mask is exact and skips masked tiles
+        out = _sdpa(qb, k, v, None, scale, causal=True)
+    else:
+        q_pos = ctx + torch.arange(n, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        out = _sdpa(qb, k, v, mask, scale)
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
+def _prefill_padded(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    block_tables: Tensor,
+    scale: float,
+    workspace: Workspace | None,
+) -> Tensor:
+    """All sequences at once, queries padded to the longest chunk and keys to the longest context."""
+    total, num_q_heads, head_dim = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     device = q.device
     cu = cu_seqlens_q.to(device).long()
     q_lens = cu[1:] - cu[:-1]
     lens = seq_lens.to(device).long()
-    max_q = int(q_lens.max())
-    max_len = int(lens.max())
-    # Scatter the packed queries into a padded [B, max_q, ...] tensor.
+    max_q, max_len = int(q_lens.max()), int(lens.max())
     seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device), q_lens)
     idx_in_seq = torch.arange(total, device=device) - cu[:-1][seq_of_token]
-    qp = q.new_zeros(batch, max_q, num_q_heads, head_dim, dtype=torch.float32)
-    qp[seq_of_token, idx_in_seq] = q.float()
-    k = _gather_context(k_cache, block_tables, max_len).float()  # [B, L, Hkv, D]
-    v = _gather_context(v_cache, block_tables, max_len).float()
-    qg = qp.view(batch, max_q, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bqhgd,blhd->bhgql", qg, k) * scale  # [B, Hkv, G, Q, L]
+    qp = q.new_zeros(batch, max_q, num_q_heads, head_dim)
+    qp[seq_of_token, idx_in_seq] = q
+    num_blocks = (max_len + block_size - 1) // block_size
+    ids = block_tables[:, :num_blocks]
+    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :max_len].transpose(1, 2)
+    v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :max_len].transpose(1, 2)
     q_pos = (lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Q]
     k_pos = torch.arange(max_len, device=device)
-    invalid = k_pos[None, None, :] > q_pos[:, :, None]  # [B, Q, L] (also masks keys >= seq_len)
-    scores.masked_fill_(invalid[:, None, None, :, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgql,blhd->bqhgd", probs, v).reshape(batch, max_q, num_q_heads, head_dim)
-    return out[seq_of_token, idx_in_seq].to(q.dtype)
+    # Padding query rows (past q_len) sit at positions >= seq_len: they still see keys 0..seq_len-1, so no row
+    # is empty; they are dropped below.
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < lens[:, None, None])
+    out = _sdpa(qp.transpose(1, 2), k, v, mask[:, None], scale)  # [B, Hq, Q, D]
+    return out.transpose(1, 2)[seq_of_token, idx_in_seq].to(q.dtype)
 
 
 def copy_blocks_ref(kv_cache: Tensor, block_mapping: Tensor) -> None:
-    """Copy physical blocks ``block_mapping[:, 0] -> block_mapping[:, 1]`` in every layer, K and V."""
+    """Copy physical blocks ``block_mapping[:, 0] -> block_mapping[:, 1]`` in every layer, K and V.
+
+    All sources are read before any destination is written (a block may not be both a source and a
+    destination of the same call in the Triton kernel, so callers keep the two sets disjoint).
+    """
     if block_mapping.numel() == 0:
         return
     src = block_mapping[:, 0].long().to(kv_cache.device)

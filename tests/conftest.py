@@ -2,7 +2,7 @@
 
 - `llama_ckpt`, `mistral_ckpt`, `qwen2_ckpt`, `qwen3_ckpt`: paths (str) of default tiny checkpoints
   (hidden 64, 2 layers, 4 query heads, 2 kv heads, vocab 4096, float32, untied; Qwen2 has QKV bias,
-  Qwen3 QK-norm). Built with `batchgen.models.tiny.build_checkpoint`.
+  Qwen3 QK-norm; seeds 0..3 in that order). Built with `batchgen.models.tiny.build_checkpoint`.
 - `ckpt_factory(arch="llama", **kwargs) -> str`: any other variant (same keywords as
   `build_checkpoint`); identical arguments return the same directory (memoised for the session).
 - `tiny_ckpt`: the embedded default model (`tiny_default_checkpoint`) built in the session tmp dir.
@@ -54,17 +54,17 @@ def llama_ckpt(ckpt_factory: Callable[..., str]) -> str:
 
 @pytest.fixture(scope="session")
 def mistral_ckpt(ckpt_factory: Callable[..., str]) -> str:
-    return ckpt_factory("mistral")
+    return ckpt_factory("mistral", seed=1)
 
 
 @pytest.fixture(scope="session")
 def qwen2_ckpt(ckpt_factory: Callable[..., str]) -> str:
-    return ckpt_factory("qwen2")
+    return ckpt_factory("qwen2", seed=2)
 
 
 @pytest.fixture(scope="session")
 def qwen3_ckpt(ckpt_factory: Callable[..., str]) -> str:
-    return ckpt_factory("qwen3")
+    return ckpt_factory("qwen3", seed=3)
 
 
 @pytest.fixture(scope="session")

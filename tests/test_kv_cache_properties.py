@@ -155,7 +155,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert self.phys[b][pos % self.bs] == self.tokens[sid][pos], f"seq {sid} pos {pos} corrupted"
                 live_slots.add((b, pos % self.bs))
         for b in range(m.num_blocks):
-            assert pool.ref_counts[b] == refs[b], f"block {b}: refcount {pool.ref_counts[b]} != {refs[b]} refs"
+            assert pool.ref_counts[b] == refs[b], (
+                f"block {b}: refcount {pool.ref_counts[b]} != {refs[b]} refs"
+            )
             cached = pool.cached_tokens(b)
             if cached is not None:  # a registered block holds exactly the tokens it is registered under
                 assert list(cached) == self.phys[b]

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import pickle
+import shutil
+import threading
+import time
+import weakref
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from batchgen.models import SUPPORTED_ARCHITECTURES, load_model, load_tokenizer, loader
 from batchgen.models.tiny import CHAT_TEMPLATE, EOS_TOKEN, IM_END, build_tokenizer, tiny_default_checkpoint
 
 TEXTS = [
@@ -52,3 +63,200 @@ def test_tiny_default_checkpoint_built_once(tmp_path):
     assert p1 == p2
     assert (Path(p2) / "model.safetensors").stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [Path(p1).name]  # no temp dirs left behind
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def _copy(src: str, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_sharded_checkpoint_with_index(ckpt_factory, llama_ckpt):
+    sharded = Path(ckpt_factory("llama", max_shard_size="100KB"))
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    a, b = _state(load_model(sharded)), _state(load_model(llama_ckpt))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_missing_shard_named(ckpt_factory, tmp_path):
+    ckpt = _copy(ckpt_factory("llama", max_shard_size="100KB"), tmp_path / "c")
+    victim = sorted(ckpt.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(FileNotFoundError, match=victim.name):
+        load_model(ckpt)
+
+
+def test_dtype_auto_and_override(ckpt_factory, qwen2_ckpt):
+    assert load_model(qwen2_ckpt).config.dtype == torch.float32
+    m16 = load_model(qwen2_ckpt, dtype="float16")
+    assert m16.config.dtype == torch.float16 and {p.dtype for p in m16.parameters()} == {torch.float16}
+    ref = load_model(qwen2_ckpt, dtype=torch.float32)
+    w = "model.layers.0.self_attn.qkv_proj.weight"
+    assert torch.equal(m16.state_dict()[w], ref.state_dict()[w].half())
+    bf = ckpt_factory("qwen2", seed=2, dtype=torch.bfloat16)
+    assert json.loads((Path(bf) / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {p.dtype for p in load_model(bf).parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in load_model(bf, dtype="float32").parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
+        load_model(qwen2_ckpt, dtype="int8")
+
+
+def test_fused_projections_and_tied_embeddings(ckpt_factory):
+    path = ckpt_factory("qwen2", tie_word_embeddings=True, seed=11)
+    model = load_model(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()
+        qkv = model.model.layers[1].self_attn.qkv_proj
+        names = ["q_proj", "k_proj", "v_proj"]
+        for kind in ("weight", "bias"):
+            want = torch.cat([f.get_tensor(f"model.layers.1.self_attn.{n}.{kind}") for n in names])
+            assert torch.equal(getattr(qkv, kind), want)
+        gate_up = torch.cat([f.get_tensor(f"model.layers.0.mlp.{n}_proj.weight") for n in ("gate", "up")])
+        assert torch.equal(model.model.layers[0].mlp.gate_up_proj.weight, gate_up)
+
+
+def test_streaming_holds_one_checkpoint_tensor_at_a_time(llama_ckpt, monkeypatch):
+    """The loader never materialises a second state dict: at most one read tensor is alive at any time."""
+    live: set[int] = set()
+    peak = {"live": 0, "reads": 0}
+    real_safe_open = loader.safe_open
+
+    class Tracking:
+        def __init__(self, handle):
+            self._h = handle
+
+        def __enter__(self):
+            self._h.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._h.__exit__(*exc)
+
+        def keys(self):
+            return self._h.keys()
+
+        def get_tensor(self, name):
+            t = self._h.get_tensor(name)
+            live.add(id(t))
+            weakref.finalize(t, live.discard, id(t))
+            peak["reads"] += 1
+            peak["live"] = max(peak["live"], len(live))
+            return t
+
+    monkeypatch.setattr(loader, "safe_open", lambda *a, **k: Tracking(real_safe_open(*a, **k)))
+    model = load_model(llama_ckpt)
+    n_hf_tensors = (
+        2 + model.config.num_layers * 9
+    )  # embed, norm, lm_head + per layer q,k,v,o,gate,up,down, 2 norms
+    assert peak["reads"] == n_hf_tensors + 1
+    assert peak["live"] == 1
+
+
+def test_streaming_rss_growth_about_one_model(ckpt_factory):
+    """Loading a ~24 MB checkpoint grows RSS by about one model, not two."""
+    path = ckpt_factory(
+        "llama", hidden_size=256, num_layers=4, intermediate_size=1024, vocab_size=4096, seed=12
+    )
+    size = (Path(path) / "model.safetensors").stat().st_size
+    gc.collect()
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    peak = before
+    stop = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, proc.memory_info().rss)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        model = load_model(path)
+    finally:
+        stop.set()
+        sampler.join()
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model_bytes > 0.9 * size
+    print(f"RSS growth {(peak - before) / 2**20:.1f} MiB for a {model_bytes / 2**20:.1f} MiB model")
+    assert peak - before < 1.6 * model_bytes, (peak - before, model_bytes)
+
+
+def test_unsupported_architecture_lists_supported(llama_ckpt, tmp_path):
+    ckpt = _copy(llama_ckpt, tmp_path / "c")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture GPT2LMHeadModel") as e:
+        load_model(ckpt)
+    assert all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_missing_tensor_named(llama_ckpt, tmp_path):
+    ckpt = _copy(llama_ckpt, tmp_path / "c")
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"missing tensor\(s\) model\.layers\.1\.mlp\.up_proj\.weight.*model\.safetensors"
+    ):
+        load_model(ckpt)
+
+
+def test_unexpected_and_misshapen_tensors_named(llama_ckpt, tmp_path):
+    ckpt = _copy(llama_ckpt, tmp_path / "c")
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = tensors["model.layers.0.self_attn.k_proj.weight"][:8]
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' in model\.safetensors has shape"
+    ):
+        load_model(ckpt)
+    tensors = load_file(Path(llama_ckpt) / "model.safetensors")
+    tensors["model.layers.0.extra.weight"] = torch.zeros(2)
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"unexpected tensor 'model\.layers\.0\.extra\.weight' in model\.safetensors"
+    ):
+        load_model(ckpt)
+
+
+def test_never_reads_pickle(llama_ckpt, tmp_path, monkeypatch):
+    ckpt = _copy(llama_ckpt, tmp_path / "c")
+    torch.save({"boom": torch.zeros(1)}, ckpt / "pytorch_model.bin")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("pickle loading attempted")
+
+    monkeypatch.setattr(torch, "load", forbidden)
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    load_model(ckpt)  # safetensors preferred, the .bin is ignored
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="pytorch_model.bin: pickle checkpoints are never loaded"):
+        load_model(ckpt)
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_tokenizer("some-org/some-hub-model")
+
+
+def test_load_tokenizer(qwen2_ckpt):
+    tok = load_tokenizer(qwen2_ckpt)
+    ref = PreTrainedTokenizerFast.from_pretrained(qwen2_ckpt)
+    assert tok.encode(TEXTS[0]) == ref.encode(TEXTS[0])
+    assert tok.eos_token == EOS_TOKEN

@@ -203,7 +203,7 @@ def _run(rows_factory, logits_list, sampler_seed=0):
 
 
 def test_seeded_row_independent_of_batch_composition_and_order():
-    steps = 20
+    steps = 12
     target = SamplingParams(temperature=0.9, top_p=0.95, top_k=30)
     target_logits = [rand_logits(1, seed=100 + s)[0] for s in range(steps)]
 
@@ -232,7 +232,7 @@ def test_seeded_row_independent_of_batch_composition_and_order():
         [SamplingParams(repetition_penalty=1.5, logprobs=3)] * 5,
     ]
     for mix in mixes:
-        for position in (0, 2, 4):
+        for position in (0, 4):
             for seed_others in (False, True):
                 assert tokens_for(5, position, mix, seed_others) == alone
     assert len(set(alone)) > 3  # it really sampled

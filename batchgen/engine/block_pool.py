@@ -113,10 +113,11 @@ class BlockPool:
                 return []
             blocks = free[n - k :]
             del free[n - k :]
+            blocks.reverse()  # stack top first
         else:
             if k > n + len(self._evictable):
                 raise NoFreeBlocksError(f"asked for {k} blocks, {self.num_free_blocks} free")
-            blocks = free[:]
+            blocks = free[::-1]
             free.clear()
             evictable = self._evictable
             for _ in range(k - n):
@@ -167,7 +168,9 @@ class BlockPool:
             rc[b] += 1
 
     # ------------------------------------------------------------ prefix cache
-    def lookup(self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int]) -> int | None:
+    def lookup(
+        self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int]
+    ) -> int | None:
         """Block holding exactly these tokens after this parent, or None. Touches nothing."""
         b = self.hash_to_block.get(block_hash)
         if b is None:

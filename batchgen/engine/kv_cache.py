@@ -220,13 +220,20 @@ class KVCacheManager:
         return num_cached
 
     def _append_cost(self, s: _Seq, num_tokens: int) -> tuple[int, list[int]]:
-        if num_tokens < s.num_tokens:
-            raise KVCacheError(f"append_slots cannot shrink a sequence ({s.num_tokens} -> {num_tokens} tokens)")
+        """(blocks needed, logical indices of shared blocks the new tokens would be written into)."""
+        old = s.num_tokens
+        if num_tokens < old:
+            raise KVCacheError(f"append_slots cannot shrink a sequence ({old} -> {num_tokens} tokens)")
         table = s.table
-        rc = self.pool.ref_counts
-        # Existing blocks the new tokens are written into: from the one holding position num_tokens on.
-        cow = [i for i in range(s.num_tokens // self.block_size, len(table)) if rc[table[i]] > 1]
-        return _cdiv(num_tokens, self.block_size) - len(table) + len(cow), cow
+        n = len(table)
+        bs = self.block_size
+        first = old // bs  # the block holding position `old`, where writing starts
+        if first < n:
+            rc = self.pool.ref_counts
+            cow = [i for i in range(first, n) if rc[table[i]] > 1]
+        else:
+            cow = []
+        return -(-num_tokens // bs) - n + len(cow), cow
 
     def append_slots(self, seq_id: SeqId, num_tokens: int) -> list[tuple[int, int]] | None:
         """Grow the sequence to ``num_tokens`` live tokens; copy-on-write shared blocks about to be written.
@@ -234,11 +241,19 @@ class KVCacheManager:
         Returns the ``(src, dst)`` block copies to perform before the forward (empty list if none), or
         None, changing nothing, if the pool cannot supply the blocks.
         """
-        s = self._get(seq_id)
+        s = self._seqs.get(seq_id)
+        if s is None:
+            raise KVCacheError(f"cannot append to unknown or already freed sequence {seq_id!r}")
         old = s.num_tokens
         if num_tokens == old:
             return []
         need, cow = self._append_cost(s, num_tokens)
+        added = num_tokens - old
+        if need == 0:  # fast path: the tokens fit in an exclusive partial block
+            s.num_tokens = num_tokens
+            self._live_slots += added
+            self._logical_tokens += added
+            return []
         pool = self.pool
         if need > pool.num_free_blocks:
             return None
@@ -253,12 +268,12 @@ class KVCacheManager:
                 copies.append((src, dst))
                 self._live_slots += min(bs, old - i * bs)  # the copied live slots now exist twice
             self._cow_copies += len(cow)
-        grow = _cdiv(num_tokens, bs) - len(table)
+        grow = -(-num_tokens // bs) - len(table)
         if grow > 0:
             table.extend(pool.allocate(grow))
         s.num_tokens = num_tokens
-        self._live_slots += num_tokens - old
-        self._logical_tokens += num_tokens - old
+        self._live_slots += added
+        self._logical_tokens += added
         self._update_peak()
         return copies
 

@@ -16,7 +16,7 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import CompletionOutput, RequestOutput
 from batchgen.engine.sampler import Sampler, SamplingRow
 from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.sequence import Request, Sequence, SequenceStatus
+from batchgen.engine.sequence import Request, Sequence
 from batchgen.engine.stats import EngineStats
 from batchgen.models.loader import load_model, load_tokenizer
 from batchgen.sampling_params import SamplingParams
@@ -66,7 +66,8 @@ class LLMEngine:
         if config.max_model_len and config.max_model_len > mc.max_position_embeddings:
             logger.warning(
                 "engine.max_model_len=%d exceeds the model's max_position_embeddings=%d",
-                config.max_model_len, mc.max_position_embeddings,
+                config.max_model_len,
+                mc.max_position_embeddings,
             )
         eos = set(mc.eos_token_ids or [])
         if self.tokenizer.eos_token_id is not None:
@@ -76,7 +77,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config, self.device, backend)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(seed=config.seed)
         self.stats = EngineStats(
@@ -90,8 +93,12 @@ class LLMEngine:
         self._arrivals = 0
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s); at most %d sequences of max_model_len=%d at once",
-            num_blocks, config.block_size, num_blocks * self.runner.bytes_per_block / 2**30,
-            backend, num_blocks * config.block_size // self.max_model_len, self.max_model_len,
+            num_blocks,
+            config.block_size,
+            num_blocks * self.runner.bytes_per_block / 2**30,
+            backend,
+            num_blocks * config.block_size // self.max_model_len,
+            self.max_model_len,
         )
 
     # ------------------------------------------------------------------------------------- requests
@@ -282,12 +289,15 @@ class LLMEngine:
         if seq.detokenizer is not None:
             new_text = seq.detokenizer.append(token)
             if reason is None and num_out >= params.min_tokens:
-                hit = find_stop(seq.detokenizer.text, len(new_text), params.stop, params.include_stop_str_in_output)
+                hit = find_stop(
+                    seq.detokenizer.text, len(new_text), params.stop, params.include_stop_str_in_output
+                )
                 if hit is not None:
                     seq.text, idx = hit
                     reason, seq.stop_reason = "stop", params.stop[idx]
         if reason is None and (
-            (params.max_tokens is not None and num_out >= params.max_tokens) or seq.num_tokens >= self.max_model_len
+            (params.max_tokens is not None and num_out >= params.max_tokens)
+            or seq.num_tokens >= self.max_model_len
         ):
             reason = "length"
         if reason is not None:
@@ -297,7 +307,9 @@ class LLMEngine:
     def _on_seq_finished(self, seq: Sequence) -> RequestOutput | None:
         request = seq.request
         if seq.detokenizer is None or seq.stop_reason is None or not isinstance(seq.stop_reason, str):
-            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            seq.text = self.tokenizer.decode(
+                seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens
+            )
         request.num_finished += 1
         if request.num_finished < request.params.n:
             return None
@@ -315,5 +327,10 @@ class LLMEngine:
             for s in sorted(request.seqs, key=lambda s: s.sample_index)
         ]
         return RequestOutput(
-            request.request_id, request.prompt_token_ids, outputs, request.num_cached_tokens, None, request.prompt
+            request.request_id,
+            request.prompt_token_ids,
+            outputs,
+            request.num_cached_tokens,
+            None,
+            request.prompt,
         )

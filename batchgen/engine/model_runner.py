@@ -21,7 +21,9 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Invariant: ``kv_cache`` is zero-initialised and only ever holds finite K/V written by ``store_kv``."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device, backend: str) -> None:
+    def __init__(
+        self, model: torch.nn.Module, config: EngineConfig, device: torch.device, backend: str
+    ) -> None:
         self.model = model
         self.config = config
         self.device = device
@@ -56,7 +58,10 @@ class ModelRunner:
             num_blocks = budget // self.bytes_per_block
             logger.info(
                 "CUDA memory: total %.1f GiB, weights %.2f GiB, peak activations %.2f GiB, KV budget %.2f GiB",
-                total / 2**30, self.weights_bytes() / 2**30, peak_activations / 2**30, max(budget, 0) / 2**30,
+                total / 2**30,
+                self.weights_bytes() / 2**30,
+                peak_activations / 2**30,
+                max(budget, 0) / 2**30,
             )
         else:
             num_blocks = parse_bytes(cfg.kv_cache_memory) // self.bytes_per_block

@@ -14,7 +14,7 @@ Pipeline for each row (every stage is vectorised over the rows that need it; row
    (``torch.argmax``), as in transformers.
 5. **random rows**: temperature, top-k, top-p, min-p (transformers' order; top-p acts on the distribution
    renormalised after top-k), then one draw by the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``,
-   which samples exactly from ``p``. A row with its own ``torch.Generator`` (seeded request) draws its
+   which samples exactly from ``p`` (``q = -log(u)``, ``u`` uniform). A row with its own ``torch.Generator`` (seeded request) draws its
    ``q`` from that generator alone, so its tokens do not depend on the other rows of the batch; the other
    rows share the Sampler's generator.
 
@@ -119,27 +119,25 @@ class Sampler:
         idx = torch.tensor(rand_idx, device=device)
         probs = _filtered_probs(x[idx], [r.params for r in rand_rows])
 
-        # Exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. is a draw from p. q is clamped away from 0
-        # so that a token with p == 0 can never win (0 / tiny == 0).
-        q = torch.empty_like(probs)
+        # Exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. is a draw from p. q = -log(u), u ~ U[0, 1)
+        # (several times cheaper than exponential_ on CPU): q > 0 always (u < 1), and u == 0 gives q = inf,
+        # so a token with p == 0 can never win (0 / q == 0).
+        vocab = probs.shape[1]
+        u = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(rand_rows) if r.generator is None]
-        if unseeded:
-            if len(unseeded) == len(rand_rows):
-                q.exponential_(generator=self.generator(device))
-            else:
-                uidx = torch.tensor(unseeded, device=device)
-                qu = torch.empty((len(unseeded), probs.shape[1]), device=device, dtype=probs.dtype)
-                q[uidx] = qu.exponential_(generator=self.generator(device))
+        if len(unseeded) == len(rand_rows):
+            torch.rand(u.shape, generator=self.generator(device), device=device, dtype=u.dtype, out=u)
+        elif unseeded:
+            uidx = torch.tensor(unseeded, device=device)
+            u[uidx] = torch.rand(
+                (len(unseeded), vocab), generator=self.generator(device), device=device, dtype=u.dtype
+            )
         for j, r in enumerate(rand_rows):
             gen = r.generator
-            if gen is None:
-                continue
-            if gen.device == device:
-                q[j].exponential_(generator=gen)
-            else:
-                qj = torch.empty(probs.shape[1], dtype=probs.dtype, device=gen.device)
-                q[j] = qj.exponential_(generator=gen).to(device)
-        q.clamp_(min=torch.finfo(q.dtype).tiny)
+            if gen is not None:
+                # Exactly one draw of `vocab` numbers from the row's own generator per step.
+                u[j] = torch.rand(vocab, generator=gen, device=gen.device, dtype=u.dtype).to(device)
+        q = u.log_().neg_()
         sampled[idx] = (probs / q).argmax(dim=-1)
         return sampled
 
@@ -242,7 +240,8 @@ def _filtered_probs(x: Tensor, params: list[SamplingParams]) -> Tensor:
         min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=device).unsqueeze(1)
         threshold = min_p * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        # Renormalise only the min-p rows: the other rows' probabilities must not depend on the batch.
+        probs = torch.where(min_p > 0.0, probs / probs.sum(dim=-1, keepdim=True), probs)
     return probs
 
 

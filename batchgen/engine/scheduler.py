@@ -97,8 +97,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # A prefill in progress already holds blocks for its whole prompt.
+            target = max(seq.num_computed_tokens + num_new, self.kv.num_tokens(seq.seq_id))
             while True:
-                copies = self.kv.append_slots(seq.seq_id, seq.num_computed_tokens + num_new)
+                copies = self.kv.append_slots(seq.seq_id, target)
                 if copies is not None:
                     break
                 victim = self._pick_victim(scheduled)

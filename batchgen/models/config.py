@@ -152,7 +152,9 @@ class ModelConfig:
         num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
         head_dim = int(config.get("head_dim") or hidden // num_heads)
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads {num_heads} not a multiple of num_key_value_heads {num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {num_heads} not a multiple of num_key_value_heads {num_kv_heads}"
+            )
         if head_dim % 2:
             raise ValueError(f"head_dim {head_dim} must be even for RoPE")
         max_pos = int(config.get("max_position_embeddings", 2048))
@@ -231,7 +233,9 @@ def _parse_rope(config: dict[str, Any], max_pos: int, source: str) -> tuple[floa
             if key not in params:
                 raise ValueError(f"RoPE type 'llama3' needs {key!r} ({source})")
             scaling[key] = float(params[key])
-        orig = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        orig = config.get("original_max_position_embeddings") or params.get(
+            "original_max_position_embeddings"
+        )
         scaling["original_max_position_embeddings"] = int(orig or max_pos)
     return float(theta), rope_type, scaling
 
@@ -246,7 +250,9 @@ def _effective_sliding_window(config: dict[str, Any], model_type: str) -> int | 
         layer_types = config.get("layer_types")
         if layer_types is not None and "sliding_attention" not in layer_types:
             return None
-        if layer_types is None and int(config.get("max_window_layers", 0)) >= int(config["num_hidden_layers"]):
+        if layer_types is None and int(config.get("max_window_layers", 0)) >= int(
+            config["num_hidden_layers"]
+        ):
             return None
     elif model_type == "llama":
         return None  # Llama has no sliding window

@@ -106,7 +106,9 @@ def _expected_hf_names(config: ModelConfig, params: dict[str, torch.nn.Parameter
 
 
 @torch.no_grad()
-def load_model(path: str | os.PathLike, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"):
+def load_model(
+    path: str | os.PathLike, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"
+):
     """Build our `CausalLM` from a checkpoint directory (config.json + safetensors).
 
     `dtype`: 'auto' (the checkpoint's `dtype`/`torch_dtype`, float32 if absent), 'float32', 'bfloat16',

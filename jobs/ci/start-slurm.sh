@@ -8,11 +8,13 @@
 # stop-slurm.sh stops exactly those PIDs. Must run as root. Idempotent: when the cluster is already
 # up it only re-checks that the node is idle (< 1 s); from nothing installed it takes ~15 s + apt.
 #
-# The node mimics a GPU node without having GPUs: it declares BATCHGEN_SLURM_GPUS count-only "gpu"
-# GRES (no device files, so no CUDA_VISIBLE_DEVICES) so that jobs/slurm/generate.sbatch schedules
-# with its real `--gres=gpu:1`; the job itself then runs on CPU. It also declares
+# The node mimics a GPU node without having GPUs: it declares BATCHGEN_SLURM_GPUS "gpu" GRES backed by
+# stand-in device files ($ROOT/fakegpu/gpuN, character devices with /dev/null's numbers: slurmd drops
+# a file-less gpu GRES) so that jobs/slurm/generate.sbatch schedules with its real `--gres=gpu:1`;
+# Slurm then sets CUDA_VISIBLE_DEVICES as usual and the job runs on CPU. It also declares
 # BATCHGEN_SLURM_CPUS CPUs (default: at least 4, more than a 2-core CI machine has) so that a
-# 4-task array runs at once instead of in two waves.
+# 4-task array runs at once instead of in two waves. AuthInfo=cred_expire (default 120 s, here
+# BATCHGEN_SLURM_CRED_EXPIRE=10) is also how long a requeued job waits before it may start again.
 #
 # Env: BATCHGEN_SLURM_ROOT   state, logs, pids          (default /tmp/batchgen-slurm)
 #      BATCHGEN_SLURM_ACCOUNTING 1|0 slurmdbd+MariaDB   (default 1; a Hydra/submitit sweep needs it)
@@ -27,6 +29,7 @@ TIMEOUT=${BATCHGEN_SLURM_TIMEOUT:-90}
 NCPU=$(nproc)
 CPUS=${BATCHGEN_SLURM_CPUS:-$((NCPU > 4 ? NCPU : 4))}
 GPUS=${BATCHGEN_SLURM_GPUS:-4}
+CRED_EXPIRE=${BATCHGEN_SLURM_CRED_EXPIRE:-10}
 NODE=localhost
 CLUSTER=batchgen
 PIDS=$ROOT/pids LOG=$ROOT/log
@@ -125,6 +128,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+AuthInfo=cred_expire=$CRED_EXPIRE
 StateSaveLocation=$ROOT/state
 SlurmdSpoolDir=$ROOT/spool
 SlurmctldPidFile=$ROOT/run/slurmctld.pid
@@ -151,7 +155,11 @@ NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS Sockets=1 CoresPerSocket=$CPUS Thre
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 if ((GPUS > 0)); then
-  echo "NodeName=$NODE Name=gpu Count=$GPUS" >"$ROOT/gres.conf.new"
+  mkdir -p "$ROOT/fakegpu"
+  for ((i = 0; i < GPUS; i++)); do
+    [[ -c $ROOT/fakegpu/gpu$i ]] || mknod "$ROOT/fakegpu/gpu$i" c 1 3
+  done
+  echo "NodeName=$NODE Name=gpu File=$ROOT/fakegpu/gpu[0-$((GPUS - 1))]" >"$ROOT/gres.conf.new"
 else
   : >"$ROOT/gres.conf.new"
 fi
@@ -228,7 +236,7 @@ for ((i = 0; i < TIMEOUT; i++)); do
       say "node $NODE is $st ($CPUS CPUs, $GPUS fake GPUs declared; state in $ROOT)"
       exit 0
       ;;
-    down* | drain* | fail*) if ((i == 10)); then scontrol update nodename="$NODE" state=resume || true; fi ;;
+    down* | drain* | fail* | inval*) if ((i % 10 == 5)); then scontrol update nodename="$NODE" state=resume || true; fi ;;
   esac
   sleep 1
 done

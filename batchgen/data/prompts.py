@@ -1,0 +1,246 @@
+"""Turn a window of input rows into engine requests: prompt text, token ids, sampling params — or an error.
+
+A row becomes an *error row* (never an exception, never dropped) when:
+- the prompt is null, not a string, or empty / whitespace only;
+- ``messages`` is null, not a list (or a JSON string of a list), empty, or an element is not a
+  ``{role: str, content: str}`` object, or the chat template rejects it;
+- the prompt has no tokens, or ``num_prompt_tokens >= max_model_len`` (at least one generated token must
+  fit: generation stops with ``finish_reason="length"`` when the sequence reaches max_model_len);
+- its per-row sampling overrides are invalid (unknown field, bad value, or ``n``);
+- ``data.id_column`` is set and the row's id is null.
+
+Tokenization is one batched call of the fast tokenizer per window. Plain prompts are tokenized like the
+engine tokenizes a string prompt (``tokenizer.encode(text)``, special tokens added as the tokenizer
+defines); chat prompts are rendered with ``apply_chat_template(..., add_generation_prompt=True)`` and
+tokenized without adding special tokens (the template already holds them).
+
+Every valid row's seed is derived from ``(sampling.seed, row id)`` (see :func:`row_seed`) unless its
+overrides set ``seed``, so its samples do not depend on the batch, the grouping or a resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.sampling_params import SamplingParams
+
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
+ROW_OVERRIDE_FIELDS = SAMPLING_FIELDS - {"n"}
+
+
+@dataclass
+class PromptSpec:
+    """How rows map to prompts (from ``data.*`` and ``sampling.*``)."""
+
+    prompt_column: str | None = "prompt"
+    messages_column: str | None = None
+    id_column: str | None = None
+    sampling_column: str | None = None  # effective: None when absent from the input
+    base_sampling: Mapping[str, Any] | None = None  # SamplingParams kwargs of the job
+    max_model_len: int = 1 << 30
+
+
+@dataclass
+class PromptRow:
+    """One input row of a window: either `token_ids` and `params` are set (valid) or `error` is."""
+
+    position: int
+    """Index of the row within its window (input order)."""
+    row_index: int
+    """Global row index in the input."""
+    id: Any
+    token_ids: list[int] | None = None
+    params: SamplingParams | None = None
+    error: str | None = None
+    num_prompt_tokens: int | None = None
+    """Prompt length in tokens once tokenized (also set for rows rejected as too long)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def row_seed(seed: int, row_id: Any) -> int:
+    """A stable 63-bit seed for a row: blake2b of the job seed and the row id's type and repr."""
+    key = f"{int(seed)}\0{type(row_id).__name__}\0{row_id!r}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def _type_name(v: Any) -> str:
+    return type(v).__name__
+
+
+def check_messages(value: Any) -> list[dict[str, str]] | str:
+    """Validate a chat ``messages`` value; returns the cleaned message list or an error string."""
+    if value is None:
+        return "messages is null"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            return f"messages is a string but not valid JSON: {e}"
+    if isinstance(value, Mapping) or not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        return f"messages must be a list of {{role, content}} objects, got {_type_name(value)}"
+    if len(value) == 0:
+        return "messages is empty"
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping):
+            return f"messages[{i}] must be an object with 'role' and 'content', got {_type_name(m)}"
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            return f"messages[{i}].role must be a non-empty string, got {role!r}"
+        if not isinstance(content, str):
+            return f"messages[{i}].content must be a string, got {_type_name(content)}"
+        out.append({k: v for k, v in m.items() if v is not None})
+    if all(not m["content"].strip() for m in out):
+        return "messages has no content (every message is empty)"
+    return out
+
+
+def check_prompt(value: Any) -> str | None:
+    """Error string for an invalid plain prompt, or None."""
+    if value is None:
+        return "prompt is null"
+    if not isinstance(value, str):
+        return f"prompt must be a string, got {_type_name(value)}"
+    if not value.strip():
+        return "prompt is empty" if not value else "prompt is only whitespace"
+    return None
+
+
+def parse_overrides(value: Any) -> dict[str, Any] | str:
+    """Per-row sampling overrides from a struct / map / JSON-string value; null fields are dropped."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        if not value.strip():
+            return {}
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            return f"sampling overrides are not valid JSON: {e}"
+    if isinstance(value, list) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):
+        value = dict(value)  # a Parquet map column
+    if not isinstance(value, Mapping):
+        return f"sampling overrides must be an object, got {_type_name(value)}"
+    out = {k: v for k, v in value.items() if v is not None}
+    if "n" in out:
+        return "sampling override 'n' is not allowed per row (use sampling.n for the whole job)"
+    unknown = sorted(set(out) - ROW_OVERRIDE_FIELDS)
+    if unknown:
+        return f"unknown sampling override(s) {unknown}; valid: {sorted(ROW_OVERRIDE_FIELDS)}"
+    return out
+
+
+def struct_override_problems(t: pa.DataType) -> str | None:
+    """Job-level check of a sampling column type: a struct with unknown fields can never be valid."""
+    if pa.types.is_struct(t):
+        names = [t.field(i).name for i in range(t.num_fields)]
+        bad = sorted(set(names) - ROW_OVERRIDE_FIELDS)
+        if bad:
+            return f"has field(s) {bad} that are not per-row sampling options {sorted(ROW_OVERRIDE_FIELDS)}"
+        return None
+    if pa.types.is_map(t) or pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t):
+        return None
+    return f"has type {t}; expected a struct (or a JSON string) of sampling options"
+
+
+def _column(table: pa.Table, name: str | None) -> list[Any] | None:
+    if name is None:
+        return None
+    return table.column(name).to_pylist()
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def build_prompts(
+    table: pa.Table,
+    row_start: int,
+    spec: PromptSpec,
+    tokenizer: Any,
+) -> list[PromptRow]:
+    """Validate, render and tokenize the rows of one window (`table`, first global row `row_start`)."""
+    n = table.num_rows
+    ids = _column(table, spec.id_column)
+    rows = [PromptRow(i, row_start + i, ids[i] if ids is not None else row_start + i) for i in range(n)]
+    if ids is not None:
+        for r in rows:
+            if r.id is None:
+                r.error = f"id column {spec.id_column!r} is null"
+
+    # Prompt text.
+    texts: list[str | None] = [None] * n
+    chat = spec.messages_column is not None
+    if chat:
+        for r, v in zip(rows, _column(table, spec.messages_column)):
+            msgs = check_messages(v)
+            if isinstance(msgs, str):
+                r.error = r.error or msgs
+                continue
+            if r.error:
+                continue
+            try:
+                texts[r.position] = render_chat(tokenizer, msgs)
+            except Exception as e:  # jinja2 errors, template-raised exceptions: the row's fault
+                r.error = f"chat template failed: {type(e).__name__}: {e}"
+    else:
+        for r, v in zip(rows, _column(table, spec.prompt_column)):
+            err = check_prompt(v)
+            if err:
+                r.error = r.error or err
+            elif not r.error:
+                texts[r.position] = v
+
+    # Sampling params.
+    base = dict(spec.base_sampling or {})
+    overrides = _column(table, spec.sampling_column)
+    for r in rows:
+        if r.error:
+            continue
+        kw = dict(base)
+        if overrides is not None:
+            ov = parse_overrides(overrides[r.position])
+            if isinstance(ov, str):
+                r.error = ov
+                continue
+            kw.update(ov)
+            explicit_seed = "seed" in ov
+        else:
+            explicit_seed = False
+        if not explicit_seed and base.get("seed") is not None:
+            kw["seed"] = row_seed(base["seed"], r.id)
+        try:
+            r.params = SamplingParams(**kw)
+        except (TypeError, ValueError) as e:
+            r.error = f"invalid sampling override: {e}"
+
+    # Tokenize all valid rows in one batched call.
+    todo = [r for r in rows if r.error is None]
+    if todo:
+        batch = [texts[r.position] for r in todo]
+        enc = tokenizer(batch, add_special_tokens=not chat, return_attention_mask=False)["input_ids"]
+        for r, ids_ in zip(todo, enc):
+            ntok = r.num_prompt_tokens = len(ids_)
+            if ntok == 0:
+                r.error = "prompt has no tokens"
+            elif ntok >= spec.max_model_len:
+                r.error = (
+                    f"prompt has {ntok} tokens but engine.max_model_len is {spec.max_model_len}: it must leave "
+                    "room for at least one generated token"
+                )
+            else:
+                r.token_ids = list(ids_)
+    for r in rows:
+        if r.error is not None:
+            r.params = None
+            r.token_ids = None
+    return rows

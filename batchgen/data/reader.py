@@ -1,0 +1,276 @@
+"""Streaming Parquet reader: deterministic file order, global row index, shards and windows.
+
+Invariants:
+- Files are sorted by path; the *global row index* of a row is its position in the concatenation of the files
+  in that order (row counts come from the Parquet footers, no data is read to compute them).
+- Shard ``i`` of ``n`` is the contiguous global row range ``[i*N//n, (i+1)*N//n)``: the shards of one input
+  cover every row exactly once, whatever ``n``.
+- Window ``w`` of a shard is rows ``[start + w*W, min(start + (w+1)*W, end))``; windows depend only on the
+  input, the shard and ``W`` (never on what was already processed), so a rerun sees the same windows.
+- Memory is bounded by one window plus one decoded record batch: row groups are read one at a time with
+  ``pyarrow.dataset`` fragments (no read-ahead), and row groups holding only finished windows are skipped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from batchgen.config import ConfigError
+
+READ_BATCH_ROWS = 4096
+
+
+class InputError(ConfigError):
+    """The input cannot be read as asked (missing files, missing columns); the CLI exits with status 2."""
+
+
+@dataclass
+class InputFile:
+    """One Parquet file of the input, with the global row index of its first row."""
+
+    path: str
+    rel_path: str
+    size: int
+    num_rows: int
+    row_start: int
+    row_group_rows: list[int]
+    schema: pa.Schema
+    footer_sha256: str
+
+
+@dataclass
+class InputSet:
+    """The resolved input: files in deterministic order and their metadata."""
+
+    spec: str
+    files: list[InputFile]
+    num_rows: int
+    fingerprint: str
+    columns: list[str] = field(default_factory=list)
+
+    def describe(self) -> dict:
+        """JSON-friendly summary stored in manifests and schema metadata."""
+        return {
+            "spec": self.spec,
+            "num_files": len(self.files),
+            "num_rows": self.num_rows,
+            "fingerprint": self.fingerprint,
+        }
+
+    def column_type(self, name: str) -> pa.DataType | None:
+        """Type of column `name` in the first file that has it (None when absent everywhere)."""
+        for f in self.files:
+            i = f.schema.get_field_index(name)
+            if i >= 0:
+                return f.schema.field(i).type
+        return None
+
+    def has_column(self, name: str) -> bool:
+        return bool(self.files) and all(f.schema.get_field_index(name) >= 0 for f in self.files)
+
+
+def _is_glob(spec: str) -> bool:
+    return any(c in spec for c in "*?[")
+
+
+def resolve_files(spec: str) -> tuple[list[str], str]:
+    """Expand a file, directory (recursive ``*.parquet``) or glob into sorted paths, plus their root.
+
+    Raises InputError naming the spec when nothing matches.
+    """
+    spec = os.path.expanduser(str(spec))
+    if os.path.isfile(spec):
+        return [spec], os.path.dirname(os.path.abspath(spec))
+    if os.path.isdir(spec):
+        files = sorted(
+            str(p)
+            for p in Path(spec).rglob("*.parquet")
+            if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(spec).parts)
+        )
+        if not files:
+            raise InputError(f"data.input: directory {spec!r} contains no *.parquet files")
+        return files, os.path.abspath(spec)
+    if _is_glob(spec):
+        files = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise InputError(f"data.input: no file matches the glob {spec!r}")
+        root = os.path.abspath(os.path.dirname(spec.split("*")[0].split("?")[0].split("[")[0]) or ".")
+        return files, root
+    raise InputError(f"data.input: {spec!r} does not exist (expected a Parquet file, a directory or a glob)")
+
+
+def _footer_sha256(path: str, size: int) -> str:
+    """Hash of the Parquet footer (schema, row groups, column statistics): changes when the content does."""
+    with open(path, "rb") as f:
+        if size < 12:
+            raise InputError(f"data.input: {path!r} is not a Parquet file (too small)")
+        f.seek(size - 8)
+        tail = f.read(8)
+        if tail[4:] != b"PAR1":
+            raise InputError(f"data.input: {path!r} is not a Parquet file")
+        footer_len = int.from_bytes(tail[:4], "little")
+        f.seek(max(0, size - 8 - footer_len))
+        return hashlib.sha256(f.read(footer_len)).hexdigest()
+
+
+def open_input(spec: str) -> InputSet:
+    """Resolve `spec` and read every file's footer (row counts, row groups, schema).
+
+    The fingerprint covers each file's path relative to the input root, size, row count and footer hash
+    (not mtimes: copying the data elsewhere keeps resume working; rewriting it with other content does not).
+    """
+    paths, root = resolve_files(spec)
+    files: list[InputFile] = []
+    h = hashlib.sha256()
+    start = 0
+    for p in paths:
+        try:
+            size = os.path.getsize(p)
+            footer = _footer_sha256(p, size)
+            md = pq.read_metadata(p)
+            schema = md.schema.to_arrow_schema()
+        except InputError:
+            raise
+        except (OSError, pa.ArrowException) as e:
+            raise InputError(f"data.input: cannot read Parquet file {p!r}: {e}") from e
+        rel = os.path.relpath(os.path.abspath(p), root)
+        rg_rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+        files.append(InputFile(p, rel, size, md.num_rows, start, rg_rows, schema, footer))
+        h.update(f"{rel}\0{size}\0{md.num_rows}\0{footer}\n".encode())
+        start += md.num_rows
+    columns: list[str] = []
+    for f in files:
+        for name in f.schema.names:
+            if name not in columns:
+                columns.append(name)
+    return InputSet(str(spec), files, start, h.hexdigest(), columns)
+
+
+def shard_range(num_rows: int, index: int, count: int) -> tuple[int, int]:
+    """Global row range ``[start, end)`` of shard `index` of `count` (contiguous, balanced)."""
+    if not 0 <= index < count:
+        raise ValueError(f"shard index {index} outside [0, {count})")
+    return index * num_rows // count, (index + 1) * num_rows // count
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """Window `index` of a shard: global rows ``[row_start, row_end)``."""
+
+    index: int
+    row_start: int
+    row_end: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_start
+
+
+def plan_windows(row_start: int, row_end: int, window_rows: int) -> list[WindowSpec]:
+    """Split a shard's row range into windows of `window_rows` rows (the last one may be shorter)."""
+    if window_rows < 1:
+        raise ValueError("window_rows must be >= 1")
+    return [
+        WindowSpec(w, s, min(s + window_rows, row_end))
+        for w, s in enumerate(range(row_start, row_end, window_rows))
+    ]
+
+
+@dataclass
+class Window:
+    """A window's rows, read from the input: `table` has the requested columns, ``spec.num_rows`` rows."""
+
+    spec: WindowSpec
+    table: pa.Table
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+
+def _row_group_ranges(inp: InputSet) -> Iterator[tuple[InputFile, int, int, int]]:
+    """(file, row_group, global_start, global_end) in global order, skipping empty row groups."""
+    for f in inp.files:
+        s = f.row_start
+        for rg, n in enumerate(f.row_group_rows):
+            if n:
+                yield f, rg, s, s + n
+            s += n
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    if len(tables) == 1:
+        return tables[0]
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+        raise InputError(f"data.input: files have incompatible column types: {e}") from e
+
+
+def iter_windows(
+    inp: InputSet,
+    windows: Iterable[WindowSpec],
+    columns: list[str],
+    batch_rows: int = READ_BATCH_ROWS,
+) -> Iterator[Window]:
+    """Stream the given windows (ascending, non-overlapping) with only `columns`, one at a time.
+
+    Only row groups that intersect a requested window are decoded, one row group at a time, in batches of at
+    most `batch_rows` rows; rows outside the requested windows are dropped as they stream by.
+    """
+    wins = [w for w in sorted(windows, key=lambda w: w.row_start) if w.num_rows > 0]
+    if not wins:
+        return
+    ends = [w.row_end for w in wins]
+    fmt = ds.ParquetFileFormat()
+    wi = 0  # current window
+    have = 0  # rows of the current window collected so far
+    pieces: list[pa.Table] = []
+    for f, rg, g0, g1 in _row_group_ranges(inp):
+        if g1 <= wins[wi].row_start + have:
+            continue  # entirely before the next row we need
+        k = bisect.bisect_right(ends, g0, lo=wi)  # first window ending after g0
+        if k >= len(wins) or wins[k].row_start >= g1:
+            continue  # only rows of windows we were not asked for
+        frag = fmt.make_fragment(f.path).subset(row_group_ids=[rg])
+        pos = g0
+        for batch in frag.to_batches(
+            columns=columns,
+            batch_size=batch_rows,
+            batch_readahead=0,
+            fragment_readahead=0,
+            use_threads=False,
+        ):
+            b0, b1 = pos, pos + batch.num_rows
+            pos = b1
+            while wi < len(wins):
+                cur = wins[wi]
+                need = cur.row_start + have  # next global row the current window needs
+                if need >= b1:
+                    break
+                if need < b0:
+                    raise AssertionError(f"reader skipped row {need}")  # invariant: rows are never skipped
+                hi = min(b1, cur.row_end)
+                pieces.append(pa.Table.from_batches([batch.slice(need - b0, hi - need)]))
+                have += hi - need
+                if have < cur.num_rows:
+                    break
+                yield Window(cur, _concat(pieces).combine_chunks())
+                pieces, have, wi = [], 0, wi + 1
+            if wi >= len(wins):
+                return
+        if pos != g1:
+            raise InputError(f"data.input: {f.path!r} row group {rg} has {pos - g0} rows, its footer says {g1 - g0}")
+    if wi < len(wins):
+        w = wins[wi]
+        raise InputError(f"data.input: expected rows {w.row_start}..{w.row_end} but the files ended early")

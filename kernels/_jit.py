@@ -1,0 +1,47 @@
+"""One Triton kernel, two ways to run it: compiled on CUDA, interpreted on the CPU.
+
+``triton.jit`` picks the interpreter once, at decoration time, from ``TRITON_INTERPRET``. The kernels here
+instead decide per launch from the tensors' device, so one process can run the same kernel compiled on a GPU
+and interpreted on CPU tensors (the tests do both). ``TRITON_INTERPRET=1`` keeps its usual meaning: every
+launch is interpreted (on CUDA tensors too, copied to the host and back by Triton).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+
+def interpreting(device: torch.device) -> bool:
+    """True when kernels on ``device`` run in Triton's interpreter (CPU tensors, or ``TRITON_INTERPRET=1``)."""
+    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class Kernel:
+    """A Triton kernel function, compiled or interpreted per launch: ``kernel.on(device)[grid](*args)``.
+
+    The wrapped function must not call other ``@triton.jit`` functions (it is run by either backend as is).
+    """
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self._compiled: Any = None
+        self._interpreted: Any = None
+
+    def on(self, device: torch.device) -> Any:
+        if interpreting(device):
+            if self._interpreted is None:
+                self._interpreted = InterpretedFunction(self.fn)
+            return self._interpreted
+        if self._compiled is None:
+            self._compiled = JITFunction(self.fn)
+        return self._compiled
+
+
+def kernel(fn: Any) -> Kernel:
+    """Decorator: ``@kernel`` instead of ``@triton.jit``."""
+    return Kernel(fn)

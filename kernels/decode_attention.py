@@ -1,0 +1,257 @@
+"""Triton paged decode attention: one query token per sequence, read through the block table.
+
+Program ``(b, kv_head, split)`` computes all ``G = Hq // Hkv`` query heads that share ``kv_head`` together (the
+``[G, D]`` query tile is padded to 16 rows for ``tl.dot``), so each K/V tile is loaded once per kv head. It walks
+its tokens in tiles of ``BLOCK_N`` (independent of the page size: the physical slot of every token is looked up
+in the block table, so pages of 8..64 tokens all work) with an online softmax in float32 (``exp2`` with the
+``log2 e`` folded into the scale).
+
+Split-K ("flash-decoding"): when there are few (sequence, kv head) pairs for the GPU but long contexts, each
+sequence's context is cut into ``num_splits`` equal ranges handled by separate programs that write a normalised
+partial output and its log-sum-exp; a second kernel merges them. :func:`choose_num_splits` is the heuristic;
+``num_splits=`` forces a value (1 = single pass). Semantics: :func:`reference.paged_decode_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._jit import interpreting, kernel
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+MIN_TOKENS_PER_SPLIT = 256
+
+
+@kernel
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    stride_bt,
+    group,
+    head_dim,
+    num_splits,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(seq_len, start + per_split)
+    else:
+        start = 0
+        end = seq_len
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < group
+    d_mask = d < head_dim
+    heads = kvh * group + g
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if FP32_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        t_mask = tok < end
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        row = blk * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_tok + kvh * stride_cache_head
+        k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=t_mask[None, :] & d_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty split (or seq_len 0) has l_i == 0
+    out = acc / l_safe[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    if SPLIT:
+        tl.store(o_ptrs + split * stride_os, out, mask=o_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+    else:
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@kernel
+def _decode_reduce_kernel(
+    partial_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    head_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    d_mask = d < head_dim
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # empty splits weigh 0
+    part = tl.load(
+        partial_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(w_sum > 0.0, w_sum, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Split-K only when ``batch * num_kv_heads`` programs leave the GPU idle and contexts are long.
+
+    Aim for about two waves of programs (``2 * num_sms``) while keeping at least ``MIN_TOKENS_PER_SPLIT``
+    tokens per split (fewer make the merge cost more than it saves).
+    """
+    programs = batch * num_kv_heads
+    target = 2 * num_sms
+    if programs >= target or max_seq_len < 2 * MIN_TOKENS_PER_SPLIT:
+        return 1
+    splits = min(math.ceil(target / programs), max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS)
+    return max(1, splits)
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> Tensor:
+    """``q [B,Hq,D]`` (query of the token at ``seq_lens[b]-1``) over caches ``[NB,BS,Hkv,D]`` → ``[B,Hq,D]``.
+
+    ``block_tables [B, max_blocks]`` int32, ``seq_lens [B]`` int32 (>= 1). ``num_splits``: None = heuristic,
+    1 = single pass, > 1 = split-K with that many splits. ``max_seq_len`` (an upper bound on ``seq_lens``)
+    saves a device sync when the heuristic runs.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    if batch == 0:
+        return q.new_empty(q.shape)
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert num_q_heads % num_kv_heads == 0
+    group = num_q_heads // num_kv_heads
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    device = q.device
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(device))
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    fp32_dot = interpreting(device) or q.dtype != k_cache.dtype or q.dtype == torch.float32
+    block_d = triton.next_power_of_2(head_dim)
+    block_n = 64 if block_d <= 128 else 32
+    block_g = max(16, triton.next_power_of_2(group))
+    out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=device)
+    common = dict(
+        BLOCK_SIZE=block_size,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        FP32_DOT=fp32_dot,
+        num_warps=4,
+    )
+    launch = _decode_kernel.on(device)
+    args = (q, k_cache, v_cache, block_tables, seq_lens)
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    qk_scale = scale * LOG2E
+    if num_splits == 1:
+        launch[(batch, num_kv_heads, 1)](
+            *args, out, out, qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0,
+            *cache_strides, group, head_dim, 1, SPLIT=False, **common,
+        )  # fmt: skip
+        return out
+    partial = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=device)
+    launch[(batch, num_kv_heads, num_splits)](
+        *args, partial, lse, qk_scale, q.stride(0), q.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        *cache_strides, group, head_dim, num_splits, SPLIT=True, **common,
+    )  # fmt: skip
+    _decode_reduce_kernel.on(device)[(batch, num_q_heads)](
+        partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
+        lse.stride(1), out.stride(0), out.stride(1), num_splits, head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
