@@ -153,7 +153,9 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         if self.progress not in PROGRESS_MODES:
-            raise ConfigError(f"run.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
+            raise ConfigError(
+                f"run.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}"
+            )
         if self.log_interval_s <= 0:
             raise ConfigError(f"run.log_interval_s must be > 0, got {self.log_interval_s}")
         if self.stop_grace_s < 0:
@@ -330,9 +332,11 @@ def render_options(width: int = 100) -> str:
         if g != group:
             group = g
             gdoc = (inspect.getdoc(GROUPS[g]) or "").splitlines()[0]
-            lines.append(f"\n{g}:  {gdoc}" if g != "engine" else f"\n{g}:  ``engine.*``: the paged-attention engine.")
+            lines.append(
+                f"\n{g}:  {gdoc}" if g != "engine" else f"\n{g}:  ``engine.*``: the paged-attention engine."
+            )
         lines.append(f"  {key}={default}")
-        for wl in textwrap.wrap(doc, width=width - 6) or [""]:
+        for wl in textwrap.wrap(doc, width=width - 6, break_on_hyphens=False) or [""]:
             if wl:
                 lines.append(f"      {wl}")
     return "\n".join(lines).replace("``", "").lstrip("\n")
@@ -361,7 +365,7 @@ def help_template() -> str:
     assert "$${" not in body, "option docs must not contain '${'"
     return (
         "${hydra.help.header}\n"
-        "== Configuration groups (group=option) ==\n$APP_CONFIG_GROUPS\n\n"
+        "== Configuration groups (group=option) ==\n$APP_CONFIG_GROUPS\n"
         "== Options (key=default) ==\n" + body + "\n\n${hydra.help.footer}\n"
     )
 

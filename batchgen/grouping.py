@@ -59,7 +59,9 @@ class WindowWork:
     finished_at: float = 0.0
 
     @classmethod
-    def create(cls, spec: WindowSpec, rows: list[PromptRow], group_by_prefix: bool, extra: Any = None) -> WindowWork:
+    def create(
+        cls, spec: WindowSpec, rows: list[PromptRow], group_by_prefix: bool, extra: Any = None
+    ) -> WindowWork:
         valid = [r.position for r in rows if r.ok]
         if group_by_prefix:
             keys = [rows[p].token_ids for p in valid]
@@ -169,9 +171,7 @@ class EngineFeeder:
             self._admit()
             while self._ready:
                 yield self._ready.popleft()
-            if self._stopping() and (
-                self._past_deadline() or all(w.feed for w in self.active.values())
-            ):
+            if self._stopping() and (self._past_deadline() or all(w.feed for w in self.active.values())):
                 break  # past the grace period, or no started window can still complete
             if not engine.has_unfinished():
                 if self.exhausted or self._stopping():

@@ -38,7 +38,9 @@ def resolve_mode(mode: str, stream: Any = None) -> str:
 class Progress:
     """Counts finished rows out of `total` (`initial` already done by an earlier run)."""
 
-    def __init__(self, total: int, initial: int = 0, mode: str = "auto", interval_s: float = 30.0, desc: str = "rows") -> None:
+    def __init__(
+        self, total: int, initial: int = 0, mode: str = "auto", interval_s: float = 30.0, desc: str = "rows"
+    ) -> None:
         self.total, self.done = total, initial
         self.initial = initial
         self.mode = resolve_mode(mode)
@@ -51,7 +53,9 @@ class Progress:
         if self.mode == "bar":
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="row", dynamic_ncols=True, smoothing=0.05)
+            self.bar = tqdm(
+                total=total, initial=initial, desc=desc, unit="row", dynamic_ncols=True, smoothing=0.05
+            )
 
     def _postfix(self) -> dict[str, str]:
         elapsed = max(time.monotonic() - self.t0, 1e-9)

@@ -55,7 +55,11 @@ def build_report(
             "error": sum(r.rows_error for r in recs),
             "output_rows": sum(r.num_output_rows for r in recs),
         },
-        "windows": {"total": manifest.num_windows, "done": len(manifest.windows), "this_run": windows_this_run},
+        "windows": {
+            "total": manifest.num_windows,
+            "done": len(manifest.windows),
+            "this_run": windows_this_run,
+        },
         "run": {
             "rows": rows_this_run,
             "wall_time_s": round(wall_time_s, 3),
@@ -116,7 +120,10 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         ("status", report["status"]),
         ("rows ok / error", f"{r['ok']} / {r['error']}  ({r['done']} of {r['shard_total']} rows done)"),
-        ("windows", f"{report['windows']['done']} / {report['windows']['total']} ({report['windows']['this_run']} this run)"),
+        (
+            "windows",
+            f"{report['windows']['done']} / {report['windows']['total']} ({report['windows']['this_run']} this run)",
+        ),
         ("prompt tokens computed", _si(t["prompt_computed"])),
         ("prompt tokens reused", f"{_si(t['prompt_reused'])}  (prefix hit rate {t['prefix_hit_rate']:.1%})"),
         ("generated tokens", _si(t["generated"])),

@@ -135,9 +135,7 @@ class SamplingParams:
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
-            )
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
         if self.stop is not None:
             stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -186,9 +184,7 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         """True when any of the repetition / presence / frequency penalties is active."""
-        return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable dict of every field (for the job config and Parquet schema metadata)."""

@@ -64,7 +64,7 @@ def _decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     if SPLIT:
-        per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        per_split = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         start = split * per_split
         end = tl.minimum(seq_len, start + per_split)
     else:
@@ -85,8 +85,8 @@ def _decode_kernel(
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    l_i = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     bt_row = block_tables_ptr + b * stride_bt
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
@@ -100,10 +100,10 @@ def _decode_kernel(
         else:
             s = tl.dot(q, k)
         s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
         if FP32_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -146,7 +146,7 @@ def _decode_reduce_kernel(
     s_mask = s < num_splits
     d_mask = d < head_dim
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
+    m = tl.reduce(lse, 0, tl.standard._elementwise_max)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # empty splits weigh 0
     part = tl.load(
@@ -154,8 +154,8 @@ def _decode_reduce_kernel(
         mask=s_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    w_sum = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * part, 0) / tl.where(w_sum > 0.0, w_sum, 1.0)
+    w_sum = tl.reduce(w, 0, tl.standard._sum_combine)
+    out = tl.reduce(w[:, None] * part, 0, tl.standard._sum_combine) / tl.where(w_sum > 0.0, w_sum, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -183,6 +183,13 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
         return 1
     splits = min(math.ceil(target / programs), max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS)
     return max(1, splits)
+
+
+def decode_tiles(block_d: int, block_g: int, fp32_dot: bool) -> tuple[int, int]:
+    """``(BLOCK_N, num_warps)`` for a ``[block_g, block_d]`` query tile (sized to stay clear of spills)."""
+    if fp32_dot:
+        return (32 if block_d <= 64 else 16), 4
+    return (64 if block_d <= 128 else 32), 4
 
 
 def paged_decode_attention(
@@ -221,8 +228,8 @@ def paged_decode_attention(
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     fp32_dot = interpreting(device) or q.dtype != k_cache.dtype or q.dtype == torch.float32
     block_d = triton.next_power_of_2(head_dim)
-    block_n = 64 if block_d <= 128 else 32
     block_g = max(16, triton.next_power_of_2(group))
+    block_n, num_warps = decode_tiles(block_d, block_g, fp32_dot)
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=device)
     common = dict(
         BLOCK_SIZE=block_size,
@@ -230,7 +237,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         FP32_DOT=fp32_dot,
-        num_warps=4,
+        num_warps=num_warps,
     )
     launch = _decode_kernel.on(device)
     args = (q, k_cache, v_cache, block_tables, seq_lens)

@@ -127,6 +127,15 @@ def test_exhaustion_and_recovery():
     assert mgr.allocate("b", list(range(16)), 16) == 0
 
 
+def test_reserve_blocks_watermark():
+    mgr = KVCacheManager(6, BS)
+    assert mgr.allocate("a", list(range(8)), 8, reserve_blocks=5) is None
+    assert not mgr.can_allocate(list(range(8)), 8, reserve_blocks=5)
+    assert mgr.can_allocate(list(range(8)), 8, reserve_blocks=4)
+    assert mgr.allocate("a", list(range(8)), 8, reserve_blocks=4) == 0
+    assert mgr.num_free_blocks == 4
+
+
 def test_cow_needs_a_free_block():
     mgr = KVCacheManager(3, BS)
     _prefill(mgr, "p", list(range(6)))  # 2 blocks, second partial

@@ -65,6 +65,23 @@ def test_tiny_default_checkpoint_built_once(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [Path(p1).name]  # no temp dirs left behind
 
 
+def test_tiny_default_checkpoint_concurrent_first_use(tmp_path):
+    results: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(tiny_default_checkpoint(tmp_path))) for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and results[0] == results[1]
+    assert [p.name for p in tmp_path.iterdir()] == [Path(results[0]).name]
+    model = load_model(results[0])
+    assert model.config.tie_word_embeddings and model.config.architecture == "LlamaForCausalLM"
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 1_000_000 < n_params < 5_000_000
+
+
 # ------------------------------------------------------------------------------------------------ loading
 def _copy(src: str, dst: Path) -> Path:
     shutil.copytree(src, dst)

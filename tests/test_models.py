@@ -190,6 +190,28 @@ def test_bfloat16_close_to_transformers(models, ckpt_factory):
     torch.testing.assert_close(logits, ref, atol=0.1, rtol=0.05)
 
 
+@torch.inference_mode()
+def test_mistral_sliding_window_exact_up_to_max_model_len(ckpt_factory):
+    """Full attention equals Mistral's windowed attention for sequences of at most `sliding_window` tokens."""
+    path = ckpt_factory("mistral", sliding_window=16, seed=13)
+    ours = load_model(path)
+    assert ours.config.sliding_window == 16 and ours.config.max_model_len == 16
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    prompt = torch.randint(0, ours.config.vocab_size, (16,), generator=torch.Generator().manual_seed(4))
+    meta = make_meta([(shuffled_table(2), 0, 16)], 0)
+    ctx = ForwardContext(PagedAttention("torch"), meta, new_kv_cache(ours))
+    logits = ours.compute_logits(ours(prompt, torch.arange(16), ctx))
+    torch.testing.assert_close(logits, hf_step(hf, prompt)[0], atol=ATOL, rtol=0)
+    # beyond the window transformers really slides (hence the max_model_len cap)
+    longer = torch.cat([prompt, prompt[:4]])
+    meta = make_meta([(shuffled_table(2), 0, 20)], 0)
+    ctx = ForwardContext(PagedAttention("torch"), meta, new_kv_cache(ours))
+    logits = ours.compute_logits(ours(longer, torch.arange(20), ctx))
+    ref = hf_step(hf, longer)[0]
+    torch.testing.assert_close(logits[:16], ref[:16], atol=ATOL, rtol=0)
+    assert (logits[16:] - ref[16:]).abs().max() > 1e-3
+
+
 # ----------------------------------------------------------------------------------------- config parsing
 def _hf4_llama(**over):
     cfg = {

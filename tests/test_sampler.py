@@ -72,7 +72,9 @@ def test_top_k_one_and_tiny_top_p_are_argmax_in_random_mode():
 
 def test_mixed_greedy_and_random_rows():
     logits = rand_logits(6)
-    rows = [row(SamplingParams(temperature=0)) if i % 2 == 0 else row(SamplingParams(top_k=1)) for i in range(6)]
+    rows = [
+        row(SamplingParams(temperature=0)) if i % 2 == 0 else row(SamplingParams(top_k=1)) for i in range(6)
+    ]
     assert Sampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
 
 
@@ -116,7 +118,9 @@ FILTER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("p", FILTER_CASES, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+@pytest.mark.parametrize(
+    "p", FILTER_CASES, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}"
+)
 def test_each_filter_matches_reference(p):
     logits = rand_logits(4, seed=1)
     got = _filtered_probs(logits, [p] * 4)
@@ -171,7 +175,11 @@ def test_repetition_penalty_matches_transformers():
     ids = [[1, 5, 5, 9], [0, 2, 4, 6], [7, 7, 7, 7]]
     prompt_len = 2
     rows = [
-        row(SamplingParams(repetition_penalty=1.3), prompt_token_ids=t[:prompt_len], output_token_ids=t[prompt_len:])
+        row(
+            SamplingParams(repetition_penalty=1.3),
+            prompt_token_ids=t[:prompt_len],
+            output_token_ids=t[prompt_len:],
+        )
         for t in ids
     ]
     x = logits.clone()
@@ -202,14 +210,20 @@ def _run(rows_factory, logits_list, sampler_seed=0):
     return outs
 
 
-def test_seeded_row_independent_of_batch_composition_and_order():
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_seeded_row_independent_of_batch_composition_and_order(device):
     steps = 12
     target = SamplingParams(temperature=0.9, top_p=0.95, top_k=30)
     target_logits = [rand_logits(1, seed=100 + s)[0] for s in range(steps)]
 
     def tokens_for(batch_size: int, position: int, neighbours: list[SamplingParams], seed_others: bool):
-        gen = torch.Generator().manual_seed(1234)
-        others = [
+        gen = torch.Generator(device=device).manual_seed(1234)
+        others = [  # the neighbours' generators live on the CPU: also tests CPU draws for CUDA logits
             SamplingRow(params=q, generator=torch.Generator().manual_seed(99 + j) if seed_others else None)
             for j, q in enumerate(neighbours)
         ]
@@ -221,7 +235,7 @@ def test_seeded_row_independent_of_batch_composition_and_order():
             rows.insert(position, SamplingRow(params=target, generator=gen))
             logits = noise.clone()
             logits[position] = target_logits[s]
-            result.append(sampler(logits, rows).token_ids[position])
+            result.append(sampler(logits.to(device), rows).token_ids[position])
         return result
 
     alone = tokens_for(1, 0, [], False)

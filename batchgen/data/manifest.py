@@ -32,11 +32,19 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def file_mode() -> int:
+    """Permissions of a new regular file under the current umask (mkstemp alone gives 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so readers see the old content or the new one, never a mix."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

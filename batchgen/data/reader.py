@@ -7,8 +7,9 @@ Invariants:
   cover every row exactly once, whatever ``n``.
 - Window ``w`` of a shard is rows ``[start + w*W, min(start + (w+1)*W, end))``; windows depend only on the
   input, the shard and ``W`` (never on what was already processed), so a rerun sees the same windows.
-- Memory is bounded by one window plus one decoded record batch: row groups are read one at a time with
-  ``pyarrow.dataset`` fragments (no read-ahead), and row groups holding only finished windows are skipped.
+- Memory is bounded by one window plus one decoded record batch: row groups are streamed one at a time
+  with ``ParquetFile.iter_batches`` (which decodes page by page; the ``pyarrow.dataset`` scanner materialises
+  a whole row group, measured 3x the memory), and row groups holding only finished windows are skipped.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchgen.config import ConfigError
@@ -232,24 +232,23 @@ def iter_windows(
     if not wins:
         return
     ends = [w.row_end for w in wins]
-    fmt = ds.ParquetFileFormat()
     wi = 0  # current window
     have = 0  # rows of the current window collected so far
     pieces: list[pa.Table] = []
+    open_file: tuple[str, pq.ParquetFile] | None = None
     for f, rg, g0, g1 in _row_group_ranges(inp):
         if g1 <= wins[wi].row_start + have:
             continue  # entirely before the next row we need
         k = bisect.bisect_right(ends, g0, lo=wi)  # first window ending after g0
         if k >= len(wins) or wins[k].row_start >= g1:
             continue  # only rows of windows we were not asked for
-        frag = fmt.make_fragment(f.path).subset(row_group_ids=[rg])
+        if open_file is None or open_file[0] != f.path:
+            if open_file is not None:
+                open_file[1].close()
+            open_file = (f.path, pq.ParquetFile(f.path))
         pos = g0
-        for batch in frag.to_batches(
-            columns=columns,
-            batch_size=batch_rows,
-            batch_readahead=0,
-            fragment_readahead=0,
-            use_threads=False,
+        for batch in open_file[1].iter_batches(
+            batch_size=batch_rows, row_groups=[rg], columns=columns, use_threads=False
         ):
             b0, b1 = pos, pos + batch.num_rows
             pos = b1
@@ -270,7 +269,9 @@ def iter_windows(
             if wi >= len(wins):
                 return
         if pos != g1:
-            raise InputError(f"data.input: {f.path!r} row group {rg} has {pos - g0} rows, its footer says {g1 - g0}")
+            raise InputError(
+                f"data.input: {f.path!r} row group {rg} has {pos - g0} rows, its footer says {g1 - g0}"
+            )
     if wi < len(wins):
         w = wins[wi]
         raise InputError(f"data.input: expected rows {w.row_start}..{w.row_end} but the files ended early")

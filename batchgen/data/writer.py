@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.config import ConfigError, shard_dir_name
-from batchgen.data.manifest import MANIFEST_NAME, Manifest, WindowRecord, diff_config, fsync_dir
+from batchgen.data.manifest import MANIFEST_NAME, Manifest, WindowRecord, diff_config, file_mode, fsync_dir
 from batchgen.data.prompts import PromptRow
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,18 @@ def build_part(
             if c.finish_reason == "error":
                 add(row, k, None, None, nprompt, out.num_cached_tokens, "error", "error", "generation failed")
             else:
-                add(row, k, c.text, toks, nprompt, out.num_cached_tokens, c.finish_reason, "ok", None, c.logprobs)
+                add(
+                    row,
+                    k,
+                    c.text,
+                    toks,
+                    nprompt,
+                    out.num_cached_tokens,
+                    c.finish_reason,
+                    "ok",
+                    None,
+                    c.logprobs,
+                )
     st.num_output_rows = len(take)
 
     schema = layout.schema()
@@ -175,7 +186,9 @@ def build_part(
             arrays.append(pa.array(cols[f.name], type=f.type))
     meta = dict(layout.metadata)
     meta["window"] = window_meta
-    table = pa.Table.from_arrays(arrays, schema=schema.with_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True)}))
+    table = pa.Table.from_arrays(
+        arrays, schema=schema.with_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    )
     return table, st
 
 
@@ -285,7 +298,9 @@ class OutputDir:
             if overwrite:
                 n = self._clear(self.path)
                 if n:
-                    logger.info("data.overwrite=true: removed %d file(s) of a previous run from %s", n, self.path)
+                    logger.info(
+                        "data.overwrite=true: removed %d file(s) of a previous run from %s", n, self.path
+                    )
                 existing = None
             if existing is not None:
                 self._check_compatible(existing, fresh)
@@ -326,7 +341,9 @@ class OutputDir:
             raise ConfigError(f"{str(self.path)!r} holds another shard of the input ({old.shard}).\n{hint}")
         if old.batchgen_version != new.batchgen_version:
             logger.warning(
-                "resuming output written by batchgen %s with batchgen %s", old.batchgen_version, new.batchgen_version
+                "resuming output written by batchgen %s with batchgen %s",
+                old.batchgen_version,
+                new.batchgen_version,
             )
 
     # -------------------------------------------------------------------------------------- writing
@@ -335,6 +352,7 @@ class OutputDir:
         name = part_name(window)
         fd, tmp = tempfile.mkstemp(prefix=f".tmp-{name}.", dir=self.path)
         try:
+            os.fchmod(fd, file_mode())
             with os.fdopen(fd, "wb") as f:
                 pq.write_table(table, f, compression="zstd")
                 f.flush()

@@ -16,6 +16,12 @@ character split over several byte-level tokens). So ``"".join(appended) + flush(
 post-processing, i.e. every BPE tokenizer in transformers 5: cleanup is a whole-text rewrite; with it on,
 the windows are cleaned separately, which can differ from cleaning the whole text at a window boundary).
 
+One known difference: SentencePiece ``ByteFallback`` decoders (``<0xNN>`` tokens, Llama-2/Mistral-v1
+style) turn a whole run of byte tokens that is not valid UTF-8 into one U+FFFD per byte, including bytes of
+characters that were complete. Incrementally, the complete characters of such a run are emitted as they
+complete and only the invalid bytes become U+FFFD (e.g. an output cut by max_tokens inside a character
+spelled in bytes). Valid runs, i.e. real model output, decode identically.
+
 The output is decoded on its own, without prompt context, so that the text is exactly what
 ``tokenizer.decode(output_token_ids)`` gives (e.g. SentencePiece tokenizers drop the leading space of the
 first output token, as in transformers).
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import tokenizers
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -41,16 +49,19 @@ def _decode_fn(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]
     For transformers fast tokenizers without text cleanup, that is the Rust ``tokenizers`` decode it calls
     underneath (skipping the Python layers); a raw ``tokenizers.Tokenizer`` is used directly.
     """
+    if isinstance(tokenizer, tokenizers.Tokenizer):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None and hasattr(tokenizer, "decode_batch") and hasattr(tokenizer, "post_processor"):
-        backend = tokenizer  # a raw tokenizers.Tokenizer
-        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    if backend is not None:
+    if isinstance(backend, tokenizers.Tokenizer):
         cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         if cleanup and type(backend.model).__name__ == "BPE":
             # transformers 5 skips the cleanup for BPE tokenizers unless forced by this flag.
             cleanup = bool(
-                getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+                getattr(
+                    tokenizer,
+                    "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                    False,
+                )
             )
         if not cleanup:
             return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -78,8 +89,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self._decode = _decode_fn(tokenizer, skip_special_tokens)
         self.token_ids: list[int] = []
-        self._chunks: list[str] = []
-        self._text_cache: str | None = ""
+        self._text = ""
         self._prefix_offset = 0
         self._read_offset = 0
         self._prefix_text = ""  # decode(token_ids[prefix_offset:read_offset])
@@ -87,10 +97,7 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """The finalised output text so far (everything ``append`` returned)."""
-        if self._text_cache is None:
-            self._text_cache = "".join(self._chunks)
-            self._chunks = [self._text_cache]
-        return self._text_cache
+        return self._text
 
     @property
     def num_pending_tokens(self) -> int:
@@ -120,13 +127,17 @@ class IncrementalDetokenizer:
         """Emit ``window_text`` (the decode of ``token_ids[prefix_offset:end]``) past the prefix text."""
         new_text = window_text[len(self._prefix_text) :]
         if self._read_offset < end:
-            # The finalised tokens become the next window's context. Their text must be decoded on its own:
-            # it can differ from new_text (e.g. SentencePiece drops a window's leading space).
-            self._prefix_offset, self._read_offset = self._read_offset, end
-            self._prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        if new_text:
-            self._chunks.append(new_text)
-            self._text_cache = None
+            # The newly finalised tokens become the next window's context. Their text is decoded on its own:
+            # it can differ from new_text (e.g. SentencePiece decoders drop the first space of a decode).
+            context = self._decode(self.token_ids[self._read_offset : end])
+            if context:
+                self._prefix_offset, self._prefix_text = self._read_offset, context
+            else:
+                # Tokens without text (skipped special tokens, a lone space piece stripped as the first
+                # token) would let that first-space rule hit the next real token: keep the older context.
+                self._prefix_text = window_text
+            self._read_offset = end
+        self._text += new_text
         return new_text
 
 

@@ -174,13 +174,14 @@ class KVCacheManager:
         live = max(num_tokens, len(cached) * self.block_size)
         return _cdiv(live, self.block_size) - len(cached) + revived
 
-    def can_allocate(self, token_ids: Sequence[int], num_tokens: int) -> bool:
-        """Whether ``allocate(new_id, token_ids, num_tokens)`` would succeed now (changes nothing).
+    def can_allocate(self, token_ids: Sequence[int], num_tokens: int, *, reserve_blocks: int = 0) -> bool:
+        """Whether ``allocate(new_id, token_ids, num_tokens, reserve_blocks=...)`` would succeed now.
 
-        Prefer calling :meth:`allocate` directly and checking for None: that hashes the prompt once.
+        Changes nothing. Prefer calling :meth:`allocate` directly and checking for None: that hashes the
+        prompt once.
         """
         cached, _ = self._match_prefix(token_ids)
-        return self._blocks_needed(cached, num_tokens) <= self.pool.num_free_blocks
+        return self._blocks_needed(cached, num_tokens) + reserve_blocks <= self.pool.num_free_blocks
 
     def can_append_slots(self, seq_id: SeqId, num_tokens: int) -> bool:
         """Whether ``append_slots(seq_id, num_tokens)`` would succeed now (changes nothing)."""
@@ -188,12 +189,15 @@ class KVCacheManager:
         return self._append_cost(s, num_tokens)[0] <= self.pool.num_free_blocks
 
     # ------------------------------------------------------------- mutations
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], num_tokens: int) -> int | None:
+    def allocate(
+        self, seq_id: SeqId, token_ids: Sequence[int], num_tokens: int, *, reserve_blocks: int = 0
+    ) -> int | None:
         """Start a sequence: share the longest cached full-block prefix, then allocate the rest.
 
         The table covers ``max(num_tokens, num_cached_tokens)`` live tokens. Returns the number of
         tokens already cached (a multiple of block_size, at most ``(len(token_ids)-1)//bs*bs``), or
-        None, changing nothing, if the pool cannot hold it.
+        None, changing nothing, if the pool cannot hold it while keeping ``reserve_blocks`` free
+        afterwards (an admission watermark that leaves room for running sequences to grow).
         """
         if seq_id in self._seqs:
             raise KVCacheError(f"sequence {seq_id!r} is already allocated")
@@ -201,7 +205,7 @@ class KVCacheManager:
             raise KVCacheError(f"num_tokens must be >= 0, got {num_tokens}")
         cached, hashes = self._match_prefix(token_ids)
         pool = self.pool
-        if self._blocks_needed(cached, num_tokens) > pool.num_free_blocks:
+        if self._blocks_needed(cached, num_tokens) + reserve_blocks > pool.num_free_blocks:
             return None
         bs = self.block_size
         rc = pool.ref_counts

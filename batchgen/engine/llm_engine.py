@@ -62,12 +62,12 @@ class LLMEngine:
         self.model = load_model(model, dtype=dtype, device=self.device)
         self.tokenizer = load_tokenizer(tokenizer or model)
         mc = self.model.config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if config.max_model_len and config.max_model_len > mc.max_position_embeddings:
-            logger.warning(
-                "engine.max_model_len=%d exceeds the model's max_position_embeddings=%d",
-                config.max_model_len,
-                mc.max_position_embeddings,
+        # The model's limit: max_position_embeddings, or a smaller sliding window (we attend to everything).
+        self.max_model_len = config.max_model_len or mc.max_model_len
+        if config.max_model_len and config.max_model_len > mc.max_model_len:
+            raise ValueError(
+                f"engine.max_model_len={config.max_model_len} exceeds the model's limit of {mc.max_model_len} "
+                f"tokens (max_position_embeddings / sliding_window); lower it"
             )
         eos = set(mc.eos_token_ids or [])
         if self.tokenizer.eos_token_id is not None:

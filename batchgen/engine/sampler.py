@@ -95,7 +95,7 @@ class Sampler:
         if all_greedy and not needs_processing:
             sampled = logits.argmax(dim=-1)
         else:
-            x = logits.float().clone()
+            x = logits.float().clone(memory_format=torch.contiguous_format)
             if needs_processing:
                 _apply_banned(x, rows)
                 _apply_penalties(x, rows)
@@ -113,11 +113,15 @@ class Sampler:
     def _sample(self, x: Tensor, rows: list[SamplingRow]) -> Tensor:
         """Greedy rows take the argmax of ``x``; random rows are filtered and drawn. Returns ``[N]`` int64."""
         device = x.device
-        sampled = x.argmax(dim=-1)
         rand_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         rand_rows = [rows[i] for i in rand_idx]
+        all_random = len(rand_idx) == len(rows)
+        if all_random:
+            sampled = torch.empty(len(rows), dtype=torch.int64, device=device)
+        else:
+            sampled = x.argmax(dim=-1)
         idx = torch.tensor(rand_idx, device=device)
-        probs = _filtered_probs(x[idx], [r.params for r in rand_rows])
+        probs = _filtered_probs(x if all_random else x[idx], [r.params for r in rand_rows])
 
         # Exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. is a draw from p. q = -log(u), u ~ U[0, 1)
         # (several times cheaper than exponential_ on CPU): q > 0 always (u < 1), and u == 0 gives q = inf,
@@ -156,45 +160,47 @@ def _apply_banned(x: Tensor, rows: list[SamplingRow]) -> None:
         x[torch.tensor(r_idx, device=x.device), torch.tensor(t_idx, device=x.device)] = -float("inf")
 
 
-def _flat_index(token_lists: list[list[int]], vocab: int, device: torch.device) -> Tensor:
-    """Flat indices ``row * vocab + token`` of every (row, token) pair, ids outside the vocab dropped."""
+def _flat_index(rows: list[SamplingRow], which: list[int], tokens_of, vocab: int, device) -> Tensor:
+    """Flat indices ``i * vocab + token`` into the ``[N, V]`` logits of every token of every row ``i`` in
+    ``which`` (``tokens_of(row)`` gives the tokens; repeats are kept; ids outside the vocab are dropped)."""
+    token_lists = [tokens_of(rows[i]) for i in which]
     lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64)
     tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
-    row_ids = torch.repeat_interleave(torch.arange(len(token_lists), dtype=torch.int64), lengths)
+    row_ids = torch.repeat_interleave(torch.tensor(which, dtype=torch.int64), lengths)
     valid = (tokens >= 0) & (tokens < vocab)
     return (row_ids[valid] * vocab + tokens[valid]).to(device)
 
 
 def _apply_penalties(x: Tensor, rows: list[SamplingRow]) -> None:
-    """Repetition, then frequency and presence penalties, in place, for the rows that have any."""
+    """Repetition, then frequency and presence penalties, in place on the contiguous ``[N, V]`` logits.
+
+    Sparse: the work is proportional to the number of prompt/output tokens of the penalised rows, not to
+    ``N * V``. Every update is either a write of values computed from the original logits (repeated tokens
+    write the same value) or an accumulation of identical terms, so the result is deterministic on CUDA too.
+    """
     vocab = x.shape[1]
     device = x.device
+    flat_x = x.view(-1)
 
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     if rep:
-        seen = torch.zeros(len(rep) * vocab, dtype=torch.bool, device=device)
-        seen[_flat_index([rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep], vocab, device)] = True
-        seen = seen.view(len(rep), vocab)
-        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=device).unsqueeze(1)
-        idx = torch.tensor(rep, device=device)
-        sub = x[idx]
-        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
-        x[idx] = torch.where(seen, penalised, sub)
+        flat = _flat_index(rows, rep, lambda r: r.prompt_token_ids + r.output_token_ids, vocab, device)
+        penalty = torch.tensor([r.params.repetition_penalty for r in rows], dtype=x.dtype, device=device)
+        penalty = penalty[flat // vocab]
+        vals = flat_x[flat]
+        flat_x[flat] = torch.where(vals > 0, vals / penalty, vals * penalty)
 
-    freq = [
-        i
-        for i, r in enumerate(rows)
-        if (r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0) and r.output_token_ids
-    ]
+    freq = [i for i, r in enumerate(rows) if r.params.frequency_penalty != 0.0 and r.output_token_ids]
     if freq:
-        flat = _flat_index([rows[i].output_token_ids for i in freq], vocab, device)
-        counts = torch.zeros(len(freq) * vocab, dtype=x.dtype, device=device)
-        counts.index_add_(0, flat, torch.ones(flat.shape[0], dtype=x.dtype, device=device))
-        counts = counts.view(len(freq), vocab)
-        fp = torch.tensor([rows[i].params.frequency_penalty for i in freq], dtype=x.dtype, device=device)
-        pp = torch.tensor([rows[i].params.presence_penalty for i in freq], dtype=x.dtype, device=device)
-        idx = torch.tensor(freq, device=device)
-        x[idx] -= fp.unsqueeze(1) * counts + pp.unsqueeze(1) * (counts > 0).to(x.dtype)
+        flat = _flat_index(rows, freq, lambda r: r.output_token_ids, vocab, device)
+        fp = torch.tensor([r.params.frequency_penalty for r in rows], dtype=x.dtype, device=device)
+        flat_x.index_add_(0, flat, -fp[flat // vocab])  # once per occurrence
+
+    pres = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 and r.output_token_ids]
+    if pres:
+        flat = _flat_index(rows, pres, lambda r: r.output_token_ids, vocab, device).unique()
+        pp = torch.tensor([r.params.presence_penalty for r in rows], dtype=x.dtype, device=device)
+        flat_x.index_add_(0, flat, -pp[flat // vocab])  # once per distinct token
 
 
 def _filtered_probs(x: Tensor, params: list[SamplingParams]) -> Tensor:
@@ -202,38 +208,36 @@ def _filtered_probs(x: Tensor, params: list[SamplingParams]) -> Tensor:
 
     Filtered-out tokens have probability exactly 0; the most likely token always survives.
     """
-    m, vocab = x.shape
+    vocab = x.shape[1]
     device = x.device
+    neg_inf = -float("inf")
     temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device)
     x = x / temp.unsqueeze(1)
 
+    # top-k: drop logits below the row's k-th largest (ties at the k-th value are kept, as transformers).
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    use_top_k = any(k < vocab for k in top_k)
-    use_top_p = any(p.top_p < 1.0 for p in params)
-    if use_top_p:
-        # One sort serves both filters. sorted_x[:, j] is the j-th largest logit.
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        if use_top_k:
-            # Same rule as the topk-only branch below: drop logits below the k-th largest (ties kept).
-            k = torch.tensor(top_k, device=device)
-            kth = sorted_x.gather(1, (k - 1).unsqueeze(1))
-            sorted_x = sorted_x.masked_fill(sorted_x < kth, -float("inf"))
-        sorted_probs = sorted_x.softmax(dim=-1)
-        # Keep token j iff the mass strictly before it is < top_p: the smallest prefix reaching top_p.
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=device).unsqueeze(1)
-        drop = (mass_before >= top_p) & (top_p < 1.0)
-        drop[:, 0] = False
-        sorted_x = sorted_x.masked_fill(drop, -float("inf"))
-        x = torch.empty_like(x).scatter_(1, order, sorted_x)
-    elif use_top_k:
-        max_k = max(top_k)
-        top_vals = x.topk(max_k, dim=-1).values
+    active_k = [k for k in top_k if k < vocab]
+    if active_k:
+        max_k = max(active_k)
+        top_vals = x.topk(max_k, dim=-1).values  # the k-th largest value does not depend on max_k
         k = torch.tensor(top_k, device=device)
         kth = top_vals.gather(1, (k - 1).clamp(max=max_k - 1).unsqueeze(1))
-        # Rows with top-k off get kth = -inf (nothing removed). Ties at the k-th value are all kept.
-        kth = kth.masked_fill((k >= vocab).unsqueeze(1), -float("inf"))
-        x = x.masked_fill(x < kth, -float("inf"))
+        kth = kth.masked_fill((k >= vocab).unsqueeze(1), neg_inf)  # top-k off: remove nothing
+        x = x.masked_fill(x < kth, neg_inf)
+
+    # top-p, on the rows that use it (the full sort is the expensive part): keep the smallest set of most
+    # likely tokens whose mass, renormalised after top-k, reaches top_p: token j of the sorted row is kept
+    # iff the mass strictly before it is < top_p.
+    p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if p_rows:
+        idx = torch.tensor(p_rows, device=device)
+        sorted_x, order = x[idx].sort(dim=-1, descending=True)
+        sorted_probs = sorted_x.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        top_p = torch.tensor([params[i].top_p for i in p_rows], dtype=x.dtype, device=device)
+        drop = mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        x[idx] = torch.empty_like(sorted_x).scatter_(1, order, sorted_x.masked_fill(drop, neg_inf))
 
     probs = x.softmax(dim=-1)
     if any(p.min_p > 0.0 for p in params):

@@ -62,6 +62,7 @@ _TINY_DEFAULT_NAME = "tiny-llama-v1"
 
 _tokenizer_json_cache: dict[int, str] = {}
 _tokenizer_lock = threading.Lock()
+_seeded_init_lock = threading.Lock()  # the seeded init uses torch's global RNG: one build at a time
 
 
 def _training_corpus() -> list[str]:
@@ -191,9 +192,16 @@ def _make_config(
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
-        rope_parameters=rope,
-        dtype=dtype,
     )
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        kwargs.update(rope_parameters=rope, dtype=dtype)
+    else:  # 4.x spelling of the same settings
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        kwargs.update(
+            rope_theta=rope["rope_theta"],
+            rope_scaling=None if scaling["rope_type"] == "default" else scaling,
+            torch_dtype=dtype,
+        )
     if arch == "mistral":
         kwargs["sliding_window"] = None  # full attention unless asked (see ModelConfig.sliding_window)
     kwargs.update(extra)
@@ -263,7 +271,7 @@ def build_checkpoint(
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
     }[arch]
-    with torch.random.fork_rng(devices=[]):
+    with _seeded_init_lock, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(cfg)
         # transformers initialises norms to 1 and biases to 0: perturb them so tests notice a model

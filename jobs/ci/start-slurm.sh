@@ -14,7 +14,8 @@
 # Slurm then sets CUDA_VISIBLE_DEVICES as usual and the job runs on CPU. It also declares
 # BATCHGEN_SLURM_CPUS CPUs (default: at least 4, more than a 2-core CI machine has) so that a
 # 4-task array runs at once instead of in two waves. AuthInfo=cred_expire (default 120 s, here
-# BATCHGEN_SLURM_CRED_EXPIRE=10) is also how long a requeued job waits before it may start again.
+# BATCHGEN_SLURM_CRED_EXPIRE=10) is also how long a requeued job waits before it may start again, and
+# the scheduler runs every 2 s (not 60/30 s), so a requeued task restarts ~12 s after it stopped.
 #
 # Env: BATCHGEN_SLURM_ROOT   state, logs, pids          (default /tmp/batchgen-slurm)
 #      BATCHGEN_SLURM_ACCOUNTING 1|0 slurmdbd+MariaDB   (default 1; a Hydra/submitit sweep needs it)
@@ -144,6 +145,7 @@ SelectTypeParameters=CR_Core_Memory
 SlurmdParameters=config_overrides
 DefMemPerCPU=1024
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2

@@ -1,0 +1,94 @@
+"""``batchgen``: the command line (Hydra app over :func:`batchgen.job.run_job`).
+
+    batchgen data.input=prompts.parquet data.output=out/ model.path=/ckpt sampling.max_tokens=256
+    batchgen --help        # every option with its documentation
+    batchgen --cfg job     # the resolved configuration
+
+Exit status: 0 done (or nothing left to do); 75 interrupted by SIGINT/SIGTERM/SIGUSR1, rerun to resume;
+2 invalid configuration or input (detected before any work); 1 anything else, including Hydra's own
+errors (unknown key, wrong type). The job never changes the working directory; Hydra's run files go to
+``<output>/logs/<timestamp>/`` (per shard).
+
+In a multirun (``-m``, e.g. the submitit launchers) each job's status is its return value; a job that did
+not complete raises :class:`JobFailed` so the launcher reports it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from batchgen.config import register_configs, register_resolvers
+
+register_configs()
+register_resolvers()
+
+
+class JobFailed(RuntimeError):
+    """A job of a multirun ended without completing (``exit_code`` says how)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@hydra.main(config_path="pkg://batchgen.conf", config_name="config", version_base="1.3")
+def hydra_main(cfg: DictConfig) -> int:
+    """Run one job; exits the process with the job's status (raises JobFailed in a multirun)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from batchgen.job import EXIT_CONFIG, run_job
+
+    result = run_job(cfg)
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if result.exit_code != 0:
+        if multirun:
+            raise JobFailed(result.message or result.status, result.exit_code)
+        if result.exit_code == EXIT_CONFIG and HydraConfig.initialized():
+            _remove_run_dir(HydraConfig.get().runtime.output_dir)
+        sys.exit(result.exit_code)
+    return result.exit_code
+
+
+def _remove_run_dir(run_dir: str) -> None:
+    """After a configuration error, remove the log directory Hydra just created (and parents left empty).
+
+    Only Hydra's own files are expected there (``.hydra/``, ``batchgen.log``); anything else keeps it.
+    """
+    import logging
+    import shutil
+
+    p = Path(run_dir).resolve()
+    cwd = Path.cwd().resolve()
+    if not p.is_dir() or p == cwd or p in cwd.parents:
+        return
+    if any(c.name not in (".hydra", "batchgen.log") for c in p.iterdir()):
+        return
+    logging.shutdown()  # close the log file handler before deleting its file
+    shutil.rmtree(p, ignore_errors=True)
+    # <output>[/shard-...]/logs/<time>: remove the parents this run created, if now empty.
+    for parent in list(p.parents)[:3]:
+        if parent == cwd or parent in cwd.parents:
+            break
+        try:
+            parent.rmdir()  # only succeeds when empty
+        except OSError:
+            break
+
+
+def main() -> None:
+    """Console entry point (``batchgen``). ``--cfg job`` prints the config with interpolations resolved."""
+    argv = sys.argv[1:]
+    if ("--cfg" in argv or "-c" in argv or "--cfg=job" in argv) and "--resolve" not in argv:
+        i = argv.index("--cfg") if "--cfg" in argv else argv.index("-c") if "-c" in argv else -1
+        if argv[i + 1 : i + 2] == ["job"] or "--cfg=job" in argv:
+            sys.argv.append("--resolve")
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()

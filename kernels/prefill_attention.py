@@ -1,0 +1,196 @@
+"""Triton paged prefill attention: variable-length query chunks over their cached prefix plus themselves.
+
+Sequence ``b`` owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` at absolute positions
+``seq_lens[b] - q_len_b .. seq_lens[b] - 1`` (its new tokens' K/V are already in the cache). Program
+``(q_tile, kv_head, b)`` takes ``BLOCK_Q`` consecutive queries times all ``G`` query heads of ``kv_head`` as
+one ``[BLOCK_Q * BLOCK_G, D]`` tile (row ``r`` = query ``r // BLOCK_G``, head ``r % BLOCK_G``), so GQA heads share
+every K/V tile load. Keys are read through the block table in tiles of ``BLOCK_N`` with an online softmax in
+float32: first the tiles every query of the tile may see in full (the cached prefix and earlier new tokens,
+no mask), then the diagonal tiles under the causal mask. Tiles run longest-first (the last query tiles of a
+sequence have the most keys). Semantics: :func:`reference.paged_prefill_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._jit import interpreting, kernel
+from .decode_attention import LOG2E
+
+
+@kernel
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_seqlens_ptr,
+    out_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    stride_bt,
+    group,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    tok_start = tl.load(cu_seqlens_ptr + b)
+    q_len = tl.load(cu_seqlens_ptr + b + 1) - tok_start
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_len = seq_len - q_len
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
+    r = tl.arange(0, BLOCK_M)
+    qi = tile * BLOCK_Q + r // BLOCK_G
+    gi = r % BLOCK_G
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    row_mask = (qi < q_len) & (gi < group)
+    heads = kvh * group + gi
+    tok = (tok_start + qi).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    # Padding rows (past q_len) sit at positions >= seq_len: they see every key, so no row is ever empty.
+    q_pos = ctx_len + qi
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    bt_row = block_tables_ptr + b * stride_bt
+    first_pos = ctx_len + tile * BLOCK_Q  # position of the tile's first query
+    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys [0, full_end) are visible to every row
+    for n0 in range(0, full_end, BLOCK_N):
+        k_pos = n0 + tl.arange(0, BLOCK_N)
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
+        row = blk * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_tok + kvh * stride_cache_head
+        k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=d_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, k) * qk_scale
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    for n0 in range(full_end, last_pos + 1, BLOCK_N):
+        k_pos = n0 + tl.arange(0, BLOCK_N)
+        kv_mask = k_pos < seq_len
+        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+        row = blk * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_tok + kvh * stride_cache_head
+        k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=kv_mask[None, :] & d_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, k) * qk_scale
+        visible = (k_pos[None, :] <= q_pos[:, None]) & kv_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+def prefill_tiles(block_d: int, block_g: int, fp32_dot: bool) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)``: query-tile rows (``BLOCK_Q * BLOCK_G``), keys per step, warps."""
+    if fp32_dot:
+        block_m, block_n, num_warps = (32, 32, 8) if block_d <= 128 else (16, 16, 4)
+    elif block_d <= 64:
+        block_m, block_n, num_warps = 128, 64, 8
+    elif block_d <= 128:
+        block_m, block_n, num_warps = 128, 64, 8
+    else:
+        block_m, block_n, num_warps = 64, 32, 8
+    return max(block_m, block_g), block_n, num_warps
+
+
+def paged_prefill_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    block_tables: Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+) -> Tensor:
+    """``q [T,Hq,D]`` packed query chunks over caches ``[NB,BS,Hkv,D]`` → ``[T,Hq,D]``.
+
+    ``cu_seqlens_q [B+1]``, ``seq_lens [B]`` and ``block_tables [B, max_blocks]`` int32. ``max_query_len``
+    (an upper bound on the chunk lengths) saves a device sync.
+    """
+    total, num_q_heads, head_dim = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    if total == 0 or batch == 0:
+        return q.new_empty(q.shape)
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert num_q_heads % num_kv_heads == 0
+    group = num_q_heads // num_kv_heads
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    device = q.device
+    fp32_dot = interpreting(device) or q.dtype != k_cache.dtype or q.dtype == torch.float32
+    block_d = triton.next_power_of_2(head_dim)
+    block_g = triton.next_power_of_2(group)
+    block_m, block_n, num_warps = prefill_tiles(block_d, block_g, fp32_dot)
+    block_q = block_m // block_g
+    out = torch.empty((total, num_q_heads, head_dim), dtype=q.dtype, device=device)
+    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, batch)
+    _prefill_kernel.on(device)[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        group, head_dim,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+        FP32_DOT=fp32_dot, num_warps=num_warps,
+    )  # fmt: skip
+    return out

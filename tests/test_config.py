@@ -1,0 +1,165 @@
+"""Job configuration: Hydra composition, typed errors, env-driven shard defaults, help text."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from batchgen.config import (
+    ConfigError,
+    JobConfig,
+    SamplingOptions,
+    field_docs,
+    help_template,
+    option_docs,
+    register_configs,
+    register_resolvers,
+    render_options,
+    shard_dir_name,
+    to_job_config,
+)
+from batchgen.engine.config import EngineConfig
+from batchgen.sampling_params import SamplingParams
+
+register_configs()
+register_resolvers()
+
+
+def _compose(overrides: list[str] | None = None, hydra: bool = False):
+    with initialize_config_module(config_module="batchgen.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=overrides or [], return_hydra_config=hydra)
+
+
+@pytest.fixture(autouse=True)
+def _no_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    monkeypatch.delenv("SLURM_ARRAY_TASK_COUNT", raising=False)
+
+
+def test_defaults_compose_to_job_config() -> None:
+    job = to_job_config(_compose())
+    assert isinstance(job, JobConfig)
+    assert job.model.path is None and job.model.dtype == "auto"
+    assert job.data.input is None and job.data.output == "batchgen_output"
+    assert job.data.prompt_column == "prompt" and job.data.group_by_prefix is True
+    assert (job.data.shard.index, job.data.shard.count) == (0, 1)
+    assert isinstance(job.engine, EngineConfig)
+    assert job.sampling.seed == 0 and job.sampling.max_tokens == 16
+
+
+def test_overrides_are_typed_and_converted() -> None:
+    job = to_job_config(
+        _compose(
+            [
+                "data.input=x.parquet",
+                "data.window_rows=64",
+                "data.keep_columns=[a,b]",
+                "sampling.temperature=0",
+                "sampling.stop=['###']",
+                "engine.max_num_seqs=8",
+                "model.path=/ckpt",
+            ]
+        )
+    )
+    assert job.data.window_rows == 64 and job.data.keep_columns == ["a", "b"]
+    assert job.sampling.temperature == 0.0 and job.sampling.stop == ["###"]
+    assert job.engine.max_num_seqs == 8 and job.model.path == "/ckpt"
+
+
+def test_greedy_sampling_group() -> None:
+    assert to_job_config(_compose(["sampling=greedy"])).sampling.temperature == 0.0
+
+
+def test_shard_defaults_come_from_slurm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "8")
+    job = to_job_config(_compose())
+    assert (job.data.shard.index, job.data.shard.count) == (3, 8)
+    assert type(job.data.shard.index) is int
+    # explicit overrides win over the environment
+    job = to_job_config(_compose(["data.shard.index=1", "data.shard.count=2"]))
+    assert (job.data.shard.index, job.data.shard.count) == (1, 2)
+
+
+def test_hydra_run_dir_is_under_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _compose(["data.output=/tmp/out", "data.shard.index=2", "data.shard.count=4"], hydra=True)
+    run_dir = OmegaConf.select(cfg, "hydra.run.dir")
+    assert run_dir.startswith("/tmp/out/shard-00002-of-00004/logs/")
+    assert cfg.hydra.job.chdir is False
+    cfg = _compose(["data.output=out"], hydra=True)
+    assert OmegaConf.select(cfg, "hydra.run.dir").startswith("out/logs/")
+
+
+def test_misspelt_key_names_it() -> None:
+    with pytest.raises(ConfigCompositionException) as e:
+        _compose(["data.windw_rows=3"])
+    msg = str(e.value) + str(e.value.__cause__)
+    assert "windw_rows" in msg
+
+
+def test_wrong_type_names_it() -> None:
+    with pytest.raises(ConfigCompositionException) as e:
+        _compose(["data.window_rows=abc"])
+    msg = str(e.value) + str(e.value.__cause__)
+    assert "data.window_rows" in msg and "abc" in msg
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["data.window_rows=0"], "data.window_rows"),
+        (["data.shard.index=4", "data.shard.count=4"], "data.shard.index"),
+        (["data.shard.count=0"], "data.shard.count"),
+        (["data.keep_columns=[status]"], "data.keep_columns"),
+        (["data.keep_columns=[a,a]"], "data.keep_columns"),
+        (["engine.block_size=7"], "engine.block_size"),
+        (["engine.kv_cache_memory=lots"], "memory size"),
+        (["model.dtype=int8"], "model.dtype"),
+        (["run.progress=fancy"], "run.progress"),
+        (["sampling.top_p=0"], "top_p"),
+        (["sampling.n=0"], "sampling.n"),
+    ],
+)
+def test_invalid_values_raise_config_error(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        to_job_config(_compose(overrides))
+
+
+def test_sampling_options_mirror_sampling_params() -> None:
+    ours = {f.name: f for f in dataclasses.fields(SamplingOptions)}
+    theirs = {f.name: f for f in dataclasses.fields(SamplingParams) if f.init}
+    assert set(ours) == set(theirs)
+    for name, f in theirs.items():
+        if name == "seed":
+            continue  # the job seeds every row by default
+        assert ours[name].default == f.default, name
+    SamplingParams(**dataclasses.asdict(SamplingOptions()))  # the defaults are valid
+
+
+def test_every_option_is_documented_in_help() -> None:
+    opts = option_docs()
+    keys = {k for k, _, _ in opts}
+    for f in dataclasses.fields(EngineConfig):
+        assert f"engine.{f.name}" in keys
+    assert {"data.shard.index", "data.shard.count", "model.path", "sampling.seed", "run.stop_grace_s"} <= keys
+    undocumented = [k for k, _, doc in opts if not doc]
+    assert not undocumented, undocumented
+    text = render_options()
+    for k in keys:
+        assert f"  {k}=" in text
+    assert "$APP_CONFIG_GROUPS" in help_template()
+    assert "${" not in help_template().replace("${hydra.help.header}", "").replace("${hydra.help.footer}", "")
+
+
+def test_field_docs_reads_attribute_docstrings() -> None:
+    docs = field_docs(EngineConfig)
+    assert "block" in docs["block_size"].lower()
+
+
+def test_shard_dir_name() -> None:
+    assert shard_dir_name(0, 1) == ""
+    assert shard_dir_name(3, 16) == "shard-00003-of-00016"

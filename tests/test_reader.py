@@ -1,0 +1,157 @@
+"""Streaming reader: file resolution and order, global row index, shards, windows, bounded memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.data.reader import (
+    InputError,
+    iter_windows,
+    open_input,
+    plan_windows,
+    resolve_files,
+    shard_range,
+)
+
+
+def _write(path: Path, start: int, n: int, row_group_size: int | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t = pa.table({"k": pa.array(range(start, start + n), pa.int64()), "prompt": [f"p{i}" for i in range(start, start + n)]})
+    pq.write_table(t, path, row_group_size=row_group_size)
+
+
+@pytest.fixture
+def multi(tmp_path: Path) -> Path:
+    """A directory of files whose sorted order is b/…, c.parquet, d/… with odd row groups and an empty file."""
+    root = tmp_path / "in"
+    _write(root / "b" / "x.parquet", 0, 37, row_group_size=10)
+    _write(root / "b" / "y.parquet", 37, 0)
+    _write(root / "c.parquet", 37, 5)
+    _write(root / "d" / "z.parquet", 42, 61, row_group_size=7)
+    (root / "notes.txt").write_text("ignored")
+    (root / ".hidden").mkdir()
+    _write(root / ".hidden" / "skip.parquet", 1000, 3)
+    return root
+
+
+def test_resolve_file_dir_glob(multi: Path) -> None:
+    files, _ = resolve_files(str(multi))
+    assert [os.path.relpath(f, multi) for f in files] == ["b/x.parquet", "b/y.parquet", "c.parquet", "d/z.parquet"]
+    files, _ = resolve_files(str(multi / "**" / "*.parquet"))
+    assert [os.path.relpath(f, multi) for f in files] == ["b/x.parquet", "b/y.parquet", "c.parquet", "d/z.parquet"]
+    files, _ = resolve_files(str(multi / "c.parquet"))
+    assert len(files) == 1
+    with pytest.raises(InputError, match="does not exist"):
+        resolve_files(str(multi / "nope.parquet"))
+    with pytest.raises(InputError, match="no file matches"):
+        resolve_files(str(multi / "*.csv"))
+    (multi / "empty").mkdir()
+    with pytest.raises(InputError, match="no \\*.parquet"):
+        resolve_files(str(multi / "empty"))
+
+
+def test_not_parquet_is_an_input_error(tmp_path: Path) -> None:
+    p = tmp_path / "bad.parquet"
+    p.write_bytes(b"this is not parquet at all")
+    with pytest.raises(InputError, match="not a Parquet file"):
+        open_input(str(p))
+
+
+def test_global_row_index_follows_sorted_file_order(multi: Path) -> None:
+    inp = open_input(str(multi))
+    assert inp.num_rows == 103
+    assert [f.row_start for f in inp.files] == [0, 37, 37, 42]
+    wins = plan_windows(0, inp.num_rows, 16)
+    ks = []
+    for w in iter_windows(inp, wins, ["k"], batch_rows=4):
+        assert w.table.num_rows == w.spec.num_rows
+        ks += w.table.column("k").to_pylist()
+    assert ks == list(range(103))  # k was written equal to the global row index
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 103, 150])
+def test_shards_cover_every_row_exactly_once(multi: Path, count: int) -> None:
+    inp = open_input(str(multi))
+    seen: list[int] = []
+    for i in range(count):
+        s, e = shard_range(inp.num_rows, i, count)
+        for w in iter_windows(inp, plan_windows(s, e, 5), ["k"]):
+            seen += w.table.column("k").to_pylist()
+    assert sorted(seen) == list(range(inp.num_rows))
+    assert len(seen) == len(set(seen))
+
+
+def test_windows_skip_finished_ones(multi: Path) -> None:
+    inp = open_input(str(multi))
+    wins = plan_windows(10, 90, 9)
+    assert wins[0].row_start == 10 and wins[-1].row_end == 90 and wins[-1].num_rows == 80 % 9
+    todo = [w for w in wins if w.index % 3 == 1]
+    got = {w.index: w.table.column("k").to_pylist() for w in iter_windows(inp, todo, ["k", "prompt"])}
+    assert set(got) == {w.index for w in todo}
+    for w in todo:
+        assert got[w.index] == list(range(w.row_start, w.row_end))
+
+
+def test_fingerprint_is_stable_and_content_sensitive(tmp_path: Path) -> None:
+    _write(tmp_path / "a" / "x.parquet", 0, 20)
+    fp = open_input(str(tmp_path / "a")).fingerprint
+    assert open_input(str(tmp_path / "a")).fingerprint == fp
+    # the same data copied elsewhere (new mtime, new root) keeps the fingerprint
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x.parquet").write_bytes((tmp_path / "a" / "x.parquet").read_bytes())
+    assert open_input(str(tmp_path / "b")).fingerprint == fp
+    _write(tmp_path / "a" / "x.parquet", 1, 20)  # same size and row count, other content
+    assert open_input(str(tmp_path / "a")).fingerprint != fp
+
+
+def test_missing_column_fails_at_read(multi: Path) -> None:
+    inp = open_input(str(multi))
+    assert inp.has_column("prompt") and not inp.has_column("nope")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc for peak RSS")
+def test_memory_stays_bounded_by_the_window(tmp_path: Path) -> None:
+    """200k rows of ~2 KB prompts (~400 MB decoded) read in 1000-row windows: peak RSS grows far less."""
+    data = tmp_path / "big"
+    data.mkdir()
+    script = textwrap.dedent(
+        f"""
+        import pyarrow as pa, pyarrow.parquet as pq
+        base = "lorem ipsum dolor sit amet " * 80
+        for f in range(2):
+            with pq.ParquetWriter("{data}/part-%d.parquet" % f, pa.schema([("prompt", pa.string())]),
+                                  compression="zstd") as w:
+                for c in range(10):
+                    start = (f * 10 + c) * 10000
+                    w.write_table(pa.table({{"prompt": [f"{{i}} {{base}}" for i in range(start, start + 10000)]}}))
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)
+    reader = textwrap.dedent(
+        f"""
+        import re, psutil
+        from batchgen.data.reader import open_input, plan_windows, iter_windows
+        inp = open_input("{data}")
+        assert inp.num_rows == 200_000, inp.num_rows
+        base = psutil.Process().memory_info().rss
+        total = 0
+        for w in iter_windows(inp, plan_windows(0, inp.num_rows, 1000), ["prompt"]):
+            total += sum(len(s) for s in w.table.column("prompt").to_pylist())
+        # VmHWM: this process's peak RSS (ru_maxrss would include the forking parent's)
+        peak = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+        print(total, peak - base)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", reader], check=True, capture_output=True, text=True).stdout
+    total, growth = map(int, out.split())
+    assert total > 400_000_000
+    assert growth < 80 * 2**20, f"peak RSS grew by {growth / 2**20:.0f} MiB while reading {total / 2**20:.0f} MiB"
