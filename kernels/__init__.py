@@ -1,1 +1,59 @@
-"""Triton kernels for paged attention and their torch references (installed as ``batchgen.kernels``)."""
+"""Paged-attention kernels (installed as ``batchgen.kernels``): Triton kernels and their torch references.
+
+Every operation has one definition, the torch reference in :mod:`.reference` (also the engine's CPU path),
+and a Triton kernel with the same signature and semantics, one per module:
+
+* store K/V into slots: ``reference.store_kv_ref`` / ``store_kv.store_kv``
+* paged decode attention: ``reference.paged_decode_attention_ref`` / ``decode_attention.paged_decode_attention``
+* paged prefill attention: ``reference.paged_prefill_attention_ref`` /
+  ``prefill_attention.paged_prefill_attention``
+* copy-on-write block copies: ``reference.copy_blocks_ref`` / ``copy_blocks.copy_blocks``
+
+The Triton modules import ``triton`` at import time, so import them only where Triton is wanted (this package
+itself imports only torch). Their kernels are compiled for CUDA tensors and run in Triton's interpreter for CPU
+tensors (or whenever ``TRITON_INTERPRET=1``), see :mod:`._jit`.
+
+KV cache layout (the whole engine uses it)
+------------------------------------------
+One tensor for the model: ``kv_cache[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
+contiguous, zero-initialised; index 0 of dim 1 is K, 1 is V. Layer ``i`` works on the two contiguous planes
+``k_cache = kv_cache[i, 0]`` and ``v_cache = kv_cache[i, 1]``, each ``[num_blocks, block_size, Hkv, D]``.
+
+* ``head_dim`` is innermost: one token's head vector is ``D`` contiguous elements, so the kernels load K/V
+  rows as coalesced ``D``-wide vectors; a block of one kv head is a ``[block_size, D]`` tile with row stride
+  ``Hkv * D``. A whole block (all heads) is one contiguous span, so copy-on-write is a flat memcpy per plane.
+* Token ``t`` of a sequence is at slot ``block_table[t // block_size] * block_size + t % block_size`` of the
+  flattened ``[num_blocks * block_size, Hkv, D]`` plane; slot ``-1`` means "skip" (``store_kv``).
+* Block tables are ``[B, max_blocks]`` int32, padded with 0 (padding is never read for real tokens);
+  ``seq_lens`` ``[B]`` int32 count cached + new tokens; ``cu_seqlens_q`` ``[B+1]`` int32 delimit the packed
+  queries. Block sizes 8, 16, 32 and 64 are supported; head sizes need not be powers of two (64, 80, 96, 128,
+  256 are tested).
+* GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``. Scores, softmax and accumulation are float32;
+  outputs have the query's dtype. Caches may be float16, bfloat16 or float32.
+"""
+
+from .reference import (
+    Workspace,
+    copy_blocks_ref,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kv_ref,
+)
+
+__all__ = [
+    "Workspace",
+    "copy_blocks_ref",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention_ref",
+    "store_kv_ref",
+    "triton_available",
+]
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can be imported (Triton installed and importable)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install raising something else
+        return False
+    return True

@@ -137,7 +137,8 @@ def _prefill_kernel(
 def prefill_tiles(block_d: int, block_g: int, fp32_dot: bool) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps)``: query-tile rows (``BLOCK_Q * BLOCK_G``), keys per step, warps."""
     if fp32_dot:
-        block_m, block_n, num_warps = (32, 32, 8) if block_d <= 128 else (16, 16, 4)
+        # float32 dots run on FMA units (input_precision="ieee"): small tiles keep them out of spills
+        block_m, block_n, num_warps = (32, 32, 8) if block_d <= 64 else (16, 32, 4) if block_d <= 128 else (16, 16, 4)
     elif block_d <= 64:
         block_m, block_n, num_warps = 128, 64, 8
     elif block_d <= 128:
