@@ -348,9 +348,10 @@ def run_job(
     stop = stop or StopSignal(cfg.run.stop_grace_s)
     with outdir, stop.installed() if handle_signals else contextlib.nullcontext(stop):
         if manifest.complete:
-            msg = (
-                f"nothing to do: {out_dir} already holds the complete output ({manifest.num_windows} windows)"
-            )
+            if manifest.num_windows == 0:
+                msg = f"nothing to do: shard {cfg.data.shard.index}/{cfg.data.shard.count} of the input has no rows"
+            else:
+                msg = f"nothing to do: {out_dir} already holds the complete output ({manifest.num_windows} windows)"
             logger.info(msg)
             if print_summary:
                 print(msg)

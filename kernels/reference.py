@@ -22,6 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+# The CPU flash-attention op behind SDPA, which also returns the log-sum-exp: lets a chunk after a cached
+# prefix run as two unmasked calls (prefix, then the causal square) merged exactly, instead of one masked call
+# that computes every masked score and reads a mask. Private API: any failure falls back to the masked call.
+_CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 class Workspace:
@@ -183,10 +187,29 @@ def _prefill_one(
     if ctx == 0:  # square causal: SDPA's own (top-left aligned) causal mask is exact and skips masked tiles
         out = _sdpa(qb, k, v, None, scale, causal=True)
     else:
-        q_pos = ctx + torch.arange(n, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        out = _sdpa(qb, k, v, mask, scale)
+        out = _prefix_then_causal(qb, k, v, ctx, scale)
+        if out is None:
+            q_pos = ctx + torch.arange(n, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            out = _sdpa(qb, k, v, mask, scale)
     return out[0].transpose(0, 1).to(q.dtype)
+
+
+def _prefix_then_causal(q: Tensor, k: Tensor, v: Tensor, ctx: int, scale: float) -> Tensor | None:
+    """``q [1,Hq,n,D]`` at positions ``ctx..ctx+n-1`` over ``k/v [1,Hkv,ctx+n,D]``: attention to the prefix
+    (no mask) and to the new tokens (causal square) merged by their log-sum-exps, in float32. ``None`` when
+    the CPU flash op is unavailable or refuses the inputs."""
+    if _CPU_FLASH_WITH_LSE is None or q.device.type != "cpu" or q.dtype != k.dtype:
+        return None
+    try:
+        o1, lse1 = _CPU_FLASH_WITH_LSE(q, k[:, :, :ctx], v[:, :, :ctx], 0.0, False, attn_mask=None, scale=scale)[:2]
+        o2, lse2 = _CPU_FLASH_WITH_LSE(q, k[:, :, ctx:], v[:, :, ctx:], 0.0, True, attn_mask=None, scale=scale)[:2]
+    except (RuntimeError, TypeError):  # e.g. a torch without GQA support in the op
+        return None
+    m = torch.maximum(lse1, lse2)
+    w1 = torch.exp(lse1 - m).unsqueeze(-1)
+    w2 = torch.exp(lse2 - m).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
 
 
 def _prefill_padded(

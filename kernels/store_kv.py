@@ -35,7 +35,8 @@ def _store_kv_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    mask = (h[:, None] < num_kv_heads) & (d[None, :] < head_dim) & (slot >= 0)
+    heads_to_store = tl.where(slot >= 0, num_kv_heads, 0)  # slot -1: store nothing
+    mask = (h[:, None] < heads_to_store) & (d[None, :] < head_dim)
     dst = tl.maximum(slot, 0) * stride_cache_slot + h[:, None] * stride_cache_head + d[None, :]
     k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

@@ -87,7 +87,10 @@ def test_messages_as_json_strings(tok) -> None:
 def test_check_messages_keeps_extra_fields_and_drops_nulls() -> None:
     out = check_messages([{"role": "user", "content": "a", "name": None}])
     assert out == [{"role": "user", "content": "a"}]
-    assert check_messages([{"role": "user", "content": " "}]) == "messages has no content (every message is empty)"
+    assert (
+        check_messages([{"role": "user", "content": " "}])
+        == "messages has no content (every message is empty)"
+    )
 
 
 def test_per_row_sampling_overrides(tok) -> None:
@@ -130,5 +133,7 @@ def test_id_column_and_seeds(tok) -> None:
     # the seed depends on (job seed, id) only: stable, and different for int/str ids of the same text
     assert row_seed(0, "x") == row_seed(0, "x") and row_seed(1, "x") != row_seed(0, "x")
     assert row_seed(0, 1) != row_seed(0, "1")
-    unseeded = build_prompts(table, 10, PromptSpec(id_column="uid", base_sampling={**BASE, "seed": None}), tok)
+    unseeded = build_prompts(
+        table, 10, PromptSpec(id_column="uid", base_sampling={**BASE, "seed": None}), tok
+    )
     assert unseeded[0].params.seed is None

@@ -24,7 +24,12 @@ from batchgen.data.reader import (
 
 def _write(path: Path, start: int, n: int, row_group_size: int | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    t = pa.table({"k": pa.array(range(start, start + n), pa.int64()), "prompt": [f"p{i}" for i in range(start, start + n)]})
+    t = pa.table(
+        {
+            "k": pa.array(range(start, start + n), pa.int64()),
+            "prompt": [f"p{i}" for i in range(start, start + n)],
+        }
+    )
     pq.write_table(t, path, row_group_size=row_group_size)
 
 
@@ -44,9 +49,19 @@ def multi(tmp_path: Path) -> Path:
 
 def test_resolve_file_dir_glob(multi: Path) -> None:
     files, _ = resolve_files(str(multi))
-    assert [os.path.relpath(f, multi) for f in files] == ["b/x.parquet", "b/y.parquet", "c.parquet", "d/z.parquet"]
+    assert [os.path.relpath(f, multi) for f in files] == [
+        "b/x.parquet",
+        "b/y.parquet",
+        "c.parquet",
+        "d/z.parquet",
+    ]
     files, _ = resolve_files(str(multi / "**" / "*.parquet"))
-    assert [os.path.relpath(f, multi) for f in files] == ["b/x.parquet", "b/y.parquet", "c.parquet", "d/z.parquet"]
+    assert [os.path.relpath(f, multi) for f in files] == [
+        "b/x.parquet",
+        "b/y.parquet",
+        "c.parquet",
+        "d/z.parquet",
+    ]
     files, _ = resolve_files(str(multi / "c.parquet"))
     assert len(files) == 1
     with pytest.raises(InputError, match="does not exist"):
@@ -154,4 +169,6 @@ def test_memory_stays_bounded_by_the_window(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", reader], check=True, capture_output=True, text=True).stdout
     total, growth = map(int, out.split())
     assert total > 400_000_000
-    assert growth < 80 * 2**20, f"peak RSS grew by {growth / 2**20:.0f} MiB while reading {total / 2**20:.0f} MiB"
+    assert growth < 80 * 2**20, (
+        f"peak RSS grew by {growth / 2**20:.0f} MiB while reading {total / 2**20:.0f} MiB"
+    )

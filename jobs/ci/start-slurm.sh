@@ -136,7 +136,9 @@ SlurmctldPidFile=$ROOT/run/slurmctld.pid
 SlurmdPidFile=$ROOT/run/slurmd.pid
 SlurmctldLogFile=$LOG/slurmctld.log
 SlurmdLogFile=$LOG/slurmd.log
-SlurmctldDebug=info
+# debug2 logs each 30 s time-limit pass ("Testing job time limits"): tests/test_slurm.py reads its phase
+# to time a job so that its --signal=B:USR1@N warning lands mid-run.
+SlurmctldDebug=debug2
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none

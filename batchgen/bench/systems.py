@@ -1,0 +1,662 @@
+"""The systems the throughput benchmark compares, each measured in its own subprocess.
+
+``python -m batchgen.bench.systems SPEC.json RESULT.json`` runs one system on one workload: it sets the
+torch thread count, loads the model (not timed), runs a short warm-up, then ``repeats`` timed runs, and
+writes a JSON result with the wall time of every repeat, the generated token ids of the last repeat (in row
+order), prompt tokens computed vs reused, peak memory and, for batchgen, a per-step timeline of the
+engine's stats. A subprocess per system keeps peak memory figures apart and gives every system a fresh
+interpreter.
+
+Systems (all greedy, float32 by default, ``ignore_eos`` so every row generates exactly its ``max_tokens``):
+
+* ``batchgen``: the full pipeline (:func:`batchgen.job.run_job`: Parquet in → prompts → prefix grouping →
+  engine → Parquet parts) with ``data.group_by_prefix=true``; ``batchgen_nogroup`` the same with
+  ``false``. Each repeat gets a fresh engine (empty prefix cache); the timed region is ``run_job`` (planning,
+  tokenization, generation, writing), the model load is not timed. ``batchgen_llm``: ``LLM.generate`` on the
+  token ids (the fallback when the pipeline is unavailable).
+* ``hf_generate``: ``model.generate`` on left-padded static batches of ``hf_batch_size`` rows in input order
+  (contiguous KV cache); a batch generates the longest ``max_tokens`` of its rows, each row keeps its own.
+* ``hf_generate_batch``: transformers' continuous batching (``model.generate_batch``, paged attention,
+  block sharing = prefix caching on) with ``page_size`` = batchgen's block size, the same number of KV token
+  slots, ``max_batch_tokens`` and ``max_requests_per_batch`` as batchgen; with per-row ``max_tokens`` it uses
+  the manager directly (``continuous_batching_context_manager`` + ``add_request(max_new_tokens=...)``).
+* ``vllm``: vLLM's offline ``LLM.generate`` with prefix caching, when importable and CUDA is present.
+* ``matmul``: not a system; measures achieved matmul FLOP/s at the model's shapes (for MFU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import cProfile
+import io
+import json
+import os
+import pstats
+import resource
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("batchgen", "batchgen_nogroup", "batchgen_llm", "hf_generate", "hf_generate_batch", "vllm")
+
+
+class Skip(Exception):
+    """The system cannot run here (e.g. vLLM not installed); the reason goes into the results."""
+
+
+# ------------------------------------------------------------------------------------------ memory
+class PeakRSS:
+    """Samples this process's RSS every `interval` seconds in a thread; ``peak`` in bytes."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self.interval = interval
+        self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _device(spec: dict[str, Any]) -> str:
+    import torch
+
+    d = spec.get("device", "auto")
+    if d == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return d
+
+
+def _engine_config(spec: dict[str, Any]) -> Any:
+    from batchgen.engine.config import EngineConfig
+
+    e = spec["engine"]
+    return EngineConfig(
+        block_size=e["block_size"],
+        max_num_seqs=e["max_num_seqs"],
+        max_num_batched_tokens=e["max_num_batched_tokens"],
+        kv_cache_memory=e["kv_cache_memory"],
+        num_blocks=e.get("num_blocks"),
+        enable_prefix_caching=e.get("enable_prefix_caching", True),
+        device=_device(spec),
+    )
+
+
+def _load_workload(spec: dict[str, Any]) -> dict[str, Any]:
+    from batchgen.bench.workloads import read_workload
+
+    return read_workload(spec["workload_path"])
+
+
+def _warm_prompts(w: dict[str, Any], n: int = 4, length: int = 24) -> list[list[int]]:
+    """Short warm-up prompts: reversed slices of the workload (they share no prefix with it)."""
+    return [list(reversed(t[:length])) for t in w["token_ids"][:n]]
+
+
+class _Timeline:
+    """Wraps ``engine.step`` to record (t, running, waiting, kv_usage, kv_utilisation) after every step."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.t0 = time.perf_counter()
+        self.rows: list[list[float]] = []
+        inner = engine.step
+
+        def step() -> Any:
+            out = inner()
+            s = engine.stats
+            self.rows.append(
+                [
+                    round(time.perf_counter() - self.t0, 4),
+                    s.running_seqs,
+                    s.waiting_seqs,
+                    round(s.kv_usage, 4),
+                    round(s.kv_utilisation, 4),
+                ]
+            )
+            return out
+
+        engine.step = step
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "columns": ["t", "running_seqs", "waiting_seqs", "kv_usage", "kv_utilisation"],
+            "rows": self.rows,
+        }
+
+
+# ------------------------------------------------------------------------------------------ batchgen
+def _job_config(spec: dict[str, Any], out_dir: str, group: bool) -> Any:
+    from batchgen.config import DataOptions, JobConfig, ModelOptions, RunOptions, SamplingOptions
+
+    per_row = len(set(_load_workload(spec)["max_tokens"])) > 1
+    return JobConfig(
+        model=ModelOptions(path=spec["model_path"], dtype=spec["dtype"]),
+        data=DataOptions(
+            input=spec["workload_path"],
+            output=out_dir,
+            prompt_column="prompt",
+            id_column="id",
+            sampling_column="sampling" if per_row else None,
+            window_rows=spec["window_rows"],
+            group_by_prefix=group,
+            overwrite=True,
+        ),
+        engine=_engine_config(spec),
+        sampling=SamplingOptions(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, seed=0),
+        run=RunOptions(progress="off"),
+    )
+
+
+def _read_job_output(out_dir: str) -> tuple[dict[int, list[int]], dict[int, int]]:
+    import pyarrow.parquet as pq
+
+    tokens: dict[int, list[int]] = {}
+    cached: dict[int, int] = {}
+    for p in sorted(Path(out_dir).glob("**/part-*.parquet")):
+        t = pq.read_table(p, columns=["id", "token_ids", "num_cached_tokens", "status", "error"])
+        for rid, ids, c, status, err in zip(*(t.column(i).to_pylist() for i in range(5))):
+            if status != "ok":
+                raise RuntimeError(f"row {rid} failed in the batchgen pipeline: {err}")
+            tokens[int(rid)] = list(ids)
+            cached[int(rid)] = int(c or 0)
+    return tokens, cached
+
+
+def _warm_engine(engine: Any, w: dict[str, Any]) -> None:
+    from batchgen.sampling_params import SamplingParams
+
+    for i, p in enumerate(_warm_prompts(w)):
+        engine.add_request(f"warmup-{i}", p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "prompt_tokens",
+        "prompt_tokens_cached",
+        "prompt_tokens_computed",
+        "generated_tokens",
+        "num_steps",
+    )
+    d = {k: after[k] - before[k] for k in keys}
+    d.update(
+        num_preemptions=after["num_preemptions"] - before["num_preemptions"],
+        peak_running_seqs=after["peak_running_seqs"],
+        peak_kv_usage=after["peak_kv_usage"],
+        num_blocks=after["num_blocks"],
+        block_size=after["block_size"],
+    )
+    return d
+
+
+def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, Any]:
+    """The pipeline (``run_job``) with a fresh engine per repeat; or LLM.generate for ``batchgen_llm``."""
+    from dataclasses import asdict
+
+    from batchgen.engine.llm_engine import LLMEngine
+
+    system = spec["system"]
+    w = _load_workload(spec)
+    via = "pipeline (batchgen.job.run_job)"
+    if system != "batchgen_llm":
+        try:
+            from batchgen.job import run_job
+        except ImportError as e:  # pipeline not available: fall back to the engine API
+            via = f"LLM.generate (pipeline import failed: {e})"
+            system = "batchgen_llm"
+    else:
+        via = "LLM.generate"
+    group = spec["system"] != "batchgen_nogroup"
+    walls: list[float] = []
+    peak = 0
+    base_rss = 0
+    tokens: dict[int, list[int]] = {}
+    cached: dict[int, int] = {}
+    stats: dict[str, Any] = {}
+    timeline: dict[str, Any] = {}
+    prof_text = ""
+    n_runs = spec["repeats"] + (1 if profile else 0)
+    for rep in range(n_runs):
+        profiling = profile is not None and rep == spec["repeats"]
+        engine = LLMEngine(spec["model_path"], _engine_config(spec), dtype=spec["dtype"])
+        _warm_engine(engine, w)
+        before = asdict(engine.stats)
+        tl = _Timeline(engine)
+        base_rss = max(base_rss, _rss())
+        with tempfile.TemporaryDirectory(prefix="bench-job-") as out_dir, PeakRSS() as mem:
+            prof = _profiler(profile) if profiling else contextlib.nullcontext()
+            _reset_cuda_peak()
+            t0 = time.perf_counter()
+            with prof as p:
+                if system == "batchgen_llm":
+                    tokens, cached = _run_llm(engine, w)
+                else:
+                    res = run_job(
+                        _job_config(spec, out_dir, group),
+                        engine=engine,
+                        handle_signals=False,
+                        print_summary=False,
+                    )
+                    if res.exit_code != 0:
+                        raise RuntimeError(f"run_job failed ({res.exit_code}): {res.message}")
+            _sync()
+            wall = time.perf_counter() - t0
+            if system != "batchgen_llm":
+                tokens, cached = _read_job_output(out_dir)
+        if profiling:
+            prof_text = _profile_text(profile, p)
+            continue
+        walls.append(wall)
+        peak = max(peak, mem.peak)
+        stats = _stats_delta(before, asdict(engine.stats))
+        timeline = tl.to_dict()
+        del engine
+    ids = w["ids"]
+    return {
+        "via": via,
+        "wall_s": walls,
+        "token_ids": [tokens[i] for i in ids],
+        "prompt_tokens_cached": sum(cached.get(i, 0) for i in ids),
+        "cached_per_row": [cached.get(i, 0) for i in ids],
+        "engine_stats": stats,
+        "timeline": timeline,
+        "peak_rss": peak,
+        "base_rss": base_rss,
+        "profile": prof_text,
+        "settings": {
+            "group_by_prefix": group if system != "batchgen_llm" else None,
+            "engine": spec["engine"],
+            "window_rows": spec["window_rows"],
+        },
+    }
+
+
+def _run_llm(engine: Any, w: dict[str, Any]) -> tuple[dict[int, list[int]], dict[int, int]]:
+    from batchgen.sampling_params import SamplingParams
+
+    for rid, p, mt in zip(w["ids"], w["token_ids"], w["max_tokens"]):
+        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True))
+    tokens, cached = {}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+            cached[out.request_id] = out.num_cached_tokens
+    return tokens, cached
+
+
+# -------------------------------------------------------------------------------------- profiling
+class _TorchProf:
+    def __enter__(self) -> Any:
+        import torch
+
+        self.p = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        return self.p.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.p.__exit__(*exc)
+
+
+class _CProf:
+    def __enter__(self) -> cProfile.Profile:
+        self.p = cProfile.Profile()
+        self.p.enable()
+        return self.p
+
+    def __exit__(self, *exc: Any) -> None:
+        self.p.disable()
+
+
+def _profiler(kind: str) -> Any:
+    return _TorchProf() if kind == "torch" else _CProf()
+
+
+def _profile_text(kind: str, p: Any) -> str:
+    if kind == "torch":
+        return p.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    s = io.StringIO()
+    st = pstats.Stats(p, stream=s)
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumulative").print_stats(40)
+    return s.getvalue()
+
+
+# -------------------------------------------------------------------------------------- transformers
+def _hf_model(spec: dict[str, Any]) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        spec["dtype"], torch.float32
+    )
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=dtype).to(_device(spec)).eval()
+    # ignore_eos: nothing stops a sequence before max_new_tokens
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _reset_cuda_peak() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_hf_generate(spec: dict[str, Any]) -> dict[str, Any]:
+    """Left-padded static batches of ``hf_batch_size`` rows in input order."""
+    import torch
+    from transformers import GenerationConfig
+
+    w = _load_workload(spec)
+    model = _hf_model(spec)
+    dev = model.device
+    pad = model.generation_config.pad_token_id or 0
+    bs = spec["hf_batch_size"]
+
+    def batch_tensors(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), n), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), n), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, n - len(p) :] = torch.tensor(p)
+            mask[i, n - len(p) :] = 1
+        return ids.to(dev), mask.to(dev)
+
+    def run(prompts: list[list[int]], max_tokens: list[int]) -> tuple[list[list[int]], int]:
+        out: list[list[int]] = []
+        padded = 0
+        for s in range(0, len(prompts), bs):
+            ps, mts = prompts[s : s + bs], max_tokens[s : s + bs]
+            ids, mask = batch_tensors(ps)
+            padded += ids.numel() - int(mask.sum())
+            gc = GenerationConfig(
+                max_new_tokens=max(mts),
+                min_new_tokens=0,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
+            with torch.no_grad():
+                res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+            gen = res[:, ids.shape[1] :].tolist()
+            for g, mt in zip(gen, mts):
+                if len(g) < mt:
+                    raise RuntimeError(f"hf generate stopped early ({len(g)} < {mt} tokens)")
+                out.append(g[:mt])
+        return out, padded
+
+    run(_warm_prompts(w), [4] * 4)
+    walls, peak, tokens, padded = [], 0, [], 0
+    base = _rss()
+    for _ in range(spec["repeats"]):
+        _reset_cuda_peak()
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            tokens, padded = run(w["token_ids"], w["max_tokens"])
+            _sync()
+            walls.append(time.perf_counter() - t0)
+        peak = max(peak, mem.peak)
+    return {
+        "via": f"model.generate, left-padded static batches of {bs} (input order)",
+        "wall_s": walls,
+        "token_ids": tokens,
+        "prompt_tokens_cached": 0,
+        "cached_per_row": [0] * len(tokens),
+        "peak_rss": peak,
+        "base_rss": base,
+        "pad_tokens": padded,
+        "settings": {"batch_size": bs, "padding_side": "left", "cache": "DynamicCache (contiguous)"},
+    }
+
+
+def _count_prefix_hits() -> dict[str, int]:
+    """Wrap transformers' PagedAttentionCache.search_prefix_match to count prompt tokens served from cache."""
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    counter = {"tokens": 0}
+    cls = cb_cache.PagedAttentionCache
+    inner = cls.search_prefix_match
+
+    def wrapped(self: Any, request_id: str, prompt_ids: list[int]) -> int:
+        n = inner(self, request_id, prompt_ids)
+        counter["tokens"] += int(n or 0)
+        return n
+
+    cls.search_prefix_match = wrapped
+    return counter
+
+
+def run_hf_generate_batch(spec: dict[str, Any]) -> dict[str, Any]:
+    """transformers continuous batching with paged attention and prefix sharing."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    w = _load_workload(spec)
+    model = _hf_model(spec)
+    e = spec["engine"]
+    slots = spec["kv_token_slots"]
+    cb_kwargs = dict(
+        page_size=e["block_size"],
+        num_blocks=max(1, slots // e["block_size"]),
+        max_batch_tokens=e["max_num_batched_tokens"],
+        max_requests_per_batch=e["max_num_seqs"],
+        allow_block_sharing=True,
+        seed=0,
+    )
+    pad = model.generation_config.pad_token_id or 0
+    hits = _count_prefix_hits()
+    uniform = len(set(w["max_tokens"])) == 1
+
+    def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        gc = GenerationConfig(
+            max_new_tokens=max(max_tokens), do_sample=False, eos_token_id=-1, pad_token_id=pad
+        )
+        cbc = ContinuousBatchingConfig(**cb_kwargs)
+        if len(set(max_tokens)) == 1:
+            res = model.generate_batch(
+                inputs=prompts, generation_config=gc, continuous_batching_config=cbc, warmup=False
+            )
+            outs = list(res.values())  # in input order
+        else:  # per-row max_new_tokens: drive the manager directly, in generate_batch's (sorted) order
+            order = sorted(range(len(prompts)), key=lambda i: prompts[i], reverse=True)
+            results: dict[str, Any] = {}
+            with model.continuous_batching_context_manager(
+                generation_config=gc, continuous_batching_config=cbc, block=True, timeout=5, warmup=False
+            ) as manager:
+                for i in order:
+                    manager.add_request(
+                        prompts[i], request_id=f"r{i}", max_new_tokens=max_tokens[i], eos_token_id=-1
+                    )
+                while len(results) < len(prompts):
+                    r = manager.get_result(timeout=1)
+                    if r is not None and r.is_finished():
+                        results[r.request_id] = r
+                    elif r is None and not manager.is_running():
+                        raise RuntimeError("transformers continuous batching thread stopped")
+            outs = [results[f"r{i}"] for i in range(len(prompts))]
+        tokens = []
+        for o, mt in zip(outs, max_tokens):
+            if o.error:
+                raise RuntimeError(f"generate_batch request failed: {o.error}")
+            tokens.append(list(o.generated_tokens)[:mt])
+        return tokens
+
+    with torch.no_grad():
+        run(_warm_prompts(w), [4] * 4)
+        walls, peak, tokens = [], 0, []
+        base = _rss()
+        cached = 0
+        for _ in range(spec["repeats"]):
+            hits["tokens"] = 0
+            _reset_cuda_peak()
+            with PeakRSS() as mem:
+                t0 = time.perf_counter()
+                tokens = run(w["token_ids"], w["max_tokens"])
+                _sync()
+                walls.append(time.perf_counter() - t0)
+            peak = max(peak, mem.peak)
+            cached = hits["tokens"]
+    return {
+        "via": "model.generate_batch" if uniform else "continuous_batching_context_manager + add_request",
+        "wall_s": walls,
+        "token_ids": tokens,
+        "prompt_tokens_cached": cached,
+        "cached_per_row": None,
+        "peak_rss": peak,
+        "base_rss": base,
+        "settings": {"attn_implementation": str(model.config._attn_implementation), **cb_kwargs},
+    }
+
+
+def run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise Skip("vLLM needs a CUDA device")
+    try:
+        from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise Skip(f"vllm is not installed ({e})") from e
+    w = _load_workload(spec)
+    llm = LLM(model=spec["model_path"], dtype=spec["dtype"], enable_prefix_caching=True, seed=0)
+    params = [SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True) for mt in w["max_tokens"]]
+    prompts = [{"prompt_token_ids": p} for p in w["token_ids"]]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)
+    walls, tokens = [], []
+    for _ in range(spec["repeats"]):
+        llm.reset_prefix_cache()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return {
+        "via": "vllm.LLM.generate (prefix caching on)",
+        "wall_s": walls,
+        "token_ids": tokens,
+        "prompt_tokens_cached": None,
+        "cached_per_row": None,
+        "peak_rss": _rss(),
+        "base_rss": 0,
+        "settings": {"enable_prefix_caching": True},
+    }
+
+
+# ------------------------------------------------------------------------------------------ matmul
+def run_matmul(spec: dict[str, Any]) -> dict[str, Any]:
+    """Achieved FLOP/s of ``[M, K] @ [K, N]`` at the model's linear shapes, M in ``matmul_rows``."""
+    import torch
+
+    dev = _device(spec)
+    dtype = getattr(torch, spec["dtype"]) if spec["dtype"] != "auto" else torch.float32
+    shapes = spec["matmul_shapes"]  # [[name, K, N], ...]
+    rows = []
+    for m in spec["matmul_rows"]:
+        for name, k, n in shapes:
+            a = torch.randn(m, k, dtype=dtype, device=dev)
+            b = torch.randn(k, n, dtype=dtype, device=dev)
+            for _ in range(3):
+                a @ b
+            _sync()
+            iters, t0 = 0, time.perf_counter()
+            while True:
+                a @ b
+                iters += 1
+                if iters % 4 == 0:
+                    _sync()
+                    if time.perf_counter() - t0 > spec.get("matmul_seconds", 0.3):
+                        break
+            el = time.perf_counter() - t0
+            rows.append({"m": m, "name": name, "k": k, "n": n, "flops_per_s": 2 * m * k * n * iters / el})
+    return {"shapes": rows, "peak_flops_per_s": max(r["flops_per_s"] for r in rows)}
+
+
+# --------------------------------------------------------------------------------------------- main
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(int(spec["threads"]))
+    torch.manual_seed(0)
+    system = spec["system"]
+    t0 = time.perf_counter()
+    # the machine's matmul speed right now, beside this system's run (shared machines drift)
+    matmul = run_matmul(spec) if spec.get("matmul_shapes") and system != "matmul" else None
+    try:
+        if system == "matmul":
+            res = run_matmul(spec)
+        elif system.startswith("batchgen"):
+            res = run_batchgen(spec, profile=spec.get("profile"))
+        elif system == "hf_generate":
+            res = run_hf_generate(spec)
+        elif system == "hf_generate_batch":
+            res = run_hf_generate_batch(spec)
+        elif system == "vllm":
+            res = run_vllm(spec)
+        else:
+            raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+        res["status"] = "ok"
+    except Skip as e:
+        res = {"status": "skipped", "reason": str(e)}
+    res["system"] = system
+    if matmul is not None:
+        res["matmul"] = matmul
+    res["threads"] = torch.get_num_threads()
+    res["device"] = _device(spec)
+    res["process_seconds"] = time.perf_counter() - t0
+    res["ru_maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    if torch.cuda.is_available() and res["device"].startswith("cuda"):
+        res["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m batchgen.bench.systems SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    res = run(spec)
+    tmp = argv[1] + ".tmp"
+    Path(tmp).write_text(json.dumps(res))
+    os.replace(tmp, argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,651 @@
+"""Throughput benchmark: batchgen side by side with Hugging Face (and vLLM on GPU), same run, same machine.
+
+    python -m batchgen.bench.throughput                       # the three workloads, all systems
+    python -m batchgen.bench.throughput workload=shared_prefix rows=256 max_tokens=64 repeats=3 \
+        systems=[batchgen,batchgen_nogroup,hf_generate,hf_generate_batch]
+
+Steps: build (or reuse) the model checkpoint — by default a ~50M-parameter random Llama made locally with
+:func:`batchgen.models.tiny.build_checkpoint`, float32 — write every workload as Parquet into
+``output_dir/workloads/`` (seeded, rerunnable), measure the machine's matmul FLOP/s at the model's shapes, then
+run every (workload, system) pair in its own subprocess (:mod:`batchgen.bench.systems`) and write
+``results.json``, ``results.md`` (the table, also printed) and PNG charts into ``output_dir``.
+
+Figures per system and workload: generated tok/s and total (prompt + generated) tok/s over the median wall
+time of ``repeats`` runs (min–max spread beside), peak RSS (CPU) or ``torch.cuda.max_memory_allocated``
+(GPU), prompt tokens computed vs reused, model FLOP utilisation (model FLOPs of the work done ÷ wall time ÷
+the best matmul FLOP/s measured at the model's shapes), rows whose greedy tokens differ from
+``hf_generate``'s, and batchgen's generated tok/s divided by this system's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from batchgen.bench.workloads import WORKLOADS, WorkloadSpec, describe, make_workload, write_workload
+
+DEFAULT_ROWS = {"shared_prefix": 256, "unique": 128, "long_tail": 128}
+REFERENCE = "hf_generate"
+
+
+@dataclass
+class BenchModel:
+    """``model.*``: the checkpoint; ``path`` null = build a random Llama with the sizes below."""
+
+    path: str | None = None
+    hidden_size: int = 512
+    num_layers: int = 12
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    intermediate_size: int = 2048
+    vocab_size: int = 4096
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.08
+    seed: int = 0
+
+
+@dataclass
+class BenchEngine:
+    """``engine.*``: batchgen's engine options (HF continuous batching gets the same budgets)."""
+
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    kv_cache_memory: str = "2GiB"
+    num_blocks: int | None = None
+
+
+@dataclass
+class ThroughputConfig:
+    """The benchmark's options (``key=value`` on the command line)."""
+
+    workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
+    workload: str | None = None
+    """Shorthand for workloads=[NAME]."""
+    rows: int | None = None
+    """Rows per workload (null: shared_prefix 256, unique 128, long_tail 128)."""
+    max_tokens: int = 64
+    """Generated tokens per row (long_tail: the median of its lognormal)."""
+    repeats: int = 3
+    systems: list[str] = field(
+        default_factory=lambda: ["batchgen", "batchgen_nogroup", "hf_generate", "hf_generate_batch", "vllm"]
+    )
+    seed: int = 0
+    threads: int = 2
+    """torch.set_num_threads in every subprocess (and OMP/MKL_NUM_THREADS)."""
+    device: str = "auto"
+    dtype: str = "float32"
+    output_dir: str = "bench_results/throughput"
+    hf_batch_size: int = 32
+    window_rows: int = 1024
+    profile: str | None = None
+    """cprofile or torch: one extra, untimed batchgen run under that profiler (profile_<workload>.txt)."""
+    matmul_seconds: float = 0.3
+    system_timeout_s: float = 7200.0
+    model: BenchModel = field(default_factory=BenchModel)
+    engine: BenchEngine = field(default_factory=BenchEngine)
+
+
+def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="throughput_schema", node=ThroughputConfig)
+
+
+# --------------------------------------------------------------------------------------------- model
+def _cache_root() -> Path:
+    return Path(os.environ.get("BATCHGEN_CACHE") or Path.home() / ".cache" / "batchgen")
+
+
+def ensure_model(m: BenchModel) -> str:
+    """The checkpoint path: ``m.path``, or a random Llama built once into the batchgen cache."""
+    if m.path:
+        return os.path.expanduser(m.path)
+    from batchgen.models.tiny import build_checkpoint
+
+    spec = asdict(m)
+    spec.pop("path")
+    name = "bench-llama-" + "-".join(f"{v}" for v in spec.values())
+    target = _cache_root() / name
+    if (target / "config.json").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    try:
+        build_checkpoint(
+            tmp,
+            "llama",
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            intermediate_size=m.intermediate_size,
+            vocab_size=m.vocab_size,
+            max_position_embeddings=m.max_position_embeddings,
+            initializer_range=m.initializer_range,
+            seed=m.seed,
+        )
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+@dataclass
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def from_checkpoint(cls, path: str) -> ModelShape:
+        c = json.loads((Path(path) / "config.json").read_text())
+        heads = c["num_attention_heads"]
+        return cls(
+            hidden=c["hidden_size"],
+            layers=c["num_hidden_layers"],
+            heads=heads,
+            kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            intermediate=c["intermediate_size"],
+            vocab=c["vocab_size"],
+        )
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate
+
+    @property
+    def params(self) -> int:
+        """Parameters excluding norms and biases (embedding and lm_head counted once each)."""
+        return self.layers * self.layer_params + 2 * self.hidden * self.vocab
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def matmul_shapes(self) -> list[list[Any]]:
+        h, i = self.hidden, self.intermediate
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        return [["qkv", h, qkv], ["gate_up", h, 2 * i], ["down", i, h], ["lm_head", h, self.vocab]]
+
+    def flops(self, prompt_len: int, cached: int, gen: int) -> float:
+        """Model FLOPs to produce `gen` tokens after a prompt of which `cached` tokens were reused.
+
+        Linear layers: 2 FLOPs per parameter per forwarded token (prompt tokens not cached, plus gen-1
+        decode tokens); lm_head once per generated token; attention: QKᵀ and PV, 4·heads·head_dim FLOPs
+        per (query, key) pair per layer, causal.
+        """
+        first, last = cached, prompt_len + gen - 2  # positions forwarded
+        fwd = max(0, last - first + 1)
+        pairs = (last + 1) * (last + 2) / 2 - first * (first + 1) / 2 if fwd else 0
+        linear = 2 * self.layers * self.layer_params * fwd + 2 * self.hidden * self.vocab * gen
+        attn = 4 * self.heads * self.head_dim * self.layers * pairs
+        return float(linear + attn)
+
+
+# -------------------------------------------------------------------------------------------- machine
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    info = {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "loadavg": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def measure_matmul(shape: ModelShape, cfg: ThroughputConfig) -> dict[str, Any]:
+    """Achieved matmul FLOP/s at the model's linear shapes, in this process with `threads` threads."""
+    import torch
+
+    from batchgen.bench.systems import run_matmul
+
+    torch.set_num_threads(cfg.threads)
+    rows = sorted({cfg.hf_batch_size, 256})
+    return run_matmul(
+        {
+            "device": cfg.device,
+            "dtype": cfg.dtype,
+            "matmul_shapes": shape.matmul_shapes(),
+            "matmul_rows": rows,
+            "matmul_seconds": cfg.matmul_seconds,
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------- runs
+def run_system(spec: dict[str, Any], work_dir: Path, timeout: float) -> dict[str, Any]:
+    """Run one system in a subprocess; returns its result dict (status error + log tail on failure)."""
+    tag = f"{spec['workload']}-{spec['system']}"
+    spec_path, out_path, log_path = (work_dir / f"{tag}.{x}" for x in ("spec.json", "result.json", "log"))
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS=str(spec["threads"]),
+        MKL_NUM_THREADS=str(spec["threads"]),
+        TOKENIZERS_PARALLELISM="false",
+        TRANSFORMERS_VERBOSITY="error",
+        HF_HUB_OFFLINE="1",
+    )
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "batchgen.bench.systems", str(spec_path), str(out_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=timeout,
+            )
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+    elapsed = time.perf_counter() - t0
+    if rc == 0 and out_path.is_file():
+        res = json.loads(out_path.read_text())
+    else:
+        tail = log_path.read_text()[-3000:] if log_path.is_file() else ""
+        res = {"system": spec["system"], "status": "error", "reason": f"exit status {rc}", "log_tail": tail}
+    res["loadavg_before"] = list(load0)
+    res["loadavg_after"] = list(os.getloadavg())
+    res["subprocess_seconds"] = elapsed
+    return res
+
+
+def _summarise(
+    res: dict[str, Any], wl: dict[str, Any], shape: ModelShape, peak_flops: float, ref: list | None
+) -> dict[str, Any]:
+    """Figures of one system on one workload (status ok)."""
+    walls = res["wall_s"]
+    med = statistics.median(walls)
+    prompt_lens = [len(p) for p in wl["token_ids"]]
+    gen = sum(wl["max_tokens"])
+    prompt = sum(prompt_lens)
+    produced = sum(len(t) for t in res["token_ids"])
+    cached_rows = res.get("cached_per_row")
+    cached_total = res.get("prompt_tokens_cached")
+    if cached_rows is None:  # only a total is known: linear FLOPs use it, attention assumes no reuse
+        flops = sum(shape.flops(p, 0, g) for p, g in zip(prompt_lens, wl["max_tokens"]))
+        flops -= 2 * shape.layers * shape.layer_params * (cached_total or 0)
+    else:
+        flops = sum(shape.flops(p, c, g) for p, c, g in zip(prompt_lens, cached_rows, wl["max_tokens"]))
+    out = {
+        "system": res["system"],
+        "via": res.get("via", ""),
+        "status": "ok",
+        "repeats": len(walls),
+        "wall_s": walls,
+        "wall_s_median": med,
+        "wall_s_min": min(walls),
+        "wall_s_max": max(walls),
+        "generated_tokens": gen,
+        "generated_tokens_produced": produced,
+        "prompt_tokens": prompt,
+        "gen_tok_s": gen / med,
+        "gen_tok_s_min": gen / max(walls),
+        "gen_tok_s_max": gen / min(walls),
+        "total_tok_s": (gen + prompt) / med,
+        "prompt_tokens_reused": cached_total,
+        "prompt_tokens_computed": None if cached_total is None else prompt - cached_total,
+        "model_flops": flops,
+        "achieved_flops_per_s": flops / med,
+        "mfu": flops / med / peak_flops if peak_flops else None,
+        "peak_rss_bytes": res.get("peak_rss"),
+        "base_rss_bytes": res.get("base_rss"),
+        "ru_maxrss_bytes": res.get("ru_maxrss"),
+        "cuda_max_memory_allocated": res.get("cuda_max_memory_allocated"),
+        "settings": res.get("settings", {}),
+        "loadavg_before": res.get("loadavg_before"),
+        "loadavg_after": res.get("loadavg_after"),
+    }
+    if res.get("engine_stats"):
+        out["engine_stats"] = res["engine_stats"]
+    if res.get("pad_tokens") is not None:
+        out["pad_tokens"] = res["pad_tokens"]
+    if ref is not None:
+        mism = [i for i, (a, b) in enumerate(zip(res["token_ids"], ref)) if list(a) != list(b)]
+        out["mismatch_rows"] = len(mism) + abs(len(ref) - len(res["token_ids"]))
+        out["mismatch_examples"] = mism[:10]
+    else:
+        out["mismatch_rows"] = None
+    return out
+
+
+def run_benchmark(cfg: ThroughputConfig) -> dict[str, Any]:
+    """Run everything `cfg` asks for; writes and returns the results dict."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    workloads = [cfg.workload] if cfg.workload else list(cfg.workloads)
+    for w in workloads:
+        if w not in WORKLOADS:
+            raise ValueError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    out = Path(cfg.output_dir)
+    (out / "workloads").mkdir(parents=True, exist_ok=True)
+    work_dir = out / "runs"
+    work_dir.mkdir(exist_ok=True)
+    t_start = time.perf_counter()
+    machine = machine_info()
+    model_path = ensure_model(cfg.model)
+    shape = ModelShape.from_checkpoint(model_path)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    print(f"model: {model_path} ({shape.params / 1e6:.1f}M parameters, {cfg.dtype})", flush=True)
+    matmul = measure_matmul(shape, cfg)
+    matmul["parent_peak_flops_per_s"] = peak = matmul["peak_flops_per_s"]
+    matmul["per_system"] = []
+    raws: dict[str, Any] = {}
+    print(f"matmul at model shapes: best {peak / 1e9:.1f} GFLOP/s ({cfg.threads} threads)", flush=True)
+
+    dtype_bytes = 2 if cfg.dtype in ("float16", "bfloat16") else 4
+    e = cfg.engine
+    if e.num_blocks:
+        slots = e.num_blocks * e.block_size
+    else:
+        from batchgen.engine.config import parse_bytes
+
+        per_block = shape.kv_bytes_per_token(dtype_bytes) * e.block_size
+        slots = parse_bytes(e.kv_cache_memory) // per_block * e.block_size
+
+    results: dict[str, Any] = {
+        "command": "python -m batchgen.bench.throughput " + " ".join(sys.argv[1:]),
+        "config": asdict(cfg),
+        "machine": machine,
+        "model": {"path": model_path, "params": shape.params, **asdict(shape)},
+        "matmul": matmul,
+        "workloads": {},
+    }
+    for name in workloads:
+        rows = cfg.rows or DEFAULT_ROWS[name]
+        table = make_workload(name, WorkloadSpec(rows=rows, max_tokens=cfg.max_tokens, seed=cfg.seed), tok)
+        path = write_workload(table, out / "workloads" / f"{name}.parquet")
+        wl_cols = pq.read_table(path, columns=["prompt_token_ids", "max_tokens"])
+        wl = {
+            "token_ids": wl_cols.column(0).to_pylist(),
+            "max_tokens": wl_cols.column(1).to_pylist(),
+        }
+        info = describe(table)
+        print(f"\n== {name}: {info}", flush=True)
+        raw: dict[str, dict[str, Any]] = {}
+        # the reference runs first so every other system can be compared with it
+        order = sorted(cfg.systems, key=lambda s: s != REFERENCE)
+        for system in order:
+            spec = {
+                "system": system,
+                "workload": name,
+                "workload_path": path,
+                "model_path": model_path,
+                "dtype": cfg.dtype,
+                "device": cfg.device,
+                "threads": cfg.threads,
+                "repeats": cfg.repeats,
+                "max_tokens": cfg.max_tokens,
+                "window_rows": cfg.window_rows,
+                "hf_batch_size": cfg.hf_batch_size,
+                "engine": asdict(cfg.engine),
+                "kv_token_slots": slots,
+                "profile": cfg.profile if system == "batchgen" else None,
+                "matmul_shapes": shape.matmul_shapes(),
+                "matmul_rows": sorted({cfg.hf_batch_size, 256}),
+                "matmul_seconds": cfg.matmul_seconds,
+            }
+            res = run_system(spec, work_dir, cfg.system_timeout_s)
+            raw[system] = res
+            msg = res["status"]
+            if res["status"] == "ok":
+                msg += (
+                    f": median {statistics.median(res['wall_s']):.2f} s over {len(res['wall_s'])} repeat(s)"
+                )
+            else:
+                msg += f": {res.get('reason', '')}"
+            print(f"  {system:18s} {msg} (load {res['loadavg_after'][0]:.2f})", flush=True)
+            if res.get("profile"):
+                (out / f"profile_{name}_{cfg.profile}.txt").write_text(res["profile"])
+            if res.get("matmul"):
+                matmul["per_system"].append(
+                    {
+                        "workload": name,
+                        "system": system,
+                        "peak_flops_per_s": res["matmul"]["peak_flops_per_s"],
+                    }
+                )
+                peak = max(peak, res["matmul"]["peak_flops_per_s"])
+        raws[name] = (info, path, wl, raw)
+        _summarise_all(results, raws, cfg, shape, peak, out)
+    results["machine"]["loadavg_end"] = list(os.getloadavg())
+    results["elapsed_s"] = time.perf_counter() - t_start
+    _summarise_all(results, raws, cfg, shape, peak, out)
+    md = format_markdown(results)
+    make_charts(results, out)
+    print("\n" + md, flush=True)
+    return results
+
+
+def _summarise_all(
+    results: dict[str, Any],
+    raws: dict[str, Any],
+    cfg: ThroughputConfig,
+    shape: ModelShape,
+    peak: float,
+    out: Path,
+) -> None:
+    """(Re)compute every workload's figures with the best matmul FLOP/s seen so far; write the files."""
+    results["matmul"]["peak_flops_per_s"] = peak
+    for name, (info, path, wl, raw) in raws.items():
+        ref = raw.get(REFERENCE, {})
+        ref_tokens = ref.get("token_ids") if ref.get("status") == "ok" else None
+        systems: dict[str, Any] = {}
+        for system in cfg.systems:
+            res = raw[system]
+            if res["status"] == "ok":
+                systems[system] = _summarise(res, wl, shape, peak, ref_tokens)
+            else:
+                systems[system] = {
+                    "system": system,
+                    "status": res["status"],
+                    "reason": res.get("reason"),
+                    "log_tail": res.get("log_tail"),
+                }
+        ours = systems.get("batchgen", {})
+        for s in systems.values():
+            if s["status"] == "ok" and ours.get("status") == "ok":
+                s["batchgen_ratio"] = ours["gen_tok_s"] / s["gen_tok_s"]
+        timeline = raw.get("batchgen", {}).get("timeline")
+        results["workloads"][name] = {
+            "path": path,
+            "info": info,
+            "systems": systems,
+            "timeline": timeline,
+            "reference": REFERENCE if ref_tokens is not None else None,
+        }
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "results.md").write_text(format_markdown(results))
+
+
+# -------------------------------------------------------------------------------------------- output
+def _mib(b: Any) -> str:
+    return f"{b / 2**20:,.0f}" if b else "–"
+
+
+def format_markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    mm = results["model"]
+    cfg = results["config"]
+    lines = [
+        "# Throughput benchmark",
+        "",
+        f"Command: `{results['command']}`",
+        "",
+        f"Machine: {m['cpu']}, nproc={m['nproc']}, torch {m['torch']}, transformers {m.get('transformers', '?')}"
+        + (f", GPU {m['gpu']}" if m.get("gpu") else "")
+        + f"; load average at start {m['loadavg'][0]:.2f}, at end {m.get('loadavg_end', [0])[0]:.2f}; "
+        f"threads={cfg['threads']}.",
+        "",
+        f"Model: random Llama, {mm['params'] / 1e6:.1f}M parameters (hidden {mm['hidden']}, {mm['layers']} layers, "
+        f"{mm['heads']} heads / {mm['kv_heads']} KV heads, intermediate {mm['intermediate']}, vocab {mm['vocab']}), "
+        f"{cfg['dtype']}; greedy, ignore_eos. Matmul at the model's shapes: best "
+        f"{results['matmul']['peak_flops_per_s'] / 1e9:.1f} GFLOP/s "
+        "(the best of the measurements taken before the run and in every system's subprocess; MFU denominator).",
+        "",
+    ]
+    for name, w in results["workloads"].items():
+        i = w["info"]
+        lines += [
+            f"## {name}",
+            "",
+            f"{i['rows']} rows; prompt tokens {i['prompt_tokens']:,} (min {i['prompt_len_min']}, median "
+            f"{i['prompt_len_median']:.0f}, max {i['prompt_len_max']}); generated tokens {i['output_tokens']:,} "
+            f"(per row {i['output_len_min']}–{i['output_len_max']}). Wall time = median of the repeats "
+            "(min–max in brackets).",
+            "",
+            "| system | gen tok/s | total tok/s | wall s | peak RSS MiB | prompt tok computed / reused | MFU | "
+            "mismatch rows vs hf_generate | batchgen ÷ system |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for s in w["systems"].values():
+            if s["status"] != "ok":
+                lines.append(f"| {s['system']} | {s['status']}: {s.get('reason', '')} |||||||| ")
+                continue
+            reuse = (
+                "n/a"
+                if s["prompt_tokens_reused"] is None
+                else f"{s['prompt_tokens_computed']:,} / {s['prompt_tokens_reused']:,}"
+            )
+            mem = (
+                _mib(s["cuda_max_memory_allocated"]) + " (CUDA)"
+                if s.get("cuda_max_memory_allocated")
+                else _mib(s["peak_rss_bytes"])
+            )
+            mfu = "–" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+            mism = "–" if s["mismatch_rows"] is None else str(s["mismatch_rows"])
+            ratio = f"{s['batchgen_ratio']:.2f}×" if "batchgen_ratio" in s else "–"
+            lines.append(
+                f"| {s['system']} | {s['gen_tok_s']:,.1f} ({s['gen_tok_s_min']:,.1f}–{s['gen_tok_s_max']:,.1f}) "
+                f"| {s['total_tok_s']:,.1f} | {s['wall_s_median']:.2f} ({s['wall_s_min']:.2f}–"
+                f"{s['wall_s_max']:.2f}) | {mem} | {reuse} | {mfu} | {mism} | {ratio} |"
+            )
+        lines += ["", "Settings:", ""]
+        for s in w["systems"].values():
+            if s["status"] == "ok":
+                lines.append(f"- {s['system']}: {s['via']}; {json.dumps(s['settings'])}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def make_charts(results: dict[str, Any], out: Path) -> list[str]:
+    """throughput.png (generated tok/s by system and workload) and timeline_<workload>.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    paths = []
+    names = list(results["workloads"])
+    systems = list(dict.fromkeys(s for w in results["workloads"].values() for s in w["systems"]))
+    fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(names)), 4))
+    width = 0.8 / max(1, len(systems))
+    for j, sys_name in enumerate(systems):
+        vals, lo, hi = [], [], []
+        for n in names:
+            s = results["workloads"][n]["systems"].get(sys_name, {})
+            ok = s.get("status") == "ok"
+            vals.append(s["gen_tok_s"] if ok else 0)
+            lo.append(s["gen_tok_s"] - s["gen_tok_s_min"] if ok else 0)
+            hi.append(s["gen_tok_s_max"] - s["gen_tok_s"] if ok else 0)
+        x = np.arange(len(names)) + (j - (len(systems) - 1) / 2) * width
+        ax.bar(x, vals, width, yerr=[lo, hi], capsize=2, label=sys_name)
+    ax.set_xticks(np.arange(len(names)), names)
+    ax.set_ylabel("generated tokens / s (median, min–max)")
+    ax.set_title(f"Throughput ({results['machine']['cpu'][:40]}, {results['config']['threads']} threads)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = out / "throughput.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(str(p))
+
+    for n in names:
+        tl = results["workloads"][n].get("timeline")
+        if not tl or not tl.get("rows"):
+            continue
+        arr = np.array(tl["rows"], dtype=float)
+        t, running, waiting, usage, util = arr.T
+        fig, ax1 = plt.subplots(figsize=(7, 3.6))
+        ax1.plot(t, 100 * usage, label="KV blocks in use (% of pool)", color="tab:blue")
+        ax1.plot(t, 100 * util, label="KV utilisation (live slots ÷ allocated)", color="tab:green")
+        ax1.set_ylim(0, 105)
+        ax1.set_xlabel("seconds")
+        ax1.set_ylabel("%")
+        ax2 = ax1.twinx()
+        ax2.plot(t, running, label="running sequences", color="tab:red")
+        ax2.plot(t, waiting, label="waiting sequences", color="tab:orange", alpha=0.6)
+        ax2.set_ylabel("sequences")
+        h1, l1 = ax1.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax1.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower right")
+        ax1.set_title(f"batchgen engine over time: {n}")
+        fig.tight_layout()
+        p = out / f"timeline_{n}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(str(p))
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------- main
+register_configs()
+
+
+@hydra.main(config_path="pkg://batchgen.conf", config_name="bench/throughput", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, ThroughputConfig)
+    run_benchmark(obj)
+
+
+if __name__ == "__main__":
+    main()

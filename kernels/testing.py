@@ -1,0 +1,87 @@
+"""Random paged batches for the kernel tests and benchmarks (no Triton needed).
+
+:func:`make_paged_batch` lays ``B`` sequences out in a paged cache the way the engine does: each sequence gets
+``ceil(seq_len / block_size)`` physical blocks drawn from a shuffled pool (so tables are non-contiguous and
+unordered), tables are padded with block 0, and the packed queries of sequence ``b`` are its last
+``q_lens[b]`` tokens. Every cache slot, used or not, holds random values, so a kernel that reads past a
+sequence's length or through a padding entry gives a wrong answer instead of a lucky zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class PagedBatch:
+    q: Tensor  # [T, Hq, D] packed queries (decode: T == B)
+    k_cache: Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: Tensor
+    block_tables: Tensor  # [B, max_blocks] int32, padded with 0
+    seq_lens: Tensor  # [B] int32
+    cu_seqlens_q: Tensor  # [B+1] int32
+    q_lens: list[int]
+    scale: float
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max())
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.q_lens)
+
+    def kv_bytes_read(self) -> int:
+        """Bytes of K and V a kernel must read: every context token's K and V rows of every kv head."""
+        _, _, hkv, d = self.k_cache.shape
+        return 2 * int(self.seq_lens.sum()) * hkv * d * self.k_cache.element_size()
+
+
+def make_paged_batch(
+    seq_lens: list[int],
+    q_lens: list[int] | None = None,
+    *,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    extra_blocks: int = 3,
+    shuffle: bool = True,
+    seed: int = 0,
+) -> PagedBatch:
+    """``q_lens`` defaults to one query per sequence (decode). ``q_lens[b] <= seq_lens[b]``."""
+    if q_lens is None:
+        q_lens = [1] * len(seq_lens)
+    assert len(q_lens) == len(seq_lens) and all(1 <= n <= s for n, s in zip(q_lens, seq_lens))
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    order = torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)
+    max_blocks = max(blocks_per_seq)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = order[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    return PagedBatch(
+        q=q.to(device),
+        k_cache=k_cache.to(device),
+        v_cache=v_cache.to(device),
+        block_tables=tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        q_lens=list(q_lens),
+        scale=head_dim**-0.5,
+    )

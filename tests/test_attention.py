@@ -1,0 +1,228 @@
+"""The torch references (the engine's CPU attention path) against a naive per-sequence implementation, and the
+``PagedAttention`` interface (store then attend, decode/prefill split, backend resolution).
+
+Tolerances: float32 inputs 1e-5 (absolute and relative); bfloat16 inputs 2e-2 (bf16 has an 8-bit mantissa:
+the output alone rounds by up to 2^-8 relative), against a float64 computation on the same (rounded) values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.engine.attention import AttentionMetadata, PagedAttention, resolve_backend
+from batchgen.kernels import reference
+from batchgen.kernels.testing import make_paged_batch
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def naive_attention(q, k_cache, v_cache, table: list[int], seq_len: int, scale: float):
+    """``q [n, Hq, D]`` at positions ``seq_len-n .. seq_len-1``, in float64, one query and head at a time."""
+    n, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    slots = [table[t // block_size] * block_size + t % block_size for t in range(seq_len)]
+    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
+    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
+    out = torch.empty(n, num_q_heads, head_dim, dtype=torch.float64)
+    for i in range(n):
+        pos = seq_len - n + i
+        for h in range(num_q_heads):
+            scores = keys[: pos + 1, h // group] @ q[i, h].double() * scale
+            out[i, h] = torch.softmax(scores, dim=0) @ values[: pos + 1, h // group]
+    return out
+
+
+def naive_batch(batch) -> torch.Tensor:
+    cu = batch.cu_seqlens_q.tolist()
+    return torch.cat(
+        [
+            naive_attention(
+                batch.q[cu[b] : cu[b + 1]],
+                batch.k_cache,
+                batch.v_cache,
+                batch.block_tables[b].tolist(),
+                int(batch.seq_lens[b]),
+                batch.scale,
+            )
+            for b in range(len(batch.q_lens))
+        ]
+    )
+
+
+def ragged_lengths(block_size: int) -> list[int]:
+    return [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3]
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_reference_matches_naive(block_size, num_q_heads, num_kv_heads, dtype):
+    batch = make_paged_batch(
+        ragged_lengths(block_size), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=32,
+        block_size=block_size, dtype=dtype, seed=block_size,
+    )  # fmt: skip
+    out = reference.paged_decode_attention_ref(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale
+    )
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out.double(), naive_batch(batch), **TOL[dtype])
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_decode_reference_uniform_lengths_and_workspace(head_dim):
+    """All sequences equally long (no mask needed) and a reused workspace give the same answer."""
+    ws = reference.Workspace()
+    for lens in ([37, 37, 37], [5, 70, 33], [2, 2]):
+        batch = make_paged_batch(lens, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, seed=len(lens))
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale)
+        out = reference.paged_decode_attention_ref(*args, workspace=ws)
+        torch.testing.assert_close(out.double(), naive_batch(batch), **TOL[torch.float32])
+
+
+# (q_len, cached context) per sequence: single-token prompt, whole blocks, chunks straddling block boundaries,
+# a short chunk after a long prefix (chunked prefill / prefix-cache hit).
+PREFILL_CASES = {
+    "ragged": [(1, 0), (15, 0), (16, 0), (17, 15), (5, 80), (40, 9)],
+    "uniform": [(12, 20), (12, 20), (12, 21)],
+    "single": [(33, 31)],
+    "fresh": [(50, 0)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_reference_matches_naive(case, block_size, num_q_heads, num_kv_heads, dtype):
+    spec = PREFILL_CASES[case]
+    batch = make_paged_batch(
+        [n + c for n, c in spec], [n for n, _ in spec], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=32, block_size=block_size, dtype=dtype, seed=7,
+    )  # fmt: skip
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables)
+    expected = naive_batch(batch)
+    out = reference.paged_prefill_attention_ref(*args, batch.scale)
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out.double(), expected, **TOL[dtype])
+    # Both strategies (one padded SDPA call / one call per sequence) agree whichever the heuristic picks.
+    padded = reference._prefill_padded(*args, batch.scale, reference.Workspace())
+    torch.testing.assert_close(padded.double(), expected, **TOL[dtype])
+
+
+def test_prefill_heuristic_picks_padded_for_uniform_batches(monkeypatch):
+    calls = []
+    real = reference._prefill_padded
+    monkeypatch.setattr(reference, "_prefill_padded", lambda *a: calls.append(1) or real(*a))
+    uniform = make_paged_batch([32, 32, 31], [8, 8, 8])
+    reference.paged_prefill_attention_ref(
+        uniform.q, uniform.k_cache, uniform.v_cache, uniform.cu_seqlens_q, uniform.seq_lens,
+        uniform.block_tables, uniform.scale,
+    )  # fmt: skip
+    assert calls == [1]
+    ragged = make_paged_batch([600, 4, 3], [600, 4, 3])
+    reference.paged_prefill_attention_ref(
+        ragged.q, ragged.k_cache, ragged.v_cache, ragged.cu_seqlens_q, ragged.seq_lens, ragged.block_tables,
+        ragged.scale,
+    )  # fmt: skip
+    assert calls == [1]
+
+
+def test_zero_cache_gives_finite_outputs():
+    """The engine zero-initialises the cache; padding and masked positions never produce NaN."""
+    batch = make_paged_batch([1, 3, 17], [1, 2, 17], num_q_heads=4, num_kv_heads=2, head_dim=16)
+    batch.k_cache.zero_()
+    batch.v_cache.zero_()
+    dec = reference.paged_decode_attention_ref(
+        batch.q[:3], batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale
+    )
+    pre = reference.paged_prefill_attention_ref(
+        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
+        batch.scale,
+    )  # fmt: skip
+    assert torch.equal(dec, torch.zeros_like(dec)) and torch.equal(pre, torch.zeros_like(pre))
+
+
+def test_store_kv_reference_skips_negative_slots():
+    k_cache = torch.zeros(4, 8, 2, 16)
+    v_cache = torch.zeros(4, 8, 2, 16)
+    key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    reference.store_kv_ref(key, value, k_cache, v_cache, torch.tensor([9, -1, 31]))
+    flat_k, flat_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
+    assert torch.equal(flat_k[9], key[0]) and torch.equal(flat_k[31], key[2])
+    assert torch.equal(flat_v[9], value[0]) and torch.equal(flat_v[31], value[2])
+    assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == 2
+
+
+def test_copy_blocks_reference_all_layers():
+    kv = torch.randn(3, 2, 6, 4, 2, 8)
+    before = kv.clone()
+    reference.copy_blocks_ref(kv, torch.tensor([[0, 5], [2, 3]]))
+    assert torch.equal(kv[:, :, 5], before[:, :, 0]) and torch.equal(kv[:, :, 3], before[:, :, 2])
+    untouched = [0, 1, 2, 4]
+    assert torch.equal(kv[:, :, untouched], before[:, :, untouched])
+
+
+def _forward_case(q_lens, seq_lens, num_decode, dtype=torch.float32, block_size=8):
+    """A packed batch whose new tokens' K/V are not in the cache yet, its metadata and the new K/V."""
+    batch = make_paged_batch(
+        seq_lens, q_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=block_size, dtype=dtype
+    )
+    tables = batch.block_tables.tolist()
+    slots = []
+    for b, (n, s) in enumerate(zip(q_lens, seq_lens)):
+        slots += [tables[b][p // block_size] * block_size + p % block_size for p in range(s - n, s)]
+    gen = torch.Generator().manual_seed(1)
+    k_new = torch.randn(len(slots), 2, 16, generator=gen).to(dtype)
+    v_new = torch.randn(len(slots), 2, 16, generator=gen).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        num_decode_seqs=num_decode,
+        seq_lens=batch.seq_lens,
+        cu_seqlens_q=batch.cu_seqlens_q,
+        block_tables=batch.block_tables,
+        max_seq_len=max(seq_lens),
+        max_query_len=max(q_lens),
+    )
+    return batch, k_new, v_new, meta
+
+
+FORWARD_CASES = {
+    "mixed": ([1, 1, 9, 4], [12, 1, 9, 30], 2),
+    "prefill_only": ([1, 1, 9, 4], [12, 1, 9, 30], 0),
+    "decode_only": ([1, 1, 1], [12, 1, 17], 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORWARD_CASES))
+def test_paged_attention_torch_forward_stores_then_attends(case):
+    q_lens, seq_lens, num_decode = FORWARD_CASES[case]
+    batch, k_new, v_new, meta = _forward_case(q_lens, seq_lens, num_decode)
+    expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
+    for i, s in enumerate(meta.slot_mapping.tolist()):
+        expected_k.view(-1, 2, 16)[s] = k_new[i]
+        expected_v.view(-1, 2, 16)[s] = v_new[i]
+    attn = PagedAttention("torch")
+    out = attn.forward(batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.scale)
+    assert torch.equal(batch.k_cache, expected_k) and torch.equal(batch.v_cache, expected_v)
+    torch.testing.assert_close(out.double(), naive_batch(batch), **TOL[torch.float32])
+
+
+def test_resolve_backend(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "torch"
+    assert resolve_backend("torch", cpu) == "torch"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        resolve_backend("triton", cpu)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        resolve_backend("flash", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    assert resolve_backend("triton", cpu) == "triton"
+
+
+def test_paged_attention_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        PagedAttention("cuda")

@@ -1,0 +1,88 @@
+"""Smoke test of the throughput benchmark: tiny model, 8 rows, 4 tokens, 1 repeat, HF systems included."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.bench.throughput import ModelShape
+from batchgen.bench.workloads import WORKLOADS, WorkloadSpec, describe, make_workload
+
+
+def test_flop_count_matches_hand_count() -> None:
+    s = ModelShape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10)
+    lp = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16
+    assert s.layer_params == lp
+    # prompt 3 (1 cached), 2 generated: forwards positions 1, 2 (prefill) and 3 (decode)
+    pairs = 2 + 3 + 4
+    want = 2 * 2 * lp * 3 + 2 * 8 * 10 * 2 + 4 * 2 * 4 * 2 * pairs
+    assert s.flops(3, 1, 2) == want
+
+
+def test_workloads_are_deterministic(tmp_path) -> None:
+    from batchgen.models.tiny import build_tokenizer
+
+    tok = build_tokenizer(tmp_path / "tok")
+    for name in WORKLOADS:
+        spec = WorkloadSpec(rows=12, max_tokens=8, seed=3)
+        a, b = make_workload(name, spec, tok), make_workload(name, spec, tok)
+        assert a.equals(b)
+        info = describe(a)
+        assert info["rows"] == 12
+        ids = a.column("prompt_token_ids").to_pylist()
+        assert ids == tok(a.column("prompt").to_pylist())["input_ids"]
+        if name == "shared_prefix":
+            tmpl = a.column("template").to_pylist()
+            group = [p for p, t in zip(ids, tmpl) if t == tmpl[0]]
+            assert len(os.path.commonprefix(group)) >= 250  # the template is a token prefix
+        if name == "long_tail":
+            assert "sampling" in a.column_names
+            assert a.column("sampling").to_pylist()[0]["max_tokens"] == a.column("max_tokens")[0].as_py()
+
+
+@pytest.mark.timeout(180)
+def test_throughput_smoke(tmp_path) -> None:
+    out = tmp_path / "bench"
+    env = dict(os.environ, BATCHGEN_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "batchgen.bench.throughput",
+        "workload=long_tail",
+        "rows=8",
+        "max_tokens=4",
+        "repeats=1",
+        "threads=1",
+        "matmul_seconds=0.02",
+        "device=cpu",
+        f"output_dir={out}",
+        "model.hidden_size=32",
+        "model.num_layers=2",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+        "model.intermediate_size=64",
+        "engine.kv_cache_memory=16MiB",
+        "systems=[batchgen,hf_generate,hf_generate_batch,vllm]",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for f in ("results.json", "results.md", "throughput.png", "timeline_long_tail.png"):
+        assert (out / f).is_file(), f
+    assert pq.read_table(out / "workloads" / "long_tail.parquet").num_rows == 8
+    res = json.loads((out / "results.json").read_text())
+    systems = res["workloads"]["long_tail"]["systems"]
+    for name in ("batchgen", "hf_generate", "hf_generate_batch"):
+        s = systems[name]
+        assert s["status"] == "ok", s
+        assert s["mismatch_rows"] == 0, (name, s.get("mismatch_examples"))
+        assert s["generated_tokens_produced"] == s["generated_tokens"]
+        assert s["gen_tok_s"] > 0 and 0 < s["mfu"] < 1
+    assert systems["vllm"]["status"] == "skipped"
+    assert systems["batchgen"]["via"].startswith("pipeline")
+    assert "| batchgen |" in (out / "results.md").read_text()
+    assert "| batchgen |" in proc.stdout

@@ -1,0 +1,91 @@
+"""The ``batchgen`` command: help, --cfg job, Hydra's errors, exit codes, the embedded default run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _run(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.pop("SLURM_ARRAY_TASK_ID", None)
+    e.pop("SLURM_ARRAY_TASK_COUNT", None)
+    e.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "batchgen.cli", *args],
+        cwd=cwd,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_lists_every_option_with_its_doc(tmp_path: Path) -> None:
+    p = _run(["--help"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    for key in (
+        "model.path=null", "data.input=null", "data.window_rows=1024", "data.shard.index=0", "engine.block_size=16",
+        "engine.kv_cache_memory=2GiB", "sampling.max_tokens=16", "sampling.seed=0", "run.stop_grace_s=0.0",
+    ):  # fmt: skip
+        assert key in out, key
+    assert "Rows per window" in out and "$SLURM_ARRAY_TASK_ID" in out
+    assert "sampling: default, greedy" in out and "Exit status" in out
+    assert list(tmp_path.iterdir()) == []  # --help writes nothing
+
+
+def test_cfg_job_prints_the_resolved_config(tmp_path: Path) -> None:
+    p = _run(
+        ["--cfg", "job", "sampling.max_tokens=7"],
+        tmp_path,
+        {"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "5"},
+    )
+    assert p.returncode == 0, p.stderr
+    assert "max_tokens: 7" in p.stdout
+    assert "index: 2" in p.stdout and "count: 5" in p.stdout and "oc.env" not in p.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_misspelt_key_is_reported_by_hydra(tmp_path: Path) -> None:
+    p = _run(["data.windw_rows=3"], tmp_path)
+    assert p.returncode == 1
+    assert "Key 'windw_rows' not in 'DataOptions'" in p.stderr and "full_key: data.windw_rows" in p.stderr
+    p = _run(["sampling.temperature=hot"], tmp_path)
+    assert p.returncode == 1 and "sampling.temperature" in p.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_input_exits_2_and_leaves_nothing(tmp_path: Path) -> None:
+    p = _run(["data.input=missing.parquet", "data.output=out"], tmp_path)
+    assert p.returncode == 2
+    assert "data.input: 'missing.parquet' does not exist" in p.stdout + p.stderr
+    assert list(tmp_path.iterdir()) == []  # Hydra's log directory is removed again
+
+
+@pytest.mark.slow
+def test_embedded_default_runs_with_no_arguments(tmp_path: Path) -> None:
+    from batchgen.models.tiny import tiny_default_checkpoint
+
+    tiny_default_checkpoint()  # built once per test session (in $BATCHGEN_CACHE, set by conftest)
+    t0 = time.monotonic()
+    p = _run([], tmp_path, {"COLUMNS": "120"})
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = tmp_path / "batchgen_output"
+    assert f"report: {Path('batchgen_output') / 'report.json'}" in p.stdout
+    assert "prefix hit rate" in p.stdout and "rows ok / error" in p.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "complete" and report["rows"]["ok"] == report["rows"]["shard_total"] >= 64
+    assert report["tokens"]["prefix_hit_rate"] > 0.5
+    assert sorted(p.name for p in out.glob("part-*.parquet")) == ["part-000000.parquet"]
+    assert (out / "logs").is_dir() and sorted(x.name for x in tmp_path.iterdir()) == ["batchgen_output"]
+    print(f"embedded default run: {elapsed:.1f} s")

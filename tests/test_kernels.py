@@ -1,0 +1,277 @@
+"""Every Triton kernel against its torch reference.
+
+``device="cpu"`` runs the kernels in Triton's interpreter (CPU tensors always are; no GPU needed, and
+``TRITON_INTERPRET=1`` is not required — see ``batchgen/kernels/_jit.py``); ``device="cuda"`` (marker ``gpu``,
+skipped without a GPU) runs the same cases compiled for real. Shapes stay small: the interpreter executes every
+program of the grid in Python.
+
+Tolerances (kernel vs reference, both computed from the same rounded inputs): float32 2e-5 absolute and
+relative (accumulation order; the GPU's ``exp2`` is approximate); bfloat16/float16 2e-2 (the outputs round to an
+8-bit / 11-bit mantissa, and on the GPU the softmax weights are rounded to the cache dtype before ``P @ V``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from batchgen.engine.attention import AttentionMetadata, PagedAttention  # noqa: E402
+from batchgen.kernels import reference  # noqa: E402
+from batchgen.kernels.copy_blocks import copy_blocks  # noqa: E402
+from batchgen.kernels.decode_attention import (  # noqa: E402
+    MAX_SPLITS,
+    choose_num_splits,
+    paged_decode_attention,
+)
+from batchgen.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from batchgen.kernels.store_kv import store_kv  # noqa: E402
+from batchgen.kernels.testing import PagedBatch, make_paged_batch  # noqa: E402
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+    ),
+]
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=2e-2, rtol=2e-2),
+}
+GQA = [(2, 2), (8, 2), (8, 1)]  # (num_q_heads, num_kv_heads): ratios 1, 4, 8
+
+
+def ragged_lengths(block_size: int) -> list[int]:
+    """Lengths 1, bs-1, bs, bs+1 and many blocks."""
+    return [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3]
+
+
+def to_device(batch: PagedBatch, device: str) -> PagedBatch:
+    return PagedBatch(
+        q=batch.q.to(device), k_cache=batch.k_cache.to(device), v_cache=batch.v_cache.to(device),
+        block_tables=batch.block_tables.to(device), seq_lens=batch.seq_lens.to(device),
+        cu_seqlens_q=batch.cu_seqlens_q.to(device), q_lens=batch.q_lens, scale=batch.scale,
+    )  # fmt: skip
+
+
+def decode_ref(batch: PagedBatch) -> torch.Tensor:
+    return reference.paged_decode_attention_ref(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale
+    )
+
+
+def prefill_ref(batch: PagedBatch) -> torch.Tensor:
+    return reference.paged_prefill_attention_ref(
+        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
+        batch.scale,
+    )  # fmt: skip
+
+
+def run_decode(batch: PagedBatch, device: str, **kw) -> torch.Tensor:
+    b = to_device(batch, device)
+    out = paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.scale, **kw)
+    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
+    return out.cpu()
+
+
+def run_prefill(batch: PagedBatch, device: str, **kw) -> torch.Tensor:
+    b = to_device(batch, device)
+    out = paged_prefill_attention(
+        b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables, b.scale, **kw
+    )
+    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
+    return out.cpu()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[ref.dtype])
+
+
+# --------------------------------------------------------------------------------------------- store_kv
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [8, 64])
+@pytest.mark.parametrize("src_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                   (torch.bfloat16, torch.bfloat16)])  # fmt: skip
+def test_store_kv(device, block_size, src_dtype, cache_dtype):
+    num_blocks, num_kv_heads, head_dim = 4, 2, 80
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    # key/value as strided views of a fused qkv projection (token stride != Hkv * D)
+    qkv = torch.randn(7, 3, num_kv_heads, head_dim, generator=gen).to(src_dtype)
+    key, value = qkv[:, 1], qkv[:, 2]
+    slots = torch.tensor([0, block_size - 1, -1, block_size, 3 * block_size + 5, -1, num_blocks * block_size - 1])
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv_ref(key, value, ref_k, ref_v, slots)
+    kc, vc = k_cache.to(device), v_cache.to(device)
+    store_kv(key.to(device), value.to(device), kc, vc, slots.to(device))
+    if src_dtype == cache_dtype:
+        assert torch.equal(kc.cpu(), ref_k) and torch.equal(vc.cpu(), ref_v)
+    else:  # Triton's interpreter truncates float32 -> bfloat16 where torch rounds to nearest: 1 ulp apart
+        torch.testing.assert_close(kc.cpu(), ref_k, atol=0, rtol=2**-7)
+        torch.testing.assert_close(vc.cpu(), ref_v, atol=0, rtol=2**-7)
+
+
+# ------------------------------------------------------------------------------------------ copy_blocks
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_blocks(device, dtype):
+    kv = torch.randn(3, 2, 8, 16, 2, 80).to(dtype)
+    mapping = torch.tensor([[0, 5], [2, 3], [7, 6]])
+    ref = kv.clone()
+    reference.copy_blocks_ref(ref, mapping)
+    out = kv.to(device)
+    copy_blocks(out, mapping.to(device))
+    assert torch.equal(out.cpu(), ref)
+    copy_blocks(out, mapping[:0].to(device))  # no copies: no launch, no change
+    assert torch.equal(out.cpu(), ref)
+
+
+# ------------------------------------------------------------------------------------- decode attention
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_ragged(device, block_size, num_q_heads, num_kv_heads, num_splits):
+    batch = make_paged_batch(
+        ragged_lengths(block_size), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=32,
+        block_size=block_size, seed=block_size + num_q_heads,
+    )  # fmt: skip
+    assert_close(run_decode(batch, device, num_splits=num_splits), decode_ref(batch))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_head_sizes(device, head_dim, num_splits):
+    batch = make_paged_batch([1, 17, 40], num_q_heads=4, num_kv_heads=2, head_dim=head_dim, seed=head_dim)
+    assert_close(run_decode(batch, device, num_splits=num_splits), decode_ref(batch))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_half_precision(device, dtype, num_q_heads, num_kv_heads, num_splits):
+    batch = make_paged_batch(
+        ragged_lengths(16), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=80, block_size=16,
+        dtype=dtype,
+    )  # fmt: skip
+    assert_close(run_decode(batch, device, num_splits=num_splits), decode_ref(batch))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_long_context_split_k(device):
+    """A long context over many blocks, more splits than some sequences have tiles (empty splits)."""
+    batch = make_paged_batch([1000, 3, 130], num_q_heads=8, num_kv_heads=1, head_dim=64, block_size=16)
+    ref = decode_ref(batch)
+    for num_splits in (1, 8, None):
+        assert_close(run_decode(batch, device, num_splits=num_splits), ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_zero_cache_is_finite(device):
+    batch = make_paged_batch([1, 7, 33], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
+    batch.k_cache.zero_()
+    batch.v_cache.zero_()
+    for num_splits in (1, 4):
+        out = run_decode(batch, device, num_splits=num_splits)
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_choose_num_splits():
+    # plenty of (sequence, kv head) programs or short contexts: single pass
+    assert choose_num_splits(256, 8, 32768, num_sms=132) == 1
+    assert choose_num_splits(1, 8, 300, num_sms=132) == 1
+    # one long sequence: split to fill the GPU, capped by tokens per split and MAX_SPLITS
+    assert choose_num_splits(1, 8, 32768, num_sms=132) == 33
+    assert choose_num_splits(1, 1, 32768, num_sms=132) == MAX_SPLITS
+    assert choose_num_splits(1, 8, 1024, num_sms=132) == 4
+
+
+# ------------------------------------------------------------------------------------ prefill attention
+# (q_len, cached context) per sequence: a single-token prompt, block-boundary chunks, a chunk straddling a
+# boundary after a partial block, a short chunk after a long prefix (chunked prefill / prefix-cache hit).
+PREFILL_SPEC = [(1, 0), (15, 0), (16, 0), (17, 15), (5, 80), (40, 9)]
+
+
+def prefill_batch(spec, **kw) -> PagedBatch:
+    return make_paged_batch([n + c for n, c in spec], [n for n, _ in spec], **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", GQA)
+def test_prefill_ragged(device, block_size, num_q_heads, num_kv_heads):
+    batch = prefill_batch(
+        PREFILL_SPEC, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=32, block_size=block_size,
+        seed=block_size,
+    )  # fmt: skip
+    assert_close(run_prefill(batch, device), prefill_ref(batch))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_prefill_head_sizes(device, head_dim):
+    batch = prefill_batch([(20, 0), (7, 19)], num_q_heads=4, num_kv_heads=2, head_dim=head_dim, seed=head_dim)
+    assert_close(run_prefill(batch, device), prefill_ref(batch))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2)])
+def test_prefill_half_precision(device, dtype, num_q_heads, num_kv_heads):
+    batch = prefill_batch(
+        [(1, 0), (17, 15), (33, 40)], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=80,
+        dtype=dtype,
+    )  # fmt: skip
+    assert_close(run_prefill(batch, device), prefill_ref(batch))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_long_chunk_and_group_of_seven(device):
+    """A chunk spanning several query tiles, and GQA with a non-power-of-2 group (14 q / 2 kv heads, as
+    Qwen2-7B's 28 / 4)."""
+    batch = prefill_batch([(45, 0), (20, 30)], num_q_heads=14, num_kv_heads=2, head_dim=16, seed=3)
+    assert_close(run_prefill(batch, device), prefill_ref(batch))
+    assert_close(run_prefill(batch, device, max_query_len=256), prefill_ref(batch))  # loose bound is fine
+
+
+# ------------------------------------------------------------------------------ PagedAttention (triton)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_triton_matches_torch(device, dtype):
+    """Store + decode + prefill through the engine's interface, decodes first, as the model calls it."""
+    q_lens, seq_lens, block_size = [1, 1, 1, 9, 20], [12, 1, 40, 9, 30], 8
+    batch = make_paged_batch(
+        seq_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=block_size, dtype=dtype
+    )
+    tables = batch.block_tables.tolist()
+    slots = [
+        tables[b][p // block_size] * block_size + p % block_size
+        for b, (n, s) in enumerate(zip(q_lens, seq_lens))
+        for p in range(s - n, s)
+    ]
+    k_new = torch.randn(len(slots), 2, 64).to(dtype)
+    v_new = torch.randn(len(slots), 2, 64).to(dtype)
+
+    def run(backend: str, dev: str):
+        b = to_device(batch, dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), num_decode_seqs=3,
+            seq_lens=b.seq_lens, cu_seqlens_q=b.cu_seqlens_q, block_tables=b.block_tables,
+            max_seq_len=max(seq_lens), max_query_len=max(q_lens),
+        )  # fmt: skip
+        out = PagedAttention(backend).forward(
+            b.q, k_new.to(dev), v_new.to(dev), b.k_cache, b.v_cache, meta, b.scale
+        )
+        return out.cpu(), b.k_cache.cpu(), b.v_cache.cpu()
+
+    out, k_cache, v_cache = run("triton", device)
+    ref, ref_k, ref_v = run("torch", "cpu")
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert_close(out, ref)

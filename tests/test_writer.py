@@ -1,0 +1,157 @@
+"""Output parts and directory: schema, rows per sample, atomic commits, resume checks, overwrite, lock."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.config import ConfigError
+from batchgen.data.manifest import Manifest, WindowRecord, diff_config
+from batchgen.data.prompts import PromptRow
+from batchgen.data.writer import OutputDir, PartLayout, build_part, part_name
+from batchgen.engine.outputs import CompletionOutput, RequestOutput
+
+
+def _manifest(
+    fp: str = "f1", input_fp: str = "i1", num_windows: int = 3, cfg: dict | None = None
+) -> Manifest:
+    return Manifest(
+        fingerprint=fp,
+        config=cfg or {"sampling": {"temperature": 1.0}},
+        input={"fingerprint": input_fp, "num_files": 1, "num_rows": 30},
+        shard={"index": 0, "count": 1, "row_start": 0, "row_end": 30},
+        window_rows=10,
+        num_windows=num_windows,
+        batchgen_version="0.1.0",
+    )
+
+
+def _rec(w: int) -> WindowRecord:
+    return WindowRecord("", w * 10, w * 10 + 10, 10, 10, 0, 0, 0, 0)
+
+
+def _table() -> pa.Table:
+    return pa.table({"x": [1, 2]})
+
+
+def test_build_part_rows_in_input_order_with_samples_and_errors() -> None:
+    rows = [PromptRow(0, 10, "a"), PromptRow(1, 11, "b"), PromptRow(2, 12, "c")]
+    rows[0].token_ids, rows[2].token_ids = [1, 2, 3], [4]
+    rows[1].error, rows[1].num_prompt_tokens = "prompt is null", None
+    results = [
+        RequestOutput(10, [1, 2, 3], [CompletionOutput(1, "y", [7], "stop"), CompletionOutput(0, "x", [5, 6], "length")], 2),
+        None,
+        RequestOutput(12, [4], [CompletionOutput(0, "", [], "error"), CompletionOutput(1, "", [], "error")], 0, "too long"),
+    ]  # fmt: skip
+    kept = pa.table({"cat": ["p", "q", "r"]})
+    layout = PartLayout(
+        pa.string(), [pa.field("cat", pa.string())], n=2, logprobs=False, metadata={"model": "m"}
+    )
+    table, st = build_part(layout, rows, results, kept, {"index": 1})
+    assert table.column_names == [
+        "id", "sample_index", "cat", "generated_text", "token_ids", "num_prompt_tokens", "num_generated_tokens",
+        "num_cached_tokens", "finish_reason", "status", "error",
+    ]  # fmt: skip
+    d = table.to_pydict()
+    assert d["id"] == ["a", "a", "b", "b", "c", "c"]
+    assert d["sample_index"] == [0, 1, 0, 1, 0, 1]
+    assert d["cat"] == ["p", "p", "q", "q", "r", "r"]
+    assert d["generated_text"] == ["x", "y", None, None, None, None]
+    assert d["token_ids"] == [[5, 6], [7], None, None, None, None]
+    assert d["num_generated_tokens"] == [2, 1, 0, 0, 0, 0]
+    assert d["num_cached_tokens"] == [2, 2, 0, 0, 0, 0]
+    assert d["num_prompt_tokens"] == [3, 3, None, None, 1, 1]
+    assert d["status"] == ["ok", "ok", "error", "error", "error", "error"]
+    assert d["error"] == [None, None, "prompt is null", "prompt is null", "too long", "too long"]
+    assert d["finish_reason"] == ["length", "stop", "error", "error", "error", "error"]
+    assert table.schema.field("token_ids").type == pa.list_(pa.int32())
+    meta = json.loads(table.schema.metadata[b"batchgen"])
+    assert meta == {"model": "m", "window": {"index": 1}}
+    assert (st.rows_ok, st.rows_error, st.num_output_rows, st.generated_tokens) == (1, 2, 6, 3)
+
+
+def test_build_part_logprobs_and_no_sample_index_for_n1() -> None:
+    rows = [PromptRow(0, 0, 0)]
+    rows[0].token_ids = [1]
+    res = [
+        RequestOutput(
+            0, [1], [CompletionOutput(0, "t", [5, 6], "length", [{5: -0.1, 9: -2.0}, {6: -0.5}])], 0
+        )
+    ]
+    layout = PartLayout(pa.int64(), [], n=1, logprobs=True, metadata={})
+    table, _ = build_part(layout, rows, res, None, {})
+    assert "sample_index" not in table.column_names
+    assert table.column("logprobs").to_pylist()[0][0] == [(5, pytest.approx(-0.1)), (9, -2.0)]
+
+
+def test_commit_is_atomic_and_resume_cleans_leftovers(tmp_path: Path) -> None:
+    out = OutputDir(tmp_path / "out")
+    m = out.open(_manifest())
+    out.commit(0, _table(), _rec(0))
+    assert m.windows[0].part == part_name(0)
+    out.close()
+    # leftovers of a killed run: a temp file and a part the manifest never recorded
+    (out.path / ".tmp-part-000001.parquet.abc").write_bytes(b"partial")
+    pq.write_table(_table(), out.path / part_name(2))
+    (out.path / "user-notes.txt").write_text("keep me")
+    m2 = OutputDir(tmp_path / "out").open(_manifest())
+    assert set(m2.windows) == {0}
+    names = sorted(p.name for p in out.path.iterdir())
+    assert names == [".batchgen.lock", "manifest.json", part_name(0), "user-notes.txt"]
+    assert Manifest.load(out.path).windows[0].row_end == 10
+
+
+def test_different_config_is_refused_with_the_difference(tmp_path: Path) -> None:
+    with OutputDir(tmp_path) as out:
+        out.open(_manifest(cfg={"sampling": {"temperature": 1.0}}))
+        out.commit(0, _table(), _rec(0))
+    with pytest.raises(ConfigError, match=r"sampling.temperature: 1.0 -> 0.5(.|\n)*data.overwrite=true"):
+        OutputDir(tmp_path).open(_manifest(fp="f2", cfg={"sampling": {"temperature": 0.5}}))
+    with pytest.raises(ConfigError, match="different input data"):
+        OutputDir(tmp_path).open(_manifest(input_fp="i2"))
+    # overwrite discards batchgen's files (only those) and starts afresh
+    (tmp_path / "mine.txt").write_text("x")
+    with OutputDir(tmp_path) as out:
+        m = out.open(_manifest(fp="f2", cfg={"sampling": {"temperature": 0.5}}), overwrite=True)
+        assert m.windows == {} and m.fingerprint == "f2"
+    assert (tmp_path / "mine.txt").exists() and not (tmp_path / part_name(0)).exists()
+
+
+def test_shard_layout_conflict(tmp_path: Path) -> None:
+    with OutputDir(tmp_path, 0, 1) as out:
+        out.open(_manifest())
+    with pytest.raises(ConfigError, match="another shard layout"):
+        OutputDir(tmp_path, 1, 2).open(_manifest())
+    with OutputDir(tmp_path, 1, 2) as out:
+        out.open(_manifest(), overwrite=True)
+        assert out.path == tmp_path / "shard-00001-of-00002"
+    assert not (tmp_path / "manifest.json").exists()
+
+
+def test_second_writer_is_locked_out(tmp_path: Path) -> None:
+    a = OutputDir(tmp_path)
+    a.open(_manifest())
+    with pytest.raises(ConfigError, match="another batchgen process"):
+        OutputDir(tmp_path).open(_manifest())
+    a.close()
+    OutputDir(tmp_path).open(_manifest()).save(tmp_path)
+
+
+def test_diff_config() -> None:
+    assert diff_config({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}, "d": 4}) == [
+        "a.c: 2 -> 3",
+        "d: (absent) -> 4",
+    ]
+
+
+def test_manifest_roundtrip(tmp_path: Path) -> None:
+    m = _manifest()
+    m.windows[2] = _rec(2)
+    m.save(tmp_path)
+    back = Manifest.load(tmp_path)
+    assert back == m and not back.complete
+    assert json.loads((tmp_path / "manifest.json").read_text())["rows_done"] == 10
