@@ -405,9 +405,22 @@ def _shard_dir_resolver(output: Any, index: Any, count: Any) -> str:
     return f"{out}/{sub}" if sub else out
 
 
+def _array_env_resolver(name: str, default: Any = None) -> Any:
+    """``$name`` from a Slurm job array, except inside a submitit job: submitit runs every job of a Hydra sweep
+    as an array task, so there the array index says which sweep job this is, not which shard to process."""
+    import os
+
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        return default
+    return os.environ.get(name, default)
+
+
 def register_resolvers() -> None:
-    """``${batchgen.shard_dir:${data.output},${data.shard.index},${data.shard.count}}`` (used by hydra.run.dir)."""
+    """``${batchgen.shard_dir:${data.output},${data.shard.index},${data.shard.count}}`` (used by hydra.run.dir)
+    and ``${batchgen.array_env:SLURM_ARRAY_TASK_ID,0}`` (the shard defaults)."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("batchgen.shard_dir"):
         OmegaConf.register_new_resolver("batchgen.shard_dir", _shard_dir_resolver)
+    if not OmegaConf.has_resolver("batchgen.array_env"):
+        OmegaConf.register_new_resolver("batchgen.array_env", _array_env_resolver)

@@ -103,14 +103,33 @@ class StopSignal:
         )
         logger.warning(msg)
 
+    @staticmethod
+    def signal_names() -> tuple[tuple[str, ...], str | None]:
+        """(signals to handle, signal to hand on to the previous handler after the flush).
+
+        Inside a submitit job, submitit owns SIGTERM (it ignores it: Slurm requeues preempted tasks) and its
+        preemption signal (``SUBMITIT_PREEMPT_SIGNAL``, USR2 by default: checkpoint, requeue, exit). We leave
+        SIGTERM to it, and treat its signal like SIGUSR1 — stop and flush — then pass it on so submitit
+        requeues the task.
+        """
+        import os
+
+        if not os.environ.get("SUBMITIT_EXECUTOR"):
+            return StopSignal.SIGNALS, None
+        sub = "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper().removeprefix("SIG")
+        names = tuple(n for n in StopSignal.SIGNALS if n != "SIGTERM")
+        return (*names, sub) if sub not in names else names, sub
+
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopSignal]:
-        """Install the handlers (main thread only) for the duration of the block, then restore them."""
+        """Install the handlers (main thread only) for the duration of the block, then restore them (and hand
+        submitit's preemption signal on to submitit, see :meth:`signal_names`)."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
+        names, hand_on = self.signal_names()
         old = {}
-        for name in self.SIGNALS:
+        for name in names:
             sig = getattr(signal, name, None)
             if sig is not None:
                 old[sig] = signal.signal(sig, self._handler)
@@ -119,6 +138,11 @@ class StopSignal:
         finally:
             for sig, h in old.items():
                 signal.signal(sig, h)
+            if hand_on is not None and self.signal_name == hand_on:
+                sig = getattr(signal, hand_on)
+                previous = old.get(sig)
+                if callable(previous):
+                    previous(sig, None)
 
 
 # ------------------------------------------------------------------------------------------ planning

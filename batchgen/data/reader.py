@@ -153,7 +153,7 @@ def open_input(spec: str) -> InputSet:
         for name in f.schema.names:
             if name not in columns:
                 columns.append(name)
-    return InputSet(str(spec), files, start, h.hexdigest(), columns)
+    return InputSet(os.path.abspath(os.path.expanduser(str(spec))), files, start, h.hexdigest(), columns)
 
 
 def shard_range(num_rows: int, index: int, count: int) -> tuple[int, int]:

@@ -8,7 +8,9 @@ peak activation memory and the pool takes ``total * gpu_memory_utilization - wei
 from __future__ import annotations
 
 import logging
+import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -102,7 +104,14 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            # calloc'd by numpy: the OS hands out zero pages lazily, so a multi-GiB pool costs nothing until
+            # blocks are written (torch.zeros would touch every page at start-up).
+            itemsize = torch.tensor([], dtype=self.dtype).element_size()
+            raw = np.zeros(math.prod(shape) * itemsize, dtype=np.uint8)
+            self.kv_cache = torch.from_numpy(raw).view(self.dtype).view(shape)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # ----------------------------------------------------------------------------------------- forward
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
