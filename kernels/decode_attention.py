@@ -93,8 +93,12 @@ def _decode_kernel(
         t_mask = tok < end
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
         row = blk * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_tok + kvh * stride_cache_head
-        k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=t_mask[None, :] & d_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)
+        k = tl.load(
+            k_cache_ptr + row[None, :] + d[:, None], mask=t_mask[None, :] & d_mask[:, None], other=0.0
+        )
+        v = tl.load(
+            v_cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0
+        )
         if FP32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:

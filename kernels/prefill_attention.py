@@ -108,8 +108,12 @@ def _prefill_kernel(
         kv_mask = k_pos < seq_len
         blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
         row = blk * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_tok + kvh * stride_cache_head
-        k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=kv_mask[None, :] & d_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask[:, None] & d_mask[None, :], other=0.0)
+        k = tl.load(
+            k_cache_ptr + row[None, :] + d[:, None], mask=kv_mask[None, :] & d_mask[:, None], other=0.0
+        )
+        v = tl.load(
+            v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask[:, None] & d_mask[None, :], other=0.0
+        )
         if FP32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * qk_scale
         else:
@@ -138,7 +142,9 @@ def prefill_tiles(block_d: int, block_g: int, fp32_dot: bool) -> tuple[int, int,
     """``(BLOCK_M, BLOCK_N, num_warps)``: query-tile rows (``BLOCK_Q * BLOCK_G``), keys per step, warps."""
     if fp32_dot:
         # float32 dots run on FMA units (input_precision="ieee"): small tiles keep them out of spills
-        block_m, block_n, num_warps = (32, 32, 8) if block_d <= 64 else (16, 32, 4) if block_d <= 128 else (16, 16, 4)
+        block_m, block_n, num_warps = (
+            (32, 32, 8) if block_d <= 64 else (16, 32, 4) if block_d <= 128 else (16, 16, 4)
+        )
     elif block_d <= 64:
         block_m, block_n, num_warps = 128, 64, 8
     elif block_d <= 128:

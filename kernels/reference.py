@@ -202,8 +202,12 @@ def _prefix_then_causal(q: Tensor, k: Tensor, v: Tensor, ctx: int, scale: float)
     if _CPU_FLASH_WITH_LSE is None or q.device.type != "cpu" or q.dtype != k.dtype:
         return None
     try:
-        o1, lse1 = _CPU_FLASH_WITH_LSE(q, k[:, :, :ctx], v[:, :, :ctx], 0.0, False, attn_mask=None, scale=scale)[:2]
-        o2, lse2 = _CPU_FLASH_WITH_LSE(q, k[:, :, ctx:], v[:, :, ctx:], 0.0, True, attn_mask=None, scale=scale)[:2]
+        o1, lse1 = _CPU_FLASH_WITH_LSE(
+            q, k[:, :, :ctx], v[:, :, :ctx], 0.0, False, attn_mask=None, scale=scale
+        )[:2]
+        o2, lse2 = _CPU_FLASH_WITH_LSE(
+            q, k[:, :, ctx:], v[:, :, ctx:], 0.0, True, attn_mask=None, scale=scale
+        )[:2]
     except (RuntimeError, TypeError):  # e.g. a torch without GQA support in the op
         return None
     m = torch.maximum(lse1, lse2)

@@ -26,9 +26,9 @@ def unavailable_reason(need_accounting: bool = False) -> str | None:
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
         return f"no Slurm client (sinfo/sbatch) on PATH; {START_HINT}"
     try:
-        p = _run("sinfo", "-h", "-o", "%T", timeout=15)
+        p = _run("sinfo", "-h", "-o", "%T", timeout=10)
     except subprocess.TimeoutExpired:
-        return f"sinfo did not answer within 15 s; {START_HINT}"
+        return f"sinfo did not answer within 10 s; {START_HINT}"
     if p.returncode != 0:
         return f"sinfo cannot reach a cluster ({(p.stderr or p.stdout).strip()[:200]}); {START_HINT}"
     states = p.stdout.split()
@@ -57,6 +57,13 @@ def active(job: str) -> list[tuple[str, str]]:
     if p.returncode != 0:  # an unknown id (long finished) is an error for squeue
         return []
     return [tuple(line.split()[:2]) for line in p.stdout.splitlines() if line.strip()]  # type: ignore[misc]
+
+
+def restarts(job: str) -> int:
+    """How many times the (non-array) job has been requeued so far (0 when unknown)."""
+    p = _run("scontrol", "show", "job", "-o", job)
+    m = re.search(r"\bRestarts=(\d+)", p.stdout)
+    return int(m.group(1)) if m else 0
 
 
 def wait(job: str, timeout: float, poll: float = 0.5) -> None:

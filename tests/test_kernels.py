@@ -17,7 +17,6 @@ import torch
 
 pytest.importorskip("triton")
 
-from batchgen.engine.attention import AttentionMetadata, PagedAttention  # noqa: E402
 from batchgen.kernels import reference  # noqa: E402
 from batchgen.kernels.copy_blocks import copy_blocks  # noqa: E402
 from batchgen.kernels.decode_attention import (  # noqa: E402
@@ -28,6 +27,8 @@ from batchgen.kernels.decode_attention import (  # noqa: E402
 from batchgen.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from batchgen.kernels.store_kv import store_kv  # noqa: E402
 from batchgen.kernels.testing import PagedBatch, make_paged_batch  # noqa: E402
+
+from batchgen.engine.attention import AttentionMetadata, PagedAttention  # noqa: E402
 
 DEVICES = [
     "cpu",
@@ -104,7 +105,9 @@ def test_store_kv(device, block_size, src_dtype, cache_dtype):
     # key/value as strided views of a fused qkv projection (token stride != Hkv * D)
     qkv = torch.randn(7, 3, num_kv_heads, head_dim, generator=gen).to(src_dtype)
     key, value = qkv[:, 1], qkv[:, 2]
-    slots = torch.tensor([0, block_size - 1, -1, block_size, 3 * block_size + 5, -1, num_blocks * block_size - 1])
+    slots = torch.tensor(
+        [0, block_size - 1, -1, block_size, 3 * block_size + 5, -1, num_blocks * block_size - 1]
+    )
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     reference.store_kv_ref(key, value, ref_k, ref_v, slots)
     kc, vc = k_cache.to(device), v_cache.to(device)

@@ -12,10 +12,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from triton.runtime.jit import JITFunction  # noqa: E402
-
 from batchgen.kernels import copy_blocks, decode_attention, prefill_attention, store_kv  # noqa: E402
 from batchgen.kernels.aot import compile_launch, recording  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pytestmark = [
@@ -51,8 +50,10 @@ CASES = {
     "prefill-fp16-d80-g7": lambda: _prefill(80, 7, torch.float16),
     "prefill-fp32-d128-g4": lambda: _prefill(128, 4, torch.float32),
     "store_kv-bf16-d96": lambda: store_kv.store_kv(
-        torch.zeros(5, 4, 96, dtype=torch.bfloat16), torch.zeros(5, 4, 96, dtype=torch.bfloat16),
-        torch.zeros(4, 16, 4, 96, dtype=torch.bfloat16), torch.zeros(4, 16, 4, 96, dtype=torch.bfloat16),
+        torch.zeros(5, 4, 96, dtype=torch.bfloat16),
+        torch.zeros(5, 4, 96, dtype=torch.bfloat16),
+        torch.zeros(4, 16, 4, 96, dtype=torch.bfloat16),
+        torch.zeros(4, 16, 4, 96, dtype=torch.bfloat16),
         torch.zeros(5, dtype=torch.long),
     ),  # fmt: skip
     "copy_blocks": lambda: copy_blocks.copy_blocks(

@@ -213,34 +213,45 @@ def test_sbatch_task_sent_usr1_mid_run_is_requeued_and_resumes(cluster, workload
 def test_sbatch_task_hit_by_its_time_limit_warning_is_requeued_and_resumes(
     cluster, workload: Workload
 ) -> None:
-    """--time=1 --signal=B:USR1@10: slurmctld sends USR1 at its first 30-s time-limit pass at least 20 s
-    into the run. The job is started 3 s after a pass, so the warning lands ~27 s in (mid-run); the
-    requeued run starts ~12 s after a pass and gets no warning before it finishes."""
+    """The time-limit warning itself (`--time=1 --signal=B:USR1@59`), sent by slurmctld.
+
+    slurmctld sends --signal warnings only during its time-limit passes, every ~30 s; with a 59 s lead on a
+    1 min limit the warning goes out at the first pass after the job starts. The job is started 16 s after
+    a pass (--begin), so the warning lands ~14 s in: batchgen is running. Once the task is requeued the
+    test raises its limit to 5 min so that the resumed run is not warned again before it finishes (a real
+    job gets the same limit again and simply makes progress on every run).
+    """
     last = sc.last_time_limit_pass()
     if last is None:
         pytest.skip("slurmctld's time-limit passes are not in its log (jobs/ci/start-slurm.sh sets debug2)")
-    begin = last + dt.timedelta(seconds=33)
+    begin = last + dt.timedelta(seconds=30 + 16)
     while (begin - dt.datetime.now()).total_seconds() < 1:
         begin += dt.timedelta(seconds=30)
     out = workload.dir / "timelimit"
     log = workload.dir / "timelimit.out"
     job = sc.sbatch(
         "--time=1",
-        "--signal=B:USR1@10",
+        "--signal=B:USR1@59",
         f"--begin={begin:%Y-%m-%dT%H:%M:%S}",
         *SBATCH_CI,
         f"--output={log}",
         str(SBATCH),
-        # fewer sequences at once: the first run must still be going ~27 s in
+        # one sequence at a time: the run is still going when the warning comes
         *workload.overrides(out, "engine.max_num_seqs=1"),
         cwd=workload.dir,
         env=workload.env,
     )
-    sc.wait(job, timeout=400)
+    deadline = time.monotonic() + 180
+    while sc.active(job) and time.monotonic() < deadline:
+        if sc.restarts(job) >= 1:
+            subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=5"], check=True)
+            break
+        time.sleep(0.2)
+    sc.wait(job, timeout=300)
     text = log.read_text()
     runs = sc.runs(job)
-    assert [r.state for r in runs][-1] == "COMPLETED" and runs[0].state == "REQUEUED", (runs, text)
-    assert "received SIGUSR1" in text and "requeueing" in text and "(restart 1)" in text
+    assert [r.state for r in runs] == ["REQUEUED", "COMPLETED"], (runs, text)
+    assert "received SIGUSR1" in text and f"requeueing {job}" in text and "(restart 1)" in text
     assert "incomplete (stopped by SIGUSR1)" in text, text  # batchgen was running when warned
     assert_same(merged(out), workload.reference())
 

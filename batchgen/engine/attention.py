@@ -121,7 +121,9 @@ class PagedAttention:
         nd = meta.num_decode_seqs
         num_seqs = meta.seq_lens.shape[0]
         if nd == num_seqs:
-            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len)
+            return self._decode(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len
+            )
         if nd == 0:
             return self._prefill(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale, meta

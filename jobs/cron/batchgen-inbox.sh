@@ -49,6 +49,7 @@ if ! flock -n 9; then
 fi
 
 child="" stop="" nsig=0
+# shellcheck disable=SC2317  # called from the traps below
 on_signal() {
   stop=$1
   nsig=$((nsig + 1))

@@ -1,0 +1,424 @@
+"""Paged-attention kernel benchmark (CUDA): ``python -m batchgen.bench.kernels [--dry-run] [--json PATH]``.
+
+Decode (one query per sequence, every sequence ``ctx`` tokens long, Llama-3-8B heads: 32 q / 8 kv, head_dim
+128, bf16, block size 16) over a grid of batch 1..256 × context 128..32k, timing
+
+* ``triton``        our paged decode kernel as the engine calls it (split-K heuristic),
+* ``triton-1pass``  the same kernel forced to a single pass (``num_splits=1``),
+* ``triton-splitk`` forced split-K (``num_splits = clamp(ctx // 512, 2, 64)``),
+* ``sdpa``          ``torch.nn.functional.scaled_dot_product_attention`` on K/V already gathered into
+  contiguous ``[B, Hkv, ctx, D]`` tensors (an un-paged lower bound for torch; gather not timed),
+* ``torch-ref``     our torch reference (the engine's CPU path) on CUDA: gather + SDPA,
+* ``flash-attn``    FlashAttention's paged ``flash_attn_with_kvcache`` (page size 256, its minimum), when
+  the ``flash_attn`` package is importable.
+
+Decode is memory-bound, so each row reports the achieved bandwidth ``(K/V bytes read + q + out) / time`` and
+its fraction of the device's datasheet peak (H200: 4.8 TB/s) and of a device-to-device copy measured in the
+same run (bytes read + written / time: the practical ceiling). Prefill (single chunks of 512..8192 new
+tokens, with and without a cached prefix, and a batch of chunks) reports time and TFLOP/s against SDPA
+(causal, contiguous; only where no prefix) and flash-attn.
+
+Times are medians of ``triton.testing.do_bench`` (which flushes the L2 between runs). ``--dry-run`` prints the
+grid with its byte counts and needs neither CUDA nor Triton. The full run takes about 2 minutes on an H200.
+``--cpu`` instead times the torch reference path (the engine's CPU attention) on CPU-sized shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+DECODE_BATCHES = (1, 8, 32, 128, 256)
+DECODE_CONTEXTS = (128, 1024, 4096, 16384, 32768)
+MAX_KV_BYTES = 24 * 2**30  # skip grid points whose K/V alone exceed this (SDPA needs a second copy)
+# (chunk length, cached prefix length, number of sequences)
+PREFILL_CASES = ((512, 0, 1), (2048, 0, 1), (8192, 0, 1), (2048, 6144, 1), (512, 0, 16), (512, 3584, 8))
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12, "A10": 0.6e12}
+FA_PAGE = 256
+
+
+@dataclass
+class DecodePoint:
+    batch: int
+    context: int
+    kv_bytes: int  # K and V read
+    io_bytes: int  # q read + out written
+    times_us: dict[str, float] = field(default_factory=dict)
+    max_abs_diff: float = float("nan")  # ours (heuristic, single pass, split-K) vs the torch reference
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.io_bytes
+
+
+@dataclass
+class PrefillPoint:
+    q_len: int
+    context: int
+    num_seqs: int
+    flops: float  # 4 * Hq * D * (query, key) pairs attended
+    times_us: dict[str, float] = field(default_factory=dict)
+
+
+def decode_grid() -> list[DecodePoint]:
+    elem = torch.tensor([], dtype=DTYPE).element_size()
+    points = []
+    for batch in DECODE_BATCHES:
+        for ctx in DECODE_CONTEXTS:
+            kv = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * elem
+            if kv > MAX_KV_BYTES:
+                continue
+            points.append(DecodePoint(batch, ctx, kv, 2 * batch * NUM_Q_HEADS * HEAD_DIM * elem))
+    return points
+
+
+def prefill_grid() -> list[PrefillPoint]:
+    points = []
+    for q_len, ctx, n in PREFILL_CASES:
+        pairs = n * (q_len * ctx + q_len * (q_len + 1) // 2)
+        points.append(PrefillPoint(q_len, ctx, n, 4.0 * NUM_Q_HEADS * HEAD_DIM * pairs))
+    return points
+
+
+def print_dry_run() -> None:
+    print(f"decode: Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} {DTYPE} block_size={BLOCK_SIZE}")
+    print(f"{'batch':>6} {'context':>8} {'K/V MB':>10} {'q+out KB':>9}")
+    for p in decode_grid():
+        print(f"{p.batch:>6} {p.context:>8} {p.kv_bytes / 1e6:>10.1f} {p.io_bytes / 1e3:>9.1f}")
+    print("prefill:")
+    print(f"{'q_len':>6} {'prefix':>7} {'seqs':>5} {'GFLOP':>8}")
+    for p in prefill_grid():
+        print(f"{p.q_len:>6} {p.context:>7} {p.num_seqs:>5} {p.flops / 1e9:>8.1f}")
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+def _bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=10, rep=40, return_mode="median")) * 1e3  # µs
+
+
+def _copy_bandwidth(device: torch.device) -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    us = _bench(lambda: dst.copy_(src))
+    return 2 * 2**30 / (us * 1e-6)
+
+
+def _paged_setup(batch: int, ctx: int, block_size: int, device: torch.device, q_len: int = 1):
+    blocks_per_seq = math.ceil(ctx / block_size)
+    num_blocks = batch * blocks_per_seq + 1
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.empty(shape, dtype=DTYPE, device=device).normal_()
+    v_cache = torch.empty(shape, dtype=DTYPE, device=device).normal_()
+    perm = torch.randperm(num_blocks - 1, device=device)[: batch * blocks_per_seq].to(torch.int32) + 1
+    tables = perm.view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(batch * q_len, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    return q, k_cache, v_cache, tables, seq_lens
+
+
+def _flash_attn():
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except Exception:
+        return None
+    return flash_attn_with_kvcache
+
+
+def run_decode(device: torch.device, log) -> list[DecodePoint]:
+    points = decode_grid()
+    for p in points:
+        _measure_decode(p, device)
+        if _flash_attn() is not None:
+            torch.cuda.empty_cache()
+            p.times_us["flash-attn"] = _flash_attn_paged(p.batch, 1, p.context, device)
+        torch.cuda.empty_cache()
+        log(
+            f"decode B={p.batch:<4} ctx={p.context:<6} "
+            + " ".join(f"{k}={v:.1f}us" for k, v in p.times_us.items())
+            + f" max|ours-ref|={p.max_abs_diff:.2g}"
+        )
+    return points
+
+
+def _measure_decode(p: DecodePoint, device: torch.device) -> None:
+    from batchgen.kernels import reference
+    from batchgen.kernels.decode_attention import MAX_SPLITS, paged_decode_attention
+
+    scale = HEAD_DIM**-0.5
+    q, kc, vc, tables, lens = _paged_setup(p.batch, p.context, BLOCK_SIZE, device)
+    forced = max(2, min(MAX_SPLITS, p.context // 512))
+    t = p.times_us
+    t["triton"] = _bench(
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, max_seq_len=p.context)
+    )
+    t["triton-1pass"] = _bench(lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, num_splits=1))
+    t["triton-splitk"] = _bench(
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, num_splits=forced)
+    )
+    ws = reference.Workspace()
+    t["torch-ref"] = _bench(
+        lambda: reference.paged_decode_attention_ref(q, kc, vc, tables, lens, scale, workspace=ws)
+    )
+    ref = reference.paged_decode_attention_ref(q, kc, vc, tables, lens, scale, workspace=ws).float()
+    ws.clear()
+    p.max_abs_diff = max(
+        float(
+            (paged_decode_attention(q, kc, vc, tables, lens, scale, num_splits=n).float() - ref).abs().max()
+        )
+        for n in (None, 1, forced)
+    )
+    t["sdpa"] = _sdpa_decode(q, kc, vc, tables, p.context, scale)
+
+
+def _sdpa_decode(q, kc, vc, tables, context: int, scale: float) -> float:
+    k, v = _contiguous_kv(kc, vc, tables, context)
+    q4 = q.unsqueeze(2)
+    return _bench(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+    )
+
+
+def _flash_attn_paged(batch: int, q_len: int, total: int, device: torch.device) -> float:
+    """FlashAttention's paged kernel on its own cache (page size 256), causal (bottom-right aligned)."""
+    fa = _flash_attn()
+    q, kc, vc, tables, lens = _paged_setup(batch, total, FA_PAGE, device, q_len=q_len)
+    q = q.view(batch, q_len, NUM_Q_HEADS, HEAD_DIM)
+    scale = HEAD_DIM**-0.5
+    return _bench(
+        lambda: fa(q, kc, vc, cache_seqlens=lens, block_table=tables, softmax_scale=scale, causal=True)
+    )
+
+
+def _contiguous_kv(kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, length: int):
+    """K/V of every sequence gathered into contiguous ``[B, Hkv, length, D]`` tensors."""
+    shape = (tables.shape[0], tables.shape[1] * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k = kc[tables.long()].view(shape)[:, :length].transpose(1, 2).contiguous()
+    v = vc[tables.long()].view(shape)[:, :length].transpose(1, 2).contiguous()
+    return k, v
+
+
+def run_prefill(device: torch.device, log) -> list[PrefillPoint]:
+    points = prefill_grid()
+    for p in points:
+        _measure_prefill(p, device)
+        if _flash_attn() is not None:
+            torch.cuda.empty_cache()
+            p.times_us["flash-attn"] = _flash_attn_paged(p.num_seqs, p.q_len, p.q_len + p.context, device)
+        torch.cuda.empty_cache()
+        log(
+            f"prefill q={p.q_len:<5} prefix={p.context:<5} seqs={p.num_seqs:<3} "
+            + " ".join(
+                f"{k}={v:.1f}us ({p.flops / (v * 1e-6) / 1e12:.0f} TFLOP/s)" for k, v in p.times_us.items()
+            )
+        )
+    return points
+
+
+def _measure_prefill(p: PrefillPoint, device: torch.device) -> None:
+    from batchgen.kernels.prefill_attention import paged_prefill_attention
+
+    scale = HEAD_DIM**-0.5
+    total = p.q_len + p.context
+    q, kc, vc, tables, lens = _paged_setup(p.num_seqs, total, BLOCK_SIZE, device, q_len=p.q_len)
+    cu = torch.arange(p.num_seqs + 1, dtype=torch.int32, device=device) * p.q_len
+    t = p.times_us
+    t["triton"] = _bench(
+        lambda: paged_prefill_attention(q, kc, vc, cu, lens, tables, scale, max_query_len=p.q_len)
+    )
+    if p.context == 0:  # SDPA's causal mask is top-left aligned: exact only without a prefix
+        t["sdpa"] = _sdpa_prefill(q, kc, vc, tables, p, scale)
+
+
+def _sdpa_prefill(q, kc, vc, tables, p: PrefillPoint, scale: float) -> float:
+    k, v = _contiguous_kv(kc, vc, tables, p.q_len)
+    q4 = q.view(p.num_seqs, p.q_len, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2)
+    return _bench(
+        lambda: torch.nn.functional.scaled_dot_product_attention(
+            q4, k, v, is_causal=True, scale=scale, enable_gqa=True
+        )
+    )
+
+
+# ------------------------------------------------------------------------------------------------- CPU
+CPU_SHAPE = dict(num_q_heads=8, num_kv_heads=4, head_dim=64, block_size=16)
+CPU_LAYERS = 8
+CPU_DECODE_BATCHES = (64, 256)
+# (chunk length, cached prefix length, number of sequences)
+CPU_PREFILL_CASES = ((512, 0, 1), (2048, 0, 1), (512, 1536, 1), (512, 0, 4), (32, 100, 64))
+
+
+def run_cpu(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), repeats: int = 3) -> list[str]:
+    """Time the torch reference path (the engine's CPU attention) on CPU shapes: 8 layers, 8 q / 4 kv heads,
+    head_dim 64, decode batches with contexts 300..700 and prefill chunks. Best of ``repeats`` wall and CPU
+    (process) times per 8-layer pass; CPU time is steadier on a shared machine."""
+    from batchgen.kernels import reference
+    from batchgen.kernels.testing import make_paged_batch
+
+    def best(fn) -> tuple[float, float]:
+        fn()
+        wall = cpu = float("inf")
+        for _ in range(repeats):
+            t, c = time.perf_counter(), time.process_time()
+            fn()
+            wall, cpu = min(wall, time.perf_counter() - t), min(cpu, time.process_time() - c)
+        return wall * 1e3, cpu * 1e3
+
+    lines = [f"torch reference on CPU ({torch.get_num_threads()} threads), {CPU_LAYERS} layers, {CPU_SHAPE}"]
+    ws = reference.Workspace()
+    for dtype in dtypes:
+        for batch in CPU_DECODE_BATCHES:
+            gen = torch.Generator().manual_seed(batch)
+            lens = torch.randint(300, 701, (batch,), generator=gen).tolist()
+            layers = [make_paged_batch(lens, dtype=dtype, seed=i, **CPU_SHAPE) for i in range(CPU_LAYERS)]
+
+            def decode(layers=layers):
+                for b in layers:
+                    reference.paged_decode_attention_ref(
+                        b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.scale, workspace=ws
+                    )
+
+            wall, cpu = best(decode)
+            lines.append(
+                f"decode  {str(dtype):15} B={batch:<4} ctx 300-700: {wall:8.1f} ms ({cpu:8.1f} ms CPU)"
+            )
+        for q_len, ctx, n in CPU_PREFILL_CASES:
+            layers = [
+                make_paged_batch([q_len + ctx] * n, [q_len] * n, dtype=dtype, seed=i, **CPU_SHAPE)
+                for i in range(CPU_LAYERS)
+            ]
+
+            def prefill(layers=layers):
+                for b in layers:
+                    reference.paged_prefill_attention_ref(
+                        b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables, b.scale,
+                        workspace=ws,
+                    )  # fmt: skip
+
+            wall, cpu = best(prefill)
+            lines.append(
+                f"prefill {str(dtype):15} {n}x{q_len} new after {ctx} cached: {wall:8.1f} ms ({cpu:8.1f} ms CPU)"
+            )
+        ws.clear()
+    return lines
+
+
+def _peak_for(name: str) -> float | None:
+    for key, value in PEAK_BANDWIDTH.items():
+        if key in name:
+            return value
+    return None
+
+
+def format_decode_table(points: list[DecodePoint], peak: float | None, copy_bw: float) -> str:
+    methods = ["triton", "triton-1pass", "triton-splitk", "sdpa", "torch-ref", "flash-attn"]
+    methods = [m for m in methods if any(m in p.times_us for p in points)]
+    lines = [
+        "Decode: time µs | achieved GB/s | % of datasheet peak | % of measured copy bandwidth",
+        "| batch | context | K/V MB | " + " | ".join(methods) + " |",
+        "|---:|---:|---:|" + "---:|" * len(methods),
+    ]
+    for p in points:
+        cells = []
+        for m in methods:
+            us = p.times_us.get(m)
+            if us is None:
+                cells.append("–")
+                continue
+            bw = p.total_bytes / (us * 1e-6)
+            peak_pct = f"{100 * bw / peak:.0f}%" if peak else "?"
+            cells.append(f"{us:.1f} / {bw / 1e9:.0f} / {peak_pct} / {100 * bw / copy_bw:.0f}%")
+        lines.append(f"| {p.batch} | {p.context} | {p.kv_bytes / 1e6:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_prefill_table(points: list[PrefillPoint]) -> str:
+    methods = [m for m in ("triton", "sdpa", "flash-attn") if any(m in p.times_us for p in points)]
+    lines = [
+        "Prefill: time µs / TFLOP/s",
+        "| q_len | prefix | seqs | " + " | ".join(methods) + " |",
+        "|---:|---:|---:|" + "---:|" * len(methods),
+    ]
+    for p in points:
+        cells = [
+            f"{p.times_us[m]:.1f} / {p.flops / (p.times_us[m] * 1e-6) / 1e12:.0f}" if m in p.times_us else "–"
+            for m in methods
+        ]
+        lines.append(f"| {p.q_len} | {p.context} | {p.num_seqs} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="print the grid and byte counts; no CUDA")
+    parser.add_argument("--json", help="write all measurements to this JSON file")
+    parser.add_argument(
+        "--peak-bw", type=float, help="datasheet memory bandwidth in bytes/s (default: by name)"
+    )
+    parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument(
+        "--cpu", action="store_true", help="time the torch reference path on CPU shapes instead"
+    )
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        print_dry_run()
+        return 0
+    if args.cpu:
+        for line in run_cpu():
+            print(line, flush=True)
+        return 0
+    if not torch.cuda.is_available():
+        print("the kernel benchmark needs a CUDA GPU (use --dry-run to see the grid)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    peak = args.peak_bw or _peak_for(name)
+    start = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)
+
+    copy_bw = _copy_bandwidth(device)
+    log(f"device {name}; datasheet peak {peak / 1e12 if peak else float('nan'):.2f} TB/s; "
+        f"measured copy {copy_bw / 1e12:.2f} TB/s; flash-attn {'yes' if _flash_attn() else 'not installed'}")  # fmt: skip
+    decode = run_decode(device, log)
+    prefill = [] if args.skip_prefill else run_prefill(device, log)
+    print()
+    print(format_decode_table(decode, peak, copy_bw))
+    if prefill:
+        print()
+        print(format_prefill_table(prefill))
+    if args.json:
+        result = {
+            "device": name,
+            "torch": torch.__version__,
+            "peak_bandwidth": peak,
+            "copy_bandwidth": copy_bw,
+            "shape": dict(
+                num_q_heads=NUM_Q_HEADS,
+                num_kv_heads=NUM_KV_HEADS,
+                head_dim=HEAD_DIM,
+                dtype=str(DTYPE),
+                block_size=BLOCK_SIZE,
+            ),  # fmt: skip
+            "decode": [asdict(p) | {"total_bytes": p.total_bytes} for p in decode],
+            "prefill": [asdict(p) for p in prefill],
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

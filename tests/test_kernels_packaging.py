@@ -1,0 +1,38 @@
+"""``kernels/`` installs as ``batchgen.kernels``, never as a top-level ``kernels`` (the name of a PyPI
+distribution that transformers probes and imports), and importing it does not need Triton."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_batchgen_kernels_maps_to_the_kernels_folder():
+    import batchgen.kernels
+
+    assert Path(batchgen.kernels.__file__).resolve() == REPO / "kernels" / "__init__.py"
+
+
+def test_transformers_does_not_see_a_kernels_distribution():
+    # Run from the repository root, where a bare `kernels` folder is on sys.path: the worst case.
+    code = "from transformers.utils import is_kernels_available; print(is_kernels_available())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_package_and_engine_import_without_triton():
+    # Block `import triton`: the references, the attention interface and auto backend selection still work.
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, batchgen.kernels as k, batchgen.engine.attention as a\n"
+        "assert not k.triton_available()\n"
+        "assert a.resolve_backend('auto', torch.device('cpu')) == 'torch'\n"
+        "a.PagedAttention('torch')\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
