@@ -11,7 +11,9 @@ and a Triton kernel with the same signature and semantics, one per module:
 
 The Triton modules import ``triton`` at import time, so import them only where Triton is wanted (this package
 itself imports only torch). Their kernels are compiled for CUDA tensors and run in Triton's interpreter for CPU
-tensors (or whenever ``TRITON_INTERPRET=1``), see :mod:`._jit`.
+tensors (or whenever ``TRITON_INTERPRET=1``), see :mod:`._jit`. Also here: :mod:`.testing` (random paged
+batches for tests and benchmarks) and :mod:`.aot` (compile the kernels for a GPU without one, to check they
+build and do not spill registers).
 
 KV cache layout (the whole engine uses it)
 ------------------------------------------

@@ -24,7 +24,12 @@ def interpreting(device: torch.device) -> bool:
 class Kernel:
     """A Triton kernel function, compiled or interpreted per launch: ``kernel.on(device)[grid](*args)``.
 
-    The wrapped function must not call other ``@triton.jit`` functions (it is run by either backend as is).
+    The wrapped function must not call ``@triton.jit`` functions — neither its own helpers nor Triton's
+    library ones such as ``tl.zeros``, ``tl.sum``, ``tl.max`` or ``tl.cdiv``, which are compiled or interpreted
+    depending on ``TRITON_INTERPRET`` at import — only builtins (``tl.full``, ``tl.reduce`` with
+    ``tl.standard._sum_combine`` / ``_elementwise_max``, ...), so that either backend can run it as is.
+    Interpreter quirks the kernels work around (Triton 3.9): arithmetic on bfloat16 values is wrong (the wrappers
+    compute in float32 when interpreting) and ``tensor & scalar`` masks have an unsupported dtype.
     """
 
     def __init__(self, fn: Any) -> None:

@@ -226,3 +226,17 @@ def test_resolve_backend(monkeypatch):
 def test_paged_attention_rejects_unknown_backend():
     with pytest.raises(ValueError, match="unknown attention backend"):
         PagedAttention("cuda")
+
+
+@pytest.mark.parametrize("flash_with_lse", [True, False])
+def test_prefill_after_prefix_with_and_without_the_lse_fast_path(monkeypatch, flash_with_lse):
+    """A chunk after a cached prefix runs as prefix + causal square merged by log-sum-exp when the CPU flash
+    op is available, else as one masked SDPA call: same answer."""
+    if not flash_with_lse:
+        monkeypatch.setattr(reference, "_CPU_FLASH_WITH_LSE", None)
+    batch = make_paged_batch([70], [23], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16)
+    out = reference.paged_prefill_attention_ref(
+        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
+        batch.scale,
+    )  # fmt: skip
+    torch.testing.assert_close(out.double(), naive_batch(batch), **TOL[torch.float32])

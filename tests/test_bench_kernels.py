@@ -73,3 +73,26 @@ def test_cpu_mode_runs_on_small_shapes(monkeypatch):
     lines = bench.run_cpu(dtypes=(torch.float32,), repeats=1)
     assert len(lines) == 1 + 1 + 2
     assert lines[1].startswith("decode") and "ms CPU" in lines[1]
+
+
+def test_cuda_code_path_smoke_on_cpu(monkeypatch, tmp_path):
+    """The measuring code itself, run once per method on tiny CPU shapes (Triton kernels interpreted)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "DECODE_BATCHES", (2,))
+    monkeypatch.setattr(bench, "DECODE_CONTEXTS", (40,))
+    monkeypatch.setattr(bench, "PREFILL_CASES", ((16, 0, 1), (8, 20, 2)))
+    monkeypatch.setattr(bench, "NUM_Q_HEADS", 4)
+    monkeypatch.setattr(bench, "NUM_KV_HEADS", 2)
+    monkeypatch.setattr(bench, "HEAD_DIM", 16)
+    logs: list[str] = []
+    decode = bench.run_decode(torch.device("cpu"), logs.append)
+    prefill = bench.run_prefill(torch.device("cpu"), logs.append)
+    assert set(decode[0].times_us) == {"triton", "triton-1pass", "triton-splitk", "torch-ref", "sdpa"}
+    assert decode[0].max_abs_diff < 2e-2  # bf16
+    assert set(prefill[0].times_us) == {"triton", "sdpa"} and set(prefill[1].times_us) == {"triton"}
+    assert len(logs) == 3 and all("stopped" not in line for line in logs)
+    assert "| 2 | 40 |" in bench.format_decode_table(decode, 4.8e12, 4.3e12)
+    path = tmp_path / "bench.json"
+    bench._write_json(path, "cpu", None, 1e9, decode, prefill)
+    assert '"batch": 2' in path.read_text()

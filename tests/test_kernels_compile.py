@@ -18,6 +18,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pytestmark = [
+    pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION"),
     pytest.mark.skipif(not os.path.exists(_PTXAS), reason="Triton's NVIDIA backend (ptxas) is not installed"),
     pytest.mark.skipif(
         not isinstance(triton.language.standard._sum_combine, JITFunction),

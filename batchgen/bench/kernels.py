@@ -101,9 +101,15 @@ def print_dry_run() -> None:
 
 # ------------------------------------------------------------------------------------------------ CUDA
 def _bench(fn) -> float:
+    """Median time of ``fn`` in µs; NaN (with a message) when it fails, e.g. out of memory."""
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=10, rep=40, return_mode="median")) * 1e3  # µs
+    try:
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
+    except RuntimeError as exc:
+        print(f"  measurement failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
+        torch.cuda.empty_cache()
+        return float("nan")
 
 
 def _copy_bandwidth(device: torch.device) -> float:
@@ -138,10 +144,13 @@ def _flash_attn():
 def run_decode(device: torch.device, log) -> list[DecodePoint]:
     points = decode_grid()
     for p in points:
-        _measure_decode(p, device)
-        if _flash_attn() is not None:
-            torch.cuda.empty_cache()
-            p.times_us["flash-attn"] = _flash_attn_paged(p.batch, 1, p.context, device)
+        try:
+            _measure_decode(p, device)
+            if _flash_attn() is not None:
+                torch.cuda.empty_cache()
+                p.times_us["flash-attn"] = _flash_attn_paged(p.batch, 1, p.context, device)
+        except RuntimeError as exc:  # out of memory outside a timed call: keep what was measured
+            log(f"decode B={p.batch} ctx={p.context} stopped: {str(exc).splitlines()[0][:200]}")
         torch.cuda.empty_cache()
         log(
             f"decode B={p.batch:<4} ctx={p.context:<6} "
@@ -211,10 +220,13 @@ def _contiguous_kv(kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, len
 def run_prefill(device: torch.device, log) -> list[PrefillPoint]:
     points = prefill_grid()
     for p in points:
-        _measure_prefill(p, device)
-        if _flash_attn() is not None:
-            torch.cuda.empty_cache()
-            p.times_us["flash-attn"] = _flash_attn_paged(p.num_seqs, p.q_len, p.q_len + p.context, device)
+        try:
+            _measure_prefill(p, device)
+            if _flash_attn() is not None:
+                torch.cuda.empty_cache()
+                p.times_us["flash-attn"] = _flash_attn_paged(p.num_seqs, p.q_len, p.q_len + p.context, device)
+        except RuntimeError as exc:
+            log(f"prefill q={p.q_len} prefix={p.context} stopped: {str(exc).splitlines()[0][:200]}")
         torch.cuda.empty_cache()
         log(
             f"prefill q={p.q_len:<5} prefix={p.context:<5} seqs={p.num_seqs:<3} "
@@ -358,6 +370,26 @@ def format_prefill_table(points: list[PrefillPoint]) -> str:
     return "\n".join(lines)
 
 
+def _write_json(path, device_name, peak, copy_bw, decode: list[DecodePoint], prefill: list[PrefillPoint]):
+    result = {
+        "device": device_name,
+        "torch": torch.__version__,
+        "peak_bandwidth": peak,
+        "copy_bandwidth": copy_bw,
+        "shape": dict(
+            num_q_heads=NUM_Q_HEADS,
+            num_kv_heads=NUM_KV_HEADS,
+            head_dim=HEAD_DIM,
+            dtype=str(DTYPE),
+            block_size=BLOCK_SIZE,
+        ),  # fmt: skip
+        "decode": [asdict(p) | {"total_bytes": p.total_bytes} for p in decode],
+        "prefill": [asdict(p) for p in prefill],
+    }
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="print the grid and byte counts; no CUDA")
@@ -392,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"device {name}; datasheet peak {peak / 1e12 if peak else float('nan'):.2f} TB/s; "
         f"measured copy {copy_bw / 1e12:.2f} TB/s; flash-attn {'yes' if _flash_attn() else 'not installed'}")  # fmt: skip
     decode = run_decode(device, log)
+    if args.json:
+        _write_json(args.json, name, peak, copy_bw, decode, [])
     prefill = [] if args.skip_prefill else run_prefill(device, log)
     print()
     print(format_decode_table(decode, peak, copy_bw))
@@ -399,23 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(format_prefill_table(prefill))
     if args.json:
-        result = {
-            "device": name,
-            "torch": torch.__version__,
-            "peak_bandwidth": peak,
-            "copy_bandwidth": copy_bw,
-            "shape": dict(
-                num_q_heads=NUM_Q_HEADS,
-                num_kv_heads=NUM_KV_HEADS,
-                head_dim=HEAD_DIM,
-                dtype=str(DTYPE),
-                block_size=BLOCK_SIZE,
-            ),  # fmt: skip
-            "decode": [asdict(p) | {"total_bytes": p.total_bytes} for p in decode],
-            "prefill": [asdict(p) for p in prefill],
-        }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        _write_json(args.json, name, peak, copy_bw, decode, prefill)
     log("done")
     return 0
 

@@ -79,8 +79,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 class PagedAttention:
     """Stores K/V and computes attention for a packed batch with the chosen backend (one per engine).
 
-    The torch backend keeps a :class:`~batchgen.kernels.reference.Workspace` for gathered K/V, reused by every
-    layer and step (so one engine must not run two forwards concurrently).
+    On CPU the torch backend keeps a :class:`~batchgen.kernels.reference.Workspace` for gathered K/V, reused by
+    every layer and step (so one engine must not run two forwards concurrently); on CUDA the caching allocator
+    already reuses that memory.
     """
 
     def __init__(self, backend: str = "torch") -> None:
@@ -150,7 +151,7 @@ class PagedAttention:
                 q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len
             )
         return reference.paged_decode_attention_ref(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=self.workspace
+            q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=self._workspace_for(q)
         )
 
     def _prefill(
@@ -170,5 +171,8 @@ class PagedAttention:
                 max_query_len=meta.max_query_len,
             )  # fmt: skip
         return reference.paged_prefill_attention_ref(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace=self.workspace
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace=self._workspace_for(q)
         )
+
+    def _workspace_for(self, q: Tensor) -> reference.Workspace | None:
+        return self.workspace if q.device.type == "cpu" else None
