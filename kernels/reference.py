@@ -114,6 +114,10 @@ def paged_decode_attention_ref(
         return q.new_empty(q.shape)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     lens = seq_lens.to(q.device)
+    if batch >= 2 * _CASCADE_MIN_GROUP:
+        out = _decode_cascade(q, k_cache, v_cache, block_tables, lens, scale, workspace)
+        if out is not None:
+            return out
     max_len, min_len = int(lens.max()), int(lens.min())
     num_blocks = (max_len + block_size - 1) // block_size
     ids = block_tables[:, :num_blocks]
@@ -126,6 +130,98 @@ def paged_decode_attention_ref(
         pos = torch.arange(max_len, device=q.device)
         mask = (pos[None, :] < lens[:, None]).view(batch, 1, 1, max_len)
     out = _sdpa(q.unsqueeze(2), k, v, mask, scale)  # [B, Hq, 1, D]
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+_CASCADE_MIN_GROUP = 4  # sequences that must share a prefix before it is read once for all of them
+
+
+def _shared_prefixes(
+    block_tables: Tensor, lens: Tensor, block_size: int
+) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    """Groups of >= _CASCADE_MIN_GROUP sequences whose block tables start with the same physical blocks.
+
+    Returns ``start[B]`` (leading blocks each sequence shares with its group, 0 if none) and the groups as
+    ``(sequence indices, shared block ids)``. A shared prefix never includes the block holding a sequence's
+    last token, so every sequence keeps at least one key of its own.
+    """
+    batch = block_tables.shape[0]
+    start = torch.zeros(batch, dtype=torch.long, device=block_tables.device)
+    groups: list[tuple[Tensor, Tensor]] = []
+    _, inverse, counts = torch.unique(block_tables[:, 0], return_inverse=True, return_counts=True)
+    for g in torch.nonzero(counts >= _CASCADE_MIN_GROUP).flatten().tolist():
+        idx = torch.nonzero(inverse == g).flatten()
+        rows = block_tables[idx]
+        limit = int((lens[idx].min() - 1) // block_size)
+        if limit <= 0:
+            continue
+        same = (rows[:, :limit] == rows[:1, :limit]).all(0)
+        n = int(same.long().cumprod(0).sum())
+        if n > 0:
+            start[idx] = n
+            groups.append((idx, rows[0, :n]))
+    return start, groups
+
+
+def _decode_cascade(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    lens: Tensor,
+    scale: float,
+    workspace: Workspace | None,
+) -> Tensor | None:
+    """Decode attention that reads a prefix shared by a group of sequences once for the whole group.
+
+    Each sequence attends to its own suffix (one batched call over gathered suffix blocks) and, if in a group,
+    to the group's shared prefix (one call with the group's queries stacked); the two partial results are
+    merged by their log-sum-exps (cascade attention). Same result as the plain path up to float rounding;
+    ``None`` when nothing is shared enough to pay off or the CPU flash op is unavailable.
+    """
+    if _CPU_FLASH_WITH_LSE is None or q.device.type != "cpu" or q.dtype != k_cache.dtype:
+        return None
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    start, groups = _shared_prefixes(block_tables, lens.long(), block_size)
+    if not groups:
+        return None
+    total_blocks = (lens.long() + block_size - 1) // block_size
+    saved = sum((idx.numel() - 1) * blocks.numel() for idx, blocks in groups)
+    if saved * 4 < int(total_blocks.sum()):  # under 25% fewer blocks to read: not worth it
+        return None
+    # Suffix of every sequence: blocks start[b] .. end, padded to the longest suffix.
+    num_suffix = int((total_blocks - start).max())
+    cols = (start[:, None] + torch.arange(num_suffix, device=q.device)[None, :]).clamp_(
+        max=block_tables.shape[1] - 1
+    )
+    ids = block_tables.gather(1, cols)
+    shape = (batch, num_suffix * block_size, num_kv_heads, head_dim)
+    k = _gather(k_cache, ids, "k", workspace).view(shape).transpose(1, 2)
+    v = _gather(v_cache, ids, "v", workspace).view(shape).transpose(1, 2)
+    pos = start[:, None] * block_size + torch.arange(num_suffix * block_size, device=q.device)[None, :]
+    mask = torch.zeros(batch, 1, 1, pos.shape[1], dtype=q.dtype, device=q.device)
+    mask.masked_fill_((pos >= lens.long()[:, None]).view(batch, 1, 1, -1), float("-inf"))
+    # The `group` query heads of one kv head act as `group` queries of that head: GQA without repeating K/V.
+    qg = q.view(batch, num_kv_heads, group, head_dim)
+    try:
+        out, lse = _CPU_FLASH_WITH_LSE(qg, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+        out = out.float()
+        for idx, blocks in groups:
+            n = idx.numel()
+            pk = k_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+            pv = v_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+            pq = qg[idx].transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
+            po, plse = _CPU_FLASH_WITH_LSE(pq, pk, pv, 0.0, False, attn_mask=None, scale=scale)[:2]
+            po = po.float().view(num_kv_heads, n, group, head_dim).transpose(0, 1)
+            plse = plse.view(num_kv_heads, n, group).transpose(0, 1)
+            slse = lse[idx]
+            m = torch.maximum(slse, plse)
+            ws, wp = torch.exp(slse - m).unsqueeze(-1), torch.exp(plse - m).unsqueeze(-1)
+            out[idx] = (out[idx] * ws + po * wp) / (ws + wp)
+    except (RuntimeError, TypeError):  # a torch whose CPU flash op refuses these inputs
+        return None
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 

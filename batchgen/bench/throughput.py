@@ -585,7 +585,14 @@ def make_charts(results: dict[str, Any], out: Path) -> list[str]:
 
     paths = []
     names = list(results["workloads"])
-    systems = list(dict.fromkeys(s for w in results["workloads"].values() for s in w["systems"]))
+    systems = list(
+        dict.fromkeys(
+            name
+            for w in results["workloads"].values()
+            for name, s in w["systems"].items()
+            if s.get("status") == "ok"
+        )
+    )
     fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(names)), 4))
     width = 0.8 / max(1, len(systems))
     for j, sys_name in enumerate(systems):
