@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batchgen.kernels import reference
-from batchgen.kernels.testing import make_paged_batch
 
 from batchgen.engine.attention import AttentionMetadata, PagedAttention, resolve_backend
+from batchgen.kernels import reference
+from batchgen.kernels.testing import make_paged_batch
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 

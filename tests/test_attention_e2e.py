@@ -18,7 +18,6 @@ pytest.importorskip("triton")
 # Import the kernels (and with them triton.language) before TRITON_INTERPRET is set below: Triton reads that
 # variable when its library is first imported, and the compiled GPU tests need it unset then.
 import batchgen.kernels.decode_attention  # noqa: E402,F401
-
 from batchgen import LLM, SamplingParams  # noqa: E402
 
 BS = 8

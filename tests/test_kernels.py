@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from batchgen.engine.attention import AttentionMetadata, PagedAttention  # noqa: E402
 from batchgen.kernels import reference  # noqa: E402
 from batchgen.kernels.copy_blocks import copy_blocks  # noqa: E402
 from batchgen.kernels.decode_attention import (  # noqa: E402
@@ -27,8 +28,6 @@ from batchgen.kernels.decode_attention import (  # noqa: E402
 from batchgen.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from batchgen.kernels.store_kv import store_kv  # noqa: E402
 from batchgen.kernels.testing import PagedBatch, make_paged_batch  # noqa: E402
-
-from batchgen.engine.attention import AttentionMetadata, PagedAttention  # noqa: E402
 
 DEVICES = [
     "cpu",

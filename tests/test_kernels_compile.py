@@ -12,9 +12,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from triton.runtime.jit import JITFunction  # noqa: E402
+
 from batchgen.kernels import copy_blocks, decode_attention, prefill_attention, store_kv  # noqa: E402
 from batchgen.kernels.aot import compile_launch, recording  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pytestmark = [

@@ -44,7 +44,9 @@ def main() -> int:
     rng = random.Random(0)
 
     # 1. correctness on CUDA (float32) ---------------------------------------------------------------
-    small = build_checkpoint(f"{tmp}/small", "qwen3", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2)
+    small = build_checkpoint(
+        f"{tmp}/small", "qwen3", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2
+    )
     prompts = [[rng.randrange(5, 4096) for _ in range(n)] for n in (1, 15, 16, 17, 100, 300)]
     greedy = SamplingParams(temperature=0, max_tokens=32)
     outs = {}
@@ -67,14 +69,24 @@ def main() -> int:
 
     # 2 + 3. throughput, bf16 -------------------------------------------------------------------------
     big = build_checkpoint(
-        f"{tmp}/big", "llama", hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4,
-        intermediate_size=2816, vocab_size=4096, dtype=torch.bfloat16, max_position_embeddings=4096,
+        f"{tmp}/big",
+        "llama",
+        hidden_size=1024,
+        num_layers=12,
+        num_heads=16,
+        num_kv_heads=4,
+        intermediate_size=2816,
+        vocab_size=4096,
+        dtype=torch.bfloat16,
+        max_position_embeddings=4096,
     )
     rows = int(os.environ.get("GPU_BENCH_ROWS", "8" if smoke else "512"))
     new_tokens = int(os.environ.get("GPU_BENCH_TOKENS", "4" if smoke else "128"))
     templates = [[rng.randrange(5, 4096) for _ in range(300)] for _ in range(4)]
     workloads = {
-        "shared-prefix": [templates[i % 4] + [rng.randrange(5, 4096) for _ in range(30)] for i in range(rows)],
+        "shared-prefix": [
+            templates[i % 4] + [rng.randrange(5, 4096) for _ in range(30)] for i in range(rows)
+        ],
         "unique": [[rng.randrange(5, 4096) for _ in range(rng.randint(50, 600))] for _ in range(rows)],
     }
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -83,8 +95,10 @@ def main() -> int:
     llm = LLM(big, dtype="bfloat16", max_num_seqs=512, max_num_batched_tokens=16384, **sizing)
     results["engine_init_s"] = time.perf_counter() - t0
     results["num_blocks"] = llm.engine.stats.num_blocks
-    log(f"[sizing] {llm.engine.stats.num_blocks} KV blocks from gpu_memory_utilization=0.85 "
-        f"(init {results['engine_init_s']:.1f}s)")
+    log(
+        f"[sizing] {llm.engine.stats.num_blocks} KV blocks from gpu_memory_utilization=0.85 "
+        f"(init {results['engine_init_s']:.1f}s)"
+    )
     llm.generate(workloads["unique"][:8], sp, use_tqdm=False)  # warm-up (Triton compile)
     hf = AutoModelForCausalLM.from_pretrained(big, dtype=torch.bfloat16).to(dev)
     for name, wl in workloads.items():
@@ -104,18 +118,32 @@ def main() -> int:
             width = max(len(p) for p in batch)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=dev)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=dev)
-            g = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            g = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
             hf_gen += (g.shape[1] - width) * len(batch)
         sync()
         theirs = time.perf_counter() - t
-        r = {"rows": len(wl), "new_tokens": new_tokens, "batchgen_gen_tok_s": gen / ours,
-             "hf_generate_bs64_gen_tok_s": hf_gen / theirs, "ratio": (gen / ours) / (hf_gen / theirs),
-             "batchgen_wall_s": ours, "hf_wall_s": theirs,
-             "prefix_hit_rate": llm.engine.stats.prefix_hit_rate}
+        r = {
+            "rows": len(wl),
+            "new_tokens": new_tokens,
+            "batchgen_gen_tok_s": gen / ours,
+            "hf_generate_bs64_gen_tok_s": hf_gen / theirs,
+            "ratio": (gen / ours) / (hf_gen / theirs),
+            "batchgen_wall_s": ours,
+            "hf_wall_s": theirs,
+            "prefix_hit_rate": llm.engine.stats.prefix_hit_rate,
+        }
         results[name] = r
-        log(f"[throughput {name}] batchgen {r['batchgen_gen_tok_s']:.0f} gen tok/s vs HF generate(bs=64) "
-            f"{r['hf_generate_bs64_gen_tok_s']:.0f} -> {r['ratio']:.2f}x")
+        log(
+            f"[throughput {name}] batchgen {r['batchgen_gen_tok_s']:.0f} gen tok/s vs HF generate(bs=64) "
+            f"{r['hf_generate_bs64_gen_tok_s']:.0f} -> {r['ratio']:.2f}x"
+        )
     results["peak_memory_gib"] = 0.0 if smoke else torch.cuda.max_memory_allocated() / 2**30
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "engine_check.json"), "w") as f:
