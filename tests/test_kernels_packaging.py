@@ -36,3 +36,38 @@ def test_package_and_engine_import_without_triton():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_wheel_installs_kernels_only_under_batchgen(tmp_path):
+    # The built distribution itself (not just the editable install): no top-level `kernels` package, and the
+    # Hydra configs and the sample data travel with it.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    import zipfile
+
+    (wheel,) = tmp_path.glob("batchgen-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"batchgen", wheel.name.split("-py3")[0] + ".dist-info"}
+    for needed in (
+        "batchgen/kernels/__init__.py",
+        "batchgen/kernels/reference.py",
+        "batchgen/conf/config.yaml",
+        "batchgen/sample_data/prompts.parquet",
+    ):
+        assert needed in names
