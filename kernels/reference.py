@@ -104,6 +104,7 @@ def paged_decode_attention_ref(
     scale: float,
     *,
     workspace: Workspace | None = None,
+    plan_cache: dict | None = None,
 ) -> Tensor:
     """One query per sequence (the token at position ``seq_lens[b] - 1``) attending to its whole context.
 
@@ -115,7 +116,7 @@ def paged_decode_attention_ref(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     lens = seq_lens.to(q.device)
     if batch >= 2 * _CASCADE_MIN_GROUP:
-        out = _decode_cascade(q, k_cache, v_cache, block_tables, lens, scale, workspace)
+        out = _decode_cascade(q, k_cache, v_cache, block_tables, lens, scale, workspace, plan_cache)
         if out is not None:
             return out
     max_len, min_len = int(lens.max()), int(lens.min())
@@ -163,6 +164,32 @@ def _shared_prefixes(
     return start, groups
 
 
+def _cascade_plan(
+    block_tables: Tensor, lens: Tensor, block_size: int, dtype: torch.dtype
+) -> tuple[list[tuple[Tensor, Tensor]], Tensor, Tensor] | None:
+    """(groups, suffix block ids [B, S], additive suffix mask [B,1,1,S*block_size]) or None when sharing
+    would not pay. Depends only on the batch, so one plan serves every layer of a forward."""
+    start, groups = _shared_prefixes(block_tables, lens, block_size)
+    if not groups:
+        return None
+    total_blocks = (lens + block_size - 1) // block_size
+    saved = sum((idx.numel() - 1) * blocks.numel() for idx, blocks in groups)
+    if saved * 4 < int(total_blocks.sum()):  # under 25% fewer blocks to read: not worth it
+        return None
+    batch = block_tables.shape[0]
+    num_suffix = int((total_blocks - start).max())
+    arange = torch.arange(num_suffix, device=block_tables.device)
+    cols = (start[:, None] + arange[None, :]).clamp_(max=block_tables.shape[1] - 1)
+    ids = block_tables.gather(1, cols)
+    pos = (
+        start[:, None] * block_size
+        + torch.arange(num_suffix * block_size, device=block_tables.device)[None, :]
+    )
+    mask = torch.zeros(batch, 1, 1, pos.shape[1], dtype=dtype, device=block_tables.device)
+    mask.masked_fill_((pos >= lens[:, None]).view(batch, 1, 1, -1), float("-inf"))
+    return groups, ids, mask
+
+
 def _decode_cascade(
     q: Tensor,
     k_cache: Tensor,
@@ -171,38 +198,33 @@ def _decode_cascade(
     lens: Tensor,
     scale: float,
     workspace: Workspace | None,
+    plan_cache: dict | None = None,
 ) -> Tensor | None:
     """Decode attention that reads a prefix shared by a group of sequences once for the whole group.
 
     Each sequence attends to its own suffix (one batched call over gathered suffix blocks) and, if in a group,
     to the group's shared prefix (one call with the group's queries stacked); the two partial results are
     merged by their log-sum-exps (cascade attention). Same result as the plain path up to float rounding;
-    ``None`` when nothing is shared enough to pay off or the CPU flash op is unavailable.
+    ``None`` when nothing is shared enough to pay off or the CPU flash op is unavailable. ``plan_cache``
+    (a dict living for one forward) lets all layers share the grouping.
     """
     if _CPU_FLASH_WITH_LSE is None or q.device.type != "cpu" or q.dtype != k_cache.dtype:
         return None
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    start, groups = _shared_prefixes(block_tables, lens.long(), block_size)
-    if not groups:
+    if plan_cache is not None and "decode_cascade" in plan_cache:
+        plan = plan_cache["decode_cascade"]
+    else:
+        plan = _cascade_plan(block_tables, lens.long(), block_size, q.dtype)
+        if plan_cache is not None:
+            plan_cache["decode_cascade"] = plan
+    if plan is None:
         return None
-    total_blocks = (lens.long() + block_size - 1) // block_size
-    saved = sum((idx.numel() - 1) * blocks.numel() for idx, blocks in groups)
-    if saved * 4 < int(total_blocks.sum()):  # under 25% fewer blocks to read: not worth it
-        return None
-    # Suffix of every sequence: blocks start[b] .. end, padded to the longest suffix.
-    num_suffix = int((total_blocks - start).max())
-    cols = (start[:, None] + torch.arange(num_suffix, device=q.device)[None, :]).clamp_(
-        max=block_tables.shape[1] - 1
-    )
-    ids = block_tables.gather(1, cols)
-    shape = (batch, num_suffix * block_size, num_kv_heads, head_dim)
+    groups, ids, mask = plan
+    shape = (batch, ids.shape[1] * block_size, num_kv_heads, head_dim)
     k = _gather(k_cache, ids, "k", workspace).view(shape).transpose(1, 2)
     v = _gather(v_cache, ids, "v", workspace).view(shape).transpose(1, 2)
-    pos = start[:, None] * block_size + torch.arange(num_suffix * block_size, device=q.device)[None, :]
-    mask = torch.zeros(batch, 1, 1, pos.shape[1], dtype=q.dtype, device=q.device)
-    mask.masked_fill_((pos >= lens.long()[:, None]).view(batch, 1, 1, -1), float("-inf"))
     # The `group` query heads of one kv head act as `group` queries of that head: GQA without repeating K/V.
     qg = q.view(batch, num_kv_heads, group, head_dim)
     try:

@@ -33,6 +33,7 @@ BIN_DIR = Path(sys.executable).parent
 BATCHGEN = BIN_DIR / "batchgen"
 ROWS = 48
 WINDOW_ROWS = 4
+COPIES = 6  # the time-limit test's input: the dataset repeated, so that its run lasts well past the warning
 # What must be identical between runs (num_cached_tokens depends on what else was in the prefix cache).
 COMPARE = [
     "id",
@@ -85,10 +86,11 @@ class Workload:
         return self._reference
 
 
-def merged(output: Path) -> pa.Table:
+def merged(output: Path, rows: int = ROWS) -> pa.Table:
     """The output's rows in input order (after checking complete, duplicate-free coverage)."""
     report = verify(output)
     assert report.ok, report
+    assert report.expected_rows == rows, report
     dest = output.parent / f"{output.name}.merged.parquet"
     write_merged(output, dest, report)
     return pq.read_table(dest).select(COMPARE)
@@ -224,6 +226,19 @@ def test_sbatch_task_hit_by_its_time_limit_warning_is_requeued_and_resumes(
     last = sc.last_time_limit_pass()
     if last is None:
         pytest.skip("slurmctld's time-limit passes are not in its log (jobs/ci/start-slurm.sh sets debug2)")
+    # The job must still be running ~14 s in, however fast the machine: the same prompts repeated COPIES
+    # times under new keys (greedy: a repeated prompt gets the reference row's output), one sequence at a time.
+    source = pq.read_table(workload.input)
+    big = workload.dir / "timelimit-input.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "key": [f"copy{c}-{k}" for c in range(COPIES) for k in source.column("key").to_pylist()],
+                "prompt": source.column("prompt").to_pylist() * COPIES,
+            }
+        ),
+        big,
+    )
     begin = last + dt.timedelta(seconds=30 + 16)
     while (begin - dt.datetime.now()).total_seconds() < 1:
         begin += dt.timedelta(seconds=30)
@@ -237,7 +252,7 @@ def test_sbatch_task_hit_by_its_time_limit_warning_is_requeued_and_resumes(
         f"--output={log}",
         str(SBATCH),
         # one sequence at a time: the run is still going when the warning comes
-        *workload.overrides(out, "engine.max_num_seqs=1"),
+        *workload.overrides(out, "engine.max_num_seqs=1", f"data.input={big}"),
         cwd=workload.dir,
         env=workload.env,
     )
@@ -253,7 +268,12 @@ def test_sbatch_task_hit_by_its_time_limit_warning_is_requeued_and_resumes(
     assert [r.state for r in runs] == ["REQUEUED", "COMPLETED"], (runs, text)
     assert "received SIGUSR1" in text and f"requeueing {job}" in text and "(restart 1)" in text
     assert "incomplete (stopped by SIGUSR1)" in text, text  # batchgen was running when warned
-    assert_same(merged(out), workload.reference())
+    table, ref = merged(out, rows=COPIES * ROWS), workload.reference()
+    assert table.column("id").to_pylist() == [
+        f"copy{c}-{k}" for c in range(COPIES) for k in ref.column("id").to_pylist()
+    ]
+    for name in COMPARE[1:]:
+        assert table.column(name).to_pylist() == ref.column(name).to_pylist() * COPIES, name
 
 
 def test_sbatch_script_rejects_an_array_that_does_not_start_at_zero(tmp_path: Path) -> None:

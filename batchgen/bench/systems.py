@@ -117,7 +117,8 @@ def _warm_prompts(w: dict[str, Any], n: int = 4, length: int = 24) -> list[list[
 
 
 class _Timeline:
-    """Wraps ``engine.step`` to record (t, running, waiting, kv_usage, kv_utilisation) after every step."""
+    """Wraps ``engine.step`` to record (t, running, waiting, kv_usage, kv_utilisation) before the first step
+    and after every step (t in seconds since the wrapper was installed, just before ``run_job``)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -125,8 +126,7 @@ class _Timeline:
         self.rows: list[list[float]] = []
         inner = engine.step
 
-        def step() -> Any:
-            out = inner()
+        def record() -> None:
             s = engine.stats
             self.rows.append(
                 [
@@ -137,6 +137,12 @@ class _Timeline:
                     round(s.kv_utilisation, 4),
                 ]
             )
+
+        def step() -> Any:
+            if not self.rows:  # the state before the first step (everything waiting)
+                record()
+            out = inner()
+            record()
             return out
 
         engine.step = step

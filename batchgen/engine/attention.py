@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -38,6 +38,8 @@ class AttentionMetadata:
     block_tables: Tensor  # [B, max_blocks] int32
     max_seq_len: int
     max_query_len: int
+    scratch: dict = field(default_factory=dict)
+    """Per-forward memo for values derived from this batch alone (e.g. the cascade plan), shared by all layers."""
 
     @property
     def num_decode_tokens(self) -> int:
@@ -123,7 +125,7 @@ class PagedAttention:
         num_seqs = meta.seq_lens.shape[0]
         if nd == num_seqs:
             return self._decode(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len, meta.scratch
             )
         if nd == 0:
             return self._prefill(
@@ -131,7 +133,9 @@ class PagedAttention:
             )
         out = torch.empty_like(q)
         bt, lens = meta.block_tables, meta.seq_lens
-        out[:nd] = self._decode(q[:nd], k_cache, v_cache, bt[:nd], lens[:nd], scale, meta.max_seq_len)
+        out[:nd] = self._decode(
+            q[:nd], k_cache, v_cache, bt[:nd], lens[:nd], scale, meta.max_seq_len, meta.scratch
+        )
         cu = meta.cu_seqlens_q[nd:] - nd
         out[nd:] = self._prefill(q[nd:], k_cache, v_cache, cu, lens[nd:], bt[nd:], scale, meta)
         return out
@@ -145,13 +149,21 @@ class PagedAttention:
         seq_lens: Tensor,
         scale: float,
         max_seq_len: int,
+        scratch: dict | None = None,
     ) -> Tensor:
         if self.backend == "triton":
             return self._triton_decode(
                 q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len
             )
         return reference.paged_decode_attention_ref(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=self._workspace_for(q)
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            workspace=self._workspace_for(q),
+            plan_cache=scratch,
         )
 
     def _prefill(
