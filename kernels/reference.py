@@ -271,16 +271,56 @@ def paged_prefill_attention_ref(
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(batch)]
-    max_q, max_len = max(q_lens), max(lens)
-    useful = sum(n * s for n, s in zip(q_lens, lens))
-    if batch > 1 and batch * max_q * max_len <= 2 * useful:
+    buckets = _padding_buckets(q_lens, lens)
+    if len(buckets) == 1 and len(buckets[0]) == batch > 1:
         return _prefill_padded(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace)
     out = torch.empty_like(q)
-    for b in range(batch):
-        s, e = cu[b], cu[b + 1]
-        if s < e:
+    for bucket in buckets:
+        if len(bucket) == 1:
+            b = bucket[0]
+            s, e = cu[b], cu[b + 1]
             out[s:e] = _prefill_one(q[s:e], k_cache, v_cache, lens[b], block_tables[b], scale, workspace)
+            continue
+        rows = torch.tensor(bucket, dtype=torch.long, device=block_tables.device)
+        tokens = torch.cat([torch.arange(cu[b], cu[b + 1], device=q.device) for b in bucket])
+        sub_cu = [0]
+        for b in bucket:
+            sub_cu.append(sub_cu[-1] + q_lens[b])
+        out[tokens] = _prefill_padded(
+            q[tokens],
+            k_cache,
+            v_cache,
+            torch.tensor(sub_cu, dtype=torch.int32, device=q.device),
+            seq_lens[rows.to(seq_lens.device)],
+            block_tables[rows],
+            scale,
+            workspace,
+        )
     return out
+
+
+def _padding_buckets(q_lens: list[int], lens: list[int]) -> list[list[int]]:
+    """Group sequences (longest chunks first) so that padding a group to its longest chunk and context at most
+    doubles the work of each member; a group of one runs unpadded. Empty chunks are left out."""
+    order = sorted(
+        (b for b in range(len(q_lens)) if q_lens[b] > 0), key=lambda b: (q_lens[b], lens[b]), reverse=True
+    )
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    max_q = max_len = least = 0  # least: the smallest q_len * seq_len in the group
+    for b in order:
+        work = q_lens[b] * lens[b]
+        mq, ml = max(max_q, q_lens[b]), max(max_len, lens[b])
+        if cur and mq * ml <= 2 * min(least, work):
+            cur.append(b)
+            max_q, max_len, least = mq, ml, min(least, work)
+            continue
+        if cur:
+            buckets.append(cur)
+        cur, max_q, max_len, least = [b], q_lens[b], lens[b], work
+    if cur:
+        buckets.append(cur)
+    return buckets
 
 
 def _prefill_one(

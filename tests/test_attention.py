@@ -126,7 +126,13 @@ def test_prefill_heuristic_picks_padded_for_uniform_batches(monkeypatch):
         ragged.q, ragged.k_cache, ragged.v_cache, ragged.cu_seqlens_q, ragged.seq_lens, ragged.block_tables,
         ragged.scale,
     )  # fmt: skip
-    assert calls == [1]
+    # A group is padded only while that at most doubles each member's work: the 600-token chunk runs alone,
+    # the two short ones share one padded call.
+    assert calls == [1, 1]
+    assert reference._padding_buckets([600, 4, 3], [600, 4, 3]) == [[0], [1, 2]]
+    # Chunks after a cached prefix group together even beside a long uncached prompt.
+    assert reference._padding_buckets([347, 33, 33, 33], [347, 347, 346, 347]) == [[0], [1, 3, 2]]
+    assert reference._padding_buckets([0, 5], [9, 5]) == [[1]]
 
 
 def test_zero_cache_gives_finite_outputs():
