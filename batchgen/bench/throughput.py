@@ -647,7 +647,7 @@ def make_charts(results: dict[str, Any], out: Path) -> list[str]:
 register_configs()
 
 
-@hydra.main(config_path="pkg://batchgen.conf", config_name="bench/throughput", version_base="1.3")
+@hydra.main(config_path="pkg://batchgen.bench", config_name="throughput", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, ThroughputConfig)
