@@ -22,11 +22,9 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -114,39 +112,25 @@ def ensure_model(m: BenchModel) -> str:
     """The checkpoint path: ``m.path``, or a random Llama built once into the batchgen cache."""
     if m.path:
         return os.path.expanduser(m.path)
-    from batchgen.models.tiny import build_checkpoint
+    from batchgen.models.tiny import cached_checkpoint
 
     spec = asdict(m)
     spec.pop("path")
     name = "bench-llama-" + "-".join(f"{v}" for v in spec.values())
-    target = _cache_root() / name
-    if (target / "config.json").is_file():
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
-    try:
-        build_checkpoint(
-            tmp,
-            "llama",
-            hidden_size=m.hidden_size,
-            num_layers=m.num_layers,
-            num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads,
-            intermediate_size=m.intermediate_size,
-            vocab_size=m.vocab_size,
-            max_position_embeddings=m.max_position_embeddings,
-            initializer_range=m.initializer_range,
-            seed=m.seed,
-        )
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    return cached_checkpoint(
+        name,
+        _cache_root(),
+        arch="llama",
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        intermediate_size=m.intermediate_size,
+        vocab_size=m.vocab_size,
+        max_position_embeddings=m.max_position_embeddings,
+        initializer_range=m.initializer_range,
+        seed=m.seed,
+    )
 
 
 @dataclass

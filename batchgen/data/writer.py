@@ -33,7 +33,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.config import ConfigError, shard_dir_name
+from batchgen.config import RESERVED_COLUMNS, ConfigError, shard_dir_name
 from batchgen.data.manifest import MANIFEST_NAME, Manifest, WindowRecord, diff_config, file_mode, fsync_dir
 from batchgen.data.prompts import PromptRow
 
@@ -104,22 +104,7 @@ def build_part(
     validation). Counts of ok/error refer to input rows.
     """
     n = layout.n
-    cols: dict[str, list[Any]] = {
-        k: []
-        for k in (
-            "id",
-            "sample_index",
-            "generated_text",
-            "token_ids",
-            "num_prompt_tokens",
-            "num_generated_tokens",
-            "num_cached_tokens",
-            "finish_reason",
-            "status",
-            "error",
-            "logprobs",
-        )
-    }
+    cols: dict[str, list[Any]] = {k: [] for k in RESERVED_COLUMNS}
     take: list[int] = []
     st = PartStats()
 

@@ -315,21 +315,21 @@ def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
     return Path.home() / ".cache" / "batchgen"
 
 
-def tiny_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> str:
-    """Path of the embedded default model, built on first use and reused afterwards.
+def cached_checkpoint(name: str, cache_dir: str | os.PathLike | None = None, **spec: Any) -> str:
+    """Path of checkpoint ``name`` built with ``build_checkpoint(**spec)`` on first use and reused afterwards.
 
     Lives in `cache_dir`, else `$BATCHGEN_CACHE`, else `~/.cache/batchgen`. Built into a temporary
     directory beside the target and renamed into place, so concurrent first uses never see (or leave)
     a half-written checkpoint: the loser of the rename race discards its copy.
     """
     root = _cache_root(cache_dir)
-    target = root / _TINY_DEFAULT_NAME
+    target = root / name
     if (target / "config.json").is_file():
         return str(target)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{_TINY_DEFAULT_NAME}.", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
-        build_checkpoint(tmp, **TINY_DEFAULT_SPEC)
+        build_checkpoint(tmp, **spec)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -339,3 +339,8 @@ def tiny_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> str:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def tiny_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> str:
+    """Path of the embedded default model, built on first use and reused afterwards (see cached_checkpoint)."""
+    return cached_checkpoint(_TINY_DEFAULT_NAME, cache_dir, **TINY_DEFAULT_SPEC)
