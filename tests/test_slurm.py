@@ -33,7 +33,7 @@ BIN_DIR = Path(sys.executable).parent
 BATCHGEN = BIN_DIR / "batchgen"
 ROWS = 48
 WINDOW_ROWS = 4
-COPIES = 6  # the time-limit test's input: the dataset repeated, so that its run lasts well past the warning
+COPIES = 24  # the time-limit test's input: the dataset repeated, so that its run lasts well past the warning
 # What must be identical between runs (num_cached_tokens depends on what else was in the prefix cache).
 COMPARE = [
     "id",
@@ -224,6 +224,10 @@ def test_sbatch_task_hit_by_its_time_limit_warning_is_requeued_and_resumes(
     job gets the same limit again and simply makes progress on every run).
     """
     last = sc.last_time_limit_pass()
+    wait_until = time.monotonic() + 40  # a freshly started slurmctld logs its first pass within ~30 s
+    while last is None and time.monotonic() < wait_until:
+        time.sleep(1)
+        last = sc.last_time_limit_pass()
     if last is None:
         pytest.skip("slurmctld's time-limit passes are not in its log (jobs/ci/start-slurm.sh sets debug2)")
     # The job must still be running ~14 s in, however fast the machine: the same prompts repeated COPIES
