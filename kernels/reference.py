@@ -238,10 +238,7 @@ def _decode_cascade(
             po, plse = _CPU_FLASH_WITH_LSE(pq, pk, pv, 0.0, False, attn_mask=None, scale=scale)[:2]
             po = po.float().view(num_kv_heads, n, group, head_dim).transpose(0, 1)
             plse = plse.view(num_kv_heads, n, group).transpose(0, 1)
-            slse = lse[idx]
-            m = torch.maximum(slse, plse)
-            ws, wp = torch.exp(slse - m).unsqueeze(-1), torch.exp(plse - m).unsqueeze(-1)
-            out[idx] = (out[idx] * ws + po * wp) / (ws + wp)
+            out[idx] = _merge_by_lse(out[idx], lse[idx], po, plse)
     except (RuntimeError, TypeError):  # a torch whose CPU flash op refuses these inputs
         return None
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
@@ -368,6 +365,12 @@ def _prefix_then_causal(q: Tensor, k: Tensor, v: Tensor, ctx: int, scale: float)
         )[:2]
     except (RuntimeError, TypeError):  # e.g. a torch without GQA support in the op
         return None
+    return _merge_by_lse(o1, lse1, o2, lse2)
+
+
+def _merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
+    """Combine two softmax-normalised attention outputs over disjoint key sets, ``o [..., D]`` with their
+    log-sum-exps ``lse [...]``, into the attention over the union (float32)."""
     m = torch.maximum(lse1, lse2)
     w1 = torch.exp(lse1 - m).unsqueeze(-1)
     w2 = torch.exp(lse2 - m).unsqueeze(-1)
