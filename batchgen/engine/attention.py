@@ -41,10 +41,6 @@ class AttentionMetadata:
     scratch: dict = field(default_factory=dict)
     """Per-forward memo for values derived from this batch alone (e.g. the cascade plan), shared by all layers."""
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode_seqs
-
 
 @dataclass
 class ForwardContext:

@@ -209,8 +209,6 @@ class LLMEngine:
             if start + n == seq.num_tokens:
                 sample_rows.append(b)
             self.stats.prompt_tokens_computed += max(0, min(start + n, seq.num_prompt_tokens) - start)
-        if num_decodes != sum(1 for n in batch.num_new_tokens if n == 1):
-            raise AssertionError("decode sequences must come first in the batch")
         logits = self.runner.execute(chunks, starts, tables, num_decodes, sample_rows)
 
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
