@@ -78,7 +78,7 @@ def build_report(
             "block_size": int(_stat(engine_stats, "block_size")),
             "pool_bytes": num_blocks * bytes_per_block,
             "peak_usage": float(_stat(engine_stats, "peak_kv_usage", 0.0)),
-            "min_utilisation": float(_stat(engine_stats, "min_kv_utilisation", 1.0)),
+            "min_utilisation": float(_stat(engine_stats, "min_kv_utilization", 1.0)),
             "peak_fragmentation": float(_stat(engine_stats, "peak_kv_fragmentation", 0.0)),
         },
         "scheduler": {

@@ -134,7 +134,7 @@ class _Timeline:
                     s.running_seqs,
                     s.waiting_seqs,
                     round(s.kv_usage, 4),
-                    round(s.kv_utilisation, 4),
+                    round(s.kv_utilization, 4),
                 ]
             )
 
@@ -149,7 +149,7 @@ class _Timeline:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "columns": ["t", "running_seqs", "waiting_seqs", "kv_usage", "kv_utilisation"],
+            "columns": ["t", "running_seqs", "waiting_seqs", "kv_usage", "kv_utilization"],
             "rows": self.rows,
         }
 

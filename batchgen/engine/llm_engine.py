@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Sequence as Seq
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from batchgen.engine.attention import resolve_backend
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.detokenizer import IncrementalDetokenizer, find_stop
+from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import CompletionOutput, RequestOutput
@@ -89,6 +91,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.requests: dict[str | int, Request] = {}
+        self._listeners: list[StepListener] = []
         self._errors: list[RequestOutput] = []
         self._arrivals = 0
         logger.info(
@@ -184,8 +187,21 @@ class LLMEngine:
     def num_unfinished(self) -> int:
         return len(self.requests) + len(self._errors)
 
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Call ``listener(StepInfo)`` after every step (benchmarks' timelines, progress displays)."""
+        self._listeners.append(listener)
+
     # ----------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        finished, num_seqs, num_tokens = self._step()
+        if self._listeners:
+            info = StepInfo(self.stats, finished, num_seqs, num_tokens, time.perf_counter() - t0)
+            for listener in self._listeners:
+                listener(info)
+        return finished
+
+    def _step(self) -> tuple[list[RequestOutput], int, int]:
         finished, self._errors = self._errors, []
         batch = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
@@ -193,7 +209,7 @@ class LLMEngine:
         if not batch:
             if self.scheduler.has_unfinished() and not finished:
                 raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
-            return finished
+            return finished, 0, 0
         self.runner.copy_blocks(batch.copies)
         self.stats.num_cow_copies += len(batch.copies)
 
@@ -252,12 +268,12 @@ class LLMEngine:
         st.kv_blocks_used = kvs.blocks_used
         st.kv_usage = kvs.blocks_used / self.kv.num_blocks
         st.peak_kv_usage = max(st.peak_kv_usage, st.kv_usage)
-        st.kv_utilisation = kvs.kv_utilization
+        st.kv_utilization = kvs.kv_utilization
         st.kv_fragmentation = kvs.internal_fragmentation
         if kvs.blocks_used:
-            st.min_kv_utilisation = min(st.min_kv_utilisation, kvs.kv_utilization)
+            st.min_kv_utilization = min(st.min_kv_utilization, kvs.kv_utilization)
             st.peak_kv_fragmentation = max(st.peak_kv_fragmentation, kvs.internal_fragmentation)
-        return finished
+        return finished, len(batch.seqs), sum(batch.num_new_tokens)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass
@@ -11,8 +11,8 @@ class EngineStats:
 
     ``prompt_tokens_cached`` counts prompt tokens served from the prefix cache at admission;
     ``prompt_tokens_computed`` counts tokens run through the model as prefill (recomputation after a
-    preemption included). KV figures: ``kv_usage`` is blocks in use ÷ pool size; ``kv_utilisation`` is token
-    slots holding live tokens ÷ slots in allocated blocks; ``kv_fragmentation`` is 1 − kv_utilisation.
+    preemption included). KV figures: ``kv_usage`` is blocks in use ÷ pool size; ``kv_utilization`` is token
+    slots holding live tokens ÷ slots in allocated blocks; ``kv_fragmentation`` is 1 − kv_utilization.
     """
 
     num_blocks: int = 0
@@ -35,8 +35,8 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_usage: float = 0.0
     peak_kv_usage: float = 0.0
-    kv_utilisation: float = 1.0
-    min_kv_utilisation: float = 1.0
+    kv_utilization: float = 1.0
+    min_kv_utilization: float = 1.0
     kv_fragmentation: float = 0.0
     peak_kv_fragmentation: float = 0.0
 
@@ -45,7 +45,39 @@ class EngineStats:
         """Fraction of admitted prompt tokens served from the prefix cache."""
         return self.prompt_tokens_cached / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def kv_utilisation(self) -> float:
+        """Deprecated spelling of :attr:`kv_utilization` (kept for 0.1 callers)."""
+        return self.kv_utilization
+
+    def delta(self, before: EngineStats) -> EngineStats:
+        """The work done since ``before`` (an earlier snapshot of the same engine): counters are differences,
+        gauges and peaks (running/waiting sequences, KV usage, utilization, sizes) are this snapshot's."""
+        out = replace(self)
+        for name in _COUNTERS:
+            setattr(out, name, getattr(self, name) - getattr(before, name))
+        return out
+
+    def snapshot(self) -> EngineStats:
+        """A copy that later steps do not change."""
+        return replace(self)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["prefix_hit_rate"] = self.prefix_hit_rate
         return d
+
+
+_COUNTERS = (
+    "num_requests",
+    "num_finished_requests",
+    "num_error_requests",
+    "prompt_tokens",
+    "prompt_tokens_cached",
+    "prompt_tokens_computed",
+    "generated_tokens",
+    "num_steps",
+    "num_preemptions",
+    "num_cow_copies",
+)
+"""Fields that only grow: :meth:`EngineStats.delta` subtracts these and keeps the others as they are."""

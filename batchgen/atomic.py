@@ -1,0 +1,74 @@
+"""Atomic file writes: readers see the old content or the new one, never a mix, and a rename is durable.
+
+Every file batchgen commits (parts, manifest, report, merged output, cached checkpoints, benchmark results)
+goes through :func:`atomic_write` or its byte/text shorthands: write a temporary file beside the target, fsync
+it, rename it over the target, fsync the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename inside ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def file_mode() -> int:
+    """Permissions of a new regular file under the current umask (mkstemp alone gives 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on a clean exit fsync it, rename it to ``path`` and fsync the
+    directory. On an exception the temporary file is removed and ``path`` is untouched.
+
+    The temporary name starts with ``.tmp-`` so dataset readers (which skip names starting with ``.`` or
+    ``_``) never see it.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        os.chmod(tmp, file_mode())
+        yield Path(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_write`)."""
+    with atomic_write(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_write`)."""
+    atomic_write_bytes(path, text.encode("utf-8"))
