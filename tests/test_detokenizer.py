@@ -66,7 +66,7 @@ def _byte_token_ids(tokenizer) -> list[int]:
 
 
 def _stream(tokenizer, ids: list[int], skip: bool) -> tuple[list[str], str]:
-    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], skip_special_tokens=skip)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
     texts = []
     for i in ids:
         piece = detok.append(i)
@@ -179,7 +179,7 @@ def test_window_stays_small_on_long_outputs(request, which):
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) > 800
     spy = _SpyTokenizer(tokenizer)
-    detok = IncrementalDetokenizer(spy, None)
+    detok = IncrementalDetokenizer(spy)
     for i in ids:
         detok.append(i)
     assert detok.text == tokenizer.decode(ids)
@@ -191,7 +191,7 @@ def test_genuine_replacement_characters_are_finalised(bpe_tokenizer):
     """A model that keeps emitting U+FFFD itself must not make the pending window grow forever."""
     ids = bpe_tokenizer.encode("\ufffd" * 200 + "x", add_special_tokens=False)
     spy = _SpyTokenizer(bpe_tokenizer)
-    detok = IncrementalDetokenizer(spy, None)
+    detok = IncrementalDetokenizer(spy)
     for i in ids:
         detok.append(i)
         assert detok.num_pending_tokens <= MAX_PENDING_TOKENS
@@ -204,7 +204,7 @@ def test_flush_emits_an_incomplete_character_like_decode(bpe_tokenizer):
     # Drop the last byte token(s) until the output ends inside the euro sign.
     while not bpe_tokenizer.decode(ids).endswith("\ufffd"):
         ids = ids[:-1]
-    detok = IncrementalDetokenizer(bpe_tokenizer, [])
+    detok = IncrementalDetokenizer(bpe_tokenizer)
     streamed = "".join(detok.append(i) for i in ids)
     assert "\ufffd" not in streamed and detok.num_pending_tokens > 0
     assert detok.flush().endswith("\ufffd")

@@ -90,7 +90,7 @@ def test_batched_shuffled_with_preemption_matches_unbatched(llama_ckpt: str) -> 
         assert out.outputs[0].token_ids == ref[i].outputs[0].token_ids
     for prompt, out in zip(prompts[: len(LENGTHS)], ref):
         assert out.outputs[0].token_ids == hf_greedy(llama_ckpt, prompt)
-    assert llm.engine.kv.stats().blocks_used == 0
+    assert llm.engine.scheduler.kv.stats().blocks_used == 0
 
 
 def test_prefix_cache_hits_and_same_tokens(llama_ckpt: str) -> None:
@@ -144,7 +144,7 @@ def test_n_forks_share_prompt_blocks_and_free_everything(llama_ckpt: str) -> Non
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()
-        s = engine.kv.stats()
+        s = engine.scheduler.kv.stats()
         if s.num_seqs == 4:
             # 3 prompt blocks shared by 4 sequences: far fewer physical blocks than 4 separate copies.
             assert s.blocks_used < 4 * 3
@@ -155,7 +155,7 @@ def test_n_forks_share_prompt_blocks_and_free_everything(llama_ckpt: str) -> Non
     assert all(len(o.token_ids) == 8 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     assert engine.stats.num_cow_copies >= 3  # the shared partial prompt block is copied on divergence
-    s = engine.kv.stats()
+    s = engine.scheduler.kv.stats()
     assert s.blocks_used == 0 and s.num_seqs == 0
     # Deterministic: the same request again gives the same 4 samples.
     again = llm.generate([prompt], sp, use_tqdm=False)[0]

@@ -78,14 +78,8 @@ class IncrementalDetokenizer:
     complete.
     """
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        prompt_token_ids: list[int] | None = None,
-        skip_special_tokens: bool = True,
-    ):
-        # prompt_token_ids is accepted for interface stability but not used: the output is decoded on its
-        # own so that the text equals tokenizer.decode(output_token_ids).
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+        # The output is decoded on its own (not after the prompt), so text == tokenizer.decode(output ids).
         self.skip_special_tokens = skip_special_tokens
         self._decode = _decode_fn(tokenizer, skip_special_tokens)
         self.token_ids: list[int] = []

@@ -174,20 +174,6 @@ class KVCacheManager:
         live = max(num_tokens, len(cached) * self.block_size)
         return _cdiv(live, self.block_size) - len(cached) + revived
 
-    def can_allocate(self, token_ids: Sequence[int], num_tokens: int, *, reserve_blocks: int = 0) -> bool:
-        """Whether ``allocate(new_id, token_ids, num_tokens, reserve_blocks=...)`` would succeed now.
-
-        Changes nothing. Prefer calling :meth:`allocate` directly and checking for None: that hashes the
-        prompt once.
-        """
-        cached, _ = self._match_prefix(token_ids)
-        return self._blocks_needed(cached, num_tokens) + reserve_blocks <= self.pool.num_free_blocks
-
-    def can_append_slots(self, seq_id: SeqId, num_tokens: int) -> bool:
-        """Whether ``append_slots(seq_id, num_tokens)`` would succeed now (changes nothing)."""
-        s = self._get(seq_id)
-        return self._append_cost(s, num_tokens)[0] <= self.pool.num_free_blocks
-
     # ------------------------------------------------------------- mutations
     def allocate(
         self, seq_id: SeqId, token_ids: Sequence[int], num_tokens: int, *, reserve_blocks: int = 0

@@ -7,6 +7,7 @@ peak activation memory and the pool takes ``total * gpu_memory_utilization - wei
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine.config import EngineConfig, parse_bytes
+from batchgen.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -120,44 +122,40 @@ class ModelRunner:
             self.attn.copy_blocks(self.kv_cache, mapping)
 
     @torch.inference_mode()
-    def execute(
-        self,
-        token_chunks: list[list[int]],
-        start_positions: list[int],
-        block_tables: list[list[int]],
-        num_decode_seqs: int,
-        sample_rows: list[int],
-    ) -> Tensor:
-        """Run one packed forward and return float32 logits for the last token of each sequence in
-        ``sample_rows`` (indices into the batch), in that order.
-
-        ``token_chunks[b]`` are the new tokens of sequence ``b``, at positions ``start_positions[b]...``;
-        decode sequences (one token each) come first.
+    def execute(self, out: SchedulerOutput) -> Tensor:
+        """Run one step: the copy-on-write copies, then one packed forward over ``out.seqs``. Returns float32
+        logits ``[len(out.sample_seqs), V]``: row i is the last-token logits of ``out.seqs[out.sample_rows[i]]``.
         """
+        self.copy_blocks(out.copies)
+        ids, pos, meta, last = self.prepare_inputs(out)
+        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache))
+        return self.model.compute_logits(hidden[last]).float()
+
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        """Flat token ids, positions, attention metadata, and the token index of each sampled row."""
         bs = self.block_size
-        q_lens = [len(c) for c in token_chunks]
-        seq_lens = [s + n for s, n in zip(start_positions, q_lens)]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for chunk, start, table in zip(token_chunks, start_positions, block_tables):
-            input_ids.extend(chunk)
-            if len(chunk) == 1:
+        for s in out.seqs:
+            start, table = s.start, s.block_table
+            input_ids.extend(s.token_ids)
+            if s.num_tokens == 1:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                rng = range(start, start + len(chunk))
+                rng = range(start, start + s.num_tokens)
                 positions.extend(rng)
                 slots.extend(table[p // bs] * bs + p % bs for p in rng)
-        cu = [0]
-        for n in q_lens:
-            cu.append(cu[-1] + n)
-        max_blocks = max(len(t) for t in block_tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        q_lens = [s.num_tokens for s in out.seqs]
+        seq_lens = [s.start + s.num_tokens for s in out.seqs]
+        cu = [0, *itertools.accumulate(q_lens)]
+        max_blocks = max(len(s.block_table) for s in out.seqs)
+        padded = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in out.seqs]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_seqs=num_decode_seqs,
+            num_decode_seqs=out.num_decodes,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
@@ -166,6 +164,5 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache))
-        last = torch.tensor([cu[b + 1] - 1 for b in sample_rows], dtype=torch.long, device=dev)
-        return self.model.compute_logits(hidden[last]).float()
+        last = torch.tensor([cu[b + 1] - 1 for b in out.sample_rows], dtype=torch.long, device=dev)
+        return ids, pos, meta, last

@@ -37,7 +37,3 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return True

@@ -36,8 +36,8 @@ from batchgen.sampling_params import SamplingParams
 class SamplingRow:
     """Everything the sampler needs to know about one row of the logits batch (built by the engine).
 
-    ``generator`` must be set for requests with a seed: the engine creates it once per sequence (e.g.
-    ``torch.Generator().manual_seed(seed + sample_index)``) and passes the same object every step; the
+    ``generator`` must be set for requests with a seed: each sequence owns one, seeded with
+    ``sample_seed(seed, sample_index)`` (:mod:`batchgen.engine.sequence`), passed every step; the
     sampler advances it by exactly one draw of V numbers per random (non-greedy) step. It may live on the CPU
     even when the logits are on CUDA (the draw is then copied over).
     """

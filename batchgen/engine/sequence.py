@@ -1,16 +1,18 @@
-"""A sequence: one sample of one request, with its tokens and how far its KV cache has been computed."""
+"""A request and its sequences: one sequence per sample, with its tokens and how far its KV cache is computed."""
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from batchgen.engine.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    import torch
-
-    from batchgen.engine.detokenizer import IncrementalDetokenizer
     from batchgen.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -22,20 +24,50 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+def sample_seed(seed: int, sample_index: int) -> int:
+    """A stable 63-bit seed for sample ``sample_index`` of a request seeded with ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
 @dataclass(eq=False)
 class Request:
-    """A request of ``n`` samples. Its first sequence is created at arrival; the other ``n - 1`` are forked
-    from it once its prompt is computed (they share every prompt block)."""
+    """A request of ``params.n`` samples. Its first sequence is created at arrival; the other ``n - 1`` are
+    forked from it by the scheduler in the step that completes its prompt (they share every prompt block).
+
+    ``tokenizer`` and ``device`` are what a new sequence of this request needs (stop-string detokenizer,
+    seeded generator)."""
 
     request_id: str | int
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival: int
     prompt: str | None = None
+    tokenizer: Any = None
+    device: torch.device | None = None
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted: bool = False
     num_finished: int = 0
+
+    def new_sequence(self, token_ids: list[int], sample_index: int) -> Sequence:
+        """Create and register sample ``sample_index`` of this request, holding ``token_ids``."""
+        params = self.params
+        seq = Sequence(self, token_ids, len(self.prompt_token_ids), sample_index=sample_index)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device or "cpu")
+            seq.generator.manual_seed(sample_seed(params.seed, sample_index))
+        if params.stop:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens
+            )
+        if params.logprobs is not None:
+            seq.logprobs = []
+        self.seqs.append(seq)
+        return seq
+
+    @property
+    def is_finished(self) -> bool:
+        return self.num_finished >= self.params.n
 
 
 @dataclass(eq=False)
@@ -78,3 +110,9 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def fork(self, sample_index: int) -> Sequence:
+        """A new sample of the same request holding a copy of this sequence's tokens (computed as far)."""
+        child = self.request.new_sequence(list(self.token_ids), sample_index)
+        child.num_computed_tokens = self.num_computed_tokens
+        return child

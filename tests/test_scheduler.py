@@ -1,0 +1,167 @@
+"""Scheduler unit tests with no model: the scheduler and KV cache manager alone, driven step by step.
+
+Each test builds sequences of known length, calls ``schedule()``, checks what it decided, and feeds the
+step back with ``update()`` (a fixed token for every sampled sequence), like the engine does.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.kv_cache import KVCacheManager
+from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.sequence import Request, SequenceStatus
+from batchgen.engine.stats import EngineStats
+from batchgen.engine.stop import StopRules
+from batchgen.sampling_params import SamplingParams
+
+BS = 4
+EOS = 999
+
+
+def make_scheduler(num_blocks: int = 64, **config) -> Scheduler:
+    cfg = EngineConfig(block_size=8, **config)  # EngineConfig only allows 8..64; the manager uses BS
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=config.get("enable_prefix_caching", True))
+    return Scheduler(cfg, kv, StopRules.build([EOS], max_model_len=1000), EngineStats())
+
+
+def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 100, first_token: int = 0, n: int = 1):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n)
+    request = Request(rid, [first_token + i for i in range(prompt_len)], params)
+    seq = request.new_sequence(list(request.prompt_token_ids), 0)
+    sched.add(seq)
+    return seq
+
+
+def step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
+    out = sched.schedule()
+    done = sched.update(out, [token] * len(out.sample_seqs), [None] * len(out.sample_seqs))
+    return out, done
+
+
+def scheduled(out: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(s.seq.request.request_id, s.start, s.num_tokens) for s in out.seqs]
+
+
+def test_token_budget_chunks_prefill_across_steps():
+    sched = make_scheduler(max_num_batched_tokens=10)
+    seq = add(sched, "a", 25)
+    progress = []
+    for _ in range(3):
+        out, _ = step(sched)
+        progress.append(scheduled(out))
+        assert out.num_batched_tokens <= 10
+    assert progress == [[("a", 0, 10)], [("a", 10, 10)], [("a", 20, 5)]]
+    assert out.sample_seqs == [seq]  # only the chunk that completes the prompt samples
+    assert seq.num_output_tokens == 1 and seq.num_computed_tokens == 25
+    out, _ = step(sched)
+    assert scheduled(out) == [("a", 25, 1)]
+
+
+def test_budget_shared_between_decodes_and_new_prefills():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    add(sched, "a", 3)
+    step(sched)
+    add(sched, "b", 20, first_token=100)
+    out, _ = step(sched)
+    assert scheduled(out) == [("a", 3, 1), ("b", 0, 7)]
+
+
+def test_max_num_seqs_caps_admission():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        add(sched, f"r{i}", 3, first_token=10 * i)
+    out, _ = step(sched)
+    assert [r for r, _, _ in scheduled(out)] == ["r0", "r1"]
+    assert len(sched.waiting) == 2
+
+
+def test_decodes_come_first_in_the_batch():
+    sched = make_scheduler(max_num_batched_tokens=64)
+    add(sched, "long", 30)
+    add(sched, "short", 2, first_token=100)
+    step(sched)  # both prefilled, both sampled
+    add(sched, "new", 5, first_token=200)
+    out, _ = step(sched)
+    assert scheduled(out) == [("long", 30, 1), ("short", 2, 1), ("new", 0, 5)]
+    assert out.num_decodes == 2
+
+
+def test_watermark_counts_prefix_cache_hits():
+    # 9 blocks: watermark is max(1, 9 // 100) = 1 free block kept while something runs.
+    sched = make_scheduler(num_blocks=9, max_num_batched_tokens=100)
+    add(sched, "a", 17)  # 5 blocks, 4 of them full and cached once computed
+    step(sched)
+    # b (5 blocks) shares a's 16-token prefix, so it needs 1 new block: admitted, although 4 free blocks
+    # minus the watermark could not hold all 5 of its blocks without counting the hits.
+    add(sched, "b", 20)
+    add(sched, "c", 24, first_token=500)  # 6 blocks: does not fit beside a and b with the watermark
+    out, _ = step(sched)
+    assert [r for r, _, _ in scheduled(out)] == ["a", "b"]
+    assert sched.waiting[0].request.request_id == "c"
+    assert sched.stats.prompt_tokens_cached == 16
+    assert sched.kv.num_free_blocks >= sched.watermark_blocks
+
+
+def test_preemption_picks_most_recently_admitted_and_resumes():
+    sched = make_scheduler(num_blocks=8, max_num_batched_tokens=100)
+    a = add(sched, "a", 8, max_tokens=16)  # 2 blocks each at first, 6 each at the end: 12 > 8
+    b = add(sched, "b", 8, max_tokens=16, first_token=100)
+    step(sched)
+    assert a.status is b.status is SequenceStatus.RUNNING
+    preempted_at = None
+    for i in range(12):
+        out, _ = step(sched)
+        if b.status is SequenceStatus.WAITING and preempted_at is None:
+            preempted_at = i
+            assert a.status is SequenceStatus.RUNNING  # the older one keeps running
+            assert b.num_computed_tokens == 0 and b.num_output_tokens > 0  # keeps its tokens
+            assert sched.waiting[0] is b
+    assert preempted_at is not None and sched.stats.num_preemptions >= 1
+    # Run to the end: b comes back, recomputes its prompt + output, and finishes with all 16 tokens.
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+    assert a.num_output_tokens == b.num_output_tokens == 16
+    assert a.finish_reason == b.finish_reason == "length"
+    assert sched.kv.stats().blocks_used == 0
+
+
+def test_a_sequence_preempts_itself_when_it_is_the_newest():
+    sched = make_scheduler(num_blocks=4, max_num_batched_tokens=100)
+    a = add(sched, "a", 8, max_tokens=8)
+    b = add(sched, "b", 8, max_tokens=8, first_token=100)
+    step(sched)
+    out, _ = step(sched)  # both need a third block: only one is free after the first grows
+    assert a.status is SequenceStatus.RUNNING and b.status is SequenceStatus.WAITING
+    assert [r for r, _, _ in scheduled(out)] == ["a"]
+
+
+def test_fork_at_prompt_completion_shares_blocks():
+    sched = make_scheduler()
+    seq = add(sched, "a", 6, n=3, max_tokens=2)
+    out, _ = step(sched)
+    assert len(out.sample_seqs) == 3 and out.sample_rows == [0, 0, 0]
+    tables = [sched.kv.block_table(s.seq_id) for s in seq.request.seqs]
+    assert tables[0] == tables[1] == tables[2]
+    out, done = step(sched)
+    assert out.num_decodes == 3 and len(out.copies) == 2  # copy-on-write of the shared partial block
+    assert done == [seq.request] and seq.request.is_finished
+    assert sched.kv.stats().blocks_used == 0
+
+
+def test_stop_rules_finish_and_free():
+    sched = make_scheduler()
+    seq = add(sched, "a", 5)
+    _, done = step(sched, token=EOS)
+    assert done == [seq.request] and seq.finish_reason == "stop"
+    assert not sched.has_unfinished() and sched.kv.stats().blocks_used == 0
+
+
+@pytest.mark.parametrize("cap", [1, 3])
+def test_unservable_request_is_reported(cap):
+    sched = make_scheduler(num_blocks=cap)
+    assert sched.unservable(4 * cap, 1, 1000) is not None
+    assert sched.unservable(2, 1, 1000) is None
