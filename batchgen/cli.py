@@ -1,4 +1,4 @@
-"""``batchgen``: the command line (Hydra app over :func:`batchgen.job.run_job`).
+"""``batchgen``: the command line (Hydra app over :func:`batchgen.job.run.run_job`).
 
     batchgen data.input=prompts.parquet data.output=out/ model.path=/ckpt sampling.max_tokens=256
     batchgen --help        # every option with its documentation
@@ -21,7 +21,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from batchgen.config import register_configs, register_resolvers
+from batchgen.job.hydra_setup import register_configs, register_resolvers
 
 register_configs()
 register_resolvers()
@@ -41,7 +41,7 @@ def hydra_main(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from batchgen.job import EXIT_CONFIG, run_job
+    from batchgen.job.run import EXIT_CONFIG, run_job
 
     result = run_job(cfg)
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

@@ -1,4 +1,9 @@
-"""Per-request sampling options (the ``sampling.*`` group of the job config, ``batchgen.SamplingParams``).
+"""Per-request sampling options: ``batchgen.SamplingParams``, also the ``sampling.*`` group of the job config.
+
+The one class serves the Python API and the job: its fields are typed with types OmegaConf can store (int,
+float, bool, ``X | None``, ``list[str]``, ``list[int]``), so Hydra's ConfigStore holds it as is
+(:mod:`batchgen.job.hydra_setup`) and ``sampling.<field>`` keys are exactly these fields. Each field's docstring
+is both its API documentation and its ``batchgen --help`` text.
 
 Semantics follow vLLM / the OpenAI API where they exist, so a config written for one works with the other:
 
@@ -42,6 +47,17 @@ def _as_float(name: str, value: Any) -> float:
     return value
 
 
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    # numpy.bool_ and 0/1 ints from Parquet/Hydra are accepted; anything else is a mistake.
+    if isinstance(value, numbers.Integral) and int(value) in (0, 1):
+        return bool(value)
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
 @dataclass
 class SamplingParams:
     """How to generate the completion(s) of one prompt.
@@ -52,29 +68,34 @@ class SamplingParams:
     """
 
     n: int = 1
-    """Number of completions generated for the prompt (>= 1). They share the prompt's KV blocks."""
+    """Number of completions generated for the prompt (>= 1); they share the prompt's KV blocks. In a job's
+    output each completion is one row (numbered by a sample_index column when n > 1)."""
     temperature: float = 1.0
     """Softmax temperature (>= 0). Below 1e-5 (e.g. 0) decoding is greedy: the argmax token."""
     top_p: float = 1.0
-    """Nucleus sampling, in (0, 1]: keep the smallest set of most likely tokens whose mass reaches top_p."""
+    """Nucleus sampling, in (0, 1]: keep the smallest set of most likely tokens whose mass reaches top_p
+    (1 = off)."""
     top_k: int = 0
     """Keep only the top_k most likely tokens; 0 or -1 disables it (values > vocab size mean 'all')."""
     min_p: float = 0.0
-    """In [0, 1]: drop tokens whose probability is below min_p times the most likely token's probability."""
+    """In [0, 1]: drop tokens whose probability is below min_p times the most likely token's probability
+    (0 = off)."""
     repetition_penalty: float = 1.0
     """> 0; 1 disables. Tokens seen in the prompt or the output get their logit divided by it when positive,
     multiplied by it when negative (transformers semantics; > 1 discourages repetition)."""
     presence_penalty: float = 0.0
-    """In [-2, 2]: subtracted once from the logit of every token already generated (not prompt tokens)."""
+    """In [-2, 2]: subtracted once from the logit of every token already generated (not prompt tokens);
+    0 = off."""
     frequency_penalty: float = 0.0
-    """In [-2, 2]: subtracted from a token's logit once per time it has been generated (not prompt tokens)."""
+    """In [-2, 2]: subtracted from a token's logit once per time it has been generated (not prompt tokens);
+    0 = off."""
     max_tokens: int | None = 16
-    """Most tokens to generate (>= 1); None means up to the engine's max_model_len."""
+    """Most tokens to generate per completion (>= 1); None (null) means up to the engine's max_model_len."""
     min_tokens: int = 0
     """Generate at least this many tokens (>= 0, <= max_tokens) before eos or stop_token_ids may end it."""
     stop: list[str] | None = None
-    """Strings that end the generation when they appear in the output text (a single str is accepted).
-    The returned text is cut before the stop string unless include_stop_str_in_output."""
+    """Strings that end the generation when they appear in the output text, e.g. ['###', '\\n\\n'] (a single
+    str is accepted). The returned text is cut before the stop string unless include_stop_str_in_output."""
     stop_token_ids: list[int] | None = None
     """Token ids that end the generation (in addition to the model's eos ids unless ignore_eos); the
     stop token itself is kept in token_ids."""
@@ -84,14 +105,34 @@ class SamplingParams:
     """Keep generating after the model's eos token(s) (stop_token_ids still apply)."""
     logprobs: int | None = None
     """If set (>= 0): return, for each generated token, the log-probabilities of the ``logprobs`` most likely
-    tokens plus the sampled token's, from the raw model logits (before penalties/temperature/filters)."""
+    tokens plus the sampled token's, from the raw model logits (before penalties/temperature/filters). A job
+    writes them to a 'logprobs' column."""
     seed: int | None = None
     """Seed of this request's own random generator: the same seed gives the same tokens whatever else is
-    in the batch. None uses the engine's generator (reproducible per run, not per request)."""
+    in the batch; None uses the engine's generator (reproducible per run, not per request). In a job,
+    sampling.seed (default 0 there) is the job seed: each row samples with its own seed derived from
+    (seed, row id), so its output does not depend on batching, grouping or resume; null = unseeded."""
     skip_special_tokens: bool = True
     """Leave special tokens (eos, chat markers, ...) out of the returned text."""
 
     def __post_init__(self) -> None:
+        # In field order, so the first invalid field is the one reported.
+        self._check_sampling()
+        self._check_lengths()
+        self._check_stops()
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            setattr(self, name, _as_bool(name, getattr(self, name)))
+        if self.logprobs is not None:
+            self.logprobs = _as_int("logprobs", self.logprobs)
+            if self.logprobs < 0:
+                raise ValueError(f"logprobs must be >= 0 (or None), got {self.logprobs}")
+        if self.seed is not None:
+            self.seed = _as_int("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**64:
+                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+
+    def _check_sampling(self) -> None:
+        """n, temperature, the top-k/top-p/min-p filters and the penalties."""
         self.n = _as_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
@@ -126,6 +167,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
             setattr(self, name, value)
 
+    def _check_lengths(self) -> None:
         if self.max_tokens is not None:
             self.max_tokens = _as_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
@@ -137,6 +179,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
+    def _check_stops(self) -> None:
         if self.stop is not None:
             stop = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
@@ -153,28 +196,6 @@ class SamplingParams:
             if any(t < 0 for t in ids):
                 raise ValueError(f"stop_token_ids must be non-negative token ids, got {ids}")
             self.stop_token_ids = list(dict.fromkeys(ids)) or None
-
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                # numpy.bool_ and 0/1 ints from Parquet/Hydra are accepted; anything else is a mistake.
-                if isinstance(value, numbers.Integral) and int(value) in (0, 1):
-                    value = bool(value)
-                elif type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
-                    value = bool(value)
-                else:
-                    raise ValueError(f"{name} must be a bool, got {value!r}")
-                setattr(self, name, value)
-
-        if self.logprobs is not None:
-            self.logprobs = _as_int("logprobs", self.logprobs)
-            if self.logprobs < 0:
-                raise ValueError(f"logprobs must be >= 0 (or None), got {self.logprobs}")
-
-        if self.seed is not None:
-            self.seed = _as_int("seed", self.seed)
-            if not -(2**63) <= self.seed < 2**64:
-                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

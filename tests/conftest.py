@@ -7,17 +7,34 @@
   `build_checkpoint`); identical arguments return the same directory (memoised for the session).
 - `tiny_ckpt`: the embedded default model (`tiny_default_checkpoint`) built in the session tmp dir.
 - `BATCHGEN_CACHE` points at a session tmp dir so tests never touch ~/.cache/batchgen.
+
+Plain helpers shared by the job tests (import them: ``from conftest import job_config``):
+`job_config` (a small CPU JobConfig), `part_contents` (what must be identical after a resume),
+`windows_done` (a manifest's finished windows), `env_without_slurm` (a subprocess environment whose shard
+defaults are not taken from a surrounding Slurm array), `random_seed` (fixed unless asked otherwise).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
+from batchgen.engine.config import EngineConfig
+from batchgen.job.config import (
+    DataOptions,
+    JobConfig,
+    ModelOptions,
+    RunOptions,
+    ShardOptions,
+    default_sampling,
+)
 from batchgen.models.tiny import build_checkpoint, tiny_default_checkpoint
 
 
@@ -70,3 +87,57 @@ def qwen3_ckpt(ckpt_factory: Callable[..., str]) -> str:
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_default_checkpoint(tmp_path_factory.mktemp("tiny_default"))
+
+
+# ------------------------------------------------------------------------------------------ job helpers
+def job_config(ckpt: str, inp: Path | str, out: Path | str, **over: dict) -> JobConfig:
+    """A small CPU job: windows of 8 rows, 256 KV blocks, 8 sequences, 6 tokens at temperature 0.8, no
+    progress output. ``data=``, ``engine=`` and ``sampling=`` dicts override single keys
+    (``data={"shard": {...}}`` for the shard)."""
+    data = {"input": str(inp), "output": str(out), "window_rows": 8, **over.pop("data", {})}
+    shard = data.pop("shard", {})
+    engine = {"device": "cpu", "num_blocks": 256, "max_num_seqs": 8, **over.pop("engine", {})}
+    sampling = {"max_tokens": 6, "temperature": 0.8, **over.pop("sampling", {})}
+    assert not over, f"unknown groups {sorted(over)}"
+    return JobConfig(
+        model=ModelOptions(path=ckpt),
+        data=DataOptions(**data, shard=ShardOptions(**shard)),
+        engine=EngineConfig(**engine),
+        sampling=dataclasses.replace(default_sampling(), **sampling),
+        run=RunOptions(progress="off"),
+    )
+
+
+def part_contents(directory: Path) -> dict[str, tuple]:
+    """Each part's rows and schema metadata, without num_cached_tokens.
+
+    num_cached_tokens reports what the prefix cache served in *that* run: a resumed window starts with a
+    cold cache, so only that column may differ from an uninterrupted run.
+    """
+    out = {}
+    for p in sorted(Path(directory).glob("part-*.parquet")):
+        t = pq.read_table(p)
+        out[p.name] = (t.drop_columns(["num_cached_tokens"]).to_pylist(), t.schema.metadata)
+    return out
+
+
+def windows_done(directory: Path) -> int:
+    """Windows listed in the manifest of a shard directory (0 while it has none or is being replaced)."""
+    try:
+        return len(json.loads((Path(directory) / "manifest.json").read_text())["windows"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def env_without_slurm(**extra: str) -> dict[str, str]:
+    """os.environ without SLURM_ARRAY_TASK_ID/COUNT (they set the shard defaults), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT")}
+    env.update(extra)
+    return env
+
+
+def random_seed() -> int:
+    """Seed of tests that pick random moments (e.g. when to kill a job): 0 unless $BATCHGEN_TEST_SEED says
+    otherwise, an integer or ``random`` (from the clock). Tests put the seed in their failure messages."""
+    value = os.environ.get("BATCHGEN_TEST_SEED", "0")
+    return time.time_ns() % 10**6 if value == "random" else int(value)

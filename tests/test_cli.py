@@ -3,26 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import env_without_slurm
 
 
 def _run(
     args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: int = 300
 ) -> subprocess.CompletedProcess:
-    e = dict(os.environ)
-    e.pop("SLURM_ARRAY_TASK_ID", None)
-    e.pop("SLURM_ARRAY_TASK_COUNT", None)
-    e.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "batchgen.cli", *args],
         cwd=cwd,
-        env=e,
+        env=env_without_slurm(**(env or {})),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -9,20 +9,12 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from batchgen.config import (
-    ConfigError,
-    JobConfig,
-    SamplingOptions,
-    field_docs,
-    help_template,
-    option_docs,
-    register_configs,
-    register_resolvers,
-    render_options,
-    shard_dir_name,
-    to_job_config,
-)
+from batchgen.data.layout import shard_dir_name
 from batchgen.engine.config import EngineConfig
+from batchgen.errors import ConfigError
+from batchgen.job.config import JobConfig, to_job_config
+from batchgen.job.help import field_docs, help_template, option_docs, render_options
+from batchgen.job.hydra_setup import register_configs, register_resolvers
 from batchgen.sampling_params import SamplingParams
 
 register_configs()
@@ -129,15 +121,43 @@ def test_invalid_values_raise_config_error(overrides: list[str], key: str) -> No
         to_job_config(_compose(overrides))
 
 
-def test_sampling_options_mirror_sampling_params() -> None:
-    ours = {f.name: f for f in dataclasses.fields(SamplingOptions)}
-    theirs = {f.name: f for f in dataclasses.fields(SamplingParams) if f.init}
-    assert set(ours) == set(theirs)
-    for name, f in theirs.items():
-        if name == "seed":
-            continue  # the job seeds every row by default
-        assert ours[name].default == f.default, name
-    SamplingParams(**dataclasses.asdict(SamplingOptions()))  # the defaults are valid
+def test_sampling_group_is_sampling_params() -> None:
+    cfg = _compose()
+    assert set(cfg.sampling) == {f.name for f in dataclasses.fields(SamplingParams)}
+    job = to_job_config(cfg)
+    assert type(job.sampling) is SamplingParams
+    # the job's defaults are SamplingParams' except the seed: rows are seeded by default
+    assert job.sampling == SamplingParams(seed=0)
+    assert to_job_config(_compose(["sampling.seed=null"])).sampling.seed is None
+
+
+def test_plain_dict_of_groups_is_typed_with_the_job_defaults() -> None:
+    job = to_job_config({"data": {"window_rows": 4, "shard": {"count": 2}}, "sampling": {"max_tokens": 3}})
+    assert job.data.window_rows == 4 and (job.data.shard.index, job.data.shard.count) == (0, 2)
+    assert job.sampling == SamplingParams(max_tokens=3, seed=0) and job.data.output == "batchgen_output"
+    with pytest.raises(ConfigError, match="windw_rows"):
+        to_job_config({"data": {"windw_rows": 4}})
+
+
+def test_a_config_changed_after_construction_is_validated_again() -> None:
+    job = JobConfig()
+    job.sampling.top_p = 0.0
+    with pytest.raises(ConfigError, match=r"sampling\.top_p must be in \(0, 1\]"):
+        to_job_config(job)
+
+
+def test_deprecated_import_paths_still_work() -> None:
+    # batchgen/bench/systems.py and other callers of the former modules
+    from batchgen.config import DataOptions, SamplingOptions
+    from batchgen.config import JobConfig as OldJobConfig
+    from batchgen.grouping import EngineFeeder, prefix_order
+    from batchgen.job import EXIT_CONFIG, run_job
+    from batchgen.merge import main, verify
+
+    assert OldJobConfig is JobConfig and DataOptions().window_rows == 1024
+    assert SamplingOptions(max_tokens=3) == SamplingParams(max_tokens=3, seed=0)
+    assert EXIT_CONFIG == 2 and callable(run_job) and callable(main) and callable(verify)
+    assert callable(EngineFeeder) and prefix_order([[2], [1]]) == [1, 0]
 
 
 def test_every_option_is_documented_in_help() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.merge import verify
+from batchgen.job.merge import verify
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "jobs" / "cron" / "batchgen-inbox.sh"
@@ -25,6 +25,7 @@ def run_inbox(inbox: Path, outbox: Path, *overrides: str, settle: int = 0) -> su
     return subprocess.run(
         ["bash", str(SCRIPT), str(inbox), str(outbox), *overrides],
         env=env,
+        cwd=inbox.parent,
         capture_output=True,
         text=True,
         timeout=300,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from batchgen.data.prompts import PromptRow
 from batchgen.data.reader import WindowSpec
 from batchgen.engine.outputs import CompletionOutput, RequestOutput
-from batchgen.grouping import EngineFeeder, WindowWork, prefix_order
+from batchgen.job.feeder import EngineFeeder, WindowWork, prefix_order
 from batchgen.sampling_params import SamplingParams
 
 

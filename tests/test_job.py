@@ -1,31 +1,27 @@
 """The batch job end to end on CPU with a tiny checkpoint (in-process).
 
 Covers: output equal to ``LLM.generate``; grouping on/off identical with a higher prefix hit rate when on;
-bad rows; chat templates; n > 1; sharding; resume after a signal; refusing another configuration.
+bad rows; chat templates; n > 1; sharding; resume after a signal; refusing another configuration or another
+checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import env_without_slurm, job_config, part_contents
 
-from batchgen.config import (
-    DataOptions,
-    JobConfig,
-    ModelOptions,
-    RunOptions,
-    SamplingOptions,
-    ShardOptions,
-)
 from batchgen.data.prompts import row_seed
-from batchgen.engine.config import EngineConfig
-from batchgen.job import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, run_job
+from batchgen.job.run import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, run_job
 from batchgen.llm import LLM
 from batchgen.sampling_params import SamplingParams
 
@@ -58,36 +54,9 @@ def write_rows(path: Path, rows: list[dict], **kw) -> Path:
     return path
 
 
-def job_config(ckpt: str, inp: Path | str, out: Path, **over) -> JobConfig:
-    data = {"input": str(inp), "output": str(out), "window_rows": 8, **over.pop("data", {})}
-    shard = data.pop("shard", {})
-    return JobConfig(
-        model=ModelOptions(path=ckpt),
-        data=DataOptions(**data, shard=ShardOptions(**shard)),
-        engine=EngineConfig(
-            **{"device": "cpu", "num_blocks": 256, "max_num_seqs": 8, **over.pop("engine", {})}
-        ),
-        sampling=SamplingOptions(**{"max_tokens": 6, "temperature": 0.8, **over.pop("sampling", {})}),
-        run=RunOptions(progress="off"),
-    )
-
-
 def read_output(directory: Path) -> pa.Table:
     parts = sorted(directory.glob("part-*.parquet"))
     return pa.concat_tables([pq.read_table(p) for p in parts]) if parts else pa.table({})
-
-
-def part_files(directory: Path) -> dict[str, tuple]:
-    """Each part's rows and schema metadata, without num_cached_tokens.
-
-    num_cached_tokens reports what the prefix cache served in *that* run: a resumed window starts with a
-    cold cache, so only that column may differ from an uninterrupted run.
-    """
-    out = {}
-    for p in sorted(directory.glob("part-*.parquet")):
-        t = pq.read_table(p)
-        out[p.name] = (t.drop_columns(["num_cached_tokens"]).to_pylist(), t.schema.metadata)
-    return out
 
 
 def without_cached(rows: list[dict]) -> list[dict]:
@@ -134,6 +103,7 @@ def test_output_equals_llm_generate(llama_ckpt: str, dataset: Path, tmp_path: Pa
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["rows"]["ok"] == 30 and report["status"] == "complete"
     assert report["tokens"]["generated"] == sum(len(o.outputs[0].token_ids) for o in ref)
+    assert 0 < report["kv"]["min_utilization"] <= 1 and "min_utilisation" not in report["kv"]
 
     # a rerun has nothing to do; another configuration is refused; overwrite=true redoes it
     again = run_job(cfg, handle_signals=False, print_summary=False)
@@ -282,6 +252,43 @@ def test_shards_cover_each_row_once_and_match_one_process(
     assert without_cached(sorted(got, key=lambda r: r["id"])) == without_cached(ref)
 
 
+def test_resume_with_another_checkpoint_is_refused(
+    llama_ckpt: str, qwen2_ckpt: str, dataset: Path, tmp_path: Path
+) -> None:
+    """The manifest's fingerprint covers the checkpoint's files, not its path: other files under the same
+    model.path are refused (exit status 2, nothing touched); the same files under another path resume."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    shutil.copytree(llama_ckpt, ckpt)
+    cfg = job_config(str(ckpt), dataset, out, data={"window_rows": 16})
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
+    manifest, parts = (out / "manifest.json").read_text(), part_contents(out)
+
+    shutil.rmtree(ckpt)
+    shutil.copytree(qwen2_ckpt, ckpt)  # another checkpoint, same path
+    args = [f"model.path={ckpt}", f"data.input={dataset}", f"data.output={out}", "data.window_rows=16",
+            "engine.device=cpu", "engine.num_blocks=256", "engine.max_num_seqs=8", "sampling.max_tokens=6",
+            "sampling.temperature=0.8", "run.progress=off"]  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "batchgen.cli", *args],
+        cwd=tmp_path,
+        env=env_without_slurm(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    text = p.stdout + p.stderr
+    assert p.returncode == EXIT_CONFIG == 2, text
+    assert f"{str(out)!r} holds output of a different configuration" in text
+    assert "model.fingerprint: '" in text and "data.overwrite=true" in text
+    assert (out / "manifest.json").read_text() == manifest and part_contents(out) == parts
+
+    moved = tmp_path / "moved"
+    shutil.copytree(llama_ckpt, moved)
+    cfg.model.path = str(moved)
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_OK and "nothing to do" in res.message
+
+
 class _SignalAfter:
     """Wraps an engine; sends `sig` to this process at step `at` (the job's real handlers catch it)."""
 
@@ -323,14 +330,12 @@ def test_signal_stops_cleanly_and_resume_is_identical(
     res = run_job(cfg, print_summary=False)
     assert res.exit_code == EXIT_OK
     assert res.report["windows"]["this_run"] == 4 - len(done["windows"])
-    assert part_files(out) == part_files(ref_dir)
+    assert part_contents(out) == part_contents(ref_dir)
 
 
 def test_config_errors_before_any_work(llama_ckpt: str, dataset: Path, tmp_path: Path) -> None:
     def err(**kw) -> str:
-        cfg = job_config(llama_ckpt, kw.pop("inp", dataset), tmp_path / "o", **kw)
-        if "model_path" in kw:
-            cfg.model.path = kw.pop("model_path")
+        cfg = job_config(kw.pop("model_path", llama_ckpt), kw.pop("inp", dataset), tmp_path / "o", **kw)
         res = run_job(cfg, handle_signals=False)
         assert res.exit_code == EXIT_CONFIG, res
         return res.message
@@ -348,7 +353,7 @@ def test_progress_log_lines(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
     from batchgen.engine.stats import EngineStats
-    from batchgen.progress import Progress, resolve_mode
+    from batchgen.job.progress import Progress, resolve_mode
 
     assert resolve_mode("auto", open(os.devnull, "w")) == "log" and resolve_mode("bar") == "bar"
     caplog.set_level(logging.INFO, logger="batchgen.progress")

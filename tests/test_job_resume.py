@@ -1,12 +1,12 @@
 """Crash safety: kill -9 a running job at random moments, rerun, and get the uninterrupted output.
 
 Also SIGTERM to a real process: exit status 75, a consistent manifest, and a resume that completes.
+The kill moments come from a fixed seed; ``BATCHGEN_TEST_SEED=random`` (or an integer) picks others.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -17,10 +17,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import env_without_slurm, job_config, part_contents, random_seed, windows_done
 
-from batchgen.config import DataOptions, JobConfig, ModelOptions, RunOptions, SamplingOptions, ShardOptions
-from batchgen.engine.config import EngineConfig
-from batchgen.job import EXIT_INTERRUPTED, EXIT_OK, run_job
+from batchgen.job.config import JobConfig
+from batchgen.job.run import EXIT_INTERRUPTED, EXIT_OK, run_job
 
 NUM_ROWS, WINDOW = 24, 3
 ENGINE = {"device": "cpu", "num_blocks": 256, "max_num_seqs": 6}
@@ -28,13 +28,7 @@ SAMPLING = {"max_tokens": 6, "temperature": 0.9}
 
 
 def _config(ckpt: str, inp: Path, out: Path) -> JobConfig:
-    return JobConfig(
-        model=ModelOptions(path=ckpt),
-        data=DataOptions(input=str(inp), output=str(out), window_rows=WINDOW, shard=ShardOptions()),
-        engine=EngineConfig(**ENGINE),
-        sampling=SamplingOptions(**SAMPLING),
-        run=RunOptions(progress="off"),
-    )
+    return job_config(ckpt, inp, out, data={"window_rows": WINDOW}, engine=ENGINE, sampling=SAMPLING)
 
 
 def _cli(ckpt: str, inp: Path, out: Path) -> list[str]:
@@ -44,22 +38,6 @@ def _cli(ckpt: str, inp: Path, out: Path) -> list[str]:
         "run.log_interval_s=0.2",
         *[f"engine.{k}={v}" for k, v in ENGINE.items()], *[f"sampling.{k}={v}" for k, v in SAMPLING.items()],
     ]  # fmt: skip
-
-
-def _parts(directory: Path) -> dict[str, tuple]:
-    # num_cached_tokens reports this run's prefix-cache reuse: the only column allowed to differ after a resume
-    out = {}
-    for p in sorted(directory.glob("part-*.parquet")):
-        t = pq.read_table(p)
-        out[p.name] = (t.drop_columns(["num_cached_tokens"]).to_pylist(), t.schema.metadata)
-    return out
-
-
-def _windows_done(out: Path) -> int:
-    try:
-        return len(json.loads((out / "manifest.json").read_text())["windows"])
-    except (OSError, ValueError, KeyError):
-        return 0
 
 
 @pytest.fixture(scope="module")
@@ -80,22 +58,15 @@ def setup(llama_ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
     return inp, ref
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("SLURM_ARRAY_TASK_ID", None)
-    env.pop("SLURM_ARRAY_TASK_COUNT", None)
-    return env
-
-
 @pytest.mark.slow
 def test_kill_at_random_moments_then_resume_is_identical(
     llama_ckpt: str, setup: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """Trial 0 sends SIGTERM (graceful: exit 75, report says incomplete); the others SIGKILL at random."""
     inp, ref = setup
-    expected = _parts(ref)
+    expected = part_contents(ref)
     num_windows = NUM_ROWS // WINDOW
-    seed = int(os.environ.get("BATCHGEN_TEST_SEED", time.time_ns() % 10**6))
+    seed = random_seed()
     rng = random.Random(seed)
     for trial, sig in enumerate([signal.SIGTERM, signal.SIGKILL, signal.SIGKILL]):
         out = tmp_path / f"out{trial}"
@@ -103,16 +74,20 @@ def test_kill_at_random_moments_then_resume_is_identical(
         log_path = tmp_path / f"log{trial}.txt"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                _cli(llama_ckpt, inp, out), stdout=log, stderr=subprocess.STDOUT, env=_env()
+                _cli(llama_ckpt, inp, out),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env_without_slurm(),
+                cwd=tmp_path,
             )
             deadline = time.monotonic() + 120
-            while proc.poll() is None and _windows_done(out) < target and time.monotonic() < deadline:
+            while proc.poll() is None and windows_done(out) < target and time.monotonic() < deadline:
                 time.sleep(0.01)
             time.sleep(extra)
             proc.send_signal(sig)
             rc = proc.wait(timeout=120)
         text = log_path.read_text()
-        killed_at = _windows_done(out)
+        killed_at = windows_done(out)
         where = f"seed={seed} trial={trial} {signal.Signals(sig).name} target={target} stopped after {killed_at} windows"
         if sig == signal.SIGTERM and killed_at < num_windows:
             assert rc == EXIT_INTERRUPTED, (where, text[-2000:])
@@ -126,6 +101,6 @@ def test_kill_at_random_moments_then_resume_is_identical(
         res = run_job(_config(llama_ckpt, inp, out), handle_signals=False, print_summary=False)
         assert res.exit_code == EXIT_OK, (where, res.message)
         assert not list(out.glob(".tmp-*")), where
-        assert _parts(out) == expected, where
+        assert part_contents(out) == expected, where
         m = json.loads((out / "manifest.json").read_text())
         assert m["complete"] and len(m["windows"]) == num_windows, where

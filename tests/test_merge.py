@@ -10,11 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.config import shard_dir_name
+from batchgen.data.layout import METADATA_KEY, shard_dir_name
 from batchgen.data.manifest import Manifest, WindowRecord
+from batchgen.data.output_dir import OutputDir
 from batchgen.data.reader import open_input, plan_windows, shard_range
-from batchgen.data.writer import METADATA_KEY, OutputDir
-from batchgen.merge import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, main, verify
+from batchgen.job.merge import verify
+from batchgen.job.merge_cli import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, main
 
 
 def write_input(path: Path, num_rows: int, id_column: str | None = None, files: int = 1) -> str:
@@ -248,7 +249,10 @@ def test_console_script_entry_point(tmp_path: Path, shards: int) -> None:
     inp = write_input(tmp_path / "in.parquet", 7)
     fake_job(tmp_path / "out", inp, shards=shards, window_rows=3)
     p = subprocess.run(
-        [sys.executable, "-m", "batchgen.merge", str(tmp_path / "out")], capture_output=True, text=True
+        [sys.executable, "-m", "batchgen.merge", str(tmp_path / "out")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     assert p.returncode == 0, p.stderr
     assert f"{shards}/{shards} present" in p.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pyarrow as pa
@@ -16,8 +17,9 @@ from batchgen.data.prompts import (
     struct_override_problems,
 )
 from batchgen.models.loader import load_tokenizer
+from batchgen.sampling_params import SamplingParams
 
-BASE = {"temperature": 0.0, "max_tokens": 8, "seed": 0}
+BASE = SamplingParams(temperature=0.0, max_tokens=8, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +136,6 @@ def test_id_column_and_seeds(tok) -> None:
     assert row_seed(0, "x") == row_seed(0, "x") and row_seed(1, "x") != row_seed(0, "x")
     assert row_seed(0, 1) != row_seed(0, "1")
     unseeded = build_prompts(
-        table, 10, PromptSpec(id_column="uid", base_sampling={**BASE, "seed": None}), tok
+        table, 10, PromptSpec(id_column="uid", base_sampling=dataclasses.replace(BASE, seed=None)), tok
     )
     assert unseeded[0].params.seed is None

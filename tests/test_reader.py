@@ -150,7 +150,7 @@ def test_memory_stays_bounded_by_the_window(tmp_path: Path) -> None:
                     w.write_table(pa.table({{"prompt": [f"{{i}} {{base}}" for i in range(start, start + 10000)]}}))
         """
     )
-    subprocess.run([sys.executable, "-c", script], check=True)
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path)
     reader = textwrap.dedent(
         f"""
         import re, psutil
@@ -166,7 +166,9 @@ def test_memory_stays_bounded_by_the_window(tmp_path: Path) -> None:
         print(total, peak - base)
         """
     )
-    out = subprocess.run([sys.executable, "-c", reader], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", reader], check=True, capture_output=True, text=True, cwd=tmp_path
+    ).stdout
     total, growth = map(int, out.split())
     assert total > 400_000_000
     assert growth < 80 * 2**20, (

@@ -24,8 +24,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import slurm_cluster as sc
+from conftest import windows_done
 
-from batchgen.merge import verify, write_merged
+from batchgen.job.merge import verify, write_merged
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "jobs" / "slurm" / "generate.sbatch"
@@ -137,13 +138,6 @@ def workload(tmp_path_factory: pytest.TempPathFactory, llama_ckpt: str):
         w.reference_proc.wait()
 
 
-def windows_done(shard_dir: Path) -> int:
-    try:
-        return len(json.loads((shard_dir / "manifest.json").read_text())["windows"])
-    except (OSError, ValueError, KeyError):
-        return 0
-
-
 def wait_for_windows(shard_dir: Path, n: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while windows_done(shard_dir) < n:
@@ -211,6 +205,35 @@ def test_sbatch_task_sent_usr1_mid_run_is_requeued_and_resumes(cluster, workload
     assert_same(merged(out), workload.reference())
 
 
+def _last_time_limit_pass() -> dt.datetime:
+    """When slurmctld last checked time limits (skips the test when its log does not say)."""
+    last = sc.last_time_limit_pass()
+    wait_until = time.monotonic() + 40  # a freshly started slurmctld logs its first pass within ~30 s
+    while last is None and time.monotonic() < wait_until:
+        time.sleep(1)
+        last = sc.last_time_limit_pass()
+    if last is None:
+        pytest.skip("slurmctld's time-limit passes are not in its log (jobs/ci/start-slurm.sh sets debug2)")
+    return last
+
+
+def _repeated_input(workload: Workload) -> Path:
+    """The workload's prompts repeated COPIES times under new keys (greedy: a repeated prompt gets the
+    reference row's output), so that a run lasts ~14 s and more, however fast the machine."""
+    source = pq.read_table(workload.input)
+    big = workload.dir / "timelimit-input.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "key": [f"copy{c}-{k}" for c in range(COPIES) for k in source.column("key").to_pylist()],
+                "prompt": source.column("prompt").to_pylist() * COPIES,
+            }
+        ),
+        big,
+    )
+    return big
+
+
 @pytest.mark.slurm
 def test_sbatch_task_hit_by_its_time_limit_warning_is_requeued_and_resumes(
     cluster, workload: Workload
@@ -223,26 +246,8 @@ def test_sbatch_task_hit_by_its_time_limit_warning_is_requeued_and_resumes(
     test raises its limit to 5 min so that the resumed run is not warned again before it finishes (a real
     job gets the same limit again and simply makes progress on every run).
     """
-    last = sc.last_time_limit_pass()
-    wait_until = time.monotonic() + 40  # a freshly started slurmctld logs its first pass within ~30 s
-    while last is None and time.monotonic() < wait_until:
-        time.sleep(1)
-        last = sc.last_time_limit_pass()
-    if last is None:
-        pytest.skip("slurmctld's time-limit passes are not in its log (jobs/ci/start-slurm.sh sets debug2)")
-    # The job must still be running ~14 s in, however fast the machine: the same prompts repeated COPIES
-    # times under new keys (greedy: a repeated prompt gets the reference row's output), one sequence at a time.
-    source = pq.read_table(workload.input)
-    big = workload.dir / "timelimit-input.parquet"
-    pq.write_table(
-        pa.table(
-            {
-                "key": [f"copy{c}-{k}" for c in range(COPIES) for k in source.column("key").to_pylist()],
-                "prompt": source.column("prompt").to_pylist() * COPIES,
-            }
-        ),
-        big,
-    )
+    last = _last_time_limit_pass()
+    big = _repeated_input(workload)
     begin = last + dt.timedelta(seconds=30 + 16)
     while (begin - dt.datetime.now()).total_seconds() < 1:
         begin += dt.timedelta(seconds=30)
@@ -290,11 +295,10 @@ def test_sbatch_script_rejects_an_array_that_does_not_start_at_zero(tmp_path: Pa
         SLURM_ARRAY_JOB_ID="7",
         BATCHGEN_BIN="/bin/true",
     )
-    p = subprocess.run(["bash", str(SBATCH), "data.output=x"], env=env, capture_output=True, text=True)
+    run = dict(env=env, cwd=tmp_path, capture_output=True, text=True)
+    p = subprocess.run(["bash", str(SBATCH), "data.output=x"], **run)
     assert p.returncode == 2 and "use --array=0-(N-1)" in p.stderr
-    p = subprocess.run(
-        ["bash", str(SBATCH), "data.output=x", "data.shard.count=5"], env=env, capture_output=True, text=True
-    )
+    p = subprocess.run(["bash", str(SBATCH), "data.output=x", "data.shard.count=5"], **run)
     assert p.returncode == 0, p.stderr
 
 

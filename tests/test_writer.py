@@ -9,11 +9,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.config import ConfigError
+from batchgen.atomic import atomic_write
+from batchgen.data.layout import TEMP_PREFIX, is_own_file, part_name
 from batchgen.data.manifest import Manifest, WindowRecord, diff_config
+from batchgen.data.output_dir import OutputDir
+from batchgen.data.parts import PartLayout, build_part
 from batchgen.data.prompts import PromptRow
-from batchgen.data.writer import OutputDir, PartLayout, build_part, part_name
 from batchgen.engine.outputs import CompletionOutput, RequestOutput
+from batchgen.errors import ConfigError
 
 
 def _manifest(
@@ -155,3 +158,11 @@ def test_manifest_roundtrip(tmp_path: Path) -> None:
     back = Manifest.load(tmp_path)
     assert back == m and not back.complete
     assert json.loads((tmp_path / "manifest.json").read_text())["rows_done"] == 10
+
+
+def test_layout_names_what_batchgen_owns(tmp_path: Path) -> None:
+    # atomic_write's temporary files are what the output directory cleans up after a killed run
+    with atomic_write(tmp_path / part_name(3)) as tmp:
+        assert tmp.name.startswith(TEMP_PREFIX) and is_own_file(tmp.name)
+    assert is_own_file(part_name(3)) and is_own_file("manifest.json") and is_own_file("report.json")
+    assert not is_own_file("part-3.parquet") and not is_own_file("notes.txt") and not is_own_file("logs")

@@ -1,8 +1,8 @@
 """The manifest of an output directory: which windows are finished, under which configuration.
 
-``manifest.json`` is rewritten atomically (temporary file, fsync, rename, fsync of the directory) after each
-part file is in place, so at any moment it lists only windows whose part is complete on disk. A part file
-without a manifest entry (killed between the two renames) is redone and replaced on the next run.
+``manifest.json`` is rewritten atomically (:func:`batchgen.atomic.atomic_write_bytes`) after each part file is
+in place, so at any moment it lists only windows whose part is complete on disk. A part file without a
+manifest entry (killed between the two renames) is redone and replaced on the next run.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchgen.atomic import atomic_write_bytes, file_mode, fsync_dir  # noqa: F401  (re-exported)
+from batchgen.atomic import atomic_write_bytes
+from batchgen.data.layout import MANIFEST_NAME
 
-MANIFEST_NAME = "manifest.json"
 FORMAT = "batchgen-manifest/1"
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import pyarrow as pa
@@ -42,7 +42,7 @@ class PromptSpec:
     messages_column: str | None = None
     id_column: str | None = None
     sampling_column: str | None = None  # effective: None when absent from the input
-    base_sampling: Mapping[str, Any] | None = None  # SamplingParams kwargs of the job
+    base_sampling: SamplingParams = field(default_factory=SamplingParams)  # the job's sampling.*
     max_model_len: int = 1 << 30
 
 
@@ -162,6 +162,88 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def _new_rows(table: pa.Table, row_start: int, spec: PromptSpec) -> list[PromptRow]:
+    """One PromptRow per input row, with its id (an error when the id column is null)."""
+    ids = _column(table, spec.id_column)
+    rows = [
+        PromptRow(i, row_start + i, ids[i] if ids is not None else row_start + i)
+        for i in range(table.num_rows)
+    ]
+    if ids is not None:
+        for r in rows:
+            if r.id is None:
+                r.error = f"id column {spec.id_column!r} is null"
+    return rows
+
+
+def _chat_texts(rows: list[PromptRow], values: list[Any], tokenizer: Any) -> list[str | None]:
+    """Each row's messages rendered with the chat template (None for rows in error)."""
+    texts: list[str | None] = [None] * len(rows)
+    for r, v in zip(rows, values):
+        msgs = check_messages(v)
+        if isinstance(msgs, str):
+            r.error = r.error or msgs
+            continue
+        if r.error:
+            continue
+        try:
+            texts[r.position] = render_chat(tokenizer, msgs)
+        except Exception as e:  # jinja2 errors, template-raised exceptions: the row's fault
+            r.error = f"chat template failed: {type(e).__name__}: {e}"
+    return texts
+
+
+def _plain_texts(rows: list[PromptRow], values: list[Any]) -> list[str | None]:
+    """Each row's prompt text (None for rows in error)."""
+    texts: list[str | None] = [None] * len(rows)
+    for r, v in zip(rows, values):
+        err = check_prompt(v)
+        if err:
+            r.error = r.error or err
+        elif not r.error:
+            texts[r.position] = v
+    return texts
+
+
+def _row_params(rows: list[PromptRow], overrides: list[Any] | None, base: SamplingParams) -> None:
+    """Set each valid row's SamplingParams: the job's, its own overrides, and its seed (see row_seed)."""
+    for r in rows:
+        if r.error:
+            continue
+        ov = parse_overrides(overrides[r.position]) if overrides is not None else {}
+        if isinstance(ov, str):
+            r.error = ov
+            continue
+        if "seed" not in ov and base.seed is not None:
+            ov["seed"] = row_seed(base.seed, r.id)
+        try:
+            r.params = replace(base, **ov)
+        except (TypeError, ValueError) as e:
+            r.error = f"invalid sampling override: {e}"
+
+
+def _tokenize(
+    rows: list[PromptRow], texts: list[str | None], tokenizer: Any, chat: bool, max_len: int
+) -> None:
+    """Tokenize every valid row in one batched call; too long or empty prompts become errors."""
+    todo = [r for r in rows if r.error is None]
+    if not todo:
+        return
+    batch = [texts[r.position] for r in todo]
+    enc = tokenizer(batch, add_special_tokens=not chat, return_attention_mask=False)["input_ids"]
+    for r, ids in zip(todo, enc):
+        ntok = r.num_prompt_tokens = len(ids)
+        if ntok == 0:
+            r.error = "prompt has no tokens"
+        elif ntok >= max_len:
+            r.error = (
+                f"prompt has {ntok} tokens but engine.max_model_len is {max_len}: it must leave "
+                "room for at least one generated token"
+            )
+        else:
+            r.token_ids = list(ids)
+
+
 def build_prompts(
     table: pa.Table,
     row_start: int,
@@ -169,76 +251,14 @@ def build_prompts(
     tokenizer: Any,
 ) -> list[PromptRow]:
     """Validate, render and tokenize the rows of one window (`table`, first global row `row_start`)."""
-    n = table.num_rows
-    ids = _column(table, spec.id_column)
-    rows = [PromptRow(i, row_start + i, ids[i] if ids is not None else row_start + i) for i in range(n)]
-    if ids is not None:
-        for r in rows:
-            if r.id is None:
-                r.error = f"id column {spec.id_column!r} is null"
-
-    # Prompt text.
-    texts: list[str | None] = [None] * n
+    rows = _new_rows(table, row_start, spec)
     chat = spec.messages_column is not None
     if chat:
-        for r, v in zip(rows, _column(table, spec.messages_column)):
-            msgs = check_messages(v)
-            if isinstance(msgs, str):
-                r.error = r.error or msgs
-                continue
-            if r.error:
-                continue
-            try:
-                texts[r.position] = render_chat(tokenizer, msgs)
-            except Exception as e:  # jinja2 errors, template-raised exceptions: the row's fault
-                r.error = f"chat template failed: {type(e).__name__}: {e}"
+        texts = _chat_texts(rows, _column(table, spec.messages_column), tokenizer)  # type: ignore[arg-type]
     else:
-        for r, v in zip(rows, _column(table, spec.prompt_column)):
-            err = check_prompt(v)
-            if err:
-                r.error = r.error or err
-            elif not r.error:
-                texts[r.position] = v
-
-    # Sampling params.
-    base = dict(spec.base_sampling or {})
-    overrides = _column(table, spec.sampling_column)
-    for r in rows:
-        if r.error:
-            continue
-        kw = dict(base)
-        if overrides is not None:
-            ov = parse_overrides(overrides[r.position])
-            if isinstance(ov, str):
-                r.error = ov
-                continue
-            kw.update(ov)
-            explicit_seed = "seed" in ov
-        else:
-            explicit_seed = False
-        if not explicit_seed and base.get("seed") is not None:
-            kw["seed"] = row_seed(base["seed"], r.id)
-        try:
-            r.params = SamplingParams(**kw)
-        except (TypeError, ValueError) as e:
-            r.error = f"invalid sampling override: {e}"
-
-    # Tokenize all valid rows in one batched call.
-    todo = [r for r in rows if r.error is None]
-    if todo:
-        batch = [texts[r.position] for r in todo]
-        enc = tokenizer(batch, add_special_tokens=not chat, return_attention_mask=False)["input_ids"]
-        for r, ids_ in zip(todo, enc):
-            ntok = r.num_prompt_tokens = len(ids_)
-            if ntok == 0:
-                r.error = "prompt has no tokens"
-            elif ntok >= spec.max_model_len:
-                r.error = (
-                    f"prompt has {ntok} tokens but engine.max_model_len is {spec.max_model_len}: it must leave "
-                    "room for at least one generated token"
-                )
-            else:
-                r.token_ids = list(ids_)
+        texts = _plain_texts(rows, _column(table, spec.prompt_column))  # type: ignore[arg-type]
+    _row_params(rows, _column(table, spec.sampling_column), spec.base_sampling)
+    _tokenize(rows, texts, tokenizer, chat, spec.max_model_len)
     for r in rows:
         if r.error is not None:
             r.params = None

@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.config import ConfigError
+from batchgen.errors import ConfigError
 
 READ_BATCH_ROWS = 4096
 

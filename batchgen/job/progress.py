@@ -12,7 +12,9 @@ import sys
 import time
 from typing import Any
 
-logger = logging.getLogger("batchgen.progress")
+from batchgen.engine.stats import EngineStats
+
+logger = logging.getLogger("batchgen.progress")  # the name progress log lines carry
 
 
 def _fmt_duration(s: float) -> str:
@@ -48,7 +50,7 @@ class Progress:
         self.t0 = time.monotonic()
         self._last_log = self.t0
         self._gen_tokens = 0
-        self._stats: Any = None
+        self._stats: EngineStats | None = None
         self.bar = None
         if self.mode == "bar":
             from tqdm.auto import tqdm
@@ -62,16 +64,18 @@ class Progress:
         out = {"gen tok/s": f"{self._gen_tokens / elapsed:.0f}"}
         st = self._stats
         if st is not None:
-            out["prefix hit"] = f"{getattr(st, 'prefix_hit_rate', 0.0):.0%}"
-            out["KV"] = f"{getattr(st, 'kv_usage', 0.0):.0%}"
+            out["prefix hit"] = f"{st.prefix_hit_rate:.0%}"
+            out["KV"] = f"{st.kv_usage:.0%}"
         return out
 
-    def update(self, rows: int = 0, stats: Any = None, generated_tokens: int | None = None) -> None:
+    def update(
+        self, rows: int = 0, stats: EngineStats | None = None, generated_tokens: int | None = None
+    ) -> None:
         """Add finished `rows`; `stats` is the engine's EngineStats (its generated_tokens drive tok/s)."""
         if stats is not None:
             self._stats = stats
             if generated_tokens is None:
-                generated_tokens = getattr(stats, "generated_tokens", None)
+                generated_tokens = stats.generated_tokens
         if generated_tokens is not None:
             self._gen_tokens = generated_tokens
         self.done += rows

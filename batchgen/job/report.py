@@ -10,15 +10,47 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchgen.data.manifest import Manifest, atomic_write_bytes
+from batchgen.atomic import atomic_write_text
+from batchgen.data.manifest import Manifest
+from batchgen.engine.stats import EngineStats
 
 
-def _stat(stats: Any, name: str, default: Any = 0) -> Any:
-    if stats is None:
-        return default
-    if isinstance(stats, dict):
-        return stats.get(name, default)
-    return getattr(stats, name, default)
+def _rows(manifest: Manifest) -> dict[str, int]:
+    recs = manifest.windows.values()
+    return {
+        "shard_total": manifest.shard.get("row_end", 0) - manifest.shard.get("row_start", 0),
+        "done": sum(r.row_end - r.row_start for r in recs),
+        "ok": sum(r.rows_ok for r in recs),
+        "error": sum(r.rows_error for r in recs),
+        "output_rows": sum(r.num_output_rows for r in recs),
+    }
+
+
+def _engine_figures(st: EngineStats) -> dict[str, dict[str, Any]]:
+    """The ``tokens``, ``kv`` and ``scheduler`` sections, from the engine stats of this run."""
+    return {
+        "tokens": {
+            "prompt_admitted": st.prompt_tokens,
+            "prompt_computed": st.prompt_tokens_computed,
+            "prompt_reused": st.prompt_tokens_cached,
+            "prefix_hit_rate": st.prefix_hit_rate,
+            "generated": st.generated_tokens,
+        },
+        "kv": {
+            "num_blocks": st.num_blocks,
+            "block_size": st.block_size,
+            "pool_bytes": st.num_blocks * st.bytes_per_block,
+            "peak_usage": float(st.peak_kv_usage),
+            "min_utilization": float(st.min_kv_utilization),
+            "peak_fragmentation": float(st.peak_kv_fragmentation),
+        },
+        "scheduler": {
+            "peak_running_seqs": st.peak_running_seqs,
+            "preemptions": st.num_preemptions,
+            "steps": st.num_steps,
+            "cow_copies": st.num_cow_copies,
+        },
+    }
 
 
 def build_report(
@@ -29,32 +61,17 @@ def build_report(
     wall_time_s: float,
     rows_this_run: int,
     windows_this_run: int,
-    engine_stats: Any = None,
+    engine_stats: EngineStats,
     model: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Assemble the report dict (JSON-serialisable)."""
-    recs = manifest.windows.values()
-    rows_done = sum(r.row_end - r.row_start for r in recs)
-    shard_rows = manifest.shard.get("row_end", 0) - manifest.shard.get("row_start", 0)
+    """Assemble the report dict (JSON-serialisable); `engine_stats` covers this run only."""
     wall = max(wall_time_s, 1e-9)
-    computed = int(_stat(engine_stats, "prompt_tokens_computed"))
-    cached = int(_stat(engine_stats, "prompt_tokens_cached"))
-    generated = int(_stat(engine_stats, "generated_tokens"))
-    admitted = int(_stat(engine_stats, "prompt_tokens"))
-    bytes_per_block = int(_stat(engine_stats, "bytes_per_block"))
-    num_blocks = int(_stat(engine_stats, "num_blocks"))
     report: dict[str, Any] = {
         "status": status,
         "output_dir": output_dir,
         "model": model,
-        "rows": {
-            "shard_total": shard_rows,
-            "done": rows_done,
-            "ok": sum(r.rows_ok for r in recs),
-            "error": sum(r.rows_error for r in recs),
-            "output_rows": sum(r.num_output_rows for r in recs),
-        },
+        "rows": _rows(manifest),
         "windows": {
             "total": manifest.num_windows,
             "done": len(manifest.windows),
@@ -64,40 +81,18 @@ def build_report(
             "rows": rows_this_run,
             "wall_time_s": round(wall_time_s, 3),
             "rows_per_s": rows_this_run / wall,
-            "generated_tokens_per_s": generated / wall,
+            "generated_tokens_per_s": engine_stats.generated_tokens / wall,
         },
-        "tokens": {
-            "prompt_admitted": admitted,
-            "prompt_computed": computed,
-            "prompt_reused": cached,
-            "prefix_hit_rate": cached / admitted if admitted else 0.0,
-            "generated": generated,
-        },
-        "kv": {
-            "num_blocks": num_blocks,
-            "block_size": int(_stat(engine_stats, "block_size")),
-            "pool_bytes": num_blocks * bytes_per_block,
-            "peak_usage": float(_stat(engine_stats, "peak_kv_usage", 0.0)),
-            "min_utilisation": float(_stat(engine_stats, "min_kv_utilization", 1.0)),
-            "peak_fragmentation": float(_stat(engine_stats, "peak_kv_fragmentation", 0.0)),
-        },
-        "scheduler": {
-            "peak_running_seqs": int(_stat(engine_stats, "peak_running_seqs")),
-            "preemptions": int(_stat(engine_stats, "num_preemptions")),
-            "steps": int(_stat(engine_stats, "num_steps")),
-            "cow_copies": int(_stat(engine_stats, "num_cow_copies")),
-        },
+        **_engine_figures(engine_stats),
+        "engine_stats": engine_stats.to_dict(),
     }
-    if engine_stats is not None:
-        to_dict = getattr(engine_stats, "to_dict", None)
-        report["engine_stats"] = to_dict() if callable(to_dict) else dict(engine_stats)
-    if extra:
-        report.update(extra)
+    report.update(extra or {})
     return report
 
 
 def write_report(path: str | Path, report: dict[str, Any]) -> None:
-    atomic_write_bytes(path, (json.dumps(report, indent=1, default=str) + "\n").encode())
+    """Write the report as JSON, atomically."""
+    atomic_write_text(path, json.dumps(report, indent=1, default=str) + "\n")
 
 
 def _si(x: float) -> str:

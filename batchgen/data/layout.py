@@ -1,0 +1,63 @@
+"""The output layout: every file, directory and column name batchgen writes, in one place.
+
+``data.output`` holds the output of one job. With ``data.shard.count == 1`` the files below sit in it
+directly; otherwise each shard has its own ``shard-{index:05d}-of-{count:05d}/`` directory. A shard's
+directory holds:
+
+- ``part-{window:06d}.parquet``: the output rows of one finished window;
+- ``manifest.json``: the finished windows and the configuration that wrote them;
+- ``report.json``: the figures of the last run;
+- ``logs/<time>/``: Hydra's run directory (config record, job log);
+- ``.batchgen.lock``: held (flock) by the one process writing the directory;
+- ``.tmp-*``: files being written (renamed into place when complete).
+
+Invariants: batchgen deletes only names for which :func:`is_own_file` is true, never anything else in an
+output directory; output column names are :data:`RESERVED_COLUMNS` plus the kept input columns.
+"""
+
+from __future__ import annotations
+
+import re
+
+MANIFEST_NAME = "manifest.json"
+REPORT_NAME = "report.json"
+LOGS_DIR = "logs"  # also spelled out in conf/config.yaml (hydra.run.dir and hydra.sweep.dir)
+LOCK_NAME = ".batchgen.lock"
+TEMP_PREFIX = ".tmp-"
+"""Prefix of files being written: :func:`batchgen.atomic.atomic_write` names its temporary files so."""
+METADATA_KEY = b"batchgen"
+"""Key of the JSON document in every part's Parquet schema metadata."""
+
+PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
+SHARD_RE = re.compile(r"^shard-(\d{5,})-of-(\d{5,})$")
+
+RESERVED_COLUMNS = (
+    "id",
+    "sample_index",
+    "generated_text",
+    "token_ids",
+    "num_prompt_tokens",
+    "num_generated_tokens",
+    "num_cached_tokens",
+    "finish_reason",
+    "status",
+    "error",
+    "logprobs",
+)
+"""Output column names the writer owns; kept input columns may not reuse them (except ``id`` as the id)."""
+
+
+def part_name(window: int) -> str:
+    """File name of window `window`'s part."""
+    return f"part-{window:06d}.parquet"
+
+
+def shard_dir_name(index: int, count: int) -> str:
+    """Sub-directory of data.output for shard `index` of `count` ('' when count == 1)."""
+    return "" if int(count) == 1 else f"shard-{int(index):05d}-of-{int(count):05d}"
+
+
+def is_own_file(name: str) -> bool:
+    """True for the names of files batchgen writes into a shard directory (parts, manifest, report, temp
+    files): the only ones ``data.overwrite`` and the cleanup of a killed run may delete."""
+    return name in (MANIFEST_NAME, REPORT_NAME) or bool(PART_RE.match(name)) or name.startswith(TEMP_PREFIX)

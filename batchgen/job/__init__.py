@@ -1,0 +1,39 @@
+"""The batch job: a Parquet input through the engine into a resumable Parquet output.
+
+Modules, in the order a run goes through them:
+
+- :mod:`~batchgen.job.config`: the configuration schema (``model``, ``data``, ``engine``, ``sampling``,
+  ``run``) and its validation; :mod:`~batchgen.job.help` renders it as ``batchgen --help``;
+  :mod:`~batchgen.job.hydra_setup` registers it with Hydra.
+- :mod:`~batchgen.job.plan`: everything decided before the model loads (input, columns, shard, windows,
+  fingerprint).
+- :mod:`~batchgen.job.run`: :func:`run_job`, the straight line from plan to report, and the exit statuses.
+- :mod:`~batchgen.job.feeder`: prefix grouping and the loop that keeps the engine fed across windows.
+- :mod:`~batchgen.job.signals`, :mod:`~batchgen.job.progress`, :mod:`~batchgen.job.report`: stopping on a
+  signal, the progress bar or log lines, the end-of-job report.
+- :mod:`~batchgen.job.shards`, :mod:`~batchgen.job.merge`, :mod:`~batchgen.job.merge_cli`: after the job,
+  ``batchgen-merge`` checks that the shards cover every input row once and merges them.
+
+The Parquet side (reader, prompts, parts, output directory, manifest, file names) is :mod:`batchgen.data`.
+"""
+
+from __future__ import annotations
+
+from batchgen.job.plan import DEFAULT_SAMPLING_COLUMN, JobPlan, model_fingerprint, plan_job, sample_input_path
+from batchgen.job.run import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, JobResult, run_job
+from batchgen.job.signals import StopSignal
+
+__all__ = [
+    "DEFAULT_SAMPLING_COLUMN",
+    "EXIT_CONFIG",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "JobPlan",
+    "JobResult",
+    "StopSignal",
+    "model_fingerprint",
+    "plan_job",
+    "run_job",
+    "sample_input_path",
+]

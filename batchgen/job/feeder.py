@@ -1,0 +1,189 @@
+"""Prefix grouping and the engine feed loop: how a job's windows of prompt rows reach the engine.
+
+Grouping: a window's prompts are ordered by their token-id lists, compared lexicographically. That order is
+the depth-first order of the prefix trie of the prompts, so prompts that share a prefix are admitted next to
+each other and the engine's prefix cache serves the shared blocks (computed once, reused while still cached).
+
+Feeding: :class:`EngineFeeder` keeps the engine saturated across window boundaries. It adds requests in
+feed order until ``max_in_flight`` requests are unfinished, taking the next window as soon as the current
+one is fully admitted (so the tail of one window overlaps the head of the next), and hands back each window
+once all of its requests have finished — results restored to input order.
+
+Invariants:
+- Every valid row of a window is added to the engine exactly once; a window is reported done exactly once,
+  when every one of its valid rows has a result (error rows need no engine work).
+- Request ids are global row indices, so they are unique within a job.
+- After a stop request nothing new is admitted; windows already started are finished until the grace
+  deadline, then abandoned (their requests aborted) — an abandoned window is never reported done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from batchgen.data.prompts import PromptRow
+from batchgen.data.reader import WindowSpec
+from batchgen.engine.interface import Engine
+from batchgen.engine.outputs import RequestOutput
+
+
+def prefix_order(token_ids: Sequence[Sequence[int]]) -> list[int]:
+    """Positions sorted by token ids (lexicographic = prefix-trie DFS order); ties keep input order."""
+    return sorted(range(len(token_ids)), key=token_ids.__getitem__)
+
+
+@dataclass
+class WindowWork:
+    """A window in flight: its rows (input order), feed order and results so far."""
+
+    spec: WindowSpec
+    rows: list[PromptRow]
+    extra: Any = None
+    """Anything the caller wants back with the finished window (e.g. the kept input columns)."""
+    results: list[RequestOutput | None] = field(default_factory=list)
+    """``results[position]``: the engine's RequestOutput for a valid row, None for an error row."""
+    feed: deque[int] = field(default_factory=deque)
+    pending: int = 0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+
+    @classmethod
+    def create(
+        cls, spec: WindowSpec, rows: list[PromptRow], group_by_prefix: bool, extra: Any = None
+    ) -> WindowWork:
+        """The window's valid rows queued for the engine: in prefix-trie order, or input order."""
+        valid = [r.position for r in rows if r.ok]
+        if group_by_prefix:
+            keys = [rows[p].token_ids for p in valid]
+            valid = [valid[i] for i in prefix_order(keys)]  # type: ignore[arg-type]
+        return cls(spec, rows, extra, [None] * len(rows), deque(valid), len(valid))
+
+    @property
+    def done(self) -> bool:
+        return self.pending == 0 and not self.feed
+
+
+class StopFlag(Protocol):
+    """What the feeder reads of a stop request (:class:`batchgen.job.signals.StopSignal`)."""
+
+    @property
+    def requested(self) -> bool: ...
+    @property
+    def deadline(self) -> float | None: ...
+
+
+class EngineFeeder:
+    """Drive `engine` over the windows produced by `next_window` (None = no more windows).
+
+    ``run()`` yields finished :class:`WindowWork` objects in completion order and returns when every window
+    is done, or when a stop was requested and the in-flight windows are finished or past the deadline
+    (``self.abandoned`` then lists the windows given up). ``on_output(work, position, output)`` is called for
+    each finished request, ``on_step()`` after each engine step.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        next_window: Callable[[], WindowWork | None],
+        max_in_flight: int,
+        stop: StopFlag | None = None,
+        on_output: Callable[[WindowWork, int, RequestOutput], None] | None = None,
+        on_step: Callable[[], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.next_window = next_window
+        self.max_in_flight = max(1, int(max_in_flight))
+        self.stop = stop
+        self.on_output = on_output
+        self.on_step = on_step
+        self.active: dict[int, WindowWork] = {}  # window index -> work, admitted or admitting
+        self.feeding: deque[WindowWork] = deque()
+        self.where: dict[int, tuple[WindowWork, int]] = {}  # request id -> (window, position)
+        self.abandoned: list[WindowWork] = []
+        self.exhausted = False
+        self._ready: deque[WindowWork] = deque()
+
+    def _stopping(self) -> bool:
+        return self.stop is not None and self.stop.requested
+
+    def _past_deadline(self) -> bool:
+        if not self._stopping():
+            return False
+        deadline = self.stop.deadline  # type: ignore[union-attr]
+        return deadline is None or time.monotonic() >= deadline
+
+    def _pull(self) -> WindowWork | None:
+        """The next window with rows to feed; windows without valid rows finish at once."""
+        while not self.exhausted and not self._stopping():
+            work = self.next_window()
+            if work is None:
+                self.exhausted = True
+                return None
+            work.started_at = time.monotonic()
+            if work.done:
+                work.finished_at = work.started_at
+                self._ready.append(work)
+                continue
+            self.active[work.spec.index] = work
+            return work
+        return None
+
+    def _admit(self) -> None:
+        engine = self.engine
+        while not self._stopping() and engine.num_unfinished() < self.max_in_flight:
+            if not self.feeding or not self.feeding[0].feed:
+                if self.feeding and not self.feeding[0].feed:
+                    self.feeding.popleft()
+                if not self.feeding:
+                    work = self._pull()
+                    if work is None:
+                        return
+                    self.feeding.append(work)
+                continue
+            work = self.feeding[0]
+            pos = work.feed.popleft()
+            row = work.rows[pos]
+            self.where[row.row_index] = (work, pos)
+            engine.add_request(row.row_index, row.token_ids, row.params)
+
+    def _finish(self, out: RequestOutput) -> None:
+        work, pos = self.where.pop(out.request_id)
+        work.results[pos] = out
+        work.pending -= 1
+        if self.on_output is not None:
+            self.on_output(work, pos, out)
+        if work.done:
+            work.finished_at = time.monotonic()
+            self.active.pop(work.spec.index, None)
+            self._ready.append(work)
+
+    def run(self) -> Iterator[WindowWork]:
+        engine = self.engine
+        while True:
+            self._admit()
+            while self._ready:
+                yield self._ready.popleft()
+            if self._stopping() and (self._past_deadline() or all(w.feed for w in self.active.values())):
+                break  # past the grace period, or no started window can still complete
+            if not engine.has_unfinished():
+                if self.exhausted or self._stopping():
+                    break
+                if self.active:
+                    raise RuntimeError("the engine has no unfinished requests but windows are still pending")
+                continue  # nothing in flight: _admit pulls the next window
+            for out in engine.step():
+                self._finish(out)
+            if self.on_step is not None:
+                self.on_step()
+            while self._ready:
+                yield self._ready.popleft()
+        self.abandoned = sorted(self.active.values(), key=lambda w: w.spec.index)
+        for rid in list(self.where):
+            engine.abort_request(rid)
+        self.where.clear()
+        self.active.clear()
+        self.feeding.clear()
