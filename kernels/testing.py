@@ -85,3 +85,14 @@ def make_paged_batch(
         q_lens=list(q_lens),
         scale=head_dim**-0.5,
     )
+
+
+def reference_attention(batch: PagedBatch, **options) -> Tensor:
+    """:func:`.reference.paged_prefill_attention` (float64) of ``batch``'s packed queries: the expected output of
+    both backends' prefill, and of their decode when every ``q_len`` is 1."""
+    from .reference import paged_prefill_attention
+
+    return paged_prefill_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
+        batch.scale, **options,
+    )  # fmt: skip

@@ -1,13 +1,13 @@
-"""Every Triton kernel against its torch reference.
+"""Every Triton kernel against the reference (:mod:`batchgen.kernels.reference`: naive per-sequence float64 code).
 
 ``device="cpu"`` runs the kernels in Triton's interpreter (CPU tensors always are; no GPU needed, and
 ``TRITON_INTERPRET=1`` is not required — see ``batchgen/kernels/_jit.py``); ``device="cuda"`` (marker ``gpu``,
 skipped without a GPU) runs the same cases compiled for real. Shapes stay small: the interpreter executes every
 program of the grid in Python.
 
-Tolerances (kernel vs reference, both computed from the same rounded inputs): float32 2e-5 absolute and
-relative (accumulation order; the GPU's ``exp2`` is approximate); bfloat16/float16 2e-2 (the outputs round to an
-8-bit / 11-bit mantissa, and on the GPU the softmax weights are rounded to the cache dtype before ``P @ V``).
+Tolerances (kernel vs the float64 reference on the same rounded inputs): float32 2e-5 absolute and relative
+(float32 accumulation; the GPU's ``exp2`` is approximate); bfloat16/float16 2e-2 (the outputs round to an 8-bit /
+11-bit mantissa, and on the GPU the softmax weights are rounded to the cache dtype before ``P @ V``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from batchgen.kernels.decode_attention import (  # noqa: E402
 )
 from batchgen.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from batchgen.kernels.store_kv import store_kv  # noqa: E402
-from batchgen.kernels.testing import PagedBatch, make_paged_batch  # noqa: E402
+from batchgen.kernels.testing import PagedBatch, make_paged_batch, reference_attention  # noqa: E402
 
 DEVICES = [
     "cpu",
@@ -57,17 +57,12 @@ def to_device(batch: PagedBatch, device: str) -> PagedBatch:
     )  # fmt: skip
 
 
-def decode_ref(batch: PagedBatch) -> torch.Tensor:
-    return reference.paged_decode_attention_ref(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale
-    )
+def decode_ref(batch: PagedBatch, **options) -> torch.Tensor:
+    assert batch.max_query_len == 1
+    return reference_attention(batch, **options)
 
 
-def prefill_ref(batch: PagedBatch) -> torch.Tensor:
-    return reference.paged_prefill_attention_ref(
-        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
-        batch.scale,
-    )  # fmt: skip
+prefill_ref = reference_attention
 
 
 def run_decode(batch: PagedBatch, device: str, **kw) -> torch.Tensor:
@@ -87,8 +82,9 @@ def run_prefill(batch: PagedBatch, device: str, **kw) -> torch.Tensor:
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """``out`` (the kernel's, in the inputs' dtype) against the float64 reference ``ref``."""
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[ref.dtype])
+    torch.testing.assert_close(out.double(), ref, **TOL[out.dtype])
 
 
 # --------------------------------------------------------------------------------------------- store_kv
@@ -108,7 +104,7 @@ def test_store_kv(device, block_size, src_dtype, cache_dtype):
         [0, block_size - 1, -1, block_size, 3 * block_size + 5, -1, num_blocks * block_size - 1]
     )
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    reference.store_kv_ref(key, value, ref_k, ref_v, slots)
+    reference.store_kv(key, value, ref_k, ref_v, slots)
     kc, vc = k_cache.to(device), v_cache.to(device)
     store_kv(key.to(device), value.to(device), kc, vc, slots.to(device))
     if src_dtype == cache_dtype:
@@ -125,7 +121,7 @@ def test_copy_blocks(device, dtype):
     kv = torch.randn(3, 2, 8, 16, 2, 80).to(dtype)
     mapping = torch.tensor([[0, 5], [2, 3], [7, 6]])
     ref = kv.clone()
-    reference.copy_blocks_ref(ref, mapping)
+    reference.copy_blocks(ref, mapping)
     out = kv.to(device)
     copy_blocks(out, mapping.to(device))
     assert torch.equal(out.cpu(), ref)
@@ -246,7 +242,7 @@ def test_prefill_long_chunk_and_group_of_seven(device):
 # ------------------------------------------------------------------------------ PagedAttention (triton)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_triton_matches_torch(device, dtype):
+def test_paged_attention_triton_and_torch_match_reference(device, dtype):
     """Store + decode + prefill through the engine's interface, decodes first, as the model calls it."""
     q_lens, seq_lens, block_size = [1, 1, 1, 9, 20], [12, 1, 40, 9, 30], 8
     batch = make_paged_batch(
@@ -274,6 +270,9 @@ def test_paged_attention_triton_matches_torch(device, dtype):
         return out.cpu(), b.k_cache.cpu(), b.v_cache.cpu()
 
     out, k_cache, v_cache = run("triton", device)
-    ref, ref_k, ref_v = run("torch", "cpu")
+    torch_out, ref_k, ref_v = run("torch", "cpu")
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
-    assert_close(out, ref)
+    stored = PagedBatch(**{**vars(batch), "k_cache": ref_k, "v_cache": ref_v})
+    expected = reference_attention(stored)
+    assert_close(out, expected)
+    assert_close(torch_out, expected)
