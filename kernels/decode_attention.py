@@ -4,12 +4,13 @@ Program ``(b, kv_head, split)`` computes all ``G = Hq // Hkv`` query heads that 
 ``[G, D]`` query tile is padded to 16 rows for ``tl.dot``), so each K/V tile is loaded once per kv head. It walks
 its tokens in tiles of ``BLOCK_N`` (independent of the page size: the physical slot of every token is looked up
 in the block table, so pages of 8..64 tokens all work) with an online softmax in float32 (``exp2`` with the
-``log2 e`` folded into the scale).
+``log2 e`` folded into the scale; the tile load, scores and softmax update live in :mod:`._tiles`, shared with the
+prefill kernel).
 
 Split-K ("flash-decoding"): when there are few (sequence, kv head) pairs for the GPU but long contexts, each
 sequence's context is cut into ``num_splits`` equal ranges handled by separate programs that write a normalised
 partial output and its log-sum-exp; a second kernel merges them. :func:`choose_num_splits` is the heuristic;
-``num_splits=`` forces a value (1 = single pass). Semantics: :func:`reference.paged_decode_attention_ref`.
+``num_splits=`` forces a value (1 = single pass). Semantics: :func:`reference.paged_decode_attention`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._jit import interpreting, kernel
+from ._tiles import load_kv_tile, online_softmax, tile_scores
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -91,28 +93,12 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < end
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        row = blk * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_tok + kvh * stride_cache_head
-        k = tl.load(
-            k_cache_ptr + row[None, :] + d[:, None], mask=t_mask[None, :] & d_mask[:, None], other=0.0
-        )
-        v = tl.load(
-            v_cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0
-        )
-        if FP32_DOT:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, tok, t_mask, d, d_mask, kvh, stride_cache_block, stride_cache_tok,
+            stride_cache_head, BLOCK_SIZE, True,
+        )  # fmt: skip
+        s = tl.where(t_mask[None, :], tile_scores(q, k, qk_scale, FP32_DOT), float("-inf"))
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, FP32_DOT)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty split (or seq_len 0) has l_i == 0
     out = acc / l_safe[:, None]

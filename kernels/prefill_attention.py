@@ -5,9 +5,9 @@ Sequence ``b`` owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` at absolute
 ``(q_tile, kv_head, b)`` takes ``BLOCK_Q`` consecutive queries times all ``G`` query heads of ``kv_head`` as
 one ``[BLOCK_Q * BLOCK_G, D]`` tile (row ``r`` = query ``r // BLOCK_G``, head ``r % BLOCK_G``), so GQA heads share
 every K/V tile load. Keys are read through the block table in tiles of ``BLOCK_N`` with an online softmax in
-float32: first the tiles every query of the tile may see in full (the cached prefix and earlier new tokens,
+float32 (the pieces shared with the decode kernel are in :mod:`._tiles`): first the tiles every query of the tile may see in full (the cached prefix and earlier new tokens,
 no mask), then the diagonal tiles under the causal mask. Tiles run longest-first (the last query tiles of a
-sequence have the most keys). Semantics: :func:`reference.paged_prefill_attention_ref`.
+sequence have the most keys). Semantics: :func:`reference.paged_prefill_attention`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._jit import interpreting, kernel
+from ._tiles import load_kv_tile, online_softmax, tile_scores
 from .decode_attention import LOG2E
 
 
@@ -86,49 +87,23 @@ def _prefill_kernel(
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys [0, full_end) are visible to every row
     for n0 in range(0, full_end, BLOCK_N):
         k_pos = n0 + tl.arange(0, BLOCK_N)
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
-        row = blk * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_tok + kvh * stride_cache_head
-        k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=d_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
-        if FP32_DOT:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, k) * qk_scale
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, k_pos, k_pos, d, d_mask, kvh, stride_cache_block, stride_cache_tok,
+            stride_cache_head, BLOCK_SIZE, False,
+        )  # fmt: skip
+        s = tile_scores(q, k, qk_scale, FP32_DOT)
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, FP32_DOT)
     for n0 in range(full_end, last_pos + 1, BLOCK_N):
         k_pos = n0 + tl.arange(0, BLOCK_N)
         kv_mask = k_pos < seq_len
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
-        row = blk * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_tok + kvh * stride_cache_head
-        k = tl.load(
-            k_cache_ptr + row[None, :] + d[:, None], mask=kv_mask[None, :] & d_mask[:, None], other=0.0
-        )
-        v = tl.load(
-            v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask[:, None] & d_mask[None, :], other=0.0
-        )
-        if FP32_DOT:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, k) * qk_scale
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, k_pos, kv_mask, d, d_mask, kvh, stride_cache_block, stride_cache_tok,
+            stride_cache_head, BLOCK_SIZE, True,
+        )  # fmt: skip
+        s = tile_scores(q, k, qk_scale, FP32_DOT)
         visible = (k_pos[None, :] <= q_pos[:, None]) & kv_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, FP32_DOT)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
@@ -145,8 +120,6 @@ def prefill_tiles(block_d: int, block_g: int, fp32_dot: bool) -> tuple[int, int,
         block_m, block_n, num_warps = (
             (32, 32, 8) if block_d <= 64 else (16, 32, 4) if block_d <= 128 else (16, 16, 4)
         )
-    elif block_d <= 64:
-        block_m, block_n, num_warps = 128, 64, 8
     elif block_d <= 128:
         block_m, block_n, num_warps = 128, 64, 8
     else:
