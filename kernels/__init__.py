@@ -35,6 +35,16 @@ contiguous, zero-initialised; index 0 of dim 1 is K, 1 is V. Layer ``i`` works o
   256 are tested).
 * GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``. Scores, softmax and accumulation are float32;
   outputs have the query's dtype. Caches may be float16, bfloat16 or float32.
+
+Attention options
+-----------------
+Both attention operations of every implementation take keyword-only ``sliding_window`` (a query at position
+``p`` sees keys ``p - sliding_window < k <= p``: transformers' convention), ``softcap`` (logits become
+``softcap * tanh(logits / softcap)``, Gemma 2) and ``sinks`` (``[Hq]``, one extra logit per head in the softmax
+denominator, gpt-oss); ``None`` = plain causal attention. See :mod:`.reference`. Under a window, no
+implementation reads a block-table entry of a block that lies wholly before the window of every query of its
+sequence (a query chunk's first query has the earliest window): a cache manager may free such blocks and leave
+anything in those entries. Entries past a sequence's last block (padding) must still be valid block ids.
 """
 
 from .torch_backend import Workspace

@@ -1,9 +1,9 @@
 """What every kernel in this package computes, written as plainly as possible: the reference the tests hold both
 backends to (the torch backend, :mod:`.torch_backend`, and the Triton kernels).
 
-Nothing here is fast and the engine never calls it. Attention runs one sequence and one query at a time: the
-query's visible keys are gathered slot by slot through the block table, scores and softmax are float64, and
-positions are masked by plain comparisons. Outputs are float64 (compare a backend's output, cast up, with them).
+Nothing here is fast and the engine never calls it. Attention runs one sequence and one query at a time: a
+sequence's keys are gathered slot by slot through its block table, each query takes the slice of them it may
+see, and scores and softmax are float64. Outputs are float64 (compare a backend's output, cast up, with them).
 
 Attention semantics
 -------------------
@@ -11,8 +11,22 @@ Sequence ``b`` holds ``seq_lens[b]`` tokens; token ``t`` lives at slot
 ``block_tables[b, t // block_size] * block_size + t % block_size`` of the flattened ``[NB * BS, Hkv, D]`` cache.
 Its queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` are its last ``n_b`` tokens, at positions
 ``seq_lens[b] - n_b .. seq_lens[b] - 1`` (decode: ``n_b == 1``). Query head ``h`` reads kv head
-``h // (Hq // Hkv)`` (GQA). A query at position ``p`` attends to the keys at positions ``k <= p`` (causal).
-Logits are ``s = scale * q·k``; the output is ``sum_k softmax(s)_k * v_k`` over the visible keys.
+``h // (Hq // Hkv)`` (GQA). A query at position ``p`` attends to the keys at positions ``k`` with
+
+* ``k <= p`` (causal), and
+* ``k > p - sliding_window`` when ``sliding_window`` is given: the query sees itself and the
+  ``sliding_window - 1`` tokens before it. This is transformers' convention (``masking_utils``:
+  ``sliding_window_overlay`` keeps ``kv_idx > q_idx - sliding_window``, and'ed with ``kv_idx <= q_idx``), used
+  by its Mistral, Qwen2, Gemma 2/3 and gpt-oss models.
+
+Logits are ``s = scale * q·k``; with ``softcap`` they are soft-capped to ``softcap * tanh(s / softcap)`` (Gemma 2's
+attention logit soft-capping, applied before masking, as transformers does). The output is
+``sum_k softmax(s)_k * v_k`` over the visible keys; with ``sinks`` (``[Hq]``, gpt-oss's attention sinks) head ``h``
+has one more logit, ``sinks[h]``, in the softmax denominator and no value: weights
+``exp(s_k) / (sum_j exp(s_j) + exp(sinks[h]))``, which sum to less than 1.
+
+Block-table entries of blocks that hold no key visible to any query of the sequence (entirely before every
+query's window) are never read, here or by either backend: they may hold anything.
 """
 
 from __future__ import annotations
@@ -49,17 +63,31 @@ def paged_prefill_attention(
     seq_lens: Tensor,
     block_tables: Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Packed queries ``q [T, Hq, D]`` over caches ``[NB, BS, Hkv, D]`` → float64 ``[T, Hq, D]`` (semantics above)."""
+    num_q_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_head = torch.arange(num_q_heads) // (num_q_heads // num_kv_heads)  # of each query head
     cu = cu_seqlens_q.tolist()
     out = torch.zeros(q.shape, dtype=torch.float64)
     for b in range(len(cu) - 1):
-        table = block_tables[b].tolist()
         seq_len = int(seq_lens[b])
-        first = seq_len - (cu[b + 1] - cu[b])
+        first_pos = seq_len - (cu[b + 1] - cu[b])  # position of the sequence's first query
+        # The sequence's keys from the first one its first query sees, slot by slot through the block table.
+        first_key = 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
+        table = block_tables[b].tolist()
+        slots = [table[t // block_size] * block_size + t % block_size for t in range(first_key, seq_len)]
+        keys = k_cache.flatten(0, 1)[slots][:, kv_head].double()  # [L, Hq, D]: key t at row t - first_key
+        values = v_cache.flatten(0, 1)[slots][:, kv_head].double()
         for i in range(cu[b], cu[b + 1]):
-            pos = first + i - cu[b]
-            out[i] = _attend(q[i], k_cache, v_cache, table, pos, scale)
+            pos = first_pos + i - cu[b]
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)  # first visible key
+            visible = slice(lo - first_key, pos + 1 - first_key)
+            out[i] = _attend(q[i], keys[visible], values[visible], scale, softcap, sinks)
     return out
 
 
@@ -70,28 +98,21 @@ def paged_decode_attention(
     block_tables: Tensor,
     seq_lens: Tensor,
     scale: float,
+    **options,
 ) -> Tensor:
     """One query per sequence, ``q [B, Hq, D]`` (the token at ``seq_lens[b] - 1``) → float64 ``[B, Hq, D]``."""
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return paged_prefill_attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale)
+    return paged_prefill_attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, **options)
 
 
 def _attend(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    table: list[int],
-    pos: int,
-    scale: float,
+    q: Tensor, keys: Tensor, values: Tensor, scale: float, softcap: float | None, sinks: Tensor | None
 ) -> Tensor:
-    """One query ``q [Hq, D]`` at position ``pos`` of the sequence with block table ``table`` → ``[Hq, D]``."""
-    num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    slots = [table[k // block_size] * block_size + k % block_size for k in range(pos + 1)]
-    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()  # [L, Hkv, D]
-    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
-    kv_head = torch.arange(num_q_heads) // (num_q_heads // num_kv_heads)
-    keys, values = keys[:, kv_head], values[:, kv_head]  # [L, Hq, D]
+    """One query ``q [Hq, D]`` over its visible ``keys`` / ``values`` ``[L, Hq, D]`` (float64) → ``[Hq, D]``."""
     scores = torch.einsum("lhd,hd->hl", keys, q.double()) * scale  # [Hq, L]
-    weights = torch.softmax(scores, dim=1)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double().view(-1, 1)], dim=1)
+    weights = torch.softmax(scores, dim=1)[:, : keys.shape[0]]
     return torch.einsum("hl,lhd->hd", weights, values)

@@ -9,6 +9,12 @@ blocks. There is no Python loop per token; prefill loops over sequences only whe
 batch would waste more than it saves (:func:`_padding_buckets`), and decode reads a prefix shared by a group of
 sequences once for the whole group (cascade attention, :func:`_decode_cascade`).
 
+Attention options (``sliding_window``, ``softcap``, ``sinks``; semantics in :mod:`.reference`) take one general
+path, :func:`_prefill_padded` with an explicit mask: a window narrows the keys gathered per sequence to the
+blocks its queries can see (blocks before every query's window are not read, nor are their block-table
+entries) and goes into SDPA's mask; soft-capping and sinks, which SDPA cannot express, compute the scores
+explicitly (:func:`_attend_explicit`). Without options every call runs exactly as it did before they existed.
+
 KV cache layout: see :mod:`batchgen.kernels`. Every query attends to at least one key (``seq_lens >= 1``), so no
 softmax row is empty; positions past a sequence's length are masked out and never reach the output.
 """
@@ -103,14 +109,23 @@ def paged_decode_attention(
     *,
     workspace: Workspace | None = None,
     plan_cache: dict | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """One query per sequence (the token at position ``seq_lens[b] - 1``) attending to its whole context.
 
     ``q [B,Hq,D]`` → ``[B,Hq,D]``. Sequences are padded to the longest context (padding keys masked).
+    With an option set, the general masked path (no cascade).
     """
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return q.new_empty(q.shape)
+    if sliding_window is not None or softcap is not None or sinks is not None:
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+        return _prefill_padded(
+            q, k_cache, v_cache, cu, seq_lens, block_tables, scale, workspace, sliding_window, softcap, sinks
+        )
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     lens = seq_lens.to(q.device)
     if batch >= 2 * _CASCADE_MIN_GROUP:
@@ -252,6 +267,9 @@ def paged_prefill_attention(
     scale: float,
     *,
     workspace: Workspace | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Variable-length query chunks attending causally to their cached context plus themselves.
 
@@ -263,15 +281,19 @@ def paged_prefill_attention(
     batch = cu_seqlens_q.numel() - 1
     if total == 0 or batch == 0:
         return q.new_empty(q.shape)
+    options = (sliding_window, softcap, sinks)
+    plain = options == (None, None, None)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(batch)]
     buckets = _padding_buckets(q_lens, lens)
-    if len(buckets) == 1 and len(buckets[0]) == batch > 1:
-        return _prefill_padded(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace)
+    if len(buckets) == 1 and len(buckets[0]) == batch and (batch > 1 or not plain):
+        return _prefill_padded(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace, *options
+        )
     out = torch.empty_like(q)
     for bucket in buckets:
-        if len(bucket) == 1:
+        if len(bucket) == 1 and plain:
             b = bucket[0]
             s, e = cu[b], cu[b + 1]
             out[s:e] = _prefill_one(q[s:e], k_cache, v_cache, lens[b], block_tables[b], scale, workspace)
@@ -290,6 +312,7 @@ def paged_prefill_attention(
             block_tables[rows],
             scale,
             workspace,
+            *options,
         )
     return out
 
@@ -384,8 +407,12 @@ def _prefill_padded(
     block_tables: Tensor,
     scale: float,
     workspace: Workspace | None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """All sequences at once, queries padded to the longest chunk and keys to the longest context."""
+    """All sequences at once, queries padded to the longest chunk and keys to the longest context (with a
+    window: to the longest span of blocks any query of a sequence can see, starting at the first such block)."""
     total, num_q_heads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -398,18 +425,66 @@ def _prefill_padded(
     idx_in_seq = torch.arange(total, device=device) - cu[:-1][seq_of_token]
     qp = q.new_zeros(batch, max_q, num_q_heads, head_dim)
     qp[seq_of_token, idx_in_seq] = q
-    num_blocks = (max_len + block_size - 1) // block_size
-    ids = block_tables[:, :num_blocks]
-    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
-    k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :max_len].transpose(1, 2)
-    v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :max_len].transpose(1, 2)
     q_pos = (lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Q]
-    k_pos = torch.arange(max_len, device=device)
+    if sliding_window is None:
+        num_blocks = (max_len + block_size - 1) // block_size
+        ids = block_tables[:, :num_blocks]
+        num_keys = max_len
+        k_pos = torch.arange(max_len, device=device)[None, :]  # [1, L]
+    else:
+        # Sequence b's keys start at the block holding the first key its first query sees.
+        first = (lens - q_lens - sliding_window + 1).clamp(min=0) // block_size  # [B]
+        num_blocks = int(((lens + block_size - 1) // block_size - first).max())
+        cols = first[:, None] + torch.arange(num_blocks, device=device)[None, :]
+        ids = block_tables.gather(1, cols.clamp(max=block_tables.shape[1] - 1).to(block_tables.device))
+        num_keys = num_blocks * block_size
+        k_pos = first[:, None] * block_size + torch.arange(num_keys, device=device)[None, :]  # [B, L]
+        # Padding query rows take the last real query's keys (under a window their own could be none).
+        q_pos = torch.minimum(q_pos, lens[:, None] - 1)
+    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :num_keys].transpose(1, 2)
+    v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :num_keys].transpose(1, 2)
     # Padding query rows (past q_len) sit at positions >= seq_len: they still see keys 0..seq_len-1, so no row
     # is empty; they are dropped below.
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < lens[:, None, None])
-    out = _sdpa(qp.transpose(1, 2), k, v, mask[:, None], scale)  # [B, Hq, Q, D]
+    mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] < lens[:, None, None])
+    if sliding_window is not None:
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    if softcap is None and sinks is None:
+        out = _sdpa(qp.transpose(1, 2), k, v, mask[:, None], scale)  # [B, Hq, Q, D]
+    else:
+        out = _attend_explicit(qp.transpose(1, 2), k, v, mask[:, None], scale, softcap, sinks)
     return out.transpose(1, 2)[seq_of_token, idx_in_seq].to(q.dtype)
+
+
+_EXPLICIT_SCORES_ELEMENTS = 16 << 20  # float32 scores per query chunk in _attend_explicit (64 MB)
+
+
+def _attend_explicit(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None, sinks: Tensor | None
+) -> Tensor:
+    """What SDPA cannot do: ``q [B,Hq,Q,D]`` over ``k/v [B,Hkv,L,D]`` (any strides) with ``mask [B,1,Q,L]``
+    (True = attend), logits soft-capped and/or a sink logit per head (``sinks [Hq]``), in float32 →
+    ``[B,Hq,Q,D]`` float32. Queries go in chunks of at most ``_EXPLICIT_SCORES_ELEMENTS`` scores."""
+    batch, num_q_heads, num_q, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    kt, vf = k.float().transpose(-1, -2), v.float()  # [B, Hkv, D, L], [B, Hkv, L, D]
+    qg = q.float().view(batch, num_kv_heads, group, num_q, head_dim)
+    sink = None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1, 1).to(q.device)
+    out = torch.empty(batch, num_kv_heads, group, num_q, head_dim, dtype=torch.float32, device=q.device)
+    step = max(1, _EXPLICIT_SCORES_ELEMENTS // max(1, batch * num_q_heads * num_keys))
+    for i in range(0, num_q, step):
+        n = min(step, num_q - i)
+        qi = qg[:, :, :, i : i + n].reshape(batch, num_kv_heads, group * n, head_dim)
+        s = (qi @ kt).view(batch, num_kv_heads, group, n, num_keys) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~mask[:, :, None, i : i + n], float("-inf"))
+        if sink is not None:
+            s = torch.cat([s, sink.expand(batch, -1, -1, n, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :num_keys].reshape(batch, num_kv_heads, group * n, num_keys)
+        out[:, :, :, i : i + n] = (p @ vf).view(batch, num_kv_heads, group, n, head_dim)
+    return out.view(batch, num_q_heads, num_q, head_dim)
 
 
 def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:

@@ -36,6 +36,25 @@ def test_cascade_decode_matches_reference(dtype, tol, block_size, num_kv_heads) 
     assert (full.double() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("options", [dict(sliding_window=20), dict(softcap=2.0), dict(sinks=torch.ones(8))])
+def test_cascade_not_used_with_attention_options(monkeypatch, options) -> None:
+    """The cascade reads a shared prefix for everyone; under a window (or soft-capping, sinks) decode takes
+    the general path instead, and stays exact on a batch the cascade would take."""
+    g = torch.Generator().manual_seed(2)
+    block_size, batch = 16, 12
+    k = torch.randn(64, block_size, 2, 32, generator=g)
+    v = torch.randn(64, block_size, 2, 32, generator=g)
+    tables = torch.randperm(64, generator=g)[: batch * 5].view(batch, 5).int()
+    tables[:, :3] = tables[0, :3]  # every sequence shares 3 blocks
+    lens = torch.randint(3 * block_size + 1, 5 * block_size, (batch,), generator=g).int()
+    q = torch.randn(batch, 8, 32, generator=g)
+    assert tb._decode_cascade(q, k, v, tables, lens, 0.2, None) is not None
+    monkeypatch.setattr(tb, "_decode_cascade", lambda *a: pytest.fail("cascade taken with options"))
+    out = tb.paged_decode_attention(q, k, v, tables, lens, 0.2, **options)
+    expected = reference.paged_decode_attention(q, k, v, tables, lens, 0.2, **options)
+    assert (out.double() - expected).abs().max().item() < 1e-5
+
+
 def test_cascade_not_used_without_sharing() -> None:
     g = torch.Generator().manual_seed(1)
     k = torch.randn(64, 16, 2, 16, generator=g)

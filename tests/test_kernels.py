@@ -27,7 +27,14 @@ from batchgen.kernels.decode_attention import (  # noqa: E402
 )
 from batchgen.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from batchgen.kernels.store_kv import store_kv  # noqa: E402
-from batchgen.kernels.testing import PagedBatch, make_paged_batch, reference_attention  # noqa: E402
+from batchgen.kernels.testing import (  # noqa: E402
+    OPTION_CASES,
+    PagedBatch,
+    attention_options,
+    make_paged_batch,
+    reference_attention,
+    with_stale_blocks,
+)
 
 DEVICES = [
     "cpu",
@@ -239,10 +246,81 @@ def test_prefill_long_chunk_and_group_of_seven(device):
     assert_close(run_prefill(batch, device, max_query_len=256), prefill_ref(batch))  # loose bound is fine
 
 
+# -------------------------------------------------------------------- attention options (issue 11)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", OPTION_CASES)
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_options(device, case, block_size, num_splits):
+    batch = make_paged_batch(
+        ragged_lengths(block_size) + [100], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=block_size,
+        seed=block_size,
+    )  # fmt: skip
+    options = attention_options(case, 8)
+    assert_close(run_decode(batch, device, num_splits=num_splits, **options), decode_ref(batch, **options))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", OPTION_CASES)
+@pytest.mark.parametrize("block_size,num_q_heads,num_kv_heads", [(8, 2, 2), (64, 8, 2)])
+def test_prefill_options(device, case, block_size, num_q_heads, num_kv_heads):
+    batch = prefill_batch(
+        PREFILL_SPEC, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=32, block_size=block_size,
+        seed=block_size,
+    )  # fmt: skip
+    options = attention_options(case, num_q_heads)
+    assert_close(run_prefill(batch, device, **options), prefill_ref(batch, **options))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [3, 24, 40, 70])
+def test_prefill_window_across_query_tiles(device, window):
+    """Long chunks (several query tiles each) after short and long prefixes: windows narrower than a query
+    tile, than a key tile, and wider, so each tile has masked head tiles, unmasked tiles and the diagonal in
+    every combination."""
+    batch = prefill_batch([(45, 0), (20, 100), (70, 30)], num_q_heads=4, num_kv_heads=2, head_dim=16, seed=5)
+    assert_close(run_prefill(batch, device, sliding_window=window), prefill_ref(batch, sliding_window=window))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [1, 8, 20])
+def test_window_reads_no_block_before_it(device, window):
+    """Block-table entries of blocks wholly before every window of a sequence are never read (nor are the
+    blocks): they point at a block of NaNs here, and the outputs stay finite and exact."""
+    decode, stale = with_stale_blocks(
+        make_paged_batch([1, 8, 9, 50, 75], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8), window
+    )
+    assert stale > 0
+    for num_splits in (1, 3):
+        out = run_decode(decode, device, num_splits=num_splits, sliding_window=window)
+        assert_close(out, decode_ref(decode, sliding_window=window))
+    prefill, stale = with_stale_blocks(
+        prefill_batch([(1, 40), (3, 60), (30, 30), (50, 0)], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                      block_size=8),
+        window,
+    )  # fmt: skip
+    assert stale > 0
+    assert_close(
+        run_prefill(prefill, device, sliding_window=window), prefill_ref(prefill, sliding_window=window)
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_options_half_precision(device, dtype):
+    options = attention_options("all", 8)
+    dec = make_paged_batch(ragged_lengths(16) + [90], num_q_heads=8, num_kv_heads=2, head_dim=80, dtype=dtype)
+    for num_splits in (1, 3):
+        assert_close(run_decode(dec, device, num_splits=num_splits, **options), decode_ref(dec, **options))
+    pre = prefill_batch([(1, 0), (17, 15), (33, 40)], num_q_heads=8, num_kv_heads=2, head_dim=80, dtype=dtype)
+    assert_close(run_prefill(pre, device, **options), prefill_ref(pre, **options))
+
+
 # ------------------------------------------------------------------------------ PagedAttention (triton)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_triton_and_torch_match_reference(device, dtype):
+@pytest.mark.parametrize("options_case", [None, "all"])
+def test_paged_attention_triton_and_torch_match_reference(device, dtype, options_case):
     """Store + decode + prefill through the engine's interface, decodes first, as the model calls it."""
     q_lens, seq_lens, block_size = [1, 1, 1, 9, 20], [12, 1, 40, 9, 30], 8
     batch = make_paged_batch(
@@ -256,6 +334,7 @@ def test_paged_attention_triton_and_torch_match_reference(device, dtype):
     ]
     k_new = torch.randn(len(slots), 2, 64).to(dtype)
     v_new = torch.randn(len(slots), 2, 64).to(dtype)
+    options = {} if options_case is None else attention_options(options_case, 8)
 
     def run(backend: str, dev: str):
         b = to_device(batch, dev)
@@ -265,7 +344,7 @@ def test_paged_attention_triton_and_torch_match_reference(device, dtype):
             max_seq_len=max(seq_lens), max_query_len=max(q_lens),
         )  # fmt: skip
         out = PagedAttention(backend).forward(
-            b.q, k_new.to(dev), v_new.to(dev), b.k_cache, b.v_cache, meta, b.scale
+            b.q, k_new.to(dev), v_new.to(dev), b.k_cache, b.v_cache, meta, b.scale, **options
         )
         return out.cpu(), b.k_cache.cpu(), b.v_cache.cpu()
 
@@ -273,6 +352,6 @@ def test_paged_attention_triton_and_torch_match_reference(device, dtype):
     torch_out, ref_k, ref_v = run("torch", "cpu")
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     stored = PagedBatch(**{**vars(batch), "k_cache": ref_k, "v_cache": ref_v})
-    expected = reference_attention(stored)
+    expected = reference_attention(stored, **options)
     assert_close(out, expected)
     assert_close(torch_out, expected)
