@@ -14,7 +14,13 @@ import torch
 from batchgen.engine.attention import AttentionMetadata, PagedAttention, TorchBackend, resolve_backend
 from batchgen.kernels import reference
 from batchgen.kernels import torch_backend as tb
-from batchgen.kernels.testing import make_paged_batch, reference_attention
+from batchgen.kernels.testing import (
+    OPTION_CASES,
+    attention_options,
+    make_paged_batch,
+    reference_attention,
+    with_stale_blocks,
+)
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -77,6 +83,90 @@ def test_prefill_matches_reference(case, block_size, num_q_heads, num_kv_heads, 
     # Both strategies (one padded SDPA call / one call per sequence) agree whichever the heuristic picks.
     padded = tb._prefill_padded(*args, batch.scale, tb.Workspace())
     torch.testing.assert_close(padded.double(), expected, **TOL[dtype])
+
+
+# ------------------------------------------------------------------- attention options (issue 11)
+@pytest.mark.parametrize("case", OPTION_CASES)
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_options_match_reference(case, block_size, num_q_heads, num_kv_heads, dtype):
+    batch = make_paged_batch(
+        ragged_lengths(block_size) + [40], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=32,
+        block_size=block_size, dtype=dtype, seed=block_size,
+    )  # fmt: skip
+    options = attention_options(case, num_q_heads)
+    out = tb.paged_decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale, **options
+    )
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out.double(), reference_attention(batch, **options), **TOL[dtype])
+
+
+@pytest.mark.parametrize("case", OPTION_CASES)
+@pytest.mark.parametrize("spec", sorted(PREFILL_CASES))
+@pytest.mark.parametrize("block_size", [8, 64])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2)])
+def test_prefill_options_match_reference(case, spec, block_size, num_q_heads, num_kv_heads):
+    """Prefix + causal chunks of every shape, each padding bucket strategy, under each option."""
+    pairs = PREFILL_CASES[spec]
+    batch = make_paged_batch(
+        [n + c for n, c in pairs], [n for n, _ in pairs], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=32, block_size=block_size, seed=3,
+    )  # fmt: skip
+    options = attention_options(case, num_q_heads)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables)
+    expected = reference_attention(batch, **options)
+    out = tb.paged_prefill_attention(*args, batch.scale, **options)
+    torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
+    padded = tb._prefill_padded(*args, batch.scale, tb.Workspace(), *options_tuple(options))
+    torch.testing.assert_close(padded.double(), expected, **TOL[torch.float32])
+
+
+def options_tuple(options: dict) -> tuple:
+    return tuple(options.get(k) for k in ("sliding_window", "softcap", "sinks"))
+
+
+@pytest.mark.parametrize("window", [1, 8, 20])
+def test_window_reads_no_block_before_it(window):
+    """Block-table entries of blocks wholly before every window of a sequence are never read: here they point
+    at a block of NaNs, and the outputs stay finite and exact."""
+    decode = make_paged_batch([1, 8, 9, 50, 75], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    decode, stale = with_stale_blocks(decode, window)
+    assert stale > 0
+    out = tb.paged_decode_attention(
+        decode.q, decode.k_cache, decode.v_cache, decode.block_tables, decode.seq_lens, decode.scale,
+        sliding_window=window,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        out.double(), reference_attention(decode, sliding_window=window), **TOL[torch.float32]
+    )
+    spec = [(1, 40), (3, 60), (30, 30), (50, 0)]
+    prefill = make_paged_batch([n + c for n, c in spec], [n for n, _ in spec], num_q_heads=4, num_kv_heads=2,
+                               head_dim=16, block_size=8)  # fmt: skip
+    prefill, stale = with_stale_blocks(prefill, window)
+    assert stale > 0
+    for softcap in (None, 3.0):  # SDPA, and the explicit-score path
+        out = tb.paged_prefill_attention(
+            prefill.q, prefill.k_cache, prefill.v_cache, prefill.cu_seqlens_q, prefill.seq_lens,
+            prefill.block_tables, prefill.scale, sliding_window=window, softcap=softcap,
+        )  # fmt: skip
+        expected = reference_attention(prefill, sliding_window=window, softcap=softcap)
+        torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
+
+
+def test_explicit_scores_in_query_chunks(monkeypatch):
+    """The soft-capping / sinks path computes scores a chunk of queries at a time: same answer."""
+    batch = make_paged_batch([70, 30], [50, 30], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
+    options = dict(softcap=4.0, sinks=torch.tensor([1.0, -2.0]))
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables)
+    whole = tb.paged_prefill_attention(*args, batch.scale, **options)
+    monkeypatch.setattr(
+        tb, "_EXPLICIT_SCORES_ELEMENTS", 2000
+    )  # 2000 // (2 seqs * 2 heads * 80 keys) = 6 queries
+    chunked = tb.paged_prefill_attention(*args, batch.scale, **options)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(chunked.double(), reference_attention(batch, **options), **TOL[torch.float32])
 
 
 def test_prefill_heuristic_picks_padded_for_uniform_batches(monkeypatch):
@@ -194,6 +284,25 @@ def test_paged_attention_torch_forward_stores_then_attends(case):
     out = attn.forward(batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.scale)
     assert torch.equal(batch.k_cache, expected_k) and torch.equal(batch.v_cache, expected_v)
     torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("case", sorted(FORWARD_CASES))
+@pytest.mark.parametrize("options_case", ["window-7", "all"])
+def test_paged_attention_torch_forward_with_options(case, options_case):
+    """Keyword-only options reach both the decode and the prefill part of a mixed batch."""
+    batch, k_new, v_new, meta = _forward_case(*FORWARD_CASES[case])
+    options = attention_options(options_case, 4)
+    out = PagedAttention("torch").forward(
+        batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.scale, **options
+    )
+    torch.testing.assert_close(out.double(), reference_attention(batch, **options), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("bad", [dict(sliding_window=0), dict(softcap=0.0), dict(softcap=-1.0)])
+def test_paged_attention_rejects_bad_options(bad):
+    batch, k_new, v_new, meta = _forward_case(*FORWARD_CASES["mixed"])
+    with pytest.raises(ValueError, match="must be"):
+        PagedAttention("torch").forward(batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, 0.1, **bad)
 
 
 def test_paged_attention_takes_a_backend_object():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -60,7 +60,8 @@ class AttentionBackend(Protocol):
     ``decode`` gets one query per sequence (``q [B, Hq, D]``), ``prefill`` packed chunks (``q [T, Hq, D]``
     delimited by ``cu_seqlens_q``); both read the new tokens' K/V from the cache (``store_kv`` ran first).
     ``max_seq_len`` / ``max_query_len`` bound ``seq_lens`` / the chunk lengths (saves device syncs);
-    ``scratch`` lives for one forward, shared by its layers.
+    ``scratch`` lives for one forward, shared by its layers. ``options`` are the attention options
+    (``sliding_window``, ``softcap``, ``sinks``; absent = plain causal attention).
     """
 
     name: str
@@ -71,12 +72,12 @@ class AttentionBackend(Protocol):
 
     def decode(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
-        *, max_seq_len: int, scratch: dict,
+        *, max_seq_len: int, scratch: dict, **options: Any,
     ) -> Tensor: ...  # fmt: skip
 
     def prefill(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-        block_tables: Tensor, scale: float, *, max_query_len: int,
+        block_tables: Tensor, scale: float, *, max_query_len: int, **options: Any,
     ) -> Tensor: ...  # fmt: skip
 
     def copy_blocks(self, kv_cache: Tensor, block_mapping: Tensor) -> None: ...
@@ -96,20 +97,21 @@ class TorchBackend:
 
     def decode(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
-        *, max_seq_len: int, scratch: dict,
+        *, max_seq_len: int, scratch: dict, **options: Any,
     ) -> Tensor:  # fmt: skip
         return torch_backend.paged_decode_attention(
             q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=self._workspace_for(q),
-            plan_cache=scratch,
+            plan_cache=scratch, **options,
         )  # fmt: skip
 
     def prefill(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-        block_tables: Tensor, scale: float, *, max_query_len: int,
+        block_tables: Tensor, scale: float, *, max_query_len: int, **options: Any,
     ) -> Tensor:  # fmt: skip
         return torch_backend.paged_prefill_attention(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace=self._workspace_for(q)
-        )
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace=self._workspace_for(q),
+            **options,
+        )  # fmt: skip
 
     def _workspace_for(self, q: Tensor) -> torch_backend.Workspace | None:
         return self.workspace if q.device.type == "cpu" else None
@@ -130,17 +132,20 @@ class TritonBackend:
 
     def decode(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
-        *, max_seq_len: int, scratch: dict,
+        *, max_seq_len: int, scratch: dict, **options: Any,
     ) -> Tensor:  # fmt: skip
-        return self._decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len)
+        return self._decode(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, **options
+        )
 
     def prefill(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-        block_tables: Tensor, scale: float, *, max_query_len: int,
+        block_tables: Tensor, scale: float, *, max_query_len: int, **options: Any,
     ) -> Tensor:  # fmt: skip
         return self._prefill(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len=max_query_len
-        )
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len=max_query_len,
+            **options,
+        )  # fmt: skip
 
 
 BACKENDS: dict[str, type[TorchBackend] | type[TritonBackend]] = {
@@ -198,27 +203,52 @@ class PagedAttention:
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
-        """``q [T,Hq,D]``, ``k/v [T,Hkv,D]`` → ``[T,Hq,D]``: store k/v at ``meta.slot_mapping``, then attend."""
+        """``q [T,Hq,D]``, ``k/v [T,Hkv,D]`` → ``[T,Hq,D]``: store k/v at ``meta.slot_mapping``, then attend.
+
+        Attention options (semantics: :mod:`batchgen.kernels.reference`), per call so each layer passes its own:
+        ``sliding_window`` — a query at position ``p`` sees keys ``p - sliding_window < k <= p`` (itself and the
+        ``sliding_window - 1`` before it: transformers' convention); ``softcap`` — logits become
+        ``softcap * tanh(logits / softcap)`` (Gemma 2); ``sinks [Hq]`` — one extra logit per head in the
+        softmax denominator (gpt-oss). None = plain causal attention, exactly as without them.
+        """
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0, got {softcap}")
+        options = {}
+        if sliding_window is not None:
+            options["sliding_window"] = sliding_window
+        if softcap is not None:
+            options["softcap"] = softcap
+        if sinks is not None:
+            options["sinks"] = sinks
         impl = self.impl
         impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_seqs
         bt, lens = meta.block_tables, meta.seq_lens
         if nd == lens.shape[0]:
             return impl.decode(
-                q, k_cache, v_cache, bt, lens, scale, max_seq_len=meta.max_seq_len, scratch=meta.scratch
-            )
+                q, k_cache, v_cache, bt, lens, scale, max_seq_len=meta.max_seq_len, scratch=meta.scratch,
+                **options,
+            )  # fmt: skip
         if nd == 0:
             return impl.prefill(
-                q, k_cache, v_cache, meta.cu_seqlens_q, lens, bt, scale, max_query_len=meta.max_query_len
-            )
+                q, k_cache, v_cache, meta.cu_seqlens_q, lens, bt, scale, max_query_len=meta.max_query_len,
+                **options,
+            )  # fmt: skip
         out = torch.empty_like(q)
         out[:nd] = impl.decode(
             q[:nd], k_cache, v_cache, bt[:nd], lens[:nd], scale, max_seq_len=meta.max_seq_len,
-            scratch=meta.scratch,
+            scratch=meta.scratch, **options,
         )  # fmt: skip
         cu = meta.cu_seqlens_q[nd:] - nd
         out[nd:] = impl.prefill(
-            q[nd:], k_cache, v_cache, cu, lens[nd:], bt[nd:], scale, max_query_len=meta.max_query_len
-        )
+            q[nd:], k_cache, v_cache, cu, lens[nd:], bt[nd:], scale, max_query_len=meta.max_query_len,
+            **options,
+        )  # fmt: skip
         return out
