@@ -1,4 +1,5 @@
-"""Smoke test of the throughput benchmark: tiny model, 8 rows, 4 tokens, 1 repeat, HF systems included."""
+"""Smoke test of the throughput benchmark: tiny model, 8 rows, 4 tokens, 1 repeat, HF systems included, with
+the greedy equality check (``check=true``; on CPU only the torch backend runs, against transformers)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,37 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.bench.throughput import ModelShape
+from batchgen.bench.common import kv_bytes_per_token, layer_params, llama_13b, model_flops, num_params
 from batchgen.bench.workloads import WORKLOADS, WorkloadSpec, describe, make_workload
+from batchgen.models.config import ModelConfig
 
 
 def test_flop_count_matches_hand_count() -> None:
-    s = ModelShape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10)
+    mc = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 8,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 4,
+            "intermediate_size": 16,
+            "vocab_size": 10,
+        }
+    )
     lp = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16
-    assert s.layer_params == lp
+    assert layer_params(mc) == lp
     # prompt 3 (1 cached), 2 generated: forwards positions 1, 2 (prefill) and 3 (decode)
     pairs = 2 + 3 + 4
     want = 2 * 2 * lp * 3 + 2 * 8 * 10 * 2 + 4 * 2 * 4 * 2 * pairs
-    assert s.flops(3, 1, 2) == want
+    assert model_flops(mc, 3, 1, 2) == want
+    assert kv_bytes_per_token(mc) == 2 * 2 * 4 * 4  # K and V, 2 layers, 1 KV head of 4, float32
+
+
+def test_llama_13b_shapes() -> None:
+    mc = llama_13b()
+    assert kv_bytes_per_token(mc) == 819_200
+    assert 12.9e9 < num_params(mc) < 13.1e9
 
 
 def test_workloads_are_deterministic(tmp_path) -> None:
@@ -68,11 +88,26 @@ def test_throughput_smoke(tmp_path) -> None:
         "model.intermediate_size=64",
         "engine.kv_cache_memory=16MiB",
         "systems=[batchgen,hf_generate,hf_generate_batch,vllm]",
+        "check=true",
+        "check_max_tokens=8",
+        "check_model.hidden_size=32",
+        "check_model.num_layers=1",
+        "check_model.num_heads=2",
+        "check_model.num_kv_heads=1",
+        "check_model.intermediate_size=64",
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for f in ("results.json", "results.md", "throughput.png", "timeline_long_tail.png"):
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench", "cache"]  # nothing written elsewhere
+    for f in ("results.json", "results.md"):
         assert (out / f).is_file(), f
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        for f in ("throughput.png", "timeline_long_tail.png"):
+            assert (out / f).is_file(), f
     assert pq.read_table(out / "workloads" / "long_tail.parquet").num_rows == 8
     res = json.loads((out / "results.json").read_text())
     systems = res["workloads"]["long_tail"]["systems"]
@@ -84,5 +119,10 @@ def test_throughput_smoke(tmp_path) -> None:
         assert s["gen_tok_s"] > 0 and 0 < s["mfu"] < 1
     assert systems["vllm"]["status"] == "skipped"
     assert systems["batchgen"]["via"].startswith("pipeline")
+    assert systems["batchgen"]["kv_sizing"]["source"] == "engine.kv_cache_memory=16MiB"
+    steps = systems["batchgen"]["engine_stats"]["num_steps"]
+    assert len(res["workloads"]["long_tail"]["timeline"]["rows"]) >= steps > 0  # the step listener
+    check = res["greedy_check"]
+    assert check["passed"] and check["mismatching_prompts"] == {"torch vs transformers": 0}
     assert "| batchgen |" in (out / "results.md").read_text()
     assert "| batchgen |" in proc.stdout

@@ -5,9 +5,9 @@ Prints:
 1. allocate+free operations per second of the free-queue designs against bitmaps, at two pool sizes,
    with single-block and batched (k=16) allocation; the pool keeps the fastest (list stack + OrderedDict LRU);
 2. the cost of the chained content hash (SHA-256 vs BLAKE2b) per block;
-3. a simulated continuous-batching workload over :class:`KVCacheManager` (shared few-shot prefixes,
-   n=2 forks, token-by-token decode, preemption when full): prefix hits, KV utilisation, fragmentation,
-   copy-on-write copies and the manager's cost per sequence-step.
+3. a continuous-batching workload through the engine's real scheduler and KV cache manager with fake tokens
+   (shared few-shot prefixes, n=2 forks, chunked prefill, preemption when full): prefix hits, KV utilization,
+   fragmentation, copy-on-write copies and the scheduler's cost per sequence-step.
 
 Timings are medians of ``--repeats`` runs; they are noisy on shared machines, compare ratios.
 """
@@ -23,8 +23,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from batchgen.bench import fake_runner
+from batchgen.bench.fake_runner import FakeRequest
 from batchgen.engine.block_pool import BlockPool
-from batchgen.engine.kv_cache import KVCacheManager
+from batchgen.engine.config import EngineConfig
 
 # ---------------------------------------------------------------- allocators under comparison
 
@@ -213,100 +215,57 @@ def bench_hash(repeats: int, block_size: int = 16, n: int = 50_000) -> dict[str,
 # ------------------------------------------------------------------------- simulated workload
 
 
-def simulate(
-    num_requests: int = 512,
-    num_blocks: int = 2048,
-    block_size: int = 16,
-    max_num_seqs: int = 256,
-    fork_every: int = 4,
-    seed: int = 0,
-) -> dict[str, float]:
-    """Continuous batching over KVCacheManager: 4 few-shot templates (~256 tok) + distinct ~32-tok items.
-
-    Every ``fork_every``-th request samples n=2 (fork after prefill). Each step admits waiting requests
-    while ``allocate`` succeeds, then every running sequence grows by one token; when ``append_slots``
-    fails the most recently admitted request is preempted (freed, recomputed later).
-    """
+def workload(num_requests: int = 512, fork_every: int = 4, seed: int = 0) -> list[FakeRequest]:
+    """4 few-shot templates (~256 tokens) + a distinct ~32-token item each; every ``fork_every``-th request
+    samples n=2; 32-128 output tokens."""
     rng = random.Random(seed)
     templates = [[rng.randrange(32000) for _ in range(rng.randint(240, 272))] for _ in range(4)]
     reqs = []
     for i in range(num_requests):
         prompt = templates[i % 4] + [rng.randrange(32000) for _ in range(rng.randint(24, 40))]
-        reqs.append((i, prompt, rng.randint(32, 128), 2 if i % fork_every == 0 else 1))
-    mgr = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
-    waiting = list(reversed(reqs))
-    running: list[list] = []  # [seq_id, req_index, tokens, remaining, admitted_order]
-    util, frag, nrun = [], [], []
-    preemptions = steps = seq_steps = 0
-    mgr_time = 0.0
-    order = 0
-    while waiting or running:
-        steps += 1
-        t0 = time.perf_counter()
-        while waiting and len(running) < max_num_seqs:
-            i, prompt, out_len, n = waiting[-1]
-            if mgr.allocate((i, 0), prompt, len(prompt)) is None:
-                break
-            waiting.pop()
-            mgr.cache_full_blocks((i, 0), prompt, len(prompt))
-            order += 1
-            running.append([(i, 0), i, list(prompt), out_len, order])
-            for j in range(1, n):
-                mgr.fork((i, 0), (i, j))
-                running.append([(i, j), i, list(prompt), out_len, order])
-        k = 0
-        while k < len(running):
-            seq = running[k]
-            sid, toks = seq[0], seq[2]
-            if mgr.append_slots(sid, len(toks) + 1) is None:
-                # preempt the most recently admitted request (all its samples) and retry
-                victim = max(running, key=lambda s: s[4])[4]
-                group = [s for s in running if s[4] == victim]
-                for s in group:
-                    mgr.free(s[0])
-                running = [s for s in running if s[4] != victim]
-                waiting.append(reqs[group[0][1]])
-                preemptions += 1
-                k = min(k, len(running))
-                continue
-            toks.append(rng.randrange(32000))
-            mgr.cache_full_blocks(sid, toks, len(toks))
-            seq[3] -= 1
-            k += 1
-        seq_steps += len(running)
-        st = mgr.stats()
-        util.append(st.kv_utilization)
-        frag.append(st.internal_fragmentation)
-        nrun.append(len(running))
-        for s in [s for s in running if s[3] <= 0]:
-            mgr.free(s[0])
-        running = [s for s in running if s[3] > 0]
-        mgr_time += time.perf_counter() - t0
-    st = mgr.stats()
-    assert st.blocks_used == 0 and st.blocks_free == num_blocks
+        reqs.append(FakeRequest(prompt, rng.randint(32, 128), 2 if i % fork_every == 0 else 1))
+    return reqs
+
+
+def simulate(
+    num_requests: int = 512,
+    num_blocks: int = 2048,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 4096,
+    fork_every: int = 4,
+    seed: int = 0,
+) -> dict[str, float]:
+    """The workload above through the engine's real scheduler and KV cache manager, fake tokens
+    (:mod:`batchgen.bench.fake_runner`); figures as the scheduler and the manager report them."""
+    reqs = workload(num_requests, fork_every, seed)
+    config = EngineConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    run = fake_runner.run(reqs, config, seed=seed)
+    st, kv, steps = run.stats, run.kv, run.steps
     return {
         "requests": num_requests,
-        "sequences (with n=2 forks)": num_requests + num_requests // fork_every,
-        "steps": steps,
+        "sequences (with n=2 forks)": sum(r.n for r in reqs),
+        "steps": st.num_steps,
         "prefix hit rate (prompt tokens)": st.prefix_hit_rate,
-        "mean KV utilisation": statistics.fmean(util),
-        "mean internal fragmentation": statistics.fmean(frag),
-        "mean running sequences": statistics.fmean(nrun),
-        "peak blocks used": st.peak_blocks_used,
+        "mean KV utilization": statistics.fmean(s.kv_utilization for s in steps),
+        "mean internal fragmentation": statistics.fmean(1 - s.kv_utilization for s in steps),
+        "mean running sequences": statistics.fmean(s.running_seqs for s in steps),
+        "peak running sequences": st.peak_running_seqs,
+        "peak blocks used": kv.peak_blocks_used,
         "copy-on-write copies": st.num_cow_copies,
-        "cached-block evictions": st.num_evictions,
-        "preemptions": preemptions,
-        "manager µs per sequence-step": mgr_time / max(seq_steps, 1) * 1e6,
+        "cached-block evictions": kv.num_evictions,
+        "preemptions": st.num_preemptions,
+        "scheduler µs per sequence-step (schedule + update)": run.scheduler_s / max(run.seq_steps, 1) * 1e6,
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--ops", type=int, default=100_000, help="allocate+free operations per measurement")
-    args = ap.parse_args(argv)
-
-    print("## Allocate + free throughput (blocks/s, median of", args.repeats, "runs, 75% occupancy)\n")
+def bench_allocators(repeats: int, total_ops: int) -> None:
+    print("## Allocate + free throughput (blocks/s, median of", repeats, "runs, 75% occupancy)\n")
     sizes = (4096, 65536)
     header = "| allocator | " + " | ".join(f"{n} blocks, k={k}" for n in sizes for k in (1, 16)) + " |"
     print(header)
@@ -315,18 +274,37 @@ def main(argv: list[str] | None = None) -> None:
         cells = []
         for n in sizes:
             for k in (1, 16):
-                ops = args.ops // k
-                rates = [bench_allocator(factory, n, k, ops, seed=r) for r in range(args.repeats)]
+                ops = total_ops // k
+                rates = [bench_allocator(factory, n, k, ops, seed=r) for r in range(repeats)]
                 cells.append(f"{statistics.median(rates) / 1e6:.2f} M")
         print(f"| {name} | " + " | ".join(cells) + " |")
 
-    print("\n## Content hash of one 16-token block (ns, median)\n")
-    for name, ns in bench_hash(args.repeats).items():
-        print(f"- {name}: {ns:.0f} ns")
 
-    print("\n## Simulated workload (KVCacheManager, 2048 blocks x 16 tokens, max 256 seqs)\n")
-    for key, value in simulate().items():
-        print(f"- {key}: {value:.4g}" if isinstance(value, float) else f"- {key}: {value}")
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ops", type=int, default=100_000, help="allocate+free operations per measurement")
+    ap.add_argument("--requests", type=int, default=512, help="requests of the simulated workload")
+    ap.add_argument(
+        "--sections", default="alloc,hash,workload", help="comma-separated: alloc, hash, workload"
+    )
+    args = ap.parse_args(argv)
+    sections = set(args.sections.split(","))
+    figures: dict[str, float] = {}
+    if "alloc" in sections:
+        bench_allocators(args.repeats, args.ops)
+    if "hash" in sections:
+        print("\n## Content hash of one 16-token block (ns, median)\n")
+        for name, ns in bench_hash(args.repeats).items():
+            print(f"- {name}: {ns:.0f} ns")
+    if "workload" in sections:
+        print(
+            "\n## Simulated workload (Scheduler + KVCacheManager, fake tokens; 2048 x 16-token blocks, max 256 seqs)\n"
+        )
+        figures = simulate(num_requests=args.requests)
+        for key, value in figures.items():
+            print(f"- {key}: {value:.4g}" if isinstance(value, float) else f"- {key}: {value}")
+    return figures
 
 
 if __name__ == "__main__":

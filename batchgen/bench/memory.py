@@ -1,9 +1,10 @@
 """PagedAttention memory table at real scale, no model needed: ``python -m batchgen.bench.memory``.
 
-Simulates serving with the real :class:`~batchgen.engine.kv_cache.KVCacheManager` against contiguous KV
-caches, at the scale of LLaMA-13B (40 layers, 40 KV heads, head dim 128, float16: 800 KiB of K+V per
-token) on an 80 GB device after 26 GB of float16 weights, i.e. a 54 GB (54e9 bytes) KV budget =
-65,917 token slots.
+batchgen's figures come from the engine's real scheduler and KV cache manager driven with fake tokens
+(:mod:`batchgen.bench.fake_runner`); the contiguous caches it is compared with are small analytical models of
+other systems' allocation. The scale is LLaMA-13B's (:func:`batchgen.bench.common.llama_13b`: 40 layers, 40 KV
+heads, head dim 128, float16: 800 KiB of K+V per token) on an 80 GB device after its float16 weights (13.0 B
+parameters, 26 GB), i.e. a 54 GB KV budget, about 65,900 token slots.
 
 Systems (same byte budget for all):
 
@@ -11,17 +12,20 @@ Systems (same byte budget for all):
   admission (HF static batches, FasterTransformer); n>1 samples each get their own buffer.
 * ``contiguous (exact, first-fit)``: each sequence reserves exactly ``prompt + output`` tokens (an oracle
   that knows the output length, Orca-Oracle style) from a first-fit allocator over one address space.
-* ``paged bs=B``: our block manager with block size B; prefix caching on unless noted; n>1 samples are
-  forks sharing the prompt blocks (partial last block included, copy-on-write).
+* ``paged bs=B`` (ours): batchgen's :class:`~batchgen.engine.scheduler.Scheduler` over a pool of
+  ``budget // B`` blocks of B tokens; prefix caching on unless noted; n>1 samples are forks sharing the prompt
+  blocks (partial last block included, copy-on-write).
 
-Scheduling (identical for all): FCFS admission each step of as many waiting requests as fit (at most
-``--max-num-seqs`` sequences); paged admission keeps a 1% free-block watermark for growth; every running
-sequence then stores one more token per step; when a paged sequence cannot grow, the most recently admitted
-request is preempted (freed and re-queued first; n=1 resumes by recomputing prompt+generated, n>1 restarts).
+Scheduling: the contiguous models admit first-come-first-served as many waiting requests as fit (at most
+``--max-num-seqs`` sequences) and then never need memory again. The paged system is whatever the scheduler
+does (admission with its free-block watermark, preemption of the most recently admitted sequence, recompute);
+its token budget (``--max-num-batched-tokens``, default: the whole pool) is set so that memory, not the budget,
+limits admission, as in the models. In all systems a request's prefill step samples its first token and every
+later step one more per sequence; figures are read after each step.
 
-Figures, time-averaged over the *memory-bound* steps (requests are waiting after admission):
+Figures, time-averaged over the *memory-bound* steps (requests still waiting after the step):
 
-* KV utilisation = live token slots ÷ reserved slots (physical slots: a shared slot counts once);
+* KV utilization = live token slots ÷ reserved slots (physical slots: a shared slot counts once);
 * fragmentation (% of the KV budget) = internal (reserved but not live) + external (free memory no waiting
   request can use: for contiguous caches every free byte while the head request does not fit, since
   running sequences never grow past their reservation; for paged only the budget's remainder below one
@@ -35,8 +39,8 @@ and 330 tokens, like ShareGPT's 161/338), clipped so prompt + output ≤ max_mod
 scenarios: *unique* prompts n=1; *prefix*: 4 templates (512 tokens for fixed, 256 system-prompt tokens for
 sharegpt) + the request's own tokens, n=1; *fork*: unique prompts with n=4 samples (¼ as many requests).
 
-``--out DIR`` writes ``memory.json`` and PNG charts (KV utilisation and running sequences over time);
-``--small`` shrinks every length 8× and the budget 32× and uses fewer requests (smoke test).
+``--out DIR`` writes ``memory.json`` and, with matplotlib, PNG charts (KV utilization and running sequences
+over time); ``--small`` shrinks every length 8× and the budget 32× and uses fewer requests (smoke test).
 """
 
 from __future__ import annotations
@@ -47,126 +51,47 @@ import math
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from batchgen.engine.kv_cache import KVCacheManager
+from batchgen.bench import fake_runner
+from batchgen.bench.common import kv_bytes_per_token, llama_13b, num_params, pyplot
+from batchgen.bench.fake_runner import FakeRequest
+from batchgen.engine.config import EngineConfig
 
-VOCAB = 32000
-NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, DTYPE_BYTES = 40, 40, 128, 2  # LLaMA-13B, float16
-KV_BYTES_PER_TOKEN = 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * DTYPE_BYTES  # K and V: 819,200 B
-DEVICE_BYTES, WEIGHT_BYTES = 80e9, 26e9
+MODEL = llama_13b()
+VOCAB = MODEL.vocab_size
+KV_BYTES_PER_TOKEN = kv_bytes_per_token(MODEL)  # K and V: 819,200 B
+DEVICE_BYTES = 80e9
+WEIGHT_BYTES = num_params(MODEL) * MODEL.dtype.itemsize
 KV_BUDGET_BYTES = DEVICE_BYTES - WEIGHT_BYTES
 BLOCK_SIZES = (8, 16, 32, 64)
 MAIN_BS = 16
+CONTIGUOUS = "contiguous (max_model_len)"
+EXACT = "contiguous (exact, first-fit)"
 
 
-@dataclass
-class Request:
-    rid: int
-    prompt: list[int]
-    output_len: int
-    n: int = 1
-
-
-@dataclass
-class Seq:
-    sid: int
-    tokens: list[int]  # paged: every token; contiguous: only its length matters
-    length: int
-    reserved: int = 0
-    offset: int = 0
-
-
-@dataclass
-class _Group:
-    req: Request
-    seqs: list[Seq]
-    admitted_step: int
-    generated: int = 0
-
-
-# --------------------------------------------------------------------------------- KV caches
-
-
-class PagedKV:
-    """Our block manager: admission = allocate (+ forks), growth = append_slots, both with real hashing."""
-
-    def __init__(self, capacity: int, block_size: int, caching: bool, watermark: float = 0.01, seed: int = 0):
-        num_blocks = capacity // block_size
-        self.mgr = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
-        self.watermark = math.ceil(num_blocks * watermark)
-        self.remainder = capacity - num_blocks * block_size
-        self.rng = np.random.default_rng(seed)
-        self._ids = 0
-
-    def _sid(self) -> int:
-        self._ids += 1
-        return self._ids
-
-    def admit(self, req: Request) -> list[Seq] | None:
-        sid = self._sid()
-        if self.mgr.allocate(sid, req.prompt, len(req.prompt), reserve_blocks=self.watermark) is None:
-            return None
-        self.mgr.cache_full_blocks(sid, req.prompt, len(req.prompt))
-        seqs = [Seq(sid, list(req.prompt), len(req.prompt))]
-        for _ in range(req.n - 1):
-            child = self._sid()
-            self.mgr.fork(sid, child)
-            seqs.append(Seq(child, list(req.prompt), len(req.prompt)))
-        return seqs
-
-    def grow(self, seq: Seq) -> bool:
-        n = seq.length + 1
-        if self.mgr.append_slots(seq.sid, n) is None:
-            return False
-        seq.tokens.append(int(self.rng.integers(VOCAB)))
-        seq.length = n
-        self.mgr.cache_full_blocks(seq.sid, seq.tokens, n)
-        return True
-
-    def release(self, seq: Seq) -> None:
-        self.mgr.free(seq.sid)
-
-    def measure(self) -> tuple[int, int, int]:
-        st = self.mgr.stats()
-        return st.allocated_token_slots, st.live_token_slots, st.logical_tokens
-
-    def external(self, head: Request | None) -> int:
-        return self.remainder
-
-
+# ------------------------------------------------------------------------- contiguous baselines
 class FixedContiguousKV:
     """One ``max_model_len`` buffer per sequence (no sharing; growth never needs memory)."""
 
     def __init__(self, capacity: int, max_model_len: int):
         self.capacity, self.M = capacity, max_model_len
-        self.reserved = self.live = 0
+        self.reserved = 0
 
-    def admit(self, req: Request) -> list[Seq] | None:
+    def admit(self, req: FakeRequest) -> list[tuple[int, int]] | None:
         if self.reserved + req.n * self.M > self.capacity:
             return None
         self.reserved += req.n * self.M
-        self.live += req.n * len(req.prompt)
-        return [Seq(0, [], len(req.prompt), self.M) for _ in range(req.n)]
+        return [(0, self.M)] * req.n
 
-    def grow(self, seq: Seq) -> bool:
-        assert seq.length < seq.reserved
-        seq.length += 1
-        self.live += 1
-        return True
+    def release(self, extent: tuple[int, int]) -> None:
+        self.reserved -= extent[1]
 
-    def release(self, seq: Seq) -> None:
-        self.reserved -= seq.reserved
-        self.live -= seq.length
-
-    def measure(self) -> tuple[int, int, int]:
-        return self.reserved, self.live, self.live
-
-    def external(self, head: Request | None) -> int:
+    def external(self, head: FakeRequest | None) -> int:
         free = self.capacity - self.reserved
         return free if head is not None and head.n * self.M > free else 0
 
@@ -178,7 +103,7 @@ class FirstFitContiguousKV:
         self.capacity = capacity
         self.starts: list[int] = [0]  # sorted free extents
         self.lengths: list[int] = [capacity]
-        self.reserved = self.live = 0
+        self.reserved = 0
 
     def _take(self, size: int) -> int | None:
         for i, length in enumerate(self.lengths):
@@ -203,45 +128,32 @@ class FirstFitContiguousKV:
             self.lengths[i - 1] += self.lengths.pop(i)
             self.starts.pop(i)
 
-    def admit(self, req: Request) -> list[Seq] | None:
-        size = len(req.prompt) + req.output_len
-        seqs: list[Seq] = []
+    def admit(self, req: FakeRequest) -> list[tuple[int, int]] | None:
+        size = len(req.prompt) + req.max_tokens
+        extents: list[tuple[int, int]] = []
         for _ in range(req.n):
             off = self._take(size)
             if off is None:
-                for s in seqs:
-                    self._give(s.offset, s.reserved)
+                for e in extents:
+                    self._give(*e)
                 return None
-            seqs.append(Seq(0, [], len(req.prompt), size, off))
+            extents.append((off, size))
         self.reserved += size * req.n
-        self.live += len(req.prompt) * req.n
-        return seqs
+        return extents
 
-    def grow(self, seq: Seq) -> bool:
-        assert seq.length < seq.reserved
-        seq.length += 1
-        self.live += 1
-        return True
+    def release(self, extent: tuple[int, int]) -> None:
+        self._give(*extent)
+        self.reserved -= extent[1]
 
-    def release(self, seq: Seq) -> None:
-        self._give(seq.offset, seq.reserved)
-        self.reserved -= seq.reserved
-        self.live -= seq.length
-
-    def measure(self) -> tuple[int, int, int]:
-        return self.reserved, self.live, self.live
-
-    def external(self, head: Request | None) -> int:
+    def external(self, head: FakeRequest | None) -> int:
         if head is None:
             return 0
-        size = len(head.prompt) + head.output_len
+        size = len(head.prompt) + head.max_tokens
         fits = sum(length // size for length in self.lengths)
         return self.capacity - self.reserved if fits < head.n else 0
 
 
-# ------------------------------------------------------------------------------- simulation
-
-
+# ---------------------------------------------------------------------------------------- results
 @dataclass
 class RunResult:
     workload: str
@@ -274,111 +186,128 @@ class RunResult:
         return self.internal_fragmentation + self.external_fragmentation
 
 
-def simulate(
-    kv, requests: list[Request], capacity: int, max_num_seqs: int, workload: str, scenario: str, system: str
-) -> RunResult:
-    """Run the workload to completion over one KV cache; see the module docstring for the policy."""
-    t0 = time.perf_counter()
-    waiting: deque[Request] = deque(requests)
-    running: list[_Group] = []
-    nseqs = step = preemptions = 0
-    max_req = max_seq = 0
-    sums = dict(R=0, L=0, Lg=0, X=0, n=0, seqs=0, reqs=0)
-    s_util: list[float] = []
-    s_run: list[int] = []
-    all_sums = dict(R=0, L=0, Lg=0, X=0, n=0, seqs=0, reqs=0)
-    while waiting or running:
-        step += 1
-        while waiting and nseqs + waiting[0].n <= max_num_seqs:
-            seqs = kv.admit(waiting[0])
-            if seqs is None:
-                break
-            running.append(_Group(waiting.popleft(), seqs, step))
-            nseqs += len(seqs)
-        if not running:
-            raise RuntimeError(f"request {waiting[0].rid} can never fit in the KV cache")
-        gi = 0
-        while gi < len(running):
-            g = running[gi]
-            if g.admitted_step == step:  # this step was its prefill
-                gi += 1
-                continue
-            preempted_self = False
-            for seq in g.seqs:
-                while not kv.grow(seq):
-                    victim = running.pop()  # the most recently admitted request
-                    for s in victim.seqs:
-                        kv.release(s)
-                    nseqs -= len(victim.seqs)
-                    preemptions += 1
-                    r = victim.req
-                    if r.n == 1 and victim.generated:  # recompute: resume from prompt + generated
-                        s = victim.seqs[0]
-                        r = Request(r.rid, s.tokens[: s.length] or r.prompt, r.output_len - victim.generated)
-                    waiting.appendleft(r)
-                    if victim is g:
-                        preempted_self = True
-                        break
-                if preempted_self:
-                    break
-            if not preempted_self:
-                g.generated += 1
-                gi += 1
-        R, L, Lg = kv.measure()
-        head = waiting[0] if waiting else None
-        X = kv.external(head)
-        max_req = max(max_req, len(running))
-        max_seq = max(max_seq, nseqs)
-        s_util.append(L / R if R else 1.0)
-        s_run.append(nseqs)
-        for acc in (all_sums, sums) if head is not None else (all_sums,):
-            acc["R"] += R
-            acc["L"] += L
-            acc["Lg"] += Lg
-            acc["X"] += X
-            acc["n"] += 1
-            acc["seqs"] += nseqs
-            acc["reqs"] += len(running)
-        done = [g for g in running if g.generated >= g.req.output_len]
-        for g in done:
-            for s in g.seqs:
-                kv.release(s)
-            nseqs -= len(g.seqs)
-        if done:
-            running = [g for g in running if g.generated < g.req.output_len]
-    acc = sums if sums["n"] else all_sums
-    cap = capacity * acc["n"]
-    cow = hit = 0.0
-    block_size = None
-    if isinstance(kv, PagedKV):
-        st = kv.mgr.stats()
-        assert st.blocks_used == 0 and st.num_seqs == 0, "blocks leaked"
-        cow, hit, block_size = st.num_cow_copies, st.prefix_hit_rate, kv.mgr.block_size
+# One step's state: reserved slots R, live slots L, logical tokens Lg, external X, running sequences and
+# requests, and whether requests are still waiting (a memory-bound step).
+Sample = tuple[int, int, int, int, int, int, bool]
+
+
+def summarize(samples: Iterable[Sample], capacity: int, **fields: object) -> RunResult:
+    """Time-average the per-step samples (over memory-bound steps when there are any)."""
+    samples = list(samples)
+    bound = [s for s in samples if s[6]] or samples
+    n = len(bound)
+    R, L, Lg, X, seqs, reqs = (sum(s[i] for s in bound) for i in range(6))
+    cap = capacity * n
     return RunResult(
-        workload=workload,
-        scenario=scenario,
-        system=system,
-        block_size=block_size,
+        steps=len(samples),
+        memory_bound_steps=sum(1 for s in samples if s[6]),
+        kv_utilization=L / R if R else 1.0,
+        internal_fragmentation=(R - L) / cap,
+        external_fragmentation=X / cap,
+        idle_free=(cap - R - X) / cap,
+        live_share=L / cap,
+        sharing_saved=1.0 - L / Lg if Lg else 0.0,
+        max_concurrent_requests=max(s[5] for s in samples),
+        max_concurrent_seqs=max(s[4] for s in samples),
+        mean_concurrent_requests=reqs / n,
+        mean_concurrent_seqs=seqs / n,
+        series_utilization=[s[1] / s[0] if s[0] else 1.0 for s in samples],
+        series_running_seqs=[s[4] for s in samples],
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def run_contiguous(
+    kv, requests: list[FakeRequest], capacity: int, max_num_seqs: int, **names: str
+) -> RunResult:
+    """A contiguous cache under FCFS admission; every step samples one token per running sequence."""
+    t0 = time.perf_counter()
+    waiting: deque[FakeRequest] = deque(requests)
+    running: list[list] = []  # [request, extents, tokens sampled]
+    nseqs = 0
+    samples: list[Sample] = []
+    while waiting or running:
+        while waiting and nseqs + waiting[0].n <= max_num_seqs:
+            extents = kv.admit(waiting[0])
+            if extents is None:
+                break
+            running.append([waiting.popleft(), extents, 0])
+            nseqs += len(extents)
+        if not running:
+            raise RuntimeError(f"a request of {len(waiting[0].prompt)} prompt tokens can never fit")
+        for g in running:
+            g[2] += 1
+        for g in [g for g in running if g[2] >= g[0].max_tokens]:
+            for e in g[1]:
+                kv.release(e)
+            nseqs -= len(g[1])
+        running = [g for g in running if g[2] < g[0].max_tokens]
+        # the token sampled in this step gets its KV slot in the next one (as in the engine)
+        live = sum(g[0].n * (len(g[0].prompt) + g[2] - 1) for g in running)
+        head = waiting[0] if waiting else None
+        samples.append((kv.reserved, live, live, kv.external(head), nseqs, len(running), head is not None))
+    return summarize(
+        samples,
+        capacity,
+        block_size=None,
         requests=len(requests),
         sequences=sum(r.n for r in requests),
-        steps=step,
-        memory_bound_steps=sums["n"],
-        kv_utilization=acc["L"] / acc["R"] if acc["R"] else 1.0,
-        internal_fragmentation=(acc["R"] - acc["L"]) / cap,
-        external_fragmentation=acc["X"] / cap,
-        idle_free=(cap - acc["R"] - acc["X"]) / cap,
-        live_share=acc["L"] / cap,
-        sharing_saved=1.0 - acc["L"] / acc["Lg"] if acc["Lg"] else 0.0,
-        max_concurrent_requests=max_req,
-        max_concurrent_seqs=max_seq,
-        mean_concurrent_requests=acc["reqs"] / acc["n"],
-        mean_concurrent_seqs=acc["seqs"] / acc["n"],
-        preemptions=preemptions,
-        cow_copies=int(cow),
-        prefix_hit_rate=hit,
+        preemptions=0,
+        cow_copies=0,
+        prefix_hit_rate=0.0,
         wall_s=time.perf_counter() - t0,
-        series_utilization=s_util,
-        series_running_seqs=s_run,
+        **names,
+    )
+
+
+def engine_config(capacity: int, block_size: int, caching: bool, max_num_seqs: int, budget: int | None):
+    """The EngineConfig of a paged run: the budget's whole blocks; the token budget defaults to the pool."""
+    return EngineConfig(
+        block_size=block_size,
+        num_blocks=capacity // block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget or capacity,
+        enable_prefix_caching=caching,
+    )
+
+
+def run_paged(
+    config: EngineConfig,
+    requests: list[FakeRequest],
+    capacity: int,
+    seed: int,
+    max_model_len: int,
+    **names: str,
+) -> RunResult:
+    """batchgen: the real scheduler over ``config.num_blocks`` blocks, fake tokens (see fake_runner)."""
+    t0 = time.perf_counter()
+    run = fake_runner.run(requests, config, max_model_len=max_model_len, seed=seed, vocab_size=VOCAB)
+    bs = config.block_size
+    remainder = capacity - config.num_blocks * bs  # below one block: no sequence can use it
+    samples = [
+        (
+            s.blocks_used * bs,
+            s.live_token_slots,
+            s.logical_tokens,
+            remainder,
+            s.running_seqs,
+            s.running_requests,
+            s.waiting_seqs > 0,
+        )
+        for s in run.steps
+    ]
+    st = run.stats
+    return summarize(
+        samples,
+        capacity,
+        block_size=bs,
+        requests=len(requests),
+        sequences=sum(r.n for r in requests),
+        preemptions=st.num_preemptions,
+        cow_copies=st.num_cow_copies,
+        prefix_hit_rate=st.prefix_hit_rate,
+        wall_s=time.perf_counter() - t0,
+        **names,
     )
 
 
@@ -390,7 +319,7 @@ class Workload:
     name: str
     description: str
     max_model_len: int
-    scenarios: dict[str, list[Request]]
+    scenarios: dict[str, list[FakeRequest]]
 
 
 def _rand_tokens(rng: np.random.Generator, n: int) -> list[int]:
@@ -401,12 +330,12 @@ def fixed_workload(num_requests: int, scale: int, seed: int, max_model_len: int 
     prompt, output, mml = 1024 // scale, 256 // scale, max_model_len // scale
     rng = np.random.default_rng(seed)
     templates = [_rand_tokens(rng, prompt // 2) for _ in range(4)]
-    unique = [Request(i, _rand_tokens(rng, prompt), output) for i in range(num_requests)]
+    unique = [FakeRequest(_rand_tokens(rng, prompt), output) for _ in range(num_requests)]
     prefix = [
-        Request(i, templates[i % 4] + _rand_tokens(rng, prompt - prompt // 2), output)
+        FakeRequest(templates[i % 4] + _rand_tokens(rng, prompt - prompt // 2), output)
         for i in range(num_requests)
     ]
-    fork = [Request(i, _rand_tokens(rng, prompt), output, n=4) for i in range(num_requests // 4)]
+    fork = [FakeRequest(_rand_tokens(rng, prompt), output, n=4) for _ in range(num_requests // 4)]
     desc = f"{prompt} prompt + {output} output tokens, max_model_len {mml}"
     return Workload("fixed", desc, mml, {"unique": unique, "prefix": prefix, "fork": fork})
 
@@ -422,20 +351,20 @@ def sharegpt_workload(num_requests: int, scale: int, seed: int, max_model_len: i
         return p, o
 
     unique = []
-    for i in range(num_requests):
+    for _ in range(num_requests):
         p, o = lengths(0)
-        unique.append(Request(i, _rand_tokens(rng, p), o))
+        unique.append(FakeRequest(_rand_tokens(rng, p), o))
     templates = [_rand_tokens(rng, system_len) for _ in range(4)]
     prefix = []
     for i in range(num_requests):
         p, o = lengths(system_len)
-        prefix.append(Request(i, templates[i % 4] + _rand_tokens(rng, p), o))
+        prefix.append(FakeRequest(templates[i % 4] + _rand_tokens(rng, p), o))
     fork = []
-    for i in range(num_requests // 4):
+    for _ in range(num_requests // 4):
         p, o = lengths(0)
-        fork.append(Request(i, _rand_tokens(rng, p), o, n=4))
+        fork.append(FakeRequest(_rand_tokens(rng, p), o, n=4))
     mp = np.mean([len(r.prompt) for r in unique])
-    mo = np.mean([r.output_len for r in unique])
+    mo = np.mean([r.max_tokens for r in unique])
     desc = (
         f"ShareGPT-like lognormal lengths (prompt median {95 // scale}, σ 1.0; output median {230 // scale}, "
         f"σ 0.85; sampled means {mp:.0f} / {mo:.0f}), max_model_len {mml}"
@@ -446,25 +375,23 @@ def sharegpt_workload(num_requests: int, scale: int, seed: int, max_model_len: i
 # ------------------------------------------------------------------------------------ driver
 
 
-def run_workload(wl: Workload, capacity: int, max_num_seqs: int, seed: int) -> list[RunResult]:
+def run_workload(
+    wl: Workload, capacity: int, max_num_seqs: int, seed: int, budget: int | None = None
+) -> list[RunResult]:
     results: list[RunResult] = []
-
-    def go(scenario: str, system: str, make: Callable[[], object]) -> None:
-        results.append(
-            simulate(make(), wl.scenarios[scenario], capacity, max_num_seqs, wl.name, scenario, system)
-        )
-
     for scenario in ("unique", "prefix", "fork"):
-        go(scenario, "contiguous (max_model_len)", lambda: FixedContiguousKV(capacity, wl.max_model_len))
-        go(scenario, "contiguous (exact, first-fit)", lambda: FirstFitContiguousKV(capacity))
-        for bs in BLOCK_SIZES:
-            go(scenario, f"paged bs={bs}", lambda bs=bs: PagedKV(capacity, bs, caching=True, seed=seed))
+        reqs = wl.scenarios[scenario]
+        names = dict(workload=wl.name, scenario=scenario)
+        fixed = FixedContiguousKV(capacity, wl.max_model_len)
+        results.append(run_contiguous(fixed, reqs, capacity, max_num_seqs, system=CONTIGUOUS, **names))
+        exact = FirstFitContiguousKV(capacity)
+        results.append(run_contiguous(exact, reqs, capacity, max_num_seqs, system=EXACT, **names))
+        paged = [(bs, True, f"paged bs={bs}") for bs in BLOCK_SIZES]
         if scenario == "prefix":
-            go(
-                scenario,
-                f"paged bs={MAIN_BS}, no prefix cache",
-                lambda: PagedKV(capacity, MAIN_BS, False, seed=seed),
-            )
+            paged.append((MAIN_BS, False, f"paged bs={MAIN_BS}, no prefix cache"))
+        for bs, caching, system in paged:
+            cfg = engine_config(capacity, bs, caching, max_num_seqs, budget)
+            results.append(run_paged(cfg, reqs, capacity, seed, wl.max_model_len, system=system, **names))
     return results
 
 
@@ -481,16 +408,16 @@ def _find(results: list[RunResult], scenario: str, system: str) -> RunResult:
 
 
 def render(wl: Workload, results: list[RunResult]) -> str:
-    c = _find(results, "unique", "contiguous (max_model_len)")
-    e = _find(results, "unique", "contiguous (exact, first-fit)")
+    c = _find(results, "unique", CONTIGUOUS)
+    e = _find(results, "unique", EXACT)
     p = _find(results, "unique", f"paged bs={MAIN_BS}")
     pp = _find(results, "prefix", f"paged bs={MAIN_BS}")
     pn = _find(results, "prefix", f"paged bs={MAIN_BS}, no prefix cache")
-    cp = _find(results, "prefix", "contiguous (max_model_len)")
+    cp = _find(results, "prefix", CONTIGUOUS)
     pf = _find(results, "fork", f"paged bs={MAIN_BS}")
-    cf = _find(results, "fork", "contiguous (max_model_len)")
-    ef = _find(results, "fork", "contiguous (exact, first-fit)")
-    ep = _find(results, "prefix", "contiguous (exact, first-fit)")
+    cf = _find(results, "fork", CONTIGUOUS)
+    ef = _find(results, "fork", EXACT)
+    ep = _find(results, "prefix", EXACT)
 
     def frag(r: RunResult) -> str:
         return (
@@ -510,7 +437,7 @@ def render(wl: Workload, results: list[RunResult]) -> str:
         "",
         f"| figure | contiguous (max_model_len) | contiguous (exact, first-fit) | paged bs={MAIN_BS} (ours) |",
         "|---|---:|---:|---:|",
-        f"| KV memory utilisation (live token slots ÷ reserved slots) | {_pct(c.kv_utilization)} "
+        f"| KV memory utilization (live token slots ÷ reserved slots) | {_pct(c.kv_utilization)} "
         f"| {_pct(e.kv_utilization)} | {_pct(p.kv_utilization)} |",
         f"| max concurrent requests (× contiguous) | {conc(c, c)} | {conc(e, c)} | {conc(p, c)} |",
         f"| mean concurrent requests while memory-bound (× contiguous) | {mconc(c, c)} | {mconc(e, c)} "
@@ -551,12 +478,12 @@ def targets(results: list[RunResult]) -> list[str]:
     out = []
     for wl in dict.fromkeys(r.workload for r in results):
         rs = [r for r in results if r.workload == wl]
-        c = _find(rs, "unique", "contiguous (max_model_len)")
+        c = _find(rs, "unique", CONTIGUOUS)
         p = _find(rs, "unique", f"paged bs={MAIN_BS}")
         ratio = p.mean_concurrent_requests / c.mean_concurrent_requests
         ratio_max = p.max_concurrent_requests / c.max_concurrent_requests
         out.append(
-            f"- `{wl}`: utilisation {_pct(p.kv_utilization)} (target ≥ 96%: "
+            f"- `{wl}`: utilization {_pct(p.kv_utilization)} (target ≥ 96%: "
             f"{'met' if p.kv_utilization >= 0.96 else 'MISSED'}), fragmentation {_pct(p.fragmentation)} "
             f"(≤ 3%: {'met' if p.fragmentation <= 0.03 else 'MISSED'}), concurrency {ratio:.2f}× contiguous "
             f"(mean; max {ratio_max:.2f}×) (≥ 3×: {'met' if ratio >= 3 else 'MISSED'})"
@@ -565,15 +492,14 @@ def targets(results: list[RunResult]) -> list[str]:
 
 
 def plot(results: list[RunResult], out: Path, budget_note: str = "") -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
+    """memory_<workload>.png: KV utilization and running sequences over time (none without matplotlib)."""
+    plt = pyplot()
+    paths: list[Path] = []
+    if plt is None:
+        return paths
     for wl in dict.fromkeys(r.workload for r in results):
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-        for system in ("contiguous (max_model_len)", "contiguous (exact, first-fit)", f"paged bs={MAIN_BS}"):
+        for system in (CONTIGUOUS, EXACT, f"paged bs={MAIN_BS}"):
             r = _find([x for x in results if x.workload == wl], "unique", system)
             ax1.plot([100 * u for u in r.series_utilization], label=system, lw=1)
             ax2.plot(r.series_running_seqs, label=system, lw=1)
@@ -584,7 +510,7 @@ def plot(results: list[RunResult], out: Path, budget_note: str = "") -> list[Pat
             lw=1,
             ls="--",
         )
-        ax1.set_ylabel("KV utilisation (%)\nlive ÷ reserved slots")
+        ax1.set_ylabel("KV utilization (%)\nlive ÷ reserved slots")
         ax1.set_ylim(0, 105)
         ax2.set_ylabel("running sequences")
         ax2.set_xlabel("step (one token per running sequence)")
@@ -612,6 +538,12 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="sequence cap (default: memory-bound)")
     ap.add_argument("--requests", type=int, default=None, help="requests per scenario (default 400 / 1000)")
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the paged scheduler's token budget per step (default: the whole pool, so memory is the limit)",
+    )
     args = ap.parse_args(argv)
 
     scale = 8 if args.small else 1
@@ -619,11 +551,11 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     n_fixed = args.requests or (48 if args.small else 400)
     n_share = args.requests or (160 if args.small else 1000)
     print(
-        f"LLaMA-13B KV: {KV_BYTES_PER_TOKEN:,} B/token (2 × {NUM_LAYERS} layers × {NUM_KV_HEADS} heads × "
-        f"{HEAD_DIM} × {DTYPE_BYTES} B); {DEVICE_BYTES / 1e9:.0f} GB device − {WEIGHT_BYTES / 1e9:.0f} GB weights "
-        f"= {KV_BUDGET_BYTES / 1e9:.0f} GB KV budget = {capacity:,} token slots"
-        + (" (÷32: --small)" if args.small else "")
-        + f"; seed {args.seed}; max_num_seqs {args.max_num_seqs}\n"
+        f"LLaMA-13B KV: {KV_BYTES_PER_TOKEN:,} B/token (2 × {MODEL.num_layers} layers × {MODEL.num_kv_heads} "
+        f"heads × {MODEL.head_dim} × {MODEL.dtype.itemsize} B); {DEVICE_BYTES / 1e9:.0f} GB device − "
+        f"{WEIGHT_BYTES / 1e9:.1f} GB weights = {KV_BUDGET_BYTES / 1e9:.1f} GB KV budget = {capacity:,} token "
+        "slots" + (" (÷32: --small)" if args.small else "") + f"; seed {args.seed}; max_num_seqs "
+        f"{args.max_num_seqs}; paged token budget {args.max_num_batched_tokens or 'the whole pool'}\n"
     )
     results: list[RunResult] = []
     makers = {
@@ -634,7 +566,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
         if name not in makers:
             ap.error(f"unknown workload {name!r}: choose from {', '.join(makers)}")
         wl = makers[name]()
-        rs = run_workload(wl, capacity, args.max_num_seqs, args.seed)
+        rs = run_workload(wl, capacity, args.max_num_seqs, args.seed, args.max_num_batched_tokens)
         results.extend(rs)
         print(render(wl, rs))
         print()
@@ -653,6 +585,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                 "seed": args.seed,
                 "max_num_seqs": args.max_num_seqs,
                 "max_model_len": args.max_model_len,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
             },
             "results": [
                 {
@@ -670,13 +603,12 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                     "running_seqs": r.series_running_seqs,
                 }
                 for r in results
-                if r.scenario == "unique"
-                and r.system in ("contiguous (max_model_len)", f"paged bs={MAIN_BS}")
+                if r.scenario == "unique" and r.system in (CONTIGUOUS, f"paged bs={MAIN_BS}")
             ],
         }
         (args.out / "memory.json").write_text(json.dumps(payload, indent=1))
         paths = plot(results, args.out, " ÷32 (--small)" if args.small else "")
-        print(f"\nwrote {args.out / 'memory.json'}, " + ", ".join(str(p) for p in paths))
+        print(f"\nwrote {args.out / 'memory.json'}" + "".join(f", {p}" for p in paths))
     return results
 
 

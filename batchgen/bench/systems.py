@@ -4,8 +4,8 @@
 torch thread count, loads the model (not timed), runs a short warm-up, then ``repeats`` timed runs, and
 writes a JSON result with the wall time of every repeat, the generated token ids of the last repeat (in row
 order), prompt tokens computed vs reused, peak memory and, for batchgen, a per-step timeline of the
-engine's stats. A subprocess per system keeps peak memory figures apart and gives every system a fresh
-interpreter.
+engine's stats (from a step listener). A subprocess per system keeps peak memory figures apart and gives every
+system a fresh interpreter.
 
 Systems (all greedy, float32 by default, ``ignore_eos`` so every row generates exactly its ``max_tokens``):
 
@@ -22,6 +22,8 @@ Systems (all greedy, float32 by default, ``ignore_eos`` so every row generates e
   the manager directly (``continuous_batching_context_manager`` + ``add_request(max_new_tokens=...)``).
 * ``vllm``: vLLM's offline ``LLM.generate`` with prefix caching, when importable and CUDA is present.
 * ``matmul``: not a system; measures achieved matmul FLOP/s at the model's shapes (for MFU).
+* ``greedy_check``: not a system; greedy equality of batchgen's attention backends (Triton on CUDA, torch) and
+  transformers in float32 (:func:`run_greedy_check`, the throughput benchmark's ``check=true``).
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from batchgen.bench.common import rss_bytes
 
 SYSTEMS = ("batchgen", "batchgen_nogroup", "batchgen_llm", "hf_generate", "hf_generate_batch", "vllm")
 
@@ -49,20 +54,17 @@ class Skip(Exception):
 
 # ------------------------------------------------------------------------------------------ memory
 class PeakRSS:
-    """Samples this process's RSS every `interval` seconds in a thread; ``peak`` in bytes."""
+    """Samples this process's RSS every `interval` seconds in a thread; ``peak`` in bytes (0 where unknown)."""
 
     def __init__(self, interval: float = 0.02) -> None:
-        import psutil
-
-        self._proc = psutil.Process()
         self.interval = interval
-        self.peak = self._proc.memory_info().rss
+        self.peak = rss_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self.peak = max(self.peak, rss_bytes())
 
     def __enter__(self) -> PeakRSS:
         self._thread.start()
@@ -71,13 +73,7 @@ class PeakRSS:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
-
-
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
+        self.peak = max(self.peak, rss_bytes())
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -91,18 +87,10 @@ def _device(spec: dict[str, Any]) -> str:
 
 
 def _engine_config(spec: dict[str, Any]) -> Any:
+    """The spec's ``engine`` options (an EngineConfig as a dict) on the spec's device."""
     from batchgen.engine.config import EngineConfig
 
-    e = spec["engine"]
-    return EngineConfig(
-        block_size=e["block_size"],
-        max_num_seqs=e["max_num_seqs"],
-        max_num_batched_tokens=e["max_num_batched_tokens"],
-        kv_cache_memory=e["kv_cache_memory"],
-        num_blocks=e.get("num_blocks"),
-        enable_prefix_caching=e.get("enable_prefix_caching", True),
-        device=_device(spec),
-    )
+    return EngineConfig(**{**spec["engine"], "device": _device(spec)})
 
 
 def _load_workload(spec: dict[str, Any]) -> dict[str, Any]:
@@ -117,35 +105,25 @@ def _warm_prompts(w: dict[str, Any], n: int = 4, length: int = 24) -> list[list[
 
 
 class _Timeline:
-    """Wraps ``engine.step`` to record (t, running, waiting, kv_usage, kv_utilisation) before the first step
-    and after every step (t in seconds since the wrapper was installed, just before ``run_job``)."""
+    """A step listener recording (t, running, waiting, kv_usage, kv_utilization) after every engine step, t in
+    seconds since the listener was added (just before ``run_job``)."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine = engine
         self.t0 = time.perf_counter()
         self.rows: list[list[float]] = []
-        inner = engine.step
+        engine.add_step_listener(self)
 
-        def record() -> None:
-            s = engine.stats
-            self.rows.append(
-                [
-                    round(time.perf_counter() - self.t0, 4),
-                    s.running_seqs,
-                    s.waiting_seqs,
-                    round(s.kv_usage, 4),
-                    round(s.kv_utilization, 4),
-                ]
-            )
-
-        def step() -> Any:
-            if not self.rows:  # the state before the first step (everything waiting)
-                record()
-            out = inner()
-            record()
-            return out
-
-        engine.step = step
+    def __call__(self, info: Any) -> None:
+        s = info.stats
+        self.rows.append(
+            [
+                round(time.perf_counter() - self.t0, 4),
+                s.running_seqs,
+                s.waiting_seqs,
+                round(s.kv_usage, 4),
+                round(s.kv_utilization, 4),
+            ]
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -156,7 +134,8 @@ class _Timeline:
 
 # ------------------------------------------------------------------------------------------ batchgen
 def _job_config(spec: dict[str, Any], out_dir: str, group: bool) -> Any:
-    from batchgen.config import DataOptions, JobConfig, ModelOptions, RunOptions, SamplingOptions
+    from batchgen.config import DataOptions, JobConfig, ModelOptions, RunOptions
+    from batchgen.sampling_params import SamplingParams
 
     per_row = len(set(_load_workload(spec)["max_tokens"])) > 1
     return JobConfig(
@@ -172,7 +151,7 @@ def _job_config(spec: dict[str, Any], out_dir: str, group: bool) -> Any:
             overwrite=True,
         ),
         engine=_engine_config(spec),
-        sampling=SamplingOptions(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, seed=0),
+        sampling=SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, seed=0),
         run=RunOptions(progress="off"),
     )
 
@@ -201,29 +180,8 @@ def _warm_engine(engine: Any, w: dict[str, Any]) -> None:
         engine.step()
 
 
-def _stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    keys = (
-        "prompt_tokens",
-        "prompt_tokens_cached",
-        "prompt_tokens_computed",
-        "generated_tokens",
-        "num_steps",
-    )
-    d = {k: after[k] - before[k] for k in keys}
-    d.update(
-        num_preemptions=after["num_preemptions"] - before["num_preemptions"],
-        peak_running_seqs=after["peak_running_seqs"],
-        peak_kv_usage=after["peak_kv_usage"],
-        num_blocks=after["num_blocks"],
-        block_size=after["block_size"],
-    )
-    return d
-
-
 def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, Any]:
     """The pipeline (``run_job``) with a fresh engine per repeat; or LLM.generate for ``batchgen_llm``."""
-    from dataclasses import asdict
-
     from batchgen.engine.llm_engine import LLMEngine
 
     system = spec["system"]
@@ -245,15 +203,18 @@ def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, 
     cached: dict[int, int] = {}
     stats: dict[str, Any] = {}
     timeline: dict[str, Any] = {}
+    sizing: dict[str, Any] = {}
     prof_text = ""
     n_runs = spec["repeats"] + (1 if profile else 0)
     for rep in range(n_runs):
         profiling = profile is not None and rep == spec["repeats"]
+        t_init = time.perf_counter()
         engine = LLMEngine(spec["model_path"], _engine_config(spec), dtype=spec["dtype"])
+        sizing = _kv_sizing(engine, time.perf_counter() - t_init)
         _warm_engine(engine, w)
-        before = asdict(engine.stats)
+        before = engine.stats.snapshot()
         tl = _Timeline(engine)
-        base_rss = max(base_rss, _rss())
+        base_rss = max(base_rss, rss_bytes())
         with tempfile.TemporaryDirectory(prefix="bench-job-") as out_dir, PeakRSS() as mem:
             prof = _profiler(profile) if profiling else contextlib.nullcontext()
             _reset_cuda_peak()
@@ -279,7 +240,7 @@ def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, 
             continue
         walls.append(wall)
         peak = max(peak, mem.peak)
-        stats = _stats_delta(before, asdict(engine.stats))
+        stats = engine.stats.delta(before).to_dict()
         timeline = tl.to_dict()
         del engine
     ids = w["ids"]
@@ -290,15 +251,34 @@ def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, 
         "prompt_tokens_cached": sum(cached.get(i, 0) for i in ids),
         "cached_per_row": [cached.get(i, 0) for i in ids],
         "engine_stats": stats,
+        "kv_sizing": sizing,
         "timeline": timeline,
         "peak_rss": peak,
         "base_rss": base_rss,
         "profile": prof_text,
         "settings": {
             "group_by_prefix": group if system != "batchgen_llm" else None,
-            "engine": spec["engine"],
+            "engine": asdict(_engine_config(spec)),
             "window_rows": spec["window_rows"],
         },
+    }
+
+
+def _kv_sizing(engine: Any, init_s: float) -> dict[str, Any]:
+    """How the engine sized its KV pool (num_blocks, gpu_memory_utilization on CUDA, kv_cache_memory on CPU)."""
+    cfg, st = engine.config, engine.stats
+    if cfg.num_blocks is not None:
+        source = f"engine.num_blocks={cfg.num_blocks}"
+    elif engine.device.type == "cuda":
+        source = f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization} (profiled activations)"
+    else:
+        source = f"engine.kv_cache_memory={cfg.kv_cache_memory}"
+    return {
+        "source": source,
+        "num_blocks": st.num_blocks,
+        "kv_cache_bytes": st.num_blocks * st.bytes_per_block,
+        "token_slots": st.num_blocks * st.block_size,
+        "engine_init_s": init_s,
     }
 
 
@@ -426,7 +406,7 @@ def run_hf_generate(spec: dict[str, Any]) -> dict[str, Any]:
 
     run(_warm_prompts(w), [4] * 4)
     walls, peak, tokens, padded = [], 0, [], 0
-    base = _rss()
+    base = rss_bytes()
     for _ in range(spec["repeats"]):
         _reset_cuda_peak()
         with PeakRSS() as mem:
@@ -524,7 +504,7 @@ def run_hf_generate_batch(spec: dict[str, Any]) -> dict[str, Any]:
     with torch.no_grad():
         run(_warm_prompts(w), [4] * 4)
         walls, peak, tokens = [], 0, []
-        base = _rss()
+        base = rss_bytes()
         cached = 0
         for _ in range(spec["repeats"]):
             hits["tokens"] = 0
@@ -577,9 +557,65 @@ def run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
         "token_ids": tokens,
         "prompt_tokens_cached": None,
         "cached_per_row": None,
-        "peak_rss": _rss(),
+        "peak_rss": rss_bytes(),
         "base_rss": 0,
         "settings": {"enable_prefix_caching": True},
+    }
+
+
+# ------------------------------------------------------------------------------------ greedy check
+CHECK_PROMPT_LENS = (1, 15, 16, 17, 100, 300)
+
+
+def run_greedy_check(spec: dict[str, Any]) -> dict[str, Any]:
+    """Greedy equality in float32 on prompts around block boundaries: batchgen with every attention backend
+    the device has (Triton needs CUDA) against each other and against transformers' ``generate``.
+
+    ``passed`` is Triton == torch token for token (when both ran); mismatches against transformers are
+    reported (float32 sums in a different order may flip a near-tie)."""
+    import random
+
+    import torch
+
+    from batchgen.llm import LLM
+    from batchgen.sampling_params import SamplingParams
+
+    dev = _device(spec)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    path, max_tokens = spec["model_path"], spec["max_tokens"]
+    rng = random.Random(0)
+    vocab = spec.get("vocab_size", 4096)
+    prompts = [[rng.randrange(5, vocab) for _ in range(n)] for n in CHECK_PROMPT_LENS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    backends = ["triton", "torch"] if dev.startswith("cuda") else ["torch"]
+    outs: dict[str, list[list[int]]] = {}
+    for backend in backends:
+        llm = LLM(path, dtype="float32", attention_backend=backend, num_blocks=512, device=dev)
+        outs[backend] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        del llm
+    model = _hf_model({**spec, "dtype": "float32"})
+    ref = []
+    with torch.no_grad():
+        for p in prompts:
+            g = model.generate(
+                torch.tensor([p], device=model.device), max_new_tokens=max_tokens, do_sample=False
+            )
+            ref.append(g[0, len(p) :].tolist())
+
+    def mismatches(a: list[list[int]], b: list[list[int]]) -> int:
+        return sum(x != y for x, y in zip(a, b))
+
+    counts = {f"{b} vs transformers": mismatches(outs[b], ref) for b in backends}
+    if len(backends) == 2:
+        counts["triton vs torch"] = mismatches(outs["triton"], outs["torch"])
+    return {
+        "prompt_lens": list(CHECK_PROMPT_LENS),
+        "max_tokens": max_tokens,
+        "backends": backends,
+        "not_run": [] if len(backends) == 2 else ["triton (needs CUDA)"],
+        "mismatching_prompts": counts,
+        "passed": counts.get("triton vs torch", 0) == 0,
     }
 
 
@@ -621,10 +657,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     system = spec["system"]
     t0 = time.perf_counter()
     # the machine's matmul speed right now, beside this system's run (shared machines drift)
-    matmul = run_matmul(spec) if spec.get("matmul_shapes") and system != "matmul" else None
+    matmul = (
+        run_matmul(spec) if spec.get("matmul_shapes") and system not in ("matmul", "greedy_check") else None
+    )
     try:
         if system == "matmul":
             res = run_matmul(spec)
+        elif system == "greedy_check":
+            res = run_greedy_check(spec)
         elif system.startswith("batchgen"):
             res = run_batchgen(spec, profile=spec.get("profile"))
         elif system == "hf_generate":

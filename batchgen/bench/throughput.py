@@ -2,13 +2,21 @@
 
     python -m batchgen.bench.throughput                       # the three workloads, all systems
     python -m batchgen.bench.throughput workload=shared_prefix rows=256 max_tokens=64 repeats=3 \
-        systems=[batchgen,batchgen_nogroup,hf_generate,hf_generate_batch]
+        systems=[batchgen,batchgen_nogroup,hf_generate,hf_generate_batch] output_dir=bench/sp
+    python -m batchgen.bench.throughput check=true ...       # + greedy equality check (the GPU check)
 
 Steps: build (or reuse) the model checkpoint — by default a ~50M-parameter random Llama made locally with
-:func:`batchgen.models.tiny.build_checkpoint`, float32 — write every workload as Parquet into
+:func:`batchgen.models.tiny.cached_checkpoint`, float32 — write every workload as Parquet into
 ``output_dir/workloads/`` (seeded, rerunnable), measure the machine's matmul FLOP/s at the model's shapes, then
 run every (workload, system) pair in its own subprocess (:mod:`batchgen.bench.systems`) and write
-``results.json``, ``results.md`` (the table, also printed) and PNG charts into ``output_dir``.
+``results.json``, ``results.md`` (the table, also printed) and, with matplotlib, PNG charts into ``output_dir``
+(default: a new temporary directory, printed at the end).
+
+``check=true`` first runs the greedy equality check (float32, ``check_model``): batchgen's Triton backend (CUDA
+only) vs its torch backend vs transformers; the command exits with status 1 if Triton and torch disagree.
+Together with the batchgen system's ``kv_sizing`` (the pool sized from ``engine.gpu_memory_utilization`` on
+CUDA after a profiling forward) and the throughput against ``hf_generate``, this is the engine's GPU check
+(``jobs/gpu/run_all.sh``).
 
 Figures per system and workload: generated tok/s and total (prompt + generated) tok/s over the median wall
 time of ``repeats`` runs (min–max spread beside), peak RSS (CPU) or ``torch.cuda.max_memory_allocated``
@@ -21,10 +29,10 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +41,20 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from batchgen.bench.common import (
+    cache_root,
+    describe_model,
+    kv_bytes_per_token,
+    layer_params,
+    machine_info,
+    matmul_shapes,
+    model_flops,
+    num_params,
+    pyplot,
+)
 from batchgen.bench.workloads import WORKLOADS, WorkloadSpec, describe, make_workload, write_workload
+from batchgen.engine.config import EngineConfig
+from batchgen.models.config import ModelConfig
 
 DEFAULT_ROWS = {"shared_prefix": 256, "unique": 128, "long_tail": 128}
 REFERENCE = "hf_generate"
@@ -44,6 +65,8 @@ class BenchModel:
     """``model.*``: the checkpoint; ``path`` null = build a random Llama with the sizes below."""
 
     path: str | None = None
+    arch: str = "llama"
+    """llama, mistral, qwen2 or qwen3 (batchgen.models.tiny)."""
     hidden_size: int = 512
     num_layers: int = 12
     num_heads: int = 8
@@ -53,17 +76,6 @@ class BenchModel:
     max_position_embeddings: int = 2048
     initializer_range: float = 0.08
     seed: int = 0
-
-
-@dataclass
-class BenchEngine:
-    """``engine.*``: batchgen's engine options (HF continuous batching gets the same budgets)."""
-
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    kv_cache_memory: str = "2GiB"
-    num_blocks: int | None = None
 
 
 @dataclass
@@ -85,16 +97,27 @@ class ThroughputConfig:
     threads: int = 2
     """torch.set_num_threads in every subprocess (and OMP/MKL_NUM_THREADS)."""
     device: str = "auto"
+    """Device of every system; batchgen's engine.device follows it."""
     dtype: str = "float32"
-    output_dir: str = "bench_results/throughput"
+    output_dir: str | None = None
+    """Where results go (null: a new temporary directory)."""
     hf_batch_size: int = 32
     window_rows: int = 1024
     profile: str | None = None
     """cprofile or torch: one extra, untimed batchgen run under that profiler (profile_<workload>.txt)."""
     matmul_seconds: float = 0.3
     system_timeout_s: float = 7200.0
+    check: bool = False
+    """Run the greedy equality check first (Triton vs torch vs transformers, float32, check_model)."""
+    check_max_tokens: int = 32
+    check_model: BenchModel = field(
+        default_factory=lambda: BenchModel(
+            arch="qwen3", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=768
+        )
+    )
     model: BenchModel = field(default_factory=BenchModel)
-    engine: BenchEngine = field(default_factory=BenchEngine)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """batchgen's engine options (hf_generate_batch gets the same budgets and KV token slots)."""
 
 
 def register_configs() -> None:
@@ -104,23 +127,19 @@ def register_configs() -> None:
 
 
 # --------------------------------------------------------------------------------------------- model
-def _cache_root() -> Path:
-    return Path(os.environ.get("BATCHGEN_CACHE") or Path.home() / ".cache" / "batchgen")
-
-
 def ensure_model(m: BenchModel) -> str:
-    """The checkpoint path: ``m.path``, or a random Llama built once into the batchgen cache."""
+    """The checkpoint path: ``m.path``, or a random model built once into the batchgen cache."""
     if m.path:
         return os.path.expanduser(m.path)
     from batchgen.models.tiny import cached_checkpoint
 
     spec = asdict(m)
     spec.pop("path")
-    name = "bench-llama-" + "-".join(f"{v}" for v in spec.values())
+    name = "bench-" + "-".join(f"{v}" for v in spec.values())
     return cached_checkpoint(
         name,
-        _cache_root(),
-        arch="llama",
+        cache_root(),
+        arch=m.arch,
         hidden_size=m.hidden_size,
         num_layers=m.num_layers,
         num_heads=m.num_heads,
@@ -133,95 +152,7 @@ def ensure_model(m: BenchModel) -> str:
     )
 
 
-@dataclass
-class ModelShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-
-    @classmethod
-    def from_checkpoint(cls, path: str) -> ModelShape:
-        c = json.loads((Path(path) / "config.json").read_text())
-        heads = c["num_attention_heads"]
-        return cls(
-            hidden=c["hidden_size"],
-            layers=c["num_hidden_layers"],
-            heads=heads,
-            kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            intermediate=c["intermediate_size"],
-            vocab=c["vocab_size"],
-        )
-
-    @property
-    def layer_params(self) -> int:
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate
-
-    @property
-    def params(self) -> int:
-        """Parameters excluding norms and biases (embedding and lm_head counted once each)."""
-        return self.layers * self.layer_params + 2 * self.hidden * self.vocab
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
-
-    def matmul_shapes(self) -> list[list[Any]]:
-        h, i = self.hidden, self.intermediate
-        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
-        return [["qkv", h, qkv], ["gate_up", h, 2 * i], ["down", i, h], ["lm_head", h, self.vocab]]
-
-    def flops(self, prompt_len: int, cached: int, gen: int) -> float:
-        """Model FLOPs to produce `gen` tokens after a prompt of which `cached` tokens were reused.
-
-        Linear layers: 2 FLOPs per parameter per forwarded token (prompt tokens not cached, plus gen-1
-        decode tokens); lm_head once per generated token; attention: QKᵀ and PV, 4·heads·head_dim FLOPs
-        per (query, key) pair per layer, causal.
-        """
-        first, last = cached, prompt_len + gen - 2  # positions forwarded
-        fwd = max(0, last - first + 1)
-        pairs = (last + 1) * (last + 2) / 2 - first * (first + 1) / 2 if fwd else 0
-        linear = 2 * self.layers * self.layer_params * fwd + 2 * self.hidden * self.vocab * gen
-        attn = 4 * self.heads * self.head_dim * self.layers * pairs
-        return float(linear + attn)
-
-
-# -------------------------------------------------------------------------------------------- machine
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-
-    info = {
-        "nproc": os.cpu_count(),
-        "cpu": cpu,
-        "loadavg": list(os.getloadavg()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-    }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
-def measure_matmul(shape: ModelShape, cfg: ThroughputConfig) -> dict[str, Any]:
+def measure_matmul(mc: ModelConfig, cfg: ThroughputConfig) -> dict[str, Any]:
     """Achieved matmul FLOP/s at the model's linear shapes, in this process with `threads` threads."""
     import torch
 
@@ -233,7 +164,7 @@ def measure_matmul(shape: ModelShape, cfg: ThroughputConfig) -> dict[str, Any]:
         {
             "device": cfg.device,
             "dtype": cfg.dtype,
-            "matmul_shapes": shape.matmul_shapes(),
+            "matmul_shapes": matmul_shapes(mc),
             "matmul_rows": rows,
             "matmul_seconds": cfg.matmul_seconds,
         }
@@ -281,7 +212,7 @@ def run_system(spec: dict[str, Any], work_dir: Path, timeout: float) -> dict[str
 
 
 def _summarise(
-    res: dict[str, Any], wl: dict[str, Any], shape: ModelShape, peak_flops: float, ref: list | None
+    res: dict[str, Any], wl: dict[str, Any], mc: ModelConfig, peak_flops: float, ref: list | None
 ) -> dict[str, Any]:
     """Figures of one system on one workload (status ok)."""
     walls = res["wall_s"]
@@ -293,10 +224,10 @@ def _summarise(
     cached_rows = res.get("cached_per_row")
     cached_total = res.get("prompt_tokens_cached")
     if cached_rows is None:  # only a total is known: linear FLOPs use it, attention assumes no reuse
-        flops = sum(shape.flops(p, 0, g) for p, g in zip(prompt_lens, wl["max_tokens"]))
-        flops -= 2 * shape.layers * shape.layer_params * (cached_total or 0)
+        flops = sum(model_flops(mc, p, 0, g) for p, g in zip(prompt_lens, wl["max_tokens"]))
+        flops -= 2 * mc.num_layers * layer_params(mc) * (cached_total or 0)
     else:
-        flops = sum(shape.flops(p, c, g) for p, c, g in zip(prompt_lens, cached_rows, wl["max_tokens"]))
+        flops = sum(model_flops(mc, p, c, g) for p, c, g in zip(prompt_lens, cached_rows, wl["max_tokens"]))
     out = {
         "system": res["system"],
         "via": res.get("via", ""),
@@ -326,8 +257,9 @@ def _summarise(
         "loadavg_before": res.get("loadavg_before"),
         "loadavg_after": res.get("loadavg_after"),
     }
-    if res.get("engine_stats"):
-        out["engine_stats"] = res["engine_stats"]
+    for key in ("engine_stats", "kv_sizing"):
+        if res.get(key):
+            out[key] = res[key]
     if res.get("pad_tokens") is not None:
         out["pad_tokens"] = res["pad_tokens"]
     if ref is not None:
@@ -348,17 +280,18 @@ def run_benchmark(cfg: ThroughputConfig) -> dict[str, Any]:
     for w in workloads:
         if w not in WORKLOADS:
             raise ValueError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output_dir or tempfile.mkdtemp(prefix="batchgen-throughput-"))
     (out / "workloads").mkdir(parents=True, exist_ok=True)
     work_dir = out / "runs"
     work_dir.mkdir(exist_ok=True)
     t_start = time.perf_counter()
     machine = machine_info()
     model_path = ensure_model(cfg.model)
-    shape = ModelShape.from_checkpoint(model_path)
+    mc = ModelConfig.from_pretrained(model_path)
     tok = AutoTokenizer.from_pretrained(model_path)
-    print(f"model: {model_path} ({shape.params / 1e6:.1f}M parameters, {cfg.dtype})", flush=True)
-    matmul = measure_matmul(shape, cfg)
+    print(f"model: {model_path} ({num_params(mc) / 1e6:.1f}M parameters, {cfg.dtype})", flush=True)
+    check = run_check(cfg, work_dir) if cfg.check else None
+    matmul = measure_matmul(mc, cfg)
     matmul["parent_peak_flops_per_s"] = peak = matmul["peak_flops_per_s"]
     matmul["per_system"] = []
     raws: dict[str, Any] = {}
@@ -368,18 +301,19 @@ def run_benchmark(cfg: ThroughputConfig) -> dict[str, Any]:
     e = cfg.engine
     if e.num_blocks:
         slots = e.num_blocks * e.block_size
-    else:
+    else:  # on CUDA batchgen sizes its pool from gpu_memory_utilization instead (see kv_sizing)
         from batchgen.engine.config import parse_bytes
 
-        per_block = shape.kv_bytes_per_token(dtype_bytes) * e.block_size
+        per_block = kv_bytes_per_token(mc, dtype_bytes) * e.block_size
         slots = parse_bytes(e.kv_cache_memory) // per_block * e.block_size
 
     results: dict[str, Any] = {
         "command": "python -m batchgen.bench.throughput " + " ".join(sys.argv[1:]),
         "config": asdict(cfg),
         "machine": machine,
-        "model": {"path": model_path, "params": shape.params, **asdict(shape)},
+        "model": {"path": model_path, **describe_model(mc)},
         "matmul": matmul,
+        "greedy_check": check,
         "workloads": {},
     }
     for name in workloads:
@@ -412,7 +346,7 @@ def run_benchmark(cfg: ThroughputConfig) -> dict[str, Any]:
                 "engine": asdict(cfg.engine),
                 "kv_token_slots": slots,
                 "profile": cfg.profile if system == "batchgen" else None,
-                "matmul_shapes": shape.matmul_shapes(),
+                "matmul_shapes": matmul_shapes(mc),
                 "matmul_rows": sorted({cfg.hf_batch_size, 256}),
                 "matmul_seconds": cfg.matmul_seconds,
             }
@@ -438,21 +372,49 @@ def run_benchmark(cfg: ThroughputConfig) -> dict[str, Any]:
                 )
                 peak = max(peak, res["matmul"]["peak_flops_per_s"])
         raws[name] = (info, path, wl, raw)
-        _summarise_all(results, raws, cfg, shape, peak, out)
+        _summarise_all(results, raws, cfg, mc, peak, out)
     results["machine"]["loadavg_end"] = list(os.getloadavg())
     results["elapsed_s"] = time.perf_counter() - t_start
-    _summarise_all(results, raws, cfg, shape, peak, out)
+    _summarise_all(results, raws, cfg, mc, peak, out)
     md = format_markdown(results)
     make_charts(results, out)
     print("\n" + md, flush=True)
+    print(f"wrote {out}/results.json, results.md", flush=True)
     return results
+
+
+def run_check(cfg: ThroughputConfig, work_dir: Path) -> dict[str, Any]:
+    """The greedy equality check (systems.run_greedy_check) in its own subprocess, on ``check_model``."""
+    spec = {
+        "system": "greedy_check",
+        "workload": "check",
+        "model_path": ensure_model(cfg.check_model),
+        "vocab_size": cfg.check_model.vocab_size,
+        "dtype": "float32",
+        "device": cfg.device,
+        "threads": cfg.threads,
+        "max_tokens": cfg.check_max_tokens,
+    }
+    res = run_system(spec, work_dir, cfg.system_timeout_s)
+    if res["status"] != "ok":
+        res["passed"] = False
+        print(f"greedy check: {res['status']}: {res.get('reason')}\n{res.get('log_tail', '')}", flush=True)
+    else:
+        print(
+            f"greedy check (float32, {len(res['prompt_lens'])} prompts x {res['max_tokens']} tokens): "
+            f"mismatching prompts {res['mismatching_prompts']}"
+            + (f"; not run: {', '.join(res['not_run'])}" if res["not_run"] else "")
+            + f" -> {'passed' if res['passed'] else 'FAILED'}",
+            flush=True,
+        )
+    return res
 
 
 def _summarise_all(
     results: dict[str, Any],
     raws: dict[str, Any],
     cfg: ThroughputConfig,
-    shape: ModelShape,
+    mc: ModelConfig,
     peak: float,
     out: Path,
 ) -> None:
@@ -465,7 +427,7 @@ def _summarise_all(
         for system in cfg.systems:
             res = raw[system]
             if res["status"] == "ok":
-                systems[system] = _summarise(res, wl, shape, peak, ref_tokens)
+                systems[system] = _summarise(res, wl, mc, peak, ref_tokens)
             else:
                 systems[system] = {
                     "system": system,
@@ -508,13 +470,18 @@ def format_markdown(results: dict[str, Any]) -> str:
         + f"; load average at start {m['loadavg'][0]:.2f}, at end {m.get('loadavg_end', [0])[0]:.2f}; "
         f"threads={cfg['threads']}.",
         "",
-        f"Model: random Llama, {mm['params'] / 1e6:.1f}M parameters (hidden {mm['hidden']}, {mm['layers']} layers, "
+        f"Model: random {mm['architecture']}, {mm['params'] / 1e6:.1f}M parameters (hidden {mm['hidden']}, {mm['layers']} layers, "
         f"{mm['heads']} heads / {mm['kv_heads']} KV heads, intermediate {mm['intermediate']}, vocab {mm['vocab']}), "
         f"{cfg['dtype']}; greedy, ignore_eos. Matmul at the model's shapes: best "
         f"{results['matmul']['peak_flops_per_s'] / 1e9:.1f} GFLOP/s "
         "(the best of the measurements taken before the run and in every system's subprocess; MFU denominator).",
         "",
     ]
+    check = results.get("greedy_check")
+    if check:
+        verdict = "passed" if check.get("passed") else "FAILED"
+        detail = check.get("mismatching_prompts") or check.get("reason")
+        lines += [f"Greedy check (float32, Triton vs torch vs transformers): {verdict}; {detail}.", ""]
     for name, w in results["workloads"].items():
         i = w["info"]
         lines += [
@@ -555,19 +522,25 @@ def format_markdown(results: dict[str, Any]) -> str:
         for s in w["systems"].values():
             if s["status"] == "ok":
                 lines.append(f"- {s['system']}: {s['via']}; {json.dumps(s['settings'])}")
+                kv = s.get("kv_sizing")
+                if kv:
+                    lines.append(
+                        f"  KV pool: {kv['num_blocks']:,} blocks ({kv['kv_cache_bytes'] / 2**30:.2f} GiB, "
+                        f"{kv['token_slots']:,} token slots) from {kv['source']}; engine init "
+                        f"{kv['engine_init_s']:.1f} s"
+                    )
         lines.append("")
     return "\n".join(lines)
 
 
 def make_charts(results: dict[str, Any], out: Path) -> list[str]:
-    """throughput.png (generated tok/s by system and workload) and timeline_<workload>.png."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """throughput.png (generated tok/s by system and workload) and timeline_<workload>.png (with matplotlib)."""
     import numpy as np
 
-    paths = []
+    plt = pyplot()
+    paths: list[str] = []
+    if plt is None:
+        return paths
     names = list(results["workloads"])
     systems = list(
         dict.fromkeys(
@@ -607,7 +580,7 @@ def make_charts(results: dict[str, Any], out: Path) -> list[str]:
         t, running, waiting, usage, util = arr.T
         fig, ax1 = plt.subplots(figsize=(7, 3.6))
         ax1.plot(t, 100 * usage, label="KV blocks in use (% of pool)", color="tab:blue")
-        ax1.plot(t, 100 * util, label="KV utilisation (live slots ÷ allocated)", color="tab:green")
+        ax1.plot(t, 100 * util, label="KV utilization (live slots ÷ allocated)", color="tab:green")
         ax1.set_ylim(0, 105)
         ax1.set_xlabel("seconds")
         ax1.set_ylabel("%")
@@ -635,7 +608,10 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, ThroughputConfig)
-    run_benchmark(obj)
+    results = run_benchmark(obj)
+    check = results.get("greedy_check")
+    if check is not None and not check.get("passed"):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

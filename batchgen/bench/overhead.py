@@ -1,0 +1,297 @@
+"""Engine overhead with a near-null model: ``python -m batchgen.bench.overhead``.
+
+The model is a random Llama of one layer, hidden size 32 (built once into the batchgen cache with
+:func:`batchgen.models.tiny.cached_checkpoint`), so the forward costs little and what remains is the engine's
+own work per step. For each mix and each sequence cap ``N`` (``--seqs``, default 64, 256, 512) one
+:class:`~batchgen.engine.llm_engine.LLMEngine` runs ``--warmup`` steps to reach a steady state, then
+``--steps`` measured steps, while a feeder keeps requests waiting so the engine never drains:
+
+* ``decode``: prompts of 16–48 tokens, 16–240 generated tokens: nearly every step is N decodes plus a few
+  short prefills (token budget 4096).
+* ``prefill``: prompts of 64–448 tokens, 1–8 generated tokens, token budget ``48 × N``: most tokens of a step
+  are prefill chunks of newly admitted requests.
+
+Every request is greedy with ``ignore_eos`` and no stop strings. Phases are timed from outside the engine by
+wrapping, on this one engine instance, the calls its step makes (measurement only; the engine is not changed):
+
+* schedule: ``engine.scheduler.schedule``;
+* prepare inputs: ``engine.runner.prepare_inputs`` (flat tensors, slot mapping, block tables);
+* forward: ``engine.runner.model.forward`` + ``compute_logits`` (the near-null model);
+* sample rows: ``engine._sampling_rows`` (the per-row sampling settings the engine builds every step);
+* sampler: ``engine.sampler`` (penalties, filters, argmax or draw);
+* update/stop: ``engine.scheduler.update`` (append tokens, stop rules, finish, free blocks);
+* detokenize: ``engine._request_output`` (decode the finished requests' texts, build outputs);
+* other: the rest of ``step()`` (copy-on-write copies, logits to float32, listeners).
+
+Step time is the engine's own (``StepInfo.step_time_s`` from a step listener); with ``--repeats R`` each
+configuration runs R times on a fresh engine and the run with the fastest mean step is shown (the least
+disturbed by other work on a shared machine). Printed per configuration: mean
+running sequences, scheduled sequences and tokens per step, milliseconds per step for each phase, and the time
+outside the forward per sequence-step and per token. Timings are noisy on a shared machine; the load average
+is printed beside them. On CUDA every timed call synchronizes first and last (so phases do not overlap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+PHASES = ("schedule", "prepare", "forward", "sample rows", "sampler", "update", "detokenize", "other")
+
+
+@dataclass(frozen=True)
+class Mix:
+    name: str
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+    budget_per_seq: int | None
+    """Token budget = this × N (None: the engine default, 4096)."""
+
+
+MIXES = {
+    "decode": Mix("decode", (16, 48), (16, 240), None),
+    "prefill": Mix("prefill", (64, 448), (1, 8), 48),
+}
+
+
+def overhead_model() -> str:
+    """The near-null checkpoint: Llama, 1 layer, hidden 32, 2 heads / 1 KV head (built once, then cached)."""
+    from batchgen.bench.common import cache_root
+    from batchgen.models.tiny import cached_checkpoint
+
+    spec: dict[str, Any] = dict(
+        arch="llama", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64
+    )
+    return cached_checkpoint("bench-overhead-llama-h32-l1", cache_root(), **spec)
+
+
+class PhaseTimer:
+    """Timing wrappers installed as instance attributes of one engine's parts; totals per step."""
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        self.sync = sync
+        self.current: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def wrap(self, obj: Any, attr: str, phase: str) -> None:
+        inner = getattr(obj, attr)
+        current, calls, sync, clock = self.current, self.calls, self.sync, time.perf_counter
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if sync is not None:
+                sync()
+            t0 = clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if sync is not None:
+                    sync()
+                current[phase] += clock() - t0
+                calls[phase] += 1
+
+        setattr(obj, attr, timed)
+
+    def install(self, engine: Any) -> None:
+        self.wrap(engine.scheduler, "schedule", "schedule")
+        self.wrap(engine.runner, "prepare_inputs", "prepare")
+        self.wrap(engine.runner.model, "forward", "forward")
+        self.wrap(engine.runner.model, "compute_logits", "forward")
+        self.wrap(engine, "_sampling_rows", "sample rows")
+        self.wrap(engine, "sampler", "sampler")
+        self.wrap(engine.scheduler, "update", "update")
+        self.wrap(engine, "_request_output", "detokenize")
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.current)
+        self.current.clear()
+        return out
+
+
+@dataclass
+class Result:
+    mix: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    steps: int
+    running_seqs: float
+    scheduled_seqs: float
+    batched_tokens: float
+    prefill_token_share: float
+    step_ms: float
+    phase_ms: dict[str, float]
+    us_per_seq_step_outside_forward: float
+    us_per_token_outside_forward: float
+    loadavg: float
+
+
+def measure(
+    mix: Mix, n: int, steps: int, warmup: int, seed: int = 0, device: str = "cpu", model: str | None = None
+) -> tuple[Result, dict[str, int]]:
+    """One engine, one configuration; returns the figures and the number of timed calls per phase."""
+    import torch
+
+    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.sampling_params import SamplingParams
+
+    bs = 16
+    budget = mix.budget_per_seq * n if mix.budget_per_seq else 4096
+    per_seq = -(-(mix.prompt[1] + mix.output[1]) // bs)
+    config = EngineConfig(
+        block_size=bs,
+        max_num_seqs=n,
+        max_num_batched_tokens=budget,
+        num_blocks=n * per_seq * 5 // 4 + 64,
+        device=device,
+        seed=seed,
+    )
+    engine = LLMEngine(model or overhead_model(), config, dtype="float32")
+    vocab = engine.model.config.vocab_size
+    timer = PhaseTimer(torch.cuda.synchronize if engine.device.type == "cuda" else None)
+    timer.install(engine)
+    decodes: list[int] = []
+    timed_schedule = engine.scheduler.schedule
+
+    def schedule() -> Any:  # also count the step's decodes (the rest of its tokens are prefill)
+        out = timed_schedule()
+        decodes.append(out.num_decodes)
+        return out
+
+    engine.scheduler.schedule = schedule
+    rows: list[tuple[float, int, int, int, dict[str, float]]] = []
+
+    def on_step(info: Any) -> None:
+        rows.append(
+            (
+                info.step_time_s,
+                info.num_scheduled_seqs,
+                info.num_batched_tokens,
+                info.stats.running_seqs,
+                timer.take(),
+            )
+        )
+
+    engine.add_step_listener(on_step)
+    rng = random.Random(seed)
+    next_id = 0
+
+    def feed() -> None:  # keep at least 2N requests in the engine (outside the timed steps)
+        nonlocal next_id
+        while engine.num_unfinished() < 2 * n:
+            prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(*mix.prompt))]
+            params = SamplingParams(temperature=0.0, max_tokens=rng.randint(*mix.output), ignore_eos=True)
+            engine.add_request(next_id, prompt, params)
+            next_id += 1
+
+    for _ in range(warmup + steps):
+        feed()
+        engine.step()
+    measured = rows[warmup:]
+    total = sum(r[0] for r in measured)
+    phase = {p: sum(r[4].get(p, 0.0) for r in measured) for p in PHASES[:-1]}
+    phase["other"] = total - sum(phase.values())
+    seq_steps = sum(r[1] for r in measured)
+    tokens = sum(r[2] for r in measured)
+    outside = total - phase["forward"]
+    k = len(measured)
+    result = Result(
+        mix=mix.name,
+        max_num_seqs=n,
+        max_num_batched_tokens=budget,
+        steps=k,
+        running_seqs=statistics.fmean(r[3] for r in measured),
+        scheduled_seqs=seq_steps / k,
+        batched_tokens=tokens / k,
+        prefill_token_share=1.0 - sum(decodes[warmup:]) / tokens if tokens else 0.0,
+        step_ms=total / k * 1e3,
+        phase_ms={p: v / k * 1e3 for p, v in phase.items()},
+        us_per_seq_step_outside_forward=outside / max(seq_steps, 1) * 1e6,
+        us_per_token_outside_forward=outside / max(tokens, 1) * 1e6,
+        loadavg=os.getloadavg()[0],
+    )
+    return result, dict(timer.calls)
+
+
+def render(results: list[Result]) -> str:
+    head = (
+        "| mix | max seqs | running | seqs/step | tokens/step | prefill share | step ms | "
+        + " | ".join(PHASES)
+        + " | µs/seq-step outside forward | µs/token outside forward | load |"
+    )
+    lines = [head, "|---|" + "---:|" * (head.count("|") - 2)]
+    for r in results:
+        lines.append(
+            f"| {r.mix} | {r.max_num_seqs} | {r.running_seqs:.0f} | {r.scheduled_seqs:.0f} | "
+            f"{r.batched_tokens:.0f} | {100 * r.prefill_token_share:.0f}% | {r.step_ms:.2f} | "
+            + " | ".join(f"{r.phase_ms[p]:.2f}" for p in PHASES)
+            + f" | {r.us_per_seq_step_outside_forward:.1f} | {r.us_per_token_outside_forward:.2f} | "
+            f"{r.loadavg:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="64,256,512", help="comma-separated sequence caps N (max_num_seqs)")
+    ap.add_argument("--mixes", default="decode,prefill", help=f"comma-separated: {', '.join(MIXES)}")
+    ap.add_argument("--steps", type=int, default=50, help="measured steps per configuration")
+    ap.add_argument("--warmup", type=int, default=30, help="steps run before measuring")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per configuration; the one with the fastest steps is shown",
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from batchgen.bench.common import machine_info
+
+    torch.set_num_threads(args.threads)
+    machine = machine_info()
+    print(
+        f"Machine: {machine['cpu']}, nproc={machine['nproc']}, torch {machine['torch']}, "
+        f"threads={args.threads}, device {args.device}; load average at start {machine['loadavg'][0]:.2f}. "
+        f"Model: Llama, 1 layer, hidden 32 (near-null). {args.warmup} warm-up + {args.steps} measured steps, "
+        f"best of {args.repeats} run(s) per configuration; phases in ms per step.\n",
+        flush=True,
+    )
+    model = overhead_model()
+    results: list[Result] = []
+    for mix_name in args.mixes.split(","):
+        if mix_name not in MIXES:
+            ap.error(f"unknown mix {mix_name!r}: choose from {', '.join(MIXES)}")
+        for n in (int(x) for x in args.seqs.split(",")):
+            runs = [
+                measure(MIXES[mix_name], n, args.steps, args.warmup, args.seed, args.device, model)[0]
+                for _ in range(args.repeats)
+            ]
+            result = min(runs, key=lambda r: r.step_ms)
+            results.append(result)
+            print(f"  {mix_name} N={n}: {result.step_ms:.2f} ms/step", flush=True)
+    print()
+    print(render(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"machine": machine, "args": vars(args) | {"json": str(args.json)}}
+        payload["results"] = [asdict(r) for r in results]
+        args.json.write_text(json.dumps(payload, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
