@@ -11,7 +11,6 @@ import time
 import weakref
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors import safe_open
@@ -183,6 +182,7 @@ def test_streaming_rss_growth_about_one_model(ckpt_factory):
         "llama", hidden_size=256, num_layers=4, intermediate_size=1024, vocab_size=4096, seed=12
     )
     size = (Path(path) / "model.safetensors").stat().st_size
+    psutil = pytest.importorskip("psutil", reason="RSS sampling needs psutil (the bench extra)")
     gc.collect()
     proc = psutil.Process()
     before = proc.memory_info().rss
