@@ -287,6 +287,22 @@ class KVCacheManager:
             cow = []
         return -(-num_tokens // bs) - n + len(cow), cow
 
+    def append_cost(self, targets: Sequence[tuple[SeqId, int]]) -> int:
+        """Free blocks that growing each ``(seq_id, num_tokens)`` in turn with :meth:`append_slots` would take:
+        new blocks plus copies on write, where a block shared only by ``c`` of these sequences is copied
+        ``c - 1`` times (the last writer finds it exclusive). Changes nothing."""
+        rc = self.pool.ref_counts
+        grow = 0
+        writers: dict[int, int] = {}
+        for sid, n in targets:
+            s = self._get_resident(sid)
+            need, cow = self._append_cost(s, n)
+            grow += need - len(cow)
+            for i in cow:
+                b = s.table[i]
+                writers[b] = writers.get(b, 0) + 1
+        return grow + sum(c - (rc[b] == c) for b, c in writers.items())
+
     def append_slots(self, seq_id: SeqId, num_tokens: int) -> list[tuple[int, int]] | None:
         """Grow the sequence to ``num_tokens`` live tokens; copy-on-write shared blocks about to be written.
 
