@@ -23,6 +23,26 @@ from batchgen.engine.swap import BlockSwapper
 logger = logging.getLogger(__name__)
 
 
+def copy_runs(copies: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Split block copies ``(src, dst)`` into consecutive runs whose source and destination sets are disjoint
+    (the copy kernel's contract), so that running them run after run equals copying one by one in order.
+
+    Usually one run: a block only becomes both a source and a destination in one step when a preemption frees
+    a block that an earlier copy of the step read, and a later copy is handed that block.
+    """
+    runs: list[list[tuple[int, int]]] = []
+    srcs: set[int] = set()
+    dsts: set[int] = set()
+    for src, dst in copies:
+        if not runs or dst in srcs or src in dsts:
+            runs.append([])
+            srcs, dsts = set(), set()
+        runs[-1].append((src, dst))
+        srcs.add(src)
+        dsts.add(dst)
+    return runs
+
+
 class ModelRunner:
     """Invariant: ``kv_cache`` is zero-initialised and only ever holds finite K/V written by ``store_kv``."""
 
@@ -131,26 +151,8 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------------------- forward
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write copies in list order. The kernel wants disjoint source and destination sets; a block
-        freed by a preemption after being copied from may be a destination later in the same step, so such a
-        list is split into runs in which no destination is a source of the same run or an earlier one."""
-        if not copies:
-            return
-        dsts = {d for _, d in copies}
-        if any(s in dsts for s, _ in copies):
-            runs: list[list[tuple[int, int]]] = [[]]
-            seen_src: set[int] = set()
-            run_dst: set[int] = set()
-            for src, dst in copies:
-                if dst in seen_src or src in run_dst:
-                    runs.append([])
-                    seen_src, run_dst = set(), set()
-                runs[-1].append((src, dst))
-                seen_src.add(src)
-                run_dst.add(dst)
-        else:
-            runs = [copies]
-        for run in runs:
+        """Copy-on-write copies, with the meaning of performing them one by one in list order."""
+        for run in copy_runs(copies):
             mapping = torch.tensor(run, dtype=torch.long, device=self.device)
             self.attn.copy_blocks(self.kv_cache, mapping)
 
