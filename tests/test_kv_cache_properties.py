@@ -142,6 +142,52 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.live[child] = n
 
     @precondition(lambda self: self._resident())
+    @rule(
+        i=st.integers(0, 1000),
+        picks=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+        new=st.lists(st.integers(0, 2), min_size=4, max_size=4),
+    )
+    def beam_step(self, i: int, picks: list[int], new: list[int]) -> None:
+        """One beam-search step over a group: survivors kept once reuse their sequence, kept again are forked
+        (before growing), dropped ones are freed, then every new beam writes its next token (copy on write)."""
+        root = self._pick(i)
+        mine = set(self.mgr.block_table(root))
+        group = [root] + [
+            s
+            for s in sorted(self.live)
+            if s != root and s not in self.swapped and mine & set(self.mgr.block_table(s))
+        ][:3]
+        parents = [group[p % len(group)] for p in picks]
+        beams: list[int] = []
+        for p in parents:
+            if p in beams:
+                child = self.next_id
+                self.next_id += 1
+                self.mgr.fork(p, child)
+                self.tokens[child] = self.tokens[p][: self.live[p]]
+                self.live[child] = self.live[p]
+                beams.append(child)
+            else:
+                beams.append(p)
+        for s in group:
+            if s not in beams:
+                self.mgr.free(s)
+                del self.live[s], self.tokens[s]
+        for s, tok in zip(beams, new):
+            old = self.live[s]
+            del self.tokens[s][old:]
+            self.tokens[s].append(tok)
+            copies = self.mgr.append_slots(s, old + 1)
+            if copies is None:
+                self.tokens[s].pop()
+                continue
+            for src, dst in copies:
+                self.phys[dst] = list(self.phys[src])
+            self.live[s] = old + 1
+            self._write(s, old, old + 1)
+            self.mgr.cache_full_blocks(s, self.tokens[s], old + 1)
+
+    @precondition(lambda self: self._resident())
     @rule(i=st.integers(0, 1000), group=st.booleans())
     def swap_out(self, i: int, group: bool) -> None:
         """Swap out one sequence, or it and every resident sequence sharing a block with it (a beam group)."""
