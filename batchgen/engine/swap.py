@@ -13,7 +13,8 @@ cache (``kv_cache[:, :, ids]`` moved to the front) is one contiguous tensor. On 
   pinned staging memory, copies them to the GPU and scatters them into the KV cache (``index_copy_``) on the
   side stream after the compute stream's earlier work; the compute stream waits for it before the forward.
 
-Ordering within a step (the runner's job): swap-outs, then copy-on-write copies, then swap-ins, then the
+Copies go in chunks of at most ``CHUNK_BYTES`` (bounded temporary GPU and pinned memory, which the memory
+profile does not account for). Ordering within a step (the runner's job): swap-outs, then copy-on-write copies, then swap-ins, then the
 forward, because blocks freed by a preemption may be handed out again in the same step.
 """
 
@@ -24,6 +25,9 @@ import math
 import numpy as np
 import torch
 from torch import Tensor
+
+CHUNK_BYTES = 64 << 20
+"""Most bytes of KV blocks moved by one batched copy (temporary gather buffers are this big at most)."""
 
 
 class BlockSwapper:
@@ -36,6 +40,8 @@ class BlockSwapper:
         self.block_shape = (num_layers, 2, block_size, heads, head_dim)
         shape = (num_cpu_blocks, *self.block_shape)
         dtype = kv_cache.dtype
+        block_bytes = math.prod(self.block_shape) * kv_cache.element_size()
+        self.chunk_blocks = max(1, CHUNK_BYTES // block_bytes)
         if self.device.type == "cuda":
             self.cpu_cache = torch.empty(shape, dtype=dtype, pin_memory=True)
             self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device=self.device)
@@ -54,8 +60,15 @@ class BlockSwapper:
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy GPU blocks ``mapping[i][0]`` into CPU blocks ``mapping[i][1]``."""
-        if not mapping:
-            return
+        for i in range(0, len(mapping), self.chunk_blocks):
+            self._swap_out(mapping[i : i + self.chunk_blocks])
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy CPU blocks ``mapping[i][0]`` into GPU blocks ``mapping[i][1]`` (done before the forward)."""
+        for i in range(0, len(mapping), self.chunk_blocks):
+            self._swap_in(mapping[i : i + self.chunk_blocks])
+
+    def _swap_out(self, mapping: list[tuple[int, int]]) -> None:
         src = torch.tensor([g for g, _ in mapping], dtype=torch.long)
         dst = torch.tensor([c for _, c in mapping], dtype=torch.long)
         kv = self.kv_cache
@@ -86,10 +99,7 @@ class BlockSwapper:
             done.synchronize()
         self._staged_in.clear()
 
-    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
-        """Copy CPU blocks ``mapping[i][0]`` into GPU blocks ``mapping[i][1]`` (done before the forward)."""
-        if not mapping:
-            return
+    def _swap_in(self, mapping: list[tuple[int, int]]) -> None:
         src = torch.tensor([c for c, _ in mapping], dtype=torch.long)
         dst = torch.tensor([g for _, g in mapping], dtype=torch.long)
         kv = self.kv_cache
