@@ -320,3 +320,45 @@ def test_swap_fallback_to_recompute_when_cpu_pool_is_full():
         assert sched.kv.stats().cpu_blocks_used <= 6
     assert saw_swapped and saw_recomputed
     assert sched.stats.num_swapped_in_blocks == sched.stats.num_swapped_out_blocks > 0
+
+
+def test_swapped_unit_that_cannot_fit_while_nothing_runs_is_recomputed():
+    """Blocks other swapped sequences keep on the GPU (shared with a sequence swapped later) can leave too little
+    room for a swapped unit even with nothing running: it is recomputed instead of waiting forever."""
+    sched = Scheduler(
+        EngineConfig(block_size=8, preemption_mode="swap"),
+        KVCacheManager(6, BS, num_cpu_blocks=16),
+        StopRules.build([EOS], max_model_len=1000),
+        EngineStats(),
+    )
+    kv = sched.kv
+
+    def swapped_seq(rid: str, prompt_len: int, first: int):
+        seq = add(sched, rid, prompt_len, max_tokens=4, first_token=first)
+        sched.waiting.remove(seq)
+        seq.token_ids.append(1)  # one token generated: the next step is a decode
+        kv.allocate(seq.seq_id, seq.token_ids, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        return seq
+
+    def swap(unit):
+        assert kv.swap_out([s.seq_id for s in unit]) is not None
+        for s in unit:
+            s.status = SequenceStatus.SWAPPED
+        sched.swapped.append(unit)
+
+    big = swapped_seq("big", 15, 0)  # 4 blocks
+    swap([big])
+    a = swapped_seq("a", 8, 100)  # 3 blocks
+    b = a.fork(1)  # an n=2 sibling sharing all of a's blocks
+    kv.fork(a.seq_id, b.seq_id)
+    swap([a])
+    swap([b])
+    # a's blocks stayed on the GPU for b, then b's (shared) ones too: 3 of 6 blocks held, big needs 4 + 1.
+    assert kv.stats().blocks_used == 3 and kv.swap_in_cost([big.seq_id]) == 4
+    out, _ = fake_step(sched)
+    assert big.status is SequenceStatus.WAITING and big.num_computed_tokens == 0
+    assert {s.seq.seq_id for s in out.seqs} == {a.seq_id, b.seq_id}
+    run_all(sched)
+    assert big.num_output_tokens == a.num_output_tokens == b.num_output_tokens == 4
+    assert kv.stats().blocks_used == 0 and kv.num_free_cpu_blocks == 16

@@ -328,16 +328,27 @@ class Scheduler:
 
     def _swap_in(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> int:
         """Bring swapped-out units back, oldest preemption first, while their blocks (and one more block per
-        sequence for this step's tokens) fit above the watermark; none in a step that preempted."""
+        sequence for this step's tokens) fit above the watermark; none in a step that preempted. A unit that
+        does not fit although nothing runs (blocks other swapped units keep on the GPU, shared with it or not,
+        fill the pool) gives up its CPU copy and waits to be recomputed, so the queue can never deadlock."""
         kv = self.kv
         while self.swapped and budget > 0 and not self._preempted:
             unit = self.swapped[0]
-            if len(self.running) + len(unit) > self.config.max_num_seqs:
+            if len(self.running) + len(unit) > self.config.max_num_seqs and self.running:
                 break
             ids = [s.seq_id for s in unit]
             reserve = self.watermark_blocks if self.running else 0
             if kv.swap_in_cost(ids) + len(unit) + reserve > kv.num_free_blocks:
-                break
+                if self.running:
+                    break
+                self.swapped.popleft()
+                for s in unit:
+                    kv.free(s.seq_id)
+                    s.status = SequenceStatus.WAITING
+                    s.num_computed_tokens = 0
+                    self._deps.pop(s.seq_id, None)
+                self.waiting.extendleft(reversed(unit))
+                continue
             copies = kv.swap_in(ids)
             assert copies is not None, "swap_in_cost said the blocks were free"
             out.swap_in.extend(copies)
