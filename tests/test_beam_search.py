@@ -131,7 +131,7 @@ def test_finished_hypotheses_and_length_penalty_matter(llama_ckpt: str) -> None:
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_beam_search_matches_transformers_full_matrix(arch: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(f"{arch}_ckpt")
-    prompts = make_prompts([5, BS + 1, 2 * BS + 3], seed=22)
+    prompts = make_prompts([5, 2 * BS + 3], seed=22)
     modes = ("eos", "ignore_eos", "ignore_eos_stop", "min_tokens")
     for prompt, (k, n_of), lp, es, mode in itertools.product(
         prompts, ((2, 1), (2, 2), (4, 1), (4, 4)), (1.0, 0.0, 2.0, -1.0), (False, True, "never"), modes
