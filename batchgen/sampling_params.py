@@ -12,6 +12,12 @@ Semantics follow vLLM / the OpenAI API where they exist, so a config written for
 * ``top_k`` of ``0`` or ``-1`` disables top-k; ``top_p == 1`` disables top-p; ``min_p == 0`` disables min-p.
 * The repetition penalty follows transformers (over prompt + generated tokens); presence and frequency
   penalties follow OpenAI / vLLM (over generated tokens only).
+* ``beam_width > 1`` turns on beam search with the semantics of transformers'
+  ``generate(num_beams=beam_width, num_return_sequences=n, length_penalty=..., early_stopping=...,
+  do_sample=False)``: the ``n`` best finished beams are returned, best first. Beam search is deterministic:
+  temperature, top-k/top-p/min-p and the seed are ignored; stop strings, logprobs and the penalties are not
+  supported with it (a ValueError says so); eos, ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` and
+  ``max_tokens`` apply to every beam.
 
 Validation happens in ``__post_init__`` (also after ``dataclasses.replace``): a bad value raises a
 ``ValueError`` naming the field and its allowed range. Numeric values from configs or Parquet columns
@@ -114,6 +120,14 @@ class SamplingParams:
     (seed, row id), so its output does not depend on batching, grouping or resume; null = unseeded."""
     skip_special_tokens: bool = True
     """Leave special tokens (eos, chat markers, ...) out of the returned text."""
+    beam_width: int = 1
+    """Beam search with this many beams (>= 1; 1 = off). Returns the ``n`` (<= beam_width) best beams."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam scores ``sum of logprobs / generated_len ** length_penalty`` (> 0 favours
+    longer outputs, < 0 shorter ones; transformers semantics, the generated length counts the eos token)."""
+    early_stopping: bool | str = False
+    """Beam search stopping rule (transformers): True stops once ``beam_width`` beams are finished; False stops
+    when a heuristic says no running beam can beat the finished ones; 'never' only when none can (exact)."""
 
     def __post_init__(self) -> None:
         # In field order, so the first invalid field is the one reported.
@@ -130,6 +144,7 @@ class SamplingParams:
             self.seed = _as_int("seed", self.seed)
             if not -(2**63) <= self.seed < 2**64:
                 raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        self._check_beam()
 
     def _check_sampling(self) -> None:
         """n, temperature, the top-k/top-p/min-p filters and the penalties."""
@@ -197,10 +212,52 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative token ids, got {ids}")
             self.stop_token_ids = list(dict.fromkeys(ids)) or None
 
+    def _check_beam(self) -> None:
+        """beam_width, length_penalty, early_stopping, and the options beam search does not take."""
+        self.beam_width = _as_int("beam_width", self.beam_width)
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1 (1 = no beam search), got {self.beam_width}")
+        self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
+        es = self.early_stopping
+        if isinstance(es, str) and es.strip().lower() in ("true", "false", "never"):
+            es = {"true": True, "false": False, "never": "never"}[es.strip().lower()]
+        elif es != "never":
+            try:
+                es = _as_bool("early_stopping", es)
+            except ValueError:
+                raise ValueError(
+                    f"early_stopping must be true, false or 'never', got {self.early_stopping!r}"
+                ) from None
+        self.early_stopping = es
+        if self.beam_width == 1:
+            return
+        if self.n > self.beam_width:
+            raise ValueError(f"n ({self.n}) must be <= beam_width ({self.beam_width}) with beam search")
+        unsupported = [
+            name
+            for name, off in (
+                ("stop", self.stop is None),
+                ("logprobs", self.logprobs is None),
+                ("repetition_penalty", self.repetition_penalty == 1.0),
+                ("presence_penalty", self.presence_penalty == 0.0),
+                ("frequency_penalty", self.frequency_penalty == 0.0),
+            )
+            if not off
+        ]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} not supported with beam search (beam_width > 1)")
+
     @property
     def greedy(self) -> bool:
         """True when decoding is greedy (temperature < 1e-5): the argmax of the penalised logits."""
         return self.temperature < GREEDY_EPS
+
+    @property
+    def use_beam_search(self) -> bool:
+        """True when ``beam_width > 1``."""
+        return self.beam_width > 1
 
     @property
     def needs_penalties(self) -> bool:

@@ -6,7 +6,10 @@ step back with ``update()`` (a fixed token for every sampled sequence), like the
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
+import torch
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager
@@ -165,3 +168,197 @@ def test_unservable_request_is_reported(cap):
     sched = make_scheduler(num_blocks=cap)
     assert sched.unservable(4 * cap, 1, 1000) is not None
     assert sched.unservable(2, 1, 1000) is None
+
+
+# ------------------------------------------------------------------------------ beam groups and swapping
+# A fake model for the scheduler alone: next-token log-probabilities are a fixed function of the tokens so far,
+# so a run's results do not depend on batching, preemption or swapping, only on the scheduler being right.
+V = 48
+
+
+def fake_logprobs(tokens: list[int]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(bytes(str(tokens), "ascii")))
+    return torch.log_softmax(torch.randn(V, generator=g) * 3, dim=-1)
+
+
+def add_beam(
+    sched: Scheduler, rid: str, prompt_len: int, k: int, max_tokens: int, first_token: int = 0, **kw
+):
+    params = SamplingParams(max_tokens=max_tokens, beam_width=k, n=k, **kw)
+    request = Request(rid, [(first_token + i) % V for i in range(prompt_len)], params)
+    sched.add(request.new_sequence(list(request.prompt_token_ids), 0))
+    return request
+
+
+def fake_step(sched: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
+    out = sched.schedule()
+    completing = {s.seq.seq_id for s in out.seqs if s.completes}
+    for s in out.seqs:  # a beam group samples as a whole or not at all
+        beam = s.seq.request.beam
+        if beam is not None and s.completes:
+            assert all(b.seq_id in completing for b in beam.beams), "a beam group sampled in part"
+    tokens = [int(fake_logprobs(s.token_ids).argmax()) for s in out.sample_seqs]
+    beam_lp = None
+    if out.beam_rows:
+        beam_lp = torch.stack([fake_logprobs(out.seqs[r].seq.token_ids) for r in out.beam_rows])
+    done = sched.update(out, tokens, [None] * len(tokens), beam_lp)
+    check_units(sched)
+    return out, done
+
+
+def check_units(sched: Scheduler) -> None:
+    """Every beam group is in one state; refcounts match the tables (swapped ones included)."""
+    for s in sched.running + list(sched.waiting) + [s for u in sched.swapped for s in u]:
+        beam = s.request.beam
+        if beam is not None:
+            assert s in beam.beams
+            assert len({b.status for b in beam.beams}) == 1, "a beam group is split across states"
+    kv = sched.kv
+    kv.pool.check_invariants()
+    refs: dict[int, int] = {}
+    for sid in kv._seqs:
+        for b in kv.raw_table(sid):
+            if b >= 0:
+                refs[b] = refs.get(b, 0) + 1
+    assert all(kv.pool.ref_counts[b] == refs.get(b, 0) for b in range(kv.num_blocks))
+
+
+def run_all(sched: Scheduler, max_steps: int = 2000) -> None:
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return
+        fake_step(sched)
+    raise AssertionError("did not finish")
+
+
+def results(requests: list[Request]) -> list[list[list[int]]]:
+    out = []
+    for r in requests:
+        if r.beam is not None:
+            out.append([h.token_ids for h in r.beam.results()])
+        else:
+            out.append([s.output_token_ids for s in r.seqs])
+    return out
+
+
+def test_beam_group_forks_share_blocks_and_copy_only_the_partial_block():
+    sched = make_scheduler(num_blocks=64)
+    request = add_beam(sched, "b", 10, k=4, max_tokens=6, ignore_eos=True)  # 3 blocks, the last holds 2
+    out, _ = fake_step(sched)
+    assert out.beam_rows == [0] and out.sample_rows == []
+    beams = request.beam.beams
+    assert len(beams) == 4 and all(b.status is SequenceStatus.RUNNING for b in beams)
+    tables = [sched.kv.block_table(b.seq_id) for b in beams]
+    assert all(t == tables[0] for t in tables) and len(tables[0]) == 3
+    assert sched.kv.stats().blocks_used == 3  # 12 logical blocks, 3 physical
+    out, _ = fake_step(sched)
+    assert out.num_decodes == 4 and len(out.beam_rows) == 4
+    assert len(out.copies) == 3  # the shared partial block: copied for 3 beams, written in place by the 4th
+    assert {src for src, _ in out.copies} == {tables[0][2]}
+    run_all(sched)
+    assert request.num_finished == 4 and len(request.beam.results()) == 4
+    assert [len(h.token_ids) for h in request.beam.results()] == [6] * 4
+    assert sched.kv.stats().blocks_used == 0 and not sched.running
+
+
+def _mixed_workload(sched: Scheduler) -> list[Request]:
+    reqs = []
+    for i in range(3):
+        reqs.append(add_beam(sched, f"b{i}", 9 + 5 * i, k=2 + 2 * (i % 2), max_tokens=14, first_token=7 * i))
+    for i in range(4):
+        seq = add(sched, f"g{i}", 6 + 3 * i, max_tokens=12, first_token=3 + 5 * i)
+        reqs.append(seq.request)
+    return reqs
+
+
+@pytest.mark.parametrize(
+    "mode,num_blocks,cpu_blocks",
+    [("recompute", 24, 0), ("swap", 24, 64), ("swap", 22, 6)],
+    ids=["recompute", "swap", "swap-cpu-full"],
+)
+def test_beam_groups_and_sequences_survive_preemption(mode: str, num_blocks: int, cpu_blocks: int):
+    ref_sched = make_scheduler(num_blocks=512)
+    ref = results(_run(ref_sched))
+    cfg = {"preemption_mode": mode, "max_num_batched_tokens": 64}
+    sched = Scheduler(
+        EngineConfig(block_size=8, **cfg),
+        KVCacheManager(num_blocks, BS, num_cpu_blocks=cpu_blocks),
+        StopRules.build([EOS], max_model_len=1000),
+        EngineStats(),
+    )
+    got = results(_run(sched))
+    assert got == ref
+    st = sched.stats
+    assert st.num_preemptions > 0
+    if mode == "swap":
+        assert st.num_swapped_out_blocks > 0 and st.num_swapped_in_blocks > 0
+    else:
+        assert st.num_swapped_out_blocks == 0
+    assert sched.kv.stats().blocks_used == 0 and sched.kv.num_free_cpu_blocks == cpu_blocks
+
+
+def _run(sched: Scheduler) -> list[Request]:
+    reqs = _mixed_workload(sched)
+    run_all(sched)
+    return reqs
+
+
+def test_swap_fallback_to_recompute_when_cpu_pool_is_full():
+    sched = Scheduler(
+        EngineConfig(block_size=8, preemption_mode="swap", max_num_batched_tokens=64),
+        KVCacheManager(16, BS, num_cpu_blocks=6),
+        StopRules.build([EOS], max_model_len=1000),
+        EngineStats(),
+    )
+    for i in range(4):
+        add(sched, f"r{i}", 8, max_tokens=20, first_token=10 * i)
+    saw_swapped = saw_recomputed = False
+    while sched.has_unfinished():
+        fake_step(sched)
+        saw_swapped |= bool(sched.swapped)
+        saw_recomputed |= any(s.num_output_tokens > 0 for s in sched.waiting)
+        assert sched.kv.stats().cpu_blocks_used <= 6
+    assert saw_swapped and saw_recomputed
+    assert sched.stats.num_swapped_in_blocks == sched.stats.num_swapped_out_blocks > 0
+
+
+def test_swapped_unit_that_cannot_fit_while_nothing_runs_is_recomputed():
+    """Blocks other swapped sequences keep on the GPU (shared with a sequence swapped later) can leave too little
+    room for a swapped unit even with nothing running: it is recomputed instead of waiting forever."""
+    sched = Scheduler(
+        EngineConfig(block_size=8, preemption_mode="swap"),
+        KVCacheManager(6, BS, num_cpu_blocks=16),
+        StopRules.build([EOS], max_model_len=1000),
+        EngineStats(),
+    )
+    kv = sched.kv
+
+    def swapped_seq(rid: str, prompt_len: int, first: int):
+        seq = add(sched, rid, prompt_len, max_tokens=4, first_token=first)
+        sched.waiting.remove(seq)
+        seq.token_ids.append(1)  # one token generated: the next step is a decode
+        kv.allocate(seq.seq_id, seq.token_ids, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        return seq
+
+    def swap(unit):
+        assert kv.swap_out([s.seq_id for s in unit]) is not None
+        for s in unit:
+            s.status = SequenceStatus.SWAPPED
+        sched.swapped.append(unit)
+
+    big = swapped_seq("big", 15, 0)  # 4 blocks
+    swap([big])
+    a = swapped_seq("a", 8, 100)  # 3 blocks
+    b = a.fork(1)  # an n=2 sibling sharing all of a's blocks
+    kv.fork(a.seq_id, b.seq_id)
+    swap([a])
+    swap([b])
+    # a's blocks stayed on the GPU for b, then b's (shared) ones too: 3 of 6 blocks held, big needs 4 + 1.
+    assert kv.stats().blocks_used == 3 and kv.swap_in_cost([big.seq_id]) == 4
+    out, _ = fake_step(sched)
+    assert big.status is SequenceStatus.WAITING and big.num_computed_tokens == 0
+    assert {s.seq.seq_id for s in out.seqs} == {a.seq_id, b.seq_id}
+    run_all(sched)
+    assert big.num_output_tokens == a.num_output_tokens == b.num_output_tokens == 4
+    assert kv.stats().blocks_used == 0 and kv.num_free_cpu_blocks == 16

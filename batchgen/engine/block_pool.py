@@ -209,6 +209,14 @@ class BlockPool:
         """Token ids registered for a block (None if it has no hash)."""
         return self._block_tokens[block_id]
 
+    def cache_entry(self, block_id: int) -> tuple[BlockHash, BlockHash | None, tuple[int, ...]] | None:
+        """``(hash, parent_hash, token_ids)`` a block is registered under, or None (to re-register its content
+        elsewhere, e.g. after a swap to CPU memory and back)."""
+        h = self.block_hash[block_id]
+        if h is None:
+            return None
+        return h, self._block_parent[block_id], self._block_tokens[block_id]  # type: ignore[return-value]
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix: evictable blocks become free; in-use blocks lose their hash.
 

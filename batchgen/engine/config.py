@@ -65,6 +65,14 @@ class EngineConfig:
     """'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'."""
     seed: int = 0
     """Seed of the engine's sampling generator for requests without their own seed."""
+    preemption_mode: str = "recompute"
+    """What happens to a sequence preempted when KV blocks run out: 'recompute' (free its blocks, recompute its
+    prompt and output later) or 'swap' (copy its blocks to CPU memory, engine.swap_space, and back; falls back
+    to recompute when the CPU pool is full). A beam group is preempted as one."""
+    swap_space: str = "4GiB"
+    """CPU memory for swapped-out KV blocks with preemption_mode=swap, e.g. '4GiB' (pinned on CUDA)."""
+    num_swap_blocks: int | None = None
+    """Exact number of CPU swap blocks; overrides swap_space (preemption_mode=swap only)."""
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
@@ -85,5 +93,12 @@ class EngineConfig:
             raise ValueError(
                 f"engine.attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
             )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"engine.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        parse_bytes(self.swap_space)
+        if self.num_swap_blocks is not None and self.num_swap_blocks < 1:
+            raise ValueError(f"engine.num_swap_blocks must be >= 1, got {self.num_swap_blocks}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"engine.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

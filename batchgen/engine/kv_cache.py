@@ -20,6 +20,19 @@ Invariants (documented here, checked after every step by ``tests/test_kv_cache_p
    prompt token is always recomputed (its logits are needed).
 6. Failure to find memory returns ``None`` and changes nothing; invalid use raises :class:`KVCacheError`.
 
+**Swapping** (``num_cpu_blocks > 0``): :meth:`KVCacheManager.swap_out` moves a set of sequences (a preempted
+unit: one sequence, or every beam of a beam group) to a second, CPU :class:`BlockPool` without caching. Each
+block referenced *only* by the set is copied once to one CPU block (shared blocks inside the set, e.g. the
+common history of beams, are copied once and the CPU block's refcount counts the set's references) and its GPU
+block is freed; a block that a sequence outside the set also references stays on the GPU, still referenced by
+the swapped sequence (it cannot be freed anyway, and full blocks are never written again). A swapped
+sequence's table entries are GPU block ids (``>= 0``) or ``~cpu_block_id`` (``< 0``). :meth:`swap_in` maps
+each distinct CPU block back to one GPU block: a block that held a registered prefix is served again from the
+prefix cache when the cache still holds that prefix (no copy), else copied into a fresh block that is
+registered again. Refcounts on both pools equal the number of table entries pointing at each block. The
+``(src, dst)`` lists returned must be executed in the order swap-outs → copy-on-write copies → swap-ins, all
+before the forward: a block freed by a swap-out may be handed out again in the same step.
+
 Cost per call is O(blocks touched by the call), never O(num_blocks): the engine calls
 ``append_slots`` / ``block_table`` for up to a few hundred sequences every step.
 """
@@ -67,6 +80,16 @@ class KVCacheStats:
     """Cached blocks evicted to make room so far."""
     peak_blocks_used: int
     """Most blocks in use at once so far."""
+    num_swapped_seqs: int = 0
+    """Sequences whose blocks are (partly) in CPU memory (not counted in ``num_seqs``/``logical_tokens``)."""
+    cpu_blocks: int = 0
+    """Size of the CPU swap pool (0: swapping off)."""
+    cpu_blocks_used: int = 0
+    """CPU blocks holding swapped-out KV."""
+    num_swapped_out_blocks: int = 0
+    """GPU blocks copied to CPU memory so far."""
+    num_swapped_in_blocks: int = 0
+    """CPU blocks copied back to GPU blocks so far (prefix-cache hits on swap-in are not copies)."""
 
     @property
     def kv_utilization(self) -> float:
@@ -97,6 +120,8 @@ class _Seq:
     """Hashes of this sequence's leading full blocks, as far as they have been computed."""
     num_registered: int = 0
     """Leading blocks already registered in the prefix cache (or taken from it)."""
+    swapped: bool = False
+    """Swapped out: entries ``< 0`` of ``table`` are CPU blocks ``~entry``."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -106,10 +131,21 @@ def _cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Block tables of all live sequences over one :class:`BlockPool` (see the module docstring)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, block_size, enable_caching=enable_prefix_caching)
+        # CPU swap space: plain refcounted blocks (the prefix cache lives on the GPU pool only).
+        self.cpu_pool = (
+            BlockPool(num_cpu_blocks, block_size, enable_caching=False) if num_cpu_blocks > 0 else None
+        )
+        # Prefix-cache entry of the GPU block a CPU block was copied from, to register it again on swap-in.
+        self._cpu_cache_entry: dict[int, tuple[BlockHash, BlockHash | None, tuple[int, ...]]] = {}
+        self._num_swapped = 0
+        self._swapped_out_blocks = 0
+        self._swapped_in_blocks = 0
         self._seqs: dict[SeqId, _Seq] = {}
         self._live_slots = 0
         self._logical_tokens = 0
@@ -136,7 +172,22 @@ class KVCacheManager:
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         """A copy of the sequence's block table (logical block i → physical block id)."""
+        return list(self._get_resident(seq_id).table)
+
+    def raw_table(self, seq_id: SeqId) -> list[int]:
+        """The table as stored, swapped sequences included (entries ``< 0`` are CPU blocks ``~entry``)."""
         return list(self._get(seq_id).table)
+
+    def is_swapped(self, seq_id: SeqId) -> bool:
+        return self._get(seq_id).swapped
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_blocks if self.cpu_pool is not None else 0
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_free_blocks if self.cpu_pool is not None else 0
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Live tokens the sequence's table covers (last ``num_tokens`` given to allocate/append_slots)."""
@@ -146,6 +197,12 @@ class KVCacheManager:
         s = self._seqs.get(seq_id)
         if s is None:
             raise KVCacheError(f"unknown or already freed sequence {seq_id!r}")
+        return s
+
+    def _get_resident(self, seq_id: SeqId) -> _Seq:
+        s = self._get(seq_id)
+        if s.swapped:
+            raise KVCacheError(f"sequence {seq_id!r} is swapped out; swap it in first")
         return s
 
     def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[BlockHash]]:
@@ -173,6 +230,11 @@ class KVCacheManager:
         revived = sum(1 for b in cached if rc[b] == 0)  # evictable now, so they use up free blocks
         live = max(num_tokens, len(cached) * self.block_size)
         return _cdiv(live, self.block_size) - len(cached) + revived
+
+    def allocate_cost(self, token_ids: Sequence[int], num_tokens: int) -> int:
+        """Free blocks :meth:`allocate` would take for this sequence now (prefix hits counted); changes nothing."""
+        cached, _ = self._match_prefix(token_ids)
+        return self._blocks_needed(cached, num_tokens)
 
     # ------------------------------------------------------------- mutations
     def allocate(
@@ -225,6 +287,22 @@ class KVCacheManager:
             cow = []
         return -(-num_tokens // bs) - n + len(cow), cow
 
+    def append_cost(self, targets: Sequence[tuple[SeqId, int]]) -> int:
+        """Free blocks that growing each ``(seq_id, num_tokens)`` in turn with :meth:`append_slots` would take:
+        new blocks plus copies on write, where a block shared only by ``c`` of these sequences is copied
+        ``c - 1`` times (the last writer finds it exclusive). Changes nothing."""
+        rc = self.pool.ref_counts
+        grow = 0
+        writers: dict[int, int] = {}
+        for sid, n in targets:
+            s = self._get_resident(sid)
+            need, cow = self._append_cost(s, n)
+            grow += need - len(cow)
+            for i in cow:
+                b = s.table[i]
+                writers[b] = writers.get(b, 0) + 1
+        return grow + sum(c - (rc[b] == c) for b, c in writers.items())
+
     def append_slots(self, seq_id: SeqId, num_tokens: int) -> list[tuple[int, int]] | None:
         """Grow the sequence to ``num_tokens`` live tokens; copy-on-write shared blocks about to be written.
 
@@ -234,6 +312,8 @@ class KVCacheManager:
         s = self._seqs.get(seq_id)
         if s is None:
             raise KVCacheError(f"cannot append to unknown or already freed sequence {seq_id!r}")
+        if s.swapped:
+            raise KVCacheError(f"cannot append to swapped-out sequence {seq_id!r}")
         old = s.num_tokens
         if num_tokens == old:
             return []
@@ -274,7 +354,7 @@ class KVCacheManager:
         schedule time for the tokens scheduled this step. Hashes are chained from the blocks already
         registered, so each block is hashed once per sequence. No-op without prefix caching.
         """
-        s = self._get(seq_id)
+        s = self._get_resident(seq_id)
         if not self.enable_prefix_caching:
             return
         if num_computed_tokens > s.num_tokens:
@@ -302,23 +382,42 @@ class KVCacheManager:
             pool.cache_block(s.table[i], h, parent, toks)
         s.num_registered = num_full
 
-    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+    def fork(self, parent_id: SeqId, child_id: SeqId, num_tokens: int | None = None) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (partial last block too; refcount + 1).
 
         Needs no free block; the first write of either sequence into a shared partial block copies it.
+        With ``num_tokens`` (a multiple of block_size, at most the parent's live tokens) the child shares only
+        the parent's first ``num_tokens // block_size`` (full) blocks and has ``num_tokens`` live tokens: a
+        sequence that shares a prefix with the parent and continues differently (beams resumed after a
+        preemption). Its next :meth:`append_slots` allocates fresh blocks (no copy).
         """
-        p = self._get(parent_id)
+        p = self._get_resident(parent_id)
         if child_id in self._seqs:
             raise KVCacheError(f"cannot fork into {child_id!r}: sequence already exists")
-        self.pool.incref(p.table)
-        self._seqs[child_id] = _Seq(list(p.table), p.num_tokens, list(p.block_hashes), p.num_registered)
-        self._logical_tokens += p.num_tokens
+        if num_tokens is None or num_tokens == p.num_tokens:
+            table, n = list(p.table), p.num_tokens
+            hashes, registered = list(p.block_hashes), p.num_registered
+        else:
+            if num_tokens < 0 or num_tokens > p.num_tokens or num_tokens % self.block_size:
+                raise KVCacheError(
+                    f"fork of {num_tokens} tokens: must be a multiple of block_size ({self.block_size}) and at "
+                    f"most the parent's {p.num_tokens} tokens"
+                )
+            nb = num_tokens // self.block_size
+            table, n = p.table[:nb], num_tokens
+            hashes, registered = p.block_hashes[:nb], min(p.num_registered, nb)
+        self.pool.incref(table)
+        self._seqs[child_id] = _Seq(table, n, hashes, registered)
+        self._logical_tokens += n
 
     def free(self, seq_id: SeqId) -> None:
         """Release the sequence's blocks (last to first, so cached tails are evicted before heads)."""
         s = self._seqs.pop(seq_id, None)
         if s is None:
             raise KVCacheError(f"cannot free unknown or already freed sequence {seq_id!r}")
+        if s.swapped:
+            self._free_swapped(s)
+            return
         table = s.table
         self._logical_tokens -= s.num_tokens
         if not table:
@@ -331,6 +430,142 @@ class KVCacheManager:
             self._live_slots -= (freed - 1) * bs + (s.num_tokens - (len(table) - 1) * bs)
         else:
             self._live_slots -= freed * bs
+
+    def _live_in_block(self, s: _Seq, i: int) -> int:
+        """Live token slots of logical block ``i`` of ``s`` (a shared block is equally full in every sharer:
+        sequences never write into a shared block, and forks share only full blocks or their whole table)."""
+        return min(self.block_size, s.num_tokens - i * self.block_size)
+
+    def _free_swapped(self, s: _Seq) -> None:
+        pool, cpu = self.pool, self.cpu_pool
+        for i in range(len(s.table) - 1, -1, -1):
+            b = s.table[i]
+            if b >= 0:
+                if pool.free((b,)):
+                    self._live_slots -= self._live_in_block(s, i)
+            elif cpu is not None and cpu.free((~b,)):
+                self._cpu_cache_entry.pop(~b, None)
+        self._num_swapped -= 1
+
+    # ------------------------------------------------------------------ swapping
+    def swap_out(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]] | None:
+        """Move these sequences' KV to CPU blocks (see the module docstring); all or nothing.
+
+        Returns the ``(gpu_block, cpu_block)`` copies to perform before any freed GPU block is written again,
+        or None, changing nothing, when swapping is off or the CPU pool lacks free blocks.
+        """
+        cpu = self.cpu_pool
+        if cpu is None:
+            return None
+        seqs = [self._get_resident(sid) for sid in seq_ids]
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise KVCacheError("swap_out: a sequence is listed twice")
+        refs: dict[int, int] = {}  # block -> references from this set (first-seen order)
+        for s in seqs:
+            for b in s.table:
+                refs[b] = refs.get(b, 0) + 1
+        pool = self.pool
+        rc = pool.ref_counts
+        exclusive = [b for b, n in refs.items() if rc[b] == n]
+        if len(exclusive) > cpu.num_free_blocks:
+            return None
+        to_cpu = dict(zip(exclusive, cpu.allocate(len(exclusive))))
+        for b, c in to_cpu.items():
+            if refs[b] > 1:
+                cpu.incref([c] * (refs[b] - 1))
+            entry = pool.cache_entry(b)
+            if entry is not None:
+                self._cpu_cache_entry[c] = entry
+        for s in seqs:
+            table = s.table
+            for i in range(len(table) - 1, -1, -1):  # tails first into the LRU queue, as in free()
+                b = table[i]
+                c = to_cpu.get(b)
+                if c is None:
+                    continue  # shared with a sequence outside the set: stays on the GPU
+                if pool.free((b,)):
+                    self._live_slots -= self._live_in_block(s, i)
+                table[i] = ~c
+            s.swapped = True
+            self._logical_tokens -= s.num_tokens
+        self._num_swapped += len(seqs)
+        self._swapped_out_blocks += len(exclusive)
+        return list(to_cpu.items())
+
+    def _swap_in_plan(self, seqs: list[_Seq]) -> tuple[dict[int, int], dict[int, int]]:
+        """(CPU block -> references from these sequences, CPU block -> GPU block serving it from the prefix cache)."""
+        refs: dict[int, int] = {}
+        for s in seqs:
+            for e in s.table:
+                if e < 0:
+                    refs[~e] = refs.get(~e, 0) + 1
+        hits: dict[int, int] = {}
+        if self.enable_prefix_caching:
+            for c in refs:
+                entry = self._cpu_cache_entry.get(c)
+                if entry is not None:
+                    b = self.pool.lookup(entry[0], entry[1], entry[2])
+                    if b is not None:
+                        hits[c] = b
+        return refs, hits
+
+    def swap_in_cost(self, seq_ids: Sequence[SeqId]) -> int:
+        """Free GPU blocks :meth:`swap_in` would take now (cached blocks it revives included)."""
+        seqs = [self._get(sid) for sid in seq_ids]
+        refs, hits = self._swap_in_plan(seqs)
+        rc = self.pool.ref_counts
+        return len(refs) - sum(1 for b in hits.values() if rc[b] > 0)
+
+    def swap_in(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]] | None:
+        """Bring swapped sequences back to GPU blocks; all or nothing.
+
+        Returns the ``(cpu_block, gpu_block)`` copies to perform before the forward, or None, changing
+        nothing, when the GPU pool lacks free blocks.
+        """
+        seqs = [self._get(sid) for sid in seq_ids]
+        for sid, s in zip(seq_ids, seqs):
+            if not s.swapped:
+                raise KVCacheError(f"sequence {sid!r} is not swapped out")
+        if self.swap_in_cost(seq_ids) > self.pool.num_free_blocks:
+            return None
+        pool, cpu = self.pool, self.cpu_pool
+        assert cpu is not None
+        refs, hits = self._swap_in_plan(seqs)
+        rc = pool.ref_counts
+        to_gpu: dict[int, int] = {}
+        revived: set[int] = set()
+        for c, b in hits.items():  # revive first so that allocation cannot evict them
+            if rc[b] == 0:
+                revived.add(b)
+            pool.incref([b] * refs[c])
+            to_gpu[c] = b
+        copy_from = [c for c in refs if c not in hits]
+        copies = list(zip(copy_from, pool.allocate(len(copy_from))))
+        for c, b in copies:
+            to_gpu[c] = b
+            if refs[c] > 1:
+                pool.incref([b] * (refs[c] - 1))
+            entry = self._cpu_cache_entry.get(c)
+            if entry is not None:
+                pool.cache_block(b, *entry)
+        fresh = revived | {b for _, b in copies}
+        for s in seqs:
+            table = s.table
+            for i, e in enumerate(table):
+                if e < 0:
+                    b = to_gpu[~e]
+                    table[i] = b
+                    if b in fresh:
+                        fresh.discard(b)  # count each new physical block's live slots once
+                        self._live_slots += self._live_in_block(s, i)
+                    if cpu.free((~e,)):
+                        self._cpu_cache_entry.pop(~e, None)
+            s.swapped = False
+            self._logical_tokens += s.num_tokens
+        self._num_swapped -= len(seqs)
+        self._swapped_in_blocks += len(copies)
+        self._update_peak()
+        return copies
 
     def reset_prefix_cache(self) -> int:
         """Drop all cached prefixes (e.g. after weights change); returns the evictable blocks released."""
@@ -351,7 +586,7 @@ class KVCacheManager:
         return KVCacheStats(
             num_blocks=pool.num_blocks,
             block_size=self.block_size,
-            num_seqs=len(self._seqs),
+            num_seqs=len(self._seqs) - self._num_swapped,
             blocks_used=used,
             blocks_free=pool.num_free_blocks,
             blocks_cached=pool.num_cached_blocks,
@@ -363,4 +598,9 @@ class KVCacheManager:
             num_cow_copies=self._cow_copies,
             num_evictions=pool.num_evictions,
             peak_blocks_used=self._peak_used,
+            num_swapped_seqs=self._num_swapped,
+            cpu_blocks=self.num_cpu_blocks,
+            cpu_blocks_used=self.cpu_pool.num_used_blocks if self.cpu_pool is not None else 0,
+            num_swapped_out_blocks=self._swapped_out_blocks,
+            num_swapped_in_blocks=self._swapped_in_blocks,
         )

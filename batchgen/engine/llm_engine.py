@@ -79,7 +79,14 @@ class LLMEngine:
             bytes_per_block=self.runner.bytes_per_block,
             max_model_len=self.max_model_len,
         )
-        kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        num_swap_blocks = self.runner.determine_num_swap_blocks() if config.preemption_mode == "swap" else 0
+        self.runner.allocate_swap_space(num_swap_blocks)
+        kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_cpu_blocks=num_swap_blocks,
+        )
         self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config, kv, self.stop, self.stats)
         self.sampler = Sampler(seed=config.seed)
@@ -131,14 +138,12 @@ class LLMEngine:
                 f"prompt has {n} tokens but engine.max_model_len is {self.max_model_len}: it must leave room "
                 f"for at least one generated token; shorten the prompt or raise engine.max_model_len"
             )
-        return self.scheduler.unservable(n, params.max_tokens, self.max_model_len)
+        return self.scheduler.unservable(n, params.max_tokens, self.max_model_len, params.beam_width)
 
     def abort_request(self, request_id: str | int) -> None:
         request = self.requests.pop(request_id, None)
         if request is not None:
-            for seq in request.seqs:
-                if not seq.is_finished:
-                    self.scheduler.abort(seq)
+            self.scheduler.abort_request(request)
 
     def has_unfinished(self) -> bool:
         return bool(self._errors) or self.scheduler.has_unfinished()
@@ -158,9 +163,13 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out:
             logits = self.runner.execute(out)
-            sampled = self.sampler(logits, self._sampling_rows(out))
-            done = self.scheduler.update(out, sampled.token_ids, sampled.logprobs)
+            n = len(out.sample_rows)
+            sampled = self.sampler(logits[:n], self._sampling_rows(out))
+            beam_lp = self.sampler.beam_logprobs(logits[n:]) if out.beam_rows else None
+            done = self.scheduler.update(out, sampled.token_ids, sampled.logprobs, beam_lp)
             finished += [self._request_output(r) for r in done]
+        elif out.swap_out or out.swap_in:
+            self.runner.swap(out)  # everything that could run was preempted in this step
         elif self.scheduler.has_unfinished() and not finished:
             raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
         if self._listeners:
@@ -191,6 +200,8 @@ class LLMEngine:
         """The output of a request whose every sample finished (texts decoded here, once)."""
         self.requests.pop(request.request_id, None)
         self.stats.num_finished_requests += 1
+        if request.beam is not None:
+            return self._beam_output(request)
         outputs = []
         for s in sorted(request.seqs, key=lambda s: s.sample_index):
             if not isinstance(s.stop_reason, str):  # a stop string already cut the text
@@ -207,6 +218,30 @@ class LLMEngine:
                     s.stop_reason,
                 )
             )
+        return RequestOutput(
+            request.request_id,
+            request.prompt_token_ids,
+            outputs,
+            request.num_cached_tokens,
+            None,
+            request.prompt,
+        )
+
+    def _beam_output(self, request: Request) -> RequestOutput:
+        """The ``n`` best finished beams of a beam-search request, best first."""
+        assert request.beam is not None
+        skip = request.params.skip_special_tokens
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text=self.tokenizer.decode(h.token_ids, skip_special_tokens=skip),
+                token_ids=h.token_ids,
+                finish_reason=h.finish_reason,
+                stop_reason=h.stop_reason,
+                cumulative_logprob=h.cumulative_logprob,
+            )
+            for i, h in enumerate(request.beam.results())
+        ]
         return RequestOutput(
             request.request_id,
             request.prompt_token_ids,

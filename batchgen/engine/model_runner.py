@@ -18,8 +18,29 @@ from torch import Tensor
 from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine.config import EngineConfig, parse_bytes
 from batchgen.engine.scheduler import SchedulerOutput
+from batchgen.engine.swap import BlockSwapper
 
 logger = logging.getLogger(__name__)
+
+
+def copy_runs(copies: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Split block copies ``(src, dst)`` into consecutive runs whose source and destination sets are disjoint
+    (the copy kernel's contract), so that running them run after run equals copying one by one in order.
+
+    Usually one run: a block only becomes both a source and a destination in one step when a preemption frees
+    a block that an earlier copy of the step read, and a later copy is handed that block.
+    """
+    runs: list[list[tuple[int, int]]] = []
+    srcs: set[int] = set()
+    dsts: set[int] = set()
+    for src, dst in copies:
+        if not runs or dst in srcs or src in dsts:
+            runs.append([])
+            srcs, dsts = set(), set()
+        runs[-1].append((src, dst))
+        srcs.add(src)
+        dsts.add(dst)
+    return runs
 
 
 class ModelRunner:
@@ -39,6 +60,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.attn = PagedAttention(backend)
         self.kv_cache: Tensor | None = None
+        self.swapper: BlockSwapper | None = None
 
     # ------------------------------------------------------------------------------------------ sizing
     @property
@@ -104,6 +126,18 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(peak)
 
+    def determine_num_swap_blocks(self) -> int:
+        """CPU swap blocks for preemption_mode=swap: num_swap_blocks, else swap_space // bytes_per_block."""
+        cfg = self.config
+        if cfg.num_swap_blocks is not None:
+            return cfg.num_swap_blocks
+        return parse_bytes(cfg.swap_space) // self.bytes_per_block
+
+    def allocate_swap_space(self, num_cpu_blocks: int) -> None:
+        """The CPU block pool swapped-out blocks are copied to (after :meth:`allocate_kv_cache`)."""
+        assert self.kv_cache is not None
+        self.swapper = BlockSwapper(self.kv_cache, num_cpu_blocks) if num_cpu_blocks > 0 else None
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         if self.device.type == "cpu":
@@ -117,16 +151,29 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------------------- forward
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if copies:
-            mapping = torch.tensor(copies, dtype=torch.long, device=self.device)
+        """Copy-on-write copies, with the meaning of performing them one by one in list order."""
+        for run in copy_runs(copies):
+            mapping = torch.tensor(run, dtype=torch.long, device=self.device)
             self.attn.copy_blocks(self.kv_cache, mapping)
+
+    def swap(self, out: SchedulerOutput) -> None:
+        """The step's block moves, in the only safe order: swap-outs, copies on write, swap-ins."""
+        if self.swapper is not None:
+            self.swapper.flush()
+            self.swapper.swap_out(out.swap_out)
+        elif out.swap_out or out.swap_in:
+            raise RuntimeError("swap copies scheduled but no swap space was allocated")
+        self.copy_blocks(out.copies)
+        if self.swapper is not None:
+            self.swapper.swap_in(out.swap_in)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> Tensor:
-        """Run one step: the copy-on-write copies, then one packed forward over ``out.seqs``. Returns float32
-        logits ``[len(out.sample_seqs), V]``: row i is the last-token logits of ``out.seqs[out.sample_rows[i]]``.
+        """Run one step: swap-outs, copy-on-write copies, swap-ins, then one packed forward over ``out.seqs``.
+        Returns float32 logits ``[len(out.logit_rows), V]``: row i is the last-token logits of
+        ``out.seqs[out.logit_rows[i]]`` (the sampled rows, then the beam rows).
         """
-        self.copy_blocks(out.copies)
+        self.swap(out)
         ids, pos, meta, last = self.prepare_inputs(out)
         hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache))
         return self.model.compute_logits(hidden[last]).float()
@@ -164,5 +211,5 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        last = torch.tensor([cu[b + 1] - 1 for b in out.sample_rows], dtype=torch.long, device=dev)
+        last = torch.tensor([cu[b + 1] - 1 for b in out.logit_rows], dtype=torch.long, device=dev)
         return ids, pos, meta, last

@@ -12,7 +12,8 @@ class CompletionOutput:
     ``finish_reason`` is ``"stop"`` (eos, a stop token or a stop string), ``"length"`` (max_tokens or the
     model's max length) or ``"error"``. ``stop_reason`` is the stop token id or stop string that ended it.
     ``logprobs[i]`` maps token id → log-probability for the i-th generated token (the sampled token plus the
-    top-k asked for), or ``logprobs`` is None when not requested.
+    top-k asked for), or ``logprobs`` is None when not requested. For beam search, ``index`` is the beam's rank
+    (0 = best) and ``cumulative_logprob`` the sum of its tokens' logprobs (None otherwise).
     """
 
     index: int
@@ -21,6 +22,7 @@ class CompletionOutput:
     finish_reason: str
     logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass

@@ -19,6 +19,9 @@ Pipeline for each row (every stage is vectorised over the rows that need it; row
    rows share the Sampler's generator.
 
 When every row is greedy and nothing else is asked for, the call is a single ``argmax`` (the hot path).
+
+Beam-search rows are not sampled: :meth:`Sampler.beam_logprobs` returns their float32 log-softmax of the raw
+logits, which :mod:`batchgen.engine.beam` scores (transformers' beam search works on the same values).
 """
 
 from __future__ import annotations
@@ -109,6 +112,13 @@ class Sampler:
         if want_logprobs:
             _gather_logprobs(logits, rows, sampled, logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    @torch.inference_mode()
+    def beam_logprobs(logits: Tensor) -> Tensor:
+        """Float32 log-softmax of the raw logits ``[N, V]`` of beam-search rows (on the CPU: the beam step
+        works there, one small ``[k, V]`` block per group)."""
+        return torch.log_softmax(logits.float(), dim=-1).cpu()
 
     def _sample(self, x: Tensor, rows: list[SamplingRow]) -> Tensor:
         """Greedy rows take the argmax of ``x``; random rows are filtered and drawn. Returns ``[N]`` int64."""

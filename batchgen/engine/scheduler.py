@@ -1,18 +1,33 @@
-"""Continuous batching under a token budget and a sequence cap, with chunked prefill and preemption.
+"""Continuous batching under a token budget and a sequence cap, with chunked prefill, preemption and beam search.
 
-``schedule()`` decides one step: running sequences first — decodes (one token) before unfinished prefill
-chunks — then waiting sequences in arrival order while the token budget, the sequence cap and the block pool
-allow. When a running sequence cannot get a block, the most recently admitted running sequence that is not
-yet scheduled in this step (possibly itself) is preempted: its blocks are freed and it goes back to the front
-of the waiting queue to be recomputed (its generated tokens are kept, so it resumes where it was). Admission
-never preempts, and keeps a watermark of free blocks (counted after prefix-cache hits) while anything runs,
-so running sequences can grow without immediate preemption.
+``schedule()`` decides one step over *units*: a unit is one sequence, or every live beam of a beam-search
+request (scheduled, preempted and resumed together: a beam group never half-runs). Running units come first —
+decodes (one token per sequence) before unfinished prefill chunks — then swapped-out units are swapped back in,
+then (only when nothing is swapped out) waiting units are admitted in arrival order while the token budget, the
+sequence cap and the block pool allow.
 
-``update(output, tokens)`` applies the step's sampled tokens: appends them, applies the stop rules, finishes
-sequences (freeing their blocks) and returns the requests whose every sample is finished.
+**Preemption.** When a running unit cannot get its blocks for the step, the most recently admitted running
+unit that is not yet scheduled in this step (possibly itself) is preempted until it can. With
+``preemption_mode="recompute"`` its blocks are freed and it goes back to the front of the waiting queue to be
+recomputed (generated tokens are kept, so it resumes where it was). With ``"swap"`` its blocks are copied to
+the CPU block pool (``SchedulerOutput.swap_out``) and it waits in the swapped queue; it comes back, copies
+``swap_in`` performed before its next forward, as soon as its blocks (and one more per sequence) fit. A unit
+whose blocks do not fit in the CPU pool, or the only running unit, falls back to recompute. No unit is swapped
+back in a step that preempted, and no new unit is admitted while one is swapped out.
+
+**Beam groups.** A beam request starts as its prompt sequence; the step that completes the prompt samples
+``k`` beams by forking it (:mod:`batchgen.engine.beam` picks, ``update`` forks survivors, frees dropped beams).
+A group resumed after a recompute is re-admitted as a whole: the first beam through the prefix cache, every
+other beam forked from the earlier beam it shares the longest block-aligned prefix with (so the beams share
+their common history again); each beam is prefilled up to, not including, its last token — a forked beam once
+its parent has computed the shared prefix — and the group then decodes its last tokens together.
+
+``update(output, tokens, logprobs, beam_logprobs)`` applies the step's results: appends the sampled tokens,
+applies the stop rules, runs one beam step per beam group, finishes sequences (freeing their blocks) and returns
+the requests that finished.
 
 The scheduler is the only user of the :class:`KVCacheManager`, and keeps the scheduling figures of
-:class:`EngineStats` (preemptions, prefix hits, tokens computed, copy-on-write copies, KV usage).
+:class:`EngineStats` (preemptions, swaps, prefix hits, tokens computed, copy-on-write copies, KV usage).
 """
 
 from __future__ import annotations
@@ -21,6 +36,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
+from batchgen.engine.beam import BeamSearch
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.sequence import Request, Sequence, SequenceStatus
@@ -54,8 +72,13 @@ class SchedulerOutput:
 
     ``seqs``: decodes (one token each) first, then prefill chunks — the attention kernels rely on that order.
     ``copies``: copy-on-write block copies ``(src, dst)`` to perform before the forward.
+    ``swap_out``: ``(gpu_block, cpu_block)`` copies of preempted units; ``swap_in``: ``(cpu_block, gpu_block)``
+    copies of resumed ones. The runner performs swap-outs, then ``copies``, then swap-ins, then the forward
+    (a block freed by a swap-out or a preemption may be handed out again in the same step).
     ``sample_seqs[i]`` gets a token sampled from the last-token logits of ``seqs[sample_rows[i]]``; at the
     step that completes a request's prompt with ``n > 1``, its forks sample from the same row.
+    ``beam_rows``: rows of ``seqs`` whose last-token log-softmax feeds beam search, grouped by beam group in
+    beam order: ``beam_groups[g]`` takes the next ``len(beam_groups[g].beams)`` of them.
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
@@ -63,10 +86,19 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     sample_seqs: list[Sequence] = field(default_factory=list)
+    beam_rows: list[int] = field(default_factory=list)
+    beam_groups: list[BeamSearch] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """Rows of ``seqs`` whose last-token logits the runner returns: ``sample_rows`` then ``beam_rows``."""
+        return self.sample_rows + self.beam_rows
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -76,23 +108,50 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+Unit = list[Sequence]
+"""Sequences scheduled and preempted together: one sequence, or the live beams of a beam request."""
+
+
 class Scheduler:
-    """Owns the waiting queue, the running list and the KV cache manager."""
+    """Owns the waiting queue, the running list, the swapped queue and the KV cache manager."""
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, stop: StopRules, stats: EngineStats) -> None:
         self.config = config
         self.kv = kv
         self.stop = stop
         self.stats = stats
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # the beams of a group waiting to resume are contiguous
         self.running: list[Sequence] = []  # admission order
+        self.swapped: deque[Unit] = deque()  # swapped-out units, next to resume first
         self._admissions = itertools.count()
+        self._swap = config.preemption_mode == "swap" and kv.num_cpu_blocks > 0
+        # Resumed beams forked from another beam of their group: (parent, shared tokens) until computed.
+        self._deps: dict[int, tuple[Sequence, int]] = {}
+        self._out: SchedulerOutput | None = None  # the step being planned (preemptions add swap-outs)
+        self._preempted = False
         # Free blocks admission leaves for running sequences to grow into (one place; see _admit).
         self.watermark_blocks = max(1, kv.num_blocks // 100)
 
     # ----------------------------------------------------------------------------------------- queues
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        request = seq.request
+        if request.params.beam_width > 1 and request.beam is None:
+            request.beam = BeamSearch.build(
+                request.params,
+                len(request.prompt_token_ids),
+                self.stop.eos_token_ids,
+                self.stop.max_model_len,
+            )
+            request.beam.beams = [seq]
         self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -101,68 +160,231 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.kv.free(seq.seq_id)
+            self.swapped = deque(u for u in self.swapped if all(s is not seq for s in u))
         seq.status = SequenceStatus.FINISHED
+        self._deps.pop(seq.seq_id, None)
+
+    def abort_request(self, request: Request) -> None:
+        """Abort every live sequence of the request (all beams of a beam group)."""
+        seqs = request.beam.beams if request.beam is not None else request.seqs
+        for seq in list(seqs):
+            if not seq.is_finished:
+                self.abort(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
-    def unservable(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> str | None:
+    def unservable(
+        self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, beam_width: int = 1
+    ) -> str | None:
         """Why a request of this size can never run in this pool (None if it can)."""
         longest = min(num_prompt_tokens + (max_tokens or max_model_len), max_model_len)
-        need = _cdiv(longest, self.kv.block_size)
+        bs = self.kv.block_size
+        if beam_width > 1:
+            if beam_width > self.config.max_num_seqs:
+                return f"beam_width={beam_width} exceeds engine.max_num_seqs={self.config.max_num_seqs}"
+            # The beams share the prompt; each may need its own blocks for all it generates (+ a partial copy).
+            need = _cdiv(num_prompt_tokens, bs) + beam_width * (_cdiv(longest - num_prompt_tokens, bs) + 1)
+            what = f"prompt ({num_prompt_tokens} tokens) plus max_tokens for {beam_width} beams"
+        else:
+            need = _cdiv(longest, bs)
+            what = f"prompt ({num_prompt_tokens} tokens) plus max_tokens"
         if need <= self.kv.num_blocks:
             return None
         return (
-            f"prompt ({num_prompt_tokens} tokens) plus max_tokens needs {need} KV blocks but the pool holds "
+            f"{what} needs {need} KV blocks but the pool holds "
             f"{self.kv.num_blocks}; raise engine.kv_cache_memory / num_blocks or lower max_tokens"
         )
+
+    @staticmethod
+    def _unit(seq: Sequence) -> Unit:
+        beam = seq.request.beam
+        return beam.beams if beam is not None else [seq]
+
+    def _running_units(self) -> list[Unit]:
+        units: list[Unit] = []
+        seen: set[int] = set()
+        for s in self.running:
+            beam = s.request.beam
+            if beam is None:
+                units.append([s])
+            elif id(beam) not in seen:
+                seen.add(id(beam))
+                units.append(beam.beams)
+        return units
+
+    def _seq_slots(self) -> int:
+        """Running sequences plus the forks that running prompts will add when they complete."""
+        n = len(self.running)
+        for s in self.running:
+            if s.num_output_tokens == 0:
+                request = s.request
+                if request.beam is not None:
+                    if len(request.beam.beams) == 1:
+                        n += request.beam.num_beams - 1
+                elif request.params.n > 1 and len(request.seqs) == 1:
+                    n += request.params.n - 1
+        return n
 
     # --------------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._out = out
+        self._preempted = False
         scheduled: set[int] = set()
         budget = self._schedule_running(out, scheduled, self.config.max_num_batched_tokens)
-        self._admit(out, scheduled, budget)
+        budget = self._swap_in(out, scheduled, budget)
+        if not self.swapped:
+            self._admit(out, scheduled, budget)
         out.seqs.sort(key=lambda s: s.num_tokens != 1)  # stable: decodes first
         out.num_decodes = sum(1 for s in out.seqs if s.num_tokens == 1)
         self._plan_sampling(out)
         self.stats.num_cow_copies += len(out.copies)
+        self.stats.num_swapped_out_blocks += len(out.swap_out)
+        self.stats.num_swapped_in_blocks += len(out.swap_in)
+        self._out = None
         return out
 
     def _schedule_running(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> int:
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + prefills:
+        units = self._running_units()
+        decodes = [u for u in units if all(s.num_tokens - s.num_computed_tokens == 1 for s in u)]
+        prefills = [u for u in units if any(s.num_tokens - s.num_computed_tokens != 1 for s in u)]
+        for unit in decodes + prefills:
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if unit[0].status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            # A prefill in progress already holds blocks for its whole prompt.
-            target = max(seq.num_computed_tokens + num_new, self.kv.num_tokens(seq.seq_id))
-            copies = self._grow(seq, target, scheduled)
-            if copies is None:  # preempted itself
-                continue
-            out.copies.extend(copies)
-            self._add(out, seq, num_new, scheduled)
-            budget -= num_new
+            budget = self._schedule_unit(out, scheduled, unit, budget)
         return budget
 
-    def _grow(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> list[tuple[int, int]] | None:
-        """Give ``seq`` slots for ``num_tokens`` tokens, preempting others (or itself: returns None)."""
-        while True:
-            copies = self.kv.append_slots(seq.seq_id, num_tokens)
-            if copies is not None:
-                return copies
+    def _plan_unit(self, unit: Unit, budget: int) -> list[tuple[Sequence, int]]:
+        """How many tokens each sequence of the unit computes this step (sequences with 0 are left out)."""
+        if len(unit) == 1:
+            seq = unit[0]
+            return [(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))]
+        if all(s.num_tokens - s.num_computed_tokens == 1 for s in unit):
+            return [(s, 1) for s in unit] if budget >= len(unit) else []  # the group decodes as a whole
+        # A beam group resuming after a recompute: prefill each beam up to its last token (held back so that
+        # the group samples together), a forked beam only once its parent computes the prefix they share (in
+        # this step at the latest: every layer stores the batch's K/V before attending).
+        plan: list[tuple[Sequence, int]] = []
+        after: dict[int, int] = {}
+        for s in unit:
+            todo = s.num_tokens - 1 - s.num_computed_tokens
+            if todo <= 0:
+                continue
+            dep = self._deps.get(s.seq_id)
+            if dep is not None and after.get(dep[0].seq_id, dep[0].num_computed_tokens) < dep[1]:
+                continue
+            if budget <= 0:
+                break
+            n = min(todo, budget)
+            plan.append((s, n))
+            budget -= n
+            after[s.seq_id] = s.num_computed_tokens + n
+        return plan
+
+    def _schedule_unit(self, out: SchedulerOutput, scheduled: set[int], unit: Unit, budget: int) -> int:
+        """Schedule what the unit can compute this step; returns the budget left."""
+        plan = self._plan_unit(unit, budget)
+        if not plan:
+            return budget
+        # A prefill in progress already holds blocks for its whole prompt.
+        targets = [(s, max(s.num_computed_tokens + n, self.kv.num_tokens(s.seq_id))) for s, n in plan]
+        copies = self._grow(unit, targets, scheduled)
+        if copies is None:  # preempted itself
+            return budget
+        out.copies.extend(copies)
+        for seq, num_new in plan:
+            self._add(out, seq, num_new, scheduled)
+            budget -= num_new
+        scheduled.update(s.seq_id for s in unit)  # a group is never split by a preemption
+        return budget
+
+    def _grow(
+        self, unit: Unit, targets: list[tuple[Sequence, int]], scheduled: set[int]
+    ) -> list[tuple[int, int]] | None:
+        """Give the unit's sequences their slots, preempting other units first (or the unit itself: None).
+
+        The unit's whole need (new blocks and copies on write) is known before anything changes, so a unit
+        that preempts itself leaves no half-written state behind (a swapped-out table holds computed blocks).
+        """
+        kv = self.kv
+        ids = [(s.seq_id, n) for s, n in targets]
+        while kv.append_cost(ids) > kv.num_free_blocks:
             victim = max((s for s in self.running if s.seq_id not in scheduled), key=lambda s: s.admitted_at)
-            self._preempt(victim)
-            if victim is seq:
+            victim_unit = self._unit(victim)
+            self._preempt(victim_unit)
+            if victim in unit:
                 return None
+        copies: list[tuple[int, int]] = []
+        for sid, n in ids:
+            c = kv.append_slots(sid, n)
+            assert c is not None, "append_cost said the blocks were free"
+            copies.extend(c)
+        return copies
+
+    def _swap_in(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> int:
+        """Bring swapped-out units back, oldest preemption first, while their blocks (and one more block per
+        sequence for this step's tokens) fit above the watermark; none in a step that preempted. A unit that
+        does not fit although nothing runs (blocks other swapped units keep on the GPU, shared with it or not,
+        fill the pool) gives up its CPU copy and waits to be recomputed, so the queue can never deadlock."""
+        kv = self.kv
+        while self.swapped and budget > 0 and not self._preempted:
+            unit = self.swapped[0]
+            if len(self.running) + len(unit) > self.config.max_num_seqs and self.running:
+                break
+            ids = [s.seq_id for s in unit]
+            reserve = self.watermark_blocks if self.running else 0
+            if kv.swap_in_cost(ids) + len(unit) + reserve > kv.num_free_blocks:
+                if self.running:
+                    break
+                self.swapped.popleft()
+                for s in unit:
+                    kv.free(s.seq_id)
+                    s.status = SequenceStatus.WAITING
+                    s.num_computed_tokens = 0
+                    self._deps.pop(s.seq_id, None)
+                self.waiting.extendleft(reversed(unit))
+                continue
+            copies = kv.swap_in(ids)
+            assert copies is not None, "swap_in_cost said the blocks were free"
+            out.swap_in.extend(copies)
+            self.swapped.popleft()
+            for s in unit:
+                s.status = SequenceStatus.RUNNING
+                self.running.append(s)
+            budget = self._schedule_unit(out, scheduled, unit, budget)
+            scheduled.update(ids)  # never a victim in the step its blocks are copied back
+        return budget
 
     def _admit(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> None:
-        """Admit waiting sequences while budget, sequence cap and blocks (above the watermark) allow."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        """Admit waiting units while budget, sequence cap and blocks (above the watermark) allow."""
+        slots = self._seq_slots()
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            request = seq.request
+            beam = request.beam
+            if beam is not None and len(beam.beams) > 1:
+                if slots + len(beam.beams) > self.config.max_num_seqs and self.running:
+                    break
+                left = self._admit_beam_group(out, scheduled, beam.beams, budget)
+                if left is None:
+                    break
+                slots += len(beam.beams)
+                budget = left
+                continue
+            # Seats for the forks the prompt will spawn (n > 1 samples, beams), so they never overflow the cap.
+            if beam is not None:
+                seats = beam.num_beams
+            elif request.params.n > 1 and len(request.seqs) == 1 and seq.num_output_tokens == 0:
+                seats = request.params.n
+            else:
+                seats = 1
+            if slots + seats > self.config.max_num_seqs and self.running:
+                break
             reserve = self.watermark_blocks if self.running else 0
             num_cached = self.kv.allocate(seq.seq_id, seq.token_ids, seq.num_tokens, reserve_blocks=reserve)
             if num_cached is None:
@@ -171,14 +393,75 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.admitted_at = next(self._admissions)
             seq.num_computed_tokens = num_cached
-            if not seq.request.admitted:
-                seq.request.admitted = True
-                seq.request.num_cached_tokens = num_cached
+            if not request.admitted:
+                request.admitted = True
+                request.num_cached_tokens = num_cached
                 self.stats.prompt_tokens_cached += num_cached
             self.running.append(seq)
+            slots += seats
             num_new = min(seq.num_tokens - num_cached, budget)
             self._add(out, seq, num_new, scheduled)
             budget -= num_new
+
+    def _admit_beam_group(
+        self, out: SchedulerOutput, scheduled: set[int], unit: Unit, budget: int
+    ) -> int | None:
+        """Re-admit a beam group preempted by recompute, all beams or none; returns the budget left or None."""
+        k = len(unit)
+        if any(self.waiting[i] is not unit[i] for i in range(k)):
+            raise RuntimeError("the beams of a group waiting to resume are not together in the waiting queue")
+        kv = self.kv
+        bs = kv.block_size
+        plan: list[tuple[int | None, int]] = []  # (beam to fork from, tokens shared) or (None, 0): allocate
+        cost = 0
+        for j, s in enumerate(unit):
+            parent, shared = None, 0
+            for i in range(j):
+                n = min(_common_prefix(unit[i].token_ids, s.token_ids), s.num_tokens - 1) // bs * bs
+                if n > shared:
+                    parent, shared = i, n
+            if parent is None:
+                cost += kv.allocate_cost(s.token_ids, s.num_tokens)
+            else:
+                cost += _cdiv(s.num_tokens, bs) - shared // bs
+            plan.append((parent, shared))
+        reserve = self.watermark_blocks if self.running else 0
+        if cost + reserve > kv.num_free_blocks:
+            return None
+        done: list[Sequence] = []
+        ok = True
+        for s, (parent, shared) in zip(unit, plan):
+            if parent is None:
+                num_cached = kv.allocate(s.seq_id, s.token_ids, s.num_tokens)
+                if num_cached is None:
+                    ok = False
+                    break
+                done.append(s)
+                s.num_computed_tokens = num_cached
+            else:
+                kv.fork(unit[parent].seq_id, s.seq_id, shared)
+                done.append(s)
+                if kv.append_slots(s.seq_id, s.num_tokens) is None:
+                    ok = False
+                    break
+                s.num_computed_tokens = shared
+                self._deps[s.seq_id] = (unit[parent], shared)
+        if not ok:  # nothing was registered in the prefix cache yet: freeing undoes it all
+            for s in done:
+                kv.free(s.seq_id)
+                s.num_computed_tokens = 0
+                self._deps.pop(s.seq_id, None)
+            return None
+        for _ in range(k):
+            self.waiting.popleft()
+        t = next(self._admissions)
+        for s in unit:
+            s.status = SequenceStatus.RUNNING
+            s.admitted_at = t
+            self.running.append(s)
+        budget = self._schedule_unit(out, scheduled, unit, budget)
+        scheduled.update(s.seq_id for s in unit)
+        return budget
 
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int]) -> None:
         start = seq.num_computed_tokens
@@ -192,12 +475,17 @@ class Scheduler:
 
     def _plan_sampling(self, out: SchedulerOutput) -> None:
         """Which sequences sample from which rows; fork the other samples of an ``n > 1`` request in the
-        step that completes its prompt (they share every block, the partial last one included)."""
+        step that completes its prompt (they share every block, the partial last one included); which rows
+        feed each beam group (a group is scheduled whole, so all its beams complete together)."""
+        beam_rows: dict[int, int] = {}
         for row, s in enumerate(out.seqs):
             if not s.completes:
                 continue
             seq = s.seq
             request = seq.request
+            if request.beam is not None:
+                beam_rows[seq.seq_id] = row
+                continue
             out.sample_rows.append(row)
             out.sample_seqs.append(seq)
             if seq.num_output_tokens == 0 and request.params.n > 1 and len(request.seqs) == 1:
@@ -209,20 +497,53 @@ class Scheduler:
                     self.running.append(child)
                     out.sample_rows.append(row)
                     out.sample_seqs.append(child)
+        if beam_rows:
+            seen: set[int] = set()
+            for s in out.seqs:
+                beam = s.seq.request.beam
+                if beam is None or id(beam) in seen or s.seq.seq_id not in beam_rows:
+                    continue
+                seen.add(id(beam))
+                rows = [beam_rows.get(b.seq_id) for b in beam.beams]
+                if any(r is None for r in rows):
+                    raise RuntimeError("a beam group was scheduled in part")
+                out.beam_groups.append(beam)
+                out.beam_rows.extend(rows)  # type: ignore[arg-type]
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.kv.free(seq.seq_id)
-        self.running.remove(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
-        self.waiting.appendleft(seq)
+    def _preempt(self, unit: Unit) -> None:
+        """Swap the unit out (swap mode, CPU room, another unit running) or free it for recompute."""
+        copies = None
+        if self._swap and any(s not in unit for s in self.running):
+            copies = self.kv.swap_out([s.seq_id for s in unit])
+        if copies is not None:
+            assert self._out is not None
+            self._out.swap_out.extend(copies)
+            for s in unit:
+                self.running.remove(s)
+                s.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(unit)
+        else:
+            for s in unit:
+                self.kv.free(s.seq_id)
+                self.running.remove(s)
+                s.status = SequenceStatus.WAITING
+                s.num_computed_tokens = 0
+                self._deps.pop(s.seq_id, None)
+            self.waiting.extendleft(reversed(unit))
         self.stats.num_preemptions += 1
+        self._preempted = True
 
     # ----------------------------------------------------------------------------------------- update
     def update(
-        self, out: SchedulerOutput, token_ids: list[int], logprobs: list[dict[int, float] | None]
+        self,
+        out: SchedulerOutput,
+        token_ids: list[int],
+        logprobs: list[dict[int, float] | None],
+        beam_logprobs: Tensor | None = None,
     ) -> list[Request]:
-        """Apply one step's results: ``token_ids[i]`` (and ``logprobs[i]``) belong to ``out.sample_seqs[i]``.
+        """Apply one step's results: ``token_ids[i]`` (and ``logprobs[i]``) belong to ``out.sample_seqs[i]``;
+        ``beam_logprobs`` (float32 ``[len(out.beam_rows), V]``, the log-softmax of the raw logits of
+        ``out.beam_rows``) feeds the beam groups.
 
         Returns the requests whose every sample finished in this step.
         """
@@ -242,8 +563,53 @@ class Scheduler:
                 if seq.request.is_finished:
                     finished.append(seq.request)
         self.stats.generated_tokens += len(token_ids)
+        if out.beam_groups:
+            if beam_logprobs is None or beam_logprobs.shape[0] != len(out.beam_rows):
+                raise ValueError(f"update needs beam_logprobs for the {len(out.beam_rows)} beam rows")
+            offset = 0
+            for beam in out.beam_groups:
+                m = len(beam.beams)
+                self._beam_step(beam, beam_logprobs[offset : offset + m], finished)
+                offset += m
         self._record_gauges()
         return finished
+
+    def _beam_step(self, beam: BeamSearch, log_probs: Tensor, finished: list[Request]) -> None:
+        """One beam step: keep the best continuations, fork parents kept more than once, free dropped ones."""
+        parents = beam.beams
+        request = parents[0].request
+        chosen = beam.step(log_probs, [p.output_token_ids for p in parents])
+        for p in parents:
+            self._deps.pop(p.seq_id, None)
+        if beam.done:
+            for p in parents:
+                self._finish(p)
+            beam.beams = []
+            request.seqs = []
+            request.num_finished = request.params.n
+            finished.append(request)
+            self.stats.generated_tokens += len(parents)
+            return
+        kept: set[int] = set()
+        children: list[tuple[Sequence, int]] = []
+        for i, token in chosen:
+            parent = parents[i]
+            if parent.seq_id in kept:  # a second continuation of the same beam: fork it (before it grows)
+                child = parent.fork_beam()
+                self.kv.fork(parent.seq_id, child.seq_id)
+                self.running.append(child)
+            else:
+                kept.add(parent.seq_id)
+                child = parent
+            children.append((child, token))
+        for p in parents:
+            if p.seq_id not in kept:
+                self._finish(p)  # dropped: its blocks go back (those shared with survivors stay)
+        for child, token in children:
+            child.token_ids.append(token)
+        beam.beams = [c for c, _ in children]
+        request.seqs = list(beam.beams)
+        self.stats.generated_tokens += len(children)
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -255,6 +621,7 @@ class Scheduler:
         st.num_steps += 1
         st.running_seqs = len(self.running)
         st.waiting_seqs = len(self.waiting)
+        st.swapped_seqs = sum(len(u) for u in self.swapped)
         st.peak_running_seqs = max(st.peak_running_seqs, st.running_seqs)
         kvs = self.kv.stats()
         st.kv_blocks_used = kvs.blocks_used

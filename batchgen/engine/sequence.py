@@ -13,6 +13,7 @@ import torch
 from batchgen.engine.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
+    from batchgen.engine.beam import BeamSearch
     from batchgen.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -21,6 +22,7 @@ _seq_ids = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV blocks in CPU memory
     FINISHED = "finished"
 
 
@@ -35,6 +37,10 @@ class Request:
     """A request of ``params.n`` samples. Its first sequence is created at arrival; the other ``n - 1`` are
     forked from it by the scheduler in the step that completes its prompt (they share every prompt block).
 
+    A beam-search request (``params.beam_width > 1``) has a :class:`~batchgen.engine.beam.BeamSearch` in
+    ``beam``; its sequences are the live beams (``seqs`` is kept equal to ``beam.beams``), and its outputs are
+    the search's best finished hypotheses.
+
     ``tokenizer`` and ``device`` are what a new sequence of this request needs (stop-string detokenizer,
     seeded generator)."""
 
@@ -48,6 +54,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted: bool = False
     num_finished: int = 0
+    beam: BeamSearch | None = None
 
     def new_sequence(self, token_ids: list[int], sample_index: int) -> Sequence:
         """Create and register sample ``sample_index`` of this request, holding ``token_ids``."""
@@ -115,4 +122,13 @@ class Sequence:
         """A new sample of the same request holding a copy of this sequence's tokens (computed as far)."""
         child = self.request.new_sequence(list(self.token_ids), sample_index)
         child.num_computed_tokens = self.num_computed_tokens
+        return child
+
+    def fork_beam(self) -> Sequence:
+        """A new beam of the same beam-search request: a copy of this beam's tokens (computed as far, same
+        admission time, so the group is preempted as one); not registered in ``request.seqs``."""
+        child = Sequence(self.request, list(self.token_ids), self.num_prompt_tokens)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.admitted_at = self.admitted_at
         return child

@@ -11,7 +11,9 @@ class EngineStats:
 
     ``prompt_tokens_cached`` counts prompt tokens served from the prefix cache at admission;
     ``prompt_tokens_computed`` counts tokens run through the model as prefill (recomputation after a
-    preemption included). KV figures: ``kv_usage`` is blocks in use ÷ pool size; ``kv_utilization`` is token
+    preemption included). ``num_preemptions`` counts preempted units (a sequence, or a whole beam group);
+    ``num_swapped_out_blocks`` / ``num_swapped_in_blocks`` count KV blocks copied to / from CPU memory by
+    swap-mode preemption (``swapped_seqs``: sequences swapped out now). KV figures: ``kv_usage`` is blocks in use ÷ pool size; ``kv_utilization`` is token
     slots holding live tokens ÷ slots in allocated blocks; ``kv_fragmentation`` is 1 − kv_utilization.
     """
 
@@ -29,8 +31,11 @@ class EngineStats:
     num_steps: int = 0
     num_preemptions: int = 0
     num_cow_copies: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
     running_seqs: int = 0
     waiting_seqs: int = 0
+    swapped_seqs: int = 0
     peak_running_seqs: int = 0
     kv_blocks_used: int = 0
     kv_usage: float = 0.0
@@ -79,5 +84,7 @@ _COUNTERS = (
     "num_steps",
     "num_preemptions",
     "num_cow_copies",
+    "num_swapped_out_blocks",
+    "num_swapped_in_blocks",
 )
 """Fields that only grow: :meth:`EngineStats.delta` subtracts these and keeps the others as they are."""

@@ -1,0 +1,225 @@
+"""Beam search: the per-request search state, step for step the arithmetic of transformers' ``_beam_search``.
+
+One :class:`BeamSearch` per request with ``beam_width = k > 1``. The scheduler owns the sequences; this module
+only decides. Each step it takes the log-softmax of the raw (float32) logits of the ``k`` running beams —
+``1`` row at the first step, which stands for ``k`` identical copies of the prompt — and returns the ``k``
+continuations to keep as ``(parent beam, token)`` pairs, in order. The scheduler then forks every parent kept
+more than once (:meth:`~batchgen.engine.kv_cache.KVCacheManager.fork`: the beams share every block, and only
+the partial last block is copied when a beam writes into it), reuses a parent kept once and frees the parents
+not kept.
+
+The arithmetic mirrors transformers 4.5x/5.x ``GenerationMixin._beam_search`` for one batch item, with the
+same tensor operations in the same order (float32, ``torch.topk`` for every selection, so ties break the same
+way):
+
+* the candidates are the top ``max(2, 1 + n_stop) * k`` of ``log_softmax + running score`` over all ``k * V``
+  (beam, token) pairs, where ``n_stop`` counts the tokens that end a beam (the eos ids unless ``ignore_eos``,
+  plus ``stop_token_ids``); running scores start at ``[0, -1e9, ...]``;
+* a candidate *hits* when its token ends a beam or the sequence reaches ``max_len``; the next running beams are
+  the top ``k`` candidates after ``-1e9`` is added to those that hit;
+* a hit among the first ``k`` candidates becomes a finished hypothesis scored
+  ``sum_logprobs / generated_len ** length_penalty`` (``generated_len`` counts the new token, not the prompt);
+  the ``k`` best finished hypotheses are kept, merged by ``torch.topk`` with the previous ones;
+* ``early_stopping``: ``True`` stops when ``k`` hypotheses are finished; ``False`` stops when the best running
+  beam, scored at the current length, cannot beat the worst finished one; ``"never"`` uses ``max_len`` for
+  that bound when ``length_penalty > 0`` (exact); the search also stops when every candidate hits.
+
+``min_tokens`` bans the stop tokens (``-inf``) until reached, like transformers' ``min_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from batchgen.engine.sequence import Sequence
+    from batchgen.sampling_params import SamplingParams
+
+_NEG = -1.0e9
+
+
+@dataclass
+class Hypothesis:
+    """A finished beam: its generated tokens (the stop token included), its length-penalised score and the
+    plain sum of its tokens' logprobs."""
+
+    token_ids: list[int]
+    score: float
+    cumulative_logprob: float
+    finish_reason: str
+    stop_reason: int | None = None
+
+
+@dataclass
+class BeamSearch:
+    """Search state of one beam request (batch size 1 in transformers' terms).
+
+    ``beams`` are the request's live sequences in beam order (the scheduler keeps it): the prompt sequence
+    alone until the first step, then ``k`` sequences.
+    """
+
+    num_beams: int
+    num_return: int
+    length_penalty: float
+    early_stopping: bool | str
+    min_tokens: int
+    prompt_len: int
+    max_len: int
+    """Longest sequence (prompt + generated): candidates reaching it finish with reason 'length'."""
+    stop_ids: list[int]
+    user_stop_ids: frozenset[int] = frozenset()
+    beams: list[Sequence] = field(default_factory=list)
+    done: bool = False
+
+    @classmethod
+    def build(
+        cls, params: SamplingParams, prompt_len: int, eos_token_ids: Collection[int], max_model_len: int
+    ) -> BeamSearch:
+        stop = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop |= set(eos_token_ids)
+        limit = (
+            max_model_len if params.max_tokens is None else min(max_model_len, prompt_len + params.max_tokens)
+        )
+        return cls(
+            num_beams=params.beam_width,
+            num_return=params.n,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+            min_tokens=params.min_tokens,
+            prompt_len=prompt_len,
+            max_len=limit,
+            stop_ids=sorted(stop),
+            user_stop_ids=frozenset(params.stop_token_ids or ()),
+        )
+
+    def __post_init__(self) -> None:
+        k = self.num_beams
+        self.beams_to_keep = max(2, 1 + len(self.stop_ids)) * k
+        self.cur_len = self.prompt_len
+        self._stop = torch.tensor(self.stop_ids, dtype=torch.long)
+        self._top_num_beam_mask = torch.cat(
+            (torch.ones(k, dtype=torch.bool), torch.zeros(self.beams_to_keep - k, dtype=torch.bool))
+        )
+        self.running_beam_scores = torch.zeros((1, k), dtype=torch.float)
+        self.running_beam_scores[:, 1:] = _NEG
+        self.beam_scores = torch.full((1, k), fill_value=_NEG, dtype=torch.float)
+        self.is_sent_finished = torch.zeros((1, k), dtype=torch.bool)
+        self.is_early_stop_heuristic_unsatisfied = torch.ones((1, 1), dtype=torch.bool)
+        self.finished: list[Hypothesis | None] = [None] * k
+
+    # ------------------------------------------------------------------------------------------- step
+    def step(self, log_probs: Tensor, beam_tokens: list[list[int]]) -> list[tuple[int, int]]:
+        """One beam step. ``log_probs``: float32 ``[m, V]`` log-softmax of the running beams' raw logits (``m``
+        is 1 at the first step, else ``k``); ``beam_tokens[i]``: generated tokens of beam ``i`` so far.
+
+        Returns the ``k`` next running beams as ``(parent row, token)`` in order, or ``[]`` when the search is
+        over (``done``; the results are in :meth:`results`).
+        """
+        k = self.num_beams
+        m, vocab = log_probs.shape
+        if m not in (1, k) or len(beam_tokens) != m:
+            raise ValueError(f"beam step over {m} rows ({len(beam_tokens)} token lists) for {k} beams")
+        log_probs = log_probs.detach().to("cpu", torch.float32)
+        if m == 1:
+            log_probs = log_probs.expand(k, vocab)
+        if self.stop_ids and self.cur_len - self.prompt_len < self.min_tokens:
+            log_probs = log_probs.clone()
+            log_probs[:, self._stop[self._stop < vocab]] = -float("inf")
+
+        # b. accumulate; c. top-K continuations over all k * V (beam, token) pairs.
+        scores = log_probs[None] + self.running_beam_scores[:, :, None]
+        scores = torch.reshape(scores, (1, -1))
+        topk_log_probs, topk_indices = torch.topk(scores, k=self.beams_to_keep)
+        topk_beam = topk_indices // vocab
+        topk_ids = topk_indices % vocab
+
+        # d. which candidates end their beam (a stop token, or the length limit).
+        hits = torch.isin(topk_ids, self._stop)
+        if self.cur_len + 1 >= self.max_len:
+            hits = torch.ones_like(hits)
+
+        # e. the next running beams: the best k candidates that did not end.
+        topk_running_log_probs = topk_log_probs + hits.to(torch.float32) * _NEG
+        next_topk_indices = torch.topk(topk_running_log_probs, k=k)[1]
+        running_beam_scores = torch.take_along_dim(topk_running_log_probs, next_topk_indices, dim=1)
+
+        # f. merge the candidates that ended among the first k into the finished hypotheses.
+        did_top_num_beams_just_finished = hits & self._top_num_beam_mask[None, :]
+        penalised = topk_log_probs / ((self.cur_len + 1 - self.prompt_len) ** self.length_penalty)
+        beams_in_batch_are_full = torch.all(self.is_sent_finished, dim=-1, keepdim=True) & (
+            self.early_stopping is True
+        )
+        penalised += beams_in_batch_are_full.to(torch.float32) * _NEG
+        penalised += (~self.is_early_stop_heuristic_unsatisfied).to(torch.float32) * _NEG
+        penalised += (~did_top_num_beams_just_finished) * _NEG
+        merged_scores = torch.cat((self.beam_scores, penalised), dim=1)
+        merged_is_sent_finished = torch.cat((self.is_sent_finished, did_top_num_beams_just_finished), dim=1)
+        topk_merged_indices = torch.topk(merged_scores, k=k)[1]
+        self.beam_scores = torch.take_along_dim(merged_scores, topk_merged_indices, dim=1)
+        self.is_sent_finished = torch.take_along_dim(merged_is_sent_finished, topk_merged_indices, dim=1)
+
+        cand_beam = topk_beam[0].tolist()
+        cand_token = topk_ids[0].tolist()
+        finished_now = did_top_num_beams_just_finished[0].tolist()
+        new_scores = self.beam_scores[0].tolist()
+        merged: list[Hypothesis | None] = []
+        for slot, idx in enumerate(topk_merged_indices[0].tolist()):
+            if idx < k:
+                merged.append(self.finished[idx])
+            elif finished_now[idx - k]:
+                c = idx - k
+                tok = cand_token[c]
+                merged.append(
+                    Hypothesis(
+                        token_ids=beam_tokens[cand_beam[c] if m == k else 0] + [tok],
+                        score=new_scores[slot],
+                        cumulative_logprob=float(topk_log_probs[0, c]),
+                        finish_reason="length" if tok not in self.stop_ids else "stop",
+                        stop_reason=tok if tok in self.user_stop_ids else None,
+                    )
+                )
+            else:
+                merged.append(None)  # a placeholder slot (transformers keeps a not-finished row there)
+        self.finished = merged
+
+        # g. the stopping condition of the search as a whole.
+        self.running_beam_scores = running_beam_scores
+        self.cur_len += 1
+        self._check_early_stop_heuristic()
+        improvement_possible = torch.any(self.is_early_stop_heuristic_unsatisfied)
+        exists_open_beam = ~(torch.all(self.is_sent_finished) & (self.early_stopping is True))
+        valid_continuations = ~torch.all(hits)
+        if not bool(improvement_possible & exists_open_beam & valid_continuations):
+            self.done = True
+            return []
+        nxt = next_topk_indices[0].tolist()
+        return [(cand_beam[c] if m == k else 0, cand_token[c]) for c in nxt]
+
+    def _check_early_stop_heuristic(self) -> None:
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_hypothetical_length = self.max_len - self.prompt_len
+        else:
+            best_hypothetical_length = self.cur_len - self.prompt_len
+        best_possible_running_score = self.running_beam_scores[:, :1] / (
+            best_hypothetical_length**self.length_penalty
+        )
+        worst_finished_score = torch.where(
+            self.is_sent_finished, torch.min(self.beam_scores, dim=1, keepdim=True)[0], _NEG
+        )
+        self.is_early_stop_heuristic_unsatisfied = self.is_early_stop_heuristic_unsatisfied & torch.any(
+            best_possible_running_score > worst_finished_score, dim=-1, keepdim=True
+        )
+
+    # ---------------------------------------------------------------------------------------- results
+    def results(self) -> list[Hypothesis]:
+        """The ``num_return`` best finished hypotheses, best first (after the search is done)."""
+        out = []
+        for h in self.finished[: self.num_return]:
+            out.append(h if h is not None else Hypothesis([], _NEG, _NEG, "length"))
+        return out
