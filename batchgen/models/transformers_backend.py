@@ -44,6 +44,7 @@ from batchgen.models.config import eos_token_ids, hf_config_from_dict, parse_dty
 logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "batchgen_paged"
+PROBE_IMPLEMENTATION = "batchgen_probe"
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 _PROBE_TOKENS = 6
@@ -79,10 +80,56 @@ def batchgen_paged_attention(
 
 
 def register_attention() -> None:
-    """Register ``batchgen_paged`` in transformers' `AttentionInterface` (idempotent)."""
+    """Register ``batchgen_paged`` in transformers' `AttentionInterface`, and ``batchgen_probe`` (the load-time
+    probe: the same dispatcher, plus a mask function so transformers tells us each layer's mask) in both the
+    attention and the mask interfaces (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, batchgen_paged_attention)
+    AttentionInterface.register(PROBE_IMPLEMENTATION, batchgen_paged_attention)
+    AttentionMaskInterface.register(PROBE_IMPLEMENTATION, _probe_mask)
+
+
+@dataclass(frozen=True)
+class _MaskInfo:
+    """What a mask transformers built means: causal with an optional window, or something the kernels lack."""
+
+    kind: str  # "causal", "noncausal" or "other" (chunked, block-wise...)
+    window: int | None = None
+
+
+_MASKS: dict[int, _MaskInfo] = {}  # storage address of a probe mask -> its meaning (probe only)
+_FAR = 1 << 20  # query index at which mask functions are classified
+
+
+def _classify_mask_function(mask_function) -> _MaskInfo:
+    """Evaluate transformers' mask function for one far query against every key: causal (all keys up to the
+    query, or a suffix of `w` of them: a sliding window) or not."""
+    zero = torch.tensor(0)
+    kv = torch.arange(_FAR + 2)
+    try:
+        allowed = torch.as_tensor(mask_function(zero, zero, torch.tensor(_FAR), kv)).bool().expand(_FAR + 2)
+    except Exception:  # an index-based mask function (padding, blocks) we cannot evaluate out of range
+        return _MaskInfo("other")
+    if bool(allowed[_FAR + 1]):
+        return _MaskInfo("noncausal")
+    n = int(allowed[: _FAR + 1].sum())
+    if n == _FAR + 1:
+        return _MaskInfo("causal")
+    if n > 0 and bool(allowed[_FAR + 1 - n : _FAR + 1].all()):
+        return _MaskInfo("causal", n)
+    return _MaskInfo("other")
+
+
+def _probe_mask(**kwargs: Any) -> Tensor:
+    """Mask function of ``batchgen_probe``: the real boolean mask (so the probe computes what eager attention
+    computes), remembered with its meaning."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = sdpa_mask(**{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
+    _MASKS[mask.untyped_storage().data_ptr()] = _classify_mask_function(kwargs["mask_function"])
+    return mask
 
 
 @dataclass(frozen=True)
@@ -126,7 +173,7 @@ class _Call:
     scale: float
     sliding_window: int | None
     softcap: float | None
-    has_mask: bool
+    mask: _MaskInfo | None  # None: no mask (plain causal); kind "foreign": a mask transformers did not build
     extra: dict[str, Any]
 
 
@@ -147,6 +194,10 @@ class _ProbeState:
         }
         if getattr(module, "is_causal", True) is False:
             extra["is_causal"] = False
+        mask_info = None
+        if attention_mask is not None:
+            ptr = attention_mask.untyped_storage().data_ptr() if isinstance(attention_mask, Tensor) else None
+            mask_info = _MASKS.get(ptr, _MaskInfo("foreign"))  # type: ignore[arg-type]
         self.calls.append(
             _Call(
                 module,
@@ -157,30 +208,36 @@ class _ProbeState:
                 scale,
                 None if window is None else int(window),
                 None if softcap is None else float(softcap),
-                attention_mask is not None,
+                mask_info,
                 extra,
             )
         )
-        return _reference_attention(query, key, value, scale, window, softcap), None
+        mask = attention_mask if isinstance(attention_mask, Tensor) else None
+        return _reference_attention(query, key, value, scale, window, softcap, mask), None
 
 
-def _reference_attention(q, k, v, scale, window, softcap) -> Tensor:
-    """Causal attention of one sequence: q [1,Hq,T,D], k/v [1,Hkv,T,D] -> [1,T,Hq,Dv]."""
+def _reference_attention(q, k, v, scale, window, softcap, mask=None) -> Tensor:
+    """Attention of one sequence: q [1,Hq,T,D], k/v [1,Hkv,T,D] -> [1,T,Hq,Dv] (contiguous), under `mask`
+    (boolean or additive, transformers' layout) or else the causal rule and `window`."""
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)
     v = v.repeat_interleave(rep, dim=1)
     scores = (q @ k.transpose(-1, -2)).float() * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    t = q.shape[2]
-    qi = torch.arange(t, device=q.device)[:, None]
-    ki = torch.arange(k.shape[2], device=q.device)[None, :]
-    allowed = ki <= qi
-    if window is not None:
-        allowed &= ki > qi - int(window)
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    t, s = q.shape[2], k.shape[2]
+    if mask is not None:
+        mask = mask[..., :t, :s]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    else:
+        qi = torch.arange(t, device=q.device)[:, None]
+        ki = torch.arange(s, device=q.device)[None, :]
+        allowed = ki <= qi
+        if window is not None:
+            allowed &= ki > qi - int(window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
     out = torch.softmax(scores, dim=-1).to(v.dtype) @ v
-    return out.transpose(1, 2)
+    return out.transpose(1, 2).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -226,6 +283,15 @@ class _HiddenStates(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any):
         return _stub_output_class()(last_hidden_state=self.hidden)
+
+    def __getattr__(self, name: str):
+        # heads that call a sub-module of the backbone (OPT: `self.model.decoder(...)`) reach the stub too
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            return self
 
 
 _STUB_OUTPUT: type | None = None
@@ -426,13 +492,20 @@ def _probe(
     device = next(hf_model.parameters()).device
     probe = _ProbeState()
     ids, pos = _probe_inputs(int(text.vocab_size), device)
+    name = type(hf_model).__name__
     token = _STATE.set(probe)
+    hf_model.config._attn_implementation = PROBE_IMPLEMENTATION
     try:
         hf_model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
+    except Exception as e:
+        raise UnsupportedModelError(
+            f"{name} ({source}) cannot run a packed forward with batchgen's attention: {type(e).__name__}: {e}"
+        ) from e
     finally:
         _STATE.reset(token)
+        hf_model.config._attn_implementation = ATTN_IMPLEMENTATION
+        _MASKS.clear()
     calls = probe.calls
-    name = type(hf_model).__name__
     if not calls:
         raise UnsupportedModelError(
             f"{name} ({source}) does not call transformers' attention interface, so batchgen's paged attention "
@@ -461,10 +534,15 @@ def _probe(
             raise UnsupportedModelError(
                 f"{name} ({source}): {c.num_heads} query heads for {c.num_kv_heads} KV heads"
             )
-        if c.has_mask:
+        if c.mask is not None and c.mask.kind == "foreign":
             raise UnsupportedModelError(
                 f"{name} ({source}) builds its own attention mask or bias (layer {i}), e.g. ALiBi: the paged "
                 "kernels apply only the causal rule, sliding windows and soft-capping"
+            )
+        if c.mask is not None and c.mask.kind != "causal":
+            raise UnsupportedModelError(
+                f"{name} ({source}) layer {i} uses a {c.mask.kind} attention mask (not causal with an optional "
+                "sliding window), which the paged kernels cannot apply"
             )
         if "s_aux" in c.extra or "sinks" in c.extra:
             raise UnsupportedModelError(
@@ -482,9 +560,17 @@ def _probe(
     for i, c in enumerate(calls):
         layer_idx = getattr(c.module, "layer_idx", None)
         layer_idx = layer_idx if isinstance(layer_idx, int) and 0 <= layer_idx < len(calls) else i
-        window = c.sliding_window
-        if window is None and layer_types and layer_types[layer_idx] == "sliding_attention" and config_window:
-            window = int(config_window)  # a window the model applies through its mask only
+        if c.mask is not None:  # the mask transformers built for this layer is what eager attention applies
+            window = c.mask.window
+        else:
+            window = c.sliding_window
+            if (
+                window is None
+                and layer_types
+                and layer_types[layer_idx] == "sliding_attention"
+                and config_window
+            ):
+                window = int(config_window)
         if window is not None and (window <= 0 or window >= max_len):
             window = None
         options: dict[str, Any] = {}
@@ -523,13 +609,21 @@ def _check_head_split(model: TransformersCausalLM, hf_model: nn.Module, source: 
     prefix = hf_model.base_model_prefix
     setattr(hf_model, prefix, model.backbone)
     token = _STATE.set(_ProbeState())
+    hf_model.config._attn_implementation = PROBE_IMPLEMENTATION
     try:
         ref = hf_model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0].float()
+        setattr(hf_model, prefix, model._stub)
+        hidden = model._backbone(ids, pos, _ProbeState())
+        logits = model.compute_logits(hidden)
+    except Exception as e:
+        raise UnsupportedModelError(
+            f"{type(hf_model).__name__} ({source}): cannot split the backbone from the causal-LM head: {e}"
+        ) from e
     finally:
         _STATE.reset(token)
+        hf_model.config._attn_implementation = ATTN_IMPLEMENTATION
         setattr(hf_model, prefix, model._stub)
-    hidden = model._backbone(ids, pos, _ProbeState())
-    logits = model.compute_logits(hidden)
+        _MASKS.clear()
     if logits.shape != ref.shape or not torch.allclose(logits, ref, atol=1e-3, rtol=1e-3):
         raise UnsupportedModelError(
             f"{type(hf_model).__name__} ({source}): its causal-LM head does more than map the backbone's hidden "
