@@ -2,10 +2,11 @@
 
 Routing is transformers' own: router logits, softmax over all experts in float32, top-k, optional
 renormalisation, weights cast back to the model dtype (Mixtral keeps them in float32). The experts then run
-on tokens grouped by expert: the (token, slot) pairs are sorted by expert id once, and each expert that
-received tokens multiplies its contiguous group in two matmuls (gate/up fused, then down). There is no loop
-over tokens; the loop over experts touches only experts with work. Contributions are summed into the output
-with one `index_add_` in expert order — the order transformers adds them in, so float32 results match it.
+on tokens grouped by expert: the (token, slot) pairs are sorted by expert id once, and the experts multiply
+their contiguous groups in two grouped GEMMs (`torch.nn.functional.grouped_mm`: gate/up fused, then down; a
+matmul per expert with work where torch has no grouped kernel for the device/dtype). There is no loop over
+tokens. Each token's k weighted contributions are summed in slot order, as transformers' default
+(`grouped_mm`) experts implementation does, so float32 results match it.
 
 Expert weights are stacked: `experts.gate_up_proj [E, 2I, H]` (gate rows then up rows) and
 `experts.down_proj [E, H, I]`, the layout transformers 5.x uses in memory; the loader fills them from
@@ -45,23 +46,47 @@ class Experts(nn.Module):
         """x [T, H]; top_idx / top_weights [T, k] -> [T, H] (sum over each token's k experts, weighted)."""
         t, k = top_idx.shape
         flat = top_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within a group
-        token = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        xs = x.index_select(0, token)
-        ys = torch.empty_like(xs)
-        start = 0
-        inter = self.intermediate_size
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            seg = xs[start : start + n]
-            gate, up = F.linear(seg, self.gate_up_proj[e]).split(inter, dim=-1)
-            ys[start : start + n] = F.linear(self.act(gate) * up, self.down_proj[e])
-            start += n
-        weights = top_weights.reshape(-1).index_select(0, order)
-        contrib = (ys * weights[:, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, contrib)
+        _, order = torch.sort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0, dtype=torch.int32)
+        xs = x.index_select(0, order // k)
+        h = grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offsets)
+        gate, up = h.split(self.intermediate_size, dim=-1)
+        ys = grouped_mm(self.act(gate) * up, self.down_proj.transpose(-2, -1), offsets)
+        ys = ys * top_weights.reshape(-1).index_select(0, order)[:, None]  # float32 with Mixtral's weights
+        unsorted = torch.empty_like(ys)
+        unsorted[order] = ys
+        return unsorted.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+def grouped_mm(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    """Rows of `x` [S, in] grouped by expert (`offsets` [E]: cumulative row counts) times `weight[e]`
+    [E, in, out]: torch's grouped GEMM when this build has one for the device/dtype, else one matmul per
+    expert that received rows."""
+    if _use_grouped_mm(x, weight):
+        return _GROUPED_MM(x.to(weight.dtype), weight, offs=offsets)
+    out = torch.empty(x.shape[0], weight.shape[-1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(x[start:end], weight[e], out=out[start:end])
+        start = end
+    return out
+
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _use_grouped_mm(x: Tensor, weight: Tensor) -> bool:
+    if _GROUPED_MM is None:
+        return False
+    if weight.device.type == "cpu":  # CPU kernel since 2.9; 16-byte alignment needed up to 2.10
+        return _TORCH_VERSION >= (2, 11) or (
+            _TORCH_VERSION >= (2, 9) and weight.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
+        )
+    if weight.device.type == "cuda":  # bfloat16 on SM80+
+        return weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device) >= (8, 0)
+    return False
 
 
 class SparseMoE(nn.Module):

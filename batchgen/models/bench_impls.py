@@ -1,0 +1,259 @@
+"""Native vs transformers backend vs transformers `generate`, on the same checkpoint and workload.
+
+    python -m batchgen.models.bench_impls                                  # all archs, defaults
+    python -m batchgen.models.bench_impls --archs gemma2,mixtral --rows 64 --max-tokens 32 --repeats 3
+
+For each architecture a random-weight checkpoint is built once from transformers' own config class (bench
+sizes: hidden 256, 4 layers, 8 query / 4 KV heads, intermediate 768, vocab 4096; MoE: 8 experts, top-2; Gemma 2
+/ Gemma 3 / Mistral / Phi-3 windows of 128 tokens, shorter than the prompts) into ``$BATCHGEN_CACHE`` (default
+``~/.cache/batchgen``). The workload is the throughput benchmark's (`batchgen.bench.workloads`, default
+``shared_prefix``: 4 templates of ~300 tokens + a ~30-token item per row), greedy, ``ignore_eos``.
+
+Systems, each warmed up, then timed ``--repeats`` times (median wall time):
+
+- ``native``: ``LLM(path, model_impl="native")`` — batchgen's own model code;
+- ``transformers``: ``LLM(path, model_impl="transformers")`` — transformers' modeling code over batchgen's paged
+  attention (same engine, scheduler, prefix cache);
+- ``hf_generate``: ``model.generate`` on left-padded static batches of 32 (eager attention, contiguous cache).
+
+The table gives generated tok/s, wall time, rows whose tokens differ from ``hf_generate``'s, and the native
+path's speed over each system's (``native ÷ system``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BENCH_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 128}),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"sliding_window": 128, "original_max_position_embeddings": 2048},
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"sliding_window": 128, "query_pre_attn_scalar": 32, "attn_logit_softcapping": 50.0},
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"sliding_window": 128, "query_pre_attn_scalar": 32},
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 384, "norm_topk_prob": True},
+    ),
+}
+_SIZES = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    vocab_size=4096,
+    max_position_embeddings=2048,
+    initializer_range=0.08,
+    tie_word_embeddings=False,
+)
+_VERSION = "v1"
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("BATCHGEN_CACHE") or Path.home() / ".cache" / "batchgen") / "bench-impls"
+
+
+def bench_checkpoint(arch: str) -> str:
+    """The benchmark checkpoint of `arch`, built on first use (atomic rename into the cache)."""
+    import transformers
+
+    from batchgen.models.tiny import BOS_TOKEN, EOS_TOKEN, IM_END, PAD_TOKEN, build_tokenizer
+
+    target = _cache_root() / f"{arch}-{_VERSION}"
+    if (target / "config.json").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{arch}.", dir=target.parent))
+    try:
+        tok = build_tokenizer(tmp, vocab_size=_SIZES["vocab_size"])
+        ids = {t: tok.convert_tokens_to_ids(t) for t in (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_END)}
+        cfg_name, model_name, extra = BENCH_ARCHS[arch]
+        cfg = getattr(transformers, cfg_name)(
+            **{**_SIZES, **extra},
+            bos_token_id=ids[BOS_TOKEN],
+            eos_token_id=ids[EOS_TOKEN],
+            pad_token_id=ids[PAD_TOKEN],
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = getattr(transformers, model_name)(cfg).eval()
+        model.generation_config = transformers.GenerationConfig(
+            bos_token_id=ids[BOS_TOKEN],
+            eos_token_id=[ids[EOS_TOKEN], ids[IM_END]],
+            pad_token_id=ids[PAD_TOKEN],
+        )
+        model.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def _workload(path: str, name: str, rows: int, max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    from batchgen.bench.workloads import WorkloadSpec, make_workload
+    from batchgen.models.loader import load_tokenizer
+
+    table = make_workload(name, WorkloadSpec(rows=rows, max_tokens=max_tokens), load_tokenizer(path))
+    return table.column("prompt_token_ids").to_pylist(), table.column("max_tokens").to_pylist()
+
+
+def _run_engine(path: str, impl: str, prompts, max_tokens, repeats: int, engine: dict[str, Any]):
+    from batchgen import LLM, SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    walls, outs = [], []
+    for _ in range(repeats):  # a fresh engine per repeat: an empty prefix cache each time
+        llm = LLM(path, model_impl=impl, **engine)
+        llm.generate(_warm_prompts(), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - t0)
+        outs = [r.outputs[0].token_ids for r in res]
+        del llm
+    return walls, outs
+
+
+def _warm_prompts() -> list[list[int]]:
+    """Random prompts (no prefix shared with the workload) to warm the kernels and allocator."""
+    g = torch.Generator().manual_seed(123)
+    return [torch.randint(5, 4000, (24,), generator=g).tolist() for _ in range(4)]
+
+
+def _run_hf_generate(path: str, prompts, max_tokens, repeats: int, batch_size: int = 32):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    pad = model.generation_config.pad_token_id or 0
+
+    def run(ps, mts):
+        out = []
+        for s in range(0, len(ps), batch_size):
+            chunk, mt = ps[s : s + batch_size], mts[s : s + batch_size]
+            n = max(map(len, chunk))
+            ids = torch.full((len(chunk), n), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), n), dtype=torch.long)
+            for i, p in enumerate(chunk):
+                ids[i, n - len(p) :] = torch.tensor(p)
+                mask[i, n - len(p) :] = 1
+            gc = GenerationConfig(
+                max_new_tokens=max(mt), do_sample=False, eos_token_id=None, pad_token_id=pad
+            )
+            with torch.inference_mode():
+                res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+            out += [g[:m] for g, m in zip(res[:, n:].tolist(), mt)]
+        return out
+
+    run(_warm_prompts(), [4] * 4)
+    walls, outs = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = run(prompts, max_tokens)
+        walls.append(time.perf_counter() - t0)
+    return walls, outs
+
+
+def bench(
+    archs: list[str], workload: str, rows: int, max_tokens: int, repeats: int, engine: dict[str, Any]
+) -> list[dict[str, Any]]:
+    results = []
+    for arch in archs:
+        path = bench_checkpoint(arch)
+        prompts, mts = _workload(path, workload, rows, max_tokens)
+        generated = sum(mts)
+        runs = {
+            "native": _run_engine(path, "native", prompts, mts, repeats, engine),
+            "transformers": _run_engine(path, "transformers", prompts, mts, repeats, engine),
+            "hf_generate": _run_hf_generate(path, prompts, mts, repeats),
+        }
+        ref = runs["hf_generate"][1]
+        native_wall = statistics.median(runs["native"][0])
+        for system, (walls, outs) in runs.items():
+            wall = statistics.median(walls)
+            results.append(
+                {
+                    "arch": arch,
+                    "system": system,
+                    "wall_s": wall,
+                    "gen_tok_s": generated / wall,
+                    "mismatch_rows": sum(a != b for a, b in zip(outs, ref)),
+                    "native_speedup": wall / native_wall,
+                }
+            )
+    return results
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| arch | system | gen tok/s | wall s | mismatch rows vs hf_generate | native ÷ system |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['arch']} | {r['system']} | {r['gen_tok_s']:.1f} | {r['wall_s']:.2f} | {r['mismatch_rows']} "
+            f"| {r['native_speedup']:.2f}× |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--archs", default=",".join(BENCH_ARCHS), help="comma-separated: " + ", ".join(BENCH_ARCHS)
+    )
+    p.add_argument("--workload", default="shared_prefix", help="shared_prefix, unique or long_tail")
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-memory", default="1GiB")
+    args = p.parse_args(argv)
+    archs = [a for a in args.archs.split(",") if a]
+    unknown = sorted(set(archs) - set(BENCH_ARCHS))
+    if unknown:
+        p.error(f"unknown arch(s) {unknown}; choose from {', '.join(BENCH_ARCHS)}")
+    engine = {"max_num_seqs": args.max_num_seqs, "kv_cache_memory": args.kv_cache_memory}
+    t0 = time.time()
+    load0 = os.getloadavg()[0]
+    results = bench(archs, args.workload, args.rows, args.max_tokens, args.repeats, engine)
+    print(
+        f"workload {args.workload}, {args.rows} rows x {args.max_tokens} tokens, greedy, float32; "
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}; "
+        f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}; {time.time() - t0:.0f} s in all"
+    )
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
