@@ -1,19 +1,22 @@
-"""Paged-attention kernels (installed as ``batchgen.kernels``): Triton kernels and their torch references.
+"""Paged-attention kernels (installed as ``batchgen.kernels``): a reference, a torch backend, Triton kernels.
 
-Every operation has one definition, the torch reference in :mod:`.reference` (also the engine's CPU path),
-and a Triton kernel with the same signature and semantics, one per module:
+Four operations — ``store_kv`` (write the new tokens' K/V into their slots), ``paged_decode_attention`` (one
+query per sequence), ``paged_prefill_attention`` (packed query chunks over their cached prefix and themselves)
+and ``copy_blocks`` (copy-on-write of whole blocks) — each exist three times, with one name, signature and
+semantics:
 
-* store K/V into slots: ``reference.store_kv_ref`` / ``store_kv.store_kv``
-* paged decode attention: ``reference.paged_decode_attention_ref`` / ``decode_attention.paged_decode_attention``
-* paged prefill attention: ``reference.paged_prefill_attention_ref`` /
-  ``prefill_attention.paged_prefill_attention``
-* copy-on-write block copies: ``reference.copy_blocks_ref`` / ``copy_blocks.copy_blocks``
+* :mod:`.reference` *defines* them: naive per-sequence, per-query float64 code that the engine never runs; the
+  tests hold both backends to it.
+* :mod:`.torch_backend`, the engine's CPU path: gather + SDPA, workspaces, padding buckets, cascade decode.
+* the Triton kernels, the CUDA path, one per module (:mod:`.store_kv`, :mod:`.decode_attention`,
+  :mod:`.prefill_attention`, :mod:`.copy_blocks`; the ``@triton.jit`` pieces the attention kernels share are in
+  :mod:`._tiles`). These modules import ``triton`` at import time, so import them only where Triton is wanted
+  (this package itself imports only torch). Their kernels are compiled for CUDA tensors and run in Triton's
+  interpreter for CPU tensors (or whenever ``TRITON_INTERPRET=1``), see :mod:`._jit`.
 
-The Triton modules import ``triton`` at import time, so import them only where Triton is wanted (this package
-itself imports only torch). Their kernels are compiled for CUDA tensors and run in Triton's interpreter for CPU
-tensors (or whenever ``TRITON_INTERPRET=1``), see :mod:`._jit`. Also here: :mod:`.testing` (random paged
-batches for tests and benchmarks) and :mod:`.aot` (compile the kernels for a GPU without one, to check they
-build and do not spill registers).
+Also here: :mod:`.testing` (random paged batches for tests and benchmarks) and :mod:`.aot` (compile the kernels
+for a GPU without one, to check they build and do not spill registers). The engine picks a backend in
+:mod:`batchgen.engine.attention`.
 
 KV cache layout (the whole engine uses it)
 ------------------------------------------
@@ -32,24 +35,21 @@ contiguous, zero-initialised; index 0 of dim 1 is K, 1 is V. Layer ``i`` works o
   256 are tested).
 * GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``. Scores, softmax and accumulation are float32;
   outputs have the query's dtype. Caches may be float16, bfloat16 or float32.
+
+Attention options
+-----------------
+Both attention operations of every implementation take keyword-only ``sliding_window`` (a query at position
+``p`` sees keys ``p - sliding_window < k <= p``: transformers' convention), ``softcap`` (logits become
+``softcap * tanh(logits / softcap)``, Gemma 2) and ``sinks`` (``[Hq]``, one extra logit per head in the softmax
+denominator, gpt-oss); ``None`` = plain causal attention. See :mod:`.reference`. Under a window, no
+implementation reads a block-table entry of a block that lies wholly before the window of every query of its
+sequence (a query chunk's first query has the earliest window): a cache manager may free such blocks and leave
+anything in those entries. Entries past a sequence's last block (padding) must still be valid block ids.
 """
 
-from .reference import (
-    Workspace,
-    copy_blocks_ref,
-    paged_decode_attention_ref,
-    paged_prefill_attention_ref,
-    store_kv_ref,
-)
+from .torch_backend import Workspace
 
-__all__ = [
-    "Workspace",
-    "copy_blocks_ref",
-    "paged_decode_attention_ref",
-    "paged_prefill_attention_ref",
-    "store_kv_ref",
-    "triton_available",
-]
+__all__ = ["Workspace", "triton_available"]
 
 
 def triton_available() -> bool:

@@ -24,12 +24,13 @@ def interpreting(device: torch.device) -> bool:
 class Kernel:
     """A Triton kernel function, compiled or interpreted per launch: ``kernel.on(device)[grid](*args)``.
 
-    The wrapped function must not call ``@triton.jit`` functions — neither its own helpers nor Triton's
-    library ones such as ``tl.zeros``, ``tl.sum``, ``tl.max`` or ``tl.cdiv``, which are compiled or interpreted
-    depending on ``TRITON_INTERPRET`` at import — only builtins (``tl.full``, ``tl.reduce`` with
-    ``tl.standard._sum_combine`` / ``_elementwise_max``, ...), so that either backend can run it as is.
-    Interpreter quirks the kernels work around (Triton 3.9): arithmetic on bfloat16 values is wrong (the wrappers
-    compute in float32 when interpreting) and ``tensor & scalar`` masks have an unsupported dtype.
+    The wrapped function may call the ``@helper`` functions of this package (see :func:`helper`) and Triton
+    builtins (``tl.load``, ``tl.full``, ``tl.reduce`` with ``tl.standard._sum_combine`` / ``_elementwise_max``,
+    ...), but not Triton's own library ``@triton.jit`` functions such as ``tl.zeros``, ``tl.sum``, ``tl.max`` or
+    ``tl.cdiv``: those are compiled or interpreted depending on ``TRITON_INTERPRET`` at import, so only one of the
+    two backends could run them. Interpreter quirks the kernels work around (Triton 3.9): arithmetic on bfloat16
+    values is wrong (the wrappers compute in float32 when interpreting) and ``tensor & scalar`` masks have an
+    unsupported dtype.
     """
 
     def __init__(self, fn: Any) -> None:
@@ -50,3 +51,21 @@ class Kernel:
 def kernel(fn: Any) -> Kernel:
     """Decorator: ``@kernel`` instead of ``@triton.jit``."""
     return Kernel(fn)
+
+
+class Helper(JITFunction):
+    """A ``@triton.jit`` device function that kernels call, whichever way they run: the compiler sees a
+    ``JITFunction`` (and inlines it like any other), the interpreter calls it like a Python function (this
+    ``__call__``, which a plain ``JITFunction`` refuses outside a compiled kernel)."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__(fn)
+        self._interpreted = InterpretedFunction(fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._interpreted(*args, **kwargs)
+
+
+def helper(fn: Any) -> Helper:
+    """Decorator for device functions shared by kernels: ``@helper`` instead of ``@triton.jit``."""
+    return Helper(fn)

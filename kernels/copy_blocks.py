@@ -3,7 +3,7 @@
 Program ``(pair, plane, chunk)`` copies ``BLOCK`` contiguous elements of block ``src -> dst`` in one
 ``[num_blocks, block_size, Hkv, D]`` plane (``plane = layer * 2 + kv``). A block is one contiguous
 ``block_size * Hkv * D`` span of its plane, so the copy is a flat, coalesced memcpy. Semantics:
-:func:`reference.copy_blocks_ref`; sources and destinations must be disjoint (programs run in any order).
+:func:`reference.copy_blocks`; sources and destinations must be disjoint (programs run in any order).
 """
 
 from __future__ import annotations

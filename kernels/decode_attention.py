@@ -4,12 +4,13 @@ Program ``(b, kv_head, split)`` computes all ``G = Hq // Hkv`` query heads that 
 ``[G, D]`` query tile is padded to 16 rows for ``tl.dot``), so each K/V tile is loaded once per kv head. It walks
 its tokens in tiles of ``BLOCK_N`` (independent of the page size: the physical slot of every token is looked up
 in the block table, so pages of 8..64 tokens all work) with an online softmax in float32 (``exp2`` with the
-``log2 e`` folded into the scale).
+``log2 e`` folded into the scale; the tile load, scores and softmax update live in :mod:`._tiles`, shared with the
+prefill kernel).
 
 Split-K ("flash-decoding"): when there are few (sequence, kv head) pairs for the GPU but long contexts, each
 sequence's context is cut into ``num_splits`` equal ranges handled by separate programs that write a normalised
 partial output and its log-sum-exp; a second kernel merges them. :func:`choose_num_splits` is the heuristic;
-``num_splits=`` forces a value (1 = single pass). Semantics: :func:`reference.paged_decode_attention_ref`.
+``num_splits=`` forces a value (1 = single pass). Semantics: :func:`reference.paged_decode_attention`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ._jit import interpreting, kernel
+from ._tiles import OptionArgs, add_sink, load_kv_tile, online_softmax, tile_scores
 
-LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
 
@@ -52,23 +53,33 @@ def _decode_kernel(
     group,
     head_dim,
     num_splits,
+    window,
+    softcap,
+    sinks_ptr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    if WINDOW:  # the query (position seq_len - 1) sees keys seq_len - window .. seq_len - 1
+        lo = tl.maximum(seq_len - window, 0)
+    else:
+        lo = 0
     if SPLIT:
-        per_split = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        start = split * per_split
+        per_split = ((seq_len - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        start = lo + split * per_split
         end = tl.minimum(seq_len, start + per_split)
     else:
-        start = 0
+        start = lo
         end = seq_len
 
     g = tl.arange(0, BLOCK_G)
@@ -91,28 +102,14 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < end
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        row = blk * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_tok + kvh * stride_cache_head
-        k = tl.load(
-            k_cache_ptr + row[None, :] + d[:, None], mask=t_mask[None, :] & d_mask[:, None], other=0.0
-        )
-        v = tl.load(
-            v_cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0
-        )
-        if FP32_DOT:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, tok, t_mask, d, d_mask, kvh, stride_cache_block, stride_cache_tok,
+            stride_cache_head, BLOCK_SIZE, True,
+        )  # fmt: skip
+        s = tl.where(t_mask[None, :], tile_scores(q, k, qk_scale, softcap, FP32_DOT, SOFTCAP), float("-inf"))
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, FP32_DOT, False)
+    if SINKS and not SPLIT:  # split-K: the merge kernel adds the sink, once
+        l_i, acc = add_sink(tl.load(sinks_ptr + heads, mask=g_mask, other=0.0), m_i, l_i, acc)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty split (or seq_len 0) has l_i == 0
     out = acc / l_safe[:, None]
@@ -140,8 +137,10 @@ def _decode_reduce_kernel(
     stride_oh,
     num_splits,
     head_dim,
+    sinks_ptr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -151,6 +150,9 @@ def _decode_reduce_kernel(
     d_mask = d < head_dim
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s_mask, other=float("-inf"))
     m = tl.reduce(lse, 0, tl.standard._elementwise_max)
+    if SINKS:
+        sink = tl.load(sinks_ptr + h)
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # empty splits weigh 0
     part = tl.load(
@@ -159,6 +161,8 @@ def _decode_reduce_kernel(
         other=0.0,
     )
     w_sum = tl.reduce(w, 0, tl.standard._sum_combine)
+    if SINKS:  # one more logit in the denominator, with no value
+        w_sum += tl.exp2(sink - m)
     out = tl.reduce(w[:, None] * part, 0, tl.standard._sum_combine) / tl.where(w_sum > 0.0, w_sum, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -206,12 +210,17 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """``q [B,Hq,D]`` (query of the token at ``seq_lens[b]-1``) over caches ``[NB,BS,Hkv,D]`` → ``[B,Hq,D]``.
 
     ``block_tables [B, max_blocks]`` int32, ``seq_lens [B]`` int32 (>= 1). ``num_splits``: None = heuristic,
     1 = single pass, > 1 = split-K with that many splits. ``max_seq_len`` (an upper bound on ``seq_lens``)
-    saves a device sync when the heuristic runs.
+    saves a device sync when the heuristic runs. Options (``sliding_window``, ``softcap``, ``sinks [Hq]``):
+    see :mod:`.reference`; with a window only the last ``sliding_window`` keys (and their block-table entries)
+    are read.
     """
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
@@ -225,9 +234,12 @@ def paged_decode_attention(
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
     device = q.device
+    opt = OptionArgs.make(scale, sliding_window, softcap, sinks, like=q)
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
+        if sliding_window is not None:
+            max_seq_len = min(max_seq_len, sliding_window)  # keys each query reads
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(device))
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     fp32_dot = interpreting(device) or q.dtype != k_cache.dtype or q.dtype == torch.float32
@@ -241,28 +253,29 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         FP32_DOT=fp32_dot,
+        **opt.constexprs,
         num_warps=num_warps,
     )
     launch = _decode_kernel.on(device)
     args = (q, k_cache, v_cache, block_tables, seq_lens)
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
-    qk_scale = scale * LOG2E
+    options = (opt.window, opt.softcap, opt.sinks)
     if num_splits == 1:
         launch[(batch, num_kv_heads, 1)](
-            *args, out, out, qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0,
-            *cache_strides, group, head_dim, 1, SPLIT=False, **common,
+            *args, out, out, opt.qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0,
+            *cache_strides, group, head_dim, 1, *options, SPLIT=False, **common,
         )  # fmt: skip
         return out
     partial = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=device)
     launch[(batch, num_kv_heads, num_splits)](
-        *args, partial, lse, qk_scale, q.stride(0), q.stride(1),
+        *args, partial, lse, opt.qk_scale, q.stride(0), q.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        *cache_strides, group, head_dim, num_splits, SPLIT=True, **common,
+        *cache_strides, group, head_dim, num_splits, *options, SPLIT=True, **common,
     )  # fmt: skip
     _decode_reduce_kernel.on(device)[(batch, num_q_heads)](
         partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
-        lse.stride(1), out.stride(0), out.stride(1), num_splits, head_dim,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        lse.stride(1), out.stride(0), out.stride(1), num_splits, head_dim, opt.sinks,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, SINKS=opt.SINKS, num_warps=4,
     )  # fmt: skip
     return out

@@ -5,9 +5,11 @@ Sequence ``b`` owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` at absolute
 ``(q_tile, kv_head, b)`` takes ``BLOCK_Q`` consecutive queries times all ``G`` query heads of ``kv_head`` as
 one ``[BLOCK_Q * BLOCK_G, D]`` tile (row ``r`` = query ``r // BLOCK_G``, head ``r % BLOCK_G``), so GQA heads share
 every K/V tile load. Keys are read through the block table in tiles of ``BLOCK_N`` with an online softmax in
-float32: first the tiles every query of the tile may see in full (the cached prefix and earlier new tokens,
-no mask), then the diagonal tiles under the causal mask. Tiles run longest-first (the last query tiles of a
-sequence have the most keys). Semantics: :func:`reference.paged_prefill_attention_ref`.
+float32 (the pieces shared with the decode kernel are in :mod:`._tiles`): first the tiles every query of the
+tile may see in full (the cached prefix and earlier new tokens, no mask), then the diagonal tiles under the
+causal mask. With a sliding window, the tiles where the windows of the tile's queries begin come first, masked
+too, and nothing before them is read. Tiles run longest-first (the last query tiles of a sequence have the
+most keys). Semantics: :func:`reference.paged_prefill_attention`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,56 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._jit import interpreting, kernel
-from .decode_attention import LOG2E
+from ._jit import helper, interpreting, kernel
+from ._tiles import OptionArgs, add_sink, load_kv_tile, online_softmax, tile_scores
+
+
+@helper
+def _masked_tile(
+    q,
+    q_pos,
+    n0,
+    seq_len,
+    win_lo,
+    window,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row,
+    d,
+    d_mask,
+    kvh,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    qk_scale,
+    softcap,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """One key tile ``n0 ..`` that some query rows may see only in part: keys past ``seq_len``, after a row's
+    position (causal) or, with ``WINDOW``, before ``win_lo`` (never read) or outside a row's window are
+    masked. Returns the new ``m_i, l_i, acc``."""
+    k_pos = n0 + tl.arange(0, BLOCK_N)
+    kv_mask = k_pos < seq_len
+    if WINDOW:
+        kv_mask = kv_mask & (k_pos >= win_lo)
+    k, v = load_kv_tile(
+        k_cache_ptr, v_cache_ptr, bt_row, k_pos, kv_mask, d, d_mask, kvh, stride_cache_block, stride_cache_tok,
+        stride_cache_head, BLOCK_SIZE, True,
+    )  # fmt: skip
+    s = tile_scores(q, k, qk_scale, softcap, FP32_DOT, SOFTCAP)
+    visible = (k_pos[None, :] <= q_pos[:, None]) & kv_mask[None, :]
+    if WINDOW:
+        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+    s = tl.where(visible, s, float("-inf"))
+    # Under a window a row may see nothing in a tile before it has seen anything at all.
+    return online_softmax(s, v, m_i, l_i, acc, FP32_DOT, WINDOW)
 
 
 @kernel
@@ -41,12 +91,18 @@ def _prefill_kernel(
     stride_bt,
     group,
     head_dim,
+    window,
+    softcap,
+    sinks_ptr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
@@ -74,7 +130,8 @@ def _prefill_kernel(
     )
     if FP32_DOT:
         q = q.to(tl.float32)
-    # Padding rows (past q_len) sit at positions >= seq_len: they see every key, so no row is ever empty.
+    # Padding rows (past q_len) sit at positions >= seq_len: without a window they see every key, so no row is
+    # ever empty; with one they may see none (and are not stored).
     q_pos = ctx_len + qi
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -83,52 +140,36 @@ def _prefill_kernel(
     bt_row = block_tables_ptr + b * stride_bt
     first_pos = ctx_len + tile * BLOCK_Q  # position of the tile's first query
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
-    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys [0, full_end) are visible to every row
-    for n0 in range(0, full_end, BLOCK_N):
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys before full_end: after no row's position
+    if WINDOW:
+        win_lo = tl.maximum(first_pos - window + 1, 0)  # the first key any row of the tile sees
+        # keys from full_lo on: inside every row's window
+        full_lo = (tl.maximum(last_pos - window + 1, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        for n0 in range(win_lo // BLOCK_N * BLOCK_N, tl.minimum(full_lo, full_end), BLOCK_N):
+            m_i, l_i, acc = _masked_tile(
+                q, q_pos, n0, seq_len, win_lo, window, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, d,
+                d_mask, kvh, stride_cache_block, stride_cache_tok, stride_cache_head, qk_scale, softcap,
+                BLOCK_SIZE, BLOCK_N, FP32_DOT, SOFTCAP, WINDOW,
+            )  # fmt: skip
+    else:
+        win_lo = 0
+        full_lo = 0
+    for n0 in range(full_lo, full_end, BLOCK_N):  # keys [full_lo, full_end): visible to every row
         k_pos = n0 + tl.arange(0, BLOCK_N)
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
-        row = blk * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_tok + kvh * stride_cache_head
-        k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=d_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
-        if FP32_DOT:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, k) * qk_scale
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    for n0 in range(full_end, last_pos + 1, BLOCK_N):
-        k_pos = n0 + tl.arange(0, BLOCK_N)
-        kv_mask = k_pos < seq_len
-        blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
-        row = blk * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_tok + kvh * stride_cache_head
-        k = tl.load(
-            k_cache_ptr + row[None, :] + d[:, None], mask=kv_mask[None, :] & d_mask[:, None], other=0.0
-        )
-        v = tl.load(
-            v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask[:, None] & d_mask[None, :], other=0.0
-        )
-        if FP32_DOT:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, k) * qk_scale
-        visible = (k_pos[None, :] <= q_pos[:, None]) & kv_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, k_pos, k_pos, d, d_mask, kvh, stride_cache_block, stride_cache_tok,
+            stride_cache_head, BLOCK_SIZE, False,
+        )  # fmt: skip
+        s = tile_scores(q, k, qk_scale, softcap, FP32_DOT, SOFTCAP)
+        m_i, l_i, acc = online_softmax(s, v, m_i, l_i, acc, FP32_DOT, False)
+    for n0 in range(full_end, last_pos + 1, BLOCK_N):  # the diagonal: causal mask
+        m_i, l_i, acc = _masked_tile(
+            q, q_pos, n0, seq_len, win_lo, window, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, d, d_mask,
+            kvh, stride_cache_block, stride_cache_tok, stride_cache_head, qk_scale, softcap, BLOCK_SIZE, BLOCK_N,
+            FP32_DOT, SOFTCAP, WINDOW,
+        )  # fmt: skip
+    if SINKS:
+        l_i, acc = add_sink(tl.load(sinks_ptr + heads, mask=gi < group, other=0.0), m_i, l_i, acc)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
@@ -138,15 +179,15 @@ def _prefill_kernel(
     )
 
 
-def prefill_tiles(block_d: int, block_g: int, fp32_dot: bool) -> tuple[int, int, int]:
+def prefill_tiles(block_d: int, block_g: int, fp32_dot: bool, windowed: bool = False) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps)``: query-tile rows (``BLOCK_Q * BLOCK_G``), keys per step, warps."""
     if fp32_dot:
         # float32 dots run on FMA units (input_precision="ieee"): small tiles keep them out of spills
         block_m, block_n, num_warps = (
             (32, 32, 8) if block_d <= 64 else (16, 32, 4) if block_d <= 128 else (16, 16, 4)
         )
-    elif block_d <= 64:
-        block_m, block_n, num_warps = 128, 64, 8
+        if windowed and 64 < block_d <= 128:  # the window's extra loop spills with 4 warps (255 registers)
+            num_warps = 8
     elif block_d <= 128:
         block_m, block_n, num_warps = 128, 64, 8
     else:
@@ -164,11 +205,16 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """``q [T,Hq,D]`` packed query chunks over caches ``[NB,BS,Hkv,D]`` → ``[T,Hq,D]``.
 
     ``cu_seqlens_q [B+1]``, ``seq_lens [B]`` and ``block_tables [B, max_blocks]`` int32. ``max_query_len``
-    (an upper bound on the chunk lengths) saves a device sync.
+    (an upper bound on the chunk lengths) saves a device sync. Options (``sliding_window``, ``softcap``,
+    ``sinks [Hq]``): see :mod:`.reference`; with a window, keys before a query tile's first window (and their
+    block-table entries) are not read.
     """
     total, num_q_heads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
@@ -185,19 +231,20 @@ def paged_prefill_attention(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     device = q.device
+    opt = OptionArgs.make(scale, sliding_window, softcap, sinks, like=q)
     fp32_dot = interpreting(device) or q.dtype != k_cache.dtype or q.dtype == torch.float32
     block_d = triton.next_power_of_2(head_dim)
     block_g = triton.next_power_of_2(group)
-    block_m, block_n, num_warps = prefill_tiles(block_d, block_g, fp32_dot)
+    block_m, block_n, num_warps = prefill_tiles(block_d, block_g, fp32_dot, windowed=opt.WINDOW)
     block_q = block_m // block_g
     out = torch.empty((total, num_q_heads, head_dim), dtype=q.dtype, device=device)
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, batch)
     _prefill_kernel.on(device)[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, opt.qk_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        group, head_dim,
+        group, head_dim, opt.window, opt.softcap, opt.sinks,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        FP32_DOT=fp32_dot, num_warps=num_warps,
+        FP32_DOT=fp32_dot, **opt.constexprs, num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -1,250 +1,61 @@
-"""Torch reference implementations of the paged-attention kernels.
+"""What every kernel in this package computes, written as plainly as possible: the reference the tests hold both
+backends to (the torch backend, :mod:`.torch_backend`, and the Triton kernels).
 
-These define the semantics of every kernel in this package and are the engine's CPU path, so they are written
-for speed as well as clarity: K/V are gathered once per call with ``index_select`` (optionally into a reusable
-:class:`Workspace`, which saves allocating — and page-faulting — tens of MB per layer on CPU), never converted
-to float32 as a copy, and attention runs in ``torch.nn.functional.scaled_dot_product_attention`` (the fused CPU
-flash kernel: float32 softmax and accumulation, GQA without repeating K/V) on strided views of the gathered
-blocks. There is no Python loop per token; prefill loops over sequences only when padding them into one
-batch would waste more than it saves.
+Nothing here is fast and the engine never calls it. Attention runs one sequence and one query at a time: a
+sequence's keys are gathered slot by slot through its block table, each query takes the slice of them it may
+see, and scores and softmax are float64. Outputs are float64 (compare a backend's output, cast up, with them).
 
-KV cache layout: see :mod:`batchgen.kernels`. Token ``t`` of a sequence lives at slot
-``block_table[t // block_size] * block_size + t % block_size``. Slot ``-1`` means "do not store".
-GQA: query head ``h`` reads kv head ``h // (num_q_heads // num_kv_heads)``. Scores and softmax accumulate in
-float32; outputs have the query's dtype. Every query attends to at least one key (``seq_lens >= 1``), so no
-softmax row is empty; positions past a sequence's length are masked out and never reach the output.
+Attention semantics
+-------------------
+Sequence ``b`` holds ``seq_lens[b]`` tokens; token ``t`` lives at slot
+``block_tables[b, t // block_size] * block_size + t % block_size`` of the flattened ``[NB * BS, Hkv, D]`` cache.
+Its queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` are its last ``n_b`` tokens, at positions
+``seq_lens[b] - n_b .. seq_lens[b] - 1`` (decode: ``n_b == 1``). Query head ``h`` reads kv head
+``h // (Hq // Hkv)`` (GQA). A query at position ``p`` attends to the keys at positions ``k`` with
+
+* ``k <= p`` (causal), and
+* ``k > p - sliding_window`` when ``sliding_window`` is given: the query sees itself and the
+  ``sliding_window - 1`` tokens before it. This is transformers' convention (``masking_utils``:
+  ``sliding_window_overlay`` keeps ``kv_idx > q_idx - sliding_window``, and'ed with ``kv_idx <= q_idx``), used
+  by its Mistral, Qwen2, Gemma 2/3 and gpt-oss models.
+
+Logits are ``s = scale * q·k``; with ``softcap`` they are soft-capped to ``softcap * tanh(s / softcap)`` (Gemma 2's
+attention logit soft-capping, applied before masking, as transformers does). The output is
+``sum_k softmax(s)_k * v_k`` over the visible keys; with ``sinks`` (``[Hq]``, gpt-oss's attention sinks) head ``h``
+has one more logit, ``sinks[h]``, in the softmax denominator and no value: weights
+``exp(s_k) / (sum_j exp(s_j) + exp(sinks[h]))``, which sum to less than 1.
+
+Block-table entries of blocks that hold no key visible to any query of the sequence (entirely before every
+query's window) are never read, here or by either backend: they may hold anything.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
-# The CPU flash-attention op behind SDPA, which also returns the log-sum-exp: lets a chunk after a cached
-# prefix run as two unmasked calls (prefix, then the causal square) merged exactly, instead of one masked call
-# that computes every masked score and reads a mask. Private API: any failure falls back to the masked call.
-_CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write token ``t``'s ``key[t]``/``value[t]`` ``[Hkv, D]`` at slot ``slot_mapping[t]`` of the caches
+    ``[NB, BS, Hkv, D]`` (converted to the cache dtype); slot ``-1`` stores nothing."""
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            flat_k[slot] = key[t].to(k_cache.dtype)
+            flat_v[slot] = value[t].to(v_cache.dtype)
 
 
-class Workspace:
-    """Reusable scratch buffers for gathered K/V (one per name; grown by 25 % headroom when too small).
-
-    Not thread-safe: one workspace per engine (``PagedAttention`` owns one). A buffer handed out stays valid
-    until the next :meth:`get` of the same name.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, Tensor] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
-            buf = torch.empty(numel + numel // 4, dtype=dtype, device=device)
-            self._buffers[name] = buf
-        return buf[:numel].view(shape)
-
-    def clear(self) -> None:
-        self._buffers.clear()
+def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:
+    """For each pair ``(src, dst)`` of ``block_mapping [N, 2]``, copy block ``src`` to ``dst`` in every layer, K
+    and V, of ``kv_cache [L, 2, NB, BS, Hkv, D]``; every source is read before any destination is written."""
+    pairs = block_mapping.tolist()
+    sources = [kv_cache[:, :, src].clone() for src, _ in pairs]
+    for (_, dst), block in zip(pairs, sources):
+        kv_cache[:, :, dst] = block
 
 
-def store_kv_ref(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write ``key``/``value`` ``[T, Hkv, D]`` into the paged caches at ``slot_mapping`` ``[T]`` (−1 = skip)."""
-    if key.shape[0] == 0:
-        return
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    if not bool(keep.all()):
-        key, value, slots = key[keep], value[keep], slots[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
-
-
-def _gather(
-    cache: Tensor, block_ids: Tensor, name: str, workspace: Workspace | None
-) -> Tensor:  # [n, block_size, Hkv, D]
-    """Gather the blocks ``block_ids`` (any int dtype, any shape) of ``cache`` into one contiguous tensor."""
-    idx = block_ids.reshape(-1)
-    if workspace is None:
-        return cache.index_select(0, idx)
-    out = workspace.get(name, (idx.numel(), *cache.shape[1:]), cache.dtype, cache.device)
-    return torch.index_select(cache, 0, idx, out=out)
-
-
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool = False) -> Tensor:
-    """``q [B,Hq,Q,D]``, ``k/v [B,Hkv,L,D]`` (any strides) → ``[B,Hq,Q,D]`` in float32 accumulation.
-
-    ``mask`` is boolean (True = attend), broadcastable to ``[B,Hq,Q,L]``.
-    """
-    if q.dtype != k.dtype:  # mixed precision: compute in float32, as the kernels do
-        q, k, v = q.float(), k.float(), v.float()
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq == hkv:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
-    if _SDPA_HAS_GQA:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
-        )
-    group = hq // hkv  # torch < 2.5: repeat K/V per query head
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
-
-
-def paged_decode_attention_ref(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-    *,
-    workspace: Workspace | None = None,
-    plan_cache: dict | None = None,
-) -> Tensor:
-    """One query per sequence (the token at position ``seq_lens[b] - 1``) attending to its whole context.
-
-    ``q [B,Hq,D]`` → ``[B,Hq,D]``. Sequences are padded to the longest context (padding keys masked).
-    """
-    batch, num_q_heads, head_dim = q.shape
-    if batch == 0:
-        return q.new_empty(q.shape)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    lens = seq_lens.to(q.device)
-    if batch >= 2 * _CASCADE_MIN_GROUP:
-        out = _decode_cascade(q, k_cache, v_cache, block_tables, lens, scale, workspace, plan_cache)
-        if out is not None:
-            return out
-    max_len, min_len = int(lens.max()), int(lens.min())
-    num_blocks = (max_len + block_size - 1) // block_size
-    ids = block_tables[:, :num_blocks]
-    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
-    # [B, L, Hkv, D] -> strided [B, Hkv, L, D] views: no copy beyond the gather itself.
-    k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :max_len].transpose(1, 2)
-    v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :max_len].transpose(1, 2)
-    mask = None
-    if min_len != max_len:
-        pos = torch.arange(max_len, device=q.device)
-        mask = (pos[None, :] < lens[:, None]).view(batch, 1, 1, max_len)
-    out = _sdpa(q.unsqueeze(2), k, v, mask, scale)  # [B, Hq, 1, D]
-    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
-
-
-_CASCADE_MIN_GROUP = 4  # sequences that must share a prefix before it is read once for all of them
-
-
-def _shared_prefixes(
-    block_tables: Tensor, lens: Tensor, block_size: int
-) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-    """Groups of >= _CASCADE_MIN_GROUP sequences whose block tables start with the same physical blocks.
-
-    Returns ``start[B]`` (leading blocks each sequence shares with its group, 0 if none) and the groups as
-    ``(sequence indices, shared block ids)``. A shared prefix never includes the block holding a sequence's
-    last token, so every sequence keeps at least one key of its own.
-    """
-    batch = block_tables.shape[0]
-    start = torch.zeros(batch, dtype=torch.long, device=block_tables.device)
-    groups: list[tuple[Tensor, Tensor]] = []
-    _, inverse, counts = torch.unique(block_tables[:, 0], return_inverse=True, return_counts=True)
-    for g in torch.nonzero(counts >= _CASCADE_MIN_GROUP).flatten().tolist():
-        idx = torch.nonzero(inverse == g).flatten()
-        rows = block_tables[idx]
-        limit = int((lens[idx].min() - 1) // block_size)
-        if limit <= 0:
-            continue
-        same = (rows[:, :limit] == rows[:1, :limit]).all(0)
-        n = int(same.long().cumprod(0).sum())
-        if n > 0:
-            start[idx] = n
-            groups.append((idx, rows[0, :n]))
-    return start, groups
-
-
-def _cascade_plan(
-    block_tables: Tensor, lens: Tensor, block_size: int, dtype: torch.dtype
-) -> tuple[list[tuple[Tensor, Tensor]], Tensor, Tensor] | None:
-    """(groups, suffix block ids [B, S], additive suffix mask [B,1,1,S*block_size]) or None when sharing
-    would not pay. Depends only on the batch, so one plan serves every layer of a forward."""
-    start, groups = _shared_prefixes(block_tables, lens, block_size)
-    if not groups:
-        return None
-    total_blocks = (lens + block_size - 1) // block_size
-    saved = sum((idx.numel() - 1) * blocks.numel() for idx, blocks in groups)
-    if saved * 4 < int(total_blocks.sum()):  # under 25% fewer blocks to read: not worth it
-        return None
-    batch = block_tables.shape[0]
-    num_suffix = int((total_blocks - start).max())
-    arange = torch.arange(num_suffix, device=block_tables.device)
-    cols = (start[:, None] + arange[None, :]).clamp_(max=block_tables.shape[1] - 1)
-    ids = block_tables.gather(1, cols)
-    pos = (
-        start[:, None] * block_size
-        + torch.arange(num_suffix * block_size, device=block_tables.device)[None, :]
-    )
-    mask = torch.zeros(batch, 1, 1, pos.shape[1], dtype=dtype, device=block_tables.device)
-    mask.masked_fill_((pos >= lens[:, None]).view(batch, 1, 1, -1), float("-inf"))
-    return groups, ids, mask
-
-
-def _decode_cascade(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    lens: Tensor,
-    scale: float,
-    workspace: Workspace | None,
-    plan_cache: dict | None = None,
-) -> Tensor | None:
-    """Decode attention that reads a prefix shared by a group of sequences once for the whole group.
-
-    Each sequence attends to its own suffix (one batched call over gathered suffix blocks) and, if in a group,
-    to the group's shared prefix (one call with the group's queries stacked); the two partial results are
-    merged by their log-sum-exps (cascade attention). Same result as the plain path up to float rounding;
-    ``None`` when nothing is shared enough to pay off or the CPU flash op is unavailable. ``plan_cache``
-    (a dict living for one forward) lets all layers share the grouping.
-    """
-    if _CPU_FLASH_WITH_LSE is None or q.device.type != "cpu" or q.dtype != k_cache.dtype:
-        return None
-    batch, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    if plan_cache is not None and "decode_cascade" in plan_cache:
-        plan = plan_cache["decode_cascade"]
-    else:
-        plan = _cascade_plan(block_tables, lens.long(), block_size, q.dtype)
-        if plan_cache is not None:
-            plan_cache["decode_cascade"] = plan
-    if plan is None:
-        return None
-    groups, ids, mask = plan
-    shape = (batch, ids.shape[1] * block_size, num_kv_heads, head_dim)
-    k = _gather(k_cache, ids, "k", workspace).view(shape).transpose(1, 2)
-    v = _gather(v_cache, ids, "v", workspace).view(shape).transpose(1, 2)
-    # The `group` query heads of one kv head act as `group` queries of that head: GQA without repeating K/V.
-    qg = q.view(batch, num_kv_heads, group, head_dim)
-    try:
-        out, lse = _CPU_FLASH_WITH_LSE(qg, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
-        out = out.float()
-        for idx, blocks in groups:
-            n = idx.numel()
-            pk = k_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-            pv = v_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-            pq = qg[idx].transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
-            po, plse = _CPU_FLASH_WITH_LSE(pq, pk, pv, 0.0, False, attn_mask=None, scale=scale)[:2]
-            po = po.float().view(num_kv_heads, n, group, head_dim).transpose(0, 1)
-            plse = plse.view(num_kv_heads, n, group).transpose(0, 1)
-            out[idx] = _merge_by_lse(out[idx], lse[idx], po, plse)
-    except (RuntimeError, TypeError):  # a torch whose CPU flash op refuses these inputs
-        return None
-    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
-
-
-def paged_prefill_attention_ref(
+def paged_prefill_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
@@ -253,175 +64,55 @@ def paged_prefill_attention_ref(
     block_tables: Tensor,
     scale: float,
     *,
-    workspace: Workspace | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """Variable-length query chunks attending causally to their cached context plus themselves.
-
-    Sequence ``b`` owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` at absolute positions
-    ``seq_lens[b] - q_len_b .. seq_lens[b] - 1``; a query at position ``p`` attends to keys ``0..p``, all read
-    from the paged cache (the new tokens' K/V must already be stored). ``q [T,Hq,D]`` → ``[T,Hq,D]``.
-    """
-    total = q.shape[0]
-    batch = cu_seqlens_q.numel() - 1
-    if total == 0 or batch == 0:
-        return q.new_empty(q.shape)
+    """Packed queries ``q [T, Hq, D]`` over caches ``[NB, BS, Hkv, D]`` → float64 ``[T, Hq, D]`` (semantics above)."""
+    num_q_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_head = torch.arange(num_q_heads) // (num_q_heads // num_kv_heads)  # of each query head
     cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [cu[b + 1] - cu[b] for b in range(batch)]
-    buckets = _padding_buckets(q_lens, lens)
-    if len(buckets) == 1 and len(buckets[0]) == batch > 1:
-        return _prefill_padded(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace)
-    out = torch.empty_like(q)
-    for bucket in buckets:
-        if len(bucket) == 1:
-            b = bucket[0]
-            s, e = cu[b], cu[b + 1]
-            out[s:e] = _prefill_one(q[s:e], k_cache, v_cache, lens[b], block_tables[b], scale, workspace)
-            continue
-        rows = torch.tensor(bucket, dtype=torch.long, device=block_tables.device)
-        tokens = torch.cat([torch.arange(cu[b], cu[b + 1], device=q.device) for b in bucket])
-        sub_cu = [0]
-        for b in bucket:
-            sub_cu.append(sub_cu[-1] + q_lens[b])
-        out[tokens] = _prefill_padded(
-            q[tokens],
-            k_cache,
-            v_cache,
-            torch.tensor(sub_cu, dtype=torch.int32, device=q.device),
-            seq_lens[rows.to(seq_lens.device)],
-            block_tables[rows],
-            scale,
-            workspace,
-        )
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b in range(len(cu) - 1):
+        seq_len = int(seq_lens[b])
+        first_pos = seq_len - (cu[b + 1] - cu[b])  # position of the sequence's first query
+        # The sequence's keys from the first one its first query sees, slot by slot through the block table.
+        first_key = 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
+        table = block_tables[b].tolist()
+        slots = [table[t // block_size] * block_size + t % block_size for t in range(first_key, seq_len)]
+        keys = k_cache.flatten(0, 1)[slots][:, kv_head].double()  # [L, Hq, D]: key t at row t - first_key
+        values = v_cache.flatten(0, 1)[slots][:, kv_head].double()
+        for i in range(cu[b], cu[b + 1]):
+            pos = first_pos + i - cu[b]
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)  # first visible key
+            visible = slice(lo - first_key, pos + 1 - first_key)
+            out[i] = _attend(q[i], keys[visible], values[visible], scale, softcap, sinks)
     return out
 
 
-def _padding_buckets(q_lens: list[int], lens: list[int]) -> list[list[int]]:
-    """Group sequences (longest chunks first) so that padding a group to its longest chunk and context at most
-    doubles the work of each member; a group of one runs unpadded. Empty chunks are left out."""
-    order = sorted(
-        (b for b in range(len(q_lens)) if q_lens[b] > 0), key=lambda b: (q_lens[b], lens[b]), reverse=True
-    )
-    buckets: list[list[int]] = []
-    cur: list[int] = []
-    max_q = max_len = least = 0  # least: the smallest q_len * seq_len in the group
-    for b in order:
-        work = q_lens[b] * lens[b]
-        mq, ml = max(max_q, q_lens[b]), max(max_len, lens[b])
-        if cur and mq * ml <= 2 * min(least, work):
-            cur.append(b)
-            max_q, max_len, least = mq, ml, min(least, work)
-            continue
-        if cur:
-            buckets.append(cur)
-        cur, max_q, max_len, least = [b], q_lens[b], lens[b], work
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-def _prefill_one(
+def paged_decode_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    seq_len: int,
-    block_table: Tensor,
-    scale: float,
-    workspace: Workspace | None,
-) -> Tensor:
-    """One sequence: ``q [n,Hq,D]`` at positions ``seq_len-n .. seq_len-1`` → ``[n,Hq,D]``."""
-    n, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = (seq_len + block_size - 1) // block_size
-    ids = block_table[:num_blocks]
-    shape = (1, num_blocks * block_size, num_kv_heads, head_dim)
-    k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :seq_len].transpose(1, 2)
-    v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :seq_len].transpose(1, 2)
-    qb = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-    ctx = seq_len - n
-    if ctx == 0:  # square causal: SDPA's own (top-left aligned) causal mask is exact and skips masked tiles
-        out = _sdpa(qb, k, v, None, scale, causal=True)
-    else:
-        out = _prefix_then_causal(qb, k, v, ctx, scale)
-        if out is None:
-            q_pos = ctx + torch.arange(n, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            out = _sdpa(qb, k, v, mask, scale)
-    return out[0].transpose(0, 1).to(q.dtype)
-
-
-def _prefix_then_causal(q: Tensor, k: Tensor, v: Tensor, ctx: int, scale: float) -> Tensor | None:
-    """``q [1,Hq,n,D]`` at positions ``ctx..ctx+n-1`` over ``k/v [1,Hkv,ctx+n,D]``: attention to the prefix
-    (no mask) and to the new tokens (causal square) merged by their log-sum-exps, in float32. ``None`` when
-    the CPU flash op is unavailable or refuses the inputs."""
-    if _CPU_FLASH_WITH_LSE is None or q.device.type != "cpu" or q.dtype != k.dtype:
-        return None
-    try:
-        o1, lse1 = _CPU_FLASH_WITH_LSE(
-            q, k[:, :, :ctx], v[:, :, :ctx], 0.0, False, attn_mask=None, scale=scale
-        )[:2]
-        o2, lse2 = _CPU_FLASH_WITH_LSE(
-            q, k[:, :, ctx:], v[:, :, ctx:], 0.0, True, attn_mask=None, scale=scale
-        )[:2]
-    except (RuntimeError, TypeError):  # e.g. a torch without GQA support in the op
-        return None
-    return _merge_by_lse(o1, lse1, o2, lse2)
-
-
-def _merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
-    """Combine two softmax-normalised attention outputs over disjoint key sets, ``o [..., D]`` with their
-    log-sum-exps ``lse [...]``, into the attention over the union (float32)."""
-    m = torch.maximum(lse1, lse2)
-    w1 = torch.exp(lse1 - m).unsqueeze(-1)
-    w2 = torch.exp(lse2 - m).unsqueeze(-1)
-    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
-
-
-def _prefill_padded(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    cu_seqlens_q: Tensor,
-    seq_lens: Tensor,
     block_tables: Tensor,
+    seq_lens: Tensor,
     scale: float,
-    workspace: Workspace | None,
+    **options,
 ) -> Tensor:
-    """All sequences at once, queries padded to the longest chunk and keys to the longest context."""
-    total, num_q_heads, head_dim = q.shape
-    batch = cu_seqlens_q.numel() - 1
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    device = q.device
-    cu = cu_seqlens_q.to(device).long()
-    q_lens = cu[1:] - cu[:-1]
-    lens = seq_lens.to(device).long()
-    max_q, max_len = int(q_lens.max()), int(lens.max())
-    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device), q_lens)
-    idx_in_seq = torch.arange(total, device=device) - cu[:-1][seq_of_token]
-    qp = q.new_zeros(batch, max_q, num_q_heads, head_dim)
-    qp[seq_of_token, idx_in_seq] = q
-    num_blocks = (max_len + block_size - 1) // block_size
-    ids = block_tables[:, :num_blocks]
-    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
-    k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :max_len].transpose(1, 2)
-    v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :max_len].transpose(1, 2)
-    q_pos = (lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Q]
-    k_pos = torch.arange(max_len, device=device)
-    # Padding query rows (past q_len) sit at positions >= seq_len: they still see keys 0..seq_len-1, so no row
-    # is empty; they are dropped below.
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < lens[:, None, None])
-    out = _sdpa(qp.transpose(1, 2), k, v, mask[:, None], scale)  # [B, Hq, Q, D]
-    return out.transpose(1, 2)[seq_of_token, idx_in_seq].to(q.dtype)
+    """One query per sequence, ``q [B, Hq, D]`` (the token at ``seq_lens[b] - 1``) → float64 ``[B, Hq, D]``."""
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_prefill_attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, **options)
 
 
-def copy_blocks_ref(kv_cache: Tensor, block_mapping: Tensor) -> None:
-    """Copy physical blocks ``block_mapping[:, 0] -> block_mapping[:, 1]`` in every layer, K and V.
-
-    All sources are read before any destination is written (a block may not be both a source and a
-    destination of the same call in the Triton kernel, so callers keep the two sets disjoint).
-    """
-    if block_mapping.numel() == 0:
-        return
-    src = block_mapping[:, 0].long().to(kv_cache.device)
-    dst = block_mapping[:, 1].long().to(kv_cache.device)
-    kv_cache[:, :, dst] = kv_cache[:, :, src]
+def _attend(
+    q: Tensor, keys: Tensor, values: Tensor, scale: float, softcap: float | None, sinks: Tensor | None
+) -> Tensor:
+    """One query ``q [Hq, D]`` over its visible ``keys`` / ``values`` ``[L, Hq, D]`` (float64) → ``[Hq, D]``."""
+    scores = torch.einsum("lhd,hd->hl", keys, q.double()) * scale  # [Hq, L]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double().view(-1, 1)], dim=1)
+    weights = torch.softmax(scores, dim=1)[:, : keys.shape[0]]
+    return torch.einsum("hl,lhd->hd", weights, values)

@@ -1,7 +1,7 @@
 """Triton ``store_kv``: write the new tokens' K and V into their paged-cache slots (slot −1 = skip).
 
 One program per token copies its ``[Hkv, D]`` key and value rows (the innermost ``head_dim`` stays contiguous in
-both the source and the cache, so loads and stores coalesce). Semantics: :func:`reference.store_kv_ref`.
+both the source and the cache, so loads and stores coalesce). Semantics: :func:`reference.store_kv`.
 """
 
 from __future__ import annotations

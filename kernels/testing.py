@@ -85,3 +85,51 @@ def make_paged_batch(
         q_lens=list(q_lens),
         scale=head_dim**-0.5,
     )
+
+
+def reference_attention(batch: PagedBatch, **options) -> Tensor:
+    """:func:`.reference.paged_prefill_attention` (float64) of ``batch``'s packed queries: the expected output of
+    both backends' prefill, and of their decode when every ``q_len`` is 1."""
+    from .reference import paged_prefill_attention
+
+    return paged_prefill_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
+        batch.scale, **options,
+    )  # fmt: skip
+
+
+def with_stale_blocks(batch: PagedBatch, sliding_window: int) -> tuple[PagedBatch, int]:
+    """``batch`` with every block-table entry of a block that lies entirely before all of its sequence's query
+    windows (``sliding_window``) pointing at a new block of NaNs, as a KV-cache manager that frees such blocks
+    might leave them. A kernel that reads one of them (even masked: ``0 * NaN``) returns NaNs; one that skips
+    them returns the reference output. Also returns how many entries were replaced."""
+    block_size = batch.k_cache.shape[1]
+    nan_block = torch.full_like(batch.k_cache[:1], float("nan"))
+    k_cache = torch.cat([batch.k_cache, nan_block])
+    v_cache = torch.cat([batch.v_cache, nan_block])
+    tables = batch.block_tables.clone()
+    stale = 0
+    for b, (q_len, seq_len) in enumerate(zip(batch.q_lens, batch.seq_lens.tolist())):
+        first_key = max(0, seq_len - q_len - sliding_window + 1)  # the first query's first key
+        n = first_key // block_size
+        tables[b, :n] = k_cache.shape[0] - 1
+        stale += n
+    batch = PagedBatch(**{**vars(batch), "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables})
+    return batch, stale
+
+
+# Attention options the backends are tested with (see attention_options): windows narrower than a block, one
+# block, wider than most contexts; soft-capping; sinks; everything at once.
+OPTION_CASES = ("window-1", "window-7", "window-16", "window-33", "softcap", "sinks", "all")
+
+
+def attention_options(case: str, num_q_heads: int, seed: int = 0) -> dict:
+    """The keyword options of ``case`` (one of :data:`OPTION_CASES`) for ``num_q_heads`` query heads."""
+    sinks = torch.randn(num_q_heads, generator=torch.Generator().manual_seed(seed)) * 2
+    if case.startswith("window-"):
+        return dict(sliding_window=int(case.split("-")[1]))
+    return {
+        "softcap": dict(softcap=2.0),
+        "sinks": dict(sinks=sinks),
+        "all": dict(sliding_window=20, softcap=5.0, sinks=sinks),
+    }[case]

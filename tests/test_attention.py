@@ -1,5 +1,6 @@
-"""The torch references (the engine's CPU attention path) against a naive per-sequence implementation, and the
-``PagedAttention`` interface (store then attend, decode/prefill split, backend resolution).
+"""The torch backend (the engine's CPU attention path) against the reference (:mod:`batchgen.kernels.reference`:
+naive per-sequence float64 code), and the ``PagedAttention`` interface (store then attend, decode/prefill split,
+backend resolution).
 
 Tolerances: float32 inputs 1e-5 (absolute and relative); bfloat16 inputs 2e-2 (bf16 has an 8-bit mantissa:
 the output alone rounds by up to 2^-8 relative), against a float64 computation on the same (rounded) values.
@@ -10,45 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.engine.attention import AttentionMetadata, PagedAttention, resolve_backend
+from batchgen.engine.attention import AttentionMetadata, PagedAttention, TorchBackend, resolve_backend
 from batchgen.kernels import reference
-from batchgen.kernels.testing import make_paged_batch
+from batchgen.kernels import torch_backend as tb
+from batchgen.kernels.testing import (
+    OPTION_CASES,
+    attention_options,
+    make_paged_batch,
+    reference_attention,
+    with_stale_blocks,
+)
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-
-
-def naive_attention(q, k_cache, v_cache, table: list[int], seq_len: int, scale: float):
-    """``q [n, Hq, D]`` at positions ``seq_len-n .. seq_len-1``, in float64, one query and head at a time."""
-    n, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    slots = [table[t // block_size] * block_size + t % block_size for t in range(seq_len)]
-    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
-    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
-    out = torch.empty(n, num_q_heads, head_dim, dtype=torch.float64)
-    for i in range(n):
-        pos = seq_len - n + i
-        for h in range(num_q_heads):
-            scores = keys[: pos + 1, h // group] @ q[i, h].double() * scale
-            out[i, h] = torch.softmax(scores, dim=0) @ values[: pos + 1, h // group]
-    return out
-
-
-def naive_batch(batch) -> torch.Tensor:
-    cu = batch.cu_seqlens_q.tolist()
-    return torch.cat(
-        [
-            naive_attention(
-                batch.q[cu[b] : cu[b + 1]],
-                batch.k_cache,
-                batch.v_cache,
-                batch.block_tables[b].tolist(),
-                int(batch.seq_lens[b]),
-                batch.scale,
-            )
-            for b in range(len(batch.q_lens))
-        ]
-    )
 
 
 def ragged_lengths(block_size: int) -> list[int]:
@@ -58,27 +32,27 @@ def ragged_lengths(block_size: int) -> list[int]:
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_reference_matches_naive(block_size, num_q_heads, num_kv_heads, dtype):
+def test_decode_matches_reference(block_size, num_q_heads, num_kv_heads, dtype):
     batch = make_paged_batch(
         ragged_lengths(block_size), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=32,
         block_size=block_size, dtype=dtype, seed=block_size,
     )  # fmt: skip
-    out = reference.paged_decode_attention_ref(
+    out = tb.paged_decode_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale
     )
     assert out.dtype == dtype and out.shape == batch.q.shape
-    torch.testing.assert_close(out.double(), naive_batch(batch), **TOL[dtype])
+    torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[dtype])
 
 
 @pytest.mark.parametrize("head_dim", [64, 80])
-def test_decode_reference_uniform_lengths_and_workspace(head_dim):
+def test_decode_uniform_lengths_and_workspace(head_dim):
     """All sequences equally long (no mask needed) and a reused workspace give the same answer."""
-    ws = reference.Workspace()
+    ws = tb.Workspace()
     for lens in ([37, 37, 37], [5, 70, 33], [2, 2]):
         batch = make_paged_batch(lens, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, seed=len(lens))
         args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale)
-        out = reference.paged_decode_attention_ref(*args, workspace=ws)
-        torch.testing.assert_close(out.double(), naive_batch(batch), **TOL[torch.float32])
+        out = tb.paged_decode_attention(*args, workspace=ws)
+        torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])
 
 
 # (q_len, cached context) per sequence: single-token prompt, whole blocks, chunks straddling block boundaries,
@@ -95,44 +69,128 @@ PREFILL_CASES = {
 @pytest.mark.parametrize("block_size", [8, 16, 64])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_reference_matches_naive(case, block_size, num_q_heads, num_kv_heads, dtype):
+def test_prefill_matches_reference(case, block_size, num_q_heads, num_kv_heads, dtype):
     spec = PREFILL_CASES[case]
     batch = make_paged_batch(
         [n + c for n, c in spec], [n for n, _ in spec], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=32, block_size=block_size, dtype=dtype, seed=7,
     )  # fmt: skip
     args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables)
-    expected = naive_batch(batch)
-    out = reference.paged_prefill_attention_ref(*args, batch.scale)
+    expected = reference_attention(batch)
+    out = tb.paged_prefill_attention(*args, batch.scale)
     assert out.dtype == dtype and out.shape == batch.q.shape
     torch.testing.assert_close(out.double(), expected, **TOL[dtype])
     # Both strategies (one padded SDPA call / one call per sequence) agree whichever the heuristic picks.
-    padded = reference._prefill_padded(*args, batch.scale, reference.Workspace())
+    padded = tb._prefill_padded(*args, batch.scale, tb.Workspace())
     torch.testing.assert_close(padded.double(), expected, **TOL[dtype])
+
+
+# ------------------------------------------------------------------- attention options (issue 11)
+@pytest.mark.parametrize("case", OPTION_CASES)
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_options_match_reference(case, block_size, num_q_heads, num_kv_heads, dtype):
+    batch = make_paged_batch(
+        ragged_lengths(block_size) + [40], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=32,
+        block_size=block_size, dtype=dtype, seed=block_size,
+    )  # fmt: skip
+    options = attention_options(case, num_q_heads)
+    out = tb.paged_decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale, **options
+    )
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out.double(), reference_attention(batch, **options), **TOL[dtype])
+
+
+@pytest.mark.parametrize("case", OPTION_CASES)
+@pytest.mark.parametrize("spec", sorted(PREFILL_CASES))
+@pytest.mark.parametrize("block_size", [8, 64])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (8, 2)])
+def test_prefill_options_match_reference(case, spec, block_size, num_q_heads, num_kv_heads):
+    """Prefix + causal chunks of every shape, each padding bucket strategy, under each option."""
+    pairs = PREFILL_CASES[spec]
+    batch = make_paged_batch(
+        [n + c for n, c in pairs], [n for n, _ in pairs], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=32, block_size=block_size, seed=3,
+    )  # fmt: skip
+    options = attention_options(case, num_q_heads)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables)
+    expected = reference_attention(batch, **options)
+    out = tb.paged_prefill_attention(*args, batch.scale, **options)
+    torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
+    padded = tb._prefill_padded(*args, batch.scale, tb.Workspace(), *options_tuple(options))
+    torch.testing.assert_close(padded.double(), expected, **TOL[torch.float32])
+
+
+def options_tuple(options: dict) -> tuple:
+    return tuple(options.get(k) for k in ("sliding_window", "softcap", "sinks"))
+
+
+@pytest.mark.parametrize("window", [1, 8, 20])
+def test_window_reads_no_block_before_it(window):
+    """Block-table entries of blocks wholly before every window of a sequence are never read: here they point
+    at a block of NaNs, and the outputs stay finite and exact."""
+    decode = make_paged_batch([1, 8, 9, 50, 75], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    decode, stale = with_stale_blocks(decode, window)
+    assert stale > 0
+    out = tb.paged_decode_attention(
+        decode.q, decode.k_cache, decode.v_cache, decode.block_tables, decode.seq_lens, decode.scale,
+        sliding_window=window,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        out.double(), reference_attention(decode, sliding_window=window), **TOL[torch.float32]
+    )
+    spec = [(1, 40), (3, 60), (30, 30), (50, 0)]
+    prefill = make_paged_batch([n + c for n, c in spec], [n for n, _ in spec], num_q_heads=4, num_kv_heads=2,
+                               head_dim=16, block_size=8)  # fmt: skip
+    prefill, stale = with_stale_blocks(prefill, window)
+    assert stale > 0
+    for softcap in (None, 3.0):  # SDPA, and the explicit-score path
+        out = tb.paged_prefill_attention(
+            prefill.q, prefill.k_cache, prefill.v_cache, prefill.cu_seqlens_q, prefill.seq_lens,
+            prefill.block_tables, prefill.scale, sliding_window=window, softcap=softcap,
+        )  # fmt: skip
+        expected = reference_attention(prefill, sliding_window=window, softcap=softcap)
+        torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
+
+
+def test_explicit_scores_in_query_chunks(monkeypatch):
+    """The soft-capping / sinks path computes scores a chunk of queries at a time: same answer."""
+    batch = make_paged_batch([70, 30], [50, 30], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
+    options = dict(softcap=4.0, sinks=torch.tensor([1.0, -2.0]))
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables)
+    whole = tb.paged_prefill_attention(*args, batch.scale, **options)
+    monkeypatch.setattr(
+        tb, "_EXPLICIT_SCORES_ELEMENTS", 2000
+    )  # 2000 // (2 seqs * 2 heads * 80 keys) = 6 queries
+    chunked = tb.paged_prefill_attention(*args, batch.scale, **options)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(chunked.double(), reference_attention(batch, **options), **TOL[torch.float32])
 
 
 def test_prefill_heuristic_picks_padded_for_uniform_batches(monkeypatch):
     calls = []
-    real = reference._prefill_padded
-    monkeypatch.setattr(reference, "_prefill_padded", lambda *a: calls.append(1) or real(*a))
+    real = tb._prefill_padded
+    monkeypatch.setattr(tb, "_prefill_padded", lambda *a: calls.append(1) or real(*a))
     uniform = make_paged_batch([32, 32, 31], [8, 8, 8])
-    reference.paged_prefill_attention_ref(
+    tb.paged_prefill_attention(
         uniform.q, uniform.k_cache, uniform.v_cache, uniform.cu_seqlens_q, uniform.seq_lens,
         uniform.block_tables, uniform.scale,
     )  # fmt: skip
     assert calls == [1]
     ragged = make_paged_batch([600, 4, 3], [600, 4, 3])
-    reference.paged_prefill_attention_ref(
+    tb.paged_prefill_attention(
         ragged.q, ragged.k_cache, ragged.v_cache, ragged.cu_seqlens_q, ragged.seq_lens, ragged.block_tables,
         ragged.scale,
     )  # fmt: skip
     # A group is padded only while that at most doubles each member's work: the 600-token chunk runs alone,
     # the two short ones share one padded call.
     assert calls == [1, 1]
-    assert reference._padding_buckets([600, 4, 3], [600, 4, 3]) == [[0], [1, 2]]
+    assert tb._padding_buckets([600, 4, 3], [600, 4, 3]) == [[0], [1, 2]]
     # Chunks after a cached prefix group together even beside a long uncached prompt.
-    assert reference._padding_buckets([347, 33, 33, 33], [347, 347, 346, 347]) == [[0], [1, 3, 2]]
-    assert reference._padding_buckets([0, 5], [9, 5]) == [[1]]
+    assert tb._padding_buckets([347, 33, 33, 33], [347, 347, 346, 347]) == [[0], [1, 3, 2]]
+    assert tb._padding_buckets([0, 5], [9, 5]) == [[1]]
 
 
 def test_zero_cache_gives_finite_outputs():
@@ -140,31 +198,44 @@ def test_zero_cache_gives_finite_outputs():
     batch = make_paged_batch([1, 3, 17], [1, 2, 17], num_q_heads=4, num_kv_heads=2, head_dim=16)
     batch.k_cache.zero_()
     batch.v_cache.zero_()
-    dec = reference.paged_decode_attention_ref(
+    dec = tb.paged_decode_attention(
         batch.q[:3], batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale
     )
-    pre = reference.paged_prefill_attention_ref(
+    pre = tb.paged_prefill_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
         batch.scale,
     )  # fmt: skip
     assert torch.equal(dec, torch.zeros_like(dec)) and torch.equal(pre, torch.zeros_like(pre))
 
 
-def test_store_kv_reference_skips_negative_slots():
+@pytest.mark.parametrize("impl", [tb, reference], ids=["torch_backend", "reference"])
+def test_store_kv_skips_negative_slots(impl):
     k_cache = torch.zeros(4, 8, 2, 16)
     v_cache = torch.zeros(4, 8, 2, 16)
     key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    reference.store_kv_ref(key, value, k_cache, v_cache, torch.tensor([9, -1, 31]))
+    impl.store_kv(key, value, k_cache, v_cache, torch.tensor([9, -1, 31]))
     flat_k, flat_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
     assert torch.equal(flat_k[9], key[0]) and torch.equal(flat_k[31], key[2])
     assert torch.equal(flat_v[9], value[0]) and torch.equal(flat_v[31], value[2])
     assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == 2
 
 
-def test_copy_blocks_reference_all_layers():
+def test_store_kv_matches_reference_with_dtype_conversion():
+    gen = torch.Generator().manual_seed(3)
+    caches = [torch.randn(5, 8, 2, 16, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    key, value = torch.randn(6, 2, 16, generator=gen), torch.randn(6, 2, 16, generator=gen)
+    slots = torch.tensor([0, 7, -1, 8, 39, -1])
+    ref = [c.clone() for c in caches]
+    reference.store_kv(key, value, *ref, slots)
+    tb.store_kv(key, value, *caches, slots)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+
+
+@pytest.mark.parametrize("impl", [tb, reference], ids=["torch_backend", "reference"])
+def test_copy_blocks_all_layers(impl):
     kv = torch.randn(3, 2, 6, 4, 2, 8)
     before = kv.clone()
-    reference.copy_blocks_ref(kv, torch.tensor([[0, 5], [2, 3]]))
+    impl.copy_blocks(kv, torch.tensor([[0, 5], [2, 3]]))
     assert torch.equal(kv[:, :, 5], before[:, :, 0]) and torch.equal(kv[:, :, 3], before[:, :, 2])
     untouched = [0, 1, 2, 4]
     assert torch.equal(kv[:, :, untouched], before[:, :, untouched])
@@ -212,7 +283,49 @@ def test_paged_attention_torch_forward_stores_then_attends(case):
     attn = PagedAttention("torch")
     out = attn.forward(batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.scale)
     assert torch.equal(batch.k_cache, expected_k) and torch.equal(batch.v_cache, expected_v)
-    torch.testing.assert_close(out.double(), naive_batch(batch), **TOL[torch.float32])
+    torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("case", sorted(FORWARD_CASES))
+@pytest.mark.parametrize("options_case", ["window-7", "all"])
+def test_paged_attention_torch_forward_with_options(case, options_case):
+    """Keyword-only options reach both the decode and the prefill part of a mixed batch."""
+    batch, k_new, v_new, meta = _forward_case(*FORWARD_CASES[case])
+    options = attention_options(options_case, 4)
+    out = PagedAttention("torch").forward(
+        batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.scale, **options
+    )
+    torch.testing.assert_close(out.double(), reference_attention(batch, **options), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("bad", [dict(sliding_window=0), dict(softcap=0.0), dict(softcap=-1.0)])
+def test_paged_attention_rejects_bad_options(bad):
+    batch, k_new, v_new, meta = _forward_case(*FORWARD_CASES["mixed"])
+    with pytest.raises(ValueError, match="must be"):
+        PagedAttention("torch").forward(batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, 0.1, **bad)
+
+
+def test_paged_attention_takes_a_backend_object():
+    """Any :class:`AttentionBackend` plugs in; a mixed batch is one decode call and one prefill call."""
+    calls = []
+
+    class Recording(TorchBackend):
+        name = "recording"
+
+        def decode(self, q, *args, **kwargs):
+            calls.append(("decode", q.shape[0]))
+            return super().decode(q, *args, **kwargs)
+
+        def prefill(self, q, *args, **kwargs):
+            calls.append(("prefill", q.shape[0]))
+            return super().prefill(q, *args, **kwargs)
+
+    batch, k_new, v_new, meta = _forward_case(*FORWARD_CASES["mixed"])
+    attn = PagedAttention(Recording())
+    assert attn.backend == "recording"
+    out = attn.forward(batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.scale)
+    assert calls == [("decode", 2), ("prefill", 13)]
+    torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])
 
 
 def test_resolve_backend(monkeypatch):
@@ -239,10 +352,10 @@ def test_prefill_after_prefix_with_and_without_the_lse_fast_path(monkeypatch, fl
     """A chunk after a cached prefix runs as prefix + causal square merged by log-sum-exp when the CPU flash
     op is available, else as one masked SDPA call: same answer."""
     if not flash_with_lse:
-        monkeypatch.setattr(reference, "_CPU_FLASH_WITH_LSE", None)
+        monkeypatch.setattr(tb, "_CPU_FLASH_WITH_LSE", None)
     batch = make_paged_batch([70], [23], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16)
-    out = reference.paged_prefill_attention_ref(
+    out = tb.paged_prefill_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
         batch.scale,
     )  # fmt: skip
-    torch.testing.assert_close(out.double(), naive_batch(batch), **TOL[torch.float32])
+    torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])

@@ -1,4 +1,4 @@
-"""Cascade decode attention (a shared prefix read once per group of sequences) against a naive reference,
+"""Cascade decode attention (a shared prefix read once per group of sequences) against the reference,
 and end to end: prefix-shared batches give the same greedy tokens with and without shared blocks."""
 
 from __future__ import annotations
@@ -9,25 +9,13 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.kernels import reference as R
-
-
-def naive_decode(q, k, v, block_tables, lens, scale):
-    block_size, group = k.shape[1], q.shape[1] // k.shape[2]
-    outs = []
-    for b in range(q.shape[0]):
-        n = int(lens[b])
-        blocks = block_tables[b, : (n + block_size - 1) // block_size].long()
-        kk = k[blocks].reshape(-1, k.shape[2], k.shape[3])[:n].repeat_interleave(group, 1).transpose(0, 1)
-        vv = v[blocks].reshape(-1, v.shape[2], v.shape[3])[:n].repeat_interleave(group, 1).transpose(0, 1)
-        s = (q[b].float()[:, None, :] @ kk.float().transpose(-1, -2)) * scale
-        outs.append((torch.softmax(s, -1) @ vv.float())[:, 0])
-    return torch.stack(outs)
+from batchgen.kernels import reference
+from batchgen.kernels import torch_backend as tb
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size,num_kv_heads", [(16, 4), (8, 1), (32, 2)])
-def test_cascade_decode_matches_naive(dtype, tol, block_size, num_kv_heads) -> None:
+def test_cascade_decode_matches_reference(dtype, tol, block_size, num_kv_heads) -> None:
     g = torch.Generator().manual_seed(0)
     batch, num_q_heads, head_dim = 24, 8, 32
     lens = torch.randint(3 * block_size + 1, 6 * block_size, (batch,), generator=g).int()
@@ -40,12 +28,31 @@ def test_cascade_decode_matches_naive(dtype, tol, block_size, num_kv_heads) -> N
     for lo, hi, shared in [(0, 8, 3), (8, 14, 2), (14, 19, 1), (19, 21, 3)]:
         tables[lo:hi, :shared] = tables[lo, :shared]
     q = torch.randn(batch, num_q_heads, head_dim, generator=g).to(dtype)
-    out = R._decode_cascade(q, k, v, tables, lens, 0.17, R.Workspace())
+    out = tb._decode_cascade(q, k, v, tables, lens, 0.17, tb.Workspace())
     assert out is not None, "groups share enough blocks: the cascade path must be taken"
-    ref = naive_decode(q, k, v, tables, lens, 0.17)
-    assert (out.float() - ref).abs().max().item() < tol
-    full = R.paged_decode_attention_ref(q, k, v, tables, lens, 0.17)
-    assert (full.float() - ref).abs().max().item() < tol
+    ref = reference.paged_decode_attention(q, k, v, tables, lens, 0.17)
+    assert (out.double() - ref).abs().max().item() < tol
+    full = tb.paged_decode_attention(q, k, v, tables, lens, 0.17)
+    assert (full.double() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("options", [dict(sliding_window=20), dict(softcap=2.0), dict(sinks=torch.ones(8))])
+def test_cascade_not_used_with_attention_options(monkeypatch, options) -> None:
+    """The cascade reads a shared prefix for everyone; under a window (or soft-capping, sinks) decode takes
+    the general path instead, and stays exact on a batch the cascade would take."""
+    g = torch.Generator().manual_seed(2)
+    block_size, batch = 16, 12
+    k = torch.randn(64, block_size, 2, 32, generator=g)
+    v = torch.randn(64, block_size, 2, 32, generator=g)
+    tables = torch.randperm(64, generator=g)[: batch * 5].view(batch, 5).int()
+    tables[:, :3] = tables[0, :3]  # every sequence shares 3 blocks
+    lens = torch.randint(3 * block_size + 1, 5 * block_size, (batch,), generator=g).int()
+    q = torch.randn(batch, 8, 32, generator=g)
+    assert tb._decode_cascade(q, k, v, tables, lens, 0.2, None) is not None
+    monkeypatch.setattr(tb, "_decode_cascade", lambda *a: pytest.fail("cascade taken with options"))
+    out = tb.paged_decode_attention(q, k, v, tables, lens, 0.2, **options)
+    expected = reference.paged_decode_attention(q, k, v, tables, lens, 0.2, **options)
+    assert (out.double() - expected).abs().max().item() < 1e-5
 
 
 def test_cascade_not_used_without_sharing() -> None:
@@ -54,7 +61,7 @@ def test_cascade_not_used_without_sharing() -> None:
     tables = torch.randperm(64, generator=g)[:48].view(12, 4).int()
     lens = torch.full((12,), 50, dtype=torch.int32)
     q = torch.randn(12, 4, 16, generator=g)
-    assert R._decode_cascade(q, k, k, tables, lens, 0.25, None) is None
+    assert tb._decode_cascade(q, k, k, tables, lens, 0.25, None) is None
 
 
 def test_engine_prefix_shared_batch_same_tokens_with_cascade(llama_ckpt: str) -> None:

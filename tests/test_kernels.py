@@ -1,13 +1,13 @@
-"""Every Triton kernel against its torch reference.
+"""Every Triton kernel against the reference (:mod:`batchgen.kernels.reference`: naive per-sequence float64 code).
 
 ``device="cpu"`` runs the kernels in Triton's interpreter (CPU tensors always are; no GPU needed, and
 ``TRITON_INTERPRET=1`` is not required — see ``batchgen/kernels/_jit.py``); ``device="cuda"`` (marker ``gpu``,
 skipped without a GPU) runs the same cases compiled for real. Shapes stay small: the interpreter executes every
 program of the grid in Python.
 
-Tolerances (kernel vs reference, both computed from the same rounded inputs): float32 2e-5 absolute and
-relative (accumulation order; the GPU's ``exp2`` is approximate); bfloat16/float16 2e-2 (the outputs round to an
-8-bit / 11-bit mantissa, and on the GPU the softmax weights are rounded to the cache dtype before ``P @ V``).
+Tolerances (kernel vs the float64 reference on the same rounded inputs): float32 2e-5 absolute and relative
+(float32 accumulation; the GPU's ``exp2`` is approximate); bfloat16/float16 2e-2 (the outputs round to an 8-bit /
+11-bit mantissa, and on the GPU the softmax weights are rounded to the cache dtype before ``P @ V``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,14 @@ from batchgen.kernels.decode_attention import (  # noqa: E402
 )
 from batchgen.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from batchgen.kernels.store_kv import store_kv  # noqa: E402
-from batchgen.kernels.testing import PagedBatch, make_paged_batch  # noqa: E402
+from batchgen.kernels.testing import (  # noqa: E402
+    OPTION_CASES,
+    PagedBatch,
+    attention_options,
+    make_paged_batch,
+    reference_attention,
+    with_stale_blocks,
+)
 
 DEVICES = [
     "cpu",
@@ -57,17 +64,12 @@ def to_device(batch: PagedBatch, device: str) -> PagedBatch:
     )  # fmt: skip
 
 
-def decode_ref(batch: PagedBatch) -> torch.Tensor:
-    return reference.paged_decode_attention_ref(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale
-    )
+def decode_ref(batch: PagedBatch, **options) -> torch.Tensor:
+    assert batch.max_query_len == 1
+    return reference_attention(batch, **options)
 
 
-def prefill_ref(batch: PagedBatch) -> torch.Tensor:
-    return reference.paged_prefill_attention_ref(
-        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
-        batch.scale,
-    )  # fmt: skip
+prefill_ref = reference_attention
 
 
 def run_decode(batch: PagedBatch, device: str, **kw) -> torch.Tensor:
@@ -87,8 +89,9 @@ def run_prefill(batch: PagedBatch, device: str, **kw) -> torch.Tensor:
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """``out`` (the kernel's, in the inputs' dtype) against the float64 reference ``ref``."""
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[ref.dtype])
+    torch.testing.assert_close(out.double(), ref, **TOL[out.dtype])
 
 
 # --------------------------------------------------------------------------------------------- store_kv
@@ -108,7 +111,7 @@ def test_store_kv(device, block_size, src_dtype, cache_dtype):
         [0, block_size - 1, -1, block_size, 3 * block_size + 5, -1, num_blocks * block_size - 1]
     )
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    reference.store_kv_ref(key, value, ref_k, ref_v, slots)
+    reference.store_kv(key, value, ref_k, ref_v, slots)
     kc, vc = k_cache.to(device), v_cache.to(device)
     store_kv(key.to(device), value.to(device), kc, vc, slots.to(device))
     if src_dtype == cache_dtype:
@@ -125,7 +128,7 @@ def test_copy_blocks(device, dtype):
     kv = torch.randn(3, 2, 8, 16, 2, 80).to(dtype)
     mapping = torch.tensor([[0, 5], [2, 3], [7, 6]])
     ref = kv.clone()
-    reference.copy_blocks_ref(ref, mapping)
+    reference.copy_blocks(ref, mapping)
     out = kv.to(device)
     copy_blocks(out, mapping.to(device))
     assert torch.equal(out.cpu(), ref)
@@ -243,10 +246,81 @@ def test_prefill_long_chunk_and_group_of_seven(device):
     assert_close(run_prefill(batch, device, max_query_len=256), prefill_ref(batch))  # loose bound is fine
 
 
+# -------------------------------------------------------------------- attention options (issue 11)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", OPTION_CASES)
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_options(device, case, block_size, num_splits):
+    batch = make_paged_batch(
+        ragged_lengths(block_size) + [100], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=block_size,
+        seed=block_size,
+    )  # fmt: skip
+    options = attention_options(case, 8)
+    assert_close(run_decode(batch, device, num_splits=num_splits, **options), decode_ref(batch, **options))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", OPTION_CASES)
+@pytest.mark.parametrize("block_size,num_q_heads,num_kv_heads", [(8, 2, 2), (64, 8, 2)])
+def test_prefill_options(device, case, block_size, num_q_heads, num_kv_heads):
+    batch = prefill_batch(
+        PREFILL_SPEC, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=32, block_size=block_size,
+        seed=block_size,
+    )  # fmt: skip
+    options = attention_options(case, num_q_heads)
+    assert_close(run_prefill(batch, device, **options), prefill_ref(batch, **options))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [3, 24, 40, 70])
+def test_prefill_window_across_query_tiles(device, window):
+    """Long chunks (several query tiles each) after short and long prefixes: windows narrower than a query
+    tile, than a key tile, and wider, so each tile has masked head tiles, unmasked tiles and the diagonal in
+    every combination."""
+    batch = prefill_batch([(45, 0), (20, 100), (70, 30)], num_q_heads=4, num_kv_heads=2, head_dim=16, seed=5)
+    assert_close(run_prefill(batch, device, sliding_window=window), prefill_ref(batch, sliding_window=window))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [1, 8, 20])
+def test_window_reads_no_block_before_it(device, window):
+    """Block-table entries of blocks wholly before every window of a sequence are never read (nor are the
+    blocks): they point at a block of NaNs here, and the outputs stay finite and exact."""
+    decode, stale = with_stale_blocks(
+        make_paged_batch([1, 8, 9, 50, 75], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8), window
+    )
+    assert stale > 0
+    for num_splits in (1, 3):
+        out = run_decode(decode, device, num_splits=num_splits, sliding_window=window)
+        assert_close(out, decode_ref(decode, sliding_window=window))
+    prefill, stale = with_stale_blocks(
+        prefill_batch([(1, 40), (3, 60), (30, 30), (50, 0)], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                      block_size=8),
+        window,
+    )  # fmt: skip
+    assert stale > 0
+    assert_close(
+        run_prefill(prefill, device, sliding_window=window), prefill_ref(prefill, sliding_window=window)
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_options_half_precision(device, dtype):
+    options = attention_options("all", 8)
+    dec = make_paged_batch(ragged_lengths(16) + [90], num_q_heads=8, num_kv_heads=2, head_dim=80, dtype=dtype)
+    for num_splits in (1, 3):
+        assert_close(run_decode(dec, device, num_splits=num_splits, **options), decode_ref(dec, **options))
+    pre = prefill_batch([(1, 0), (17, 15), (33, 40)], num_q_heads=8, num_kv_heads=2, head_dim=80, dtype=dtype)
+    assert_close(run_prefill(pre, device, **options), prefill_ref(pre, **options))
+
+
 # ------------------------------------------------------------------------------ PagedAttention (triton)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_triton_matches_torch(device, dtype):
+@pytest.mark.parametrize("options_case", [None, "all"])
+def test_paged_attention_triton_and_torch_match_reference(device, dtype, options_case):
     """Store + decode + prefill through the engine's interface, decodes first, as the model calls it."""
     q_lens, seq_lens, block_size = [1, 1, 1, 9, 20], [12, 1, 40, 9, 30], 8
     batch = make_paged_batch(
@@ -260,6 +334,7 @@ def test_paged_attention_triton_matches_torch(device, dtype):
     ]
     k_new = torch.randn(len(slots), 2, 64).to(dtype)
     v_new = torch.randn(len(slots), 2, 64).to(dtype)
+    options = {} if options_case is None else attention_options(options_case, 8)
 
     def run(backend: str, dev: str):
         b = to_device(batch, dev)
@@ -269,11 +344,14 @@ def test_paged_attention_triton_matches_torch(device, dtype):
             max_seq_len=max(seq_lens), max_query_len=max(q_lens),
         )  # fmt: skip
         out = PagedAttention(backend).forward(
-            b.q, k_new.to(dev), v_new.to(dev), b.k_cache, b.v_cache, meta, b.scale
+            b.q, k_new.to(dev), v_new.to(dev), b.k_cache, b.v_cache, meta, b.scale, **options
         )
         return out.cpu(), b.k_cache.cpu(), b.v_cache.cpu()
 
     out, k_cache, v_cache = run("triton", device)
-    ref, ref_k, ref_v = run("torch", "cpu")
+    torch_out, ref_k, ref_v = run("torch", "cpu")
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
-    assert_close(out, ref)
+    stored = PagedBatch(**{**vars(batch), "k_cache": ref_k, "v_cache": ref_v})
+    expected = reference_attention(stored, **options)
+    assert_close(out, expected)
+    assert_close(torch_out, expected)

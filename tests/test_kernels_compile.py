@@ -28,19 +28,25 @@ pytestmark = [
 ]
 
 
-def _decode(head_dim, group, dtype, num_splits):
+def _decode(head_dim, group, dtype, num_splits, **options):
     q = torch.zeros(3, 2 * group, head_dim, dtype=dtype)
     cache = torch.zeros(8, 16, 2, head_dim, dtype=dtype)
     tables, lens = torch.zeros(3, 4, dtype=torch.int32), torch.full((3,), 40, dtype=torch.int32)
-    decode_attention.paged_decode_attention(q, cache, cache, tables, lens, 0.1, num_splits=num_splits)
+    decode_attention.paged_decode_attention(
+        q, cache, cache, tables, lens, 0.1, num_splits=num_splits, **options
+    )
 
 
-def _prefill(head_dim, group, dtype):
+def _prefill(head_dim, group, dtype, **options):
     q = torch.zeros(3, 2 * group, head_dim, dtype=dtype)
     cache = torch.zeros(8, 16, 2, head_dim, dtype=dtype)
     tables, lens = torch.zeros(3, 4, dtype=torch.int32), torch.full((3,), 40, dtype=torch.int32)
     cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
-    prefill_attention.paged_prefill_attention(q, cache, cache, cu, lens, tables, 0.1)
+    prefill_attention.paged_prefill_attention(q, cache, cache, cu, lens, tables, 0.1, **options)
+
+
+def _all_options(num_q_heads):
+    return dict(sliding_window=4096, softcap=50.0, sinks=torch.zeros(num_q_heads))
 
 
 CASES = {
@@ -51,6 +57,12 @@ CASES = {
     "prefill-bf16-d256-g1": lambda: _prefill(256, 1, torch.bfloat16),
     "prefill-fp16-d80-g7": lambda: _prefill(80, 7, torch.float16),
     "prefill-fp32-d128-g4": lambda: _prefill(128, 4, torch.float32),
+    # the attention options (sliding window, soft-capping, sinks): the same tiles must still fit
+    "decode-options-bf16-d128-g8": lambda: _decode(128, 8, torch.bfloat16, 1, **_all_options(16)),
+    "decode-split-options-bf16-d256-g4": lambda: _decode(256, 4, torch.bfloat16, 4, **_all_options(8)),
+    "prefill-options-bf16-d128-g4": lambda: _prefill(128, 4, torch.bfloat16, **_all_options(8)),
+    "prefill-options-bf16-d256-g1": lambda: _prefill(256, 1, torch.bfloat16, **_all_options(2)),
+    "prefill-window-fp32-d128-g4": lambda: _prefill(128, 4, torch.float32, sliding_window=4096),
     "store_kv-bf16-d96": lambda: store_kv.store_kv(
         torch.zeros(5, 4, 96, dtype=torch.bfloat16),
         torch.zeros(5, 4, 96, dtype=torch.bfloat16),

@@ -3,8 +3,10 @@ distribution that transformers probes and imports), and importing it does not ne
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +27,7 @@ def test_transformers_does_not_see_a_kernels_distribution():
 
 
 def test_package_and_engine_import_without_triton():
-    # Block `import triton`: the references, the attention interface and auto backend selection still work.
+    # Block `import triton`: the torch backend, the attention interface and auto backend selection still work.
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch, batchgen.kernels as k, batchgen.engine.attention as a\n"
@@ -38,9 +40,20 @@ def test_package_and_engine_import_without_triton():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+# What a source checkout may hold besides the package sources: never copied into the out-of-tree build.
+_NOT_SOURCES = shutil.ignore_patterns(
+    ".git", "build", "dist", "*.egg-info", "__pycache__", ".venv*", ".pytest_cache", ".ruff_cache",
+    ".hypothesis", "outputs", "multirun", "batchgen_output", ".whl", ".gpu", "tests",
+)  # fmt: skip
+
+
 def test_wheel_installs_kernels_only_under_batchgen(tmp_path):
     # The built distribution itself (not just the editable install): no top-level `kernels` package, and the
-    # Hydra configs and the sample data travel with it.
+    # Hydra configs and the sample data travel with it. Built from a copy of the checkout, because setuptools
+    # writes build/ and *.egg-info/ next to the sources: the test leaves the source tree as it found it.
+    before = sorted(p.name for p in REPO.iterdir())
+    src, wheels = tmp_path / "src", tmp_path / "wheels"
+    shutil.copytree(REPO, src, ignore=_NOT_SOURCES)
     out = subprocess.run(
         [
             sys.executable,
@@ -51,22 +64,24 @@ def test_wheel_installs_kernels_only_under_batchgen(tmp_path):
             "--no-deps",
             "--no-build-isolation",
             "-w",
-            str(tmp_path),
-            str(REPO),
+            str(wheels),
+            ".",
         ],
+        cwd=src,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    import zipfile
+    assert sorted(p.name for p in REPO.iterdir()) == before, "building the wheel wrote into the source tree"
 
-    (wheel,) = tmp_path.glob("batchgen-*.whl")
+    (wheel,) = wheels.glob("batchgen-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"batchgen", wheel.name.split("-py3")[0] + ".dist-info"}
     for needed in (
         "batchgen/kernels/__init__.py",
         "batchgen/kernels/reference.py",
+        "batchgen/kernels/torch_backend.py",
         "batchgen/conf/config.yaml",
         "batchgen/sample_data/prompts.parquet",
     ):

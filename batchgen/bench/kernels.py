@@ -8,7 +8,7 @@ Decode (one query per sequence, every sequence ``ctx`` tokens long, Llama-3-8B h
 * ``triton-splitk`` forced split-K (``num_splits = clamp(ctx // 512, 2, 64)``),
 * ``sdpa``          ``torch.nn.functional.scaled_dot_product_attention`` on K/V already gathered into
   contiguous ``[B, Hkv, ctx, D]`` tensors (an un-paged lower bound for torch; gather not timed),
-* ``torch-ref``     our torch reference (the engine's CPU path) on CUDA: gather + SDPA,
+* ``torch-ref``     our torch backend (the engine's CPU path) on CUDA: gather + SDPA,
 * ``flash-attn``    FlashAttention's paged ``flash_attn_with_kvcache`` (page size 256, its minimum), when
   the ``flash_attn`` package is importable.
 
@@ -20,7 +20,7 @@ tokens, with and without a cached prefix, and a batch of chunks) reports time an
 
 Times are medians of ``triton.testing.do_bench`` (which flushes the L2 between runs). ``--dry-run`` prints the
 grid with its byte counts and needs neither CUDA nor Triton. The full run takes about 2 minutes on an H200.
-``--cpu`` instead times the torch reference path (the engine's CPU attention) on CPU-sized shapes.
+``--cpu`` instead times the torch backend (the engine's CPU attention) on CPU-sized shapes.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class DecodePoint:
     kv_bytes: int  # K and V read
     io_bytes: int  # q read + out written
     times_us: dict[str, float] = field(default_factory=dict)
-    max_abs_diff: float = float("nan")  # ours (heuristic, single pass, split-K) vs the torch reference
+    max_abs_diff: float = float("nan")  # ours (heuristic, single pass, split-K) vs the torch backend
 
     @property
     def total_bytes(self) -> int:
@@ -161,7 +161,7 @@ def run_decode(device: torch.device, log) -> list[DecodePoint]:
 
 
 def _measure_decode(p: DecodePoint, device: torch.device) -> None:
-    from batchgen.kernels import reference
+    from batchgen.kernels import torch_backend
     from batchgen.kernels.decode_attention import MAX_SPLITS, paged_decode_attention
 
     scale = HEAD_DIM**-0.5
@@ -175,11 +175,11 @@ def _measure_decode(p: DecodePoint, device: torch.device) -> None:
     t["triton-splitk"] = _bench(
         lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, num_splits=forced)
     )
-    ws = reference.Workspace()
+    ws = torch_backend.Workspace()
     t["torch-ref"] = _bench(
-        lambda: reference.paged_decode_attention_ref(q, kc, vc, tables, lens, scale, workspace=ws)
+        lambda: torch_backend.paged_decode_attention(q, kc, vc, tables, lens, scale, workspace=ws)
     )
-    ref = reference.paged_decode_attention_ref(q, kc, vc, tables, lens, scale, workspace=ws).float()
+    ref = torch_backend.paged_decode_attention(q, kc, vc, tables, lens, scale, workspace=ws).float()
     ws.clear()
     p.max_abs_diff = max(
         float(
@@ -271,10 +271,10 @@ CPU_PREFILL_CASES = ((512, 0, 1), (2048, 0, 1), (512, 1536, 1), (512, 0, 4), (32
 
 
 def run_cpu(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), repeats: int = 3) -> list[str]:
-    """Time the torch reference path (the engine's CPU attention) on CPU shapes: 8 layers, 8 q / 4 kv heads,
+    """Time the torch backend (the engine's CPU attention) on CPU shapes: 8 layers, 8 q / 4 kv heads,
     head_dim 64, decode batches with contexts 300..700 and prefill chunks. Best of ``repeats`` wall and CPU
     (process) times per 8-layer pass; CPU time is steadier on a shared machine."""
-    from batchgen.kernels import reference
+    from batchgen.kernels import torch_backend
     from batchgen.kernels.testing import make_paged_batch
 
     def best(fn) -> tuple[float, float]:
@@ -286,8 +286,8 @@ def run_cpu(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), r
             wall, cpu = min(wall, time.perf_counter() - t), min(cpu, time.process_time() - c)
         return wall * 1e3, cpu * 1e3
 
-    lines = [f"torch reference on CPU ({torch.get_num_threads()} threads), {CPU_LAYERS} layers, {CPU_SHAPE}"]
-    ws = reference.Workspace()
+    lines = [f"torch backend on CPU ({torch.get_num_threads()} threads), {CPU_LAYERS} layers, {CPU_SHAPE}"]
+    ws = torch_backend.Workspace()
     for dtype in dtypes:
         for batch in CPU_DECODE_BATCHES:
             gen = torch.Generator().manual_seed(batch)
@@ -296,7 +296,7 @@ def run_cpu(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), r
 
             def decode(layers=layers):
                 for b in layers:
-                    reference.paged_decode_attention_ref(
+                    torch_backend.paged_decode_attention(
                         b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.scale, workspace=ws
                     )
 
@@ -312,7 +312,7 @@ def run_cpu(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), r
 
             def prefill(layers=layers):
                 for b in layers:
-                    reference.paged_prefill_attention_ref(
+                    torch_backend.paged_prefill_attention(
                         b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables, b.scale,
                         workspace=ws,
                     )  # fmt: skip
@@ -398,9 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "--peak-bw", type=float, help="datasheet memory bandwidth in bytes/s (default: by name)"
     )
     parser.add_argument("--skip-prefill", action="store_true")
-    parser.add_argument(
-        "--cpu", action="store_true", help="time the torch reference path on CPU shapes instead"
-    )
+    parser.add_argument("--cpu", action="store_true", help="time the torch backend on CPU shapes instead")
     args = parser.parse_args(argv)
     if args.dry_run:
         print_dry_run()

@@ -1,12 +1,14 @@
-"""One attention interface over the paged KV cache, backed by the torch references or the Triton kernels.
+"""One attention interface over the paged KV cache, backed by the torch backend or the Triton kernels.
 
 A batch is packed: decode sequences (one query token each) come first, then prefill chunks. Every layer first
 stores the new tokens' K/V into their slots, then attends through the block tables, so a chunk always sees its
 cached prefix and itself (and a sequence admitted in the same step may read blocks another sequence of the
 batch is filling in this very forward). The KV cache layout is documented in :mod:`batchgen.kernels`.
 
-Backends: ``torch`` runs :mod:`batchgen.kernels.reference` (the CPU path; also works on CUDA), ``triton`` the
-Triton kernels (compiled on CUDA; in Triton's interpreter on CPU, which is only for tests).
+Backends implement :class:`AttentionBackend` (four operations); :func:`resolve_backend` picks one by name for a
+device and :class:`PagedAttention` builds it once: ``torch`` (:class:`TorchBackend`, :mod:`batchgen.kernels.
+torch_backend`: the CPU path, also works on CUDA) or ``triton`` (:class:`TritonBackend`: the Triton kernels,
+compiled on CUDA; in Triton's interpreter on CPU, which is only for tests).
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from batchgen.kernels import reference, triton_available
+from batchgen.kernels import torch_backend, triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +54,110 @@ class ForwardContext:
     kv_cache: Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 
 
+class AttentionBackend(Protocol):
+    """The four paged-cache operations a backend provides (semantics: :mod:`batchgen.kernels.reference`).
+
+    ``decode`` gets one query per sequence (``q [B, Hq, D]``), ``prefill`` packed chunks (``q [T, Hq, D]``
+    delimited by ``cu_seqlens_q``); both read the new tokens' K/V from the cache (``store_kv`` ran first).
+    ``max_seq_len`` / ``max_query_len`` bound ``seq_lens`` / the chunk lengths (saves device syncs);
+    ``scratch`` lives for one forward, shared by its layers. ``options`` are the attention options
+    (``sliding_window``, ``softcap``, ``sinks``; absent = plain causal attention).
+    """
+
+    name: str
+
+    def store_kv(
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    ) -> None: ...
+
+    def decode(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
+        *, max_seq_len: int, scratch: dict, **options: Any,
+    ) -> Tensor: ...  # fmt: skip
+
+    def prefill(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
+        block_tables: Tensor, scale: float, *, max_query_len: int, **options: Any,
+    ) -> Tensor: ...  # fmt: skip
+
+    def copy_blocks(self, kv_cache: Tensor, block_mapping: Tensor) -> None: ...
+
+
+class TorchBackend:
+    """:mod:`batchgen.kernels.torch_backend`. On CPU it keeps a :class:`~batchgen.kernels.Workspace` for gathered
+    K/V, reused by every layer and step (so one engine must not run two forwards concurrently); on CUDA the
+    caching allocator already reuses that memory."""
+
+    name = "torch"
+    store_kv = staticmethod(torch_backend.store_kv)
+    copy_blocks = staticmethod(torch_backend.copy_blocks)
+
+    def __init__(self) -> None:
+        self.workspace = torch_backend.Workspace()
+
+    def decode(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
+        *, max_seq_len: int, scratch: dict, **options: Any,
+    ) -> Tensor:  # fmt: skip
+        return torch_backend.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=self._workspace_for(q),
+            plan_cache=scratch, **options,
+        )  # fmt: skip
+
+    def prefill(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
+        block_tables: Tensor, scale: float, *, max_query_len: int, **options: Any,
+    ) -> Tensor:  # fmt: skip
+        return torch_backend.paged_prefill_attention(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace=self._workspace_for(q),
+            **options,
+        )  # fmt: skip
+
+    def _workspace_for(self, q: Tensor) -> torch_backend.Workspace | None:
+        return self.workspace if q.device.type == "cpu" else None
+
+
+class TritonBackend:
+    """The Triton kernels (imported on construction: they need triton)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from batchgen.kernels import copy_blocks, decode_attention, prefill_attention, store_kv
+
+        self.store_kv = store_kv.store_kv
+        self.copy_blocks = copy_blocks.copy_blocks
+        self._decode = decode_attention.paged_decode_attention
+        self._prefill = prefill_attention.paged_prefill_attention
+
+    def decode(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
+        *, max_seq_len: int, scratch: dict, **options: Any,
+    ) -> Tensor:  # fmt: skip
+        return self._decode(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, **options
+        )
+
+    def prefill(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
+        block_tables: Tensor, scale: float, *, max_query_len: int, **options: Any,
+    ) -> Tensor:  # fmt: skip
+        return self._prefill(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len=max_query_len,
+            **options,
+        )  # fmt: skip
+
+
+BACKENDS: dict[str, type[TorchBackend] | type[TritonBackend]] = {
+    "torch": TorchBackend,
+    "triton": TritonBackend,
+}
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Map ``auto`` to ``triton`` on CUDA (when Triton is installed) and ``torch`` elsewhere; reject triton
     where it cannot run: off CUDA it needs ``TRITON_INTERPRET=1`` (the interpreter, for tests)."""
-    if backend not in ("auto", "torch", "triton"):
+    if backend not in ("auto", *BACKENDS):
         raise ValueError(f"unknown attention backend {backend!r}: use 'auto', 'torch' or 'triton'")
     if backend == "auto":
         if device.type != "cuda":
@@ -75,35 +178,21 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 class PagedAttention:
-    """Stores K/V and computes attention for a packed batch with the chosen backend (one per engine).
+    """Stores K/V and computes attention for a packed batch (one per engine) with one backend, given by name
+    (``"torch"``, ``"triton"``: see :func:`resolve_backend`) or as an :class:`AttentionBackend` object.
+    ``backend`` is its name, ``impl`` the backend object."""
 
-    On CPU the torch backend keeps a :class:`~batchgen.kernels.reference.Workspace` for gathered K/V, reused by
-    every layer and step (so one engine must not run two forwards concurrently); on CUDA the caching allocator
-    already reuses that memory.
-    """
-
-    def __init__(self, backend: str = "torch") -> None:
-        if backend not in ("torch", "triton"):
-            raise ValueError(f"unknown attention backend {backend!r}: use 'torch' or 'triton'")
-        self.backend = backend
-        self.workspace = reference.Workspace()
-        if backend == "triton":  # imported lazily: needs triton
-            from batchgen.kernels.copy_blocks import copy_blocks
-            from batchgen.kernels.decode_attention import paged_decode_attention
-            from batchgen.kernels.prefill_attention import paged_prefill_attention
-            from batchgen.kernels.store_kv import store_kv
-
-            self._store_kv = store_kv
-            self._triton_decode = paged_decode_attention
-            self._triton_prefill = paged_prefill_attention
-            self._copy_blocks = copy_blocks
-        else:
-            self._store_kv = reference.store_kv_ref
-            self._copy_blocks = reference.copy_blocks_ref
+    def __init__(self, backend: str | AttentionBackend = "torch") -> None:
+        if isinstance(backend, str):
+            if backend not in BACKENDS:
+                raise ValueError(f"unknown attention backend {backend!r}: use 'torch' or 'triton'")
+            backend = BACKENDS[backend]()
+        self.impl: AttentionBackend = backend
+        self.backend: str = backend.name
 
     def copy_blocks(self, kv_cache: Tensor, block_mapping: Tensor) -> None:
         """Copy blocks ``block_mapping[:, 0] -> [:, 1]`` (``[N, 2]`` int64, disjoint sets) in all layers."""
-        self._copy_blocks(kv_cache, block_mapping)
+        self.impl.copy_blocks(kv_cache, block_mapping)
 
     def forward(
         self,
@@ -114,73 +203,52 @@ class PagedAttention:
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
-        """``q [T,Hq,D]``, ``k/v [T,Hkv,D]`` → ``[T,Hq,D]``: store k/v at ``meta.slot_mapping``, then attend."""
-        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        """``q [T,Hq,D]``, ``k/v [T,Hkv,D]`` → ``[T,Hq,D]``: store k/v at ``meta.slot_mapping``, then attend.
+
+        Attention options (semantics: :mod:`batchgen.kernels.reference`), per call so each layer passes its own:
+        ``sliding_window`` — a query at position ``p`` sees keys ``p - sliding_window < k <= p`` (itself and the
+        ``sliding_window - 1`` before it: transformers' convention); ``softcap`` — logits become
+        ``softcap * tanh(logits / softcap)`` (Gemma 2); ``sinks [Hq]`` — one extra logit per head in the
+        softmax denominator (gpt-oss). None = plain causal attention, exactly as without them.
+        """
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0, got {softcap}")
+        options = {}
+        if sliding_window is not None:
+            options["sliding_window"] = sliding_window
+        if softcap is not None:
+            options["softcap"] = softcap
+        if sinks is not None:
+            options["sinks"] = sinks
+        impl = self.impl
+        impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_seqs
-        num_seqs = meta.seq_lens.shape[0]
-        if nd == num_seqs:
-            return self._decode(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len, meta.scratch
-            )
-        if nd == 0:
-            return self._prefill(
-                q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale, meta
-            )
-        out = torch.empty_like(q)
         bt, lens = meta.block_tables, meta.seq_lens
-        out[:nd] = self._decode(
-            q[:nd], k_cache, v_cache, bt[:nd], lens[:nd], scale, meta.max_seq_len, meta.scratch
-        )
-        cu = meta.cu_seqlens_q[nd:] - nd
-        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, cu, lens[nd:], bt[nd:], scale, meta)
-        return out
-
-    def _decode(
-        self,
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        block_tables: Tensor,
-        seq_lens: Tensor,
-        scale: float,
-        max_seq_len: int,
-        scratch: dict | None = None,
-    ) -> Tensor:
-        if self.backend == "triton":
-            return self._triton_decode(
-                q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len
-            )
-        return reference.paged_decode_attention_ref(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            scale,
-            workspace=self._workspace_for(q),
-            plan_cache=scratch,
-        )
-
-    def _prefill(
-        self,
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        cu_seqlens_q: Tensor,
-        seq_lens: Tensor,
-        block_tables: Tensor,
-        scale: float,
-        meta: AttentionMetadata,
-    ) -> Tensor:
-        if self.backend == "triton":
-            return self._triton_prefill(
-                q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                max_query_len=meta.max_query_len,
+        if nd == lens.shape[0]:
+            return impl.decode(
+                q, k_cache, v_cache, bt, lens, scale, max_seq_len=meta.max_seq_len, scratch=meta.scratch,
+                **options,
             )  # fmt: skip
-        return reference.paged_prefill_attention_ref(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace=self._workspace_for(q)
-        )
-
-    def _workspace_for(self, q: Tensor) -> reference.Workspace | None:
-        return self.workspace if q.device.type == "cpu" else None
+        if nd == 0:
+            return impl.prefill(
+                q, k_cache, v_cache, meta.cu_seqlens_q, lens, bt, scale, max_query_len=meta.max_query_len,
+                **options,
+            )  # fmt: skip
+        out = torch.empty_like(q)
+        out[:nd] = impl.decode(
+            q[:nd], k_cache, v_cache, bt[:nd], lens[:nd], scale, max_seq_len=meta.max_seq_len,
+            scratch=meta.scratch, **options,
+        )  # fmt: skip
+        cu = meta.cu_seqlens_q[nd:] - nd
+        out[nd:] = impl.prefill(
+            q[nd:], k_cache, v_cache, cu, lens[nd:], bt[nd:], scale, max_query_len=meta.max_query_len,
+            **options,
+        )  # fmt: skip
+        return out

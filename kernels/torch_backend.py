@@ -1,0 +1,500 @@
+"""The torch backend: every paged-attention operation in plain torch. This is the engine's CPU path (and also
+runs on CUDA, where the Triton kernels are preferred); its semantics are :mod:`.reference`'s.
+
+Written for speed on the CPU: K/V are gathered once per call with ``index_select`` (optionally into a reusable
+:class:`Workspace`, which saves allocating — and page-faulting — tens of MB per layer on CPU), never converted
+to float32 as a copy, and attention runs in ``torch.nn.functional.scaled_dot_product_attention`` (the fused CPU
+flash kernel: float32 softmax and accumulation, GQA without repeating K/V) on strided views of the gathered
+blocks. There is no Python loop per token; prefill loops over sequences only when padding them into one
+batch would waste more than it saves (:func:`_padding_buckets`), and decode reads a prefix shared by a group of
+sequences once for the whole group (cascade attention, :func:`_decode_cascade`).
+
+Attention options (``sliding_window``, ``softcap``, ``sinks``; semantics in :mod:`.reference`) take one general
+path, :func:`_prefill_padded` with an explicit mask: a window narrows the keys gathered per sequence to the
+blocks its queries can see (blocks before every query's window are not read, nor are their block-table
+entries) and goes into SDPA's mask; soft-capping and sinks, which SDPA cannot express, compute the scores
+explicitly (:func:`_attend_explicit`). Without options every call runs exactly as it did before they existed.
+
+KV cache layout: see :mod:`batchgen.kernels`. Every query attends to at least one key (``seq_lens >= 1``), so no
+softmax row is empty; positions past a sequence's length are masked out and never reach the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+# The CPU flash-attention op behind SDPA, which also returns the log-sum-exp: lets a chunk after a cached
+# prefix run as two unmasked calls (prefix, then the causal square) merged exactly, instead of one masked call
+# that computes every masked score and reads a mask. Private API: any failure falls back to the masked call.
+_CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+class Workspace:
+    """Reusable scratch buffers for gathered K/V (one per name; grown by 25 % headroom when too small).
+
+    Not thread-safe: one workspace per engine (``PagedAttention`` owns one). A buffer handed out stays valid
+    until the next :meth:`get` of the same name.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into the paged caches at ``slot_mapping`` ``[T]`` (−1 = skip)."""
+    if key.shape[0] == 0:
+        return
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        key, value, slots = key[keep], value[keep], slots[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def _gather(
+    cache: Tensor, block_ids: Tensor, name: str, workspace: Workspace | None
+) -> Tensor:  # [n, block_size, Hkv, D]
+    """Gather the blocks ``block_ids`` (any int dtype, any shape) of ``cache`` into one contiguous tensor."""
+    idx = block_ids.reshape(-1)
+    if workspace is None:
+        return cache.index_select(0, idx)
+    out = workspace.get(name, (idx.numel(), *cache.shape[1:]), cache.dtype, cache.device)
+    return torch.index_select(cache, 0, idx, out=out)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool = False) -> Tensor:
+    """``q [B,Hq,Q,D]``, ``k/v [B,Hkv,L,D]`` (any strides) → ``[B,Hq,Q,D]`` in float32 accumulation.
+
+    ``mask`` is boolean (True = attend), broadcastable to ``[B,Hq,Q,L]``.
+    """
+    if q.dtype != k.dtype:  # mixed precision: compute in float32, as the kernels do
+        q, k, v = q.float(), k.float(), v.float()
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq == hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    if _SDPA_HAS_GQA:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
+    group = hq // hkv  # torch < 2.5: repeat K/V per query head
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    *,
+    workspace: Workspace | None = None,
+    plan_cache: dict | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """One query per sequence (the token at position ``seq_lens[b] - 1``) attending to its whole context.
+
+    ``q [B,Hq,D]`` → ``[B,Hq,D]``. Sequences are padded to the longest context (padding keys masked).
+    With an option set, the general masked path (no cascade).
+    """
+    batch, num_q_heads, head_dim = q.shape
+    if batch == 0:
+        return q.new_empty(q.shape)
+    if sliding_window is not None or softcap is not None or sinks is not None:
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+        return _prefill_padded(
+            q, k_cache, v_cache, cu, seq_lens, block_tables, scale, workspace, sliding_window, softcap, sinks
+        )
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    lens = seq_lens.to(q.device)
+    if batch >= 2 * _CASCADE_MIN_GROUP:
+        out = _decode_cascade(q, k_cache, v_cache, block_tables, lens, scale, workspace, plan_cache)
+        if out is not None:
+            return out
+    max_len, min_len = int(lens.max()), int(lens.min())
+    num_blocks = (max_len + block_size - 1) // block_size
+    ids = block_tables[:, :num_blocks]
+    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    # [B, L, Hkv, D] -> strided [B, Hkv, L, D] views: no copy beyond the gather itself.
+    k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :max_len].transpose(1, 2)
+    v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :max_len].transpose(1, 2)
+    mask = None
+    if min_len != max_len:
+        pos = torch.arange(max_len, device=q.device)
+        mask = (pos[None, :] < lens[:, None]).view(batch, 1, 1, max_len)
+    out = _sdpa(q.unsqueeze(2), k, v, mask, scale)  # [B, Hq, 1, D]
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+_CASCADE_MIN_GROUP = 4  # sequences that must share a prefix before it is read once for all of them
+
+
+def _shared_prefixes(
+    block_tables: Tensor, lens: Tensor, block_size: int
+) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    """Groups of >= _CASCADE_MIN_GROUP sequences whose block tables start with the same physical blocks.
+
+    Returns ``start[B]`` (leading blocks each sequence shares with its group, 0 if none) and the groups as
+    ``(sequence indices, shared block ids)``. A shared prefix never includes the block holding a sequence's
+    last token, so every sequence keeps at least one key of its own.
+    """
+    batch = block_tables.shape[0]
+    start = torch.zeros(batch, dtype=torch.long, device=block_tables.device)
+    groups: list[tuple[Tensor, Tensor]] = []
+    _, inverse, counts = torch.unique(block_tables[:, 0], return_inverse=True, return_counts=True)
+    for g in torch.nonzero(counts >= _CASCADE_MIN_GROUP).flatten().tolist():
+        idx = torch.nonzero(inverse == g).flatten()
+        rows = block_tables[idx]
+        limit = int((lens[idx].min() - 1) // block_size)
+        if limit <= 0:
+            continue
+        same = (rows[:, :limit] == rows[:1, :limit]).all(0)
+        n = int(same.long().cumprod(0).sum())
+        if n > 0:
+            start[idx] = n
+            groups.append((idx, rows[0, :n]))
+    return start, groups
+
+
+def _cascade_plan(
+    block_tables: Tensor, lens: Tensor, block_size: int, dtype: torch.dtype
+) -> tuple[list[tuple[Tensor, Tensor]], Tensor, Tensor] | None:
+    """(groups, suffix block ids [B, S], additive suffix mask [B,1,1,S*block_size]) or None when sharing
+    would not pay. Depends only on the batch, so one plan serves every layer of a forward."""
+    start, groups = _shared_prefixes(block_tables, lens, block_size)
+    if not groups:
+        return None
+    total_blocks = (lens + block_size - 1) // block_size
+    saved = sum((idx.numel() - 1) * blocks.numel() for idx, blocks in groups)
+    if saved * 4 < int(total_blocks.sum()):  # under 25% fewer blocks to read: not worth it
+        return None
+    batch = block_tables.shape[0]
+    num_suffix = int((total_blocks - start).max())
+    arange = torch.arange(num_suffix, device=block_tables.device)
+    cols = (start[:, None] + arange[None, :]).clamp_(max=block_tables.shape[1] - 1)
+    ids = block_tables.gather(1, cols)
+    pos = (
+        start[:, None] * block_size
+        + torch.arange(num_suffix * block_size, device=block_tables.device)[None, :]
+    )
+    mask = torch.zeros(batch, 1, 1, pos.shape[1], dtype=dtype, device=block_tables.device)
+    mask.masked_fill_((pos >= lens[:, None]).view(batch, 1, 1, -1), float("-inf"))
+    return groups, ids, mask
+
+
+def _decode_cascade(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    lens: Tensor,
+    scale: float,
+    workspace: Workspace | None,
+    plan_cache: dict | None = None,
+) -> Tensor | None:
+    """Decode attention that reads a prefix shared by a group of sequences once for the whole group.
+
+    Each sequence attends to its own suffix (one batched call over gathered suffix blocks) and, if in a group,
+    to the group's shared prefix (one call with the group's queries stacked); the two partial results are
+    merged by their log-sum-exps (cascade attention). Same result as the plain path up to float rounding;
+    ``None`` when nothing is shared enough to pay off or the CPU flash op is unavailable. ``plan_cache``
+    (a dict living for one forward) lets all layers share the grouping.
+    """
+    if _CPU_FLASH_WITH_LSE is None or q.device.type != "cpu" or q.dtype != k_cache.dtype:
+        return None
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    if plan_cache is not None and "decode_cascade" in plan_cache:
+        plan = plan_cache["decode_cascade"]
+    else:
+        plan = _cascade_plan(block_tables, lens.long(), block_size, q.dtype)
+        if plan_cache is not None:
+            plan_cache["decode_cascade"] = plan
+    if plan is None:
+        return None
+    groups, ids, mask = plan
+    shape = (batch, ids.shape[1] * block_size, num_kv_heads, head_dim)
+    k = _gather(k_cache, ids, "k", workspace).view(shape).transpose(1, 2)
+    v = _gather(v_cache, ids, "v", workspace).view(shape).transpose(1, 2)
+    # The `group` query heads of one kv head act as `group` queries of that head: GQA without repeating K/V.
+    qg = q.view(batch, num_kv_heads, group, head_dim)
+    try:
+        out, lse = _CPU_FLASH_WITH_LSE(qg, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+        out = out.float()
+        for idx, blocks in groups:
+            n = idx.numel()
+            pk = k_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+            pv = v_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+            pq = qg[idx].transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
+            po, plse = _CPU_FLASH_WITH_LSE(pq, pk, pv, 0.0, False, attn_mask=None, scale=scale)[:2]
+            po = po.float().view(num_kv_heads, n, group, head_dim).transpose(0, 1)
+            plse = plse.view(num_kv_heads, n, group).transpose(0, 1)
+            out[idx] = _merge_by_lse(out[idx], lse[idx], po, plse)
+    except (RuntimeError, TypeError):  # a torch whose CPU flash op refuses these inputs
+        return None
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    block_tables: Tensor,
+    scale: float,
+    *,
+    workspace: Workspace | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """Variable-length query chunks attending causally to their cached context plus themselves.
+
+    Sequence ``b`` owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` at absolute positions
+    ``seq_lens[b] - q_len_b .. seq_lens[b] - 1``; a query at position ``p`` attends to keys ``0..p``, all read
+    from the paged cache (the new tokens' K/V must already be stored). ``q [T,Hq,D]`` → ``[T,Hq,D]``.
+    """
+    total = q.shape[0]
+    batch = cu_seqlens_q.numel() - 1
+    if total == 0 or batch == 0:
+        return q.new_empty(q.shape)
+    options = (sliding_window, softcap, sinks)
+    plain = options == (None, None, None)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [cu[b + 1] - cu[b] for b in range(batch)]
+    buckets = _padding_buckets(q_lens, lens)
+    if len(buckets) == 1 and len(buckets[0]) == batch and (batch > 1 or not plain):
+        return _prefill_padded(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace, *options
+        )
+    out = torch.empty_like(q)
+    for bucket in buckets:
+        if len(bucket) == 1 and plain:
+            b = bucket[0]
+            s, e = cu[b], cu[b + 1]
+            out[s:e] = _prefill_one(q[s:e], k_cache, v_cache, lens[b], block_tables[b], scale, workspace)
+            continue
+        rows = torch.tensor(bucket, dtype=torch.long, device=block_tables.device)
+        tokens = torch.cat([torch.arange(cu[b], cu[b + 1], device=q.device) for b in bucket])
+        sub_cu = [0]
+        for b in bucket:
+            sub_cu.append(sub_cu[-1] + q_lens[b])
+        out[tokens] = _prefill_padded(
+            q[tokens],
+            k_cache,
+            v_cache,
+            torch.tensor(sub_cu, dtype=torch.int32, device=q.device),
+            seq_lens[rows.to(seq_lens.device)],
+            block_tables[rows],
+            scale,
+            workspace,
+            *options,
+        )
+    return out
+
+
+def _padding_buckets(q_lens: list[int], lens: list[int]) -> list[list[int]]:
+    """Group sequences (longest chunks first) so that padding a group to its longest chunk and context at most
+    doubles the work of each member; a group of one runs unpadded. Empty chunks are left out."""
+    order = sorted(
+        (b for b in range(len(q_lens)) if q_lens[b] > 0), key=lambda b: (q_lens[b], lens[b]), reverse=True
+    )
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    max_q = max_len = least = 0  # least: the smallest q_len * seq_len in the group
+    for b in order:
+        work = q_lens[b] * lens[b]
+        mq, ml = max(max_q, q_lens[b]), max(max_len, lens[b])
+        if cur and mq * ml <= 2 * min(least, work):
+            cur.append(b)
+            max_q, max_len, least = mq, ml, min(least, work)
+            continue
+        if cur:
+            buckets.append(cur)
+        cur, max_q, max_len, least = [b], q_lens[b], lens[b], work
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _prefill_one(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    seq_len: int,
+    block_table: Tensor,
+    scale: float,
+    workspace: Workspace | None,
+) -> Tensor:
+    """One sequence: ``q [n,Hq,D]`` at positions ``seq_len-n .. seq_len-1`` → ``[n,Hq,D]``."""
+    n, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    ids = block_table[:num_blocks]
+    shape = (1, num_blocks * block_size, num_kv_heads, head_dim)
+    k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :seq_len].transpose(1, 2)
+    v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :seq_len].transpose(1, 2)
+    qb = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    ctx = seq_len - n
+    if ctx == 0:  # square causal: SDPA's own (top-left aligned) causal mask is exact and skips masked tiles
+        out = _sdpa(qb, k, v, None, scale, causal=True)
+    else:
+        out = _prefix_then_causal(qb, k, v, ctx, scale)
+        if out is None:
+            q_pos = ctx + torch.arange(n, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            out = _sdpa(qb, k, v, mask, scale)
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
+def _prefix_then_causal(q: Tensor, k: Tensor, v: Tensor, ctx: int, scale: float) -> Tensor | None:
+    """``q [1,Hq,n,D]`` at positions ``ctx..ctx+n-1`` over ``k/v [1,Hkv,ctx+n,D]``: attention to the prefix
+    (no mask) and to the new tokens (causal square) merged by their log-sum-exps, in float32. ``None`` when
+    the CPU flash op is unavailable or refuses the inputs."""
+    if _CPU_FLASH_WITH_LSE is None or q.device.type != "cpu" or q.dtype != k.dtype:
+        return None
+    try:
+        o1, lse1 = _CPU_FLASH_WITH_LSE(
+            q, k[:, :, :ctx], v[:, :, :ctx], 0.0, False, attn_mask=None, scale=scale
+        )[:2]
+        o2, lse2 = _CPU_FLASH_WITH_LSE(
+            q, k[:, :, ctx:], v[:, :, ctx:], 0.0, True, attn_mask=None, scale=scale
+        )[:2]
+    except (RuntimeError, TypeError):  # e.g. a torch without GQA support in the op
+        return None
+    return _merge_by_lse(o1, lse1, o2, lse2)
+
+
+def _merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
+    """Combine two softmax-normalised attention outputs over disjoint key sets, ``o [..., D]`` with their
+    log-sum-exps ``lse [...]``, into the attention over the union (float32)."""
+    m = torch.maximum(lse1, lse2)
+    w1 = torch.exp(lse1 - m).unsqueeze(-1)
+    w2 = torch.exp(lse2 - m).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+
+
+def _prefill_padded(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    block_tables: Tensor,
+    scale: float,
+    workspace: Workspace | None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """All sequences at once, queries padded to the longest chunk and keys to the longest context (with a
+    window: to the longest span of blocks any query of a sequence can see, starting at the first such block)."""
+    total, num_q_heads, head_dim = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    device = q.device
+    cu = cu_seqlens_q.to(device).long()
+    q_lens = cu[1:] - cu[:-1]
+    lens = seq_lens.to(device).long()
+    max_q, max_len = int(q_lens.max()), int(lens.max())
+    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device), q_lens)
+    idx_in_seq = torch.arange(total, device=device) - cu[:-1][seq_of_token]
+    qp = q.new_zeros(batch, max_q, num_q_heads, head_dim)
+    qp[seq_of_token, idx_in_seq] = q
+    q_pos = (lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Q]
+    if sliding_window is None:
+        num_blocks = (max_len + block_size - 1) // block_size
+        ids = block_tables[:, :num_blocks]
+        num_keys = max_len
+        k_pos = torch.arange(max_len, device=device)[None, :]  # [1, L]
+    else:
+        # Sequence b's keys start at the block holding the first key its first query sees.
+        first = (lens - q_lens - sliding_window + 1).clamp(min=0) // block_size  # [B]
+        num_blocks = int(((lens + block_size - 1) // block_size - first).max())
+        cols = first[:, None] + torch.arange(num_blocks, device=device)[None, :]
+        ids = block_tables.gather(1, cols.clamp(max=block_tables.shape[1] - 1).to(block_tables.device))
+        num_keys = num_blocks * block_size
+        k_pos = first[:, None] * block_size + torch.arange(num_keys, device=device)[None, :]  # [B, L]
+        # Padding query rows take the last real query's keys (under a window their own could be none).
+        q_pos = torch.minimum(q_pos, lens[:, None] - 1)
+    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :num_keys].transpose(1, 2)
+    v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :num_keys].transpose(1, 2)
+    # Padding query rows (past q_len) sit at positions >= seq_len: they still see keys 0..seq_len-1, so no row
+    # is empty; they are dropped below.
+    mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] < lens[:, None, None])
+    if sliding_window is not None:
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    if softcap is None and sinks is None:
+        out = _sdpa(qp.transpose(1, 2), k, v, mask[:, None], scale)  # [B, Hq, Q, D]
+    else:
+        out = _attend_explicit(qp.transpose(1, 2), k, v, mask[:, None], scale, softcap, sinks)
+    return out.transpose(1, 2)[seq_of_token, idx_in_seq].to(q.dtype)
+
+
+_EXPLICIT_SCORES_ELEMENTS = 16 << 20  # float32 scores per query chunk in _attend_explicit (64 MB)
+
+
+def _attend_explicit(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None, sinks: Tensor | None
+) -> Tensor:
+    """What SDPA cannot do: ``q [B,Hq,Q,D]`` over ``k/v [B,Hkv,L,D]`` (any strides) with ``mask [B,1,Q,L]``
+    (True = attend), logits soft-capped and/or a sink logit per head (``sinks [Hq]``), in float32 →
+    ``[B,Hq,Q,D]`` float32. Queries go in chunks of at most ``_EXPLICIT_SCORES_ELEMENTS`` scores."""
+    batch, num_q_heads, num_q, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    kt, vf = k.float().transpose(-1, -2), v.float()  # [B, Hkv, D, L], [B, Hkv, L, D]
+    qg = q.float().view(batch, num_kv_heads, group, num_q, head_dim)
+    sink = None if sinks is None else sinks.float().view(1, num_kv_heads, group, 1, 1).to(q.device)
+    out = torch.empty(batch, num_kv_heads, group, num_q, head_dim, dtype=torch.float32, device=q.device)
+    step = max(1, _EXPLICIT_SCORES_ELEMENTS // max(1, batch * num_q_heads * num_keys))
+    for i in range(0, num_q, step):
+        n = min(step, num_q - i)
+        qi = qg[:, :, :, i : i + n].reshape(batch, num_kv_heads, group * n, head_dim)
+        s = (qi @ kt).view(batch, num_kv_heads, group, n, num_keys) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~mask[:, :, None, i : i + n], float("-inf"))
+        if sink is not None:
+            s = torch.cat([s, sink.expand(batch, -1, -1, n, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :num_keys].reshape(batch, num_kv_heads, group * n, num_keys)
+        out[:, :, :, i : i + n] = (p @ vf).view(batch, num_kv_heads, group, n, head_dim)
+    return out.view(batch, num_q_heads, num_q, head_dim)
+
+
+def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:
+    """Copy physical blocks ``block_mapping[:, 0] -> block_mapping[:, 1]`` in every layer, K and V.
+
+    All sources are read before any destination is written (a block may not be both a source and a
+    destination of the same call in the Triton kernel, so callers keep the two sets disjoint).
+    """
+    if block_mapping.numel() == 0:
+        return
+    src = block_mapping[:, 0].long().to(kv_cache.device)
+    dst = block_mapping[:, 1].long().to(kv_cache.device)
+    kv_cache[:, :, dst] = kv_cache[:, :, src]
