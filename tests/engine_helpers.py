@@ -1,8 +1,8 @@
 """Helpers for model tests that run the engine: transformers references and an engine with tiny settings.
 
 - `hf_model(path)`: the transformers model (eager attention, float32), memoised.
-- `hf_greedy(path, prompts, n)`: transformers `generate` greedy continuations (one left-padded batch, at most
-  `n` new tokens each, ending at the checkpoint's eos like the engine's, eos included), memoised.
+- `hf_greedy(path, prompts, n)`: transformers `generate` greedy continuations (one left-padded batch, eos
+  disabled: exactly `n` new tokens each; compare with the engine's `ignore_eos=True`), memoised.
 - `make_llm(path, impl, **engine)`: `LLM` with tiny KV settings; when the engine's kernels do not (yet) take the
   `sliding_window` / `softcap` options, the engine's attention is swapped for the reference paged attention so
   the model code is still checked (see `KERNEL_OPTIONS`).
@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
 from functools import cache
 
@@ -36,21 +35,18 @@ def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 @cache
 def _hf_greedy(path: str, prompts: tuple[tuple[int, ...], ...], n: int) -> tuple[tuple[int, ...], ...]:
+    from transformers import GenerationConfig
+
     model = hf_model(path)
     width = max(map(len, prompts))
     pad = [width - len(p) for p in prompts]
     ids = torch.tensor([[0] * k + list(p) for k, p in zip(pad, prompts)])
     mask = (torch.arange(width)[None] >= torch.tensor(pad)[:, None]).long()
-    gen = copy.deepcopy(model.generation_config)
-    gen.update(max_new_tokens=n, do_sample=False, pad_token_id=0)
-    eos = set(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])
+    gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, generation_config=gen)
-    rows = []
-    for row in out[:, width:].tolist():  # a row that generated eos stops there (padding follows)
-        stop = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
-        rows.append(tuple(row[: stop + 1]))
-    return tuple(rows)
+    assert out.shape[1] == width + n, "transformers stopped early"
+    return tuple(tuple(row) for row in out[:, width:].tolist())
 
 
 def make_llm(path: str, impl: str = "auto", **engine) -> LLM:

@@ -143,6 +143,17 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"rope_parameters": _ROPE, "sliding_window": 8, "head_dim": None, "use_bias": True},
     ),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "rope_parameters": _ROPE,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
 }
 GEMMA_LIKE = ("gemma", "gemma2", "gemma3_text")
 

@@ -1,6 +1,7 @@
 """A slow, obviously-correct paged attention for model tests: per sequence, gather K/V through the block table
 and compute eager attention with the causal rule, an optional sliding window (a query at position p sees keys
-at positions > p - window, transformers' convention) and optional logit soft-capping.
+at positions > p - window, transformers' convention), optional logit soft-capping and optional attention sinks
+(one more logit per head in the softmax denominator, gpt-oss).
 
 `ReferencePagedAttention` has the engine's `PagedAttention.forward` signature including the keyword options,
 so models can be checked against it independently of the kernels (and before the kernels support them).
@@ -22,6 +23,7 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """q [T, Hq, D] (packed, sequences in `meta` order) -> [T, Hq, D], reading K/V from the paged caches."""
     block_size = k_cache.shape[1]
@@ -45,7 +47,12 @@ def paged_attention_reference(
         if sliding_window is not None:
             allowed &= pos[None, :] > qpos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out[lo:hi] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+        if sinks is not None:  # gpt-oss: one more logit per head in the denominator, with no value
+            sink = sinks.float().view(-1, 1, 1).expand(-1, n, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
 
 
@@ -56,7 +63,7 @@ class ReferencePagedAttention(PagedAttention):
         super().__init__("torch")
         self.calls: list[dict] = []
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None):
-        self.calls.append({"scale": scale, "sliding_window": sliding_window, "softcap": softcap})
-        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None, sinks=None):
+        self.calls.append({"scale": scale, "sliding_window": sliding_window, "softcap": softcap, "sinks": sinks})
+        self.impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)

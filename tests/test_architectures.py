@@ -43,6 +43,7 @@ ARCHS = [
     "gpt_neox",
     "starcoder2",
     "gpt2",
+    "gpt_oss",
 ]
 NEW_TOKENS = 12
 
@@ -71,10 +72,10 @@ def test_greedy_identical_to_transformers_generate(arch):
     order = list(range(len(PROMPTS)))
     random.Random(arch).shuffle(order)
     for impl in _implementations(arch):
-        # 16 blocks of 8 tokens for 4 concurrent sequences of up to 52 tokens: preemption is certain
-        llm = make_llm(path, impl, num_blocks=16)
+        # 12 blocks of 8 tokens for 4 concurrent sequences of 24 to 52 tokens: preemption is certain
+        llm = make_llm(path, impl, num_blocks=12)
         assert llm.engine.model.config.implementation == ("native" if impl == "native" else "transformers")
-        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outs = llm.generate([PROMPTS[i] for i in order], params, use_tqdm=False)
         got = {i: o.outputs[0].token_ids for i, o in zip(order, outs)}
         for i in range(len(PROMPTS)):
@@ -93,6 +94,7 @@ EXPECTED_OPTIONS = {  # per layer: (sliding_window, softcap)
     "gemma3_text": [(8, None), (None, None)],
     "starcoder2": [(8, None), (8, None)],
     "llama": [(None, None), (None, None)],
+    "gpt_oss": [(8, None), (None, None)],
 }
 
 
@@ -119,7 +121,7 @@ def _meta(seqs: list[tuple[list[int], int, int]], num_decode_seqs: int, block_si
 @torch.inference_mode()
 def test_layer_attention_options_reach_the_kernels(arch):
     path = model_zoo.checkpoint(arch)
-    for impl in ["native", "transformers"]:
+    for impl in ["native", "transformers"] if arch in NATIVE else ["transformers"]:
         model = load_model(path, implementation=impl)
         c = model.config
         attn = ReferencePagedAttention()
@@ -128,6 +130,11 @@ def test_layer_attention_options_reach_the_kernels(arch):
         got = [(call["sliding_window"], call["softcap"]) for call in attn.calls]
         assert got == EXPECTED_OPTIONS[arch], (impl, got)
         assert tuple(w for w, _ in got) == c.layer_windows
+        if arch == "gpt_oss":  # attention sinks: each layer's own `sinks` parameter, one logit per head
+            sinks = [layer.self_attn.sinks for layer in model.backbone.layers]
+            assert all(call["sinks"] is s for call, s in zip(attn.calls, sinks))
+        else:
+            assert all(call["sinks"] is None for call in attn.calls)
     # the scale too: Gemma 2's query_pre_attn_scalar (24), Granite's attention_multiplier (0.15)
     for arch_, scale in [("gemma2", 24**-0.5), ("granite", 0.15)]:
         for impl in ["native", "transformers"]:

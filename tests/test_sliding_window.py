@@ -30,7 +30,7 @@ def test_issue_example_window_24_prompt_41(impl):
     llm = make_llm(path, impl, num_blocks=64, max_num_batched_tokens=32)
     assert llm.engine.max_model_len == 256  # max_position_embeddings, not the window
     assert llm.engine.model.config.layer_windows == (24, 24)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 
@@ -56,12 +56,12 @@ def test_decode_far_past_the_window_with_prefix_hits(arch, impl):
     first = [_tokens(6, 4), _tokens(9, 5)]
     ref_first = hf_greedy(path, first, 40)
     llm = make_llm(path, impl, num_blocks=64)
-    outs = llm.generate(first, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    outs = llm.generate(first, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref_first
     # second wave: prompt = a finished sequence's prompt + its output + new tokens (a 46-token shared prefix)
     second = [first[0] + ref_first[0] + _tokens(5, 6), first[0] + ref_first[0] + _tokens(3, 7)]
     before = llm.engine.stats.prompt_tokens_cached
-    outs = llm.generate(second, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    outs = llm.generate(second, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert llm.engine.stats.prompt_tokens_cached - before >= 2 * 40  # the shared blocks were hits
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, second, 12)
 

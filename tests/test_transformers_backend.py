@@ -117,14 +117,6 @@ def test_hybrid_recurrent_layers_refused(tmp_path):
         load_model(_config_only(tmp_path, jamba))
 
 
-def test_attention_sinks_refused(tmp_path):
-    path = _tiny(
-        "gpt_oss", tmp_path, num_local_experts=2, num_experts_per_tok=1, head_dim=8, sliding_window=8
-    )
-    with pytest.raises(UnsupportedModelError, match="attention sinks"):
-        load_model(path)
-
-
 def test_alibi_model_refused(tmp_path):
     path = _tiny("bloom", tmp_path, n_layer=2, n_head=4)
     with pytest.raises(UnsupportedModelError, match="does not call transformers' attention interface"):

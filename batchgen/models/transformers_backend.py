@@ -8,10 +8,11 @@ Batches are packed the same way (one row of all the step's tokens, explicit `pos
 (`masking_utils` returns None early) and the kernels' block tables and causal rule do the masking. Scheduler,
 prefix cache, chunked prefill, preemption, sampler and the job are the engine's, unchanged.
 
-Each layer's attention options reach the kernels: its `scaling`, `softcap`, and `sliding_window` (the keyword
-transformers passes, or the layer's `layer_types` entry when the model only encodes the window in its mask).
-Attention sinks (`s_aux`), ALiBi or other biases in the mask, non-causal layers and non-attention layers
-(Mamba / linear-attention hybrids) cannot be honoured by the kernels: such models are refused.
+Each layer's attention options reach the kernels: its `scaling`, `softcap`, attention sinks (`s_aux`, gpt-oss)
+and `sliding_window` — read from the mask transformers builds for the layer at load time (see below), else the
+keyword transformers passes, else the layer's `layer_types` entry. ALiBi or other biases in the mask,
+non-causal layers and non-attention layers (Mamba / linear-attention hybrids) cannot be honoured by the kernels:
+such models are refused.
 
 Checks, all before the engine does any work: ``config.json`` is read with transformers' built-in config class
 (remote code is never run: `trust_remote_code=False`, `local_files_only=True`); encoder-decoder models,
@@ -139,6 +140,7 @@ class LayerAttention:
     index: int
     scale: float
     options: dict[str, Any] = field(default_factory=dict)
+    sinks: bool = False  # the layer passes attention sinks (`s_aux`, one logit per head), forwarded as `sinks`
 
 
 class _PagedState:
@@ -159,7 +161,10 @@ class _PagedState:
         k = key[0].transpose(0, 1).contiguous()
         v = value[0].transpose(0, 1).contiguous()
         kv = ctx.kv_cache[layer.index]
-        out = ctx.attn.forward(q, k, v, kv[0], kv[1], ctx.meta, layer.scale, **layer.options)
+        options = layer.options
+        if layer.sinks:
+            options = {**options, "sinks": kwargs["s_aux"]}
+        out = ctx.attn.forward(q, k, v, kv[0], kv[1], ctx.meta, layer.scale, **options)
         return out[None], None
 
 
@@ -173,6 +178,7 @@ class _Call:
     scale: float
     sliding_window: int | None
     softcap: float | None
+    sinks: Tensor | None
     mask: _MaskInfo | None  # None: no mask (plain causal); kind "foreign": a mask transformers did not build
     extra: dict[str, Any]
 
@@ -187,10 +193,9 @@ class _ProbeState:
         d = query.shape[-1]
         scale = float(scaling) if scaling is not None else d**-0.5
         window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+        sinks = kwargs.get("s_aux")
         extra = {
-            k: v
-            for k, v in kwargs.items()
-            if k in ("s_aux", "sinks", "position_bias", "alibi", "is_causal") and v is not None
+            k: v for k, v in kwargs.items() if k in ("position_bias", "alibi", "is_causal") and v is not None
         }
         if getattr(module, "is_causal", True) is False:
             extra["is_causal"] = False
@@ -208,15 +213,16 @@ class _ProbeState:
                 scale,
                 None if window is None else int(window),
                 None if softcap is None else float(softcap),
+                sinks,
                 mask_info,
                 extra,
             )
         )
         mask = attention_mask if isinstance(attention_mask, Tensor) else None
-        return _reference_attention(query, key, value, scale, window, softcap, mask), None
+        return _reference_attention(query, key, value, scale, window, softcap, mask, sinks), None
 
 
-def _reference_attention(q, k, v, scale, window, softcap, mask=None) -> Tensor:
+def _reference_attention(q, k, v, scale, window, softcap, mask=None, sinks=None) -> Tensor:
     """Attention of one sequence: q [1,Hq,T,D], k/v [1,Hkv,T,D] -> [1,T,Hq,Dv] (contiguous), under `mask`
     (boolean or additive, transformers' layout) or else the causal rule and `window`."""
     rep = q.shape[1] // k.shape[1]
@@ -236,7 +242,12 @@ def _reference_attention(q, k, v, scale, window, softcap, mask=None) -> Tensor:
         if window is not None:
             allowed &= ki > qi - int(window)
         scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.softmax(scores, dim=-1).to(v.dtype) @ v
+    if sinks is not None:  # one more logit per head in the denominator, with no value
+        sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, t, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = probs.to(v.dtype) @ v
     return out.transpose(1, 2).contiguous()
 
 
@@ -544,9 +555,10 @@ def _probe(
                 f"{name} ({source}) layer {i} uses a {c.mask.kind} attention mask (not causal with an optional "
                 "sliding window), which the paged kernels cannot apply"
             )
-        if "s_aux" in c.extra or "sinks" in c.extra:
+        if c.sinks is not None and tuple(c.sinks.shape) != (c.num_heads,):
             raise UnsupportedModelError(
-                f"{name} ({source}) uses attention sinks (s_aux), which batchgen's kernels do not implement"
+                f"{name} ({source}) layer {i}: attention sinks of shape {tuple(c.sinks.shape)}, expected one per "
+                f"query head ({c.num_heads})"
             )
         if c.extra:
             raise UnsupportedModelError(
@@ -579,7 +591,7 @@ def _probe(
         if c.softcap is not None:
             options["softcap"] = c.softcap
         windows.append(window)
-        layers[id(c.module)] = LayerAttention(i, c.scale, options)
+        layers[id(c.module)] = LayerAttention(i, c.scale, options, sinks=c.sinks is not None)
     first = calls[0]
     config = TransformersModelConfig(
         architecture=type(hf_model).__name__,
