@@ -26,7 +26,12 @@ KERNEL_OPTIONS = {"sliding_window", "softcap"} <= set(inspect.signature(PagedAtt
 def hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    # generate() fills a GenerationConfig's unset fields from the model's: eos must be removed here to be off
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -45,8 +50,9 @@ def _hf_greedy(path: str, prompts: tuple[tuple[int, ...], ...], n: int) -> tuple
     gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, generation_config=gen)
-    assert out.shape[1] == width + n, "transformers stopped early"
-    return tuple(tuple(row) for row in out[:, width:].tolist())
+    rows = tuple(tuple(row) for row in out[:, width:].tolist())
+    assert out.shape[1] == width + n and all(r[-1] != 0 or 0 not in r[:-1] for r in rows), "stopped early?"
+    return rows
 
 
 def make_llm(path: str, impl: str = "auto", **engine) -> LLM:

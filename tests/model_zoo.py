@@ -114,6 +114,15 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "final_logit_softcapping": 2.0,
         },
     ),
+    "gemma3": (  # the vision-language checkpoint layout (Gemma 3 4B and up); text-only generation
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        {
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+        },
+    ),
     "granite": (
         "GraniteConfig",
         "GraniteForCausalLM",
@@ -155,7 +164,7 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
 }
-GEMMA_LIKE = ("gemma", "gemma2", "gemma3_text")
+GEMMA_LIKE = ("gemma", "gemma2", "gemma3_text", "gemma3")
 
 _lock = threading.Lock()
 _built: dict[str, str] = {}
@@ -188,6 +197,13 @@ def _config(arch: str, ids: dict[str, int], overrides: dict[str, Any]):
             **overrides,
         )
     kwargs.update(bos_token_id=ids[BOS_TOKEN], eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN])
+    if arch == "gemma3":  # sizes go to the text config; a minimal vision tower beside it
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+        return transformers.Gemma3Config(
+            text_config=kwargs,
+            vision_config=dict(vision, image_size=28, patch_size=14),
+            mm_tokens_per_image=4,
+        )
     return getattr(transformers, cfg_name)(**kwargs)
 
 

@@ -63,7 +63,11 @@ class ReferencePagedAttention(PagedAttention):
         super().__init__("torch")
         self.calls: list[dict] = []
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None, sinks=None):
-        self.calls.append({"scale": scale, "sliding_window": sliding_window, "softcap": softcap, "sinks": sinks})
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None, sinks=None
+    ):
+        self.calls.append(
+            {"scale": scale, "sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
+        )
         self.impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)

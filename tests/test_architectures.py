@@ -25,7 +25,7 @@ from batchgen import SamplingParams
 from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.models import NATIVE_ARCHITECTURES, load_model
 
-NATIVE = set(NATIVE_ARCHITECTURES.values())
+NATIVE = set(NATIVE_ARCHITECTURES.values()) | {"gemma3"}  # zoo keys with a native implementation
 ARCHS = [
     "llama",
     "mistral",
@@ -38,6 +38,7 @@ ARCHS = [
     "gemma",
     "gemma2",
     "gemma3_text",
+    "gemma3",
     "granite",
     "olmo2",
     "gpt_neox",
@@ -46,6 +47,8 @@ ARCHS = [
     "gpt_oss",
 ]
 NEW_TOKENS = 12
+# One architecture per feature runs by default; the rest are marked slow (still run in CI).
+FAST = {"mistral", "gemma2", "qwen3_moe", "gpt2", "gpt_oss"}
 
 
 def _prompts() -> list[list[int]]:
@@ -65,7 +68,7 @@ def _implementations(arch: str) -> list[str]:
     return ["native", "transformers"] if arch in NATIVE else ["auto"]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [a if a in FAST else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS])
 def test_greedy_identical_to_transformers_generate(arch):
     path = model_zoo.checkpoint(arch)
     ref = hf_greedy(path, PROMPTS, NEW_TOKENS)
@@ -205,3 +208,29 @@ def test_sampler_logprobs_equal_transformers(arch):
             assert set(lp) >= set(top.indices.tolist())
             for t, v in lp.items():
                 assert abs(v - float(row[t])) < 1e-4, (impl, step, t, v, float(row[t]))
+
+
+@pytest.mark.parametrize(("arch", "impl"), [("gemma2", "native"), ("gpt_oss", "transformers")])
+@torch.inference_mode()
+def test_models_on_the_triton_kernels_in_the_interpreter(arch, impl):
+    """Windows, soft-capping (Gemma 2) and sinks (gpt-oss) through the Triton prefill and decode kernels (run by
+    Triton's interpreter on CPU tensors): logits match transformers past the window."""
+    pytest.importorskip("triton")
+    path = model_zoo.checkpoint(arch)
+    hf = hf_model(path)
+    model = load_model(path, implementation=impl)
+    c = model.config
+    attn = PagedAttention("triton")
+    kv = torch.zeros(c.num_layers, 2, 8, 4, c.num_kv_heads, c.head_dim)
+    table = [5, 2, 7, 0, 3, 6]
+    seq = torch.randint(5, model_zoo.VOCAB, (19,), generator=torch.Generator().manual_seed(9))
+    ref = hf(seq[None]).logits[0].float()
+    meta = _meta([(table, 0, 17)], 0, 4)
+    prefill = model.compute_logits(model(seq[:17], torch.arange(17), ForwardContext(attn, meta, kv)))
+    torch.testing.assert_close(prefill, ref[:17], atol=2e-4, rtol=0)
+    for pos in (17, 18):  # decode past the 8-token window
+        meta = _meta([(table, pos, 1)], 1, 4)
+        out = model.compute_logits(
+            model(seq[pos : pos + 1], torch.tensor([pos]), ForwardContext(attn, meta, kv))
+        )
+        torch.testing.assert_close(out[0], ref[pos], atol=2e-4, rtol=0)

@@ -30,7 +30,9 @@ def test_issue_example_window_24_prompt_41(impl):
     llm = make_llm(path, impl, num_blocks=64, max_num_batched_tokens=32)
     assert llm.engine.max_model_len == 256  # max_position_embeddings, not the window
     assert llm.engine.model.config.layer_windows == (24, 24)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 

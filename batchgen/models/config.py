@@ -13,6 +13,7 @@ transformers backend instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -36,6 +37,12 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3_text",
     "GraniteForCausalLM": "granite",
 }
+# Vision-language checkpoints whose language model we run natively (text only): architecture -> model_type of
+# the `text_config`. Their vision tower and projector weights are skipped.
+NATIVE_TEXT_OF_MULTIMODAL: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": "gemma3_text",
+}
+NATIVE_ARCHITECTURES.update({a: t for a, t in NATIVE_TEXT_OF_MULTIMODAL.items()})
 SUPPORTED_ARCHITECTURES = NATIVE_ARCHITECTURES  # the name used before the transformers backend existed
 # RoPE types whose frequencies do not depend on the batch (dynamic NTK rescales with the longest sequence).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -166,6 +173,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0  # logits divided by this (Granite)
     fused_checkpoint: bool = False  # checkpoint already stores qkv_proj / gate_up_proj (Phi-3)
+    multimodal: bool = False  # a vision-language checkpoint: its language model's weights, vision skipped
     moe: MoESpec | None = None
     dtype: torch.dtype = torch.float32
     eos_token_ids: tuple[int, ...] = ()
@@ -236,6 +244,17 @@ class ModelConfig:
                     + ", ".join(NATIVE_ARCHITECTURES)
                 )
         model_type = NATIVE_ARCHITECTURES[arch]
+        if arch in NATIVE_TEXT_OF_MULTIMODAL:  # the language model of a vision-language checkpoint
+            text = dict(config.get("text_config") or {})
+            if "tie_word_embeddings" in config:
+                text["tie_word_embeddings"] = config["tie_word_embeddings"]
+            for key in ("dtype", "torch_dtype", "eos_token_id", "bos_token_id", "pad_token_id"):
+                if key not in text and config.get(key) is not None:
+                    text[key] = config[key]
+            hf = hf_config_from_dict({**text, "model_type": model_type}, source)
+            return dataclasses.replace(
+                cls.from_hf(hf, arch, generation_config, source=source), multimodal=True
+            )
         hf = hf_config_from_dict({**config, "model_type": model_type}, source)
         return cls.from_hf(hf, arch, generation_config, source=source)
 

@@ -135,6 +135,29 @@ def _checkpoint_names(
     return [[(name, _Source(name))]]
 
 
+_MULTIMODAL_PREFIXES = (  # (checkpoint prefix, ours): transformers 4.x and 5.x layouts of the language model
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def _text_model_name(name: str) -> str | None:
+    """A vision-language checkpoint's tensor name as the text-only model names it; None for vision weights."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for theirs, ours in _MULTIMODAL_PREFIXES:
+        if name.startswith(theirs):
+            return ours + name[len(theirs) :]
+    return name
+
+
 def _weight_map(
     config: ModelConfig, params: dict[str, torch.nn.Parameter]
 ) -> tuple[dict[str, _Source], dict[str, list[str]]]:
@@ -213,10 +236,11 @@ def load_native_model(
     seen: dict[str, str] = {}  # HF tensor name -> file it came from
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (
-                    name == "lm_head.weight" and config.tie_word_embeddings
-                ):
+            for stored in f.keys():
+                name = _text_model_name(stored) if config.multimodal else stored
+                if name is None or name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
                 src = lookup.get(name)
                 if src is None:
@@ -230,7 +254,7 @@ def load_native_model(
                 dest = param if src.expert is None else param[src.expert]
                 if src.rows >= 0:
                     dest = dest.narrow(0, src.offset, src.rows)
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ValueError(
                         f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, expected "

@@ -140,7 +140,9 @@ class LayerAttention:
     index: int
     scale: float
     options: dict[str, Any] = field(default_factory=dict)
-    sinks: bool = False  # the layer passes attention sinks (`s_aux`, one logit per head), forwarded as `sinks`
+    sinks: bool = (
+        False  # the layer passes attention sinks (`s_aux`, one logit per head), forwarded as `sinks`
+    )
 
 
 class _PagedState:
