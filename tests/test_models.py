@@ -193,6 +193,22 @@ def test_bfloat16_close_to_transformers(models, ckpt_factory):
     torch.testing.assert_close(logits, ref, atol=0.1, rtol=0.05)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "mixtral", "phi3"])
+@torch.inference_mode()
+def test_bfloat16_close_to_transformers_new_families(arch):
+    import model_zoo
+
+    path = model_zoo.checkpoint(arch)
+    ours = load_model(path, dtype="bfloat16")
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.bfloat16).eval()
+    prompt = torch.randint(0, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(3))
+    meta = make_meta([(shuffled_table(1), 0, PROMPT_LEN)], 0)
+    ctx = ForwardContext(PagedAttention("torch"), meta, new_kv_cache(ours))
+    logits = ours.compute_logits(ours(prompt, torch.arange(PROMPT_LEN), ctx))
+    torch.testing.assert_close(logits, hf(prompt[None]).logits[0].float(), atol=0.1, rtol=0.05)
+
+
 @torch.inference_mode()
 def test_mistral_sliding_window_attended_beyond_the_window(ckpt_factory):
     """The window is attended for real: 40 tokens through a 16-token window match transformers everywhere, and

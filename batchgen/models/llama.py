@@ -234,8 +234,10 @@ class _Backbone(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
         c = self.config
         x = self.embed_tokens(input_ids)
-        if c.embed_scale is not None:  # rounded to the dtype first, as transformers does (sqrt(3072) -> 55.5)
-            x = x * torch.tensor(c.embed_scale, dtype=x.dtype, device=x.device)
+        if (
+            c.embed_scale is not None
+        ):  # float32, then the dtype, as transformers rounds it (sqrt(3072) -> 55.5)
+            x = x * torch.tensor(c.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
         if c.embedding_multiplier != 1.0:
             x = x * c.embedding_multiplier
         long = _long_rope_tokens(c, ctx) if c.rope.long_inv_freq is not None else None

@@ -30,6 +30,7 @@ Cohere's `logit_scale`...) applies as transformers applies it.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import inspect
 import logging
 import os
@@ -465,7 +466,13 @@ def load_transformers_model(
             use_safetensors=True,
             output_loading_info=True,
         )
-    except (ValueError, KeyError, NotImplementedError) as e:
+    except KeyError as e:  # modeling code that picks attention classes by name (eager/sdpa/flash only)
+        raise UnsupportedModelError(
+            f"{ckpt}: transformers' {hf_config.model_type} modeling code does not take custom attention "
+            f"implementations (it selects its own attention classes, {e} is not one), so batchgen's paged "
+            "attention cannot be plugged in"
+        ) from e
+    except (ValueError, NotImplementedError) as e:
         raise UnsupportedModelError(f"transformers cannot load {ckpt} with batchgen's attention: {e}") from e
     finally:
         if bars_were_on:
@@ -484,9 +491,7 @@ def load_transformers_model(
     hf_model = hf_model.to(torch.device(device)).eval().requires_grad_(False)
     config, layers = _probe(hf_model, text, source, torch_dtype)
     _, generation = read_config_files(ckpt)
-    config = TransformersModelConfig(
-        **{**config.__dict__, "eos_token_ids": eos_token_ids(text, generation)}  # type: ignore[arg-type]
-    )
+    config = dataclasses.replace(config, eos_token_ids=eos_token_ids(text, generation))
     model = TransformersCausalLM(hf_model, config, layers)
     _check_head_split(model, hf_model, source)
     return model
@@ -529,8 +534,9 @@ def _probe(
     n_layers = getattr(text, "num_hidden_layers", None)
     if isinstance(n_layers, int) and n_layers != len(calls):
         raise UnsupportedModelError(
-            f"{name} ({source}) has {n_layers} layers but {len(calls)} attention calls per forward: layers "
-            "without attention (recurrent, convolution) keep state batchgen's KV cache cannot hold"
+            f"{name} ({source}) has {n_layers} layers but {len(calls)} attention calls per forward (layers "
+            "without attention, whose recurrent or convolution state batchgen's KV cache cannot hold, or "
+            "cross-attention): not a plain decoder-only model"
         )
     shapes = {(c.num_kv_heads, c.head_dim) for c in calls}
     if len(shapes) != 1:
