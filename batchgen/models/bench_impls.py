@@ -9,12 +9,14 @@ sizes: hidden 256, 4 layers, 8 query / 4 KV heads, intermediate 768, vocab 4096;
 ``~/.cache/batchgen``). The workload is the throughput benchmark's (`batchgen.bench.workloads`, default
 ``shared_prefix``: 4 templates of ~300 tokens + a ~30-token item per row), greedy, ``ignore_eos``.
 
-Systems, each warmed up, then timed ``--repeats`` times (median wall time):
+Systems, each warmed up, then timed ``--repeats`` times, in turn within each repeat (median wall time):
 
 - ``native``: ``LLM(path, model_impl="native")`` — batchgen's own model code;
 - ``transformers``: ``LLM(path, model_impl="transformers")`` — transformers' modeling code over batchgen's paged
   attention (same engine, scheduler, prefix cache);
-- ``hf_generate``: ``model.generate`` on left-padded static batches of 32 (eager attention, contiguous cache).
+- ``hf_generate``: ``model.generate`` on left-padded static batches of 32 (eager attention, contiguous cache,
+  eos off: the model's ``generation_config.eos_token_id`` is cleared, since ``generate`` fills a passed
+  config's unset fields from it).
 
 The table gives generated tok/s, wall time, rows whose tokens differ from ``hf_generate``'s, and the native
 path's speed over each system's (``native ÷ system``).
@@ -126,20 +128,19 @@ def _workload(path: str, name: str, rows: int, max_tokens: int) -> tuple[list[li
     return table.column("prompt_token_ids").to_pylist(), table.column("max_tokens").to_pylist()
 
 
-def _run_engine(path: str, impl: str, prompts, max_tokens, repeats: int, engine: dict[str, Any]):
+def _engine_runner(path: str, impl: str, engine: dict[str, Any]):
+    """A callable running the workload on a fresh engine (an empty prefix cache each time), warmed up."""
     from batchgen import LLM, SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    walls, outs = [], []
-    for _ in range(repeats):  # a fresh engine per repeat: an empty prefix cache each time
+    def run(prompts, max_tokens):
         llm = LLM(path, model_impl=impl, **engine)
         llm.generate(_warm_prompts(), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         t0 = time.perf_counter()
         res = llm.generate(prompts, params, use_tqdm=False)
-        walls.append(time.perf_counter() - t0)
-        outs = [r.outputs[0].token_ids for r in res]
-        del llm
-    return walls, outs
+        return time.perf_counter() - t0, [r.outputs[0].token_ids for r in res]
+
+    return run
 
 
 def _warm_prompts() -> list[list[int]]:
@@ -148,15 +149,18 @@ def _warm_prompts() -> list[list[int]]:
     return [torch.randint(5, 4000, (24,), generator=g).tolist() for _ in range(4)]
 
 
-def _run_hf_generate(path: str, prompts, max_tokens, repeats: int, batch_size: int = 32):
+def _hf_generate_runner(path: str, batch_size: int = 32):
+    """A callable running the workload with `generate` on left-padded static batches (eos off)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+    # generate() fills a GenerationConfig's unset fields from the model's: eos must be removed there to be off
+    model.generation_config.eos_token_id = None
     pad = model.generation_config.pad_token_id or 0
 
-    def run(ps, mts):
+    def generate(ps, mts):
         out = []
         for s in range(0, len(ps), batch_size):
             chunk, mt = ps[s : s + batch_size], mts[s : s + batch_size]
@@ -171,42 +175,53 @@ def _run_hf_generate(path: str, prompts, max_tokens, repeats: int, batch_size: i
             )
             with torch.inference_mode():
                 res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+            if res.shape[1] != n + max(mt):
+                raise RuntimeError("transformers generate stopped early")
             out += [g[:m] for g, m in zip(res[:, n:].tolist(), mt)]
         return out
 
-    run(_warm_prompts(), [4] * 4)
-    walls, outs = [], []
-    for _ in range(repeats):
+    generate(_warm_prompts(), [4] * 4)
+
+    def run(prompts, max_tokens):
         t0 = time.perf_counter()
-        outs = run(prompts, max_tokens)
-        walls.append(time.perf_counter() - t0)
-    return walls, outs
+        out = generate(prompts, max_tokens)
+        return time.perf_counter() - t0, out
+
+    return run
 
 
 def bench(
     archs: list[str], workload: str, rows: int, max_tokens: int, repeats: int, engine: dict[str, Any]
 ) -> list[dict[str, Any]]:
+    """Per arch, the systems run in turn within each repeat (so load drifts hit them alike); medians."""
     results = []
     for arch in archs:
         path = bench_checkpoint(arch)
         prompts, mts = _workload(path, workload, rows, max_tokens)
         generated = sum(mts)
-        runs = {
-            "native": _run_engine(path, "native", prompts, mts, repeats, engine),
-            "transformers": _run_engine(path, "transformers", prompts, mts, repeats, engine),
-            "hf_generate": _run_hf_generate(path, prompts, mts, repeats),
+        runners = {
+            "native": _engine_runner(path, "native", engine),
+            "transformers": _engine_runner(path, "transformers", engine),
+            "hf_generate": _hf_generate_runner(path),
         }
-        ref = runs["hf_generate"][1]
-        native_wall = statistics.median(runs["native"][0])
-        for system, (walls, outs) in runs.items():
-            wall = statistics.median(walls)
+        walls: dict[str, list[float]] = {k: [] for k in runners}
+        outs: dict[str, list[list[int]]] = {}
+        for _ in range(repeats):
+            for system, run in runners.items():
+                wall, outs[system] = run(prompts, mts)
+                walls[system].append(wall)
+        ref = outs["hf_generate"]
+        native_wall = statistics.median(walls["native"])
+        for system in runners:
+            wall = statistics.median(walls[system])
             results.append(
                 {
                     "arch": arch,
                     "system": system,
                     "wall_s": wall,
+                    "wall_min_max": (min(walls[system]), max(walls[system])),
                     "gen_tok_s": generated / wall,
-                    "mismatch_rows": sum(a != b for a, b in zip(outs, ref)),
+                    "mismatch_rows": sum(a != b for a, b in zip(outs[system], ref)),
                     "native_speedup": wall / native_wall,
                 }
             )
@@ -215,13 +230,14 @@ def bench(
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| arch | system | gen tok/s | wall s | mismatch rows vs hf_generate | native ÷ system |",
+        "| arch | system | gen tok/s | wall s (min–max) | mismatch rows vs hf_generate | native ÷ system |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for r in results:
+        lo, hi = r["wall_min_max"]
         lines.append(
-            f"| {r['arch']} | {r['system']} | {r['gen_tok_s']:.1f} | {r['wall_s']:.2f} | {r['mismatch_rows']} "
-            f"| {r['native_speedup']:.2f}× |"
+            f"| {r['arch']} | {r['system']} | {r['gen_tok_s']:.1f} | {r['wall_s']:.2f} ({lo:.2f}–{hi:.2f}) "
+            f"| {r['mismatch_rows']} | {r['native_speedup']:.2f}× |"
         )
     return "\n".join(lines)
 
