@@ -18,8 +18,11 @@ Systems, each warmed up, then timed ``--repeats`` times, in turn within each rep
   eos off: the model's ``generation_config.eos_token_id`` is cleared, since ``generate`` fills a passed
   config's unset fields from it).
 
-The table gives generated tok/s, wall time, rows whose tokens differ from ``hf_generate``'s, and the native
-path's speed over each system's (``native ÷ system``).
+A first table times the model step alone (native vs transformers backend, same kernels: a 256-token prefill
+chunk, and a 16-sequence decode step at 300 tokens of context), as the minimum of ``--forward-reps``
+alternating runs — robust on a shared machine. The workload table gives generated tok/s, wall time, process CPU time (all threads; steadier than wall time on a shared
+machine), rows whose tokens differ from ``hf_generate``'s, and the native path's speed over each system's
+(``native ÷ system``, by wall and by CPU time).
 """
 
 from __future__ import annotations
@@ -136,9 +139,9 @@ def _engine_runner(path: str, impl: str, engine: dict[str, Any]):
         llm = LLM(path, model_impl=impl, **engine)
         llm.generate(_warm_prompts(), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         res = llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t0, [r.outputs[0].token_ids for r in res]
+        return time.perf_counter() - t0, time.process_time() - c0, [r.outputs[0].token_ids for r in res]
 
     return run
 
@@ -183,9 +186,9 @@ def _hf_generate_runner(path: str, batch_size: int = 32):
     generate(_warm_prompts(), [4] * 4)
 
     def run(prompts, max_tokens):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = generate(prompts, max_tokens)
-        return time.perf_counter() - t0, out
+        return time.perf_counter() - t0, time.process_time() - c0, out
 
     return run
 
@@ -205,39 +208,124 @@ def bench(
             "hf_generate": _hf_generate_runner(path),
         }
         walls: dict[str, list[float]] = {k: [] for k in runners}
+        cpus: dict[str, list[float]] = {k: [] for k in runners}
         outs: dict[str, list[list[int]]] = {}
         for _ in range(repeats):
             for system, run in runners.items():
-                wall, outs[system] = run(prompts, mts)
+                wall, cpu, outs[system] = run(prompts, mts)
                 walls[system].append(wall)
+                cpus[system].append(cpu)
         ref = outs["hf_generate"]
-        native_wall = statistics.median(walls["native"])
+        native_wall, native_cpu = statistics.median(walls["native"]), statistics.median(cpus["native"])
         for system in runners:
-            wall = statistics.median(walls[system])
+            wall, cpu = statistics.median(walls[system]), statistics.median(cpus[system])
             results.append(
                 {
                     "arch": arch,
                     "system": system,
                     "wall_s": wall,
                     "wall_min_max": (min(walls[system]), max(walls[system])),
+                    "cpu_s": cpu,
                     "gen_tok_s": generated / wall,
                     "mismatch_rows": sum(a != b for a, b in zip(outs[system], ref)),
                     "native_speedup": wall / native_wall,
+                    "native_speedup_cpu": cpu / native_cpu,
                 }
             )
     return results
 
 
+def _meta(seqs: list[tuple[list[int], int, int]], num_decode: int, block_size: int):
+    from batchgen.engine.attention import AttentionMetadata
+
+    slots, lens, cu = [], [], [0]
+    tables = torch.zeros(len(seqs), max(len(t) for t, _, _ in seqs), dtype=torch.int32)
+    for i, (table, start, n) in enumerate(seqs):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        lens.append(start + n)
+        cu.append(cu[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decode_seqs=num_decode,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        block_tables=tables,
+        max_seq_len=max(lens),
+        max_query_len=max(n for _, _, n in seqs),
+    )
+
+
+@torch.inference_mode()
+def bench_forward(archs: list[str], reps: int, prefill: int = 256, batch: int = 16, context: int = 300):
+    """Model step alone (forward + logits of the sampled rows), native vs transformers backend, same kernels:
+    a `prefill`-token chunk, and a decode step of `batch` sequences at `context` tokens. Minimum over `reps`
+    alternating runs (the least disturbed run on a shared machine)."""
+    from batchgen.engine.attention import ForwardContext, PagedAttention
+    from batchgen.models import load_model
+
+    block = 16
+    rows = []
+    for arch in archs:
+        path = bench_checkpoint(arch)
+        models = {impl: load_model(path, implementation=impl) for impl in ("native", "transformers")}
+        c = models["native"].config
+        per_seq = -(-(context + 1) // block)
+        kv = torch.zeros(c.num_layers, 2, per_seq * batch, block, c.num_kv_heads, c.head_dim, dtype=c.dtype)
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+        ids = torch.randint(5, c.vocab_size, (prefill,), generator=torch.Generator().manual_seed(0))
+        steps = {
+            "prefill": (ids, torch.arange(prefill), _meta([(tables[0], 0, prefill)], 0, block), 1),
+            "decode": (
+                ids[:batch],
+                torch.full((batch,), context),
+                _meta([(t, context, 1) for t in tables], batch, block),
+                batch,
+            ),
+        }
+        best: dict[tuple[str, str], float] = {}
+        attn = PagedAttention("torch")
+        for _ in range(reps):
+            for impl, model in models.items():
+                for step, (x, pos, meta, n_logits) in steps.items():
+                    t0 = time.perf_counter()
+                    model.compute_logits(model(x, pos, ForwardContext(attn, meta, kv))[-n_logits:])
+                    dt = time.perf_counter() - t0
+                    best[(impl, step)] = min(best.get((impl, step), float("inf")), dt)
+        for step in steps:
+            native, generic = best[("native", step)], best[("transformers", step)]
+            rows.append(
+                {"arch": arch, "step": step, "native_ms": native * 1e3, "transformers_ms": generic * 1e3}
+            )
+    return rows
+
+
+def forward_table(rows: list[dict[str, Any]], prefill: int = 256, batch: int = 16, context: int = 300) -> str:
+    lines = [
+        "| arch | step | native ms | transformers backend ms | native speed-up |",
+        "|---|---|---:|---:|---:|",
+    ]
+    names = {"prefill": f"prefill {prefill} tokens", "decode": f"decode {batch} seqs @ {context}"}
+    for r in rows:
+        lines.append(
+            f"| {r['arch']} | {names[r['step']]} | {r['native_ms']:.1f} | {r['transformers_ms']:.1f} "
+            f"| {r['transformers_ms'] / r['native_ms']:.2f}× |"
+        )
+    return "\n".join(lines)
+
+
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| arch | system | gen tok/s | wall s (min–max) | mismatch rows vs hf_generate | native ÷ system |",
-        "|---|---|---:|---:|---:|---:|",
+        "| arch | system | gen tok/s | wall s (min–max) | CPU s | mismatch rows vs hf_generate "
+        "| native ÷ system (wall) | native ÷ system (CPU) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lo, hi = r["wall_min_max"]
         lines.append(
             f"| {r['arch']} | {r['system']} | {r['gen_tok_s']:.1f} | {r['wall_s']:.2f} ({lo:.2f}–{hi:.2f}) "
-            f"| {r['mismatch_rows']} | {r['native_speedup']:.2f}× |"
+            f"| {r['cpu_s']:.2f} | {r['mismatch_rows']} | {r['native_speedup']:.2f}× "
+            f"| {r['native_speedup_cpu']:.2f}× |"
         )
     return "\n".join(lines)
 
@@ -253,21 +341,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument(
+        "--forward-reps", type=int, default=15, help="model-step table: alternating runs (0: skip)"
+    )
+    p.add_argument("--no-workload", action="store_true", help="only the model-step table")
     args = p.parse_args(argv)
     archs = [a for a in args.archs.split(",") if a]
     unknown = sorted(set(archs) - set(BENCH_ARCHS))
     if unknown:
         p.error(f"unknown arch(s) {unknown}; choose from {', '.join(BENCH_ARCHS)}")
     engine = {"max_num_seqs": args.max_num_seqs, "kv_cache_memory": args.kv_cache_memory}
-    t0 = time.time()
-    load0 = os.getloadavg()[0]
-    results = bench(archs, args.workload, args.rows, args.max_tokens, args.repeats, engine)
-    print(
-        f"workload {args.workload}, {args.rows} rows x {args.max_tokens} tokens, greedy, float32; "
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}; "
-        f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}; {time.time() - t0:.0f} s in all"
-    )
-    print(table(results))
+    machine = f"torch {torch.__version__}, threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}"
+    if args.forward_reps > 0:
+        t0, load0 = time.time(), os.getloadavg()[0]
+        rows = bench_forward(archs, args.forward_reps)
+        print(
+            f"model step (forward + logits), min of {args.forward_reps} alternating runs, float32, torch attention "
+            f"backend; {machine}; load average {load0:.2f} -> {os.getloadavg()[0]:.2f}; {time.time() - t0:.0f} s"
+        )
+        print(forward_table(rows))
+        print()
+    if not args.no_workload:
+        t0, load0 = time.time(), os.getloadavg()[0]
+        results = bench(archs, args.workload, args.rows, args.max_tokens, args.repeats, engine)
+        print(
+            f"workload {args.workload}, {args.rows} rows x {args.max_tokens} tokens, greedy, float32, "
+            f"{args.repeats} repeat(s); {machine}; load average {load0:.2f} -> {os.getloadavg()[0]:.2f}; "
+            f"{time.time() - t0:.0f} s"
+        )
+        print(table(results))
     return 0
 
 
