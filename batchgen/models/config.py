@@ -36,13 +36,13 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "GraniteForCausalLM": "granite",
+    "Gemma3ForConditionalGeneration": "gemma3_text",  # a vision-language checkpoint: its language model
 }
 # Vision-language checkpoints whose language model we run natively (text only): architecture -> model_type of
 # the `text_config`. Their vision tower and projector weights are skipped.
 NATIVE_TEXT_OF_MULTIMODAL: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3_text",
 }
-NATIVE_ARCHITECTURES.update({a: t for a, t in NATIVE_TEXT_OF_MULTIMODAL.items()})
 SUPPORTED_ARCHITECTURES = NATIVE_ARCHITECTURES  # the name used before the transformers backend existed
 # RoPE types whose frequencies do not depend on the batch (dynamic NTK rescales with the longest sequence).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")

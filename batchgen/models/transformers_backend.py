@@ -341,11 +341,8 @@ class TransformersCausalLM(nn.Module):
         self._stub = _HiddenStates()
         setattr(hf_model, prefix, self._stub)
         self._layers = layers
-        params = inspect.signature(self.backbone.forward).parameters
-        self._backbone_kwargs = {"use_cache": False} if "use_cache" in params else {}
-        self._head_kwargs = (
-            {"use_cache": False} if "use_cache" in inspect.signature(hf_model.forward).parameters else {}
-        )
+        self._backbone_kwargs = _no_cache_kwargs(self.backbone)
+        self._head_kwargs = _no_cache_kwargs(hf_model)
 
     def _backbone(self, input_ids: Tensor, positions: Tensor, state: Any) -> Tensor:
         token = _STATE.set(state)
@@ -371,6 +368,13 @@ class TransformersCausalLM(nn.Module):
         finally:
             self._stub.hidden = None
         return out.logits[0].float()
+
+
+def _no_cache_kwargs(module: nn.Module) -> dict[str, Any]:
+    """`use_cache=False` when the module's forward takes it (transformers' own KV cache is never used)."""
+    params = inspect.signature(module.forward).parameters
+    takes = "use_cache" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {"use_cache": False} if takes else {}
 
 
 # -------------------------------------------------------------------------------------------------- loading
@@ -489,6 +493,10 @@ def load_transformers_model(
             "checkpoint %s has unused tensor(s): %s", ckpt, ", ".join(sorted(info["unexpected_keys"])[:10])
         )
     hf_model = hf_model.to(torch.device(device)).eval().requires_grad_(False)
+    model_text = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else None
+    for cfg in (hf_model.config, model_text):
+        if cfg is not None:
+            cfg.use_cache = False  # KV lives in batchgen's paged cache; transformers' cache is never built
     config, layers = _probe(hf_model, text, source, torch_dtype)
     _, generation = read_config_files(ckpt)
     config = dataclasses.replace(config, eos_token_ids=eos_token_ids(text, generation))
