@@ -19,8 +19,8 @@ Systems, each warmed up, then timed ``--repeats`` times, in turn within each rep
   config's unset fields from it).
 
 A first table times the model step alone (native vs transformers backend, same kernels: a 256-token prefill
-chunk, and a 16-sequence decode step at 300 tokens of context), as the minimum of ``--forward-reps``
-alternating runs — robust on a shared machine. The workload table gives generated tok/s, wall time, process CPU time (all threads; steadier than wall time on a shared
+chunk, and a 16-sequence decode step at 300 tokens of context), ``--forward-reps`` times back to back: each
+one's minimum, and the median of the paired ratios — robust on a shared machine. The workload table gives generated tok/s, wall time, process CPU time (all threads; steadier than wall time on a shared
 machine), rows whose tokens differ from ``hf_generate``'s, and the native path's speed over each system's
 (``native ÷ system``, by wall and by CPU time).
 """
@@ -259,8 +259,9 @@ def _meta(seqs: list[tuple[list[int], int, int]], num_decode: int, block_size: i
 @torch.inference_mode()
 def bench_forward(archs: list[str], reps: int, prefill: int = 256, batch: int = 16, context: int = 300):
     """Model step alone (forward + logits of the sampled rows), native vs transformers backend, same kernels:
-    a `prefill`-token chunk, and a decode step of `batch` sequences at `context` tokens. Minimum over `reps`
-    alternating runs (the least disturbed run on a shared machine)."""
+    a `prefill`-token chunk, and a decode step of `batch` sequences at `context` tokens, `reps` times, the two
+    implementations back to back. Reports each one's minimum and the median of the paired ratios (both robust to
+    the load of a shared machine)."""
     from batchgen.engine.attention import ForwardContext, PagedAttention
     from batchgen.models import load_model
 
@@ -283,33 +284,38 @@ def bench_forward(archs: list[str], reps: int, prefill: int = 256, batch: int = 
                 batch,
             ),
         }
-        best: dict[tuple[str, str], float] = {}
+        times: dict[tuple[str, str], list[float]] = {}
         attn = PagedAttention("torch")
         for _ in range(reps):
-            for impl, model in models.items():
-                for step, (x, pos, meta, n_logits) in steps.items():
+            for step, (x, pos, meta, n_logits) in steps.items():
+                for impl, model in models.items():  # back to back: a pair sees the same machine load
                     t0 = time.perf_counter()
                     model.compute_logits(model(x, pos, ForwardContext(attn, meta, kv))[-n_logits:])
-                    dt = time.perf_counter() - t0
-                    best[(impl, step)] = min(best.get((impl, step), float("inf")), dt)
+                    times.setdefault((impl, step), []).append(time.perf_counter() - t0)
         for step in steps:
-            native, generic = best[("native", step)], best[("transformers", step)]
+            native, generic = times[("native", step)], times[("transformers", step)]
             rows.append(
-                {"arch": arch, "step": step, "native_ms": native * 1e3, "transformers_ms": generic * 1e3}
+                {
+                    "arch": arch,
+                    "step": step,
+                    "native_ms": min(native) * 1e3,
+                    "transformers_ms": min(generic) * 1e3,
+                    "paired_ratio": statistics.median(g / n for g, n in zip(generic, native)),
+                }
             )
     return rows
 
 
 def forward_table(rows: list[dict[str, Any]], prefill: int = 256, batch: int = 16, context: int = 300) -> str:
     lines = [
-        "| arch | step | native ms | transformers backend ms | native speed-up |",
+        "| arch | step | native ms (min) | transformers backend ms (min) | native speed-up (median of pairs) |",
         "|---|---|---:|---:|---:|",
     ]
     names = {"prefill": f"prefill {prefill} tokens", "decode": f"decode {batch} seqs @ {context}"}
     for r in rows:
         lines.append(
             f"| {r['arch']} | {names[r['step']]} | {r['native_ms']:.1f} | {r['transformers_ms']:.1f} "
-            f"| {r['transformers_ms'] / r['native_ms']:.2f}× |"
+            f"| {r['paired_ratio']:.2f}× |"
         )
     return "\n".join(lines)
 
@@ -356,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         t0, load0 = time.time(), os.getloadavg()[0]
         rows = bench_forward(archs, args.forward_reps)
         print(
-            f"model step (forward + logits), min of {args.forward_reps} alternating runs, float32, torch attention "
+            f"model step (forward + logits), {args.forward_reps} back-to-back pairs, float32, torch attention "
             f"backend; {machine}; load average {load0:.2f} -> {os.getloadavg()[0]:.2f}; {time.time() - t0:.0f} s"
         )
         print(forward_table(rows))
