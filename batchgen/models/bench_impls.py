@@ -351,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         "--forward-reps", type=int, default=15, help="model-step table: alternating runs (0: skip)"
     )
     p.add_argument("--no-workload", action="store_true", help="only the model-step table")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     archs = [a for a in args.archs.split(",") if a]
     unknown = sorted(set(archs) - set(BENCH_ARCHS))
     if unknown:
