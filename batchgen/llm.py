@@ -19,18 +19,29 @@ class LLM:
     """An engine over one model. ``engine_options`` are the fields of :class:`EngineConfig`
     (``block_size``, ``max_num_seqs``, ``kv_cache_memory``, ``num_blocks``, ``enable_prefix_caching``, ...).
 
+    ``model_impl`` (vLLM's name) chooses the model code: ``"auto"`` (default: batchgen's native implementation
+    when it has one for the architecture, else transformers' modeling code over batchgen's paged attention),
+    ``"native"`` or ``"transformers"``.
+
     >>> llm = LLM("/path/to/checkpoint", kv_cache_memory="1GiB")
     >>> outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
     """
 
     def __init__(
-        self, model: str, dtype: str = "auto", tokenizer: str | None = None, **engine_options
+        self,
+        model: str,
+        dtype: str = "auto",
+        tokenizer: str | None = None,
+        model_impl: str = "auto",
+        **engine_options,
     ) -> None:
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(engine_options) - known)
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}")
-        self.engine = LLMEngine(model, EngineConfig(**engine_options), dtype=dtype, tokenizer=tokenizer)
+        self.engine = LLMEngine(
+            model, EngineConfig(**engine_options), dtype=dtype, tokenizer=tokenizer, implementation=model_impl
+        )
 
     @property
     def tokenizer(self):

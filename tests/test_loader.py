@@ -214,8 +214,52 @@ def test_unsupported_architecture_lists_supported(llama_ckpt, tmp_path):
     cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported architecture GPT2LMHeadModel") as e:
-        load_model(ckpt)
+        load_model(ckpt, implementation="native")
     assert all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
+    assert "model.implementation=transformers" in str(e.value)
+    # auto: the transformers backend takes it, and refuses Llama weights under a GPT-2 config
+    with pytest.raises(ValueError, match="does not match GPT2LMHeadModel: missing or misshapen"):
+        load_model(ckpt)
+
+
+def test_moe_experts_stacked_from_either_checkpoint_layout(tmp_path):
+    """Per-expert tensors (Mixtral's block_sparse_moe.experts.N.w1/w3/w2, Qwen's experts.N.*_proj) and
+    already-stacked ones (transformers 5.x in-memory layout) load into the same stacked parameters."""
+    import model_zoo
+
+    for arch, names in [
+        ("mixtral", ("w1", "w3", "w2")),
+        ("qwen3_moe", ("gate_proj", "up_proj", "down_proj")),
+    ]:
+        src = Path(model_zoo.checkpoint(arch))
+        model = load_model(src)
+        tensors = load_file(src / "model.safetensors")
+        prefix = "model.layers.0." + ("block_sparse_moe" if arch == "mixtral" else "mlp")
+        experts = model.model.layers[0].mlp.experts
+        gate, up, down = (tensors[f"{prefix}.experts.1.{n}.weight"] for n in names)
+        assert torch.equal(experts.gate_up_proj[1], torch.cat([gate, up]))
+        assert torch.equal(experts.down_proj[1], down)
+        # rewrite layer 0's experts as two stacked tensors
+        stacked = dict(tensors)
+        num = experts.gate_up_proj.shape[0]
+        ups = [
+            torch.cat([stacked.pop(f"{prefix}.experts.{e}.{n}.weight") for n in names[:2]])
+            for e in range(num)
+        ]
+        downs = [stacked.pop(f"{prefix}.experts.{e}.{names[2]}.weight") for e in range(num)]
+        stacked[f"{prefix}.experts.gate_up_proj"] = torch.stack(ups)
+        stacked[f"{prefix}.experts.down_proj"] = torch.stack(downs)
+        ckpt = _copy(str(src), tmp_path / arch)
+        save_file(stacked, ckpt / "model.safetensors", metadata={"format": "pt"})
+        again = load_model(ckpt)
+        for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+            assert torch.equal(a, b), name
+        # both layouts at once write the experts twice
+        both = dict(tensors)
+        both[f"{prefix}.experts.down_proj"] = torch.stack(downs)
+        save_file(both, ckpt / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match="twice"):
+            load_model(ckpt)
 
 
 def test_missing_tensor_named(llama_ckpt, tmp_path):

@@ -1,4 +1,5 @@
-"""Our decoder vs transformers (float32, CPU): prefill and paged decode logits, greedy argmax, RoPE, config."""
+"""Native decoders vs transformers (float32, CPU): prefill and paged decode logits, greedy argmax, RoPE (incl.
+YaRN, LongRoPE), sliding windows beyond the window, config parsing of every native family."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import KERNEL_OPTIONS
+from paged_reference import ReferencePagedAttention
 from transformers import AutoModelForCausalLM
 
 from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
-from batchgen.models import ModelConfig, load_model
-from batchgen.models.config import SUPPORTED_ARCHITECTURES
+from batchgen.models import NATIVE_ARCHITECTURES, ModelConfig, NativeUnsupportedError, load_model
+from batchgen.models.llama import rope_inv_freq
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -190,26 +193,36 @@ def test_bfloat16_close_to_transformers(models, ckpt_factory):
     torch.testing.assert_close(logits, ref, atol=0.1, rtol=0.05)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "mixtral", "phi3"])
 @torch.inference_mode()
-def test_mistral_sliding_window_exact_up_to_max_model_len(ckpt_factory):
-    """Full attention equals Mistral's windowed attention for sequences of at most `sliding_window` tokens."""
+def test_bfloat16_close_to_transformers_new_families(arch):
+    import model_zoo
+
+    path = model_zoo.checkpoint(arch)
+    ours = load_model(path, dtype="bfloat16")
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.bfloat16).eval()
+    prompt = torch.randint(0, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(3))
+    meta = make_meta([(shuffled_table(1), 0, PROMPT_LEN)], 0)
+    ctx = ForwardContext(PagedAttention("torch"), meta, new_kv_cache(ours))
+    logits = ours.compute_logits(ours(prompt, torch.arange(PROMPT_LEN), ctx))
+    torch.testing.assert_close(logits, hf(prompt[None]).logits[0].float(), atol=0.1, rtol=0.05)
+
+
+@torch.inference_mode()
+def test_mistral_sliding_window_attended_beyond_the_window(ckpt_factory):
+    """The window is attended for real: 40 tokens through a 16-token window match transformers everywhere, and
+    max_model_len is the model's context, not the window."""
     path = ckpt_factory("mistral", sliding_window=16, seed=13)
     ours = load_model(path)
-    assert ours.config.sliding_window == 16 and ours.config.max_model_len == 16
+    assert ours.config.layer_windows == (16, 16) and ours.config.max_model_len == 2048
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
-    prompt = torch.randint(0, ours.config.vocab_size, (16,), generator=torch.Generator().manual_seed(4))
-    meta = make_meta([(shuffled_table(2), 0, 16)], 0)
-    ctx = ForwardContext(PagedAttention("torch"), meta, new_kv_cache(ours))
-    logits = ours.compute_logits(ours(prompt, torch.arange(16), ctx))
+    prompt = torch.randint(0, ours.config.vocab_size, (40,), generator=torch.Generator().manual_seed(4))
+    meta = make_meta([(shuffled_table(2, 10), 0, 40)], 0)
+    attn = PagedAttention("torch") if KERNEL_OPTIONS else ReferencePagedAttention()
+    ctx = ForwardContext(attn, meta, new_kv_cache(ours))
+    logits = ours.compute_logits(ours(prompt, torch.arange(40), ctx))
     torch.testing.assert_close(logits, hf_step(hf, prompt)[0], atol=ATOL, rtol=0)
-    # beyond the window transformers really slides (hence the max_model_len cap)
-    longer = torch.cat([prompt, prompt[:4]])
-    meta = make_meta([(shuffled_table(2), 0, 20)], 0)
-    ctx = ForwardContext(PagedAttention("torch"), meta, new_kv_cache(ours))
-    logits = ours.compute_logits(ours(longer, torch.arange(20), ctx))
-    ref = hf_step(hf, longer)[0]
-    torch.testing.assert_close(logits[:16], ref[:16], atol=ATOL, rtol=0)
-    assert (logits[16:] - ref[16:]).abs().max() > 1e-3
 
 
 # ----------------------------------------------------------------------------------------- config parsing
@@ -278,20 +291,127 @@ def test_config_biases_per_architecture():
 
 def test_config_sliding_window():
     mistral = _hf4_llama(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=1024)
-    assert ModelConfig.from_dict(mistral).max_model_len == 1024
-    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).max_model_len == 4096
+    c = ModelConfig.from_dict(mistral)
+    assert c.max_model_len == 4096 and c.layer_windows == (1024, 1024)
+    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).layer_windows == (None, None)
     qwen2 = _hf4_llama(architectures=["Qwen2ForCausalLM"], sliding_window=1024, use_sliding_window=False)
     assert ModelConfig.from_dict(qwen2).sliding_window is None
     on = {**qwen2, "use_sliding_window": True, "max_window_layers": 0}
-    assert ModelConfig.from_dict(on).sliding_window == 1024
+    assert ModelConfig.from_dict(on).layer_windows == (1024, 1024)
+    # Qwen2's max_window_layers: layers from that index on slide (as transformers' layer_types says)
+    assert ModelConfig.from_dict({**on, "max_window_layers": 1}).layer_windows == (None, 1024)
 
 
 def test_config_rejects_unsupported():
-    with pytest.raises(ValueError, match="unsupported architecture GPT2LMHeadModel") as e:
+    with pytest.raises(NativeUnsupportedError, match="unsupported architecture GPT2LMHeadModel") as e:
         ModelConfig.from_dict(_hf4_llama(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
-    for arch in SUPPORTED_ARCHITECTURES:
+    for arch in NATIVE_ARCHITECTURES:
         assert arch in str(e.value)
-    with pytest.raises(ValueError, match="unsupported RoPE type 'yarn'.*default, linear, llama3"):
-        ModelConfig.from_dict(_hf4_llama(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
-    with pytest.raises(ValueError, match="hidden_act"):
-        ModelConfig.from_dict(_hf4_llama(hidden_act="gelu"))
+    with pytest.raises(NativeUnsupportedError, match="RoPE type 'dynamic' .* not supported natively"):
+        ModelConfig.from_dict(_hf4_llama(rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
+    with pytest.raises(NativeUnsupportedError, match="hidden_act"):
+        ModelConfig.from_dict(_hf4_llama(hidden_act="no_such_activation"))
+
+
+def test_config_new_families():
+    gemma3 = {  # a transformers 4.x Gemma 3 config.json: rope_local_base_freq, sliding_window_pattern
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 7,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "vocab_size": 100,
+        "query_pre_attn_scalar": 24,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "final_logit_softcapping": None,
+        "max_position_embeddings": 131072,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+    g = ModelConfig.from_dict(gemma3)
+    assert g.layer_windows == (512,) * 5 + (None, 512) and g.sliding_layers == (True,) * 5 + (False, True)
+    assert (g.rope.rope_type, g.rope.theta, g.rope.params["factor"]) == ("linear", 1e6, 8.0)
+    assert (g.local_rope.rope_type, g.local_rope.theta) == ("default", 1e4)
+    assert g.scale == 24**-0.5 and g.gemma_norm and g.sandwich_norm and g.qk_norm and g.embed_scale == 8.0
+    phi = _hf4_llama(architectures=["Phi3ForCausalLM"], model_type="phi3", partial_rotary_factor=0.75)
+    p = ModelConfig.from_dict(phi)
+    assert p.rope.rotary_dim == 12 and p.fused_checkpoint and len(p.rope.inv_freq) == 6
+    mixtral = _hf4_llama(architectures=["MixtralForCausalLM"], num_local_experts=8, num_experts_per_tok=2)
+    m = ModelConfig.from_dict(mixtral)
+    assert (m.moe.num_experts, m.moe.top_k, m.moe.renormalize, m.moe.fp32_weights) == (8, 2, True, True)
+    qmoe = _hf4_llama(
+        architectures=["Qwen2MoeForCausalLM"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        decoder_sparse_step=2,
+    )
+    q = ModelConfig.from_dict(qmoe)
+    assert q.moe.sparse_layers == (False, True) and q.moe.shared_expert_intermediate_size == 48
+    assert q.qkv_bias and not q.moe.renormalize
+    granite = _hf4_llama(
+        architectures=["GraniteForCausalLM"],
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+        logits_scaling=8.0,
+    )
+    gr = ModelConfig.from_dict(granite)
+    assert (gr.embedding_multiplier, gr.residual_multiplier, gr.scale, gr.logits_scaling) == (
+        12.0,
+        0.22,
+        0.0078125,
+        8.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {"rope_type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"}},
+    ],
+)
+def test_rope_frequencies_from_transformers(rope):
+    """inv_freq and the cos/sin scaling come from transformers' own RoPE functions."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = _hf4_llama(rope_scaling=rope, max_position_embeddings=256)
+    ours = ModelConfig.from_dict(cfg)
+    ref_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](ref_cfg, None)
+    assert torch.equal(rope_inv_freq(ours), inv.float()) and ours.rope.attention_scaling == scaling
+
+
+@torch.inference_mode()
+def test_phi3_longrope_switches_like_transformers():
+    """LongRoPE: short factors while a sequence fits the original context, long ones beyond (per sequence)."""
+    import model_zoo
+
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "short_factor": [1.0, 1.5, 2.0, 3.0],
+        "long_factor": [2.0, 4.0, 8.0, 16.0],
+        "original_max_position_embeddings": 16,
+    }
+    path = model_zoo.checkpoint("phi3", rope_parameters=rope, sliding_window=None, seed=3)
+    ours = load_model(path)
+    assert ours.config.rope.long_inv_freq is not None
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    for n in (10, 24):
+        ids = torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n))
+        meta = make_meta([(shuffled_table(n, 8), 0, n)], 0)
+        logits = ours.compute_logits(
+            ours(ids, torch.arange(n), ForwardContext(PagedAttention("torch"), meta, new_kv_cache(ours)))
+        )
+        torch.testing.assert_close(logits, hf(ids[None]).logits[0].float(), atol=ATOL, rtol=0)

@@ -50,20 +50,22 @@ class LLMEngine:
         engine_config: EngineConfig | None = None,
         dtype: str = "auto",
         tokenizer: str | None = None,
+        implementation: str = "auto",
     ) -> None:
         self.config = config = engine_config or EngineConfig()
         self.device = resolve_device(config.device)
         backend = resolve_backend(config.attention_backend, self.device)
         self.model_path = model
-        self.model = load_model(model, dtype=dtype, device=self.device)
+        # implementation: auto (native when batchgen has the architecture), native, or transformers
+        self.model = load_model(model, dtype=dtype, device=self.device, implementation=implementation)
         self.tokenizer = load_tokenizer(tokenizer or model)
         mc = self.model.config
-        # The model's limit: max_position_embeddings, or a smaller sliding window (we attend to everything).
+        # The model's full context (max_position_embeddings); sliding windows are attended, they do not cap it.
         self.max_model_len = config.max_model_len or mc.max_model_len
         if config.max_model_len and config.max_model_len > mc.max_model_len:
             raise ValueError(
                 f"engine.max_model_len={config.max_model_len} exceeds the model's limit of {mc.max_model_len} "
-                f"tokens (max_position_embeddings / sliding_window); lower it"
+                f"tokens (max_position_embeddings); lower it"
             )
         eos = set(mc.eos_token_ids or [])
         if self.tokenizer.eos_token_id is not None:

@@ -1,12 +1,19 @@
-"""`ModelConfig`: the architecture facts our decoder needs, parsed from a Hugging Face checkpoint.
+"""`ModelConfig`: the architecture facts our native decoders need, parsed from a Hugging Face checkpoint.
 
-Reads `config.json` (transformers 4.x keys `rope_theta`/`rope_scaling`/`torch_dtype` and 5.x keys
-`rope_parameters`/`dtype` alike) and `generation_config.json` (eos ids). Only the Llama family is
-supported; anything else fails here with a `ValueError` that lists what is supported.
+`config.json` is read through transformers' own configuration class for its `model_type` (never remote code),
+so every legacy spelling the class accepts (`rope_scaling`/`rope_theta` vs `rope_parameters`, `torch_dtype` vs
+`dtype`, Gemma 3's `rope_local_base_freq`, derived `layer_types`...) is normalised exactly as transformers
+normalises it; then the facts are copied into a frozen dataclass. `generation_config.json` adds eos ids.
+
+Architectures with a native implementation are listed in `NATIVE_ARCHITECTURES`. A checkpoint our native code
+cannot run exactly (another architecture, an activation, a data-dependent RoPE...) raises
+`NativeUnsupportedError` (a `ValueError`) saying why; `load_model(..., implementation="auto")` then uses the
+transformers backend instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -15,14 +22,32 @@ from typing import Any
 
 import torch
 
-# Hugging Face architecture name -> model_type.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
+# Hugging Face architecture name -> model_type, for every architecture with a native implementation.
+NATIVE_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "GraniteForCausalLM": "granite",
+    "Gemma3ForConditionalGeneration": "gemma3_text",  # a vision-language checkpoint: its language model
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Vision-language checkpoints whose language model we run natively (text only): architecture -> model_type of
+# the `text_config`. Their vision tower and projector weights are skipped.
+NATIVE_TEXT_OF_MULTIMODAL: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": "gemma3_text",
+}
+SUPPORTED_ARCHITECTURES = NATIVE_ARCHITECTURES  # the name used before the transformers backend existed
+# RoPE types whose frequencies do not depend on the batch (dynamic NTK rescales with the longest sequence).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -34,6 +59,10 @@ _DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
+
+
+class NativeUnsupportedError(ValueError):
+    """The checkpoint has no exact native implementation here (the transformers backend may still run it)."""
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
@@ -56,18 +85,61 @@ def _eos_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+def eos_token_ids(config: dict[str, Any] | Any, generation_config: dict[str, Any] | None) -> tuple[int, ...]:
+    """generation_config's eos ids first, then config's (a dict or a transformers config), deduplicated."""
+    eos = _eos_list((generation_config or {}).get("eos_token_id"))
+    cfg_eos = (
+        config.get("eos_token_id") if isinstance(config, dict) else getattr(config, "eos_token_id", None)
+    )
+    eos += [e for e in _eos_list(cfg_eos) if e not in eos]
+    return tuple(eos)
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding of one layer type, with its inverse frequencies precomputed by transformers' own
+    RoPE functions (float32 values, exactly representable as Python floats).
+
+    `rotary_dim` (even, <= head_dim) leading channels of each head rotate (partial rotary when smaller).
+    `long_inv_freq` (longrope only): used instead for a sequence longer than `original_max_position_embeddings`
+    (transformers picks by the forward's longest sequence; we pick per sequence, the same for one sequence).
+    """
+
+    rope_type: str
+    theta: float
+    rotary_dim: int
+    inv_freq: tuple[float, ...]
+    attention_scaling: float = 1.0
+    params: dict[str, Any] = field(default_factory=dict)
+    long_inv_freq: tuple[float, ...] | None = None
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE), top-k routing as transformers does it:
+    softmax over all experts in float32, top-k, renormalised when `renormalize` (Mixtral always, Qwen when
+    `norm_topk_prob`), weights cast back to the model dtype unless `fp32_weights` (Mixtral keeps float32).
+    `sparse_layers[i]` says whether layer i is sparse (others use a dense MLP of `intermediate_size`).
+    Qwen2-MoE adds a shared expert of `shared_expert_intermediate_size` gated by sigmoid(shared_expert_gate(x)).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    fp32_weights: bool
+    sparse_layers: tuple[bool, ...]
+    shared_expert_intermediate_size: int = 0
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of one checkpoint.
+    """Architecture of one checkpoint, as our native decoder (`batchgen.models.llama.CausalLM`) runs it.
 
-    Invariants: `num_heads % num_kv_heads == 0`; `head_dim` is even (RoPE rotates halves);
-    `rope_type` is one of `SUPPORTED_ROPE_TYPES` and `rope_scaling` holds its parameters
-    (`factor`, and for llama3 `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`).
-
-    `sliding_window` is set only when the checkpoint really uses windowed attention (Mistral with a
-    window, Qwen2/3 with `use_sliding_window`). Our attention is always full attention, which is exact
-    for sequences of at most `sliding_window` tokens (a query sees the last `sliding_window` keys,
-    itself included): the engine must cap its max_model_len at `max_model_len`.
+    Invariants: `num_heads % num_kv_heads == 0`; `len(layer_windows) == num_layers`; a layer's window `w`
+    means a query at position p sees keys at positions > p - w (transformers' convention), None is full
+    attention. Windows never cap `max_model_len`: the attention kernels honour them.
     """
 
     architecture: str
@@ -81,26 +153,57 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     max_position_embeddings: int
-    rope_theta: float = 10000.0
-    rope_type: str = "default"
-    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    rope: RopeSpec
+    local_rope: RopeSpec | None = None  # sliding-window layers' RoPE when it differs (Gemma 3)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    sliding_layers: tuple[bool, ...] = ()  # layers of type "sliding_attention" (they use `local_rope`)
+    hidden_act: str = "silu"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    gemma_norm: bool = False  # RMSNorm scales by (1 + weight), in float32, then casts (Gemma)
+    sandwich_norm: bool = False  # post-attention and pre/post-feedforward norms (Gemma 2/3)
+    embed_scale: float | None = None  # embeddings multiplied by this, rounded to the dtype (Gemma)
+    embedding_multiplier: float = 1.0  # Granite's multipliers
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
+    fused_checkpoint: bool = False  # checkpoint already stores qkv_proj / gate_up_proj (Phi-3)
+    multimodal: bool = False  # a vision-language checkpoint: its language model's weights, vision skipped
+    moe: MoESpec | None = None
     dtype: torch.dtype = torch.float32
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
 
+    implementation = "native"
+
     @property
     def max_model_len(self) -> int:
-        """Longest sequence this implementation computes exactly (see `sliding_window`)."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The model's full context (sliding windows are attended for real, so they do not cap it)."""
         return self.max_position_embeddings
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The largest per-layer window, None when some layer (or every layer) attends to everything."""
+        windows = self.layer_windows or (None,)
+        return None if any(w is None for w in windows) else max(windows)  # type: ignore[type-var]
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope.rope_type
+
+    @property
+    def rope_scaling(self) -> dict[str, Any]:
+        return self.rope.params
 
     @property
     def q_size(self) -> int:
@@ -110,17 +213,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         """Parse `path/config.json` (+ `path/generation_config.json` when present)."""
-        path = Path(path)
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face checkpoint directory")
-        config = json.loads(config_file.read_text())
-        gen_file = path / "generation_config.json"
-        generation = json.loads(gen_file.read_text()) if gen_file.is_file() else None
-        return cls.from_dict(config, generation, source=str(config_file))
+        config, generation = read_config_files(path)
+        return cls.from_dict(config, generation, source=str(Path(path) / "config.json"))
 
     @classmethod
     def from_dict(
@@ -131,130 +232,251 @@ class ModelConfig:
         source: str = "config.json",
     ) -> ModelConfig:
         archs = config.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in NATIVE_ARCHITECTURES), None)
         if arch is None:
-            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+            by_type = {v: k for k, v in NATIVE_ARCHITECTURES.items()}
             if not archs and config.get("model_type") in by_type:
                 arch = by_type[config["model_type"]]
             else:
                 found = ", ".join(archs) or f"model_type={config.get('model_type')!r}"
-                raise ValueError(
-                    f"unsupported architecture {found} in {source}; supported: "
-                    + ", ".join(SUPPORTED_ARCHITECTURES)
+                raise NativeUnsupportedError(
+                    f"unsupported architecture {found} in {source} for the native implementation; native: "
+                    + ", ".join(NATIVE_ARCHITECTURES)
                 )
-        model_type = SUPPORTED_ARCHITECTURES[arch]
+        model_type = NATIVE_ARCHITECTURES[arch]
+        if arch in NATIVE_TEXT_OF_MULTIMODAL:  # the language model of a vision-language checkpoint
+            text = dict(config.get("text_config") or {})
+            if "tie_word_embeddings" in config:
+                text["tie_word_embeddings"] = config["tie_word_embeddings"]
+            for key in ("dtype", "torch_dtype", "eos_token_id", "bos_token_id", "pad_token_id"):
+                if key not in text and config.get(key) is not None:
+                    text[key] = config[key]
+            hf = hf_config_from_dict({**text, "model_type": model_type}, source)
+            return dataclasses.replace(
+                cls.from_hf(hf, arch, generation_config, source=source), multimodal=True
+            )
+        hf = hf_config_from_dict({**config, "model_type": model_type}, source)
+        return cls.from_hf(hf, arch, generation_config, source=source)
 
-        act = config.get("hidden_act", config.get("hidden_activation", "silu"))
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} in {source}: only 'silu' (SwiGLU) is supported")
-        hidden = int(config["hidden_size"])
-        num_heads = int(config["num_attention_heads"])
-        num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
-        head_dim = int(config.get("head_dim") or hidden // num_heads)
+    @classmethod
+    def from_hf(
+        cls,
+        hf: Any,
+        arch: str,
+        generation_config: dict[str, Any] | None = None,
+        *,
+        source: str = "config.json",
+    ) -> ModelConfig:
+        """Facts from a transformers config object of a native architecture."""
+        model_type = NATIVE_ARCHITECTURES[arch]
+        # Gemma 2/3 MLPs read `hidden_activation`, every other native family `hidden_act`.
+        act_key = "hidden_activation" if model_type in ("gemma2", "gemma3_text") else "hidden_act"
+        act = getattr(hf, act_key, None) or "silu"
+        from transformers.activations import ACT2FN
+
+        if act not in ACT2FN:
+            raise NativeUnsupportedError(f"unknown hidden_act {act!r} in {source}")
+        if getattr(hf, "use_bidirectional_attention", None):
+            raise NativeUnsupportedError(f"{source}: bidirectional attention is not a causal LM")
+        hidden = int(hf.hidden_size)
+        num_heads = int(hf.num_attention_heads)
+        num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
+        head_dim = int(getattr(hf, "head_dim", None) or hidden // num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads {num_heads} not a multiple of num_key_value_heads {num_kv_heads}"
             )
-        if head_dim % 2:
-            raise ValueError(f"head_dim {head_dim} must be even for RoPE")
-        max_pos = int(config.get("max_position_embeddings", 2048))
-        rope_theta, rope_type, rope_scaling = _parse_rope(config, max_pos, source)
+        num_layers = int(hf.num_hidden_layers)
+        max_pos = int(getattr(hf, "max_position_embeddings", None) or 2048)
 
-        attention_bias = bool(config.get("attention_bias", False))
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False  # Qwen2 always has q/k/v bias, never o_proj bias
-        elif model_type == "mistral":
+        layer_types = list(getattr(hf, "layer_types", None) or [])
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise NativeUnsupportedError(f"layer types {unknown} in {source} are not supported natively")
+        rope_params = hf.rope_parameters or {}
+        per_type = bool(rope_params) and all(isinstance(v, dict) for v in rope_params.values())
+        if per_type:
+            rope = _rope_spec(hf, head_dim, "full_attention", source)
+            local_rope = (
+                _rope_spec(hf, head_dim, "sliding_attention", source)
+                if "sliding_attention" in rope_params
+                else None
+            )
+        else:
+            rope, local_rope = _rope_spec(hf, head_dim, None, source), None
+        if local_rope == rope:
+            local_rope = None
+
+        windows = _layer_windows(hf, model_type, num_layers, layer_types, max_pos)
+
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        if model_type in ("qwen2", "qwen2_moe"):
+            qkv_bias, o_bias = bool(getattr(hf, "qkv_bias", True)), False  # q/k/v bias, never o_proj
+        elif model_type in ("mistral", "mixtral", "phi3"):
             qkv_bias = o_bias = False
-        else:  # llama, qwen3: attention_bias covers q, k, v and o
+        else:  # llama, qwen3(-moe), gemma*, granite: attention_bias covers q, k, v and o
             qkv_bias = o_bias = attention_bias
-        mlp_bias = bool(config.get("mlp_bias", False)) if model_type == "llama" else False
+        mlp_bias = bool(getattr(hf, "mlp_bias", False)) if model_type in ("llama", "granite") else False
 
-        dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"
-        dtype = parse_dtype(dtype_name)
+        gemma = model_type in _GEMMA
+        attn_scale = None
+        if model_type in ("gemma2", "gemma3_text"):
+            attn_scale = float(hf.query_pre_attn_scalar) ** -0.5
+        elif model_type == "granite":
+            attn_scale = float(hf.attention_multiplier)
 
-        eos = _eos_list((generation_config or {}).get("eos_token_id"))
-        eos += [e for e in _eos_list(config.get("eos_token_id")) if e not in eos]
-
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
         return cls(
             architecture=arch,
             model_type=model_type,
-            vocab_size=int(config["vocab_size"]),
+            vocab_size=int(hf.vocab_size),
             hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
+            intermediate_size=int(hf.intermediate_size),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
-            rope_theta=rope_theta,
-            rope_type=rope_type,
-            rope_scaling=rope_scaling,
+            rope=rope,
+            local_rope=local_rope,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=model_type == "qwen3",
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            sliding_window=_effective_sliding_window(config, model_type),
-            dtype=dtype,
-            eos_token_ids=tuple(eos),
-            bos_token_id=config.get("bos_token_id"),
-            pad_token_id=config.get("pad_token_id"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            layer_windows=windows,
+            sliding_layers=tuple(t == "sliding_attention" for t in layer_types) or (False,) * num_layers,
+            hidden_act=act,
+            attn_scale=attn_scale,
+            attn_softcap=_opt_float(getattr(hf, "attn_logit_softcapping", None)),
+            final_softcap=_opt_float(getattr(hf, "final_logit_softcapping", None)),
+            gemma_norm=gemma,
+            sandwich_norm=model_type in ("gemma2", "gemma3_text"),
+            embed_scale=hidden**0.5 if gemma else None,
+            embedding_multiplier=float(getattr(hf, "embedding_multiplier", 1.0) or 1.0),
+            residual_multiplier=float(getattr(hf, "residual_multiplier", 1.0) or 1.0),
+            logits_scaling=float(getattr(hf, "logits_scaling", 1.0) or 1.0),
+            fused_checkpoint=model_type == "phi3",
+            moe=_moe_spec(hf, model_type, num_layers) if model_type in _MOE else None,
+            dtype=parse_dtype(dtype),
+            eos_token_ids=eos_token_ids(hf, generation_config),
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            pad_token_id=getattr(hf, "pad_token_id", None),
         )
 
 
-def _parse_rope(config: dict[str, Any], max_pos: int, source: str) -> tuple[float, str, dict[str, Any]]:
-    """(rope_theta, rope_type, scaling params) from 5.x `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"cannot parse RoPE parameters {params!r} in {source}")
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"per-layer-type RoPE parameters are not supported ({source})")
-    params = dict(params)
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    theta = params.pop("rope_theta", None)
-    if theta is None:
-        theta = config.get("rope_theta", 10000.0)
-    partial = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor={partial} is not supported ({source})")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported RoPE type {rope_type!r} in {source}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        return float(theta), rope_type, {}
-    if "factor" not in params:
-        raise ValueError(f"RoPE type {rope_type!r} needs a 'factor' ({source})")
-    scaling: dict[str, Any] = {"factor": float(params["factor"])}
-    if rope_type == "llama3":
-        for key in ("low_freq_factor", "high_freq_factor"):
-            if key not in params:
-                raise ValueError(f"RoPE type 'llama3' needs {key!r} ({source})")
-            scaling[key] = float(params[key])
-        orig = config.get("original_max_position_embeddings") or params.get(
-            "original_max_position_embeddings"
-        )
-        scaling["original_max_position_embeddings"] = int(orig or max_pos)
-    return float(theta), rope_type, scaling
+def read_config_files(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """`config.json` and (when present) `generation_config.json` of a checkpoint directory, as dicts."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face checkpoint directory")
+    config = json.loads(config_file.read_text())
+    gen_file = path / "generation_config.json"
+    generation = json.loads(gen_file.read_text()) if gen_file.is_file() else None
+    return config, generation
 
 
-def _effective_sliding_window(config: dict[str, Any], model_type: str) -> int | None:
-    window = config.get("sliding_window")
-    if window is None:
-        return None
-    if model_type in ("qwen2", "qwen3"):
-        if not config.get("use_sliding_window", False):
-            return None
-        layer_types = config.get("layer_types")
-        if layer_types is not None and "sliding_attention" not in layer_types:
-            return None
-        if layer_types is None and int(config.get("max_window_layers", 0)) >= int(
-            config["num_hidden_layers"]
-        ):
-            return None
-    elif model_type == "llama":
-        return None  # Llama has no sliding window
+def hf_config_from_dict(config: dict[str, Any], source: str = "config.json") -> Any:
+    """transformers' configuration object for `config['model_type']` (built-in classes only, no remote code)."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        hint = (
+            " (it names remote code in auto_map, which batchgen never runs)" if config.get("auto_map") else ""
+        )
+        raise ValueError(f"model_type {model_type!r} in {source} is unknown to transformers{hint}")
+    kwargs = {k: v for k, v in config.items() if k != "model_type"}
+    return CONFIG_MAPPING[model_type].from_dict(kwargs)
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _layer_windows(
+    hf: Any, model_type: str, num_layers: int, layer_types: list[str], max_pos: int
+) -> tuple[int | None, ...]:
+    """Per-layer sliding windows exactly where transformers' attention uses one."""
+    window = getattr(hf, "sliding_window", None)
+    if model_type in ("llama", "granite", "gemma") or window is None:
+        return (None,) * num_layers
     window = int(window)
-    return window if window > 0 and not math.isinf(window) else None
+    if window <= 0 or math.isinf(window) or window >= max_pos:
+        return (None,) * num_layers
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        return (None,) * num_layers  # no layer_types: only with use_sliding_window, handled by the class
+    return (window,) * num_layers  # mistral, mixtral, phi3: every layer
+
+
+def _rope_spec(hf: Any, head_dim: int, layer_type: str | None, source: str) -> RopeSpec:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(hf.rope_parameters[layer_type] if layer_type else hf.rope_parameters)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NativeUnsupportedError(
+            f"RoPE type {rope_type!r} in {source} is not supported natively "
+            f"(native: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    theta = float(params["rope_theta"])
+    partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2 or rotary_dim <= 0:
+        raise NativeUnsupportedError(f"rotary dimension {rotary_dim} must be even and positive ({source})")
+    long_inv_freq = original_max = None
+    if rope_type == "default":
+        steps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(dtype=torch.float)
+        inv_freq, attention_scaling = 1.0 / (theta ** (steps / rotary_dim)), 1.0
+    else:
+        fn = ROPE_INIT_FUNCTIONS[rope_type]
+        kwargs = {"layer_type": layer_type} if layer_type else {}
+        inv_freq, attention_scaling = fn(hf, None, **kwargs)
+        if rope_type == "longrope":
+            original_max = int(params["original_max_position_embeddings"])
+            long, _ = fn(hf, None, seq_len=original_max + 1, **kwargs)
+            long_inv_freq = tuple(float(x) for x in long.float())
+    if inv_freq.numel() * 2 != rotary_dim:
+        raise NativeUnsupportedError(f"RoPE {rope_type!r} of {source}: unexpected frequency count")
+    shown = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
+    return RopeSpec(
+        rope_type=rope_type,
+        theta=theta,
+        rotary_dim=rotary_dim,
+        inv_freq=tuple(float(x) for x in inv_freq.float()),
+        attention_scaling=float(attention_scaling),
+        params=shown,
+        long_inv_freq=long_inv_freq,
+        original_max_position_embeddings=original_max,
+    )
+
+
+def _moe_spec(hf: Any, model_type: str, num_layers: int) -> MoESpec:
+    num_experts = int(getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", 0))
+    if model_type == "mixtral":
+        return MoESpec(
+            num_experts=num_experts,
+            top_k=int(hf.num_experts_per_tok),
+            intermediate_size=int(hf.intermediate_size),
+            renormalize=True,
+            fp32_weights=True,
+            sparse_layers=(True,) * num_layers,
+        )
+    mlp_only = set(getattr(hf, "mlp_only_layers", None) or [])
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    sparse = tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    return MoESpec(
+        num_experts=num_experts,
+        top_k=int(hf.num_experts_per_tok),
+        intermediate_size=int(hf.moe_intermediate_size),
+        renormalize=bool(getattr(hf, "norm_topk_prob", False)),
+        fp32_weights=False,
+        sparse_layers=sparse,
+        shared_expert_intermediate_size=(
+            int(hf.shared_expert_intermediate_size) if model_type == "qwen2_moe" else 0
+        ),
+    )

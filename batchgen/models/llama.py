@@ -1,84 +1,93 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain torch over the paged KV cache.
+"""Native decoders in plain torch over the paged KV cache: one configurable `CausalLM` for the Llama family
+(Llama, Mistral, Qwen2, Qwen3, Granite), Phi-3, the mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) and
+Gemma 1/2/3 — everything a `ModelConfig` describes.
 
 Batches are packed: `forward(input_ids[T], positions[T], ctx)` with no padding; attention goes through
-`ctx.attn.forward(...)`, which stores the new K/V in their slots and attends through the block tables.
+`ctx.attn.forward(...)`, which stores the new K/V in their slots and attends through the block tables. Each
+layer passes its own options to the kernels: `sliding_window` (its window, when it has one) and `softcap`
+(attention-logit soft-capping, Gemma 2).
 
-Numerics follow transformers op for op (RMSNorm in float32 then cast back before the weight, RoPE
-inverse frequencies and cos/sin computed in float32 from the positions, residual adds in the model
-dtype), so float32 outputs match `transformers` to rounding. Q/K/V and gate/up projections are fused
-into one matmul each (`qkv_proj`, `gate_up_proj`); the loader fuses the checkpoint's separate tensors.
+Numerics follow transformers op for op (RMSNorm in float32 then cast back before the weight — or, for Gemma,
+scaled by `1 + weight` in float32 then cast; RoPE inverse frequencies from transformers' own RoPE functions and
+cos/sin computed in float32 from the positions; residual adds in the model dtype), so float32 outputs match
+`transformers` to rounding. Q/K/V and gate/up projections are fused into one matmul each (`qkv_proj`,
+`gate_up_proj`); the loader fuses the checkpoint's separate tensors.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from batchgen.models.config import ModelConfig
+from batchgen.models.config import ModelConfig, RopeSpec
+from batchgen.models.moe import SparseMoE, activation
 
 if TYPE_CHECKING:
     from batchgen.engine.attention import ForwardContext
 
 
 class RMSNorm(nn.Module):
-    """`weight * (x / sqrt(mean(x^2) + eps))`, normalised in float32 and cast back before the weight."""
+    """`weight * (x / sqrt(mean(x^2) + eps))`, normalised in float32 and cast back before the weight; with
+    `gemma=True` it is `(x / sqrt(...)) * (1 + weight)` in float32, then cast (transformers' Gemma norms)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
         self.eps = eps
+        self.gemma = gemma
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Inverse frequencies [head_dim/2] in float32, computed exactly like transformers' RoPE init functions."""
-    dim = config.head_dim
-    base = config.rope_theta
-    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float)
-    inv_freq = 1.0 / (base ** (steps / dim))
-    if config.rope_type == "linear":
-        inv_freq = inv_freq / config.rope_scaling["factor"]
-    elif config.rope_type == "llama3":
-        s = config.rope_scaling
-        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old_len = s["original_max_position_embeddings"]
-        low_freq_wavelen = old_len / low
-        high_freq_wavelen = old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        inv_freq = torch.where(is_medium, smoothed, inv_freq_llama)
-    return inv_freq
+    """Inverse frequencies [rotary_dim/2] (float32) of the model's (global) RoPE."""
+    return torch.tensor(config.rope.inv_freq, dtype=torch.float32, device="cpu")
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin [T, head_dim] for the given positions (halves duplicated, as transformers lays them out).
+    """cos/sin [T, rotary_dim] for the given positions (halves duplicated, as transformers lays them out),
+    multiplied by the RoPE's attention scaling (YaRN, LongRoPE).
 
     `inv_freq` is a plain float32 attribute, not a buffer: `model.to(dtype)` / meta-device construction
     must never round or drop it.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, spec: RopeSpec) -> None:
         super().__init__()
-        self.inv_freq = rope_inv_freq(config)
+        self.spec = spec
+        # explicit CPU device: the model may be built under a meta-device context
+        self.inv_freq = torch.tensor(spec.inv_freq, dtype=torch.float32, device="cpu")
+        self.long_inv_freq = (
+            torch.tensor(spec.long_inv_freq, dtype=torch.float32, device="cpu")
+            if spec.long_inv_freq is not None
+            else None
+        )
 
-    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, positions: Tensor, dtype: torch.dtype, long: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """`long` [T] bool (LongRoPE only): tokens of sequences longer than the original context."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * self.inv_freq
+            if self.long_inv_freq is not None:
+                self.long_inv_freq = self.long_inv_freq.to(positions.device)
+        inv_freq = self.inv_freq
+        if long is not None and self.long_inv_freq is not None and bool(long.any()):
+            inv_freq = torch.where(long[:, None], self.long_inv_freq, self.inv_freq)
+        freqs = positions[:, None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.spec.attention_scaling != 1.0:
+            cos, sin = cos * self.spec.attention_scaling, sin * self.spec.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -87,9 +96,13 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, H, D]; cos/sin [T, D]."""
+    """x [T, H, D]; cos/sin [T, R] with R <= D: the first R channels rotate, the rest pass through."""
     cos, sin = cos[:, None, :], sin[:, None, :]
-    return (x * cos) + (_rotate_half(x) * sin)
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return (x * cos) + (_rotate_half(x) * sin)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat(((x_rot * cos) + (_rotate_half(x_rot) * sin), x_pass), dim=-1)
 
 
 class Attention(nn.Module):
@@ -101,14 +114,22 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.q_size
         self.kv_size = config.kv_size
-        self.scale = config.head_dim**-0.5
+        self.scale = config.scale
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps, config.gemma_norm)
+            self.k_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps, config.gemma_norm)
         else:
             self.q_norm = self.k_norm = None
+        # Keyword options for the attention kernels; only those this layer needs, so a layer without a window
+        # or soft-capping calls the plain kernel.
+        self.attn_options: dict[str, float | int] = {}
+        window = config.layer_windows[layer_idx] if config.layer_windows else None
+        if window is not None:
+            self.attn_options["sliding_window"] = int(window)
+        if config.attn_softcap is not None:
+            self.attn_options["softcap"] = float(config.attn_softcap)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
         t = x.shape[0]
@@ -120,40 +141,60 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv = ctx.kv_cache[self.layer_idx]
-        out = ctx.attn.forward(q, k, v.contiguous(), kv[0], kv[1], ctx.meta, self.scale)
+        out = ctx.attn.forward(q, k, v.contiguous(), kv[0], kv[1], ctx.meta, self.scale, **self.attn_options)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused."""
+    """Gated MLP: down(act(gate(x)) * up(x)), gate and up fused (SwiGLU, GeGLU)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = activation(act)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps, gemma = config.rms_norm_eps, config.gemma_norm
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, gemma)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, gemma)
+        self.sandwich = config.sandwich_norm
+        if self.sandwich:  # Gemma 2/3: norms after attention and around the MLP
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma)
+        moe = config.moe
+        if moe is not None and moe.sparse_layers[layer_idx]:
+            self.mlp: nn.Module = SparseMoE(config, moe)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
+        self.residual_multiplier = config.residual_multiplier
+        self.local = bool(config.sliding_layers[layer_idx]) if config.sliding_layers else False
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        if self.sandwich:
+            h = self.post_attention_layernorm(h)
+        x = x + (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h)
+        if self.sandwich:
+            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        else:
+            h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h)
 
 
 class CausalLM(nn.Module):
     """Decoder-only LM. Parameter names mirror Hugging Face's (`model.layers.N...`, `lm_head`) except the
-    fused `qkv_proj` / `gate_up_proj`. With tied embeddings `lm_head.weight` *is* `model.embed_tokens.weight`.
+    fused `qkv_proj` / `gate_up_proj` and the stacked experts (`mlp.experts.gate_up_proj [E, 2I, H]`,
+    `mlp.experts.down_proj [E, H, I]`). With tied embeddings `lm_head.weight` *is* `model.embed_tokens.weight`.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -169,21 +210,50 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        return self.lm_head(hidden).float()
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (scaled / soft-capped as the model says,
+        in the model dtype, like transformers)."""
+        logits = self.lm_head(hidden)
+        c = self.config
+        if c.logits_scaling != 1.0:
+            logits = logits / c.logits_scaling
+        if c.final_softcap is not None:
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+        return logits.float()
 
 
 class _Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norm)
+        self.rotary_emb = RotaryEmbedding(config.rope)
+        self.local_rotary_emb = RotaryEmbedding(config.local_rope) if config.local_rope is not None else None
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+        c = self.config
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)
+        if (
+            c.embed_scale is not None
+        ):  # float32, then the dtype, as transformers rounds it (sqrt(3072) -> 55.5)
+            x = x * torch.tensor(c.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
+        if c.embedding_multiplier != 1.0:
+            x = x * c.embedding_multiplier
+        long = _long_rope_tokens(c, ctx) if c.rope.long_inv_freq is not None else None
+        cos, sin = self.rotary_emb(positions, x.dtype, long)
+        local = self.local_rotary_emb(positions, x.dtype) if self.local_rotary_emb is not None else None
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
+            if layer.local and local is not None:
+                x = layer(x, local[0], local[1], ctx)
+            else:
+                x = layer(x, cos, sin, ctx)
         return self.norm(x)
+
+
+def _long_rope_tokens(config: ModelConfig, ctx: ForwardContext) -> Tensor:
+    """[T] bool: tokens whose sequence is longer than LongRoPE's original context after this forward."""
+    meta = ctx.meta
+    q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()
+    long_seq = meta.seq_lens.long() > int(config.rope.original_max_position_embeddings or 0)
+    return torch.repeat_interleave(long_seq, q_lens)

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory into our `CausalLM`, streaming safetensors tensor by tensor.
+"""Load a Hugging Face checkpoint directory for the engine: into our native `CausalLM` (streaming safetensors
+tensor by tensor), or through transformers' modeling code (`batchgen.models.transformers_backend`).
 
 Invariants:
 - Only `*.safetensors` files are ever opened (through `safetensors.safe_open`); pickle checkpoints
@@ -7,21 +8,28 @@ Invariants:
   target device; then each checkpoint tensor is read, copied into its (slice of a) parameter and
   dropped, so peak memory is the model plus one tensor, never a second full state dict.
 - Every parameter element is written exactly once; anything missing, unexpected or misshapen is a
-  `ValueError` naming the tensor and the file.
+  `ValueError` naming the tensor and the file. Checkpoint tensors are mapped onto our parameters by
+  `_checkpoint_names` (q/k/v and gate/up fused, per-expert tensors stacked, Mixtral's `block_sparse_moe`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from batchgen.models.config import ModelConfig, parse_dtype
+from batchgen.models.config import ModelConfig, NativeUnsupportedError, parse_dtype
 from batchgen.models.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+IMPLEMENTATIONS = ("auto", "native", "transformers")
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Checkpoint tensors we know and do not need (old checkpoints saved RoPE buffers).
@@ -60,63 +68,158 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _resolve_dtype(config: ModelConfig, dtype: torch.dtype | str) -> torch.dtype:
+def _resolve_dtype(config_dtype: torch.dtype, dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str) and dtype.lower() == "auto":
-        return config.dtype
+        return config_dtype
     return parse_dtype(dtype)
 
 
-def _target(config: ModelConfig, name: str) -> tuple[str, int, int] | None:
-    """HF tensor name -> (our parameter name, row offset, rows) for fused params, or (name, 0, -1) as is.
+@dataclass(frozen=True)
+class _Source:
+    """Where one checkpoint tensor goes: `param[expert]` (when not None), rows `offset:offset+rows` (all if -1)."""
 
-    Returns None for tensors to skip (tied lm_head, RoPE buffers).
+    param: str
+    offset: int = 0
+    rows: int = -1
+    expert: int | None = None
+
+
+def _checkpoint_names(
+    config: ModelConfig, name: str, shape: tuple[int, ...]
+) -> list[list[tuple[str, _Source]]]:
+    """Alternative ways a checkpoint may store our parameter `name`: each a list of (HF tensor name, source).
+
+    The first alternative is the canonical one (named in "missing tensor" errors).
     """
-    if name.endswith(_IGNORED_SUFFIXES):
-        return None
-    if name == "lm_head.weight" and config.tie_word_embeddings:
-        return None
-    parts = name.rsplit(".", 2)  # [..., "q_proj", "weight"]
-    if len(parts) == 3:
-        prefix, proj, kind = parts
-        q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-        fused = {
-            "q_proj": ("qkv_proj", 0, q),
-            "k_proj": ("qkv_proj", q, kv),
-            "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, inter),
-            "up_proj": ("gate_up_proj", inter, inter),
-        }
-        if proj in fused:
-            ours, offset, rows = fused[proj]
-            return f"{prefix}.{ours}.{kind}", offset, rows
-    return name, 0, -1
+    prefix, _, leaf = name.rpartition(".")  # leaf: weight / bias / gate_up_proj / down_proj
+    head, _, module = prefix.rpartition(".")
+    moe_prefix = head.replace(".mlp", ".block_sparse_moe") if config.model_type == "mixtral" else head
+    if module == "experts" and leaf in ("gate_up_proj", "down_proj"):
+        num_experts, inter = shape[0], (shape[1] // 2 if leaf == "gate_up_proj" else shape[2])
+        per_expert: list[tuple[str, _Source]] = []
+        for e in range(num_experts):
+            base = f"{moe_prefix}.experts.{e}"
+            if config.model_type == "mixtral":
+                parts = {
+                    "gate_up_proj": [("w1", 0, inter), ("w3", inter, inter)],
+                    "down_proj": [("w2", 0, -1)],
+                }
+            else:
+                parts = {
+                    "gate_up_proj": [("gate_proj", 0, inter), ("up_proj", inter, inter)],
+                    "down_proj": [("down_proj", 0, -1)],
+                }
+            per_expert += [
+                (f"{base}.{w}.weight", _Source(name, off, rows, e)) for w, off, rows in parts[leaf]
+            ]
+        return [per_expert, [(f"{moe_prefix}.experts.{leaf}", _Source(name))]]
+    if config.model_type == "mixtral" and name.endswith(".mlp.gate.weight"):
+        return [[(f"{moe_prefix}.gate.weight", _Source(name))]]
+    if module == "qkv_proj" and not config.fused_checkpoint:
+        q, kv = config.q_size, config.kv_size
+        return [
+            [
+                (f"{head}.q_proj.{leaf}", _Source(name, 0, q)),
+                (f"{head}.k_proj.{leaf}", _Source(name, q, kv)),
+                (f"{head}.v_proj.{leaf}", _Source(name, q + kv, kv)),
+            ]
+        ]
+    if module == "gate_up_proj" and not config.fused_checkpoint:
+        inter = shape[0] // 2
+        return [
+            [
+                (f"{head}.gate_proj.{leaf}", _Source(name, 0, inter)),
+                (f"{head}.up_proj.{leaf}", _Source(name, inter, inter)),
+            ]
+        ]
+    return [[(name, _Source(name))]]
 
 
-def _expected_hf_names(config: ModelConfig, params: dict[str, torch.nn.Parameter]) -> dict[str, set[str]]:
-    """Our parameter name -> the HF tensor names that must fill it."""
-    out: dict[str, set[str]] = {}
-    for name in params:
-        if ".qkv_proj." in name:
-            out[name] = {name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")}
-        elif ".gate_up_proj." in name:
-            out[name] = {name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")}
-        else:
-            out[name] = {name}
-    return out
+_MULTIMODAL_PREFIXES = (  # (checkpoint prefix, ours): transformers 4.x and 5.x layouts of the language model
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def _text_model_name(name: str) -> str | None:
+    """A vision-language checkpoint's tensor name as the text-only model names it; None for vision weights."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for theirs, ours in _MULTIMODAL_PREFIXES:
+        if name.startswith(theirs):
+            return ours + name[len(theirs) :]
+    return name
+
+
+def _weight_map(
+    config: ModelConfig, params: dict[str, torch.nn.Parameter]
+) -> tuple[dict[str, _Source], dict[str, list[str]]]:
+    """(HF tensor name -> source for every accepted name, our param -> its canonical HF names)."""
+    lookup: dict[str, _Source] = {}
+    canonical: dict[str, list[str]] = {}
+    for name, param in params.items():
+        alternatives = _checkpoint_names(config, name, tuple(param.shape))
+        canonical[name] = [hf for hf, _ in alternatives[0]]
+        for alt in alternatives:
+            lookup.update(alt)
+    return lookup, canonical
 
 
 @torch.no_grad()
 def load_model(
-    path: str | os.PathLike, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"
+    path: str | os.PathLike,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device = "cpu",
+    implementation: str = "auto",
 ):
-    """Build our `CausalLM` from a checkpoint directory (config.json + safetensors).
+    """Load a checkpoint directory (config.json + safetensors) for the engine.
 
-    `dtype`: 'auto' (the checkpoint's `dtype`/`torch_dtype`, float32 if absent), 'float32', 'bfloat16',
-    'float16' or a torch.dtype. `model.config.dtype` reports the dtype actually used.
+    `implementation`: ``native`` (our own decoders; fails for an architecture we have no code for),
+    ``transformers`` (transformers' modeling code over our paged attention, any decoder-only architecture),
+    or ``auto`` (native when we have it, else transformers). `dtype`: 'auto' (the checkpoint's
+    `dtype`/`torch_dtype`, float32 if absent), 'float32', 'bfloat16', 'float16' or a torch.dtype.
+    `model.config.dtype` reports the dtype actually used, `model.config.implementation` the path taken.
     """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown model implementation {implementation!r}: use one of {', '.join(IMPLEMENTATIONS)}"
+        )
     ckpt = _checkpoint_dir(path)
-    config = ModelConfig.from_pretrained(ckpt)
-    config = dataclasses.replace(config, dtype=_resolve_dtype(config, dtype))
+    if implementation == "transformers":
+        from batchgen.models.transformers_backend import load_transformers_model
+
+        return load_transformers_model(ckpt, dtype=dtype, device=device)
+    try:
+        config = ModelConfig.from_pretrained(ckpt)
+    except NativeUnsupportedError as e:
+        if implementation == "native":
+            raise NativeUnsupportedError(
+                f"{e}. Use model.implementation=transformers (or auto) to run it with transformers' "
+                "modeling code over batchgen's engine"
+            ) from e
+        from batchgen.models.transformers_backend import load_transformers_model
+
+        logger.info("no native implementation (%s): using the transformers backend", e)
+        return load_transformers_model(ckpt, dtype=dtype, device=device)
+    return load_native_model(ckpt, config, dtype=dtype, device=device)
+
+
+@torch.no_grad()
+def load_native_model(
+    ckpt: Path,
+    config: ModelConfig,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device = "cpu",
+) -> CausalLM:
+    """Build our `CausalLM` for `config` and stream the checkpoint's safetensors into it."""
+    config = dataclasses.replace(config, dtype=_resolve_dtype(config.dtype, dtype))
     files = safetensors_files(ckpt)
     device = torch.device(device)
 
@@ -128,35 +231,48 @@ def load_model(
     model.eval().requires_grad_(False)
 
     params = dict(model.named_parameters())  # tied lm_head is deduplicated: only embed_tokens
-    expected = _expected_hf_names(config, params)
+    lookup, canonical = _weight_map(config, params)
+    written = dict.fromkeys(params, 0)  # elements written per parameter
     seen: dict[str, str] = {}  # HF tensor name -> file it came from
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                target = _target(config, name)
-                if target is None:
+            for stored in f.keys():
+                name = _text_model_name(stored) if config.multimodal else stored
+                if name is None or name.endswith(_IGNORED_SUFFIXES):
                     continue
-                ours, offset, rows = target
-                param = params.get(ours)
-                if param is None:
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                src = lookup.get(name)
+                if src is None:
                     raise ValueError(
                         f"unexpected tensor {name!r} in {file.name} (no matching parameter in "
                         f"{config.architecture})"
                     )
                 if name in seen:
                     raise ValueError(f"tensor {name!r} appears in both {seen[name]} and {file.name}")
-                dest = param if rows < 0 else param.narrow(0, offset, rows)
-                tensor = f.get_tensor(name)
+                param = params[src.param]
+                dest = param if src.expert is None else param[src.expert]
+                if src.rows >= 0:
+                    dest = dest.narrow(0, src.offset, src.rows)
+                tensor = f.get_tensor(stored)
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ValueError(
                         f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, expected "
                         f"{tuple(dest.shape)} from config.json"
                     )
                 dest.copy_(tensor)
+                written[src.param] += tensor.numel()
                 del tensor
                 seen[name] = file.name
 
-    missing = sorted(n for names in expected.values() for n in names if n not in seen)
+    over = sorted(p for p, n in written.items() if n > params[p].numel())
+    if over:
+        raise ValueError(
+            f"checkpoint {ckpt} writes parameter(s) {', '.join(over)} twice (two tensor layouts?)"
+        )
+    missing = sorted(
+        hf for p, n in written.items() if n < params[p].numel() for hf in canonical[p] if hf not in seen
+    )
     if missing:
         shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
         raise ValueError(
