@@ -124,7 +124,7 @@ def part_contents(directory: Path) -> dict[str, tuple]:
 def windows_done(directory: Path) -> int:
     """Windows listed in the manifest of a shard directory (0 while it has none or is being replaced)."""
     try:
-        return len(json.loads((Path(directory) / "manifest.json").read_text())["windows"])
+        return len(json.loads((Path(directory) / "_manifest.json").read_text())["windows"])
     except (OSError, ValueError, KeyError):
         return 0
 

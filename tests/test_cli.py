@@ -77,11 +77,11 @@ def test_embedded_default_runs_with_no_arguments(tmp_path: Path) -> None:
     elapsed = time.monotonic() - t0
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = tmp_path / "batchgen_output"
-    assert f"report: {Path('batchgen_output') / 'report.json'}" in p.stdout
+    assert f"report: {Path('batchgen_output') / '_report.json'}" in p.stdout
     assert "prefix hit rate" in p.stdout and "rows ok / error" in p.stdout
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads((out / "_report.json").read_text())
     assert report["status"] == "complete" and report["rows"]["ok"] == report["rows"]["shard_total"] >= 64
     assert report["tokens"]["prefix_hit_rate"] > 0.5
     assert sorted(p.name for p in out.glob("part-*.parquet")) == ["part-000000.parquet"]
-    assert (out / "logs").is_dir() and sorted(x.name for x in tmp_path.iterdir()) == ["batchgen_output"]
+    assert (out / "_logs").is_dir() and sorted(x.name for x in tmp_path.iterdir()) == ["batchgen_output"]
     print(f"embedded default run: {elapsed:.1f} s")

@@ -80,10 +80,10 @@ def test_shard_defaults_come_from_slurm_env(monkeypatch: pytest.MonkeyPatch) -> 
 def test_hydra_run_dir_is_under_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _compose(["data.output=/tmp/out", "data.shard.index=2", "data.shard.count=4"], hydra=True)
     run_dir = OmegaConf.select(cfg, "hydra.run.dir")
-    assert run_dir.startswith("/tmp/out/shard-00002-of-00004/logs/")
+    assert run_dir.startswith("/tmp/out/shard-00002-of-00004/_logs/")
     assert cfg.hydra.job.chdir is False
     cfg = _compose(["data.output=out"], hydra=True)
-    assert OmegaConf.select(cfg, "hydra.run.dir").startswith("out/logs/")
+    assert OmegaConf.select(cfg, "hydra.run.dir").startswith("out/_logs/")
 
 
 def test_misspelt_key_names_it() -> None:

@@ -73,8 +73,10 @@ def test_build_part_rows_in_input_order_with_samples_and_errors() -> None:
     assert d["finish_reason"] == ["length", "stop", "error", "error", "error", "error"]
     assert table.schema.field("token_ids").type == pa.list_(pa.int32())
     meta = json.loads(table.schema.metadata[b"batchgen"])
-    assert meta == {"model": "m", "window": {"index": 1}}
+    # row 2 failed in the engine (retryable with data.retry_errors), row 1 in its data (not retryable)
+    assert meta == {"model": "m", "window": {"index": 1, "retry_rows": [2]}}
     assert (st.rows_ok, st.rows_error, st.num_output_rows, st.generated_tokens) == (1, 2, 6, 3)
+    assert st.retry_rows == [2]
 
 
 def test_build_part_logprobs_and_no_sample_index_for_n1() -> None:
@@ -104,7 +106,7 @@ def test_commit_is_atomic_and_resume_cleans_leftovers(tmp_path: Path) -> None:
     m2 = OutputDir(tmp_path / "out").open(_manifest())
     assert set(m2.windows) == {0}
     names = sorted(p.name for p in out.path.iterdir())
-    assert names == [".batchgen.lock", "manifest.json", part_name(0), "user-notes.txt"]
+    assert names == [".batchgen.lock", "_manifest.json", part_name(0), "user-notes.txt"]
     assert Manifest.load(out.path).windows[0].row_end == 10
 
 
@@ -127,12 +129,13 @@ def test_different_config_is_refused_with_the_difference(tmp_path: Path) -> None
 def test_shard_layout_conflict(tmp_path: Path) -> None:
     with OutputDir(tmp_path, 0, 1) as out:
         out.open(_manifest())
+        out.commit(0, _table(), _rec(0))
     with pytest.raises(ConfigError, match="another shard layout"):
         OutputDir(tmp_path, 1, 2).open(_manifest())
     with OutputDir(tmp_path, 1, 2) as out:
         out.open(_manifest(), overwrite=True)
         assert out.path == tmp_path / "shard-00001-of-00002"
-    assert not (tmp_path / "manifest.json").exists()
+    assert not (tmp_path / "_manifest.json").exists()
 
 
 def test_second_writer_is_locked_out(tmp_path: Path) -> None:
@@ -157,12 +160,13 @@ def test_manifest_roundtrip(tmp_path: Path) -> None:
     m.save(tmp_path)
     back = Manifest.load(tmp_path)
     assert back == m and not back.complete
-    assert json.loads((tmp_path / "manifest.json").read_text())["rows_done"] == 10
+    assert json.loads((tmp_path / "_manifest.json").read_text())["rows_done"] == 10
 
 
 def test_layout_names_what_batchgen_owns(tmp_path: Path) -> None:
     # atomic_write's temporary files are what the output directory cleans up after a killed run
     with atomic_write(tmp_path / part_name(3)) as tmp:
         assert tmp.name.startswith(TEMP_PREFIX) and is_own_file(tmp.name)
-    assert is_own_file(part_name(3)) and is_own_file("manifest.json") and is_own_file("report.json")
-    assert not is_own_file("part-3.parquet") and not is_own_file("notes.txt") and not is_own_file("logs")
+    assert is_own_file(part_name(3)) and is_own_file("_manifest.json") and is_own_file("_report.json")
+    assert is_own_file("manifest.json") and is_own_file("report.json")  # the names of batchgen <= 0.1
+    assert not is_own_file("part-3.parquet") and not is_own_file("notes.txt") and not is_own_file("_logs")
