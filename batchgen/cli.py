@@ -20,15 +20,30 @@ first of them.
 
 from __future__ import annotations
 
-import json
+import os
+import signal
 import sys
-from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
 
-from batchgen.data.layout import STATUS_NAME
-from batchgen.job.hydra_setup import MULTIRUN_FAILURES, register_configs, register_resolvers
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    sys.stderr.write("batchgen: interrupted during start-up; nothing was written: rerun the same command\n")
+    os._exit(75)
+
+
+if os.path.basename(sys.argv[0] if sys.argv else "") in ("batchgen", "cli.py"):
+    # Run as the command (not imported): a Ctrl-C while the imports below load is one line and exit 75, not a
+    # traceback; main() hands SIGINT back to Python (KeyboardInterrupt, handled there) and the job's handlers.
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+import json  # noqa: E402
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from batchgen.data.layout import STATUS_NAME  # noqa: E402
+from batchgen.job.hydra_setup import MULTIRUN_FAILURES, register_configs, register_resolvers  # noqa: E402
 
 register_configs()
 register_resolvers()
@@ -85,7 +100,6 @@ def _remove_run_dir(run_dir: str) -> None:
 
     Only Hydra's own files are expected there (``.hydra/``, ``batchgen.log``); anything else keeps it.
     """
-    import logging
     import shutil
 
     p = Path(run_dir).resolve()
@@ -114,7 +128,11 @@ def main() -> None:
         if argv[i + 1 : i + 2] == ["job"] or "--cfg=job" in argv:
             sys.argv.append("--resolve")
     MULTIRUN_FAILURES.clear()
+    # A log file on a full or vanished disk must not print a traceback per log record: the job reports the
+    # problem itself, in one line.
+    logging.raiseExceptions = False
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         hydra_main()
     except KeyboardInterrupt:
         print(

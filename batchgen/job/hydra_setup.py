@@ -5,7 +5,8 @@ group (``model=tiny``, ``data=default``, ``engine=default``, ``sampling=default`
 ``run=default``) and ``hydra/help=batchgen`` (the ``--help`` text of :mod:`batchgen.job.help`).
 
 Resolvers: ``${batchgen.shard_dir:output,index,count}`` (a shard's output directory, used by
-``hydra.run.dir``), ``${batchgen.sweep_root:}`` (where a multirun's logs go, used by ``hydra.sweep.dir``) and
+``hydra.run.dir``; a directory under the system's temp dir when the output cannot hold Hydra's log files, see
+:func:`usable_log_root`), ``${batchgen.sweep_root:}`` (where a multirun's logs go, used by ``hydra.sweep.dir``) and
 ``${batchgen.array_env:NAME,default}`` (the shard defaults from a Slurm job array). The registrations are
 idempotent.
 """
@@ -15,6 +16,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +54,36 @@ def register_configs() -> None:
     )
 
 
+LOG_FALLBACK_FREE_BYTES = 1 << 20
+"""Hydra's log directory moves to the temp directory when the output's file system has less room than this."""
+
+
+def usable_log_root(directory: str) -> str:
+    """`directory` if Hydra can create its log directory below it; otherwise (under a regular file, not
+    writable, read-only, nearly full) a directory under the system's temp dir, so that batchgen itself gets to
+    report the problem with the output in one line (exit 2, or 75 for a full disk) instead of Hydra failing
+    with a traceback. Never creates anything."""
+    p = Path(directory).absolute()
+    existing = next((q for q in [p, *p.parents] if q.exists()), None)
+    try:
+        ok = (
+            existing is not None
+            and existing.is_dir()
+            and os.access(existing, os.W_OK | os.X_OK)
+            and shutil.disk_usage(existing).free >= LOG_FALLBACK_FREE_BYTES
+        )
+    except OSError:
+        ok = False
+    if ok:
+        return directory
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(p).strip("/")) or "root"
+    return str(Path(tempfile.gettempdir()) / "batchgen-logs" / name)
+
+
 def _shard_dir_resolver(output: Any, index: Any, count: Any) -> str:
     sub = shard_dir_name(int(index), int(count))
     out = str(output).rstrip("/") or "/"
-    return f"{out}/{sub}" if sub else out
+    return usable_log_root(f"{out}/{sub}" if sub else out)
 
 
 def _array_env_resolver(name: str, default: Any = None) -> Any:
@@ -73,8 +103,8 @@ def _sweep_root_resolver(*, _root_: Any) -> str:
     if isinstance(raw, str) and "${hydra:" in raw:
         prefix = raw.split("${hydra:", 1)[0]
         root = prefix if prefix.endswith("/") else os.path.dirname(prefix)
-        return root.rstrip("/") or "."
-    return str(_root_.data.output).rstrip("/") or "."
+        return usable_log_root(root.rstrip("/") or ".")
+    return usable_log_root(str(_root_.data.output).rstrip("/") or ".")
 
 
 def register_resolvers() -> None:
