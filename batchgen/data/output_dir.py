@@ -389,13 +389,26 @@ class OutputDir:
         the next open."""
         assert self.manifest is not None, "open() first"
         m = self.manifest
-        if window in m.windows:
-            m.windows[window].rewriting = True
+        prev = m.windows.get(window)
+        if prev is not None:
+            prev.rewriting = True
             m.save(self.path)
         record.part = self.write_part(window, table)
         m.windows[window] = record
         done = m.partial.pop(window, None)
-        m.save(self.path)
+        try:
+            m.save(self.path)
+        except BaseException:
+            # not recorded (a full disk...): readers must not see the part, and the manifest in memory stays
+            # what is on disk; a replaced part is a complete part of the window either way (rewriting=True)
+            if prev is None:
+                del m.windows[window]
+                (self.path / record.part).unlink(missing_ok=True)
+            else:
+                m.windows[window] = prev
+            if done is not None:
+                m.partial[window] = done
+            raise
         for name in done.files if done is not None else []:
             (self.checkpoint_dir / name).unlink(missing_ok=True)
         if done is not None and not m.partial:
@@ -417,12 +430,22 @@ class OutputDir:
             opts = pa.ipc.IpcWriteOptions(compression="zstd")
             with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema, options=opts) as w:
                 w.write_table(table)
+        new = rec is None
         if rec is None:
             rec = m.partial[window] = PartialRecord(files=[], rows=0, rows_ok=0, input_sha256=input_sha256)
         rec.files.append(name)
         rec.rows += rows
         rec.rows_ok += rows_ok
-        m.save(self.path)
+        try:
+            m.save(self.path)
+        except BaseException:
+            rec.files.pop()
+            rec.rows -= rows
+            rec.rows_ok -= rows_ok
+            if new:
+                del m.partial[window]
+            (self.checkpoint_dir / name).unlink(missing_ok=True)
+            raise
         return name
 
     def checkpoint_pieces(self, window: int) -> list[pa.Table]:
