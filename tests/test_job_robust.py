@@ -419,3 +419,13 @@ def test_an_output_directory_of_batchgen_0_1_resumes_under_the_new_names(
     assert "manifest.json" not in names and "report.json" not in names and "logs" not in names
     assert {"_manifest.json", "_report.json", "_logs"} <= set(names)
     assert part_contents(out) == part_contents(ref)
+
+
+def test_many_bad_rows_ahead_of_good_ones_do_not_stop_the_job(llama_ckpt: str, tmp_path: Path) -> None:
+    """70 null prompts, then 30 good ones, in one window: not an impossible configuration (the good rows run);
+    the job completes and fails only on the error fraction."""
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [None] * 70 + _rows(30)}), inp)
+    res = _run(job_config(llama_ckpt, inp, tmp_path / "out", data={"window_rows": 100}))
+    assert res.exit_code == EXIT_TOO_MANY_ERRORS, res.message
+    assert read_parts(tmp_path / "out").column("status").to_pylist() == ["error"] * 70 + ["ok"] * 30

@@ -134,6 +134,15 @@ class EngineFeeder:
         self.exhausted = False
         self._ready: deque[WindowWork] = deque()
 
+    def unfinished_windows(self) -> list[WindowWork]:
+        """Windows pulled but not handed back by :meth:`run`: abandoned after a stop, still active, or
+        finished but not yet yielded (when :meth:`run` was left by an exception). Their finished rows are what
+        a checkpoint saves."""
+        seen: dict[int, WindowWork] = {}
+        for w in [*self.abandoned, *self.active.values(), *self._ready]:
+            seen.setdefault(w.spec.index, w)
+        return sorted(seen.values(), key=lambda w: w.spec.index)
+
     def _stopping(self) -> bool:
         return self.stop is not None and self.stop.requested
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 import batchgen
 from batchgen.data.manifest import Manifest, WindowRecord
@@ -197,8 +198,10 @@ class _Job:
         self.hold = False
         self.held: list[WindowWork] = []
         self.rows_finished = 0
-        self.rows_ok = 0
+        self.engine_done = 0
+        self.engine_ok = 0
         self.errors: collections.Counter[str] = collections.Counter()
+        self.engine_errors: collections.Counter[str] = collections.Counter()
         self.error_examples: dict[str, str] = {}
         self.last_checkpoint = time.monotonic()
         self.windows_done = 0
@@ -354,7 +357,10 @@ class _Job:
             retry = set(t.retry_rows)
             keep = [i for i, p in enumerate(part.column("_position").to_pylist()) if p not in retry]
             pieces.append(part.take(pa.array(keep, type=pa.int64())))
-        pieces += outdir.checkpoint_pieces(win.index)
+        for piece in outdir.checkpoint_pieces(win.index):
+            if plan.cfg.data.retry_errors:  # checkpointed error rows caused by settings are recomputed too
+                piece = piece.filter(pc.invert(piece.column("_retryable")))
+            pieces.append(piece)
         done: set[int] = set()
         for p in pieces:
             done.update(p.column("_position").to_pylist())
@@ -489,9 +495,7 @@ class _Job:
 
     def _count(self, ok: bool, error: str | None) -> None:
         self.rows_finished += 1
-        if ok:
-            self.rows_ok += 1
-        elif error is not None:
+        if not ok and error is not None:
             key = _error_key(error)
             self.errors[key] += 1
             self.error_examples.setdefault(key, error)
@@ -501,6 +505,11 @@ class _Job:
     def _on_output(self, work: WindowWork, pos: int, out: RequestOutput) -> None:
         ok = not out.error and all(c.finish_reason != "error" for c in out.outputs)
         self._count(ok, out.error or (None if ok else "generation failed"))
+        self.engine_done += 1
+        self.engine_ok += ok
+        if not ok:
+            key = _error_key(out.error or "generation failed")
+            self.engine_errors[key] += 1
         if ok and self.hold:
             self.hold = False
             self._release_held()
@@ -516,10 +525,12 @@ class _Job:
             self._checkpoint(list(self.feeder.active.values()) if self.feeder else [])
 
     def _check_impossible(self, final: bool = False) -> None:
-        if self.rows_ok == 0 and (self.rows_finished >= EARLY_ROWS or (final and self.rows_finished)):
-            errors = [self.error_examples[k] for k, c in self.errors.items() for _ in range(c)]
+        """While nothing has succeeded: ConfigError once the first EARLY_ROWS rows the engine finished (or,
+        at the end, all of them) failed there."""
+        if self.engine_ok == 0 and (self.engine_done >= EARLY_ROWS or (final and self.engine_done)):
+            errors = [self.error_examples[k] for k, c in self.engine_errors.items() for _ in range(c)]
             self.held.clear()
-            raise ConfigError(self._impossible(self.rows_finished, errors, "in the engine"))
+            raise ConfigError(self._impossible(self.engine_done, errors, "in the engine"))
 
     def _release_held(self) -> None:
         held, self.held = self.held, []
@@ -591,10 +602,7 @@ class _Job:
             if self.held:
                 self._release_held()
                 self.hold = False
-            works = list(self.feeder.abandoned) + [
-                w for w in self.feeder.active.values() if w not in self.feeder.abandoned
-            ]
-            self._checkpoint(works)
+            self._checkpoint(self.feeder.unfinished_windows())
         except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - keep the first error's message
             logger.warning("could not save every finished row (%s)", _one_line(e) or type(e).__name__)
         return self.manifest.committed_anything
