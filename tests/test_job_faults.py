@@ -94,6 +94,9 @@ def test_a_kv_cache_larger_than_the_machine_is_one_line_exit_2(
     ]
     p = batchgen([*args, f"engine.kv_cache_memory={too_big}GiB"], tmp_path)
     one_clear_line(p, EXIT_CONFIG, f"engine.kv_cache_memory={too_big}GiB")
+    blocks = too_big * 2**30 // 8192  # 8 KiB per block for the tiny llama: as large in blocks
+    res = run_job(_cfg(llama_ckpt, inp, tmp_path / "o1", engine={"num_blocks": blocks}), handle_signals=False)
+    assert res.exit_code == EXIT_CONFIG and f"engine.num_blocks={blocks} is a KV cache of" in res.message
     # an allocation the engine cannot make (MemoryError from numpy) is the same kind of error
     import batchgen.engine.llm_engine as le
 

@@ -44,26 +44,36 @@ def _no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ------------------------------------------------------------------------------------------------ bad data
 def test_undecodable_values_become_error_rows_and_the_job_goes_on(llama_ckpt: str, tmp_path: Path) -> None:
-    """Invalid UTF-8 in the prompt, the id or a chat message: one error row each, naming the byte."""
+    """Invalid UTF-8 in the prompt, the id, a kept column or a chat message: one error row each, naming the
+    byte; the output stays valid UTF-8 (U+FFFD for the bad bytes) so every reader can read it, and
+    batchgen-merge still matches every id."""
+    from batchgen.job.merge import verify
+
     inp = tmp_path / "in.parquet"
     table = pa.table(
         {
-            "uid": write_invalid_utf8([b"r0", b"r1", b"r\xc3(2", b"r3"]),
-            "prompt": write_invalid_utf8([b"hello there", b"bad \xff\xfe row", b"fine", b"also fine"]),
+            "uid": write_invalid_utf8([b"r0", b"r1", b"r\xc3(2", b"r3", b"r4"]),
+            "prompt": write_invalid_utf8([b"hello there", b"bad \xff\xfe row", b"fine", b"also fine", b"ok"]),
+            "note": write_invalid_utf8([b"a", b"b", b"c", b"\x80d", b"e"]),
         }
     )
     pq.write_table(table, inp)
-    cfg = job_config(llama_ckpt, inp, tmp_path / "out", data={"id_column": "uid"})
-    cfg.run.max_error_fraction = 0.5
+    cfg = job_config(llama_ckpt, inp, tmp_path / "out", data={"id_column": "uid", "keep_columns": ["note"]})
+    cfg.run.max_error_fraction = 0.6
     res = _run(cfg)
     assert res.exit_code == EXIT_OK, res.message
     out = read_parts(tmp_path / "out")
-    errors = out.column("error").to_pylist()
-    assert errors[1] == "prompt is not valid UTF-8 at byte 4"
-    assert errors[2] == "id column 'uid' value is not valid UTF-8 at byte 1"
-    assert out.column("status").to_pylist() == ["ok", "error", "error", "ok"]
-    # the ids are copied byte for byte (also the undecodable one): the output still lines up with the input
-    assert out.column("id").cast(pa.binary()).to_pylist() == [b"r0", b"r1", b"r\xc3(2", b"r3"]
+    assert out.column("error").to_pylist() == [
+        None,
+        "prompt is not valid UTF-8 at byte 4",
+        "id column 'uid' value is not valid UTF-8 at byte 1",
+        "column 'note' is not valid UTF-8 at byte 0",
+        None,
+    ]
+    assert out.column("status").to_pylist() == ["ok", "error", "error", "error", "ok"]
+    assert out.column("id").to_pylist() == ["r0", "r1", "r\ufffd(2", "r3", "r4"]  # readable, still aligned
+    assert out.column("note").to_pylist() == ["a", "b", "c", "\ufffdd", "e"]
+    assert verify(tmp_path / "out").ok
 
     msg_t = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     contents = write_invalid_utf8([b"Name a colour.", b"caf\xe9 au lait"])

@@ -221,3 +221,19 @@ def test_window_hash_depends_on_content_only(tmp_path: Path) -> None:
     assert window_sha256(t) == window_sha256(same)  # chunking does not matter; out-of-range values hash
     edited = pa.table({"prompt": ["x", None, "y"], "ts": t.column("ts")})
     assert window_sha256(edited) != window_sha256(t)
+
+
+def test_pages_written_with_a_checksum_are_verified(tmp_path: Path) -> None:
+    """A flipped byte in the data of a page with a CRC: the row group is unreadable, not silently wrong."""
+    p = tmp_path / "in.parquet"
+    t = pa.table({"prompt": [f"prompt number {i:03d}" for i in range(20)]})
+    pq.write_table(
+        t, p, row_group_size=10, compression="none", write_page_checksum=True, use_dictionary=False
+    )
+    data = bytearray(p.read_bytes())
+    i = data.index(b"prompt number 014")
+    data[i + 7] ^= 0x01
+    p.write_bytes(bytes(data))
+    w = next(iter_windows(open_input(str(p)), plan_windows(0, 20, 20), ["prompt"]))
+    assert [(s, e) for s, e, _ in w.unreadable] == [(10, 20)]
+    assert w.table.column("prompt").to_pylist()[:10] == [f"prompt number {i:03d}" for i in range(10)]

@@ -305,7 +305,7 @@ def build_prompts(
         texts = _chat_texts(rows, values, tokenizer)  # type: ignore[arg-type]
     else:
         texts = _plain_texts(rows, _column(table, spec.prompt_column, rows, "prompt"))  # type: ignore[arg-type]
-    overrides = _column(table, spec.sampling_column, rows, "sampling overrides")
+    overrides = _column(table, spec.sampling_column, rows, f"sampling column {spec.sampling_column!r} value")
     _row_params(rows, overrides, spec.base_sampling)
     _tokenize(rows, texts, tokenizer, chat, spec.max_model_len)
     for r in rows:

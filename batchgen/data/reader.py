@@ -311,8 +311,8 @@ def _safe_batches(
 
 
 def _open(path: str) -> pq.ParquetFile | BaseException:
-    try:
-        return pq.ParquetFile(path)
+    try:  # pages written with a CRC are checked: a flipped bit is an unreadable row group, not garbage
+        return pq.ParquetFile(path, page_checksum_verification=True)
     except (OSError, pa.ArrowException) as e:
         return e
 

@@ -99,3 +99,30 @@ def window_sha256(table: pa.Table, unreadable: list[tuple[int, int, str]] | None
     for start, end, _ in unreadable or []:
         h.update(f"unreadable {start} {end}\n".encode())
     return h.hexdigest()
+
+
+def sanitize_utf8(column: pa.Array | pa.ChunkedArray) -> tuple[pa.Array | pa.ChunkedArray, dict[int, int]]:
+    """A string column with every value that is not valid UTF-8 rewritten with U+FFFD for its bad bytes, and
+    {row: byte offset of the first bad byte}. Other types, and valid columns, come back unchanged (checked in
+    one pass by Arrow): the output must stay readable by every Parquet reader."""
+    t = column.type
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        return column, {}
+    try:
+        column.validate(full=True)
+        return column, {}
+    except pa.ArrowInvalid:
+        pass
+    raw = column.cast(pa.binary() if pa.types.is_string(t) else pa.large_binary()).to_pylist()
+    fixed: list[str | None] = []
+    bad: dict[int, int] = {}
+    for i, v in enumerate(raw):
+        if v is None:
+            fixed.append(None)
+            continue
+        try:
+            fixed.append(v.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            bad[i] = e.start
+            fixed.append(v.decode("utf-8", errors="replace"))
+    return pa.array(fixed, type=t), bad

@@ -15,7 +15,8 @@ Invariants:
   reported done exactly once, when every one of those rows has a result (error rows need no engine work).
 - Request ids are global row indices, so they are unique within a job.
 - After a stop request nothing new is admitted; windows already started are finished until the grace
-  deadline, then abandoned (their requests aborted) — an abandoned window is never reported done.
+  deadline, then abandoned (their requests aborted) — an abandoned window is never reported done, and its
+  finished rows stay in its results (:meth:`EngineFeeder.unfinished_windows`) for the caller to checkpoint.
 """
 
 from __future__ import annotations

@@ -250,10 +250,11 @@ def _physical_memory() -> int | None:
         return None
 
 
-def _check_kv_memory(cfg: JobConfig) -> None:
-    """A CPU KV cache pool larger than the machine's memory can never be allocated: refuse it now."""
+def _check_kv_memory(cfg: JobConfig, model_cfg: Any) -> None:
+    """A CPU KV cache pool larger than the machine's memory can never be allocated: refuse it now (from
+    ``engine.kv_cache_memory``, or ``engine.num_blocks`` times the block size of this model)."""
     e = cfg.engine
-    if e.num_blocks is not None or e.device.startswith("cuda"):
+    if e.device.startswith("cuda"):
         return
     if e.device == "auto":
         try:
@@ -263,11 +264,29 @@ def _check_kv_memory(cfg: JobConfig) -> None:
                 return
         except ImportError:  # pragma: no cover - torch is a dependency
             return
-    want, have = parse_bytes(e.kv_cache_memory), _physical_memory()
-    if have is not None and want > have:
+    have = _physical_memory()
+    if have is None:
+        return
+    if e.num_blocks is None:
+        want = parse_bytes(e.kv_cache_memory)
+        if want > have:
+            raise ConfigError(
+                f"engine.kv_cache_memory={e.kv_cache_memory} ({want / 2**30:.1f} GiB) is more than this machine's "
+                f"memory ({have / 2**30:.1f} GiB); lower engine.kv_cache_memory (or set engine.num_blocks)"
+            )
+        return
+    import torch
+
+    from batchgen.models.config import parse_dtype
+
+    dtype = model_cfg.dtype if cfg.model.dtype == "auto" else parse_dtype(cfg.model.dtype)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_block = 2 * model_cfg.num_layers * e.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * elem
+    want = e.num_blocks * per_block
+    if want > have:
         raise ConfigError(
-            f"engine.kv_cache_memory={e.kv_cache_memory} ({want / 2**30:.1f} GiB) is more than this machine's "
-            f"memory ({have / 2**30:.1f} GiB); lower engine.kv_cache_memory (or set engine.num_blocks)"
+            f"engine.num_blocks={e.num_blocks} is a KV cache of {want / 2**30:.1f} GiB for this model, more than "
+            f"this machine's memory ({have / 2**30:.1f} GiB); lower engine.num_blocks"
         )
 
 
@@ -352,7 +371,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     row_start, row_end = shard_range(inp.num_rows, d.shard.index, d.shard.count)
     model_path = _model_path(cfg)
     model_cfg = _model_config(cfg, model_path)
-    _check_kv_memory(cfg)
+    _check_kv_memory(cfg, model_cfg)
     model_fp, template_fp, files = model_identity(model_path)
     fp_config = _fingerprint_config(cfg, model_fp, sampling_col, template_fp)
     legacy_config = _fingerprint_config(cfg, model_fingerprint(model_path), sampling_col, legacy=True)

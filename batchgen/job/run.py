@@ -58,7 +58,7 @@ from batchgen.data.output_dir import OutputDir, on_disk_full
 from batchgen.data.parts import assemble_part, build_rows, part_as_piece
 from batchgen.data.prompts import PromptRow, build_prompts
 from batchgen.data.reader import Window, WindowSpec, iter_windows
-from batchgen.data.values import window_sha256
+from batchgen.data.values import sanitize_utf8, window_sha256
 from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import ConfigError
@@ -140,7 +140,7 @@ def run_job(
                 EXIT_INTERRUPTED, "incomplete", f"aborted{where}: rerun the same command to resume", warn=True
             )
         except Exception as e:  # noqa: BLE001 - the job's boundary: one clear line, the right status
-            if on_disk_full(e):
+            if on_disk_full(e) and not debug_tracebacks():
                 return job.fail(
                     EXIT_INTERRUPTED,
                     "incomplete",
@@ -365,12 +365,19 @@ class _Job:
         for p in pieces:
             done.update(p.column("_position").to_pylist())
         rows = build_prompts(win.table, win.spec.row_start, plan.prompt_spec, tokenizer, win.unreadable)
+        extra = win.table.select(extra_cols) if extra_cols else None
+        for i, name in enumerate(extra_cols):
+            # the id and kept columns are copied into the output as they are, except text that is not UTF-8:
+            # its row is an error row, and the value is written with U+FFFD for the bad bytes (readable)
+            fixed, bad = sanitize_utf8(extra.column(i))  # type: ignore[union-attr]
+            if bad:
+                extra = extra.set_column(i, name, fixed)  # type: ignore[union-attr]
+                for pos, byte in bad.items():
+                    r = rows[pos]
+                    r.fail(f"column {name!r} is not valid UTF-8 at byte {byte}")
+                    r.token_ids = r.params = None
         work = WindowWork.create(
-            win.spec,
-            rows,
-            plan.cfg.data.group_by_prefix,
-            extra=win.table.select(extra_cols) if extra_cols else None,
-            skip=frozenset(done),
+            win.spec, rows, plan.cfg.data.group_by_prefix, extra=extra, skip=frozenset(done)
         )
         work.pieces = pieces
         work.input_sha256 = None if win.unreadable else window_sha256(win.table)
@@ -639,7 +646,10 @@ class _Job:
         )
         if report["errors"]["exceeded"]:
             report["status"] = "failed"
-        write_report(outdir.report_path, report)
+        try:
+            write_report(outdir.report_path, report)
+        except OSError as e:  # the output is what counts: a report that cannot be written is only a warning
+            logger.warning("could not write %s: %s", outdir.report_path, _one_line(e))
         return report
 
     def _finish(self, report: dict[str, Any]) -> JobResult:
