@@ -239,6 +239,8 @@ def unknown_keys(cfg: Any, schema: dict[str, type | None] | None = None, prefix:
     keys = list(cfg.keys()) if isinstance(cfg, (dict, DictConfig)) else []
     for k in keys:
         key = f"{prefix}{k}"
+        if not prefix and k == "hydra":  # Hydra's own node, when a caller composed with return_hydra_config
+            continue
         if k not in schema:
             close = difflib.get_close_matches(str(k), [str(x) for x in schema], n=1)
             out.append(key + (f" (did you mean {prefix}{close[0]}?)" if close else ""))

@@ -144,7 +144,7 @@ def run_job(
                 return job.fail(
                     EXIT_INTERRUPTED,
                     "incomplete",
-                    f"disk full writing {job.out_dir} ({_one_line(e)}): every window committed so far is kept; "
+                    f"disk full writing {job.out_dir} ({_one_line(e)}): every row committed so far is kept; "
                     "free space and rerun the same command to resume",
                 )
             if debug_tracebacks():
