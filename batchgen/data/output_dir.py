@@ -372,6 +372,7 @@ class OutputDir:
                 new.batchgen_version,
             )
         old.model = new.model or old.model
+        old.input = new.input  # same fingerprint; the path may have moved (batchgen-merge reads it from here)
         old.batchgen_version = new.batchgen_version
         return None
 
