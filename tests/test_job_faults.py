@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -201,6 +202,9 @@ def test_disk_full_on_a_real_file_system_then_space_freed(llama_ckpt: str, inp: 
         assert t.column("id").to_pylist() == list(range(len(PROMPTS)))
     finally:
         umount(full)
+        from batchgen.job.hydra_setup import fallback_log_root
+
+        shutil.rmtree(fallback_log_root(str(full / "out")), ignore_errors=True)  # logs of the full-disk run
 
 
 # -------------------------------------------------------------------------------- signals and crashes

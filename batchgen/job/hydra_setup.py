@@ -74,10 +74,13 @@ def usable_log_root(directory: str) -> str:
         )
     except OSError:
         ok = False
-    if ok:
-        return directory
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(p).strip("/")) or "root"
-    return str(Path(tempfile.gettempdir()) / "batchgen-logs" / name)
+    return directory if ok else str(fallback_log_root(directory))
+
+
+def fallback_log_root(directory: str) -> Path:
+    """Where :func:`usable_log_root` puts Hydra's logs when `directory` cannot hold them."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(Path(directory).absolute()).strip("/")) or "root"
+    return Path(tempfile.gettempdir()) / "batchgen-logs" / name
 
 
 def _shard_dir_resolver(output: Any, index: Any, count: Any) -> str:
