@@ -4,31 +4,56 @@
     batchgen --help        # every option with its documentation
     batchgen --cfg job     # the resolved configuration
 
-Exit status: 0 done (or nothing left to do); 75 interrupted by SIGINT/SIGTERM/SIGUSR1, rerun to resume;
-2 invalid configuration or input (detected before any work); 1 anything else, including Hydra's own
-errors (unknown key, wrong type). The job never changes the working directory; Hydra's run files go to
-``<output>/logs/<timestamp>/`` (per shard).
+Exit status (README's table): 0 done (or nothing left to do); 3 done, but more error rows than
+``run.max_error_fraction``; 75 incomplete — interrupted by SIGINT/SIGTERM/SIGUSR1 (start-up included) or the
+disk is full — rerun to resume; 2 invalid configuration, input or output directory (one line, before any
+work where it can be detected); 1 anything else, including Hydra's own errors (a misspelt key, a wrong type).
+No Python traceback unless ``HYDRA_FULL_ERROR=1`` (or ``BATCHGEN_DEBUG=1``). The job never changes the working
+directory; Hydra's run files go to ``<output>/_logs/<timestamp>/`` (per shard).
 
-In a multirun (``-m``, e.g. the submitit launchers) each job's status is its return value; a job that did
-not complete raises :class:`JobFailed` so the launcher reports it.
+In a multirun (``-m``, e.g. the submitit launchers) each job writes its status into its Hydra job directory
+(:data:`~batchgen.data.layout.STATUS_NAME`); when the sweep is over,
+:class:`~batchgen.job.hydra_setup.MultirunStatus` (a Hydra callback)
+collects them, the command prints one line per job that did not complete and exits with the status of the
+first of them.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
-from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
 
-from batchgen.job.hydra_setup import register_configs, register_resolvers
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    sys.stderr.write("batchgen: interrupted during start-up; nothing was written: rerun the same command\n")
+    os._exit(75)
+
+
+if os.path.basename(sys.argv[0] if sys.argv else "") in ("batchgen", "cli.py"):
+    # Run as the command (not imported): a Ctrl-C while the imports below load is one line and exit 75, not a
+    # traceback; main() hands SIGINT back to Python (KeyboardInterrupt, handled there) and the job's handlers.
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+import json  # noqa: E402
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from batchgen.data.layout import STATUS_NAME  # noqa: E402
+from batchgen.job.hydra_setup import MULTIRUN_FAILURES, register_configs, register_resolvers  # noqa: E402
 
 register_configs()
 register_resolvers()
 
+EXIT_INTERRUPTED = 75
+
 
 class JobFailed(RuntimeError):
-    """A job of a multirun ended without completing (``exit_code`` says how)."""
+    """A job of a multirun ended without completing (``exit_code`` says how). Kept for callers that catch it;
+    batchgen itself reports multirun failures through :class:`~batchgen.job.hydra_setup.MultirunStatus`."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
@@ -37,7 +62,7 @@ class JobFailed(RuntimeError):
 
 @hydra.main(config_path="pkg://batchgen.conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> int:
-    """Run one job; exits the process with the job's status (raises JobFailed in a multirun)."""
+    """Run one job; exits the process with the job's status (in a multirun: records it, see the module doc)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -45,9 +70,25 @@ def hydra_main(cfg: DictConfig) -> int:
 
     result = run_job(cfg)
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if multirun:
+        hc = HydraConfig.get()
+        status = {
+            "num": hc.job.num,
+            "overrides": " ".join(hc.overrides.task)
+            .replace("\\{", "{")
+            .replace("\\}", "}")
+            .replace("\\:", ":"),
+            "exit_code": result.exit_code,
+            "status": result.status,
+            "message": result.message.splitlines()[0] if result.message else "",
+            "output_dir": result.output_dir,
+        }
+        try:
+            (Path(hc.runtime.output_dir) / STATUS_NAME).write_text(json.dumps(status) + "\n")
+        except OSError:
+            pass
+        return result.exit_code
     if result.exit_code != 0:
-        if multirun:
-            raise JobFailed(result.message or result.status, result.exit_code)
         if result.exit_code == EXIT_CONFIG and HydraConfig.initialized():
             _remove_run_dir(HydraConfig.get().runtime.output_dir)
         sys.exit(result.exit_code)
@@ -59,7 +100,6 @@ def _remove_run_dir(run_dir: str) -> None:
 
     Only Hydra's own files are expected there (``.hydra/``, ``batchgen.log``); anything else keeps it.
     """
-    import logging
     import shutil
 
     p = Path(run_dir).resolve()
@@ -87,7 +127,23 @@ def main() -> None:
         i = argv.index("--cfg") if "--cfg" in argv else argv.index("-c") if "-c" in argv else -1
         if argv[i + 1 : i + 2] == ["job"] or "--cfg=job" in argv:
             sys.argv.append("--resolve")
-    hydra_main()
+    MULTIRUN_FAILURES.clear()
+    # A log file on a full or vanished disk must not print a traceback per log record: the job reports the
+    # problem itself, in one line.
+    logging.raiseExceptions = False
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        hydra_main()
+    except KeyboardInterrupt:
+        print(
+            "batchgen: interrupted during start-up; nothing was written: rerun the same command",
+            file=sys.stderr,
+        )
+        sys.exit(EXIT_INTERRUPTED)
+    if MULTIRUN_FAILURES:
+        for num, overrides, code, message in MULTIRUN_FAILURES:
+            print(f"batchgen: job {num} ({overrides}) exited with status {code}: {message}", file=sys.stderr)
+        sys.exit(MULTIRUN_FAILURES[0][2])
 
 
 if __name__ == "__main__":

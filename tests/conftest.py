@@ -11,7 +11,10 @@
 Plain helpers shared by the job tests (import them: ``from conftest import job_config``):
 `job_config` (a small CPU JobConfig), `part_contents` (what must be identical after a resume),
 `windows_done` (a manifest's finished windows), `env_without_slurm` (a subprocess environment whose shard
-defaults are not taken from a surrounding Slurm array), `random_seed` (fixed unless asked otherwise).
+defaults are not taken from a surrounding Slurm array), `random_seed` (fixed unless asked otherwise),
+`read_parts` (an output's parts as one table), `write_invalid_utf8` (a string array holding bytes that are
+not UTF-8), `legacy_output_dir` (turn an output directory into what batchgen 0.1 wrote), `try_mount_tmpfs`
+(a small tmpfs, or None where mounting is not allowed).
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -124,7 +129,7 @@ def part_contents(directory: Path) -> dict[str, tuple]:
 def windows_done(directory: Path) -> int:
     """Windows listed in the manifest of a shard directory (0 while it has none or is being replaced)."""
     try:
-        return len(json.loads((Path(directory) / "manifest.json").read_text())["windows"])
+        return len(json.loads((Path(directory) / "_manifest.json").read_text())["windows"])
     except (OSError, ValueError, KeyError):
         return 0
 
@@ -141,3 +146,75 @@ def random_seed() -> int:
     otherwise, an integer or ``random`` (from the clock). Tests put the seed in their failure messages."""
     value = os.environ.get("BATCHGEN_TEST_SEED", "0")
     return time.time_ns() % 10**6 if value == "random" else int(value)
+
+
+def read_parts(directory: Path) -> pa.Table:
+    """The part files of one output directory, concatenated in window order."""
+    parts = sorted(Path(directory).glob("part-*.parquet"))
+    return pa.concat_tables([pq.read_table(p) for p in parts]) if parts else pa.table({})
+
+
+def write_invalid_utf8(values: list[bytes | None]) -> pa.Array:
+    """A pyarrow *string* array whose values are the given bytes, valid UTF-8 or not (as a broken writer
+    would produce: Parquet does not check)."""
+    buf = pa.array(values, type=pa.binary())
+    return pa.Array.from_buffers(pa.string(), len(buf), buf.buffers(), null_count=buf.null_count)
+
+
+def legacy_output_dir(out: Path, ckpt: str, keep_windows: int) -> None:
+    """Rewrite a complete output directory as batchgen 0.1 left it after finishing `keep_windows` windows:
+    manifest.json (format 1, model fingerprint with the chat template, no per-window retry rows or input
+    hashes), report.json, logs/<time>/."""
+    import hashlib
+
+    from batchgen.job.plan import model_fingerprint
+
+    out = Path(out)
+    m = json.loads((out / "_manifest.json").read_text())
+    m["format"] = "batchgen-manifest/1"
+    m["config"]["model"] = {"fingerprint": model_fingerprint(ckpt), "dtype": m["config"]["model"]["dtype"]}
+    m["fingerprint"] = hashlib.sha256(
+        json.dumps(m["config"], sort_keys=True, default=str).encode()
+    ).hexdigest()
+    for key in ("partial", "model"):
+        m.pop(key, None)
+    windows = {}
+    for k, w in m["windows"].items():
+        if int(k) < keep_windows:
+            windows[k] = {f: v for f, v in w.items() if f not in ("retry_rows", "input_sha256", "rewriting")}
+        else:
+            (out / w["part"]).unlink()
+    m["windows"], m["complete"] = windows, len(windows) == m["num_windows"]
+    m["rows_done"] = sum(w["row_end"] - w["row_start"] for w in windows.values())
+    (out / "manifest.json").write_text(json.dumps(m, indent=1))
+    (out / "_manifest.json").unlink()
+    if (out / "_report.json").exists():
+        (out / "_report.json").rename(out / "report.json")
+    logs = out / "logs" / "2025-01-01_00-00-00"
+    logs.mkdir(parents=True)
+    (logs / "batchgen.log").write_text("a log of batchgen 0.1\n")
+    if (out / "_logs").exists():
+        shutil.rmtree(out / "_logs")
+    if (out / "_checkpoint").exists():
+        shutil.rmtree(out / "_checkpoint")
+
+
+def try_mount_tmpfs(path: Path, size: str, read_only: bool = False) -> bool:
+    """Mount a tmpfs of `size` at `path` (created); False where this machine does not allow it."""
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (",ro" if read_only else "")
+    try:
+        p = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return p.returncode == 0
+
+
+def umount(path: Path) -> None:
+    import subprocess
+
+    subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)

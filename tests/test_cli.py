@@ -77,11 +77,34 @@ def test_embedded_default_runs_with_no_arguments(tmp_path: Path) -> None:
     elapsed = time.monotonic() - t0
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = tmp_path / "batchgen_output"
-    assert f"report: {Path('batchgen_output') / 'report.json'}" in p.stdout
+    assert f"report: {Path('batchgen_output') / '_report.json'}" in p.stdout
     assert "prefix hit rate" in p.stdout and "rows ok / error" in p.stdout
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads((out / "_report.json").read_text())
     assert report["status"] == "complete" and report["rows"]["ok"] == report["rows"]["shard_total"] >= 64
     assert report["tokens"]["prefix_hit_rate"] > 0.5
     assert sorted(p.name for p in out.glob("part-*.parquet")) == ["part-000000.parquet"]
-    assert (out / "logs").is_dir() and sorted(x.name for x in tmp_path.iterdir()) == ["batchgen_output"]
+    assert (out / "_logs").is_dir() and sorted(x.name for x in tmp_path.iterdir()) == ["batchgen_output"]
     print(f"embedded default run: {elapsed:.1f} s")
+
+
+def test_unknown_key_added_with_plus_exits_2_naming_it(tmp_path: Path) -> None:
+    p = _run(["+data.windw_rows=8", "data.output=out"], tmp_path)
+    assert p.returncode == 2, p.stderr
+    text = p.stdout + p.stderr
+    assert "unknown configuration key: data.windw_rows (did you mean data.window_rows?)" in text
+    assert "Traceback" not in text and list(tmp_path.iterdir()) == []
+
+
+def test_sweep_into_one_output_directory_reports_one_line(tmp_path: Path) -> None:
+    """Two jobs of a sweep whose input is missing: one line per failed job, the first one's status, no
+    traceback (the job itself fails before the model loads)."""
+    p = _run(
+        ["-m", "data.input=missing.parquet", "data.output=out/${hydra:job.num}", "sampling.max_tokens=2,3"],
+        tmp_path,
+    )
+    text = p.stdout + p.stderr
+    assert p.returncode == 2, text
+    assert "Traceback" not in text
+    lines = [ln for ln in text.splitlines() if ln.startswith("batchgen: job ")]
+    assert [ln.split(" (")[0] for ln in lines] == ["batchgen: job 0", "batchgen: job 1"], text
+    assert all("exited with status 2: data.input: 'missing.parquet' does not exist" in ln for ln in lines)

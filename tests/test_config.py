@@ -80,10 +80,10 @@ def test_shard_defaults_come_from_slurm_env(monkeypatch: pytest.MonkeyPatch) -> 
 def test_hydra_run_dir_is_under_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _compose(["data.output=/tmp/out", "data.shard.index=2", "data.shard.count=4"], hydra=True)
     run_dir = OmegaConf.select(cfg, "hydra.run.dir")
-    assert run_dir.startswith("/tmp/out/shard-00002-of-00004/logs/")
+    assert run_dir.startswith("/tmp/out/shard-00002-of-00004/_logs/")
     assert cfg.hydra.job.chdir is False
     cfg = _compose(["data.output=out"], hydra=True)
-    assert OmegaConf.select(cfg, "hydra.run.dir").startswith("out/logs/")
+    assert OmegaConf.select(cfg, "hydra.run.dir").startswith("out/_logs/")
 
 
 def test_misspelt_key_names_it() -> None:
@@ -183,3 +183,54 @@ def test_field_docs_reads_attribute_docstrings() -> None:
 def test_shard_dir_name() -> None:
     assert shard_dir_name(0, 1) == ""
     assert shard_dir_name(3, 16) == "shard-00003-of-00016"
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("+data.windw_rows=8", "data.windw_rows (did you mean data.window_rows?)"),
+        ("++sampling.temprature=0.5", "sampling.temprature (did you mean sampling.temperature?)"),
+        ("+data.shard.idx=1", "data.shard.idx (did you mean data.shard.index?)"),
+        ("+engine.foo=1", "engine.foo"),
+        ("+nonsense=1", "nonsense"),
+    ],
+)
+def test_unknown_keys_are_rejected_whatever_their_prefix(override: str, named: str) -> None:
+    """Hydra's `+`/`++` add keys past its own check (Hydra even suggests `+data.windw_rows=8` after a typo)."""
+    cfg = _compose([override])
+    with pytest.raises(ConfigError, match="unknown configuration key") as e:
+        to_job_config(cfg)
+    assert named in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (r"sampling.stop=['\n\n']", ["\n\n"]),  # the documented form (single quotes around it in the shell)
+        (r'sampling.stop=["\n\n","END"]', ["\n\n", "END"]),
+        (r"sampling.stop=[\n\n]", ["\n\n"]),
+        (r"sampling.stop=['\t|\r']", ["\t|\r"]),
+        (r"sampling.stop=['a\\nb']", ["a\\nb"]),  # an escaped backslash: a literal backslash-n
+        (r"sampling.stop=['C:\path']", ["C:\\path"]),  # unknown escapes stay as written
+        (r"sampling.stop=['\u00e9\x41']", ["éA"]),
+    ],
+)
+def test_stop_strings_spell_newlines_as_on_the_command_line(override: str, expected: list[str]) -> None:
+    assert to_job_config(_compose([override])).sampling.stop == expected
+
+
+def test_stop_strings_of_python_callers_are_not_decoded() -> None:
+    from batchgen.job.config import JobConfig
+
+    job = JobConfig(sampling=SamplingParams(stop=["\\n"], seed=0))
+    assert to_job_config(job).sampling.stop == ["\\n"]
+
+
+def test_new_run_and_data_options_are_validated() -> None:
+    job = to_job_config(_compose())
+    assert job.run.max_error_fraction == 0.1 and job.run.checkpoint_interval_s == 60.0
+    assert job.data.retry_errors is False
+    for bad, key in (("run.max_error_fraction=1.5", "run.max_error_fraction"),
+                     ("run.checkpoint_interval_s=-1", "run.checkpoint_interval_s")):  # fmt: skip
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            to_job_config(_compose([bad]))

@@ -21,7 +21,7 @@ import pytest
 from conftest import env_without_slurm, job_config, part_contents
 
 from batchgen.data.prompts import row_seed
-from batchgen.job.run import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, run_job
+from batchgen.job.run import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_ERRORS, run_job
 from batchgen.llm import LLM
 from batchgen.sampling_params import SamplingParams
 
@@ -100,7 +100,7 @@ def test_output_equals_llm_generate(llama_ckpt: str, dataset: Path, tmp_path: Pa
     assert meta["sampling"]["temperature"] == 0.8 and meta["id_column"] == "uid"
     assert meta["model"]["path"] == llama_ckpt and meta["input"]["num_rows"] == 30
     assert meta["window"] == {"index": 0, "row_start": 0, "row_end": 8}
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    report = json.loads((tmp_path / "out" / "_report.json").read_text())
     assert report["rows"]["ok"] == 30 and report["status"] == "complete"
     assert report["tokens"]["generated"] == sum(len(o.outputs[0].token_ids) for o in ref)
     assert 0 < report["kv"]["min_utilization"] <= 1 and "min_utilisation" not in report["kv"]
@@ -129,7 +129,7 @@ def test_grouping_keeps_generations_and_raises_hit_rate(llama_ckpt: str, tmp_pat
         cfg = job_config(llama_ckpt, inp, out, data={"group_by_prefix": on, "window_rows": 24},
                          engine={"num_blocks": 24, "max_num_seqs": 2}, sampling={"max_tokens": 3})  # fmt: skip
         assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
-        reports[on] = json.loads((out / "report.json").read_text())
+        reports[on] = json.loads((out / "_report.json").read_text())
         tables[on] = read_output(out)
     for col in ("id", "generated_text", "token_ids", "finish_reason", "num_prompt_tokens"):
         assert tables[True].column(col).to_pylist() == tables[False].column(col).to_pylist(), col
@@ -159,7 +159,9 @@ def test_every_kind_of_bad_row(llama_ckpt: str, tmp_path: Path) -> None:
         llama_ckpt, inp, out, data={"id_column": "uid", "window_rows": 3}, engine={"max_model_len": 64}
     )
     res = run_job(cfg, handle_signals=False, print_summary=False)
-    assert res.exit_code == EXIT_OK
+    # 6 of 8 rows fail: the output is complete, but that many errors make the job a failure (exit 3)
+    assert res.exit_code == EXIT_TOO_MANY_ERRORS and res.status == "failed", res.message
+    assert "6 of 8 rows (75.0%) are error rows, more than run.max_error_fraction=0.1" in res.message
     got = read_output(out).to_pylist()
     assert [r["id"] for r in got] == table.column("uid").to_pylist()  # nothing dropped, input order
     by = {r["id"]: r for r in got}
@@ -178,18 +180,26 @@ def test_every_kind_of_bad_row(llama_ckpt: str, tmp_path: Path) -> None:
         assert r["status"] == "error" and r["finish_reason"] == "error" and msg in r["error"], r
         assert r["generated_text"] is None and r["token_ids"] is None
     assert by["long"]["num_prompt_tokens"] >= 64
-    report = json.loads((out / "report.json").read_text())
-    assert report["rows"]["ok"] == 2 and report["rows"]["error"] == 6
+    report = json.loads((out / "_report.json").read_text())
+    assert report["rows"]["ok"] == 2 and report["rows"]["error"] == 6 and report["status"] == "failed"
+    assert (
+        report["rows"]["retryable"] == 1
+    )  # the too-long row: engine.max_model_len may be raised and retried
+    assert report["errors"]["exceeded"] and report["errors"]["fraction"] == 0.75
+    # the same output with a tolerance of 100%: nothing to do, exit 0
+    cfg.run.max_error_fraction = 1.0
+    again = run_job(cfg, handle_signals=False, print_summary=False)
+    assert again.exit_code == EXIT_OK and "nothing to do" in again.message
 
 
 def test_non_string_prompts_and_bad_messages(llama_ckpt: str, tmp_path: Path) -> None:
+    # an int prompt column can never give a valid row: a configuration error before the model loads
     inp = tmp_path / "ints.parquet"
     pq.write_table(pa.table({"prompt": [1, 2]}), inp)
     res = run_job(job_config(llama_ckpt, inp, tmp_path / "o1"), handle_signals=False, print_summary=False)
-    assert res.exit_code == EXIT_OK
-    assert (
-        read_output(tmp_path / "o1").column("error").to_pylist() == ["prompt must be a string, got int"] * 2
-    )
+    assert res.exit_code == EXIT_CONFIG
+    assert "data.prompt_column: column 'prompt' has type int64, not string" in res.message
+    assert not list((tmp_path / "o1").glob("part-*"))
 
     msg_t = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     good = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -200,6 +210,7 @@ def test_non_string_prompts_and_bad_messages(llama_ckpt: str, tmp_path: Path) ->
     pq.write_table(table, inp)
     cfg = job_config(llama_ckpt, inp, tmp_path / "o2", data={"messages_column": "messages"},
                      sampling={"temperature": 0.0})  # fmt: skip
+    cfg.run.max_error_fraction = 1.0
     assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
     got = read_output(tmp_path / "o2").to_pylist()
     assert [r["status"] for r in got] == ["ok", "error", "error", "error"]
@@ -261,7 +272,7 @@ def test_resume_with_another_checkpoint_is_refused(
     shutil.copytree(llama_ckpt, ckpt)
     cfg = job_config(str(ckpt), dataset, out, data={"window_rows": 16})
     assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
-    manifest, parts = (out / "manifest.json").read_text(), part_contents(out)
+    manifest, parts = (out / "_manifest.json").read_text(), part_contents(out)
 
     shutil.rmtree(ckpt)
     shutil.copytree(qwen2_ckpt, ckpt)  # another checkpoint, same path
@@ -280,7 +291,9 @@ def test_resume_with_another_checkpoint_is_refused(
     assert p.returncode == EXIT_CONFIG == 2, text
     assert f"{str(out)!r} holds output of a different configuration" in text
     assert "model.fingerprint: '" in text and "data.overwrite=true" in text
-    assert (out / "manifest.json").read_text() == manifest and part_contents(out) == parts
+    # names, not only hashes: what changed in the checkpoint
+    assert "model: architecture LlamaForCausalLM -> Qwen2ForCausalLM; files changed: config.json" in text
+    assert (out / "_manifest.json").read_text() == manifest and part_contents(out) == parts
 
     moved = tmp_path / "moved"
     shutil.copytree(llama_ckpt, moved)
@@ -323,7 +336,7 @@ def test_signal_stops_cleanly_and_resume_is_identical(
     res = run_job(cfg, engine=engine, print_summary=False)
     assert res.exit_code == EXIT_INTERRUPTED and res.status == "incomplete"
     assert res.report["interrupted_by"] == signal.Signals(sig).name
-    done = json.loads((out / "manifest.json").read_text())
+    done = json.loads((out / "_manifest.json").read_text())
     assert 0 < len(done["windows"]) < 4 and not done["complete"]
     assert sorted(p.name for p in out.glob("part-*")) == sorted(w["part"] for w in done["windows"].values())
     assert signal.getsignal(sig) is not None and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
@@ -346,7 +359,7 @@ def test_config_errors_before_any_work(llama_ckpt: str, dataset: Path, tmp_path:
     assert "data.id_column" in err(data={"id_column": "nope"})
     assert "data.sampling_column" in err(data={"sampling_column": "nope"})
     assert "model.path" in err(data={}, model_path=str(tmp_path))
-    assert not (tmp_path / "o" / "manifest.json").exists()
+    assert not (tmp_path / "o" / "_manifest.json").exists()
 
 
 def test_progress_log_lines(caplog: pytest.LogCaptureFixture) -> None:

@@ -92,15 +92,15 @@ def test_kill_at_random_moments_then_resume_is_identical(
         if sig == signal.SIGTERM and killed_at < num_windows:
             assert rc == EXIT_INTERRUPTED, (where, text[-2000:])
             assert "received SIGTERM" in text and "rerun the same command to resume" in text, where
-            m = json.loads((out / "manifest.json").read_text())
+            m = json.loads((out / "_manifest.json").read_text())
             assert sorted(p.name for p in out.glob("part-*")) == sorted(
                 w["part"] for w in m["windows"].values()
             )
-            report = json.loads((out / "report.json").read_text())
+            report = json.loads((out / "_report.json").read_text())
             assert report["status"] == "incomplete" and report["interrupted_by"] == "SIGTERM", where
         res = run_job(_config(llama_ckpt, inp, out), handle_signals=False, print_summary=False)
         assert res.exit_code == EXIT_OK, (where, res.message)
         assert not list(out.glob(".tmp-*")), where
         assert part_contents(out) == expected, where
-        m = json.loads((out / "manifest.json").read_text())
+        m = json.loads((out / "_manifest.json").read_text())
         assert m["complete"] and len(m["windows"]) == num_windows, where

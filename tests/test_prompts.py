@@ -139,3 +139,34 @@ def test_id_column_and_seeds(tok) -> None:
         table, 10, PromptSpec(id_column="uid", base_sampling=dataclasses.replace(BASE, seed=None)), tok
     )
     assert unseeded[0].params.seed is None
+
+
+def test_values_python_cannot_decode_become_error_rows(tok) -> None:
+    """Invalid UTF-8 and out-of-range timestamps: `to_pylist` raises for the whole column; here only the row
+    fails, saying why."""
+    from conftest import write_invalid_utf8
+
+    table = pa.table(
+        {
+            "prompt": write_invalid_utf8([b"fine", b"ab\x80cd", b"also fine"]),
+            "ts": pa.array([0, 2**62, 1], pa.timestamp("us")),
+        }
+    )
+    rows = build_prompts(table, 0, PromptSpec(base_sampling=BASE), tok)
+    assert [r.error for r in rows] == [None, "prompt is not valid UTF-8 at byte 2", None]
+    assert not rows[1].retryable and rows[0].ok and rows[2].ok
+    rows = build_prompts(table, 0, PromptSpec(id_column="ts", base_sampling=BASE), tok)
+    assert rows[1].error.startswith(
+        "id column 'ts' value is not convertible to a Python value (OverflowError"
+    )
+
+
+def test_unreadable_rows_and_settings_errors_are_retryable(tok) -> None:
+    table = pa.table({"prompt": ["one two three four five six", None, "ok"]})
+    spec = PromptSpec(base_sampling=BASE, max_model_len=4)
+    rows = build_prompts(
+        table, 0, spec, tok, unreadable=[(1, 2, "input unreadable: 'x.parquet' row group 0")]
+    )
+    assert rows[0].error.startswith("prompt has") and rows[0].retryable  # engine.max_model_len: a setting
+    assert rows[1].error.startswith("input unreadable") and rows[1].retryable
+    assert rows[2].ok

@@ -174,3 +174,66 @@ def test_memory_stays_bounded_by_the_window(tmp_path: Path) -> None:
     assert growth < 80 * 2**20, (
         f"peak RSS grew by {growth / 2**20:.0f} MiB while reading {total / 2**20:.0f} MiB"
     )
+
+
+def test_a_corrupt_row_group_reads_as_null_rows_naming_file_and_row_group(tmp_path: Path) -> None:
+    p = tmp_path / "in.parquet"
+    _write(p, 0, 30, row_group_size=10)
+    off = pq.read_metadata(p).row_group(1).column(1).data_page_offset
+    b = bytearray(p.read_bytes())
+    b[off : off + 24] = b"\xff" * 24
+    p.write_bytes(bytes(b))
+    inp = open_input(str(p))
+    wins = list(iter_windows(inp, plan_windows(0, 30, 8), ["k", "prompt"]))
+    assert [w.table.num_rows for w in wins] == [8, 8, 8, 6]  # no row goes missing
+    prompts = [x for w in wins for x in w.table.column("prompt").to_pylist()]
+    assert prompts[:10] == [f"p{i}" for i in range(10)] and prompts[20:] == [f"p{i}" for i in range(20, 30)]
+    assert prompts[10:20] == [None] * 10
+    spans = [(w.index, s, e) for w in wins for s, e, _ in w.unreadable]
+    assert spans == [(1, 2, 8), (2, 0, 4)]  # window-relative positions of input rows 10..20
+    msg = wins[1].unreadable[0][2]
+    assert msg.startswith("input unreadable: 'in.parquet' row group 1 (input rows 10..20): "), msg
+
+
+def test_read_schema_unifies_types_or_names_the_files(tmp_path: Path) -> None:
+    root = tmp_path / "in"
+    root.mkdir()
+    pq.write_table(pa.table({"prompt": pa.array(["a"]).dictionary_encode(), "n": pa.array([1], pa.int32())}),
+                   root / "a.parquet")  # fmt: skip
+    pq.write_table(pa.table({"prompt": ["b"], "n": pa.array([2], pa.int64())}), root / "b.parquet")
+    inp = open_input(str(root))
+    schema = inp.read_schema(["prompt", "n"])
+    assert schema.field("prompt").type == pa.string() and schema.field("n").type == pa.int64()
+    w = next(iter_windows(inp, plan_windows(0, 2, 2), ["prompt", "n"]))
+    assert w.table.schema == schema and w.table.column("prompt").to_pylist() == ["a", "b"]
+    pq.write_table(pa.table({"prompt": ["c"], "n": ["three"]}), root / "c.parquet")
+    with pytest.raises(
+        InputError, match=r"column 'n' has incompatible types .* int32 in 'a.parquet', string in 'c.parquet'"
+    ):
+        open_input(str(root)).read_schema(["prompt", "n"])
+
+
+def test_window_hash_depends_on_content_only(tmp_path: Path) -> None:
+    from batchgen.data.values import window_sha256
+
+    t = pa.table({"prompt": ["x", None, "z"], "ts": pa.array([0, 2**62, None], pa.timestamp("us"))})
+    same = pa.Table.from_batches(t.to_batches(max_chunksize=1))
+    assert window_sha256(t) == window_sha256(same)  # chunking does not matter; out-of-range values hash
+    edited = pa.table({"prompt": ["x", None, "y"], "ts": t.column("ts")})
+    assert window_sha256(edited) != window_sha256(t)
+
+
+def test_pages_written_with_a_checksum_are_verified(tmp_path: Path) -> None:
+    """A flipped byte in the data of a page with a CRC: the row group is unreadable, not silently wrong."""
+    p = tmp_path / "in.parquet"
+    t = pa.table({"prompt": [f"prompt number {i:03d}" for i in range(20)]})
+    pq.write_table(
+        t, p, row_group_size=10, compression="none", write_page_checksum=True, use_dictionary=False
+    )
+    data = bytearray(p.read_bytes())
+    i = data.index(b"prompt number 014")
+    data[i + 7] ^= 0x01
+    p.write_bytes(bytes(data))
+    w = next(iter_windows(open_input(str(p)), plan_windows(0, 20, 20), ["prompt"]))
+    assert [(s, e) for s, e, _ in w.unreadable] == [(10, 20)]
+    assert w.table.column("prompt").to_pylist()[:10] == [f"prompt number {i:03d}" for i in range(10)]

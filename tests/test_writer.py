@@ -73,8 +73,10 @@ def test_build_part_rows_in_input_order_with_samples_and_errors() -> None:
     assert d["finish_reason"] == ["length", "stop", "error", "error", "error", "error"]
     assert table.schema.field("token_ids").type == pa.list_(pa.int32())
     meta = json.loads(table.schema.metadata[b"batchgen"])
-    assert meta == {"model": "m", "window": {"index": 1}}
+    # row 2 failed in the engine (retryable with data.retry_errors), row 1 in its data (not retryable)
+    assert meta == {"model": "m", "window": {"index": 1, "retry_rows": [2]}}
     assert (st.rows_ok, st.rows_error, st.num_output_rows, st.generated_tokens) == (1, 2, 6, 3)
+    assert st.retry_rows == [2]
 
 
 def test_build_part_logprobs_and_no_sample_index_for_n1() -> None:
@@ -104,7 +106,7 @@ def test_commit_is_atomic_and_resume_cleans_leftovers(tmp_path: Path) -> None:
     m2 = OutputDir(tmp_path / "out").open(_manifest())
     assert set(m2.windows) == {0}
     names = sorted(p.name for p in out.path.iterdir())
-    assert names == [".batchgen.lock", "manifest.json", part_name(0), "user-notes.txt"]
+    assert names == [".batchgen.lock", "_manifest.json", part_name(0), "user-notes.txt"]
     assert Manifest.load(out.path).windows[0].row_end == 10
 
 
@@ -127,12 +129,13 @@ def test_different_config_is_refused_with_the_difference(tmp_path: Path) -> None
 def test_shard_layout_conflict(tmp_path: Path) -> None:
     with OutputDir(tmp_path, 0, 1) as out:
         out.open(_manifest())
+        out.commit(0, _table(), _rec(0))
     with pytest.raises(ConfigError, match="another shard layout"):
         OutputDir(tmp_path, 1, 2).open(_manifest())
     with OutputDir(tmp_path, 1, 2) as out:
         out.open(_manifest(), overwrite=True)
         assert out.path == tmp_path / "shard-00001-of-00002"
-    assert not (tmp_path / "manifest.json").exists()
+    assert not (tmp_path / "_manifest.json").exists()
 
 
 def test_second_writer_is_locked_out(tmp_path: Path) -> None:
@@ -157,12 +160,99 @@ def test_manifest_roundtrip(tmp_path: Path) -> None:
     m.save(tmp_path)
     back = Manifest.load(tmp_path)
     assert back == m and not back.complete
-    assert json.loads((tmp_path / "manifest.json").read_text())["rows_done"] == 10
+    assert json.loads((tmp_path / "_manifest.json").read_text())["rows_done"] == 10
 
 
 def test_layout_names_what_batchgen_owns(tmp_path: Path) -> None:
     # atomic_write's temporary files are what the output directory cleans up after a killed run
     with atomic_write(tmp_path / part_name(3)) as tmp:
         assert tmp.name.startswith(TEMP_PREFIX) and is_own_file(tmp.name)
-    assert is_own_file(part_name(3)) and is_own_file("manifest.json") and is_own_file("report.json")
-    assert not is_own_file("part-3.parquet") and not is_own_file("notes.txt") and not is_own_file("logs")
+    assert is_own_file(part_name(3)) and is_own_file("_manifest.json") and is_own_file("_report.json")
+    assert is_own_file("manifest.json") and is_own_file("report.json")  # the names of batchgen <= 0.1
+    assert not is_own_file("part-3.parquet") and not is_own_file("notes.txt") and not is_own_file("_logs")
+
+
+def _piece(positions: list[int], status: str = "ok") -> pa.Table:
+    layout = PartLayout(pa.int64(), [], n=1, logprobs=False, metadata={})
+    rows = [PromptRow(p, p, p) for p in positions]
+    for r in rows:
+        r.token_ids = [1]
+    res = [RequestOutput(p, [1], [CompletionOutput(0, "t", [5], "stop")], 0) for p in positions]
+    from batchgen.data.parts import build_rows
+
+    full_rows = [PromptRow(i, i, i) for i in range(max(positions) + 1)]
+    full_res: list = [None] * len(full_rows)
+    for r, o in zip(rows, res):
+        full_rows[r.position], full_res[r.position] = r, o
+    return build_rows(layout, full_rows, full_res, None, only=positions)
+
+
+def test_checkpoints_are_listed_folded_in_and_leftovers_removed(tmp_path: Path) -> None:
+    from batchgen.data.parts import assemble_part
+
+    layout = PartLayout(pa.int64(), [], n=1, logprobs=False, metadata={})
+    out = OutputDir(tmp_path)
+    m = out.open(_manifest())
+    out.write_checkpoint(1, _piece([0, 3]), rows=2, rows_ok=2, input_sha256="h")
+    out.write_checkpoint(1, _piece([5]), rows=1, rows_ok=1, input_sha256="h")
+    assert m.partial[1].files == ["part-000001.000000.arrow", "part-000001.000001.arrow"]
+    assert m.rows_done == 3 and m.committed_anything and not m.windows
+    out.close()
+    # a checkpoint file the manifest never listed (killed between the two renames) goes on the next open
+    (tmp_path / "_checkpoint" / "part-000001.000002.arrow").write_bytes(b"half")
+    out = OutputDir(tmp_path)
+    m = out.open(_manifest())
+    assert sorted(p.name for p in (tmp_path / "_checkpoint").iterdir()) == m.partial[1].files
+    pieces = out.checkpoint_pieces(1)
+    assert sorted(x for p in pieces for x in p.column("_position").to_pylist()) == [0, 3, 5]
+    rest = _piece([1, 2, 4, 6, 7, 8, 9])
+    table, st = assemble_part(layout, [*pieces, rest], 10, {"index": 1})
+    assert table.column("id").to_pylist() == list(range(10)) and "_position" not in table.column_names
+    out.commit(1, table, WindowRecord("", 10, 20, 10, st.rows_ok, 0, 0, 0, 0))
+    assert not m.partial and not (tmp_path / "_checkpoint").exists()
+    with pytest.raises(RuntimeError, match="do not cover each of its 10 rows exactly once"):
+        assemble_part(layout, [*pieces, rest, _piece([9])], 10, {"index": 1})
+
+
+def test_an_output_without_a_successful_row_is_taken_over(tmp_path: Path) -> None:
+    with OutputDir(tmp_path) as out:
+        out.open(_manifest(cfg={"sampling": {"temperature": 1.0}}))
+        rec = _rec(0)
+        rec.rows_ok, rec.rows_error = 0, 10
+        out.commit(0, _table(), rec)
+    (tmp_path / "notes.txt").write_text("mine")
+    with OutputDir(tmp_path) as out:
+        m = out.open(_manifest(fp="f2", cfg={"sampling": {"temperature": 0.5}}))
+        assert out.took_over and m.fingerprint == "f2" and not m.windows
+    assert not (tmp_path / part_name(0)).exists() and (tmp_path / "notes.txt").exists()
+
+
+def test_a_part_replaced_by_a_killed_retry_is_counted_again(tmp_path: Path) -> None:
+    layout = PartLayout(pa.int64(), [], n=1, logprobs=False, metadata={})
+    from batchgen.data.parts import assemble_part
+
+    table, _ = assemble_part(layout, [_piece(list(range(10)))], 10, {"index": 0})
+    with OutputDir(tmp_path) as out:
+        m = out.open(_manifest())
+        rec = _rec(0)
+        rec.rows_ok, rec.rows_error, rec.retry_rows, rec.rewriting = 3, 7, [1, 2], True
+        out.commit(0, table, rec)
+        m.windows[0].rewriting = True  # as if killed after the part was replaced, before the manifest
+        m.save(tmp_path)
+    m = OutputDir(tmp_path).open(_manifest())
+    w = m.windows[0]
+    assert (w.rows_ok, w.rows_error, w.retry_rows, w.rewriting) == (10, 0, [], False)
+
+
+def test_names_of_batchgen_0_1_are_renamed_on_open(tmp_path: Path) -> None:
+    with OutputDir(tmp_path) as out:
+        out.open(_manifest())
+        out.commit(0, _table(), _rec(0))
+    (tmp_path / "_manifest.json").rename(tmp_path / "manifest.json")
+    (tmp_path / "report.json").write_text("{}")
+    (tmp_path / "logs" / "2025-01-01_00-00-00").mkdir(parents=True)
+    m = OutputDir(tmp_path).open(_manifest())
+    assert set(m.windows) == {0}
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".batchgen.lock", "_logs", "_manifest.json", "_report.json", part_name(0)]
+    assert (tmp_path / "_logs" / "2025-01-01_00-00-00").is_dir()

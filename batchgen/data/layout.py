@@ -4,12 +4,22 @@
 directly; otherwise each shard has its own ``shard-{index:05d}-of-{count:05d}/`` directory. A shard's
 directory holds:
 
-- ``part-{window:06d}.parquet``: the output rows of one finished window;
-- ``manifest.json``: the finished windows and the configuration that wrote them;
-- ``report.json``: the figures of the last run;
-- ``logs/<time>/``: Hydra's run directory (config record, job log);
+- ``part-{window:06d}.parquet``: the output rows of one finished window — the only files a Parquet dataset
+  reader sees (``pyarrow.parquet.read_table(out)``, ``pandas.read_parquet(out)``, ``out/**/*.parquet``);
+- ``_manifest.json``: the finished windows (and the rows checkpointed in unfinished ones) and the
+  configuration that wrote them;
+- ``_report.json``: the figures of the last run;
+- ``_checkpoint/``: rows already finished in windows not yet complete (``part-{window:06d}.{seq:06d}.arrow``,
+  Arrow IPC files listed in the manifest; folded into the window's part when it completes);
+- ``_logs/<time>/``: Hydra's run directory (config record, job log);
 - ``.batchgen.lock``: held (flock) by the one process writing the directory;
 - ``.tmp-*``: files being written (renamed into place when complete).
+
+Every name except the parts starts with ``_`` or ``.``, which Hive-style dataset readers skip, and nothing
+but a part ends with ``.parquet``, so glob readers (polars, DuckDB) see exactly the output rows.
+
+Versions up to 0.1 wrote ``manifest.json``, ``report.json`` and ``logs/``: :data:`LEGACY_NAMES` maps them to
+today's names; opening such a directory renames them (:meth:`batchgen.data.output_dir.OutputDir.open`).
 
 Invariants: batchgen deletes only names for which :func:`is_own_file` is true, never anything else in an
 output directory; output column names are :data:`RESERVED_COLUMNS` plus the kept input columns.
@@ -19,16 +29,30 @@ from __future__ import annotations
 
 import re
 
-MANIFEST_NAME = "manifest.json"
-REPORT_NAME = "report.json"
-LOGS_DIR = "logs"  # also spelled out in conf/config.yaml (hydra.run.dir and hydra.sweep.dir)
+MANIFEST_NAME = "_manifest.json"
+REPORT_NAME = "_report.json"
+LOGS_DIR = "_logs"  # also spelled out in conf/config.yaml (hydra.run.dir and hydra.sweep.dir)
+CHECKPOINT_DIR = "_checkpoint"
 LOCK_NAME = ".batchgen.lock"
 TEMP_PREFIX = ".tmp-"
 """Prefix of files being written: :func:`batchgen.atomic.atomic_write` names its temporary files so."""
 METADATA_KEY = b"batchgen"
 """Key of the JSON document in every part's Parquet schema metadata."""
+STATUS_NAME = "_batchgen_status.json"
+"""Written by each job of a multirun into its Hydra job directory: its exit status and message."""
+
+LEGACY_MANIFEST_NAME = "manifest.json"
+LEGACY_REPORT_NAME = "report.json"
+LEGACY_LOGS_DIR = "logs"
+LEGACY_NAMES = {
+    LEGACY_MANIFEST_NAME: MANIFEST_NAME,
+    LEGACY_REPORT_NAME: REPORT_NAME,
+    LEGACY_LOGS_DIR: LOGS_DIR,
+}
+"""Names written by batchgen <= 0.1 → today's names (opening an old output directory renames them)."""
 
 PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
+CHECKPOINT_RE = re.compile(r"^part-(\d{6,})\.(\d{6,})\.arrow$")
 SHARD_RE = re.compile(r"^shard-(\d{5,})-of-(\d{5,})$")
 
 RESERVED_COLUMNS = (
@@ -46,10 +70,20 @@ RESERVED_COLUMNS = (
 )
 """Output column names the writer owns; kept input columns may not reuse them (except ``id`` as the id)."""
 
+POSITION_COLUMN = "_position"
+RETRY_COLUMN = "_retryable"
+"""Extra columns of checkpoint files: the row's position in its window, and whether its error may be retried
+(``data.retry_errors``). Never in a part."""
+
 
 def part_name(window: int) -> str:
     """File name of window `window`'s part."""
     return f"part-{window:06d}.parquet"
+
+
+def checkpoint_name(window: int, seq: int) -> str:
+    """File name (inside :data:`CHECKPOINT_DIR`) of the `seq`-th checkpoint of window `window`."""
+    return f"part-{window:06d}.{seq:06d}.arrow"
 
 
 def shard_dir_name(index: int, count: int) -> str:
@@ -59,5 +93,15 @@ def shard_dir_name(index: int, count: int) -> str:
 
 def is_own_file(name: str) -> bool:
     """True for the names of files batchgen writes into a shard directory (parts, manifest, report, temp
-    files): the only ones ``data.overwrite`` and the cleanup of a killed run may delete."""
-    return name in (MANIFEST_NAME, REPORT_NAME) or bool(PART_RE.match(name)) or name.startswith(TEMP_PREFIX)
+    files, and the same names of batchgen <= 0.1): the only ones ``data.overwrite`` and the cleanup of a killed
+    run may delete. Checkpoint files live in :data:`CHECKPOINT_DIR` (see :func:`is_own_checkpoint`)."""
+    return (
+        name in (MANIFEST_NAME, REPORT_NAME, LEGACY_MANIFEST_NAME, LEGACY_REPORT_NAME)
+        or bool(PART_RE.match(name))
+        or name.startswith(TEMP_PREFIX)
+    )
+
+
+def is_own_checkpoint(name: str) -> bool:
+    """True for the names of files batchgen writes into :data:`CHECKPOINT_DIR`."""
+    return bool(CHECKPOINT_RE.match(name)) or name.startswith(TEMP_PREFIX)

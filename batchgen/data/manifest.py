@@ -1,8 +1,17 @@
 """The manifest of an output directory: which windows are finished, under which configuration.
 
-``manifest.json`` is rewritten atomically (:func:`batchgen.atomic.atomic_write_bytes`) after each part file is
-in place, so at any moment it lists only windows whose part is complete on disk. A part file without a
-manifest entry (killed between the two renames) is redone and replaced on the next run.
+``_manifest.json`` is rewritten atomically (:func:`batchgen.atomic.atomic_write_bytes`) after each part file
+or checkpoint file is in place, so at any moment it lists only files that are complete on disk. A part or
+checkpoint file without a manifest entry (killed between the two renames) is removed and redone on the next
+run.
+
+- ``windows``: finished windows (their part holds every row of the window), with the rows whose error may be
+  retried (``data.retry_errors``) and a hash of the window's input rows (checked when a resume skips it);
+- ``partial``: windows not finished yet whose finished rows are checkpointed (:data:`CHECKPOINT_DIR` files);
+- ``model``: names describing the checkpoint (path, architecture, per-file hashes) for readable refusals;
+  only ``config`` (hashed into ``fingerprint``) decides whether a rerun may resume.
+
+Format ``batchgen-manifest/2``; ``batchgen-manifest/1`` (batchgen <= 0.1) is read too.
 """
 
 from __future__ import annotations
@@ -14,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.atomic import atomic_write_bytes
-from batchgen.data.layout import MANIFEST_NAME
+from batchgen.data.layout import LEGACY_MANIFEST_NAME, MANIFEST_NAME
 
-FORMAT = "batchgen-manifest/1"
+FORMAT = "batchgen-manifest/2"
+READABLE_FORMATS = ("batchgen-manifest/1", FORMAT)
 
 
 @dataclass
@@ -33,11 +43,31 @@ class WindowRecord:
     cached_tokens: int
     generated_tokens: int
     wall_time_s: float = 0.0
+    retry_rows: list[int] = field(default_factory=list)
+    """Positions (in the window) of error rows caused by the run's resources or settings, which
+    ``data.retry_errors=true`` recomputes."""
+    input_sha256: str | None = None
+    """Hash of the window's input rows (the columns the job reads); None for windows of batchgen <= 0.1."""
+    rewriting: bool = False
+    """Set while the part is being replaced (a retry): the counts above are re-derived from the part if a
+    run dies in between."""
+
+
+@dataclass
+class PartialRecord:
+    """An unfinished window whose finished rows are checkpointed in ``files`` (under ``_checkpoint/``)."""
+
+    files: list[str]
+    rows: int
+    """Input rows held by the files (each with all its samples)."""
+    rows_ok: int = 0
+    """Of those, rows without error."""
+    input_sha256: str | None = None
 
 
 @dataclass
 class Manifest:
-    """Contents of ``manifest.json``.
+    """Contents of ``_manifest.json``.
 
     ``fingerprint`` is the hash of ``config`` (the settings that change the output); ``input`` describes the
     input files (its ``fingerprint`` changes when they do). ``windows`` maps window index → record.
@@ -51,25 +81,45 @@ class Manifest:
     num_windows: int
     batchgen_version: str
     windows: dict[int, WindowRecord] = field(default_factory=dict)
+    partial: dict[int, PartialRecord] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
 
     @property
     def complete(self) -> bool:
         return len(self.windows) == self.num_windows
 
+    @property
+    def committed_anything(self) -> bool:
+        """Whether any output row is on disk (a part or a checkpoint)."""
+        return bool(self.windows) or any(p.files for p in self.partial.values())
+
+    @property
+    def rows_done(self) -> int:
+        return sum(r.row_end - r.row_start for r in self.windows.values()) + sum(
+            p.rows for p in self.partial.values()
+        )
+
+    @property
+    def retry_rows(self) -> int:
+        return sum(len(r.retry_rows) for r in self.windows.values())
+
     def to_json(self) -> str:
         d = asdict(self)
         d["windows"] = {str(k): asdict(v) for k, v in sorted(self.windows.items())}
+        d["partial"] = {str(k): asdict(v) for k, v in sorted(self.partial.items())}
         d["complete"] = self.complete
-        d["rows_done"] = sum(r.row_end - r.row_start for r in self.windows.values())
+        d["rows_done"] = self.rows_done
+        d["format"] = FORMAT
         return json.dumps(d, indent=1, sort_keys=False) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         d = json.loads(text)
-        if d.get("format") != FORMAT:
+        if d.get("format") not in READABLE_FORMATS:
             raise ValueError(f"unknown manifest format {d.get('format')!r}")
         windows = {int(k): WindowRecord(**v) for k, v in d.get("windows", {}).items()}
+        partial = {int(k): PartialRecord(**v) for k, v in d.get("partial", {}).items()}
         return cls(
             fingerprint=d["fingerprint"],
             config=d["config"],
@@ -79,15 +129,27 @@ class Manifest:
             num_windows=int(d["num_windows"]),
             batchgen_version=d.get("batchgen_version", "?"),
             windows=windows,
+            partial=partial,
+            model=d.get("model") or {},
+            format=d["format"],
         )
 
     def save(self, directory: str | os.PathLike) -> None:
         atomic_write_bytes(Path(directory) / MANIFEST_NAME, self.to_json().encode())
 
     @classmethod
+    def path_in(cls, directory: str | os.PathLike) -> Path | None:
+        """The manifest file of `directory`: today's name, else that of batchgen <= 0.1, else None."""
+        for name in (MANIFEST_NAME, LEGACY_MANIFEST_NAME):
+            p = Path(directory) / name
+            if p.is_file():
+                return p
+        return None
+
+    @classmethod
     def load(cls, directory: str | os.PathLike) -> Manifest | None:
-        p = Path(directory) / MANIFEST_NAME
-        if not p.is_file():
+        p = cls.path_in(directory)
+        if p is None:
             return None
         return cls.from_json(p.read_text())
 
@@ -106,3 +168,22 @@ def diff_config(old: Any, new: Any, prefix: str = "") -> list[str]:
                 out.extend(diff_config(old[k], new[k], key))
         return out
     return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
+
+
+def describe_model_change(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """A readable line about how the checkpoint changed (path, architecture, which files), or None when the
+    manifest predates these names."""
+    if not old or not new:
+        return None
+    parts = []
+    if old.get("path") != new.get("path"):
+        parts.append(f"path {old.get('path')!r} -> {new.get('path')!r}")
+    if old.get("architecture") != new.get("architecture"):
+        parts.append(f"architecture {old.get('architecture')} -> {new.get('architecture')}")
+    of, nf = old.get("files") or {}, new.get("files") or {}
+    changed = sorted(k for k in set(of) & set(nf) if of[k] != nf[k])
+    added, removed = sorted(set(nf) - set(of)), sorted(set(of) - set(nf))
+    for what, names in (("changed", changed), ("added", added), ("removed", removed)):
+        if names:
+            parts.append(f"files {what}: {', '.join(names[:8])}" + (" ..." if len(names) > 8 else ""))
+    return "model: " + "; ".join(parts) if parts else None

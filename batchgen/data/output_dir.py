@@ -1,37 +1,54 @@
 """The output directory of one shard: the lock, resume checks, cleanup of a killed run, atomic commits.
 
 File names are those of :mod:`batchgen.data.layout`. Invariants:
-- A part file appears under its final name only complete and fsynced (:func:`batchgen.atomic.atomic_write`);
-  the manifest is updated (atomically) only after that rename, so every window it lists has its part.
-- Opening removes temp files and part files the manifest does not list (leftovers of a killed run), and
-  refuses (ConfigError) an output written with a different configuration, input or shard layout unless
-  ``overwrite``, which deletes batchgen's own files only (:func:`~batchgen.data.layout.is_own_file`).
+- A part or checkpoint file appears under its final name only complete and fsynced
+  (:func:`batchgen.atomic.atomic_write`); the manifest is updated (atomically) only after that rename, so every
+  file it lists is complete. A window's checkpoint files are deleted only after the manifest lists its part.
+- Opening removes temp files, parts and checkpoint files the manifest does not list (leftovers of a killed
+  run), and refuses (ConfigError) an output written with a different configuration, input or shard layout
+  unless ``overwrite`` (which deletes batchgen's own files only, :func:`~batchgen.data.layout.is_own_file`) —
+  or unless that output holds no successful row at all (a failed start, a run whose every row failed): then
+  the new configuration takes it over, saying so in the log.
 - One process per shard directory: an exclusive ``flock`` on the lock file, held until :meth:`OutputDir.close`.
+- A directory written by batchgen <= 0.1 (``manifest.json``, ``report.json``, ``logs/``) is renamed to
+  today's names on open (:data:`~batchgen.data.layout.LEGACY_NAMES`) and resumes as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.atomic import atomic_write
+from batchgen.atomic import atomic_write, fsync_dir
 from batchgen.data.layout import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_RE,
+    LEGACY_LOGS_DIR,
+    LEGACY_MANIFEST_NAME,
+    LEGACY_REPORT_NAME,
     LOCK_NAME,
+    LOGS_DIR,
     MANIFEST_NAME,
     PART_RE,
     REPORT_NAME,
     SHARD_RE,
     TEMP_PREFIX,
+    checkpoint_name,
+    is_own_checkpoint,
     is_own_file,
     part_name,
     shard_dir_name,
 )
-from batchgen.data.manifest import Manifest, WindowRecord, diff_config
+from batchgen.data.manifest import Manifest, PartialRecord, WindowRecord, describe_model_change, diff_config
+from batchgen.data.parts import part_as_piece, part_stats
 from batchgen.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -40,6 +57,26 @@ _RESUME_HINT = (
     "Rerun with the original settings to resume, choose another data.output, or pass "
     "data.overwrite=true to discard the existing output."
 )
+_LOG_DIR_RE = re.compile(r"^(\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}.*|multirun)$")
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def output_os_error(e: OSError, path: Path, doing: str) -> ConfigError:
+    """A one-line ConfigError for an OSError met while setting up the output directory."""
+    why = e.strerror or str(e)
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):
+        p = Path(path)
+        blocker = next((q for q in [p, *p.parents] if q.exists() and not q.is_dir()), None)
+        if blocker is not None:
+            return ConfigError(
+                f"data.output: {str(path)!r} cannot be a directory: {str(blocker)!r} is a file"
+            )
+    if e.errno == errno.EROFS:
+        why = "read-only file system"
+    elif e.errno in (errno.EACCES, errno.EPERM):
+        why = "permission denied"
+    return ConfigError(f"data.output: cannot {doing} {str(path)!r}: {why}; choose a writable data.output")
 
 
 class OutputDir:
@@ -52,6 +89,8 @@ class OutputDir:
         self.path = self.root / sub if sub else self.root
         self._lock_fd: int | None = None
         self.manifest: Manifest | None = None
+        self.took_over: str | None = None
+        """Why :meth:`open` discarded the previous output of another configuration (None when it did not)."""
 
     # ------------------------------------------------------------------------------------ lifecycle
     def _lock(self) -> None:
@@ -68,7 +107,8 @@ class OutputDir:
             os.close(fd)
             raise ConfigError(
                 f"another batchgen process ({holder or 'unknown pid'}) is writing {str(self.path)!r}; "
-                "wait for it to finish or stop it"
+                "wait for it to finish or stop it (in a sweep, give each job its own data.output, e.g. "
+                "data.output=out/${hydra:job.num})"
             ) from None
         except (ImportError, OSError) as e:  # no flock on this filesystem: carry on unlocked
             logger.warning("cannot lock %s (%s); make sure no other job writes the same output", self.path, e)
@@ -87,8 +127,12 @@ class OutputDir:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.path / CHECKPOINT_DIR
+
     def _clear(self, directory: Path) -> int:
-        """Delete batchgen's files in `directory` (never anything else); returns how many."""
+        """Delete batchgen's files in `directory` and its checkpoint directory (never anything else)."""
         count = 0
         if not directory.is_dir():
             return 0
@@ -96,34 +140,80 @@ class OutputDir:
             if p.is_file() and is_own_file(p.name):
                 p.unlink(missing_ok=True)
                 count += 1
+        ck = directory / CHECKPOINT_DIR
+        if ck.is_dir():
+            for p in ck.iterdir():
+                if p.is_file() and is_own_checkpoint(p.name):
+                    p.unlink(missing_ok=True)
+                    count += 1
+            try:
+                ck.rmdir()
+            except OSError:
+                pass
         return count
+
+    def _migrate_legacy(self, directory: Path) -> None:
+        """Rename the files of batchgen <= 0.1 (manifest.json, report.json, logs/) to today's names."""
+        old = directory / LEGACY_MANIFEST_NAME
+        if not old.is_file():
+            return
+        if (directory / MANIFEST_NAME).is_file():
+            raise ConfigError(
+                f"{str(directory)!r} holds both {MANIFEST_NAME} and {LEGACY_MANIFEST_NAME} (batchgen <= 0.1); "
+                "remove the one that does not belong, or pass data.overwrite=true"
+            )
+        os.replace(old, directory / MANIFEST_NAME)
+        if (directory / LEGACY_REPORT_NAME).is_file():
+            os.replace(directory / LEGACY_REPORT_NAME, directory / REPORT_NAME)
+        logs = directory / LEGACY_LOGS_DIR
+        if logs.is_dir():
+            (directory / LOGS_DIR).mkdir(exist_ok=True)
+            for p in logs.iterdir():
+                if _LOG_DIR_RE.match(p.name) and not (directory / LOGS_DIR / p.name).exists():
+                    os.replace(p, directory / LOGS_DIR / p.name)
+            try:
+                logs.rmdir()
+            except OSError:
+                logger.warning("%s holds files batchgen did not write; left in place", logs)
+        fsync_dir(directory)
+        logger.info(
+            "%s: renamed the files of batchgen <= 0.1 (manifest.json, report.json, logs/) to %s, %s, %s/ so that "
+            "dataset readers see only the parts",
+            directory, MANIFEST_NAME, REPORT_NAME, LOGS_DIR,
+        )  # fmt: skip
 
     def _other_layouts(self) -> list[Path]:
         """Directories under data.output holding a manifest of a different shard layout than ours."""
         found = []
-        if self.shard_count > 1 and (self.root / MANIFEST_NAME).is_file():
+        if self.shard_count > 1 and Manifest.path_in(self.root) is not None:
             found.append(self.root)
         if self.root.is_dir():
             for p in sorted(self.root.iterdir()):
                 m = SHARD_RE.match(p.name)
-                if m and p.is_dir() and int(m.group(2)) != self.shard_count and (p / MANIFEST_NAME).is_file():
+                if m and p.is_dir() and int(m.group(2)) != self.shard_count and Manifest.path_in(p):
                     found.append(p)
         return found
 
     def _clear_other_layouts(self, overwrite: bool) -> None:
         others = self._other_layouts()
-        if others and not overwrite:
-            where = ", ".join(str(p) for p in others)
+        valuable = [p for p in others if _holds_results(p)]
+        if valuable and not overwrite:
+            where = ", ".join(str(p) for p in valuable)
             raise ConfigError(
                 f"data.output {str(self.root)!r} already holds output of another shard layout ({where}); "
                 "use another data.output or data.overwrite=true to discard it"
             )
         for p in others:
+            if not overwrite:
+                logger.warning(
+                    "taking over %s: the output of another shard layout there holds no successful row", p
+                )
             self._clear(p)
 
     def _existing_manifest(self, overwrite: bool) -> Manifest | None:
         """The manifest to resume from: None when there is none or `overwrite` discards it (and the files)."""
         try:
+            self._migrate_legacy(self.path)
             existing = Manifest.load(self.path)
         except (ValueError, KeyError, TypeError) as e:
             if not overwrite:
@@ -139,60 +229,152 @@ class OutputDir:
         return existing
 
     def _remove_leftovers(self, manifest: Manifest) -> None:
-        """A killed run's unfinished temp files, and parts written whose window never reached the manifest."""
+        """A killed run's unfinished temp files, parts written whose window never reached the manifest, and
+        checkpoint files the manifest does not list (or of windows already finished)."""
         keep = {r.part for r in manifest.windows.values()}
         for p in self.path.iterdir():
             if p.name.startswith(TEMP_PREFIX) and p.is_file():
                 p.unlink(missing_ok=True)
             elif PART_RE.match(p.name) and p.name not in keep:
                 p.unlink(missing_ok=True)
+        listed = {f for w, rec in manifest.partial.items() if w not in manifest.windows for f in rec.files}
+        for w in [w for w in manifest.partial if w in manifest.windows]:
+            del manifest.partial[w]
+        if self.checkpoint_dir.is_dir():
+            for p in self.checkpoint_dir.iterdir():
+                if p.is_file() and is_own_checkpoint(p.name) and p.name not in listed:
+                    p.unlink(missing_ok=True)
+        for w, rec in manifest.windows.items():
+            if rec.rewriting:  # killed while replacing the part: count what the part holds now
+                self._rederive(w, rec, manifest)
 
-    def open(self, fresh: Manifest, overwrite: bool = False) -> Manifest:
+    def _rederive(self, w: int, rec: WindowRecord, manifest: Manifest) -> None:
+        n = int((manifest.config.get("sampling") or {}).get("n", 1) or 1)
+        st = part_stats(part_as_piece(pq.read_table(self.path / rec.part), n), n)
+        rec.num_output_rows, rec.rows_ok, rec.rows_error = st.num_output_rows, st.rows_ok, st.rows_error
+        rec.prompt_tokens, rec.cached_tokens, rec.generated_tokens = (
+            st.prompt_tokens, st.cached_tokens, st.generated_tokens,
+        )  # fmt: skip
+        rec.retry_rows, rec.rewriting = st.retry_rows, False
+
+    def open(
+        self,
+        fresh: Manifest,
+        overwrite: bool = False,
+        retry_keys: tuple[str, ...] = (),
+        retry_errors: bool = False,
+        legacy_fingerprint: str | None = None,
+    ) -> Manifest:
         """Lock the directory, clean leftovers, and return the manifest to continue (or `fresh`).
 
-        Raises ConfigError when the directory holds output of another configuration, input or shard
-        layout (unless `overwrite`, which discards it).
+        Raises ConfigError when the directory holds output of another configuration, input or shard layout
+        (unless `overwrite`, which discards it, or that output holds no successful row: taken over).
+        `retry_keys` are the dotted config keys (``engine.max_model_len``) that may change when `retry_errors`
+        (rows already generated keep their output, error rows are recomputed); `legacy_fingerprint` is what
+        a batchgen <= 0.1 manifest of this configuration would record.
         """
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            if e.errno in DISK_FULL_ERRNOS:
+                raise
+            raise output_os_error(e, self.path, "create the output directory") from e
+        try:
+            self._lock()
+        except OSError as e:
+            if e.errno in DISK_FULL_ERRNOS:
+                raise
+            raise output_os_error(e, self.path, "write into") from e
         try:
             self._clear_other_layouts(overwrite)
             existing = self._existing_manifest(overwrite)
             if existing is not None:
-                self._check_compatible(existing, fresh)
+                problem = self._incompatibility(existing, fresh, retry_keys, retry_errors, legacy_fingerprint)
+                if problem is not None and _manifest_holds_results(existing):
+                    raise ConfigError(problem)
+                if problem is not None:
+                    self.took_over = " ".join(problem.split("\n")[:2])
+                    n = self._clear(self.path)
+                    diff = "; ".join(x.strip() for x in problem.split("\n") if x.startswith("  "))
+                    logger.warning(
+                        "%s: a new configuration takes over this output directory, which holds no successful row "
+                        "of its previous run (%d file(s) of it removed; what differs: %s)",
+                        self.path, n, diff or problem.split("\n")[0],
+                    )  # fmt: skip
+                    existing = None
             manifest = existing if existing is not None else fresh
             self._remove_leftovers(manifest)
             manifest.save(self.path)  # atomic; its directory fsync also makes the removals durable
             self.manifest = manifest
             return manifest
+        except OSError as e:
+            self.close()
+            if e.errno in DISK_FULL_ERRNOS:
+                raise
+            raise output_os_error(e, self.path, "write into") from e
         except BaseException:
             self.close()
             raise
 
-    def _check_compatible(self, old: Manifest, new: Manifest) -> None:
+    def _incompatibility(
+        self,
+        old: Manifest,
+        new: Manifest,
+        retry_keys: tuple[str, ...],
+        retry_errors: bool,
+        legacy_fingerprint: str | None,
+    ) -> str | None:
+        """Why `old` cannot be resumed by `new`, or None (then `old` takes `new`'s configuration where a
+        retry allowed a difference, and today's spelling of a batchgen <= 0.1 configuration)."""
+        if not old.model and legacy_fingerprint is not None and old.fingerprint == legacy_fingerprint:
+            old.fingerprint, old.config = new.fingerprint, new.config  # the same settings, spelt as today
         if old.fingerprint != new.fingerprint or old.window_rows != new.window_rows:
-            diffs = diff_config(old.config, new.config) or ["(configuration fingerprint differs)"]
-            raise ConfigError(
-                f"{str(self.path)!r} holds output of a different configuration:\n  "
-                + "\n  ".join(diffs[:20])
-                + f"\n{_RESUME_HINT}"
+            diffs = diff_config(old.config, new.config)
+            keys = [d.split(":", 1)[0] for d in diffs]
+            retry_only = (
+                bool(diffs) and all(k in retry_keys for k in keys) and old.window_rows == new.window_rows
             )
+            if retry_only and retry_errors:
+                for d in diffs:
+                    logger.warning(
+                        "%s; allowed by data.retry_errors=true: rows already generated keep their output, error "
+                        "rows are recomputed with the new setting", d,
+                    )  # fmt: skip
+                old.fingerprint, old.config = new.fingerprint, new.config
+            else:
+                model_line = describe_model_change(old.model, new.model)
+                if model_line:
+                    diffs = [model_line] + diffs
+                hint = (
+                    "\nTo keep the rows already generated and recompute only the error rows with the new "
+                    "setting, add data.retry_errors=true."
+                    if retry_only
+                    else ""
+                )
+                return (
+                    f"{str(self.path)!r} holds output of a different configuration:\n  "
+                    + "\n  ".join((diffs or ["(configuration fingerprint differs)"])[:20])
+                    + hint
+                    + f"\n{_RESUME_HINT}"
+                )
         if old.input.get("fingerprint") != new.input.get("fingerprint"):
-            raise ConfigError(
+            return (
                 f"{str(self.path)!r} holds output of different input data (files, sizes or content changed: "
                 f"{old.input.get('num_files')} files / {old.input.get('num_rows')} rows before, "
                 f"{new.input.get('num_files')} files / {new.input.get('num_rows')} rows now).\n{_RESUME_HINT}"
             )
         if old.shard != new.shard or old.num_windows != new.num_windows:
-            raise ConfigError(
-                f"{str(self.path)!r} holds another shard of the input ({old.shard}).\n{_RESUME_HINT}"
-            )
+            return f"{str(self.path)!r} holds another shard of the input ({old.shard}).\n{_RESUME_HINT}"
         if old.batchgen_version != new.batchgen_version:
             logger.warning(
                 "resuming output written by batchgen %s with batchgen %s",
                 old.batchgen_version,
                 new.batchgen_version,
             )
+        old.model = new.model or old.model
+        old.input = new.input  # same fingerprint; the path may have moved (batchgen-merge reads it from here)
+        old.batchgen_version = new.batchgen_version
+        return None
 
     # -------------------------------------------------------------------------------------- writing
     def write_part(self, window: int, table: pa.Table) -> str:
@@ -203,12 +385,112 @@ class OutputDir:
         return name
 
     def commit(self, window: int, table: pa.Table, record: WindowRecord) -> None:
-        """Make a finished window durable: its part first, then the manifest entry."""
+        """Make a finished window durable: its part first, then the manifest entry, then its checkpoint files
+        go. Replacing a committed part (a retry) flags the record first, so a crash in between is repaired on
+        the next open."""
         assert self.manifest is not None, "open() first"
+        m = self.manifest
+        prev = m.windows.get(window)
+        if prev is not None:
+            prev.rewriting = True
+            m.save(self.path)
         record.part = self.write_part(window, table)
-        self.manifest.windows[window] = record
-        self.manifest.save(self.path)
+        m.windows[window] = record
+        done = m.partial.pop(window, None)
+        try:
+            m.save(self.path)
+        except BaseException:
+            # not recorded (a full disk...): readers must not see the part, and the manifest in memory stays
+            # what is on disk; a replaced part is a complete part of the window either way (rewriting=True)
+            if prev is None:
+                del m.windows[window]
+                (self.path / record.part).unlink(missing_ok=True)
+            else:
+                m.windows[window] = prev
+            if done is not None:
+                m.partial[window] = done
+            raise
+        for name in done.files if done is not None else []:
+            (self.checkpoint_dir / name).unlink(missing_ok=True)
+        if done is not None and not m.partial:
+            with contextlib.suppress(OSError):
+                self.checkpoint_dir.rmdir()  # only when empty
+
+    def write_checkpoint(
+        self, window: int, table: pa.Table, rows: int, rows_ok: int, input_sha256: str | None
+    ) -> str:
+        """Add `table` (finished rows of an unfinished window, with the extra piece columns) as a checkpoint
+        file of `window` and record it in the manifest; returns the file name."""
+        assert self.manifest is not None, "open() first"
+        m = self.manifest
+        rec = m.partial.get(window)
+        seq = 1 + max((int(CHECKPOINT_RE.match(f).group(2)) for f in rec.files), default=-1) if rec else 0  # type: ignore[union-attr]
+        name = checkpoint_name(window, seq)
+        self.checkpoint_dir.mkdir(exist_ok=True)
+        with atomic_write(self.checkpoint_dir / name) as tmp:
+            opts = pa.ipc.IpcWriteOptions(compression="zstd")
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema, options=opts) as w:
+                w.write_table(table)
+        new = rec is None
+        if rec is None:
+            rec = m.partial[window] = PartialRecord(files=[], rows=0, rows_ok=0, input_sha256=input_sha256)
+        rec.files.append(name)
+        rec.rows += rows
+        rec.rows_ok += rows_ok
+        try:
+            m.save(self.path)
+        except BaseException:
+            rec.files.pop()
+            rec.rows -= rows
+            rec.rows_ok -= rows_ok
+            if new:
+                del m.partial[window]
+            (self.checkpoint_dir / name).unlink(missing_ok=True)
+            raise
+        return name
+
+    def checkpoint_pieces(self, window: int) -> list[pa.Table]:
+        """The checkpointed rows of `window` (tables with the extra piece columns)."""
+        assert self.manifest is not None, "open() first"
+        rec = self.manifest.partial.get(window)
+        out = []
+        for name in rec.files if rec is not None else []:
+            with pa.memory_map(str(self.checkpoint_dir / name)) as src:
+                out.append(pa.ipc.open_file(src).read_all())
+        return out
+
+    def read_part(self, window: int) -> pa.Table:
+        """The committed part of `window`."""
+        assert self.manifest is not None, "open() first"
+        return pq.read_table(self.path / self.manifest.windows[window].part)
 
     @property
     def report_path(self) -> Path:
         return self.path / REPORT_NAME
+
+
+def _manifest_holds_results(m: Manifest) -> bool:
+    """Whether an output holds any successful row (then only data.overwrite may discard it)."""
+    return any(r.rows_ok for r in m.windows.values()) or any(p.rows_ok for p in m.partial.values())
+
+
+def _holds_results(directory: Path) -> bool:
+    try:
+        m = Manifest.load(directory)
+    except (ValueError, KeyError, TypeError, OSError):
+        return True  # unreadable: do not assume it is worthless
+    return m is not None and _manifest_holds_results(m)
+
+
+def on_disk_full(e: BaseException) -> bool:
+    """Whether `e` (or what caused it) is a full disk or an exceeded quota."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in DISK_FULL_ERRNOS:
+            return True
+        if "No space left on device" in str(cur) or "Disk quota exceeded" in str(cur):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False

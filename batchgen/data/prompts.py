@@ -1,6 +1,9 @@
 """Turn a window of input rows into engine requests: prompt text, token ids, sampling params — or an error.
 
 A row becomes an *error row* (never an exception, never dropped) when:
+- its input could not be read (a corrupt page: the reader names the file and row group);
+- a value the job reads cannot be converted to Python (a string that is not valid UTF-8: ``prompt is not
+  valid UTF-8 at byte N``; a timestamp out of range, ...);
 - the prompt is null, not a string, or empty / whitespace only;
 - ``messages`` is null, not a list (or a JSON string of a list), empty, or an element is not a
   ``{role: str, content: str}`` object, or the chat template rejects it;
@@ -13,6 +16,11 @@ Tokenization is one batched call of the fast tokenizer per window. Plain prompts
 engine tokenizes a string prompt (``tokenizer.encode(text)``, special tokens added as the tokenizer
 defines); chat prompts are rendered with ``apply_chat_template(..., add_generation_prompt=True)`` and
 tokenized without adding special tokens (the template already holds them).
+
+Each error says whether it may be *retried* (``PromptRow.retryable``, kept by ``data.retry_errors``): errors
+caused by the run's resources or settings (too long for ``engine.max_model_len``, a chat template or the
+tokenizer failing, unreadable input) are; errors in the data itself (null, empty, wrong type, not UTF-8,
+malformed messages or overrides) are not.
 
 Every valid row's seed is derived from ``(sampling.seed, row id)`` (see :func:`row_seed`) unless its
 overrides set ``seed``, so its samples do not depend on the batch, the grouping or a resume.
@@ -28,6 +36,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchgen.data.values import safe_pylist
 from batchgen.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
@@ -60,10 +69,17 @@ class PromptRow:
     error: str | None = None
     num_prompt_tokens: int | None = None
     """Prompt length in tokens once tokenized (also set for rows rejected as too long)."""
+    retryable: bool = False
+    """The error comes from the run's resources or settings, not from the row's data (see the module doc)."""
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    def fail(self, error: str, retryable: bool = False) -> None:
+        """Mark the row as an error row, unless it already is one (the first error is the one reported)."""
+        if self.error is None:
+            self.error, self.retryable = error, retryable
 
 
 def row_seed(seed: int, row_id: Any) -> int:
@@ -152,27 +168,37 @@ def struct_override_problems(t: pa.DataType) -> str | None:
     return f"has type {t}; expected a struct (or a JSON string) of sampling options"
 
 
-def _column(table: pa.Table, name: str | None) -> list[Any] | None:
+def _column(table: pa.Table, name: str | None, rows: list[PromptRow], what: str) -> list[Any] | None:
+    """Column `name` as Python values; a value that cannot be converted makes its row an error row
+    (``<what> is not valid UTF-8 at byte N``)."""
     if name is None:
         return None
-    return table.column(name).to_pylist()
+    values, errors = safe_pylist(table.column(name))
+    for r, err in zip(rows, errors):
+        if err is not None:
+            r.fail(f"{what} is {err}")
+    return values
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _new_rows(table: pa.Table, row_start: int, spec: PromptSpec) -> list[PromptRow]:
-    """One PromptRow per input row, with its id (an error when the id column is null)."""
-    ids = _column(table, spec.id_column)
-    rows = [
-        PromptRow(i, row_start + i, ids[i] if ids is not None else row_start + i)
-        for i in range(table.num_rows)
-    ]
+def _new_rows(
+    table: pa.Table, row_start: int, spec: PromptSpec, unreadable: list[tuple[int, int, str]]
+) -> list[PromptRow]:
+    """One PromptRow per input row, with its id (an error when the id column is null or undecodable), and
+    the rows the reader could not decode marked as (retryable) errors."""
+    rows = [PromptRow(i, row_start + i, row_start + i) for i in range(table.num_rows)]
+    for start, end, msg in unreadable:
+        for r in rows[start:end]:
+            r.fail(msg, retryable=True)
+    ids = _column(table, spec.id_column, rows, f"id column {spec.id_column!r} value")
     if ids is not None:
         for r in rows:
+            r.id = ids[r.position]
             if r.id is None:
-                r.error = f"id column {spec.id_column!r} is null"
+                r.fail(f"id column {spec.id_column!r} is null")
     return rows
 
 
@@ -180,16 +206,16 @@ def _chat_texts(rows: list[PromptRow], values: list[Any], tokenizer: Any) -> lis
     """Each row's messages rendered with the chat template (None for rows in error)."""
     texts: list[str | None] = [None] * len(rows)
     for r, v in zip(rows, values):
+        if r.error:
+            continue
         msgs = check_messages(v)
         if isinstance(msgs, str):
-            r.error = r.error or msgs
-            continue
-        if r.error:
+            r.fail(msgs)
             continue
         try:
             texts[r.position] = render_chat(tokenizer, msgs)
-        except Exception as e:  # jinja2 errors, template-raised exceptions: the row's fault
-            r.error = f"chat template failed: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - jinja2 errors, template-raised exceptions: this row fails
+            r.fail(f"chat template failed: {type(e).__name__}: {e}", retryable=True)
     return texts
 
 
@@ -197,10 +223,12 @@ def _plain_texts(rows: list[PromptRow], values: list[Any]) -> list[str | None]:
     """Each row's prompt text (None for rows in error)."""
     texts: list[str | None] = [None] * len(rows)
     for r, v in zip(rows, values):
+        if r.error:
+            continue
         err = check_prompt(v)
         if err:
-            r.error = r.error or err
-        elif not r.error:
+            r.fail(err)
+        else:
             texts[r.position] = v
     return texts
 
@@ -212,14 +240,14 @@ def _row_params(rows: list[PromptRow], overrides: list[Any] | None, base: Sampli
             continue
         ov = parse_overrides(overrides[r.position]) if overrides is not None else {}
         if isinstance(ov, str):
-            r.error = ov
+            r.fail(ov)
             continue
         if "seed" not in ov and base.seed is not None:
             ov["seed"] = row_seed(base.seed, r.id)
         try:
             r.params = replace(base, **ov)
         except (TypeError, ValueError) as e:
-            r.error = f"invalid sampling override: {e}"
+            r.fail(f"invalid sampling override: {e}")
 
 
 def _tokenize(
@@ -230,15 +258,31 @@ def _tokenize(
     if not todo:
         return
     batch = [texts[r.position] for r in todo]
-    enc = tokenizer(batch, add_special_tokens=not chat, return_attention_mask=False)["input_ids"]
+    try:
+        enc = tokenizer(batch, add_special_tokens=not chat, return_attention_mask=False)["input_ids"]
+    except Exception:  # noqa: BLE001 - one row broke the batch: tokenize row by row to find it
+        enc = []
+        for r, text in zip(todo, batch):
+            try:
+                enc.append(
+                    tokenizer([text], add_special_tokens=not chat, return_attention_mask=False)["input_ids"][
+                        0
+                    ]
+                )
+            except Exception as e:  # noqa: BLE001
+                r.fail(f"tokenizer failed: {type(e).__name__}: {e}", retryable=True)
+                enc.append(None)
     for r, ids in zip(todo, enc):
+        if ids is None:
+            continue
         ntok = r.num_prompt_tokens = len(ids)
         if ntok == 0:
-            r.error = "prompt has no tokens"
+            r.fail("prompt has no tokens")
         elif ntok >= max_len:
-            r.error = (
+            r.fail(
                 f"prompt has {ntok} tokens but engine.max_model_len is {max_len}: it must leave "
-                "room for at least one generated token"
+                "room for at least one generated token",
+                retryable=True,
             )
         else:
             r.token_ids = list(ids)
@@ -249,15 +293,20 @@ def build_prompts(
     row_start: int,
     spec: PromptSpec,
     tokenizer: Any,
+    unreadable: list[tuple[int, int, str]] | None = None,
 ) -> list[PromptRow]:
-    """Validate, render and tokenize the rows of one window (`table`, first global row `row_start`)."""
-    rows = _new_rows(table, row_start, spec)
+    """Validate, render and tokenize the rows of one window (`table`, first global row `row_start`);
+    `unreadable` lists ranges of positions the reader could not decode (see
+    :class:`batchgen.data.reader.Window`)."""
+    rows = _new_rows(table, row_start, spec, unreadable or [])
     chat = spec.messages_column is not None
     if chat:
-        texts = _chat_texts(rows, _column(table, spec.messages_column), tokenizer)  # type: ignore[arg-type]
+        values = _column(table, spec.messages_column, rows, "messages")
+        texts = _chat_texts(rows, values, tokenizer)  # type: ignore[arg-type]
     else:
-        texts = _plain_texts(rows, _column(table, spec.prompt_column))  # type: ignore[arg-type]
-    _row_params(rows, _column(table, spec.sampling_column), spec.base_sampling)
+        texts = _plain_texts(rows, _column(table, spec.prompt_column, rows, "prompt"))  # type: ignore[arg-type]
+    overrides = _column(table, spec.sampling_column, rows, f"sampling column {spec.sampling_column!r} value")
+    _row_params(rows, overrides, spec.base_sampling)
     _tokenize(rows, texts, tokenizer, chat, spec.max_model_len)
     for r in rows:
         if r.error is not None:

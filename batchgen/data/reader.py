@@ -10,6 +10,11 @@ Invariants:
 - Memory is bounded by one window plus one decoded record batch: row groups are streamed one at a time
   with ``ParquetFile.iter_batches`` (which decodes page by page; the ``pyarrow.dataset`` scanner materialises
   a whole row group, measured 3x the memory), and row groups holding only finished windows are skipped.
+- Never a row silently missing: rows of a row group that cannot be decoded (a corrupt page) come back as
+  null rows listed in :attr:`Window.unreadable` with a message naming the file and the row group; the job
+  turns them into error rows.
+- Every file must hold the columns the job reads with compatible types (:meth:`InputSet.read_schema`,
+  checked while planning, naming the files); windows come back in that unified schema.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import bisect
 import glob
 import hashlib
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -28,6 +34,7 @@ import pyarrow.parquet as pq
 from batchgen.errors import ConfigError
 
 READ_BATCH_ROWS = 4096
+logger = logging.getLogger("batchgen.job")
 
 
 class InputError(ConfigError):
@@ -77,6 +84,46 @@ class InputSet:
 
     def has_column(self, name: str) -> bool:
         return bool(self.files) and all(f.schema.get_field_index(name) >= 0 for f in self.files)
+
+    def read_schema(self, columns: list[str]) -> pa.Schema:
+        """The schema windows are read in: each column's type unified over the files that have it
+        (dictionaries decoded; int32 and int64 give int64, string and large_string large_string, null and T
+        give T). Raises InputError naming two files whose types cannot be unified."""
+        fields = []
+        for name in columns:
+            seen: list[tuple[pa.DataType, str]] = []
+            for f in self.files:
+                i = f.schema.get_field_index(name)
+                if i >= 0:
+                    seen.append((plain_type(f.schema.field(i).type), f.rel_path))
+            if not seen:
+                raise InputError(f"data.input: column {name!r} is in none of the files")
+            unified = seen[0][0]
+            for t, rel in seen[1:]:
+                try:
+                    unified = (
+                        pa.unify_schemas(
+                            [pa.schema([(name, unified)]), pa.schema([(name, t)])],
+                            promote_options="permissive",
+                        )
+                        .field(0)
+                        .type
+                    )
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                    first = next(r for u, r in seen if u != t)
+                    other = next(u for u, r in seen if r == first)
+                    raise InputError(
+                        f"data.input: column {name!r} has incompatible types in the input files: {other} in "
+                        f"{first!r}, {t} in {rel!r}; convert the files to one type (or run them as separate "
+                        "inputs)"
+                    ) from None
+            fields.append(pa.field(name, unified))
+        return pa.schema(fields)
+
+
+def plain_type(t: pa.DataType) -> pa.DataType:
+    """`t` with dictionary encoding removed (a dictionary<string> column reads as string)."""
+    return t.value_type if pa.types.is_dictionary(t) else t
 
 
 def _is_glob(spec: str) -> bool:
@@ -188,10 +235,14 @@ def plan_windows(row_start: int, row_end: int, window_rows: int) -> list[WindowS
 
 @dataclass
 class Window:
-    """A window's rows, read from the input: `table` has the requested columns, ``spec.num_rows`` rows."""
+    """A window's rows, read from the input: `table` has the requested columns, ``spec.num_rows`` rows.
+
+    ``unreadable`` lists ``(start, end, message)`` ranges of window positions whose row group could not be
+    decoded: those rows are null in `table`, and `message` names the file and the row group."""
 
     spec: WindowSpec
     table: pa.Table
+    unreadable: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property
     def index(self) -> int:
@@ -208,13 +259,62 @@ def _row_group_ranges(inp: InputSet) -> Iterator[tuple[InputFile, int, int, int]
             s += n
 
 
-def _concat(tables: list[pa.Table]) -> pa.Table:
-    if len(tables) == 1:
-        return tables[0]
+def _concat(tables: list[pa.Table], schema: pa.Schema | None) -> pa.Table:
     try:
+        if schema is not None:
+            tables = [t if t.schema.equals(schema) else t.select(schema.names).cast(schema) for t in tables]
+        if len(tables) == 1:
+            return tables[0]
         return pa.concat_tables(tables, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
         raise InputError(f"data.input: files have incompatible column types: {e}") from e
+
+
+def _short(e: BaseException) -> str:
+    text = "".join(c if c.isprintable() else " " for c in str(e))
+    text = " ".join(text.split()) or type(e).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _safe_batches(
+    f: InputFile,
+    pf: pq.ParquetFile | BaseException,
+    rg: int,
+    g0: int,
+    columns: list[str],
+    schema: pa.Schema,
+    batch_rows: int,
+) -> Iterator[tuple[pa.RecordBatch, str | None]]:
+    """The row group's batches, then — if decoding fails part-way — one batch of nulls for the rows left,
+    with a message naming the file and the row group (so no row ever goes missing)."""
+    total = f.row_group_rows[rg]
+    done = 0
+    error: BaseException | None = pf if isinstance(pf, BaseException) else None
+    if error is None:
+        try:
+            for batch in pf.iter_batches(  # type: ignore[union-attr]
+                batch_size=batch_rows, row_groups=[rg], columns=columns, use_threads=False
+            ):
+                done += batch.num_rows
+                yield batch, None
+        except (OSError, pa.ArrowException) as e:
+            error = e
+    if error is not None and done < total:
+        n = total - done
+        nulls = pa.RecordBatch.from_arrays([pa.nulls(n, t) for t in schema.types], schema=schema)
+        msg = (
+            f"input unreadable: {f.rel_path!r} row group {rg} (input rows {g0 + done}..{g0 + total}): "
+            f"{_short(error)}"
+        )
+        logger.warning("%s; its %d row(s) become error rows", msg, n)
+        yield nulls, msg
+
+
+def _open(path: str) -> pq.ParquetFile | BaseException:
+    try:  # pages written with a CRC are checked: a flipped bit is an unreadable row group, not garbage
+        return pq.ParquetFile(path, page_checksum_verification=True)
+    except (OSError, pa.ArrowException) as e:
+        return e
 
 
 def iter_windows(
@@ -222,20 +322,25 @@ def iter_windows(
     windows: Iterable[WindowSpec],
     columns: list[str],
     batch_rows: int = READ_BATCH_ROWS,
+    schema: pa.Schema | None = None,
 ) -> Iterator[Window]:
     """Stream the given windows (ascending, non-overlapping) with only `columns`, one at a time.
 
     Only row groups that intersect a requested window are decoded, one row group at a time, in batches of at
-    most `batch_rows` rows; rows outside the requested windows are dropped as they stream by.
+    most `batch_rows` rows; rows outside the requested windows are dropped as they stream by. Windows come in
+    `schema` (default: :meth:`InputSet.read_schema` of `columns`); rows that cannot be decoded are null and
+    listed in :attr:`Window.unreadable`.
     """
     wins = [w for w in sorted(windows, key=lambda w: w.row_start) if w.num_rows > 0]
     if not wins:
         return
+    schema = schema if schema is not None else inp.read_schema(columns)
     ends = [w.row_end for w in wins]
     wi = 0  # current window
     have = 0  # rows of the current window collected so far
     pieces: list[pa.Table] = []
-    open_file: tuple[str, pq.ParquetFile] | None = None
+    unreadable: list[tuple[int, int, str]] = []
+    open_file: tuple[str, pq.ParquetFile | BaseException] | None = None
     for f, rg, g0, g1 in _row_group_ranges(inp):
         if g1 <= wins[wi].row_start + have:
             continue  # entirely before the next row we need
@@ -243,13 +348,11 @@ def iter_windows(
         if k >= len(wins) or wins[k].row_start >= g1:
             continue  # only rows of windows we were not asked for
         if open_file is None or open_file[0] != f.path:
-            if open_file is not None:
+            if open_file is not None and isinstance(open_file[1], pq.ParquetFile):
                 open_file[1].close()
-            open_file = (f.path, pq.ParquetFile(f.path))
+            open_file = (f.path, _open(f.path))
         pos = g0
-        for batch in open_file[1].iter_batches(
-            batch_size=batch_rows, row_groups=[rg], columns=columns, use_threads=False
-        ):
+        for batch, error in _safe_batches(f, open_file[1], rg, g0, columns, schema, batch_rows):
             b0, b1 = pos, pos + batch.num_rows
             pos = b1
             while wi < len(wins):
@@ -261,11 +364,13 @@ def iter_windows(
                     raise AssertionError(f"reader skipped row {need}")  # invariant: rows are never skipped
                 hi = min(b1, cur.row_end)
                 pieces.append(pa.Table.from_batches([batch.slice(need - b0, hi - need)]))
+                if error is not None:
+                    unreadable.append((have, have + hi - need, error))
                 have += hi - need
                 if have < cur.num_rows:
                     break
-                yield Window(cur, _concat(pieces).combine_chunks())
-                pieces, have, wi = [], 0, wi + 1
+                yield Window(cur, _concat(pieces, schema).combine_chunks(), unreadable)
+                pieces, have, wi, unreadable = [], 0, wi + 1, []
             if wi >= len(wins):
                 return
         if pos != g1:

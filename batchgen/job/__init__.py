@@ -20,7 +20,15 @@ The Parquet side (reader, prompts, parts, output directory, manifest, file names
 from __future__ import annotations
 
 from batchgen.job.plan import DEFAULT_SAMPLING_COLUMN, JobPlan, model_fingerprint, plan_job, sample_input_path
-from batchgen.job.run import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, JobResult, run_job
+from batchgen.job.run import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TOO_MANY_ERRORS,
+    JobResult,
+    run_job,
+)
 from batchgen.job.signals import StopSignal
 
 __all__ = [
@@ -29,6 +37,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_TOO_MANY_ERRORS",
     "JobPlan",
     "JobResult",
     "StopSignal",

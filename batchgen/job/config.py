@@ -13,11 +13,18 @@ Invariants:
 - The job's sampling defaults are SamplingParams' except ``seed``: 0, so rows are seeded by default.
 - ``data.shard.index`` / ``data.shard.count`` default to ``$SLURM_ARRAY_TASK_ID`` / ``$SLURM_ARRAY_TASK_COUNT``
   (wired in ``conf/config.yaml``; the Python defaults are 0 / 1).
+- A composed configuration holds no key the schema does not know, whatever the override's prefix (``+`` and
+  ``++`` add keys past Hydra's own check): :func:`to_job_config` rejects it, suggesting the closest key.
+- On the command line (and in YAML files) ``sampling.stop`` strings may spell a newline, tab or carriage return
+  as ``\\n``, ``\\t``, ``\\r`` (Hydra passes them through literally); ``\\\\`` is a backslash
+  (:func:`decode_escapes`). Python callers pass real strings: nothing is decoded on that path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +99,8 @@ class DataOptions:
     """Order each window's prompts by token ids (prefix-trie order) so shared prefixes hit the prefix cache; false = input order (output order is input order either way)."""
     overwrite: bool = False
     """Discard batchgen's files (parts, manifest, report) already in the output directory instead of resuming or refusing."""
+    retry_errors: bool = False
+    """On resume, recompute the error rows caused by the run's resources or settings (KV pool too small, engine.max_model_len, a chat template or tokenizer that failed, unreadable input) and rewrite their parts atomically; engine.max_model_len and the chat template may change for it. Errors in the data itself (null, empty, wrong type, invalid UTF-8) stay."""
     shard: ShardOptions = field(default_factory=ShardOptions)
 
 
@@ -104,7 +113,11 @@ class RunOptions:
     log_interval_s: float = 30.0
     """Seconds between progress log lines when the progress bar is not used."""
     stop_grace_s: float = 0.0
-    """After SIGINT/SIGTERM/SIGUSR1: seconds to keep working on windows already started (no new ones) before abandoning them; 0 = abandon at once. Either way finished windows are kept and the job exits with 75."""
+    """After SIGINT/SIGTERM/SIGUSR1: seconds to keep working on rows already admitted (no new ones) before abandoning them; 0 = abandon at once. Either way every finished row is saved and the job exits with 75."""
+    checkpoint_interval_s: float = 60.0
+    """Seconds between checkpoints of the rows finished in windows not yet complete (a stop signal checkpoints at once): a kill -9 loses at most this much finished work plus the rows in flight; 0 = only on a stop signal."""
+    max_error_fraction: float = 0.1
+    """The job fails (exit status 3, 'failed' in the summary) when more than this fraction of its rows are error rows; before that, a job whose first rows all fail stops early with exit status 2 (a configuration that makes every row fail). 1 = never."""
 
     def __post_init__(self) -> None:
         if self.progress not in PROGRESS_MODES:
@@ -115,6 +128,10 @@ class RunOptions:
             raise ConfigError(f"run.log_interval_s must be > 0, got {self.log_interval_s}")
         if self.stop_grace_s < 0:
             raise ConfigError(f"run.stop_grace_s must be >= 0, got {self.stop_grace_s}")
+        if self.checkpoint_interval_s < 0:
+            raise ConfigError(f"run.checkpoint_interval_s must be >= 0, got {self.checkpoint_interval_s}")
+        if not 0.0 <= self.max_error_fraction <= 1.0:
+            raise ConfigError(f"run.max_error_fraction must be in [0, 1], got {self.max_error_fraction}")
 
 
 @dataclass
@@ -186,11 +203,62 @@ def _group_checked(name: str, make: Callable[[Any], Any], arg: Any) -> Any:
         raise ConfigError(f"{name}.{e}" if first in fields else f"{name}: {e}") from e
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "0": "\0", "'": "'", '"': '"'}
+_ESCAPE_RE = re.compile(r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|.)", re.DOTALL)
+
+
+def decode_escapes(text: str) -> str:
+    """``\\n``, ``\\t``, ``\\r``, ``\\0``, ``\\xHH``, ``\\uHHHH``, ``\\\\`` and escaped quotes decoded;
+    any other backslash is kept as it is (so Windows-like paths and regex-like text survive)."""
+
+    def sub(m: re.Match[str]) -> str:
+        e = m.group(1)
+        if e[0] in "ux" and len(e) > 1:
+            return chr(int(e[1:], 16))
+        return _ESCAPES.get(e, m.group(0))
+
+    return _ESCAPE_RE.sub(sub, text)
+
+
+def _schema_keys(cls: type) -> dict[str, type | None]:
+    """Field name → nested dataclass type (None for a leaf) of a config dataclass."""
+    out: dict[str, type | None] = {}
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        out[f.name] = type(default) if dataclasses.is_dataclass(default) else None
+    return out
+
+
+def unknown_keys(cfg: Any, schema: dict[str, type | None] | None = None, prefix: str = "") -> list[str]:
+    """Dotted keys of a composed config (a DictConfig or a dict) that the job schema does not have, each with
+    the closest valid key when there is one: ``data.windw_rows (did you mean data.window_rows?)``."""
+    from omegaconf import DictConfig
+
+    schema = {name: GROUPS[name] for name in GROUPS} if schema is None else schema
+    out: list[str] = []
+    keys = list(cfg.keys()) if isinstance(cfg, (dict, DictConfig)) else []
+    for k in keys:
+        key = f"{prefix}{k}"
+        if not prefix and k == "hydra":  # Hydra's own node, when a caller composed with return_hydra_config
+            continue
+        if k not in schema:
+            close = difflib.get_close_matches(str(k), [str(x) for x in schema], n=1)
+            out.append(key + (f" (did you mean {prefix}{close[0]}?)" if close else ""))
+            continue
+        sub = schema[k]
+        if sub is not None:
+            node = cfg._get_node(k) if isinstance(cfg, DictConfig) else cfg[k]
+            if isinstance(node, (dict, DictConfig)):
+                out += unknown_keys(node, _schema_keys(sub), f"{key}.")
+    return out
+
+
 def to_job_config(cfg: Any) -> JobConfig:
     """Convert a composed DictConfig (or a plain dict of groups, or a JobConfig) into a validated JobConfig.
 
     Each group's dataclass is built here, so its ``__post_init__`` checks run; their ValueErrors become
-    ConfigError so the CLI reports them as configuration errors.
+    ConfigError so the CLI reports them as configuration errors. Keys the schema does not know are rejected
+    (ConfigError naming them); ``sampling.stop`` escapes are decoded (see the module docstring).
     """
     if isinstance(cfg, JobConfig):
         job = cfg
@@ -198,11 +266,20 @@ def to_job_config(cfg: Any) -> JobConfig:
         from omegaconf import OmegaConf
         from omegaconf.errors import OmegaConfBaseException
 
+        bad = unknown_keys(cfg)
+        if bad:
+            raise ConfigError(
+                f"unknown configuration key{'s' if len(bad) > 1 else ''}: {', '.join(bad)} "
+                "(batchgen --help lists every key)"
+            )
         try:
             if OmegaConf.get_type(cfg) is not JobConfig:  # composed without the schema: type it now
                 cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), cfg)
         except OmegaConfBaseException as e:
             raise ConfigError(str(e)) from e
         job = JobConfig(**{name: _group_checked(name, OmegaConf.to_object, cfg[name]) for name in GROUPS})
+        if job.sampling.stop:
+            stop = [job.sampling.stop] if isinstance(job.sampling.stop, str) else job.sampling.stop
+            job.sampling.stop = [decode_escapes(s) for s in stop]
     validate(job)
     return job

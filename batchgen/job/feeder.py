@@ -10,11 +10,13 @@ one is fully admitted (so the tail of one window overlaps the head of the next),
 once all of its requests have finished — results restored to input order.
 
 Invariants:
-- Every valid row of a window is added to the engine exactly once; a window is reported done exactly once,
-  when every one of its valid rows has a result (error rows need no engine work).
+- Every valid row of a window that is not already done (``WindowWork.done_positions``: rows finished by an
+  earlier run, read back from checkpoints or the part) is added to the engine exactly once; a window is
+  reported done exactly once, when every one of those rows has a result (error rows need no engine work).
 - Request ids are global row indices, so they are unique within a job.
 - After a stop request nothing new is admitted; windows already started are finished until the grace
-  deadline, then abandoned (their requests aborted) — an abandoned window is never reported done.
+  deadline, then abandoned (their requests aborted) — an abandoned window is never reported done, and its
+  finished rows stay in its results (:meth:`EngineFeeder.unfinished_windows`) for the caller to checkpoint.
 """
 
 from __future__ import annotations
@@ -50,21 +52,47 @@ class WindowWork:
     pending: int = 0
     started_at: float = 0.0
     finished_at: float = 0.0
+    done_positions: frozenset[int] = frozenset()
+    """Rows finished before this run (their output rows are in ``pieces``): not fed again."""
+    pieces: list[Any] = field(default_factory=list)
+    """Output rows of ``done_positions`` (tables with the piece columns of :mod:`batchgen.data.parts`)."""
+    checkpointed: set[int] = field(default_factory=set)
+    """Rows of this run already written to a checkpoint file."""
+    input_sha256: str | None = None
 
     @classmethod
     def create(
-        cls, spec: WindowSpec, rows: list[PromptRow], group_by_prefix: bool, extra: Any = None
+        cls,
+        spec: WindowSpec,
+        rows: list[PromptRow],
+        group_by_prefix: bool,
+        extra: Any = None,
+        skip: frozenset[int] = frozenset(),
     ) -> WindowWork:
-        """The window's valid rows queued for the engine: in prefix-trie order, or input order."""
-        valid = [r.position for r in rows if r.ok]
+        """The window's valid rows not in `skip` queued for the engine: in prefix-trie order, or input order."""
+        valid = [r.position for r in rows if r.ok and r.position not in skip]
         if group_by_prefix:
             keys = [rows[p].token_ids for p in valid]
             valid = [valid[i] for i in prefix_order(keys)]  # type: ignore[arg-type]
-        return cls(spec, rows, extra, [None] * len(rows), deque(valid), len(valid))
+        return cls(spec, rows, extra, [None] * len(rows), deque(valid), len(valid), done_positions=skip)
 
     @property
     def done(self) -> bool:
         return self.pending == 0 and not self.feed
+
+    def finished_positions(self) -> list[int]:
+        """Positions finished in this run (an error row, or the engine's result is in), ascending."""
+        return [
+            r.position
+            for r in self.rows
+            if r.position not in self.done_positions
+            and (r.error is not None or self.results[r.position] is not None)
+        ]
+
+    @property
+    def todo_positions(self) -> list[int]:
+        """Positions this run has to finish (every row not done before), ascending."""
+        return [r.position for r in self.rows if r.position not in self.done_positions]
 
 
 class StopFlag(Protocol):
@@ -106,6 +134,15 @@ class EngineFeeder:
         self.abandoned: list[WindowWork] = []
         self.exhausted = False
         self._ready: deque[WindowWork] = deque()
+
+    def unfinished_windows(self) -> list[WindowWork]:
+        """Windows pulled but not handed back by :meth:`run`: abandoned after a stop, still active, or
+        finished but not yet yielded (when :meth:`run` was left by an exception). Their finished rows are what
+        a checkpoint saves."""
+        seen: dict[int, WindowWork] = {}
+        for w in [*self.abandoned, *self.active.values(), *self._ready]:
+            seen.setdefault(w.spec.index, w)
+        return sorted(seen.values(), key=lambda w: w.spec.index)
 
     def _stopping(self) -> bool:
         return self.stop is not None and self.stop.requested

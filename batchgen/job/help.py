@@ -27,8 +27,10 @@ Usage:
   batchgen --cfg job            # print the resolved configuration and exit
 """
 
-HELP_FOOTER = """Exit status: 0 done; 75 interrupted by a signal (rerun the same command to resume);
-2 invalid configuration or input; 1 other errors (including Hydra's own messages about unknown keys).
+HELP_FOOTER = """Exit status: 0 done; 3 done, but more error rows than run.max_error_fraction; 75 incomplete:
+stopped by a signal or the disk is full (rerun the same command to resume); 2 invalid configuration, input
+or output directory; 1 other errors (including Hydra's own messages about misspelt keys).
+Sweeps (-m): give each job its own output, e.g. data.output=out/<the job number, hydra:job.num>.
 Hydra flags: batchgen --hydra-help"""
 
 GROUP_TITLES = {

@@ -5,17 +5,26 @@ group (``model=tiny``, ``data=default``, ``engine=default``, ``sampling=default`
 ``run=default``) and ``hydra/help=batchgen`` (the ``--help`` text of :mod:`batchgen.job.help`).
 
 Resolvers: ``${batchgen.shard_dir:output,index,count}`` (a shard's output directory, used by
-``hydra.run.dir``) and ``${batchgen.array_env:NAME,default}`` (the shard defaults from a Slurm job array).
-Both registrations are idempotent.
+``hydra.run.dir``; a directory under the system's temp dir when the output cannot hold Hydra's log files, see
+:func:`usable_log_root`), ``${batchgen.sweep_root:}`` (where a multirun's logs go, used by ``hydra.sweep.dir``) and
+``${batchgen.array_env:NAME,default}`` (the shard defaults from a Slurm job array). The registrations are
+idempotent.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
-from batchgen.data.layout import shard_dir_name
+from hydra.experimental.callback import Callback
+
+from batchgen.data.layout import STATUS_NAME, shard_dir_name
 from batchgen.engine.config import EngineConfig
 from batchgen.job.config import DataOptions, JobConfig, ModelOptions, RunOptions, default_sampling
 from batchgen.job.help import HELP_FOOTER, HELP_HEADER, help_template
@@ -45,10 +54,39 @@ def register_configs() -> None:
     )
 
 
+LOG_FALLBACK_FREE_BYTES = 1 << 20
+"""Hydra's log directory moves to the temp directory when the output's file system has less room than this."""
+
+
+def usable_log_root(directory: str) -> str:
+    """`directory` if Hydra can create its log directory below it; otherwise (under a regular file, not
+    writable, read-only, nearly full) a directory under the system's temp dir, so that batchgen itself gets to
+    report the problem with the output in one line (exit 2, or 75 for a full disk) instead of Hydra failing
+    with a traceback. Never creates anything."""
+    p = Path(directory).absolute()
+    existing = next((q for q in [p, *p.parents] if q.exists()), None)
+    try:
+        ok = (
+            existing is not None
+            and existing.is_dir()
+            and os.access(existing, os.W_OK | os.X_OK)
+            and shutil.disk_usage(existing).free >= LOG_FALLBACK_FREE_BYTES
+        )
+    except OSError:
+        ok = False
+    return directory if ok else str(fallback_log_root(directory))
+
+
+def fallback_log_root(directory: str) -> Path:
+    """Where :func:`usable_log_root` puts Hydra's logs when `directory` cannot hold them."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(Path(directory).absolute()).strip("/")) or "root"
+    return Path(tempfile.gettempdir()) / "batchgen-logs" / name
+
+
 def _shard_dir_resolver(output: Any, index: Any, count: Any) -> str:
     sub = shard_dir_name(int(index), int(count))
     out = str(output).rstrip("/") or "/"
-    return f"{out}/{sub}" if sub else out
+    return usable_log_root(f"{out}/{sub}" if sub else out)
 
 
 def _array_env_resolver(name: str, default: Any = None) -> Any:
@@ -59,6 +97,19 @@ def _array_env_resolver(name: str, default: Any = None) -> Any:
     return os.environ.get(name, default)
 
 
+def _sweep_root_resolver(*, _root_: Any) -> str:
+    """``data.output`` — or, when it names a per-job directory with ``${hydra:...}`` (``out/${hydra:job.num}``,
+    which the sweep's parent process cannot resolve), the directory above the job part (``out``). The same
+    in the parent and in every job, so the jobs' log directories are where the parent looks for them."""
+    node = _root_.data._get_node("output") if "data" in _root_ else None
+    raw = node._value() if node is not None else None
+    if isinstance(raw, str) and "${hydra:" in raw:
+        prefix = raw.split("${hydra:", 1)[0]
+        root = prefix if prefix.endswith("/") else os.path.dirname(prefix)
+        return usable_log_root(root.rstrip("/") or ".")
+    return usable_log_root(str(_root_.data.output).rstrip("/") or ".")
+
+
 def register_resolvers() -> None:
     """``${batchgen.shard_dir:${data.output},${data.shard.index},${data.shard.count}}`` (used by hydra.run.dir)
     and ``${batchgen.array_env:SLURM_ARRAY_TASK_ID,0}`` (the shard defaults)."""
@@ -66,5 +117,35 @@ def register_resolvers() -> None:
 
     if not OmegaConf.has_resolver("batchgen.shard_dir"):
         OmegaConf.register_new_resolver("batchgen.shard_dir", _shard_dir_resolver)
+    if not OmegaConf.has_resolver("batchgen.sweep_root"):
+        OmegaConf.register_new_resolver("batchgen.sweep_root", _sweep_root_resolver)
     if not OmegaConf.has_resolver("batchgen.array_env"):
         OmegaConf.register_new_resolver("batchgen.array_env", _array_env_resolver)
+
+
+MULTIRUN_FAILURES: list[tuple[int, str, int, str]] = []
+"""(job number, overrides, exit status, first line of the message) of each job of the last multirun (in this
+process) that did not complete; filled by :class:`MultirunStatus`, read by :func:`batchgen.cli.main`."""
+
+
+class MultirunStatus(Callback):
+    """Hydra callback (``hydra.callbacks.batchgen_status`` in conf/config.yaml): after a multirun, read the
+    status each job wrote into its job directory (:data:`~batchgen.data.layout.STATUS_NAME`, written by
+    :func:`batchgen.cli.hydra_main`, also by jobs that ran elsewhere, e.g. on Slurm) and remember the jobs
+    that did not complete."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        MULTIRUN_FAILURES.clear()
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        MULTIRUN_FAILURES.clear()
+        sweep = Path(str(config.hydra.sweep.dir))
+        for f in sorted(sweep.glob(f"*/{STATUS_NAME}"), key=lambda p: (len(p.parent.name), p.parent.name)):
+            try:
+                st = json.loads(f.read_text())
+                code = int(st.get("exit_code", 0))
+            except (OSError, ValueError, TypeError):
+                continue
+            if code != 0:
+                MULTIRUN_FAILURES.append((int(st.get("num", -1)), str(st.get("overrides", "")), code,
+                                          str(st.get("message", ""))))  # fmt: skip

@@ -30,16 +30,18 @@ from batchgen.atomic import atomic_write
 from batchgen.data.layout import MANIFEST_NAME, METADATA_KEY
 from batchgen.data.manifest import Manifest
 from batchgen.data.reader import InputError, open_input, shard_range
+from batchgen.data.values import sanitize_utf8
 from batchgen.job.shards import MergeError, PartRef, Shard, find_shards
 
 
 # ----------------------------------------------------------------------------------------------- input
 def _plain(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """One array, dictionary decoded, text that is not UTF-8 written as the job writes it (U+FFFD)."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks() if arr.num_chunks else pa.array([], type=arr.type)
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
-    return arr
+    return sanitize_utf8(arr)[0]
 
 
 def input_ids(manifest: Manifest, input_spec: str | None) -> tuple[pa.Array, str | None]:

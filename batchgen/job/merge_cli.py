@@ -1,14 +1,15 @@
 """``batchgen-merge``: check that a job's shards cover every input row exactly once; merge them.
 
     batchgen-merge OUT/                             # verify: every input id present exactly once (per sample)
-    batchgen-merge OUT/ --write OUT/merged.parquet  # ... and write one Parquet file in input order
+    batchgen-merge OUT/ --write merged.parquet      # ... and write one Parquet file in input order
     batchgen-merge OUT/ --input /data/prompts/      # the input, when the recorded path does not resolve here
 
 OUT is a job's ``data.output`` (:mod:`batchgen.job.shards`); the checks are :func:`batchgen.job.merge.verify`.
 
 Exit status: 0 only when nothing is missing, duplicated or unknown; 1 when something is; 2 when the output
 or input cannot be read (or shards of different configurations/inputs are mixed). ``--write`` refuses to
-write an incomplete or duplicated merge unless ``--force``.
+write an incomplete or duplicated merge unless ``--force``, and refuses a file inside OUT (exit 2): OUT is a
+dataset (``pyarrow.parquet.read_table(OUT)``, ``OUT/**/*.parquet``) whose readers would read its rows twice.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from batchgen.job.merge import MergeReport, Problem, verify, write_merged
 from batchgen.job.shards import MergeError
@@ -116,9 +118,23 @@ def _print(report: MergeReport, as_json: bool, written: tuple[str, int] | None =
             print(f"wrote {written[1]} rows to {written[0]}")
 
 
+def _inside(dest: str, output: str) -> bool:
+    d, o = Path(dest).resolve(), Path(output).resolve()
+    return d == o or o in d.parents
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns (and exits with) the exit status."""
     args = build_parser().parse_args(argv)
+    if args.write and _inside(args.write, args.output):
+        print(
+            f"batchgen-merge: error: --write {args.write} lies inside the output directory {args.output}: dataset "
+            f"readers of {args.output} (pyarrow.parquet.read_table, {args.output.rstrip('/')}/**/*.parquet) would "
+            "read its rows twice; write it outside, e.g. --write "
+            f"{Path(args.output.rstrip('/') or '.').name or 'out'}.merged.parquet beside it",
+            file=sys.stderr,
+        )
+        return _exit(EXIT_ERROR, argv)
     try:
         report = verify(args.output, args.input, args.max_examples)
         if args.write and not report.ok and not args.force:

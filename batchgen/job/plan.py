@@ -6,10 +6,14 @@ range and windows, resolves the checkpoint and fingerprints the configuration. A
 
 Invariants:
 - The *fingerprint* hashes exactly the settings that change the output (model files, dtype, the columns
-  used, sampling, window size, ``engine.max_model_len``); a rerun into the same output must match it.
+  used, sampling, window size, ``engine.max_model_len``, the chat template of a chat job); a rerun into the
+  same output must match it — except :data:`RETRY_KEYS`, which may change with ``data.retry_errors=true``.
   Performance settings (engine memory and batch sizes, device, ``data.group_by_prefix``) and the model's
   path (only its files count) are left out, so they may change between runs.
 - Windows depend only on the input, the shard and ``data.window_rows``: a rerun sees the same windows.
+- Every file of the input holds the columns the job reads, with types that unify (:meth:`InputSet.read_schema`),
+  and the prompt column can hold a prompt (a string, or for chat a list or a JSON string): a job in which
+  no row could ever succeed is refused here, before the model loads.
 """
 
 from __future__ import annotations
@@ -29,10 +33,15 @@ from batchgen.data.manifest import Manifest
 from batchgen.data.parts import PartLayout
 from batchgen.data.prompts import PromptSpec, struct_override_problems
 from batchgen.data.reader import InputSet, WindowSpec, open_input, plan_windows, shard_range
+from batchgen.engine.config import parse_bytes
 from batchgen.errors import ConfigError
 from batchgen.job.config import DataOptions, JobConfig
 
 DEFAULT_SAMPLING_COLUMN = "sampling"
+RETRY_KEYS = ("engine.max_model_len", "model.chat_template")
+"""Fingerprint keys that may change when resuming with ``data.retry_errors=true``: they decide which rows
+fail (too long, template errors), and fixing them is what a retry is for."""
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
 def sample_input_path() -> str:
@@ -40,22 +49,71 @@ def sample_input_path() -> str:
     return str(resources.files("batchgen") / "sample_data" / "prompts.parquet")
 
 
-def model_fingerprint(path: str) -> str:
-    """Hash of a checkpoint's configs, tokenizer files and safetensors headers (not the full weights)."""
-    h = hashlib.sha256()
+def _file_digests(path: str) -> dict[str, bytes]:
+    """name → digest of each checkpoint file that defines the model: configs, tokenizer files, chat
+    templates, and the size and header of each safetensors file (not the full weights)."""
+    out: dict[str, bytes] = {}
     p = Path(path)
     for name in sorted(os.listdir(p)):
         f = p / name
         if not f.is_file():
             continue
         if name.endswith(".json") or name.endswith(".jinja") or name in ("tokenizer.model",):
-            h.update(f"{name}\0".encode() + hashlib.sha256(f.read_bytes()).digest())
+            out[name] = hashlib.sha256(f.read_bytes()).digest()
         elif name.endswith(".safetensors"):
             with open(f, "rb") as fh:
                 n = int.from_bytes(fh.read(8), "little")
                 header = fh.read(min(n, 100_000_000))
-            h.update(f"{name}\0{f.stat().st_size}\0".encode() + hashlib.sha256(header).digest())
+            out[name] = f"{f.stat().st_size}\0".encode() + hashlib.sha256(header).digest()
+    return out
+
+
+def model_fingerprint(path: str) -> str:
+    """Hash of a checkpoint's configs, tokenizer files and safetensors headers (not the full weights).
+
+    The fingerprint of batchgen <= 0.1 (chat template included): see :func:`model_identity` for today's."""
+    h = hashlib.sha256()
+    for name, digest in _file_digests(path).items():
+        h.update(f"{name}\0".encode() + digest)
     return h.hexdigest()
+
+
+def _chat_template_text(path: str) -> str | None:
+    p = Path(path)
+    parts = []
+    try:
+        cfg = json.loads((p / "tokenizer_config.json").read_text())
+        if cfg.get("chat_template") is not None:
+            parts.append(json.dumps(cfg["chat_template"], sort_keys=True))
+    except (OSError, ValueError):
+        pass
+    for name in _TEMPLATE_FILES:
+        if (p / name).is_file():
+            parts.append(f"{name}\0" + (p / name).read_text(errors="replace"))
+    return "\n".join(parts) if parts else None
+
+
+def model_identity(path: str) -> tuple[str, str | None, dict[str, str]]:
+    """(fingerprint without the chat template, chat template hash or None, short per-file hashes).
+
+    The chat template is hashed on its own so that fixing a template that failed rows can be resumed with
+    ``data.retry_errors=true``; the per-file hashes name what changed when a resume is refused."""
+    digests = _file_digests(path)
+    h = hashlib.sha256()
+    for name, digest in digests.items():
+        if name in _TEMPLATE_FILES:
+            continue
+        if name == "tokenizer_config.json":
+            try:
+                cfg = json.loads((Path(path) / name).read_text())
+                cfg.pop("chat_template", None)
+                digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).digest()
+            except (OSError, ValueError):
+                pass
+        h.update(f"{name}\0".encode() + digest)
+    template = _chat_template_text(path)
+    tfp = hashlib.sha256(template.encode()).hexdigest()[:16] if template is not None else None
+    return h.hexdigest(), tfp, {k: v.hex()[-12:] for k, v in digests.items()}
 
 
 @dataclass
@@ -74,6 +132,14 @@ class JobPlan:
     fingerprint: str
     fingerprint_config: dict[str, Any]
     part_layout: PartLayout
+    read_schema: pa.Schema
+    """The columns the job reads, with their types unified over the input files."""
+    model_info: dict[str, Any]
+    """Names describing the checkpoint (path, architecture, per-file hashes): shown when a resume is refused."""
+    legacy_fingerprint: str
+    """What batchgen <= 0.1 recorded for this configuration (resuming its output directories)."""
+    model_max_len: int
+    """The model's own limit on prompt + generation (before ``engine.max_model_len``)."""
 
 
 # ------------------------------------------------------------------------------------------- columns
@@ -101,6 +167,35 @@ def _sampling_column(d: DataOptions, inp: InputSet) -> str | None:
     if problem:
         raise ConfigError(f"data.sampling_column: column {name!r} {problem}")
     return name
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or str(t) == "string_view"
+
+
+def _check_prompt_type(d: DataOptions, schema: pa.Schema) -> None:
+    """ConfigError when the prompt (or messages) column's type can never hold a valid prompt: every row
+    would be an error row."""
+    if d.messages_column:
+        t = schema.field(d.messages_column).type
+        if not (_is_text(t) or pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_null(t)):
+            raise ConfigError(
+                f"data.messages_column: column {d.messages_column!r} has type {t}; expected a list of "
+                "{role, content} structs or a JSON string, so every row would fail"
+            )
+        what, t, key = d.messages_column, t, "data.messages_column"
+    else:
+        t = schema.field(d.prompt_column).type
+        if not (_is_text(t) or pa.types.is_null(t)):
+            raise ConfigError(
+                f"data.prompt_column: column {d.prompt_column!r} has type {t}, not string, so every row "
+                "would fail; choose a string column (or data.messages_column for chat messages)"
+            )
+        what, key = d.prompt_column, "data.prompt_column"
+    if pa.types.is_null(t):
+        raise ConfigError(
+            f"{key}: column {what!r} holds only nulls in every input file, so every row would fail"
+        )
 
 
 def _check_columns(d: DataOptions, inp: InputSet) -> tuple[list[str], str | None]:
@@ -136,12 +231,81 @@ def _model_path(cfg: JobConfig) -> str:
     return path
 
 
+def _model_config(cfg: JobConfig, path: str) -> Any:
+    """The checkpoint's architecture (config.json only: no weights are read); an unsupported or malformed
+    one is a ConfigError here, before anything loads."""
+    from batchgen.models.config import ModelConfig
+
+    try:
+        return ModelConfig.from_pretrained(path)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        where = cfg.model.path or "the embedded tiny model"
+        raise ConfigError(f"model.path: cannot use {where!r}: {e}") from e
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_kv_memory(cfg: JobConfig, model_cfg: Any) -> None:
+    """A CPU KV cache pool larger than the machine's memory can never be allocated: refuse it now (from
+    ``engine.kv_cache_memory``, or ``engine.num_blocks`` times the block size of this model)."""
+    e = cfg.engine
+    if e.device.startswith("cuda"):
+        return
+    if e.device == "auto":
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return
+        except ImportError:  # pragma: no cover - torch is a dependency
+            return
+    have = _physical_memory()
+    if have is None:
+        return
+    if e.num_blocks is None:
+        want = parse_bytes(e.kv_cache_memory)
+        if want > have:
+            raise ConfigError(
+                f"engine.kv_cache_memory={e.kv_cache_memory} ({want / 2**30:.1f} GiB) is more than this machine's "
+                f"memory ({have / 2**30:.1f} GiB); lower engine.kv_cache_memory (or set engine.num_blocks)"
+            )
+        return
+    import torch
+
+    from batchgen.models.config import parse_dtype
+
+    dtype = model_cfg.dtype if cfg.model.dtype == "auto" else parse_dtype(cfg.model.dtype)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_block = 2 * model_cfg.num_layers * e.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * elem
+    want = e.num_blocks * per_block
+    if want > have:
+        raise ConfigError(
+            f"engine.num_blocks={e.num_blocks} is a KV cache of {want / 2**30:.1f} GiB for this model, more than "
+            f"this machine's memory ({have / 2**30:.1f} GiB); lower engine.num_blocks"
+        )
+
+
 # -------------------------------------------------------------------------------- what the output records
-def _fingerprint_config(cfg: JobConfig, model_fp: str, sampling_col: str | None) -> dict[str, Any]:
-    """The settings that change the output (see the module docstring), as recorded in the manifest."""
+def _fingerprint_config(
+    cfg: JobConfig,
+    model_fp: str,
+    sampling_col: str | None,
+    template_fp: str | None = None,
+    legacy: bool = False,
+) -> dict[str, Any]:
+    """The settings that change the output (see the module docstring), as recorded in the manifest
+    (`legacy`: as batchgen <= 0.1 recorded them, with the chat template inside the model fingerprint)."""
     d = cfg.data
+    model: dict[str, Any] = {"fingerprint": model_fp, "dtype": cfg.model.dtype}
+    if not legacy and d.messages_column:
+        model["chat_template"] = template_fp
     return {
-        "model": {"fingerprint": model_fp, "dtype": cfg.model.dtype},
+        "model": model,
         "data": {
             "prompt_column": None if d.messages_column else d.prompt_column,
             "messages_column": d.messages_column,
@@ -177,17 +341,11 @@ def _part_metadata(cfg: JobConfig, inp: InputSet, model_fp: str, sampling_col: s
     }
 
 
-def _part_layout(cfg: JobConfig, inp: InputSet, metadata: dict[str, Any]) -> PartLayout:
+def _part_layout(cfg: JobConfig, schema: pa.Schema, metadata: dict[str, Any]) -> PartLayout:
     d = cfg.data
-
-    def plain(t: pa.DataType | None) -> pa.DataType:
-        if t is None:
-            return pa.null()
-        return t.value_type if pa.types.is_dictionary(t) else t
-
-    id_type = plain(inp.column_type(d.id_column)) if d.id_column else pa.int64()
+    id_type = schema.field(d.id_column).type if d.id_column else pa.int64()
     kept = [
-        pa.field(c, inp.column_type(c)) for c in d.keep_columns if not (c == "id" and d.id_column == "id")
+        pa.field(c, schema.field(c).type) for c in d.keep_columns if not (c == "id" and d.id_column == "id")
     ]
     return PartLayout(
         id_type=id_type,
@@ -195,7 +353,12 @@ def _part_layout(cfg: JobConfig, inp: InputSet, metadata: dict[str, Any]) -> Par
         n=cfg.sampling.n,
         logprobs=cfg.sampling.logprobs is not None,
         metadata=metadata,
+        id_source=d.id_column,
     )
+
+
+def _hash(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def plan_job(cfg: JobConfig) -> JobPlan:
@@ -203,10 +366,15 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     d = cfg.data
     inp = open_input(d.input if d.input else sample_input_path())
     columns, sampling_col = _check_columns(d, inp)
+    schema = inp.read_schema(columns)
+    _check_prompt_type(d, schema)
     row_start, row_end = shard_range(inp.num_rows, d.shard.index, d.shard.count)
     model_path = _model_path(cfg)
-    model_fp = model_fingerprint(model_path)
-    fp_config = _fingerprint_config(cfg, model_fp, sampling_col)
+    model_cfg = _model_config(cfg, model_path)
+    _check_kv_memory(cfg, model_cfg)
+    model_fp, template_fp, files = model_identity(model_path)
+    fp_config = _fingerprint_config(cfg, model_fp, sampling_col, template_fp)
+    legacy_config = _fingerprint_config(cfg, model_fingerprint(model_path), sampling_col, legacy=True)
     spec = PromptSpec(
         prompt_column=d.prompt_column,
         messages_column=d.messages_column,
@@ -223,9 +391,17 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         row_start=row_start,
         row_end=row_end,
         windows=plan_windows(row_start, row_end, d.window_rows),
-        fingerprint=hashlib.sha256(json.dumps(fp_config, sort_keys=True, default=str).encode()).hexdigest(),
+        fingerprint=_hash(fp_config),
         fingerprint_config=fp_config,
-        part_layout=_part_layout(cfg, inp, _part_metadata(cfg, inp, model_fp, sampling_col)),
+        part_layout=_part_layout(cfg, schema, _part_metadata(cfg, inp, model_fp, sampling_col)),
+        read_schema=schema,
+        model_info={
+            "path": os.path.abspath(model_path) if cfg.model.path else "tiny-default",
+            "architecture": model_cfg.architecture,
+            "files": files,
+        },
+        legacy_fingerprint=_hash(legacy_config),
+        model_max_len=int(model_cfg.max_model_len),
     )
 
 
@@ -245,4 +421,5 @@ def fresh_manifest(plan: JobPlan) -> Manifest:
         window_rows=d.window_rows,
         num_windows=len(plan.windows),
         batchgen_version=batchgen.__version__,
+        model=plan.model_info,
     )

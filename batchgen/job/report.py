@@ -1,7 +1,8 @@
-"""The job report: ``report.json`` beside the output and a table printed at the end.
+"""The job report: ``_report.json`` beside the output and a table printed at the end.
 
-Row counts (``rows.*``) cover the whole shard output so far (from the manifest, all runs); throughput and
-engine figures (``run.*``, ``tokens.*``, ``kv.*``, ``scheduler.*``) cover this run only.
+Row counts (``rows.*``, ``errors.*``) cover the whole shard output so far (from the manifest, all runs,
+checkpointed rows of unfinished windows included); throughput and engine figures (``run.*``, ``tokens.*``,
+``kv.*``, ``scheduler.*``) cover this run only.
 """
 
 from __future__ import annotations
@@ -17,13 +18,22 @@ from batchgen.engine.stats import EngineStats
 
 def _rows(manifest: Manifest) -> dict[str, int]:
     recs = manifest.windows.values()
+    parts = manifest.partial.values()
     return {
         "shard_total": manifest.shard.get("row_end", 0) - manifest.shard.get("row_start", 0),
-        "done": sum(r.row_end - r.row_start for r in recs),
-        "ok": sum(r.rows_ok for r in recs),
-        "error": sum(r.rows_error for r in recs),
+        "done": manifest.rows_done,
+        "ok": sum(r.rows_ok for r in recs) + sum(p.rows_ok for p in parts),
+        "error": sum(r.rows_error for r in recs) + sum(p.rows - p.rows_ok for p in parts),
+        "retryable": manifest.retry_rows,
+        "checkpointed": sum(p.rows for p in parts),
         "output_rows": sum(r.num_output_rows for r in recs),
     }
+
+
+def error_fraction(manifest: Manifest) -> float:
+    """Error rows over the shard's rows (0 for an empty shard)."""
+    r = _rows(manifest)
+    return r["error"] / r["shard_total"] if r["shard_total"] else 0.0
 
 
 def _engine_figures(st: EngineStats) -> dict[str, dict[str, Any]]:
@@ -112,8 +122,15 @@ def _bytes(n: float) -> str:
 def format_table(report: dict[str, Any]) -> str:
     """The end-of-job summary table."""
     r, t, run, kv, sch = report["rows"], report["tokens"], report["run"], report["kv"], report["scheduler"]
+    status = report["status"]
+    err = report.get("errors") or {}
+    if err.get("exceeded"):
+        status += (
+            f": {err['fraction']:.1%} of the rows are error rows, more than run.max_error_fraction="
+            f"{err['max_fraction']:g}"
+        )
     lines = [
-        ("status", report["status"]),
+        ("status", status),
         ("rows ok / error", f"{r['ok']} / {r['error']}  ({r['done']} of {r['shard_total']} rows done)"),
         (
             "windows",
@@ -131,6 +148,11 @@ def format_table(report: dict[str, Any]) -> str:
         ("peak concurrent seqs", str(sch["peak_running_seqs"])),
         ("preemptions", str(sch["preemptions"])),
     ]
+    for i, (msg, count) in enumerate(err.get("top") or []):
+        text = f"{count} x {msg}"
+        lines.insert(2 + i, ("top errors" if i == 0 else "", text if len(text) <= 100 else text[:97] + "..."))
+    if r.get("retryable"):
+        lines.insert(2, ("retryable errors", f"{r['retryable']} (rerun with data.retry_errors=true)"))
     w = max(len(k) for k, _ in lines)
     bar = "-" * (w + 2 + max(len(v) for _, v in lines))
     body = "\n".join(f"{k.ljust(w)}  {v}" for k, v in lines)

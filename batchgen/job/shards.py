@@ -54,7 +54,7 @@ class Shard:
 def _shard_dirs(root: Path) -> list[Path]:
     if not root.is_dir():
         raise MergeError(f"{str(root)!r} is not a directory")
-    dirs = [root] if (root / MANIFEST_NAME).is_file() else []
+    dirs = [root] if Manifest.path_in(root) is not None else []
     dirs += sorted(p for p in root.iterdir() if p.is_dir() and SHARD_RE.match(p.name))
     if not dirs:
         raise MergeError(

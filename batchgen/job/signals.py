@@ -1,9 +1,11 @@
 """Stopping a job on a signal: SIGINT, SIGTERM and SIGUSR1 (and submitit's preemption signal in a submitit job).
 
 A signal sets :attr:`StopSignal.requested` and a grace :attr:`StopSignal.deadline` (``run.stop_grace_s``
-from now); the feeder stops admitting rows, finishes the windows already started until the deadline, and the
-job exits with status 75. A second SIGINT raises KeyboardInterrupt (abort at once; still 75). The handlers are
-installed only for the duration of :meth:`StopSignal.installed`, and only in the main thread.
+from now); the feeder stops admitting rows, finishes the rows already admitted until the deadline, the job
+saves every finished row (parts and checkpoints) and exits with status 75. A second SIGINT raises
+KeyboardInterrupt (abort at once; still 75). The handlers are installed for the duration of
+:meth:`StopSignal.installed` (the whole of :func:`batchgen.job.run.run_job`, start-up included), and only in
+the main thread.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class StopSignal:
         msg = (
             f"received {name}: no new rows are admitted; "
             + (f"finishing started windows for up to {self.grace_s:g} s, " if self.grace_s else "")
-            + "then saving and exiting with status 75 (rerun to resume)"
+            + "then saving every finished row and exiting with status 75 (rerun to resume)"
             + ("; press Ctrl-C again to abort at once" if signum == signal.SIGINT else "")
         )
         logger.warning(msg)

@@ -8,14 +8,17 @@
 # own output directory OUTROOT/NAME/ (keyed by the file name) and one `batchgen data.input=INBOX/NAME.parquet
 # data.output=OUTROOT/NAME ...` run; the overrides are passed through unchanged ("$@", never eval'd).
 #
-# - Finished files are skipped without starting batchgen: OUTROOT/NAME/manifest.json says "complete".
+# - Finished files are skipped without starting batchgen: OUTROOT/NAME/_manifest.json (manifest.json in
+#   output written by batchgen 0.1.0) says "complete".
 #   A file whose run was interrupted is resumed (batchgen continues from its manifest).
 # - Files are taken in name order; hidden files (.NAME) and files modified in the last
 #   BATCHGEN_INBOX_SETTLE_S seconds (default 10: maybe still being copied) wait for a later run. Best:
 #   producers write elsewhere (or to .NAME) and `mv` into the inbox.
 # - A file that batchgen rejects (exit 2: unreadable, wrong columns, or changed content under a name
 #   already processed - give new data a new name) gets OUTROOT/NAME.failed with the message and is not
-#   retried until the file changes. Other failures are retried on the next run.
+#   retried until the file changes. A file whose output is complete but has more error rows than
+#   run.max_error_fraction (exit 3) gets NAME.failed too and counts as failed (its output stays). Other
+#   failures are retried on the next run.
 # - One run at a time: an exclusive lock on OUTROOT/.inbox.lock; a run that finds it taken exits 0 at once.
 # - SIGTERM/SIGINT (systemd stop, shutdown) are forwarded to batchgen, which saves finished windows and
 #   exits 75; this script then stops (status 75) and the next run resumes.
@@ -59,11 +62,13 @@ on_signal() {
 trap 'on_signal TERM' TERM
 trap 'on_signal INT' INT
 
-# complete DIR: DIR/manifest.json exists and lists every window.
+# complete DIR: DIR/_manifest.json (or manifest.json of batchgen <= 0.1) exists and lists every window.
 complete() {
-  [[ -f $1/manifest.json ]] &&
+  local m=$1/_manifest.json
+  [[ -f $m ]] || m=$1/manifest.json
+  [[ -f $m ]] &&
     "$PY" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get("complete") else 1)' \
-      "$1/manifest.json" 2>/dev/null
+      "$m" 2>/dev/null
 }
 
 shopt -s nullglob
@@ -111,6 +116,11 @@ for f in "$INBOX"/*.parquet; do
     75)
       log "$name: interrupted; the next run resumes it (log: $OUTROOT/$name.log)"
       stop=${stop:-batchgen}
+      ;;
+    3)
+      log "$name: finished with too many error rows (exit 3); see $OUTROOT/$name.log and $out/_report.json"
+      tail -n 5 "$OUTROOT/$name.log" >"$OUTROOT/$name.failed"
+      failed=$((failed + 1))
       ;;
     2)
       log "$name: rejected by batchgen (exit 2); not retried until the file changes (log: $OUTROOT/$name.log)"
