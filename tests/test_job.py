@@ -381,3 +381,23 @@ def test_progress_log_lines(caplog: pytest.LogCaptureFixture) -> None:
     bar = Progress(total=3, mode="bar")
     bar.update(3)
     bar.close()
+
+
+def test_model_implementation_transformers_gives_the_same_rows(llama_ckpt: str, tmp_path: Path) -> None:
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["The quick brown fox", "def main():", "Once upon a time"]}), inp)
+    outs = {}
+    for impl in ("native", "transformers"):
+        cfg = job_config(llama_ckpt, inp, tmp_path / impl, sampling={"temperature": 0.0})
+        cfg.model.implementation = impl
+        assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
+        outs[impl] = read_output(tmp_path / impl).column("token_ids").to_pylist()
+    assert outs["native"] == outs["transformers"]
+
+
+def test_model_implementation_is_checked() -> None:
+    from batchgen.errors import ConfigError
+    from batchgen.job.config import ModelOptions
+
+    with pytest.raises(ConfigError, match="model.implementation must be one of auto, native, transformers"):
+        ModelOptions(implementation="vllm")

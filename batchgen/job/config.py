@@ -51,6 +51,9 @@ def SamplingOptions(**kwargs: Any) -> SamplingParams:  # noqa: N802 - the name o
     return SamplingParams(**{"seed": JOB_SEED, **kwargs})
 
 
+IMPLEMENTATIONS = ("auto", "native", "transformers")  # batchgen.models.loader.IMPLEMENTATIONS, without torch
+
+
 @dataclass
 class ModelOptions:
     """``model.*``: which checkpoint to run."""
@@ -59,10 +62,16 @@ class ModelOptions:
     """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files); null = the embedded tiny Llama, built locally on first use (cached under $BATCHGEN_CACHE or ~/.cache/batchgen)."""
     dtype: str = "auto"
     """Weights and activations dtype: auto (the engine's choice for the checkpoint and device), float32, bfloat16 or float16."""
+    implementation: str = "auto"
+    """Model code: auto (batchgen's native code when it has the architecture, else transformers' modeling code over batchgen's paged attention), native, or transformers."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ConfigError(
+                f"model.implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {self.implementation!r}"
+            )
 
 
 @dataclass

@@ -711,7 +711,9 @@ def _start_engine(plan: JobPlan) -> Engine:
 
     e = plan.cfg.engine
     try:
-        return LLMEngine(plan.model_path, e, dtype=plan.cfg.model.dtype)
+        return LLMEngine(
+            plan.model_path, e, dtype=plan.cfg.model.dtype, implementation=plan.cfg.model.implementation
+        )
     except MemoryError as err:
         raise ConfigError(
             f"not enough memory to start the engine (engine.kv_cache_memory={e.kv_cache_memory}, "
