@@ -123,6 +123,10 @@ def _remove_run_dir(run_dir: str) -> None:
 def main() -> None:
     """Console entry point (``batchgen``). ``--cfg job`` prints the config with interpolations resolved."""
     argv = sys.argv[1:]
+    if argv[:1] == ["show"]:
+        from batchgen.job.show import main as show_main
+
+        sys.exit(show_main(argv[1:]))
     if ("--cfg" in argv or "-c" in argv or "--cfg=job" in argv) and "--resolve" not in argv:
         i = argv.index("--cfg") if "--cfg" in argv else argv.index("-c") if "-c" in argv else -1
         if argv[i + 1 : i + 2] == ["job"] or "--cfg=job" in argv:

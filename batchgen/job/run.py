@@ -87,6 +87,9 @@ _RETRYABLE_LEGACY = re.compile(
 )
 
 
+NUM_EXAMPLES = 3  # rows shown in the summary
+
+
 @dataclass
 class JobResult:
     """What a job run ended with; ``exit_code`` is the CLI's exit status."""
@@ -203,6 +206,7 @@ class _Job:
         self.errors: collections.Counter[str] = collections.Counter()
         self.engine_errors: collections.Counter[str] = collections.Counter()
         self.error_examples: dict[str, str] = {}
+        self.examples: list[tuple[list[int], str]] = []  # (prompt token ids, text) of the first ok rows
         self.last_checkpoint = time.monotonic()
         self.windows_done = 0
         self.rows_done = 0
@@ -514,6 +518,8 @@ class _Job:
         self._count(ok, out.error or (None if ok else "generation failed"))
         self.engine_done += 1
         self.engine_ok += ok
+        if ok and len(self.examples) < NUM_EXAMPLES and out.outputs:
+            self.examples.append((out.prompt_token_ids, out.outputs[0].text))
         if not ok:
             key = _error_key(out.error or "generation failed")
             self.engine_errors[key] += 1
@@ -681,8 +687,27 @@ class _Job:
         (logger.error if code == EXIT_TOO_MANY_ERRORS else logger.info)(msg)
         if self.print_summary:
             print(format_table(report))
+            print(self._examples_text())
             print(msg)
         return JobResult(code, status, str(outdir.path), str(outdir.report_path), report, msg)
+
+    def _examples_text(self) -> str:
+        """A few rows of this run (prompt tail → generated text) and how to read the whole output."""
+        out = str(self.outdir.path) if self.outdir is not None else self.out_dir
+        lines = []
+        tokenizer = getattr(self.engine, "tokenizer", None) if self.examples else None
+        for prompt_ids, text in self.examples:
+            prompt = tokenizer.decode(prompt_ids[-24:], skip_special_tokens=True) if tokenizer else ""
+            prompt = " ".join(prompt.split())
+            lines.append(f"  …{prompt[-60:]!s} → {' '.join(text.split())[:100]!r}")
+        head = ["examples:", *lines] if lines else []
+        return "\n".join(
+            [
+                *head,
+                f"read the output: batchgen show {out}  |  pandas.read_parquet({out!r})  |  "
+                f"duckdb: SELECT * FROM read_parquet('{out}/**/*.parquet')",
+            ]
+        )
 
 
 class _Stopped(KeyboardInterrupt):
