@@ -1,12 +1,16 @@
-"""Tiny Hugging Face checkpoints built offline: a byte-level BPE tokenizer and random-weight decoders.
+"""Tiny Hugging Face checkpoints offline: a byte-level BPE tokenizer, random-weight decoders, and the
+embedded default model.
 
-Used by the tests (one checkpoint per architecture) and as the embedded default model
-(`tiny_default_checkpoint`), so nothing is ever downloaded.
+- `build_checkpoint` / `cached_checkpoint`: random-weight checkpoints for the tests and benchmarks (one per
+  architecture), built locally, so nothing is ever downloaded.
+- `tiny_default_checkpoint`: the embedded default model (`model=tiny`), a small Llama trained on English text
+  that ships with CPython and shipped as package data in `tiny_lm/` (weights and tokenizer);
+  `python -m batchgen.models.train_tiny` reproduces it.
 
 Invariants:
 - Deterministic: the same arguments give byte-identical tokenizer files and weights in the same
   environment (the tokenizer is trained on text shipped with this CPython, so a different Python
-  version gives a different, still deterministic, tokenizer).
+  version gives a different, still deterministic, tokenizer; hence the default model ships its own).
 - The tokenizer uses the Qwen2 pre-tokenization pipeline (NFC normaliser, Qwen2 split regex,
   ByteLevel without regex) for every architecture. `AutoTokenizer` rebuilds that exact pipeline from
   vocab + merges for `model_type` qwen2/qwen3 (it forces `Qwen2Tokenizer`), so ids agree with
@@ -44,21 +48,8 @@ _PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
-# The embedded default model ("model=tiny"): a small Llama, ~1.3M parameters.
-TINY_DEFAULT_SPEC: dict[str, Any] = dict(
-    arch="llama",
-    hidden_size=128,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=384,
-    vocab_size=DEFAULT_VOCAB_SIZE,
-    tie_word_embeddings=True,
-    max_position_embeddings=2048,
-    seed=0,
-    initializer_range=0.08,
-)
-_TINY_DEFAULT_NAME = "tiny-llama-v1"
+# The embedded default model ("model=tiny"): trained weights and tokenizer shipped with the package.
+TINY_LM_DIR = Path(__file__).resolve().parent / "tiny_lm"
 
 _tokenizer_json_cache: dict[int, str] = {}
 _tokenizer_lock = threading.Lock()
@@ -78,33 +69,59 @@ def _training_corpus() -> list[str]:
     return texts
 
 
-def _train_tokenizer_json(vocab_size: int) -> str:
-    """Train the BPE tokenizer and return its tokenizer.json text (memoised per process)."""
-    with _tokenizer_lock:
-        if vocab_size in _tokenizer_json_cache:
-            return _tokenizer_json_cache[vocab_size]
-        from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+def train_tokenizer_json(vocab_size: int, texts: list[str] | None = None) -> str:
+    """Train the byte-level BPE tokenizer and return its tokenizer.json text.
 
-        tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-        tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            min_frequency=2,
-            special_tokens=list(SPECIAL_TOKENS),
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train_from_iterator(_training_corpus(), trainer=trainer)
-        text = tok.to_str()
-        _tokenizer_json_cache[vocab_size] = text
-        return text
+    `texts` defaults to `_training_corpus()` (memoised per process and vocab size); the embedded
+    default model's training script passes its own corpus through the same pipeline.
+    """
+    if texts is None:
+        with _tokenizer_lock:
+            if vocab_size not in _tokenizer_json_cache:
+                _tokenizer_json_cache[vocab_size] = _train_bpe(vocab_size, _training_corpus())
+            return _tokenizer_json_cache[vocab_size]
+    return _train_bpe(vocab_size, texts)
+
+
+def _train_bpe(vocab_size: int, texts: list[str]) -> str:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok.to_str()
+
+
+def wrap_tokenizer(tokenizer_json: str):
+    """A `PreTrainedTokenizerFast` around `tokenizer_json` with our special tokens and ChatML template."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(tokenizer_json),
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=1 << 30,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
 
 
 def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE):
@@ -125,24 +142,13 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = DEFAULT_VOCAB_
         except (OSError, ValueError):
             pass
     out.mkdir(parents=True, exist_ok=True)
-    from tokenizers import Tokenizer
-
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_train_tokenizer_json(vocab_size)),
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        additional_special_tokens=[IM_START, IM_END],
-        model_max_length=1 << 30,
-        clean_up_tokenization_spaces=False,
-    )
-    tok.chat_template = CHAT_TEMPLATE
+    tok = wrap_tokenizer(train_tokenizer_json(vocab_size))
     tok.save_pretrained(str(out))
     marker.write_text(json.dumps({"vocab_size": vocab_size}))
     return tok
 
 
-def _make_config(
+def make_config(
     arch: str,
     *,
     hidden_size: int,
@@ -244,8 +250,8 @@ def build_checkpoint(
     tok = build_tokenizer(out, vocab_size=vocab_size)
     if len(tok) > vocab_size:
         raise ValueError(f"tokenizer has {len(tok)} tokens > vocab_size {vocab_size}")
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    cfg = _make_config(
+    ids = special_token_ids(tok)
+    cfg = make_config(
         arch,
         hidden_size=hidden_size,
         num_layers=num_layers,
@@ -282,7 +288,26 @@ def build_checkpoint(
                     param.normal_(0.0, initializer_range)
                 elif name.endswith("norm.weight"):
                     param.normal_(1.0, 0.1)
-    model = model.to(dtype).eval()
+    save_model(model.to(dtype), out, ids, max_shard_size=max_shard_size)
+    return str(out)
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """Special token -> id in `tokenizer` (see SPECIAL_TOKENS)."""
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+
+def save_model(
+    model, out_dir: str | os.PathLike, ids: dict[str, int], max_shard_size: str | int | None = None
+):
+    """`save_pretrained` `model` (in its current dtype) as safetensors with our greedy generation config.
+
+    `ids` maps the special tokens to their ids (see `special_token_ids`); EOS is `<|endoftext|>` or
+    `<|im_end|>`. Progress bars are silenced.
+    """
+    import transformers
+
+    model = model.eval()
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=ids[BOS_TOKEN],
         eos_token_id=[ids[EOS_TOKEN], ids[IM_END]],
@@ -297,14 +322,13 @@ def build_checkpoint(
     hf_logging.disable_progress_bar()
     try:
         try:
-            model.save_pretrained(str(out), **save_kwargs)
+            model.save_pretrained(str(out_dir), **save_kwargs)
         except TypeError:  # transformers versions without safe_serialization (always safetensors)
             save_kwargs.pop("safe_serialization")
-            model.save_pretrained(str(out), **save_kwargs)
+            model.save_pretrained(str(out_dir), **save_kwargs)
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()
-    return str(out)
 
 
 def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
@@ -342,5 +366,20 @@ def cached_checkpoint(name: str, cache_dir: str | os.PathLike | None = None, **s
 
 
 def tiny_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> str:
-    """Path of the embedded default model, built on first use and reused afterwards (see cached_checkpoint)."""
-    return cached_checkpoint(_TINY_DEFAULT_NAME, cache_dir, **TINY_DEFAULT_SPEC)
+    """Path of the embedded default model: the trained checkpoint shipped in `batchgen/models/tiny_lm/`.
+
+    Nothing is built or copied at run time. `cache_dir` is accepted for backward compatibility and ignored
+    (the default model used to be built into a cache). Raises FileNotFoundError if the package was installed
+    without its data files.
+    """
+    del cache_dir
+    missing = [
+        f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (TINY_LM_DIR / f).is_file()
+    ]
+    if missing:
+        raise FileNotFoundError(
+            f"the embedded default model is incomplete: {', '.join(missing)} missing from {TINY_LM_DIR} "
+            "(batchgen was installed without its package data; reinstall it, or rebuild the model with "
+            "`python -m batchgen.models.train_tiny`)"
+        )
+    return str(TINY_LM_DIR)
