@@ -518,7 +518,7 @@ class _Job:
         self._count(ok, out.error or (None if ok else "generation failed"))
         self.engine_done += 1
         self.engine_ok += ok
-        if ok and len(self.examples) < NUM_EXAMPLES and out.outputs:
+        if ok and len(self.examples) < 8 * NUM_EXAMPLES and out.outputs:
             self.examples.append((out.prompt_token_ids, out.outputs[0].text))
         if not ok:
             key = _error_key(out.error or "generation failed")
@@ -696,7 +696,9 @@ class _Job:
         out = str(self.outdir.path) if self.outdir is not None else self.out_dir
         lines = []
         tokenizer = getattr(self.engine, "tokenizer", None) if self.examples else None
-        for prompt_ids, text in self.examples:
+        # The longest of the first finished rows: the ones that show most of what the model does.
+        shown = sorted(self.examples, key=lambda e: -len(e[1].split()))[:NUM_EXAMPLES]
+        for prompt_ids, text in shown:
             prompt = tokenizer.decode(prompt_ids[-24:], skip_special_tokens=True) if tokenizer else ""
             prompt = " ".join(prompt.split())
             lines.append(f"  …{prompt[-60:]!s} → {' '.join(text.split())[:100]!r}")
