@@ -306,48 +306,50 @@ class ModelRunner:
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         """Flat token ids, positions, attention metadata, and the token index of each sampled row.
 
-        Decode rows (the first ``out.num_decodes``) take one list comprehension each for their token, position
-        and slot; lengths, cumulative offsets, the padded block-table array and the sampled-row indices are
-        numpy operations over the batch (no per-row Python for them)."""
+        Per sequence only its token ids (a list slice; one item for a decode) and its block table are read;
+        positions, slots, lengths, offsets, the padded block-table array and the sampled-row indices are numpy
+        operations over the batch (no per-token Python)."""
         bs = self.block_size
         seqs = out.seqs
         nd = out.num_decodes
+        num_seqs = len(seqs)
         tables = [s.block_table for s in seqs]
-        dec_pos = [s.start for s in seqs[:nd]]
-        input_ids = [s.seq.token_ids[p] for s, p in zip(seqs, dec_pos)]
-        positions = dec_pos
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, dec_pos)]
+        input_ids = [s.seq.token_ids[s.start] for s in seqs[:nd]]
         q_lens = [1] * nd
-        for s, table in zip(seqs[nd:], tables[nd:]):
+        for s in seqs[nd:]:
             start, n = s.start, s.num_tokens
             input_ids.extend(s.seq.token_ids[start : start + n])
-            rng = range(start, start + n)
-            positions.extend(rng)
-            slots.extend(table[p // bs] * bs + p % bs for p in rng)
             q_lens.append(n)
-        num_seqs = len(seqs)
-        q = np.array(q_lens, dtype=np.int32)
-        cu = np.zeros(num_seqs + 1, dtype=np.int32)
+        q = np.array(q_lens, dtype=np.int64)
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q, out=cu[1:])
-        starts = np.fromiter((s.start for s in seqs), dtype=np.int32, count=num_seqs)
+        num_tokens = int(cu[-1])
+        starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=num_seqs)
         seq_lens = starts + q
         lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
         max_blocks = int(lens.max())
-        padded = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        padded = np.zeros((num_seqs, max_blocks), dtype=np.int64)
         padded[np.arange(max_blocks) < lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum())
+            itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum())
         )
-        last = cu[np.array(out.logit_rows, dtype=np.int64) + 1].astype(np.int64) - 1
+        if nd == num_seqs:
+            positions = starts
+            slots = padded[np.arange(num_seqs), starts // bs] * bs + starts % bs
+        else:
+            row = np.repeat(np.arange(num_seqs), q)
+            positions = starts[row] + (np.arange(num_tokens) - cu[row])
+            slots = padded[row, positions // bs] * bs + positions % bs
+        last = cu[np.array(out.logit_rows, dtype=np.int64) + 1] - 1
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
             num_decode_seqs=nd,
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu).to(dev),
-            block_tables=torch.from_numpy(padded).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(padded.astype(np.int32)).to(dev),
             max_seq_len=int(seq_lens.max()),
             max_query_len=int(q.max()),
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        pos = torch.from_numpy(positions).to(dev)
         return ids, pos, meta, torch.from_numpy(last).to(dev)

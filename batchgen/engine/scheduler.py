@@ -46,7 +46,7 @@ from batchgen.engine.stats import EngineStats
 from batchgen.engine.stop import StopRules
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's work in a step: positions ``start .. start + num_tokens - 1`` are computed, reading and
     writing the KV cache through ``block_table`` (which covers at least ``start + num_tokens`` tokens)."""
@@ -222,7 +222,7 @@ class Scheduler:
         """Running sequences plus the forks that running prompts will add when they complete."""
         n = len(self.running)
         for s in self.running:
-            if s.num_output_tokens == 0:
+            if len(s.token_ids) == s.num_prompt_tokens:
                 request = s.request
                 if request.beam is not None:
                     if len(request.beam.beams) == 1:
@@ -533,27 +533,33 @@ class Scheduler:
         step that completes its prompt (they share every block, the partial last one included); which rows
         feed each beam group (a group is scheduled whole, so all its beams complete together)."""
         beam_rows: dict[int, int] = {}
+        sample_rows, sample_seqs = out.sample_rows, out.sample_seqs
+        plain = True
         for row, s in enumerate(out.seqs):
-            if not s.completes:
-                continue
             seq = s.seq
+            if s.start + s.num_tokens != len(seq.token_ids):  # does not complete: nothing sampled
+                continue
             request = seq.request
             if request.beam is not None:
                 beam_rows[seq.seq_id] = row
                 continue
-            out.sample_rows.append(row)
-            out.sample_seqs.append(seq)
-            if not request.plain_greedy:
-                out.plain_greedy = False
-            if seq.num_output_tokens == 0 and request.params.n > 1 and len(request.seqs) == 1:
+            sample_rows.append(row)
+            sample_seqs.append(seq)
+            plain = plain and request.plain_greedy
+            if (
+                request.params.n > 1
+                and len(seq.token_ids) == seq.num_prompt_tokens
+                and len(request.seqs) == 1
+            ):
                 for k in range(1, request.params.n):
                     child = seq.fork(k)
                     self.kv.fork(seq.seq_id, child.seq_id)
                     child.status = SequenceStatus.RUNNING
                     child.admitted_at = next(self._admissions)
                     self.running.append(child)
-                    out.sample_rows.append(row)
-                    out.sample_seqs.append(child)
+                    sample_rows.append(row)
+                    sample_seqs.append(child)
+        out.plain_greedy = plain
         if beam_rows:
             seen: set[int] = set()
             for s in out.seqs:
