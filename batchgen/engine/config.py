@@ -73,6 +73,10 @@ class EngineConfig:
     """CPU memory for swapped-out KV blocks with preemption_mode=swap, e.g. '4GiB' (pinned on CUDA)."""
     num_swap_blocks: int | None = None
     """Exact number of CPU swap blocks; overrides swap_space (preemption_mode=swap only)."""
+    enforce_eager: bool = False
+    """CUDA: run every step eagerly. By default decode-only steps of up to max_num_seqs sequences are padded to
+    a batch-size bucket (1, 2, 4, 8, then multiples of 16) and replayed from a CUDA graph captured per bucket
+    on first use; prefill/mixed steps always run eagerly. No effect on CPU."""
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):

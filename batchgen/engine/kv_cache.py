@@ -347,6 +347,34 @@ class KVCacheManager:
         self._update_peak()
         return copies
 
+    def append_one(self, seq_id: SeqId, token_ids: Sequence[int]) -> list[int] | None:
+        """Decode fast path: ``append_slots(seq_id, len(token_ids))`` then ``cache_full_blocks(seq_id,
+        token_ids, len(token_ids))`` for a resident sequence growing by one token that fits in its exclusive
+        last block (no new block, no copy on write): O(1), hashing only when the token fills its block.
+
+        Returns the sequence's *live* block table (not a copy; valid until the table next changes), or None,
+        changing nothing, when the general path is needed.
+        """
+        s = self._seqs.get(seq_id)
+        num_tokens = len(token_ids)
+        if s is None or s.swapped or num_tokens != s.num_tokens + 1:
+            return None
+        table = s.table
+        bs = self.block_size
+        # The token's slot must be in the last block (what append_slots would check for copies on write).
+        if (num_tokens - 1) // bs != len(table) - 1 or self.pool.ref_counts[table[-1]] != 1:
+            return None
+        s.num_tokens = num_tokens
+        self._live_slots += 1
+        self._logical_tokens += 1
+        if self.enable_prefix_caching and num_tokens // bs > s.num_registered:
+            self.cache_full_blocks(seq_id, token_ids, num_tokens)
+        return table
+
+    def live_table(self, seq_id: SeqId) -> list[int]:
+        """The sequence's block table as stored (not a copy: do not modify; valid until it next changes)."""
+        return self._get_resident(seq_id).table
+
     def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register in the prefix cache every block that is full once ``num_computed_tokens`` are computed.
 

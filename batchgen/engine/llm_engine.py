@@ -73,6 +73,7 @@ class LLMEngine:
         self.eos_token_ids = sorted(eos)
 
         self.runner = ModelRunner(self.model, config, self.device, backend)
+        self.runner.max_model_len = self.max_model_len
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.stats = EngineStats(
@@ -182,7 +183,10 @@ class LLMEngine:
             )
         return finished
 
-    def _sampling_rows(self, out: SchedulerOutput) -> list[SamplingRow]:
+    def _sampling_rows(self, out: SchedulerOutput) -> list[SamplingRow] | None:
+        """The sampler's per-row settings; None (no rows built) when every sampled row is plain greedy."""
+        if out.plain_greedy:
+            return None
         return [
             SamplingRow(
                 params=seq.params,

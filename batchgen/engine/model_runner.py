@@ -43,8 +43,26 @@ def copy_runs(copies: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     return runs
 
 
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes decode steps are padded to (and CUDA graphs captured for): 1, 2, 4, 8, 16, 32, 48, ...,
+    and ``max_num_seqs`` itself."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return [*sizes, max_num_seqs]
+
+
 class ModelRunner:
-    """Invariant: ``kv_cache`` is zero-initialised and only ever holds finite K/V written by ``store_kv``."""
+    """Invariant: ``kv_cache`` is zero-initialised and only ever holds finite K/V written by ``store_kv``.
+
+    **Padded decode buckets.** With ``pad_decodes`` (CUDA without ``engine.enforce_eager``; tests set it on
+    CPU), a decode-only step of B sequences runs as a batch of ``bucket(B)`` rows: the padding rows decode
+    token 0 at position 0 into a scratch block that the block pool never hands out (the KV cache holds one
+    block more than the pool), and their logits are not read. On CUDA each bucket's forward is captured once
+    into a CUDA graph over static input buffers and replayed (capture failure: eager, logged once).
+    """
+
+    pad_on_cpu = False
+    """Test hook: pad decode batches to buckets on CPU too (the graph-free path; CUDA graphs need CUDA)."""
 
     def __init__(
         self, model: torch.nn.Module, config: EngineConfig, device: torch.device, backend: str
@@ -61,6 +79,14 @@ class ModelRunner:
         self.attn = PagedAttention(backend)
         self.kv_cache: Tensor | None = None
         self.swapper: BlockSwapper | None = None
+        self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
+        self.pad_decodes = self.use_cuda_graphs or (device.type == "cpu" and self.pad_on_cpu)
+        self.buckets = decode_buckets(config.max_num_seqs)
+        self.max_model_len = config.max_model_len  # the engine sets the resolved value
+        self.scratch_block = -1  # set by allocate_kv_cache when padding
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._graph_inputs: dict[str, Tensor] = {}
+        self._graphs_failed = False
 
     # ------------------------------------------------------------------------------------------ sizing
     @property
@@ -139,6 +165,9 @@ class ModelRunner:
         self.swapper = BlockSwapper(self.kv_cache, num_cpu_blocks) if num_cpu_blocks > 0 else None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        if self.pad_decodes:  # one scratch block past the pool's blocks, for the padding rows
+            self.scratch_block = num_blocks
+            num_blocks += 1
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         if self.device.type == "cpu":
             # calloc'd by numpy: the OS hands out zero pages lazily, so a multi-GiB pool costs nothing until
@@ -175,41 +204,152 @@ class ModelRunner:
         """
         self.swap(out)
         ids, pos, meta, last = self.prepare_inputs(out)
+        nd = meta.num_decode_seqs
+        if self.pad_decodes and nd == len(out.seqs) and nd <= self.buckets[-1]:
+            bucket = next(b for b in self.buckets if b >= nd)
+            ids, pos, meta = self.pad_decode_batch(ids, pos, meta, bucket)
+            if self.use_cuda_graphs and not self._graphs_failed:
+                hidden = self._run_graph(ids, pos, meta, bucket)
+                if hidden is not None:
+                    return self.model.compute_logits(hidden[last]).float()
         hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache))
         return self.model.compute_logits(hidden[last]).float()
 
+    def pad_decode_batch(
+        self, ids: Tensor, pos: Tensor, meta: AttentionMetadata, bucket: int
+    ) -> tuple[Tensor, Tensor, AttentionMetadata]:
+        """A decode-only batch padded to ``bucket`` rows: token 0 at position 0 writing the scratch block's
+        first slot and attending to it alone (real rows unchanged, so their logits are too)."""
+        b = ids.shape[0]
+        pad = bucket - b
+        if pad == 0:
+            return ids, pos, meta
+        dev = ids.device
+        bt = meta.block_tables
+        tables = torch.zeros((bucket, bt.shape[1]), dtype=bt.dtype, device=dev)
+        tables[:b] = bt
+        tables[b:, 0] = self.scratch_block
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(
+                [meta.slot_mapping, torch.full((pad,), self.scratch_block * self.block_size, device=dev)]
+            ),
+            num_decode_seqs=bucket,
+            seq_lens=torch.cat([meta.seq_lens, torch.ones(pad, dtype=meta.seq_lens.dtype, device=dev)]),
+            cu_seqlens_q=torch.arange(bucket + 1, dtype=meta.cu_seqlens_q.dtype, device=dev),
+            block_tables=tables,
+            max_seq_len=meta.max_seq_len,
+            max_query_len=1,
+        )
+        zeros = torch.zeros(pad, dtype=ids.dtype, device=dev)
+        return torch.cat([ids, zeros]), torch.cat([pos, zeros]), meta
+
+    def _run_graph(self, ids: Tensor, pos: Tensor, meta: AttentionMetadata, bucket: int) -> Tensor | None:
+        """Replay (capturing on first use) the CUDA graph of this bucket's decode forward; None: run eagerly."""
+        max_len = self.max_model_len
+        if max_len is None:
+            return None
+        width = -(-max_len // self.block_size)
+        if meta.block_tables.shape[1] > width:
+            return None
+        g = self._graph_inputs
+        if not g:
+            n, dev = self.buckets[-1], self.device
+            g["ids"] = torch.zeros(n, dtype=torch.long, device=dev)
+            g["pos"] = torch.zeros(n, dtype=torch.long, device=dev)
+            g["slots"] = torch.full((n,), self.scratch_block * self.block_size, dtype=torch.long, device=dev)
+            g["lens"] = torch.ones(n, dtype=torch.int32, device=dev)
+            g["cu"] = torch.arange(n + 1, dtype=torch.int32, device=dev)
+            g["tables"] = torch.zeros((n, width), dtype=torch.int32, device=dev)
+        g["ids"][:bucket].copy_(ids, non_blocking=True)
+        g["pos"][:bucket].copy_(pos, non_blocking=True)
+        g["slots"][:bucket].copy_(meta.slot_mapping, non_blocking=True)
+        g["lens"][:bucket].copy_(meta.seq_lens, non_blocking=True)
+        tables = g["tables"][:bucket]
+        tables.zero_()
+        tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
+        entry = self._graphs.get(bucket)
+        if entry is None:
+            try:
+                entry = self._capture(bucket, max_len)
+            except Exception as e:  # a backend that cannot be captured (host syncs): eager from now on
+                logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", e)
+                self._graphs_failed = True
+                return None
+            self._graphs[bucket] = entry
+        graph, hidden = entry
+        graph.replay()
+        return hidden[:bucket]
+
+    def _capture(self, bucket: int, max_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        g = self._graph_inputs
+        meta = AttentionMetadata(
+            slot_mapping=g["slots"][:bucket],
+            num_decode_seqs=bucket,
+            seq_lens=g["lens"][:bucket],
+            cu_seqlens_q=g["cu"][: bucket + 1],
+            block_tables=g["tables"][:bucket],
+            max_seq_len=max_len,
+            max_query_len=1,
+        )
+        ctx = ForwardContext(self.attn, meta, self.kv_cache)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up outside the graph (lazy inits, autotuning)
+            self.model(g["ids"][:bucket], g["pos"][:bucket], ctx)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        pool = next(iter(self._graphs.values()))[0].pool() if self._graphs else None
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = self.model(g["ids"][:bucket], g["pos"][:bucket], ctx)
+        return graph, hidden
+
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        """Flat token ids, positions, attention metadata, and the token index of each sampled row."""
+        """Flat token ids, positions, attention metadata, and the token index of each sampled row.
+
+        Per sequence only its token ids (a list slice; one item for a decode) and its block table are read;
+        positions, slots, lengths, offsets, the padded block-table array and the sampled-row indices are numpy
+        operations over the batch (no per-token Python)."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for s in out.seqs:
-            start, table = s.start, s.block_table
-            input_ids.extend(s.token_ids)
-            if s.num_tokens == 1:
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                rng = range(start, start + s.num_tokens)
-                positions.extend(rng)
-                slots.extend(table[p // bs] * bs + p % bs for p in rng)
-        q_lens = [s.num_tokens for s in out.seqs]
-        seq_lens = [s.start + s.num_tokens for s in out.seqs]
-        cu = [0, *itertools.accumulate(q_lens)]
-        max_blocks = max(len(s.block_table) for s in out.seqs)
-        padded = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in out.seqs]
+        seqs = out.seqs
+        nd = out.num_decodes
+        num_seqs = len(seqs)
+        tables = [s.block_table for s in seqs]
+        input_ids = [s.seq.token_ids[s.start] for s in seqs[:nd]]
+        q_lens = [1] * nd
+        for s in seqs[nd:]:
+            start, n = s.start, s.num_tokens
+            input_ids.extend(s.seq.token_ids[start : start + n])
+            q_lens.append(n)
+        q = np.array(q_lens, dtype=np.int64)
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        num_tokens = int(cu[-1])
+        starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=num_seqs)
+        seq_lens = starts + q
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
+        max_blocks = int(lens.max())
+        padded = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+        padded[np.arange(max_blocks) < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum())
+        )
+        if nd == num_seqs:
+            positions = starts
+            slots = padded[np.arange(num_seqs), starts // bs] * bs + starts % bs
+        else:
+            row = np.repeat(np.arange(num_seqs), q)
+            positions = starts[row] + (np.arange(num_tokens) - cu[row])
+            slots = padded[row, positions // bs] * bs + positions % bs
+        last = cu[np.array(out.logit_rows, dtype=np.int64) + 1] - 1
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_seqs=out.num_decodes,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            max_seq_len=max(seq_lens),
-            max_query_len=max(q_lens),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            num_decode_seqs=nd,
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(padded.astype(np.int32)).to(dev),
+            max_seq_len=int(seq_lens.max()),
+            max_query_len=int(q.max()),
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        last = torch.tensor([cu[b + 1] - 1 for b in out.logit_rows], dtype=torch.long, device=dev)
-        return ids, pos, meta, last
+        pos = torch.from_numpy(positions).to(dev)
+        return ids, pos, meta, torch.from_numpy(last).to(dev)

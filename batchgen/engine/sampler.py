@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -82,8 +83,16 @@ class Sampler:
         return gen
 
     @torch.inference_mode()
-    def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Sample one token per row. ``logits``: float32 ``[N, V]`` with ``N == len(rows)``; not modified."""
+    def __call__(self, logits: Tensor, rows: list[SamplingRow] | None) -> SamplerOutput:
+        """Sample one token per row. ``logits``: float32 ``[N, V]`` with ``N == len(rows)``; not modified.
+
+        ``rows=None`` means every row is greedy with nothing else asked for (no penalties, banned tokens or
+        logprobs): one argmax, with no per-row settings built at all (the engine's hot path)."""
+        if rows is None:
+            if logits.dim() != 2:
+                raise ValueError(f"logits must be [N, vocab], got {tuple(logits.shape)}")
+            n = logits.shape[0]
+            return SamplerOutput(token_ids=_argmax(logits).tolist(), logprobs=[None] * n)
         n = len(rows)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [len(rows), vocab], got {tuple(logits.shape)} for {n} rows")
@@ -96,14 +105,14 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
 
         if all_greedy and not needs_processing:
-            sampled = logits.argmax(dim=-1)
+            sampled = _argmax(logits)
         else:
             x = logits.float().clone(memory_format=torch.contiguous_format)
             if needs_processing:
                 _apply_banned(x, rows)
                 _apply_penalties(x, rows)
             if all_greedy:
-                sampled = x.argmax(dim=-1)
+                sampled = _argmax(x)
             else:
                 sampled = self._sample(x, rows)
 
@@ -154,6 +163,14 @@ class Sampler:
         q = u.log_().neg_()
         sampled[idx] = (probs / q).argmax(dim=-1)
         return sampled
+
+
+def _argmax(x: Tensor) -> Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor (ties and NaN alike: the first maximal index). On the CPU through
+    numpy, whose vectorised argmax is ~30x faster than torch's on a [256, 4096] float32 block."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.dim() == 2 and x.shape[1]:
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return x.argmax(dim=-1)
 
 
 def _apply_banned(x: Tensor, rows: list[SamplingRow]) -> None:

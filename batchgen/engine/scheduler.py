@@ -46,7 +46,7 @@ from batchgen.engine.stats import EngineStats
 from batchgen.engine.stop import StopRules
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's work in a step: positions ``start .. start + num_tokens - 1`` are computed, reading and
     writing the KV cache through ``block_table`` (which covers at least ``start + num_tokens`` tokens)."""
@@ -90,6 +90,9 @@ class SchedulerOutput:
     beam_groups: list[BeamSearch] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    plain_greedy: bool = True
+    """Every sampled sequence is greedy with no penalty, banned token, seed-dependent draw or logprobs
+    (:attr:`Request.plain_greedy`): the step's sampling is one argmax and needs no per-row settings."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -219,7 +222,7 @@ class Scheduler:
         """Running sequences plus the forks that running prompts will add when they complete."""
         n = len(self.running)
         for s in self.running:
-            if s.num_output_tokens == 0:
+            if len(s.token_ids) == s.num_prompt_tokens:
                 request = s.request
                 if request.beam is not None:
                     if len(request.beam.beams) == 1:
@@ -238,8 +241,17 @@ class Scheduler:
         budget = self._swap_in(out, scheduled, budget)
         if not self.swapped:
             self._admit(out, scheduled, budget)
-        out.seqs.sort(key=lambda s: s.num_tokens != 1)  # stable: decodes first
-        out.num_decodes = sum(1 for s in out.seqs if s.num_tokens == 1)
+        num_decodes = 0
+        seen_prefill = unordered = False
+        for s in out.seqs:
+            if s.num_tokens == 1:
+                num_decodes += 1
+                unordered = unordered or seen_prefill
+            else:
+                seen_prefill = True
+        if unordered:  # a decode came after a prefill: stable sort, decodes first
+            out.seqs.sort(key=lambda s: s.num_tokens != 1)
+        out.num_decodes = num_decodes
         self._plan_sampling(out)
         self.stats.num_cow_copies += len(out.copies)
         self.stats.num_swapped_out_blocks += len(out.swap_out)
@@ -248,13 +260,56 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> int:
-        units = self._running_units()
-        decodes = [u for u in units if all(s.num_tokens - s.num_computed_tokens == 1 for s in u)]
-        prefills = [u for u in units if any(s.num_tokens - s.num_computed_tokens != 1 for s in u)]
-        for unit in decodes + prefills:
+        """Running units in admission order, decodes first, then unfinished prefills.
+
+        Decode fast path: a lone sequence decoding its last token into an exclusive last block with room needs
+        only an O(1) counter bump in the KV manager (:meth:`KVCacheManager.append_one`) and its live block
+        table (no copy); every other unit takes the general path (:meth:`_schedule_unit`), in the same order,
+        so preemption picks the same victims."""
+        decodes: list[Sequence | Unit] = []
+        prefills: list[Sequence | Unit] = []
+        seen: set[int] = set()
+        for s in self.running:
+            beam = s.request.beam
+            if beam is None:
+                (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else prefills).append(s)
+            elif id(beam) not in seen:
+                seen.add(id(beam))
+                unit = beam.beams
+                if all(len(b.token_ids) - b.num_computed_tokens == 1 for b in unit):
+                    decodes.append(unit)
+                else:
+                    prefills.append(unit)
+        append_one = self.kv.append_one
+        seqs = out.seqs
+        add_scheduled = scheduled.add
+        running = SequenceStatus.RUNNING
+        prompt_computed = 0
+        for item in decodes:
             if budget <= 0:
                 break
-            if unit[0].status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if isinstance(item, Sequence):
+                if item.status is not running:  # preempted earlier in this loop
+                    continue
+                table = append_one(item.seq_id, item.token_ids)
+                if table is not None:
+                    start = len(item.token_ids) - 1
+                    seqs.append(ScheduledSeq(item, start, 1, table))
+                    add_scheduled(item.seq_id)
+                    if start < item.num_prompt_tokens:
+                        prompt_computed += 1
+                    budget -= 1
+                    continue
+                item = [item]
+            elif item[0].status is not running:
+                continue
+            budget = self._schedule_unit(out, scheduled, item, budget)
+        self.stats.prompt_tokens_computed += prompt_computed
+        for item in prefills:
+            if budget <= 0:
+                break
+            unit = [item] if isinstance(item, Sequence) else item
+            if unit[0].status is not running:
                 continue
             budget = self._schedule_unit(out, scheduled, unit, budget)
         return budget
@@ -478,25 +533,33 @@ class Scheduler:
         step that completes its prompt (they share every block, the partial last one included); which rows
         feed each beam group (a group is scheduled whole, so all its beams complete together)."""
         beam_rows: dict[int, int] = {}
+        sample_rows, sample_seqs = out.sample_rows, out.sample_seqs
+        plain = True
         for row, s in enumerate(out.seqs):
-            if not s.completes:
-                continue
             seq = s.seq
+            if s.start + s.num_tokens != len(seq.token_ids):  # does not complete: nothing sampled
+                continue
             request = seq.request
             if request.beam is not None:
                 beam_rows[seq.seq_id] = row
                 continue
-            out.sample_rows.append(row)
-            out.sample_seqs.append(seq)
-            if seq.num_output_tokens == 0 and request.params.n > 1 and len(request.seqs) == 1:
+            sample_rows.append(row)
+            sample_seqs.append(seq)
+            plain = plain and request.plain_greedy
+            if (
+                request.params.n > 1
+                and len(seq.token_ids) == seq.num_prompt_tokens
+                and len(request.seqs) == 1
+            ):
                 for k in range(1, request.params.n):
                     child = seq.fork(k)
                     self.kv.fork(seq.seq_id, child.seq_id)
                     child.status = SequenceStatus.RUNNING
                     child.admitted_at = next(self._admissions)
                     self.running.append(child)
-                    out.sample_rows.append(row)
-                    out.sample_seqs.append(child)
+                    sample_rows.append(row)
+                    sample_seqs.append(child)
+        out.plain_greedy = plain
         if beam_rows:
             seen: set[int] = set()
             for s in out.seqs:
@@ -550,12 +613,28 @@ class Scheduler:
         for s in out.seqs:
             s.seq.num_computed_tokens = s.start + s.num_tokens
         finished: list[Request] = []
+        stop = self.stop
+        eos = stop.eos_token_ids
+        max_model_len = stop.max_model_len
         for seq, token, lp in zip(out.sample_seqs, token_ids, logprobs):
-            seq.num_computed_tokens = seq.num_tokens  # forks: computed as far as their parent
-            seq.token_ids.append(token)
+            tokens = seq.token_ids
+            tokens.append(token)
+            seq.num_computed_tokens = len(tokens) - 1  # forks: computed as far as their parent
             if seq.logprobs is not None and lp is not None:
                 seq.logprobs.append(lp)
-            reason = self.stop.check(seq, token)
+            request = seq.request
+            if request.simple_stop:  # StopRules.check without stop ids, stop strings or min_tokens
+                params = request.params
+                if not params.ignore_eos and token in eos:
+                    reason, seq.stop_reason = "stop", None
+                elif (
+                    params.max_tokens is not None and len(tokens) - seq.num_prompt_tokens >= params.max_tokens
+                ) or len(tokens) >= max_model_len:
+                    reason = "length"
+                else:
+                    continue
+            else:
+                reason = stop.check(seq, token)
             if reason is not None:
                 seq.finish_reason = reason
                 self._finish(seq)

@@ -55,6 +55,15 @@ class Request:
     admitted: bool = False
     num_finished: int = 0
     beam: BeamSearch | None = None
+    plain_greedy: bool = field(init=False)
+    """Greedy with no penalties, min_tokens or logprobs: sampling is a bare argmax (no per-row settings)."""
+    simple_stop: bool = field(init=False)
+    """No stop token ids, stop strings or min_tokens: only eos and length can stop it (the update fast path)."""
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.simple_stop = not p.stop_token_ids and not p.stop and p.min_tokens == 0
+        self.plain_greedy = p.greedy and not p.needs_penalties and p.logprobs is None and p.min_tokens == 0
 
     def new_sequence(self, token_ids: list[int], sample_index: int) -> Sequence:
         """Create and register sample ``sample_index`` of this request, holding ``token_ids``."""
