@@ -187,3 +187,75 @@ def test_sampling_params_roundtrip() -> None:
     assert p.json_schema == {"type": "object"} and p.constrained
     assert SamplingParams.from_dict(p.to_dict()) == p
     assert not SamplingParams().constrained
+
+
+# ------------------------------------------------------------------------------------------------ the job
+def test_arrow_type_from_schema() -> None:
+    import pyarrow as pa
+
+    from batchgen.data.structured import arrow_type, parse_column
+
+    t = arrow_type(PERSON)
+    assert t == pa.struct(
+        [
+            pa.field("name", pa.string()),
+            pa.field("age", pa.int64()),
+            pa.field("score", pa.float64()),
+            pa.field("kind", pa.string()),
+            pa.field("tags", pa.list_(pa.string())),
+            pa.field("address", pa.struct([pa.field("zip", pa.int64()), pa.field("city", pa.string())])),
+            pa.field("alive", pa.bool_()),
+        ]
+    )
+    col = parse_column(['{"name":"a","age":3,"kind":"cat","tags":[],"address":{"zip":1}}', None, "{bad"], t)
+    assert col.to_pylist()[0]["age"] == 3 and col.to_pylist()[0]["alive"] is None
+    assert col.to_pylist()[1:] == [None, None]
+    assert arrow_type({"anyOf": [{"type": "string"}, {"type": "integer"}]}) == pa.string()
+
+
+def test_job_per_row_constraints_and_parsed_json(llama_ckpt: str, tmp_path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import job_config
+
+    from batchgen.job.run import EXIT_OK, run_job
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+    }
+    overrides = [
+        None,
+        json.dumps({"choice": ["left", "right"]}),
+        json.dumps({"regex": "[xy]{3}"}),
+        json.dumps({"regex": "(bad"}),
+        json.dumps({"max_tokens": 2}),
+        json.dumps(
+            {"json_schema": {"type": "object", "properties": {"z": {"type": "string", "maxLength": 3}}}}
+        ),
+    ]
+    pq.write_table(
+        pa.table({"prompt": [f"row {i}" for i in range(len(overrides))], "sampling": overrides}),
+        tmp_path / "in.parquet",
+    )
+    cfg = job_config(
+        llama_ckpt,
+        tmp_path / "in.parquet",
+        tmp_path / "out",
+        data={"parse_json": True},
+        sampling={"json_schema": json.dumps(schema), "max_tokens": 48, "temperature": 1.0},
+    )
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
+    parts = sorted((tmp_path / "out").glob("part-*.parquet"))
+    t = pa.concat_tables([pq.read_table(p) for p in parts]).to_pylist()
+    assert [r["status"] for r in t] == ["ok", "ok", "ok", "error", "ok", "ok"]
+    assert t[0]["constraint_satisfied"] is True and t[0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(t[0]["generated_text"]), schema)
+    assert t[0]["generated_json"] == json.loads(t[0]["generated_text"])
+    assert t[1]["generated_text"] in ("left", "right") and t[1]["generated_json"] is None
+    assert re.fullmatch("[xy]{3}", t[2]["generated_text"])
+    assert "invalid regex" in t[3]["error"]
+    assert t[4]["finish_reason"] == "length" and t[4]["constraint_satisfied"] is False
+    assert t[4]["generated_json"] is None  # cut by max_tokens: never a silent half JSON
+    assert json.loads(t[5]["generated_text"]).keys() <= {"z"} and t[5]["constraint_satisfied"]

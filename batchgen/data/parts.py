@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from batchgen.data.layout import METADATA_KEY, RESERVED_COLUMNS
 from batchgen.data.prompts import PromptRow
+from batchgen.data.structured import parse_column
 from batchgen.engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -31,6 +32,12 @@ class PartLayout:
     n: int
     logprobs: bool
     metadata: dict[str, Any]
+    structured: bool = False
+    """Structured outputs may be asked for (sampling.json_schema/regex/choice/grammar, or per row): a bool
+    ``constraint_satisfied`` column (null for unconstrained rows and errors; False when max_tokens cut it)."""
+    json_type: pa.DataType | None = None
+    """data.parse_json: the Arrow type of sampling.json_schema; the ``generated_json`` column holds the parsed
+    output (null unless the row's output satisfied its constraint)."""
 
     def schema(self) -> pa.Schema:
         fields = [pa.field("id", self.id_type)]
@@ -49,6 +56,10 @@ class PartLayout:
         ]
         if self.logprobs:
             fields.append(pa.field("logprobs", pa.list_(pa.map_(pa.int32(), pa.float32()))))
+        if self.structured or self.json_type is not None:
+            fields.append(pa.field("constraint_satisfied", pa.bool_()))
+        if self.json_type is not None:
+            fields.append(pa.field("generated_json", self.json_type))
         return pa.schema(fields)
 
 
@@ -95,6 +106,9 @@ class _Columns:
         v["error"].append(error)
         lps = sample.logprobs if ok else None
         v["logprobs"].append([list(d.items()) for d in lps] if lps is not None else None)
+        satisfied = sample.constraint_satisfied if ok else None
+        v["constraint_satisfied"].append(satisfied)
+        v["generated_json"].append(sample.text if satisfied else None)
         self.positions.append(row.position)
 
 
@@ -146,6 +160,8 @@ def _table(
         if kept_rows is not None and f.name in kept_rows.column_names and f in layout.kept:
             col = kept_rows.column(f.name)
             arrays.append(col.cast(f.type) if col.type != f.type else col)
+        elif f.name == "generated_json":
+            arrays.append(parse_column(cols.values[f.name], f.type))
         else:
             arrays.append(pa.array(cols.values[f.name], type=f.type))
     meta = {**layout.metadata, "window": window_meta}

@@ -92,6 +92,11 @@ class DataOptions:
     """Order each window's prompts by token ids (prefix-trie order) so shared prefixes hit the prefix cache; false = input order (output order is input order either way)."""
     overwrite: bool = False
     """Discard batchgen's files (parts, manifest, report) already in the output directory instead of resuming or refusing."""
+    parse_json: bool = False
+    """With sampling.json_schema: also write each output parsed into a typed 'generated_json' column (a struct
+    with Arrow types from the schema: integer→int64, number→float64, string→string, boolean→bool,
+    object→struct, array→list; other shapes as JSON text); null where the output is not a complete instance
+    (constraint_satisfied false, e.g. cut by max_tokens)."""
     shard: ShardOptions = field(default_factory=ShardOptions)
 
 
