@@ -259,3 +259,42 @@ def test_job_per_row_constraints_and_parsed_json(llama_ckpt: str, tmp_path) -> N
     assert t[4]["finish_reason"] == "length" and t[4]["constraint_satisfied"] is False
     assert t[4]["generated_json"] is None  # cut by max_tokens: never a silent half JSON
     assert json.loads(t[5]["generated_text"]).keys() <= {"z"} and t[5]["constraint_satisfied"]
+
+
+def test_cli_accepts_constraints(tmp_path) -> None:
+    """Hydra overrides: a schema as a Hydra dict or a quoted JSON string, a choice list; printed by --cfg job."""
+    import subprocess
+    import sys
+
+    from conftest import env_without_slurm
+
+    def cfg(*args: str) -> str:
+        p = subprocess.run(
+            [sys.executable, "-m", "batchgen.cli", "--cfg", "job", *args],
+            cwd=tmp_path,
+            env=env_without_slurm(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+
+    out = cfg("sampling.json_schema={type:object,properties:{a:{type:integer}}}", "data.parse_json=true")
+    assert "json_schema:\n    type: object" in out and "parse_json: true" in out
+    assert 'json_schema: \'{"type":"object"}\'' in cfg('sampling.json_schema=\'{"type":"object"}\'')
+    assert "choice:\n  - 'yes'\n  - 'no'" in cfg("sampling.choice=[yes,no]")
+
+
+def test_hydra_sampling_config_builds_params() -> None:
+    """The job's sampling config (an OmegaConf structured config) turns into SamplingParams with a dict."""
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.structured(SamplingParams)
+    conf.json_schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    p = OmegaConf.to_object(conf)
+    assert isinstance(p, SamplingParams) and p.json_schema == {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+    }
+    assert SamplingParams(json_schema=conf.json_schema).json_schema["type"] == "object"  # a DictConfig
