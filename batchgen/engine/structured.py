@@ -185,9 +185,15 @@ class StructuredOutputs:
             self._bitmask = self._xgr.allocate_token_bitmask(
                 max(n, 2 * self._bitmask.shape[0]), self.vocab_size
             )
+        on_device = logits.device.type != "cpu"
+        # Pinned: the copy to the device is asynchronous. Reusing the buffer next step is safe: the sampler
+        # reads its tokens back to the CPU (a sync) before the next step fills it again.
+        if on_device and not self._bitmask.is_pinned():
+            self._bitmask = self._bitmask.pin_memory()
         bitmask = self._bitmask[:n]
+        # CPU work: on CUDA the forward launched by runner.execute is still running while the masks fill.
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        if logits.device.type != "cpu":
+        if on_device:
             bitmask = bitmask.to(logits.device, non_blocking=True)
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
         # A matcher that has terminated allows nothing; fall back to eos so the row still samples a token.
