@@ -298,3 +298,12 @@ def test_hydra_sampling_config_builds_params() -> None:
         "properties": {"a": {"type": "integer"}},
     }
     assert SamplingParams(json_schema=conf.json_schema).json_schema["type"] == "object"  # a DictConfig
+
+
+def test_without_xgrammar_constrained_requests_fail_alone(llm: LLM, monkeypatch) -> None:
+    import batchgen.engine.llm_engine as le
+
+    monkeypatch.setattr(le, "structured_available", lambda: False)
+    outs = _run(llm, [SamplingParams(regex="a+"), SamplingParams(max_tokens=2)])
+    assert "xgrammar" in outs[0].error and outs[0].outputs[0].finish_reason == "error"
+    assert outs[1].error is None

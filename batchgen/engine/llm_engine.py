@@ -26,7 +26,10 @@ from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_NO_XGRAMMAR = "structured outputs (json_schema / regex / choice / grammar) need xgrammar: pip install 'batchgen[structured]'"
+_NO_XGRAMMAR = (
+    "structured outputs (json_schema / regex / choice / grammar) need xgrammar: "
+    "pip install 'batchgen[structured]'"
+)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -122,9 +125,8 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, prompt_text, self.tokenizer, self.device)
         self.stats.num_requests += 1
         error = self._validate(token_ids, params)
-        if (
-            error is None and params.constrained
-        ):  # compile (cached) now: a bad schema fails this request alone
+        # A constraint is compiled (cached) now, so a bad schema or regex fails this request alone.
+        if error is None and params.constrained:
             error = self.structured.validate(params) if structured_available() else _NO_XGRAMMAR
         if error is not None:
             self.stats.num_error_requests += 1
@@ -173,9 +175,7 @@ class LLMEngine:
         if out:
             logits = self.runner.execute(out)
             n = len(out.sample_rows)
-            if (
-                self._structured is not None
-            ):  # grammar bitmask of the constrained rows (CPU work after launch)
+            if self._structured is not None:  # grammar bitmasks (CPU work while the forward runs)
                 self._structured.apply(logits[:n], out.sample_seqs)
             sampled = self.sampler(logits[:n], self._sampling_rows(out))
             beam_lp = self.sampler.beam_logprobs(logits[n:]) if out.beam_rows else None
