@@ -18,6 +18,9 @@ Semantics follow vLLM / the OpenAI API where they exist, so a config written for
   temperature, top-k/top-p/min-p and the seed are ignored; stop strings, logprobs and the penalties are not
   supported with it (a ValueError says so); eos, ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` and
   ``max_tokens`` apply to every beam.
+* Structured outputs (``json_schema``, ``regex``, ``choice``, ``grammar``; at most one): every token is drawn
+  from those the grammar allows (:mod:`batchgen.engine.structured`); not with beam search, ``ignore_eos``
+  or ``min_tokens``.
 
 Validation happens in ``__post_init__`` (also after ``dataclasses.replace``): a bad value raises a
 ``ValueError`` naming the field and its allowed range. Numeric values from configs or Parquet columns
@@ -26,8 +29,10 @@ Validation happens in ``__post_init__`` (also after ``dataclasses.replace``): a 
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -128,6 +133,18 @@ class SamplingParams:
     early_stopping: bool | str = False
     """Beam search stopping rule (transformers): True stops once ``beam_width`` beams are finished; False stops
     when a heuristic says no running beam can beat the finished ones; 'never' only when none can (exact)."""
+    json_schema: Any = None
+    """Structured output: the output is compact JSON valid against this JSON Schema (a dict or a JSON
+    string; stored as a dict). At most one of json_schema / regex / choice / grammar. Needs the 'structured'
+    extra (xgrammar). The output ends when the JSON is complete (finish_reason 'stop'); if max_tokens cuts it
+    first, finish_reason is 'length' and the output is marked not satisfied (constraint_satisfied=False)."""
+    regex: str | None = None
+    """Structured output: the whole output matches this regular expression."""
+    choice: list[str] | None = None
+    """Structured output: the output is exactly one of these strings."""
+    grammar: str | None = None
+    """Structured output: the output is a sentence of this EBNF/GBNF grammar (xgrammar's dialect, start rule
+    ``root``)."""
 
     def __post_init__(self) -> None:
         # In field order, so the first invalid field is the one reported.
@@ -145,6 +162,7 @@ class SamplingParams:
             if not -(2**63) <= self.seed < 2**64:
                 raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         self._check_beam()
+        self._check_constraint()
 
     def _check_sampling(self) -> None:
         """n, temperature, the top-k/top-p/min-p filters and the penalties."""
@@ -248,6 +266,57 @@ class SamplingParams:
         ]
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)} not supported with beam search (beam_width > 1)")
+
+    def _check_constraint(self) -> None:
+        """json_schema / regex / choice / grammar: types, at most one, and the options they exclude."""
+        schema = self.json_schema
+        if schema is not None:
+            if hasattr(schema, "_content"):  # an OmegaConf DictConfig (Hydra's sampling.json_schema={...})
+                from omegaconf import OmegaConf
+
+                schema = OmegaConf.to_container(schema, resolve=True)
+            if isinstance(schema, (str, bytes)):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            if isinstance(schema, bool):
+                schema = {} if schema else {"not": {}}
+            if not isinstance(schema, Mapping):
+                raise ValueError(f"json_schema must be a JSON object (dict or JSON string), got {schema!r}")
+            self.json_schema = json.loads(json.dumps(dict(schema)))  # plain, JSON-serialisable, a copy
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {value!r}")
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, str) or not hasattr(choice, "__iter__"):
+                raise ValueError(f"choice must be a list of strings, got {choice!r}")
+            choice = list(choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {choice!r}")
+            self.choice = list(dict.fromkeys(choice))
+        kinds = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        if len(kinds) > 1:
+            raise ValueError(f"at most one of json_schema, regex, choice, grammar may be set, got {kinds}")
+        if kinds:
+            if self.beam_width > 1:
+                raise ValueError(f"{kinds[0]} (structured output) is not supported with beam search")
+            if self.ignore_eos:
+                raise ValueError(f"ignore_eos is not supported with {kinds[0]}: the grammar ends the output")
+            if self.min_tokens:
+                raise ValueError(f"min_tokens is not supported with {kinds[0]}: the grammar ends the output")
+
+    @property
+    def constrained(self) -> bool:
+        """True when one of json_schema / regex / choice / grammar is set (structured output)."""
+        return (
+            self.json_schema is not None
+            or self.regex is not None
+            or self.choice is not None
+            or self.grammar is not None
+        )
 
     @property
     def greedy(self) -> bool:

@@ -67,6 +67,8 @@ RESERVED_COLUMNS = (
     "status",
     "error",
     "logprobs",
+    "constraint_satisfied",
+    "generated_json",
 )
 """Output column names the writer owns; kept input columns may not reuse them (except ``id`` as the id)."""
 

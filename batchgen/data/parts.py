@@ -28,6 +28,7 @@ import pyarrow as pa
 
 from batchgen.data.layout import METADATA_KEY, POSITION_COLUMN, RESERVED_COLUMNS, RETRY_COLUMN
 from batchgen.data.prompts import PromptRow
+from batchgen.data.structured import parse_column
 from batchgen.engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -43,6 +44,12 @@ class PartLayout:
     id_source: str | None = None
     """Input column the ``id`` values are copied from (as Arrow values, byte for byte), or None: ids are
     the prompt rows' ``id`` (the global row index)."""
+    structured: bool = False
+    """Structured outputs may be asked for (sampling.json_schema/regex/choice/grammar, or per row): a bool
+    ``constraint_satisfied`` column (null for unconstrained rows and errors; False when max_tokens cut it)."""
+    json_type: pa.DataType | None = None
+    """data.parse_json: the Arrow type of sampling.json_schema; the ``generated_json`` column holds the parsed
+    output (null unless the row's output satisfied its constraint)."""
 
     def schema(self) -> pa.Schema:
         fields = [pa.field("id", self.id_type)]
@@ -61,6 +68,10 @@ class PartLayout:
         ]
         if self.logprobs:
             fields.append(pa.field("logprobs", pa.list_(pa.map_(pa.int32(), pa.float32()))))
+        if self.structured or self.json_type is not None:
+            fields.append(pa.field("constraint_satisfied", pa.bool_()))
+        if self.json_type is not None:
+            fields.append(pa.field("generated_json", self.json_type))
         return pa.schema(fields)
 
     def piece_schema(self) -> pa.Schema:
@@ -119,6 +130,9 @@ class _Columns:
         v["error"].append(error)
         lps = sample.logprobs if ok else None
         v["logprobs"].append([list(d.items()) for d in lps] if lps is not None else None)
+        satisfied = sample.constraint_satisfied if ok else None
+        v["constraint_satisfied"].append(satisfied)
+        v["generated_json"].append(sample.text if satisfied else None)
         self.positions.append(row.position)
         self.retryable.append(retryable)
 
@@ -187,6 +201,8 @@ def build_rows(
         elif from_input is not None and f in layout.kept and f.name in from_input.column_names:
             col = from_input.column(f.name)
             arrays.append(col.cast(f.type) if col.type != f.type else col)
+        elif f.name == "generated_json":
+            arrays.append(parse_column(cols.values[f.name], f.type))
         else:
             arrays.append(pa.array(cols.values[f.name], type=f.type))
     return pa.Table.from_arrays(arrays, schema=schema)

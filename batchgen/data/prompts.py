@@ -41,6 +41,7 @@ from batchgen.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
 ROW_OVERRIDE_FIELDS = SAMPLING_FIELDS - {"n"}
+CONSTRAINT_FIELDS = frozenset({"json_schema", "regex", "choice", "grammar"})
 
 
 @dataclass
@@ -242,6 +243,8 @@ def _row_params(rows: list[PromptRow], overrides: list[Any] | None, base: Sampli
         if isinstance(ov, str):
             r.fail(ov)
             continue
+        if CONSTRAINT_FIELDS & ov.keys():  # a row's own constraint replaces the job's (at most one is set)
+            ov = {**{k: None for k in CONSTRAINT_FIELDS}, **ov}
         if "seed" not in ov and base.seed is not None:
             ov["seed"] = row_seed(base.seed, r.id)
         try:

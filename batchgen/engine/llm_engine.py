@@ -19,10 +19,17 @@ from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request, sample_seed  # noqa: F401  (sample_seed: public since 0.1)
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.stop import StopRules
+from batchgen.engine.structured import StructuredOutputs
+from batchgen.engine.structured import is_available as structured_available
 from batchgen.models.loader import load_model, load_tokenizer
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+_NO_XGRAMMAR = (
+    "structured outputs (json_schema / regex / choice / grammar) need xgrammar: "
+    "pip install 'batchgen[structured]'"
+)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -93,6 +100,7 @@ class LLMEngine:
         self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config, kv, self.stop, self.stats)
         self.sampler = Sampler(seed=config.seed)
+        self._structured: StructuredOutputs | None = None  # built by the first constrained request
         self.requests: dict[str | int, Request] = {}
         self._errors: list[RequestOutput] = []
         self._listeners: list[StepListener] = []
@@ -120,6 +128,9 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, prompt_text, self.tokenizer, self.device)
         self.stats.num_requests += 1
         error = self._validate(token_ids, params)
+        # A constraint is compiled (cached) now, so a bad schema or regex fails this request alone.
+        if error is None and params.constrained:
+            error = self.structured.validate(params) if structured_available() else _NO_XGRAMMAR
         if error is not None:
             self.stats.num_error_requests += 1
             self._errors.append(_error_output(request, error))
@@ -167,6 +178,8 @@ class LLMEngine:
         if out:
             logits = self.runner.execute(out)
             n = len(out.sample_rows)
+            if self._structured is not None:  # grammar bitmasks (CPU work while the forward runs)
+                self._structured.apply(logits[:n], out.sample_seqs)
             sampled = self.sampler(logits[:n], self._sampling_rows(out))
             beam_lp = self.sampler.beam_logprobs(logits[n:]) if out.beam_rows else None
             done = self.scheduler.update(out, sampled.token_ids, sampled.logprobs, beam_lp)
@@ -198,6 +211,17 @@ class LLMEngine:
             for seq in out.sample_seqs
         ]
 
+    @property
+    def structured(self) -> StructuredOutputs:
+        """The engine's structured-output state (xgrammar), built on first use."""
+        if self._structured is None:
+            if not structured_available():
+                raise ValueError(_NO_XGRAMMAR)
+            self._structured = StructuredOutputs(
+                self.tokenizer, self.model.config.vocab_size, self.eos_token_ids
+            )
+        return self._structured
+
     def _notify(self, info: StepInfo) -> None:
         for listener in self._listeners:
             listener(info)
@@ -222,6 +246,7 @@ class LLMEngine:
                     s.finish_reason or "length",
                     s.logprobs,
                     s.stop_reason,
+                    constraint_satisfied=self._structured.satisfied(s) if self._structured else None,
                 )
             )
         return RequestOutput(

@@ -23,6 +23,11 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
+    constraint_satisfied: bool | None = None
+    """Structured outputs (json_schema / regex / choice / grammar): True when the output is a complete instance
+    of the constraint, False when max_tokens, max_model_len or a stop string cut it first (then
+    finish_reason is 'length' or 'stop' with a stop_reason string, and the text must not be trusted); None
+    for unconstrained requests."""
 
 
 @dataclass

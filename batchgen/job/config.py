@@ -110,6 +110,11 @@ class DataOptions:
     """Discard batchgen's files (parts, manifest, report) already in the output directory instead of resuming or refusing."""
     retry_errors: bool = False
     """On resume, recompute the error rows caused by the run's resources or settings (KV pool too small, engine.max_model_len, a chat template or tokenizer that failed, unreadable input) and rewrite their parts atomically; engine.max_model_len and the chat template may change for it. Errors in the data itself (null, empty, wrong type, invalid UTF-8) stay."""
+    parse_json: bool = False
+    """With sampling.json_schema: also write each output parsed into a typed 'generated_json' column (a struct
+    with Arrow types from the schema: integer→int64, number→float64, string→string, boolean→bool,
+    object→struct, array→list; other shapes as JSON text); null where the output is not a complete instance
+    (constraint_satisfied false, e.g. cut by max_tokens)."""
     shard: ShardOptions = field(default_factory=ShardOptions)
 
 

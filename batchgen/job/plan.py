@@ -33,6 +33,7 @@ from batchgen.data.manifest import Manifest
 from batchgen.data.parts import PartLayout
 from batchgen.data.prompts import PromptSpec, struct_override_problems
 from batchgen.data.reader import InputSet, WindowSpec, open_input, plan_windows, shard_range
+from batchgen.data.structured import arrow_type
 from batchgen.engine.config import parse_bytes
 from batchgen.errors import ConfigError
 from batchgen.job.config import DataOptions, JobConfig
@@ -347,6 +348,13 @@ def _part_layout(cfg: JobConfig, schema: pa.Schema, metadata: dict[str, Any]) ->
     kept = [
         pa.field(c, schema.field(c).type) for c in d.keep_columns if not (c == "id" and d.id_column == "id")
     ]
+    json_type = None
+    if d.parse_json:
+        if cfg.sampling.json_schema is None:
+            raise ConfigError(
+                "data.parse_json=true needs sampling.json_schema (the schema of the parsed column)"
+            )
+        json_type = arrow_type(cfg.sampling.json_schema)
     return PartLayout(
         id_type=id_type,
         kept=kept,
@@ -354,6 +362,8 @@ def _part_layout(cfg: JobConfig, schema: pa.Schema, metadata: dict[str, Any]) ->
         logprobs=cfg.sampling.logprobs is not None,
         metadata=metadata,
         id_source=d.id_column,
+        structured=cfg.sampling.constrained or metadata.get("sampling_column") is not None,
+        json_type=json_type,
     )
 
 
