@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from batchgen.engine import prompt_logprobs
 from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine.config import EngineConfig, parse_bytes
 from batchgen.engine.scheduler import SchedulerOutput
@@ -61,6 +62,7 @@ class ModelRunner:
         self.attn = PagedAttention(backend)
         self.kv_cache: Tensor | None = None
         self.swapper: BlockSwapper | None = None
+        self.collect_prompt_logprobs = False  # set by the engine while a request wants prompt logprobs
 
     # ------------------------------------------------------------------------------------------ sizing
     @property
@@ -176,6 +178,8 @@ class ModelRunner:
         self.swap(out)
         ids, pos, meta, last = self.prepare_inputs(out)
         hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache))
+        if self.collect_prompt_logprobs:
+            prompt_logprobs.collect(self.model, hidden, out)
         return self.model.compute_logits(hidden[last]).float()
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:

@@ -55,6 +55,10 @@ class Request:
     admitted: bool = False
     num_finished: int = 0
     beam: BeamSearch | None = None
+    # Prompt logprobs (batchgen.engine.prompt_logprobs): wanted from this position on (None: only if
+    # params.prompt_logprobs), and the entries computed so far (one per prompt token, entry 0 None).
+    prompt_logprobs_start: int | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def new_sequence(self, token_ids: list[int], sample_index: int) -> Sequence:
         """Create and register sample ``sample_index`` of this request, holding ``token_ids``."""
