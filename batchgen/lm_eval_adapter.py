@@ -25,35 +25,45 @@ Requires the ``eval`` extra (``pip install 'batchgen[eval]'``).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from lm_eval.api.model import LM
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    has_bos_prefix,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
 
 from batchgen.llm import LLM
 from batchgen.sampling_params import SamplingParams
-from batchgen.scoring import rolling_windows, score_token_pairs
+from batchgen.scoring import score_token_pairs
 
 
-def _as_bool(v: Any) -> bool:
-    return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes")
+def _opt_bool(v: Any) -> bool | None:
+    if v is None or isinstance(v, bool):
+        return v
+    return str(v).lower() in ("1", "true", "yes")
 
 
 @register_model("batchgen")
-class BatchgenLM(LM):
-    """``pretrained``: a checkpoint directory. ``max_length``: the longest input (default: the engine's
-    ``max_model_len - 1``, like HFLM's model length). ``add_bos_token``: encode with special tokens (HFLM's
-    default False). Other keyword arguments are :class:`batchgen.engine.config.EngineConfig` fields
-    (``kv_cache_memory``, ``max_num_seqs``, ``device``, ...); ``batch_size`` and ``device`` strings from
-    lm-eval's command line are accepted (batching is continuous: ``batch_size`` is ignored)."""
+class BatchgenLM(TemplateLM):
+    """``pretrained``: a checkpoint directory. ``max_length``: the longest model input (default: the engine's
+    ``max_model_len - 2``: a scored input of ``max_length + 1`` tokens plus the one token the engine samples
+    must fit). ``add_bos_token``: as HFLM's (None = the tokenizer's default). Other keyword arguments are
+    :class:`batchgen.engine.config.EngineConfig` fields (``kv_cache_memory``, ``max_num_seqs``, ``device``,
+    ...). ``batch_size`` from lm-eval's command line is accepted and ignored (batching is continuous)."""
+
+    backend = "causal"
 
     def __init__(
         self,
         pretrained: str,
         max_length: int | None = None,
         max_gen_toks: int = 256,
-        add_bos_token: bool = False,
+        add_bos_token: bool | None = None,
         prefix_token_id: int | None = None,
         dtype: str = "auto",
         batch_size: Any = None,
@@ -61,15 +71,15 @@ class BatchgenLM(LM):
     ) -> None:
         super().__init__()
         engine_options.pop("trust_remote_code", None)
+        if engine_options.get("device") == "cuda:0":
+            engine_options["device"] = "cuda"
         self.llm = LLM(pretrained, dtype=dtype, **engine_options)
         self.tokenizer = self.llm.tokenizer
-        engine_len = self.llm.engine.max_model_len
-        self._max_length = int(max_length) if max_length else engine_len - 1
-        # The engine needs room for one sampled token after a scored input of max_length + 1 tokens.
-        self._max_length = min(self._max_length, engine_len - 2)
-        self.max_gen_toks = int(max_gen_toks)
-        self.add_bos_token = _as_bool(add_bos_token)
-        self.custom_prefix_token_id = prefix_token_id
+        limit = self.llm.engine.max_model_len - 2
+        self._max_length = min(int(max_length), limit) if max_length else limit
+        self._max_gen_toks = int(max_gen_toks)
+        self.add_bos_token = _opt_bool(add_bos_token)
+        self.custom_prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
 
     # ------------------------------------------------------------------ tokenization (as HFLM)
     @property
@@ -79,59 +89,68 @@ class BatchgenLM(LM):
     @property
     def prefix_token_id(self) -> int:
         if self.custom_prefix_token_id is not None:
-            return int(self.custom_prefix_token_id)
+            return self.custom_prefix_token_id
         if self.tokenizer.bos_token_id is not None:
             return self.tokenizer.bos_token_id
-        return self.eot_token_id
+        return self.tokenizer.eos_token_id
 
     @property
     def max_length(self) -> int:
         return self._max_length
 
-    def tok_encode(self, string: str) -> list[int]:
-        return self.tokenizer.encode(string, add_special_tokens=self.add_bos_token)
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
 
-    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        n_spaces = len(context) - len(context.rstrip())
-        if n_spaces > 0:
-            continuation = context[-n_spaces:] + continuation
-            context = context[:-n_spaces]
-        whole = self.tok_encode(context + continuation)
-        ctx = self.tok_encode(context)
-        return ctx, whole[len(ctx) :]
+    def _special(self, string: str, add_special_tokens: bool | None) -> dict:
+        if add_special_tokens is not None:
+            return {"add_special_tokens": add_special_tokens}
+        if has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            return {"add_special_tokens": False}
+        return {} if self.add_bos_token is None else {"add_special_tokens": self.add_bos_token}
 
-    def _truncate(self, ctx: list[int], cont: list[int]) -> tuple[list[int], list[int]]:
-        """HFLM feeds ``(ctx + cont)[-(max_length + 1):][:-1]``: keep at most max_length + 1 tokens."""
-        keep = self.max_length + 1
-        if len(ctx) + len(cont) > keep:
-            whole = (ctx + cont)[-keep:]
-            ctx, cont = whole[: len(whole) - len(cont)], whole[len(whole) - len(cont) :]
-        return ctx, cont
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kw
+    ) -> list[int]:
+        ids = self.tokenizer.encode(string, **self._special(string, add_special_tokens))
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     # ----------------------------------------------------------------------------- requests
-    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        pairs = []
-        for req in requests:
-            context, continuation = req.args
-            if context == "":
-                ctx, cont = [self.prefix_token_id], self.tok_encode(continuation)
-            else:
-                ctx, cont = self._encode_pair(context, continuation)
-            pairs.append(self._truncate(ctx, cont))
-        scores = score_token_pairs(self.llm.engine, pairs, use_tqdm=not disable_tqdm)
+    def _score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool):
+        keep = self.max_length + 1  # HFLM scores (ctx + cont)[-(max_length + 1):]
+        cut = []
+        for ctx, cont in pairs:
+            if len(ctx) + len(cont) > keep:
+                whole = (ctx + cont)[-keep:]
+                ctx, cont = whole[: keep - len(cont)], cont
+            cut.append((ctx, cont))
+        return score_token_pairs(self.llm.engine, cut, use_tqdm=not disable_tqdm)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw) -> list[tuple[float, bool]]:
+        scores = self._score([(list(c), list(x)) for _, c, x in requests], disable_tqdm)
         results = [(s.loglikelihood, s.is_greedy) for s in scores]
-        for req, r in zip(requests, results):
-            self.cache_hook.add_partial("loglikelihood", req.args, r)
+        for (key, _, _), r in zip(requests, results):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, r)
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         pairs, owner = [], []
         for i, req in enumerate(requests):
             (text,) = req.args[:1]
-            for ctx, cont in rolling_windows(self.tok_encode(text), self.prefix_token_id, self.max_length):
-                pairs.append((ctx, cont))
+            windows = lm_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(text),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
+            for ctx, cont in map(lm_utils.make_disjoint_window, windows):
+                pairs.append((list(ctx), list(cont)))
                 owner.append(i)
-        scores = score_token_pairs(self.llm.engine, pairs, use_tqdm=not disable_tqdm)
+        scores = self._score(pairs, disable_tqdm)
         totals = [0.0] * len(requests)
         for i, s in zip(owner, scores):
             totals[i] += s.loglikelihood
@@ -140,48 +159,37 @@ class BatchgenLM(LM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        prompts, params, untils = [], [], []
-        eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
+        eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        prompts, params, stops = [], [], []
         for req in requests:
             context, gen_kwargs = req.args
-            kwargs = dict(gen_kwargs or {})
-            until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            until = until + [eos] if eos not in until else until
-            max_gen = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
-            do_sample = _as_bool(kwargs.pop("do_sample", False))
-            temperature = float(kwargs.pop("temperature", 0.0))
-            if not do_sample:
-                temperature = 0.0
-            ids = self.tok_encode(context)
-            ids = ids[-(self.max_length - max_gen) :] if self.max_length > max_gen else ids[-1:]
-            prompts.append(ids)
-            stops = [u for u in until if u]
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_gen = int(kwargs.pop("max_gen_toks"))
+            if self.max_length <= max_gen:
+                raise ValueError(f"max_gen_toks ({max_gen}) must be less than max_length ({self.max_length})")
+            prompts.append(self.tok_encode(context, left_truncate_len=self.max_length - max_gen))
+            temperature = float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0
             params.append(
                 SamplingParams(
                     temperature=temperature,
-                    top_p=float(kwargs.pop("top_p", 1.0)),
+                    top_p=float(kwargs.pop("top_p", None) or 1.0),
                     max_tokens=max_gen,
-                    stop=stops or None,
+                    stop=[u for u in until if u] or None,
+                    include_stop_str_in_output=True,  # cut below, as HFLM does, on the decoded text
                 )
             )
-            untils.append(stops)
+            stops.append(until)
         outs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm)
         results = []
-        for req, out, until in zip(requests, outs, untils):
-            s = self.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
-            for term in until:
-                s = s.split(term)[0]
+        for req, out, until in zip(requests, outs, stops):
+            s = postprocess_generated_text(self.tok_decode(out.outputs[0].token_ids), until, None)
             results.append(s)
             self.cache_hook.add_partial("generate_until", req.args, s)
         return results
 
 
-def _perplexity(loglikelihood: float, num_tokens: int) -> float:
-    return math.exp(-loglikelihood / max(1, num_tokens))
-
-
-if __name__ == "__main__":  # python -m batchgen.lm_eval_adapter <lm_eval CLI arguments> --model batchgen
+if __name__ == "__main__":  # python -m batchgen.lm_eval_adapter --model batchgen <lm_eval CLI arguments>
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()

@@ -136,4 +136,6 @@ def test_job_messages_accept_content_parts() -> None:
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert check_messages(parts) == [{"role": "user", "content": "a\nb"}]
     bad = [{"role": "user", "content": "x"}, {"role": "user", "content": [{"type": "image_url"}]}]
-    assert check_messages(bad) == "messages[1].content[0] has type 'image_url'; only 'text' parts are supported"
+    assert (
+        check_messages(bad) == "messages[1].content[0] has type 'image_url'; only 'text' parts are supported"
+    )

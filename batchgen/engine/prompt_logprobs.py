@@ -48,38 +48,46 @@ def _start(request: Request) -> int:
 
 def collect(model, hidden: Tensor, out) -> None:
     """After a forward: fill ``request.prompt_logprobs`` for the prefill chunks of ``out`` that need them.
-    ``hidden`` is the packed ``[num_batched_tokens, H]`` output of the model for ``out.seqs``."""
+    ``hidden`` is the packed ``[num_batched_tokens, H]`` output of the model for ``out.seqs``. One logits
+    matmul, log-softmax and top-k for all the rows of the step."""
     offsets = itertools.accumulate((s.num_tokens for s in out.seqs), initial=0)
+    jobs = []  # (request, first target position, targets, row offset in the gathered rows)
+    index: list[int] = []
+    max_k = 0
     for sched, off in zip(out.seqs, offsets):
-        seq = sched.seq
-        request = seq.request
-        if sched.num_tokens == 1 and seq.num_output_tokens > 0:
-            continue  # a decode
+        request = sched.seq.request
         if not wants_prompt_logprobs(request):
             continue
         num_prompt = len(request.prompt_token_ids)
         lo = max(sched.start, _start(request) - 1)
         hi = min(sched.start + sched.num_tokens, num_prompt - 1)  # positions lo .. hi-1 predict lo+1 .. hi
         if lo >= hi:
-            continue
-        rows = hidden[off + lo - sched.start : off + hi - sched.start]
-        logp = torch.log_softmax(model.compute_logits(rows).float(), dim=-1)
-        targets = request.prompt_token_ids[lo + 1 : hi + 1]
-        tgt = torch.tensor(targets, dtype=torch.long, device=logp.device)
-        chosen = logp.gather(1, tgt[:, None]).squeeze(1).tolist()
+            continue  # a decode, or a chunk before the wanted tokens
+        jobs.append((request, lo + 1, request.prompt_token_ids[lo + 1 : hi + 1], len(index)))
+        index.extend(range(off + lo - sched.start, off + hi - sched.start))
         k = request.params.prompt_logprobs or 0
-        k = max(k, 1) if request.prompt_logprobs_start is not None else k  # scoring needs the argmax
-        k = min(k, logp.shape[1])
-        top_ids = top_vals = None
-        if k > 0:
-            top_vals, top_ids = logp.topk(k, dim=-1)
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        max_k = max(max_k, max(k, 1) if request.prompt_logprobs_start is not None else k)  # scoring: argmax
+    if not jobs:
+        return
+    rows = hidden[torch.tensor(index, dtype=torch.long, device=hidden.device)]
+    logp = torch.log_softmax(model.compute_logits(rows).float(), dim=-1)
+    targets = [t for _, _, tg, _ in jobs for t in tg]
+    tgt = torch.tensor(targets, dtype=torch.long, device=logp.device)
+    chosen = logp.gather(1, tgt[:, None]).squeeze(1).tolist()
+    max_k = min(max_k, logp.shape[1])
+    top_vals: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if max_k > 0:
+        tv, ti = logp.topk(max_k, dim=-1)
+        top_vals, top_ids = tv.tolist(), ti.tolist()
+    for request, first, tg, base in jobs:
+        k = request.params.prompt_logprobs or 0
+        k = max(k, 1) if request.prompt_logprobs_start is not None else k
         if request.prompt_logprobs is None:
-            request.prompt_logprobs = [None] * num_prompt
+            request.prompt_logprobs = [None] * len(request.prompt_token_ids)
         dest = request.prompt_logprobs
-        for j, t in enumerate(targets):
-            d: dict[int, float] = {}
-            if top_ids is not None:
-                d = dict(zip(top_ids[j], top_vals[j]))
-            d[t] = chosen[j]
-            dest[lo + 1 + j] = d
+        for j, t in enumerate(tg):
+            r = base + j
+            d: dict[int, float] = dict(zip(top_ids[r][:k], top_vals[r][:k])) if k else {}
+            d[t] = chosen[r]
+            dest[first + j] = d
