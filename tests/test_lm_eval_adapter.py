@@ -14,7 +14,9 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'batchgen[eval]')")
-pytest.importorskip("accelerate", reason="lm-eval's hf backend needs accelerate (pip install 'batchgen[eval]')")
+pytest.importorskip(
+    "accelerate", reason="lm-eval's hf backend needs accelerate (pip install 'batchgen[eval]')"
+)
 
 from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
