@@ -139,3 +139,48 @@ def test_job_messages_accept_content_parts() -> None:
     assert (
         check_messages(bad) == "messages[1].content[0] has type 'image_url'; only 'text' parts are supported"
     )
+
+
+def test_score_job_matches_api_and_resumes(llama_ckpt, tmp_path) -> None:
+    import dataclasses
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchgen.job.run import run_job
+    from tests.conftest import job_config
+
+    def read(d):
+        return pa.concat_tables([pq.read_table(p) for p in sorted(d.glob("*.parquet"))])
+
+    ctx = "the shared context of every row, long enough to fill a few blocks of the cache"
+    conts = [" one", " two three", " four", " five six seven", None, " eight"]
+    rows = {"context": [ctx] * 5 + [None], "completion": conts}
+    pq.write_table(pa.table(rows), tmp_path / "in.parquet")
+    job = job_config(llama_ckpt, tmp_path / "in.parquet", tmp_path / "out", data={"window_rows": 4})
+    job = dataclasses.replace(
+        job,
+        task="score",
+        data=dataclasses.replace(job.data, prompt_column="context", continuation_column="completion"),
+    )
+    res = run_job(job, print_summary=False, handle_signals=False)
+    assert res.exit_code == 0, res.message
+    out = read(tmp_path / "out").sort_by("id").to_pydict()
+    assert out["status"] == ["ok"] * 4 + ["error", "error"]
+    llm = make_llm(llama_ckpt)
+    want = llm.score([ctx] * 4, conts[:4])
+    for i, s in enumerate(want):
+        assert out["loglikelihood"][i] == pytest.approx(s.loglikelihood, abs=1e-4)
+        assert out["num_continuation_tokens"][i] == s.num_tokens
+        assert out["is_greedy"][i] == s.is_greedy
+    assert sum(out["num_cached_tokens"]) > 0  # continuations after the first reuse the context
+    # rolling: perplexity of the context column
+    job2 = dataclasses.replace(
+        job, data=dataclasses.replace(job.data, output=str(tmp_path / "ppl"), continuation_column=None)
+    )
+    assert run_job(job2, print_summary=False, handle_signals=False).exit_code == 0
+    ppl = read(tmp_path / "ppl").sort_by("id").to_pydict()
+    ((ll, n),) = llm.loglikelihood_rolling(ctx)
+    assert ppl["loglikelihood_rolling"][0] == pytest.approx(ll, abs=1e-3) and ppl["num_tokens"][0] == n
+    assert ppl["perplexity"][0] == pytest.approx(math.exp(-ll / n), rel=1e-4)
+    assert ppl["status"][5] == "error"

@@ -115,9 +115,12 @@ def _check_columns(d: DataOptions, inp: InputSet) -> tuple[list[str], str | None
         _require_column(inp, d.id_column, "data.id_column")
     for c in d.keep_columns:
         _require_column(inp, c, "data.keep_columns")
+    if d.continuation_column:
+        _require_column(inp, d.continuation_column, "data.continuation_column")
     sampling_col = _sampling_column(d, inp)
     columns = [source] + ([d.id_column] if d.id_column else []) + list(d.keep_columns)
     columns += [sampling_col] if sampling_col else []
+    columns += [d.continuation_column] if d.continuation_column else []
     return list(dict.fromkeys(columns)), sampling_col
 
 
@@ -140,7 +143,9 @@ def _model_path(cfg: JobConfig) -> str:
 def _fingerprint_config(cfg: JobConfig, model_fp: str, sampling_col: str | None) -> dict[str, Any]:
     """The settings that change the output (see the module docstring), as recorded in the manifest."""
     d = cfg.data
+    score = {"task": "score", "continuation_column": d.continuation_column} if cfg.task == "score" else {}
     return {
+        **score,
         "model": {"fingerprint": model_fp, "dtype": cfg.model.dtype},
         "data": {
             "prompt_column": None if d.messages_column else d.prompt_column,

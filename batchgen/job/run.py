@@ -146,8 +146,13 @@ def _execute(
         interval_s=plan.cfg.run.log_interval_s,
     )
     try:
-        feeder = _feeder(plan, engine, todo, stop, progress)
-        windows_done, rows_done = _commit_windows(plan, outdir, feeder)
+        if plan.cfg.task == "score":  # batchgen.job.score: log-likelihoods instead of generations
+            from batchgen.job.score import run_score_windows
+
+            windows_done, rows_done = run_score_windows(plan, outdir, engine, todo, stop, progress)
+        else:
+            feeder = _feeder(plan, engine, todo, stop, progress)
+            windows_done, rows_done = _commit_windows(plan, outdir, feeder)
     finally:
         progress.close()
     wall = time.monotonic() - t_run
