@@ -11,6 +11,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
+from batchgen.scoring import Score, rolling_loglikelihood, score_token_pairs, split_pair
 
 Prompt = str | Sequence[int]
 
@@ -85,3 +86,66 @@ class LLM:
                 if rid not in results:
                     engine.abort_request(rid)
         return [results[rid] for rid in ids]
+
+    # ------------------------------------------------------------------------------------------- chat
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{role, content}`` messages) or a list of them,
+        rendered with the tokenizer's chat template (``chat_template`` overrides it; ``chat_template_kwargs``
+        go to ``apply_chat_template``, e.g. ``{"enable_thinking": False}``). ``content`` is a string or a list
+        of OpenAI ``{"type": "text", "text": ...}`` parts. Like vLLM's ``LLM.chat``."""
+        from batchgen.chat import render
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            render(self.tokenizer, c, add_generation_prompt, chat_template, chat_template_kwargs)
+            for c in conversations
+        ]
+        # The template writes its own special tokens (bos): encode without adding them again.
+        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        for out, p in zip(outs, prompts):
+            out.prompt = p
+        return outs
+
+    # ---------------------------------------------------------------------------------------- scoring
+    def score(
+        self,
+        contexts: str | Sequence[str] | Sequence[Sequence[int]],
+        continuations: str | Sequence[str] | Sequence[Sequence[int]],
+        use_tqdm: bool = False,
+    ) -> list[Score]:
+        """Log-likelihood of each continuation given its context (strings or token-id lists): summed
+        logprob, token count, greedy or not. Strings are split the way lm-evaluation-harness does (the pair is
+        tokenized whole; trailing spaces of the context belong to the continuation). Contexts shared by several
+        continuations come from the prefix cache after the first."""
+        if isinstance(contexts, str):
+            contexts, continuations = [contexts], [continuations]  # type: ignore[list-item]
+        if len(contexts) != len(continuations):
+            raise ValueError(f"got {len(contexts)} contexts for {len(continuations)} continuations")
+        pairs = [
+            split_pair(self.tokenizer, c, x) if isinstance(c, str) else (list(c), list(x))
+            for c, x in zip(contexts, continuations)
+        ]
+        return score_token_pairs(self.engine, pairs, use_tqdm)
+
+    def loglikelihood_rolling(
+        self, texts: str | Sequence[str], max_length: int | None = None, use_tqdm: bool = False
+    ) -> list[tuple[float, int]]:
+        """``(summed log-likelihood, number of tokens)`` of every token of each text (the first conditioned on
+        bos, or eos when there is none), over windows of at most ``max_length`` tokens (default: the engine's
+        ``max_model_len - 2``). Perplexity is ``exp(-loglikelihood / tokens)``."""
+        if isinstance(texts, str):
+            texts = [texts]
+        tok = self.tokenizer
+        prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        max_len = min(max_length or self.engine.max_model_len - 2, self.engine.max_model_len - 2)
+        toks = [tok.encode(t, add_special_tokens=False) for t in texts]
+        return rolling_loglikelihood(self.engine, toks, prefix, max_len, use_tqdm)

@@ -118,6 +118,10 @@ class SamplingParams:
     """If set (>= 0): return, for each generated token, the log-probabilities of the ``logprobs`` most likely
     tokens plus the sampled token's, from the raw model logits (before penalties/temperature/filters). A job
     writes them to a 'logprobs' column."""
+    prompt_logprobs: int | None = None
+    """If set (>= 0): return, for every prompt token after the first, its log-probability and the
+    ``prompt_logprobs`` most likely tokens at its position (``RequestOutput.prompt_logprobs``; raw logits,
+    computed in the prefill). Such a request takes no prefix-cache hits (its tokens need their logits)."""
     seed: int | None = None
     """Seed of this request's own random generator: the same seed gives the same tokens whatever else is
     in the batch; None uses the engine's generator (reproducible per run, not per request). In a job,
@@ -157,6 +161,10 @@ class SamplingParams:
             self.logprobs = _as_int("logprobs", self.logprobs)
             if self.logprobs < 0:
                 raise ValueError(f"logprobs must be >= 0 (or None), got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs)
+            if self.prompt_logprobs < 0:
+                raise ValueError(f"prompt_logprobs must be >= 0 (or None), got {self.prompt_logprobs}")
         if self.seed is not None:
             self.seed = _as_int("seed", self.seed)
             if not -(2**63) <= self.seed < 2**64:

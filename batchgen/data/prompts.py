@@ -6,7 +6,7 @@ A row becomes an *error row* (never an exception, never dropped) when:
   valid UTF-8 at byte N``; a timestamp out of range, ...);
 - the prompt is null, not a string, or empty / whitespace only;
 - ``messages`` is null, not a list (or a JSON string of a list), empty, or an element is not a
-  ``{role: str, content: str}`` object, or the chat template rejects it;
+  ``{role: str, content: str | [{type: text, text: str}, ...]}`` object, or the chat template rejects it;
 - the prompt has no tokens, or ``num_prompt_tokens >= max_model_len`` (at least one generated token must
   fit: generation stops with ``finish_reason="length"`` when the sequence reaches max_model_len);
 - its per-row sampling overrides are invalid (unknown field, bad value, or ``n``);
@@ -36,6 +36,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchgen.chat import normalize_messages
 from batchgen.data.values import safe_pylist
 from batchgen.sampling_params import SamplingParams
 
@@ -110,12 +111,10 @@ def check_messages(value: Any) -> list[dict[str, str]] | str:
     for i, m in enumerate(value):
         if not isinstance(m, Mapping):
             return f"messages[{i}] must be an object with 'role' and 'content', got {_type_name(m)}"
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not role:
-            return f"messages[{i}].role must be a non-empty string, got {role!r}"
-        if not isinstance(content, str):
-            return f"messages[{i}].content must be a string, got {_type_name(content)}"
-        out.append({k: v for k, v in m.items() if v is not None})
+        try:  # content: a string, or OpenAI {type: text, text} parts (joined by batchgen.chat)
+            out.extend(normalize_messages([m]))
+        except ValueError as e:
+            return str(e).replace("messages[0]", f"messages[{i}]", 1)
     if all(not m["content"].strip() for m in out):
         return "messages has no content (every message is empty)"
     return out

@@ -116,8 +116,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------- requests
     def add_request(
-        self, request_id: str | int, prompt: str | Seq[int], params: SamplingParams | None = None
+        self,
+        request_id: str | int,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt_logprobs_start: int | None = None,
     ) -> None:
+        """Queue a request. ``prompt_logprobs_start``: compute the logprobs of the prompt tokens from this
+        position on (scoring: the continuation's first token), reusing the prefix cache before it."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -126,6 +133,9 @@ class LLMEngine:
             list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         )
         request = Request(request_id, token_ids, params, prompt_text, self.tokenizer, self.device)
+        if prompt_logprobs_start is not None or params.prompt_logprobs is not None:
+            request.prompt_logprobs_start = prompt_logprobs_start
+            self.runner.collect_prompt_logprobs = True
         self.stats.num_requests += 1
         error = self._validate(token_ids, params)
         # A constraint is compiled (cached) now, so a bad schema or regex fails this request alone.
@@ -256,6 +266,7 @@ class LLMEngine:
             request.num_cached_tokens,
             None,
             request.prompt,
+            _prompt_logprobs(request),
         )
 
     def _beam_output(self, request: Request) -> RequestOutput:
@@ -280,7 +291,14 @@ class LLMEngine:
             request.num_cached_tokens,
             None,
             request.prompt,
+            _prompt_logprobs(request),
         )
+
+
+def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
+    if request.prompt_logprobs is None and request.params.prompt_logprobs is None:
+        return None
+    return request.prompt_logprobs or [None] * len(request.prompt_token_ids)
 
 
 def _error_output(request: Request, error: str) -> RequestOutput:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from batchgen.engine import prompt_logprobs
 from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine.config import EngineConfig, parse_bytes
 from batchgen.engine.scheduler import SchedulerOutput
@@ -87,6 +88,7 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._graph_inputs: dict[str, Tensor] = {}
         self._graphs_failed = False
+        self.collect_prompt_logprobs = False  # set by the engine while a request wants prompt logprobs
 
     # ------------------------------------------------------------------------------------------ sizing
     @property
@@ -213,6 +215,8 @@ class ModelRunner:
                 if hidden is not None:
                     return self.model.compute_logits(hidden[last]).float()
         hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache))
+        if self.collect_prompt_logprobs:
+            prompt_logprobs.collect(self.model, hidden, out)
         return self.model.compute_logits(hidden[last]).float()
 
     def pad_decode_batch(

@@ -44,3 +44,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With ``SamplingParams(prompt_logprobs=k)``: one entry per prompt token, ``None`` for the first, else
+    ``{token_id: logprob}`` of that prompt token and the top-k at its position (vLLM's form)."""

@@ -41,6 +41,7 @@ from torch import Tensor
 from batchgen.engine.beam import BeamSearch
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager
+from batchgen.engine.prompt_logprobs import cache_lookup_tokens
 from batchgen.engine.sequence import Request, Sequence, SequenceStatus
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.stop import StopRules
@@ -441,7 +442,8 @@ class Scheduler:
             if slots + seats > self.config.max_num_seqs and self.running:
                 break
             reserve = self.watermark_blocks if self.running else 0
-            num_cached = self.kv.allocate(seq.seq_id, seq.token_ids, seq.num_tokens, reserve_blocks=reserve)
+            lookup = cache_lookup_tokens(seq)  # prompt logprobs cap the prefix-cache hit
+            num_cached = self.kv.allocate(seq.seq_id, lookup, seq.num_tokens, reserve_blocks=reserve)
             if num_cached is None:
                 break
             self.waiting.popleft()

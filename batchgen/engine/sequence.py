@@ -65,6 +65,11 @@ class Request:
         self.simple_stop = not p.stop_token_ids and not p.stop and p.min_tokens == 0
         self.plain_greedy = p.greedy and not p.needs_penalties and p.logprobs is None and p.min_tokens == 0
 
+    # Prompt logprobs (batchgen.engine.prompt_logprobs): wanted from this position on (None: only if
+    # params.prompt_logprobs), and the entries computed so far (one per prompt token, entry 0 None).
+    prompt_logprobs_start: int | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
     def new_sequence(self, token_ids: list[int], sample_index: int) -> Sequence:
         """Create and register sample ``sample_index`` of this request, holding ``token_ids``."""
         params = self.params

@@ -94,6 +94,9 @@ class DataOptions:
     """Output directory. With data.shard.count > 1 each shard writes into <output>/shard-IIIII-of-NNNNN/."""
     prompt_column: str = "prompt"
     """String column holding the prompt text (used when data.messages_column is null)."""
+    continuation_column: str | None = None
+    """task=score: string column of the continuation scored given data.prompt_column (null = score the
+    prompt_column text whole: rolling log-likelihood and perplexity)."""
     messages_column: str | None = None
     """Column of chat messages (list of {role, content} structs, or a JSON string of that list), rendered with the tokenizer's chat template (add_generation_prompt=True). Overrides data.prompt_column."""
     id_column: str | None = None
@@ -157,6 +160,9 @@ class JobConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingParams = field(default_factory=default_sampling)
     run: RunOptions = field(default_factory=RunOptions)
+    task: str = "generate"
+    """'generate' (completions) or 'score': log-likelihoods of data.continuation_column given data.prompt_column,
+    or, without a continuation column, the rolling log-likelihood / perplexity of data.prompt_column."""
 
 
 GROUPS: dict[str, type] = {
@@ -175,6 +181,10 @@ def validate(cfg: JobConfig) -> None:
     for name in GROUPS:
         _group_checked(name, dataclasses.replace, getattr(cfg, name))
     _validate_data(cfg.data)
+    if cfg.task not in ("generate", "score"):
+        raise ConfigError(f"task must be 'generate' or 'score', got {cfg.task!r}")
+    if cfg.task == "score" and cfg.data.messages_column:
+        raise ConfigError("task=score scores data.prompt_column text; data.messages_column is not supported")
 
 
 def _validate_data(d: DataOptions) -> None:
@@ -295,5 +305,6 @@ def to_job_config(cfg: Any) -> JobConfig:
         if job.sampling.stop:
             stop = [job.sampling.stop] if isinstance(job.sampling.stop, str) else job.sampling.stop
             job.sampling.stop = [decode_escapes(s) for s in stop]
+        job.task = str(cfg.get("task", "generate"))
     validate(job)
     return job

@@ -211,9 +211,12 @@ def _check_columns(d: DataOptions, inp: InputSet) -> tuple[list[str], str | None
         _require_column(inp, d.id_column, "data.id_column")
     for c in d.keep_columns:
         _require_column(inp, c, "data.keep_columns")
+    if d.continuation_column:
+        _require_column(inp, d.continuation_column, "data.continuation_column")
     sampling_col = _sampling_column(d, inp)
     columns = [source] + ([d.id_column] if d.id_column else []) + list(d.keep_columns)
     columns += [sampling_col] if sampling_col else []
+    columns += [d.continuation_column] if d.continuation_column else []
     return list(dict.fromkeys(columns)), sampling_col
 
 
@@ -305,7 +308,9 @@ def _fingerprint_config(
     model: dict[str, Any] = {"fingerprint": model_fp, "dtype": cfg.model.dtype}
     if not legacy and d.messages_column:
         model["chat_template"] = template_fp
+    score = {"task": "score", "continuation_column": d.continuation_column} if cfg.task == "score" else {}
     return {
+        **score,
         "model": model,
         "data": {
             "prompt_column": None if d.messages_column else d.prompt_column,

@@ -450,6 +450,8 @@ class _Job:
             plan.row_end, len(plan.windows), d.window_rows, len(todo),
             f" ({retry_rows} error rows to retry)" if retry_rows else "", outdir.path,
         )  # fmt: skip
+        if cfg.task == "score":
+            return self._execute_score(todo)
 
         tokenizer = self.engine.tokenizer if self.engine is not None else _load_tokenizer(plan)
         _require_chat_template(plan, tokenizer)
@@ -502,6 +504,41 @@ class _Job:
         stats = engine.stats.delta(before)
         status = "complete" if m.complete else "incomplete"
         report = self._report(status, wall, {"startup_s": round(t_run - self.t_start, 3)}, stats)
+        return self._finish(report)
+
+    def _execute_score(self, todo: list[_Todo]) -> JobResult:
+        """``task=score``: log-likelihoods instead of generations (:mod:`batchgen.job.score`), a window at a
+        time (the unit of resume)."""
+        from batchgen.job.score import run_score_windows
+
+        plan, m = self.plan, self.manifest
+        assert plan is not None and self.outdir is not None and m is not None
+        engine = self.engine
+        if engine is None:
+            engine = self.engine = _start_engine(plan)
+        self._check_stop("start-up")
+        before = engine.stats.snapshot()
+        t_run = time.monotonic()
+        cfg = plan.cfg
+        self.progress = Progress(
+            total=plan.row_end - plan.row_start,
+            initial=m.rows_done,
+            mode=cfg.run.progress,
+            interval_s=cfg.run.log_interval_s,
+        )
+        try:
+            specs = [t.spec for t in todo]
+            self.windows_done, self.rows_done = run_score_windows(
+                plan, self.outdir, engine, specs, self.stop, self.progress
+            )
+        finally:
+            self.progress.close()
+            self.progress = None
+        wall = time.monotonic() - t_run
+        status = "complete" if m.complete else "incomplete"
+        report = self._report(
+            status, wall, {"startup_s": round(t_run - self.t_start, 3)}, engine.stats.delta(before)
+        )
         return self._finish(report)
 
     def _count(self, ok: bool, error: str | None) -> None:

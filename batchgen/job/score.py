@@ -1,0 +1,136 @@
+"""``batchgen task=score``: log-likelihoods instead of generations, window by window, resumable like generation.
+
+With ``data.continuation_column`` set, each row scores the continuation given the context in
+``data.prompt_column`` (split like lm-evaluation-harness: the pair is tokenized whole), writing
+``loglikelihood`` (summed over the continuation's tokens), ``num_continuation_tokens``, ``is_greedy`` (every
+continuation token is the argmax) and ``num_cached_tokens``. Without it, each row's ``data.prompt_column`` text
+is scored whole (rolling windows of ``engine.max_model_len - 2`` tokens, the first token conditioned on bos/eos):
+``loglikelihood_rolling``, ``num_tokens`` and ``perplexity``. Invalid rows (null, not a string, empty, too long)
+become ``status=error`` rows. Rows sharing a context hit the prefix cache (only the continuation is computed).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.data.manifest import WindowRecord
+from batchgen.data.reader import iter_windows
+from batchgen.scoring import rolling_windows, score_token_pairs, split_pair
+
+_TYPES = {
+    "loglikelihood": pa.float64(),
+    "num_continuation_tokens": pa.int64(),
+    "is_greedy": pa.bool_(),
+    "loglikelihood_rolling": pa.float64(),
+    "num_tokens": pa.int64(),
+    "perplexity": pa.float64(),
+    "num_cached_tokens": pa.int64(),
+    "status": pa.string(),
+    "error": pa.string(),
+}
+
+
+def _ids(table: pa.Table, id_column: str | None, row_start: int) -> pa.Array:
+    if id_column:
+        return table.column(id_column).combine_chunks()
+    return pa.array(range(row_start, row_start + table.num_rows), pa.int64())
+
+
+def _score_window(plan, engine, table: pa.Table) -> tuple[dict[str, list], int, int]:
+    d = plan.cfg.data
+    tok = engine.tokenizer
+    limit = engine.max_model_len - 1  # the engine samples one token after the scored input
+    contexts = table.column(d.prompt_column).to_pylist()
+    conts = table.column(d.continuation_column).to_pylist() if d.continuation_column else None
+    n = len(contexts)
+    status, error = ["ok"] * n, [None] * n
+    pairs: list[tuple[list[int], list[int]]] = []
+    owner: list[int] = []
+    for i, ctx in enumerate(contexts):
+        cont = conts[i] if conts is not None else None
+        why = None
+        if not isinstance(ctx, str) or not ctx:
+            why = f"{d.prompt_column} must be a non-empty string"
+        elif conts is not None and (not isinstance(cont, str) or not cont):
+            why = f"{d.continuation_column} must be a non-empty string"
+        if why:
+            status[i], error[i] = "error", why
+            continue
+        if conts is not None:
+            c, x = split_pair(tok, ctx, cont)
+            if not c or not x or len(c) + len(x) >= limit:
+                status[i], error[i] = (
+                    "error",
+                    f"context + continuation must have 1..{limit - 1} tokens each side",
+                )
+                continue
+            pairs.append((c, x))
+            owner.append(i)
+        else:
+            prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+            for c, x in rolling_windows(tok.encode(ctx, add_special_tokens=False), prefix, limit - 1):
+                pairs.append((c, x))
+                owner.append(i)
+    scores = score_token_pairs(engine, pairs) if pairs else []
+    ll, ntok, greedy, cached = [0.0] * n, [0] * n, [True] * n, [0] * n
+    for i, s in zip(owner, scores):
+        ll[i] += s.loglikelihood
+        ntok[i] += s.num_tokens
+        greedy[i] = greedy[i] and s.is_greedy
+        cached[i] += s.num_cached_tokens
+    ok = [s == "ok" for s in status]
+    cols: dict[str, list] = {}
+    if conts is not None:
+        cols["loglikelihood"] = [v if k else None for v, k in zip(ll, ok)]
+        cols["num_continuation_tokens"] = [v if k else None for v, k in zip(ntok, ok)]
+        cols["is_greedy"] = [v if k else None for v, k in zip(greedy, ok)]
+    else:
+        cols["loglikelihood_rolling"] = [v if k else None for v, k in zip(ll, ok)]
+        cols["num_tokens"] = [v if k else None for v, k in zip(ntok, ok)]
+        cols["perplexity"] = [math.exp(-v / t) if k and t else None for v, t, k in zip(ll, ntok, ok)]
+    cols["num_cached_tokens"] = cached
+    cols["status"] = status
+    cols["error"] = error
+    prompt_tokens = sum(len(c) + len(x) for c, x in pairs)
+    return cols, prompt_tokens, sum(cached)
+
+
+def run_score_windows(plan, outdir, engine, todo, stop, progress) -> tuple[int, int]:
+    """Score and commit each unfinished window; returns (windows, rows) done. Stops between windows on a
+    signal (a window is the unit of resume)."""
+    d = plan.cfg.data
+    windows = rows = 0
+    for w in iter_windows(plan.input, todo, plan.columns):
+        if stop.requested:
+            break
+        t0 = time.time()
+        cols, prompt_tokens, cached = _score_window(plan, engine, w.table)
+        arrays: dict[str, Any] = {"id": _ids(w.table, d.id_column, w.spec.row_start)}
+        for c in d.keep_columns:
+            if c != "id":
+                arrays[c] = w.table.column(c).combine_chunks()
+        arrays.update({k: pa.array(v, _TYPES[k]) for k, v in cols.items()})
+        meta = {b"batchgen.task": b"score", b"batchgen.window": str(w.spec.index).encode()}
+        table = pa.table(arrays).replace_schema_metadata(meta)
+        n_ok = sum(1 for s in cols["status"] if s == "ok")
+        record = WindowRecord(
+            part="",
+            row_start=w.spec.row_start,
+            row_end=w.spec.row_end,
+            num_output_rows=table.num_rows,
+            rows_ok=n_ok,
+            rows_error=table.num_rows - n_ok,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached,
+            generated_tokens=0,
+            wall_time_s=round(time.time() - t0, 3),
+        )
+        outdir.commit(w.spec.index, table, record)
+        progress.update(w.spec.num_rows)
+        windows += 1
+        rows += w.spec.num_rows
+    return windows, rows
