@@ -258,7 +258,8 @@ def unknown_keys(cfg: Any, schema: dict[str, type | None] | None = None, prefix:
     the closest valid key when there is one: ``data.windw_rows (did you mean data.window_rows?)``."""
     from omegaconf import DictConfig
 
-    schema = {name: GROUPS[name] for name in GROUPS} if schema is None else schema
+    if schema is None:  # the groups, and the top-level plain keys (task)
+        schema = {**{f.name: None for f in dataclasses.fields(JobConfig)}, **GROUPS}
     out: list[str] = []
     keys = list(cfg.keys()) if isinstance(cfg, (dict, DictConfig)) else []
     for k in keys:
