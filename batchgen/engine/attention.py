@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from batchgen.kernels import torch_backend, triton_available
+from batchgen.kernels.reference import check_options
 
 logger = logging.getLogger(__name__)
 
@@ -216,10 +217,7 @@ class PagedAttention:
         ``softcap * tanh(logits / softcap)`` (Gemma 2); ``sinks [Hq]`` — one extra logit per head in the
         softmax denominator (gpt-oss). None = plain causal attention, exactly as without them.
         """
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"softcap must be > 0, got {softcap}")
+        check_options(sliding_window, softcap)
         options = {}
         if sliding_window is not None:
             options["sliding_window"] = sliding_window
