@@ -275,10 +275,7 @@ class ModelConfig:
         hidden, num_heads, num_kv_heads, head_dim = _attention_shape(hf)
         num_layers = int(hf.num_hidden_layers)
         max_pos = int(getattr(hf, "max_position_embeddings", None) or 2048)
-        layer_types = list(getattr(hf, "layer_types", None) or [])
-        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise NativeUnsupportedError(f"layer types {unknown} in {source} are not supported natively")
+        layer_types = _layer_types(hf, source)
         rope, local_rope = _rope_specs(hf, head_dim, source)
         windows = _layer_windows(hf, model_type, num_layers, layer_types, max_pos)
         qkv_bias, o_bias, mlp_bias = _biases(hf, model_type)
@@ -347,6 +344,15 @@ def _attention_shape(hf: Any) -> tuple[int, int, int, int]:
             f"num_attention_heads {num_heads} not a multiple of num_key_value_heads {num_kv_heads}"
         )
     return hidden, num_heads, num_kv_heads, head_dim
+
+
+def _layer_types(hf: Any, source: str) -> list[str]:
+    """``layer_types`` (empty when the config has none); each one full or sliding attention."""
+    layer_types = list(getattr(hf, "layer_types", None) or [])
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise NativeUnsupportedError(f"layer types {unknown} in {source} are not supported natively")
+    return layer_types
 
 
 def _rope_specs(hf: Any, head_dim: int, source: str) -> tuple[Any, Any]:
