@@ -45,6 +45,29 @@ class AttentionMetadata:
     scratch: dict = field(default_factory=dict)
     """Per-forward memo for values derived from this batch alone (e.g. the cascade plan), shared by all layers."""
 
+    @classmethod
+    def for_sequences(
+        cls, seqs: list[tuple[list[int], int, int]], num_decode_seqs: int, block_size: int
+    ) -> AttentionMetadata:
+        """The metadata of ``seqs``, each ``(block_table, num_cached_tokens, num_new_tokens)``, decodes first:
+        the new tokens' slots follow the block tables, and the tables are zero-padded to the longest."""
+        slots, seq_lens, cu = [], [], [0]
+        tables = torch.zeros(len(seqs), max(len(t) for t, _, _ in seqs), dtype=torch.int32)
+        for i, (table, start, n) in enumerate(seqs):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+            seq_lens.append(start + n)
+            cu.append(cu[-1] + n)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_decode_seqs=num_decode_seqs,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            block_tables=tables,
+            max_seq_len=max(seq_lens),
+            max_query_len=max(n for _, _, n in seqs),
+        )
+
 
 @dataclass
 class ForwardContext:

@@ -238,22 +238,7 @@ def bench(
 def _meta(seqs: list[tuple[list[int], int, int]], num_decode: int, block_size: int):
     from batchgen.engine.attention import AttentionMetadata
 
-    slots, lens, cu = [], [], [0]
-    tables = torch.zeros(len(seqs), max(len(t) for t, _, _ in seqs), dtype=torch.int32)
-    for i, (table, start, n) in enumerate(seqs):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
-        lens.append(start + n)
-        cu.append(cu[-1] + n)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        num_decode_seqs=num_decode,
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        block_tables=tables,
-        max_seq_len=max(lens),
-        max_query_len=max(n for _, _, n in seqs),
-    )
+    return AttentionMetadata.for_sequences(seqs, num_decode, block_size)
 
 
 @torch.inference_mode()
