@@ -133,8 +133,24 @@ class MoESpec:
     shared_expert_intermediate_size: int = 0
 
 
+class ContextFacts:
+    """The context limits the engine reads, derived from the fields ``max_position_embeddings`` and
+    ``layer_windows`` (one window or None per layer) of the config class using it."""
+
+    @property
+    def max_model_len(self) -> int:
+        """The model's full context (sliding windows are attended for real, so they do not cap it)."""
+        return self.max_position_embeddings  # type: ignore[attr-defined]
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The largest per-layer window, None when some layer (or every layer) attends to everything."""
+        windows = self.layer_windows or (None,)  # type: ignore[attr-defined]
+        return None if any(w is None for w in windows) else max(windows)  # type: ignore[type-var]
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(ContextFacts):
     """Architecture of one checkpoint, as our native decoder (`batchgen.models.llama.CausalLM`) runs it.
 
     Invariants: `num_heads % num_kv_heads == 0`; `len(layer_windows) == num_layers`; a layer's window `w`
@@ -181,17 +197,6 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     implementation = "native"
-
-    @property
-    def max_model_len(self) -> int:
-        """The model's full context (sliding windows are attended for real, so they do not cap it)."""
-        return self.max_position_embeddings
-
-    @property
-    def sliding_window(self) -> int | None:
-        """The largest per-layer window, None when some layer (or every layer) attends to everything."""
-        windows = self.layer_windows or (None,)
-        return None if any(w is None for w in windows) else max(windows)  # type: ignore[type-var]
 
     @property
     def rope_theta(self) -> float:

@@ -41,7 +41,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from batchgen.models.config import eos_token_ids, hf_config_from_dict, parse_dtype, read_config_files
+from batchgen.models.config import (
+    ContextFacts,
+    eos_token_ids,
+    hf_config_from_dict,
+    parse_dtype,
+    read_config_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +262,7 @@ def _reference_attention(q, k, v, scale, window, softcap, mask=None, sinks=None)
 
 # ---------------------------------------------------------------------------------------------- the model
 @dataclass(frozen=True)
-class TransformersModelConfig:
+class TransformersModelConfig(ContextFacts):
     """What the engine reads from a model, for a model run by the transformers backend."""
 
     architecture: str
@@ -277,15 +283,6 @@ class TransformersModelConfig:
     pad_token_id: int | None = None
 
     implementation = "transformers"
-
-    @property
-    def max_model_len(self) -> int:
-        return self.max_position_embeddings
-
-    @property
-    def sliding_window(self) -> int | None:
-        windows = self.layer_windows or (None,)
-        return None if any(w is None for w in windows) else max(windows)  # type: ignore[type-var]
 
 
 class _HiddenStates(nn.Module):
