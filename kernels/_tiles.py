@@ -17,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._jit import helper
+from .reference import check_options
 
 LOG2E = 1.4426950408889634
 
@@ -44,10 +45,7 @@ class OptionArgs:
         sinks: Tensor | None,
         like: Tensor,
     ) -> OptionArgs:
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"softcap must be > 0, got {softcap}")
+        check_options(sliding_window, softcap)
         if sinks is not None:
             sinks = (sinks.to(device=like.device, dtype=torch.float32) * LOG2E).contiguous()
         return cls(
@@ -63,6 +61,22 @@ class OptionArgs:
     @property
     def constexprs(self) -> dict[str, bool]:
         return dict(WINDOW=self.WINDOW, SOFTCAP=self.SOFTCAP, SINKS=self.SINKS)
+
+
+def paged_inputs(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor
+) -> tuple[Tensor, Tensor, int, int, int]:
+    """Check the caches (contiguous, same shape ``[NB, BS, Hkv, D]``, ``Hkv`` dividing ``Hq``) and return
+    ``(q, block_tables, block_size, num_kv_heads, group)`` with ``q`` and ``block_tables`` unit-stride in their
+    last dimension, as the kernels index them."""
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert q.shape[1] % num_kv_heads == 0
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    return q, block_tables, block_size, num_kv_heads, q.shape[1] // num_kv_heads
 
 
 @helper

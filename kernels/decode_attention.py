@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._jit import interpreting, kernel
-from ._tiles import OptionArgs, add_sink, load_kv_tile, online_softmax, tile_scores
+from ._tiles import OptionArgs, add_sink, load_kv_tile, online_softmax, paged_inputs, tile_scores
 
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
@@ -225,14 +225,7 @@ def paged_decode_attention(
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return q.new_empty(q.shape)
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    assert num_q_heads % num_kv_heads == 0
-    group = num_q_heads // num_kv_heads
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
+    q, block_tables, block_size, num_kv_heads, group = paged_inputs(q, k_cache, v_cache, block_tables)
     device = q.device
     opt = OptionArgs.make(scale, sliding_window, softcap, sinks, like=q)
     if num_splits is None:

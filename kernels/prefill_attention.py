@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._jit import helper, interpreting, kernel
-from ._tiles import OptionArgs, add_sink, load_kv_tile, online_softmax, tile_scores
+from ._tiles import OptionArgs, add_sink, load_kv_tile, online_softmax, paged_inputs, tile_scores
 
 
 @helper
@@ -220,14 +220,7 @@ def paged_prefill_attention(
     batch = cu_seqlens_q.numel() - 1
     if total == 0 or batch == 0:
         return q.new_empty(q.shape)
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    assert num_q_heads % num_kv_heads == 0
-    group = num_q_heads // num_kv_heads
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
+    q, block_tables, block_size, num_kv_heads, group = paged_inputs(q, k_cache, v_cache, block_tables)
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     device = q.device

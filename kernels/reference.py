@@ -35,6 +35,14 @@ import torch
 from torch import Tensor
 
 
+def check_options(sliding_window: int | None, softcap: float | None) -> None:
+    """Raise ``ValueError`` unless ``sliding_window`` is None or >= 1 and ``softcap`` is None or > 0."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
+
+
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write token ``t``'s ``key[t]``/``value[t]`` ``[Hkv, D]`` at slot ``slot_mapping[t]`` of the caches
     ``[NB, BS, Hkv, D]`` (converted to the cache dtype); slot ``-1`` stores nothing."""
@@ -69,6 +77,7 @@ def paged_prefill_attention(
     sinks: Tensor | None = None,
 ) -> Tensor:
     """Packed queries ``q [T, Hq, D]`` over caches ``[NB, BS, Hkv, D]`` → float64 ``[T, Hq, D]`` (semantics above)."""
+    check_options(sliding_window, softcap)
     num_q_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     kv_head = torch.arange(num_q_heads) // (num_q_heads // num_kv_heads)  # of each query head

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .reference import check_options
+
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 # The CPU flash-attention op behind SDPA, which also returns the log-sum-exp: lets a chunk after a cached
 # prefix run as two unmasked calls (prefix, then the causal square) merged exactly, instead of one masked call
@@ -118,6 +120,7 @@ def paged_decode_attention(
     ``q [B,Hq,D]`` → ``[B,Hq,D]``. Sequences are padded to the longest context (padding keys masked).
     With an option set, the general masked path (no cascade).
     """
+    check_options(sliding_window, softcap)
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return q.new_empty(q.shape)
@@ -277,6 +280,7 @@ def paged_prefill_attention(
     ``seq_lens[b] - q_len_b .. seq_lens[b] - 1``; a query at position ``p`` attends to keys ``0..p``, all read
     from the paged cache (the new tokens' K/V must already be stored). ``q [T,Hq,D]`` → ``[T,Hq,D]``.
     """
+    check_options(sliding_window, softcap)
     total = q.shape[0]
     batch = cu_seqlens_q.numel() - 1
     if total == 0 or batch == 0:

@@ -14,7 +14,8 @@ Plain helpers shared by the job tests (import them: ``from conftest import job_c
 defaults are not taken from a surrounding Slurm array), `random_seed` (fixed unless asked otherwise),
 `read_parts` (an output's parts as one table), `write_invalid_utf8` (a string array holding bytes that are
 not UTF-8), `legacy_output_dir` (turn an output directory into what batchgen 0.1 wrote), `try_mount_tmpfs`
-(a small tmpfs, or None where mounting is not allowed).
+(a small tmpfs, or None where mounting is not allowed), `EngineAtStep` / `signal_after` (an engine that
+runs an action, e.g. sends a signal, just before a given step).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -218,3 +220,25 @@ def umount(path: Path) -> None:
     import subprocess
 
     subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+class EngineAtStep:
+    """Wraps an engine; calls `action()` just before its `at`-th `step()` (counting from 1); otherwise it is
+    the engine itself."""
+
+    def __init__(self, engine, at: int, action: Callable[[], object]) -> None:
+        self._e, self._at, self._action, self._n = engine, at, action, 0
+
+    def __getattr__(self, name):
+        return getattr(self._e, name)
+
+    def step(self):
+        self._n += 1
+        if self._n == self._at:
+            self._action()
+        return self._e.step()
+
+
+def signal_after(engine, at: int, sig: int = signal.SIGINT) -> EngineAtStep:
+    """`engine`, sending `sig` to this process at step `at` (the job's real handlers catch it)."""
+    return EngineAtStep(engine, at, lambda: os.kill(os.getpid(), sig))

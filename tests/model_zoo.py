@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import transformers
 
-from batchgen.models.tiny import BOS_TOKEN, EOS_TOKEN, IM_END, PAD_TOKEN, build_tokenizer
+from batchgen.models.bench_impls import build_random_checkpoint, special_token_kwargs
 
 VOCAB = 512
 INIT = 0.08
@@ -196,7 +196,7 @@ def _config(arch: str, ids: dict[str, int], overrides: dict[str, Any]):
             attn_pdrop=0.0,
             **overrides,
         )
-    kwargs.update(bos_token_id=ids[BOS_TOKEN], eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN])
+    kwargs.update(special_token_kwargs(ids))
     if arch == "gemma3":  # sizes go to the text config; a minimal vision tower beside it
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
         return transformers.Gemma3Config(
@@ -211,38 +211,26 @@ def build(
     out_dir: str | Path, arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
 ) -> str:
     """Build the checkpoint into `out_dir` (see the module doc) and return its path."""
-    out = Path(out_dir)
-    tok = build_tokenizer(out, vocab_size=VOCAB)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_END)}
-    cfg = _config(arch, ids, overrides)
-    model_cls = getattr(transformers, ARCHS[arch][1])
     gemma = arch in GEMMA_LIKE
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(cfg)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                leaf = name.rsplit(".", 1)[-1]
-                if param.dim() == 1 and leaf == "bias":
-                    param.normal_(0.0, INIT)
-                elif param.dim() == 1 and ("norm" in name or ".ln" in name or name.startswith("ln")):
-                    param.normal_(0.0 if gemma else 1.0, 0.1)
-    model = model.to(dtype).eval()
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=ids[BOS_TOKEN],
-        eos_token_id=[ids[EOS_TOKEN], ids[IM_END]],
-        pad_token_id=ids[PAD_TOKEN],
+
+    def perturb(model: torch.nn.Module) -> None:  # biases and norm weights away from their 0 / 1 init
+        for name, param in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if param.dim() == 1 and leaf == "bias":
+                param.normal_(0.0, INIT)
+            elif param.dim() == 1 and ("norm" in name or ".ln" in name or name.startswith("ln")):
+                param.normal_(0.0 if gemma else 1.0, 0.1)
+
+    return build_random_checkpoint(
+        out_dir,
+        lambda ids: _config(arch, ids, overrides),
+        ARCHS[arch][1],
+        vocab_size=VOCAB,
+        seed=seed,
+        dtype=dtype,
+        init=perturb,
         do_sample=False,
     )
-    hf_logging = transformers.utils.logging
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(str(out))
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
-    return str(out)
 
 
 def checkpoint(arch: str, **kwargs) -> str:

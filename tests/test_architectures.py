@@ -102,22 +102,7 @@ EXPECTED_OPTIONS = {  # per layer: (sliding_window, softcap)
 
 
 def _meta(seqs: list[tuple[list[int], int, int]], num_decode_seqs: int, block_size: int) -> AttentionMetadata:
-    slots, seq_lens, cu = [], [], [0]
-    tables = torch.zeros(len(seqs), max(len(t) for t, _, _ in seqs), dtype=torch.int32)
-    for i, (table, start, n) in enumerate(seqs):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
-        seq_lens.append(start + n)
-        cu.append(cu[-1] + n)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        num_decode_seqs=num_decode_seqs,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        block_tables=tables,
-        max_seq_len=max(seq_lens),
-        max_query_len=max(n for _, _, n in seqs),
-    )
+    return AttentionMetadata.for_sequences(seqs, num_decode_seqs, block_size)
 
 
 @pytest.mark.parametrize("arch", list(EXPECTED_OPTIONS))

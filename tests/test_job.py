@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import env_without_slurm, job_config, part_contents
+from conftest import env_without_slurm, job_config, part_contents, signal_after
 
 from batchgen.data.prompts import row_seed
 from batchgen.job.run import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_ERRORS, run_job
@@ -302,22 +302,6 @@ def test_resume_with_another_checkpoint_is_refused(
     assert res.exit_code == EXIT_OK and "nothing to do" in res.message
 
 
-class _SignalAfter:
-    """Wraps an engine; sends `sig` to this process at step `at` (the job's real handlers catch it)."""
-
-    def __init__(self, engine, at: int, sig: int) -> None:
-        self._e, self._at, self._sig, self._n = engine, at, sig, 0
-
-    def __getattr__(self, name):
-        return getattr(self._e, name)
-
-    def step(self):
-        self._n += 1
-        if self._n == self._at:
-            os.kill(os.getpid(), self._sig)
-        return self._e.step()
-
-
 @pytest.mark.parametrize("sig, grace", [(signal.SIGUSR1, 0.0), (signal.SIGTERM, 30.0), (signal.SIGINT, 0.0)])
 def test_signal_stops_cleanly_and_resume_is_identical(
     llama_ckpt: str, dataset: Path, tmp_path: Path, sig: int, grace: float
@@ -332,7 +316,7 @@ def test_signal_stops_cleanly_and_resume_is_identical(
     out = tmp_path / "out"
     cfg = job_config(llama_ckpt, dataset, out)
     cfg.run.stop_grace_s = grace
-    engine = _SignalAfter(LLMEngine(llama_ckpt, cfg.engine), at=9, sig=sig)
+    engine = signal_after(LLMEngine(llama_ckpt, cfg.engine), at=9, sig=sig)
     res = run_job(cfg, engine=engine, print_summary=False)
     assert res.exit_code == EXIT_INTERRUPTED and res.status == "incomplete"
     assert res.report["interrupted_by"] == signal.Signals(sig).name

@@ -19,7 +19,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import env_without_slurm, job_config, part_contents, read_parts, try_mount_tmpfs, umount
+from conftest import (
+    EngineAtStep,
+    env_without_slurm,
+    job_config,
+    part_contents,
+    read_parts,
+    try_mount_tmpfs,
+    umount,
+)
 
 from batchgen.job.run import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, run_job
 
@@ -263,25 +271,17 @@ def test_an_unexpected_engine_error_is_one_line_exit_1_and_keeps_finished_rows(
 ) -> None:
     from batchgen.engine.llm_engine import LLMEngine
 
-    class Crashes:
-        def __init__(self, engine, at: int) -> None:
-            self._e, self._at, self._n = engine, at, 0
-
-        def __getattr__(self, name):
-            return getattr(self._e, name)
-
-        def step(self):
-            self._n += 1
-            if self._n == self._at:
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            return self._e.step()
+    def crash() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     ref = tmp_path / "ref"
     cfg = _cfg(llama_ckpt, inp, ref, data={"window_rows": 40}, engine={"max_num_seqs": 4})
     assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
     out = tmp_path / "out"
     cfg = _cfg(llama_ckpt, inp, out, data={"window_rows": 40}, engine={"max_num_seqs": 4})
-    res = run_job(cfg, engine=Crashes(LLMEngine(llama_ckpt, cfg.engine), 30), handle_signals=False)
+    res = run_job(
+        cfg, engine=EngineAtStep(LLMEngine(llama_ckpt, cfg.engine), 30, crash), handle_signals=False
+    )
     assert res.exit_code == EXIT_FAILED, res.message
     assert res.message.startswith(
         "failed: RuntimeError: CUDA error: an illegal memory access was encountered"

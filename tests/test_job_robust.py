@@ -9,15 +9,20 @@ input edits that keep the file size and footer, and output directories of batchg
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import job_config, legacy_output_dir, part_contents, read_parts, write_invalid_utf8
+from conftest import (
+    job_config,
+    legacy_output_dir,
+    part_contents,
+    read_parts,
+    signal_after,
+    write_invalid_utf8,
+)
 
 from batchgen.data.reader import open_input
 from batchgen.job.run import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_ERRORS, run_job
@@ -324,22 +329,6 @@ def test_a_failed_start_does_not_block_the_corrected_command(
 
 
 # ---------------------------------------------------------------------------------- finished rows are kept
-class _SignalAfter:
-    """Wraps an engine; sends `sig` to this process at step `at` (the job's real handlers catch it)."""
-
-    def __init__(self, engine, at: int, sig: int = signal.SIGINT) -> None:
-        self._e, self._at, self._sig, self._n = engine, at, sig, 0
-
-    def __getattr__(self, name):
-        return getattr(self._e, name)
-
-    def step(self):
-        self._n += 1
-        if self._n == self._at:
-            os.kill(os.getpid(), self._sig)
-        return self._e.step()
-
-
 @pytest.mark.parametrize("window_rows", [24, 8])
 def test_a_stop_saves_every_finished_row_whatever_window_it_belongs_to(
     llama_ckpt: str, tmp_path: Path, window_rows: int
@@ -357,7 +346,7 @@ def test_a_stop_saves_every_finished_row_whatever_window_it_belongs_to(
     assert _run(cfg_for(ref)).exit_code == EXIT_OK
     out = tmp_path / "out"
     cfg = cfg_for(out)
-    res = _run(cfg, engine=_SignalAfter(LLMEngine(llama_ckpt, cfg.engine), at=40), handle_signals=True)
+    res = _run(cfg, engine=signal_after(LLMEngine(llama_ckpt, cfg.engine), at=40), handle_signals=True)
     assert res.exit_code == EXIT_INTERRUPTED, res.message
     m = json.loads((out / "_manifest.json").read_text())
     saved = m["rows_done"]

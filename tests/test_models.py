@@ -65,23 +65,7 @@ def hf_step(hf, ids: torch.Tensor, cache=None) -> tuple[torch.Tensor, object]:
 
 def make_meta(seqs: list[tuple[list[int], int, int]], num_decode_seqs: int) -> AttentionMetadata:
     """seqs: (block_table, num_cached_tokens, num_new_tokens) per sequence, decodes first."""
-    slots, seq_lens, cu = [], [], [0]
-    max_blocks = max(len(t) for t, _, _ in seqs)
-    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-    for i, (table, start, n) in enumerate(seqs):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + n)]
-        seq_lens.append(start + n)
-        cu.append(cu[-1] + n)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        num_decode_seqs=num_decode_seqs,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        block_tables=tables,
-        max_seq_len=max(seq_lens),
-        max_query_len=max(n for _, _, n in seqs),
-    )
+    return AttentionMetadata.for_sequences(seqs, num_decode_seqs, BLOCK_SIZE)
 
 
 def new_kv_cache(model) -> torch.Tensor:

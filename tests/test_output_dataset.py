@@ -15,25 +15,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import job_config
+from conftest import job_config, signal_after
 
 from batchgen.job.merge_cli import EXIT_ERROR
 from batchgen.job.merge_cli import main as merge_main
 from batchgen.job.run import EXIT_INTERRUPTED, EXIT_OK, run_job
-
-
-class _SignalAfter:
-    def __init__(self, engine, at: int) -> None:
-        self._e, self._at, self._n = engine, at, 0
-
-    def __getattr__(self, name):
-        return getattr(self._e, name)
-
-    def step(self):
-        self._n += 1
-        if self._n == self._at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return self._e.step()
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +37,9 @@ def output(llama_ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
     cfg = job_config(llama_ckpt, inp, out, data={"shard": {"index": 1, "count": 2}, "window_rows": 10},
                      engine={"max_num_seqs": 4})  # fmt: skip
-    res = run_job(cfg, engine=_SignalAfter(LLMEngine(llama_ckpt, cfg.engine), 12), print_summary=False)
+    res = run_job(
+        cfg, engine=signal_after(LLMEngine(llama_ckpt, cfg.engine), 12, signal.SIGTERM), print_summary=False
+    )
     assert res.exit_code == EXIT_INTERRUPTED
     shard1 = out / "shard-00001-of-00002"
     m = json.loads((shard1 / "_manifest.json").read_text())

@@ -407,6 +407,18 @@ def _find(results: list[RunResult], scenario: str, system: str) -> RunResult:
     return next(r for r in results if r.scenario == scenario and r.system == system)
 
 
+def _frag(r: RunResult) -> str:
+    return f"{_pct(r.fragmentation)} ({_pct(r.internal_fragmentation)} + {_pct(r.external_fragmentation)})"
+
+
+def _conc(r: RunResult, base: RunResult) -> str:
+    return f"{r.max_concurrent_requests} ({r.max_concurrent_requests / base.max_concurrent_requests:.2f}×)"
+
+
+def _mconc(r: RunResult, base: RunResult) -> str:
+    return f"{r.mean_concurrent_requests:.1f} ({r.mean_concurrent_requests / base.mean_concurrent_requests:.2f}×)"
+
+
 def render(wl: Workload, results: list[RunResult]) -> str:
     c = _find(results, "unique", CONTIGUOUS)
     e = _find(results, "unique", EXACT)
@@ -419,19 +431,6 @@ def render(wl: Workload, results: list[RunResult]) -> str:
     ef = _find(results, "fork", EXACT)
     ep = _find(results, "prefix", EXACT)
 
-    def frag(r: RunResult) -> str:
-        return (
-            f"{_pct(r.fragmentation)} ({_pct(r.internal_fragmentation)} + {_pct(r.external_fragmentation)})"
-        )
-
-    def conc(r: RunResult, base: RunResult) -> str:
-        return (
-            f"{r.max_concurrent_requests} ({r.max_concurrent_requests / base.max_concurrent_requests:.2f}×)"
-        )
-
-    def mconc(r: RunResult, base: RunResult) -> str:
-        return f"{r.mean_concurrent_requests:.1f} ({r.mean_concurrent_requests / base.mean_concurrent_requests:.2f}×)"
-
     lines = [
         f"### Workload `{wl.name}`: {wl.description}",
         "",
@@ -439,10 +438,10 @@ def render(wl: Workload, results: list[RunResult]) -> str:
         "|---|---:|---:|---:|",
         f"| KV memory utilization (live token slots ÷ reserved slots) | {_pct(c.kv_utilization)} "
         f"| {_pct(e.kv_utilization)} | {_pct(p.kv_utilization)} |",
-        f"| max concurrent requests (× contiguous) | {conc(c, c)} | {conc(e, c)} | {conc(p, c)} |",
-        f"| mean concurrent requests while memory-bound (× contiguous) | {mconc(c, c)} | {mconc(e, c)} "
-        f"| {mconc(p, c)} |",
-        f"| fragmentation, internal + external (% of KV memory) | {frag(c)} | {frag(e)} | {frag(p)} |",
+        f"| max concurrent requests (× contiguous) | {_conc(c, c)} | {_conc(e, c)} | {_conc(p, c)} |",
+        f"| mean concurrent requests while memory-bound (× contiguous) | {_mconc(c, c)} | {_mconc(e, c)} "
+        f"| {_mconc(p, c)} |",
+        f"| fragmentation, internal + external (% of KV memory) | {_frag(c)} | {_frag(e)} | {_frag(p)} |",
         f"| memory saved by prefix sharing (4 templates) | 0% | 0% | {_pct(pp.sharing_saved)} |",
         f"| memory saved by forks (n=4) | 0% | 0% | {_pct(pf.sharing_saved)} |",
         f"| steps to drain the workload (unique) | {c.steps} | {e.steps} | {p.steps} |",
@@ -461,16 +460,20 @@ def render(wl: Workload, results: list[RunResult]) -> str:
         "| block-table entries per 1k tokens |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for bs in BLOCK_SIZES:
-        u = _find(results, "unique", f"paged bs={bs}")
-        x = _find(results, "prefix", f"paged bs={bs}")
-        f = _find(results, "fork", f"paged bs={bs}")
-        lines.append(
-            f"| {bs} | {_pct(u.kv_utilization)} | {_pct(u.internal_fragmentation)} | {u.mean_concurrent_requests:.1f} "
-            f"| {u.preemptions} | {_pct(x.prefix_hit_rate)} | {_pct(x.sharing_saved)} | {x.mean_concurrent_requests:.1f} "
-            f"| {_pct(f.sharing_saved)} | {1000 / bs:.1f} |"
-        )
+    lines += [_sweep_row(results, bs) for bs in BLOCK_SIZES]
     return "\n".join(lines)
+
+
+def _sweep_row(results: list[RunResult], bs: int) -> str:
+    """The block-size sweep's row for block size `bs`."""
+    u = _find(results, "unique", f"paged bs={bs}")
+    x = _find(results, "prefix", f"paged bs={bs}")
+    f = _find(results, "fork", f"paged bs={bs}")
+    return (
+        f"| {bs} | {_pct(u.kv_utilization)} | {_pct(u.internal_fragmentation)} | {u.mean_concurrent_requests:.1f} "
+        f"| {u.preemptions} | {_pct(x.prefix_hit_rate)} | {_pct(x.sharing_saved)} | {x.mean_concurrent_requests:.1f} "
+        f"| {_pct(f.sharing_saved)} | {1000 / bs:.1f} |"
+    )
 
 
 def targets(results: list[RunResult]) -> list[str]:
@@ -527,7 +530,7 @@ def plot(results: list[RunResult], out: Path, budget_note: str = "") -> list[Pat
     return paths
 
 
-def main(argv: list[str] | None = None) -> list[RunResult]:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="write memory.json and PNG charts here")
     ap.add_argument(
@@ -544,6 +547,48 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
         default=None,
         help="the paged scheduler's token budget per step (default: the whole pool, so memory is the limit)",
     )
+    return ap
+
+
+def _payload(args: argparse.Namespace, capacity: int, results: list[RunResult]) -> dict[str, object]:
+    """memory.json: the run's settings, every result's figures, and the unique scenario's series of the
+    contiguous and main paged systems."""
+    return {
+        "config": {
+            "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
+            "device_bytes": DEVICE_BYTES,
+            "weight_bytes": WEIGHT_BYTES,
+            "kv_budget_bytes": KV_BUDGET_BYTES,
+            "capacity_token_slots": capacity,
+            "small": args.small,
+            "seed": args.seed,
+            "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+        },
+        "results": [
+            {
+                **{k: v for k, v in asdict(r).items() if not k.startswith("series")},
+                "fragmentation": r.fragmentation,
+            }
+            for r in results
+        ],
+        "series": [
+            {
+                "workload": r.workload,
+                "scenario": r.scenario,
+                "system": r.system,
+                "kv_utilization": r.series_utilization,
+                "running_seqs": r.series_running_seqs,
+            }
+            for r in results
+            if r.scenario == "unique" and r.system in (CONTIGUOUS, f"paged bs={MAIN_BS}")
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> list[RunResult]:
+    ap = _parser()
     args = ap.parse_args(argv)
 
     scale = 8 if args.small else 1
@@ -574,38 +619,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     print("\n".join(targets(results)))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "config": {
-                "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
-                "device_bytes": DEVICE_BYTES,
-                "weight_bytes": WEIGHT_BYTES,
-                "kv_budget_bytes": KV_BUDGET_BYTES,
-                "capacity_token_slots": capacity,
-                "small": args.small,
-                "seed": args.seed,
-                "max_num_seqs": args.max_num_seqs,
-                "max_model_len": args.max_model_len,
-                "max_num_batched_tokens": args.max_num_batched_tokens,
-            },
-            "results": [
-                {
-                    **{k: v for k, v in asdict(r).items() if not k.startswith("series")},
-                    "fragmentation": r.fragmentation,
-                }
-                for r in results
-            ],
-            "series": [
-                {
-                    "workload": r.workload,
-                    "scenario": r.scenario,
-                    "system": r.system,
-                    "kv_utilization": r.series_utilization,
-                    "running_seqs": r.series_running_seqs,
-                }
-                for r in results
-                if r.scenario == "unique" and r.system in (CONTIGUOUS, f"paged bs={MAIN_BS}")
-            ],
-        }
+        payload = _payload(args, capacity, results)
         (args.out / "memory.json").write_text(json.dumps(payload, indent=1))
         paths = plot(results, args.out, " ÷32 (--small)" if args.small else "")
         print(f"\nwrote {args.out / 'memory.json'}" + "".join(f", {p}" for p in paths))

@@ -273,7 +273,6 @@ def _summarise(
 
 def run_benchmark(cfg: ThroughputConfig) -> dict[str, Any]:
     """Run everything `cfg` asks for; writes and returns the results dict."""
-    import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
     workloads = [cfg.workload] if cfg.workload else list(cfg.workloads)
@@ -297,15 +296,7 @@ def run_benchmark(cfg: ThroughputConfig) -> dict[str, Any]:
     raws: dict[str, Any] = {}
     print(f"matmul at model shapes: best {peak / 1e9:.1f} GFLOP/s ({cfg.threads} threads)", flush=True)
 
-    dtype_bytes = 2 if cfg.dtype in ("float16", "bfloat16") else 4
-    e = cfg.engine
-    if e.num_blocks:
-        slots = e.num_blocks * e.block_size
-    else:  # on CUDA batchgen sizes its pool from gpu_memory_utilization instead (see kv_sizing)
-        from batchgen.engine.config import parse_bytes
-
-        per_block = kv_bytes_per_token(mc, dtype_bytes) * e.block_size
-        slots = parse_bytes(e.kv_cache_memory) // per_block * e.block_size
+    slots = _kv_token_slots(cfg, mc)
 
     results: dict[str, Any] = {
         "command": "python -m batchgen.bench.throughput " + " ".join(sys.argv[1:]),
@@ -317,61 +308,7 @@ def run_benchmark(cfg: ThroughputConfig) -> dict[str, Any]:
         "workloads": {},
     }
     for name in workloads:
-        rows = cfg.rows or DEFAULT_ROWS[name]
-        table = make_workload(name, WorkloadSpec(rows=rows, max_tokens=cfg.max_tokens, seed=cfg.seed), tok)
-        path = write_workload(table, out / "workloads" / f"{name}.parquet")
-        wl_cols = pq.read_table(path, columns=["prompt_token_ids", "max_tokens"])
-        wl = {
-            "token_ids": wl_cols.column(0).to_pylist(),
-            "max_tokens": wl_cols.column(1).to_pylist(),
-        }
-        info = describe(table)
-        print(f"\n== {name}: {info}", flush=True)
-        raw: dict[str, dict[str, Any]] = {}
-        # the reference runs first so every other system can be compared with it
-        order = sorted(cfg.systems, key=lambda s: s != REFERENCE)
-        for system in order:
-            spec = {
-                "system": system,
-                "workload": name,
-                "workload_path": path,
-                "model_path": model_path,
-                "dtype": cfg.dtype,
-                "device": cfg.device,
-                "threads": cfg.threads,
-                "repeats": cfg.repeats,
-                "max_tokens": cfg.max_tokens,
-                "window_rows": cfg.window_rows,
-                "hf_batch_size": cfg.hf_batch_size,
-                "engine": asdict(cfg.engine),
-                "kv_token_slots": slots,
-                "profile": cfg.profile if system == "batchgen" else None,
-                "matmul_shapes": matmul_shapes(mc),
-                "matmul_rows": sorted({cfg.hf_batch_size, 256}),
-                "matmul_seconds": cfg.matmul_seconds,
-            }
-            res = run_system(spec, work_dir, cfg.system_timeout_s)
-            raw[system] = res
-            msg = res["status"]
-            if res["status"] == "ok":
-                msg += (
-                    f": median {statistics.median(res['wall_s']):.2f} s over {len(res['wall_s'])} repeat(s)"
-                )
-            else:
-                msg += f": {res.get('reason', '')}"
-            print(f"  {system:18s} {msg} (load {res['loadavg_after'][0]:.2f})", flush=True)
-            if res.get("profile"):
-                (out / f"profile_{name}_{cfg.profile}.txt").write_text(res["profile"])
-            if res.get("matmul"):
-                matmul["per_system"].append(
-                    {
-                        "workload": name,
-                        "system": system,
-                        "peak_flops_per_s": res["matmul"]["peak_flops_per_s"],
-                    }
-                )
-                peak = max(peak, res["matmul"]["peak_flops_per_s"])
-        raws[name] = (info, path, wl, raw)
+        raws[name], peak = _run_workload(cfg, name, tok, mc, model_path, slots, out, work_dir, matmul, peak)
         _summarise_all(results, raws, cfg, mc, peak, out)
     results["machine"]["loadavg_end"] = list(os.getloadavg())
     results["elapsed_s"] = time.perf_counter() - t_start
@@ -381,6 +318,100 @@ def run_benchmark(cfg: ThroughputConfig) -> dict[str, Any]:
     print("\n" + md, flush=True)
     print(f"wrote {out}/results.json, results.md", flush=True)
     return results
+
+
+def _kv_token_slots(cfg: ThroughputConfig, mc: ModelConfig) -> int:
+    """The KV-cache token slots every system is given: ``num_blocks * block_size``, else what
+    ``kv_cache_memory`` holds (on CUDA batchgen sizes its pool from gpu_memory_utilization instead)."""
+    dtype_bytes = 2 if cfg.dtype in ("float16", "bfloat16") else 4
+    e = cfg.engine
+    if e.num_blocks:
+        return e.num_blocks * e.block_size
+    from batchgen.engine.config import parse_bytes
+
+    per_block = kv_bytes_per_token(mc, dtype_bytes) * e.block_size
+    return parse_bytes(e.kv_cache_memory) // per_block * e.block_size
+
+
+def _run_workload(
+    cfg: ThroughputConfig,
+    name: str,
+    tok: Any,
+    mc: ModelConfig,
+    model_path: str,
+    slots: int,
+    out: Path,
+    work_dir: Path,
+    matmul: dict[str, Any],
+    peak: float,
+) -> tuple[tuple[Any, str, dict[str, Any], dict[str, dict[str, Any]]], float]:
+    """Write workload `name` and run every system on it, the reference first (so the others can be compared
+    with it). Returns ``((info, path, workload, raw results by system), peak)``, `peak` raised to the best
+    matmul rate a system measured (each also appended to ``matmul["per_system"]``)."""
+    import pyarrow.parquet as pq
+
+    rows = cfg.rows or DEFAULT_ROWS[name]
+    table = make_workload(name, WorkloadSpec(rows=rows, max_tokens=cfg.max_tokens, seed=cfg.seed), tok)
+    path = write_workload(table, out / "workloads" / f"{name}.parquet")
+    wl_cols = pq.read_table(path, columns=["prompt_token_ids", "max_tokens"])
+    wl = {
+        "token_ids": wl_cols.column(0).to_pylist(),
+        "max_tokens": wl_cols.column(1).to_pylist(),
+    }
+    info = describe(table)
+    print(f"\n== {name}: {info}", flush=True)
+    raw: dict[str, dict[str, Any]] = {}
+    for system in sorted(cfg.systems, key=lambda s: s != REFERENCE):
+        spec = _system_spec(cfg, system, name, path, model_path, slots, mc)
+        res = run_system(spec, work_dir, cfg.system_timeout_s)
+        raw[system] = res
+        _print_system(system, res)
+        if res.get("profile"):
+            (out / f"profile_{name}_{cfg.profile}.txt").write_text(res["profile"])
+        if res.get("matmul"):
+            matmul["per_system"].append(
+                {
+                    "workload": name,
+                    "system": system,
+                    "peak_flops_per_s": res["matmul"]["peak_flops_per_s"],
+                }
+            )
+            peak = max(peak, res["matmul"]["peak_flops_per_s"])
+    return (info, path, wl, raw), peak
+
+
+def _system_spec(
+    cfg: ThroughputConfig, system: str, name: str, path: str, model_path: str, slots: int, mc: ModelConfig
+) -> dict[str, Any]:
+    """What the child process running `system` on workload `name` is told."""
+    return {
+        "system": system,
+        "workload": name,
+        "workload_path": path,
+        "model_path": model_path,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "threads": cfg.threads,
+        "repeats": cfg.repeats,
+        "max_tokens": cfg.max_tokens,
+        "window_rows": cfg.window_rows,
+        "hf_batch_size": cfg.hf_batch_size,
+        "engine": asdict(cfg.engine),
+        "kv_token_slots": slots,
+        "profile": cfg.profile if system == "batchgen" else None,
+        "matmul_shapes": matmul_shapes(mc),
+        "matmul_rows": sorted({cfg.hf_batch_size, 256}),
+        "matmul_seconds": cfg.matmul_seconds,
+    }
+
+
+def _print_system(system: str, res: dict[str, Any]) -> None:
+    msg = res["status"]
+    if res["status"] == "ok":
+        msg += f": median {statistics.median(res['wall_s']):.2f} s over {len(res['wall_s'])} repeat(s)"
+    else:
+        msg += f": {res.get('reason', '')}"
+    print(f"  {system:18s} {msg} (load {res['loadavg_after'][0]:.2f})", flush=True)
 
 
 def run_check(cfg: ThroughputConfig, work_dir: Path) -> dict[str, Any]:
@@ -483,65 +514,84 @@ def format_markdown(results: dict[str, Any]) -> str:
         detail = check.get("mismatching_prompts") or check.get("reason")
         lines += [f"Greedy check (float32, Triton vs torch vs transformers): {verdict}; {detail}.", ""]
     for name, w in results["workloads"].items():
-        i = w["info"]
-        lines += [
-            f"## {name}",
-            "",
-            f"{i['rows']} rows; prompt tokens {i['prompt_tokens']:,} (min {i['prompt_len_min']}, median "
-            f"{i['prompt_len_median']:.0f}, max {i['prompt_len_max']}); generated tokens {i['output_tokens']:,} "
-            f"(per row {i['output_len_min']}–{i['output_len_max']}). Wall time = median of the repeats "
-            "(min–max in brackets).",
-            "",
-            "| system | gen tok/s | total tok/s | wall s | peak RSS MiB | prompt tok computed / reused | MFU | "
-            "mismatch rows vs hf_generate | batchgen ÷ system |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for s in w["systems"].values():
-            if s["status"] != "ok":
-                lines.append(f"| {s['system']} | {s['status']}: {s.get('reason', '')} |||||||| ")
-                continue
-            reuse = (
-                "n/a"
-                if s["prompt_tokens_reused"] is None
-                else f"{s['prompt_tokens_computed']:,} / {s['prompt_tokens_reused']:,}"
-            )
-            mem = (
-                _mib(s["cuda_max_memory_allocated"]) + " (CUDA)"
-                if s.get("cuda_max_memory_allocated")
-                else _mib(s["peak_rss_bytes"])
-            )
-            mfu = "–" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
-            mism = "–" if s["mismatch_rows"] is None else str(s["mismatch_rows"])
-            ratio = f"{s['batchgen_ratio']:.2f}×" if "batchgen_ratio" in s else "–"
-            lines.append(
-                f"| {s['system']} | {s['gen_tok_s']:,.1f} ({s['gen_tok_s_min']:,.1f}–{s['gen_tok_s_max']:,.1f}) "
-                f"| {s['total_tok_s']:,.1f} | {s['wall_s_median']:.2f} ({s['wall_s_min']:.2f}–"
-                f"{s['wall_s_max']:.2f}) | {mem} | {reuse} | {mfu} | {mism} | {ratio} |"
-            )
-        lines += ["", "Settings:", ""]
-        for s in w["systems"].values():
-            if s["status"] == "ok":
-                lines.append(f"- {s['system']}: {s['via']}; {json.dumps(s['settings'])}")
-                kv = s.get("kv_sizing")
-                if kv:
-                    lines.append(
-                        f"  KV pool: {kv['num_blocks']:,} blocks ({kv['kv_cache_bytes'] / 2**30:.2f} GiB, "
-                        f"{kv['token_slots']:,} token slots) from {kv['source']}; engine init "
-                        f"{kv['engine_init_s']:.1f} s"
-                    )
-        lines.append("")
+        lines += _workload_markdown(name, w)
     return "\n".join(lines)
+
+
+def _workload_markdown(name: str, w: dict[str, Any]) -> list[str]:
+    """One workload's section: its shape, a table row per system, then each system's settings."""
+    i = w["info"]
+    lines = [
+        f"## {name}",
+        "",
+        f"{i['rows']} rows; prompt tokens {i['prompt_tokens']:,} (min {i['prompt_len_min']}, median "
+        f"{i['prompt_len_median']:.0f}, max {i['prompt_len_max']}); generated tokens {i['output_tokens']:,} "
+        f"(per row {i['output_len_min']}–{i['output_len_max']}). Wall time = median of the repeats "
+        "(min–max in brackets).",
+        "",
+        "| system | gen tok/s | total tok/s | wall s | peak RSS MiB | prompt tok computed / reused | MFU | "
+        "mismatch rows vs hf_generate | batchgen ÷ system |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [_system_row(s) for s in w["systems"].values()]
+    lines += ["", "Settings:", ""]
+    for s in w["systems"].values():
+        if s["status"] == "ok":
+            lines.append(f"- {s['system']}: {s['via']}; {json.dumps(s['settings'])}")
+            kv = s.get("kv_sizing")
+            if kv:
+                lines.append(
+                    f"  KV pool: {kv['num_blocks']:,} blocks ({kv['kv_cache_bytes'] / 2**30:.2f} GiB, "
+                    f"{kv['token_slots']:,} token slots) from {kv['source']}; engine init "
+                    f"{kv['engine_init_s']:.1f} s"
+                )
+    lines.append("")
+    return lines
+
+
+def _system_row(s: dict[str, Any]) -> str:
+    """One system's row of a workload table (a failed system: its status and reason)."""
+    if s["status"] != "ok":
+        return f"| {s['system']} | {s['status']}: {s.get('reason', '')} |||||||| "
+    reuse = (
+        "n/a"
+        if s["prompt_tokens_reused"] is None
+        else f"{s['prompt_tokens_computed']:,} / {s['prompt_tokens_reused']:,}"
+    )
+    mem = (
+        _mib(s["cuda_max_memory_allocated"]) + " (CUDA)"
+        if s.get("cuda_max_memory_allocated")
+        else _mib(s["peak_rss_bytes"])
+    )
+    mfu = "–" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+    mism = "–" if s["mismatch_rows"] is None else str(s["mismatch_rows"])
+    ratio = f"{s['batchgen_ratio']:.2f}×" if "batchgen_ratio" in s else "–"
+    return (
+        f"| {s['system']} | {s['gen_tok_s']:,.1f} ({s['gen_tok_s_min']:,.1f}–{s['gen_tok_s_max']:,.1f}) "
+        f"| {s['total_tok_s']:,.1f} | {s['wall_s_median']:.2f} ({s['wall_s_min']:.2f}–"
+        f"{s['wall_s_max']:.2f}) | {mem} | {reuse} | {mfu} | {mism} | {ratio} |"
+    )
 
 
 def make_charts(results: dict[str, Any], out: Path) -> list[str]:
     """throughput.png (generated tok/s by system and workload) and timeline_<workload>.png (with matplotlib)."""
-    import numpy as np
-
     plt = pyplot()
     paths: list[str] = []
     if plt is None:
         return paths
     names = list(results["workloads"])
+    paths.append(_throughput_chart(plt, results, names, out))
+    for n in names:
+        tl = results["workloads"][n].get("timeline")
+        if tl and tl.get("rows"):
+            paths.append(_timeline_chart(plt, n, tl["rows"], out))
+    return paths
+
+
+def _throughput_chart(plt: Any, results: dict[str, Any], names: list[str], out: Path) -> str:
+    """throughput.png: a bar per system that ran somewhere, per workload (0 where it failed); its path."""
+    import numpy as np
+
     systems = list(
         dict.fromkeys(
             name
@@ -570,34 +620,34 @@ def make_charts(results: dict[str, Any], out: Path) -> list[str]:
     p = out / "throughput.png"
     fig.savefig(p, dpi=110)
     plt.close(fig)
-    paths.append(str(p))
+    return str(p)
 
-    for n in names:
-        tl = results["workloads"][n].get("timeline")
-        if not tl or not tl.get("rows"):
-            continue
-        arr = np.array(tl["rows"], dtype=float)
-        t, running, waiting, usage, util = arr.T
-        fig, ax1 = plt.subplots(figsize=(7, 3.6))
-        ax1.plot(t, 100 * usage, label="KV blocks in use (% of pool)", color="tab:blue")
-        ax1.plot(t, 100 * util, label="KV utilization (live slots ÷ allocated)", color="tab:green")
-        ax1.set_ylim(0, 105)
-        ax1.set_xlabel("seconds")
-        ax1.set_ylabel("%")
-        ax2 = ax1.twinx()
-        ax2.plot(t, running, label="running sequences", color="tab:red")
-        ax2.plot(t, waiting, label="waiting sequences", color="tab:orange", alpha=0.6)
-        ax2.set_ylabel("sequences")
-        h1, l1 = ax1.get_legend_handles_labels()
-        h2, l2 = ax2.get_legend_handles_labels()
-        ax1.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower right")
-        ax1.set_title(f"batchgen engine over time: {n}")
-        fig.tight_layout()
-        p = out / f"timeline_{n}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(str(p))
-    return paths
+
+def _timeline_chart(plt: Any, n: str, rows: list, out: Path) -> str:
+    """timeline_<n>.png: KV pool use and utilization, running and waiting sequences over time; its path."""
+    import numpy as np
+
+    arr = np.array(rows, dtype=float)
+    t, running, waiting, usage, util = arr.T
+    fig, ax1 = plt.subplots(figsize=(7, 3.6))
+    ax1.plot(t, 100 * usage, label="KV blocks in use (% of pool)", color="tab:blue")
+    ax1.plot(t, 100 * util, label="KV utilization (live slots ÷ allocated)", color="tab:green")
+    ax1.set_ylim(0, 105)
+    ax1.set_xlabel("seconds")
+    ax1.set_ylabel("%")
+    ax2 = ax1.twinx()
+    ax2.plot(t, running, label="running sequences", color="tab:red")
+    ax2.plot(t, waiting, label="waiting sequences", color="tab:orange", alpha=0.6)
+    ax2.set_ylabel("sequences")
+    h1, l1 = ax1.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax1.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower right")
+    ax1.set_title(f"batchgen engine over time: {n}")
+    fig.tight_layout()
+    p = out / f"timeline_{n}.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return str(p)
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -317,6 +317,18 @@ def _open(path: str) -> pq.ParquetFile | BaseException:
         return e
 
 
+def _file_for(
+    open_file: tuple[str, pq.ParquetFile | BaseException] | None, path: str
+) -> tuple[str, pq.ParquetFile | BaseException]:
+    """``(path, opened file or the error opening it)``: `open_file` itself if it is `path`'s, else `path`
+    opened anew (the previous file closed)."""
+    if open_file is not None and open_file[0] == path:
+        return open_file
+    if open_file is not None and isinstance(open_file[1], pq.ParquetFile):
+        open_file[1].close()
+    return (path, _open(path))
+
+
 def iter_windows(
     inp: InputSet,
     windows: Iterable[WindowSpec],
@@ -347,10 +359,7 @@ def iter_windows(
         k = bisect.bisect_right(ends, g0, lo=wi)  # first window ending after g0
         if k >= len(wins) or wins[k].row_start >= g1:
             continue  # only rows of windows we were not asked for
-        if open_file is None or open_file[0] != f.path:
-            if open_file is not None and isinstance(open_file[1], pq.ParquetFile):
-                open_file[1].close()
-            open_file = (f.path, _open(f.path))
+        open_file = _file_for(open_file, f.path)
         pos = g0
         for batch, error in _safe_batches(f, open_file[1], rg, g0, columns, schema, batch_rows):
             b0, b1 = pos, pos + batch.num_rows

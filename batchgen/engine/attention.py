@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from batchgen.kernels import torch_backend, triton_available
+from batchgen.kernels.reference import check_options
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,29 @@ class AttentionMetadata:
     max_query_len: int
     scratch: dict = field(default_factory=dict)
     """Per-forward memo for values derived from this batch alone (e.g. the cascade plan), shared by all layers."""
+
+    @classmethod
+    def for_sequences(
+        cls, seqs: list[tuple[list[int], int, int]], num_decode_seqs: int, block_size: int
+    ) -> AttentionMetadata:
+        """The metadata of ``seqs``, each ``(block_table, num_cached_tokens, num_new_tokens)``, decodes first:
+        the new tokens' slots follow the block tables, and the tables are zero-padded to the longest."""
+        slots, seq_lens, cu = [], [], [0]
+        tables = torch.zeros(len(seqs), max(len(t) for t, _, _ in seqs), dtype=torch.int32)
+        for i, (table, start, n) in enumerate(seqs):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+            seq_lens.append(start + n)
+            cu.append(cu[-1] + n)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_decode_seqs=num_decode_seqs,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            block_tables=tables,
+            max_seq_len=max(seq_lens),
+            max_query_len=max(n for _, _, n in seqs),
+        )
 
 
 @dataclass
@@ -216,10 +240,7 @@ class PagedAttention:
         ``softcap * tanh(logits / softcap)`` (Gemma 2); ``sinks [Hq]`` — one extra logit per head in the
         softmax denominator (gpt-oss). None = plain causal attention, exactly as without them.
         """
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"softcap must be > 0, got {softcap}")
+        check_options(sliding_window, softcap)
         options = {}
         if sliding_window is not None:
             options["sliding_window"] = sliding_window

@@ -34,6 +34,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +84,64 @@ def _cache_root() -> Path:
     return Path(os.environ.get("BATCHGEN_CACHE") or Path.home() / ".cache" / "batchgen") / "bench-impls"
 
 
-def bench_checkpoint(arch: str) -> str:
-    """The benchmark checkpoint of `arch`, built on first use (atomic rename into the cache)."""
+def special_token_kwargs(ids: dict[str, int]) -> dict[str, int]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for a config, from :func:`build_random_checkpoint`'s
+    token ids."""
+    from batchgen.models.tiny import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
+
+    return dict(bos_token_id=ids[BOS_TOKEN], eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN])
+
+
+def build_random_checkpoint(
+    out_dir: str | Path,
+    make_config: Callable[[dict[str, int]], Any],
+    model_class: str,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    init: Callable[[torch.nn.Module], None] | None = None,
+    **generation: Any,
+) -> str:
+    """A random-weight transformers checkpoint in `out_dir`: batchgen's small BPE tokenizer (`vocab_size`), the
+    config ``make_config(ids)`` (`ids`: the tokenizer's pad / bos / eos / im_end token ids by token), weights
+    of ``transformers.<model_class>`` drawn under `seed` (then ``init(model)``, no grad, where given), cast to
+    `dtype`, and a generation config stopping at eos or im_end (plus `generation`). Returns the path."""
     import transformers
 
     from batchgen.models.tiny import BOS_TOKEN, EOS_TOKEN, IM_END, PAD_TOKEN, build_tokenizer
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_END)}
+    cfg = make_config(ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_class)(cfg)
+        if init is not None:
+            with torch.no_grad():
+                init(model)
+    model = model.to(dtype).eval()
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=ids[BOS_TOKEN],
+        eos_token_id=[ids[EOS_TOKEN], ids[IM_END]],
+        pad_token_id=ids[PAD_TOKEN],
+        **generation,
+    )
+    hf_logging = transformers.utils.logging
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(out))
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+    return str(out)
+
+
+def bench_checkpoint(arch: str) -> str:
+    """The benchmark checkpoint of `arch`, built on first use (atomic rename into the cache)."""
+    import transformers
 
     target = _cache_root() / f"{arch}-{_VERSION}"
     if (target / "config.json").is_file():
@@ -95,24 +149,12 @@ def bench_checkpoint(arch: str) -> str:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{arch}.", dir=target.parent))
     try:
-        tok = build_tokenizer(tmp, vocab_size=_SIZES["vocab_size"])
-        ids = {t: tok.convert_tokens_to_ids(t) for t in (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_END)}
         cfg_name, model_name, extra = BENCH_ARCHS[arch]
-        cfg = getattr(transformers, cfg_name)(
-            **{**_SIZES, **extra},
-            bos_token_id=ids[BOS_TOKEN],
-            eos_token_id=ids[EOS_TOKEN],
-            pad_token_id=ids[PAD_TOKEN],
-        )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = getattr(transformers, model_name)(cfg).eval()
-        model.generation_config = transformers.GenerationConfig(
-            bos_token_id=ids[BOS_TOKEN],
-            eos_token_id=[ids[EOS_TOKEN], ids[IM_END]],
-            pad_token_id=ids[PAD_TOKEN],
-        )
-        model.save_pretrained(str(tmp))
+
+        def config(ids: dict[str, int]):
+            return getattr(transformers, cfg_name)(**{**_SIZES, **extra}, **special_token_kwargs(ids))
+
+        build_random_checkpoint(tmp, config, model_name, vocab_size=_SIZES["vocab_size"])
         try:
             os.rename(tmp, target)
         except OSError:
@@ -238,22 +280,7 @@ def bench(
 def _meta(seqs: list[tuple[list[int], int, int]], num_decode: int, block_size: int):
     from batchgen.engine.attention import AttentionMetadata
 
-    slots, lens, cu = [], [], [0]
-    tables = torch.zeros(len(seqs), max(len(t) for t, _, _ in seqs), dtype=torch.int32)
-    for i, (table, start, n) in enumerate(seqs):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
-        lens.append(start + n)
-        cu.append(cu[-1] + n)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        num_decode_seqs=num_decode,
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        block_tables=tables,
-        max_seq_len=max(lens),
-        max_query_len=max(n for _, _, n in seqs),
-    )
+    return AttentionMetadata.for_sequences(seqs, num_decode, block_size)
 
 
 @torch.inference_mode()

@@ -133,8 +133,24 @@ class MoESpec:
     shared_expert_intermediate_size: int = 0
 
 
+class ContextFacts:
+    """The context limits the engine reads, derived from the fields ``max_position_embeddings`` and
+    ``layer_windows`` (one window or None per layer) of the config class using it."""
+
+    @property
+    def max_model_len(self) -> int:
+        """The model's full context (sliding windows are attended for real, so they do not cap it)."""
+        return self.max_position_embeddings  # type: ignore[attr-defined]
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The largest per-layer window, None when some layer (or every layer) attends to everything."""
+        windows = self.layer_windows or (None,)  # type: ignore[attr-defined]
+        return None if any(w is None for w in windows) else max(windows)  # type: ignore[type-var]
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(ContextFacts):
     """Architecture of one checkpoint, as our native decoder (`batchgen.models.llama.CausalLM`) runs it.
 
     Invariants: `num_heads % num_kv_heads == 0`; `len(layer_windows) == num_layers`; a layer's window `w`
@@ -181,17 +197,6 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     implementation = "native"
-
-    @property
-    def max_model_len(self) -> int:
-        """The model's full context (sliding windows are attended for real, so they do not cap it)."""
-        return self.max_position_embeddings
-
-    @property
-    def sliding_window(self) -> int | None:
-        """The largest per-layer window, None when some layer (or every layer) attends to everything."""
-        windows = self.layer_windows or (None,)
-        return None if any(w is None for w in windows) else max(windows)  # type: ignore[type-var]
 
     @property
     def rope_theta(self) -> float:
@@ -269,62 +274,18 @@ class ModelConfig:
     ) -> ModelConfig:
         """Facts from a transformers config object of a native architecture."""
         model_type = NATIVE_ARCHITECTURES[arch]
-        # Gemma 2/3 MLPs read `hidden_activation`, every other native family `hidden_act`.
-        act_key = "hidden_activation" if model_type in ("gemma2", "gemma3_text") else "hidden_act"
-        act = getattr(hf, act_key, None) or "silu"
-        from transformers.activations import ACT2FN
-
-        if act not in ACT2FN:
-            raise NativeUnsupportedError(f"unknown hidden_act {act!r} in {source}")
+        act = _activation(hf, model_type, source)
         if getattr(hf, "use_bidirectional_attention", None):
             raise NativeUnsupportedError(f"{source}: bidirectional attention is not a causal LM")
-        hidden = int(hf.hidden_size)
-        num_heads = int(hf.num_attention_heads)
-        num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
-        head_dim = int(getattr(hf, "head_dim", None) or hidden // num_heads)
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads {num_heads} not a multiple of num_key_value_heads {num_kv_heads}"
-            )
+        hidden, num_heads, num_kv_heads, head_dim = _attention_shape(hf)
         num_layers = int(hf.num_hidden_layers)
         max_pos = int(getattr(hf, "max_position_embeddings", None) or 2048)
-
-        layer_types = list(getattr(hf, "layer_types", None) or [])
-        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise NativeUnsupportedError(f"layer types {unknown} in {source} are not supported natively")
-        rope_params = hf.rope_parameters or {}
-        per_type = bool(rope_params) and all(isinstance(v, dict) for v in rope_params.values())
-        if per_type:
-            rope = _rope_spec(hf, head_dim, "full_attention", source)
-            local_rope = (
-                _rope_spec(hf, head_dim, "sliding_attention", source)
-                if "sliding_attention" in rope_params
-                else None
-            )
-        else:
-            rope, local_rope = _rope_spec(hf, head_dim, None, source), None
-        if local_rope == rope:
-            local_rope = None
-
+        layer_types = _layer_types(hf, source)
+        rope, local_rope = _rope_specs(hf, head_dim, source)
         windows = _layer_windows(hf, model_type, num_layers, layer_types, max_pos)
-
-        attention_bias = bool(getattr(hf, "attention_bias", False))
-        if model_type in ("qwen2", "qwen2_moe"):
-            qkv_bias, o_bias = bool(getattr(hf, "qkv_bias", True)), False  # q/k/v bias, never o_proj
-        elif model_type in ("mistral", "mixtral", "phi3"):
-            qkv_bias = o_bias = False
-        else:  # llama, qwen3(-moe), gemma*, granite: attention_bias covers q, k, v and o
-            qkv_bias = o_bias = attention_bias
-        mlp_bias = bool(getattr(hf, "mlp_bias", False)) if model_type in ("llama", "granite") else False
-
+        qkv_bias, o_bias, mlp_bias = _biases(hf, model_type)
         gemma = model_type in _GEMMA
-        attn_scale = None
-        if model_type in ("gemma2", "gemma3_text"):
-            attn_scale = float(hf.query_pre_attn_scalar) ** -0.5
-        elif model_type == "granite":
-            attn_scale = float(hf.attention_multiplier)
-
+        attn_scale = _attn_scale(hf, model_type)
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
         return cls(
             architecture=arch,
@@ -364,6 +325,77 @@ class ModelConfig:
             bos_token_id=getattr(hf, "bos_token_id", None),
             pad_token_id=getattr(hf, "pad_token_id", None),
         )
+
+
+def _activation(hf: Any, model_type: str, source: str) -> str:
+    """The MLP activation name (Gemma 2/3 read ``hidden_activation``, other families ``hidden_act``)."""
+    act_key = "hidden_activation" if model_type in ("gemma2", "gemma3_text") else "hidden_act"
+    act = getattr(hf, act_key, None) or "silu"
+    from transformers.activations import ACT2FN
+
+    if act not in ACT2FN:
+        raise NativeUnsupportedError(f"unknown hidden_act {act!r} in {source}")
+    return act
+
+
+def _attention_shape(hf: Any) -> tuple[int, int, int, int]:
+    """``(hidden, num_heads, num_kv_heads, head_dim)``; the KV heads must divide the query heads."""
+    hidden = int(hf.hidden_size)
+    num_heads = int(hf.num_attention_heads)
+    num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(hf, "head_dim", None) or hidden // num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads {num_heads} not a multiple of num_key_value_heads {num_kv_heads}"
+        )
+    return hidden, num_heads, num_kv_heads, head_dim
+
+
+def _layer_types(hf: Any, source: str) -> list[str]:
+    """``layer_types`` (empty when the config has none); each one full or sliding attention."""
+    layer_types = list(getattr(hf, "layer_types", None) or [])
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise NativeUnsupportedError(f"layer types {unknown} in {source} are not supported natively")
+    return layer_types
+
+
+def _rope_specs(hf: Any, head_dim: int, source: str) -> tuple[Any, Any]:
+    """``(rope, local_rope)``: ``local_rope`` is the sliding layers' rope where it differs from the others'."""
+    rope_params = hf.rope_parameters or {}
+    per_type = bool(rope_params) and all(isinstance(v, dict) for v in rope_params.values())
+    if per_type:
+        rope = _rope_spec(hf, head_dim, "full_attention", source)
+        local_rope = (
+            _rope_spec(hf, head_dim, "sliding_attention", source)
+            if "sliding_attention" in rope_params
+            else None
+        )
+    else:
+        rope, local_rope = _rope_spec(hf, head_dim, None, source), None
+    return rope, (None if local_rope == rope else local_rope)
+
+
+def _biases(hf: Any, model_type: str) -> tuple[bool, bool, bool]:
+    """``(qkv_bias, o_bias, mlp_bias)`` as each family reads them."""
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    if model_type in ("qwen2", "qwen2_moe"):
+        qkv_bias, o_bias = bool(getattr(hf, "qkv_bias", True)), False  # q/k/v bias, never o_proj
+    elif model_type in ("mistral", "mixtral", "phi3"):
+        qkv_bias = o_bias = False
+    else:  # llama, qwen3(-moe), gemma*, granite: attention_bias covers q, k, v and o
+        qkv_bias = o_bias = attention_bias
+    mlp_bias = bool(getattr(hf, "mlp_bias", False)) if model_type in ("llama", "granite") else False
+    return qkv_bias, o_bias, mlp_bias
+
+
+def _attn_scale(hf: Any, model_type: str) -> float | None:
+    """The attention logit scale where a family sets its own (None: the default)."""
+    if model_type in ("gemma2", "gemma3_text"):
+        return float(hf.query_pre_attn_scalar) ** -0.5
+    if model_type == "granite":
+        return float(hf.attention_multiplier)
+    return None
 
 
 def read_config_files(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -223,48 +223,78 @@ def load_native_model(
     files = safetensors_files(ckpt)
     device = torch.device(device)
 
+    model = _empty_model(config, device)
+    params = dict(model.named_parameters())  # tied lm_head is deduplicated: only embed_tokens
+    lookup, canonical = _weight_map(config, params)
+    written = dict.fromkeys(params, 0)  # elements written per parameter
+    seen: dict[str, str] = {}  # HF tensor name -> file it came from
+    for file in files:
+        _copy_file(file, config, params, lookup, written, seen)
+    _check_complete(ckpt, files, params, canonical, written, seen)
+    return model
+
+
+def _empty_model(config: ModelConfig, device: torch.device) -> CausalLM:
+    """An uninitialised `CausalLM` in eval mode, no grads, on `device` (a tied head shares the embedding)."""
     with torch.device("meta"):
         model = CausalLM(config)
     model = model.to(dtype=config.dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty may give each module its own copy of a shared parameter
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().requires_grad_(False)
+    return model
 
-    params = dict(model.named_parameters())  # tied lm_head is deduplicated: only embed_tokens
-    lookup, canonical = _weight_map(config, params)
-    written = dict.fromkeys(params, 0)  # elements written per parameter
-    seen: dict[str, str] = {}  # HF tensor name -> file it came from
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for stored in f.keys():
-                name = _text_model_name(stored) if config.multimodal else stored
-                if name is None or name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and config.tie_word_embeddings:
-                    continue
-                src = lookup.get(name)
-                if src is None:
-                    raise ValueError(
-                        f"unexpected tensor {name!r} in {file.name} (no matching parameter in "
-                        f"{config.architecture})"
-                    )
-                if name in seen:
-                    raise ValueError(f"tensor {name!r} appears in both {seen[name]} and {file.name}")
-                param = params[src.param]
-                dest = param if src.expert is None else param[src.expert]
-                if src.rows >= 0:
-                    dest = dest.narrow(0, src.offset, src.rows)
-                tensor = f.get_tensor(stored)
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ValueError(
-                        f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, expected "
-                        f"{tuple(dest.shape)} from config.json"
-                    )
-                dest.copy_(tensor)
-                written[src.param] += tensor.numel()
-                del tensor
-                seen[name] = file.name
 
+def _copy_file(
+    file: Path,
+    config: ModelConfig,
+    params: dict[str, torch.nn.Parameter],
+    lookup: dict[str, _Source],
+    written: dict[str, int],
+    seen: dict[str, str],
+) -> None:
+    """Copy each tensor of one safetensors file into its parameter (slice), counting the elements written
+    per parameter in `written` and recording each tensor's file in `seen`; refuses unknown, repeated or
+    misshapen tensors."""
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        for stored in f.keys():
+            name = _text_model_name(stored) if config.multimodal else stored
+            if name is None or name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            src = lookup.get(name)
+            if src is None:
+                raise ValueError(
+                    f"unexpected tensor {name!r} in {file.name} (no matching parameter in {config.architecture})"
+                )
+            if name in seen:
+                raise ValueError(f"tensor {name!r} appears in both {seen[name]} and {file.name}")
+            param = params[src.param]
+            dest = param if src.expert is None else param[src.expert]
+            if src.rows >= 0:
+                dest = dest.narrow(0, src.offset, src.rows)
+            tensor = f.get_tensor(stored)
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(
+                    f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, expected "
+                    f"{tuple(dest.shape)} from config.json"
+                )
+            dest.copy_(tensor)
+            written[src.param] += tensor.numel()
+            del tensor
+            seen[name] = file.name
+
+
+def _check_complete(
+    ckpt: Path,
+    files: list[Path],
+    params: dict[str, torch.nn.Parameter],
+    canonical: dict[str, list[str]],
+    written: dict[str, int],
+    seen: dict[str, str],
+) -> None:
+    """Every parameter written exactly once over: none twice, none short of its size."""
     over = sorted(p for p, n in written.items() if n > params[p].numel())
     if over:
         raise ValueError(
@@ -278,7 +308,6 @@ def load_native_model(
         raise ValueError(
             f"checkpoint {ckpt} is missing tensor(s) {shown}; searched {', '.join(p.name for p in files)}"
         )
-    return model
 
 
 def load_tokenizer(path: str | os.PathLike):

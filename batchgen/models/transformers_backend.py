@@ -41,7 +41,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from batchgen.models.config import eos_token_ids, hf_config_from_dict, parse_dtype, read_config_files
+from batchgen.models.config import (
+    ContextFacts,
+    eos_token_ids,
+    hf_config_from_dict,
+    parse_dtype,
+    read_config_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +262,7 @@ def _reference_attention(q, k, v, scale, window, softcap, mask=None, sinks=None)
 
 # ---------------------------------------------------------------------------------------------- the model
 @dataclass(frozen=True)
-class TransformersModelConfig:
+class TransformersModelConfig(ContextFacts):
     """What the engine reads from a model, for a model run by the transformers backend."""
 
     architecture: str
@@ -277,15 +283,6 @@ class TransformersModelConfig:
     pad_token_id: int | None = None
 
     implementation = "transformers"
-
-    @property
-    def max_model_len(self) -> int:
-        return self.max_position_embeddings
-
-    @property
-    def sliding_window(self) -> int | None:
-        windows = self.layer_windows or (None,)
-        return None if any(w is None for w in windows) else max(windows)  # type: ignore[type-var]
 
 
 class _HiddenStates(nn.Module):
@@ -441,8 +438,6 @@ def load_transformers_model(
     ckpt: str | os.PathLike, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"
 ) -> TransformersCausalLM:
     """Load `ckpt` with transformers' modeling code over batchgen's paged attention (see the module doc)."""
-    from transformers import AutoModelForCausalLM
-
     ckpt = Path(ckpt)
     source = str(ckpt / "config.json")
     hf_config = inspect_checkpoint(ckpt)
@@ -456,6 +451,25 @@ def load_transformers_model(
         )
     else:
         torch_dtype = parse_dtype(dtype)
+    hf_model = _from_pretrained(ckpt, hf_config, torch_dtype)
+    hf_model = hf_model.to(torch.device(device)).eval().requires_grad_(False)
+    model_text = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else None
+    for cfg in (hf_model.config, model_text):
+        if cfg is not None:
+            cfg.use_cache = False  # KV lives in batchgen's paged cache; transformers' cache is never built
+    config, layers = _probe(hf_model, text, source, torch_dtype)
+    _, generation = read_config_files(ckpt)
+    config = dataclasses.replace(config, eos_token_ids=eos_token_ids(text, generation))
+    model = TransformersCausalLM(hf_model, config, layers)
+    _check_head_split(model, hf_model, source)
+    return model
+
+
+def _from_pretrained(ckpt: Path, hf_config: Any, torch_dtype: torch.dtype) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` with batchgen's attention, progress bars off; refuses a
+    checkpoint whose tensors are missing or misshapen (unused ones are logged)."""
+    from transformers import AutoModelForCausalLM
+
     register_attention()
     hf_logging = transformers_logging()
     bars_were_on = hf_logging.is_progress_bar_enabled()
@@ -492,17 +506,7 @@ def load_transformers_model(
         logger.warning(
             "checkpoint %s has unused tensor(s): %s", ckpt, ", ".join(sorted(info["unexpected_keys"])[:10])
         )
-    hf_model = hf_model.to(torch.device(device)).eval().requires_grad_(False)
-    model_text = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else None
-    for cfg in (hf_model.config, model_text):
-        if cfg is not None:
-            cfg.use_cache = False  # KV lives in batchgen's paged cache; transformers' cache is never built
-    config, layers = _probe(hf_model, text, source, torch_dtype)
-    _, generation = read_config_files(ckpt)
-    config = dataclasses.replace(config, eos_token_ids=eos_token_ids(text, generation))
-    model = TransformersCausalLM(hf_model, config, layers)
-    _check_head_split(model, hf_model, source)
-    return model
+    return hf_model
 
 
 def _probe_inputs(vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -515,10 +519,38 @@ def _probe(
 ) -> tuple[TransformersModelConfig, dict[int, LayerAttention]]:
     """Run a few tokens through the model with a recording reference attention; derive the KV layout and each
     layer's options; refuse what the kernels cannot honour."""
+    name = type(hf_model).__name__
+    calls = _record_attention_calls(hf_model, text, name, source)
+    _check_calls(calls, text, name, source)
+    max_len = _max_len(text, source)
+    windows, layers = _layer_options(calls, text, max_len)
+    first = calls[0]
+    config = TransformersModelConfig(
+        architecture=type(hf_model).__name__,
+        model_type=str(getattr(text, "model_type", "")),
+        vocab_size=int(text.vocab_size),
+        hidden_size=int(getattr(text, "hidden_size", 0) or 0),
+        num_layers=len(calls),
+        num_heads=first.num_heads,
+        num_kv_heads=first.num_kv_heads,
+        head_dim=first.head_dim,
+        max_position_embeddings=max_len,
+        layer_windows=tuple(windows),
+        layer_softcaps=tuple(c.softcap for c in calls),
+        layer_scales=tuple(c.scale for c in calls),
+        dtype=dtype,
+        bos_token_id=getattr(text, "bos_token_id", None),
+        pad_token_id=getattr(text, "pad_token_id", None),
+    )
+    return config, layers
+
+
+def _record_attention_calls(hf_model: nn.Module, text: Any, name: str, source: str) -> list[_Call]:
+    """The attention calls of one probe forward, in order (at least one; the model's attention implementation
+    is ``ATTN_IMPLEMENTATION`` again afterwards)."""
     device = next(hf_model.parameters()).device
     probe = _ProbeState()
     ids, pos = _probe_inputs(int(text.vocab_size), device)
-    name = type(hf_model).__name__
     token = _STATE.set(probe)
     hf_model.config._attn_implementation = PROBE_IMPLEMENTATION
     try:
@@ -531,12 +563,17 @@ def _probe(
         _STATE.reset(token)
         hf_model.config._attn_implementation = ATTN_IMPLEMENTATION
         _MASKS.clear()
-    calls = probe.calls
-    if not calls:
+    if not probe.calls:
         raise UnsupportedModelError(
             f"{name} ({source}) does not call transformers' attention interface, so batchgen's paged attention "
             "cannot be plugged in"
         )
+    return probe.calls
+
+
+def _check_calls(calls: list[_Call], text: Any, name: str, source: str) -> None:
+    """Refuse unless every layer calls attention once, all with one KV shape, and each with what the kernels
+    can apply (causal rule, window, soft-cap, one sink per query head)."""
     if len({id(c.module) for c in calls}) != len(calls):
         raise UnsupportedModelError(f"{name} ({source}) calls one attention module several times per forward")
     n_layers = getattr(text, "num_hidden_layers", None)
@@ -553,34 +590,44 @@ def _probe(
             "needs the same (kv heads, head size) in every layer"
         )
     for i, c in enumerate(calls):
-        if c.value_dim != c.head_dim:
-            raise UnsupportedModelError(
-                f"{name} ({source}): keys and values have different head sizes ({c.head_dim} vs {c.value_dim})"
-            )
-        if c.num_heads % c.num_kv_heads:
-            raise UnsupportedModelError(
-                f"{name} ({source}): {c.num_heads} query heads for {c.num_kv_heads} KV heads"
-            )
-        if c.mask is not None and c.mask.kind == "foreign":
-            raise UnsupportedModelError(
-                f"{name} ({source}) builds its own attention mask or bias (layer {i}), e.g. ALiBi: the paged "
-                "kernels apply only the causal rule, sliding windows and soft-capping"
-            )
-        if c.mask is not None and c.mask.kind != "causal":
-            raise UnsupportedModelError(
-                f"{name} ({source}) layer {i} uses a {c.mask.kind} attention mask (not causal with an optional "
-                "sliding window), which the paged kernels cannot apply"
-            )
-        if c.sinks is not None and tuple(c.sinks.shape) != (c.num_heads,):
-            raise UnsupportedModelError(
-                f"{name} ({source}) layer {i}: attention sinks of shape {tuple(c.sinks.shape)}, expected one per "
-                f"query head ({c.num_heads})"
-            )
-        if c.extra:
-            raise UnsupportedModelError(
-                f"{name} ({source}) passes attention options the kernels cannot honour: {sorted(c.extra)}"
-            )
-    max_len = _max_len(text, source)
+        _check_call(i, c, name, source)
+
+
+def _check_call(i: int, c: _Call, name: str, source: str) -> None:
+    if c.value_dim != c.head_dim:
+        raise UnsupportedModelError(
+            f"{name} ({source}): keys and values have different head sizes ({c.head_dim} vs {c.value_dim})"
+        )
+    if c.num_heads % c.num_kv_heads:
+        raise UnsupportedModelError(
+            f"{name} ({source}): {c.num_heads} query heads for {c.num_kv_heads} KV heads"
+        )
+    if c.mask is not None and c.mask.kind == "foreign":
+        raise UnsupportedModelError(
+            f"{name} ({source}) builds its own attention mask or bias (layer {i}), e.g. ALiBi: the paged "
+            "kernels apply only the causal rule, sliding windows and soft-capping"
+        )
+    if c.mask is not None and c.mask.kind != "causal":
+        raise UnsupportedModelError(
+            f"{name} ({source}) layer {i} uses a {c.mask.kind} attention mask (not causal with an optional "
+            "sliding window), which the paged kernels cannot apply"
+        )
+    if c.sinks is not None and tuple(c.sinks.shape) != (c.num_heads,):
+        raise UnsupportedModelError(
+            f"{name} ({source}) layer {i}: attention sinks of shape {tuple(c.sinks.shape)}, expected one per "
+            f"query head ({c.num_heads})"
+        )
+    if c.extra:
+        raise UnsupportedModelError(
+            f"{name} ({source}) passes attention options the kernels cannot honour: {sorted(c.extra)}"
+        )
+
+
+def _layer_options(
+    calls: list[_Call], text: Any, max_len: int
+) -> tuple[list[int | None], dict[int, LayerAttention]]:
+    """Each layer's window (None: full attention; a window of ``max_len`` or more is none) and its
+    :class:`LayerAttention`, keyed by the attention module's ``id``."""
     layer_types = list(getattr(text, "layer_types", None) or [])
     config_window = getattr(text, "sliding_window", None)
     windows: list[int | None] = []
@@ -608,25 +655,7 @@ def _probe(
             options["softcap"] = c.softcap
         windows.append(window)
         layers[id(c.module)] = LayerAttention(i, c.scale, options, sinks=c.sinks is not None)
-    first = calls[0]
-    config = TransformersModelConfig(
-        architecture=type(hf_model).__name__,
-        model_type=str(getattr(text, "model_type", "")),
-        vocab_size=int(text.vocab_size),
-        hidden_size=int(getattr(text, "hidden_size", 0) or 0),
-        num_layers=len(calls),
-        num_heads=first.num_heads,
-        num_kv_heads=first.num_kv_heads,
-        head_dim=first.head_dim,
-        max_position_embeddings=max_len,
-        layer_windows=tuple(windows),
-        layer_softcaps=tuple(c.softcap for c in calls),
-        layer_scales=tuple(c.scale for c in calls),
-        dtype=dtype,
-        bos_token_id=getattr(text, "bos_token_id", None),
-        pad_token_id=getattr(text, "pad_token_id", None),
-    )
-    return config, layers
+    return windows, layers
 
 
 def _check_head_split(model: TransformersCausalLM, hf_model: nn.Module, source: str) -> None:
