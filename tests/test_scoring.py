@@ -146,9 +146,9 @@ def test_score_job_matches_api_and_resumes(llama_ckpt, tmp_path) -> None:
 
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from conftest import job_config
 
     from batchgen.job.run import run_job
-    from conftest import job_config
 
     def read(d):
         return pa.concat_tables([pq.read_table(p) for p in sorted(d.glob("*.parquet"))])
