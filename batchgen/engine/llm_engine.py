@@ -240,8 +240,19 @@ class LLMEngine:
         """The output of a request whose every sample finished (texts decoded here, once)."""
         self.requests.pop(request.request_id, None)
         self.stats.num_finished_requests += 1
-        if request.beam is not None:
-            return self._beam_output(request)
+        outputs = self._beam_outputs(request) if request.beam is not None else self._sample_outputs(request)
+        return RequestOutput(
+            request.request_id,
+            request.prompt_token_ids,
+            outputs,
+            request.num_cached_tokens,
+            None,
+            request.prompt,
+            _prompt_logprobs(request),
+        )
+
+    def _sample_outputs(self, request: Request) -> list[CompletionOutput]:
+        """One output per sample, by sample index (texts decoded here, once)."""
         outputs = []
         for s in sorted(request.seqs, key=lambda s: s.sample_index):
             if not isinstance(s.stop_reason, str):  # a stop string already cut the text
@@ -259,21 +270,13 @@ class LLMEngine:
                     constraint_satisfied=self._structured.satisfied(s) if self._structured else None,
                 )
             )
-        return RequestOutput(
-            request.request_id,
-            request.prompt_token_ids,
-            outputs,
-            request.num_cached_tokens,
-            None,
-            request.prompt,
-            _prompt_logprobs(request),
-        )
+        return outputs
 
-    def _beam_output(self, request: Request) -> RequestOutput:
+    def _beam_outputs(self, request: Request) -> list[CompletionOutput]:
         """The ``n`` best finished beams of a beam-search request, best first."""
         assert request.beam is not None
         skip = request.params.skip_special_tokens
-        outputs = [
+        return [
             CompletionOutput(
                 index=i,
                 text=self.tokenizer.decode(h.token_ids, skip_special_tokens=skip),
@@ -284,15 +287,6 @@ class LLMEngine:
             )
             for i, h in enumerate(request.beam.results())
         ]
-        return RequestOutput(
-            request.request_id,
-            request.prompt_token_ids,
-            outputs,
-            request.num_cached_tokens,
-            None,
-            request.prompt,
-            _prompt_logprobs(request),
-        )
 
 
 def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
