@@ -237,9 +237,16 @@ def test_kill_9_loses_at_most_the_rows_since_the_last_checkpoint(
 ) -> None:
     """One window of 40 rows, checkpoints every 0.2 s: a kill -9 once rows are checkpointed keeps them; the
     resume recomputes only the others and the output is the uninterrupted one, each row exactly once."""
-    over = ["data.window_rows=40", "engine.max_num_seqs=2", "run.checkpoint_interval_s=0.2"]
+    # Long enough (1 sequence at a time, 48 tokens each) that checkpoints happen well before the window ends.
+    over = [
+        "data.window_rows=40",
+        "engine.max_num_seqs=1",
+        "run.checkpoint_interval_s=0.2",
+        "sampling.max_tokens=48",
+    ]
     ref = tmp_path / "ref"
-    cfg = _cfg(llama_ckpt, inp, ref, data={"window_rows": 40}, engine={"max_num_seqs": 2})
+    kw = {"data": {"window_rows": 40}, "engine": {"max_num_seqs": 1}, "sampling": {"max_tokens": 48}}
+    cfg = _cfg(llama_ckpt, inp, ref, **kw)
     assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
     out = tmp_path / "out"
     proc = subprocess.Popen(
@@ -258,8 +265,8 @@ def test_kill_9_loses_at_most_the_rows_since_the_last_checkpoint(
         time.sleep(0.02)
     proc.kill()
     proc.wait(timeout=60)
-    assert saved >= 8, "no checkpoint before the job ended"
-    cfg = _cfg(llama_ckpt, inp, out, data={"window_rows": 40}, engine={"max_num_seqs": 2})
+    assert 8 <= saved < 40, f"no checkpoint before the job ended ({saved} rows saved)"
+    cfg = _cfg(llama_ckpt, inp, out, **kw)
     res = run_job(cfg, handle_signals=False, print_summary=False)
     assert res.exit_code == EXIT_OK, res.message
     assert res.report["run"]["rows"] <= 40 - saved

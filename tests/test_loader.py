@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+import batchgen.models
 from batchgen.models import SUPPORTED_ARCHITECTURES, load_model, load_tokenizer, loader
 from batchgen.models.tiny import CHAT_TEMPLATE, EOS_TOKEN, IM_END, build_tokenizer, tiny_default_checkpoint
 
@@ -58,7 +59,7 @@ def test_tokenizer_deterministic_and_cached(tmp_path):
 def test_tiny_default_checkpoint_is_the_shipped_model(tmp_path):
     # The embedded default ships with the package: nothing is built, copied or cached at run time.
     p1 = tiny_default_checkpoint(tmp_path)
-    assert p1 == tiny_default_checkpoint() and Path(p1).parent == Path(load_model.__code__.co_filename).parent
+    assert p1 == tiny_default_checkpoint() and Path(p1).parent == Path(batchgen.models.__file__).parent
     assert list(tmp_path.iterdir()) == []
     model = load_model(p1)
     assert model.config.tie_word_embeddings and model.config.architecture == "LlamaForCausalLM"
