@@ -78,10 +78,15 @@ class EngineConfig:
     a batch-size bucket (1, 2, 4, 8, then multiples of 16) and replayed from a CUDA graph captured per bucket
     on first use; prefill/mixed steps always run eagerly. No effect on CPU."""
 
+    tensor_parallel_size: int = 1
+    """Shard the model over this many devices (Megatron-style tensor parallelism, native architectures only):
+    the engine starts one worker process per extra device (or joins ranks started by torchrun/srun). On CPU
+    the ranks communicate with gloo (for tests); the KV pool is the smallest any rank can hold."""
+
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"engine.block_size must be one of 8, 16, 32, 64, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:

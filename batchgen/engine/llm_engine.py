@@ -21,7 +21,10 @@ from batchgen.engine.stats import EngineStats
 from batchgen.engine.stop import StopRules
 from batchgen.engine.structured import StructuredOutputs
 from batchgen.engine.structured import is_available as structured_available
-from batchgen.models.loader import load_model, load_tokenizer
+from batchgen.engine.tensor_parallel import TPModelRunner
+from batchgen.engine.tp_launch import TPGroup, WorkerSetup
+from batchgen.engine.tp_launch import start as start_ranks
+from batchgen.models.loader import check_tensor_parallel, load_model, load_tokenizer
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,11 +63,21 @@ class LLMEngine:
         implementation: str = "auto",
     ) -> None:
         self.config = config = engine_config or EngineConfig()
-        self.device = resolve_device(config.device)
+        tp = config.tensor_parallel_size
+        # tensor parallelism: this process is rank 0 (workers started or joined here; see tp_launch)
+        self.tp_group: TPGroup | None = None
+        if tp > 1:
+            check_tensor_parallel(model, implementation, tp)
+            self.tp_group = start_ranks(WorkerSetup(model, dtype, implementation, config))
+            self.device = self.tp_group.device
+        else:
+            self.device = resolve_device(config.device)
         backend = resolve_backend(config.attention_backend, self.device)
         self.model_path = model
         # implementation: auto (native when batchgen has the architecture), native, or transformers
-        self.model = load_model(model, dtype=dtype, device=self.device, implementation=implementation)
+        self.model = load_model(
+            model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
+        )
         self.tokenizer = load_tokenizer(tokenizer or model)
         mc = self.model.config
         # The model's full context (max_position_embeddings); sliding windows are attended, they do not cap it.
@@ -79,7 +92,13 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
 
-        self.runner = ModelRunner(self.model, config, self.device, backend)
+        if self.tp_group is not None:
+            self.runner: ModelRunner = TPModelRunner(
+                self.model, config, self.device, backend, self.tp_group.channel
+            )
+            self.tp_group.runner = self.runner
+        else:
+            self.runner = ModelRunner(self.model, config, self.device, backend)
         self.runner.max_model_len = self.max_model_len
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)

@@ -46,10 +46,27 @@ def _start(request: Request) -> int:
     return 1 if s is None else max(1, s)
 
 
+def rows(out) -> list[int]:
+    """The rows of the step's packed hidden states whose logits :func:`collect` computes (tensor-parallel
+    workers compute their shards of the same rows, in the same step)."""
+    return _plan(out)[1]
+
+
 def collect(model, hidden: Tensor, out) -> None:
     """After a forward: fill ``request.prompt_logprobs`` for the prefill chunks of ``out`` that need them.
     ``hidden`` is the packed ``[num_batched_tokens, H]`` output of the model for ``out.seqs``. One logits
     matmul, log-softmax and top-k for all the rows of the step."""
+    jobs, index, max_k = _plan(out)
+    if not jobs:
+        return
+    rows = hidden[torch.tensor(index, dtype=torch.long, device=hidden.device)]
+    logp = torch.log_softmax(model.compute_logits(rows).float(), dim=-1)
+    _fill(jobs, logp, max_k)
+
+
+def _plan(out) -> tuple[list, list[int], int]:
+    """(jobs: (request, first target position, targets, row offset in the gathered rows), the rows of the
+    packed batch whose logits are needed, the largest top-k asked)."""
     offsets = itertools.accumulate((s.num_tokens for s in out.seqs), initial=0)
     jobs = []  # (request, first target position, targets, row offset in the gathered rows)
     index: list[int] = []
@@ -67,10 +84,11 @@ def collect(model, hidden: Tensor, out) -> None:
         index.extend(range(off + lo - sched.start, off + hi - sched.start))
         k = request.params.prompt_logprobs or 0
         max_k = max(max_k, max(k, 1) if request.prompt_logprobs_start is not None else k)  # scoring: argmax
-    if not jobs:
-        return
-    rows = hidden[torch.tensor(index, dtype=torch.long, device=hidden.device)]
-    logp = torch.log_softmax(model.compute_logits(rows).float(), dim=-1)
+    return jobs, index, max_k
+
+
+def _fill(jobs: list, logp: Tensor, max_k: int) -> None:
+    """Write each job's logprobs (and top-k) from ``logp`` [rows, V] into its request."""
     targets = [t for _, _, tg, _ in jobs for t in tg]
     tgt = torch.tensor(targets, dtype=torch.long, device=logp.device)
     chosen = logp.gather(1, tgt[:, None]).squeeze(1).tolist()

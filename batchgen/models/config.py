@@ -195,6 +195,8 @@ class ModelConfig(ContextFacts):
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    tp_rank: int = 0  # tensor parallelism: this rank's shard (`batchgen.models.parallel.shard_config`)
+    tp_size: int = 1  # 1: the whole model; N: head/intermediate/vocab sizes above are one rank's share
 
     implementation = "native"
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from batchgen.models import parallel
 from batchgen.models.config import ModelConfig, RopeSpec
 from batchgen.models.moe import SparseMoE, activation
 
@@ -177,17 +178,19 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
         self.residual_multiplier = config.residual_multiplier
+        self.config = config  # tensor parallelism: o_proj / down_proj outputs are partial sums
         self.local = bool(config.sliding_layers[layer_idx]) if config.sliding_layers else False
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        h = parallel.all_reduce(self.self_attn(self.input_layernorm(x), cos, sin, ctx), self.config)
         if self.sandwich:
             h = self.post_attention_layernorm(h)
         x = x + (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h)
         if self.sandwich:
-            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            h = parallel.all_reduce(self.mlp(self.pre_feedforward_layernorm(x)), self.config)
+            h = self.post_feedforward_layernorm(h)
         else:
-            h = self.mlp(self.post_attention_layernorm(x))
+            h = parallel.all_reduce(self.mlp(self.post_attention_layernorm(x)), self.config)
         return x + (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h)
 
 
@@ -201,7 +204,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = _Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = parallel.lm_head(config)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -218,14 +221,14 @@ class CausalLM(nn.Module):
             logits = logits / c.logits_scaling
         if c.final_softcap is not None:
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
-        return logits.float()
+        return parallel.gather_logits(logits, c).float()
 
 
 class _Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = parallel.embedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma_norm)
         self.rotary_emb = RotaryEmbedding(config.rope)

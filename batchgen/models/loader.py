@@ -10,6 +10,9 @@ Invariants:
 - Every parameter element is written exactly once; anything missing, unexpected or misshapen is a
   `ValueError` naming the tensor and the file. Checkpoint tensors are mapped onto our parameters by
   `_checkpoint_names` (q/k/v and gate/up fused, per-expert tensors stacked, Mixtral's `block_sparse_moe`).
+- Tensor parallelism (`tp_size > 1`): the model is built with one rank's shapes
+  (`batchgen.models.parallel.shard_config`) and each tensor is read sliced (`batchgen.models.sharding`):
+  a rank reads only its share of the checkpoint from disk.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from safetensors import safe_open
 
 from batchgen.models.config import ModelConfig, NativeUnsupportedError, parse_dtype
 from batchgen.models.llama import CausalLM
+from batchgen.models.parallel import check_divisible, shard_config
+from batchgen.models.sharding import read_shard
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +183,8 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
     implementation: str = "auto",
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ):
     """Load a checkpoint directory (config.json + safetensors) for the engine.
 
@@ -186,12 +193,17 @@ def load_model(
     or ``auto`` (native when we have it, else transformers). `dtype`: 'auto' (the checkpoint's
     `dtype`/`torch_dtype`, float32 if absent), 'float32', 'bfloat16', 'float16' or a torch.dtype.
     `model.config.dtype` reports the dtype actually used, `model.config.implementation` the path taken.
+    `tp_rank` / `tp_size`: load rank `tp_rank`'s shard for tensor parallelism over `tp_size` ranks (native
+    architectures only; anything else is a ValueError naming `engine.tensor_parallel_size`).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"unknown model implementation {implementation!r}: use one of {', '.join(IMPLEMENTATIONS)}"
         )
     ckpt = _checkpoint_dir(path)
+    if tp_size > 1:
+        config = check_tensor_parallel(ckpt, implementation, tp_size)
+        return load_native_model(ckpt, shard_config(config, tp_rank, tp_size), dtype=dtype, device=device)
     if implementation == "transformers":
         from batchgen.models.transformers_backend import load_transformers_model
 
@@ -211,6 +223,25 @@ def load_model(
     return load_native_model(ckpt, config, dtype=dtype, device=device)
 
 
+def check_tensor_parallel(path: str | os.PathLike, implementation: str, tp_size: int) -> ModelConfig:
+    """The checkpoint's (whole-model) config if it can be sharded over `tp_size` ranks; else a ValueError
+    naming `engine.tensor_parallel_size` (the transformers backend and non-native architectures run on one
+    device; heads and intermediate sizes must split)."""
+    refused = (
+        f"engine.tensor_parallel_size={tp_size} needs a natively implemented architecture "
+        "(batchgen.models.NATIVE_ARCHITECTURES) and model.implementation auto or native: the transformers "
+        "backend runs on one device; set engine.tensor_parallel_size=1"
+    )
+    if implementation == "transformers":
+        raise ValueError(refused)
+    try:
+        config = ModelConfig.from_pretrained(_checkpoint_dir(path))
+    except NativeUnsupportedError as e:
+        raise ValueError(f"{refused} ({e})") from e
+    check_divisible(config, tp_size)
+    return config
+
+
 @torch.no_grad()
 def load_native_model(
     ckpt: Path,
@@ -218,7 +249,8 @@ def load_native_model(
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
 ) -> CausalLM:
-    """Build our `CausalLM` for `config` and stream the checkpoint's safetensors into it."""
+    """Build our `CausalLM` for `config` (one rank's shard when `config.tp_size > 1`) and stream the
+    checkpoint's safetensors into it."""
     config = dataclasses.replace(config, dtype=_resolve_dtype(config.dtype, dtype))
     files = safetensors_files(ckpt)
     device = torch.device(device)
@@ -274,7 +306,7 @@ def _copy_file(
             dest = param if src.expert is None else param[src.expert]
             if src.rows >= 0:
                 dest = dest.narrow(0, src.offset, src.rows)
-            tensor = f.get_tensor(stored)
+            tensor = f.get_tensor(stored) if config.tp_size == 1 else read_shard(f, stored, name, config)
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(
                     f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, expected "
