@@ -5,9 +5,9 @@
     batchgen --cfg job     # the resolved configuration
 
 Exit status (README's table): 0 done (or nothing left to do); 3 done, but more error rows than
-``run.max_error_fraction``; 75 incomplete — interrupted by SIGINT/SIGTERM/SIGUSR1 (start-up included) or the
-disk is full — rerun to resume; 2 invalid configuration, input or output directory (one line, before any
-work where it can be detected); 1 anything else, including Hydra's own errors (a misspelt key, a wrong type).
+``run.max_error_fraction``; 75 incomplete — interrupted by SIGINT/SIGTERM/SIGUSR1 (start-up included), the
+disk is full or a tensor-parallel rank was lost — rerun to resume; 2 invalid configuration, input or output
+directory (one line, before any work where it can be detected); 1 anything else, including Hydra's own errors (a misspelt key, a wrong type).
 No Python traceback unless ``HYDRA_FULL_ERROR=1`` (or ``BATCHGEN_DEBUG=1``). The job never changes the working
 directory; Hydra's run files go to ``<output>/_logs/<timestamp>/`` (per shard).
 
@@ -123,6 +123,10 @@ def _remove_run_dir(run_dir: str) -> None:
 def main() -> None:
     """Console entry point (``batchgen``). ``--cfg job`` prints the config with interpolations resolved."""
     argv = sys.argv[1:]
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and os.environ.get("RANK", "0") != "0":
+        from batchgen.engine.tp_launch import serve_from_env  # torchrun / srun: a tensor-parallel worker rank
+
+        sys.exit(serve_from_env())
     if argv[:1] == ["show"]:
         from batchgen.job.show import main as show_main
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence as Seq
 
 import torch
@@ -69,6 +70,7 @@ class LLMEngine:
         if tp > 1:
             check_tensor_parallel(model, implementation, tp)
             self.tp_group = start_ranks(WorkerSetup(model, dtype, implementation, config))
+            weakref.finalize(self, self.tp_group.close)  # workers stop when the engine is collected
             self.device = self.tp_group.device
         else:
             self.device = resolve_device(config.device)

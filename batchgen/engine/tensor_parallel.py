@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import logging
 import pickle
+import time
 from dataclasses import dataclass
 
 import torch
@@ -162,9 +163,18 @@ class TPModelRunner(ModelRunner):
         except RuntimeError as e:
             if isinstance(e, WorkerLost) or not _is_dist_error(e):
                 raise
-            raise WorkerLost(f"a tensor-parallel rank failed during a step ({_first_line(e)})") from e
+            raise WorkerLost(self._why_lost(e)) from e
         finally:
             self.in_step = False
+
+    def _why_lost(self, e: BaseException) -> str:
+        """The watchdog's account of the failure (which worker exited, how) when it has one within a second."""
+        deadline = time.monotonic() + 1.0
+        while self.channel.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.channel.lost is not None:
+            return self.channel.lost
+        return f"a tensor-parallel collective failed ({_first_line(e)})"
 
     @torch.inference_mode()
     def apply(self, msg: StepInputs, out: SchedulerOutput | None = None) -> Tensor | None:
@@ -204,4 +214,4 @@ def _is_dist_error(e: BaseException) -> bool:
 
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
-    return (lines[0] if lines else type(e).__name__)[:200]
+    return (lines[0] if lines else type(e).__name__)[:160]

@@ -111,7 +111,7 @@ class TPGroup:
         self._lost_at: float | None = None
         if procs:
             threading.Thread(target=self._watch, name="batchgen-tp-watchdog", daemon=True).start()
-        atexit.register(self.close)
+        atexit.register(self.close)  # before multiprocessing's and torch's own exit handlers run
 
     def _watch(self) -> None:
         while not self.closed:
@@ -122,7 +122,8 @@ class TPGroup:
             if self._lost_at is None:
                 self._lost_at = time.monotonic()
                 r, code = dead[0]
-                self.channel.lost = f"tensor-parallel worker rank {r} exited (status {code})"
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+                self.channel.lost = f"tensor-parallel worker rank {r} {how}"
                 logger.error("%s", self.channel.lost)
             busy = self.runner is not None and self.runner.in_step
             if busy and time.monotonic() - self._lost_at > GRACE_S:
@@ -134,11 +135,16 @@ class TPGroup:
                 os._exit(75)
 
     def close(self) -> None:
-        """Tell the workers to stop, wait for them (then kill), and leave the process group. Idempotent."""
+        """Tell the workers to stop, wait for them (then kill), and leave the process group. Idempotent; the
+        engine cannot step afterwards."""
+        global _ACTIVE
         if self.closed:
             return
         self.closed = True
+        if _ACTIVE is self:
+            _ACTIVE = None
         alive = self.channel.lost is None and all(p.poll() is None for p in self.procs)
+        self.channel.lost = self.channel.lost or "the tensor-parallel engine was shut down"
         if alive:
             try:
                 self.channel.post(None)
@@ -151,13 +157,22 @@ class TPGroup:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        if alive and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_ACTIVE: TPGroup | None = None
+"""The process's tensor-parallel engine: torch.distributed has one default process group per process."""
 
 
 def start(setup: WorkerSetup) -> TPGroup:
     """Rank 0: start (or join) the other ranks and post them the setup. On a worker rank of an outside
-    launcher this serves steps until rank 0 is done and then exits the process."""
+    launcher this serves steps until rank 0 is done and then exits the process. A process runs one
+    tensor-parallel engine at a time: starting one shuts down the previous one's workers."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        logger.warning("a new tensor-parallel engine starts: the previous one in this process is shut down")
+        _ACTIVE.close()
     tp = setup.config.tensor_parallel_size
     launched = env_rank()
     procs: list[subprocess.Popen] = []
@@ -191,7 +206,8 @@ def start(setup: WorkerSetup) -> TPGroup:
         raise WorkerLost(f"tensor-parallel ranks did not start: {e}") from e
     channel = StepChannel(store, device)
     channel.post(setup)
-    return TPGroup(channel, device, procs)
+    _ACTIVE = TPGroup(channel, device, procs)
+    return _ACTIVE
 
 
 def _env_store(rank: int, world: int) -> dist.Store:

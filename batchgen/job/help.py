@@ -28,8 +28,8 @@ Usage:
 """
 
 HELP_FOOTER = """Exit status: 0 done; 3 done, but more error rows than run.max_error_fraction; 75 incomplete:
-stopped by a signal or the disk is full (rerun the same command to resume); 2 invalid configuration, input
-or output directory; 1 other errors (including Hydra's own messages about misspelt keys).
+stopped by a signal, the disk is full or a tensor-parallel rank was lost (rerun the same command to resume);
+2 invalid configuration, input or output directory; 1 other errors (including Hydra's own messages about misspelt keys).
 Sweeps (-m): give each job its own output, e.g. data.output=out/<the job number, hydra:job.num>.
 Hydra flags: batchgen --hydra-help"""
 

@@ -23,8 +23,8 @@
 
 Exit statuses (README's table): 0 complete; 1 an unexpected error (one line; the traceback with
 ``HYDRA_FULL_ERROR=1`` or ``BATCHGEN_DEBUG=1``); 2 invalid configuration, input or output directory;
-3 complete, but more error rows than ``run.max_error_fraction``; 75 incomplete — stopped by a signal, or the
-disk is full — rerun the same command to resume.
+3 complete, but more error rows than ``run.max_error_fraction``; 75 incomplete — stopped by a signal, the
+disk is full, or a tensor-parallel rank was lost — rerun the same command to resume.
 
 Signals (:mod:`batchgen.job.signals`, installed for the whole run, start-up included): SIGINT, SIGTERM and
 SIGUSR1 stop admission; rows in flight are finished for up to ``run.stop_grace_s`` seconds (default 0:
@@ -61,7 +61,7 @@ from batchgen.data.reader import Window, WindowSpec, iter_windows
 from batchgen.data.values import sanitize_utf8, window_sha256
 from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
-from batchgen.errors import ConfigError
+from batchgen.errors import ConfigError, WorkerLost
 from batchgen.job.config import to_job_config
 from batchgen.job.feeder import EngineFeeder, WindowWork
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
@@ -135,6 +135,14 @@ def run_job(
                 f"stopped by {stop.signal_name or 'a signal'} during {e.when}; nothing new was written: rerun the "
                 "same command to resume",
                 warn=True,
+            )
+        except WorkerLost as e:
+            saved = job.save_finished_rows()
+            where = f"; every finished row is saved in {job.out_dir}" if saved else ""
+            return job.fail(
+                EXIT_INTERRUPTED,
+                "incomplete",
+                f"stopped: {_one_line(e)}{where}; rerun the same command (or let Slurm requeue) to resume",
             )
         except KeyboardInterrupt:
             saved = job.save_finished_rows()
@@ -778,6 +786,8 @@ def _start_engine(plan: JobPlan) -> Engine:
         return LLMEngine(
             plan.model_path, e, dtype=plan.cfg.model.dtype, implementation=plan.cfg.model.implementation
         )
+    except WorkerLost:
+        raise
     except MemoryError as err:
         raise ConfigError(
             f"not enough memory to start the engine (engine.kv_cache_memory={e.kv_cache_memory}, "
