@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import env_without_slurm, job_config, part_contents
+from model_zoo import checkpoint
 
 from batchgen import LLM, SamplingParams
 from batchgen.job.run import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, run_job
@@ -96,9 +97,9 @@ def test_llama_tp4_replicates_kv_heads_and_pads_the_vocabulary(ckpt_factory) -> 
         "qwen3",  # q/k norms
     ],
 )
-def test_native_architectures_tp2(ckpt_factory, arch: str) -> None:
+def test_native_architectures_tp2(arch: str) -> None:
     seeded = SamplingParams(temperature=0.8, max_tokens=8, seed=3)
-    _same_as_one_process(ckpt_factory(arch, seed=7), 2, [(PROMPTS, GREEDY), (PROMPTS, seeded)])
+    _same_as_one_process(checkpoint(arch), 2, [(PROMPTS, GREEDY), (PROMPTS, seeded)])
 
 
 def test_sizes_that_do_not_split_are_one_clear_error(ckpt_factory, tmp_path: Path) -> None:
