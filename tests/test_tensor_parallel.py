@@ -95,6 +95,13 @@ def test_llama_tp4_replicates_kv_heads_and_pads_the_vocabulary(ckpt_factory) -> 
         "gemma2",  # soft-capping, sliding windows, sandwich norms, tied embeddings
         "phi3",  # fused qkv_proj / gate_up_proj checkpoint tensors
         "qwen3",  # q/k norms
+        "qwen3_moe",
+        "mistral",  # sliding window
+        "qwen2",  # q/k/v biases, windows on some layers
+        "gemma",  # (1 + weight) norms, embedding scale, tied embeddings
+        "gemma3_text",  # local/global RoPE
+        "gemma3",  # the language model of a vision-language checkpoint (renamed tensors)
+        "granite",  # embedding / residual / logits multipliers
     ],
 )
 def test_native_architectures_tp2(arch: str) -> None:
