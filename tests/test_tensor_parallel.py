@@ -127,7 +127,7 @@ def test_sizes_that_do_not_split_are_one_clear_error(ckpt_factory, tmp_path: Pat
 
 # ------------------------------------------------------------------------------------------------- jobs
 JOB_PROMPTS = [f"prompt {i} " + "word " * (i % 7) for i in range(16)]
-JOB_ARGS = ["engine.device=cpu", "engine.num_blocks=256", "engine.max_num_seqs=1", "sampling.max_tokens=16",
+JOB_ARGS = ["engine.device=cpu", "engine.num_blocks=256", "engine.max_num_seqs=1", "sampling.max_tokens=8",
             "sampling.temperature=0.8", "data.window_rows=16", "run.checkpoint_interval_s=0.1",
             "data.shard.index=0", "data.shard.count=1", "run.progress=off"]  # fmt: skip
 
@@ -148,7 +148,7 @@ def test_killed_worker_exits_75_then_the_rerun_resumes_exactly_once(ckpt_factory
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": JOB_PROMPTS}), inp)
     ref = tmp_path / "ref"
-    kw = {"data": {"window_rows": 16}, "engine": {"max_num_seqs": 1}, "sampling": {"max_tokens": 16}}
+    kw = {"data": {"window_rows": 16}, "engine": {"max_num_seqs": 1}, "sampling": {"max_tokens": 8}}
     assert run_job(job_config(path, inp, ref, **kw), handle_signals=False, print_summary=False).exit_code == 0
 
     out = tmp_path / "out"
@@ -180,4 +180,25 @@ def test_killed_worker_exits_75_then_the_rerun_resumes_exactly_once(ckpt_factory
                            timeout=300)  # fmt: skip
     assert rerun.returncode == EXIT_OK, (rerun.stdout + rerun.stderr)[-3000:]
     assert json.loads((out / "_report.json").read_text())["run"]["rows"] <= 16 - saved
+    assert part_contents(out) == part_contents(ref)
+
+
+def test_job_under_torchrun_equals_the_single_process_job(ckpt_factory, tmp_path: Path) -> None:
+    """Ranks started outside (torchrun): rank 0 runs the job, rank 1 serves; both exit 0 and the output is
+    the single-process job's."""
+    path = ckpt_factory("llama")
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": JOB_PROMPTS[:8]}), inp)
+    ref = tmp_path / "ref"
+    assert run_job(job_config(path, inp, ref), handle_signals=False, print_summary=False).exit_code == EXIT_OK
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "batchgen.cli", f"model.path={path}", f"data.input={inp}", f"data.output={out}", "data.window_rows=8",
+           "engine.device=cpu", "engine.num_blocks=256", "engine.max_num_seqs=8", "sampling.max_tokens=6",
+           "sampling.temperature=0.8", "data.shard.index=0", "data.shard.count=1", "run.progress=off",
+           "engine.tensor_parallel_size=2"]  # fmt: skip
+    p = subprocess.run(
+        cmd, cwd=tmp_path, env=env_without_slurm(), capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == EXIT_OK, (p.stdout + p.stderr)[-3000:]
     assert part_contents(out) == part_contents(ref)

@@ -144,12 +144,12 @@ class TPGroup:
         if _ACTIVE is self:
             _ACTIVE = None
         alive = self.channel.lost is None and all(p.poll() is None for p in self.procs)
-        self.channel.lost = self.channel.lost or "the tensor-parallel engine was shut down"
         if alive:
             try:
                 self.channel.post(None)
             except Exception:  # noqa: BLE001 - best effort: the workers also stop when this process exits
                 alive = False
+        self.channel.lost = self.channel.lost or "the tensor-parallel engine was shut down"
         deadline = time.monotonic() + (10.0 if alive else 0.0)
         for p in self.procs:
             try:
