@@ -202,3 +202,26 @@ def test_job_under_torchrun_equals_the_single_process_job(ckpt_factory, tmp_path
     )
     assert p.returncode == EXIT_OK, (p.stdout + p.stderr)[-3000:]
     assert part_contents(out) == part_contents(ref)
+
+
+@pytest.mark.parametrize("reason", ["worker-lost", ""])
+def test_sbatch_script_requeues_a_lost_worker_but_not_a_full_disk(tmp_path: Path, reason: str) -> None:
+    """generate.sbatch: exit 75 with `worker-lost` in $BATCHGEN_EXIT_REASON_FILE is requeued (here `scontrol`
+    is a stub that records its arguments); 75 without a reason (a full disk) is not."""
+    fake = tmp_path / "batchgen"
+    fake.write_text(f'#!/bin/sh\nprintf "{reason}" > "$BATCHGEN_EXIT_REASON_FILE"\nexit 75\n')
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/requeued\n')
+    for f in (fake, scontrol):
+        f.chmod(0o755)
+    env = env_without_slurm(BATCHGEN_BIN=str(fake), PATH=f"{tmp_path}:/usr/bin:/bin", SLURM_JOB_ID="42")
+    sbatch = Path(__file__).parent.parent / "jobs" / "slurm" / "generate.sbatch"
+    p = subprocess.run(
+        ["bash", str(sbatch), "data.output=x"], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    if reason:
+        assert p.returncode == 0 and "batchgen exited 75 (worker-lost); requeueing 42" in p.stderr, p.stderr
+        assert (tmp_path / "requeued").read_text().split() == ["requeue", "42"]
+    else:
+        assert p.returncode == 75 and "not requeueing" in p.stderr, p.stderr
+        assert not (tmp_path / "requeued").exists()

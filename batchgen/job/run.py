@@ -47,6 +47,7 @@ import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -137,6 +138,7 @@ def run_job(
                 warn=True,
             )
         except WorkerLost as e:
+            _note_exit_reason("worker-lost")
             saved = job.save_finished_rows()
             where = f"; every finished row is saved in {job.out_dir}" if saved else ""
             return job.fail(
@@ -171,6 +173,18 @@ def run_job(
             )
         finally:
             job.close()
+
+
+EXIT_REASON_ENV = "BATCHGEN_EXIT_REASON_FILE"
+"""When set, a job that exits 75 because a tensor-parallel rank was lost writes ``worker-lost`` into this file
+(jobs/slurm/generate.sbatch requeues such a task; a 75 for a full disk it does not)."""
+
+
+def _note_exit_reason(reason: str) -> None:
+    path = os.environ.get(EXIT_REASON_ENV)
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(reason + "\n")
 
 
 def _one_line(e: BaseException) -> str:
