@@ -29,6 +29,7 @@ from torch import Tensor
 
 from batchgen.engine import prompt_logprobs
 from batchgen.engine.attention import AttentionMetadata, ForwardContext
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import SchedulerOutput
 from batchgen.errors import WorkerLost
@@ -125,7 +126,7 @@ class TPModelRunner(ModelRunner):
     def __init__(
         self,
         model: torch.nn.Module,
-        config,
+        config: EngineConfig,
         device: torch.device,
         backend: str,
         channel: StepChannel,
@@ -137,7 +138,13 @@ class TPModelRunner(ModelRunner):
         self.in_step = False  # rank 0: inside a step's collectives (the launcher's watchdog reads it)
 
     def determine_num_blocks(self) -> int:
-        return self.channel.min_over_ranks(super().determine_num_blocks())
+        """The smallest pool any rank can hold (each sizes its own from its memory and weights shard)."""
+        try:
+            return self.channel.min_over_ranks(super().determine_num_blocks())
+        except RuntimeError as e:
+            if self.rank != 0 or not _is_dist_error(e):
+                raise
+            raise RuntimeError(f"{self._why_lost(e)} while starting (its own message is above)") from e
 
     def execute(self, out: SchedulerOutput) -> Tensor:
         ids, pos, meta, last = self.prepare_inputs(out)

@@ -12,6 +12,10 @@ scaled by `1 + weight` in float32 then cast; RoPE inverse frequencies from trans
 cos/sin computed in float32 from the positions; residual adds in the model dtype), so float32 outputs match
 `transformers` to rounding. Q/K/V and gate/up projections are fused into one matmul each (`qkv_proj`,
 `gate_up_proj`); the loader fuses the checkpoint's separate tensors.
+
+Tensor parallelism (`config.tp_size > 1`, see `batchgen.models.parallel`): the config carries one rank's head
+and intermediate sizes, so the modules here are that rank's shard; `DecoderLayer` all-reduces the attention and
+MLP outputs, and the embedding / LM head are vocabulary-parallel.
 """
 
 from __future__ import annotations
