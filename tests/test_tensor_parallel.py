@@ -85,6 +85,9 @@ def test_llama_tp4_replicates_kv_heads_and_pads_the_vocabulary(ckpt_factory) -> 
     sharded = _same_as_one_process(path, 4, [(PROMPTS, GREEDY)])
     assert sharded.engine.model.config.num_kv_heads == 1
     assert sharded.engine.model.lm_head.weight.shape[0] == 128
+    # rank 0 holds about a quarter of the weights (norms and the replicated KV head are extra)
+    whole = LLM(path, device="cpu", num_blocks=16).engine.runner.weights_bytes()
+    assert sharded.engine.runner.weights_bytes() < 0.3 * whole
 
 
 @pytest.mark.parametrize(
@@ -115,6 +118,8 @@ def test_sizes_that_do_not_split_are_one_clear_error(ckpt_factory, tmp_path: Pat
         LLM(path, device="cpu", num_blocks=16, tensor_parallel_size=3)
     with pytest.raises(ValueError, match=r"engine.tensor_parallel_size=2 needs a natively implemented"):
         LLM(path, device="cpu", num_blocks=16, tensor_parallel_size=2, model_impl="transformers")
+    with pytest.raises(ValueError, match=r"engine.tensor_parallel_size=2 needs a natively implemented"):
+        LLM(checkpoint("gpt2"), device="cpu", num_blocks=16, tensor_parallel_size=2)  # no native code
     with pytest.raises(ValueError, match=r"engine.tensor_parallel_size must be >= 1"):
         LLM(path, device="cpu", tensor_parallel_size=0)
     inp = tmp_path / "in.parquet"

@@ -141,6 +141,8 @@ class TPGroup:
         if self.closed:
             return
         self.closed = True
+        self.runner = None  # the engine's model may be freed
+        atexit.unregister(self.close)
         if _ACTIVE is self:
             _ACTIVE = None
         alive = self.channel.lost is None and all(p.poll() is None for p in self.procs)
