@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from batchgen.models.config import ModelConfig, NativeUnsupportedError, parse_dtype
-from batchgen.models.llama import CausalLM
+from batchgen.models.llama import CausalLM, use_column_major_weights
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +231,7 @@ def load_native_model(
     for file in files:
         _copy_file(file, config, params, lookup, written, seen)
     _check_complete(ckpt, files, params, canonical, written, seen)
+    use_column_major_weights(model)
     return model
 
 
