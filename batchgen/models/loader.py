@@ -6,7 +6,8 @@ Invariants:
   (`*.bin`, `*.pt`, `*.pth`) are refused, and `trust_remote_code` is never used.
 - The model is built on the meta device and materialised once, empty, in the target dtype on the
   target device; then each checkpoint tensor is read, copied into its (slice of a) parameter and
-  dropped, so peak memory is the model plus one tensor, never a second full state dict.
+  dropped, so peak memory is the model plus one tensor, never a second full state dict. Float32 CPU weights
+  are then re-laid out column-major one parameter at a time (`llama.use_column_major_weights`: faster GEMMs).
 - Every parameter element is written exactly once; anything missing, unexpected or misshapen is a
   `ValueError` naming the tensor and the file. Checkpoint tensors are mapped onto our parameters by
   `_checkpoint_names` (q/k/v and gate/up fused, per-expert tensors stacked, Mixtral's `block_sparse_moe`).
