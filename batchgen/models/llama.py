@@ -4,8 +4,8 @@ Gemma 1/2/3 — everything a `ModelConfig` describes.
 
 Batches are packed: `forward(input_ids[T], positions[T], ctx)` with no padding; attention goes through
 `ctx.attn.forward(...)`, which stores the new K/V in their slots and attends through the block tables. Each
-layer passes its own options to the kernels: `sliding_window` (its window, when it has one) and `softcap`
-(attention-logit soft-capping, Gemma 2).
+layer passes its own `AttentionOptions` to the kernels: its scale, `sliding_window` (its window, when it has
+one) and `softcap` (attention-logit soft-capping, Gemma 2).
 
 Numerics follow transformers op for op (RMSNorm in float32 then cast back before the weight — or, for Gemma,
 scaled by `1 + weight` in float32 then cast; RoPE inverse frequencies from transformers' own RoPE functions and
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from batchgen.engine.attention import AttentionOptions
 from batchgen.models.config import ModelConfig, RopeSpec
 from batchgen.models.moe import SparseMoE, activation
 
@@ -134,14 +135,14 @@ class Attention(nn.Module):
             self.k_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps, config.gemma_norm)
         else:
             self.q_norm = self.k_norm = None
-        # Keyword options for the attention kernels; only those this layer needs, so a layer without a window
-        # or soft-capping calls the plain kernel.
-        self.attn_options: dict[str, float | int] = {}
+        # How this layer attends; a layer without a window or soft-capping calls the plain kernel.
         window = config.layer_windows[layer_idx] if config.layer_windows else None
-        if window is not None:
-            self.attn_options["sliding_window"] = int(window)
-        if config.attn_softcap is not None:
-            self.attn_options["softcap"] = float(config.attn_softcap)
+        softcap = config.attn_softcap
+        self.attn_options = AttentionOptions(
+            config.scale,
+            sliding_window=None if window is None else int(window),
+            softcap=None if softcap is None else float(softcap),
+        )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
         """x [T, hidden]; cos/sin from `rope_tables`. Q and K are normed and rotated together, as one
@@ -155,9 +156,7 @@ class Attention(nn.Module):
             qk = rms_norm(qk, weight, self.q_norm.eps, self.q_norm.gemma)
         qk = apply_rope(qk, cos, sin)
         kv = ctx.kv_cache[self.layer_idx]
-        out = ctx.attn.forward(
-            qk[:, :nq], qk[:, nq:], v, kv[0], kv[1], ctx.meta, self.scale, **self.attn_options
-        )
+        out = ctx.attn.forward(qk[:, :nq], qk[:, nq:], v, kv[0], kv[1], ctx.meta, self.attn_options)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
