@@ -30,15 +30,15 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from batchgen.atomic import build_dir_once
 
 BENCH_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -143,26 +143,16 @@ def bench_checkpoint(arch: str) -> str:
     """The benchmark checkpoint of `arch`, built on first use (atomic rename into the cache)."""
     import transformers
 
-    target = _cache_root() / f"{arch}-{_VERSION}"
-    if (target / "config.json").is_file():
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{arch}.", dir=target.parent))
-    try:
-        cfg_name, model_name, extra = BENCH_ARCHS[arch]
+    cfg_name, model_name, extra = BENCH_ARCHS[arch]
 
-        def config(ids: dict[str, int]):
-            return getattr(transformers, cfg_name)(**{**_SIZES, **extra}, **special_token_kwargs(ids))
+    def config(ids: dict[str, int]):
+        return getattr(transformers, cfg_name)(**{**_SIZES, **extra}, **special_token_kwargs(ids))
 
-        build_random_checkpoint(tmp, config, model_name, vocab_size=_SIZES["vocab_size"])
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    return build_dir_once(
+        _cache_root() / f"{arch}-{_VERSION}",
+        "config.json",
+        lambda tmp: build_random_checkpoint(tmp, config, model_name, vocab_size=_SIZES["vocab_size"]),
+    )
 
 
 def _workload(path: str, name: str, rows: int, max_tokens: int) -> tuple[list[list[int]], list[int]]:
