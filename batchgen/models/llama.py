@@ -248,7 +248,7 @@ def use_column_major_weights(model: CausalLM) -> None:
     untransposed in memory: measured 1.3-1.7x for 4-64 input rows on [256..1536]-sized weights (decode steps),
     about even at 256 rows and on 4096-wide weights (`bench_impls --gemm-layout`, BENCHMARKS.md). From 16 rows on the results were bit
     for bit the same; fewer rows round differently in the last bits (greedy outputs still match transformers
-    in the test suite). bfloat16 (oneDNN) gains nothing, so only float32 on CPU is touched. Run once, after
+    in the equality tests). bfloat16 (oneDNN) gains nothing, so only float32 on CPU is touched. Run once, after
     loading (a tensor-parallel loader slices the checkpoint's tensors first); costs one parameter's copy at a
     time. The embedding and a tied head (the same table, read row by row) keep their layout.
     """
