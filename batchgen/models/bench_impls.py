@@ -2,6 +2,8 @@
 
     python -m batchgen.models.bench_impls                                  # all archs, defaults
     python -m batchgen.models.bench_impls --archs gemma2,mixtral --rows 64 --max-tokens 32 --repeats 3
+    python -m batchgen.models.bench_impls --no-workload --forward-reps 20 --threads 1     # model step only
+    python -m batchgen.models.bench_impls --gemm-layout --threads 1      # row- vs column-major weight GEMMs
 
 For each architecture a random-weight checkpoint is built once from transformers' own config class (bench
 sizes: hidden 256, 4 layers, 8 query / 4 KV heads, intermediate 768, vocab 4096; MoE: 8 experts, top-2; Gemma 2
