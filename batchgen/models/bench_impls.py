@@ -2,6 +2,8 @@
 
     python -m batchgen.models.bench_impls                                  # all archs, defaults
     python -m batchgen.models.bench_impls --archs gemma2,mixtral --rows 64 --max-tokens 32 --repeats 3
+    python -m batchgen.models.bench_impls --no-workload --forward-reps 20 --threads 1     # model step only
+    python -m batchgen.models.bench_impls --gemm-layout --threads 1      # row- vs column-major weight GEMMs
 
 For each architecture a random-weight checkpoint is built once from transformers' own config class (bench
 sizes: hidden 256, 4 layers, 8 query / 4 KV heads, intermediate 768, vocab 4096; MoE: 8 experts, top-2; Gemma 2
@@ -328,6 +330,36 @@ def bench_forward(archs: list[str], reps: int, prefill: int = 256, batch: int = 
     return rows
 
 
+@torch.inference_mode()
+def bench_gemm_layout(reps: int = 9, rows: tuple[int, ...] = (1, 2, 3, 4, 8, 16, 64, 256)) -> str:
+    """`F.linear` with a row-major (as loaded) vs column-major (`use_column_major_weights`) float32 weight, for
+    the bench models' projection shapes and 4096-wide ones: median over `reps` back-to-back pairs of the
+    process-CPU-time ratio (row-major ÷ column-major: above 1, column-major is faster)."""
+    import torch.nn.functional as F
+
+    shapes = [(1536, 256), (512, 256), (256, 768), (4096, 4096), (22016, 4096), (4096, 11008)]
+    lines = [
+        "| weight [out, in] | " + " | ".join(f"{m} rows" for m in rows) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
+    for n, k in shapes:
+        w = torch.randn(n, k)
+        wc = w.t().contiguous().t()
+        cells = []
+        for m in rows:
+            x = torch.randn(m, k)
+            ratios = []
+            for _ in range(reps + 1):
+                t0 = time.process_time()
+                F.linear(x, w)
+                t1 = time.process_time()
+                F.linear(x, wc)
+                ratios.append((t1 - t0) / max(time.process_time() - t1, 1e-9))
+            cells.append(f"{statistics.median(ratios[1:]):.2f}×")
+        lines.append(f"| [{n}, {k}] | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def forward_table(rows: list[dict[str, Any]], prefill: int = 256, batch: int = 16, context: int = 300) -> str:
     lines = [
         "| arch | step | native ms (min) | transformers backend ms (min) | native speed-up (median of pairs) "
@@ -374,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         "--forward-reps", type=int, default=15, help="model-step table: alternating runs (0: skip)"
     )
     p.add_argument("--no-workload", action="store_true", help="only the model-step table")
+    p.add_argument(
+        "--gemm-layout", action="store_true", help="only the row- vs column-major weight GEMM table"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
     if args.threads > 0:
@@ -384,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown arch(s) {unknown}; choose from {', '.join(BENCH_ARCHS)}")
     engine = {"max_num_seqs": args.max_num_seqs, "kv_cache_memory": args.kv_cache_memory}
     machine = f"torch {torch.__version__}, threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}"
+    if args.gemm_layout:
+        load0 = os.getloadavg()[0]
+        table_ = bench_gemm_layout()
+        print(f"F.linear float32, row-major time ÷ column-major time; {machine}; load average {load0:.2f}")
+        print(table_)
+        return 0
     if args.forward_reps > 0:
         t0, load0 = time.time(), os.getloadavg()[0]
         rows = bench_forward(archs, args.forward_reps)
