@@ -9,7 +9,8 @@ tokens. Each token's k weighted contributions are summed in slot order, as trans
 (`grouped_mm`) experts implementation does, so float32 results match it.
 
 Expert weights are stacked: `experts.gate_up_proj [E, 2I, H]` (gate rows then up rows) and
-`experts.down_proj [E, H, I]`, the layout transformers 5.x uses in memory; the loader fills them from
+`experts.down_proj [E, H, I]`, the shapes transformers 5.x uses (float32 on CPU: stored column-major, see
+`llama.use_column_major_weights`); the loader fills them from
 per-expert checkpoint tensors (`experts.N.w1/w3/w2` for Mixtral, `experts.N.gate_proj/up_proj/down_proj` for
 Qwen) or from already stacked ones.
 """
@@ -53,8 +54,7 @@ class Experts(nn.Module):
         gate, up = h.split(self.intermediate_size, dim=-1)
         ys = grouped_mm(self.act(gate) * up, self.down_proj.transpose(-2, -1), offsets)
         ys = ys * top_weights.reshape(-1).index_select(0, order)[:, None]  # float32 with Mixtral's weights
-        unsorted = torch.empty_like(ys)
-        unsorted[order] = ys
+        unsorted = ys.index_select(0, torch.argsort(order))  # back to (token, slot) order
         return unsorted.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
