@@ -45,16 +45,19 @@ def _same_as_one_process(path: str, tp: int, cases: list, **engine) -> LLM:
     return sharded
 
 
-def test_llama_tp2_greedy_seeded_logprobs_and_prefix_cache(ckpt_factory) -> None:
+def test_llama_tp2_greedy_seeded_beams_logprobs_and_prefix_cache(ckpt_factory) -> None:
+    """Chunked prefill too (16-token budget: the 30- and 41-token prompts take several steps)."""
     path = ckpt_factory("llama")
     seeded = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=8, seed=s, n=2) for s in range(4)]
     shared = [list(range(40, 80)) + [i] for i in range(3)]  # 40 shared tokens: prefix-cache hits
+    beams = SamplingParams(beam_width=3, n=2, max_tokens=5)
     cases = [(PROMPTS, GREEDY), (PROMPTS, seeded), (PROMPTS, SamplingParams(temperature=1.0, max_tokens=6)),
-             (shared, GREEDY)]  # fmt: skip
-    sharded = _same_as_one_process(path, 2, cases, block_size=8)
+             (shared, GREEDY), (PROMPTS, beams)]  # fmt: skip
+    engine = {"block_size": 8, "max_num_batched_tokens": 16}
+    sharded = _same_as_one_process(path, 2, cases, **engine)
     assert sharded.engine.stats.prompt_tokens_cached >= 80  # the second and third shared prompts hit
     lp = SamplingParams(temperature=0, max_tokens=3, logprobs=3, prompt_logprobs=2)
-    one = LLM(path, device="cpu", num_blocks=64).generate(PROMPTS[:2], lp, use_tqdm=False)
+    one = LLM(path, device="cpu", num_blocks=64, **engine).generate(PROMPTS[:2], lp, use_tqdm=False)
     two = sharded.generate(PROMPTS[:2], lp, use_tqdm=False)
     for a, b in zip(one, two):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -175,8 +175,8 @@ class TPModelRunner(ModelRunner):
             self.in_step = False
 
     def _why_lost(self, e: BaseException) -> str:
-        """The watchdog's account of the failure (which worker exited, how) when it has one within a second."""
-        deadline = time.monotonic() + 1.0
+        """The watchdog's account of the failure (which worker exited, how) when it has one within 3 s."""
+        deadline = time.monotonic() + 3.0
         while self.channel.lost is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.channel.lost is not None:
