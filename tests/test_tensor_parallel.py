@@ -11,6 +11,7 @@ runs all its cases through it.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from conftest import env_without_slurm, job_config, part_contents
 from model_zoo import checkpoint
 
 from batchgen import LLM, SamplingParams
+from batchgen.errors import WorkerLost
 from batchgen.job.run import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, run_job
 
 PROMPTS = [[1, 5, 9, 33, 7], [4, 4, 4, 100, 200, 300, 17], list(range(10, 40)), [7] * 3]
@@ -131,6 +133,24 @@ def test_sizes_that_do_not_split_are_one_clear_error(ckpt_factory, tmp_path: Pat
                   handle_signals=False, print_summary=False)  # fmt: skip
     assert res.exit_code == EXIT_CONFIG
     assert "engine.tensor_parallel_size=3" in res.message
+
+
+def test_a_hung_worker_times_out_instead_of_hanging(ckpt_factory, monkeypatch) -> None:
+    """A worker that stops answering (SIGSTOP) without dying: the step's collective times out after
+    BATCHGEN_TP_TIMEOUT_S and raises WorkerLost (the job's exit 75); shutting down kills the stopped worker."""
+    monkeypatch.setenv("BATCHGEN_TP_TIMEOUT_S", "15")
+    llm = LLM(ckpt_factory("llama"), device="cpu", num_blocks=64, tensor_parallel_size=2)
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    (worker,) = [
+        c for c in psutil.Process().children() if "batchgen.engine.tp_launch" in " ".join(c.cmdline())
+    ]
+    worker.send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerLost, match="timed out"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - t0 < 60
+    llm.engine.tp_group.close()
+    assert not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE
 
 
 # ------------------------------------------------------------------------------------------------- jobs

@@ -170,7 +170,8 @@ class TPModelRunner(ModelRunner):
         except RuntimeError as e:
             if isinstance(e, WorkerLost) or not _is_dist_error(e):
                 raise
-            raise WorkerLost(self._why_lost(e)) from e
+            self.channel.lost = self._why_lost(e)  # no more steps; shutdown does not wait for the workers
+            raise WorkerLost(self.channel.lost) from e
         finally:
             self.in_step = False
 
@@ -181,7 +182,7 @@ class TPModelRunner(ModelRunner):
             time.sleep(0.05)
         if self.channel.lost is not None:
             return self.channel.lost
-        return f"a tensor-parallel collective failed ({_first_line(e)})"
+        return f"a tensor-parallel collective failed or timed out (BATCHGEN_TP_TIMEOUT_S): {_first_line(e)}"
 
     @torch.inference_mode()
     def apply(self, msg: StepInputs, out: SchedulerOutput | None = None) -> Tensor | None:
