@@ -53,6 +53,11 @@ class LLMEngine:
     in it (in completion order); ``has_unfinished`` tells whether more steps are needed. A request that cannot
     be served (empty prompt, too long, larger than the whole KV pool) finishes at the next ``step`` with
     ``error`` set; it never disturbs the others.
+
+    With ``engine_config.tensor_parallel_size > 1`` this process is rank 0 of a tensor-parallel group
+    (:mod:`batchgen.engine.tp_launch`): it starts the worker ranks (stopped when the engine is collected or at
+    exit) and steps them with a :class:`~batchgen.engine.tensor_parallel.TPModelRunner`; everything else here is
+    unchanged. ``tp_group`` is None on one device.
     """
 
     def __init__(
