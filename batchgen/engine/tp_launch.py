@@ -191,14 +191,14 @@ def start(setup: WorkerSetup) -> TPGroup:
         device = rank_device(setup.config.device, local)
         store = _env_store(rank, world)
     else:
-        device = rank_device(setup.config.device, 0)
+        devices = [rank_device(setup.config.device, r) for r in range(tp)]  # all checked before any spawn
+        device = devices[0]
         store = dist.TCPStore(
             "127.0.0.1", 0, tp, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout_s()),
         )  # fmt: skip
         for r in range(1, tp):
-            worker_device = str(rank_device(setup.config.device, r))
-            args = [str(r), str(tp), str(store.port), worker_device, str(os.getpid())]
+            args = [str(r), str(tp), str(store.port), str(devices[r]), str(os.getpid())]
             procs.append(subprocess.Popen([sys.executable, "-m", "batchgen.engine.tp_launch", *args]))
     try:
         init_process_group(store, 0, tp, device)
