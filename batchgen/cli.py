@@ -42,6 +42,7 @@ from pathlib import Path  # noqa: E402
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from batchgen import startup_trace  # noqa: E402
 from batchgen.data.layout import STATUS_NAME  # noqa: E402
 from batchgen.job.hydra_setup import MULTIRUN_FAILURES, register_configs, register_resolvers  # noqa: E402
 
@@ -63,12 +64,14 @@ class JobFailed(RuntimeError):
 @hydra.main(config_path="pkg://batchgen.conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> int:
     """Run one job; exits the process with the job's status (in a multirun: records it, see the module doc)."""
+    startup_trace.mark("config")
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     from batchgen.job.run import EXIT_CONFIG, run_job
 
     result = run_job(cfg)
+    startup_trace.mark("done")
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     if multirun:
         hc = HydraConfig.get()
@@ -122,6 +125,7 @@ def _remove_run_dir(run_dir: str) -> None:
 
 def main() -> None:
     """Console entry point (``batchgen``). ``--cfg job`` prints the config with interpolations resolved."""
+    startup_trace.mark("imports")
     argv = sys.argv[1:]
     if argv[:1] == ["show"]:
         from batchgen.job.show import main as show_main

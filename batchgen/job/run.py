@@ -53,6 +53,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import batchgen
+from batchgen import startup_trace
 from batchgen.data.manifest import Manifest, WindowRecord
 from batchgen.data.output_dir import OutputDir, on_disk_full
 from batchgen.data.parts import assemble_part, build_rows, part_as_piece
@@ -232,6 +233,7 @@ class _Job:
         self.stop.grace_s = job.run.stop_grace_s
         self.out_dir = job.data.output
         plan = self.plan = plan_job(job)
+        startup_trace.mark("plan")
         outdir = self.outdir = OutputDir(job.data.output, job.data.shard.index, job.data.shard.count)
         self.out_dir = str(outdir.path)
         self._check_stop("start-up")
@@ -464,6 +466,7 @@ class _Job:
         engine = self.engine
         if engine is None:
             engine = self.engine = _start_engine(plan)
+            startup_trace.mark("model_loaded")
         self._check_stop("start-up")
         tokenizer_ref[0] = engine.tokenizer
         plan.prompt_spec.max_model_len = engine.max_model_len
