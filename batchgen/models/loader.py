@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from batchgen.models.config import ModelConfig, NativeUnsupportedError, parse_dtype
 from batchgen.models.llama import CausalLM
-from batchgen.models.skip_init import skip_init
+from batchgen.models.meta_init import materialize, skip_init
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ def _empty_model(config: ModelConfig, device: torch.device) -> CausalLM:
     """An uninitialised `CausalLM` in eval mode, no grads, on `device` (a tied head shares the embedding)."""
     with torch.device("meta"), skip_init():  # meta parameters hold no data: nothing to initialise
         model = CausalLM(config)
-    model = model.to(dtype=config.dtype).to_empty(device=device)
+    model = materialize(model, config.dtype, device)  # as .to(dtype).to_empty(device), without meta ops
     if config.tie_word_embeddings:  # to_empty may give each module its own copy of a shared parameter
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().requires_grad_(False)
