@@ -7,7 +7,12 @@ from batchgen.bench import startup
 
 
 def test_startup_bench_runs_once(capsys):
-    assert startup.main(["--runs", "1", "--top", "3", "sampling.max_tokens=2", "data.window_rows=8"]) == 0
+    assert (
+        startup.main(
+            ["--runs", "1", "--warmup", "0", "--top", "3", "sampling.max_tokens=2", "data.window_rows=8"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     seconds = []
     for phase in startup.ALL_PHASES:

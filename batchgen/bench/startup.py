@@ -4,7 +4,8 @@
     python -m batchgen.bench.startup --runs 9 -- model.path=/ckpt sampling.max_tokens=16
 
 Runs the ``batchgen`` command (the console script next to this interpreter, else ``python -m
-batchgen.cli``) ``--runs`` times, each in a fresh process with ``BATCHGEN_TRACE_STARTUP=1`` and its own
+batchgen.cli``) ``--warmup`` times (not counted: a warm cache is the case measured) then ``--runs`` times,
+each in a fresh process with ``BATCHGEN_TRACE_STARTUP=1`` and its own
 empty ``data.output``, and prints per phase the median seconds since the command was spawned (measured on
 this process's clock: interpreter start included): ``imports`` (the CLI's imports done), ``config`` (Hydra
 composed the configuration), ``plan`` (input, model config and output planned), ``model_loaded`` (engine
@@ -87,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="fresh processes to take the median over")
     ap.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="runs first, not counted (fill the OS file cache and $BATCHGEN_CACHE)",
+    )
+    ap.add_argument(
         "--top", type=int, default=15, help="import offenders to list (0: skip the importtime run)"
     )
     ap.add_argument("overrides", nargs="*", help="batchgen overrides after --, e.g. model.path=...")
@@ -95,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {load_average()}  (cpus: {os.cpu_count()})")
     with tempfile.TemporaryDirectory(prefix="batchgen-startup-") as tmp:
         work = Path(tmp)
+        for i in range(args.warmup):
+            run_once(args.overrides, work, -1 - i)
         runs = [run_once(args.overrides, work, i) for i in range(args.runs)]
         print(f"load average after:  {load_average()}")
         print(f"\n{'phase':<14}{'median s':>10}{'min s':>9}{'max s':>9}   (since the command was spawned)")
