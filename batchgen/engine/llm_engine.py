@@ -194,7 +194,7 @@ class LLMEngine:
             sampled = self.sampler(logits[:n], self._sampling_rows(out))
             beam_lp = self.sampler.beam_logprobs(logits[n:]) if out.beam_rows else None
             done = self.scheduler.update(out, sampled.token_ids, sampled.logprobs, beam_lp)
-            if startup_trace.enabled:
+            if startup_trace.enabled and n:
                 startup_trace.mark("first_token")
             finished += [self._request_output(r) for r in done]
         elif out.swap_out or out.swap_in:
