@@ -34,6 +34,10 @@ if os.path.basename(sys.argv[0] if sys.argv else "") in ("batchgen", "cli.py"):
     # Run as the command (not imported): a Ctrl-C while the imports below load is one line and exit 75, not a
     # traceback; main() hands SIGINT back to Python (KeyboardInterrupt, handled there) and the job's handlers.
     signal.signal(signal.SIGINT, _interrupted_while_starting)
+    # Before torch loads OpenMP: idle worker threads sleep instead of spinning. Where other processes share the
+    # cores (a login node, a busy VM), spinning threads stall each other and the demo's generation took 7-23 s
+    # instead of 0.9 s (BENCHMARKS.md, "Start-up time"). OMP_WAIT_POLICY=ACTIVE in the environment keeps spinning.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json  # noqa: E402
 import logging  # noqa: E402
