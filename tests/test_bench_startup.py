@@ -18,7 +18,7 @@ def test_startup_bench_runs_once(capsys):
     for phase in startup.ALL_PHASES:
         line = next(line for line in out.splitlines() if line.startswith(phase + " "))
         assert "no marker" not in line, out
-        seconds.append(float(line.split()[1]))
+        seconds.append(float(line.split()[1]))  # the median
     assert seconds == sorted(seconds) and seconds[0] > 0, out
     assert "imports costing most" in out
     assert out.split("module\n", 1)[1].strip(), out  # some import listed

@@ -2,6 +2,7 @@
 
     python -m batchgen.bench.startup                 # the README's demo (`batchgen`), 5 fresh processes
     python -m batchgen.bench.startup --runs 9 -- model.path=/ckpt sampling.max_tokens=16
+    python -m batchgen.bench.startup --against ../main    # before/after: another checkout, interleaved
 
 Runs the ``batchgen`` command (the console script next to this interpreter, else ``python -m
 batchgen.cli``) ``--warmup`` times (not counted: a warm cache is the case measured) then ``--runs`` times,
@@ -10,8 +11,9 @@ empty ``data.output``, and prints per phase the median seconds since the command
 this process's clock: interpreter start included): ``imports`` (the CLI's imports done), ``config`` (Hydra
 composed the configuration), ``plan`` (input, model config and output planned), ``model_loaded`` (engine
 built: weights, tokenizer, KV pool), ``first_token`` (first engine step that sampled tokens), ``done`` (job
-finished) and ``exit`` (process gone). Then one more run under ``python -X importtime`` lists the imports
-that cost most. Figures, not assertions: no test times this.
+finished) and ``exit`` (process gone). ``--against SRC`` runs another source tree's batchgen (on PYTHONPATH)
+interleaved with this one, run for run, and prints both columns. Then one more run under ``python -X
+importtime`` lists the imports that cost most. Figures, not assertions: no test times this.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ def command(overrides: list[str], output: str, importtime: bool = False) -> list
     return [*head, f"data.output={output}", *overrides]
 
 
-def run_once(overrides: list[str], workdir: Path, index: int) -> dict[str, float]:
-    """Seconds from spawn to each phase of one fresh run; raises if the command fails."""
+def run_once(overrides: list[str], workdir: Path, index: int, source: str | None = None) -> dict[str, float]:
+    """Seconds from spawn to each phase of one fresh run (of the batchgen in `source`, put first on
+    PYTHONPATH, when given); raises if the command fails."""
     out = workdir / f"out{index}"
     env = {**os.environ, ENV_VAR: "1"}
+    if source:
+        env["PYTHONPATH"] = os.pathsep.join([source, *filter(None, [env.get("PYTHONPATH")])])
     t0 = time.time()
     proc = subprocess.run(command(overrides, str(out)), env=env, capture_output=True, text=True, cwd=workdir)
     t_exit = time.time()
@@ -84,6 +89,23 @@ def load_average() -> str:
         return "n/a"
 
 
+def _phase_table(columns: dict[str, list[dict[str, float]]]) -> None:
+    """Median (min-max) seconds per phase, one column per variant."""
+    print(f"\n{'phase':<14}" + "".join(f"{name + ': median (min-max) s':>32}" for name in columns))
+    for phase in ALL_PHASES:
+        cells = []
+        for runs in columns.values():
+            vals = [r[phase] for r in runs if phase in r]
+            cell = (
+                f"{statistics.median(vals):.2f} ({min(vals):.2f}-{max(vals):.2f})"
+                if vals
+                else "- (no marker)"
+            )
+            cells.append(f"{cell:>32}")
+        print(f"{phase:<14}" + "".join(cells))
+    print("(seconds since the command was spawned)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="fresh processes to take the median over")
@@ -96,23 +118,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--top", type=int, default=15, help="import offenders to list (0: skip the importtime run)"
     )
+    ap.add_argument(
+        "--against",
+        metavar="SRC",
+        help="another batchgen source tree (e.g. a git worktree of main): its runs interleave with these, "
+        "run for run, so both see the same load",
+    )
     ap.add_argument("overrides", nargs="*", help="batchgen overrides after --, e.g. model.path=...")
     args = ap.parse_args(argv)
+    variants = {"this": None, **({"against": args.against} if args.against else {})}
     print(f"command: batchgen {' '.join(args.overrides)}".rstrip())
+    if args.against:
+        print(f"against: PYTHONPATH={args.against}")
     print(f"load average before: {load_average()}  (cpus: {os.cpu_count()})")
     with tempfile.TemporaryDirectory(prefix="batchgen-startup-") as tmp:
         work = Path(tmp)
-        for i in range(args.warmup):
-            run_once(args.overrides, work, -1 - i)
-        runs = [run_once(args.overrides, work, i) for i in range(args.runs)]
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+        for i in range(-args.warmup, args.runs):
+            for name, source in variants.items():
+                times = run_once(args.overrides, work, i, source)
+                if i >= 0:
+                    runs[name].append(times)
         print(f"load average after:  {load_average()}")
-        print(f"\n{'phase':<14}{'median s':>10}{'min s':>9}{'max s':>9}   (since the command was spawned)")
-        for phase in ALL_PHASES:
-            vals = [r[phase] for r in runs if phase in r]
-            if vals:
-                print(f"{phase:<14}{statistics.median(vals):>10.2f}{min(vals):>9.2f}{max(vals):>9.2f}")
-            else:
-                print(f"{phase:<14}{'-':>10}   (no marker: this batchgen does not trace it)")
+        _phase_table(runs)
         if args.top > 0:
             print("\nimports costing most (one run with -X importtime; depth <= 1 of the import tree):")
             print(f"{'cumulative s':>12}{'self s':>9}  module")
