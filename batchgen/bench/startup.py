@@ -79,6 +79,9 @@ def import_offenders(overrides: list[str], workdir: Path, top: int) -> list[tupl
         if depth <= 1:  # imported by batchgen itself or by the package it imported
             rows.append((int(cum_us) / 1e6, int(self_us) / 1e6, name.strip()))
     shutil.rmtree(out, ignore_errors=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"(the -X importtime run exited with status {proc.returncode}: {last})")
     return sorted(rows, reverse=True)[:top]
 
 
