@@ -51,7 +51,7 @@ def read(kind: str, key: str) -> Any:
     """The entry's JSON value, or None when absent or unreadable."""
     try:
         return json.loads((cache_root() / kind / f"{key}.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: Path.home() without a home directory
         return None
 
 
@@ -62,7 +62,7 @@ def write(kind: str, key: str, value: Any) -> None:
         text = json.dumps(value)
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    except (OSError, TypeError, ValueError):
+    except (OSError, TypeError, ValueError, RuntimeError):
         return
     try:
         with os.fdopen(fd, "w") as f:
