@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batchgen import startup_trace
 from batchgen.data.manifest import Manifest
 from batchgen.data.output_dir import OutputDir, on_disk_full
 from batchgen.engine.interface import Engine
@@ -194,6 +195,7 @@ class _Job:
         self.stop.grace_s = job.run.stop_grace_s
         self.out_dir = job.data.output
         plan = self.plan = plan_job(job)
+        startup_trace.mark("plan")
         outdir = self.outdir = OutputDir(job.data.output, job.data.shard.index, job.data.shard.count)
         self.writer = PartWriter(plan, outdir, last_checkpoint=self.t_start)
         self.out_dir = str(outdir.path)
@@ -282,6 +284,7 @@ class _Job:
         engine = self.engine
         if engine is None:
             engine = self.engine = _start_engine(self.plan)
+            startup_trace.mark("model_loaded")
         self._check_stop("start-up")
         return engine
 

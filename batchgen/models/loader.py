@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from batchgen.models.config import ModelConfig, NativeUnsupportedError, parse_dtype
 from batchgen.models.llama import CausalLM, use_column_major_weights
+from batchgen.models.meta_init import materialize, skip_init
 from batchgen.models.parallel import check_divisible, shard_config
 from batchgen.models.sharding import read_shard
 
@@ -270,9 +271,9 @@ def load_native_model(
 
 def _empty_model(config: ModelConfig, device: torch.device) -> CausalLM:
     """An uninitialised `CausalLM` in eval mode, no grads, on `device` (a tied head shares the embedding)."""
-    with torch.device("meta"):
+    with torch.device("meta"), skip_init():  # meta parameters hold no data: nothing to initialise
         model = CausalLM(config)
-    model = model.to(dtype=config.dtype).to_empty(device=device)
+    model = materialize(model, config.dtype, device)  # as .to(dtype).to_empty(device), without meta ops
     if config.tie_word_embeddings:  # to_empty may give each module its own copy of a shared parameter
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().requires_grad_(False)
@@ -345,8 +346,9 @@ def _check_complete(
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The checkpoint's tokenizer via `AutoTokenizer` (local files only, no remote code)."""
-    from transformers import AutoTokenizer
+    """The checkpoint's tokenizer: a `batchgen.tokenizer.FastTokenizer` read from tokenizer.json where that is
+    known to give exactly transformers' ids and text (no transformers import), else `AutoTokenizer` (local
+    files only, no remote code)."""
+    from batchgen.tokenizer import load_checkpoint_tokenizer
 
-    ckpt = _checkpoint_dir(path)
-    return AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False, local_files_only=True)
+    return load_checkpoint_tokenizer(_checkpoint_dir(path))

@@ -27,8 +27,15 @@ if TYPE_CHECKING:
     from batchgen.models.config import ModelConfig, MoESpec
 
 
+# Activations whose transformers implementation is exactly this torch module's function (`F.silu`, `F.relu`):
+# built here so that the common models need no transformers import at start-up.
+_TORCH_ACTIVATIONS = {"silu": nn.SiLU, "swish": nn.SiLU, "relu": nn.ReLU}
+
+
 def activation(name: str):
     """transformers' activation function of that name (exactly the same numerics)."""
+    if name in _TORCH_ACTIVATIONS:
+        return _TORCH_ACTIVATIONS[name]()
     from transformers.activations import ACT2FN
 
     return ACT2FN[name]
