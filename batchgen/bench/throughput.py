@@ -1,4 +1,5 @@
-"""Throughput benchmark: batchgen side by side with Hugging Face (and vLLM on GPU), same run, same machine.
+"""Throughput benchmark: batchgen side by side with Hugging Face, CTranslate2 (and vLLM on GPU), same run, same
+machine.
 
     python -m batchgen.bench.throughput                       # the three workloads, all systems
     python -m batchgen.bench.throughput workload=shared_prefix rows=256 max_tokens=64 repeats=3 \
@@ -91,7 +92,14 @@ class ThroughputConfig:
     """Generated tokens per row (long_tail: the median of its lognormal)."""
     repeats: int = 3
     systems: list[str] = field(
-        default_factory=lambda: ["batchgen", "batchgen_nogroup", "hf_generate", "hf_generate_batch", "vllm"]
+        default_factory=lambda: [
+            "batchgen",
+            "batchgen_nogroup",
+            "hf_generate",
+            "hf_generate_batch",
+            "ct2",
+            "vllm",
+        ]
     )
     seed: int = 0
     threads: int = 2
@@ -102,6 +110,8 @@ class ThroughputConfig:
     output_dir: str | None = None
     """Where results go (null: a new temporary directory)."""
     hf_batch_size: int = 32
+    ct2_batch_sizes: list[int] = field(default_factory=lambda: [8, 32, 128])
+    """CTranslate2's max_batch_size candidates (the best of a small untimed sweep is used)."""
     window_rows: int = 1024
     profile: str | None = None
     """cprofile or torch: one extra, untimed batchgen run under that profiler (profile_<workload>.txt)."""
@@ -396,6 +406,7 @@ def _system_spec(
         "max_tokens": cfg.max_tokens,
         "window_rows": cfg.window_rows,
         "hf_batch_size": cfg.hf_batch_size,
+        "ct2_batch_sizes": list(cfg.ct2_batch_sizes),
         "engine": asdict(cfg.engine),
         "kv_token_slots": slots,
         "profile": cfg.profile if system == "batchgen" else None,
