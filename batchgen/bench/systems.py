@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from batchgen.bench.common import rss_bytes
+from batchgen.bench.gpu_idle import ForwardEvents
 
 T = TypeVar("T")
 
@@ -244,6 +245,7 @@ def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, 
         _warm_engine(engine, w)
         before = engine.stats.snapshot()
         tl = _Timeline(engine)
+        idle = ForwardEvents(engine) if engine.device.type == "cuda" else None
         base_rss = max(base_rss, rss_bytes())
         prof = _profiler(profile) if profiling else contextlib.nullcontext()
         wall, mem_peak, tokens, cached, p = _batchgen_once(engine, spec, w, system, group, prof)
@@ -253,7 +255,7 @@ def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, 
         walls.append(wall)
         peak = max(peak, mem_peak)
         res.update(engine_stats=engine.stats.delta(before).to_dict(), timeline=tl.to_dict(), kv_sizing=sizing)
-        res.update(tokens=tokens, cached=cached)
+        res.update(tokens=tokens, cached=cached, gpu_idle=idle.summary(wall) if idle else None)
         del engine
     ids = w["ids"]
     tokens, cached = res.pop("tokens", {}), res.pop("cached", {})

@@ -23,7 +23,8 @@ Figures per system and workload: generated tok/s and total (prompt + generated) 
 time of ``repeats`` runs (min–max spread beside), peak RSS (CPU) or ``torch.cuda.max_memory_allocated``
 (GPU), prompt tokens computed vs reused, model FLOP utilisation (model FLOPs of the work done ÷ wall time ÷
 the best matmul FLOP/s measured at the model's shapes), rows whose greedy tokens differ from
-``hf_generate``'s, and batchgen's generated tok/s divided by this system's.
+``hf_generate``'s, and batchgen's generated tok/s divided by this system's. On CUDA also batchgen's GPU idle
+time per step (:mod:`batchgen.bench.gpu_idle`: CUDA events around the forward vs the step's wall time).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from batchgen.bench.common import (
     num_params,
     pyplot,
 )
+from batchgen.bench.gpu_idle import describe as describe_gpu_idle
 from batchgen.bench.workloads import WORKLOADS, WorkloadSpec, describe, make_workload, write_workload
 from batchgen.engine.config import EngineConfig
 from batchgen.models.config import ModelConfig
@@ -267,7 +269,7 @@ def _summarise(
         "loadavg_before": res.get("loadavg_before"),
         "loadavg_after": res.get("loadavg_after"),
     }
-    for key in ("engine_stats", "kv_sizing"):
+    for key in ("engine_stats", "kv_sizing", "gpu_idle"):
         if res.get(key):
             out[key] = res[key]
     if res.get("pad_tokens") is not None:
@@ -556,6 +558,8 @@ def _workload_markdown(name: str, w: dict[str, Any]) -> list[str]:
                     f"{kv['token_slots']:,} token slots) from {kv['source']}; engine init "
                     f"{kv['engine_init_s']:.1f} s"
                 )
+            if s.get("gpu_idle"):
+                lines.append("  " + describe_gpu_idle(s["gpu_idle"]))
     lines.append("")
     return lines
 
