@@ -63,7 +63,7 @@ from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import ConfigError
 from batchgen.job.config import to_job_config
-from batchgen.job.feeder import EngineFeeder, WindowWork
+from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
 from batchgen.job.report import build_report, error_fraction, format_table, write_report
@@ -467,6 +467,7 @@ class _Job:
         self._check_stop("start-up")
         tokenizer_ref[0] = engine.tokenizer
         plan.prompt_spec.max_model_len = engine.max_model_len
+        ahead = ReadAhead(works)  # the next window is read and tokenised while the engine runs
         before = engine.stats.snapshot()
 
         t_run = time.monotonic()
@@ -479,7 +480,7 @@ class _Job:
         queue = iter(first)
 
         def next_window() -> WindowWork | None:
-            work = next(queue, None) or next(works, None)
+            work = next(queue, None) or next(ahead, None)
             if work is not None:
                 for p in work.todo_positions:
                     r = work.rows[p]
