@@ -220,3 +220,22 @@ def test_sampling_batch_matches_params_under_random_admit_finish() -> None:
         assert sorted(batch.row_of) == sorted(step)
         assert len(set(batch.row_of.values())) == len(step)
     assert len(batch.arrays) > 2  # it grew
+
+
+def test_prepare_inputs_outside_inference_mode(llama_ckpt: str) -> None:
+    """The persistent buffers are plain tensors: a step can be prepared again outside ``inference_mode``
+    (benchmarks and tools call ``prepare_inputs`` directly), and on the CPU the step's tensors are views of
+    the buffers (no copy)."""
+    engine = LLMEngine(llama_ckpt, EngineConfig(device="cpu", num_blocks=32, max_num_seqs=4))
+    for i in range(3):
+        engine.add_request(i, [5 + i, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    outs = []
+    inner = engine.runner.prepare_inputs
+    engine.runner.prepare_inputs = lambda out: outs.append(out) or inner(out)
+    engine.step()
+    engine.step()
+    ids, pos, meta, last = engine.runner.prepare_inputs(outs[-1])
+    assert ids.tolist() == reference_inputs(outs[-1], engine.runner.block_size)[0]
+    assert ids.untyped_storage().data_ptr() in {
+        b.host["ids"].untyped_storage().data_ptr() for b in engine.runner.input_batch._sets
+    }

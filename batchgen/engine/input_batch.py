@@ -36,6 +36,9 @@ _FLAT = ("ids", "pos", "slots")  # int64, one entry per token
 class _BufferSet:
     """One set of flat input buffers: numpy views over host tensors (pinned on CUDA) and device twins."""
 
+    @torch.inference_mode(
+        False
+    )  # plain tensors: written in place whether or not a step runs in inference mode
     def __init__(self, num_tokens: int, num_rows: int, width: int, device: torch.device) -> None:
         self.device = device
         pin = device.type == "cuda"
@@ -56,10 +59,10 @@ class _BufferSet:
     def tensor(self, name: str, n: int, cols: int | None = None) -> Tensor:
         """The first ``n`` entries (``[n, cols]`` packed rows of the tables) on the device."""
         size = n if cols is None else n * cols
-        host, dev = self.host[name][:size], self.dev[name][:size]
-        if dev is not host:
-            dev.copy_(host, non_blocking=True)
-        return dev if cols is None else dev.view(n, cols)
+        out = self.dev[name][:size]
+        if self.dev is not self.host:  # CUDA: one non-blocking copy from the pinned buffer
+            out.copy_(self.host[name][:size], non_blocking=True)
+        return out if cols is None else out.view(n, cols)
 
 
 @dataclass
@@ -113,34 +116,22 @@ class InputBatch:
     def assign_rows(self, out: SchedulerOutput) -> np.ndarray:
         """Row of each of the step's sequences (rows rewritten where the table may have changed); frees the
         rows of the previous step's sequences that are not in this one."""
+        seqs = out.seqs
+        sids = [s.seq.seq_id for s in seqs]
         old = self.row_of
-        new: dict[int, int] = {}
-        pending: list[tuple[int, list[int], int]] = []
-        rows = np.empty(len(out.seqs), dtype=np.int64)
-        written = 0
-        for i, s in enumerate(out.seqs):
-            sid = s.seq.seq_id
-            row = old.pop(sid, None)
-            if row is None:
-                pending.append((i, s.block_table, sid))
-                continue
-            new[sid] = row
-            rows[i] = row
-            if not s.table_unchanged:
-                self._write_row(row, s.block_table)
-                written += 1
+        rows = list(map(old.pop, sids, itertools.repeat(-1, len(sids))))
         free = self.free_rows
         free.extend(old.values())  # rows of sequences not in this step
-        if len(pending) > len(free):
-            self._grow_rows(len(new) + len(pending))
-        for i, table, sid in pending:
-            row = free.pop()
-            self._write_row(row, table)
-            new[sid] = row
-            rows[i] = row
-        self.row_of = new
-        self.rows_written = written + len(pending)
-        return rows
+        changed = [i for i, s in enumerate(seqs) if not s.table_unchanged or rows[i] < 0]
+        for i in changed:
+            if rows[i] < 0:
+                if not free:
+                    self._grow_rows(len(self.row_lens) + 1)
+                rows[i] = free.pop()
+            self._write_row(rows[i], seqs[i].block_table)
+        self.row_of = dict(zip(sids, rows))
+        self.rows_written = len(changed)
+        return np.array(rows, dtype=np.int64)
 
     def check(self, out: SchedulerOutput) -> None:
         """Assert the row invariant of the module docstring for the last built step ``out``."""
