@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -72,3 +73,24 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_write`)."""
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def build_dir_once(target: Path, marker: str, build: Callable[[Path], object]) -> str:
+    """``target`` as a string, built by ``build(tmp)`` unless it already holds ``marker`` (a file the build
+    writes). The build goes into a temporary directory beside ``target``, renamed into place, so concurrent
+    first uses never see (or leave) a half-built directory: the loser of the rename race discards its copy."""
+    if (target / marker).is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / marker).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)

@@ -30,10 +30,27 @@ def _interrupted_while_starting(signum: int, frame: object) -> None:
     os._exit(75)
 
 
+def _default_omp_wait_policy() -> None:
+    """Before torch loads OpenMP: on cores already busy with other processes (1-minute load average >= the CPUs
+    this process may use), idle OpenMP workers sleep (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning, since
+    spinning threads then stall each other (the demo generating 200 tokens a row: 8 s instead of 49-57 s).
+    On idle cores spinning is kept (there it is 1.5x faster). An ``OMP_WAIT_POLICY`` already set is kept.
+    Figures: BENCHMARKS.md, "Start-up time"."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    try:
+        busy = os.getloadavg()[0] >= len(os.sched_getaffinity(0))
+    except (OSError, AttributeError):  # no load average or affinity on this platform
+        return
+    if busy:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 if os.path.basename(sys.argv[0] if sys.argv else "") in ("batchgen", "cli.py"):
     # Run as the command (not imported): a Ctrl-C while the imports below load is one line and exit 75, not a
     # traceback; main() hands SIGINT back to Python (KeyboardInterrupt, handled there) and the job's handlers.
     signal.signal(signal.SIGINT, _interrupted_while_starting)
+    _default_omp_wait_policy()
 
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -42,6 +59,7 @@ from pathlib import Path  # noqa: E402
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from batchgen import startup_trace  # noqa: E402
 from batchgen.data.layout import STATUS_NAME  # noqa: E402
 from batchgen.job.hydra_setup import MULTIRUN_FAILURES, register_configs, register_resolvers  # noqa: E402
 
@@ -63,12 +81,14 @@ class JobFailed(RuntimeError):
 @hydra.main(config_path="pkg://batchgen.conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> int:
     """Run one job; exits the process with the job's status (in a multirun: records it, see the module doc)."""
+    startup_trace.mark("config")
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     from batchgen.job.run import EXIT_CONFIG, run_job
 
     result = run_job(cfg)
+    startup_trace.mark("done")
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     if multirun:
         hc = HydraConfig.get()
@@ -122,6 +142,7 @@ def _remove_run_dir(run_dir: str) -> None:
 
 def main() -> None:
     """Console entry point (``batchgen``). ``--cfg job`` prints the config with interpolations resolved."""
+    startup_trace.mark("imports")
     argv = sys.argv[1:]
     if argv[:1] == ["show"]:
         from batchgen.job.show import main as show_main

@@ -38,8 +38,9 @@ contiguous, zero-initialised; index 0 of dim 1 is K, 1 is V. Layer ``i`` works o
 
 Attention options
 -----------------
-Both attention operations of every implementation take keyword-only ``sliding_window`` (a query at position
-``p`` sees keys ``p - sliding_window < k <= p``: transformers' convention), ``softcap`` (logits become
+Both attention operations of every implementation take one :class:`~.options.AttentionOptions` (in the
+place a ``scale`` would stand): the ``scale``, and optional ``sliding_window`` (a query at position ``p`` sees
+keys ``p - sliding_window < k <= p``: transformers' convention), ``softcap`` (logits become
 ``softcap * tanh(logits / softcap)``, Gemma 2) and ``sinks`` (``[Hq]``, one extra logit per head in the softmax
 denominator, gpt-oss); ``None`` = plain causal attention. See :mod:`.reference`. Under a window, no
 implementation reads a block-table entry of a block that lies wholly before the window of every query of its
@@ -47,9 +48,10 @@ sequence (a query chunk's first query has the earliest window): a cache manager 
 anything in those entries. Entries past a sequence's last block (padding) must still be valid block ids.
 """
 
+from .options import AttentionOptions
 from .torch_backend import Workspace
 
-__all__ = ["Workspace", "triton_available"]
+__all__ = ["AttentionOptions", "Workspace", "triton_available"]
 
 
 def triton_available() -> bool:

@@ -17,14 +17,14 @@ import triton.language as tl
 from torch import Tensor
 
 from ._jit import helper
-from .reference import check_options
+from .options import AttentionOptions
 
 LOG2E = 1.4426950408889634
 
 
 @dataclass
 class OptionArgs:
-    """The attention options as kernel arguments (host side): ``qk_scale``, ``softcap``, ``window`` and
+    """An :class:`.options.AttentionOptions` as kernel arguments (host side): ``qk_scale``, ``softcap``, ``window`` and
     ``sinks`` (a float32 ``[Hq]`` tensor of base-2 sink logits, or a placeholder pointer) for the kernel's
     runtime parameters, and ``WINDOW`` / ``SOFTCAP`` / ``SINKS`` for its constexpr switches."""
 
@@ -37,15 +37,10 @@ class OptionArgs:
     SINKS: bool
 
     @classmethod
-    def make(
-        cls,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: Tensor | None,
-        like: Tensor,
-    ) -> OptionArgs:
-        check_options(sliding_window, softcap)
+    def make(cls, options: AttentionOptions, like: Tensor) -> OptionArgs:
+        scale, sliding_window, softcap, sinks = (
+            options.scale, options.sliding_window, options.softcap, options.sinks
+        )  # fmt: skip
         if sinks is not None:
             sinks = (sinks.to(device=like.device, dtype=torch.float32) * LOG2E).contiguous()
         return cls(

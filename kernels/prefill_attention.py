@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ._jit import helper, interpreting, kernel
 from ._tiles import OptionArgs, add_sink, load_kv_tile, online_softmax, paged_inputs, tile_scores
+from .options import AttentionOptions
 
 
 @helper
@@ -202,18 +203,15 @@ def paged_prefill_attention(
     cu_seqlens_q: Tensor,
     seq_lens: Tensor,
     block_tables: Tensor,
-    scale: float,
+    options: AttentionOptions,
     *,
     max_query_len: int | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
 ) -> Tensor:
     """``q [T,Hq,D]`` packed query chunks over caches ``[NB,BS,Hkv,D]`` → ``[T,Hq,D]``.
 
     ``cu_seqlens_q [B+1]``, ``seq_lens [B]`` and ``block_tables [B, max_blocks]`` int32. ``max_query_len``
-    (an upper bound on the chunk lengths) saves a device sync. Options (``sliding_window``, ``softcap``,
-    ``sinks [Hq]``): see :mod:`.reference`; with a window, keys before a query tile's first window (and their
+    (an upper bound on the chunk lengths) saves a device sync. ``options``: the scale, and ``sliding_window``,
+    ``softcap``, ``sinks [Hq]`` (see :mod:`.reference`); with a window, keys before a query tile's first window (and their
     block-table entries) are not read.
     """
     total, num_q_heads, head_dim = q.shape
@@ -224,7 +222,7 @@ def paged_prefill_attention(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     device = q.device
-    opt = OptionArgs.make(scale, sliding_window, softcap, sinks, like=q)
+    opt = OptionArgs.make(options, like=q)
     fp32_dot = interpreting(device) or q.dtype != k_cache.dtype or q.dtype == torch.float32
     block_d = triton.next_power_of_2(head_dim)
     block_g = triton.next_power_of_2(group)

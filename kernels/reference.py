@@ -19,6 +19,7 @@ Its queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` are its last ``n_b`` tokens
   ``sliding_window_overlay`` keeps ``kv_idx > q_idx - sliding_window``, and'ed with ``kv_idx <= q_idx``), used
   by its Mistral, Qwen2, Gemma 2/3 and gpt-oss models.
 
+The options (``scale``, ``sliding_window``, ``softcap``, ``sinks``) are one :class:`.options.AttentionOptions`.
 Logits are ``s = scale * q·k``; with ``softcap`` they are soft-capped to ``softcap * tanh(s / softcap)`` (Gemma 2's
 attention logit soft-capping, applied before masking, as transformers does). The output is
 ``sum_k softmax(s)_k * v_k`` over the visible keys; with ``sinks`` (``[Hq]``, gpt-oss's attention sinks) head ``h``
@@ -34,13 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-def check_options(sliding_window: int | None, softcap: float | None) -> None:
-    """Raise ``ValueError`` unless ``sliding_window`` is None or >= 1 and ``softcap`` is None or > 0."""
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0, got {softcap}")
+from .options import AttentionOptions
 
 
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -70,14 +65,10 @@ def paged_prefill_attention(
     cu_seqlens_q: Tensor,
     seq_lens: Tensor,
     block_tables: Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
+    options: AttentionOptions,
 ) -> Tensor:
     """Packed queries ``q [T, Hq, D]`` over caches ``[NB, BS, Hkv, D]`` → float64 ``[T, Hq, D]`` (semantics above)."""
-    check_options(sliding_window, softcap)
+    sliding_window = options.sliding_window
     num_q_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     kv_head = torch.arange(num_q_heads) // (num_q_heads // num_kv_heads)  # of each query head
@@ -96,7 +87,7 @@ def paged_prefill_attention(
             pos = first_pos + i - cu[b]
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)  # first visible key
             visible = slice(lo - first_key, pos + 1 - first_key)
-            out[i] = _attend(q[i], keys[visible], values[visible], scale, softcap, sinks)
+            out[i] = _attend(q[i], keys[visible], values[visible], options)
     return out
 
 
@@ -106,19 +97,17 @@ def paged_decode_attention(
     v_cache: Tensor,
     block_tables: Tensor,
     seq_lens: Tensor,
-    scale: float,
-    **options,
+    options: AttentionOptions,
 ) -> Tensor:
     """One query per sequence, ``q [B, Hq, D]`` (the token at ``seq_lens[b] - 1``) → float64 ``[B, Hq, D]``."""
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return paged_prefill_attention(q, k_cache, v_cache, cu, seq_lens, block_tables, scale, **options)
+    return paged_prefill_attention(q, k_cache, v_cache, cu, seq_lens, block_tables, options)
 
 
-def _attend(
-    q: Tensor, keys: Tensor, values: Tensor, scale: float, softcap: float | None, sinks: Tensor | None
-) -> Tensor:
+def _attend(q: Tensor, keys: Tensor, values: Tensor, options: AttentionOptions) -> Tensor:
     """One query ``q [Hq, D]`` over its visible ``keys`` / ``values`` ``[L, Hq, D]`` (float64) → ``[Hq, D]``."""
-    scores = torch.einsum("lhd,hd->hl", keys, q.double()) * scale  # [Hq, L]
+    softcap, sinks = options.softcap, options.sinks
+    scores = torch.einsum("lhd,hd->hl", keys, q.double()) * options.scale  # [Hq, L]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     if sinks is not None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .options import AttentionOptions
+
 
 @dataclass
 class PagedBatch:
@@ -33,6 +35,10 @@ class PagedBatch:
     @property
     def max_query_len(self) -> int:
         return max(self.q_lens)
+
+    def options(self, **options) -> AttentionOptions:
+        """This batch's scale with the keyword ``options`` (``sliding_window``, ``softcap``, ``sinks``)."""
+        return AttentionOptions(self.scale, **options)
 
     def kv_bytes_read(self) -> int:
         """Bytes of K and V a kernel must read: every context token's K and V rows of every kv head."""
@@ -94,7 +100,7 @@ def reference_attention(batch: PagedBatch, **options) -> Tensor:
 
     return paged_prefill_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
-        batch.scale, **options,
+        batch.options(**options),
     )  # fmt: skip
 
 
@@ -118,7 +124,7 @@ def with_stale_blocks(batch: PagedBatch, sliding_window: int) -> tuple[PagedBatc
     return batch, stale
 
 
-# Attention options the backends are tested with (see attention_options): windows narrower than a block, one
+# Attention options the backends are tested with (see attention_options; with a scale: PagedBatch.options): windows narrower than a block, one
 # block, wider than most contexts; soft-capping; sinks; everything at once.
 OPTION_CASES = ("window-1", "window-7", "window-16", "window-33", "softcap", "sinks", "all")
 

@@ -9,7 +9,8 @@ blocks. There is no Python loop per token; prefill loops over sequences only whe
 batch would waste more than it saves (:func:`_padding_buckets`), and decode reads a prefix shared by a group of
 sequences once for the whole group (cascade attention, :func:`_decode_cascade`).
 
-Attention options (``sliding_window``, ``softcap``, ``sinks``; semantics in :mod:`.reference`) take one general
+Attention options (an :class:`.options.AttentionOptions` with a ``sliding_window``, ``softcap`` or ``sinks``;
+semantics in :mod:`.reference`) take one general
 path, :func:`_prefill_padded` with an explicit mask: a window narrows the keys gathered per sequence to the
 blocks its queries can see (blocks before every query's window are not read, nor are their block-table
 entries) and goes into SDPA's mask; soft-capping and sinks, which SDPA cannot express, compute the scores
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .reference import check_options
+from .options import AttentionOptions
 
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 # The CPU flash-attention op behind SDPA, which also returns the log-sum-exp: lets a chunk after a cached
@@ -107,28 +108,23 @@ def paged_decode_attention(
     v_cache: Tensor,
     block_tables: Tensor,
     seq_lens: Tensor,
-    scale: float,
+    options: AttentionOptions,
     *,
     workspace: Workspace | None = None,
     plan_cache: dict | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
 ) -> Tensor:
     """One query per sequence (the token at position ``seq_lens[b] - 1``) attending to its whole context.
 
     ``q [B,Hq,D]`` → ``[B,Hq,D]``. Sequences are padded to the longest context (padding keys masked).
     With an option set, the general masked path (no cascade).
     """
-    check_options(sliding_window, softcap)
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return q.new_empty(q.shape)
-    if sliding_window is not None or softcap is not None or sinks is not None:
+    if not options.plain:
         cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-        return _prefill_padded(
-            q, k_cache, v_cache, cu, seq_lens, block_tables, scale, workspace, sliding_window, softcap, sinks
-        )
+        return _prefill_padded(q, k_cache, v_cache, cu, seq_lens, block_tables, options, workspace)
+    scale = options.scale
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     lens = seq_lens.to(q.device)
     if batch >= 2 * _CASCADE_MIN_GROUP:
@@ -267,12 +263,9 @@ def paged_prefill_attention(
     cu_seqlens_q: Tensor,
     seq_lens: Tensor,
     block_tables: Tensor,
-    scale: float,
+    options: AttentionOptions,
     *,
     workspace: Workspace | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
 ) -> Tensor:
     """Variable-length query chunks attending causally to their cached context plus themselves.
 
@@ -280,27 +273,25 @@ def paged_prefill_attention(
     ``seq_lens[b] - q_len_b .. seq_lens[b] - 1``; a query at position ``p`` attends to keys ``0..p``, all read
     from the paged cache (the new tokens' K/V must already be stored). ``q [T,Hq,D]`` → ``[T,Hq,D]``.
     """
-    check_options(sliding_window, softcap)
     total = q.shape[0]
     batch = cu_seqlens_q.numel() - 1
     if total == 0 or batch == 0:
         return q.new_empty(q.shape)
-    options = (sliding_window, softcap, sinks)
-    plain = options == (None, None, None)
+    plain = options.plain
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(batch)]
     buckets = _padding_buckets(q_lens, lens)
     if len(buckets) == 1 and len(buckets[0]) == batch and (batch > 1 or not plain):
-        return _prefill_padded(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace, *options
-        )
+        return _prefill_padded(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, options, workspace)
     out = torch.empty_like(q)
     for bucket in buckets:
         if len(bucket) == 1 and plain:
             b = bucket[0]
             s, e = cu[b], cu[b + 1]
-            out[s:e] = _prefill_one(q[s:e], k_cache, v_cache, lens[b], block_tables[b], scale, workspace)
+            out[s:e] = _prefill_one(
+                q[s:e], k_cache, v_cache, lens[b], block_tables[b], options.scale, workspace
+            )
             continue
         rows = torch.tensor(bucket, dtype=torch.long, device=block_tables.device)
         tokens = torch.cat([torch.arange(cu[b], cu[b + 1], device=q.device) for b in bucket])
@@ -314,9 +305,8 @@ def paged_prefill_attention(
             torch.tensor(sub_cu, dtype=torch.int32, device=q.device),
             seq_lens[rows.to(seq_lens.device)],
             block_tables[rows],
-            scale,
+            options,
             workspace,
-            *options,
         )
     return out
 
@@ -409,14 +399,12 @@ def _prefill_padded(
     cu_seqlens_q: Tensor,
     seq_lens: Tensor,
     block_tables: Tensor,
-    scale: float,
+    options: AttentionOptions,
     workspace: Workspace | None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
 ) -> Tensor:
     """All sequences at once, queries padded to the longest chunk and keys to the longest context (with a
     window: to the longest span of blocks any query of a sequence can see, starting at the first such block)."""
+    sliding_window = options.sliding_window
     total, num_q_heads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -453,22 +441,21 @@ def _prefill_padded(
     mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] < lens[:, None, None])
     if sliding_window is not None:
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
-    if softcap is None and sinks is None:
-        out = _sdpa(qp.transpose(1, 2), k, v, mask[:, None], scale)  # [B, Hq, Q, D]
+    if options.softcap is None and options.sinks is None:
+        out = _sdpa(qp.transpose(1, 2), k, v, mask[:, None], options.scale)  # [B, Hq, Q, D]
     else:
-        out = _attend_explicit(qp.transpose(1, 2), k, v, mask[:, None], scale, softcap, sinks)
+        out = _attend_explicit(qp.transpose(1, 2), k, v, mask[:, None], options)
     return out.transpose(1, 2)[seq_of_token, idx_in_seq].to(q.dtype)
 
 
 _EXPLICIT_SCORES_ELEMENTS = 16 << 20  # float32 scores per query chunk in _attend_explicit (64 MB)
 
 
-def _attend_explicit(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None, sinks: Tensor | None
-) -> Tensor:
+def _attend_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, options: AttentionOptions) -> Tensor:
     """What SDPA cannot do: ``q [B,Hq,Q,D]`` over ``k/v [B,Hkv,L,D]`` (any strides) with ``mask [B,1,Q,L]``
     (True = attend), logits soft-capped and/or a sink logit per head (``sinks [Hq]``), in float32 →
     ``[B,Hq,Q,D]`` float32. Queries go in chunks of at most ``_EXPLICIT_SCORES_ELEMENTS`` scores."""
+    scale, softcap, sinks = options.scale, options.softcap, options.sinks
     batch, num_q_heads, num_q, head_dim = q.shape
     num_kv_heads, num_keys = k.shape[1], k.shape[2]
     group = num_q_heads // num_kv_heads

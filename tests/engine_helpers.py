@@ -3,23 +3,16 @@
 - `hf_model(path)`: the transformers model (eager attention, float32), memoised.
 - `hf_greedy(path, prompts, n)`: transformers `generate` greedy continuations (one left-padded batch, eos
   disabled: exactly `n` new tokens each; compare with the engine's `ignore_eos=True`), memoised.
-- `make_llm(path, impl, **engine)`: `LLM` with tiny KV settings; when the engine's kernels do not (yet) take the
-  `sliding_window` / `softcap` options, the engine's attention is swapped for the reference paged attention so
-  the model code is still checked (see `KERNEL_OPTIONS`).
+- `make_llm(path, impl, **engine)`: `LLM` with tiny KV settings.
 """
 
 from __future__ import annotations
 
-import inspect
 from functools import cache
 
 import torch
-from paged_reference import ReferencePagedAttention
 
 from batchgen import LLM
-from batchgen.engine.attention import PagedAttention
-
-KERNEL_OPTIONS = {"sliding_window", "softcap"} <= set(inspect.signature(PagedAttention.forward).parameters)
 
 
 @cache
@@ -58,7 +51,4 @@ def _hf_greedy(path: str, prompts: tuple[tuple[int, ...], ...], n: int) -> tuple
 def make_llm(path: str, impl: str = "auto", **engine) -> LLM:
     options = dict(block_size=8, num_blocks=48, max_num_seqs=4, max_num_batched_tokens=24)
     options.update(engine)
-    llm = LLM(path, model_impl=impl, **options)
-    if not KERNEL_OPTIONS:
-        llm.engine.runner.attn = ReferencePagedAttention()
-    return llm
+    return LLM(path, model_impl=impl, **options)

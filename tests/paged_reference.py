@@ -3,8 +3,8 @@ and compute eager attention with the causal rule, an optional sliding window (a 
 at positions > p - window, transformers' convention), optional logit soft-capping and optional attention sinks
 (one more logit per head in the softmax denominator, gpt-oss).
 
-`ReferencePagedAttention` has the engine's `PagedAttention.forward` signature including the keyword options,
-so models can be checked against it independently of the kernels (and before the kernels support them).
+`ReferencePagedAttention` has the engine's `PagedAttention.forward` signature (an `AttentionOptions` per call)
+and records each call's options, so models can be checked against it independently of the kernels.
 """
 
 from __future__ import annotations
@@ -12,20 +12,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from batchgen.engine.attention import AttentionMetadata, PagedAttention
+from batchgen.engine.attention import AttentionMetadata, AttentionOptions, PagedAttention
 
 
 def paged_attention_reference(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, options: AttentionOptions
 ) -> Tensor:
     """q [T, Hq, D] (packed, sequences in `meta` order) -> [T, Hq, D], reading K/V from the paged caches."""
+    scale, sliding_window, softcap, sinks = (
+        options.scale,
+        options.sliding_window,
+        options.softcap,
+        options.sinks,
+    )
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     cu = meta.cu_seqlens_q.tolist()
@@ -63,11 +62,7 @@ class ReferencePagedAttention(PagedAttention):
         super().__init__("torch")
         self.calls: list[dict] = []
 
-    def forward(
-        self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None, sinks=None
-    ):
-        self.calls.append(
-            {"scale": scale, "sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
-        )
+    def forward(self, q, k, v, k_cache, v_cache, meta, options):
+        self.calls.append(dict(vars(options)))  # scale, sliding_window, softcap, sinks
         self.impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
+        return paged_attention_reference(q, k_cache, v_cache, meta, options)

@@ -18,7 +18,7 @@ import random
 import model_zoo
 import pytest
 import torch
-from engine_helpers import KERNEL_OPTIONS, hf_greedy, hf_model, make_llm
+from engine_helpers import hf_greedy, hf_model, make_llm
 from paged_reference import ReferencePagedAttention
 
 from batchgen import SamplingParams
@@ -149,7 +149,7 @@ def test_logits_chunked_prefill_and_decode_match_transformers(arch):
     for impl in impls:
         model = load_model(path, implementation=impl)
         c = model.config
-        attn = PagedAttention("torch") if KERNEL_OPTIONS else ReferencePagedAttention()
+        attn = PagedAttention("torch")
         kv = torch.zeros(c.num_layers, 2, 16, 4, c.num_kv_heads, c.head_dim)
         perm = torch.randperm(16, generator=torch.Generator().manual_seed(1)).tolist()
         ta, tb = perm[:7], perm[7:10]

@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.engine.attention import AttentionMetadata, PagedAttention, TorchBackend, resolve_backend
+from batchgen.engine.attention import (
+    AttentionMetadata,
+    AttentionOptions,
+    PagedAttention,
+    TorchBackend,
+    resolve_backend,
+)
 from batchgen.kernels import reference
 from batchgen.kernels import torch_backend as tb
 from batchgen.kernels.testing import (
@@ -38,7 +44,7 @@ def test_decode_matches_reference(block_size, num_q_heads, num_kv_heads, dtype):
         block_size=block_size, dtype=dtype, seed=block_size,
     )  # fmt: skip
     out = tb.paged_decode_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.options()
     )
     assert out.dtype == dtype and out.shape == batch.q.shape
     torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[dtype])
@@ -50,7 +56,7 @@ def test_decode_uniform_lengths_and_workspace(head_dim):
     ws = tb.Workspace()
     for lens in ([37, 37, 37], [5, 70, 33], [2, 2]):
         batch = make_paged_batch(lens, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, seed=len(lens))
-        args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.options())
         out = tb.paged_decode_attention(*args, workspace=ws)
         torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])
 
@@ -77,11 +83,11 @@ def test_prefill_matches_reference(case, block_size, num_q_heads, num_kv_heads, 
     )  # fmt: skip
     args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables)
     expected = reference_attention(batch)
-    out = tb.paged_prefill_attention(*args, batch.scale)
+    out = tb.paged_prefill_attention(*args, batch.options())
     assert out.dtype == dtype and out.shape == batch.q.shape
     torch.testing.assert_close(out.double(), expected, **TOL[dtype])
     # Both strategies (one padded SDPA call / one call per sequence) agree whichever the heuristic picks.
-    padded = tb._prefill_padded(*args, batch.scale, tb.Workspace())
+    padded = tb._prefill_padded(*args, batch.options(), tb.Workspace())
     torch.testing.assert_close(padded.double(), expected, **TOL[dtype])
 
 
@@ -97,7 +103,7 @@ def test_decode_options_match_reference(case, block_size, num_q_heads, num_kv_he
     )  # fmt: skip
     options = attention_options(case, num_q_heads)
     out = tb.paged_decode_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale, **options
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.options(**options)
     )
     assert out.dtype == dtype and out.shape == batch.q.shape
     torch.testing.assert_close(out.double(), reference_attention(batch, **options), **TOL[dtype])
@@ -117,14 +123,10 @@ def test_prefill_options_match_reference(case, spec, block_size, num_q_heads, nu
     options = attention_options(case, num_q_heads)
     args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables)
     expected = reference_attention(batch, **options)
-    out = tb.paged_prefill_attention(*args, batch.scale, **options)
+    out = tb.paged_prefill_attention(*args, batch.options(**options))
     torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
-    padded = tb._prefill_padded(*args, batch.scale, tb.Workspace(), *options_tuple(options))
+    padded = tb._prefill_padded(*args, batch.options(**options), tb.Workspace())
     torch.testing.assert_close(padded.double(), expected, **TOL[torch.float32])
-
-
-def options_tuple(options: dict) -> tuple:
-    return tuple(options.get(k) for k in ("sliding_window", "softcap", "sinks"))
 
 
 @pytest.mark.parametrize("window", [1, 8, 20])
@@ -135,8 +137,8 @@ def test_window_reads_no_block_before_it(window):
     decode, stale = with_stale_blocks(decode, window)
     assert stale > 0
     out = tb.paged_decode_attention(
-        decode.q, decode.k_cache, decode.v_cache, decode.block_tables, decode.seq_lens, decode.scale,
-        sliding_window=window,
+        decode.q, decode.k_cache, decode.v_cache, decode.block_tables, decode.seq_lens,
+        decode.options(sliding_window=window),
     )  # fmt: skip
     torch.testing.assert_close(
         out.double(), reference_attention(decode, sliding_window=window), **TOL[torch.float32]
@@ -149,7 +151,7 @@ def test_window_reads_no_block_before_it(window):
     for softcap in (None, 3.0):  # SDPA, and the explicit-score path
         out = tb.paged_prefill_attention(
             prefill.q, prefill.k_cache, prefill.v_cache, prefill.cu_seqlens_q, prefill.seq_lens,
-            prefill.block_tables, prefill.scale, sliding_window=window, softcap=softcap,
+            prefill.block_tables, prefill.options(sliding_window=window, softcap=softcap),
         )  # fmt: skip
         expected = reference_attention(prefill, sliding_window=window, softcap=softcap)
         torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
@@ -160,11 +162,11 @@ def test_explicit_scores_in_query_chunks(monkeypatch):
     batch = make_paged_batch([70, 30], [50, 30], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
     options = dict(softcap=4.0, sinks=torch.tensor([1.0, -2.0]))
     args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables)
-    whole = tb.paged_prefill_attention(*args, batch.scale, **options)
+    whole = tb.paged_prefill_attention(*args, batch.options(**options))
     monkeypatch.setattr(
         tb, "_EXPLICIT_SCORES_ELEMENTS", 2000
     )  # 2000 // (2 seqs * 2 heads * 80 keys) = 6 queries
-    chunked = tb.paged_prefill_attention(*args, batch.scale, **options)
+    chunked = tb.paged_prefill_attention(*args, batch.options(**options))
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(chunked.double(), reference_attention(batch, **options), **TOL[torch.float32])
 
@@ -176,13 +178,13 @@ def test_prefill_heuristic_picks_padded_for_uniform_batches(monkeypatch):
     uniform = make_paged_batch([32, 32, 31], [8, 8, 8])
     tb.paged_prefill_attention(
         uniform.q, uniform.k_cache, uniform.v_cache, uniform.cu_seqlens_q, uniform.seq_lens,
-        uniform.block_tables, uniform.scale,
+        uniform.block_tables, uniform.options(),
     )  # fmt: skip
     assert calls == [1]
     ragged = make_paged_batch([600, 4, 3], [600, 4, 3])
     tb.paged_prefill_attention(
         ragged.q, ragged.k_cache, ragged.v_cache, ragged.cu_seqlens_q, ragged.seq_lens, ragged.block_tables,
-        ragged.scale,
+        ragged.options(),
     )  # fmt: skip
     # A group is padded only while that at most doubles each member's work: the 600-token chunk runs alone,
     # the two short ones share one padded call.
@@ -199,11 +201,11 @@ def test_zero_cache_gives_finite_outputs():
     batch.k_cache.zero_()
     batch.v_cache.zero_()
     dec = tb.paged_decode_attention(
-        batch.q[:3], batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale
+        batch.q[:3], batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.options()
     )
     pre = tb.paged_prefill_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
-        batch.scale,
+        batch.options(),
     )  # fmt: skip
     assert torch.equal(dec, torch.zeros_like(dec)) and torch.equal(pre, torch.zeros_like(pre))
 
@@ -281,7 +283,7 @@ def test_paged_attention_torch_forward_stores_then_attends(case):
         expected_k.view(-1, 2, 16)[s] = k_new[i]
         expected_v.view(-1, 2, 16)[s] = v_new[i]
     attn = PagedAttention("torch")
-    out = attn.forward(batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.scale)
+    out = attn.forward(batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.options())
     assert torch.equal(batch.k_cache, expected_k) and torch.equal(batch.v_cache, expected_v)
     torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])
 
@@ -293,7 +295,7 @@ def test_paged_attention_torch_forward_with_options(case, options_case):
     batch, k_new, v_new, meta = _forward_case(*FORWARD_CASES[case])
     options = attention_options(options_case, 4)
     out = PagedAttention("torch").forward(
-        batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.scale, **options
+        batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.options(**options)
     )
     torch.testing.assert_close(out.double(), reference_attention(batch, **options), **TOL[torch.float32])
 
@@ -302,7 +304,9 @@ def test_paged_attention_torch_forward_with_options(case, options_case):
 def test_paged_attention_rejects_bad_options(bad):
     batch, k_new, v_new, meta = _forward_case(*FORWARD_CASES["mixed"])
     with pytest.raises(ValueError, match="must be"):
-        PagedAttention("torch").forward(batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, 0.1, **bad)
+        PagedAttention("torch").forward(
+            batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, AttentionOptions(0.1, **bad)
+        )
 
 
 def test_paged_attention_takes_a_backend_object():
@@ -323,7 +327,7 @@ def test_paged_attention_takes_a_backend_object():
     batch, k_new, v_new, meta = _forward_case(*FORWARD_CASES["mixed"])
     attn = PagedAttention(Recording())
     assert attn.backend == "recording"
-    out = attn.forward(batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.scale)
+    out = attn.forward(batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.options())
     assert calls == [("decode", 2), ("prefill", 13)]
     torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])
 
@@ -356,6 +360,6 @@ def test_prefill_after_prefix_with_and_without_the_lse_fast_path(monkeypatch, fl
     batch = make_paged_batch([70], [23], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16)
     out = tb.paged_prefill_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
-        batch.scale,
+        batch.options(),
     )  # fmt: skip
     torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])

@@ -11,6 +11,7 @@ import torch
 from batchgen import LLM, SamplingParams
 from batchgen.kernels import reference
 from batchgen.kernels import torch_backend as tb
+from batchgen.kernels.options import AttentionOptions
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -30,9 +31,9 @@ def test_cascade_decode_matches_reference(dtype, tol, block_size, num_kv_heads) 
     q = torch.randn(batch, num_q_heads, head_dim, generator=g).to(dtype)
     out = tb._decode_cascade(q, k, v, tables, lens, 0.17, tb.Workspace())
     assert out is not None, "groups share enough blocks: the cascade path must be taken"
-    ref = reference.paged_decode_attention(q, k, v, tables, lens, 0.17)
+    ref = reference.paged_decode_attention(q, k, v, tables, lens, AttentionOptions(0.17))
     assert (out.double() - ref).abs().max().item() < tol
-    full = tb.paged_decode_attention(q, k, v, tables, lens, 0.17)
+    full = tb.paged_decode_attention(q, k, v, tables, lens, AttentionOptions(0.17))
     assert (full.double() - ref).abs().max().item() < tol
 
 
@@ -50,8 +51,8 @@ def test_cascade_not_used_with_attention_options(monkeypatch, options) -> None:
     q = torch.randn(batch, 8, 32, generator=g)
     assert tb._decode_cascade(q, k, v, tables, lens, 0.2, None) is not None
     monkeypatch.setattr(tb, "_decode_cascade", lambda *a: pytest.fail("cascade taken with options"))
-    out = tb.paged_decode_attention(q, k, v, tables, lens, 0.2, **options)
-    expected = reference.paged_decode_attention(q, k, v, tables, lens, 0.2, **options)
+    out = tb.paged_decode_attention(q, k, v, tables, lens, AttentionOptions(0.2, **options))
+    expected = reference.paged_decode_attention(q, k, v, tables, lens, AttentionOptions(0.2, **options))
     assert (out.double() - expected).abs().max().item() < 1e-5
 
 

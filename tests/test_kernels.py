@@ -72,18 +72,22 @@ def decode_ref(batch: PagedBatch, **options) -> torch.Tensor:
 prefill_ref = reference_attention
 
 
-def run_decode(batch: PagedBatch, device: str, **kw) -> torch.Tensor:
+def run_decode(batch: PagedBatch, device: str, num_splits=None, max_seq_len=None, **options) -> torch.Tensor:
     b = to_device(batch, device)
-    out = paged_decode_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.scale, **kw)
+    out = paged_decode_attention(
+        b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.options(**options), num_splits=num_splits,
+        max_seq_len=max_seq_len,
+    )  # fmt: skip
     assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
     return out.cpu()
 
 
-def run_prefill(batch: PagedBatch, device: str, **kw) -> torch.Tensor:
+def run_prefill(batch: PagedBatch, device: str, max_query_len=None, **options) -> torch.Tensor:
     b = to_device(batch, device)
     out = paged_prefill_attention(
-        b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables, b.scale, **kw
-    )
+        b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables, b.options(**options),
+        max_query_len=max_query_len,
+    )  # fmt: skip
     assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
     return out.cpu()
 
@@ -344,7 +348,7 @@ def test_paged_attention_triton_and_torch_match_reference(device, dtype, options
             max_seq_len=max(seq_lens), max_query_len=max(q_lens),
         )  # fmt: skip
         out = PagedAttention(backend).forward(
-            b.q, k_new.to(dev), v_new.to(dev), b.k_cache, b.v_cache, meta, b.scale, **options
+            b.q, k_new.to(dev), v_new.to(dev), b.k_cache, b.v_cache, meta, b.options(**options)
         )
         return out.cpu(), b.k_cache.cpu(), b.v_cache.cpu()
 

@@ -11,6 +11,7 @@ import time
 import weakref
 from pathlib import Path
 
+import model_zoo
 import pytest
 import torch
 from safetensors import safe_open
@@ -121,6 +122,24 @@ def test_fused_projections_and_tied_embeddings(ckpt_factory):
             assert torch.equal(getattr(qkv, kind), want)
         gate_up = torch.cat([f.get_tensor(f"model.layers.0.mlp.{n}_proj.weight") for n in ("gate", "up")])
         assert torch.equal(model.model.layers[0].mlp.gate_up_proj.weight, gate_up)
+
+
+def test_float32_cpu_weights_column_major(ckpt_factory, qwen2_ckpt):
+    """Float32 projections (experts too) are stored transposed in memory, same shapes and values; the embedding,
+    tied head, norms and other dtypes keep their layout."""
+    model = load_model(qwen2_ckpt)
+    attn = model.model.layers[0].self_attn
+    for w in (attn.qkv_proj.weight, attn.o_proj.weight, model.model.layers[0].mlp.down_proj.weight):
+        assert w.t().is_contiguous() and not w.is_contiguous()
+    with safe_open(str(Path(qwen2_ckpt) / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(attn.o_proj.weight, f.get_tensor("model.layers.0.self_attn.o_proj.weight"))
+    assert model.model.embed_tokens.weight.is_contiguous()
+    assert model.model.layers[0].input_layernorm.weight.is_contiguous()
+    assert all(p.is_contiguous() for p in load_model(qwen2_ckpt, dtype="bfloat16").parameters())
+    experts = load_model(model_zoo.checkpoint("qwen3_moe")).model.layers[0].mlp.experts
+    assert experts.gate_up_proj.transpose(-2, -1).is_contiguous()
+    tied = load_model(ckpt_factory("qwen2", tie_word_embeddings=True, seed=11))
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight and tied.lm_head.weight.is_contiguous()
 
 
 def test_streaming_holds_one_checkpoint_tensor_at_a_time(llama_ckpt, monkeypatch):

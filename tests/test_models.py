@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import KERNEL_OPTIONS
-from paged_reference import ReferencePagedAttention
 from transformers import AutoModelForCausalLM
 
 from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
@@ -203,7 +201,7 @@ def test_mistral_sliding_window_attended_beyond_the_window(ckpt_factory):
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
     prompt = torch.randint(0, ours.config.vocab_size, (40,), generator=torch.Generator().manual_seed(4))
     meta = make_meta([(shuffled_table(2, 10), 0, 40)], 0)
-    attn = PagedAttention("torch") if KERNEL_OPTIONS else ReferencePagedAttention()
+    attn = PagedAttention("torch")
     ctx = ForwardContext(attn, meta, new_kv_cache(ours))
     logits = ours.compute_logits(ours(prompt, torch.arange(40), ctx))
     torch.testing.assert_close(logits, hf_step(hf, prompt)[0], atol=ATOL, rtol=0)

@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from batchgen.kernels.options import AttentionOptions
+
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 DECODE_BATCHES = (1, 8, 32, 128, 256)
@@ -165,25 +167,26 @@ def _measure_decode(p: DecodePoint, device: torch.device) -> None:
     from batchgen.kernels.decode_attention import MAX_SPLITS, paged_decode_attention
 
     scale = HEAD_DIM**-0.5
+    options = AttentionOptions(scale)
     q, kc, vc, tables, lens = _paged_setup(p.batch, p.context, BLOCK_SIZE, device)
     forced = max(2, min(MAX_SPLITS, p.context // 512))
     t = p.times_us
     t["triton"] = _bench(
-        lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, max_seq_len=p.context)
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, options, max_seq_len=p.context)
     )
-    t["triton-1pass"] = _bench(lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, num_splits=1))
+    t["triton-1pass"] = _bench(lambda: paged_decode_attention(q, kc, vc, tables, lens, options, num_splits=1))
     t["triton-splitk"] = _bench(
-        lambda: paged_decode_attention(q, kc, vc, tables, lens, scale, num_splits=forced)
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, options, num_splits=forced)
     )
     ws = torch_backend.Workspace()
     t["torch-ref"] = _bench(
-        lambda: torch_backend.paged_decode_attention(q, kc, vc, tables, lens, scale, workspace=ws)
+        lambda: torch_backend.paged_decode_attention(q, kc, vc, tables, lens, options, workspace=ws)
     )
-    ref = torch_backend.paged_decode_attention(q, kc, vc, tables, lens, scale, workspace=ws).float()
+    ref = torch_backend.paged_decode_attention(q, kc, vc, tables, lens, options, workspace=ws).float()
     ws.clear()
     p.max_abs_diff = max(
         float(
-            (paged_decode_attention(q, kc, vc, tables, lens, scale, num_splits=n).float() - ref).abs().max()
+            (paged_decode_attention(q, kc, vc, tables, lens, options, num_splits=n).float() - ref).abs().max()
         )
         for n in (None, 1, forced)
     )
@@ -241,12 +244,13 @@ def _measure_prefill(p: PrefillPoint, device: torch.device) -> None:
     from batchgen.kernels.prefill_attention import paged_prefill_attention
 
     scale = HEAD_DIM**-0.5
+    options = AttentionOptions(scale)
     total = p.q_len + p.context
     q, kc, vc, tables, lens = _paged_setup(p.num_seqs, total, BLOCK_SIZE, device, q_len=p.q_len)
     cu = torch.arange(p.num_seqs + 1, dtype=torch.int32, device=device) * p.q_len
     t = p.times_us
     t["triton"] = _bench(
-        lambda: paged_prefill_attention(q, kc, vc, cu, lens, tables, scale, max_query_len=p.q_len)
+        lambda: paged_prefill_attention(q, kc, vc, cu, lens, tables, options, max_query_len=p.q_len)
     )
     if p.context == 0:  # SDPA's causal mask is top-left aligned: exact only without a prefix
         t["sdpa"] = _sdpa_prefill(q, kc, vc, tables, p, scale)
@@ -297,7 +301,7 @@ def run_cpu(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), r
             def decode(layers=layers):
                 for b in layers:
                     torch_backend.paged_decode_attention(
-                        b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.scale, workspace=ws
+                        b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.options(), workspace=ws
                     )
 
             wall, cpu = best(decode)
@@ -313,7 +317,7 @@ def run_cpu(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), r
             def prefill(layers=layers):
                 for b in layers:
                     torch_backend.paged_prefill_attention(
-                        b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables, b.scale,
+                        b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables, b.options(),
                         workspace=ws,
                     )  # fmt: skip
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from batchgen.kernels import torch_backend, triton_available
-from batchgen.kernels.reference import check_options
+from batchgen.kernels.options import AttentionOptions  # re-exported: models build one per layer
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,8 @@ class AttentionBackend(Protocol):
     ``decode`` gets one query per sequence (``q [B, Hq, D]``), ``prefill`` packed chunks (``q [T, Hq, D]``
     delimited by ``cu_seqlens_q``); both read the new tokens' K/V from the cache (``store_kv`` ran first).
     ``max_seq_len`` / ``max_query_len`` bound ``seq_lens`` / the chunk lengths (saves device syncs);
-    ``scratch`` lives for one forward, shared by its layers. ``options`` are the attention options
-    (``sliding_window``, ``softcap``, ``sinks``; absent = plain causal attention).
+    ``scratch`` lives for one forward, shared by its layers. ``options``: the layer's
+    :class:`AttentionOptions` (scale, and ``sliding_window``, ``softcap``, ``sinks``).
     """
 
     name: str
@@ -95,13 +95,13 @@ class AttentionBackend(Protocol):
     ) -> None: ...
 
     def decode(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
-        *, max_seq_len: int, scratch: dict, **options: Any,
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+        options: AttentionOptions, *, max_seq_len: int, scratch: dict,
     ) -> Tensor: ...  # fmt: skip
 
     def prefill(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-        block_tables: Tensor, scale: float, *, max_query_len: int, **options: Any,
+        block_tables: Tensor, options: AttentionOptions, *, max_query_len: int,
     ) -> Tensor: ...  # fmt: skip
 
     def copy_blocks(self, kv_cache: Tensor, block_mapping: Tensor) -> None: ...
@@ -120,22 +120,28 @@ class TorchBackend:
         self.workspace = torch_backend.Workspace()
 
     def decode(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
-        *, max_seq_len: int, scratch: dict, **options: Any,
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+        options: AttentionOptions, *, max_seq_len: int, scratch: dict,
     ) -> Tensor:  # fmt: skip
         return torch_backend.paged_decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=self._workspace_for(q),
-            plan_cache=scratch, **options,
+            q, k_cache, v_cache, block_tables, seq_lens, options, workspace=self._workspace_for(q),
+            plan_cache=scratch,
         )  # fmt: skip
 
     def prefill(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-        block_tables: Tensor, scale: float, *, max_query_len: int, **options: Any,
+        block_tables: Tensor, options: AttentionOptions, *, max_query_len: int,
     ) -> Tensor:  # fmt: skip
         return torch_backend.paged_prefill_attention(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, workspace=self._workspace_for(q),
-            **options,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            seq_lens,
+            block_tables,
+            options,
+            workspace=self._workspace_for(q),
+        )
 
     def _workspace_for(self, q: Tensor) -> torch_backend.Workspace | None:
         return self.workspace if q.device.type == "cpu" else None
@@ -155,21 +161,18 @@ class TritonBackend:
         self._prefill = prefill_attention.paged_prefill_attention
 
     def decode(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
-        *, max_seq_len: int, scratch: dict, **options: Any,
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+        options: AttentionOptions, *, max_seq_len: int, scratch: dict,
     ) -> Tensor:  # fmt: skip
-        return self._decode(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, **options
-        )
+        return self._decode(q, k_cache, v_cache, block_tables, seq_lens, options, max_seq_len=max_seq_len)
 
     def prefill(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-        block_tables: Tensor, scale: float, *, max_query_len: int, **options: Any,
+        block_tables: Tensor, options: AttentionOptions, *, max_query_len: int,
     ) -> Tensor:  # fmt: skip
         return self._prefill(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_query_len=max_query_len,
-            **options,
-        )  # fmt: skip
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, options, max_query_len=max_query_len
+        )
 
 
 BACKENDS: dict[str, type[TorchBackend] | type[TritonBackend]] = {
@@ -226,50 +229,35 @@ class PagedAttention:
         k_cache: Tensor,
         v_cache: Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        sinks: Tensor | None = None,
+        options: AttentionOptions,
     ) -> Tensor:
         """``q [T,Hq,D]``, ``k/v [T,Hkv,D]`` → ``[T,Hq,D]``: store k/v at ``meta.slot_mapping``, then attend.
 
-        Attention options (semantics: :mod:`batchgen.kernels.reference`), per call so each layer passes its own:
-        ``sliding_window`` — a query at position ``p`` sees keys ``p - sliding_window < k <= p`` (itself and the
-        ``sliding_window - 1`` before it: transformers' convention); ``softcap`` — logits become
+        ``options`` (semantics: :mod:`batchgen.kernels.reference`), per call so each layer passes its own: the
+        scale; ``sliding_window`` — a query at position ``p`` sees keys ``p - sliding_window < k <= p`` (itself
+        and the ``sliding_window - 1`` before it: transformers' convention); ``softcap`` — logits become
         ``softcap * tanh(logits / softcap)`` (Gemma 2); ``sinks [Hq]`` — one extra logit per head in the
         softmax denominator (gpt-oss). None = plain causal attention, exactly as without them.
         """
-        check_options(sliding_window, softcap)
-        options = {}
-        if sliding_window is not None:
-            options["sliding_window"] = sliding_window
-        if softcap is not None:
-            options["softcap"] = softcap
-        if sinks is not None:
-            options["sinks"] = sinks
         impl = self.impl
         impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_seqs
         bt, lens = meta.block_tables, meta.seq_lens
         if nd == lens.shape[0]:
             return impl.decode(
-                q, k_cache, v_cache, bt, lens, scale, max_seq_len=meta.max_seq_len, scratch=meta.scratch,
-                **options,
-            )  # fmt: skip
+                q, k_cache, v_cache, bt, lens, options, max_seq_len=meta.max_seq_len, scratch=meta.scratch
+            )
         if nd == 0:
             return impl.prefill(
-                q, k_cache, v_cache, meta.cu_seqlens_q, lens, bt, scale, max_query_len=meta.max_query_len,
-                **options,
-            )  # fmt: skip
+                q, k_cache, v_cache, meta.cu_seqlens_q, lens, bt, options, max_query_len=meta.max_query_len
+            )
         out = torch.empty_like(q)
         out[:nd] = impl.decode(
-            q[:nd], k_cache, v_cache, bt[:nd], lens[:nd], scale, max_seq_len=meta.max_seq_len,
-            scratch=meta.scratch, **options,
+            q[:nd], k_cache, v_cache, bt[:nd], lens[:nd], options, max_seq_len=meta.max_seq_len,
+            scratch=meta.scratch,
         )  # fmt: skip
         cu = meta.cu_seqlens_q[nd:] - nd
         out[nd:] = impl.prefill(
-            q[nd:], k_cache, v_cache, cu, lens[nd:], bt[nd:], scale, max_query_len=meta.max_query_len,
-            **options,
-        )  # fmt: skip
+            q[nd:], k_cache, v_cache, cu, lens[nd:], bt[nd:], options, max_query_len=meta.max_query_len
+        )
         return out

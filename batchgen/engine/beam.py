@@ -125,12 +125,7 @@ class BeamSearch:
         m, vocab = log_probs.shape
         if m not in (1, k) or len(beam_tokens) != m:
             raise ValueError(f"beam step over {m} rows ({len(beam_tokens)} token lists) for {k} beams")
-        log_probs = log_probs.detach().to("cpu", torch.float32)
-        if m == 1:
-            log_probs = log_probs.expand(k, vocab)
-        if self.stop_ids and self.cur_len - self.prompt_len < self.min_tokens:
-            log_probs = log_probs.clone()
-            log_probs[:, self._stop[self._stop < vocab]] = -float("inf")
+        log_probs = self._step_log_probs(log_probs)
 
         # b. accumulate; c. top-K continuations over all k * V (beam, token) pairs.
         scores = log_probs[None] + self.running_beam_scores[:, :, None]
@@ -150,6 +145,41 @@ class BeamSearch:
         running_beam_scores = torch.take_along_dim(topk_running_log_probs, next_topk_indices, dim=1)
 
         # f. merge the candidates that ended among the first k into the finished hypotheses.
+        cand_beam = [b if m == k else 0 for b in topk_beam[0].tolist()]  # the parent row of each candidate
+        cand_token = topk_ids[0].tolist()
+        self._merge_finished(topk_log_probs, hits, beam_tokens, cand_beam, cand_token)
+
+        # g. the stopping condition of the search as a whole.
+        self.running_beam_scores = running_beam_scores
+        self.cur_len += 1
+        if self._search_over(hits):
+            self.done = True
+            return []
+        return [(cand_beam[c], cand_token[c]) for c in next_topk_indices[0].tolist()]
+
+    def _step_log_probs(self, log_probs: Tensor) -> Tensor:
+        """``log_probs`` as float32 ``[k, V]`` on the CPU (the first step's single row stands for ``k`` copies),
+        the stop tokens banned (``-inf``) while fewer than ``min_tokens`` are generated."""
+        log_probs = log_probs.detach().to("cpu", torch.float32)
+        if log_probs.shape[0] == 1:
+            log_probs = log_probs.expand(self.num_beams, log_probs.shape[1])
+        if self.stop_ids and self.cur_len - self.prompt_len < self.min_tokens:
+            log_probs = log_probs.clone()
+            log_probs[:, self._stop[self._stop < log_probs.shape[1]]] = -float("inf")
+        return log_probs
+
+    def _merge_finished(
+        self,
+        topk_log_probs: Tensor,
+        hits: Tensor,
+        beam_tokens: list[list[int]],
+        cand_beam: list[int],
+        cand_token: list[int],
+    ) -> None:
+        """Step f: the candidates among the first ``k`` that hit, scored with the length penalty, merged by
+        ``torch.topk`` with the finished hypotheses so far (``beam_scores``, ``is_sent_finished``,
+        ``finished``). Candidate ``c`` is token ``cand_token[c]`` after row ``cand_beam[c]`` of ``beam_tokens``."""
+        k = self.num_beams
         did_top_num_beams_just_finished = hits & self._top_num_beam_mask[None, :]
         penalised = topk_log_probs / ((self.cur_len + 1 - self.prompt_len) ** self.length_penalty)
         beams_in_batch_are_full = torch.all(self.is_sent_finished, dim=-1, keepdim=True) & (
@@ -164,8 +194,6 @@ class BeamSearch:
         self.beam_scores = torch.take_along_dim(merged_scores, topk_merged_indices, dim=1)
         self.is_sent_finished = torch.take_along_dim(merged_is_sent_finished, topk_merged_indices, dim=1)
 
-        cand_beam = topk_beam[0].tolist()
-        cand_token = topk_ids[0].tolist()
         finished_now = did_top_num_beams_just_finished[0].tolist()
         new_scores = self.beam_scores[0].tolist()
         merged: list[Hypothesis | None] = []
@@ -174,32 +202,30 @@ class BeamSearch:
                 merged.append(self.finished[idx])
             elif finished_now[idx - k]:
                 c = idx - k
-                tok = cand_token[c]
-                merged.append(
-                    Hypothesis(
-                        token_ids=beam_tokens[cand_beam[c] if m == k else 0] + [tok],
-                        score=new_scores[slot],
-                        cumulative_logprob=float(topk_log_probs[0, c]),
-                        finish_reason="length" if tok not in self.stop_ids else "stop",
-                        stop_reason=tok if tok in self.user_stop_ids else None,
-                    )
-                )
+                token_ids = beam_tokens[cand_beam[c]] + [cand_token[c]]
+                merged.append(self._hypothesis(token_ids, new_scores[slot], float(topk_log_probs[0, c])))
             else:
                 merged.append(None)  # a placeholder slot (transformers keeps a not-finished row there)
         self.finished = merged
 
-        # g. the stopping condition of the search as a whole.
-        self.running_beam_scores = running_beam_scores
-        self.cur_len += 1
+    def _hypothesis(self, token_ids: list[int], score: float, cumulative_logprob: float) -> Hypothesis:
+        """A finished beam ending in ``token_ids[-1]``: a stop token ('stop') or the length limit ('length')."""
+        tok = token_ids[-1]
+        return Hypothesis(
+            token_ids=token_ids,
+            score=score,
+            cumulative_logprob=cumulative_logprob,
+            finish_reason="length" if tok not in self.stop_ids else "stop",
+            stop_reason=tok if tok in self.user_stop_ids else None,
+        )
+
+    def _search_over(self, hits: Tensor) -> bool:
+        """Step g, after ``cur_len`` moved on: no improvement possible, no open beam, or every candidate hit."""
         self._check_early_stop_heuristic()
         improvement_possible = torch.any(self.is_early_stop_heuristic_unsatisfied)
         exists_open_beam = ~(torch.all(self.is_sent_finished) & (self.early_stopping is True))
         valid_continuations = ~torch.all(hits)
-        if not bool(improvement_possible & exists_open_beam & valid_continuations):
-            self.done = True
-            return []
-        nxt = next_topk_indices[0].tolist()
-        return [(cand_beam[c] if m == k else 0, cand_token[c]) for c in nxt]
+        return not bool(improvement_possible & exists_open_beam & valid_continuations)
 
     def _check_early_stop_heuristic(self) -> None:
         if self.early_stopping == "never" and self.length_penalty > 0.0:

@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from batchgen import startup_trace
 from batchgen.engine.attention import resolve_backend
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.interface import StepInfo, StepListener
@@ -199,6 +200,8 @@ class LLMEngine:
             sampled = self.sampler(logits[:n], rows, settings)
             beam_lp = self.sampler.beam_logprobs(logits[n:]) if out.beam_rows else None
             done = self.scheduler.update(out, sampled.token_ids, sampled.logprobs, beam_lp)
+            if startup_trace.enabled and n:
+                startup_trace.mark("first_token")
             finished += [self._request_output(r) for r in done]
         elif out.swap_out or out.swap_in:
             self.runner.swap(out)  # everything that could run was preempted in this step

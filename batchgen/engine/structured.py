@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from batchgen.tokenizer import as_transformers
+
 if TYPE_CHECKING:
     from batchgen.engine.sequence import Sequence
     from batchgen.sampling_params import SamplingParams
@@ -97,7 +99,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=self.eos_token_ids or None
+            as_transformers(tokenizer), vocab_size=vocab_size, stop_token_ids=self.eos_token_ids or None
         )
         # Our own LRU of compiled grammars (xgrammar's cache is off: one cache, with counters we can test).
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=max_threads, cache_enabled=False)

@@ -7,7 +7,12 @@ Modules, in the order a run goes through them:
   :mod:`~batchgen.job.hydra_setup` registers it with Hydra.
 - :mod:`~batchgen.job.plan`: everything decided before the model loads (input, columns, shard, windows,
   fingerprint).
-- :mod:`~batchgen.job.run`: :func:`run_job`, the straight line from plan to report, and the exit statuses.
+- :mod:`~batchgen.job.run`: :func:`run_job`, the straight line from plan to report; its parts:
+  :mod:`~batchgen.job.resume` (what a resumed run still has to do), :mod:`~batchgen.job.windows` (windows read
+  into prompts), :mod:`~batchgen.job.early_failure` (stopping a job that cannot succeed before it writes),
+  :mod:`~batchgen.job.tally` (counting finished rows), :mod:`~batchgen.job.writer` (parts and checkpoints),
+  :mod:`~batchgen.job.finish` (report, exit status, summary) and :mod:`~batchgen.job.result` (``JobResult``,
+  the exit statuses).
 - :mod:`~batchgen.job.feeder`: prefix grouping and the loop that keeps the engine fed across windows.
 - :mod:`~batchgen.job.signals`, :mod:`~batchgen.job.progress`, :mod:`~batchgen.job.report`: stopping on a
   signal, the progress bar or log lines, the end-of-job report.

@@ -59,7 +59,7 @@ class ModelOptions:
     """``model.*``: which checkpoint to run."""
 
     path: str | None = None
-    """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files); null = the embedded tiny Llama, built locally on first use (cached under $BATCHGEN_CACHE or ~/.cache/batchgen)."""
+    """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files); null = the embedded tiny Llama shipped in the package (2.4M parameters trained on CPython's documentation, batchgen/models/tiny_lm/)."""
     dtype: str = "auto"
     """Weights and activations dtype: auto (the engine's choice for the checkpoint and device), float32, bfloat16 or float16."""
     implementation: str = "auto"

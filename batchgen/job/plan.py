@@ -222,7 +222,7 @@ def _check_columns(d: DataOptions, inp: InputSet) -> tuple[list[str], str | None
 
 # --------------------------------------------------------------------------------------------- model
 def _model_path(cfg: JobConfig) -> str:
-    """The checkpoint directory: model.path, or the embedded tiny model (built on first use)."""
+    """The checkpoint directory: model.path, or the embedded tiny model shipped in the package."""
     if not cfg.model.path:
         from batchgen.models.tiny import tiny_default_checkpoint
 

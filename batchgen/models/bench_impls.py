@@ -2,6 +2,8 @@
 
     python -m batchgen.models.bench_impls                                  # all archs, defaults
     python -m batchgen.models.bench_impls --archs gemma2,mixtral --rows 64 --max-tokens 32 --repeats 3
+    python -m batchgen.models.bench_impls --no-workload --forward-reps 20 --threads 1     # model step only
+    python -m batchgen.models.bench_impls --gemm-layout --threads 1      # row- vs column-major weight GEMMs
 
 For each architecture a random-weight checkpoint is built once from transformers' own config class (bench
 sizes: hidden 256, 4 layers, 8 query / 4 KV heads, intermediate 768, vocab 4096; MoE: 8 experts, top-2; Gemma 2
@@ -30,15 +32,15 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from batchgen.atomic import build_dir_once
 
 BENCH_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -143,26 +145,16 @@ def bench_checkpoint(arch: str) -> str:
     """The benchmark checkpoint of `arch`, built on first use (atomic rename into the cache)."""
     import transformers
 
-    target = _cache_root() / f"{arch}-{_VERSION}"
-    if (target / "config.json").is_file():
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{arch}.", dir=target.parent))
-    try:
-        cfg_name, model_name, extra = BENCH_ARCHS[arch]
+    cfg_name, model_name, extra = BENCH_ARCHS[arch]
 
-        def config(ids: dict[str, int]):
-            return getattr(transformers, cfg_name)(**{**_SIZES, **extra}, **special_token_kwargs(ids))
+    def config(ids: dict[str, int]):
+        return getattr(transformers, cfg_name)(**{**_SIZES, **extra}, **special_token_kwargs(ids))
 
-        build_random_checkpoint(tmp, config, model_name, vocab_size=_SIZES["vocab_size"])
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    return build_dir_once(
+        _cache_root() / f"{arch}-{_VERSION}",
+        "config.json",
+        lambda tmp: build_random_checkpoint(tmp, config, model_name, vocab_size=_SIZES["vocab_size"]),
+    )
 
 
 def _workload(path: str, name: str, rows: int, max_tokens: int) -> tuple[list[list[int]], list[int]]:
@@ -287,8 +279,8 @@ def _meta(seqs: list[tuple[list[int], int, int]], num_decode: int, block_size: i
 def bench_forward(archs: list[str], reps: int, prefill: int = 256, batch: int = 16, context: int = 300):
     """Model step alone (forward + logits of the sampled rows), native vs transformers backend, same kernels:
     a `prefill`-token chunk, and a decode step of `batch` sequences at `context` tokens, `reps` times, the two
-    implementations back to back. Reports each one's minimum and the median of the paired ratios (both robust to
-    the load of a shared machine)."""
+    implementations back to back. Reports each one's minimum and the median of the paired ratios, by wall and by
+    process CPU time (robust to the load of a shared machine; CPU time is the steadiest with 1 thread)."""
     from batchgen.engine.attention import ForwardContext, PagedAttention
     from batchgen.models import load_model
 
@@ -312,13 +304,15 @@ def bench_forward(archs: list[str], reps: int, prefill: int = 256, batch: int = 
             ),
         }
         times: dict[tuple[str, str], list[float]] = {}
+        cpu: dict[tuple[str, str], list[float]] = {}
         attn = PagedAttention("torch")
         for _ in range(reps):
             for step, (x, pos, meta, n_logits) in steps.items():
                 for impl, model in models.items():  # back to back: a pair sees the same machine load
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     model.compute_logits(model(x, pos, ForwardContext(attn, meta, kv))[-n_logits:])
                     times.setdefault((impl, step), []).append(time.perf_counter() - t0)
+                    cpu.setdefault((impl, step), []).append(time.process_time() - c0)
         for step in steps:
             native, generic = times[("native", step)], times[("transformers", step)]
             rows.append(
@@ -328,21 +322,55 @@ def bench_forward(archs: list[str], reps: int, prefill: int = 256, batch: int = 
                     "native_ms": min(native) * 1e3,
                     "transformers_ms": min(generic) * 1e3,
                     "paired_ratio": statistics.median(g / n for g, n in zip(generic, native)),
+                    "paired_cpu_ratio": statistics.median(
+                        g / n for g, n in zip(cpu[("transformers", step)], cpu[("native", step)])
+                    ),
                 }
             )
     return rows
 
 
+@torch.inference_mode()
+def bench_gemm_layout(reps: int = 9, rows: tuple[int, ...] = (1, 2, 3, 4, 8, 16, 64, 256)) -> str:
+    """`F.linear` with a row-major (as loaded) vs column-major (`use_column_major_weights`) float32 weight, for
+    the bench models' projection shapes and 4096-wide ones: median over `reps` back-to-back pairs of the
+    process-CPU-time ratio (row-major ÷ column-major: above 1, column-major is faster)."""
+    import torch.nn.functional as F
+
+    shapes = [(1536, 256), (512, 256), (256, 768), (4096, 4096), (22016, 4096), (4096, 11008)]
+    lines = [
+        "| weight [out, in] | " + " | ".join(f"{m} rows" for m in rows) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
+    for n, k in shapes:
+        w = torch.randn(n, k)
+        wc = w.t().contiguous().t()
+        cells = []
+        for m in rows:
+            x = torch.randn(m, k)
+            ratios = []
+            for _ in range(reps + 1):
+                t0 = time.process_time()
+                F.linear(x, w)
+                t1 = time.process_time()
+                F.linear(x, wc)
+                ratios.append((t1 - t0) / max(time.process_time() - t1, 1e-9))
+            cells.append(f"{statistics.median(ratios[1:]):.2f}×")
+        lines.append(f"| [{n}, {k}] | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def forward_table(rows: list[dict[str, Any]], prefill: int = 256, batch: int = 16, context: int = 300) -> str:
     lines = [
-        "| arch | step | native ms (min) | transformers backend ms (min) | native speed-up (median of pairs) |",
-        "|---|---|---:|---:|---:|",
+        "| arch | step | native ms (min) | transformers backend ms (min) | native speed-up (median of pairs) "
+        "| by CPU time |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     names = {"prefill": f"prefill {prefill} tokens", "decode": f"decode {batch} seqs @ {context}"}
     for r in rows:
         lines.append(
             f"| {r['arch']} | {names[r['step']]} | {r['native_ms']:.1f} | {r['transformers_ms']:.1f} "
-            f"| {r['paired_ratio']:.2f}× |"
+            f"| {r['paired_ratio']:.2f}× | {r['paired_cpu_ratio']:.2f}× |"
         )
     return "\n".join(lines)
 
@@ -378,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         "--forward-reps", type=int, default=15, help="model-step table: alternating runs (0: skip)"
     )
     p.add_argument("--no-workload", action="store_true", help="only the model-step table")
+    p.add_argument(
+        "--gemm-layout", action="store_true", help="only the row- vs column-major weight GEMM table"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
     if args.threads > 0:
@@ -388,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown arch(s) {unknown}; choose from {', '.join(BENCH_ARCHS)}")
     engine = {"max_num_seqs": args.max_num_seqs, "kv_cache_memory": args.kv_cache_memory}
     machine = f"torch {torch.__version__}, threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}"
+    if args.gemm_layout:
+        load0 = os.getloadavg()[0]
+        table_ = bench_gemm_layout()
+        print(f"F.linear float32, row-major time ÷ column-major time; {machine}; load average {load0:.2f}")
+        print(table_)
+        return 0
     if args.forward_reps > 0:
         t0, load0 = time.time(), os.getloadavg()[0]
         rows = bench_forward(archs, args.forward_reps)

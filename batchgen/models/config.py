@@ -224,9 +224,15 @@ class ModelConfig(ContextFacts):
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        """Parse `path/config.json` (+ `path/generation_config.json` when present)."""
+        """Parse `path/config.json` (+ `path/generation_config.json` when present); a successful parse is
+        cached on disk (`batchgen.models.config_cache`), so later runs need not import transformers."""
+        from batchgen.models.config_cache import cached_parse
+
         config, generation = read_config_files(path)
-        return cls.from_dict(config, generation, source=str(Path(path) / "config.json"))
+        source = str(Path(path) / "config.json")
+        if cls is not ModelConfig:
+            return cls.from_dict(config, generation, source=source)
+        return cached_parse(config, generation, lambda: cls.from_dict(config, generation, source=source))
 
     @classmethod
     def from_dict(

@@ -4,14 +4,16 @@ Gemma 1/2/3 — everything a `ModelConfig` describes.
 
 Batches are packed: `forward(input_ids[T], positions[T], ctx)` with no padding; attention goes through
 `ctx.attn.forward(...)`, which stores the new K/V in their slots and attends through the block tables. Each
-layer passes its own options to the kernels: `sliding_window` (its window, when it has one) and `softcap`
-(attention-logit soft-capping, Gemma 2).
+layer passes its own `AttentionOptions` to the kernels: its scale, `sliding_window` (its window, when it has
+one) and `softcap` (attention-logit soft-capping, Gemma 2).
 
 Numerics follow transformers op for op (RMSNorm in float32 then cast back before the weight — or, for Gemma,
 scaled by `1 + weight` in float32 then cast; RoPE inverse frequencies from transformers' own RoPE functions and
 cos/sin computed in float32 from the positions; residual adds in the model dtype), so float32 outputs match
 `transformers` to rounding. Q/K/V and gate/up projections are fused into one matmul each (`qkv_proj`,
-`gate_up_proj`); the loader fuses the checkpoint's separate tensors.
+`gate_up_proj`); the loader fuses the checkpoint's separate tensors, then stores float32 CPU weights
+column-major (`use_column_major_weights`). Per forward, RoPE's cos/sin are computed once for all layers, Q and
+K are normed and rotated as one tensor, and temporaries are updated in place (same ops, same rounding).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from batchgen.engine.attention import AttentionOptions
 from batchgen.models.config import ModelConfig, RopeSpec
 from batchgen.models.moe import SparseMoE, activation
 
@@ -39,12 +42,18 @@ class RMSNorm(nn.Module):
         self.gemma = gemma
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.gemma:
-            return (h * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps, self.gemma)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
+    """RMSNorm of `x` over its last dim with `weight` (broadcast against `x`: [D], or [H, D] for per-head
+    weights); transformers' ops in transformers' order, with the temporaries updated in place."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    if gemma:
+        return h.mul_(1.0 + weight.float()).to(dtype)
+    return weight * h.to(dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -90,19 +99,25 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope_tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """cos/sin [T, R] -> (cos [T, 1, R], sin [T, 1, R] with its first half negated), computed once per forward
+    and shared by every layer: with the sign folded into `sin`, `apply_rope` needs no negation."""
+    half = sin.shape[-1] // 2
+    return cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, H, D]; cos/sin [T, R] with R <= D: the first R channels rotate, the rest pass through."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    """x [T, H, D]; cos/sin [T, 1, R] from `rope_tables`, R <= D: the first R channels rotate, the rest pass
+    through. Bit for bit transformers' `x * cos + rotate_half(x) * sin` (negating a factor is exact)."""
     rot = cos.shape[-1]
+    half = rot // 2
     if rot == x.shape[-1]:
-        return (x * cos) + (_rotate_half(x) * sin)
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat(((x_rot * cos) + (_rotate_half(x_rot) * sin), x_pass), dim=-1)
+        out = x * cos
+        return out.add_(torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin))
+    x_rot = x[..., :rot]
+    out = x_rot * cos
+    out.add_(torch.cat((x_rot[..., half:], x_rot[..., :half]), dim=-1).mul_(sin))
+    return torch.cat((out, x[..., rot:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -122,26 +137,28 @@ class Attention(nn.Module):
             self.k_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps, config.gemma_norm)
         else:
             self.q_norm = self.k_norm = None
-        # Keyword options for the attention kernels; only those this layer needs, so a layer without a window
-        # or soft-capping calls the plain kernel.
-        self.attn_options: dict[str, float | int] = {}
+        # How this layer attends; a layer without a window or soft-capping calls the plain kernel.
         window = config.layer_windows[layer_idx] if config.layer_windows else None
-        if window is not None:
-            self.attn_options["sliding_window"] = int(window)
-        if config.attn_softcap is not None:
-            self.attn_options["softcap"] = float(config.attn_softcap)
+        softcap = config.attn_softcap
+        self.attn_options = AttentionOptions(
+            config.scale,
+            sliding_window=None if window is None else int(window),
+            softcap=None if softcap is None else float(softcap),
+        )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        """x [T, hidden]; cos/sin from `rope_tables`. Q and K are normed and rotated together, as one
+        [T, Hq + Hkv, D] tensor (they are adjacent in `qkv_proj`'s output); V stays a view of that output."""
+        t, nq, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, nq + nkv, d)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
+        if self.q_norm is not None:  # one norm over all heads, each with its own (q or k) weight
+            weight = torch.cat((self.q_norm.weight.expand(nq, d), self.k_norm.weight.expand(nkv, d)))
+            qk = rms_norm(qk, weight, self.q_norm.eps, self.q_norm.gemma)
+        qk = apply_rope(qk, cos, sin)
         kv = ctx.kv_cache[self.layer_idx]
-        out = ctx.attn.forward(q, k, v.contiguous(), kv[0], kv[1], ctx.meta, self.scale, **self.attn_options)
+        out = ctx.attn.forward(qk[:, :nq], qk[:, nq:], v, kv[0], kv[1], ctx.meta, self.attn_options)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -157,7 +174,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -180,15 +197,16 @@ class DecoderLayer(nn.Module):
         self.local = bool(config.sliding_layers[layer_idx]) if config.sliding_layers else False
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
+        """x [T, hidden] (updated in place: the residual stream is this forward's own tensor)."""
         h = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         if self.sandwich:
             h = self.post_attention_layernorm(h)
-        x = x + (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h)
+        x.add_(h.mul_(self.residual_multiplier) if self.residual_multiplier != 1.0 else h)
         if self.sandwich:
             h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         else:
             h = self.mlp(self.post_attention_layernorm(x))
-        return x + (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h)
+        return x.add_(h.mul_(self.residual_multiplier) if self.residual_multiplier != 1.0 else h)
 
 
 class CausalLM(nn.Module):
@@ -221,6 +239,28 @@ class CausalLM(nn.Module):
         return logits.float()
 
 
+def use_column_major_weights(model: CausalLM) -> None:
+    """Store the float32 CPU projection weights column-major, in place: each `[out, in]` weight keeps its shape,
+    name and values, but its memory becomes its transpose, `[in, out]` contiguous (experts: `[E, in, out]`).
+
+    Why: `F.linear(x, W)` multiplies by `W.t()`, and MKL's float32 GEMM is faster when that operand is
+    untransposed in memory: measured up to 1.7x for 4-64 input rows (decode steps) on small weights and 1.3-1.5x
+    for 4-8 rows on 7B-sized ones, about even at 256 rows, but 0.8-0.97x at 2-3 rows (`bench_impls
+    --gemm-layout`, BENCHMARKS.md). From 16 rows on the results were bit
+    for bit the same; fewer rows round differently in the last bits (greedy outputs still match transformers
+    in the equality tests). bfloat16 (oneDNN) gains nothing, so only float32 on CPU is touched. Run once, after
+    loading (a tensor-parallel loader slices the checkpoint's tensors first); costs one parameter's copy at a
+    time. The embedding and a tied head (the same table, read row by row) keep their layout.
+    """
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    for name, param in model.named_parameters():
+        if param.device.type != "cpu" or param.dtype != torch.float32 or param.dim() < 2:
+            continue
+        if name.endswith("embed_tokens.weight") or (tied and name == "lm_head.weight"):
+            continue
+        param.data = param.data.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
 class _Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -241,8 +281,12 @@ class _Backbone(nn.Module):
         if c.embedding_multiplier != 1.0:
             x = x * c.embedding_multiplier
         long = _long_rope_tokens(c, ctx) if c.rope.long_inv_freq is not None else None
-        cos, sin = self.rotary_emb(positions, x.dtype, long)
-        local = self.local_rotary_emb(positions, x.dtype) if self.local_rotary_emb is not None else None
+        cos, sin = rope_tables(*self.rotary_emb(positions, x.dtype, long))
+        local = (
+            rope_tables(*self.local_rotary_emb(positions, x.dtype))
+            if self.local_rotary_emb is not None
+            else None
+        )
         for layer in self.layers:
             if layer.local and local is not None:
                 x = layer(x, local[0], local[1], ctx)

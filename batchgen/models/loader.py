@@ -6,7 +6,8 @@ Invariants:
   (`*.bin`, `*.pt`, `*.pth`) are refused, and `trust_remote_code` is never used.
 - The model is built on the meta device and materialised once, empty, in the target dtype on the
   target device; then each checkpoint tensor is read, copied into its (slice of a) parameter and
-  dropped, so peak memory is the model plus one tensor, never a second full state dict.
+  dropped, so peak memory is the model plus one tensor, never a second full state dict. Float32 CPU weights
+  are then re-laid out column-major one parameter at a time (`llama.use_column_major_weights`: faster GEMMs).
 - Every parameter element is written exactly once; anything missing, unexpected or misshapen is a
   `ValueError` naming the tensor and the file. Checkpoint tensors are mapped onto our parameters by
   `_checkpoint_names` (q/k/v and gate/up fused, per-expert tensors stacked, Mixtral's `block_sparse_moe`).
@@ -25,7 +26,8 @@ import torch
 from safetensors import safe_open
 
 from batchgen.models.config import ModelConfig, NativeUnsupportedError, parse_dtype
-from batchgen.models.llama import CausalLM
+from batchgen.models.llama import CausalLM, use_column_major_weights
+from batchgen.models.meta_init import materialize, skip_init
 
 logger = logging.getLogger(__name__)
 
@@ -231,14 +233,15 @@ def load_native_model(
     for file in files:
         _copy_file(file, config, params, lookup, written, seen)
     _check_complete(ckpt, files, params, canonical, written, seen)
+    use_column_major_weights(model)
     return model
 
 
 def _empty_model(config: ModelConfig, device: torch.device) -> CausalLM:
     """An uninitialised `CausalLM` in eval mode, no grads, on `device` (a tied head shares the embedding)."""
-    with torch.device("meta"):
+    with torch.device("meta"), skip_init():  # meta parameters hold no data: nothing to initialise
         model = CausalLM(config)
-    model = model.to(dtype=config.dtype).to_empty(device=device)
+    model = materialize(model, config.dtype, device)  # as .to(dtype).to_empty(device), without meta ops
     if config.tie_word_embeddings:  # to_empty may give each module its own copy of a shared parameter
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().requires_grad_(False)
@@ -311,8 +314,9 @@ def _check_complete(
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The checkpoint's tokenizer via `AutoTokenizer` (local files only, no remote code)."""
-    from transformers import AutoTokenizer
+    """The checkpoint's tokenizer: a `batchgen.tokenizer.FastTokenizer` read from tokenizer.json where that is
+    known to give exactly transformers' ids and text (no transformers import), else `AutoTokenizer` (local
+    files only, no remote code)."""
+    from batchgen.tokenizer import load_checkpoint_tokenizer
 
-    ckpt = _checkpoint_dir(path)
-    return AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False, local_files_only=True)
+    return load_checkpoint_tokenizer(_checkpoint_dir(path))

@@ -9,7 +9,8 @@ tokens. Each token's k weighted contributions are summed in slot order, as trans
 (`grouped_mm`) experts implementation does, so float32 results match it.
 
 Expert weights are stacked: `experts.gate_up_proj [E, 2I, H]` (gate rows then up rows) and
-`experts.down_proj [E, H, I]`, the layout transformers 5.x uses in memory; the loader fills them from
+`experts.down_proj [E, H, I]`, the shapes transformers 5.x uses (float32 on CPU: stored column-major, see
+`llama.use_column_major_weights`); the loader fills them from
 per-expert checkpoint tensors (`experts.N.w1/w3/w2` for Mixtral, `experts.N.gate_proj/up_proj/down_proj` for
 Qwen) or from already stacked ones.
 """
@@ -26,8 +27,15 @@ if TYPE_CHECKING:
     from batchgen.models.config import ModelConfig, MoESpec
 
 
+# Activations whose transformers implementation is exactly this torch module's function (`F.silu`, `F.relu`):
+# built here so that the common models need no transformers import at start-up.
+_TORCH_ACTIVATIONS = {"silu": nn.SiLU, "swish": nn.SiLU, "relu": nn.ReLU}
+
+
 def activation(name: str):
     """transformers' activation function of that name (exactly the same numerics)."""
+    if name in _TORCH_ACTIVATIONS:
+        return _TORCH_ACTIVATIONS[name]()
     from transformers.activations import ACT2FN
 
     return ACT2FN[name]
@@ -53,8 +61,7 @@ class Experts(nn.Module):
         gate, up = h.split(self.intermediate_size, dim=-1)
         ys = grouped_mm(self.act(gate) * up, self.down_proj.transpose(-2, -1), offsets)
         ys = ys * top_weights.reshape(-1).index_select(0, order)[:, None]  # float32 with Mixtral's weights
-        unsorted = torch.empty_like(ys)
-        unsorted[order] = ys
+        unsorted = ys.index_select(0, torch.argsort(order))  # back to (token, slot) order
         return unsorted.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 

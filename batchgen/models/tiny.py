@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from batchgen.atomic import build_dir_once
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|pad|>", "<|bos|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START, IM_END = SPECIAL_TOKENS
@@ -179,11 +179,6 @@ def make_config(
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(SUPPORTED_ARCHS)}")
-    rope = {"rope_type": "default"}
-    if rope_scaling:
-        rope = dict(rope_scaling)
-        rope.setdefault("rope_type", rope.pop("type", "default"))
-    rope["rope_theta"] = float(rope_theta)
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -198,20 +193,58 @@ def make_config(
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
+        **_rope_and_dtype_kwargs(
+            rope_theta, rope_scaling, dtype, int(transformers.__version__.split(".")[0])
+        ),
     )
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        kwargs.update(rope_parameters=rope, dtype=dtype)
-    else:  # 4.x spelling of the same settings
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        kwargs.update(
-            rope_theta=rope["rope_theta"],
-            rope_scaling=None if scaling["rope_type"] == "default" else scaling,
-            torch_dtype=dtype,
-        )
     if arch == "mistral":
         kwargs["sliding_window"] = None  # full attention unless asked (see ModelConfig.sliding_window)
     kwargs.update(extra)
     return classes[arch](**kwargs)
+
+
+def _rope_and_dtype_kwargs(
+    rope_theta: float, rope_scaling: dict[str, Any] | None, dtype: torch.dtype, transformers_major: int
+) -> dict[str, Any]:
+    """The config keywords for RoPE and the dtype, spelt as transformers ``transformers_major`` expects."""
+    rope = {"rope_type": "default"}
+    if rope_scaling:
+        rope = dict(rope_scaling)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope["rope_theta"] = float(rope_theta)
+    if transformers_major >= 5:
+        return dict(rope_parameters=rope, dtype=dtype)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}  # 4.x spelling of the same settings
+    return dict(
+        rope_theta=rope["rope_theta"],
+        rope_scaling=None if scaling["rope_type"] == "default" else scaling,
+        torch_dtype=dtype,
+    )
+
+
+def _random_model(arch: str, cfg: Any, seed: int, initializer_range: float) -> torch.nn.Module:
+    """``arch``'s transformers model of config ``cfg``, its weights drawn under ``torch.manual_seed(seed)``.
+
+    transformers initialises norms to 1 and biases to 0: they are perturbed so that tests notice a model that
+    forgets a bias or a norm weight."""
+    import transformers
+
+    model_cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[arch]
+    with _seeded_init_lock, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(cfg)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0.0, initializer_range)
+                elif name.endswith("norm.weight"):
+                    param.normal_(1.0, 0.1)
+    return model
 
 
 def build_checkpoint(
@@ -244,8 +277,6 @@ def build_checkpoint(
     deterministic. `max_shard_size` (e.g.
     `"200KB"`) writes a sharded checkpoint with `model.safetensors.index.json`. Returns `out_dir` as str.
     """
-    import transformers
-
     out = Path(out_dir)
     tok = build_tokenizer(out, vocab_size=vocab_size)
     if len(tok) > vocab_size:
@@ -271,23 +302,7 @@ def build_checkpoint(
         pad_id=ids[PAD_TOKEN],
         extra=extra,
     )
-    model_cls = {
-        "llama": transformers.LlamaForCausalLM,
-        "mistral": transformers.MistralForCausalLM,
-        "qwen2": transformers.Qwen2ForCausalLM,
-        "qwen3": transformers.Qwen3ForCausalLM,
-    }[arch]
-    with _seeded_init_lock, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(cfg)
-        # transformers initialises norms to 1 and biases to 0: perturb them so tests notice a model
-        # that forgets a bias or a norm weight.
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("bias"):
-                    param.normal_(0.0, initializer_range)
-                elif name.endswith("norm.weight"):
-                    param.normal_(1.0, 0.1)
+    model = _random_model(arch, cfg, seed, initializer_range)
     save_model(model.to(dtype), out, ids, max_shard_size=max_shard_size)
     return str(out)
 
@@ -346,23 +361,9 @@ def cached_checkpoint(name: str, cache_dir: str | os.PathLike | None = None, **s
     directory beside the target and renamed into place, so concurrent first uses never see (or leave)
     a half-written checkpoint: the loser of the rename race discards its copy.
     """
-    root = _cache_root(cache_dir)
-    target = root / name
-    if (target / "config.json").is_file():
-        return str(target)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
-    try:
-        build_checkpoint(tmp, **spec)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    return build_dir_once(
+        _cache_root(cache_dir) / name, "config.json", lambda tmp: build_checkpoint(tmp, **spec)
+    )
 
 
 def tiny_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> str:

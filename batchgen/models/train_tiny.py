@@ -360,8 +360,6 @@ def _lr(step: int, cfg: TrainConfig) -> float:
 
 def train(out_dir: Path, cfg: TrainConfig, heldout_sample: Path | None, log=print) -> dict:
     """Build the corpus and tokenizer, train, and write the checkpoint into `out_dir`. Returns the metadata."""
-    import transformers
-
     t_start = time.monotonic()
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True)
@@ -378,6 +376,52 @@ def train(out_dir: Path, cfg: TrainConfig, heldout_sample: Path | None, log=prin
     encoded = encode_documents(tokenizer, train_docs)
     n_train_tokens = sum(map(len, encoded))
     log(f"tokenizer: {len(tokenizer)} tokens; training text {n_train_tokens / 1e6:.3f}M tokens")
+
+    model = _new_model(ids)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params / 1e6:.2f}M parameters ({json.dumps(MODEL_SPEC)})")
+    history, train_seconds = _train_steps(model, tokenizer, encoded, heldout_docs, cfg, log)
+
+    # Final figures on the weights as shipped (rounded to save_dtype, evaluated in float32).
+    model = model.to(getattr(torch, cfg.save_dtype)).to(torch.float32).eval()
+    final_heldout, heldout_tokens = heldout_loss(model, tokenizer, heldout_docs, cfg.seq_len)
+    final_train = _train_probe_loss(model, encoded, cfg)
+    log(f"final ({cfg.save_dtype} weights): train loss {final_train:.3f}, held-out loss {final_heldout:.3f}")
+
+    meta = _metadata(cfg, n_params, history)
+    meta["corpus"] = {
+        "documents": len(docs),
+        "train_documents": len(train_docs),
+        "heldout_documents": len(heldout_docs),
+        "characters": sum(map(len, docs)),
+        "train_tokens": n_train_tokens,
+        "heldout_tokens_scored": heldout_tokens,
+        "epochs_seen": round(cfg.steps * cfg.batch_size * cfg.seq_len / n_train_tokens, 2),
+    }
+    meta.update(final_train_loss=round(final_train, 4), final_heldout_loss=round(final_heldout, 4))
+    meta.update(train_seconds=round(train_seconds, 1), total_seconds=round(time.monotonic() - t_start, 1))
+    meta = {k: meta[k] for k in _META_ORDER}
+    out_dir = Path(out_dir)
+    digest = _write_checkpoint(out_dir, tokenizer, model.to(getattr(torch, cfg.save_dtype)), ids, meta, cfg)
+    if heldout_sample is not None:
+        heldout_sample.parent.mkdir(parents=True, exist_ok=True)
+        heldout_sample.write_text(json.dumps(heldout_docs, indent=0, ensure_ascii=False) + "\n")
+    log(
+        f"wrote {out_dir} (model.safetensors sha256 {digest[:16]}...) in {meta['total_seconds'] / 60:.1f} min"
+    )
+    return meta
+
+
+# Keys of training.json, in the order they are written.
+_META_ORDER = (
+    "command", "train_config", "model_spec", "parameters", "corpus", "final_train_loss", "final_heldout_loss",
+    "history", "train_seconds", "total_seconds", "environment",
+)  # fmt: skip
+
+
+def _new_model(ids: dict[str, int]):
+    """The untrained :data:`MODEL_SPEC` Llama (tied embeddings, SDPA attention), drawn from the global RNG."""
+    import transformers
 
     spec = MODEL_SPEC
     config = tiny.make_config(
@@ -401,10 +445,14 @@ def train(out_dir: Path, cfg: TrainConfig, heldout_sample: Path | None, log=prin
         extra={},
     )
     config._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {n_params / 1e6:.2f}M parameters ({json.dumps(spec)})")
+    return transformers.LlamaForCausalLM(config)
 
+
+def _train_steps(
+    model, tokenizer, encoded: list[list[int]], heldout_docs: list[str], cfg: TrainConfig, log
+) -> tuple[list, float]:
+    """``cfg.steps`` AdamW steps over shuffled epochs of ``encoded`` (cosine schedule, gradient clipping), the
+    held-out loss every ``cfg.eval_every`` steps. Returns that history and the seconds the steps took."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -414,7 +462,6 @@ def train(out_dir: Path, cfg: TrainConfig, heldout_sample: Path | None, log=prin
         eps=1e-8,
         foreach=False,
     )
-
     history = []
     epoch, cursor, data = 0, 0, epoch_windows(encoded, cfg.seq_len, cfg.seed, 0)
     smooth = None
@@ -452,39 +499,28 @@ def train(out_dir: Path, cfg: TrainConfig, heldout_sample: Path | None, log=prin
                 {"step": done, "train_loss_smoothed": round(smooth, 4), "heldout_loss": round(h, 4)}
             )
             log(f"eval step {done}: held-out loss {h:.3f}")
-    train_seconds = time.monotonic() - t_train
+    return history, time.monotonic() - t_train
 
-    # Final figures on the weights as shipped (rounded to save_dtype, evaluated in float32).
-    save_dtype = getattr(torch, cfg.save_dtype)
-    model = model.to(save_dtype).to(torch.float32).eval()
-    final_heldout, heldout_tokens = heldout_loss(model, tokenizer, heldout_docs, cfg.seq_len)
+
+def _train_probe_loss(model, encoded: list[list[int]], cfg: TrainConfig) -> float:
+    """Cross-entropy of ``model`` on 32 windows of the training text (a fixed draw)."""
     train_probe = epoch_windows(encoded, cfg.seq_len, cfg.seed, 10_000)[:32]
     with torch.no_grad():
         logits = model(input_ids=train_probe[:, :-1]).logits
-        final_train = float(
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), train_probe[:, 1:].reshape(-1))
-        )
-    log(f"final ({cfg.save_dtype} weights): train loss {final_train:.3f}, held-out loss {final_heldout:.3f}")
+        return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), train_probe[:, 1:].reshape(-1)))
 
-    meta = {
+
+def _metadata(cfg: TrainConfig, n_params: int, history: list) -> dict:
+    """training.json's fields known before the corpus figures and timings: the command, the settings, the
+    environment."""
+    import transformers
+
+    return {
         "command": "python -m batchgen.models.train_tiny " + " ".join(sys.argv[1:]),
         "train_config": asdict(cfg),
-        "model_spec": spec,
+        "model_spec": MODEL_SPEC,
         "parameters": n_params,
-        "corpus": {
-            "documents": len(docs),
-            "train_documents": len(train_docs),
-            "heldout_documents": len(heldout_docs),
-            "characters": sum(map(len, docs)),
-            "train_tokens": n_train_tokens,
-            "heldout_tokens_scored": heldout_tokens,
-            "epochs_seen": round(cfg.steps * cfg.batch_size * cfg.seq_len / n_train_tokens, 2),
-        },
-        "final_train_loss": round(final_train, 4),
-        "final_heldout_loss": round(final_heldout, 4),
         "history": history,
-        "train_seconds": round(train_seconds, 1),
-        "total_seconds": round(time.monotonic() - t_start, 1),
         "environment": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -494,12 +530,17 @@ def train(out_dir: Path, cfg: TrainConfig, heldout_sample: Path | None, log=prin
         },
     }
 
-    out_dir = Path(out_dir)
+
+def _write_checkpoint(
+    out_dir: Path, tokenizer, model, ids: dict[str, int], meta: dict, cfg: TrainConfig
+) -> str:
+    """Write tokenizer, ``model`` (in its dtype), ``training.json`` (``meta`` plus the stored dtype and the
+    weights' sha256) into ``out_dir``, replacing it atomically. Returns the sha256 of model.safetensors."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         tokenizer.save_pretrained(str(tmp))
-        tiny.save_model(model.to(save_dtype), tmp, ids)
+        tiny.save_model(model, tmp, ids)
         # The weights are stored in save_dtype (half the size in bfloat16) but config.json says float32:
         # `dtype="auto"` (our engine's and transformers' default) then computes in float32, which is exact
         # (bfloat16 -> float32 is lossless), fast on every CPU, and what the tests compare.
@@ -520,13 +561,7 @@ def train(out_dir: Path, cfg: TrainConfig, heldout_sample: Path | None, log=prin
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    if heldout_sample is not None:
-        heldout_sample.parent.mkdir(parents=True, exist_ok=True)
-        heldout_sample.write_text(json.dumps(heldout_docs, indent=0, ensure_ascii=False) + "\n")
-    log(
-        f"wrote {out_dir} (model.safetensors sha256 {digest[:16]}...) in {meta['total_seconds'] / 60:.1f} min"
-    )
-    return meta
+    return digest
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,13 +34,14 @@ import dataclasses
 import inspect
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from batchgen.engine.attention import AttentionOptions
 from batchgen.models.config import (
     ContextFacts,
     eos_token_ids,
@@ -142,11 +143,10 @@ def _probe_mask(**kwargs: Any) -> Tensor:
 
 @dataclass(frozen=True)
 class LayerAttention:
-    """One attention layer as the kernels see it: its KV-cache index, scale and keyword options."""
+    """One attention layer as the kernels see it: its KV-cache index and attention options."""
 
     index: int
-    scale: float
-    options: dict[str, Any] = field(default_factory=dict)
+    options: AttentionOptions
     sinks: bool = (
         False  # the layer passes attention sinks (`s_aux`, one logit per head), forwarded as `sinks`
     )
@@ -172,8 +172,8 @@ class _PagedState:
         kv = ctx.kv_cache[layer.index]
         options = layer.options
         if layer.sinks:
-            options = {**options, "sinks": kwargs["s_aux"]}
-        out = ctx.attn.forward(q, k, v, kv[0], kv[1], ctx.meta, layer.scale, **options)
+            options = dataclasses.replace(options, sinks=kwargs["s_aux"])
+        out = ctx.attn.forward(q, k, v, kv[0], kv[1], ctx.meta, options)
         return out[None], None
 
 
@@ -648,13 +648,9 @@ def _layer_options(
                 window = int(config_window)
         if window is not None and (window <= 0 or window >= max_len):
             window = None
-        options: dict[str, Any] = {}
-        if window is not None:
-            options["sliding_window"] = window
-        if c.softcap is not None:
-            options["softcap"] = c.softcap
         windows.append(window)
-        layers[id(c.module)] = LayerAttention(i, c.scale, options, sinks=c.sinks is not None)
+        options = AttentionOptions(c.scale, sliding_window=window, softcap=c.softcap)
+        layers[id(c.module)] = LayerAttention(i, options, sinks=c.sinks is not None)
     return windows, layers
 
 

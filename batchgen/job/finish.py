@@ -1,0 +1,142 @@
+"""The end of a run: ``_report.json``, the exit status and the lines printed (summary table, a few example rows,
+how to read the output)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import batchgen
+from batchgen.data.manifest import Manifest
+from batchgen.data.output_dir import OutputDir
+from batchgen.job.plan import JobPlan
+from batchgen.job.report import build_report, error_fraction, write_report
+from batchgen.job.result import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_ERRORS, JobResult, one_line
+from batchgen.job.tally import NUM_EXAMPLES, RowTally
+
+logger = logging.getLogger("batchgen.job")
+
+
+def nothing_to_do(plan: JobPlan, outdir: OutputDir, m: Manifest, print_summary: bool) -> JobResult:
+    """Every window is done (or the shard is empty): 0, or 3 when the output's error rows are too many."""
+    d = plan.cfg.data
+    if m.num_windows == 0:
+        msg = f"nothing to do: shard {d.shard.index}/{d.shard.count} of the input has no rows"
+    else:
+        msg = f"nothing to do: {outdir.path} already holds the complete output ({m.num_windows} windows)"
+    frac = error_fraction(m)
+    rp = outdir.report_path
+    if frac > plan.cfg.run.max_error_fraction:
+        msg += (
+            f", but {frac:.1%} of its rows are error rows, more than run.max_error_fraction="
+            f"{plan.cfg.run.max_error_fraction:g} (exit status {EXIT_TOO_MANY_ERRORS})"
+        )
+        if m.retry_rows:
+            msg += f"; {m.retry_rows} of them may be retried: fix the cause and add data.retry_errors=true"
+        logger.error(msg)
+        if print_summary:
+            print(msg)
+        return JobResult(EXIT_TOO_MANY_ERRORS, "failed", str(outdir.path), str(rp) if rp.is_file() else None,
+                         message=msg)  # fmt: skip
+    logger.info(msg)
+    if print_summary:
+        print(msg)
+    return JobResult(EXIT_OK, "complete", str(outdir.path), str(rp) if rp.is_file() else None, message=msg)
+
+
+def job_report(
+    plan: JobPlan,
+    outdir: OutputDir,
+    m: Manifest,
+    tally: RowTally,
+    this_run: tuple[int, int],
+    signal_name: str | None,
+    status: str,
+    wall: float,
+    extra: dict[str, Any],
+    stats: Any = None,
+) -> dict[str, Any]:
+    """Build and write ``_report.json`` (a write failure is only a warning); ``this_run``: the rows and
+    windows this run committed. A complete run with too many error rows has status ``failed``."""
+    from batchgen.engine.stats import EngineStats
+
+    frac = error_fraction(m)
+    top = [(tally.error_examples[k], c) for k, c in tally.errors.most_common(3)]
+    report = build_report(
+        status=status,
+        output_dir=str(outdir.path),
+        manifest=m,
+        wall_time_s=wall,
+        rows_this_run=this_run[0],
+        windows_this_run=this_run[1],
+        engine_stats=stats if stats is not None else EngineStats(),
+        model=plan.cfg.model.path or "tiny-default",
+        extra={
+            **extra,
+            "interrupted_by": signal_name,
+            "shard": m.shard,
+            "batchgen_version": batchgen.__version__,
+            "errors": {
+                "fraction": frac,
+                "max_fraction": plan.cfg.run.max_error_fraction,
+                "exceeded": status == "complete" and frac > plan.cfg.run.max_error_fraction,
+                "top": top,
+            },
+        },
+    )
+    if report["errors"]["exceeded"]:
+        report["status"] = "failed"
+    try:
+        write_report(outdir.report_path, report)
+    except OSError as e:  # the output is what counts: a report that cannot be written is only a warning
+        logger.warning("could not write %s: %s", outdir.report_path, one_line(e))
+    return report
+
+
+def finish(
+    plan: JobPlan, outdir: OutputDir, m: Manifest, report: dict[str, Any], signal_name: str | None
+) -> JobResult:
+    """The result (0 complete, 3 too many error rows, 75 stopped early), its message logged."""
+    err = report["errors"]
+    if m.complete and err["exceeded"]:
+        msg = (
+            f"failed: {report['rows']['error']} of {report['rows']['shard_total']} rows ({err['fraction']:.1%}) "
+            f"are error rows, more than run.max_error_fraction={err['max_fraction']:g}; output and report in "
+            f"{outdir.path} (exit status {EXIT_TOO_MANY_ERRORS})"
+        )
+        if m.retry_rows:
+            msg += f"; {m.retry_rows} may be retried: fix the cause and rerun with data.retry_errors=true"
+        code, status = EXIT_TOO_MANY_ERRORS, "failed"
+    elif m.complete:
+        msg = f"done: {len(plan.windows)} part(s) in {outdir.path}; report: {outdir.report_path}"
+        code, status = EXIT_OK, "complete"
+    else:
+        left = m.num_windows - len(m.windows)
+        why = f"stopped by {signal_name}" if signal_name else "stopped"
+        msg = (
+            f"incomplete ({why}): {len(m.windows)}/{m.num_windows} windows complete and "
+            f"{sum(p.rows for p in m.partial.values())} finished rows of {left} unfinished window(s) saved "
+            f"in {outdir.path}; rerun the same command to resume (exit status {EXIT_INTERRUPTED})"
+        )
+        code, status = EXIT_INTERRUPTED, "incomplete"
+    (logger.error if code == EXIT_TOO_MANY_ERRORS else logger.info)(msg)
+    return JobResult(code, status, str(outdir.path), str(outdir.report_path), report, msg)
+
+
+def examples_text(out: str, examples: list[tuple[list[int], str]], tokenizer: Any) -> str:
+    """A few rows of this run (prompt tail → generated text) and how to read the whole output in ``out``."""
+    lines = []
+    # The longest of the first finished rows: the ones that show most of what the model does.
+    shown = sorted(examples, key=lambda e: -len(e[1].split()))[:NUM_EXAMPLES]
+    for prompt_ids, text in shown:
+        prompt = tokenizer.decode(prompt_ids[-24:], skip_special_tokens=True) if tokenizer else ""
+        prompt = " ".join(prompt.split())
+        lines.append(f"  …{prompt[-60:]!s} → {' '.join(text.split())[:100]!r}")
+    head = ["examples:", *lines] if lines else []
+    return "\n".join(
+        [
+            *head,
+            f"read the output: batchgen show {out}  |  pandas.read_parquet({out!r})  |  "
+            f"duckdb: SELECT * FROM read_parquet('{out}/**/*.parquet')",
+        ]
+    )

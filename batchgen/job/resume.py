@@ -1,0 +1,85 @@
+"""What a run still has to do when the output directory already holds some of the job (a resume), and the
+check that the input of what it keeps did not change."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+from batchgen.data.manifest import Manifest
+from batchgen.data.output_dir import OutputDir
+from batchgen.data.reader import WindowSpec, iter_windows
+from batchgen.data.values import window_sha256
+from batchgen.errors import ConfigError
+from batchgen.job.plan import JobPlan
+
+logger = logging.getLogger("batchgen.job")
+
+_RETRYABLE_LEGACY = re.compile(
+    r"engine\.max_model_len|KV blocks|chat template failed|tokenizer failed|^no result$|^generation failed$"
+    r"|input unreadable"
+)
+
+
+@dataclass
+class WindowTodo:
+    """A window this run works on: all of it, or its rows not already done (checkpointed, or ok in the part
+    when retrying its error rows)."""
+
+    spec: WindowSpec
+    retry_part: bool = False
+    retry_rows: list[int] = field(default_factory=list)
+
+
+def windows_to_do(plan: JobPlan, manifest: Manifest, outdir: OutputDir) -> list[WindowTodo]:
+    """The windows without a part, and (with ``data.retry_errors``) those whose part has retryable error rows."""
+    retry = plan.cfg.data.retry_errors
+    out = []
+    for w in plan.windows:
+        rec = manifest.windows.get(w.index)
+        if rec is None:
+            out.append(WindowTodo(w))
+        elif retry and rec.rows_error:
+            rows = rec.retry_rows or (
+                _legacy_retry_rows(plan, outdir, w.index) if rec.input_sha256 is None else []
+            )
+            if rows:
+                out.append(WindowTodo(w, retry_part=True, retry_rows=rows))
+    return out
+
+
+def _legacy_retry_rows(plan: JobPlan, outdir: OutputDir, window: int) -> list[int]:
+    """Retryable rows of a part written by batchgen <= 0.1 (which did not record them): by message."""
+    t = outdir.read_part(window)
+    n = plan.cfg.sampling.n
+    errs = t.column("error").to_pylist()
+    return sorted({i // n for i, e in enumerate(errs) if e is not None and _RETRYABLE_LEGACY.search(e)})
+
+
+def verify_skipped_input(plan: JobPlan, manifest: Manifest, out_dir: str) -> None:
+    """ConfigError naming the window when the input rows of a window whose output is kept changed."""
+    hashes = {w: r.input_sha256 for w, r in manifest.windows.items() if r.input_sha256}
+    hashes.update({w: p.input_sha256 for w, p in manifest.partial.items() if p.input_sha256})
+    if not hashes:
+        return
+    t0 = time.monotonic()
+    specs = [w for w in plan.windows if w.index in hashes]
+    for win in iter_windows(plan.input, specs, plan.columns, schema=plan.read_schema):
+        if win.unreadable or window_sha256(win.table) != hashes[win.index]:
+            files = [
+                f.rel_path
+                for f in plan.input.files
+                if f.row_start < win.spec.row_end and f.row_start + f.num_rows > win.spec.row_start
+            ]
+            raise ConfigError(
+                f"the input changed since window {win.index} (input rows {win.spec.row_start}..{win.spec.row_end}"
+                f" in {', '.join(repr(f) for f in files[:3])}) was processed: the content of its rows differs "
+                f"from what {out_dir!r} was generated from. Restore the original input, or pass "
+                "data.overwrite=true to start over"
+            )
+    logger.info(
+        "input unchanged for the %d window(s) already processed (checked in %.1f s)",
+        len(specs), time.monotonic() - t0,
+    )  # fmt: skip

@@ -1,0 +1,55 @@
+"""Counting the rows a run finishes: errors by kind (with an example message each), the engine's successes
+and failures, and a few successful rows to show in the summary."""
+
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import dataclass, field
+
+from batchgen.engine.outputs import RequestOutput
+
+NUM_EXAMPLES = 3  # rows shown in the summary
+
+
+def error_key(msg: str) -> str:
+    """An error message with its numbers blanked, to count errors of one kind together."""
+    return re.sub(r"\d+", "N", msg)[:120]
+
+
+@dataclass
+class RowTally:
+    """Rows finished this run (failed before generation, or by the engine); ``engine_*`` count only the
+    engine's. ``error_examples`` holds the first message of each kind (:func:`error_key`)."""
+
+    rows_finished: int = 0
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    error_examples: dict[str, str] = field(default_factory=dict)
+    engine_done: int = 0
+    engine_ok: int = 0
+    engine_errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    examples: list[tuple[list[int], str]] = field(default_factory=list)  # (prompt token ids, text) of ok rows
+
+    def count(self, ok: bool, error: str | None) -> None:
+        """One finished row: ``ok``, or failed with ``error`` (None: not counted as an error kind)."""
+        self.rows_finished += 1
+        if not ok and error is not None:
+            key = error_key(error)
+            self.errors[key] += 1
+            self.error_examples.setdefault(key, error)
+
+    def engine_output(self, out: RequestOutput) -> bool:
+        """Count the engine's result for one row; returns whether it succeeded."""
+        ok = not out.error and all(c.finish_reason != "error" for c in out.outputs)
+        self.count(ok, out.error or (None if ok else "generation failed"))
+        self.engine_done += 1
+        self.engine_ok += ok
+        if ok and len(self.examples) < 8 * NUM_EXAMPLES and out.outputs:
+            self.examples.append((out.prompt_token_ids, out.outputs[0].text))
+        if not ok:
+            self.engine_errors[error_key(out.error or "generation failed")] += 1
+        return ok
+
+    def engine_error_messages(self) -> list[str]:
+        """One example message per row the engine failed (the example of its kind)."""
+        return [self.error_examples[k] for k, c in self.engine_errors.items() for _ in range(c)]

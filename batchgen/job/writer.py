@@ -1,0 +1,77 @@
+"""Writing a run's output: a finished window becomes one part file (its checkpointed rows folded in) and a
+manifest record; the finished rows of unfinished windows are checkpointed."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from batchgen.data.manifest import WindowRecord
+from batchgen.data.output_dir import OutputDir
+from batchgen.data.parts import assemble_part, build_rows
+from batchgen.job.feeder import WindowWork
+from batchgen.job.plan import JobPlan
+
+logger = logging.getLogger("batchgen.job")
+
+
+class PartWriter:
+    """Commits windows and checkpoints rows into ``outdir``; counts what this run committed
+    (``windows_done``, ``rows_done``). ``last_checkpoint``: ``time.monotonic()`` of the last checkpoint (or of
+    the start of the run)."""
+
+    def __init__(self, plan: JobPlan, outdir: OutputDir, last_checkpoint: float) -> None:
+        self.plan, self.outdir = plan, outdir
+        self.last_checkpoint = last_checkpoint
+        self.windows_done = 0
+        self.rows_done = 0
+
+    def commit(self, work: WindowWork) -> None:
+        """Window ``work`` (every row finished) as its part file and manifest record, atomically."""
+        layout, spec = self.plan.part_layout, work.spec
+        fresh = build_rows(layout, work.rows, work.results, work.extra, only=work.todo_positions)
+        meta = {"index": spec.index, "row_start": spec.row_start, "row_end": spec.row_end}
+        table, st = assemble_part(layout, [*work.pieces, fresh], spec.num_rows, meta)
+        record = WindowRecord(
+            part="",
+            row_start=spec.row_start,
+            row_end=spec.row_end,
+            num_output_rows=st.num_output_rows,
+            rows_ok=st.rows_ok,
+            rows_error=st.rows_error,
+            prompt_tokens=st.prompt_tokens,
+            cached_tokens=st.cached_tokens,
+            generated_tokens=st.generated_tokens,
+            wall_time_s=round(work.finished_at - work.started_at, 3),
+            retry_rows=st.retry_rows,
+            input_sha256=work.input_sha256,
+        )
+        self.outdir.commit(spec.index, table, record)
+        self.windows_done += 1
+        self.rows_done += len(work.todo_positions)
+
+    def checkpoint_due(self) -> bool:
+        """Whether ``run.checkpoint_interval_s`` (> 0) has passed since the last checkpoint."""
+        interval = self.plan.cfg.run.checkpoint_interval_s
+        return interval > 0 and time.monotonic() - self.last_checkpoint >= interval
+
+    def checkpoint(self, works: list[WindowWork]) -> int:
+        """Write the rows finished (and not yet checkpointed) of unfinished windows; returns how many."""
+        self.last_checkpoint = time.monotonic()
+        total = 0
+        for work in sorted(works, key=lambda w: w.spec.index):
+            new = [p for p in work.finished_positions() if p not in work.checkpointed]
+            if not new:
+                continue
+            piece = build_rows(self.plan.part_layout, work.rows, work.results, work.extra, only=new)
+            ok = sum(
+                1
+                for p in new
+                if work.rows[p].error is None and not (work.results[p] and work.results[p].error)  # type: ignore[union-attr]
+            )
+            self.outdir.write_checkpoint(work.spec.index, piece, len(new), ok, work.input_sha256)
+            work.checkpointed.update(new)
+            total += len(new)
+        if total:
+            logger.info("checkpointed %d finished row(s) of %d unfinished window(s)", total, len(works))
+        return total
