@@ -155,65 +155,66 @@ class InputBatch:
         self._next ^= 1
         return buf
 
+    def _tokens(self, out: SchedulerOutput, starts: np.ndarray) -> tuple[_BufferSet, np.ndarray, np.ndarray]:
+        """Token ids, positions and query offsets written into the next buffer set; returns it, the positions
+        and each token's index into ``out.seqs``."""
+        seqs, nd = out.seqs, out.num_decodes
+        num_seqs = len(seqs)
+        if nd == num_seqs:  # decode-only: one token per sequence, at its start
+            buf = self._buffers(num_seqs, num_seqs)
+            b = buf.np
+            b["ids"][:nd] = [s.seq.token_ids[s.start] for s in seqs]
+            b["cu"][: nd + 1] = np.arange(nd + 1)
+            b["pos"][:nd] = starts
+            return buf, starts, np.arange(num_seqs)
+        q = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=num_seqs)
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        num_tokens = int(cu[-1])
+        buf = self._buffers(num_tokens, num_seqs)
+        b = buf.np
+        decode_ids = (s.seq.token_ids[s.start] for s in seqs[:nd])
+        chunks = (s.seq.token_ids[s.start : s.start + s.num_tokens] for s in seqs[nd:])
+        b["ids"][:num_tokens] = np.fromiter(
+            itertools.chain(decode_ids, itertools.chain.from_iterable(chunks)),
+            dtype=np.int64,
+            count=num_tokens,
+        )
+        b["cu"][: num_seqs + 1] = cu
+        seq_idx = np.repeat(np.arange(num_seqs), q)
+        positions = starts[seq_idx] + (np.arange(num_tokens) - cu[seq_idx])
+        b["pos"][:num_tokens] = positions
+        return buf, positions, seq_idx
+
     def build(self, out: SchedulerOutput) -> StepInputs:
         """The step's flat inputs. Per sequence only its token ids (one item for a decode) are read in
         Python; positions, slots, lengths, offsets and block tables are numpy operations over the batch."""
         bs = self.block_size
         seqs = out.seqs
-        nd = out.num_decodes
         num_seqs = len(seqs)
         rows = self.assign_rows(out)
         starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=num_seqs)
-        if nd == num_seqs:
-            num_tokens = num_seqs
-            buf = self._buffers(num_tokens, num_seqs)
-            b = buf.np
-            b["ids"][:nd] = [s.seq.token_ids[s.start] for s in seqs]
-            b["cu"][: nd + 1] = np.arange(nd + 1)
-            max_query_len = 1
-            b["pos"][:nd] = starts
-            positions = starts
-            row_of_token = rows
-            seq_lens = starts + 1
-        else:
-            q = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=num_seqs)
-            cu = np.zeros(num_seqs + 1, dtype=np.int64)
-            np.cumsum(q, out=cu[1:])
-            num_tokens = int(cu[-1])
-            buf = self._buffers(num_tokens, num_seqs)
-            b = buf.np
-            b["ids"][:num_tokens] = np.fromiter(
-                itertools.chain(
-                    (s.seq.token_ids[s.start] for s in seqs[:nd]),
-                    itertools.chain.from_iterable(
-                        s.seq.token_ids[s.start : s.start + s.num_tokens] for s in seqs[nd:]
-                    ),
-                ),
-                dtype=np.int64,
-                count=num_tokens,
-            )
-            b["cu"][: num_seqs + 1] = cu
-            max_query_len = int(q.max())
-            seq_idx = np.repeat(np.arange(num_seqs), q)
-            positions = starts[seq_idx] + (np.arange(num_tokens) - cu[seq_idx])
-            b["pos"][:num_tokens] = positions
-            row_of_token = rows[seq_idx]
-            seq_lens = starts + q
+        buf, positions, seq_idx = self._tokens(out, starts)
+        b = buf.np
+        num_tokens = positions.shape[0]
+        cu_host = b["cu"]
+        q = np.diff(cu_host[: num_seqs + 1])
+        seq_lens = starts + q
+        row_of_token = rows[seq_idx]
         tables = self.tables
         b["slots"][:num_tokens] = tables[row_of_token, positions // bs] * bs + positions % bs
         b["lens"][:num_seqs] = seq_lens
         max_blocks = int(self.row_lens[rows].max())
         buf.tables(num_seqs, max_blocks)[:] = tables[rows, :max_blocks]
-        cu_host = b["cu"]
         last = cu_host[np.array(out.logit_rows, dtype=np.int64) + 1] - 1
         meta = AttentionMetadata(
             slot_mapping=buf.tensor("slots", num_tokens),
-            num_decode_seqs=nd,
+            num_decode_seqs=out.num_decodes,
             seq_lens=buf.tensor("lens", num_seqs),
             cu_seqlens_q=buf.tensor("cu", num_seqs + 1),
             block_tables=buf.tensor("tables", num_seqs, max_blocks),
             max_seq_len=int(seq_lens.max()),
-            max_query_len=max_query_len,
+            max_query_len=int(q.max()),
         )
         return StepInputs(
             ids=buf.tensor("ids", num_tokens),
