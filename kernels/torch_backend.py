@@ -6,8 +6,10 @@ Written for speed on the CPU: K/V are gathered once per call with ``index_select
 to float32 as a copy, and attention runs in ``torch.nn.functional.scaled_dot_product_attention`` (the fused CPU
 flash kernel: float32 softmax and accumulation, GQA without repeating K/V) on strided views of the gathered
 blocks. There is no Python loop per token; prefill loops over sequences only when padding them into one
-batch would waste more than it saves (:func:`_padding_buckets`), and decode reads a prefix shared by a group of
-sequences once for the whole group (cascade attention, :func:`_decode_cascade`).
+batch would waste more than it saves (:func:`_padding_buckets`), decode reads a prefix shared by a group of
+sequences once for the whole group (cascade attention, :func:`_decode_cascade`), and a decode batch of very
+different context lengths runs in groups of similar length so padding never reads over 25% more blocks than
+needed (:func:`_decode_groups`).
 
 Attention options (an :class:`.options.AttentionOptions` with a ``sliding_window``, ``softcap`` or ``sinks``;
 semantics in :mod:`.reference`) take one general
@@ -21,6 +23,8 @@ softmax row is empty; positions past a sequence's length are masked out and neve
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -115,8 +119,9 @@ def paged_decode_attention(
 ) -> Tensor:
     """One query per sequence (the token at position ``seq_lens[b] - 1``) attending to its whole context.
 
-    ``q [B,Hq,D]`` → ``[B,Hq,D]``. Sequences are padded to the longest context (padding keys masked).
-    With an option set, the general masked path (no cascade).
+    ``q [B,Hq,D]`` → ``[B,Hq,D]``. Sequences are padded to the longest context (padding keys masked), in
+    groups of similar context when one padded batch would read over 25% more blocks than needed
+    (:func:`_decode_groups`). With an option set, the general masked path (no cascade).
     """
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
@@ -125,24 +130,119 @@ def paged_decode_attention(
         cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
         return _prefill_padded(q, k_cache, v_cache, cu, seq_lens, block_tables, options, workspace)
     scale = options.scale
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
     lens = seq_lens.to(q.device)
     if batch >= 2 * _CASCADE_MIN_GROUP:
         out = _decode_cascade(q, k_cache, v_cache, block_tables, lens, scale, workspace, plan_cache)
         if out is not None:
             return out
-    max_len, min_len = int(lens.max()), int(lens.min())
-    num_blocks = (max_len + block_size - 1) // block_size
-    ids = block_tables[:, :num_blocks]
-    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    plan = _decode_plan(block_tables, lens, block_size, plan_cache)
+    if len(plan.groups) == 1:
+        _, _, ids, max_len, mask = plan.groups[0]
+        return _decode_padded(q, k_cache, v_cache, ids, max_len, mask, scale, workspace)
+    qs = q.index_select(0, plan.order)  # sequences sorted by group: every group is a slice
+    out = torch.empty_like(qs)
+    for start, end, ids, max_len, mask in plan.groups:
+        out[start:end] = _decode_padded(qs[start:end], k_cache, v_cache, ids, max_len, mask, scale, workspace)
+    return out.index_select(0, plan.inverse)
+
+
+_DECODE_PAD_SLACK = 1.25
+"""A decode group is padded to its longest context: it may read at most this many times its members' blocks."""
+
+
+def _decode_groups(lens: list[int], block_size: int) -> list[list[int]] | None:
+    """Sequences grouped by context length, longest first, so that padding each group to its longest context
+    reads at most :data:`_DECODE_PAD_SLACK` times the blocks its members need; None when the whole batch
+    already does (one padded call)."""
+    blocks = [(n + block_size - 1) // block_size for n in lens]
+    if max(blocks) * len(blocks) <= _DECODE_PAD_SLACK * sum(blocks):
+        return None
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    total = 0
+    for b in sorted(range(len(lens)), key=blocks.__getitem__, reverse=True):
+        if cur and blocks[cur[0]] * (len(cur) + 1) > _DECODE_PAD_SLACK * (total + blocks[b]):
+            groups.append(cur)
+            cur, total = [], 0
+        cur.append(b)
+        total += blocks[b]
+    groups.append(cur)
+    return groups
+
+
+@dataclass
+class _DecodePlan:
+    """How a decode batch is attended, the same for every layer of a forward: ``groups`` of
+    ``(start, end, block ids, max_len, padding mask or None)`` over the batch reordered by ``order`` (the
+    identity, and one group, when the batch is attended in one padded call); ``inverse`` undoes ``order``."""
+
+    groups: list[tuple[int, int, Tensor, int, Tensor | None]]
+    order: Tensor | None = None
+    inverse: Tensor | None = None
+
+
+def _decode_plan(block_tables: Tensor, lens: Tensor, block_size: int, plan_cache: dict | None) -> _DecodePlan:
+    """The batch's :class:`_DecodePlan` (computed once per forward when ``plan_cache`` is given)."""
+    if plan_cache is not None and "decode_plan" in plan_cache:
+        return plan_cache["decode_plan"]
+    lens_list = lens.tolist()
+    grouping = _decode_groups(lens_list, block_size)
+    if grouping is None:
+        plan = _DecodePlan([(0, len(lens_list), *_padding(block_tables, lens, lens_list, block_size))])
+    else:
+        flat = [b for g in grouping for b in g]
+        order = torch.tensor(flat, device=lens.device)
+        tables, lens_sorted = block_tables[order.to(block_tables.device)], lens[order]
+        groups, start = [], 0
+        for g in grouping:
+            end = start + len(g)
+            sub = _padding(tables[start:end], lens_sorted[start:end], [lens_list[b] for b in g], block_size)
+            groups.append((start, end, *sub))
+            start = end
+        plan = _DecodePlan(groups, order, torch.argsort(order))
+    if plan_cache is not None:
+        plan_cache["decode_plan"] = plan
+    return plan
+
+
+def _padding(
+    block_tables: Tensor, lens: Tensor, lens_list: list[int], block_size: int
+) -> tuple[Tensor, int, Tensor | None]:
+    """(block ids ``[B, blocks]``, max_len, boolean mask ``[B,1,1,max_len]`` or None) of a padded batch."""
+    max_len, min_len = max(lens_list), min(lens_list)
+    ids = block_tables[:, : (max_len + block_size - 1) // block_size]
+    mask = None
+    if min_len != max_len:
+        pos = torch.arange(max_len, device=lens.device)
+        mask = (pos[None, :] < lens[:, None]).view(len(lens_list), 1, 1, max_len)
+    return ids, max_len, mask
+
+
+def _decode_padded(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    ids: Tensor,
+    max_len: int,
+    mask: Tensor | None,
+    scale: float,
+    workspace: Workspace | None,
+) -> Tensor:
+    """Decode attention of a batch padded to ``max_len`` keys (``mask``: the real ones): one gather of the
+    blocks ``ids``, one SDPA call. The ``group`` query heads of a KV head attend as ``group`` queries of that
+    head (GQA without repeating K/V, and faster on the CPU than SDPA's ``enable_gqa``)."""
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    shape = (batch, ids.shape[1] * block_size, num_kv_heads, head_dim)
     # [B, L, Hkv, D] -> strided [B, Hkv, L, D] views: no copy beyond the gather itself.
     k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :max_len].transpose(1, 2)
     v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :max_len].transpose(1, 2)
-    mask = None
-    if min_len != max_len:
-        pos = torch.arange(max_len, device=q.device)
-        mask = (pos[None, :] < lens[:, None]).view(batch, 1, 1, max_len)
-    out = _sdpa(q.unsqueeze(2), k, v, mask, scale)  # [B, Hq, 1, D]
+    if q.dtype == k.dtype:
+        qg = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    else:
+        out = _sdpa(q.unsqueeze(2), k, v, mask, scale)  # [B, Hq, 1, D]
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 

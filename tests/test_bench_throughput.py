@@ -126,3 +126,31 @@ def test_throughput_smoke(tmp_path) -> None:
     assert check["passed"] and check["mismatching_prompts"] == {"torch vs transformers": 0}
     assert "| batchgen |" in (out / "results.md").read_text()
     assert "| batchgen |" in proc.stdout
+
+
+def test_ct2_system_skips_with_reason_without_ctranslate2(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchgen.bench import ct2, systems
+
+    monkeypatch.setattr(ct2, "missing_reason", lambda: "ctranslate2 is not installed (test)")
+    res = systems.run({"system": "ct2", "threads": 1, "device": "cpu"})
+    assert res["status"] == "skipped" and "ctranslate2" in res["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ct2_system_matches_transformers(tmp_path) -> None:
+    """CTranslate2 (float32, converted from the same checkpoint) gives transformers' greedy tokens."""
+    pytest.importorskip("ctranslate2", reason="the bench-ct2 extra (ctranslate2) is not installed")
+    out = tmp_path / "bench"
+    env = dict(os.environ, BATCHGEN_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "batchgen.bench.throughput", "workload=long_tail", "rows=8", "max_tokens=4"]
+    cmd += ["repeats=1", "threads=1", "matmul_seconds=0.02", "device=cpu", f"output_dir={out}"]
+    cmd += ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1"]
+    cmd += ["model.intermediate_size=64", "systems=[hf_generate,ct2]", "ct2_batch_sizes=[4,8]"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((out / "results.json").read_text())["workloads"]["long_tail"]["systems"]["ct2"]
+    assert s["status"] == "ok", s
+    assert s["mismatch_rows"] == 0, s.get("mismatch_examples")
+    assert s["settings"]["max_batch_size"] in (4, 8)
+    assert set(s["settings"]["batch_size_sweep_tok_s"]) == {"4", "8"}

@@ -1,9 +1,12 @@
 """The engine's hot-loop fast paths agree with from-scratch rebuilds (issue 17).
 
-* decode fast path (``KVCacheManager.append_one``, live block tables) and numpy ``prepare_inputs``: at every
-  step of random workloads that admit, finish, preempt (recompute and swap) and fork (n > 1, beams), every
-  scheduled block table equals the KV manager's table, and the runner's inputs equal a straightforward
-  per-sequence rebuild (the pre-issue-17 code, kept here as the reference);
+* decode fast path (``KVCacheManager.append_one``, live block tables) and the persistent input buffers
+  (:class:`~batchgen.engine.input_batch.InputBatch`): at every step of random workloads that admit, finish,
+  abort, preempt (recompute and swap) and fork (n > 1, beams), every scheduled block table equals the KV
+  manager's table, the persistent block-table rows equal the step's tables, and the runner's inputs equal a
+  straightforward per-sequence rebuild (the pre-issue-17 code, kept here as the reference);
+* the persistent per-row sampling settings (:class:`~batchgen.engine.sampler.SamplingBatch`) equal the rows'
+  params at every step;
 * padded decode buckets (the CUDA-graph input path, forced on CPU) give identical tokens.
 """
 
@@ -18,7 +21,7 @@ import torch
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.model_runner import ModelRunner, decode_buckets
-from batchgen.engine.sampler import _argmax
+from batchgen.engine.sampler import SamplingBatch, SamplingTensors, _argmax
 from batchgen.sampling_params import SamplingParams
 
 
@@ -45,7 +48,7 @@ def _checked_engine(ckpt: str, **cfg) -> tuple[LLMEngine, list[int]]:
     engine = LLMEngine(ckpt, EngineConfig(device="cpu", **cfg))
     runner, kv = engine.runner, engine.scheduler.kv
     inner = runner.prepare_inputs
-    checked = [0]
+    checked = [0, 0, 0]  # steps checked, sequences scheduled, block-table rows rewritten
 
     def prepare(out):
         for s in out.seqs:
@@ -53,6 +56,7 @@ def _checked_engine(ckpt: str, **cfg) -> tuple[LLMEngine, list[int]]:
             assert s.start == s.seq.num_computed_tokens
             assert kv.num_tokens(s.seq.seq_id) >= s.start + s.num_tokens
         ids, pos, meta, last = inner(out)
+        runner.input_batch.check(out)  # persistent block-table rows == this step's tables
         ref = reference_inputs(out, runner.block_size)
         assert ids.tolist() == ref[0]
         assert pos.tolist() == ref[1]
@@ -65,9 +69,24 @@ def _checked_engine(ckpt: str, **cfg) -> tuple[LLMEngine, list[int]]:
         assert meta.num_decode_seqs == sum(1 for s in out.seqs if s.num_tokens == 1)
         assert all(s.num_tokens == 1 for s in out.seqs[: meta.num_decode_seqs])
         checked[0] += 1
+        checked[1] += len(out.seqs)
+        checked[2] += runner.input_batch.rows_written
         return ids, pos, meta, last
 
     runner.prepare_inputs = prepare
+    batch = engine.sampling_batch
+    inner_gather = batch.gather
+
+    def gather(seq_ids, params):
+        got = inner_gather(seq_ids, params)
+        want = SamplingTensors.from_params(params)
+        for f in ("temperature", "top_k", "top_p", "min_p"):
+            assert getattr(got, f).tolist() == getattr(want, f).tolist(), f
+        assert set(batch.row_of) == set(seq_ids)
+        assert not set(batch.row_of.values()) & set(batch.free_rows)
+        return got
+
+    batch.gather = gather
     return engine, checked
 
 
@@ -95,6 +114,8 @@ def test_incremental_state_matches_rebuild(llama_ckpt: str, mode: str, seed: int
             beam = n == 1 and rng.random() < 0.15
             params = SamplingParams(
                 temperature=rng.choice([0.0, 0.0, 0.8]) if not beam else 0.0,
+                top_k=rng.choice([0, 5]),
+                top_p=rng.choice([1.0, 0.9]),
                 max_tokens=rng.randint(1, 40),
                 n=n if not beam else 1,
                 beam_width=2 if beam else 1,
@@ -113,6 +134,7 @@ def test_incremental_state_matches_rebuild(llama_ckpt: str, mode: str, seed: int
     while engine.has_unfinished():
         engine.step()
     assert checked[0] > 20
+    assert checked[2] < checked[1]  # the persistent rows were reused, not rebuilt every step
     preemptions.append(engine.stats.num_preemptions)
     kv = engine.scheduler.kv
     assert len(kv) == 0
@@ -170,3 +192,50 @@ def test_numpy_argmax_matches_torch() -> None:
     x[3, 10] = x[3, 20] = 1e9  # tie: the first index wins
     x[5, 7] = float("nan")
     assert torch.equal(_argmax(x), x.argmax(dim=-1))
+
+
+def test_sampling_batch_matches_params_under_random_admit_finish() -> None:
+    """Persistent per-row sampling settings equal the rows' params after every gather (rows reused, grown)."""
+    rng = random.Random(0)
+    batch = SamplingBatch(capacity=2)
+    params: dict[int, SamplingParams] = {}
+    next_id = 0
+    for _ in range(300):
+        for _ in range(rng.randint(0, 3)):  # admit
+            params[next_id] = SamplingParams(
+                temperature=rng.choice([0.0, 0.7, 1.3]),
+                top_k=rng.choice([0, 3, 50]),
+                top_p=rng.choice([1.0, 0.8]),
+                min_p=rng.choice([0.0, 0.1]),
+            )
+            next_id += 1
+        for sid in rng.sample(sorted(params), k=min(len(params), rng.randint(0, 2))):  # finish / abort
+            del params[sid]
+        step = [sid for sid in params if rng.random() < 0.8]  # the rest skip this step (or are preempted)
+        rng.shuffle(step)
+        got = batch.gather(step, [params[s] for s in step])
+        want = SamplingTensors.from_params([params[s] for s in step])
+        for f in ("temperature", "top_k", "top_p", "min_p"):
+            assert getattr(got, f).tolist() == getattr(want, f).tolist()
+        assert sorted(batch.row_of) == sorted(step)
+        assert len(set(batch.row_of.values())) == len(step)
+    assert len(batch.arrays) > 2  # it grew
+
+
+def test_prepare_inputs_outside_inference_mode(llama_ckpt: str) -> None:
+    """The persistent buffers are plain tensors: a step can be prepared again outside ``inference_mode``
+    (benchmarks and tools call ``prepare_inputs`` directly), and on the CPU the step's tensors are views of
+    the buffers (no copy)."""
+    engine = LLMEngine(llama_ckpt, EngineConfig(device="cpu", num_blocks=32, max_num_seqs=4))
+    for i in range(3):
+        engine.add_request(i, [5 + i, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    outs = []
+    inner = engine.runner.prepare_inputs
+    engine.runner.prepare_inputs = lambda out: outs.append(out) or inner(out)
+    engine.step()
+    engine.step()
+    ids, pos, meta, last = engine.runner.prepare_inputs(outs[-1])
+    assert ids.tolist() == reference_inputs(outs[-1], engine.runner.block_size)[0]
+    assert ids.untyped_storage().data_ptr() in {
+        b.host["ids"].untyped_storage().data_ptr() for b in engine.runner.input_batch._sets
+    }

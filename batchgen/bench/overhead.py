@@ -133,29 +133,79 @@ class Result:
     loadavg: float
 
 
+def _engine(mix: Mix, n: int, seed: int, device: str, model: str | None) -> Any:
+    """The engine of one configuration: N sequences, the mix's token budget, a pool that fits ~5N/4 of them."""
+    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.llm_engine import LLMEngine
+
+    bs = 16
+    per_seq = -(-(mix.prompt[1] + mix.output[1]) // bs)
+    config = EngineConfig(
+        block_size=bs,
+        max_num_seqs=n,
+        max_num_batched_tokens=mix.budget_per_seq * n if mix.budget_per_seq else 4096,
+        num_blocks=n * per_seq * 5 // 4 + 64,
+        device=device,
+        seed=seed,
+    )
+    return LLMEngine(model or overhead_model(), config, dtype="float32")
+
+
+def _feeder(engine: Any, mix: Mix, n: int, seed: int) -> Callable[[], None]:
+    """A function keeping at least 2N requests in the engine (called outside the timed steps)."""
+    from batchgen.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = engine.model.config.vocab_size
+    next_id = 0
+
+    def feed() -> None:
+        nonlocal next_id
+        while engine.num_unfinished() < 2 * n:
+            prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(*mix.prompt))]
+            params = SamplingParams(temperature=0.0, max_tokens=rng.randint(*mix.output), ignore_eos=True)
+            engine.add_request(next_id, prompt, params)
+            next_id += 1
+
+    return feed
+
+
+_Row = tuple[float, int, int, int, dict[str, float]]
+"""One step: (step seconds, scheduled sequences, batched tokens, running sequences, phase seconds)."""
+
+
+def _summarise(mix: Mix, n: int, budget: int, measured: list[_Row], decodes: list[int]) -> Result:
+    total = sum(r[0] for r in measured)
+    phase = {p: sum(r[4].get(p, 0.0) for r in measured) for p in PHASES[:-1]}
+    phase["other"] = total - sum(phase.values())
+    seq_steps = sum(r[1] for r in measured)
+    tokens = sum(r[2] for r in measured)
+    outside = total - phase["forward"]
+    k = len(measured)
+    return Result(
+        mix=mix.name,
+        max_num_seqs=n,
+        max_num_batched_tokens=budget,
+        steps=k,
+        running_seqs=statistics.fmean(r[3] for r in measured),
+        scheduled_seqs=seq_steps / k,
+        batched_tokens=tokens / k,
+        prefill_token_share=1.0 - sum(decodes) / tokens if tokens else 0.0,
+        step_ms=total / k * 1e3,
+        phase_ms={p: v / k * 1e3 for p, v in phase.items()},
+        us_per_seq_step_outside_forward=outside / max(seq_steps, 1) * 1e6,
+        us_per_token_outside_forward=outside / max(tokens, 1) * 1e6,
+        loadavg=os.getloadavg()[0],
+    )
+
+
 def measure(
     mix: Mix, n: int, steps: int, warmup: int, seed: int = 0, device: str = "cpu", model: str | None = None
 ) -> tuple[Result, dict[str, int]]:
     """One engine, one configuration; returns the figures and the number of timed calls per phase."""
     import torch
 
-    from batchgen.engine.config import EngineConfig
-    from batchgen.engine.llm_engine import LLMEngine
-    from batchgen.sampling_params import SamplingParams
-
-    bs = 16
-    budget = mix.budget_per_seq * n if mix.budget_per_seq else 4096
-    per_seq = -(-(mix.prompt[1] + mix.output[1]) // bs)
-    config = EngineConfig(
-        block_size=bs,
-        max_num_seqs=n,
-        max_num_batched_tokens=budget,
-        num_blocks=n * per_seq * 5 // 4 + 64,
-        device=device,
-        seed=seed,
-    )
-    engine = LLMEngine(model or overhead_model(), config, dtype="float32")
-    vocab = engine.model.config.vocab_size
+    engine = _engine(mix, n, seed, device, model)
     timer = PhaseTimer(torch.cuda.synchronize if engine.device.type == "cuda" else None)
     timer.install(engine)
     decodes: list[int] = []
@@ -167,58 +217,19 @@ def measure(
         return out
 
     engine.scheduler.schedule = schedule
-    rows: list[tuple[float, int, int, int, dict[str, float]]] = []
+    rows: list[_Row] = []
 
     def on_step(info: Any) -> None:
-        rows.append(
-            (
-                info.step_time_s,
-                info.num_scheduled_seqs,
-                info.num_batched_tokens,
-                info.stats.running_seqs,
-                timer.take(),
-            )
-        )
+        step = (info.step_time_s, info.num_scheduled_seqs, info.num_batched_tokens, info.stats.running_seqs)
+        rows.append((*step, timer.take()))
 
     engine.add_step_listener(on_step)
-    rng = random.Random(seed)
-    next_id = 0
-
-    def feed() -> None:  # keep at least 2N requests in the engine (outside the timed steps)
-        nonlocal next_id
-        while engine.num_unfinished() < 2 * n:
-            prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(*mix.prompt))]
-            params = SamplingParams(temperature=0.0, max_tokens=rng.randint(*mix.output), ignore_eos=True)
-            engine.add_request(next_id, prompt, params)
-            next_id += 1
-
+    feed = _feeder(engine, mix, n, seed)
     for _ in range(warmup + steps):
         feed()
         engine.step()
-    measured = rows[warmup:]
-    total = sum(r[0] for r in measured)
-    phase = {p: sum(r[4].get(p, 0.0) for r in measured) for p in PHASES[:-1]}
-    phase["other"] = total - sum(phase.values())
-    seq_steps = sum(r[1] for r in measured)
-    tokens = sum(r[2] for r in measured)
-    outside = total - phase["forward"]
-    k = len(measured)
-    result = Result(
-        mix=mix.name,
-        max_num_seqs=n,
-        max_num_batched_tokens=budget,
-        steps=k,
-        running_seqs=statistics.fmean(r[3] for r in measured),
-        scheduled_seqs=seq_steps / k,
-        batched_tokens=tokens / k,
-        prefill_token_share=1.0 - sum(decodes[warmup:]) / tokens if tokens else 0.0,
-        step_ms=total / k * 1e3,
-        phase_ms={p: v / k * 1e3 for p, v in phase.items()},
-        us_per_seq_step_outside_forward=outside / max(seq_steps, 1) * 1e6,
-        us_per_token_outside_forward=outside / max(tokens, 1) * 1e6,
-        loadavg=os.getloadavg()[0],
-    )
-    return result, dict(timer.calls)
+    budget = engine.config.max_num_batched_tokens
+    return _summarise(mix, n, budget, rows[warmup:], decodes[warmup:]), dict(timer.calls)
 
 
 def render(results: list[Result]) -> str:

@@ -20,6 +20,8 @@ Systems (all greedy, float32 by default, ``ignore_eos`` so every row generates e
   block sharing = prefix caching on) with ``page_size`` = batchgen's block size, the same number of KV token
   slots, ``max_batch_tokens`` and ``max_requests_per_batch`` as batchgen; with per-row ``max_tokens`` it uses
   the manager directly (``continuous_batching_context_manager`` + ``add_request(max_new_tokens=...)``).
+* ``ct2``: CTranslate2 (float32, its converter on the same checkpoint, its best batch size from a small sweep;
+  :mod:`batchgen.bench.ct2`), skipped with the reason without the ``bench-ct2`` extra.
 * ``vllm``: vLLM's offline ``LLM.generate`` with prefix caching, when importable and CUDA is present.
 * ``matmul``: not a system; measures achieved matmul FLOP/s at the model's shapes (for MFU).
 * ``greedy_check``: not a system; greedy equality of batchgen's attention backends (Triton on CUDA, torch) and
@@ -39,13 +41,17 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from batchgen.bench.common import rss_bytes
+from batchgen.bench.gpu_idle import ForwardEvents
 
-SYSTEMS = ("batchgen", "batchgen_nogroup", "batchgen_llm", "hf_generate", "hf_generate_batch", "vllm")
+T = TypeVar("T")
+
+SYSTEMS = ("batchgen", "batchgen_nogroup", "batchgen_llm", "hf_generate", "hf_generate_batch", "ct2", "vllm")
 
 
 class Skip(Exception):
@@ -180,33 +186,58 @@ def _warm_engine(engine: Any, w: dict[str, Any]) -> None:
         engine.step()
 
 
+def _batchgen_route(system: str) -> tuple[str, str]:
+    """(system actually run, how): the pipeline, or ``LLM.generate`` for ``batchgen_llm`` or when the
+    pipeline cannot be imported."""
+    if system == "batchgen_llm":
+        return system, "LLM.generate"
+    try:
+        import batchgen.job  # noqa: F401
+    except ImportError as e:  # pipeline not available: fall back to the engine API
+        return "batchgen_llm", f"LLM.generate (pipeline import failed: {e})"
+    return system, "pipeline (batchgen.job.run_job)"
+
+
+def _batchgen_once(
+    engine: Any, spec: dict[str, Any], w: dict[str, Any], system: str, group: bool, prof: Any
+) -> tuple[float, int, dict[int, list[int]], dict[int, int], Any]:
+    """One timed run on a warmed engine: (wall seconds, peak RSS, tokens, cached tokens, profiler)."""
+    with tempfile.TemporaryDirectory(prefix="bench-job-") as out_dir, PeakRSS() as mem:
+        _reset_cuda_peak()
+        t0 = time.perf_counter()
+        with prof as p:
+            if system == "batchgen_llm":
+                tokens, cached = _run_llm(engine, w)
+            else:
+                from batchgen.job import run_job
+
+                res = run_job(
+                    _job_config(spec, out_dir, group),
+                    engine=engine,
+                    handle_signals=False,
+                    print_summary=False,
+                )
+                if res.exit_code != 0:
+                    raise RuntimeError(f"run_job failed ({res.exit_code}): {res.message}")
+        _sync()
+        wall = time.perf_counter() - t0
+        if system != "batchgen_llm":
+            tokens, cached = _read_job_output(out_dir)
+    return wall, mem.peak, tokens, cached, p
+
+
 def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, Any]:
-    """The pipeline (``run_job``) with a fresh engine per repeat; or LLM.generate for ``batchgen_llm``."""
+    """The pipeline (``run_job``) with a fresh engine per repeat; or LLM.generate for ``batchgen_llm``.
+    With ``profile``, one more run under the profiler (not timed)."""
     from batchgen.engine.llm_engine import LLMEngine
 
-    system = spec["system"]
+    system, via = _batchgen_route(spec["system"])
     w = _load_workload(spec)
-    via = "pipeline (batchgen.job.run_job)"
-    if system != "batchgen_llm":
-        try:
-            from batchgen.job import run_job
-        except ImportError as e:  # pipeline not available: fall back to the engine API
-            via = f"LLM.generate (pipeline import failed: {e})"
-            system = "batchgen_llm"
-    else:
-        via = "LLM.generate"
     group = spec["system"] != "batchgen_nogroup"
     walls: list[float] = []
-    peak = 0
-    base_rss = 0
-    tokens: dict[int, list[int]] = {}
-    cached: dict[int, int] = {}
-    stats: dict[str, Any] = {}
-    timeline: dict[str, Any] = {}
-    sizing: dict[str, Any] = {}
-    prof_text = ""
-    n_runs = spec["repeats"] + (1 if profile else 0)
-    for rep in range(n_runs):
+    peak = base_rss = 0
+    res: dict[str, Any] = {"profile": ""}
+    for rep in range(spec["repeats"] + (1 if profile else 0)):
         profiling = profile is not None and rep == spec["repeats"]
         t_init = time.perf_counter()
         engine = LLMEngine(spec["model_path"], _engine_config(spec), dtype=spec["dtype"])
@@ -214,48 +245,29 @@ def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, 
         _warm_engine(engine, w)
         before = engine.stats.snapshot()
         tl = _Timeline(engine)
+        idle = ForwardEvents(engine) if engine.device.type == "cuda" else None
         base_rss = max(base_rss, rss_bytes())
-        with tempfile.TemporaryDirectory(prefix="bench-job-") as out_dir, PeakRSS() as mem:
-            prof = _profiler(profile) if profiling else contextlib.nullcontext()
-            _reset_cuda_peak()
-            t0 = time.perf_counter()
-            with prof as p:
-                if system == "batchgen_llm":
-                    tokens, cached = _run_llm(engine, w)
-                else:
-                    res = run_job(
-                        _job_config(spec, out_dir, group),
-                        engine=engine,
-                        handle_signals=False,
-                        print_summary=False,
-                    )
-                    if res.exit_code != 0:
-                        raise RuntimeError(f"run_job failed ({res.exit_code}): {res.message}")
-            _sync()
-            wall = time.perf_counter() - t0
-            if system != "batchgen_llm":
-                tokens, cached = _read_job_output(out_dir)
+        prof = _profiler(profile) if profiling else contextlib.nullcontext()
+        wall, mem_peak, tokens, cached, p = _batchgen_once(engine, spec, w, system, group, prof)
         if profiling:
-            prof_text = _profile_text(profile, p)
+            res["profile"] = _profile_text(profile, p)
             continue
         walls.append(wall)
-        peak = max(peak, mem.peak)
-        stats = engine.stats.delta(before).to_dict()
-        timeline = tl.to_dict()
+        peak = max(peak, mem_peak)
+        res.update(engine_stats=engine.stats.delta(before).to_dict(), timeline=tl.to_dict(), kv_sizing=sizing)
+        res.update(tokens=tokens, cached=cached, gpu_idle=idle.summary(wall) if idle else None)
         del engine
     ids = w["ids"]
+    tokens, cached = res.pop("tokens", {}), res.pop("cached", {})
     return {
+        **res,
         "via": via,
         "wall_s": walls,
         "token_ids": [tokens[i] for i in ids],
         "prompt_tokens_cached": sum(cached.get(i, 0) for i in ids),
         "cached_per_row": [cached.get(i, 0) for i in ids],
-        "engine_stats": stats,
-        "kv_sizing": sizing,
-        "timeline": timeline,
         "peak_rss": peak,
         "base_rss": base_rss,
-        "profile": prof_text,
         "settings": {
             "group_by_prefix": group if system != "batchgen_llm" else None,
             "engine": asdict(_engine_config(spec)),
@@ -361,60 +373,80 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_hf_generate(spec: dict[str, Any]) -> dict[str, Any]:
-    """Left-padded static batches of ``hf_batch_size`` rows in input order."""
-    import torch
-    from transformers import GenerationConfig
-
-    w = _load_workload(spec)
-    model = _hf_model(spec)
-    dev = model.device
-    pad = model.generation_config.pad_token_id or 0
-    bs = spec["hf_batch_size"]
-
-    def batch_tensors(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        n = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), n), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), n), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, n - len(p) :] = torch.tensor(p)
-            mask[i, n - len(p) :] = 1
-        return ids.to(dev), mask.to(dev)
-
-    def run(prompts: list[list[int]], max_tokens: list[int]) -> tuple[list[list[int]], int]:
-        out: list[list[int]] = []
-        padded = 0
-        for s in range(0, len(prompts), bs):
-            ps, mts = prompts[s : s + bs], max_tokens[s : s + bs]
-            ids, mask = batch_tensors(ps)
-            padded += ids.numel() - int(mask.sum())
-            gc = GenerationConfig(
-                max_new_tokens=max(mts),
-                min_new_tokens=0,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=pad,
-            )
-            with torch.no_grad():
-                res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
-            gen = res[:, ids.shape[1] :].tolist()
-            for g, mt in zip(gen, mts):
-                if len(g) < mt:
-                    raise RuntimeError(f"hf generate stopped early ({len(g)} < {mt} tokens)")
-                out.append(g[:mt])
-        return out, padded
-
-    run(_warm_prompts(w), [4] * 4)
-    walls, peak, tokens, padded = [], 0, [], 0
-    base = rss_bytes()
-    for _ in range(spec["repeats"]):
+def timed_repeats(
+    run: Callable[[], T], repeats: int, before: Callable[[], None] | None = None
+) -> tuple[list[float], int, T]:
+    """``repeats`` timed calls of ``run`` (``before`` untimed ahead of each): (wall seconds of each, peak RSS
+    over all, the last call's result)."""
+    walls: list[float] = []
+    peak = 0
+    result: Any = None
+    for _ in range(repeats):
+        if before is not None:
+            before()
         _reset_cuda_peak()
         with PeakRSS() as mem:
             t0 = time.perf_counter()
-            tokens, padded = run(w["token_ids"], w["max_tokens"])
+            result = run()
             _sync()
             walls.append(time.perf_counter() - t0)
         peak = max(peak, mem.peak)
+    return walls, peak, result
+
+
+def _left_padded(prompts: list[list[int]], pad: int, dev: Any) -> tuple[Any, Any]:
+    """Left-padded ``[B, T]`` input ids and attention mask."""
+    import torch
+
+    n = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), n), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), n), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p) :] = torch.tensor(p)
+        mask[i, n - len(p) :] = 1
+    return ids.to(dev), mask.to(dev)
+
+
+def _hf_static_batches(
+    model: Any, prompts: list[list[int]], max_tokens: list[int], bs: int
+) -> tuple[list[list[int]], int]:
+    """``model.generate`` over static batches of ``bs`` rows in input order: (tokens per row, pad tokens).
+
+    eos is off twice over: ``model.generation_config.eos_token_id`` is None (:func:`_hf_model`; transformers
+    5.x fills unset fields of a passed GenerationConfig from it) and the passed config sets none either."""
+    import torch
+    from transformers import GenerationConfig
+
+    assert model.generation_config.eos_token_id is None
+    pad = model.generation_config.pad_token_id or 0
+    out: list[list[int]] = []
+    padded = 0
+    for s in range(0, len(prompts), bs):
+        ps, mts = prompts[s : s + bs], max_tokens[s : s + bs]
+        ids, mask = _left_padded(ps, pad, model.device)
+        padded += ids.numel() - int(mask.sum())
+        gc = GenerationConfig(
+            max_new_tokens=max(mts), min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=pad
+        )
+        with torch.no_grad():
+            res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+        for g, mt in zip(res[:, ids.shape[1] :].tolist(), mts):
+            if len(g) < mt:
+                raise RuntimeError(f"hf generate stopped early ({len(g)} < {mt} tokens)")
+            out.append(g[:mt])
+    return out, padded
+
+
+def run_hf_generate(spec: dict[str, Any]) -> dict[str, Any]:
+    """Left-padded static batches of ``hf_batch_size`` rows in input order."""
+    w = _load_workload(spec)
+    model = _hf_model(spec)
+    bs = spec["hf_batch_size"]
+    _hf_static_batches(model, _warm_prompts(w), [4] * 4, bs)
+    base = rss_bytes()
+    walls, peak, (tokens, padded) = timed_repeats(
+        lambda: _hf_static_batches(model, w["token_ids"], w["max_tokens"], bs), spec["repeats"]
+    )
     return {
         "via": f"model.generate, left-padded static batches of {bs} (input order)",
         "wall_s": walls,
@@ -445,82 +477,81 @@ def _count_prefix_hits() -> dict[str, int]:
     return counter
 
 
-def run_hf_generate_batch(spec: dict[str, Any]) -> dict[str, Any]:
-    """transformers continuous batching with paged attention and prefix sharing."""
-    import torch
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    w = _load_workload(spec)
-    model = _hf_model(spec)
+def _cb_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """ContinuousBatchingConfig matching batchgen's engine: page size, KV slots, token and sequence caps."""
     e = spec["engine"]
-    slots = spec["kv_token_slots"]
-    cb_kwargs = dict(
+    return dict(
         page_size=e["block_size"],
-        num_blocks=max(1, slots // e["block_size"]),
+        num_blocks=max(1, spec["kv_token_slots"] // e["block_size"]),
         max_batch_tokens=e["max_num_batched_tokens"],
         max_requests_per_batch=e["max_num_seqs"],
         allow_block_sharing=True,
         seed=0,
     )
+
+
+def _hf_continuous(
+    model: Any, prompts: list[list[int]], max_tokens: list[int], cb_kwargs: dict[str, Any]
+) -> list[list[int]]:
+    """transformers' continuous batching; per-row ``max_tokens`` through the manager directly."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
     pad = model.generation_config.pad_token_id or 0
+    gc = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=False, eos_token_id=-1, pad_token_id=pad)
+    cbc = ContinuousBatchingConfig(**cb_kwargs)
+    if len(set(max_tokens)) == 1:
+        res = model.generate_batch(
+            inputs=prompts, generation_config=gc, continuous_batching_config=cbc, warmup=False
+        )
+        outs = list(res.values())  # in input order
+    else:  # per-row max_new_tokens: drive the manager directly, in generate_batch's (sorted) order
+        order = sorted(range(len(prompts)), key=lambda i: prompts[i], reverse=True)
+        results: dict[str, Any] = {}
+        with model.continuous_batching_context_manager(
+            generation_config=gc, continuous_batching_config=cbc, block=True, timeout=5, warmup=False
+        ) as manager:
+            for i in order:
+                manager.add_request(
+                    prompts[i], request_id=f"r{i}", max_new_tokens=max_tokens[i], eos_token_id=-1
+                )
+            while len(results) < len(prompts):
+                r = manager.get_result(timeout=1)
+                if r is not None and r.is_finished():
+                    results[r.request_id] = r
+                elif r is None and not manager.is_running():
+                    raise RuntimeError("transformers continuous batching thread stopped")
+        outs = [results[f"r{i}"] for i in range(len(prompts))]
+    tokens = []
+    for o, mt in zip(outs, max_tokens):
+        if o.error:
+            raise RuntimeError(f"generate_batch request failed: {o.error}")
+        tokens.append(list(o.generated_tokens)[:mt])
+    return tokens
+
+
+def run_hf_generate_batch(spec: dict[str, Any]) -> dict[str, Any]:
+    """transformers continuous batching with paged attention and prefix sharing."""
+    import torch
+
+    w = _load_workload(spec)
+    model = _hf_model(spec)
+    cb_kwargs = _cb_kwargs(spec)
     hits = _count_prefix_hits()
     uniform = len(set(w["max_tokens"])) == 1
-
-    def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-        gc = GenerationConfig(
-            max_new_tokens=max(max_tokens), do_sample=False, eos_token_id=-1, pad_token_id=pad
-        )
-        cbc = ContinuousBatchingConfig(**cb_kwargs)
-        if len(set(max_tokens)) == 1:
-            res = model.generate_batch(
-                inputs=prompts, generation_config=gc, continuous_batching_config=cbc, warmup=False
-            )
-            outs = list(res.values())  # in input order
-        else:  # per-row max_new_tokens: drive the manager directly, in generate_batch's (sorted) order
-            order = sorted(range(len(prompts)), key=lambda i: prompts[i], reverse=True)
-            results: dict[str, Any] = {}
-            with model.continuous_batching_context_manager(
-                generation_config=gc, continuous_batching_config=cbc, block=True, timeout=5, warmup=False
-            ) as manager:
-                for i in order:
-                    manager.add_request(
-                        prompts[i], request_id=f"r{i}", max_new_tokens=max_tokens[i], eos_token_id=-1
-                    )
-                while len(results) < len(prompts):
-                    r = manager.get_result(timeout=1)
-                    if r is not None and r.is_finished():
-                        results[r.request_id] = r
-                    elif r is None and not manager.is_running():
-                        raise RuntimeError("transformers continuous batching thread stopped")
-            outs = [results[f"r{i}"] for i in range(len(prompts))]
-        tokens = []
-        for o, mt in zip(outs, max_tokens):
-            if o.error:
-                raise RuntimeError(f"generate_batch request failed: {o.error}")
-            tokens.append(list(o.generated_tokens)[:mt])
-        return tokens
-
     with torch.no_grad():
-        run(_warm_prompts(w), [4] * 4)
-        walls, peak, tokens = [], 0, []
+        _hf_continuous(model, _warm_prompts(w), [4] * 4, cb_kwargs)
         base = rss_bytes()
-        cached = 0
-        for _ in range(spec["repeats"]):
-            hits["tokens"] = 0
-            _reset_cuda_peak()
-            with PeakRSS() as mem:
-                t0 = time.perf_counter()
-                tokens = run(w["token_ids"], w["max_tokens"])
-                _sync()
-                walls.append(time.perf_counter() - t0)
-            peak = max(peak, mem.peak)
-            cached = hits["tokens"]
+        walls, peak, tokens = timed_repeats(
+            lambda: _hf_continuous(model, w["token_ids"], w["max_tokens"], cb_kwargs),
+            spec["repeats"],
+            before=lambda: hits.update(tokens=0),
+        )
     return {
         "via": "model.generate_batch" if uniform else "continuous_batching_context_manager + add_request",
         "wall_s": walls,
         "token_ids": tokens,
-        "prompt_tokens_cached": cached,
+        "prompt_tokens_cached": hits["tokens"],
         "cached_per_row": None,
         "peak_rss": peak,
         "base_rss": base,
@@ -671,6 +702,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             res = run_hf_generate(spec)
         elif system == "hf_generate_batch":
             res = run_hf_generate_batch(spec)
+        elif system == "ct2":
+            from batchgen.bench.ct2 import run_ct2
+
+            res = run_ct2(spec)
         elif system == "vllm":
             res = run_vllm(spec)
         else:

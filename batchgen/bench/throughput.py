@@ -1,4 +1,5 @@
-"""Throughput benchmark: batchgen side by side with Hugging Face (and vLLM on GPU), same run, same machine.
+"""Throughput benchmark: batchgen side by side with Hugging Face, CTranslate2 (and vLLM on GPU), same run, same
+machine.
 
     python -m batchgen.bench.throughput                       # the three workloads, all systems
     python -m batchgen.bench.throughput workload=shared_prefix rows=256 max_tokens=64 repeats=3 \
@@ -22,7 +23,8 @@ Figures per system and workload: generated tok/s and total (prompt + generated) 
 time of ``repeats`` runs (min–max spread beside), peak RSS (CPU) or ``torch.cuda.max_memory_allocated``
 (GPU), prompt tokens computed vs reused, model FLOP utilisation (model FLOPs of the work done ÷ wall time ÷
 the best matmul FLOP/s measured at the model's shapes), rows whose greedy tokens differ from
-``hf_generate``'s, and batchgen's generated tok/s divided by this system's.
+``hf_generate``'s, and batchgen's generated tok/s divided by this system's. On CUDA also batchgen's GPU idle
+time per step (:mod:`batchgen.bench.gpu_idle`: CUDA events around the forward vs the step's wall time).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from batchgen.bench.common import (
     num_params,
     pyplot,
 )
+from batchgen.bench.gpu_idle import describe as describe_gpu_idle
 from batchgen.bench.workloads import WORKLOADS, WorkloadSpec, describe, make_workload, write_workload
 from batchgen.engine.config import EngineConfig
 from batchgen.models.config import ModelConfig
@@ -91,7 +94,14 @@ class ThroughputConfig:
     """Generated tokens per row (long_tail: the median of its lognormal)."""
     repeats: int = 3
     systems: list[str] = field(
-        default_factory=lambda: ["batchgen", "batchgen_nogroup", "hf_generate", "hf_generate_batch", "vllm"]
+        default_factory=lambda: [
+            "batchgen",
+            "batchgen_nogroup",
+            "hf_generate",
+            "hf_generate_batch",
+            "ct2",
+            "vllm",
+        ]
     )
     seed: int = 0
     threads: int = 2
@@ -102,6 +112,8 @@ class ThroughputConfig:
     output_dir: str | None = None
     """Where results go (null: a new temporary directory)."""
     hf_batch_size: int = 32
+    ct2_batch_sizes: list[int] = field(default_factory=lambda: [8, 32, 128])
+    """CTranslate2's max_batch_size candidates (the best of a small untimed sweep is used)."""
     window_rows: int = 1024
     profile: str | None = None
     """cprofile or torch: one extra, untimed batchgen run under that profiler (profile_<workload>.txt)."""
@@ -257,7 +269,7 @@ def _summarise(
         "loadavg_before": res.get("loadavg_before"),
         "loadavg_after": res.get("loadavg_after"),
     }
-    for key in ("engine_stats", "kv_sizing"):
+    for key in ("engine_stats", "kv_sizing", "gpu_idle"):
         if res.get(key):
             out[key] = res[key]
     if res.get("pad_tokens") is not None:
@@ -396,6 +408,7 @@ def _system_spec(
         "max_tokens": cfg.max_tokens,
         "window_rows": cfg.window_rows,
         "hf_batch_size": cfg.hf_batch_size,
+        "ct2_batch_sizes": list(cfg.ct2_batch_sizes),
         "engine": asdict(cfg.engine),
         "kv_token_slots": slots,
         "profile": cfg.profile if system == "batchgen" else None,
@@ -545,6 +558,8 @@ def _workload_markdown(name: str, w: dict[str, Any]) -> list[str]:
                     f"{kv['token_slots']:,} token slots) from {kv['source']}; engine init "
                     f"{kv['engine_init_s']:.1f} s"
                 )
+            if s.get("gpu_idle"):
+                lines.append("  " + describe_gpu_idle(s["gpu_idle"]))
     lines.append("")
     return lines
 

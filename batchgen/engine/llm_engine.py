@@ -16,7 +16,7 @@ from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import CompletionOutput, RequestOutput
-from batchgen.engine.sampler import Sampler, SamplingRow
+from batchgen.engine.sampler import Sampler, SamplingBatch, SamplingRow
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request, sample_seed  # noqa: F401  (sample_seed: public since 0.1)
 from batchgen.engine.stats import EngineStats
@@ -127,6 +127,7 @@ class LLMEngine:
         self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config, kv, self.stop, self.stats)
         self.sampler = Sampler(seed=config.seed)
+        self.sampling_batch = SamplingBatch(config.max_num_seqs)  # per-row filter settings across steps
         self._structured: StructuredOutputs | None = None  # built by the first constrained request
         self.requests: dict[str | int, Request] = {}
         self._errors: list[RequestOutput] = []
@@ -217,7 +218,12 @@ class LLMEngine:
             n = len(out.sample_rows)
             if self._structured is not None:  # grammar bitmasks (CPU work while the forward runs)
                 self._structured.apply(logits[:n], out.sample_seqs)
-            sampled = self.sampler(logits[:n], self._sampling_rows(out))
+            rows = self._sampling_rows(out)
+            settings = None
+            if rows is not None:
+                seqs = out.sample_seqs
+                settings = self.sampling_batch.gather([s.seq_id for s in seqs], [s.params for s in seqs])
+            sampled = self.sampler(logits[:n], rows, settings)
             beam_lp = self.sampler.beam_logprobs(logits[n:]) if out.beam_rows else None
             done = self.scheduler.update(out, sampled.token_ids, sampled.logprobs, beam_lp)
             if startup_trace.enabled and n:

@@ -7,7 +7,6 @@ peak activation memory and the pool takes ``total * gpu_memory_utilization - wei
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 
@@ -18,6 +17,7 @@ from torch import Tensor
 from batchgen.engine import prompt_logprobs
 from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine.config import EngineConfig, parse_bytes
+from batchgen.engine.input_batch import InputBatch
 from batchgen.engine.scheduler import SchedulerOutput
 from batchgen.engine.swap import BlockSwapper
 
@@ -89,6 +89,7 @@ class ModelRunner:
         self._graph_inputs: dict[str, Tensor] = {}
         self._graphs_failed = False
         self.collect_prompt_logprobs = False  # set by the engine while a request wants prompt logprobs
+        self.input_batch: InputBatch | None = None  # built by the first step (max_model_len is known then)
 
     # ------------------------------------------------------------------------------------------ sizing
     @property
@@ -308,52 +309,17 @@ class ModelRunner:
         return graph, hidden
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        """Flat token ids, positions, attention metadata, and the token index of each sampled row.
-
-        Per sequence only its token ids (a list slice; one item for a decode) and its block table are read;
-        positions, slots, lengths, offsets, the padded block-table array and the sampled-row indices are numpy
-        operations over the batch (no per-token Python)."""
-        bs = self.block_size
-        seqs = out.seqs
-        nd = out.num_decodes
-        num_seqs = len(seqs)
-        tables = [s.block_table for s in seqs]
-        input_ids = [s.seq.token_ids[s.start] for s in seqs[:nd]]
-        q_lens = [1] * nd
-        for s in seqs[nd:]:
-            start, n = s.start, s.num_tokens
-            input_ids.extend(s.seq.token_ids[start : start + n])
-            q_lens.append(n)
-        q = np.array(q_lens, dtype=np.int64)
-        cu = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q, out=cu[1:])
-        num_tokens = int(cu[-1])
-        starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=num_seqs)
-        seq_lens = starts + q
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
-        max_blocks = int(lens.max())
-        padded = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-        padded[np.arange(max_blocks) < lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum())
-        )
-        if nd == num_seqs:
-            positions = starts
-            slots = padded[np.arange(num_seqs), starts // bs] * bs + starts % bs
-        else:
-            row = np.repeat(np.arange(num_seqs), q)
-            positions = starts[row] + (np.arange(num_tokens) - cu[row])
-            slots = padded[row, positions // bs] * bs + positions % bs
-        last = cu[np.array(out.logit_rows, dtype=np.int64) + 1] - 1
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            num_decode_seqs=nd,
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(padded.astype(np.int32)).to(dev),
-            max_seq_len=int(seq_lens.max()),
-            max_query_len=int(q.max()),
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.from_numpy(positions).to(dev)
-        return ids, pos, meta, torch.from_numpy(last).to(dev)
+        """Flat token ids, positions, attention metadata, and the token index of each sampled row, built in
+        the runner's persistent :class:`~batchgen.engine.input_batch.InputBatch` (block-table rows rewritten
+        only for sequences whose table changed; valid until the step after next)."""
+        if self.input_batch is None:
+            cfg = self.config
+            width = -(-(self.max_model_len or cfg.max_model_len or 0) // self.block_size)
+            if width == 0:
+                assert self.kv_cache is not None
+                width = self.kv_cache.shape[2]
+            self.input_batch = InputBatch(
+                cfg.max_num_batched_tokens, cfg.max_num_seqs, width, self.block_size, self.device
+            )
+        step = self.input_batch.build(out)
+        return step.ids, step.positions, step.meta, step.last

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from batchgen.sampling_params import SamplingParams
+from batchgen.sampling_params import GREEDY_EPS, SamplingParams
 
 
 @dataclass
@@ -63,6 +63,90 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
+_FILTER_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+
+
+@dataclass
+class SamplingTensors:
+    """The filter settings of N rows as arrays (float64 as in ``SamplingParams``, so every comparison and the
+    float32 tensors made from them are exactly those of the per-row values): ``temperature``, ``top_k``
+    (int64), ``top_p``, ``min_p``."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams]) -> SamplingTensors:
+        n = len(params)
+        return cls(
+            temperature=np.fromiter((p.temperature for p in params), np.float64, n),
+            top_k=np.fromiter((p.top_k for p in params), np.int64, n),
+            top_p=np.fromiter((p.top_p for p in params), np.float64, n),
+            min_p=np.fromiter((p.min_p for p in params), np.float64, n),
+        )
+
+    def select(self, idx: np.ndarray | list[int]) -> SamplingTensors:
+        return SamplingTensors(*(getattr(self, f)[idx] for f in _FILTER_FIELDS))
+
+    def __len__(self) -> int:
+        return self.temperature.shape[0]
+
+
+class SamplingBatch:
+    """Per-row sampling settings kept across steps, keyed by sequence id (vLLM v1's InputBatch sampling
+    state, reduced to what the filters read).
+
+    A sequence's row is written once, when it first samples (admission, or its first sampling step after
+    being preempted or skipped), and released when a step samples without it (finished, aborted, preempted):
+    so a steady decode batch reads its settings with one dict lookup per row and numpy gathers, instead of
+    rebuilding every value from the ``SamplingParams``. Invariant after :meth:`gather`: row ``row_of[id]``
+    holds the settings of sequence ``id``'s params, for every sequence of that step."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.arrays = SamplingTensors.from_params([SamplingParams()] * capacity)
+        self.row_of: dict[int, int] = {}
+        self.free_rows = list(range(capacity - 1, -1, -1))
+
+    def _grow(self) -> None:
+        old = len(self.arrays)
+        more = SamplingTensors.from_params([SamplingParams()] * old)
+        self.arrays = SamplingTensors(
+            *(np.concatenate([getattr(self.arrays, f), getattr(more, f)]) for f in _FILTER_FIELDS)
+        )
+        self.free_rows[:0] = range(2 * old - 1, old - 1, -1)
+
+    def gather(self, seq_ids: list[int], params: list[SamplingParams]) -> SamplingTensors:
+        """The settings of this step's rows (``params[i]`` is sequence ``seq_ids[i]``'s)."""
+        old, new, free = self.row_of, {}, self.free_rows
+        rows = np.empty(len(seq_ids), dtype=np.int64)
+        pending: list[int] = []
+        for i, sid in enumerate(seq_ids):
+            row = old.pop(sid, None)
+            if row is None:
+                pending.append(i)
+            else:
+                new[sid] = rows[i] = row
+        free.extend(old.values())
+        a = self.arrays
+        for i in pending:
+            if not free:
+                self._grow()
+                a = self.arrays
+            row = free.pop()
+            p = params[i]
+            a.temperature[row], a.top_k[row], a.top_p[row], a.min_p[row] = (
+                p.temperature,
+                p.top_k,
+                p.top_p,
+                p.min_p,
+            )
+            new[seq_ids[i]] = rows[i] = row
+        self.row_of = new
+        return a.select(rows)
+
+
 class Sampler:
     """Stateless apart from its random generator(s) (one per device, seeded with ``seed``)."""
 
@@ -83,8 +167,12 @@ class Sampler:
         return gen
 
     @torch.inference_mode()
-    def __call__(self, logits: Tensor, rows: list[SamplingRow] | None) -> SamplerOutput:
+    def __call__(
+        self, logits: Tensor, rows: list[SamplingRow] | None, settings: SamplingTensors | None = None
+    ) -> SamplerOutput:
         """Sample one token per row. ``logits``: float32 ``[N, V]`` with ``N == len(rows)``; not modified.
+        ``settings``: the rows' filter settings when the caller keeps them (:class:`SamplingBatch`), else
+        read from the rows' params.
 
         ``rows=None`` means every row is greedy with nothing else asked for (no penalties, banned tokens or
         logprobs): one argmax, with no per-row settings built at all (the engine's hot path)."""
@@ -114,7 +202,7 @@ class Sampler:
             if all_greedy:
                 sampled = _argmax(x)
             else:
-                sampled = self._sample(x, rows)
+                sampled = self._sample(x, rows, settings or SamplingTensors.from_params(params))
 
         token_ids = sampled.tolist()
         logprobs: list[dict[int, float] | None] = [None] * n
@@ -129,10 +217,10 @@ class Sampler:
         works there, one small ``[k, V]`` block per group)."""
         return torch.log_softmax(logits.float(), dim=-1).cpu()
 
-    def _sample(self, x: Tensor, rows: list[SamplingRow]) -> Tensor:
+    def _sample(self, x: Tensor, rows: list[SamplingRow], settings: SamplingTensors) -> Tensor:
         """Greedy rows take the argmax of ``x``; random rows are filtered and drawn. Returns ``[N]`` int64."""
         device = x.device
-        rand_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+        rand_idx = np.flatnonzero(settings.temperature >= GREEDY_EPS).tolist()
         rand_rows = [rows[i] for i in rand_idx]
         all_random = len(rand_idx) == len(rows)
         if all_random:
@@ -140,7 +228,9 @@ class Sampler:
         else:
             sampled = x.argmax(dim=-1)
         idx = torch.tensor(rand_idx, device=device)
-        probs = _filtered_probs(x if all_random else x[idx], [r.params for r in rand_rows])
+        probs = _filtered_probs(
+            x if all_random else x[idx], settings if all_random else settings.select(rand_idx)
+        )
 
         # Exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. is a draw from p. q = -log(u), u ~ U[0, 1)
         # (several times cheaper than exponential_ on CPU): q > 0 always (u < 1), and u == 0 gives q = inf,
@@ -230,24 +320,25 @@ def _apply_penalties(x: Tensor, rows: list[SamplingRow]) -> None:
         flat_x.index_add_(0, flat, -pp[flat // vocab])  # once per distinct token
 
 
-def _filtered_probs(x: Tensor, params: list[SamplingParams]) -> Tensor:
+def _filtered_probs(x: Tensor, params: list[SamplingParams] | SamplingTensors) -> Tensor:
     """Probabilities ``[M, V]`` after temperature, top-k, top-p and min-p (each row with its own values).
 
     Filtered-out tokens have probability exactly 0; the most likely token always survives.
     """
+    st = params if isinstance(params, SamplingTensors) else SamplingTensors.from_params(params)
     vocab = x.shape[1]
     device = x.device
     neg_inf = -float("inf")
-    temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device)
+    temp = torch.from_numpy(st.temperature).to(device=device, dtype=x.dtype)
     x = x / temp.unsqueeze(1)
 
     # top-k: drop logits below the row's k-th largest (ties at the k-th value are kept, as transformers).
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    active_k = [k for k in top_k if k < vocab]
-    if active_k:
-        max_k = max(active_k)
+    top_k = np.where((st.top_k > 0) & (st.top_k < vocab), st.top_k, vocab)
+    active = top_k < vocab
+    if active.any():
+        max_k = int(top_k[active].max())
         top_vals = x.topk(max_k, dim=-1).values  # the k-th largest value does not depend on max_k
-        k = torch.tensor(top_k, device=device)
+        k = torch.from_numpy(top_k).to(device)
         kth = top_vals.gather(1, (k - 1).clamp(max=max_k - 1).unsqueeze(1))
         kth = kth.masked_fill((k >= vocab).unsqueeze(1), neg_inf)  # top-k off: remove nothing
         x = x.masked_fill(x < kth, neg_inf)
@@ -255,20 +346,20 @@ def _filtered_probs(x: Tensor, params: list[SamplingParams]) -> Tensor:
     # top-p, on the rows that use it (the full sort is the expensive part): keep the smallest set of most
     # likely tokens whose mass, renormalised after top-k, reaches top_p: token j of the sorted row is kept
     # iff the mass strictly before it is < top_p.
-    p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-    if p_rows:
-        idx = torch.tensor(p_rows, device=device)
+    p_rows = np.flatnonzero(st.top_p < 1.0)
+    if p_rows.size:
+        idx = torch.from_numpy(p_rows).to(device)
         sorted_x, order = x[idx].sort(dim=-1, descending=True)
         sorted_probs = sorted_x.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        top_p = torch.tensor([params[i].top_p for i in p_rows], dtype=x.dtype, device=device)
+        top_p = torch.from_numpy(st.top_p[p_rows]).to(device=device, dtype=x.dtype)
         drop = mass_before >= top_p.unsqueeze(1)
         drop[:, 0] = False
         x[idx] = torch.empty_like(sorted_x).scatter_(1, order, sorted_x.masked_fill(drop, neg_inf))
 
     probs = x.softmax(dim=-1)
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=device).unsqueeze(1)
+    if (st.min_p > 0.0).any():
+        min_p = torch.from_numpy(st.min_p).to(device=device, dtype=x.dtype).unsqueeze(1)
         threshold = min_p * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
         # Renormalise only the min-p rows: the other rows' probabilities must not depend on the batch.

@@ -56,6 +56,9 @@ class ScheduledSeq:
     start: int
     num_tokens: int
     block_table: list[int]
+    table_unchanged: bool = False
+    """The table is, entry for entry, the one the sequence had the last time it was scheduled (the decode
+    fast path: it neither grew nor was copied on write, swapped or re-admitted since)."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -295,7 +298,7 @@ class Scheduler:
                 table = append_one(item.seq_id, item.token_ids)
                 if table is not None:
                     start = len(item.token_ids) - 1
-                    seqs.append(ScheduledSeq(item, start, 1, table))
+                    seqs.append(ScheduledSeq(item, start, 1, table, True))
                     add_scheduled(item.seq_id)
                     if start < item.num_prompt_tokens:
                         prompt_computed += 1

@@ -9,6 +9,9 @@ feed order until ``max_in_flight`` requests are unfinished, taking the next wind
 one is fully admitted (so the tail of one window overlaps the head of the next), and hands back each window
 once all of its requests have finished — results restored to input order.
 
+Reading ahead: :class:`ReadAhead` reads and tokenises the next window in a background thread while the
+engine runs the current ones (Parquet reads and fast tokenizers release the GIL, as the forward's kernels do).
+
 Invariants:
 - Every valid row of a window that is not already done (``WindowWork.done_positions``: rows finished by an
   earlier run, read back from checkpoints or the part) is added to the engine exactly once; a window is
@@ -21,16 +24,77 @@ Invariants:
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from batchgen.data.prompts import PromptRow
 from batchgen.data.reader import WindowSpec
 from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
+
+T = TypeVar("T")
+
+
+class ReadAhead(Generic[T]):
+    """Iterate ``source`` one item ahead in a daemon thread: item k+1 is produced while the caller works on
+    item k, never more than one item ahead (a window's rows are held once, plus the next one).
+
+    Items come out in ``source``'s order; an exception raised by ``source`` is raised by the ``next()`` that
+    would have returned its item, and ends the iteration. ``source`` is only ever advanced by the thread. The
+    thread ends with the iteration, on :meth:`close`, or when this object is garbage-collected (it holds no
+    reference to it), after the item it is producing (it is not interrupted)."""
+
+    def __init__(self, source: Iterator[T]) -> None:
+        self._want: queue.Queue[bool] = queue.Queue()
+        self._got: queue.Queue[tuple[bool, Any]] = queue.Queue()
+        self._done = False
+        args = (source, self._want, self._got)
+        threading.Thread(target=_read_ahead, args=args, name="batchgen-read-ahead", daemon=True).start()
+        self._want.put(True)
+
+    def __iter__(self) -> ReadAhead[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        ok, item = self._got.get()
+        if not ok:
+            self._done = True
+            if item is not None:
+                raise item
+            raise StopIteration
+        self._want.put(True)  # start producing the next one while the caller works on this one
+        return item
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._want.put(False)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _read_ahead(source: Iterator[Any], want: queue.Queue[bool], got: queue.Queue[tuple[bool, Any]]) -> None:
+    """:class:`ReadAhead`'s thread: one item of ``source`` per ``True`` in ``want``; ``(False, None)`` at the
+    end, ``(False, exception)`` when ``source`` raised."""
+    end = object()
+    while want.get():
+        try:
+            item = next(source, end)
+        except BaseException as e:  # handed to the consumer's next()
+            got.put((False, e))
+            return
+        if item is end:
+            got.put((False, None))
+            return
+        got.put((True, item))
 
 
 def prefix_order(token_ids: Sequence[Sequence[int]]) -> list[int]:

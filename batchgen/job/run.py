@@ -54,7 +54,7 @@ from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
 from batchgen.job.config import to_job_config
 from batchgen.job.early_failure import FirstSuccessGate, preflight
-from batchgen.job.feeder import EngineFeeder, WindowWork
+from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
@@ -235,13 +235,14 @@ class _Job:
         engine = self._started_engine()
         tokenizer_ref[0] = engine.tokenizer
         plan.prompt_spec.max_model_len = engine.max_model_len
+        ahead = ReadAhead(works)  # the next window is read and tokenised while the engine runs
         before = engine.stats.snapshot()
         t_run = time.monotonic()
         self.progress = self._progress(initial=m.rows_done - retry_rows)
         queue = iter(first)
 
         def next_window() -> WindowWork | None:
-            work = next(queue, None) or next(works, None)
+            work = next(queue, None) or next(ahead, None)
             if work is not None:
                 for p in work.todo_positions:
                     r = work.rows[p]

@@ -6,7 +6,9 @@
 #      greedy equality in float32 (Triton vs torch vs transformers; exit status 1 if Triton and torch
 #      disagree), the KV pool sized from engine.gpu_memory_utilization after a profiling forward (kv_sizing in
 #      results), and throughput in bfloat16 against transformers generate (left-padded batches of 64) on the
-#      shared-prefix and unique workloads. Results: $OUT/throughput/results.{md,json}.
+#      shared-prefix and unique workloads, and vLLM when it is installed (skipped with the reason otherwise);
+#      batchgen's GPU idle time per step (CUDA events around the forward vs the step's wall time, "GPU idle"
+#      line of each workload's settings; gpu_idle in results.json). Results: $OUT/throughput/results.{md,json}.
 # Sizes: ENGINE_ROWS (default 512) rows per workload, ENGINE_TOKENS (default 128) generated tokens per row.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -20,7 +22,7 @@ rc_sampler=$?
 tail -n 3 "$OUT/sampler_gpu.log"
 timeout "${ENGINE_TIMEOUT:-300}" python3 -m batchgen.bench.throughput check=true device=cuda dtype=bfloat16 \
     'workloads=[shared_prefix,unique]' rows="${ENGINE_ROWS:-512}" max_tokens="${ENGINE_TOKENS:-128}" repeats=1 \
-    'systems=[batchgen,hf_generate]' hf_batch_size=64 threads=4 matmul_seconds=0.1 \
+    'systems=[batchgen,hf_generate,vllm]' hf_batch_size=64 threads=4 matmul_seconds=0.1 \
     model.hidden_size=1024 model.num_layers=12 model.num_heads=16 model.num_kv_heads=4 \
     model.intermediate_size=2816 model.max_position_embeddings=4096 \
     engine.max_num_seqs=512 engine.max_num_batched_tokens=16384 engine.gpu_memory_utilization=0.85 \
