@@ -85,7 +85,7 @@ def best_batch_size(
 def run_ct2(spec: dict[str, Any]) -> dict[str, Any]:
     """The ``ct2`` system (see the module docstring); raises :class:`systems.Skip` without ctranslate2."""
     from batchgen.bench.common import rss_bytes
-    from batchgen.bench.systems import Skip, _device, _load_workload, timed_repeats
+    from batchgen.bench.systems import Skip, _device, _load_workload, timed_repeats, uncached_result
 
     reason = missing_reason()
     if reason is not None:
@@ -106,19 +106,12 @@ def run_ct2(spec: dict[str, Any]) -> dict[str, Any]:
     walls, peak, tokens = timed_repeats(
         lambda: generate(generator, vocab, prompts, max_tokens, bs), spec["repeats"]
     )
-    return {
-        "via": f"ctranslate2 {ctranslate2.__version__} Generator.generate_batch, max_batch_size={bs}",
-        "wall_s": walls,
-        "token_ids": tokens,
-        "prompt_tokens_cached": 0,
-        "cached_per_row": [0] * len(tokens),
-        "peak_rss": peak,
-        "base_rss": base,
-        "settings": {
-            "compute_type": "float32",
-            "max_batch_size": bs,
-            "batch_size_sweep_tok_s": {str(k): round(v, 1) for k, v in sweep.items()},
-            "convert_s": round(convert_s, 1),
-            "intra_threads": int(spec["threads"]),
-        },
+    settings = {
+        "compute_type": "float32",
+        "max_batch_size": bs,
+        "batch_size_sweep_tok_s": {str(k): round(v, 1) for k, v in sweep.items()},
+        "convert_s": round(convert_s, 1),
+        "intra_threads": int(spec["threads"]),
     }
+    via = f"ctranslate2 {ctranslate2.__version__} Generator.generate_batch, max_batch_size={bs}"
+    return uncached_result(via, walls, tokens, peak, base, settings)

@@ -447,16 +447,25 @@ def run_hf_generate(spec: dict[str, Any]) -> dict[str, Any]:
     walls, peak, (tokens, padded) = timed_repeats(
         lambda: _hf_static_batches(model, w["token_ids"], w["max_tokens"], bs), spec["repeats"]
     )
+    settings = {"batch_size": bs, "padding_side": "left", "cache": "DynamicCache (contiguous)"}
+    via = f"model.generate, left-padded static batches of {bs} (input order)"
+    return uncached_result(via, walls, tokens, peak, base, settings, pad_tokens=padded)
+
+
+def uncached_result(
+    via: str, walls: list[float], tokens: list[list[int]], peak: int, base: int, settings: dict, **extra: Any
+) -> dict[str, Any]:
+    """The result of a system that reuses no prompt tokens across rows (no prefix cache)."""
     return {
-        "via": f"model.generate, left-padded static batches of {bs} (input order)",
+        "via": via,
         "wall_s": walls,
         "token_ids": tokens,
         "prompt_tokens_cached": 0,
         "cached_per_row": [0] * len(tokens),
         "peak_rss": peak,
         "base_rss": base,
-        "pad_tokens": padded,
-        "settings": {"batch_size": bs, "padding_side": "left", "cache": "DynamicCache (contiguous)"},
+        **extra,
+        "settings": settings,
     }
 
 

@@ -99,7 +99,25 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
+        num_blocks, num_swap_blocks = self._build_runner(config, backend)
+        kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_cpu_blocks=num_swap_blocks,
+        )
+        self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
+        self.scheduler = Scheduler(config, kv, self.stop, self.stats)
+        self.sampler = Sampler(seed=config.seed)
+        self.sampling_batch = SamplingBatch(config.max_num_seqs)  # per-row filter settings across steps
+        self._structured: StructuredOutputs | None = None  # built by the first constrained request
+        self.requests: dict[str | int, Request] = {}
+        self._errors: list[RequestOutput] = []
+        self._listeners: list[StepListener] = []
 
+    def _build_runner(self, config: EngineConfig, backend: str) -> tuple[int, int]:
+        """The model runner (this process's, or rank 0's under tensor parallelism) with its KV cache and swap
+        space allocated; returns (KV blocks, CPU swap blocks)."""
         if self.tp_group is not None:
             self.runner: ModelRunner = TPModelRunner(
                 self.model, config, self.device, backend, self.tp_group.channel
@@ -118,20 +136,6 @@ class LLMEngine:
         )
         num_swap_blocks = self.runner.determine_num_swap_blocks() if config.preemption_mode == "swap" else 0
         self.runner.allocate_swap_space(num_swap_blocks)
-        kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            num_cpu_blocks=num_swap_blocks,
-        )
-        self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
-        self.scheduler = Scheduler(config, kv, self.stop, self.stats)
-        self.sampler = Sampler(seed=config.seed)
-        self.sampling_batch = SamplingBatch(config.max_num_seqs)  # per-row filter settings across steps
-        self._structured: StructuredOutputs | None = None  # built by the first constrained request
-        self.requests: dict[str | int, Request] = {}
-        self._errors: list[RequestOutput] = []
-        self._listeners: list[StepListener] = []
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s); at most %d sequences of max_model_len=%d at once",
             num_blocks,
@@ -141,6 +145,7 @@ class LLMEngine:
             num_blocks * config.block_size // self.max_model_len,
             self.max_model_len,
         )
+        return num_blocks, num_swap_blocks
 
     # ------------------------------------------------------------------------------------- requests
     def add_request(
