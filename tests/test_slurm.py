@@ -243,8 +243,8 @@ def test_sbatch_task_hit_by_its_time_limit_warning_is_requeued_and_resumes(
     slurmctld sends --signal warnings only during its time-limit passes, every ~30 s; with a 59 s lead on a
     1 min limit the warning goes out at the first pass after the job starts. The job is started 16 s after
     a pass (--begin), so the warning lands ~14 s in: batchgen is running. Once the task is requeued the
-    test raises its limit to 15 min so that the resumed run is not warned again before it finishes, even on a loaded machine (a real
-    job gets the same limit again and simply makes progress on every run).
+    test raises its limit to 15 min so that the resumed run is not warned again before it finishes, even on a
+    loaded machine (a real job gets the same limit again and simply makes progress on every run).
     """
     last = _last_time_limit_pass()
     big = _repeated_input(workload)
