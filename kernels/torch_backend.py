@@ -219,12 +219,6 @@ def _padding(
     return ids, max_len, mask
 
 
-_DECODE_CHUNK_BYTES = 8 << 20
-"""Decode attention gathers and attends at most about this many bytes of K plus V per call: a chunk of
-sequences is still in the CPU's caches when SDPA reads what its gather wrote (faster than one gather of the
-whole batch followed by one SDPA call; every sequence's result is the same, attention being per sequence)."""
-
-
 def _decode_padded(
     q: Tensor,
     k_cache: Tensor,
@@ -235,35 +229,9 @@ def _decode_padded(
     scale: float,
     workspace: Workspace | None,
 ) -> Tensor:
-    """Decode attention of a batch padded to ``max_len`` keys (``mask``: the real ones), in chunks of
-    sequences of at most :data:`_DECODE_CHUNK_BYTES` gathered K/V each: per chunk one gather of its blocks
-    ``ids``, one SDPA call."""
-    batch = q.shape[0]
-    block_bytes = k_cache[0].numel() * k_cache.element_size()
-    step = max(1, _DECODE_CHUNK_BYTES // max(1, 2 * ids.shape[1] * block_bytes))
-    if step >= batch:
-        return _decode_chunk(q, k_cache, v_cache, ids, max_len, mask, scale, workspace)
-    out = torch.empty_like(q)
-    for s in range(0, batch, step):
-        e = min(batch, s + step)
-        m = None if mask is None else mask[s:e]
-        out[s:e] = _decode_chunk(q[s:e], k_cache, v_cache, ids[s:e], max_len, m, scale, workspace)
-    return out
-
-
-def _decode_chunk(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    ids: Tensor,
-    max_len: int,
-    mask: Tensor | None,
-    scale: float,
-    workspace: Workspace | None,
-) -> Tensor:
-    """One gather of the blocks ``ids``, one SDPA call. The ``group`` query heads of a KV head attend as
-    ``group`` queries of that head (GQA without repeating K/V, and faster on the CPU than SDPA's
-    ``enable_gqa``)."""
+    """Decode attention of a batch padded to ``max_len`` keys (``mask``: the real ones): one gather of the
+    blocks ``ids``, one SDPA call. The ``group`` query heads of a KV head attend as ``group`` queries of that
+    head (GQA without repeating K/V, and faster on the CPU than SDPA's ``enable_gqa``)."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     shape = (batch, ids.shape[1] * block_size, num_kv_heads, head_dim)

@@ -57,30 +57,3 @@ def test_grouped_decode_matches_reference(dtype: torch.dtype, heads: tuple[int, 
     # the plan is reused by the next layer of the same forward
     again = tb.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, opts, plan_cache=plan)
     assert torch.equal(again, got)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_decode_same_as_one_call(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode attention in chunks of sequences (``_DECODE_CHUNK_BYTES``) gives bit for bit the one-call
-    result, with and without a padding mask and a workspace, and equals the reference."""
-    torch.manual_seed(0)
-    hq, hkv, d, bs, num_blocks, batch = 8, 2, 32, 16, 400, 11
-    k_cache = torch.randn(num_blocks, bs, hkv, d).to(dtype)
-    v_cache = torch.randn(num_blocks, bs, hkv, d).to(dtype)
-    q = torch.randn(batch, hq, d).to(dtype)
-    tables = torch.randperm(num_blocks)[: batch * 8].view(batch, 8).int()
-    opts = AttentionOptions(scale=d**-0.5)
-    for lens in ([100] * batch, [100 + 2 * b for b in range(batch)]):  # no mask, then a padding mask
-        seq_lens = torch.tensor(lens, dtype=torch.int32)
-        whole = tb.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, opts)
-        # 3 sequences' K+V per chunk: chunks of 3, 3, 3, 2
-        monkeypatch.setattr(
-            tb, "_DECODE_CHUNK_BYTES", 3 * 2 * 8 * k_cache[0].numel() * k_cache.element_size()
-        )
-        for ws in (None, tb.Workspace()):
-            got = tb.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, opts, workspace=ws)
-            assert torch.equal(got, whole)
-        monkeypatch.undo()
-        want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, opts)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(whole.double(), want, atol=tol, rtol=tol)
