@@ -179,20 +179,24 @@ def test_sbatch_array_covers_every_row_once_like_one_process(cluster, workload: 
 
 @pytest.mark.slurm
 def test_sbatch_task_sent_usr1_mid_run_is_requeued_and_resumes(cluster, workload: Workload) -> None:
+    """USR1 after the first committed window of task 1 — on the repeated input (144 windows a task), so that
+    the signal lands mid-run however fast the engine is (on the 48-row input the 5 windows left could finish
+    between the poll and the signal)."""
     out = workload.dir / "usr1"
+    big = _repeated_input(workload)
     job = sc.sbatch(
         "--array=0-1",
         "--gres=none",  # how a CPU-only cluster runs the script
         *SBATCH_CI,
         f"--output={workload.dir}/usr1-%A_%a.out",
         str(SBATCH),
-        *workload.overrides(out),
+        *workload.overrides(out, f"data.input={big}"),
         cwd=workload.dir,
         env=workload.env,
     )
     wait_for_windows(out / "shard-00001-of-00002", 1)
     subprocess.run(["scancel", "--batch", "--signal=USR1", f"{job}_1"], check=True)
-    sc.wait(job, timeout=300)
+    sc.wait(job, timeout=600)
     text = (workload.dir / f"usr1-{job}_1.out").read_text()
     runs = sc.runs(job)
     assert [r.state for r in runs if r.job_id == f"{job}_0"] == ["COMPLETED"], runs
@@ -201,8 +205,13 @@ def test_sbatch_task_sent_usr1_mid_run_is_requeued_and_resumes(cluster, workload
     assert f"batchgen exited 75 (interrupted); requeueing {job}_1" in text
     assert "(restart 1)" in text and "finished" in text
     saved = int(text.split("incomplete (stopped by SIGUSR1): ")[1].split("/")[0])
-    assert 1 <= saved < ROWS // WINDOW_ROWS // 2, text  # interrupted mid-run, finished windows kept
-    assert_same(merged(out), workload.reference())
+    assert 1 <= saved < COPIES * ROWS // WINDOW_ROWS // 2, text  # interrupted mid-run, finished windows kept
+    table, ref = merged(out, rows=COPIES * ROWS), workload.reference()
+    assert table.column("id").to_pylist() == [
+        f"copy{c}-{k}" for c in range(COPIES) for k in ref.column("id").to_pylist()
+    ]
+    for name in COMPARE[1:]:
+        assert table.column(name).to_pylist() == ref.column(name).to_pylist() * COPIES, name
 
 
 def _last_time_limit_pass() -> dt.datetime:
