@@ -4,20 +4,20 @@ does not redo (and import transformers for) work whose inputs have not changed.
 Invariants: an entry is named by a caller's key — the SHA-256 of everything the result depends on, always
 including `environment_key` (the installed transformers and torch versions) and the source of the module
 computing it; every read or write failure is silent (a miss): the cache can save time, never fail a run.
-Entries are written to a temporary file and renamed into place, so a reader never sees a partial entry.
+Entries are written atomically (:mod:`batchgen.atomic`), so a reader never sees a partial entry.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from functools import cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from batchgen.atomic import atomic_write_text
 
 
 def cache_root() -> Path:
@@ -56,18 +56,12 @@ def read(kind: str, key: str) -> Any:
 
 
 def write(kind: str, key: str, value: Any) -> None:
-    """Store `value` (JSON-serialisable) as the entry; silently nothing on failure."""
+    """Store `value` (JSON-serialisable) as the entry (:func:`batchgen.atomic.atomic_write_text`); silently
+    nothing on failure."""
     try:
         folder = cache_root() / kind
         text = json.dumps(value)
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+        atomic_write_text(folder / f"{key}.json", text)
     except (OSError, TypeError, ValueError, RuntimeError):
         return
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, folder / f"{key}.json")
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
