@@ -30,7 +30,8 @@ contiguous, zero-initialised; index 0 of dim 1 is K, 1 is V. Layer ``i`` works o
 * Token ``t`` of a sequence is at slot ``block_table[t // block_size] * block_size + t % block_size`` of the
   flattened ``[num_blocks * block_size, Hkv, D]`` plane; slot ``-1`` means "skip" (``store_kv``).
 * Block tables are ``[B, max_blocks]`` int32, padded with 0 (padding is never read for real tokens);
-  ``seq_lens`` ``[B]`` int32 count cached + new tokens; ``cu_seqlens_q`` ``[B+1]`` int32 delimit the packed
+  ``seq_lens`` ``[B]`` int32 count cached + new tokens; the attention operations take the two with the layer's
+  caches as one :class:`~.paged_kv.PagedKV`. ``cu_seqlens_q`` ``[B+1]`` int32 delimit the packed
   queries. Block sizes 8, 16, 32 and 64 are supported; head sizes need not be powers of two (64, 80, 96, 128,
   256 are tested).
 * GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``. Scores, softmax and accumulation are float32;
@@ -49,9 +50,10 @@ anything in those entries. Entries past a sequence's last block (padding) must s
 """
 
 from .options import AttentionOptions
+from .paged_kv import PagedKV
 from .torch_backend import Workspace
 
-__all__ = ["AttentionOptions", "Workspace", "triton_available"]
+__all__ = ["AttentionOptions", "PagedKV", "Workspace", "triton_available"]
 
 
 def triton_available() -> bool:

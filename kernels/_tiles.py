@@ -10,7 +10,7 @@ an attention sink at the end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ._jit import helper
 from .options import AttentionOptions
+from .paged_kv import PagedKV
 
 LOG2E = 1.4426950408889634
 
@@ -58,20 +59,17 @@ class OptionArgs:
         return dict(WINDOW=self.WINDOW, SOFTCAP=self.SOFTCAP, SINKS=self.SINKS)
 
 
-def paged_inputs(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor
-) -> tuple[Tensor, Tensor, int, int, int]:
+def paged_inputs(q: Tensor, kv: PagedKV) -> tuple[Tensor, PagedKV, int]:
     """Check the caches (contiguous, same shape ``[NB, BS, Hkv, D]``, ``Hkv`` dividing ``Hq``) and return
-    ``(q, block_tables, block_size, num_kv_heads, group)`` with ``q`` and ``block_tables`` unit-stride in their
-    last dimension, as the kernels index them."""
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    assert q.shape[1] % num_kv_heads == 0
+    ``(q, kv, group)`` with ``q`` and ``kv.block_tables`` unit-stride in their last dimension, as the kernels
+    index them."""
+    assert kv.k_cache.is_contiguous() and kv.v_cache.is_contiguous() and kv.k_cache.shape == kv.v_cache.shape
+    assert q.shape[1] % kv.num_kv_heads == 0
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
-    return q, block_tables, block_size, num_kv_heads, q.shape[1] // num_kv_heads
+    if kv.block_tables.stride(-1) != 1:
+        kv = replace(kv, block_tables=kv.block_tables.contiguous())
+    return q, kv, q.shape[1] // kv.num_kv_heads
 
 
 @helper

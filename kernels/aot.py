@@ -5,7 +5,7 @@ Used by ``tests/test_kernels_compile.py`` (so CPU-only CI still type-checks the 
 tuning tile sizes::
 
     with recording() as launches:
-        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, options)  # CPU tensors are fine
+        paged_decode_attention(q, PagedKV(k_cache, v_cache, block_tables, seq_lens), options)  # CPU tensors are fine
     for launch in launches:
         print(compile_launch(launch))
 

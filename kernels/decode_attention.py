@@ -25,6 +25,7 @@ from torch import Tensor
 from ._jit import interpreting, kernel
 from ._tiles import OptionArgs, add_sink, load_kv_tile, online_softmax, paged_inputs, tile_scores
 from .options import AttentionOptions
+from .paged_kv import PagedKV
 
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
@@ -203,43 +204,39 @@ def decode_tiles(block_d: int, block_g: int, fp32_dot: bool) -> tuple[int, int]:
 
 def paged_decode_attention(
     q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
+    kv: PagedKV,
     options: AttentionOptions,
     *,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
 ) -> Tensor:
-    """``q [B,Hq,D]`` (query of the token at ``seq_lens[b]-1``) over caches ``[NB,BS,Hkv,D]`` → ``[B,Hq,D]``.
+    """``q [B,Hq,D]`` (query of the token at ``kv.seq_lens[b]-1``) over ``kv`` → ``[B,Hq,D]``.
 
-    ``block_tables [B, max_blocks]`` int32, ``seq_lens [B]`` int32 (>= 1). ``num_splits``: None = heuristic,
-    1 = single pass, > 1 = split-K with that many splits. ``max_seq_len`` (an upper bound on ``seq_lens``)
-    saves a device sync when the heuristic runs. ``options``: the scale, and ``sliding_window``, ``softcap``,
+    ``num_splits``: None = heuristic, 1 = single pass, > 1 = split-K with that many splits. ``max_seq_len``
+    (an upper bound on ``kv.seq_lens``) saves a device sync when the heuristic runs. ``options``: the scale, and ``sliding_window``, ``softcap``,
     ``sinks [Hq]`` (see :mod:`.reference`); with a window only the last ``sliding_window`` keys (and their
     block-table entries) are read.
     """
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return q.new_empty(q.shape)
-    q, block_tables, block_size, num_kv_heads, group = paged_inputs(q, k_cache, v_cache, block_tables)
+    q, kv, group = paged_inputs(q, kv)
     device = q.device
     opt = OptionArgs.make(options, like=q)
     if num_splits is None:
         if max_seq_len is None:
-            max_seq_len = int(seq_lens.max())
+            max_seq_len = int(kv.seq_lens.max())
         if options.sliding_window is not None:
             max_seq_len = min(max_seq_len, options.sliding_window)  # keys each query reads
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(device))
+        num_splits = choose_num_splits(batch, kv.num_kv_heads, max_seq_len, _num_sms(device))
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
-    fp32_dot = interpreting(device) or q.dtype != k_cache.dtype or q.dtype == torch.float32
+    fp32_dot = interpreting(device) or q.dtype != kv.k_cache.dtype or q.dtype == torch.float32
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group))
     block_n, num_warps = decode_tiles(block_d, block_g, fp32_dot)
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=device)
     common = dict(
-        BLOCK_SIZE=block_size,
+        BLOCK_SIZE=kv.block_size,
         BLOCK_G=block_g,
         BLOCK_D=block_d,
         BLOCK_N=block_n,
@@ -248,18 +245,18 @@ def paged_decode_attention(
         num_warps=num_warps,
     )
     launch = _decode_kernel.on(device)
-    args = (q, k_cache, v_cache, block_tables, seq_lens)
-    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
+    cache_strides = (*kv.k_cache.stride()[:3], kv.block_tables.stride(0))
     option_args = (opt.window, opt.softcap, opt.sinks)
     if num_splits == 1:
-        launch[(batch, num_kv_heads, 1)](
+        launch[(batch, kv.num_kv_heads, 1)](
             *args, out, out, opt.qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0,
             *cache_strides, group, head_dim, 1, *option_args, SPLIT=False, **common,
         )  # fmt: skip
         return out
     partial = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=device)
-    launch[(batch, num_kv_heads, num_splits)](
+    launch[(batch, kv.num_kv_heads, num_splits)](
         *args, partial, lse, opt.qk_scale, q.stride(0), q.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         *cache_strides, group, head_dim, num_splits, *option_args, SPLIT=True, **common,

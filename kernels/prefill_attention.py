@@ -22,6 +22,7 @@ from torch import Tensor
 from ._jit import helper, interpreting, kernel
 from ._tiles import OptionArgs, add_sink, load_kv_tile, online_softmax, paged_inputs, tile_scores
 from .options import AttentionOptions
+from .paged_kv import PagedKV
 
 
 @helper
@@ -198,44 +199,40 @@ def prefill_tiles(block_d: int, block_g: int, fp32_dot: bool, windowed: bool = F
 
 def paged_prefill_attention(
     q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
     cu_seqlens_q: Tensor,
-    seq_lens: Tensor,
-    block_tables: Tensor,
+    kv: PagedKV,
     options: AttentionOptions,
     *,
     max_query_len: int | None = None,
 ) -> Tensor:
-    """``q [T,Hq,D]`` packed query chunks over caches ``[NB,BS,Hkv,D]`` → ``[T,Hq,D]``.
+    """``q [T,Hq,D]`` packed query chunks, delimited by ``cu_seqlens_q [B+1]`` int32, over ``kv`` → ``[T,Hq,D]``.
 
-    ``cu_seqlens_q [B+1]``, ``seq_lens [B]`` and ``block_tables [B, max_blocks]`` int32. ``max_query_len``
-    (an upper bound on the chunk lengths) saves a device sync. ``options``: the scale, and ``sliding_window``,
-    ``softcap``, ``sinks [Hq]`` (see :mod:`.reference`); with a window, keys before a query tile's first window (and their
-    block-table entries) are not read.
+    ``max_query_len`` (an upper bound on the chunk lengths) saves a device sync. ``options``: the scale, and
+    ``sliding_window``, ``softcap``, ``sinks [Hq]`` (see :mod:`.reference`); with a window, keys before a query
+    tile's first window (and their block-table entries) are not read.
     """
     total, num_q_heads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
     if total == 0 or batch == 0:
         return q.new_empty(q.shape)
-    q, block_tables, block_size, num_kv_heads, group = paged_inputs(q, k_cache, v_cache, block_tables)
+    q, kv, group = paged_inputs(q, kv)
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     device = q.device
     opt = OptionArgs.make(options, like=q)
-    fp32_dot = interpreting(device) or q.dtype != k_cache.dtype or q.dtype == torch.float32
+    fp32_dot = interpreting(device) or q.dtype != kv.k_cache.dtype or q.dtype == torch.float32
     block_d = triton.next_power_of_2(head_dim)
     block_g = triton.next_power_of_2(group)
     block_m, block_n, num_warps = prefill_tiles(block_d, block_g, fp32_dot, windowed=opt.WINDOW)
     block_q = block_m // block_g
     out = torch.empty((total, num_q_heads, head_dim), dtype=q.dtype, device=device)
-    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, batch)
+    grid = (triton.cdiv(max_query_len, block_q), kv.num_kv_heads, batch)
     _prefill_kernel.on(device)[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, opt.qk_scale,
+        q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, cu_seqlens_q, out, opt.qk_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        kv.k_cache.stride(0), kv.k_cache.stride(1), kv.k_cache.stride(2), kv.block_tables.stride(0),
         group, head_dim, opt.window, opt.softcap, opt.sinks,
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_SIZE=kv.block_size, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         FP32_DOT=fp32_dot, **opt.constexprs, num_warps=num_warps,
     )  # fmt: skip
     return out

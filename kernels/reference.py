@@ -7,6 +7,7 @@ see, and scores and softmax are float64. Outputs are float64 (compare a backend'
 
 Attention semantics
 -------------------
+The K/V side of a call is one :class:`.paged_kv.PagedKV` (caches, ``block_tables``, ``seq_lens``).
 Sequence ``b`` holds ``seq_lens[b]`` tokens; token ``t`` lives at slot
 ``block_tables[b, t // block_size] * block_size + t % block_size`` of the flattened ``[NB * BS, Hkv, D]`` cache.
 Its queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` are its last ``n_b`` tokens, at positions
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor
 
 from .options import AttentionOptions
+from .paged_kv import PagedKV
 
 
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -59,30 +61,25 @@ def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:
 
 
 def paged_prefill_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    cu_seqlens_q: Tensor,
-    seq_lens: Tensor,
-    block_tables: Tensor,
-    options: AttentionOptions,
+    q: Tensor, cu_seqlens_q: Tensor, kv: PagedKV, options: AttentionOptions
 ) -> Tensor:
-    """Packed queries ``q [T, Hq, D]`` over caches ``[NB, BS, Hkv, D]`` → float64 ``[T, Hq, D]`` (semantics above)."""
+    """Packed queries ``q [T, Hq, D]`` delimited by ``cu_seqlens_q [B+1]`` over ``kv`` → float64 ``[T, Hq, D]``
+    (semantics above)."""
     sliding_window = options.sliding_window
     num_q_heads = q.shape[1]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads = kv.block_size, kv.num_kv_heads
     kv_head = torch.arange(num_q_heads) // (num_q_heads // num_kv_heads)  # of each query head
     cu = cu_seqlens_q.tolist()
     out = torch.zeros(q.shape, dtype=torch.float64)
     for b in range(len(cu) - 1):
-        seq_len = int(seq_lens[b])
+        seq_len = int(kv.seq_lens[b])
         first_pos = seq_len - (cu[b + 1] - cu[b])  # position of the sequence's first query
         # The sequence's keys from the first one its first query sees, slot by slot through the block table.
         first_key = 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
-        table = block_tables[b].tolist()
+        table = kv.block_tables[b].tolist()
         slots = [table[t // block_size] * block_size + t % block_size for t in range(first_key, seq_len)]
-        keys = k_cache.flatten(0, 1)[slots][:, kv_head].double()  # [L, Hq, D]: key t at row t - first_key
-        values = v_cache.flatten(0, 1)[slots][:, kv_head].double()
+        keys = kv.k_cache.flatten(0, 1)[slots][:, kv_head].double()  # [L, Hq, D]: key t at row t - first_key
+        values = kv.v_cache.flatten(0, 1)[slots][:, kv_head].double()
         for i in range(cu[b], cu[b + 1]):
             pos = first_pos + i - cu[b]
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)  # first visible key
@@ -91,17 +88,10 @@ def paged_prefill_attention(
     return out
 
 
-def paged_decode_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    options: AttentionOptions,
-) -> Tensor:
-    """One query per sequence, ``q [B, Hq, D]`` (the token at ``seq_lens[b] - 1``) → float64 ``[B, Hq, D]``."""
+def paged_decode_attention(q: Tensor, kv: PagedKV, options: AttentionOptions) -> Tensor:
+    """One query per sequence, ``q [B, Hq, D]`` (the token at ``kv.seq_lens[b] - 1``) → float64 ``[B, Hq, D]``."""
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return paged_prefill_attention(q, k_cache, v_cache, cu, seq_lens, block_tables, options)
+    return paged_prefill_attention(q, cu, kv, options)
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, options: AttentionOptions) -> Tensor:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .options import AttentionOptions
+from .paged_kv import PagedKV
 
 
 @dataclass
@@ -27,6 +28,11 @@ class PagedBatch:
     cu_seqlens_q: Tensor  # [B+1] int32
     q_lens: list[int]
     scale: float
+
+    @property
+    def kv(self) -> PagedKV:
+        """The caches, block tables and lengths as the attention operations take them."""
+        return PagedKV(self.k_cache, self.v_cache, self.block_tables, self.seq_lens)
 
     @property
     def max_seq_len(self) -> int:
@@ -98,10 +104,7 @@ def reference_attention(batch: PagedBatch, **options) -> Tensor:
     both backends' prefill, and of their decode when every ``q_len`` is 1."""
     from .reference import paged_prefill_attention
 
-    return paged_prefill_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
-        batch.options(**options),
-    )  # fmt: skip
+    return paged_prefill_attention(batch.q, batch.cu_seqlens_q, batch.kv, batch.options(**options))
 
 
 def with_stale_blocks(batch: PagedBatch, sliding_window: int) -> tuple[PagedBatch, int]:

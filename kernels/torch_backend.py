@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .options import AttentionOptions
+from .paged_kv import PagedKV
 
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 # The CPU flash-attention op behind SDPA, which also returns the log-sum-exp: lets a chunk after a cached
@@ -108,16 +109,13 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, ca
 
 def paged_decode_attention(
     q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
+    kv: PagedKV,
     options: AttentionOptions,
     *,
     workspace: Workspace | None = None,
     plan_cache: dict | None = None,
 ) -> Tensor:
-    """One query per sequence (the token at position ``seq_lens[b] - 1``) attending to its whole context.
+    """One query per sequence (the token at position ``kv.seq_lens[b] - 1``) attending to its whole context.
 
     ``q [B,Hq,D]`` → ``[B,Hq,D]``. Sequences are padded to the longest context (padding keys masked), in
     groups of similar context when one padded batch would read over 25% more blocks than needed
@@ -128,12 +126,13 @@ def paged_decode_attention(
         return q.new_empty(q.shape)
     if not options.plain:
         cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-        return _prefill_padded(q, k_cache, v_cache, cu, seq_lens, block_tables, options, workspace)
+        return _prefill_padded(q, cu, kv, options, workspace)
+    k_cache, v_cache, block_tables = kv.k_cache, kv.v_cache, kv.block_tables
     scale = options.scale
-    block_size = k_cache.shape[1]
-    lens = seq_lens.to(q.device)
+    block_size = kv.block_size
+    lens = kv.seq_lens.to(q.device)
     if batch >= 2 * _CASCADE_MIN_GROUP:
-        out = _decode_cascade(q, k_cache, v_cache, block_tables, lens, scale, workspace, plan_cache)
+        out = _decode_cascade(q, kv, scale, workspace, plan_cache)
         if out is not None:
             return out
     plan = _decode_plan(block_tables, lens, block_size, plan_cache)
@@ -303,14 +302,7 @@ def _cascade_plan(
 
 
 def _decode_cascade(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    lens: Tensor,
-    scale: float,
-    workspace: Workspace | None,
-    plan_cache: dict | None = None,
+    q: Tensor, kv: PagedKV, scale: float, workspace: Workspace | None, plan_cache: dict | None = None
 ) -> Tensor | None:
     """Decode attention that reads a prefix shared by a group of sequences once for the whole group.
 
@@ -320,15 +312,16 @@ def _decode_cascade(
     ``None`` when nothing is shared enough to pay off or the CPU flash op is unavailable. ``plan_cache``
     (a dict living for one forward) lets all layers share the grouping.
     """
+    k_cache, v_cache = kv.k_cache, kv.v_cache
     if _CPU_FLASH_WITH_LSE is None or q.device.type != "cpu" or q.dtype != k_cache.dtype:
         return None
     batch, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads = kv.block_size, kv.num_kv_heads
     group = num_q_heads // num_kv_heads
     if plan_cache is not None and "decode_cascade" in plan_cache:
         plan = plan_cache["decode_cascade"]
     else:
-        plan = _cascade_plan(block_tables, lens.long(), block_size, q.dtype)
+        plan = _cascade_plan(kv.block_tables, kv.seq_lens.to(q.device).long(), block_size, q.dtype)
         if plan_cache is not None:
             plan_cache["decode_cascade"] = plan
     if plan is None:
@@ -358,11 +351,8 @@ def _decode_cascade(
 
 def paged_prefill_attention(
     q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
     cu_seqlens_q: Tensor,
-    seq_lens: Tensor,
-    block_tables: Tensor,
+    kv: PagedKV,
     options: AttentionOptions,
     *,
     workspace: Workspace | None = None,
@@ -370,7 +360,7 @@ def paged_prefill_attention(
     """Variable-length query chunks attending causally to their cached context plus themselves.
 
     Sequence ``b`` owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` at absolute positions
-    ``seq_lens[b] - q_len_b .. seq_lens[b] - 1``; a query at position ``p`` attends to keys ``0..p``, all read
+    ``kv.seq_lens[b] - q_len_b .. kv.seq_lens[b] - 1``; a query at position ``p`` attends to keys ``0..p``, all read
     from the paged cache (the new tokens' K/V must already be stored). ``q [T,Hq,D]`` → ``[T,Hq,D]``.
     """
     total = q.shape[0]
@@ -379,35 +369,27 @@ def paged_prefill_attention(
         return q.new_empty(q.shape)
     plain = options.plain
     cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
+    lens = kv.seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(batch)]
     buckets = _padding_buckets(q_lens, lens)
     if len(buckets) == 1 and len(buckets[0]) == batch and (batch > 1 or not plain):
-        return _prefill_padded(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, options, workspace)
+        return _prefill_padded(q, cu_seqlens_q, kv, options, workspace)
     out = torch.empty_like(q)
     for bucket in buckets:
         if len(bucket) == 1 and plain:
             b = bucket[0]
             s, e = cu[b], cu[b + 1]
             out[s:e] = _prefill_one(
-                q[s:e], k_cache, v_cache, lens[b], block_tables[b], options.scale, workspace
+                q[s:e], kv.k_cache, kv.v_cache, lens[b], kv.block_tables[b], options.scale, workspace
             )
             continue
-        rows = torch.tensor(bucket, dtype=torch.long, device=block_tables.device)
+        rows = torch.tensor(bucket, dtype=torch.long, device=kv.block_tables.device)
         tokens = torch.cat([torch.arange(cu[b], cu[b + 1], device=q.device) for b in bucket])
         sub_cu = [0]
         for b in bucket:
             sub_cu.append(sub_cu[-1] + q_lens[b])
-        out[tokens] = _prefill_padded(
-            q[tokens],
-            k_cache,
-            v_cache,
-            torch.tensor(sub_cu, dtype=torch.int32, device=q.device),
-            seq_lens[rows.to(seq_lens.device)],
-            block_tables[rows],
-            options,
-            workspace,
-        )
+        sub_cu_q = torch.tensor(sub_cu, dtype=torch.int32, device=q.device)
+        out[tokens] = _prefill_padded(q[tokens], sub_cu_q, kv.select(rows), options, workspace)
     return out
 
 
@@ -493,25 +475,18 @@ def _merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
 
 
 def _prefill_padded(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    cu_seqlens_q: Tensor,
-    seq_lens: Tensor,
-    block_tables: Tensor,
-    options: AttentionOptions,
-    workspace: Workspace | None,
+    q: Tensor, cu_seqlens_q: Tensor, kv: PagedKV, options: AttentionOptions, workspace: Workspace | None
 ) -> Tensor:
     """All sequences at once, queries padded to the longest chunk and keys to the longest context (with a
     window: to the longest span of blocks any query of a sequence can see, starting at the first such block)."""
     sliding_window = options.sliding_window
     total, num_q_heads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads, block_tables = kv.block_size, kv.num_kv_heads, kv.block_tables
     device = q.device
     cu = cu_seqlens_q.to(device).long()
     q_lens = cu[1:] - cu[:-1]
-    lens = seq_lens.to(device).long()
+    lens = kv.seq_lens.to(device).long()
     max_q, max_len = int(q_lens.max()), int(lens.max())
     seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device), q_lens)
     idx_in_seq = torch.arange(total, device=device) - cu[:-1][seq_of_token]
@@ -534,8 +509,8 @@ def _prefill_padded(
         # Padding query rows take the last real query's keys (under a window their own could be none).
         q_pos = torch.minimum(q_pos, lens[:, None] - 1)
     shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
-    k = _gather(k_cache, ids, "k", workspace).view(shape)[:, :num_keys].transpose(1, 2)
-    v = _gather(v_cache, ids, "v", workspace).view(shape)[:, :num_keys].transpose(1, 2)
+    k = _gather(kv.k_cache, ids, "k", workspace).view(shape)[:, :num_keys].transpose(1, 2)
+    v = _gather(kv.v_cache, ids, "v", workspace).view(shape)[:, :num_keys].transpose(1, 2)
     # Padding query rows (past q_len) sit at positions >= seq_len: they still see keys 0..seq_len-1, so no row
     # is empty; they are dropped below.
     mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] < lens[:, None, None])

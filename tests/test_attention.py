@@ -43,9 +43,7 @@ def test_decode_matches_reference(block_size, num_q_heads, num_kv_heads, dtype):
         ragged_lengths(block_size), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=32,
         block_size=block_size, dtype=dtype, seed=block_size,
     )  # fmt: skip
-    out = tb.paged_decode_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.options()
-    )
+    out = tb.paged_decode_attention(batch.q, batch.kv, batch.options())
     assert out.dtype == dtype and out.shape == batch.q.shape
     torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[dtype])
 
@@ -56,7 +54,7 @@ def test_decode_uniform_lengths_and_workspace(head_dim):
     ws = tb.Workspace()
     for lens in ([37, 37, 37], [5, 70, 33], [2, 2]):
         batch = make_paged_batch(lens, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, seed=len(lens))
-        args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.options())
+        args = (batch.q, batch.kv, batch.options())
         out = tb.paged_decode_attention(*args, workspace=ws)
         torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])
 
@@ -81,7 +79,7 @@ def test_prefill_matches_reference(case, block_size, num_q_heads, num_kv_heads, 
         [n + c for n, c in spec], [n for n, _ in spec], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=32, block_size=block_size, dtype=dtype, seed=7,
     )  # fmt: skip
-    args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables)
+    args = (batch.q, batch.cu_seqlens_q, batch.kv)
     expected = reference_attention(batch)
     out = tb.paged_prefill_attention(*args, batch.options())
     assert out.dtype == dtype and out.shape == batch.q.shape
@@ -102,9 +100,7 @@ def test_decode_options_match_reference(case, block_size, num_q_heads, num_kv_he
         block_size=block_size, dtype=dtype, seed=block_size,
     )  # fmt: skip
     options = attention_options(case, num_q_heads)
-    out = tb.paged_decode_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.options(**options)
-    )
+    out = tb.paged_decode_attention(batch.q, batch.kv, batch.options(**options))
     assert out.dtype == dtype and out.shape == batch.q.shape
     torch.testing.assert_close(out.double(), reference_attention(batch, **options), **TOL[dtype])
 
@@ -121,7 +117,7 @@ def test_prefill_options_match_reference(case, spec, block_size, num_q_heads, nu
         head_dim=32, block_size=block_size, seed=3,
     )  # fmt: skip
     options = attention_options(case, num_q_heads)
-    args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables)
+    args = (batch.q, batch.cu_seqlens_q, batch.kv)
     expected = reference_attention(batch, **options)
     out = tb.paged_prefill_attention(*args, batch.options(**options))
     torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
@@ -136,10 +132,7 @@ def test_window_reads_no_block_before_it(window):
     decode = make_paged_batch([1, 8, 9, 50, 75], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
     decode, stale = with_stale_blocks(decode, window)
     assert stale > 0
-    out = tb.paged_decode_attention(
-        decode.q, decode.k_cache, decode.v_cache, decode.block_tables, decode.seq_lens,
-        decode.options(sliding_window=window),
-    )  # fmt: skip
+    out = tb.paged_decode_attention(decode.q, decode.kv, decode.options(sliding_window=window))
     torch.testing.assert_close(
         out.double(), reference_attention(decode, sliding_window=window), **TOL[torch.float32]
     )
@@ -150,9 +143,11 @@ def test_window_reads_no_block_before_it(window):
     assert stale > 0
     for softcap in (None, 3.0):  # SDPA, and the explicit-score path
         out = tb.paged_prefill_attention(
-            prefill.q, prefill.k_cache, prefill.v_cache, prefill.cu_seqlens_q, prefill.seq_lens,
-            prefill.block_tables, prefill.options(sliding_window=window, softcap=softcap),
-        )  # fmt: skip
+            prefill.q,
+            prefill.cu_seqlens_q,
+            prefill.kv,
+            prefill.options(sliding_window=window, softcap=softcap),
+        )
         expected = reference_attention(prefill, sliding_window=window, softcap=softcap)
         torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
 
@@ -161,7 +156,7 @@ def test_explicit_scores_in_query_chunks(monkeypatch):
     """The soft-capping / sinks path computes scores a chunk of queries at a time: same answer."""
     batch = make_paged_batch([70, 30], [50, 30], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
     options = dict(softcap=4.0, sinks=torch.tensor([1.0, -2.0]))
-    args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables)
+    args = (batch.q, batch.cu_seqlens_q, batch.kv)
     whole = tb.paged_prefill_attention(*args, batch.options(**options))
     monkeypatch.setattr(
         tb, "_EXPLICIT_SCORES_ELEMENTS", 2000
@@ -176,16 +171,10 @@ def test_prefill_heuristic_picks_padded_for_uniform_batches(monkeypatch):
     real = tb._prefill_padded
     monkeypatch.setattr(tb, "_prefill_padded", lambda *a: calls.append(1) or real(*a))
     uniform = make_paged_batch([32, 32, 31], [8, 8, 8])
-    tb.paged_prefill_attention(
-        uniform.q, uniform.k_cache, uniform.v_cache, uniform.cu_seqlens_q, uniform.seq_lens,
-        uniform.block_tables, uniform.options(),
-    )  # fmt: skip
+    tb.paged_prefill_attention(uniform.q, uniform.cu_seqlens_q, uniform.kv, uniform.options())
     assert calls == [1]
     ragged = make_paged_batch([600, 4, 3], [600, 4, 3])
-    tb.paged_prefill_attention(
-        ragged.q, ragged.k_cache, ragged.v_cache, ragged.cu_seqlens_q, ragged.seq_lens, ragged.block_tables,
-        ragged.options(),
-    )  # fmt: skip
+    tb.paged_prefill_attention(ragged.q, ragged.cu_seqlens_q, ragged.kv, ragged.options())
     # A group is padded only while that at most doubles each member's work: the 600-token chunk runs alone,
     # the two short ones share one padded call.
     assert calls == [1, 1]
@@ -200,13 +189,8 @@ def test_zero_cache_gives_finite_outputs():
     batch = make_paged_batch([1, 3, 17], [1, 2, 17], num_q_heads=4, num_kv_heads=2, head_dim=16)
     batch.k_cache.zero_()
     batch.v_cache.zero_()
-    dec = tb.paged_decode_attention(
-        batch.q[:3], batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.options()
-    )
-    pre = tb.paged_prefill_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
-        batch.options(),
-    )  # fmt: skip
+    dec = tb.paged_decode_attention(batch.q[:3], batch.kv, batch.options())
+    pre = tb.paged_prefill_attention(batch.q, batch.cu_seqlens_q, batch.kv, batch.options())
     assert torch.equal(dec, torch.zeros_like(dec)) and torch.equal(pre, torch.zeros_like(pre))
 
 
@@ -358,8 +342,5 @@ def test_prefill_after_prefix_with_and_without_the_lse_fast_path(monkeypatch, fl
     if not flash_with_lse:
         monkeypatch.setattr(tb, "_CPU_FLASH_WITH_LSE", None)
     batch = make_paged_batch([70], [23], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16)
-    out = tb.paged_prefill_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
-        batch.options(),
-    )  # fmt: skip
+    out = tb.paged_prefill_attention(batch.q, batch.cu_seqlens_q, batch.kv, batch.options())
     torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])

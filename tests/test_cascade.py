@@ -12,6 +12,7 @@ from batchgen import LLM, SamplingParams
 from batchgen.kernels import reference
 from batchgen.kernels import torch_backend as tb
 from batchgen.kernels.options import AttentionOptions
+from batchgen.kernels.paged_kv import PagedKV
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -29,11 +30,11 @@ def test_cascade_decode_matches_reference(dtype, tol, block_size, num_kv_heads) 
     for lo, hi, shared in [(0, 8, 3), (8, 14, 2), (14, 19, 1), (19, 21, 3)]:
         tables[lo:hi, :shared] = tables[lo, :shared]
     q = torch.randn(batch, num_q_heads, head_dim, generator=g).to(dtype)
-    out = tb._decode_cascade(q, k, v, tables, lens, 0.17, tb.Workspace())
+    out = tb._decode_cascade(q, PagedKV(k, v, tables, lens), 0.17, tb.Workspace())
     assert out is not None, "groups share enough blocks: the cascade path must be taken"
-    ref = reference.paged_decode_attention(q, k, v, tables, lens, AttentionOptions(0.17))
+    ref = reference.paged_decode_attention(q, PagedKV(k, v, tables, lens), AttentionOptions(0.17))
     assert (out.double() - ref).abs().max().item() < tol
-    full = tb.paged_decode_attention(q, k, v, tables, lens, AttentionOptions(0.17))
+    full = tb.paged_decode_attention(q, PagedKV(k, v, tables, lens), AttentionOptions(0.17))
     assert (full.double() - ref).abs().max().item() < tol
 
 
@@ -49,10 +50,12 @@ def test_cascade_not_used_with_attention_options(monkeypatch, options) -> None:
     tables[:, :3] = tables[0, :3]  # every sequence shares 3 blocks
     lens = torch.randint(3 * block_size + 1, 5 * block_size, (batch,), generator=g).int()
     q = torch.randn(batch, 8, 32, generator=g)
-    assert tb._decode_cascade(q, k, v, tables, lens, 0.2, None) is not None
+    assert tb._decode_cascade(q, PagedKV(k, v, tables, lens), 0.2, None) is not None
     monkeypatch.setattr(tb, "_decode_cascade", lambda *a: pytest.fail("cascade taken with options"))
-    out = tb.paged_decode_attention(q, k, v, tables, lens, AttentionOptions(0.2, **options))
-    expected = reference.paged_decode_attention(q, k, v, tables, lens, AttentionOptions(0.2, **options))
+    out = tb.paged_decode_attention(q, PagedKV(k, v, tables, lens), AttentionOptions(0.2, **options))
+    expected = reference.paged_decode_attention(
+        q, PagedKV(k, v, tables, lens), AttentionOptions(0.2, **options)
+    )
     assert (out.double() - expected).abs().max().item() < 1e-5
 
 
@@ -62,7 +65,7 @@ def test_cascade_not_used_without_sharing() -> None:
     tables = torch.randperm(64, generator=g)[:48].view(12, 4).int()
     lens = torch.full((12,), 50, dtype=torch.int32)
     q = torch.randn(12, 4, 16, generator=g)
-    assert tb._decode_cascade(q, k, k, tables, lens, 0.25, None) is None
+    assert tb._decode_cascade(q, PagedKV(k, k, tables, lens), 0.25, None) is None
 
 
 def test_engine_prefix_shared_batch_same_tokens_with_cascade(llama_ckpt: str) -> None:

@@ -11,6 +11,7 @@ import torch
 from batchgen.kernels import reference
 from batchgen.kernels import torch_backend as tb
 from batchgen.kernels.options import AttentionOptions
+from batchgen.kernels.paged_kv import PagedKV
 
 
 def test_groups_bound_padding() -> None:
@@ -47,13 +48,14 @@ def test_grouped_decode_matches_reference(dtype: torch.dtype, heads: tuple[int, 
     tables = torch.randperm(num_blocks)[: batch * width].view(batch, width).int()
     q = torch.randn(batch, hq, d).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kv = PagedKV(k_cache, v_cache, tables, seq_lens)
     opts = AttentionOptions(scale=d**-0.5)
     plan: dict = {}
-    got = tb.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, opts, plan_cache=plan)
+    got = tb.paged_decode_attention(q, kv, opts, plan_cache=plan)
     assert len(plan["decode_plan"].groups) > 1
-    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, opts)
+    want = reference.paged_decode_attention(q, kv, opts)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
     # the plan is reused by the next layer of the same forward
-    again = tb.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, opts, plan_cache=plan)
+    again = tb.paged_decode_attention(q, kv, opts, plan_cache=plan)
     assert torch.equal(again, got)

@@ -75,9 +75,8 @@ prefill_ref = reference_attention
 def run_decode(batch: PagedBatch, device: str, num_splits=None, max_seq_len=None, **options) -> torch.Tensor:
     b = to_device(batch, device)
     out = paged_decode_attention(
-        b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.options(**options), num_splits=num_splits,
-        max_seq_len=max_seq_len,
-    )  # fmt: skip
+        b.q, b.kv, b.options(**options), num_splits=num_splits, max_seq_len=max_seq_len
+    )
     assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
     return out.cpu()
 
@@ -85,9 +84,8 @@ def run_decode(batch: PagedBatch, device: str, num_splits=None, max_seq_len=None
 def run_prefill(batch: PagedBatch, device: str, max_query_len=None, **options) -> torch.Tensor:
     b = to_device(batch, device)
     out = paged_prefill_attention(
-        b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables, b.options(**options),
-        max_query_len=max_query_len,
-    )  # fmt: skip
+        b.q, b.cu_seqlens_q, b.kv, b.options(**options), max_query_len=max_query_len
+    )
     assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
     return out.cpu()
 

@@ -17,6 +17,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from batchgen.kernels import copy_blocks, decode_attention, prefill_attention, store_kv  # noqa: E402
 from batchgen.kernels.aot import compile_launch, recording  # noqa: E402
 from batchgen.kernels.options import AttentionOptions  # noqa: E402
+from batchgen.kernels.paged_kv import PagedKV  # noqa: E402
 
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pytestmark = [
@@ -34,7 +35,7 @@ def _decode(head_dim, group, dtype, num_splits, **options):
     cache = torch.zeros(8, 16, 2, head_dim, dtype=dtype)
     tables, lens = torch.zeros(3, 4, dtype=torch.int32), torch.full((3,), 40, dtype=torch.int32)
     decode_attention.paged_decode_attention(
-        q, cache, cache, tables, lens, AttentionOptions(0.1, **options), num_splits=num_splits
+        q, PagedKV(cache, cache, tables, lens), AttentionOptions(0.1, **options), num_splits=num_splits
     )
 
 
@@ -44,7 +45,7 @@ def _prefill(head_dim, group, dtype, **options):
     tables, lens = torch.zeros(3, 4, dtype=torch.int32), torch.full((3,), 40, dtype=torch.int32)
     cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     prefill_attention.paged_prefill_attention(
-        q, cache, cache, cu, lens, tables, AttentionOptions(0.1, **options)
+        q, cu, PagedKV(cache, cache, tables, lens), AttentionOptions(0.1, **options)
     )
 
 

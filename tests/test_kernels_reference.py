@@ -56,8 +56,7 @@ def test_reference_is_dense_causal_attention(block_size, num_q_heads, num_kv_hea
 
 def test_reference_decode_is_prefill_with_one_query_each():
     batch = make_paged_batch([1, 7, 40], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=8)
-    args = (batch.q, batch.k_cache, batch.v_cache)
-    dec = reference.paged_decode_attention(*args, batch.block_tables, batch.seq_lens, batch.options())
+    dec = reference.paged_decode_attention(batch.q, batch.kv, batch.options())
     assert torch.equal(dec, reference_attention(batch))
 
 

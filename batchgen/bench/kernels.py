@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from batchgen.kernels.options import AttentionOptions
+from batchgen.kernels.paged_kv import PagedKV
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -122,7 +123,9 @@ def _copy_bandwidth(device: torch.device) -> float:
     return 2 * 2**30 / (us * 1e-6)
 
 
-def _paged_setup(batch: int, ctx: int, block_size: int, device: torch.device, q_len: int = 1):
+def _paged_setup(
+    batch: int, ctx: int, block_size: int, device: torch.device, q_len: int = 1
+) -> tuple[torch.Tensor, PagedKV]:
     blocks_per_seq = math.ceil(ctx / block_size)
     num_blocks = batch * blocks_per_seq + 1
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
@@ -132,7 +135,7 @@ def _paged_setup(batch: int, ctx: int, block_size: int, device: torch.device, q_
     tables = perm.view(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     q = torch.randn(batch * q_len, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
-    return q, k_cache, v_cache, tables, seq_lens
+    return q, PagedKV(k_cache, v_cache, tables, seq_lens)
 
 
 def _flash_attn():
@@ -168,33 +171,25 @@ def _measure_decode(p: DecodePoint, device: torch.device) -> None:
 
     scale = HEAD_DIM**-0.5
     options = AttentionOptions(scale)
-    q, kc, vc, tables, lens = _paged_setup(p.batch, p.context, BLOCK_SIZE, device)
+    q, kv = _paged_setup(p.batch, p.context, BLOCK_SIZE, device)
     forced = max(2, min(MAX_SPLITS, p.context // 512))
     t = p.times_us
-    t["triton"] = _bench(
-        lambda: paged_decode_attention(q, kc, vc, tables, lens, options, max_seq_len=p.context)
-    )
-    t["triton-1pass"] = _bench(lambda: paged_decode_attention(q, kc, vc, tables, lens, options, num_splits=1))
-    t["triton-splitk"] = _bench(
-        lambda: paged_decode_attention(q, kc, vc, tables, lens, options, num_splits=forced)
-    )
+    t["triton"] = _bench(lambda: paged_decode_attention(q, kv, options, max_seq_len=p.context))
+    t["triton-1pass"] = _bench(lambda: paged_decode_attention(q, kv, options, num_splits=1))
+    t["triton-splitk"] = _bench(lambda: paged_decode_attention(q, kv, options, num_splits=forced))
     ws = torch_backend.Workspace()
-    t["torch-ref"] = _bench(
-        lambda: torch_backend.paged_decode_attention(q, kc, vc, tables, lens, options, workspace=ws)
-    )
-    ref = torch_backend.paged_decode_attention(q, kc, vc, tables, lens, options, workspace=ws).float()
+    t["torch-ref"] = _bench(lambda: torch_backend.paged_decode_attention(q, kv, options, workspace=ws))
+    ref = torch_backend.paged_decode_attention(q, kv, options, workspace=ws).float()
     ws.clear()
     p.max_abs_diff = max(
-        float(
-            (paged_decode_attention(q, kc, vc, tables, lens, options, num_splits=n).float() - ref).abs().max()
-        )
+        float((paged_decode_attention(q, kv, options, num_splits=n).float() - ref).abs().max())
         for n in (None, 1, forced)
     )
-    t["sdpa"] = _sdpa_decode(q, kc, vc, tables, p.context, scale)
+    t["sdpa"] = _sdpa_decode(q, kv, p.context, scale)
 
 
-def _sdpa_decode(q, kc, vc, tables, context: int, scale: float) -> float:
-    k, v = _contiguous_kv(kc, vc, tables, context)
+def _sdpa_decode(q: torch.Tensor, kv: PagedKV, context: int, scale: float) -> float:
+    k, v = _contiguous_kv(kv, context)
     q4 = q.unsqueeze(2)
     return _bench(
         lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
@@ -204,19 +199,21 @@ def _sdpa_decode(q, kc, vc, tables, context: int, scale: float) -> float:
 def _flash_attn_paged(batch: int, q_len: int, total: int, device: torch.device) -> float:
     """FlashAttention's paged kernel on its own cache (page size 256), causal (bottom-right aligned)."""
     fa = _flash_attn()
-    q, kc, vc, tables, lens = _paged_setup(batch, total, FA_PAGE, device, q_len=q_len)
+    q, kv = _paged_setup(batch, total, FA_PAGE, device, q_len=q_len)
     q = q.view(batch, q_len, NUM_Q_HEADS, HEAD_DIM)
     scale = HEAD_DIM**-0.5
+    kc, vc, tables, lens = kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens
     return _bench(
         lambda: fa(q, kc, vc, cache_seqlens=lens, block_table=tables, softmax_scale=scale, causal=True)
     )
 
 
-def _contiguous_kv(kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, length: int):
+def _contiguous_kv(kv: PagedKV, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V of every sequence gathered into contiguous ``[B, Hkv, length, D]`` tensors."""
+    tables = kv.block_tables.long()
     shape = (tables.shape[0], tables.shape[1] * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k = kc[tables.long()].view(shape)[:, :length].transpose(1, 2).contiguous()
-    v = vc[tables.long()].view(shape)[:, :length].transpose(1, 2).contiguous()
+    k = kv.k_cache[tables].view(shape)[:, :length].transpose(1, 2).contiguous()
+    v = kv.v_cache[tables].view(shape)[:, :length].transpose(1, 2).contiguous()
     return k, v
 
 
@@ -246,18 +243,16 @@ def _measure_prefill(p: PrefillPoint, device: torch.device) -> None:
     scale = HEAD_DIM**-0.5
     options = AttentionOptions(scale)
     total = p.q_len + p.context
-    q, kc, vc, tables, lens = _paged_setup(p.num_seqs, total, BLOCK_SIZE, device, q_len=p.q_len)
+    q, kv = _paged_setup(p.num_seqs, total, BLOCK_SIZE, device, q_len=p.q_len)
     cu = torch.arange(p.num_seqs + 1, dtype=torch.int32, device=device) * p.q_len
     t = p.times_us
-    t["triton"] = _bench(
-        lambda: paged_prefill_attention(q, kc, vc, cu, lens, tables, options, max_query_len=p.q_len)
-    )
+    t["triton"] = _bench(lambda: paged_prefill_attention(q, cu, kv, options, max_query_len=p.q_len))
     if p.context == 0:  # SDPA's causal mask is top-left aligned: exact only without a prefix
-        t["sdpa"] = _sdpa_prefill(q, kc, vc, tables, p, scale)
+        t["sdpa"] = _sdpa_prefill(q, kv, p, scale)
 
 
-def _sdpa_prefill(q, kc, vc, tables, p: PrefillPoint, scale: float) -> float:
-    k, v = _contiguous_kv(kc, vc, tables, p.q_len)
+def _sdpa_prefill(q: torch.Tensor, kv: PagedKV, p: PrefillPoint, scale: float) -> float:
+    k, v = _contiguous_kv(kv, p.q_len)
     q4 = q.view(p.num_seqs, p.q_len, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2)
     return _bench(
         lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -300,9 +295,7 @@ def run_cpu(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), r
 
             def decode(layers=layers):
                 for b in layers:
-                    torch_backend.paged_decode_attention(
-                        b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.options(), workspace=ws
-                    )
+                    torch_backend.paged_decode_attention(b.q, b.kv, b.options(), workspace=ws)
 
             wall, cpu = best(decode)
             lines.append(
@@ -317,9 +310,8 @@ def run_cpu(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), r
             def prefill(layers=layers):
                 for b in layers:
                     torch_backend.paged_prefill_attention(
-                        b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables, b.options(),
-                        workspace=ws,
-                    )  # fmt: skip
+                        b.q, b.cu_seqlens_q, b.kv, b.options(), workspace=ws
+                    )
 
             wall, cpu = best(prefill)
             lines.append(

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from batchgen.kernels import torch_backend, triton_available
 from batchgen.kernels.options import AttentionOptions  # re-exported: models build one per layer
+from batchgen.kernels.paged_kv import PagedKV
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,9 @@ class AttentionBackend(Protocol):
     """The four paged-cache operations a backend provides (semantics: :mod:`batchgen.kernels.reference`).
 
     ``decode`` gets one query per sequence (``q [B, Hq, D]``), ``prefill`` packed chunks (``q [T, Hq, D]``
-    delimited by ``cu_seqlens_q``); both read the new tokens' K/V from the cache (``store_kv`` ran first).
-    ``max_seq_len`` / ``max_query_len`` bound ``seq_lens`` / the chunk lengths (saves device syncs);
+    delimited by ``cu_seqlens_q``); both read the new tokens' K/V from the cache through a
+    :class:`~batchgen.kernels.paged_kv.PagedKV` (``store_kv`` ran first).
+    ``max_seq_len`` / ``max_query_len`` bound ``kv.seq_lens`` / the chunk lengths (saves device syncs);
     ``scratch`` lives for one forward, shared by its layers. ``options``: the layer's
     :class:`AttentionOptions` (scale, and ``sliding_window``, ``softcap``, ``sinks``).
     """
@@ -95,14 +97,12 @@ class AttentionBackend(Protocol):
     ) -> None: ...
 
     def decode(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-        options: AttentionOptions, *, max_seq_len: int, scratch: dict,
-    ) -> Tensor: ...  # fmt: skip
+        self, q: Tensor, kv: PagedKV, options: AttentionOptions, *, max_seq_len: int, scratch: dict
+    ) -> Tensor: ...
 
     def prefill(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-        block_tables: Tensor, options: AttentionOptions, *, max_query_len: int,
-    ) -> Tensor: ...  # fmt: skip
+        self, q: Tensor, cu_seqlens_q: Tensor, kv: PagedKV, options: AttentionOptions, *, max_query_len: int
+    ) -> Tensor: ...
 
     def copy_blocks(self, kv_cache: Tensor, block_mapping: Tensor) -> None: ...
 
@@ -120,28 +120,16 @@ class TorchBackend:
         self.workspace = torch_backend.Workspace()
 
     def decode(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-        options: AttentionOptions, *, max_seq_len: int, scratch: dict,
-    ) -> Tensor:  # fmt: skip
-        return torch_backend.paged_decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, options, workspace=self._workspace_for(q),
-            plan_cache=scratch,
-        )  # fmt: skip
+        self, q: Tensor, kv: PagedKV, options: AttentionOptions, *, max_seq_len: int, scratch: dict
+    ) -> Tensor:
+        workspace = self._workspace_for(q)
+        return torch_backend.paged_decode_attention(q, kv, options, workspace=workspace, plan_cache=scratch)
 
     def prefill(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-        block_tables: Tensor, options: AttentionOptions, *, max_query_len: int,
-    ) -> Tensor:  # fmt: skip
-        return torch_backend.paged_prefill_attention(
-            q,
-            k_cache,
-            v_cache,
-            cu_seqlens_q,
-            seq_lens,
-            block_tables,
-            options,
-            workspace=self._workspace_for(q),
-        )
+        self, q: Tensor, cu_seqlens_q: Tensor, kv: PagedKV, options: AttentionOptions, *, max_query_len: int
+    ) -> Tensor:
+        workspace = self._workspace_for(q)
+        return torch_backend.paged_prefill_attention(q, cu_seqlens_q, kv, options, workspace=workspace)
 
     def _workspace_for(self, q: Tensor) -> torch_backend.Workspace | None:
         return self.workspace if q.device.type == "cpu" else None
@@ -161,18 +149,14 @@ class TritonBackend:
         self._prefill = prefill_attention.paged_prefill_attention
 
     def decode(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-        options: AttentionOptions, *, max_seq_len: int, scratch: dict,
-    ) -> Tensor:  # fmt: skip
-        return self._decode(q, k_cache, v_cache, block_tables, seq_lens, options, max_seq_len=max_seq_len)
+        self, q: Tensor, kv: PagedKV, options: AttentionOptions, *, max_seq_len: int, scratch: dict
+    ) -> Tensor:
+        return self._decode(q, kv, options, max_seq_len=max_seq_len)
 
     def prefill(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-        block_tables: Tensor, options: AttentionOptions, *, max_query_len: int,
-    ) -> Tensor:  # fmt: skip
-        return self._prefill(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, options, max_query_len=max_query_len
-        )
+        self, q: Tensor, cu_seqlens_q: Tensor, kv: PagedKV, options: AttentionOptions, *, max_query_len: int
+    ) -> Tensor:
+        return self._prefill(q, cu_seqlens_q, kv, options, max_query_len=max_query_len)
 
 
 BACKENDS: dict[str, type[TorchBackend] | type[TritonBackend]] = {
@@ -242,22 +226,16 @@ class PagedAttention:
         impl = self.impl
         impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_seqs
-        bt, lens = meta.block_tables, meta.seq_lens
-        if nd == lens.shape[0]:
-            return impl.decode(
-                q, k_cache, v_cache, bt, lens, options, max_seq_len=meta.max_seq_len, scratch=meta.scratch
-            )
+        kv = PagedKV(k_cache, v_cache, meta.block_tables, meta.seq_lens)
+        decode = dict(max_seq_len=meta.max_seq_len, scratch=meta.scratch)
+        if nd == meta.seq_lens.shape[0]:
+            return impl.decode(q, kv, options, **decode)
         if nd == 0:
-            return impl.prefill(
-                q, k_cache, v_cache, meta.cu_seqlens_q, lens, bt, options, max_query_len=meta.max_query_len
-            )
+            return impl.prefill(q, meta.cu_seqlens_q, kv, options, max_query_len=meta.max_query_len)
         out = torch.empty_like(q)
-        out[:nd] = impl.decode(
-            q[:nd], k_cache, v_cache, bt[:nd], lens[:nd], options, max_seq_len=meta.max_seq_len,
-            scratch=meta.scratch,
-        )  # fmt: skip
+        out[:nd] = impl.decode(q[:nd], kv.select(slice(None, nd)), options, **decode)
         cu = meta.cu_seqlens_q[nd:] - nd
         out[nd:] = impl.prefill(
-            q[nd:], k_cache, v_cache, cu, lens[nd:], bt[nd:], options, max_query_len=meta.max_query_len
+            q[nd:], cu, kv.select(slice(nd, None)), options, max_query_len=meta.max_query_len
         )
         return out
