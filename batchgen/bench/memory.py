@@ -191,8 +191,21 @@ class RunResult:
 Sample = tuple[int, int, int, int, int, int, bool]
 
 
-def summarize(samples: Iterable[Sample], capacity: int, **fields: object) -> RunResult:
-    """Time-average the per-step samples (over memory-bound steps when there are any)."""
+def summarize(
+    samples: Iterable[Sample],
+    capacity: int,
+    requests: list[FakeRequest],
+    t0: float,
+    *,
+    block_size: int | None,
+    preemptions: int = 0,
+    cow_copies: int = 0,
+    prefix_hit_rate: float = 0.0,
+    **names: str,
+) -> RunResult:
+    """Time-average the per-step samples (over memory-bound steps when there are any) of a run of
+    ``requests`` started at ``t0`` (``time.perf_counter``); preemptions, copies and hits default to none."""
+    wall_s = time.perf_counter() - t0
     samples = list(samples)
     bound = [s for s in samples if s[6]] or samples
     n = len(bound)
@@ -213,7 +226,14 @@ def summarize(samples: Iterable[Sample], capacity: int, **fields: object) -> Run
         mean_concurrent_seqs=seqs / n,
         series_utilization=[s[1] / s[0] if s[0] else 1.0 for s in samples],
         series_running_seqs=[s[4] for s in samples],
-        **fields,  # type: ignore[arg-type]
+        requests=len(requests),
+        sequences=sum(r.n for r in requests),
+        block_size=block_size,
+        preemptions=preemptions,
+        cow_copies=cow_copies,
+        prefix_hit_rate=prefix_hit_rate,
+        wall_s=wall_s,
+        **names,  # type: ignore[arg-type]
     )
 
 
@@ -246,18 +266,7 @@ def run_contiguous(
         live = sum(g[0].n * (len(g[0].prompt) + g[2] - 1) for g in running)
         head = waiting[0] if waiting else None
         samples.append((kv.reserved, live, live, kv.external(head), nseqs, len(running), head is not None))
-    return summarize(
-        samples,
-        capacity,
-        block_size=None,
-        requests=len(requests),
-        sequences=sum(r.n for r in requests),
-        preemptions=0,
-        cow_copies=0,
-        prefix_hit_rate=0.0,
-        wall_s=time.perf_counter() - t0,
-        **names,
-    )
+    return summarize(samples, capacity, requests, t0, block_size=None, **names)
 
 
 def engine_config(capacity: int, block_size: int, caching: bool, max_num_seqs: int, budget: int | None):
@@ -298,17 +307,9 @@ def run_paged(
     ]
     st = run.stats
     return summarize(
-        samples,
-        capacity,
-        block_size=bs,
-        requests=len(requests),
-        sequences=sum(r.n for r in requests),
-        preemptions=st.num_preemptions,
-        cow_copies=st.num_cow_copies,
-        prefix_hit_rate=st.prefix_hit_rate,
-        wall_s=time.perf_counter() - t0,
-        **names,
-    )
+        samples, capacity, requests, t0, block_size=bs, preemptions=st.num_preemptions,
+        cow_copies=st.num_cow_copies, prefix_hit_rate=st.prefix_hit_rate, **names,
+    )  # fmt: skip
 
 
 # -------------------------------------------------------------------------------- workloads
