@@ -146,17 +146,27 @@ def _flash_attn():
     return flash_attn_with_kvcache
 
 
+def _measure_point(
+    p, measure, flash_shape: tuple[int, int, int], device: torch.device, log, name: str
+) -> None:
+    """``measure(p, device)``, then FlashAttention's paged kernel on ``flash_shape`` (batch, q_len, total) where
+    it is installed. An error outside a timed call (out of memory) is logged as ``name``'s and keeps what was
+    measured."""
+    try:
+        measure(p, device)
+        if _flash_attn() is not None:
+            torch.cuda.empty_cache()
+            p.times_us["flash-attn"] = _flash_attn_paged(*flash_shape, device)
+    except RuntimeError as exc:
+        log(f"{name} stopped: {str(exc).splitlines()[0][:200]}")
+    torch.cuda.empty_cache()
+
+
 def run_decode(device: torch.device, log) -> list[DecodePoint]:
     points = decode_grid()
     for p in points:
-        try:
-            _measure_decode(p, device)
-            if _flash_attn() is not None:
-                torch.cuda.empty_cache()
-                p.times_us["flash-attn"] = _flash_attn_paged(p.batch, 1, p.context, device)
-        except RuntimeError as exc:  # out of memory outside a timed call: keep what was measured
-            log(f"decode B={p.batch} ctx={p.context} stopped: {str(exc).splitlines()[0][:200]}")
-        torch.cuda.empty_cache()
+        name = f"decode B={p.batch} ctx={p.context}"
+        _measure_point(p, _measure_decode, (p.batch, 1, p.context), device, log, name)
         log(
             f"decode B={p.batch:<4} ctx={p.context:<6} "
             + " ".join(f"{k}={v:.1f}us" for k, v in p.times_us.items())
@@ -220,14 +230,9 @@ def _contiguous_kv(kv: PagedKV, length: int) -> tuple[torch.Tensor, torch.Tensor
 def run_prefill(device: torch.device, log) -> list[PrefillPoint]:
     points = prefill_grid()
     for p in points:
-        try:
-            _measure_prefill(p, device)
-            if _flash_attn() is not None:
-                torch.cuda.empty_cache()
-                p.times_us["flash-attn"] = _flash_attn_paged(p.num_seqs, p.q_len, p.q_len + p.context, device)
-        except RuntimeError as exc:
-            log(f"prefill q={p.q_len} prefix={p.context} stopped: {str(exc).splitlines()[0][:200]}")
-        torch.cuda.empty_cache()
+        name = f"prefill q={p.q_len} prefix={p.context}"
+        flash_shape = (p.num_seqs, p.q_len, p.q_len + p.context)
+        _measure_point(p, _measure_prefill, flash_shape, device, log, name)
         log(
             f"prefill q={p.q_len:<5} prefix={p.context:<5} seqs={p.num_seqs:<3} "
             + " ".join(
