@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -128,12 +129,29 @@ def part_contents(directory: Path) -> dict[str, tuple]:
     return out
 
 
+def _manifest(directory: Path) -> dict:
+    """The manifest of a shard directory ({} while it has none or is being replaced)."""
+    try:
+        return json.loads((Path(directory) / "_manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def windows_done(directory: Path) -> int:
     """Windows listed in the manifest of a shard directory (0 while it has none or is being replaced)."""
-    try:
-        return len(json.loads((Path(directory) / "_manifest.json").read_text())["windows"])
-    except (OSError, ValueError, KeyError):
-        return 0
+    return len(_manifest(directory).get("windows", {}))
+
+
+def wait_for_rows_done(proc: subprocess.Popen, directory: Path, rows: int, timeout: float = 240) -> int:
+    """Poll (every 20 ms) until the manifest of ``directory`` counts at least ``rows`` rows done, ``proc`` has
+    exited or ``timeout`` seconds have passed; return the rows done at the last poll."""
+    deadline, saved = time.monotonic() + timeout, 0
+    while proc.poll() is None and time.monotonic() < deadline:
+        saved = _manifest(directory).get("rows_done", 0)
+        if saved >= rows:
+            break
+        time.sleep(0.02)
+    return saved
 
 
 def env_without_slurm(**extra: str) -> dict[str, str]:

@@ -27,6 +27,7 @@ from conftest import (
     read_parts,
     try_mount_tmpfs,
     umount,
+    wait_for_rows_done,
 )
 
 from batchgen.job.run import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, run_job
@@ -266,15 +267,7 @@ def test_kill_9_loses_at_most_the_rows_since_the_last_checkpoint(
          *BASE, *over],
         cwd=tmp_path, env=env_without_slurm(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    deadline, saved = time.monotonic() + 240, 0
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            saved = json.loads((out / "_manifest.json").read_text())["rows_done"]
-        except (OSError, ValueError, KeyError):
-            saved = 0
-        if saved >= 8:
-            break
-        time.sleep(0.02)
+    saved = wait_for_rows_done(proc, out, 8)
     proc.kill()
     proc.wait(timeout=60)
     assert 8 <= saved < 40, f"no checkpoint before the job ended ({saved} rows saved)"

@@ -21,7 +21,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import env_without_slurm, job_config, part_contents
+from conftest import env_without_slurm, job_config, part_contents, wait_for_rows_done
 from model_zoo import checkpoint
 
 from batchgen import LLM, SamplingParams
@@ -184,16 +184,8 @@ def test_killed_worker_exits_75_then_the_rerun_resumes_exactly_once(ckpt_factory
            *JOB_ARGS, "engine.tensor_parallel_size=2"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_without_slurm(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline, saved, workers = time.monotonic() + 240, 0, []
-    while proc.poll() is None and time.monotonic() < deadline:
-        workers = workers or _workers(proc)
-        try:
-            saved = json.loads((out / "_manifest.json").read_text())["rows_done"]
-        except (OSError, ValueError, KeyError):
-            saved = 0
-        if saved >= 3:
-            break
-        time.sleep(0.02)
+    saved = wait_for_rows_done(proc, out, 3)
+    workers = _workers(proc)
     assert len(workers) == 1 and 3 <= saved < 16, f"{len(workers)} workers, {saved} rows saved"
     workers[0].kill()
     stdout, stderr = proc.communicate(timeout=120)
