@@ -213,9 +213,9 @@ def paged_decode_attention(
     """``q [B,Hq,D]`` (query of the token at ``kv.seq_lens[b]-1``) over ``kv`` → ``[B,Hq,D]``.
 
     ``num_splits``: None = heuristic, 1 = single pass, > 1 = split-K with that many splits. ``max_seq_len``
-    (an upper bound on ``kv.seq_lens``) saves a device sync when the heuristic runs. ``options``: the scale, and ``sliding_window``, ``softcap``,
-    ``sinks [Hq]`` (see :mod:`.reference`); with a window only the last ``sliding_window`` keys (and their
-    block-table entries) are read.
+    (an upper bound on ``kv.seq_lens``) saves a device sync when the heuristic runs. ``options``: the scale,
+    and ``sliding_window``, ``softcap``, ``sinks [Hq]`` (see :mod:`.reference`); with a window only the last
+    ``sliding_window`` keys (and their block-table entries) are read.
     """
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:

@@ -21,8 +21,8 @@ class PagedKV:
     * ``block_tables``: ``[B, max_blocks]`` int32; token ``t`` of sequence ``b`` is at slot
       ``block_tables[b, t // BS] * BS + t % BS`` of the flattened ``[NB * BS, Hkv, D]`` plane. Padding entries
       are valid block ids (0) and are never read for real tokens.
-    * ``seq_lens``: ``[B]`` int32 >= 1, the sequence's cached tokens *including* the new ones of this step (whose
-      K/V ``store_kv`` has already written): its queries are its last tokens.
+    * ``seq_lens``: ``[B]`` int32 >= 1, the sequence's cached tokens *including* the new ones of this step
+      (whose K/V ``store_kv`` has already written): its queries are its last tokens.
 
     Compared by identity (it holds tensors).
     """

@@ -205,11 +205,12 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
 ) -> Tensor:
-    """``q [T,Hq,D]`` packed query chunks, delimited by ``cu_seqlens_q [B+1]`` int32, over ``kv`` → ``[T,Hq,D]``.
+    """``q [T,Hq,D]`` packed query chunks over ``kv`` → ``[T,Hq,D]``.
 
-    ``max_query_len`` (an upper bound on the chunk lengths) saves a device sync. ``options``: the scale, and
-    ``sliding_window``, ``softcap``, ``sinks [Hq]`` (see :mod:`.reference`); with a window, keys before a query
-    tile's first window (and their block-table entries) are not read.
+    ``cu_seqlens_q [B+1]`` int32 delimit the chunks. ``max_query_len`` (an upper bound on the chunk lengths)
+    saves a device sync. ``options``: the scale, and ``sliding_window``, ``softcap``, ``sinks [Hq]`` (see
+    :mod:`.reference`); with a window, keys before a query tile's first window (and their block-table entries)
+    are not read.
     """
     total, num_q_heads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1

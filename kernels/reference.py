@@ -89,7 +89,8 @@ def paged_prefill_attention(
 
 
 def paged_decode_attention(q: Tensor, kv: PagedKV, options: AttentionOptions) -> Tensor:
-    """One query per sequence, ``q [B, Hq, D]`` (the token at ``kv.seq_lens[b] - 1``) → float64 ``[B, Hq, D]``."""
+    """One query per sequence, ``q [B, Hq, D]`` (the token at ``kv.seq_lens[b] - 1``) → float64
+    ``[B, Hq, D]``."""
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return paged_prefill_attention(q, cu, kv, options)
 

@@ -360,8 +360,8 @@ def paged_prefill_attention(
     """Variable-length query chunks attending causally to their cached context plus themselves.
 
     Sequence ``b`` owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` at absolute positions
-    ``kv.seq_lens[b] - q_len_b .. kv.seq_lens[b] - 1``; a query at position ``p`` attends to keys ``0..p``, all read
-    from the paged cache (the new tokens' K/V must already be stored). ``q [T,Hq,D]`` → ``[T,Hq,D]``.
+    ``kv.seq_lens[b] - q_len_b .. kv.seq_lens[b] - 1``; a query at position ``p`` attends to keys ``0..p``,
+    all read from the paged cache (the new tokens' K/V must already be stored). ``q [T,Hq,D]`` → ``[T,Hq,D]``.
     """
     total = q.shape[0]
     batch = cu_seqlens_q.numel() - 1

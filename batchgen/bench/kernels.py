@@ -149,9 +149,9 @@ def _flash_attn():
 def _measure_point(
     p, measure, flash_shape: tuple[int, int, int], device: torch.device, log, name: str
 ) -> None:
-    """``measure(p, device)``, then FlashAttention's paged kernel on ``flash_shape`` (batch, q_len, total) where
-    it is installed. An error outside a timed call (out of memory) is logged as ``name``'s and keeps what was
-    measured."""
+    """``measure(p, device)``, then FlashAttention's paged kernel on ``flash_shape`` (batch, q_len, total)
+    where it is installed. An error outside a timed call (out of memory) is logged as ``name``'s and keeps
+    what was measured."""
     try:
         measure(p, device)
         if _flash_attn() is not None:
