@@ -121,16 +121,16 @@ def paged_decode_attention(
     groups of similar context when one padded batch would read over 25% more blocks than needed
     (:func:`_decode_groups`). With an option set, the general masked path (no cascade).
     """
+    k_cache, v_cache, block_tables, seq_lens = kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return q.new_empty(q.shape)
     if not options.plain:
         cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
         return _prefill_padded(q, cu, kv, options, workspace)
-    k_cache, v_cache, block_tables = kv.k_cache, kv.v_cache, kv.block_tables
     scale = options.scale
-    block_size = kv.block_size
-    lens = kv.seq_lens.to(q.device)
+    block_size = k_cache.shape[1]
+    lens = seq_lens.to(q.device)
     if batch >= 2 * _CASCADE_MIN_GROUP:
         out = _decode_cascade(q, kv, scale, workspace, plan_cache)
         if out is not None:
