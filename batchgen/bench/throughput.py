@@ -146,22 +146,9 @@ def ensure_model(m: BenchModel) -> str:
     from batchgen.models.tiny import cached_checkpoint
 
     spec = asdict(m)
-    spec.pop("path")
+    spec.pop("path")  # the other fields are build_checkpoint's keywords
     name = "bench-" + "-".join(f"{v}" for v in spec.values())
-    return cached_checkpoint(
-        name,
-        cache_root(),
-        arch=m.arch,
-        hidden_size=m.hidden_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        intermediate_size=m.intermediate_size,
-        vocab_size=m.vocab_size,
-        max_position_embeddings=m.max_position_embeddings,
-        initializer_range=m.initializer_range,
-        seed=m.seed,
-    )
+    return cached_checkpoint(name, cache_root(), **spec)
 
 
 def measure_matmul(mc: ModelConfig, cfg: ThroughputConfig) -> dict[str, Any]:
