@@ -205,8 +205,23 @@ class ModelRunner:
         Returns float32 logits ``[len(out.logit_rows), V]``: row i is the last-token logits of
         ``out.seqs[out.logit_rows[i]]`` (the sampled rows, then the beam rows).
         """
+        return self.forward(out, self.prepare_inputs(out))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        out: SchedulerOutput,
+        inputs: tuple[Tensor, Tensor, AttentionMetadata, Tensor],
+        fill: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """:meth:`execute` for inputs prepared earlier (:meth:`prepare_inputs`; async scheduling prepares
+        them while the previous step runs): the step's block moves, then the forward. ``fill``: ``(index,
+        tokens)``: the input ids at ``index`` are placeholders whose tokens, ``tokens`` (the previous step's
+        sampled tokens, on the device), are written in first."""
         self.swap(out)
-        ids, pos, meta, last = self.prepare_inputs(out)
+        ids, pos, meta, last = inputs
+        if fill is not None:
+            ids[fill[0]] = fill[1]
         nd = meta.num_decode_seqs
         if self.pad_decodes and nd == len(out.seqs) and nd <= self.buckets[-1]:
             bucket = next(b for b in self.buckets if b >= nd)
