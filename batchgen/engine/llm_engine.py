@@ -242,13 +242,13 @@ class LLMEngine:
         else:
             out = self.scheduler.schedule()
             done = []
+            if out and self._worker is not None:
+                self.stats.drained_steps += 1
             if out and self._worker is not None and self._may_launch(out):
                 self._launch(Prepared(out, self.runner.prepare_inputs(out), [], []), None)
                 assert self._in_flight is not None
                 out, done = self._complete(self._in_flight)
             elif out:
-                if self._worker is not None:
-                    self.stats.drained_steps += 1
                 done = self._run_sync(out)
             elif out.swap_out or out.swap_in:
                 self.runner.swap(out)  # everything that could run was preempted in this step

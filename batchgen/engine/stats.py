@@ -47,8 +47,9 @@ class EngineStats:
     async_steps: int = 0
     """engine.async_scheduling: steps scheduled and prepared while the previous step's forward ran."""
     drained_steps: int = 0
-    """engine.async_scheduling: steps run synchronously (beam search, structured outputs, prompt logprobs,
-    swapping, a pool too full to rule out preemption)."""
+    """engine.async_scheduling: steps scheduled with nothing in flight (the first after idling, or after
+    the pipeline drained: beam search, structured outputs, prompt logprobs, swapping, a pool too full to
+    rule out preemption); with async_steps, every step that ran a forward."""
 
     @property
     def prefix_hit_rate(self) -> float:
