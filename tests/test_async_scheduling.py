@@ -314,3 +314,46 @@ def test_job_output_identical(llama_ckpt: str, tmp_path: Path) -> None:
         parts = sorted(out.glob("part-*.parquet"))
         tables.append(pa.concat_tables([pq.read_table(p) for p in parts]).to_pylist())
     assert tables[0] == tables[1] and len(tables[0]) == 20
+
+
+@pytest.fixture
+def async_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine built meanwhile (one device) runs with async scheduling on."""
+    inner = EngineConfig.__post_init__
+
+    def post_init(self: EngineConfig) -> None:
+        if self.tensor_parallel_size == 1:
+            self.async_scheduling = True
+        inner(self)
+
+    monkeypatch.setattr(EngineConfig, "__post_init__", post_init)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "test_batched_shuffled_with_preemption_matches_unbatched",
+        "test_prefix_cache_hits_and_same_tokens",
+        "test_chunked_prefill_gives_identical_output",
+        "test_seeded_sampling_is_independent_of_batch",
+        "test_n_forks_share_prompt_blocks_and_free_everything",
+        "test_stop_conditions",
+        "test_requests_that_cannot_run_fail_alone",
+        "test_max_model_len_finishes_with_length",
+    ],
+)
+def test_engine_equality_tests_pass_with_async_forced(async_forced: None, llama_ckpt: str, name: str) -> None:
+    """The engine's equality tests (against transformers and unbatched runs), unchanged, with async on."""
+    import test_engine
+
+    assert EngineConfig().async_scheduling
+    getattr(test_engine, name)(llama_ckpt)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_hotloop_random_workloads_with_async_forced(async_forced: None, llama_ckpt: str, mode: str) -> None:
+    """issue 17's incremental-state property test (admit, finish, abort, preempt, swap, fork, beams) with
+    async on: the persistent inputs still equal a rebuild at every step, and every block comes back."""
+    import test_hotloop
+
+    test_hotloop.test_incremental_state_matches_rebuild(llama_ckpt, mode, 0)
