@@ -301,8 +301,11 @@ class LLMEngine:
         self._in_flight = None
         done = self.scheduler.update(flight.out, sampled.token_ids, sampled.logprobs)
         if prepared is not None:
-            self.stats.async_steps += 1
-            self._launch(prepared, fill_tensors(prepared, sampled.sampled))
+            if all(s.seq.is_finished for s in prepared.out.seqs):  # e.g. the batch's last requests
+                self.scheduler.cancel(prepared.out)
+            else:
+                self.stats.async_steps += 1
+                self._launch(prepared, fill_tensors(prepared, sampled.sampled))
         return flight.out, done
 
     def _launch(self, prepared: Prepared, fill: tuple[torch.Tensor, torch.Tensor] | None) -> None:

@@ -319,7 +319,9 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         pool = next(iter(self._graphs.values()))[0].pool() if self._graphs else None
-        with torch.cuda.graph(graph, pool=pool):
+        # async scheduling captures in the step worker while the main thread prepares the next step
+        mode = "thread_local" if self.config.async_scheduling else "global"
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
             hidden = self.model(g["ids"][:bucket], g["pos"][:bucket], ctx)
         return graph, hidden
 

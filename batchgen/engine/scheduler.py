@@ -732,6 +732,16 @@ class Scheduler:
                 tokens.append(PLACEHOLDER)
                 seq.pending_row = row
 
+    def cancel(self, out: SchedulerOutput) -> None:
+        """Async scheduling: ``out``, scheduled ahead, will not run (every sequence in it finished or was
+        aborted meanwhile): forget it, and free the blocks finished sequences kept for it."""
+        if out.ahead:
+            self._ahead.pop()
+        if not self._ahead:
+            for sid in self._deferred_free:
+                self.kv.free(sid)
+            self._deferred_free = []
+
     def _cache_resolved_block(self, seq: Sequence) -> None:
         """A placeholder just became a known token: register its block in the prefix cache if the token
         completed it and the block is allocated (the step scheduled meanwhile computes it); the deferred
