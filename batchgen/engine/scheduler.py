@@ -153,6 +153,7 @@ class Scheduler:
         # only once its forward is done (the next update).
         self._ahead: deque[set[int]] = deque()
         self._deferred_free: list[int] = []
+        self._planning_ahead = False
         # Free blocks admission leaves for running sequences to grow into (one place; see _admit).
         self.watermark_blocks = max(1, kv.num_blocks // 100)
 
@@ -252,6 +253,7 @@ class Scheduler:
         out = SchedulerOutput()
         self._out = out
         self._preempted = False
+        self._planning_ahead = ahead
         scheduled: set[int] = set()
         budget = self._schedule_running(out, scheduled, self.config.max_num_batched_tokens)
         budget = self._swap_in(out, scheduled, budget)
@@ -273,6 +275,7 @@ class Scheduler:
         self.stats.num_swapped_out_blocks += len(out.swap_out)
         self.stats.num_swapped_in_blocks += len(out.swap_in)
         self._out = None
+        self._planning_ahead = False
         if ahead and out.seqs:
             out.ahead = True
             self._ahead.append({s.seq.seq_id for s in out.seqs} | {s.seq_id for s in out.sample_seqs})
@@ -598,6 +601,8 @@ class Scheduler:
 
     def _preempt(self, unit: Unit) -> None:
         """Swap the unit out (swap mode, CPU room, another unit running) or free it for recompute."""
+        if self._planning_ahead:  # the engine plans ahead only with a free block per running sequence
+            raise RuntimeError("async scheduling: a step planned ahead would preempt a sequence in flight")
         copies = None
         if self._swap and any(s not in unit for s in self.running):
             copies = self.kv.swap_out([s.seq_id for s in unit])
