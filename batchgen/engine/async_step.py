@@ -17,9 +17,16 @@ With ``engine.async_scheduling=true`` one :meth:`LLMEngine.step` goes:
 Invariants: steps are updated in the order they were scheduled, each exactly once; a sequence finished (stop
 token, eos, stop string) or aborted while a step scheduled for it is in flight keeps its blocks until that
 step's forward is done, and that step's token for it is dropped; a sequence whose in-flight token is its last
-by length (``max_tokens``, ``max_model_len``) is not scheduled again. So the tokens, logprobs, finish reasons
-and texts are those of synchronous stepping, for greedy and seeded sampling (unseeded random rows share one
-generator, whose draws depend on the batch in both modes).
+by length (``max_tokens``, ``max_model_len``) is not scheduled again. So the token ids, finish reasons and
+texts are those of synchronous stepping, for greedy and seeded sampling (unseeded random rows share one
+generator, whose draws depend on the batch in both modes); logprobs agree to float32 rounding (a step's batch
+may hold rows of just-finished sequences, or admit a request a step later, and the matmuls' summation order
+varies with the batch, as it does between any two batch compositions in synchronous stepping).
+
+On CUDA the worker thread queues the kernels and then waits for the sampled tokens (the copy to the host in
+the sampler), so the main thread never blocks on the device until it needs the tokens; a CUDA graph captured
+during async scheduling is captured in ``thread_local`` error mode (the main thread keeps preparing). This
+path is written for the GPU but measured only on the CPU so far.
 
 Scope: the next step is only planned ahead when nothing in the engine needs the previous step's results
 before scheduling — no live beam-search, structured-output or prompt-logprobs request, nothing swapped out,

@@ -86,9 +86,10 @@ class EngineConfig:
     async_scheduling: bool = False
     """Overlap the engine's Python with the forward: while step N's forward and sampling run (in a worker
     thread), step N+1 is scheduled and its inputs prepared, the tokens of N standing in as placeholders
-    (:mod:`batchgen.engine.async_step`). Outputs are identical to it off. Steps involving beam search,
-    structured outputs, prompt logprobs or swapping, or a pool too full to rule out preemption, run
-    synchronously (the pipeline drains first). Not available with tensor_parallel_size > 1."""
+    (:mod:`batchgen.engine.async_step`). Token ids, texts and finish reasons are identical to it off (logprobs
+    to float rounding). Steps involving beam search, structured outputs, prompt logprobs or swapping, or a
+    pool too full to rule out preemption, run synchronously (the pipeline drains first). Not available with
+    tensor_parallel_size > 1."""
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
