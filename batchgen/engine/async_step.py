@@ -94,14 +94,9 @@ class Prepared:
 def placeholder_rows(out: SchedulerOutput) -> tuple[list[int], list[int]]:
     """``(dst, src)`` of :class:`Prepared`: a placeholder is always a decode's one token, and decodes come
     first, one flat input per sequence, so a decode's row in ``out.seqs`` is its flat input index."""
-    dst: list[int] = []
-    src: list[int] = []
-    for j, s in enumerate(out.seqs[: out.num_decodes]):
-        row = s.seq.pending_row
-        if row >= 0:
-            dst.append(j)
-            src.append(row)
-    return dst, src
+    rows = [s.seq.pending_row for s in out.seqs[: out.num_decodes]]
+    dst = [j for j, row in enumerate(rows) if row >= 0]
+    return dst, [rows[j] for j in dst]
 
 
 def fill_tensors(prepared: Prepared, sampled: Tensor | None) -> tuple[Tensor, Tensor] | None:

@@ -673,6 +673,7 @@ class Scheduler:
         eos = stop.eos_token_ids
         max_model_len = stop.max_model_len
         launched = out.launched
+        bs = self.kv.block_size
         applied = 0
         for seq, token, lp in zip(out.sample_seqs, token_ids, logprobs):
             tokens = seq.token_ids
@@ -684,7 +685,8 @@ class Scheduler:
             elif seq.pending_row >= 0:
                 tokens[-1] = token
                 seq.pending_row = -1
-                self._cache_resolved_block(seq)
+                if len(tokens) % bs == 0:  # the token completed its block: hash it now that it is known
+                    self._cache_resolved_block(seq)
             else:  # finishing: it had no placeholder
                 tokens.append(token)
             applied += 1
@@ -722,16 +724,16 @@ class Scheduler:
         out.launched = True
         for s in out.seqs:
             s.seq.num_computed_tokens = s.start + s.num_tokens
-        max_model_len = self.stop.max_model_len
+        last = self.stop.max_model_len - 1  # a sequence of this many tokens ends with the token in flight
         finished = SequenceStatus.FINISHED
         for row, seq in enumerate(out.sample_seqs):
             if seq.status is finished:
                 continue
             tokens = seq.token_ids
-            n = len(tokens) + 1  # with the token in flight
-            seq.num_computed_tokens = n - 1  # forks: computed as far as their parent
-            max_tokens = seq.params.max_tokens
-            if n >= max_model_len or (max_tokens is not None and n - seq.num_prompt_tokens >= max_tokens):
+            n = len(tokens)
+            seq.num_computed_tokens = n  # forks: computed as far as their parent
+            max_tokens = seq.request.params.max_tokens
+            if n >= last or (max_tokens is not None and n - seq.num_prompt_tokens >= max_tokens - 1):
                 seq.finishing = True
             else:
                 tokens.append(PLACEHOLDER)
@@ -748,12 +750,12 @@ class Scheduler:
             self._deferred_free = []
 
     def _cache_resolved_block(self, seq: Sequence) -> None:
-        """A placeholder just became a known token: register its block in the prefix cache if the token
-        completed it and the block is allocated (the step scheduled meanwhile computes it); the deferred
-        half of :meth:`_add`'s hashing."""
+        """A placeholder that completed its block just became a known token: register the block in the prefix
+        cache if it is allocated (the step scheduled meanwhile computes it); the deferred half of
+        :meth:`_add`'s hashing."""
         n = len(seq.token_ids)
         kv = self.kv
-        if n % kv.block_size == 0 and kv.enable_prefix_caching and kv.num_tokens(seq.seq_id) >= n:
+        if kv.enable_prefix_caching and kv.num_tokens(seq.seq_id) >= n:
             kv.cache_full_blocks(seq.seq_id, seq.token_ids, n)
 
     def _beam_step(self, beam: BeamSearch, log_probs: Tensor, finished: list[Request]) -> None:
