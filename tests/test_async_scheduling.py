@@ -357,3 +357,30 @@ def test_hotloop_random_workloads_with_async_forced(async_forced: None, llama_ck
     import test_hotloop
 
     test_hotloop.test_incremental_state_matches_rebuild(llama_ckpt, mode, 0)
+
+
+def test_abort_while_in_flight_and_last_step_cancelled(llama_ckpt: str) -> None:
+    """An aborted request's blocks outlive the step in flight; a planned step whose every sequence finished
+    meanwhile (here: the last request, stopped by a token) is cancelled, not run."""
+    prompt = prompts_of([12], seed=12)[0]
+    free, _ = generate(llama_ckpt, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    toks = free[0][0][1]
+    k = next(i for i in range(2, 8) if toks[i] not in toks[:i])
+    cfg = EngineConfig(device="cpu", num_blocks=32, block_size=BS, async_scheduling=True)
+    engine = LLMEngine(llama_ckpt, cfg)
+    engine.add_request("stop", prompt, SamplingParams(temperature=0, max_tokens=50, stop_token_ids=[toks[k]]))
+    engine.add_request("gone", prompt[:7], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    kv = engine.scheduler.kv
+    engine.step()
+    engine.step()
+    gone = engine.requests["gone"].seqs[0]
+    assert engine._in_flight is not None and gone.seq_id in {s.seq.seq_id for s in engine._in_flight.out.seqs}
+    engine.abort_request("gone")
+    assert gone.seq_id in kv  # the step in flight still writes its blocks
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+        assert gone.seq_id not in kv
+    assert [o.request_id for o in outs] == ["stop"] and outs[0].outputs[0].token_ids == toks[: k + 1]
+    st = engine.stats
+    assert len(kv) == 0 and st.num_steps == st.async_steps + st.drained_steps == k + 1
