@@ -384,3 +384,15 @@ def test_abort_while_in_flight_and_last_step_cancelled(llama_ckpt: str) -> None:
     assert [o.request_id for o in outs] == ["stop"] and outs[0].outputs[0].token_ids == toks[: k + 1]
     st = engine.stats
     assert len(kv) == 0 and st.num_steps == st.async_steps + st.drained_steps == k + 1
+
+
+def test_padded_decode_buckets_with_async(llama_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA-graph input path (decode batches padded to buckets; forced on CPU): placeholders are filled
+    before padding, outputs unchanged."""
+    from batchgen.engine.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "pad_on_cpu", True)
+    prompts = prompts_of([3, 9, 14, 20, 5], seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    _, eng = both(llama_ckpt, prompts, params, num_blocks=64, max_num_seqs=5)
+    assert eng.runner.pad_decodes and eng.stats.async_steps > 0
