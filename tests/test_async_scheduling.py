@@ -396,3 +396,33 @@ def test_padded_decode_buckets_with_async(llama_ckpt: str, monkeypatch: pytest.M
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     _, eng = both(llama_ckpt, prompts, params, num_blocks=64, max_num_seqs=5)
     assert eng.runner.pad_decodes and eng.stats.async_steps > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_batches_identical(llama_ckpt: str, seed: int) -> None:
+    """Random batches (shared prefixes, greedy and seeded rows, n > 1, stop ids, min_tokens, penalties,
+    logprobs, chunked prefill, a pool that sometimes preempts) give the same outputs with async on."""
+    rng = random.Random(100 + seed)
+    prompts = prompts_of([rng.randint(1, 40) for _ in range(14)], seed=seed, shared=rng.choice([0, 8, 12]))
+    params = []
+    for _ in prompts:
+        greedy = rng.random() < 0.5
+        params.append(
+            SamplingParams(
+                temperature=0.0 if greedy else 0.8,
+                seed=None if greedy else rng.randrange(1000),
+                top_k=rng.choice([0, 20]),
+                n=rng.choice([1, 1, 2, 3]),
+                max_tokens=rng.randint(2, 25),
+                min_tokens=rng.choice([0, 0, 2]),
+                ignore_eos=rng.random() < 0.3,
+                stop_token_ids=[rng.randrange(5, 4096) for _ in range(150)] if rng.random() < 0.4 else None,
+                repetition_penalty=rng.choice([1.0, 1.0, 1.3]),
+                logprobs=rng.choice([None, None, 1]),
+            )
+        )
+    cfg = dict(
+        num_blocks=rng.choice([24, 40, 128]), max_num_seqs=rng.choice([4, 8, 16]), max_num_batched_tokens=32
+    )
+    _, eng = both(llama_ckpt, prompts, params, **cfg)
+    assert eng.stats.async_steps > 0 and len(eng.scheduler.kv) == 0
