@@ -255,8 +255,9 @@ def test_length_finishing_sequence_is_not_scheduled_again(llama_ckpt: str) -> No
     assert (engine.stats.num_steps, engine.stats.async_steps) == (3, 2)
 
 
-def test_random_admit_finish_abort_keeps_the_kv_manager_consistent(llama_ckpt: str) -> None:
-    rng = random.Random(11)
+@pytest.mark.parametrize("seed", [11, 12])
+def test_random_admit_finish_abort_keeps_the_kv_manager_consistent(llama_ckpt: str, seed: int) -> None:
+    rng = random.Random(seed)
     engine, checked = _checked_engine(
         llama_ckpt,
         num_blocks=24,
