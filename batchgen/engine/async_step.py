@@ -32,7 +32,11 @@ Scope: the next step is only planned ahead when nothing in the engine needs the 
 before scheduling — no live beam-search, structured-output or prompt-logprobs request, nothing swapped out,
 and at least one free KV block per running sequence (so the step cannot preempt). Otherwise the pipeline
 drains: N completes, and the next step is scheduled and run synchronously (``EngineStats.drained_steps``).
-Tensor parallelism is refused (:class:`~batchgen.engine.config.EngineConfig`).
+Tensor parallelism is refused (:class:`~batchgen.engine.config.EngineConfig`). ``n > 1`` requests run
+overlapped: their samples are forked in the step that completes the prompt, from a sequence that has no
+placeholder. A block completed by a placeholder is registered in the prefix cache only once its token is known
+(at the update, or the sequence's next scheduling), so a prompt admitted in between cannot hit it yet — the
+one way async scheduling can change ``num_cached_tokens``, never a token.
 """
 
 from __future__ import annotations
