@@ -35,8 +35,9 @@ drains: N completes, and the next step is scheduled and run synchronously (``Eng
 Tensor parallelism is refused (:class:`~batchgen.engine.config.EngineConfig`). ``n > 1`` requests run
 overlapped: their samples are forked in the step that completes the prompt, from a sequence that has no
 placeholder. A block completed by a placeholder is registered in the prefix cache only once its token is known
-(at the update, or the sequence's next scheduling), so a prompt admitted in between cannot hit it yet — the
-one way async scheduling can change ``num_cached_tokens``, never a token.
+(at the update, or the sequence's next scheduling), so a prompt admitted in between cannot hit it yet; with
+blocks of finished sequences freed a step later, admissions may come a step later too. So a request's
+``num_cached_tokens`` (and when it was admitted) may differ from synchronous stepping; its tokens do not.
 """
 
 from __future__ import annotations
