@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     machine = machine_info()
     print(
         f"Machine: {machine['cpu']}, nproc={machine['nproc']}, torch {machine['torch']}, "
-        f"threads={args.threads}, device {args.device}, async_scheduling={args.async_scheduling}; load average at start {machine['loadavg'][0]:.2f}. "
+        f"threads={args.threads}, device {args.device}, async_scheduling={args.async_scheduling}; "
+        f"load average at start {machine['loadavg'][0]:.2f}. "
         f"Model: Llama, 1 layer, hidden 32 (near-null). {args.warmup} warm-up + {args.steps} measured steps, "
         f"best of {args.repeats} run(s) per configuration; phases in ms per step.\n",
         flush=True,
