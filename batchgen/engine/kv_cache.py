@@ -347,10 +347,14 @@ class KVCacheManager:
         self._update_peak()
         return copies
 
-    def append_one(self, seq_id: SeqId, token_ids: Sequence[int]) -> list[int] | None:
+    def append_one(
+        self, seq_id: SeqId, token_ids: Sequence[int], defer_last: bool = False
+    ) -> list[int] | None:
         """Decode fast path: ``append_slots(seq_id, len(token_ids))`` then ``cache_full_blocks(seq_id,
         token_ids, len(token_ids))`` for a resident sequence growing by one token that fits in its exclusive
         last block (no new block, no copy on write): O(1), hashing only when the token fills its block.
+        ``defer_last``: the last token is not known yet (async scheduling's placeholder): hash only the
+        blocks before it (a later call, or :meth:`cache_full_blocks`, hashes its block once it is known).
 
         Returns the sequence's *live* block table (not a copy; valid until the table next changes), or None,
         changing nothing, when the general path is needed.
@@ -367,8 +371,9 @@ class KVCacheManager:
         s.num_tokens = num_tokens
         self._live_slots += 1
         self._logical_tokens += 1
-        if self.enable_prefix_caching and num_tokens // bs > s.num_registered:
-            self.cache_full_blocks(seq_id, token_ids, num_tokens)
+        known = num_tokens - 1 if defer_last else num_tokens
+        if self.enable_prefix_caching and known // bs > s.num_registered:
+            self.cache_full_blocks(seq_id, token_ids, known)
         return table
 
     def live_table(self, seq_id: SeqId) -> list[int]:

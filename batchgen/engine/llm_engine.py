@@ -10,13 +10,14 @@ from collections.abc import Sequence as Seq
 import torch
 
 from batchgen import startup_trace
+from batchgen.engine.async_step import InFlight, Prepared, StepWorker, fill_tensors, placeholder_rows
 from batchgen.engine.attention import resolve_backend
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import CompletionOutput, RequestOutput
-from batchgen.engine.sampler import Sampler, SamplingBatch, SamplingRow
+from batchgen.engine.sampler import Sampler, SamplingBatch, SamplingRow, SamplingTensors
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request, sample_seed  # noqa: F401  (sample_seed: public since 0.1)
 from batchgen.engine.stats import EngineStats
@@ -59,7 +60,15 @@ class LLMEngine:
     (:mod:`batchgen.engine.tp_launch`): it starts the worker ranks (stopped when the engine is collected or at
     exit) and steps them with a :class:`~batchgen.engine.tensor_parallel.TPModelRunner`; everything else here is
     unchanged. ``tp_group`` is None on one device.
+
+    With ``engine_config.async_scheduling`` the next step is scheduled and prepared while the current one's
+    forward runs (:mod:`batchgen.engine.async_step`): ``step`` still completes one step per call, but may
+    return with the next one in flight (``has_unfinished`` is true until it is collected).
     """
+
+    async_threaded = True
+    """Async scheduling runs forwards in a worker thread (False: inline, same order, no overlap; a
+    benchmark/test hook)."""
 
     def __init__(
         self,
@@ -114,6 +123,14 @@ class LLMEngine:
         self.requests: dict[str | int, Request] = {}
         self._errors: list[RequestOutput] = []
         self._listeners: list[StepListener] = []
+        # async scheduling: the worker running launched steps, the step in flight, and the live requests
+        # that need synchronous steps (beam search, structured outputs, prompt logprobs)
+        self._worker: StepWorker | None = None
+        if config.async_scheduling:
+            self._worker = StepWorker(threaded=self.async_threaded)
+            weakref.finalize(self, self._worker.close)
+        self._in_flight: InFlight | None = None
+        self._sync_ids: set[str | int] = set()
 
     def _build_runner(self, config: EngineConfig, backend: str) -> tuple[int, int]:
         """The model runner (this process's, or rank 0's under tensor parallelism) with its KV cache and swap
@@ -179,6 +196,8 @@ class LLMEngine:
             self._errors.append(_error_output(request, error))
             return
         self.requests[request_id] = request
+        if params.beam_width > 1 or params.constrained or _wants_prompt_logprobs(request):
+            self._sync_ids.add(request_id)
         self.scheduler.add(request.new_sequence(list(token_ids), 0))
         self.stats.prompt_tokens += len(token_ids)
 
@@ -199,11 +218,12 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | int) -> None:
         request = self.requests.pop(request_id, None)
+        self._sync_ids.discard(request_id)
         if request is not None:
             self.scheduler.abort_request(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self._errors) or self.scheduler.has_unfinished()
+        return bool(self._errors) or self.scheduler.has_unfinished() or self._in_flight is not None
 
     def num_unfinished(self) -> int:
         return len(self.requests) + len(self._errors)
@@ -217,27 +237,24 @@ class LLMEngine:
         """One step: schedule, run the model, sample, update. Returns the requests finished in it."""
         t0 = time.perf_counter()
         finished, self._errors = self._errors, []
-        out = self.scheduler.schedule()
-        if out:
-            logits = self.runner.execute(out)
-            n = len(out.sample_rows)
-            if self._structured is not None:  # grammar bitmasks (CPU work while the forward runs)
-                self._structured.apply(logits[:n], out.sample_seqs)
-            rows = self._sampling_rows(out)
-            settings = None
-            if rows is not None:
-                seqs = out.sample_seqs
-                settings = self.sampling_batch.gather([s.seq_id for s in seqs], [s.params for s in seqs])
-            sampled = self.sampler(logits[:n], rows, settings)
-            beam_lp = self.sampler.beam_logprobs(logits[n:]) if out.beam_rows else None
-            done = self.scheduler.update(out, sampled.token_ids, sampled.logprobs, beam_lp)
-            if startup_trace.enabled and n:
-                startup_trace.mark("first_token")
-            finished += [self._request_output(r) for r in done]
-        elif out.swap_out or out.swap_in:
-            self.runner.swap(out)  # everything that could run was preempted in this step
-        elif self.scheduler.has_unfinished() and not finished:
-            raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
+        if self._in_flight is not None:
+            out, done = self._complete(self._in_flight)
+        else:
+            out = self.scheduler.schedule()
+            done = []
+            if out and self._worker is not None:
+                self.stats.drained_steps += 1
+            if out and self._worker is not None and self._may_launch(out):
+                self._launch(Prepared(out, self.runner.prepare_inputs(out), [], []), None)
+                assert self._in_flight is not None
+                out, done = self._complete(self._in_flight)
+            elif out:
+                done = self._run_sync(out)
+            elif out.swap_out or out.swap_in:
+                self.runner.swap(out)  # everything that could run was preempted in this step
+            elif self.scheduler.has_unfinished() and not finished:
+                raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
+        finished += [self._request_output(r) for r in done]
         if self._listeners:
             self._notify(
                 StepInfo(
@@ -245,6 +262,77 @@ class LLMEngine:
                 )
             )
         return finished
+
+    def _run_sync(self, out: SchedulerOutput) -> list[Request]:
+        """Run, sample and update one step, in order; returns the requests it finished."""
+        logits = self.runner.execute(out)
+        n = len(out.sample_rows)
+        if self._structured is not None:  # grammar bitmasks (CPU work while the forward runs)
+            self._structured.apply(logits[:n], out.sample_seqs)
+        rows, settings = self._sampling_inputs(out)
+        sampled = self.sampler(logits[:n], rows, settings)
+        beam_lp = self.sampler.beam_logprobs(logits[n:]) if out.beam_rows else None
+        done = self.scheduler.update(out, sampled.token_ids, sampled.logprobs, beam_lp)
+        if startup_trace.enabled and n:
+            startup_trace.mark("first_token")
+        return done
+
+    # ----------------------------------------------------------------------------- async scheduling
+    def _may_launch(self, out: SchedulerOutput) -> bool:
+        """Whether a freshly scheduled step may run asynchronously (see :mod:`batchgen.engine.async_step`)."""
+        return not (self._sync_ids or out.swap_out or out.swap_in or out.beam_groups)
+
+    def _may_run_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight is updated: no request needing
+        synchronous steps, nothing swapped out, a free block per running sequence (no preemption)."""
+        sched = self.scheduler
+        return not self._sync_ids and not sched.swapped and sched.kv.num_free_blocks >= len(sched.running)
+
+    def _complete(self, flight: InFlight) -> tuple[SchedulerOutput, list[Request]]:
+        """Plan the next step ahead (when allowed) while ``flight`` runs, then update ``flight`` with its
+        tokens and launch the planned step; returns ``flight``'s schedule and the requests it finished."""
+        prepared = None
+        if self._may_run_ahead():
+            nxt = self.scheduler.schedule(ahead=True)
+            if nxt:
+                dst, src = placeholder_rows(nxt)
+                prepared = Prepared(nxt, self.runner.prepare_inputs(nxt), dst, src)
+        sampled = flight.result.result()
+        self._in_flight = None
+        done = self.scheduler.update(flight.out, sampled.token_ids, sampled.logprobs)
+        if prepared is not None:
+            if all(s.seq.is_finished for s in prepared.out.seqs):  # e.g. the batch's last requests
+                self.scheduler.cancel(prepared.out)
+            else:
+                self.stats.async_steps += 1
+                self._launch(prepared, fill_tensors(prepared, sampled.sampled))
+        return flight.out, done
+
+    def _launch(self, prepared: Prepared, fill: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Start the forward and sampling of a prepared step (sampling rows built now: they see every token
+        so far) and advance its sequences with placeholders (:meth:`Scheduler.mark_launched`)."""
+        assert self._worker is not None
+        out = prepared.out
+        n = len(out.sample_rows)
+        rows, settings = self._sampling_inputs(out)
+        runner, sampler, inputs = self.runner, self.sampler, prepared.inputs
+
+        def run():
+            logits = runner.forward(out, inputs, fill)
+            return sampler(logits[:n], rows, settings)
+
+        self._in_flight = InFlight(out, self._worker.submit(run))
+        self.scheduler.mark_launched(out)
+
+    def _sampling_inputs(
+        self, out: SchedulerOutput
+    ) -> tuple[list[SamplingRow] | None, SamplingTensors | None]:
+        """The sampler's rows and per-row filter settings (both None when the step is plain greedy)."""
+        rows = self._sampling_rows(out)
+        if rows is None:
+            return None, None
+        seqs = out.sample_seqs
+        return rows, self.sampling_batch.gather([s.seq_id for s in seqs], [s.params for s in seqs])
 
     def _sampling_rows(self, out: SchedulerOutput) -> list[SamplingRow] | None:
         """The sampler's per-row settings; None (no rows built) when every sampled row is plain greedy."""
@@ -279,6 +367,7 @@ class LLMEngine:
     def _request_output(self, request: Request) -> RequestOutput:
         """The output of a request whose every sample finished (texts decoded here, once)."""
         self.requests.pop(request.request_id, None)
+        self._sync_ids.discard(request.request_id)
         self.stats.num_finished_requests += 1
         outputs = self._beam_outputs(request) if request.beam is not None else self._sample_outputs(request)
         return RequestOutput(
@@ -327,6 +416,10 @@ class LLMEngine:
             )
             for i, h in enumerate(request.beam.results())
         ]
+
+
+def _wants_prompt_logprobs(request: Request) -> bool:
+    return request.prompt_logprobs_start is not None or request.params.prompt_logprobs is not None
 
 
 def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:

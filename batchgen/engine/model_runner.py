@@ -205,8 +205,23 @@ class ModelRunner:
         Returns float32 logits ``[len(out.logit_rows), V]``: row i is the last-token logits of
         ``out.seqs[out.logit_rows[i]]`` (the sampled rows, then the beam rows).
         """
+        return self.forward(out, self.prepare_inputs(out))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        out: SchedulerOutput,
+        inputs: tuple[Tensor, Tensor, AttentionMetadata, Tensor],
+        fill: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """:meth:`execute` for inputs prepared earlier (:meth:`prepare_inputs`; async scheduling prepares
+        them while the previous step runs): the step's block moves, then the forward. ``fill``: ``(index,
+        tokens)``: the input ids at ``index`` are placeholders whose tokens, ``tokens`` (the previous step's
+        sampled tokens, on the device), are written in first."""
         self.swap(out)
-        ids, pos, meta, last = self.prepare_inputs(out)
+        ids, pos, meta, last = inputs
+        if fill is not None:
+            ids[fill[0]] = fill[1]
         nd = meta.num_decode_seqs
         if self.pad_decodes and nd == len(out.seqs) and nd <= self.buckets[-1]:
             bucket = next(b for b in self.buckets if b >= nd)
@@ -304,7 +319,9 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         pool = next(iter(self._graphs.values()))[0].pool() if self._graphs else None
-        with torch.cuda.graph(graph, pool=pool):
+        # async scheduling captures in the step worker while the main thread prepares the next step
+        mode = "thread_local" if self.config.async_scheduling else "global"
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
             hidden = self.model(g["ids"][:bucket], g["pos"][:bucket], ctx)
         return graph, hidden
 

@@ -61,6 +61,9 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    sampled: Tensor | None = None
+    """The token ids as an int64 tensor on the logits' device (async scheduling feeds them to the next
+    step's inputs without a host round trip)."""
 
 
 _FILTER_FIELDS = ("temperature", "top_k", "top_p", "min_p")
@@ -180,7 +183,8 @@ class Sampler:
             if logits.dim() != 2:
                 raise ValueError(f"logits must be [N, vocab], got {tuple(logits.shape)}")
             n = logits.shape[0]
-            return SamplerOutput(token_ids=_argmax(logits).tolist(), logprobs=[None] * n)
+            sampled = _argmax(logits)
+            return SamplerOutput(token_ids=sampled.tolist(), logprobs=[None] * n, sampled=sampled)
         n = len(rows)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [len(rows), vocab], got {tuple(logits.shape)} for {n} rows")
@@ -208,7 +212,7 @@ class Sampler:
         logprobs: list[dict[int, float] | None] = [None] * n
         if want_logprobs:
             _gather_logprobs(logits, rows, sampled, logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, sampled=sampled)
 
     @staticmethod
     @torch.inference_mode()

@@ -42,7 +42,7 @@ from batchgen.engine.beam import BeamSearch
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.prompt_logprobs import cache_lookup_tokens
-from batchgen.engine.sequence import Request, Sequence, SequenceStatus
+from batchgen.engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.stop import StopRules
 
@@ -94,6 +94,10 @@ class SchedulerOutput:
     beam_groups: list[BeamSearch] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    ahead: bool = False
+    """Scheduled while the previous step was in flight (async scheduling)."""
+    launched: bool = False
+    """Launched asynchronously (:meth:`Scheduler.mark_launched`): its sequences were advanced at launch."""
     plain_greedy: bool = True
     """Every sampled sequence is greedy with no penalty, banned token, seed-dependent draw or logprobs
     (:attr:`Request.plain_greedy`): the step's sampling is one argmax and needs no per-row settings."""
@@ -144,6 +148,12 @@ class Scheduler:
         self._deps: dict[int, tuple[Sequence, int]] = {}
         self._out: SchedulerOutput | None = None  # the step being planned (preemptions add swap-outs)
         self._preempted = False
+        # Async scheduling: ids of the sequences of each step scheduled ahead (while the previous one was in
+        # flight) and not yet updated; blocks of sequences finished or aborted while in one of them are freed
+        # only once its forward is done (the next update).
+        self._ahead: deque[set[int]] = deque()
+        self._deferred_free: list[int] = []
+        self._planning_ahead = False
         # Free blocks admission leaves for running sequences to grow into (one place; see _admit).
         self.watermark_blocks = max(1, kv.num_blocks // 100)
 
@@ -163,7 +173,7 @@ class Scheduler:
 
     def abort(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.RUNNING:
-            self.kv.free(seq.seq_id)
+            self._free_blocks(seq.seq_id)
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
@@ -236,10 +246,14 @@ class Scheduler:
         return n
 
     # --------------------------------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ahead: bool = False) -> SchedulerOutput:
+        """Plan the next step. ``ahead``: the previous step is still in flight (async scheduling; see
+        :meth:`mark_launched`): the step's sequences are remembered until its update, so that sequences
+        finishing meanwhile keep their blocks while its forward may write them."""
         out = SchedulerOutput()
         self._out = out
         self._preempted = False
+        self._planning_ahead = ahead
         scheduled: set[int] = set()
         budget = self._schedule_running(out, scheduled, self.config.max_num_batched_tokens)
         budget = self._swap_in(out, scheduled, budget)
@@ -261,6 +275,10 @@ class Scheduler:
         self.stats.num_swapped_out_blocks += len(out.swap_out)
         self.stats.num_swapped_in_blocks += len(out.swap_in)
         self._out = None
+        self._planning_ahead = False
+        if ahead and out.seqs:
+            out.ahead = True
+            self._ahead.append({s.seq.seq_id for s in out.seqs} | {s.seq_id for s in out.sample_seqs})
         return out
 
     def _schedule_running(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> int:
@@ -276,6 +294,8 @@ class Scheduler:
         for s in self.running:
             beam = s.request.beam
             if beam is None:
+                if s.finishing:  # async: its in-flight token is its last
+                    continue
                 (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else prefills).append(s)
             elif id(beam) not in seen:
                 seen.add(id(beam))
@@ -295,7 +315,7 @@ class Scheduler:
             if isinstance(item, Sequence):
                 if item.status is not running:  # preempted earlier in this loop
                     continue
-                table = append_one(item.seq_id, item.token_ids)
+                table = append_one(item.seq_id, item.token_ids, item.pending_row >= 0)
                 if table is not None:
                     start = len(item.token_ids) - 1
                     seqs.append(ScheduledSeq(item, start, 1, table, True))
@@ -531,7 +551,8 @@ class Scheduler:
         # Blocks completed by this step's tokens become prefix-cache hits for later sequences; the forward
         # stores every new token's K/V before any attention reads it, so even a sequence admitted in this
         # same step can share them.
-        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, start + num_new)
+        # (Async scheduling: a placeholder token's block is hashed once the token is known.)
+        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, start + num_new - (seq.pending_row >= 0))
 
     def _plan_sampling(self, out: SchedulerOutput) -> None:
         """Which sequences sample from which rows; fork the other samples of an ``n > 1`` request in the
@@ -580,6 +601,8 @@ class Scheduler:
 
     def _preempt(self, unit: Unit) -> None:
         """Swap the unit out (swap mode, CPU room, another unit running) or free it for recompute."""
+        if self._planning_ahead:  # the engine plans ahead only with a free block per running sequence
+            raise RuntimeError("async scheduling: a step planned ahead would preempt a sequence in flight")
         copies = None
         if self._swap and any(s not in unit for s in self.running):
             copies = self.kv.swap_out([s.seq_id for s in unit])
@@ -611,20 +634,62 @@ class Scheduler:
     ) -> list[Request]:
         """Apply one step's results: ``token_ids[i]`` (and ``logprobs[i]``) belong to ``out.sample_seqs[i]``;
         ``beam_logprobs`` (float32 ``[len(out.beam_rows), V]``, the log-softmax of the raw logits of
-        ``out.beam_rows``) feeds the beam groups.
+        ``out.beam_rows``) feeds the beam groups. Steps are updated in the order they were scheduled.
 
         Returns the requests whose every sample finished in this step.
         """
-        for s in out.seqs:
-            s.seq.num_computed_tokens = s.start + s.num_tokens
+        if out.ahead:
+            self._ahead.popleft()  # its forward is done: blocks it held for finished sequences can go
+        if self._deferred_free:
+            for sid in self._deferred_free:
+                self.kv.free(sid)
+            self._deferred_free = []
+        if not out.launched:
+            for s in out.seqs:
+                s.seq.num_computed_tokens = s.start + s.num_tokens
         finished: list[Request] = []
+        self.stats.generated_tokens += self._apply_tokens(out, token_ids, logprobs, finished)
+        if out.beam_groups:
+            if beam_logprobs is None or beam_logprobs.shape[0] != len(out.beam_rows):
+                raise ValueError(f"update needs beam_logprobs for the {len(out.beam_rows)} beam rows")
+            offset = 0
+            for beam in out.beam_groups:
+                m = len(beam.beams)
+                self._beam_step(beam, beam_logprobs[offset : offset + m], finished)
+                offset += m
+        self._record_gauges()
+        return finished
+
+    def _apply_tokens(
+        self,
+        out: SchedulerOutput,
+        token_ids: list[int],
+        logprobs: list[dict[int, float] | None],
+        finished: list[Request],
+    ) -> int:
+        """Append (or, for a launched step, put in place of the placeholder) each sampled token, apply the
+        stop rules and finish sequences; returns the number of tokens applied."""
         stop = self.stop
         eos = stop.eos_token_ids
         max_model_len = stop.max_model_len
+        launched = out.launched
+        bs = self.kv.block_size
+        applied = 0
         for seq, token, lp in zip(out.sample_seqs, token_ids, logprobs):
             tokens = seq.token_ids
-            tokens.append(token)
-            seq.num_computed_tokens = len(tokens) - 1  # forks: computed as far as their parent
+            if not launched:
+                tokens.append(token)
+                seq.num_computed_tokens = len(tokens) - 1  # forks: computed as far as their parent
+            elif seq.status is SequenceStatus.FINISHED:  # finished or aborted meanwhile: work discarded
+                continue
+            elif seq.pending_row >= 0:
+                tokens[-1] = token
+                seq.pending_row = -1
+                if len(tokens) % bs == 0:  # the token completed its block: hash it now that it is known
+                    self._cache_resolved_block(seq)
+            else:  # finishing: it had no placeholder
+                tokens.append(token)
+            applied += 1
             if seq.logprobs is not None and lp is not None:
                 seq.logprobs.append(lp)
             request = seq.request
@@ -646,17 +711,52 @@ class Scheduler:
                 seq.request.num_finished += 1
                 if seq.request.is_finished:
                     finished.append(seq.request)
-        self.stats.generated_tokens += len(token_ids)
-        if out.beam_groups:
-            if beam_logprobs is None or beam_logprobs.shape[0] != len(out.beam_rows):
-                raise ValueError(f"update needs beam_logprobs for the {len(out.beam_rows)} beam rows")
-            offset = 0
-            for beam in out.beam_groups:
-                m = len(beam.beams)
-                self._beam_step(beam, beam_logprobs[offset : offset + m], finished)
-                offset += m
-        self._record_gauges()
-        return finished
+        return applied
+
+    # ------------------------------------------------------------------------------ async scheduling
+    def mark_launched(self, out: SchedulerOutput) -> None:
+        """Async scheduling: ``out``'s forward and sampling are in flight. Advance its sequences as if it had
+        run, so the next step can be scheduled before the sampled tokens are known: computed tokens move on,
+        and each sampled sequence gets a :data:`PLACEHOLDER` token at the end (its slot is allocated like a
+        real token's; ``pending_row`` is its row in the step's sampled tokens), except one whose token will be
+        its last by length (``max_tokens``, ``max_model_len``): it is marked ``finishing`` and not scheduled
+        again. Sequences finished or aborted since ``out`` was scheduled are left alone (work discarded)."""
+        out.launched = True
+        for s in out.seqs:
+            s.seq.num_computed_tokens = s.start + s.num_tokens
+        last = self.stop.max_model_len - 1  # a sequence of this many tokens ends with the token in flight
+        finished = SequenceStatus.FINISHED
+        for row, seq in enumerate(out.sample_seqs):
+            if seq.status is finished:
+                continue
+            tokens = seq.token_ids
+            n = len(tokens)
+            seq.num_computed_tokens = n  # forks: computed as far as their parent
+            max_tokens = seq.request.params.max_tokens
+            if n >= last or (max_tokens is not None and n - seq.num_prompt_tokens >= max_tokens - 1):
+                seq.finishing = True
+            else:
+                tokens.append(PLACEHOLDER)
+                seq.pending_row = row
+
+    def cancel(self, out: SchedulerOutput) -> None:
+        """Async scheduling: ``out``, scheduled ahead, will not run (every sequence in it finished or was
+        aborted meanwhile): forget it, and free the blocks finished sequences kept for it."""
+        if out.ahead:
+            self._ahead.pop()
+        if not self._ahead:
+            for sid in self._deferred_free:
+                self.kv.free(sid)
+            self._deferred_free = []
+
+    def _cache_resolved_block(self, seq: Sequence) -> None:
+        """A placeholder that completed its block just became a known token: register the block in the prefix
+        cache if it is allocated (the step scheduled meanwhile computes it); the deferred half of
+        :meth:`_add`'s hashing."""
+        n = len(seq.token_ids)
+        kv = self.kv
+        if kv.enable_prefix_caching and kv.num_tokens(seq.seq_id) >= n:
+            kv.cache_full_blocks(seq.seq_id, seq.token_ids, n)
 
     def _beam_step(self, beam: BeamSearch, log_probs: Tensor, finished: list[Request]) -> None:
         """One beam step: keep the best continuations, fork parents kept more than once, free dropped ones."""
@@ -697,8 +797,15 @@ class Scheduler:
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
-        self.kv.free(seq.seq_id)
+        self._free_blocks(seq.seq_id)
         self.running.remove(seq)
+
+    def _free_blocks(self, seq_id: int) -> None:
+        """Free the sequence's blocks now, or after the forward of a step in flight that holds it."""
+        if any(seq_id in ids for ids in self._ahead):
+            self._deferred_free.append(seq_id)
+        else:
+            self.kv.free(seq_id)
 
     def _record_gauges(self) -> None:
         st = self.stats

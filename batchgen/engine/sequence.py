@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 _seq_ids = itertools.count()
 
+PLACEHOLDER = -1
+"""The token id standing for a sampled token not yet known (async scheduling); never fed to the model."""
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -111,6 +114,12 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Async scheduling (batchgen.engine.async_step): while the step that samples this sequence's next token is
+    # in flight, that token is a placeholder at the end of token_ids (counted for slots, never hashed) and
+    # pending_row is its row in the step's sampled tokens (-1: no placeholder); finishing: that token is its
+    # last (max_tokens / max_model_len), so it is not scheduled again.
+    pending_row: int = -1
+    finishing: bool = False
 
     @property
     def num_tokens(self) -> int:

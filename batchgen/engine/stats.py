@@ -44,6 +44,12 @@ class EngineStats:
     min_kv_utilization: float = 1.0
     kv_fragmentation: float = 0.0
     peak_kv_fragmentation: float = 0.0
+    async_steps: int = 0
+    """engine.async_scheduling: steps scheduled and prepared while the previous step's forward ran."""
+    drained_steps: int = 0
+    """engine.async_scheduling: steps scheduled with nothing in flight (the first after idling, or after
+    the pipeline drained: beam search, structured outputs, prompt logprobs, swapping, a pool too full to
+    rule out preemption); with async_steps, every step that ran a forward."""
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -86,5 +92,7 @@ _COUNTERS = (
     "num_cow_copies",
     "num_swapped_out_blocks",
     "num_swapped_in_blocks",
+    "async_steps",
+    "drained_steps",
 )
 """Fields that only grow: :meth:`EngineStats.delta` subtracts these and keeps the others as they are."""
