@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 
 from batchgen.data.manifest import WindowRecord
 from batchgen.data.output_dir import OutputDir
@@ -32,19 +33,13 @@ class PartWriter:
         fresh = build_rows(layout, work.rows, work.results, work.extra, only=work.todo_positions)
         meta = {"index": spec.index, "row_start": spec.row_start, "row_end": spec.row_end}
         table, st = assemble_part(layout, [*work.pieces, fresh], spec.num_rows, meta)
-        record = WindowRecord(
+        record = WindowRecord(  # the part's stats (PartStats) are the record's counts, field for field
             part="",
             row_start=spec.row_start,
             row_end=spec.row_end,
-            num_output_rows=st.num_output_rows,
-            rows_ok=st.rows_ok,
-            rows_error=st.rows_error,
-            prompt_tokens=st.prompt_tokens,
-            cached_tokens=st.cached_tokens,
-            generated_tokens=st.generated_tokens,
             wall_time_s=round(work.finished_at - work.started_at, 3),
-            retry_rows=st.retry_rows,
             input_sha256=work.input_sha256,
+            **asdict(st),
         )
         self.outdir.commit(spec.index, table, record)
         self.windows_done += 1

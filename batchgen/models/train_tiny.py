@@ -578,22 +578,13 @@ def main(argv: list[str] | None = None) -> None:
         default=HELDOUT_SAMPLE,
         help="where to write the held-out documents for the tests ('none' to skip; default: tests/data in a checkout)",
     )
-    for field in ("steps", "batch_size", "seq_len", "threads", "eval_every", "seed"):
+    for field in ("steps", "batch_size", "seq_len", "threads", "eval_every", "seed"):  # integer options
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default=defaults.save_dtype)
     args = p.parse_args(argv)
-    cfg = TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        threads=args.threads,
-        eval_every=args.eval_every,
-        seed=args.seed,
-        lr=args.lr,
-        min_lr=args.lr / 10,
-        save_dtype=args.save_dtype,
-    )
+    given = ("steps", "batch_size", "seq_len", "threads", "eval_every", "seed", "lr", "save_dtype")
+    cfg = TrainConfig(**{name: getattr(args, name) for name in given}, min_lr=args.lr / 10)
     sample = None if str(args.heldout_sample).lower() in ("none", "") else args.heldout_sample
     train(args.out, cfg, sample, log=lambda m: print(m, flush=True))
 
