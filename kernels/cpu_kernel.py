@@ -152,7 +152,19 @@ def library() -> ctypes.CDLL | None:
     thread = _thread
     if thread is not None:
         thread.join()
-    return _state.get("lib")  # type: ignore[return-value]
+    with _lock:
+        if "lib" not in _state:  # a forked child: the parent's build thread does not run here
+            _state["lib"] = _load()
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _thread
+    _lock, _thread = threading.Lock(), None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def reset() -> None:
