@@ -9,7 +9,7 @@ OpenMP. Semantics: :mod:`.reference` (scale, sliding window, soft-capping, sinks
 Build: plain C, no torch headers (< 1 s), with the C compiler of ``$CC``, else Python's configured ``CC``, else
 ``cc``/``gcc`` on ``PATH``, flags :data:`FLAGS`, into ``<batchgen cache>/cpu_kernels/<key>/`` (the cache root
 of :mod:`batchgen.disk_cache`, ``$BATCHGEN_CACHE``; built atomically by :func:`batchgen.atomic.build_dir_once`).
-The key hashes the source, the compiler's version, the flags, the machine and the CPU's flags, so a home
+The key hashes the source, the compiler (its binary's path, size and mtime), the flags, the machine and the CPU's flags, so a home
 directory shared by different cluster nodes never loads a binary built for another CPU. The ``.so`` links
 ``libgomp.so.1``, the soname torch's wheel bundles: loaded after torch, it shares torch's OpenMP runtime.
 
@@ -84,11 +84,21 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _compiler_identity(cc: list[str]) -> str:
+    """The compiler binary's resolved path, size and modification time: changes when it is replaced or
+    upgraded, and costs a ``stat`` instead of running ``cc --version`` at every start-up."""
+    path = os.path.realpath(shutil.which(cc[0]) or cc[0])
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+
+
 def build_key(cc: list[str]) -> str:
     """SHA-256 (hex, 16 chars) of everything the binary depends on."""
-    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    parts = [SOURCE.read_bytes().hex(), version, " ".join(cc), *FLAGS, platform.machine(), _cpu_flags()]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    parts = [SOURCE.read_bytes().hex(), _compiler_identity(cc), " ".join(cc), *FLAGS, platform.machine()]
+    return hashlib.sha256("\0".join([*parts, _cpu_flags()]).encode()).hexdigest()[:16]
 
 
 def build(cc: list[str]) -> Path:
