@@ -246,7 +246,7 @@ def decode(
     status = lib.batchgen_paged_decode_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(), batch, num_q_heads,
-        num_kv_heads, head_dim, k_cache.shape[1], options.scale, options.sliding_window or 0,
+        num_kv_heads, head_dim, k_cache.shape[1], options.scale, min(options.sliding_window or 0, 2**31 - 1),
         options.softcap or 0.0, None if sinks is None else sinks.data_ptr(), threads,
         heads_per_item(batch, num_kv_heads, num_q_heads // num_kv_heads, threads),
     )  # fmt: skip

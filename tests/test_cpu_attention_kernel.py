@@ -111,7 +111,7 @@ def test_strided_query_and_window_reads_no_block_before_it() -> None:
 
 
 @needs_compiler
-def test_deterministic_and_thread_count_independent() -> None:
+def test_deterministic_and_independent_of_threads_and_items(monkeypatch) -> None:
     batch = make_paged_batch(_lens(random.Random(5), 40, 16), num_q_heads=8, num_kv_heads=4, head_dim=64)
     threads = torch.get_num_threads()
     first = _kernel(batch)
@@ -121,6 +121,9 @@ def test_deterministic_and_thread_count_independent() -> None:
         assert torch.equal(first, _kernel(batch))
     finally:
         torch.set_num_threads(threads)
+    for heads in (1, 2, 4):  # KV heads per work item: every query head still computed the same way
+        monkeypatch.setattr(cpu_kernel, "heads_per_item", lambda *a, n=heads: n)
+        assert torch.equal(first, _kernel(batch))
 
 
 @needs_compiler

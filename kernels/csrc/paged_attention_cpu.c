@@ -5,12 +5,14 @@
  * to softcap * tanh(s / softcap) when softcap > 0; keys at positions max(0, len - window) .. len - 1 (window > 0)
  * or 0 .. len - 1; with sinks, one more logit sinks[h] in the softmax denominator (no value).
  *
- * Work item = (sequence, kv head): its G query heads are handled together so each K and V row is read from
- * memory once. Per item, exact two-pass softmax: scores of every visible key into a per-thread buffer, their
- * maximum, exp and sum, then out = sum_k p_k v_k / sum. Dot products use 16 explicit lane accumulators (the
- * compiler turns them into vector FMAs without -ffast-math) reduced in a fixed order; exp is a polynomial
- * written so that it vectorises. Every item is computed by one thread in a fixed order, so results do not
- * depend on the number of threads and are bit-identical run to run.
+ * Work item = (sequence, range of KV heads h0..h1-1): each token's K (then V) rows of those heads are one
+ * contiguous span, read once for all their query heads (G per KV head); the same rows of the next block are
+ * prefetched meanwhile. Per item, exact two-pass softmax: scores of every visible key into a per-thread
+ * buffer, their maximum, exp and sum, then out = sum_k p_k v_k / sum. Dot products use 16 explicit lane
+ * accumulators (the compiler turns them into vector FMAs without -ffast-math) reduced in a fixed order; exp is
+ * a polynomial written so that it vectorises. Every query head's result is computed by one thread in a fixed
+ * order, whatever the items, so results do not depend on the number of threads and are bit-identical run to
+ * run.
  *
  * Layout: q [B, Hq, D] with strides (q_stride_b, q_stride_h, 1); caches [NB, BS, Hkv, D] with the last three
  * dims contiguous and cache_stride_block elements between blocks; block_tables [B, table_stride] int32;
@@ -24,7 +26,8 @@
 #define LANES 16
 #define MAX_HEADS 256 /* query heads per item */
 
-/* exp(x) for x <= 0 (arguments are score - max), relative error ~2e-7; 0 below -87. Vectorisable. */
+/* exp(x) for x <= 0 (arguments are score - max), relative error ~2e-7; x is clamped at -87 (e^-87 ~ 1.6e-38,
+ * nothing next to the maximum's e^0 = 1). Vectorisable. */
 static inline float exp_nonpos(float x) {
     x = x < -87.0f ? -87.0f : x;
     const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer in the low mantissa bits */
