@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from batchgen import malloc_tuning
 from batchgen.kernels import cpu_kernel, torch_backend, triton_available
 from batchgen.kernels.options import AttentionOptions  # re-exported: models build one per layer
 
@@ -119,6 +120,7 @@ class TorchBackend:
     def __init__(self) -> None:
         self.workspace = torch_backend.Workspace()
         cpu_kernel.start_build()  # the C decode kernel compiles in the background (kernels/cpu_kernel.py)
+        malloc_tuning.keep_freed_memory()  # no per-step page faults for activations (batchgen/malloc_tuning.py)
 
     def decode(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
