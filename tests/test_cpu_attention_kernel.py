@@ -185,3 +185,22 @@ def test_heads_per_item_leaves_work_for_every_thread() -> None:
     assert cpu_kernel.heads_per_item(1, 8, 4, 2) == 1  # one sequence: one item per kv head
     assert cpu_kernel.heads_per_item(2, 8, 1, 2) == 2
     assert cpu_kernel.heads_per_item(64, 2, 200, 1) == 1  # an item holds at most MAX_HEADS query heads
+
+
+@needs_compiler
+def test_engine_decodes_through_the_kernel_same_tokens(llama_ckpt: str, monkeypatch) -> None:
+    from batchgen import LLM, SamplingParams
+
+    calls = []
+    real = cpu_kernel.decode
+    monkeypatch.setattr(cpu_kernel, "decode", lambda *a: calls.append(1) or real(*a))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(5, 4096) for _ in range(rng.randint(3, 60))] for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with_kernel = LLM(llama_ckpt, num_blocks=128).generate(prompts, sp, use_tqdm=False)
+    assert calls, "the CPU engine's decode did not reach the kernel"
+    monkeypatch.setenv(cpu_kernel.ENV_SWITCH, "0")
+    calls.clear()
+    torch_path = LLM(llama_ckpt, num_blocks=128).generate(prompts, sp, use_tqdm=False)
+    assert not calls
+    assert [o.outputs[0].token_ids for o in with_kernel] == [o.outputs[0].token_ids for o in torch_path]
