@@ -129,7 +129,9 @@ def _load() -> ctypes.CDLL | None:
         return None
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     fn.argtypes = (
-        [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr] + [i32] * 5 + [f32, i32, f32, ptr, i32, i32]
+        [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr]
+        + [i32] * 5
+        + [f32, i32, f32, ptr, i32, i32, i64, i64]
     )
     fn.restype = i32
     return lib
@@ -248,6 +250,7 @@ def decode(
         tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(), batch, num_q_heads,
         num_kv_heads, head_dim, k_cache.shape[1], options.scale, min(options.sliding_window or 0, 2**31 - 1),
         options.softcap or 0.0, None if sinks is None else sinks.data_ptr(), threads,
-        heads_per_item(batch, num_kv_heads, num_q_heads // num_kv_heads, threads),
+        heads_per_item(batch, num_kv_heads, num_q_heads // num_kv_heads, threads), tables.shape[1],
+        k_cache.shape[0],
     )  # fmt: skip
     return out if status == 0 else None

@@ -204,3 +204,16 @@ def test_engine_decodes_through_the_kernel_same_tokens(llama_ckpt: str, monkeypa
     torch_path = LLM(llama_ckpt, num_blocks=128).generate(prompts, sp, use_tqdm=False)
     assert not calls
     assert [o.outputs[0].token_ids for o in with_kernel] == [o.outputs[0].token_ids for o in torch_path]
+
+
+@needs_compiler
+def test_out_of_range_tables_are_refused_not_read() -> None:
+    batch = make_paged_batch([40, 17], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    q, k, v, opts = batch.q, batch.k_cache, batch.v_cache, batch.options()
+    bad_id = batch.block_tables.clone()
+    bad_id[0, 1] = k.shape[0] + 1000  # a block id past the cache
+    assert cpu_kernel.decode(q, k, v, bad_id, batch.seq_lens, opts) is None
+    too_long = batch.seq_lens.clone()
+    too_long[1] = batch.block_tables.shape[1] * 8 + 1  # more tokens than the table row holds
+    assert cpu_kernel.decode(q, k, v, batch.block_tables, too_long, opts) is None
+    assert cpu_kernel.decode(q, k, v, batch.block_tables, batch.seq_lens, opts) is not None

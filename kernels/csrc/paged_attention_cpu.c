@@ -16,7 +16,8 @@
  *
  * Layout: q [B, Hq, D] with strides (q_stride_b, q_stride_h, 1); caches [NB, BS, Hkv, D] with the last three
  * dims contiguous and cache_stride_block elements between blocks; block_tables [B, table_stride] int32;
- * seq_lens [B] int32 (>= 1); out [B, Hq, D] contiguous. Plain C, no torch headers.
+ * seq_lens [B] int32 (>= 1); out [B, Hq, D] contiguous. Plain C, no torch headers. Block ids and lengths are
+ * checked against the table width and num_blocks (a bad one returns -1 instead of reading out of bounds).
  */
 #include <math.h>
 #include <stdint.h>
@@ -161,6 +162,17 @@ static int attend_item(const float *q, int64_t q_stride_h, const float *k_cache,
     return 0;
 }
 
+/* Whether sequence b can be read safely: len >= 1, its blocks within its table row, and every block id it reads
+ * (from the window's first block on) a valid block of the cache. */
+static int table_ok(const int32_t *table, int len, int window, int block_size, int64_t table_cols,
+                    int64_t num_blocks) {
+    if (len < 1 || (int64_t)(len - 1) / block_size >= table_cols) return 0;
+    const int first = (window > 0 && len > window) ? len - window : 0;
+    for (int j = first / block_size; j <= (len - 1) / block_size; j++)
+        if (table[j] < 0 || table[j] >= num_blocks) return 0;
+    return 1;
+}
+
 /* Returns 0 on success, -1 on a bad argument or allocation failure (out is then unspecified).
  * Items: (sequence, range of `heads_per_item` KV heads); the caller picks heads_per_item (a divisor of
  * num_kv_heads) so that there are enough items for the threads. */
@@ -168,7 +180,8 @@ int batchgen_paged_decode_f32(const float *q, int64_t q_stride_b, int64_t q_stri
                               const float *v_cache, int64_t cache_stride_block, const int32_t *block_tables,
                               int64_t table_stride, const int32_t *seq_lens, float *out, int batch,
                               int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                              int window, float softcap, const float *sinks, int num_threads, int heads_per_item) {
+                              int window, float softcap, const float *sinks, int num_threads, int heads_per_item,
+                              int64_t table_cols, int64_t num_blocks) {
     if (batch < 0 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return -1;
     if (heads_per_item <= 0 || num_kv_heads % heads_per_item != 0) return -1;
     const int group = num_q_heads / num_kv_heads;
@@ -180,8 +193,8 @@ int batchgen_paged_decode_f32(const float *q, int64_t q_stride_b, int64_t q_stri
     for (int64_t it = 0; it < items; it++) {
         const int b = (int)(it / splits), h0 = (int)(it % splits) * heads_per_item;
         const int len = seq_lens[b];
-        if (len < 1) {
-            status |= 1;
+        if (!table_ok(block_tables + b * table_stride, len, window, block_size, table_cols, num_blocks)) {
+            status |= 1; /* the caller falls back to the torch path, which reports the bad input */
             continue;
         }
         const float *qb = q + b * q_stride_b + (int64_t)h0 * group * q_stride_h;
