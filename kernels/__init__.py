@@ -7,7 +7,9 @@ semantics:
 
 * :mod:`.reference` *defines* them: naive per-sequence, per-query float64 code that the engine never runs; the
   tests hold both backends to it.
-* :mod:`.torch_backend`, the engine's CPU path: gather + SDPA, workspaces, padding buckets, cascade decode.
+* :mod:`.torch_backend`, the engine's CPU path: gather + SDPA, workspaces, padding buckets, cascade decode;
+  its float32 decode on the CPU runs a C kernel that reads blocks in place (:mod:`.cpu_kernel`,
+  ``csrc/paged_attention_cpu.c``, compiled on first use; ``BATCHGEN_CPU_KERNEL=0`` turns it off).
 * the Triton kernels, the CUDA path, one per module (:mod:`.store_kv`, :mod:`.decode_attention`,
   :mod:`.prefill_attention`, :mod:`.copy_blocks`; the ``@triton.jit`` pieces the attention kernels share are in
   :mod:`._tiles`). These modules import ``triton`` at import time, so import them only where Triton is wanted

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cpu_kernel
 from .options import AttentionOptions
 from .paged_kv import PagedKV
 
@@ -119,22 +120,32 @@ def paged_decode_attention(
 
     ``q [B,Hq,D]`` → ``[B,Hq,D]``. Sequences are padded to the longest context (padding keys masked), in
     groups of similar context when one padded batch would read over 25% more blocks than needed
-    (:func:`_decode_groups`). With an option set, the general masked path (no cascade).
+    (:func:`_decode_groups`). With an option set, the general masked path (no cascade). Given a ``workspace``
+    (the engine's CPU call) and float32 tensors, the C kernel of :mod:`.cpu_kernel` runs instead (same
+    semantics; ``BATCHGEN_CPU_KERNEL=0`` turns it off), after the cascade only when that saves >= 70% of reads.
     """
     k_cache, v_cache, block_tables, seq_lens = kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return q.new_empty(q.shape)
-    if not options.plain:
-        cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-        return _prefill_padded(q, cu, kv, options, workspace)
+    # The engine's CPU call (it passes a workspace) goes to the C kernel, which reads blocks in place, unless
+    # a shared prefix cuts the blocks read by 70% or more (then cascade is faster; kernels/cpu_kernel.py).
+    kernel = workspace is not None and cpu_kernel.serves(q, k_cache, v_cache)
     scale = options.scale
     block_size = k_cache.shape[1]
     lens = seq_lens.to(q.device)
-    if batch >= 2 * _CASCADE_MIN_GROUP:
-        out = _decode_cascade(q, kv, scale, workspace, plan_cache)
+    if options.plain and batch >= 2 * _CASCADE_MIN_GROUP:
+        min_saved = cpu_kernel.CASCADE_MIN_SAVED if kernel else 0.25
+        out = _decode_cascade(q, kv, scale, workspace, plan_cache, min_saved)
         if out is not None:
             return out
+    if kernel:
+        out = cpu_kernel.decode(q, kv, options)
+        if out is not None:
+            return out
+    if not options.plain:
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+        return _prefill_padded(q, cu, kv, options, workspace)
     plan = _decode_plan(block_tables, lens, block_size, plan_cache)
     if len(plan.groups) == 1:
         _, _, ids, max_len, mask = plan.groups[0]
@@ -276,16 +287,17 @@ def _shared_prefixes(
 
 
 def _cascade_plan(
-    block_tables: Tensor, lens: Tensor, block_size: int, dtype: torch.dtype
+    block_tables: Tensor, lens: Tensor, block_size: int, dtype: torch.dtype, min_saved: float = 0.25
 ) -> tuple[list[tuple[Tensor, Tensor]], Tensor, Tensor] | None:
     """(groups, suffix block ids [B, S], additive suffix mask [B,1,1,S*block_size]) or None when sharing
-    would not pay. Depends only on the batch, so one plan serves every layer of a forward."""
+    would not pay (saves under ``min_saved`` of the blocks read). Depends only on the batch, so one plan serves
+    every layer of a forward."""
     start, groups = _shared_prefixes(block_tables, lens, block_size)
     if not groups:
         return None
     total_blocks = (lens + block_size - 1) // block_size
     saved = sum((idx.numel() - 1) * blocks.numel() for idx, blocks in groups)
-    if saved * 4 < int(total_blocks.sum()):  # under 25% fewer blocks to read: not worth it
+    if saved < min_saved * int(total_blocks.sum()):  # too few blocks saved: not worth it
         return None
     batch = block_tables.shape[0]
     num_suffix = int((total_blocks - start).max())
@@ -302,7 +314,12 @@ def _cascade_plan(
 
 
 def _decode_cascade(
-    q: Tensor, kv: PagedKV, scale: float, workspace: Workspace | None, plan_cache: dict | None = None
+    q: Tensor,
+    kv: PagedKV,
+    scale: float,
+    workspace: Workspace | None,
+    plan_cache: dict | None = None,
+    min_saved: float = 0.25,
 ) -> Tensor | None:
     """Decode attention that reads a prefix shared by a group of sequences once for the whole group.
 
@@ -321,7 +338,8 @@ def _decode_cascade(
     if plan_cache is not None and "decode_cascade" in plan_cache:
         plan = plan_cache["decode_cascade"]
     else:
-        plan = _cascade_plan(kv.block_tables, kv.seq_lens.to(q.device).long(), block_size, q.dtype)
+        lens = kv.seq_lens.to(q.device).long()
+        plan = _cascade_plan(kv.block_tables, lens, block_size, q.dtype, min_saved)
         if plan_cache is not None:
             plan_cache["decode_cascade"] = plan
     if plan is None:

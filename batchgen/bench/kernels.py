@@ -20,7 +20,8 @@ tokens, with and without a cached prefix, and a batch of chunks) reports time an
 
 Times are medians of ``triton.testing.do_bench`` (which flushes the L2 between runs). ``--dry-run`` prints the
 grid with its byte counts and needs neither CUDA nor Triton. The full run takes about 2 minutes on an H200.
-``--cpu`` instead times the torch backend (the engine's CPU attention) on CPU-sized shapes.
+``--cpu`` instead times the torch backend (the engine's CPU attention) on CPU-sized shapes; ``--cpu-decode``
+times the C decode kernel (kernels/cpu_kernel.py) against the torch path it replaces, one layer per case.
 """
 
 from __future__ import annotations
@@ -326,6 +327,80 @@ def run_cpu(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), r
     return lines
 
 
+# (label, context lengths drawn from, number of sequences, shared prefix tokens)
+CPU_KERNEL_CASES = (
+    ("64 seqs, ctx 300-460", (300, 460), 64, 0),
+    ("256 seqs, ctx 300-700", (300, 700), 256, 0),
+    ("16 seqs, ctx 200-600", (200, 600), 16, 0),
+    ("1 seq, ctx 4096", (4096, 4096), 1, 0),
+    ("256 seqs, 360 ctx, 192 shared", (360, 360), 256, 192),
+    ("256 seqs, 360 ctx, 288 shared", (360, 360), 256, 288),
+)
+
+
+def _cpu_kernel_case(lens_range, num_seqs: int, shared: int, dtype: torch.dtype, seed: int):
+    """One layer's paged decode batch (CPU_SHAPE heads); the first ``shared`` tokens of every sequence sit in
+    the same physical blocks (a shared prompt prefix), the rest in shuffled blocks of their own."""
+    from batchgen.kernels.testing import make_paged_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lens_range[0], lens_range[1] + 1, (num_seqs,), generator=gen).tolist()
+    batch = make_paged_batch(lens, dtype=dtype, seed=seed, **CPU_SHAPE)
+    n = shared // CPU_SHAPE["block_size"]
+    if n:
+        batch.block_tables[:, :n] = batch.block_tables[0, :n]
+    return batch
+
+
+def run_cpu_decode(repeats: int = 10) -> list[str]:
+    """The CPU decode kernel (kernels/cpu_kernel.py) against the torch path it replaces (gather + SDPA,
+    ``BATCHGEN_CPU_KERNEL=0``), both through ``torch_backend.paged_decode_attention`` as the engine calls it
+    (with a workspace), one layer, float32; bfloat16 for the torch path alone (the kernel does not serve it).
+    Medians of ``repeats`` interleaved calls, wall and process CPU time."""
+    import os
+
+    from batchgen.kernels import cpu_kernel, torch_backend
+
+    ws = torch_backend.Workspace()
+    if cpu_kernel.library() is None:
+        return ["the CPU kernel is unavailable here (no compiler, or BATCHGEN_CPU_KERNEL=0)"]
+    lines = [
+        f"decode attention, one layer, {torch.get_num_threads()} threads, {CPU_SHAPE}; median ms wall (CPU)",
+        f"{'case':34} {'torch fp32':>18} {'kernel fp32':>18} {'speed-up':>8} {'max|diff|':>9} {'torch bf16':>18}",
+    ]
+    for i, (label, lens_range, num_seqs, shared) in enumerate(CPU_KERNEL_CASES):
+        runs = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            b = _cpu_kernel_case(lens_range, num_seqs, shared, dtype, seed=i)
+            args = (b.q, b.kv, b.options())
+            modes = ("torch", "kernel") if dtype == torch.float32 else ("torch",)
+            times: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+            outs = {}
+            for _ in range(repeats + 1):
+                for mode in modes:
+                    os.environ[cpu_kernel.ENV_SWITCH] = "1" if mode == "kernel" else "0"
+                    t, c = time.perf_counter(), time.process_time()
+                    outs[mode] = torch_backend.paged_decode_attention(*args, workspace=ws, plan_cache={})
+                    times[mode].append((time.perf_counter() - t, time.process_time() - c))
+            os.environ.pop(cpu_kernel.ENV_SWITCH, None)
+            for mode in modes:
+                walls, cpus = zip(*times[mode][1:])
+                runs[(mode, dtype)] = (
+                    sorted(walls)[len(walls) // 2] * 1e3,
+                    sorted(cpus)[len(cpus) // 2] * 1e3,
+                )
+            if dtype == torch.float32:
+                diff = (outs["torch"] - outs["kernel"]).abs().max().item()
+        cell = {k: f"{w:7.2f} ({c:7.2f})" for k, (w, c) in runs.items()}
+        speed = runs[("torch", torch.float32)][0] / runs[("kernel", torch.float32)][0]
+        lines.append(
+            f"{label:34} {cell[('torch', torch.float32)]:>18} {cell[('kernel', torch.float32)]:>18} "
+            f"{speed:7.2f}x {diff:9.1e} {cell[('torch', torch.bfloat16)]:>18}"
+        )
+        ws.clear()
+    return lines
+
+
 def _peak_for(name: str) -> float | None:
     for key, value in PEAK_BANDWIDTH.items():
         if key in name:
@@ -400,12 +475,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="time the torch backend on CPU shapes instead")
+    parser.add_argument(
+        "--cpu-decode", action="store_true", help="CPU decode: the C kernel vs the torch path, one layer"
+    )
     args = parser.parse_args(argv)
     if args.dry_run:
         print_dry_run()
         return 0
-    if args.cpu:
-        for line in run_cpu():
+    if args.cpu or args.cpu_decode:
+        for line in run_cpu_decode() if args.cpu_decode else run_cpu():
             print(line, flush=True)
         return 0
     if not torch.cuda.is_available():

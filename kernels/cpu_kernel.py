@@ -1,0 +1,251 @@
+"""The CPU paged decode attention kernel (``csrc/paged_attention_cpu.c``): compiled on first use, loaded with
+ctypes, called by :func:`.torch_backend.paged_decode_attention` instead of its gather + SDPA.
+
+The kernel reads K/V blocks where they lie in the paged cache (no gather into a workspace), handles the query
+heads of one KV head together (each K/V row is read once), and runs over (sequence, KV head) items with
+OpenMP. Semantics: :mod:`.reference` (scale, sliding window, soft-capping, sinks); results are deterministic
+(bit-identical run to run, whatever the thread count).
+
+Build: plain C, no torch headers (< 1 s), with the C compiler of ``$CC``, else Python's configured ``CC``, else
+``cc``/``gcc`` on ``PATH``, flags :data:`FLAGS`, into ``<batchgen cache>/cpu_kernels/<key>/`` (the cache root
+of :mod:`batchgen.disk_cache`, ``$BATCHGEN_CACHE``; built atomically by :func:`batchgen.atomic.build_dir_once`).
+The key hashes the source, the compiler (its binary's path, size and mtime), the flags, the machine and the CPU's flags, so a home
+directory shared by different cluster nodes never loads a binary built for another CPU. The ``.so`` links
+``libgomp.so.1``, the soname torch's wheel bundles: loaded after torch, it shares torch's OpenMP runtime.
+
+Invariants: :func:`decode` returns None — and the caller takes the torch path — whenever the kernel cannot
+serve the call (``BATCHGEN_CPU_KERNEL=0``, no compiler, a failed build or load, a non-CPU tensor, a dtype
+other than float32, a cache whose last three dims are not contiguous, more than 256 query heads per KV head);
+the first such failure of the build is logged once at INFO, never raised. :func:`start_build` compiles in a
+background thread (the engine calls it when it is built), so the first decode step rarely waits for it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .options import AttentionOptions
+from .paged_kv import PagedKV
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+LIB_NAME = "paged_attention_cpu.so"
+MAX_HEADS = 256  # query heads one work item of the kernel may hold (so: per KV head at most)
+ENV_SWITCH = "BATCHGEN_CPU_KERNEL"
+CASCADE_MIN_SAVED = 0.7
+"""With the kernel, the torch backend's cascade decode (shared prefix read once per group) goes first only when
+it reads at most 30% of the blocks: measured break-even ~70% (256 sequences x 360 tokens, 1 thread)."""
+
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_state: dict[str, object] = {}  # "lib": the loaded CDLL or None once the build was tried
+
+
+def enabled() -> bool:
+    """False when ``BATCHGEN_CPU_KERNEL=0`` (read on every call, so it can be switched at run time)."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def compiler() -> list[str] | None:
+    """The C compiler command: ``$CC``, else Python's configured ``CC`` if on ``PATH``, else ``cc``/``gcc``."""
+    for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC")):
+        if candidate:
+            cmd = shlex.split(candidate)
+            if cmd and shutil.which(cmd[0]):
+                return cmd
+    for name in ("cc", "gcc"):
+        if shutil.which(name):
+            return [name]
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler_identity(cc: list[str]) -> str:
+    """The compiler binary's resolved path, size and modification time: changes when it is replaced or
+    upgraded, and costs a ``stat`` instead of running ``cc --version`` at every start-up."""
+    path = os.path.realpath(shutil.which(cc[0]) or cc[0])
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def build_key(cc: list[str]) -> str:
+    """SHA-256 (hex, 16 chars) of everything the binary depends on."""
+    parts = [SOURCE.read_bytes().hex(), _compiler_identity(cc), " ".join(cc), *FLAGS, platform.machine()]
+    return hashlib.sha256("\0".join([*parts, _cpu_flags()]).encode()).hexdigest()[:16]
+
+
+def build(cc: list[str]) -> Path:
+    """Compile the kernel (or find it built) and return the ``.so`` path; raises on failure."""
+    from batchgen.atomic import build_dir_once
+    from batchgen.disk_cache import cache_root
+
+    def compile_into(tmp: Path) -> None:
+        cmd = [*cc, *FLAGS, "-o", str(tmp / LIB_NAME), str(SOURCE), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
+
+    target = cache_root() / "cpu_kernels" / build_key(cc)
+    return Path(build_dir_once(target, LIB_NAME, compile_into)) / LIB_NAME
+
+
+def _load() -> ctypes.CDLL | None:
+    cc = compiler()
+    if cc is None:
+        logger.info("no C compiler found: CPU decode attention uses the torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(cc)))
+        fn = lib.batchgen_paged_decode_f32
+    except Exception as exc:  # a failed compile, load or symbol lookup: the torch path serves
+        logger.info("CPU attention kernel unavailable (%s): using the torch path", exc)
+        return None
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    fn.argtypes = (
+        [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr]
+        + [i32] * 5
+        + [f32, i32, f32, ptr, i32, i32, i64, i64]
+    )
+    fn.restype = i32
+    return lib
+
+
+def _build_in_thread() -> None:
+    lib = _load()
+    with _lock:
+        _state["lib"] = lib
+
+
+def start_build() -> None:
+    """Start compiling/loading the kernel in a background thread (idempotent; no-op when disabled)."""
+    global _thread
+    if not enabled() or sys.platform == "win32":
+        return
+    with _lock:
+        if _thread is None and "lib" not in _state:
+            _thread = threading.Thread(target=_build_in_thread, name="batchgen-cpu-kernel", daemon=True)
+            _thread.start()
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it now (or waiting for :func:`start_build`) on first call."""
+    if "lib" in _state:
+        return _state["lib"]  # type: ignore[return-value]
+    if not enabled() or sys.platform == "win32":
+        return None
+    start_build()
+    thread = _thread
+    if thread is not None:
+        thread.join()
+    with _lock:
+        if "lib" not in _state:  # a forked child: the parent's build thread does not run here
+            _state["lib"] = _load()
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _thread
+    _lock, _thread = threading.Lock(), None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def reset() -> None:
+    """Forget the loaded library (tests: rebuild under another environment)."""
+    global _thread
+    with _lock:
+        if _thread is not None:
+            _thread.join()
+        _thread = None
+        _state.clear()
+
+
+def serves(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether :func:`decode` will run the kernel for these tensors (enabled, supported, library loaded:
+    waits for a build under way)."""
+    return enabled() and supports(q, k_cache, v_cache) and library() is not None
+
+
+def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether the kernel can serve these tensors (CPU, float32, caches contiguous within a block)."""
+    if q.device.type != "cpu" or k_cache.device.type != "cpu":
+        return False
+    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
+        return False
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        return False
+    inner = (num_kv_heads * head_dim, head_dim, 1)
+    if k_cache.stride()[1:] != inner or q.stride(-1) != 1:
+        return False
+    return q.shape[1] % num_kv_heads == 0 and q.shape[1] // num_kv_heads <= MAX_HEADS
+
+
+def heads_per_item(batch: int, num_kv_heads: int, group: int, threads: int) -> int:
+    """KV heads per work item: the most (each token's K/V rows of an item are one contiguous span, read as a
+    stream) that still leave >= 4 items per thread, or 1 when the batch is too small for that."""
+    for n in range(num_kv_heads, 0, -1):
+        if num_kv_heads % n == 0 and n * group <= MAX_HEADS and batch * (num_kv_heads // n) >= 4 * threads:
+            return n
+    return 1
+
+
+def decode(q: Tensor, kv: PagedKV, options: AttentionOptions) -> Tensor | None:
+    """Paged decode attention ``q [B,Hq,D]`` → ``[B,Hq,D]`` by the C kernel, or None when it cannot serve it
+    (then the caller's torch path does). Every ``kv.seq_lens[b]`` must be >= 1 (as everywhere in this package)."""
+    k_cache, v_cache, block_tables, seq_lens = kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens
+    if not enabled() or not supports(q, k_cache, v_cache):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    tables = tables.contiguous()
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    lens = lens.contiguous()
+    sinks = options.sinks
+    if sinks is not None:
+        sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    status = lib.batchgen_paged_decode_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(), batch, num_q_heads,
+        num_kv_heads, head_dim, k_cache.shape[1], options.scale, min(options.sliding_window or 0, 2**31 - 1),
+        options.softcap or 0.0, None if sinks is None else sinks.data_ptr(), threads,
+        heads_per_item(batch, num_kv_heads, num_q_heads // num_kv_heads, threads), tables.shape[1],
+        k_cache.shape[0],
+    )  # fmt: skip
+    return out if status == 0 else None
