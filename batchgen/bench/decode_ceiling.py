@@ -1,0 +1,95 @@
+"""The MFU ceiling of a decode step at batch ``M``: the model's linear layers alone, no attention, no engine.
+
+``python -m batchgen.bench.decode_ceiling [--rows 16 64 256] [--threads 2]`` times one decode step's GEMMs of
+the throughput benchmark's model (per layer qkv, o, gate_up, down, then the LM head; float32 weights stored
+column-major as the loader stores them on the CPU) at each batch size, measures the matmul peak at 256 rows
+beside it, and prints achieved FLOP/s ÷ peak: the most MFU any engine could reach on a decode-only workload
+of that many sequences. Also the read bandwidth (a ``sum`` over 256 MiB) and the weight bytes each step
+streams: at small batches a step is bound by streaming the weights, not by FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.bench.throughput import BenchModel
+
+
+def _rate(fn: Callable[[], object], seconds: float) -> float:
+    """Calls per second of ``fn`` over about ``seconds`` (after three warm-up calls)."""
+    for _ in range(3):
+        fn()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def _column_major(n: int, k: int) -> torch.Tensor:
+    return torch.randn(n, k).t().contiguous().t()
+
+
+def measure(m: BenchModel, rows: list[int], seconds: float = 1.0) -> list[dict[str, float]]:
+    """Per batch size: step time, achieved and peak FLOP/s, ceiling (achieved ÷ peak)."""
+    h, i = m.hidden_size, m.intermediate_size
+    kv = (h // m.num_heads) * m.num_kv_heads
+    shapes = [(h, h + 2 * kv), (h, h), (h, 2 * i), (i, h)]  # (in, out): qkv, o, gate_up, down
+    layers = [[_column_major(n, k) for k, n in shapes] for _ in range(m.num_layers)]
+    lm_head = _column_major(m.vocab_size, h)
+    flops_per_token = 2 * (m.num_layers * sum(k * n for k, n in shapes) + h * m.vocab_size)
+    a, b = torch.randn(256, h), torch.randn(h, 2 * i)
+    out = []
+    for batch in rows:
+        x, xi = torch.randn(batch, h), torch.randn(batch, i)
+
+        def step(x: torch.Tensor = x, xi: torch.Tensor = xi) -> None:
+            for weights in layers:
+                for (k, _), w in zip(shapes, weights):
+                    F.linear(xi if k == i else x, w)
+            F.linear(x, lm_head)
+
+        steps_per_s = _rate(step, seconds)
+        peak = 2 * 256 * h * 2 * i * _rate(lambda: a @ b, seconds)
+        achieved = flops_per_token * batch * steps_per_s
+        out.append({"rows": batch, "step_ms": 1e3 / steps_per_s, "flops": achieved, "peak": peak})
+    return out
+
+
+def read_bandwidth(seconds: float = 1.0) -> float:
+    """Bytes per second of a ``sum`` over 256 MiB of float32 (larger than any cache)."""
+    big = torch.randn(64 << 20)
+    return big.numel() * 4 * _rate(big.sum, seconds)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m batchgen.bench.decode_ceiling", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256], help="decode batch sizes")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    m = BenchModel()
+    for r in measure(m, args.rows, args.seconds):
+        print(
+            f"M={r['rows']:4d}: linear layers {r['step_ms']:.2f} ms/step, {r['flops'] / 1e9:.0f} GFLOP/s, "
+            f"peak {r['peak'] / 1e9:.0f} GFLOP/s -> MFU ceiling {100 * r['flops'] / r['peak']:.0f}%"
+        )
+    h, i, kv = m.hidden_size, m.intermediate_size, (m.hidden_size // m.num_heads) * m.num_kv_heads
+    weight_mb = 4 * (m.num_layers * (h * (h + 2 * kv) + h * h + 3 * h * i) + h * m.vocab_size) / 1e6
+    bw = read_bandwidth(args.seconds)
+    print(
+        f"read bandwidth {bw / 1e9:.1f} GB/s; one decode step streams {weight_mb:.0f} MB of weights "
+        f"(>= {weight_mb / (bw / 1e6) * 1e3:.1f} ms whatever the batch)"
+    )
+
+
+if __name__ == "__main__":
+    main()
