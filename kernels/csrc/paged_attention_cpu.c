@@ -80,6 +80,16 @@ static inline void prefetch_span(const float *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
 }
 
+/* Where token t's rows of heads h0.. start in `cache` (offset: h0 * head_dim); the same token row of the next
+ * block of the table is prefetched (`span` bytes) while the caller reads this one. */
+static inline const float *token_rows(const float *cache, const int32_t *table, int t, int block_size,
+                                      int last_block, int64_t stride_block, int64_t row, int64_t offset,
+                                      int64_t span) {
+    const int j = t / block_size, r = t % block_size;
+    if (j < last_block) prefetch_span(cache + (int64_t)table[j + 1] * stride_block + r * row + offset, span);
+    return cache + (int64_t)table[j] * stride_block + r * row + offset;
+}
+
 /* One item: sequence `len` tokens long (table: its block table), KV heads h0 .. h1 - 1 and their query heads
  * (q, out: the first of them). Returns 0, or -1 when scratch memory could not be allocated. */
 static int attend_item(const float *q, int64_t q_stride_h, const float *k_cache, const float *v_cache,
@@ -94,14 +104,11 @@ static int attend_item(const float *q, int64_t q_stride_h, const float *k_cache,
     const int64_t row = (int64_t)num_kv_heads * head_dim;
     const int64_t span = (int64_t)(h1 - h0) * head_dim * (int64_t)sizeof(float); /* bytes read per token */
     const int last_block = (len - 1) / block_size;
+    const int64_t offset = (int64_t)h0 * head_dim;
     /* Pass 1: scores. Each token's K rows of heads h0..h1 are one contiguous span, read once for all the
      * query heads; the same token's span in the next block is prefetched meanwhile. */
     for (int t = first; t < len; t++) {
-        const int j = t / block_size, r = t % block_size;
-        const float *base = k_cache + (int64_t)table[j] * cache_stride_block + r * row + (int64_t)h0 * head_dim;
-        if (j < last_block)
-            prefetch_span(k_cache + (int64_t)table[j + 1] * cache_stride_block + r * row + (int64_t)h0 * head_dim,
-                          span);
+        const float *base = token_rows(k_cache, table, t, block_size, last_block, cache_stride_block, row, offset, span);
         for (int h = 0; h < h1 - h0; h++)
             for (int g = 0; g < group; g++) {
                 const int qh = h * group + g;
@@ -139,11 +146,7 @@ static int attend_item(const float *q, int64_t q_stride_h, const float *k_cache,
     /* Pass 2: out_qh = sum_t p_qh[t] v_t, each token's V span read once for all the query heads. */
     memset(out, 0, sizeof(float) * (size_t)heads * head_dim);
     for (int t = first; t < len; t++) {
-        const int j = t / block_size, r = t % block_size;
-        const float *base = v_cache + (int64_t)table[j] * cache_stride_block + r * row + (int64_t)h0 * head_dim;
-        if (j < last_block)
-            prefetch_span(v_cache + (int64_t)table[j + 1] * cache_stride_block + r * row + (int64_t)h0 * head_dim,
-                          span);
+        const float *base = token_rows(v_cache, table, t, block_size, last_block, cache_stride_block, row, offset, span);
         for (int h = 0; h < h1 - h0; h++) {
             const float *vrow = base + h * head_dim;
             for (int g = 0; g < group; g++) {
