@@ -42,3 +42,8 @@ def test_overhead_cli_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| mix | max seqs |" in out and "| prefill | 4 |" in out
     assert len(results) == 1 and (tmp_path / "o.json").is_file()
+
+
+def test_sampling_mix_times_every_phase():
+    result, calls = overhead.measure(overhead.MIXES["decode"], n=8, steps=4, warmup=3, temperature=0.8)
+    assert calls.get("sample rows") and calls.get("sampler") and result.steps == 4

@@ -17,7 +17,8 @@ wrapping, on this one engine instance, the calls its step makes (measurement onl
 * schedule: ``engine.scheduler.schedule``;
 * prepare inputs: ``engine.runner.prepare_inputs`` (flat tensors, slot mapping, block tables);
 * forward: ``engine.runner.model.forward`` + ``compute_logits`` (the near-null model);
-* sample rows: ``engine._sampling_rows`` (the per-row sampling settings the engine builds every step);
+* sample rows: ``engine._sampling_inputs`` (the sampler inputs the engine builds every step: per-row
+  settings, and row objects only for rows with penalties, bans, logprobs or seeds);
 * sampler: ``engine.sampler`` (penalties, filters, argmax or draw);
 * update/stop: ``engine.scheduler.update`` (append tokens, stop rules, finish, free blocks);
 * detokenize: ``engine._request_output`` (decode the finished requests' texts, build outputs);
@@ -110,7 +111,7 @@ class PhaseTimer:
         self.wrap(engine.runner, "prepare_inputs", "prepare")
         self.wrap(engine.runner.model, "forward", "forward")
         self.wrap(engine.runner.model, "compute_logits", "forward")
-        self.wrap(engine, "_sampling_rows", "sample rows")
+        self.wrap(engine, "_sampling_inputs", "sample rows")
         self.wrap(engine, "sampler", "sampler")
         self.wrap(engine.scheduler, "update", "update")
         self.wrap(engine, "_request_output", "detokenize")
@@ -157,8 +158,9 @@ def _engine(mix: Mix, n: int, seed: int, device: str, model: str | None, overlap
     return LLMEngine(model or overhead_model(), config, dtype="float32")
 
 
-def _feeder(engine: Any, mix: Mix, n: int, seed: int) -> Callable[[], None]:
-    """A function keeping at least 2N requests in the engine (called outside the timed steps)."""
+def _feeder(engine: Any, mix: Mix, n: int, seed: int, temperature: float = 0.0) -> Callable[[], None]:
+    """A function keeping at least 2N requests in the engine (called outside the timed steps); requests
+    sample at ``temperature`` (0: greedy) with the engine's generator."""
     from batchgen.sampling_params import SamplingParams
 
     rng = random.Random(seed)
@@ -169,7 +171,8 @@ def _feeder(engine: Any, mix: Mix, n: int, seed: int) -> Callable[[], None]:
         nonlocal next_id
         while engine.num_unfinished() < 2 * n:
             prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(*mix.prompt))]
-            params = SamplingParams(temperature=0.0, max_tokens=rng.randint(*mix.output), ignore_eos=True)
+            max_tokens = rng.randint(*mix.output)
+            params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
             engine.add_request(next_id, prompt, params)
             next_id += 1
 
@@ -214,6 +217,7 @@ def measure(
     device: str = "cpu",
     model: str | None = None,
     overlap: bool = False,
+    temperature: float = 0.0,
 ) -> tuple[Result, dict[str, int]]:
     """One engine, one configuration; returns the figures and the number of timed calls per phase."""
     import torch
@@ -237,7 +241,7 @@ def measure(
         rows.append((*step, timer.take()))
 
     engine.add_step_listener(on_step)
-    feed = _feeder(engine, mix, n, seed)
+    feed = _feeder(engine, mix, n, seed, temperature)
     for _ in range(warmup + steps):
         feed()
         engine.step()
@@ -281,6 +285,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument(
         "--async-scheduling", action="store_true", help="engine.async_scheduling=true (overlapped steps)"
     )
+    ap.add_argument("--temperature", type=float, default=0.0, help="requests' temperature (0: greedy)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
 
@@ -292,7 +297,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     machine = machine_info()
     print(
         f"Machine: {machine['cpu']}, nproc={machine['nproc']}, torch {machine['torch']}, "
-        f"threads={args.threads}, device {args.device}, async_scheduling={args.async_scheduling}; "
+        f"threads={args.threads}, device {args.device}, async_scheduling={args.async_scheduling}, "
+        f"temperature={args.temperature}; "
         f"load average at start {machine['loadavg'][0]:.2f}. "
         f"Model: Llama, 1 layer, hidden 32 (near-null). {args.warmup} warm-up + {args.steps} measured steps, "
         f"best of {args.repeats} run(s) per configuration; phases in ms per step.\n",
@@ -314,6 +320,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
                     args.device,
                     model,
                     args.async_scheduling,
+                    args.temperature,
                 )[0]
                 for _ in range(args.repeats)
             ]

@@ -327,12 +327,13 @@ class LLMEngine:
     def _sampling_inputs(
         self, out: SchedulerOutput
     ) -> tuple[list[SamplingRow] | None, SamplingTensors | None]:
-        """The sampler's rows and per-row filter settings (both None when the step is plain greedy)."""
-        rows = self._sampling_rows(out)
-        if rows is None:
+        """The sampler's rows and per-row filter settings: both None when the step is plain greedy; only the
+        settings (no rows built) when every row is plain sampling (:attr:`Request.plain_sampling`)."""
+        if out.plain_greedy:
             return None, None
         seqs = out.sample_seqs
-        return rows, self.sampling_batch.gather([s.seq_id for s in seqs], [s.params for s in seqs])
+        settings = self.sampling_batch.gather([s.seq_id for s in seqs], [s.params for s in seqs])
+        return (None if out.plain_sampling else self._sampling_rows(out)), settings
 
     def _sampling_rows(self, out: SchedulerOutput) -> list[SamplingRow] | None:
         """The sampler's per-row settings; None (no rows built) when every sampled row is plain greedy."""

@@ -177,13 +177,22 @@ class Sampler:
         ``settings``: the rows' filter settings when the caller keeps them (:class:`SamplingBatch`), else
         read from the rows' params.
 
-        ``rows=None`` means every row is greedy with nothing else asked for (no penalties, banned tokens or
-        logprobs): one argmax, with no per-row settings built at all (the engine's hot path)."""
+        ``rows=None`` means no row asks for penalties, banned tokens, logprobs or its own seed: without
+        ``settings`` every row is greedy (one argmax, no per-row settings built at all: the engine's hot
+        path); with ``settings`` the rows are filtered and drawn from those settings alone, with the
+        sampler's generator (exactly the draws of the same rows passed as :class:`SamplingRow` objects)."""
         if rows is None:
-            if logits.dim() != 2:
-                raise ValueError(f"logits must be [N, vocab], got {tuple(logits.shape)}")
+            if logits.dim() != 2 or (settings is not None and len(settings.temperature) != logits.shape[0]):
+                raise ValueError(
+                    f"logits must be [N, vocab] with one settings row each, got {tuple(logits.shape)}"
+                )
             n = logits.shape[0]
-            sampled = _argmax(logits)
+            if settings is None or not n:
+                sampled = _argmax(logits)
+            else:
+                sampled = self._sample(
+                    logits.float().clone(memory_format=torch.contiguous_format), None, settings
+                )
             return SamplerOutput(token_ids=sampled.tolist(), logprobs=[None] * n, sampled=sampled)
         n = len(rows)
         if logits.dim() != 2 or logits.shape[0] != n:
@@ -221,14 +230,16 @@ class Sampler:
         works there, one small ``[k, V]`` block per group)."""
         return torch.log_softmax(logits.float(), dim=-1).cpu()
 
-    def _sample(self, x: Tensor, rows: list[SamplingRow], settings: SamplingTensors) -> Tensor:
-        """Greedy rows take the argmax of ``x``; random rows are filtered and drawn. Returns ``[N]`` int64."""
+    def _sample(self, x: Tensor, rows: list[SamplingRow] | None, settings: SamplingTensors) -> Tensor:
+        """Greedy rows take the argmax of ``x``; random rows are filtered and drawn (``rows`` None: no row
+        has its own generator). Returns ``[N]`` int64."""
         device = x.device
+        num_rows = x.shape[0]
         rand_idx = np.flatnonzero(settings.temperature >= GREEDY_EPS).tolist()
-        rand_rows = [rows[i] for i in rand_idx]
-        all_random = len(rand_idx) == len(rows)
+        generators = [None if rows is None else rows[i].generator for i in rand_idx]
+        all_random = len(rand_idx) == num_rows
         if all_random:
-            sampled = torch.empty(len(rows), dtype=torch.int64, device=device)
+            sampled = torch.empty(num_rows, dtype=torch.int64, device=device)
         else:
             sampled = x.argmax(dim=-1)
         idx = torch.tensor(rand_idx, device=device)
@@ -241,16 +252,15 @@ class Sampler:
         # so a token with p == 0 can never win (0 / q == 0).
         vocab = probs.shape[1]
         u = torch.empty_like(probs)
-        unseeded = [j for j, r in enumerate(rand_rows) if r.generator is None]
-        if len(unseeded) == len(rand_rows):
+        unseeded = [j for j, gen in enumerate(generators) if gen is None]
+        if len(unseeded) == len(generators):
             torch.rand(u.shape, generator=self.generator(device), device=device, dtype=u.dtype, out=u)
         elif unseeded:
             uidx = torch.tensor(unseeded, device=device)
             u[uidx] = torch.rand(
                 (len(unseeded), vocab), generator=self.generator(device), device=device, dtype=u.dtype
             )
-        for j, r in enumerate(rand_rows):
-            gen = r.generator
+        for j, gen in enumerate(generators):
             if gen is not None:
                 # Exactly one draw of `vocab` numbers from the row's own generator per step.
                 u[j] = torch.rand(vocab, generator=gen, device=gen.device, dtype=u.dtype).to(device)

@@ -101,6 +101,9 @@ class SchedulerOutput:
     plain_greedy: bool = True
     """Every sampled sequence is greedy with no penalty, banned token, seed-dependent draw or logprobs
     (:attr:`Request.plain_greedy`): the step's sampling is one argmax and needs no per-row settings."""
+    plain_sampling: bool = True
+    """Every sampled sequence is :attr:`Request.plain_sampling`: the sampler needs the rows' filter settings
+    only (no per-row penalties, banned tokens, logprobs or generators)."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -560,7 +563,7 @@ class Scheduler:
         feed each beam group (a group is scheduled whole, so all its beams complete together)."""
         beam_rows: dict[int, int] = {}
         sample_rows, sample_seqs = out.sample_rows, out.sample_seqs
-        plain = True
+        plain = plain_sampling = True
         for row, s in enumerate(out.seqs):
             seq = s.seq
             if s.start + s.num_tokens != len(seq.token_ids):  # does not complete: nothing sampled
@@ -572,6 +575,7 @@ class Scheduler:
             sample_rows.append(row)
             sample_seqs.append(seq)
             plain = plain and request.plain_greedy
+            plain_sampling = plain_sampling and request.plain_sampling
             if (
                 request.params.n > 1
                 and len(seq.token_ids) == seq.num_prompt_tokens
@@ -585,7 +589,7 @@ class Scheduler:
                     self.running.append(child)
                     sample_rows.append(row)
                     sample_seqs.append(child)
-        out.plain_greedy = plain
+        out.plain_greedy, out.plain_sampling = plain, plain_sampling
         if beam_rows:
             seen: set[int] = set()
             for s in out.seqs:

@@ -60,6 +60,9 @@ class Request:
     beam: BeamSearch | None = None
     plain_greedy: bool = field(init=False)
     """Greedy with no penalties, min_tokens or logprobs: sampling is a bare argmax (no per-row settings)."""
+    plain_sampling: bool = field(init=False)
+    """No penalties, min_tokens, logprobs or seed (greedy or not): the sampler needs only the per-row filter
+    settings (:class:`~batchgen.engine.sampler.SamplingBatch`), no per-row state."""
     simple_stop: bool = field(init=False)
     """No stop token ids, stop strings or min_tokens: only eos and length can stop it (the update fast path)."""
 
@@ -67,6 +70,9 @@ class Request:
         p = self.params
         self.simple_stop = not p.stop_token_ids and not p.stop and p.min_tokens == 0
         self.plain_greedy = p.greedy and not p.needs_penalties and p.logprobs is None and p.min_tokens == 0
+        self.plain_sampling = self.plain_greedy or (
+            not p.needs_penalties and p.logprobs is None and p.min_tokens == 0 and p.seed is None
+        )
 
     # Prompt logprobs (batchgen.engine.prompt_logprobs): wanted from this position on (None: only if
     # params.prompt_logprobs), and the entries computed so far (one per prompt token, entry 0 None).
