@@ -21,8 +21,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from batchgen import malloc_tuning
-from batchgen.kernels import cpu_kernel, torch_backend, triton_available
+from batchgen.kernels import torch_backend, triton_available
 from batchgen.kernels.options import AttentionOptions  # re-exported: models build one per layer
 from batchgen.kernels.paged_kv import PagedKV
 
@@ -119,8 +118,6 @@ class TorchBackend:
 
     def __init__(self) -> None:
         self.workspace = torch_backend.Workspace()
-        cpu_kernel.start_build()  # the C decode kernel compiles in the background (kernels/cpu_kernel.py)
-        malloc_tuning.keep_freed_memory()  # no per-step page faults for activations (batchgen/malloc_tuning.py)
 
     def decode(
         self, q: Tensor, kv: PagedKV, options: AttentionOptions, *, max_seq_len: int, scratch: dict

@@ -14,12 +14,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from batchgen import malloc_tuning
 from batchgen.engine import prompt_logprobs
 from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine.config import EngineConfig, parse_bytes
 from batchgen.engine.input_batch import InputBatch
 from batchgen.engine.scheduler import SchedulerOutput
 from batchgen.engine.swap import BlockSwapper
+from batchgen.kernels import cpu_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,9 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.block_size = config.block_size
         self.attn = PagedAttention(backend)
+        if device.type == "cpu" and backend == "torch":
+            cpu_kernel.start_build()  # the C decode kernel compiles in the background (kernels/cpu_kernel.py)
+            malloc_tuning.keep_freed_memory()  # no per-step page faults for activations (batchgen/malloc_tuning.py)
         self.kv_cache: Tensor | None = None
         self.swapper: BlockSwapper | None = None
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
