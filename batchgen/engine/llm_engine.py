@@ -335,10 +335,8 @@ class LLMEngine:
         settings = self.sampling_batch.gather([s.seq_id for s in seqs], [s.params for s in seqs])
         return (None if out.plain_sampling else self._sampling_rows(out)), settings
 
-    def _sampling_rows(self, out: SchedulerOutput) -> list[SamplingRow] | None:
-        """The sampler's per-row settings; None (no rows built) when every sampled row is plain greedy."""
-        if out.plain_greedy:
-            return None
+    def _sampling_rows(self, out: SchedulerOutput) -> list[SamplingRow]:
+        """One :class:`SamplingRow` per sampled sequence (the steps :meth:`_sampling_inputs` needs them for)."""
         return [
             SamplingRow(
                 params=seq.params,
