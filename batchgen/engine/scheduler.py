@@ -644,10 +644,7 @@ class Scheduler:
         """
         if out.ahead:
             self._ahead.popleft()  # its forward is done: blocks it held for finished sequences can go
-        if self._deferred_free:
-            for sid in self._deferred_free:
-                self.kv.free(sid)
-            self._deferred_free = []
+        self._free_deferred()
         if not out.launched:
             for s in out.seqs:
                 s.seq.num_computed_tokens = s.start + s.num_tokens
@@ -749,9 +746,7 @@ class Scheduler:
         if out.ahead:
             self._ahead.pop()
         if not self._ahead:
-            for sid in self._deferred_free:
-                self.kv.free(sid)
-            self._deferred_free = []
+            self._free_deferred()
 
     def _cache_resolved_block(self, seq: Sequence) -> None:
         """A placeholder that completed its block just became a known token: register the block in the prefix
@@ -810,6 +805,12 @@ class Scheduler:
             self._deferred_free.append(seq_id)
         else:
             self.kv.free(seq_id)
+
+    def _free_deferred(self) -> None:
+        """Free the blocks :meth:`_free_blocks` kept for a step whose forward has now run (or will not)."""
+        for seq_id in self._deferred_free:
+            self.kv.free(seq_id)
+        self._deferred_free = []
 
     def _record_gauges(self) -> None:
         st = self.stats
