@@ -135,7 +135,7 @@ def paged_decode_attention(
     block_size = k_cache.shape[1]
     lens = seq_lens.to(q.device)
     if options.plain and batch >= 2 * _CASCADE_MIN_GROUP:
-        min_saved = cpu_kernel.CASCADE_MIN_SAVED if kernel else 0.25
+        min_saved = cpu_kernel.CASCADE_MIN_SAVED if kernel else _CASCADE_MIN_SAVED
         out = _decode_cascade(q, kv, scale, workspace, plan_cache, min_saved)
         if out is not None:
             return out
@@ -257,6 +257,7 @@ def _decode_padded(
 
 
 _CASCADE_MIN_GROUP = 4  # sequences that must share a prefix before it is read once for all of them
+_CASCADE_MIN_SAVED = 0.25  # share of the blocks read that cascade must save (against the padded torch path)
 
 
 def _shared_prefixes(
@@ -287,7 +288,11 @@ def _shared_prefixes(
 
 
 def _cascade_plan(
-    block_tables: Tensor, lens: Tensor, block_size: int, dtype: torch.dtype, min_saved: float = 0.25
+    block_tables: Tensor,
+    lens: Tensor,
+    block_size: int,
+    dtype: torch.dtype,
+    min_saved: float = _CASCADE_MIN_SAVED,
 ) -> tuple[list[tuple[Tensor, Tensor]], Tensor, Tensor] | None:
     """(groups, suffix block ids [B, S], additive suffix mask [B,1,1,S*block_size]) or None when sharing
     would not pay (saves under ``min_saved`` of the blocks read). Depends only on the batch, so one plan serves
@@ -319,7 +324,7 @@ def _decode_cascade(
     scale: float,
     workspace: Workspace | None,
     plan_cache: dict | None = None,
-    min_saved: float = 0.25,
+    min_saved: float = _CASCADE_MIN_SAVED,
 ) -> Tensor | None:
     """Decode attention that reads a prefix shared by a group of sequences once for the whole group.
 
