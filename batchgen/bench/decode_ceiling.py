@@ -35,14 +35,25 @@ def _column_major(n: int, k: int) -> torch.Tensor:
     return torch.randn(n, k).t().contiguous().t()
 
 
+def layer_shapes(m: BenchModel) -> list[tuple[int, int]]:
+    """``(in, out)`` of one layer's fused linear maps: qkv, o, gate_up, down."""
+    h, i = m.hidden_size, m.intermediate_size
+    kv = (h // m.num_heads) * m.num_kv_heads
+    return [(h, h + 2 * kv), (h, h), (h, 2 * i), (i, h)]
+
+
+def weights_per_token(m: BenchModel) -> int:
+    """Weights a decode step multiplies each token by: every layer's linear maps, then the LM head."""
+    return m.num_layers * sum(k * n for k, n in layer_shapes(m)) + m.hidden_size * m.vocab_size
+
+
 def measure(m: BenchModel, rows: list[int], seconds: float = 1.0) -> list[dict[str, float]]:
     """Per batch size: step time, achieved and peak FLOP/s, ceiling (achieved ÷ peak)."""
     h, i = m.hidden_size, m.intermediate_size
-    kv = (h // m.num_heads) * m.num_kv_heads
-    shapes = [(h, h + 2 * kv), (h, h), (h, 2 * i), (i, h)]  # (in, out): qkv, o, gate_up, down
+    shapes = layer_shapes(m)
     layers = [[_column_major(n, k) for k, n in shapes] for _ in range(m.num_layers)]
     lm_head = _column_major(m.vocab_size, h)
-    flops_per_token = 2 * (m.num_layers * sum(k * n for k, n in shapes) + h * m.vocab_size)
+    flops_per_token = 2 * weights_per_token(m)
     a, b = torch.randn(256, h), torch.randn(h, 2 * i)
     out = []
     for batch in rows:
@@ -82,8 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             f"M={r['rows']:4d}: linear layers {r['step_ms']:.2f} ms/step, {r['flops'] / 1e9:.0f} GFLOP/s, "
             f"peak {r['peak'] / 1e9:.0f} GFLOP/s -> MFU ceiling {100 * r['flops'] / r['peak']:.0f}%"
         )
-    h, i, kv = m.hidden_size, m.intermediate_size, (m.hidden_size // m.num_heads) * m.num_kv_heads
-    weight_mb = 4 * (m.num_layers * (h * (h + 2 * kv) + h * h + 3 * h * i) + h * m.vocab_size) / 1e6
+    weight_mb = 4 * weights_per_token(m) / 1e6  # float32
     bw = read_bandwidth(args.seconds)
     print(
         f"read bandwidth {bw / 1e9:.1f} GB/s; one decode step streams {weight_mb:.0f} MB of weights "
