@@ -80,9 +80,9 @@ class ShardOptions:
     """``data.shard.*``: which contiguous slice of the input rows this task processes."""
 
     index: int = 0
-    """This task's shard, 0 <= index < count (default: $SLURM_ARRAY_TASK_ID, else 0; use a 0-based array such as --array=0-15)."""
+    """This task's shard, 0 <= index < count (default: $SLURM_ARRAY_TASK_ID, else a Kubernetes Indexed Job's $JOB_COMPLETION_INDEX, else 0; use a 0-based array such as --array=0-15)."""
     count: int = 1
-    """Number of shards the input is split into (default: $SLURM_ARRAY_TASK_COUNT, else 1). Shard i gets global rows [i*N//count, (i+1)*N//count)."""
+    """Number of shards the input is split into (default: $SLURM_ARRAY_TASK_COUNT, else $JOB_COMPLETIONS beside $JOB_COMPLETION_INDEX, else 1). Shard i gets global rows [i*N//count, (i+1)*N//count)."""
 
 
 @dataclass
@@ -211,8 +211,9 @@ def _validate_data(d: DataOptions) -> None:
     if not 0 <= d.shard.index < d.shard.count:
         raise ConfigError(
             f"data.shard.index={d.shard.index} is outside [0, data.shard.count={d.shard.count}) "
-            "(the defaults come from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT: use a 0-based "
-            "array such as --array=0-15, or set data.shard.index / data.shard.count)"
+            "(the defaults come from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or JOB_COMPLETION_INDEX / "
+            "JOB_COMPLETIONS: use a 0-based array such as --array=0-15, completions equal to JOB_COMPLETIONS, "
+            "or set data.shard.index / data.shard.count)"
         )
     if not d.output:
         raise ConfigError("data.output must be a directory path")
