@@ -49,8 +49,8 @@ def _cfg(ckpt: str, inp: Path, out: Path, dp: int = 1, restarts: int = 3):
 
 
 class KillingReplicas(LocalReplicas):
-    """Local replicas; SIGKILLs replica ``victim``'s process after its ``after``-th report (its first rows
-    are back, its windows unfinished)."""
+    """Local replicas; SIGKILLs replica ``victim``'s process after its ``after``-th report that leaves rows
+    unfinished (some of its rows are back, its windows are not)."""
 
     def __init__(self, victim: int = 0, after: int = 1, times: int = 1) -> None:
         super().__init__()
@@ -58,8 +58,8 @@ class KillingReplicas(LocalReplicas):
 
     def events(self, timeout: float):
         out = super().events(timeout)
-        for kind, r, _ in out:
-            if kind == "report" and r == self.victim and self.killed < self.times:
+        for kind, r, payload in out:
+            if kind == "report" and r == self.victim and payload.busy and self.killed < self.times:
                 self.reports += 1
                 if self.reports >= self.after:
                     os.kill(self.pid(r), signal.SIGKILL)

@@ -5,7 +5,8 @@ The replicas (:mod:`batchgen.job.replica`) run in other processes — local ones
 (:class:`~batchgen.job.local_replicas.LocalReplicas`) or Ray actors (:mod:`batchgen.ray.executor`); an
 *executor* starts them, carries messages and reports their events: ``("ready", replica, max_model_len)``,
 ``("report", replica, ReplicaReport)``, ``("lost", replica, reason)`` (the process or actor is gone) and
-``("failed", replica, message)`` (its engine could not start).
+``("failed", replica, message)`` (its engine could not start: the job exits 2) and ``("error", replica,
+message)`` (its engine raised: the job exits 1).
 
 Invariants:
 - Windows are handed out from one queue: a replica holding fewer than :data:`DEPTH` unfinished windows gets
@@ -242,6 +243,8 @@ class Coordinator:
                 self._lost(slot, str(payload))
             elif kind == "failed":
                 raise ConfigError(f"engine replica {r} could not start: {payload}")
+            elif kind == "error":
+                raise RuntimeError(f"engine replica {r} failed: {payload}")
 
     def _report(self, slot: ReplicaSlot, report: ReplicaReport) -> None:
         slot.stats = report.stats

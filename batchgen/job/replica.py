@@ -31,6 +31,7 @@ from typing import Any
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.stats import EngineStats
+from batchgen.errors import WorkerLost
 from batchgen.sampling_params import SamplingParams
 
 Request = tuple[int, list[int], SamplingParams]
@@ -157,7 +158,13 @@ def replica_main(conn: Any, setup: ReplicaSetup) -> None:
                 return
             core.add(msg[1])
             continue  # take every message waiting before stepping
-        outs = core.run(STEP_BUDGET_S)
+        try:
+            outs = core.run(STEP_BUDGET_S)
+        except WorkerLost:
+            os._exit(75)  # a tensor-parallel rank of this replica died: the replica is lost
+        except Exception as e:  # noqa: BLE001 - an engine failure: the coordinator fails the job with it
+            conn.send(("error", f"{type(e).__name__}: {' '.join(str(e).split())}"))
+            return
         conn.send(("report", core.report(outs)))
 
 
