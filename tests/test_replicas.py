@@ -50,7 +50,8 @@ def _cfg(ckpt: str, inp: Path, out: Path, dp: int = 1, restarts: int = 3):
 
 class KillingReplicas(LocalReplicas):
     """Local replicas; SIGKILLs replica ``victim``'s process after its ``after``-th report that leaves rows
-    unfinished (some of its rows are back, its windows are not)."""
+    unfinished (some of its rows are back, its windows are not), then, up to ``times`` kills, each
+    replacement as it starts (before its engine is ready)."""
 
     def __init__(self, victim: int = 0, after: int = 1, times: int = 1) -> None:
         super().__init__()
@@ -59,13 +60,22 @@ class KillingReplicas(LocalReplicas):
     def events(self, timeout: float):
         out = super().events(timeout)
         for kind, r, payload in out:
-            if kind == "report" and r == self.victim and payload.busy and self.killed < self.times:
+            if r != self.victim or self.killed >= self.times:
+                continue
+            if kind == "report" and payload.busy and not self.killed:
                 self.reports += 1
                 if self.reports >= self.after:
-                    os.kill(self.pid(r), signal.SIGKILL)
-                    self.killed += 1
-                    self.reports = 0
+                    self._kill(r)
         return out
+
+    def start(self, setup) -> None:
+        super().start(setup)
+        if setup.replica == self.victim and 0 < self.killed < self.times:
+            self._kill(setup.replica)  # a replacement, killed while it starts
+
+    def _kill(self, r: int) -> None:
+        os.kill(self.pid(r), signal.SIGKILL)
+        self.killed += 1
 
 
 def _rows_exactly_once(out: Path, n: int) -> None:
@@ -85,29 +95,19 @@ def test_two_replicas_identical_to_one_engine(llama_ckpt: str, dataset: Path, si
     assert res.report["run"]["rows"] == 27 and res.report["tokens"]["generated"] > 0
 
 
-def test_sigkilled_replica_is_replaced(llama_ckpt, dataset, single, tmp_path, monkeypatch):
-    killer = KillingReplicas(victim=0, after=1)
-    monkeypatch.setattr(replica_job, "make_executor", lambda cfg: killer)
-    res = run_job(
-        _cfg(llama_ckpt, dataset, tmp_path / "out", dp=2), handle_signals=False, print_summary=False
-    )
-    assert killer.killed == 1
-    assert res.exit_code == EXIT_OK, res.message
-    assert res.report["replica_restarts"] == 1
-    assert part_contents(tmp_path / "out") == part_contents(single)
-    _rows_exactly_once(tmp_path / "out", 27)
-
-
-def test_past_the_restart_bound_exits_75_and_rerun_completes(
+def test_sigkilled_replica_is_replaced_then_past_the_bound_exits_75(
     llama_ckpt, dataset, single, tmp_path, monkeypatch
 ):
-    killer = KillingReplicas(victim=1, after=1)
+    """The first SIGKILL (mid-window) is absorbed: windows requeued, a replacement started; the second (the
+    replacement, as it starts) is one more than run.max_replica_restarts=1: exit 75 with every finished
+    row saved; a rerun completes exactly once."""
+    killer = KillingReplicas(victim=0, after=1, times=2)
     monkeypatch.setattr(replica_job, "make_executor", lambda cfg: killer)
     out = tmp_path / "out"
-    res = run_job(_cfg(llama_ckpt, dataset, out, dp=2, restarts=0), handle_signals=False, print_summary=False)
-    assert killer.killed == 1
+    res = run_job(_cfg(llama_ckpt, dataset, out, dp=2, restarts=1), handle_signals=False, print_summary=False)
+    assert killer.killed == 2
     assert res.exit_code == EXIT_INTERRUPTED, res.message
-    assert "run.max_replica_restarts=0" in res.message
+    assert "run.max_replica_restarts=1" in res.message and "2 replicas lost" in res.message
     monkeypatch.undo()
     res = run_job(_cfg(llama_ckpt, dataset, out, dp=1), handle_signals=False, print_summary=False)
     assert res.exit_code == EXIT_OK, res.message
