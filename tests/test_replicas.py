@@ -120,3 +120,35 @@ def test_combined_stats_sum_counters_and_pools() -> None:
     b = EngineStats(num_blocks=30, kv_blocks_used=5, generated_tokens=3, peak_kv_usage=0.9, block_size=16)
     c = combine_stats([a, b])
     assert (c.num_blocks, c.generated_tokens, c.peak_kv_usage, c.kv_usage) == (40, 10, 0.9, 0.25)
+
+
+def test_llm_refuses_data_parallel_and_score_jobs_refuse_replicas(llama_ckpt, dataset, tmp_path) -> None:
+    from batchgen.errors import ConfigError
+    from batchgen.job.config import validate
+    from batchgen.llm import LLM
+
+    with pytest.raises(ValueError, match="batchgen.ray.Generator"):
+        LLM(llama_ckpt, data_parallel_size=2)
+    cfg = _cfg(llama_ckpt, dataset, tmp_path / "out", dp=2)
+    cfg.task = "score"
+    with pytest.raises(ConfigError, match="task=score runs on one engine"):
+        validate(cfg)
+
+
+def test_replica_resources(llama_ckpt, dataset, tmp_path, monkeypatch) -> None:
+    """CUDA: replica i takes visible devices [i*T, (i+1)*T); CPU: the cores are split between replicas."""
+    from batchgen.errors import ConfigError
+
+    cfg = _cfg(llama_ckpt, dataset, tmp_path / "out", dp=3)
+    cfg.engine.device = "cuda"
+    cfg.engine.tensor_parallel_size = 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7,0,1,2")
+    setups = replica_job.replica_setups(cfg, llama_ckpt)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in setups] == ["4,5", "6,7", "0,1"]
+    assert all(s.engine.device == "cuda" and s.engine.data_parallel_size == 1 for s in setups)
+    cfg.engine.data_parallel_size = 4
+    with pytest.raises(ConfigError, match="needs 8 GPUs; 7 are visible"):
+        replica_job.replica_setups(cfg, llama_ckpt)
+    cfg.engine.device, cfg.engine.tensor_parallel_size, cfg.engine.data_parallel_size = "cpu", 1, 2
+    monkeypatch.setattr(replica_job, "_cpu_count", lambda: 16)
+    assert [(s.threads, s.env) for s in replica_job.replica_setups(cfg, llama_ckpt)] == [(8, {}), (8, {})]
