@@ -55,6 +55,17 @@ def bench_model() -> str:
     )
 
 
+def _threads(replicas: int) -> int:
+    """torch threads per engine: this process's for one engine, each replica's share of the cores else."""
+    import torch
+
+    if replicas == 1:
+        return torch.get_num_threads()
+    from batchgen.job.replica_job import _cpu_count
+
+    return max(1, _cpu_count() // replicas)
+
+
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -88,6 +99,7 @@ def run_once(model: str, inp: Path, out: Path, replicas: int, args: argparse.Nam
     windows = rep["windows"]["this_run"]
     return {
         "replicas": replicas,
+        "threads": _threads(replicas),
         "rows": rep["run"]["rows"],
         "windows": windows,
         "startup_s": rep.get("startup_s"),
@@ -112,24 +124,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--model", default=None, help="checkpoint directory (default: a random Llama h256 x 4 layers)"
     )
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the one-engine runs (default: torch's, every core)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     model = args.model or bench_model()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     results = []
     with tempfile.TemporaryDirectory(prefix="batchgen-bench-replicas-") as tmp:
         inp = make_input(Path(tmp) / "in.parquet", args.rows)
         for n in args.replicas:
             load = os.getloadavg()[0]
-            r = run_once(model, inp, Path(tmp) / f"out-{n}", n, args)
+            r = run_once(model, inp, Path(tmp) / f"out-{len(results)}", n, args)
             r["load_before"] = round(load, 2)
             r["load_after"] = round(os.getloadavg()[0], 2)
             results.append(r)
             print(json.dumps(r), flush=True)
-    print(f"\n{'replicas':>8} {'rows/s':>8} {'gen tok/s':>10} {'startup s':>10} {'job CPU ms/window':>18} "
+    print(f"\n{'replicas':>8} {'threads':>7} {'rows/s':>8} {'gen tok/s':>10} {'startup s':>10} {'job CPU ms/window':>18} "
           f"{'per replica rows/s':>20} {'load':>11}")  # fmt: skip
     for r in results:
         name = "1 (job)" if r["replicas"] == 1 else str(r["replicas"])
-        print(f"{name:>8} {r['rows_per_s']:>8.2f} {r['generated_tokens_per_s']:>10.1f} {r['startup_s']:>10.1f} "
+        print(f"{name:>8} {r['threads']:>7} {r['rows_per_s']:>8.2f} {r['generated_tokens_per_s']:>10.1f} {r['startup_s']:>10.1f} "
               f"{r['job_process_cpu_ms_per_window']:>18.1f} {str(r['per_replica_rows_per_s']):>20} "
               f"{r['load_before']:>5}/{r['load_after']:<5}")  # fmt: skip
     if args.json:

@@ -216,19 +216,24 @@ class Coordinator:
         return None
 
     def _hand_out(self) -> None:
-        for r, slot in sorted(self.slots.items(), key=lambda kv: len(kv[1].windows)):
-            while slot.ready and len(slot.windows) < DEPTH:
-                work = self._pull()
-                if work is None:
-                    return
-                requests = []
-                for pos in self.order[work.spec.index]:
-                    if work.results[pos] is None:
-                        row = work.rows[pos]
-                        self.where[row.row_index] = (work, pos)
-                        requests.append((row.row_index, row.token_ids, row.params))
-                slot.windows.append(work.spec.index)
-                self.executor.send(r, [WindowRequests(work.spec.index, requests)])
+        """Give windows, one at a time, to the ready replica holding the fewest (the lowest slot first)."""
+        while True:
+            free = [(len(s.windows), r) for r, s in self.slots.items() if s.ready and len(s.windows) < DEPTH]
+            if not free:
+                return
+            r = min(free)[1]
+            slot = self.slots[r]
+            work = self._pull()
+            if work is None:
+                return
+            requests = []
+            for pos in self.order[work.spec.index]:
+                if work.results[pos] is None:
+                    row = work.rows[pos]
+                    self.where[row.row_index] = (work, pos)
+                    requests.append((row.row_index, row.token_ids, row.params))
+            slot.windows.append(work.spec.index)
+            self.executor.send(r, [WindowRequests(work.spec.index, requests)])
 
     def _handle(self, events: list[tuple[str, int, Any]]) -> None:
         for kind, r, payload in events:
@@ -272,6 +277,9 @@ class Coordinator:
         slot.retired, slot.stats = slot.total_stats(), EngineStats()
         back = sorted((self.active[i] for i in slot.windows if i in self.active), key=lambda w: w.spec.index)
         slot.windows, slot.ready = [], False
+        if not back and self.exhausted and not self.requeue:
+            logger.warning("engine replica %d was lost (%s) after its last window: not replaced", r, reason)
+            return
         for work in reversed(back):
             self.requeue.appendleft(work)
         self.restarts += 1

@@ -1,19 +1,24 @@
 """The local executor of engine replicas: one process per replica on this machine (``run.executor=local``).
 
-Processes are started with the ``spawn`` method (a fresh interpreter: no CUDA context or threads inherited)
-and talk to the coordinator over a pipe each (:func:`batchgen.job.replica.replica_main`). A replica whose
-process ends without being told to — killed, out of memory, a crash — is reported ``lost`` once, after every
-message it sent before dying has been delivered.
+Each replica is a fresh interpreter (``python -c``: no CUDA context or threads inherited, and no re-import of
+the caller's ``__main__``, so a script needs no ``if __name__ == "__main__"`` guard) running
+:func:`batchgen.job.replica.main` in its own session (a Ctrl-C at the terminal reaches only the job, which
+decides), talking to the coordinator over one end of a socket pair; the first message is its
+:class:`~batchgen.job.replica.ReplicaSetup`. A replica whose process ends without being told to — killed, out
+of memory, a crash — is reported ``lost`` once, after every message it sent before dying has been delivered.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
+import sys
 from multiprocessing.connection import wait
 from typing import Any
 
-from batchgen.job.replica import ReplicaSetup, WindowRequests, replica_main
+from batchgen.job.replica import ReplicaSetup, WindowRequests
 
+REPLICA_MAIN = "import sys; from batchgen.job.replica import main; main(sys.argv[1:])"
 EXIT_WAIT_S = 5.0
 """Seconds a replica told to exit may take before it is killed."""
 
@@ -22,19 +27,25 @@ class LocalReplicas:
     """Replica processes on this machine, by replica slot (see :mod:`batchgen.job.coordinator` for events)."""
 
     def __init__(self) -> None:
-        self.ctx = mp.get_context("spawn")
-        self.procs: dict[int, Any] = {}
+        self.procs: dict[int, subprocess.Popen] = {}
         self.conns: dict[int, Any] = {}
 
     def start(self, setup: ReplicaSetup) -> None:
         r = setup.replica
-        ours, theirs = self.ctx.Pipe(duplex=True)
-        proc = self.ctx.Process(
-            target=replica_main, args=(theirs, setup), name=f"batchgen-replica-{r}", daemon=True
+        ours, theirs = mp.Pipe(duplex=True)
+        fd = theirs.fileno()
+        proc = subprocess.Popen(
+            [sys.executable, "-c", REPLICA_MAIN, str(fd)],
+            pass_fds=(fd,),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
-        proc.start()
         theirs.close()
         self.procs[r], self.conns[r] = proc, ours
+        try:
+            ours.send(setup)
+        except OSError:
+            pass  # it died at once: events() reports it
 
     def pid(self, replica: int) -> int | None:
         proc = self.procs.get(replica)
@@ -47,27 +58,24 @@ class LocalReplicas:
             pass  # the replica is gone: its end is reported by events()
 
     def events(self, timeout: float) -> list[tuple[str, int, Any]]:
-        by_handle = {}
-        for r, conn in self.conns.items():
-            by_handle[conn] = r
-            by_handle[self.procs[r].sentinel] = r
+        by_conn = {conn: r for r, conn in self.conns.items()}
         out: list[tuple[str, int, Any]] = []
         lost: set[int] = set()
-        for h in wait(list(by_handle), timeout):
-            r = by_handle[h]
-            if r in lost or r not in self.conns:
-                continue
-            if not self._drain(r, out):
+        for conn in wait(list(by_conn), timeout):
+            if not self._drain(by_conn[conn], out):
+                lost.add(by_conn[conn])
+        for r, proc in self.procs.items():  # ended without closing its end first (it cannot, but be sure)
+            if r not in lost and proc.poll() is not None and not self._drain(r, out):
                 lost.add(r)
         for r in sorted(lost):
             proc = self.procs.pop(r)
             self.conns.pop(r).close()
-            proc.join(1.0)
-            if proc.is_alive():
+            try:
+                code = proc.wait(1.0)
+            except subprocess.TimeoutExpired:  # its pipe broke but it lives on: make sure it is gone
                 proc.kill()
-                proc.join()
-            code = proc.exitcode
-            why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+                code = proc.wait()
+            why = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
             out.append(("lost", r, f"its process ended: {why}"))
         return out
 
@@ -80,7 +88,7 @@ class LocalReplicas:
                 out.append((kind, r, payload))
         except (EOFError, OSError):
             return False
-        return self.procs[r].is_alive()
+        return self.procs[r].poll() is None
 
     def close(self) -> None:
         """Tell every replica to exit; kill those still running after :data:`EXIT_WAIT_S`."""
@@ -90,10 +98,11 @@ class LocalReplicas:
             except OSError:
                 pass
         for proc in self.procs.values():
-            proc.join(EXIT_WAIT_S)
-            if proc.is_alive():
+            try:
+                proc.wait(EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join()
+                proc.wait()
         for conn in self.conns.values():
             conn.close()
         self.procs.clear()

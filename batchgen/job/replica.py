@@ -13,8 +13,8 @@ Invariants:
 - Every request received is returned exactly once by :meth:`ReplicaCore.run` (finished, or failed with
   ``error`` set); a replica that dies returns nothing more, and the coordinator re-sends what it had not
   returned to another replica.
-- The local replica process (:func:`replica_main`) ignores SIGINT, SIGTERM and SIGUSR1 (the coordinator
-  decides when the job stops) and exits when its coordinator does.
+- The local replica process (:func:`main`, :func:`replica_main`) ignores SIGINT,
+  SIGTERM and SIGUSR1 (the coordinator decides when the job stops) and exits when its coordinator does.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -175,3 +176,20 @@ def _drain(conn: Any, inbox: queue.Queue[tuple]) -> None:
             inbox.put(conn.recv())
     except (EOFError, OSError):
         inbox.put(("exit",))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A local replica process (:class:`~batchgen.job.local_replicas.LocalReplicas` starts
+    ``python -c "...main(sys.argv[1:])" FD``) on the inherited socket ``FD``, whose first message is the
+    :class:`ReplicaSetup`."""
+    from multiprocessing.connection import Connection
+
+    args = sys.argv[1:] if argv is None else argv
+    conn = Connection(int(args[0]))
+    for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    try:
+        setup = conn.recv()
+    except (EOFError, OSError):
+        return
+    replica_main(conn, setup)
