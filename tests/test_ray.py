@@ -54,6 +54,18 @@ def test_generator_call_equals_llm_generate_and_keeps_bad_rows(llama_ckpt: str) 
     assert table.column("sample_index").to_pylist() == [0, 1] * 3
 
 
+def test_generator_with_id_column_samples_like_the_job(llama_ckpt: str, tmp_path: Path) -> None:
+    rows = [{"uid": f"u{i}", "prompt": p} for i, p in enumerate(PROMPTS[:4])]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    cfg = job_config(llama_ckpt, tmp_path / "in.parquet", tmp_path / "out", data={"id_column": "uid"})
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
+    job = read_parts(tmp_path / "out")
+    sampling = {"temperature": 0.8, "max_tokens": 6}  # job_config's sampling, seed 0 as in the job
+    gen = Generator(llama_ckpt, sampling=sampling, engine=ENGINE, id_column="uid")
+    out = gen(pa.Table.from_pylist(rows))
+    assert out.column("generated_text").to_pylist() == job.column("generated_text").to_pylist()
+
+
 def test_map_batches_equals_llm_generate(local_ray, llama_ckpt: str) -> None:
     import ray.data
 

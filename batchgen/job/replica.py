@@ -146,9 +146,10 @@ def replica_main(conn: Any, setup: ReplicaSetup) -> None:
         core = ReplicaCore(setup)
     except BaseException as e:  # noqa: BLE001 - told to the coordinator, which decides what it means
         msg = " ".join(str(e).split()) or type(e).__name__
-        conn.send(("failed", f"{type(e).__name__}: {msg}"))
+        _send(conn, ("failed", f"{type(e).__name__}: {msg}"))
         return
-    conn.send(("ready", int(core.engine.max_model_len)))
+    if not _send(conn, ("ready", int(core.engine.max_model_len))):
+        return
     while True:
         try:
             msg = inbox.get(block=not core.busy)
@@ -164,9 +165,19 @@ def replica_main(conn: Any, setup: ReplicaSetup) -> None:
         except WorkerLost:
             os._exit(75)  # a tensor-parallel rank of this replica died: the replica is lost
         except Exception as e:  # noqa: BLE001 - an engine failure: the coordinator fails the job with it
-            conn.send(("error", f"{type(e).__name__}: {' '.join(str(e).split())}"))
+            _send(conn, ("error", f"{type(e).__name__}: {' '.join(str(e).split())}"))
             return
-        conn.send(("report", core.report(outs)))
+        if not _send(conn, ("report", core.report(outs))):
+            return  # the coordinator is gone
+
+
+def _send(conn: Any, msg: tuple) -> bool:
+    """Send ``msg`` to the coordinator; False when it is gone (the replica then exits quietly)."""
+    try:
+        conn.send(msg)
+        return True
+    except OSError:
+        return False
 
 
 def _drain(conn: Any, inbox: queue.Queue[tuple]) -> None:

@@ -17,7 +17,7 @@ without it, from the row's position in its batch, which depends on how Ray batch
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import pyarrow as pa
@@ -91,7 +91,11 @@ class Generator:
         finally:
             self.spec.sampling_column = sampling_column
         results = self._generate(rows)
-        piece = build_rows(self.layout, rows, results, None)
+        id_col = self.spec.id_column
+        layout = self.layout
+        if id_col and id_col in table.column_names:
+            layout = replace(layout, id_type=table.schema.field(id_col).type)
+        piece = build_rows(layout, rows, results, None)
         out = table.take(piece.column(POSITION_COLUMN))
         for name in piece.column_names:
             if name in (POSITION_COLUMN, RETRY_COLUMN, "id"):
