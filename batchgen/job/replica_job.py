@@ -132,6 +132,13 @@ def run_replicas(job: Any, works: Any, first: list[WindowWork], tokenizer: Any, 
             writer.checkpoint(list(coord.active.values()))
 
     setups = replica_setups(cfg, plan.model_path)
+    left = m.num_windows - len(m.windows)
+    if left < len(setups):
+        logger.warning(
+            "%d window(s) to do for %d replicas: %d replica(s) will have nothing to do (windows are the unit "
+            "handed out; a new output with a smaller data.window_rows spreads the rows wider)",
+            left, len(setups), len(setups) - left,
+        )  # fmt: skip
     coord = Coordinator(make_executor(cfg), setups, next_window, tokenizer, stop,
                         cfg.run.max_replica_restarts, job._on_output, on_step, on_ready)  # fmt: skip
     job.feeder = coord  # what a stop or an error saves: the finished rows of its unfinished windows
