@@ -236,12 +236,12 @@ def _model_path(cfg: JobConfig) -> str:
 
 
 def _model_config(cfg: JobConfig, path: str) -> Any:
-    """The checkpoint's architecture (config.json only: no weights are read); an unsupported or malformed
-    one is a ConfigError here, before anything loads."""
-    from batchgen.models.config import ModelConfig
+    """The checkpoint's facts on the road ``model.implementation`` takes (config files only: no weights are
+    read); an unsupported or malformed one is a ConfigError here, before anything loads."""
+    from batchgen.models.checkpoint_facts import checkpoint_facts
 
     try:
-        return ModelConfig.from_pretrained(path)
+        return checkpoint_facts(path, cfg.model.implementation)
     except (ValueError, KeyError, TypeError, OSError) as e:
         where = cfg.model.path or "the embedded tiny model"
         raise ConfigError(f"model.path: cannot use {where!r}: {e}") from e
