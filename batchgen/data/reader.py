@@ -170,13 +170,47 @@ def _footer_sha256(path: str, size: int) -> str:
         return hashlib.sha256(f.read(footer_len)).hexdigest()
 
 
-def open_input(spec: str) -> InputSet:
-    """Resolve `spec` and read every file's footer (row counts, row groups, schema).
+OUTPUT_MARKER = "_manifest.json"
+"""The file that makes a directory a batchgen output (`batchgen.data.manifest`)."""
+
+
+def without_outputs(paths: list[str], root: str, output: str | None) -> list[str]:
+    """`paths` less the files of batchgen outputs nested in the input: those under `output` (the job's own
+    output directory, which may not hold a manifest yet) and those under any directory below `root` holding
+    a manifest. An input that *is* an output directory (`root` itself) is kept: it is what was asked for."""
+    out = os.path.realpath(output) if output else None
+    root_real = os.path.realpath(root)
+    kept, marked = [], {}
+    for p in paths:
+        d = os.path.dirname(os.path.realpath(p))
+        if out is not None and (d == out or d.startswith(out + os.sep)):
+            continue
+        inside = False
+        while d.startswith(root_real + os.sep):
+            if d not in marked:
+                marked[d] = os.path.isfile(os.path.join(d, OUTPUT_MARKER))
+            if marked[d]:
+                inside = True
+                break
+            d = os.path.dirname(d)
+        if not inside:
+            kept.append(p)
+    if len(kept) < len(paths):
+        logger.info("data.input: skipping %d file(s) of batchgen output directories", len(paths) - len(kept))
+    return kept
+
+
+def open_input(spec: str, output: str | None = None) -> InputSet:
+    """Resolve `spec` and read every file's footer (row counts, row groups, schema); the files of batchgen
+    outputs inside the input (`output`, the job's own, and any other: :func:`without_outputs`) are not input.
 
     The fingerprint covers each file's path relative to the input root, size, row count and footer hash
     (not mtimes: copying the data elsewhere keeps resume working; rewriting it with other content does not).
     """
     paths, root = resolve_files(spec)
+    paths = without_outputs(paths, root, output)
+    if not paths:
+        raise InputError(f"data.input: {spec!r} holds no input files outside batchgen output directories")
     files: list[InputFile] = []
     h = hashlib.sha256()
     start = 0

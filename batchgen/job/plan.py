@@ -148,11 +148,13 @@ def _require_column(inp: InputSet, name: str, key: str) -> None:
     """ConfigError naming `key` unless every input file has column `name`."""
     missing = [f.rel_path for f in inp.files if f.schema.get_field_index(name) < 0]
     if missing:
-        avail = ", ".join(inp.columns[:30])
-        where = (
-            "the input" if len(missing) == len(inp.files) else f"{len(missing)} file(s), e.g. {missing[0]!r}"
-        )
-        raise ConfigError(f"{key}: column {name!r} is missing from {where} (columns: {avail})")
+        first = next(f for f in inp.files if f.rel_path == missing[0])
+        avail = ", ".join(first.schema.names[:30])
+        if len(missing) == len(inp.files):
+            where, cols = "the input", f"columns: {avail}"
+        else:
+            where, cols = f"{len(missing)} file(s), e.g. {missing[0]!r}", f"its columns: {avail}"
+        raise ConfigError(f"{key}: column {name!r} is missing from {where} ({cols})")
 
 
 def _sampling_column(d: DataOptions, inp: InputSet) -> str | None:
@@ -379,7 +381,7 @@ def _hash(config: dict[str, Any]) -> str:
 def plan_job(cfg: JobConfig) -> JobPlan:
     """Resolve input, columns, shard, windows, model and fingerprints; raises ConfigError on any problem."""
     d = cfg.data
-    inp = open_input(d.input if d.input else sample_input_path())
+    inp = open_input(d.input if d.input else sample_input_path(), output=d.output)
     columns, sampling_col = _check_columns(d, inp)
     schema = inp.read_schema(columns)
     _check_prompt_type(d, schema)
