@@ -130,7 +130,7 @@ class RunOptions:
     log_interval_s: float = 30.0
     """Seconds between progress log lines when the progress bar is not used."""
     stop_grace_s: float = 0.0
-    """After SIGINT/SIGTERM/SIGUSR1: seconds to keep working on rows already admitted (no new ones) before abandoning them; 0 = abandon at once. Either way every finished row is saved and the job exits with 75."""
+    """After SIGINT/SIGTERM/SIGUSR1: at most this many seconds to finish the windows already started (their remaining rows are still run; no new window starts), exiting as soon as they are done; what is unfinished then is abandoned. 0 = abandon the rows in flight at once. Either way every finished row is saved and the job exits with 75."""
     checkpoint_interval_s: float = 60.0
     """Seconds between checkpoints of the rows finished in windows not yet complete (a stop signal checkpoints at once): a kill -9 loses at most this much finished work plus the rows in flight; 0 = only on a stop signal."""
     max_error_fraction: float = 0.1

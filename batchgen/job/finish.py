@@ -113,10 +113,12 @@ def finish(
     else:
         left = m.num_windows - len(m.windows)
         why = f"stopped by {signal_name}" if signal_name else "stopped"
+        partial = sum(p.rows for p in m.partial.values())
         msg = (
-            f"incomplete ({why}): {len(m.windows)}/{m.num_windows} windows complete and "
-            f"{sum(p.rows for p in m.partial.values())} finished rows of {left} unfinished window(s) saved "
-            f"in {outdir.path}; rerun the same command to resume (exit status {EXIT_INTERRUPTED})"
+            f"incomplete ({why}): {len(m.windows)}/{m.num_windows} windows complete"
+            + (f" and {partial} finished rows of {len(m.partial)} unfinished window(s)" if partial else "")
+            + f" saved in {outdir.path}; {left} window(s) left: rerun the same command to resume "
+            f"(exit status {EXIT_INTERRUPTED})"
         )
         code, status = EXIT_INTERRUPTED, "incomplete"
     (logger.error if code == EXIT_TOO_MANY_ERRORS else logger.info)(msg)

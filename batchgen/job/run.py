@@ -27,8 +27,9 @@ Exit statuses (README's table): 0 complete; 1 an unexpected error (one line; the
 disk is full, or a tensor-parallel rank was lost — rerun the same command to resume.
 
 Signals (:mod:`batchgen.job.signals`, installed for the whole run, start-up included): SIGINT, SIGTERM and
-SIGUSR1 stop admission; rows in flight are finished for up to ``run.stop_grace_s`` seconds (default 0:
-abandoned at once), every finished row is checkpointed, and the job returns 75. A second SIGINT aborts at
+SIGUSR1 stop starting windows; the windows already started are finished for up to ``run.stop_grace_s``
+seconds (default 0: their rows in flight are abandoned at once), every finished row is checkpointed, and the
+job returns 75. A second SIGINT aborts at
 once (still 75; finished rows are checkpointed if possible, the manifest is consistent at every instant).
 
 What a stop can lose: a signal loses only the rows in flight (at most ``2 * engine.max_num_seqs /

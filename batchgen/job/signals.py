@@ -45,8 +45,8 @@ class StopSignal:
             raise KeyboardInterrupt
         self.request(name)
         msg = (
-            f"received {name}: no new rows are admitted; "
-            + (f"finishing started windows for up to {self.grace_s:g} s, " if self.grace_s else "")
+            f"received {name}: no new window is started; "
+            + (f"finishing the started windows for up to {self.grace_s:g} s, " if self.grace_s else "")
             + "then saving every finished row and exiting with status 75 (rerun to resume)"
             + ("; press Ctrl-C again to abort at once" if signum == signal.SIGINT else "")
         )
