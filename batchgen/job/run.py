@@ -310,7 +310,8 @@ class _Job:
             engine, next_window, max_in_flight, self.stop, on_output=self._on_output, on_step=self._on_step
         )
         for work in self.feeder.run():
-            self.gate.window_finished(work)
+            with self.stop.saving():
+                self.gate.window_finished(work)
         if self.stop.requested:
             self.save_finished_rows()
         elif self.gate.held:
@@ -378,9 +379,10 @@ class _Job:
             return False
         assert self.gate is not None and self.writer is not None
         try:
-            if self.gate.held:
-                self.gate.open()
-            self.writer.checkpoint(self.feeder.unfinished_windows())
+            with self.stop.saving():
+                if self.gate.held:
+                    self.gate.open()
+                self.writer.checkpoint(self.feeder.unfinished_windows())
         except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - keep the first error's message
             logger.warning("could not save every finished row (%s)", one_line(e) or type(e).__name__)
         return self.manifest.committed_anything
