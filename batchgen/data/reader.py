@@ -319,8 +319,10 @@ def _safe_batches(
     schema: pa.Schema,
     batch_rows: int,
 ) -> Iterator[tuple[pa.RecordBatch, str | None]]:
-    """The row group's batches, then — if decoding fails part-way — one batch of nulls for the rows left,
-    with a message naming the file and the row group (so no row ever goes missing)."""
+    """The row group's batches, then — if decoding fails part-way — one batch of the rows left, with a message
+    naming the file, the row group and the unreadable columns (so no row ever goes missing): the columns that
+    can still be decoded on their own (an id column, say) are kept, the others are null
+    (:func:`_salvage`)."""
     total = f.row_group_rows[rg]
     done = 0
     error: BaseException | None = pf if isinstance(pf, BaseException) else None
@@ -335,13 +337,41 @@ def _safe_batches(
             error = e
     if error is not None and done < total:
         n = total - done
-        nulls = pa.RecordBatch.from_arrays([pa.nulls(n, t) for t in schema.types], schema=schema)
+        batch, lost = _salvage(pf, rg, done, total, schema)
+        which = f"column(s) {', '.join(repr(c) for c in lost)}: " if 0 < len(lost) < len(schema) else ""
         msg = (
             f"input unreadable: {f.rel_path!r} row group {rg} (input rows {g0 + done}..{g0 + total}): "
-            f"{_short(error)}"
+            f"{which}{_short(error)}"
         )
         logger.warning("%s; its %d row(s) become error rows", msg, n)
-        yield nulls, msg
+        yield batch, msg
+
+
+def _salvage(
+    pf: pq.ParquetFile | BaseException, rg: int, start: int, end: int, schema: pa.Schema
+) -> tuple[pa.RecordBatch, list[str]]:
+    """Rows ``[start, end)`` of row group `rg`, each column decoded on its own (null where it cannot be), and
+    the names of the columns that could not."""
+    arrays, lost = [], []
+    for fld in schema:
+        arr = None
+        if not isinstance(pf, BaseException):
+            try:
+                col = pf.read_row_group(rg, columns=[fld.name], use_threads=False).column(0)
+                arr = plain_column(col.slice(start, end - start)).cast(fld.type)
+            except (OSError, pa.ArrowException):
+                arr = None
+        if arr is None:
+            lost.append(fld.name)
+            arr = pa.nulls(end - start, fld.type)
+        arrays.append(arr)
+    return pa.RecordBatch.from_arrays(arrays, schema=schema), lost
+
+
+def plain_column(col: pa.ChunkedArray) -> pa.Array:
+    """One array of `col`, dictionaries decoded."""
+    arr = col.combine_chunks() if col.num_chunks else pa.array([], type=col.type)
+    return arr.dictionary_decode() if pa.types.is_dictionary(arr.type) else arr
 
 
 def _open(path: str) -> pq.ParquetFile | BaseException:
