@@ -17,13 +17,17 @@ from batchgen.job.tally import NUM_EXAMPLES, RowTally
 logger = logging.getLogger("batchgen.job")
 
 
-def nothing_to_do(plan: JobPlan, outdir: OutputDir, m: Manifest, print_summary: bool) -> JobResult:
-    """Every window is done (or the shard is empty): 0, or 3 when the output's error rows are too many."""
+def nothing_to_do(
+    plan: JobPlan, outdir: OutputDir, m: Manifest, print_summary: bool, checked: tuple[int, float] = (0, 0.0)
+) -> JobResult:
+    """Every window is done (or the shard is empty): 0, or 3 when the output's error rows are too many.
+    `checked`: (windows whose input was found unchanged, seconds that check took)."""
     d = plan.cfg.data
     if m.num_windows == 0:
         msg = f"nothing to do: shard {d.shard.index}/{d.shard.count} of the input has no rows"
     else:
-        msg = f"nothing to do: {outdir.path} already holds the complete output ({m.num_windows} windows)"
+        msg = f"nothing to do: {outdir.path} already holds the complete output ({m.num_windows} windows"
+        msg += f"; input unchanged, checked in {checked[1]:.1f} s)" if checked[0] else ")"
     frac = error_fraction(m)
     rp = outdir.report_path
     if frac > plan.cfg.run.max_error_fraction:

@@ -209,9 +209,11 @@ class _Job:
             legacy_fingerprint=plan.legacy_fingerprint,
         )
         todo = windows_to_do(plan, m, outdir)
+        checked = verify_skipped_input(
+            plan, m, self.out_dir
+        )  # also when nothing is left: changed input is refused
         if not todo:
-            return nothing_to_do(plan, outdir, m, self.print_summary)
-        verify_skipped_input(plan, m, self.out_dir)
+            return nothing_to_do(plan, outdir, m, self.print_summary, checked)
         self._check_stop("start-up")
         return self._execute(todo)
 
