@@ -308,3 +308,52 @@ def test_without_xgrammar_constrained_requests_fail_alone(llm: LLM, monkeypatch)
     outs = _run(llm, [SamplingParams(regex="a+"), SamplingParams(max_tokens=2)])
     assert "xgrammar" in outs[0].error and outs[0].outputs[0].finish_reason == "error"
     assert outs[1].error is None
+
+
+def _structured(llm: LLM):
+    from batchgen.engine.structured import StructuredOutputs
+
+    engine = llm.engine
+    return StructuredOutputs(engine.tokenizer, engine.model.config.vocab_size, engine.eos_token_ids)
+
+
+def _byte_tokens(llm: LLM, data: bytes) -> list[int]:
+    """Token ids spelling `data` one byte each (a byte-level BPE vocabulary holds every single byte)."""
+    from batchgen.tokenizer import as_transformers
+
+    # GPT-2's byte -> character map of byte-level BPE vocabularies
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    vocab = as_transformers(llm.tokenizer).get_vocab()
+    return [vocab[chars[b]] for b in data]
+
+
+@pytest.mark.parametrize("string", [{"type": "string", "maxLength": 12}, {"type": "string"}])
+def test_json_strings_admit_only_valid_utf8(llm: LLM, string: dict) -> None:
+    """xgrammar's own string rules accept a UTF-16 surrogate (ED BB 86) and overlong forms; ours do not."""
+    schema = {"type": "object", "properties": {"s": string}, "required": ["s"]}
+    compiled = _structured(llm).compile(SamplingParams(json_schema=schema))
+    for bad in (b'{"s":"ab\xed\xbb\x86', b'{"s":"\xe0\x80\xaf'):
+        assert not xgr.GrammarMatcher(compiled).accept_string(bad), bad
+    for good in ('{"s":"ab\u00e9\u65e5"}'.encode(), '{"s":"\U0010ffff"}'.encode()):
+        assert xgr.GrammarMatcher(compiled).accept_string(good), good
+    if "maxLength" not in string:  # unbounded strings keep JSON escapes
+        assert xgr.GrammarMatcher(compiled).accept_string(b'{"s":"a\\n\\"\\u00e9"}')
+
+
+def test_output_bytes_that_are_not_utf8_are_not_satisfied(llm: LLM) -> None:
+    """Whatever a constraint lets through (here a regex's '.'), invalid UTF-8 is never constraint_satisfied."""
+
+    class Seq:  # what StructuredOutputs reads of a sequence
+        def __init__(self, ids: list[int]) -> None:
+            self.params = SamplingParams(regex="a.+")
+            self.token_ids, self.num_prompt_tokens, self.stop_reason = [1, *ids], 1, None
+
+    so = _structured(llm)
+    assert so.satisfied(Seq(_byte_tokens(llm, "a\u00e9".encode()))) is True
+    assert so.satisfied(Seq(_byte_tokens(llm, b"a\xed\xbb\x86"))) is False
