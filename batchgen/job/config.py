@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.data.layout import RESERVED_COLUMNS
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import EngineConfig, logprobs_error
 from batchgen.errors import ConfigError
 from batchgen.sampling_params import SamplingParams
 
@@ -185,6 +185,26 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"task must be 'generate' or 'score', got {cfg.task!r}")
     if cfg.task == "score" and cfg.data.messages_column:
         raise ConfigError("task=score scores data.prompt_column text; data.messages_column is not supported")
+    if cfg.task == "score":
+        _validate_score_sampling(cfg.sampling)
+    too_many = logprobs_error(cfg.sampling.logprobs, cfg.sampling.prompt_logprobs, cfg.engine.max_logprobs)
+    if too_many is not None:
+        raise ConfigError(f"sampling.{too_many}")
+
+
+def _validate_score_sampling(s: SamplingParams) -> None:
+    """task=score computes one log-likelihood per row: sampling options that make several outputs per row
+    (or none of its meaning) are refused rather than silently ignored."""
+    for key, value, default in (("n", s.n, 1), ("beam_width", s.beam_width, 1)):
+        if value != default:
+            raise ConfigError(
+                f"sampling.{key}={value} does not apply to task=score (one log-likelihood per row, computed "
+                f"exactly): remove it"
+            )
+    if s.constrained:
+        raise ConfigError(
+            "structured outputs (sampling.json_schema/regex/choice/grammar) do not apply to task=score"
+        )
 
 
 def _validate_data(d: DataOptions) -> None:
