@@ -54,6 +54,7 @@ from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
 from batchgen.job.config import to_job_config
+from batchgen.job.duplicate_ids import warn_duplicate_ids
 from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
@@ -214,6 +215,7 @@ class _Job:
         )  # also when nothing is left: changed input is refused
         if not todo:
             return nothing_to_do(plan, outdir, m, self.print_summary, checked)
+        warn_duplicate_ids(plan)
         self._check_stop("start-up")
         return self._execute(todo)
 
