@@ -39,5 +39,7 @@ def test_second_ctrl_c_during_the_save_keeps_every_finished_row(
     assert res.exit_code == EXIT_INTERRUPTED
     saved = res.report["rows"]
     assert saved["done"] > 0, res.message
+    # the rows this run saved, checkpointed ones included, are this run's rows and give its rows/s
+    assert res.report["run"]["rows"] == saved["done"] and res.report["run"]["rows_per_s"] > 0
     if during == "commit":
         assert list((tmp_path / "out").glob("part-*.parquet"))

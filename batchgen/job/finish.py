@@ -142,7 +142,21 @@ def examples_text(out: str, examples: list[tuple[list[int], str]], tokenizer: An
     return "\n".join(
         [
             *head,
-            f"read the output: batchgen show {out}  |  pandas.read_parquet({out!r})  |  "
-            f"duckdb: SELECT * FROM read_parquet('{out}/**/*.parquet')",
+            "read the output: " + "  |  ".join(readers_of(out)),
         ]
     )
+
+
+def readers_of(out: str) -> list[str]:
+    """Ways to read the output directory `out` that work here: ``batchgen show`` and pyarrow (installed with
+    batchgen), then pandas, polars and duckdb where they are installed."""
+    import importlib.util
+
+    ways = [f"batchgen show {out}", f"pyarrow.parquet.read_table({out!r})"]
+    if importlib.util.find_spec("pandas") is not None:
+        ways.append(f"pandas.read_parquet({out!r})")
+    if importlib.util.find_spec("polars") is not None:
+        ways.append(f"polars.read_parquet('{out}/**/*.parquet')")
+    if importlib.util.find_spec("duckdb") is not None:
+        ways.append(f"duckdb: SELECT * FROM read_parquet('{out}/**/*.parquet')")
+    return ways
