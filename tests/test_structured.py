@@ -357,3 +357,34 @@ def test_output_bytes_that_are_not_utf8_are_not_satisfied(llm: LLM) -> None:
     so = _structured(llm)
     assert so.satisfied(Seq(_byte_tokens(llm, "a\u00e9".encode()))) is True
     assert so.satisfied(Seq(_byte_tokens(llm, b"a\xed\xbb\x86"))) is False
+
+
+def test_structured_outputs_on_cpu_never_import_triton(llama_ckpt: str) -> None:
+    """The CPU install of the structured extra leaves Triton out (README): compiling, matching and masking on
+    the CPU never import it."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+class NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            raise ImportError("Triton is not installed")
+sys.meta_path.insert(0, NoTriton())
+import torch
+from batchgen.engine.structured import StructuredOutputs
+from batchgen.models.loader import load_tokenizer
+from batchgen.sampling_params import SamplingParams
+tok = load_tokenizer({llama_ckpt!r})
+class Seq:
+    params = SamplingParams(choice=["yes", "no"])
+    token_ids, num_prompt_tokens, stop_reason = [1], 1, None
+so = StructuredOutputs(tok, 512, [0])
+logits = torch.zeros(1, 512)
+so.apply(logits, [Seq()])
+allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+assert allowed and len(allowed) < 512, allowed
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]

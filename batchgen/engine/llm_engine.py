@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 _NO_XGRAMMAR = (
     "structured outputs (json_schema / regex / choice / grammar) need xgrammar: "
-    "pip install 'batchgen[structured]'"
+    "pip install 'batchgen[structured]' (on a CPU machine, without Triton: pip install "
+    "'batchgen[structured-cpu]' && pip install --no-deps xgrammar)"
 )
 
 
