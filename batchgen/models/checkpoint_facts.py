@@ -34,16 +34,21 @@ class CheckpointFacts:
 def checkpoint_facts(path: str | Path, implementation: str = "auto") -> CheckpointFacts:
     """The facts of `path` for `implementation` (auto, native, transformers); ValueError (or
     NativeUnsupportedError / UnsupportedModelError, both ValueErrors) for a checkpoint that road cannot run."""
-    if implementation != "transformers":
-        try:
-            return _native_facts(ModelConfig.from_pretrained(path))
-        except NativeUnsupportedError as e:
-            if implementation == "native":
-                raise NativeUnsupportedError(
-                    f"{e}. Use model.implementation=transformers (or auto) to run it with transformers' "
-                    "modeling code over batchgen's engine"
-                ) from e
-    return _transformers_facts(Path(path))
+    if implementation == "transformers":
+        return _transformers_facts(Path(path))
+    try:
+        return _native_facts(ModelConfig.from_pretrained(path))
+    except NativeUnsupportedError as e:
+        if implementation == "native":
+            raise NativeUnsupportedError(
+                f"{e}. Use model.implementation=transformers (or auto) to run it with transformers' "
+                "modeling code over batchgen's engine"
+            ) from e
+        native = e
+    try:
+        return _transformers_facts(Path(path))
+    except ValueError as e:  # neither road: say why for both
+        raise ValueError(f"{native}; nor can transformers' modeling code run it: {e}") from e
 
 
 def _native_facts(c: ModelConfig) -> CheckpointFacts:
