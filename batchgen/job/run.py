@@ -29,8 +29,9 @@ disk is full, or a tensor-parallel rank was lost — rerun the same command to r
 Signals (:mod:`batchgen.job.signals`, installed for the whole run, start-up included): SIGINT, SIGTERM and
 SIGUSR1 stop starting windows; the windows already started are finished for up to ``run.stop_grace_s``
 seconds (default 0: their rows in flight are abandoned at once), every finished row is checkpointed, and the
-job returns 75. A second SIGINT aborts at
-once (still 75; finished rows are checkpointed if possible, the manifest is consistent at every instant).
+job returns 75. A second SIGINT abandons the
+rows in flight at once (still 75) but never interrupts the save of finished rows (``StopSignal.saving``); the
+manifest is consistent at every instant.
 
 What a stop can lose: a signal loses only the rows in flight (at most ``2 * engine.max_num_seqs /
 sampling.n`` requests, each with the tokens generated so far); a kill -9, a power cut or a full disk loses
@@ -210,9 +211,8 @@ class _Job:
             legacy_fingerprint=plan.legacy_fingerprint,
         )
         todo = windows_to_do(plan, m, outdir)
-        checked = verify_skipped_input(
-            plan, m, self.out_dir
-        )  # also when nothing is left: changed input is refused
+        # changed input is refused also when nothing is left to do
+        checked = verify_skipped_input(plan, m, self.out_dir)
         if not todo:
             return nothing_to_do(plan, outdir, m, self.print_summary, checked)
         warn_duplicate_ids(plan)
