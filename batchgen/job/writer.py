@@ -53,7 +53,7 @@ class PartWriter:
     def checkpoint(self, works: list[WindowWork]) -> int:
         """Write the rows finished (and not yet checkpointed) of unfinished windows; returns how many."""
         self.last_checkpoint = time.monotonic()
-        total = 0
+        total = windows = 0
         for work in sorted(works, key=lambda w: w.spec.index):
             new = [p for p in work.finished_positions() if p not in work.checkpointed]
             if not new:
@@ -67,7 +67,8 @@ class PartWriter:
             self.outdir.write_checkpoint(work.spec.index, piece, len(new), ok, work.input_sha256)
             work.checkpointed.update(new)
             total += len(new)
+            windows += 1
             self.rows_done += len(new)
         if total:
-            logger.info("checkpointed %d finished row(s) of %d unfinished window(s)", total, len(works))
+            logger.info("checkpointed %d finished row(s) of %d unfinished window(s)", total, windows)
         return total
