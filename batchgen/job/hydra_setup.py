@@ -62,7 +62,12 @@ def usable_log_root(directory: str) -> str:
     """`directory` if Hydra can create its log directory below it; otherwise (under a regular file, not
     writable, read-only, nearly full) a directory under the system's temp dir, so that batchgen itself gets to
     report the problem with the output in one line (exit 2, or 75 for a full disk) instead of Hydra failing
-    with a traceback. Never creates anything."""
+    with a traceback. Never creates anything. An object-store URL (``s3://...``) cannot hold them either: they
+    go under the temp dir too."""
+    from batchgen.data.storage import is_url
+
+    if is_url(directory):
+        return str(fallback_log_root(directory))
     p = Path(directory).absolute()
     existing = next((q for q in [p, *p.parents] if q.exists()), None)
     try:
@@ -79,7 +84,10 @@ def usable_log_root(directory: str) -> str:
 
 def fallback_log_root(directory: str) -> Path:
     """Where :func:`usable_log_root` puts Hydra's logs when `directory` cannot hold them."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(Path(directory).absolute()).strip("/")) or "root"
+    from batchgen.data.storage import is_url, redact_url
+
+    shown = redact_url(directory) if is_url(directory) else str(Path(directory).absolute())
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", shown.strip("/")) or "root"
     return Path(tempfile.gettempdir()) / "batchgen-logs" / name
 
 

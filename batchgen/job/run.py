@@ -49,6 +49,7 @@ from typing import Any
 from batchgen import startup_trace
 from batchgen.data.manifest import Manifest
 from batchgen.data.output_dir import OutputDir, on_disk_full
+from batchgen.data.remote_output import open_output_dir
 from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
@@ -56,6 +57,7 @@ from batchgen.job.config import to_job_config
 from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
+from batchgen.job.input_versions import input_versions_unchanged
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
 from batchgen.job.report import format_table
@@ -196,7 +198,10 @@ class _Job:
         self.out_dir = job.data.output
         plan = self.plan = plan_job(job)
         startup_trace.mark("plan")
-        outdir = self.outdir = OutputDir(job.data.output, job.data.shard.index, job.data.shard.count)
+        d = job.data
+        outdir = self.outdir = open_output_dir(
+            d.output, d.shard.index, d.shard.count, dict(d.storage_options), d.lease_ttl_s
+        )
         self.writer = PartWriter(plan, outdir, last_checkpoint=self.t_start)
         self.out_dir = str(outdir.path)
         self._check_stop("start-up")
@@ -210,7 +215,8 @@ class _Job:
         todo = windows_to_do(plan, m, outdir)
         if not todo:
             return nothing_to_do(plan, outdir, m, self.print_summary)
-        verify_skipped_input(plan, m, self.out_dir)
+        if not input_versions_unchanged(outdir.previous_input, plan.input.describe()):
+            verify_skipped_input(plan, m, self.out_dir)
         self._check_stop("start-up")
         return self._execute(todo)
 
