@@ -164,7 +164,8 @@ def _filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
     except ImportError as e:
         raise StorageError(f"{redact_url(url)!r}: reading URLs needs fsspec: {CLOUD_EXTRA_HINT}") from e
     try:
-        fs, path = url_to_fs(url, **options)
+        # a fresh instance: credentials and endpoints are read now, not from an earlier job in this process
+        fs, path = url_to_fs(url, skip_instance_cache=True, **options)
     except ImportError as e:
         pkg = _PACKAGES.get(proto, "the fsspec implementation of this protocol")
         raise StorageError(
@@ -313,7 +314,12 @@ class Location:
             try:
                 out = self.fs.pipe_file(path, data, **kwargs)
             except Exception as e:  # noqa: BLE001
-                if _is_precondition_failure(e) or (if_absent and isinstance(e, FileExistsError)):
+                gone = isinstance(e, FileNotFoundError) or _client_error_code(e) in ("NoSuchKey", "404")
+                if (
+                    _is_precondition_failure(e)
+                    or (if_absent and isinstance(e, FileExistsError))
+                    or (if_match is not None and gone)
+                ):
                     raise PreconditionFailed(self.url_of(name)) from e
                 raise self._error(e, "write into", name) from e
             etag = (out or {}).get("ETag") if isinstance(out, dict) else None
