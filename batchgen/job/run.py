@@ -58,6 +58,7 @@ from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
 from batchgen.job.input_versions import input_versions_unchanged
+from batchgen.job.openai_batch import is_batch_file
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
 from batchgen.job.report import format_table
@@ -93,6 +94,15 @@ def run_job(
     disk or an unexpected error (each is one log line and its exit status; see the module docstring).
     """
     stop = stop or StopSignal()
+    if is_batch_file(_data_input(cfg)):  # an OpenAI batch file: converted, run as a job, results written
+        from batchgen.job.openai_batch import run_openai_batch
+
+        def inner(c: Any) -> JobResult:
+            return run_job(
+                c, engine=engine, stop=stop, handle_signals=handle_signals, print_summary=print_summary
+            )
+
+        return run_openai_batch(cfg, inner)
     job = _Job(cfg, engine, stop, print_summary)
     with stop.installed() if handle_signals else contextlib.nullcontext(stop):
         try:
@@ -143,6 +153,13 @@ def run_job(
             )
         finally:
             job.close()
+
+
+def _data_input(cfg: Any) -> Any:
+    try:
+        return cfg.data.input
+    except Exception:  # noqa: BLE001 - not a job config: to_job_config reports it
+        return None
 
 
 EXIT_REASON_ENV = "BATCHGEN_EXIT_REASON_FILE"
