@@ -4,7 +4,8 @@
 clock). Invariants:
 - Acquiring creates the object only if absent (``If-None-Match: *``); an existing lease that has not expired
   refuses the second job (:class:`~batchgen.errors.ConfigError` naming the holder and the expiry); an expired
-  one (a killed job) is replaced only if it is still the object read (``If-Match`` its ETag), so of two jobs
+  one (a killed job) — or one whose holder ran on this host and whose process is gone (pid and start time)
+  — is replaced only if it is still the object read (``If-Match`` its ETag), so of two jobs
   taking over the same stale lease exactly one wins.
 - While held, a background thread renews it every ``ttl/3`` seconds, conditioned on the ETag of its own last
   write. A renewal that fails (another job took the lease over after it expired) marks the lease lost:
@@ -42,6 +43,7 @@ class Lease:
     def __init__(self, loc: Location, ttl_s: float) -> None:
         self.loc, self.ttl_s = loc, float(ttl_s)
         self.owner = f"pid {os.getpid()} on {os.uname().nodename}"
+        self.process = {"host": os.uname().nodename, "pid": os.getpid(), "start": _start_time(os.getpid())}
         self.token = uuid.uuid4().hex
         self.etag: str | None = None
         self.lost: str | None = None
@@ -55,6 +57,7 @@ class Lease:
             "token": self.token,
             "expires_at": time.time() + self.ttl_s,
             "ttl_s": self.ttl_s,
+            "process": self.process,
         }
         return (json.dumps(d) + "\n").encode()
 
@@ -73,7 +76,8 @@ class Lease:
         raw = self.loc.read_bytes(LEASE_NAME) if info is not None else None
         held = _parse(raw)
         now = time.time()
-        if info is not None and held is not None and float(held.get("expires_at", 0)) > now:
+        dead = held is not None and _holder_is_dead(held)
+        if info is not None and held is not None and float(held.get("expires_at", 0)) > now and not dead:
             left = float(held["expires_at"]) - now
             raise ConfigError(
                 f"another batchgen job ({held.get('owner', 'unknown')}) holds the lease on {self.loc.url!r} for "
@@ -92,9 +96,10 @@ class Lease:
             ) from None
         if held is not None:
             ago = now - float(held.get("expires_at", now))
+            why = "whose process is gone" if dead else f"which expired {ago:.0f} s ago"
             logger.warning(
-                "%s: took over the lease of %s, which expired %.0f s ago (a job that was killed)",
-                self.loc.url, held.get("owner", "an unknown job"), ago,
+                "%s: took over the lease of %s, %s (a job that was killed)",
+                self.loc.url, held.get("owner", "an unknown job"), why,
             )  # fmt: skip
 
     def renew(self) -> None:
@@ -141,6 +146,37 @@ class Lease:
                 except Exception as e:  # noqa: BLE001 - it expires by itself
                     logger.warning("could not release the lease on %s: %s", self.loc.url, e)
             self.etag = None
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process `pid` (clock ticks since boot, from /proc), or None where unknown: with the
+    pid it names a process across pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _holder_is_dead(held: dict[str, Any]) -> bool:
+    """Whether the lease's holder ran on this host and its process no longer exists (a job killed here: its
+    lease need not wait for the expiry). False whenever that cannot be known."""
+    proc = held.get("process")
+    if (
+        not isinstance(proc, dict)
+        or proc.get("host") != os.uname().nodename
+        or not isinstance(proc.get("pid"), int)
+    ):
+        return False
+    pid = proc["pid"]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    start = _start_time(pid)
+    return proc.get("start") is not None and start is not None and start != proc["start"]
 
 
 def _parse(raw: bytes | None) -> dict[str, Any] | None:
