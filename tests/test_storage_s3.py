@@ -1,6 +1,8 @@
 """Object stores: input and output on a real local S3 server (moto's server mode), exactly-once commits without
 rename, the lease, and the one-line errors (missing credentials, missing bucket, truncated object)."""
 
+# ruff: noqa: F811 - the s3 fixture is imported from s3_server and used as an argument
+
 from __future__ import annotations
 
 import io
@@ -61,7 +63,9 @@ def _upload_input(s3: S3, root: Path) -> str:  # noqa: F811
     return s3.url("in/")
 
 
-def test_input_and_output_on_s3_equal_a_local_run(llama_ckpt: str, reference, s3: S3) -> None:  # noqa: F811
+def test_input_and_output_on_s3_equal_a_local_run_and_changes_are_refused(
+    llama_ckpt: str, reference, s3: S3
+) -> None:  # noqa: F811
     root, expected = reference
     inp = _upload_input(s3, root)
     res = _run(_config(llama_ckpt, inp, s3.url("out")))
@@ -79,14 +83,9 @@ def test_input_and_output_on_s3_equal_a_local_run(llama_ckpt: str, reference, s3
     man = json.loads(s3.get("out/_manifest.json"))
     assert set(man["input"]["versions"]) == {"a.parquet", "b.parquet"}  # ETags recorded for resume
     # a rerun finds everything done without rereading rows: the versions match
-    assert "nothing to do" in _run(_config(llama_ckpt, inp, s3.url("out"))).message
-
-
-def test_changed_object_on_resume_is_detected(llama_ckpt: str, reference, s3: S3) -> None:  # noqa: F811
-    root, _ = reference
-    inp = _upload_input(s3, root)
     cfg = _config(llama_ckpt, inp, s3.url("out"))
-    assert _run(cfg).exit_code == EXIT_OK
+    assert "nothing to do" in _run(cfg).message
+    # an object rewritten with other rows is refused on resume
     t = pq.read_table(root / "in" / "b.parquet").to_pylist()
     t[0]["prompt"] = "something else entirely"
     s3.put_table("in/b.parquet", pa.Table.from_pylist(t), row_group_size=3)
@@ -294,3 +293,24 @@ def test_s3_output_read_by_batchgen_show(llama_ckpt: str, s3: S3, tmp_path: Path
     merged = pq.read_table(io.BytesIO(s3.get("merged.parquet")))
     assert merged.column("id").to_pylist() == [0, 1, 2]
     assert merge_main([s3.url("out"), "--write", s3.url("out/merged.parquet")]) == 2  # inside the dataset
+
+
+def test_lease_holder_gone_on_this_host() -> None:
+    """A lease whose holder ran here is stale once its process is gone — killed (even while a zombie not yet
+    reaped) or its pid reused; a live holder, or one on another host, is not."""
+    from batchgen.data.lease import _holder_is_dead, _start_time
+
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        here = {"host": os.uname().nodename, "pid": p.pid, "start": _start_time(p.pid)}
+        assert not _holder_is_dead({"process": here})
+        assert not _holder_is_dead({"process": {**here, "host": "elsewhere"}})
+        assert _holder_is_dead({"process": {**here, "start": "1"}})  # the pid now names another process
+        os.kill(p.pid, signal.SIGKILL)
+        time.sleep(0.3)
+        assert _holder_is_dead({"process": here})  # a zombie
+    finally:
+        p.kill()
+        p.wait()
+    assert _holder_is_dead({"process": here})
+    assert not _holder_is_dead({"owner": "pid 1 on elsewhere"})  # no process record: wait for the expiry

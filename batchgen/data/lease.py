@@ -148,19 +148,25 @@ class Lease:
             self.etag = None
 
 
-def _start_time(pid: int) -> str | None:
-    """The start time of process `pid` (clock ticks since boot, from /proc), or None where unknown: with the
-    pid it names a process across pid reuse."""
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first), or None where unknown."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+            return f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return None
 
 
+def _start_time(pid: int) -> str | None:
+    """The start time of process `pid` (clock ticks since boot, from /proc), or None where unknown: with the
+    pid it names a process across pid reuse."""
+    st = _stat(pid)
+    return st[19].decode() if st is not None and len(st) > 19 else None
+
+
 def _holder_is_dead(held: dict[str, Any]) -> bool:
     """Whether the lease's holder ran on this host and its process no longer exists (a job killed here: its
-    lease need not wait for the expiry). False whenever that cannot be known."""
+    lease need not wait for the expiry; a zombie counts as gone). False whenever that cannot be known."""
     proc = held.get("process")
     if (
         not isinstance(proc, dict)
@@ -175,6 +181,9 @@ def _holder_is_dead(held: dict[str, Any]) -> bool:
         return True
     except OSError:
         return False
+    st = _stat(pid)
+    if st is not None and st[0] in (b"Z", b"X"):  # killed, not yet reaped by its parent
+        return True
     start = _start_time(pid)
     return proc.get("start") is not None and start is not None and start != proc["start"]
 
