@@ -232,7 +232,7 @@ def test_secrets_never_written(llama_ckpt: str, s3: S3, tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "batchgen.cli", f"model.path={llama_ckpt}", f"data.input={s3.url('in/')}",
         f"data.output={s3.url('out')}", "run.progress=off", "sampling.max_tokens=3", "engine.num_blocks=64",
-        f"+data.storage_options={{key:{key_id},secret:{secret},endpoint_url:'{s3.endpoint}'}}",
+        f"data.storage_options={{key:{key_id},endpoint_url:'{s3.endpoint}'}}", f"data.storage_options.secret={secret}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -30,14 +30,27 @@ from batchgen.job.config import DataOptions, JobConfig, ModelOptions, RunOptions
 from batchgen.job.help import HELP_FOOTER, HELP_HEADER, help_template
 
 
+def _open_storage_options(node: Any, group: str | None) -> Any:
+    """`node` with ``data.storage_options`` out of struct mode, so that its (store-specific) keys are set like
+    any other key (``data.storage_options.endpoint_url=...``, ``data.storage_options={key: ..}``), not only
+    with Hydra's ``+``."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.set_struct((node[group] if group else node).storage_options, False)
+    return node
+
+
 def register_configs() -> None:
     """Register the schema, group options and the help text in Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     cs = ConfigStore.instance()
-    cs.store(name="batchgen_schema", node=JobConfig)
+    cs.store(name="batchgen_schema", node=_open_storage_options(OmegaConf.structured(JobConfig), "data"))
     cs.store(group="model", name="tiny", node=ModelOptions())
-    cs.store(group="data", name="default", node=DataOptions())
+    cs.store(
+        group="data", name="default", node=_open_storage_options(OmegaConf.structured(DataOptions), None)
+    )
     cs.store(group="engine", name="default", node=EngineConfig())
     cs.store(group="sampling", name="default", node=default_sampling())
     cs.store(group="sampling", name="greedy", node=dataclasses.replace(default_sampling(), temperature=0.0))
