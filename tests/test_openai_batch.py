@@ -1,5 +1,7 @@
 """OpenAI Batch API files in and out: requests.jsonl → results.jsonl, validated with the openai package's types."""
 
+# ruff: noqa: F811 - the s3 fixture is imported from s3_server and used as an argument
+
 from __future__ import annotations
 
 import json
@@ -9,10 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import job_config, signal_after
+from s3_server import S3, s3, s3_endpoint  # noqa: F401 - fixtures
 
 from batchgen import LLM, SamplingParams
 from batchgen.data.openai_batch import parse_requests
-from batchgen.job.run import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, run_job
+from batchgen.job.run import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_ERRORS, run_job
 
 CHAT = "/v1/chat/completions"
 
@@ -175,3 +178,43 @@ def test_batch_file_needs_a_jsonl_output(llama_ckpt: str, tmp_path: Path) -> Non
     inp.write_text(_req("a", {"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     res = _run(_config(llama_ckpt, inp, tmp_path / "outdir"))
     assert res.exit_code == EXIT_CONFIG and "data.output must name the results file" in res.message
+
+
+def test_every_request_failing_still_writes_error_lines(llama_ckpt: str, tmp_path: Path) -> None:
+    """Failed requests are result lines: a file of only failing requests gets its results file, and the job
+    fails (exit 3) because the error fraction exceeds run.max_error_fraction."""
+    inp = tmp_path / "r.jsonl"
+    inp.write_text(
+        "\n".join(
+            [
+                "{oops",
+                _req("e1", {"input": "x"}, url="/v1/embeddings"),
+                _req("e2", {"input": "y"}, url="/v1/embeddings"),
+            ]
+        )
+    )
+    out = tmp_path / "res.jsonl"
+    cfg = job_config(llama_ckpt, inp, out, sampling={"max_tokens": 3})
+    res = _run(cfg)
+    assert res.exit_code == EXIT_TOO_MANY_ERRORS and "3 with an error" in res.message
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["custom_id"] for x in got] == [None, "e1", "e2"] and all(x["error"] for x in got)
+    assert "line 1" in got[0]["error"]["message"]
+
+
+def test_request_and_results_files_on_s3(llama_ckpt: str, s3: S3) -> None:
+    openai_types = pytest.importorskip(
+        "openai.types", reason="the openai package is not installed (test extra)"
+    )
+    lines = [
+        _req(f"c{i}", {"prompt": f"hello {i}", "max_tokens": 3}, url="/v1/completions") for i in range(3)
+    ]
+    s3.client.put_object(Bucket=s3.bucket, Key="req/requests.jsonl", Body="\n".join(lines).encode())
+    cfg = _config(llama_ckpt, s3.url("req/requests.jsonl"), s3.url("res/results.jsonl"))
+    res = _run(cfg)
+    assert res.exit_code == EXIT_OK, res.message
+    got = [json.loads(x) for x in s3.get("res/results.jsonl").decode().splitlines()]
+    assert [x["custom_id"] for x in got] == ["c0", "c1", "c2"]
+    for x in got:
+        openai_types.Completion.model_validate(x["response"]["body"])
+    assert "res/_results.jsonl.batchgen/out/_manifest.json" in s3.keys("res/")

@@ -97,7 +97,10 @@ def _derived(cfg: JobConfig, reqs: BatchRequests, book: str) -> JobConfig:
     if reqs.logprobs and logprobs is None:
         logprobs = 0
     sampling = dataclasses.replace(cfg.sampling, n=reqs.n, logprobs=logprobs)
-    return dataclasses.replace(cfg, data=data, sampling=sampling)
+    # failed requests are result lines, not a sign of an impossible job: the error fraction is checked on the
+    # results (run_openai_batch), not by the early stop of a job whose first rows all fail
+    run = dataclasses.replace(cfg.run, max_error_fraction=1.0)
+    return dataclasses.replace(cfg, data=data, sampling=sampling, run=run)
 
 
 def run_openai_batch(cfg: Any, run: Callable[[JobConfig], JobResult]) -> JobResult:
@@ -133,13 +136,29 @@ def run_openai_batch(cfg: Any, run: Callable[[JobConfig], JobResult]) -> JobResu
     result = run(derived)
     if result.exit_code in (EXIT_OK, EXIT_TOO_MANY_ERRORS):
         try:
-            n = write_results(derived, reqs.table, d.output, opts)
+            n, errors = write_results(derived, reqs.table, d.output, opts)
         except ConfigError as e:
             logger.error("%s", e)
             return JobResult(EXIT_CONFIG, "error", d.output, result.report_path, result.report, str(e))
-        msg = f"{n} result line(s) in {d.output}"
+        msg = f"{n} result line(s) in {d.output}, {errors} with an error"
+        limit = job.run.max_error_fraction
+        if n and errors / n > limit:
+            msg += (
+                f": {errors / n:.1%} of the requests failed, more than run.max_error_fraction={limit:g} "
+                f"(exit status {EXIT_TOO_MANY_ERRORS})"
+            )
+            logger.error("%s", msg)
+            return dataclasses.replace(
+                result, exit_code=EXIT_TOO_MANY_ERRORS, status="failed", output_dir=d.output, message=msg
+            )
         logger.info("%s", msg)
-        result = dataclasses.replace(result, output_dir=d.output, message=f"{result.message}; {msg}")
+        result = dataclasses.replace(
+            result,
+            exit_code=EXIT_OK,
+            status="complete",
+            output_dir=d.output,
+            message=f"{result.message}; {msg}",
+        )
     return result
 
 
@@ -166,7 +185,10 @@ def _decoder(derived: JobConfig) -> Callable[[int], str] | None:
     return lambda t: tok.decode([int(t)], skip_special_tokens=False)
 
 
-def _result_lines(derived: JobConfig, requests: pa.Table, opts: dict[str, Any]) -> Iterator[bytes]:
+def _result_lines(
+    derived: JobConfig, requests: pa.Table, opts: dict[str, Any]
+) -> Iterator[tuple[bytes, bool]]:
+    """Each request's output line, and whether it is an error line."""
     n = derived.sampling.n
     model = derived.model.path or "tiny-default"
     created = int(time.time())
@@ -177,22 +199,28 @@ def _result_lines(derived: JobConfig, requests: pa.Table, opts: dict[str, Any]) 
         for i in range(0, len(rows), n):
             req = next(reqs)
             line = response_line(req, rows[i : i + n], model, created, decode)
-            yield (json.dumps(line, ensure_ascii=False) + "\n").encode()
+            yield (json.dumps(line, ensure_ascii=False) + "\n").encode(), line["error"] is not None
 
 
-def write_results(derived: JobConfig, requests: pa.Table, output: str, opts: dict[str, Any]) -> int:
-    """Write the results file from the complete job `derived` (atomically); returns its number of lines."""
-    count = 0
+def write_results(
+    derived: JobConfig, requests: pa.Table, output: str, opts: dict[str, Any]
+) -> tuple[int, int]:
+    """Write the results file from the complete job `derived` (atomically); returns its number of lines and
+    of error lines."""
+    count = errors = 0
     if is_url(output):
         parent, name = output.rsplit("/", 1)
-        body = b"".join(_result_lines(derived, requests, opts))
-        count = body.count(b"\n")
-        Location(parent, opts, key="data.output").put(name, body)
-        return count
+        chunks = []
+        for line, failed in _result_lines(derived, requests, opts):
+            chunks.append(line)
+            errors += failed
+        Location(parent, opts, key="data.output").put(name, b"".join(chunks))
+        return len(chunks), errors
     target = Path(output).expanduser()
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(target) as tmp, open(tmp, "wb") as f:
-        for line in _result_lines(derived, requests, opts):
+        for line, failed in _result_lines(derived, requests, opts):
             f.write(line)
             count += 1
-    return count
+            errors += failed
+    return count, errors
