@@ -137,9 +137,6 @@ class RemoteOutputDir(OutputDir):
         self.loc.put(REPORT_NAME, text.encode())
 
     # ------------------------------------------------------------------------------------ other layouts
-    def _migrate_legacy(self, directory: Any) -> None:
-        """batchgen <= 0.1 never wrote to object stores: nothing to rename."""
-
     def _location_of(self, directory: Any) -> Location:
         if str(directory) == str(self.path):
             return self.loc
