@@ -83,9 +83,9 @@ class DataOptions:
     """``data.*``: input, output and how rows become prompts."""
 
     input: str | None = None
-    """Parquet input: a file, a directory (every *.parquet below it, recursively) or a glob such as 'data/*.parquet'; null = the small sample shipped with batchgen. Files are read in sorted path order; the global row index is the position in that order."""
+    """Parquet input: a file, a directory (every *.parquet below it, recursively) or a glob such as 'data/*.parquet', as a local path or a URL (s3://, gs://, az://, hf://datasets/..., any fsspec URL); or an OpenAI Batch API request file (*.jsonl, with data.output=results.jsonl); null = the small sample shipped with batchgen. Files are read in sorted path order; the global row index is the position in that order."""
     output: str = "batchgen_output"
-    """Output directory. With data.shard.count > 1 each shard writes into <output>/shard-IIIII-of-NNNNN/."""
+    """Output directory, a local path or a URL (s3://bucket/prefix, ...). With data.shard.count > 1 each shard writes into <output>/shard-IIIII-of-NNNNN/."""
     prompt_column: str = "prompt"
     """String column holding the prompt text (used when data.messages_column is null)."""
     continuation_column: str | None = None
