@@ -10,8 +10,8 @@ from collections.abc import Sequence as Seq
 import torch
 
 from batchgen import startup_trace
+from batchgen.attention import resolve_backend
 from batchgen.engine.async_step import InFlight, Prepared, StepWorker, fill_tensors, placeholder_rows
-from batchgen.engine.attention import resolve_backend
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from batchgen import malloc_tuning
+from batchgen.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine import prompt_logprobs
-from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine.config import EngineConfig, parse_bytes
 from batchgen.engine.input_batch import InputBatch
 from batchgen.engine.scheduler import SchedulerOutput

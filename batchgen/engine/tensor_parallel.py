@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from batchgen.attention import AttentionMetadata, ForwardContext
 from batchgen.engine import prompt_logprobs
-from batchgen.engine.attention import AttentionMetadata, ForwardContext
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.scheduler import SchedulerOutput

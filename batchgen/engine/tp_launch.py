@@ -221,7 +221,7 @@ def _env_store(rank: int, world: int) -> dist.Store:
 
 def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -> None:
     """A worker rank: join, receive the setup, load this rank's shard, agree on the KV pool, serve steps."""
-    from batchgen.engine.attention import resolve_backend
+    from batchgen.attention import resolve_backend
     from batchgen.models.loader import load_model
 
     init_process_group(store, rank, world, device)
