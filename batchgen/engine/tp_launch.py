@@ -7,7 +7,8 @@ Two ways to get N ranks:
   processes (no re-import of the caller's ``__main__``), each on its own device (``cuda:i``; the CPU with
   gloo). Rank 0 watches them: a worker that exits makes the current step fail with
   :class:`~batchgen.errors.WorkerLost` (the job exits 75: rerun or requeue to resume); if a collective does
-  not return within ``GRACE_S`` of the death, rank 0 reports it and exits 75 itself. Workers exit when rank 0
+  not return within ``GRACE_S`` of the death, rank 0 aborts the process group so that it raises (the engine
+  never exits the process itself; only the job maps ``WorkerLost`` to its exit status). Workers exit when rank 0
   does (they watch their parent) and ignore SIGINT/SIGTERM/SIGUSR1 (rank 0 decides when the job stops).
 - **launched outside** (``torchrun --nproc-per-node=N batchgen ...``, or ``srun`` exporting ``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): ``WORLD_SIZE`` must equal N; rank 0 runs
@@ -82,6 +83,11 @@ def rank_device(device: str, index: int) -> torch.device:
     return torch.device("cuda", base + index)
 
 
+def abort_process_group() -> None:
+    """Abort the default process group: its pending and future collectives raise in their callers."""
+    dist.distributed_c10d._abort_process_group()
+
+
 def timeout_s() -> float:
     return float(os.environ.get(TIMEOUT_ENV, "600"))
 
@@ -109,6 +115,7 @@ class TPGroup:
         self.runner: TPModelRunner | None = None  # set by the engine; the watchdog reads `runner.in_step`
         self.closed = False
         self._lost_at: float | None = None
+        self._aborted = False
         if procs:
             threading.Thread(target=self._watch, name="batchgen-tp-watchdog", daemon=True).start()
         atexit.register(self.close)  # before multiprocessing's and torch's own exit handlers run
@@ -126,13 +133,21 @@ class TPGroup:
                 self.channel.lost = f"tensor-parallel worker rank {r} {how}"
                 logger.error("%s", self.channel.lost)
             busy = self.runner is not None and self.runner.in_step
-            if busy and time.monotonic() - self._lost_at > GRACE_S:
-                sys.stderr.write(
-                    f"batchgen: {self.channel.lost} and the step did not fail within {GRACE_S:g} s; exiting "
-                    "with status 75: rows committed so far are kept, rerun (or requeue) to resume\n"
-                )
-                sys.stderr.flush()
-                os._exit(75)
+            if busy and not self._aborted and time.monotonic() - self._lost_at > GRACE_S:
+                self._abort_step()
+
+    def _abort_step(self) -> None:
+        """A worker died and the step's collective did not fail by itself: abort the process group, so the
+        collective raises in the engine's thread (which reports :class:`WorkerLost`); never exit the
+        process from here (an ``LLM`` user's process is not the job's to end)."""
+        self._aborted = True
+        logger.error(
+            "%s and the step did not fail within %g s: aborting the process group", self.channel.lost, GRACE_S
+        )
+        try:
+            abort_process_group()
+        except Exception as e:  # noqa: BLE001 - the step may have failed meanwhile, destroying the group
+            logger.warning("aborting the tensor-parallel process group failed: %s", e)
 
     def close(self) -> None:
         """Tell the workers to stop, wait for them (then kill), and leave the process group. Idempotent; the
@@ -160,7 +175,10 @@ class TPGroup:
                 p.kill()
                 p.wait()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - an aborted group may already be gone
+                logger.debug("destroying the process group: %s", e)
 
 
 _ACTIVE: TPGroup | None = None
