@@ -29,7 +29,7 @@ class _DeadProc:
 def test_lost_worker_mid_step_aborts_the_group_instead_of_exiting(monkeypatch) -> None:
     aborted = threading.Event()
     monkeypatch.setattr(tp_launch, "GRACE_S", 0.0)
-    monkeypatch.setattr(tp_launch, "abort_process_group", aborted.set)
+    monkeypatch.setattr(tp_launch, "abort_process_group", lambda channel: aborted.set())
     monkeypatch.setattr(os, "_exit", lambda code: (_ for _ in ()).throw(AssertionError(f"os._exit({code})")))
     channel = SimpleNamespace(lost=None, post=lambda message: None)
     group = tp_launch.TPGroup(channel, torch.device("cpu"), [_DeadProc()])  # type: ignore[arg-type]

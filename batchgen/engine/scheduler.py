@@ -196,6 +196,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def can_plan_ahead(self) -> bool:
+        """Whether a step scheduled now cannot preempt (async scheduling plans ahead only then): nothing is
+        swapped out and every running sequence has a free block to grow into."""
+        return not self.swapped and self.kv.num_free_blocks >= len(self.running)
+
     def unservable(
         self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, beam_width: int = 1
     ) -> str | None:

@@ -15,7 +15,7 @@ Two ways to get N ranks:
   the job, every other rank serves steps (the CLI sends them straight to :func:`serve_from_env`; an ``LLM``
   built on such a rank serves, then exits the process).
 
-Either way rank 0 posts the model path, dtype, implementation and engine config to the workers (they parse no
+Either way rank 0 broadcasts the model path, dtype, implementation and engine config to the workers (they parse no
 configuration of their own), every rank loads its own shard, and the KV pool size is agreed (the minimum).
 Collectives time out after ``BATCHGEN_TP_TIMEOUT_S`` seconds (default 600): no rank waits forever on a
 dead or stuck peer. NCCL on CUDA, gloo on the CPU.
@@ -83,8 +83,10 @@ def rank_device(device: str, index: int) -> torch.device:
     return torch.device("cuda", base + index)
 
 
-def abort_process_group() -> None:
-    """Abort the default process group: its pending and future collectives raise in their callers."""
+def abort_process_group(channel: StepChannel) -> None:
+    """Abort the step channel's group and the default process group: their pending and future collectives
+    raise in their callers."""
+    channel.abort()
     dist.distributed_c10d._abort_process_group()
 
 
@@ -145,7 +147,7 @@ class TPGroup:
             "%s and the step did not fail within %g s: aborting the process group", self.channel.lost, GRACE_S
         )
         try:
-            abort_process_group()
+            abort_process_group(self.channel)
         except Exception as e:  # noqa: BLE001 - the step may have failed meanwhile, destroying the group
             logger.warning("aborting the tensor-parallel process group failed: %s", e)
 
@@ -224,7 +226,7 @@ def start(setup: WorkerSetup) -> TPGroup:
         for p in procs:
             p.kill()
         raise WorkerLost(f"tensor-parallel ranks did not start: {e}") from e
-    channel = StepChannel(store, device)
+    channel = StepChannel(device)
     channel.post(setup)
     _ACTIVE = TPGroup(channel, device, procs)
     return _ACTIVE
@@ -243,7 +245,7 @@ def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -
     from batchgen.models.loader import load_model
 
     init_process_group(store, rank, world, device)
-    channel = StepChannel(store, device)
+    channel = StepChannel(device)
     setup = channel.receive()
     assert isinstance(setup, WorkerSetup)
     cfg = setup.config
