@@ -51,9 +51,9 @@ blocks of finished sequences freed a step later, admissions may come a step late
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -62,15 +62,17 @@ from batchgen.engine.scheduler import SchedulerOutput
 from batchgen.engine.step_input import ForwardInput, RunnerOutput, StepInput
 
 
+class Runner(Protocol):
+    def execute(self, step: StepInput) -> RunnerOutput: ...
+
+
 class Executor:
-    """Runs step inputs on ``execute`` (the runner's): inline, or (``pipelined``) in one background thread
+    """Runs step inputs on the runner: inline, or (``pipelined``) in one background thread
     (torch releases the GIL inside its ops, so the engine's scheduling overlaps them). ``threaded=False``
     keeps the pipelined engine's order of operations without the thread (a test hook)."""
 
-    def __init__(
-        self, execute: Callable[[StepInput], RunnerOutput], pipelined: bool = False, threaded: bool = True
-    ) -> None:
-        self._execute = execute
+    def __init__(self, runner: Runner, pipelined: bool = False, threaded: bool = True) -> None:
+        self.runner = runner
         self.pipelined = pipelined
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="batchgen-step") if pipelined and threaded else None
@@ -78,13 +80,16 @@ class Executor:
 
     def submit(self, step: StepInput) -> Future[RunnerOutput]:
         if self._pool is not None:
-            return self._pool.submit(self._execute, step)
+            return self._pool.submit(self._run, step)
         future: Future[RunnerOutput] = Future()
         try:
-            future.set_result(self._execute(step))
+            future.set_result(self._run(step))
         except BaseException as e:  # re-raised by result(), in the caller, like the thread's
             future.set_exception(e)
         return future
+
+    def _run(self, step: StepInput) -> RunnerOutput:
+        return self.runner.execute(step)
 
     def close(self) -> None:
         if self._pool is not None:

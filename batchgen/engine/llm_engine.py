@@ -132,7 +132,7 @@ class LLMEngine:
         self._listeners: list[StepListener] = []
         # The executor (pipelined with async scheduling), the launched steps not yet updated (oldest first),
         # and the live requests that need synchronous steps (beam search, structured outputs, prompt logprobs)
-        self.executor = Executor(self.runner.execute, config.async_scheduling, self.async_threaded)
+        self.executor = Executor(self.runner, config.async_scheduling, self.async_threaded)
         weakref.finalize(self, self.executor.close)
         self._flights: deque[InFlight] = deque()
         self._sync_ids: set[str | int] = set()
