@@ -18,7 +18,8 @@ from batchgen.engine.executor import Executor, InFlight, Prepared, fill_tensors,
 from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.output_processor import OutputProcessor, error_output
+from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request
 from batchgen.engine.stats import EngineStats
@@ -127,6 +128,7 @@ class LLMEngine:
         self.builder = StepBuilder(
             config, self.max_model_len, self.device, self.stop, lambda: self._structured
         )
+        self.outputs = OutputProcessor(self.stop, self.tokenizer, lambda: self._structured)
         self.requests: dict[str | int, Request] = {}
         self._errors: list[RequestOutput] = []
         self._listeners: list[StepListener] = []
@@ -197,10 +199,10 @@ class LLMEngine:
             error = self.structured.validate(params) if structured_available() else _NO_XGRAMMAR
         if error is not None:
             self.stats.num_error_requests += 1
-            self._errors.append(_error_output(request, error))
+            self._errors.append(error_output(request, error))
             return
         self.requests[request_id] = request
-        if params.beam_width > 1 or params.constrained or _wants_prompt_logprobs(request):
+        if params.beam_width > 1 or params.constrained or prompt_logprobs.wants_prompt_logprobs(request):
             self._sync_ids.add(request_id)
         self.scheduler.add(request.new_sequence(list(token_ids), 0))
         self.stats.prompt_tokens += len(token_ids)
@@ -271,13 +273,16 @@ class LLMEngine:
         return flight
 
     def _update(self, out: SchedulerOutput, output: RunnerOutput) -> list[RequestOutput]:
-        """Apply a step's output: prompt logprobs, then tokens (the scheduler's update); the outputs of the
-        requests it finished."""
+        """Apply a step's output: prompt logprobs; tokens put in place (scheduler), stop rules (output
+        processor), finished sequences freed and beam steps taken (scheduler); the outputs of the requests it
+        finished."""
         if output.prompt_logprobs is not None:
             prompt_logprobs.fill(prompt_logprobs.plan(out)[0], output.prompt_logprobs)
         if not out.seqs:  # a step that only moved blocks
             return []
-        done = self.scheduler.update(out, output.token_ids, output.logprobs, output.beam_logprobs)
+        done = self.outputs.update(
+            self.scheduler, out, output.token_ids, output.logprobs, output.beam_logprobs
+        )
         if startup_trace.enabled and output.token_ids:
             startup_trace.mark("first_token")
         return [self._request_output(r) for r in done]
@@ -331,72 +336,8 @@ class LLMEngine:
             listener(info)
 
     def _request_output(self, request: Request) -> RequestOutput:
-        """The output of a request whose every sample finished (texts decoded here, once)."""
+        """The output of a request whose every sample finished (texts decoded once, by the output processor)."""
         self.requests.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
         self.stats.num_finished_requests += 1
-        outputs = self._beam_outputs(request) if request.beam is not None else self._sample_outputs(request)
-        return RequestOutput(
-            request.request_id,
-            request.prompt_token_ids,
-            outputs,
-            request.num_cached_tokens,
-            None,
-            request.prompt,
-            _prompt_logprobs(request),
-        )
-
-    def _sample_outputs(self, request: Request) -> list[CompletionOutput]:
-        """One output per sample, by sample index (texts decoded here, once)."""
-        outputs = []
-        for s in sorted(request.seqs, key=lambda s: s.sample_index):
-            if not isinstance(s.stop_reason, str):  # a stop string already cut the text
-                s.text = self.tokenizer.decode(
-                    s.output_token_ids, skip_special_tokens=s.params.skip_special_tokens
-                )
-            outputs.append(
-                CompletionOutput(
-                    s.sample_index,
-                    s.text,
-                    s.output_token_ids,
-                    s.finish_reason or "length",
-                    s.logprobs,
-                    s.stop_reason,
-                    constraint_satisfied=self._structured.satisfied(s) if self._structured else None,
-                )
-            )
-        return outputs
-
-    def _beam_outputs(self, request: Request) -> list[CompletionOutput]:
-        """The ``n`` best finished beams of a beam-search request, best first."""
-        assert request.beam is not None
-        skip = request.params.skip_special_tokens
-        return [
-            CompletionOutput(
-                index=i,
-                text=self.tokenizer.decode(h.token_ids, skip_special_tokens=skip),
-                token_ids=h.token_ids,
-                finish_reason=h.finish_reason,
-                stop_reason=h.stop_reason,
-                cumulative_logprob=h.cumulative_logprob,
-            )
-            for i, h in enumerate(request.beam.results())
-        ]
-
-
-def _wants_prompt_logprobs(request: Request) -> bool:
-    return request.prompt_logprobs_start is not None or request.params.prompt_logprobs is not None
-
-
-def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
-    if request.prompt_logprobs is None and request.params.prompt_logprobs is None:
-        return None
-    return request.prompt_logprobs or [None] * len(request.prompt_token_ids)
-
-
-def _error_output(request: Request, error: str) -> RequestOutput:
-    outputs = [
-        CompletionOutput(index=i, text="", token_ids=[], finish_reason="error")
-        for i in range(request.params.n)
-    ]
-    return RequestOutput(request.request_id, request.prompt_token_ids, outputs, 0, error, request.prompt)
+        return self.outputs.request_output(request)
