@@ -297,12 +297,6 @@ def test_random_admit_finish_abort_keeps_the_kv_manager_consistent(llama_ckpt: s
     kv.pool.check_invariants()
 
 
-def test_tensor_parallel_is_refused() -> None:
-    with pytest.raises(ValueError, match="engine.async_scheduling"):
-        EngineConfig(async_scheduling=True, tensor_parallel_size=2)
-    assert EngineConfig().async_scheduling is False
-
-
 def test_job_output_identical(llama_ckpt: str, tmp_path: Path) -> None:
     rows = [{"id": f"r{i}", "prompt": f"row {i} says " + "word " * (i % 7)} for i in range(20)]
     inp = tmp_path / "in.parquet"

@@ -253,7 +253,9 @@ def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -
         setup.model, dtype=setup.dtype, device=device, implementation=setup.implementation,
         tp_rank=rank, tp_size=world,
     )  # fmt: skip
-    runner = TPModelRunner(model, cfg, device, resolve_backend(cfg.attention_backend, device), channel)
+    max_model_len = cfg.max_model_len or model.config.max_model_len
+    backend = resolve_backend(cfg.attention_backend, device)
+    runner = TPModelRunner(model, cfg, device, backend, max_model_len, channel)
     runner.allocate_kv_cache(runner.determine_num_blocks())
     runner.allocate_swap_space(runner.determine_num_swap_blocks() if cfg.preemption_mode == "swap" else 0)
     serve(runner)
