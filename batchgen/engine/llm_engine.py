@@ -42,6 +42,17 @@ _NO_XGRAMMAR = (
 )
 
 
+def _max_model_len(config: EngineConfig, mc) -> int:
+    """The engine's context: ``engine.max_model_len``, at most the model's full context
+    (max_position_embeddings; sliding windows are attended, they do not cap it)."""
+    if config.max_model_len and config.max_model_len > mc.max_model_len:
+        raise ValueError(
+            f"engine.max_model_len={config.max_model_len} exceeds the model's limit of {mc.max_model_len} "
+            f"tokens (max_position_embeddings); lower it"
+        )
+    return config.max_model_len or mc.max_model_len
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,15 +114,8 @@ class LLMEngine:
             model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
         )
         self.tokenizer = load_tokenizer(tokenizer or model)
-        mc = self.model.config
-        # The model's full context (max_position_embeddings); sliding windows are attended, they do not cap it.
-        self.max_model_len = config.max_model_len or mc.max_model_len
-        if config.max_model_len and config.max_model_len > mc.max_model_len:
-            raise ValueError(
-                f"engine.max_model_len={config.max_model_len} exceeds the model's limit of {mc.max_model_len} "
-                f"tokens (max_position_embeddings); lower it"
-            )
-        eos = set(mc.eos_token_ids or [])
+        self.max_model_len = _max_model_len(config, self.model.config)
+        eos = set(self.model.config.eos_token_ids or [])
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
