@@ -13,8 +13,9 @@ Invariants:
 - every rank applies the same messages in the same order (one broadcast per step, in step order), so the
   collectives of a forward pair up and the KV shards hold the same blocks;
 - the KV pool has the same number of blocks on every rank: the minimum of what each rank can hold;
-- workers wait for the next message under the step group's long idle timeout (``IDLE_WAIT``: rank 0 may be
-  idle between steps for long); collectives inside a step run under the process group's timeout.
+- workers wait for the next message under a long idle timeout (``IDLE_WAIT``: rank 0 may be idle between
+  steps for long); rank 0's broadcasts and every collective inside a step run under the process group's
+  timeout (``BATCHGEN_TP_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ class StepMessage:
 
 class StepChannel:
     """Rank 0's messages to every worker: one ``broadcast_object_list`` each over a gloo group created for
-    them (so they work beside NCCL and wait with their own idle timeout); and the min-over-ranks agreement on
-    the KV pool size. Every rank builds its channel right after joining the process group."""
+    them (so they work beside NCCL); and the min-over-ranks agreement on the KV pool size. Every rank builds
+    its channel right after joining the process group, with its own ``timeout``: a worker waits for the next
+    step up to ``IDLE_WAIT``, rank 0 sends under the collectives' timeout (a stuck worker fails the step)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
+    def __init__(self, device: torch.device, timeout: datetime.timedelta = IDLE_WAIT) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.device = device  # where collectives' tensors live (CUDA for NCCL)
         self.lost: str | None = None  # set by rank 0's watchdog when a worker process exited
 

@@ -226,7 +226,7 @@ def start(setup: WorkerSetup) -> TPGroup:
         for p in procs:
             p.kill()
         raise WorkerLost(f"tensor-parallel ranks did not start: {e}") from e
-    channel = StepChannel(device)
+    channel = StepChannel(device, datetime.timedelta(seconds=timeout_s()))
     channel.post(setup)
     _ACTIVE = TPGroup(channel, device, procs)
     return _ACTIVE
