@@ -14,8 +14,8 @@ Invariants:
   collectives of a forward pair up and the KV shards hold the same blocks;
 - the KV pool has the same number of blocks on every rank: the minimum of what each rank can hold;
 - workers wait for the next message under a long idle timeout (``IDLE_WAIT``: rank 0 may be idle between
-  steps for long); rank 0's broadcasts and every collective inside a step run under the process group's
-  timeout (``BATCHGEN_TP_TIMEOUT_S``).
+  steps for long); a step on rank 0 (broadcast included) fails after ``BATCHGEN_TP_TIMEOUT_S``: its
+  collectives time out, and rank 0's watchdog aborts the groups of a step that runs longer.
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ class StepMessage:
 
 class StepChannel:
     """Rank 0's messages to every worker: one ``broadcast_object_list`` each over a gloo group created for
-    them (so they work beside NCCL); and the min-over-ranks agreement on the KV pool size. Every rank builds
-    its channel right after joining the process group, with its own ``timeout``: a worker waits for the next
-    step up to ``IDLE_WAIT``, rank 0 sends under the collectives' timeout (a stuck worker fails the step)."""
+    them (so they work beside NCCL, and a worker waits for the next step up to ``IDLE_WAIT``); and the
+    min-over-ranks agreement on the KV pool size. Every rank builds its channel right after joining the
+    process group. A broadcast to a stuck worker is ended by rank 0's watchdog (:mod:`.tp_launch`)."""
 
-    def __init__(self, device: torch.device, timeout: datetime.timedelta = IDLE_WAIT) -> None:
-        self.group = dist.new_group(backend="gloo", timeout=timeout)
+    def __init__(self, device: torch.device) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
         self.device = device  # where collectives' tensors live (CUDA for NCCL)
         self.lost: str | None = None  # set by rank 0's watchdog when a worker process exited
 
@@ -98,6 +98,7 @@ class TPModelRunner(ModelRunner):
         self.channel = channel
         self.rank = model.config.tp_rank
         self.in_step = False  # rank 0: inside a step's collectives (the launcher's watchdog reads it)
+        self.step_started = 0.0  # rank 0: time.monotonic() at the start of the step in progress
 
     def determine_num_blocks(self) -> int:
         """The smallest pool any rank can hold (each sizes its own from its memory and weights shard)."""
@@ -116,6 +117,7 @@ class TPModelRunner(ModelRunner):
             fwd.ids[step.fill[0]] = step.fill[1]
             step = replace(step, fill=None)
         msg = StepMessage(step.moves, fwd.to(torch.device("cpu")) if fwd is not None else None)
+        self.step_started = time.monotonic()
         self.in_step = True
         try:
             self.channel.post(msg)
@@ -167,7 +169,7 @@ def _is_dist_error(e: BaseException) -> bool:
     if isinstance(e, dist.DistError):
         return True
     text = str(e).lower()
-    return any(w in text for w in ("gloo", "nccl", "connection", "peer", "timed out", "timeout"))
+    return any(w in text for w in ("gloo", "nccl", "connection", "peer", "timed out", "timeout", "abort"))
 
 
 def _first_line(e: BaseException) -> str:

@@ -118,34 +118,40 @@ class TPGroup:
         self.closed = False
         self._lost_at: float | None = None
         self._aborted = False
-        if procs:
-            threading.Thread(target=self._watch, name="batchgen-tp-watchdog", daemon=True).start()
+        threading.Thread(target=self._watch, name="batchgen-tp-watchdog", daemon=True).start()
         atexit.register(self.close)  # before multiprocessing's and torch's own exit handlers run
 
     def _watch(self) -> None:
+        """Every 0.2 s: report a worker process that exited; end a step stuck on a lost or hung rank by
+        aborting the process groups (the step then raises in the engine's thread)."""
         while not self.closed:
             time.sleep(0.2)
+            runner = self.runner
+            busy = runner is not None and runner.in_step
             dead = [(r, p.returncode) for r, p in enumerate(self.procs, 1) if p.poll() is not None]
-            if not dead or self.closed:
-                continue
-            if self._lost_at is None:
+            if dead and self._lost_at is None and not self.closed:
                 self._lost_at = time.monotonic()
                 r, code = dead[0]
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
                 self.channel.lost = f"tensor-parallel worker rank {r} {how}"
                 logger.error("%s", self.channel.lost)
-            busy = self.runner is not None and self.runner.in_step
-            if busy and not self._aborted and time.monotonic() - self._lost_at > GRACE_S:
+            if not busy or self._aborted or self.closed:
+                continue
+            if self._lost_at is not None and time.monotonic() - self._lost_at > GRACE_S:
+                self._abort_step()
+            elif runner is not None and time.monotonic() - runner.step_started > timeout_s() + 1.0:
+                limit = timeout_s()
+                self.channel.lost = (
+                    f"a tensor-parallel step timed out after {limit:g} s ({TIMEOUT_ENV}): a rank is stuck"
+                )
                 self._abort_step()
 
     def _abort_step(self) -> None:
-        """A worker died and the step's collective did not fail by itself: abort the process group, so the
-        collective raises in the engine's thread (which reports :class:`WorkerLost`); never exit the
+        """A worker died (or a step hung) and the step's collective did not fail by itself: abort the process
+        groups, so the collective raises in the engine's thread (which reports :class:`WorkerLost`); never exit the
         process from here (an ``LLM`` user's process is not the job's to end)."""
         self._aborted = True
-        logger.error(
-            "%s and the step did not fail within %g s: aborting the process group", self.channel.lost, GRACE_S
-        )
+        logger.error("%s: aborting the process groups so that the step fails", self.channel.lost)
         try:
             abort_process_group(self.channel)
         except Exception as e:  # noqa: BLE001 - the step may have failed meanwhile, destroying the group
@@ -226,7 +232,7 @@ def start(setup: WorkerSetup) -> TPGroup:
         for p in procs:
             p.kill()
         raise WorkerLost(f"tensor-parallel ranks did not start: {e}") from e
-    channel = StepChannel(device, datetime.timedelta(seconds=timeout_s()))
+    channel = StepChannel(device)
     channel.post(setup)
     _ACTIVE = TPGroup(channel, device, procs)
     return _ACTIVE
