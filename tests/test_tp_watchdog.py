@@ -33,7 +33,7 @@ def test_lost_worker_mid_step_aborts_the_group_instead_of_exiting(monkeypatch) -
     monkeypatch.setattr(os, "_exit", lambda code: (_ for _ in ()).throw(AssertionError(f"os._exit({code})")))
     channel = SimpleNamespace(lost=None, post=lambda message: None)
     group = tp_launch.TPGroup(channel, torch.device("cpu"), [_DeadProc()])  # type: ignore[arg-type]
-    group.runner = SimpleNamespace(in_step=True, step_started=time.monotonic())  # type: ignore[assignment]
+    group.runner = SimpleNamespace(in_step=True)  # type: ignore[assignment]
     try:
         assert aborted.wait(5.0), "the watchdog did not abort the process group"
         assert channel.lost == "tensor-parallel worker rank 1 was killed by signal 9"

@@ -14,8 +14,8 @@ Invariants:
   collectives of a forward pair up and the KV shards hold the same blocks;
 - the KV pool has the same number of blocks on every rank: the minimum of what each rank can hold;
 - workers wait for the next message under a long idle timeout (``IDLE_WAIT``: rank 0 may be idle between
-  steps for long); a step on rank 0 (broadcast included) fails after ``BATCHGEN_TP_TIMEOUT_S``: its
-  collectives time out, and rank 0's watchdog aborts the groups of a step that runs longer.
+  steps for long); rank 0's broadcasts and the collectives inside a step fail after
+  ``BATCHGEN_TP_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -50,12 +50,14 @@ class StepMessage:
 
 class StepChannel:
     """Rank 0's messages to every worker: one ``broadcast_object_list`` each over a gloo group created for
-    them (so they work beside NCCL, and a worker waits for the next step up to ``IDLE_WAIT``); and the
-    min-over-ranks agreement on the KV pool size. Every rank builds its channel right after joining the
-    process group. A broadcast to a stuck worker is ended by rank 0's watchdog (:mod:`.tp_launch`)."""
+    them (so they work beside NCCL); and the min-over-ranks agreement on the KV pool size. Every rank builds
+    its channel right after joining the process group; a worker waits for the next step up to ``IDLE_WAIT``,
+    rank 0 sends under ``send_timeout`` (the collectives' timeout: a stuck worker fails the step)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, send_timeout: datetime.timedelta | None = None) -> None:
         self.group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
+        if send_timeout is not None:  # rank 0: a broadcast to a stuck worker fails like a collective
+            dist.distributed_c10d._set_pg_timeout(send_timeout, self.group)
         self.device = device  # where collectives' tensors live (CUDA for NCCL)
         self.lost: str | None = None  # set by rank 0's watchdog when a worker process exited
 
@@ -98,7 +100,6 @@ class TPModelRunner(ModelRunner):
         self.channel = channel
         self.rank = model.config.tp_rank
         self.in_step = False  # rank 0: inside a step's collectives (the launcher's watchdog reads it)
-        self.step_started = 0.0  # rank 0: time.monotonic() at the start of the step in progress
 
     def determine_num_blocks(self) -> int:
         """The smallest pool any rank can hold (each sizes its own from its memory and weights shard)."""
@@ -117,7 +118,6 @@ class TPModelRunner(ModelRunner):
             fwd.ids[step.fill[0]] = step.fill[1]
             step = replace(step, fill=None)
         msg = StepMessage(step.moves, fwd.to(torch.device("cpu")) if fwd is not None else None)
-        self.step_started = time.monotonic()
         self.in_step = True
         try:
             self.channel.post(msg)

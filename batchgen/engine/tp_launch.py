@@ -118,12 +118,13 @@ class TPGroup:
         self.closed = False
         self._lost_at: float | None = None
         self._aborted = False
-        threading.Thread(target=self._watch, name="batchgen-tp-watchdog", daemon=True).start()
+        if procs:
+            threading.Thread(target=self._watch, name="batchgen-tp-watchdog", daemon=True).start()
         atexit.register(self.close)  # before multiprocessing's and torch's own exit handlers run
 
     def _watch(self) -> None:
-        """Every 0.2 s: report a worker process that exited; end a step stuck on a lost or hung rank by
-        aborting the process groups (the step then raises in the engine's thread)."""
+        """Every 0.2 s: report a worker process that exited; end a step still stuck on it ``GRACE_S`` later
+        by aborting the process groups (the step then raises in the engine's thread)."""
         while not self.closed:
             time.sleep(0.2)
             runner = self.runner
@@ -139,15 +140,9 @@ class TPGroup:
                 continue
             if self._lost_at is not None and time.monotonic() - self._lost_at > GRACE_S:
                 self._abort_step()
-            elif runner is not None and time.monotonic() - runner.step_started > timeout_s() + 1.0:
-                limit = timeout_s()
-                self.channel.lost = (
-                    f"a tensor-parallel step timed out after {limit:g} s ({TIMEOUT_ENV}): a rank is stuck"
-                )
-                self._abort_step()
 
     def _abort_step(self) -> None:
-        """A worker died (or a step hung) and the step's collective did not fail by itself: abort the process
+        """A worker died and the step's collective did not fail by itself: abort the process
         groups, so the collective raises in the engine's thread (which reports :class:`WorkerLost`); never exit the
         process from here (an ``LLM`` user's process is not the job's to end)."""
         self._aborted = True
@@ -232,7 +227,7 @@ def start(setup: WorkerSetup) -> TPGroup:
         for p in procs:
             p.kill()
         raise WorkerLost(f"tensor-parallel ranks did not start: {e}") from e
-    channel = StepChannel(device)
+    channel = StepChannel(device, datetime.timedelta(seconds=timeout_s()))
     channel.post(setup)
     _ACTIVE = TPGroup(channel, device, procs)
     return _ACTIVE
