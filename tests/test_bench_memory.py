@@ -97,7 +97,7 @@ def _drive_scheduler_by_hand(config: EngineConfig, requests: list[FakeRequest], 
                 st.kv_blocks_used * config.block_size,
                 st.kv_utilization,
                 st.running_seqs,
-                len({id(s.request) for s in sched.running}),
+                len(sched.running),
                 st.waiting_seqs > 0,
             )
         )

@@ -123,9 +123,9 @@ def run(
             kvs = sched.kv.stats()
             steps.append(
                 StepFigures(
-                    running_seqs=len(sched.running),
-                    running_requests=len({id(s.request) for s in sched.running}),
-                    waiting_seqs=len(sched.waiting),
+                    running_seqs=sum(len(g.seqs) for g in sched.running),
+                    running_requests=len(sched.running),
+                    waiting_seqs=sum(len(g.seqs) for g in sched.waiting),
                     blocks_used=kvs.blocks_used,
                     live_token_slots=kvs.live_token_slots,
                     logical_tokens=kvs.logical_tokens,

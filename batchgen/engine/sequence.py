@@ -14,6 +14,7 @@ from batchgen.engine.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from batchgen.engine.beam import BeamSearch
+    from batchgen.engine.request_group import RequestGroup
     from batchgen.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -58,6 +59,8 @@ class Request:
     admitted: bool = False
     num_finished: int = 0
     beam: BeamSearch | None = None
+    group: RequestGroup | None = None
+    """The scheduling group of its live sequences (set by the scheduler when the request arrives)."""
     plain_greedy: bool = field(init=False)
     """Greedy with no penalties, min_tokens or logprobs: sampling is a bare argmax (no per-row settings)."""
     plain_sampling: bool = field(init=False)
