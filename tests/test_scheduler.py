@@ -15,9 +15,8 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.output_processor import OutputProcessor
 from batchgen.engine.request_group import RequestGroup
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.scheduler import Scheduler, SchedulerOutput, unservable
 from batchgen.engine.sequence import Request, SequenceStatus
-from batchgen.engine.stats import EngineStats
 from batchgen.engine.stop import StopRules
 from batchgen.sampling_params import SamplingParams
 
@@ -28,7 +27,7 @@ EOS = 999
 def make_scheduler(num_blocks: int = 64, **config) -> Scheduler:
     cfg = EngineConfig(block_size=8, **config)  # EngineConfig only allows 8..64; the manager uses BS
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=config.get("enable_prefix_caching", True))
-    return Scheduler(cfg, kv, StopRules.build([EOS], max_model_len=1000), EngineStats())
+    return Scheduler(cfg, kv, StopRules.build([EOS], max_model_len=1000))
 
 
 def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 100, first_token: int = 0, n: int = 1):
@@ -170,8 +169,8 @@ def test_stop_rules_finish_and_free():
 @pytest.mark.parametrize("cap", [1, 3])
 def test_unservable_request_is_reported(cap):
     sched = make_scheduler(num_blocks=cap)
-    assert sched.unservable(4 * cap, 1, 1000) is not None
-    assert sched.unservable(2, 1, 1000) is None
+    assert unservable(sched.kv, sched.config.max_num_seqs, 4 * cap, 1, 1000) is not None
+    assert unservable(sched.kv, sched.config.max_num_seqs, 2, 1, 1000) is None
 
 
 # ------------------------------------------------------------------------------ beam groups and swapping
@@ -213,7 +212,7 @@ def fake_step(sched: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
 def check_units(sched: Scheduler) -> None:
     """Every beam group is in one state; refcounts match the tables (swapped ones included)."""
     for group in [*sched.running, *sched.waiting, *sched.swapped]:
-        assert group.seqs and all(s.request.group is group for s in group.seqs)
+        assert group.seqs and all(s.group is group for s in group.seqs)
         assert len({s.status for s in group.seqs}) == 1, "a group is split across states"
     kv = sched.kv
     kv.pool.check_invariants()
@@ -286,7 +285,6 @@ def test_beam_groups_and_sequences_survive_preemption(mode: str, num_blocks: int
         EngineConfig(block_size=8, **cfg),
         KVCacheManager(num_blocks, BS, num_cpu_blocks=cpu_blocks),
         StopRules.build([EOS], max_model_len=1000),
-        EngineStats(),
     )
     got = results(_run(sched))
     assert got == ref
@@ -310,7 +308,6 @@ def test_swap_fallback_to_recompute_when_cpu_pool_is_full():
         EngineConfig(block_size=8, preemption_mode="swap", max_num_batched_tokens=64),
         KVCacheManager(16, BS, num_cpu_blocks=6),
         StopRules.build([EOS], max_model_len=1000),
-        EngineStats(),
     )
     for i in range(4):
         add(sched, f"r{i}", 8, max_tokens=20, first_token=10 * i)
@@ -331,7 +328,6 @@ def test_swapped_unit_that_cannot_fit_while_nothing_runs_is_recomputed():
         EngineConfig(block_size=8, preemption_mode="swap"),
         KVCacheManager(6, BS, num_cpu_blocks=16),
         StopRules.build([EOS], max_model_len=1000),
-        EngineStats(),
     )
     kv = sched.kv
 
@@ -346,7 +342,7 @@ def test_swapped_unit_that_cannot_fit_while_nothing_runs_is_recomputed():
     def swap(seq):
         assert kv.swap_out([seq.seq_id]) is not None
         seq.status = SequenceStatus.SWAPPED
-        sched.swapped.append(seq.request.group)
+        sched.swapped.append(seq.group)
 
     big = swapped_seq("big", 15, 0)  # 4 blocks
     swap(big)

@@ -20,9 +20,9 @@ from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.output_processor import OutputProcessor, error_output
 from batchgen.engine.outputs import RequestOutput
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.scheduler import Scheduler, SchedulerOutput, unservable
 from batchgen.engine.sequence import Request
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
 from batchgen.engine.step_builder import StepBuilder
 from batchgen.engine.step_input import RunnerOutput, SamplingInput, StepInput
 from batchgen.engine.stop import StopRules
@@ -128,7 +128,9 @@ class LLMEngine:
             num_cpu_blocks=num_swap_blocks,
         )
         self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
-        self.scheduler = Scheduler(config, kv, self.stop, self.stats)
+        self.scheduler = Scheduler(config, kv, self.stop)
+        self.counters = EngineCounters()
+        self._collector = StatsCollector(self._stats, self.scheduler.stats, kv, self.counters)
         self._structured: StructuredOutputs | None = None  # built by the first constrained request
         self.builder = StepBuilder(
             config, self.max_model_len, self.device, self.stop, lambda: self._structured
@@ -156,7 +158,7 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, config, self.device, backend, self.max_model_len)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
-        self.stats = EngineStats(
+        self._stats = EngineStats(
             num_blocks=num_blocks,
             block_size=config.block_size,
             bytes_per_block=self.runner.bytes_per_block,
@@ -197,20 +199,20 @@ class LLMEngine:
         if prompt_logprobs_start is not None or params.prompt_logprobs is not None:
             request.prompt_logprobs_start = prompt_logprobs_start
             self.builder.wants_prompt_logprobs = True
-        self.stats.num_requests += 1
+        self.counters.num_requests += 1
         error = self._validate(token_ids, params)
         # A constraint is compiled (cached) now, so a bad schema or regex fails this request alone.
         if error is None and params.constrained:
             error = self.structured.validate(params) if structured_available() else _NO_XGRAMMAR
         if error is not None:
-            self.stats.num_error_requests += 1
+            self.counters.num_error_requests += 1
             self._errors.append(error_output(request, error))
             return
         self.requests[request_id] = request
         if params.beam_width > 1 or params.constrained or prompt_logprobs.wants_prompt_logprobs(request):
             self._sync_ids.add(request_id)
         self.scheduler.add(request.new_sequence(list(token_ids), 0))
-        self.stats.prompt_tokens += len(token_ids)
+        self.counters.prompt_tokens += len(token_ids)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> str | None:
         n = len(token_ids)
@@ -228,7 +230,8 @@ class LLMEngine:
                 f"prompt has {n} tokens but engine.max_model_len is {self.max_model_len}: it must leave room "
                 f"for at least one generated token; shorten the prompt or raise engine.max_model_len"
             )
-        return self.scheduler.unservable(n, params.max_tokens, self.max_model_len, params.beam_width)
+        kv, cap = self.scheduler.kv, self.config.max_num_seqs
+        return unservable(kv, cap, n, params.max_tokens, self.max_model_len, params.beam_width)
 
     def abort_request(self, request_id: str | int) -> None:
         request = self.requests.pop(request_id, None)
@@ -270,7 +273,7 @@ class LLMEngine:
             return None
         pipelined = self.executor.pipelined and bool(out)
         if prepared is None and pipelined:
-            self.stats.drained_steps += 1
+            self.counters.drained_steps += 1
         forward = prepared.forward if prepared is not None else self.builder.prepare_inputs(out)
         sampling = self.builder.sampling_input(out) if out else SamplingInput()
         flight = InFlight(
@@ -291,6 +294,7 @@ class LLMEngine:
         done = self.outputs.update(
             self.scheduler, out, output.token_ids, output.logprobs, output.beam_logprobs
         )
+        self._collector.collect()  # per step: the peaks see every step
         if startup_trace.enabled and output.token_ids:
             startup_trace.mark("first_token")
         return [self._request_output(r) for r in done]
@@ -319,10 +323,16 @@ class LLMEngine:
         if all(s.seq.is_finished for s in prepared.out.seqs):
             self.scheduler.cancel(prepared.out)
             return
-        self.stats.async_steps += 1
+        self.counters.async_steps += 1
         flight = self._launch(prepared.out, prepared, fill_tensors(prepared, output.sampled))
         assert flight is not None
         self._flights.append(flight)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's figures, snapshotted from its components' counters now (one object, updated in place:
+        use :meth:`EngineStats.snapshot` to keep one)."""
+        return self._collector.collect()
 
     @property
     def structured(self) -> StructuredOutputs:
@@ -347,5 +357,5 @@ class LLMEngine:
         """The output of a request whose every sample finished (texts decoded once, by the output processor)."""
         self.requests.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
-        self.stats.num_finished_requests += 1
+        self.counters.num_finished_requests += 1
         return self.outputs.request_output(request)

@@ -2,9 +2,10 @@
 preempted, swapped and resumed as one.
 
 * :class:`RequestGroup` — one sequence (``n = 1``).
-* :class:`SampleGroup` — ``n > 1`` independent samples: one sequence until the step that completes its prompt,
-  which forks the other ``n - 1`` (:meth:`fan_out`; they share every block, the partial last one included).
-  A sample that stops leaves the group; the group ends with its last sample.
+* :class:`SampleGroup` — the first sample of an ``n > 1`` request: it holds seats for all ``n`` until the step
+  that completes its prompt, which forks the other ``n - 1`` (:meth:`SampleGroup.fan_out`; they share every
+  block, the partial last one included), each into a one-sequence group of its own: samples are independent,
+  so each is preempted and resumed alone (a pool that holds one sample at a time still serves the request).
 * :class:`BeamGroup` — the live beams of a beam search. The beams decode together (a group never half-runs);
   each step :meth:`BeamGroup.absorb` hands their log-softmax rows to :class:`~batchgen.engine.beam.BeamSearch`
   (the arithmetic) and forks, keeps or frees beams as it decides. A group re-admitted after a recompute
@@ -51,7 +52,7 @@ class RequestGroup:
         self.request = request
         self.seqs: list[Sequence] = [seq]
         self.admitted_at = -1  # admission counter: the most recently admitted group is preempted first
-        request.group = self
+        seq.group = self
 
     def seats(self) -> int:
         """Sequence slots the group takes once admitted, the forks its prompt will spawn included."""
@@ -103,8 +104,9 @@ class RequestGroup:
             s.status = SequenceStatus.WAITING
             s.num_computed_tokens = 0
 
-    def fan_out(self, seq: Sequence, kv: KVCacheManager) -> list[Sequence]:
-        """The sequences forked from ``seq`` in the step that completes it (they sample from its row)."""
+    def fan_out(self, seq: Sequence, kv: KVCacheManager) -> list[RequestGroup]:
+        """The groups of the sequences forked from ``seq`` in the step that completes it (running; they sample
+        from its row)."""
         return []
 
     def remove(self, seq: Sequence) -> None:
@@ -113,22 +115,21 @@ class RequestGroup:
 
 
 class SampleGroup(RequestGroup):
-    """``n > 1`` samples of one request."""
+    """The first sample of an ``n > 1`` request (see the module docstring)."""
 
     def seats(self) -> int:
         return self.request.params.n if len(self.request.seqs) == 1 else len(self.seqs)
 
-    def fan_out(self, seq: Sequence, kv: KVCacheManager) -> list[Sequence]:
+    def fan_out(self, seq: Sequence, kv: KVCacheManager) -> list[RequestGroup]:
         if len(seq.token_ids) != seq.num_prompt_tokens or len(self.request.seqs) != 1:
             return []
-        children = []
+        groups = []
         for k in range(1, self.request.params.n):
             child = seq.fork(k)
             kv.fork(seq.seq_id, child.seq_id)
             child.status = SequenceStatus.RUNNING
-            self.seqs.append(child)
-            children.append(child)
-        return children
+            groups.append(RequestGroup(self.request, child))
+        return groups
 
 
 class BeamGroup(RequestGroup):
@@ -240,6 +241,7 @@ class BeamGroup(RequestGroup):
             parent = parents[i]
             if parent.seq_id in kept:  # a second continuation of the same beam: fork it (before it grows)
                 child = parent.fork_beam()
+                child.group = self
                 kv.fork(parent.seq_id, child.seq_id)
             else:
                 kept.add(parent.seq_id)

@@ -22,7 +22,7 @@ A step's results come back in two halves around the output processor (which appl
 sequences that stopped, lets each beam group absorb its step and returns the requests that finished.
 
 The scheduler is the only user of the :class:`KVCacheManager`, and keeps the scheduling figures of
-:class:`EngineStats` (preemptions, swaps, prefix hits, tokens computed, copy-on-write copies, KV usage).
+:class:`SchedulerCounters` (preemptions, swaps, prefix hits, tokens computed, copy-on-write copies, queue sizes).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.request_group import BeamGroup, RequestGroup, make_group
 from batchgen.engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.stats import SchedulerCounters
 from batchgen.engine.stop import StopRules
 
 
@@ -116,15 +116,43 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def unservable(
+    kv: KVCacheManager,
+    max_num_seqs: int,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    beam_width: int = 1,
+) -> str | None:
+    """Why a request of this size can never run in this pool (None if it can)."""
+    longest = min(num_prompt_tokens + (max_tokens or max_model_len), max_model_len)
+    bs = kv.block_size
+    if beam_width > 1:
+        if beam_width > max_num_seqs:
+            return f"beam_width={beam_width} exceeds engine.max_num_seqs={max_num_seqs}"
+        # The beams share the prompt; each may need its own blocks for all it generates (+ a partial copy).
+        need = _cdiv(num_prompt_tokens, bs) + beam_width * (_cdiv(longest - num_prompt_tokens, bs) + 1)
+        what = f"prompt ({num_prompt_tokens} tokens) plus max_tokens for {beam_width} beams"
+    else:
+        need = _cdiv(longest, bs)
+        what = f"prompt ({num_prompt_tokens} tokens) plus max_tokens"
+    if need <= kv.num_blocks:
+        return None
+    return (
+        f"{what} needs {need} KV blocks but the pool holds "
+        f"{kv.num_blocks}; raise engine.kv_cache_memory / num_blocks or lower max_tokens"
+    )
+
+
 class Scheduler:
     """Owns the waiting queue, the running list and the swapped queue of request groups, and the KV cache
     manager. ``running`` is in admission order; ``swapped`` holds the next group to resume first."""
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, stop: StopRules, stats: EngineStats) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, stop: StopRules) -> None:
         self.config = config
         self.kv = kv
         self.stop = stop
-        self.stats = stats
+        self.stats = SchedulerCounters()  # written by the scheduler alone
         self.waiting: deque[RequestGroup] = deque()
         self.running: list[RequestGroup] = []
         self.swapped: deque[RequestGroup] = deque()
@@ -148,22 +176,21 @@ class Scheduler:
         self.waiting.append(make_group(seq.request, seq, self.stop.eos_token_ids, self.stop.max_model_len))
 
     def abort_request(self, request: Request) -> None:
-        """Abort every live sequence of the request (its whole group, wherever it is)."""
-        group = request.group
-        if group is None or not group.seqs:
-            return
-        status = group.seqs[0].status
-        if status is SequenceStatus.RUNNING:
-            for s in group.seqs:
-                self._free_blocks(s.seq_id)
-            self.running.remove(group)
-        elif status is SequenceStatus.WAITING:
-            self.waiting.remove(group)
-        elif status is SequenceStatus.SWAPPED:
-            for s in group.seqs:
-                self.kv.free(s.seq_id)
-            self.swapped.remove(group)
-        group.set_status(SequenceStatus.FINISHED)
+        """Abort every live sequence of the request (each group, wherever it is)."""
+        groups = {id(s.group): s.group for s in request.seqs if s.group is not None and not s.is_finished}
+        for group in groups.values():
+            status = group.seqs[0].status
+            if status is SequenceStatus.RUNNING:
+                for s in group.seqs:
+                    self._free_blocks(s.seq_id)
+                self.running.remove(group)
+            elif status is SequenceStatus.WAITING:
+                self.waiting.remove(group)
+            elif status is SequenceStatus.SWAPPED:
+                for s in group.seqs:
+                    self.kv.free(s.seq_id)
+                self.swapped.remove(group)
+            group.set_status(SequenceStatus.FINISHED)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -176,28 +203,6 @@ class Scheduler:
         """Whether a step scheduled now cannot preempt (async scheduling plans ahead only then): nothing is
         swapped out and every running sequence has a free block to grow into."""
         return not self.swapped and self.kv.num_free_blocks >= sum(len(g.seqs) for g in self.running)
-
-    def unservable(
-        self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, beam_width: int = 1
-    ) -> str | None:
-        """Why a request of this size can never run in this pool (None if it can)."""
-        longest = min(num_prompt_tokens + (max_tokens or max_model_len), max_model_len)
-        bs = self.kv.block_size
-        if beam_width > 1:
-            if beam_width > self.config.max_num_seqs:
-                return f"beam_width={beam_width} exceeds engine.max_num_seqs={self.config.max_num_seqs}"
-            # The beams share the prompt; each may need its own blocks for all it generates (+ a partial copy).
-            need = _cdiv(num_prompt_tokens, bs) + beam_width * (_cdiv(longest - num_prompt_tokens, bs) + 1)
-            what = f"prompt ({num_prompt_tokens} tokens) plus max_tokens for {beam_width} beams"
-        else:
-            need = _cdiv(longest, bs)
-            what = f"prompt ({num_prompt_tokens} tokens) plus max_tokens"
-        if need <= self.kv.num_blocks:
-            return None
-        return (
-            f"{what} needs {need} KV blocks but the pool holds "
-            f"{self.kv.num_blocks}; raise engine.kv_cache_memory / num_blocks or lower max_tokens"
-        )
 
     # --------------------------------------------------------------------------------------- schedule
     def schedule(self, ahead: bool = False) -> SchedulerOutput:
@@ -406,9 +411,11 @@ class Scheduler:
             sample_seqs.append(seq)
             plain = plain and request.plain_greedy
             plain_sampling = plain_sampling and request.plain_sampling
-            for child in request.group.fan_out(seq, self.kv):  # type: ignore[union-attr]
+            for group in seq.group.fan_out(seq, self.kv):  # type: ignore[union-attr]
+                group.admitted_at = next(self._admissions)
+                self.running.append(group)
                 sample_rows.append(row)
-                sample_seqs.append(child)
+                sample_seqs.append(group.seqs[0])
         out.plain_greedy, out.plain_sampling = plain, plain_sampling
         if beam_rows:
             self._plan_beam_rows(out, beam_rows)
@@ -416,7 +423,7 @@ class Scheduler:
     def _plan_beam_rows(self, out: SchedulerOutput, beam_rows: dict[int, int]) -> None:
         seen: set[int] = set()
         for s in out.seqs:
-            group = s.seq.request.group
+            group = s.seq.group
             if not isinstance(group, BeamGroup) or id(group) in seen or s.seq.seq_id not in beam_rows:
                 continue
             seen.add(id(group))
@@ -556,7 +563,7 @@ class Scheduler:
     def _finish(self, seq: Sequence) -> None:
         """A stopped sequence leaves its group (and the group the running list with its last sequence)."""
         self._release(seq)
-        group = seq.request.group
+        group = seq.group
         assert group is not None
         group.remove(seq)
         if not group.seqs:
@@ -585,13 +592,3 @@ class Scheduler:
         st.running_seqs = sum(len(g.seqs) for g in self.running)
         st.waiting_seqs = sum(len(g.seqs) for g in self.waiting)
         st.swapped_seqs = sum(len(g.seqs) for g in self.swapped)
-        st.peak_running_seqs = max(st.peak_running_seqs, st.running_seqs)
-        kvs = self.kv.stats()
-        st.kv_blocks_used = kvs.blocks_used
-        st.kv_usage = kvs.blocks_used / self.kv.num_blocks
-        st.peak_kv_usage = max(st.peak_kv_usage, st.kv_usage)
-        st.kv_utilization = kvs.kv_utilization
-        st.kv_fragmentation = kvs.internal_fragmentation
-        if kvs.blocks_used:
-            st.min_kv_utilization = min(st.min_kv_utilization, kvs.kv_utilization)
-            st.peak_kv_fragmentation = max(st.peak_kv_fragmentation, kvs.internal_fragmentation)

@@ -59,8 +59,6 @@ class Request:
     admitted: bool = False
     num_finished: int = 0
     beam: BeamSearch | None = None
-    group: RequestGroup | None = None
-    """The scheduling group of its live sequences (set by the scheduler when the request arrives)."""
     plain_greedy: bool = field(init=False)
     """Greedy with no penalties, min_tokens or logprobs: sampling is a bare argmax (no per-row settings)."""
     plain_sampling: bool = field(init=False)
@@ -129,6 +127,8 @@ class Sequence:
     # last (max_tokens / max_model_len), so it is not scheduled again.
     pending_row: int = -1
     finishing: bool = False
+    group: RequestGroup | None = None
+    """The scheduling group it belongs to (:mod:`batchgen.engine.request_group`)."""
 
     @property
     def num_tokens(self) -> int:
