@@ -329,15 +329,15 @@ class KVCacheManager:
 
     def append_one(
         self, seq_id: SeqId, token_ids: Sequence[int], defer_last: bool = False
-    ) -> list[int] | None:
+    ) -> tuple[int, ...] | None:
         """Decode fast path: ``append_slots(seq_id, len(token_ids))`` then ``cache_full_blocks(seq_id,
         token_ids, len(token_ids))`` for a resident sequence growing by one token that fits in its exclusive
         last block (no new block, no copy on write): O(1), hashing only when the token fills its block.
         ``defer_last``: the last token is not known yet (async scheduling's placeholder): hash only the
         blocks before it (a later call, or :meth:`cache_full_blocks`, hashes its block once it is known).
 
-        Returns the sequence's *live* block table (not a copy; valid until the table next changes), or None,
-        changing nothing, when the general path is needed.
+        Returns the sequence's block table (a tuple), or None, changing nothing, when the general path is
+        needed.
         """
         s = self._seqs.get(seq_id)
         num_tokens = len(token_ids)
@@ -354,11 +354,7 @@ class KVCacheManager:
         known = num_tokens - 1 if defer_last else num_tokens
         if self.enable_prefix_caching and known // bs > s.num_registered:
             self.cache_full_blocks(seq_id, token_ids, known)
-        return table
-
-    def live_table(self, seq_id: SeqId) -> list[int]:
-        """The sequence's block table as stored (not a copy: do not modify; valid until it next changes)."""
-        return self._get_resident(seq_id).table
+        return tuple(table)
 
     def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register in the prefix cache every block that is full once ``num_computed_tokens`` are computed.

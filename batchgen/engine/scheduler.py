@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -49,7 +50,8 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_tokens: int
-    block_table: list[int]
+    block_table: Seq[int]
+    """A copy of the sequence's table (a list or a tuple): never the KV manager's own."""
     table_unchanged: bool = False
     """The table is, entry for entry, the one the sequence had the last time it was scheduled (the decode
     fast path: it neither grew nor was copied on write, swapped or re-admitted since)."""
