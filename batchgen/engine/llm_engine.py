@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -17,6 +18,7 @@ from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.pooling import PoolingState
 from batchgen.engine.sampler import Sampler, SamplingBatch, SamplingRow, SamplingTensors
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request, sample_seed  # noqa: F401  (sample_seed: public since 0.1)
@@ -77,7 +79,9 @@ class LLMEngine:
         dtype: str = "auto",
         tokenizer: str | None = None,
         implementation: str = "auto",
+        load: Callable[[torch.device], torch.nn.Module] | None = None,
     ) -> None:
+        """``load(device)``: builds the model instead of the checkpoint's default loader (pooling models)."""
         self.config = config = engine_config or EngineConfig()
         tp = config.tensor_parallel_size
         # tensor parallelism: this process is rank 0 (workers started or joined here; see tp_launch)
@@ -92,8 +96,14 @@ class LLMEngine:
         backend = resolve_backend(config.attention_backend, self.device)
         self.model_path = model
         # implementation: auto (native when batchgen has the architecture), native, or transformers
-        self.model = load_model(
-            model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
+        if load is not None and tp > 1:
+            raise ValueError("pooling models run on one device: set engine.tensor_parallel_size=1")
+        self.model = (
+            load(self.device)
+            if load is not None
+            else load_model(
+                model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
+            )
         )
         self.tokenizer = load_tokenizer(tokenizer or model)
         mc = self.model.config
@@ -172,9 +182,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         prompt_logprobs_start: int | None = None,
+        pooling: PoolingState | None = None,
     ) -> None:
         """Queue a request. ``prompt_logprobs_start``: compute the logprobs of the prompt tokens from this
-        position on (scoring: the continuation's first token), reusing the prefix cache before it."""
+        position on (scoring: the continuation's first token), reusing the prefix cache before it.
+        ``pooling``: a prefill-only pooling request (:mod:`batchgen.engine.pooling`; ``params`` ignored) whose
+        pooled hidden state the runner writes into the given state."""
+        if pooling is not None:
+            params = _POOLING_PARAMS
+            self.runner.collect_pooling = True
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -183,6 +199,7 @@ class LLMEngine:
             list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         )
         request = Request(request_id, token_ids, params, prompt_text, self.tokenizer, self.device)
+        request.pooling = pooling
         if prompt_logprobs_start is not None or params.prompt_logprobs is not None:
             request.prompt_logprobs_start = prompt_logprobs_start
             self.runner.collect_prompt_logprobs = True
@@ -196,7 +213,7 @@ class LLMEngine:
             self._errors.append(_error_output(request, error))
             return
         self.requests[request_id] = request
-        if params.beam_width > 1 or params.constrained or _wants_prompt_logprobs(request):
+        if params.beam_width > 1 or params.constrained or _wants_prompt_logprobs(request) or pooling:
             self._sync_ids.add(request_id)
         self.scheduler.add(request.new_sequence(list(token_ids), 0))
         self.stats.prompt_tokens += len(token_ids)
@@ -415,6 +432,10 @@ class LLMEngine:
             )
             for i, h in enumerate(request.beam.results())
         ]
+
+
+_POOLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+"""A pooling request samples one (discarded) token: its prompt step finishes it."""
 
 
 def _wants_prompt_logprobs(request: Request) -> bool:

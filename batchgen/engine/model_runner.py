@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from batchgen import malloc_tuning
-from batchgen.engine import prompt_logprobs
+from batchgen.engine import pooling, prompt_logprobs
 from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine.config import EngineConfig, parse_bytes
 from batchgen.engine.input_batch import InputBatch
@@ -94,6 +94,7 @@ class ModelRunner:
         self._graph_inputs: dict[str, Tensor] = {}
         self._graphs_failed = False
         self.collect_prompt_logprobs = False  # set by the engine while a request wants prompt logprobs
+        self.collect_pooling = False  # set by the engine when a pooling request arrives
         self.input_batch: InputBatch | None = None  # built by the first step (max_model_len is known then)
 
     # ------------------------------------------------------------------------------------------ sizing
@@ -228,7 +229,7 @@ class ModelRunner:
         if fill is not None:
             ids[fill[0]] = fill[1]
         nd = meta.num_decode_seqs
-        if self.pad_decodes and nd == len(out.seqs) and nd <= self.buckets[-1]:
+        if self.pad_decodes and not self.collect_pooling and nd == len(out.seqs) and nd <= self.buckets[-1]:
             bucket = next(b for b in self.buckets if b >= nd)
             ids, pos, meta = self.pad_decode_batch(ids, pos, meta, bucket)
             if self.use_cuda_graphs and not self._graphs_failed:
@@ -238,6 +239,8 @@ class ModelRunner:
         hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache))
         if self.collect_prompt_logprobs:
             prompt_logprobs.collect(self.model, hidden, out)
+        if self.collect_pooling:
+            pooling.collect(hidden, out)
         return self.model.compute_logits(hidden[last]).float()
 
     def pad_decode_batch(

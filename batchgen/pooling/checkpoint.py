@@ -11,9 +11,12 @@ Task detection (:func:`detect_task`), from the checkpoint alone:
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("batchgen")
 
 ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")
 """Encoder families run through transformers' modeling code (:mod:`batchgen.pooling.encoder`)."""
@@ -157,3 +160,25 @@ def _st_pooling_mode(cfg_file: Path) -> str:
             f"{cfg_file}: include_prompt=false (prompt-excluded pooling) is not supported"
         )
     return _ST_MODES[str(mode)]
+
+
+TASKS = ("auto", "generate", "embed", "classify")
+
+
+def resolve_task(model: str | Path, task: str = "auto") -> str:
+    """The task to load ``model`` for: ``task`` itself, or with ``auto`` the checkpoint's (logged, with why)."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if task != "auto":
+        return task
+    if not (Path(model) / "config.json").is_file():
+        return "generate"  # the loader names what is wrong with the path
+    info = read_checkpoint(model)
+    if info.task != "generate":
+        why = (
+            "sentence-transformers modules.json"
+            if (info.path / "modules.json").is_file()
+            else info.architecture
+        )
+        logger.info("%s: task=%s (from %s)", model, info.task, why or info.model_type)
+    return info.task
