@@ -87,6 +87,10 @@ def option_docs() -> list[tuple[str, str, str]]:
     defaults = JobConfig()
     for name in GROUPS:
         walk(name, getattr(defaults, name))
+    top = field_docs(JobConfig)  # plain top-level keys (task)
+    for f in dataclasses.fields(JobConfig):
+        if f.name not in GROUPS:
+            out.append((f.name, _value_text(getattr(defaults, f.name)), top.get(f.name, "")))
     return out
 
 
@@ -95,11 +99,11 @@ def render_options(width: int = 100) -> str:
     lines: list[str] = []
     group = None
     for key, default, doc in option_docs():
-        g = key.split(".")[0]
+        g = key.split(".")[0] if "." in key else ""
         if g != group:
             group = g
-            title = GROUP_TITLES.get(g) or (inspect.getdoc(GROUPS[g]) or "").splitlines()[0]
-            lines.append(f"\n{g}:  {title}")
+            title = GROUP_TITLES.get(g) or (inspect.getdoc(GROUPS[g]) or "").splitlines()[0] if g else ""
+            lines.append(f"\n{g}:  {title}" if g else "\ntop-level keys:")
         lines.append(f"  {key}={default}")
         for wl in textwrap.wrap(doc, width=width - 6, break_on_hyphens=False):
             lines.append(f"      {wl}")

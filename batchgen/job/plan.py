@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,7 +37,7 @@ from batchgen.data.reader import InputSet, WindowSpec, open_input, plan_windows,
 from batchgen.data.structured import arrow_type
 from batchgen.engine.config import parse_bytes
 from batchgen.errors import ConfigError
-from batchgen.job.config import DataOptions, JobConfig
+from batchgen.job.config import POOLING_TASKS, DataOptions, JobConfig
 
 DEFAULT_SAMPLING_COLUMN = "sampling"
 RETRY_KEYS = ("engine.max_model_len", "model.chat_template")
@@ -308,7 +309,11 @@ def _fingerprint_config(
     model: dict[str, Any] = {"fingerprint": model_fp, "dtype": cfg.model.dtype}
     if not legacy and d.messages_column:
         model["chat_template"] = template_fp
-    score = {"task": "score", "continuation_column": d.continuation_column} if cfg.task == "score" else {}
+    score: dict[str, Any] = {}
+    if cfg.task == "score":
+        score = {"task": "score", "continuation_column": d.continuation_column}
+    elif cfg.task in POOLING_TASKS:
+        score = {"task": cfg.task, "pooling": dataclasses.asdict(cfg.pooling)}
     return {
         **score,
         "model": model,
@@ -385,8 +390,13 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     _check_prompt_type(d, schema)
     row_start, row_end = shard_range(inp.num_rows, d.shard.index, d.shard.count)
     model_path = _model_path(cfg)
-    model_cfg = _model_config(cfg, model_path)
-    _check_kv_memory(cfg, model_cfg)
+    if cfg.task in POOLING_TASKS:
+        from batchgen.job.pool import pooling_model_facts
+
+        model_cfg = pooling_model_facts(cfg, model_path)
+    else:
+        model_cfg = _model_config(cfg, model_path)
+        _check_kv_memory(cfg, model_cfg)
     model_fp, template_fp, files = model_identity(model_path)
     fp_config = _fingerprint_config(cfg, model_fp, sampling_col, template_fp)
     legacy_config = _fingerprint_config(cfg, model_fingerprint(model_path), sampling_col, legacy=True)

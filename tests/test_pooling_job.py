@@ -1,0 +1,107 @@
+"""task=embed / task=classify jobs: output columns and types, error rows, resume after a crash, --help."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import job_config
+
+from batchgen import LLM
+from batchgen.data.output_dir import OutputDir
+from batchgen.job.config import PoolingOptions
+from batchgen.job.run import run_job
+from tests import pooling_zoo as zoo
+
+TEXTS = [
+    "short",
+    "a longer passage about paged attention and caches",
+    None,
+    "",
+    "x y z",
+    "more text here",
+    "q",
+]
+
+
+def _read(d):
+    return pa.concat_tables([pq.read_table(p) for p in sorted(d.glob("*.parquet"))]).sort_by("id")
+
+
+def _job(ckpt, tmp_path, out, task, **pooling):
+    job = job_config(ckpt, tmp_path / "in.parquet", tmp_path / out, data={"window_rows": 3})
+    return dataclasses.replace(
+        job,
+        task=task,
+        pooling=PoolingOptions(**pooling),
+        run=dataclasses.replace(job.run, max_error_fraction=1.0),  # two rows are errors on purpose
+    )
+
+
+def test_embed_job_writes_embeddings_and_resumes(tmp_path, monkeypatch):
+    path = zoo.encoder(tmp_path / "bert", "bert", "BertModel", seed=11)
+    pq.write_table(pa.table({"prompt": TEXTS}), tmp_path / "in.parquet")
+    job = _job(path, tmp_path, "out", "embed", method="mean", dimensions=32)
+    res = run_job(job, print_summary=False, handle_signals=False)
+    assert res.exit_code == 0, res.message
+    t = _read(tmp_path / "out")
+    assert t.schema.field("embedding").type == pa.list_(pa.float32(), 32)
+    out = t.to_pydict()
+    assert out["status"] == ["ok", "ok", "error", "error", "ok", "ok", "ok"]
+    assert out["embedding"][2] is None and "non-empty string" in out["error"][3]
+    want = LLM(path).embed([TEXTS[i] for i in (0, 1, 4, 5, 6)], pooling="mean", dimensions=32, use_tqdm=False)
+    got = [out["embedding"][i] for i in (0, 1, 4, 5, 6)]
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w.outputs.embedding, abs=1e-5)
+
+    # a crash after the first window's commit: the rerun does the rest, the output equals the full run's
+    real_commit = OutputDir.commit
+    calls = []
+
+    def dying_commit(self, *a, **kw):
+        real_commit(self, *a, **kw)
+        calls.append(1)
+        raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(OutputDir, "commit", dying_commit)
+    crashed = dataclasses.replace(job, data=dataclasses.replace(job.data, output=str(tmp_path / "crash")))
+    assert run_job(crashed, print_summary=False, handle_signals=False).exit_code == 1
+    monkeypatch.setattr(OutputDir, "commit", real_commit)
+    assert len(list((tmp_path / "crash").glob("part-*.parquet"))) == 1
+    assert run_job(crashed, print_summary=False, handle_signals=False).exit_code == 0
+    assert _read(tmp_path / "crash").to_pydict() == out
+
+
+def test_classify_job_on_a_decoder_reward_and_labels(tmp_path):
+    labels = {"id2label": zoo.LABELS3, "label2id": {v: k for k, v in zoo.LABELS3.items()}}
+    path = zoo.decoder(
+        tmp_path / "cls", "qwen3", "Qwen3ForSequenceClassification", seed=12, num_labels=3, **labels
+    )
+    pq.write_table(pa.table({"prompt": TEXTS}), tmp_path / "in.parquet")
+    res = run_job(_job(path, tmp_path, "out", "classify"), print_summary=False, handle_signals=False)
+    assert res.exit_code == 0, res.message
+    t = _read(tmp_path / "out")
+    assert t.schema.field("probs").type == pa.list_(pa.float32(), 3)
+    out = t.to_pydict()
+    want = LLM(path, num_blocks=64).classify([TEXTS[i] for i in (0, 1, 4)], use_tqdm=False)
+    for i, w in zip((0, 1, 4), want):
+        assert out["probs"][i] == pytest.approx(w.outputs.probs, abs=1e-5)
+        assert out["label"][i] == w.outputs.label in zoo.LABELS3.values()
+    assert out["probs"][3] is None and out["status"][3] == "error"
+
+
+def test_classify_job_refuses_an_embedder(tmp_path):
+    path = zoo.encoder(tmp_path / "bert", "bert", "BertModel", seed=11)
+    pq.write_table(pa.table({"prompt": TEXTS}), tmp_path / "in.parquet")
+    res = run_job(_job(path, tmp_path, "out", "classify"), print_summary=False, handle_signals=False)
+    assert res.exit_code == 2 and "ForSequenceClassification" in res.message
+
+
+def test_help_documents_the_task_keys():
+    from batchgen.job.help import render_options
+
+    text = render_options()
+    assert "task=generate" in text and "'embed'" in text and "'classify'" in text
+    assert "pooling.method=null" in text and "pooling.dimensions=null" in text
