@@ -109,8 +109,7 @@ class LLM:
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        tok = runner.tokenizer
-        token_lists = [list(tok.encode(p)) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        token_lists = _token_lists(runner.tokenizer, list(prompts))
         bar = tqdm(total=len(token_lists), desc=task, disable=not use_tqdm, dynamic_ncols=True)
         try:
             rows = runner.run(token_lists, spec, on_done=bar.update)
@@ -228,3 +227,14 @@ class LLM:
         max_len = min(max_length or self.engine.max_model_len - 2, self.engine.max_model_len - 2)
         toks = [tok.encode(t, add_special_tokens=False) for t in texts]
         return rolling_loglikelihood(self.engine, toks, prefix, max_len, use_tqdm)
+
+
+def _token_lists(tokenizer, prompts: list) -> list[list[int]]:
+    """Token ids of each prompt: strings tokenised in one batch, token-id lists as given."""
+    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+    out = [None if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    if texts:
+        ids = tokenizer([prompts[i] for i in texts], return_attention_mask=False)["input_ids"]
+        for i, t in zip(texts, ids):
+            out[i] = list(t)
+    return out  # type: ignore[return-value]
