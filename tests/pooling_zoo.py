@@ -10,7 +10,7 @@ from typing import Any
 
 import transformers
 
-from batchgen.models.bench_impls import build_random_checkpoint, special_token_kwargs
+from batchgen.models.tiny import build_random_checkpoint, special_token_kwargs
 from tests.model_zoo import _config
 
 VOCAB = 512
