@@ -105,3 +105,41 @@ def test_help_documents_the_task_keys():
     text = render_options()
     assert "task=generate" in text and "'embed'" in text and "'classify'" in text
     assert "pooling.method=null" in text and "pooling.dimensions=null" in text
+
+
+@pytest.mark.slow
+def test_embed_job_killed_with_sigkill_resumes_identically(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import env_without_slurm, wait_for_rows_done
+
+    path = zoo.encoder(tmp_path / "bert", "bert", "BertModel", seed=11)
+    texts = [f"row {i} " + "word " * (i % 17) for i in range(24)]
+    pq.write_table(pa.table({"prompt": texts}), tmp_path / "in.parquet")
+    ref = _job(path, tmp_path, "ref", "embed")
+    assert run_job(ref, print_summary=False, handle_signals=False).exit_code == 0
+    out = tmp_path / "killed"
+    cmd = [
+        sys.executable, "-m", "batchgen.cli", "task=embed", f"model.path={path}",
+        f"data.input={tmp_path / 'in.parquet'}", f"data.output={out}", "data.window_rows=3",
+        "data.shard.index=0", "data.shard.count=1", "run.progress=off", "engine.device=cpu",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env_without_slurm(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_for_rows_done(proc, out, 6)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    resumed = dataclasses.replace(ref, data=dataclasses.replace(ref.data, output=str(out)))
+    assert run_job(resumed, print_summary=False, handle_signals=False).exit_code == 0
+    parts = sorted(p.name for p in (tmp_path / "ref").glob("part-*.parquet"))
+    assert sorted(p.name for p in out.glob("part-*.parquet")) == parts
+    for name in parts:
+        got, want = pq.read_table(out / name).to_pylist(), pq.read_table(tmp_path / "ref" / name).to_pylist()
+        assert [r["id"] for r in got] == [r["id"] for r in want]
+        for a, b in zip(got, want):
+            assert a["embedding"] == pytest.approx(b["embedding"], abs=1e-5)

@@ -311,7 +311,8 @@ def _fingerprint_config(
             "sampling_column": sampling_col,
             "window_rows": d.window_rows,
         },
-        "sampling": cfg.sampling.to_dict(),
+        # pooling reads no sampling settings: changing them does not change the output
+        "sampling": None if cfg.task in POOLING_TASKS else cfg.sampling.to_dict(),
         "engine": {"max_model_len": cfg.engine.max_model_len},
     }
 
