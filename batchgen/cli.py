@@ -62,6 +62,8 @@ from omegaconf import DictConfig  # noqa: E402
 from batchgen import startup_trace  # noqa: E402
 from batchgen.data.layout import STATUS_NAME  # noqa: E402
 from batchgen.job.hydra_setup import MULTIRUN_FAILURES, register_configs, register_resolvers  # noqa: E402
+from batchgen.job.result import EXIT_CONFIG  # noqa: E402
+from batchgen.job.shard_env import missing_count_message  # noqa: E402
 
 register_configs()
 register_resolvers()
@@ -156,6 +158,10 @@ def main() -> None:
         i = argv.index("--cfg") if "--cfg" in argv else argv.index("-c") if "-c" in argv else -1
         if argv[i + 1 : i + 2] == ["job"] or "--cfg=job" in argv:
             sys.argv.append("--resolve")
+    problem = missing_count_message()
+    if problem and not any(a.lstrip("+").startswith("data.shard.count=") for a in argv):
+        print(f"batchgen: {problem}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     MULTIRUN_FAILURES.clear()
     # A log file on a full or vanished disk must not print a traceback per log record: the job reports the
     # problem itself, in one line.

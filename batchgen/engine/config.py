@@ -91,10 +91,15 @@ class EngineConfig:
     pool too full to rule out preemption, run synchronously (the pipeline drains first). Not available with
     tensor_parallel_size > 1."""
 
+    data_parallel_size: int = 1
+    """Job only: run this many engine replicas, each in its own process (each with tensor_parallel_size
+    devices on CUDA; on the CPU the cores are split between them); a coordinator hands windows to whichever
+    replica frees up and writes the output (run.executor chooses local processes or Ray actors)."""
+
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"engine.block_size must be one of 8, 16, 32, 64, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:

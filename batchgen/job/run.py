@@ -58,6 +58,7 @@ from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
+from batchgen.job.replica_job import run_replicas, uses_replicas
 from batchgen.job.report import format_table
 from batchgen.job.result import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, JobResult, one_line
 from batchgen.job.result import EXIT_OK as EXIT_OK  # re-exported: the exit statuses are run_job's
@@ -233,6 +234,8 @@ class _Job:
         if plan.cfg.task in POOLING_TASKS:
             return self._execute_pool(todo)
         works, first, tokenizer_ref = self._read_first_windows(todo)
+        if uses_replicas(plan.cfg):  # several engines (processes or Ray actors) behind one coordinator
+            return run_replicas(self, works, first, tokenizer_ref[0], retry_rows)
         engine = self._started_engine()
         tokenizer_ref[0] = engine.tokenizer
         plan.prompt_spec.max_model_len = engine.max_model_len
