@@ -61,6 +61,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from batchgen import startup_trace  # noqa: E402
 from batchgen.data.layout import STATUS_NAME  # noqa: E402
+from batchgen.job.cli_args import single_strings_as_lists, wants_version  # noqa: E402
 from batchgen.job.hydra_setup import MULTIRUN_FAILURES, register_configs, register_resolvers  # noqa: E402
 from batchgen.job.result import EXIT_CONFIG  # noqa: E402
 from batchgen.job.shard_env import missing_count_message  # noqa: E402
@@ -150,6 +151,12 @@ def main() -> None:
         from batchgen.engine.tp_launch import serve_from_env  # torchrun / srun: a tensor-parallel worker rank
 
         sys.exit(serve_from_env())
+    if wants_version(argv):
+        import batchgen
+
+        print(f"batchgen {batchgen.__version__}")
+        sys.exit(0)
+    sys.argv[1:] = argv = single_strings_as_lists(argv)
     if argv[:1] == ["show"]:
         from batchgen.job.show import main as show_main
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.data.layout import RESERVED_COLUMNS
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import EngineConfig, logprobs_error
 from batchgen.errors import ConfigError
 from batchgen.sampling_params import SamplingParams
 
@@ -125,7 +125,7 @@ class RunOptions:
     log_interval_s: float = 30.0
     """Seconds between progress log lines when the progress bar is not used."""
     stop_grace_s: float = 0.0
-    """After SIGINT/SIGTERM/SIGUSR1: seconds to keep working on rows already admitted (no new ones) before abandoning them; 0 = abandon at once. Either way every finished row is saved and the job exits with 75."""
+    """After SIGINT/SIGTERM/SIGUSR1: at most this many seconds to finish the windows already started (their remaining rows are still run; no new window starts), exiting as soon as they are done; what is unfinished then is abandoned. 0 = abandon the rows in flight at once. Either way every finished row is saved and the job exits with 75."""
     checkpoint_interval_s: float = 60.0
     """Seconds between checkpoints of the rows finished in windows not yet complete (a stop signal checkpoints at once): a kill -9 loses at most this much finished work plus the rows in flight; 0 = only on a stop signal."""
     max_error_fraction: float = 0.1
@@ -227,6 +227,26 @@ def validate(cfg: JobConfig) -> None:
     if cfg.task != "generate" and cfg.data.messages_column:
         raise ConfigError(
             f"task={cfg.task} reads data.prompt_column text; data.messages_column is not supported"
+        )
+    if cfg.task == "score":
+        _validate_score_sampling(cfg.sampling)
+    too_many = logprobs_error(cfg.sampling.logprobs, cfg.sampling.prompt_logprobs, cfg.engine.max_logprobs)
+    if too_many is not None:
+        raise ConfigError(f"sampling.{too_many}")
+
+
+def _validate_score_sampling(s: SamplingParams) -> None:
+    """task=score computes one log-likelihood per row: sampling options that make several outputs per row
+    (or none of its meaning) are refused rather than silently ignored."""
+    for key, value, default in (("n", s.n, 1), ("beam_width", s.beam_width, 1)):
+        if value != default:
+            raise ConfigError(
+                f"sampling.{key}={value} does not apply to task=score (one log-likelihood per row, computed "
+                f"exactly): remove it"
+            )
+    if s.constrained:
+        raise ConfigError(
+            "structured outputs (sampling.json_schema/regex/choice/grammar) do not apply to task=score"
         )
 
 
