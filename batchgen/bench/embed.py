@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=2000)
     ap.add_argument("--decoder-rows", type=int, default=500)
     ap.add_argument("--st-batch-sizes", default="32,64")
+    ap.add_argument("--parts", default="encoder,decoder", help="which comparisons to run (comma-separated)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import transformers
@@ -233,20 +234,27 @@ def main(argv: list[str] | None = None) -> None:
     enc_path = _checkpoint("embed-bert-small", "BertConfig", "BertModel", _BERT, st=True)
     dec_path = _checkpoint("embed-qwen3", "Qwen3Config", "Qwen3Model", _QWEN3, st=False)
     tok = transformers.AutoTokenizer.from_pretrained(enc_path)
-    texts = corpus(tok, args.rows)
-    enc = run_encoder(enc_path, texts, [int(b) for b in args.st_batch_sizes.split(",")])
-    queries = corpus(tok, args.decoder_rows, seed=1)
-    queries = [" ".join(q.split()[:12]) for q in queries]
-    dec = run_decoder(dec_path, queries)
+    parts = args.parts.split(",")
+    enc: list[dict[str, Any]] = []
+    dec: list[dict[str, Any]] = []
+    if "encoder" in parts:
+        texts = corpus(tok, args.rows)
+        enc = run_encoder(enc_path, texts, [int(b) for b in args.st_batch_sizes.split(",")])
+    if "decoder" in parts:
+        queries = [" ".join(q.split()[:12]) for q in corpus(tok, args.decoder_rows, seed=1)]
+        dec = run_decoder(dec_path, queries)
     info["loadavg_end"] = list(os.getloadavg())
     print(
-        f"machine: {info['nproc']} CPUs, {info['cpu']}; load average at start {info['loadavg']}, at end {info['loadavg_end']}"
+        f"machine: {info['nproc']} CPUs, {info['cpu']}; load average at start {info['loadavg']}, "
+        f"at end {info['loadavg_end']}"
     )
-    print(f"\nencoder (bert-small shape), {len(texts)} mixed-length rows\n" + _table(enc, "cos"))
-    print(
-        f"\ndecoder embedder (Qwen3, 4 layers), {len(queries)} rows behind one instruction\n"
-        + _table(dec, "cached_fraction")
-    )
+    if enc:
+        print(f"\nencoder (bert-small shape), {args.rows} mixed-length rows\n" + _table(enc, "cos"))
+    if dec:
+        print(
+            f"\ndecoder embedder (Qwen3, 4 layers), {args.decoder_rows} rows behind one instruction\n"
+            + _table(dec, "cached_fraction")
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "encoder": enc, "decoder": dec}, indent=1))
 
