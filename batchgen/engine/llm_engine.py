@@ -10,6 +10,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from batchgen import startup_trace
+from batchgen.engine import threads
 from batchgen.engine.async_step import InFlight, Prepared, StepWorker, fill_tensors, placeholder_rows
 from batchgen.engine.attention import resolve_backend
 from batchgen.engine.config import EngineConfig
@@ -89,6 +90,7 @@ class LLMEngine:
             self.device = self.tp_group.device
         else:
             self.device = resolve_device(config.device)
+        self.thread_policy = threads.apply(self.device)  # CPU threads: one decision for API and CLI alike
         backend = resolve_backend(config.attention_backend, self.device)
         self.model_path = model
         # implementation: auto (native when batchgen has the architecture), native, or transformers

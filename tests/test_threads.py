@@ -1,0 +1,91 @@
+"""The engine's thread policy: one decision (batchgen.engine.threads) for the Python API and the command line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from batchgen.engine import threads
+
+
+def test_idle_cores_keep_spinning_and_use_every_cpu() -> None:
+    p = threads.decide(2, 0.3, {})
+    assert (p.num_threads, p.wait_policy, p.binding, p.busy) == (2, "default", "none", False)
+
+
+def test_busy_cores_choose_passive_waiting_before_openmp_starts() -> None:
+    p = threads.decide(2, 2.0, {})
+    assert (p.num_threads, p.wait_policy, p.busy) == (2, "PASSIVE", True)
+    assert "busy" in p.reason
+
+
+def test_busy_cores_with_spinning_openmp_already_started_run_one_thread() -> None:
+    p = threads.decide(4, 6.5, {}, openmp_wait=None, started=True)
+    assert (p.num_threads, p.wait_policy) == (1, "default")
+    p = threads.decide(4, 6.5, {}, openmp_wait="passive", started=True)  # it sleeps: every CPU
+    assert (p.num_threads, p.wait_policy) == (4, "PASSIVE")
+
+
+def test_what_the_user_set_wins() -> None:
+    env = {"OMP_WAIT_POLICY": "active", "OMP_NUM_THREADS": "3", "OMP_PROC_BIND": "close"}
+    p = threads.decide(2, 9.0, env)
+    assert (p.num_threads, p.wait_policy, p.binding) == (3, "ACTIVE", "close")
+    p = threads.decide(8, 0.0, {}, started=True, max_threads=4)  # torch's own count (physical cores) caps it
+    assert p.num_threads == 4
+    assert threads.decide(2, None, {}).busy is False  # no load average: taken as idle
+
+
+_PROBE = """
+import os, sys
+os.getloadavg = lambda: (99.0, 0.0, 0.0)
+import {module}
+from batchgen.engine import threads
+print(os.environ.get("OMP_WAIT_POLICY"), threads._wait_policy_at_start, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("module", ["batchgen", "batchgen.cli"])
+def test_api_and_command_line_export_the_wait_policy_before_torch(module: str) -> None:
+    """Importing batchgen (the API) or the command's module takes the same decision before torch loads: on busy
+    cores OpenMP will start with sleeping waiters."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(module=module)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=True,
+    ).stdout.split()
+    assert out[-3:] == ["PASSIVE", "PASSIVE", "False"]
+
+
+@pytest.fixture
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_llm_applies_the_policy_where_the_engine_is_built(
+    llama_ckpt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch was imported before batchgen here (spinning OpenMP): on busy cores LLM runs one thread."""
+    from batchgen import LLM
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "_prepared_before_openmp", False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(threads, "load_average", lambda: 99.0)
+    llm = LLM(llama_ckpt, num_blocks=16, device="cpu")
+    assert llm.engine.thread_policy == threads.current()
+    assert llm.engine.thread_policy.num_threads == 1 == torch.get_num_threads()
+    monkeypatch.setattr(threads, "load_average", lambda: 0.0)
+    llm = LLM(llama_ckpt, num_blocks=16, device="cpu")
+    assert llm.engine.thread_policy.num_threads == torch.get_num_threads() >= 1
+    assert not llm.engine.thread_policy.busy
