@@ -110,6 +110,24 @@ def test_vllm_runs_under_the_named_interpreter(tmp_path: Path) -> None:
     assert s["kv_cache_memory_bytes"] == 256 * 1024 and s["enable_prefix_caching"] and s["enforce_eager"]
 
 
+def test_a_served_vllm_keeps_its_engine_across_runs(tmp_path: Path) -> None:
+    """Serve mode: one process, the engine started once, one result per request; a competing process can
+    wrap a single request."""
+    exe = _fake_interpreter(tmp_path)
+    servers = launch.Servers(tmp_path)
+    try:
+        a = launch.run_system(_spec([[4, 5]], [2], 1), tmp_path, 120, {"vllm": str(exe)}, "a", servers)
+        pid = servers.procs["vllm"].pid
+        spec = {**_spec([[7]], [3], 1), "competing_cpu": 0}
+        b = launch.run_system(spec, tmp_path, 120, {"vllm": str(exe)}, "b", servers)
+    finally:
+        servers.close()
+    assert a["status"] == b["status"] == "ok", servers.log_path("vllm").read_text()[-2000:]
+    assert a["token_ids"] == [[6, 7]] and b["token_ids"] == [[8, 9, 10]]
+    assert b["engine_init_s"] == 0.0 and servers.procs == {}  # reused, then closed
+    assert not os.path.exists(f"/proc/{pid}") or Path(f"/proc/{pid}/status").read_text().find("zombie") >= 0
+
+
 def test_a_missing_interpreter_skips_the_system_with_the_reason(tmp_path: Path) -> None:
     res = launch.run_system(_spec([[1, 2]], [2]), tmp_path, 60, {"vllm": str(tmp_path / "no" / "python")})
     assert res["status"] == "skipped"
@@ -186,13 +204,13 @@ def test_vllm_cpu_matches_batchgen_greedy(tmp_path: Path) -> None:
     from batchgen import LLM, SamplingParams
     from batchgen.models.tiny import build_checkpoint
 
-    path = build_checkpoint(
-        tmp_path / "ckpt", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    path = build_checkpoint(  # head_dim 64: vLLM's CPU attention has no kernel for head_dim 16
+        tmp_path / "ckpt", hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256
     )
     prompts = [[7 + i, 30, 31, 32 + i] * (3 + i) for i in range(4)]
     max_tokens = [6, 3, 8, 5]
     spec = {**_spec(prompts, max_tokens, repeats=1), "model_path": str(path), "max_model_len": 256}
-    spec["kv_token_slots"], spec["kv_bytes_per_token"] = 4096, 2 * 2 * 64 * 4 // 2
+    spec["kv_token_slots"], spec["kv_bytes_per_token"] = 4096, 2 * 2 * 64 * 4  # K+V, 2 layers, 1 KV head
     res = launch.run_system(spec, tmp_path, 540, {"vllm": str(VLLM_PYTHON)})
     assert res["status"] == "ok", textwrap.shorten(json.dumps(res), 3000)
     llm = LLM(str(path), dtype="float32", num_blocks=64)

@@ -54,7 +54,7 @@ from batchgen.bench.common import (
     pyplot,
 )
 from batchgen.bench.gpu_idle import describe as describe_gpu_idle
-from batchgen.bench.launch import run_system
+from batchgen.bench.launch import Servers, run_system
 from batchgen.bench.workloads import WORKLOADS, WorkloadSpec, describe, make_workload, write_workload
 from batchgen.engine.config import EngineConfig
 from batchgen.models.config import ModelConfig
@@ -134,9 +134,11 @@ class ThroughputConfig:
     vllm_enforce_eager: bool = True
     """vLLM without torch.compile graphs (false: compiled, a slower start)."""
     alternate: bool = True
-    """Alternate the systems over the repeats: round r runs every system once, each in a fresh process, so
-    that a change in the machine's load falls on every system alike (false: each system runs all its repeats
-    in one process, one system after the other)."""
+    """Alternate the systems over the repeats: round r runs every system once, so that a change in the
+    machine's load falls on every system alike (false: each system runs all its repeats at once, one system
+    after the other). Every run is a fresh process with a fresh engine, except vLLM's: one process for the
+    whole benchmark whose engine starts once (its start takes minutes on a loaded CPU); its prefix cache is
+    reset before every run."""
     compete: list[str] = field(default_factory=list)
     """Systems measured a second time beside a competing process: a CPU-bound busy loop pinned to
     ``competing_cpu`` (rows ``SYSTEM+competitor`` and a loss column)."""
@@ -313,9 +315,15 @@ def run_benchmark(cfg: ThroughputConfig) -> dict[str, Any]:
         "greedy_check": check,
         "workloads": {},
     }
-    for name in workloads:
-        raws[name], peak = _run_workload(cfg, name, tok, mc, model_path, slots, out, work_dir, matmul, peak)
-        _summarise_all(results, raws, cfg, mc, peak, out)
+    servers = Servers(work_dir)  # vLLM: one process whose engine starts once for the whole run
+    try:
+        for name in workloads:
+            raws[name], peak = _run_workload(
+                cfg, name, tok, mc, model_path, slots, out, work_dir, matmul, peak, servers
+            )
+            _summarise_all(results, raws, cfg, mc, peak, out)
+    finally:
+        servers.close()
     results["machine"]["loadavg_end"] = list(os.getloadavg())
     results["elapsed_s"] = time.perf_counter() - t_start
     _summarise_all(results, raws, cfg, mc, peak, out)
@@ -350,6 +358,7 @@ def _run_workload(
     work_dir: Path,
     matmul: dict[str, Any],
     peak: float,
+    servers: Servers,
 ) -> tuple[tuple[Any, str, dict[str, Any], dict[str, dict[str, Any]]], float]:
     """Write workload `name` and run every system on it, the reference first (so the others can be compared
     with it). Returns ``((info, path, workload, raw results by system), peak)``, `peak` raised to the best
@@ -380,7 +389,8 @@ def _run_workload(
             spec.update(repeats=per_run, competing_cpu=cpu)
             if system == "vllm":
                 spec.update(_vllm_spec(cfg, mc, wl))
-            res = run_system(spec, work_dir, cfg.system_timeout_s, cfg.python, tag=f"{name}-{key}-r{r}")
+            tag = f"{name}-{key}-r{r}"
+            res = run_system(spec, work_dir, cfg.system_timeout_s, cfg.python, tag, servers)
             merge_run(raw, key, res)
             _print_system(key, res)
             if res.get("profile"):

@@ -28,6 +28,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+# Run as a script, this file's folder is sys.path[0]; its sibling modules (kernels.py, ...) would shadow the
+# packages of those names that vLLM and transformers import.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
 
 def _tree_rss(root: int) -> int:
     """Resident bytes of `root` and all its descendants (Linux /proc; 0 where unreadable)."""
@@ -102,24 +107,48 @@ def _device(asked: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
-    try:
-        import vllm
+class Engines:
+    """The vLLM engine of this process, kept across requests (serve mode) while its settings stay the same."""
+
+    def __init__(self) -> None:
+        self.kwargs: dict[str, Any] | None = None
+        self.llm: Any = None
+
+    def get(self, kw: dict[str, Any], warm_from: list[list[int]]) -> tuple[Any, float]:
+        """(the engine for `kw`, seconds spent starting it now: 0 when reused)."""
+        if self.llm is not None and kw == self.kwargs:
+            return self.llm, 0.0
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
+
+        self.llm = None  # the old engine goes before the new one starts
+        t0 = time.perf_counter()
+        llm = LLM(**kw)
+        init_s = time.perf_counter() - t0
+        warm = [TokensPrompt(prompt_token_ids=list(reversed(p[:24]))) for p in warm_from[:4]]
+        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        self.llm, self.kwargs = llm, kw
+        return llm, init_s
+
+
+def run(spec: dict[str, Any], engines: Engines | None = None) -> dict[str, Any]:
+    """``spec["repeats"]`` timed runs of the spec's workload (the engine is started first unless `engines`
+    holds one with the same settings)."""
+    try:
+        import vllm
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
     except ImportError as e:
+        if e.name != "vllm":  # vLLM is there but broken: an error, with the traceback in the log
+            raise
         return {"status": "skipped", "reason": f"vllm cannot be imported by {sys.executable} ({e})"}
     device = _device(spec.get("device", "auto"))
     if spec.get("device", "auto").startswith("cuda") and device != "cuda":
         return {"status": "skipped", "reason": f"no CUDA device for vLLM under {sys.executable}"}
-    t0 = time.perf_counter()
     kw = engine_kwargs(spec, device)
-    llm = LLM(**kw)
-    init_s = time.perf_counter() - t0
+    llm, init_s = (engines or Engines()).get(kw, spec["token_ids"])
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in spec["token_ids"]]
     params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True) for m in spec["max_tokens"]]
-    warm = [TokensPrompt(prompt_token_ids=list(reversed(p[:24]))) for p in spec["token_ids"][:4]]
-    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     walls: list[float] = []
     loads: list[list[float]] = []
     peak = 0
@@ -157,23 +186,42 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: vllm_child.py SPEC.json RESULT.json", file=sys.stderr)
-        return 2
-    spec = json.loads(Path(argv[0]).read_text())
+def answer(spec_path: str, out_path: str, engines: Engines | None = None) -> None:
+    """Run the spec at `spec_path`; write the result to `out_path` atomically (an exception: status error)."""
+    spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
     try:
-        res = run(spec)
+        res = run(spec, engines)
     except Exception as e:  # the parent reports it as this system's error row
         traceback.print_exc()
         res = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
     res["system"] = spec["system"]
     res["process_seconds"] = time.perf_counter() - t0
     res["ru_maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    tmp = argv[1] + ".tmp"
+    tmp = out_path + ".tmp"
     Path(tmp).write_text(json.dumps(res))
-    os.replace(tmp, argv[1])
+    os.replace(tmp, out_path)
+
+
+def serve() -> int:
+    """Serve mode: one line per request on stdin, ``SPEC.json<TAB>RESULT.json``; the engine is started once
+    and reused while the settings stay the same (vLLM's start takes 10 s to minutes on a loaded CPU)."""
+    engines = Engines()
+    for line in sys.stdin:
+        if line.strip():
+            spec_path, out_path = line.rstrip("\n").split("\t")
+            answer(spec_path, out_path, engines)
+            sys.stdout.flush()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--serve"]:
+        return serve()
+    if len(argv) != 2:
+        print("usage: vllm_child.py SPEC.json RESULT.json | vllm_child.py --serve", file=sys.stderr)
+        return 2
+    answer(argv[0], argv[1])
     return 0
 
 
