@@ -184,6 +184,7 @@ def run_system(
                     stderr=subprocess.STDOUT,
                     env=child_env(spec["threads"]),
                     timeout=timeout,
+                    preexec_fn=_die_with_parent,
                 ).returncode
             except subprocess.TimeoutExpired:
                 rc = -1
