@@ -63,7 +63,7 @@ class Servers:
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=child_env(spec["threads"]),
+                env=child_env(spec["threads"], system),
                 text=True,
                 preexec_fn=_die_with_parent,
             )
@@ -118,15 +118,17 @@ def command(system: str, python: str, spec_path: Path, out_path: Path) -> list[s
     return [python, "-m", "batchgen.bench.systems", str(spec_path), str(out_path)]
 
 
-def child_env(threads: int) -> dict[str, str]:
+def child_env(threads: int, system: str = "") -> dict[str, str]:
+    """The environment of a system's process: ``threads`` OpenMP/MKL threads, except for batchgen's systems,
+    whose engine takes its own thread decision (batchgen.engine.threads: the CPUs other processes leave
+    free), capped at ``threads`` by ``torch.set_num_threads`` in batchgen.bench.systems."""
     env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS=str(threads),
-        MKL_NUM_THREADS=str(threads),
-        TOKENIZERS_PARALLELISM="false",
-        TRANSFORMERS_VERBOSITY="error",
-        HF_HUB_OFFLINE="1",
-    )
+    env.update(TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
+    if system.startswith("batchgen"):
+        for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.pop(key, None)
+    else:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     return env
 
 
@@ -182,7 +184,7 @@ def run_system(
                     command(system, python, spec_path, out_path),
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=child_env(spec["threads"]),
+                    env=child_env(spec["threads"], system),
                     timeout=timeout,
                     preexec_fn=_die_with_parent,
                 ).returncode

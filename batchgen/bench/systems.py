@@ -256,6 +256,7 @@ def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, 
         walls.append(wall)
         peak = max(peak, mem_peak)
         res.update(engine_stats=engine.stats.delta(before).to_dict(), timeline=tl.to_dict(), kv_sizing=sizing)
+        res["thread_policy"] = engine.thread_policy.reason
         res.update(tokens=tokens, cached=cached, gpu_idle=idle.summary(wall) if idle else None)
         del engine
     ids = w["ids"]
@@ -273,6 +274,7 @@ def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, 
             "group_by_prefix": group if system != "batchgen_llm" else None,
             "engine": asdict(_engine_config(spec)),
             "window_rows": spec["window_rows"],
+            "threads": res.get("thread_policy"),
         },
     }
 

@@ -1,10 +1,11 @@
 """The engine's CPU thread policy: how many intra-op threads, how idle OpenMP threads wait, whether threads are
 bound to CPUs. One decision (:func:`decide`), for the Python API and the command line alike.
 
-Why: on cores already busy with other processes, OpenMP threads that spin while they wait for work
-(libgomp's default) steal the time slices the working threads need; a generation loop then runs several times
-slower (measured in BENCHMARKS.md, "Thread policy"). Sleeping waiters (``OMP_WAIT_POLICY=PASSIVE``) avoid it;
-on idle cores spinning is faster.
+Why: on cores shared with other processes, a parallel region waits for its slowest thread, and a thread that
+shares its core runs only part of the time; OpenMP threads that spin while they wait (libgomp's default) take
+time slices from the working ones besides. A generation loop then runs several times slower (BENCHMARKS.md,
+"Thread policy"). So the engine runs as many threads as there are CPUs other processes leave free (at least
+one), and on busy cores idle threads sleep (``OMP_WAIT_POLICY=PASSIVE``); on idle cores spinning is faster.
 
 The constraint: libgomp reads ``OMP_WAIT_POLICY`` once, when torch loads it (``import torch``); setting it later
 changes nothing. So the decision is taken twice with the same function:
@@ -12,23 +13,24 @@ changes nothing. So the decision is taken twice with the same function:
 * :func:`prepare` runs when ``batchgen`` is imported (before batchgen imports torch): if torch is not loaded
   yet and the cores are busy, it exports ``OMP_WAIT_POLICY=PASSIVE`` so that OpenMP starts with it;
 * :func:`apply` runs where the engine is built (CPU engines): it sets the thread count
-  (``torch.set_num_threads``) from the same decision, knowing the wait policy OpenMP actually started with.
-  When the cores are busy but OpenMP already spins (torch was imported before batchgen, with no
-  ``OMP_WAIT_POLICY``), the one lever left is the thread count: one thread, which never waits on another.
+  (``torch.set_num_threads``) from the same decision, with the load measured then.
 
 What the user set wins: ``OMP_WAIT_POLICY``, ``OMP_NUM_THREADS`` and ``OMP_PROC_BIND`` in the environment are
-kept as they are. Threads are not bound by default: on a shared machine a bound thread cannot move off a core
-another process has taken.
+kept as they are, and the engine never uses more threads than torch had before it. Threads are not bound by
+default: on a shared machine a bound thread cannot move off a core another process has taken.
 
-"Busy": the 1-minute load average is at least the number of CPUs this process may run on (measured before the
-engine starts working, so it counts other processes).
+The load of other processes: the larger of the 1-minute load average and the runnable threads right now
+(``procs_running``), measured before the engine starts working; "busy": at least the CPUs this process may
+run on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import statistics
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -74,14 +76,18 @@ def decide(
     started: bool = False,
     max_threads: int | None = None,
 ) -> ThreadPolicy:
-    """The policy for `cpus` CPUs at 1-minute load `load` (None: unknown, taken as idle) with environment `env`.
+    """The policy for `cpus` CPUs while other processes keep `load` of them busy (None: unknown, taken as
+    idle), with environment `env`.
 
-    `started`: OpenMP is already running, with ``OMP_WAIT_POLICY`` = `openmp_wait` (None: unset, spinning).
-    Before it starts the wait policy is chosen; after, it is what OpenMP has, and the thread count adapts.
-    `max_threads`: torch's own count before the engine changed it (its default is the physical cores, or what
-    the user set with ``torch.set_num_threads``); the policy never uses more.
+    Threads: the CPUs left free, ``round(cpus - load)``, at least 1 and at most `max_threads` (torch's own
+    count before the engine changed it: its default is the physical cores, or what the user set with
+    ``torch.set_num_threads``). Each parallel region waits for its slowest thread, and a thread sharing a
+    core with another process runs a fraction of the time: fewer threads on free cores beat more on shared
+    ones (BENCHMARKS.md, "Thread policy"). Wait policy: ``PASSIVE`` when `load` >= `cpus` ("busy").
+    `started`: OpenMP is already running, with ``OMP_WAIT_POLICY`` = `openmp_wait` (None: unset, spinning);
+    then the wait policy is what OpenMP has.
     """
-    cpus = min(cpus, max_threads) if max_threads else cpus
+    cap = min(cpus, max_threads) if max_threads else cpus
     busy = load is not None and load >= cpus
     binding = env.get("OMP_PROC_BIND", "none")
     if started:  # what OpenMP has; unset = libgomp's default (spin, then sleep)
@@ -91,14 +97,35 @@ def decide(
     wait = "default" if wait == "DEFAULT" else wait
     if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
         n, why = int(env["OMP_NUM_THREADS"]), "OMP_NUM_THREADS set"
-    elif busy and wait != "PASSIVE":
-        n, why = 1, "cores busy and OpenMP already spins (torch imported before batchgen): one thread"
     else:
-        n, why = cpus, f"{cpus} CPU(s) available"
-    state = (
-        f"load {load:.2f} on {cpus} CPU(s): {'busy' if busy else 'idle'}" if load is not None else "no load"
-    )
+        n = max(1, min(cap, round(cpus - (load or 0.0))))
+        why = f"{n} of {cap} thread(s): the CPUs other processes leave free"
+    state = f"load {load:.2f} on {cpus} CPU(s)" if load is not None else f"{cpus} CPU(s), load unknown"
+    state += ": busy" if busy else ""
     return ThreadPolicy(n, wait, binding, busy, f"{state}; {why}; wait policy {wait}; binding {binding}")
+
+
+def running_now(samples: int = 1, interval: float = 0.0) -> float | None:
+    """Other runnable threads right now: the median of `samples` readings of ``procs_running`` in /proc/stat
+    (Linux), less this thread; None where unreadable."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open("/proc/stat") as f:
+                line = next(ln for ln in f if ln.startswith("procs_running"))
+            counts.append(int(line.split()[1]) - 1)
+        except (OSError, StopIteration, ValueError, IndexError):
+            return None
+        if i + 1 < samples:
+            time.sleep(interval)
+    return float(statistics.median(counts))
+
+
+def other_load(samples: int = 1) -> float | None:
+    """How many CPUs other processes keep busy: the larger of the 1-minute load average (which lags: a load
+    that just started is not in it yet) and the runnable threads right now (:func:`running_now`)."""
+    values = [v for v in (load_average(), running_now(samples, 0.01)) if v is not None]
+    return max(values) if values else None
 
 
 def openmp_started() -> bool:
@@ -112,7 +139,7 @@ def prepare() -> ThreadPolicy | None:
     global _wait_policy_at_start, _prepared_before_openmp
     if openmp_started():
         return None
-    policy = decide(cpus_available(), load_average(), os.environ)
+    policy = decide(cpus_available(), other_load(), os.environ)
     if policy.wait_policy == "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     _wait_policy_at_start = os.environ.get("OMP_WAIT_POLICY")
@@ -128,7 +155,12 @@ def current() -> ThreadPolicy:
         wait = os.environ.get("OMP_WAIT_POLICY")
     started = openmp_started()
     return decide(
-        cpus_available(), load_average(), os.environ, wait, started, _torch_threads() if started else None
+        cpus_available(),
+        other_load(samples=5),
+        os.environ,
+        wait,
+        started,
+        _torch_threads() if started else None,
     )
 
 
