@@ -44,7 +44,10 @@ from omegaconf import DictConfig  # noqa: E402
 
 from batchgen import startup_trace  # noqa: E402
 from batchgen.data.layout import STATUS_NAME  # noqa: E402
+from batchgen.job.cli_args import single_strings_as_lists, wants_version  # noqa: E402
 from batchgen.job.hydra_setup import MULTIRUN_FAILURES, register_configs, register_resolvers  # noqa: E402
+from batchgen.job.result import EXIT_CONFIG  # noqa: E402
+from batchgen.job.shard_env import missing_count_message  # noqa: E402
 
 register_configs()
 register_resolvers()
@@ -68,8 +71,10 @@ def hydra_main(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from batchgen.job.redact import scrub_hydra_record, scrub_text, secret_values
     from batchgen.job.run import EXIT_CONFIG, run_job
 
+    scrub_hydra_record(cfg)
     result = run_job(cfg)
     startup_trace.mark("done")
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
@@ -77,7 +82,7 @@ def hydra_main(cfg: DictConfig) -> int:
         hc = HydraConfig.get()
         status = {
             "num": hc.job.num,
-            "overrides": " ".join(hc.overrides.task)
+            "overrides": scrub_text(" ".join(hc.overrides.task), secret_values(cfg))
             .replace("\\{", "{")
             .replace("\\}", "}")
             .replace("\\:", ":"),
@@ -131,6 +136,12 @@ def main() -> None:
         from batchgen.engine.tp_launch import serve_from_env  # torchrun / srun: a tensor-parallel worker rank
 
         sys.exit(serve_from_env())
+    if wants_version(argv):
+        import batchgen
+
+        print(f"batchgen {batchgen.__version__}")
+        sys.exit(0)
+    sys.argv[1:] = argv = single_strings_as_lists(argv)
     if argv[:1] == ["show"]:
         from batchgen.job.show import main as show_main
 
@@ -139,6 +150,10 @@ def main() -> None:
         i = argv.index("--cfg") if "--cfg" in argv else argv.index("-c") if "-c" in argv else -1
         if argv[i + 1 : i + 2] == ["job"] or "--cfg=job" in argv:
             sys.argv.append("--resolve")
+    problem = missing_count_message()
+    if problem and not any(a.lstrip("+").startswith("data.shard.count=") for a in argv):
+        print(f"batchgen: {problem}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     MULTIRUN_FAILURES.clear()
     # A log file on a full or vanished disk must not print a traceback per log record: the job reports the
     # problem itself, in one line.

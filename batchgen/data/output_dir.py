@@ -10,8 +10,6 @@ File names are those of :mod:`batchgen.data.layout`. Invariants:
   or unless that output holds no successful row at all (a failed start, a run whose every row failed): then
   the new configuration takes it over, saying so in the log.
 - One process per shard directory: an exclusive ``flock`` on the lock file, held until :meth:`OutputDir.close`.
-- A directory written by batchgen <= 0.1 (``manifest.json``, ``report.json``, ``logs/``) is renamed to
-  today's names on open (:data:`~batchgen.data.layout.LEGACY_NAMES`) and resumes as before.
 """
 
 from __future__ import annotations
@@ -20,22 +18,19 @@ import contextlib
 import errno
 import logging
 import os
-import re
+from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.atomic import atomic_write, fsync_dir
+from batchgen.atomic import atomic_write, atomic_write_text
 from batchgen.data.layout import (
     CHECKPOINT_DIR,
     CHECKPOINT_RE,
-    LEGACY_LOGS_DIR,
-    LEGACY_MANIFEST_NAME,
-    LEGACY_REPORT_NAME,
     LOCK_NAME,
-    LOGS_DIR,
     MANIFEST_NAME,
     PART_RE,
     REPORT_NAME,
@@ -57,7 +52,6 @@ _RESUME_HINT = (
     "Rerun with the original settings to resume, choose another data.output, or pass "
     "data.overwrite=true to discard the existing output."
 )
-_LOG_DIR_RE = re.compile(r"^(\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}.*|multirun)$")
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -79,6 +73,18 @@ def output_os_error(e: OSError, path: Path, doing: str) -> ConfigError:
     return ConfigError(f"data.output: cannot {doing} {str(path)!r}: {why}; choose a writable data.output")
 
 
+@contextlib.contextmanager
+def _setup_errors(path: Path, doing: str) -> Iterator[None]:
+    """OSErrors of the block as one-line ConfigErrors (:func:`output_os_error`); a full disk stays an OSError
+    (the job maps it to its own exit status)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in DISK_FULL_ERRNOS:
+            raise
+        raise output_os_error(e, path, doing) from e
+
+
 class OutputDir:
     """One shard's output directory: ``output`` itself, or its shard sub-directory when ``shard_count > 1``."""
 
@@ -91,6 +97,8 @@ class OutputDir:
         self.manifest: Manifest | None = None
         self.took_over: str | None = None
         """Why :meth:`open` discarded the previous output of another configuration (None when it did not)."""
+        self.previous_input: dict[str, Any] = {}
+        """The input description of the manifest :meth:`open` resumed ({} when it started anew)."""
 
     # ------------------------------------------------------------------------------------ lifecycle
     def _lock(self) -> None:
@@ -152,36 +160,6 @@ class OutputDir:
                 pass
         return count
 
-    def _migrate_legacy(self, directory: Path) -> None:
-        """Rename the files of batchgen <= 0.1 (manifest.json, report.json, logs/) to today's names."""
-        old = directory / LEGACY_MANIFEST_NAME
-        if not old.is_file():
-            return
-        if (directory / MANIFEST_NAME).is_file():
-            raise ConfigError(
-                f"{str(directory)!r} holds both {MANIFEST_NAME} and {LEGACY_MANIFEST_NAME} (batchgen <= 0.1); "
-                "remove the one that does not belong, or pass data.overwrite=true"
-            )
-        os.replace(old, directory / MANIFEST_NAME)
-        if (directory / LEGACY_REPORT_NAME).is_file():
-            os.replace(directory / LEGACY_REPORT_NAME, directory / REPORT_NAME)
-        logs = directory / LEGACY_LOGS_DIR
-        if logs.is_dir():
-            (directory / LOGS_DIR).mkdir(exist_ok=True)
-            for p in logs.iterdir():
-                if _LOG_DIR_RE.match(p.name) and not (directory / LOGS_DIR / p.name).exists():
-                    os.replace(p, directory / LOGS_DIR / p.name)
-            try:
-                logs.rmdir()
-            except OSError:
-                logger.warning("%s holds files batchgen did not write; left in place", logs)
-        fsync_dir(directory)
-        logger.info(
-            "%s: renamed the files of batchgen <= 0.1 (manifest.json, report.json, logs/) to %s, %s, %s/ so that "
-            "dataset readers see only the parts",
-            directory, MANIFEST_NAME, REPORT_NAME, LOGS_DIR,
-        )  # fmt: skip
-
     def _other_layouts(self) -> list[Path]:
         """Directories under data.output holding a manifest of a different shard layout than ours."""
         found = []
@@ -196,7 +174,7 @@ class OutputDir:
 
     def _clear_other_layouts(self, overwrite: bool) -> None:
         others = self._other_layouts()
-        valuable = [p for p in others if _holds_results(p)]
+        valuable = [p for p in others if self._holds_results_at(p)]
         if valuable and not overwrite:
             where = ", ".join(str(p) for p in valuable)
             raise ConfigError(
@@ -213,12 +191,11 @@ class OutputDir:
     def _existing_manifest(self, overwrite: bool) -> Manifest | None:
         """The manifest to resume from: None when there is none or `overwrite` discards it (and the files)."""
         try:
-            self._migrate_legacy(self.path)
-            existing = Manifest.load(self.path)
+            existing = self._load_manifest()
         except (ValueError, KeyError, TypeError) as e:
             if not overwrite:
                 raise ConfigError(
-                    f"{self.path / MANIFEST_NAME} is unreadable ({e}); use data.overwrite=true to start over"
+                    f"{self.path}/{MANIFEST_NAME} is unreadable ({e}); use data.overwrite=true to start over"
                 ) from e
             existing = None
         if overwrite:
@@ -232,30 +209,25 @@ class OutputDir:
         """A killed run's unfinished temp files, parts written whose window never reached the manifest, and
         checkpoint files the manifest does not list (or of windows already finished)."""
         keep = {r.part for r in manifest.windows.values()}
-        for p in self.path.iterdir():
-            if p.name.startswith(TEMP_PREFIX) and p.is_file():
-                p.unlink(missing_ok=True)
-            elif PART_RE.match(p.name) and p.name not in keep:
-                p.unlink(missing_ok=True)
+        for name in self._files():
+            if name.startswith(TEMP_PREFIX) or (PART_RE.match(name) and name not in keep):
+                self._delete(name)
         listed = {f for w, rec in manifest.partial.items() if w not in manifest.windows for f in rec.files}
         for w in [w for w in manifest.partial if w in manifest.windows]:
             del manifest.partial[w]
-        if self.checkpoint_dir.is_dir():
-            for p in self.checkpoint_dir.iterdir():
-                if p.is_file() and is_own_checkpoint(p.name) and p.name not in listed:
-                    p.unlink(missing_ok=True)
+        for name in self._files(CHECKPOINT_DIR):
+            if is_own_checkpoint(name) and name not in listed:
+                self._delete(f"{CHECKPOINT_DIR}/{name}")
         for w, rec in manifest.windows.items():
             if rec.rewriting:  # killed while replacing the part: count what the part holds now
                 self._rederive(w, rec, manifest)
 
     def _rederive(self, w: int, rec: WindowRecord, manifest: Manifest) -> None:
         n = int((manifest.config.get("sampling") or {}).get("n", 1) or 1)
-        st = part_stats(part_as_piece(pq.read_table(self.path / rec.part), n), n)
-        rec.num_output_rows, rec.rows_ok, rec.rows_error = st.num_output_rows, st.rows_ok, st.rows_error
-        rec.prompt_tokens, rec.cached_tokens, rec.generated_tokens = (
-            st.prompt_tokens, st.cached_tokens, st.generated_tokens,
-        )  # fmt: skip
-        rec.retry_rows, rec.rewriting = st.retry_rows, False
+        st = part_stats(part_as_piece(self._read_table(rec.part), n), n)
+        for name, value in asdict(st).items():  # a part's stats are its record's counts, field for field
+            setattr(rec, name, value)
+        rec.rewriting = False
 
     def open(
         self,
@@ -263,58 +235,53 @@ class OutputDir:
         overwrite: bool = False,
         retry_keys: tuple[str, ...] = (),
         retry_errors: bool = False,
-        legacy_fingerprint: str | None = None,
     ) -> Manifest:
         """Lock the directory, clean leftovers, and return the manifest to continue (or `fresh`).
 
         Raises ConfigError when the directory holds output of another configuration, input or shard layout
         (unless `overwrite`, which discards it, or that output holds no successful row: taken over).
         `retry_keys` are the dotted config keys (``engine.max_model_len``) that may change when `retry_errors`
-        (rows already generated keep their output, error rows are recomputed); `legacy_fingerprint` is what
-        a batchgen <= 0.1 manifest of this configuration would record.
+        (rows already generated keep their output, error rows are recomputed).
         """
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            if e.errno in DISK_FULL_ERRNOS:
-                raise
-            raise output_os_error(e, self.path, "create the output directory") from e
-        try:
+        with _setup_errors(self.path, "create the output directory"):
+            self._makedirs()
+        with _setup_errors(self.path, "write into"):
             self._lock()
-        except OSError as e:
-            if e.errno in DISK_FULL_ERRNOS:
-                raise
-            raise output_os_error(e, self.path, "write into") from e
         try:
-            self._clear_other_layouts(overwrite)
-            existing = self._existing_manifest(overwrite)
-            if existing is not None:
-                problem = self._incompatibility(existing, fresh, retry_keys, retry_errors, legacy_fingerprint)
-                if problem is not None and _manifest_holds_results(existing):
-                    raise ConfigError(problem)
-                if problem is not None:
-                    self.took_over = " ".join(problem.split("\n")[:2])
-                    n = self._clear(self.path)
-                    diff = "; ".join(x.strip() for x in problem.split("\n") if x.startswith("  "))
-                    logger.warning(
-                        "%s: a new configuration takes over this output directory, which holds no successful row "
-                        "of its previous run (%d file(s) of it removed; what differs: %s)",
-                        self.path, n, diff or problem.split("\n")[0],
-                    )  # fmt: skip
-                    existing = None
-            manifest = existing if existing is not None else fresh
-            self._remove_leftovers(manifest)
-            manifest.save(self.path)  # atomic; its directory fsync also makes the removals durable
-            self.manifest = manifest
-            return manifest
-        except OSError as e:
-            self.close()
-            if e.errno in DISK_FULL_ERRNOS:
-                raise
-            raise output_os_error(e, self.path, "write into") from e
+            with _setup_errors(self.path, "write into"):
+                self._clear_other_layouts(overwrite)
+                manifest = self._manifest_to_continue(fresh, overwrite, retry_keys, retry_errors)
+                self._remove_leftovers(manifest)
+                self._save_manifest(manifest)  # atomic; its directory fsync also makes the removals durable
         except BaseException:
             self.close()
             raise
+        self.manifest = manifest
+        return manifest
+
+    def _manifest_to_continue(
+        self, fresh: Manifest, overwrite: bool, retry_keys: tuple[str, ...], retry_errors: bool
+    ) -> Manifest:
+        """The existing manifest when `fresh` may resume it, else `fresh` (an output holding no successful row
+        is taken over); ConfigError when the existing output must not be touched."""
+        existing = self._existing_manifest(overwrite)
+        self.previous_input = dict(existing.input) if existing is not None else {}
+        if existing is None:
+            return fresh
+        problem = self._incompatibility(existing, fresh, retry_keys, retry_errors)
+        if problem is None:
+            return existing
+        if _manifest_holds_results(existing):
+            raise ConfigError(problem)
+        self.took_over = " ".join(problem.split("\n")[:2])
+        n = self._clear(self.path)
+        diff = "; ".join(x.strip() for x in problem.split("\n") if x.startswith("  "))
+        logger.warning(
+            "%s: a new configuration takes over this output directory, which holds no successful row "
+            "of its previous run (%d file(s) of it removed; what differs: %s)",
+            self.path, n, diff or problem.split("\n")[0],
+        )  # fmt: skip
+        return fresh
 
     def _incompatibility(
         self,
@@ -322,12 +289,9 @@ class OutputDir:
         new: Manifest,
         retry_keys: tuple[str, ...],
         retry_errors: bool,
-        legacy_fingerprint: str | None,
     ) -> str | None:
         """Why `old` cannot be resumed by `new`, or None (then `old` takes `new`'s configuration where a
-        retry allowed a difference, and today's spelling of a batchgen <= 0.1 configuration)."""
-        if not old.model and legacy_fingerprint is not None and old.fingerprint == legacy_fingerprint:
-            old.fingerprint, old.config = new.fingerprint, new.config  # the same settings, spelt as today
+        retry allowed a difference)."""
         if old.fingerprint != new.fingerprint or old.window_rows != new.window_rows:
             diffs = diff_config(old.config, new.config)
             keys = [d.split(":", 1)[0] for d in diffs]
@@ -380,8 +344,7 @@ class OutputDir:
     def write_part(self, window: int, table: pa.Table) -> str:
         """Write `table` as the window's part file (atomically); returns its name."""
         name = part_name(window)
-        with atomic_write(self.path / name) as tmp:
-            pq.write_table(table, tmp, compression="zstd")
+        self._write_table(name, table)
         return name
 
     def commit(self, window: int, table: pa.Table, record: WindowRecord) -> None:
@@ -393,28 +356,27 @@ class OutputDir:
         prev = m.windows.get(window)
         if prev is not None:
             prev.rewriting = True
-            m.save(self.path)
+            self._save_manifest(m)
         record.part = self.write_part(window, table)
         m.windows[window] = record
         done = m.partial.pop(window, None)
         try:
-            m.save(self.path)
+            self._save_manifest(m)
         except BaseException:
             # not recorded (a full disk...): readers must not see the part, and the manifest in memory stays
             # what is on disk; a replaced part is a complete part of the window either way (rewriting=True)
             if prev is None:
                 del m.windows[window]
-                (self.path / record.part).unlink(missing_ok=True)
+                self._delete(record.part)
             else:
                 m.windows[window] = prev
             if done is not None:
                 m.partial[window] = done
             raise
         for name in done.files if done is not None else []:
-            (self.checkpoint_dir / name).unlink(missing_ok=True)
+            self._delete(f"{CHECKPOINT_DIR}/{name}")
         if done is not None and not m.partial:
-            with contextlib.suppress(OSError):
-                self.checkpoint_dir.rmdir()  # only when empty
+            self._checkpoint_dir_done()
 
     def write_checkpoint(
         self, window: int, table: pa.Table, rows: int, rows_ok: int, input_sha256: str | None
@@ -426,11 +388,7 @@ class OutputDir:
         rec = m.partial.get(window)
         seq = 1 + max((int(CHECKPOINT_RE.match(f).group(2)) for f in rec.files), default=-1) if rec else 0  # type: ignore[union-attr]
         name = checkpoint_name(window, seq)
-        self.checkpoint_dir.mkdir(exist_ok=True)
-        with atomic_write(self.checkpoint_dir / name) as tmp:
-            opts = pa.ipc.IpcWriteOptions(compression="zstd")
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema, options=opts) as w:
-                w.write_table(table)
+        self._write_table(f"{CHECKPOINT_DIR}/{name}", table)
         new = rec is None
         if rec is None:
             rec = m.partial[window] = PartialRecord(files=[], rows=0, rows_ok=0, input_sha256=input_sha256)
@@ -438,14 +396,14 @@ class OutputDir:
         rec.rows += rows
         rec.rows_ok += rows_ok
         try:
-            m.save(self.path)
+            self._save_manifest(m)
         except BaseException:
             rec.files.pop()
             rec.rows -= rows
             rec.rows_ok -= rows_ok
             if new:
                 del m.partial[window]
-            (self.checkpoint_dir / name).unlink(missing_ok=True)
+            self._delete(f"{CHECKPOINT_DIR}/{name}")
             raise
         return name
 
@@ -455,18 +413,76 @@ class OutputDir:
         rec = self.manifest.partial.get(window)
         out = []
         for name in rec.files if rec is not None else []:
-            with pa.memory_map(str(self.checkpoint_dir / name)) as src:
-                out.append(pa.ipc.open_file(src).read_all())
+            out.append(self._read_table(f"{CHECKPOINT_DIR}/{name}"))
         return out
 
     def read_part(self, window: int) -> pa.Table:
         """The committed part of `window`."""
         assert self.manifest is not None, "open() first"
-        return pq.read_table(self.path / self.manifest.windows[window].part)
+        return self._read_table(self.manifest.windows[window].part)
 
     @property
     def report_path(self) -> Path:
         return self.path / REPORT_NAME
+
+    @property
+    def report_location(self) -> str:
+        """Where ``_report.json`` is (a path or a URL), for messages."""
+        return str(self.report_path)
+
+    def has_report(self) -> bool:
+        return self.report_path.is_file()
+
+    def save_report(self, text: str) -> None:
+        """Write ``_report.json`` (atomically)."""
+        atomic_write_text(self.report_path, text)
+
+    # ------------------------------------------------------------------- storage (local files; see RemoteOutputDir)
+    def _makedirs(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def _load_manifest(self) -> Manifest | None:
+        return Manifest.load(self.path)
+
+    def _save_manifest(self, m: Manifest) -> None:
+        m.save(self.path)
+
+    def _files(self, sub: str = "") -> list[str]:
+        """Names of the files directly in the directory (or its sub-directory `sub`)."""
+        d = self.path / sub if sub else self.path
+        return [p.name for p in d.iterdir() if p.is_file()] if d.is_dir() else []
+
+    def _delete(self, name: str) -> None:
+        (self.path / name).unlink(missing_ok=True)
+
+    def _write_table(self, name: str, table: pa.Table) -> None:
+        """`table` as file `name` (Parquet for ``.parquet``, else Arrow IPC), atomically."""
+        target = self.path / name
+        target.parent.mkdir(exist_ok=True)
+        with atomic_write(target) as tmp:
+            if name.endswith(".parquet"):
+                pq.write_table(table, tmp, compression="zstd")
+            else:
+                opts = pa.ipc.IpcWriteOptions(compression="zstd")
+                with (
+                    pa.OSFile(str(tmp), "wb") as sink,
+                    pa.ipc.new_file(sink, table.schema, options=opts) as w,
+                ):
+                    w.write_table(table)
+
+    def _read_table(self, name: str) -> pa.Table:
+        if name.endswith(".parquet"):
+            return pq.read_table(self.path / name)
+        with pa.memory_map(str(self.path / name)) as src:
+            return pa.ipc.open_file(src).read_all()
+
+    def _checkpoint_dir_done(self) -> None:
+        """Every checkpoint of the directory is folded into its part: remove the (empty) checkpoint directory."""
+        with contextlib.suppress(OSError):
+            self.checkpoint_dir.rmdir()  # only when empty
+
+    def _holds_results_at(self, directory: Any) -> bool:
+        return _holds_results(directory)
 
 
 def _manifest_holds_results(m: Manifest) -> bool:

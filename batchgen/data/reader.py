@@ -27,6 +27,7 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -53,6 +54,10 @@ class InputFile:
     row_group_rows: list[int]
     schema: pa.Schema
     footer_sha256: str
+    location: Any = None
+    """The :class:`~batchgen.data.storage.Location` of a remote file (None: a local path)."""
+    version: str | None = None
+    """The store's version of a remote file (ETag, GCS generation): resume compares it with the manifest's."""
 
 
 @dataclass
@@ -66,13 +71,16 @@ class InputSet:
     columns: list[str] = field(default_factory=list)
 
     def describe(self) -> dict:
-        """JSON-friendly summary stored in manifests and schema metadata."""
-        return {
+        """JSON-friendly summary stored in manifests and schema metadata (the versions of remote files)."""
+        d = {
             "spec": self.spec,
             "num_files": len(self.files),
             "num_rows": self.num_rows,
             "fingerprint": self.fingerprint,
         }
+        if any(f.version for f in self.files):
+            d["versions"] = {f.rel_path: [f.size, f.version] for f in self.files}
+        return d
 
     def column_type(self, name: str) -> pa.DataType | None:
         """Type of column `name` in the first file that has it (None when absent everywhere)."""
@@ -170,13 +178,56 @@ def _footer_sha256(path: str, size: int) -> str:
         return hashlib.sha256(f.read(footer_len)).hexdigest()
 
 
-def open_input(spec: str) -> InputSet:
-    """Resolve `spec` and read every file's footer (row counts, row groups, schema).
+OUTPUT_MARKER = "_manifest.json"
+"""The file that makes a directory a batchgen output (`batchgen.data.manifest`)."""
+
+
+def without_outputs(paths: list[str], root: str, output: str | None) -> list[str]:
+    """`paths` less the files of batchgen outputs nested in the input: those under `output` (the job's own
+    output directory, which may not hold a manifest yet) and those under any directory below `root` holding
+    a manifest. An input that *is* an output directory (`root` itself) is kept: it is what was asked for."""
+    out = os.path.realpath(output) if output else None
+    root_real = os.path.realpath(root)
+    kept, marked = [], {}
+    for p in paths:
+        d = os.path.dirname(os.path.realpath(p))
+        if out is not None and (d == out or d.startswith(out + os.sep)):
+            continue
+        inside = False
+        while d.startswith(root_real + os.sep):
+            if d not in marked:
+                marked[d] = os.path.isfile(os.path.join(d, OUTPUT_MARKER))
+            if marked[d]:
+                inside = True
+                break
+            d = os.path.dirname(d)
+        if not inside:
+            kept.append(p)
+    if len(kept) < len(paths):
+        logger.info("data.input: skipping %d file(s) of batchgen output directories", len(paths) - len(kept))
+    return kept
+
+
+def open_input(
+    spec: str, output: str | None = None, storage_options: dict[str, Any] | None = None
+) -> InputSet:
+    """Resolve `spec` (a path, or a URL: :mod:`batchgen.data.remote_input`) and read every file's footer (row
+    counts, row groups, schema); the files of batchgen outputs inside a local input (`output`, the job's own,
+    and any other: :func:`without_outputs`) are not input.
 
     The fingerprint covers each file's path relative to the input root, size, row count and footer hash
     (not mtimes: copying the data elsewhere keeps resume working; rewriting it with other content does not).
     """
+    from batchgen.data.storage import is_url
+
+    if is_url(spec):
+        from batchgen.data.remote_input import open_remote_input
+
+        return open_remote_input(str(spec), storage_options or {})
     paths, root = resolve_files(spec)
+    paths = without_outputs(paths, root, output)
+    if not paths:
+        raise InputError(f"data.input: {spec!r} holds no input files outside batchgen output directories")
     files: list[InputFile] = []
     h = hashlib.sha256()
     start = 0
@@ -285,8 +336,10 @@ def _safe_batches(
     schema: pa.Schema,
     batch_rows: int,
 ) -> Iterator[tuple[pa.RecordBatch, str | None]]:
-    """The row group's batches, then — if decoding fails part-way — one batch of nulls for the rows left,
-    with a message naming the file and the row group (so no row ever goes missing)."""
+    """The row group's batches, then — if decoding fails part-way — one batch of the rows left, with a message
+    naming the file, the row group and the unreadable columns (so no row ever goes missing): the columns that
+    can still be decoded on their own (an id column, say) are kept, the others are null
+    (:func:`_salvage`)."""
     total = f.row_group_rows[rg]
     done = 0
     error: BaseException | None = pf if isinstance(pf, BaseException) else None
@@ -301,32 +354,62 @@ def _safe_batches(
             error = e
     if error is not None and done < total:
         n = total - done
-        nulls = pa.RecordBatch.from_arrays([pa.nulls(n, t) for t in schema.types], schema=schema)
+        batch, lost = _salvage(pf, rg, done, total, schema)
+        which = f"column(s) {', '.join(repr(c) for c in lost)}: " if 0 < len(lost) < len(schema) else ""
         msg = (
             f"input unreadable: {f.rel_path!r} row group {rg} (input rows {g0 + done}..{g0 + total}): "
-            f"{_short(error)}"
+            f"{which}{_short(error)}"
         )
         logger.warning("%s; its %d row(s) become error rows", msg, n)
-        yield nulls, msg
+        yield batch, msg
 
 
-def _open(path: str) -> pq.ParquetFile | BaseException:
+def _salvage(
+    pf: pq.ParquetFile | BaseException, rg: int, start: int, end: int, schema: pa.Schema
+) -> tuple[pa.RecordBatch, list[str]]:
+    """Rows ``[start, end)`` of row group `rg`, each column decoded on its own (null where it cannot be), and
+    the names of the columns that could not."""
+    arrays, lost = [], []
+    for fld in schema:
+        arr = None
+        if not isinstance(pf, BaseException):
+            try:
+                col = pf.read_row_group(rg, columns=[fld.name], use_threads=False).column(0)
+                arr = plain_column(col.slice(start, end - start)).cast(fld.type)
+            except (OSError, pa.ArrowException):
+                arr = None
+        if arr is None:
+            lost.append(fld.name)
+            arr = pa.nulls(end - start, fld.type)
+        arrays.append(arr)
+    return pa.RecordBatch.from_arrays(arrays, schema=schema), lost
+
+
+def plain_column(col: pa.ChunkedArray) -> pa.Array:
+    """One array of `col`, dictionaries decoded."""
+    arr = col.combine_chunks() if col.num_chunks else pa.array([], type=col.type)
+    return arr.dictionary_decode() if pa.types.is_dictionary(arr.type) else arr
+
+
+def _open(f: InputFile) -> pq.ParquetFile | BaseException:
     try:  # pages written with a CRC are checked: a flipped bit is an unreadable row group, not garbage
-        return pq.ParquetFile(path, page_checksum_verification=True)
+        if f.location is not None:  # byte ranges of the object, fetched as row groups are read
+            return pq.ParquetFile(f.location.open_read(f.rel_path), page_checksum_verification=True)
+        return pq.ParquetFile(f.path, page_checksum_verification=True)
     except (OSError, pa.ArrowException) as e:
         return e
 
 
 def _file_for(
-    open_file: tuple[str, pq.ParquetFile | BaseException] | None, path: str
+    open_file: tuple[str, pq.ParquetFile | BaseException] | None, f: InputFile
 ) -> tuple[str, pq.ParquetFile | BaseException]:
-    """``(path, opened file or the error opening it)``: `open_file` itself if it is `path`'s, else `path`
+    """``(path, opened file or the error opening it)``: `open_file` itself if it is `f`'s, else `f`
     opened anew (the previous file closed)."""
-    if open_file is not None and open_file[0] == path:
+    if open_file is not None and open_file[0] == f.path:
         return open_file
     if open_file is not None and isinstance(open_file[1], pq.ParquetFile):
         open_file[1].close()
-    return (path, _open(path))
+    return (f.path, _open(f))
 
 
 def iter_windows(
@@ -359,7 +442,7 @@ def iter_windows(
         k = bisect.bisect_right(ends, g0, lo=wi)  # first window ending after g0
         if k >= len(wins) or wins[k].row_start >= g1:
             continue  # only rows of windows we were not asked for
-        open_file = _file_for(open_file, f.path)
+        open_file = _file_for(open_file, f)
         pos = g0
         for batch, error in _safe_batches(f, open_file[1], rg, g0, columns, schema, batch_rows):
             b0, b1 = pos, pos + batch.num_rows

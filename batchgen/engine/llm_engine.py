@@ -13,7 +13,7 @@ from batchgen import startup_trace
 from batchgen.engine import threads
 from batchgen.engine.async_step import InFlight, Prepared, StepWorker, fill_tensors, placeholder_rows
 from batchgen.engine.attention import resolve_backend
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import EngineConfig, logprobs_error
 from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.model_runner import ModelRunner
@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 _NO_XGRAMMAR = (
     "structured outputs (json_schema / regex / choice / grammar) need xgrammar: "
-    "pip install 'batchgen[structured]'"
+    "pip install 'batchgen[structured]' (on a CPU machine, without Triton: pip install "
+    "'batchgen[structured-cpu]' && pip install --no-deps xgrammar)"
 )
 
 
@@ -207,6 +208,9 @@ class LLMEngine:
         n = len(token_ids)
         if n == 0:
             return "empty prompt: it has no tokens"
+        too_many = logprobs_error(params.logprobs, params.prompt_logprobs, self.config.max_logprobs)
+        if too_many is not None:
+            return too_many
         vocab = self.model.config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:

@@ -9,23 +9,28 @@ from typing import Any
 import batchgen
 from batchgen.data.manifest import Manifest
 from batchgen.data.output_dir import OutputDir
+from batchgen.errors import ConfigError
 from batchgen.job.plan import JobPlan
-from batchgen.job.report import build_report, error_fraction, write_report
+from batchgen.job.report import build_report, error_fraction, report_text
 from batchgen.job.result import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_ERRORS, JobResult, one_line
 from batchgen.job.tally import NUM_EXAMPLES, RowTally
 
 logger = logging.getLogger("batchgen.job")
 
 
-def nothing_to_do(plan: JobPlan, outdir: OutputDir, m: Manifest, print_summary: bool) -> JobResult:
-    """Every window is done (or the shard is empty): 0, or 3 when the output's error rows are too many."""
+def nothing_to_do(
+    plan: JobPlan, outdir: OutputDir, m: Manifest, print_summary: bool, checked: tuple[int, float] = (0, 0.0)
+) -> JobResult:
+    """Every window is done (or the shard is empty): 0, or 3 when the output's error rows are too many.
+    `checked`: (windows whose input was found unchanged, seconds that check took)."""
     d = plan.cfg.data
     if m.num_windows == 0:
         msg = f"nothing to do: shard {d.shard.index}/{d.shard.count} of the input has no rows"
     else:
-        msg = f"nothing to do: {outdir.path} already holds the complete output ({m.num_windows} windows)"
+        msg = f"nothing to do: {outdir.path} already holds the complete output ({m.num_windows} windows"
+        msg += f"; input unchanged, checked in {checked[1]:.1f} s)" if checked[0] else ")"
     frac = error_fraction(m)
-    rp = outdir.report_path
+    rp = outdir.report_location if outdir.has_report() else None
     if frac > plan.cfg.run.max_error_fraction:
         msg += (
             f", but {frac:.1%} of its rows are error rows, more than run.max_error_fraction="
@@ -36,12 +41,12 @@ def nothing_to_do(plan: JobPlan, outdir: OutputDir, m: Manifest, print_summary: 
         logger.error(msg)
         if print_summary:
             print(msg)
-        return JobResult(EXIT_TOO_MANY_ERRORS, "failed", str(outdir.path), str(rp) if rp.is_file() else None,
+        return JobResult(EXIT_TOO_MANY_ERRORS, "failed", str(outdir.path), rp,
                          message=msg)  # fmt: skip
     logger.info(msg)
     if print_summary:
         print(msg)
-    return JobResult(EXIT_OK, "complete", str(outdir.path), str(rp) if rp.is_file() else None, message=msg)
+    return JobResult(EXIT_OK, "complete", str(outdir.path), rp, message=msg)
 
 
 def job_report(
@@ -87,9 +92,12 @@ def job_report(
     if report["errors"]["exceeded"]:
         report["status"] = "failed"
     try:
-        write_report(outdir.report_path, report)
-    except OSError as e:  # the output is what counts: a report that cannot be written is only a warning
-        logger.warning("could not write %s: %s", outdir.report_path, one_line(e))
+        outdir.save_report(report_text(report))
+    except (
+        OSError,
+        ConfigError,
+    ) as e:  # the output is what counts: a report that cannot be written is a warning
+        logger.warning("could not write %s: %s", outdir.report_location, one_line(e))
     return report
 
 
@@ -108,19 +116,21 @@ def finish(
             msg += f"; {m.retry_rows} may be retried: fix the cause and rerun with data.retry_errors=true"
         code, status = EXIT_TOO_MANY_ERRORS, "failed"
     elif m.complete:
-        msg = f"done: {len(plan.windows)} part(s) in {outdir.path}; report: {outdir.report_path}"
+        msg = f"done: {len(plan.windows)} part(s) in {outdir.path}; report: {outdir.report_location}"
         code, status = EXIT_OK, "complete"
     else:
         left = m.num_windows - len(m.windows)
         why = f"stopped by {signal_name}" if signal_name else "stopped"
+        partial = sum(p.rows for p in m.partial.values())
         msg = (
-            f"incomplete ({why}): {len(m.windows)}/{m.num_windows} windows complete and "
-            f"{sum(p.rows for p in m.partial.values())} finished rows of {left} unfinished window(s) saved "
-            f"in {outdir.path}; rerun the same command to resume (exit status {EXIT_INTERRUPTED})"
+            f"incomplete ({why}): {len(m.windows)}/{m.num_windows} windows complete"
+            + (f" and {partial} finished rows of {len(m.partial)} unfinished window(s)" if partial else "")
+            + f" saved in {outdir.path}; {left} window(s) left: rerun the same command to resume "
+            f"(exit status {EXIT_INTERRUPTED})"
         )
         code, status = EXIT_INTERRUPTED, "incomplete"
     (logger.error if code == EXIT_TOO_MANY_ERRORS else logger.info)(msg)
-    return JobResult(code, status, str(outdir.path), str(outdir.report_path), report, msg)
+    return JobResult(code, status, str(outdir.path), outdir.report_location, report, msg)
 
 
 def examples_text(out: str, examples: list[tuple[list[int], str]], tokenizer: Any) -> str:
@@ -136,7 +146,21 @@ def examples_text(out: str, examples: list[tuple[list[int], str]], tokenizer: An
     return "\n".join(
         [
             *head,
-            f"read the output: batchgen show {out}  |  pandas.read_parquet({out!r})  |  "
-            f"duckdb: SELECT * FROM read_parquet('{out}/**/*.parquet')",
+            "read the output: " + "  |  ".join(readers_of(out)),
         ]
     )
+
+
+def readers_of(out: str) -> list[str]:
+    """Ways to read the output directory `out` that work here: ``batchgen show`` and pyarrow (installed with
+    batchgen), then pandas, polars and duckdb where they are installed."""
+    import importlib.util
+
+    ways = [f"batchgen show {out}", f"pyarrow.parquet.read_table({out!r})"]
+    if importlib.util.find_spec("pandas") is not None:
+        ways.append(f"pandas.read_parquet({out!r})")
+    if importlib.util.find_spec("polars") is not None:
+        ways.append(f"polars.read_parquet('{out}/**/*.parquet')")
+    if importlib.util.find_spec("duckdb") is not None:
+        ways.append(f"duckdb: SELECT * FROM read_parquet('{out}/**/*.parquet')")
+    return ways

@@ -7,7 +7,8 @@ group (``model=tiny``, ``data=default``, ``engine=default``, ``sampling=default`
 Resolvers: ``${batchgen.shard_dir:output,index,count}`` (a shard's output directory, used by
 ``hydra.run.dir``; a directory under the system's temp dir when the output cannot hold Hydra's log files, see
 :func:`usable_log_root`), ``${batchgen.sweep_root:}`` (where a multirun's logs go, used by ``hydra.sweep.dir``) and
-``${batchgen.array_env:NAME,default}`` (the shard defaults from a Slurm job array). The registrations are
+``${batchgen.shard_env:index|count}`` (the shard defaults from a Slurm job array or a Kubernetes Indexed Job,
+:mod:`batchgen.job.shard_env`). The registrations are
 idempotent.
 """
 
@@ -28,16 +29,30 @@ from batchgen.data.layout import STATUS_NAME, shard_dir_name
 from batchgen.engine.config import EngineConfig
 from batchgen.job.config import DataOptions, JobConfig, ModelOptions, RunOptions, default_sampling
 from batchgen.job.help import HELP_FOOTER, HELP_HEADER, help_template
+from batchgen.job.shard_env import shard_from_env
+
+
+def _open_storage_options(node: Any, group: str | None) -> Any:
+    """`node` with ``data.storage_options`` out of struct mode, so that its (store-specific) keys are set like
+    any other key (``data.storage_options.endpoint_url=...``, ``data.storage_options={key: ..}``), not only
+    with Hydra's ``+``."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.set_struct((node[group] if group else node).storage_options, False)
+    return node
 
 
 def register_configs() -> None:
     """Register the schema, group options and the help text in Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     cs = ConfigStore.instance()
-    cs.store(name="batchgen_schema", node=JobConfig)
+    cs.store(name="batchgen_schema", node=_open_storage_options(OmegaConf.structured(JobConfig), "data"))
     cs.store(group="model", name="tiny", node=ModelOptions())
-    cs.store(group="data", name="default", node=DataOptions())
+    cs.store(
+        group="data", name="default", node=_open_storage_options(OmegaConf.structured(DataOptions), None)
+    )
     cs.store(group="engine", name="default", node=EngineConfig())
     cs.store(group="sampling", name="default", node=default_sampling())
     cs.store(group="sampling", name="greedy", node=dataclasses.replace(default_sampling(), temperature=0.0))
@@ -62,7 +77,12 @@ def usable_log_root(directory: str) -> str:
     """`directory` if Hydra can create its log directory below it; otherwise (under a regular file, not
     writable, read-only, nearly full) a directory under the system's temp dir, so that batchgen itself gets to
     report the problem with the output in one line (exit 2, or 75 for a full disk) instead of Hydra failing
-    with a traceback. Never creates anything."""
+    with a traceback. Never creates anything. An object-store URL (``s3://...``) cannot hold them either: they
+    go under the temp dir too."""
+    from batchgen.data.storage import is_url
+
+    if is_url(directory):
+        return str(fallback_log_root(directory))
     p = Path(directory).absolute()
     existing = next((q for q in [p, *p.parents] if q.exists()), None)
     try:
@@ -79,7 +99,10 @@ def usable_log_root(directory: str) -> str:
 
 def fallback_log_root(directory: str) -> Path:
     """Where :func:`usable_log_root` puts Hydra's logs when `directory` cannot hold them."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(Path(directory).absolute()).strip("/")) or "root"
+    from batchgen.data.storage import is_url, redact_url
+
+    shown = redact_url(directory) if is_url(directory) else str(Path(directory).absolute())
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", shown.strip("/")) or "root"
     return Path(tempfile.gettempdir()) / "batchgen-logs" / name
 
 
@@ -87,14 +110,6 @@ def _shard_dir_resolver(output: Any, index: Any, count: Any) -> str:
     sub = shard_dir_name(int(index), int(count))
     out = str(output).rstrip("/") or "/"
     return usable_log_root(f"{out}/{sub}" if sub else out)
-
-
-def _array_env_resolver(name: str, default: Any = None) -> Any:
-    """``$name`` from a Slurm job array, except inside a submitit job: submitit runs every job of a Hydra sweep
-    as an array task, so there the array index says which sweep job this is, not which shard to process."""
-    if os.environ.get("SUBMITIT_EXECUTOR"):
-        return default
-    return os.environ.get(name, default)
 
 
 def _sweep_root_resolver(*, _root_: Any) -> str:
@@ -112,15 +127,15 @@ def _sweep_root_resolver(*, _root_: Any) -> str:
 
 def register_resolvers() -> None:
     """``${batchgen.shard_dir:${data.output},${data.shard.index},${data.shard.count}}`` (used by hydra.run.dir)
-    and ``${batchgen.array_env:SLURM_ARRAY_TASK_ID,0}`` (the shard defaults)."""
+    and ``${batchgen.shard_env:index}`` (the shard defaults)."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("batchgen.shard_dir"):
         OmegaConf.register_new_resolver("batchgen.shard_dir", _shard_dir_resolver)
     if not OmegaConf.has_resolver("batchgen.sweep_root"):
         OmegaConf.register_new_resolver("batchgen.sweep_root", _sweep_root_resolver)
-    if not OmegaConf.has_resolver("batchgen.array_env"):
-        OmegaConf.register_new_resolver("batchgen.array_env", _array_env_resolver)
+    if not OmegaConf.has_resolver("batchgen.shard_env"):
+        OmegaConf.register_new_resolver("batchgen.shard_env", shard_from_env)
 
 
 MULTIRUN_FAILURES: list[tuple[int, str, int, str]] = []

@@ -69,16 +69,6 @@ def _file_digests(path: str) -> dict[str, bytes]:
     return out
 
 
-def model_fingerprint(path: str) -> str:
-    """Hash of a checkpoint's configs, tokenizer files and safetensors headers (not the full weights).
-
-    The fingerprint of batchgen <= 0.1 (chat template included): see :func:`model_identity` for today's."""
-    h = hashlib.sha256()
-    for name, digest in _file_digests(path).items():
-        h.update(f"{name}\0".encode() + digest)
-    return h.hexdigest()
-
-
 def _chat_template_text(path: str) -> str | None:
     p = Path(path)
     parts = []
@@ -137,8 +127,6 @@ class JobPlan:
     """The columns the job reads, with their types unified over the input files."""
     model_info: dict[str, Any]
     """Names describing the checkpoint (path, architecture, per-file hashes): shown when a resume is refused."""
-    legacy_fingerprint: str
-    """What batchgen <= 0.1 recorded for this configuration (resuming its output directories)."""
     model_max_len: int
     """The model's own limit on prompt + generation (before ``engine.max_model_len``)."""
 
@@ -148,11 +136,13 @@ def _require_column(inp: InputSet, name: str, key: str) -> None:
     """ConfigError naming `key` unless every input file has column `name`."""
     missing = [f.rel_path for f in inp.files if f.schema.get_field_index(name) < 0]
     if missing:
-        avail = ", ".join(inp.columns[:30])
-        where = (
-            "the input" if len(missing) == len(inp.files) else f"{len(missing)} file(s), e.g. {missing[0]!r}"
-        )
-        raise ConfigError(f"{key}: column {name!r} is missing from {where} (columns: {avail})")
+        first = next(f for f in inp.files if f.rel_path == missing[0])
+        avail = ", ".join(first.schema.names[:30])
+        if len(missing) == len(inp.files):
+            where, cols = "the input", f"columns: {avail}"
+        else:
+            where, cols = f"{len(missing)} file(s), e.g. {missing[0]!r}", f"its columns: {avail}"
+        raise ConfigError(f"{key}: column {name!r} is missing from {where} ({cols})")
 
 
 def _sampling_column(d: DataOptions, inp: InputSet) -> str | None:
@@ -236,12 +226,12 @@ def _model_path(cfg: JobConfig) -> str:
 
 
 def _model_config(cfg: JobConfig, path: str) -> Any:
-    """The checkpoint's architecture (config.json only: no weights are read); an unsupported or malformed
-    one is a ConfigError here, before anything loads."""
-    from batchgen.models.config import ModelConfig
+    """The checkpoint's facts on the road ``model.implementation`` takes (config files only: no weights are
+    read); an unsupported or malformed one is a ConfigError here, before anything loads."""
+    from batchgen.models.checkpoint_facts import checkpoint_facts
 
     try:
-        return ModelConfig.from_pretrained(path)
+        return checkpoint_facts(path, cfg.model.implementation)
     except (ValueError, KeyError, TypeError, OSError) as e:
         where = cfg.model.path or "the embedded tiny model"
         raise ConfigError(f"model.path: cannot use {where!r}: {e}") from e
@@ -300,13 +290,11 @@ def _fingerprint_config(
     model_fp: str,
     sampling_col: str | None,
     template_fp: str | None = None,
-    legacy: bool = False,
 ) -> dict[str, Any]:
-    """The settings that change the output (see the module docstring), as recorded in the manifest
-    (`legacy`: as batchgen <= 0.1 recorded them, with the chat template inside the model fingerprint)."""
+    """The settings that change the output (see the module docstring), as recorded in the manifest."""
     d = cfg.data
     model: dict[str, Any] = {"fingerprint": model_fp, "dtype": cfg.model.dtype}
-    if not legacy and d.messages_column:
+    if d.messages_column:
         model["chat_template"] = template_fp
     score = {"task": "score", "continuation_column": d.continuation_column} if cfg.task == "score" else {}
     return {
@@ -379,7 +367,9 @@ def _hash(config: dict[str, Any]) -> str:
 def plan_job(cfg: JobConfig) -> JobPlan:
     """Resolve input, columns, shard, windows, model and fingerprints; raises ConfigError on any problem."""
     d = cfg.data
-    inp = open_input(d.input if d.input else sample_input_path())
+    inp = open_input(
+        d.input if d.input else sample_input_path(), output=d.output, storage_options=dict(d.storage_options)
+    )
     columns, sampling_col = _check_columns(d, inp)
     schema = inp.read_schema(columns)
     _check_prompt_type(d, schema)
@@ -389,7 +379,6 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     _check_kv_memory(cfg, model_cfg)
     model_fp, template_fp, files = model_identity(model_path)
     fp_config = _fingerprint_config(cfg, model_fp, sampling_col, template_fp)
-    legacy_config = _fingerprint_config(cfg, model_fingerprint(model_path), sampling_col, legacy=True)
     spec = PromptSpec(
         prompt_column=d.prompt_column,
         messages_column=d.messages_column,
@@ -415,7 +404,6 @@ def plan_job(cfg: JobConfig) -> JobPlan:
             "architecture": model_cfg.architecture,
             "files": files,
         },
-        legacy_fingerprint=_hash(legacy_config),
         model_max_len=int(model_cfg.max_model_len),
     )
 

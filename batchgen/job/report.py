@@ -100,9 +100,14 @@ def build_report(
     return report
 
 
+def report_text(report: dict[str, Any]) -> str:
+    """The report as the JSON text of ``_report.json``."""
+    return json.dumps(report, indent=1, default=str) + "\n"
+
+
 def write_report(path: str | Path, report: dict[str, Any]) -> None:
     """Write the report as JSON, atomically."""
-    atomic_write_text(path, json.dumps(report, indent=1, default=str) + "\n")
+    atomic_write_text(path, report_text(report))
 
 
 def _si(x: float) -> str:
@@ -148,6 +153,10 @@ def format_table(report: dict[str, Any]) -> str:
         ("peak concurrent seqs", str(sch["peak_running_seqs"])),
         ("preemptions", str(sch["preemptions"])),
     ]
+    for rep in report.get("replicas") or []:  # a job over several engine replicas
+        restarts = f", {rep['restarts']} restart(s)" if rep.get("restarts") else ""
+        lines.append((f"replica {rep['replica']}", f"{rep['rows']} rows, {rep['rows_per_s']:.2f} rows/s, "
+                      f"{rep['generated_tokens_per_s']:.1f} gen tok/s{restarts}"))  # fmt: skip
     for i, (msg, count) in enumerate(err.get("top") or []):
         text = f"{count} x {msg}"
         lines.insert(2 + i, ("top errors" if i == 0 else "", text if len(text) <= 100 else text[:97] + "..."))
