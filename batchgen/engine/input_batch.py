@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from batchgen.engine.attention import AttentionMetadata
+from batchgen.attention import AttentionMetadata
 from batchgen.engine.scheduler import SchedulerOutput
 
 _FLAT = ("ids", "pos", "slots")  # int64, one entry per token
