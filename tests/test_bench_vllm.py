@@ -132,6 +132,7 @@ def test_a_missing_interpreter_skips_the_system_with_the_reason(tmp_path: Path) 
     res = launch.run_system(_spec([[1, 2]], [2]), tmp_path, 60, {"vllm": str(tmp_path / "no" / "python")})
     assert res["status"] == "skipped"
     assert "not found" in res["reason"] and "python.vllm" in res["reason"]
+    assert res["loadavg_before"] == res["loadavg_after"]  # the benchmark prints it beside the row
     assert not list(tmp_path.glob("*.spec.json"))  # nothing was started
 
 

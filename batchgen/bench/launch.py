@@ -166,7 +166,13 @@ def run_system(
     python, how = resolve_python(system, interpreters)
     load0 = os.getloadavg()
     if python is None:
-        return {"system": system, "status": "skipped", "reason": how, "loadavg_before": list(load0)}
+        return {
+            "system": system,
+            "status": "skipped",
+            "reason": how,
+            "loadavg_before": list(load0),
+            "loadavg_after": list(load0),
+        }
     spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
     started_at = time.time()
