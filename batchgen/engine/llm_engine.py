@@ -6,12 +6,14 @@ import logging
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
 
 from batchgen import startup_trace
 from batchgen.attention import resolve_backend
+from batchgen.engine import pooling as pooling_step
 from batchgen.engine import prompt_logprobs, threads
 from batchgen.engine.config import EngineConfig, logprobs_error
 from batchgen.engine.executor import Executor, InFlight, Prepared, fill_tensors, placeholder_rows
@@ -20,6 +22,7 @@ from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.output_processor import OutputProcessor, error_output
 from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.pooling import PoolingState
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request
 from batchgen.engine.stats import EngineStats
@@ -96,7 +99,9 @@ class LLMEngine:
         dtype: str = "auto",
         tokenizer: str | None = None,
         implementation: str = "auto",
+        load: Callable[[torch.device], torch.nn.Module] | None = None,
     ) -> None:
+        """``load(device)``: builds the model instead of the checkpoint's default loader (pooling models)."""
         self.config = config = engine_config or EngineConfig()
         tp = config.tensor_parallel_size
         # tensor parallelism: this process is rank 0 (workers started or joined here; see tp_launch)
@@ -112,8 +117,14 @@ class LLMEngine:
         backend = resolve_backend(config.attention_backend, self.device)
         self.model_path = model
         # implementation: auto (native when batchgen has the architecture), native, or transformers
-        self.model = load_model(
-            model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
+        if load is not None and tp > 1:
+            raise ValueError("pooling models run on one device: set engine.tensor_parallel_size=1")
+        self.model = (
+            load(self.device)
+            if load is not None
+            else load_model(
+                model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
+            )
         )
         self.tokenizer = load_tokenizer(tokenizer or model)
         self.max_model_len = _max_model_len(config, self.model.config)
@@ -184,9 +195,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         prompt_logprobs_start: int | None = None,
+        pooling: PoolingState | None = None,
     ) -> None:
         """Queue a request. ``prompt_logprobs_start``: compute the logprobs of the prompt tokens from this
-        position on (scoring: the continuation's first token), reusing the prefix cache before it."""
+        position on (scoring: the continuation's first token), reusing the prefix cache before it.
+        ``pooling``: a prefill-only pooling request (:mod:`batchgen.engine.pooling`; ``params`` ignored) whose
+        pooled hidden state is written into the given state."""
+        if pooling is not None:
+            params = _POOLING_PARAMS
+            self.builder.wants_pooling = True
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -195,6 +212,7 @@ class LLMEngine:
             list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         )
         request = Request(request_id, token_ids, params, prompt_text, self.tokenizer, self.device)
+        request.pooling = pooling
         if prompt_logprobs_start is not None or params.prompt_logprobs is not None:
             request.prompt_logprobs_start = prompt_logprobs_start
             self.builder.wants_prompt_logprobs = True
@@ -208,7 +226,12 @@ class LLMEngine:
             self._errors.append(error_output(request, error))
             return
         self.requests[request_id] = request
-        if params.beam_width > 1 or params.constrained or prompt_logprobs.wants_prompt_logprobs(request):
+        if (
+            params.beam_width > 1
+            or params.constrained
+            or prompt_logprobs.wants_prompt_logprobs(request)
+            or pooling
+        ):
             self._sync_ids.add(request_id)
         self.scheduler.add(request.new_sequence(list(token_ids), 0))
         self.stats.prompt_tokens += len(token_ids)
@@ -287,6 +310,8 @@ class LLMEngine:
         finished."""
         if output.prompt_logprobs is not None:
             prompt_logprobs.fill(prompt_logprobs.plan(out)[0], output.prompt_logprobs)
+        if output.pooled is not None:
+            pooling_step.fill(pooling_step.plan(out)[0], output.pooled)
         if not out.seqs:  # a step that only moved blocks
             return []
         done = self.outputs.update(
@@ -350,3 +375,7 @@ class LLMEngine:
         self._sync_ids.discard(request.request_id)
         self.stats.num_finished_requests += 1
         return self.outputs.request_output(request)
+
+
+_POOLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+"""A pooling request samples one (discarded) token: the step completing its prompt finishes it."""

@@ -77,6 +77,8 @@ class Request:
     # Prompt logprobs (batchgen.engine.prompt_logprobs): wanted from this position on (None: only if
     # params.prompt_logprobs), and the entries computed so far (one per prompt token, entry 0 None).
     prompt_logprobs_start: int | None = None
+    pooling: Any = None
+    """A pooling request's :class:`~batchgen.engine.pooling.PoolingState` (None: a generation)."""
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def new_sequence(self, token_ids: list[int], sample_index: int) -> Sequence:

@@ -160,6 +160,33 @@ class RunOptions:
             raise ConfigError(f"run.max_replica_restarts must be >= 0, got {self.max_replica_restarts}")
 
 
+POOLING_METHODS = ("last", "mean", "cls")  # batchgen.pooling.params.POOLING_METHODS, without torch
+
+
+@dataclass
+class PoolingOptions:
+    """``pooling.*``: how task=embed pools each row's hidden states (task=classify uses the head's own pooling)."""
+
+    method: str | None = None
+    """last, mean or cls; null = the checkpoint's sentence-transformers pooling, else cls for encoders (BERT-like) and last for decoders."""
+    normalize: bool | None = None
+    """L2-normalise each embedding; null = the checkpoint's choice (a sentence-transformers Normalize module), true when it has none."""
+    dimensions: int | None = None
+    """Keep the first N values of each embedding (Matryoshka models), normalised after truncation; null = all."""
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in POOLING_METHODS:
+            raise ConfigError(
+                f"pooling.method must be one of {', '.join(POOLING_METHODS)} or null, got {self.method!r}"
+            )
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ConfigError(f"pooling.dimensions must be >= 1 or null, got {self.dimensions}")
+
+
+TASKS = ("generate", "score", "embed", "classify")
+POOLING_TASKS = ("embed", "classify")
+
+
 @dataclass
 class JobConfig:
     """The whole job: ``batchgen key=value ...``."""
@@ -169,9 +196,12 @@ class JobConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingParams = field(default_factory=default_sampling)
     run: RunOptions = field(default_factory=RunOptions)
+    pooling: PoolingOptions = field(default_factory=PoolingOptions)
     task: str = "generate"
-    """'generate' (completions) or 'score': log-likelihoods of data.continuation_column given data.prompt_column,
-    or, without a continuation column, the rolling log-likelihood / perplexity of data.prompt_column."""
+    """'generate' (completions); 'score': log-likelihoods of data.continuation_column given data.prompt_column,
+    or, without a continuation column, the rolling log-likelihood / perplexity of data.prompt_column; 'embed': an
+    'embedding' column (fixed-size list of float32, see pooling.*); 'classify': 'probs' (one score per label) and
+    'label' columns from a *ForSequenceClassification checkpoint (a one-label reward head: probs=[score])."""
 
 
 GROUPS: dict[str, type] = {
@@ -180,6 +210,7 @@ GROUPS: dict[str, type] = {
     "engine": EngineConfig,
     "sampling": SamplingParams,
     "run": RunOptions,
+    "pooling": PoolingOptions,
 }
 """The config groups, in the order of ``batchgen --help``."""
 
@@ -190,15 +221,17 @@ def validate(cfg: JobConfig) -> None:
     for name in GROUPS:
         _group_checked(name, dataclasses.replace, getattr(cfg, name))
     _validate_data(cfg.data)
-    if cfg.task not in ("generate", "score"):
-        raise ConfigError(f"task must be 'generate' or 'score', got {cfg.task!r}")
-    if cfg.task == "score" and (cfg.engine.data_parallel_size > 1 or cfg.run.executor != "local"):
+    if cfg.task not in TASKS:
+        raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {cfg.task!r}")
+    if cfg.task != "generate" and (cfg.engine.data_parallel_size > 1 or cfg.run.executor != "local"):
         raise ConfigError(
-            "task=score runs on one engine: set engine.data_parallel_size=1 and run.executor=local "
+            f"task={cfg.task} runs on one engine: set engine.data_parallel_size=1 and run.executor=local "
             "(or split the input with data.shard.index / data.shard.count)"
         )
-    if cfg.task == "score" and cfg.data.messages_column:
-        raise ConfigError("task=score scores data.prompt_column text; data.messages_column is not supported")
+    if cfg.task != "generate" and cfg.data.messages_column:
+        raise ConfigError(
+            f"task={cfg.task} reads data.prompt_column text; data.messages_column is not supported"
+        )
     if cfg.task == "score":
         _validate_score_sampling(cfg.sampling)
     too_many = logprobs_error(cfg.sampling.logprobs, cfg.sampling.prompt_logprobs, cfg.engine.max_logprobs)

@@ -286,7 +286,7 @@ class Coordinator:
         slot.restarts += 1
         if self.restarts > self.max_restarts:
             raise WorkerLost(
-                f"engine replica {r} was lost ({reason}); {self.restarts} replicas lost in this run, more than "
+                f"engine replica {r} was lost ({reason}); {self.restarts} replica(s) lost in this run, more than "
                 f"run.max_replica_restarts={self.max_restarts}"
             )
         logger.warning(

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,7 +37,7 @@ from batchgen.data.reader import InputSet, WindowSpec, open_input, plan_windows,
 from batchgen.data.structured import arrow_type
 from batchgen.engine.config import parse_bytes
 from batchgen.errors import ConfigError
-from batchgen.job.config import DataOptions, JobConfig
+from batchgen.job.config import POOLING_TASKS, DataOptions, JobConfig
 
 DEFAULT_SAMPLING_COLUMN = "sampling"
 RETRY_KEYS = ("engine.max_model_len", "model.chat_template")
@@ -296,7 +297,11 @@ def _fingerprint_config(
     model: dict[str, Any] = {"fingerprint": model_fp, "dtype": cfg.model.dtype}
     if d.messages_column:
         model["chat_template"] = template_fp
-    score = {"task": "score", "continuation_column": d.continuation_column} if cfg.task == "score" else {}
+    score: dict[str, Any] = {}
+    if cfg.task == "score":
+        score = {"task": "score", "continuation_column": d.continuation_column}
+    elif cfg.task in POOLING_TASKS:
+        score = {"task": cfg.task, "pooling": dataclasses.asdict(cfg.pooling)}
     return {
         **score,
         "model": model,
@@ -308,7 +313,8 @@ def _fingerprint_config(
             "sampling_column": sampling_col,
             "window_rows": d.window_rows,
         },
-        "sampling": cfg.sampling.to_dict(),
+        # pooling reads no sampling settings: changing them does not change the output
+        "sampling": None if cfg.task in POOLING_TASKS else cfg.sampling.to_dict(),
         "engine": {"max_model_len": cfg.engine.max_model_len},
     }
 
@@ -375,8 +381,13 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     _check_prompt_type(d, schema)
     row_start, row_end = shard_range(inp.num_rows, d.shard.index, d.shard.count)
     model_path = _model_path(cfg)
-    model_cfg = _model_config(cfg, model_path)
-    _check_kv_memory(cfg, model_cfg)
+    if cfg.task in POOLING_TASKS:
+        from batchgen.job.pool import pooling_model_facts
+
+        model_cfg = pooling_model_facts(cfg, model_path)
+    else:
+        model_cfg = _model_config(cfg, model_path)
+        _check_kv_memory(cfg, model_cfg)
     model_fp, template_fp, files = model_identity(model_path)
     fp_config = _fingerprint_config(cfg, model_fp, sampling_col, template_fp)
     spec = PromptSpec(

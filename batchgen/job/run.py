@@ -55,7 +55,7 @@ from batchgen.data.remote_output import open_output_dir
 from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
-from batchgen.job.config import to_job_config
+from batchgen.job.config import POOLING_TASKS, to_job_config
 from batchgen.job.duplicate_ids import warn_duplicate_ids
 from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
@@ -260,6 +260,8 @@ class _Job:
         self._log_input(todo, retry_rows)
         if plan.cfg.task == "score":
             return self._execute_score(todo)
+        if plan.cfg.task in POOLING_TASKS:
+            return self._execute_pool(todo)
         works, first, tokenizer_ref = self._read_first_windows(todo)
         if uses_replicas(plan.cfg):  # several engines (processes or Ray actors) behind one coordinator
             return run_replicas(self, works, first, tokenizer_ref[0], retry_rows)
@@ -368,6 +370,33 @@ class _Job:
             self.progress.close()
             self.progress = None
         return self._end(engine, before, t_run)
+
+    def _execute_pool(self, todo: list[WindowTodo]) -> JobResult:
+        """``task=embed`` / ``task=classify``: pooled vectors instead of generations (:mod:`batchgen.job.pool`),
+        a window at a time (the unit of resume)."""
+        from batchgen.job.pool import run_pool_windows, start_runner
+
+        plan, m, writer = self.plan, self.manifest, self.writer
+        assert plan is not None and self.outdir is not None and m is not None and writer is not None
+        runner = start_runner(plan)
+        self._check_stop("start-up")
+        stats = runner.engine.stats if runner.engine is not None else None
+        before = stats.snapshot() if stats is not None else None
+        t_run = time.monotonic()
+        self.progress = self._progress(initial=m.rows_done)
+        try:
+            specs = [t.spec for t in todo]
+            writer.windows_done, writer.rows_done = run_pool_windows(
+                plan, self.outdir, runner, specs, self.stop, self.progress
+            )
+        finally:
+            self.progress.close()
+            self.progress = None
+        wall = time.monotonic() - t_run
+        status = "complete" if m.complete else "incomplete"
+        delta = stats.delta(before) if stats is not None else None
+        extra = {"startup_s": round(t_run - self.t_start, 3)}
+        return self._finish(self._report(status, wall, extra, delta))
 
     def _end(self, engine: Engine, before: Any, t_run: float) -> JobResult:
         """Report and result of a run whose work started at ``t_run`` (engine stats since ``before``)."""
