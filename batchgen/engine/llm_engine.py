@@ -14,7 +14,7 @@ import torch
 from batchgen import startup_trace
 from batchgen.attention import resolve_backend
 from batchgen.engine import pooling as pooling_step
-from batchgen.engine import prompt_logprobs
+from batchgen.engine import prompt_logprobs, threads
 from batchgen.engine.config import EngineConfig, logprobs_error
 from batchgen.engine.executor import Executor, InFlight, Prepared, fill_tensors, placeholder_rows
 from batchgen.engine.interface import StepInfo, StepListener
@@ -113,6 +113,7 @@ class LLMEngine:
             self.device = self.tp_group.device
         else:
             self.device = resolve_device(config.device)
+        self.thread_policy = threads.apply(self.device)  # CPU threads: one decision for API and CLI alike
         backend = resolve_backend(config.attention_backend, self.device)
         self.model_path = model
         # implementation: auto (native when batchgen has the architecture), native, or transformers
