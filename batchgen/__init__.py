@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):
@@ -21,6 +21,10 @@ def __getattr__(name: str):
         from batchgen.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from batchgen.lora_request import LoRARequest
+
+        return LoRARequest
     if name == "EngineConfig":
         from batchgen.engine.config import EngineConfig
 

@@ -91,6 +91,17 @@ class EngineConfig:
     pool too full to rule out preemption, run synchronously (the pipeline drains first). Not available with
     tensor_parallel_size > 1."""
 
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT directories) per request: ``LoRARequest`` in the API, ``model.lora_modules`` and
+    ``data.lora_column`` in a job. Native architectures only."""
+    max_loras: int = 4
+    """With enable_lora: adapters resident at once (slots); the others are loaded on demand, least recently used
+    first out. Rows of different resident adapters and the base model share every step."""
+    max_lora_rank: int = 64
+    """With enable_lora: the largest adapter rank accepted (slots are sized for it)."""
+    max_cpu_loras: int | None = None
+    """With enable_lora: parsed adapters kept in CPU memory for reloading (default: max_loras)."""
+
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"engine.block_size must be one of 8, 16, 32, 64, got {self.block_size}")
@@ -121,6 +132,16 @@ class EngineConfig:
             raise ValueError(
                 "engine.async_scheduling=true is not supported with engine.tensor_parallel_size > 1; "
                 "set engine.async_scheduling=false"
+            )
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ValueError(f"engine.max_cpu_loras must be >= 1, got {self.max_cpu_loras}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "engine.enable_lora=true is not supported with engine.tensor_parallel_size > 1 yet; "
+                "run LoRA adapters on one device"
             )
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"engine.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

@@ -15,6 +15,7 @@ from batchgen.engine.attention import resolve_backend
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager
+from batchgen.engine.lora_manager import LoRAManager
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import CompletionOutput, RequestOutput
 from batchgen.engine.sampler import Sampler, SamplingBatch, SamplingRow, SamplingTensors
@@ -27,7 +28,10 @@ from batchgen.engine.structured import is_available as structured_available
 from batchgen.engine.tensor_parallel import TPModelRunner
 from batchgen.engine.tp_launch import TPGroup, WorkerSetup
 from batchgen.engine.tp_launch import start as start_ranks
+from batchgen.lora_request import LoRARequest
+from batchgen.models.llama import CausalLM
 from batchgen.models.loader import check_tensor_parallel, load_model, load_tokenizer
+from batchgen.models.lora import attach_lora
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -96,6 +100,7 @@ class LLMEngine:
             model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
         )
         self.tokenizer = load_tokenizer(tokenizer or model)
+        self.lora = self._attach_lora(config) if config.enable_lora else None
         mc = self.model.config
         # The model's full context (max_position_embeddings); sliding windows are attended, they do not cap it.
         self.max_model_len = config.max_model_len or mc.max_model_len
@@ -116,7 +121,7 @@ class LLMEngine:
             num_cpu_blocks=num_swap_blocks,
         )
         self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
-        self.scheduler = Scheduler(config, kv, self.stop, self.stats)
+        self.scheduler = Scheduler(config, kv, self.stop, self.stats, self.lora)
         self.sampler = Sampler(seed=config.seed)
         self.sampling_batch = SamplingBatch(config.max_num_seqs)  # per-row filter settings across steps
         self._structured: StructuredOutputs | None = None  # built by the first constrained request
@@ -131,6 +136,16 @@ class LLMEngine:
             weakref.finalize(self, self._worker.close)
         self._in_flight: InFlight | None = None
         self._sync_ids: set[str | int] = set()
+
+    def _attach_lora(self, config: EngineConfig) -> LoRAManager:
+        """Adapter slots in the model (before the KV cache is sized: they count as weights)."""
+        if not isinstance(self.model, CausalLM):
+            raise ValueError(
+                f"engine.enable_lora=true needs a native architecture ({self.model.config.architecture} runs on "
+                f"transformers' modeling code here); use one of batchgen's native architectures"
+            )
+        slots = attach_lora(self.model, config.max_loras, config.max_lora_rank)
+        return LoRAManager(slots, self.model.config, config.max_cpu_loras)
 
     def _build_runner(self, config: EngineConfig, backend: str) -> tuple[int, int]:
         """The model runner (this process's, or rank 0's under tensor parallelism) with its KV cache and swap
@@ -172,9 +187,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         prompt_logprobs_start: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. ``prompt_logprobs_start``: compute the logprobs of the prompt tokens from this
-        position on (scoring: the continuation's first token), reusing the prefix cache before it."""
+        position on (scoring: the continuation's first token), reusing the prefix cache before it.
+        ``lora_request``: the adapter to run it under (needs ``enable_lora``; an adapter that cannot be read or
+        applied fails this request alone)."""
+        if lora_request is not None and self.lora is None:
+            raise ValueError("a lora_request needs an engine built with enable_lora=True")
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -183,11 +203,15 @@ class LLMEngine:
             list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         )
         request = Request(request_id, token_ids, params, prompt_text, self.tokenizer, self.device)
+        request.lora_request = lora_request
         if prompt_logprobs_start is not None or params.prompt_logprobs is not None:
             request.prompt_logprobs_start = prompt_logprobs_start
             self.runner.collect_prompt_logprobs = True
         self.stats.num_requests += 1
         error = self._validate(token_ids, params)
+        if error is None and lora_request is not None:
+            assert self.lora is not None
+            error = self.lora.check(lora_request)
         # A constraint is compiled (cached) now, so a bad schema or regex fails this request alone.
         if error is None and params.constrained:
             error = self.structured.validate(params) if structured_available() else _NO_XGRAMMAR
@@ -221,6 +245,12 @@ class LLMEngine:
         self._sync_ids.discard(request_id)
         if request is not None:
             self.scheduler.abort_request(request)
+            self._release_lora(request)
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_slot >= 0 and self.lora is not None and request.lora_request is not None:
+            self.lora.release(request.lora_request.lora_int_id)
+            request.lora_slot = -1
 
     def has_unfinished(self) -> bool:
         return bool(self._errors) or self.scheduler.has_unfinished() or self._in_flight is not None
@@ -367,6 +397,7 @@ class LLMEngine:
         """The output of a request whose every sample finished (texts decoded here, once)."""
         self.requests.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
+        self._release_lora(request)
         self.stats.num_finished_requests += 1
         outputs = self._beam_outputs(request) if request.beam is not None else self._sample_outputs(request)
         return RequestOutput(

@@ -228,14 +228,14 @@ class ModelRunner:
         if fill is not None:
             ids[fill[0]] = fill[1]
         nd = meta.num_decode_seqs
-        if self.pad_decodes and nd == len(out.seqs) and nd <= self.buckets[-1]:
+        if self.pad_decodes and nd == len(out.seqs) and nd <= self.buckets[-1] and meta.lora is None:
             bucket = next(b for b in self.buckets if b >= nd)
             ids, pos, meta = self.pad_decode_batch(ids, pos, meta, bucket)
             if self.use_cuda_graphs and not self._graphs_failed:
                 hidden = self._run_graph(ids, pos, meta, bucket)
                 if hidden is not None:
                     return self.model.compute_logits(hidden[last]).float()
-        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache))
+        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache, lora=meta.lora))
         if self.collect_prompt_logprobs:
             prompt_logprobs.collect(self.model, hidden, out)
         return self.model.compute_logits(hidden[last]).float()
@@ -343,5 +343,6 @@ class ModelRunner:
             self.input_batch = InputBatch(
                 cfg.max_num_batched_tokens, cfg.max_num_seqs, width, self.block_size, self.device
             )
+            self.input_batch.with_lora = cfg.enable_lora
         step = self.input_batch.build(out)
         return step.ids, step.positions, step.meta, step.last
