@@ -148,6 +148,13 @@ def format_table(report: dict[str, Any]) -> str:
         ("peak concurrent seqs", str(sch["peak_running_seqs"])),
         ("preemptions", str(sch["preemptions"])),
     ]
+    lora = (report.get("lora") or {}).get("rows_this_run")
+    if lora:
+        per = ", ".join(
+            f"{name} {c['ok']}" + (f" (+{c['error']} errors)" if c["error"] else "")
+            for name, c in sorted(lora.items())
+        )
+        lines.insert(2, ("rows per adapter", per))
     for i, (msg, count) in enumerate(err.get("top") or []):
         text = f"{count} x {msg}"
         lines.insert(2 + i, ("top errors" if i == 0 else "", text if len(text) <= 100 else text[:97] + "..."))

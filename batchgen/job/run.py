@@ -40,6 +40,7 @@ work).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -195,6 +196,7 @@ class _Job:
         self.stop.grace_s = job.run.stop_grace_s
         self.out_dir = job.data.output
         plan = self.plan = plan_job(job)
+        self.tally.lora = bool(job.model.lora_modules)
         startup_trace.mark("plan")
         outdir = self.outdir = OutputDir(job.data.output, job.data.shard.index, job.data.shard.count)
         self.writer = PartWriter(plan, outdir, last_checkpoint=self.t_start)
@@ -247,7 +249,7 @@ class _Job:
                 for p in work.todo_positions:
                     r = work.rows[p]
                     if r.error is not None:
-                        self._count(False, r.error)
+                        self._count(False, r.error, r.lora_name)
             return work
 
         self._generate(engine, next_window)
@@ -347,13 +349,15 @@ class _Job:
         )
         return self._finish(report)
 
-    def _count(self, ok: bool, error: str | None) -> None:
+    def _count(self, ok: bool, error: str | None, lora_name: str | None = None) -> None:
         self.tally.count(ok, error)
+        self.tally.adapter_row(lora_name, ok)
         if self.progress is not None:
             self.progress.update(1)
 
     def _on_output(self, work: WindowWork, pos: int, out: RequestOutput) -> None:
         ok = self.tally.engine_output(out)
+        self.tally.adapter_row(work.rows[pos].lora_name, ok)
         if self.progress is not None:
             self.progress.update(1)
         assert self.gate is not None
@@ -431,6 +435,8 @@ def _start_engine(plan: JobPlan) -> Engine:
     from batchgen.engine.llm_engine import LLMEngine
 
     e = plan.cfg.engine
+    if plan.cfg.model.lora_modules and not e.enable_lora:
+        e = dataclasses.replace(e, enable_lora=True)
     try:
         return LLMEngine(
             plan.model_path, e, dtype=plan.cfg.model.dtype, implementation=plan.cfg.model.implementation
