@@ -156,6 +156,10 @@ def main() -> None:
         i = argv.index("--cfg") if "--cfg" in argv else argv.index("-c") if "-c" in argv else -1
         if argv[i + 1 : i + 2] == ["job"] or "--cfg=job" in argv:
             sys.argv.append("--resolve")
+    # model.lora_modules={name: path, ...} replaces the (empty) mapping: Hydra would merge it key by key, which
+    # its struct mode refuses for new keys; '+' assigns it whole, as a user means it.
+    lora = ("model.lora_modules=", "model.lora_modules.")
+    sys.argv[1:] = ["+" + a if a.startswith(lora) else a for a in sys.argv[1:]]
     MULTIRUN_FAILURES.clear()
     # A log file on a full or vanished disk must not print a traceback per log record: the job reports the
     # problem itself, in one line.

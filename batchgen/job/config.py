@@ -199,7 +199,7 @@ def _validate_lora(cfg: JobConfig) -> None:
             f"data.lora_column={column!r} names adapters but model.lora_modules is empty; set "
             "model.lora_modules='{name: /path/to/adapter, ...}'"
         )
-    for name, path in modules.items():
+    for name, path in (modules or {}).items():
         if not str(name).strip() or not str(path).strip():
             raise ConfigError(
                 f"model.lora_modules: {name!r}: {path!r}: give every adapter a name and a directory"

@@ -393,7 +393,7 @@ def lora_requests(cfg: JobConfig) -> dict[str, LoRARequest]:
     """``model.lora_modules`` as the engine's requests: ids 1..N in name order, absolute paths."""
     return {
         name: LoRARequest(name, i + 1, os.path.abspath(os.path.expanduser(path)))
-        for i, (name, path) in enumerate(sorted(cfg.model.lora_modules.items()))
+        for i, (name, path) in enumerate(sorted((cfg.model.lora_modules or {}).items()))
     }
 
 
