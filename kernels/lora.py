@@ -13,9 +13,12 @@ does not target has rank 0 (adds nothing). Tokens with slot ``-1`` (the base mod
 Three implementations with one semantics:
 
 * :func:`lora_reference`: per token, float64 — the definition; the engine never runs it.
-* :func:`add_lora_torch`: segmented torch (the CPU path): the tokens of each slot are gathered once per
-  forward (:class:`LoRAPlan`), multiplied by that slot's rank-``r`` factors (only its real rank), and added
-  back with ``index_add_``. Each part is a separate ``A``, ``B`` product, in PEFT's order of operations.
+* :func:`add_lora_torch`: batched torch (the CPU path): the tokens of each active slot are laid out as one
+  ``[slots, M, in]`` batch (:class:`LoRAPlan`, built once per forward: ``M`` = most tokens of one slot, the
+  short slots padded), multiplied by the slots' factors in one batched GEMM for ``A`` (all parts at once, up
+  to the largest rank in use) and one per part for ``B``, scaled, and added back with one ``index_add_``: a
+  handful of operations per layer whatever the number of adapters (the zero padding of ranks and rows adds
+  exact zeros).
 * :func:`batchgen.kernels.lora_triton.add_lora_triton`: the CUDA path, a shrink and an expand Triton kernel
   over ``BLOCK_M``-token blocks of one slot each (the same plan).
 """
@@ -47,6 +50,13 @@ class LoRAWeights:
     offsets: list[int]
     sizes: list[int]
     ranks: list[list[int]] = field(default_factory=list)
+    col_scale: Tensor | None = None
+    """``[S, out]`` each output column's scale (its part's), in the weights' dtype (the torch path's)."""
+
+    def __post_init__(self) -> None:
+        if self.col_scale is None:
+            cols = [self.scale[:, p : p + 1].expand(-1, n) for p, n in enumerate(self.sizes)]
+            self.col_scale = torch.cat(cols, dim=1).to(self.a.dtype).contiguous()
 
     @classmethod
     def empty(
@@ -77,14 +87,17 @@ class LoRAWeights:
         """Write one part of one slot: ``a [r, in]``, ``b [sizes[part], r]`` (None: the part is not targeted)."""
         self.a[slot, part].zero_()
         self.b[part][slot].zero_()
+        off, n = self.offsets[part], self.sizes[part]
         if a is None or b is None:
             self.scale[slot, part] = 0.0
+            self.col_scale[slot, off : off + n] = 0.0
             self.ranks[slot][part] = 0
             return
         r = a.shape[0]
         self.a[slot, part, :r].copy_(a)
         self.b[part][slot, :, :r].copy_(b)
         self.scale[slot, part] = scale
+        self.col_scale[slot, off : off + n] = scale
         self.ranks[slot][part] = r
 
     def clear_slot(self, slot: int) -> None:
@@ -98,7 +111,10 @@ class LoRAPlan:
 
     ``order`` holds the indices of the tokens that have a slot, sorted by slot (stable); ``segments`` are
     ``(slot, start, end)`` ranges of ``order`` (host ints); the Triton kernels read ``block_slot``,
-    ``block_start`` and ``block_end`` (one entry per ``BLOCK_M`` tokens of a segment)."""
+    ``block_start`` and ``block_end`` (one entry per ``BLOCK_M`` tokens of a segment). The torch path reads
+    the padded layout: ``pad_index [S, M]`` (segment ``i``'s tokens in row ``i``, padded with token 0),
+    ``valid`` (the flat positions of real tokens in that layout, in ``order``'s order) and ``slot_index``
+    (``[S]`` the segments' slots)."""
 
     num_tokens: int
     order: Tensor
@@ -106,7 +122,9 @@ class LoRAPlan:
     block_slot: Tensor
     block_start: Tensor
     block_end: Tensor
-    _order_by_segment: list[Tensor] = field(default_factory=list, repr=False)
+    pad_index: Tensor
+    valid: Tensor
+    slot_index: Tensor
 
     @classmethod
     def build(cls, token_slots: np.ndarray | list[int], device: torch.device) -> LoRAPlan:
@@ -127,6 +145,12 @@ class LoRAPlan:
                 bend.append(min(b0 + BLOCK_M, end))
             start = end
         order_t = torch.from_numpy(order).to(device)
+        width = max((e - s for _, s, e in segments), default=0)
+        pad = np.zeros((len(segments), width), dtype=np.int64)
+        valid = []
+        for i, (_, s0, s1) in enumerate(segments):
+            pad[i, : s1 - s0] = order[s0:s1]
+            valid.extend(range(i * width, i * width + s1 - s0))
         return cls(
             num_tokens=len(slots),
             order=order_t,
@@ -134,7 +158,9 @@ class LoRAPlan:
             block_slot=torch.tensor(bs, dtype=torch.int32, device=device),
             block_start=torch.tensor(bstart, dtype=torch.int32, device=device),
             block_end=torch.tensor(bend, dtype=torch.int32, device=device),
-            _order_by_segment=[order_t[s0:s1] for _, s0, s1 in segments],
+            pad_index=torch.from_numpy(pad).to(device),
+            valid=torch.tensor(valid, dtype=torch.int64, device=device),
+            slot_index=torch.tensor([s for s, _, _ in segments], dtype=torch.int64, device=device),
         )
 
     @property
@@ -144,19 +170,24 @@ class LoRAPlan:
 
 def add_lora_torch(y: Tensor, x: Tensor, plan: LoRAPlan, w: LoRAWeights) -> Tensor:
     """``y [T, out]`` += each token's adapter delta (module docstring), in place; returns ``y``."""
-    for (slot, _, _), rows in zip(plan.segments, plan._order_by_segment):
-        ranks = w.ranks[slot]
-        if not any(ranks):
-            continue
-        xs = x.index_select(0, rows)
-        for part, r in enumerate(ranks):
-            if r == 0:
-                continue
-            h = xs @ w.a[slot, part, :r].t()
-            delta = (h @ w.b[part][slot, :, :r].t()).mul_(w.scale[slot, part].to(h.dtype))
-            off = w.offsets[part]
-            y[:, off : off + w.sizes[part]].index_add_(0, rows, delta)
-    return y
+    slots = [s for s, _, _ in plan.segments]
+    r = max((max(w.ranks[s]) for s in slots), default=0)
+    if r == 0:
+        return y
+    num, width = plan.pad_index.shape
+    parts = len(w.sizes)
+    every = slots == list(range(w.a.shape[0]))
+    a = w.a if every else w.a.index_select(0, plan.slot_index)
+    xs = x.index_select(0, plan.pad_index.view(-1)).view(num, width, -1)
+    h = torch.bmm(xs, a[:, :, :r].reshape(num, parts * r, -1).transpose(1, 2))  # [S, M, parts * r]
+    deltas = []
+    for p in range(parts):
+        b = w.b[p] if every else w.b[p].index_select(0, plan.slot_index)
+        deltas.append(torch.bmm(h[:, :, p * r : (p + 1) * r], b[:, :, :r].transpose(1, 2)))
+    delta = deltas[0] if parts == 1 else torch.cat(deltas, dim=2)
+    scale = w.col_scale if every else w.col_scale.index_select(0, plan.slot_index)
+    delta.mul_(scale[:, None, :])
+    return y.index_add_(0, plan.order, delta.view(num * width, -1).index_select(0, plan.valid))
 
 
 def lora_reference(y: Tensor, x: Tensor, token_slots: Tensor, w: LoRAWeights) -> Tensor:
