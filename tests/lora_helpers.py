@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -11,6 +14,23 @@ import torch
 peft = pytest.importorskip("peft", reason="LoRA equality tests compare against PEFT: pip install peft")
 
 NEW = 12
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ROOT = Path(tempfile.mkdtemp(prefix="batchgen-lora-"))
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
+
+
+@cache
+def adapter(
+    base: str, r: int, targets: tuple[str, ...], alpha: float = 16.0, seed: int = 0, rslora: bool = False
+) -> str:
+    """:func:`make_adapter` built once per process for these arguments (shared by the test modules)."""
+    out = _ROOT / f"{abs(hash((base, r, targets, alpha, seed, rslora)))}"
+    return make_adapter(base, out, r, list(targets), alpha, seed, rslora)
+
+
+def two_adapters(base: str) -> tuple[str, str]:
+    """The pair the equality tests mix: rank 4 on q/v (alpha 8), and rank 16 on every projection with rsLoRA."""
+    return adapter(base, 4, ("q_proj", "v_proj"), 8, 1), adapter(base, 16, ALL, 32, 2, True)
 
 
 def make_adapter(

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_helpers import NEW, make_adapter, peft_greedy
+from lora_helpers import NEW, peft_greedy, two_adapters
 
 from batchgen import LLM, LoRARequest, SamplingParams
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 PROMPTS = [
     [5, 9, 33, 7, 100, 3, 41, 8, 77, 12, 19],
@@ -23,10 +22,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def adapters(llama_ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine_adapters")
-    a = make_adapter(llama_ckpt, root / "a", r=4, targets=["q_proj", "v_proj"], alpha=8, seed=1)
-    b = make_adapter(llama_ckpt, root / "b", r=16, targets=ALL, alpha=32, seed=2, use_rslora=True)
+def adapters(llama_ckpt):
+    a, b = two_adapters(llama_ckpt)
     return LoRARequest("a", 1, a), LoRARequest("b", 2, b)
 
 
@@ -43,9 +40,9 @@ def expected(path: str, loras: list) -> list[list[int]]:
 @pytest.mark.parametrize(
     "engine",
     [
-        pytest.param({}, id="plain"),
-        pytest.param({"max_num_batched_tokens": 6}, id="chunked-prefill"),
-        pytest.param({"num_blocks": 9, "max_num_seqs": 6}, id="preemption"),
+        pytest.param(
+            {"max_num_batched_tokens": 6, "num_blocks": 9, "max_num_seqs": 6}, id="chunked+preempted"
+        ),
         pytest.param({"max_loras": 1}, id="one-slot-loads-on-demand"),
     ],
 )

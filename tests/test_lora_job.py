@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import job_config, read_parts
-from lora_helpers import make_adapter, peft_greedy
+from lora_helpers import adapter, peft_greedy
 
 from batchgen.errors import ConfigError
 from batchgen.job.config import validate
@@ -35,12 +35,9 @@ ADAPTERS = ["a", None, "b", "a", "nope", "b", "broken", None]
 
 @pytest.fixture(scope="module")
 def adapters(llama_ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("job_adapters")
-    a = make_adapter(llama_ckpt, root / "a", r=4, targets=["q_proj", "v_proj"], alpha=8, seed=1)
-    b = make_adapter(
-        llama_ckpt, root / "b", r=8, targets=["o_proj", "gate_proj", "down_proj"], alpha=8, seed=2
-    )
-    return {"a": a, "b": b, "broken": str(root / "missing")}
+    a = adapter(llama_ckpt, 4, ("q_proj", "v_proj"), 8, 1)
+    b = adapter(llama_ckpt, 8, ("o_proj", "gate_proj", "down_proj"), 8, 3)
+    return {"a": a, "b": b, "broken": str(tmp_path_factory.mktemp("job") / "missing")}
 
 
 def test_job_rows_follow_their_adapter(llama_ckpt, adapters, tmp_path: Path):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from lora_helpers import make_adapter
+from lora_helpers import adapter
 
 from batchgen.engine.lora_manager import LoRAManager
 from batchgen.lora_request import LoRARequest
@@ -24,9 +24,8 @@ class RecordingSlots:
 
 
 @pytest.fixture(scope="module")
-def setup(llama_ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("mgr")
-    paths = [make_adapter(llama_ckpt, root / f"a{i}", r=2 + i, targets=["q_proj"], seed=i) for i in range(3)]
+def setup(llama_ckpt):
+    paths = [adapter(llama_ckpt, 2 + i, ("q_proj",), seed=i) for i in range(3)]
     return llama_ckpt, paths
 
 

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from lora_helpers import make_adapter, peft_logits
+from lora_helpers import make_adapter, peft_logits, two_adapters
 
 from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.kernels.lora import LoRAPlan, LoRAWeights, add_lora_torch
@@ -18,15 +18,15 @@ from batchgen.models.lora import attach_lora
 from batchgen.models.lora_adapter import LoRAAdapterError, load_adapter, shard_part
 from batchgen.models.parallel import shard_config
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+@pytest.fixture(scope="module")
+def adapters(llama_ckpt):
+    return two_adapters(llama_ckpt)
 
 
 @pytest.fixture(scope="module")
-def adapters(llama_ckpt, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    a = make_adapter(llama_ckpt, root / "a", r=4, targets=["q_proj", "v_proj"], alpha=8, seed=1)
-    b = make_adapter(llama_ckpt, root / "b", r=16, targets=ALL, alpha=32, seed=2, use_rslora=True)
-    return a, b
+def cfg(llama_ckpt):
+    return load_model(llama_ckpt, dtype="float32").config
 
 
 def packed_forward(model, prompts: list[list[int]], token_slots: list[int] | None) -> list[torch.Tensor]:
@@ -79,9 +79,8 @@ def test_mixed_batch_matches_peft_logits(llama_ckpt, adapters):
     assert torch.equal(cleared, packed_forward(plain, prompts[:1], None)[0])
 
 
-def test_adapter_scaling_and_parts(llama_ckpt, adapters):
+def test_adapter_scaling_and_parts(adapters, cfg):
     a, b = adapters
-    cfg = load_model(llama_ckpt, dtype="float32").config
     ad = load_adapter("a", a, cfg, 16)
     assert sorted({(k[0].split(".")[-1], k[1]) for k in ad.parts}) == [("qkv_proj", 0), ("qkv_proj", 2)]
     assert {p.scale for p in ad.parts.values()} == {8 / 4}
@@ -99,9 +98,8 @@ def _edit_config(src: str, dst, **changes) -> str:
     return str(dst)
 
 
-def test_bad_adapters_are_clear_errors(llama_ckpt, adapters, tmp_path, ckpt_factory):
+def test_bad_adapters_are_clear_errors(llama_ckpt, adapters, cfg, tmp_path, ckpt_factory):
     a, b = adapters
-    cfg = load_model(llama_ckpt, dtype="float32").config
     with pytest.raises(LoRAAdapterError, match=r"rank 16 > max_lora_rank=8; raise max_lora_rank"):
         load_adapter("b", b, cfg, 8)
     with pytest.raises(LoRAAdapterError, match="not a directory"):
@@ -133,10 +131,9 @@ def test_bad_adapters_are_clear_errors(llama_ckpt, adapters, tmp_path, ckpt_fact
 @pytest.mark.parametrize(
     "layer", ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
 )
-def test_tensor_parallel_shards_sum_to_whole_layer(llama_ckpt, adapters, layer):
+def test_tensor_parallel_shards_sum_to_whole_layer(adapters, cfg, layer):
     """Column-parallel shards concatenate to the whole delta; row-parallel shards' partial deltas sum to it."""
     _, b = adapters
-    cfg = load_model(llama_ckpt, dtype="float32").config
     ad = load_adapter("b", b, cfg, 16)
     path = f"model.layers.1.{layer}"
     parts = sorted(i for (p, i) in ad.parts if p == path)
