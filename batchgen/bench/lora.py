@@ -13,7 +13,8 @@ produce the same rows, timed in one process, one after the other:
   generating its own rows: what serving adapters without batched LoRA costs. Engine start-up (loading each
   merged model) is reported apart from generation time.
 
-Each measurement is the best of ``--repeats`` runs (a shared machine's noise only slows runs down). Printed:
+Every engine is started first; then ``--repeats`` rounds run base, mixed and separate in turn (so all three
+see the same drift of a shared machine's load), and each keeps its best run (noise only slows runs down). Printed:
 seconds, generated tokens/s, the ratio to ``base``, and how many rows of ``mixed`` produced the same tokens as
 their merged model (merging rounds the weights, so a near tie may go the other way). ``--json`` writes it all.
 """
@@ -112,6 +113,7 @@ def _timed(fn) -> tuple[float, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from batchgen.llm import LLM
 
+    load_start = list(os.getloadavg())
     base = base_model(args.hidden, args.layers)
     work = Path(args.workdir or cache_root() / "bench-lora-adapters")
     ranks = [8 * 2**i for i in range(args.adapters)]
@@ -128,29 +130,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lora_opts = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=max(ranks))
     tokens = args.rows * args.max_tokens
 
-    def best(fn) -> tuple[float, Any]:
-        runs = [_timed(fn) for _ in range(args.repeats)]
-        return min(runs, key=lambda r: r[0])
-
     base_llm = LLM(base, **engine)
-    t_base, _ = best(lambda: base_llm.generate(prompts, sp, use_tqdm=False))
     mixed_llm = LLM(base, **engine, **lora_opts)
     loras = [adapters[o] for o in owner]
-    t_mixed, mixed_out = best(lambda: mixed_llm.generate(prompts, sp, use_tqdm=False, lora_request=loras))
-    t_sep, t_start, same = 0.0, 0.0, 0
+    t_start, separate = 0.0, []
     for i, path in enumerate(merged):
-        rows = [j for j in range(args.rows) if owner[j] == i]
         ts, llm = _timed(lambda path=path: LLM(path, **engine))
         t_start += ts
-        t, outs = best(
-            lambda llm=llm, rows=rows: llm.generate([prompts[j] for j in rows], sp, use_tqdm=False)
-        )
-        t_sep += t
-        same += sum(o.outputs[0].token_ids == mixed_out[j].outputs[0].token_ids for o, j in zip(outs, rows))
+        separate.append((llm, [j for j in range(args.rows) if owner[j] == i]))
+
+    def run_separate() -> list[Any]:
+        outs: list[Any] = [None] * args.rows
+        for llm, rows in separate:
+            for j, o in zip(rows, llm.generate([prompts[j] for j in rows], sp, use_tqdm=False)):
+                outs[j] = o
+        return outs
+
+    # Round-robin repeats (base, mixed, separate, base, ...): a shared machine's load drifts, and each system
+    # should see the same; the best run of each is kept (noise only slows runs down).
+    times: dict[str, list[float]] = {"base": [], "mixed": [], "separate": []}
+    for _ in range(args.repeats):
+        t, _ = _timed(lambda: base_llm.generate(prompts, sp, use_tqdm=False))
+        times["base"].append(t)
+        t, mixed_out = _timed(lambda: mixed_llm.generate(prompts, sp, use_tqdm=False, lora_request=loras))
+        times["mixed"].append(t)
+        t, sep_out = _timed(run_separate)
+        times["separate"].append(t)
+    t_base, t_mixed, t_sep = (min(times[k]) for k in ("base", "mixed", "separate"))
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(mixed_out, sep_out))
     result = {
         "config": vars(args),
         "ranks": ranks,
         "machine": machine_info(),
+        "loadavg_start": load_start,
         "generated_tokens": tokens,
         "base_s": t_base,
         "mixed_s": t_mixed,
@@ -159,6 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mixed_vs_base": t_mixed / t_base,
         "separate_vs_base": t_sep / t_base,
         "rows_same_as_merged": same,
+        "all_runs_s": times,
     }
     return result
 
@@ -168,7 +181,8 @@ def format_result(r: dict[str, Any]) -> str:
     tok = r["generated_tokens"]
     lines = [
         f"{c['rows']} rows x {c['max_tokens']} tokens (prompts of {c['prompt_len']}), {c['adapters']} adapters "
-        f"ranks {r['ranks']}, Llama hidden {c['hidden']} x {c['layers']} layers; load {r['machine']['loadavg']}",
+        f"ranks {r['ranks']}, Llama hidden {c['hidden']} x {c['layers']} layers; "
+        f"load {r['loadavg_start']} at start, {r['machine']['loadavg']} at end",
         f"{'run':<10}{'seconds':>10}{'tok/s':>10}{'vs base':>10}",
         f"{'base':<10}{r['base_s']:>10.2f}{tok / r['base_s']:>10.1f}{1.0:>10.2f}",
         f"{'mixed':<10}{r['mixed_s']:>10.2f}{tok / r['mixed_s']:>10.1f}{r['mixed_vs_base']:>10.2f}",
