@@ -13,8 +13,7 @@ Plain helpers shared by the job tests (import them: ``from conftest import job_c
 `windows_done` (a manifest's finished windows), `env_without_slurm` (a subprocess environment whose shard
 defaults are not taken from a surrounding Slurm array), `random_seed` (fixed unless asked otherwise),
 `read_parts` (an output's parts as one table), `write_invalid_utf8` (a string array holding bytes that are
-not UTF-8), `legacy_output_dir` (turn an output directory into what batchgen 0.1 wrote), `try_mount_tmpfs`
-(a small tmpfs, or None where mounting is not allowed), `EngineAtStep` / `signal_after` (an engine that
+not UTF-8), `try_mount_tmpfs` (a small tmpfs, or None where mounting is not allowed), `EngineAtStep` / `signal_after` (an engine that
 runs an action, e.g. sends a signal, just before a given step).
 """
 
@@ -23,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -93,8 +91,8 @@ def qwen3_ckpt(ckpt_factory: Callable[..., str]) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_default_checkpoint(tmp_path_factory.mktemp("tiny_default"))
+def tiny_ckpt() -> str:
+    return tiny_default_checkpoint()
 
 
 # ------------------------------------------------------------------------------------------ job helpers
@@ -179,44 +177,6 @@ def write_invalid_utf8(values: list[bytes | None]) -> pa.Array:
     would produce: Parquet does not check)."""
     buf = pa.array(values, type=pa.binary())
     return pa.Array.from_buffers(pa.string(), len(buf), buf.buffers(), null_count=buf.null_count)
-
-
-def legacy_output_dir(out: Path, ckpt: str, keep_windows: int) -> None:
-    """Rewrite a complete output directory as batchgen 0.1 left it after finishing `keep_windows` windows:
-    manifest.json (format 1, model fingerprint with the chat template, no per-window retry rows or input
-    hashes), report.json, logs/<time>/."""
-    import hashlib
-
-    from batchgen.job.plan import model_fingerprint
-
-    out = Path(out)
-    m = json.loads((out / "_manifest.json").read_text())
-    m["format"] = "batchgen-manifest/1"
-    m["config"]["model"] = {"fingerprint": model_fingerprint(ckpt), "dtype": m["config"]["model"]["dtype"]}
-    m["fingerprint"] = hashlib.sha256(
-        json.dumps(m["config"], sort_keys=True, default=str).encode()
-    ).hexdigest()
-    for key in ("partial", "model"):
-        m.pop(key, None)
-    windows = {}
-    for k, w in m["windows"].items():
-        if int(k) < keep_windows:
-            windows[k] = {f: v for f, v in w.items() if f not in ("retry_rows", "input_sha256", "rewriting")}
-        else:
-            (out / w["part"]).unlink()
-    m["windows"], m["complete"] = windows, len(windows) == m["num_windows"]
-    m["rows_done"] = sum(w["row_end"] - w["row_start"] for w in windows.values())
-    (out / "manifest.json").write_text(json.dumps(m, indent=1))
-    (out / "_manifest.json").unlink()
-    if (out / "_report.json").exists():
-        (out / "_report.json").rename(out / "report.json")
-    logs = out / "logs" / "2025-01-01_00-00-00"
-    logs.mkdir(parents=True)
-    (logs / "batchgen.log").write_text("a log of batchgen 0.1\n")
-    if (out / "_logs").exists():
-        shutil.rmtree(out / "_logs")
-    if (out / "_checkpoint").exists():
-        shutil.rmtree(out / "_checkpoint")
 
 
 def try_mount_tmpfs(path: Path, size: str, read_only: bool = False) -> bool:

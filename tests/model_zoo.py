@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import transformers
 
-from batchgen.models.bench_impls import build_random_checkpoint, special_token_kwargs
+from batchgen.models.tiny import build_random_checkpoint, special_token_kwargs
 
 VOCAB = 512
 INIT = 0.08

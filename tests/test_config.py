@@ -146,20 +146,6 @@ def test_a_config_changed_after_construction_is_validated_again() -> None:
         to_job_config(job)
 
 
-def test_deprecated_import_paths_still_work() -> None:
-    # batchgen/bench/systems.py and other callers of the former modules
-    from batchgen.config import DataOptions, SamplingOptions
-    from batchgen.config import JobConfig as OldJobConfig
-    from batchgen.grouping import EngineFeeder, prefix_order
-    from batchgen.job import EXIT_CONFIG, run_job
-    from batchgen.merge import main, verify
-
-    assert OldJobConfig is JobConfig and DataOptions().window_rows == 1024
-    assert SamplingOptions(max_tokens=3) == SamplingParams(max_tokens=3, seed=0)
-    assert EXIT_CONFIG == 2 and callable(run_job) and callable(main) and callable(verify)
-    assert callable(EngineFeeder) and prefix_order([[2], [1]]) == [1, 0]
-
-
 def test_every_option_is_documented_in_help() -> None:
     opts = option_docs()
     keys = {k for k, _, _ in opts}

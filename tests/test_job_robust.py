@@ -3,7 +3,7 @@
 Bad data (invalid UTF-8, a corrupt data page, files with incompatible types), configurations that make every
 row fail (refused before the model loads), the error-fraction limit, retrying error rows caused by the run's
 settings, a failed start that must not block the corrected command, checkpoints of finished rows on a stop,
-input edits that keep the file size and footer, and output directories of batchgen 0.1.
+input edits that keep the file size and footer.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import (
     job_config,
-    legacy_output_dir,
     part_contents,
     read_parts,
     signal_after,
@@ -396,28 +395,6 @@ def test_a_same_size_edit_of_a_finished_window_is_detected(llama_ckpt: str, tmp_
     res = _run(cfg)
     assert res.exit_code == EXIT_CONFIG, res.message
     assert "the input changed since window 0 (input rows 0..4 in 'in.parquet') was processed" in res.message
-
-
-# --------------------------------------------------------------------------------- output of batchgen 0.1
-def test_an_output_directory_of_batchgen_0_1_resumes_under_the_new_names(
-    llama_ckpt: str, tmp_path: Path
-) -> None:
-    inp = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"prompt": _rows(24)}), inp)
-    ref = tmp_path / "ref"
-    assert _run(job_config(llama_ckpt, inp, ref)).exit_code == EXIT_OK
-    out = tmp_path / "out"
-    shutil.copytree(ref, out)
-    legacy_output_dir(out, llama_ckpt, keep_windows=2)
-    assert sorted(p.name for p in out.iterdir()) == [
-        ".batchgen.lock", "logs", "manifest.json", "part-000000.parquet", "part-000001.parquet", "report.json",
-    ]  # fmt: skip
-    res = _run(job_config(llama_ckpt, inp, out))
-    assert res.exit_code == EXIT_OK and res.report["run"]["rows"] == 8, res.message
-    names = sorted(p.name for p in out.iterdir())
-    assert "manifest.json" not in names and "report.json" not in names and "logs" not in names
-    assert {"_manifest.json", "_report.json", "_logs"} <= set(names)
-    assert part_contents(out) == part_contents(ref)
 
 
 def test_many_bad_rows_ahead_of_good_ones_do_not_stop_the_job(llama_ckpt: str, tmp_path: Path) -> None:

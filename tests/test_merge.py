@@ -249,7 +249,7 @@ def test_console_script_entry_point(tmp_path: Path, shards: int) -> None:
     inp = write_input(tmp_path / "in.parquet", 7)
     fake_job(tmp_path / "out", inp, shards=shards, window_rows=3)
     p = subprocess.run(
-        [sys.executable, "-m", "batchgen.merge", str(tmp_path / "out")],
+        [sys.executable, "-m", "batchgen.job.merge_cli", str(tmp_path / "out")],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -163,12 +163,26 @@ def test_manifest_roundtrip(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "_manifest.json").read_text())["rows_done"] == 10
 
 
+def test_a_manifest_of_another_format_is_refused_as_unreadable(tmp_path: Path) -> None:
+    with OutputDir(tmp_path) as out:
+        out.open(_manifest())
+        out.commit(0, _table(), _rec(0))
+    d = json.loads((tmp_path / "_manifest.json").read_text())
+    d["format"] = "batchgen-manifest/1"
+    (tmp_path / "_manifest.json").write_text(json.dumps(d))
+    with pytest.raises(
+        ConfigError, match=r"_manifest.json is unreadable .*batchgen-manifest/1.*data.overwrite=true"
+    ):
+        OutputDir(tmp_path).open(_manifest())
+    assert (tmp_path / part_name(0)).exists()  # nothing removed
+
+
 def test_layout_names_what_batchgen_owns(tmp_path: Path) -> None:
     # atomic_write's temporary files are what the output directory cleans up after a killed run
     with atomic_write(tmp_path / part_name(3)) as tmp:
         assert tmp.name.startswith(TEMP_PREFIX) and is_own_file(tmp.name)
     assert is_own_file(part_name(3)) and is_own_file("_manifest.json") and is_own_file("_report.json")
-    assert is_own_file("manifest.json") and is_own_file("report.json")  # the names of batchgen <= 0.1
+    assert not is_own_file("manifest.json") and not is_own_file("report.json")
     assert not is_own_file("part-3.parquet") and not is_own_file("notes.txt") and not is_own_file("_logs")
 
 
@@ -242,17 +256,3 @@ def test_a_part_replaced_by_a_killed_retry_is_counted_again(tmp_path: Path) -> N
     m = OutputDir(tmp_path).open(_manifest())
     w = m.windows[0]
     assert (w.rows_ok, w.rows_error, w.retry_rows, w.rewriting) == (10, 0, [], False)
-
-
-def test_names_of_batchgen_0_1_are_renamed_on_open(tmp_path: Path) -> None:
-    with OutputDir(tmp_path) as out:
-        out.open(_manifest())
-        out.commit(0, _table(), _rec(0))
-    (tmp_path / "_manifest.json").rename(tmp_path / "manifest.json")
-    (tmp_path / "report.json").write_text("{}")
-    (tmp_path / "logs" / "2025-01-01_00-00-00").mkdir(parents=True)
-    m = OutputDir(tmp_path).open(_manifest())
-    assert set(m.windows) == {0}
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [".batchgen.lock", "_logs", "_manifest.json", "_report.json", part_name(0)]
-    assert (tmp_path / "_logs" / "2025-01-01_00-00-00").is_dir()

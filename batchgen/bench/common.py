@@ -96,10 +96,6 @@ def describe_model(mc: ModelConfig) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------- machine
-def cache_root() -> Path:
-    return Path(os.environ.get("BATCHGEN_CACHE") or Path.home() / ".cache" / "batchgen")
-
-
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -71,7 +71,7 @@ MIXES = {
 
 def overhead_model() -> str:
     """The near-null checkpoint: Llama, 1 layer, hidden 32, 2 heads / 1 KV head (built once, then cached)."""
-    from batchgen.bench.common import cache_root
+    from batchgen.disk_cache import cache_root
     from batchgen.models.tiny import cached_checkpoint
 
     spec: dict[str, Any] = dict(

@@ -140,7 +140,7 @@ class _Timeline:
 
 # ------------------------------------------------------------------------------------------ batchgen
 def _job_config(spec: dict[str, Any], out_dir: str, group: bool) -> Any:
-    from batchgen.config import DataOptions, JobConfig, ModelOptions, RunOptions
+    from batchgen.job.config import DataOptions, JobConfig, ModelOptions, RunOptions
     from batchgen.sampling_params import SamplingParams
 
     per_row = len(set(_load_workload(spec)["max_tokens"])) > 1

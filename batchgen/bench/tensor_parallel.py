@@ -62,7 +62,7 @@ def print_volumes(models: list[tuple[str, int, int, int]], tps: list[int]) -> No
 
 def small_model() -> str:
     """A Llama small enough for the CPU but with real-sized collectives: hidden 512, 4 layers, 8 heads."""
-    from batchgen.bench.common import cache_root
+    from batchgen.disk_cache import cache_root
     from batchgen.models.tiny import cached_checkpoint
 
     spec = dict(

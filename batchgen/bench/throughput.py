@@ -44,7 +44,6 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from batchgen.bench.common import (
-    cache_root,
     describe_model,
     kv_bytes_per_token,
     layer_params,
@@ -56,6 +55,7 @@ from batchgen.bench.common import (
 )
 from batchgen.bench.gpu_idle import describe as describe_gpu_idle
 from batchgen.bench.workloads import WORKLOADS, WorkloadSpec, describe, make_workload, write_workload
+from batchgen.disk_cache import cache_root
 from batchgen.engine.config import EngineConfig
 from batchgen.models.config import ModelConfig
 

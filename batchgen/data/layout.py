@@ -18,9 +18,6 @@ directory holds:
 Every name except the parts starts with ``_`` or ``.``, which Hive-style dataset readers skip, and nothing
 but a part ends with ``.parquet``, so glob readers (polars, DuckDB) see exactly the output rows.
 
-Versions up to 0.1 wrote ``manifest.json``, ``report.json`` and ``logs/``: :data:`LEGACY_NAMES` maps them to
-today's names; opening such a directory renames them (:meth:`batchgen.data.output_dir.OutputDir.open`).
-
 Invariants: batchgen deletes only names for which :func:`is_own_file` is true, never anything else in an
 output directory; output column names are :data:`RESERVED_COLUMNS` plus the kept input columns.
 """
@@ -40,16 +37,6 @@ METADATA_KEY = b"batchgen"
 """Key of the JSON document in every part's Parquet schema metadata."""
 STATUS_NAME = "_batchgen_status.json"
 """Written by each job of a multirun into its Hydra job directory: its exit status and message."""
-
-LEGACY_MANIFEST_NAME = "manifest.json"
-LEGACY_REPORT_NAME = "report.json"
-LEGACY_LOGS_DIR = "logs"
-LEGACY_NAMES = {
-    LEGACY_MANIFEST_NAME: MANIFEST_NAME,
-    LEGACY_REPORT_NAME: REPORT_NAME,
-    LEGACY_LOGS_DIR: LOGS_DIR,
-}
-"""Names written by batchgen <= 0.1 → today's names (opening an old output directory renames them)."""
 
 PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 CHECKPOINT_RE = re.compile(r"^part-(\d{6,})\.(\d{6,})\.arrow$")
@@ -95,13 +82,9 @@ def shard_dir_name(index: int, count: int) -> str:
 
 def is_own_file(name: str) -> bool:
     """True for the names of files batchgen writes into a shard directory (parts, manifest, report, temp
-    files, and the same names of batchgen <= 0.1): the only ones ``data.overwrite`` and the cleanup of a killed
+    files): the only ones ``data.overwrite`` and the cleanup of a killed
     run may delete. Checkpoint files live in :data:`CHECKPOINT_DIR` (see :func:`is_own_checkpoint`)."""
-    return (
-        name in (MANIFEST_NAME, REPORT_NAME, LEGACY_MANIFEST_NAME, LEGACY_REPORT_NAME)
-        or bool(PART_RE.match(name))
-        or name.startswith(TEMP_PREFIX)
-    )
+    return name in (MANIFEST_NAME, REPORT_NAME) or bool(PART_RE.match(name)) or name.startswith(TEMP_PREFIX)
 
 
 def is_own_checkpoint(name: str) -> bool:

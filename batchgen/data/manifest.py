@@ -11,7 +11,7 @@ run.
 - ``model``: names describing the checkpoint (path, architecture, per-file hashes) for readable refusals;
   only ``config`` (hashed into ``fingerprint``) decides whether a rerun may resume.
 
-Format ``batchgen-manifest/2``; ``batchgen-manifest/1`` (batchgen <= 0.1) is read too.
+Format ``batchgen-manifest/2``; any other format is refused as unreadable.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.atomic import atomic_write_bytes
-from batchgen.data.layout import LEGACY_MANIFEST_NAME, MANIFEST_NAME
+from batchgen.data.layout import MANIFEST_NAME
 
 FORMAT = "batchgen-manifest/2"
-READABLE_FORMATS = ("batchgen-manifest/1", FORMAT)
 
 
 @dataclass
@@ -47,7 +46,7 @@ class WindowRecord:
     """Positions (in the window) of error rows caused by the run's resources or settings, which
     ``data.retry_errors=true`` recomputes."""
     input_sha256: str | None = None
-    """Hash of the window's input rows (the columns the job reads); None for windows of batchgen <= 0.1."""
+    """Hash of the window's input rows (the columns the job reads); None when the input was unreadable."""
     rewriting: bool = False
     """Set while the part is being replaced (a retry): the counts above are re-derived from the part if a
     run dies in between."""
@@ -116,7 +115,7 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         d = json.loads(text)
-        if d.get("format") not in READABLE_FORMATS:
+        if d.get("format") != FORMAT:
             raise ValueError(f"unknown manifest format {d.get('format')!r}")
         windows = {int(k): WindowRecord(**v) for k, v in d.get("windows", {}).items()}
         partial = {int(k): PartialRecord(**v) for k, v in d.get("partial", {}).items()}
@@ -139,12 +138,9 @@ class Manifest:
 
     @classmethod
     def path_in(cls, directory: str | os.PathLike) -> Path | None:
-        """The manifest file of `directory`: today's name, else that of batchgen <= 0.1, else None."""
-        for name in (MANIFEST_NAME, LEGACY_MANIFEST_NAME):
-            p = Path(directory) / name
-            if p.is_file():
-                return p
-        return None
+        """The manifest file of `directory`, or None when it has none."""
+        p = Path(directory) / MANIFEST_NAME
+        return p if p.is_file() else None
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Manifest | None:
@@ -171,10 +167,8 @@ def diff_config(old: Any, new: Any, prefix: str = "") -> list[str]:
 
 
 def describe_model_change(old: dict[str, Any], new: dict[str, Any]) -> str | None:
-    """A readable line about how the checkpoint changed (path, architecture, which files), or None when the
-    manifest predates these names."""
-    if not old or not new:
-        return None
+    """A readable line about how the checkpoint changed (path, architecture, which files), or None when none
+    of them did."""
     parts = []
     if old.get("path") != new.get("path"):
         parts.append(f"path {old.get('path')!r} -> {new.get('path')!r}")

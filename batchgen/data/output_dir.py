@@ -10,8 +10,6 @@ File names are those of :mod:`batchgen.data.layout`. Invariants:
   or unless that output holds no successful row at all (a failed start, a run whose every row failed): then
   the new configuration takes it over, saying so in the log.
 - One process per shard directory: an exclusive ``flock`` on the lock file, held until :meth:`OutputDir.close`.
-- A directory written by batchgen <= 0.1 (``manifest.json``, ``report.json``, ``logs/``) is renamed to
-  today's names on open (:data:`~batchgen.data.layout.LEGACY_NAMES`) and resumes as before.
 """
 
 from __future__ import annotations
@@ -20,22 +18,19 @@ import contextlib
 import errno
 import logging
 import os
-import re
+from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.atomic import atomic_write, fsync_dir
+from batchgen.atomic import atomic_write
 from batchgen.data.layout import (
     CHECKPOINT_DIR,
     CHECKPOINT_RE,
-    LEGACY_LOGS_DIR,
-    LEGACY_MANIFEST_NAME,
-    LEGACY_REPORT_NAME,
     LOCK_NAME,
-    LOGS_DIR,
     MANIFEST_NAME,
     PART_RE,
     REPORT_NAME,
@@ -57,7 +52,6 @@ _RESUME_HINT = (
     "Rerun with the original settings to resume, choose another data.output, or pass "
     "data.overwrite=true to discard the existing output."
 )
-_LOG_DIR_RE = re.compile(r"^(\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}.*|multirun)$")
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -77,6 +71,18 @@ def output_os_error(e: OSError, path: Path, doing: str) -> ConfigError:
     elif e.errno in (errno.EACCES, errno.EPERM):
         why = "permission denied"
     return ConfigError(f"data.output: cannot {doing} {str(path)!r}: {why}; choose a writable data.output")
+
+
+@contextlib.contextmanager
+def _setup_errors(path: Path, doing: str) -> Iterator[None]:
+    """OSErrors of the block as one-line ConfigErrors (:func:`output_os_error`); a full disk stays an OSError
+    (the job maps it to its own exit status)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in DISK_FULL_ERRNOS:
+            raise
+        raise output_os_error(e, path, doing) from e
 
 
 class OutputDir:
@@ -152,36 +158,6 @@ class OutputDir:
                 pass
         return count
 
-    def _migrate_legacy(self, directory: Path) -> None:
-        """Rename the files of batchgen <= 0.1 (manifest.json, report.json, logs/) to today's names."""
-        old = directory / LEGACY_MANIFEST_NAME
-        if not old.is_file():
-            return
-        if (directory / MANIFEST_NAME).is_file():
-            raise ConfigError(
-                f"{str(directory)!r} holds both {MANIFEST_NAME} and {LEGACY_MANIFEST_NAME} (batchgen <= 0.1); "
-                "remove the one that does not belong, or pass data.overwrite=true"
-            )
-        os.replace(old, directory / MANIFEST_NAME)
-        if (directory / LEGACY_REPORT_NAME).is_file():
-            os.replace(directory / LEGACY_REPORT_NAME, directory / REPORT_NAME)
-        logs = directory / LEGACY_LOGS_DIR
-        if logs.is_dir():
-            (directory / LOGS_DIR).mkdir(exist_ok=True)
-            for p in logs.iterdir():
-                if _LOG_DIR_RE.match(p.name) and not (directory / LOGS_DIR / p.name).exists():
-                    os.replace(p, directory / LOGS_DIR / p.name)
-            try:
-                logs.rmdir()
-            except OSError:
-                logger.warning("%s holds files batchgen did not write; left in place", logs)
-        fsync_dir(directory)
-        logger.info(
-            "%s: renamed the files of batchgen <= 0.1 (manifest.json, report.json, logs/) to %s, %s, %s/ so that "
-            "dataset readers see only the parts",
-            directory, MANIFEST_NAME, REPORT_NAME, LOGS_DIR,
-        )  # fmt: skip
-
     def _other_layouts(self) -> list[Path]:
         """Directories under data.output holding a manifest of a different shard layout than ours."""
         found = []
@@ -213,7 +189,6 @@ class OutputDir:
     def _existing_manifest(self, overwrite: bool) -> Manifest | None:
         """The manifest to resume from: None when there is none or `overwrite` discards it (and the files)."""
         try:
-            self._migrate_legacy(self.path)
             existing = Manifest.load(self.path)
         except (ValueError, KeyError, TypeError) as e:
             if not overwrite:
@@ -251,11 +226,9 @@ class OutputDir:
     def _rederive(self, w: int, rec: WindowRecord, manifest: Manifest) -> None:
         n = int((manifest.config.get("sampling") or {}).get("n", 1) or 1)
         st = part_stats(part_as_piece(pq.read_table(self.path / rec.part), n), n)
-        rec.num_output_rows, rec.rows_ok, rec.rows_error = st.num_output_rows, st.rows_ok, st.rows_error
-        rec.prompt_tokens, rec.cached_tokens, rec.generated_tokens = (
-            st.prompt_tokens, st.cached_tokens, st.generated_tokens,
-        )  # fmt: skip
-        rec.retry_rows, rec.rewriting = st.retry_rows, False
+        for name, value in asdict(st).items():  # a part's stats are its record's counts, field for field
+            setattr(rec, name, value)
+        rec.rewriting = False
 
     def open(
         self,
@@ -263,58 +236,52 @@ class OutputDir:
         overwrite: bool = False,
         retry_keys: tuple[str, ...] = (),
         retry_errors: bool = False,
-        legacy_fingerprint: str | None = None,
     ) -> Manifest:
         """Lock the directory, clean leftovers, and return the manifest to continue (or `fresh`).
 
         Raises ConfigError when the directory holds output of another configuration, input or shard layout
         (unless `overwrite`, which discards it, or that output holds no successful row: taken over).
         `retry_keys` are the dotted config keys (``engine.max_model_len``) that may change when `retry_errors`
-        (rows already generated keep their output, error rows are recomputed); `legacy_fingerprint` is what
-        a batchgen <= 0.1 manifest of this configuration would record.
+        (rows already generated keep their output, error rows are recomputed).
         """
-        try:
+        with _setup_errors(self.path, "create the output directory"):
             self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            if e.errno in DISK_FULL_ERRNOS:
-                raise
-            raise output_os_error(e, self.path, "create the output directory") from e
-        try:
+        with _setup_errors(self.path, "write into"):
             self._lock()
-        except OSError as e:
-            if e.errno in DISK_FULL_ERRNOS:
-                raise
-            raise output_os_error(e, self.path, "write into") from e
         try:
-            self._clear_other_layouts(overwrite)
-            existing = self._existing_manifest(overwrite)
-            if existing is not None:
-                problem = self._incompatibility(existing, fresh, retry_keys, retry_errors, legacy_fingerprint)
-                if problem is not None and _manifest_holds_results(existing):
-                    raise ConfigError(problem)
-                if problem is not None:
-                    self.took_over = " ".join(problem.split("\n")[:2])
-                    n = self._clear(self.path)
-                    diff = "; ".join(x.strip() for x in problem.split("\n") if x.startswith("  "))
-                    logger.warning(
-                        "%s: a new configuration takes over this output directory, which holds no successful row "
-                        "of its previous run (%d file(s) of it removed; what differs: %s)",
-                        self.path, n, diff or problem.split("\n")[0],
-                    )  # fmt: skip
-                    existing = None
-            manifest = existing if existing is not None else fresh
-            self._remove_leftovers(manifest)
-            manifest.save(self.path)  # atomic; its directory fsync also makes the removals durable
-            self.manifest = manifest
-            return manifest
-        except OSError as e:
-            self.close()
-            if e.errno in DISK_FULL_ERRNOS:
-                raise
-            raise output_os_error(e, self.path, "write into") from e
+            with _setup_errors(self.path, "write into"):
+                self._clear_other_layouts(overwrite)
+                manifest = self._manifest_to_continue(fresh, overwrite, retry_keys, retry_errors)
+                self._remove_leftovers(manifest)
+                manifest.save(self.path)  # atomic; its directory fsync also makes the removals durable
         except BaseException:
             self.close()
             raise
+        self.manifest = manifest
+        return manifest
+
+    def _manifest_to_continue(
+        self, fresh: Manifest, overwrite: bool, retry_keys: tuple[str, ...], retry_errors: bool
+    ) -> Manifest:
+        """The existing manifest when `fresh` may resume it, else `fresh` (an output holding no successful row
+        is taken over); ConfigError when the existing output must not be touched."""
+        existing = self._existing_manifest(overwrite)
+        if existing is None:
+            return fresh
+        problem = self._incompatibility(existing, fresh, retry_keys, retry_errors)
+        if problem is None:
+            return existing
+        if _manifest_holds_results(existing):
+            raise ConfigError(problem)
+        self.took_over = " ".join(problem.split("\n")[:2])
+        n = self._clear(self.path)
+        diff = "; ".join(x.strip() for x in problem.split("\n") if x.startswith("  "))
+        logger.warning(
+            "%s: a new configuration takes over this output directory, which holds no successful row "
+            "of its previous run (%d file(s) of it removed; what differs: %s)",
+            self.path, n, diff or problem.split("\n")[0],
+        )  # fmt: skip
+        return fresh
 
     def _incompatibility(
         self,
@@ -322,12 +289,9 @@ class OutputDir:
         new: Manifest,
         retry_keys: tuple[str, ...],
         retry_errors: bool,
-        legacy_fingerprint: str | None,
     ) -> str | None:
         """Why `old` cannot be resumed by `new`, or None (then `old` takes `new`'s configuration where a
-        retry allowed a difference, and today's spelling of a batchgen <= 0.1 configuration)."""
-        if not old.model and legacy_fingerprint is not None and old.fingerprint == legacy_fingerprint:
-            old.fingerprint, old.config = new.fingerprint, new.config  # the same settings, spelt as today
+        retry allowed a difference)."""
         if old.fingerprint != new.fingerprint or old.window_rows != new.window_rows:
             diffs = diff_config(old.config, new.config)
             keys = [d.split(":", 1)[0] for d in diffs]

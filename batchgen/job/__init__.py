@@ -24,7 +24,7 @@ The Parquet side (reader, prompts, parts, output directory, manifest, file names
 
 from __future__ import annotations
 
-from batchgen.job.plan import DEFAULT_SAMPLING_COLUMN, JobPlan, model_fingerprint, plan_job, sample_input_path
+from batchgen.job.plan import DEFAULT_SAMPLING_COLUMN, JobPlan, plan_job, sample_input_path
 from batchgen.job.run import (
     EXIT_CONFIG,
     EXIT_FAILED,
@@ -46,7 +46,6 @@ __all__ = [
     "JobPlan",
     "JobResult",
     "StopSignal",
-    "model_fingerprint",
     "plan_job",
     "run_job",
     "sample_input_path",

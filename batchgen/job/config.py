@@ -45,12 +45,6 @@ def default_sampling() -> SamplingParams:
     return SamplingParams(seed=JOB_SEED)
 
 
-def SamplingOptions(**kwargs: Any) -> SamplingParams:  # noqa: N802 - the name of the class it replaces
-    """Deprecated: the ``sampling`` group is :class:`~batchgen.sampling_params.SamplingParams` itself. Returns
-    SamplingParams with the job's defaults (``seed=0``) for callers of the former mirror class."""
-    return SamplingParams(**{"seed": JOB_SEED, **kwargs})
-
-
 IMPLEMENTATIONS = ("auto", "native", "transformers")  # batchgen.models.loader.IMPLEMENTATIONS, without torch
 
 

@@ -70,16 +70,6 @@ def _file_digests(path: str) -> dict[str, bytes]:
     return out
 
 
-def model_fingerprint(path: str) -> str:
-    """Hash of a checkpoint's configs, tokenizer files and safetensors headers (not the full weights).
-
-    The fingerprint of batchgen <= 0.1 (chat template included): see :func:`model_identity` for today's."""
-    h = hashlib.sha256()
-    for name, digest in _file_digests(path).items():
-        h.update(f"{name}\0".encode() + digest)
-    return h.hexdigest()
-
-
 def _chat_template_text(path: str) -> str | None:
     p = Path(path)
     parts = []
@@ -138,8 +128,6 @@ class JobPlan:
     """The columns the job reads, with their types unified over the input files."""
     model_info: dict[str, Any]
     """Names describing the checkpoint (path, architecture, per-file hashes): shown when a resume is refused."""
-    legacy_fingerprint: str
-    """What batchgen <= 0.1 recorded for this configuration (resuming its output directories)."""
     model_max_len: int
     """The model's own limit on prompt + generation (before ``engine.max_model_len``)."""
 
@@ -304,13 +292,11 @@ def _fingerprint_config(
     model_fp: str,
     sampling_col: str | None,
     template_fp: str | None = None,
-    legacy: bool = False,
 ) -> dict[str, Any]:
-    """The settings that change the output (see the module docstring), as recorded in the manifest
-    (`legacy`: as batchgen <= 0.1 recorded them, with the chat template inside the model fingerprint)."""
+    """The settings that change the output (see the module docstring), as recorded in the manifest."""
     d = cfg.data
     model: dict[str, Any] = {"fingerprint": model_fp, "dtype": cfg.model.dtype}
-    if not legacy and d.messages_column:
+    if d.messages_column:
         model["chat_template"] = template_fp
     score = {"task": "score", "continuation_column": d.continuation_column} if cfg.task == "score" else {}
     lora = {}
@@ -410,7 +396,6 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     _check_kv_memory(cfg, model_cfg)
     model_fp, template_fp, files = model_identity(model_path)
     fp_config = _fingerprint_config(cfg, model_fp, sampling_col, template_fp)
-    legacy_config = _fingerprint_config(cfg, model_fingerprint(model_path), sampling_col, legacy=True)
     spec = PromptSpec(
         prompt_column=d.prompt_column,
         messages_column=d.messages_column,
@@ -438,7 +423,6 @@ def plan_job(cfg: JobConfig) -> JobPlan:
             "architecture": model_cfg.architecture,
             "files": files,
         },
-        legacy_fingerprint=_hash(legacy_config),
         model_max_len=int(model_cfg.max_model_len),
     )
 

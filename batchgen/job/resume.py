@@ -4,7 +4,6 @@ check that the input of what it keeps did not change."""
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -16,11 +15,6 @@ from batchgen.errors import ConfigError
 from batchgen.job.plan import JobPlan
 
 logger = logging.getLogger("batchgen.job")
-
-_RETRYABLE_LEGACY = re.compile(
-    r"engine\.max_model_len|KV blocks|chat template failed|tokenizer failed|^no result$|^generation failed$"
-    r"|input unreadable"
-)
 
 
 @dataclass
@@ -41,21 +35,9 @@ def windows_to_do(plan: JobPlan, manifest: Manifest, outdir: OutputDir) -> list[
         rec = manifest.windows.get(w.index)
         if rec is None:
             out.append(WindowTodo(w))
-        elif retry and rec.rows_error:
-            rows = rec.retry_rows or (
-                _legacy_retry_rows(plan, outdir, w.index) if rec.input_sha256 is None else []
-            )
-            if rows:
-                out.append(WindowTodo(w, retry_part=True, retry_rows=rows))
+        elif retry and rec.rows_error and rec.retry_rows:
+            out.append(WindowTodo(w, retry_part=True, retry_rows=rec.retry_rows))
     return out
-
-
-def _legacy_retry_rows(plan: JobPlan, outdir: OutputDir, window: int) -> list[int]:
-    """Retryable rows of a part written by batchgen <= 0.1 (which did not record them): by message."""
-    t = outdir.read_part(window)
-    n = plan.cfg.sampling.n
-    errs = t.column("error").to_pylist()
-    return sorted({i // n for i, e in enumerate(errs) if e is not None and _RETRYABLE_LEGACY.search(e)})
 
 
 def verify_skipped_input(plan: JobPlan, manifest: Manifest, out_dir: str) -> None:

@@ -207,7 +207,6 @@ class _Job:
             overwrite=job.data.overwrite,
             retry_keys=RETRY_KEYS,
             retry_errors=job.data.retry_errors,
-            legacy_fingerprint=plan.legacy_fingerprint,
         )
         todo = windows_to_do(plan, m, outdir)
         if not todo:

@@ -10,7 +10,6 @@ batchgen's paged attention (`batchgen.models.transformers_backend`) for any othe
 
 from batchgen.models.config import (
     NATIVE_ARCHITECTURES,
-    SUPPORTED_ARCHITECTURES,
     ModelConfig,
     NativeUnsupportedError,
 )
@@ -20,7 +19,6 @@ from batchgen.models.loader import IMPLEMENTATIONS, load_model, load_tokenizer
 __all__ = [
     "IMPLEMENTATIONS",
     "NATIVE_ARCHITECTURES",
-    "SUPPORTED_ARCHITECTURES",
     "CausalLM",
     "ModelConfig",
     "NativeUnsupportedError",

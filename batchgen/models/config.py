@@ -43,7 +43,6 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
 NATIVE_TEXT_OF_MULTIMODAL: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3_text",
 }
-SUPPORTED_ARCHITECTURES = NATIVE_ARCHITECTURES  # the name used before the transformers backend existed
 # RoPE types whose frequencies do not depend on the batch (dynamic NTK rescales with the longest sequence).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")

@@ -252,8 +252,8 @@ def use_column_major_weights(model: CausalLM) -> None:
 
     Why: `F.linear(x, W)` multiplies by `W.t()`, and MKL's float32 GEMM is faster when that operand is
     untransposed in memory: measured up to 1.7x for 4-64 input rows (decode steps) on small weights and 1.3-1.5x
-    for 4-8 rows on 7B-sized ones, about even at 256 rows, but 0.8-0.97x at 2-3 rows (`bench_impls
-    --gemm-layout`, BENCHMARKS.md). From 16 rows on the results were bit
+    for 4-8 rows on 7B-sized ones, about even at 256 rows, but 0.8-0.97x at 2-3 rows (`python -m
+    batchgen.bench.model_impls --gemm-layout`, BENCHMARKS.md). From 16 rows on the results were bit
     for bit the same; fewer rows round differently in the last bits (greedy outputs still match transformers
     in the equality tests). bfloat16 (oneDNN) gains nothing, so only float32 on CPU is touched. Run once, after
     loading (a tensor-parallel loader slices the checkpoint's tensors first); costs one parameter's copy at a

@@ -2,10 +2,11 @@
 embedded default model.
 
 - `build_checkpoint` / `cached_checkpoint`: random-weight checkpoints for the tests and benchmarks (one per
-  architecture), built locally, so nothing is ever downloaded.
+  architecture), built locally, so nothing is ever downloaded; `build_random_checkpoint` the same for any
+  transformers architecture from its config class.
 - `tiny_default_checkpoint`: the embedded default model (`model=tiny`), a small Llama trained on English text
   that ships with CPython and shipped as package data in `tiny_lm/` (weights and tokenizer);
-  `python -m batchgen.models.train_tiny` reproduces it.
+  `python -m batchgen.tiny_training` reproduces it.
 
 Invariants:
 - Deterministic: the same arguments give byte-identical tokenizer files and weights in the same
@@ -24,12 +25,14 @@ import json
 import os
 import sysconfig
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from batchgen.atomic import build_dir_once
+from batchgen.disk_cache import cache_root
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|pad|>", "<|bos|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START, IM_END = SPECIAL_TOKENS
@@ -313,9 +316,14 @@ def special_token_ids(tokenizer) -> dict[str, int]:
 
 
 def save_model(
-    model, out_dir: str | os.PathLike, ids: dict[str, int], max_shard_size: str | int | None = None
+    model,
+    out_dir: str | os.PathLike,
+    ids: dict[str, int],
+    max_shard_size: str | int | None = None,
+    **generation: Any,
 ):
-    """`save_pretrained` `model` (in its current dtype) as safetensors with our greedy generation config.
+    """`save_pretrained` `model` (in its current dtype) as safetensors with our greedy generation config
+    (plus `generation`, fields of ``transformers.GenerationConfig``).
 
     `ids` maps the special tokens to their ids (see `special_token_ids`); EOS is `<|endoftext|>` or
     `<|im_end|>`. Progress bars are silenced.
@@ -327,7 +335,7 @@ def save_model(
         bos_token_id=ids[BOS_TOKEN],
         eos_token_id=[ids[EOS_TOKEN], ids[IM_END]],
         pad_token_id=ids[PAD_TOKEN],
-        do_sample=False,
+        **{"do_sample": False, **generation},
     )
     save_kwargs: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size is not None:
@@ -347,11 +355,42 @@ def save_model(
 
 
 def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    if os.environ.get("BATCHGEN_CACHE"):
-        return Path(os.environ["BATCHGEN_CACHE"])
-    return Path.home() / ".cache" / "batchgen"
+    return Path(cache_dir) if cache_dir is not None else cache_root()
+
+
+def special_token_kwargs(ids: dict[str, int]) -> dict[str, int]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for a config, from :func:`special_token_ids`."""
+    return dict(bos_token_id=ids[BOS_TOKEN], eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN])
+
+
+def build_random_checkpoint(
+    out_dir: str | os.PathLike,
+    make_config: Callable[[dict[str, int]], Any],
+    model_class: str,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    init: Callable[[torch.nn.Module], None] | None = None,
+    **generation: Any,
+) -> str:
+    """A random-weight checkpoint of any transformers architecture in `out_dir`: our BPE tokenizer
+    (`vocab_size`), the config ``make_config(ids)`` (`ids`: :func:`special_token_ids` of that tokenizer),
+    weights of ``transformers.<model_class>`` drawn under `seed` (then ``init(model)``, no grad, where given),
+    cast to `dtype`, saved by :func:`save_model` (plus `generation`). Returns the path."""
+    import transformers
+
+    out = Path(out_dir)
+    ids = special_token_ids(build_tokenizer(out, vocab_size=vocab_size))
+    cfg = make_config(ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_class)(cfg)
+        if init is not None:
+            with torch.no_grad():
+                init(model)
+    save_model(model.to(dtype), out, ids, **generation)
+    return str(out)
 
 
 def cached_checkpoint(name: str, cache_dir: str | os.PathLike | None = None, **spec: Any) -> str:
@@ -366,14 +405,12 @@ def cached_checkpoint(name: str, cache_dir: str | os.PathLike | None = None, **s
     )
 
 
-def tiny_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> str:
+def tiny_default_checkpoint() -> str:
     """Path of the embedded default model: the trained checkpoint shipped in `batchgen/models/tiny_lm/`.
 
-    Nothing is built or copied at run time. `cache_dir` is accepted for backward compatibility and ignored
-    (the default model used to be built into a cache). Raises FileNotFoundError if the package was installed
-    without its data files.
+    Nothing is built or copied at run time. Raises FileNotFoundError if the package was installed without its
+    data files.
     """
-    del cache_dir
     missing = [
         f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (TINY_LM_DIR / f).is_file()
     ]
@@ -381,6 +418,6 @@ def tiny_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> str:
         raise FileNotFoundError(
             f"the embedded default model is incomplete: {', '.join(missing)} missing from {TINY_LM_DIR} "
             "(batchgen was installed without its package data; reinstall it, or rebuild the model with "
-            "`python -m batchgen.models.train_tiny`)"
+            "`python -m batchgen.tiny_training`)"
         )
     return str(TINY_LM_DIR)

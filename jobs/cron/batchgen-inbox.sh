@@ -8,8 +8,7 @@
 # own output directory OUTROOT/NAME/ (keyed by the file name) and one `batchgen data.input=INBOX/NAME.parquet
 # data.output=OUTROOT/NAME ...` run; the overrides are passed through unchanged ("$@", never eval'd).
 #
-# - Finished files are skipped without starting batchgen: OUTROOT/NAME/_manifest.json (manifest.json in
-#   output written by batchgen 0.1.0) says "complete".
+# - Finished files are skipped without starting batchgen: OUTROOT/NAME/_manifest.json says "complete".
 #   A file whose run was interrupted is resumed (batchgen continues from its manifest).
 # - Files are taken in name order; hidden files (.NAME) and files modified in the last
 #   BATCHGEN_INBOX_SETTLE_S seconds (default 10: maybe still being copied) wait for a later run. Best:
@@ -62,10 +61,9 @@ on_signal() {
 trap 'on_signal TERM' TERM
 trap 'on_signal INT' INT
 
-# complete DIR: DIR/_manifest.json (or manifest.json of batchgen <= 0.1) exists and lists every window.
+# complete DIR: DIR/_manifest.json exists and lists every window.
 complete() {
   local m=$1/_manifest.json
-  [[ -f $m ]] || m=$1/manifest.json
   [[ -f $m ]] &&
     "$PY" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get("complete") else 1)' \
       "$m" 2>/dev/null

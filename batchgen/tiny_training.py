@@ -1,6 +1,6 @@
 """Train the embedded default model (`model=tiny`, shipped in `batchgen/models/tiny_lm/`).
 
-    python -m batchgen.models.train_tiny     # rewrites batchgen/models/tiny_lm/ and tests/data/tiny_lm_heldout.json
+    python -m batchgen.tiny_training     # rewrites batchgen/models/tiny_lm/ and tests/data/tiny_lm_heldout.json
 
 Corpus: English text that ships with CPython (the running interpreter's standard library), 10,185 documents
 (3.17M characters on CPython 3.11.7) in a fixed order:
@@ -64,9 +64,9 @@ import torch.nn.functional as F
 
 from batchgen.models import tiny
 
-SHIPPED_DIR = Path(__file__).resolve().parent / "tiny_lm"
+SHIPPED_DIR = tiny.TINY_LM_DIR
 # In a source checkout, the held-out sample goes beside the tests that read it.
-_TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"
+_TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"
 HELDOUT_SAMPLE = _TESTS_DIR / "data" / "tiny_lm_heldout.json" if _TESTS_DIR.is_dir() else None
 
 MODEL_SPEC: dict = dict(
@@ -516,7 +516,7 @@ def _metadata(cfg: TrainConfig, n_params: int, history: list) -> dict:
     import transformers
 
     return {
-        "command": "python -m batchgen.models.train_tiny " + " ".join(sys.argv[1:]),
+        "command": "python -m batchgen.tiny_training " + " ".join(sys.argv[1:]),
         "train_config": asdict(cfg),
         "model_spec": MODEL_SPEC,
         "parameters": n_params,
@@ -566,9 +566,7 @@ def _write_checkpoint(
 
 def main(argv: list[str] | None = None) -> None:
     defaults = TrainConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m batchgen.models.train_tiny", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m batchgen.tiny_training", description=__doc__.split("\n")[0])
     p.add_argument(
         "--out", type=Path, default=SHIPPED_DIR, help="checkpoint directory (default: the shipped one)"
     )

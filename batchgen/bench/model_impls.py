@@ -1,9 +1,9 @@
 """Native vs transformers backend vs transformers `generate`, on the same checkpoint and workload.
 
-    python -m batchgen.models.bench_impls                                  # all archs, defaults
-    python -m batchgen.models.bench_impls --archs gemma2,mixtral --rows 64 --max-tokens 32 --repeats 3
-    python -m batchgen.models.bench_impls --no-workload --forward-reps 20 --threads 1     # model step only
-    python -m batchgen.models.bench_impls --gemm-layout --threads 1      # row- vs column-major weight GEMMs
+    python -m batchgen.bench.model_impls                                  # all archs, defaults
+    python -m batchgen.bench.model_impls --archs gemma2,mixtral --rows 64 --max-tokens 32 --repeats 3
+    python -m batchgen.bench.model_impls --no-workload --forward-reps 20 --threads 1     # model step only
+    python -m batchgen.bench.model_impls --gemm-layout --threads 1      # row- vs column-major weight GEMMs
 
 For each architecture a random-weight checkpoint is built once from transformers' own config class (bench
 sizes: hidden 256, 4 layers, 8 query / 4 KV heads, intermediate 768, vocab 4096; MoE: 8 experts, top-2; Gemma 2
@@ -34,13 +34,13 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from batchgen.atomic import build_dir_once
+from batchgen.disk_cache import cache_root
+from batchgen.models.tiny import build_random_checkpoint, special_token_kwargs
 
 BENCH_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -82,65 +82,6 @@ _SIZES = dict(
 _VERSION = "v1"
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("BATCHGEN_CACHE") or Path.home() / ".cache" / "batchgen") / "bench-impls"
-
-
-def special_token_kwargs(ids: dict[str, int]) -> dict[str, int]:
-    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for a config, from :func:`build_random_checkpoint`'s
-    token ids."""
-    from batchgen.models.tiny import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
-
-    return dict(bos_token_id=ids[BOS_TOKEN], eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN])
-
-
-def build_random_checkpoint(
-    out_dir: str | Path,
-    make_config: Callable[[dict[str, int]], Any],
-    model_class: str,
-    *,
-    vocab_size: int,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    init: Callable[[torch.nn.Module], None] | None = None,
-    **generation: Any,
-) -> str:
-    """A random-weight transformers checkpoint in `out_dir`: batchgen's small BPE tokenizer (`vocab_size`), the
-    config ``make_config(ids)`` (`ids`: the tokenizer's pad / bos / eos / im_end token ids by token), weights
-    of ``transformers.<model_class>`` drawn under `seed` (then ``init(model)``, no grad, where given), cast to
-    `dtype`, and a generation config stopping at eos or im_end (plus `generation`). Returns the path."""
-    import transformers
-
-    from batchgen.models.tiny import BOS_TOKEN, EOS_TOKEN, IM_END, PAD_TOKEN, build_tokenizer
-
-    out = Path(out_dir)
-    tok = build_tokenizer(out, vocab_size=vocab_size)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_END)}
-    cfg = make_config(ids)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = getattr(transformers, model_class)(cfg)
-        if init is not None:
-            with torch.no_grad():
-                init(model)
-    model = model.to(dtype).eval()
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=ids[BOS_TOKEN],
-        eos_token_id=[ids[EOS_TOKEN], ids[IM_END]],
-        pad_token_id=ids[PAD_TOKEN],
-        **generation,
-    )
-    hf_logging = transformers.utils.logging
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(str(out))
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
-    return str(out)
-
-
 def bench_checkpoint(arch: str) -> str:
     """The benchmark checkpoint of `arch`, built on first use (atomic rename into the cache)."""
     import transformers
@@ -151,7 +92,7 @@ def bench_checkpoint(arch: str) -> str:
         return getattr(transformers, cfg_name)(**{**_SIZES, **extra}, **special_token_kwargs(ids))
 
     return build_dir_once(
-        _cache_root() / f"{arch}-{_VERSION}",
+        cache_root() / "bench-impls" / f"{arch}-{_VERSION}",
         "config.json",
         lambda tmp: build_random_checkpoint(tmp, config, model_name, vocab_size=_SIZES["vocab_size"]),
     )
