@@ -8,7 +8,7 @@ from batchgen.bench import lora
 def test_bench_lora_smoke(tmp_path, capsys):
     out = tmp_path / "r.json"
     lora.main(
-        ["--rows", "4", "--adapters", "2", "--prompt-len", "5", "--max-tokens", "3", "--hidden", "64",
+        ["--rows", "4", "--adapters", "2", "--ranks", "8,16", "--prompt-len", "5", "--max-tokens", "3", "--hidden", "64",
          "--layers", "1", "--repeats", "1", "--workdir", str(tmp_path / "w"), "--json", str(out)]
     )  # fmt: skip
     text = capsys.readouterr().out

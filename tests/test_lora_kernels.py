@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from batchgen.kernels.lora import BLOCK_M, LoRAPlan, LoRAWeights, add_lora_torch, lora_reference
+from batchgen.kernels.lora import (
+    BLOCK_M,
+    PER_SLOT_MIN_TOKENS,
+    LoRAPlan,
+    LoRAWeights,
+    add_lora_torch,
+    lora_reference,
+)
 
 DEVICES = [
     "cpu",
@@ -53,6 +60,8 @@ CASES = {
     ),
     "one-part-long-segment": ([40], 24, 32, [[32], [1]], [1] * (BLOCK_M + 3) + [-1, 0, 0] + [1] * 5),
     "base-only": ([24], 16, 8, [[8]], [-1, -1, -1]),
+    # segments of PER_SLOT_MIN_TOKENS or more: the torch path goes slot by slot at each slot's own rank
+    "prefill-per-slot": ([24, 8], 16, 8, [[8, 0], [4, 4]], [0] * 70 + [-1] * 3 + [1] * 65 + [0, 1]),
 }
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-2, rtol=3e-2)}
 
@@ -67,6 +76,11 @@ def test_torch_segmented_matches_reference(case):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     base = [t for t, s in enumerate(slots) if s < 0 or not any(slot_ranks[s])]
     assert torch.equal(out[base], y[base])  # base-model tokens are untouched, bit for bit
+
+
+def test_both_torch_paths_are_covered():
+    longest = {c: max(v[4].count(s) for s in set(v[4]) if s >= 0) for c, v in CASES.items() if max(v[4]) >= 0}
+    assert min(longest.values()) < PER_SLOT_MIN_TOKENS <= max(longest.values())
 
 
 def test_plan_blocks_never_straddle_slots():

@@ -1,8 +1,8 @@
 """Mixed LoRA batches vs the base model vs one merged model per adapter: ``python -m batchgen.bench.lora``.
 
 One random Llama (built once into the batchgen cache; ``--hidden``, ``--layers``) and ``--adapters`` random PEFT
-adapters of it (ranks 8, 16, 32, 64, ...; every q/k/v/o/gate/up/down projection; written as PEFT writes them,
-so no peft install is needed), and ``--rows`` prompts of ``--prompt-len`` random tokens, each generating
+adapters of it (``--ranks``, default 8, 16, 16, 32; every q/k/v/o/gate/up/down projection; written as PEFT
+writes them, so no peft install is needed), and ``--rows`` prompts of ``--prompt-len`` random tokens, each generating
 ``--max-tokens`` greedy tokens (``ignore_eos``). Row ``i`` belongs to adapter ``i % adapters``. Three ways to
 produce the same rows, timed in one process, one after the other:
 
@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from batchgen.bench.common import cache_root, machine_info
+from batchgen.bench.common import machine_info
+from batchgen.disk_cache import cache_root
 from batchgen.lora_request import LoRARequest
 from batchgen.sampling_params import SamplingParams
 
@@ -116,7 +117,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_start = list(os.getloadavg())
     base = base_model(args.hidden, args.layers)
     work = Path(args.workdir or cache_root() / "bench-lora-adapters")
-    ranks = [8 * 2**i for i in range(args.adapters)]
+    ranks = [int(r) for r in args.ranks.split(",")][: args.adapters]
+    ranks += [ranks[-1]] * (args.adapters - len(ranks))
     adapters, merged = [], []
     for i, r in enumerate(ranks):
         parts = write_adapter(base, work / f"adapter-{i}", r, seed=100 + i)
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--adapters", type=int, default=4)
+    p.add_argument("--ranks", default="8,16,16,32", help="adapter ranks, comma-separated (the last repeats)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--hidden", type=int, default=512)
