@@ -87,3 +87,12 @@ def test_lora_column_needs_modules(llama_ckpt, tmp_path):
     cfg = job_config(llama_ckpt, tmp_path / "in.parquet", tmp_path / "out", data={"lora_column": "adapter"})
     with pytest.raises(ConfigError, match="model.lora_modules is empty"):
         validate(cfg)
+
+
+def test_cli_assigns_lora_modules():
+    from batchgen.cli import assign_lora_modules
+
+    args = ["model.lora_modules={a: /x}", "model.lora_modules.b=/y", "+model.lora_modules.c=/z", "data.x=1"]
+    assert assign_lora_modules(args) == [
+        "+model.lora_modules={a: /x}", "+model.lora_modules.b=/y", "+model.lora_modules.c=/z", "data.x=1",
+    ]  # fmt: skip
