@@ -61,7 +61,10 @@ from omegaconf import DictConfig  # noqa: E402
 
 from batchgen import startup_trace  # noqa: E402
 from batchgen.data.layout import STATUS_NAME  # noqa: E402
+from batchgen.job.cli_args import single_strings_as_lists, wants_version  # noqa: E402
 from batchgen.job.hydra_setup import MULTIRUN_FAILURES, register_configs, register_resolvers  # noqa: E402
+from batchgen.job.result import EXIT_CONFIG  # noqa: E402
+from batchgen.job.shard_env import missing_count_message  # noqa: E402
 
 register_configs()
 register_resolvers()
@@ -156,6 +159,12 @@ def main() -> None:
         from batchgen.engine.tp_launch import serve_from_env  # torchrun / srun: a tensor-parallel worker rank
 
         sys.exit(serve_from_env())
+    if wants_version(argv):
+        import batchgen
+
+        print(f"batchgen {batchgen.__version__}")
+        sys.exit(0)
+    sys.argv[1:] = argv = single_strings_as_lists(argv)
     if argv[:1] == ["show"]:
         from batchgen.job.show import main as show_main
 
@@ -164,6 +173,10 @@ def main() -> None:
         i = argv.index("--cfg") if "--cfg" in argv else argv.index("-c") if "-c" in argv else -1
         if argv[i + 1 : i + 2] == ["job"] or "--cfg=job" in argv:
             sys.argv.append("--resolve")
+    problem = missing_count_message()
+    if problem and not any(a.lstrip("+").startswith("data.shard.count=") for a in argv):
+        print(f"batchgen: {problem}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     sys.argv[1:] = assign_lora_modules(sys.argv[1:])
     MULTIRUN_FAILURES.clear()
     # A log file on a full or vanished disk must not print a traceback per log record: the job reports the

@@ -41,6 +41,11 @@ class LLM:
         unknown = sorted(set(engine_options) - known)
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}")
+        if engine_options.get("data_parallel_size", 1) != 1:
+            raise ValueError(
+                "data_parallel_size > 1: an LLM is one engine in this process; run several replicas with the "
+                "job (engine.data_parallel_size=N) or with Ray Data (batchgen.ray.Generator, concurrency=N)"
+            )
         self.engine = LLMEngine(
             model, EngineConfig(**engine_options), dtype=dtype, tokenizer=tokenizer, implementation=model_impl
         )

@@ -151,7 +151,14 @@ def test_every_option_is_documented_in_help() -> None:
     keys = {k for k, _, _ in opts}
     for f in dataclasses.fields(EngineConfig):
         assert f"engine.{f.name}" in keys
-    assert {"data.shard.index", "data.shard.count", "model.path", "sampling.seed", "run.stop_grace_s"} <= keys
+    assert {
+        "task",
+        "data.shard.index",
+        "data.shard.count",
+        "model.path",
+        "sampling.seed",
+        "run.stop_grace_s",
+    } <= keys
     undocumented = [k for k, _, doc in opts if not doc]
     assert not undocumented, undocumented
     text = render_options()

@@ -167,3 +167,41 @@ def test_feeder_stop_with_grace_finishes_fully_admitted_windows() -> None:
     done = [w.spec.index for w in feeder.run()]
     # the first window was admitted before the stop; nothing else could be admitted after
     assert done == [0] and not feeder.abandoned
+
+
+def test_feeder_grace_admits_the_rest_of_started_windows_and_starts_no_new_one() -> None:
+    import time
+
+    wins = [_window(w, w * 10, 10) for w in range(3)]
+    engine = FakeEngine(max_num_seqs=2)
+    stop = _Stop()
+    it = iter(wins)
+
+    def on_step() -> None:  # stop after the first step: window 0 is only partly admitted (4 of 10 rows)
+        if not stop.requested:
+            stop.requested, stop.deadline = True, time.monotonic() + 600
+
+    feeder = EngineFeeder(engine, lambda: next(it, None), 4, stop, on_step=on_step)
+    done = [w.spec.index for w in feeder.run()]  # returns when window 0 is done, long before the deadline
+    assert done == [0] and not feeder.abandoned
+    assert sorted(engine.added) == [r.row_index for r in wins[0].rows]
+    assert next(it).spec.index == 1  # window 1 was never started
+
+
+def test_feeder_grace_past_deadline_abandons_the_started_window() -> None:
+    import time
+
+    wins = [_window(w, w * 10, 10) for w in range(2)]
+    engine = FakeEngine(max_num_seqs=2)
+    stop = _Stop()
+    it = iter(wins)
+
+    def on_step() -> None:
+        if not stop.requested:
+            stop.requested, stop.deadline = True, time.monotonic() + 600
+        elif engine.steps == 3:
+            stop.deadline = time.monotonic()  # the grace period ends
+
+    feeder = EngineFeeder(engine, lambda: next(it, None), 4, stop, on_step=on_step)
+    assert list(feeder.run()) == []
+    assert [w.spec.index for w in feeder.abandoned] == [0] and not engine.has_unfinished()

@@ -148,9 +148,9 @@ def test_invalid_constraints_are_request_errors(llm: LLM) -> None:
 def test_grammar_cache_hits(llm: LLM) -> None:
     so = llm.engine.structured
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
-    _run(llm, [SamplingParams(json_schema=schema, seed=0, max_tokens=32)])
+    _run(llm, [SamplingParams(json_schema=schema, seed=0, max_tokens=4)])  # the counters need no full output
     hits, misses = so.hits, so.misses
-    _run(llm, [SamplingParams(json_schema=json.dumps(schema), seed=s, max_tokens=32) for s in range(5)])
+    _run(llm, [SamplingParams(json_schema=json.dumps(schema), seed=s, max_tokens=4) for s in range(5)])
     assert so.misses == misses and so.hits == hits + 5
     _run(llm, [SamplingParams(choice=["a", "b"], max_tokens=4)])
     assert so.misses == misses + 1
@@ -308,3 +308,83 @@ def test_without_xgrammar_constrained_requests_fail_alone(llm: LLM, monkeypatch)
     outs = _run(llm, [SamplingParams(regex="a+"), SamplingParams(max_tokens=2)])
     assert "xgrammar" in outs[0].error and outs[0].outputs[0].finish_reason == "error"
     assert outs[1].error is None
+
+
+def _structured(llm: LLM):
+    from batchgen.engine.structured import StructuredOutputs
+
+    engine = llm.engine
+    return StructuredOutputs(engine.tokenizer, engine.model.config.vocab_size, engine.eos_token_ids)
+
+
+def _byte_tokens(llm: LLM, data: bytes) -> list[int]:
+    """Token ids spelling `data` one byte each (a byte-level BPE vocabulary holds every single byte)."""
+    from batchgen.tokenizer import as_transformers
+
+    # GPT-2's byte -> character map of byte-level BPE vocabularies
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    vocab = as_transformers(llm.tokenizer).get_vocab()
+    return [vocab[chars[b]] for b in data]
+
+
+@pytest.mark.parametrize("string", [{"type": "string", "maxLength": 12}, {"type": "string"}])
+def test_json_strings_admit_only_valid_utf8(llm: LLM, string: dict) -> None:
+    """xgrammar's own string rules accept a UTF-16 surrogate (ED BB 86) and overlong forms; ours do not."""
+    schema = {"type": "object", "properties": {"s": string}, "required": ["s"]}
+    compiled = _structured(llm).compile(SamplingParams(json_schema=schema))
+    for bad in (b'{"s":"ab\xed\xbb\x86', b'{"s":"\xe0\x80\xaf'):
+        assert not xgr.GrammarMatcher(compiled).accept_string(bad), bad
+    for good in ('{"s":"ab\u00e9\u65e5"}'.encode(), '{"s":"\U0010ffff"}'.encode()):
+        assert xgr.GrammarMatcher(compiled).accept_string(good), good
+    if "maxLength" not in string:  # unbounded strings keep JSON escapes
+        assert xgr.GrammarMatcher(compiled).accept_string(b'{"s":"a\\n\\"\\u00e9"}')
+
+
+def test_output_bytes_that_are_not_utf8_are_not_satisfied(llm: LLM) -> None:
+    """Whatever a constraint lets through (here a regex's '.'), invalid UTF-8 is never constraint_satisfied."""
+
+    class Seq:  # what StructuredOutputs reads of a sequence
+        def __init__(self, ids: list[int]) -> None:
+            self.params = SamplingParams(regex="a.+")
+            self.token_ids, self.num_prompt_tokens, self.stop_reason = [1, *ids], 1, None
+
+    so = _structured(llm)
+    assert so.satisfied(Seq(_byte_tokens(llm, "a\u00e9".encode()))) is True
+    assert so.satisfied(Seq(_byte_tokens(llm, b"a\xed\xbb\x86"))) is False
+
+
+def test_structured_outputs_on_cpu_never_import_triton(llama_ckpt: str) -> None:
+    """The CPU install of the structured extra leaves Triton out (README): compiling, matching and masking on
+    the CPU never import it."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+class NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            raise ImportError("Triton is not installed")
+sys.meta_path.insert(0, NoTriton())
+import torch
+from batchgen.engine.structured import StructuredOutputs
+from batchgen.models.loader import load_tokenizer
+from batchgen.sampling_params import SamplingParams
+tok = load_tokenizer({llama_ckpt!r})
+class Seq:
+    params = SamplingParams(choice=["yes", "no"])
+    token_ids, num_prompt_tokens, stop_reason = [1], 1, None
+so = StructuredOutputs(tok, 512, [0])
+logits = torch.zeros(1, 512)
+so.apply(logits, [Seq()])
+allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+assert allowed and len(allowed) < 512, allowed
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]

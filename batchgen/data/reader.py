@@ -170,13 +170,47 @@ def _footer_sha256(path: str, size: int) -> str:
         return hashlib.sha256(f.read(footer_len)).hexdigest()
 
 
-def open_input(spec: str) -> InputSet:
-    """Resolve `spec` and read every file's footer (row counts, row groups, schema).
+OUTPUT_MARKER = "_manifest.json"
+"""The file that makes a directory a batchgen output (`batchgen.data.manifest`)."""
+
+
+def without_outputs(paths: list[str], root: str, output: str | None) -> list[str]:
+    """`paths` less the files of batchgen outputs nested in the input: those under `output` (the job's own
+    output directory, which may not hold a manifest yet) and those under any directory below `root` holding
+    a manifest. An input that *is* an output directory (`root` itself) is kept: it is what was asked for."""
+    out = os.path.realpath(output) if output else None
+    root_real = os.path.realpath(root)
+    kept, marked = [], {}
+    for p in paths:
+        d = os.path.dirname(os.path.realpath(p))
+        if out is not None and (d == out or d.startswith(out + os.sep)):
+            continue
+        inside = False
+        while d.startswith(root_real + os.sep):
+            if d not in marked:
+                marked[d] = os.path.isfile(os.path.join(d, OUTPUT_MARKER))
+            if marked[d]:
+                inside = True
+                break
+            d = os.path.dirname(d)
+        if not inside:
+            kept.append(p)
+    if len(kept) < len(paths):
+        logger.info("data.input: skipping %d file(s) of batchgen output directories", len(paths) - len(kept))
+    return kept
+
+
+def open_input(spec: str, output: str | None = None) -> InputSet:
+    """Resolve `spec` and read every file's footer (row counts, row groups, schema); the files of batchgen
+    outputs inside the input (`output`, the job's own, and any other: :func:`without_outputs`) are not input.
 
     The fingerprint covers each file's path relative to the input root, size, row count and footer hash
     (not mtimes: copying the data elsewhere keeps resume working; rewriting it with other content does not).
     """
     paths, root = resolve_files(spec)
+    paths = without_outputs(paths, root, output)
+    if not paths:
+        raise InputError(f"data.input: {spec!r} holds no input files outside batchgen output directories")
     files: list[InputFile] = []
     h = hashlib.sha256()
     start = 0
@@ -285,8 +319,10 @@ def _safe_batches(
     schema: pa.Schema,
     batch_rows: int,
 ) -> Iterator[tuple[pa.RecordBatch, str | None]]:
-    """The row group's batches, then — if decoding fails part-way — one batch of nulls for the rows left,
-    with a message naming the file and the row group (so no row ever goes missing)."""
+    """The row group's batches, then — if decoding fails part-way — one batch of the rows left, with a message
+    naming the file, the row group and the unreadable columns (so no row ever goes missing): the columns that
+    can still be decoded on their own (an id column, say) are kept, the others are null
+    (:func:`_salvage`)."""
     total = f.row_group_rows[rg]
     done = 0
     error: BaseException | None = pf if isinstance(pf, BaseException) else None
@@ -301,13 +337,41 @@ def _safe_batches(
             error = e
     if error is not None and done < total:
         n = total - done
-        nulls = pa.RecordBatch.from_arrays([pa.nulls(n, t) for t in schema.types], schema=schema)
+        batch, lost = _salvage(pf, rg, done, total, schema)
+        which = f"column(s) {', '.join(repr(c) for c in lost)}: " if 0 < len(lost) < len(schema) else ""
         msg = (
             f"input unreadable: {f.rel_path!r} row group {rg} (input rows {g0 + done}..{g0 + total}): "
-            f"{_short(error)}"
+            f"{which}{_short(error)}"
         )
         logger.warning("%s; its %d row(s) become error rows", msg, n)
-        yield nulls, msg
+        yield batch, msg
+
+
+def _salvage(
+    pf: pq.ParquetFile | BaseException, rg: int, start: int, end: int, schema: pa.Schema
+) -> tuple[pa.RecordBatch, list[str]]:
+    """Rows ``[start, end)`` of row group `rg`, each column decoded on its own (null where it cannot be), and
+    the names of the columns that could not."""
+    arrays, lost = [], []
+    for fld in schema:
+        arr = None
+        if not isinstance(pf, BaseException):
+            try:
+                col = pf.read_row_group(rg, columns=[fld.name], use_threads=False).column(0)
+                arr = plain_column(col.slice(start, end - start)).cast(fld.type)
+            except (OSError, pa.ArrowException):
+                arr = None
+        if arr is None:
+            lost.append(fld.name)
+            arr = pa.nulls(end - start, fld.type)
+        arrays.append(arr)
+    return pa.RecordBatch.from_arrays(arrays, schema=schema), lost
+
+
+def plain_column(col: pa.ChunkedArray) -> pa.Array:
+    """One array of `col`, dictionaries decoded."""
+    arr = col.combine_chunks() if col.num_chunks else pa.array([], type=col.type)
+    return arr.dictionary_decode() if pa.types.is_dictionary(arr.type) else arr
 
 
 def _open(path: str) -> pq.ParquetFile | BaseException:

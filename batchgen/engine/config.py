@@ -78,6 +78,10 @@ class EngineConfig:
     a batch-size bucket (1, 2, 4, 8, then multiples of 16) and replayed from a CUDA graph captured per bucket
     on first use; prefill/mixed steps always run eagerly. No effect on CPU."""
 
+    max_logprobs: int = 20
+    """Most log-probabilities a request may ask for per token (``logprobs`` and ``prompt_logprobs``; vLLM's
+    default): each costs memory and output space for every token. -1 = no cap (up to the whole vocabulary)."""
+
     tensor_parallel_size: int = 1
     """Shard the model over this many devices (Megatron-style tensor parallelism, native architectures only):
     the engine starts one worker process per extra device (or joins ranks started by torchrun/srun). On CPU
@@ -90,6 +94,11 @@ class EngineConfig:
     to float rounding). Steps involving beam search, structured outputs, prompt logprobs or swapping, or a
     pool too full to rule out preemption, run synchronously (the pipeline drains first). Not available with
     tensor_parallel_size > 1."""
+
+    data_parallel_size: int = 1
+    """Job only: run this many engine replicas, each in its own process (each with tensor_parallel_size
+    devices on CUDA; on the CPU the cores are split between them); a coordinator hands windows to whichever
+    replica frees up and writes the output (run.executor chooses local processes or Ray actors)."""
 
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT directories) per request: ``LoRARequest`` in the API, ``model.lora_modules`` and
@@ -105,7 +114,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"engine.block_size must be one of 8, 16, 32, 64, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -143,5 +152,21 @@ class EngineConfig:
                 "engine.enable_lora=true is not supported with engine.tensor_parallel_size > 1 yet; "
                 "run LoRA adapters on one device"
             )
+        if self.max_logprobs < -1:
+            raise ValueError(f"engine.max_logprobs must be >= 0 (or -1: no cap), got {self.max_logprobs}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"engine.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+
+def logprobs_error(logprobs: int | None, prompt_logprobs: int | None, max_logprobs: int) -> str | None:
+    """Why a request asking for these numbers of logprobs per token is refused (more than ``max_logprobs``,
+    unless it is -1), or None."""
+    if max_logprobs < 0:
+        return None
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value > max_logprobs:
+            return (
+                f"{name}={value} is more than engine.max_logprobs={max_logprobs}: ask for at most "
+                f"{max_logprobs} per token, or raise engine.max_logprobs (-1: no cap)"
+            )
+    return None

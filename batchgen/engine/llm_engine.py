@@ -12,7 +12,7 @@ import torch
 from batchgen import startup_trace
 from batchgen.engine.async_step import InFlight, Prepared, StepWorker, fill_tensors, placeholder_rows
 from batchgen.engine.attention import resolve_backend
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import EngineConfig, logprobs_error
 from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.lora_manager import LoRAManager
@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 _NO_XGRAMMAR = (
     "structured outputs (json_schema / regex / choice / grammar) need xgrammar: "
-    "pip install 'batchgen[structured]'"
+    "pip install 'batchgen[structured]' (on a CPU machine, without Triton: pip install "
+    "'batchgen[structured-cpu]' && pip install --no-deps xgrammar)"
 )
 
 
@@ -229,6 +230,9 @@ class LLMEngine:
         n = len(token_ids)
         if n == 0:
             return "empty prompt: it has no tokens"
+        too_many = logprobs_error(params.logprobs, params.prompt_logprobs, self.config.max_logprobs)
+        if too_many is not None:
+            return too_many
         vocab = self.model.config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:

@@ -20,8 +20,14 @@ A request whose :class:`~batchgen.sampling_params.SamplingParams` sets one of ``
   ``finish_reason="stop"``. JSON is compact (no whitespace between tokens), so a random model cannot wander
   in whitespace forever.
 * **satisfied** (:meth:`satisfied`, at output time): True when the sequence's tokens complete the
-  grammar (every finished ``stop`` output), False when ``max_tokens`` / ``max_model_len`` or a stop string
-  cut it first (its text is then not a valid instance: never trust it), None for unconstrained requests.
+  grammar and their bytes are valid UTF-8 (every finished ``stop`` output), False when ``max_tokens`` /
+  ``max_model_len`` or a stop string cut it first, or when its bytes do not decode (its text is then not a
+  valid instance: never trust it), None for unconstrained requests.
+* **UTF-8**: xgrammar (0.2.x) lets byte-level vocabularies spell invalid UTF-8 (UTF-16 surrogates such as
+  ``ED BB 86``, overlong forms) wherever its character classes are negated or built in, so JSON schema
+  strings are compiled as patterns over explicit code point ranges (:func:`_strings_as_patterns`), which it
+  matches byte-exactly; what other constraints (a user's regex ``.``, an EBNF grammar) let through is caught
+  by the UTF-8 check of :meth:`satisfied`.
 
 Because the mask is applied to the logits before the sampler, the logprobs of constrained rows are those
 of the masked distribution (disallowed tokens have ``-inf``).
@@ -110,6 +116,7 @@ class StructuredOutputs:
         self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
         self._states: weakref.WeakKeyDictionary[Sequence, _State] = weakref.WeakKeyDictionary()
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._token_bytes: list[bytes] | None = None  # each token's bytes (b"" for special tokens)
 
     # -------------------------------------------------------------------------------- compilation
     def compile(self, params: SamplingParams, count: bool = True) -> Any:
@@ -127,7 +134,7 @@ class StructuredOutputs:
         kind, text = key
         try:
             if kind == "json_schema":
-                schema = _bounded_strings_as_patterns(json.loads(text))
+                schema = _strings_as_patterns(json.loads(text))
                 compiled = self._compiler.compile_json_schema(
                     json.dumps(schema), any_whitespace=False, separators=(",", ":"), strict_mode=True
                 )
@@ -211,7 +218,22 @@ class StructuredOutputs:
         state = self._state(seq)
         if state.rejected or isinstance(seq.stop_reason, str):  # a stop string cut the text
             return False
-        return bool(state.matcher.is_terminated() or state.matcher.is_completed())
+        if not (state.matcher.is_terminated() or state.matcher.is_completed()):
+            return False
+        return self._valid_utf8(seq.token_ids[seq.num_prompt_tokens :])
+
+    def _valid_utf8(self, token_ids: Seq[int]) -> bool:
+        """Whether the bytes the tokens spell (eos and other special tokens spell none) are valid UTF-8."""
+        if self._token_bytes is None:  # built once, on the first finished constrained output
+            special = set(self.eos_token_ids) | set(self._info.special_token_ids)
+            self._token_bytes = [b"" if i in special else b for i, b in enumerate(self._info.decoded_vocab)]
+        vocab = self._token_bytes
+        data = b"".join(vocab[t] for t in token_ids if t < len(vocab))
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return True
 
     @property
     def num_tracked(self) -> int:
@@ -224,21 +246,31 @@ def _choice_ebnf(choices: Seq[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def _bounded_strings_as_patterns(node: Any) -> Any:
-    """Work around xgrammar (0.2.9): a string with ``minLength`` / ``maxLength`` is compiled to a character
-    class that lets raw control characters (``\\x00-\\x1f``) through, which is not valid JSON. Such a string
-    (without its own pattern/format/enum/const) becomes the equivalent ``pattern``, which xgrammar compiles
-    correctly (printable characters, no quote or backslash: always valid JSON, lengths in characters)."""
+_JSON_CHAR = "[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]"
+"""A character JSON may hold unescaped in a string: any scalar value but control characters, quote and
+backslash. Written as literal code point ranges (not a negated class): xgrammar then accepts exactly their
+UTF-8 encodings (no surrogates, no overlong forms)."""
+_JSON_ESCAPE = '\\\\["\\\\/bfnrt]|\\\\u[0-9a-fA-F]{4}'
+
+
+def _strings_as_patterns(node: Any) -> Any:
+    """Work around xgrammar (0.2.9), whose JSON strings accept invalid UTF-8 (see the module doc) and, with
+    ``minLength`` / ``maxLength``, raw control characters (``\\x00-\\x1f``): each string schema without its
+    own pattern/format/enum/const becomes the equivalent ``pattern`` over :data:`_JSON_CHAR`. A bounded string
+    holds no escapes (lengths count characters exactly); an unbounded one may also hold JSON escapes."""
     if isinstance(node, list):
-        return [_bounded_strings_as_patterns(x) for x in node]
+        return [_strings_as_patterns(x) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: _bounded_strings_as_patterns(v) for k, v in node.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if bounded and out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & out.keys():
+    out = {k: _strings_as_patterns(v) for k, v in node.items()}
+    if out.get("type") != "string" or {"pattern", "format", "enum", "const"} & out.keys():
+        return out
+    if "minLength" in out or "maxLength" in out:
         lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
         upper = "" if hi is None else str(int(hi))
-        out["pattern"] = '^[^\\x00-\\x1f"\\\\]{' + f"{lo},{upper}" + "}$"
+        out["pattern"] = f"^{_JSON_CHAR}{{{lo},{upper}}}$"
+    else:
+        out["pattern"] = f"^(?:{_JSON_CHAR}|{_JSON_ESCAPE})*$"
     return out
 
 

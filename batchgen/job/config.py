@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.data.layout import RESERVED_COLUMNS
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import EngineConfig, logprobs_error
 from batchgen.errors import ConfigError
 from batchgen.sampling_params import SamplingParams
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PROGRESS_MODES = ("auto", "bar", "log", "off")
+EXECUTORS = ("local", "ray")
 JOB_SEED = 0
 """Default of ``sampling.seed`` in a job: every row samples with a seed derived from it and the row id."""
 
@@ -75,9 +76,9 @@ class ShardOptions:
     """``data.shard.*``: which contiguous slice of the input rows this task processes."""
 
     index: int = 0
-    """This task's shard, 0 <= index < count (default: $SLURM_ARRAY_TASK_ID, else 0; use a 0-based array such as --array=0-15)."""
+    """This task's shard, 0 <= index < count (default: $SLURM_ARRAY_TASK_ID, else a Kubernetes Indexed Job's $JOB_COMPLETION_INDEX, else 0; use a 0-based array such as --array=0-15)."""
     count: int = 1
-    """Number of shards the input is split into (default: $SLURM_ARRAY_TASK_COUNT, else 1). Shard i gets global rows [i*N//count, (i+1)*N//count)."""
+    """Number of shards the input is split into (default: $SLURM_ARRAY_TASK_COUNT, else $JOB_COMPLETIONS beside $JOB_COMPLETION_INDEX, else 1). Shard i gets global rows [i*N//count, (i+1)*N//count)."""
 
 
 @dataclass
@@ -121,18 +122,24 @@ class DataOptions:
 
 @dataclass
 class RunOptions:
-    """``run.*``: progress reporting and signal handling."""
+    """``run.*``: progress reporting, signal handling and where engine replicas run."""
 
     progress: str = "auto"
     """auto (a tqdm bar on a terminal, periodic log lines otherwise, e.g. in Slurm logs), bar, log or off."""
     log_interval_s: float = 30.0
     """Seconds between progress log lines when the progress bar is not used."""
     stop_grace_s: float = 0.0
-    """After SIGINT/SIGTERM/SIGUSR1: seconds to keep working on rows already admitted (no new ones) before abandoning them; 0 = abandon at once. Either way every finished row is saved and the job exits with 75."""
+    """After SIGINT/SIGTERM/SIGUSR1: at most this many seconds to finish the windows already started (their remaining rows are still run; no new window starts), exiting as soon as they are done; what is unfinished then is abandoned. 0 = abandon the rows in flight at once. Either way every finished row is saved and the job exits with 75."""
     checkpoint_interval_s: float = 60.0
     """Seconds between checkpoints of the rows finished in windows not yet complete (a stop signal checkpoints at once): a kill -9 loses at most this much finished work plus the rows in flight; 0 = only on a stop signal."""
     max_error_fraction: float = 0.1
     """The job fails (exit status 3, 'failed' in the summary) when more than this fraction of its rows are error rows; before that, a job whose first rows all fail stops early with exit status 2 (a configuration that makes every row fail). 1 = never."""
+    executor: str = "local"
+    """Where engine replicas run: local (processes on this machine; one replica with engine.data_parallel_size=1 runs in the job's own process) or ray (Ray actors on the cluster at run.ray_address / $RAY_ADDRESS, a local Ray when neither is set)."""
+    ray_address: str | None = None
+    """run.executor=ray: the Ray cluster to join (e.g. 'ray://head:10001' or 'auto'); null = $RAY_ADDRESS, else start a local Ray."""
+    max_replica_restarts: int = 3
+    """Replicas (engine.data_parallel_size / run.executor=ray): how many lost replicas (a killed process, a lost Ray actor) are replaced in one run, their unfinished windows handed to the others; one more loss stops the job with exit status 75 (rerun to resume)."""
 
     def __post_init__(self) -> None:
         if self.progress not in PROGRESS_MODES:
@@ -147,6 +154,10 @@ class RunOptions:
             raise ConfigError(f"run.checkpoint_interval_s must be >= 0, got {self.checkpoint_interval_s}")
         if not 0.0 <= self.max_error_fraction <= 1.0:
             raise ConfigError(f"run.max_error_fraction must be in [0, 1], got {self.max_error_fraction}")
+        if self.executor not in EXECUTORS:
+            raise ConfigError(f"run.executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        if self.max_replica_restarts < 0:
+            raise ConfigError(f"run.max_replica_restarts must be >= 0, got {self.max_replica_restarts}")
 
 
 @dataclass
@@ -181,9 +192,34 @@ def validate(cfg: JobConfig) -> None:
     _validate_data(cfg.data)
     if cfg.task not in ("generate", "score"):
         raise ConfigError(f"task must be 'generate' or 'score', got {cfg.task!r}")
+    if cfg.task == "score" and (cfg.engine.data_parallel_size > 1 or cfg.run.executor != "local"):
+        raise ConfigError(
+            "task=score runs on one engine: set engine.data_parallel_size=1 and run.executor=local "
+            "(or split the input with data.shard.index / data.shard.count)"
+        )
     if cfg.task == "score" and cfg.data.messages_column:
         raise ConfigError("task=score scores data.prompt_column text; data.messages_column is not supported")
+    if cfg.task == "score":
+        _validate_score_sampling(cfg.sampling)
+    too_many = logprobs_error(cfg.sampling.logprobs, cfg.sampling.prompt_logprobs, cfg.engine.max_logprobs)
+    if too_many is not None:
+        raise ConfigError(f"sampling.{too_many}")
     _validate_lora(cfg)
+
+
+def _validate_score_sampling(s: SamplingParams) -> None:
+    """task=score computes one log-likelihood per row: sampling options that make several outputs per row
+    (or none of its meaning) are refused rather than silently ignored."""
+    for key, value, default in (("n", s.n, 1), ("beam_width", s.beam_width, 1)):
+        if value != default:
+            raise ConfigError(
+                f"sampling.{key}={value} does not apply to task=score (one log-likelihood per row, computed "
+                f"exactly): remove it"
+            )
+    if s.constrained:
+        raise ConfigError(
+            "structured outputs (sampling.json_schema/regex/choice/grammar) do not apply to task=score"
+        )
 
 
 def _validate_lora(cfg: JobConfig) -> None:
@@ -212,8 +248,9 @@ def _validate_data(d: DataOptions) -> None:
     if not 0 <= d.shard.index < d.shard.count:
         raise ConfigError(
             f"data.shard.index={d.shard.index} is outside [0, data.shard.count={d.shard.count}) "
-            "(the defaults come from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT: use a 0-based "
-            "array such as --array=0-15, or set data.shard.index / data.shard.count)"
+            "(the defaults come from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or JOB_COMPLETION_INDEX / "
+            "JOB_COMPLETIONS: use a 0-based array such as --array=0-15, completions equal to JOB_COMPLETIONS, "
+            "or set data.shard.index / data.shard.count)"
         )
     if not d.output:
         raise ConfigError("data.output must be a directory path")
@@ -325,4 +362,6 @@ def to_job_config(cfg: Any) -> JobConfig:
             job.sampling.stop = [decode_escapes(s) for s in stop]
         job.task = str(cfg.get("task", "generate"))
     validate(job)
+    if job.model.lora_modules and not job.engine.enable_lora:  # adapters named: the engine serves them
+        job.engine = dataclasses.replace(job.engine, enable_lora=True)
     return job

@@ -17,9 +17,10 @@ Invariants:
   earlier run, read back from checkpoints or the part) is added to the engine exactly once; a window is
   reported done exactly once, when every one of those rows has a result (error rows need no engine work).
 - Request ids are global row indices, so they are unique within a job.
-- After a stop request nothing new is admitted; windows already started are finished until the grace
-  deadline, then abandoned (their requests aborted) — an abandoned window is never reported done, and its
-  finished rows stay in its results (:meth:`EngineFeeder.unfinished_windows`) for the caller to checkpoint.
+- After a stop request no new window is started; the rows of windows already started are still admitted and
+  finished until the grace deadline (the feeder returns as soon as they are all done), then abandoned (their
+  requests aborted) — an abandoned window is never reported done, and its finished rows stay in its results
+  (:meth:`EngineFeeder.unfinished_windows`) for the caller to checkpoint.
 """
 
 from __future__ import annotations
@@ -241,8 +242,10 @@ class EngineFeeder:
         return None
 
     def _admit(self) -> None:
+        """Add requests up to ``max_in_flight``; after a stop, only rows of windows already started (``_pull``
+        starts no new window then), and none once the grace deadline has passed."""
         engine = self.engine
-        while not self._stopping() and engine.num_unfinished() < self.max_in_flight:
+        while not self._past_deadline() and engine.num_unfinished() < self.max_in_flight:
             if not self.feeding or not self.feeding[0].feed:
                 if self.feeding and not self.feeding[0].feed:
                     self.feeding.popleft()
@@ -278,8 +281,8 @@ class EngineFeeder:
             self._admit()
             while self._ready:
                 yield self._ready.popleft()
-            if self._stopping() and (self._past_deadline() or all(w.feed for w in self.active.values())):
-                break  # past the grace period, or no started window can still complete
+            if self._stopping() and (self._past_deadline() or not self.active):
+                break  # past the grace period, or every started window is finished
             if not engine.has_unfinished():
                 if self.exhausted or self._stopping():
                     break

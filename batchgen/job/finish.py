@@ -17,13 +17,17 @@ from batchgen.job.tally import NUM_EXAMPLES, RowTally
 logger = logging.getLogger("batchgen.job")
 
 
-def nothing_to_do(plan: JobPlan, outdir: OutputDir, m: Manifest, print_summary: bool) -> JobResult:
-    """Every window is done (or the shard is empty): 0, or 3 when the output's error rows are too many."""
+def nothing_to_do(
+    plan: JobPlan, outdir: OutputDir, m: Manifest, print_summary: bool, checked: tuple[int, float] = (0, 0.0)
+) -> JobResult:
+    """Every window is done (or the shard is empty): 0, or 3 when the output's error rows are too many.
+    `checked`: (windows whose input was found unchanged, seconds that check took)."""
     d = plan.cfg.data
     if m.num_windows == 0:
         msg = f"nothing to do: shard {d.shard.index}/{d.shard.count} of the input has no rows"
     else:
-        msg = f"nothing to do: {outdir.path} already holds the complete output ({m.num_windows} windows)"
+        msg = f"nothing to do: {outdir.path} already holds the complete output ({m.num_windows} windows"
+        msg += f"; input unchanged, checked in {checked[1]:.1f} s)" if checked[0] else ")"
     frac = error_fraction(m)
     rp = outdir.report_path
     if frac > plan.cfg.run.max_error_fraction:
@@ -114,10 +118,12 @@ def finish(
     else:
         left = m.num_windows - len(m.windows)
         why = f"stopped by {signal_name}" if signal_name else "stopped"
+        partial = sum(p.rows for p in m.partial.values())
         msg = (
-            f"incomplete ({why}): {len(m.windows)}/{m.num_windows} windows complete and "
-            f"{sum(p.rows for p in m.partial.values())} finished rows of {left} unfinished window(s) saved "
-            f"in {outdir.path}; rerun the same command to resume (exit status {EXIT_INTERRUPTED})"
+            f"incomplete ({why}): {len(m.windows)}/{m.num_windows} windows complete"
+            + (f" and {partial} finished rows of {len(m.partial)} unfinished window(s)" if partial else "")
+            + f" saved in {outdir.path}; {left} window(s) left: rerun the same command to resume "
+            f"(exit status {EXIT_INTERRUPTED})"
         )
         code, status = EXIT_INTERRUPTED, "incomplete"
     (logger.error if code == EXIT_TOO_MANY_ERRORS else logger.info)(msg)
@@ -137,7 +143,21 @@ def examples_text(out: str, examples: list[tuple[list[int], str]], tokenizer: An
     return "\n".join(
         [
             *head,
-            f"read the output: batchgen show {out}  |  pandas.read_parquet({out!r})  |  "
-            f"duckdb: SELECT * FROM read_parquet('{out}/**/*.parquet')",
+            "read the output: " + "  |  ".join(readers_of(out)),
         ]
     )
+
+
+def readers_of(out: str) -> list[str]:
+    """Ways to read the output directory `out` that work here: ``batchgen show`` and pyarrow (installed with
+    batchgen), then pandas, polars and duckdb where they are installed."""
+    import importlib.util
+
+    ways = [f"batchgen show {out}", f"pyarrow.parquet.read_table({out!r})"]
+    if importlib.util.find_spec("pandas") is not None:
+        ways.append(f"pandas.read_parquet({out!r})")
+    if importlib.util.find_spec("polars") is not None:
+        ways.append(f"polars.read_parquet('{out}/**/*.parquet')")
+    if importlib.util.find_spec("duckdb") is not None:
+        ways.append(f"duckdb: SELECT * FROM read_parquet('{out}/**/*.parquet')")
+    return ways

@@ -85,6 +85,10 @@ def option_docs() -> list[tuple[str, str, str]]:
                 out.append((f"{prefix}.{f.name}", _value_text(value), docs.get(f.name, "")))
 
     defaults = JobConfig()
+    top = field_docs(JobConfig)
+    for f in dataclasses.fields(JobConfig):  # top-level plain keys (task) first, then the groups
+        if f.name not in GROUPS:
+            out.append((f.name, _value_text(getattr(defaults, f.name)), top.get(f.name, "")))
     for name in GROUPS:
         walk(name, getattr(defaults, name))
     return out
@@ -95,11 +99,14 @@ def render_options(width: int = 100) -> str:
     lines: list[str] = []
     group = None
     for key, default, doc in option_docs():
-        g = key.split(".")[0]
+        g = key.split(".")[0] if "." in key else ""
         if g != group:
             group = g
-            title = GROUP_TITLES.get(g) or (inspect.getdoc(GROUPS[g]) or "").splitlines()[0]
-            lines.append(f"\n{g}:  {title}")
+            if g:
+                title = GROUP_TITLES.get(g) or (inspect.getdoc(GROUPS[g]) or "").splitlines()[0]
+                lines.append(f"\n{g}:  {title}")
+            else:
+                lines.append("\njob:  what the job computes.")
         lines.append(f"  {key}={default}")
         for wl in textwrap.wrap(doc, width=width - 6, break_on_hyphens=False):
             lines.append(f"      {wl}")

@@ -7,7 +7,8 @@ group (``model=tiny``, ``data=default``, ``engine=default``, ``sampling=default`
 Resolvers: ``${batchgen.shard_dir:output,index,count}`` (a shard's output directory, used by
 ``hydra.run.dir``; a directory under the system's temp dir when the output cannot hold Hydra's log files, see
 :func:`usable_log_root`), ``${batchgen.sweep_root:}`` (where a multirun's logs go, used by ``hydra.sweep.dir``) and
-``${batchgen.array_env:NAME,default}`` (the shard defaults from a Slurm job array). The registrations are
+``${batchgen.shard_env:index|count}`` (the shard defaults from a Slurm job array or a Kubernetes Indexed Job,
+:mod:`batchgen.job.shard_env`). The registrations are
 idempotent.
 """
 
@@ -28,6 +29,7 @@ from batchgen.data.layout import STATUS_NAME, shard_dir_name
 from batchgen.engine.config import EngineConfig
 from batchgen.job.config import DataOptions, JobConfig, ModelOptions, RunOptions, default_sampling
 from batchgen.job.help import HELP_FOOTER, HELP_HEADER, help_template
+from batchgen.job.shard_env import shard_from_env
 
 
 def register_configs() -> None:
@@ -89,14 +91,6 @@ def _shard_dir_resolver(output: Any, index: Any, count: Any) -> str:
     return usable_log_root(f"{out}/{sub}" if sub else out)
 
 
-def _array_env_resolver(name: str, default: Any = None) -> Any:
-    """``$name`` from a Slurm job array, except inside a submitit job: submitit runs every job of a Hydra sweep
-    as an array task, so there the array index says which sweep job this is, not which shard to process."""
-    if os.environ.get("SUBMITIT_EXECUTOR"):
-        return default
-    return os.environ.get(name, default)
-
-
 def _sweep_root_resolver(*, _root_: Any) -> str:
     """``data.output`` — or, when it names a per-job directory with ``${hydra:...}`` (``out/${hydra:job.num}``,
     which the sweep's parent process cannot resolve), the directory above the job part (``out``). The same
@@ -112,15 +106,15 @@ def _sweep_root_resolver(*, _root_: Any) -> str:
 
 def register_resolvers() -> None:
     """``${batchgen.shard_dir:${data.output},${data.shard.index},${data.shard.count}}`` (used by hydra.run.dir)
-    and ``${batchgen.array_env:SLURM_ARRAY_TASK_ID,0}`` (the shard defaults)."""
+    and ``${batchgen.shard_env:index}`` (the shard defaults)."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("batchgen.shard_dir"):
         OmegaConf.register_new_resolver("batchgen.shard_dir", _shard_dir_resolver)
     if not OmegaConf.has_resolver("batchgen.sweep_root"):
         OmegaConf.register_new_resolver("batchgen.sweep_root", _sweep_root_resolver)
-    if not OmegaConf.has_resolver("batchgen.array_env"):
-        OmegaConf.register_new_resolver("batchgen.array_env", _array_env_resolver)
+    if not OmegaConf.has_resolver("batchgen.shard_env"):
+        OmegaConf.register_new_resolver("batchgen.shard_env", shard_from_env)
 
 
 MULTIRUN_FAILURES: list[tuple[int, str, int, str]] = []

@@ -31,6 +31,7 @@ from batchgen.data.layout import MANIFEST_NAME, METADATA_KEY
 from batchgen.data.manifest import Manifest
 from batchgen.data.reader import InputError, open_input, shard_range
 from batchgen.data.values import sanitize_utf8
+from batchgen.job.result import one_line
 from batchgen.job.shards import MergeError, PartRef, Shard, find_shards
 
 
@@ -73,14 +74,33 @@ def input_ids(manifest: Manifest, input_spec: str | None) -> tuple[pa.Array, str
         )
     if id_column is None:
         return pa.array(np.arange(num_rows, dtype=np.int64)), spec
-    chunks = []
-    for f in inp.files:
-        t = pq.read_table(f.path, columns=[id_column])
-        chunks.append(_plain(t.column(id_column)))
+    chunks = [_file_ids(f, id_column) for f in inp.files]
     if not chunks:
         return pa.array([], type=pa.int64()), spec
     target = chunks[0].type
     return pa.concat_arrays([c.cast(target) if c.type != target else c for c in chunks]), spec
+
+
+def _file_ids(f: Any, id_column: str) -> pa.Array:
+    """The id column of one input file, row group by row group; MergeError naming the row group that cannot
+    be decoded (the job wrote its rows as error rows without an id, so they cannot be matched)."""
+    pieces = []
+    with pq.ParquetFile(f.path) as pf:
+        start = f.row_start
+        for rg in range(pf.num_row_groups):
+            n = pf.metadata.row_group(rg).num_rows
+            try:
+                pieces.append(_plain(pf.read_row_group(rg, columns=[id_column]).column(id_column)))
+            except (OSError, pa.ArrowException) as e:
+                raise MergeError(
+                    f"cannot read the id column {id_column!r} of the input {f.rel_path!r} row group {rg} (input "
+                    f"rows {start}..{start + n}): {one_line(e)}; the job wrote those rows as error rows without "
+                    "an id: repair the input file, rerun the job with data.retry_errors=true, then merge"
+                ) from e
+            start += n
+    if not pieces:
+        return _plain(pq.read_schema(f.path).empty_table().column(id_column))
+    return pa.concat_arrays(pieces) if len(pieces) > 1 else pieces[0]
 
 
 # -------------------------------------------------------------------------------------------- coverage

@@ -20,7 +20,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import pyarrow as pa
+
 from batchgen.job.merge import MergeReport, Problem, verify, write_merged
+from batchgen.job.result import one_line
 from batchgen.job.shards import MergeError
 
 EXIT_OK = 0
@@ -149,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except MergeError as e:
         print(f"batchgen-merge: error: {e}", file=sys.stderr)
+        return _exit(EXIT_ERROR, argv)
+    except (OSError, pa.ArrowException) as e:  # a file that cannot be read: one line, exit 2
+        print(f"batchgen-merge: error: cannot read the output or the input: {one_line(e)}", file=sys.stderr)
         return _exit(EXIT_ERROR, argv)
     _print(report, args.json, written)
     return _exit(EXIT_OK if report.ok else EXIT_INCOMPLETE, argv)

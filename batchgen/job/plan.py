@@ -137,11 +137,13 @@ def _require_column(inp: InputSet, name: str, key: str) -> None:
     """ConfigError naming `key` unless every input file has column `name`."""
     missing = [f.rel_path for f in inp.files if f.schema.get_field_index(name) < 0]
     if missing:
-        avail = ", ".join(inp.columns[:30])
-        where = (
-            "the input" if len(missing) == len(inp.files) else f"{len(missing)} file(s), e.g. {missing[0]!r}"
-        )
-        raise ConfigError(f"{key}: column {name!r} is missing from {where} (columns: {avail})")
+        first = next(f for f in inp.files if f.rel_path == missing[0])
+        avail = ", ".join(first.schema.names[:30])
+        if len(missing) == len(inp.files):
+            where, cols = "the input", f"columns: {avail}"
+        else:
+            where, cols = f"{len(missing)} file(s), e.g. {missing[0]!r}", f"its columns: {avail}"
+        raise ConfigError(f"{key}: column {name!r} is missing from {where} ({cols})")
 
 
 def _sampling_column(d: DataOptions, inp: InputSet) -> str | None:
@@ -228,12 +230,12 @@ def _model_path(cfg: JobConfig) -> str:
 
 
 def _model_config(cfg: JobConfig, path: str) -> Any:
-    """The checkpoint's architecture (config.json only: no weights are read); an unsupported or malformed
-    one is a ConfigError here, before anything loads."""
-    from batchgen.models.config import ModelConfig
+    """The checkpoint's facts on the road ``model.implementation`` takes (config files only: no weights are
+    read); an unsupported or malformed one is a ConfigError here, before anything loads."""
+    from batchgen.models.checkpoint_facts import checkpoint_facts
 
     try:
-        return ModelConfig.from_pretrained(path)
+        return checkpoint_facts(path, cfg.model.implementation)
     except (ValueError, KeyError, TypeError, OSError) as e:
         where = cfg.model.path or "the embedded tiny model"
         raise ConfigError(f"model.path: cannot use {where!r}: {e}") from e
@@ -386,7 +388,7 @@ def lora_requests(cfg: JobConfig) -> dict[str, LoRARequest]:
 def plan_job(cfg: JobConfig) -> JobPlan:
     """Resolve input, columns, shard, windows, model and fingerprints; raises ConfigError on any problem."""
     d = cfg.data
-    inp = open_input(d.input if d.input else sample_input_path())
+    inp = open_input(d.input if d.input else sample_input_path(), output=d.output)
     columns, sampling_col = _check_columns(d, inp)
     schema = inp.read_schema(columns)
     _check_prompt_type(d, schema)

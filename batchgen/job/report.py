@@ -155,6 +155,10 @@ def format_table(report: dict[str, Any]) -> str:
             for name, c in sorted(lora.items())
         )
         lines.insert(2, ("rows per adapter", per))
+    for rep in report.get("replicas") or []:  # a job over several engine replicas
+        restarts = f", {rep['restarts']} restart(s)" if rep.get("restarts") else ""
+        lines.append((f"replica {rep['replica']}", f"{rep['rows']} rows, {rep['rows_per_s']:.2f} rows/s, "
+                      f"{rep['generated_tokens_per_s']:.1f} gen tok/s{restarts}"))  # fmt: skip
     for i, (msg, count) in enumerate(err.get("top") or []):
         text = f"{count} x {msg}"
         lines.insert(2 + i, ("top errors" if i == 0 else "", text if len(text) <= 100 else text[:97] + "..."))

@@ -40,12 +40,13 @@ def windows_to_do(plan: JobPlan, manifest: Manifest, outdir: OutputDir) -> list[
     return out
 
 
-def verify_skipped_input(plan: JobPlan, manifest: Manifest, out_dir: str) -> None:
-    """ConfigError naming the window when the input rows of a window whose output is kept changed."""
+def verify_skipped_input(plan: JobPlan, manifest: Manifest, out_dir: str) -> tuple[int, float]:
+    """ConfigError naming the window when the input rows of a window whose output is kept changed; else
+    (windows checked, seconds the check took)."""
     hashes = {w: r.input_sha256 for w, r in manifest.windows.items() if r.input_sha256}
     hashes.update({w: p.input_sha256 for w, p in manifest.partial.items() if p.input_sha256})
     if not hashes:
-        return
+        return 0, 0.0
     t0 = time.monotonic()
     specs = [w for w in plan.windows if w.index in hashes]
     for win in iter_windows(plan.input, specs, plan.columns, schema=plan.read_schema):
@@ -61,7 +62,8 @@ def verify_skipped_input(plan: JobPlan, manifest: Manifest, out_dir: str) -> Non
                 f"from what {out_dir!r} was generated from. Restore the original input, or pass "
                 "data.overwrite=true to start over"
             )
+    took = time.monotonic() - t0
     logger.info(
-        "input unchanged for the %d window(s) already processed (checked in %.1f s)",
-        len(specs), time.monotonic() - t0,
-    )  # fmt: skip
+        "input unchanged for the %d window(s) already processed (checked in %.1f s)", len(specs), took
+    )
+    return len(specs), took

@@ -27,9 +27,11 @@ Exit statuses (README's table): 0 complete; 1 an unexpected error (one line; the
 disk is full, or a tensor-parallel rank was lost — rerun the same command to resume.
 
 Signals (:mod:`batchgen.job.signals`, installed for the whole run, start-up included): SIGINT, SIGTERM and
-SIGUSR1 stop admission; rows in flight are finished for up to ``run.stop_grace_s`` seconds (default 0:
-abandoned at once), every finished row is checkpointed, and the job returns 75. A second SIGINT aborts at
-once (still 75; finished rows are checkpointed if possible, the manifest is consistent at every instant).
+SIGUSR1 stop starting windows; the windows already started are finished for up to ``run.stop_grace_s``
+seconds (default 0: their rows in flight are abandoned at once), every finished row is checkpointed, and the
+job returns 75. A second SIGINT abandons the
+rows in flight at once (still 75) but never interrupts the save of finished rows (``StopSignal.saving``); the
+manifest is consistent at every instant.
 
 What a stop can lose: a signal loses only the rows in flight (at most ``2 * engine.max_num_seqs /
 sampling.n`` requests, each with the tokens generated so far); a kill -9, a power cut or a full disk loses
@@ -40,7 +42,6 @@ work).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
@@ -54,11 +55,13 @@ from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
 from batchgen.job.config import to_job_config
+from batchgen.job.duplicate_ids import warn_duplicate_ids
 from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
+from batchgen.job.replica_job import run_replicas, uses_replicas
 from batchgen.job.report import format_table
 from batchgen.job.result import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, JobResult, one_line
 from batchgen.job.result import EXIT_OK as EXIT_OK  # re-exported: the exit statuses are run_job's
@@ -209,9 +212,11 @@ class _Job:
             retry_errors=job.data.retry_errors,
         )
         todo = windows_to_do(plan, m, outdir)
+        # changed input is refused also when nothing is left to do
+        checked = verify_skipped_input(plan, m, self.out_dir)
         if not todo:
-            return nothing_to_do(plan, outdir, m, self.print_summary)
-        verify_skipped_input(plan, m, self.out_dir)
+            return nothing_to_do(plan, outdir, m, self.print_summary, checked)
+        warn_duplicate_ids(plan)
         self._check_stop("start-up")
         return self._execute(todo)
 
@@ -233,6 +238,8 @@ class _Job:
         if plan.cfg.task == "score":
             return self._execute_score(todo)
         works, first, tokenizer_ref = self._read_first_windows(todo)
+        if uses_replicas(plan.cfg):  # several engines (processes or Ray actors) behind one coordinator
+            return run_replicas(self, works, first, tokenizer_ref[0], retry_rows)
         engine = self._started_engine()
         tokenizer_ref[0] = engine.tokenizer
         plan.prompt_spec.max_model_len = engine.max_model_len
@@ -310,7 +317,8 @@ class _Job:
             engine, next_window, max_in_flight, self.stop, on_output=self._on_output, on_step=self._on_step
         )
         for work in self.feeder.run():
-            self.gate.window_finished(work)
+            with self.stop.saving():
+                self.gate.window_finished(work)
         if self.stop.requested:
             self.save_finished_rows()
         elif self.gate.held:
@@ -380,9 +388,10 @@ class _Job:
             return False
         assert self.gate is not None and self.writer is not None
         try:
-            if self.gate.held:
-                self.gate.open()
-            self.writer.checkpoint(self.feeder.unfinished_windows())
+            with self.stop.saving():
+                if self.gate.held:
+                    self.gate.open()
+                self.writer.checkpoint(self.feeder.unfinished_windows())
         except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - keep the first error's message
             logger.warning("could not save every finished row (%s)", one_line(e) or type(e).__name__)
         return self.manifest.committed_anything
@@ -434,8 +443,6 @@ def _start_engine(plan: JobPlan) -> Engine:
     from batchgen.engine.llm_engine import LLMEngine
 
     e = plan.cfg.engine
-    if plan.cfg.model.lora_modules and not e.enable_lora:
-        e = dataclasses.replace(e, enable_lora=True)
     try:
         return LLMEngine(
             plan.model_path, e, dtype=plan.cfg.model.dtype, implementation=plan.cfg.model.implementation

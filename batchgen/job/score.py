@@ -129,7 +129,8 @@ def run_score_windows(plan, outdir, engine, todo, stop, progress) -> tuple[int, 
             generated_tokens=0,
             wall_time_s=round(time.time() - t0, 3),
         )
-        outdir.commit(w.spec.index, table, record)
+        with stop.saving():
+            outdir.commit(w.spec.index, table, record)
         progress.update(w.spec.num_rows)
         windows += 1
         rows += w.spec.num_rows

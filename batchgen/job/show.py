@@ -64,5 +64,7 @@ def main(argv: list[str]) -> int:
         print(f"batchgen show: cannot read {args.output}: {e}", file=sys.stderr)
         return 2
     print(format_rows(rows, args.width))
-    print(f"\n({len(rows)} of {total} rows; read them all with pandas.read_parquet({str(args.output)!r}))")
+    print(
+        f"\n({len(rows)} of {total} rows; read them all with pyarrow.parquet.read_table({str(args.output)!r}))"
+    )
     return 0

@@ -3,7 +3,8 @@
 A signal sets :attr:`StopSignal.requested` and a grace :attr:`StopSignal.deadline` (``run.stop_grace_s``
 from now); the feeder stops admitting rows, finishes the rows already admitted until the deadline, the job
 saves every finished row (parts and checkpoints) and exits with status 75. A second SIGINT raises
-KeyboardInterrupt (abort at once; still 75). The handlers are installed for the duration of
+KeyboardInterrupt (abort the rows in flight at once; still 75) — except inside :meth:`StopSignal.saving`,
+where the save of finished rows runs: there further SIGINTs are noted and the save completes. The handlers are installed for the duration of
 :meth:`StopSignal.installed` (the whole of :func:`batchgen.job.run.run_job`, start-up included), and only in
 the main thread.
 """
@@ -32,6 +33,16 @@ class StopSignal:
         self.requested = False
         self.deadline: float | None = None
         self.signal_name: str | None = None
+        self._saving = 0
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """A block that saves finished rows: a SIGINT inside it does not interrupt it (see the module doc)."""
+        self._saving += 1
+        try:
+            yield
+        finally:
+            self._saving -= 1
 
     def request(self, name: str = "stop") -> None:
         if not self.requested:
@@ -42,11 +53,16 @@ class StopSignal:
     def _handler(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if self.requested and signum == signal.SIGINT:
+            if self._saving:
+                logger.warning(
+                    "saving the finished rows first: Ctrl-C cannot interrupt the save (kill -9 can)"
+                )
+                return
             raise KeyboardInterrupt
         self.request(name)
         msg = (
-            f"received {name}: no new rows are admitted; "
-            + (f"finishing started windows for up to {self.grace_s:g} s, " if self.grace_s else "")
+            f"received {name}: no new window is started; "
+            + (f"finishing the started windows for up to {self.grace_s:g} s, " if self.grace_s else "")
             + "then saving every finished row and exiting with status 75 (rerun to resume)"
             + ("; press Ctrl-C again to abort at once" if signum == signal.SIGINT else "")
         )

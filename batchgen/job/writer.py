@@ -17,8 +17,8 @@ logger = logging.getLogger("batchgen.job")
 
 
 class PartWriter:
-    """Commits windows and checkpoints rows into ``outdir``; counts what this run committed
-    (``windows_done``, ``rows_done``). ``last_checkpoint``: ``time.monotonic()`` of the last checkpoint (or of
+    """Commits windows and checkpoints rows into ``outdir``; counts what this run saved (``windows_done``;
+    ``rows_done``: rows committed in parts or checkpointed, each row once). ``last_checkpoint``: ``time.monotonic()`` of the last checkpoint (or of
     the start of the run)."""
 
     def __init__(self, plan: JobPlan, outdir: OutputDir, last_checkpoint: float) -> None:
@@ -43,7 +43,7 @@ class PartWriter:
         )
         self.outdir.commit(spec.index, table, record)
         self.windows_done += 1
-        self.rows_done += len(work.todo_positions)
+        self.rows_done += len(work.todo_positions) - len(work.checkpointed)  # those were counted then
 
     def checkpoint_due(self) -> bool:
         """Whether ``run.checkpoint_interval_s`` (> 0) has passed since the last checkpoint."""
@@ -53,7 +53,7 @@ class PartWriter:
     def checkpoint(self, works: list[WindowWork]) -> int:
         """Write the rows finished (and not yet checkpointed) of unfinished windows; returns how many."""
         self.last_checkpoint = time.monotonic()
-        total = 0
+        total = windows = 0
         for work in sorted(works, key=lambda w: w.spec.index):
             new = [p for p in work.finished_positions() if p not in work.checkpointed]
             if not new:
@@ -67,6 +67,8 @@ class PartWriter:
             self.outdir.write_checkpoint(work.spec.index, piece, len(new), ok, work.input_sha256)
             work.checkpointed.update(new)
             total += len(new)
+            windows += 1
+            self.rows_done += len(new)
         if total:
-            logger.info("checkpointed %d finished row(s) of %d unfinished window(s)", total, len(works))
+            logger.info("checkpointed %d finished row(s) of %d unfinished window(s)", total, windows)
         return total

@@ -424,7 +424,7 @@ def transformers_logging():
     return transformers.utils.logging
 
 
-def _max_len(text: Any, source: str) -> int:
+def max_context_len(text: Any, source: str) -> int:
     for key in _MAX_LEN_KEYS:
         value = getattr(text, key, None)
         if isinstance(value, int) and value > 0:
@@ -522,7 +522,7 @@ def _probe(
     name = type(hf_model).__name__
     calls = _record_attention_calls(hf_model, text, name, source)
     _check_calls(calls, text, name, source)
-    max_len = _max_len(text, source)
+    max_len = max_context_len(text, source)
     windows, layers = _layer_options(calls, text, max_len)
     first = calls[0]
     config = TransformersModelConfig(
