@@ -88,8 +88,10 @@ def hydra_main(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from batchgen.job.redact import scrub_hydra_record, scrub_text, secret_values
     from batchgen.job.run import EXIT_CONFIG, run_job
 
+    scrub_hydra_record(cfg)
     result = run_job(cfg)
     startup_trace.mark("done")
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
@@ -97,7 +99,7 @@ def hydra_main(cfg: DictConfig) -> int:
         hc = HydraConfig.get()
         status = {
             "num": hc.job.num,
-            "overrides": " ".join(hc.overrides.task)
+            "overrides": scrub_text(" ".join(hc.overrides.task), secret_values(cfg))
             .replace("\\{", "{")
             .replace("\\}", "}")
             .replace("\\:", ":"),

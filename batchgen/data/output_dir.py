@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.atomic import atomic_write
+from batchgen.atomic import atomic_write, atomic_write_text
 from batchgen.data.layout import (
     CHECKPOINT_DIR,
     CHECKPOINT_RE,
@@ -97,6 +97,8 @@ class OutputDir:
         self.manifest: Manifest | None = None
         self.took_over: str | None = None
         """Why :meth:`open` discarded the previous output of another configuration (None when it did not)."""
+        self.previous_input: dict[str, Any] = {}
+        """The input description of the manifest :meth:`open` resumed ({} when it started anew)."""
 
     # ------------------------------------------------------------------------------------ lifecycle
     def _lock(self) -> None:
@@ -172,7 +174,7 @@ class OutputDir:
 
     def _clear_other_layouts(self, overwrite: bool) -> None:
         others = self._other_layouts()
-        valuable = [p for p in others if _holds_results(p)]
+        valuable = [p for p in others if self._holds_results_at(p)]
         if valuable and not overwrite:
             where = ", ".join(str(p) for p in valuable)
             raise ConfigError(
@@ -189,11 +191,11 @@ class OutputDir:
     def _existing_manifest(self, overwrite: bool) -> Manifest | None:
         """The manifest to resume from: None when there is none or `overwrite` discards it (and the files)."""
         try:
-            existing = Manifest.load(self.path)
+            existing = self._load_manifest()
         except (ValueError, KeyError, TypeError) as e:
             if not overwrite:
                 raise ConfigError(
-                    f"{self.path / MANIFEST_NAME} is unreadable ({e}); use data.overwrite=true to start over"
+                    f"{self.path}/{MANIFEST_NAME} is unreadable ({e}); use data.overwrite=true to start over"
                 ) from e
             existing = None
         if overwrite:
@@ -207,25 +209,22 @@ class OutputDir:
         """A killed run's unfinished temp files, parts written whose window never reached the manifest, and
         checkpoint files the manifest does not list (or of windows already finished)."""
         keep = {r.part for r in manifest.windows.values()}
-        for p in self.path.iterdir():
-            if p.name.startswith(TEMP_PREFIX) and p.is_file():
-                p.unlink(missing_ok=True)
-            elif PART_RE.match(p.name) and p.name not in keep:
-                p.unlink(missing_ok=True)
+        for name in self._files():
+            if name.startswith(TEMP_PREFIX) or (PART_RE.match(name) and name not in keep):
+                self._delete(name)
         listed = {f for w, rec in manifest.partial.items() if w not in manifest.windows for f in rec.files}
         for w in [w for w in manifest.partial if w in manifest.windows]:
             del manifest.partial[w]
-        if self.checkpoint_dir.is_dir():
-            for p in self.checkpoint_dir.iterdir():
-                if p.is_file() and is_own_checkpoint(p.name) and p.name not in listed:
-                    p.unlink(missing_ok=True)
+        for name in self._files(CHECKPOINT_DIR):
+            if is_own_checkpoint(name) and name not in listed:
+                self._delete(f"{CHECKPOINT_DIR}/{name}")
         for w, rec in manifest.windows.items():
             if rec.rewriting:  # killed while replacing the part: count what the part holds now
                 self._rederive(w, rec, manifest)
 
     def _rederive(self, w: int, rec: WindowRecord, manifest: Manifest) -> None:
         n = int((manifest.config.get("sampling") or {}).get("n", 1) or 1)
-        st = part_stats(part_as_piece(pq.read_table(self.path / rec.part), n), n)
+        st = part_stats(part_as_piece(self._read_table(rec.part), n), n)
         for name, value in asdict(st).items():  # a part's stats are its record's counts, field for field
             setattr(rec, name, value)
         rec.rewriting = False
@@ -245,7 +244,7 @@ class OutputDir:
         (rows already generated keep their output, error rows are recomputed).
         """
         with _setup_errors(self.path, "create the output directory"):
-            self.path.mkdir(parents=True, exist_ok=True)
+            self._makedirs()
         with _setup_errors(self.path, "write into"):
             self._lock()
         try:
@@ -253,7 +252,7 @@ class OutputDir:
                 self._clear_other_layouts(overwrite)
                 manifest = self._manifest_to_continue(fresh, overwrite, retry_keys, retry_errors)
                 self._remove_leftovers(manifest)
-                manifest.save(self.path)  # atomic; its directory fsync also makes the removals durable
+                self._save_manifest(manifest)  # atomic; its directory fsync also makes the removals durable
         except BaseException:
             self.close()
             raise
@@ -266,6 +265,7 @@ class OutputDir:
         """The existing manifest when `fresh` may resume it, else `fresh` (an output holding no successful row
         is taken over); ConfigError when the existing output must not be touched."""
         existing = self._existing_manifest(overwrite)
+        self.previous_input = dict(existing.input) if existing is not None else {}
         if existing is None:
             return fresh
         problem = self._incompatibility(existing, fresh, retry_keys, retry_errors)
@@ -344,8 +344,7 @@ class OutputDir:
     def write_part(self, window: int, table: pa.Table) -> str:
         """Write `table` as the window's part file (atomically); returns its name."""
         name = part_name(window)
-        with atomic_write(self.path / name) as tmp:
-            pq.write_table(table, tmp, compression="zstd")
+        self._write_table(name, table)
         return name
 
     def commit(self, window: int, table: pa.Table, record: WindowRecord) -> None:
@@ -357,28 +356,27 @@ class OutputDir:
         prev = m.windows.get(window)
         if prev is not None:
             prev.rewriting = True
-            m.save(self.path)
+            self._save_manifest(m)
         record.part = self.write_part(window, table)
         m.windows[window] = record
         done = m.partial.pop(window, None)
         try:
-            m.save(self.path)
+            self._save_manifest(m)
         except BaseException:
             # not recorded (a full disk...): readers must not see the part, and the manifest in memory stays
             # what is on disk; a replaced part is a complete part of the window either way (rewriting=True)
             if prev is None:
                 del m.windows[window]
-                (self.path / record.part).unlink(missing_ok=True)
+                self._delete(record.part)
             else:
                 m.windows[window] = prev
             if done is not None:
                 m.partial[window] = done
             raise
         for name in done.files if done is not None else []:
-            (self.checkpoint_dir / name).unlink(missing_ok=True)
+            self._delete(f"{CHECKPOINT_DIR}/{name}")
         if done is not None and not m.partial:
-            with contextlib.suppress(OSError):
-                self.checkpoint_dir.rmdir()  # only when empty
+            self._checkpoint_dir_done()
 
     def write_checkpoint(
         self, window: int, table: pa.Table, rows: int, rows_ok: int, input_sha256: str | None
@@ -390,11 +388,7 @@ class OutputDir:
         rec = m.partial.get(window)
         seq = 1 + max((int(CHECKPOINT_RE.match(f).group(2)) for f in rec.files), default=-1) if rec else 0  # type: ignore[union-attr]
         name = checkpoint_name(window, seq)
-        self.checkpoint_dir.mkdir(exist_ok=True)
-        with atomic_write(self.checkpoint_dir / name) as tmp:
-            opts = pa.ipc.IpcWriteOptions(compression="zstd")
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema, options=opts) as w:
-                w.write_table(table)
+        self._write_table(f"{CHECKPOINT_DIR}/{name}", table)
         new = rec is None
         if rec is None:
             rec = m.partial[window] = PartialRecord(files=[], rows=0, rows_ok=0, input_sha256=input_sha256)
@@ -402,14 +396,14 @@ class OutputDir:
         rec.rows += rows
         rec.rows_ok += rows_ok
         try:
-            m.save(self.path)
+            self._save_manifest(m)
         except BaseException:
             rec.files.pop()
             rec.rows -= rows
             rec.rows_ok -= rows_ok
             if new:
                 del m.partial[window]
-            (self.checkpoint_dir / name).unlink(missing_ok=True)
+            self._delete(f"{CHECKPOINT_DIR}/{name}")
             raise
         return name
 
@@ -419,18 +413,76 @@ class OutputDir:
         rec = self.manifest.partial.get(window)
         out = []
         for name in rec.files if rec is not None else []:
-            with pa.memory_map(str(self.checkpoint_dir / name)) as src:
-                out.append(pa.ipc.open_file(src).read_all())
+            out.append(self._read_table(f"{CHECKPOINT_DIR}/{name}"))
         return out
 
     def read_part(self, window: int) -> pa.Table:
         """The committed part of `window`."""
         assert self.manifest is not None, "open() first"
-        return pq.read_table(self.path / self.manifest.windows[window].part)
+        return self._read_table(self.manifest.windows[window].part)
 
     @property
     def report_path(self) -> Path:
         return self.path / REPORT_NAME
+
+    @property
+    def report_location(self) -> str:
+        """Where ``_report.json`` is (a path or a URL), for messages."""
+        return str(self.report_path)
+
+    def has_report(self) -> bool:
+        return self.report_path.is_file()
+
+    def save_report(self, text: str) -> None:
+        """Write ``_report.json`` (atomically)."""
+        atomic_write_text(self.report_path, text)
+
+    # ------------------------------------------------------------------- storage (local files; see RemoteOutputDir)
+    def _makedirs(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def _load_manifest(self) -> Manifest | None:
+        return Manifest.load(self.path)
+
+    def _save_manifest(self, m: Manifest) -> None:
+        m.save(self.path)
+
+    def _files(self, sub: str = "") -> list[str]:
+        """Names of the files directly in the directory (or its sub-directory `sub`)."""
+        d = self.path / sub if sub else self.path
+        return [p.name for p in d.iterdir() if p.is_file()] if d.is_dir() else []
+
+    def _delete(self, name: str) -> None:
+        (self.path / name).unlink(missing_ok=True)
+
+    def _write_table(self, name: str, table: pa.Table) -> None:
+        """`table` as file `name` (Parquet for ``.parquet``, else Arrow IPC), atomically."""
+        target = self.path / name
+        target.parent.mkdir(exist_ok=True)
+        with atomic_write(target) as tmp:
+            if name.endswith(".parquet"):
+                pq.write_table(table, tmp, compression="zstd")
+            else:
+                opts = pa.ipc.IpcWriteOptions(compression="zstd")
+                with (
+                    pa.OSFile(str(tmp), "wb") as sink,
+                    pa.ipc.new_file(sink, table.schema, options=opts) as w,
+                ):
+                    w.write_table(table)
+
+    def _read_table(self, name: str) -> pa.Table:
+        if name.endswith(".parquet"):
+            return pq.read_table(self.path / name)
+        with pa.memory_map(str(self.path / name)) as src:
+            return pa.ipc.open_file(src).read_all()
+
+    def _checkpoint_dir_done(self) -> None:
+        """Every checkpoint of the directory is folded into its part: remove the (empty) checkpoint directory."""
+        with contextlib.suppress(OSError):
+            self.checkpoint_dir.rmdir()  # only when empty
+
+    def _holds_results_at(self, directory: Any) -> bool:
+        return _holds_results(directory)
 
 
 def _manifest_holds_results(m: Manifest) -> bool:

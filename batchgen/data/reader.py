@@ -27,6 +27,7 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -53,6 +54,10 @@ class InputFile:
     row_group_rows: list[int]
     schema: pa.Schema
     footer_sha256: str
+    location: Any = None
+    """The :class:`~batchgen.data.storage.Location` of a remote file (None: a local path)."""
+    version: str | None = None
+    """The store's version of a remote file (ETag, GCS generation): resume compares it with the manifest's."""
 
 
 @dataclass
@@ -66,13 +71,16 @@ class InputSet:
     columns: list[str] = field(default_factory=list)
 
     def describe(self) -> dict:
-        """JSON-friendly summary stored in manifests and schema metadata."""
-        return {
+        """JSON-friendly summary stored in manifests and schema metadata (the versions of remote files)."""
+        d = {
             "spec": self.spec,
             "num_files": len(self.files),
             "num_rows": self.num_rows,
             "fingerprint": self.fingerprint,
         }
+        if any(f.version for f in self.files):
+            d["versions"] = {f.rel_path: [f.size, f.version] for f in self.files}
+        return d
 
     def column_type(self, name: str) -> pa.DataType | None:
         """Type of column `name` in the first file that has it (None when absent everywhere)."""
@@ -200,13 +208,22 @@ def without_outputs(paths: list[str], root: str, output: str | None) -> list[str
     return kept
 
 
-def open_input(spec: str, output: str | None = None) -> InputSet:
-    """Resolve `spec` and read every file's footer (row counts, row groups, schema); the files of batchgen
-    outputs inside the input (`output`, the job's own, and any other: :func:`without_outputs`) are not input.
+def open_input(
+    spec: str, output: str | None = None, storage_options: dict[str, Any] | None = None
+) -> InputSet:
+    """Resolve `spec` (a path, or a URL: :mod:`batchgen.data.remote_input`) and read every file's footer (row
+    counts, row groups, schema); the files of batchgen outputs inside a local input (`output`, the job's own,
+    and any other: :func:`without_outputs`) are not input.
 
     The fingerprint covers each file's path relative to the input root, size, row count and footer hash
     (not mtimes: copying the data elsewhere keeps resume working; rewriting it with other content does not).
     """
+    from batchgen.data.storage import is_url
+
+    if is_url(spec):
+        from batchgen.data.remote_input import open_remote_input
+
+        return open_remote_input(str(spec), storage_options or {})
     paths, root = resolve_files(spec)
     paths = without_outputs(paths, root, output)
     if not paths:
@@ -374,23 +391,25 @@ def plain_column(col: pa.ChunkedArray) -> pa.Array:
     return arr.dictionary_decode() if pa.types.is_dictionary(arr.type) else arr
 
 
-def _open(path: str) -> pq.ParquetFile | BaseException:
+def _open(f: InputFile) -> pq.ParquetFile | BaseException:
     try:  # pages written with a CRC are checked: a flipped bit is an unreadable row group, not garbage
-        return pq.ParquetFile(path, page_checksum_verification=True)
+        if f.location is not None:  # byte ranges of the object, fetched as row groups are read
+            return pq.ParquetFile(f.location.open_read(f.rel_path), page_checksum_verification=True)
+        return pq.ParquetFile(f.path, page_checksum_verification=True)
     except (OSError, pa.ArrowException) as e:
         return e
 
 
 def _file_for(
-    open_file: tuple[str, pq.ParquetFile | BaseException] | None, path: str
+    open_file: tuple[str, pq.ParquetFile | BaseException] | None, f: InputFile
 ) -> tuple[str, pq.ParquetFile | BaseException]:
-    """``(path, opened file or the error opening it)``: `open_file` itself if it is `path`'s, else `path`
+    """``(path, opened file or the error opening it)``: `open_file` itself if it is `f`'s, else `f`
     opened anew (the previous file closed)."""
-    if open_file is not None and open_file[0] == path:
+    if open_file is not None and open_file[0] == f.path:
         return open_file
     if open_file is not None and isinstance(open_file[1], pq.ParquetFile):
         open_file[1].close()
-    return (path, _open(path))
+    return (f.path, _open(f))
 
 
 def iter_windows(
@@ -423,7 +442,7 @@ def iter_windows(
         k = bisect.bisect_right(ends, g0, lo=wi)  # first window ending after g0
         if k >= len(wins) or wins[k].row_start >= g1:
             continue  # only rows of windows we were not asked for
-        open_file = _file_for(open_file, f.path)
+        open_file = _file_for(open_file, f)
         pos = g0
         for batch, error in _safe_batches(f, open_file[1], rg, g0, columns, schema, batch_rows):
             b0, b1 = pos, pos + batch.num_rows

@@ -86,9 +86,9 @@ class DataOptions:
     """``data.*``: input, output and how rows become prompts."""
 
     input: str | None = None
-    """Parquet input: a file, a directory (every *.parquet below it, recursively) or a glob such as 'data/*.parquet'; null = the small sample shipped with batchgen. Files are read in sorted path order; the global row index is the position in that order."""
+    """Parquet input: a file, a directory (every *.parquet below it, recursively) or a glob such as 'data/*.parquet', as a local path or a URL (s3://, gs://, az://, hf://datasets/..., any fsspec URL); or an OpenAI Batch API request file (*.jsonl, with data.output=results.jsonl); null = the small sample shipped with batchgen. Files are read in sorted path order; the global row index is the position in that order."""
     output: str = "batchgen_output"
-    """Output directory. With data.shard.count > 1 each shard writes into <output>/shard-IIIII-of-NNNNN/."""
+    """Output directory, a local path or a URL (s3://bucket/prefix, ...). With data.shard.count > 1 each shard writes into <output>/shard-IIIII-of-NNNNN/."""
     prompt_column: str = "prompt"
     """String column holding the prompt text (used when data.messages_column is null)."""
     continuation_column: str | None = None
@@ -117,6 +117,10 @@ class DataOptions:
     with Arrow types from the schema: integer→int64, number→float64, string→string, boolean→bool,
     object→struct, array→list; other shapes as JSON text); null where the output is not a complete instance
     (constraint_satisfied false, e.g. cut by max_tokens)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the filesystem of URL inputs and outputs (fsspec's storage_options), e.g. {endpoint_url: 'http://minio:9000', region: eu-west-1}; credentials come from each store's standard places (AWS_* variables, profiles, instance roles; GOOGLE_APPLICATION_CREDENTIALS; AZURE_STORAGE_*; HF_TOKEN) unless given here. Values of secret keys (key, secret, token, ...) never appear in logs, manifests, reports or Hydra's saved config."""
+    lease_ttl_s: float = 120.0
+    """Object-store outputs: seconds a job's lease on its output stays valid without renewal (renewed every third of it). A second job on the same output is refused while it is valid; the lease of a killed job is taken over once it has expired."""
     shard: ShardOptions = field(default_factory=ShardOptions)
 
 
@@ -243,6 +247,8 @@ def _validate_lora(cfg: JobConfig) -> None:
 def _validate_data(d: DataOptions) -> None:
     if d.window_rows < 1:
         raise ConfigError(f"data.window_rows must be >= 1, got {d.window_rows}")
+    if d.lease_ttl_s <= 0:
+        raise ConfigError(f"data.lease_ttl_s must be > 0, got {d.lease_ttl_s}")
     if d.shard.count < 1:
         raise ConfigError(f"data.shard.count must be >= 1, got {d.shard.count}")
     if not 0 <= d.shard.index < d.shard.count:

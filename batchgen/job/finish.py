@@ -9,8 +9,9 @@ from typing import Any
 import batchgen
 from batchgen.data.manifest import Manifest
 from batchgen.data.output_dir import OutputDir
+from batchgen.errors import ConfigError
 from batchgen.job.plan import JobPlan
-from batchgen.job.report import build_report, error_fraction, write_report
+from batchgen.job.report import build_report, error_fraction, report_text
 from batchgen.job.result import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_ERRORS, JobResult, one_line
 from batchgen.job.tally import NUM_EXAMPLES, RowTally
 
@@ -29,7 +30,7 @@ def nothing_to_do(
         msg = f"nothing to do: {outdir.path} already holds the complete output ({m.num_windows} windows"
         msg += f"; input unchanged, checked in {checked[1]:.1f} s)" if checked[0] else ")"
     frac = error_fraction(m)
-    rp = outdir.report_path
+    rp = outdir.report_location if outdir.has_report() else None
     if frac > plan.cfg.run.max_error_fraction:
         msg += (
             f", but {frac:.1%} of its rows are error rows, more than run.max_error_fraction="
@@ -40,12 +41,12 @@ def nothing_to_do(
         logger.error(msg)
         if print_summary:
             print(msg)
-        return JobResult(EXIT_TOO_MANY_ERRORS, "failed", str(outdir.path), str(rp) if rp.is_file() else None,
+        return JobResult(EXIT_TOO_MANY_ERRORS, "failed", str(outdir.path), rp,
                          message=msg)  # fmt: skip
     logger.info(msg)
     if print_summary:
         print(msg)
-    return JobResult(EXIT_OK, "complete", str(outdir.path), str(rp) if rp.is_file() else None, message=msg)
+    return JobResult(EXIT_OK, "complete", str(outdir.path), rp, message=msg)
 
 
 def job_report(
@@ -92,9 +93,12 @@ def job_report(
     if report["errors"]["exceeded"]:
         report["status"] = "failed"
     try:
-        write_report(outdir.report_path, report)
-    except OSError as e:  # the output is what counts: a report that cannot be written is only a warning
-        logger.warning("could not write %s: %s", outdir.report_path, one_line(e))
+        outdir.save_report(report_text(report))
+    except (
+        OSError,
+        ConfigError,
+    ) as e:  # the output is what counts: a report that cannot be written is a warning
+        logger.warning("could not write %s: %s", outdir.report_location, one_line(e))
     return report
 
 
@@ -113,7 +117,7 @@ def finish(
             msg += f"; {m.retry_rows} may be retried: fix the cause and rerun with data.retry_errors=true"
         code, status = EXIT_TOO_MANY_ERRORS, "failed"
     elif m.complete:
-        msg = f"done: {len(plan.windows)} part(s) in {outdir.path}; report: {outdir.report_path}"
+        msg = f"done: {len(plan.windows)} part(s) in {outdir.path}; report: {outdir.report_location}"
         code, status = EXIT_OK, "complete"
     else:
         left = m.num_windows - len(m.windows)
@@ -127,7 +131,7 @@ def finish(
         )
         code, status = EXIT_INTERRUPTED, "incomplete"
     (logger.error if code == EXIT_TOO_MANY_ERRORS else logger.info)(msg)
-    return JobResult(code, status, str(outdir.path), str(outdir.report_path), report, msg)
+    return JobResult(code, status, str(outdir.path), outdir.report_location, report, msg)
 
 
 def examples_text(out: str, examples: list[tuple[list[int], str]], tokenizer: Any) -> str:

@@ -32,14 +32,27 @@ from batchgen.job.help import HELP_FOOTER, HELP_HEADER, help_template
 from batchgen.job.shard_env import shard_from_env
 
 
+def _open_storage_options(node: Any, group: str | None) -> Any:
+    """`node` with ``data.storage_options`` out of struct mode, so that its (store-specific) keys are set like
+    any other key (``data.storage_options.endpoint_url=...``, ``data.storage_options={key: ..}``), not only
+    with Hydra's ``+``."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.set_struct((node[group] if group else node).storage_options, False)
+    return node
+
+
 def register_configs() -> None:
     """Register the schema, group options and the help text in Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     cs = ConfigStore.instance()
-    cs.store(name="batchgen_schema", node=JobConfig)
+    cs.store(name="batchgen_schema", node=_open_storage_options(OmegaConf.structured(JobConfig), "data"))
     cs.store(group="model", name="tiny", node=ModelOptions())
-    cs.store(group="data", name="default", node=DataOptions())
+    cs.store(
+        group="data", name="default", node=_open_storage_options(OmegaConf.structured(DataOptions), None)
+    )
     cs.store(group="engine", name="default", node=EngineConfig())
     cs.store(group="sampling", name="default", node=default_sampling())
     cs.store(group="sampling", name="greedy", node=dataclasses.replace(default_sampling(), temperature=0.0))
@@ -64,7 +77,12 @@ def usable_log_root(directory: str) -> str:
     """`directory` if Hydra can create its log directory below it; otherwise (under a regular file, not
     writable, read-only, nearly full) a directory under the system's temp dir, so that batchgen itself gets to
     report the problem with the output in one line (exit 2, or 75 for a full disk) instead of Hydra failing
-    with a traceback. Never creates anything."""
+    with a traceback. Never creates anything. An object-store URL (``s3://...``) cannot hold them either: they
+    go under the temp dir too."""
+    from batchgen.data.storage import is_url
+
+    if is_url(directory):
+        return str(fallback_log_root(directory))
     p = Path(directory).absolute()
     existing = next((q for q in [p, *p.parents] if q.exists()), None)
     try:
@@ -81,7 +99,10 @@ def usable_log_root(directory: str) -> str:
 
 def fallback_log_root(directory: str) -> Path:
     """Where :func:`usable_log_root` puts Hydra's logs when `directory` cannot hold them."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(Path(directory).absolute()).strip("/")) or "root"
+    from batchgen.data.storage import is_url, redact_url
+
+    shown = redact_url(directory) if is_url(directory) else str(Path(directory).absolute())
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", shown.strip("/")) or "root"
     return Path(tempfile.gettempdir()) / "batchgen-logs" / name
 
 

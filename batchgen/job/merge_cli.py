@@ -15,14 +15,19 @@ dataset (``pyarrow.parquet.read_table(OUT)``, ``OUT/**/*.parquet``) whose reader
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
 
+from batchgen.data.storage import is_url
+from batchgen.errors import ConfigError
 from batchgen.job.merge import MergeReport, Problem, verify, write_merged
+from batchgen.job.remote_stage import put_file, staged_output
 from batchgen.job.result import one_line
 from batchgen.job.shards import MergeError
 
@@ -122,6 +127,8 @@ def _print(report: MergeReport, as_json: bool, written: tuple[str, int] | None =
 
 
 def _inside(dest: str, output: str) -> bool:
+    if is_url(dest) or is_url(output):
+        return dest.rstrip("/") == output.rstrip("/") or dest.startswith(output.rstrip("/") + "/")
     d, o = Path(dest).resolve(), Path(output).resolve()
     return d == o or o in d.parents
 
@@ -139,7 +146,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return _exit(EXIT_ERROR, argv)
     try:
-        report = verify(args.output, args.input, args.max_examples)
+        with contextlib.ExitStack() as stack:
+            return _verify_and_write(args, argv, stack)
+    except (MergeError, ConfigError) as e:
+        print(f"batchgen-merge: error: {e}", file=sys.stderr)
+        return _exit(EXIT_ERROR, argv)
+
+
+def _verify_and_write(
+    args: argparse.Namespace, argv: Sequence[str] | None, stack: contextlib.ExitStack
+) -> int:
+    """Verify (and write) the output; a URL output is read from a local copy (:mod:`.remote_stage`), a URL
+    --write is written locally and put as one object."""
+    output, dest = args.output, args.write
+    if is_url(output):
+        output = str(stack.enter_context(staged_output(args.output)))
+    if dest and is_url(dest):
+        dest = str(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "merged.parquet")
+    try:
+        report = verify(output, args.input, args.max_examples)
+        report.output_dir = args.output
         if args.write and not report.ok and not args.force:
             _print(report, args.json)
             print(
@@ -147,9 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return _exit(EXIT_INCOMPLETE, argv)
-        written = (
-            (args.write, write_merged(args.output, args.write, report, args.input)) if args.write else None
-        )
+        written = (args.write, write_merged(output, dest, report, args.input)) if args.write else None
+        if written and dest != args.write:
+            put_file(dest, args.write)
     except MergeError as e:
         print(f"batchgen-merge: error: {e}", file=sys.stderr)
         return _exit(EXIT_ERROR, argv)

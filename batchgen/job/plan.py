@@ -388,7 +388,9 @@ def lora_requests(cfg: JobConfig) -> dict[str, LoRARequest]:
 def plan_job(cfg: JobConfig) -> JobPlan:
     """Resolve input, columns, shard, windows, model and fingerprints; raises ConfigError on any problem."""
     d = cfg.data
-    inp = open_input(d.input if d.input else sample_input_path(), output=d.output)
+    inp = open_input(
+        d.input if d.input else sample_input_path(), output=d.output, storage_options=dict(d.storage_options)
+    )
     columns, sampling_col = _check_columns(d, inp)
     schema = inp.read_schema(columns)
     _check_prompt_type(d, schema)

@@ -100,9 +100,14 @@ def build_report(
     return report
 
 
+def report_text(report: dict[str, Any]) -> str:
+    """The report as the JSON text of ``_report.json``."""
+    return json.dumps(report, indent=1, default=str) + "\n"
+
+
 def write_report(path: str | Path, report: dict[str, Any]) -> None:
     """Write the report as JSON, atomically."""
-    atomic_write_text(path, json.dumps(report, indent=1, default=str) + "\n")
+    atomic_write_text(path, report_text(report))
 
 
 def _si(x: float) -> str:

@@ -51,6 +51,7 @@ from typing import Any
 from batchgen import startup_trace
 from batchgen.data.manifest import Manifest
 from batchgen.data.output_dir import OutputDir, on_disk_full
+from batchgen.data.remote_output import open_output_dir
 from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
@@ -59,6 +60,8 @@ from batchgen.job.duplicate_ids import warn_duplicate_ids
 from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
+from batchgen.job.input_versions import input_versions_unchanged
+from batchgen.job.openai_batch import is_batch_file
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
 from batchgen.job.replica_job import run_replicas, uses_replicas
@@ -95,6 +98,15 @@ def run_job(
     disk or an unexpected error (each is one log line and its exit status; see the module docstring).
     """
     stop = stop or StopSignal()
+    if is_batch_file(_data_input(cfg)):  # an OpenAI batch file: converted, run as a job, results written
+        from batchgen.job.openai_batch import run_openai_batch
+
+        def inner(c: Any) -> JobResult:
+            return run_job(
+                c, engine=engine, stop=stop, handle_signals=handle_signals, print_summary=print_summary
+            )
+
+        return run_openai_batch(cfg, inner)
     job = _Job(cfg, engine, stop, print_summary)
     with stop.installed() if handle_signals else contextlib.nullcontext(stop):
         try:
@@ -145,6 +157,13 @@ def run_job(
             )
         finally:
             job.close()
+
+
+def _data_input(cfg: Any) -> Any:
+    try:
+        return cfg.data.input
+    except Exception:  # noqa: BLE001 - not a job config: to_job_config reports it
+        return None
 
 
 EXIT_REASON_ENV = "BATCHGEN_EXIT_REASON_FILE"
@@ -201,7 +220,10 @@ class _Job:
         plan = self.plan = plan_job(job)
         self.tally.lora = bool(job.model.lora_modules)
         startup_trace.mark("plan")
-        outdir = self.outdir = OutputDir(job.data.output, job.data.shard.index, job.data.shard.count)
+        d = job.data
+        outdir = self.outdir = open_output_dir(
+            d.output, d.shard.index, d.shard.count, dict(d.storage_options), d.lease_ttl_s
+        )
         self.writer = PartWriter(plan, outdir, last_checkpoint=self.t_start)
         self.out_dir = str(outdir.path)
         self._check_stop("start-up")
@@ -212,8 +234,10 @@ class _Job:
             retry_errors=job.data.retry_errors,
         )
         todo = windows_to_do(plan, m, outdir)
-        # changed input is refused also when nothing is left to do
-        checked = verify_skipped_input(plan, m, self.out_dir)
+        # changed input is refused also when nothing is left to do; unchanged store versions (ETags) need no
+        # re-read of the rows
+        unchanged = input_versions_unchanged(outdir.previous_input, plan.input.describe())
+        checked = (0, 0.0) if unchanged else verify_skipped_input(plan, m, self.out_dir)
         if not todo:
             return nothing_to_do(plan, outdir, m, self.print_summary, checked)
         warn_duplicate_ids(plan)

@@ -8,6 +8,9 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from batchgen.data.storage import redact_url
+from batchgen.errors import ConfigError
+
 _SHOWN_FIRST = ("id", "sample_index", "status", "finish_reason", "num_prompt_tokens", "num_generated_tokens")
 _HIDDEN = ("token_ids", "logprobs")
 
@@ -16,6 +19,12 @@ def read_rows(output: str | Path, limit: int) -> tuple[list[dict[str, Any]], int
     """The first ``limit`` output rows (in part order) and the number of rows in the output."""
     import pyarrow.dataset as ds
 
+    from batchgen.data.storage import Location, is_url
+
+    if is_url(output):  # an object-store output: the same dataset, through the store's filesystem
+        loc = Location(str(output), key="output")
+        data = ds.dataset(loc.root, filesystem=loc.fs, format="parquet", ignore_prefixes=["_", "."])
+        return data.head(limit).to_pylist(), data.count_rows()
     path = Path(output)
     if not path.exists():
         raise FileNotFoundError(f"{output}: no such output directory or file")
@@ -60,8 +69,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         rows, total = read_rows(args.output, max(0, args.rows))
-    except (OSError, ValueError) as e:
-        print(f"batchgen show: cannot read {args.output}: {e}", file=sys.stderr)
+    except (OSError, ValueError, ConfigError) as e:
+        print(f"batchgen show: cannot read {redact_url(args.output)}: {e}", file=sys.stderr)
         return 2
     print(format_rows(rows, args.width))
     print(

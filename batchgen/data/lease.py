@@ -1,0 +1,198 @@
+"""A lease object: one writer per output location on object stores, which have no ``flock``.
+
+``_lease.json`` holds the holder (``pid N on host``), a random token and an expiry (unix time, the holder's
+clock). Invariants:
+- Acquiring creates the object only if absent (``If-None-Match: *``); an existing lease that has not expired
+  refuses the second job (:class:`~batchgen.errors.ConfigError` naming the holder and the expiry); an expired
+  one (a killed job) — or one whose holder ran on this host and whose process is gone (pid and start time)
+  — is replaced only if it is still the object read (``If-Match`` its ETag), so of two jobs
+  taking over the same stale lease exactly one wins.
+- While held, a background thread renews it every ``ttl/3`` seconds, conditioned on the ETag of its own last
+  write. A renewal that fails (another job took the lease over after it expired) marks the lease lost:
+  :meth:`Lease.check` raises from then on, so the job stops before its next commit.
+- Releasing deletes the object only if it is still this holder's.
+Expiry compares the holder's clock with the taker's: hosts writing the same output need clocks within a small
+fraction of the TTL (NTP); ``docs/storage.md`` explains why the manifest's conditional writes keep the output
+consistent even when they are not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+from batchgen.data.storage import Location, PreconditionFailed
+from batchgen.errors import ConfigError
+
+LEASE_NAME = "_lease.json"
+logger = logging.getLogger("batchgen.job")
+
+
+class LeaseLost(ConfigError):
+    """Another job took this job's lease over (it had expired): this job must stop writing."""
+
+
+class Lease:
+    """The lease on `loc` (``_lease.json`` in it), valid `ttl_s` seconds after each renewal."""
+
+    def __init__(self, loc: Location, ttl_s: float) -> None:
+        self.loc, self.ttl_s = loc, float(ttl_s)
+        self.owner = f"pid {os.getpid()} on {os.uname().nodename}"
+        self.process = {"host": os.uname().nodename, "pid": os.getpid(), "start": _start_time(os.getpid())}
+        self.token = uuid.uuid4().hex
+        self.etag: str | None = None
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _body(self) -> bytes:
+        d = {
+            "owner": self.owner,
+            "token": self.token,
+            "expires_at": time.time() + self.ttl_s,
+            "ttl_s": self.ttl_s,
+            "process": self.process,
+        }
+        return (json.dumps(d) + "\n").encode()
+
+    def acquire(self) -> None:
+        """Hold the lease (taking over an expired one) and start renewing it; ConfigError when another job holds
+        it."""
+        try:
+            self.etag = self.loc.put(LEASE_NAME, self._body(), if_absent=True)
+        except PreconditionFailed:
+            self._take_over()
+        self._thread = threading.Thread(target=self._renew_loop, name="batchgen-lease", daemon=True)
+        self._thread.start()
+
+    def _take_over(self) -> None:
+        info = self.loc.info(LEASE_NAME)
+        raw = self.loc.read_bytes(LEASE_NAME) if info is not None else None
+        held = _parse(raw)
+        now = time.time()
+        dead = held is not None and _holder_is_dead(held)
+        if info is not None and held is not None and float(held.get("expires_at", 0)) > now and not dead:
+            left = float(held["expires_at"]) - now
+            raise ConfigError(
+                f"another batchgen job ({held.get('owner', 'unknown')}) holds the lease on {self.loc.url!r} for "
+                f"{left:.0f} s more ({LEASE_NAME}); wait for it to finish or stop it — the lease of a killed job "
+                "expires after data.lease_ttl_s and is then taken over"
+            )
+        try:
+            if info is None:
+                self.etag = self.loc.put(LEASE_NAME, self._body(), if_absent=True)
+            else:
+                self.etag = self.loc.put(LEASE_NAME, self._body(), if_match=info.etag)
+        except PreconditionFailed:
+            raise ConfigError(
+                f"another batchgen job took over the lease on {self.loc.url!r} at the same moment; wait for it to "
+                "finish or stop it"
+            ) from None
+        if held is not None:
+            ago = now - float(held.get("expires_at", now))
+            why = "whose process is gone" if dead else f"which expired {ago:.0f} s ago"
+            logger.warning(
+                "%s: took over the lease of %s, %s (a job that was killed)",
+                self.loc.url, held.get("owner", "an unknown job"), why,
+            )  # fmt: skip
+
+    def renew(self) -> None:
+        """Extend the lease by ``ttl_s`` from now; marks it lost when another job replaced it."""
+        with self._lock:
+            if self.lost is not None or self.etag is None:
+                return
+            try:
+                self.etag = self.loc.put(LEASE_NAME, self._body(), if_match=self.etag)
+            except PreconditionFailed:
+                held = _parse(self.loc.read_bytes(LEASE_NAME)) or {}
+                self.lost = (
+                    f"lost the lease on {self.loc.url!r} to another job ({held.get('owner', 'unknown')}) after it "
+                    "expired: this job stops; the rows it committed are kept"
+                )
+                logger.error("%s", self.lost)
+            except Exception as e:  # noqa: BLE001 - a failed renewal is retried at the next period
+                logger.warning("could not renew the lease on %s: %s", self.loc.url, e)
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(max(0.05, self.ttl_s / 3)):
+            self.renew()
+
+    def check(self) -> None:
+        """Raise LeaseLost when the lease was taken over (before a commit)."""
+        if self.lost is not None:
+            raise LeaseLost(self.lost)
+
+    def release(self) -> None:
+        """Stop renewing; delete the lease object if it is still this holder's."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        with self._lock:
+            if self.lost is None and self.etag is not None:
+                try:
+                    info = self.loc.info(LEASE_NAME)
+                    if (
+                        info is not None
+                        and (_parse(self.loc.read_bytes(LEASE_NAME)) or {}).get("token") == self.token
+                    ):
+                        self.loc.delete(LEASE_NAME)
+                except Exception as e:  # noqa: BLE001 - it expires by itself
+                    logger.warning("could not release the lease on %s: %s", self.loc.url, e)
+            self.etag = None
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first), or None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process `pid` (clock ticks since boot, from /proc), or None where unknown: with the
+    pid it names a process across pid reuse."""
+    st = _stat(pid)
+    return st[19].decode() if st is not None and len(st) > 19 else None
+
+
+def _holder_is_dead(held: dict[str, Any]) -> bool:
+    """Whether the lease's holder ran on this host and its process no longer exists (a job killed here: its
+    lease need not wait for the expiry; a zombie counts as gone). False whenever that cannot be known."""
+    proc = held.get("process")
+    if (
+        not isinstance(proc, dict)
+        or proc.get("host") != os.uname().nodename
+        or not isinstance(proc.get("pid"), int)
+    ):
+        return False
+    pid = proc["pid"]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    st = _stat(pid)
+    if st is not None and st[0] in (b"Z", b"X"):  # killed, not yet reaped by its parent
+        return True
+    start = _start_time(pid)
+    return proc.get("start") is not None and start is not None and start != proc["start"]
+
+
+def _parse(raw: bytes | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) else None
