@@ -195,8 +195,14 @@ def _add_per_slot(y: Tensor, x: Tensor, plan: LoRAPlan, w: LoRAWeights) -> Tenso
                 continue
             h = xs @ w.a[slot, part, :r].t()
             deltas.append((h @ w.b[part][slot, :, :r].t()).mul_(w.col_scale[slot, w.offsets[part]]))
-        y.index_add_(0, rows, deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=1))
+        _add_rows(y, rows, deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=1))
     return y
+
+
+def _add_rows(y: Tensor, rows: Tensor, delta: Tensor) -> None:
+    """``y[rows] += delta`` for distinct ``rows``: gather, add, scatter back (the same additions as
+    ``index_add_``, whose CPU kernel is many times slower on wide rows)."""
+    y.index_copy_(0, rows, y.index_select(0, rows).add_(delta))
 
 
 def _add_batched(y: Tensor, x: Tensor, plan: LoRAPlan, w: LoRAWeights) -> Tensor:
@@ -218,7 +224,8 @@ def _add_batched(y: Tensor, x: Tensor, plan: LoRAPlan, w: LoRAWeights) -> Tensor
     delta = deltas[0] if parts == 1 else torch.cat(deltas, dim=2)
     scale = w.col_scale if every else w.col_scale.index_select(0, plan.slot_index)
     delta.mul_(scale[:, None, :])
-    return y.index_add_(0, plan.order, delta.view(num * width, -1).index_select(0, plan.valid))
+    _add_rows(y, plan.order, delta.view(num * width, -1).index_select(0, plan.valid))
+    return y
 
 
 def lora_reference(y: Tensor, x: Tensor, token_slots: Tensor, w: LoRAWeights) -> Tensor:
