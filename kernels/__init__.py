@@ -18,7 +18,7 @@ semantics:
 
 Also here: :mod:`.testing` (random paged batches for tests and benchmarks) and :mod:`.aot` (compile the kernels
 for a GPU without one, to check they build and do not spill registers). The engine picks a backend in
-:mod:`batchgen.engine.attention`.
+:mod:`batchgen.attention`.
 
 KV cache layout (the whole engine uses it)
 ------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from batchgen.engine.attention import AttentionMetadata, AttentionOptions, PagedAttention
+from batchgen.attention import AttentionMetadata, AttentionOptions, PagedAttention
 
 
 def paged_attention_reference(

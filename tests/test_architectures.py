@@ -22,7 +22,7 @@ from engine_helpers import hf_greedy, hf_model, make_llm
 from paged_reference import ReferencePagedAttention
 
 from batchgen import SamplingParams
-from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
+from batchgen.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.models import NATIVE_ARCHITECTURES, load_model
 
 NATIVE = set(NATIVE_ARCHITECTURES.values()) | {"gemma3"}  # zoo keys with a native implementation

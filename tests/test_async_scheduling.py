@@ -1,4 +1,4 @@
-"""Async scheduling (``engine.async_scheduling``, :mod:`batchgen.engine.async_step`): outputs identical to
+"""Async scheduling (``engine.async_scheduling``, :mod:`batchgen.engine.executor`): outputs identical to
 synchronous stepping, the async path really taken (``EngineStats.async_steps``), drains where the scope
 says, deferred frees and prefix-cache hashing, and a consistent KV manager under random admit/finish/abort.
 """
@@ -200,7 +200,7 @@ def test_inline_worker_gives_the_same_outputs(llama_ckpt: str, monkeypatch: pyte
     prompts = prompts_of([3, 14, 22], seed=9)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     _, eng = both(llama_ckpt, prompts, params, num_blocks=64)
-    assert eng._worker is not None and eng._worker._pool is None and eng.stats.async_steps > 0
+    assert eng.executor.pipelined and eng.executor._pool is None and eng.stats.async_steps > 0
 
 
 def test_finished_sequence_keeps_its_blocks_until_the_next_forward(llama_ckpt: str) -> None:
@@ -225,7 +225,7 @@ def test_finished_sequence_keeps_its_blocks_until_the_next_forward(llama_ckpt: s
             break
     out = next(o for o in done if o.request_id == "a").outputs[0]
     assert out.token_ids == toks[: k + 1] and out.finish_reason == "stop"
-    assert engine._in_flight is not None and seq.seq_id in kv  # N+1 in flight still writes its blocks
+    assert engine._flights and seq.seq_id in kv  # N+1 in flight still writes its blocks
     engine.step()
     assert seq.seq_id not in kv
     while engine.has_unfinished():
@@ -240,14 +240,14 @@ def test_length_finishing_sequence_is_not_scheduled_again(llama_ckpt: str) -> No
     engine.add_request(0, [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     seq = engine.requests[0].seqs[0]
     positions: list[int] = []
-    inner = engine.runner.prepare_inputs
+    inner = engine.builder.prepare_inputs
 
     def prepare(out):
         assert not any(s.seq.finishing for s in out.seqs)
         positions.extend(s.start for s in out.seqs if s.seq is seq)
         return inner(out)
 
-    engine.runner.prepare_inputs = prepare
+    engine.builder.prepare_inputs = prepare
     while engine.has_unfinished():
         engine.step()
     # prefill (token 1), decodes of tokens 1 and 2 planned ahead; no step is planned for token 3, the last
@@ -295,12 +295,6 @@ def test_random_admit_finish_abort_keeps_the_kv_manager_consistent(llama_ckpt: s
     assert len(kv) == 0 and not engine.scheduler._deferred_free and not engine.scheduler._ahead
     assert not any(kv.pool.ref_counts)
     kv.pool.check_invariants()
-
-
-def test_tensor_parallel_is_refused() -> None:
-    with pytest.raises(ValueError, match="engine.async_scheduling"):
-        EngineConfig(async_scheduling=True, tensor_parallel_size=2)
-    assert EngineConfig().async_scheduling is False
 
 
 def test_job_output_identical(llama_ckpt: str, tmp_path: Path) -> None:
@@ -375,7 +369,7 @@ def test_abort_while_in_flight_and_last_step_cancelled(llama_ckpt: str) -> None:
     engine.step()
     engine.step()
     gone = engine.requests["gone"].seqs[0]
-    assert engine._in_flight is not None and gone.seq_id in {s.seq.seq_id for s in engine._in_flight.out.seqs}
+    assert engine._flights and gone.seq_id in {s.seq.seq_id for s in engine._flights[0].out.seqs}
     engine.abort_request("gone")
     assert gone.seq_id in kv  # the step in flight still writes its blocks
     outs = []

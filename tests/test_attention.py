@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.engine.attention import (
+from batchgen.attention import (
     AttentionMetadata,
     AttentionOptions,
     PagedAttention,

@@ -10,6 +10,7 @@ import pytest
 from batchgen.bench import block_manager
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager
+from batchgen.engine.output_processor import OutputProcessor
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Request
 from batchgen.engine.stats import EngineStats
@@ -56,7 +57,7 @@ def test_simulated_workload_figures_are_the_schedulers():
     while sched.has_unfinished():
         out = sched.schedule()
         n = len(out.sample_seqs)
-        sched.update(out, rng.integers(32000, size=n).tolist(), [None] * n)
+        OutputProcessor(sched.stop).update(sched, out, rng.integers(32000, size=n).tolist(), [None] * n)
         utilization.append(sched.stats.kv_utilization)
         running.append(sched.stats.running_seqs)
     st = sched.stats

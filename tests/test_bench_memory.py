@@ -13,6 +13,7 @@ from batchgen.bench.fake_runner import FakeRequest
 from batchgen.bench.memory import FirstFitContiguousKV
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager
+from batchgen.engine.output_processor import OutputProcessor
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Request
 from batchgen.engine.stats import EngineStats
@@ -87,7 +88,9 @@ def _drive_scheduler_by_hand(config: EngineConfig, requests: list[FakeRequest], 
     while sched.has_unfinished():
         out = sched.schedule()
         n = len(out.sample_seqs)
-        sched.update(out, rng.integers(memory.VOCAB, size=n).tolist(), [None] * n)
+        OutputProcessor(sched.stop).update(
+            sched, out, rng.integers(memory.VOCAB, size=n).tolist(), [None] * n
+        )
         st = sched.stats
         per_step.append(
             (

@@ -46,7 +46,7 @@ def reference_inputs(out, block_size: int):
 
 def _checked_engine(ckpt: str, **cfg) -> tuple[LLMEngine, list[int]]:
     engine = LLMEngine(ckpt, EngineConfig(device="cpu", **cfg))
-    runner, kv = engine.runner, engine.scheduler.kv
+    runner, kv = engine.builder, engine.scheduler.kv
     inner = runner.prepare_inputs
     checked = [0, 0, 0]  # steps checked, sequences scheduled, block-table rows rewritten
 
@@ -55,9 +55,10 @@ def _checked_engine(ckpt: str, **cfg) -> tuple[LLMEngine, list[int]]:
             assert s.block_table == kv.block_table(s.seq.seq_id)
             assert s.start == s.seq.num_computed_tokens
             assert kv.num_tokens(s.seq.seq_id) >= s.start + s.num_tokens
-        ids, pos, meta, last = inner(out)
+        fwd = inner(out)
+        ids, pos, meta, last = fwd.ids, fwd.positions, fwd.meta, fwd.last
         runner.input_batch.check(out)  # persistent block-table rows == this step's tables
-        ref = reference_inputs(out, runner.block_size)
+        ref = reference_inputs(out, runner.input_batch.block_size)
         assert ids.tolist() == ref[0]
         assert pos.tolist() == ref[1]
         assert meta.slot_mapping.tolist() == ref[2]
@@ -71,10 +72,10 @@ def _checked_engine(ckpt: str, **cfg) -> tuple[LLMEngine, list[int]]:
         checked[0] += 1
         checked[1] += len(out.seqs)
         checked[2] += runner.input_batch.rows_written
-        return ids, pos, meta, last
+        return fwd
 
     runner.prepare_inputs = prepare
-    batch = engine.sampling_batch
+    batch = engine.builder.sampling_batch
     inner_gather = batch.gather
 
     def gather(seq_ids, params):
@@ -230,12 +231,12 @@ def test_prepare_inputs_outside_inference_mode(llama_ckpt: str) -> None:
     for i in range(3):
         engine.add_request(i, [5 + i, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     outs = []
-    inner = engine.runner.prepare_inputs
-    engine.runner.prepare_inputs = lambda out: outs.append(out) or inner(out)
+    inner = engine.builder.prepare_inputs
+    engine.builder.prepare_inputs = lambda out: outs.append(out) or inner(out)
     engine.step()
     engine.step()
-    ids, pos, meta, last = engine.runner.prepare_inputs(outs[-1])
+    ids = engine.builder.prepare_inputs(outs[-1]).ids
     assert ids.tolist() == reference_inputs(outs[-1], engine.runner.block_size)[0]
     assert ids.untyped_storage().data_ptr() in {
-        b.host["ids"].untyped_storage().data_ptr() for b in engine.runner.input_batch._sets
+        b.host["ids"].untyped_storage().data_ptr() for b in engine.builder.input_batch._sets
     }

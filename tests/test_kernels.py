@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from batchgen.engine.attention import AttentionMetadata, PagedAttention  # noqa: E402
+from batchgen.attention import AttentionMetadata, PagedAttention  # noqa: E402
 from batchgen.kernels import reference  # noqa: E402
 from batchgen.kernels.copy_blocks import copy_blocks  # noqa: E402
 from batchgen.kernels.decode_attention import (  # noqa: E402

@@ -30,7 +30,7 @@ def test_package_and_engine_import_without_triton():
     # Block `import triton`: the torch backend, the attention interface and auto backend selection still work.
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, batchgen.kernels as k, batchgen.engine.attention as a\n"
+        "import torch, batchgen.kernels as k, batchgen.attention as a\n"
         "assert not k.triton_available()\n"
         "assert a.resolve_backend('auto', torch.device('cpu')) == 'torch'\n"
         "a.PagedAttention('torch')\n"

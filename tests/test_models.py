@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
+from batchgen.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.models import NATIVE_ARCHITECTURES, ModelConfig, NativeUnsupportedError, load_model
 from batchgen.models.llama import rope_inv_freq
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from batchgen.engine.sequence import Request
+from batchgen.engine.step_builder import StepBuilder
 
 PLAIN = [
     SamplingParams(temperature=0.8),
@@ -58,24 +58,24 @@ def test_engine_builds_no_rows_for_plain_sampling_and_tokens_are_unchanged(
     prompts = [[rng.randrange(5, 1000) for _ in range(rng.randint(2, 30))] for _ in range(8)]
     params = [replace(PLAIN[i % len(PLAIN)], max_tokens=10, ignore_eos=True) for i in range(8)]
     built: list[int] = []
-    real_rows = LLMEngine._sampling_rows
+    real_rows = StepBuilder.sampling_rows
 
     def counting(self, out):
         rows = real_rows(self, out)
         built.append(len(rows))
         return rows
 
-    monkeypatch.setattr(LLMEngine, "_sampling_rows", counting)
+    monkeypatch.setattr(StepBuilder, "sampling_rows", counting)
     fast = LLM(llama_ckpt, num_blocks=64, seed=5).generate(prompts, params, use_tqdm=False)
     assert not built, "plain sampling built per-row objects"
 
-    real_inputs = LLMEngine._sampling_inputs
+    real_inputs = StepBuilder.sampling_inputs
 
     def per_row(self, out):  # the general path: rows built for every step
         out.plain_sampling = out.plain_greedy
         return real_inputs(self, out)
 
-    monkeypatch.setattr(LLMEngine, "_sampling_inputs", per_row)
+    monkeypatch.setattr(StepBuilder, "sampling_inputs", per_row)
     slow = LLM(llama_ckpt, num_blocks=64, seed=5).generate(prompts, params, use_tqdm=False)
     assert any(built)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in slow]

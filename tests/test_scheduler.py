@@ -13,6 +13,7 @@ import torch
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager
+from batchgen.engine.output_processor import OutputProcessor
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Request, SequenceStatus
 from batchgen.engine.stats import EngineStats
@@ -39,7 +40,9 @@ def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 100, firs
 
 def step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
     out = sched.schedule()
-    done = sched.update(out, [token] * len(out.sample_seqs), [None] * len(out.sample_seqs))
+    done = OutputProcessor(sched.stop).update(
+        sched, out, [token] * len(out.sample_seqs), [None] * len(out.sample_seqs)
+    )
     return out, done
 
 
@@ -201,7 +204,7 @@ def fake_step(sched: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
     beam_lp = None
     if out.beam_rows:
         beam_lp = torch.stack([fake_logprobs(out.seqs[r].seq.token_ids) for r in out.beam_rows])
-    done = sched.update(out, tokens, [None] * len(tokens), beam_lp)
+    done = OutputProcessor(sched.stop).update(sched, out, tokens, [None] * len(tokens), beam_lp)
     check_units(sched)
     return out, done
 

@@ -68,6 +68,18 @@ def test_llama_tp2_greedy_seeded_beams_logprobs_and_prefix_cache(ckpt_factory) -
             assert all(abs(x[k] - y[k]) < 1e-4 for k in x)
 
 
+def test_async_scheduling_under_tp_equals_synchronous_one_process(ckpt_factory) -> None:
+    """engine.async_scheduling composes with tensor parallelism: each launched step is broadcast from the
+    pipelined executor's thread; tokens equal synchronous stepping on one process."""
+    path = ckpt_factory("llama")
+    cases = [(PROMPTS, GREEDY), (PROMPTS, SamplingParams(temperature=0.8, seed=3, max_tokens=8, n=2))]
+    one = LLM(path, device="cpu", num_blocks=64)
+    want = [_tokens(one, p, s) for p, s in cases]
+    sharded = LLM(path, device="cpu", num_blocks=64, tensor_parallel_size=2, async_scheduling=True)
+    assert [_tokens(sharded, p, s) for p, s in cases] == want
+    assert sharded.engine.stats.async_steps > 0
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_under_tp(ckpt_factory, mode: str) -> None:
     """A pool of 12 blocks of 8 tokens for 6 sequences growing to ~40 tokens: preemptions on every rank."""

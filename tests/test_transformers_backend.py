@@ -15,7 +15,7 @@ from paged_reference import ReferencePagedAttention
 from safetensors.torch import load_file, save_file
 
 from batchgen import LLM
-from batchgen.engine.attention import AttentionMetadata, ForwardContext
+from batchgen.attention import AttentionMetadata, ForwardContext
 from batchgen.models import NativeUnsupportedError, load_model
 from batchgen.models.transformers_backend import (
     ATTN_IMPLEMENTATION,

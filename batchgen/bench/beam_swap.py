@@ -110,15 +110,15 @@ def run_preemption(path: str, w: PreemptionWorkload, mode: str, device: str) -> 
     engine.add_step_listener(lambda info: computed.__setitem__(0, computed[0] + info.num_batched_tokens))
     swap_time = [0.0]
     runner = engine.runner
-    plain_swap = runner.swap
+    plain_moves = runner.apply_moves
 
-    def timed_swap(out):
+    def timed_moves(moves):
         t = time.perf_counter()
-        plain_swap(out)
-        if out.swap_out or out.swap_in:
+        plain_moves(moves)
+        if moves.swap_out or moves.swap_in:
             swap_time[0] += time.perf_counter() - t
 
-    runner.swap = timed_swap  # type: ignore[method-assign]
+    runner.apply_moves = timed_moves  # type: ignore[method-assign]
     before = engine.stats.snapshot()
     computed[0] = 0
     c0, t0 = time.process_time(), time.perf_counter()

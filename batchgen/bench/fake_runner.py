@@ -19,6 +19,7 @@ import numpy as np
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager, KVCacheStats
+from batchgen.engine.output_processor import OutputProcessor
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Request
 from batchgen.engine.stats import EngineStats
@@ -105,6 +106,7 @@ def run(
     result = FakeRun(sched.stats, sched.kv.stats())
     steps = result.steps
     clock = time.perf_counter
+    outputs = OutputProcessor(sched.stop)
     while sched.has_unfinished():
         t0 = clock()
         out = sched.schedule()
@@ -114,7 +116,7 @@ def run(
         n = len(out.sample_seqs)
         tokens = rng.integers(vocab_size, size=n).tolist()
         t2 = clock()
-        sched.update(out, tokens, [None] * n)
+        outputs.update(sched, out, tokens, [None] * n)
         result.scheduler_s += t1 - t0 + clock() - t2
         result.seq_steps += len(out.seqs)
         if record:

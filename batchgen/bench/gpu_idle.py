@@ -37,8 +37,8 @@ class ForwardEvents:
         self.steps: list[tuple[float, tuple[Any, Any] | None]] = []
         self._start: Any = None
         self._pair: tuple[Any, Any] | None = None
-        runner = engine.runner
-        prepare, execute = runner.prepare_inputs, runner.execute
+        runner, builder = engine.runner, engine.builder
+        prepare, execute = builder.prepare_inputs, runner.execute
 
         def timed_prepare(out: Any) -> Any:
             inputs = prepare(out)
@@ -52,7 +52,7 @@ class ForwardEvents:
                 self._start = None
             return logits
 
-        runner.prepare_inputs = timed_prepare
+        builder.prepare_inputs = timed_prepare
         runner.execute = timed_execute
         engine.add_step_listener(self._on_step)
 

@@ -211,7 +211,7 @@ def bench(
 
 
 def _meta(seqs: list[tuple[list[int], int, int]], num_decode: int, block_size: int):
-    from batchgen.engine.attention import AttentionMetadata
+    from batchgen.attention import AttentionMetadata
 
     return AttentionMetadata.for_sequences(seqs, num_decode, block_size)
 
@@ -222,7 +222,7 @@ def bench_forward(archs: list[str], reps: int, prefill: int = 256, batch: int = 
     a `prefill`-token chunk, and a decode step of `batch` sequences at `context` tokens, `reps` times, the two
     implementations back to back. Reports each one's minimum and the median of the paired ratios, by wall and by
     process CPU time (robust to the load of a shared machine; CPU time is the steadiest with 1 thread)."""
-    from batchgen.engine.attention import ForwardContext, PagedAttention
+    from batchgen.attention import ForwardContext, PagedAttention
     from batchgen.models import load_model
 
     block = 16

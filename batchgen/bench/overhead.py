@@ -15,12 +15,12 @@ Every request is greedy with ``ignore_eos`` and no stop strings. Phases are time
 wrapping, on this one engine instance, the calls its step makes (measurement only; the engine is not changed):
 
 * schedule: ``engine.scheduler.schedule``;
-* prepare inputs: ``engine.runner.prepare_inputs`` (flat tensors, slot mapping, block tables);
+* prepare inputs: ``engine.builder.prepare_inputs`` (flat tensors, slot mapping, block tables);
 * forward: ``engine.runner.model.forward`` + ``compute_logits`` (the near-null model);
-* sample rows: ``engine._sampling_inputs`` (the sampler inputs the engine builds every step: per-row
+* sample rows: ``engine.builder.sampling_inputs`` (the sampler inputs built every step: per-row
   settings, and row objects only for rows with penalties, bans, logprobs or seeds);
-* sampler: ``engine.sampler`` (penalties, filters, argmax or draw);
-* update/stop: ``engine.scheduler.update`` (append tokens, stop rules, finish, free blocks);
+* sampler: ``engine.runner.sampler`` (penalties, filters, argmax or draw);
+* update/stop: ``engine.outputs.update`` (append tokens, stop rules, finish, free blocks);
 * detokenize: ``engine._request_output`` (decode the finished requests' texts, build outputs);
 * other: the rest of ``step()`` (copy-on-write copies, logits to float32, listeners).
 
@@ -108,12 +108,12 @@ class PhaseTimer:
 
     def install(self, engine: Any) -> None:
         self.wrap(engine.scheduler, "schedule", "schedule")
-        self.wrap(engine.runner, "prepare_inputs", "prepare")
+        self.wrap(engine.builder, "prepare_inputs", "prepare")
         self.wrap(engine.runner.model, "forward", "forward")
         self.wrap(engine.runner.model, "compute_logits", "forward")
-        self.wrap(engine, "_sampling_inputs", "sample rows")
-        self.wrap(engine, "sampler", "sampler")
-        self.wrap(engine.scheduler, "update", "update")
+        self.wrap(engine.builder, "sampling_inputs", "sample rows")
+        self.wrap(engine.runner, "sampler", "sampler")
+        self.wrap(engine.outputs, "update", "update")
         self.wrap(engine, "_request_output", "detokenize")
 
     def take(self) -> dict[str, float]:

@@ -90,10 +90,10 @@ class EngineConfig:
     async_scheduling: bool = False
     """Overlap the engine's Python with the forward: while step N's forward and sampling run (in a worker
     thread), step N+1 is scheduled and its inputs prepared, the tokens of N standing in as placeholders
-    (:mod:`batchgen.engine.async_step`). Token ids, texts and finish reasons are identical to it off (logprobs
+    (:mod:`batchgen.engine.executor`). Token ids, texts and finish reasons are identical to it off (logprobs
     to float rounding). Steps involving beam search, structured outputs, prompt logprobs or swapping, or a
-    pool too full to rule out preemption, run synchronously (the pipeline drains first). Not available with
-    tensor_parallel_size > 1."""
+    pool too full to rule out preemption, run synchronously (the pipeline drains first). Composes with
+    tensor_parallel_size > 1 (each launched step is broadcast to the other ranks)."""
 
     data_parallel_size: int = 1
     """Job only: run this many engine replicas, each in its own process (each with tensor_parallel_size
@@ -137,11 +137,6 @@ class EngineConfig:
         parse_bytes(self.swap_space)
         if self.num_swap_blocks is not None and self.num_swap_blocks < 1:
             raise ValueError(f"engine.num_swap_blocks must be >= 1, got {self.num_swap_blocks}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "engine.async_scheduling=true is not supported with engine.tensor_parallel_size > 1; "
-                "set engine.async_scheduling=false"
-            )
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from batchgen.engine.attention import AttentionMetadata
+from batchgen.attention import AttentionMetadata
 from batchgen.engine.scheduler import SchedulerOutput
 from batchgen.kernels.lora import LoRAPlan
 
@@ -74,6 +74,8 @@ class StepInputs:
     positions: Tensor
     meta: AttentionMetadata
     last: Tensor
+    lora: LoRAPlan | None = None
+    """Each token's LoRA adapter slot (None: no token has one), built when :attr:`InputBatch.with_lora`."""
 
 
 class InputBatch:
@@ -223,11 +225,11 @@ class InputBatch:
             block_tables=buf.tensor("tables", num_seqs, max_blocks),
             max_seq_len=int(seq_lens.max()),
             max_query_len=int(q.max()),
-            lora=lora,
         )
         return StepInputs(
             ids=buf.tensor("ids", num_tokens),
             positions=buf.tensor("pos", num_tokens),
             meta=meta,
             last=torch.from_numpy(last.astype(np.int64)).to(self.device),
+            lora=lora,
         )

@@ -5,23 +5,27 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence as Seq
 
 import torch
 
 from batchgen import startup_trace
-from batchgen.engine.async_step import InFlight, Prepared, StepWorker, fill_tensors, placeholder_rows
-from batchgen.engine.attention import resolve_backend
+from batchgen.attention import resolve_backend
+from batchgen.engine import prompt_logprobs
 from batchgen.engine.config import EngineConfig, logprobs_error
+from batchgen.engine.executor import Executor, InFlight, Prepared, fill_tensors, placeholder_rows
 from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.lora_manager import LoRAManager
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
-from batchgen.engine.sampler import Sampler, SamplingBatch, SamplingRow, SamplingTensors
+from batchgen.engine.output_processor import OutputProcessor, error_output
+from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
-from batchgen.engine.sequence import Request, sample_seed  # noqa: F401  (sample_seed: public since 0.1)
+from batchgen.engine.sequence import Request
 from batchgen.engine.stats import EngineStats
+from batchgen.engine.step_builder import StepBuilder
+from batchgen.engine.step_input import RunnerOutput, SamplingInput, StepInput
 from batchgen.engine.stop import StopRules
 from batchgen.engine.structured import StructuredOutputs
 from batchgen.engine.structured import is_available as structured_available
@@ -41,6 +45,17 @@ _NO_XGRAMMAR = (
     "pip install 'batchgen[structured]' (on a CPU machine, without Triton: pip install "
     "'batchgen[structured-cpu]' && pip install --no-deps xgrammar)"
 )
+
+
+def _max_model_len(config: EngineConfig, mc) -> int:
+    """The engine's context: ``engine.max_model_len``, at most the model's full context
+    (max_position_embeddings; sliding windows are attended, they do not cap it)."""
+    if config.max_model_len and config.max_model_len > mc.max_model_len:
+        raise ValueError(
+            f"engine.max_model_len={config.max_model_len} exceeds the model's limit of {mc.max_model_len} "
+            f"tokens (max_position_embeddings); lower it"
+        )
+    return config.max_model_len or mc.max_model_len
 
 
 def resolve_device(device: str) -> torch.device:
@@ -66,9 +81,12 @@ class LLMEngine:
     exit) and steps them with a :class:`~batchgen.engine.tensor_parallel.TPModelRunner`; everything else here is
     unchanged. ``tp_group`` is None on one device.
 
-    With ``engine_config.async_scheduling`` the next step is scheduled and prepared while the current one's
-    forward runs (:mod:`batchgen.engine.async_step`): ``step`` still completes one step per call, but may
-    return with the next one in flight (``has_unfinished`` is true until it is collected).
+    One step is ``schedule → execute → update``: the :class:`Scheduler` plans it, the :class:`StepBuilder`
+    turns the plan into a plain :class:`StepInput`, the :class:`Executor` runs it on the runner, and the
+    :class:`RunnerOutput` is applied by ``update``. With ``engine_config.async_scheduling`` the executor is
+    pipelined and the next step is scheduled and prepared while the current one's forward runs
+    (:mod:`batchgen.engine.executor`): ``step`` still completes one step per call, but may return with the
+    next one in flight (``has_unfinished`` is true until it is collected).
     """
 
     async_threaded = True
@@ -102,15 +120,8 @@ class LLMEngine:
         )
         self.tokenizer = load_tokenizer(tokenizer or model)
         self.lora = self._attach_lora(config) if config.enable_lora else None
-        mc = self.model.config
-        # The model's full context (max_position_embeddings); sliding windows are attended, they do not cap it.
-        self.max_model_len = config.max_model_len or mc.max_model_len
-        if config.max_model_len and config.max_model_len > mc.max_model_len:
-            raise ValueError(
-                f"engine.max_model_len={config.max_model_len} exceeds the model's limit of {mc.max_model_len} "
-                f"tokens (max_position_embeddings); lower it"
-            )
-        eos = set(mc.eos_token_ids or [])
+        self.max_model_len = _max_model_len(config, self.model.config)
+        eos = set(self.model.config.eos_token_ids or [])
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
@@ -123,19 +134,19 @@ class LLMEngine:
         )
         self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config, kv, self.stop, self.stats, self.lora)
-        self.sampler = Sampler(seed=config.seed)
-        self.sampling_batch = SamplingBatch(config.max_num_seqs)  # per-row filter settings across steps
         self._structured: StructuredOutputs | None = None  # built by the first constrained request
+        self.builder = StepBuilder(
+            config, self.max_model_len, self.device, self.stop, lambda: self._structured
+        )
+        self.outputs = OutputProcessor(self.stop, self.tokenizer, lambda: self._structured)
         self.requests: dict[str | int, Request] = {}
         self._errors: list[RequestOutput] = []
         self._listeners: list[StepListener] = []
-        # async scheduling: the worker running launched steps, the step in flight, and the live requests
-        # that need synchronous steps (beam search, structured outputs, prompt logprobs)
-        self._worker: StepWorker | None = None
-        if config.async_scheduling:
-            self._worker = StepWorker(threaded=self.async_threaded)
-            weakref.finalize(self, self._worker.close)
-        self._in_flight: InFlight | None = None
+        # The executor (pipelined with async scheduling), the launched steps not yet updated (oldest first),
+        # and the live requests that need synchronous steps (beam search, structured outputs, prompt logprobs)
+        self.executor = Executor(self.runner, config.async_scheduling, self.async_threaded)
+        weakref.finalize(self, self.executor.close)
+        self._flights: deque[InFlight] = deque()
         self._sync_ids: set[str | int] = set()
 
     def _attach_lora(self, config: EngineConfig) -> LoRAManager:
@@ -153,12 +164,11 @@ class LLMEngine:
         space allocated; returns (KV blocks, CPU swap blocks)."""
         if self.tp_group is not None:
             self.runner: ModelRunner = TPModelRunner(
-                self.model, config, self.device, backend, self.tp_group.channel
+                self.model, config, self.device, backend, self.max_model_len, self.tp_group.channel
             )
             self.tp_group.runner = self.runner
         else:
-            self.runner = ModelRunner(self.model, config, self.device, backend)
-        self.runner.max_model_len = self.max_model_len
+            self.runner = ModelRunner(self.model, config, self.device, backend, self.max_model_len)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.stats = EngineStats(
@@ -207,7 +217,7 @@ class LLMEngine:
         request.lora_request = lora_request
         if prompt_logprobs_start is not None or params.prompt_logprobs is not None:
             request.prompt_logprobs_start = prompt_logprobs_start
-            self.runner.collect_prompt_logprobs = True
+            self.builder.wants_prompt_logprobs = True
         self.stats.num_requests += 1
         error = self._validate(token_ids, params)
         if error is None and lora_request is not None:
@@ -218,10 +228,10 @@ class LLMEngine:
             error = self.structured.validate(params) if structured_available() else _NO_XGRAMMAR
         if error is not None:
             self.stats.num_error_requests += 1
-            self._errors.append(_error_output(request, error))
+            self._errors.append(error_output(request, error))
             return
         self.requests[request_id] = request
-        if params.beam_width > 1 or params.constrained or _wants_prompt_logprobs(request):
+        if params.beam_width > 1 or params.constrained or prompt_logprobs.wants_prompt_logprobs(request):
             self._sync_ids.add(request_id)
         self.scheduler.add(request.new_sequence(list(token_ids), 0))
         self.stats.prompt_tokens += len(token_ids)
@@ -257,7 +267,7 @@ class LLMEngine:
             request.lora_slot = -1
 
     def has_unfinished(self) -> bool:
-        return bool(self._errors) or self.scheduler.has_unfinished() or self._in_flight is not None
+        return bool(self._errors) or self.scheduler.has_unfinished() or bool(self._flights)
 
     def num_unfinished(self) -> int:
         return len(self.requests) + len(self._errors)
@@ -268,119 +278,81 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """One step: schedule, run the model, sample, update. Returns the requests finished in it."""
+        """One step: schedule, execute (run the model, sample), update. Returns the requests finished in it."""
         t0 = time.perf_counter()
         finished, self._errors = self._errors, []
-        if self._in_flight is not None:
-            out, done = self._complete(self._in_flight)
-        else:
-            out = self.scheduler.schedule()
-            done = []
-            if out and self._worker is not None:
-                self.stats.drained_steps += 1
-            if out and self._worker is not None and self._may_launch(out):
-                self._launch(Prepared(out, self.runner.prepare_inputs(out), [], []), None)
-                assert self._in_flight is not None
-                out, done = self._complete(self._in_flight)
-            elif out:
-                done = self._run_sync(out)
-            elif out.swap_out or out.swap_in:
-                self.runner.swap(out)  # everything that could run was preempted in this step
-            elif self.scheduler.has_unfinished() and not finished:
-                raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
-        finished += [self._request_output(r) for r in done]
-        if self._listeners:
-            self._notify(
-                StepInfo(
-                    self.stats, finished, len(out.seqs), out.num_batched_tokens, time.perf_counter() - t0
-                )
-            )
+        flight = self._flights.popleft() if self._flights else self._launch(self.scheduler.schedule())
+        if flight is not None:
+            ahead = self._plan_ahead(flight)  # async scheduling: step N+1 planned while N runs
+            output = flight.result.result()
+            finished += self._update(flight.out, output)
+            self._launch_ahead(ahead, output)
+        elif self.scheduler.has_unfinished() and not finished:
+            raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
+        self._notify(finished, flight.out if flight is not None else None, t0)
         return finished
 
-    def _run_sync(self, out: SchedulerOutput) -> list[Request]:
-        """Run, sample and update one step, in order; returns the requests it finished."""
-        logits = self.runner.execute(out)
-        n = len(out.sample_rows)
-        if self._structured is not None:  # grammar bitmasks (CPU work while the forward runs)
-            self._structured.apply(logits[:n], out.sample_seqs)
-        rows, settings = self._sampling_inputs(out)
-        sampled = self.sampler(logits[:n], rows, settings)
-        beam_lp = self.sampler.beam_logprobs(logits[n:]) if out.beam_rows else None
-        done = self.scheduler.update(out, sampled.token_ids, sampled.logprobs, beam_lp)
-        if startup_trace.enabled and n:
+    def _launch(self, out: SchedulerOutput, prepared: Prepared | None = None, fill=None) -> InFlight | None:
+        """Build the step's input (its forward from ``prepared`` when planned ahead) and submit it; a
+        launched step of the pipelined executor advances its sequences with placeholders
+        (:meth:`Scheduler.mark_launched`). None when the step does nothing."""
+        if not out and not (out.swap_out or out.swap_in):
+            return None
+        pipelined = self.executor.pipelined and bool(out)
+        if prepared is None and pipelined:
+            self.stats.drained_steps += 1
+        forward = prepared.forward if prepared is not None else self.builder.prepare_inputs(out)
+        sampling = self.builder.sampling_input(out) if out else SamplingInput()
+        flight = InFlight(
+            out, self.executor.submit(StepInput(self.builder.moves(out), forward, sampling, fill))
+        )
+        if pipelined and (prepared is not None or self._may_launch(out)):
+            self.scheduler.mark_launched(out)
+        return flight
+
+    def _update(self, out: SchedulerOutput, output: RunnerOutput) -> list[RequestOutput]:
+        """Apply a step's output: prompt logprobs; tokens put in place (scheduler), stop rules (output
+        processor), finished sequences freed and beam steps taken (scheduler); the outputs of the requests it
+        finished."""
+        if output.prompt_logprobs is not None:
+            prompt_logprobs.fill(prompt_logprobs.plan(out)[0], output.prompt_logprobs)
+        if not out.seqs:  # a step that only moved blocks
+            return []
+        done = self.outputs.update(
+            self.scheduler, out, output.token_ids, output.logprobs, output.beam_logprobs
+        )
+        if startup_trace.enabled and output.token_ids:
             startup_trace.mark("first_token")
-        return done
+        return [self._request_output(r) for r in done]
 
     # ----------------------------------------------------------------------------- async scheduling
     def _may_launch(self, out: SchedulerOutput) -> bool:
-        """Whether a freshly scheduled step may run asynchronously (see :mod:`batchgen.engine.async_step`)."""
+        """Whether a freshly scheduled step may run pipelined (see :mod:`batchgen.engine.executor`)."""
         return not (self._sync_ids or out.swap_out or out.swap_in or out.beam_groups)
 
-    def _may_run_ahead(self) -> bool:
-        """Whether the next step may be scheduled before the one in flight is updated: no request needing
-        synchronous steps, nothing swapped out, a free block per running sequence (no preemption)."""
-        sched = self.scheduler
-        return not self._sync_ids and not sched.swapped and sched.kv.num_free_blocks >= len(sched.running)
+    def _plan_ahead(self, flight: InFlight) -> Prepared | None:
+        """Schedule and prepare the next step while ``flight`` runs, when nothing needs its results first: it
+        was launched pipelined, no request needs synchronous steps, and the step cannot preempt."""
+        if not flight.out.launched or self._sync_ids or not self.scheduler.can_plan_ahead():
+            return None
+        nxt = self.scheduler.schedule(ahead=True)
+        if not nxt:
+            return None
+        dst, src = placeholder_rows(nxt)
+        return Prepared(nxt, self.builder.prepare_inputs(nxt), dst, src)
 
-    def _complete(self, flight: InFlight) -> tuple[SchedulerOutput, list[Request]]:
-        """Plan the next step ahead (when allowed) while ``flight`` runs, then update ``flight`` with its
-        tokens and launch the planned step; returns ``flight``'s schedule and the requests it finished."""
-        prepared = None
-        if self._may_run_ahead():
-            nxt = self.scheduler.schedule(ahead=True)
-            if nxt:
-                dst, src = placeholder_rows(nxt)
-                prepared = Prepared(nxt, self.runner.prepare_inputs(nxt), dst, src)
-        sampled = flight.result.result()
-        self._in_flight = None
-        done = self.scheduler.update(flight.out, sampled.token_ids, sampled.logprobs)
-        if prepared is not None:
-            if all(s.seq.is_finished for s in prepared.out.seqs):  # e.g. the batch's last requests
-                self.scheduler.cancel(prepared.out)
-            else:
-                self.stats.async_steps += 1
-                self._launch(prepared, fill_tensors(prepared, sampled.sampled))
-        return flight.out, done
-
-    def _launch(self, prepared: Prepared, fill: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Start the forward and sampling of a prepared step (sampling rows built now: they see every token
-        so far) and advance its sequences with placeholders (:meth:`Scheduler.mark_launched`)."""
-        assert self._worker is not None
-        out = prepared.out
-        n = len(out.sample_rows)
-        rows, settings = self._sampling_inputs(out)
-        runner, sampler, inputs = self.runner, self.sampler, prepared.inputs
-
-        def run():
-            logits = runner.forward(out, inputs, fill)
-            return sampler(logits[:n], rows, settings)
-
-        self._in_flight = InFlight(out, self._worker.submit(run))
-        self.scheduler.mark_launched(out)
-
-    def _sampling_inputs(
-        self, out: SchedulerOutput
-    ) -> tuple[list[SamplingRow] | None, SamplingTensors | None]:
-        """The sampler's rows and per-row filter settings: both None when the step is plain greedy; only the
-        settings (no rows built) when every row is plain sampling (:attr:`Request.plain_sampling`)."""
-        if out.plain_greedy:
-            return None, None
-        seqs = out.sample_seqs
-        settings = self.sampling_batch.gather([s.seq_id for s in seqs], [s.params for s in seqs])
-        return (None if out.plain_sampling else self._sampling_rows(out)), settings
-
-    def _sampling_rows(self, out: SchedulerOutput) -> list[SamplingRow]:
-        """One :class:`SamplingRow` per sampled sequence (the steps :meth:`_sampling_inputs` needs them for)."""
-        return [
-            SamplingRow(
-                params=seq.params,
-                prompt_token_ids=seq.request.prompt_token_ids,
-                output_token_ids=seq.output_token_ids,
-                generator=seq.generator,
-                banned_token_ids=self.stop.banned_token_ids(seq),
-            )
-            for seq in out.sample_seqs
-        ]
+    def _launch_ahead(self, prepared: Prepared | None, output: RunnerOutput) -> None:
+        """Launch the step planned ahead, its placeholders taking ``output``'s sampled tokens (or drop it
+        when every sequence in it finished meanwhile, e.g. the batch's last requests)."""
+        if prepared is None:
+            return
+        if all(s.seq.is_finished for s in prepared.out.seqs):
+            self.scheduler.cancel(prepared.out)
+            return
+        self.stats.async_steps += 1
+        flight = self._launch(prepared.out, prepared, fill_tensors(prepared, output.sampled))
+        assert flight is not None
+        self._flights.append(flight)
 
     @property
     def structured(self) -> StructuredOutputs:
@@ -393,78 +365,18 @@ class LLMEngine:
             )
         return self._structured
 
-    def _notify(self, info: StepInfo) -> None:
+    def _notify(self, finished: list[RequestOutput], out: SchedulerOutput | None, t0: float) -> None:
+        if not self._listeners:
+            return
+        seqs, tokens = (len(out.seqs), out.num_batched_tokens) if out is not None else (0, 0)
+        info = StepInfo(self.stats, finished, seqs, tokens, time.perf_counter() - t0)
         for listener in self._listeners:
             listener(info)
 
     def _request_output(self, request: Request) -> RequestOutput:
-        """The output of a request whose every sample finished (texts decoded here, once)."""
+        """The output of a request whose every sample finished (texts decoded once, by the output processor)."""
         self.requests.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
         self._release_lora(request)
         self.stats.num_finished_requests += 1
-        outputs = self._beam_outputs(request) if request.beam is not None else self._sample_outputs(request)
-        return RequestOutput(
-            request.request_id,
-            request.prompt_token_ids,
-            outputs,
-            request.num_cached_tokens,
-            None,
-            request.prompt,
-            _prompt_logprobs(request),
-        )
-
-    def _sample_outputs(self, request: Request) -> list[CompletionOutput]:
-        """One output per sample, by sample index (texts decoded here, once)."""
-        outputs = []
-        for s in sorted(request.seqs, key=lambda s: s.sample_index):
-            if not isinstance(s.stop_reason, str):  # a stop string already cut the text
-                s.text = self.tokenizer.decode(
-                    s.output_token_ids, skip_special_tokens=s.params.skip_special_tokens
-                )
-            outputs.append(
-                CompletionOutput(
-                    s.sample_index,
-                    s.text,
-                    s.output_token_ids,
-                    s.finish_reason or "length",
-                    s.logprobs,
-                    s.stop_reason,
-                    constraint_satisfied=self._structured.satisfied(s) if self._structured else None,
-                )
-            )
-        return outputs
-
-    def _beam_outputs(self, request: Request) -> list[CompletionOutput]:
-        """The ``n`` best finished beams of a beam-search request, best first."""
-        assert request.beam is not None
-        skip = request.params.skip_special_tokens
-        return [
-            CompletionOutput(
-                index=i,
-                text=self.tokenizer.decode(h.token_ids, skip_special_tokens=skip),
-                token_ids=h.token_ids,
-                finish_reason=h.finish_reason,
-                stop_reason=h.stop_reason,
-                cumulative_logprob=h.cumulative_logprob,
-            )
-            for i, h in enumerate(request.beam.results())
-        ]
-
-
-def _wants_prompt_logprobs(request: Request) -> bool:
-    return request.prompt_logprobs_start is not None or request.params.prompt_logprobs is not None
-
-
-def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
-    if request.prompt_logprobs is None and request.params.prompt_logprobs is None:
-        return None
-    return request.prompt_logprobs or [None] * len(request.prompt_token_ids)
-
-
-def _error_output(request: Request, error: str) -> RequestOutput:
-    outputs = [
-        CompletionOutput(index=i, text="", token_ids=[], finish_reason="error")
-        for i in range(request.params.n)
-    ]
-    return RequestOutput(request.request_id, request.prompt_token_ids, outputs, 0, error, request.prompt)
+        return self.outputs.request_output(request)

@@ -1,4 +1,6 @@
-"""Builds the flat batch tensors for one step, runs the model over the paged KV cache, returns logits.
+"""Runs one plain :class:`~batchgen.engine.step_input.StepInput` over the paged KV cache: the block moves,
+the packed forward, the logits of the rows it asks for, sampling; returns a
+:class:`~batchgen.engine.step_input.RunnerOutput`. It never sees a sequence or a request.
 
 Also owns the KV cache tensor and its sizing: on CUDA a profiling forward at the full token budget measures
 peak activation memory and the pool takes ``total * gpu_memory_utilization - weights - activations``; on CPU
@@ -15,11 +17,11 @@ import torch
 from torch import Tensor
 
 from batchgen import malloc_tuning
+from batchgen.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine import prompt_logprobs
-from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine.config import EngineConfig, parse_bytes
-from batchgen.engine.input_batch import InputBatch
-from batchgen.engine.scheduler import SchedulerOutput
+from batchgen.engine.sampler import Sampler
+from batchgen.engine.step_input import BlockMoves, ForwardInput, RunnerOutput, SamplingInput, StepInput
 from batchgen.engine.swap import BlockSwapper
 from batchgen.kernels import cpu_kernel
 
@@ -68,7 +70,12 @@ class ModelRunner:
     """Test hook: pad decode batches to buckets on CPU too (the graph-free path; CUDA graphs need CUDA)."""
 
     def __init__(
-        self, model: torch.nn.Module, config: EngineConfig, device: torch.device, backend: str
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        device: torch.device,
+        backend: str,
+        max_model_len: int,
     ) -> None:
         self.model = model
         self.config = config
@@ -88,13 +95,12 @@ class ModelRunner:
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
         self.pad_decodes = self.use_cuda_graphs or (device.type == "cpu" and self.pad_on_cpu)
         self.buckets = decode_buckets(config.max_num_seqs)
-        self.max_model_len = config.max_model_len  # the engine sets the resolved value
+        self.max_model_len = max_model_len
+        self.sampler = Sampler(seed=config.seed)
         self.scratch_block = -1  # set by allocate_kv_cache when padding
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._graph_inputs: dict[str, Tensor] = {}
         self._graphs_failed = False
-        self.collect_prompt_logprobs = False  # set by the engine while a request wants prompt logprobs
-        self.input_batch: InputBatch | None = None  # built by the first step (max_model_len is known then)
 
     # ------------------------------------------------------------------------------------------ sizing
     @property
@@ -193,52 +199,59 @@ class ModelRunner:
             mapping = torch.tensor(run, dtype=torch.long, device=self.device)
             self.attn.copy_blocks(self.kv_cache, mapping)
 
-    def swap(self, out: SchedulerOutput) -> None:
+    def apply_moves(self, moves: BlockMoves) -> None:
         """The step's block moves, in the only safe order: swap-outs, copies on write, swap-ins."""
         if self.swapper is not None:
             self.swapper.flush()
-            self.swapper.swap_out(out.swap_out)
-        elif out.swap_out or out.swap_in:
+            self.swapper.swap_out(moves.swap_out)
+        elif moves.swap_out or moves.swap_in:
             raise RuntimeError("swap copies scheduled but no swap space was allocated")
-        self.copy_blocks(out.copies)
+        self.copy_blocks(moves.copies)
         if self.swapper is not None:
-            self.swapper.swap_in(out.swap_in)
+            self.swapper.swap_in(moves.swap_in)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> Tensor:
-        """Run one step: swap-outs, copy-on-write copies, swap-ins, then one packed forward over ``out.seqs``.
-        Returns float32 logits ``[len(out.logit_rows), V]``: row i is the last-token logits of
-        ``out.seqs[out.logit_rows[i]]`` (the sampled rows, then the beam rows).
-        """
-        return self.forward(out, self.prepare_inputs(out))
+    def execute(self, step: StepInput) -> RunnerOutput:
+        """Run one step: block moves, then (unless the step only moves blocks) the packed forward and the
+        sampling of its logit rows."""
+        self.apply_moves(step.moves)
+        if step.forward is None:
+            return RunnerOutput()
+        logits, prompt = self.forward(step.forward, step.fill)
+        out = self.sample(logits, step.sampling)
+        out.prompt_logprobs = prompt
+        return out
+
+    def sample(self, logits: Tensor, sampling: SamplingInput) -> RunnerOutput:
+        """Sample the first ``sampling.num_rows`` rows of ``logits`` (grammar mask first); the log-softmax of
+        the beam rows after them."""
+        n = sampling.num_rows
+        if sampling.mask is not None:
+            sampling.mask.apply(logits[:n])
+        sampled = self.sampler(logits[:n], sampling.rows, sampling.settings)
+        beam = self.sampler.beam_logprobs(logits[n:]) if sampling.num_beam_rows else None
+        return RunnerOutput(sampled.token_ids, sampled.logprobs, sampled.sampled, beam)
 
     @torch.inference_mode()
     def forward(
-        self,
-        out: SchedulerOutput,
-        inputs: tuple[Tensor, Tensor, AttentionMetadata, Tensor],
-        fill: tuple[Tensor, Tensor] | None = None,
-    ) -> Tensor:
-        """:meth:`execute` for inputs prepared earlier (:meth:`prepare_inputs`; async scheduling prepares
-        them while the previous step runs): the step's block moves, then the forward. ``fill``: ``(index,
-        tokens)``: the input ids at ``index`` are placeholders whose tokens, ``tokens`` (the previous step's
-        sampled tokens, on the device), are written in first."""
-        self.swap(out)
-        ids, pos, meta, last = inputs
+        self, fwd: ForwardInput, fill: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, prompt_logprobs.PromptLogprobs | None]:
+        """The forward of ``fwd``: float32 logits of its ``last`` rows and its prompt logprobs. ``fill``:
+        ``(index, tokens)``: placeholder input ids written in first (async scheduling)."""
+        ids, pos, meta, last = fwd.ids, fwd.positions, fwd.meta, fwd.last
         if fill is not None:
             ids[fill[0]] = fill[1]
         nd = meta.num_decode_seqs
-        if self.pad_decodes and nd == len(out.seqs) and nd <= self.buckets[-1] and meta.lora is None:
+        if self.pad_decodes and nd == fwd.num_seqs and nd <= self.buckets[-1] and fwd.lora is None:
             bucket = next(b for b in self.buckets if b >= nd)
             ids, pos, meta = self.pad_decode_batch(ids, pos, meta, bucket)
             if self.use_cuda_graphs and not self._graphs_failed:
                 hidden = self._run_graph(ids, pos, meta, bucket)
                 if hidden is not None:
-                    return self.model.compute_logits(hidden[last]).float()
-        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache, lora=meta.lora))
-        if self.collect_prompt_logprobs:
-            prompt_logprobs.collect(self.model, hidden, out)
-        return self.model.compute_logits(hidden[last]).float()
+                    return self.model.compute_logits(hidden[last]).float(), None
+        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache, lora=fwd.lora))
+        prompt = prompt_logprobs.compute(self.model, hidden, fwd.prompt) if fwd.prompt else None
+        return self.model.compute_logits(hidden[last]).float(), prompt
 
     def pad_decode_batch(
         self, ids: Tensor, pos: Tensor, meta: AttentionMetadata, bucket: int
@@ -271,8 +284,6 @@ class ModelRunner:
     def _run_graph(self, ids: Tensor, pos: Tensor, meta: AttentionMetadata, bucket: int) -> Tensor | None:
         """Replay (capturing on first use) the CUDA graph of this bucket's decode forward; None: run eagerly."""
         max_len = self.max_model_len
-        if max_len is None:
-            return None
         width = -(-max_len // self.block_size)
         if meta.block_tables.shape[1] > width:
             return None
@@ -329,20 +340,3 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
             hidden = self.model(g["ids"][:bucket], g["pos"][:bucket], ctx)
         return graph, hidden
-
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        """Flat token ids, positions, attention metadata, and the token index of each sampled row, built in
-        the runner's persistent :class:`~batchgen.engine.input_batch.InputBatch` (block-table rows rewritten
-        only for sequences whose table changed; valid until the step after next)."""
-        if self.input_batch is None:
-            cfg = self.config
-            width = -(-(self.max_model_len or cfg.max_model_len or 0) // self.block_size)
-            if width == 0:
-                assert self.kv_cache is not None
-                width = self.kv_cache.shape[2]
-            self.input_batch = InputBatch(
-                cfg.max_num_batched_tokens, cfg.max_num_seqs, width, self.block_size, self.device
-            )
-            self.input_batch.with_lora = cfg.enable_lora
-        step = self.input_batch.build(out)
-        return step.ids, step.positions, step.meta, step.last

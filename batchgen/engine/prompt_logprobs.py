@@ -19,11 +19,13 @@ Logprobs are the ``log_softmax`` of the raw float32 logits, like ``SamplingParam
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from batchgen.engine.sequence import Request, Sequence
+from batchgen.engine.step_input import PromptLogprobs, PromptRows
 
 
 def wants_prompt_logprobs(request: Request) -> bool:
@@ -46,31 +48,25 @@ def _start(request: Request) -> int:
     return 1 if s is None else max(1, s)
 
 
-def rows(out) -> list[int]:
-    """The rows of the step's packed hidden states whose logits :func:`collect` computes (tensor-parallel
-    workers compute their shards of the same rows, in the same step)."""
-    return _plan(out)[1]
+@dataclass
+class PromptJob:
+    """One prefill chunk's share of a step's prompt logprobs: rows ``base ..`` of the step's
+    :class:`PromptRows` are the request's prompt positions ``first ..``."""
+
+    request: Request
+    first: int
+    num_targets: int
+    base: int
+    top_k: int
 
 
-def collect(model, hidden: Tensor, out) -> None:
-    """After a forward: fill ``request.prompt_logprobs`` for the prefill chunks of ``out`` that need them.
-    ``hidden`` is the packed ``[num_batched_tokens, H]`` output of the model for ``out.seqs``. One logits
-    matmul, log-softmax and top-k for all the rows of the step."""
-    jobs, index, max_k = _plan(out)
-    if not jobs:
-        return
-    rows = hidden[torch.tensor(index, dtype=torch.long, device=hidden.device)]
-    logp = torch.log_softmax(model.compute_logits(rows).float(), dim=-1)
-    _fill(jobs, logp, max_k)
-
-
-def _plan(out) -> tuple[list, list[int], int]:
-    """(jobs: (request, first target position, targets, row offset in the gathered rows), the rows of the
-    packed batch whose logits are needed, the largest top-k asked)."""
+def plan(out) -> tuple[list[PromptJob], PromptRows | None]:
+    """The prompt-logprob jobs of the step ``out`` (kept by the engine) and the rows of the packed batch
+    whose logits the runner scores for them (None when no chunk needs any)."""
     offsets = itertools.accumulate((s.num_tokens for s in out.seqs), initial=0)
-    jobs = []  # (request, first target position, targets, row offset in the gathered rows)
+    jobs: list[PromptJob] = []
     index: list[int] = []
-    max_k = 0
+    targets: list[int] = []
     for sched, off in zip(out.seqs, offsets):
         request = sched.seq.request
         if not wants_prompt_logprobs(request):
@@ -80,32 +76,41 @@ def _plan(out) -> tuple[list, list[int], int]:
         hi = min(sched.start + sched.num_tokens, num_prompt - 1)  # positions lo .. hi-1 predict lo+1 .. hi
         if lo >= hi:
             continue  # a decode, or a chunk before the wanted tokens
-        jobs.append((request, lo + 1, request.prompt_token_ids[lo + 1 : hi + 1], len(index)))
+        k = request.params.prompt_logprobs or 0
+        k = max(k, 1) if request.prompt_logprobs_start is not None else k  # scoring: the argmax too
+        jobs.append(PromptJob(request, lo + 1, hi - lo, len(index), k))
+        targets.extend(request.prompt_token_ids[lo + 1 : hi + 1])
         index.extend(range(off + lo - sched.start, off + hi - sched.start))
-        k = request.params.prompt_logprobs or 0
-        max_k = max(max_k, max(k, 1) if request.prompt_logprobs_start is not None else k)  # scoring: argmax
-    return jobs, index, max_k
+    if not jobs:
+        return [], None
+    return jobs, PromptRows(index, targets, max(j.top_k for j in jobs))
 
 
-def _fill(jobs: list, logp: Tensor, max_k: int) -> None:
-    """Write each job's logprobs (and top-k) from ``logp`` [rows, V] into its request."""
-    targets = [t for _, _, tg, _ in jobs for t in tg]
-    tgt = torch.tensor(targets, dtype=torch.long, device=logp.device)
+def compute(model, hidden: Tensor, rows: PromptRows) -> PromptLogprobs:
+    """After a forward: the logprob of each row's target and the top-k, from ``hidden`` (the packed
+    ``[num_batched_tokens, H]`` output). One logits matmul, log-softmax and top-k for all the rows."""
+    h = hidden[torch.tensor(rows.index, dtype=torch.long, device=hidden.device)]
+    logp = torch.log_softmax(model.compute_logits(h).float(), dim=-1)
+    tgt = torch.tensor(rows.targets, dtype=torch.long, device=logp.device)
     chosen = logp.gather(1, tgt[:, None]).squeeze(1).tolist()
-    max_k = min(max_k, logp.shape[1])
-    top_vals: list[list[float]] = []
-    top_ids: list[list[int]] = []
-    if max_k > 0:
-        tv, ti = logp.topk(max_k, dim=-1)
-        top_vals, top_ids = tv.tolist(), ti.tolist()
-    for request, first, tg, base in jobs:
-        k = request.params.prompt_logprobs or 0
-        k = max(k, 1) if request.prompt_logprobs_start is not None else k
+    k = min(rows.top_k, logp.shape[1])
+    if k == 0:
+        return PromptLogprobs(chosen, [], [])
+    tv, ti = logp.topk(k, dim=-1)
+    return PromptLogprobs(chosen, ti.tolist(), tv.tolist())
+
+
+def fill(jobs: list[PromptJob], result: PromptLogprobs) -> None:
+    """Write each job's logprobs (and top-k) from the runner's ``result`` into its request, by position (so
+    chunks accumulate and a recomputed prefill rewrites the same values)."""
+    for job in jobs:
+        request, k = job.request, job.top_k
         if request.prompt_logprobs is None:
             request.prompt_logprobs = [None] * len(request.prompt_token_ids)
         dest = request.prompt_logprobs
-        for j, t in enumerate(tg):
-            r = base + j
-            d: dict[int, float] = dict(zip(top_ids[r][:k], top_vals[r][:k])) if k else {}
-            d[t] = chosen[r]
-            dest[first + j] = d
+        targets = request.prompt_token_ids[job.first : job.first + job.num_targets]
+        for j, t in enumerate(targets):
+            r = job.base + j
+            d: dict[int, float] = dict(zip(result.top_ids[r][:k], result.top_values[r][:k])) if k else {}
+            d[t] = result.chosen[r]
+            dest[job.first + j] = d

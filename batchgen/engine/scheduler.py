@@ -22,9 +22,9 @@ other beam forked from the earlier beam it shares the longest block-aligned pref
 their common history again); each beam is prefilled up to, not including, its last token — a forked beam once
 its parent has computed the shared prefix — and the group then decodes its last tokens together.
 
-``update(output, tokens, logprobs, beam_logprobs)`` applies the step's results: appends the sampled tokens,
-applies the stop rules, runs one beam step per beam group, finishes sequences (freeing their blocks) and returns
-the requests that finished.
+A step's results come back in two halves around the output processor (which applies the stop rules):
+``place_tokens`` appends the sampled tokens (or fills the placeholders of a launched step); ``finish`` frees the
+sequences that stopped, runs one beam step per beam group and returns the requests that finished.
 
 The scheduler is the only user of the :class:`KVCacheManager`, and keeps the scheduling figures of
 :class:`EngineStats` (preemptions, swaps, prefix hits, tokens computed, copy-on-write copies, KV usage).
@@ -207,6 +207,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def can_plan_ahead(self) -> bool:
+        """Whether a step scheduled now cannot preempt (async scheduling plans ahead only then): nothing is
+        swapped out and every running sequence has a free block to grow into."""
+        return not self.swapped and self.kv.num_free_blocks >= len(self.running)
 
     def unservable(
         self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, beam_width: int = 1
@@ -653,54 +658,21 @@ class Scheduler:
         self._preempted = True
 
     # ----------------------------------------------------------------------------------------- update
-    def update(
-        self,
-        out: SchedulerOutput,
-        token_ids: list[int],
-        logprobs: list[dict[int, float] | None],
-        beam_logprobs: Tensor | None = None,
-    ) -> list[Request]:
-        """Apply one step's results: ``token_ids[i]`` (and ``logprobs[i]``) belong to ``out.sample_seqs[i]``;
-        ``beam_logprobs`` (float32 ``[len(out.beam_rows), V]``, the log-softmax of the raw logits of
-        ``out.beam_rows``) feeds the beam groups. Steps are updated in the order they were scheduled.
-
-        Returns the requests whose every sample finished in this step.
-        """
+    def place_tokens(self, out: SchedulerOutput, token_ids: list[int]) -> list[tuple[Sequence, int, int]]:
+        """The first half of a step's update: ``token_ids[i]`` belongs to ``out.sample_seqs[i]``; append it
+        (or, for a launched step, put it in place of the placeholder). Returns ``(sequence, token, i)`` of the
+        tokens placed (a launched step's token for a sequence finished meanwhile is dropped). Steps are
+        updated in the order they were scheduled."""
         if out.ahead:
             self._ahead.popleft()  # its forward is done: blocks it held for finished sequences can go
         self._free_deferred()
-        if not out.launched:
+        launched = out.launched
+        if not launched:
             for s in out.seqs:
                 s.seq.num_computed_tokens = s.start + s.num_tokens
-        finished: list[Request] = []
-        self.stats.generated_tokens += self._apply_tokens(out, token_ids, logprobs, finished)
-        if out.beam_groups:
-            if beam_logprobs is None or beam_logprobs.shape[0] != len(out.beam_rows):
-                raise ValueError(f"update needs beam_logprobs for the {len(out.beam_rows)} beam rows")
-            offset = 0
-            for beam in out.beam_groups:
-                m = len(beam.beams)
-                self._beam_step(beam, beam_logprobs[offset : offset + m], finished)
-                offset += m
-        self._record_gauges()
-        return finished
-
-    def _apply_tokens(
-        self,
-        out: SchedulerOutput,
-        token_ids: list[int],
-        logprobs: list[dict[int, float] | None],
-        finished: list[Request],
-    ) -> int:
-        """Append (or, for a launched step, put in place of the placeholder) each sampled token, apply the
-        stop rules and finish sequences; returns the number of tokens applied."""
-        stop = self.stop
-        eos = stop.eos_token_ids
-        max_model_len = stop.max_model_len
-        launched = out.launched
         bs = self.kv.block_size
-        applied = 0
-        for seq, token, lp in zip(out.sample_seqs, token_ids, logprobs):
+        placed: list[tuple[Sequence, int, int]] = []
+        for i, (seq, token) in enumerate(zip(out.sample_seqs, token_ids)):
             tokens = seq.token_ids
             if not launched:
                 tokens.append(token)
@@ -714,29 +686,33 @@ class Scheduler:
                     self._cache_resolved_block(seq)
             else:  # finishing: it had no placeholder
                 tokens.append(token)
-            applied += 1
-            if seq.logprobs is not None and lp is not None:
-                seq.logprobs.append(lp)
-            request = seq.request
-            if request.simple_stop:  # StopRules.check without stop ids, stop strings or min_tokens
-                params = request.params
-                if not params.ignore_eos and token in eos:
-                    reason, seq.stop_reason = "stop", None
-                elif (
-                    params.max_tokens is not None and len(tokens) - seq.num_prompt_tokens >= params.max_tokens
-                ) or len(tokens) >= max_model_len:
-                    reason = "length"
-                else:
-                    continue
-            else:
-                reason = stop.check(seq, token)
-            if reason is not None:
-                seq.finish_reason = reason
-                self._finish(seq)
-                seq.request.num_finished += 1
-                if seq.request.is_finished:
-                    finished.append(seq.request)
-        return applied
+            placed.append((seq, token, i))
+        self.stats.generated_tokens += len(placed)
+        return placed
+
+    def finish(
+        self, out: SchedulerOutput, stopped: list[Sequence], beam_logprobs: Tensor | None = None
+    ) -> list[Request]:
+        """The second half: free the ``stopped`` sequences (the output processor applied the stop rules),
+        then run one beam step per beam group of ``out`` (``beam_logprobs``: float32 ``[len(out.beam_rows),
+        V]``, the log-softmax of the raw logits of ``out.beam_rows``). Returns the requests whose every
+        sample finished in this step."""
+        finished: list[Request] = []
+        for seq in stopped:
+            self._finish(seq)
+            seq.request.num_finished += 1
+            if seq.request.is_finished:
+                finished.append(seq.request)
+        if out.beam_groups:
+            if beam_logprobs is None or beam_logprobs.shape[0] != len(out.beam_rows):
+                raise ValueError(f"update needs beam_logprobs for the {len(out.beam_rows)} beam rows")
+            offset = 0
+            for beam in out.beam_groups:
+                m = len(beam.beams)
+                self._beam_step(beam, beam_logprobs[offset : offset + m], finished)
+                offset += m
+        self._record_gauges()
+        return finished
 
     # ------------------------------------------------------------------------------ async scheduling
     def mark_launched(self, out: SchedulerOutput) -> None:

@@ -133,7 +133,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Async scheduling (batchgen.engine.async_step): while the step that samples this sequence's next token is
+    # Async scheduling (batchgen.engine.executor): while the step that samples this sequence's next token is
     # in flight, that token is a placeholder at the end of token_ids (counted for slots, never hashed) and
     # pending_row is its row in the step's sampled tokens (-1: no placeholder); finishing: that token is its
     # last (max_tokens / max_model_len), so it is not scheduled again.

@@ -41,6 +41,15 @@ class StopRules:
         """
         params = seq.params
         num_out = seq.num_output_tokens
+        if seq.request.simple_stop:  # no stop ids, stop strings or min_tokens: eos and length only
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.stop_reason = None
+                return "stop"
+            if (params.max_tokens is not None and num_out >= params.max_tokens) or (
+                seq.num_tokens >= self.max_model_len
+            ):
+                return "length"
+            return None
         may_stop = num_out >= params.min_tokens
         reason: str | None = None
         if may_stop and params.stop_token_ids and token in params.stop_token_ids:

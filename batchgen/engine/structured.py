@@ -8,13 +8,12 @@ A request whose :class:`~batchgen.sampling_params.SamplingParams` sets one of ``
   whose rows share a schema compiles it once (``hits`` / ``misses`` count). A schema or regex xgrammar
   rejects becomes the request's error (``RequestOutput.error``, ``finish_reason="error"``); it never raises
   out of the engine.
-* **mask** (every step, :meth:`apply`): each constrained row of the step has a matcher (one per sequence,
+* **mask** (every step, :meth:`mask`, applied by the runner: :class:`LogitsMask`): each constrained row of the step has a matcher (one per sequence,
   held in a weak map keyed by the :class:`~batchgen.engine.sequence.Sequence`, so it goes away with it);
   the matcher catches up with the tokens the sequence gained since the last step (so forks, preemption and
   recompute need no hook), the rows' bitmasks are filled in one batched, multi-threaded call, and
   ``apply_token_bitmask_inplace`` sets every disallowed logit (including padding ids beyond the tokenizer's
-  vocabulary) to ``-inf``. The CPU work runs after the forward was launched, so on CUDA it overlaps the
-  forward; unconstrained rows are untouched and cost nothing.
+  vocabulary) to ``-inf``. Unconstrained rows are untouched and cost nothing.
 * **end**: the grammar's stop tokens are the model's eos ids. When the grammar is complete the mask
   allows eos (only eos, for a grammar that cannot continue), so the normal stop rules end the sequence with
   ``finish_reason="stop"``. JSON is compact (no whitespace between tokens), so a random model cannot wander
@@ -53,6 +52,30 @@ if TYPE_CHECKING:
 
 CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
 """The SamplingParams fields that constrain the output (at most one may be set)."""
+
+
+@dataclass
+class LogitsMask:
+    """A step's grammar masks as plain data: the packed token ``bitmask`` of the constrained ``rows``;
+    ``terminated`` rows (a grammar that allows nothing more) sample ``eos`` alone."""
+
+    bitmask: Tensor
+    rows: list[int]
+    terminated: list[int]
+    eos: int
+    vocab_size: int
+
+    def apply(self, logits: Tensor) -> None:
+        """Mask, in place, the logits ``[N, V]`` of the rows (disallowed tokens, padding ids too: ``-inf``)."""
+        import xgrammar as xgr
+
+        bitmask = self.bitmask
+        if logits.device.type != "cpu":
+            bitmask = bitmask.to(logits.device, non_blocking=bitmask.is_pinned())
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=self.rows)
+        for i in self.terminated:
+            logits[i].fill_(-float("inf"))
+            logits[i, self.eos] = 0.0
 
 
 def is_available() -> bool:
@@ -180,36 +203,23 @@ class StructuredOutputs:
             state.consumed = len(out) - seq.num_prompt_tokens
         return state
 
-    def apply(self, logits: Tensor, seqs: Seq[Sequence]) -> None:
-        """Mask, in place, the logits ``[len(seqs), V]`` of the constrained rows to their grammars."""
+    def mask(self, seqs: Seq[Sequence]) -> LogitsMask | None:
+        """The grammar mask of a step's sampled rows ``seqs`` (None when none is constrained): the matchers
+        catch up with the sequences' tokens and fill the constrained rows' bitmasks (valid until the next
+        step's mask: steps with constrained rows are never planned ahead)."""
         rows = [i for i, s in enumerate(seqs) if s.params.constrained]
         if not rows:
-            return
-        matchers = []
-        for i in rows:
-            state = self._state(seqs[i])
-            matchers.append(state.matcher)
+            return None
+        matchers = [self._state(seqs[i]).matcher for i in rows]
         n = len(seqs)
         if self._bitmask.shape[0] < n:
             self._bitmask = self._xgr.allocate_token_bitmask(
                 max(n, 2 * self._bitmask.shape[0]), self.vocab_size
             )
-        on_device = logits.device.type != "cpu"
-        # Pinned: the copy to the device is asynchronous. Reusing the buffer next step is safe: the sampler
-        # reads its tokens back to the CPU (a sync) before the next step fills it again.
-        if on_device and not self._bitmask.is_pinned():
-            self._bitmask = self._bitmask.pin_memory()
         bitmask = self._bitmask[:n]
-        # CPU work: on CUDA the forward launched by runner.execute is still running while the masks fill.
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        if on_device:
-            bitmask = bitmask.to(logits.device, non_blocking=True)
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
-        # A matcher that has terminated allows nothing; fall back to eos so the row still samples a token.
-        for i, m in zip(rows, matchers):
-            if m.is_terminated():
-                logits[i].fill_(-float("inf"))
-                logits[i, self.eos_token_ids[0]] = 0.0
+        terminated = [i for i, m in zip(rows, matchers) if m.is_terminated()]
+        return LogitsMask(bitmask, rows, terminated, self.eos_token_ids[0], self.vocab_size)
 
     def satisfied(self, seq: Sequence) -> bool | None:
         """Whether ``seq``'s output completes its grammar (None when unconstrained); see the module doc."""

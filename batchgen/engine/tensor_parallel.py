@@ -2,121 +2,84 @@
 
 Rank 0 runs the whole engine (scheduler, KV block manager, sampler) with a :class:`TPModelRunner`; ranks
 1..N-1 run only :func:`serve` (the worker loop) over their own model shard and KV cache shard. Each step,
-rank 0 prepares the batch exactly as one process would (:meth:`ModelRunner.prepare_inputs`) and posts one
-pickled :class:`StepInputs` (block swaps and copies, the flat input tensors, the prompt-logprob rows) on the
-:class:`StepChannel`; then every rank performs the same block moves on its KV shard and the same forward, whose
-all-reduces meet in lockstep, and the LM-head shards are gathered on rank 0, which samples as before.
+rank 0's runner broadcasts the plain part of the step's :class:`~batchgen.engine.step_input.StepInput`
+(:class:`StepMessage`: the block moves and the forward, on the CPU, placeholders already filled in) to every
+worker with ``torch.distributed.broadcast_object_list`` over a gloo group of its own (:class:`StepChannel`);
+then every rank performs the same block moves on its KV shard and the same forward, whose all-reduces meet in
+lockstep, and the LM-head shards are gathered on rank 0, which samples as one process would. The runner is
+called by the executor, inline or from the pipelined executor's thread, so async scheduling composes.
 
 Invariants:
-- every rank applies the same messages in the same order (the channel numbers them), so the collectives of a
-  forward pair up and the KV shards hold the same blocks;
+- every rank applies the same messages in the same order (one broadcast per step, in step order), so the
+  collectives of a forward pair up and the KV shards hold the same blocks;
 - the KV pool has the same number of blocks on every rank: the minimum of what each rank can hold;
-- workers wait for messages on the rendezvous store (no timeout while rank 0 is idle between steps);
-  collectives run only inside a step, under the process group's timeout.
+- workers wait for the next message under a long idle timeout (``IDLE_WAIT``: rank 0 may be idle between
+  steps for long); rank 0's broadcasts and the collectives inside a step fail after
+  ``BATCHGEN_TP_TIMEOUT_S``.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import pickle
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
-from batchgen.engine import prompt_logprobs
-from batchgen.engine.attention import AttentionMetadata, ForwardContext
+from batchgen.attention import ForwardContext
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.scheduler import SchedulerOutput
+from batchgen.engine.step_input import BlockMoves, ForwardInput, RunnerOutput, StepInput
 from batchgen.errors import WorkerLost
 
 logger = logging.getLogger(__name__)
 
-_IDLE_WAIT = datetime.timedelta(hours=1)
+IDLE_WAIT = datetime.timedelta(days=30)
+"""How long a worker waits for rank 0's next step (rank 0 may sit idle between ``generate`` calls)."""
 
 
 @dataclass
-class ForwardInputs:
-    """One packed forward: what :meth:`ModelRunner.prepare_inputs` returns, on the CPU, plus the rows whose
-    prompt logprobs rank 0 computes (every rank computes their logits shards)."""
+class StepMessage:
+    """One step as the workers need it: block moves, then the forward (None: a step that only moves blocks)."""
 
-    ids: Tensor
-    positions: Tensor
-    meta: AttentionMetadata
-    last: Tensor
-    prompt_rows: list[int]
-
-    def to(self, device: torch.device) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        m = self.meta
-        meta = AttentionMetadata(
-            slot_mapping=m.slot_mapping.to(device),
-            num_decode_seqs=m.num_decode_seqs,
-            seq_lens=m.seq_lens.to(device),
-            cu_seqlens_q=m.cu_seqlens_q.to(device),
-            block_tables=m.block_tables.to(device),
-            max_seq_len=m.max_seq_len,
-            max_query_len=m.max_query_len,
-        )
-        return self.ids.to(device), self.positions.to(device), meta, self.last.to(device)
-
-
-@dataclass
-class StepInputs:
-    """One step as the workers need it: block moves (the runner's order: swap-outs, copies, swap-ins), then
-    the forward (None: a step that only moves blocks)."""
-
-    swap_out: list[tuple[int, int]]
-    copies: list[tuple[int, int]]
-    swap_in: list[tuple[int, int]]
-    forward: ForwardInputs | None
+    moves: BlockMoves
+    forward: ForwardInput | None
 
 
 class StepChannel:
-    """Numbered messages from rank 0 to every worker through the rendezvous store (`step/0`, `step/1`, ...),
-    and the min-over-ranks agreement on the KV pool size."""
+    """Rank 0's messages to every worker: one ``broadcast_object_list`` each over a gloo group created for
+    them (so they work beside NCCL); and the min-over-ranks agreement on the KV pool size. Every rank builds
+    its channel right after joining the process group; a worker waits for the next step up to ``IDLE_WAIT``,
+    rank 0 sends under ``send_timeout`` (the collectives' timeout: a stuck worker fails the step)."""
 
-    def __init__(self, store: dist.Store, device: torch.device) -> None:
-        self.store = dist.PrefixStore("batchgen/", store)
+    def __init__(self, device: torch.device, send_timeout: datetime.timedelta | None = None) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
+        if send_timeout is not None:  # rank 0: a broadcast to a stuck worker fails like a collective
+            dist.distributed_c10d._set_pg_timeout(send_timeout, self.group)
         self.device = device  # where collectives' tensors live (CUDA for NCCL)
-        self.count = 0
-        self.unread: list[str] = []  # posted keys some worker may not have read yet
         self.lost: str | None = None  # set by rank 0's watchdog when a worker process exited
 
     def post(self, message: object) -> None:
         if self.lost is not None:
             raise WorkerLost(self.lost)
-        key = f"step/{self.count}"
-        self.store.set(key, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-        self.unread.append(key)
-        self.count += 1
-
-    def all_read(self) -> None:
-        """Called after a collective every worker has reached: every posted message was read; drop them."""
-        for key in self.unread:
-            self.store.delete_key(key)
-        self.unread.clear()
+        dist.broadcast_object_list([message], src=0, group=self.group)
 
     def receive(self) -> object:
-        """The next message (blocks while rank 0 is idle; raises when rank 0's store is gone)."""
-        key = f"step/{self.count}"
-        while True:
-            try:
-                self.store.wait([key], _IDLE_WAIT)
-                break
-            except dist.DistStoreError as e:
-                if "timeout" not in str(e).lower():
-                    raise
-        self.count += 1
-        return pickle.loads(self.store.get(key))
+        """The next message (blocks while rank 0 is idle; raises when rank 0 is gone)."""
+        box: list[object] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
 
     def min_over_ranks(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
+
+    def abort(self) -> None:
+        """Abort the step group: a pending broadcast raises in its caller."""
+        dist.distributed_c10d._abort_process_group(self.group)
 
 
 class TPModelRunner(ModelRunner):
@@ -129,9 +92,10 @@ class TPModelRunner(ModelRunner):
         config: EngineConfig,
         device: torch.device,
         backend: str,
+        max_model_len: int,
         channel: StepChannel,
     ) -> None:
-        super().__init__(model, config, device, backend)
+        super().__init__(model, config, device, backend, max_model_len)
         self.use_cuda_graphs = self.pad_decodes = False
         self.channel = channel
         self.rank = model.config.tp_rank
@@ -146,27 +110,18 @@ class TPModelRunner(ModelRunner):
                 raise
             raise RuntimeError(f"{self._why_lost(e)} while starting (its own message is above)") from e
 
-    def execute(self, out: SchedulerOutput) -> Tensor:
-        ids, pos, meta, last = self.prepare_inputs(out)
-        rows = prompt_logprobs.rows(out) if self.collect_prompt_logprobs else []
-        fwd = ForwardInputs(*ForwardInputs(ids, pos, meta, last, rows).to(torch.device("cpu")), rows)
-        logits = self._drive(StepInputs(out.swap_out, out.copies, out.swap_in, fwd), out)
-        assert logits is not None
-        return logits
-
-    def swap(self, out: SchedulerOutput) -> None:
-        """A step that only moves blocks (everything runnable was preempted)."""
-        self._drive(StepInputs(out.swap_out, out.copies, out.swap_in, None), out)
-
-    def _drive(self, msg: StepInputs, out: SchedulerOutput) -> Tensor | None:
-        """Rank 0: post the step, then run it here; a failed collective means a rank is gone."""
+    def execute(self, step: StepInput) -> RunnerOutput:
+        """Rank 0: broadcast the step (placeholders filled in first, on this rank's device), then run it here;
+        a failed collective means a rank is gone."""
+        fwd = step.forward
+        if fwd is not None and step.fill is not None:
+            fwd.ids[step.fill[0]] = step.fill[1]
+            step = replace(step, fill=None)
+        msg = StepMessage(step.moves, fwd.to(torch.device("cpu")) if fwd is not None else None)
         self.in_step = True
         try:
             self.channel.post(msg)
-            result = self.apply(msg, out)
-            if msg.forward is not None:
-                self.channel.all_read()
-            return result
+            return super().execute(step)
         except RuntimeError as e:
             if isinstance(e, WorkerLost) or not _is_dist_error(e):
                 raise
@@ -185,22 +140,19 @@ class TPModelRunner(ModelRunner):
         return f"a tensor-parallel collective failed or timed out (BATCHGEN_TP_TIMEOUT_S): {_first_line(e)}"
 
     @torch.inference_mode()
-    def apply(self, msg: StepInputs, out: SchedulerOutput | None = None) -> Tensor | None:
-        """Perform one step on this rank: block moves, then the forward; rank 0 gets the full logits of the
-        sampled rows (and fills prompt logprobs from `out`), other ranks None."""
-        ModelRunner.swap(self, msg)  # type: ignore[arg-type]  # duck-typed: the lists of a SchedulerOutput
+    def follow(self, msg: StepMessage) -> None:
+        """A worker's share of one step: the block moves, then the forward and the logits collectives rank 0
+        runs (prompt-logprob rows first, then the sampled rows, as :meth:`ModelRunner.forward` does)."""
+        self.apply_moves(msg.moves)
         fwd = msg.forward
         if fwd is None:
-            return None
-        ids, pos, meta, last = fwd.to(self.device)
-        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache))
-        if out is not None and self.collect_prompt_logprobs:
-            prompt_logprobs.collect(self.model, hidden, out)
-        elif fwd.prompt_rows:
-            index = torch.tensor(fwd.prompt_rows, dtype=torch.long, device=hidden.device)
+            return
+        fwd = fwd.to(self.device)
+        hidden = self.model(fwd.ids, fwd.positions, ForwardContext(self.attn, fwd.meta, self.kv_cache))
+        if fwd.prompt is not None:
+            index = torch.tensor(fwd.prompt.index, dtype=torch.long, device=hidden.device)
             self.model.compute_logits(hidden[index])
-        logits = self.model.compute_logits(hidden[last])
-        return logits if self.rank == 0 else None
+        self.model.compute_logits(hidden[fwd.last])
 
 
 def serve(runner: TPModelRunner) -> None:
@@ -209,15 +161,15 @@ def serve(runner: TPModelRunner) -> None:
         msg = runner.channel.receive()
         if msg is None:
             return
-        assert isinstance(msg, StepInputs)
-        runner.apply(msg)
+        assert isinstance(msg, StepMessage)
+        runner.follow(msg)
 
 
 def _is_dist_error(e: BaseException) -> bool:
     if isinstance(e, dist.DistError):
         return True
     text = str(e).lower()
-    return any(w in text for w in ("gloo", "nccl", "connection", "peer", "timed out", "timeout"))
+    return any(w in text for w in ("gloo", "nccl", "connection", "peer", "timed out", "timeout", "abort"))
 
 
 def _first_line(e: BaseException) -> str:

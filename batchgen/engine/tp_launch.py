@@ -7,14 +7,15 @@ Two ways to get N ranks:
   processes (no re-import of the caller's ``__main__``), each on its own device (``cuda:i``; the CPU with
   gloo). Rank 0 watches them: a worker that exits makes the current step fail with
   :class:`~batchgen.errors.WorkerLost` (the job exits 75: rerun or requeue to resume); if a collective does
-  not return within ``GRACE_S`` of the death, rank 0 reports it and exits 75 itself. Workers exit when rank 0
+  not return within ``GRACE_S`` of the death, rank 0 aborts the process group so that it raises (the engine
+  never exits the process itself; only the job maps ``WorkerLost`` to its exit status). Workers exit when rank 0
   does (they watch their parent) and ignore SIGINT/SIGTERM/SIGUSR1 (rank 0 decides when the job stops).
 - **launched outside** (``torchrun --nproc-per-node=N batchgen ...``, or ``srun`` exporting ``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``): ``WORLD_SIZE`` must equal N; rank 0 runs
   the job, every other rank serves steps (the CLI sends them straight to :func:`serve_from_env`; an ``LLM``
   built on such a rank serves, then exits the process).
 
-Either way rank 0 posts the model path, dtype, implementation and engine config to the workers (they parse no
+Either way rank 0 broadcasts the model path, dtype, implementation and engine config to the workers (they parse no
 configuration of their own), every rank loads its own shard, and the KV pool size is agreed (the minimum).
 Collectives time out after ``BATCHGEN_TP_TIMEOUT_S`` seconds (default 600): no rank waits forever on a
 dead or stuck peer. NCCL on CUDA, gloo on the CPU.
@@ -82,6 +83,13 @@ def rank_device(device: str, index: int) -> torch.device:
     return torch.device("cuda", base + index)
 
 
+def abort_process_group(channel: StepChannel) -> None:
+    """Abort the step channel's group and the default process group: their pending and future collectives
+    raise in their callers."""
+    channel.abort()
+    dist.distributed_c10d._abort_process_group()
+
+
 def timeout_s() -> float:
     return float(os.environ.get(TIMEOUT_ENV, "600"))
 
@@ -109,30 +117,40 @@ class TPGroup:
         self.runner: TPModelRunner | None = None  # set by the engine; the watchdog reads `runner.in_step`
         self.closed = False
         self._lost_at: float | None = None
+        self._aborted = False
         if procs:
             threading.Thread(target=self._watch, name="batchgen-tp-watchdog", daemon=True).start()
         atexit.register(self.close)  # before multiprocessing's and torch's own exit handlers run
 
     def _watch(self) -> None:
+        """Every 0.2 s: report a worker process that exited; end a step still stuck on it ``GRACE_S`` later
+        by aborting the process groups (the step then raises in the engine's thread)."""
         while not self.closed:
             time.sleep(0.2)
+            runner = self.runner
+            busy = runner is not None and runner.in_step
             dead = [(r, p.returncode) for r, p in enumerate(self.procs, 1) if p.poll() is not None]
-            if not dead or self.closed:
-                continue
-            if self._lost_at is None:
+            if dead and self._lost_at is None and not self.closed:
                 self._lost_at = time.monotonic()
                 r, code = dead[0]
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
                 self.channel.lost = f"tensor-parallel worker rank {r} {how}"
                 logger.error("%s", self.channel.lost)
-            busy = self.runner is not None and self.runner.in_step
-            if busy and time.monotonic() - self._lost_at > GRACE_S:
-                sys.stderr.write(
-                    f"batchgen: {self.channel.lost} and the step did not fail within {GRACE_S:g} s; exiting "
-                    "with status 75: rows committed so far are kept, rerun (or requeue) to resume\n"
-                )
-                sys.stderr.flush()
-                os._exit(75)
+            if not busy or self._aborted or self.closed:
+                continue
+            if self._lost_at is not None and time.monotonic() - self._lost_at > GRACE_S:
+                self._abort_step()
+
+    def _abort_step(self) -> None:
+        """A worker died and the step's collective did not fail by itself: abort the process
+        groups, so the collective raises in the engine's thread (which reports :class:`WorkerLost`); never exit the
+        process from here (an ``LLM`` user's process is not the job's to end)."""
+        self._aborted = True
+        logger.error("%s: aborting the process groups so that the step fails", self.channel.lost)
+        try:
+            abort_process_group(self.channel)
+        except Exception as e:  # noqa: BLE001 - the step may have failed meanwhile, destroying the group
+            logger.warning("aborting the tensor-parallel process group failed: %s", e)
 
     def close(self) -> None:
         """Tell the workers to stop, wait for them (then kill), and leave the process group. Idempotent; the
@@ -160,7 +178,10 @@ class TPGroup:
                 p.kill()
                 p.wait()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - an aborted group may already be gone
+                logger.debug("destroying the process group: %s", e)
 
 
 _ACTIVE: TPGroup | None = None
@@ -206,7 +227,7 @@ def start(setup: WorkerSetup) -> TPGroup:
         for p in procs:
             p.kill()
         raise WorkerLost(f"tensor-parallel ranks did not start: {e}") from e
-    channel = StepChannel(store, device)
+    channel = StepChannel(device, datetime.timedelta(seconds=timeout_s()))
     channel.post(setup)
     _ACTIVE = TPGroup(channel, device, procs)
     return _ACTIVE
@@ -221,11 +242,11 @@ def _env_store(rank: int, world: int) -> dist.Store:
 
 def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -> None:
     """A worker rank: join, receive the setup, load this rank's shard, agree on the KV pool, serve steps."""
-    from batchgen.engine.attention import resolve_backend
+    from batchgen.attention import resolve_backend
     from batchgen.models.loader import load_model
 
     init_process_group(store, rank, world, device)
-    channel = StepChannel(store, device)
+    channel = StepChannel(device)
     setup = channel.receive()
     assert isinstance(setup, WorkerSetup)
     cfg = setup.config
@@ -233,7 +254,9 @@ def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -
         setup.model, dtype=setup.dtype, device=device, implementation=setup.implementation,
         tp_rank=rank, tp_size=world,
     )  # fmt: skip
-    runner = TPModelRunner(model, cfg, device, resolve_backend(cfg.attention_backend, device), channel)
+    max_model_len = cfg.max_model_len or model.config.max_model_len
+    backend = resolve_backend(cfg.attention_backend, device)
+    runner = TPModelRunner(model, cfg, device, backend, max_model_len, channel)
     runner.allocate_kv_cache(runner.determine_num_blocks())
     runner.allocate_swap_space(runner.determine_num_swap_blocks() if cfg.preemption_mode == "swap" else 0)
     serve(runner)

@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from batchgen.engine.attention import AttentionOptions
+from batchgen.attention import AttentionOptions
 from batchgen.models import parallel
 from batchgen.models.config import ModelConfig, RopeSpec
 from batchgen.models.moe import SparseMoE, activation
 
 if TYPE_CHECKING:
-    from batchgen.engine.attention import ForwardContext
+    from batchgen.attention import ForwardContext
 
 
 class RMSNorm(nn.Module):

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from batchgen.engine.attention import AttentionOptions
+from batchgen.attention import AttentionOptions
 from batchgen.models.config import (
     ContextFacts,
     eos_token_ids,

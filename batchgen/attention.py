@@ -44,9 +44,6 @@ class AttentionMetadata:
     block_tables: Tensor  # [B, max_blocks] int32
     max_seq_len: int
     max_query_len: int
-    lora: LoRAPlan | None = None
-    """Each token's LoRA adapter slot (None: the base model for every token); the runner hands it to the model
-    in :attr:`ForwardContext.lora`."""
     scratch: dict = field(default_factory=dict)
     """Per-forward memo for values derived from this batch alone (e.g. the cascade plan), shared by all layers."""
 

@@ -1,9 +1,17 @@
-"""Async ("overlapped") scheduling: the engine's Python for step N+1 runs while step N's forward does.
+"""Executors run plain step inputs on the model runner: in process (inline), or pipelined (async scheduling).
+
+:class:`Executor` runs each :class:`~batchgen.engine.step_input.StepInput` through ``runner.execute`` and
+returns a future :class:`~batchgen.engine.step_input.RunnerOutput`: inline (the future is done when
+``submit`` returns), or in one worker thread (``pipelined``). Tensor parallelism is the runner's business
+(:class:`~batchgen.engine.tensor_parallel.TPModelRunner` broadcasts each input to the other ranks first), so
+it composes with both.
+
+Async ("overlapped") scheduling: the engine's Python for step N+1 runs while step N's forward does.
 
 With ``engine.async_scheduling=true`` one :meth:`LLMEngine.step` goes:
 
-1. step N's forward and sampling are in flight (launched by the previous call: a :class:`StepWorker`
-   thread runs them; on CUDA the kernels are queued anyway);
+1. step N's forward and sampling are in flight (launched by the previous call: the pipelined
+   :class:`Executor`'s thread runs them; on CUDA the kernels are queued anyway);
 2. meanwhile the scheduler plans step N+1 as if every sequence sampled in N had its token
    (:meth:`Scheduler.mark_launched` appended a :data:`~batchgen.engine.sequence.PLACEHOLDER`, whose slot is
    allocated but whose block is not hashed into the prefix cache until the token is known), and the runner
@@ -12,7 +20,8 @@ With ``engine.async_scheduling=true`` one :meth:`LLMEngine.step` goes:
    placeholders, applies the stop rules and finishes sequences;
 4. N+1 is launched: its sampling rows are built (they see N's tokens: penalties, ``min_tokens``), its
    placeholder inputs are written from N's sampled-token tensor on the device (no host round trip), and
-   the forward and sampling start. The call returns N's finished requests.
+   the forward and sampling start (an :class:`InFlight` in the engine's queue). The call returns N's finished
+   requests.
 
 Invariants: steps are updated in the order they were scheduled, each exactly once; a sequence finished (stop
 token, eos, stop string) or aborted while a step scheduled for it is in flight keeps its blocks until that
@@ -32,7 +41,7 @@ Scope: the next step is only planned ahead when nothing in the engine needs the 
 before scheduling — no live beam-search, structured-output or prompt-logprobs request, nothing swapped out,
 and at least one free KV block per running sequence (so the step cannot preempt). Otherwise the pipeline
 drains: N completes, and the next step is scheduled and run synchronously (``EngineStats.drained_steps``).
-Tensor parallelism is refused (:class:`~batchgen.engine.config.EngineConfig`). ``n > 1`` requests run
+With tensor parallelism the worker thread broadcasts each launched input to the other ranks. ``n > 1`` requests run
 overlapped: their samples are forked in the step that completes the prompt, from a sequence that has no
 placeholder. A block completed by a placeholder is registered in the prefix cache only once its token is known
 (at the update, or the sequence's next scheduling), so a prompt admitted in between cannot hit it yet; with
@@ -42,35 +51,45 @@ blocks of finished sequences freed a step later, admissions may come a step late
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from batchgen.engine.sampler import SamplerOutput
 from batchgen.engine.scheduler import SchedulerOutput
+from batchgen.engine.step_input import ForwardInput, RunnerOutput, StepInput
 
 
-class StepWorker:
-    """Runs launched steps' forward and sampling: in one background thread (torch releases the GIL inside
-    its ops, so the main thread's scheduling overlaps them), or inline at launch (``threaded=False``: the
-    same order of operations without the overlap)."""
+class Runner(Protocol):
+    def execute(self, step: StepInput) -> RunnerOutput: ...
 
-    def __init__(self, threaded: bool = True) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="batchgen-step") if threaded else None
 
-    def submit(self, fn: Callable[[], SamplerOutput]) -> Future[SamplerOutput]:
+class Executor:
+    """Runs step inputs on the runner: inline, or (``pipelined``) in one background thread
+    (torch releases the GIL inside its ops, so the engine's scheduling overlaps them). ``threaded=False``
+    keeps the pipelined engine's order of operations without the thread (a test hook)."""
+
+    def __init__(self, runner: Runner, pipelined: bool = False, threaded: bool = True) -> None:
+        self.runner = runner
+        self.pipelined = pipelined
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="batchgen-step") if pipelined and threaded else None
+        )
+
+    def submit(self, step: StepInput) -> Future[RunnerOutput]:
         if self._pool is not None:
-            return self._pool.submit(fn)
-        future: Future[SamplerOutput] = Future()
+            return self._pool.submit(self._run, step)
+        future: Future[RunnerOutput] = Future()
         try:
-            future.set_result(fn())
+            future.set_result(self._run(step))
         except BaseException as e:  # re-raised by result(), in the caller, like the thread's
             future.set_exception(e)
         return future
+
+    def _run(self, step: StepInput) -> RunnerOutput:
+        return self.runner.execute(step)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -79,19 +98,19 @@ class StepWorker:
 
 @dataclass
 class InFlight:
-    """A launched step: its schedule and its future sampled tokens."""
+    """A launched step: its schedule and its future output."""
 
     out: SchedulerOutput
-    result: Future[SamplerOutput]
+    result: Future[RunnerOutput]
 
 
 @dataclass
 class Prepared:
-    """A step planned while the previous one is in flight: its inputs, and where its placeholders are:
+    """A step planned while the previous one is in flight: its forward, and where its placeholders are:
     flat input index ``dst[i]`` takes the previous step's sampled token of row ``src[i]``."""
 
     out: SchedulerOutput
-    inputs: Any
+    forward: ForwardInput | None
     dst: list[int]
     src: list[int]
 
@@ -105,8 +124,8 @@ def placeholder_rows(out: SchedulerOutput) -> tuple[list[int], list[int]]:
 
 
 def fill_tensors(prepared: Prepared, sampled: Tensor | None) -> tuple[Tensor, Tensor] | None:
-    """``(index, tokens)`` for :meth:`ModelRunner.forward`: the previous step's sampled tokens gathered on
-    their device."""
+    """``(index, tokens)`` of :attr:`StepInput.fill`: the previous step's sampled tokens gathered on their
+    device."""
     if not prepared.dst:
         return None
     if sampled is None:

@@ -1,0 +1,122 @@
+"""The plain-data messages of one step: what the executor runs (:class:`StepInput`) and what it returns
+(:class:`RunnerOutput`).
+
+A step input is built once per step from the scheduler's output (:mod:`batchgen.engine.step_builder`) and
+holds no live engine objects (no sequences, requests or KV manager): block moves as lists of block ids, the
+flat forward tensors, the rows of the logits to sample, to feed beam search and to score as prompt logprobs.
+So the same input can run in this process, in the pipelined executor's thread, or be broadcast to every
+tensor-parallel rank (the :class:`ForwardInput` and :class:`BlockMoves` parts: sampling runs on rank 0 only).
+
+Invariants: ``forward.last`` indexes the packed tokens, one entry per logit row: the ``sampling.num_rows``
+sampled rows, then ``sampling.num_beam_rows`` beam rows; the runner performs ``moves`` in the order
+swap-outs, copies on write, swap-ins, before the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from batchgen.attention import AttentionMetadata
+from batchgen.engine.sampler import SamplingRow, SamplingTensors
+from batchgen.engine.structured import LogitsMask
+from batchgen.kernels.lora import LoRAPlan
+
+
+@dataclass
+class BlockMoves:
+    """KV block copies before the forward: ``swap_out`` ``(gpu, cpu)``, ``copies`` ``(src, dst)`` (copy on
+    write, in list order), ``swap_in`` ``(cpu, gpu)``."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.copies or self.swap_in)
+
+
+@dataclass
+class PromptRows:
+    """Prompt logprobs of one step: packed-token ``index[i]`` predicts prompt token ``targets[i]``; ``top_k``
+    entries (besides the target) are kept per row."""
+
+    index: list[int]
+    targets: list[int]
+    top_k: int
+
+
+@dataclass
+class ForwardInput:
+    """One packed forward (decodes first, then prefill chunks) and the rows of its hidden states whose
+    logits are needed (``last``; ``prompt`` for prompt logprobs)."""
+
+    ids: Tensor
+    positions: Tensor
+    meta: AttentionMetadata
+    last: Tensor
+    num_seqs: int
+    prompt: PromptRows | None = None
+    lora: LoRAPlan | None = None
+    """Each token's LoRA adapter slot (-1: the base model); None: no token of the step has an adapter."""
+
+    def to(self, device: torch.device) -> ForwardInput:
+        m = self.meta
+        meta = AttentionMetadata(
+            slot_mapping=m.slot_mapping.to(device),
+            num_decode_seqs=m.num_decode_seqs,
+            seq_lens=m.seq_lens.to(device),
+            cu_seqlens_q=m.cu_seqlens_q.to(device),
+            block_tables=m.block_tables.to(device),
+            max_seq_len=m.max_seq_len,
+            max_query_len=m.max_query_len,
+        )
+        ids, pos, last = self.ids.to(device), self.positions.to(device), self.last.to(device)
+        return ForwardInput(ids, pos, meta, last, self.num_seqs, self.prompt)
+
+
+@dataclass
+class SamplingInput:
+    """How the first ``num_rows`` logit rows are sampled (``rows`` None: plain rows, ``settings`` None: all
+    greedy), the grammar mask applied first, and how many beam rows follow them."""
+
+    num_rows: int = 0
+    rows: list[SamplingRow] | None = None
+    settings: SamplingTensors | None = None
+    mask: LogitsMask | None = None
+    num_beam_rows: int = 0
+
+
+@dataclass
+class StepInput:
+    """One step. ``fill``: ``(index, tokens)`` device tensors: the input ids at ``index`` are placeholders
+    for the previous step's sampled ``tokens`` (async scheduling), written in before the forward."""
+
+    moves: BlockMoves
+    forward: ForwardInput | None = None
+    sampling: SamplingInput = field(default_factory=SamplingInput)
+    fill: tuple[Tensor, Tensor] | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """The runner's result for :class:`PromptRows`: the target's logprob per row and the top-k per row."""
+
+    chosen: list[float]
+    top_ids: list[list[int]]
+    top_values: list[list[float]]
+
+
+@dataclass
+class RunnerOutput:
+    """What one step produced: ``token_ids[i]`` / ``logprobs[i]`` of sampled row i (``sampled``: the same
+    tokens as a device tensor, for the next step's placeholders), the log-softmax of the beam rows, and the
+    prompt logprobs asked for."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    sampled: Tensor | None = None
+    beam_logprobs: Tensor | None = None
+    prompt_logprobs: PromptLogprobs | None = None
