@@ -11,7 +11,7 @@ import pytest
 import torch
 from lora_helpers import make_adapter, peft_logits, two_adapters
 
-from batchgen.engine.attention import AttentionMetadata, ForwardContext, PagedAttention
+from batchgen.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.kernels.lora import LoRAPlan, LoRAWeights, add_lora_torch
 from batchgen.models import load_model
 from batchgen.models.lora import attach_lora
