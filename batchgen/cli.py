@@ -128,6 +128,14 @@ def _remove_run_dir(run_dir: str) -> None:
             break
 
 
+def assign_lora_modules(args: list[str]) -> list[str]:
+    """``model.lora_modules={name: path, ...}`` (or ``model.lora_modules.name=path``) as ``+model.lora_modules...``:
+    Hydra would merge the mapping key by key into the empty default, which its struct mode refuses for new keys;
+    ``+`` assigns it, as the user means."""
+    lora = ("model.lora_modules=", "model.lora_modules.")
+    return ["+" + a if a.startswith(lora) else a for a in args]
+
+
 def main() -> None:
     """Console entry point (``batchgen``). ``--cfg job`` prints the config with interpolations resolved."""
     startup_trace.mark("imports")
@@ -154,6 +162,7 @@ def main() -> None:
     if problem and not any(a.lstrip("+").startswith("data.shard.count=") for a in argv):
         print(f"batchgen: {problem}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+    sys.argv[1:] = assign_lora_modules(sys.argv[1:])
     MULTIRUN_FAILURES.clear()
     # A log file on a full or vanished disk must not print a traceback per log record: the job reports the
     # problem itself, in one line.

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.outputs import RequestOutput
+from batchgen.lora_request import LoRARequest
 from batchgen.pooling.checkpoint import read_checkpoint, resolve_task
 from batchgen.pooling.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput
 from batchgen.pooling.params import POOLING_TASKS, PoolingParams
@@ -136,8 +137,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs come back in input order."""
+        """Generate for every prompt (strings or token-id lists); outputs come back in input order.
+
+        ``lora_request`` (an engine built with ``enable_lora=True``): one :class:`LoRARequest` for every prompt,
+        or a list with one ``LoRARequest | None`` per prompt (None: the base model). Rows of different adapters
+        run in the same steps. An adapter that cannot be read or applied fails its prompts alone (``error``)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -151,11 +157,17 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
         engine = self.engine
         base = engine.stats.num_requests
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params):
-            engine.add_request(rid, prompt, p)
+        for rid, prompt, p, lora in zip(ids, prompts, params, loras):
+            engine.add_request(rid, prompt, p, lora_request=lora)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         try:

@@ -19,6 +19,7 @@ from batchgen.engine.config import EngineConfig, logprobs_error
 from batchgen.engine.executor import Executor, InFlight, Prepared, fill_tensors, placeholder_rows
 from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager
+from batchgen.engine.lora_manager import LoRAManager
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.output_processor import OutputProcessor, error_output
 from batchgen.engine.outputs import RequestOutput
@@ -34,7 +35,10 @@ from batchgen.engine.structured import is_available as structured_available
 from batchgen.engine.tensor_parallel import TPModelRunner
 from batchgen.engine.tp_launch import TPGroup, WorkerSetup
 from batchgen.engine.tp_launch import start as start_ranks
+from batchgen.lora_request import LoRARequest
+from batchgen.models.llama import CausalLM
 from batchgen.models.loader import check_tensor_parallel, load_model, load_tokenizer
+from batchgen.models.lora import attach_lora
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -127,6 +131,7 @@ class LLMEngine:
             )
         )
         self.tokenizer = load_tokenizer(tokenizer or model)
+        self.lora = self._attach_lora(config) if config.enable_lora else None
         self.max_model_len = _max_model_len(config, self.model.config)
         eos = set(self.model.config.eos_token_ids or [])
         if self.tokenizer.eos_token_id is not None:
@@ -140,7 +145,7 @@ class LLMEngine:
             num_cpu_blocks=num_swap_blocks,
         )
         self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
-        self.scheduler = Scheduler(config, kv, self.stop, self.stats)
+        self.scheduler = Scheduler(config, kv, self.stop, self.stats, self.lora)
         self._structured: StructuredOutputs | None = None  # built by the first constrained request
         self.builder = StepBuilder(
             config, self.max_model_len, self.device, self.stop, lambda: self._structured
@@ -155,6 +160,16 @@ class LLMEngine:
         weakref.finalize(self, self.executor.close)
         self._flights: deque[InFlight] = deque()
         self._sync_ids: set[str | int] = set()
+
+    def _attach_lora(self, config: EngineConfig) -> LoRAManager:
+        """Adapter slots in the model (before the KV cache is sized: they count as weights)."""
+        if not isinstance(self.model, CausalLM):
+            raise ValueError(
+                f"engine.enable_lora=true needs a native architecture ({self.model.config.architecture} runs on "
+                f"transformers' modeling code here); use one of batchgen's native architectures"
+            )
+        slots = attach_lora(self.model, config.max_loras, config.max_lora_rank)
+        return LoRAManager(slots, self.model.config, config.max_cpu_loras)
 
     def _build_runner(self, config: EngineConfig, backend: str) -> tuple[int, int]:
         """The model runner (this process's, or rank 0's under tensor parallelism) with its KV cache and swap
@@ -196,11 +211,15 @@ class LLMEngine:
         *,
         prompt_logprobs_start: int | None = None,
         pooling: PoolingState | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. ``prompt_logprobs_start``: compute the logprobs of the prompt tokens from this
         position on (scoring: the continuation's first token), reusing the prefix cache before it.
         ``pooling``: a prefill-only pooling request (:mod:`batchgen.engine.pooling`; ``params`` ignored) whose
-        pooled hidden state is written into the given state."""
+        pooled hidden state is written into the given state. ``lora_request``: the adapter to run it under
+        (needs ``enable_lora``; an adapter that cannot be read or applied fails this request alone)."""
+        if lora_request is not None and self.lora is None:
+            raise ValueError("a lora_request needs an engine built with enable_lora=True")
         if pooling is not None:
             params = _POOLING_PARAMS
             self.builder.wants_pooling = True
@@ -213,11 +232,15 @@ class LLMEngine:
         )
         request = Request(request_id, token_ids, params, prompt_text, self.tokenizer, self.device)
         request.pooling = pooling
+        request.lora_request = lora_request
         if prompt_logprobs_start is not None or params.prompt_logprobs is not None:
             request.prompt_logprobs_start = prompt_logprobs_start
             self.builder.wants_prompt_logprobs = True
         self.stats.num_requests += 1
         error = self._validate(token_ids, params)
+        if error is None and lora_request is not None:
+            assert self.lora is not None
+            error = self.lora.check(lora_request)
         # A constraint is compiled (cached) now, so a bad schema or regex fails this request alone.
         if error is None and params.constrained:
             error = self.structured.validate(params) if structured_available() else _NO_XGRAMMAR
@@ -259,6 +282,12 @@ class LLMEngine:
         self._sync_ids.discard(request_id)
         if request is not None:
             self.scheduler.abort_request(request)
+            self._release_lora(request)
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_slot >= 0 and self.lora is not None and request.lora_request is not None:
+            self.lora.release(request.lora_request.lora_int_id)
+            request.lora_slot = -1
 
     def has_unfinished(self) -> bool:
         return bool(self._errors) or self.scheduler.has_unfinished() or bool(self._flights)
@@ -373,6 +402,7 @@ class LLMEngine:
         """The output of a request whose every sample finished (texts decoded once, by the output processor)."""
         self.requests.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
+        self._release_lora(request)
         self.stats.num_finished_requests += 1
         return self.outputs.request_output(request)
 

@@ -244,14 +244,20 @@ class ModelRunner:
         if fill is not None:
             ids[fill[0]] = fill[1]
         nd = meta.num_decode_seqs
-        if self.pad_decodes and fwd.pool is None and nd == fwd.num_seqs and nd <= self.buckets[-1]:
+        if (
+            self.pad_decodes
+            and fwd.pool is None
+            and fwd.lora is None
+            and nd == fwd.num_seqs
+            and nd <= self.buckets[-1]
+        ):
             bucket = next(b for b in self.buckets if b >= nd)
             ids, pos, meta = self.pad_decode_batch(ids, pos, meta, bucket)
             if self.use_cuda_graphs and not self._graphs_failed:
                 hidden = self._run_graph(ids, pos, meta, bucket)
                 if hidden is not None:
                     return self.model.compute_logits(hidden[last]).float(), None, None
-        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache))
+        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache, lora=fwd.lora))
         prompt = prompt_logprobs.compute(self.model, hidden, fwd.prompt) if fwd.prompt else None
         pooled = pooling.compute(hidden, fwd.pool) if fwd.pool else None
         return self.model.compute_logits(hidden[last]).float(), prompt, pooled

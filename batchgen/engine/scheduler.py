@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
@@ -45,6 +46,9 @@ from batchgen.engine.prompt_logprobs import cache_lookup_tokens
 from batchgen.engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.stop import StopRules
+
+if TYPE_CHECKING:
+    from batchgen.engine.lora_manager import LoRAManager
 
 
 @dataclass(slots=True)
@@ -137,8 +141,16 @@ Unit = list[Sequence]
 class Scheduler:
     """Owns the waiting queue, the running list, the swapped queue and the KV cache manager."""
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, stop: StopRules, stats: EngineStats) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        stop: StopRules,
+        stats: EngineStats,
+        lora: LoRAManager | None = None,
+    ) -> None:
         self.config = config
+        self.lora = lora  # LoRA slots: a request is admitted only once its adapter can be made resident
         self.kv = kv
         self.stop = stop
         self.stats = stats
@@ -450,9 +462,15 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> None:
         """Admit waiting units while budget, sequence cap and blocks (above the watermark) allow."""
         slots = self._seq_slots()
+        held: list[Sequence] = []  # first admissions whose adapter has no slot now: they keep their place
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             request = seq.request
+            if request.lora_request is not None and request.lora_slot < 0:
+                assert self.lora is not None
+                if not self.lora.can_acquire(request.lora_request.lora_int_id):
+                    held.append(self.waiting.popleft())
+                    continue
             beam = request.beam
             if beam is not None and len(beam.beams) > 1:
                 if slots + len(beam.beams) > self.config.max_num_seqs and self.running:
@@ -474,10 +492,15 @@ class Scheduler:
                 break
             reserve = self.watermark_blocks if self.running else 0
             lookup = cache_lookup_tokens(seq)  # prompt logprobs cap the prefix-cache hit
-            num_cached = self.kv.allocate(seq.seq_id, lookup, seq.num_tokens, reserve_blocks=reserve)
+            num_cached = self.kv.allocate(
+                seq.seq_id, lookup, seq.num_tokens, reserve_blocks=reserve, root=request.cache_root
+            )
             if num_cached is None:
                 break
             self.waiting.popleft()
+            if request.lora_request is not None and request.lora_slot < 0:
+                assert self.lora is not None  # pinned until the request ends (LLMEngine releases it)
+                request.lora_slot = self.lora.acquire(request.lora_request.lora_int_id)
             seq.status = SequenceStatus.RUNNING
             seq.admitted_at = next(self._admissions)
             seq.num_computed_tokens = num_cached
@@ -490,6 +513,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_cached, budget)
             self._add(out, seq, num_new, scheduled)
             budget -= num_new
+        self.waiting.extendleft(reversed(held))
 
     def _admit_beam_group(
         self, out: SchedulerOutput, scheduled: set[int], unit: Unit, budget: int
@@ -509,7 +533,7 @@ class Scheduler:
                 if n > shared:
                     parent, shared = i, n
             if parent is None:
-                cost += kv.allocate_cost(s.token_ids, s.num_tokens)
+                cost += kv.allocate_cost(s.token_ids, s.num_tokens, s.request.cache_root)
             else:
                 cost += _cdiv(s.num_tokens, bs) - shared // bs
             plan.append((parent, shared))
@@ -520,7 +544,7 @@ class Scheduler:
         ok = True
         for s, (parent, shared) in zip(unit, plan):
             if parent is None:
-                num_cached = kv.allocate(s.seq_id, s.token_ids, s.num_tokens)
+                num_cached = kv.allocate(s.seq_id, s.token_ids, s.num_tokens, root=s.request.cache_root)
                 if num_cached is None:
                     ok = False
                     break

@@ -14,6 +14,7 @@ from batchgen.engine.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from batchgen.engine.beam import BeamSearch
+    from batchgen.lora_request import LoRARequest
     from batchgen.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -73,6 +74,18 @@ class Request:
         self.plain_sampling = self.plain_greedy or (
             not p.needs_penalties and p.logprobs is None and p.min_tokens == 0 and p.seed is None
         )
+
+    # LoRA: the request's adapter (None: the base model) and its slot while pinned (-1: not pinned).
+    lora_request: LoRARequest | None = None
+    lora_slot: int = -1
+
+    @property
+    def cache_root(self) -> bytes | None:
+        """Root of the request's prefix-cache hash chain: the adapter's (None: the base model's), so the same
+        prompt under two adapters shares no block."""
+        if self.lora_request is None:
+            return None
+        return hashlib.sha256(f"lora:{self.lora_request.lora_int_id}".encode()).digest()
 
     # Prompt logprobs (batchgen.engine.prompt_logprobs): wanted from this position on (None: only if
     # params.prompt_logprobs), and the entries computed so far (one per prompt token, entry 0 None).

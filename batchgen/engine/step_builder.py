@@ -40,6 +40,7 @@ class StepBuilder:
         self.input_batch = InputBatch(
             config.max_num_batched_tokens, config.max_num_seqs, width, config.block_size, device
         )
+        self.input_batch.with_lora = config.enable_lora
         self.sampling_batch = SamplingBatch(config.max_num_seqs)
         self.stop = stop
         self._structured = structured
@@ -59,7 +60,9 @@ class StepBuilder:
         step = self.input_batch.build(out)
         prompt = prompt_logprobs.plan(out)[1] if self.wants_prompt_logprobs else None
         pool = pooling.plan(out)[1] if self.wants_pooling else None
-        return ForwardInput(step.ids, step.positions, step.meta, step.last, len(out.seqs), prompt, pool)
+        return ForwardInput(
+            step.ids, step.positions, step.meta, step.last, len(out.seqs), prompt, pool=pool, lora=step.lora
+        )
 
     def sampling_input(self, out: SchedulerOutput) -> SamplingInput:
         """How the step's logit rows are sampled (built when the sampled sequences hold every token so far)."""

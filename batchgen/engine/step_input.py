@@ -22,6 +22,7 @@ from torch import Tensor
 from batchgen.attention import AttentionMetadata
 from batchgen.engine.sampler import SamplingRow, SamplingTensors
 from batchgen.engine.structured import LogitsMask
+from batchgen.kernels.lora import LoRAPlan
 
 
 @dataclass
@@ -69,6 +70,8 @@ class ForwardInput:
     num_seqs: int
     prompt: PromptRows | None = None
     pool: PoolRows | None = None
+    lora: LoRAPlan | None = None
+    """Each token's LoRA adapter slot (-1: the base model); None: no token of the step has an adapter."""
 
     def to(self, device: torch.device) -> ForwardInput:
         m = self.meta

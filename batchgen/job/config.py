@@ -59,6 +59,8 @@ class ModelOptions:
     """Weights and activations dtype: auto (the engine's choice for the checkpoint and device), float32, bfloat16 or float16."""
     implementation: str = "auto"
     """Model code: auto (batchgen's native code when it has the architecture, else transformers' modeling code over batchgen's paged attention), native, or transformers."""
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters the rows may name in data.lora_column: {name: PEFT adapter directory}, e.g. model.lora_modules='{sql: /adapters/sql, chat: /adapters/chat}'. Turns on engine.enable_lora. An adapter that cannot be read fails its rows (error rows), not the job."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -108,6 +110,8 @@ class DataOptions:
     """Discard batchgen's files (parts, manifest, report) already in the output directory instead of resuming or refusing."""
     retry_errors: bool = False
     """On resume, recompute the error rows caused by the run's resources or settings (KV pool too small, engine.max_model_len, a chat template or tokenizer that failed, unreadable input) and rewrite their parts atomically; engine.max_model_len and the chat template may change for it. Errors in the data itself (null, empty, wrong type, invalid UTF-8) stay."""
+    lora_column: str | None = None
+    """String column naming each row's LoRA adapter (a key of model.lora_modules); null values run on the base model; an unknown name makes the row an error row."""
     parse_json: bool = False
     """With sampling.json_schema: also write each output parsed into a typed 'generated_json' column (a struct
     with Arrow types from the schema: integer→int64, number→float64, string→string, boolean→bool,
@@ -237,6 +241,7 @@ def validate(cfg: JobConfig) -> None:
     too_many = logprobs_error(cfg.sampling.logprobs, cfg.sampling.prompt_logprobs, cfg.engine.max_logprobs)
     if too_many is not None:
         raise ConfigError(f"sampling.{too_many}")
+    _validate_lora(cfg)
 
 
 def _validate_score_sampling(s: SamplingParams) -> None:
@@ -252,6 +257,24 @@ def _validate_score_sampling(s: SamplingParams) -> None:
         raise ConfigError(
             "structured outputs (sampling.json_schema/regex/choice/grammar) do not apply to task=score"
         )
+
+
+def _validate_lora(cfg: JobConfig) -> None:
+    modules, column = cfg.model.lora_modules, cfg.data.lora_column
+    if column and not modules:
+        raise ConfigError(
+            f"data.lora_column={column!r} names adapters but model.lora_modules is empty; set "
+            "model.lora_modules='{name: /path/to/adapter, ...}'"
+        )
+    for name, path in (modules or {}).items():
+        if not str(name).strip() or not str(path).strip():
+            raise ConfigError(
+                f"model.lora_modules: {name!r}: {path!r}: give every adapter a name and a directory"
+            )
+    if column and cfg.task == "score":
+        raise ConfigError("task=score does not support data.lora_column yet; score with the base model")
+    if column and column in RESERVED_COLUMNS:
+        raise ConfigError(f"data.lora_column: {column!r} is an output column name of batchgen; rename it")
 
 
 def _validate_data(d: DataOptions) -> None:
@@ -378,4 +401,6 @@ def to_job_config(cfg: Any) -> JobConfig:
             job.sampling.stop = [decode_escapes(s) for s in stop]
         job.task = str(cfg.get("task", "generate"))
     validate(job)
+    if job.model.lora_modules and not job.engine.enable_lora:  # adapters named: the engine serves them
+        job.engine = dataclasses.replace(job.engine, enable_lora=True)
     return job

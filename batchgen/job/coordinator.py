@@ -231,7 +231,7 @@ class Coordinator:
                 if work.results[pos] is None:
                     row = work.rows[pos]
                     self.where[row.row_index] = (work, pos)
-                    requests.append((row.row_index, row.token_ids, row.params))
+                    requests.append((row.row_index, row.token_ids, row.params, row.lora))
             slot.windows.append(work.spec.index)
             self.executor.send(r, [WindowRequests(work.spec.index, requests)])
 

@@ -38,6 +38,7 @@ from batchgen.data.structured import arrow_type
 from batchgen.engine.config import parse_bytes
 from batchgen.errors import ConfigError
 from batchgen.job.config import POOLING_TASKS, DataOptions, JobConfig
+from batchgen.lora_request import LoRARequest
 
 DEFAULT_SAMPLING_COLUMN = "sampling"
 RETRY_KEYS = ("engine.max_model_len", "model.chat_template")
@@ -204,10 +205,13 @@ def _check_columns(d: DataOptions, inp: InputSet) -> tuple[list[str], str | None
         _require_column(inp, c, "data.keep_columns")
     if d.continuation_column:
         _require_column(inp, d.continuation_column, "data.continuation_column")
+    if d.lora_column:
+        _require_column(inp, d.lora_column, "data.lora_column")
     sampling_col = _sampling_column(d, inp)
     columns = [source] + ([d.id_column] if d.id_column else []) + list(d.keep_columns)
     columns += [sampling_col] if sampling_col else []
     columns += [d.continuation_column] if d.continuation_column else []
+    columns += [d.lora_column] if d.lora_column else []
     return list(dict.fromkeys(columns)), sampling_col
 
 
@@ -302,8 +306,17 @@ def _fingerprint_config(
         score = {"task": "score", "continuation_column": d.continuation_column}
     elif cfg.task in POOLING_TASKS:
         score = {"task": cfg.task, "pooling": dataclasses.asdict(cfg.pooling)}
+    lora = {}
+    if cfg.model.lora_modules:  # the adapters change the output: a rerun with others does not resume
+        lora = {
+            "lora": {
+                "modules": {n: r.lora_path for n, r in lora_requests(cfg).items()},
+                "column": d.lora_column,
+            }
+        }
     return {
         **score,
+        **lora,
         "model": model,
         "data": {
             "prompt_column": None if d.messages_column else d.prompt_column,
@@ -370,6 +383,14 @@ def _hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def lora_requests(cfg: JobConfig) -> dict[str, LoRARequest]:
+    """``model.lora_modules`` as the engine's requests: ids 1..N in name order, absolute paths."""
+    return {
+        name: LoRARequest(name, i + 1, os.path.abspath(os.path.expanduser(path)))
+        for i, (name, path) in enumerate(sorted((cfg.model.lora_modules or {}).items()))
+    }
+
+
 def plan_job(cfg: JobConfig) -> JobPlan:
     """Resolve input, columns, shard, windows, model and fingerprints; raises ConfigError on any problem."""
     d = cfg.data
@@ -396,6 +417,8 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         id_column=d.id_column,
         sampling_column=sampling_col,
         base_sampling=cfg.sampling,
+        lora_column=d.lora_column,
+        lora_requests=lora_requests(cfg),
     )
     return JobPlan(
         cfg=cfg,

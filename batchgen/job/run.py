@@ -218,6 +218,7 @@ class _Job:
         self.stop.grace_s = job.run.stop_grace_s
         self.out_dir = job.data.output
         plan = self.plan = plan_job(job)
+        self.tally.lora = bool(job.model.lora_modules)
         startup_trace.mark("plan")
         d = job.data
         outdir = self.outdir = open_output_dir(
@@ -280,7 +281,7 @@ class _Job:
                 for p in work.todo_positions:
                     r = work.rows[p]
                     if r.error is not None:
-                        self._count(False, r.error)
+                        self._count(False, r.error, r.lora_name)
             return work
 
         self._generate(engine, next_window)
@@ -408,13 +409,15 @@ class _Job:
         )
         return self._finish(report)
 
-    def _count(self, ok: bool, error: str | None) -> None:
+    def _count(self, ok: bool, error: str | None, lora_name: str | None = None) -> None:
         self.tally.count(ok, error)
+        self.tally.adapter_row(lora_name, ok)
         if self.progress is not None:
             self.progress.update(1)
 
     def _on_output(self, work: WindowWork, pos: int, out: RequestOutput) -> None:
         ok = self.tally.engine_output(out)
+        self.tally.adapter_row(work.rows[pos].lora_name, ok)
         if self.progress is not None:
             self.progress.update(1)
         assert self.gate is not None
