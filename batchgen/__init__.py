@@ -8,7 +8,11 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "__version__"]
+from batchgen.engine import threads as _threads  # noqa: E402  (no torch: imports only os and sys)
+
+_threads.prepare()  # before torch loads OpenMP: its wait policy can only be chosen now (engine/threads.py)
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):
@@ -21,6 +25,10 @@ def __getattr__(name: str):
         from batchgen.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from batchgen.lora_request import LoRARequest
+
+        return LoRARequest
     if name == "EngineConfig":
         from batchgen.engine.config import EngineConfig
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from batchgen.kernels import torch_backend, triton_available
+from batchgen.kernels.lora import LoRAPlan
 from batchgen.kernels.options import AttentionOptions  # re-exported: models build one per layer
 from batchgen.kernels.paged_kv import PagedKV
 
@@ -77,6 +78,8 @@ class ForwardContext:
     attn: PagedAttention
     meta: AttentionMetadata
     kv_cache: Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    lora: LoRAPlan | None = None
+    """Each token's LoRA adapter slot (:mod:`batchgen.models.lora`); None: the base model for every token."""
 
 
 class AttentionBackend(Protocol):

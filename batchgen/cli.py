@@ -30,27 +30,10 @@ def _interrupted_while_starting(signum: int, frame: object) -> None:
     os._exit(75)
 
 
-def _default_omp_wait_policy() -> None:
-    """Before torch loads OpenMP: on cores already busy with other processes (1-minute load average >= the CPUs
-    this process may use), idle OpenMP workers sleep (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning, since
-    spinning threads then stall each other (the demo generating 200 tokens a row: 8 s instead of 49-57 s).
-    On idle cores spinning is kept (there it is 1.5x faster). An ``OMP_WAIT_POLICY`` already set is kept.
-    Figures: BENCHMARKS.md, "Start-up time"."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        return
-    try:
-        busy = os.getloadavg()[0] >= len(os.sched_getaffinity(0))
-    except (OSError, AttributeError):  # no load average or affinity on this platform
-        return
-    if busy:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-
-
 if os.path.basename(sys.argv[0] if sys.argv else "") in ("batchgen", "cli.py"):
     # Run as the command (not imported): a Ctrl-C while the imports below load is one line and exit 75, not a
     # traceback; main() hands SIGINT back to Python (KeyboardInterrupt, handled there) and the job's handlers.
     signal.signal(signal.SIGINT, _interrupted_while_starting)
-    _default_omp_wait_policy()
 
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -145,6 +128,14 @@ def _remove_run_dir(run_dir: str) -> None:
             break
 
 
+def assign_lora_modules(args: list[str]) -> list[str]:
+    """``model.lora_modules={name: path, ...}`` (or ``model.lora_modules.name=path``) as ``+model.lora_modules...``:
+    Hydra would merge the mapping key by key into the empty default, which its struct mode refuses for new keys;
+    ``+`` assigns it, as the user means."""
+    lora = ("model.lora_modules=", "model.lora_modules.")
+    return ["+" + a if a.startswith(lora) else a for a in args]
+
+
 def main() -> None:
     """Console entry point (``batchgen``). ``--cfg job`` prints the config with interpolations resolved."""
     startup_trace.mark("imports")
@@ -171,6 +162,7 @@ def main() -> None:
     if problem and not any(a.lstrip("+").startswith("data.shard.count=") for a in argv):
         print(f"batchgen: {problem}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+    sys.argv[1:] = assign_lora_modules(sys.argv[1:])
     MULTIRUN_FAILURES.clear()
     # A log file on a full or vanished disk must not print a traceback per log record: the job reports the
     # problem itself, in one line.

@@ -10,6 +10,11 @@ from tqdm.auto import tqdm
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.outputs import RequestOutput
+from batchgen.lora_request import LoRARequest
+from batchgen.pooling.checkpoint import read_checkpoint, resolve_task
+from batchgen.pooling.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput
+from batchgen.pooling.params import POOLING_TASKS, PoolingParams
+from batchgen.pooling_runner import PoolingRunner
 from batchgen.sampling_params import SamplingParams
 from batchgen.scoring import Score, rolling_loglikelihood, score_token_pairs, split_pair
 
@@ -24,6 +29,11 @@ class LLM:
     when it has one for the architecture, else transformers' modeling code over batchgen's paged attention),
     ``"native"`` or ``"transformers"``.
 
+    ``task``: ``"auto"`` (default: from the checkpoint — a ``*ForSequenceClassification`` architecture
+    classifies, a sentence-transformers layout or a bare backbone / encoder embeds, anything else generates; the
+    choice is logged), ``"generate"``, ``"embed"`` or ``"classify"``. Pooling tasks use :meth:`embed` /
+    :meth:`classify`.
+
     >>> llm = LLM("/path/to/checkpoint", kv_cache_memory="1GiB")
     >>> outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
     """
@@ -34,6 +44,7 @@ class LLM:
         dtype: str = "auto",
         tokenizer: str | None = None,
         model_impl: str = "auto",
+        task: str = "auto",
         **engine_options,
     ) -> None:
         known = {f.name for f in fields(EngineConfig)}
@@ -45,21 +56,94 @@ class LLM:
                 "data_parallel_size > 1: an LLM is one engine in this process; run several replicas with the "
                 "job (engine.data_parallel_size=N) or with Ray Data (batchgen.ray.Generator, concurrency=N)"
             )
-        self.engine = LLMEngine(
-            model, EngineConfig(**engine_options), dtype=dtype, tokenizer=tokenizer, implementation=model_impl
-        )
+        config = EngineConfig(**engine_options)
+        self.task = resolve_task(model, task)
+        self.pooler: PoolingRunner | None = None
+        if self.task in POOLING_TASKS:
+            self.pooler = PoolingRunner(read_checkpoint(model), self.task, config, dtype, tokenizer)
+            self.engine = self.pooler.engine  # None for encoders (they run outside the paged engine)
+        else:
+            self.engine = LLMEngine(
+                model, config, dtype=dtype, tokenizer=tokenizer, implementation=model_impl
+            )
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.pooler.tokenizer if self.pooler is not None else self.engine.tokenizer
+
+    # ---------------------------------------------------------------------------------------- pooling
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (strings or token-id lists), in input order: ``out.outputs.embedding``.
+        ``pooling``: ``last`` / ``mean`` / ``cls`` (None: the checkpoint's sentence-transformers pooling, else
+        CLS for encoders, the last token for decoders); ``normalize``: L2-normalise (None: the checkpoint's
+        choice, True when it has none); ``dimensions``: keep the first values (Matryoshka; normalised after).
+        Instruction prefixes ("Instruct: ...\nQuery: ") are plain text; decoder rows sharing one compute it
+        once with last-token pooling. A row that cannot run has ``error`` set."""
+        runner = self._pooler("embed")
+        spec = runner.spec(PoolingParams(pooling, normalize, dimensions))
+        return self._pool(runner, prompts, spec, "embed", use_tqdm)
+
+    def classify(
+        self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True
+    ) -> list[PoolingRequestOutput]:
+        """Class scores of a ``*ForSequenceClassification`` checkpoint, in input order: ``out.outputs.probs``
+        (softmax over ``id2label``; a one-label reward/regression head gives its raw score) and
+        ``out.outputs.label`` (the most likely label's name)."""
+        runner = self._pooler("classify")
+        return self._pool(runner, prompts, runner.spec(None), "classify", use_tqdm)
+
+    def reward(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """:meth:`classify` for a reward model (one-label head): ``out.outputs.score``."""
+        return self.classify(prompts, use_tqdm)
+
+    def _pooler(self, task: str) -> PoolingRunner:
+        if self.pooler is None or self.pooler.task != task:
+            raise ValueError(
+                f"this LLM was loaded for task={self.task!r}; load it with LLM(path, task={task!r}) to {task}"
+            )
+        return self.pooler
+
+    def _pool(self, runner, prompts, spec, task: str, use_tqdm: bool) -> list[PoolingRequestOutput]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        token_lists = _token_lists(runner.tokenizer, list(prompts))
+        bar = tqdm(total=len(token_lists), desc=task, disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            rows = runner.run(token_lists, spec, on_done=bar.update)
+        finally:
+            bar.close()
+        outs = []
+        for i, (toks, row) in enumerate(zip(token_lists, rows)):
+            if row.error is not None:
+                value = None
+            elif task == "embed":
+                value = EmbeddingOutput(row.values)
+            else:
+                value = ClassificationOutput(row.values, row.label)
+            outs.append(PoolingRequestOutput(f"{task}-{i}", toks, value, row.error))
+        return outs
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs come back in input order."""
+        """Generate for every prompt (strings or token-id lists); outputs come back in input order.
+
+        ``lora_request`` (an engine built with ``enable_lora=True``): one :class:`LoRARequest` for every prompt,
+        or a list with one ``LoRARequest | None`` per prompt (None: the base model). Rows of different adapters
+        run in the same steps. An adapter that cannot be read or applied fails its prompts alone (``error``)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -73,11 +157,17 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
         engine = self.engine
         base = engine.stats.num_requests
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params):
-            engine.add_request(rid, prompt, p)
+        for rid, prompt, p, lora in zip(ids, prompts, params, loras):
+            engine.add_request(rid, prompt, p, lora_request=lora)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         try:
@@ -154,3 +244,14 @@ class LLM:
         max_len = min(max_length or self.engine.max_model_len - 2, self.engine.max_model_len - 2)
         toks = [tok.encode(t, add_special_tokens=False) for t in texts]
         return rolling_loglikelihood(self.engine, toks, prefix, max_len, use_tqdm)
+
+
+def _token_lists(tokenizer, prompts: list) -> list[list[int]]:
+    """Token ids of each prompt: strings tokenised in one batch, token-id lists as given."""
+    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+    out = [None if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    if texts:
+        ids = tokenizer([prompts[i] for i in texts], return_attention_mask=False)["input_ids"]
+        for i, t in zip(texts, ids):
+            out[i] = list(t)
+    return out  # type: ignore[return-value]

@@ -88,6 +88,7 @@ def test_throughput_smoke(tmp_path) -> None:
         "model.intermediate_size=64",
         "engine.kv_cache_memory=16MiB",
         "systems=[batchgen,hf_generate,hf_generate_batch,vllm]",
+        f"python.vllm={tmp_path / 'no-venv' / 'bin' / 'python'}",
         "check=true",
         "check_max_tokens=8",
         "check_model.hidden_size=32",
@@ -117,7 +118,7 @@ def test_throughput_smoke(tmp_path) -> None:
         assert s["mismatch_rows"] == 0, (name, s.get("mismatch_examples"))
         assert s["generated_tokens_produced"] == s["generated_tokens"]
         assert s["gen_tok_s"] > 0 and 0 < s["mfu"] < 1
-    assert systems["vllm"]["status"] == "skipped"
+    assert systems["vllm"]["status"] == "skipped" and "not found" in systems["vllm"]["reason"]
     assert systems["batchgen"]["via"].startswith("pipeline")
     assert systems["batchgen"]["kv_sizing"]["source"] == "engine.kv_cache_memory=16MiB"
     steps = systems["batchgen"]["engine_stats"]["num_steps"]

@@ -23,7 +23,14 @@ bad = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b
 print(",".join(bad))
 """
 
-_ABOVE_ENGINE = ["batchgen.llm", "batchgen.data", "batchgen.job", "batchgen.bench", "batchgen.cli"]
+_ABOVE_ENGINE = [
+    "batchgen.llm",
+    "batchgen.pooling_runner",
+    "batchgen.data",
+    "batchgen.job",
+    "batchgen.bench",
+    "batchgen.cli",
+]
 _ABOVE_MODELS = ["batchgen.engine", *_ABOVE_ENGINE]
 _ABOVE_ATTENTION = ["batchgen.models", *_ABOVE_MODELS]
 _ABOVE_KERNELS = ["batchgen.attention", *_ABOVE_ATTENTION]
@@ -32,6 +39,7 @@ LAYERS = [
     ("batchgen.kernels", _ABOVE_KERNELS),
     ("batchgen.attention", _ABOVE_ATTENTION),
     ("batchgen.models", _ABOVE_MODELS),
+    ("batchgen.pooling", _ABOVE_MODELS),  # pooling heads, checkpoints and encoders sit beside the models
     ("batchgen.engine", _ABOVE_ENGINE),
 ]
 

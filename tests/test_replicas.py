@@ -95,19 +95,31 @@ def test_two_replicas_identical_to_one_engine(llama_ckpt: str, dataset: Path, si
     assert res.report["run"]["rows"] == 27 and res.report["tokens"]["generated"] > 0
 
 
-def test_sigkilled_replica_is_replaced_then_past_the_bound_exits_75(
-    llama_ckpt, dataset, single, tmp_path, monkeypatch
-):
-    """The first SIGKILL (mid-window) is absorbed: windows requeued, a replacement started; the second (the
-    replacement, as it starts) is one more than run.max_replica_restarts=1: exit 75 with every finished
-    row saved; a rerun completes exactly once."""
-    killer = KillingReplicas(victim=0, after=1, times=2)
+def test_sigkilled_replica_is_replaced(llama_ckpt, dataset, single, tmp_path, monkeypatch):
+    """A SIGKILL mid-window (rows of its windows unfinished) is absorbed: the windows go back to the queue, a
+    replacement starts (1 of run.max_replica_restarts=1), and the output is identical to one engine's."""
+    killer = KillingReplicas(victim=0, after=1, times=1)
     monkeypatch.setattr(replica_job, "make_executor", lambda cfg: killer)
     out = tmp_path / "out"
     res = run_job(_cfg(llama_ckpt, dataset, out, dp=2, restarts=1), handle_signals=False, print_summary=False)
-    assert killer.killed == 2
+    assert killer.killed == 1
+    assert res.exit_code == EXIT_OK, res.message
+    assert part_contents(out) == part_contents(single)
+    _rows_exactly_once(out, 27)
+
+
+def test_sigkilled_replica_past_the_bound_exits_75_and_rerun_completes(
+    llama_ckpt, dataset, single, tmp_path, monkeypatch
+):
+    """With run.max_replica_restarts=0, the first loss of a replica with unfinished windows is past the
+    bound: exit 75 with every finished row saved; a rerun completes exactly once."""
+    killer = KillingReplicas(victim=0, after=1, times=1)
+    monkeypatch.setattr(replica_job, "make_executor", lambda cfg: killer)
+    out = tmp_path / "out"
+    res = run_job(_cfg(llama_ckpt, dataset, out, dp=2, restarts=0), handle_signals=False, print_summary=False)
+    assert killer.killed == 1
     assert res.exit_code == EXIT_INTERRUPTED, res.message
-    assert "run.max_replica_restarts=1" in res.message and "2 replicas lost" in res.message
+    assert "run.max_replica_restarts=0" in res.message and "1 replica(s) lost" in res.message
     monkeypatch.undo()
     res = run_job(_cfg(llama_ckpt, dataset, out, dp=1), handle_signals=False, print_summary=False)
     assert res.exit_code == EXIT_OK, res.message

@@ -22,7 +22,8 @@ Systems (all greedy, float32 by default, ``ignore_eos`` so every row generates e
   the manager directly (``continuous_batching_context_manager`` + ``add_request(max_new_tokens=...)``).
 * ``ct2``: CTranslate2 (float32, its converter on the same checkpoint, its best batch size from a small sweep;
   :mod:`batchgen.bench.ct2`), skipped with the reason without the ``bench-ct2`` extra.
-* ``vllm``: vLLM's offline ``LLM.generate`` with prefix caching, when importable and CUDA is present.
+* ``vllm`` is not run here: it runs as :mod:`batchgen.bench.vllm_child` under its own interpreter (vLLM pins its
+  own torch and transformers; :mod:`batchgen.bench.launch` starts it).
 * ``matmul``: not a system; measures achieved matmul FLOP/s at the model's shapes (for MFU).
 * ``greedy_check``: not a system; greedy equality of batchgen's attention backends (Triton on CUDA, torch) and
   transformers in float32 (:func:`run_greedy_check`, the throughput benchmark's ``check=true``).
@@ -51,7 +52,7 @@ from batchgen.bench.gpu_idle import ForwardEvents
 
 T = TypeVar("T")
 
-SYSTEMS = ("batchgen", "batchgen_nogroup", "batchgen_llm", "hf_generate", "hf_generate_batch", "ct2", "vllm")
+SYSTEMS = ("batchgen", "batchgen_nogroup", "batchgen_llm", "hf_generate", "hf_generate_batch", "ct2")
 
 
 class Skip(Exception):
@@ -255,6 +256,7 @@ def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, 
         walls.append(wall)
         peak = max(peak, mem_peak)
         res.update(engine_stats=engine.stats.delta(before).to_dict(), timeline=tl.to_dict(), kv_sizing=sizing)
+        res["thread_policy"] = engine.thread_policy.reason
         res.update(tokens=tokens, cached=cached, gpu_idle=idle.summary(wall) if idle else None)
         del engine
     ids = w["ids"]
@@ -272,6 +274,7 @@ def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, 
             "group_by_prefix": group if system != "batchgen_llm" else None,
             "engine": asdict(_engine_config(spec)),
             "window_rows": spec["window_rows"],
+            "threads": res.get("thread_policy"),
         },
     }
 
@@ -568,41 +571,6 @@ def run_hf_generate_batch(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise Skip("vLLM needs a CUDA device")
-    try:
-        from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
-    except ImportError as e:
-        raise Skip(f"vllm is not installed ({e})") from e
-    w = _load_workload(spec)
-    llm = LLM(model=spec["model_path"], dtype=spec["dtype"], enable_prefix_caching=True, seed=0)
-    params = [SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True) for mt in w["max_tokens"]]
-    prompts = [{"prompt_token_ids": p} for p in w["token_ids"]]
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)
-    walls, tokens = [], []
-    for _ in range(spec["repeats"]):
-        llm.reset_prefix_cache()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t0)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return {
-        "via": "vllm.LLM.generate (prefix caching on)",
-        "wall_s": walls,
-        "token_ids": tokens,
-        "prompt_tokens_cached": None,
-        "cached_per_row": None,
-        "peak_rss": rss_bytes(),
-        "base_rss": 0,
-        "settings": {"enable_prefix_caching": True},
-    }
-
-
 # ------------------------------------------------------------------------------------ greedy check
 CHECK_PROMPT_LENS = (1, 15, 16, 17, 100, 300)
 
@@ -715,8 +683,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             from batchgen.bench.ct2 import run_ct2
 
             res = run_ct2(spec)
-        elif system == "vllm":
-            res = run_vllm(spec)
         else:
             raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
         res["status"] = "ok"

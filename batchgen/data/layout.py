@@ -56,6 +56,9 @@ RESERVED_COLUMNS = (
     "logprobs",
     "constraint_satisfied",
     "generated_json",
+    "embedding",
+    "probs",
+    "label",
 )
 """Output column names the writer owns; kept input columns may not reuse them (except ``id`` as the id)."""
 

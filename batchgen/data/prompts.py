@@ -10,7 +10,9 @@ A row becomes an *error row* (never an exception, never dropped) when:
 - the prompt has no tokens, or ``num_prompt_tokens >= max_model_len`` (at least one generated token must
   fit: generation stops with ``finish_reason="length"`` when the sequence reaches max_model_len);
 - its per-row sampling overrides are invalid (unknown field, bad value, or ``n``);
-- ``data.id_column`` is set and the row's id is null.
+- ``data.id_column`` is set and the row's id is null;
+- ``data.lora_column`` is set and the row's adapter name is not a string or not a key of ``model.lora_modules``
+  (null: the base model).
 
 Tokenization is one batched call of the fast tokenizer per window. Plain prompts are tokenized like the
 engine tokenizes a string prompt (``tokenizer.encode(text)``, special tokens added as the tokenizer
@@ -38,6 +40,7 @@ import pyarrow as pa
 
 from batchgen.chat import normalize_messages
 from batchgen.data.values import safe_pylist
+from batchgen.lora_request import LoRARequest
 from batchgen.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
@@ -55,6 +58,8 @@ class PromptSpec:
     sampling_column: str | None = None  # effective: None when absent from the input
     base_sampling: SamplingParams = field(default_factory=SamplingParams)  # the job's sampling.*
     max_model_len: int = 1 << 30
+    lora_column: str | None = None
+    lora_requests: dict[str, LoRARequest] = field(default_factory=dict)  # adapter name -> request
 
 
 @dataclass
@@ -73,6 +78,10 @@ class PromptRow:
     """Prompt length in tokens once tokenized (also set for rows rejected as too long)."""
     retryable: bool = False
     """The error comes from the run's resources or settings, not from the row's data (see the module doc)."""
+    lora: LoRARequest | None = None
+    """The row's LoRA adapter (None: the base model)."""
+    lora_name: str | None = None
+    """The adapter name the row gives (also when unknown: the report counts rows by it)."""
 
     @property
     def ok(self) -> bool:
@@ -252,6 +261,30 @@ def _row_params(rows: list[PromptRow], overrides: list[Any] | None, base: Sampli
             r.fail(f"invalid sampling override: {e}")
 
 
+def _row_adapters(rows: list[PromptRow], names: list[Any] | None, spec: PromptSpec) -> None:
+    """Each valid row's adapter from its name in the LoRA column (null: the base model)."""
+    assert names is not None
+    known = spec.lora_requests
+    for r in rows:
+        name = names[r.position]
+        if name is None:
+            continue
+        if r.error:
+            r.lora_name = name if isinstance(name, str) else None
+            continue
+        if isinstance(name, str):
+            r.lora_name = name
+        if not isinstance(name, str):
+            r.fail(f"LoRA column {spec.lora_column!r} holds a {_type_name(name)}; expected an adapter name")
+        elif name not in known:
+            r.fail(
+                f"unknown LoRA adapter {name!r} in column {spec.lora_column!r}: model.lora_modules has "
+                f"{', '.join(sorted(known)) or 'none'}"
+            )
+        else:
+            r.lora = known[name]
+
+
 def _tokenize(
     rows: list[PromptRow], texts: list[str | None], tokenizer: Any, chat: bool, max_len: int
 ) -> None:
@@ -309,6 +342,10 @@ def build_prompts(
         texts = _plain_texts(rows, _column(table, spec.prompt_column, rows, "prompt"))  # type: ignore[arg-type]
     overrides = _column(table, spec.sampling_column, rows, f"sampling column {spec.sampling_column!r} value")
     _row_params(rows, overrides, spec.base_sampling)
+    if spec.lora_column is not None:
+        _row_adapters(
+            rows, _column(table, spec.lora_column, rows, f"LoRA column {spec.lora_column!r} value"), spec
+        )
     _tokenize(rows, texts, tokenizer, chat, spec.max_model_len)
     for r in rows:
         if r.error is not None:

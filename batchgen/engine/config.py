@@ -100,6 +100,17 @@ class EngineConfig:
     devices on CUDA; on the CPU the cores are split between them); a coordinator hands windows to whichever
     replica frees up and writes the output (run.executor chooses local processes or Ray actors)."""
 
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT directories) per request: ``LoRARequest`` in the API, ``model.lora_modules`` and
+    ``data.lora_column`` in a job. Native architectures only."""
+    max_loras: int = 4
+    """With enable_lora: adapters resident at once (slots); the others are loaded on demand, least recently used
+    first out. Rows of different resident adapters and the base model share every step."""
+    max_lora_rank: int = 64
+    """With enable_lora: the largest adapter rank accepted (slots are sized for it)."""
+    max_cpu_loras: int | None = None
+    """With enable_lora: parsed adapters kept in CPU memory for reloading (default: max_loras)."""
+
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"engine.block_size must be one of 8, 16, 32, 64, got {self.block_size}")
@@ -126,6 +137,16 @@ class EngineConfig:
         parse_bytes(self.swap_space)
         if self.num_swap_blocks is not None and self.num_swap_blocks < 1:
             raise ValueError(f"engine.num_swap_blocks must be >= 1, got {self.num_swap_blocks}")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ValueError(f"engine.max_cpu_loras must be >= 1, got {self.max_cpu_loras}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "engine.enable_lora=true is not supported with engine.tensor_parallel_size > 1 yet; "
+                "run LoRA adapters on one device"
+            )
         if self.max_logprobs < -1:
             raise ValueError(f"engine.max_logprobs must be >= 0 (or -1: no cap), got {self.max_logprobs}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from batchgen.attention import AttentionMetadata
 from batchgen.engine.scheduler import SchedulerOutput
+from batchgen.kernels.lora import LoRAPlan
 
 _FLAT = ("ids", "pos", "slots")  # int64, one entry per token
 
@@ -74,6 +75,8 @@ class StepInputs:
     positions: Tensor
     meta: AttentionMetadata
     last: Tensor
+    lora: LoRAPlan | None = None
+    """Each token's LoRA adapter slot (None: no token has one), built when :attr:`InputBatch.with_lora`."""
 
 
 class InputBatch:
@@ -93,6 +96,8 @@ class InputBatch:
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self._sets = [_BufferSet(max_tokens, max_rows, width, device) for _ in range(2)]
         self._next = 0
+        self.with_lora = False
+        """Build each step's LoRA plan (the engine serves adapters)."""
         self.rows_written = 0
         """Rows rewritten in the last build (0 in a steady decode step): the incremental work."""
 
@@ -208,6 +213,11 @@ class InputBatch:
         max_blocks = int(self.row_lens[rows].max())
         buf.tables(num_seqs, max_blocks)[:] = tables[rows, :max_blocks]
         last = cu_host[np.array(out.logit_rows, dtype=np.int64) + 1] - 1
+        lora = None
+        if self.with_lora:  # each token's adapter slot, from its request's (-1: the base model)
+            seq_slots = np.fromiter((s.seq.request.lora_slot for s in seqs), dtype=np.int64, count=num_seqs)
+            if (seq_slots >= 0).any():
+                lora = LoRAPlan.build(seq_slots[seq_idx], self.device)
         meta = AttentionMetadata(
             slot_mapping=buf.tensor("slots", num_tokens),
             num_decode_seqs=out.num_decodes,
@@ -222,4 +232,5 @@ class InputBatch:
             positions=buf.tensor("pos", num_tokens),
             meta=meta,
             last=torch.from_numpy(last.astype(np.int64)).to(self.device),
+            lora=lora,
         )

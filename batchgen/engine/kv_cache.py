@@ -193,15 +193,18 @@ class KVCacheManager:
             raise KVCacheError(f"sequence {seq_id!r} is swapped out; swap it in first")
         return s
 
-    def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[BlockHash]]:
-        """Longest run of cached full blocks at the start of token_ids, never the last token's block."""
+    def _match_prefix(
+        self, token_ids: Sequence[int], root: BlockHash | None = None
+    ) -> tuple[list[int], list[BlockHash]]:
+        """Longest run of cached full blocks at the start of token_ids, never the last token's block; ``root``
+        starts the hash chain (a LoRA adapter's key: None for the base model)."""
         if not self.enable_prefix_caching or len(token_ids) <= self.block_size:
             return [], []
         bs = self.block_size
         lookup = self.pool.lookup
         blocks: list[int] = []
         hashes: list[BlockHash] = []
-        parent: BlockHash | None = None
+        parent: BlockHash | None = root
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
             toks = token_ids[start : start + bs]
             h = hash_block_tokens(parent, toks)
@@ -219,27 +222,34 @@ class KVCacheManager:
         live = max(num_tokens, len(cached) * self.block_size)
         return _cdiv(live, self.block_size) - len(cached) + revived
 
-    def allocate_cost(self, token_ids: Sequence[int], num_tokens: int) -> int:
+    def allocate_cost(self, token_ids: Sequence[int], num_tokens: int, root: BlockHash | None = None) -> int:
         """Free blocks :meth:`allocate` would take for this sequence now (prefix hits counted); changes nothing."""
-        cached, _ = self._match_prefix(token_ids)
+        cached, _ = self._match_prefix(token_ids, root)
         return self._blocks_needed(cached, num_tokens)
 
     # ------------------------------------------------------------- mutations
     def allocate(
-        self, seq_id: SeqId, token_ids: Sequence[int], num_tokens: int, *, reserve_blocks: int = 0
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        *,
+        reserve_blocks: int = 0,
+        root: BlockHash | None = None,
     ) -> int | None:
         """Start a sequence: share the longest cached full-block prefix, then allocate the rest.
 
         The table covers ``max(num_tokens, num_cached_tokens)`` live tokens. Returns the number of
         tokens already cached (a multiple of block_size, at most ``(len(token_ids)-1)//bs*bs``), or
         None, changing nothing, if the pool cannot hold it while keeping ``reserve_blocks`` free
-        afterwards (an admission watermark that leaves room for running sequences to grow).
+        afterwards (an admission watermark that leaves room for running sequences to grow). ``root`` keys
+        the sequence's prefix-cache hash chain (a LoRA adapter's; None: the base model).
         """
         if seq_id in self._seqs:
             raise KVCacheError(f"sequence {seq_id!r} is already allocated")
         if num_tokens < 0:
             raise KVCacheError(f"num_tokens must be >= 0, got {num_tokens}")
-        cached, hashes = self._match_prefix(token_ids)
+        cached, hashes = self._match_prefix(token_ids, root)
         pool = self.pool
         if self._blocks_needed(cached, num_tokens) + reserve_blocks > pool.num_free_blocks:
             return None
@@ -250,7 +260,7 @@ class KVCacheManager:
         revived = sum(1 for b in cached if rc[b] == 0)
         pool.incref(cached)  # revive before allocating so allocation cannot evict them
         table = cached + pool.allocate(_cdiv(live, bs) - len(cached))
-        self._seqs[seq_id] = BlockTable(table, live, hashes, len(cached))
+        self._seqs[seq_id] = BlockTable(table, live, hashes, len(cached), root=root)
         self._live_slots += revived * bs + (live - num_cached)
         self._logical_tokens += live
         if self.enable_prefix_caching:
@@ -382,7 +392,7 @@ class KVCacheManager:
         pool = self.pool
         for i in range(s.num_registered, num_full):
             toks = token_ids[i * bs : (i + 1) * bs]
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else s.root
             if i < len(hashes):
                 h = hashes[i]
             else:
@@ -416,7 +426,7 @@ class KVCacheManager:
             table, n = p.table[:nb], num_tokens
             hashes, registered = p.block_hashes[:nb], min(p.num_registered, nb)
         self.pool.incref(table)
-        self._seqs[child_id] = BlockTable(table, n, hashes, registered)
+        self._seqs[child_id] = BlockTable(table, n, hashes, registered, root=p.root)
         self._logical_tokens += n
 
     def free(self, seq_id: SeqId) -> None:

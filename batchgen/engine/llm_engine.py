@@ -6,20 +6,24 @@ import logging
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
 
 from batchgen import startup_trace
 from batchgen.attention import resolve_backend
-from batchgen.engine import prompt_logprobs
+from batchgen.engine import pooling as pooling_step
+from batchgen.engine import prompt_logprobs, threads
 from batchgen.engine.config import EngineConfig, logprobs_error
 from batchgen.engine.executor import Executor, InFlight, Prepared, fill_tensors, placeholder_rows
 from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager
+from batchgen.engine.lora_manager import LoRAManager
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.output_processor import OutputProcessor, error_output
 from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.pooling import PoolingState
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput, unservable
 from batchgen.engine.sequence import Request
 from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
@@ -31,7 +35,10 @@ from batchgen.engine.structured import is_available as structured_available
 from batchgen.engine.tensor_parallel import TPModelRunner
 from batchgen.engine.tp_launch import TPGroup, WorkerSetup
 from batchgen.engine.tp_launch import start as start_ranks
+from batchgen.lora_request import LoRARequest
+from batchgen.models.llama import CausalLM
 from batchgen.models.loader import check_tensor_parallel, load_model, load_tokenizer
+from batchgen.models.lora import attach_lora
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -96,7 +103,9 @@ class LLMEngine:
         dtype: str = "auto",
         tokenizer: str | None = None,
         implementation: str = "auto",
+        load: Callable[[torch.device], torch.nn.Module] | None = None,
     ) -> None:
+        """``load(device)``: builds the model instead of the checkpoint's default loader (pooling models)."""
         self.config = config = engine_config or EngineConfig()
         tp = config.tensor_parallel_size
         # tensor parallelism: this process is rank 0 (workers started or joined here; see tp_launch)
@@ -108,13 +117,21 @@ class LLMEngine:
             self.device = self.tp_group.device
         else:
             self.device = resolve_device(config.device)
+        self.thread_policy = threads.apply(self.device)  # CPU threads: one decision for API and CLI alike
         backend = resolve_backend(config.attention_backend, self.device)
         self.model_path = model
         # implementation: auto (native when batchgen has the architecture), native, or transformers
-        self.model = load_model(
-            model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
+        if load is not None and tp > 1:
+            raise ValueError("pooling models run on one device: set engine.tensor_parallel_size=1")
+        self.model = (
+            load(self.device)
+            if load is not None
+            else load_model(
+                model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
+            )
         )
         self.tokenizer = load_tokenizer(tokenizer or model)
+        self.lora = self._attach_lora(config) if config.enable_lora else None
         self.max_model_len = _max_model_len(config, self.model.config)
         eos = set(self.model.config.eos_token_ids or [])
         if self.tokenizer.eos_token_id is not None:
@@ -128,7 +145,7 @@ class LLMEngine:
             num_cpu_blocks=num_swap_blocks,
         )
         self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
-        self.scheduler = Scheduler(config, kv, self.stop)
+        self.scheduler = Scheduler(config, kv, self.stop, self.lora)
         self.counters = EngineCounters()
         self._collector = StatsCollector(self._stats, self.scheduler.stats, kv, self.counters)
         self._structured: StructuredOutputs | None = None  # built by the first constrained request
@@ -145,6 +162,16 @@ class LLMEngine:
         weakref.finalize(self, self.executor.close)
         self._flights: deque[InFlight] = deque()
         self._sync_ids: set[str | int] = set()
+
+    def _attach_lora(self, config: EngineConfig) -> LoRAManager:
+        """Adapter slots in the model (before the KV cache is sized: they count as weights)."""
+        if not isinstance(self.model, CausalLM):
+            raise ValueError(
+                f"engine.enable_lora=true needs a native architecture ({self.model.config.architecture} runs on "
+                f"transformers' modeling code here); use one of batchgen's native architectures"
+            )
+        slots = attach_lora(self.model, config.max_loras, config.max_lora_rank)
+        return LoRAManager(slots, self.model.config, config.max_cpu_loras)
 
     def _build_runner(self, config: EngineConfig, backend: str) -> tuple[int, int]:
         """The model runner (this process's, or rank 0's under tensor parallelism) with its KV cache and swap
@@ -185,9 +212,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         prompt_logprobs_start: int | None = None,
+        pooling: PoolingState | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. ``prompt_logprobs_start``: compute the logprobs of the prompt tokens from this
-        position on (scoring: the continuation's first token), reusing the prefix cache before it."""
+        position on (scoring: the continuation's first token), reusing the prefix cache before it.
+        ``pooling``: a prefill-only pooling request (:mod:`batchgen.engine.pooling`; ``params`` ignored) whose
+        pooled hidden state is written into the given state. ``lora_request``: the adapter to run it under
+        (needs ``enable_lora``; an adapter that cannot be read or applied fails this request alone)."""
+        if lora_request is not None and self.lora is None:
+            raise ValueError("a lora_request needs an engine built with enable_lora=True")
+        if pooling is not None:
+            params = _POOLING_PARAMS
+            self.builder.wants_pooling = True
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -196,11 +233,16 @@ class LLMEngine:
             list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         )
         request = Request(request_id, token_ids, params, prompt_text, self.tokenizer, self.device)
+        request.pooling = pooling
+        request.lora_request = lora_request
         if prompt_logprobs_start is not None or params.prompt_logprobs is not None:
             request.prompt_logprobs_start = prompt_logprobs_start
             self.builder.wants_prompt_logprobs = True
         self.counters.num_requests += 1
         error = self._validate(token_ids, params)
+        if error is None and lora_request is not None:
+            assert self.lora is not None
+            error = self.lora.check(lora_request)
         # A constraint is compiled (cached) now, so a bad schema or regex fails this request alone.
         if error is None and params.constrained:
             error = self.structured.validate(params) if structured_available() else _NO_XGRAMMAR
@@ -209,7 +251,12 @@ class LLMEngine:
             self._errors.append(error_output(request, error))
             return
         self.requests[request_id] = request
-        if params.beam_width > 1 or params.constrained or prompt_logprobs.wants_prompt_logprobs(request):
+        if (
+            params.beam_width > 1
+            or params.constrained
+            or prompt_logprobs.wants_prompt_logprobs(request)
+            or pooling
+        ):
             self._sync_ids.add(request_id)
         self.scheduler.add(request.new_sequence(list(token_ids), 0))
         self.counters.prompt_tokens += len(token_ids)
@@ -238,6 +285,12 @@ class LLMEngine:
         self._sync_ids.discard(request_id)
         if request is not None:
             self.scheduler.abort_request(request)
+            self._release_lora(request)
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_slot >= 0 and self.lora is not None and request.lora_request is not None:
+            self.lora.release(request.lora_request.lora_int_id)
+            request.lora_slot = -1
 
     def has_unfinished(self) -> bool:
         return bool(self._errors) or self.scheduler.has_unfinished() or bool(self._flights)
@@ -289,6 +342,8 @@ class LLMEngine:
         finished."""
         if output.prompt_logprobs is not None:
             prompt_logprobs.fill(prompt_logprobs.plan(out)[0], output.prompt_logprobs)
+        if output.pooled is not None:
+            pooling_step.fill(pooling_step.plan(out)[0], output.pooled)
         if not out.seqs:  # a step that only moved blocks
             return []
         done = self.outputs.update(
@@ -357,5 +412,10 @@ class LLMEngine:
         """The output of a request whose every sample finished (texts decoded once, by the output processor)."""
         self.requests.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
+        self._release_lora(request)
         self.counters.num_finished_requests += 1
         return self.outputs.request_output(request)
+
+
+_POOLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+"""A pooling request samples one (discarded) token: the step completing its prompt finishes it."""

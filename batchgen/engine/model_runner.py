@@ -18,7 +18,7 @@ from torch import Tensor
 
 from batchgen import malloc_tuning
 from batchgen.attention import AttentionMetadata, ForwardContext, PagedAttention
-from batchgen.engine import prompt_logprobs
+from batchgen.engine import pooling, prompt_logprobs
 from batchgen.engine.config import EngineConfig, parse_bytes
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.step_input import BlockMoves, ForwardInput, RunnerOutput, SamplingInput, StepInput
@@ -217,9 +217,10 @@ class ModelRunner:
         self.apply_moves(step.moves)
         if step.forward is None:
             return RunnerOutput()
-        logits, prompt = self.forward(step.forward, step.fill)
+        logits, prompt, pooled = self.forward(step.forward, step.fill)
         out = self.sample(logits, step.sampling)
         out.prompt_logprobs = prompt
+        out.pooled = pooled
         return out
 
     def sample(self, logits: Tensor, sampling: SamplingInput) -> RunnerOutput:
@@ -235,23 +236,31 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self, fwd: ForwardInput, fill: tuple[Tensor, Tensor] | None = None
-    ) -> tuple[Tensor, prompt_logprobs.PromptLogprobs | None]:
-        """The forward of ``fwd``: float32 logits of its ``last`` rows and its prompt logprobs. ``fill``:
+    ) -> tuple[Tensor, prompt_logprobs.PromptLogprobs | None, Tensor | None]:
+        """The forward of ``fwd``: float32 logits of its ``last`` rows, its prompt logprobs and its pooled
+        segments (:mod:`batchgen.engine.pooling`). ``fill``:
         ``(index, tokens)``: placeholder input ids written in first (async scheduling)."""
         ids, pos, meta, last = fwd.ids, fwd.positions, fwd.meta, fwd.last
         if fill is not None:
             ids[fill[0]] = fill[1]
         nd = meta.num_decode_seqs
-        if self.pad_decodes and nd == fwd.num_seqs and nd <= self.buckets[-1]:
+        if (
+            self.pad_decodes
+            and fwd.pool is None
+            and fwd.lora is None
+            and nd == fwd.num_seqs
+            and nd <= self.buckets[-1]
+        ):
             bucket = next(b for b in self.buckets if b >= nd)
             ids, pos, meta = self.pad_decode_batch(ids, pos, meta, bucket)
             if self.use_cuda_graphs and not self._graphs_failed:
                 hidden = self._run_graph(ids, pos, meta, bucket)
                 if hidden is not None:
-                    return self.model.compute_logits(hidden[last]).float(), None
-        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache))
+                    return self.model.compute_logits(hidden[last]).float(), None, None
+        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache, lora=fwd.lora))
         prompt = prompt_logprobs.compute(self.model, hidden, fwd.prompt) if fwd.prompt else None
-        return self.model.compute_logits(hidden[last]).float(), prompt
+        pooled = pooling.compute(hidden, fwd.pool) if fwd.pool else None
+        return self.model.compute_logits(hidden[last]).float(), prompt, pooled
 
     def pad_decode_batch(
         self, ids: Tensor, pos: Tensor, meta: AttentionMetadata, bucket: int

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from batchgen.engine import pooling
 from batchgen.engine.sequence import Request, Sequence
 from batchgen.engine.step_input import PromptLogprobs, PromptRows
 
@@ -37,7 +38,7 @@ def cache_lookup_tokens(seq: Sequence) -> list[int]:
     prompt tokens: then only up to, not including, the first position whose logits it needs)."""
     request = seq.request
     if not wants_prompt_logprobs(request):
-        return seq.token_ids
+        return pooling.cache_lookup_tokens(seq, seq.token_ids)
     first_needed = max(0, _start(request) - 1)  # the position whose logits predict the first wanted token
     # KVCacheManager matches full blocks of token_ids, never the last token's: at most first_needed tokens.
     return seq.token_ids[: first_needed + 1]

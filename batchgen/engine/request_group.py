@@ -84,7 +84,13 @@ class RequestGroup:
         """Admission: blocks for every sequence (prefix-cache hits counted as computed), all or none."""
         done: list[Sequence] = []
         for s in self.seqs:
-            num_cached = kv.allocate(s.seq_id, cache_lookup_tokens(s), s.num_tokens, reserve_blocks=reserve)
+            num_cached = kv.allocate(
+                s.seq_id,
+                cache_lookup_tokens(s),
+                s.num_tokens,
+                reserve_blocks=reserve,
+                root=self.request.cache_root,
+            )
             if num_cached is None:
                 for d in done:  # nothing was registered in the prefix cache yet: freeing undoes it all
                     kv.free(d.seq_id)
@@ -188,7 +194,7 @@ class BeamGroup(RequestGroup):
                 if n > shared:
                     parent, shared = i, n
             if parent is None:
-                cost += kv.allocate_cost(s.token_ids, s.num_tokens)
+                cost += kv.allocate_cost(s.token_ids, s.num_tokens, self.request.cache_root)
             else:
                 cost += _cdiv(s.num_tokens, bs) - shared // bs
             plan.append((parent, shared))
@@ -197,7 +203,7 @@ class BeamGroup(RequestGroup):
         done: list[Sequence] = []
         for s, (parent, shared) in zip(seqs, plan):
             if parent is None:
-                num_cached = kv.allocate(s.seq_id, s.token_ids, s.num_tokens)
+                num_cached = kv.allocate(s.seq_id, s.token_ids, s.num_tokens, root=self.request.cache_root)
                 ok = num_cached is not None
                 if ok:
                     done.append(s)

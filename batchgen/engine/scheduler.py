@@ -31,6 +31,7 @@ import itertools
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
@@ -40,6 +41,9 @@ from batchgen.engine.request_group import BeamGroup, RequestGroup, make_group
 from batchgen.engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
 from batchgen.engine.stats import SchedulerCounters
 from batchgen.engine.stop import StopRules
+
+if TYPE_CHECKING:
+    from batchgen.engine.lora_manager import LoRAManager
 
 
 @dataclass(slots=True)
@@ -150,8 +154,11 @@ class Scheduler:
     """Owns the waiting queue, the running list and the swapped queue of request groups, and the KV cache
     manager. ``running`` is in admission order; ``swapped`` holds the next group to resume first."""
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, stop: StopRules) -> None:
+    def __init__(
+        self, config: EngineConfig, kv: KVCacheManager, stop: StopRules, lora: LoRAManager | None = None
+    ) -> None:
         self.config = config
+        self.lora = lora  # LoRA slots: a request is admitted only once its adapter can be made resident
         self.kv = kv
         self.stop = stop
         self.stats = SchedulerCounters()  # written by the scheduler alone
@@ -364,19 +371,30 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> None:
         """Admit waiting groups while budget, sequence cap (seats for the forks a prompt will spawn included)
-        and blocks (above the watermark) allow."""
+        and blocks (above the watermark) allow. A first admission whose LoRA adapter can get no slot now is
+        passed over and keeps its place."""
         slots = sum(g.seats() for g in self.running)
+        held: list[RequestGroup] = []
         while self.waiting and budget > 0:
             group = self.waiting[0]
+            request = group.request
+            adapter = request.lora_request if request.lora_slot < 0 else None
+            if adapter is not None:
+                assert self.lora is not None
+                if not self.lora.can_acquire(adapter.lora_int_id):
+                    held.append(self.waiting.popleft())
+                    continue
             seats = group.seats()
             if slots + seats > self.config.max_num_seqs and self.running:
                 break
             if not group.allocate(self.kv, self.watermark_blocks if self.running else 0):
                 break
             self.waiting.popleft()
+            if adapter is not None:  # pinned until the request ends (LLMEngine releases it)
+                assert self.lora is not None
+                request.lora_slot = self.lora.acquire(adapter.lora_int_id)
             group.set_status(SequenceStatus.RUNNING)
             group.admitted_at = next(self._admissions)
-            request = group.request
             if not request.admitted:
                 request.admitted = True
                 request.num_cached_tokens = group.seqs[0].num_computed_tokens
@@ -384,6 +402,7 @@ class Scheduler:
             self.running.append(group)
             slots += seats
             budget = self._schedule_group(out, scheduled, group, budget)
+        self.waiting.extendleft(reversed(held))
 
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens

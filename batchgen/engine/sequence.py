@@ -15,6 +15,7 @@ from batchgen.engine.detokenizer import IncrementalDetokenizer
 if TYPE_CHECKING:
     from batchgen.engine.beam import BeamSearch
     from batchgen.engine.request_group import RequestGroup
+    from batchgen.lora_request import LoRARequest
     from batchgen.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -75,9 +76,23 @@ class Request:
             not p.needs_penalties and p.logprobs is None and p.min_tokens == 0 and p.seed is None
         )
 
+    # LoRA: the request's adapter (None: the base model) and its slot while pinned (-1: not pinned).
+    lora_request: LoRARequest | None = None
+    lora_slot: int = -1
+
+    @property
+    def cache_root(self) -> bytes | None:
+        """Root of the request's prefix-cache hash chain: the adapter's (None: the base model's), so the same
+        prompt under two adapters shares no block."""
+        if self.lora_request is None:
+            return None
+        return hashlib.sha256(f"lora:{self.lora_request.lora_int_id}".encode()).digest()
+
     # Prompt logprobs (batchgen.engine.prompt_logprobs): wanted from this position on (None: only if
     # params.prompt_logprobs), and the entries computed so far (one per prompt token, entry 0 None).
     prompt_logprobs_start: int | None = None
+    pooling: Any = None
+    """A pooling request's :class:`~batchgen.engine.pooling.PoolingState` (None: a generation)."""
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def new_sequence(self, token_ids: list[int], sample_index: int) -> Sequence:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from batchgen.engine import prompt_logprobs
+from batchgen.engine import pooling, prompt_logprobs
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.input_batch import InputBatch
 from batchgen.engine.sampler import SamplingBatch, SamplingRow, SamplingTensors
@@ -40,11 +40,14 @@ class StepBuilder:
         self.input_batch = InputBatch(
             config.max_num_batched_tokens, config.max_num_seqs, width, config.block_size, device
         )
+        self.input_batch.with_lora = config.enable_lora
         self.sampling_batch = SamplingBatch(config.max_num_seqs)
         self.stop = stop
         self._structured = structured
         self.wants_prompt_logprobs = False
         """Set once a request asks for prompt logprobs (until then no step plans them)."""
+        self.wants_pooling = False
+        """Set once a pooling request arrives (until then no step plans pooling)."""
 
     @staticmethod
     def moves(out: SchedulerOutput) -> BlockMoves:
@@ -56,7 +59,10 @@ class StepBuilder:
             return None
         step = self.input_batch.build(out)
         prompt = prompt_logprobs.plan(out)[1] if self.wants_prompt_logprobs else None
-        return ForwardInput(step.ids, step.positions, step.meta, step.last, len(out.seqs), prompt)
+        pool = pooling.plan(out)[1] if self.wants_pooling else None
+        return ForwardInput(
+            step.ids, step.positions, step.meta, step.last, len(out.seqs), prompt, pool=pool, lora=step.lora
+        )
 
     def sampling_input(self, out: SchedulerOutput) -> SamplingInput:
         """How the step's logit rows are sampled (built when the sampled sequences hold every token so far)."""

@@ -22,6 +22,7 @@ from torch import Tensor
 from batchgen.attention import AttentionMetadata
 from batchgen.engine.sampler import SamplingRow, SamplingTensors
 from batchgen.engine.structured import LogitsMask
+from batchgen.kernels.lora import LoRAPlan
 
 
 @dataclass
@@ -48,6 +49,16 @@ class PromptRows:
 
 
 @dataclass
+class PoolRows:
+    """Pooling of one step (:mod:`batchgen.engine.pooling`): segment i is the packed rows
+    ``starts[i]:ends[i]``, reduced by ``ops[i]``: ``first``, ``last`` or ``sum``."""
+
+    starts: list[int]
+    ends: list[int]
+    ops: list[str]
+
+
+@dataclass
 class ForwardInput:
     """One packed forward (decodes first, then prefill chunks) and the rows of its hidden states whose
     logits are needed (``last``; ``prompt`` for prompt logprobs)."""
@@ -58,6 +69,9 @@ class ForwardInput:
     last: Tensor
     num_seqs: int
     prompt: PromptRows | None = None
+    pool: PoolRows | None = None
+    lora: LoRAPlan | None = None
+    """Each token's LoRA adapter slot (-1: the base model); None: no token of the step has an adapter."""
 
     def to(self, device: torch.device) -> ForwardInput:
         m = self.meta
@@ -71,7 +85,7 @@ class ForwardInput:
             max_query_len=m.max_query_len,
         )
         ids, pos, last = self.ids.to(device), self.positions.to(device), self.last.to(device)
-        return ForwardInput(ids, pos, meta, last, self.num_seqs, self.prompt)
+        return ForwardInput(ids, pos, meta, last, self.num_seqs, self.prompt, self.pool)
 
 
 @dataclass
@@ -110,10 +124,12 @@ class PromptLogprobs:
 class RunnerOutput:
     """What one step produced: ``token_ids[i]`` / ``logprobs[i]`` of sampled row i (``sampled``: the same
     tokens as a device tensor, for the next step's placeholders), the log-softmax of the beam rows, and the
-    prompt logprobs asked for."""
+    prompt logprobs asked for, the pooled segments."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
     sampled: Tensor | None = None
     beam_logprobs: Tensor | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    pooled: Tensor | None = None
+    """The step's :class:`PoolRows` reduced: ``[segments, H]`` float32 on the CPU."""

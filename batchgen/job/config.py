@@ -59,6 +59,8 @@ class ModelOptions:
     """Weights and activations dtype: auto (the engine's choice for the checkpoint and device), float32, bfloat16 or float16."""
     implementation: str = "auto"
     """Model code: auto (batchgen's native code when it has the architecture, else transformers' modeling code over batchgen's paged attention), native, or transformers."""
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters the rows may name in data.lora_column: {name: PEFT adapter directory}, e.g. model.lora_modules='{sql: /adapters/sql, chat: /adapters/chat}'. Turns on engine.enable_lora. An adapter that cannot be read fails its rows (error rows), not the job."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -108,6 +110,8 @@ class DataOptions:
     """Discard batchgen's files (parts, manifest, report) already in the output directory instead of resuming or refusing."""
     retry_errors: bool = False
     """On resume, recompute the error rows caused by the run's resources or settings (KV pool too small, engine.max_model_len, a chat template or tokenizer that failed, unreadable input) and rewrite their parts atomically; engine.max_model_len and the chat template may change for it. Errors in the data itself (null, empty, wrong type, invalid UTF-8) stay."""
+    lora_column: str | None = None
+    """String column naming each row's LoRA adapter (a key of model.lora_modules); null values run on the base model; an unknown name makes the row an error row."""
     parse_json: bool = False
     """With sampling.json_schema: also write each output parsed into a typed 'generated_json' column (a struct
     with Arrow types from the schema: integer→int64, number→float64, string→string, boolean→bool,
@@ -160,6 +164,33 @@ class RunOptions:
             raise ConfigError(f"run.max_replica_restarts must be >= 0, got {self.max_replica_restarts}")
 
 
+POOLING_METHODS = ("last", "mean", "cls")  # batchgen.pooling.params.POOLING_METHODS, without torch
+
+
+@dataclass
+class PoolingOptions:
+    """``pooling.*``: how task=embed pools each row's hidden states (task=classify uses the head's own pooling)."""
+
+    method: str | None = None
+    """last, mean or cls; null = the checkpoint's sentence-transformers pooling, else cls for encoders (BERT-like) and last for decoders."""
+    normalize: bool | None = None
+    """L2-normalise each embedding; null = the checkpoint's choice (a sentence-transformers Normalize module), true when it has none."""
+    dimensions: int | None = None
+    """Keep the first N values of each embedding (Matryoshka models), normalised after truncation; null = all."""
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in POOLING_METHODS:
+            raise ConfigError(
+                f"pooling.method must be one of {', '.join(POOLING_METHODS)} or null, got {self.method!r}"
+            )
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ConfigError(f"pooling.dimensions must be >= 1 or null, got {self.dimensions}")
+
+
+TASKS = ("generate", "score", "embed", "classify")
+POOLING_TASKS = ("embed", "classify")
+
+
 @dataclass
 class JobConfig:
     """The whole job: ``batchgen key=value ...``."""
@@ -169,9 +200,12 @@ class JobConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingParams = field(default_factory=default_sampling)
     run: RunOptions = field(default_factory=RunOptions)
+    pooling: PoolingOptions = field(default_factory=PoolingOptions)
     task: str = "generate"
-    """'generate' (completions) or 'score': log-likelihoods of data.continuation_column given data.prompt_column,
-    or, without a continuation column, the rolling log-likelihood / perplexity of data.prompt_column."""
+    """'generate' (completions); 'score': log-likelihoods of data.continuation_column given data.prompt_column,
+    or, without a continuation column, the rolling log-likelihood / perplexity of data.prompt_column; 'embed': an
+    'embedding' column (fixed-size list of float32, see pooling.*); 'classify': 'probs' (one score per label) and
+    'label' columns from a *ForSequenceClassification checkpoint (a one-label reward head: probs=[score])."""
 
 
 GROUPS: dict[str, type] = {
@@ -180,6 +214,7 @@ GROUPS: dict[str, type] = {
     "engine": EngineConfig,
     "sampling": SamplingParams,
     "run": RunOptions,
+    "pooling": PoolingOptions,
 }
 """The config groups, in the order of ``batchgen --help``."""
 
@@ -190,20 +225,23 @@ def validate(cfg: JobConfig) -> None:
     for name in GROUPS:
         _group_checked(name, dataclasses.replace, getattr(cfg, name))
     _validate_data(cfg.data)
-    if cfg.task not in ("generate", "score"):
-        raise ConfigError(f"task must be 'generate' or 'score', got {cfg.task!r}")
-    if cfg.task == "score" and (cfg.engine.data_parallel_size > 1 or cfg.run.executor != "local"):
+    if cfg.task not in TASKS:
+        raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {cfg.task!r}")
+    if cfg.task != "generate" and (cfg.engine.data_parallel_size > 1 or cfg.run.executor != "local"):
         raise ConfigError(
-            "task=score runs on one engine: set engine.data_parallel_size=1 and run.executor=local "
+            f"task={cfg.task} runs on one engine: set engine.data_parallel_size=1 and run.executor=local "
             "(or split the input with data.shard.index / data.shard.count)"
         )
-    if cfg.task == "score" and cfg.data.messages_column:
-        raise ConfigError("task=score scores data.prompt_column text; data.messages_column is not supported")
+    if cfg.task != "generate" and cfg.data.messages_column:
+        raise ConfigError(
+            f"task={cfg.task} reads data.prompt_column text; data.messages_column is not supported"
+        )
     if cfg.task == "score":
         _validate_score_sampling(cfg.sampling)
     too_many = logprobs_error(cfg.sampling.logprobs, cfg.sampling.prompt_logprobs, cfg.engine.max_logprobs)
     if too_many is not None:
         raise ConfigError(f"sampling.{too_many}")
+    _validate_lora(cfg)
 
 
 def _validate_score_sampling(s: SamplingParams) -> None:
@@ -219,6 +257,24 @@ def _validate_score_sampling(s: SamplingParams) -> None:
         raise ConfigError(
             "structured outputs (sampling.json_schema/regex/choice/grammar) do not apply to task=score"
         )
+
+
+def _validate_lora(cfg: JobConfig) -> None:
+    modules, column = cfg.model.lora_modules, cfg.data.lora_column
+    if column and not modules:
+        raise ConfigError(
+            f"data.lora_column={column!r} names adapters but model.lora_modules is empty; set "
+            "model.lora_modules='{name: /path/to/adapter, ...}'"
+        )
+    for name, path in (modules or {}).items():
+        if not str(name).strip() or not str(path).strip():
+            raise ConfigError(
+                f"model.lora_modules: {name!r}: {path!r}: give every adapter a name and a directory"
+            )
+    if column and cfg.task == "score":
+        raise ConfigError("task=score does not support data.lora_column yet; score with the base model")
+    if column and column in RESERVED_COLUMNS:
+        raise ConfigError(f"data.lora_column: {column!r} is an output column name of batchgen; rename it")
 
 
 def _validate_data(d: DataOptions) -> None:
@@ -345,4 +401,6 @@ def to_job_config(cfg: Any) -> JobConfig:
             job.sampling.stop = [decode_escapes(s) for s in stop]
         job.task = str(cfg.get("task", "generate"))
     validate(job)
+    if job.model.lora_modules and not job.engine.enable_lora:  # adapters named: the engine serves them
+        job.engine = dataclasses.replace(job.engine, enable_lora=True)
     return job

@@ -231,7 +231,7 @@ class Coordinator:
                 if work.results[pos] is None:
                     row = work.rows[pos]
                     self.where[row.row_index] = (work, pos)
-                    requests.append((row.row_index, row.token_ids, row.params))
+                    requests.append((row.row_index, row.token_ids, row.params, row.lora))
             slot.windows.append(work.spec.index)
             self.executor.send(r, [WindowRequests(work.spec.index, requests)])
 
@@ -286,7 +286,7 @@ class Coordinator:
         slot.restarts += 1
         if self.restarts > self.max_restarts:
             raise WorkerLost(
-                f"engine replica {r} was lost ({reason}); {self.restarts} replicas lost in this run, more than "
+                f"engine replica {r} was lost ({reason}); {self.restarts} replica(s) lost in this run, more than "
                 f"run.max_replica_restarts={self.max_restarts}"
             )
         logger.warning(

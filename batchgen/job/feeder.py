@@ -103,6 +103,10 @@ def prefix_order(token_ids: Sequence[Sequence[int]]) -> list[int]:
     return sorted(range(len(token_ids)), key=token_ids.__getitem__)
 
 
+def _adapter_id(row: PromptRow) -> int:
+    return 0 if row.lora is None else row.lora.lora_int_id
+
+
 @dataclass
 class WindowWork:
     """A window in flight: its rows (input order), feed order and results so far."""
@@ -134,11 +138,14 @@ class WindowWork:
         extra: Any = None,
         skip: frozenset[int] = frozenset(),
     ) -> WindowWork:
-        """The window's valid rows not in `skip` queued for the engine: in prefix-trie order, or input order."""
+        """The window's valid rows not in `skip` queued for the engine: grouped by LoRA adapter (base model
+        first), each group in prefix-trie order; or input order."""
         valid = [r.position for r in rows if r.ok and r.position not in skip]
         if group_by_prefix:
             keys = [rows[p].token_ids for p in valid]
             valid = [valid[i] for i in prefix_order(keys)]  # type: ignore[arg-type]
+            if any(rows[p].lora is not None for p in valid):  # stable: prefix order within each adapter
+                valid.sort(key=lambda p: _adapter_id(rows[p]))
         return cls(spec, rows, extra, [None] * len(rows), deque(valid), len(valid), done_positions=skip)
 
     @property
@@ -252,7 +259,10 @@ class EngineFeeder:
             pos = work.feed.popleft()
             row = work.rows[pos]
             self.where[row.row_index] = (work, pos)
-            engine.add_request(row.row_index, row.token_ids, row.params)
+            if row.lora is None:
+                engine.add_request(row.row_index, row.token_ids, row.params)
+            else:
+                engine.add_request(row.row_index, row.token_ids, row.params, lora_request=row.lora)
 
     def _finish(self, out: RequestOutput) -> None:
         work, pos = self.where.pop(out.request_id)

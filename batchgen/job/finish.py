@@ -81,6 +81,7 @@ def job_report(
             "interrupted_by": signal_name,
             "shard": m.shard,
             "batchgen_version": batchgen.__version__,
+            **({"lora": {"rows_this_run": tally.by_adapter}} if tally.lora else {}),
             "errors": {
                 "fraction": frac,
                 "max_fraction": plan.cfg.run.max_error_fraction,

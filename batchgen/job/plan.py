@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,7 +37,8 @@ from batchgen.data.reader import InputSet, WindowSpec, open_input, plan_windows,
 from batchgen.data.structured import arrow_type
 from batchgen.engine.config import parse_bytes
 from batchgen.errors import ConfigError
-from batchgen.job.config import DataOptions, JobConfig
+from batchgen.job.config import POOLING_TASKS, DataOptions, JobConfig
+from batchgen.lora_request import LoRARequest
 
 DEFAULT_SAMPLING_COLUMN = "sampling"
 RETRY_KEYS = ("engine.max_model_len", "model.chat_template")
@@ -203,10 +205,13 @@ def _check_columns(d: DataOptions, inp: InputSet) -> tuple[list[str], str | None
         _require_column(inp, c, "data.keep_columns")
     if d.continuation_column:
         _require_column(inp, d.continuation_column, "data.continuation_column")
+    if d.lora_column:
+        _require_column(inp, d.lora_column, "data.lora_column")
     sampling_col = _sampling_column(d, inp)
     columns = [source] + ([d.id_column] if d.id_column else []) + list(d.keep_columns)
     columns += [sampling_col] if sampling_col else []
     columns += [d.continuation_column] if d.continuation_column else []
+    columns += [d.lora_column] if d.lora_column else []
     return list(dict.fromkeys(columns)), sampling_col
 
 
@@ -296,9 +301,22 @@ def _fingerprint_config(
     model: dict[str, Any] = {"fingerprint": model_fp, "dtype": cfg.model.dtype}
     if d.messages_column:
         model["chat_template"] = template_fp
-    score = {"task": "score", "continuation_column": d.continuation_column} if cfg.task == "score" else {}
+    score: dict[str, Any] = {}
+    if cfg.task == "score":
+        score = {"task": "score", "continuation_column": d.continuation_column}
+    elif cfg.task in POOLING_TASKS:
+        score = {"task": cfg.task, "pooling": dataclasses.asdict(cfg.pooling)}
+    lora = {}
+    if cfg.model.lora_modules:  # the adapters change the output: a rerun with others does not resume
+        lora = {
+            "lora": {
+                "modules": {n: r.lora_path for n, r in lora_requests(cfg).items()},
+                "column": d.lora_column,
+            }
+        }
     return {
         **score,
+        **lora,
         "model": model,
         "data": {
             "prompt_column": None if d.messages_column else d.prompt_column,
@@ -308,7 +326,8 @@ def _fingerprint_config(
             "sampling_column": sampling_col,
             "window_rows": d.window_rows,
         },
-        "sampling": cfg.sampling.to_dict(),
+        # pooling reads no sampling settings: changing them does not change the output
+        "sampling": None if cfg.task in POOLING_TASKS else cfg.sampling.to_dict(),
         "engine": {"max_model_len": cfg.engine.max_model_len},
     }
 
@@ -364,6 +383,14 @@ def _hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def lora_requests(cfg: JobConfig) -> dict[str, LoRARequest]:
+    """``model.lora_modules`` as the engine's requests: ids 1..N in name order, absolute paths."""
+    return {
+        name: LoRARequest(name, i + 1, os.path.abspath(os.path.expanduser(path)))
+        for i, (name, path) in enumerate(sorted((cfg.model.lora_modules or {}).items()))
+    }
+
+
 def plan_job(cfg: JobConfig) -> JobPlan:
     """Resolve input, columns, shard, windows, model and fingerprints; raises ConfigError on any problem."""
     d = cfg.data
@@ -375,8 +402,13 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     _check_prompt_type(d, schema)
     row_start, row_end = shard_range(inp.num_rows, d.shard.index, d.shard.count)
     model_path = _model_path(cfg)
-    model_cfg = _model_config(cfg, model_path)
-    _check_kv_memory(cfg, model_cfg)
+    if cfg.task in POOLING_TASKS:
+        from batchgen.job.pool import pooling_model_facts
+
+        model_cfg = pooling_model_facts(cfg, model_path)
+    else:
+        model_cfg = _model_config(cfg, model_path)
+        _check_kv_memory(cfg, model_cfg)
     model_fp, template_fp, files = model_identity(model_path)
     fp_config = _fingerprint_config(cfg, model_fp, sampling_col, template_fp)
     spec = PromptSpec(
@@ -385,6 +417,8 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         id_column=d.id_column,
         sampling_column=sampling_col,
         base_sampling=cfg.sampling,
+        lora_column=d.lora_column,
+        lora_requests=lora_requests(cfg),
     )
     return JobPlan(
         cfg=cfg,

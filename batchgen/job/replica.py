@@ -33,10 +33,11 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.stats import EngineStats
 from batchgen.errors import WorkerLost
+from batchgen.lora_request import LoRARequest
 from batchgen.sampling_params import SamplingParams
 
-Request = tuple[int, list[int], SamplingParams]
-"""``(request id = global row index, prompt token ids, sampling params)``."""
+Request = tuple[int, list[int], SamplingParams, LoRARequest | None]
+"""``(request id = global row index, prompt token ids, sampling params, LoRA adapter or None)``."""
 
 
 @dataclass
@@ -107,8 +108,11 @@ class ReplicaCore:
     def _admit(self) -> None:
         engine = self.engine
         while self.feed and engine.num_unfinished() < self.max_in_flight:
-            rid, token_ids, params = self.feed.popleft()
-            engine.add_request(rid, token_ids, params)
+            rid, token_ids, params, lora = self.feed.popleft()
+            if lora is None:
+                engine.add_request(rid, token_ids, params)
+            else:
+                engine.add_request(rid, token_ids, params, lora_request=lora)
 
     def run(self, budget_s: float) -> list[RequestOutput]:
         """Step the engine until ``budget_s`` has passed (at least one step when busy) or nothing is left;

@@ -153,6 +153,13 @@ def format_table(report: dict[str, Any]) -> str:
         ("peak concurrent seqs", str(sch["peak_running_seqs"])),
         ("preemptions", str(sch["preemptions"])),
     ]
+    lora = (report.get("lora") or {}).get("rows_this_run")
+    if lora:
+        per = ", ".join(
+            f"{name} {c['ok']}" + (f" (+{c['error']} errors)" if c["error"] else "")
+            for name, c in sorted(lora.items())
+        )
+        lines.insert(2, ("rows per adapter", per))
     for rep in report.get("replicas") or []:  # a job over several engine replicas
         restarts = f", {rep['restarts']} restart(s)" if rep.get("restarts") else ""
         lines.append((f"replica {rep['replica']}", f"{rep['rows']} rows, {rep['rows_per_s']:.2f} rows/s, "

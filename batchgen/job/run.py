@@ -55,7 +55,7 @@ from batchgen.data.remote_output import open_output_dir
 from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
-from batchgen.job.config import to_job_config
+from batchgen.job.config import POOLING_TASKS, to_job_config
 from batchgen.job.duplicate_ids import warn_duplicate_ids
 from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
@@ -218,6 +218,7 @@ class _Job:
         self.stop.grace_s = job.run.stop_grace_s
         self.out_dir = job.data.output
         plan = self.plan = plan_job(job)
+        self.tally.lora = bool(job.model.lora_modules)
         startup_trace.mark("plan")
         d = job.data
         outdir = self.outdir = open_output_dir(
@@ -260,6 +261,8 @@ class _Job:
         self._log_input(todo, retry_rows)
         if plan.cfg.task == "score":
             return self._execute_score(todo)
+        if plan.cfg.task in POOLING_TASKS:
+            return self._execute_pool(todo)
         works, first, tokenizer_ref = self._read_first_windows(todo)
         if uses_replicas(plan.cfg):  # several engines (processes or Ray actors) behind one coordinator
             return run_replicas(self, works, first, tokenizer_ref[0], retry_rows)
@@ -278,7 +281,7 @@ class _Job:
                 for p in work.todo_positions:
                     r = work.rows[p]
                     if r.error is not None:
-                        self._count(False, r.error)
+                        self._count(False, r.error, r.lora_name)
             return work
 
         self._generate(engine, next_window)
@@ -369,6 +372,33 @@ class _Job:
             self.progress = None
         return self._end(engine, before, t_run)
 
+    def _execute_pool(self, todo: list[WindowTodo]) -> JobResult:
+        """``task=embed`` / ``task=classify``: pooled vectors instead of generations (:mod:`batchgen.job.pool`),
+        a window at a time (the unit of resume)."""
+        from batchgen.job.pool import run_pool_windows, start_runner
+
+        plan, m, writer = self.plan, self.manifest, self.writer
+        assert plan is not None and self.outdir is not None and m is not None and writer is not None
+        runner = start_runner(plan)
+        self._check_stop("start-up")
+        stats = runner.engine.stats if runner.engine is not None else None
+        before = stats.snapshot() if stats is not None else None
+        t_run = time.monotonic()
+        self.progress = self._progress(initial=m.rows_done)
+        try:
+            specs = [t.spec for t in todo]
+            writer.windows_done, writer.rows_done = run_pool_windows(
+                plan, self.outdir, runner, specs, self.stop, self.progress
+            )
+        finally:
+            self.progress.close()
+            self.progress = None
+        wall = time.monotonic() - t_run
+        status = "complete" if m.complete else "incomplete"
+        delta = stats.delta(before) if stats is not None else None
+        extra = {"startup_s": round(t_run - self.t_start, 3)}
+        return self._finish(self._report(status, wall, extra, delta))
+
     def _end(self, engine: Engine, before: Any, t_run: float) -> JobResult:
         """Report and result of a run whose work started at ``t_run`` (engine stats since ``before``)."""
         assert self.manifest is not None
@@ -379,13 +409,15 @@ class _Job:
         )
         return self._finish(report)
 
-    def _count(self, ok: bool, error: str | None) -> None:
+    def _count(self, ok: bool, error: str | None, lora_name: str | None = None) -> None:
         self.tally.count(ok, error)
+        self.tally.adapter_row(lora_name, ok)
         if self.progress is not None:
             self.progress.update(1)
 
     def _on_output(self, work: WindowWork, pos: int, out: RequestOutput) -> None:
         ok = self.tally.engine_output(out)
+        self.tally.adapter_row(work.rows[pos].lora_name, ok)
         if self.progress is not None:
             self.progress.update(1)
         assert self.gate is not None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from batchgen.engine.outputs import RequestOutput
 
 NUM_EXAMPLES = 3  # rows shown in the summary
+BASE_MODEL = "base model"  # the by-adapter key of rows without an adapter
 
 
 def error_key(msg: str) -> str:
@@ -29,6 +30,16 @@ class RowTally:
     engine_ok: int = 0
     engine_errors: collections.Counter[str] = field(default_factory=collections.Counter)
     examples: list[tuple[list[int], str]] = field(default_factory=list)  # (prompt token ids, text) of ok rows
+    by_adapter: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Rows of a LoRA job by adapter name (``base model`` for rows without one): ``{"ok": n, "error": m}``."""
+    lora: bool = False
+    """Count rows by adapter (the job has ``model.lora_modules``)."""
+
+    def adapter_row(self, name: str | None, ok: bool) -> None:
+        """One finished row naming adapter ``name`` (None: the base model), when counting by adapter."""
+        if self.lora:
+            counts = self.by_adapter.setdefault(BASE_MODEL if name is None else name, {"ok": 0, "error": 0})
+            counts["ok" if ok else "error"] += 1
 
     def count(self, ok: bool, error: str | None) -> None:
         """One finished row: ``ok``, or failed with ``error`` (None: not counted as an error kind)."""

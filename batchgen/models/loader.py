@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,9 +251,11 @@ def load_native_model(
     config: ModelConfig,
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
+    rename: Callable[[str], str | None] | None = None,
 ) -> CausalLM:
     """Build our `CausalLM` for `config` (one rank's shard when `config.tp_size > 1`) and stream the
-    checkpoint's safetensors into it."""
+    checkpoint's safetensors into it. `rename` maps a stored tensor name to ours (None: not this model's, e.g.
+    a classification head read by the caller)."""
     config = dataclasses.replace(config, dtype=_resolve_dtype(config.dtype, dtype))
     files = safetensors_files(ckpt)
     device = torch.device(device)
@@ -263,7 +266,7 @@ def load_native_model(
     written = dict.fromkeys(params, 0)  # elements written per parameter
     seen: dict[str, str] = {}  # HF tensor name -> file it came from
     for file in files:
-        _copy_file(file, config, params, lookup, written, seen)
+        _copy_file(file, config, params, lookup, written, seen, rename)
     _check_complete(ckpt, files, params, canonical, written, seen)
     use_column_major_weights(model)
     return model
@@ -287,6 +290,7 @@ def _copy_file(
     lookup: dict[str, _Source],
     written: dict[str, int],
     seen: dict[str, str],
+    rename: Callable[[str], str | None] | None = None,
 ) -> None:
     """Copy each tensor of one safetensors file into its parameter (slice), counting the elements written
     per parameter in `written` and recording each tensor's file in `seen`; refuses unknown, repeated or
@@ -294,6 +298,8 @@ def _copy_file(
     with safe_open(str(file), framework="pt", device="cpu") as f:
         for stored in f.keys():
             name = _text_model_name(stored) if config.multimodal else stored
+            if rename is not None and name is not None:
+                name = rename(name)
             if name is None or name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and config.tie_word_embeddings:

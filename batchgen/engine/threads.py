@@ -1,0 +1,190 @@
+"""The engine's CPU thread policy: how many intra-op threads, how idle OpenMP threads wait, whether threads are
+bound to CPUs. One decision (:func:`decide`), for the Python API and the command line alike.
+
+Why: on cores shared with other processes, a parallel region waits for its slowest thread, and a thread that
+shares its core runs only part of the time; OpenMP threads that spin while they wait (libgomp's default) take
+time slices from the working ones besides. A generation loop then runs several times slower (BENCHMARKS.md,
+"Thread policy"). So the engine runs as many threads as there are CPUs other processes leave free (at least
+one), and on busy cores idle threads sleep (``OMP_WAIT_POLICY=PASSIVE``); on idle cores spinning is faster.
+
+The constraint: libgomp reads ``OMP_WAIT_POLICY`` once, when torch loads it (``import torch``); setting it later
+changes nothing. So the decision is taken twice with the same function:
+
+* :func:`prepare` runs when ``batchgen`` is imported (before batchgen imports torch): if torch is not loaded
+  yet and the cores are busy, it exports ``OMP_WAIT_POLICY=PASSIVE`` so that OpenMP starts with it;
+* :func:`apply` runs where the engine is built (CPU engines): it sets the thread count
+  (``torch.set_num_threads``) from the same decision, with the load measured then.
+
+What the user set wins: ``OMP_WAIT_POLICY``, ``OMP_NUM_THREADS`` and ``OMP_PROC_BIND`` in the environment are
+kept as they are, and the engine never uses more threads than torch had before it. Threads are not bound by
+default: on a shared machine a bound thread cannot move off a core another process has taken.
+
+The load of other processes: the larger of the 1-minute load average and the runnable threads right now
+(``procs_running``), measured before the engine starts working; "busy": at least the CPUs this process may
+run on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+_wait_policy_at_start: str | None = None
+"""OMP_WAIT_POLICY as OpenMP saw it when it started, once :func:`prepare` ran before torch loaded."""
+_prepared_before_openmp = False
+
+
+@dataclass(frozen=True)
+class ThreadPolicy:
+    """One decision. ``num_threads``: torch intra-op threads; ``wait_policy``: ``PASSIVE`` (idle threads
+    sleep), ``ACTIVE`` or ``default`` (libgomp's: spin a while, then sleep); ``binding``: ``OMP_PROC_BIND``'s
+    value, or ``none``; ``reason``: why, in words (logged)."""
+
+    num_threads: int
+    wait_policy: str
+    binding: str
+    busy: bool
+    reason: str
+
+
+def cpus_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def decide(
+    cpus: int,
+    load: float | None,
+    env: Mapping[str, str],
+    openmp_wait: str | None = None,
+    started: bool = False,
+    max_threads: int | None = None,
+) -> ThreadPolicy:
+    """The policy for `cpus` CPUs while other processes keep `load` of them busy (None: unknown, taken as
+    idle), with environment `env`.
+
+    Threads: the CPUs left free, ``round(cpus - load)``, at least 1 and at most `max_threads` (torch's own
+    count before the engine changed it: its default is the physical cores, or what the user set with
+    ``torch.set_num_threads``). Each parallel region waits for its slowest thread, and a thread sharing a
+    core with another process runs a fraction of the time: fewer threads on free cores beat more on shared
+    ones (BENCHMARKS.md, "Thread policy"). Wait policy: ``PASSIVE`` when `load` >= `cpus` ("busy").
+    `started`: OpenMP is already running, with ``OMP_WAIT_POLICY`` = `openmp_wait` (None: unset, spinning);
+    then the wait policy is what OpenMP has.
+    """
+    cap = min(cpus, max_threads) if max_threads else cpus
+    busy = load is not None and load >= cpus
+    binding = env.get("OMP_PROC_BIND", "none")
+    if started:  # what OpenMP has; unset = libgomp's default (spin, then sleep)
+        wait = (openmp_wait or "default").upper()
+    else:
+        wait = (env.get("OMP_WAIT_POLICY") or ("PASSIVE" if busy else "default")).upper()
+    wait = "default" if wait == "DEFAULT" else wait
+    if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+        n, why = int(env["OMP_NUM_THREADS"]), "OMP_NUM_THREADS set"
+    else:
+        n = max(1, min(cap, round(cpus - (load or 0.0))))
+        why = f"{n} of {cap} thread(s): the CPUs other processes leave free"
+    state = f"load {load:.2f} on {cpus} CPU(s)" if load is not None else f"{cpus} CPU(s), load unknown"
+    state += ": busy" if busy else ""
+    return ThreadPolicy(n, wait, binding, busy, f"{state}; {why}; wait policy {wait}; binding {binding}")
+
+
+def running_now(samples: int = 1, interval: float = 0.0) -> float | None:
+    """Other runnable threads right now: the median of `samples` readings of ``procs_running`` in /proc/stat
+    (Linux), less this thread; None where unreadable."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open("/proc/stat") as f:
+                line = next(ln for ln in f if ln.startswith("procs_running"))
+            counts.append(int(line.split()[1]) - 1)
+        except (OSError, StopIteration, ValueError, IndexError):
+            return None
+        if i + 1 < samples:
+            time.sleep(interval)
+    return float(statistics.median(counts))
+
+
+def other_load(samples: int = 1) -> float | None:
+    """How many CPUs other processes keep busy: the larger of the 1-minute load average (which lags: a load
+    that just started is not in it yet) and the runnable threads right now (:func:`running_now`)."""
+    values = [v for v in (load_average(), running_now(samples, 0.01)) if v is not None]
+    return max(values) if values else None
+
+
+def openmp_started() -> bool:
+    """Whether torch (and with it libgomp, which read OMP_WAIT_POLICY when it loaded) is loaded."""
+    return "torch" in sys.modules
+
+
+def prepare() -> ThreadPolicy | None:
+    """Before torch loads: export the decided ``OMP_WAIT_POLICY`` (PASSIVE on busy cores). No-op (None) when
+    torch is already loaded. Called when ``batchgen`` is imported."""
+    global _wait_policy_at_start, _prepared_before_openmp
+    if openmp_started():
+        return None
+    policy = decide(cpus_available(), other_load(), os.environ)
+    if policy.wait_policy == "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    _wait_policy_at_start = os.environ.get("OMP_WAIT_POLICY")
+    _prepared_before_openmp = True
+    return policy
+
+
+def current() -> ThreadPolicy:
+    """The decision now, for this process (what :func:`apply` sets)."""
+    if _prepared_before_openmp:
+        wait = _wait_policy_at_start
+    else:  # torch was loaded before batchgen: assume it saw the environment as it is now
+        wait = os.environ.get("OMP_WAIT_POLICY")
+    started = openmp_started()
+    return decide(
+        cpus_available(),
+        other_load(samples=5),
+        os.environ,
+        wait,
+        started,
+        _torch_threads() if started else None,
+    )
+
+
+_torch_threads_before: int | None = None
+
+
+def _torch_threads() -> int:
+    """torch's thread count before the first :func:`apply` changed it."""
+    global _torch_threads_before
+    if _torch_threads_before is None:
+        import torch
+
+        _torch_threads_before = torch.get_num_threads()
+    return _torch_threads_before
+
+
+def apply(device: object) -> ThreadPolicy:
+    """Where the engine is built: on a CPU device set torch's thread count from :func:`current`; returns the
+    policy (on other devices nothing is changed)."""
+    policy = current()
+    if getattr(device, "type", str(device)) == "cpu":
+        import torch
+
+        if torch.get_num_threads() != policy.num_threads:
+            torch.set_num_threads(policy.num_threads)
+        logger.info("CPU threads: %d (%s)", policy.num_threads, policy.reason)
+    return policy

@@ -1,0 +1,148 @@
+"""``batchgen task=embed`` / ``task=classify``: pooling instead of generation, window by window, resumable.
+
+Each window's ``data.prompt_column`` texts are tokenised in one batch and pooled by a
+:class:`~batchgen.pooling_runner.PoolingRunner` (length-sorted inside the window: unpadded encoder batches, or
+token order on the paged engine so shared instruction prefixes hit the prefix cache); the window's part is
+committed atomically with its manifest entry, so a job killed at any moment resumes from the first window not
+committed and duplicates nothing. Output columns, one row per input row in input order: ``id``, the kept
+columns, then ``embedding`` (fixed-size list of float32) for task=embed, or ``probs`` (fixed-size list of
+float32, one per label; a one-label reward head's raw score) and ``label`` (the most likely label's name) for
+task=classify, then ``num_prompt_tokens``, ``status`` and ``error``. Invalid rows (null, not a string, empty,
+longer than the model takes) are ``status=error`` rows with null values.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.data.manifest import WindowRecord
+from batchgen.data.reader import iter_windows
+from batchgen.errors import ConfigError
+
+
+def pooling_model_facts(cfg: Any, path: str) -> Any:
+    """What planning needs from a pooling checkpoint (architecture, max length), from its config files only;
+    a checkpoint that cannot do the task is a ConfigError naming ``model.path`` / ``task``."""
+    from batchgen.pooling.checkpoint import read_checkpoint
+
+    try:
+        info = read_checkpoint(path)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"model.path: cannot use {path!r} for task={cfg.task}: {e}") from e
+    if cfg.task == "classify" and info.task != "classify":
+        raise ConfigError(
+            f"task=classify needs a *ForSequenceClassification checkpoint; {path!r} is "
+            f"{info.architecture or info.model_type} (use task=embed or task=generate)"
+        )
+    raw = json.loads((info.path / "config.json").read_text())
+    max_len = info.max_seq_length or raw.get("max_position_embeddings") or 512
+    return SimpleNamespace(architecture=info.architecture or info.model_type, max_model_len=int(max_len))
+
+
+def start_runner(plan: Any) -> Any:
+    """The :class:`PoolingRunner` of the plan's checkpoint (a failure to load is a ConfigError)."""
+    from batchgen.pooling.checkpoint import read_checkpoint
+    from batchgen.pooling_runner import PoolingRunner
+
+    cfg = plan.cfg
+    try:
+        return PoolingRunner(read_checkpoint(plan.model_path), cfg.task, cfg.engine, dtype=cfg.model.dtype)
+    except Exception as e:  # noqa: BLE001 - a model that does not load is a configuration problem
+        raise ConfigError(f"cannot load model.path={plan.model_path!r} for task={cfg.task}: {e}") from e
+
+
+def _texts_to_tokens(runner: Any, texts: list[Any], column: str) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids per row (empty for a bad row) and the reason a row is bad."""
+    why: list[str | None] = [
+        None if isinstance(t, str) and t else f"{column} must be a non-empty string" for t in texts
+    ]
+    good = [i for i, w in enumerate(why) if w is None]
+    tokens: list[list[int]] = [[] for _ in texts]
+    if good:
+        ids = runner.tokenizer([texts[i] for i in good], return_attention_mask=False)["input_ids"]
+        for i, t in zip(good, ids):
+            tokens[i] = list(t)
+    return tokens, why
+
+
+def _pool_window(plan: Any, runner: Any, table: pa.Table, spec: Any) -> tuple[dict[str, pa.Array], int]:
+    d = plan.cfg.data
+    texts = table.column(d.prompt_column).to_pylist()
+    tokens, why = _texts_to_tokens(runner, texts, d.prompt_column)
+    todo = [i for i, w in enumerate(why) if w is None]
+    rows = runner.run([tokens[i] for i in todo], spec)
+    values: list[list[float] | None] = [None] * len(texts)
+    labels: list[str | None] = [None] * len(texts)
+    for i, r in zip(todo, rows):
+        values[i], labels[i], why[i] = r.values, r.label, r.error
+    width = runner.hidden_size if plan.cfg.task == "embed" else max(1, runner.info.num_labels)
+    if plan.cfg.task == "embed" and spec.dimensions is not None:
+        width = spec.dimensions
+    vec_type = pa.list_(pa.float32(), width)
+    cols: dict[str, pa.Array] = {}
+    if plan.cfg.task == "embed":
+        cols["embedding"] = pa.array(values, vec_type)
+    else:
+        cols["probs"] = pa.array(values, vec_type)
+        cols["label"] = pa.array(labels, pa.string())
+    ok = [w is None for w in why]
+    cols["num_prompt_tokens"] = pa.array([len(t) if k else None for t, k in zip(tokens, ok)], pa.int64())
+    cols["status"] = pa.array(["ok" if k else "error" for k in ok], pa.string())
+    cols["error"] = pa.array(why, pa.string())
+    return cols, sum(len(tokens[i]) for i in todo)
+
+
+def run_pool_windows(
+    plan: Any, outdir: Any, runner: Any, todo: list[Any], stop: Any, progress: Any
+) -> tuple[int, int]:
+    """Pool and commit each unfinished window; returns (windows, rows) done. Stops between windows on a
+    signal (a window is the unit of resume)."""
+    from batchgen.pooling.params import PoolingParams
+
+    d, p = plan.cfg.data, plan.cfg.pooling
+    try:
+        spec = runner.spec(PoolingParams(p.method, p.normalize, p.dimensions))
+    except ValueError as e:
+        raise ConfigError(f"pooling: {e}") from e
+    windows = rows = 0
+    for w in iter_windows(plan.input, todo, plan.columns):
+        if stop.requested:
+            break
+        t0 = time.time()
+        cols, prompt_tokens = _pool_window(plan, runner, w.table, spec)
+        arrays: dict[str, Any] = {"id": _ids(w.table, d.id_column, w.spec.row_start)}
+        for c in d.keep_columns:
+            if c != "id":
+                arrays[c] = w.table.column(c).combine_chunks()
+        arrays.update(cols)
+        meta = {b"batchgen.task": plan.cfg.task.encode(), b"batchgen.window": str(w.spec.index).encode()}
+        table = pa.table(arrays).replace_schema_metadata(meta)
+        n_ok = sum(1 for s in cols["status"].to_pylist() if s == "ok")
+        record = WindowRecord(
+            part="",
+            row_start=w.spec.row_start,
+            row_end=w.spec.row_end,
+            num_output_rows=table.num_rows,
+            rows_ok=n_ok,
+            rows_error=table.num_rows - n_ok,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=0,
+            generated_tokens=0,
+            wall_time_s=round(time.time() - t0, 3),
+        )
+        outdir.commit(w.spec.index, table, record)
+        progress.update(w.spec.num_rows)
+        windows += 1
+        rows += w.spec.num_rows
+    return windows, rows
+
+
+def _ids(table: pa.Table, id_column: str | None, row_start: int) -> pa.Array:
+    if id_column:
+        return table.column(id_column).combine_chunks()
+    return pa.array(range(row_start, row_start + table.num_rows), pa.int64())

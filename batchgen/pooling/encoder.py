@@ -1,0 +1,124 @@
+"""Encoder checkpoints (BERT, RoBERTa / XLM-RoBERTa, ModernBERT) through transformers' modeling code, in
+length-bucketed, unpadded batches.
+
+The rows of a call are sorted by length and cut into batches of at most ``max_batch_tokens`` tokens (and
+``max_batch_seqs`` sequences); each batch runs as ONE packed row of tokens (no padding in any linear layer)
+with per-sequence position ids, and attention stays within each sequence (:mod:`.varlen_attention`). Results
+come back in the caller's order. Weights load from safetensors only; remote code never runs.
+
+Heads: an embedding checkpoint returns the pooled backbone output; a ``*ForSequenceClassification`` checkpoint
+runs the architecture's own head modules on the pooled vectors exactly as transformers' forward would (BERT:
+pooler + classifier on CLS; RoBERTa: the classification head on CLS; ModernBERT: its ``classifier_pooling``,
+head and classifier).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from batchgen.pooling import varlen_attention
+from batchgen.pooling.checkpoint import CheckpointPooling
+from batchgen.pooling.pooler import pool
+
+logger = logging.getLogger(__name__)
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int, max_seqs: int) -> list[list[int]]:
+    """Indices of ``lengths`` sorted by length, cut into batches of at most ``max_tokens`` tokens (a longer
+    single row goes alone) and ``max_seqs`` rows."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    tokens = 0
+    for i in order:
+        n = lengths[i]
+        if cur and (tokens + n > max_tokens or len(cur) >= max_seqs):
+            batches.append(cur)
+            cur, tokens = [], 0
+        cur.append(i)
+        tokens += n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+class EncoderModel:
+    """One encoder checkpoint, ready to pool. ``hidden_size``: the backbone's width; ``max_model_len``: the
+    longest input it takes (position embeddings, or the sentence-transformers ``max_seq_length``)."""
+
+    def __init__(self, info: CheckpointPooling, dtype: torch.dtype, device: torch.device) -> None:
+        import transformers
+
+        varlen_attention.register()
+        self.info = info
+        self.device = device
+        classify = info.task == "classify"
+        cls = transformers.AutoModelForSequenceClassification if classify else transformers.AutoModel
+        model = cls.from_pretrained(
+            str(info.path),
+            dtype=dtype,
+            attn_implementation=varlen_attention.ATTN_IMPLEMENTATION,
+            local_files_only=True,
+            trust_remote_code=False,
+            use_safetensors=True,
+        )
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.backbone: nn.Module = getattr(model, model.base_model_prefix) if classify else model
+        cfg = model.config
+        self.config = cfg
+        self.hidden_size = int(cfg.hidden_size)
+        self.dtype = dtype
+        limit = int(getattr(cfg, "max_position_embeddings", 512))
+        self.position_offset = 0
+        if info.model_type in ("roberta", "xlm-roberta"):  # positions start after padding_idx
+            self.position_offset = int(cfg.pad_token_id) + 1
+            limit -= self.position_offset
+        self.max_model_len = min(limit, info.max_seq_length or limit)
+        self.uses_token_types = getattr(cfg, "type_vocab_size", 0) > 0 and info.model_type != "modernbert"
+
+    @torch.inference_mode()
+    def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+        """One packed forward: (hidden ``[T, H]``, cu_seqlens ``[B + 1]``)."""
+        lengths = [len(t) for t in token_lists]
+        dev = self.device
+        ids = torch.tensor([t for toks in token_lists for t in toks], dtype=torch.long, device=dev)[None]
+        pos = torch.cat([torch.arange(n) for n in lengths]).to(dev)[None] + self.position_offset
+        kwargs = {"token_type_ids": torch.zeros_like(ids)} if self.uses_token_types else {}
+        layout = varlen_attention.PackedLayout.build(lengths, dev)
+        with varlen_attention.packed(layout):
+            out = self.backbone(input_ids=ids, position_ids=pos, **kwargs)
+        hidden = out.last_hidden_state[0] if hasattr(out, "last_hidden_state") else out[0][0]
+        cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], device=dev)
+        return hidden, cu
+
+    @torch.inference_mode()
+    def classify_logits(self, hidden: Tensor, cu: Tensor) -> Tensor:
+        """The classification head's logits ``[B, num_labels]`` for a packed batch's hidden states."""
+        m, kind = self.model, self.info.model_type
+        if kind == "bert":
+            pooled = m.bert.pooler(pool(hidden, cu, "cls").to(hidden.dtype)[:, None, :])
+            return m.classifier(m.dropout(pooled))
+        if kind in ("roberta", "xlm-roberta"):
+            return m.classifier(pool(hidden, cu, "cls").to(hidden.dtype)[:, None, :])
+        if kind == "modernbert":
+            method = "cls" if self.config.classifier_pooling == "cls" else "mean"
+            pooled = m.head(pool(hidden, cu, method).to(hidden.dtype))
+            return m.classifier(m.drop(pooled))
+        raise ValueError(f"classification heads of model_type {kind!r} are not supported on the encoder path")
+
+
+def load_encoder(info: CheckpointPooling, dtype: str, device: torch.device) -> EncoderModel:
+    """The encoder of ``info`` in ``dtype`` ('auto': the checkpoint's, float32 if it names none)."""
+    from batchgen.models.config import parse_dtype
+
+    if dtype == "auto":
+        import json
+
+        raw = json.loads((Path(info.path) / "config.json").read_text())
+        dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    return EncoderModel(info, parse_dtype(dtype), device)

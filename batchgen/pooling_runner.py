@@ -1,0 +1,192 @@
+"""Runs pooling tasks over a checkpoint: token lists in, embeddings or class scores out, in input order.
+
+Encoders run through :class:`~batchgen.pooling.encoder.EncoderModel` (length-sorted, unpadded batches of at
+most ``engine.max_num_batched_tokens`` tokens and ``engine.max_num_seqs`` rows); decoders through an
+:class:`~batchgen.engine.llm_engine.LLMEngine` over a :class:`~batchgen.pooling.decoder.PoolingDecoder`
+(prefill-only requests, continuous batching, the prefix cache for last-token pooling). A row that cannot run
+(empty, longer than the model takes) gets an error string; it never stops the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.config import EngineConfig
+from batchgen.pooling.checkpoint import CheckpointPooling
+from batchgen.pooling.encoder import length_batches, load_encoder
+from batchgen.pooling.params import PoolingParams, PoolingSpec
+from batchgen.pooling.pooler import class_probs, finish_embedding, pool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PooledRow:
+    """One row's result: ``values`` (the embedding, or the class scores), or ``error``."""
+
+    values: list[float] | None = None
+    label: str | None = None
+    error: str | None = None
+
+
+class PoolingRunner:
+    """One checkpoint loaded for ``task`` (``embed`` or ``classify``)."""
+
+    def __init__(
+        self,
+        info: CheckpointPooling,
+        task: str,
+        engine_config: EngineConfig | None = None,
+        dtype: str = "auto",
+        tokenizer: str | None = None,
+    ) -> None:
+        from batchgen.engine.llm_engine import LLMEngine, resolve_device
+        from batchgen.models.loader import load_tokenizer
+        from batchgen.pooling.decoder import load_pooling_decoder
+
+        self.info, self.task = info, task
+        self.config = config = engine_config or EngineConfig()
+        if task == "classify" and info.task != "classify":
+            raise ValueError(
+                f"{info.path} ({info.architecture or info.model_type}) has no classification head: "
+                "classify needs a *ForSequenceClassification checkpoint"
+            )
+        self.engine = None
+        self.encoder = None
+        if info.is_encoder:
+            self.encoder = load_encoder(info, dtype, resolve_device(config.device))
+            self.tokenizer = load_tokenizer(tokenizer or str(info.path))
+            self.max_model_len = min(
+                config.max_model_len or self.encoder.max_model_len, self.encoder.max_model_len
+            )
+            self.hidden_size = self.encoder.hidden_size
+        else:
+            self.engine = LLMEngine(
+                str(info.path),
+                config,
+                dtype=dtype,
+                tokenizer=tokenizer,
+                load=lambda device: load_pooling_decoder(info, dtype, device),
+            )
+            self.tokenizer = self.engine.tokenizer
+            limit = info.max_seq_length or self.engine.max_model_len
+            self.max_model_len = min(limit, self.engine.max_model_len - 1)  # the engine samples one token
+            self.hidden_size = self.engine.model.config.hidden_size
+
+    def spec(self, params: PoolingParams | None) -> PoolingSpec:
+        """The request's pooling with the checkpoint's defaults filled in (classifiers pool as their head
+        was trained: the last token for decoders, the head's own pooling for encoders)."""
+        p = params or PoolingParams()
+        if self.task == "classify":
+            return PoolingSpec("last" if not self.info.is_encoder else "cls", False, None)
+        if p.dimensions is not None and p.dimensions > self.hidden_size:
+            raise ValueError(
+                f"dimensions={p.dimensions} exceeds the model's embedding size {self.hidden_size}"
+            )
+        method = p.pooling or self.info.default_pooling
+        normalize = self.info.default_normalize if p.normalize is None else bool(p.normalize)
+        return PoolingSpec(method, normalize, p.dimensions)
+
+    def check(self, tokens: Sequence[int]) -> str | None:
+        """Why a row cannot run (None: it can)."""
+        if len(tokens) == 0:
+            return "empty input: it has no tokens"
+        if len(tokens) > self.max_model_len:
+            return (
+                f"input has {len(tokens)} tokens but the model takes at most {self.max_model_len}; shorten it "
+                "(or raise engine.max_model_len where the model allows)"
+            )
+        return None
+
+    def run(
+        self,
+        token_lists: Sequence[Sequence[int]],
+        spec: PoolingSpec,
+        on_done: Callable[[int], None] | None = None,
+    ) -> list[PooledRow]:
+        """Pool every row (input order); ``on_done(n)`` after each batch of ``n`` rows."""
+        results: list[PooledRow | None] = [None] * len(token_lists)
+        todo = []
+        for i, toks in enumerate(token_lists):
+            why = self.check(toks)
+            if why is None:
+                todo.append(i)
+            else:
+                results[i] = PooledRow(error=why)
+        run = self._run_encoder if self.encoder is not None else self._run_decoder
+        run(token_lists, todo, spec, results, on_done)
+        return results  # type: ignore[return-value]
+
+    def _finish(self, vectors: torch.Tensor, spec: PoolingSpec) -> list[PooledRow]:
+        """Pooled hidden states ``[B, H]`` -> rows (head, normalisation, truncation applied)."""
+        if self.task == "classify":
+            logits = self._head(vectors)
+            probs = class_probs(logits, self.info.problem_type).tolist()
+            labels = self.info.labels
+            return [
+                PooledRow(p, None if len(p) == 1 else labels[max(range(len(p)), key=p.__getitem__)])
+                for p in probs
+            ]
+        return [PooledRow(v) for v in finish_embedding(vectors, spec).tolist()]
+
+    def _head(self, vectors: torch.Tensor) -> torch.Tensor:
+        assert self.engine is not None
+        score = self.engine.model.score
+        return score(vectors.to(score.weight.dtype))
+
+    def _run_encoder(self, token_lists, todo, spec, results, on_done) -> None:
+        enc = self.encoder
+        assert enc is not None
+        lengths = [len(token_lists[i]) for i in todo]
+        cfg = self.config
+        for batch in length_batches(lengths, cfg.max_num_batched_tokens, cfg.max_num_seqs):
+            rows = [todo[j] for j in batch]
+            hidden, cu = enc.hidden_states([token_lists[i] for i in rows])
+            if self.task == "classify":
+                logits = enc.classify_logits(hidden, cu)
+                probs = class_probs(logits, self.info.problem_type).tolist()
+                labels = self.info.labels
+                done = [
+                    PooledRow(p, None if len(p) == 1 else labels[max(range(len(p)), key=p.__getitem__)])
+                    for p in probs
+                ]
+            else:
+                done = [PooledRow(v) for v in finish_embedding(pool(hidden, cu, spec.method), spec).tolist()]
+            for i, r in zip(rows, done):
+                results[i] = r
+            if on_done is not None:
+                on_done(len(rows))
+
+    def _run_decoder(self, token_lists, todo, spec, results, on_done) -> None:
+        from batchgen.engine.pooling import PoolingState
+
+        engine = self.engine
+        assert engine is not None
+        base = engine.stats.num_requests
+        states: dict[str, tuple[int, PoolingState]] = {}
+        # rows sharing a prefix next to each other: the prefix cache serves them (last-token pooling)
+        for i in sorted(todo, key=lambda i: list(token_lists[i])):
+            rid = f"pool-{base + i}"
+            states[rid] = (i, PoolingState(spec.method))
+            engine.add_request(rid, list(token_lists[i]), pooling=states[rid][1])
+        try:
+            while engine.has_unfinished():
+                finished = engine.step()
+                ok = [(states[o.request_id], o) for o in finished]
+                for (i, _), o in ok:
+                    if o.error is not None:
+                        results[i] = PooledRow(error=o.error)
+                good = [(i, s) for (i, s), o in ok if o.error is None]
+                if good:
+                    vectors = torch.stack([s.vector for _, s in good])
+                    for (i, _), row in zip(good, self._finish(vectors, spec)):
+                        results[i] = row
+                if on_done is not None and finished:
+                    on_done(len(finished))
+        finally:
+            for rid in states:
+                engine.abort_request(rid)

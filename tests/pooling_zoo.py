@@ -1,0 +1,97 @@
+"""Tiny pooling checkpoints built offline: decoder embedders and classifiers on the model zoo's configs,
+encoders (BERT, XLM-RoBERTa, ModernBERT) and sentence-transformers layouts written as the hub's checkpoints
+have them (modules.json, 1_Pooling/config.json, 2_Normalize, sentence_bert_config.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import transformers
+
+from batchgen.models.tiny import build_random_checkpoint, special_token_kwargs
+from tests.model_zoo import _config
+
+VOCAB = 512
+_ENCODER: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    initializer_range=0.08,
+)
+ENCODERS = {
+    "bert": ("BertConfig", {}),
+    "xlm-roberta": ("XLMRobertaConfig", {}),
+    "modernbert": ("ModernBertConfig", {"local_attention": 8, "global_attn_every_n_layers": 2}),
+}
+LABELS3 = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def _no_chat_template(path: str) -> str:
+    """Encoder tokenizers have no chat template (sentence-transformers would apply one)."""
+    p = Path(path)
+    (p / "chat_template.jinja").unlink(missing_ok=True)
+    cfg_file = p / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.pop("chat_template", None)
+    cfg_file.write_text(json.dumps(cfg))
+    return path
+
+
+def decoder(out: Path, arch: str, model_class: str, seed: int = 0, **overrides) -> str:
+    """A model-zoo decoder config (``arch``: llama, qwen3...) saved as ``transformers.<model_class>``."""
+    return build_random_checkpoint(
+        out, lambda ids: _config(arch, ids, overrides), model_class, vocab_size=VOCAB, seed=seed
+    )
+
+
+def encoder(out: Path, kind: str, model_class: str, seed: int = 0, **overrides) -> str:
+    cfg_name, extra = ENCODERS[kind]
+
+    def config(ids: dict[str, int]):
+        kw = {**_ENCODER, **extra, **overrides, **special_token_kwargs(ids)}
+        if kind == "modernbert":
+            kw.update(cls_token_id=kw["bos_token_id"], sep_token_id=kw["eos_token_id"])
+        return getattr(transformers, cfg_name)(**kw)
+
+    return _no_chat_template(build_random_checkpoint(out, config, model_class, vocab_size=VOCAB, seed=seed))
+
+
+def sentence_transformers_layout(
+    path: str, mode: str, normalize: bool, max_seq_length: int = 256, old: bool = True
+) -> str:
+    """Write the sentence-transformers files beside a checkpoint: ``mode`` cls / mean / lasttoken, in the
+    boolean spelling of sentence-transformers < 5 (``old``) or its ``pooling_mode`` string."""
+    p = Path(path)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )
+        (p / "2_Normalize").mkdir(exist_ok=True)
+    (p / "modules.json").write_text(json.dumps(modules))
+    (p / "1_Pooling").mkdir(exist_ok=True)
+    hidden = json.loads((p / "config.json").read_text())["hidden_size"]
+    if old:
+        pool = {
+            "word_embedding_dimension": hidden,
+            "pooling_mode_cls_token": mode == "cls",
+            "pooling_mode_mean_tokens": mode == "mean",
+            "pooling_mode_max_tokens": False,
+            "pooling_mode_mean_sqrt_len_tokens": False,
+            "pooling_mode_lasttoken": mode == "lasttoken",
+        }
+    else:
+        pool = {"embedding_dimension": hidden, "pooling_mode": mode, "include_prompt": True}
+    (p / "1_Pooling" / "config.json").write_text(json.dumps(pool))
+    (p / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False})
+    )
+    return path

@@ -1,0 +1,98 @@
+"""A multi-adapter job: each row under the adapter its column names (null: the base model), greedy tokens identical
+to PEFT's; unknown names and unreadable adapters make error rows, not a failed job; the report counts rows per
+adapter; the config refuses a LoRA column without adapters."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import job_config, read_parts
+from lora_helpers import adapter, peft_greedy
+
+from batchgen.errors import ConfigError
+from batchgen.job.config import validate
+from batchgen.job.feeder import WindowWork
+from batchgen.job.run import EXIT_OK, run_job
+from batchgen.models import load_tokenizer
+
+TEXTS = [
+    "def parse(",
+    "import os",
+    "class Foo:",
+    "def parse(x",
+    "return None",
+    "for i in",
+    "while True:",
+    "x = 1",
+]
+ADAPTERS = ["a", None, "b", "a", "nope", "b", "broken", None]
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_ckpt, tmp_path_factory):
+    a = adapter(llama_ckpt, 4, ("q_proj", "v_proj"), 8, 1)
+    b = adapter(llama_ckpt, 8, ("o_proj", "gate_proj", "down_proj"), 8, 3)
+    return {"a": a, "b": b, "broken": str(tmp_path_factory.mktemp("job") / "missing")}
+
+
+def test_job_rows_follow_their_adapter(llama_ckpt, adapters, tmp_path: Path):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": TEXTS, "adapter": pa.array(ADAPTERS, pa.string())}), inp)
+    cfg = job_config(
+        llama_ckpt, inp, tmp_path / "out", data={"lora_column": "adapter", "window_rows": 8},
+        sampling={"temperature": 0.0, "max_tokens": 8, "ignore_eos": True},
+    )  # fmt: skip
+    cfg.model = dataclasses.replace(cfg.model, lora_modules=adapters)
+    cfg.run = dataclasses.replace(cfg.run, max_error_fraction=1.0)  # 2 of 8 rows fail on purpose
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_OK
+    out = read_parts(tmp_path / "out").to_pylist()
+    tok = load_tokenizer(llama_ckpt)
+    for row, text, name in zip(out, TEXTS, ADAPTERS):
+        if name in ("nope", "broken"):
+            assert row["status"] == "error"
+            assert ("unknown LoRA adapter 'nope'" if name == "nope" else "not a directory") in row["error"]
+            continue
+        assert row["status"] == "ok", row["error"]
+        assert row["token_ids"] == peft_greedy(llama_ckpt, adapters.get(name), tok.encode(text), 8), (
+            text,
+            name,
+        )
+    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    assert report["lora"]["rows_this_run"] == {
+        "a": {"ok": 2, "error": 0}, "b": {"ok": 2, "error": 0}, "base model": {"ok": 2, "error": 0},
+        "nope": {"ok": 0, "error": 1}, "broken": {"ok": 0, "error": 1},
+    }  # fmt: skip
+
+
+def test_windows_group_rows_by_adapter_then_prefix():
+    from batchgen.data.prompts import PromptRow
+    from batchgen.data.reader import WindowSpec
+    from batchgen.lora_request import LoRARequest
+
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    loras = [b, None, a, b, None, a]
+    toks = [[3, 1], [5], [9], [1, 2], [2], [4]]
+    rows = [PromptRow(i, i, i, token_ids=t, lora=lo) for i, (t, lo) in enumerate(zip(toks, loras))]
+    work = WindowWork.create(WindowSpec(0, 0, 6), rows, group_by_prefix=True)
+    assert list(work.feed) == [4, 1, 5, 2, 3, 0]  # base, then adapter 1, then 2; token order within each
+
+
+def test_lora_column_needs_modules(llama_ckpt, tmp_path):
+    cfg = job_config(llama_ckpt, tmp_path / "in.parquet", tmp_path / "out", data={"lora_column": "adapter"})
+    with pytest.raises(ConfigError, match="model.lora_modules is empty"):
+        validate(cfg)
+
+
+def test_cli_assigns_lora_modules():
+    from batchgen.cli import assign_lora_modules
+
+    args = ["model.lora_modules={a: /x}", "model.lora_modules.b=/y", "+model.lora_modules.c=/z", "data.x=1"]
+    assert assign_lora_modules(args) == [
+        "+model.lora_modules={a: /x}", "+model.lora_modules.b=/y", "+model.lora_modules.c=/z", "data.x=1",
+    ]  # fmt: skip

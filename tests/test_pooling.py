@@ -1,0 +1,213 @@
+"""Pooling tasks against transformers (and sentence-transformers): decoder and encoder embedders, a 3-label
+classifier, a reward head, sentence-transformers configs, batched and shuffled, error rows, prefix reuse."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from batchgen import LLM
+from batchgen.pooling.checkpoint import read_checkpoint
+from tests import pooling_zoo as zoo
+
+TEXTS = [
+    "Instruct: find the answer\nQuery: what is a paged KV cache?",
+    "a",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Instruct: find the answer\nQuery: how do generators work in Python?",
+    "def f(x):\n    return x * 2",
+    "Instruct: find the answer\nQuery: what is a paged KV cache and why use it?",
+    "tokens and more tokens",
+] * 2
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("pooling")
+
+
+def _tokens(path, texts=TEXTS):
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    return [tok.encode(t) for t in texts]
+
+
+def _hf_hidden(model, ids: list[int], **kw) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), **kw)
+    return out.last_hidden_state[0] if hasattr(out, "last_hidden_state") else out
+
+
+def _ref_pool(h: torch.Tensor, method: str) -> torch.Tensor:
+    return {"last": h[-1], "cls": h[0], "mean": h.mean(0)}[method]
+
+
+def _assert_close_embeddings(ours, ref, normalize=True):
+    ours = torch.tensor(ours)
+    cos = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
+    assert cos.min().item() >= 0.9999, cos
+    if normalize:
+        torch.testing.assert_close(ours.norm(dim=-1), torch.ones(len(ours)), atol=1e-5, rtol=0)
+
+
+def _shuffled(n: int, seed: int = 0) -> list[int]:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+# ------------------------------------------------------------------------------------------- decoders
+@pytest.fixture(scope="module")
+def qwen3_embedder(root):
+    return zoo.decoder(root / "qwen3-emb", "qwen3", "Qwen3Model", seed=3)
+
+
+def test_decoder_embedder_matches_transformers(qwen3_embedder):
+    llm = LLM(qwen3_embedder, num_blocks=64, block_size=8, max_num_batched_tokens=64, max_num_seqs=5)
+    assert llm.task == "embed"
+    toks = _tokens(qwen3_embedder)
+    order = _shuffled(len(toks))
+    ref_model = transformers.AutoModel.from_pretrained(qwen3_embedder).eval()
+    hidden = [_hf_hidden(ref_model, toks[i]) for i in order]
+    for method in ("last", "mean"):
+        outs = llm.embed([toks[i] for i in order], pooling=method, use_tqdm=False)
+        ref = torch.nn.functional.normalize(torch.stack([_ref_pool(h, method) for h in hidden]), dim=-1)
+        assert all(o.error is None for o in outs)
+        _assert_close_embeddings([o.outputs.embedding for o in outs], ref)
+        if method == "last":  # rows sharing the instruction prefix reused its blocks
+            assert llm.engine.stats.prompt_tokens_cached > 0
+
+
+def test_causal_lm_embeds_on_request_and_dimensions(root):
+    path = zoo.decoder(root / "llama-lm", "llama", "LlamaForCausalLM", seed=1)
+    assert read_checkpoint(path).task == "generate"
+    llm = LLM(path, task="embed", num_blocks=64, block_size=8)
+    toks = _tokens(path)[:6]
+    outs = llm.embed(toks, dimensions=16, normalize=True, use_tqdm=False)
+    ref_model = transformers.AutoModel.from_pretrained(path).eval()
+    ref = torch.stack([_hf_hidden(ref_model, t)[-1][:16] for t in toks])
+    _assert_close_embeddings([o.outputs.embedding for o in outs], torch.nn.functional.normalize(ref, dim=-1))
+    raw = llm.embed(toks[:2], normalize=False, use_tqdm=False)
+    torch.testing.assert_close(
+        torch.tensor([o.outputs.embedding for o in raw]),
+        (torch.stack([_hf_hidden(ref_model, t)[-1] for t in toks[:2]])),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    with pytest.raises(ValueError, match="dimensions"):
+        llm.embed(toks[:1], dimensions=1000, use_tqdm=False)
+
+
+@pytest.mark.parametrize("num_labels", [3, 1])
+def test_decoder_classifier_and_reward_match_transformers(root, num_labels):
+    kw = {"num_labels": num_labels}
+    if num_labels == 3:
+        kw["id2label"] = zoo.LABELS3
+        kw["label2id"] = {v: k for k, v in zoo.LABELS3.items()}
+    path = zoo.decoder(
+        root / f"llama-cls{num_labels}", "llama", "LlamaForSequenceClassification", seed=4, **kw
+    )
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_batched_tokens=48)
+    assert llm.task == "classify"
+    toks = _tokens(path)
+    order = _shuffled(len(toks), 1)
+    outs = llm.classify([toks[i] for i in order], use_tqdm=False)
+    ref_model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+    for i, o in zip(order, outs):
+        with torch.no_grad():
+            logits = ref_model(input_ids=torch.tensor([toks[i]])).logits[0]
+        want = logits if num_labels == 1 else torch.softmax(logits, -1)
+        torch.testing.assert_close(torch.tensor(o.outputs.probs), want, atol=1e-4, rtol=0)
+        if num_labels == 3:
+            assert o.outputs.label == zoo.LABELS3[int(logits.argmax())]
+        else:
+            assert o.outputs.label is None and o.outputs.score == pytest.approx(float(logits[0]), abs=1e-4)
+
+
+def test_error_rows_do_not_disturb_others(qwen3_embedder):
+    llm = LLM(qwen3_embedder, num_blocks=64, block_size=8, max_model_len=40)
+    toks = _tokens(qwen3_embedder)[:3]
+    outs = llm.embed([toks[0], [], list(range(1, 60)), toks[1]], use_tqdm=False)
+    assert outs[0].error is None and outs[3].error is None
+    assert "empty" in outs[1].error and outs[1].outputs is None
+    assert "at most" in outs[2].error
+    alone = llm.embed([toks[0], toks[1]], use_tqdm=False)
+    torch.testing.assert_close(
+        torch.tensor(outs[3].outputs.embedding), torch.tensor(alone[1].outputs.embedding)
+    )
+    with pytest.raises(ValueError, match="task='classify'"):
+        llm.classify(["x"], use_tqdm=False)
+
+
+# ------------------------------------------------------------------------------------------- encoders
+@pytest.mark.parametrize("kind,model_class", [("bert", "BertModel"), ("modernbert", "ModernBertModel")])
+def test_encoder_embedder_matches_transformers(root, kind, model_class):
+    path = zoo.encoder(root / f"{kind}-emb", kind, model_class, seed=5)
+    llm = LLM(path, max_num_batched_tokens=96, max_num_seqs=6)
+    assert llm.task == "embed" and llm.engine is None
+    toks = _tokens(path)
+    order = _shuffled(len(toks), 2)
+    ref_model = transformers.AutoModel.from_pretrained(path).eval()
+    hidden = [_hf_hidden(ref_model, toks[i]) for i in order]
+    for method in ("cls", "mean"):
+        outs = llm.embed([toks[i] for i in order], pooling=method, use_tqdm=False)
+        ref = torch.stack([_ref_pool(h, method) for h in hidden])
+        _assert_close_embeddings(
+            [o.outputs.embedding for o in outs], torch.nn.functional.normalize(ref, dim=-1)
+        )
+
+
+@pytest.mark.parametrize(
+    "kind,model_class",
+    [("bert", "BertForSequenceClassification"), ("xlm-roberta", "XLMRobertaForSequenceClassification")],
+)
+def test_encoder_classifier_matches_transformers(root, kind, model_class):
+    labels = {"id2label": zoo.LABELS3, "label2id": {v: k for k, v in zoo.LABELS3.items()}}
+    path = zoo.encoder(root / f"{kind}-cls", kind, model_class, seed=6, num_labels=3, **labels)
+    llm = LLM(path, max_num_batched_tokens=64)
+    toks = _tokens(path)
+    outs = llm.classify(toks, use_tqdm=False)
+    ref_model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+    for t, o in zip(toks, outs):
+        with torch.no_grad():
+            probs = torch.softmax(ref_model(input_ids=torch.tensor([t])).logits[0], -1)
+        torch.testing.assert_close(torch.tensor(o.outputs.probs), probs, atol=1e-4, rtol=0)
+        assert o.outputs.label == zoo.LABELS3[int(probs.argmax())]
+
+
+def test_sentence_transformers_config_matches_sentence_transformers(root):
+    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
+    path = zoo.encoder(root / "st-mean", "bert", "BertModel", seed=7)
+    zoo.sentence_transformers_layout(path, "mean", True, old=True)
+    info = read_checkpoint(path)
+    assert (info.task, info.pooling, info.normalize, info.max_seq_length) == ("embed", "mean", True, 256)
+    llm = LLM(path, max_num_batched_tokens=80)
+    outs = llm.embed(TEXTS, use_tqdm=False)
+    ref = torch.tensor(st.SentenceTransformer(path, device="cpu").encode(TEXTS))
+    ours = torch.tensor([o.outputs.embedding for o in outs])
+    assert torch.nn.functional.cosine_similarity(ours, ref).min() >= 0.9999
+    torch.testing.assert_close(ours.norm(dim=-1), ref.norm(dim=-1), atol=1e-4, rtol=1e-4)
+    # the sentence-transformers >= 5 spelling, without Normalize: CLS pooling, not normalised
+    zoo.sentence_transformers_layout(path, "cls", False, old=False)
+    info = read_checkpoint(path)
+    assert (info.pooling, info.normalize, info.default_normalize) == ("cls", False, False)
+
+
+def test_sentence_transformers_decoder_lasttoken(root):
+    path = zoo.decoder(root / "qwen3-st", "qwen3", "Qwen3Model", seed=8)
+    zoo.sentence_transformers_layout(path, "lasttoken", True, old=False)
+    llm = LLM(path, num_blocks=64, block_size=8)
+    toks = _tokens(path)[:5]
+    outs = llm.embed(toks, use_tqdm=False)
+    ref_model = transformers.AutoModel.from_pretrained(path).eval()
+    ref = torch.nn.functional.normalize(torch.stack([_hf_hidden(ref_model, t)[-1] for t in toks]), dim=-1)
+    _assert_close_embeddings([o.outputs.embedding for o in outs], ref)
+
+
+def test_unsupported_sentence_transformers_module_is_named(root):
+    path = zoo.encoder(root / "st-dense", "bert", "BertModel", seed=9)
+    zoo.sentence_transformers_layout(path, "max", False, old=False)
+    with pytest.raises(ValueError, match="pooling mode 'max'"):
+        read_checkpoint(path)
