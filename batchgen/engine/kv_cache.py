@@ -401,6 +401,13 @@ class KVCacheManager:
             pool.cache_block(s.table[i], h, parent, toks)
         s.num_registered = num_full
 
+    def cache_resolved_block(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
+        """Async scheduling: a placeholder that completed its block just became a known token: register the
+        block in the prefix cache if it is allocated (the step scheduled meanwhile computes it)."""
+        n = len(token_ids)
+        if self.enable_prefix_caching and self._get(seq_id).num_tokens >= n:
+            self.cache_full_blocks(seq_id, token_ids, n)
+
     def fork(self, parent_id: SeqId, child_id: SeqId, num_tokens: int | None = None) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (partial last block too; refcount + 1).
 

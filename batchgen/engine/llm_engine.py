@@ -107,29 +107,7 @@ class LLMEngine:
     ) -> None:
         """``load(device)``: builds the model instead of the checkpoint's default loader (pooling models)."""
         self.config = config = engine_config or EngineConfig()
-        tp = config.tensor_parallel_size
-        # tensor parallelism: this process is rank 0 (workers started or joined here; see tp_launch)
-        self.tp_group: TPGroup | None = None
-        if tp > 1:
-            check_tensor_parallel(model, implementation, tp)
-            self.tp_group = start_ranks(WorkerSetup(model, dtype, implementation, config))
-            weakref.finalize(self, self.tp_group.close)  # workers stop when the engine is collected
-            self.device = self.tp_group.device
-        else:
-            self.device = resolve_device(config.device)
-        self.thread_policy = threads.apply(self.device)  # CPU threads: one decision for API and CLI alike
-        backend = resolve_backend(config.attention_backend, self.device)
-        self.model_path = model
-        # implementation: auto (native when batchgen has the architecture), native, or transformers
-        if load is not None and tp > 1:
-            raise ValueError("pooling models run on one device: set engine.tensor_parallel_size=1")
-        self.model = (
-            load(self.device)
-            if load is not None
-            else load_model(
-                model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
-            )
-        )
+        backend = self._load(model, config, dtype, implementation, load)
         self.tokenizer = load_tokenizer(tokenizer or model)
         self.lora = self._attach_lora(config) if config.enable_lora else None
         self.max_model_len = _max_model_len(config, self.model.config)
@@ -172,6 +150,41 @@ class LLMEngine:
             )
         slots = attach_lora(self.model, config.max_loras, config.max_lora_rank)
         return LoRAManager(slots, self.model.config, config.max_cpu_loras)
+
+    def _load(
+        self,
+        model: str,
+        config: EngineConfig,
+        dtype: str,
+        implementation: str,
+        load: Callable[[torch.device], torch.nn.Module] | None,
+    ) -> str:
+        """The device (tensor-parallel ranks started or joined here), CPU threads and the model; returns the
+        attention backend."""
+        tp = config.tensor_parallel_size
+        # tensor parallelism: this process is rank 0 (workers started or joined here; see tp_launch)
+        self.tp_group: TPGroup | None = None
+        if tp > 1:
+            check_tensor_parallel(model, implementation, tp)
+            self.tp_group = start_ranks(WorkerSetup(model, dtype, implementation, config))
+            weakref.finalize(self, self.tp_group.close)  # workers stop when the engine is collected
+            self.device = self.tp_group.device
+        else:
+            self.device = resolve_device(config.device)
+        self.thread_policy = threads.apply(self.device)  # CPU threads: one decision for API and CLI alike
+        backend = resolve_backend(config.attention_backend, self.device)
+        self.model_path = model
+        # implementation: auto (native when batchgen has the architecture), native, or transformers
+        if load is not None and tp > 1:
+            raise ValueError("pooling models run on one device: set engine.tensor_parallel_size=1")
+        self.model = (
+            load(self.device)
+            if load is not None
+            else load_model(
+                model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
+            )
+        )
+        return backend
 
     def _build_runner(self, config: EngineConfig, backend: str) -> tuple[int, int]:
         """The model runner (this process's, or rank 0's under tensor parallelism) with its KV cache and swap

@@ -150,6 +150,21 @@ def unservable(
     )
 
 
+def _plan_beam_rows(out: SchedulerOutput, beam_rows: dict[int, int]) -> None:
+    """``out.beam_groups`` and their rows (``beam_rows``: seq id -> row), in beam order, group by group."""
+    seen: set[int] = set()
+    for s in out.seqs:
+        group = s.seq.group
+        if not isinstance(group, BeamGroup) or id(group) in seen or s.seq.seq_id not in beam_rows:
+            continue
+        seen.add(id(group))
+        rows = [beam_rows.get(b.seq_id) for b in group.seqs]
+        if any(r is None for r in rows):
+            raise RuntimeError("a beam group was scheduled in part")
+        out.beam_groups.append(group)
+        out.beam_rows.extend(rows)  # type: ignore[arg-type]
+
+
 class Scheduler:
     """Owns the waiting queue, the running list and the swapped queue of request groups, and the KV cache
     manager. ``running`` is in admission order; ``swapped`` holds the next group to resume first."""
@@ -439,20 +454,7 @@ class Scheduler:
                 sample_seqs.append(group.seqs[0])
         out.plain_greedy, out.plain_sampling = plain, plain_sampling
         if beam_rows:
-            self._plan_beam_rows(out, beam_rows)
-
-    def _plan_beam_rows(self, out: SchedulerOutput, beam_rows: dict[int, int]) -> None:
-        seen: set[int] = set()
-        for s in out.seqs:
-            group = s.seq.group
-            if not isinstance(group, BeamGroup) or id(group) in seen or s.seq.seq_id not in beam_rows:
-                continue
-            seen.add(id(group))
-            rows = [beam_rows.get(b.seq_id) for b in group.seqs]
-            if any(r is None for r in rows):
-                raise RuntimeError("a beam group was scheduled in part")
-            out.beam_groups.append(group)
-            out.beam_rows.extend(rows)  # type: ignore[arg-type]
+            _plan_beam_rows(out, beam_rows)
 
     def _preempt(self, group: RequestGroup) -> None:
         """Swap the group out (swap mode, CPU room, another group running) or free it for recompute."""
@@ -502,7 +504,7 @@ class Scheduler:
                 tokens[-1] = token
                 seq.pending_row = -1
                 if len(tokens) % bs == 0:  # the token completed its block: hash it now that it is known
-                    self._cache_resolved_block(seq)
+                    self.kv.cache_resolved_block(seq.seq_id, tokens)
             else:  # finishing: it had no placeholder
                 tokens.append(token)
             placed.append((seq, token, i))
@@ -571,15 +573,6 @@ class Scheduler:
             self._ahead.pop()
         if not self._ahead:
             self._free_deferred()
-
-    def _cache_resolved_block(self, seq: Sequence) -> None:
-        """A placeholder that completed its block just became a known token: register the block in the prefix
-        cache if it is allocated (the step scheduled meanwhile computes it); the deferred half of
-        :meth:`_add`'s hashing."""
-        n = len(seq.token_ids)
-        kv = self.kv
-        if kv.enable_prefix_caching and kv.num_tokens(seq.seq_id) >= n:
-            kv.cache_full_blocks(seq.seq_id, seq.token_ids, n)
 
     def _finish(self, seq: Sequence) -> None:
         """A stopped sequence leaves its group (and the group the running list with its last sequence)."""
