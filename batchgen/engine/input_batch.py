@@ -21,7 +21,6 @@ buffer too small for a step (more tokens or rows than the engine's caps) is regr
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,7 +108,7 @@ class InputBatch:
         self.row_lens = np.concatenate([self.row_lens, np.zeros(new - old, np.int64)])
         self.free_rows[:0] = range(new - 1, old - 1, -1)
 
-    def _write_row(self, row: int, table: Sequence[int]) -> None:
+    def _write_row(self, row: int, table: list[int]) -> None:
         n = len(table)
         if n > self.width:
             raise ValueError(f"block table of {n} blocks exceeds the runner's width of {self.width}")

@@ -339,14 +339,14 @@ class KVCacheManager:
 
     def append_one(
         self, seq_id: SeqId, token_ids: Sequence[int], defer_last: bool = False
-    ) -> tuple[int, ...] | None:
+    ) -> list[int] | None:
         """Decode fast path: ``append_slots(seq_id, len(token_ids))`` then ``cache_full_blocks(seq_id,
         token_ids, len(token_ids))`` for a resident sequence growing by one token that fits in its exclusive
         last block (no new block, no copy on write): O(1), hashing only when the token fills its block.
         ``defer_last``: the last token is not known yet (async scheduling's placeholder): hash only the
         blocks before it (a later call, or :meth:`cache_full_blocks`, hashes its block once it is known).
 
-        Returns the sequence's block table (a tuple), or None, changing nothing, when the general path is
+        Returns a copy of the sequence's block table, or None, changing nothing, when the general path is
         needed.
         """
         s = self._seqs.get(seq_id)
@@ -364,7 +364,7 @@ class KVCacheManager:
         known = num_tokens - 1 if defer_last else num_tokens
         if self.enable_prefix_caching and known // bs > s.num_registered:
             self.cache_full_blocks(seq_id, token_ids, known)
-        return tuple(table)
+        return table[:]
 
     def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register in the prefix cache every block that is full once ``num_computed_tokens`` are computed.

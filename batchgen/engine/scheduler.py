@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -54,8 +53,8 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_tokens: int
-    block_table: Seq[int]
-    """A copy of the sequence's table (a list or a tuple): never the KV manager's own."""
+    block_table: list[int]
+    """A copy of the sequence's table, never the KV manager's own."""
     table_unchanged: bool = False
     """The table is, entry for entry, the one the sequence had the last time it was scheduled (the decode
     fast path: it neither grew nor was copied on write, swapped or re-admitted since)."""
