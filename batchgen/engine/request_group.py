@@ -67,37 +67,24 @@ class RequestGroup:
         return any(not s.finishing for s in self.seqs)
 
     def plan(self, budget: int) -> Plan:
-        """How many tokens each sequence computes this step, in order, under ``budget``."""
-        plan: Plan = []
-        for s in self.seqs:
-            todo = s.num_tokens - s.num_computed_tokens
-            if s.finishing or todo <= 0:
-                continue
-            if budget <= 0:
-                break
-            n = min(todo, budget)
-            plan.append((s, n))
-            budget -= n
-        return plan
+        """How many tokens each sequence computes this step, in order, under ``budget`` (here: the one
+        sequence's next chunk)."""
+        s = self.seqs[0]
+        todo = s.num_tokens - s.num_computed_tokens
+        if s.finishing or todo <= 0 or budget <= 0:
+            return []
+        return [(s, min(todo, budget))]
 
     def allocate(self, kv: KVCacheManager, reserve: int) -> bool:
-        """Admission: blocks for every sequence (prefix-cache hits counted as computed), all or none."""
-        done: list[Sequence] = []
-        for s in self.seqs:
-            num_cached = kv.allocate(
-                s.seq_id,
-                cache_lookup_tokens(s),
-                s.num_tokens,
-                reserve_blocks=reserve,
-                root=self.request.cache_root,
-            )
-            if num_cached is None:
-                for d in done:  # nothing was registered in the prefix cache yet: freeing undoes it all
-                    kv.free(d.seq_id)
-                    d.num_computed_tokens = 0
-                return False
-            s.num_computed_tokens = num_cached
-            done.append(s)
+        """Admission: blocks for the sequence (prefix-cache hits counted as computed), keeping ``reserve``
+        blocks free; False, changing nothing, when they do not fit."""
+        s = self.seqs[0]
+        lookup = cache_lookup_tokens(s)  # prompt logprobs cap the prefix-cache hit
+        root = self.request.cache_root
+        num_cached = kv.allocate(s.seq_id, lookup, s.num_tokens, reserve_blocks=reserve, root=root)
+        if num_cached is None:
+            return False
+        s.num_computed_tokens = num_cached
         return True
 
     def set_status(self, status: SequenceStatus) -> None:
