@@ -415,7 +415,10 @@ class Scheduler:
                 self.stats.prompt_tokens_cached += request.num_cached_tokens
             self.running.append(group)
             slots += seats
-            budget = self._schedule_group(out, scheduled, group, budget)
+            for seq, num_new in group.plan(budget):  # allocate gave it blocks for all its tokens
+                self._add(out, seq, num_new)
+                budget -= num_new
+            scheduled.add(id(group))
         self.waiting.extendleft(reversed(held))
 
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
