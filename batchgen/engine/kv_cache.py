@@ -30,8 +30,9 @@ sequence's table entries are GPU block ids (``>= 0``) or ``~cpu_block_id`` (``< 
 each distinct CPU block back to one GPU block: a block that held a registered prefix is served again from the
 prefix cache when the cache still holds that prefix (no copy), else copied into a fresh block that is
 registered again. Refcounts on both pools equal the number of table entries pointing at each block. The
-``(src, dst)`` lists returned must be executed in the order swap-outs → copy-on-write copies → swap-ins, all
-before the forward: a block freed by a swap-out may be handed out again in the same step.
+``(src, dst)`` lists returned must be executed in the order swap-outs → swap-ins → copy-on-write copies, all
+before the forward: a block freed by a swap-out may be handed out again in the same step, and a copy may
+read a block just swapped in.
 
 Cost per call is O(blocks touched by the call), never O(num_blocks): the engine calls
 ``append_slots`` / ``block_table`` for up to a few hundred sequences every step.

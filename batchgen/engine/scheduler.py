@@ -76,8 +76,9 @@ class SchedulerOutput:
     ``seqs``: decodes (one token each) first, then prefill chunks — the attention kernels rely on that order.
     ``copies``: copy-on-write block copies ``(src, dst)`` to perform before the forward.
     ``swap_out``: ``(gpu_block, cpu_block)`` copies of preempted units; ``swap_in``: ``(cpu_block, gpu_block)``
-    copies of resumed ones. The runner performs swap-outs, then ``copies``, then swap-ins, then the forward
-    (a block freed by a swap-out or a preemption may be handed out again in the same step).
+    copies of resumed ones. The runner performs swap-outs, then swap-ins, then ``copies``, then the forward
+    (a block freed by a swap-out or a preemption may be handed out again in the same step; a copy may read a
+    block just swapped in).
     ``sample_seqs[i]`` gets a token sampled from the last-token logits of ``seqs[sample_rows[i]]``; at the
     step that completes a request's prompt with ``n > 1``, its forks sample from the same row.
     ``beam_rows``: rows of ``seqs`` whose last-token log-softmax feeds beam search, grouped by beam group in
@@ -340,7 +341,10 @@ class Scheduler:
         """
         kv = self.kv
         while kv.append_cost(targets) > kv.num_free_blocks:
-            victim = max((g for g in self.running if id(g) not in scheduled), key=lambda g: g.admitted_at)
+            candidates = (g for g in self.running if id(g) not in scheduled or g is group)
+            victim = max(candidates, key=lambda g: g.admitted_at)
+            if victim is group and id(group) in scheduled:  # just swapped in: it waits for the next step
+                return None
             self._preempt(victim)
             if victim is group:
                 return None
@@ -379,8 +383,10 @@ class Scheduler:
             self.swapped.popleft()
             group.set_status(SequenceStatus.RUNNING)
             self.running.append(group)
+            # Never a victim in the step its blocks are copied back (swap-outs run before swap-ins: its
+            # copy out would read blocks not yet written).
+            scheduled.add(id(group))
             budget = self._schedule_group(out, scheduled, group, budget)
-            scheduled.add(id(group))  # never a victim in the step its blocks are copied back
         return budget
 
     def _admit(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> None:
