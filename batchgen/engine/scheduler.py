@@ -75,7 +75,7 @@ class SchedulerOutput:
 
     ``seqs``: decodes (one token each) first, then prefill chunks — the attention kernels rely on that order.
     ``copies``: copy-on-write block copies ``(src, dst)`` to perform before the forward.
-    ``swap_out``: ``(gpu_block, cpu_block)`` copies of preempted units; ``swap_in``: ``(cpu_block, gpu_block)``
+    ``swap_out``: ``(gpu_block, cpu_block)`` copies of preempted groups; ``swap_in``: ``(cpu_block, gpu_block)``
     copies of resumed ones. The runner performs swap-outs, then swap-ins, then ``copies``, then the forward
     (a block freed by a swap-out or a preemption may be handed out again in the same step; a copy may read a
     block just swapped in).
@@ -268,8 +268,8 @@ class Scheduler:
         """Running groups in admission order, decoding groups first, then unfinished prefills.
 
         Decode fast path: a lone sequence decoding its last token into an exclusive last block with room needs
-        only an O(1) counter bump in the KV manager (:meth:`KVCacheManager.append_one`) and its live block
-        table (no copy); every other group takes the general path (:meth:`_schedule_group`), in the same
+        only a counter bump in the KV manager (:meth:`KVCacheManager.append_one`, which returns a copy of its
+        table); every other group takes the general path (:meth:`_schedule_group`), in the same
         order, so preemption picks the same victims."""
         decodes: list[RequestGroup] = []
         prefills: list[RequestGroup] = []

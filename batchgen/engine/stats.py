@@ -21,7 +21,7 @@ class EngineStats:
 
     ``prompt_tokens_cached`` counts prompt tokens served from the prefix cache at admission;
     ``prompt_tokens_computed`` counts tokens run through the model as prefill (recomputation after a
-    preemption included). ``num_preemptions`` counts preempted units (a sequence, or a whole beam group);
+    preemption included). ``num_preemptions`` counts preempted request groups (a sequence, or a whole beam group);
     ``num_swapped_out_blocks`` / ``num_swapped_in_blocks`` count KV blocks copied to / from CPU memory by
     swap-mode preemption (``swapped_seqs``: sequences swapped out now). KV figures: ``kv_usage`` is blocks in use ÷ pool size; ``kv_utilization`` is token
     slots holding live tokens ÷ slots in allocated blocks; ``kv_fragmentation`` is 1 − kv_utilization.
