@@ -8,9 +8,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from batchgen.engine import threads as _threads  # noqa: E402  (no torch: imports only os and sys)
+from batchgen import threads as _threads  # noqa: E402  (no torch: imports only os and sys)
 
-_threads.prepare()  # before torch loads OpenMP: its wait policy can only be chosen now (engine/threads.py)
+_threads.prepare()  # before torch loads OpenMP: its wait policy can only be chosen now (batchgen/threads.py)
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "LoRARequest", "__version__"]
 

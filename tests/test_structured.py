@@ -382,7 +382,7 @@ class Seq:
     token_ids, num_prompt_tokens, stop_reason = [1], 1, None
 so = StructuredOutputs(tok, 512, [0])
 logits = torch.zeros(1, 512)
-so.apply(logits, [Seq()])
+so.mask([Seq()]).apply(logits)
 allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
 assert allowed and len(allowed) < 512, allowed
 """

@@ -1,4 +1,4 @@
-"""The engine's thread policy: one decision (batchgen.engine.threads) for the Python API and the command line."""
+"""The engine's thread policy: one decision (batchgen.threads) for the Python API and the command line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from batchgen.engine import threads
+from batchgen import threads
 
 
 def test_idle_cores_keep_spinning_and_use_every_cpu() -> None:
@@ -58,7 +58,7 @@ _PROBE = """
 import os, sys
 os.getloadavg = lambda: (99.0, 0.0, 0.0)
 import {module}
-from batchgen.engine import threads
+from batchgen import threads
 print(os.environ.get("OMP_WAIT_POLICY"), threads._wait_policy_at_start, "torch" in sys.modules)
 """
 

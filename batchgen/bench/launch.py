@@ -120,7 +120,7 @@ def command(system: str, python: str, spec_path: Path, out_path: Path) -> list[s
 
 def child_env(threads: int, system: str = "") -> dict[str, str]:
     """The environment of a system's process: ``threads`` OpenMP/MKL threads, except for batchgen's systems,
-    whose engine takes its own thread decision (batchgen.engine.threads: the CPUs other processes leave
+    whose engine takes its own thread decision (batchgen.threads: the CPUs other processes leave
     free), capped at ``threads`` by ``torch.set_num_threads`` in batchgen.bench.systems."""
     env = dict(os.environ)
     env.update(TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")

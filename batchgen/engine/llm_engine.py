@@ -11,10 +11,10 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from batchgen import startup_trace
+from batchgen import startup_trace, threads
 from batchgen.attention import resolve_backend
 from batchgen.engine import pooling as pooling_step
-from batchgen.engine import prompt_logprobs, threads
+from batchgen.engine import prompt_logprobs
 from batchgen.engine.config import EngineConfig, logprobs_error
 from batchgen.engine.executor import Executor, InFlight, Prepared, fill_tensors, placeholder_rows
 from batchgen.engine.interface import StepInfo, StepListener
