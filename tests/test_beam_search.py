@@ -158,7 +158,7 @@ def test_beams_share_blocks_and_free_them(llama_ckpt: str) -> None:
         outs += engine_.step()
         kv = engine_.scheduler.kv.stats()
         if kv.num_seqs == k:
-            seq_len = engine_.scheduler.running[0].num_tokens
+            seq_len = engine_.scheduler.running_seqs()[0].num_tokens
             ratios.append(kv.blocks_used / (k * -(-seq_len // BS)))
             assert kv.live_token_slots < kv.logical_tokens  # fewer physical slots than logical ones
     assert ratios and max(ratios) < 0.6, ratios

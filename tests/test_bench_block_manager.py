@@ -13,7 +13,7 @@ from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.output_processor import OutputProcessor
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Request
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
 from batchgen.engine.stop import StopRules
 from batchgen.sampling_params import SamplingParams
 
@@ -46,7 +46,8 @@ def test_simulated_workload_figures_are_the_schedulers():
     kv = KVCacheManager(160, 16)
     reqs = block_manager.workload(40, seed=1)
     mml = max(len(r.prompt) + r.max_tokens for r in reqs)
-    sched = Scheduler(config, kv, StopRules.build([], mml), EngineStats())
+    sched = Scheduler(config, kv, StopRules.build([], mml))
+    collector = StatsCollector(EngineStats(), sched.stats, kv, EngineCounters())
     for i, r in enumerate(reqs):
         req = Request(
             i, r.prompt, SamplingParams(n=r.n, temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
@@ -58,9 +59,9 @@ def test_simulated_workload_figures_are_the_schedulers():
         out = sched.schedule()
         n = len(out.sample_seqs)
         OutputProcessor(sched.stop).update(sched, out, rng.integers(32000, size=n).tolist(), [None] * n)
-        utilization.append(sched.stats.kv_utilization)
-        running.append(sched.stats.running_seqs)
-    st = sched.stats
+        st = collector.collect()
+        utilization.append(st.kv_utilization)
+        running.append(st.running_seqs)
     assert st.num_preemptions > 0, "the pool should be small enough to preempt"
     assert figures["steps"] == st.num_steps
     assert figures["preemptions"] == st.num_preemptions

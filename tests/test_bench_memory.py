@@ -16,7 +16,7 @@ from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.output_processor import OutputProcessor
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Request
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
 from batchgen.engine.stop import StopRules
 from batchgen.sampling_params import SamplingParams
 
@@ -78,7 +78,8 @@ def test_memory_bench_charts(tmp_path):
 def _drive_scheduler_by_hand(config: EngineConfig, requests: list[FakeRequest], mml: int, seed: int):
     """The engine's loop with the model replaced by random tokens, written out here on purpose."""
     kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-    sched = Scheduler(config, kv, StopRules.build([], mml), EngineStats())
+    sched = Scheduler(config, kv, StopRules.build([], mml))
+    collector = StatsCollector(EngineStats(), sched.stats, kv, EngineCounters())
     for i, r in enumerate(requests):
         params = SamplingParams(n=r.n, temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
         req = Request(i, list(r.prompt), params)
@@ -91,17 +92,17 @@ def _drive_scheduler_by_hand(config: EngineConfig, requests: list[FakeRequest], 
         OutputProcessor(sched.stop).update(
             sched, out, rng.integers(memory.VOCAB, size=n).tolist(), [None] * n
         )
-        st = sched.stats
+        st = collector.collect()
         per_step.append(
             (
                 st.kv_blocks_used * config.block_size,
                 st.kv_utilization,
                 st.running_seqs,
-                len({id(s.request) for s in sched.running}),
+                len(sched.running),
                 st.waiting_seqs > 0,
             )
         )
-    return sched.stats, per_step
+    return collector.stats, per_step
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """The engine's hot-loop fast paths agree with from-scratch rebuilds (issue 17).
 
-* decode fast path (``KVCacheManager.append_one``, live block tables) and the persistent input buffers
+* decode fast path (``KVCacheManager.append_one``, block tables) and the persistent input buffers
   (:class:`~batchgen.engine.input_batch.InputBatch`): at every step of random workloads that admit, finish,
   abort, preempt (recompute and swap) and fork (n > 1, beams), every scheduled block table equals the KV
   manager's table, the persistent block-table rows equal the step's tables, and the runner's inputs equal a

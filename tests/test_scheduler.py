@@ -14,9 +14,9 @@ import torch
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.output_processor import OutputProcessor
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.request_group import RequestGroup
+from batchgen.engine.scheduler import Scheduler, SchedulerOutput, unservable
 from batchgen.engine.sequence import Request, SequenceStatus
-from batchgen.engine.stats import EngineStats
 from batchgen.engine.stop import StopRules
 from batchgen.sampling_params import SamplingParams
 
@@ -27,7 +27,7 @@ EOS = 999
 def make_scheduler(num_blocks: int = 64, **config) -> Scheduler:
     cfg = EngineConfig(block_size=8, **config)  # EngineConfig only allows 8..64; the manager uses BS
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=config.get("enable_prefix_caching", True))
-    return Scheduler(cfg, kv, StopRules.build([EOS], max_model_len=1000), EngineStats())
+    return Scheduler(cfg, kv, StopRules.build([EOS], max_model_len=1000))
 
 
 def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 100, first_token: int = 0, n: int = 1):
@@ -123,7 +123,7 @@ def test_preemption_picks_most_recently_admitted_and_resumes():
             preempted_at = i
             assert a.status is SequenceStatus.RUNNING  # the older one keeps running
             assert b.num_computed_tokens == 0 and b.num_output_tokens > 0  # keeps its tokens
-            assert sched.waiting[0] is b
+            assert sched.waiting[0].seqs == [b]
     assert preempted_at is not None and sched.stats.num_preemptions >= 1
     # Run to the end: b comes back, recomputes its prompt + output, and finishes with all 16 tokens.
     for _ in range(100):
@@ -169,8 +169,8 @@ def test_stop_rules_finish_and_free():
 @pytest.mark.parametrize("cap", [1, 3])
 def test_unservable_request_is_reported(cap):
     sched = make_scheduler(num_blocks=cap)
-    assert sched.unservable(4 * cap, 1, 1000) is not None
-    assert sched.unservable(2, 1, 1000) is None
+    assert unservable(sched.kv, sched.config.max_num_seqs, 4 * cap, 1, 1000) is not None
+    assert unservable(sched.kv, sched.config.max_num_seqs, 2, 1, 1000) is None
 
 
 # ------------------------------------------------------------------------------ beam groups and swapping
@@ -211,11 +211,9 @@ def fake_step(sched: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
 
 def check_units(sched: Scheduler) -> None:
     """Every beam group is in one state; refcounts match the tables (swapped ones included)."""
-    for s in sched.running + list(sched.waiting) + [s for u in sched.swapped for s in u]:
-        beam = s.request.beam
-        if beam is not None:
-            assert s in beam.beams
-            assert len({b.status for b in beam.beams}) == 1, "a beam group is split across states"
+    for group in [*sched.running, *sched.waiting, *sched.swapped]:
+        assert group.seqs and all(s.group is group for s in group.seqs)
+        assert len({s.status for s in group.seqs}) == 1, "a group is split across states"
     kv = sched.kv
     kv.pool.check_invariants()
     refs: dict[int, int] = {}
@@ -287,7 +285,6 @@ def test_beam_groups_and_sequences_survive_preemption(mode: str, num_blocks: int
         EngineConfig(block_size=8, **cfg),
         KVCacheManager(num_blocks, BS, num_cpu_blocks=cpu_blocks),
         StopRules.build([EOS], max_model_len=1000),
-        EngineStats(),
     )
     got = results(_run(sched))
     assert got == ref
@@ -311,7 +308,6 @@ def test_swap_fallback_to_recompute_when_cpu_pool_is_full():
         EngineConfig(block_size=8, preemption_mode="swap", max_num_batched_tokens=64),
         KVCacheManager(16, BS, num_cpu_blocks=6),
         StopRules.build([EOS], max_model_len=1000),
-        EngineStats(),
     )
     for i in range(4):
         add(sched, f"r{i}", 8, max_tokens=20, first_token=10 * i)
@@ -319,7 +315,7 @@ def test_swap_fallback_to_recompute_when_cpu_pool_is_full():
     while sched.has_unfinished():
         fake_step(sched)
         saw_swapped |= bool(sched.swapped)
-        saw_recomputed |= any(s.num_output_tokens > 0 for s in sched.waiting)
+        saw_recomputed |= any(s.num_output_tokens > 0 for g in sched.waiting for s in g.seqs)
         assert sched.kv.stats().cpu_blocks_used <= 6
     assert saw_swapped and saw_recomputed
     assert sched.stats.num_swapped_in_blocks == sched.stats.num_swapped_out_blocks > 0
@@ -332,31 +328,32 @@ def test_swapped_unit_that_cannot_fit_while_nothing_runs_is_recomputed():
         EngineConfig(block_size=8, preemption_mode="swap"),
         KVCacheManager(6, BS, num_cpu_blocks=16),
         StopRules.build([EOS], max_model_len=1000),
-        EngineStats(),
     )
     kv = sched.kv
 
     def swapped_seq(rid: str, prompt_len: int, first: int):
         seq = add(sched, rid, prompt_len, max_tokens=4, first_token=first)
-        sched.waiting.remove(seq)
+        sched.waiting.pop()
         seq.token_ids.append(1)  # one token generated: the next step is a decode
         kv.allocate(seq.seq_id, seq.token_ids, seq.num_tokens)
         seq.num_computed_tokens = seq.num_tokens - 1
         return seq
 
-    def swap(unit):
-        assert kv.swap_out([s.seq_id for s in unit]) is not None
-        for s in unit:
-            s.status = SequenceStatus.SWAPPED
-        sched.swapped.append(unit)
+    def swap(seq):
+        assert kv.swap_out([seq.seq_id]) is not None
+        seq.status = SequenceStatus.SWAPPED
+        sched.swapped.append(seq.group)
 
     big = swapped_seq("big", 15, 0)  # 4 blocks
-    swap([big])
+    swap(big)
     a = swapped_seq("a", 8, 100)  # 3 blocks
-    b = a.fork(1)  # an n=2 sibling sharing all of a's blocks
+    # Another request sharing all of a's blocks (as prefix-cache hits would).
+    b = Request("b", list(a.request.prompt_token_ids), a.request.params).new_sequence(list(a.token_ids), 0)
+    RequestGroup(b.request, b)
+    b.num_computed_tokens = a.num_computed_tokens
     kv.fork(a.seq_id, b.seq_id)
-    swap([a])
-    swap([b])
+    swap(a)
+    swap(b)
     # a's blocks stayed on the GPU for b, then b's (shared) ones too: 3 of 6 blocks held, big needs 4 + 1.
     assert kv.stats().blocks_used == 3 and kv.swap_in_cost([big.seq_id]) == 4
     out, _ = fake_step(sched)

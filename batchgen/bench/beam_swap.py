@@ -65,7 +65,7 @@ def beam_memory(path: str, k: int, prompt_len: int, max_tokens: int, n_sampling:
         engine.step()
         kv = engine.scheduler.kv.stats()
         if kv.num_seqs == k:
-            seq_len = max(s.num_tokens for s in engine.scheduler.running)
+            seq_len = max(s.num_tokens for s in engine.scheduler.running_seqs())
             independent = k * -(-seq_len // BS)
             ratios.append(kv.blocks_used / independent)
             last = (kv.blocks_used, independent)

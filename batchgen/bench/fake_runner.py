@@ -20,9 +20,9 @@ import numpy as np
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager, KVCacheStats
 from batchgen.engine.output_processor import OutputProcessor
-from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.scheduler import Scheduler, unservable
 from batchgen.engine.sequence import Request
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
 from batchgen.engine.stop import StopRules
 from batchgen.sampling_params import SamplingParams
 
@@ -69,23 +69,30 @@ def make_scheduler(config: EngineConfig, max_model_len: int) -> Scheduler:
     kv = KVCacheManager(
         config.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
     )
+    return Scheduler(config, kv, StopRules.build([], max_model_len))
+
+
+def make_collector(sched: Scheduler, counters: EngineCounters, max_model_len: int) -> StatsCollector:
+    """The engine's stats collector over this scheduler's counters and KV manager."""
     stats = EngineStats(
-        num_blocks=config.num_blocks, block_size=config.block_size, max_model_len=max_model_len
+        num_blocks=sched.kv.num_blocks, block_size=sched.kv.block_size, max_model_len=max_model_len
     )
-    return Scheduler(config, kv, StopRules.build([], max_model_len), stats)
+    return StatsCollector(stats, sched.stats, sched.kv, counters)
 
 
-def add_requests(sched: Scheduler, requests: Sequence[FakeRequest], max_model_len: int) -> None:
+def add_requests(
+    sched: Scheduler, requests: Sequence[FakeRequest], max_model_len: int, counters: EngineCounters
+) -> None:
     """Queue the requests as the engine's ``add_request`` does (ids 0, 1, ...; prompt tokens counted)."""
     for i, r in enumerate(requests):
-        why = sched.unservable(len(r.prompt), r.max_tokens, max_model_len)
+        why = unservable(sched.kv, sched.config.max_num_seqs, len(r.prompt), r.max_tokens, max_model_len)
         if why is not None:
             raise ValueError(f"request {i} can never run: {why}")
         params = SamplingParams(n=r.n, temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
         request = Request(i, list(r.prompt), params)
         sched.add(request.new_sequence(list(r.prompt), 0))
-        sched.stats.num_requests += 1
-        sched.stats.prompt_tokens += len(r.prompt)
+        counters.num_requests += 1
+        counters.prompt_tokens += len(r.prompt)
 
 
 def run(
@@ -101,9 +108,11 @@ def run(
     """Run every request to completion through a fresh scheduler; ``record`` keeps per-step figures."""
     mml = max_model_len or max(len(r.prompt) + r.max_tokens for r in requests)
     sched = make_scheduler(config, mml)
-    add_requests(sched, requests, mml)
+    counters = EngineCounters()
+    collector = make_collector(sched, counters, mml)
+    add_requests(sched, requests, mml, counters)
     rng = np.random.default_rng(seed)
-    result = FakeRun(sched.stats, sched.kv.stats())
+    result = FakeRun(collector.stats, sched.kv.stats())
     steps = result.steps
     clock = time.perf_counter
     outputs = OutputProcessor(sched.stop)
@@ -117,19 +126,20 @@ def run(
         tokens = rng.integers(vocab_size, size=n).tolist()
         t2 = clock()
         outputs.update(sched, out, tokens, [None] * n)
+        collector.collect()
         result.scheduler_s += t1 - t0 + clock() - t2
         result.seq_steps += len(out.seqs)
         if record:
             kvs = sched.kv.stats()
             steps.append(
                 StepFigures(
-                    running_seqs=len(sched.running),
-                    running_requests=len({id(s.request) for s in sched.running}),
-                    waiting_seqs=len(sched.waiting),
+                    running_seqs=sum(len(g.seqs) for g in sched.running),
+                    running_requests=len(sched.running),
+                    waiting_seqs=sum(len(g.seqs) for g in sched.waiting),
                     blocks_used=kvs.blocks_used,
                     live_token_slots=kvs.live_token_slots,
                     logical_tokens=kvs.logical_tokens,
-                    kv_utilization=sched.stats.kv_utilization,
+                    kv_utilization=collector.stats.kv_utilization,
                     num_scheduled_seqs=len(out.seqs),
                     num_batched_tokens=out.num_batched_tokens,
                 )

@@ -146,7 +146,7 @@ class InputBatch:
         for s in out.seqs:
             row = self.row_of[s.seq.seq_id]
             n = len(s.block_table)
-            assert self.tables[row, :n].tolist() == s.block_table, (s.seq.seq_id, row)
+            assert self.tables[row, :n].tolist() == list(s.block_table), (s.seq.seq_id, row)
             assert not self.tables[row, n:].any()
             assert self.row_lens[row] == n
 

@@ -30,8 +30,9 @@ sequence's table entries are GPU block ids (``>= 0``) or ``~cpu_block_id`` (``< 
 each distinct CPU block back to one GPU block: a block that held a registered prefix is served again from the
 prefix cache when the cache still holds that prefix (no copy), else copied into a fresh block that is
 registered again. Refcounts on both pools equal the number of table entries pointing at each block. The
-``(src, dst)`` lists returned must be executed in the order swap-outs → copy-on-write copies → swap-ins, all
-before the forward: a block freed by a swap-out may be handed out again in the same step.
+``(src, dst)`` lists returned must be executed in the order swap-outs → swap-ins → copy-on-write copies, all
+before the forward: a block freed by a swap-out may be handed out again in the same step, and a copy may
+read a block just swapped in.
 
 Cost per call is O(blocks touched by the call), never O(num_blocks): the engine calls
 ``append_slots`` / ``block_table`` for up to a few hundred sequences every step.
@@ -40,9 +41,11 @@ Cost per call is O(blocks touched by the call), never O(num_blocks): the engine 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from batchgen.engine.block_pool import BlockHash, BlockPool, hash_block_tokens
+from batchgen.engine.block_table import BlockTable
+from batchgen.engine.kv_swap import SwapSpace
 
 SeqId = Hashable
 
@@ -112,20 +115,6 @@ class KVCacheStats:
         return self.logical_tokens - self.live_token_slots
 
 
-@dataclass(slots=True)
-class _Seq:
-    table: list[int]
-    num_tokens: int
-    block_hashes: list[BlockHash] = field(default_factory=list)
-    """Hashes of this sequence's leading full blocks, as far as they have been computed."""
-    num_registered: int = 0
-    """Leading blocks already registered in the prefix cache (or taken from it)."""
-    swapped: bool = False
-    """Swapped out: entries ``< 0`` of ``table`` are CPU blocks ``~entry``."""
-    root: BlockHash | None = None
-    """Start of the hash chain (a LoRA adapter's key; None: the base model's)."""
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -139,16 +128,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, block_size, enable_caching=enable_prefix_caching)
-        # CPU swap space: plain refcounted blocks (the prefix cache lives on the GPU pool only).
-        self.cpu_pool = (
-            BlockPool(num_cpu_blocks, block_size, enable_caching=False) if num_cpu_blocks > 0 else None
-        )
-        # Prefix-cache entry of the GPU block a CPU block was copied from, to register it again on swap-in.
-        self._cpu_cache_entry: dict[int, tuple[BlockHash, BlockHash | None, tuple[int, ...]]] = {}
-        self._num_swapped = 0
-        self._swapped_out_blocks = 0
-        self._swapped_in_blocks = 0
-        self._seqs: dict[SeqId, _Seq] = {}
+        # CPU swap space, side by side with the GPU pool (the prefix cache lives on the GPU pool only).
+        self.swap_space = SwapSpace(num_cpu_blocks, block_size) if num_cpu_blocks > 0 else None
+        self._seqs: dict[SeqId, BlockTable] = {}
         self._live_slots = 0
         self._logical_tokens = 0
         self._hit_tokens = 0
@@ -184,6 +166,11 @@ class KVCacheManager:
         return self._get(seq_id).swapped
 
     @property
+    def cpu_pool(self) -> BlockPool | None:
+        """The swap space's CPU block pool (None: swapping off)."""
+        return self.swap_space.pool if self.swap_space is not None else None
+
+    @property
     def num_cpu_blocks(self) -> int:
         return self.cpu_pool.num_blocks if self.cpu_pool is not None else 0
 
@@ -195,13 +182,13 @@ class KVCacheManager:
         """Live tokens the sequence's table covers (last ``num_tokens`` given to allocate/append_slots)."""
         return self._get(seq_id).num_tokens
 
-    def _get(self, seq_id: SeqId) -> _Seq:
+    def _get(self, seq_id: SeqId) -> BlockTable:
         s = self._seqs.get(seq_id)
         if s is None:
             raise KVCacheError(f"unknown or already freed sequence {seq_id!r}")
         return s
 
-    def _get_resident(self, seq_id: SeqId) -> _Seq:
+    def _get_resident(self, seq_id: SeqId) -> BlockTable:
         s = self._get(seq_id)
         if s.swapped:
             raise KVCacheError(f"sequence {seq_id!r} is swapped out; swap it in first")
@@ -274,7 +261,7 @@ class KVCacheManager:
         revived = sum(1 for b in cached if rc[b] == 0)
         pool.incref(cached)  # revive before allocating so allocation cannot evict them
         table = cached + pool.allocate(_cdiv(live, bs) - len(cached))
-        self._seqs[seq_id] = _Seq(table, live, hashes, len(cached), root=root)
+        self._seqs[seq_id] = BlockTable(table, live, hashes, len(cached), root=root)
         self._live_slots += revived * bs + (live - num_cached)
         self._logical_tokens += live
         if self.enable_prefix_caching:
@@ -283,21 +270,13 @@ class KVCacheManager:
         self._update_peak()
         return num_cached
 
-    def _append_cost(self, s: _Seq, num_tokens: int) -> tuple[int, list[int]]:
+    def _append_cost(self, s: BlockTable, num_tokens: int) -> tuple[int, list[int]]:
         """(blocks needed, logical indices of shared blocks the new tokens would be written into)."""
-        old = s.num_tokens
-        if num_tokens < old:
-            raise KVCacheError(f"append_slots cannot shrink a sequence ({old} -> {num_tokens} tokens)")
-        table = s.table
-        n = len(table)
-        bs = self.block_size
-        first = old // bs  # the block holding position `old`, where writing starts
-        if first < n:
-            rc = self.pool.ref_counts
-            cow = [i for i in range(first, n) if rc[table[i]] > 1]
-        else:
-            cow = []
-        return -(-num_tokens // bs) - n + len(cow), cow
+        if num_tokens < s.num_tokens:
+            raise KVCacheError(
+                f"append_slots cannot shrink a sequence ({s.num_tokens} -> {num_tokens} tokens)"
+            )
+        return s.write_cost(num_tokens, self.block_size, self.pool.ref_counts)
 
     def append_cost(self, targets: Sequence[tuple[SeqId, int]]) -> int:
         """Free blocks that growing each ``(seq_id, num_tokens)`` in turn with :meth:`append_slots` would take:
@@ -368,8 +347,8 @@ class KVCacheManager:
         ``defer_last``: the last token is not known yet (async scheduling's placeholder): hash only the
         blocks before it (a later call, or :meth:`cache_full_blocks`, hashes its block once it is known).
 
-        Returns the sequence's *live* block table (not a copy; valid until the table next changes), or None,
-        changing nothing, when the general path is needed.
+        Returns a copy of the sequence's block table, or None, changing nothing, when the general path is
+        needed.
         """
         s = self._seqs.get(seq_id)
         num_tokens = len(token_ids)
@@ -386,11 +365,7 @@ class KVCacheManager:
         known = num_tokens - 1 if defer_last else num_tokens
         if self.enable_prefix_caching and known // bs > s.num_registered:
             self.cache_full_blocks(seq_id, token_ids, known)
-        return table
-
-    def live_table(self, seq_id: SeqId) -> list[int]:
-        """The sequence's block table as stored (not a copy: do not modify; valid until it next changes)."""
-        return self._get_resident(seq_id).table
+        return table[:]
 
     def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register in the prefix cache every block that is full once ``num_computed_tokens`` are computed.
@@ -427,6 +402,13 @@ class KVCacheManager:
             pool.cache_block(s.table[i], h, parent, toks)
         s.num_registered = num_full
 
+    def cache_resolved_block(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
+        """Async scheduling: a placeholder that completed its block just became a known token: register the
+        block in the prefix cache if it is allocated (the step scheduled meanwhile computes it)."""
+        n = len(token_ids)
+        if self.enable_prefix_caching and self._get(seq_id).num_tokens >= n:
+            self.cache_full_blocks(seq_id, token_ids, n)
+
     def fork(self, parent_id: SeqId, child_id: SeqId, num_tokens: int | None = None) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (partial last block too; refcount + 1).
 
@@ -452,7 +434,7 @@ class KVCacheManager:
             table, n = p.table[:nb], num_tokens
             hashes, registered = p.block_hashes[:nb], min(p.num_registered, nb)
         self.pool.incref(table)
-        self._seqs[child_id] = _Seq(table, n, hashes, registered, root=p.root)
+        self._seqs[child_id] = BlockTable(table, n, hashes, registered, root=p.root)
         self._logical_tokens += n
 
     def free(self, seq_id: SeqId) -> None:
@@ -461,7 +443,8 @@ class KVCacheManager:
         if s is None:
             raise KVCacheError(f"cannot free unknown or already freed sequence {seq_id!r}")
         if s.swapped:
-            self._free_swapped(s)
+            assert self.swap_space is not None
+            self._live_slots -= self.swap_space.free(self.pool, s)
             return
         table = s.table
         self._logical_tokens -= s.num_tokens
@@ -476,22 +459,6 @@ class KVCacheManager:
         else:
             self._live_slots -= freed * bs
 
-    def _live_in_block(self, s: _Seq, i: int) -> int:
-        """Live token slots of logical block ``i`` of ``s`` (a shared block is equally full in every sharer:
-        sequences never write into a shared block, and forks share only full blocks or their whole table)."""
-        return min(self.block_size, s.num_tokens - i * self.block_size)
-
-    def _free_swapped(self, s: _Seq) -> None:
-        pool, cpu = self.pool, self.cpu_pool
-        for i in range(len(s.table) - 1, -1, -1):
-            b = s.table[i]
-            if b >= 0:
-                if pool.free((b,)):
-                    self._live_slots -= self._live_in_block(s, i)
-            elif cpu is not None and cpu.free((~b,)):
-                self._cpu_cache_entry.pop(~b, None)
-        self._num_swapped -= 1
-
     # ------------------------------------------------------------------ swapping
     def swap_out(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]] | None:
         """Move these sequences' KV to CPU blocks (see the module docstring); all or nothing.
@@ -499,67 +466,31 @@ class KVCacheManager:
         Returns the ``(gpu_block, cpu_block)`` copies to perform before any freed GPU block is written again,
         or None, changing nothing, when swapping is off or the CPU pool lacks free blocks.
         """
-        cpu = self.cpu_pool
-        if cpu is None:
+        if self.swap_space is None:
             return None
         seqs = [self._get_resident(sid) for sid in seq_ids]
         if len({id(s) for s in seqs}) != len(seqs):
             raise KVCacheError("swap_out: a sequence is listed twice")
-        refs: dict[int, int] = {}  # block -> references from this set (first-seen order)
-        for s in seqs:
-            for b in s.table:
-                refs[b] = refs.get(b, 0) + 1
-        pool = self.pool
-        rc = pool.ref_counts
-        exclusive = [b for b, n in refs.items() if rc[b] == n]
-        if len(exclusive) > cpu.num_free_blocks:
+        moved = self.swap_space.swap_out(self.pool, seqs)
+        if moved is None:
             return None
-        to_cpu = dict(zip(exclusive, cpu.allocate(len(exclusive))))
-        for b, c in to_cpu.items():
-            if refs[b] > 1:
-                cpu.incref([c] * (refs[b] - 1))
-            entry = pool.cache_entry(b)
-            if entry is not None:
-                self._cpu_cache_entry[c] = entry
-        for s in seqs:
-            table = s.table
-            for i in range(len(table) - 1, -1, -1):  # tails first into the LRU queue, as in free()
-                b = table[i]
-                c = to_cpu.get(b)
-                if c is None:
-                    continue  # shared with a sequence outside the set: stays on the GPU
-                if pool.free((b,)):
-                    self._live_slots -= self._live_in_block(s, i)
-                table[i] = ~c
-            s.swapped = True
-            self._logical_tokens -= s.num_tokens
-        self._num_swapped += len(seqs)
-        self._swapped_out_blocks += len(exclusive)
-        return list(to_cpu.items())
+        copies, released = moved
+        self._live_slots -= released
+        self._logical_tokens -= sum(s.num_tokens for s in seqs)
+        return copies
 
-    def _swap_in_plan(self, seqs: list[_Seq]) -> tuple[dict[int, int], dict[int, int]]:
-        """(CPU block -> references from these sequences, CPU block -> GPU block serving it from the prefix cache)."""
-        refs: dict[int, int] = {}
-        for s in seqs:
-            for e in s.table:
-                if e < 0:
-                    refs[~e] = refs.get(~e, 0) + 1
-        hits: dict[int, int] = {}
-        if self.enable_prefix_caching:
-            for c in refs:
-                entry = self._cpu_cache_entry.get(c)
-                if entry is not None:
-                    b = self.pool.lookup(entry[0], entry[1], entry[2])
-                    if b is not None:
-                        hits[c] = b
-        return refs, hits
+    def _get_swapped(self, seq_ids: Sequence[SeqId]) -> list[BlockTable]:
+        seqs = [self._get(sid) for sid in seq_ids]
+        for sid, s in zip(seq_ids, seqs):
+            if not s.swapped:
+                raise KVCacheError(f"sequence {sid!r} is not swapped out")
+        return seqs
 
     def swap_in_cost(self, seq_ids: Sequence[SeqId]) -> int:
         """Free GPU blocks :meth:`swap_in` would take now (cached blocks it revives included)."""
+        assert self.swap_space is not None
         seqs = [self._get(sid) for sid in seq_ids]
-        refs, hits = self._swap_in_plan(seqs)
-        rc = self.pool.ref_counts
-        return len(refs) - sum(1 for b in hits.values() if rc[b] > 0)
+        return self.swap_space.swap_in_cost(self.pool, seqs, self.enable_prefix_caching)
 
     def swap_in(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]] | None:
         """Bring swapped sequences back to GPU blocks; all or nothing.
@@ -567,48 +498,14 @@ class KVCacheManager:
         Returns the ``(cpu_block, gpu_block)`` copies to perform before the forward, or None, changing
         nothing, when the GPU pool lacks free blocks.
         """
-        seqs = [self._get(sid) for sid in seq_ids]
-        for sid, s in zip(seq_ids, seqs):
-            if not s.swapped:
-                raise KVCacheError(f"sequence {sid!r} is not swapped out")
-        if self.swap_in_cost(seq_ids) > self.pool.num_free_blocks:
+        seqs = self._get_swapped(seq_ids)
+        assert self.swap_space is not None
+        moved = self.swap_space.swap_in(self.pool, seqs, self.enable_prefix_caching)
+        if moved is None:
             return None
-        pool, cpu = self.pool, self.cpu_pool
-        assert cpu is not None
-        refs, hits = self._swap_in_plan(seqs)
-        rc = pool.ref_counts
-        to_gpu: dict[int, int] = {}
-        revived: set[int] = set()
-        for c, b in hits.items():  # revive first so that allocation cannot evict them
-            if rc[b] == 0:
-                revived.add(b)
-            pool.incref([b] * refs[c])
-            to_gpu[c] = b
-        copy_from = [c for c in refs if c not in hits]
-        copies = list(zip(copy_from, pool.allocate(len(copy_from))))
-        for c, b in copies:
-            to_gpu[c] = b
-            if refs[c] > 1:
-                pool.incref([b] * (refs[c] - 1))
-            entry = self._cpu_cache_entry.get(c)
-            if entry is not None:
-                pool.cache_block(b, *entry)
-        fresh = revived | {b for _, b in copies}
-        for s in seqs:
-            table = s.table
-            for i, e in enumerate(table):
-                if e < 0:
-                    b = to_gpu[~e]
-                    table[i] = b
-                    if b in fresh:
-                        fresh.discard(b)  # count each new physical block's live slots once
-                        self._live_slots += self._live_in_block(s, i)
-                    if cpu.free((~e,)):
-                        self._cpu_cache_entry.pop(~e, None)
-            s.swapped = False
-            self._logical_tokens += s.num_tokens
-        self._num_swapped -= len(seqs)
-        self._swapped_in_blocks += len(copies)
+        copies, added = moved
+        self._live_slots += added
+        self._logical_tokens += sum(s.num_tokens for s in seqs)
         self._update_peak()
         return copies
 
@@ -626,12 +523,12 @@ class KVCacheManager:
 
     def stats(self) -> KVCacheStats:
         """Current figures (O(1))."""
-        pool = self.pool
+        pool, sw = self.pool, self.swap_space
         used = pool.num_used_blocks
         return KVCacheStats(
             num_blocks=pool.num_blocks,
             block_size=self.block_size,
-            num_seqs=len(self._seqs) - self._num_swapped,
+            num_seqs=len(self._seqs) - (sw.num_swapped_seqs if sw else 0),
             blocks_used=used,
             blocks_free=pool.num_free_blocks,
             blocks_cached=pool.num_cached_blocks,
@@ -643,9 +540,9 @@ class KVCacheManager:
             num_cow_copies=self._cow_copies,
             num_evictions=pool.num_evictions,
             peak_blocks_used=self._peak_used,
-            num_swapped_seqs=self._num_swapped,
+            num_swapped_seqs=sw.num_swapped_seqs if sw else 0,
             cpu_blocks=self.num_cpu_blocks,
-            cpu_blocks_used=self.cpu_pool.num_used_blocks if self.cpu_pool is not None else 0,
-            num_swapped_out_blocks=self._swapped_out_blocks,
-            num_swapped_in_blocks=self._swapped_in_blocks,
+            cpu_blocks_used=sw.pool.num_used_blocks if sw else 0,
+            num_swapped_out_blocks=sw.num_swapped_out_blocks if sw else 0,
+            num_swapped_in_blocks=sw.num_swapped_in_blocks if sw else 0,
         )

@@ -24,9 +24,9 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.output_processor import OutputProcessor, error_output
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.pooling import PoolingState
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.scheduler import Scheduler, SchedulerOutput, unservable
 from batchgen.engine.sequence import Request
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
 from batchgen.engine.step_builder import StepBuilder
 from batchgen.engine.step_input import RunnerOutput, SamplingInput, StepInput
 from batchgen.engine.stop import StopRules
@@ -107,29 +107,7 @@ class LLMEngine:
     ) -> None:
         """``load(device)``: builds the model instead of the checkpoint's default loader (pooling models)."""
         self.config = config = engine_config or EngineConfig()
-        tp = config.tensor_parallel_size
-        # tensor parallelism: this process is rank 0 (workers started or joined here; see tp_launch)
-        self.tp_group: TPGroup | None = None
-        if tp > 1:
-            check_tensor_parallel(model, implementation, tp)
-            self.tp_group = start_ranks(WorkerSetup(model, dtype, implementation, config))
-            weakref.finalize(self, self.tp_group.close)  # workers stop when the engine is collected
-            self.device = self.tp_group.device
-        else:
-            self.device = resolve_device(config.device)
-        self.thread_policy = threads.apply(self.device)  # CPU threads: one decision for API and CLI alike
-        backend = resolve_backend(config.attention_backend, self.device)
-        self.model_path = model
-        # implementation: auto (native when batchgen has the architecture), native, or transformers
-        if load is not None and tp > 1:
-            raise ValueError("pooling models run on one device: set engine.tensor_parallel_size=1")
-        self.model = (
-            load(self.device)
-            if load is not None
-            else load_model(
-                model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
-            )
-        )
+        backend = self._load(model, config, dtype, implementation, load)
         self.tokenizer = load_tokenizer(tokenizer or model)
         self.lora = self._attach_lora(config) if config.enable_lora else None
         self.max_model_len = _max_model_len(config, self.model.config)
@@ -145,7 +123,9 @@ class LLMEngine:
             num_cpu_blocks=num_swap_blocks,
         )
         self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
-        self.scheduler = Scheduler(config, kv, self.stop, self.stats, self.lora)
+        self.scheduler = Scheduler(config, kv, self.stop, self.lora)
+        self.counters = EngineCounters()
+        self._collector = StatsCollector(self._stats, self.scheduler.stats, kv, self.counters)
         self._structured: StructuredOutputs | None = None  # built by the first constrained request
         self.builder = StepBuilder(
             config, self.max_model_len, self.device, self.stop, lambda: self._structured
@@ -171,6 +151,41 @@ class LLMEngine:
         slots = attach_lora(self.model, config.max_loras, config.max_lora_rank)
         return LoRAManager(slots, self.model.config, config.max_cpu_loras)
 
+    def _load(
+        self,
+        model: str,
+        config: EngineConfig,
+        dtype: str,
+        implementation: str,
+        load: Callable[[torch.device], torch.nn.Module] | None,
+    ) -> str:
+        """The device (tensor-parallel ranks started or joined here), CPU threads and the model; returns the
+        attention backend."""
+        tp = config.tensor_parallel_size
+        # tensor parallelism: this process is rank 0 (workers started or joined here; see tp_launch)
+        self.tp_group: TPGroup | None = None
+        if tp > 1:
+            check_tensor_parallel(model, implementation, tp)
+            self.tp_group = start_ranks(WorkerSetup(model, dtype, implementation, config))
+            weakref.finalize(self, self.tp_group.close)  # workers stop when the engine is collected
+            self.device = self.tp_group.device
+        else:
+            self.device = resolve_device(config.device)
+        self.thread_policy = threads.apply(self.device)  # CPU threads: one decision for API and CLI alike
+        backend = resolve_backend(config.attention_backend, self.device)
+        self.model_path = model
+        # implementation: auto (native when batchgen has the architecture), native, or transformers
+        if load is not None and tp > 1:
+            raise ValueError("pooling models run on one device: set engine.tensor_parallel_size=1")
+        self.model = (
+            load(self.device)
+            if load is not None
+            else load_model(
+                model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
+            )
+        )
+        return backend
+
     def _build_runner(self, config: EngineConfig, backend: str) -> tuple[int, int]:
         """The model runner (this process's, or rank 0's under tensor parallelism) with its KV cache and swap
         space allocated; returns (KV blocks, CPU swap blocks)."""
@@ -183,7 +198,7 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, config, self.device, backend, self.max_model_len)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
-        self.stats = EngineStats(
+        self._stats = EngineStats(
             num_blocks=num_blocks,
             block_size=config.block_size,
             bytes_per_block=self.runner.bytes_per_block,
@@ -236,7 +251,7 @@ class LLMEngine:
         if prompt_logprobs_start is not None or params.prompt_logprobs is not None:
             request.prompt_logprobs_start = prompt_logprobs_start
             self.builder.wants_prompt_logprobs = True
-        self.stats.num_requests += 1
+        self.counters.num_requests += 1
         error = self._validate(token_ids, params)
         if error is None and lora_request is not None:
             assert self.lora is not None
@@ -245,7 +260,7 @@ class LLMEngine:
         if error is None and params.constrained:
             error = self.structured.validate(params) if structured_available() else _NO_XGRAMMAR
         if error is not None:
-            self.stats.num_error_requests += 1
+            self.counters.num_error_requests += 1
             self._errors.append(error_output(request, error))
             return
         self.requests[request_id] = request
@@ -257,7 +272,7 @@ class LLMEngine:
         ):
             self._sync_ids.add(request_id)
         self.scheduler.add(request.new_sequence(list(token_ids), 0))
-        self.stats.prompt_tokens += len(token_ids)
+        self.counters.prompt_tokens += len(token_ids)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> str | None:
         n = len(token_ids)
@@ -275,7 +290,8 @@ class LLMEngine:
                 f"prompt has {n} tokens but engine.max_model_len is {self.max_model_len}: it must leave room "
                 f"for at least one generated token; shorten the prompt or raise engine.max_model_len"
             )
-        return self.scheduler.unservable(n, params.max_tokens, self.max_model_len, params.beam_width)
+        kv, cap = self.scheduler.kv, self.config.max_num_seqs
+        return unservable(kv, cap, n, params.max_tokens, self.max_model_len, params.beam_width)
 
     def abort_request(self, request_id: str | int) -> None:
         request = self.requests.pop(request_id, None)
@@ -323,7 +339,7 @@ class LLMEngine:
             return None
         pipelined = self.executor.pipelined and bool(out)
         if prepared is None and pipelined:
-            self.stats.drained_steps += 1
+            self.counters.drained_steps += 1
         forward = prepared.forward if prepared is not None else self.builder.prepare_inputs(out)
         sampling = self.builder.sampling_input(out) if out else SamplingInput()
         flight = InFlight(
@@ -346,6 +362,7 @@ class LLMEngine:
         done = self.outputs.update(
             self.scheduler, out, output.token_ids, output.logprobs, output.beam_logprobs
         )
+        self._collector.collect()  # per step: the peaks see every step
         if startup_trace.enabled and output.token_ids:
             startup_trace.mark("first_token")
         return [self._request_output(r) for r in done]
@@ -374,10 +391,16 @@ class LLMEngine:
         if all(s.seq.is_finished for s in prepared.out.seqs):
             self.scheduler.cancel(prepared.out)
             return
-        self.stats.async_steps += 1
+        self.counters.async_steps += 1
         flight = self._launch(prepared.out, prepared, fill_tensors(prepared, output.sampled))
         assert flight is not None
         self._flights.append(flight)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's figures, snapshotted from its components' counters now (one object, updated in place:
+        use :meth:`EngineStats.snapshot` to keep one)."""
+        return self._collector.collect()
 
     @property
     def structured(self) -> StructuredOutputs:
@@ -403,7 +426,7 @@ class LLMEngine:
         self.requests.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
         self._release_lora(request)
-        self.stats.num_finished_requests += 1
+        self.counters.num_finished_requests += 1
         return self.outputs.request_output(request)
 
 

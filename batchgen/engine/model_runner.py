@@ -200,15 +200,16 @@ class ModelRunner:
             self.attn.copy_blocks(self.kv_cache, mapping)
 
     def apply_moves(self, moves: BlockMoves) -> None:
-        """The step's block moves, in the only safe order: swap-outs, copies on write, swap-ins."""
+        """The step's block moves, in the only safe order: swap-outs (their freed blocks may be handed out
+        again in the step), swap-ins, then copies on write (a copy may read a block just swapped in: the beams
+        of a swapped-in group share their partial block)."""
         if self.swapper is not None:
             self.swapper.flush()
             self.swapper.swap_out(moves.swap_out)
+            self.swapper.swap_in(moves.swap_in)
         elif moves.swap_out or moves.swap_in:
             raise RuntimeError("swap copies scheduled but no swap space was allocated")
         self.copy_blocks(moves.copies)
-        if self.swapper is not None:
-            self.swapper.swap_in(moves.swap_in)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> RunnerOutput:

@@ -1,33 +1,28 @@
-"""Continuous batching under a token budget and a sequence cap, with chunked prefill, preemption and beam search.
+"""Continuous batching of request groups under a token budget and a sequence cap, with chunked prefill and
+preemption.
 
-``schedule()`` decides one step over *units*: a unit is one sequence, or every live beam of a beam-search
-request (scheduled, preempted and resumed together: a beam group never half-runs). Running units come first —
-decodes (one token per sequence) before unfinished prefill chunks — then swapped-out units are swapped back in,
-then (only when nothing is swapped out) waiting units are admitted in arrival order while the token budget, the
-sequence cap and the block pool allow.
+The scheduling atom is a :class:`~batchgen.engine.request_group.RequestGroup` (one sequence, ``n`` samples, or
+the live beams of a beam search): groups are admitted, scheduled, preempted, swapped and resumed whole, and
+each kind plans its own tokens under the budget. ``schedule()`` decides one step: running groups first —
+decoding groups before unfinished prefills — then swapped-out groups are swapped back in, then (only when
+nothing is swapped out) waiting groups are admitted in arrival order while the token budget, the sequence cap
+and the block pool (above a watermark) allow.
 
-**Preemption.** When a running unit cannot get its blocks for the step, the most recently admitted running
-unit that is not yet scheduled in this step (possibly itself) is preempted until it can. With
+**Preemption.** When a running group cannot get its blocks for the step, the most recently admitted running
+group not yet scheduled in this step (possibly itself) is preempted until it can. With
 ``preemption_mode="recompute"`` its blocks are freed and it goes back to the front of the waiting queue to be
 recomputed (generated tokens are kept, so it resumes where it was). With ``"swap"`` its blocks are copied to
 the CPU block pool (``SchedulerOutput.swap_out``) and it waits in the swapped queue; it comes back, copies
-``swap_in`` performed before its next forward, as soon as its blocks (and one more per sequence) fit. A unit
-whose blocks do not fit in the CPU pool, or the only running unit, falls back to recompute. No unit is swapped
-back in a step that preempted, and no new unit is admitted while one is swapped out.
-
-**Beam groups.** A beam request starts as its prompt sequence; the step that completes the prompt samples
-``k`` beams by forking it (:mod:`batchgen.engine.beam` picks, ``update`` forks survivors, frees dropped beams).
-A group resumed after a recompute is re-admitted as a whole: the first beam through the prefix cache, every
-other beam forked from the earlier beam it shares the longest block-aligned prefix with (so the beams share
-their common history again); each beam is prefilled up to, not including, its last token — a forked beam once
-its parent has computed the shared prefix — and the group then decodes its last tokens together.
+``swap_in`` performed before its next forward, as soon as its blocks (and one more per sequence) fit. A group
+whose blocks do not fit in the CPU pool, or the only running group, falls back to recompute. No group is
+swapped back in a step that preempted, and no new group is admitted while one is swapped out.
 
 A step's results come back in two halves around the output processor (which applies the stop rules):
 ``place_tokens`` appends the sampled tokens (or fills the placeholders of a launched step); ``finish`` frees the
-sequences that stopped, runs one beam step per beam group and returns the requests that finished.
+sequences that stopped, lets each beam group absorb its step and returns the requests that finished.
 
 The scheduler is the only user of the :class:`KVCacheManager`, and keeps the scheduling figures of
-:class:`EngineStats` (preemptions, swaps, prefix hits, tokens computed, copy-on-write copies, KV usage).
+:class:`SchedulerCounters` (preemptions, swaps, prefix hits, tokens computed, copy-on-write copies, queue sizes).
 """
 
 from __future__ import annotations
@@ -39,12 +34,11 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from batchgen.engine.beam import BeamSearch
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCacheManager
-from batchgen.engine.prompt_logprobs import cache_lookup_tokens
+from batchgen.engine.request_group import BeamGroup, RequestGroup, make_group
 from batchgen.engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.stats import SchedulerCounters
 from batchgen.engine.stop import StopRules
 
 if TYPE_CHECKING:
@@ -60,6 +54,7 @@ class ScheduledSeq:
     start: int
     num_tokens: int
     block_table: list[int]
+    """A copy of the sequence's table, never the KV manager's own."""
     table_unchanged: bool = False
     """The table is, entry for entry, the one the sequence had the last time it was scheduled (the decode
     fast path: it neither grew nor was copied on write, swapped or re-admitted since)."""
@@ -80,13 +75,14 @@ class SchedulerOutput:
 
     ``seqs``: decodes (one token each) first, then prefill chunks — the attention kernels rely on that order.
     ``copies``: copy-on-write block copies ``(src, dst)`` to perform before the forward.
-    ``swap_out``: ``(gpu_block, cpu_block)`` copies of preempted units; ``swap_in``: ``(cpu_block, gpu_block)``
-    copies of resumed ones. The runner performs swap-outs, then ``copies``, then swap-ins, then the forward
-    (a block freed by a swap-out or a preemption may be handed out again in the same step).
+    ``swap_out``: ``(gpu_block, cpu_block)`` copies of preempted groups; ``swap_in``: ``(cpu_block, gpu_block)``
+    copies of resumed ones. The runner performs swap-outs, then swap-ins, then ``copies``, then the forward
+    (a block freed by a swap-out or a preemption may be handed out again in the same step; a copy may read a
+    block just swapped in).
     ``sample_seqs[i]`` gets a token sampled from the last-token logits of ``seqs[sample_rows[i]]``; at the
     step that completes a request's prompt with ``n > 1``, its forks sample from the same row.
     ``beam_rows``: rows of ``seqs`` whose last-token log-softmax feeds beam search, grouped by beam group in
-    beam order: ``beam_groups[g]`` takes the next ``len(beam_groups[g].beams)`` of them.
+    beam order: ``beam_groups[g]`` takes the next ``len(beam_groups[g].seqs)`` of them.
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
@@ -95,7 +91,7 @@ class SchedulerOutput:
     sample_rows: list[int] = field(default_factory=list)
     sample_seqs: list[Sequence] = field(default_factory=list)
     beam_rows: list[int] = field(default_factory=list)
-    beam_groups: list[BeamSearch] = field(default_factory=list)
+    beam_groups: list[BeamGroup] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     ahead: bool = False
@@ -126,41 +122,66 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def unservable(
+    kv: KVCacheManager,
+    max_num_seqs: int,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    beam_width: int = 1,
+) -> str | None:
+    """Why a request of this size can never run in this pool (None if it can)."""
+    longest = min(num_prompt_tokens + (max_tokens or max_model_len), max_model_len)
+    bs = kv.block_size
+    if beam_width > 1:
+        if beam_width > max_num_seqs:
+            return f"beam_width={beam_width} exceeds engine.max_num_seqs={max_num_seqs}"
+        # The beams share the prompt; each may need its own blocks for all it generates (+ a partial copy).
+        need = _cdiv(num_prompt_tokens, bs) + beam_width * (_cdiv(longest - num_prompt_tokens, bs) + 1)
+        what = f"prompt ({num_prompt_tokens} tokens) plus max_tokens for {beam_width} beams"
+    else:
+        need = _cdiv(longest, bs)
+        what = f"prompt ({num_prompt_tokens} tokens) plus max_tokens"
+    if need <= kv.num_blocks:
+        return None
+    return (
+        f"{what} needs {need} KV blocks but the pool holds "
+        f"{kv.num_blocks}; raise engine.kv_cache_memory / num_blocks or lower max_tokens"
+    )
 
 
-Unit = list[Sequence]
-"""Sequences scheduled and preempted together: one sequence, or the live beams of a beam request."""
+def _plan_beam_rows(out: SchedulerOutput, beam_rows: dict[int, int]) -> None:
+    """``out.beam_groups`` and their rows (``beam_rows``: seq id -> row), in beam order, group by group."""
+    seen: set[int] = set()
+    for s in out.seqs:
+        group = s.seq.group
+        if not isinstance(group, BeamGroup) or id(group) in seen or s.seq.seq_id not in beam_rows:
+            continue
+        seen.add(id(group))
+        rows = [beam_rows.get(b.seq_id) for b in group.seqs]
+        if any(r is None for r in rows):
+            raise RuntimeError("a beam group was scheduled in part")
+        out.beam_groups.append(group)
+        out.beam_rows.extend(rows)  # type: ignore[arg-type]
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list, the swapped queue and the KV cache manager."""
+    """Owns the waiting queue, the running list and the swapped queue of request groups, and the KV cache
+    manager. ``running`` is in admission order; ``swapped`` holds the next group to resume first."""
 
     def __init__(
-        self,
-        config: EngineConfig,
-        kv: KVCacheManager,
-        stop: StopRules,
-        stats: EngineStats,
-        lora: LoRAManager | None = None,
+        self, config: EngineConfig, kv: KVCacheManager, stop: StopRules, lora: LoRAManager | None = None
     ) -> None:
         self.config = config
         self.lora = lora  # LoRA slots: a request is admitted only once its adapter can be made resident
         self.kv = kv
         self.stop = stop
-        self.stats = stats
-        self.waiting: deque[Sequence] = deque()  # the beams of a group waiting to resume are contiguous
-        self.running: list[Sequence] = []  # admission order
-        self.swapped: deque[Unit] = deque()  # swapped-out units, next to resume first
+        self.stats = SchedulerCounters()  # written by the scheduler alone
+        self.waiting: deque[RequestGroup] = deque()
+        self.running: list[RequestGroup] = []
+        self.swapped: deque[RequestGroup] = deque()
         self._admissions = itertools.count()
         self._swap = config.preemption_mode == "swap" and kv.num_cpu_blocks > 0
-        # Resumed beams forked from another beam of their group: (parent, shared tokens) until computed.
-        self._deps: dict[int, tuple[Sequence, int]] = {}
         self._out: SchedulerOutput | None = None  # the step being planned (preemptions add swap-outs)
         self._preempted = False
         # Async scheduling: ids of the sequences of each step scheduled ahead (while the previous one was in
@@ -174,96 +195,38 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------------- queues
     def add(self, seq: Sequence) -> None:
+        """Queue a new request's first sequence, in a group of the request's kind."""
         seq.status = SequenceStatus.WAITING
-        request = seq.request
-        if request.params.beam_width > 1 and request.beam is None:
-            request.beam = BeamSearch.build(
-                request.params,
-                len(request.prompt_token_ids),
-                self.stop.eos_token_ids,
-                self.stop.max_model_len,
-            )
-            request.beam.beams = [seq]
-        self.waiting.append(seq)
-
-    def abort(self, seq: Sequence) -> None:
-        if seq.status is SequenceStatus.RUNNING:
-            self._free_blocks(seq.seq_id)
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        elif seq.status is SequenceStatus.SWAPPED:
-            self.kv.free(seq.seq_id)
-            self.swapped = deque(u for u in self.swapped if all(s is not seq for s in u))
-        seq.status = SequenceStatus.FINISHED
-        self._deps.pop(seq.seq_id, None)
+        self.waiting.append(make_group(seq.request, seq, self.stop.eos_token_ids, self.stop.max_model_len))
 
     def abort_request(self, request: Request) -> None:
-        """Abort every live sequence of the request (all beams of a beam group)."""
-        seqs = request.beam.beams if request.beam is not None else request.seqs
-        for seq in list(seqs):
-            if not seq.is_finished:
-                self.abort(seq)
+        """Abort every live sequence of the request (each group, wherever it is)."""
+        groups = {id(s.group): s.group for s in request.seqs if s.group is not None and not s.is_finished}
+        for group in groups.values():
+            status = group.seqs[0].status
+            if status is SequenceStatus.RUNNING:
+                for s in group.seqs:
+                    self._free_blocks(s.seq_id)
+                self.running.remove(group)
+            elif status is SequenceStatus.WAITING:
+                self.waiting.remove(group)
+            elif status is SequenceStatus.SWAPPED:
+                for s in group.seqs:
+                    self.kv.free(s.seq_id)
+                self.swapped.remove(group)
+            group.set_status(SequenceStatus.FINISHED)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def running_seqs(self) -> list[Sequence]:
+        """The running sequences, group by group in admission order (a new list)."""
+        return [s for g in self.running for s in g.seqs]
+
     def can_plan_ahead(self) -> bool:
         """Whether a step scheduled now cannot preempt (async scheduling plans ahead only then): nothing is
         swapped out and every running sequence has a free block to grow into."""
-        return not self.swapped and self.kv.num_free_blocks >= len(self.running)
-
-    def unservable(
-        self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, beam_width: int = 1
-    ) -> str | None:
-        """Why a request of this size can never run in this pool (None if it can)."""
-        longest = min(num_prompt_tokens + (max_tokens or max_model_len), max_model_len)
-        bs = self.kv.block_size
-        if beam_width > 1:
-            if beam_width > self.config.max_num_seqs:
-                return f"beam_width={beam_width} exceeds engine.max_num_seqs={self.config.max_num_seqs}"
-            # The beams share the prompt; each may need its own blocks for all it generates (+ a partial copy).
-            need = _cdiv(num_prompt_tokens, bs) + beam_width * (_cdiv(longest - num_prompt_tokens, bs) + 1)
-            what = f"prompt ({num_prompt_tokens} tokens) plus max_tokens for {beam_width} beams"
-        else:
-            need = _cdiv(longest, bs)
-            what = f"prompt ({num_prompt_tokens} tokens) plus max_tokens"
-        if need <= self.kv.num_blocks:
-            return None
-        return (
-            f"{what} needs {need} KV blocks but the pool holds "
-            f"{self.kv.num_blocks}; raise engine.kv_cache_memory / num_blocks or lower max_tokens"
-        )
-
-    @staticmethod
-    def _unit(seq: Sequence) -> Unit:
-        beam = seq.request.beam
-        return beam.beams if beam is not None else [seq]
-
-    def _running_units(self) -> list[Unit]:
-        units: list[Unit] = []
-        seen: set[int] = set()
-        for s in self.running:
-            beam = s.request.beam
-            if beam is None:
-                units.append([s])
-            elif id(beam) not in seen:
-                seen.add(id(beam))
-                units.append(beam.beams)
-        return units
-
-    def _seq_slots(self) -> int:
-        """Running sequences plus the forks that running prompts will add when they complete."""
-        n = len(self.running)
-        for s in self.running:
-            if len(s.token_ids) == s.num_prompt_tokens:
-                request = s.request
-                if request.beam is not None:
-                    if len(request.beam.beams) == 1:
-                        n += request.beam.num_beams - 1
-                elif request.params.n > 1 and len(request.seqs) == 1:
-                    n += request.params.n - 1
-        return n
+        return not self.swapped and self.kv.num_free_blocks >= sum(len(g.seqs) for g in self.running)
 
     # --------------------------------------------------------------------------------------- schedule
     def schedule(self, ahead: bool = False) -> SchedulerOutput:
@@ -274,7 +237,7 @@ class Scheduler:
         self._out = out
         self._preempted = False
         self._planning_ahead = ahead
-        scheduled: set[int] = set()
+        scheduled: set[int] = set()  # ids of the groups scheduled in this step (never preemption victims)
         budget = self._schedule_running(out, scheduled, self.config.max_num_batched_tokens)
         budget = self._swap_in(out, scheduled, budget)
         if not self.swapped:
@@ -302,283 +265,171 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> int:
-        """Running units in admission order, decodes first, then unfinished prefills.
+        """Running groups in admission order, decoding groups first, then unfinished prefills.
 
         Decode fast path: a lone sequence decoding its last token into an exclusive last block with room needs
-        only an O(1) counter bump in the KV manager (:meth:`KVCacheManager.append_one`) and its live block
-        table (no copy); every other unit takes the general path (:meth:`_schedule_unit`), in the same order,
-        so preemption picks the same victims."""
-        decodes: list[Sequence | Unit] = []
-        prefills: list[Sequence | Unit] = []
-        seen: set[int] = set()
-        for s in self.running:
-            beam = s.request.beam
-            if beam is None:
+        only a counter bump in the KV manager (:meth:`KVCacheManager.append_one`, which returns a copy of its
+        table); every other group takes the general path (:meth:`_schedule_group`), in the same
+        order, so preemption picks the same victims."""
+        decodes: list[RequestGroup] = []
+        prefills: list[RequestGroup] = []
+        for g in self.running:
+            seqs = g.seqs
+            if len(seqs) == 1:
+                s = seqs[0]
                 if s.finishing:  # async: its in-flight token is its last
                     continue
-                (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else prefills).append(s)
-            elif id(beam) not in seen:
-                seen.add(id(beam))
-                unit = beam.beams
-                if all(len(b.token_ids) - b.num_computed_tokens == 1 for b in unit):
-                    decodes.append(unit)
-                else:
-                    prefills.append(unit)
+                (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else prefills).append(g)
+            elif g.active():
+                (decodes if g.decoding() else prefills).append(g)
         append_one = self.kv.append_one
-        seqs = out.seqs
-        add_scheduled = scheduled.add
+        seqs_out = out.seqs
         running = SequenceStatus.RUNNING
         prompt_computed = 0
-        for item in decodes:
+        for g in decodes:
             if budget <= 0:
                 break
-            if isinstance(item, Sequence):
-                if item.status is not running:  # preempted earlier in this loop
-                    continue
-                table = append_one(item.seq_id, item.token_ids, item.pending_row >= 0)
+            first = g.seqs[0]
+            if first.status is not running:  # preempted earlier in this loop
+                continue
+            if len(g.seqs) == 1:
+                table = append_one(first.seq_id, first.token_ids, first.pending_row >= 0)
                 if table is not None:
-                    start = len(item.token_ids) - 1
-                    seqs.append(ScheduledSeq(item, start, 1, table, True))
-                    add_scheduled(item.seq_id)
-                    if start < item.num_prompt_tokens:
+                    start = len(first.token_ids) - 1
+                    seqs_out.append(ScheduledSeq(first, start, 1, table, True))
+                    scheduled.add(id(g))
+                    if start < first.num_prompt_tokens:
                         prompt_computed += 1
                     budget -= 1
                     continue
-                item = [item]
-            elif item[0].status is not running:
-                continue
-            budget = self._schedule_unit(out, scheduled, item, budget)
+            budget = self._schedule_group(out, scheduled, g, budget)
         self.stats.prompt_tokens_computed += prompt_computed
-        for item in prefills:
+        for g in prefills:
             if budget <= 0:
                 break
-            unit = [item] if isinstance(item, Sequence) else item
-            if unit[0].status is not running:
+            if g.seqs[0].status is not running:
                 continue
-            budget = self._schedule_unit(out, scheduled, unit, budget)
+            budget = self._schedule_group(out, scheduled, g, budget)
         return budget
 
-    def _plan_unit(self, unit: Unit, budget: int) -> list[tuple[Sequence, int]]:
-        """How many tokens each sequence of the unit computes this step (sequences with 0 are left out)."""
-        if len(unit) == 1:
-            seq = unit[0]
-            return [(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))]
-        if all(s.num_tokens - s.num_computed_tokens == 1 for s in unit):
-            return [(s, 1) for s in unit] if budget >= len(unit) else []  # the group decodes as a whole
-        # A beam group resuming after a recompute: prefill each beam up to its last token (held back so that
-        # the group samples together), a forked beam only once its parent computes the prefix they share (in
-        # this step at the latest: every layer stores the batch's K/V before attending).
-        plan: list[tuple[Sequence, int]] = []
-        after: dict[int, int] = {}
-        for s in unit:
-            todo = s.num_tokens - 1 - s.num_computed_tokens
-            if todo <= 0:
-                continue
-            dep = self._deps.get(s.seq_id)
-            if dep is not None and after.get(dep[0].seq_id, dep[0].num_computed_tokens) < dep[1]:
-                continue
-            if budget <= 0:
-                break
-            n = min(todo, budget)
-            plan.append((s, n))
-            budget -= n
-            after[s.seq_id] = s.num_computed_tokens + n
-        return plan
-
-    def _schedule_unit(self, out: SchedulerOutput, scheduled: set[int], unit: Unit, budget: int) -> int:
-        """Schedule what the unit can compute this step; returns the budget left."""
-        plan = self._plan_unit(unit, budget)
+    def _schedule_group(
+        self, out: SchedulerOutput, scheduled: set[int], group: RequestGroup, budget: int
+    ) -> int:
+        """Schedule what the group can compute this step; returns the budget left."""
+        plan = group.plan(budget)
         if not plan:
             return budget
         # A prefill in progress already holds blocks for its whole prompt.
-        targets = [(s, max(s.num_computed_tokens + n, self.kv.num_tokens(s.seq_id))) for s, n in plan]
-        copies = self._grow(unit, targets, scheduled)
+        targets = [(s.seq_id, max(s.num_computed_tokens + n, self.kv.num_tokens(s.seq_id))) for s, n in plan]
+        copies = self._grow(group, targets, scheduled)
         if copies is None:  # preempted itself
             return budget
         out.copies.extend(copies)
         for seq, num_new in plan:
-            self._add(out, seq, num_new, scheduled)
+            self._add(out, seq, num_new)
             budget -= num_new
-        scheduled.update(s.seq_id for s in unit)  # a group is never split by a preemption
+        scheduled.add(id(group))
         return budget
 
     def _grow(
-        self, unit: Unit, targets: list[tuple[Sequence, int]], scheduled: set[int]
+        self, group: RequestGroup, targets: list[tuple[int, int]], scheduled: set[int]
     ) -> list[tuple[int, int]] | None:
-        """Give the unit's sequences their slots, preempting other units first (or the unit itself: None).
+        """Give the group's sequences their slots, preempting other groups first (or the group itself: None).
 
-        The unit's whole need (new blocks and copies on write) is known before anything changes, so a unit
+        The group's whole need (new blocks and copies on write) is known before anything changes, so a group
         that preempts itself leaves no half-written state behind (a swapped-out table holds computed blocks).
         """
         kv = self.kv
-        ids = [(s.seq_id, n) for s, n in targets]
-        while kv.append_cost(ids) > kv.num_free_blocks:
-            victim = max((s for s in self.running if s.seq_id not in scheduled), key=lambda s: s.admitted_at)
-            victim_unit = self._unit(victim)
-            self._preempt(victim_unit)
-            if victim in unit:
+        while kv.append_cost(targets) > kv.num_free_blocks:
+            candidates = (g for g in self.running if id(g) not in scheduled or g is group)
+            victim = max(candidates, key=lambda g: g.admitted_at)
+            if victim is group and id(group) in scheduled:  # just swapped in: it waits for the next step
+                return None
+            self._preempt(victim)
+            if victim is group:
                 return None
         copies: list[tuple[int, int]] = []
-        for sid, n in ids:
+        for sid, n in targets:
             c = kv.append_slots(sid, n)
             assert c is not None, "append_cost said the blocks were free"
             copies.extend(c)
         return copies
 
     def _swap_in(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> int:
-        """Bring swapped-out units back, oldest preemption first, while their blocks (and one more block per
-        sequence for this step's tokens) fit above the watermark; none in a step that preempted. A unit that
-        does not fit although nothing runs (blocks other swapped units keep on the GPU, shared with it or not,
+        """Bring swapped-out groups back, oldest preemption first, while their blocks (and one more block per
+        sequence for this step's tokens) fit above the watermark; none in a step that preempted. A group that
+        does not fit although nothing runs (blocks other swapped groups keep on the GPU, shared with it or not,
         fill the pool) gives up its CPU copy and waits to be recomputed, so the queue can never deadlock."""
         kv = self.kv
         while self.swapped and budget > 0 and not self._preempted:
-            unit = self.swapped[0]
-            if len(self.running) + len(unit) > self.config.max_num_seqs and self.running:
+            group = self.swapped[0]
+            n = len(group.seqs)
+            if self.running and sum(len(g.seqs) for g in self.running) + n > self.config.max_num_seqs:
                 break
-            ids = [s.seq_id for s in unit]
+            ids = [s.seq_id for s in group.seqs]
             reserve = self.watermark_blocks if self.running else 0
-            if kv.swap_in_cost(ids) + len(unit) + reserve > kv.num_free_blocks:
+            if kv.swap_in_cost(ids) + n + reserve > kv.num_free_blocks:
                 if self.running:
                     break
                 self.swapped.popleft()
-                for s in unit:
-                    kv.free(s.seq_id)
-                    s.status = SequenceStatus.WAITING
-                    s.num_computed_tokens = 0
-                    self._deps.pop(s.seq_id, None)
-                self.waiting.extendleft(reversed(unit))
+                for sid in ids:
+                    kv.free(sid)
+                group.reset()
+                self.waiting.appendleft(group)
                 continue
             copies = kv.swap_in(ids)
             assert copies is not None, "swap_in_cost said the blocks were free"
             out.swap_in.extend(copies)
             self.swapped.popleft()
-            for s in unit:
-                s.status = SequenceStatus.RUNNING
-                self.running.append(s)
-            budget = self._schedule_unit(out, scheduled, unit, budget)
-            scheduled.update(ids)  # never a victim in the step its blocks are copied back
+            group.set_status(SequenceStatus.RUNNING)
+            self.running.append(group)
+            # Never a victim in the step its blocks are copied back (swap-outs run before swap-ins: its
+            # copy out would read blocks not yet written).
+            scheduled.add(id(group))
+            budget = self._schedule_group(out, scheduled, group, budget)
         return budget
 
     def _admit(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> None:
-        """Admit waiting units while budget, sequence cap and blocks (above the watermark) allow."""
-        slots = self._seq_slots()
-        held: list[Sequence] = []  # first admissions whose adapter has no slot now: they keep their place
+        """Admit waiting groups while budget, sequence cap (seats for the forks a prompt will spawn included)
+        and blocks (above the watermark) allow. A first admission whose LoRA adapter can get no slot now is
+        passed over and keeps its place."""
+        slots = sum(g.seats() for g in self.running)
+        held: list[RequestGroup] = []
         while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            request = seq.request
-            if request.lora_request is not None and request.lora_slot < 0:
+            group = self.waiting[0]
+            request = group.request
+            adapter = request.lora_request if request.lora_slot < 0 else None
+            if adapter is not None:
                 assert self.lora is not None
-                if not self.lora.can_acquire(request.lora_request.lora_int_id):
+                if not self.lora.can_acquire(adapter.lora_int_id):
                     held.append(self.waiting.popleft())
                     continue
-            beam = request.beam
-            if beam is not None and len(beam.beams) > 1:
-                if slots + len(beam.beams) > self.config.max_num_seqs and self.running:
-                    break
-                left = self._admit_beam_group(out, scheduled, beam.beams, budget)
-                if left is None:
-                    break
-                slots += len(beam.beams)
-                budget = left
-                continue
-            # Seats for the forks the prompt will spawn (n > 1 samples, beams), so they never overflow the cap.
-            if beam is not None:
-                seats = beam.num_beams
-            elif request.params.n > 1 and len(request.seqs) == 1 and seq.num_output_tokens == 0:
-                seats = request.params.n
-            else:
-                seats = 1
+            seats = group.seats()
             if slots + seats > self.config.max_num_seqs and self.running:
                 break
-            reserve = self.watermark_blocks if self.running else 0
-            lookup = cache_lookup_tokens(seq)  # prompt logprobs cap the prefix-cache hit
-            num_cached = self.kv.allocate(
-                seq.seq_id, lookup, seq.num_tokens, reserve_blocks=reserve, root=request.cache_root
-            )
-            if num_cached is None:
+            if not group.allocate(self.kv, self.watermark_blocks if self.running else 0):
                 break
             self.waiting.popleft()
-            if request.lora_request is not None and request.lora_slot < 0:
-                assert self.lora is not None  # pinned until the request ends (LLMEngine releases it)
-                request.lora_slot = self.lora.acquire(request.lora_request.lora_int_id)
-            seq.status = SequenceStatus.RUNNING
-            seq.admitted_at = next(self._admissions)
-            seq.num_computed_tokens = num_cached
+            if adapter is not None:  # pinned until the request ends (LLMEngine releases it)
+                assert self.lora is not None
+                request.lora_slot = self.lora.acquire(adapter.lora_int_id)
+            group.set_status(SequenceStatus.RUNNING)
+            group.admitted_at = next(self._admissions)
             if not request.admitted:
                 request.admitted = True
-                request.num_cached_tokens = num_cached
-                self.stats.prompt_tokens_cached += num_cached
-            self.running.append(seq)
+                request.num_cached_tokens = group.seqs[0].num_computed_tokens
+                self.stats.prompt_tokens_cached += request.num_cached_tokens
+            self.running.append(group)
             slots += seats
-            num_new = min(seq.num_tokens - num_cached, budget)
-            self._add(out, seq, num_new, scheduled)
-            budget -= num_new
+            for seq, num_new in group.plan(budget):  # allocate gave it blocks for all its tokens
+                self._add(out, seq, num_new)
+                budget -= num_new
+            scheduled.add(id(group))
         self.waiting.extendleft(reversed(held))
 
-    def _admit_beam_group(
-        self, out: SchedulerOutput, scheduled: set[int], unit: Unit, budget: int
-    ) -> int | None:
-        """Re-admit a beam group preempted by recompute, all beams or none; returns the budget left or None."""
-        k = len(unit)
-        if any(self.waiting[i] is not unit[i] for i in range(k)):
-            raise RuntimeError("the beams of a group waiting to resume are not together in the waiting queue")
-        kv = self.kv
-        bs = kv.block_size
-        plan: list[tuple[int | None, int]] = []  # (beam to fork from, tokens shared) or (None, 0): allocate
-        cost = 0
-        for j, s in enumerate(unit):
-            parent, shared = None, 0
-            for i in range(j):
-                n = min(_common_prefix(unit[i].token_ids, s.token_ids), s.num_tokens - 1) // bs * bs
-                if n > shared:
-                    parent, shared = i, n
-            if parent is None:
-                cost += kv.allocate_cost(s.token_ids, s.num_tokens, s.request.cache_root)
-            else:
-                cost += _cdiv(s.num_tokens, bs) - shared // bs
-            plan.append((parent, shared))
-        reserve = self.watermark_blocks if self.running else 0
-        if cost + reserve > kv.num_free_blocks:
-            return None
-        done: list[Sequence] = []
-        ok = True
-        for s, (parent, shared) in zip(unit, plan):
-            if parent is None:
-                num_cached = kv.allocate(s.seq_id, s.token_ids, s.num_tokens, root=s.request.cache_root)
-                if num_cached is None:
-                    ok = False
-                    break
-                done.append(s)
-                s.num_computed_tokens = num_cached
-            else:
-                kv.fork(unit[parent].seq_id, s.seq_id, shared)
-                done.append(s)
-                if kv.append_slots(s.seq_id, s.num_tokens) is None:
-                    ok = False
-                    break
-                s.num_computed_tokens = shared
-                self._deps[s.seq_id] = (unit[parent], shared)
-        if not ok:  # nothing was registered in the prefix cache yet: freeing undoes it all
-            for s in done:
-                kv.free(s.seq_id)
-                s.num_computed_tokens = 0
-                self._deps.pop(s.seq_id, None)
-            return None
-        for _ in range(k):
-            self.waiting.popleft()
-        t = next(self._admissions)
-        for s in unit:
-            s.status = SequenceStatus.RUNNING
-            s.admitted_at = t
-            self.running.append(s)
-        budget = self._schedule_unit(out, scheduled, unit, budget)
-        scheduled.update(s.seq_id for s in unit)
-        return budget
-
-    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int]) -> None:
+    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens
         out.seqs.append(ScheduledSeq(seq, start, num_new, self.kv.block_table(seq.seq_id)))
-        scheduled.add(seq.seq_id)
         self.stats.prompt_tokens_computed += max(0, min(start + num_new, seq.num_prompt_tokens) - start)
         # Blocks completed by this step's tokens become prefix-cache hits for later sequences; the forward
         # stores every new token's K/V before any attention reads it, so even a sequence admitted in this
@@ -587,9 +438,8 @@ class Scheduler:
         self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, start + num_new - (seq.pending_row >= 0))
 
     def _plan_sampling(self, out: SchedulerOutput) -> None:
-        """Which sequences sample from which rows; fork the other samples of an ``n > 1`` request in the
-        step that completes its prompt (they share every block, the partial last one included); which rows
-        feed each beam group (a group is scheduled whole, so all its beams complete together)."""
+        """Which sequences sample from which rows (a group's fan-out samples from its parent's row); which
+        rows feed each beam group (a group is scheduled whole, so all its beams complete together)."""
         beam_rows: dict[int, int] = {}
         sample_rows, sample_seqs = out.sample_rows, out.sample_seqs
         plain = plain_sampling = True
@@ -605,55 +455,34 @@ class Scheduler:
             sample_seqs.append(seq)
             plain = plain and request.plain_greedy
             plain_sampling = plain_sampling and request.plain_sampling
-            if (
-                request.params.n > 1
-                and len(seq.token_ids) == seq.num_prompt_tokens
-                and len(request.seqs) == 1
-            ):
-                for k in range(1, request.params.n):
-                    child = seq.fork(k)
-                    self.kv.fork(seq.seq_id, child.seq_id)
-                    child.status = SequenceStatus.RUNNING
-                    child.admitted_at = next(self._admissions)
-                    self.running.append(child)
-                    sample_rows.append(row)
-                    sample_seqs.append(child)
+            for group in seq.group.fan_out(seq, self.kv):  # type: ignore[union-attr]
+                group.admitted_at = next(self._admissions)
+                self.running.append(group)
+                sample_rows.append(row)
+                sample_seqs.append(group.seqs[0])
         out.plain_greedy, out.plain_sampling = plain, plain_sampling
         if beam_rows:
-            seen: set[int] = set()
-            for s in out.seqs:
-                beam = s.seq.request.beam
-                if beam is None or id(beam) in seen or s.seq.seq_id not in beam_rows:
-                    continue
-                seen.add(id(beam))
-                rows = [beam_rows.get(b.seq_id) for b in beam.beams]
-                if any(r is None for r in rows):
-                    raise RuntimeError("a beam group was scheduled in part")
-                out.beam_groups.append(beam)
-                out.beam_rows.extend(rows)  # type: ignore[arg-type]
+            _plan_beam_rows(out, beam_rows)
 
-    def _preempt(self, unit: Unit) -> None:
-        """Swap the unit out (swap mode, CPU room, another unit running) or free it for recompute."""
+    def _preempt(self, group: RequestGroup) -> None:
+        """Swap the group out (swap mode, CPU room, another group running) or free it for recompute."""
         if self._planning_ahead:  # the engine plans ahead only with a free block per running sequence
             raise RuntimeError("async scheduling: a step planned ahead would preempt a sequence in flight")
+        ids = [s.seq_id for s in group.seqs]
         copies = None
-        if self._swap and any(s not in unit for s in self.running):
-            copies = self.kv.swap_out([s.seq_id for s in unit])
+        if self._swap and len(self.running) > 1:
+            copies = self.kv.swap_out(ids)
+        self.running.remove(group)
         if copies is not None:
             assert self._out is not None
             self._out.swap_out.extend(copies)
-            for s in unit:
-                self.running.remove(s)
-                s.status = SequenceStatus.SWAPPED
-            self.swapped.appendleft(unit)
+            group.set_status(SequenceStatus.SWAPPED)
+            self.swapped.appendleft(group)
         else:
-            for s in unit:
-                self.kv.free(s.seq_id)
-                self.running.remove(s)
-                s.status = SequenceStatus.WAITING
-                s.num_computed_tokens = 0
-                self._deps.pop(s.seq_id, None)
-            self.waiting.extendleft(reversed(unit))
+            for sid in ids:
+                self.kv.free(sid)
+            group.reset()
+            self.waiting.appendleft(group)
         self.stats.num_preemptions += 1
         self._preempted = True
 
@@ -683,7 +512,7 @@ class Scheduler:
                 tokens[-1] = token
                 seq.pending_row = -1
                 if len(tokens) % bs == 0:  # the token completed its block: hash it now that it is known
-                    self._cache_resolved_block(seq)
+                    self.kv.cache_resolved_block(seq.seq_id, tokens)
             else:  # finishing: it had no placeholder
                 tokens.append(token)
             placed.append((seq, token, i))
@@ -694,9 +523,9 @@ class Scheduler:
         self, out: SchedulerOutput, stopped: list[Sequence], beam_logprobs: Tensor | None = None
     ) -> list[Request]:
         """The second half: free the ``stopped`` sequences (the output processor applied the stop rules),
-        then run one beam step per beam group of ``out`` (``beam_logprobs``: float32 ``[len(out.beam_rows),
-        V]``, the log-softmax of the raw logits of ``out.beam_rows``). Returns the requests whose every
-        sample finished in this step."""
+        then let each beam group of ``out`` absorb its rows (``beam_logprobs``: float32
+        ``[len(out.beam_rows), V]``, the log-softmax of the raw logits of ``out.beam_rows``). Returns the
+        requests whose every sample finished in this step."""
         finished: list[Request] = []
         for seq in stopped:
             self._finish(seq)
@@ -707,10 +536,15 @@ class Scheduler:
             if beam_logprobs is None or beam_logprobs.shape[0] != len(out.beam_rows):
                 raise ValueError(f"update needs beam_logprobs for the {len(out.beam_rows)} beam rows")
             offset = 0
-            for beam in out.beam_groups:
-                m = len(beam.beams)
-                self._beam_step(beam, beam_logprobs[offset : offset + m], finished)
+            for group in out.beam_groups:
+                m = len(group.seqs)
+                self.stats.generated_tokens += group.absorb(
+                    beam_logprobs[offset : offset + m], self.kv, self._release
+                )
                 offset += m
+                if not group.seqs:
+                    self.running.remove(group)
+                    finished.append(group.request)
         self._record_gauges()
         return finished
 
@@ -748,56 +582,18 @@ class Scheduler:
         if not self._ahead:
             self._free_deferred()
 
-    def _cache_resolved_block(self, seq: Sequence) -> None:
-        """A placeholder that completed its block just became a known token: register the block in the prefix
-        cache if it is allocated (the step scheduled meanwhile computes it); the deferred half of
-        :meth:`_add`'s hashing."""
-        n = len(seq.token_ids)
-        kv = self.kv
-        if kv.enable_prefix_caching and kv.num_tokens(seq.seq_id) >= n:
-            kv.cache_full_blocks(seq.seq_id, seq.token_ids, n)
-
-    def _beam_step(self, beam: BeamSearch, log_probs: Tensor, finished: list[Request]) -> None:
-        """One beam step: keep the best continuations, fork parents kept more than once, free dropped ones."""
-        parents = beam.beams
-        request = parents[0].request
-        chosen = beam.step(log_probs, [p.output_token_ids for p in parents])
-        for p in parents:
-            self._deps.pop(p.seq_id, None)
-        if beam.done:
-            for p in parents:
-                self._finish(p)
-            beam.beams = []
-            request.seqs = []
-            request.num_finished = request.params.n
-            finished.append(request)
-            self.stats.generated_tokens += len(parents)
-            return
-        kept: set[int] = set()
-        children: list[tuple[Sequence, int]] = []
-        for i, token in chosen:
-            parent = parents[i]
-            if parent.seq_id in kept:  # a second continuation of the same beam: fork it (before it grows)
-                child = parent.fork_beam()
-                self.kv.fork(parent.seq_id, child.seq_id)
-                self.running.append(child)
-            else:
-                kept.add(parent.seq_id)
-                child = parent
-            children.append((child, token))
-        for p in parents:
-            if p.seq_id not in kept:
-                self._finish(p)  # dropped: its blocks go back (those shared with survivors stay)
-        for child, token in children:
-            child.token_ids.append(token)
-        beam.beams = [c for c, _ in children]
-        request.seqs = list(beam.beams)
-        self.stats.generated_tokens += len(children)
-
     def _finish(self, seq: Sequence) -> None:
+        """A stopped sequence leaves its group (and the group the running list with its last sequence)."""
+        self._release(seq)
+        group = seq.group
+        assert group is not None
+        group.remove(seq)
+        if not group.seqs:
+            self.running.remove(group)
+
+    def _release(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self._free_blocks(seq.seq_id)
-        self.running.remove(seq)
 
     def _free_blocks(self, seq_id: int) -> None:
         """Free the sequence's blocks now, or after the forward of a step in flight that holds it."""
@@ -815,16 +611,6 @@ class Scheduler:
     def _record_gauges(self) -> None:
         st = self.stats
         st.num_steps += 1
-        st.running_seqs = len(self.running)
-        st.waiting_seqs = len(self.waiting)
-        st.swapped_seqs = sum(len(u) for u in self.swapped)
-        st.peak_running_seqs = max(st.peak_running_seqs, st.running_seqs)
-        kvs = self.kv.stats()
-        st.kv_blocks_used = kvs.blocks_used
-        st.kv_usage = kvs.blocks_used / self.kv.num_blocks
-        st.peak_kv_usage = max(st.peak_kv_usage, st.kv_usage)
-        st.kv_utilization = kvs.kv_utilization
-        st.kv_fragmentation = kvs.internal_fragmentation
-        if kvs.blocks_used:
-            st.min_kv_utilization = min(st.min_kv_utilization, kvs.kv_utilization)
-            st.peak_kv_fragmentation = max(st.peak_kv_fragmentation, kvs.internal_fragmentation)
+        st.running_seqs = sum(len(g.seqs) for g in self.running)
+        st.waiting_seqs = sum(len(g.seqs) for g in self.waiting)
+        st.swapped_seqs = sum(len(g.seqs) for g in self.swapped)

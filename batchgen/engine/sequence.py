@@ -14,6 +14,7 @@ from batchgen.engine.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from batchgen.engine.beam import BeamSearch
+    from batchgen.engine.request_group import RequestGroup
     from batchgen.lora_request import LoRARequest
     from batchgen.sampling_params import SamplingParams
 
@@ -141,6 +142,8 @@ class Sequence:
     # last (max_tokens / max_model_len), so it is not scheduled again.
     pending_row: int = -1
     finishing: bool = False
+    group: RequestGroup | None = None
+    """The scheduling group it belongs to (:mod:`batchgen.engine.request_group`)."""
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,18 @@
-"""Running totals of an engine: the figures the job report and progress bar print."""
+"""Running totals of an engine: the figures the job report and progress bar print.
+
+Each component owns its counters and alone writes them: the scheduler its :class:`SchedulerCounters`, the
+engine its :class:`EngineCounters`, the KV cache manager its :class:`~batchgen.engine.kv_cache.KVCacheStats`.
+One :class:`StatsCollector` snapshots them into the public :class:`EngineStats` (once per step, and whenever
+``llm.engine.stats`` is read), where it also keeps the peaks.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchgen.engine.kv_cache import KVCacheManager
 
 
 @dataclass
@@ -11,7 +21,7 @@ class EngineStats:
 
     ``prompt_tokens_cached`` counts prompt tokens served from the prefix cache at admission;
     ``prompt_tokens_computed`` counts tokens run through the model as prefill (recomputation after a
-    preemption included). ``num_preemptions`` counts preempted units (a sequence, or a whole beam group);
+    preemption included). ``num_preemptions`` counts preempted request groups (a sequence, or a whole beam group);
     ``num_swapped_out_blocks`` / ``num_swapped_in_blocks`` count KV blocks copied to / from CPU memory by
     swap-mode preemption (``swapped_seqs``: sequences swapped out now). KV figures: ``kv_usage`` is blocks in use ÷ pool size; ``kv_utilization`` is token
     slots holding live tokens ÷ slots in allocated blocks; ``kv_fragmentation`` is 1 − kv_utilization.
@@ -56,11 +66,6 @@ class EngineStats:
         """Fraction of admitted prompt tokens served from the prefix cache."""
         return self.prompt_tokens_cached / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    @property
-    def kv_utilisation(self) -> float:
-        """Deprecated spelling of :attr:`kv_utilization` (kept for 0.1 callers)."""
-        return self.kv_utilization
-
     def delta(self, before: EngineStats) -> EngineStats:
         """The work done since ``before`` (an earlier snapshot of the same engine): counters are differences,
         gauges and peaks (running/waiting sequences, KV usage, utilization, sizes) are this snapshot's."""
@@ -96,3 +101,66 @@ _COUNTERS = (
     "drained_steps",
 )
 """Fields that only grow: :meth:`EngineStats.delta` subtracts these and keeps the others as they are."""
+
+
+@dataclass
+class SchedulerCounters:
+    """What the scheduler counts: prefix hits and prefill tokens at admission and scheduling, tokens
+    generated, steps, preemptions, copies (on write, swaps), and its queue sizes after the last step."""
+
+    prompt_tokens_cached: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_cow_copies: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    running_seqs: int = 0
+    waiting_seqs: int = 0
+    swapped_seqs: int = 0
+
+
+@dataclass
+class EngineCounters:
+    """What the engine counts: requests in and out, prompt tokens queued, async and drained steps."""
+
+    num_requests: int = 0
+    num_finished_requests: int = 0
+    num_error_requests: int = 0
+    prompt_tokens: int = 0
+    async_steps: int = 0
+    drained_steps: int = 0
+
+
+_SCHEDULER_FIELDS = tuple(f.name for f in fields(SchedulerCounters))
+_ENGINE_FIELDS = tuple(f.name for f in fields(EngineCounters))
+
+
+class StatsCollector:
+    """Snapshots the components' counters into one :class:`EngineStats` (``stats``, updated in place)."""
+
+    def __init__(
+        self, stats: EngineStats, scheduler: SchedulerCounters, kv: KVCacheManager, engine: EngineCounters
+    ) -> None:
+        self.stats = stats
+        self._scheduler = scheduler
+        self._kv = kv
+        self._engine = engine
+
+    def collect(self) -> EngineStats:
+        st = self.stats
+        for source, names in ((self._scheduler, _SCHEDULER_FIELDS), (self._engine, _ENGINE_FIELDS)):
+            for name in names:
+                setattr(st, name, getattr(source, name))
+        st.peak_running_seqs = max(st.peak_running_seqs, st.running_seqs)
+        kvs = self._kv.stats()
+        st.kv_blocks_used = kvs.blocks_used
+        st.kv_usage = kvs.blocks_used / self._kv.num_blocks
+        st.peak_kv_usage = max(st.peak_kv_usage, st.kv_usage)
+        st.kv_utilization = kvs.kv_utilization
+        st.kv_fragmentation = kvs.internal_fragmentation
+        if kvs.blocks_used:
+            st.min_kv_utilization = min(st.min_kv_utilization, kvs.kv_utilization)
+            st.peak_kv_fragmentation = max(st.peak_kv_fragmentation, kvs.internal_fragmentation)
+        return st

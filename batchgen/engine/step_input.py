@@ -9,7 +9,7 @@ tensor-parallel rank (the :class:`ForwardInput` and :class:`BlockMoves` parts: s
 
 Invariants: ``forward.last`` indexes the packed tokens, one entry per logit row: the ``sampling.num_rows``
 sampled rows, then ``sampling.num_beam_rows`` beam rows; the runner performs ``moves`` in the order
-swap-outs, copies on write, swap-ins, before the forward.
+swap-outs, swap-ins, copies on write, before the forward.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ cache (``kv_cache[:, :, ids]`` moved to the front) is one contiguous tensor. On 
   side stream after the compute stream's earlier work; the compute stream waits for it before the forward.
 
 Copies go in chunks of at most ``CHUNK_BYTES`` (bounded temporary GPU and pinned memory, which the memory
-profile does not account for). Ordering within a step (the runner's job): swap-outs, then copy-on-write copies, then swap-ins, then the
+profile does not account for). Ordering within a step (the runner's job): swap-outs, then swap-ins, then copy-on-write copies, then the
 forward, because blocks freed by a preemption may be handed out again in the same step.
 """
 
@@ -111,7 +111,7 @@ class BlockSwapper:
         torch.index_select(self.cpu_cache, 0, src, out=staging)
         main = torch.cuda.current_stream(self.device)
         side = self.stream
-        side.wait_stream(main)  # earlier readers/writers of the destination blocks (and this step's copies)
+        side.wait_stream(main)  # earlier readers/writers of the destination blocks
         with torch.cuda.stream(side):
             blocks = staging.to(self.device, non_blocking=True)
             kv.index_copy_(2, dst.to(self.device, non_blocking=True), blocks.movedim(0, 2))
