@@ -211,3 +211,15 @@ def test_unsupported_sentence_transformers_module_is_named(root):
     zoo.sentence_transformers_layout(path, "max", False, old=False)
     with pytest.raises(ValueError, match="pooling mode 'max'"):
         read_checkpoint(path)
+
+
+def test_task_detection_from_the_architecture_name() -> None:
+    """A language model whose class name ends in "Model" (GPT-2's LMHeadModel) generates; a bare backbone
+    embeds; a sequence classifier classifies."""
+    from batchgen.pooling.checkpoint import detect_task
+
+    assert detect_task("GPT2LMHeadModel", "gpt2", False) == "generate"
+    assert detect_task("LlamaForCausalLM", "llama", False) == "generate"
+    assert detect_task("Qwen3Model", "qwen3", False) == "embed"
+    assert detect_task("BertModel", "bert", False) == "embed"
+    assert detect_task("LlamaForSequenceClassification", "llama", False) == "classify"

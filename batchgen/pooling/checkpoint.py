@@ -104,9 +104,17 @@ def detect_task(arch: str, model_type: str, has_modules_json: bool) -> str:
     """``classify``, ``embed`` or ``generate`` (module docstring)."""
     if _is_classifier(arch):
         return "classify"
-    if has_modules_json or model_type in ENCODER_MODEL_TYPES or arch.endswith("Model"):
+    if has_modules_json or model_type in ENCODER_MODEL_TYPES or _is_bare_backbone(arch):
         return "embed"
     return "generate"
+
+
+def _is_bare_backbone(arch: str) -> bool:
+    """A base model with no head (``Qwen3Model``, ``BertModel``), not a language model whose class name also
+    ends in ``Model`` (``GPT2LMHeadModel``, ``...ForCausalLM``)."""
+    return arch.endswith("Model") and not arch.endswith(
+        ("LMHeadModel", "ForCausalLM", "ForConditionalGeneration")
+    )
 
 
 def _sentence_transformers(ckpt: Path) -> tuple[str | None, bool | None, int | None]:
