@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import transformers
+from model_zoo import _config
 
 from batchgen.models.tiny import build_random_checkpoint, special_token_kwargs
-from tests.model_zoo import _config
 
 VOCAB = 512
 _ENCODER: dict[str, Any] = dict(
