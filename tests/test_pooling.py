@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import random
 
+import pooling_zoo as zoo
 import pytest
 import torch
 import transformers
 
 from batchgen import LLM
 from batchgen.pooling.checkpoint import read_checkpoint
-from tests import pooling_zoo as zoo
 
 TEXTS = [
     "Instruct: find the answer\nQuery: what is a paged KV cache?",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pooling_zoo as zoo
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -13,7 +14,6 @@ from batchgen import LLM
 from batchgen.data.output_dir import OutputDir
 from batchgen.job.config import PoolingOptions
 from batchgen.job.run import run_job
-from tests import pooling_zoo as zoo
 
 TEXTS = [
     "short",
