@@ -132,13 +132,7 @@ def run_replicas(job: Any, works: Any, first: list[WindowWork], tokenizer: Any, 
             writer.checkpoint(list(coord.active.values()))
 
     setups = replica_setups(cfg, plan.model_path)
-    left = m.num_windows - len(m.windows)
-    if left < len(setups):
-        logger.warning(
-            "%d window(s) to do for %d replicas: %d replica(s) will have nothing to do (windows are the unit "
-            "handed out; a new output with a smaller data.window_rows spreads the rows wider)",
-            left, len(setups), len(setups) - left,
-        )  # fmt: skip
+    _warn_idle_replicas(m.num_windows - len(m.windows), len(setups))
     coord = Coordinator(make_executor(cfg), setups, next_window, tokenizer, stop,
                         cfg.run.max_replica_restarts, job._on_output, on_step, on_ready)  # fmt: skip
     job.feeder = coord  # what a stop or an error saves: the finished rows of its unfinished windows
@@ -161,13 +155,27 @@ def run_replicas(job: Any, works: Any, first: list[WindowWork], tokenizer: Any, 
     finally:
         coord.close()
         ahead.close()
+    return _finish(job, coord, t_run)
+
+
+def _warn_idle_replicas(left: int, replicas: int) -> None:
+    if left < replicas:
+        logger.warning(
+            "%d window(s) to do for %d replicas: %d replica(s) will have nothing to do (windows are the unit "
+            "handed out; a new output with a smaller data.window_rows spreads the rows wider)",
+            left, replicas, replicas - left,
+        )  # fmt: skip
+
+
+def _finish(job: Any, coord: Coordinator, t_run: float) -> JobResult:
+    """The job's report and result, with the replicas' own figures."""
     job.progress.close()
     job.progress = None
     wall = time.monotonic() - t_run
-    status = "complete" if m.complete else "incomplete"
+    status = "complete" if job.manifest.complete else "incomplete"
     extra = {
         "startup_s": round(t_run - job.t_start, 3),
-        "executor": cfg.run.executor,
+        "executor": job.plan.cfg.run.executor,
         "replicas": coord.replica_report(wall),
         "replica_restarts": coord.restarts,
     }

@@ -110,53 +110,59 @@ def run_job(
     job = _Job(cfg, engine, stop, print_summary)
     with stop.installed() if handle_signals else contextlib.nullcontext(stop):
         try:
-            return job.run()
-        except ConfigError as e:
-            return job.fail(EXIT_CONFIG, "error", str(e))
-        except _Stopped as e:
-            return job.fail(
-                EXIT_INTERRUPTED,
-                "incomplete",
-                f"stopped by {stop.signal_name or 'a signal'} during {e.when}; nothing new was written: rerun the "
-                "same command to resume",
-                warn=True,
-            )
-        except WorkerLost as e:
-            _note_exit_reason("worker-lost")
-            saved = job.save_finished_rows()
-            where = f"; every finished row is saved in {job.out_dir}" if saved else ""
-            return job.fail(
-                EXIT_INTERRUPTED,
-                "incomplete",
-                f"stopped: {one_line(e)}{where}; rerun the same command (or let Slurm requeue) to resume",
-            )
-        except KeyboardInterrupt:
-            saved = job.save_finished_rows()
-            where = f"; every finished row is saved in {job.out_dir}" if saved else ""
-            return job.fail(
-                EXIT_INTERRUPTED, "incomplete", f"aborted{where}: rerun the same command to resume", warn=True
-            )
-        except Exception as e:  # noqa: BLE001 - the job's boundary: one clear line, the right status
-            if on_disk_full(e) and not debug_tracebacks():
-                return job.fail(
-                    EXIT_INTERRUPTED,
-                    "incomplete",
-                    f"disk full writing {job.out_dir} ({one_line(e)}): every row committed so far is kept; "
-                    "free space and rerun the same command to resume",
-                )
-            if debug_tracebacks():
-                raise
-            saved = job.save_finished_rows()
-            logger.debug("unexpected error", exc_info=True)
-            return job.fail(
-                EXIT_FAILED,
-                "error",
-                f"failed: {type(e).__name__}: {one_line(e)}"
-                + (f" (finished rows are saved in {job.out_dir}; rerun to resume)" if saved else "")
-                + " — set HYDRA_FULL_ERROR=1 for the traceback",
-            )
+            return _run_guarded(job, stop)
         finally:
             job.close()
+
+
+def _run_guarded(job: _Job, stop: StopSignal) -> JobResult:
+    """``job.run()``, every failure mapped to its exit status and one line (the module docstring)."""
+    try:
+        return job.run()
+    except ConfigError as e:
+        return job.fail(EXIT_CONFIG, "error", str(e))
+    except _Stopped as e:
+        return job.fail(
+            EXIT_INTERRUPTED,
+            "incomplete",
+            f"stopped by {stop.signal_name or 'a signal'} during {e.when}; nothing new was written: rerun the "
+            "same command to resume",
+            warn=True,
+        )
+    except WorkerLost as e:
+        _note_exit_reason("worker-lost")
+        saved = job.save_finished_rows()
+        where = f"; every finished row is saved in {job.out_dir}" if saved else ""
+        return job.fail(
+            EXIT_INTERRUPTED,
+            "incomplete",
+            f"stopped: {one_line(e)}{where}; rerun the same command (or let Slurm requeue) to resume",
+        )
+    except KeyboardInterrupt:
+        saved = job.save_finished_rows()
+        where = f"; every finished row is saved in {job.out_dir}" if saved else ""
+        return job.fail(
+            EXIT_INTERRUPTED, "incomplete", f"aborted{where}: rerun the same command to resume", warn=True
+        )
+    except Exception as e:  # noqa: BLE001 - the job's boundary: one clear line, the right status
+        if on_disk_full(e) and not debug_tracebacks():
+            return job.fail(
+                EXIT_INTERRUPTED,
+                "incomplete",
+                f"disk full writing {job.out_dir} ({one_line(e)}): every row committed so far is kept; "
+                "free space and rerun the same command to resume",
+            )
+        if debug_tracebacks():
+            raise
+        saved = job.save_finished_rows()
+        logger.debug("unexpected error", exc_info=True)
+        return job.fail(
+            EXIT_FAILED,
+            "error",
+            f"failed: {type(e).__name__}: {one_line(e)}"
+            + (f" (finished rows are saved in {job.out_dir}; rerun to resume)" if saved else "")
+            + " — set HYDRA_FULL_ERROR=1 for the traceback",
+        )
 
 
 def _data_input(cfg: Any) -> Any:
