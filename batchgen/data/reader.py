@@ -229,7 +229,6 @@ def open_input(
     if not paths:
         raise InputError(f"data.input: {spec!r} holds no input files outside batchgen output directories")
     files: list[InputFile] = []
-    h = hashlib.sha256()
     start = 0
     for p in paths:
         try:
@@ -244,14 +243,19 @@ def open_input(
         rel = os.path.relpath(os.path.abspath(p), root)
         rg_rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
         files.append(InputFile(p, rel, size, md.num_rows, start, rg_rows, schema, footer))
-        h.update(f"{rel}\0{size}\0{md.num_rows}\0{footer}\n".encode())
         start += md.num_rows
+    return input_set(os.path.abspath(os.path.expanduser(str(spec))), files)
+
+
+def input_set(spec: str, files: list[InputFile]) -> InputSet:
+    """The input set of `files` (in order, row starts set): its fingerprint covers each file's path relative to
+    the input root, size, row count and footer hash; its columns are every file's, in first-seen order."""
+    h = hashlib.sha256()
     columns: list[str] = []
     for f in files:
-        for name in f.schema.names:
-            if name not in columns:
-                columns.append(name)
-    return InputSet(os.path.abspath(os.path.expanduser(str(spec))), files, start, h.hexdigest(), columns)
+        h.update(f"{f.rel_path}\0{f.size}\0{f.num_rows}\0{f.footer_sha256}\n".encode())
+        columns += [name for name in f.schema.names if name not in columns]
+    return InputSet(spec, files, sum(f.num_rows for f in files), h.hexdigest(), columns)
 
 
 def shard_range(num_rows: int, index: int, count: int) -> tuple[int, int]:

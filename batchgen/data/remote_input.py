@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.data.reader import InputError, InputFile, InputSet
+from batchgen.data.reader import InputError, InputFile, InputSet, input_set
 from batchgen.data.storage import Location, StorageError, object_version
 
 
@@ -110,7 +110,6 @@ def open_remote_input(spec: str, storage_options: dict[str, Any]) -> InputSet:
     loc = Location(spec, storage_options, key="data.input")
     root, entries = _resolve(loc, spec)
     files: list[InputFile] = []
-    h = hashlib.sha256()
     start = 0
     for rel, size, version in entries:
         footer, md = _footer(root, rel, size)
@@ -118,11 +117,5 @@ def open_remote_input(spec: str, storage_options: dict[str, Any]) -> InputSet:
         rg_rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
         f = InputFile(root.url_of(rel), rel, size, md.num_rows, start, rg_rows, schema, footer, root, version)
         files.append(f)
-        h.update(f"{rel}\0{size}\0{md.num_rows}\0{footer}\n".encode())
         start += md.num_rows
-    columns: list[str] = []
-    for f in files:
-        for name in f.schema.names:
-            if name not in columns:
-                columns.append(name)
-    return InputSet(loc.url, files, start, h.hexdigest(), columns)
+    return input_set(loc.url, files)
