@@ -19,9 +19,16 @@ What the user set wins: ``OMP_WAIT_POLICY``, ``OMP_NUM_THREADS`` and ``OMP_PROC_
 kept as they are, and the engine never uses more threads than torch had before it. Threads are not bound by
 default: on a shared machine a bound thread cannot move off a core another process has taken.
 
-The load of other processes: the larger of the 1-minute load average and the runnable threads right now
-(``procs_running``), measured before the engine starts working; "busy": at least the CPUs this process may
-run on.
+The load of other processes is measured, not read from the 1-minute load average (which lags both ways: a
+load that just started is not in it yet, one that just ended still is): over a short window, the CPU time the
+CPUs this process may run on spent busy, less this process's own, and the runnable threads of other processes
+(``procs_running`` less this process's running threads), whichever is larger. "Busy": at least the CPUs this
+process may run on.
+
+While the engine runs, a :class:`ThreadMonitor` takes the thread decision again every few seconds from the CPU
+time other processes took since the last look, and the engine changes its thread count when two looks in a row
+agree on a new one (a job of hours outlives the load it started under). The wait policy cannot change once
+OpenMP runs.
 """
 
 from __future__ import annotations
@@ -61,13 +68,6 @@ def cpus_available() -> int:
         return os.cpu_count() or 1
 
 
-def load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
-
-
 def decide(
     cpus: int,
     load: float | None,
@@ -105,15 +105,30 @@ def decide(
     return ThreadPolicy(n, wait, binding, busy, f"{state}; {why}; wait policy {wait}; binding {binding}")
 
 
+def _own_running_threads() -> int:
+    """This process's threads in state R (running or runnable), from /proc/self/task (Linux; 0 elsewhere)."""
+    count = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    count += f.read().rpartition(")")[2].split()[0] == "R"
+            except (OSError, IndexError):
+                continue
+    except OSError:
+        return 0
+    return count
+
+
 def running_now(samples: int = 1, interval: float = 0.0) -> float | None:
-    """Other runnable threads right now: the median of `samples` readings of ``procs_running`` in /proc/stat
-    (Linux), less this thread; None where unreadable."""
+    """Other processes' runnable threads right now: the median of `samples` readings of ``procs_running`` in
+    /proc/stat (Linux) less this process's running threads; None where unreadable."""
     counts = []
     for i in range(samples):
         try:
             with open("/proc/stat") as f:
                 line = next(ln for ln in f if ln.startswith("procs_running"))
-            counts.append(int(line.split()[1]) - 1)
+            counts.append(max(0, int(line.split()[1]) - max(1, _own_running_threads())))
         except (OSError, StopIteration, ValueError, IndexError):
             return None
         if i + 1 < samples:
@@ -121,11 +136,95 @@ def running_now(samples: int = 1, interval: float = 0.0) -> float | None:
     return float(statistics.median(counts))
 
 
-def other_load(samples: int = 1) -> float | None:
-    """How many CPUs other processes keep busy: the larger of the 1-minute load average (which lags: a load
-    that just started is not in it yet) and the runnable threads right now (:func:`running_now`)."""
-    values = [v for v in (load_average(), running_now(samples, 0.01)) if v is not None]
+@dataclass(frozen=True)
+class CpuSample:
+    """At wall time ``wall`` (monotonic seconds): the busy CPU-seconds since boot of the CPUs this process may
+    run on (``busy``), and this process's own CPU-seconds, every thread (``own``)."""
+
+    wall: float
+    busy: float
+    own: float
+
+
+def cpu_sample() -> CpuSample | None:
+    """The CPU time counters now (/proc/stat's per-CPU lines: user, nice, system, irq, softirq, steal); None
+    where unreadable (not Linux)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+        ticks = 0
+        with open("/proc/stat") as f:
+            for line in f:
+                if not line.startswith("cpu"):
+                    break
+                name, *fields = line.split()
+                if name[3:].isdigit() and int(name[3:]) in allowed:
+                    v = [int(x) for x in fields[:8]]
+                    ticks += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+        hz = os.sysconf("SC_CLK_TCK")
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
+    t = os.times()
+    return CpuSample(time.monotonic(), ticks / hz, t.user + t.system)
+
+
+def others_between(a: CpuSample, b: CpuSample) -> float:
+    """CPUs other processes kept busy on average between two samples (CPU-seconds less this process's, per
+    wall second), at least 0."""
+    wall = b.wall - a.wall
+    if wall <= 0:
+        return 0.0
+    return max(0.0, ((b.busy - a.busy) - (b.own - a.own)) / wall)
+
+
+def other_load(window: float = 0.2, samples: int = 5) -> float | None:
+    """How many CPUs other processes keep busy now: over `window` seconds, the larger of the CPU time they
+    took (:func:`others_between`) and the median of `samples` readings of their runnable threads
+    (:func:`running_now`: it sees processes that wait for a CPU, which CPU time cannot); None where neither
+    can be read."""
+    a = cpu_sample()
+    running = running_now(samples, window / max(1, samples - 1))
+    b = cpu_sample()
+    values = [v for v in (others_between(a, b) if a and b else None, running) if v is not None]
     return max(values) if values else None
+
+
+@dataclass
+class ThreadMonitor:
+    """Takes the thread decision again while the engine runs: :meth:`poll` (cheap: a clock read) looks every
+    ``period`` seconds at the CPU time other processes took since its last look and returns a new policy
+    when two looks in a row agree on a thread count other than the current one (None otherwise).
+
+    Invariants: the thread count stays within [1, ``cap``]; the wait policy, binding and a count the user set
+    (``OMP_NUM_THREADS``) never change (such a policy gets no monitor)."""
+
+    policy: ThreadPolicy
+    cpus: int
+    cap: int
+    period: float = 2.0
+    _last: CpuSample | None = None
+    _pending: int | None = None
+
+    def poll(self) -> ThreadPolicy | None:
+        now = time.monotonic()
+        if self._last is not None and now - self._last.wall < self.period:
+            return None
+        sample = cpu_sample()
+        last, self._last = self._last, sample
+        if last is None or sample is None:
+            return None
+        others = others_between(last, sample)
+        n = max(1, min(self.cap, round(self.cpus - others)))
+        if n == self.policy.num_threads or self._pending != n:
+            self._pending = None if n == self.policy.num_threads else n
+            return None
+        self._pending = None
+        busy = others >= self.cpus
+        reason = (
+            f"re-decided while running: other processes took {others:.2f} of {self.cpus} CPU(s); "
+            f"{n} of {self.cap} thread(s); wait policy {self.policy.wait_policy}; binding {self.policy.binding}"
+        )
+        self.policy = ThreadPolicy(n, self.policy.wait_policy, self.policy.binding, busy, reason)
+        return self.policy
 
 
 def openmp_started() -> bool:
@@ -139,7 +238,7 @@ def prepare() -> ThreadPolicy | None:
     global _wait_policy_at_start, _prepared_before_openmp
     if openmp_started():
         return None
-    policy = decide(cpus_available(), other_load(), os.environ)
+    policy = decide(cpus_available(), other_load(window=0.1), os.environ)
     if policy.wait_policy == "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     _wait_policy_at_start = os.environ.get("OMP_WAIT_POLICY")
@@ -156,7 +255,7 @@ def current() -> ThreadPolicy:
     started = openmp_started()
     return decide(
         cpus_available(),
-        other_load(samples=5),
+        other_load(),
         os.environ,
         wait,
         started,
@@ -188,3 +287,21 @@ def apply(device: object) -> ThreadPolicy:
             torch.set_num_threads(policy.num_threads)
         logger.info("CPU threads: %d (%s)", policy.num_threads, policy.reason)
     return policy
+
+
+def monitor(policy: ThreadPolicy, device: object) -> ThreadMonitor | None:
+    """The monitor that keeps `policy` up to date while a CPU engine runs; None where the count is not ours to
+    change (another device, ``OMP_NUM_THREADS`` set by the user)."""
+    if getattr(device, "type", str(device)) != "cpu":
+        return None
+    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit():
+        return None
+    return ThreadMonitor(policy, cpus_available(), min(cpus_available(), _torch_threads()))
+
+
+def set_threads(policy: ThreadPolicy) -> None:
+    """Apply a re-decided policy in the thread that runs the forwards (OpenMP's thread count is per thread)."""
+    import torch
+
+    torch.set_num_threads(policy.num_threads)
+    logger.info("CPU threads: %d (%s)", policy.num_threads, policy.reason)

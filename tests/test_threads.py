@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -41,23 +42,79 @@ def test_what_the_user_set_wins() -> None:
     assert threads.decide(2, None, {}).num_threads == 2
 
 
-def test_other_load_sees_a_load_the_average_has_not_caught_up_with(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(threads, "load_average", lambda: 0.2)
-    monkeypatch.setattr(threads, "running_now", lambda samples=1, interval=0.0: 1.0)
-    assert threads.other_load() == 1.0
+def test_other_load_is_the_larger_of_cpu_time_and_runnable_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    samples = iter([threads.CpuSample(0.0, 100.0, 5.0), threads.CpuSample(0.5, 100.6, 5.1)])
+    monkeypatch.setattr(threads, "cpu_sample", lambda: next(samples))
+    monkeypatch.setattr(threads, "running_now", lambda samples=1, interval=0.0: 0.0)
+    assert threads.other_load() == pytest.approx(1.0)  # 0.6 CPU-s busy, 0.1 of them ours, in 0.5 s
+    samples = iter([threads.CpuSample(0.0, 100.0, 5.0), threads.CpuSample(0.5, 100.1, 5.1)])
+    monkeypatch.setattr(threads, "running_now", lambda samples=1, interval=0.0: 3.0)
+    assert threads.other_load() == 3.0  # waiting for a CPU takes no CPU time: the runnable count sees it
+    monkeypatch.setattr(threads, "cpu_sample", lambda: None)
     monkeypatch.setattr(threads, "running_now", lambda samples=1, interval=0.0: None)
-    assert threads.other_load() == 0.2
+    assert threads.other_load() is None
 
 
 def test_running_now_reads_the_kernel_count() -> None:
     r = threads.running_now(samples=3, interval=0.001)
     assert r is None or r >= 0
+    assert threads.cpu_sample() is None or threads.cpu_sample().busy > 0
+
+
+def _busy_loops(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def test_other_load_measures_processes_that_run_now() -> None:
+    """Two busy processes started a moment ago (not yet in the 1-minute load average) are seen."""
+    if threads.cpu_sample() is None:
+        pytest.skip("no /proc/stat (not Linux)")
+    loops = _busy_loops(2)
+    try:
+        time.sleep(0.3)
+        assert threads.other_load() >= 1.0
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+
+
+def test_monitor_changes_the_count_when_two_looks_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    busy = [0.0]
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(threads, "cpu_sample", lambda: threads.CpuSample(clock[0], busy[0], 0.0))
+    policy = threads.decide(4, 0.0, {})
+    mon = threads.ThreadMonitor(policy, cpus=4, cap=4, period=2.0)
+
+    def look(others: float, after: float = 2.0) -> threads.ThreadPolicy | None:
+        clock[0] += after
+        busy[0] += others * after
+        return mon.poll()
+
+    assert mon.poll() is None  # the first look only takes a sample
+    assert look(0.0) is None
+    assert look(1.0, after=0.5) is None  # too soon: no look
+    assert look(2.0) is None  # a new count once: not yet
+    changed = look(2.1)
+    assert changed is not None and changed.num_threads == 2 and mon.policy is changed
+    assert "re-decided" in changed.reason
+    assert look(3.9) is None and look(0.0) is None  # 1, then 4: two looks that disagree change nothing
+    assert mon.policy.num_threads == 2
+    assert look(0.0) is not None and mon.policy.num_threads == 4  # the load left: every CPU again
+    assert look(9.0) is None and look(9.0).num_threads == 1  # never below one thread
+    mon.cap = 2
+    assert look(0.0) is None and look(0.0).num_threads == 2  # never above the cap
 
 
 _PROBE = """
-import os, sys
-os.getloadavg = lambda: (99.0, 0.0, 0.0)
+import os, subprocess, sys, time
+n = len(os.sched_getaffinity(0)) + 2
+loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+time.sleep(0.5)
 import {module}
+for p in loops:
+    p.kill()
 from batchgen import threads
 print(os.environ.get("OMP_WAIT_POLICY"), threads._wait_policy_at_start, "torch" in sys.modules)
 """
@@ -66,7 +123,7 @@ print(os.environ.get("OMP_WAIT_POLICY"), threads._wait_policy_at_start, "torch" 
 @pytest.mark.parametrize("module", ["batchgen", "batchgen.cli"])
 def test_api_and_command_line_export_the_wait_policy_before_torch(module: str) -> None:
     """Importing batchgen (the API) or the command's module takes the same decision before torch loads: on busy
-    cores OpenMP will start with sleeping waiters."""
+    cores (two busy processes more than this machine's CPUs) OpenMP will start with sleeping waiters."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
     out = subprocess.run(
         [sys.executable, "-c", _PROBE.format(module=module)],
@@ -94,11 +151,35 @@ def test_llm_applies_the_policy_where_the_engine_is_built(
     from batchgen import LLM
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(threads, "other_load", lambda samples=1: 99.0)
+    monkeypatch.setattr(threads, "other_load", lambda window=0.2, samples=5: 99.0)
     llm = LLM(llama_ckpt, num_blocks=16, device="cpu")
     assert llm.engine.thread_policy == threads.current()
     assert llm.engine.thread_policy.num_threads == 1 == torch.get_num_threads()
-    monkeypatch.setattr(threads, "other_load", lambda samples=1: 0.0)
+    monkeypatch.setattr(threads, "other_load", lambda window=0.2, samples=5: 0.0)
     llm = LLM(llama_ckpt, num_blocks=16, device="cpu")
     assert llm.engine.thread_policy.num_threads == torch.get_num_threads() == threads._torch_threads()
     assert not llm.engine.thread_policy.busy
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_a_redecided_count_is_set_between_steps(llama_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine polls its monitor before each forward and sets a new count in the thread that runs it."""
+    from batchgen import LLM, SamplingParams
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "other_load", lambda window=0.2, samples=5: 0.0)
+    llm = LLM(llama_ckpt, num_blocks=16, device="cpu")
+    mon = llm.engine._threads
+    assert mon is not None and llm.engine.thread_policy is mon.policy
+    looks = iter([None, threads.ThreadPolicy(1, "default", "none", True, "re-decided while running: test")])
+
+    def poll() -> threads.ThreadPolicy | None:
+        new = next(looks, None)
+        if new is not None:
+            mon.policy = new
+        return new
+
+    monkeypatch.setattr(mon, "poll", poll)
+    llm.generate(["hello there"], SamplingParams(max_tokens=3, temperature=0.0))
+    assert torch.get_num_threads() == 1
+    assert llm.engine.thread_policy.reason == "re-decided while running: test"

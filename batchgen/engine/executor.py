@@ -60,6 +60,7 @@ from torch import Tensor
 
 from batchgen.engine.scheduler import SchedulerOutput
 from batchgen.engine.step_input import ForwardInput, RunnerOutput, StepInput
+from batchgen.threads import ThreadMonitor, set_threads
 
 
 class Runner(Protocol):
@@ -69,11 +70,19 @@ class Runner(Protocol):
 class Executor:
     """Runs step inputs on the runner: inline, or (``pipelined``) in one background thread
     (torch releases the GIL inside its ops, so the engine's scheduling overlaps them). ``threaded=False``
-    keeps the pipelined engine's order of operations without the thread (a test hook)."""
+    keeps the pipelined engine's order of operations without the thread (a test hook). ``threads``: the CPU
+    thread monitor; a count it re-decides is set in the thread that runs the forwards, between two steps."""
 
-    def __init__(self, runner: Runner, pipelined: bool = False, threaded: bool = True) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        pipelined: bool = False,
+        threaded: bool = True,
+        threads: ThreadMonitor | None = None,
+    ) -> None:
         self.runner = runner
         self.pipelined = pipelined
+        self.threads = threads
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="batchgen-step") if pipelined and threaded else None
         )
@@ -89,6 +98,8 @@ class Executor:
         return future
 
     def _run(self, step: StepInput) -> RunnerOutput:
+        if self.threads is not None and (policy := self.threads.poll()) is not None:
+            set_threads(policy)
         return self.runner.execute(step)
 
     def close(self) -> None:

@@ -136,7 +136,7 @@ class LLMEngine:
         self._listeners: list[StepListener] = []
         # The executor (pipelined with async scheduling), the launched steps not yet updated (oldest first),
         # and the live requests that need synchronous steps (beam search, structured outputs, prompt logprobs)
-        self.executor = Executor(self.runner, config.async_scheduling, self.async_threaded)
+        self.executor = Executor(self.runner, config.async_scheduling, self.async_threaded, self._threads)
         weakref.finalize(self, self.executor.close)
         self._flights: deque[InFlight] = deque()
         self._sync_ids: set[str | int] = set()
@@ -171,7 +171,9 @@ class LLMEngine:
             self.device = self.tp_group.device
         else:
             self.device = resolve_device(config.device)
-        self.thread_policy = threads.apply(self.device)  # CPU threads: one decision for API and CLI alike
+        self._thread_policy = threads.apply(self.device)  # CPU threads: one decision for API and CLI alike
+        # and taken again while it runs (one process: tensor-parallel ranks would count each other as load)
+        self._threads = threads.monitor(self._thread_policy, self.device) if tp == 1 else None
         backend = resolve_backend(config.attention_backend, self.device)
         self.model_path = model
         # implementation: auto (native when batchgen has the architecture), native, or transformers
@@ -401,6 +403,11 @@ class LLMEngine:
         """The engine's figures, snapshotted from its components' counters now (one object, updated in place:
         use :meth:`EngineStats.snapshot` to keep one)."""
         return self._collector.collect()
+
+    @property
+    def thread_policy(self) -> threads.ThreadPolicy:
+        """The CPU thread decision in force (re-taken while the engine runs: :class:`threads.ThreadMonitor`)."""
+        return self._threads.policy if self._threads is not None else self._thread_policy
 
     @property
     def structured(self) -> StructuredOutputs:
