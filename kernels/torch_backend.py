@@ -287,14 +287,34 @@ def _shared_prefixes(
     return start, groups
 
 
+def _run_or_ids(ids: Tensor) -> Tensor | slice:
+    """``ids`` as a slice when they are consecutive block ids (then the blocks are read in place, without a
+    copy), else unchanged."""
+    n = ids.numel()
+    if (
+        n
+        and ids.device.type == "cpu"
+        and int(ids[-1]) - int(ids[0]) == n - 1
+        and bool((ids.diff() == 1).all())
+    ):
+        return slice(int(ids[0]), int(ids[0]) + n)
+    return ids
+
+
+def _read_blocks(cache: Tensor, blocks: Tensor | slice) -> Tensor:
+    """The blocks ``blocks`` (ids, or a slice of consecutive ones) of ``cache``, ``[n, block_size, Hkv, D]``."""
+    return cache[blocks] if isinstance(blocks, slice) else cache.index_select(0, blocks)
+
+
 def _cascade_plan(
     block_tables: Tensor,
     lens: Tensor,
     block_size: int,
     dtype: torch.dtype,
     min_saved: float = _CASCADE_MIN_SAVED,
-) -> tuple[list[tuple[Tensor, Tensor]], Tensor, Tensor] | None:
-    """(groups, suffix block ids [B, S], additive suffix mask [B,1,1,S*block_size]) or None when sharing
+) -> tuple[list[tuple[Tensor, Tensor | slice]], Tensor, Tensor] | None:
+    """(groups: (sequence indices, prefix block ids or a slice of consecutive ones), suffix block ids [B, S],
+    additive suffix mask [B,1,1,S*block_size]) or None when sharing
     would not pay (saves under ``min_saved`` of the blocks read). Depends only on the batch, so one plan serves
     every layer of a forward."""
     start, groups = _shared_prefixes(block_tables, lens, block_size)
@@ -304,6 +324,7 @@ def _cascade_plan(
     saved = sum((idx.numel() - 1) * blocks.numel() for idx, blocks in groups)
     if saved < min_saved * int(total_blocks.sum()):  # too few blocks saved: not worth it
         return None
+    groups = [(idx, _run_or_ids(blocks)) for idx, blocks in groups]
     batch = block_tables.shape[0]
     num_suffix = int((total_blocks - start).max())
     arange = torch.arange(num_suffix, device=block_tables.device)
@@ -360,8 +381,8 @@ def _decode_cascade(
         out = out.float()
         for idx, blocks in groups:
             n = idx.numel()
-            pk = k_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-            pv = v_cache.index_select(0, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+            pk = _read_blocks(k_cache, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+            pv = _read_blocks(v_cache, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
             pq = qg[idx].transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
             po, plse = _CPU_FLASH_WITH_LSE(pq, pk, pv, 0.0, False, attn_mask=None, scale=scale)[:2]
             po = po.float().view(num_kv_heads, n, group, head_dim).transpose(0, 1)

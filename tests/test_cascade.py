@@ -17,7 +17,9 @@ from batchgen.kernels.paged_kv import PagedKV
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size,num_kv_heads", [(16, 4), (8, 1), (32, 2)])
-def test_cascade_decode_matches_reference(dtype, tol, block_size, num_kv_heads) -> None:
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_cascade_decode_matches_reference(dtype, tol, block_size, num_kv_heads, consecutive) -> None:
+    """`consecutive`: the shared prefixes sit in consecutive physical blocks (read in place, no gather)."""
     g = torch.Generator().manual_seed(0)
     batch, num_q_heads, head_dim = 24, 8, 32
     lens = torch.randint(3 * block_size + 1, 6 * block_size, (batch,), generator=g).int()
@@ -28,7 +30,10 @@ def test_cascade_decode_matches_reference(dtype, tol, block_size, num_kv_heads) 
     tables = torch.randperm(num_blocks, generator=g)[: batch * nb].view(batch, nb).int()
     # Three groups sharing 3, 2 and 1 leading blocks; the rest unshared (and one group of 2, too small).
     for lo, hi, shared in [(0, 8, 3), (8, 14, 2), (14, 19, 1), (19, 21, 3)]:
-        tables[lo:hi, :shared] = tables[lo, :shared]
+        tables[lo:hi, :shared] = torch.arange(shared) + lo * nb if consecutive else tables[lo, :shared]
+    plan = tb._cascade_plan(tables, lens.long(), block_size, dtype)
+    assert plan is not None
+    assert all(isinstance(blocks, slice) for _, blocks in plan[0]) == consecutive
     q = torch.randn(batch, num_q_heads, head_dim, generator=g).to(dtype)
     out = tb._decode_cascade(q, PagedKV(k, v, tables, lens), 0.17, tb.Workspace())
     assert out is not None, "groups share enough blocks: the cascade path must be taken"
