@@ -202,6 +202,19 @@ def decode_tiles(block_d: int, block_g: int, fp32_dot: bool) -> tuple[int, int]:
     return (64 if block_d <= 128 else 32), 4
 
 
+def _splits(
+    num_splits: int | None, max_seq_len: int | None, kv: PagedKV, options: AttentionOptions, device
+) -> int:
+    """The split count of :func:`paged_decode_attention` (the heuristic's when ``num_splits`` is None)."""
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(kv.seq_lens.max())
+        if options.sliding_window is not None:
+            max_seq_len = min(max_seq_len, options.sliding_window)  # keys each query reads
+        num_splits = choose_num_splits(kv.seq_lens.shape[0], kv.num_kv_heads, max_seq_len, _num_sms(device))
+    return max(1, min(int(num_splits), MAX_SPLITS))
+
+
 def paged_decode_attention(
     q: Tensor,
     kv: PagedKV,
@@ -223,13 +236,7 @@ def paged_decode_attention(
     q, kv, group = paged_inputs(q, kv)
     device = q.device
     opt = OptionArgs.make(options, like=q)
-    if num_splits is None:
-        if max_seq_len is None:
-            max_seq_len = int(kv.seq_lens.max())
-        if options.sliding_window is not None:
-            max_seq_len = min(max_seq_len, options.sliding_window)  # keys each query reads
-        num_splits = choose_num_splits(batch, kv.num_kv_heads, max_seq_len, _num_sms(device))
-    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    num_splits = _splits(num_splits, max_seq_len, kv, options, device)
     fp32_dot = interpreting(device) or q.dtype != kv.k_cache.dtype or q.dtype == torch.float32
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group))

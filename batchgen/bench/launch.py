@@ -148,6 +148,24 @@ def competing_process(cpu: int | None) -> Iterator[subprocess.Popen | None]:
         proc.wait()
 
 
+def _run_child(
+    spec: dict[str, Any], python: str, spec_path: Path, out_path: Path, log_path: Path, timeout: float
+) -> int:
+    """One system's own process (beside the competing process, if any); its exit status, -1 on timeout."""
+    with open(log_path, "w") as log, competing_process(spec.get("competing_cpu")):
+        try:
+            return subprocess.run(
+                command(spec["system"], python, spec_path, out_path),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env(spec["threads"], spec["system"]),
+                timeout=timeout,
+                preexec_fn=_die_with_parent,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            return -1
+
+
 def run_system(
     spec: dict[str, Any],
     work_dir: Path,
@@ -184,18 +202,7 @@ def run_system(
         with competing_process(spec.get("competing_cpu")):
             rc = servers.request(system, python, spec, spec_path, out_path, timeout)
     else:
-        with open(log_path, "w") as log, competing_process(spec.get("competing_cpu")):
-            try:
-                rc = subprocess.run(
-                    command(system, python, spec_path, out_path),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=child_env(spec["threads"], system),
-                    timeout=timeout,
-                    preexec_fn=_die_with_parent,
-                ).returncode
-            except subprocess.TimeoutExpired:
-                rc = -1
+        rc = _run_child(spec, python, spec_path, out_path, log_path, timeout)
     elapsed = time.perf_counter() - t0
     if rc == 0 and out_path.is_file():
         res = json.loads(out_path.read_text())

@@ -267,7 +267,7 @@ def render(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[Result]:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="64,256,512", help="comma-separated sequence caps N (max_num_seqs)")
     ap.add_argument("--mixes", default="decode,prefill", help=f"comma-separated: {', '.join(MIXES)}")
@@ -287,6 +287,11 @@ def main(argv: list[str] | None = None) -> list[Result]:
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="requests' temperature (0: greedy)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    ap = _parser()
     args = ap.parse_args(argv)
 
     import torch

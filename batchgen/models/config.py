@@ -292,7 +292,6 @@ class ModelConfig(ContextFacts):
         windows = _layer_windows(hf, model_type, num_layers, layer_types, max_pos)
         qkv_bias, o_bias, mlp_bias = _biases(hf, model_type)
         gemma = model_type in _GEMMA
-        attn_scale = _attn_scale(hf, model_type)
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
         return cls(
             architecture=arch,
@@ -316,7 +315,7 @@ class ModelConfig(ContextFacts):
             layer_windows=windows,
             sliding_layers=tuple(t == "sliding_attention" for t in layer_types) or (False,) * num_layers,
             hidden_act=act,
-            attn_scale=attn_scale,
+            attn_scale=_attn_scale(hf, model_type),
             attn_softcap=_opt_float(getattr(hf, "attn_logit_softcapping", None)),
             final_softcap=_opt_float(getattr(hf, "final_logit_softcapping", None)),
             gemma_norm=gemma,
