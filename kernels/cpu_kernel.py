@@ -48,9 +48,14 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIB_NAME = "paged_attention_cpu.so"
 MAX_HEADS = 256  # query heads one work item of the kernel may hold (so: per KV head at most)
 ENV_SWITCH = "BATCHGEN_CPU_KERNEL"
-CASCADE_MIN_SAVED = 0.7
-"""With the kernel, the torch backend's cascade decode (shared prefix read once per group) goes first only when
-it reads at most 30% of the blocks: measured break-even ~70% (256 sequences x 360 tokens, 1 thread)."""
+CASCADE_MIN_SAVED = 0.5
+"""With the kernel, the torch backend's cascade decode (shared prefix read once per group, the suffixes read by
+this kernel) goes first when it saves at least half of the block reads ..."""
+CASCADE_MIN_GROUP_BLOCKS = 256
+"""... counting only groups that save at least this many block reads each: one prefix call per group (the CPU
+flash op, the group's queries stacked) costs about as much as the kernel reading ~150-300 blocks (measured on
+the bench model's heads, 1-2 threads: 32 sequences in groups of 8 sharing 21 blocks, 147 saved per group, ran
+faster without the cascade; 64 in groups of 16, 315 saved, faster with it)."""
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -132,7 +137,7 @@ def _load() -> ctypes.CDLL | None:
     fn.argtypes = (
         [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr]
         + [i32] * 5
-        + [f32, i32, f32, ptr, i32, i32, i64, i64]
+        + [f32, i32, f32, ptr, i32, i32, i64, i64, ptr, ptr]
     )
     fn.restype = i32
     return lib
@@ -223,6 +228,20 @@ def heads_per_item(batch: int, num_kv_heads: int, group: int, threads: int) -> i
 def decode(q: Tensor, kv: PagedKV, options: AttentionOptions) -> Tensor | None:
     """Paged decode attention ``q [B,Hq,D]`` → ``[B,Hq,D]`` by the C kernel, or None when it cannot serve it
     (then the caller's torch path does). Every ``kv.seq_lens[b]`` must be >= 1 (as everywhere in this package)."""
+    res = _call(q, kv, options, None)
+    return None if res is None else res[0]
+
+
+def decode_suffix(q: Tensor, kv: PagedKV, scale: float, starts: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The suffix half of cascade attention: sequence ``b`` attends only to its keys at positions >=
+    ``starts[b]``; returns ``(out [B,Hq,D], lse [B,Hq])`` (natural log-sum-exp of the scaled logits, -inf with
+    a zero output where a sequence has no such key), or None when the kernel cannot serve the call."""
+    return _call(q, kv, AttentionOptions(scale), starts)
+
+
+def _call(
+    q: Tensor, kv: PagedKV, options: AttentionOptions, starts: Tensor | None
+) -> tuple[Tensor, Tensor | None] | None:
     k_cache, v_cache, block_tables, seq_lens = kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens
     if not enabled() or not supports(q, k_cache, v_cache):
         return None
@@ -231,14 +250,14 @@ def decode(q: Tensor, kv: PagedKV, options: AttentionOptions) -> Tensor | None:
         return None
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-    tables = tables.contiguous()
-    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-    lens = lens.contiguous()
+    tables = _int32(block_tables)
+    lens = _int32(seq_lens)
     sinks = options.sinks
     if sinks is not None:
         sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
     out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32)
+    lse = torch.empty(batch, num_q_heads, dtype=torch.float32) if starts is not None else None
+    starts = _int32(starts) if starts is not None else None
     threads = torch.get_num_threads()
     status = lib.batchgen_paged_decode_f32(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
@@ -246,6 +265,10 @@ def decode(q: Tensor, kv: PagedKV, options: AttentionOptions) -> Tensor | None:
         num_kv_heads, head_dim, k_cache.shape[1], options.scale, min(options.sliding_window or 0, 2**31 - 1),
         options.softcap or 0.0, None if sinks is None else sinks.data_ptr(), threads,
         heads_per_item(batch, num_kv_heads, num_q_heads // num_kv_heads, threads), tables.shape[1],
-        k_cache.shape[0],
+        k_cache.shape[0], None if starts is None else starts.data_ptr(), None if lse is None else lse.data_ptr(),
     )  # fmt: skip
-    return out if status == 0 else None
+    return (out, lse) if status == 0 else None
+
+
+def _int32(t: Tensor) -> Tensor:
+    return (t if t.dtype == torch.int32 else t.to(torch.int32)).contiguous()

@@ -136,7 +136,7 @@ def paged_decode_attention(
     lens = seq_lens.to(q.device)
     if options.plain and batch >= 2 * _CASCADE_MIN_GROUP:
         min_saved = cpu_kernel.CASCADE_MIN_SAVED if kernel else _CASCADE_MIN_SAVED
-        out = _decode_cascade(q, kv, scale, workspace, plan_cache, min_saved)
+        out = _decode_cascade(q, kv, scale, workspace, plan_cache, min_saved, kernel)
         if out is not None:
             return out
     if kernel:
@@ -306,18 +306,39 @@ def _read_blocks(cache: Tensor, blocks: Tensor | slice) -> Tensor:
     return cache[blocks] if isinstance(blocks, slice) else cache.index_select(0, blocks)
 
 
+@dataclass
+class CascadePlan:
+    """One forward's cascade grouping (it depends only on the batch, so every layer shares it).
+
+    ``groups``: (sequence indices, the group's shared prefix block ids, or a slice of consecutive ones);
+    ``starts``: each sequence's first key position of its own suffix ``[B]`` (0 outside groups); for the torch
+    suffix path, ``ids`` (suffix block ids ``[B, S]``) and ``mask`` (additive, ``[B,1,1,S*block_size]``), None
+    when the C kernel reads the suffixes in place."""
+
+    groups: list[tuple[Tensor, Tensor | slice]]
+    starts: Tensor
+    ids: Tensor | None
+    mask: Tensor | None
+
+
 def _cascade_plan(
     block_tables: Tensor,
     lens: Tensor,
     block_size: int,
     dtype: torch.dtype,
     min_saved: float = _CASCADE_MIN_SAVED,
-) -> tuple[list[tuple[Tensor, Tensor | slice]], Tensor, Tensor] | None:
-    """(groups: (sequence indices, prefix block ids or a slice of consecutive ones), suffix block ids [B, S],
-    additive suffix mask [B,1,1,S*block_size]) or None when sharing
-    would not pay (saves under ``min_saved`` of the blocks read). Depends only on the batch, so one plan serves
-    every layer of a forward."""
+    kernel: bool = False,
+) -> CascadePlan | None:
+    """The plan, or None when sharing would not pay (saves under ``min_saved`` of the blocks read).
+    ``kernel``: the suffixes will be read by the C kernel (no suffix gather to plan), and a group goes through
+    the cascade only when it saves at least ``cpu_kernel.CASCADE_MIN_GROUP_BLOCKS`` block reads (one prefix call
+    per group costs about that many blocks of the kernel's reading); its sequences are read whole otherwise."""
     start, groups = _shared_prefixes(block_tables, lens, block_size)
+    if kernel:
+        small = [g for g in groups if (g[0].numel() - 1) * g[1].numel() < cpu_kernel.CASCADE_MIN_GROUP_BLOCKS]
+        for idx, _ in small:
+            start[idx] = 0
+        groups = [g for g in groups if not any(g is x for x in small)]
     if not groups:
         return None
     total_blocks = (lens + block_size - 1) // block_size
@@ -325,6 +346,9 @@ def _cascade_plan(
     if saved < min_saved * int(total_blocks.sum()):  # too few blocks saved: not worth it
         return None
     groups = [(idx, _run_or_ids(blocks)) for idx, blocks in groups]
+    starts = (start * block_size).to(torch.int32)
+    if kernel:
+        return CascadePlan(groups, starts, None, None)
     batch = block_tables.shape[0]
     num_suffix = int((total_blocks - start).max())
     arange = torch.arange(num_suffix, device=block_tables.device)
@@ -336,7 +360,7 @@ def _cascade_plan(
     )
     mask = torch.zeros(batch, 1, 1, pos.shape[1], dtype=dtype, device=block_tables.device)
     mask.masked_fill_((pos >= lens[:, None]).view(batch, 1, 1, -1), float("-inf"))
-    return groups, ids, mask
+    return CascadePlan(groups, starts, ids, mask)
 
 
 def _decode_cascade(
@@ -346,40 +370,41 @@ def _decode_cascade(
     workspace: Workspace | None,
     plan_cache: dict | None = None,
     min_saved: float = _CASCADE_MIN_SAVED,
+    kernel: bool = False,
 ) -> Tensor | None:
     """Decode attention that reads a prefix shared by a group of sequences once for the whole group.
 
-    Each sequence attends to its own suffix (one batched call over gathered suffix blocks) and, if in a group,
-    to the group's shared prefix (one call with the group's queries stacked); the two partial results are
-    merged by their log-sum-exps (cascade attention). Same result as the plain path up to float rounding;
-    ``None`` when nothing is shared enough to pay off or the CPU flash op is unavailable. ``plan_cache``
-    (a dict living for one forward) lets all layers share the grouping.
+    Each sequence attends to its own suffix (``kernel``: the C kernel, reading the suffix blocks in place;
+    else one batched SDPA call over gathered suffix blocks) and, if in a group, to the group's shared prefix
+    (one call with the group's queries stacked); the two partial results are merged by their log-sum-exps
+    (cascade attention). Same result as the plain path up to float rounding; ``None`` when nothing is shared
+    enough to pay off or the CPU flash op is unavailable. ``plan_cache`` (a dict living for one forward) lets
+    all layers share the grouping.
     """
     k_cache, v_cache = kv.k_cache, kv.v_cache
     if _CPU_FLASH_WITH_LSE is None or q.device.type != "cpu" or q.dtype != k_cache.dtype:
         return None
     batch, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = kv.block_size, kv.num_kv_heads
+    num_kv_heads = kv.num_kv_heads
     group = num_q_heads // num_kv_heads
-    if plan_cache is not None and "decode_cascade" in plan_cache:
-        plan = plan_cache["decode_cascade"]
+    key = "decode_cascade_kernel" if kernel else "decode_cascade"
+    if plan_cache is not None and key in plan_cache:
+        plan = plan_cache[key]
     else:
         lens = kv.seq_lens.to(q.device).long()
-        plan = _cascade_plan(kv.block_tables, lens, block_size, q.dtype, min_saved)
+        plan = _cascade_plan(kv.block_tables, lens, kv.block_size, q.dtype, min_saved, kernel)
         if plan_cache is not None:
-            plan_cache["decode_cascade"] = plan
+            plan_cache[key] = plan
     if plan is None:
         return None
-    groups, ids, mask = plan
-    shape = (batch, ids.shape[1] * block_size, num_kv_heads, head_dim)
-    k = _gather(k_cache, ids, "k", workspace).view(shape).transpose(1, 2)
-    v = _gather(v_cache, ids, "v", workspace).view(shape).transpose(1, 2)
     # The `group` query heads of one kv head act as `group` queries of that head: GQA without repeating K/V.
     qg = q.view(batch, num_kv_heads, group, head_dim)
     try:
-        out, lse = _CPU_FLASH_WITH_LSE(qg, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
-        out = out.float()
-        for idx, blocks in groups:
+        suffix = _cascade_suffix(qg, q, kv, scale, plan, workspace, kernel)
+        if suffix is None:
+            return None
+        out, lse = suffix
+        for idx, blocks in plan.groups:
             n = idx.numel()
             pk = _read_blocks(k_cache, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
             pv = _read_blocks(v_cache, blocks).view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
@@ -391,6 +416,31 @@ def _decode_cascade(
     except (RuntimeError, TypeError):  # a torch whose CPU flash op refuses these inputs
         return None
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def _cascade_suffix(
+    qg: Tensor,
+    q: Tensor,
+    kv: PagedKV,
+    scale: float,
+    plan: CascadePlan,
+    workspace: Workspace | None,
+    kernel: bool,
+) -> tuple[Tensor, Tensor] | None:
+    """Every sequence over its own suffix: ``(out [B,Hkv,G,D] float32, lse [B,Hkv,G])``."""
+    batch, num_kv_heads, group, head_dim = qg.shape
+    if kernel:
+        res = cpu_kernel.decode_suffix(q, kv, scale, plan.starts)
+        if res is None:
+            return None
+        out, lse = res
+        return out.view(batch, num_kv_heads, group, head_dim), lse.view(batch, num_kv_heads, group)
+    assert plan.ids is not None
+    shape = (batch, plan.ids.shape[1] * kv.block_size, num_kv_heads, head_dim)
+    k = _gather(kv.k_cache, plan.ids, "k", workspace).view(shape).transpose(1, 2)
+    v = _gather(kv.v_cache, plan.ids, "v", workspace).view(shape).transpose(1, 2)
+    out, lse = _CPU_FLASH_WITH_LSE(qg, k, v, 0.0, False, attn_mask=plan.mask, scale=scale)[:2]
+    return out.float(), lse
 
 
 def paged_prefill_attention(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.kernels import reference
+from batchgen.kernels import cpu_kernel, reference
 from batchgen.kernels import torch_backend as tb
 from batchgen.kernels.options import AttentionOptions
 from batchgen.kernels.paged_kv import PagedKV
@@ -18,7 +18,9 @@ from batchgen.kernels.paged_kv import PagedKV
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("block_size,num_kv_heads", [(16, 4), (8, 1), (32, 2)])
 @pytest.mark.parametrize("consecutive", [False, True])
-def test_cascade_decode_matches_reference(dtype, tol, block_size, num_kv_heads, consecutive) -> None:
+def test_cascade_decode_matches_reference(
+    dtype, tol, block_size, num_kv_heads, consecutive, monkeypatch
+) -> None:
     """`consecutive`: the shared prefixes sit in consecutive physical blocks (read in place, no gather)."""
     g = torch.Generator().manual_seed(0)
     batch, num_q_heads, head_dim = 24, 8, 32
@@ -33,12 +35,17 @@ def test_cascade_decode_matches_reference(dtype, tol, block_size, num_kv_heads, 
         tables[lo:hi, :shared] = torch.arange(shared) + lo * nb if consecutive else tables[lo, :shared]
     plan = tb._cascade_plan(tables, lens.long(), block_size, dtype)
     assert plan is not None
-    assert all(isinstance(blocks, slice) for _, blocks in plan[0]) == consecutive
+    assert all(isinstance(blocks, slice) for _, blocks in plan.groups) == consecutive
     q = torch.randn(batch, num_q_heads, head_dim, generator=g).to(dtype)
     out = tb._decode_cascade(q, PagedKV(k, v, tables, lens), 0.17, tb.Workspace())
     assert out is not None, "groups share enough blocks: the cascade path must be taken"
     ref = reference.paged_decode_attention(q, PagedKV(k, v, tables, lens), AttentionOptions(0.17))
     assert (out.double() - ref).abs().max().item() < tol
+    if dtype == torch.float32 and cpu_kernel.compiler() is not None:  # suffixes read by the C kernel
+        monkeypatch.setattr(cpu_kernel, "CASCADE_MIN_GROUP_BLOCKS", 0)
+        out = tb._decode_cascade(q, PagedKV(k, v, tables, lens), 0.17, tb.Workspace(), None, 0.0, kernel=True)
+        assert out is not None
+        assert (out.double() - ref).abs().max().item() < tol
     full = tb.paged_decode_attention(q, PagedKV(k, v, tables, lens), AttentionOptions(0.17))
     assert (full.double() - ref).abs().max().item() < tol
 
@@ -84,3 +91,19 @@ def test_engine_prefix_shared_batch_same_tokens_with_cascade(llama_ckpt: str) ->
     )
     assert sum(o.num_cached_tokens for o in shared) > 0
     assert [o.outputs[0].token_ids for o in shared] == [o.outputs[0].token_ids for o in private]
+
+
+def test_kernel_cascade_keeps_only_groups_that_save_enough(monkeypatch) -> None:
+    """With the C kernel reading suffixes, a group that saves fewer block reads than one prefix call costs is
+    read whole by the kernel (its sequences' starts are 0), the others go through the cascade."""
+    block_size, nb = 16, 6
+    tables = torch.arange(40 * nb).view(40, nb).int()
+    lens = torch.full((40,), nb * block_size - 3)
+    tables[0:32, :5] = tables[0, :5]  # 31 x 5 = 155 blocks saved
+    tables[32:40, :5] = tables[32, :5]  # 7 x 5 = 35 blocks saved
+    monkeypatch.setattr(cpu_kernel, "CASCADE_MIN_GROUP_BLOCKS", 100)
+    plan = tb._cascade_plan(tables, lens, block_size, torch.float32, 0.0, kernel=True)
+    assert plan is not None and len(plan.groups) == 1 and plan.groups[0][0].tolist() == list(range(32))
+    assert plan.starts[:32].tolist() == [5 * block_size] * 32 and not plan.starts[32:].any()
+    monkeypatch.setattr(cpu_kernel, "CASCADE_MIN_GROUP_BLOCKS", 1000)
+    assert tb._cascade_plan(tables, lens, block_size, torch.float32, 0.0, kernel=True) is None

@@ -208,3 +208,33 @@ def test_out_of_range_tables_are_refused_not_read() -> None:
     too_long[1] = batch.block_tables.shape[1] * 8 + 1  # more tokens than the table row holds
     assert cpu_kernel.decode(q, PagedKV(k, v, batch.block_tables, too_long), opts) is None
     assert cpu_kernel.decode(q, batch.kv, opts) is not None
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads, block_size", [((8, 4), 16), ((4, 1), 8)])
+def test_suffix_with_log_sum_exp_matches_a_float64_computation(heads, block_size) -> None:
+    """decode_suffix: each sequence attends only to its keys from starts[b] on, and returns the log-sum-exp of
+    those scaled logits (-inf and a zero output where it has none: a start at or past its length)."""
+    hq, hkv = heads
+    lens = _lens(random.Random(7), 10, block_size, longest=120)
+    batch = make_paged_batch(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, block_size=block_size)
+    kv, scale = batch.kv, 0.2
+    starts = torch.tensor([0 if n == 1 else (n // 2 if b % 3 else n - 1) for b, n in enumerate(lens)])
+    starts[-1] = lens[-1]  # no key at all
+    res = cpu_kernel.decode_suffix(batch.q, kv, scale, starts)
+    assert res is not None
+    out, lse = res
+    block_size = kv.k_cache.shape[1]
+    for b, n in enumerate(lens):
+        pos = torch.arange(int(starts[b]), n)
+        blocks = kv.block_tables[b, pos // block_size].long()
+        k = kv.k_cache[blocks, pos % block_size].double()  # [n, Hkv, D]
+        v = kv.v_cache[blocks, pos % block_size].double()
+        for h in range(hq):
+            if pos.numel() == 0:
+                assert lse[b, h] == float("-inf") and not out[b, h].any()
+                continue
+            s = (k[:, h // (hq // hkv)] @ batch.q[b, h].double()) * scale
+            torch.testing.assert_close(lse[b, h].double(), torch.logsumexp(s, 0), atol=1e-5, rtol=1e-5)
+            want = torch.softmax(s, 0) @ v[:, h // (hq // hkv)]
+            torch.testing.assert_close(out[b, h].double(), want, **TOL)

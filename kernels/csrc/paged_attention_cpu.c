@@ -14,6 +14,11 @@
  * order, whatever the items, so results do not depend on the number of threads and are bit-identical run to
  * run.
  *
+ * Cascade support: `starts` [B] int32 (NULL: all 0) makes sequence b attend only to keys at positions
+ * >= starts[b] (its suffix after a prefix attended elsewhere); `lse` [B, Hq] (NULL: not written) receives the
+ * natural log-sum-exp of each head's scaled logits, so a caller can merge this partial result with another
+ * (-inf, and a zero output, when a sequence has no key to attend to).
+ *
  * Layout: q [B, Hq, D] with strides (q_stride_b, q_stride_h, 1); caches [NB, BS, Hkv, D] with the last three
  * dims contiguous and cache_stride_block elements between blocks; block_tables [B, table_stride] int32;
  * seq_lens [B] int32 (>= 1); out [B, Hq, D] contiguous. Plain C, no torch headers. Block ids and lengths are
@@ -90,15 +95,23 @@ static inline const float *token_rows(const float *cache, const int32_t *table, 
     return cache + (int64_t)table[j] * stride_block + r * row + offset;
 }
 
-/* One item: sequence `len` tokens long (table: its block table), KV heads h0 .. h1 - 1 and their query heads
- * (q, out: the first of them). Returns 0, or -1 when scratch memory could not be allocated. */
+/* One item: sequence `len` tokens long (table: its block table), keys from position `start` on, KV heads
+ * h0 .. h1 - 1 and their query heads (q, out, lse: the first of them; lse may be NULL). Returns 0, or -1 when
+ * scratch memory could not be allocated. */
 static int attend_item(const float *q, int64_t q_stride_h, const float *k_cache, const float *v_cache,
-                       int64_t cache_stride_block, const int32_t *table, int len, int group, int num_kv_heads,
-                       int h0, int h1, int head_dim, int block_size, float scale, int window, float softcap,
-                       const float *sinks, float *out) {
-    const int first = (window > 0 && len > window) ? len - window : 0;
+                       int64_t cache_stride_block, const int32_t *table, int len, int start, int group,
+                       int num_kv_heads, int h0, int h1, int head_dim, int block_size, float scale, int window,
+                       float softcap, const float *sinks, float *out, float *lse) {
+    int first = (window > 0 && len > window) ? len - window : 0;
+    first = start > first ? start : first;
     const int n = len - first;
     const int heads = (h1 - h0) * group; /* query heads of this item */
+    if (n <= 0) { /* nothing to attend to: a zero output that weighs nothing in a merge */
+        memset(out, 0, sizeof(float) * (size_t)heads * head_dim);
+        if (lse)
+            for (int qh = 0; qh < heads; qh++) lse[qh] = -INFINITY;
+        return 0;
+    }
     float *s = scratch((size_t)heads * (size_t)n);
     if (s == NULL) return -1;
     const int64_t row = (int64_t)num_kv_heads * head_dim;
@@ -142,6 +155,7 @@ static int attend_item(const float *q, int64_t q_stride_h, const float *k_cache,
         float total = acc[0];
         if (sinks) total += exp_nonpos(sink - m);
         inv_sum[qh] = 1.0f / total;
+        if (lse) lse[qh] = m + logf(total);
     }
     /* Pass 2: out_qh = sum_t p_qh[t] v_t, each token's V span read once for all the query heads. */
     memset(out, 0, sizeof(float) * (size_t)heads * head_dim);
@@ -184,7 +198,7 @@ int batchgen_paged_decode_f32(const float *q, int64_t q_stride_b, int64_t q_stri
                               int64_t table_stride, const int32_t *seq_lens, float *out, int batch,
                               int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                               int window, float softcap, const float *sinks, int num_threads, int heads_per_item,
-                              int64_t table_cols, int64_t num_blocks) {
+                              int64_t table_cols, int64_t num_blocks, const int32_t *starts, float *lse) {
     if (batch < 0 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return -1;
     if (heads_per_item <= 0 || num_kv_heads % heads_per_item != 0) return -1;
     const int group = num_q_heads / num_kv_heads;
@@ -202,9 +216,11 @@ int batchgen_paged_decode_f32(const float *q, int64_t q_stride_b, int64_t q_stri
         }
         const float *qb = q + b * q_stride_b + (int64_t)h0 * group * q_stride_h;
         float *ob = out + ((int64_t)b * num_q_heads + (int64_t)h0 * group) * head_dim;
+        float *lb = lse ? lse + (int64_t)b * num_q_heads + (int64_t)h0 * group : NULL;
         status |= attend_item(qb, q_stride_h, k_cache, v_cache, cache_stride_block,
-                              block_tables + b * table_stride, len, group, num_kv_heads, h0,
-                              h0 + heads_per_item, head_dim, block_size, scale, window, softcap, sinks, ob) != 0;
+                              block_tables + b * table_stride, len, starts ? starts[b] : 0, group,
+                              num_kv_heads, h0, h0 + heads_per_item, head_dim, block_size, scale, window,
+                              softcap, sinks, ob, lb) != 0;
     }
     return status ? -1 : 0;
 }
