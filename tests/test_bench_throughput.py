@@ -155,3 +155,15 @@ def test_ct2_system_matches_transformers(tmp_path) -> None:
     assert s["mismatch_rows"] == 0, s.get("mismatch_examples")
     assert s["settings"]["max_batch_size"] in (4, 8)
     assert set(s["settings"]["batch_size_sweep_tok_s"]) == {"4", "8"}
+
+
+def test_unique_prompt_lengths_follow_the_range(tmp_path) -> None:
+    from batchgen.bench.throughput import ThroughputConfig, run_benchmark
+    from batchgen.models.tiny import build_tokenizer
+
+    tok = build_tokenizer(tmp_path / "tok")
+    table = make_workload("unique", WorkloadSpec(rows=20, max_tokens=8, min_prompt=16, max_prompt=40), tok)
+    lens = [len(x) for x in table.column("prompt_token_ids").to_pylist()]
+    assert 16 <= min(lens) and max(lens) <= 41
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        run_benchmark(ThroughputConfig(prompt_tokens=[40, 16], output_dir=str(tmp_path / "o")))

@@ -92,6 +92,8 @@ class ThroughputConfig:
     """Rows per workload (null: shared_prefix 256, unique 128, long_tail 128)."""
     max_tokens: int = 64
     """Generated tokens per row (long_tail: the median of its lognormal)."""
+    prompt_tokens: list[int] = field(default_factory=lambda: [50, 600])
+    """unique: the range its prompt lengths are drawn from (``prompt_tokens=[16,64]``: a decode-heavy mix)."""
     repeats: int = 3
     systems: list[str] = field(
         default_factory=lambda: [
@@ -287,6 +289,8 @@ def run_benchmark(cfg: ThroughputConfig) -> dict[str, Any]:
     for w in workloads:
         if w not in WORKLOADS:
             raise ValueError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    if len(cfg.prompt_tokens) != 2 or not 3 <= cfg.prompt_tokens[0] <= cfg.prompt_tokens[1]:
+        raise ValueError(f"prompt_tokens={list(cfg.prompt_tokens)}: give [min, max] with 3 <= min <= max")
     out = Path(cfg.output_dir or tempfile.mkdtemp(prefix="batchgen-throughput-"))
     (out / "workloads").mkdir(parents=True, exist_ok=True)
     work_dir = out / "runs"
@@ -366,7 +370,9 @@ def _run_workload(
     import pyarrow.parquet as pq
 
     rows = cfg.rows or DEFAULT_ROWS[name]
-    table = make_workload(name, WorkloadSpec(rows=rows, max_tokens=cfg.max_tokens, seed=cfg.seed), tok)
+    lo, hi = cfg.prompt_tokens
+    spec = WorkloadSpec(rows=rows, max_tokens=cfg.max_tokens, seed=cfg.seed, min_prompt=lo, max_prompt=hi)
+    table = make_workload(name, spec, tok)
     path = write_workload(table, out / "workloads" / f"{name}.parquet")
     wl_cols = pq.read_table(path, columns=["prompt_token_ids", "max_tokens"])
     wl = {
