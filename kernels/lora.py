@@ -167,6 +167,20 @@ class LoRAPlan:
     def empty(self) -> bool:
         return not self.segments
 
+    def to(self, device: torch.device) -> LoRAPlan:
+        """The same plan with its tensors on ``device`` (a tensor-parallel worker's copy)."""
+        return LoRAPlan(
+            num_tokens=self.num_tokens,
+            order=self.order.to(device),
+            segments=list(self.segments),
+            block_slot=self.block_slot.to(device),
+            block_start=self.block_start.to(device),
+            block_end=self.block_end.to(device),
+            pad_index=self.pad_index.to(device),
+            valid=self.valid.to(device),
+            slot_index=self.slot_index.to(device),
+        )
+
 
 PER_SLOT_MIN_TOKENS = 64
 """Segments this long (prefill) run slot by slot at each slot's own rank: the extra operations are amortised,
@@ -224,7 +238,10 @@ def _add_batched(y: Tensor, x: Tensor, plan: LoRAPlan, w: LoRAWeights) -> Tensor
     delta = deltas[0] if parts == 1 else torch.cat(deltas, dim=2)
     scale = w.col_scale if every else w.col_scale.index_select(0, plan.slot_index)
     delta.mul_(scale[:, None, :])
-    _add_rows(y, plan.order, delta.view(num * width, -1).index_select(0, plan.valid))
+    flat = delta.view(num * width, -1)
+    if plan.valid.shape[0] != flat.shape[0]:  # drop the padding rows (none when the segments are equal)
+        flat = flat.index_select(0, plan.valid)
+    _add_rows(y, plan.order, flat)
     return y
 
 
