@@ -1,6 +1,6 @@
 """LoRA through the API: greedy tokens identical to PEFT for every row of batches that mix two adapters (different
-ranks and target modules) with base-model rows, under chunked prefill, preemption, adapter slots loaded on
-demand, and beam search; the prefix cache keyed by adapter; a bad adapter failing its rows alone."""
+ranks and target modules) with base-model rows, under chunked prefill, preemption (recompute and swap), adapter
+slots loaded on demand, and beam search; the prefix cache keyed by adapter; a bad adapter failing its rows alone."""
 
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ def expected(path: str, loras: list) -> list[list[int]]:
         pytest.param(
             {"max_num_batched_tokens": 6, "num_blocks": 9, "max_num_seqs": 6}, id="chunked+preempted"
         ),
+        pytest.param(
+            {
+                "max_num_batched_tokens": 6,
+                "num_blocks": 9,
+                "max_num_seqs": 6,
+                "preemption_mode": "swap",
+                "num_swap_blocks": 32,
+            },
+            id="chunked+swapped",
+        ),
         pytest.param({"max_loras": 1}, id="one-slot-loads-on-demand"),
     ],
 )
@@ -58,6 +68,8 @@ def test_mixed_batch_greedy_identical_to_peft(llama_ckpt, adapters, engine):
     mgr = model.engine.lora
     if "num_blocks" in engine:
         assert model.engine.stats.num_preemptions > 0
+    if engine.get("preemption_mode") == "swap":
+        assert model.engine.stats.num_swapped_out_blocks > 0  # preempted rows kept their adapter while out
     if engine.get("max_loras") == 1:
         assert mgr.stats.loads >= 2 and mgr.stats.evictions >= 1
     assert not mgr.pins  # every request released its adapter

@@ -101,6 +101,9 @@ def merge_with_peft(base: str, adapter: str, out: Path) -> str:
         raise SystemExit(
             f"bench.lora merges the adapters with PEFT for its separate side: pip install peft ({e})"
         ) from None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per load and save, per adapter: noise in the bench's output
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     merged.save_pretrained(str(out), safe_serialization=True)
