@@ -125,3 +125,20 @@ def test_beam_search_with_adapter_matches_peft(llama_ckpt, adapters):
     got = llm(llama_ckpt).generate([prompt, PROMPTS[0]], [sp, GREEDY], use_tqdm=False, lora_request=[b, None])
     assert [o.token_ids for o in got[0].outputs] == ref
     assert got[1].outputs[0].token_ids == peft_greedy(llama_ckpt, None, PROMPTS[0])
+
+
+def test_score_under_adapters_equals_peft(llama_ckpt, adapters):
+    """LLM.score with one adapter per pair: each continuation's log-likelihood is PEFT's under that adapter."""
+    from lora_helpers import peft_logits
+
+    a, b = adapters
+    pairs = [(PROMPTS[0], PROMPTS[1][:4]), (PROMPTS[0], PROMPTS[1][:4]), (PROMPTS[3], [7, 9, 11])]
+    loras = [a, None, b]
+    scores = llm(llama_ckpt).score([c for c, _ in pairs], [x for _, x in pairs], lora_request=loras)
+    for (ctx, cont), lr, got in zip(pairs, loras, scores):
+        logp = torch.log_softmax(
+            peft_logits(llama_ckpt, lr.lora_path if lr else None, ctx + cont).double(), -1
+        )
+        want = sum(float(logp[len(ctx) + j - 1, t]) for j, t in enumerate(cont))
+        assert got.loglikelihood == pytest.approx(want, abs=1e-4)
+    assert abs(scores[0].loglikelihood - scores[1].loglikelihood) > 1e-3  # the adapter changes the score

@@ -1,6 +1,6 @@
-"""LoRA under tensor parallelism: a 2-rank engine (CPU, gloo) serves batches mixing adapters and base rows with the
-greedy tokens of one process and of PEFT, its worker loading and evicting adapter slots (its shard of each)
-as rank 0 decides."""
+"""LoRA under tensor parallelism: a 2-rank engine (CPU, gloo, async scheduling) serves batches mixing adapters and
+base rows with the greedy tokens of one process and of PEFT, its worker loading and evicting adapter slots (its
+shard of each) as rank 0 decides."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def test_tp2_mixed_adapters_equal_one_process_and_peft(llama_ckpt):
     )  # fmt: skip
     one = LLM(llama_ckpt, **engine)
     assert [_tokens(one, loras) for loras in batches] == want
-    sharded = LLM(llama_ckpt, tensor_parallel_size=2, **engine)
+    # async scheduling too: the pipelined executor's thread posts each step, its slot loads first
+    sharded = LLM(llama_ckpt, tensor_parallel_size=2, async_scheduling=True, **engine)
     assert [_tokens(sharded, loras) for loras in batches] == want
     stats = sharded.engine.lora.stats
-    assert stats.loads >= 3 and stats.evictions >= 1
+    assert stats.loads >= 3 and stats.evictions >= 1 and sharded.engine.stats.async_steps > 0
