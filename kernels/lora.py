@@ -8,7 +8,8 @@ a plain ``o_proj`` one)::
 
 the PEFT formula ``lora_B(lora_A(x)) * scaling`` per part. A slot's weights are zero-padded to the layer's
 ``max_rank``: rows ``ranks[s][i]..`` of ``A[s, i]`` and columns of ``B_i[s]`` are zero, and a part the adapter
-does not target has rank 0 (adds nothing). Tokens with slot ``-1`` (the base model) are left untouched.
+does not target has rank 0 (adds nothing). Tokens with slot ``-1`` (the base model) keep their values (the
+torch path adds exact zeros to their rows).
 
 Three implementations with one semantics:
 

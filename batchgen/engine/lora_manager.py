@@ -48,7 +48,9 @@ class AdapterCache:
     are read again from their directory. ``config`` is the whole model's (adapters are validated against the
     full sizes; a tensor-parallel rank takes its shard when it writes a slot)."""
 
-    def __init__(self, config: ModelConfig, max_rank: int, capacity: int, stats: LoRAStats | None = None):
+    def __init__(
+        self, config: ModelConfig, max_rank: int, capacity: int, stats: LoRAStats | None = None
+    ) -> None:
         self.config = config
         self.max_rank = max_rank
         self.capacity = capacity
