@@ -157,12 +157,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
+        loras = _per_prompt(lora_request, len(prompts))
         engine = self.engine
         base = engine.stats.num_requests
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
@@ -216,11 +211,13 @@ class LLM:
         contexts: str | Sequence[str] | Sequence[Sequence[int]],
         continuations: str | Sequence[str] | Sequence[Sequence[int]],
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[Score]:
         """Log-likelihood of each continuation given its context (strings or token-id lists): summed
         logprob, token count, greedy or not. Strings are split the way lm-evaluation-harness does (the pair is
         tokenized whole; trailing spaces of the context belong to the continuation). Contexts shared by several
-        continuations come from the prefix cache after the first."""
+        continuations come from the prefix cache after the first. ``lora_request``: score under a LoRA adapter,
+        one for every pair or one ``LoRARequest | None`` per pair (as in :meth:`generate`)."""
         if isinstance(contexts, str):
             contexts, continuations = [contexts], [continuations]  # type: ignore[list-item]
         if len(contexts) != len(continuations):
@@ -229,7 +226,7 @@ class LLM:
             split_pair(self.tokenizer, c, x) if isinstance(c, str) else (list(c), list(x))
             for c, x in zip(contexts, continuations)
         ]
-        return score_token_pairs(self.engine, pairs, use_tqdm)
+        return score_token_pairs(self.engine, pairs, use_tqdm, _per_prompt(lora_request, len(pairs)))
 
     def loglikelihood_rolling(
         self, texts: str | Sequence[str], max_length: int | None = None, use_tqdm: bool = False
@@ -244,6 +241,18 @@ class LLM:
         max_len = min(max_length or self.engine.max_model_len - 2, self.engine.max_model_len - 2)
         toks = [tok.encode(t, add_special_tokens=False) for t in texts]
         return rolling_loglikelihood(self.engine, toks, prefix, max_len, use_tqdm)
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt from ``lora_request`` (one for all, or a list of ``n``)."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora requests for {n} prompts")
+    return loras
 
 
 def _token_lists(tokenizer, prompts: list) -> list[list[int]]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from batchgen.lora_request import LoRARequest
 from batchgen.sampling_params import SamplingParams
 
 
@@ -31,13 +32,23 @@ class Score:
 
 
 def score_token_pairs(
-    engine, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], use_tqdm: bool = False
+    engine,
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    use_tqdm: bool = False,
+    loras: Sequence[LoRARequest | None] | None = None,
 ) -> list[Score]:
     """Score ``(context_ids, continuation_ids)`` pairs on ``engine`` (an :class:`LLMEngine`); input order.
-    The context must have at least one token; the continuation too."""
+    The context must have at least one token; the continuation too. ``loras``: each pair's LoRA adapter (None:
+    the base model; the engine serves adapters), pairs of one adapter submitted together."""
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=None)
     base = engine.stats.num_requests
-    order = sorted(range(len(pairs)), key=lambda i: list(pairs[i][0]) + list(pairs[i][1]))
+    loras = list(loras) if loras is not None else [None] * len(pairs)
+
+    def key(i: int) -> tuple[int, list[int]]:
+        lora = loras[i]
+        return (lora.lora_int_id if lora is not None else 0), [*pairs[i][0], *pairs[i][1]]
+
+    order = sorted(range(len(pairs)), key=key)
     ids: dict[str, int] = {}
     for i in order:
         ctx, cont = pairs[i]
@@ -45,7 +56,7 @@ def score_token_pairs(
             raise ValueError(f"pair {i}: context and continuation need at least one token each")
         rid = f"score-{base + i}"
         ids[rid] = i
-        engine.add_request(rid, [*ctx, *cont], params, prompt_logprobs_start=len(ctx))
+        engine.add_request(rid, [*ctx, *cont], params, prompt_logprobs_start=len(ctx), lora_request=loras[i])
     results: list[Score | None] = [None] * len(pairs)
     bar = tqdm(total=len(pairs), desc="score", disable=not use_tqdm, dynamic_ncols=True)
     try:

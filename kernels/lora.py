@@ -8,7 +8,8 @@ a plain ``o_proj`` one)::
 
 the PEFT formula ``lora_B(lora_A(x)) * scaling`` per part. A slot's weights are zero-padded to the layer's
 ``max_rank``: rows ``ranks[s][i]..`` of ``A[s, i]`` and columns of ``B_i[s]`` are zero, and a part the adapter
-does not target has rank 0 (adds nothing). Tokens with slot ``-1`` (the base model) are left untouched.
+does not target has rank 0 (adds nothing). Tokens with slot ``-1`` (the base model) keep their values (the
+torch path adds exact zeros to their rows).
 
 Three implementations with one semantics:
 
@@ -16,9 +17,9 @@ Three implementations with one semantics:
 * :func:`add_lora_torch`: batched torch (the CPU path): the tokens of each active slot are laid out as one
   ``[slots, M, in]`` batch (:class:`LoRAPlan`, built once per forward: ``M`` = most tokens of one slot, the
   short slots padded), multiplied by the slots' factors in one batched GEMM for ``A`` (all parts at once, up
-  to the largest rank in use) and one per part for ``B``, scaled, and added back with one ``index_add_``: a
-  handful of operations per layer whatever the number of adapters (the zero padding of ranks and rows adds
-  exact zeros).
+  to the largest rank in use), scaled, and one per part for ``B``, each part's rows gathered back into token
+  order and added to its columns: a handful of operations per layer whatever the number of adapters (the zero
+  padding of ranks and rows adds exact zeros). Prefill-sized segments go slot by slot instead.
 * :func:`batchgen.kernels.lora_triton.add_lora_triton`: the CUDA path, a shrink and an expand Triton kernel
   over ``BLOCK_M``-token blocks of one slot each (the same plan).
 """
@@ -113,8 +114,10 @@ class LoRAPlan:
     ``(slot, start, end)`` ranges of ``order`` (host ints); the Triton kernels read ``block_slot``,
     ``block_start`` and ``block_end`` (one entry per ``BLOCK_M`` tokens of a segment). The torch path reads
     the padded layout: ``pad_index [S, M]`` (segment ``i``'s tokens in row ``i``, padded with token 0),
-    ``valid`` (the flat positions of real tokens in that layout, in ``order``'s order) and ``slot_index``
-    (``[S]`` the segments' slots)."""
+    ``pad_rows`` (the flat positions of the padding in that layout), ``inverse [T]`` (each token's flat
+    position in it; a base-model token's is a padding position, and the layout has one whenever there are
+    base tokens) and ``slot_index`` (``[S]`` the segments' slots); the slot-by-slot path reads
+    ``order_inverse [T]`` (each token's index in ``order``; a base token's: ``len(order)``)."""
 
     num_tokens: int
     order: Tensor
@@ -123,8 +126,10 @@ class LoRAPlan:
     block_start: Tensor
     block_end: Tensor
     pad_index: Tensor
-    valid: Tensor
+    inverse: Tensor
+    pad_rows: Tensor
     slot_index: Tensor
+    order_inverse: Tensor
 
     @classmethod
     def build(cls, token_slots: np.ndarray | list[int], device: torch.device) -> LoRAPlan:
@@ -145,12 +150,22 @@ class LoRAPlan:
                 bend.append(min(b0 + BLOCK_M, end))
             start = end
         order_t = torch.from_numpy(order).to(device)
-        width = max((e - s for _, s, e in segments), default=0)
+        lengths = [e - s for _, s, e in segments]
+        width = max(lengths, default=0)
+        if segments and len(idx) < len(slots) and all(n == width for n in lengths):
+            width += 1  # base tokens need a padding row to point at
         pad = np.zeros((len(segments), width), dtype=np.int64)
-        valid = []
+        inverse = np.zeros(len(slots), dtype=np.int64)
+        is_pad = np.ones(len(segments) * width, dtype=bool)
         for i, (_, s0, s1) in enumerate(segments):
             pad[i, : s1 - s0] = order[s0:s1]
-            valid.extend(range(i * width, i * width + s1 - s0))
+            inverse[order[s0:s1]] = np.arange(i * width, i * width + s1 - s0)
+            is_pad[i * width : i * width + s1 - s0] = False
+        pad_rows = np.nonzero(is_pad)[0]
+        if len(pad_rows):
+            inverse[slots < 0] = pad_rows[0]
+        order_inverse = np.full(len(slots), len(order), dtype=np.int64)
+        order_inverse[order] = np.arange(len(order))
         return cls(
             num_tokens=len(slots),
             order=order_t,
@@ -159,13 +174,31 @@ class LoRAPlan:
             block_start=torch.tensor(bstart, dtype=torch.int32, device=device),
             block_end=torch.tensor(bend, dtype=torch.int32, device=device),
             pad_index=torch.from_numpy(pad).to(device),
-            valid=torch.tensor(valid, dtype=torch.int64, device=device),
+            inverse=torch.from_numpy(inverse).to(device),
+            pad_rows=torch.from_numpy(pad_rows).to(device),
             slot_index=torch.tensor([s for s, _, _ in segments], dtype=torch.int64, device=device),
+            order_inverse=torch.from_numpy(order_inverse).to(device),
         )
 
     @property
     def empty(self) -> bool:
         return not self.segments
+
+    def to(self, device: torch.device) -> LoRAPlan:
+        """The same plan with its tensors on ``device`` (a tensor-parallel worker's copy)."""
+        return LoRAPlan(
+            num_tokens=self.num_tokens,
+            order=self.order.to(device),
+            segments=list(self.segments),
+            block_slot=self.block_slot.to(device),
+            block_start=self.block_start.to(device),
+            block_end=self.block_end.to(device),
+            pad_index=self.pad_index.to(device),
+            inverse=self.inverse.to(device),
+            pad_rows=self.pad_rows.to(device),
+            slot_index=self.slot_index.to(device),
+            order_inverse=self.order_inverse.to(device),
+        )
 
 
 PER_SLOT_MIN_TOKENS = 64
@@ -181,32 +214,34 @@ def add_lora_torch(y: Tensor, x: Tensor, plan: LoRAPlan, w: LoRAWeights) -> Tens
 
 
 def _add_per_slot(y: Tensor, x: Tensor, plan: LoRAPlan, w: LoRAWeights) -> Tensor:
-    """Each slot's tokens times its factors at its real rank per part (PEFT's order of operations)."""
+    """Each slot's tokens times its factors at its real rank per part, the scale applied to ``A @ x``; each
+    part's deltas written in ``order``'s order into one buffer (a zero row last, for base tokens) and added to
+    the part's columns of ``y`` with one gather: no scatter, no concatenation."""
+    total = plan.order.shape[0]
+    bufs = [y.new_empty(total + 1, n) for n in w.sizes]
+    for buf in bufs:
+        buf[total].zero_()
     for (slot, start, end), rows in zip(plan.segments, plan.pad_index):
         ranks = w.ranks[slot]
-        if not any(ranks):
-            continue
-        rows = rows[: end - start]
-        xs = x.index_select(0, rows)
-        deltas = []
+        xs = x.index_select(0, rows[: end - start]) if any(ranks) else None
         for part, r in enumerate(ranks):
-            if r == 0:
-                deltas.append(xs.new_zeros(xs.shape[0], w.sizes[part]))
+            if xs is None or r == 0:
+                bufs[part][start:end].zero_()
                 continue
-            h = xs @ w.a[slot, part, :r].t()
-            deltas.append((h @ w.b[part][slot, :, :r].t()).mul_(w.col_scale[slot, w.offsets[part]]))
-        _add_rows(y, rows, deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=1))
+            h = (xs @ w.a[slot, part, :r].t()).mul_(w.col_scale[slot, w.offsets[part]])
+            torch.mm(h, w.b[part][slot, :, :r].t(), out=bufs[part][start:end])
+    for part, buf in enumerate(bufs):
+        off, n = w.offsets[part], w.sizes[part]
+        out = y if len(bufs) == 1 else y[:, off : off + n]
+        out.add_(buf.index_select(0, plan.order_inverse))
     return y
 
 
-def _add_rows(y: Tensor, rows: Tensor, delta: Tensor) -> None:
-    """``y[rows] += delta`` for distinct ``rows``: gather, add, scatter back (the same additions as
-    ``index_add_``, whose CPU kernel is many times slower on wide rows)."""
-    y.index_copy_(0, rows, y.index_select(0, rows).add_(delta))
-
-
 def _add_batched(y: Tensor, x: Tensor, plan: LoRAPlan, w: LoRAWeights) -> Tensor:
-    """All slots at once over the padded layout, at the largest rank in use (zero padding adds zeros)."""
+    """All slots at once over the padded layout, at the largest rank in use (zero padding adds zeros). Each
+    slot's scale is applied to ``A @ x`` (the narrow intermediate); padding rows of it are zeroed, so every
+    token's row of ``B @ (A @ x)`` in the layout is its delta (a base token's: zeros), added to each part's
+    columns of ``y`` with one gather: no scatter, no concatenation."""
     slots = [s for s, _, _ in plan.segments]
     r = max((max(w.ranks[s]) for s in slots), default=0)
     if r == 0:
@@ -217,14 +252,16 @@ def _add_batched(y: Tensor, x: Tensor, plan: LoRAPlan, w: LoRAWeights) -> Tensor
     a = w.a if every else w.a.index_select(0, plan.slot_index)
     xs = x.index_select(0, plan.pad_index.view(-1)).view(num, width, -1)
     h = torch.bmm(xs, a[:, :, :r].reshape(num, parts * r, -1).transpose(1, 2))  # [S, M, parts * r]
-    deltas = []
+    scale = w.scale if every else w.scale.index_select(0, plan.slot_index)
+    h.view(num, width, parts, r).mul_(scale.to(h.dtype)[:, None, :, None])
+    if plan.pad_rows.shape[0]:
+        h.view(num * width, -1).index_fill_(0, plan.pad_rows, 0.0)
     for p in range(parts):
         b = w.b[p] if every else w.b[p].index_select(0, plan.slot_index)
-        deltas.append(torch.bmm(h[:, :, p * r : (p + 1) * r], b[:, :, :r].transpose(1, 2)))
-    delta = deltas[0] if parts == 1 else torch.cat(deltas, dim=2)
-    scale = w.col_scale if every else w.col_scale.index_select(0, plan.slot_index)
-    delta.mul_(scale[:, None, :])
-    _add_rows(y, plan.order, delta.view(num * width, -1).index_select(0, plan.valid))
+        delta = torch.bmm(h[:, :, p * r : (p + 1) * r], b[:, :, :r].transpose(1, 2))  # [S, M, sizes[p]]
+        off, n = w.offsets[p], w.sizes[p]
+        out = y if parts == 1 else y[:, off : off + n]
+        out.add_(delta.view(num * width, n).index_select(0, plan.inverse))
     return y
 
 

@@ -1,6 +1,6 @@
 """LoRA through the API: greedy tokens identical to PEFT for every row of batches that mix two adapters (different
-ranks and target modules) with base-model rows, under chunked prefill, preemption, adapter slots loaded on
-demand, and beam search; the prefix cache keyed by adapter; a bad adapter failing its rows alone."""
+ranks and target modules) with base-model rows, under chunked prefill, preemption (recompute and swap), adapter
+slots loaded on demand, and beam search; the prefix cache keyed by adapter; a bad adapter failing its rows alone."""
 
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ def expected(path: str, loras: list) -> list[list[int]]:
         pytest.param(
             {"max_num_batched_tokens": 6, "num_blocks": 9, "max_num_seqs": 6}, id="chunked+preempted"
         ),
+        pytest.param(
+            {
+                "max_num_batched_tokens": 6,
+                "num_blocks": 9,
+                "max_num_seqs": 6,
+                "preemption_mode": "swap",
+                "num_swap_blocks": 32,
+            },
+            id="chunked+swapped",
+        ),
         pytest.param({"max_loras": 1}, id="one-slot-loads-on-demand"),
     ],
 )
@@ -58,6 +68,8 @@ def test_mixed_batch_greedy_identical_to_peft(llama_ckpt, adapters, engine):
     mgr = model.engine.lora
     if "num_blocks" in engine:
         assert model.engine.stats.num_preemptions > 0
+    if engine.get("preemption_mode") == "swap":
+        assert model.engine.stats.num_swapped_out_blocks > 0  # preempted rows kept their adapter while out
     if engine.get("max_loras") == 1:
         assert mgr.stats.loads >= 2 and mgr.stats.evictions >= 1
     assert not mgr.pins  # every request released its adapter
@@ -113,3 +125,20 @@ def test_beam_search_with_adapter_matches_peft(llama_ckpt, adapters):
     got = llm(llama_ckpt).generate([prompt, PROMPTS[0]], [sp, GREEDY], use_tqdm=False, lora_request=[b, None])
     assert [o.token_ids for o in got[0].outputs] == ref
     assert got[1].outputs[0].token_ids == peft_greedy(llama_ckpt, None, PROMPTS[0])
+
+
+def test_score_under_adapters_equals_peft(llama_ckpt, adapters):
+    """LLM.score with one adapter per pair: each continuation's log-likelihood is PEFT's under that adapter."""
+    from lora_helpers import peft_logits
+
+    a, b = adapters
+    pairs = [(PROMPTS[0], PROMPTS[1][:4]), (PROMPTS[0], PROMPTS[1][:4]), (PROMPTS[3], [7, 9, 11])]
+    loras = [a, None, b]
+    scores = llm(llama_ckpt).score([c for c, _ in pairs], [x for _, x in pairs], lora_request=loras)
+    for (ctx, cont), lr, got in zip(pairs, loras, scores):
+        logp = torch.log_softmax(
+            peft_logits(llama_ckpt, lr.lora_path if lr else None, ctx + cont).double(), -1
+        )
+        want = sum(float(logp[len(ctx) + j - 1, t]) for j, t in enumerate(cont))
+        assert got.loglikelihood == pytest.approx(want, abs=1e-4)
+    assert abs(scores[0].loglikelihood - scores[1].loglikelihood) > 1e-3  # the adapter changes the score

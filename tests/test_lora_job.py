@@ -96,3 +96,83 @@ def test_cli_assigns_lora_modules():
     assert assign_lora_modules(args) == [
         "+model.lora_modules={a: /x}", "+model.lora_modules.b=/y", "+model.lora_modules.c=/z", "data.x=1",
     ]  # fmt: skip
+
+
+def test_score_job_scores_each_row_under_its_adapter(llama_ckpt, adapters, tmp_path: Path):
+    """task=score with data.lora_column: each row's log-likelihood is PEFT's under the row's adapter (null: the
+    base model); unknown and unreadable adapters make error rows; the report counts rows per adapter."""
+    import torch
+    from lora_helpers import peft_logits
+
+    from batchgen.scoring import split_pair
+
+    ctx = "def parse(x, y):"
+    conts = [" return x", " return x", " pass", " return x", " pass", " return y", " pass", " x = 1"]
+    inp = tmp_path / "in.parquet"
+    pq.write_table(
+        pa.table({"ctx": [ctx] * 8, "cont": conts, "adapter": pa.array(ADAPTERS, pa.string())}), inp
+    )
+    cfg = job_config(llama_ckpt, inp, tmp_path / "out", data={"window_rows": 8})
+    cfg = dataclasses.replace(
+        cfg,
+        task="score",
+        data=dataclasses.replace(
+            cfg.data, prompt_column="ctx", continuation_column="cont", lora_column="adapter"
+        ),
+        model=dataclasses.replace(cfg.model, lora_modules=adapters),
+        run=dataclasses.replace(cfg.run, max_error_fraction=1.0),  # 2 of 8 rows fail on purpose
+    )
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_OK, res.message
+    out = read_parts(tmp_path / "out").to_pylist()
+    tok = load_tokenizer(llama_ckpt)
+    lls = {}
+    for row, cont, name in zip(out, conts, ADAPTERS):
+        if name in ("nope", "broken"):
+            assert row["status"] == "error" and row["loglikelihood"] is None
+            assert ("unknown LoRA adapter 'nope'" if name == "nope" else "not a directory") in row["error"]
+            continue
+        assert row["status"] == "ok", row["error"]
+        c, x = split_pair(tok, ctx, cont)
+        logp = torch.log_softmax(peft_logits(llama_ckpt, adapters.get(name), c + x).double(), dim=-1)
+        want = sum(float(logp[len(c) + j - 1, t]) for j, t in enumerate(x))
+        assert row["loglikelihood"] == pytest.approx(want, abs=1e-4), (cont, name)
+        lls[(cont, name)] = row["loglikelihood"]
+    assert abs(lls[(" return x", "a")] - lls[(" return x", None)]) > 1e-3  # the adapter changes the score
+    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    assert report["lora"]["rows_this_run"] == {
+        "a": {"ok": 2, "error": 0}, "b": {"ok": 2, "error": 0}, "base model": {"ok": 2, "error": 0},
+        "nope": {"ok": 0, "error": 1}, "broken": {"ok": 0, "error": 1},
+    }  # fmt: skip
+
+
+def test_report_counts_rows_per_adapter_across_resumed_runs(llama_ckpt, adapters, tmp_path: Path):
+    """A run stopped part-way and its resume: the last report's ``lora.rows`` counts every committed row of both
+    runs by adapter (``rows_this_run`` only the resume's); the summary shows the totals."""
+    from conftest import signal_after
+
+    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.job.report import format_table
+    from batchgen.job.run import EXIT_INTERRUPTED
+
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": TEXTS, "adapter": pa.array(ADAPTERS, pa.string())}), inp)
+    cfg = job_config(
+        llama_ckpt, inp, tmp_path / "out", data={"lora_column": "adapter", "window_rows": 2},
+        sampling={"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}, engine={"max_num_seqs": 2},
+    )  # fmt: skip
+    cfg.model = dataclasses.replace(cfg.model, lora_modules=adapters)
+    cfg.run = dataclasses.replace(cfg.run, max_error_fraction=1.0)
+    engine_cfg = dataclasses.replace(cfg.engine, enable_lora=True)
+    engine = signal_after(LLMEngine(llama_ckpt, engine_cfg), at=12)
+    first = run_job(cfg, engine=engine, print_summary=False)
+    assert first.exit_code == EXIT_INTERRUPTED, first.message
+    second = run_job(cfg, handle_signals=False, print_summary=False)
+    assert second.exit_code == EXIT_OK, second.message
+    lora = second.report["lora"]
+    assert lora["rows"] == {
+        "a": {"ok": 2, "error": 0}, "b": {"ok": 2, "error": 0}, "base model": {"ok": 2, "error": 0},
+        "nope": {"ok": 0, "error": 1}, "broken": {"ok": 0, "error": 1},
+    }  # fmt: skip
+    assert 0 < sum(c["ok"] + c["error"] for c in lora["rows_this_run"].values()) < len(TEXTS)
+    assert "a 2, b 2, base model 2, broken 0 (+1 errors), nope 0 (+1 errors)" in format_table(second.report)

@@ -60,6 +60,8 @@ CASES = {
     ),
     "one-part-long-segment": ([40], 24, 32, [[32], [1]], [1] * (BLOCK_M + 3) + [-1, 0, 0] + [1] * 5),
     "base-only": ([24], 16, 8, [[8]], [-1, -1, -1]),
+    # every active slot has as many tokens: the padded layout has no padding
+    "equal-segments": ([24, 8], 16, 8, [[8, 4], [4, 0], [2, 2]], [1, 0, -1, 0, 1, 1, 0, -1]),
     # segments of PER_SLOT_MIN_TOKENS or more: the torch path goes slot by slot at each slot's own rank
     "prefill-per-slot": ([24, 8], 16, 8, [[8, 0], [4, 4]], [0] * 70 + [-1] * 3 + [1] * 65 + [0, 1]),
 }

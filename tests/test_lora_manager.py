@@ -1,4 +1,5 @@
-"""The adapter slot manager: validation once per id, load on demand, LRU eviction of unpinned slots only."""
+"""The adapter slot manager: validation once per id, slots assigned on demand, LRU eviction of unpinned slots only,
+the loads handed out in order for the next launched step."""
 
 from __future__ import annotations
 
@@ -7,37 +8,27 @@ from lora_helpers import adapter
 
 from batchgen.engine.lora_manager import LoRAManager
 from batchgen.lora_request import LoRARequest
-from batchgen.models import load_model
-from batchgen.models.lora import attach_lora
-
-
-class RecordingSlots:
-    def __init__(self, slots):
-        self.inner, self.max_loras, self.max_rank, self.loads = slots, slots.max_loras, slots.max_rank, []
-
-    def load(self, slot, adapter):
-        self.loads.append((slot, adapter.name))
-        self.inner.load(slot, adapter)
-
-    def clear(self, slot):
-        self.inner.clear(slot)
+from batchgen.models.config import ModelConfig
 
 
 @pytest.fixture(scope="module")
 def setup(llama_ckpt):
     paths = [adapter(llama_ckpt, 2 + i, ("q_proj",), seed=i) for i in range(3)]
-    return llama_ckpt, paths
+    return llama_ckpt, ModelConfig.from_pretrained(llama_ckpt), paths
+
+
+def _loads(m: LoRAManager) -> list[tuple[int, str]]:
+    return [(load.slot, load.adapter.name) for load in m.take_loads()]
 
 
 def test_lru_load_on_demand_and_pins(setup, tmp_path):
-    ckpt, paths = setup
-    model = load_model(ckpt, dtype="float32")
-    slots = RecordingSlots(attach_lora(model, max_loras=2, max_rank=8))
-    m = LoRAManager(slots, model.config, max_cpu_loras=2)
+    _, config, paths = setup
+    m = LoRAManager(2, 8, config, max_cpu_loras=2)
     reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
     assert all(m.check(r) is None for r in reqs)
     assert m.stats.disk_reads == 3 and len(m.cpu) == 2  # CPU cache keeps the 2 most recent
     assert m.acquire(1) == 0 and m.acquire(2) == 1
+    assert _loads(m) == [(0, "a0"), (1, "a1")] and m.take_loads() == []  # taken once
     assert not m.can_acquire(3)  # both slots pinned: a third adapter waits, nothing is evicted
     with pytest.raises(RuntimeError, match="pinned"):
         m.acquire(3)
@@ -45,20 +36,20 @@ def test_lru_load_on_demand_and_pins(setup, tmp_path):
     m.release(2)
     assert m.can_acquire(3)
     assert m.acquire(3) == 1  # evicts id 2 (unpinned), not id 1 (pinned twice)
-    assert slots.loads == [(0, "a0"), (1, "a1"), (1, "a2")]
+    assert _loads(m) == [(1, "a2")]
     assert m.stats.evictions == 1 and m.slot_of == {1: 0, 3: 1}
     m.release(1)
     m.release(1)
     m.release(3)
     assert m.acquire(2) == 0  # LRU among unpinned: id 1 (used before id 3)
+    assert [(load.slot, load.request.lora_int_id) for load in m.take_loads()] == [(0, 2)]
     # CPU cache of 2: ids 1 and 2 and 3 were each read again once after falling out of it
     assert m.stats.disk_reads == 6
 
 
 def test_errors_once_per_id(setup, tmp_path):
-    ckpt, paths = setup
-    model = load_model(ckpt, dtype="float32")
-    m = LoRAManager(attach_lora(model, max_loras=1, max_rank=8), model.config)
+    _, config, paths = setup
+    m = LoRAManager(1, 8, config)
     bad = LoRARequest("missing", 7, str(tmp_path / "nope"))
     err = m.check(bad)
     assert "not a directory" in err and m.check(bad) == err

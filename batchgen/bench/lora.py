@@ -2,26 +2,29 @@
 
 One random Llama (built once into the batchgen cache; ``--hidden``, ``--layers``) and ``--adapters`` random PEFT
 adapters of it (``--ranks``, default 8, 16, 16, 32; every q/k/v/o/gate/up/down projection; written as PEFT
-writes them, so no peft install is needed), and ``--rows`` prompts of ``--prompt-len`` random tokens, each generating
-``--max-tokens`` greedy tokens (``ignore_eos``). Row ``i`` belongs to adapter ``i % adapters``. Three ways to
-produce the same rows, timed in one process, one after the other:
+writes them), and ``--rows`` prompts of ``--prompt-len`` random tokens, each generating ``--max-tokens`` greedy
+tokens (``ignore_eos``). Row ``i`` belongs to adapter ``i % adapters``. Three ways to produce the same rows, timed
+in one process, one after the other:
 
 * ``base``: the base model alone, every row, no adapters (the floor: what LoRA costs on top of it);
 * ``mixed``: one engine with ``enable_lora`` and ``max_loras = adapters``: every row under its adapter, all
   in the same steps (batched LoRA);
-* ``separate``: one engine per adapter over a *merged* checkpoint (``W + scale * B @ A`` written out), each
-  generating its own rows: what serving adapters without batched LoRA costs. Engine start-up (loading each
-  merged model) is reported apart from generation time.
+* ``separate``: what a user without batched LoRA does: each adapter merged into a full copy of the model with
+  PEFT (``merge_and_unload`` + ``save_pretrained``, done once before the rounds, timed apart as ``merge``), then
+  per adapter one engine started on its merged checkpoint, generating that adapter's rows, and shut down, one
+  after the other. Its time counts the engines' start-up (loading each merged model) with their generation.
 
-Every engine is started first; then ``--repeats`` rounds run base, mixed and separate in turn (so all three
-see the same drift of a shared machine's load), and each keeps its best run (noise only slows runs down). Printed:
-seconds, generated tokens/s, the ratio to ``base``, and how many rows of ``mixed`` produced the same tokens as
-their merged model (merging rounds the weights, so a near tie may go the other way). ``--json`` writes it all.
+The base and mixed engines are started once (their start-up is reported apart); then ``--repeats`` rounds run
+base, mixed and separate in turn (so all three see the same drift of a shared machine's load), and each keeps
+its best run (noise only slows runs down). Printed: seconds, generated tokens/s, the ratio to ``base``, and how
+many rows of ``mixed`` produced the same tokens as their merged model (merging rounds the weights, so a near
+tie may go the other way). ``--json`` writes it all. The separate side needs ``peft`` (the ``test`` extra).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -60,25 +63,20 @@ def base_model(hidden: int, layers: int) -> str:
     return cached_checkpoint(f"bench-lora-llama-h{hidden}-l{layers}", cache_root(), **spec)
 
 
-def write_adapter(
-    base: str, out: Path, rank: int, seed: int
-) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-    """A random PEFT adapter of ``base`` in ``out``; returns ``{weight name: (A, B, scale)}`` for merging."""
+def write_adapter(base: str, out: Path, rank: int, seed: int) -> str:
+    """A random PEFT adapter of ``base`` (rank ``rank`` on every projection) in ``out``; returns ``out``."""
     weights = load_file(str(Path(base) / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
     alpha = 2.0 * rank
-    tensors, parts = {}, {}
+    tensors = {}
     for name, w in weights.items():
         module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
         if module not in _TARGETS or ".layers." not in name:
             continue
         out_f, in_f = w.shape
-        a = torch.randn(rank, in_f, generator=g) / math.sqrt(in_f)
-        b = torch.randn(out_f, rank, generator=g) * 0.02
         prefix = "base_model.model." + name[: -len(".weight")]
-        tensors[f"{prefix}.lora_A.weight"] = a
-        tensors[f"{prefix}.lora_B.weight"] = b
-        parts[name] = (a, b, alpha / rank)
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) / math.sqrt(in_f)
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.02
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     config = {
@@ -89,19 +87,29 @@ def write_adapter(
         "bias": "none",
     }
     (out / "adapter_config.json").write_text(json.dumps(config))
-    return parts
+    return str(out)
 
 
-def write_merged(base: str, out: Path, parts: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> str:
-    """``base`` with the adapter merged into its weights (``W + scale * B @ A``), as a checkpoint in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
+def merge_with_peft(base: str, adapter: str, out: Path) -> str:
+    """``base`` with ``adapter`` merged in, saved as a full checkpoint in ``out`` the way a user without batched
+    LoRA does it: PEFT's ``merge_and_unload`` then ``save_pretrained`` (safetensors), the tokenizer files
+    copied beside it. Returns ``out``."""
+    try:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        raise SystemExit(
+            f"bench.lora merges the adapters with PEFT for its separate side: pip install peft ({e})"
+        ) from None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per load and save, per adapter: noise in the bench's output
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    merged.save_pretrained(str(out), safe_serialization=True)
     for f in Path(base).iterdir():
-        if f.name != "model.safetensors" and f.is_file():
+        if f.is_file() and not (out / f.name).exists() and not f.name.endswith(".safetensors"):
             shutil.copy(f, out / f.name)
-    weights = load_file(str(Path(base) / "model.safetensors"))
-    for name, (a, b, scale) in parts.items():
-        weights[name] = (weights[name].double() + scale * (b.double() @ a.double())).to(weights[name].dtype)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return str(out)
 
 
@@ -120,10 +128,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ranks = [int(r) for r in args.ranks.split(",")][: args.adapters]
     ranks += [ranks[-1]] * (args.adapters - len(ranks))
     adapters, merged = [], []
+    t_merge = 0.0
     for i, r in enumerate(ranks):
-        parts = write_adapter(base, work / f"adapter-{i}", r, seed=100 + i)
-        adapters.append(LoRARequest(f"adapter-{i}", i + 1, str(work / f"adapter-{i}")))
-        merged.append(write_merged(base, work / f"merged-{i}", parts))
+        path = write_adapter(base, work / f"adapter-{i}", r, seed=100 + i)
+        adapters.append(LoRARequest(f"adapter-{i}", i + 1, path))
+        t, out = _timed(lambda path=path, i=i: merge_with_peft(base, path, work / f"merged-{i}"))
+        t_merge += t
+        merged.append(out)
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 4000) for _ in range(args.prompt_len)] for _ in range(args.rows)]
     owner = [i % args.adapters for i in range(args.rows)]
@@ -132,20 +143,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lora_opts = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=max(ranks))
     tokens = args.rows * args.max_tokens
 
-    base_llm = LLM(base, **engine)
-    mixed_llm = LLM(base, **engine, **lora_opts)
+    t_base_start, base_llm = _timed(lambda: LLM(base, **engine))
+    t_mixed_start, mixed_llm = _timed(lambda: LLM(base, **engine, **lora_opts))
     loras = [adapters[o] for o in owner]
-    t_start, separate = 0.0, []
-    for i, path in enumerate(merged):
-        ts, llm = _timed(lambda path=path: LLM(path, **engine))
-        t_start += ts
-        separate.append((llm, [j for j in range(args.rows) if owner[j] == i]))
+    load_times: list[float] = []
 
     def run_separate() -> list[Any]:
+        """One engine per merged model, started, run over its adapter's rows, shut down, in turn."""
         outs: list[Any] = [None] * args.rows
-        for llm, rows in separate:
+        loading = 0.0
+        for i, path in enumerate(merged):
+            t, llm = _timed(lambda path=path: LLM(path, **engine))
+            loading += t
+            rows = [j for j in range(args.rows) if owner[j] == i]
             for j, o in zip(rows, llm.generate([prompts[j] for j in rows], sp, use_tqdm=False)):
                 outs[j] = o
+            del llm
+            gc.collect()
+        load_times.append(loading)
         return outs
 
     # Round-robin repeats (base, mixed, separate, base, ...): a shared machine's load drifts, and each system
@@ -159,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t, sep_out = _timed(run_separate)
         times["separate"].append(t)
     t_base, t_mixed, t_sep = (min(times[k]) for k in ("base", "mixed", "separate"))
+    t_sep_load = load_times[times["separate"].index(t_sep)]
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(mixed_out, sep_out))
     result = {
         "config": vars(args),
@@ -169,7 +185,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "base_s": t_base,
         "mixed_s": t_mixed,
         "separate_s": t_sep,
-        "separate_startup_s": t_start,
+        "separate_loading_s": t_sep_load,
+        "merge_s": t_merge,
+        "base_startup_s": t_base_start,
+        "mixed_startup_s": t_mixed_start,
         "mixed_vs_base": t_mixed / t_base,
         "separate_vs_base": t_sep / t_base,
         "rows_same_as_merged": same,
@@ -189,7 +208,9 @@ def format_result(r: dict[str, Any]) -> str:
         f"{'base':<10}{r['base_s']:>10.2f}{tok / r['base_s']:>10.1f}{1.0:>10.2f}",
         f"{'mixed':<10}{r['mixed_s']:>10.2f}{tok / r['mixed_s']:>10.1f}{r['mixed_vs_base']:>10.2f}",
         f"{'separate':<10}{r['separate_s']:>10.2f}{tok / r['separate_s']:>10.1f}{r['separate_vs_base']:>10.2f}"
-        f"   (+{r['separate_startup_s']:.1f} s loading {c['adapters']} merged models)",
+        f"   ({r['separate_loading_s']:.1f} s of it starting {c['adapters']} engines on merged models)",
+        f"start-up: base engine {r['base_startup_s']:.1f} s, mixed engine {r['mixed_startup_s']:.1f} s; "
+        f"merging the {c['adapters']} adapters with PEFT beforehand: {r['merge_s']:.1f} s",
         f"mixed rows with the same tokens as their merged model: {r['rows_same_as_merged']} / {c['rows']}",
     ]
     return "\n".join(lines)

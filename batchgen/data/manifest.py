@@ -50,6 +50,9 @@ class WindowRecord:
     rewriting: bool = False
     """Set while the part is being replaced (a retry): the counts above are re-derived from the part if a
     run dies in between."""
+    rows_by_adapter: dict[str, dict[str, int]] | None = None
+    """A LoRA job's input rows by adapter name (``base model``: rows without one): ``{"ok": n, "error": m}``;
+    None when not counted (not a LoRA job, or counts re-derived from the part after a crash)."""
 
 
 @dataclass

@@ -227,6 +227,7 @@ class OutputDir:
         st = part_stats(part_as_piece(self._read_table(rec.part), n), n)
         for name, value in asdict(st).items():  # a part's stats are its record's counts, field for field
             setattr(rec, name, value)
+        rec.rows_by_adapter = None  # the part holds no adapter names: no longer known
         rec.rewriting = False
 
     def open(

@@ -274,15 +274,26 @@ def _row_adapters(rows: list[PromptRow], names: list[Any] | None, spec: PromptSp
             continue
         if isinstance(name, str):
             r.lora_name = name
-        if not isinstance(name, str):
-            r.fail(f"LoRA column {spec.lora_column!r} holds a {_type_name(name)}; expected an adapter name")
-        elif name not in known:
-            r.fail(
-                f"unknown LoRA adapter {name!r} in column {spec.lora_column!r}: model.lora_modules has "
-                f"{', '.join(sorted(known)) or 'none'}"
-            )
-        else:
-            r.lora = known[name]
+        r.lora, error = row_adapter(name, spec.lora_column, known)
+        if error is not None:
+            r.fail(error)
+
+
+def row_adapter(
+    name: Any, column: str | None, known: dict[str, LoRARequest]
+) -> tuple[LoRARequest | None, str | None]:
+    """``(adapter, None)`` for a row whose LoRA column holds ``name`` (None: the base model), or ``(None,
+    error)`` when it names no adapter of ``model.lora_modules``."""
+    if name is None:
+        return None, None
+    if not isinstance(name, str):
+        return None, f"LoRA column {column!r} holds a {_type_name(name)}; expected an adapter name"
+    if name not in known:
+        return None, (
+            f"unknown LoRA adapter {name!r} in column {column!r}: model.lora_modules has "
+            f"{', '.join(sorted(known)) or 'none'}"
+        )
+    return known[name], None
 
 
 def _tokenize(

@@ -142,11 +142,6 @@ class EngineConfig:
                 raise ValueError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
             raise ValueError(f"engine.max_cpu_loras must be >= 1, got {self.max_cpu_loras}")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "engine.enable_lora=true is not supported with engine.tensor_parallel_size > 1 yet; "
-                "run LoRA adapters on one device"
-            )
         if self.max_logprobs < -1:
             raise ValueError(f"engine.max_logprobs must be >= 0 (or -1: no cap), got {self.max_logprobs}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -38,7 +38,7 @@ from batchgen.engine.tp_launch import start as start_ranks
 from batchgen.lora_request import LoRARequest
 from batchgen.models.llama import CausalLM
 from batchgen.models.loader import check_tensor_parallel, load_model, load_tokenizer
-from batchgen.models.lora import attach_lora
+from batchgen.models.lora import LoRASlots, attach_lora, whole_model_config
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -109,13 +109,14 @@ class LLMEngine:
         self.config = config = engine_config or EngineConfig()
         backend = self._load(model, config, dtype, implementation, load)
         self.tokenizer = load_tokenizer(tokenizer or model)
-        self.lora = self._attach_lora(config) if config.enable_lora else None
+        self.lora, lora_slots = self._attach_lora(model, config) if config.enable_lora else (None, None)
         self.max_model_len = _max_model_len(config, self.model.config)
         eos = set(self.model.config.eos_token_ids or [])
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         num_blocks, num_swap_blocks = self._build_runner(config, backend)
+        self.runner.lora_slots = lora_slots  # written by the steps' slot loads (lora_manager)
         kv = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -141,15 +142,16 @@ class LLMEngine:
         self._flights: deque[InFlight] = deque()
         self._sync_ids: set[str | int] = set()
 
-    def _attach_lora(self, config: EngineConfig) -> LoRAManager:
-        """Adapter slots in the model (before the KV cache is sized: they count as weights)."""
+    def _attach_lora(self, path: str, config: EngineConfig) -> tuple[LoRAManager, LoRASlots]:
+        """Adapter slots in the model (before the KV cache is sized: they count as weights) and their manager."""
         if not isinstance(self.model, CausalLM):
             raise ValueError(
                 f"engine.enable_lora=true needs a native architecture ({self.model.config.architecture} runs on "
                 f"transformers' modeling code here); use one of batchgen's native architectures"
             )
         slots = attach_lora(self.model, config.max_loras, config.max_lora_rank)
-        return LoRAManager(slots, self.model.config, config.max_cpu_loras)
+        whole = whole_model_config(path, self.model.config)
+        return LoRAManager(config.max_loras, config.max_lora_rank, whole, config.max_cpu_loras), slots
 
     def _load(
         self,
@@ -344,9 +346,9 @@ class LLMEngine:
             self.counters.drained_steps += 1
         forward = prepared.forward if prepared is not None else self.builder.prepare_inputs(out)
         sampling = self.builder.sampling_input(out) if out else SamplingInput()
-        flight = InFlight(
-            out, self.executor.submit(StepInput(self.builder.moves(out), forward, sampling, fill))
-        )
+        loads = self.lora.take_loads() if self.lora is not None else []  # in step order (lora_manager)
+        step = StepInput(self.builder.moves(out), forward, sampling, fill, loads)
+        flight = InFlight(out, self.executor.submit(step))
         if pipelined and (prepared is not None or self._may_launch(out)):
             self.scheduler.mark_launched(out)
         return flight

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -21,9 +22,19 @@ from batchgen.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine import pooling, prompt_logprobs
 from batchgen.engine.config import EngineConfig, parse_bytes
 from batchgen.engine.sampler import Sampler
-from batchgen.engine.step_input import BlockMoves, ForwardInput, RunnerOutput, SamplingInput, StepInput
+from batchgen.engine.step_input import (
+    BlockMoves,
+    ForwardInput,
+    LoRALoad,
+    RunnerOutput,
+    SamplingInput,
+    StepInput,
+)
 from batchgen.engine.swap import BlockSwapper
 from batchgen.kernels import cpu_kernel
+from batchgen.lora_request import LoRARequest
+from batchgen.models.lora import LoRASlots
+from batchgen.models.lora_adapter import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +112,10 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._graph_inputs: dict[str, Tensor] = {}
         self._graphs_failed = False
+        self.lora_slots: LoRASlots | None = None
+        """The model's LoRA adapter slots (engine.enable_lora), written by each step's ``lora_loads``."""
+        self.lora_source: Callable[[LoRARequest], LoRAAdapter] | None = None
+        """Reads a load's adapter when the step carries none (a tensor-parallel worker's own cache)."""
 
     # ------------------------------------------------------------------------------------------ sizing
     @property
@@ -211,11 +226,23 @@ class ModelRunner:
             raise RuntimeError("swap copies scheduled but no swap space was allocated")
         self.copy_blocks(moves.copies)
 
+    def apply_lora_loads(self, loads: list[LoRALoad]) -> None:
+        """Write each load's adapter (this rank's shard) into its slot, in order."""
+        for load in loads:
+            if self.lora_slots is None:
+                raise RuntimeError("a LoRA slot load was sent to a runner without LoRA slots")
+            adapter = load.adapter
+            if adapter is None:
+                assert self.lora_source is not None
+                adapter = self.lora_source(load.request)
+            self.lora_slots.load(load.slot, adapter)
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> RunnerOutput:
         """Run one step: block moves, then (unless the step only moves blocks) the packed forward and the
         sampling of its logit rows."""
         self.apply_moves(step.moves)
+        self.apply_lora_loads(step.lora_loads)
         if step.forward is None:
             return RunnerOutput()
         logits, prompt, pooled = self.forward(step.forward, step.fill)

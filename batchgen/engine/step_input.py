@@ -9,7 +9,10 @@ tensor-parallel rank (the :class:`ForwardInput` and :class:`BlockMoves` parts: s
 
 Invariants: ``forward.last`` indexes the packed tokens, one entry per logit row: the ``sampling.num_rows``
 sampled rows, then ``sampling.num_beam_rows`` beam rows; the runner performs ``moves`` in the order
-swap-outs, swap-ins, copies on write, before the forward.
+swap-outs, swap-ins, copies on write, then writes ``lora_loads`` into their adapter slots, before the forward.
+Slot loads travel with the steps, in step order: a slot is only written between two steps' forwards, so a step
+in flight (async scheduling) never sees its slots change, and every tensor-parallel rank loads the same slots
+at the same point.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from batchgen.attention import AttentionMetadata
 from batchgen.engine.sampler import SamplingRow, SamplingTensors
 from batchgen.engine.structured import LogitsMask
 from batchgen.kernels.lora import LoRAPlan
+from batchgen.lora_request import LoRARequest
+from batchgen.models.lora_adapter import LoRAAdapter
 
 
 @dataclass
@@ -59,6 +64,16 @@ class PoolRows:
 
 
 @dataclass
+class LoRALoad:
+    """Write adapter ``request`` into LoRA slot ``slot`` before the step's forward. ``adapter``: rank 0's
+    parsed copy (None in the message to tensor-parallel workers: they read ``request.lora_path`` themselves)."""
+
+    slot: int
+    request: LoRARequest
+    adapter: LoRAAdapter | None = None
+
+
+@dataclass
 class ForwardInput:
     """One packed forward (decodes first, then prefill chunks) and the rows of its hidden states whose
     logits are needed (``last``; ``prompt`` for prompt logprobs)."""
@@ -85,7 +100,8 @@ class ForwardInput:
             max_query_len=m.max_query_len,
         )
         ids, pos, last = self.ids.to(device), self.positions.to(device), self.last.to(device)
-        return ForwardInput(ids, pos, meta, last, self.num_seqs, self.prompt, self.pool)
+        lora = self.lora.to(device) if self.lora is not None else None
+        return ForwardInput(ids, pos, meta, last, self.num_seqs, self.prompt, self.pool, lora)
 
 
 @dataclass
@@ -103,12 +119,14 @@ class SamplingInput:
 @dataclass
 class StepInput:
     """One step. ``fill``: ``(index, tokens)`` device tensors: the input ids at ``index`` are placeholders
-    for the previous step's sampled ``tokens`` (async scheduling), written in before the forward."""
+    for the previous step's sampled ``tokens`` (async scheduling), written in before the forward.
+    ``lora_loads``: adapters written into their slots first (in list order)."""
 
     moves: BlockMoves
     forward: ForwardInput | None = None
     sampling: SamplingInput = field(default_factory=SamplingInput)
     fill: tuple[Tensor, Tensor] | None = None
+    lora_loads: list[LoRALoad] = field(default_factory=list)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Rank 0 runs the whole engine (scheduler, KV block manager, sampler) with a :class:`TPModelRunner`; ranks
 1..N-1 run only :func:`serve` (the worker loop) over their own model shard and KV cache shard. Each step,
 rank 0's runner broadcasts the plain part of the step's :class:`~batchgen.engine.step_input.StepInput`
-(:class:`StepMessage`: the block moves and the forward, on the CPU, placeholders already filled in) to every
+(:class:`StepMessage`: the block moves, the LoRA slot loads and the forward with its LoRA plan, on the CPU,
+placeholders already filled in) to every
 worker with ``torch.distributed.broadcast_object_list`` over a gloo group of its own (:class:`StepChannel`);
 then every rank performs the same block moves on its KV shard and the same forward, whose all-reduces meet in
 lockstep, and the LM-head shards are gathered on rank 0, which samples as one process would. The runner is
@@ -11,7 +12,8 @@ called by the executor, inline or from the pipelined executor's thread, so async
 
 Invariants:
 - every rank applies the same messages in the same order (one broadcast per step, in step order), so the
-  collectives of a forward pair up and the KV shards hold the same blocks;
+  collectives of a forward pair up, the KV shards hold the same blocks and the LoRA slots the same adapters
+  (each rank its shard, read from the adapter's directory by the worker itself);
 - the KV pool has the same number of blocks on every rank: the minimum of what each rank can hold;
 - workers wait for the next message under a long idle timeout (``IDLE_WAIT``: rank 0 may be idle between
   steps for long); rank 0's broadcasts and the collectives inside a step fail after
@@ -23,7 +25,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from batchgen.attention import ForwardContext
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.step_input import BlockMoves, ForwardInput, RunnerOutput, StepInput
+from batchgen.engine.step_input import BlockMoves, ForwardInput, LoRALoad, RunnerOutput, StepInput
 from batchgen.errors import WorkerLost
 
 logger = logging.getLogger(__name__)
@@ -42,10 +44,12 @@ IDLE_WAIT = datetime.timedelta(days=30)
 
 @dataclass
 class StepMessage:
-    """One step as the workers need it: block moves, then the forward (None: a step that only moves blocks)."""
+    """One step as the workers need it: block moves, LoRA slot loads (without rank 0's parsed adapters), then
+    the forward (None: a step that only moves blocks)."""
 
     moves: BlockMoves
     forward: ForwardInput | None
+    lora_loads: list[LoRALoad] = field(default_factory=list)
 
 
 class StepChannel:
@@ -117,7 +121,8 @@ class TPModelRunner(ModelRunner):
         if fwd is not None and step.fill is not None:
             fwd.ids[step.fill[0]] = step.fill[1]
             step = replace(step, fill=None)
-        msg = StepMessage(step.moves, fwd.to(torch.device("cpu")) if fwd is not None else None)
+        loads = [LoRALoad(load.slot, load.request) for load in step.lora_loads]
+        msg = StepMessage(step.moves, fwd.to(torch.device("cpu")) if fwd is not None else None, loads)
         self.in_step = True
         try:
             self.channel.post(msg)
@@ -144,11 +149,13 @@ class TPModelRunner(ModelRunner):
         """A worker's share of one step: the block moves, then the forward and the logits collectives rank 0
         runs (prompt-logprob rows first, then the sampled rows, as :meth:`ModelRunner.forward` does)."""
         self.apply_moves(msg.moves)
+        self.apply_lora_loads(msg.lora_loads)
         fwd = msg.forward
         if fwd is None:
             return
         fwd = fwd.to(self.device)
-        hidden = self.model(fwd.ids, fwd.positions, ForwardContext(self.attn, fwd.meta, self.kv_cache))
+        ctx = ForwardContext(self.attn, fwd.meta, self.kv_cache, lora=fwd.lora)
+        hidden = self.model(fwd.ids, fwd.positions, ctx)
         if fwd.prompt is not None:
             index = torch.tensor(fwd.prompt.index, dtype=torch.long, device=hidden.device)
             self.model.compute_logits(hidden[index])

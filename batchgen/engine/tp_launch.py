@@ -243,6 +243,7 @@ def _env_store(rank: int, world: int) -> dist.Store:
 def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -> None:
     """A worker rank: join, receive the setup, load this rank's shard, agree on the KV pool, serve steps."""
     from batchgen.attention import resolve_backend
+    from batchgen.engine.lora_manager import attach_worker_slots
     from batchgen.models.loader import load_model
 
     init_process_group(store, rank, world, device)
@@ -256,7 +257,10 @@ def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -
     )  # fmt: skip
     max_model_len = cfg.max_model_len or model.config.max_model_len
     backend = resolve_backend(cfg.attention_backend, device)
+    lora = attach_worker_slots(model, setup.model, cfg) if cfg.enable_lora else None  # before KV sizing
     runner = TPModelRunner(model, cfg, device, backend, max_model_len, channel)
+    if lora is not None:
+        runner.lora_slots, runner.lora_source = lora[0], lora[1].get
     runner.allocate_kv_cache(runner.determine_num_blocks())
     runner.allocate_swap_space(runner.determine_num_swap_blocks() if cfg.preemption_mode == "swap" else 0)
     serve(runner)

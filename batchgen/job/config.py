@@ -271,8 +271,6 @@ def _validate_lora(cfg: JobConfig) -> None:
             raise ConfigError(
                 f"model.lora_modules: {name!r}: {path!r}: give every adapter a name and a directory"
             )
-    if column and cfg.task == "score":
-        raise ConfigError("task=score does not support data.lora_column yet; score with the base model")
     if column and column in RESERVED_COLUMNS:
         raise ConfigError(f"data.lora_column: {column!r} is an output column name of batchgen; rename it")
 

@@ -13,7 +13,7 @@ from batchgen.errors import ConfigError
 from batchgen.job.plan import JobPlan
 from batchgen.job.report import build_report, error_fraction, report_text
 from batchgen.job.result import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_ERRORS, JobResult, one_line
-from batchgen.job.tally import NUM_EXAMPLES, RowTally
+from batchgen.job.tally import NUM_EXAMPLES, RowTally, all_adapter_rows
 
 logger = logging.getLogger("batchgen.job")
 
@@ -81,7 +81,7 @@ def job_report(
             "interrupted_by": signal_name,
             "shard": m.shard,
             "batchgen_version": batchgen.__version__,
-            **({"lora": {"rows_this_run": tally.by_adapter}} if tally.lora else {}),
+            **({"lora": _lora_rows(m, tally)} if tally.lora else {}),
             "errors": {
                 "fraction": frac,
                 "max_fraction": plan.cfg.run.max_error_fraction,
@@ -100,6 +100,16 @@ def job_report(
     ) as e:  # the output is what counts: a report that cannot be written is a warning
         logger.warning("could not write %s: %s", outdir.report_location, one_line(e))
     return report
+
+
+def _lora_rows(m: Manifest, tally: RowTally) -> dict[str, Any]:
+    """The report's ``lora`` section: rows per adapter of this run, and of every committed window (all runs;
+    ``uncounted_windows``: committed windows whose counts are not known)."""
+    total, uncounted = all_adapter_rows(m.windows.values())
+    out: dict[str, Any] = {"rows_this_run": tally.by_adapter, "rows": total}
+    if uncounted:
+        out["uncounted_windows"] = uncounted
+    return out
 
 
 def finish(

@@ -153,8 +153,8 @@ def format_table(report: dict[str, Any]) -> str:
         ("peak concurrent seqs", str(sch["peak_running_seqs"])),
         ("preemptions", str(sch["preemptions"])),
     ]
-    lora = (report.get("lora") or {}).get("rows_this_run")
-    if lora:
+    lora = (report.get("lora") or {}).get("rows") or (report.get("lora") or {}).get("rows_this_run")
+    if lora:  # every run's rows (committed windows)
         per = ", ".join(
             f"{name} {c['ok']}" + (f" (+{c['error']} errors)" if c["error"] else "")
             for name, c in sorted(lora.items())

@@ -371,7 +371,7 @@ class _Job:
         try:
             specs = [t.spec for t in todo]
             writer.windows_done, writer.rows_done = run_score_windows(
-                plan, self.outdir, engine, specs, self.stop, self.progress
+                plan, self.outdir, engine, specs, self.stop, self.progress, self.tally.adapter_row
             )
         finally:
             self.progress.close()

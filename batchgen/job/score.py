@@ -7,6 +7,8 @@ continuation token is the argmax) and ``num_cached_tokens``. Without it, each ro
 is scored whole (rolling windows of ``engine.max_model_len - 2`` tokens, the first token conditioned on bos/eos):
 ``loglikelihood_rolling``, ``num_tokens`` and ``perplexity``. Invalid rows (null, not a string, empty, too long)
 become ``status=error`` rows. Rows sharing a context hit the prefix cache (only the continuation is computed).
+With ``data.lora_column`` each row is scored under its LoRA adapter (null: the base model); a row naming an
+unknown or unreadable adapter is an error row.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.data.manifest import WindowRecord
+from batchgen.data.prompts import row_adapter
 from batchgen.data.reader import iter_windows
+from batchgen.job.tally import window_adapter_rows
+from batchgen.lora_request import LoRARequest
 from batchgen.scoring import rolling_windows, score_token_pairs, split_pair
 
 _TYPES = {
@@ -40,12 +45,32 @@ def _ids(table: pa.Table, id_column: str | None, row_start: int) -> pa.Array:
     return pa.array(range(row_start, row_start + table.num_rows), pa.int64())
 
 
+def _adapters(plan, engine, table: pa.Table) -> tuple[list[LoRARequest | None], list[str | None]]:
+    """Each row's LoRA adapter (None: the base model) and, for a row whose adapter is unknown or cannot be
+    read, the error that makes it an error row (``data.lora_column``; none set: the base model for all)."""
+    d = plan.cfg.data
+    n = table.num_rows
+    if not d.lora_column:
+        return [None] * n, [None] * n
+    known = plan.prompt_spec.lora_requests
+    loras: list[LoRARequest | None] = []
+    errors: list[str | None] = []
+    for name in table.column(d.lora_column).to_pylist():
+        lora, why = row_adapter(name, d.lora_column, known)
+        if lora is not None:
+            why = engine.lora.check(lora)  # an unreadable adapter fails its rows, not the job
+        loras.append(lora)
+        errors.append(why)
+    return loras, errors
+
+
 def _score_window(plan, engine, table: pa.Table) -> tuple[dict[str, list], int, int]:
     d = plan.cfg.data
     tok = engine.tokenizer
     limit = engine.max_model_len - 1  # the engine samples one token after the scored input
     contexts = table.column(d.prompt_column).to_pylist()
     conts = table.column(d.continuation_column).to_pylist() if d.continuation_column else None
+    row_loras, lora_errors = _adapters(plan, engine, table)
     n = len(contexts)
     status, error = ["ok"] * n, [None] * n
     pairs: list[tuple[list[int], list[int]]] = []
@@ -57,6 +82,7 @@ def _score_window(plan, engine, table: pa.Table) -> tuple[dict[str, list], int, 
             why = f"{d.prompt_column} must be a non-empty string"
         elif conts is not None and (not isinstance(cont, str) or not cont):
             why = f"{d.continuation_column} must be a non-empty string"
+        why = why or lora_errors[i]
         if why:
             status[i], error[i] = "error", why
             continue
@@ -75,7 +101,8 @@ def _score_window(plan, engine, table: pa.Table) -> tuple[dict[str, list], int, 
             for c, x in rolling_windows(tok.encode(ctx, add_special_tokens=False), prefix, limit - 1):
                 pairs.append((c, x))
                 owner.append(i)
-    scores = score_token_pairs(engine, pairs) if pairs else []
+    loras = [row_loras[i] for i in owner]
+    scores = score_token_pairs(engine, pairs, loras=loras) if pairs else []
     ll, ntok, greedy, cached = [0.0] * n, [0] * n, [True] * n, [0] * n
     for i, s in zip(owner, scores):
         ll[i] += s.loglikelihood
@@ -99,9 +126,10 @@ def _score_window(plan, engine, table: pa.Table) -> tuple[dict[str, list], int, 
     return cols, prompt_tokens, sum(cached)
 
 
-def run_score_windows(plan, outdir, engine, todo, stop, progress) -> tuple[int, int]:
+def run_score_windows(plan, outdir, engine, todo, stop, progress, count_adapter) -> tuple[int, int]:
     """Score and commit each unfinished window; returns (windows, rows) done. Stops between windows on a
-    signal (a window is the unit of resume)."""
+    signal (a window is the unit of resume). ``count_adapter(name, ok)``: called for each row of a job with
+    ``model.lora_modules`` (name None: the base model)."""
     d = plan.cfg.data
     windows = rows = 0
     for w in iter_windows(plan.input, todo, plan.columns):
@@ -109,6 +137,14 @@ def run_score_windows(plan, outdir, engine, todo, stop, progress) -> tuple[int, 
             break
         t0 = time.time()
         cols, prompt_tokens, cached = _score_window(plan, engine, w.table)
+        by_adapter = None
+        if plan.cfg.model.lora_modules:  # rows per adapter, summed over runs by the report
+            raw = w.table.column(d.lora_column).to_pylist() if d.lora_column else [None] * w.table.num_rows
+            names = [v if isinstance(v, str) else None for v in raw]
+            ok = [st == "ok" for st in cols["status"]]
+            by_adapter = window_adapter_rows(names, ok)
+            for name, good in zip(names, ok):
+                count_adapter(name, good)
         arrays: dict[str, Any] = {"id": _ids(w.table, d.id_column, w.spec.row_start)}
         for c in d.keep_columns:
             if c != "id":
@@ -128,6 +164,7 @@ def run_score_windows(plan, outdir, engine, todo, stop, progress) -> tuple[int, 
             cached_tokens=cached,
             generated_tokens=0,
             wall_time_s=round(time.time() - t0, 3),
+            rows_by_adapter=by_adapter,
         )
         with stop.saving():
             outdir.commit(w.spec.index, table, record)

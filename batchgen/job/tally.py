@@ -13,6 +13,35 @@ NUM_EXAMPLES = 3  # rows shown in the summary
 BASE_MODEL = "base model"  # the by-adapter key of rows without an adapter
 
 
+def count_adapter_row(counts: dict[str, dict[str, int]], name: str | None, ok: bool) -> None:
+    """Add one row of adapter ``name`` (None: the base model) to ``{name: {"ok": n, "error": m}}``."""
+    c = counts.setdefault(BASE_MODEL if name is None else name, {"ok": 0, "error": 0})
+    c["ok" if ok else "error"] += 1
+
+
+def window_adapter_rows(names: list[str | None], ok: list[bool]) -> dict[str, dict[str, int]]:
+    """A window's rows by adapter (``WindowRecord.rows_by_adapter``): row ``i`` names ``names[i]``."""
+    counts: dict[str, dict[str, int]] = {}
+    for name, good in zip(names, ok):
+        count_adapter_row(counts, name, good)
+    return counts
+
+
+def all_adapter_rows(records) -> tuple[dict[str, dict[str, int]], int]:
+    """Rows by adapter summed over committed windows (every run's), and how many windows had no counts."""
+    total: dict[str, dict[str, int]] = {}
+    uncounted = 0
+    for rec in records:
+        if rec.rows_by_adapter is None:
+            uncounted += 1
+            continue
+        for name, c in rec.rows_by_adapter.items():
+            t = total.setdefault(name, {"ok": 0, "error": 0})
+            t["ok"] += c["ok"]
+            t["error"] += c["error"]
+    return total, uncounted
+
+
 def error_key(msg: str) -> str:
     """An error message with its numbers blanked, to count errors of one kind together."""
     return re.sub(r"\d+", "N", msg)[:120]
@@ -38,8 +67,7 @@ class RowTally:
     def adapter_row(self, name: str | None, ok: bool) -> None:
         """One finished row naming adapter ``name`` (None: the base model), when counting by adapter."""
         if self.lora:
-            counts = self.by_adapter.setdefault(BASE_MODEL if name is None else name, {"ok": 0, "error": 0})
-            counts["ok" if ok else "error"] += 1
+            count_adapter_row(self.by_adapter, name, ok)
 
     def count(self, ok: bool, error: str | None) -> None:
         """One finished row: ``ok``, or failed with ``error`` (None: not counted as an error kind)."""

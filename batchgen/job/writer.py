@@ -12,6 +12,7 @@ from batchgen.data.output_dir import OutputDir
 from batchgen.data.parts import assemble_part, build_rows
 from batchgen.job.feeder import WindowWork
 from batchgen.job.plan import JobPlan
+from batchgen.job.tally import window_adapter_rows
 
 logger = logging.getLogger("batchgen.job")
 
@@ -41,6 +42,11 @@ class PartWriter:
             input_sha256=work.input_sha256,
             **asdict(st),
         )
+        if self.plan.cfg.model.lora_modules:  # rows per adapter, summed over runs by the report
+            status = table.column("status").to_pylist()
+            n = layout.n
+            ok = [all(s == "ok" for s in status[p * n : (p + 1) * n]) for p in range(spec.num_rows)]
+            record.rows_by_adapter = window_adapter_rows([r.lora_name for r in work.rows], ok)
         self.outdir.commit(spec.index, table, record)
         self.windows_done += 1
         self.rows_done += len(work.todo_positions) - len(work.checkpointed)  # those were counted then

@@ -18,12 +18,14 @@ all-reduce completes).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from batchgen.kernels.lora import LoRAPlan, LoRAWeights, add_lora_torch
+from batchgen.models.config import ModelConfig
 from batchgen.models.lora_adapter import LoRAAdapter, part_sizes, shard_part
 
 _LAYERS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -122,6 +124,17 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoRASlots:
 
     model.register_forward_pre_hook(read_plan)
     return LoRASlots(model, layers, state, max_loras, max_rank)
+
+
+def whole_model_config(path: str, config: ModelConfig) -> ModelConfig:
+    """The config adapters are parsed against: ``config`` itself, or, for a tensor-parallel rank's shard, the
+    whole model's (read from the checkpoint at ``path``) in the same dtype."""
+    if config.tp_size == 1:
+        return config
+    from batchgen.models.loader import check_tensor_parallel
+
+    whole = check_tensor_parallel(path, "native", config.tp_size)
+    return dataclasses.replace(whole, dtype=config.dtype)
 
 
 def _local_sizes(config, name: str, base: nn.Linear) -> list[int]:
