@@ -119,14 +119,10 @@ def _timed(fn) -> tuple[float, Any]:
     return time.perf_counter() - t0, result
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from batchgen.llm import LLM
-
-    load_start = list(os.getloadavg())
-    base = base_model(args.hidden, args.layers)
-    work = Path(args.workdir or cache_root() / "bench-lora-adapters")
-    ranks = [int(r) for r in args.ranks.split(",")][: args.adapters]
-    ranks += [ranks[-1]] * (args.adapters - len(ranks))
+def _adapters_and_merged(
+    base: str, work: Path, ranks: list[int]
+) -> tuple[list[LoRARequest], list[str], float]:
+    """One adapter per rank, and each merged into a full model copy with PEFT (the seconds that took)."""
     adapters, merged = [], []
     t_merge = 0.0
     for i, r in enumerate(ranks):
@@ -135,6 +131,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t, out = _timed(lambda path=path, i=i: merge_with_peft(base, path, work / f"merged-{i}"))
         t_merge += t
         merged.append(out)
+    return adapters, merged, t_merge
+
+
+def _run_separate(
+    merged: list[str], owner: list[int], prompts: list[list[int]], sp: SamplingParams, engine: dict[str, Any]
+) -> tuple[list[Any], float]:
+    """One engine per merged model, started, run over its adapter's rows, shut down, in turn: the outputs in
+    row order and the seconds spent starting engines."""
+    from batchgen.llm import LLM
+
+    outs: list[Any] = [None] * len(prompts)
+    loading = 0.0
+    for i, path in enumerate(merged):
+        t, llm = _timed(lambda path=path: LLM(path, **engine))
+        loading += t
+        rows = [j for j in range(len(prompts)) if owner[j] == i]
+        for j, o in zip(rows, llm.generate([prompts[j] for j in rows], sp, use_tqdm=False)):
+            outs[j] = o
+        del llm
+        gc.collect()
+    return outs, loading
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from batchgen.llm import LLM
+
+    load_start = list(os.getloadavg())
+    base = base_model(args.hidden, args.layers)
+    work = Path(args.workdir or cache_root() / "bench-lora-adapters")
+    ranks = [int(r) for r in args.ranks.split(",")][: args.adapters]
+    ranks += [ranks[-1]] * (args.adapters - len(ranks))
+    adapters, merged, t_merge = _adapters_and_merged(base, work, ranks)
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 4000) for _ in range(args.prompt_len)] for _ in range(args.rows)]
     owner = [i % args.adapters for i in range(args.rows)]
@@ -149,17 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_times: list[float] = []
 
     def run_separate() -> list[Any]:
-        """One engine per merged model, started, run over its adapter's rows, shut down, in turn."""
-        outs: list[Any] = [None] * args.rows
-        loading = 0.0
-        for i, path in enumerate(merged):
-            t, llm = _timed(lambda path=path: LLM(path, **engine))
-            loading += t
-            rows = [j for j in range(args.rows) if owner[j] == i]
-            for j, o in zip(rows, llm.generate([prompts[j] for j in rows], sp, use_tqdm=False)):
-                outs[j] = o
-            del llm
-            gc.collect()
+        outs, loading = _run_separate(merged, owner, prompts, sp, engine)
         load_times.append(loading)
         return outs
 
@@ -176,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_base, t_mixed, t_sep = (min(times[k]) for k in ("base", "mixed", "separate"))
     t_sep_load = load_times[times["separate"].index(t_sep)]
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(mixed_out, sep_out))
-    result = {
+    return {
         "config": vars(args),
         "ranks": ranks,
         "machine": machine_info(),
@@ -194,7 +212,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows_same_as_merged": same,
         "all_runs_s": times,
     }
-    return result
 
 
 def format_result(r: dict[str, Any]) -> str:

@@ -99,19 +99,8 @@ def part_sizes(config: ModelConfig, layer: str, layer_idx: int) -> tuple[int, li
     return None
 
 
-def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """Read and validate the adapter at ``path`` for a model of ``config`` (tensors in the model's dtype, on
-    the CPU). Raises :class:`LoRAAdapterError`."""
-    if config.tp_size != 1:
-        raise ValueError("load_adapter needs the whole model's config (tp_size 1); shard when loading a slot")
-    where = f"LoRA adapter {name!r} ({path})"
-    d = Path(path)
-    cfg = _read_config(d, where)
-    _check_config(cfg, where)
-    tensors = _read_tensors(d, where)
-    alpha = float(cfg.get("lora_alpha", cfg.get("r", 8)))
-    alpha_pattern: dict = cfg.get("alpha_pattern") or {}
-    rslora = bool(cfg.get("use_rslora", False))
+def _pairs(tensors: dict[str, Tensor], where: str) -> dict[str, tuple[Tensor, Tensor]]:
+    """The adapter's (lora_A, lora_B) per target module."""
     pairs: dict[str, dict[str, Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
@@ -121,34 +110,60 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
                 f"biases, modules_to_save, DoRA magnitudes or embeddings)"
             )
         pairs.setdefault(m.group(1), {})[m.group(2)] = t
-    adapter = LoRAAdapter(name, str(path))
-    for module, ab in sorted(pairs.items()):
+    for module, ab in pairs.items():
         if set(ab) != {"lora_A", "lora_B"}:
             raise LoRAAdapterError(f"{where}: module {module!r} has {sorted(ab)} but needs lora_A and lora_B")
-        a, b = ab["lora_A"], ab["lora_B"]
-        layer_idx, layer, part = _target(module, config, where)
+    return {module: (ab["lora_A"], ab["lora_B"]) for module, ab in pairs.items()}
+
+
+def _check_pair(
+    module: str, a: Tensor, b: Tensor, config: ModelConfig, max_rank: int, where: str
+) -> tuple[int, str, int | None, list[int]]:
+    """Where the pair goes (layer index, layer path, part or None, the layer's output sizes), after checking
+    its shapes and rank against the model."""
+    layer_idx, layer, part = _target(module, config, where)
+    r = a.shape[0]
+    if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
+        raise LoRAAdapterError(
+            f"{where}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not pair"
+        )
+    if r > max_rank:
+        raise LoRAAdapterError(
+            f"{where}: {module} has rank {r} > max_lora_rank={max_rank}; raise max_lora_rank to at least {r}"
+        )
+    sizes = part_sizes(config, layer, layer_idx)
+    if sizes is None:
+        raise LoRAAdapterError(
+            f"{where}: {module}: layer {layer_idx}'s MLP is a mixture of experts; LoRA on experts is not "
+            f"supported (attention projections are)"
+        )
+    in_features, outs = sizes
+    expected_out = outs[part] if part is not None else sum(outs)
+    if a.shape[1] != in_features or b.shape[0] != expected_out:
+        raise LoRAAdapterError(
+            f"{where}: {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit this model "
+            f"(expected [r, {in_features}] / [{expected_out}, r]); was the adapter trained on another base model?"
+        )
+    return layer_idx, layer, part, list(outs)
+
+
+def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """Read and validate the adapter at ``path`` for a model of ``config`` (tensors in the model's dtype, on
+    the CPU). Raises :class:`LoRAAdapterError`."""
+    if config.tp_size != 1:
+        raise ValueError("load_adapter needs the whole model's config (tp_size 1); shard when loading a slot")
+    where = f"LoRA adapter {name!r} ({path})"
+    d = Path(path)
+    cfg = _read_config(d, where)
+    _check_config(cfg, where)
+    pairs = _pairs(_read_tensors(d, where), where)
+    alpha = float(cfg.get("lora_alpha", cfg.get("r", 8)))
+    alpha_pattern: dict = cfg.get("alpha_pattern") or {}
+    rslora = bool(cfg.get("use_rslora", False))
+    adapter = LoRAAdapter(name, str(path))
+    for module, (a, b) in sorted(pairs.items()):
+        layer_idx, layer, part, outs = _check_pair(module, a, b, config, max_rank, where)
         r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
-            raise LoRAAdapterError(
-                f"{where}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not pair"
-            )
-        if r > max_rank:
-            raise LoRAAdapterError(
-                f"{where}: {module} has rank {r} > max_lora_rank={max_rank}; raise max_lora_rank to at least {r}"
-            )
-        sizes = part_sizes(config, layer, layer_idx)
-        if sizes is None:
-            raise LoRAAdapterError(
-                f"{where}: {module}: layer {layer_idx}'s MLP is a mixture of experts; LoRA on experts is not "
-                f"supported (attention projections are)"
-            )
-        in_features, outs = sizes
-        expected_out = outs[part] if part is not None else sum(outs)
-        if a.shape[1] != in_features or b.shape[0] != expected_out:
-            raise LoRAAdapterError(
-                f"{where}: {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit this model "
-                f"(expected [r, {in_features}] / [{expected_out}, r]); was the adapter trained on another base model?"
-            )
         module_alpha = float(alpha_pattern[k]) if (k := _pattern_key(alpha_pattern, module)) else alpha
         scale = module_alpha / (math.sqrt(r) if rslora else r)
         a = a.to(config.dtype)
