@@ -33,7 +33,7 @@ from typing import Any
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.stats import _COUNTERS, EngineStats
 from batchgen.errors import ConfigError, WorkerLost
-from batchgen.job.feeder import StopFlag, WindowWork
+from batchgen.job.feeder import StopFlag, WindowWork, pull_window
 from batchgen.job.replica import ReplicaReport, ReplicaSetup, WindowRequests
 
 logger = logging.getLogger("batchgen.job")
@@ -199,20 +199,16 @@ class Coordinator:
         """The next window with rows to run (a requeued one first); windows without any finish at once."""
         if self.requeue:
             return self.requeue.popleft()
-        while not self.exhausted:
-            work = self.next_window()
-            if work is None:
-                self.exhausted = True
-                return None
-            work.started_at = time.monotonic()
-            if work.done:
-                work.finished_at = work.started_at
-                self._ready.append(work)
-                continue
-            self.order[work.spec.index] = list(work.feed)
-            work.feed.clear()  # the rows are the replica's to feed; `pending` counts them until done
-            self.active[work.spec.index] = work
-            return work
+        if self.exhausted:
+            return None
+        work = pull_window(self.next_window, self._ready)
+        if work is None:
+            self.exhausted = True
+            return None
+        self.order[work.spec.index] = list(work.feed)
+        work.feed.clear()  # the rows are the replica's to feed; `pending` counts them until done
+        self.active[work.spec.index] = work
+        return work
         return None
 
     def _hand_out(self) -> None:

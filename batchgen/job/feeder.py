@@ -176,6 +176,18 @@ class StopFlag(Protocol):
     def deadline(self) -> float | None: ...
 
 
+def pull_window(next_window: Callable[[], WindowWork | None], ready: deque[WindowWork]) -> WindowWork | None:
+    """The next window with rows to run, stamped started (None: no windows left); a window without any is
+    stamped finished as it comes and appended to `ready`."""
+    while (work := next_window()) is not None:
+        work.started_at = time.monotonic()
+        if not work.done:
+            return work
+        work.finished_at = work.started_at
+        ready.append(work)
+    return None
+
+
 class EngineFeeder:
     """Drive `engine` over the windows produced by `next_window` (None = no more windows).
 
@@ -227,19 +239,14 @@ class EngineFeeder:
 
     def _pull(self) -> WindowWork | None:
         """The next window with rows to feed; windows without valid rows finish at once."""
-        while not self.exhausted and not self._stopping():
-            work = self.next_window()
-            if work is None:
-                self.exhausted = True
-                return None
-            work.started_at = time.monotonic()
-            if work.done:
-                work.finished_at = work.started_at
-                self._ready.append(work)
-                continue
-            self.active[work.spec.index] = work
-            return work
-        return None
+        if self.exhausted or self._stopping():
+            return None
+        work = pull_window(self.next_window, self._ready)
+        if work is None:
+            self.exhausted = True
+            return None
+        self.active[work.spec.index] = work
+        return work
 
     def _admit(self) -> None:
         """Add requests up to ``max_in_flight``; after a stop, only rows of windows already started (``_pull``

@@ -110,16 +110,7 @@ def run_replicas(job: Any, works: Any, first: list[WindowWork], tokenizer: Any, 
         raise ConfigError("a job over engine replicas starts its own engines: pass no engine to run_job")
     cfg = plan.cfg
     ahead = ReadAhead(works)
-    queue = iter(first)
-
-    def next_window() -> WindowWork | None:
-        work = next(queue, None) or next(ahead, None)
-        if work is not None:
-            for p in work.todo_positions:
-                r = work.rows[p]
-                if r.error is not None:
-                    job._count(False, r.error)
-        return work
+    next_window = job.window_source(first, ahead)
 
     def on_ready(max_model_len: int) -> None:
         plan.prompt_spec.max_model_len = max_model_len

@@ -45,6 +45,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -279,18 +280,7 @@ class _Job:
         before = engine.stats.snapshot()
         t_run = time.monotonic()
         self.progress = self._progress(initial=m.rows_done - retry_rows)
-        queue = iter(first)
-
-        def next_window() -> WindowWork | None:
-            work = next(queue, None) or next(ahead, None)
-            if work is not None:
-                for p in work.todo_positions:
-                    r = work.rows[p]
-                    if r.error is not None:
-                        self._count(False, r.error, r.lora_name)
-            return work
-
-        self._generate(engine, next_window)
+        self._generate(engine, self.window_source(first, ahead))
         self.progress.close()
         self.progress = None
         return self._end(engine, before, t_run)
@@ -414,6 +404,22 @@ class _Job:
             status, wall, {"startup_s": round(t_run - self.t_start, 3)}, engine.stats.delta(before)
         )
         return self._finish(report)
+
+    def window_source(self, first: list[WindowWork], ahead: ReadAhead) -> Callable[[], WindowWork | None]:
+        """The windows to run, in order (the preflight's `first`, then those `ahead` reads), as a function
+        returning the next one (None at the end); rows already invalid are counted as each window comes."""
+        queue = iter(first)
+
+        def next_window() -> WindowWork | None:
+            work = next(queue, None) or next(ahead, None)
+            if work is not None:
+                for p in work.todo_positions:
+                    r = work.rows[p]
+                    if r.error is not None:
+                        self._count(False, r.error, r.lora_name)
+            return work
+
+        return next_window
 
     def _count(self, ok: bool, error: str | None, lora_name: str | None = None) -> None:
         self.tally.count(ok, error)

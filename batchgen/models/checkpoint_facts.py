@@ -40,10 +40,7 @@ def checkpoint_facts(path: str | Path, implementation: str = "auto") -> Checkpoi
         return _native_facts(ModelConfig.from_pretrained(path))
     except NativeUnsupportedError as e:
         if implementation == "native":
-            raise NativeUnsupportedError(
-                f"{e}. Use model.implementation=transformers (or auto) to run it with transformers' "
-                "modeling code over batchgen's engine"
-            ) from e
+            raise e.for_native_only() from e
         native = e
     try:
         return _transformers_facts(Path(path))

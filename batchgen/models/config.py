@@ -63,6 +63,13 @@ _DTYPES: dict[str, torch.dtype] = {
 class NativeUnsupportedError(ValueError):
     """The checkpoint has no exact native implementation here (the transformers backend may still run it)."""
 
+    def for_native_only(self) -> NativeUnsupportedError:
+        """The error for a caller who asked for ``implementation=native``: says how to run it anyway."""
+        return NativeUnsupportedError(
+            f"{self}. Use model.implementation=transformers (or auto) to run it with transformers' "
+            "modeling code over batchgen's engine"
+        )
+
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     """'float32' / 'bfloat16' / 'float16' (also 'torch.float16', 'bf16', ...) or a torch.dtype."""

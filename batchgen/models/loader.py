@@ -215,10 +215,7 @@ def load_model(
         config = ModelConfig.from_pretrained(ckpt)
     except NativeUnsupportedError as e:
         if implementation == "native":
-            raise NativeUnsupportedError(
-                f"{e}. Use model.implementation=transformers (or auto) to run it with transformers' "
-                "modeling code over batchgen's engine"
-            ) from e
+            raise e.for_native_only() from e
         from batchgen.models.transformers_backend import load_transformers_model
 
         logger.info("no native implementation (%s): using the transformers backend", e)
