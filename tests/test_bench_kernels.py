@@ -96,3 +96,16 @@ def test_cuda_code_path_smoke_on_cpu(monkeypatch, tmp_path):
     path = tmp_path / "bench.json"
     bench._write_json(path, "cpu", None, 1e9, decode, prefill)
     assert '"batch": 2' in path.read_text()
+
+
+def test_cpu_cascade_mode_times_every_path(monkeypatch):
+    from batchgen.kernels import cpu_kernel
+
+    if cpu_kernel.compiler() is None:
+        pytest.skip("no C compiler: the CPU kernel cannot be built")
+    monkeypatch.setattr(bench, "CPU_CASCADE_CASES", ((8, 2, 3, 1),))
+    keep = cpu_kernel.CASCADE_MIN_GROUP_BLOCKS
+    lines = bench.run_cpu_cascade(repeats=1)
+    assert cpu_kernel.CASCADE_MIN_GROUP_BLOCKS == keep  # restored after the forced cascade
+    assert "cascade+kernel" in lines[1] and len(lines) == 3
+    assert len(lines[2].split()) == 11 and all(float(x) > 0 for x in lines[2].split()[-4:])

@@ -401,6 +401,77 @@ def run_cpu_decode(repeats: int = 10) -> list[str]:
     return lines
 
 
+# (sequences, groups, shared prefix blocks per group, own blocks per sequence)
+CPU_CASCADE_CASES = (
+    (32, 4, 21, 3),
+    (64, 4, 21, 3),
+    (64, 4, 21, 8),
+    (256, 4, 21, 3),
+    (64, 2, 64, 4),
+    (16, 1, 64, 2),
+)
+
+
+def _cascade_case(num_seqs: int, groups: int, prefix: int, own: int, seed: int):
+    """One layer's decode batch whose sequences, in `groups` interleaved groups, share `prefix` blocks."""
+    from batchgen.kernels import PagedKV
+
+    gen = torch.Generator().manual_seed(seed)
+    bs, hq, hkv, d = (CPU_SHAPE[k] for k in ("block_size", "num_q_heads", "num_kv_heads", "head_dim"))
+    num_blocks = groups * prefix + num_seqs * own
+    k = torch.randn(num_blocks, bs, hkv, d, generator=gen)
+    v = torch.randn(num_blocks, bs, hkv, d, generator=gen)
+    tables = torch.empty(num_seqs, prefix + own, dtype=torch.int32)
+    for b in range(num_seqs):
+        tables[b, :prefix] = torch.arange(prefix) + (b % groups) * prefix
+        tables[b, prefix:] = torch.arange(own) + groups * prefix + b * own
+    lens = (prefix + own - 1) * bs + 1 + torch.randint(0, bs, (num_seqs,), generator=gen).int()
+    return torch.randn(num_seqs, hq, d, generator=gen), PagedKV(k, v, tables, lens)
+
+
+def run_cpu_cascade(repeats: int = 10) -> list[str]:
+    """Decode over groups sharing a prefix, one layer, float32: the C kernel reading every block; the cascade
+    (each group's prefix once, by the CPU flash op) with its suffixes by gather + SDPA or by the C kernel in
+    place; and what the engine's call picks. Medians of ``repeats`` interleaved calls, ms wall."""
+    from batchgen.kernels import cpu_kernel, torch_backend
+    from batchgen.kernels.options import AttentionOptions
+
+    if cpu_kernel.library() is None:
+        return ["the CPU kernel is unavailable here (no compiler, or BATCHGEN_CPU_KERNEL=0)"]
+    ws, opt = torch_backend.Workspace(), AttentionOptions(0.125)
+
+    def every_group(q, kv):  # the cascade with the kernel over every group, however little it saves
+        keep, cpu_kernel.CASCADE_MIN_GROUP_BLOCKS = cpu_kernel.CASCADE_MIN_GROUP_BLOCKS, 0
+        try:
+            return torch_backend._decode_cascade(q, kv, 0.125, ws, None, 0.0, True)
+        finally:
+            cpu_kernel.CASCADE_MIN_GROUP_BLOCKS = keep
+
+    modes = {
+        "kernel": lambda q, kv: cpu_kernel.decode(q, kv, opt),
+        "cascade+sdpa": lambda q, kv: torch_backend._decode_cascade(q, kv, 0.125, ws, None, 0.0),
+        "cascade+kernel": every_group,
+        "engine": lambda q, kv: torch_backend.paged_decode_attention(q, kv, opt, workspace=ws, plan_cache={}),
+    }
+    lines = [
+        f"decode attention over shared prefixes, one layer, {torch.get_num_threads()} threads, {CPU_SHAPE}; "
+        "median ms wall",
+        f"{'seqs x groups, prefix + own blocks':36} {'saved':>6} " + " ".join(f"{m:>15}" for m in modes),
+    ]
+    for i, (num_seqs, groups, prefix, own) in enumerate(CPU_CASCADE_CASES):
+        q, kv = _cascade_case(num_seqs, groups, prefix, own, seed=i)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(repeats + 1):
+            for name, fn in modes.items():
+                t = time.perf_counter()
+                fn(q, kv)
+                times[name].append(time.perf_counter() - t)
+        saved = (num_seqs - groups) * prefix / (num_seqs * (prefix + own))
+        cells = " ".join(f"{sorted(t[1:])[repeats // 2] * 1e3:15.2f}" for t in times.values())
+        lines.append(f"{f'{num_seqs} x {groups}, {prefix} + {own}':36} {saved:6.2f} {cells}")
+    return lines
+
+
 def _peak_for(name: str) -> float | None:
     for key, value in PEAK_BANDWIDTH.items():
         if key in name:
@@ -478,7 +549,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-decode", action="store_true", help="CPU decode: the C kernel vs the torch path, one layer"
     )
+    parser.add_argument(
+        "--cpu-cascade", action="store_true", help="CPU decode over shared prefixes: kernel vs cascades"
+    )
     args = parser.parse_args(argv)
+    if args.cpu_cascade:
+        for line in run_cpu_cascade():
+            print(line, flush=True)
+        return 0
     if args.dry_run:
         print_dry_run()
         return 0
