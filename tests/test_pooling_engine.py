@@ -1,0 +1,92 @@
+"""Pooling requests inside the paged engine: they get no logit row and sample nothing; the step that completes
+a pooling request's prompt finishes it from its pooled hidden state, and generation rows in the same steps
+are unaffected."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from batchgen import SamplingParams
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.pooling import PoolingState
+
+GEN = [[1, 5, 9, 33, 7], list(range(10, 40)), [4, 4, 4, 100, 200]]
+POOL = [[3, 8, 21, 5, 6, 7], list(range(50, 75)), [9] * 4]
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+def _engine(path: str, **kw) -> LLMEngine:
+    cfg = EngineConfig(device="cpu", num_blocks=64, block_size=8, max_num_batched_tokens=32, **kw)
+    return LLMEngine(path, cfg)
+
+
+def _record_steps(engine: LLMEngine) -> list:
+    """Every (StepInput, RunnerOutput) the engine's runner executes."""
+    seen: list = []
+    execute = engine.runner.execute
+
+    def recording(step):
+        out = execute(step)
+        seen.append((step, out))
+        return out
+
+    engine.runner.execute = recording
+    return seen
+
+
+def _run(engine: LLMEngine) -> dict:
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            done[o.request_id] = o
+    return done
+
+
+def test_pooling_rows_get_no_logits_and_leave_generation_unchanged(llama_ckpt: str) -> None:
+    alone = _engine(llama_ckpt)
+    for i, p in enumerate(GEN):
+        alone.add_request(f"g{i}", p, GREEDY)
+    want = {k: o.outputs[0].token_ids for k, o in _run(alone).items()}
+
+    engine = _engine(llama_ckpt)
+    steps = _record_steps(engine)
+    states = {}
+    for i, (g, p) in enumerate(zip(GEN, POOL)):
+        engine.add_request(f"g{i}", g, GREEDY)
+        states[f"p{i}"] = PoolingState("mean" if i == 1 else "last")
+        engine.add_request(f"p{i}", p, pooling=states[f"p{i}"])
+    done = _run(engine)
+    assert {k: o.outputs[0].token_ids for k, o in done.items() if k.startswith("g")} == want
+    for k in states:  # pooling requests finish with no token
+        assert done[k].error is None and done[k].outputs[0].token_ids == []
+    assert engine.stats.generated_tokens == sum(len(t) for t in want.values())
+    # every step's logit rows are exactly its sampled generation rows
+    for step, out in steps:
+        if step.forward is not None:
+            assert step.forward.last.numel() == step.sampling.num_rows == len(out.token_ids)
+    # the vectors are transformers' final hidden states
+    ref = transformers.AutoModel.from_pretrained(llama_ckpt).eval()
+    for i, p in enumerate(POOL):
+        with torch.no_grad():
+            h = ref(input_ids=torch.tensor([p])).last_hidden_state[0]
+        want_vec = h.mean(0) if i == 1 else h[-1]
+        torch.testing.assert_close(states[f"p{i}"].vector, want_vec, atol=1e-4, rtol=1e-4)
+
+
+def test_a_pooling_only_step_has_zero_logit_rows(llama_ckpt: str) -> None:
+    engine = _engine(llama_ckpt, max_model_len=16)
+    steps = _record_steps(engine)
+    state = PoolingState("last")
+    # a pooling prompt may fill the whole context: no token is generated after it
+    engine.add_request("p", list(range(3, 19)), pooling=state)
+    done = _run(engine)
+    assert done["p"].error is None and state.vector is not None
+    forwards = [(s, o) for s, o in steps if s.forward is not None]
+    assert forwards
+    for step, out in forwards:
+        assert step.forward.last.numel() == 0
+        assert step.sampling.num_rows == 0 and step.sampling.num_beam_rows == 0
+        assert out.token_ids == [] and out.pooled is not None
+    assert engine.stats.generated_tokens == 0
