@@ -65,7 +65,11 @@ def test_embeddings_match_automodel(root, arch, model_class, impl):
 
 @pytest.mark.parametrize(
     "arch,model_class,num_labels",
-    [("gpt_neox", "GPTNeoXForSequenceClassification", 3), ("olmo2", "Olmo2ForSequenceClassification", 1)],
+    [
+        ("gpt_neox", "GPTNeoXForSequenceClassification", 3),
+        ("olmo2", "Olmo2ForSequenceClassification", 1),
+        ("starcoder2", "Starcoder2ForSequenceClassification", 2),  # no labels in config.json: 2, LABEL_i
+    ],
 )
 def test_classifier_and_reward_match_transformers(root, arch, model_class, num_labels):
     kw = {"num_labels": num_labels}
@@ -87,6 +91,8 @@ def test_classifier_and_reward_match_transformers(root, arch, model_class, num_l
         torch.testing.assert_close(torch.tensor(o.outputs.probs), want, atol=1e-4, rtol=0)
         if num_labels == 3:
             assert o.outputs.label == zoo.LABELS3[int(logits.argmax())]
+        if num_labels == 2:
+            assert o.outputs.label == f"LABEL_{int(logits.argmax())}"
 
 
 def test_native_only_is_refused_for_a_family_without_native_code(root):

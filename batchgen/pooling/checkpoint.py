@@ -81,7 +81,8 @@ def read_checkpoint(path: str | Path) -> CheckpointPooling:
     model_type = str(config.get("model_type", ""))
     pooling, normalize, max_len = _sentence_transformers(ckpt)
     id2label = config.get("id2label") or {}
-    num_labels = int(config.get("num_labels", len(id2label) or 0))
+    # transformers' default is 2 labels: its configs leave num_labels and id2label out then
+    num_labels = int(config.get("num_labels") or len(id2label) or 2)
     labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels)]
     return CheckpointPooling(
         path=ckpt,
