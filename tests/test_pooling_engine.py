@@ -4,16 +4,21 @@ are unaffected."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
 from batchgen import SamplingParams
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.pooling import PoolingState
 
 GEN = [[1, 5, 9, 33, 7], list(range(10, 40)), [4, 4, 4, 100, 200]]
-POOL = [[3, 8, 21, 5, 6, 7], list(range(50, 75)), [9] * 4]
+# the 110-token CLS prompt is prefilled in chunks (22 + 29 + 29 + 29 tokens beside the decodes, 32-token
+# budget) and ends with a one-token chunk in a step of two decodes: a decode-only step of 3 rows
+POOL = [[3, 8, 21, 5, 6, 7], list(range(50, 75)), list(range(100, 210))]
+METHODS = ["last", "mean", "cls"]
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 
@@ -44,7 +49,13 @@ def _run(engine: LLMEngine) -> dict:
     return done
 
 
-def test_pooling_rows_get_no_logits_and_leave_generation_unchanged(llama_ckpt: str) -> None:
+@pytest.mark.parametrize("padded", [False, True])
+def test_pooling_rows_get_no_logits_and_leave_generation_unchanged(
+    llama_ckpt: str, padded, monkeypatch
+) -> None:
+    """``padded``: decode-only steps padded to a bucket (the CUDA-graph path's layout, here on the CPU), with
+    a pooling chunk of one token among them."""
+    monkeypatch.setattr(ModelRunner, "pad_on_cpu", padded)
     alone = _engine(llama_ckpt)
     for i, p in enumerate(GEN):
         alone.add_request(f"g{i}", p, GREEDY)
@@ -55,7 +66,7 @@ def test_pooling_rows_get_no_logits_and_leave_generation_unchanged(llama_ckpt: s
     states = {}
     for i, (g, p) in enumerate(zip(GEN, POOL)):
         engine.add_request(f"g{i}", g, GREEDY)
-        states[f"p{i}"] = PoolingState("mean" if i == 1 else "last")
+        states[f"p{i}"] = PoolingState(METHODS[i])
         engine.add_request(f"p{i}", p, pooling=states[f"p{i}"])
     done = _run(engine)
     assert {k: o.outputs[0].token_ids for k, o in done.items() if k.startswith("g")} == want
@@ -63,15 +74,20 @@ def test_pooling_rows_get_no_logits_and_leave_generation_unchanged(llama_ckpt: s
         assert done[k].error is None and done[k].outputs[0].token_ids == []
     assert engine.stats.generated_tokens == sum(len(t) for t in want.values())
     # every step's logit rows are exactly its sampled generation rows
+    decode_only_with_pooling = False
     for step, out in steps:
         if step.forward is not None:
             assert step.forward.last.numel() == step.sampling.num_rows == len(out.token_ids)
+            fwd = step.forward
+            if fwd.meta.num_decode_seqs == fwd.num_seqs and fwd.last.numel() < fwd.num_seqs:
+                decode_only_with_pooling = True
+    assert decode_only_with_pooling
     # the vectors are transformers' final hidden states
     ref = transformers.AutoModel.from_pretrained(llama_ckpt).eval()
     for i, p in enumerate(POOL):
         with torch.no_grad():
             h = ref(input_ids=torch.tensor([p])).last_hidden_state[0]
-        want_vec = h.mean(0) if i == 1 else h[-1]
+        want_vec = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[METHODS[i]]
         torch.testing.assert_close(states[f"p{i}"].vector, want_vec, atol=1e-4, rtol=1e-4)
 
 

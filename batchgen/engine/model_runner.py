@@ -258,8 +258,9 @@ class ModelRunner:
             ids, pos, meta = self.pad_decode_batch(ids, pos, meta, bucket)
             if self.use_cuda_graphs and not self._graphs_failed:
                 hidden = self._run_graph(ids, pos, meta, bucket)
-                if hidden is not None:
-                    return self.model.compute_logits(hidden[last]).float(), None, None
+                if hidden is not None:  # (no logit rows: only pooling chunks of one token, e.g. CLS's last)
+                    logits = self.model.compute_logits(hidden[last]).float() if last.numel() else None
+                    return logits, None, None
         hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache, lora=fwd.lora))
         prompt = prompt_logprobs.compute(self.model, hidden, fwd.prompt) if fwd.prompt else None
         pooled = pooling.compute(hidden, fwd.pool) if fwd.pool else None
