@@ -119,23 +119,29 @@ def _derived(cfg: JobConfig, reqs: BatchRequests, book: str) -> JobConfig:
     return dataclasses.replace(cfg, data=data, sampling=sampling, run=run)
 
 
+def _check(job: JobConfig) -> None:
+    """Refuse a batch-file job that cannot run (ConfigError naming the key)."""
+    d = job.data
+    if not str(d.output).lower().endswith(".jsonl"):
+        raise ConfigError(
+            f"data.input {d.input!r} is an OpenAI batch file: data.output must name the results file "
+            "(e.g. data.output=results.jsonl)"
+        )
+    if d.shard.count != 1:
+        raise ConfigError("OpenAI batch files run as one shard: set data.shard.count=1")
+    if job.task not in TASK_ENDPOINTS:
+        raise ConfigError(
+            f"OpenAI batch files run with task=generate (chat / completions) or task=embed (embeddings), "
+            f"not task={job.task}"
+        )
+
+
 def run_openai_batch(cfg: Any, run: Callable[[JobConfig], JobResult]) -> JobResult:
     """Run the batch file job described by `cfg` with `run` (:func:`batchgen.job.run.run_job`)."""
     try:
         job = to_job_config(cfg)
         d = job.data
-        if not str(d.output).lower().endswith(".jsonl"):
-            raise ConfigError(
-                f"data.input {d.input!r} is an OpenAI batch file: data.output must name the results file "
-                "(e.g. data.output=results.jsonl)"
-            )
-        if d.shard.count != 1:
-            raise ConfigError("OpenAI batch files run as one shard: set data.shard.count=1")
-        if job.task not in TASK_ENDPOINTS:
-            raise ConfigError(
-                f"OpenAI batch files run with task=generate (chat / completions) or task=embed (embeddings), "
-                f"not task={job.task}"
-            )
+        _check(job)
         opts = dict(d.storage_options)
         reqs = parse_requests(_lines(str(d.input), opts), job.task)
         for msg in reqs.bad_lines:
