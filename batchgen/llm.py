@@ -60,7 +60,9 @@ class LLM:
         self.task = resolve_task(model, task)
         self.pooler: PoolingRunner | None = None
         if self.task in POOLING_TASKS:
-            self.pooler = PoolingRunner(read_checkpoint(model), self.task, config, dtype, tokenizer)
+            self.pooler = PoolingRunner(
+                read_checkpoint(model), self.task, config, dtype, tokenizer, model_impl
+            )
             self.engine = self.pooler.engine  # None for encoders (they run outside the paged engine)
         else:
             self.engine = LLMEngine(

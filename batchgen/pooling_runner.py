@@ -9,12 +9,14 @@ most ``engine.max_num_batched_tokens`` tokens and ``engine.max_num_seqs`` rows);
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from batchgen import threads
 from batchgen.engine.config import EngineConfig
 from batchgen.pooling.checkpoint import CheckpointPooling
 from batchgen.pooling.encoder import length_batches, load_encoder
@@ -43,10 +45,11 @@ class PoolingRunner:
         engine_config: EngineConfig | None = None,
         dtype: str = "auto",
         tokenizer: str | None = None,
+        implementation: str = "auto",
     ) -> None:
         from batchgen.engine.llm_engine import LLMEngine, resolve_device
         from batchgen.models.loader import load_tokenizer
-        from batchgen.pooling.decoder import load_pooling_decoder
+        from batchgen.pooling.decoder import check_pooling_decoder, load_pooling_decoder
 
         self.info, self.task = info, task
         self.config = config = engine_config or EngineConfig()
@@ -58,23 +61,36 @@ class PoolingRunner:
         self.engine = None
         self.encoder = None
         if info.is_encoder:
-            self.encoder = load_encoder(info, dtype, resolve_device(config.device))
+            if config.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"{info.path}: encoder models ({info.model_type}) run on one device (they are small and run "
+                    "outside the paged engine); set engine.tensor_parallel_size=1"
+                )
+            if implementation == "native":
+                raise ValueError(
+                    f"{info.path}: encoder models ({info.model_type}) run with transformers' modeling code; use "
+                    "model.implementation=auto or transformers"
+                )
+            device = resolve_device(config.device)
+            threads.apply(device)  # the engine's CPU thread policy (the encoder runs outside the engine)
+            self.encoder = load_encoder(info, dtype, device)
             self.tokenizer = load_tokenizer(tokenizer or str(info.path))
             self.max_model_len = min(
                 config.max_model_len or self.encoder.max_model_len, self.encoder.max_model_len
             )
             self.hidden_size = self.encoder.hidden_size
         else:
+            check_pooling_decoder(info, implementation, config.tensor_parallel_size)
             self.engine = LLMEngine(
                 str(info.path),
                 config,
                 dtype=dtype,
                 tokenizer=tokenizer,
-                load=lambda device: load_pooling_decoder(info, dtype, device),
+                load=functools.partial(load_pooling_decoder, info, dtype, implementation),
             )
             self.tokenizer = self.engine.tokenizer
             limit = info.max_seq_length or self.engine.max_model_len
-            self.max_model_len = min(limit, self.engine.max_model_len - 1)  # the engine samples one token
+            self.max_model_len = min(limit, self.engine.max_model_len)
             self.hidden_size = self.engine.model.config.hidden_size
 
     def spec(self, params: PoolingParams | None) -> PoolingSpec:
@@ -168,11 +184,12 @@ class PoolingRunner:
         assert engine is not None
         base = engine.stats.num_requests
         states: dict[str, tuple[int, PoolingState]] = {}
+        pad = self.info.pad_token_id if self.task == "classify" else None
         # rows sharing a prefix next to each other: the prefix cache serves them (last-token pooling)
         for i in sorted(todo, key=lambda i: list(token_lists[i])):
             rid = f"pool-{base + i}"
             states[rid] = (i, PoolingState(spec.method))
-            engine.add_request(rid, list(token_lists[i]), pooling=states[rid][1])
+            engine.add_request(rid, head_tokens(token_lists[i], pad), pooling=states[rid][1])
         try:
             while engine.has_unfinished():
                 finished = engine.step()
@@ -190,3 +207,16 @@ class PoolingRunner:
         finally:
             for rid in states:
                 engine.abort_request(rid)
+
+
+def head_tokens(tokens: Sequence[int], pad: int | None) -> list[int]:
+    """The tokens up to the one a decoder classifier's head reads: transformers' ``*ForSequenceClassification``
+    scores the last token that is not ``pad`` (the first when all are), and a causal model's hidden state
+    there does not depend on the tokens after it."""
+    toks = list(tokens)
+    if pad is None:
+        return toks
+    n = len(toks)
+    while n > 0 and toks[n - 1] == pad:
+        n -= 1
+    return toks[: max(n, 1)]

@@ -101,7 +101,7 @@ def test_chat_batch_file_runs_and_validates(llama_ckpt: str, tmp_path: Path) -> 
             openai_types.BatchError.model_validate(x["error"])
             assert x["response"] is None
     assert "line 3" in by[2]["error"]["message"] and "not valid JSON" in by[2]["error"]["message"]
-    assert "unsupported endpoint /v1/embeddings" in by[4]["error"]["message"]
+    assert "/v1/embeddings needs a job with task=embed" in by[4]["error"]["message"]
     assert "unsupported parameter 'tools'" in by[5]["error"]["message"]
     assert "duplicate custom_id" in by[6]["error"]["message"]
     # greedy request: the chat template's tokens, generated like batchgen.LLM does

@@ -1,7 +1,10 @@
 """OpenAI Batch API files: request lines → job rows, output rows → response lines.
 
 Input: one JSON object per line, ``{custom_id, method: POST, url, body}`` with ``url`` ``/v1/chat/completions``
-(``body.messages`` through the chat template) or ``/v1/completions`` (``body.prompt``). Invariants:
+(``body.messages`` through the chat template) or ``/v1/completions`` (``body.prompt``) for a generation job, or
+``/v1/embeddings`` (``body.input``: a string or a list of one string; ``dimensions``; ``encoding_format``
+``float`` or ``base64``) for a ``task=embed`` job. A line for an endpoint the job's task does not serve is an
+error line. Invariants:
 - Every line becomes exactly one row, in file order, and later exactly one output line: a request that cannot
   run (not JSON, unsupported endpoint or parameter, a bad body, a duplicate ``custom_id``) is a row carrying
   its ``request_error``, written as a line with ``error`` set. A line that is not JSON has no ``custom_id``; its
@@ -10,15 +13,20 @@ Input: one JSON object per line, ``{custom_id, method: POST, url, body}`` with `
   column): ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
   ``presence_penalty``, ``frequency_penalty``, ``logprobs``/``top_logprobs``, ``response_format``
   (``json_schema`` → its schema, ``json_object`` → any JSON object) → structured outputs. ``n`` is one value per
-  file (the job's ``sampling.n``); a request asking another ``n`` fails alone.
+  file (the job's ``sampling.n``); a request asking another ``n`` fails alone. Likewise an embeddings
+  request's ``dimensions`` (the job's ``pooling.dimensions``).
 - Output bodies are ``chat.completion`` / ``text_completion`` objects whose ids derive from the ``custom_id``
-  and the line, so writing the file again (a resumed job) gives the same ids.
+  and the line, so writing the file again (a resumed job) gives the same ids; an embeddings request's body is
+  OpenAI's embeddings response (``{"object": "list", "data": [{"object": "embedding", "index": 0,
+  "embedding": [...]}], "model", "usage"}``).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +37,9 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 EMBEDDINGS_URL = "/v1/embeddings"
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+TASK_ENDPOINTS = {"generate": ENDPOINTS, "embed": (EMBEDDINGS_URL,)}
+"""The endpoints a job of each task serves."""
+_ENCODINGS = ("float", "base64")
 
 _SAMPLING_KEYS = {"temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty"}
 _IGNORED = {"model", "user", "metadata", "store", "stream", "stream_options", "service_tier", "n",
@@ -47,6 +58,7 @@ REQUEST_SCHEMA = pa.schema(
         ("messages", pa.string()),
         ("sampling", pa.string()),
         ("top_logprobs", pa.int32()),
+        ("encoding_format", pa.string()),
         ("request_error", pa.string()),
     ]
 )
@@ -55,14 +67,15 @@ REQUEST_SCHEMA = pa.schema(
 
 @dataclass
 class BatchRequests:
-    """A parsed request file: its rows (:data:`REQUEST_SCHEMA`), the endpoint it runs, its ``n``, and whether
-    any request asks for logprobs."""
+    """A parsed request file: its rows (:data:`REQUEST_SCHEMA`), the endpoint it runs, its ``n``, whether
+    any request asks for logprobs, and its embeddings' ``dimensions`` (None: the model's size)."""
 
     table: pa.Table
     endpoint: str
     n: int = 1
     logprobs: bool = False
     bad_lines: list[str] = field(default_factory=list)
+    dimensions: int | None = None
 
 
 class _Bad(ValueError):
@@ -126,7 +139,26 @@ def _sampling(body: dict, chat: bool) -> tuple[dict[str, Any], int | None]:
     return out, top
 
 
-def _parse_line(text: str, lineno: int, endpoint: str | None) -> dict[str, Any]:
+def _embedding_body(body: dict, row: dict[str, Any]) -> None:
+    """An embeddings request's ``input``, ``dimensions`` and ``encoding_format`` into ``row``."""
+    inp = body.get("input")
+    if isinstance(inp, list) and len(inp) == 1 and isinstance(inp[0], str):
+        inp = inp[0]
+    if not isinstance(inp, str):
+        raise _Bad(
+            "body.input must be a string or a list of one string (token ids and several inputs per request are "
+            "not supported: write one request per input)"
+        )
+    if not inp:
+        raise _Bad("body.input must not be empty")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in _ENCODINGS:
+        raise _Bad(f"body.encoding_format must be 'float' or 'base64', got {fmt!r}")
+    row["prompt"], row["encoding_format"] = inp, fmt
+    row["dimensions"] = _int(body, "dimensions", 1)
+
+
+def _parse_line(text: str, lineno: int, endpoint: str | None, task: str = "generate") -> dict[str, Any]:
     """One request line as a row (``request_error`` set when it cannot run)."""
     row: dict[str, Any] = {"line": lineno}
     try:
@@ -146,16 +178,21 @@ def _parse_line(text: str, lineno: int, endpoint: str | None) -> dict[str, Any]:
             raise _Bad(f"unsupported method {req.get('method')!r} (POST)")
         url = req.get("url")
         row["endpoint"] = url
-        if url == EMBEDDINGS_URL:
-            raise _Bad(f"unsupported endpoint {url}: embeddings are not supported by this job yet")
-        if url not in ENDPOINTS:
-            raise _Bad(f"unsupported endpoint {url!r} ({CHAT_URL} or {COMPLETIONS_URL})")
+        served = TASK_ENDPOINTS.get(task, ())
+        if url not in (*ENDPOINTS, EMBEDDINGS_URL):
+            raise _Bad(f"unsupported endpoint {url!r} ({CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL})")
+        if url not in served:
+            need = "task=embed" if url == EMBEDDINGS_URL else "task=generate"
+            raise _Bad(f"endpoint {url} needs a job with {need}; this job has task={task}")
         if endpoint is not None and url != endpoint:
             raise _Bad(f"endpoint {url} differs from the file's {endpoint}: one endpoint per batch file")
         body = req.get("body")
         if not isinstance(body, dict):
             raise _Bad("body must be a JSON object")
         row["model"] = body.get("model") if isinstance(body.get("model"), str) else None
+        if url == EMBEDDINGS_URL:
+            _embedding_body(body, row)
+            return row
         chat = url == CHAT_URL
         if chat:
             if "messages" not in body:
@@ -177,25 +214,31 @@ def _parse_line(text: str, lineno: int, endpoint: str | None) -> dict[str, Any]:
     return row
 
 
-def parse_requests(lines: Iterable[str]) -> BatchRequests:
-    """Rows of a request file (its lines, in order); see the module docstring."""
+def parse_requests(lines: Iterable[str], task: str = "generate") -> BatchRequests:
+    """Rows of a request file (its lines, in order) for a job of ``task``; see the module docstring."""
     rows: list[dict[str, Any]] = []
     endpoint: str | None = None
     seen: set[str] = set()
     for lineno, text in enumerate(lines, start=1):
         if not text.strip():
             continue
-        row = _parse_line(text, lineno, endpoint)
+        row = _parse_line(text, lineno, endpoint, task)
         if row.get("request_error") is None:
             endpoint = endpoint or row["endpoint"]
             if row["custom_id"] in seen:
                 row["request_error"] = f"duplicate custom_id {row['custom_id']!r} (line {lineno})"
             seen.add(row["custom_id"])
         rows.append(row)
-    n = next((r["n"] for r in rows if r.get("request_error") is None), 1)
+    n = next((r.get("n", 1) for r in rows if r.get("request_error") is None), 1)
+    dims = next((r.get("dimensions") for r in rows if r.get("request_error") is None), None)
     for r in rows:
-        if r.get("request_error") is None and r["n"] != n:
+        if r.get("request_error") is None and r.get("n", 1) != n:
             r["request_error"] = f"n={r['n']} differs from the file's n={n}: one n per batch file"
+        elif r.get("request_error") is None and r.get("dimensions") != dims:
+            r["request_error"] = (
+                f"dimensions={r.get('dimensions')} differs from the file's dimensions={dims}: one dimensions "
+                "per batch file"
+            )
     for r in rows:
         if r.get("request_error") is not None:  # an error row runs nothing
             r["prompt"], r["messages"], r["sampling"] = None, None, None
@@ -204,7 +247,8 @@ def parse_requests(lines: Iterable[str]) -> BatchRequests:
         [{k: r.get(k) for k in REQUEST_SCHEMA.names} for r in rows], schema=REQUEST_SCHEMA
     )
     bad = [r["request_error"] for r in rows if r.get("custom_id") is None and r.get("request_error")]
-    return BatchRequests(table, endpoint or CHAT_URL, n, logprobs, bad)
+    default = TASK_ENDPOINTS.get(task, ENDPOINTS)[0]
+    return BatchRequests(table, endpoint or default, n, logprobs, bad, dims)
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -273,6 +317,11 @@ def response_line(
             code = "context_length_exceeded"
         out.update(response=None, error={"code": code, "message": error, "line": line})
         return out
+    if request["endpoint"] == EMBEDDINGS_URL:
+        body = _embedding_response(request, samples[0], model)
+        out["response"] = {"status_code": 200, "request_id": _ident("req_", cid, line), "body": body}
+        out["error"] = None
+        return out
     chat = request["endpoint"] == CHAT_URL
     top = request.get("top_logprobs")
     choices = []
@@ -306,3 +355,17 @@ def response_line(
     out["response"] = {"status_code": 200, "request_id": _ident("req_", cid, line), "body": body}
     out["error"] = None
     return out
+
+
+def _embedding_response(request: dict[str, Any], row: dict[str, Any], model: str) -> dict[str, Any]:
+    """OpenAI's embeddings response body for one input (``row``: the job's output row)."""
+    vector: Any = [float(v) for v in row["embedding"]]
+    if request.get("encoding_format") == "base64":  # little-endian float32, as OpenAI encodes it
+        vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    tokens = int(row.get("num_prompt_tokens") or 0)
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+        "model": request.get("model") or model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }

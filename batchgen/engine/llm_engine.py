@@ -103,9 +103,11 @@ class LLMEngine:
         dtype: str = "auto",
         tokenizer: str | None = None,
         implementation: str = "auto",
-        load: Callable[[torch.device], torch.nn.Module] | None = None,
+        load: Callable[[torch.device, int, int], torch.nn.Module] | None = None,
     ) -> None:
-        """``load(device)``: builds the model instead of the checkpoint's default loader (pooling models)."""
+        """``load(device, tp_rank, tp_size)``: builds (rank ``tp_rank``'s shard of) the model instead of the
+        checkpoint's default loader (pooling models); picklable under tensor parallelism (every rank calls
+        it)."""
         self.config = config = engine_config or EngineConfig()
         backend = self._load(model, config, dtype, implementation, load)
         self.tokenizer = load_tokenizer(tokenizer or model)
@@ -159,7 +161,7 @@ class LLMEngine:
         config: EngineConfig,
         dtype: str,
         implementation: str,
-        load: Callable[[torch.device], torch.nn.Module] | None,
+        load: Callable[[torch.device, int, int], torch.nn.Module] | None,
     ) -> str:
         """The device (tensor-parallel ranks started or joined here), CPU threads and the model; returns the
         attention backend."""
@@ -167,8 +169,9 @@ class LLMEngine:
         # tensor parallelism: this process is rank 0 (workers started or joined here; see tp_launch)
         self.tp_group: TPGroup | None = None
         if tp > 1:
-            check_tensor_parallel(model, implementation, tp)
-            self.tp_group = start_ranks(WorkerSetup(model, dtype, implementation, config))
+            if load is None:  # a custom loader checks its own model before the ranks start
+                check_tensor_parallel(model, implementation, tp)
+            self.tp_group = start_ranks(WorkerSetup(model, dtype, implementation, config, load))
             weakref.finalize(self, self.tp_group.close)  # workers stop when the engine is collected
             self.device = self.tp_group.device
         else:
@@ -179,10 +182,8 @@ class LLMEngine:
         backend = resolve_backend(config.attention_backend, self.device)
         self.model_path = model
         # implementation: auto (native when batchgen has the architecture), native, or transformers
-        if load is not None and tp > 1:
-            raise ValueError("pooling models run on one device: set engine.tensor_parallel_size=1")
         self.model = (
-            load(self.device)
+            load(self.device, 0, tp)
             if load is not None
             else load_model(
                 model, dtype=dtype, device=self.device, implementation=implementation, tp_rank=0, tp_size=tp
@@ -234,13 +235,15 @@ class LLMEngine:
     ) -> None:
         """Queue a request. ``prompt_logprobs_start``: compute the logprobs of the prompt tokens from this
         position on (scoring: the continuation's first token), reusing the prefix cache before it.
-        ``pooling``: a prefill-only pooling request (:mod:`batchgen.engine.pooling`; ``params`` ignored) whose
-        pooled hidden state is written into the given state. ``lora_request``: the adapter to run it under
+        ``pooling``: a prefill-only pooling request (:mod:`batchgen.engine.pooling`; no ``params``) whose
+        pooled hidden state is written into the given state; it gets no logit row and samples nothing: the
+        step that completes its prompt finishes it. ``lora_request``: the adapter to run it under
         (needs ``enable_lora``; an adapter that cannot be read or applied fails this request alone)."""
         if lora_request is not None and self.lora is None:
             raise ValueError("a lora_request needs an engine built with enable_lora=True")
         if pooling is not None:
-            params = _POOLING_PARAMS
+            if params is not None:
+                raise ValueError("a pooling request takes no sampling params")
             self.builder.wants_pooling = True
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -256,7 +259,7 @@ class LLMEngine:
             request.prompt_logprobs_start = prompt_logprobs_start
             self.builder.wants_prompt_logprobs = True
         self.counters.num_requests += 1
-        error = self._validate(token_ids, params)
+        error = self._validate(token_ids, params, pooling is not None)
         if error is None and lora_request is not None:
             assert self.lora is not None
             error = self.lora.check(lora_request)
@@ -278,7 +281,7 @@ class LLMEngine:
         self.scheduler.add(request.new_sequence(list(token_ids), 0))
         self.counters.prompt_tokens += len(token_ids)
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> str | None:
+    def _validate(self, token_ids: list[int], params: SamplingParams, pooling: bool = False) -> str | None:
         n = len(token_ids)
         if n == 0:
             return "empty prompt: it has no tokens"
@@ -289,13 +292,19 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             return f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-        if n >= self.max_model_len:
+        if pooling and n > self.max_model_len:
+            return (
+                f"prompt has {n} tokens but engine.max_model_len is {self.max_model_len}; shorten the prompt "
+                f"or raise engine.max_model_len"
+            )
+        if not pooling and n >= self.max_model_len:
             return (
                 f"prompt has {n} tokens but engine.max_model_len is {self.max_model_len}: it must leave room "
                 f"for at least one generated token; shorten the prompt or raise engine.max_model_len"
             )
         kv, cap = self.scheduler.kv, self.config.max_num_seqs
-        return unservable(kv, cap, n, params.max_tokens, self.max_model_len, params.beam_width)
+        max_tokens = 0 if pooling else params.max_tokens  # pooling: the prompt's blocks only
+        return unservable(kv, cap, n, max_tokens, self.max_model_len, params.beam_width)
 
     def abort_request(self, request_id: str | int) -> None:
         request = self.requests.pop(request_id, None)
@@ -363,8 +372,9 @@ class LLMEngine:
             pooling_step.fill(pooling_step.plan(out)[0], output.pooled)
         if not out.seqs:  # a step that only moved blocks
             return []
+        pooled = pooling_step.completed(out) if self.builder.wants_pooling else []
         done = self.outputs.update(
-            self.scheduler, out, output.token_ids, output.logprobs, output.beam_logprobs
+            self.scheduler, out, output.token_ids, output.logprobs, output.beam_logprobs, pooled
         )
         self._collector.collect()  # per step: the peaks see every step
         if startup_trace.enabled and output.token_ids:
@@ -437,7 +447,3 @@ class LLMEngine:
         self._release_lora(request)
         self.counters.num_finished_requests += 1
         return self.outputs.request_output(request)
-
-
-_POOLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-"""A pooling request samples one (discarded) token: the step completing its prompt finishes it."""

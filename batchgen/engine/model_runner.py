@@ -174,7 +174,8 @@ class ModelRunner:
             max_query_len=tokens,
         )
         hidden = self.model(ids, positions, ForwardContext(self.attn, meta, self.kv_cache))
-        self.model.compute_logits(hidden[-min(tokens, self.config.max_num_seqs) :])
+        if getattr(self.model, "has_lm_head", True):  # a pooling model computes no logits
+            self.model.compute_logits(hidden[-min(tokens, self.config.max_num_seqs) :])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.kv_cache = None
@@ -246,7 +247,7 @@ class ModelRunner:
         if step.forward is None:
             return RunnerOutput()
         logits, prompt, pooled = self.forward(step.forward, step.fill)
-        out = self.sample(logits, step.sampling)
+        out = RunnerOutput() if logits is None else self.sample(logits, step.sampling)
         out.prompt_logprobs = prompt
         out.pooled = pooled
         return out
@@ -264,9 +265,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self, fwd: ForwardInput, fill: tuple[Tensor, Tensor] | None = None
-    ) -> tuple[Tensor, prompt_logprobs.PromptLogprobs | None, Tensor | None]:
-        """The forward of ``fwd``: float32 logits of its ``last`` rows, its prompt logprobs and its pooled
-        segments (:mod:`batchgen.engine.pooling`). ``fill``:
+    ) -> tuple[Tensor | None, prompt_logprobs.PromptLogprobs | None, Tensor | None]:
+        """The forward of ``fwd``: float32 logits of its ``last`` rows (None when it has none: a step of
+        pooling requests only), its prompt logprobs and its pooled segments (:mod:`batchgen.engine.pooling`).
+        ``fill``:
         ``(index, tokens)``: placeholder input ids written in first (async scheduling)."""
         ids, pos, meta, last = fwd.ids, fwd.positions, fwd.meta, fwd.last
         if fill is not None:
@@ -283,12 +285,14 @@ class ModelRunner:
             ids, pos, meta = self.pad_decode_batch(ids, pos, meta, bucket)
             if self.use_cuda_graphs and not self._graphs_failed:
                 hidden = self._run_graph(ids, pos, meta, bucket)
-                if hidden is not None:
-                    return self.model.compute_logits(hidden[last]).float(), None, None
+                if hidden is not None:  # (no logit rows: only pooling chunks of one token, e.g. CLS's last)
+                    logits = self.model.compute_logits(hidden[last]).float() if last.numel() else None
+                    return logits, None, None
         hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache, lora=fwd.lora))
         prompt = prompt_logprobs.compute(self.model, hidden, fwd.prompt) if fwd.prompt else None
         pooled = pooling.compute(hidden, fwd.pool) if fwd.pool else None
-        return self.model.compute_logits(hidden[last]).float(), prompt, pooled
+        logits = self.model.compute_logits(hidden[last]).float() if last.numel() else None
+        return logits, prompt, pooled
 
     def pad_decode_batch(
         self, ids: Tensor, pos: Tensor, meta: AttentionMetadata, bucket: int

@@ -12,6 +12,7 @@ beams of a beam search, best first.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from typing import Any
 
 from torch import Tensor
@@ -47,11 +48,18 @@ class OutputProcessor:
         token_ids: list[int],
         logprobs: list[dict[int, float] | None],
         beam_logprobs: Tensor | None = None,
+        pooled: Seq[Sequence] = (),
     ) -> list[Request]:
         """Apply one step's sampled tokens: put in place by the scheduler, stop rules here, stopped sequences
-        freed and beam steps taken by the scheduler. Returns the requests whose every sample finished."""
+        freed and beam steps taken by the scheduler. ``pooled``: pooling sequences whose prompt the step
+        completed, finished here too (``finish_reason="stop"``, no token). Returns the requests whose every
+        sample finished."""
         placed = scheduler.place_tokens(out, token_ids)
-        return scheduler.finish(out, self.process(placed, logprobs), beam_logprobs)
+        stopped = self.process(placed, logprobs)
+        for seq in pooled:
+            seq.finish_reason = "stop"
+            stopped.append(seq)
+        return scheduler.finish(out, stopped, beam_logprobs)
 
     def process(self, placed: list[Placed], logprobs: list[dict[int, float] | None]) -> list[Sequence]:
         """Record each placed token's logprobs and apply the stop rules; returns the sequences that finished

@@ -1,6 +1,7 @@
 """Pooling requests in the engine: a request that carries a :class:`PoolingState` runs its prompt (prefill
-only: it finishes after the step that completes its prompt, its one sampled token is discarded) and its final
-hidden states are pooled into ``state.vector`` (float32 ``[H]``, before any head or normalisation).
+only: the step that completes its prompt gives it no logit row and samples nothing; the update finishes it)
+and its final hidden states are pooled into ``state.vector`` (float32 ``[H]``, before any head or
+normalisation).
 
 Per step, like prompt logprobs: :func:`plan` turns the scheduler's output into plain :class:`PoolRows` (row
 ranges of the packed batch and how to reduce each) carried by the step's ``ForwardInput``; the runner reduces
@@ -87,6 +88,11 @@ def plan(out) -> tuple[list[PoolJob], PoolRows | None]:
         rows.ends.append(hi)
         rows.ops.append(op)
     return (jobs, rows) if jobs else ([], None)
+
+
+def completed(out) -> list:
+    """The pooling sequences whose prompt the step ``out`` completes (the update finishes them)."""
+    return [s.seq for s in out.seqs if s.seq.request.pooling is not None and s.completes]
 
 
 def compute(hidden: Tensor, rows: PoolRows) -> Tensor:

@@ -83,6 +83,8 @@ class SchedulerOutput:
     step that completes a request's prompt with ``n > 1``, its forks sample from the same row.
     ``beam_rows``: rows of ``seqs`` whose last-token log-softmax feeds beam search, grouped by beam group in
     beam order: ``beam_groups[g]`` takes the next ``len(beam_groups[g].seqs)`` of them.
+    A pooling sequence (:mod:`batchgen.engine.pooling`) never gets a row: nothing is sampled for it, and the
+    update finishes it in the step that completes its prompt (:func:`batchgen.engine.pooling.completed`).
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
@@ -130,8 +132,9 @@ def unservable(
     max_model_len: int,
     beam_width: int = 1,
 ) -> str | None:
-    """Why a request of this size can never run in this pool (None if it can)."""
-    longest = min(num_prompt_tokens + (max_tokens or max_model_len), max_model_len)
+    """Why a request of this size can never run in this pool (None if it can). ``max_tokens`` None: up to
+    ``max_model_len``; 0: the prompt alone (a pooling request)."""
+    longest = min(num_prompt_tokens + (max_model_len if max_tokens is None else max_tokens), max_model_len)
     bs = kv.block_size
     if beam_width > 1:
         if beam_width > max_num_seqs:
@@ -439,13 +442,14 @@ class Scheduler:
 
     def _plan_sampling(self, out: SchedulerOutput) -> None:
         """Which sequences sample from which rows (a group's fan-out samples from its parent's row); which
-        rows feed each beam group (a group is scheduled whole, so all its beams complete together)."""
+        rows feed each beam group (a group is scheduled whole, so all its beams complete together). Nothing
+        is sampled from a chunk that does not complete its sequence, nor for a pooling sequence."""
         beam_rows: dict[int, int] = {}
         sample_rows, sample_seqs = out.sample_rows, out.sample_seqs
         plain = plain_sampling = True
         for row, s in enumerate(out.seqs):
             seq = s.seq
-            if s.start + s.num_tokens != len(seq.token_ids):  # does not complete: nothing sampled
+            if s.start + s.num_tokens != len(seq.token_ids) or seq.request.pooling is not None:
                 continue
             request = seq.request
             if request.beam is not None:

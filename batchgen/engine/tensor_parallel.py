@@ -159,7 +159,8 @@ class TPModelRunner(ModelRunner):
         if fwd.prompt is not None:
             index = torch.tensor(fwd.prompt.index, dtype=torch.long, device=hidden.device)
             self.model.compute_logits(hidden[index])
-        self.model.compute_logits(hidden[fwd.last])
+        if fwd.last.numel():  # as rank 0: a step of pooling requests only has no logit rows
+            self.model.compute_logits(hidden[fwd.last])
 
 
 def serve(runner: TPModelRunner) -> None:

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,12 +51,14 @@ GRACE_S = 15.0
 
 @dataclass
 class WorkerSetup:
-    """What rank 0 tells every worker before loading: the same model, dtype, implementation and engine."""
+    """What rank 0 tells every worker before loading: the same model, dtype, implementation and engine;
+    ``load(device, rank, world)`` (picklable) builds the rank's model instead of ``load_model`` (pooling)."""
 
     model: str
     dtype: str
     implementation: str
     config: EngineConfig
+    load: Callable[[torch.device, int, int], torch.nn.Module] | None = None
 
 
 def env_rank() -> tuple[int, int, int] | None:
@@ -251,7 +254,7 @@ def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -
     setup = channel.receive()
     assert isinstance(setup, WorkerSetup)
     cfg = setup.config
-    model = load_model(
+    model = setup.load(device, rank, world) if setup.load is not None else load_model(
         setup.model, dtype=setup.dtype, device=device, implementation=setup.implementation,
         tp_rank=rank, tp_size=world,
     )  # fmt: skip

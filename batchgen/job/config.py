@@ -58,7 +58,7 @@ class ModelOptions:
     dtype: str = "auto"
     """Weights and activations dtype: auto (the engine's choice for the checkpoint and device), float32, bfloat16 or float16."""
     implementation: str = "auto"
-    """Model code: auto (batchgen's native code when it has the architecture, else transformers' modeling code over batchgen's paged attention), native, or transformers."""
+    """Model code: auto (batchgen's native code when it has the architecture, else transformers' modeling code over batchgen's paged attention), native, or transformers. Also picks the decoder backbone of task=embed / task=classify (encoders always run transformers' code)."""
     lora_modules: dict[str, str] = field(default_factory=dict)
     """LoRA adapters the rows may name in data.lora_column: {name: PEFT adapter directory}, e.g. model.lora_modules='{sql: /adapters/sql, chat: /adapters/chat}'. Turns on engine.enable_lora. An adapter that cannot be read fails its rows (error rows), not the job."""
 
@@ -86,7 +86,7 @@ class DataOptions:
     """``data.*``: input, output and how rows become prompts."""
 
     input: str | None = None
-    """Parquet input: a file, a directory (every *.parquet below it, recursively) or a glob such as 'data/*.parquet', as a local path or a URL (s3://, gs://, az://, hf://datasets/..., any fsspec URL); or an OpenAI Batch API request file (*.jsonl, with data.output=results.jsonl); null = the small sample shipped with batchgen. Files are read in sorted path order; the global row index is the position in that order."""
+    """Parquet input: a file, a directory (every *.parquet below it, recursively) or a glob such as 'data/*.parquet', as a local path or a URL (s3://, gs://, az://, hf://datasets/..., any fsspec URL); or an OpenAI Batch API request file (*.jsonl, with data.output=results.jsonl: chat / completions requests with task=generate, /v1/embeddings requests with task=embed); null = the small sample shipped with batchgen. Files are read in sorted path order; the global row index is the position in that order."""
     output: str = "batchgen_output"
     """Output directory, a local path or a URL (s3://bucket/prefix, ...). With data.shard.count > 1 each shard writes into <output>/shard-IIIII-of-NNNNN/."""
     prompt_column: str = "prompt"
@@ -205,7 +205,9 @@ class JobConfig:
     """'generate' (completions); 'score': log-likelihoods of data.continuation_column given data.prompt_column,
     or, without a continuation column, the rolling log-likelihood / perplexity of data.prompt_column; 'embed': an
     'embedding' column (fixed-size list of float32, see pooling.*); 'classify': 'probs' (one score per label) and
-    'label' columns from a *ForSequenceClassification checkpoint (a one-label reward head: probs=[score])."""
+    'label' columns from a *ForSequenceClassification checkpoint (a one-label reward head: probs=[score]).
+    embed/classify run decoders on the paged engine (native code or transformers', see model.implementation;
+    engine.tensor_parallel_size shards native decoders) and encoders (BERT-like) in unpadded batches."""
 
 
 GROUPS: dict[str, type] = {

@@ -5,7 +5,7 @@
    lines always give the same file, so a rerun resumes.
 2. An ordinary job runs over it into ``_results.jsonl.batchgen/out/`` (parts, manifest, checkpoints: resumable
    and exactly-once like any job), chat requests through the chat template, each request's parameters as its
-   row's sampling overrides.
+   row's sampling overrides; with ``task=embed``, an embedding job over the embeddings requests' inputs.
 3. When that job is complete, the results file is written in one atomic step (a rename locally, one PUT on
    an object store): one line per request, in file order. An incomplete job (a signal, exit 75) writes no
    results file; rerunning the same command resumes and then writes it.
@@ -28,7 +28,13 @@ import pyarrow.parquet as pq
 from batchgen.atomic import atomic_write, atomic_write_bytes
 from batchgen.data.layout import MANIFEST_NAME
 from batchgen.data.manifest import Manifest
-from batchgen.data.openai_batch import CHAT_URL, BatchRequests, parse_requests, response_line
+from batchgen.data.openai_batch import (
+    CHAT_URL,
+    TASK_ENDPOINTS,
+    BatchRequests,
+    parse_requests,
+    response_line,
+)
 from batchgen.data.storage import Location, is_url
 from batchgen.errors import ConfigError
 from batchgen.job.config import JobConfig, to_job_config
@@ -81,6 +87,16 @@ def _get(target: str, name: str, options: dict[str, Any]) -> bytes | None:
 
 def _derived(cfg: JobConfig, reqs: BatchRequests, book: str) -> JobConfig:
     """The job over the converted requests."""
+    if cfg.task == "embed":  # one embedding per request; the file's dimensions are the job's
+        data = dataclasses.replace(
+            cfg.data, input=f"{book}/{REQUESTS_NAME}", output=f"{book}/out", prompt_column="prompt",
+            messages_column=None, id_column=None, keep_columns=[], sampling_column=None, parse_json=False,
+        )  # fmt: skip
+        dims = reqs.dimensions if reqs.dimensions is not None else cfg.pooling.dimensions
+        pooling = dataclasses.replace(cfg.pooling, dimensions=dims)
+        run = dataclasses.replace(cfg.run, max_error_fraction=1.0)
+        sampling = dataclasses.replace(cfg.sampling, n=1)
+        return dataclasses.replace(cfg, data=data, pooling=pooling, run=run, sampling=sampling)
     chat = reqs.endpoint == CHAT_URL
     data = dataclasses.replace(
         cfg.data,
@@ -103,20 +119,31 @@ def _derived(cfg: JobConfig, reqs: BatchRequests, book: str) -> JobConfig:
     return dataclasses.replace(cfg, data=data, sampling=sampling, run=run)
 
 
+def _check(job: JobConfig) -> None:
+    """Refuse a batch-file job that cannot run (ConfigError naming the key)."""
+    d = job.data
+    if not str(d.output).lower().endswith(".jsonl"):
+        raise ConfigError(
+            f"data.input {d.input!r} is an OpenAI batch file: data.output must name the results file "
+            "(e.g. data.output=results.jsonl)"
+        )
+    if d.shard.count != 1:
+        raise ConfigError("OpenAI batch files run as one shard: set data.shard.count=1")
+    if job.task not in TASK_ENDPOINTS:
+        raise ConfigError(
+            f"OpenAI batch files run with task=generate (chat / completions) or task=embed (embeddings), "
+            f"not task={job.task}"
+        )
+
+
 def run_openai_batch(cfg: Any, run: Callable[[JobConfig], JobResult]) -> JobResult:
     """Run the batch file job described by `cfg` with `run` (:func:`batchgen.job.run.run_job`)."""
     try:
         job = to_job_config(cfg)
         d = job.data
-        if not str(d.output).lower().endswith(".jsonl"):
-            raise ConfigError(
-                f"data.input {d.input!r} is an OpenAI batch file: data.output must name the results file "
-                "(e.g. data.output=results.jsonl)"
-            )
-        if d.shard.count != 1:
-            raise ConfigError("OpenAI batch files run as one shard: set data.shard.count=1")
+        _check(job)
         opts = dict(d.storage_options)
-        reqs = parse_requests(_lines(str(d.input), opts))
+        reqs = parse_requests(_lines(str(d.input), opts), job.task)
         for msg in reqs.bad_lines:
             logger.warning("%s: %s (written as an error line without custom_id)", d.input, msg)
         book = bookkeeping_dir(d.output)

@@ -51,7 +51,10 @@ def start_runner(plan: Any) -> Any:
 
     cfg = plan.cfg
     try:
-        return PoolingRunner(read_checkpoint(plan.model_path), cfg.task, cfg.engine, dtype=cfg.model.dtype)
+        info = read_checkpoint(plan.model_path)
+        return PoolingRunner(
+            info, cfg.task, cfg.engine, dtype=cfg.model.dtype, implementation=cfg.model.implementation
+        )
     except Exception as e:  # noqa: BLE001 - a model that does not load is a configuration problem
         raise ConfigError(f"cannot load model.path={plan.model_path!r} for task={cfg.task}: {e}") from e
 

@@ -342,15 +342,7 @@ class TransformersCausalLM(nn.Module):
         self._head_kwargs = _no_cache_kwargs(hf_model)
 
     def _backbone(self, input_ids: Tensor, positions: Tensor, state: Any) -> Tensor:
-        token = _STATE.set(state)
-        try:
-            out = self.backbone(
-                input_ids=input_ids[None], position_ids=positions[None], **self._backbone_kwargs
-            )
-        finally:
-            _STATE.reset(token)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        return hidden[0]
+        return _run_backbone(self.backbone, input_ids, positions, state, self._backbone_kwargs)
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: Any) -> Tensor:
         """input_ids, positions [T] int64 (packed batch) -> hidden states [T, hidden_size]."""
@@ -367,6 +359,40 @@ class TransformersCausalLM(nn.Module):
         return out.logits[0].float()
 
 
+def _run_backbone(
+    backbone: nn.Module, input_ids: Tensor, positions: Tensor, state: Any, kwargs: dict[str, Any]
+) -> Tensor:
+    """One packed forward of a transformers base model with attention dispatched to ``state``: hidden [T, H]."""
+    token = _STATE.set(state)
+    try:
+        out = backbone(input_ids=input_ids[None], position_ids=positions[None], **kwargs)
+    finally:
+        _STATE.reset(token)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden[0]
+
+
+class TransformersBackbone(nn.Module):
+    """A transformers base model (``GPTNeoXModel``, ``Olmo2Model``...: no head) behind the engine's
+    ``forward``: hidden states after the final norm, attention through the paged cache. Pooling models wrap
+    it (:mod:`batchgen.pooling.decoder`); it has no language-model head."""
+
+    def __init__(
+        self, backbone: nn.Module, config: TransformersModelConfig, layers: dict[int, LayerAttention]
+    ):
+        super().__init__()
+        self.config = config
+        self.backbone = backbone
+        self._layers = layers
+        self._kwargs = _no_cache_kwargs(backbone)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: Any) -> Tensor:
+        """input_ids, positions [T] int64 (packed batch) -> hidden states [T, hidden_size]."""
+        return _run_backbone(
+            self.backbone, input_ids, positions, _PagedState(ctx, self._layers), self._kwargs
+        )
+
+
 def _no_cache_kwargs(module: nn.Module) -> dict[str, Any]:
     """`use_cache=False` when the module's forward takes it (transformers' own KV cache is never used)."""
     params = inspect.signature(module.forward).parameters
@@ -375,8 +401,9 @@ def _no_cache_kwargs(module: nn.Module) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------------------------- loading
-def inspect_checkpoint(path: str | os.PathLike) -> Any:
-    """transformers' config for `path` after every check that needs no weights; raises UnsupportedModelError."""
+def inspect_checkpoint(path: str | os.PathLike, causal_head: bool = True) -> Any:
+    """transformers' config for `path` after every check that needs no weights; raises UnsupportedModelError.
+    ``causal_head`` False: the checkpoint may hold a decoder family's base model or another head (pooling)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = Path(path)
@@ -400,7 +427,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> Any:
             "language model with an LM head"
         )
     causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if archs and not any(a in causal_classes for a in archs):
+    if causal_head and archs and not any(a in causal_classes for a in archs):
         raise UnsupportedModelError(
             f"the checkpoint's architecture {', '.join(archs)} ({source}) is not a causal language model "
             f"(transformers' causal LM for {model_type!r} is {causal})"
@@ -438,9 +465,41 @@ def load_transformers_model(
     ckpt: str | os.PathLike, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"
 ) -> TransformersCausalLM:
     """Load `ckpt` with transformers' modeling code over batchgen's paged attention (see the module doc)."""
-    ckpt = Path(ckpt)
+    hf_model, text, source, torch_dtype = _load(Path(ckpt), dtype, device)
+    config, layers = _probe(hf_model, text, source, torch_dtype)
+    _, generation = read_config_files(Path(ckpt))
+    config = dataclasses.replace(config, eos_token_ids=eos_token_ids(text, generation))
+    model = TransformersCausalLM(hf_model, config, layers)
+    _check_head_split(model, hf_model, source)
+    return model
+
+
+@torch.inference_mode()
+def load_transformers_backbone(
+    ckpt: str | os.PathLike,
+    auto_class: Any,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device = "cpu",
+) -> tuple[TransformersBackbone, nn.Module]:
+    """A decoder family's base model for pooling: ``auto_class`` (``AutoModel`` for an embedder,
+    ``AutoModelForSequenceClassification`` for a classifier) loaded over batchgen's paged attention, with the
+    same checks and probe as :func:`load_transformers_model` (no causal-LM head needed; a causal LM's
+    ``lm_head`` is left unused). Returns the backbone and the whole transformers model (its head)."""
+    hf_model, text, source, torch_dtype = _load(Path(ckpt), dtype, device, auto_class, ("lm_head.",))
+    base = getattr(hf_model, hf_model.base_model_prefix, hf_model)
+    config, layers = _probe(base, text, source, torch_dtype)
+    _, generation = read_config_files(Path(ckpt))
+    config = dataclasses.replace(config, eos_token_ids=eos_token_ids(text, generation))
+    return TransformersBackbone(base, config, layers), hf_model
+
+
+def _load(
+    ckpt: Path, dtype: torch.dtype | str, device: str | torch.device, auto_class: Any = None, unused_ok=()
+) -> tuple[nn.Module, Any, str, torch.dtype]:
+    """The checked, loaded transformers model in eval mode with its cache off: (model, text config, source,
+    dtype). ``auto_class`` None: a causal LM."""
     source = str(ckpt / "config.json")
-    hf_config = inspect_checkpoint(ckpt)
+    hf_config = inspect_checkpoint(ckpt, causal_head=auto_class is None)
     from batchgen.models.loader import safetensors_files
 
     safetensors_files(ckpt)  # refuses pickle-only checkpoints with the usual message
@@ -451,31 +510,34 @@ def load_transformers_model(
         )
     else:
         torch_dtype = parse_dtype(dtype)
-    hf_model = _from_pretrained(ckpt, hf_config, torch_dtype)
+    hf_model = _from_pretrained(ckpt, hf_config, torch_dtype, auto_class, unused_ok)
     hf_model = hf_model.to(torch.device(device)).eval().requires_grad_(False)
     model_text = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else None
     for cfg in (hf_model.config, model_text):
         if cfg is not None:
             cfg.use_cache = False  # KV lives in batchgen's paged cache; transformers' cache is never built
-    config, layers = _probe(hf_model, text, source, torch_dtype)
-    _, generation = read_config_files(ckpt)
-    config = dataclasses.replace(config, eos_token_ids=eos_token_ids(text, generation))
-    model = TransformersCausalLM(hf_model, config, layers)
-    _check_head_split(model, hf_model, source)
-    return model
+    return hf_model, text, source, torch_dtype
 
 
-def _from_pretrained(ckpt: Path, hf_config: Any, torch_dtype: torch.dtype) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` with batchgen's attention, progress bars off; refuses a
-    checkpoint whose tensors are missing or misshapen (unused ones are logged)."""
+def _from_pretrained(
+    ckpt: Path,
+    hf_config: Any,
+    torch_dtype: torch.dtype,
+    auto_class: Any = None,
+    unused_ok: tuple[str, ...] = (),
+) -> nn.Module:
+    """``auto_class.from_pretrained`` (default ``AutoModelForCausalLM``) with batchgen's attention, progress
+    bars off; refuses a checkpoint whose tensors are missing or misshapen (unused ones are logged, except
+    names starting with ``unused_ok``)."""
     from transformers import AutoModelForCausalLM
 
+    auto_class = auto_class or AutoModelForCausalLM
     register_attention()
     hf_logging = transformers_logging()
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        hf_model, info = AutoModelForCausalLM.from_pretrained(
+        hf_model, info = auto_class.from_pretrained(
             str(ckpt),
             dtype=torch_dtype,
             attn_implementation=ATTN_IMPLEMENTATION,
@@ -502,10 +564,9 @@ def _from_pretrained(ckpt: Path, hf_config: Any, torch_dtype: torch.dtype) -> nn
         raise ValueError(
             f"checkpoint {ckpt} does not match {type(hf_model).__name__}: missing or misshapen tensor(s) {shown}"
         )
-    if info.get("unexpected_keys"):
-        logger.warning(
-            "checkpoint %s has unused tensor(s): %s", ckpt, ", ".join(sorted(info["unexpected_keys"])[:10])
-        )
+    unused = sorted(k for k in info.get("unexpected_keys") or [] if not k.startswith(unused_ok or ("\0",)))
+    if unused:
+        logger.warning("checkpoint %s has unused tensor(s): %s", ckpt, ", ".join(unused[:10]))
     return hf_model
 
 

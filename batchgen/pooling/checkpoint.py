@@ -52,6 +52,8 @@ class CheckpointPooling:
     num_labels: int = 0
     labels: list[str] = field(default_factory=list)
     problem_type: str | None = None
+    pad_token_id: int | None = None
+    """A decoder classifier's head reads the last token that is not this one (transformers' rule)."""
 
     @property
     def default_pooling(self) -> str:
@@ -79,7 +81,8 @@ def read_checkpoint(path: str | Path) -> CheckpointPooling:
     model_type = str(config.get("model_type", ""))
     pooling, normalize, max_len = _sentence_transformers(ckpt)
     id2label = config.get("id2label") or {}
-    num_labels = int(config.get("num_labels", len(id2label) or 0))
+    # transformers' default is 2 labels: its configs leave num_labels and id2label out then
+    num_labels = int(config.get("num_labels") or len(id2label) or 2)
     labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels)]
     return CheckpointPooling(
         path=ckpt,
@@ -93,7 +96,13 @@ def read_checkpoint(path: str | Path) -> CheckpointPooling:
         num_labels=num_labels if _is_classifier(arch) else 0,
         labels=labels if _is_classifier(arch) else [],
         problem_type=config.get("problem_type"),
+        pad_token_id=_pad_token_id(config),
     )
+
+
+def _pad_token_id(config: dict[str, Any]) -> int | None:
+    pad = config.get("pad_token_id", (config.get("text_config") or {}).get("pad_token_id"))
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) else None
 
 
 def _is_classifier(arch: str) -> bool:

@@ -80,21 +80,26 @@ def varlen_attention(
         )
     _, h, t, d = query.shape
     b, width = len(layout.lengths), layout.max_len
+    dense = b * width == t  # every sequence as long as the longest: no padding, no gather
 
     def padded(x: Tensor) -> Tensor:  # [1, H, T, D] -> [B, H, L, D]
-        return x[0].index_select(1, layout.gather).view(x.shape[1], b, width, d).transpose(0, 1)
+        # transformers' projections give [1, T, H, D] transposed: one gather of whole tokens along the token
+        # axis of [T, H, D], and the kernel takes the [B, H, L, D] strided view as it is
+        rows = x[0].transpose(0, 1)
+        rows = rows.reshape(t, x.shape[1], d) if dense else rows.index_select(0, layout.gather)
+        return rows.view(b, width, x.shape[1], d).transpose(1, 2)
 
-    mask = layout.valid[:, None, None, :]
+    mask = None if dense else layout.valid[:, None, None, :]
     if sliding_window is not None:
         pos = torch.arange(width, device=query.device)
         band = (pos[:, None] - pos[None, :]).abs() < int(sliding_window)
-        mask = mask & band[None, None]
-    if b == 1 or all(n == width for n in layout.lengths):
-        mask = None if sliding_window is None else mask
+        mask = band[None, None] if mask is None else mask & band[None, None]
     out = torch.nn.functional.scaled_dot_product_attention(
         padded(query), padded(key), padded(value), attn_mask=mask, scale=scaling
     )  # [B, H, L, D]
-    out = out.transpose(1, 2).reshape(b * width, h, d).index_select(0, layout.unpad)
+    out = out.transpose(1, 2).reshape(b * width, h, d)  # no copy when the kernel wrote [B, L, H, D]
+    if not dense:
+        out = out.index_select(0, layout.unpad)
     return out[None], None
 
 
