@@ -221,3 +221,13 @@ def test_vllm_cpu_matches_batchgen_greedy(tmp_path: Path) -> None:
         use_tqdm=False,
     )
     assert res["token_ids"] == [list(o.outputs[0].token_ids) for o in ours]
+
+
+def test_vllm_binds_its_own_threads(monkeypatch) -> None:
+    """The harness sets no OpenMP/MKL thread count for vLLM (it binds its compute threads itself; a count above
+    the CPUs it binds puts its threads on one CPU), while a baseline like transformers gets ``threads``."""
+    from batchgen.bench.launch import child_env
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert "OMP_NUM_THREADS" not in child_env(2, "vllm") and "MKL_NUM_THREADS" not in child_env(2, "vllm")
+    assert child_env(2, "hf_generate")["OMP_NUM_THREADS"] == "2"

@@ -70,6 +70,34 @@ def test_job_rows_follow_their_adapter(llama_ckpt, adapters, tmp_path: Path):
     }  # fmt: skip
 
 
+def test_job_over_two_replicas_rows_follow_their_adapter(llama_ckpt, adapters, tmp_path: Path):
+    """engine.data_parallel_size=2: each replica serves the adapters; every row equals PEFT under its own
+    adapter, and the per-adapter counts cover both replicas (invalid rows included)."""
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": TEXTS, "adapter": pa.array(ADAPTERS, pa.string())}), inp)
+    cfg = job_config(
+        llama_ckpt, inp, tmp_path / "out", data={"lora_column": "adapter", "window_rows": 2},
+        sampling={"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}, engine={"data_parallel_size": 2},
+    )  # fmt: skip
+    cfg.model = dataclasses.replace(cfg.model, lora_modules=adapters)
+    cfg.run = dataclasses.replace(cfg.run, max_error_fraction=1.0)
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_OK, res.message
+    assert sorted(r["replica"] for r in res.report["replicas"]) == [0, 1]
+    tok = load_tokenizer(llama_ckpt)
+    for row, text, name in zip(read_parts(tmp_path / "out").to_pylist(), TEXTS, ADAPTERS):
+        if name in ("nope", "broken"):
+            assert row["status"] == "error"
+            continue
+        assert row["status"] == "ok", row["error"]
+        assert row["token_ids"] == peft_greedy(llama_ckpt, adapters.get(name), tok.encode(text), 6), (
+            text,
+            name,
+        )
+    assert res.report["lora"]["rows_this_run"]["nope"] == {"ok": 0, "error": 1}
+    assert res.report["lora"]["rows_this_run"]["a"] == {"ok": 2, "error": 0}
+
+
 def test_windows_group_rows_by_adapter_then_prefix():
     from batchgen.data.prompts import PromptRow
     from batchgen.data.reader import WindowSpec

@@ -121,10 +121,13 @@ def command(system: str, python: str, spec_path: Path, out_path: Path) -> list[s
 def child_env(threads: int, system: str = "") -> dict[str, str]:
     """The environment of a system's process: ``threads`` OpenMP/MKL threads, except for batchgen's systems,
     whose engine takes its own thread decision (batchgen.threads: the CPUs other processes leave
-    free), capped at ``threads`` by ``torch.set_num_threads`` in batchgen.bench.systems."""
+    free), capped at ``threads`` by ``torch.set_num_threads`` in batchgen.bench.systems, and vLLM, which binds
+    its own compute threads to CPUs (``VLLM_CPU_OMP_THREADS_BIND``): with ``OMP_NUM_THREADS`` set above the
+    CPUs it binds, its OpenMP threads share one CPU and its generation runs at half speed or less (measured:
+    unique prompts 73 s with ``OMP_NUM_THREADS=2``, 40 s without, its default binding of one CPU)."""
     env = dict(os.environ)
     env.update(TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
-    if system.startswith("batchgen"):
+    if system.startswith("batchgen") or system == "vllm":
         for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env.pop(key, None)
     else:
