@@ -53,9 +53,10 @@ CASCADE_MIN_SAVED = 0.5
 this kernel) goes first when it saves at least half of the block reads ..."""
 CASCADE_MIN_GROUP_BLOCKS = 256
 """... counting only groups that save at least this many block reads each: one prefix call per group (the CPU
-flash op, the group's queries stacked) costs about as much as the kernel reading ~150-300 blocks (measured on
-the bench model's heads, 1-2 threads: 32 sequences in groups of 8 sharing 21 blocks, 147 saved per group, ran
-faster without the cascade; 64 in groups of 16, 315 saved, faster with it)."""
+flash op, the group's queries stacked) costs about as much as the kernel reading a few hundred blocks
+(`python -m batchgen.bench.kernels --cpu-cascade`, the bench model's heads: groups of 8 sharing 21 blocks, 147
+reads saved each, ran faster without the cascade; groups of 16, 315 saved, 9% slower with it at 2 threads but
+faster at 1, the count the engine runs on a busy machine; groups saving 960 or more, 1.6-1.9x faster with it)."""
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
