@@ -20,9 +20,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.data.manifest import WindowRecord
 from batchgen.data.reader import iter_windows
 from batchgen.errors import ConfigError
+from batchgen.job.window_output import commit_window
 
 
 def pooling_model_facts(cfg: Any, path: str) -> Any:
@@ -118,34 +118,8 @@ def run_pool_windows(
             break
         t0 = time.time()
         cols, prompt_tokens = _pool_window(plan, runner, w.table, spec)
-        arrays: dict[str, Any] = {"id": _ids(w.table, d.id_column, w.spec.row_start)}
-        for c in d.keep_columns:
-            if c != "id":
-                arrays[c] = w.table.column(c).combine_chunks()
-        arrays.update(cols)
-        meta = {b"batchgen.task": plan.cfg.task.encode(), b"batchgen.window": str(w.spec.index).encode()}
-        table = pa.table(arrays).replace_schema_metadata(meta)
-        n_ok = sum(1 for s in cols["status"].to_pylist() if s == "ok")
-        record = WindowRecord(
-            part="",
-            row_start=w.spec.row_start,
-            row_end=w.spec.row_end,
-            num_output_rows=table.num_rows,
-            rows_ok=n_ok,
-            rows_error=table.num_rows - n_ok,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=0,
-            generated_tokens=0,
-            wall_time_s=round(time.time() - t0, 3),
-        )
-        outdir.commit(w.spec.index, table, record)
+        commit_window(outdir, stop, w, d, plan.cfg.task, cols, t0, prompt_tokens)
         progress.update(w.spec.num_rows)
         windows += 1
         rows += w.spec.num_rows
     return windows, rows
-
-
-def _ids(table: pa.Table, id_column: str | None, row_start: int) -> pa.Array:
-    if id_column:
-        return table.column(id_column).combine_chunks()
-    return pa.array(range(row_start, row_start + table.num_rows), pa.int64())

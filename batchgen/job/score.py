@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 import pyarrow as pa
 
-from batchgen.data.manifest import WindowRecord
 from batchgen.data.prompts import row_adapter
 from batchgen.data.reader import iter_windows
 from batchgen.job.tally import window_adapter_rows
+from batchgen.job.window_output import commit_window
 from batchgen.lora_request import LoRARequest
 from batchgen.scoring import rolling_windows, score_token_pairs, split_pair
 
@@ -37,12 +36,6 @@ _TYPES = {
     "status": pa.string(),
     "error": pa.string(),
 }
-
-
-def _ids(table: pa.Table, id_column: str | None, row_start: int) -> pa.Array:
-    if id_column:
-        return table.column(id_column).combine_chunks()
-    return pa.array(range(row_start, row_start + table.num_rows), pa.int64())
 
 
 def _adapters(plan, engine, table: pa.Table) -> tuple[list[LoRARequest | None], list[str | None]]:
@@ -145,29 +138,8 @@ def run_score_windows(plan, outdir, engine, todo, stop, progress, count_adapter)
             by_adapter = window_adapter_rows(names, ok)
             for name, good in zip(names, ok):
                 count_adapter(name, good)
-        arrays: dict[str, Any] = {"id": _ids(w.table, d.id_column, w.spec.row_start)}
-        for c in d.keep_columns:
-            if c != "id":
-                arrays[c] = w.table.column(c).combine_chunks()
-        arrays.update({k: pa.array(v, _TYPES[k]) for k, v in cols.items()})
-        meta = {b"batchgen.task": b"score", b"batchgen.window": str(w.spec.index).encode()}
-        table = pa.table(arrays).replace_schema_metadata(meta)
-        n_ok = sum(1 for s in cols["status"] if s == "ok")
-        record = WindowRecord(
-            part="",
-            row_start=w.spec.row_start,
-            row_end=w.spec.row_end,
-            num_output_rows=table.num_rows,
-            rows_ok=n_ok,
-            rows_error=table.num_rows - n_ok,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached,
-            generated_tokens=0,
-            wall_time_s=round(time.time() - t0, 3),
-            rows_by_adapter=by_adapter,
-        )
-        with stop.saving():
-            outdir.commit(w.spec.index, table, record)
+        cols = {k: pa.array(v, _TYPES[k]) for k, v in cols.items()}
+        commit_window(outdir, stop, w, d, "score", cols, t0, prompt_tokens, cached, by_adapter)
         progress.update(w.spec.num_rows)
         windows += 1
         rows += w.spec.num_rows
