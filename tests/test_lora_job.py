@@ -40,29 +40,38 @@ def adapters(llama_ckpt, tmp_path_factory):
     return {"a": a, "b": b, "broken": str(tmp_path_factory.mktemp("job") / "missing")}
 
 
-def test_job_rows_follow_their_adapter(llama_ckpt, adapters, tmp_path: Path):
+def _adapter_job(ckpt: str, adapters: dict, tmp_path: Path, window_rows: int, max_tokens: int, **engine):
+    """A job over TEXTS, each row under ADAPTERS' name (2 of 8 rows fail on purpose)."""
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": TEXTS, "adapter": pa.array(ADAPTERS, pa.string())}), inp)
     cfg = job_config(
-        llama_ckpt, inp, tmp_path / "out", data={"lora_column": "adapter", "window_rows": 8},
-        sampling={"temperature": 0.0, "max_tokens": 8, "ignore_eos": True},
+        ckpt, inp, tmp_path / "out", data={"lora_column": "adapter", "window_rows": window_rows},
+        sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}, engine=engine,
     )  # fmt: skip
     cfg.model = dataclasses.replace(cfg.model, lora_modules=adapters)
-    cfg.run = dataclasses.replace(cfg.run, max_error_fraction=1.0)  # 2 of 8 rows fail on purpose
-    res = run_job(cfg, handle_signals=False, print_summary=False)
-    assert res.exit_code == EXIT_OK
-    out = read_parts(tmp_path / "out").to_pylist()
-    tok = load_tokenizer(llama_ckpt)
-    for row, text, name in zip(out, TEXTS, ADAPTERS):
+    cfg.run = dataclasses.replace(cfg.run, max_error_fraction=1.0)
+    return cfg
+
+
+def _rows_equal_peft(ckpt: str, adapters: dict, out_dir: Path, max_tokens: int) -> None:
+    """Every row of the output equals PEFT's greedy tokens under its adapter; unknown and unreadable adapters
+    are error rows saying so."""
+    tok = load_tokenizer(ckpt)
+    for row, text, name in zip(read_parts(out_dir).to_pylist(), TEXTS, ADAPTERS):
         if name in ("nope", "broken"):
             assert row["status"] == "error"
             assert ("unknown LoRA adapter 'nope'" if name == "nope" else "not a directory") in row["error"]
             continue
         assert row["status"] == "ok", row["error"]
-        assert row["token_ids"] == peft_greedy(llama_ckpt, adapters.get(name), tok.encode(text), 8), (
-            text,
-            name,
-        )
+        want = peft_greedy(ckpt, adapters.get(name), tok.encode(text), max_tokens)
+        assert row["token_ids"] == want, (text, name)
+
+
+def test_job_rows_follow_their_adapter(llama_ckpt, adapters, tmp_path: Path):
+    cfg = _adapter_job(llama_ckpt, adapters, tmp_path, window_rows=8, max_tokens=8)
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_OK
+    _rows_equal_peft(llama_ckpt, adapters, tmp_path / "out", 8)
     report = json.loads((tmp_path / "out" / "_report.json").read_text())
     assert report["lora"]["rows_this_run"] == {
         "a": {"ok": 2, "error": 0}, "b": {"ok": 2, "error": 0}, "base model": {"ok": 2, "error": 0},
@@ -73,27 +82,11 @@ def test_job_rows_follow_their_adapter(llama_ckpt, adapters, tmp_path: Path):
 def test_job_over_two_replicas_rows_follow_their_adapter(llama_ckpt, adapters, tmp_path: Path):
     """engine.data_parallel_size=2: each replica serves the adapters; every row equals PEFT under its own
     adapter, and the per-adapter counts cover both replicas (invalid rows included)."""
-    inp = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"prompt": TEXTS, "adapter": pa.array(ADAPTERS, pa.string())}), inp)
-    cfg = job_config(
-        llama_ckpt, inp, tmp_path / "out", data={"lora_column": "adapter", "window_rows": 2},
-        sampling={"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}, engine={"data_parallel_size": 2},
-    )  # fmt: skip
-    cfg.model = dataclasses.replace(cfg.model, lora_modules=adapters)
-    cfg.run = dataclasses.replace(cfg.run, max_error_fraction=1.0)
+    cfg = _adapter_job(llama_ckpt, adapters, tmp_path, window_rows=2, max_tokens=6, data_parallel_size=2)
     res = run_job(cfg, handle_signals=False, print_summary=False)
     assert res.exit_code == EXIT_OK, res.message
     assert sorted(r["replica"] for r in res.report["replicas"]) == [0, 1]
-    tok = load_tokenizer(llama_ckpt)
-    for row, text, name in zip(read_parts(tmp_path / "out").to_pylist(), TEXTS, ADAPTERS):
-        if name in ("nope", "broken"):
-            assert row["status"] == "error"
-            continue
-        assert row["status"] == "ok", row["error"]
-        assert row["token_ids"] == peft_greedy(llama_ckpt, adapters.get(name), tok.encode(text), 6), (
-            text,
-            name,
-        )
+    _rows_equal_peft(llama_ckpt, adapters, tmp_path / "out", 6)
     assert res.report["lora"]["rows_this_run"]["nope"] == {"ok": 0, "error": 1}
     assert res.report["lora"]["rows_this_run"]["a"] == {"ok": 2, "error": 0}
 
@@ -183,14 +176,7 @@ def test_report_counts_rows_per_adapter_across_resumed_runs(llama_ckpt, adapters
     from batchgen.job.report import format_table
     from batchgen.job.run import EXIT_INTERRUPTED
 
-    inp = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"prompt": TEXTS, "adapter": pa.array(ADAPTERS, pa.string())}), inp)
-    cfg = job_config(
-        llama_ckpt, inp, tmp_path / "out", data={"lora_column": "adapter", "window_rows": 2},
-        sampling={"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}, engine={"max_num_seqs": 2},
-    )  # fmt: skip
-    cfg.model = dataclasses.replace(cfg.model, lora_modules=adapters)
-    cfg.run = dataclasses.replace(cfg.run, max_error_fraction=1.0)
+    cfg = _adapter_job(llama_ckpt, adapters, tmp_path, window_rows=2, max_tokens=8, max_num_seqs=2)
     engine_cfg = dataclasses.replace(cfg.engine, enable_lora=True)
     engine = signal_after(LLMEngine(llama_ckpt, engine_cfg), at=12)
     first = run_job(cfg, engine=engine, print_summary=False)
