@@ -14,6 +14,14 @@ import torch
 peft = pytest.importorskip("peft", reason="LoRA equality tests compare against PEFT: pip install peft")
 
 NEW = 12
+PROMPTS = [  # token ids: two pairs share a prefix, one prompt is short
+    [5, 9, 33, 7, 100, 3, 41, 8, 77, 12, 19],
+    [17, 2, 250, 11, 12, 300, 6],
+    [5, 9, 33, 7, 100, 3, 41, 8, 77, 12, 19, 64, 65],
+    [401, 402, 7, 7, 9, 200, 150, 3, 1, 88],
+    [60, 61, 62],
+    [17, 2, 250, 11, 12, 300, 6, 9, 9],
+]
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ROOT = Path(tempfile.mkdtemp(prefix="batchgen-lora-"))
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)

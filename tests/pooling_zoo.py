@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 from model_zoo import _config
 
@@ -95,3 +96,12 @@ def sentence_transformers_layout(
         json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False})
     )
     return path
+
+
+def assert_classified(out: Any, logits: Any, num_labels: int) -> None:
+    """A classify output against transformers' logits: softmax probabilities (the raw score of a one-label
+    head) within 1e-4, and a 3-label head's label name from LABELS3."""
+    want = logits if num_labels == 1 else torch.softmax(logits, -1)
+    torch.testing.assert_close(torch.tensor(out.outputs.probs), want, atol=1e-4, rtol=0)
+    if num_labels == 3:
+        assert out.outputs.label == LABELS3[int(logits.argmax())]

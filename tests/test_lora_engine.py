@@ -6,19 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_helpers import NEW, peft_greedy, two_adapters
+from lora_helpers import NEW, PROMPTS, peft_greedy, two_adapters
 
 from batchgen import LLM, LoRARequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-PROMPTS = [
-    [5, 9, 33, 7, 100, 3, 41, 8, 77, 12, 19],
-    [17, 2, 250, 11, 12, 300, 6],
-    [5, 9, 33, 7, 100, 3, 41, 8, 77, 12, 19, 64, 65],
-    [401, 402, 7, 7, 9, 200, 150, 3, 1, 88],
-    [60, 61, 62],
-    [17, 2, 250, 11, 12, 300, 6, 9, 9],
-]
 
 
 @pytest.fixture(scope="module")

@@ -118,11 +118,8 @@ def test_decoder_classifier_and_reward_match_transformers(root, num_labels):
     for i, o in zip(order, outs):
         with torch.no_grad():
             logits = ref_model(input_ids=torch.tensor([toks[i]])).logits[0]
-        want = logits if num_labels == 1 else torch.softmax(logits, -1)
-        torch.testing.assert_close(torch.tensor(o.outputs.probs), want, atol=1e-4, rtol=0)
-        if num_labels == 3:
-            assert o.outputs.label == zoo.LABELS3[int(logits.argmax())]
-        else:
+        zoo.assert_classified(o, logits, num_labels)
+        if num_labels != 3:
             assert o.outputs.label is None and o.outputs.score == pytest.approx(float(logits[0]), abs=1e-4)
 
 

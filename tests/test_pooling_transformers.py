@@ -87,10 +87,7 @@ def test_classifier_and_reward_match_transformers(root, arch, model_class, num_l
     for i, o in zip(order, outs):
         with torch.no_grad():
             logits = ref_model(input_ids=torch.tensor([toks[i]])).logits[0]
-        want = logits if num_labels == 1 else torch.softmax(logits, -1)
-        torch.testing.assert_close(torch.tensor(o.outputs.probs), want, atol=1e-4, rtol=0)
-        if num_labels == 3:
-            assert o.outputs.label == zoo.LABELS3[int(logits.argmax())]
+        zoo.assert_classified(o, logits, num_labels)
         if num_labels == 2:
             assert o.outputs.label == f"LABEL_{int(logits.argmax())}"
 
