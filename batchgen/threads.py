@@ -233,12 +233,17 @@ def openmp_started() -> bool:
 
 
 def prepare() -> ThreadPolicy | None:
-    """Before torch loads: export the decided ``OMP_WAIT_POLICY`` (PASSIVE on busy cores). No-op (None) when
-    torch is already loaded. Called when ``batchgen`` is imported."""
+    """Before torch loads: export the decided ``OMP_WAIT_POLICY`` (PASSIVE on busy cores: busy on two looks,
+    0.1 s then 0.3 s, since the choice lasts as long as the process and a passing burst, such as another
+    program exiting, must not make it). No-op (None) when torch is already loaded. Called when ``batchgen`` is
+    imported."""
     global _wait_policy_at_start, _prepared_before_openmp
     if openmp_started():
         return None
-    policy = decide(cpus_available(), other_load(window=0.1), os.environ)
+    cpus = cpus_available()
+    policy = decide(cpus, other_load(window=0.1), os.environ)
+    if policy.busy and "OMP_WAIT_POLICY" not in os.environ:  # a second look before a lasting choice
+        policy = decide(cpus, other_load(window=0.3), os.environ)
     if policy.wait_policy == "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     _wait_policy_at_start = os.environ.get("OMP_WAIT_POLICY")

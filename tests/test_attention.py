@@ -182,6 +182,10 @@ def test_prefill_heuristic_picks_padded_for_uniform_batches(monkeypatch):
     # Chunks after a cached prefix group together even beside a long uncached prompt.
     assert tb._padding_buckets([347, 33, 33, 33], [347, 347, 346, 347]) == [[0], [1, 3, 2]]
     assert tb._padding_buckets([0, 5], [9, 5]) == [[1]]
+    # Fresh prompts: padded and masked, a prompt costs its whole square where alone it costs half of it, so
+    # long ones of similar length still run alone; short ones share a call (a call's fixed cost dominates).
+    assert tb._padding_buckets([300, 280, 260], [300, 280, 260]) == [[0], [1], [2]]
+    assert tb._padding_buckets([20, 18, 16], [20, 18, 16]) == [[0, 1, 2]]
 
 
 def test_zero_cache_gives_finite_outputs():

@@ -167,3 +167,25 @@ def test_unique_prompt_lengths_follow_the_range(tmp_path) -> None:
     assert 16 <= min(lens) and max(lens) <= 41
     with pytest.raises(ValueError, match="prompt_tokens"):
         run_benchmark(ThroughputConfig(prompt_tokens=[40, 16], output_dir=str(tmp_path / "o")))
+
+
+def test_a_system_starts_once_the_previous_ones_processes_have_left() -> None:
+    """`launch.settle` waits while other processes keep the CPUs busy (here: busy loops that stop after 1.5 s,
+    as a previous system's processes do while they exit), and returns at once with no time to wait."""
+    import time
+
+    from batchgen.bench import launch
+
+    n = (os.cpu_count() or 1) + 1
+    code = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
+    loops = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+    try:
+        time.sleep(0.3)
+        waited, _ = launch.settle(max_s=20.0)
+        assert waited >= 0.7
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+    waited, _ = launch.settle(max_s=0.0)
+    assert waited < 2.0

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import batchgen.models
-from batchgen.models import NATIVE_ARCHITECTURES, load_model, load_tokenizer, loader
+from batchgen.models import NATIVE_ARCHITECTURES, load_model, load_tokenizer, loader, packed_linear
+from batchgen.models.packed_linear import PackedLinear
 from batchgen.models.tiny import CHAT_TEMPLATE, EOS_TOKEN, IM_END, build_tokenizer, tiny_default_checkpoint
 
 TEXTS = [
@@ -72,7 +73,7 @@ def _copy(src: str, dst: Path) -> Path:
 
 
 def _state(model) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return {k: _dense(v).clone() for k, v in model.state_dict().items()}
 
 
 def test_sharded_checkpoint_with_index(ckpt_factory, llama_ckpt):
@@ -99,7 +100,7 @@ def test_dtype_auto_and_override(ckpt_factory, qwen2_ckpt):
     assert m16.config.dtype == torch.float16 and {p.dtype for p in m16.parameters()} == {torch.float16}
     ref = load_model(qwen2_ckpt, dtype=torch.float32)
     w = "model.layers.0.self_attn.qkv_proj.weight"
-    assert torch.equal(m16.state_dict()[w], ref.state_dict()[w].half())
+    assert torch.equal(m16.state_dict()[w], _dense(ref.state_dict()[w]).half())
     bf = ckpt_factory("qwen2", seed=2, dtype=torch.bfloat16)
     assert json.loads((Path(bf) / "config.json").read_text())["dtype"] == "bfloat16"
     assert {p.dtype for p in load_model(bf).parameters()} == {torch.bfloat16}
@@ -111,34 +112,65 @@ def test_dtype_auto_and_override(ckpt_factory, qwen2_ckpt):
 def test_fused_projections_and_tied_embeddings(ckpt_factory):
     path = ckpt_factory("qwen2", tie_word_embeddings=True, seed=11)
     model = load_model(path)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(_dense(model.lm_head.weight), model.model.embed_tokens.weight)
     with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
         assert "lm_head.weight" not in f.keys()
         qkv = model.model.layers[1].self_attn.qkv_proj
         names = ["q_proj", "k_proj", "v_proj"]
         for kind in ("weight", "bias"):
             want = torch.cat([f.get_tensor(f"model.layers.1.self_attn.{n}.{kind}") for n in names])
-            assert torch.equal(getattr(qkv, kind), want)
+            assert torch.equal(_dense(getattr(qkv, kind)), want)
         gate_up = torch.cat([f.get_tensor(f"model.layers.0.mlp.{n}_proj.weight") for n in ("gate", "up")])
-        assert torch.equal(model.model.layers[0].mlp.gate_up_proj.weight, gate_up)
+        assert torch.equal(_dense(model.model.layers[0].mlp.gate_up_proj.weight), gate_up)
 
 
-def test_float32_cpu_weights_column_major(ckpt_factory, qwen2_ckpt):
-    """Float32 projections (experts too) are stored transposed in memory, same shapes and values; the embedding,
-    tied head, norms and other dtypes keep their layout."""
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t.to_dense() if t.is_mkldnn else t
+
+
+def test_float32_cpu_projections_packed_for_onednn(ckpt_factory, qwen2_ckpt):
+    """Float32 CPU projections are oneDNN-packed (same values, same outputs as F.linear); experts are stored
+    transposed in memory; the embedding, norms and other dtypes keep their layout; a small tied head is packed
+    as a copy while the embedding keeps the table."""
+    model = load_model(qwen2_ckpt)
+    attn = model.model.layers[0].self_attn
+    for lin in (attn.qkv_proj, attn.o_proj, model.model.layers[0].mlp.down_proj, model.lm_head):
+        assert isinstance(lin, PackedLinear) and lin.weight.is_mkldnn
+    with safe_open(str(Path(qwen2_ckpt) / "model.safetensors"), framework="pt") as f:
+        w = f.get_tensor("model.layers.0.self_attn.o_proj.weight")
+        assert torch.equal(attn.o_proj.weight.to_dense(), w)
+        qkv = torch.cat([f.get_tensor(f"model.layers.0.self_attn.{n}_proj.weight") for n in "qkv"])
+        bias = torch.cat([f.get_tensor(f"model.layers.0.self_attn.{n}_proj.bias") for n in "qkv"])
+    x = torch.randn(2, 3, attn.qkv_proj.in_features)
+    torch.testing.assert_close(
+        attn.qkv_proj(x), torch.nn.functional.linear(x, qkv, bias), rtol=1e-5, atol=1e-5
+    )
+    assert model.model.embed_tokens.weight.is_contiguous()
+    assert model.model.layers[0].input_layernorm.weight.is_contiguous()
+    bf16 = load_model(qwen2_ckpt, dtype="bfloat16")
+    assert all(p.is_contiguous() for p in bf16.parameters())
+    assert type(bf16.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+    experts = load_model(model_zoo.checkpoint("qwen3_moe")).model.layers[0].mlp.experts
+    assert experts.gate_up_proj.transpose(-2, -1).is_contiguous()
+    tied = load_model(ckpt_factory("qwen2", tie_word_embeddings=True, seed=11))
+    assert isinstance(tied.lm_head, PackedLinear) and tied.model.embed_tokens.weight.is_contiguous()
+    assert torch.equal(tied.lm_head.weight.to_dense(), tied.model.embed_tokens.weight)
+
+
+def test_large_tied_head_stays_shared(ckpt_factory, monkeypatch):
+    """Above the copy budget a tied head keeps the embedding's table (no second copy) and its layout."""
+    monkeypatch.setattr(packed_linear, "TIED_HEAD_COPY_MAX_BYTES", 0)
+    tied = load_model(ckpt_factory("qwen2", tie_word_embeddings=True, seed=11))
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight and tied.lm_head.weight.is_contiguous()
+    assert isinstance(tied.model.layers[0].self_attn.o_proj, PackedLinear)
+
+
+def test_without_onednn_projections_are_column_major(qwen2_ckpt, monkeypatch):
+    monkeypatch.setattr(packed_linear, "onednn_available", lambda: False)
     model = load_model(qwen2_ckpt)
     attn = model.model.layers[0].self_attn
     for w in (attn.qkv_proj.weight, attn.o_proj.weight, model.model.layers[0].mlp.down_proj.weight):
         assert w.t().is_contiguous() and not w.is_contiguous()
-    with safe_open(str(Path(qwen2_ckpt) / "model.safetensors"), framework="pt") as f:
-        assert torch.equal(attn.o_proj.weight, f.get_tensor("model.layers.0.self_attn.o_proj.weight"))
-    assert model.model.embed_tokens.weight.is_contiguous()
-    assert model.model.layers[0].input_layernorm.weight.is_contiguous()
-    assert all(p.is_contiguous() for p in load_model(qwen2_ckpt, dtype="bfloat16").parameters())
-    experts = load_model(model_zoo.checkpoint("qwen3_moe")).model.layers[0].mlp.experts
-    assert experts.gate_up_proj.transpose(-2, -1).is_contiguous()
-    tied = load_model(ckpt_factory("qwen2", tie_word_embeddings=True, seed=11))
-    assert tied.lm_head.weight is tied.model.embed_tokens.weight and tied.lm_head.weight.is_contiguous()
 
 
 def test_streaming_holds_one_checkpoint_tensor_at_a_time(llama_ckpt, monkeypatch):
@@ -255,7 +287,7 @@ def test_moe_experts_stacked_from_either_checkpoint_layout(tmp_path):
         save_file(stacked, ckpt / "model.safetensors", metadata={"format": "pt"})
         again = load_model(ckpt)
         for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
-            assert torch.equal(a, b), name
+            assert torch.equal(_dense(a), _dense(b)), name
         # both layouts at once write the experts twice
         both = dict(tensors)
         both[f"{prefix}.experts.down_proj"] = torch.stack(downs)

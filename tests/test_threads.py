@@ -136,6 +136,23 @@ def test_api_and_command_line_export_the_wait_policy_before_torch(module: str) -
     assert out[-3:] == ["PASSIVE", "PASSIVE", "False"]
 
 
+@pytest.mark.parametrize(("looks", "wait"), [([5.0, 0.0], None), ([5.0, 5.0], "PASSIVE")])
+def test_wait_policy_needs_two_busy_looks(monkeypatch: pytest.MonkeyPatch, looks, wait) -> None:
+    """The wait policy lasts as long as the process: a burst seen by the first look only (another program
+    exiting) leaves libgomp's default; busy on both looks exports PASSIVE."""
+    readings = iter(looks)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(threads, "openmp_started", lambda: False)
+    monkeypatch.setattr(threads, "cpus_available", lambda: 2)
+    monkeypatch.setattr(threads, "other_load", lambda window, samples=5: next(readings))
+    monkeypatch.setattr(threads, "_wait_policy_at_start", None)
+    monkeypatch.setattr(threads, "_prepared_before_openmp", False)
+    policy = threads.prepare()
+    assert os.environ.get("OMP_WAIT_POLICY") == wait and threads._wait_policy_at_start == wait
+    assert policy.wait_policy == (wait or "default")
+    assert next(readings, "spent") == "spent"
+
+
 @pytest.fixture
 def _restore_threads():
     n = torch.get_num_threads()

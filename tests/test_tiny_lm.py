@@ -84,7 +84,8 @@ def test_default_checkpoint_is_the_shipped_one() -> None:
     cfg = model.config
     assert cfg.architecture == "LlamaForCausalLM" and cfg.tie_word_embeddings
     assert cfg.vocab_size == MODEL_SPEC["vocab_size"] and cfg.max_model_len >= 512
-    n_params = sum(p.numel() for p in model.parameters())
+    # the checkpoint's parameters: a float32 CPU tied head also holds a packed copy of the embedding for speed
+    n_params = sum(p.numel() for n, p in model.named_parameters() if n != "lm_head.weight")
     assert n_params == meta["parameters"] and 2_000_000 < n_params < 10_000_000
 
     built = PreTrainedTokenizerFast.from_pretrained(path)

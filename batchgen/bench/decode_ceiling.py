@@ -1,9 +1,10 @@
 """The MFU ceiling of a decode step at batch ``M``: the model's linear layers alone, no attention, no engine.
 
 ``python -m batchgen.bench.decode_ceiling [--rows 16 64 256] [--threads 2]`` times one decode step's GEMMs of
-the throughput benchmark's model (per layer qkv, o, gate_up, down, then the LM head; float32 weights stored
-column-major as the loader stores them on the CPU) at each batch size, measures the matmul peak at 256 rows
-beside it, and prints achieved FLOP/s ÷ peak: the most MFU any engine could reach on a decode-only workload
+the throughput benchmark's model (per layer qkv, o, gate_up, down, then the LM head; float32) at each batch
+size, with each kernel: ``onednn`` (weights packed for oneDNN, as the loader stores them on the CPU) and
+``mkl`` (``F.linear`` over column-major weights, the loader's fallback); measures the matmul peak at 256 rows
+beside it (the best of both kernels) and prints achieved FLOP/s ÷ peak: the most MFU any engine could reach on a decode-only workload
 of that many sequences. Also the read bandwidth (a ``sum`` over 256 MiB) and the weight bytes each step
 streams: at small batches a step is bound by streaming the weights, not by FLOPs.
 """
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.bench.throughput import BenchModel
+from batchgen.models.packed_linear import BATCH_HINT, onednn_available
 
 
 def _rate(fn: Callable[[], object], seconds: float) -> float:
@@ -31,8 +33,18 @@ def _rate(fn: Callable[[], object], seconds: float) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def _column_major(n: int, k: int) -> torch.Tensor:
-    return torch.randn(n, k).t().contiguous().t()
+def _linear(kernel: str, n: int, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> x @ W.t()`` for a random ``[n, k]`` weight laid out as ``kernel`` runs it."""
+    w = torch.randn(n, k)
+    if kernel == "onednn":
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    cm = w.t().contiguous().t()
+    return lambda x: F.linear(x, cm)
+
+
+def kernels() -> list[str]:
+    return ["onednn", "mkl"] if onednn_available() else ["mkl"]
 
 
 def layer_shapes(m: BenchModel) -> list[tuple[int, int]]:
@@ -47,26 +59,27 @@ def weights_per_token(m: BenchModel) -> int:
     return m.num_layers * sum(k * n for k, n in layer_shapes(m)) + m.hidden_size * m.vocab_size
 
 
-def measure(m: BenchModel, rows: list[int], seconds: float = 1.0) -> list[dict[str, float]]:
-    """Per batch size: step time, achieved and peak FLOP/s, ceiling (achieved ÷ peak)."""
+def measure(m: BenchModel, rows: list[int], kernel: str, seconds: float = 1.0) -> list[dict[str, float]]:
+    """Per batch size: step time, achieved and peak FLOP/s, ceiling (achieved ÷ peak) for one kernel."""
     h, i = m.hidden_size, m.intermediate_size
     shapes = layer_shapes(m)
-    layers = [[_column_major(n, k) for k, n in shapes] for _ in range(m.num_layers)]
-    lm_head = _column_major(m.vocab_size, h)
+    layers = [[_linear(kernel, n, k) for k, n in shapes] for _ in range(m.num_layers)]
+    lm_head = _linear(kernel, m.vocab_size, h)
     flops_per_token = 2 * weights_per_token(m)
-    a, b = torch.randn(256, h), torch.randn(h, 2 * i)
+    a = torch.randn(256, h)
+    peak_fns = [_linear(k, 2 * i, h) for k in kernels()]
     out = []
     for batch in rows:
         x, xi = torch.randn(batch, h), torch.randn(batch, i)
 
         def step(x: torch.Tensor = x, xi: torch.Tensor = xi) -> None:
             for weights in layers:
-                for (k, _), w in zip(shapes, weights):
-                    F.linear(xi if k == i else x, w)
-            F.linear(x, lm_head)
+                for (k, _), linear in zip(shapes, weights):
+                    linear(xi if k == i else x)
+            lm_head(x)
 
         steps_per_s = _rate(step, seconds)
-        peak = 2 * 256 * h * 2 * i * _rate(lambda: a @ b, seconds)
+        peak = 2 * 256 * h * 2 * i * max(_rate(lambda f=f: f(a), seconds) for f in peak_fns)
         achieved = flops_per_token * batch * steps_per_s
         out.append({"rows": batch, "step_ms": 1e3 / steps_per_s, "flops": achieved, "peak": peak})
     return out
@@ -88,11 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     m = BenchModel()
-    for r in measure(m, args.rows, args.seconds):
-        print(
-            f"M={r['rows']:4d}: linear layers {r['step_ms']:.2f} ms/step, {r['flops'] / 1e9:.0f} GFLOP/s, "
-            f"peak {r['peak'] / 1e9:.0f} GFLOP/s -> MFU ceiling {100 * r['flops'] / r['peak']:.0f}%"
-        )
+    for kernel in kernels():
+        for r in measure(m, args.rows, kernel, args.seconds):
+            print(
+                f"{kernel:6s} M={r['rows']:4d}: linear layers {r['step_ms']:.2f} ms/step, {r['flops'] / 1e9:.0f} GFLOP/s, "
+                f"peak {r['peak'] / 1e9:.0f} GFLOP/s -> MFU ceiling {100 * r['flops'] / r['peak']:.0f}%"
+            )
     weight_mb = 4 * weights_per_token(m) / 1e6  # float32
     bw = read_bandwidth(args.seconds)
     print(

@@ -14,7 +14,9 @@ Workload: ``--rows`` texts, 60% short queries (5-20 words) and 40% passages (50-
 Every system embeds the same texts; the cosine between batchgen's and each other system's embeddings is
 reported (>= 0.9999 expected). Decoder: a random Qwen3 embedder (4 layers, hidden 256), ``--decoder-rows``
 queries behind one ~80-token instruction, last-token pooling; prefix cache on vs off.
-Figures are rows/s and input tokens/s; each system is warmed up on 32 rows first. Nothing here is asserted.
+Figures are rows/s and input tokens/s; each system is warmed up on 32 rows first. Beside them, the float32
+compute floor: the corpus's FLOPs at the best GEMM rate measured at the encoder's shapes (no system can embed it
+faster in float32 on that machine). Nothing here is asserted.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def run_encoder(path: str, texts: list[str], st_batch_sizes: list[int]) -> list[
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
     n_tokens = sum(len(t) for t in tok(texts)["input_ids"])
-    results = []
+    results: list[dict[str, Any]] = []
 
     llm = LLM(path, device="cpu")
     wall, ours = _timed(lambda xs: [o.outputs.embedding for o in llm.embed(xs, use_tqdm=False)], texts)
@@ -180,6 +182,45 @@ def run_encoder(path: str, texts: list[str], st_batch_sizes: list[int]) -> list[
         r["rows_per_s"] = len(texts) / r["wall_s"]
         r["tok_per_s"] = n_tokens / r["wall_s"]
     return results
+
+
+def encoder_flops(sizes: dict[str, Any], lengths: list[int]) -> float:
+    """FLOPs of one BERT-style encoder forward over unpadded sequences of ``lengths``: every token through the
+    Q/K/V/O and the two feed-forward projections (2 FLOPs per weight), plus attention's two ``n x n x hidden``
+    products per layer per sequence. Embeddings, norms, activations and the pooler are left out."""
+    h, i, layers = sizes["hidden_size"], sizes["intermediate_size"], sizes["num_hidden_layers"]
+    per_token = 2 * (4 * h * h + 2 * h * i)
+    return float(layers * sum(per_token * n + 4 * n * n * h for n in lengths))
+
+
+def gemm_peak(
+    sizes: dict[str, Any], rows: tuple[int, ...] = (512, 2048, 4096), seconds: float = 0.3
+) -> float:
+    """The best FLOP/s measured for the encoder's projection shapes at ``rows`` rows, over MKL's matmul and
+    oneDNN's packed linear (float32, this process's threads)."""
+    from batchgen.bench.systems import run_matmul
+
+    h, i = sizes["hidden_size"], sizes["intermediate_size"]
+    shapes = [["qkvo", h, h], ["up", h, i], ["down", i, h]]
+    spec = {"device": "cpu", "dtype": "float32", "matmul_shapes": shapes, "matmul_rows": list(rows)}
+    spec["matmul_seconds"] = seconds
+    return run_matmul(spec)["peak_flops_per_s"]
+
+
+def compute_floor(results: list[dict[str, Any]], lengths: list[int]) -> dict[str, float]:
+    """The least time any float32 system could embed the corpus in on this machine: its FLOPs
+    (`encoder_flops`) at the best GEMM rate measured (`gemm_peak`), beside the time 1.5x sentence-transformers'
+    best would take."""
+    flops = encoder_flops(_BERT, lengths)
+    peak = gemm_peak(_BERT)
+    st = [r["wall_s"] for r in results if r["system"] == "sentence-transformers"]
+    return {
+        "flops": flops,
+        "peak_flops_per_s": peak,
+        "floor_s": flops / peak,
+        "st_best_s": min(st) if st else float("nan"),
+        "st_best_div_1_5_s": min(st) / 1.5 if st else float("nan"),
+    }
 
 
 def run_decoder(path: str, queries: list[str]) -> list[dict[str, Any]]:
@@ -237,9 +278,11 @@ def main(argv: list[str] | None = None) -> None:
     parts = args.parts.split(",")
     enc: list[dict[str, Any]] = []
     dec: list[dict[str, Any]] = []
+    floor: dict[str, float] = {}
     if "encoder" in parts:
         texts = corpus(tok, args.rows)
         enc = run_encoder(enc_path, texts, [int(b) for b in args.st_batch_sizes.split(",")])
+        floor = compute_floor(enc, [len(t) for t in tok(texts)["input_ids"]])
     if "decoder" in parts:
         queries = [" ".join(q.split()[:12]) for q in corpus(tok, args.decoder_rows, seed=1)]
         dec = run_decoder(dec_path, queries)
@@ -250,13 +293,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     if enc:
         print(f"\nencoder (bert-small shape), {args.rows} mixed-length rows\n" + _table(enc, "cos"))
+        print(_floor_line(floor))
     if dec:
         print(
             f"\ndecoder embedder (Qwen3, 4 layers), {args.decoder_rows} rows behind one instruction\n"
             + _table(dec, "cached_fraction")
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": info, "encoder": enc, "decoder": dec}, indent=1))
+        out = {"machine": info, "encoder": enc, "encoder_floor": floor, "decoder": dec}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+def _floor_line(f: dict[str, float]) -> str:
+    return (
+        f"float32 compute floor: {f['flops'] / 1e9:.0f} GFLOP (projections + attention, unpadded) at the best "
+        f"GEMM rate measured here, {f['peak_flops_per_s'] / 1e9:.0f} GFLOP/s = {f['floor_s']:.2f} s; "
+        f"1.5x sentence-transformers' best ({f['st_best_s']:.2f} s) would be {f['st_best_div_1_5_s']:.2f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -169,6 +169,23 @@ def _run_child(
             return -1
 
 
+SETTLE_MAX_S = 30.0
+"""How long a system's start waits at most for the previous one's processes to leave the CPUs."""
+
+
+def settle(max_s: float = SETTLE_MAX_S, quiet: float = 0.5) -> tuple[float, float | None]:
+    """Wait until other processes keep less than `quiet` CPUs busy (measured over 0.5 s), at most `max_s`:
+    a system must not start while the previous one's processes are still exiting (its thread policy, and
+    anyone's speed, would see their load). Returns (seconds waited, the last load measured)."""
+    from batchgen.threads import other_load
+
+    t0 = time.perf_counter()
+    while True:
+        load = other_load(window=0.5)
+        if load is None or load < quiet or time.perf_counter() - t0 >= max_s:
+            return time.perf_counter() - t0, load
+
+
 def run_system(
     spec: dict[str, Any],
     work_dir: Path,
@@ -178,13 +195,15 @@ def run_system(
     servers: Servers | None = None,
 ) -> dict[str, Any]:
     """Run one system in a subprocess (beside a competing process when ``spec['competing_cpu']`` is set;
-    through `servers` for standalone-script systems when given); returns its result dict: ``status`` ok,
-    skipped (with ``reason``) or error (with the log's tail), the 1-minute load average before and after, and
-    the interpreter used."""
+    through `servers` for standalone-script systems when given), once the machine has settled (:func:`settle`);
+    returns its result dict: ``status`` ok, skipped (with ``reason``) or error (with the log's tail), the
+    1-minute load average before and after, the wait to settle and other processes' load then, and the
+    interpreter used."""
     system = spec["system"]
     tag = tag or f"{spec['workload']}-{system}"
     spec_path, out_path, log_path = (work_dir / f"{tag}.{x}" for x in ("spec.json", "result.json", "log"))
     python, how = resolve_python(system, interpreters)
+    settle_s, load_at_start = settle() if python is not None else (0.0, None)
     load0 = os.getloadavg()
     if python is None:
         return {
@@ -218,5 +237,6 @@ def run_system(
     res["loadavg_after"] = list(os.getloadavg())
     res["started_at"] = started_at
     res["subprocess_seconds"] = elapsed
+    res["settle_s"], res["other_load_at_start"] = settle_s, load_at_start
     res["python"] = how
     return res

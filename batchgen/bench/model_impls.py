@@ -34,6 +34,7 @@ import os
 import platform
 import statistics
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -272,13 +273,27 @@ def bench_forward(archs: list[str], reps: int, prefill: int = 256, batch: int = 
 
 
 @torch.inference_mode()
-def bench_gemm_layout(reps: int = 9, rows: tuple[int, ...] = (1, 2, 3, 4, 8, 16, 64, 256)) -> str:
-    """`F.linear` with a row-major (as loaded) vs column-major (`use_column_major_weights`) float32 weight, for
-    the bench models' projection shapes and 4096-wide ones: median over `reps` back-to-back pairs of the
-    process-CPU-time ratio (row-major ÷ column-major: above 1, column-major is faster)."""
+def bench_gemm_layout(
+    reps: int = 9,
+    rows: tuple[int, ...] = (1, 2, 3, 4, 8, 16, 64, 256),
+    shapes: tuple[tuple[int, int], ...] = (
+        (1536, 256),
+        (512, 256),
+        (256, 768),
+        (4096, 4096),
+        (22016, 4096),
+        (4096, 11008),
+    ),
+) -> str:
+    """A float32 linear layer three ways, for the bench models' projection shapes and 4096-wide ones:
+    `F.linear` on the weight as loaded (row-major), on it stored column-major (the loader's fallback,
+    `packed_linear.use_column_major_weights`), and oneDNN's packed linear (`PackedLinear`, what the loader uses
+    where oneDNN is available). Each cell: the median over `reps` back-to-back triples of the process-CPU-time
+    ratios row-major ÷ column-major and row-major ÷ oneDNN-packed (above 1: faster than row-major)."""
     import torch.nn.functional as F
 
-    shapes = [(1536, 256), (512, 256), (256, 768), (4096, 4096), (22016, 4096), (4096, 11008)]
+    from batchgen.models.packed_linear import PackedLinear, onednn_available
+
     lines = [
         "| weight [out, in] | " + " | ".join(f"{m} rows" for m in rows) + " |",
         "|---|" + "---:|" * len(rows),
@@ -286,17 +301,22 @@ def bench_gemm_layout(reps: int = 9, rows: tuple[int, ...] = (1, 2, 3, 4, 8, 16,
     for n, k in shapes:
         w = torch.randn(n, k)
         wc = w.t().contiguous().t()
+        layouts = [partial(F.linear, weight=w), partial(F.linear, weight=wc)]
+        if onednn_available():
+            layouts.append(PackedLinear(w, None))
         cells = []
         for m in rows:
             x = torch.randn(m, k)
-            ratios = []
+            ratios: list[list[float]] = [[] for _ in layouts[1:]]
             for _ in range(reps + 1):
-                t0 = time.process_time()
-                F.linear(x, w)
-                t1 = time.process_time()
-                F.linear(x, wc)
-                ratios.append((t1 - t0) / max(time.process_time() - t1, 1e-9))
-            cells.append(f"{statistics.median(ratios[1:]):.2f}×")
+                times = []
+                for fn in layouts:
+                    t0 = time.process_time()
+                    fn(x)
+                    times.append(max(time.process_time() - t0, 1e-9))
+                for r, t in zip(ratios, times[1:]):
+                    r.append(times[0] / t)
+            cells.append(" / ".join(f"{statistics.median(r[1:]):.2f}×" for r in ratios))
         lines.append(f"| [{n}, {k}] | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -348,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-workload", action="store_true", help="only the model-step table")
     p.add_argument(
-        "--gemm-layout", action="store_true", help="only the row- vs column-major weight GEMM table"
+        "--gemm-layout", action="store_true", help="only the row- vs column-major vs oneDNN-packed GEMM table"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
@@ -363,7 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.gemm_layout:
         load0 = os.getloadavg()[0]
         table_ = bench_gemm_layout()
-        print(f"F.linear float32, row-major time ÷ column-major time; {machine}; load average {load0:.2f}")
+        print(
+            "float32 linear, row-major F.linear time ÷ column-major F.linear time / ÷ oneDNN-packed time; "
+            f"{machine}; load average {load0:.2f}"
+        )
         print(table_)
         return 0
     if args.forward_reps > 0:

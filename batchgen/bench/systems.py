@@ -629,31 +629,47 @@ def run_greedy_check(spec: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ matmul
 def run_matmul(spec: dict[str, Any]) -> dict[str, Any]:
-    """Achieved FLOP/s of ``[M, K] @ [K, N]`` at the model's linear shapes, M in ``matmul_rows``."""
+    """Achieved FLOP/s of ``[M, K] @ [K, N]`` at the model's linear shapes, M in ``matmul_rows``: the plain
+    matmul and, for float32 on the CPU, oneDNN's packed linear (what batchgen's models use there); the peak
+    is the best of every kernel and shape."""
     import torch
+
+    from batchgen.models.packed_linear import BATCH_HINT, onednn_available
 
     dev = _device(spec)
     dtype = getattr(torch, spec["dtype"]) if spec["dtype"] != "auto" else torch.float32
-    shapes = spec["matmul_shapes"]  # [[name, K, N], ...]
+    packed = dev == "cpu" and dtype == torch.float32 and onednn_available()
+    seconds = spec.get("matmul_seconds", 0.3)
     rows = []
     for m in spec["matmul_rows"]:
-        for name, k, n in shapes:
+        for name, k, n in spec["matmul_shapes"]:  # [[name, K, N], ...]
             a = torch.randn(m, k, dtype=dtype, device=dev)
             b = torch.randn(k, n, dtype=dtype, device=dev)
-            for _ in range(3):
-                a @ b
-            _sync()
-            iters, t0 = 0, time.perf_counter()
-            while True:
-                a @ b
-                iters += 1
-                if iters % 4 == 0:
-                    _sync()
-                    if time.perf_counter() - t0 > spec.get("matmul_seconds", 0.3):
-                        break
-            el = time.perf_counter() - t0
-            rows.append({"m": m, "name": name, "k": k, "n": n, "flops_per_s": 2 * m * k * n * iters / el})
+            kernels = {"matmul": lambda a=a, b=b: a @ b}
+            if packed:
+                w = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), BATCH_HINT)
+                kernels["onednn"] = lambda a=a, w=w: torch.ops.mkldnn._linear_pointwise(
+                    a, w, None, "none", [], ""
+                )
+            for kernel, fn in kernels.items():
+                rate = 2 * m * k * n / _seconds_per_call(fn, seconds)
+                rows.append({"m": m, "name": name, "k": k, "n": n, "kernel": kernel, "flops_per_s": rate})
     return {"shapes": rows, "peak_flops_per_s": max(r["flops_per_s"] for r in rows)}
+
+
+def _seconds_per_call(fn: Any, seconds: float) -> float:
+    for _ in range(3):
+        fn()
+    _sync()
+    iters, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        iters += 1
+        if iters % 4 == 0:
+            _sync()
+            if time.perf_counter() - t0 > seconds:
+                break
+    return (time.perf_counter() - t0) / iters
 
 
 # --------------------------------------------------------------------------------------------- main

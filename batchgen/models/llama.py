@@ -11,8 +11,8 @@ Numerics follow transformers op for op (RMSNorm in float32 then cast back before
 scaled by `1 + weight` in float32 then cast; RoPE inverse frequencies from transformers' own RoPE functions and
 cos/sin computed in float32 from the positions; residual adds in the model dtype), so float32 outputs match
 `transformers` to rounding. Q/K/V and gate/up projections are fused into one matmul each (`qkv_proj`,
-`gate_up_proj`); the loader fuses the checkpoint's separate tensors, then stores float32 CPU weights
-column-major (`use_column_major_weights`). Per forward, RoPE's cos/sin are computed once for all layers, Q and
+`gate_up_proj`); the loader fuses the checkpoint's separate tensors, then packs float32 CPU projections for oneDNN
+(`batchgen.models.packed_linear`). Per forward, RoPE's cos/sin are computed once for all layers, Q and
 K are normed and rotated as one tensor, and temporaries are updated in place (same ops, same rounding).
 
 Tensor parallelism (`config.tp_size > 1`, see `batchgen.models.parallel`): the config carries one rank's head
@@ -244,28 +244,6 @@ class CausalLM(nn.Module):
         if c.final_softcap is not None:
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return parallel.gather_logits(logits, c).float()
-
-
-def use_column_major_weights(model: CausalLM) -> None:
-    """Store the float32 CPU projection weights column-major, in place: each `[out, in]` weight keeps its shape,
-    name and values, but its memory becomes its transpose, `[in, out]` contiguous (experts: `[E, in, out]`).
-
-    Why: `F.linear(x, W)` multiplies by `W.t()`, and MKL's float32 GEMM is faster when that operand is
-    untransposed in memory: measured up to 1.7x for 4-64 input rows (decode steps) on small weights and 1.3-1.5x
-    for 4-8 rows on 7B-sized ones, about even at 256 rows, but 0.8-0.97x at 2-3 rows (`python -m
-    batchgen.bench.model_impls --gemm-layout`, BENCHMARKS.md). From 16 rows on the results were bit
-    for bit the same; fewer rows round differently in the last bits (greedy outputs still match transformers
-    in the equality tests). bfloat16 (oneDNN) gains nothing, so only float32 on CPU is touched. Run once, after
-    loading (a tensor-parallel loader slices the checkpoint's tensors first); costs one parameter's copy at a
-    time. The embedding and a tied head (the same table, read row by row) keep their layout.
-    """
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    for name, param in model.named_parameters():
-        if param.device.type != "cpu" or param.dtype != torch.float32 or param.dim() < 2:
-            continue
-        if name.endswith("embed_tokens.weight") or (tied and name == "lm_head.weight"):
-            continue
-        param.data = param.data.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
 class _Backbone(nn.Module):

@@ -7,7 +7,8 @@ Invariants:
 - The model is built on the meta device and materialised once, empty, in the target dtype on the
   target device; then each checkpoint tensor is read, copied into its (slice of a) parameter and
   dropped, so peak memory is the model plus one tensor, never a second full state dict. Float32 CPU weights
-  are then re-laid out column-major one parameter at a time (`llama.use_column_major_weights`: faster GEMMs).
+  are then re-laid out one module at a time for faster GEMMs (`batchgen.models.packed_linear`: oneDNN-packed
+  projections, column-major expert stacks).
 - Every parameter element is written exactly once; anything missing, unexpected or misshapen is a
   `ValueError` naming the tensor and the file. Checkpoint tensors are mapped onto our parameters by
   `_checkpoint_names` (q/k/v and gate/up fused, per-expert tensors stacked, Mixtral's `block_sparse_moe`).
@@ -30,8 +31,9 @@ import torch
 from safetensors import safe_open
 
 from batchgen.models.config import ModelConfig, NativeUnsupportedError, parse_dtype
-from batchgen.models.llama import CausalLM, use_column_major_weights
+from batchgen.models.llama import CausalLM
 from batchgen.models.meta_init import materialize, skip_init
+from batchgen.models.packed_linear import fast_cpu_weights
 from batchgen.models.parallel import check_divisible, shard_config
 from batchgen.models.sharding import read_shard
 
@@ -265,7 +267,7 @@ def load_native_model(
     for file in files:
         _copy_file(file, config, params, lookup, written, seen, rename)
     _check_complete(ckpt, files, params, canonical, written, seen)
-    use_column_major_weights(model)
+    fast_cpu_weights(model, keep=[model.model.embed_tokens.weight])
     return model
 
 

@@ -10,7 +10,7 @@ tokens. Each token's k weighted contributions are summed in slot order, as trans
 
 Expert weights are stacked: `experts.gate_up_proj [E, 2I, H]` (gate rows then up rows) and
 `experts.down_proj [E, H, I]`, the shapes transformers 5.x uses (float32 on CPU: stored column-major, see
-`llama.use_column_major_weights`); the loader fills them from
+`packed_linear.use_column_major_weights`); the loader fills them from
 per-expert checkpoint tensors (`experts.N.w1/w3/w2` for Mixtral, `experts.N.gate_proj/up_proj/down_proj` for
 Qwen) or from already stacked ones.
 """

@@ -49,6 +49,7 @@ from batchgen.models.config import (
     parse_dtype,
     read_config_files,
 )
+from batchgen.models.packed_linear import pack_transformers_linears
 
 logger = logging.getLogger(__name__)
 
@@ -512,6 +513,7 @@ def _load(
         torch_dtype = parse_dtype(dtype)
     hf_model = _from_pretrained(ckpt, hf_config, torch_dtype, auto_class, unused_ok)
     hf_model = hf_model.to(torch.device(device)).eval().requires_grad_(False)
+    pack_transformers_linears(hf_model)
     model_text = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else None
     for cfg in (hf_model.config, model_text):
         if cfg is not None:

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from batchgen.models.config import NATIVE_ARCHITECTURES, NativeUnsupportedError, read_config_files
+from batchgen.models.packed_linear import PackedLinear
 from batchgen.pooling.checkpoint import CheckpointPooling
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ def _load_transformers(info: CheckpointPooling, dtype, device) -> PoolingDecoder
     auto = transformers.AutoModelForSequenceClassification if classify else transformers.AutoModel
     backbone, hf_model = load_transformers_backbone(info.path, auto, dtype=dtype, device=device)
     score = getattr(hf_model, "score", None) if classify else None
-    if classify and not isinstance(score, nn.Linear):
+    if classify and not isinstance(score, (nn.Linear, PackedLinear)):
         raise UnsupportedModelError(
             f"{info.path}: {type(hf_model).__name__}'s classification head is not one `score` linear layer "
             "applied to the last token; batchgen cannot pool it"

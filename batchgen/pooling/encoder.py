@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from batchgen.models.packed_linear import pack_transformers_linears
 from batchgen.pooling import varlen_attention
 from batchgen.pooling.checkpoint import CheckpointPooling
 from batchgen.pooling.pooler import pool
@@ -68,6 +69,7 @@ class EncoderModel:
             use_safetensors=True,
         )
         self.model = model.to(device).eval().requires_grad_(False)
+        pack_transformers_linears(self.model)
         self.backbone: nn.Module = getattr(model, model.base_model_prefix) if classify else model
         cfg = model.config
         self.config = cfg
