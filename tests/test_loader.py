@@ -165,8 +165,12 @@ def test_large_tied_head_stays_shared(ckpt_factory, monkeypatch):
     assert isinstance(tied.model.layers[0].self_attn.o_proj, PackedLinear)
 
 
-def test_without_onednn_projections_are_column_major(qwen2_ckpt, monkeypatch):
-    monkeypatch.setattr(packed_linear, "onednn_available", lambda: False)
+@pytest.mark.parametrize("how", ["torch without oneDNN", "BATCHGEN_ONEDNN=0"])
+def test_without_onednn_projections_are_column_major(qwen2_ckpt, monkeypatch, how):
+    if how == "BATCHGEN_ONEDNN=0":
+        monkeypatch.setenv("BATCHGEN_ONEDNN", "0")
+    else:
+        monkeypatch.setattr(packed_linear, "onednn_available", lambda: False)
     model = load_model(qwen2_ckpt)
     attn = model.model.layers[0].self_attn
     for w in (attn.qkv_proj.weight, attn.o_proj.weight, model.model.layers[0].mlp.down_proj.weight):

@@ -3,17 +3,18 @@
 :func:`fast_cpu_weights` is what the loader runs once on a loaded native model, and
 :func:`pack_transformers_linears` on a model built by transformers' modeling code (the encoder and
 transformers-backed paths). Where oneDNN is available
-(every x86-64 and aarch64 build of torch), each `nn.Linear` of the model becomes a :class:`PackedLinear`: the
+(torch's x86-64 builds have it), each `nn.Linear` of the model becomes a :class:`PackedLinear`: the
 same module (name, `in_features`, `out_features`, bias), its weight reordered once into oneDNN's blocked
 layout for the machine's instruction set (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied with
 `torch.ops.mkldnn._linear_pointwise`. Stacked expert weights (not `nn.Linear`) are stored column-major instead,
 and so is every projection where oneDNN is missing (`use_column_major_weights`).
 
-Why: on the 2-CPU AVX2 machine the benchmarks run on, oneDNN's packed float32 GEMM ran the decoder's
-projection shapes at 125-147 GFLOP/s for 64 rows (a decode step) where MKL's, column-major, ran 88-105; at
-1-32 rows the gap is larger, and at 512-4,096 rows (prefill) it is 0-15% (`python -m
-batchgen.bench.decode_ceiling`, BENCHMARKS.md). Results differ from MKL's in the last bits only (another
-summation order); greedy outputs equal transformers' in the equality tests.
+Why: on the 2-CPU AVX2 machine the benchmarks run on, a decode step's projections (64 rows) of the
+benchmark model took 56 ms with oneDNN against 89 ms with MKL's column-major GEMM, and 4096-wide weights ran
+1.2-3.7x faster than as loaded from 2-3 rows on; prefill-sized products gain 0-50% (`python -m
+batchgen.bench.decode_ceiling`, `python -m batchgen.bench.model_impls --gemm-layout`, BENCHMARKS.md). The cost:
+a fixed ~35 us per call, which makes 1-4 rows on small weights slower than MKL. Results differ from MKL's in
+the last bits only (another summation order); greedy outputs equal transformers' in the equality tests.
 
 Invariants: a `PackedLinear`'s `weight` is a non-trainable parameter holding an mkldnn tensor
 (`weight.is_mkldnn`, shape `[out, in]`), and `weight.to_dense()` equals the loaded weight bit for bit; its
@@ -23,6 +24,8 @@ never costs more than that in memory. Only float32 CPU weights are touched.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +38,10 @@ BATCH_HINT = 64
 
 
 def onednn_available() -> bool:
-    """Whether this torch build can pack float32 linear weights for oneDNN."""
+    """Whether this torch build can pack float32 linear weights for oneDNN (and ``BATCHGEN_ONEDNN=0`` is not
+    set: that keeps MKL's column-major path)."""
+    if os.environ.get("BATCHGEN_ONEDNN", "1").strip() == "0":
+        return False
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
