@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,15 +50,15 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIB_NAME = "paged_attention_cpu.so"
 MAX_HEADS = 256  # query heads one work item of the kernel may hold (so: per KV head at most)
 ENV_SWITCH = "BATCHGEN_CPU_KERNEL"
-CASCADE_MIN_SAVED = 0.5
-"""With the kernel, the torch backend's cascade decode (shared prefix read once per group, the suffixes read by
-this kernel) goes first when it saves at least half of the block reads ..."""
-CASCADE_MIN_GROUP_BLOCKS = 256
-"""... counting only groups that save at least this many block reads each: one prefix call per group (the CPU
-flash op, the group's queries stacked) costs about as much as the kernel reading a few hundred blocks
-(`python -m batchgen.bench.kernels --cpu-cascade`, the bench model's heads: groups of 8 sharing 21 blocks, 147
-reads saved each, ran faster without the cascade; groups of 16, 315 saved, 9% slower with it at 2 threads but
-faster at 1, the count the engine runs on a busy machine; groups saving 960 or more, 1.6-1.9x faster with it)."""
+CASCADE_MIN_SAVED = 0.3
+"""With the kernel, the torch backend's cascade decode (the suffixes read in place by :func:`decode_suffix`,
+each group's shared prefix once by :func:`merge_prefix`) goes first when it saves at least this share of the
+block reads ..."""
+CASCADE_MIN_GROUP_BLOCKS = 16
+"""... counting only groups that save at least this many block reads each. Measured with `python -m
+batchgen.bench.kernels --cpu-cascade` (the bench model's heads, 1 and 2 threads): the cascade is 1.4-2.4x
+faster than the kernel alone where groups save 68-91% of the reads, and ties with it at 8-25% (groups of 4
+sharing 2-4 blocks), where the second call's fixed cost eats the saving."""
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -102,34 +104,36 @@ def _compiler_identity(cc: list[str]) -> str:
     return f"{path}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def build_key(cc: list[str]) -> str:
+def build_key(cc: list[str], defines: tuple[str, ...] = ()) -> str:
     """SHA-256 (hex, 16 chars) of everything the binary depends on."""
-    parts = [SOURCE.read_bytes().hex(), _compiler_identity(cc), " ".join(cc), *FLAGS, platform.machine()]
+    flags = [*FLAGS, *(f"-D{d}" for d in defines)]
+    parts = [SOURCE.read_bytes().hex(), _compiler_identity(cc), " ".join(cc), *flags, platform.machine()]
     return hashlib.sha256("\0".join([*parts, _cpu_flags()]).encode()).hexdigest()[:16]
 
 
-def build(cc: list[str]) -> Path:
-    """Compile the kernel (or find it built) and return the ``.so`` path; raises on failure."""
+def build(cc: list[str], defines: tuple[str, ...] = ()) -> Path:
+    """Compile the kernel (or find it built) and return the ``.so`` path; raises on failure. ``defines``:
+    preprocessor macros (``BATCHGEN_GENERIC``: the plain-C loops instead of the AVX2 ones; tests build both)."""
     from batchgen.atomic import build_dir_once
     from batchgen.disk_cache import cache_root
 
     def compile_into(tmp: Path) -> None:
-        cmd = [*cc, *FLAGS, "-o", str(tmp / LIB_NAME), str(SOURCE), "-lm"]
+        cmd = [*cc, *FLAGS, *(f"-D{d}" for d in defines), "-o", str(tmp / LIB_NAME), str(SOURCE), "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
 
-    target = cache_root() / "cpu_kernels" / build_key(cc)
+    target = cache_root() / "cpu_kernels" / build_key(cc, defines)
     return Path(build_dir_once(target, LIB_NAME, compile_into)) / LIB_NAME
 
 
-def _load() -> ctypes.CDLL | None:
+def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     cc = compiler()
     if cc is None:
         logger.info("no C compiler found: CPU decode attention uses the torch path")
         return None
     try:
-        lib = ctypes.CDLL(str(build(cc)))
+        lib = ctypes.CDLL(str(build(cc, defines)))
         fn = lib.batchgen_paged_decode_f32
     except Exception as exc:  # a failed compile, load or symbol lookup: the torch path serves
         logger.info("CPU attention kernel unavailable (%s): using the torch path", exc)
@@ -141,6 +145,13 @@ def _load() -> ctypes.CDLL | None:
         + [f32, i32, f32, ptr, i32, i32, i64, i64, ptr, ptr]
     )
     fn.restype = i32
+    prefix = lib.batchgen_cascade_prefix_f32
+    prefix.argtypes = (
+        [ptr, i64, i64, ptr, ptr, i64, i64, i32, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+        + [i32] * 5
+        + [f32, i32, i32]
+    )
+    prefix.restype = i32
     return lib
 
 
@@ -269,6 +280,64 @@ def _call(
         k_cache.shape[0], None if starts is None else starts.data_ptr(), None if lse is None else lse.data_ptr(),
     )  # fmt: skip
     return (out, lse) if status == 0 else None
+
+
+@dataclass
+class PrefixGroups:
+    """Sequences grouped by a shared prefix of whole blocks, as :func:`merge_prefix` takes them (int32, CPU):
+    group ``g``'s sequences are ``seqs[offsets[g]:offsets[g + 1]]``, its prefix the first ``num_blocks[g]``
+    block ids of ``tables[g]``."""
+
+    offsets: Tensor
+    seqs: Tensor
+    tables: Tensor
+    num_blocks: Tensor
+
+    @classmethod
+    def build(cls, groups: list[tuple[Tensor, Tensor]]) -> PrefixGroups:
+        """From ``(sequence indices, prefix block ids)`` pairs."""
+        sizes = [int(idx.numel()) for idx, _ in groups]
+        widths = [int(ids.numel()) for _, ids in groups]
+        tables = torch.zeros(len(groups), max(widths, default=0), dtype=torch.int32)
+        for g, (_, ids) in enumerate(groups):
+            tables[g, : widths[g]] = ids.to(device="cpu", dtype=torch.int32)
+        offsets = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int32)
+        seqs = (
+            torch.cat([idx.to(device="cpu", dtype=torch.int32) for idx, _ in groups])
+            if groups
+            else offsets[:0]
+        )
+        return cls(offsets, seqs.contiguous(), tables, torch.tensor(widths, dtype=torch.int32))
+
+
+PREFIX_CHUNK = 16
+"""Sequences of a group whose query rows one work item of :func:`merge_prefix` takes (the prefix is read once
+per chunk, so larger groups are split for the threads)."""
+
+
+def merge_prefix(
+    q: Tensor, kv: PagedKV, scale: float, groups: PrefixGroups, out: Tensor, lse: Tensor
+) -> bool:
+    """The shared-prefix half of cascade decode, merged in place into the suffix half: for every sequence of
+    ``groups``, ``out [B,Hq,D]`` / ``lse [B,Hq]`` (float32, contiguous; the results of :func:`decode_suffix`)
+    become the attention over the group's prefix and the sequence's own keys together. Each prefix is read once
+    per group (per :data:`PREFIX_CHUNK` sequences). False when the kernel cannot serve the call (``out`` and
+    ``lse`` are then unchanged only if it was refused before running; callers recompute on False)."""
+    if not enabled() or not supports(q, kv.k_cache, kv.v_cache):
+        return False
+    lib = library()
+    if lib is None or not (out.is_contiguous() and lse.is_contiguous()):
+        return False
+    k_cache, v_cache = kv.k_cache, kv.v_cache
+    batch, num_q_heads, head_dim = q.shape
+    status = lib.batchgen_cascade_prefix_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+        k_cache.shape[0], groups.offsets.numel() - 1, groups.offsets.data_ptr(), groups.seqs.data_ptr(),
+        groups.tables.data_ptr(), groups.tables.stride(0), groups.num_blocks.data_ptr(), out.data_ptr(),
+        lse.data_ptr(), batch, num_q_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, PREFIX_CHUNK,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return status == 0
 
 
 def _int32(t: Tensor) -> Tensor:

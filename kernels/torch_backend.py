@@ -122,14 +122,15 @@ def paged_decode_attention(
     groups of similar context when one padded batch would read over 25% more blocks than needed
     (:func:`_decode_groups`). With an option set, the general masked path (no cascade). Given a ``workspace``
     (the engine's CPU call) and float32 tensors, the C kernel of :mod:`.cpu_kernel` runs instead (same
-    semantics; ``BATCHGEN_CPU_KERNEL=0`` turns it off), after the cascade only when that saves >= 70% of reads.
+    semantics; ``BATCHGEN_CPU_KERNEL=0`` turns it off), through the cascade when shared prefixes save enough reads
+    (``cpu_kernel.CASCADE_MIN_SAVED``).
     """
     k_cache, v_cache, block_tables, seq_lens = kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return q.new_empty(q.shape)
     # The engine's CPU call (it passes a workspace) goes to the C kernel, which reads blocks in place, unless
-    # a shared prefix cuts the blocks read by 70% or more (then cascade is faster; kernels/cpu_kernel.py).
+    # shared prefixes cut the blocks read enough for the cascade (both halves in C; kernels/cpu_kernel.py).
     kernel = workspace is not None and cpu_kernel.serves(q, k_cache, v_cache)
     scale = options.scale
     block_size = k_cache.shape[1]
@@ -313,12 +314,14 @@ class CascadePlan:
     ``groups``: (sequence indices, the group's shared prefix block ids, or a slice of consecutive ones);
     ``starts``: each sequence's first key position of its own suffix ``[B]`` (0 outside groups); for the torch
     suffix path, ``ids`` (suffix block ids ``[B, S]``) and ``mask`` (additive, ``[B,1,1,S*block_size]``), None
-    when the C kernel reads the suffixes in place."""
+    when the C kernel reads the suffixes in place; ``prefix``: the groups as the C kernel's prefix half takes
+    them (with the kernel only)."""
 
     groups: list[tuple[Tensor, Tensor | slice]]
     starts: Tensor
     ids: Tensor | None
     mask: Tensor | None
+    prefix: cpu_kernel.PrefixGroups | None = None
 
 
 def _cascade_plan(
@@ -330,9 +333,9 @@ def _cascade_plan(
     kernel: bool = False,
 ) -> CascadePlan | None:
     """The plan, or None when sharing would not pay (saves under ``min_saved`` of the blocks read).
-    ``kernel``: the suffixes will be read by the C kernel (no suffix gather to plan), and a group goes through
-    the cascade only when it saves at least ``cpu_kernel.CASCADE_MIN_GROUP_BLOCKS`` block reads (one prefix call
-    per group costs about that many blocks of the kernel's reading); its sequences are read whole otherwise."""
+    ``kernel``: both halves will run in the C kernel (no suffix gather to plan), and a group goes through the
+    cascade only when it saves at least ``cpu_kernel.CASCADE_MIN_GROUP_BLOCKS`` block reads; its sequences are
+    read whole otherwise."""
     start, groups = _shared_prefixes(block_tables, lens, block_size)
     if kernel:
         small = [g for g in groups if (g[0].numel() - 1) * g[1].numel() < cpu_kernel.CASCADE_MIN_GROUP_BLOCKS]
@@ -345,10 +348,11 @@ def _cascade_plan(
     saved = sum((idx.numel() - 1) * blocks.numel() for idx, blocks in groups)
     if saved < min_saved * int(total_blocks.sum()):  # too few blocks saved: not worth it
         return None
+    prefix = cpu_kernel.PrefixGroups.build(groups) if kernel else None
     groups = [(idx, _run_or_ids(blocks)) for idx, blocks in groups]
     starts = (start * block_size).to(torch.int32)
     if kernel:
-        return CascadePlan(groups, starts, None, None)
+        return CascadePlan(groups, starts, None, None, prefix)
     batch = block_tables.shape[0]
     num_suffix = int((total_blocks - start).max())
     arange = torch.arange(num_suffix, device=block_tables.device)
@@ -376,8 +380,8 @@ def _decode_cascade(
 
     Each sequence attends to its own suffix (``kernel``: the C kernel, reading the suffix blocks in place;
     else one batched SDPA call over gathered suffix blocks) and, if in a group, to the group's shared prefix
-    (one call with the group's queries stacked); the two partial results are merged by their log-sum-exps
-    (cascade attention). Same result as the plain path up to float rounding; ``None`` when nothing is shared
+    (``kernel``: one C call for every group, merging in place; else one CPU flash call per group with the
+    group's queries stacked); the two partial results are merged by their log-sum-exps (cascade attention). Same result as the plain path up to float rounding; ``None`` when nothing is shared
     enough to pay off or the CPU flash op is unavailable. ``plan_cache`` (a dict living for one forward) lets
     all layers share the grouping.
     """
@@ -397,6 +401,10 @@ def _decode_cascade(
             plan_cache[key] = plan
     if plan is None:
         return None
+    if kernel and plan.prefix is not None:  # both halves in C: suffixes in place, each prefix once per group
+        res = cpu_kernel.decode_suffix(q, kv, scale, plan.starts)
+        if res is not None and cpu_kernel.merge_prefix(q, kv, scale, plan.prefix, *res):
+            return res[0].to(q.dtype)
     # The `group` query heads of one kv head act as `group` queries of that head: GQA without repeating K/V.
     qg = q.view(batch, num_kv_heads, group, head_dim)
     try:

@@ -10,14 +10,19 @@
  * prefetched meanwhile. Per item, exact two-pass softmax: scores of every visible key into a per-thread
  * buffer, their maximum, exp and sum, then out = sum_k p_k v_k / sum. Dot products use 16 explicit lane
  * accumulators (the compiler turns them into vector FMAs without -ffast-math) reduced in a fixed order; exp is
- * a polynomial written so that it vectorises. Every query head's result is computed by one thread in a fixed
- * order, whatever the items, so results do not depend on the number of threads and are bit-identical run to
- * run.
+ * a polynomial, eight lanes at a time with AVX2 (exp_row). Every query head's result is computed by one thread
+ * in a fixed order, whatever the items, so results do not depend on the number of threads and are
+ * bit-identical run to run.
  *
  * Cascade support: `starts` [B] int32 (NULL: all 0) makes sequence b attend only to keys at positions
  * >= starts[b] (its suffix after a prefix attended elsewhere); `lse` [B, Hq] (NULL: not written) receives the
  * natural log-sum-exp of each head's scaled logits, so a caller can merge this partial result with another
- * (-inf, and a zero output, when a sequence has no key to attend to).
+ * (-inf, and a zero output, when a sequence has no key to attend to). batchgen_cascade_prefix_f32 (at the end)
+ * is the other half: each group's shared prefix, read once for the group, merged into those results.
+ *
+ * SIMD: with AVX2 and FMA (and BATCHGEN_GENERIC undefined) the prefix half's dot products, value sums and every
+ * exp use explicit 8-lane intrinsics; otherwise the same loops run in plain C. Both are exact to float32
+ * rounding and deterministic; they may differ from each other in the last bits.
  *
  * Layout: q [B, Hq, D] with strides (q_stride_b, q_stride_h, 1); caches [NB, BS, Hkv, D] with the last three
  * dims contiguous and cache_stride_block elements between blocks; block_tables [B, table_stride] int32;
@@ -66,6 +71,173 @@ static inline float dot(const float *a, const float *b, int d) {
     for (int w = LANES / 2; w > 0; w /= 2)
         for (int j = 0; j < w; j++) acc[j] += acc[j + w];
     return acc[0];
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(BATCHGEN_GENERIC)
+#include <immintrin.h>
+#define SIMD 1
+
+/* Lane t of the result: the sum of a<t>'s eight lanes (a fixed order). */
+static inline __m256 sum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                            __m256 a7) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline float sum8(__m256 a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+#else
+#define SIMD 0
+#endif
+
+/* dst[i] = scale * q . k_i for the m key rows k_i = k + i * row (head_dim d). With AVX2 and d a multiple of 8,
+ * eight keys at a time, one vector accumulator per key: 32 of q's floats are held in registers while the eight
+ * keys' matching floats stream in as FMA operands, and the eight accumulators are summed into one vector at the
+ * end (a fixed order). */
+static inline void scores_span(const float *q, const float *k, int64_t row, int m, int d, float scale,
+                               float *dst) {
+    int i = 0;
+#if SIMD
+    if (d % 8 == 0) {
+        const __m256 vs = _mm256_set1_ps(scale);
+        for (; i + 8 <= m; i += 8) {
+            const float *k0 = k + (int64_t)i * row;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+#define KEYS8(qx, kc)                                                                                         \
+    do {                                                                                                      \
+        a0 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(kc), a0);                                                    \
+        a1 = _mm256_fmadd_ps(qx, _mm256_loadu_ps((kc) + row), a1);                                            \
+        a2 = _mm256_fmadd_ps(qx, _mm256_loadu_ps((kc) + 2 * row), a2);                                        \
+        a3 = _mm256_fmadd_ps(qx, _mm256_loadu_ps((kc) + 3 * row), a3);                                        \
+        a4 = _mm256_fmadd_ps(qx, _mm256_loadu_ps((kc) + 4 * row), a4);                                        \
+        a5 = _mm256_fmadd_ps(qx, _mm256_loadu_ps((kc) + 5 * row), a5);                                        \
+        a6 = _mm256_fmadd_ps(qx, _mm256_loadu_ps((kc) + 6 * row), a6);                                        \
+        a7 = _mm256_fmadd_ps(qx, _mm256_loadu_ps((kc) + 7 * row), a7);                                        \
+    } while (0)
+            int c = 0;
+            for (; c + 32 <= d; c += 32) { /* four vectors of q in registers, the keys' floats as FMA operands */
+                const __m256 q0 = _mm256_loadu_ps(q + c), q1 = _mm256_loadu_ps(q + c + 8);
+                const __m256 q2 = _mm256_loadu_ps(q + c + 16), q3 = _mm256_loadu_ps(q + c + 24);
+                KEYS8(q0, k0 + c);
+                KEYS8(q1, k0 + c + 8);
+                KEYS8(q2, k0 + c + 16);
+                KEYS8(q3, k0 + c + 24);
+            }
+            for (; c < d; c += 8) {
+                const __m256 qx = _mm256_loadu_ps(q + c);
+                KEYS8(qx, k0 + c);
+            }
+#undef KEYS8
+            _mm256_storeu_ps(dst + i, _mm256_mul_ps(sum8x8(a0, a1, a2, a3, a4, a5, a6, a7), vs));
+        }
+        for (; i < m; i++) {
+            const float *ki = k + (int64_t)i * row;
+            __m256 a = _mm256_setzero_ps();
+            for (int c = 0; c < d; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(ki + c), a);
+            dst[i] = sum8(a) * scale;
+        }
+        return;
+    }
+#endif
+    for (; i < m; i++) dst[i] = dot(q, k + (int64_t)i * row, d) * scale;
+}
+
+/* o[c] += sum_i p[i] * v_i[c] for the m value rows v_i = v + i * row, keys in order (head_dim d). With AVX2 and
+ * d a multiple of 8, o is held in registers 64 floats at a time across the m keys. */
+static inline void accumulate_span(const float *p, const float *v, int64_t row, int m, int d, float *o) {
+#if SIMD
+    if (d % 8 == 0) {
+        int c = 0;
+        for (; c + 64 <= d; c += 64) {
+            __m256 o0 = _mm256_loadu_ps(o + c), o1 = _mm256_loadu_ps(o + c + 8);
+            __m256 o2 = _mm256_loadu_ps(o + c + 16), o3 = _mm256_loadu_ps(o + c + 24);
+            __m256 o4 = _mm256_loadu_ps(o + c + 32), o5 = _mm256_loadu_ps(o + c + 40);
+            __m256 o6 = _mm256_loadu_ps(o + c + 48), o7 = _mm256_loadu_ps(o + c + 56);
+            for (int i = 0; i < m; i++) {
+                const __m256 pv = _mm256_broadcast_ss(p + i);
+                const float *vi = v + (int64_t)i * row + c;
+                o0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vi), o0);
+                o1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vi + 8), o1);
+                o2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vi + 16), o2);
+                o3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vi + 24), o3);
+                o4 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vi + 32), o4);
+                o5 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vi + 40), o5);
+                o6 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vi + 48), o6);
+                o7 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vi + 56), o7);
+            }
+            _mm256_storeu_ps(o + c, o0), _mm256_storeu_ps(o + c + 8, o1);
+            _mm256_storeu_ps(o + c + 16, o2), _mm256_storeu_ps(o + c + 24, o3);
+            _mm256_storeu_ps(o + c + 32, o4), _mm256_storeu_ps(o + c + 40, o5);
+            _mm256_storeu_ps(o + c + 48, o6), _mm256_storeu_ps(o + c + 56, o7);
+        }
+        for (; c < d; c += 8) {
+            __m256 acc = _mm256_loadu_ps(o + c);
+            for (int i = 0; i < m; i++)
+                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i), _mm256_loadu_ps(v + (int64_t)i * row + c), acc);
+            _mm256_storeu_ps(o + c, acc);
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < m; i++) {
+        const float *vi = v + (int64_t)i * row;
+        for (int c = 0; c < d; c++) o[c] += p[i] * vi[c];
+    }
+}
+
+/* sg[i] = exp(sg[i] - m) for the n scores of a row (all <= m); returns their sum, added in a fixed order. */
+static inline float exp_row(float *sg, int n, float m) {
+    int i = 0;
+    float total = 0.0f;
+#if SIMD
+    {
+        const __m256 vm = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.0f), shifter = _mm256_set1_ps(12582912.0f);
+        const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), ln2_hi = _mm256_set1_ps(0.693145751953125f);
+        const __m256 ln2_lo = _mm256_set1_ps(1.428606765330187e-06f), one = _mm256_set1_ps(1.0f);
+        const __m256 c6 = _mm256_set1_ps(1.0f / 720.0f), c5 = _mm256_set1_ps(1.0f / 120.0f);
+        const __m256 c4 = _mm256_set1_ps(1.0f / 24.0f), c3 = _mm256_set1_ps(1.0f / 6.0f), c2 = _mm256_set1_ps(0.5f);
+        const __m256i bias = _mm256_set1_epi32(0x4B400000 - 127);
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) { /* exp_nonpos, eight lanes at once */
+            const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vm), lo);
+            const __m256 t = _mm256_fmadd_ps(x, log2e, shifter);
+            const __m256 k = _mm256_sub_ps(t, shifter);
+            __m256 r = _mm256_fnmadd_ps(k, ln2_hi, x);
+            r = _mm256_fnmadd_ps(k, ln2_lo, r);
+            __m256 poly = _mm256_fmadd_ps(c6, r, c5);
+            poly = _mm256_fmadd_ps(poly, r, c4);
+            poly = _mm256_fmadd_ps(poly, r, c3);
+            poly = _mm256_fmadd_ps(poly, r, c2);
+            poly = _mm256_fmadd_ps(poly, r, one);
+            poly = _mm256_fmadd_ps(poly, r, one);
+            const __m256i e = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_castps_si256(t), bias), 23);
+            const __m256 v = _mm256_mul_ps(poly, _mm256_castsi256_ps(e));
+            _mm256_storeu_ps(sg + i, v);
+            acc = _mm256_add_ps(acc, v);
+        }
+        total = sum8(acc);
+    }
+#endif
+    float acc[LANES] = {0};
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            const float e = exp_nonpos(sg[i + l] - m);
+            sg[i + l] = e;
+            acc[l] += e;
+        }
+    for (int l = 0; i < n; i++, l++) {
+        const float e = exp_nonpos(sg[i] - m);
+        sg[i] = e;
+        acc[l] += e;
+    }
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    return total + acc[0];
 }
 
 static __thread float *tls_buf = NULL;
@@ -137,22 +309,7 @@ static int attend_item(const float *q, int64_t q_stride_h, const float *k_cache,
         for (int i = 1; i < n; i++) m = sg[i] > m ? sg[i] : m;
         const float sink = sinks ? sinks[h0 * group + qh] : 0.0f;
         if (sinks && sink > m) m = sink;
-        float acc[LANES] = {0};
-        int i = 0;
-        for (; i + LANES <= n; i += LANES)
-            for (int l = 0; l < LANES; l++) {
-                const float e = exp_nonpos(sg[i + l] - m);
-                sg[i + l] = e;
-                acc[l] += e;
-            }
-        for (int l = 0; i < n; i++, l++) {
-            const float e = exp_nonpos(sg[i] - m);
-            sg[i] = e;
-            acc[l] += e;
-        }
-        for (int w = LANES / 2; w > 0; w /= 2)
-            for (int l = 0; l < w; l++) acc[l] += acc[l + w];
-        float total = acc[0];
+        float total = exp_row(sg, n, m);
         if (sinks) total += exp_nonpos(sink - m);
         inv_sum[qh] = 1.0f / total;
         if (lse) lse[qh] = m + logf(total);
@@ -221,6 +378,113 @@ int batchgen_paged_decode_f32(const float *q, int64_t q_stride_b, int64_t q_stri
                               block_tables + b * table_stride, len, starts ? starts[b] : 0, group,
                               num_kv_heads, h0, h0 + heads_per_item, head_dim, block_size, scale, window,
                               softcap, sinks, ob, lb) != 0;
+    }
+    return status ? -1 : 0;
+}
+
+
+/* Cascade decode, the shared-prefix half, merged into the suffix half.
+ *
+ * Groups of sequences share their first prefix_blocks[g] blocks (block ids: prefix_tables row g, all blocks
+ * full); group g's sequences are group_seqs[group_offsets[g] .. group_offsets[g + 1] - 1]. out [B, Hq, D] and
+ * lse [B, Hq] hold each sequence's attention over its own keys after the prefix (the suffix kernel's results,
+ * lse -inf with a zero output where there are none); for every sequence of a group they are replaced by the
+ * attention over prefix and suffix together: the prefix's output and log-sum-exp, merged with the suffix's by
+ * their log-sum-exps. Sequences in no group are left as they are.
+ *
+ * Work item = (group, KV head, chunk of at most `chunk` of the group's sequences): the prefix's K (then V) rows
+ * of that head are read once for the chunk's query rows (sequences x query heads of the KV head), eight keys
+ * at a time per row. Each row's result depends only on its own query and the prefix, in a fixed key order:
+ * results do not depend on the thread count or the chunking. Returns 0, or -1 on a bad argument, a block id
+ * out of range or an allocation failure (out and lse are then unspecified). */
+int batchgen_cascade_prefix_f32(const float *q, int64_t q_stride_b, int64_t q_stride_h, const float *k_cache,
+                                const float *v_cache, int64_t cache_stride_block, int64_t num_blocks,
+                                int num_groups, const int32_t *group_offsets, const int32_t *group_seqs,
+                                const int32_t *prefix_tables, int64_t prefix_table_stride,
+                                const int32_t *prefix_blocks, float *out, float *lse, int batch, int num_q_heads,
+                                int num_kv_heads, int head_dim, int block_size, float scale, int chunk,
+                                int num_threads) {
+    if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || chunk <= 0 || num_groups < 0) return -1;
+    const int group = num_q_heads / num_kv_heads;
+    int64_t items = 0;
+    for (int g = 0; g < num_groups; g++) {
+        const int n = group_offsets[g + 1] - group_offsets[g];
+        if (n < 0 || prefix_blocks[g] < 0 || prefix_blocks[g] > prefix_table_stride) return -1;
+        for (int j = 0; j < prefix_blocks[g]; j++) {
+            const int32_t id = prefix_tables[(int64_t)g * prefix_table_stride + j];
+            if (id < 0 || id >= num_blocks) return -1;
+        }
+        for (int i = group_offsets[g]; i < group_offsets[g + 1]; i++)
+            if (group_seqs[i] < 0 || group_seqs[i] >= batch) return -1;
+        items += (int64_t)num_kv_heads * ((n + chunk - 1) / chunk);
+    }
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    int status = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : status)
+    for (int64_t it = 0; it < items; it++) {
+        /* Find item `it`: groups in order, then KV heads, then chunks. */
+        int g = 0;
+        int64_t rest = it;
+        for (;; g++) {
+            const int n = group_offsets[g + 1] - group_offsets[g];
+            const int64_t here = (int64_t)num_kv_heads * ((n + chunk - 1) / chunk);
+            if (rest < here) break;
+            rest -= here;
+        }
+        const int n = group_offsets[g + 1] - group_offsets[g];
+        const int chunks = (n + chunk - 1) / chunk;
+        const int h = (int)(rest / chunks), c0 = (int)(rest % chunks) * chunk;
+        const int c1 = c0 + chunk < n ? c0 + chunk : n;
+        const int rows = (c1 - c0) * group; /* query rows: sequence-major, then the KV head's query heads */
+        const int keys = prefix_blocks[g] * block_size;
+        if (keys == 0) continue;
+        const int32_t *table = prefix_tables + (int64_t)g * prefix_table_stride;
+        const int32_t *seqs = group_seqs + group_offsets[g] + c0;
+        float *buf = scratch((size_t)rows * ((size_t)keys + (size_t)head_dim + 2));
+        if (buf == NULL) {
+            status |= 1;
+            continue;
+        }
+        float *s = buf, *acc = buf + (size_t)rows * keys, *stats = acc + (size_t)rows * head_dim;
+        /* Pass 1: scores, s[r * keys + t]; each block's K rows of head h stay in L1 across the rows. */
+        for (int j = 0; j < prefix_blocks[g]; j++) {
+            const float *kb = k_cache + (int64_t)table[j] * cache_stride_block + (int64_t)h * head_dim;
+            for (int r = 0; r < rows; r++) {
+                const float *qr = q + (int64_t)seqs[r / group] * q_stride_b + (int64_t)(h * group + r % group) * q_stride_h;
+                scores_span(qr, kb, row, block_size, head_dim, scale, s + (size_t)r * keys + (size_t)j * block_size);
+            }
+        }
+        /* Softmax of each row: its maximum, exp and sum; the prefix's log-sum-exp is m + log(sum). */
+        for (int r = 0; r < rows; r++) {
+            float *sr = s + (size_t)r * keys;
+            float m = sr[0];
+            for (int i = 1; i < keys; i++) m = sr[i] > m ? sr[i] : m;
+            stats[2 * r] = m, stats[2 * r + 1] = exp_row(sr, keys, m);
+        }
+        /* Pass 2: acc_r = sum_t p_rt v_t, block by block (each block's V rows of head h stay in L1 across the
+         * rows; acc, rows x head_dim floats, in L1/L2). */
+        memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
+        for (int j = 0; j < prefix_blocks[g]; j++) {
+            const float *vb = v_cache + (int64_t)table[j] * cache_stride_block + (int64_t)h * head_dim;
+            for (int r = 0; r < rows; r++)
+                accumulate_span(s + (size_t)r * keys + (size_t)j * block_size, vb, row, block_size, head_dim,
+                                acc + (size_t)r * head_dim);
+        }
+        /* Merge with the suffix: weights of the two halves from their log-sum-exps. */
+        for (int r = 0; r < rows; r++) {
+            const int b = seqs[r / group], qh = h * group + r % group;
+            const float sum = stats[2 * r + 1], lse_prefix = stats[2 * r] + logf(sum);
+            float *o = out + ((int64_t)b * num_q_heads + qh) * head_dim;
+            float *l = lse + (int64_t)b * num_q_heads + qh;
+            const float top = *l > lse_prefix ? *l : lse_prefix;
+            const float w_suffix = *l == -INFINITY ? 0.0f : expf(*l - top);
+            const float w_prefix = expf(lse_prefix - top);
+            const float total = w_suffix + w_prefix;
+            const float a = w_suffix / total, c = w_prefix / (total * sum);
+            const float *ar = acc + (size_t)r * head_dim;
+            for (int d = 0; d < head_dim; d++) o[d] = o[d] * a + ar[d] * c;
+            *l = top + logf(total);
+        }
     }
     return status ? -1 : 0;
 }
