@@ -262,24 +262,28 @@ _CASCADE_MIN_SAVED = 0.25  # share of the blocks read that cascade must save (ag
 
 
 def _shared_prefixes(
-    block_tables: Tensor, lens: Tensor, block_size: int
+    block_tables: Tensor, visible: Tensor, block_size: int
 ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
     """Groups of >= _CASCADE_MIN_GROUP sequences whose block tables start with the same physical blocks.
 
-    Returns ``start[B]`` (leading blocks each sequence shares with its group, 0 if none) and the groups as
-    ``(sequence indices, shared block ids)``. A shared prefix never includes the block holding a sequence's
-    last token, so every sequence keeps at least one key of its own.
+    ``visible[B]``: the keys every query of a sequence sees (decode: its length - 1; prefill: its context
+    before the chunk); a shared prefix holds only whole blocks of those, so every query sees all of it and every
+    sequence keeps at least its own last key. Sequences that see no whole block share nothing. Returns
+    ``start[B]`` (leading blocks each sequence shares with its group, 0 if none) and the groups as
+    ``(sequence indices, shared block ids)``.
     """
     batch = block_tables.shape[0]
     start = torch.zeros(batch, dtype=torch.long, device=block_tables.device)
     groups: list[tuple[Tensor, Tensor]] = []
-    _, inverse, counts = torch.unique(block_tables[:, 0], return_inverse=True, return_counts=True)
+    full = (visible // block_size).to(block_tables.device)
+    candidates = torch.nonzero(full > 0).flatten()
+    if candidates.numel() < _CASCADE_MIN_GROUP:
+        return start, groups
+    _, inverse, counts = torch.unique(block_tables[candidates, 0], return_inverse=True, return_counts=True)
     for g in torch.nonzero(counts >= _CASCADE_MIN_GROUP).flatten().tolist():
-        idx = torch.nonzero(inverse == g).flatten()
+        idx = candidates[inverse == g]
         rows = block_tables[idx]
-        limit = int((lens[idx].min() - 1) // block_size)
-        if limit <= 0:
-            continue
+        limit = int(full[idx].min())
         same = (rows[:, :limit] == rows[:1, :limit]).all(0)
         n = int(same.long().cumprod(0).sum())
         if n > 0:
@@ -336,7 +340,7 @@ def _cascade_plan(
     ``kernel``: both halves will run in the C kernel (no suffix gather to plan), and a group goes through the
     cascade only when it saves at least ``cpu_kernel.CASCADE_MIN_GROUP_BLOCKS`` block reads; its sequences are
     read whole otherwise."""
-    start, groups = _shared_prefixes(block_tables, lens, block_size)
+    start, groups = _shared_prefixes(block_tables, lens - 1, block_size)
     if kernel:
         small = [g for g in groups if (g[0].numel() - 1) * g[1].numel() < cpu_kernel.CASCADE_MIN_GROUP_BLOCKS]
         for idx, _ in small:
@@ -464,6 +468,8 @@ def paged_prefill_attention(
     Sequence ``b`` owns queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` at absolute positions
     ``kv.seq_lens[b] - q_len_b .. kv.seq_lens[b] - 1``; a query at position ``p`` attends to keys ``0..p``,
     all read from the paged cache (the new tokens' K/V must already be stored). ``q [T,Hq,D]`` → ``[T,Hq,D]``.
+    Given a ``workspace`` (the engine's CPU call), chunks of sequences that share a cached prefix attend to it
+    once per group (:func:`_prefill_cascade`).
     """
     total = q.shape[0]
     batch = cu_seqlens_q.numel() - 1
@@ -473,6 +479,26 @@ def paged_prefill_attention(
     cu = cu_seqlens_q.tolist()
     lens = kv.seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(batch)]
+    if plain and workspace is not None and batch >= _CASCADE_MIN_GROUP:
+        out = _prefill_cascade(q, cu, q_lens, lens, kv, options, workspace)
+        if out is not None:
+            return out
+    return _prefill_ordinary(q, cu_seqlens_q, cu, q_lens, lens, kv, options, workspace)
+
+
+def _prefill_ordinary(
+    q: Tensor,
+    cu_seqlens_q: Tensor,
+    cu: list[int],
+    q_lens: list[int],
+    lens: list[int],
+    kv: PagedKV,
+    options: AttentionOptions,
+    workspace: Workspace | None,
+) -> Tensor:
+    """:func:`paged_prefill_attention` without the cascade: sequences bucketed by :func:`_padding_buckets`,
+    a bucket of one run alone, the others padded."""
+    batch, plain = len(q_lens), options.plain
     buckets = _padding_buckets(q_lens, lens)
     if len(buckets) == 1 and len(buckets[0]) == batch and (batch > 1 or not plain):
         return _prefill_padded(q, cu_seqlens_q, kv, options, workspace)
@@ -493,6 +519,129 @@ def paged_prefill_attention(
         sub_cu_q = torch.tensor(sub_cu, dtype=torch.int32, device=q.device)
         out[tokens] = _prefill_padded(q[tokens], sub_cu_q, kv.select(rows), options, workspace)
     return out
+
+
+def _prefill_cascade(
+    q: Tensor,
+    cu: list[int],
+    q_lens: list[int],
+    lens: list[int],
+    kv: PagedKV,
+    options: AttentionOptions,
+    workspace: Workspace,
+) -> Tensor | None:
+    """Prefill chunks of sequences that share a cached prefix, with that prefix attended once per group (the
+    C kernel: every query of the group against the prefix's K/V rows, read once) and each sequence's own keys
+    after it attended as an ordinary prefill; the halves merged by their log-sum-exps. Sequences outside the
+    groups take the ordinary path. None when the kernel cannot serve the call, no group shares enough (under
+    ``cpu_kernel.CASCADE_MIN_SAVED`` of the query x key work), or the CPU flash op refuses the inputs."""
+    if _CPU_FLASH_WITH_LSE is None or not cpu_kernel.serves(q, kv.k_cache, kv.v_cache):
+        return None
+    block_size = kv.block_size
+    visible = torch.tensor([n - m for n, m in zip(lens, q_lens)])
+    start, groups = _shared_prefixes(kv.block_tables, visible, block_size)
+    if not groups:
+        return None
+    start_list = start.tolist()
+    shared = sum(q_lens[b] * start_list[b] * block_size for b in range(len(lens)))
+    if shared < cpu_kernel.CASCADE_MIN_SAVED * sum(m * n for m, n in zip(q_lens, lens)):
+        return None
+    members = [b for b in range(len(lens)) if start_list[b] > 0 and q_lens[b] > 0]
+    others = [b for b in range(len(lens)) if start_list[b] == 0 and q_lens[b] > 0]
+    out = torch.empty_like(q)
+    if others:
+        rows, tokens, sub_cu = _subset(others, cu, q_lens, q.device)
+        sub_q_lens, sub_lens = [q_lens[b] for b in others], [lens[b] for b in others]
+        out[tokens] = _prefill_ordinary(
+            q[tokens], sub_cu, sub_cu.tolist(), sub_q_lens, sub_lens, kv.select(rows), options, workspace
+        )
+    rows, tokens, sub_cu = _subset(members, cu, q_lens, q.device)
+    # Each member over its own keys after its prefix: the block tables shifted past the prefix, the lengths
+    # shortened by it (positions shift alike, so the causal mask is unchanged).
+    skip = start[rows.to(start.device)].to(kv.block_tables.device)
+    cols = (skip[:, None] + torch.arange(kv.block_tables.shape[1], device=skip.device)[None, :]).clamp_(
+        max=kv.block_tables.shape[1] - 1
+    )
+    suffix_kv = PagedKV(
+        kv.k_cache,
+        kv.v_cache,
+        kv.block_tables[rows.to(kv.block_tables.device)].gather(1, cols),
+        kv.seq_lens[rows.to(kv.seq_lens.device)] - (skip * block_size).to(kv.seq_lens.device).int(),
+    )
+    qm = q[tokens]
+    part = torch.empty(qm.shape, dtype=torch.float32, device=q.device)  # [Tm, Hq, D]
+    part_lse = torch.empty(qm.shape[:2], dtype=torch.float32, device=q.device)  # [Tm, Hq]
+    m_cu, m_q_lens = sub_cu.tolist(), [q_lens[b] for b in members]
+    for bucket in _padding_buckets(m_q_lens, suffix_kv.seq_lens.tolist()):
+        b_rows, b_tokens, b_cu = _subset(bucket, m_cu, m_q_lens, q.device)
+        res = _prefill_padded_lse(qm[b_tokens], b_cu, suffix_kv.select(b_rows), options.scale, workspace)
+        if res is None:
+            return None
+        part[b_tokens], part_lse[b_tokens] = res
+    # The prefix half, token by token: each member token is a query row of its sequence's group.
+    token_of = {b: range(cu[b], cu[b + 1]) for b in members}
+    local = torch.empty(q.shape[0], dtype=torch.long)
+    local[tokens] = torch.arange(tokens.numel())
+    prefix_groups = cpu_kernel.PrefixGroups.build(
+        [
+            (local[torch.tensor([t for b in idx.tolist() if q_lens[b] > 0 for t in token_of[b]])], blocks)
+            for idx, blocks in groups
+        ]
+    )
+    if not cpu_kernel.merge_prefix(qm, kv, options.scale, prefix_groups, part, part_lse):
+        return None
+    out[tokens] = part.to(q.dtype)
+    return out
+
+
+def _subset(
+    seqs: list[int], cu: list[int], q_lens: list[int], device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(sequence indices, their token indices in the packed queries, their cu_seqlens) for a subset."""
+    rows = torch.tensor(seqs, dtype=torch.long)
+    tokens = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in seqs]).to(device)
+    sub = [0]
+    for b in seqs:
+        sub.append(sub[-1] + q_lens[b])
+    return rows, tokens, torch.tensor(sub, dtype=torch.int32, device=device)
+
+
+def _prefill_padded_lse(
+    q: Tensor, cu_seqlens_q: Tensor, kv: PagedKV, scale: float, workspace: Workspace | None
+) -> tuple[Tensor, Tensor] | None:
+    """:func:`_prefill_padded` for plain attention through the CPU flash op, with each query's log-sum-exp:
+    ``(out [T,Hq,D], lse [T,Hq])`` float32 (contiguous), or None when the op refuses the inputs."""
+    total, num_q_heads, head_dim = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    block_size, num_kv_heads, device = kv.block_size, kv.num_kv_heads, q.device
+    cu = cu_seqlens_q.to(device).long()
+    q_lens = cu[1:] - cu[:-1]
+    lens = kv.seq_lens.to(device).long()
+    max_q, max_len = int(q_lens.max()), int(lens.max())
+    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device), q_lens)
+    idx_in_seq = torch.arange(total, device=device) - cu[:-1][seq_of_token]
+    qp = q.new_zeros(batch, max_q, num_q_heads, head_dim)
+    qp[seq_of_token, idx_in_seq] = q
+    q_pos = (lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
+    num_blocks = (max_len + block_size - 1) // block_size
+    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    ids = kv.block_tables[:, :num_blocks]
+    k = _gather(kv.k_cache, ids, "k", workspace).view(shape)[:, :max_len].transpose(1, 2)
+    v = _gather(kv.v_cache, ids, "v", workspace).view(shape)[:, :max_len].transpose(1, 2)
+    k_pos = torch.arange(max_len, device=device)[None, None, :]
+    # Padding query rows sit past seq_len and see every real key: no row is empty; they are dropped below.
+    # The op takes an additive mask of the query's dtype.
+    keep = (k_pos <= q_pos[:, :, None]) & (k_pos < lens[:, None, None])
+    mask = torch.zeros(keep.shape, dtype=q.dtype, device=device).masked_fill_(~keep, float("-inf"))
+    try:
+        out, lse = _CPU_FLASH_WITH_LSE(
+            qp.transpose(1, 2), k, v, 0.0, False, attn_mask=mask[:, None], scale=scale
+        )[:2]
+    except (RuntimeError, TypeError):
+        return None
+    out = out.transpose(1, 2)[seq_of_token, idx_in_seq].float().contiguous()  # [T, Hq, D]
+    lse = lse.transpose(1, 2)[seq_of_token, idx_in_seq].float().contiguous()  # [T, Hq]
+    return out, lse
 
 
 _CALL_OVERHEAD = 2048

@@ -107,3 +107,43 @@ def test_kernel_cascade_keeps_only_groups_that_save_enough(monkeypatch) -> None:
     assert plan.starts[:32].tolist() == [5 * block_size] * 32 and not plan.starts[32:].any()
     monkeypatch.setattr(cpu_kernel, "CASCADE_MIN_GROUP_BLOCKS", 1000)
     assert tb._cascade_plan(tables, lens, block_size, torch.float32, 0.0, kernel=True) is None
+
+
+@pytest.mark.skipif(cpu_kernel.compiler() is None, reason="no C compiler (cc/gcc/$CC) found")
+@pytest.mark.parametrize("block_size,heads", [(16, (8, 4)), (8, (4, 1)), (32, (6, 2))])
+def test_prefill_cascade_matches_reference(monkeypatch, block_size, heads) -> None:
+    """Prefill chunks over a cached shared prefix: a group of 9 sequences (one chunk long, one a single token,
+    one continuing a long context of its own), a second group of 4, a sequence writing the shared blocks in
+    this very step (context 0: not in a group) and 2 unrelated ones; the cascade is taken and equals the
+    float64 reference."""
+    hq, hkv = heads
+    g = torch.Generator().manual_seed(block_size)
+    nb, head_dim = 12, 32
+    groups = [(9, 4), (4, 2)]
+    batch = sum(n for n, _ in groups) + 3
+    num_blocks = batch * nb + 5
+    tables = torch.randperm(num_blocks, generator=g)[: batch * nb].view(batch, nb).int()
+    lens, q_lens, at = [], [], 0
+    for n, shared in groups:
+        tables[at : at + n, :shared] = tables[at, :shared]
+        for i in range(n):
+            ctx = shared * block_size + (3 if i % 2 else 0) + (4 * block_size if i == 2 else 0)
+            q_len = [block_size + 5, 1, 7][i % 3]
+            lens.append(ctx + q_len)
+            q_lens.append(q_len)
+        at += n
+    tables[at, :4] = tables[0, :4]  # the sequence computing the first group's prefix in this step
+    lens += [4 * block_size + 9, 40, 3 * block_size]
+    q_lens += [4 * block_size + 9, 40, 5]
+    k = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g)
+    v = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g)
+    q = torch.randn(sum(q_lens), hq, head_dim, generator=g)
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(q_lens), 0).tolist()], dtype=torch.int32)
+    kv = PagedKV(k, v, tables, torch.tensor(lens, dtype=torch.int32))
+    calls = []
+    merge = cpu_kernel.merge_prefix
+    monkeypatch.setattr(cpu_kernel, "merge_prefix", lambda *a: calls.append(1) or merge(*a))
+    out = tb.paged_prefill_attention(q, cu, kv, AttentionOptions(0.2), workspace=tb.Workspace())
+    assert calls, "the groups share most of the work: the prefill cascade must be taken"
+    ref = reference.paged_prefill_attention(q, cu, kv, AttentionOptions(0.2))
+    assert (out.double() - ref).abs().max().item() < 1e-5
