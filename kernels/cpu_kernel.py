@@ -152,6 +152,10 @@ def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         + [f32, i32, i32]
     )
     prefix.restype = i32
+    prefill_fn = lib.batchgen_paged_prefill_f32
+    prefill_fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr] + [i32] * 5 + [f32]
+    prefill_fn.argtypes += [i32, i32, ptr, ptr, i32]
+    prefill_fn.restype = i32
     return lib
 
 
@@ -338,6 +342,36 @@ def merge_prefix(
         torch.get_num_threads(),
     )  # fmt: skip
     return status == 0
+
+
+PREFILL_CHUNK = 32
+"""Query tokens one work item of :func:`prefill` takes (its keys are read once for all of them)."""
+
+
+def prefill(
+    q: Tensor, cu_seqlens_q: Tensor, kv: PagedKV, scale: float, *, causal: bool = True, with_lse: bool = False
+) -> tuple[Tensor, Tensor | None] | None:
+    """Paged prefill attention by the C kernel: sequence ``b``'s queries ``q[cu[b]:cu[b+1]]`` (``q [T,Hq,D]``)
+    at positions ``seq_lens[b] - q_len_b ..`` attend to keys ``0..p`` (``causal``) or to all its keys, read in
+    place from the paged cache. Returns ``(out [T,Hq,D], lse [T,Hq] or None)`` (float32; ``lse``: each query's
+    natural log-sum-exp, with ``with_lse``), or None when the kernel cannot serve the call."""
+    if not enabled() or not supports(q, kv.k_cache, kv.v_cache) or q.stride(-1) != 1:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    k_cache, v_cache = kv.k_cache, kv.v_cache
+    total, num_q_heads, head_dim = q.shape
+    tables, lens, cu = _int32(kv.block_tables), _int32(kv.seq_lens), _int32(cu_seqlens_q)
+    out = torch.empty(total, num_q_heads, head_dim, dtype=torch.float32)
+    lse = torch.empty(total, num_q_heads, dtype=torch.float32) if with_lse else None
+    status = lib.batchgen_paged_prefill_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+        k_cache.shape[0], tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), cu.data_ptr(),
+        lens.numel(), num_q_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, int(causal),
+        PREFILL_CHUNK, out.data_ptr(), None if lse is None else lse.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return (out, lse) if status == 0 else None
 
 
 def _int32(t: Tensor) -> Tensor:

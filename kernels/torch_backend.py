@@ -479,10 +479,14 @@ def paged_prefill_attention(
     cu = cu_seqlens_q.tolist()
     lens = kv.seq_lens.tolist()
     q_lens = [cu[b + 1] - cu[b] for b in range(batch)]
-    if plain and workspace is not None and batch >= _CASCADE_MIN_GROUP:
-        out = _prefill_cascade(q, cu, q_lens, lens, kv, options, workspace)
-        if out is not None:
-            return out
+    if plain and workspace is not None:  # the engine's call: the C kernel where it serves
+        if batch >= _CASCADE_MIN_GROUP:
+            out = _prefill_cascade(q, cu, q_lens, lens, kv, options)
+            if out is not None:
+                return out
+        res = cpu_kernel.prefill(q, cu_seqlens_q, kv, options.scale)
+        if res is not None:
+            return res[0].to(q.dtype)
     return _prefill_ordinary(q, cu_seqlens_q, cu, q_lens, lens, kv, options, workspace)
 
 
@@ -528,14 +532,13 @@ def _prefill_cascade(
     lens: list[int],
     kv: PagedKV,
     options: AttentionOptions,
-    workspace: Workspace,
 ) -> Tensor | None:
-    """Prefill chunks of sequences that share a cached prefix, with that prefix attended once per group (the
-    C kernel: every query of the group against the prefix's K/V rows, read once) and each sequence's own keys
-    after it attended as an ordinary prefill; the halves merged by their log-sum-exps. Sequences outside the
-    groups take the ordinary path. None when the kernel cannot serve the call, no group shares enough (under
-    ``cpu_kernel.CASCADE_MIN_SAVED`` of the query x key work), or the CPU flash op refuses the inputs."""
-    if _CPU_FLASH_WITH_LSE is None or not cpu_kernel.serves(q, kv.k_cache, kv.v_cache):
+    """Prefill chunks of sequences that share a cached prefix, with that prefix attended once per group and
+    each sequence's own keys after it attended as an ordinary prefill, all by the C kernel; the halves merged
+    by their log-sum-exps. Sequences outside the groups take the ordinary path. None when the kernel cannot
+    serve the call or no group shares enough (under ``cpu_kernel.CASCADE_MIN_SAVED`` of the query x key
+    work)."""
+    if not cpu_kernel.serves(q, kv.k_cache, kv.v_cache):
         return None
     block_size = kv.block_size
     visible = torch.tensor([n - m for n, m in zip(lens, q_lens)])
@@ -551,10 +554,10 @@ def _prefill_cascade(
     out = torch.empty_like(q)
     if others:
         rows, tokens, sub_cu = _subset(others, cu, q_lens, q.device)
-        sub_q_lens, sub_lens = [q_lens[b] for b in others], [lens[b] for b in others]
-        out[tokens] = _prefill_ordinary(
-            q[tokens], sub_cu, sub_cu.tolist(), sub_q_lens, sub_lens, kv.select(rows), options, workspace
-        )
+        res = cpu_kernel.prefill(q[tokens], sub_cu, kv.select(rows), options.scale)
+        if res is None:
+            return None
+        out[tokens] = res[0].to(q.dtype)
     rows, tokens, sub_cu = _subset(members, cu, q_lens, q.device)
     # Each member over its own keys after its prefix: the block tables shifted past the prefix, the lengths
     # shortened by it (positions shift alike, so the causal mask is unchanged).
@@ -569,15 +572,10 @@ def _prefill_cascade(
         kv.seq_lens[rows.to(kv.seq_lens.device)] - (skip * block_size).to(kv.seq_lens.device).int(),
     )
     qm = q[tokens]
-    part = torch.empty(qm.shape, dtype=torch.float32, device=q.device)  # [Tm, Hq, D]
-    part_lse = torch.empty(qm.shape[:2], dtype=torch.float32, device=q.device)  # [Tm, Hq]
-    m_cu, m_q_lens = sub_cu.tolist(), [q_lens[b] for b in members]
-    for bucket in _padding_buckets(m_q_lens, suffix_kv.seq_lens.tolist()):
-        b_rows, b_tokens, b_cu = _subset(bucket, m_cu, m_q_lens, q.device)
-        res = _prefill_padded_lse(qm[b_tokens], b_cu, suffix_kv.select(b_rows), options.scale, workspace)
-        if res is None:
-            return None
-        part[b_tokens], part_lse[b_tokens] = res
+    res = cpu_kernel.prefill(qm, sub_cu, suffix_kv, options.scale, with_lse=True)
+    if res is None:
+        return None
+    part, part_lse = res  # [Tm, Hq, D], [Tm, Hq] float32
     # The prefix half, token by token: each member token is a query row of its sequence's group.
     token_of = {b: range(cu[b], cu[b + 1]) for b in members}
     local = torch.empty(q.shape[0], dtype=torch.long)
@@ -604,44 +602,6 @@ def _subset(
     for b in seqs:
         sub.append(sub[-1] + q_lens[b])
     return rows, tokens, torch.tensor(sub, dtype=torch.int32, device=device)
-
-
-def _prefill_padded_lse(
-    q: Tensor, cu_seqlens_q: Tensor, kv: PagedKV, scale: float, workspace: Workspace | None
-) -> tuple[Tensor, Tensor] | None:
-    """:func:`_prefill_padded` for plain attention through the CPU flash op, with each query's log-sum-exp:
-    ``(out [T,Hq,D], lse [T,Hq])`` float32 (contiguous), or None when the op refuses the inputs."""
-    total, num_q_heads, head_dim = q.shape
-    batch = cu_seqlens_q.numel() - 1
-    block_size, num_kv_heads, device = kv.block_size, kv.num_kv_heads, q.device
-    cu = cu_seqlens_q.to(device).long()
-    q_lens = cu[1:] - cu[:-1]
-    lens = kv.seq_lens.to(device).long()
-    max_q, max_len = int(q_lens.max()), int(lens.max())
-    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device), q_lens)
-    idx_in_seq = torch.arange(total, device=device) - cu[:-1][seq_of_token]
-    qp = q.new_zeros(batch, max_q, num_q_heads, head_dim)
-    qp[seq_of_token, idx_in_seq] = q
-    q_pos = (lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
-    num_blocks = (max_len + block_size - 1) // block_size
-    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
-    ids = kv.block_tables[:, :num_blocks]
-    k = _gather(kv.k_cache, ids, "k", workspace).view(shape)[:, :max_len].transpose(1, 2)
-    v = _gather(kv.v_cache, ids, "v", workspace).view(shape)[:, :max_len].transpose(1, 2)
-    k_pos = torch.arange(max_len, device=device)[None, None, :]
-    # Padding query rows sit past seq_len and see every real key: no row is empty; they are dropped below.
-    # The op takes an additive mask of the query's dtype.
-    keep = (k_pos <= q_pos[:, :, None]) & (k_pos < lens[:, None, None])
-    mask = torch.zeros(keep.shape, dtype=q.dtype, device=device).masked_fill_(~keep, float("-inf"))
-    try:
-        out, lse = _CPU_FLASH_WITH_LSE(
-            qp.transpose(1, 2), k, v, 0.0, False, attn_mask=mask[:, None], scale=scale
-        )[:2]
-    except (RuntimeError, TypeError):
-        return None
-    out = out.transpose(1, 2)[seq_of_token, idx_in_seq].float().contiguous()  # [T, Hq, D]
-    lse = lse.transpose(1, 2)[seq_of_token, idx_in_seq].float().contiguous()  # [T, Hq]
-    return out, lse
 
 
 _CALL_OVERHEAD = 2048

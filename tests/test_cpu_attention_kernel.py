@@ -330,3 +330,85 @@ def test_generic_build_matches_reference(monkeypatch) -> None:
     q, kv, plan = _shared_prefix_batch(8, 4, 64, 16, seed=5)
     want = reference.paged_decode_attention(q, kv, AttentionOptions(0.15))
     torch.testing.assert_close(_cascade(q, kv, plan).double(), want, **TOL)
+    pre = make_paged_batch([90, 33], [90, 5], num_q_heads=8, num_kv_heads=2, head_dim=80)
+    got = cpu_kernel.prefill(pre.q, pre.cu_seqlens_q, pre.kv, 0.2)
+    assert got is not None
+    torch.testing.assert_close(
+        got[0].double(),
+        reference.paged_prefill_attention(pre.q, pre.cu_seqlens_q, pre.kv, AttentionOptions(0.2)),
+        **TOL,
+    )
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "heads, head_dim, block_size", [((8, 4), 64, 16), ((8, 2), 80, 8), ((4, 4), 128, 32), ((6, 3), 32, 16)]
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_matches_reference(heads, head_dim, block_size, causal) -> None:
+    """cpu_kernel.prefill: fresh prompts, chunks over a cached context, single tokens, one longer than a work
+    item's chunk; the log-sum-exps against a float64 computation."""
+    hq, hkv = heads
+    lens = [1, 37, 70, 200, 16, 90]
+    q_lens = [1, 37, 9, 70, 1, 90]
+    batch = make_paged_batch(
+        lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, block_size=block_size
+    )
+    res = cpu_kernel.prefill(batch.q, batch.cu_seqlens_q, batch.kv, 0.3, causal=causal, with_lse=True)
+    assert res is not None
+    out, lse = res
+    cu = batch.cu_seqlens_q.tolist()
+    kv = batch.kv
+    for b, (n, m) in enumerate(zip(lens, q_lens)):
+        pos = torch.arange(n)
+        blocks = kv.block_tables[b, pos // block_size].long()
+        k = kv.k_cache[blocks, pos % block_size].double()
+        v = kv.v_cache[blocks, pos % block_size].double()
+        for i in range(m):
+            visible = n - m + i + 1 if causal else n
+            for h in range(hq):
+                kh = h // (hq // hkv)
+                s = (k[:visible, kh] @ batch.q[cu[b] + i, h].double()) * 0.3
+                torch.testing.assert_close(
+                    out[cu[b] + i, h].double(), torch.softmax(s, 0) @ v[:visible, kh], **TOL
+                )
+                torch.testing.assert_close(lse[cu[b] + i, h].double(), torch.logsumexp(s, 0), **TOL)
+
+
+@needs_compiler
+def test_prefill_deterministic_and_through_the_engine_call(monkeypatch) -> None:
+    """Same bits for any thread count and chunking; paged_prefill_attention with a workspace (the engine's
+    call) runs it and equals the reference."""
+    batch = make_paged_batch([300, 64, 129], [300, 20, 129], num_q_heads=8, num_kv_heads=4, head_dim=64)
+    first, _ = cpu_kernel.prefill(batch.q, batch.cu_seqlens_q, batch.kv, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(first, cpu_kernel.prefill(batch.q, batch.cu_seqlens_q, batch.kv, 0.125)[0])
+    finally:
+        torch.set_num_threads(threads)
+    for chunk in (1, 7, 512):
+        monkeypatch.setattr(cpu_kernel, "PREFILL_CHUNK", chunk)
+        assert torch.equal(first, cpu_kernel.prefill(batch.q, batch.cu_seqlens_q, batch.kv, 0.125)[0])
+    calls = []
+    kernel_prefill = cpu_kernel.prefill
+    monkeypatch.setattr(cpu_kernel, "prefill", lambda *a, **k: calls.append(1) or kernel_prefill(*a, **k))
+    out = tb.paged_prefill_attention(
+        batch.q, batch.cu_seqlens_q, batch.kv, AttentionOptions(0.125), workspace=tb.Workspace()
+    )
+    assert calls and torch.equal(out, first)
+    want = reference.paged_prefill_attention(batch.q, batch.cu_seqlens_q, batch.kv, AttentionOptions(0.125))
+    torch.testing.assert_close(out.double(), want, **TOL)
+
+
+@needs_compiler
+def test_prefill_refuses_out_of_range_tables() -> None:
+    batch = make_paged_batch([40, 20], [40, 20], num_q_heads=4, num_kv_heads=2, head_dim=64)
+    tables = batch.block_tables.clone()
+    tables[1, 0] = batch.k_cache.shape[0]
+    kv = PagedKV(batch.k_cache, batch.v_cache, tables, batch.seq_lens)
+    assert cpu_kernel.prefill(batch.q, batch.cu_seqlens_q, kv, 0.1) is None
+    short = PagedKV(
+        batch.k_cache, batch.v_cache, batch.block_tables[:, :1], batch.seq_lens
+    )  # table too narrow
+    assert cpu_kernel.prefill(batch.q, batch.cu_seqlens_q, short, 0.1) is None

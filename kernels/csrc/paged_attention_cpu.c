@@ -488,3 +488,105 @@ int batchgen_cascade_prefix_f32(const float *q, int64_t q_stride_b, int64_t q_st
     }
     return status ? -1 : 0;
 }
+
+/* Paged prefill attention: packed query chunks attending to their sequence's cached keys.
+ *
+ * Sequence b owns queries q[cu_q[b] .. cu_q[b + 1] - 1] at positions seq_lens[b] - q_len + i; with `causal` a
+ * query at position p attends to keys 0..p, else to all seq_lens[b] keys (the new tokens' K/V already stored).
+ * out [T, Hq, D] contiguous; lse [T, Hq] (NULL: not written) receives each row's natural log-sum-exp.
+ *
+ * Work item = (sequence, KV head, chunk of at most `chunk` query tokens): the keys the chunk's last query sees
+ * are read block by block once for all the chunk's query rows (tokens x the KV head's query heads), each row
+ * stopping at its own last key; exact two-pass softmax per row. Each row depends only on its own query and
+ * keys, in a fixed order: results do not depend on the thread count or the chunking. Returns 0, or -1 on a
+ * bad argument, a block id out of range or an allocation failure. */
+int batchgen_paged_prefill_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h, const float *k_cache,
+                               const float *v_cache, int64_t cache_stride_block, int64_t num_blocks,
+                               const int32_t *block_tables, int64_t table_stride, int64_t table_cols,
+                               const int32_t *seq_lens, const int32_t *cu_q, int batch, int num_q_heads,
+                               int num_kv_heads, int head_dim, int block_size, float scale, int causal, int chunk,
+                               float *out, float *lse, int num_threads) {
+    if (batch < 0 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || chunk <= 0 || block_size <= 0)
+        return -1;
+    const int group = num_q_heads / num_kv_heads;
+    int64_t items = 0;
+    for (int b = 0; b < batch; b++) {
+        const int q_len = cu_q[b + 1] - cu_q[b], len = seq_lens[b];
+        if (q_len < 0 || len < q_len || (len > 0 && (int64_t)(len - 1) / block_size >= table_cols)) return -1;
+        for (int j = 0; j < (len + block_size - 1) / block_size; j++) {
+            const int32_t id = block_tables[(int64_t)b * table_stride + j];
+            if (id < 0 || id >= num_blocks) return -1;
+        }
+        items += (int64_t)num_kv_heads * ((q_len + chunk - 1) / chunk);
+    }
+    int32_t *item_seq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(items > 0 ? items : 1));
+    int32_t *item_rest = (int32_t *)malloc(sizeof(int32_t) * (size_t)(items > 0 ? items : 1));
+    if (item_seq == NULL || item_rest == NULL) {
+        free(item_seq), free(item_rest);
+        return -1;
+    }
+    for (int b = 0, at = 0; b < batch; b++) {
+        const int n = num_kv_heads * ((cu_q[b + 1] - cu_q[b] + chunk - 1) / chunk);
+        for (int i = 0; i < n; i++, at++) item_seq[at] = b, item_rest[at] = i;
+    }
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    int status = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : status)
+    for (int64_t it = 0; it < items; it++) {
+        const int b = item_seq[it], q_len = cu_q[b + 1] - cu_q[b], len = seq_lens[b];
+        const int chunks = (q_len + chunk - 1) / chunk;
+        const int h = item_rest[it] / chunks, c0 = (item_rest[it] % chunks) * chunk;
+        const int c1 = c0 + chunk < q_len ? c0 + chunk : q_len;
+        const int ctx = len - q_len;
+        const int rows = (c1 - c0) * group; /* token-major, then the KV head's query heads */
+        const int keys = causal ? ctx + c1 : len; /* what the chunk's last query sees */
+        const int32_t *table = block_tables + (int64_t)b * table_stride;
+        float *buf = scratch((size_t)rows * ((size_t)keys + (size_t)head_dim + 2));
+        if (buf == NULL) {
+            status |= 1;
+            continue;
+        }
+        float *s = buf, *acc = buf + (size_t)rows * keys, *stats = acc + (size_t)rows * head_dim;
+#define ROW_KEYS(r) (causal ? ctx + c0 + (r) / group + 1 : len)
+        /* Pass 1: scores, s[r * keys + t] for t < the row's own key count. */
+        for (int j = 0; j * block_size < keys; j++) {
+            const float *kb = k_cache + (int64_t)table[j] * cache_stride_block + (int64_t)h * head_dim;
+            for (int r = 0; r < rows; r++) {
+                const int m = ROW_KEYS(r) - j * block_size;
+                if (m <= 0) continue;
+                const float *qr = q + (int64_t)(cu_q[b] + c0 + r / group) * q_stride_t + (int64_t)(h * group + r % group) * q_stride_h;
+                scores_span(qr, kb, row, m < block_size ? m : block_size, head_dim, scale,
+                            s + (size_t)r * keys + (size_t)j * block_size);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            float *sr = s + (size_t)r * keys;
+            const int n = ROW_KEYS(r);
+            float m = sr[0];
+            for (int i = 1; i < n; i++) m = sr[i] > m ? sr[i] : m;
+            stats[2 * r] = m, stats[2 * r + 1] = exp_row(sr, n, m);
+        }
+        /* Pass 2: acc_r = sum_t p_rt v_t, block by block. */
+        memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
+        for (int j = 0; j * block_size < keys; j++) {
+            const float *vb = v_cache + (int64_t)table[j] * cache_stride_block + (int64_t)h * head_dim;
+            for (int r = 0; r < rows; r++) {
+                const int m = ROW_KEYS(r) - j * block_size;
+                if (m <= 0) continue;
+                accumulate_span(s + (size_t)r * keys + (size_t)j * block_size, vb, row, m < block_size ? m : block_size,
+                                head_dim, acc + (size_t)r * head_dim);
+            }
+        }
+#undef ROW_KEYS
+        for (int r = 0; r < rows; r++) {
+            const int64_t t = cu_q[b] + c0 + r / group, qh = h * group + r % group;
+            const float inv = 1.0f / stats[2 * r + 1];
+            float *o = out + (t * num_q_heads + qh) * head_dim;
+            const float *ar = acc + (size_t)r * head_dim;
+            for (int d = 0; d < head_dim; d++) o[d] = ar[d] * inv;
+            if (lse) lse[t * num_q_heads + qh] = stats[2 * r] + logf(stats[2 * r + 1]);
+        }
+    }
+    free(item_seq), free(item_rest);
+    return status ? -1 : 0;
+}
