@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchgen.kernels import cpu_kernel
 from batchgen.pooling.varlen_attention import PackedLayout, packed, varlen_attention
 
 H, D = 4, 8
@@ -31,7 +32,11 @@ def _reference(q, k, v, lengths, window):
 @pytest.mark.parametrize("lengths", [[5, 1, 9, 3], [6, 6, 6], [11]])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("transposed", [True, False])
-def test_packed_attention_equals_each_sequence_alone(lengths, window, transposed):
+@pytest.mark.parametrize(
+    "kernel", ["1", "0"]
+)  # the C kernel's paged prefill (where it builds), the torch path
+def test_packed_attention_equals_each_sequence_alone(lengths, window, transposed, kernel, monkeypatch):
+    monkeypatch.setenv(cpu_kernel.ENV_SWITCH, kernel)
     g = torch.Generator().manual_seed(sum(lengths) + (window or 0))
     t = sum(lengths)
 

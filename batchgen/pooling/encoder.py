@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from batchgen.kernels import cpu_kernel
 from batchgen.models.packed_linear import pack_transformers_linears
 from batchgen.pooling import varlen_attention
 from batchgen.pooling.checkpoint import CheckpointPooling
@@ -56,6 +57,8 @@ class EncoderModel:
         import transformers
 
         varlen_attention.register()
+        if device.type == "cpu":
+            cpu_kernel.start_build()  # the packed attention's C kernel, compiled while the weights load
         self.info = info
         self.device = device
         classify = info.task == "classify"
