@@ -559,37 +559,35 @@ def _prefill_cascade(
             return None
         out[tokens] = res[0].to(q.dtype)
     rows, tokens, sub_cu = _subset(members, cu, q_lens, q.device)
-    # Each member over its own keys after its prefix: the block tables shifted past the prefix, the lengths
-    # shortened by it (positions shift alike, so the causal mask is unchanged).
-    skip = start[rows.to(start.device)].to(kv.block_tables.device)
-    cols = (skip[:, None] + torch.arange(kv.block_tables.shape[1], device=skip.device)[None, :]).clamp_(
-        max=kv.block_tables.shape[1] - 1
-    )
-    suffix_kv = PagedKV(
-        kv.k_cache,
-        kv.v_cache,
-        kv.block_tables[rows.to(kv.block_tables.device)].gather(1, cols),
-        kv.seq_lens[rows.to(kv.seq_lens.device)] - (skip * block_size).to(kv.seq_lens.device).int(),
-    )
+    suffix_kv = _after_prefix(kv, rows, start[rows.to(start.device)])
     qm = q[tokens]
     res = cpu_kernel.prefill(qm, sub_cu, suffix_kv, options.scale, with_lse=True)
     if res is None:
         return None
     part, part_lse = res  # [Tm, Hq, D], [Tm, Hq] float32
-    # The prefix half, token by token: each member token is a query row of its sequence's group.
-    token_of = {b: range(cu[b], cu[b + 1]) for b in members}
-    local = torch.empty(q.shape[0], dtype=torch.long)
-    local[tokens] = torch.arange(tokens.numel())
+    # The prefix half, token by token: each member token (numbered within qm) is a query row of its group.
+    local = dict(zip(tokens.tolist(), range(tokens.numel())))
+    rows_of = [
+        [local[t] for b in idx.tolist() if q_lens[b] > 0 for t in range(cu[b], cu[b + 1])]
+        for idx, _ in groups
+    ]
     prefix_groups = cpu_kernel.PrefixGroups.build(
-        [
-            (local[torch.tensor([t for b in idx.tolist() if q_lens[b] > 0 for t in token_of[b]])], blocks)
-            for idx, blocks in groups
-        ]
+        [(torch.tensor(r, dtype=torch.long), blocks) for r, (_, blocks) in zip(rows_of, groups)]
     )
     if not cpu_kernel.merge_prefix(qm, kv, options.scale, prefix_groups, part, part_lse):
         return None
     out[tokens] = part.to(q.dtype)
     return out
+
+
+def _after_prefix(kv: PagedKV, rows: Tensor, skip: Tensor) -> PagedKV:
+    """Sequences ``rows`` of ``kv`` without their first ``skip[i]`` blocks: block tables shifted past them, lengths
+    shortened by them (query positions shift alike, so causality is unchanged)."""
+    tables, width = kv.block_tables, kv.block_tables.shape[1]
+    skip = skip.to(tables.device)
+    cols = (skip[:, None] + torch.arange(width, device=tables.device)[None, :]).clamp_(max=width - 1)
+    lens = kv.seq_lens[rows.to(kv.seq_lens.device)] - (skip * kv.block_size).to(kv.seq_lens.device).int()
+    return PagedKV(kv.k_cache, kv.v_cache, tables[rows.to(tables.device)].gather(1, cols), lens)
 
 
 def _subset(

@@ -109,3 +109,20 @@ def test_cpu_cascade_mode_times_every_path(monkeypatch):
     assert cpu_kernel.CASCADE_MIN_GROUP_BLOCKS == keep  # restored after the forced cascade
     assert "cascade+kernel" in lines[1] and len(lines) == 3
     assert len(lines[2].split()) == 11 and all(float(x) > 0 for x in lines[2].split()[-4:])
+
+
+def test_cpu_prefill_mode_compares_the_kernel_with_the_torch_path(monkeypatch):
+    import os
+
+    from batchgen.kernels import cpu_kernel
+
+    if cpu_kernel.compiler() is None:
+        pytest.skip("no C compiler: the CPU kernel cannot be built")
+    monkeypatch.setattr(bench, "CPU_PREFILL_CASES", (("2 prompts", [20, 9], None), ("chunk", [40], [8])))
+    lines = bench.run_cpu_prefill(repeats=1)
+    assert cpu_kernel.ENV_SWITCH not in os.environ  # restored
+    assert "C kernel" in lines[1] and len(lines) == 4
+    for line in lines[2:]:
+        cells = line.split()
+        assert float(cells[-1]) < 1e-5  # the two paths agree
+        assert all(float(x.rstrip("x")) > 0 for x in cells[-5:-1])

@@ -21,7 +21,8 @@ tokens, with and without a cached prefix, and a batch of chunks) reports time an
 Times are medians of ``triton.testing.do_bench`` (which flushes the L2 between runs). ``--dry-run`` prints the
 grid with its byte counts and needs neither CUDA nor Triton. The full run takes about 2 minutes on an H200.
 ``--cpu`` instead times the torch backend (the engine's CPU attention) on CPU-sized shapes; ``--cpu-decode``
-times the C decode kernel (kernels/cpu_kernel.py) against the torch path it replaces, one layer per case.
+times the C decode kernel (kernels/cpu_kernel.py) against the torch path it replaces, one layer per case;
+``--cpu-prefill`` the C prefill kernel against the torch path; ``--cpu-cascade`` decode over shared prefixes.
 """
 
 from __future__ import annotations
@@ -401,6 +402,64 @@ def run_cpu_decode(repeats: int = 10) -> list[str]:
     return lines
 
 
+# (label, context lengths, query lengths): fresh prompts, and chunks after a cached context
+CPU_PREFILL_CASES = (
+    ("1 prompt of 300", [300], [300]),
+    ("1 prompt of 1200", [1200], [1200]),
+    ("9 prompts of 50-600", [427, 82, 331, 596, 215, 144, 503, 61, 378], None),
+    ("64 prompts of 20-60", None, None),
+    ("16 chunks of 40 after 300", [340] * 16, [40] * 16),
+)
+
+
+def run_cpu_prefill(repeats: int = 7) -> list[str]:
+    """CPU prefill attention, one layer, float32: the C kernel (``cpu_kernel.prefill``, what the engine runs)
+    against the torch path it replaced (one flash call per long prompt, padded masked calls for the rest),
+    both through ``torch_backend.paged_prefill_attention`` with a workspace; no shared prefix. Medians of
+    ``repeats`` interleaved calls, ms wall; the C kernel's GFLOP/s over the causal work."""
+    import os
+    import random
+
+    from batchgen.kernels import cpu_kernel, torch_backend
+    from batchgen.kernels.options import AttentionOptions
+    from batchgen.kernels.testing import make_paged_batch
+
+    if cpu_kernel.library() is None:
+        return ["the CPU kernel is unavailable here (no compiler, or BATCHGEN_CPU_KERNEL=0)"]
+    ws, opt = torch_backend.Workspace(), AttentionOptions(0.125)
+    hq, hkv, d, bs = (CPU_SHAPE[k] for k in ("num_q_heads", "num_kv_heads", "head_dim", "block_size"))
+    lines = [
+        f"prefill attention, one layer, {torch.get_num_threads()} threads, {CPU_SHAPE}; median ms wall",
+        f"{'case':28} {'torch path':>11} {'C kernel':>9} {'speed-up':>8} {'GFLOP/s':>8} {'max|diff|':>9}",
+    ]
+    rng = random.Random(0)
+    for label, lens, q_lens in CPU_PREFILL_CASES:
+        if lens is None:
+            lens = [rng.randint(20, 60) for _ in range(64)]
+        q_lens = list(lens) if q_lens is None else q_lens
+        b = make_paged_batch(lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs)
+        times: dict[str, list[float]] = {"0": [], "1": []}
+        outs = {}
+        for _ in range(repeats + 1):
+            for switch in times:
+                os.environ[cpu_kernel.ENV_SWITCH] = switch
+                t = time.perf_counter()
+                outs[switch] = torch_backend.paged_prefill_attention(
+                    b.q, b.cu_seqlens_q, b.kv, opt, workspace=ws
+                )
+                times[switch].append(time.perf_counter() - t)
+        os.environ.pop(cpu_kernel.ENV_SWITCH, None)
+        torch_ms, kernel_ms = (sorted(times[k][1:])[repeats // 2] * 1e3 for k in ("0", "1"))
+        flops = sum(4 * m * (n - m + (m + 1) / 2) * hq * d for n, m in zip(lens, q_lens))
+        diff = (outs["0"] - outs["1"]).abs().max().item()
+        lines.append(
+            f"{label:28} {torch_ms:11.2f} {kernel_ms:9.2f} {torch_ms / kernel_ms:7.2f}x "
+            f"{flops / kernel_ms / 1e6:8.1f} {diff:9.1e}"
+        )
+        ws.clear()
+    return lines
+
+
 # (sequences, groups, shared prefix blocks per group, own blocks per sequence)
 CPU_CASCADE_CASES = (
     (32, 4, 21, 3),
@@ -559,9 +618,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-cascade", action="store_true", help="CPU decode over shared prefixes: kernel vs cascades"
     )
+    parser.add_argument(
+        "--cpu-prefill", action="store_true", help="CPU prefill: the C kernel vs the torch path, one layer"
+    )
     args = parser.parse_args(argv)
-    if args.cpu_cascade:
-        for line in run_cpu_cascade():
+    if args.cpu_cascade or args.cpu_prefill:
+        for line in run_cpu_cascade() if args.cpu_cascade else run_cpu_prefill():
             print(line, flush=True)
         return 0
     if args.dry_run:
