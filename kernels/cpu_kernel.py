@@ -56,9 +56,9 @@ each group's shared prefix once by :func:`merge_prefix`) goes first when it save
 block reads ..."""
 CASCADE_MIN_GROUP_BLOCKS = 16
 """... counting only groups that save at least this many block reads each. Measured with `python -m
-batchgen.bench.kernels --cpu-cascade` (the bench model's heads, 1 and 2 threads): the cascade is 1.4-2.4x
-faster than the kernel alone where groups save 68-91% of the reads, and ties with it at 8-25% (groups of 4
-sharing 2-4 blocks), where the second call's fixed cost eats the saving."""
+batchgen.bench.kernels --cpu-cascade` (the bench model's heads, 2 threads): the cascade is 1.5-2.7x faster
+than the kernel alone where groups save 68-91% of the reads, and 10-28% slower where they save 8-25% (groups
+of 4-8 sharing 2-4 blocks: the second call's fixed cost outweighs the reads saved)."""
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
