@@ -122,8 +122,8 @@ def paged_decode_attention(
     groups of similar context when one padded batch would read over 25% more blocks than needed
     (:func:`_decode_groups`). With an option set, the general masked path (no cascade). Given a ``workspace``
     (the engine's CPU call) and float32 tensors, the C kernel of :mod:`.cpu_kernel` runs instead (same
-    semantics; ``BATCHGEN_CPU_KERNEL=0`` turns it off), through the cascade when shared prefixes save enough reads
-    (``cpu_kernel.CASCADE_MIN_SAVED``).
+    semantics; ``BATCHGEN_CPU_KERNEL=0`` turns it off), through the cascade when shared prefixes save enough
+    reads (``cpu_kernel.CASCADE_MIN_SAVED``).
     """
     k_cache, v_cache, block_tables, seq_lens = kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens
     batch, num_q_heads, head_dim = q.shape
@@ -385,8 +385,9 @@ def _decode_cascade(
     Each sequence attends to its own suffix (``kernel``: the C kernel, reading the suffix blocks in place;
     else one batched SDPA call over gathered suffix blocks) and, if in a group, to the group's shared prefix
     (``kernel``: one C call for every group, merging in place; else one CPU flash call per group with the
-    group's queries stacked); the two partial results are merged by their log-sum-exps (cascade attention). Same result as the plain path up to float rounding; ``None`` when nothing is shared
-    enough to pay off or the CPU flash op is unavailable. ``plan_cache`` (a dict living for one forward) lets
+    group's queries stacked); the two partial results are merged by their log-sum-exps (cascade attention).
+    Same result as the plain path up to float rounding; ``None`` when nothing is shared enough to pay off or
+    the CPU flash op is unavailable. ``plan_cache`` (a dict living for one forward) lets
     all layers share the grouping.
     """
     k_cache, v_cache = kv.k_cache, kv.v_cache
@@ -515,12 +516,7 @@ def _prefill_ordinary(
                 q[s:e], kv.k_cache, kv.v_cache, lens[b], kv.block_tables[b], options.scale, workspace
             )
             continue
-        rows = torch.tensor(bucket, dtype=torch.long, device=kv.block_tables.device)
-        tokens = torch.cat([torch.arange(cu[b], cu[b + 1], device=q.device) for b in bucket])
-        sub_cu = [0]
-        for b in bucket:
-            sub_cu.append(sub_cu[-1] + q_lens[b])
-        sub_cu_q = torch.tensor(sub_cu, dtype=torch.int32, device=q.device)
+        rows, tokens, sub_cu_q = _subset(bucket, cu, q_lens, q.device)
         out[tokens] = _prefill_padded(q[tokens], sub_cu_q, kv.select(rows), options, workspace)
     return out
 
@@ -581,8 +577,8 @@ def _prefill_cascade(
 
 
 def _after_prefix(kv: PagedKV, rows: Tensor, skip: Tensor) -> PagedKV:
-    """Sequences ``rows`` of ``kv`` without their first ``skip[i]`` blocks: block tables shifted past them, lengths
-    shortened by them (query positions shift alike, so causality is unchanged)."""
+    """Sequences ``rows`` of ``kv`` without their first ``skip[i]`` blocks: block tables shifted past them,
+    lengths shortened by them (query positions shift alike, so causality is unchanged)."""
     tables, width = kv.block_tables, kv.block_tables.shape[1]
     skip = skip.to(tables.device)
     cols = (skip[:, None] + torch.arange(width, device=tables.device)[None, :]).clamp_(max=width - 1)
@@ -593,8 +589,9 @@ def _after_prefix(kv: PagedKV, rows: Tensor, skip: Tensor) -> PagedKV:
 def _subset(
     seqs: list[int], cu: list[int], q_lens: list[int], device: torch.device
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(sequence indices, their token indices in the packed queries, their cu_seqlens) for a subset."""
-    rows = torch.tensor(seqs, dtype=torch.long)
+    """(sequence indices, their token indices in the packed queries, their cu_seqlens) for a subset, on
+    ``device``."""
+    rows = torch.tensor(seqs, dtype=torch.long, device=device)
     tokens = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in seqs]).to(device)
     sub = [0]
     for b in seqs:
