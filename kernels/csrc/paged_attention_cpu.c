@@ -252,6 +252,59 @@ static float *scratch(size_t n) {
     return tls_buf;
 }
 
+/* A query row of the prefix and prefill items: its query, and how many keys it attends to (the first `keys`
+ * of the item's block table). */
+typedef struct {
+    const float *q;
+    int keys;
+} QueryRow;
+
+static __thread QueryRow *tls_rows = NULL;
+static __thread size_t tls_rows_cap = 0;
+
+static QueryRow *row_scratch(size_t n) {
+    if (n > tls_rows_cap) {
+        free(tls_rows);
+        tls_rows = (QueryRow *)malloc(n * sizeof(QueryRow));
+        tls_rows_cap = tls_rows ? n : 0;
+    }
+    return tls_rows;
+}
+
+/* The rows x keys core of the prefix and prefill items, one KV head (`offset` floats into each token row of
+ * `row` floats): scores s[r * keys + t] (keys >= every row's own count), each row's softmax (stats[2r]: its
+ * maximum, stats[2r + 1]: its sum of exps), and acc[r] = sum_t p_rt v_t, unnormalised. Keys are visited block
+ * by block: each block's K (then V) rows of the head stay in L1 across the rows. */
+static void attend_rows(const QueryRow *qr, int rows, int keys, const int32_t *table, const float *k_cache,
+                        const float *v_cache, int64_t cache_stride_block, int64_t row, int64_t offset,
+                        int head_dim, int block_size, float scale, float *s, float *acc, float *stats) {
+    for (int j = 0; j * block_size < keys; j++) {
+        const float *kb = k_cache + (int64_t)table[j] * cache_stride_block + offset;
+        for (int r = 0; r < rows; r++) {
+            const int m = qr[r].keys - j * block_size;
+            if (m > 0)
+                scores_span(qr[r].q, kb, row, m < block_size ? m : block_size, head_dim, scale,
+                            s + (size_t)r * keys + (size_t)j * block_size);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float *sr = s + (size_t)r * keys;
+        float m = sr[0];
+        for (int i = 1; i < qr[r].keys; i++) m = sr[i] > m ? sr[i] : m;
+        stats[2 * r] = m, stats[2 * r + 1] = exp_row(sr, qr[r].keys, m);
+    }
+    memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
+    for (int j = 0; j * block_size < keys; j++) {
+        const float *vb = v_cache + (int64_t)table[j] * cache_stride_block + offset;
+        for (int r = 0; r < rows; r++) {
+            const int m = qr[r].keys - j * block_size;
+            if (m > 0)
+                accumulate_span(s + (size_t)r * keys + (size_t)j * block_size, vb, row,
+                                m < block_size ? m : block_size, head_dim, acc + (size_t)r * head_dim);
+        }
+    }
+}
+
 /* Prefetch the `bytes` bytes at p (one hint per cache line). */
 static inline void prefetch_span(const float *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
@@ -441,35 +494,18 @@ int batchgen_cascade_prefix_f32(const float *q, int64_t q_stride_b, int64_t q_st
         const int32_t *table = prefix_tables + (int64_t)g * prefix_table_stride;
         const int32_t *seqs = group_seqs + group_offsets[g] + c0;
         float *buf = scratch((size_t)rows * ((size_t)keys + (size_t)head_dim + 2));
-        if (buf == NULL) {
+        QueryRow *qr = row_scratch((size_t)rows);
+        if (buf == NULL || qr == NULL) {
             status |= 1;
             continue;
         }
         float *s = buf, *acc = buf + (size_t)rows * keys, *stats = acc + (size_t)rows * head_dim;
-        /* Pass 1: scores, s[r * keys + t]; each block's K rows of head h stay in L1 across the rows. */
-        for (int j = 0; j < prefix_blocks[g]; j++) {
-            const float *kb = k_cache + (int64_t)table[j] * cache_stride_block + (int64_t)h * head_dim;
-            for (int r = 0; r < rows; r++) {
-                const float *qr = q + (int64_t)seqs[r / group] * q_stride_b + (int64_t)(h * group + r % group) * q_stride_h;
-                scores_span(qr, kb, row, block_size, head_dim, scale, s + (size_t)r * keys + (size_t)j * block_size);
-            }
-        }
-        /* Softmax of each row: its maximum, exp and sum; the prefix's log-sum-exp is m + log(sum). */
         for (int r = 0; r < rows; r++) {
-            float *sr = s + (size_t)r * keys;
-            float m = sr[0];
-            for (int i = 1; i < keys; i++) m = sr[i] > m ? sr[i] : m;
-            stats[2 * r] = m, stats[2 * r + 1] = exp_row(sr, keys, m);
+            qr[r].q = q + (int64_t)seqs[r / group] * q_stride_b + (int64_t)(h * group + r % group) * q_stride_h;
+            qr[r].keys = keys;
         }
-        /* Pass 2: acc_r = sum_t p_rt v_t, block by block (each block's V rows of head h stay in L1 across the
-         * rows; acc, rows x head_dim floats, in L1/L2). */
-        memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
-        for (int j = 0; j < prefix_blocks[g]; j++) {
-            const float *vb = v_cache + (int64_t)table[j] * cache_stride_block + (int64_t)h * head_dim;
-            for (int r = 0; r < rows; r++)
-                accumulate_span(s + (size_t)r * keys + (size_t)j * block_size, vb, row, block_size, head_dim,
-                                acc + (size_t)r * head_dim);
-        }
+        attend_rows(qr, rows, keys, table, k_cache, v_cache, cache_stride_block, row, (int64_t)h * head_dim,
+                    head_dim, block_size, scale, s, acc, stats);
         /* Merge with the suffix: weights of the two halves from their log-sum-exps. */
         for (int r = 0; r < rows; r++) {
             const int b = seqs[r / group], qh = h * group + r % group;
@@ -542,42 +578,19 @@ int batchgen_paged_prefill_f32(const float *q, int64_t q_stride_t, int64_t q_str
         const int keys = causal ? ctx + c1 : len; /* what the chunk's last query sees */
         const int32_t *table = block_tables + (int64_t)b * table_stride;
         float *buf = scratch((size_t)rows * ((size_t)keys + (size_t)head_dim + 2));
-        if (buf == NULL) {
+        QueryRow *qr = row_scratch((size_t)rows);
+        if (buf == NULL || qr == NULL) {
             status |= 1;
             continue;
         }
         float *s = buf, *acc = buf + (size_t)rows * keys, *stats = acc + (size_t)rows * head_dim;
-#define ROW_KEYS(r) (causal ? ctx + c0 + (r) / group + 1 : len)
-        /* Pass 1: scores, s[r * keys + t] for t < the row's own key count. */
-        for (int j = 0; j * block_size < keys; j++) {
-            const float *kb = k_cache + (int64_t)table[j] * cache_stride_block + (int64_t)h * head_dim;
-            for (int r = 0; r < rows; r++) {
-                const int m = ROW_KEYS(r) - j * block_size;
-                if (m <= 0) continue;
-                const float *qr = q + (int64_t)(cu_q[b] + c0 + r / group) * q_stride_t + (int64_t)(h * group + r % group) * q_stride_h;
-                scores_span(qr, kb, row, m < block_size ? m : block_size, head_dim, scale,
-                            s + (size_t)r * keys + (size_t)j * block_size);
-            }
-        }
         for (int r = 0; r < rows; r++) {
-            float *sr = s + (size_t)r * keys;
-            const int n = ROW_KEYS(r);
-            float m = sr[0];
-            for (int i = 1; i < n; i++) m = sr[i] > m ? sr[i] : m;
-            stats[2 * r] = m, stats[2 * r + 1] = exp_row(sr, n, m);
+            const int64_t t = cu_q[b] + c0 + r / group;
+            qr[r].q = q + t * q_stride_t + (int64_t)(h * group + r % group) * q_stride_h;
+            qr[r].keys = causal ? ctx + c0 + r / group + 1 : len; /* a causal row: keys up to its position */
         }
-        /* Pass 2: acc_r = sum_t p_rt v_t, block by block. */
-        memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
-        for (int j = 0; j * block_size < keys; j++) {
-            const float *vb = v_cache + (int64_t)table[j] * cache_stride_block + (int64_t)h * head_dim;
-            for (int r = 0; r < rows; r++) {
-                const int m = ROW_KEYS(r) - j * block_size;
-                if (m <= 0) continue;
-                accumulate_span(s + (size_t)r * keys + (size_t)j * block_size, vb, row, m < block_size ? m : block_size,
-                                head_dim, acc + (size_t)r * head_dim);
-            }
-        }
-#undef ROW_KEYS
+        attend_rows(qr, rows, keys, table, k_cache, v_cache, cache_stride_block, row, (int64_t)h * head_dim,
+                    head_dim, block_size, scale, s, acc, stats);
         for (int r = 0; r < rows; r++) {
             const int64_t t = cu_q[b] + c0 + r / group, qh = h * group + r % group;
             const float inv = 1.0f / stats[2 * r + 1];
