@@ -153,8 +153,11 @@ def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     )
     prefix.restype = i32
     prefill_fn = lib.batchgen_paged_prefill_f32
-    prefill_fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr] + [i32] * 5 + [f32]
-    prefill_fn.argtypes += [i32, i32, ptr, ptr, i32]
+    prefill_fn.argtypes = (
+        [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr]
+        + [i32] * 5
+        + [f32, i32, i32, ptr, ptr, i32]
+    )
     prefill_fn.restype = i32
     return lib
 
@@ -255,13 +258,18 @@ def decode_suffix(q: Tensor, kv: PagedKV, scale: float, starts: Tensor) -> tuple
     return _call(q, kv, AttentionOptions(scale), starts)
 
 
+def _library_for(q: Tensor, kv: PagedKV) -> ctypes.CDLL | None:
+    """The loaded library when the kernels can serve ``q`` over ``kv`` (enabled, supported tensors), else None."""
+    if not enabled() or not supports(q, kv.k_cache, kv.v_cache):
+        return None
+    return library()
+
+
 def _call(
     q: Tensor, kv: PagedKV, options: AttentionOptions, starts: Tensor | None
 ) -> tuple[Tensor, Tensor | None] | None:
     k_cache, v_cache, block_tables, seq_lens = kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens
-    if not enabled() or not supports(q, k_cache, v_cache):
-        return None
-    lib = library()
+    lib = _library_for(q, kv)
     if lib is None:
         return None
     batch, num_q_heads, head_dim = q.shape
@@ -327,9 +335,7 @@ def merge_prefix(
     become the attention over the group's prefix and the sequence's own keys together. Each prefix is read once
     per group (per :data:`PREFIX_CHUNK` sequences). False when the kernel cannot serve the call (``out`` and
     ``lse`` are then unchanged only if it was refused before running; callers recompute on False)."""
-    if not enabled() or not supports(q, kv.k_cache, kv.v_cache):
-        return False
-    lib = library()
+    lib = _library_for(q, kv)
     if lib is None or not (out.is_contiguous() and lse.is_contiguous()):
         return False
     k_cache, v_cache = kv.k_cache, kv.v_cache
@@ -355,9 +361,7 @@ def prefill(
     at positions ``seq_lens[b] - q_len_b ..`` attend to keys ``0..p`` (``causal``) or to all its keys, read in
     place from the paged cache. Returns ``(out [T,Hq,D], lse [T,Hq] or None)`` (float32; ``lse``: each query's
     natural log-sum-exp, with ``with_lse``), or None when the kernel cannot serve the call."""
-    if not enabled() or not supports(q, kv.k_cache, kv.v_cache) or q.stride(-1) != 1:
-        return None
-    lib = library()
+    lib = _library_for(q, kv)
     if lib is None:
         return None
     k_cache, v_cache = kv.k_cache, kv.v_cache
