@@ -240,17 +240,25 @@ static inline float exp_row(float *sg, int n, float m) {
     return total + acc[0];
 }
 
-static __thread float *tls_buf = NULL;
-static __thread size_t tls_cap = 0;
+/* A per-thread buffer of at least `bytes` bytes, grown (contents dropped) when too small; NULL when it cannot be
+ * allocated. */
+typedef struct {
+    void *p;
+    size_t cap;
+} Buffer;
 
-static float *scratch(size_t n) {
-    if (n > tls_cap) {
-        free(tls_buf);
-        tls_buf = (float *)malloc(n * sizeof(float));
-        tls_cap = tls_buf ? n : 0;
+static void *grow(Buffer *b, size_t bytes) {
+    if (bytes > b->cap) {
+        free(b->p);
+        b->p = malloc(bytes);
+        b->cap = b->p ? bytes : 0;
     }
-    return tls_buf;
+    return b->p;
 }
+
+static __thread Buffer tls_floats = {NULL, 0};
+
+static float *scratch(size_t n) { return (float *)grow(&tls_floats, n * sizeof(float)); }
 
 /* A query row of the prefix and prefill items: its query, and how many keys it attends to (the first `keys`
  * of the item's block table). */
@@ -259,17 +267,9 @@ typedef struct {
     int keys;
 } QueryRow;
 
-static __thread QueryRow *tls_rows = NULL;
-static __thread size_t tls_rows_cap = 0;
+static __thread Buffer tls_rows = {NULL, 0};
 
-static QueryRow *row_scratch(size_t n) {
-    if (n > tls_rows_cap) {
-        free(tls_rows);
-        tls_rows = (QueryRow *)malloc(n * sizeof(QueryRow));
-        tls_rows_cap = tls_rows ? n : 0;
-    }
-    return tls_rows;
-}
+static QueryRow *row_scratch(size_t n) { return (QueryRow *)grow(&tls_rows, n * sizeof(QueryRow)); }
 
 /* The rows x keys core of the prefix and prefill items, one KV head (`offset` floats into each token row of
  * `row` floats): scores s[r * keys + t] (keys >= every row's own count), each row's softmax (stats[2r]: its
