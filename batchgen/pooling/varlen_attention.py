@@ -9,7 +9,7 @@ C kernel's paged prefill runs (:mod:`batchgen.kernels.cpu_kernel`, not causal): 
 keys and values copied once into its block layout, no padding. Otherwise the sequences are gathered into a
 ``[B, H, L, D]`` block (L: the batch's longest; the batches are length-sorted, so little is padding) with a
 key-padding mask, and one ``scaled_dot_product_attention`` runs; the padded rows are dropped on the way back.
-``sliding_window`` (always the torch path) (ModernBERT's local layers, transformers' inclusive flash-attention
+``sliding_window`` (ModernBERT's local layers; always the torch path; transformers' inclusive flash-attention
 convention ``window + 1``) restricts keys to ``|i - j| < sliding_window``.
 """
 
@@ -148,10 +148,8 @@ def _kernel_attention(
 
     if query.device.type != "cpu" or not query.dtype == key.dtype == value.dtype == torch.float32:
         return None
-    _, h, t, d = query.shape
+    d = query.shape[-1]
     q = query[0].transpose(0, 1)  # [T, H, D]
-    if q.stride(-1) != 1:
-        return None
     scale = d**-0.5 if scaling is None else float(scaling)
 
     def paged(x: Tensor) -> Tensor:  # [1, Hkv, T, D] -> [NB, KERNEL_BLOCK, Hkv, D]
