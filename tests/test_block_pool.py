@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
@@ -153,3 +154,55 @@ def test_hash_chained_and_stable_across_processes():
         for s in ("1", "2")
     }
     assert outs == {h1.hex()}
+
+
+def test_longest_lead_finds_the_longest_leading_run_among_settled_blocks():
+    pool = BlockPool(8, 4)
+    blocks = pool.allocate(4)
+    contents = [[1, 2, 3, 4], [1, 2, 9, 9], [1, 5, 5, 5], [7, 7, 7, 7]]
+    for b, toks in zip(blocks, contents):
+        pool.cache_block(b, hash_block_tokens(None, toks), None, toks)
+    # registered in the step being scheduled: not a copy source yet, but reported as pending
+    assert pool.longest_lead(None, [1, 2, 3]) == (-1, 0, 3)
+    pool.settle()
+    assert pool.longest_lead(None, [1, 2, 3]) == (blocks[0], 3, 0)
+    assert pool.longest_lead(None, [1, 2, 9, 8]) == (blocks[1], 3, 0)
+    block, n, _ = pool.longest_lead(None, [1, 6])
+    assert n == 1 and block in blocks[:3]  # any of the three sharing "1"
+    assert pool.longest_lead(None, [7, 7]) == (blocks[3], 2, 0)
+    assert pool.longest_lead(None, [8]) == (-1, 0, 0)
+    assert pool.longest_lead(b"another parent", [1, 2, 3]) == (-1, 0, 0)
+    pool.check_invariants()
+
+
+def test_longest_lead_agrees_with_a_scan_and_forgets_evicted_blocks():
+    rng = random.Random(0)
+    pool = BlockPool(64, 4)
+    for _ in range(300):
+        if pool.num_free_blocks == 0 or rng.random() < 0.3:
+            used = [b for b in range(64) if pool.ref_counts[b]]
+            if used:
+                pool.free([rng.choice(used)])
+            continue
+        (b,) = pool.allocate(1)  # may evict a cached block
+        toks = [rng.randrange(3) for _ in range(4)]
+        pool.cache_block(b, hash_block_tokens(None, toks), None, toks)
+        if rng.random() < 0.5:
+            pool.settle()
+        query = [rng.randrange(3) for _ in range(rng.randrange(1, 4))]
+
+        def run(b: int, query: list[int] = query) -> int:
+            n = 0
+            for x, y in zip(pool.cached_tokens(b) or (), query):
+                if x != y:
+                    break
+                n += 1
+            return n
+
+        registered = [b for b in range(64) if pool.block_hash[b] is not None]
+        fresh = pool._fresh_blocks
+        block, n, n_fresh = pool.longest_lead(None, query)
+        assert n == max((run(x) for x in registered if x not in fresh), default=0)
+        assert n_fresh == max((run(x) for x in registered if x in fresh), default=0)
+        assert (block == -1) == (n == 0) and (block == -1 or run(block) == n)
+        pool.check_invariants()

@@ -100,7 +100,8 @@ def test_prefix_cache_hits_and_same_tokens(llama_ckpt: str) -> None:
     first = on.generate(prompts[:1], GREEDY, use_tqdm=False)
     rest = on.generate(prompts[1:], GREEDY, use_tqdm=False)
     assert first[0].num_cached_tokens == 0
-    assert all(o.num_cached_tokens == 3 * BS for o in rest)
+    # three whole blocks, then the prefix's last 7 tokens copied from the first prompt's fourth block
+    assert all(o.num_cached_tokens == 3 * BS + 7 for o in rest)
     off = LLM(llama_ckpt, num_blocks=256, enable_prefix_caching=False)
     ref = off.generate(prompts, GREEDY, use_tqdm=False)
     assert all(o.num_cached_tokens == 0 for o in ref)
@@ -109,6 +110,25 @@ def test_prefix_cache_hits_and_same_tokens(llama_ckpt: str) -> None:
     same = on.generate([shared] * 3, GREEDY, use_tqdm=False)
     assert len({tuple(o.outputs[0].token_ids) for o in same}) == 1
     assert on.engine.stats.prompt_tokens_cached >= 3 * 3 * BS
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefix_ending_inside_a_block_is_copied_and_gives_the_same_tokens(
+    llama_ckpt: str, async_scheduling: bool
+) -> None:
+    shared = make_prompts([3 * BS + 7], seed=11)[0]
+    tails = make_prompts([20, 20, 20, 20], seed=12)
+    prompts = [shared + t for t in tails]
+    llm = LLM(llama_ckpt, num_blocks=256, async_scheduling=async_scheduling)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    # the first computes everything; the others share 3 blocks, copy 7 tokens of its 4th, compute the rest
+    assert [o.num_cached_tokens for o in outs] == [0] + [3 * BS + 7] * 3
+    assert llm.engine.scheduler.kv.stats().num_prefix_copies == 3
+    ref = LLM(llama_ckpt, num_blocks=256, enable_prefix_caching=False).generate(
+        prompts, GREEDY, use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert outs[2].outputs[0].token_ids == hf_greedy(llama_ckpt, prompts[2])
 
 
 def test_chunked_prefill_gives_identical_output(llama_ckpt: str) -> None:

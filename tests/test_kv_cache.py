@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.engine.kv_cache import KVCacheError, KVCacheManager
+from batchgen.engine.kv_cache import WAIT_FOR_LEAD_MIN_TOKENS, KVCacheError, KVCacheManager
 
 BS = 4
 
@@ -194,3 +194,64 @@ def test_invalid_use_raises():
     with pytest.raises(KVCacheError):
         mgr.allocate("z", [1], -1)
     assert mgr.num_free_blocks == 8
+
+
+def test_prefix_ending_inside_a_block_is_copied_once_written():
+    mgr = KVCacheManager(32, BS)
+    shared = list(range(100, 114))  # 3.5 blocks
+    a = shared + [1, 2, 3, 4, 5]
+    b = shared + [9, 9, 9, 9, 9]
+    assert _prefill(mgr, "a", a) == 0
+    # a's 4th block (tokens 12..15: 112, 113, 1, 2) is registered by this step: not written yet
+    assert _prefill(mgr, "early", shared + [7]) == 3 * BS
+    assert mgr.end_schedule() == []
+    free_before = mgr.num_free_blocks
+    assert _prefill(mgr, "b", b) == 3 * BS + 2  # 3 shared blocks + 112, 113 copied
+    ta, tb = mgr.block_table("a"), mgr.block_table("b")
+    assert ta[:3] == tb[:3] and tb[3] != ta[3]
+    assert mgr.pool.ref_counts[ta[3]] == 2  # held for the copy until the schedule ends
+    assert free_before - mgr.num_free_blocks == 2  # b's blocks 3 and 4
+    assert mgr.end_schedule() == [(ta[3], tb[3])]
+    assert mgr.pool.ref_counts[ta[3]] == 1
+    st = mgr.stats()
+    assert st.prefix_hit_tokens == 12 + 14 and st.num_prefix_copies == 1 and st.num_cow_copies == 0
+    assert st.live_token_slots == len(a) + 3 + len(b) - 12  # the copied slots are b's own
+
+
+def test_copy_source_is_held_against_eviction_and_counted_in_the_cost():
+    mgr = KVCacheManager(6, BS)
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # 2 full blocks + 2 tokens
+    _prefill(mgr, "a", a)
+    src = mgr.block_table("a")[1]
+    mgr.end_schedule()
+    mgr.free("a")  # its two full blocks stay cached (evictable)
+    b = [1, 2, 3, 4, 5, 6, 0, 0, 0]  # shares block 0, then 5, 6 of block 1
+    assert mgr.allocate_cost(b, len(b)) == 3 + 1  # block 0 revived, 2 own blocks, the held source
+    assert mgr.allocate("b", b, len(b)) == BS + 2
+    copy = (src, mgr.block_table("b")[1])
+    # 6 blocks: b holds 3, the copy source 1, 2 are left; the source survives other allocations
+    assert mgr.allocate("c", [50] * 8, 8) == 0
+    assert mgr.pool.block_hash[src] is not None and mgr.pool.ref_counts[src] == 1
+    assert mgr.allocate("d", [60] * 4, 4) is None
+    assert mgr.end_schedule() == [copy]
+    assert mgr.pool.ref_counts[src] == 0 and mgr.num_free_blocks == 1
+    mgr.pool.check_invariants()
+
+
+def test_a_request_waits_only_for_a_pending_run_much_longer_than_a_written_one():
+    mgr = KVCacheManager(32, 8)
+    head = list(range(8))
+    _prefill(mgr, "b", head + [1, 2, 3, 4, 4, 4, 4, 4, 9])  # block 1 = 1, 2, 3, 4, 4, ...
+    mgr.end_schedule()
+    # c copies 1, 2, 3 from b; its own block 1 = 1, 2, 3, 5, 6, 7, 8, 9 is registered this step
+    assert _prefill(mgr, "c", head + [1, 2, 3, 5, 6, 7, 8, 9, 0]) == 8 + 3
+    # d would copy 1, 2, 3, 5 from c (not written yet) against 1, 2, 3 from b: not worth a wait
+    assert mgr.allocate("d", head + [1, 2, 3, 5, 0, 0, 0], 15, wait_for_lead=True) == 8 + 3
+    # e continues c's run 1, 2, 3, 5, 6, 7, 8 (7 tokens) against b's 3: it waits for c's block...
+    e = head + [1, 2, 3, 5, 6, 7, 8, 0, 0]
+    assert WAIT_FOR_LEAD_MIN_TOKENS == 4
+    assert mgr.allocate("e", e, 17, wait_for_lead=True) is None
+    assert mgr.allocate("e", e, 17) == 8 + 3  # ...or copies b's shorter run
+    assert len(mgr.end_schedule()) == 3  # c, d, e
+    assert mgr.allocate("f", e, 17, wait_for_lead=True) == 8 + 7
+    assert mgr.end_schedule() == [(mgr.block_table("c")[1], mgr.block_table("f")[1])]

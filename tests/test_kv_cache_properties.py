@@ -72,17 +72,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return any(s not in self.swapped for s in self.live)
 
     # ------------------------------------------------------------- rules
-    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14), frac=st.floats(0.0, 1.0))
-    def allocate(self, prompt: list[int], frac: float) -> None:
+    @rule(
+        prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14),
+        frac=st.floats(0.0, 1.0),
+        settle=st.booleans(),
+        wait=st.booleans(),
+    )
+    def allocate(self, prompt: list[int], frac: float, settle: bool, wait: bool) -> None:
+        """Admission in a step of its own: ``settle`` ends the schedule before (blocks registered so far become
+        copy sources), and the step's partial-prefix copies run right after."""
         sid = self.next_id
         self.next_id += 1
         n = max(1, round(len(prompt) * frac))  # chunked prefill: first chunk only
+        if settle:
+            assert self.mgr.end_schedule() == []
         before = self._snapshot()
-        r = self.mgr.allocate(sid, prompt, n)
+        r = self.mgr.allocate(sid, prompt, n, wait_for_lead=wait)
         if r is None:
             assert self._snapshot() == before, "failed allocate changed state"
             return
-        assert r % self.bs == 0 and r <= (len(prompt) - 1) // self.bs * self.bs
+        assert r <= len(prompt) - 1 or r == 0
+        assert r // self.bs * self.bs <= (len(prompt) - 1) // self.bs * self.bs
+        for src, dst in self.mgr.end_schedule():
+            assert self.mgr.pool.ref_counts[dst] == 1 and dst in self.mgr.block_table(sid)
+            self.phys[dst] = list(self.phys[src])
         table = self.mgr.block_table(sid)
         for pos in range(r):  # cached prefix must hold exactly the request's tokens
             assert self.phys[table[pos // self.bs]][pos % self.bs] == prompt[pos]

@@ -362,3 +362,21 @@ def test_swapped_unit_that_cannot_fit_while_nothing_runs_is_recomputed():
     run_all(sched)
     assert big.num_output_tokens == a.num_output_tokens == b.num_output_tokens == 4
     assert kv.stats().blocks_used == 0 and kv.num_free_cpu_blocks == 16
+
+
+def test_a_prefix_ending_inside_a_block_waits_a_step_then_is_copied():
+    cfg = EngineConfig(block_size=8)
+    sched = Scheduler(cfg, KVCacheManager(64, 8), StopRules.build([EOS], max_model_len=1000))
+    a = add(sched, "a", 20)  # tokens 0..19: blocks [0..7] [8..15] [16..19]
+    prompt = list(range(14)) + [50, 51, 52, 53]  # shares a's first block and 8..13 of its second
+    request = Request("b", prompt, SamplingParams(max_tokens=5, temperature=0.0))
+    b = request.new_sequence(list(prompt), 0)
+    sched.add(b)
+    out, _ = step(sched)
+    # b would copy 8..13 from a's second block, which this step computes: b waits
+    assert scheduled(out) == [("a", 0, 20)] and out.copies == []
+    out, _ = step(sched)
+    assert scheduled(out) == [("a", 20, 1), ("b", 14, 4)]
+    ta, tb = sched.kv.block_table(a.seq_id), sched.kv.block_table(b.seq_id)
+    assert tb[0] == ta[0] and out.copies == [(ta[1], tb[1])]
+    assert request.num_cached_tokens == 14 and sched.stats.num_cow_copies == 0

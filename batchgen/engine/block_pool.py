@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -82,6 +83,13 @@ class BlockPool:
         self._block_parent: list[BlockHash | None] = [None] * num_blocks
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[BlockHash, int] = {}
+        # Registered blocks by parent hash, each list sorted by token ids: the block sharing the longest
+        # leading run of tokens with any query is next to the query in that order (see `longest_lead`).
+        # `_fresh` holds the blocks registered since the last `settle()` (their K/V are written by the forward
+        # of the step being scheduled, so nothing may copy them before it); `settle()` moves them to `_settled`.
+        self._settled: dict[BlockHash | None, list[tuple[tuple[int, ...], int]]] = {}
+        self._fresh: dict[BlockHash | None, list[tuple[tuple[int, ...], int]]] = {}
+        self._fresh_blocks: set[int] = set()
         self.num_evictions = 0
 
     # ------------------------------------------------------------------ counts
@@ -130,6 +138,12 @@ class BlockPool:
         return blocks
 
     def _evict(self, b: int) -> None:
+        _unindex(
+            self._fresh if b in self._fresh_blocks else self._settled,
+            self._block_parent[b],
+            (self._block_tokens[b], b),
+        )  # type: ignore[arg-type]
+        self._fresh_blocks.discard(b)
         del self.hash_to_block[self.block_hash[b]]  # type: ignore[arg-type]
         self.block_hash[b] = None
         self._block_parent[b] = None
@@ -199,11 +213,34 @@ class BlockPool:
             return current == block_hash
         if block_hash in self.hash_to_block:
             return False
+        tokens = tuple(token_ids)
         self.hash_to_block[block_hash] = block_id
         self.block_hash[block_id] = block_hash
         self._block_parent[block_id] = parent_hash
-        self._block_tokens[block_id] = tuple(token_ids)
+        self._block_tokens[block_id] = tokens
+        insort(self._fresh.setdefault(parent_hash, []), (tokens, block_id))
+        self._fresh_blocks.add(block_id)
         return True
+
+    def longest_lead(self, parent_hash: BlockHash | None, token_ids: Sequence[int]) -> tuple[int, int, int]:
+        """``(block, n, n_fresh)``: a registered block after this parent, written by an earlier step's forward,
+        whose first ``n`` tokens equal the first ``n`` of ``token_ids``, ``n`` as large as any such block has it
+        (``(-1, 0, ...)`` when none shares even one token); ``n_fresh``: the same length over the blocks
+        registered since the last :meth:`settle` (not written before this step's forward). Touches nothing;
+        O(log siblings)."""
+        query = tuple(token_ids)
+        block, n = _longest_lead(self._settled.get(parent_hash), query)
+        return block, n, _longest_lead(self._fresh.get(parent_hash), query)[1]
+
+    def settle(self) -> None:
+        """The step being scheduled is planned: every block registered so far is written before any later
+        step's block copies run."""
+        for parent, fresh in self._fresh.items():
+            settled = self._settled.setdefault(parent, [])
+            for entry in fresh:
+                insort(settled, entry)
+        self._fresh.clear()
+        self._fresh_blocks.clear()
 
     def cached_tokens(self, block_id: int) -> tuple[int, ...] | None:
         """Token ids registered for a block (None if it has no hash)."""
@@ -227,6 +264,9 @@ class BlockPool:
             self._free.append(b)
         self._evictable.clear()
         self.hash_to_block.clear()
+        self._settled.clear()
+        self._fresh.clear()
+        self._fresh_blocks.clear()
         self.block_hash = [None] * self.num_blocks
         self._block_parent = [None] * self.num_blocks
         self._block_tokens = [None] * self.num_blocks
@@ -251,3 +291,48 @@ class BlockPool:
             if h is not None:
                 assert self.hash_to_block.get(h) == b, f"block {b}: hash map out of sync"
         assert len(self.hash_to_block) == sum(h is not None for h in self.block_hash)
+        indexed = [
+            (b, p) for index in (self._settled, self._fresh) for p, sib in index.items() for _, b in sib
+        ]
+        assert sorted(indexed) == sorted(
+            (b, self._block_parent[b]) for b in range(self.num_blocks) if self.block_hash[b] is not None
+        ), "sibling index out of sync with the registered blocks"
+        for index in (self._settled, self._fresh):
+            for siblings in index.values():
+                assert siblings and siblings == sorted(siblings), "sibling list empty or out of order"
+        assert self._fresh_blocks == {b for sib in self._fresh.values() for _, b in sib}, (
+            "fresh set out of sync"
+        )
+
+
+def _unindex(
+    index: dict[BlockHash | None, list[tuple[tuple[int, ...], int]]],
+    parent: BlockHash | None,
+    entry: tuple[tuple[int, ...], int],
+) -> None:
+    siblings = index[parent]
+    del siblings[bisect_left(siblings, entry)]
+    if not siblings:
+        del index[parent]
+
+
+def _longest_lead(
+    siblings: list[tuple[tuple[int, ...], int]] | None, query: tuple[int, ...]
+) -> tuple[int, int]:
+    """``(block, n)``: the block of ``siblings`` (sorted by tokens) sharing the longest leading run ``n`` with
+    ``query`` (``(-1, 0)``: none shares a token). The longest common leading run of a query with a set of
+    sequences sorted lexicographically is reached at one of the query's two neighbours in that order, so only
+    those two are compared."""
+    if not siblings:
+        return -1, 0
+    i = bisect_left(siblings, (query,))
+    best, best_n = -1, 0
+    for tokens, b in siblings[max(0, i - 1) : i + 1]:
+        n = 0
+        for x, y in zip(tokens, query):
+            if x != y:
+                break
+            n += 1
+        if n > best_n:
+            best, best_n = b, n
+    return best, best_n

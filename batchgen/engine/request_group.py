@@ -75,13 +75,16 @@ class RequestGroup:
             return []
         return [(s, min(todo, budget))]
 
-    def allocate(self, kv: KVCacheManager, reserve: int) -> bool:
+    def allocate(self, kv: KVCacheManager, reserve: int, wait_for_lead: bool = False) -> bool:
         """Admission: blocks for the sequence (prefix-cache hits counted as computed), keeping ``reserve``
-        blocks free; False, changing nothing, when they do not fit."""
+        blocks free; False, changing nothing, when they do not fit (or, with ``wait_for_lead``, when part of
+        its prefix is being computed by the step being scheduled: see ``KVCacheManager.allocate``)."""
         s = self.seqs[0]
         lookup = cache_lookup_tokens(s)  # prompt logprobs cap the prefix-cache hit
         root = self.request.cache_root
-        num_cached = kv.allocate(s.seq_id, lookup, s.num_tokens, reserve_blocks=reserve, root=root)
+        num_cached = kv.allocate(
+            s.seq_id, lookup, s.num_tokens, reserve_blocks=reserve, root=root, wait_for_lead=wait_for_lead
+        )
         if num_cached is None:
             return False
         s.num_computed_tokens = num_cached
@@ -165,12 +168,12 @@ class BeamGroup(RequestGroup):
             after[s.seq_id] = s.num_computed_tokens + n
         return plan
 
-    def allocate(self, kv: KVCacheManager, reserve: int) -> bool:
+    def allocate(self, kv: KVCacheManager, reserve: int, wait_for_lead: bool = False) -> bool:
         """All beams or none: the first through the prefix cache, each other forked from the earlier beam it
         shares the longest block-aligned prefix with (short of its last token)."""
         seqs = self.seqs
         if len(seqs) == 1:
-            return super().allocate(kv, reserve)
+            return super().allocate(kv, reserve, wait_for_lead)
         bs = kv.block_size
         plan: list[tuple[int | None, int]] = []  # (beam to fork from, tokens shared) or (None, 0): allocate
         cost = 0

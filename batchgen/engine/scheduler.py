@@ -74,7 +74,9 @@ class SchedulerOutput:
     """What runs in one step.
 
     ``seqs``: decodes (one token each) first, then prefill chunks — the attention kernels rely on that order.
-    ``copies``: copy-on-write block copies ``(src, dst)`` to perform before the forward.
+    ``copies``: block copies ``(src, dst)`` to perform before the forward: copies on write, then the copies
+    that start a newly admitted sequence's block with a cached prefix ending inside it
+    (``KVCacheManager.end_schedule``).
     ``swap_out``: ``(gpu_block, cpu_block)`` copies of preempted groups; ``swap_in``: ``(cpu_block, gpu_block)``
     copies of resumed ones. The runner performs swap-outs, then swap-ins, then ``copies``, then the forward
     (a block freed by a swap-out or a preemption may be handed out again in the same step; a copy may read a
@@ -187,14 +189,12 @@ class Scheduler:
         self._swap = config.preemption_mode == "swap" and kv.num_cpu_blocks > 0
         self._out: SchedulerOutput | None = None  # the step being planned (preemptions add swap-outs)
         self._preempted = False
-        # Async scheduling: ids of the sequences of each step scheduled ahead (while the previous one was in
-        # flight) and not yet updated; blocks of sequences finished or aborted while in one of them are freed
-        # only once its forward is done (the next update).
+        # Async scheduling: ids of the sequences of each step scheduled ahead and not yet updated; blocks of
+        # sequences finished or aborted while in one of them are freed only once its forward is done.
         self._ahead: deque[set[int]] = deque()
         self._deferred_free: list[int] = []
         self._planning_ahead = False
-        # Free blocks admission leaves for running sequences to grow into (one place; see _admit).
-        self.watermark_blocks = max(1, kv.num_blocks // 100)
+        self.watermark_blocks = max(1, kv.num_blocks // 100)  # free blocks admission leaves for growth
 
     # ----------------------------------------------------------------------------------------- queues
     def add(self, seq: Sequence) -> None:
@@ -258,6 +258,7 @@ class Scheduler:
         out.num_decodes = num_decodes
         self._plan_sampling(out)
         self.stats.num_cow_copies += len(out.copies)
+        out.copies += self.kv.end_schedule()  # partial-block prefix copies
         self.stats.num_swapped_out_blocks += len(out.swap_out)
         self.stats.num_swapped_in_blocks += len(out.swap_in)
         self._out = None
@@ -410,7 +411,8 @@ class Scheduler:
             seats = group.seats()
             if slots + seats > self.config.max_num_seqs and self.running:
                 break
-            if not group.allocate(self.kv, self.watermark_blocks if self.running else 0):
+            reserve = self.watermark_blocks if self.running else 0
+            if not group.allocate(self.kv, reserve, wait_for_lead=bool(out.seqs)):
                 break
             self.waiting.popleft()
             if adapter is not None:  # pinned until the request ends (LLMEngine releases it)
