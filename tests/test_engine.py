@@ -100,8 +100,9 @@ def test_prefix_cache_hits_and_same_tokens(llama_ckpt: str) -> None:
     first = on.generate(prompts[:1], GREEDY, use_tqdm=False)
     rest = on.generate(prompts[1:], GREEDY, use_tqdm=False)
     assert first[0].num_cached_tokens == 0
-    # three whole blocks, then the prefix's last 7 tokens copied from the first prompt's fourth block
-    assert all(o.num_cached_tokens == 3 * BS + 7 for o in rest)
+    assert all(o.num_cached_tokens == 3 * BS for o in rest)
+    # and the prefix's last 7 tokens are copied from the first prompt's fourth block (full: it generated)
+    assert on.engine.stats.prompt_tokens_copied == 3 * 7
     off = LLM(llama_ckpt, num_blocks=256, enable_prefix_caching=False)
     ref = off.generate(prompts, GREEDY, use_tqdm=False)
     assert all(o.num_cached_tokens == 0 for o in ref)
@@ -122,8 +123,10 @@ def test_prefix_ending_inside_a_block_is_copied_and_gives_the_same_tokens(
     llm = LLM(llama_ckpt, num_blocks=256, async_scheduling=async_scheduling)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     # the first computes everything; the others share 3 blocks, copy 7 tokens of its 4th, compute the rest
-    assert [o.num_cached_tokens for o in outs] == [0] + [3 * BS + 7] * 3
-    assert llm.engine.scheduler.kv.stats().num_prefix_copies == 3
+    assert [o.num_cached_tokens for o in outs] == [0] + [3 * BS] * 3
+    st = llm.engine.stats
+    assert st.prompt_tokens_copied == 3 * 7 and llm.engine.scheduler.kv.stats().num_prefix_copies == 3
+    assert st.prompt_tokens_computed == sum(map(len, prompts)) - 3 * (3 * BS + 7)
     ref = LLM(llama_ckpt, num_blocks=256, enable_prefix_caching=False).generate(
         prompts, GREEDY, use_tqdm=False
     )

@@ -138,6 +138,30 @@ def test_grouping_keeps_generations_and_raises_hit_rate(llama_ckpt: str, tmp_pat
     assert hit_on > hit_off + 0.2, (hit_on, hit_off)
 
 
+def test_report_counts_prefix_tokens_copied_from_inside_a_block(llama_ckpt: str, tmp_path: Path) -> None:
+    # rows: a shared template that ends inside a block, then each row's own words
+    head = "Template: " + " ".join(WORDS[(k * 7) % len(WORDS)] for k in range(40))
+    rows = [
+        {"prompt": f"{head} {' '.join(WORDS[(i + k) % len(WORDS)] for k in range(12))} {i}"} for i in range(8)
+    ]
+    inp = write_rows(tmp_path / "in.parquet", rows)
+    reports, tables = {}, {}
+    for caching in (True, False):
+        out = tmp_path / f"out-{caching}"
+        cfg = job_config(llama_ckpt, inp, out, engine={"enable_prefix_caching": caching},
+                         sampling={"max_tokens": 4, "temperature": 0.0})  # fmt: skip
+        assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
+        reports[caching] = json.loads((out / "_report.json").read_text())["tokens"]
+        tables[caching] = read_output(out)
+    t = reports[True]
+    assert t["prompt_copied"] > 0 and t["prompt_reused"] % 16 == 0, t
+    assert t["prompt_computed"] + t["prompt_reused"] + t["prompt_copied"] == t["prompt_admitted"], t
+    assert reports[False]["prompt_copied"] == 0
+    assert all(n % 16 == 0 for n in tables[True].column("num_cached_tokens").to_pylist())
+    for col in ("id", "token_ids", "finish_reason"):
+        assert tables[True].column(col).to_pylist() == tables[False].column(col).to_pylist(), col
+
+
 def test_every_kind_of_bad_row(llama_ckpt: str, tmp_path: Path) -> None:
     long_prompt = "word " * 200
     st = pa.struct([("max_tokens", pa.int32()), ("temperature", pa.float64())])

@@ -76,8 +76,7 @@ def test_prefix_cache_is_keyed_by_adapter(llama_ckpt, adapters):
     base = model.generate([prompt], GREEDY, use_tqdm=False)[0]
     same = model.generate([prompt], GREEDY, use_tqdm=False, lora_request=a)[0]
     assert first.num_cached_tokens == 0 and other.num_cached_tokens == 0 and base.num_cached_tokens == 0
-    # under the same adapter: one full block, then the rest but the last token copied from the next block
-    assert same.num_cached_tokens == len(prompt) - 1
+    assert same.num_cached_tokens == 8  # one full block, under the same adapter
     assert (
         same.outputs[0].token_ids
         == first.outputs[0].token_ids

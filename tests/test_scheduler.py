@@ -379,4 +379,5 @@ def test_a_prefix_ending_inside_a_block_waits_a_step_then_is_copied():
     assert scheduled(out) == [("a", 20, 1), ("b", 14, 4)]
     ta, tb = sched.kv.block_table(a.seq_id), sched.kv.block_table(b.seq_id)
     assert tb[0] == ta[0] and out.copies == [(ta[1], tb[1])]
-    assert request.num_cached_tokens == 14 and sched.stats.num_cow_copies == 0
+    assert request.num_cached_tokens == 8 and sched.stats.prompt_tokens_copied == 6
+    assert sched.stats.num_cow_copies == 0

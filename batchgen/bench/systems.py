@@ -266,7 +266,9 @@ def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, 
         "via": via,
         "wall_s": walls,
         "token_ids": [tokens[i] for i in ids],
-        "prompt_tokens_cached": sum(cached.get(i, 0) for i in ids),
+        # reused: whole blocks shared (the rows' num_cached_tokens) and tokens copied from a cached block
+        "prompt_tokens_cached": sum(cached.get(i, 0) for i in ids)
+        + res.get("engine_stats", {}).get("prompt_tokens_copied", 0),
         "cached_per_row": [cached.get(i, 0) for i in ids],
         "peak_rss": peak,
         "base_rss": base_rss,

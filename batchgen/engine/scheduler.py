@@ -155,6 +155,16 @@ def unservable(
     )
 
 
+def _count_reuse(stats: SchedulerCounters, request: Request, reused: int, block_size: int) -> None:
+    """A request's first admission reused ``reused`` prompt tokens: ``num_cached_tokens`` counts the whole
+    blocks shared from the prefix cache (as vLLM counts them), ``prompt_tokens_copied`` the rest, copied from a
+    cached block."""
+    request.admitted = True
+    request.num_cached_tokens = reused // block_size * block_size
+    stats.prompt_tokens_cached += request.num_cached_tokens
+    stats.prompt_tokens_copied += reused - request.num_cached_tokens
+
+
 def _plan_beam_rows(out: SchedulerOutput, beam_rows: dict[int, int]) -> None:
     """``out.beam_groups`` and their rows (``beam_rows``: seq id -> row), in beam order, group by group."""
     seen: set[int] = set()
@@ -421,9 +431,7 @@ class Scheduler:
             group.set_status(SequenceStatus.RUNNING)
             group.admitted_at = next(self._admissions)
             if not request.admitted:
-                request.admitted = True
-                request.num_cached_tokens = group.seqs[0].num_computed_tokens
-                self.stats.prompt_tokens_cached += request.num_cached_tokens
+                _count_reuse(self.stats, request, group.seqs[0].num_computed_tokens, self.kv.block_size)
             self.running.append(group)
             slots += seats
             for seq, num_new in group.plan(budget):  # allocate gave it blocks for all its tokens

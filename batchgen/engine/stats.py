@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 class EngineStats:
     """Counters since the engine started.
 
-    ``prompt_tokens_cached`` counts prompt tokens served from the prefix cache at admission;
+    ``prompt_tokens_cached`` counts prompt tokens whose KV blocks the prefix cache shared at admission (whole
+    blocks, like each output's ``num_cached_tokens``); ``prompt_tokens_copied`` the tokens of a cached prefix
+    ending inside a block, copied from a cached block at admission instead of computed;
     ``prompt_tokens_computed`` counts tokens run through the model as prefill (recomputation after a
     preemption included). ``num_preemptions`` counts preempted request groups (a sequence, or a whole beam group);
     ``num_swapped_out_blocks`` / ``num_swapped_in_blocks`` count KV blocks copied to / from CPU memory by
@@ -36,6 +38,7 @@ class EngineStats:
     num_error_requests: int = 0
     prompt_tokens: int = 0
     prompt_tokens_cached: int = 0
+    prompt_tokens_copied: int = 0
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
     num_steps: int = 0
@@ -63,7 +66,7 @@ class EngineStats:
 
     @property
     def prefix_hit_rate(self) -> float:
-        """Fraction of admitted prompt tokens served from the prefix cache."""
+        """Fraction of admitted prompt tokens whose blocks the prefix cache shared."""
         return self.prompt_tokens_cached / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def delta(self, before: EngineStats) -> EngineStats:
@@ -90,6 +93,7 @@ _COUNTERS = (
     "num_error_requests",
     "prompt_tokens",
     "prompt_tokens_cached",
+    "prompt_tokens_copied",
     "prompt_tokens_computed",
     "generated_tokens",
     "num_steps",
@@ -109,6 +113,7 @@ class SchedulerCounters:
     generated, steps, preemptions, copies (on write, swaps), and its queue sizes after the last step."""
 
     prompt_tokens_cached: int = 0
+    prompt_tokens_copied: int = 0
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
     num_steps: int = 0
