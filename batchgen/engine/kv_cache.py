@@ -202,7 +202,7 @@ class KVCacheManager:
         self._queried_tokens = 0
         self._cow_copies = 0
         self._peak_used = 0
-        self._held: list[int] = []  # sources of this schedule's partial-block copies (one reference each)
+        # This schedule's partial-block copies (src, dst); each src holds one reference until end_schedule.
         self._lead_copies: list[tuple[int, int]] = []
         self._num_lead_copies = 0
 
@@ -321,7 +321,6 @@ class KVCacheManager:
         pool.incref(cached)  # revive before allocating so allocation cannot evict them
         if copied:
             pool.incref((match.lead_block,))  # the copy's source, held until end_schedule
-            self._held.append(match.lead_block)
         table = cached + pool.allocate(_cdiv(live, bs) - len(cached))
         if copied:
             self._lead_copies.append((match.lead_block, table[len(cached)]))
@@ -341,8 +340,7 @@ class KVCacheManager:
         step's copies run. The scheduler calls it once at the end of each schedule."""
         copies, self._lead_copies = self._lead_copies, []
         self._num_lead_copies += len(copies)
-        self.pool.free(self._held)
-        self._held = []
+        self.pool.free(src for src, _ in copies)
         self.pool.settle()
         return copies
 
