@@ -274,7 +274,15 @@ def _cascade(q, kv, plan, scale: float = 0.15) -> torch.Tensor:
 
 @needs_compiler
 @pytest.mark.parametrize(
-    "heads, head_dim, block_size", [((8, 4), 64, 16), ((8, 2), 80, 8), ((4, 4), 128, 16), ((16, 2), 32, 32)]
+    "heads, head_dim, block_size",
+    [
+        ((8, 4), 64, 16),
+        ((8, 2), 80, 8),
+        ((4, 4), 128, 16),
+        ((16, 2), 32, 32),
+        ((4, 2), 40, 24),
+        ((8, 4), 64, 12),
+    ],
 )
 def test_cascade_prefix_merge_matches_reference(monkeypatch, heads, head_dim, block_size) -> None:
     """merge_prefix after decode_suffix: each group's prefix read once (a group of 40 spans three chunks of
@@ -342,12 +350,21 @@ def test_generic_build_matches_reference(monkeypatch) -> None:
 
 @needs_compiler
 @pytest.mark.parametrize(
-    "heads, head_dim, block_size", [((8, 4), 64, 16), ((8, 2), 80, 8), ((4, 4), 128, 32), ((6, 3), 32, 16)]
+    "heads, head_dim, block_size",
+    [
+        ((8, 4), 64, 16),
+        ((8, 2), 80, 8),
+        ((4, 4), 128, 32),
+        ((6, 3), 32, 16),
+        ((4, 2), 40, 24),  # register tiles: a last 8 of the head dim, a last 8 keys of a block
+        ((8, 4), 64, 12),  # a block size that is not a multiple of 8: the plain loops
+    ],
 )
 @pytest.mark.parametrize("causal", [True, False])
 def test_prefill_matches_reference(heads, head_dim, block_size, causal) -> None:
     """cpu_kernel.prefill: fresh prompts, chunks over a cached context, single tokens, one longer than a work
-    item's chunk; the log-sum-exps against a float64 computation."""
+    item's chunk; the log-sum-exps against a float64 computation. Query rows per work item (chunk x group) that
+    are not a multiple of the register tile's rows, causal rows ending inside a block."""
     hq, hkv = heads
     lens = [1, 37, 70, 200, 16, 90]
     q_lens = [1, 37, 9, 70, 1, 90]

@@ -20,9 +20,11 @@
  * (-inf, and a zero output, when a sequence has no key to attend to). batchgen_cascade_prefix_f32 (at the end)
  * is the other half: each group's shared prefix, read once for the group, merged into those results.
  *
- * SIMD: with AVX2 and FMA (and BATCHGEN_GENERIC undefined) the prefix half's dot products, value sums and every
- * exp use explicit 8-lane intrinsics; otherwise the same loops run in plain C. Both are exact to float32
- * rounding and deterministic; they may differ from each other in the last bits.
+ * SIMD: with AVX2 and FMA (and BATCHGEN_GENERIC undefined) the dot products, value sums and every exp use
+ * explicit 8-lane intrinsics, and the many-row items (prefill chunks, the cascade's prefix half) run register
+ * tiles of 6 query rows x 16 keys (scores, against each block's keys transposed once) and 6 rows x 16 dims
+ * (value sums) where block size and head dim are multiples of 8; otherwise the same loops run in plain C. All
+ * are exact to float32 rounding and deterministic; they may differ from each other in the last bits.
  *
  * Layout: q [B, Hq, D] with strides (q_stride_b, q_stride_h, 1); caches [NB, BS, Hkv, D] with the last three
  * dims contiguous and cache_stride_block elements between blocks; block_tables [B, table_stride] int32;
@@ -272,23 +274,25 @@ static __thread Buffer tls_rows = {NULL, 0};
 static QueryRow *row_scratch(size_t n) { return (QueryRow *)grow(&tls_rows, n * sizeof(QueryRow)); }
 
 /* The rows x keys core of the prefix and prefill items, one KV head (`offset` floats into each token row of
- * `row` floats): scores s[r * keys + t] (keys >= every row's own count), each row's softmax (stats[2r]: its
+ * `row` floats): scores s[r * ss + t] (ss >= keys >= every row's own count), each row's softmax (stats[2r]: its
  * maximum, stats[2r + 1]: its sum of exps), and acc[r] = sum_t p_rt v_t, unnormalised. Keys are visited block
- * by block: each block's K (then V) rows of the head stay in L1 across the rows. */
-static void attend_rows(const QueryRow *qr, int rows, int keys, const int32_t *table, const float *k_cache,
-                        const float *v_cache, int64_t cache_stride_block, int64_t row, int64_t offset,
-                        int head_dim, int block_size, float scale, float *s, float *acc, float *stats) {
+ * by block: each block's K (then V) rows of the head stay in L1 across the rows. The plain-C form, and what
+ * serves block sizes or head dims that are not multiples of 8. */
+static void attend_rows_plain(const QueryRow *qr, int rows, int keys, const int32_t *table, const float *k_cache,
+                              const float *v_cache, int64_t cache_stride_block, int64_t row, int64_t offset,
+                              int head_dim, int block_size, float scale, float *s, size_t ss, float *acc,
+                              float *stats) {
     for (int j = 0; j * block_size < keys; j++) {
         const float *kb = k_cache + (int64_t)table[j] * cache_stride_block + offset;
         for (int r = 0; r < rows; r++) {
             const int m = qr[r].keys - j * block_size;
             if (m > 0)
                 scores_span(qr[r].q, kb, row, m < block_size ? m : block_size, head_dim, scale,
-                            s + (size_t)r * keys + (size_t)j * block_size);
+                            s + (size_t)r * ss + (size_t)j * block_size);
         }
     }
     for (int r = 0; r < rows; r++) {
-        float *sr = s + (size_t)r * keys;
+        float *sr = s + (size_t)r * ss;
         float m = sr[0];
         for (int i = 1; i < qr[r].keys; i++) m = sr[i] > m ? sr[i] : m;
         stats[2 * r] = m, stats[2 * r + 1] = exp_row(sr, qr[r].keys, m);
@@ -299,10 +303,221 @@ static void attend_rows(const QueryRow *qr, int rows, int keys, const int32_t *t
         for (int r = 0; r < rows; r++) {
             const int m = qr[r].keys - j * block_size;
             if (m > 0)
-                accumulate_span(s + (size_t)r * keys + (size_t)j * block_size, vb, row,
+                accumulate_span(s + (size_t)r * ss + (size_t)j * block_size, vb, row,
                                 m < block_size ? m : block_size, head_dim, acc + (size_t)r * head_dim);
         }
     }
+}
+
+
+#if SIMD
+#define TILE_ROWS 6 /* query rows of a register tile: 6 x 16 accumulators = 12 of the 16 ymm registers */
+
+/* In place: r[t] <- the t-th column of the 8 x 8 matrix whose rows are r[0..7]. */
+static inline void transpose8x8(__m256 *r) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20), r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20), r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31), r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31), r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* kt[c * kp + i] = k_i[c] for the m key rows k_i = k + i * row (head_dim d; kp and d multiples of 8), transposed
+ * 8 x 8 at a time; keys m .. kp - 1 are zero. */
+static inline void pack_keys_t(const float *k, int64_t row, int m, int kp, int d, float *kt) {
+    for (int i0 = 0; i0 < kp; i0 += 8)
+        for (int c0 = 0; c0 < d; c0 += 8) {
+            __m256 r[8];
+            for (int t = 0; t < 8; t++)
+                r[t] = i0 + t < m ? _mm256_loadu_ps(k + (int64_t)(i0 + t) * row + c0) : _mm256_setzero_ps();
+            transpose8x8(r);
+            for (int t = 0; t < 8; t++) _mm256_storeu_ps(kt + (size_t)(c0 + t) * kp + i0, r[t]);
+        }
+}
+
+/* The largest of x[0 .. n - 1] (n >= 1; a NaN is skipped, as by `x > m ? x : m`). */
+static inline float row_max(const float *x, int n) {
+    int i = 0;
+    float m = x[0];
+    if (n >= 8) {
+        __m256 vm = _mm256_loadu_ps(x);
+        for (i = 8; i + 8 <= n; i += 8) vm = _mm256_max_ps(_mm256_loadu_ps(x + i), vm);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        h = _mm_max_ps(_mm_movehl_ps(h, h), h);
+        h = _mm_max_ss(_mm_movehdup_ps(h), h);
+        m = _mm_cvtss_f32(h);
+    }
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* Scores of R query rows against 8 * NV keys of a transposed block (column stride kp): s_r[i] = scale * q_r . k_i,
+ * each a plain FMA chain over the head dim in order (so a row's scores do not depend on the rows tiled with it).
+ * R and NV are constants once inlined: the R x NV accumulators stay in registers. */
+static inline __attribute__((always_inline)) void scores_tile(const QueryRow *qr, const int R, const int NV,
+                                                              const float *kt, int kp, int d, __m256 vs,
+                                                              float *s, size_t ss) {
+    __m256 a[TILE_ROWS][2];
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c++) {
+        const __m256 k0 = _mm256_loadu_ps(kt + (size_t)c * kp);
+        const __m256 k1 = NV == 2 ? _mm256_loadu_ps(kt + (size_t)c * kp + 8) : k0;
+        for (int r = 0; r < R; r++) {
+            const __m256 qb = _mm256_broadcast_ss(qr[r].q + c);
+            a[r][0] = _mm256_fmadd_ps(qb, k0, a[r][0]);
+            if (NV == 2) a[r][1] = _mm256_fmadd_ps(qb, k1, a[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(s + (size_t)r * ss, _mm256_mul_ps(a[r][0], vs));
+        if (NV == 2) _mm256_storeu_ps(s + (size_t)r * ss + 8, _mm256_mul_ps(a[r][1], vs));
+    }
+}
+
+/* acc_r[c .. c + 8 * NV) += sum_i p_r[i] v_i[c ..] over the m value rows v_i = v + i * row, keys in order; p_r =
+ * p + r * ss, acc_r = acc + r * d. */
+static inline __attribute__((always_inline)) void values_tile(const float *p, size_t ss, const int R, const int NV,
+                                                              const float *v, int64_t row, int m, int c,
+                                                              float *acc, int d) {
+    __m256 o[TILE_ROWS][2];
+    for (int r = 0; r < R; r++) {
+        o[r][0] = _mm256_loadu_ps(acc + (size_t)r * d + c);
+        o[r][1] = NV == 2 ? _mm256_loadu_ps(acc + (size_t)r * d + c + 8) : o[r][0];
+    }
+    for (int i = 0; i < m; i++) {
+        const float *vi = v + (int64_t)i * row + c;
+        const __m256 v0 = _mm256_loadu_ps(vi);
+        const __m256 v1 = NV == 2 ? _mm256_loadu_ps(vi + 8) : v0;
+        for (int r = 0; r < R; r++) {
+            const __m256 pb = _mm256_broadcast_ss(p + (size_t)r * ss + i);
+            o[r][0] = _mm256_fmadd_ps(pb, v0, o[r][0]);
+            if (NV == 2) o[r][1] = _mm256_fmadd_ps(pb, v1, o[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(acc + (size_t)r * d + c, o[r][0]);
+        if (NV == 2) _mm256_storeu_ps(acc + (size_t)r * d + c + 8, o[r][1]);
+    }
+}
+
+/* The tiles of one block for R rows (a constant per case): scores of the first `need` keys (rounded up to 8),
+ * or the value sums over `need` keys. */
+#define TILE_CASES(CALL)                                                                                      \
+    switch (R) {                                                                                              \
+    case 6: CALL(6); break;                                                                                   \
+    case 5: CALL(5); break;                                                                                   \
+    case 4: CALL(4); break;                                                                                   \
+    case 3: CALL(3); break;                                                                                   \
+    case 2: CALL(2); break;                                                                                   \
+    default: CALL(1); break;                                                                                  \
+    }
+
+static void scores_block(const QueryRow *qr, int R, const float *kt, int kp, int need, int d, __m256 vs, float *s,
+                         size_t ss) {
+    int i = 0;
+    for (; i + 16 <= need || (i + 8 < need && i + 16 <= kp); i += 16) {
+#define SCORES16(n) scores_tile(qr, n, 2, kt + i, kp, d, vs, s + i, ss)
+        TILE_CASES(SCORES16)
+#undef SCORES16
+    }
+    for (; i < need; i += 8) {
+#define SCORES8(n) scores_tile(qr, n, 1, kt + i, kp, d, vs, s + i, ss)
+        TILE_CASES(SCORES8)
+#undef SCORES8
+    }
+}
+
+static void values_block(const float *p, size_t ss, int R, const float *v, int64_t row, int need, float *acc,
+                         int d) {
+    int c = 0;
+    for (; c + 16 <= d; c += 16) {
+#define VALUES16(n) values_tile(p, ss, n, 2, v, row, need, c, acc, d)
+        TILE_CASES(VALUES16)
+#undef VALUES16
+    }
+    for (; c < d; c += 8) {
+#define VALUES8(n) values_tile(p, ss, n, 1, v, row, need, c, acc, d)
+        TILE_CASES(VALUES8)
+#undef VALUES8
+    }
+}
+
+static __thread Buffer tls_keys = {NULL, 0};
+
+/* attend_rows_plain's contract with register tiles (block_size and head_dim multiples of 8): each block's K rows
+ * of the head are transposed once into a [head_dim, block_size] panel, then TILE_ROWS query rows at a time take
+ * 16 keys per step (q broadcast, the panel's two vectors: 12 FMAs for 8 loads), and the value sums likewise
+ * (16 dims of TILE_ROWS rows per step). A row's entries past its own keys are computed against real keys or
+ * zeros and set to 0 before the value pass, so they add nothing. Returns -1 when scratch cannot be allocated. */
+static int attend_rows_tiled(const QueryRow *qr, int rows, int keys, const int32_t *table, const float *k_cache,
+                             const float *v_cache, int64_t cache_stride_block, int64_t row, int64_t offset,
+                             int head_dim, int block_size, float scale, float *s, size_t ss, float *acc,
+                             float *stats) {
+    float *kt = (float *)grow(&tls_keys, sizeof(float) * (size_t)head_dim * (size_t)block_size);
+    if (kt == NULL) return -1;
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (int j = 0; j * block_size < keys; j++) {
+        const int base = j * block_size;
+        const int mb = keys - base < block_size ? keys - base : block_size;
+        pack_keys_t(k_cache + (int64_t)table[j] * cache_stride_block + offset, row, mb, block_size, head_dim, kt);
+        for (int r0 = 0; r0 < rows; r0 += TILE_ROWS) {
+            const int R = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
+            int most = 0;
+            for (int r = r0; r < r0 + R; r++) most = qr[r].keys > most ? qr[r].keys : most;
+            const int need = most - base < block_size ? most - base : block_size;
+            if (need > 0) scores_block(qr + r0, R, kt, block_size, need, head_dim, vs, s + (size_t)r0 * ss + base, ss);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float *sr = s + (size_t)r * ss;
+        const float m = row_max(sr, qr[r].keys);
+        stats[2 * r] = m, stats[2 * r + 1] = exp_row(sr, qr[r].keys, m);
+        for (int i = qr[r].keys; i < keys; i++) sr[i] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
+    for (int j = 0; j * block_size < keys; j++) {
+        const int base = j * block_size;
+        const float *vb = v_cache + (int64_t)table[j] * cache_stride_block + offset;
+        for (int r0 = 0; r0 < rows; r0 += TILE_ROWS) {
+            const int R = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
+            int most = 0;
+            for (int r = r0; r < r0 + R; r++) most = qr[r].keys > most ? qr[r].keys : most;
+            const int need = most - base < block_size ? most - base : block_size;
+            if (need > 0)
+                values_block(s + (size_t)r0 * ss + base, ss, R, vb, row, need, acc + (size_t)r0 * head_dim, head_dim);
+        }
+    }
+    return 0;
+}
+#endif
+
+/* Columns of the score rows of attend_rows: `keys` rounded up to whole blocks (the tiles write whole groups of 8
+ * keys within a block). */
+static inline size_t score_stride(int keys, int block_size) {
+    return (size_t)((keys + block_size - 1) / block_size) * (size_t)block_size;
+}
+
+/* The rows x keys core (see attend_rows_plain), by register tiles where the shapes allow. s: rows x
+ * score_stride(keys, block_size) floats. Returns 0, or -1 when scratch memory could not be allocated. */
+static int attend_rows(const QueryRow *qr, int rows, int keys, const int32_t *table, const float *k_cache,
+                       const float *v_cache, int64_t cache_stride_block, int64_t row, int64_t offset, int head_dim,
+                       int block_size, float scale, float *s, float *acc, float *stats) {
+    const size_t ss = score_stride(keys, block_size);
+#if SIMD
+    if (block_size % 8 == 0 && head_dim % 8 == 0)
+        return attend_rows_tiled(qr, rows, keys, table, k_cache, v_cache, cache_stride_block, row, offset, head_dim,
+                                 block_size, scale, s, ss, acc, stats);
+#endif
+    attend_rows_plain(qr, rows, keys, table, k_cache, v_cache, cache_stride_block, row, offset, head_dim, block_size,
+                      scale, s, ss, acc, stats);
+    return 0;
 }
 
 /* Prefetch the `bytes` bytes at p (one hint per cache line). */
@@ -493,19 +708,23 @@ int batchgen_cascade_prefix_f32(const float *q, int64_t q_stride_b, int64_t q_st
         if (keys == 0) continue;
         const int32_t *table = prefix_tables + (int64_t)g * prefix_table_stride;
         const int32_t *seqs = group_seqs + group_offsets[g] + c0;
-        float *buf = scratch((size_t)rows * ((size_t)keys + (size_t)head_dim + 2));
+        const size_t ss = score_stride(keys, block_size);
+        float *buf = scratch((size_t)rows * (ss + (size_t)head_dim + 2));
         QueryRow *qr = row_scratch((size_t)rows);
         if (buf == NULL || qr == NULL) {
             status |= 1;
             continue;
         }
-        float *s = buf, *acc = buf + (size_t)rows * keys, *stats = acc + (size_t)rows * head_dim;
+        float *s = buf, *acc = buf + (size_t)rows * ss, *stats = acc + (size_t)rows * head_dim;
         for (int r = 0; r < rows; r++) {
             qr[r].q = q + (int64_t)seqs[r / group] * q_stride_b + (int64_t)(h * group + r % group) * q_stride_h;
             qr[r].keys = keys;
         }
-        attend_rows(qr, rows, keys, table, k_cache, v_cache, cache_stride_block, row, (int64_t)h * head_dim,
-                    head_dim, block_size, scale, s, acc, stats);
+        if (attend_rows(qr, rows, keys, table, k_cache, v_cache, cache_stride_block, row, (int64_t)h * head_dim,
+                        head_dim, block_size, scale, s, acc, stats) != 0) {
+            status |= 1;
+            continue;
+        }
         /* Merge with the suffix: weights of the two halves from their log-sum-exps. */
         for (int r = 0; r < rows; r++) {
             const int b = seqs[r / group], qh = h * group + r % group;
@@ -577,20 +796,24 @@ int batchgen_paged_prefill_f32(const float *q, int64_t q_stride_t, int64_t q_str
         const int rows = (c1 - c0) * group; /* token-major, then the KV head's query heads */
         const int keys = causal ? ctx + c1 : len; /* what the chunk's last query sees */
         const int32_t *table = block_tables + (int64_t)b * table_stride;
-        float *buf = scratch((size_t)rows * ((size_t)keys + (size_t)head_dim + 2));
+        const size_t ss = score_stride(keys, block_size);
+        float *buf = scratch((size_t)rows * (ss + (size_t)head_dim + 2));
         QueryRow *qr = row_scratch((size_t)rows);
         if (buf == NULL || qr == NULL) {
             status |= 1;
             continue;
         }
-        float *s = buf, *acc = buf + (size_t)rows * keys, *stats = acc + (size_t)rows * head_dim;
+        float *s = buf, *acc = buf + (size_t)rows * ss, *stats = acc + (size_t)rows * head_dim;
         for (int r = 0; r < rows; r++) {
             const int64_t t = cu_q[b] + c0 + r / group;
             qr[r].q = q + t * q_stride_t + (int64_t)(h * group + r % group) * q_stride_h;
             qr[r].keys = causal ? ctx + c0 + r / group + 1 : len; /* a causal row: keys up to its position */
         }
-        attend_rows(qr, rows, keys, table, k_cache, v_cache, cache_stride_block, row, (int64_t)h * head_dim,
-                    head_dim, block_size, scale, s, acc, stats);
+        if (attend_rows(qr, rows, keys, table, k_cache, v_cache, cache_stride_block, row, (int64_t)h * head_dim,
+                        head_dim, block_size, scale, s, acc, stats) != 0) {
+            status |= 1;
+            continue;
+        }
         for (int r = 0; r < rows; r++) {
             const int64_t t = cu_q[b] + c0 + r / group, qh = h * group + r % group;
             const float inv = 1.0f / stats[2 * r + 1];
