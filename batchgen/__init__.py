@@ -12,7 +12,15 @@ from batchgen import threads as _threads  # noqa: E402  (no torch: imports only 
 
 _threads.prepare()  # before torch loads OpenMP: its wait policy can only be chosen now (batchgen/threads.py)
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "LoRARequest", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "EngineConfig",
+    "LoRARequest",
+    "TextPrompt",
+    "TokensPrompt",
+    "__version__",
+]
 
 
 def __getattr__(name: str):
@@ -29,6 +37,10 @@ def __getattr__(name: str):
         from batchgen.lora_request import LoRARequest
 
         return LoRARequest
+    if name in ("TextPrompt", "TokensPrompt"):
+        from batchgen import prompt_inputs
+
+        return getattr(prompt_inputs, name)
     if name == "EngineConfig":
         from batchgen.engine.config import EngineConfig
 

@@ -15,10 +15,9 @@ from batchgen.pooling.checkpoint import read_checkpoint, resolve_task
 from batchgen.pooling.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput
 from batchgen.pooling.params import POOLING_TASKS, PoolingParams
 from batchgen.pooling_runner import PoolingRunner
+from batchgen.prompt_inputs import ParsedPrompt, Prompt, parse_prompts
 from batchgen.sampling_params import SamplingParams
 from batchgen.scoring import Score, rolling_loglikelihood, score_token_pairs, split_pair
-
-Prompt = str | Sequence[int]
 
 
 class LLM:
@@ -82,7 +81,8 @@ class LLM:
         dimensions: int | None = None,
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput]:
-        """One embedding per prompt (strings or token-id lists), in input order: ``out.outputs.embedding``.
+        """One embedding per prompt (strings, token-id lists or vLLM's prompt dicts), in input order:
+        ``out.outputs.embedding``.
         ``pooling``: ``last`` / ``mean`` / ``cls`` (None: the checkpoint's sentence-transformers pooling, else
         CLS for encoders, the last token for decoders); ``normalize``: L2-normalise (None: the checkpoint's
         choice, True when it has none); ``dimensions``: keep the first values (Matryoshka; normalised after).
@@ -113,11 +113,7 @@ class LLM:
         return self.pooler
 
     def _pool(self, runner, prompts, spec, task: str, use_tqdm: bool) -> list[PoolingRequestOutput]:
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        token_lists = _token_lists(runner.tokenizer, list(prompts))
+        token_lists = _token_lists(runner.tokenizer, parse_prompts(prompts))
         bar = tqdm(total=len(token_lists), desc=task, disable=not use_tqdm, dynamic_ncols=True)
         try:
             rows = runner.run(token_lists, spec, on_done=bar.update)
@@ -141,16 +137,13 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs come back in input order.
+        """Generate for every prompt; outputs come back in input order. A prompt is a string, a list of token
+        ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` (vLLM's ``TextPrompt`` / ``TokensPrompt``).
 
         ``lora_request`` (an engine built with ``enable_lora=True``): one :class:`LoRARequest` for every prompt,
         or a list with one ``LoRARequest | None`` per prompt (None: the base model). Rows of different adapters
         run in the same steps. An adapter that cannot be read or applied fails its prompts alone (``error``)."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -164,7 +157,7 @@ class LLM:
         base = engine.stats.num_requests
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
         for rid, prompt, p, lora in zip(ids, prompts, params, loras):
-            engine.add_request(rid, prompt, p, lora_request=lora)
+            engine.add_request(rid, prompt.engine_prompt, p, lora_request=lora)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         try:
@@ -177,7 +170,11 @@ class LLM:
             for rid in ids:
                 if rid not in results:
                     engine.abort_request(rid)
-        return [results[rid] for rid in ids]
+        outs = [results[rid] for rid in ids]
+        for out, prompt in zip(outs, prompts):
+            if prompt.token_ids is not None and prompt.text is not None:
+                out.prompt = prompt.text  # a TokensPrompt's own text
+        return outs
 
     # ------------------------------------------------------------------------------------------- chat
     def chat(
@@ -257,12 +254,12 @@ def _per_prompt(
     return loras
 
 
-def _token_lists(tokenizer, prompts: list) -> list[list[int]]:
-    """Token ids of each prompt: strings tokenised in one batch, token-id lists as given."""
-    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-    out = [None if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+def _token_lists(tokenizer, prompts: list[ParsedPrompt]) -> list[list[int]]:
+    """Token ids of each prompt: texts tokenised in one batch, token ids as given."""
+    texts = [i for i, p in enumerate(prompts) if p.token_ids is None]
+    out = [p.token_ids for p in prompts]
     if texts:
-        ids = tokenizer([prompts[i] for i in texts], return_attention_mask=False)["input_ids"]
+        ids = tokenizer([prompts[i].text for i in texts], return_attention_mask=False)["input_ids"]
         for i, t in zip(texts, ids):
             out[i] = list(t)
     return out  # type: ignore[return-value]

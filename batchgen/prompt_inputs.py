@@ -1,0 +1,104 @@
+"""What the :class:`~batchgen.LLM` methods take as a prompt, in vLLM's forms.
+
+A prompt is a string, a list of token ids, a :class:`TextPrompt` (``{"prompt": text}``) or a
+:class:`TokensPrompt` (``{"prompt_token_ids": ids}``, optionally with the ``"prompt"`` text they came from,
+which is then reported as the output's ``prompt``). A call takes one prompt or a sequence of them, mixed freely.
+:func:`parse_prompts` turns either into one :class:`ParsedPrompt` per prompt, in order, and rejects anything
+else with a ``ValueError`` that names the prompt's index and what to pass instead. An empty prompt is not
+rejected here: the engine fails it alone (its output's ``error``), as any prompt that cannot run.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypedDict
+
+from typing_extensions import NotRequired
+
+
+class TextPrompt(TypedDict):
+    """A prompt as text (tokenised with the model's tokenizer, special tokens added)."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """A prompt as token ids, used as given; ``prompt``: the text they stand for (reported, never tokenised)."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
+
+_KEYS = ("prompt", "prompt_token_ids")
+
+
+@dataclass(frozen=True)
+class ParsedPrompt:
+    """``token_ids`` is None for a text prompt (tokenised by the caller); ``text`` is None for token ids given
+    without their text."""
+
+    text: str | None
+    token_ids: list[int] | None
+
+    @property
+    def engine_prompt(self) -> str | list[int]:
+        """What :meth:`LLMEngine.add_request` takes: the token ids when given, else the text."""
+        return self.token_ids if self.token_ids is not None else self.text  # type: ignore[return-value]
+
+
+def is_single_prompt(prompts: object) -> bool:
+    """Whether ``prompts`` is one prompt rather than a sequence of prompts."""
+    if isinstance(prompts, (str, Mapping)):
+        return True
+    if hasattr(prompts, "ndim") and not isinstance(prompts, Sequence):  # a numpy array or tensor of ids
+        return prompts.ndim == 1  # type: ignore[union-attr]
+    if isinstance(prompts, Sequence) and len(prompts) > 0:
+        return isinstance(prompts[0], numbers.Integral)
+    return False
+
+
+def parse_prompts(prompts: Prompt | Sequence[Prompt]) -> list[ParsedPrompt]:
+    """One :class:`ParsedPrompt` per prompt (a single prompt gives a list of one)."""
+    items = [prompts] if is_single_prompt(prompts) else list(prompts)  # type: ignore[arg-type]
+    return [_parse(i, p) for i, p in enumerate(items)]
+
+
+def _parse(index: int, prompt: object) -> ParsedPrompt:
+    if isinstance(prompt, str):
+        return ParsedPrompt(prompt, None)
+    if isinstance(prompt, Mapping):
+        unknown = sorted(str(k) for k in prompt if k not in _KEYS)
+        if unknown:
+            raise ValueError(
+                f"prompt {index}: unsupported key(s) {unknown}; a prompt dict takes 'prompt' (text) or "
+                "'prompt_token_ids' (with an optional 'prompt' text)"
+            )
+        if "prompt_token_ids" in prompt:
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"prompt {index}: 'prompt' must be a string, got {type(text).__name__}")
+            return ParsedPrompt(text, _token_ids(index, prompt["prompt_token_ids"], "'prompt_token_ids'"))
+        if "prompt" in prompt:
+            text = prompt["prompt"]
+            if not isinstance(text, str):
+                raise ValueError(f"prompt {index}: 'prompt' must be a string, got {type(text).__name__}")
+            return ParsedPrompt(text, None)
+        raise ValueError(f"prompt {index}: a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+    return ParsedPrompt(None, _token_ids(index, prompt, "a prompt"))
+
+
+def _token_ids(index: int, ids: object, what: str) -> list[int]:
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence) and not hasattr(ids, "tolist"):
+        raise ValueError(
+            f"prompt {index}: {what} must be a string, a list of token ids or a prompt dict, "
+            f"got {type(ids).__name__}"
+        )
+    values = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # numpy arrays and tensors too
+    bad = next((v for v in values if not isinstance(v, numbers.Integral) or isinstance(v, bool)), None)
+    if bad is not None:
+        raise ValueError(f"prompt {index}: token ids must be integers, got {bad!r} ({type(bad).__name__})")
+    return [int(v) for v in values]
