@@ -242,6 +242,25 @@ static inline float exp_row(float *sg, int n, float m) {
     return total + acc[0];
 }
 
+/* The largest of x[0 .. n - 1] (n >= 1; a NaN is skipped, as by `x > m ? x : m`), eight lanes at a time with
+ * AVX2 (a chain of scalar compares would wait on each one's latency). */
+static inline float row_max(const float *x, int n) {
+    int i = 1;
+    float m = x[0];
+#if SIMD
+    if (n >= 8) {
+        __m256 vm = _mm256_loadu_ps(x);
+        for (i = 8; i + 8 <= n; i += 8) vm = _mm256_max_ps(_mm256_loadu_ps(x + i), vm);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        h = _mm_max_ps(_mm_movehl_ps(h, h), h);
+        h = _mm_max_ss(_mm_movehdup_ps(h), h);
+        m = _mm_cvtss_f32(h);
+    }
+#endif
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
 /* A per-thread buffer of at least `bytes` bytes, grown (contents dropped) when too small; NULL when it cannot be
  * allocated. */
 typedef struct {
@@ -293,8 +312,7 @@ static void attend_rows_plain(const QueryRow *qr, int rows, int keys, const int3
     }
     for (int r = 0; r < rows; r++) {
         float *sr = s + (size_t)r * ss;
-        float m = sr[0];
-        for (int i = 1; i < qr[r].keys; i++) m = sr[i] > m ? sr[i] : m;
+        const float m = row_max(sr, qr[r].keys);
         stats[2 * r] = m, stats[2 * r + 1] = exp_row(sr, qr[r].keys, m);
     }
     memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
@@ -340,22 +358,6 @@ static inline void pack_keys_t(const float *k, int64_t row, int m, int kp, int d
             transpose8x8(r);
             for (int t = 0; t < 8; t++) _mm256_storeu_ps(kt + (size_t)(c0 + t) * kp + i0, r[t]);
         }
-}
-
-/* The largest of x[0 .. n - 1] (n >= 1; a NaN is skipped, as by `x > m ? x : m`). */
-static inline float row_max(const float *x, int n) {
-    int i = 0;
-    float m = x[0];
-    if (n >= 8) {
-        __m256 vm = _mm256_loadu_ps(x);
-        for (i = 8; i + 8 <= n; i += 8) vm = _mm256_max_ps(_mm256_loadu_ps(x + i), vm);
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
-        h = _mm_max_ps(_mm_movehl_ps(h, h), h);
-        h = _mm_max_ss(_mm_movehdup_ps(h), h);
-        m = _mm_cvtss_f32(h);
-    }
-    for (; i < n; i++) m = x[i] > m ? x[i] : m;
-    return m;
 }
 
 /* Scores of R query rows against 8 * NV keys of a transposed block (column stride kp): s_r[i] = scale * q_r . k_i,
@@ -573,8 +575,7 @@ static int attend_item(const float *q, int64_t q_stride_h, const float *k_cache,
         float *sg = s + (size_t)qh * n;
         if (softcap > 0.0f)
             for (int i = 0; i < n; i++) sg[i] = softcap * tanhf(sg[i] / softcap);
-        float m = sg[0];
-        for (int i = 1; i < n; i++) m = sg[i] > m ? sg[i] : m;
+        float m = row_max(sg, n);
         const float sink = sinks ? sinks[h0 * group + qh] : 0.0f;
         if (sinks && sink > m) m = sink;
         float total = exp_row(sg, n, m);
