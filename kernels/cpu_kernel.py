@@ -56,8 +56,8 @@ each group's shared prefix once by :func:`merge_prefix`) goes first when it save
 block reads ..."""
 CASCADE_MIN_GROUP_BLOCKS = 16
 """... counting only groups that save at least this many block reads each. Measured with `python -m
-batchgen.bench.kernels --cpu-cascade` (the bench model's heads, 2 threads): the cascade is 1.5-2.7x faster
-than the kernel alone where groups save 68-91% of the reads, and 10-28% slower where they save 8-25% (groups
+batchgen.bench.kernels --cpu-cascade` (the bench model's heads, 2 threads): the cascade is 1.7-3.0x faster
+than the kernel alone where groups save 68-91% of the reads, and 4-44% slower where they save 8-25% (groups
 of 4-8 sharing 2-4 blocks: the second call's fixed cost outweighs the reads saved)."""
 
 _lock = threading.Lock()
