@@ -242,8 +242,8 @@ static inline float exp_row(float *sg, int n, float m) {
     return total + acc[0];
 }
 
-/* The largest of x[0 .. n - 1] (n >= 1; a NaN is skipped, as by `x > m ? x : m`), eight lanes at a time with
- * AVX2 (a chain of scalar compares would wait on each one's latency). */
+/* The largest of x[0 .. n - 1] (n >= 1; finite scores: a NaN makes the result unspecified), eight lanes at a
+ * time with AVX2 (a chain of scalar compares would wait on each one's latency). */
 static inline float row_max(const float *x, int n) {
     int i = 1;
     float m = x[0];
