@@ -18,7 +18,11 @@ import torch
 
 from batchgen import threads
 from batchgen.engine.config import EngineConfig
-from batchgen.pooling.checkpoint import CheckpointPooling
+from batchgen.pooling.checkpoint import (
+    ENCODER_MODEL_TYPES,
+    UNSUPPORTED_ENCODER_MODEL_TYPES,
+    CheckpointPooling,
+)
 from batchgen.pooling.encoder import length_batches, load_encoder
 from batchgen.pooling.params import PoolingParams, PoolingSpec
 from batchgen.pooling.pooler import class_probs, finish_embedding, pool
@@ -60,6 +64,11 @@ class PoolingRunner:
             )
         self.engine = None
         self.encoder = None
+        if info.model_type in UNSUPPORTED_ENCODER_MODEL_TYPES:
+            raise ValueError(
+                f"{info.path}: {info.model_type} models are bidirectional encoders batchgen does not run; "
+                f"its encoder families are {', '.join(ENCODER_MODEL_TYPES)}, and decoder-only models"
+            )
         if info.is_encoder:
             if config.tensor_parallel_size > 1:
                 raise ValueError(

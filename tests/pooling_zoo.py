@@ -1,6 +1,7 @@
 """Tiny pooling checkpoints built offline: decoder embedders and classifiers on the model zoo's configs,
-encoders (BERT, XLM-RoBERTa, ModernBERT) and sentence-transformers layouts written as the hub's checkpoints
-have them (modules.json, 1_Pooling/config.json, 2_Normalize, sentence_bert_config.json)."""
+encoders (BERT, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, ModernBERT) and sentence-transformers layouts
+written as the hub's checkpoints have them (modules.json, 1_Pooling/config.json, 2_Normalize,
+sentence_bert_config.json)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ ENCODERS = {
     "bert": ("BertConfig", {}),
     "xlm-roberta": ("XLMRobertaConfig", {}),
     "modernbert": ("ModernBertConfig", {"local_attention": 8, "global_attn_every_n_layers": 2}),
+    "camembert": ("CamembertConfig", {}),
+    "electra": ("ElectraConfig", {"embedding_size": 48}),  # its embedding projection runs too
+    "distilbert": ("DistilBertConfig", {}),
 }
 LABELS3 = {0: "negative", 1: "neutral", 2: "positive"}
 
@@ -55,6 +59,10 @@ def encoder(out: Path, kind: str, model_class: str, seed: int = 0, **overrides) 
 
     def config(ids: dict[str, int]):
         kw = {**_ENCODER, **extra, **overrides, **special_token_kwargs(ids)}
+        if kind == "distilbert":  # its own key names (the config maps hidden_size etc. onto them)
+            names = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads"}
+            kw = {names.get(k, k): v for k, v in kw.items()}
+            kw["hidden_dim"] = kw.pop("intermediate_size")
         if kind == "modernbert":
             kw.update(cls_token_id=kw["bos_token_id"], sep_token_id=kw["eos_token_id"])
         return getattr(transformers, cfg_name)(**kw)

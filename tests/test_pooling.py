@@ -139,7 +139,16 @@ def test_error_rows_do_not_disturb_others(qwen3_embedder):
 
 
 # ------------------------------------------------------------------------------------------- encoders
-@pytest.mark.parametrize("kind,model_class", [("bert", "BertModel"), ("modernbert", "ModernBertModel")])
+@pytest.mark.parametrize(
+    "kind,model_class",
+    [
+        ("bert", "BertModel"),
+        ("modernbert", "ModernBertModel"),
+        ("camembert", "CamembertModel"),
+        ("electra", "ElectraModel"),
+        ("distilbert", "DistilBertModel"),
+    ],
+)
 def test_encoder_embedder_matches_transformers(root, kind, model_class):
     path = zoo.encoder(root / f"{kind}-emb", kind, model_class, seed=5)
     llm = LLM(path, max_num_batched_tokens=96, max_num_seqs=6)
@@ -157,21 +166,41 @@ def test_encoder_embedder_matches_transformers(root, kind, model_class):
 
 
 @pytest.mark.parametrize(
-    "kind,model_class",
-    [("bert", "BertForSequenceClassification"), ("xlm-roberta", "XLMRobertaForSequenceClassification")],
+    "kind,model_class,num_labels",
+    [
+        ("bert", "BertForSequenceClassification", 3),
+        ("xlm-roberta", "XLMRobertaForSequenceClassification", 3),
+        ("camembert", "CamembertForSequenceClassification", 3),
+        ("electra", "ElectraForSequenceClassification", 3),
+        ("distilbert", "DistilBertForSequenceClassification", 3),
+        ("bert", "BertForSequenceClassification", 1),  # a cross-encoder's relevance score
+    ],
 )
-def test_encoder_classifier_matches_transformers(root, kind, model_class):
-    labels = {"id2label": zoo.LABELS3, "label2id": {v: k for k, v in zoo.LABELS3.items()}}
-    path = zoo.encoder(root / f"{kind}-cls", kind, model_class, seed=6, num_labels=3, **labels)
+def test_encoder_classifier_matches_transformers(root, kind, model_class, num_labels):
+    kw = {"num_labels": num_labels}
+    if num_labels == 3:
+        kw.update(id2label=zoo.LABELS3, label2id={v: k for k, v in zoo.LABELS3.items()})
+    path = zoo.encoder(root / f"{kind}-cls{num_labels}", kind, model_class, seed=6, **kw)
     llm = LLM(path, max_num_batched_tokens=64)
+    assert llm.task == "classify"
     toks = _tokens(path)
-    outs = llm.classify(toks, use_tqdm=False)
+    order = _shuffled(len(toks), 5)
+    outs = llm.classify([toks[i] for i in order], use_tqdm=False)
     ref_model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
-    for t, o in zip(toks, outs):
+    for i, o in zip(order, outs):
         with torch.no_grad():
-            probs = torch.softmax(ref_model(input_ids=torch.tensor([t])).logits[0], -1)
-        torch.testing.assert_close(torch.tensor(o.outputs.probs), probs, atol=1e-4, rtol=0)
-        assert o.outputs.label == zoo.LABELS3[int(probs.argmax())]
+            logits = ref_model(input_ids=torch.tensor([toks[i]])).logits[0]
+        zoo.assert_classified(o, logits, num_labels)
+
+
+@pytest.mark.parametrize("kind,cfg_name,model_class", [("mpnet", "MPNetConfig", "MPNetModel")])
+def test_an_encoder_family_batchgen_does_not_run_is_refused_by_name(root, kind, cfg_name, model_class):
+    def config(ids):
+        return getattr(transformers, cfg_name)(**zoo._ENCODER, **zoo.special_token_kwargs(ids))
+
+    path = zoo.build_random_checkpoint(root / f"{kind}-refused", config, model_class, vocab_size=zoo.VOCAB)
+    with pytest.raises(ValueError, match=f"{kind} models are bidirectional encoders batchgen does not run"):
+        LLM(path)
 
 
 def test_sentence_transformers_config_matches_sentence_transformers(root):

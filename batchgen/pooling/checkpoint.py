@@ -18,8 +18,12 @@ from typing import Any
 
 logger = logging.getLogger("batchgen")
 
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "modernbert")
 """Encoder families run through transformers' modeling code (:mod:`batchgen.pooling.encoder`)."""
+
+UNSUPPORTED_ENCODER_MODEL_TYPES = ("mpnet", "deberta", "deberta-v2", "albert", "nomic_bert", "xlnet", "t5")
+"""Bidirectional encoders batchgen does not run (their attention does not take a packed batch): refused by name
+before anything loads."""
 
 _ST_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last", "last": "last", "mean_tokens": "mean"}
 _ST_MODE_KEYS = {  # sentence-transformers < 5 spelled the mode as booleans

@@ -1,5 +1,5 @@
-"""Encoder checkpoints (BERT, RoBERTa / XLM-RoBERTa, ModernBERT) through transformers' modeling code, in
-length-bucketed, unpadded batches.
+"""Encoder checkpoints (BERT, RoBERTa / XLM-RoBERTa / CamemBERT, DistilBERT, ELECTRA, ModernBERT) through
+transformers' modeling code, in length-bucketed, unpadded batches.
 
 The rows of a call are sorted by length and cut into batches of at most ``max_batch_tokens`` tokens (and
 ``max_batch_seqs`` sequences); each batch runs as ONE packed row of tokens (no padding in any linear layer)
@@ -8,8 +8,9 @@ come back in the caller's order. Weights load from safetensors only; remote code
 
 Heads: an embedding checkpoint returns the pooled backbone output; a ``*ForSequenceClassification`` checkpoint
 runs the architecture's own head modules on the pooled vectors exactly as transformers' forward would (BERT:
-pooler + classifier on CLS; RoBERTa: the classification head on CLS; ModernBERT: its ``classifier_pooling``,
-head and classifier).
+pooler + classifier on CLS; RoBERTa, XLM-RoBERTa, CamemBERT and ELECTRA: the classification head on CLS;
+DistilBERT: pre-classifier, ReLU and classifier on CLS; ModernBERT: its ``classifier_pooling``, head and
+classifier).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from batchgen.pooling.checkpoint import CheckpointPooling
 from batchgen.pooling.pooler import pool
 
 logger = logging.getLogger(__name__)
+
+_ROBERTA_LIKE = ("roberta", "xlm-roberta", "camembert")
+"""Families whose position ids start after ``pad_token_id`` and whose head is RoBERTa's."""
 
 
 def length_batches(lengths: Sequence[int], max_tokens: int, max_seqs: int) -> list[list[int]]:
@@ -80,7 +84,7 @@ class EncoderModel:
         self.dtype = dtype
         limit = int(getattr(cfg, "max_position_embeddings", 512))
         self.position_offset = 0
-        if info.model_type in ("roberta", "xlm-roberta"):  # positions start after padding_idx
+        if info.model_type in _ROBERTA_LIKE:  # positions start after padding_idx
             self.position_offset = int(cfg.pad_token_id) + 1
             limit -= self.position_offset
         self.max_model_len = min(limit, info.max_seq_length or limit)
@@ -108,8 +112,11 @@ class EncoderModel:
         if kind == "bert":
             pooled = m.bert.pooler(pool(hidden, cu, "cls").to(hidden.dtype)[:, None, :])
             return m.classifier(m.dropout(pooled))
-        if kind in ("roberta", "xlm-roberta"):
+        if kind in (*_ROBERTA_LIKE, "electra"):  # heads that take the sequence and read its first token
             return m.classifier(pool(hidden, cu, "cls").to(hidden.dtype)[:, None, :])
+        if kind == "distilbert":
+            pooled = torch.relu(m.pre_classifier(pool(hidden, cu, "cls").to(hidden.dtype)))
+            return m.classifier(m.dropout(pooled))
         if kind == "modernbert":
             method = "cls" if self.config.classifier_pooling == "cls" else "mean"
             pooled = m.head(pool(hidden, cu, method).to(hidden.dtype))
