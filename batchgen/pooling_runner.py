@@ -66,8 +66,8 @@ class PoolingRunner:
         self.encoder = None
         if info.model_type in UNSUPPORTED_ENCODER_MODEL_TYPES:
             raise ValueError(
-                f"{info.path}: {info.model_type} models are bidirectional encoders batchgen does not run; "
-                f"its encoder families are {', '.join(ENCODER_MODEL_TYPES)}, and decoder-only models"
+                f"{info.path}: {info.model_type} models are not pooled by batchgen; it pools decoder-only models "
+                f"and the encoder families {', '.join(ENCODER_MODEL_TYPES)}"
             )
         if info.is_encoder:
             if config.tensor_parallel_size > 1:
@@ -170,17 +170,18 @@ class PoolingRunner:
         cfg = self.config
         for batch in length_batches(lengths, cfg.max_num_batched_tokens, cfg.max_num_seqs):
             rows = [todo[j] for j in batch]
-            hidden, cu = enc.hidden_states([token_lists[i] for i in rows])
+            out = enc.forward([token_lists[i] for i in rows])
             if self.task == "classify":
-                logits = enc.classify_logits(hidden, cu)
-                probs = class_probs(logits, self.info.problem_type).tolist()
+                assert out.logits is not None
+                probs = class_probs(out.logits, self.info.problem_type).tolist()
                 labels = self.info.labels
                 done = [
                     PooledRow(p, None if len(p) == 1 else labels[max(range(len(p)), key=p.__getitem__)])
                     for p in probs
                 ]
             else:
-                done = [PooledRow(v) for v in finish_embedding(pool(hidden, cu, spec.method), spec).tolist()]
+                vectors = pool(out.hidden, out.cu, spec.method)
+                done = [PooledRow(v) for v in finish_embedding(vectors, spec).tolist()]
             for i, r in zip(rows, done):
                 results[i] = r
             if on_done is not None:

@@ -1,5 +1,6 @@
 """Tiny pooling checkpoints built offline: decoder embedders and classifiers on the model zoo's configs,
-encoders (BERT, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, ModernBERT) and sentence-transformers layouts
+encoders (BERT, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT, ModernBERT, MPNet, DeBERTa-v2, ALBERT) and
+sentence-transformers layouts
 written as the hub's checkpoints have them (modules.json, 1_Pooling/config.json, 2_Normalize,
 sentence_bert_config.json)."""
 
@@ -32,6 +33,32 @@ ENCODERS = {
     "camembert": ("CamembertConfig", {}),
     "electra": ("ElectraConfig", {"embedding_size": 48}),  # its embedding projection runs too
     "distilbert": ("DistilBertConfig", {}),
+    # padded families: relative-position attention (MPNet's bucketed bias, DeBERTa-v3's disentangled terms)
+    "mpnet": ("MPNetConfig", {"relative_attention_num_buckets": 32}),
+    "deberta-v2": (
+        "DebertaV2Config",
+        {
+            "relative_attention": True,
+            "pos_att_type": ["p2c", "c2p"],
+            "position_biased_input": False,
+            "max_relative_positions": -1,
+            "position_buckets": 64,
+            "norm_rel_ebd": "layer_norm",
+            "share_att_key": True,
+            "type_vocab_size": 0,
+        },
+    ),
+    "deberta": (
+        "DebertaConfig",
+        {
+            "relative_attention": True,
+            "pos_att_type": ["p2c", "c2p"],
+            "position_biased_input": False,
+            "max_relative_positions": -1,
+            "type_vocab_size": 0,
+        },
+    ),
+    "albert": ("AlbertConfig", {"embedding_size": 32}),
 }
 LABELS3 = {0: "negative", 1: "neutral", 2: "positive"}
 

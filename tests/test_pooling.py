@@ -147,6 +147,10 @@ def test_error_rows_do_not_disturb_others(qwen3_embedder):
         ("camembert", "CamembertModel"),
         ("electra", "ElectraModel"),
         ("distilbert", "DistilBertModel"),
+        ("mpnet", "MPNetModel"),
+        ("deberta-v2", "DebertaV2Model"),
+        ("deberta", "DebertaModel"),
+        ("albert", "AlbertModel"),
     ],
 )
 def test_encoder_embedder_matches_transformers(root, kind, model_class):
@@ -166,6 +170,25 @@ def test_encoder_embedder_matches_transformers(root, kind, model_class):
 
 
 @pytest.mark.parametrize(
+    "kind,model_class", [("bert", "BertModel"), ("camembert", "CamembertModel"), ("mpnet", "MPNetModel")]
+)
+def test_encoder_position_limit(root, kind, model_class):
+    """The longest row an encoder takes is its position table less the positions its family skips (RoBERTa's
+    start after the padding id; MPNet's after 1 whatever the config says): that row embeds as transformers
+    does, one token more is an error row."""
+    path = zoo.encoder(root / f"{kind}-limit", kind, model_class, seed=10, max_position_embeddings=40)
+    pad = transformers.AutoConfig.from_pretrained(path).pad_token_id
+    limit = {"bert": 40, "camembert": 40 - (pad + 1), "mpnet": 38}[kind]
+    llm = LLM(path)
+    ids = [7 + i % 50 for i in range(limit + 1)]
+    ok, long = llm.embed([ids[:limit], ids], pooling="mean", use_tqdm=False)
+    assert long.outputs is None and f"at most {limit}" in long.error
+    ref_model = transformers.AutoModel.from_pretrained(path).eval()
+    ref = torch.nn.functional.normalize(_hf_hidden(ref_model, ids[:limit]).mean(0), dim=-1)
+    _assert_close_embeddings([ok.outputs.embedding], ref[None])
+
+
+@pytest.mark.parametrize(
     "kind,model_class,num_labels",
     [
         ("bert", "BertForSequenceClassification", 3),
@@ -174,6 +197,9 @@ def test_encoder_embedder_matches_transformers(root, kind, model_class):
         ("electra", "ElectraForSequenceClassification", 3),
         ("distilbert", "DistilBertForSequenceClassification", 3),
         ("bert", "BertForSequenceClassification", 1),  # a cross-encoder's relevance score
+        ("mpnet", "MPNetForSequenceClassification", 3),
+        ("deberta-v2", "DebertaV2ForSequenceClassification", 3),
+        ("albert", "AlbertForSequenceClassification", 1),
     ],
 )
 def test_encoder_classifier_matches_transformers(root, kind, model_class, num_labels):
@@ -193,13 +219,12 @@ def test_encoder_classifier_matches_transformers(root, kind, model_class, num_la
         zoo.assert_classified(o, logits, num_labels)
 
 
-@pytest.mark.parametrize("kind,cfg_name,model_class", [("mpnet", "MPNetConfig", "MPNetModel")])
-def test_an_encoder_family_batchgen_does_not_run_is_refused_by_name(root, kind, cfg_name, model_class):
+def test_a_model_family_batchgen_does_not_pool_is_refused_by_name(root):
     def config(ids):
-        return getattr(transformers, cfg_name)(**zoo._ENCODER, **zoo.special_token_kwargs(ids))
+        return transformers.NomicBertConfig(**zoo._ENCODER, **zoo.special_token_kwargs(ids))
 
-    path = zoo.build_random_checkpoint(root / f"{kind}-refused", config, model_class, vocab_size=zoo.VOCAB)
-    with pytest.raises(ValueError, match=f"{kind} models are bidirectional encoders batchgen does not run"):
+    path = zoo.build_random_checkpoint(root / "nomic-refused", config, "NomicBertModel", vocab_size=zoo.VOCAB)
+    with pytest.raises(ValueError, match="nomic_bert models are not pooled by batchgen"):
         LLM(path)
 
 

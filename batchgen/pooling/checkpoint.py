@@ -18,12 +18,25 @@ from typing import Any
 
 logger = logging.getLogger("batchgen")
 
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "modernbert")
-"""Encoder families run through transformers' modeling code (:mod:`batchgen.pooling.encoder`)."""
+PACKED_ENCODER_MODEL_TYPES = (
+    "bert",
+    "roberta",
+    "xlm-roberta",
+    "camembert",
+    "distilbert",
+    "electra",
+    "modernbert",
+)
+"""Encoder families whose batches run as one packed row of tokens (their attention goes through transformers'
+attention interface, which batchgen's varlen attention replaces)."""
 
-UNSUPPORTED_ENCODER_MODEL_TYPES = ("mpnet", "deberta", "deberta-v2", "albert", "nomic_bert", "xlnet", "t5")
-"""Bidirectional encoders batchgen does not run (their attention does not take a packed batch): refused by name
-before anything loads."""
+ENCODER_MODEL_TYPES = (*PACKED_ENCODER_MODEL_TYPES, "mpnet", "deberta", "deberta-v2", "albert")
+"""Encoder families run through transformers' modeling code (:mod:`batchgen.pooling.encoder`); those not packed
+run in length-sorted batches padded to their longest row (relative-position attention: MPNet, DeBERTa)."""
+
+UNSUPPORTED_ENCODER_MODEL_TYPES = ("nomic_bert", "xlnet", "t5")
+"""Bidirectional models batchgen does not pool (a hub checkpoint's config differs from transformers' own class, or
+the model is not an encoder of the families above): refused by name before anything loads."""
 
 _ST_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last", "last": "last", "mean_tokens": "mean"}
 _ST_MODE_KEYS = {  # sentence-transformers < 5 spelled the mode as booleans

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,13 +26,13 @@ from torch import Tensor, nn
 from batchgen.kernels import cpu_kernel
 from batchgen.models.packed_linear import pack_transformers_linears
 from batchgen.pooling import varlen_attention
-from batchgen.pooling.checkpoint import CheckpointPooling
+from batchgen.pooling.checkpoint import PACKED_ENCODER_MODEL_TYPES, CheckpointPooling
 from batchgen.pooling.pooler import pool
 
 logger = logging.getLogger(__name__)
 
 _ROBERTA_LIKE = ("roberta", "xlm-roberta", "camembert")
-"""Families whose position ids start after ``pad_token_id`` and whose head is RoBERTa's."""
+"""Packed families whose position ids start after ``pad_token_id`` and whose head is RoBERTa's."""
 
 
 def length_batches(lengths: Sequence[int], max_tokens: int, max_seqs: int) -> list[list[int]]:
@@ -53,31 +54,47 @@ def length_batches(lengths: Sequence[int], max_tokens: int, max_seqs: int) -> li
     return batches
 
 
+@dataclass
+class EncoderOutput:
+    """One batch's forward: ``hidden [T, H]`` (every row's tokens, packed in the batch's order), ``cu [B + 1]``
+    (where each row starts in ``hidden``) and, for a classifier, the head's ``logits [B, num_labels]``."""
+
+    hidden: Tensor
+    cu: Tensor
+    logits: Tensor | None
+
+
 class EncoderModel:
     """One encoder checkpoint, ready to pool. ``hidden_size``: the backbone's width; ``max_model_len``: the
-    longest input it takes (position embeddings, or the sentence-transformers ``max_seq_length``)."""
+    longest input it takes (position embeddings, or the sentence-transformers ``max_seq_length``); ``packed``:
+    whether batches run as one packed row (the families in ``PACKED_ENCODER_MODEL_TYPES``) or padded to the
+    batch's longest row with an attention mask (the others: their attention adds position terms a packed row
+    cannot carry)."""
 
     def __init__(self, info: CheckpointPooling, dtype: torch.dtype, device: torch.device) -> None:
         import transformers
 
-        varlen_attention.register()
-        if device.type == "cpu":
-            cpu_kernel.start_build()  # the packed attention's C kernel, compiled while the weights load
+        self.packed = info.model_type in PACKED_ENCODER_MODEL_TYPES
+        if self.packed:
+            varlen_attention.register()
+            if device.type == "cpu":
+                cpu_kernel.start_build()  # the packed attention's C kernel, compiled while the weights load
         self.info = info
         self.device = device
-        classify = info.task == "classify"
-        cls = transformers.AutoModelForSequenceClassification if classify else transformers.AutoModel
+        self.classify = info.task == "classify"
+        cls = transformers.AutoModelForSequenceClassification if self.classify else transformers.AutoModel
+        attn = {"attn_implementation": varlen_attention.ATTN_IMPLEMENTATION} if self.packed else {}
         model = cls.from_pretrained(
             str(info.path),
             dtype=dtype,
-            attn_implementation=varlen_attention.ATTN_IMPLEMENTATION,
             local_files_only=True,
             trust_remote_code=False,
             use_safetensors=True,
+            **attn,
         )
         self.model = model.to(device).eval().requires_grad_(False)
         pack_transformers_linears(self.model)
-        self.backbone: nn.Module = getattr(model, model.base_model_prefix) if classify else model
+        self.backbone: nn.Module = getattr(model, model.base_model_prefix) if self.classify else model
         cfg = model.config
         self.config = cfg
         self.hidden_size = int(cfg.hidden_size)
@@ -87,13 +104,26 @@ class EncoderModel:
         if info.model_type in _ROBERTA_LIKE:  # positions start after padding_idx
             self.position_offset = int(cfg.pad_token_id) + 1
             limit -= self.position_offset
+        elif (
+            info.model_type == "mpnet"
+        ):  # the same, with transformers' MPNet padding_idx of 1 whatever the config
+            limit -= 2
         self.max_model_len = min(limit, info.max_seq_length or limit)
         self.uses_token_types = getattr(cfg, "type_vocab_size", 0) > 0 and info.model_type != "modernbert"
+        pad = getattr(cfg, "pad_token_id", None)
+        self.pad_token_id = int(pad) if isinstance(pad, int) else 0
 
     @torch.inference_mode()
-    def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
-        """One packed forward: (hidden ``[T, H]``, cu_seqlens ``[B + 1]``)."""
+    def forward(self, token_lists: Sequence[Sequence[int]]) -> EncoderOutput:
+        """One batch through the model: hidden states of every row (and the head's logits for a classifier)."""
         lengths = [len(t) for t in token_lists]
+        cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], device=self.device)
+        if not self.packed:
+            return self._padded(token_lists, lengths, cu)
+        hidden = self._packed(token_lists, lengths)
+        return EncoderOutput(hidden, cu, self._head(hidden, cu) if self.classify else None)
+
+    def _packed(self, token_lists: Sequence[Sequence[int]], lengths: list[int]) -> Tensor:
         dev = self.device
         ids = torch.tensor([t for toks in token_lists for t in toks], dtype=torch.long, device=dev)[None]
         pos = torch.cat([torch.arange(n) for n in lengths]).to(dev)[None] + self.position_offset
@@ -101,12 +131,24 @@ class EncoderModel:
         layout = varlen_attention.PackedLayout.build(lengths, dev)
         with varlen_attention.packed(layout):
             out = self.backbone(input_ids=ids, position_ids=pos, **kwargs)
-        hidden = out.last_hidden_state[0] if hasattr(out, "last_hidden_state") else out[0][0]
-        cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], device=dev)
-        return hidden, cu
+        return out.last_hidden_state[0] if hasattr(out, "last_hidden_state") else out[0][0]
 
-    @torch.inference_mode()
-    def classify_logits(self, hidden: Tensor, cu: Tensor) -> Tensor:
+    def _padded(self, token_lists: Sequence[Sequence[int]], lengths: list[int], cu: Tensor) -> EncoderOutput:
+        """The batch padded on the right to its longest row (the batches are length-sorted: little padding),
+        through the model's own forward with an attention mask; a classifier's logits come from its own head."""
+        width = max(lengths)
+        ids = torch.full((len(lengths), width), self.pad_token_id, dtype=torch.long)
+        for i, toks in enumerate(token_lists):
+            ids[i, : len(toks)] = torch.as_tensor(list(toks), dtype=torch.long)
+        mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        if self.classify:
+            out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            return EncoderOutput(out.hidden_states[-1][mask.bool()], cu, out.logits)
+        out = self.model(input_ids=ids, attention_mask=mask)
+        return EncoderOutput(out.last_hidden_state[mask.bool()], cu, None)
+
+    def _head(self, hidden: Tensor, cu: Tensor) -> Tensor:
         """The classification head's logits ``[B, num_labels]`` for a packed batch's hidden states."""
         m, kind = self.model, self.info.model_type
         if kind == "bert":
