@@ -113,7 +113,7 @@ class LLM:
         return self.pooler
 
     def _pool(self, runner, prompts, spec, task: str, use_tqdm: bool) -> list[PoolingRequestOutput]:
-        token_lists = _token_lists(runner.tokenizer, parse_prompts(prompts))
+        token_lists = _token_lists(runner.tokenize, parse_prompts(prompts))
         bar = tqdm(total=len(token_lists), desc=task, disable=not use_tqdm, dynamic_ncols=True)
         try:
             rows = runner.run(token_lists, spec, on_done=bar.update)
@@ -254,12 +254,11 @@ def _per_prompt(
     return loras
 
 
-def _token_lists(tokenizer, prompts: list[ParsedPrompt]) -> list[list[int]]:
-    """Token ids of each prompt: texts tokenised in one batch, token ids as given."""
+def _token_lists(tokenize, prompts: list[ParsedPrompt]) -> list[list[int]]:
+    """Token ids of each prompt: texts tokenised in one batch by ``tokenize`` (texts -> id lists), token ids as
+    given."""
     texts = [i for i, p in enumerate(prompts) if p.token_ids is None]
     out = [p.token_ids for p in prompts]
-    if texts:
-        ids = tokenizer([prompts[i].text for i in texts], return_attention_mask=False)["input_ids"]
-        for i, t in zip(texts, ids):
-            out[i] = list(t)
+    for i, t in zip(texts, tokenize([prompts[i].text for i in texts])):
+        out[i] = t
     return out  # type: ignore[return-value]

@@ -116,6 +116,15 @@ class PoolingRunner:
         normalize = self.info.default_normalize if p.normalize is None else bool(p.normalize)
         return PoolingSpec(method, normalize, p.dimensions)
 
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of ``texts`` as the checkpoint's own pipeline makes them (lowercased first where its
+        sentence-transformers config sets ``do_lower_case``)."""
+        if not texts:
+            return []
+        if self.info.lowercase:
+            texts = [t.lower() for t in texts]
+        return [list(t) for t in self.tokenizer(list(texts), return_attention_mask=False)["input_ids"]]
+
     def check(self, tokens: Sequence[int]) -> str | None:
         """Why a row cannot run (None: it can)."""
         if len(tokens) == 0:

@@ -98,7 +98,7 @@ def encoder(out: Path, kind: str, model_class: str, seed: int = 0, **overrides) 
 
 
 def sentence_transformers_layout(
-    path: str, mode: str, normalize: bool, max_seq_length: int = 256, old: bool = True
+    path: str, mode: str, normalize: bool, max_seq_length: int = 256, old: bool = True, lower: bool = False
 ) -> str:
     """Write the sentence-transformers files beside a checkpoint: ``mode`` cls / mean / lasttoken, in the
     boolean spelling of sentence-transformers < 5 (``old``) or its ``pooling_mode`` string."""
@@ -128,7 +128,7 @@ def sentence_transformers_layout(
         pool = {"embedding_dimension": hidden, "pooling_mode": mode, "include_prompt": True}
     (p / "1_Pooling" / "config.json").write_text(json.dumps(pool))
     (p / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False})
+        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": lower})
     )
     return path
 

@@ -246,6 +246,26 @@ def test_sentence_transformers_config_matches_sentence_transformers(root):
     assert (info.pooling, info.normalize, info.default_normalize) == ("cls", False, False)
 
 
+def test_sentence_transformers_do_lower_case(root):
+    """A checkpoint whose sentence-transformers config lowercases texts: batchgen tokenises the lowercased
+    text too (mixed-case texts embed as sentence-transformers embeds them); token ids are taken as given."""
+    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
+    path = zoo.encoder(root / "st-lower", "bert", "BertModel", seed=14)
+    zoo.sentence_transformers_layout(path, "mean", True, lower=True)
+    assert read_checkpoint(path).lowercase
+    texts = ["The Quick BROWN Fox", "Paged KV Cache", "ALL CAPS QUERY", "already lower"]
+    llm = LLM(path)
+    ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    ref = torch.tensor(st.SentenceTransformer(path, device="cpu").encode(texts))
+    assert torch.nn.functional.cosine_similarity(ours, ref).min() >= 0.9999
+    lowered = llm.embed([t.lower() for t in texts], use_tqdm=False)
+    assert [o.prompt_token_ids for o in lowered] == [
+        o.prompt_token_ids for o in llm.embed(texts, use_tqdm=False)
+    ]
+    ids = transformers.AutoTokenizer.from_pretrained(path).encode(texts[0])  # ids: not lowercased
+    assert llm.embed([ids], use_tqdm=False)[0].prompt_token_ids == ids
+
+
 def test_sentence_transformers_decoder_lasttoken(root):
     path = zoo.decoder(root / "qwen3-st", "qwen3", "Qwen3Model", seed=8)
     zoo.sentence_transformers_layout(path, "lasttoken", True, old=False)

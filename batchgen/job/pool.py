@@ -67,9 +67,8 @@ def _texts_to_tokens(runner: Any, texts: list[Any], column: str) -> tuple[list[l
     good = [i for i, w in enumerate(why) if w is None]
     tokens: list[list[int]] = [[] for _ in texts]
     if good:
-        ids = runner.tokenizer([texts[i] for i in good], return_attention_mask=False)["input_ids"]
-        for i, t in zip(good, ids):
-            tokens[i] = list(t)
+        for i, t in zip(good, runner.tokenize([texts[i] for i in good])):
+            tokens[i] = t
     return tokens, why
 
 

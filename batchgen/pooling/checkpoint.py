@@ -71,6 +71,8 @@ class CheckpointPooling:
     problem_type: str | None = None
     pad_token_id: int | None = None
     """A decoder classifier's head reads the last token that is not this one (transformers' rule)."""
+    lowercase: bool = False
+    """sentence-transformers' ``do_lower_case``: texts are lowercased before they are tokenised."""
 
     @property
     def default_pooling(self) -> str:
@@ -96,7 +98,7 @@ def read_checkpoint(path: str | Path) -> CheckpointPooling:
     archs = config.get("architectures") or []
     arch = archs[0] if archs else ""
     model_type = str(config.get("model_type", ""))
-    pooling, normalize, max_len = _sentence_transformers(ckpt)
+    pooling, normalize, max_len, lowercase = _sentence_transformers(ckpt)
     id2label = config.get("id2label") or {}
     # transformers' default is 2 labels: its configs leave num_labels and id2label out then
     num_labels = int(config.get("num_labels") or len(id2label) or 2)
@@ -114,6 +116,7 @@ def read_checkpoint(path: str | Path) -> CheckpointPooling:
         labels=labels if _is_classifier(arch) else [],
         problem_type=config.get("problem_type"),
         pad_token_id=_pad_token_id(config),
+        lowercase=lowercase,
     )
 
 
@@ -143,11 +146,12 @@ def _is_bare_backbone(arch: str) -> bool:
     )
 
 
-def _sentence_transformers(ckpt: Path) -> tuple[str | None, bool | None, int | None]:
-    """(pooling, normalize, max_seq_length) from a sentence-transformers layout; all None without one."""
+def _sentence_transformers(ckpt: Path) -> tuple[str | None, bool | None, int | None, bool]:
+    """(pooling, normalize, max_seq_length, do_lower_case) from a sentence-transformers layout (None, None,
+    None, False without one)."""
     modules_file = ckpt / "modules.json"
     if not modules_file.is_file():
-        return None, None, None
+        return None, None, None, False
     try:
         modules = json.loads(modules_file.read_text())
     except ValueError as e:
@@ -166,11 +170,12 @@ def _sentence_transformers(ckpt: Path) -> tuple[str | None, bool | None, int | N
                 f"{modules_file}: module {m.get('path')!r} of type {m.get('type')!r} is not supported "
                 "(batchgen runs Transformer, Pooling and Normalize modules)"
             )
-    max_len = None
+    st: dict[str, Any] = {}
     st_cfg = ckpt / "sentence_bert_config.json"
     if st_cfg.is_file():
-        max_len = json.loads(st_cfg.read_text()).get("max_seq_length")
-    return pooling, normalize, int(max_len) if max_len else None
+        st = json.loads(st_cfg.read_text())
+    max_len = st.get("max_seq_length")
+    return pooling, normalize, int(max_len) if max_len else None, bool(st.get("do_lower_case", False))
 
 
 def _st_pooling_mode(cfg_file: Path) -> str:
