@@ -9,7 +9,7 @@ import pytest
 from model_zoo import ARCHS, _config
 
 from batchgen import disk_cache
-from batchgen.models.config import NATIVE_ARCHITECTURES, ModelConfig
+from batchgen.models.config import NATIVE_ARCHITECTURES, NATIVE_TEXT_OF_MULTIMODAL, ModelConfig
 from batchgen.models.config_cache import KIND, _decode, _encode
 from batchgen.models.tiny import TINY_LM_DIR
 
@@ -23,6 +23,16 @@ def test_round_trip_is_exact(arch):
     cfg["architectures"] = [ARCHS[arch][1]]
     parsed = ModelConfig.from_dict(cfg, {"eos_token_id": [2, 3]})
     assert _decode(json.loads(json.dumps(_encode(parsed)))) == parsed
+
+
+@pytest.mark.parametrize("arch", [a for a in NATIVE_ZOO if ARCHS[a][1] not in NATIVE_TEXT_OF_MULTIMODAL])
+def test_a_config_without_architectures_parses_as_its_causal_lm(arch):
+    """No ``architectures`` key: the model_type's causal LM runs it (for gemma3_text, the text model, not the
+    vision-language checkpoint that also names it; that layout always names its architecture)."""
+    cfg = _config(arch, IDS, {}).to_dict()
+    cfg.pop("architectures", None)
+    named = {**cfg, "architectures": [ARCHS[arch][1]]}
+    assert ModelConfig.from_dict(cfg) == ModelConfig.from_dict(named)
 
 
 def _entries():

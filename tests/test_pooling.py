@@ -123,6 +123,38 @@ def test_decoder_classifier_and_reward_match_transformers(root, num_labels):
             assert o.outputs.label is None and o.outputs.score == pytest.approx(float(logits[0]), abs=1e-4)
 
 
+@pytest.mark.parametrize(
+    "arch,backbone,classifier",
+    [
+        ("qwen2", "Qwen2Model", "Qwen2ForSequenceClassification"),
+        ("mistral", "MistralModel", "MistralForSequenceClassification"),
+        ("gemma2", "Gemma2Model", "Gemma2ForSequenceClassification"),
+        # model_type gemma3_text is also the language model of the vision-language Gemma 3 checkpoints: a bare
+        # text backbone or classifier must load as the text model, not look for a text_config
+        ("gemma3_text", "Gemma3TextModel", "Gemma3TextForSequenceClassification"),
+    ],
+)
+def test_native_decoder_families_embed_and_classify(root, arch, backbone, classifier):
+    emb = zoo.decoder(root / f"{arch}-emb", arch, backbone, seed=15)
+    llm = LLM(emb, num_blocks=64, block_size=8, max_num_batched_tokens=48)
+    assert llm.engine.model.config.implementation == "native"
+    toks = _tokens(emb)
+    order = _shuffled(len(toks), 6)
+    ref_model = transformers.AutoModel.from_pretrained(emb).eval()
+    hidden = [_hf_hidden(ref_model, toks[i]) for i in order]
+    for method in ("last", "mean"):
+        outs = llm.embed([toks[i] for i in order], pooling=method, use_tqdm=False)
+        ref = torch.nn.functional.normalize(torch.stack([_ref_pool(h, method) for h in hidden]), dim=-1)
+        _assert_close_embeddings([o.outputs.embedding for o in outs], ref)
+    labels = {"num_labels": 3, "id2label": zoo.LABELS3, "label2id": {v: k for k, v in zoo.LABELS3.items()}}
+    cls = zoo.decoder(root / f"{arch}-cls", arch, classifier, seed=16, **labels)
+    outs = LLM(cls, num_blocks=64, block_size=8).classify([toks[i] for i in order], use_tqdm=False)
+    ref_cls = transformers.AutoModelForSequenceClassification.from_pretrained(cls).eval()
+    for i, o in zip(order, outs):
+        with torch.no_grad():
+            zoo.assert_classified(o, ref_cls(input_ids=torch.tensor([toks[i]])).logits[0], 3)
+
+
 def test_error_rows_do_not_disturb_others(qwen3_embedder):
     llm = LLM(qwen3_embedder, num_blocks=64, block_size=8, max_model_len=40)
     toks = _tokens(qwen3_embedder)[:3]

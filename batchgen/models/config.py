@@ -43,6 +43,11 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
 NATIVE_TEXT_OF_MULTIMODAL: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3_text",
 }
+# model_type -> the causal-LM architecture that runs it (a checkpoint naming no native architecture: a bare
+# backbone, a classifier, or none at all); never a vision-language one.
+CAUSAL_ARCHITECTURE_OF_TYPE: dict[str, str] = {
+    t: a for a, t in NATIVE_ARCHITECTURES.items() if a not in NATIVE_TEXT_OF_MULTIMODAL
+}
 # RoPE types whose frequencies do not depend on the batch (dynamic NTK rescales with the longest sequence).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -253,9 +258,8 @@ class ModelConfig(ContextFacts):
         archs = config.get("architectures") or []
         arch = next((a for a in archs if a in NATIVE_ARCHITECTURES), None)
         if arch is None:
-            by_type = {v: k for k, v in NATIVE_ARCHITECTURES.items()}
-            if not archs and config.get("model_type") in by_type:
-                arch = by_type[config["model_type"]]
+            if not archs and config.get("model_type") in CAUSAL_ARCHITECTURE_OF_TYPE:
+                arch = CAUSAL_ARCHITECTURE_OF_TYPE[config["model_type"]]
             else:
                 found = ", ".join(archs) or f"model_type={config.get('model_type')!r}"
                 raise NativeUnsupportedError(

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from batchgen.models.config import NATIVE_ARCHITECTURES, NativeUnsupportedError, read_config_files
+from batchgen.models.config import CAUSAL_ARCHITECTURE_OF_TYPE, NativeUnsupportedError, read_config_files
 from batchgen.models.packed_linear import PackedLinear
 from batchgen.pooling.checkpoint import CheckpointPooling
 
@@ -53,13 +53,12 @@ def native_config(info: CheckpointPooling):
     from batchgen.models.config import ModelConfig
 
     config, generation = read_config_files(info.path)
-    by_type = {v: k for k, v in NATIVE_ARCHITECTURES.items()}
-    causal = by_type.get(config.get("model_type"))
+    causal = CAUSAL_ARCHITECTURE_OF_TYPE.get(config.get("model_type"))
     if causal is None:
         raise NativeUnsupportedError(
             f"{info.path}: model_type {config.get('model_type')!r} ({info.architecture}) has no native decoder "
-            f"(native families: {', '.join(sorted(by_type))}); model.implementation=auto or transformers "
-            "pools it with transformers' modeling code"
+            f"(native families: {', '.join(sorted(CAUSAL_ARCHITECTURE_OF_TYPE))}); model.implementation=auto or "
+            "transformers pools it with transformers' modeling code"
         )
     config = {**config, "architectures": [causal], "tie_word_embeddings": True}
     return ModelConfig.from_dict(config, generation, source=str(Path(info.path) / "config.json"))
