@@ -1,10 +1,13 @@
-"""Encoder checkpoints (BERT, RoBERTa / XLM-RoBERTa / CamemBERT, DistilBERT, ELECTRA, ModernBERT) through
-transformers' modeling code, in length-bucketed, unpadded batches.
+"""Encoder checkpoints through transformers' modeling code, in length-bucketed batches: BERT, RoBERTa /
+XLM-RoBERTa / CamemBERT, DistilBERT, ELECTRA and ModernBERT unpadded; MPNet, DeBERTa(-v2) and ALBERT padded.
 
 The rows of a call are sorted by length and cut into batches of at most ``max_batch_tokens`` tokens (and
-``max_batch_seqs`` sequences); each batch runs as ONE packed row of tokens (no padding in any linear layer)
-with per-sequence position ids, and attention stays within each sequence (:mod:`.varlen_attention`). Results
-come back in the caller's order. Weights load from safetensors only; remote code never runs.
+``max_batch_seqs`` sequences). A packed family's batch runs as ONE packed row of tokens (no padding in any
+linear layer) with per-sequence position ids, and attention stays within each sequence
+(:mod:`.varlen_attention`). A family whose attention adds relative-position terms (MPNet, DeBERTa) or does not
+go through transformers' attention interface runs each batch padded to its longest row with an attention mask
+(length-sorted, so little of it is padding), through the model's own forward and head. Results come back in
+the caller's order. Weights load from safetensors only; remote code never runs.
 
 Heads: an embedding checkpoint returns the pooled backbone output; a ``*ForSequenceClassification`` checkpoint
 runs the architecture's own head modules on the pooled vectors exactly as transformers' forward would (BERT:
@@ -104,9 +107,7 @@ class EncoderModel:
         if info.model_type in _ROBERTA_LIKE:  # positions start after padding_idx
             self.position_offset = int(cfg.pad_token_id) + 1
             limit -= self.position_offset
-        elif (
-            info.model_type == "mpnet"
-        ):  # the same, with transformers' MPNet padding_idx of 1 whatever the config
+        elif info.model_type == "mpnet":  # the same, from transformers' fixed MPNet padding_idx of 1
             limit -= 2
         self.max_model_len = min(limit, info.max_seq_length or limit)
         self.uses_token_types = getattr(cfg, "type_vocab_size", 0) > 0 and info.model_type != "modernbert"
