@@ -1,8 +1,8 @@
 """Float32 CPU projections with oneDNN-packed weights.
 
 :func:`fast_cpu_weights` is what the loader runs once on a loaded native model, and
-:func:`pack_transformers_linears` on a model built by transformers' modeling code (the encoder and
-transformers-backed paths). Where oneDNN is available
+:func:`pack_transformers_linears` on a decoder built by transformers' modeling code (the transformers-backed
+path; the embedding encoders keep MKL: their batches are thousands of rows). Where oneDNN is available
 (torch's x86-64 builds have it), each `nn.Linear` of the model becomes a :class:`PackedLinear`: the
 same module (name, `in_features`, `out_features`, bias), its weight reordered once into oneDNN's blocked
 layout for the machine's instruction set (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied with
