@@ -1,7 +1,9 @@
-"""The embedding benchmark's compute floor: FLOP counting and the GEMM peak it divides by (not timed: speed lives
-in BENCHMARKS.md)."""
+"""The embedding benchmark: its compute floor (FLOP counting, the per-kernel GEMM rates it divides by) and one
+end-to-end run on a few rows (nothing timed is asserted: speed lives in BENCHMARKS.md)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -19,12 +21,16 @@ def test_encoder_flops_counts_projections_and_attention_per_sequence() -> None:
     assert embed.encoder_flops(SIZES, [1, 3]) < embed.encoder_flops(SIZES, [3, 3])
 
 
-def test_gemm_peak_is_a_positive_rate() -> None:
-    assert embed.gemm_peak(SIZES, rows=(16,), seconds=0.01) > 0
+def test_gemm_rates_are_positive_per_kernel() -> None:
+    from batchgen.models.packed_linear import onednn_available
+
+    rates = embed.gemm_rates(SIZES, rows=(16,), seconds=0.01)
+    assert set(rates) == ({"matmul", "onednn"} if onednn_available() else {"matmul"})
+    assert all(r > 0 for r in rates.values())
 
 
 def test_floor_is_flops_over_peak_beside_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(embed, "gemm_peak", lambda sizes: 1e9)
+    monkeypatch.setattr(embed, "gemm_rates", lambda sizes: {"matmul": 1e9, "onednn": 0.5e9})
     results = [
         {"system": "batchgen", "wall_s": 2.0},
         {"system": "sentence-transformers", "wall_s": 3.0},
@@ -34,4 +40,18 @@ def test_floor_is_flops_over_peak_beside_the_target(monkeypatch: pytest.MonkeyPa
     assert f["floor_s"] == pytest.approx(embed.encoder_flops(embed._BERT, [10, 20]) / 1e9)
     assert f["st_best_s"] == 3.0 and f["st_best_div_1_5_s"] == pytest.approx(2.0)
     line = embed._floor_line(f)
-    assert "float32 compute floor" in line and "2.00 s" in line
+    assert "float32 compute floor" in line and "2.00 s" in line and "MKL 1, oneDNN packed 0 GFLOP/s" in line
+
+
+def test_the_benchmark_runs_end_to_end_on_a_few_rows(tmp_path) -> None:
+    """Every system of the encoder table on 40 rows (sentence-transformers where installed), the packed-weights
+    batchgen row included, and the decoder's prefix cache on and off; the JSON holds what the tables print."""
+    out = tmp_path / "embed.json"
+    embed.main(["--rows", "40", "--decoder-rows", "8", "--st-batch-sizes", "16", "--json", str(out)])
+    res = json.loads(out.read_text())
+    settings = [r["setting"] for r in res["encoder"]]
+    assert settings[0] == "LLM.embed" and "transformers" in {r["system"] for r in res["encoder"]}
+    assert all(r["cos"] >= 0.9999 for r in res["encoder"])
+    assert res["encoder_floor"]["floor_s"] > 0 and res["encoder_floor"]["matmul_flops_per_s"] > 0
+    assert [r["setting"] for r in res["decoder"]] == ["prefix cache on", "prefix cache off"]
+    assert res["decoder"][0]["cached_fraction"] > 0.5 and res["decoder"][1]["cached_fraction"] == 0
