@@ -95,8 +95,8 @@ class EncoderModel:
             **attn,
         )
         # Linear layers keep their weights as loaded (MKL's GEMM): an encoder batch is hundreds to thousands of
-        # token rows, where MKL ran the encoder's projections 5-18% faster than oneDNN's packed weights (which
-        # win at a decode step's tens of rows: the engine's decoders keep them).
+        # token rows, where MKL is faster than oneDNN's packed weights, which win at a decode step's tens of
+        # rows (the engine's decoders use them); `python -m batchgen.bench.embed` compares both.
         self.model = model.to(device).eval().requires_grad_(False)
         self.backbone: nn.Module = getattr(model, model.base_model_prefix) if self.classify else model
         cfg = model.config
