@@ -207,7 +207,9 @@ class JobConfig:
     'embedding' column (fixed-size list of float32, see pooling.*); 'classify': 'probs' (one score per label) and
     'label' columns from a *ForSequenceClassification checkpoint (a one-label reward head: probs=[score]).
     embed/classify run decoders on the paged engine (native code or transformers', see model.implementation;
-    engine.tensor_parallel_size shards native decoders) and encoders (BERT-like) in unpadded batches."""
+    engine.tensor_parallel_size shards native decoders) and encoders through transformers' code (BERT, RoBERTa,
+    XLM-RoBERTa, CamemBERT, DistilBERT, ELECTRA, ModernBERT in unpadded batches; MPNet, DeBERTa, ALBERT in
+    length-sorted padded ones)."""
 
 
 GROUPS: dict[str, type] = {
