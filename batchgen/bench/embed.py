@@ -129,47 +129,70 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def run_encoder(path: str, texts: list[str], st_batch_sizes: list[int]) -> list[dict[str, Any]]:
-    import torch
     import transformers
-
-    from batchgen import LLM
-    from batchgen.models.packed_linear import onednn_available, pack_transformers_linears
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
     n_tokens = sum(len(t) for t in tok(texts)["input_ids"])
-    results: list[dict[str, Any]] = []
+    ours, results = _batchgen_rows(path, texts)
+    results += _sentence_transformers_rows(path, texts, st_batch_sizes, ours)
+    wall, emb = _timed(_padded_automodel(path, tok), texts)
+    results.append(
+        {
+            "system": "transformers",
+            "setting": "AutoModel padded batch 32",
+            "wall_s": wall,
+            "cos": _cos(ours, emb),
+        }
+    )
+    for r in results:
+        r["rows_per_s"] = len(texts) / r["wall_s"]
+        r["tok_per_s"] = n_tokens / r["wall_s"]
+    return results
+
+
+def _batchgen_rows(path: str, texts: list[str]) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """batchgen's embeddings and its rows: ``LLM.embed`` as it loads, then with the encoder's linear layers
+    oneDNN-packed (the generation engine's weight layout; encoders keep MKL's) for comparison."""
+    from batchgen import LLM
+    from batchgen.models.packed_linear import onednn_available, pack_transformers_linears
 
     llm = LLM(path, device="cpu")
     wall, ours = _timed(lambda xs: [o.outputs.embedding for o in llm.embed(xs, use_tqdm=False)], texts)
-    results.append({"system": "batchgen", "setting": "LLM.embed", "wall_s": wall, "cos": 1.0})
-    if onednn_available():  # the generation engine's weight layout, for comparison (encoders keep MKL's)
+    rows = [{"system": "batchgen", "setting": "LLM.embed", "wall_s": wall, "cos": 1.0}]
+    if onednn_available():
         packed = LLM(path, device="cpu")
         pack_transformers_linears(packed.pooler.encoder.model)
         wall, emb = _timed(lambda xs: [o.outputs.embedding for o in packed.embed(xs, use_tqdm=False)], texts)
-        results.append(
-            {
-                "system": "batchgen",
-                "setting": "LLM.embed, linear layers oneDNN-packed",
-                "wall_s": wall,
-                "cos": _cos(ours, emb),
-            }
-        )
-        del packed
+        setting = "LLM.embed, linear layers oneDNN-packed"
+        rows.append({"system": "batchgen", "setting": setting, "wall_s": wall, "cos": _cos(ours, emb)})
+    return ours, rows
 
+
+def _sentence_transformers_rows(
+    path: str, texts: list[str], batch_sizes: list[int], ours: np.ndarray
+) -> list[dict[str, Any]]:
+    """``SentenceTransformer.encode`` at each batch size, its best marked (none where it is not installed)."""
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError:
-        SentenceTransformer = None  # noqa: N806
-    if SentenceTransformer is not None:
-        st = SentenceTransformer(path, device="cpu")
-        best = None
-        for b in st_batch_sizes:
-            wall, emb = _timed(lambda xs, b=b: st.encode(xs, batch_size=b, show_progress_bar=False), texts)
-            row = {"system": "sentence-transformers", "setting": f"encode batch_size={b}", "wall_s": wall}
-            row["cos"] = _cos(ours, emb)
-            results.append(row)
-            best = row if best is None or wall < best["wall_s"] else best
-        best["best"] = True
+        return []
+    st = SentenceTransformer(path, device="cpu")
+    rows: list[dict[str, Any]] = []
+    for b in batch_sizes:
+        wall, emb = _timed(lambda xs, b=b: st.encode(xs, batch_size=b, show_progress_bar=False), texts)
+        rows.append(
+            {"system": "sentence-transformers", "setting": f"encode batch_size={b}", "wall_s": wall}
+            | {"cos": _cos(ours, emb)}
+        )
+    if rows:
+        min(rows, key=lambda r: r["wall_s"])["best"] = True
+    return rows
+
+
+def _padded_automodel(path: str, tok: Any) -> Any:
+    """transformers' ``AutoModel`` over padded batches of 32 rows in input order, mean pooling, normalised."""
+    import torch
+    import transformers
 
     model = transformers.AutoModel.from_pretrained(path).eval()
 
@@ -184,19 +207,7 @@ def run_encoder(path: str, texts: list[str], st_batch_sizes: list[int]) -> list[
                 out += list(torch.nn.functional.normalize(v, dim=-1).numpy())
         return out
 
-    wall, emb = _timed(hf, texts)
-    results.append(
-        {
-            "system": "transformers",
-            "setting": "AutoModel padded batch 32",
-            "wall_s": wall,
-            "cos": _cos(ours, emb),
-        }
-    )
-    for r in results:
-        r["rows_per_s"] = len(texts) / r["wall_s"]
-        r["tok_per_s"] = n_tokens / r["wall_s"]
-    return results
+    return hf
 
 
 def encoder_flops(sizes: dict[str, Any], lengths: list[int]) -> float:
