@@ -52,6 +52,17 @@ def _assert_close_embeddings(ours, ref, normalize=True):
         torch.testing.assert_close(ours.norm(dim=-1), torch.ones(len(ours)), atol=1e-5, rtol=0)
 
 
+def _assert_embeds_as_automodel(llm, path, toks: list[list[int]], methods: tuple[str, ...]) -> None:
+    """``llm.embed`` of ``toks`` (one call per pooling method, normalised) against transformers' ``AutoModel``
+    hidden states of each row alone, pooled the same way."""
+    ref_model = transformers.AutoModel.from_pretrained(path).eval()
+    hidden = [_hf_hidden(ref_model, t) for t in toks]
+    for method in methods:
+        outs = llm.embed(toks, pooling=method, use_tqdm=False)
+        ref = torch.nn.functional.normalize(torch.stack([_ref_pool(h, method) for h in hidden]), dim=-1)
+        _assert_close_embeddings([o.outputs.embedding for o in outs], ref)
+
+
 def _shuffled(n: int, seed: int = 0) -> list[int]:
     order = list(range(n))
     random.Random(seed).shuffle(order)
@@ -140,12 +151,7 @@ def test_native_decoder_families_embed_and_classify(root, arch, backbone, classi
     assert llm.engine.model.config.implementation == "native"
     toks = _tokens(emb)
     order = _shuffled(len(toks), 6)
-    ref_model = transformers.AutoModel.from_pretrained(emb).eval()
-    hidden = [_hf_hidden(ref_model, toks[i]) for i in order]
-    for method in ("last", "mean"):
-        outs = llm.embed([toks[i] for i in order], pooling=method, use_tqdm=False)
-        ref = torch.nn.functional.normalize(torch.stack([_ref_pool(h, method) for h in hidden]), dim=-1)
-        _assert_close_embeddings([o.outputs.embedding for o in outs], ref)
+    _assert_embeds_as_automodel(llm, emb, [toks[i] for i in order], ("last", "mean"))
     labels = {"num_labels": 3, "id2label": zoo.LABELS3, "label2id": {v: k for k, v in zoo.LABELS3.items()}}
     cls = zoo.decoder(root / f"{arch}-cls", arch, classifier, seed=16, **labels)
     outs = LLM(cls, num_blocks=64, block_size=8).classify([toks[i] for i in order], use_tqdm=False)
@@ -191,14 +197,7 @@ def test_encoder_embedder_matches_transformers(root, kind, model_class):
     assert llm.task == "embed" and llm.engine is None
     toks = _tokens(path)
     order = _shuffled(len(toks), 2)
-    ref_model = transformers.AutoModel.from_pretrained(path).eval()
-    hidden = [_hf_hidden(ref_model, toks[i]) for i in order]
-    for method in ("cls", "mean"):
-        outs = llm.embed([toks[i] for i in order], pooling=method, use_tqdm=False)
-        ref = torch.stack([_ref_pool(h, method) for h in hidden])
-        _assert_close_embeddings(
-            [o.outputs.embedding for o in outs], torch.nn.functional.normalize(ref, dim=-1)
-        )
+    _assert_embeds_as_automodel(llm, path, [toks[i] for i in order], ("cls", "mean"))
 
 
 @pytest.mark.parametrize(
