@@ -158,14 +158,17 @@ class PoolingRunner:
     def _finish(self, vectors: torch.Tensor, spec: PoolingSpec) -> list[PooledRow]:
         """Pooled hidden states ``[B, H]`` -> rows (head, normalisation, truncation applied)."""
         if self.task == "classify":
-            logits = self._head(vectors)
-            probs = class_probs(logits, self.info.problem_type).tolist()
-            labels = self.info.labels
-            return [
-                PooledRow(p, None if len(p) == 1 else labels[max(range(len(p)), key=p.__getitem__)])
-                for p in probs
-            ]
+            return self._classified(self._head(vectors))
         return [PooledRow(v) for v in finish_embedding(vectors, spec).tolist()]
+
+    def _classified(self, logits: torch.Tensor) -> list[PooledRow]:
+        """A head's logits ``[B, num_labels]`` -> rows: the class scores and the most likely label's name (no
+        label for a one-label head's score)."""
+        labels = self.info.labels
+        return [
+            PooledRow(p, None if len(p) == 1 else labels[max(range(len(p)), key=p.__getitem__)])
+            for p in class_probs(logits, self.info.problem_type).tolist()
+        ]
 
     def _head(self, vectors: torch.Tensor) -> torch.Tensor:
         assert self.engine is not None
@@ -182,13 +185,9 @@ class PoolingRunner:
             out = enc.forward([token_lists[i] for i in rows])
             if self.task == "classify":
                 assert out.logits is not None
-                probs = class_probs(out.logits, self.info.problem_type).tolist()
-                labels = self.info.labels
-                done = [
-                    PooledRow(p, None if len(p) == 1 else labels[max(range(len(p)), key=p.__getitem__)])
-                    for p in probs
-                ]
+                done = self._classified(out.logits)
             else:
+                assert out.hidden is not None
                 vectors = pool(out.hidden, out.cu, spec.method)
                 done = [PooledRow(v) for v in finish_embedding(vectors, spec).tolist()]
             for i, r in zip(rows, done):

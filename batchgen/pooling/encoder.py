@@ -58,10 +58,11 @@ def length_batches(lengths: Sequence[int], max_tokens: int, max_seqs: int) -> li
 
 @dataclass
 class EncoderOutput:
-    """One batch's forward: ``hidden [T, H]`` (every row's tokens, packed in the batch's order), ``cu [B + 1]``
-    (where each row starts in ``hidden``) and, for a classifier, the head's ``logits [B, num_labels]``."""
+    """One batch's forward: ``hidden [T, H]`` (every row's tokens, packed in the batch's order; None for a
+    padded family's classifier, whose head ran inside the model), ``cu [B + 1]`` (where each row starts in
+    ``hidden``) and, for a classifier, the head's ``logits [B, num_labels]``."""
 
-    hidden: Tensor
+    hidden: Tensor | None
     cu: Tensor
     logits: Tensor | None
 
@@ -144,10 +145,9 @@ class EncoderModel:
             ids[i, : len(toks)] = torch.as_tensor(list(toks), dtype=torch.long)
         mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
         ids, mask = ids.to(self.device), mask.to(self.device)
-        if self.classify:
-            out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-            return EncoderOutput(out.hidden_states[-1][mask.bool()], cu, out.logits)
         out = self.model(input_ids=ids, attention_mask=mask)
+        if self.classify:
+            return EncoderOutput(None, cu, out.logits)
         return EncoderOutput(out.last_hidden_state[mask.bool()], cu, None)
 
     def _head(self, hidden: Tensor, cu: Tensor) -> Tensor:
