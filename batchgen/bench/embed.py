@@ -180,9 +180,9 @@ def _sentence_transformers_rows(
     rows: list[dict[str, Any]] = []
     for b in batch_sizes:
         wall, emb = _timed(lambda xs, b=b: st.encode(xs, batch_size=b, show_progress_bar=False), texts)
+        setting = f"encode batch_size={b}"
         rows.append(
-            {"system": "sentence-transformers", "setting": f"encode batch_size={b}", "wall_s": wall}
-            | {"cos": _cos(ours, emb)}
+            {"system": "sentence-transformers", "setting": setting, "wall_s": wall, "cos": _cos(ours, emb)}
         )
     if rows:
         min(rows, key=lambda r: r["wall_s"])["best"] = True
