@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from batchgen.kernels import torch_backend, triton_available
+from batchgen.kernels import cpu_kernel, torch_backend, triton_available
 from batchgen.kernels.lora import LoRAPlan
 from batchgen.kernels.options import AttentionOptions  # re-exported: models build one per layer
 from batchgen.kernels.paged_kv import PagedKV
@@ -103,6 +103,22 @@ class AttentionBackend(Protocol):
         self, q: Tensor, kv: PagedKV, options: AttentionOptions, *, max_seq_len: int, scratch: dict
     ) -> Tensor: ...
 
+    def store_and_decode(
+        self,
+        q: Tensor,
+        key: Tensor,
+        value: Tensor,
+        slot_mapping: Tensor,
+        kv: PagedKV,
+        options: AttentionOptions,
+        *,
+        max_seq_len: int,
+        scratch: dict,
+    ) -> Tensor:
+        """``store_kv`` of the step's ``key``/``value`` (one per sequence), then ``decode``: the same result,
+        in one pass where the backend can (the CPU's C kernel writes each row as it attends)."""
+        ...
+
     def prefill(
         self, q: Tensor, cu_seqlens_q: Tensor, kv: PagedKV, options: AttentionOptions, *, max_query_len: int
     ) -> Tensor: ...
@@ -127,6 +143,24 @@ class TorchBackend:
     ) -> Tensor:
         workspace = self._workspace_for(q)
         return torch_backend.paged_decode_attention(q, kv, options, workspace=workspace, plan_cache=scratch)
+
+    def store_and_decode(
+        self,
+        q: Tensor,
+        key: Tensor,
+        value: Tensor,
+        slot_mapping: Tensor,
+        kv: PagedKV,
+        options: AttentionOptions,
+        *,
+        max_seq_len: int,
+        scratch: dict,
+    ) -> Tensor:
+        workspace = self._workspace_for(q)
+        new_kv = cpu_kernel.NewKV(key, value, slot_mapping.long())
+        return torch_backend.paged_decode_attention(
+            q, kv, options, workspace=workspace, plan_cache=scratch, new_kv=new_kv
+        )
 
     def prefill(
         self, q: Tensor, cu_seqlens_q: Tensor, kv: PagedKV, options: AttentionOptions, *, max_query_len: int
@@ -155,6 +189,21 @@ class TritonBackend:
         self, q: Tensor, kv: PagedKV, options: AttentionOptions, *, max_seq_len: int, scratch: dict
     ) -> Tensor:
         return self._decode(q, kv, options, max_seq_len=max_seq_len)
+
+    def store_and_decode(
+        self,
+        q: Tensor,
+        key: Tensor,
+        value: Tensor,
+        slot_mapping: Tensor,
+        kv: PagedKV,
+        options: AttentionOptions,
+        *,
+        max_seq_len: int,
+        scratch: dict,
+    ) -> Tensor:
+        self.store_kv(key, value, kv.k_cache, kv.v_cache, slot_mapping)
+        return self.decode(q, kv, options, max_seq_len=max_seq_len, scratch=scratch)
 
     def prefill(
         self, q: Tensor, cu_seqlens_q: Tensor, kv: PagedKV, options: AttentionOptions, *, max_query_len: int
@@ -227,12 +276,12 @@ class PagedAttention:
         softmax denominator (gpt-oss). None = plain causal attention, exactly as without them.
         """
         impl = self.impl
-        impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_seqs
         kv = PagedKV(k_cache, v_cache, meta.block_tables, meta.seq_lens)
         decode = dict(max_seq_len=meta.max_seq_len, scratch=meta.scratch)
         if nd == meta.seq_lens.shape[0]:
-            return impl.decode(q, kv, options, **decode)
+            return impl.store_and_decode(q, k, v, meta.slot_mapping, kv, options, **decode)
+        impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if nd == 0:
             return impl.prefill(q, meta.cu_seqlens_q, kv, options, max_query_len=meta.max_query_len)
         out = torch.empty_like(q)

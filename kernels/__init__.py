@@ -16,8 +16,11 @@ semantics:
   (this package itself imports only torch). Their kernels are compiled for CUDA tensors and run in Triton's
   interpreter for CPU tensors (or whenever ``TRITON_INTERPRET=1``), see :mod:`._jit`.
 
-Also here: :mod:`.testing` (random paged batches for tests and benchmarks) and :mod:`.aot` (compile the kernels
-for a GPU without one, to check they build and do not spill registers). The engine picks a backend in
+Also here: :mod:`.testing` (random paged batches for tests and benchmarks), :mod:`.aot` (compile the kernels
+for a GPU without one, to check they build and do not spill registers), and the CPU models' other C kernels,
+built into the same library as the attention kernel (:mod:`.cpu_kernel`): the float32 linear layer over
+weights packed into 16-column panels (:mod:`.cpu_linear`, ``csrc/linear_cpu.c``) and a decoder layer's
+elementwise steps — RMSNorm, SiLU·up, RoPE, the KV store (:mod:`.cpu_ops`, ``csrc/layer_ops_cpu.c``). The engine picks a backend in
 :mod:`batchgen.attention`.
 
 KV cache layout (the whole engine uses it)

@@ -1,7 +1,10 @@
-"""The CPU paged decode attention kernel (``csrc/paged_attention_cpu.c``): compiled on first use, loaded with
-ctypes, called by :func:`.torch_backend.paged_decode_attention` instead of its gather + SDPA.
+"""The CPU's C kernels, compiled on first use into one library and loaded with ctypes: paged attention
+(``csrc/paged_attention_cpu.c``: decode, prefill, the cascade's prefix half; called by
+:func:`.torch_backend.paged_decode_attention` instead of its gather + SDPA, and by its prefill path), the
+float32 linear layer (``csrc/linear_cpu.c``, through :mod:`.cpu_linear`) and a decoder layer's elementwise
+steps (``csrc/layer_ops_cpu.c``, through :mod:`.cpu_ops`).
 
-The kernel reads K/V blocks where they lie in the paged cache (no gather into a workspace), handles the query
+The decode kernel reads K/V blocks where they lie in the paged cache (no gather into a workspace), handles the query
 heads of one KV head together (each K/V row is read once), and runs over (sequence, KV head) items with
 OpenMP. Semantics: :mod:`.reference` (scale, sliding window, soft-capping, sinks); results are deterministic
 (bit-identical run to run, whatever the thread count).
@@ -45,9 +48,12 @@ from .paged_kv import PagedKV
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_attention_cpu.c", "linear_cpu.c", "layer_ops_cpu.c")
+)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-LIB_NAME = "paged_attention_cpu.so"
+LIB_NAME = "batchgen_cpu.so"
 MAX_HEADS = 256  # query heads one work item of the kernel may hold (so: per KV head at most)
 ENV_SWITCH = "BATCHGEN_CPU_KERNEL"
 CASCADE_MIN_SAVED = 0.3
@@ -107,18 +113,20 @@ def _compiler_identity(cc: list[str]) -> str:
 def build_key(cc: list[str], defines: tuple[str, ...] = ()) -> str:
     """SHA-256 (hex, 16 chars) of everything the binary depends on."""
     flags = [*FLAGS, *(f"-D{d}" for d in defines)]
-    parts = [SOURCE.read_bytes().hex(), _compiler_identity(cc), " ".join(cc), *flags, platform.machine()]
+    sources = [src.read_bytes().hex() for src in SOURCES]
+    parts = [*sources, _compiler_identity(cc), " ".join(cc), *flags, platform.machine()]
     return hashlib.sha256("\0".join([*parts, _cpu_flags()]).encode()).hexdigest()[:16]
 
 
 def build(cc: list[str], defines: tuple[str, ...] = ()) -> Path:
-    """Compile the kernel (or find it built) and return the ``.so`` path; raises on failure. ``defines``:
+    """Compile the kernels (or find them built) and return the ``.so`` path; raises on failure. ``defines``:
     preprocessor macros (``BATCHGEN_GENERIC``: the plain-C loops instead of the AVX2 ones; tests build both)."""
     from batchgen.atomic import build_dir_once
     from batchgen.disk_cache import cache_root
 
     def compile_into(tmp: Path) -> None:
-        cmd = [*cc, *FLAGS, *(f"-D{d}" for d in defines), "-o", str(tmp / LIB_NAME), str(SOURCE), "-lm"]
+        out = ["-o", str(tmp / LIB_NAME), *map(str, SOURCES), "-lm"]
+        cmd = [*cc, *FLAGS, *(f"-D{d}" for d in defines), *out]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
@@ -130,19 +138,20 @@ def build(cc: list[str], defines: tuple[str, ...] = ()) -> Path:
 def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     cc = compiler()
     if cc is None:
-        logger.info("no C compiler found: CPU decode attention uses the torch path")
+        logger.info("no C compiler found: CPU attention and linear layers use the torch path")
         return None
     try:
         lib = ctypes.CDLL(str(build(cc, defines)))
         fn = lib.batchgen_paged_decode_f32
     except Exception as exc:  # a failed compile, load or symbol lookup: the torch path serves
-        logger.info("CPU attention kernel unavailable (%s): using the torch path", exc)
+        logger.info("CPU C kernels unavailable (%s): using the torch path", exc)
         return None
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     fn.argtypes = (
         [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr]
         + [i32] * 5
         + [f32, i32, f32, ptr, i32, i32, i64, i64, ptr, ptr]
+        + [ptr, i64, i64, ptr, i64, i64, ptr]
     )
     fn.restype = i32
     prefix = lib.batchgen_cascade_prefix_f32
@@ -159,6 +168,30 @@ def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         + [f32, i32, i32, ptr, ptr, i32]
     )
     prefill_fn.restype = i32
+    linear = lib.batchgen_linear_f32
+    linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64] + [i32] * 4
+    linear.restype = i32
+    lib.batchgen_rms_norm_f32.argtypes = [
+        ptr,
+        i64,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        i32,
+        ptr,
+        i32,
+        i32,
+        i32,
+        f32,
+        i32,
+        i32,
+    ]
+    lib.batchgen_silu_mul_f32.argtypes = [ptr, i64, ptr, i32, i32, i32]
+    lib.batchgen_rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr] + [i32] * 5
+    lib.batchgen_store_kv_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i32, i32, i32]
+    for name in ("rms_norm", "silu_mul", "rope", "store_kv"):
+        getattr(lib, f"batchgen_{name}_f32").restype = i32
     return lib
 
 
@@ -244,18 +277,55 @@ def heads_per_item(batch: int, num_kv_heads: int, group: int, threads: int) -> i
     return 1
 
 
-def decode(q: Tensor, kv: PagedKV, options: AttentionOptions) -> Tensor | None:
+@dataclass
+class NewKV:
+    """A decode step's own K/V rows, ``key``/``value`` ``[B, Hkv, D]`` float32 (last dim contiguous), not yet in
+    the cache: :func:`decode` and :func:`decode_suffix` write them at ``slots`` ``[B]`` int64 (−1: none) as they
+    attend, and set ``written``; a caller whose kernel call did not run stores them itself first."""
+
+    key: Tensor
+    value: Tensor
+    slots: Tensor
+    written: bool = False
+
+
+def decode(q: Tensor, kv: PagedKV, options: AttentionOptions, new_kv: NewKV | None = None) -> Tensor | None:
     """Paged decode attention ``q [B,Hq,D]`` → ``[B,Hq,D]`` by the C kernel, or None when it cannot serve it
-    (then the caller's torch path does). Every ``kv.seq_lens[b]`` must be >= 1 (as everywhere in this package)."""
-    res = _call(q, kv, options, None)
+    (then the caller's torch path does). Every ``kv.seq_lens[b]`` must be >= 1 (as everywhere in this package).
+    ``new_kv``: the step's K/V, stored by the same pass (see :class:`NewKV`)."""
+    res = _call(q, kv, options, None, new_kv)
     return None if res is None else res[0]
 
 
-def decode_suffix(q: Tensor, kv: PagedKV, scale: float, starts: Tensor) -> tuple[Tensor, Tensor] | None:
+def decode_suffix(
+    q: Tensor, kv: PagedKV, scale: float, starts: Tensor, new_kv: NewKV | None = None
+) -> tuple[Tensor, Tensor] | None:
     """The suffix half of cascade attention: sequence ``b`` attends only to its keys at positions >=
     ``starts[b]``; returns ``(out [B,Hq,D], lse [B,Hq])`` (natural log-sum-exp of the scaled logits, -inf with
     a zero output where a sequence has no such key), or None when the kernel cannot serve the call."""
-    return _call(q, kv, AttentionOptions(scale), starts)
+    return _call(q, kv, AttentionOptions(scale), starts, new_kv)
+
+
+def _new_kv_args(new_kv: NewKV | None) -> list[object]:
+    """The kernel's trailing arguments for ``new_kv`` (NULLs when there is nothing to store)."""
+    if new_kv is None or new_kv.written:
+        return [None, 0, 0, None, 0, 0, None]
+    k, v, slots = new_kv.key, new_kv.value, new_kv.slots
+    return [k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr()]
+
+
+def _storable(new_kv: NewKV | None, batch: int, num_kv_heads: int, head_dim: int) -> bool:
+    if new_kv is None or new_kv.written:
+        return True
+    k, v, slots = new_kv.key, new_kv.value, new_kv.slots
+    return (
+        k.dtype == v.dtype == torch.float32
+        and k.shape == v.shape == (batch, num_kv_heads, head_dim)
+        and k.stride(-1) == v.stride(-1) == 1
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and slots.shape == (batch,)
+    )
 
 
 def _library_for(q: Tensor, kv: PagedKV) -> ctypes.CDLL | None:
@@ -266,7 +336,7 @@ def _library_for(q: Tensor, kv: PagedKV) -> ctypes.CDLL | None:
 
 
 def _call(
-    q: Tensor, kv: PagedKV, options: AttentionOptions, starts: Tensor | None
+    q: Tensor, kv: PagedKV, options: AttentionOptions, starts: Tensor | None, new_kv: NewKV | None = None
 ) -> tuple[Tensor, Tensor | None] | None:
     k_cache, v_cache, block_tables, seq_lens = kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens
     lib = _library_for(q, kv)
@@ -274,6 +344,8 @@ def _call(
         return None
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    if not _storable(new_kv, batch, num_kv_heads, head_dim):
+        return None
     tables = _int32(block_tables)
     lens = _int32(seq_lens)
     sinks = options.sinks
@@ -290,8 +362,13 @@ def _call(
         options.softcap or 0.0, None if sinks is None else sinks.data_ptr(), threads,
         heads_per_item(batch, num_kv_heads, num_q_heads // num_kv_heads, threads), tables.shape[1],
         k_cache.shape[0], None if starts is None else starts.data_ptr(), None if lse is None else lse.data_ptr(),
+        *_new_kv_args(new_kv),
     )  # fmt: skip
-    return (out, lse) if status == 0 else None
+    if status != 0:
+        return None
+    if new_kv is not None:
+        new_kv.written = True
+    return out, lse
 
 
 @dataclass

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import cpu_kernel
+from . import cpu_kernel, cpu_ops
 from .options import AttentionOptions
 from .paged_kv import PagedKV
 
@@ -71,6 +71,8 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
         return
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping.long()
+    if cpu_ops.store_kv(key, value, k_cache, v_cache, slots):  # float32: one C pass
+        return
     keep = slots >= 0
     if not bool(keep.all()):
         key, value, slots = key[keep], value[keep], slots[keep]
@@ -115,6 +117,7 @@ def paged_decode_attention(
     *,
     workspace: Workspace | None = None,
     plan_cache: dict | None = None,
+    new_kv: cpu_kernel.NewKV | None = None,
 ) -> Tensor:
     """One query per sequence (the token at position ``kv.seq_lens[b] - 1``) attending to its whole context.
 
@@ -124,6 +127,10 @@ def paged_decode_attention(
     (the engine's CPU call) and float32 tensors, the C kernel of :mod:`.cpu_kernel` runs instead (same
     semantics; ``BATCHGEN_CPU_KERNEL=0`` turns it off), through the cascade when shared prefixes save enough
     reads (``cpu_kernel.CASCADE_MIN_SAVED``).
+
+    ``new_kv``: the step's own K/V, not yet in the cache (``kv`` does count them in ``seq_lens``): the C
+    kernel writes them in the pass that attends (the cache lines are fetched once); every other path stores
+    them first.
     """
     k_cache, v_cache, block_tables, seq_lens = kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens
     batch, num_q_heads, head_dim = q.shape
@@ -132,18 +139,21 @@ def paged_decode_attention(
     # The engine's CPU call (it passes a workspace) goes to the C kernel, which reads blocks in place, unless
     # shared prefixes cut the blocks read enough for the cascade (both halves in C; kernels/cpu_kernel.py).
     kernel = workspace is not None and cpu_kernel.serves(q, k_cache, v_cache)
+    if not kernel:
+        _store_new(new_kv, kv)
     scale = options.scale
     block_size = k_cache.shape[1]
     lens = seq_lens.to(q.device)
     if options.plain and batch >= 2 * _CASCADE_MIN_GROUP:
         min_saved = cpu_kernel.CASCADE_MIN_SAVED if kernel else _CASCADE_MIN_SAVED
-        out = _decode_cascade(q, kv, scale, workspace, plan_cache, min_saved, kernel)
+        out = _decode_cascade(q, kv, scale, workspace, plan_cache, min_saved, kernel, new_kv)
         if out is not None:
             return out
     if kernel:
-        out = cpu_kernel.decode(q, kv, options)
+        out = cpu_kernel.decode(q, kv, options, new_kv)
         if out is not None:
             return out
+    _store_new(new_kv, kv)
     if not options.plain:
         cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
         return _prefill_padded(q, cu, kv, options, workspace)
@@ -156,6 +166,13 @@ def paged_decode_attention(
     for start, end, ids, max_len, mask in plan.groups:
         out[start:end] = _decode_padded(qs[start:end], k_cache, v_cache, ids, max_len, mask, scale, workspace)
     return out.index_select(0, plan.inverse)
+
+
+def _store_new(new_kv: cpu_kernel.NewKV | None, kv: PagedKV) -> None:
+    """Store ``new_kv`` in ``kv``'s caches unless a kernel already has."""
+    if new_kv is not None and not new_kv.written:
+        store_kv(new_kv.key, new_kv.value, kv.k_cache, kv.v_cache, new_kv.slots)
+        new_kv.written = True
 
 
 _DECODE_PAD_SLACK = 1.25
@@ -379,6 +396,7 @@ def _decode_cascade(
     plan_cache: dict | None = None,
     min_saved: float = _CASCADE_MIN_SAVED,
     kernel: bool = False,
+    new_kv: cpu_kernel.NewKV | None = None,
 ) -> Tensor | None:
     """Decode attention that reads a prefix shared by a group of sequences once for the whole group.
 
@@ -407,9 +425,10 @@ def _decode_cascade(
     if plan is None:
         return None
     if kernel and plan.prefix is not None:  # both halves in C: suffixes in place, each prefix once per group
-        res = cpu_kernel.decode_suffix(q, kv, scale, plan.starts)
+        res = cpu_kernel.decode_suffix(q, kv, scale, plan.starts, new_kv)
         if res is not None and cpu_kernel.merge_prefix(q, kv, scale, plan.prefix, *res):
             return res[0].to(q.dtype)
+    _store_new(new_kv, kv)
     # The `group` query heads of one kv head act as `group` queries of that head: GQA without repeating K/V.
     qg = q.view(batch, num_kv_heads, group, head_dim)
     try:

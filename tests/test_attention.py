@@ -276,6 +276,50 @@ def test_paged_attention_torch_forward_stores_then_attends(case):
     torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("path", ["kernel", "cascade", "torch"])
+def test_decode_step_stores_its_own_kv_on_every_path(monkeypatch, path):
+    """An all-decode step: the C kernel writes the step's K/V as it attends (plain and cascade), the torch path
+    stores them first; the cache ends the same, a slot of -1 writes nothing, the output is the reference's."""
+    from batchgen.kernels import cpu_kernel
+
+    if path == "torch":
+        monkeypatch.setenv(cpu_kernel.ENV_SWITCH, "0")
+    elif cpu_kernel.library() is None:
+        pytest.skip("batchgen's C kernels do not build here (no C compiler)")
+    if path == "cascade":
+        monkeypatch.setattr(cpu_kernel, "CASCADE_MIN_GROUP_BLOCKS", 0)
+    seq_lens = [40, 37, 45, 33, 50, 41, 36, 39, 44]
+    batch = make_paged_batch(seq_lens, [1] * 9, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    batch.block_tables[:, :4] = batch.block_tables[0, :4]  # every sequence shares its first 4 blocks
+    tables = batch.block_tables.tolist()
+    slots = [tables[b][(n - 1) // 8] * 8 + (n - 1) % 8 for b, n in enumerate(seq_lens)]
+    slots[3] = -1  # a padding row: nothing stored
+    gen = torch.Generator().manual_seed(2)
+    k_new, v_new = torch.randn(9, 2, 16, generator=gen), torch.randn(9, 2, 16, generator=gen)
+    expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            expected_k.view(-1, 2, 16)[s], expected_v.view(-1, 2, 16)[s] = k_new[i], v_new[i]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        num_decode_seqs=9,
+        seq_lens=batch.seq_lens,
+        cu_seqlens_q=batch.cu_seqlens_q,
+        block_tables=batch.block_tables,
+        max_seq_len=max(seq_lens),
+        max_query_len=1,
+    )
+    calls = []
+    real_store = tb.store_kv
+    monkeypatch.setattr(tb, "store_kv", lambda *a: calls.append(1) or real_store(*a))
+    out = PagedAttention("torch").forward(
+        batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, batch.options()
+    )
+    assert torch.equal(batch.k_cache, expected_k) and torch.equal(batch.v_cache, expected_v)
+    assert calls == ([1] if path == "torch" else [])  # the kernel paths never store separately
+    torch.testing.assert_close(out.double(), reference_attention(batch), **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("case", sorted(FORWARD_CASES))
 @pytest.mark.parametrize("options_case", ["window-7", "all"])
 def test_paged_attention_torch_forward_with_options(case, options_case):

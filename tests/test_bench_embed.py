@@ -22,10 +22,12 @@ def test_encoder_flops_counts_projections_and_attention_per_sequence() -> None:
 
 
 def test_gemm_rates_are_positive_per_kernel() -> None:
+    from batchgen.kernels import cpu_linear
     from batchgen.models.packed_linear import onednn_available
 
     rates = embed.gemm_rates(SIZES, rows=(16,), seconds=0.01)
-    assert set(rates) == ({"matmul", "onednn"} if onednn_available() else {"matmul"})
+    want = {"matmul"} | ({"onednn"} if onednn_available() else set())
+    assert set(rates) == want | ({"batchgen"} if cpu_linear.available() else set())
     assert all(r > 0 for r in rates.values())
 
 

@@ -126,7 +126,7 @@ def test_built_under_the_cache_root_not_the_source_tree() -> None:
     lib = cpu_kernel.library()
     assert lib is not None
     assert str(cache_root()) in lib._name
-    assert not list(cpu_kernel.SOURCE.parent.glob("*.so"))
+    assert not list(cpu_kernel.SOURCES[0].parent.glob("*.so"))
 
 
 def _torch_fallback_equals_torch_path() -> None:

@@ -19,8 +19,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import batchgen.models
+from batchgen.kernels import cpu_linear
 from batchgen.models import NATIVE_ARCHITECTURES, load_model, load_tokenizer, loader, packed_linear
-from batchgen.models.packed_linear import PackedLinear
+from batchgen.models.packed_linear import PackedLinear, dense_state_dict
 from batchgen.models.tiny import CHAT_TEMPLATE, EOS_TOKEN, IM_END, build_tokenizer, tiny_default_checkpoint
 
 TEXTS = [
@@ -73,7 +74,7 @@ def _copy(src: str, dst: Path) -> Path:
 
 
 def _state(model) -> dict[str, torch.Tensor]:
-    return {k: _dense(v).clone() for k, v in model.state_dict().items()}
+    return {k: v.clone() for k, v in dense_state_dict(model).items()}
 
 
 def test_sharded_checkpoint_with_index(ckpt_factory, llama_ckpt):
@@ -100,7 +101,7 @@ def test_dtype_auto_and_override(ckpt_factory, qwen2_ckpt):
     assert m16.config.dtype == torch.float16 and {p.dtype for p in m16.parameters()} == {torch.float16}
     ref = load_model(qwen2_ckpt, dtype=torch.float32)
     w = "model.layers.0.self_attn.qkv_proj.weight"
-    assert torch.equal(m16.state_dict()[w], _dense(ref.state_dict()[w]).half())
+    assert torch.equal(m16.state_dict()[w], dense_state_dict(ref)[w].half())
     bf = ckpt_factory("qwen2", seed=2, dtype=torch.bfloat16)
     assert json.loads((Path(bf) / "config.json").read_text())["dtype"] == "bfloat16"
     assert {p.dtype for p in load_model(bf).parameters()} == {torch.bfloat16}
@@ -112,33 +113,45 @@ def test_dtype_auto_and_override(ckpt_factory, qwen2_ckpt):
 def test_fused_projections_and_tied_embeddings(ckpt_factory):
     path = ckpt_factory("qwen2", tie_word_embeddings=True, seed=11)
     model = load_model(path)
-    assert torch.equal(_dense(model.lm_head.weight), model.model.embed_tokens.weight)
+    assert torch.equal(_dense(model.lm_head, "weight"), model.model.embed_tokens.weight)
     with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
         assert "lm_head.weight" not in f.keys()
         qkv = model.model.layers[1].self_attn.qkv_proj
         names = ["q_proj", "k_proj", "v_proj"]
         for kind in ("weight", "bias"):
             want = torch.cat([f.get_tensor(f"model.layers.1.self_attn.{n}.{kind}") for n in names])
-            assert torch.equal(_dense(getattr(qkv, kind)), want)
+            assert torch.equal(_dense(qkv, kind), want)
         gate_up = torch.cat([f.get_tensor(f"model.layers.0.mlp.{n}_proj.weight") for n in ("gate", "up")])
-        assert torch.equal(_dense(model.model.layers[0].mlp.gate_up_proj.weight), gate_up)
+        assert torch.equal(_dense(model.model.layers[0].mlp.gate_up_proj, "weight"), gate_up)
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    return t.to_dense() if t.is_mkldnn else t
+def _dense(module: torch.nn.Module, kind: str) -> torch.Tensor:
+    """A (packed or plain) linear's weight or bias as loaded."""
+    if isinstance(module, PackedLinear):
+        return module.dense_weight() if kind == "weight" else module.dense_bias()
+    return getattr(module, kind)
 
 
-def test_float32_cpu_projections_packed_for_onednn(ckpt_factory, qwen2_ckpt):
-    """Float32 CPU projections are oneDNN-packed (same values, same outputs as F.linear); experts are stored
-    transposed in memory; the embedding, norms and other dtypes keep their layout; a small tied head is packed
-    as a copy while the embedding keeps the table."""
+@pytest.mark.parametrize("layout", ["panels", "onednn"])
+def test_float32_cpu_projections_packed(ckpt_factory, qwen2_ckpt, monkeypatch, layout):
+    """Float32 CPU projections are packed, in batchgen's panels where its C kernels build, else for oneDNN
+    (same values, same outputs as F.linear); experts are stored transposed in memory; the embedding, norms and
+    other dtypes keep their layout; a small tied head is packed as a copy while the embedding keeps the
+    table."""
+    if layout == "onednn":
+        monkeypatch.setenv("BATCHGEN_CPU_KERNEL", "0")
+        if not packed_linear.onednn_available():
+            pytest.skip("this torch build has no oneDNN")
+    elif not cpu_linear.available():
+        pytest.skip("batchgen's C kernels do not build here (no C compiler)")
     model = load_model(qwen2_ckpt)
     attn = model.model.layers[0].self_attn
     for lin in (attn.qkv_proj, attn.o_proj, model.model.layers[0].mlp.down_proj, model.lm_head):
-        assert isinstance(lin, PackedLinear) and lin.weight.is_mkldnn
+        assert isinstance(lin, PackedLinear) and lin.layout == layout
+        assert lin.weight.is_mkldnn == (layout == "onednn")
     with safe_open(str(Path(qwen2_ckpt) / "model.safetensors"), framework="pt") as f:
         w = f.get_tensor("model.layers.0.self_attn.o_proj.weight")
-        assert torch.equal(attn.o_proj.weight.to_dense(), w)
+        assert torch.equal(attn.o_proj.dense_weight(), w)
         qkv = torch.cat([f.get_tensor(f"model.layers.0.self_attn.{n}_proj.weight") for n in "qkv"])
         bias = torch.cat([f.get_tensor(f"model.layers.0.self_attn.{n}_proj.bias") for n in "qkv"])
     x = torch.randn(2, 3, attn.qkv_proj.in_features)
@@ -154,7 +167,7 @@ def test_float32_cpu_projections_packed_for_onednn(ckpt_factory, qwen2_ckpt):
     assert experts.gate_up_proj.transpose(-2, -1).is_contiguous()
     tied = load_model(ckpt_factory("qwen2", tie_word_embeddings=True, seed=11))
     assert isinstance(tied.lm_head, PackedLinear) and tied.model.embed_tokens.weight.is_contiguous()
-    assert torch.equal(tied.lm_head.weight.to_dense(), tied.model.embed_tokens.weight)
+    assert torch.equal(tied.lm_head.dense_weight(), tied.model.embed_tokens.weight)
 
 
 def test_large_tied_head_stays_shared(ckpt_factory, monkeypatch):
@@ -166,7 +179,9 @@ def test_large_tied_head_stays_shared(ckpt_factory, monkeypatch):
 
 
 @pytest.mark.parametrize("how", ["torch without oneDNN", "BATCHGEN_ONEDNN=0"])
-def test_without_onednn_projections_are_column_major(qwen2_ckpt, monkeypatch, how):
+def test_without_packing_projections_are_column_major(qwen2_ckpt, monkeypatch, how):
+    """Neither batchgen's C kernels nor oneDNN: projections stay `nn.Linear`, stored column-major."""
+    monkeypatch.setenv("BATCHGEN_CPU_KERNEL", "0")
     if how == "BATCHGEN_ONEDNN=0":
         monkeypatch.setenv("BATCHGEN_ONEDNN", "0")
     else:
@@ -290,8 +305,8 @@ def test_moe_experts_stacked_from_either_checkpoint_layout(tmp_path):
         ckpt = _copy(str(src), tmp_path / arch)
         save_file(stacked, ckpt / "model.safetensors", metadata={"format": "pt"})
         again = load_model(ckpt)
-        for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
-            assert torch.equal(_dense(a), _dense(b)), name
+        for (name, a), (_, b) in zip(dense_state_dict(model).items(), dense_state_dict(again).items()):
+            assert torch.equal(a, b), name
         # both layouts at once write the experts twice
         both = dict(tensors)
         both[f"{prefix}.experts.down_proj"] = torch.stack(downs)

@@ -2,9 +2,10 @@
 
 ``python -m batchgen.bench.decode_ceiling [--rows 16 64 256] [--threads 2]`` times one decode step's GEMMs of
 the throughput benchmark's model (per layer qkv, o, gate_up, down, then the LM head; float32) at each batch
-size, with each kernel: ``onednn`` (weights packed for oneDNN, as the loader stores them on the CPU) and
-``mkl`` (``F.linear`` over column-major weights, the loader's fallback); measures the matmul peak at 256 rows
-beside it (the best of both kernels) and prints achieved FLOP/s ÷ peak: the most MFU any engine could reach on a decode-only workload
+size, with each kernel: ``batchgen`` (batchgen's GEMM over 16-column panels, what the loader stores where its C
+kernels build), ``onednn`` (weights packed for oneDNN, the loader's choice without them) and ``mkl``
+(``F.linear`` over column-major weights, the last fallback); measures the matmul peak at 256 rows beside it
+(the best of the kernels) and prints achieved FLOP/s ÷ peak: the most MFU any engine could reach on a decode-only workload
 of that many sequences. Also the read bandwidth (a ``sum`` over 256 MiB) and the weight bytes each step
 streams: at small batches a step is bound by streaming the weights, not by FLOPs.
 """
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.bench.throughput import BenchModel
+from batchgen.kernels import cpu_linear
 from batchgen.models.packed_linear import BATCH_HINT, onednn_available
 
 
@@ -36,6 +38,9 @@ def _rate(fn: Callable[[], object], seconds: float) -> float:
 def _linear(kernel: str, n: int, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x -> x @ W.t()`` for a random ``[n, k]`` weight laid out as ``kernel`` runs it."""
     w = torch.randn(n, k)
+    if kernel == "batchgen":
+        panels = cpu_linear.pack(w)
+        return lambda x: cpu_linear.linear(x, panels, None, n)
     if kernel == "onednn":
         packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -44,7 +49,12 @@ def _linear(kernel: str, n: int, k: int) -> Callable[[torch.Tensor], torch.Tenso
 
 
 def kernels() -> list[str]:
-    return ["onednn", "mkl"] if onednn_available() else ["mkl"]
+    """The kernels this machine has: batchgen's GEMM (where its C kernels build), oneDNN, MKL."""
+    return [
+        *(["batchgen"] if cpu_linear.available() else []),
+        *(["onednn"] if onednn_available() else []),
+        "mkl",
+    ]
 
 
 def layer_shapes(m: BenchModel) -> list[tuple[int, int]]:

@@ -632,15 +632,17 @@ def run_greedy_check(spec: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ matmul
 def run_matmul(spec: dict[str, Any]) -> dict[str, Any]:
     """Achieved FLOP/s of ``[M, K] @ [K, N]`` at the model's linear shapes, M in ``matmul_rows``: the plain
-    matmul and, for float32 on the CPU, oneDNN's packed linear (what batchgen's models use there); the peak
-    is the best of every kernel and shape."""
+    matmul and, for float32 on the CPU, oneDNN's packed linear and batchgen's own (its 16-column panels, what
+    batchgen's models use there where its C kernels build); the peak is the best of every kernel and shape."""
     import torch
 
+    from batchgen.kernels import cpu_linear
     from batchgen.models.packed_linear import BATCH_HINT, onednn_available
 
     dev = _device(spec)
     dtype = getattr(torch, spec["dtype"]) if spec["dtype"] != "auto" else torch.float32
-    packed = dev == "cpu" and dtype == torch.float32 and onednn_available()
+    cpu32 = dev == "cpu" and dtype == torch.float32
+    packed, panels = cpu32 and onednn_available(), cpu32 and cpu_linear.available()
     seconds = spec.get("matmul_seconds", 0.3)
     rows = []
     for m in spec["matmul_rows"]:
@@ -653,6 +655,9 @@ def run_matmul(spec: dict[str, Any]) -> dict[str, Any]:
                 kernels["onednn"] = lambda a=a, w=w: torch.ops.mkldnn._linear_pointwise(
                     a, w, None, "none", [], ""
                 )
+            if panels:
+                p = cpu_linear.pack(b.t())
+                kernels["batchgen"] = lambda a=a, p=p, n=n: cpu_linear.linear(a, p, None, n)
             for kernel, fn in kernels.items():
                 rate = 2 * m * k * n / _seconds_per_call(fn, seconds)
                 rows.append({"m": m, "name": name, "k": k, "n": n, "kernel": kernel, "flops_per_s": rate})

@@ -204,6 +204,7 @@ class ModelRunner:
             # blocks are written (torch.zeros would touch every page at start-up).
             itemsize = torch.tensor([], dtype=self.dtype).element_size()
             raw = np.zeros(math.prod(shape) * itemsize, dtype=np.uint8)
+            malloc_tuning.huge_pages(raw.ctypes.data, raw.nbytes)  # fewer faults and TLB misses, still lazy
             self.kv_cache = torch.from_numpy(raw).view(self.dtype).view(shape)
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

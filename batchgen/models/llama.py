@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from batchgen.attention import AttentionOptions
+from batchgen.kernels import cpu_ops
 from batchgen.models import parallel
 from batchgen.models.config import ModelConfig, RopeSpec
 from batchgen.models.moe import SparseMoE, activation
@@ -52,7 +53,11 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
     """RMSNorm of `x` over its last dim with `weight` (broadcast against `x`: [D], or [H, D] for per-head
-    weights); transformers' ops in transformers' order, with the temporaries updated in place."""
+    weights); transformers' ops in transformers' order, with the temporaries updated in place (float32 on the
+    CPU: one C pass, `kernels/cpu_ops.py`)."""
+    out = cpu_ops.rms_norm(x, weight, eps, gemma)
+    if out is not None:
+        return out
     dtype = x.dtype
     h = x.float()
     h = h * h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
@@ -114,6 +119,9 @@ def rope_tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [T, H, D]; cos/sin [T, 1, R] from `rope_tables`, R <= D: the first R channels rotate, the rest pass
     through. Bit for bit transformers' `x * cos + rotate_half(x) * sin` (negating a factor is exact)."""
+    out = cpu_ops.rope(x, cos, sin)
+    if out is not None:
+        return out
     rot = cos.shape[-1]
     half = rot // 2
     if rot == x.shape[-1]:
@@ -178,8 +186,12 @@ class MLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate).mul_(up))
+        gate_up = self.gate_up_proj(x)
+        h = cpu_ops.silu_mul(gate_up) if type(self.act) is nn.SiLU else None
+        if h is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            h = self.act(gate).mul_(up)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -207,13 +219,24 @@ class DecoderLayer(nn.Module):
         h = parallel.all_reduce(self.self_attn(self.input_layernorm(x), cos, sin, ctx), self.config)
         if self.sandwich:
             h = self.post_attention_layernorm(h)
-        x.add_(h.mul_(self.residual_multiplier) if self.residual_multiplier != 1.0 else h)
+        if self.residual_multiplier != 1.0:
+            h.mul_(self.residual_multiplier)
         if self.sandwich:
+            x.add_(h)
             h = parallel.all_reduce(self.mlp(self.pre_feedforward_layernorm(x)), self.config)
             h = self.post_feedforward_layernorm(h)
         else:
-            h = parallel.all_reduce(self.mlp(self.post_attention_layernorm(x)), self.config)
+            h = parallel.all_reduce(self.mlp(add_rms_norm(x, h, self.post_attention_layernorm)), self.config)
         return x.add_(h.mul_(self.residual_multiplier) if self.residual_multiplier != 1.0 else h)
+
+
+def add_rms_norm(x: Tensor, h: Tensor, norm: RMSNorm) -> Tensor:
+    """`x += h` in place, then `norm(x)` (float32 on the CPU: one C pass for both)."""
+    out = cpu_ops.rms_norm(x, norm.weight, norm.eps, norm.gemma, add=h)
+    if out is not None:
+        return out
+    x.add_(h)
+    return norm(x)
 
 
 class CausalLM(nn.Module):

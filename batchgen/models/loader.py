@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from batchgen.kernels import cpu_kernel
 from batchgen.models.config import ModelConfig, NativeUnsupportedError, parse_dtype
 from batchgen.models.llama import CausalLM
 from batchgen.models.meta_init import materialize, skip_init
@@ -206,6 +207,8 @@ def load_model(
             f"unknown model implementation {implementation!r}: use one of {', '.join(IMPLEMENTATIONS)}"
         )
     ckpt = _checkpoint_dir(path)
+    if torch.device(device).type == "cpu":
+        cpu_kernel.start_build()  # the C kernels (linear layers, attention) compile while the weights load
     if tp_size > 1:
         config = check_tensor_parallel(ckpt, implementation, tp_size)
         return load_native_model(ckpt, shard_config(config, tp_rank, tp_size), dtype=dtype, device=device)

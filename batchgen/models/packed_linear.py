@@ -1,26 +1,31 @@
-"""Float32 CPU projections with oneDNN-packed weights.
+"""Float32 CPU projections over packed weights.
 
 :func:`fast_cpu_weights` is what the loader runs once on a loaded native model, and
 :func:`pack_transformers_linears` on a decoder built by transformers' modeling code (the transformers-backed
-path; the embedding encoders keep MKL: their batches are thousands of rows). Where oneDNN is available
-(torch's x86-64 builds have it), each `nn.Linear` of the model becomes a :class:`PackedLinear`: the
-same module (name, `in_features`, `out_features`, bias), its weight reordered once into oneDNN's blocked
-layout for the machine's instruction set (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied with
-`torch.ops.mkldnn._linear_pointwise`. Stacked expert weights (not `nn.Linear`) are stored column-major instead,
-and so is every projection where oneDNN is missing (`use_column_major_weights`).
+path; the embedding encoders keep MKL: their batches are thousands of rows). Each `nn.Linear` of the model
+becomes a :class:`PackedLinear`: the same module (name, `in_features`, `out_features`, bias) over its weight
+packed once, in one of two layouts:
 
-Why: on the 2-CPU AVX2 machine the benchmarks run on, a decode step's projections (64 rows) of the
-benchmark model took 56 ms with oneDNN against 89 ms with MKL's column-major GEMM, and 4096-wide weights ran
-1.2-3.7x faster than as loaded from 2-3 rows on; prefill-sized products gain 0-50% (`python -m
-batchgen.bench.decode_ceiling`, `python -m batchgen.bench.model_impls --gemm-layout`, BENCHMARKS.md). The cost:
-a fixed ~35 us per call, which makes 1-4 rows on small weights slower than MKL. Results differ from MKL's in
-the last bits only (another summation order); greedy outputs equal transformers' in the equality tests.
+* ``panels`` (where batchgen's C kernels build: :mod:`batchgen.kernels.cpu_linear`): 16-column panels
+  multiplied by batchgen's own GEMM;
+* ``onednn`` (the C kernels off or unbuildable, torch built with oneDNN): oneDNN's blocked layout for the
+  machine's instruction set (`torch.ops.mkldnn._reorder_linear_weight`), multiplied with
+  `torch.ops.mkldnn._linear_pointwise`.
 
-Invariants: a `PackedLinear`'s `weight` is a non-trainable parameter holding an mkldnn tensor
-(`weight.is_mkldnn`, shape `[out, in]`), and `weight.to_dense()` equals the loaded weight bit for bit; its
-forward accepts any leading shape, like `nn.Linear`. A tied LM head (one table with the embedding) gets a packed
-copy when the table is at most `TIED_HEAD_COPY_MAX_BYTES`; a larger one stays shared and unpacked, so packing
-never costs more than that in memory. Only float32 CPU weights are touched.
+Stacked expert weights (not `nn.Linear`) are stored column-major instead, and so is every projection where
+neither layout is available (`use_column_major_weights`).
+
+Why: on the 2-CPU AVX2 machine the benchmarks run on, a decode step's projections (64 rows) of the benchmark
+model took 56 ms with oneDNN against 89 ms with MKL's column-major GEMM, and batchgen's GEMM beats oneDNN by
+a further 10-40% from 1 row to 4,096 (`python -m batchgen.bench.decode_ceiling`, BENCHMARKS.md). Results
+differ from MKL's in the last bits only (another summation order); greedy outputs equal transformers' in the
+equality tests.
+
+Invariants: a `PackedLinear`'s `weight` is a non-trainable parameter in its `layout` (panels: `[ceil(out / 16),
+in, 16]`; onednn: an mkldnn tensor of shape `[out, in]`), and `dense_weight()` equals the loaded weight bit for
+bit; its forward accepts any leading shape, like `nn.Linear`. A tied LM head (one table with the embedding)
+gets a packed copy when the table is at most `TIED_HEAD_COPY_MAX_BYTES`; a larger one stays shared and
+unpacked, so packing never costs more than that in memory. Only float32 CPU weights are touched.
 """
 
 from __future__ import annotations
@@ -30,41 +35,69 @@ import os
 import torch
 from torch import Tensor, nn
 
+from batchgen.kernels import cpu_linear
+
 TIED_HEAD_COPY_MAX_BYTES = 1 << 30
 """A tied LM head is packed as its own copy only up to this size (bytes); the embedding keeps the table."""
 
 BATCH_HINT = 64
-"""Rows oneDNN tunes the packed layout for (a decode step's batch); any row count is still accepted."""
+"""Rows oneDNN tunes its packed layout for (a decode step's batch); any row count is still accepted."""
 
 
 def onednn_available() -> bool:
     """Whether this torch build can pack float32 linear weights for oneDNN (and ``BATCHGEN_ONEDNN=0`` is not
-    set: that keeps MKL's column-major path)."""
+    set)."""
     if os.environ.get("BATCHGEN_ONEDNN", "1").strip() == "0":
         return False
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-class PackedLinear(nn.Module):
-    """`nn.Linear` over a oneDNN-packed float32 weight (see the module docstring)."""
+def packed_layout() -> str | None:
+    """The layout new `PackedLinear`s take here: ``panels``, ``onednn``, or None (neither: column-major)."""
+    if cpu_linear.available():
+        return "panels"
+    return "onednn" if onednn_available() else None
 
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` over a packed float32 weight (see the module docstring)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, layout: str | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+        self.layout = layout or packed_layout() or "onednn"
+        if self.layout == "panels":
+            packed = cpu_linear.pack(weight)
+            bias = None if bias is None else cpu_linear.pack_bias(bias, self.out_features)
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+            bias = None if bias is None else bias.detach().contiguous()
         self.weight = nn.Parameter(packed, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
-        return cls(linear.weight, linear.bias)
+    def from_linear(cls, linear: nn.Linear, layout: str | None = None) -> PackedLinear:
+        return cls(linear.weight, linear.bias, layout)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.layout == "panels":
+            return cpu_linear.linear(x, self.weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def dense_weight(self) -> Tensor:
+        """The `[out, in]` weight as loaded (a copy)."""
+        if self.layout == "panels":
+            return cpu_linear.unpack(self.weight, self.out_features)
+        return self.weight.to_dense()
+
+    def dense_bias(self) -> Tensor | None:
+        """The `[out]` bias as loaded (None without one)."""
+        return None if self.bias is None else self.bias[: self.out_features]
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"layout={self.layout}"
         )
 
 
@@ -79,10 +112,11 @@ def _packable(module: nn.Module) -> bool:
     )
 
 
-def pack_linears(model: nn.Module, shared: set[int] = frozenset()) -> int:
-    """Replace each packable `nn.Linear` under `model` with a `PackedLinear`, in place, one at a time (peak
-    memory: the model plus one weight); a linear whose weight is in `shared` (ids of tensors other modules read
-    too) is packed as a copy only within `TIED_HEAD_COPY_MAX_BYTES`. Returns how many were packed."""
+def pack_linears(model: nn.Module, layout: str, shared: set[int] = frozenset()) -> int:
+    """Replace each packable `nn.Linear` under `model` with a `PackedLinear` in `layout`, in place, one at a
+    time (peak memory: the model plus one weight); a linear whose weight is in `shared` (ids of tensors other
+    modules read too) is packed as a copy only within `TIED_HEAD_COPY_MAX_BYTES`. Returns how many were
+    packed."""
     names = [name for name, m in model.named_modules() if _packable(m)]
     count = 0
     for name in names:
@@ -91,13 +125,13 @@ def pack_linears(model: nn.Module, shared: set[int] = frozenset()) -> int:
         w = getattr(parent, attr).weight
         if id(w) in shared and w.numel() * w.element_size() > TIED_HEAD_COPY_MAX_BYTES:
             continue
-        setattr(parent, attr, PackedLinear.from_linear(getattr(parent, attr)))
+        setattr(parent, attr, PackedLinear.from_linear(getattr(parent, attr), layout))
         count += 1
     return count
 
 
 def use_column_major_weights(model: nn.Module, skip: set[int] = frozenset()) -> None:
-    """Store float32 CPU matrices (≥ 2-D parameters not in `skip`) column-major, in place: each `[out, in]`
+    """Store float32 CPU matrices (≥ 2-D parameters not in `skip` nor packed) column-major, in place: each `[out, in]`
     weight keeps its shape, name and values, but its memory becomes its transpose, `[in, out]` contiguous
     (experts: `[E, in, out]`).
 
@@ -106,10 +140,11 @@ def use_column_major_weights(model: nn.Module, skip: set[int] = frozenset()) -> 
     batchgen.bench.model_impls --gemm-layout`). From 16 rows on the results are bit for bit the same. Costs one
     parameter's copy at a time.
     """
+    packed = {id(p) for m in model.modules() if isinstance(m, PackedLinear) for p in m.parameters()}
     for param in model.parameters():
         if param.device.type != "cpu" or param.dtype != torch.float32 or param.dim() < 2 or param.is_mkldnn:
             continue
-        if id(param) in skip:
+        if id(param) in skip or id(param) in packed:
             continue
         param.data = param.data.transpose(-2, -1).contiguous().transpose(-2, -1)
 
@@ -119,10 +154,11 @@ def pack_transformers_linears(model: nn.Module) -> int:
     """Pack the `nn.Linear` layers of a model built by transformers' own modeling code (float32 CPU only; its
     embeddings keep their tables, a tied head is a tied head as above). Other layouts are left as loaded:
     transformers' code multiplies by some weights untransposed (GPT-2's `Conv1D`)."""
-    if not onednn_available():
+    layout = packed_layout()
+    if layout is None:
         return 0
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return pack_linears(model, shared=tables)
+    return pack_linears(model, layout, shared=tables)
 
 
 @torch.no_grad()
@@ -130,6 +166,19 @@ def fast_cpu_weights(model: nn.Module, keep: list[Tensor]) -> None:
     """Lay out a loaded model's float32 CPU weights for speed (module docstring). `keep` are tables read row by
     row (embeddings), which keep their layout; a linear sharing one of them is a tied head."""
     kept = {id(t) for t in keep}
-    if onednn_available():
-        pack_linears(model, shared=kept)
+    layout = packed_layout()
+    if layout is not None:
+        pack_linears(model, layout, shared=kept)
     use_column_major_weights(model, skip=kept)
+
+
+def dense_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """`model.state_dict()` with every `PackedLinear`'s weight and bias as loaded (`[out, in]`, `[out]`)."""
+    state = dict(model.state_dict())
+    for name, module in model.named_modules():
+        if isinstance(module, PackedLinear):
+            prefix = f"{name}." if name else ""
+            state[f"{prefix}weight"] = module.dense_weight()
+            if module.bias is not None:
+                state[f"{prefix}bias"] = module.dense_bias()
+    return state

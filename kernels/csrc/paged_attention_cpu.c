@@ -14,6 +14,12 @@
  * in a fixed order, whatever the items, so results do not depend on the number of threads and are
  * bit-identical run to run.
  *
+ * The step's own K/V (optional, k_new NULL: none): k_new/v_new [B, Hkv, D] with strides (kn_stride_b,
+ * kn_stride_h, 1) and (vn_stride_b, vn_stride_h, 1), slots [B] int64 (block * block_size + row; < 0: none):
+ * each item writes its heads' rows of token b into slot slots[b] before attending (its own heads only, so no
+ * item reads what another writes), the same write as a separate store would make: the lines are fetched
+ * once, for the write and the read that follows.
+ *
  * Cascade support: `starts` [B] int32 (NULL: all 0) makes sequence b attend only to keys at positions
  * >= starts[b] (its suffix after a prefix attended elsewhere); `lse` [B, Hq] (NULL: not written) receives the
  * natural log-sum-exp of each head's scaled logits, so a caller can merge this partial result with another
@@ -619,12 +625,14 @@ static int table_ok(const int32_t *table, int len, int window, int block_size, i
 /* Returns 0 on success, -1 on a bad argument or allocation failure (out is then unspecified).
  * Items: (sequence, range of `heads_per_item` KV heads); the caller picks heads_per_item (a divisor of
  * num_kv_heads) so that there are enough items for the threads. */
-int batchgen_paged_decode_f32(const float *q, int64_t q_stride_b, int64_t q_stride_h, const float *k_cache,
-                              const float *v_cache, int64_t cache_stride_block, const int32_t *block_tables,
+int batchgen_paged_decode_f32(const float *q, int64_t q_stride_b, int64_t q_stride_h, float *k_cache,
+                              float *v_cache, int64_t cache_stride_block, const int32_t *block_tables,
                               int64_t table_stride, const int32_t *seq_lens, float *out, int batch,
                               int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                               int window, float softcap, const float *sinks, int num_threads, int heads_per_item,
-                              int64_t table_cols, int64_t num_blocks, const int32_t *starts, float *lse) {
+                              int64_t table_cols, int64_t num_blocks, const int32_t *starts, float *lse,
+                              const float *k_new, int64_t kn_stride_b, int64_t kn_stride_h, const float *v_new,
+                              int64_t vn_stride_b, int64_t vn_stride_h, const int64_t *slots) {
     if (batch < 0 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return -1;
     if (heads_per_item <= 0 || num_kv_heads % heads_per_item != 0) return -1;
     const int group = num_q_heads / num_kv_heads;
@@ -639,6 +647,20 @@ int batchgen_paged_decode_f32(const float *q, int64_t q_stride_b, int64_t q_stri
         if (!table_ok(block_tables + b * table_stride, len, window, block_size, table_cols, num_blocks)) {
             status |= 1; /* the caller falls back to the torch path, which reports the bad input */
             continue;
+        }
+        if (k_new != NULL && slots[b] >= 0) { /* the step's own K/V rows of these heads first (see above) */
+            const int64_t slot = slots[b];
+            if (slot >= num_blocks * block_size) {
+                status |= 1;
+                continue;
+            }
+            const int64_t at = slot / block_size * cache_stride_block + slot % block_size * num_kv_heads * head_dim;
+            for (int h = h0; h < h0 + heads_per_item; h++) {
+                memcpy(k_cache + at + (int64_t)h * head_dim, k_new + b * kn_stride_b + h * kn_stride_h,
+                       sizeof(float) * head_dim);
+                memcpy(v_cache + at + (int64_t)h * head_dim, v_new + b * vn_stride_b + h * vn_stride_h,
+                       sizeof(float) * head_dim);
+            }
         }
         const float *qb = q + b * q_stride_b + (int64_t)h0 * group * q_stride_h;
         float *ob = out + ((int64_t)b * num_q_heads + (int64_t)h0 * group) * head_dim;

@@ -1,0 +1,130 @@
+/* Float32 linear layer for the CPU: y = x w^T (+ bias) over a weight packed once into 16-column panels.
+ *
+ * Layout: the packed weight of an [N, K] matrix w is [ceil(N / 16), K, 16] contiguous: panel p holds the
+ * columns p * 16 .. p * 16 + 15 of w^T, row k of the panel being w[p * 16 + c, k] for c = 0..15 (zero past N);
+ * the bias, when given, is padded the same way to ceil(N / 16) * 16 floats. x [M, K] has rows lda floats
+ * apart (unit stride within a row); y [M, N] has rows ldy floats apart. The caller keeps the packed weight
+ * 32-byte aligned (it is read with aligned loads).
+ *
+ * Each output y[m, n] is bias[n] (or 0) followed by one chain of fused multiply-adds over k = 0 .. K - 1 in
+ * order: the result of a row depends on nothing but that row, its weights and K -- not on M, the other rows,
+ * the thread count or where the row falls in a tile. So results are bit-identical run to run and for any
+ * batch composition.
+ *
+ * Blocking (GotoBLAS's order, no packing of x): rows in blocks of MC, within a block the weight's k range in
+ * chunks of KC (a panel's chunk, 32 KiB, stays in L1 while the block's rows pass over it; the rows' chunk,
+ * MC x KC floats, stays in L2), and register tiles of 6 rows x 16 columns: 12 vector accumulators, two panel
+ * loads and six broadcasts of x per k. Threads split the panels (OpenMP, static): each thread writes its own
+ * columns, so no two threads touch the same output.
+ *
+ * SIMD: AVX2 and FMA (and BATCHGEN_GENERIC undefined) run the tile with intrinsics; otherwise the same loops
+ * in plain C (with the compiler's own vectorisation), same packed layout, same order of operations per
+ * output (fmaf), so both builds give the same results. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PANEL 16 /* columns per panel */
+#define TILE_ROWS 6
+#define KC 512 /* k per chunk */
+#define MC 144 /* rows per block: a multiple of TILE_ROWS */
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(BATCHGEN_GENERIC)
+#include <immintrin.h>
+
+/* c[r, 0..15] (r < R; rows ldc apart) = (first ? bias or 0 : c) + sum_k a[r, k] b[k, 0..15] over kc values of
+ * k; b is a panel's chunk (16 floats per k, aligned). R is a constant once inlined. */
+static inline __attribute__((always_inline)) void tile(const float *a, int64_t lda, const float *b, int kc,
+                                                        const float *bias, float *c, int64_t ldc, const int R,
+                                                        int first) {
+    __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+    const __m256 z0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    const __m256 z1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+    c00 = c10 = c20 = c30 = c40 = c50 = z0;
+    c01 = c11 = c21 = c31 = c41 = c51 = z1;
+    if (!first) {
+#define LOAD(r)                                                                                               \
+    if (R > r) c##r##0 = _mm256_loadu_ps(c + r * ldc), c##r##1 = _mm256_loadu_ps(c + r * ldc + 8);
+        LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5)
+#undef LOAD
+    }
+    for (int k = 0; k < kc; k++) {
+        const __m256 b0 = _mm256_load_ps(b + k * PANEL), b1 = _mm256_load_ps(b + k * PANEL + 8);
+#define FMA(r)                                                                                                \
+    if (R > r) {                                                                                              \
+        const __m256 ar = _mm256_broadcast_ss(a + r * lda + k);                                               \
+        c##r##0 = _mm256_fmadd_ps(ar, b0, c##r##0);                                                           \
+        c##r##1 = _mm256_fmadd_ps(ar, b1, c##r##1);                                                           \
+    }
+        FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5)
+#undef FMA
+    }
+#define STORE(r)                                                                                              \
+    if (R > r) _mm256_storeu_ps(c + r * ldc, c##r##0), _mm256_storeu_ps(c + r * ldc + 8, c##r##1);
+    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
+#undef STORE
+}
+
+static void tile_rows(const float *a, int64_t lda, const float *b, int kc, const float *bias, float *c,
+                      int64_t ldc, int rows, int first) {
+    switch (rows) {
+    case 6: tile(a, lda, b, kc, bias, c, ldc, 6, first); break;
+    case 5: tile(a, lda, b, kc, bias, c, ldc, 5, first); break;
+    case 4: tile(a, lda, b, kc, bias, c, ldc, 4, first); break;
+    case 3: tile(a, lda, b, kc, bias, c, ldc, 3, first); break;
+    case 2: tile(a, lda, b, kc, bias, c, ldc, 2, first); break;
+    default: tile(a, lda, b, kc, bias, c, ldc, 1, first); break;
+    }
+}
+#else
+static void tile_rows(const float *a, int64_t lda, const float *b, int kc, const float *bias, float *c,
+                      int64_t ldc, int rows, int first) {
+    for (int r = 0; r < rows; r++) {
+        float acc[PANEL];
+        for (int j = 0; j < PANEL; j++) acc[j] = first ? (bias ? bias[j] : 0.0f) : c[r * ldc + j];
+        for (int k = 0; k < kc; k++) {
+            const float ar = a[r * lda + k];
+            for (int j = 0; j < PANEL; j++) acc[j] = fmaf(ar, b[k * PANEL + j], acc[j]);
+        }
+        memcpy(c + r * ldc, acc, sizeof acc);
+    }
+}
+#endif
+
+/* Rows m0 .. m1 - 1 of panel p into y (cols valid columns of the panel; a partial panel goes through a
+ * 16-column scratch so nothing past column N is written). */
+static void panel_rows(const float *x, int64_t lda, int K, const float *panel, const float *bias, float *y,
+                       int64_t ldy, int m0, int m1, int cols) {
+    float scratch[MC * PANEL];
+    float *c = cols == PANEL ? y + m0 * ldy : scratch;
+    const int64_t ldc = cols == PANEL ? ldy : PANEL;
+    for (int k0 = 0; k0 < K; k0 += KC) {
+        const int kc = K - k0 < KC ? K - k0 : KC;
+        for (int m = m0; m < m1; m += TILE_ROWS) {
+            const int rows = m1 - m < TILE_ROWS ? m1 - m : TILE_ROWS;
+            tile_rows(x + m * lda + k0, lda, panel + (int64_t)k0 * PANEL, kc, bias, c + (m - m0) * ldc, ldc, rows,
+                      k0 == 0);
+        }
+    }
+    if (c == scratch)
+        for (int m = m0; m < m1; m++) memcpy(y + m * ldy, scratch + (m - m0) * PANEL, sizeof(float) * cols);
+}
+
+/* y = x w^T + bias (bias may be NULL). Returns 0, or -1 on a bad argument. */
+int batchgen_linear_f32(const float *x, int64_t lda, const float *packed, const float *bias, float *y,
+                        int64_t ldy, int M, int K, int N, int num_threads) {
+    if (M < 0 || K <= 0 || N <= 0 || lda < K || ldy < N) return -1;
+    const int panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel num_threads(num_threads)
+    for (int m0 = 0; m0 < M; m0 += MC) {
+        const int m1 = M - m0 < MC ? M : m0 + MC;
+#pragma omp for schedule(static) nowait
+        for (int p = 0; p < panels; p++) {
+            const int cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+            panel_rows(x, lda, K, packed + (int64_t)p * K * PANEL, bias ? bias + p * PANEL : NULL, y + p * PANEL,
+                       ldy, m0, m1, cols);
+        }
+    }
+    return 0;
+}
