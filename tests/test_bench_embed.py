@@ -8,6 +8,7 @@ import json
 import pytest
 
 from batchgen.bench import embed
+from batchgen.kernels import cpu_linear
 
 SIZES = {"hidden_size": 8, "intermediate_size": 32, "num_hidden_layers": 2}
 
@@ -32,7 +33,9 @@ def test_gemm_rates_are_positive_per_kernel() -> None:
 
 
 def test_floor_is_flops_over_peak_beside_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(embed, "gemm_rates", lambda sizes: {"matmul": 1e9, "onednn": 0.5e9})
+    monkeypatch.setattr(
+        embed, "gemm_rates", lambda sizes: {"matmul": 1e9, "onednn": 0.5e9, "batchgen": 0.8e9}
+    )
     results = [
         {"system": "batchgen", "wall_s": 2.0},
         {"system": "sentence-transformers", "wall_s": 3.0},
@@ -42,17 +45,24 @@ def test_floor_is_flops_over_peak_beside_the_target(monkeypatch: pytest.MonkeyPa
     assert f["floor_s"] == pytest.approx(embed.encoder_flops(embed._BERT, [10, 20]) / 1e9)
     assert f["st_best_s"] == 3.0 and f["st_best_div_1_5_s"] == pytest.approx(2.0)
     line = embed._floor_line(f)
-    assert "float32 compute floor" in line and "2.00 s" in line and "MKL 1, oneDNN packed 0 GFLOP/s" in line
+    assert (
+        "float32 compute floor" in line
+        and "2.00 s" in line
+        and "MKL 1, oneDNN packed 0, batchgen 1 GFLOP/s" in line
+    )
 
 
 def test_the_benchmark_runs_end_to_end_on_a_few_rows(tmp_path) -> None:
-    """Every system of the encoder table on 40 rows (sentence-transformers where installed), the packed-weights
-    batchgen row included, and the decoder's prefix cache on and off; the JSON holds what the tables print."""
+    """Every system of the encoder table on 40 rows (sentence-transformers where installed), batchgen's row on
+    MKL's GEMM included where its own GEMM runs, and the decoder's prefix cache on and off; the JSON holds what
+    the tables print."""
     out = tmp_path / "embed.json"
     embed.main(["--rows", "40", "--decoder-rows", "8", "--st-batch-sizes", "16", "--json", str(out)])
     res = json.loads(out.read_text())
     settings = [r["setting"] for r in res["encoder"]]
     assert settings[0] == "LLM.embed" and "transformers" in {r["system"] for r in res["encoder"]}
+    if cpu_linear.available():
+        assert "LLM.embed, linear layers on MKL's GEMM (weights as loaded)" in settings
     assert all(r["cos"] >= 0.9999 for r in res["encoder"])
     assert res["encoder_floor"]["floor_s"] > 0 and res["encoder_floor"]["matmul_flops_per_s"] > 0
     assert [r["setting"] for r in res["decoder"]] == ["prefix cache on", "prefix cache off"]

@@ -7,8 +7,9 @@ prefix cache on vs off.
 Encoder: a random-weight BERT of bert-small's shape (4 layers, hidden 256, 4 heads, intermediate 1024; vocab
 8192 from batchgen's small BPE tokenizer) in a sentence-transformers layout (mean pooling, Normalize).
 Workload: ``--rows`` texts, 60% short queries (5-20 words) and 40% passages (50-200 words). Systems:
-- ``batchgen``: ``LLM(path).embed(texts)`` (length-sorted, unpadded token-budget batches), and once more with
-  the encoder's linear layers oneDNN-packed (the generation engine's layout) for comparison;
+- ``batchgen``: ``LLM(path).embed(texts)`` (length-sorted, unpadded token-budget batches; linear layers on
+  batchgen's GEMM where its C kernels build), and once more with the encoder's linear layers back on MKL's
+  GEMM (weights as loaded) for comparison;
 - ``sentence-transformers``: ``SentenceTransformer(path).encode(texts, batch_size=b)`` at each of
   ``--st-batch-sizes``, the best reported (it sorts by length itself);
 - ``transformers``: ``AutoModel`` over padded batches of 32 rows in input order, mean pooling + normalise.
@@ -151,21 +152,38 @@ def run_encoder(path: str, texts: list[str], st_batch_sizes: list[int]) -> list[
 
 
 def _batchgen_rows(path: str, texts: list[str]) -> tuple[np.ndarray, list[dict[str, Any]]]:
-    """batchgen's embeddings and its rows: ``LLM.embed`` as it loads, then with the encoder's linear layers
-    oneDNN-packed (the generation engine's weight layout; encoders keep MKL's) for comparison."""
+    """batchgen's embeddings and its rows: ``LLM.embed`` as it loads (linear layers on batchgen's GEMM where
+    its C kernels build), then with the encoder's linear layers back on MKL's GEMM as loaded, for comparison."""
     from batchgen import LLM
-    from batchgen.models.packed_linear import onednn_available, pack_transformers_linears
 
     llm = LLM(path, device="cpu")
     wall, ours = _timed(lambda xs: [o.outputs.embedding for o in llm.embed(xs, use_tqdm=False)], texts)
     rows = [{"system": "batchgen", "setting": "LLM.embed", "wall_s": wall, "cos": 1.0}]
-    if onednn_available():
-        packed = LLM(path, device="cpu")
-        pack_transformers_linears(packed.pooler.encoder.model)
-        wall, emb = _timed(lambda xs: [o.outputs.embedding for o in packed.embed(xs, use_tqdm=False)], texts)
-        setting = "LLM.embed, linear layers oneDNN-packed"
+    plain = LLM(path, device="cpu")
+    if _unpack_linears(plain.pooler.encoder.model):
+        wall, emb = _timed(lambda xs: [o.outputs.embedding for o in plain.embed(xs, use_tqdm=False)], texts)
+        setting = "LLM.embed, linear layers on MKL's GEMM (weights as loaded)"
         rows.append({"system": "batchgen", "setting": setting, "wall_s": wall, "cos": _cos(ours, emb)})
     return ours, rows
+
+
+def _unpack_linears(model: Any) -> int:
+    """Turn every ``PackedLinear`` under ``model`` back into an ``nn.Linear`` (weights as loaded); how many."""
+    import torch
+
+    from batchgen.models.packed_linear import PackedLinear
+
+    count = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, PackedLinear):
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            linear.weight = torch.nn.Parameter(module.dense_weight(), requires_grad=False)
+            if module.bias is not None:
+                linear.bias = torch.nn.Parameter(module.dense_bias().clone(), requires_grad=False)
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), attr, linear)
+            count += 1
+    return count
 
 
 def _sentence_transformers_rows(
@@ -223,7 +241,8 @@ def gemm_rates(
     sizes: dict[str, Any], rows: tuple[int, ...] = (512, 2048, 4096), seconds: float = 0.3
 ) -> dict[str, float]:
     """The best FLOP/s measured for the encoder's projection shapes at ``rows`` rows per kernel (``matmul``:
-    MKL's, ``onednn``: oneDNN's packed linear where torch has it; float32, this process's threads)."""
+    MKL's, ``onednn``: oneDNN's packed linear where torch has it, ``batchgen``: batchgen's GEMM where its C
+    kernels build; float32, this process's threads)."""
     from batchgen.bench.systems import run_matmul
 
     h, i = sizes["hidden_size"], sizes["intermediate_size"]
@@ -340,7 +359,8 @@ def _floor_line(f: dict[str, float]) -> str:
         f"float32 compute floor: {f['flops'] / 1e9:.0f} GFLOP (projections + attention, unpadded) at the best "
         f"GEMM rate measured here, {f['peak_flops_per_s'] / 1e9:.0f} GFLOP/s = {f['floor_s']:.2f} s (best per "
         f"kernel: MKL {f.get('matmul_flops_per_s', 0) / 1e9:.0f}, oneDNN packed "
-        f"{f.get('onednn_flops_per_s', 0) / 1e9:.0f} GFLOP/s); "
+        f"{f.get('onednn_flops_per_s', 0) / 1e9:.0f}, batchgen {f.get('batchgen_flops_per_s', 0) / 1e9:.0f} "
+        "GFLOP/s); "
         f"1.5x sentence-transformers' best ({f['st_best_s']:.2f} s) would be {f['st_best_div_1_5_s']:.2f} s"
     )
 

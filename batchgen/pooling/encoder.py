@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from batchgen.kernels import cpu_kernel
+from batchgen.models.packed_linear import pack_transformers_linears, packed_layout
 from batchgen.pooling import varlen_attention
 from batchgen.pooling.checkpoint import PACKED_ENCODER_MODEL_TYPES, CheckpointPooling
 from batchgen.pooling.pooler import pool
@@ -95,10 +96,13 @@ class EncoderModel:
             use_safetensors=True,
             **attn,
         )
-        # Linear layers keep their weights as loaded (MKL's GEMM): an encoder batch is hundreds to thousands of
-        # token rows, where MKL is faster than oneDNN's packed weights, which win at a decode step's tens of
-        # rows (the engine's decoders use them); `python -m batchgen.bench.embed` compares both.
+        # Linear layers run batchgen's GEMM over packed panels where its C kernels build (faster than MKL at an
+        # encoder batch's thousands of token rows, and the bias is added in the same pass); otherwise they keep
+        # their weights as loaded (MKL), which beats oneDNN's packed weights at these row counts.
+        # `python -m batchgen.bench.embed` compares the layouts.
         self.model = model.to(device).eval().requires_grad_(False)
+        if torch.device(device).type == "cpu" and packed_layout() == "panels":
+            pack_transformers_linears(self.model)
         self.backbone: nn.Module = getattr(model, model.base_model_prefix) if self.classify else model
         cfg = model.config
         self.config = cfg
