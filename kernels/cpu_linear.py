@@ -8,7 +8,7 @@ batch it came in, the thread count or the run (the kernel's docstring has the bl
 
 Why our own GEMM: at the shapes a decode step multiplies (a few to a few hundred rows against weights read
 from memory once per step) it is faster than both oneDNN's packed linear and MKL's GEMM on the 2-CPU AVX2
-machine of the benchmarks, from 1 row to 4,096 (`python -m batchgen.bench.decode_ceiling`, BENCHMARKS.md).
+machine of the benchmarks, from 1 row to 1,024 (`python -m batchgen.bench.decode_ceiling`, BENCHMARKS.md).
 
 Invariants: :func:`available` is True only when ``BATCHGEN_CPU_KERNEL`` is not ``0`` and the kernel library
 builds and loads (:mod:`.cpu_kernel`); :func:`linear` takes CPU float32 inputs whose last dimension is the

@@ -4,6 +4,7 @@ BENCHMARKS.md)."""
 from __future__ import annotations
 
 from batchgen.bench import model_impls
+from batchgen.kernels import cpu_linear
 from batchgen.models.packed_linear import onednn_available
 
 
@@ -16,5 +17,5 @@ def test_table_has_a_cell_per_shape_and_row_count_for_each_layout() -> None:
         assert cells[0] == shape
         for cell in cells[1:]:
             ratios = cell.split(" / ")
-            assert len(ratios) == (2 if onednn_available() else 1)
+            assert len(ratios) == 1 + onednn_available() + cpu_linear.available()
             assert all(r.endswith("×") and float(r[:-1]) > 0 for r in ratios)

@@ -285,13 +285,15 @@ def bench_gemm_layout(
         (4096, 11008),
     ),
 ) -> str:
-    """A float32 linear layer three ways, for the bench models' projection shapes and 4096-wide ones:
-    `F.linear` on the weight as loaded (row-major), on it stored column-major (the loader's fallback,
-    `packed_linear.use_column_major_weights`), and oneDNN's packed linear (`PackedLinear`, what the loader uses
-    where oneDNN is available). Each cell: the median over `reps` back-to-back triples of the process-CPU-time
-    ratios row-major ÷ column-major and row-major ÷ oneDNN-packed (above 1: faster than row-major)."""
+    """A float32 linear layer four ways, for the bench models' projection shapes and 4096-wide ones:
+    `F.linear` on the weight as loaded (row-major), on it stored column-major (the loaders' last fallback,
+    `packed_linear.use_column_major_weights`), oneDNN's packed linear (`PackedLinear` layout ``onednn``, the
+    fallback without batchgen's C kernels) and batchgen's GEMM (`PackedLinear` layout ``panels``, what the
+    loader uses). Each cell: the median over `reps` back-to-back runs of every layout of the process-CPU-time
+    ratios row-major ÷ each other layout (above 1: faster than row-major), in that order."""
     import torch.nn.functional as F
 
+    from batchgen.kernels import cpu_linear
     from batchgen.models.packed_linear import PackedLinear, onednn_available
 
     lines = [
@@ -303,7 +305,9 @@ def bench_gemm_layout(
         wc = w.t().contiguous().t()
         layouts = [partial(F.linear, weight=w), partial(F.linear, weight=wc)]
         if onednn_available():
-            layouts.append(PackedLinear(w, None))
+            layouts.append(PackedLinear(w, None, "onednn"))
+        if cpu_linear.available():
+            layouts.append(PackedLinear(w, None, "panels"))
         cells = []
         for m in rows:
             x = torch.randn(m, k)
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-workload", action="store_true", help="only the model-step table")
     p.add_argument(
-        "--gemm-layout", action="store_true", help="only the row- vs column-major vs oneDNN-packed GEMM table"
+        "--gemm-layout", action="store_true", help="only the GEMM table: row- vs column-major vs packed weights"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
@@ -384,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         load0 = os.getloadavg()[0]
         table_ = bench_gemm_layout()
         print(
-            "float32 linear, row-major F.linear time ÷ column-major F.linear time / ÷ oneDNN-packed time; "
+            "float32 linear, row-major F.linear time ÷ column-major F.linear time / ÷ oneDNN-packed time / ÷ batchgen GEMM time; "
             f"{machine}; load average {load0:.2f}"
         )
         print(table_)

@@ -16,10 +16,10 @@ Stacked expert weights (not `nn.Linear`) are stored column-major instead, and so
 neither layout is available (`use_column_major_weights`).
 
 Why: on the 2-CPU AVX2 machine the benchmarks run on, a decode step's projections (64 rows) of the benchmark
-model took 56 ms with oneDNN against 89 ms with MKL's column-major GEMM, and batchgen's GEMM beats oneDNN by
-a further 10-40% from 1 row to 4,096 (`python -m batchgen.bench.decode_ceiling`, BENCHMARKS.md). Results
-differ from MKL's in the last bits only (another summation order); greedy outputs equal transformers' in the
-equality tests.
+model took 38.1 ms with batchgen's GEMM, 46.4 ms with oneDNN and 55.2 ms with MKL's column-major GEMM, and
+batchgen's GEMM was the fastest from 1 row to 1,024 (`python -m batchgen.bench.decode_ceiling`,
+BENCHMARKS.md). Results differ from MKL's in the last bits only (another summation order); greedy outputs
+equal transformers' in the equality tests.
 
 Invariants: a `PackedLinear`'s `weight` is a non-trainable parameter in its `layout` (panels: `[ceil(out / 16),
 in, 16]`; onednn: an mkldnn tensor of shape `[out, in]`), and `dense_weight()` equals the loaded weight bit for
