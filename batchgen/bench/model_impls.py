@@ -372,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-workload", action="store_true", help="only the model-step table")
     p.add_argument(
-        "--gemm-layout", action="store_true", help="only the GEMM table: row- vs column-major vs packed weights"
+        "--gemm-layout",
+        action="store_true",
+        help="only the GEMM table: row- vs column-major vs packed weights",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
