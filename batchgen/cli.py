@@ -141,7 +141,8 @@ def main() -> None:
     startup_trace.mark("imports")
     argv = sys.argv[1:]
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and os.environ.get("RANK", "0") != "0":
-        from batchgen.engine.tp_launch import serve_from_env  # torchrun / srun: a tensor-parallel worker rank
+        # torchrun / srun: a tensor-parallel worker rank
+        from batchgen.engine.worker.tp_launch import serve_from_env
 
         sys.exit(serve_from_env())
     if wants_version(argv):

@@ -8,8 +8,8 @@ from dataclasses import fields
 from tqdm.auto import tqdm
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.engine.core.outputs import RequestOutput
 from batchgen.lora_request import LoRARequest
 from batchgen.pooling.checkpoint import read_checkpoint, resolve_task
 from batchgen.pooling.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput

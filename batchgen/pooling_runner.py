@@ -2,7 +2,7 @@
 
 Encoders run through :class:`~batchgen.pooling.encoder.EncoderModel` (length-sorted, unpadded batches of at
 most ``engine.max_num_batched_tokens`` tokens and ``engine.max_num_seqs`` rows); decoders through an
-:class:`~batchgen.engine.llm_engine.LLMEngine` over a :class:`~batchgen.pooling.decoder.PoolingDecoder`
+:class:`~batchgen.engine.core.llm_engine.LLMEngine` over a :class:`~batchgen.pooling.decoder.PoolingDecoder`
 (prefill-only requests, continuous batching, the prefix cache for last-token pooling). A row that cannot run
 (empty, longer than the model takes) gets an error string; it never stops the others.
 """
@@ -51,7 +51,7 @@ class PoolingRunner:
         tokenizer: str | None = None,
         implementation: str = "auto",
     ) -> None:
-        from batchgen.engine.llm_engine import LLMEngine, resolve_device
+        from batchgen.engine.core.llm_engine import LLMEngine, resolve_device
         from batchgen.models.loader import load_tokenizer
         from batchgen.pooling.decoder import check_pooling_decoder, load_pooling_decoder
 
@@ -196,7 +196,7 @@ class PoolingRunner:
                 on_done(len(rows))
 
     def _run_decoder(self, token_lists, todo, spec, results, on_done) -> None:
-        from batchgen.engine.pooling import PoolingState
+        from batchgen.engine.features.pooling import PoolingState
 
         engine = self.engine
         assert engine is not None

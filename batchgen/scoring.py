@@ -2,7 +2,7 @@
 ``loglikelihood``), and the rolling log-likelihood of a whole text (perplexity).
 
 Each (context, continuation) pair runs as one request over ``context + continuation`` whose prompt logprobs are
-computed from the continuation's first token on (:mod:`batchgen.engine.prompt_logprobs`): the context may come
+computed from the continuation's first token on (:mod:`batchgen.engine.features.prompt_logprobs`): the context may come
 from the prefix cache, so many continuations of one context compute the context once. Requests are submitted
 in token order (like the job's grouper) so continuations of one context run next to each other.
 """

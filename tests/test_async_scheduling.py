@@ -1,4 +1,4 @@
-"""Async scheduling (``engine.async_scheduling``, :mod:`batchgen.engine.executor`): outputs identical to
+"""Async scheduling (``engine.async_scheduling``, :mod:`batchgen.engine.worker.executor`): outputs identical to
 synchronous stepping, the async path really taken (``EngineStats.async_steps``), drains where the scope
 says, deferred frees and prefix-cache hashing, and a consistent KV manager under random admit/finish/abort.
 """
@@ -17,9 +17,9 @@ from test_hotloop import _checked_engine
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_cache import hash_block_tokens
-from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.sequence import PLACEHOLDER
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.engine.kv.kv_cache import hash_block_tokens
+from batchgen.engine.sched.sequence import PLACEHOLDER
 from batchgen.job.run import EXIT_OK, run_job
 
 BS = 8
@@ -384,7 +384,7 @@ def test_abort_while_in_flight_and_last_step_cancelled(llama_ckpt: str) -> None:
 def test_padded_decode_buckets_with_async(llama_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA-graph input path (decode batches padded to buckets; forced on CPU): placeholders are filled
     before padding, outputs unchanged."""
-    from batchgen.engine.model_runner import ModelRunner
+    from batchgen.engine.worker.model_runner import ModelRunner
 
     monkeypatch.setattr(ModelRunner, "pad_on_cpu", True)
     prompts = prompts_of([3, 9, 14, 20, 5], seed=13)

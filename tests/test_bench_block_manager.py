@@ -9,12 +9,12 @@ import pytest
 
 from batchgen.bench import block_manager
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_cache import KVCacheManager
-from batchgen.engine.output_processor import OutputProcessor
-from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.sequence import Request
-from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
-from batchgen.engine.stop import StopRules
+from batchgen.engine.core.output_processor import OutputProcessor
+from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
+from batchgen.engine.kv.kv_cache import KVCacheManager
+from batchgen.engine.sched.scheduler import Scheduler
+from batchgen.engine.sched.sequence import Request
+from batchgen.engine.sched.stop import StopRules
 from batchgen.sampling_params import SamplingParams
 
 

@@ -12,12 +12,12 @@ from batchgen.bench import memory
 from batchgen.bench.fake_runner import FakeRequest
 from batchgen.bench.memory import FirstFitContiguousKV
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_cache import KVCacheManager
-from batchgen.engine.output_processor import OutputProcessor
-from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.sequence import Request
-from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
-from batchgen.engine.stop import StopRules
+from batchgen.engine.core.output_processor import OutputProcessor
+from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
+from batchgen.engine.kv.kv_cache import KVCacheManager
+from batchgen.engine.sched.scheduler import Scheduler
+from batchgen.engine.sched.sequence import Request
+from batchgen.engine.sched.stop import StopRules
 from batchgen.sampling_params import SamplingParams
 
 

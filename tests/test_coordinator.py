@@ -11,8 +11,8 @@ import pytest
 from batchgen.data.prompts import PromptRow
 from batchgen.data.reader import WindowSpec
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.core.stats import EngineStats
 from batchgen.errors import WorkerLost
 from batchgen.job.coordinator import Coordinator
 from batchgen.job.feeder import WindowWork

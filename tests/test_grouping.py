@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from batchgen.data.prompts import PromptRow
 from batchgen.data.reader import WindowSpec
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
 from batchgen.job.feeder import EngineFeeder, WindowWork, prefix_order
 from batchgen.sampling_params import SamplingParams
 

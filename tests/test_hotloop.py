@@ -1,11 +1,11 @@
 """The engine's hot-loop fast paths agree with from-scratch rebuilds (issue 17).
 
 * decode fast path (``KVCacheManager.append_one``, block tables) and the persistent input buffers
-  (:class:`~batchgen.engine.input_batch.InputBatch`): at every step of random workloads that admit, finish,
+  (:class:`~batchgen.engine.worker.input_batch.InputBatch`): at every step of random workloads that admit, finish,
   abort, preempt (recompute and swap) and fork (n > 1, beams), every scheduled block table equals the KV
   manager's table, the persistent block-table rows equal the step's tables, and the runner's inputs equal a
   straightforward per-sequence rebuild (the pre-issue-17 code, kept here as the reference);
-* the persistent per-row sampling settings (:class:`~batchgen.engine.sampler.SamplingBatch`) equal the rows'
+* the persistent per-row sampling settings (:class:`~batchgen.engine.worker.sampler.SamplingBatch`) equal the rows'
   params at every step;
 * padded decode buckets (the CUDA-graph input path, forced on CPU) give identical tokens.
 """
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.model_runner import ModelRunner, decode_buckets
-from batchgen.engine.sampler import SamplingBatch, SamplingTensors, _argmax
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.engine.worker.model_runner import ModelRunner, decode_buckets
+from batchgen.engine.worker.sampler import SamplingBatch, SamplingTensors, _argmax
 from batchgen.sampling_params import SamplingParams
 
 

@@ -139,7 +139,7 @@ def test_completions_file_resumes_after_a_stop(llama_ckpt: str, tmp_path: Path) 
     openai_types = pytest.importorskip(
         "openai.types", reason="the openai package is not installed (test extra)"
     )
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     prompts = [f"Item {i}: the quick brown fox" for i in range(6)]
     lines = [

@@ -10,9 +10,9 @@ import transformers
 
 from batchgen import SamplingParams
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.pooling import PoolingState
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.engine.features.pooling import PoolingState
+from batchgen.engine.worker.model_runner import ModelRunner
 
 GEN = [[1, 5, 9, 33, 7], list(range(10, 40)), [4, 4, 4, 100, 200]]
 # the 110-token CLS prompt is prefilled in chunks (22 + 29 + 29 + 29 tokens beside the decodes, 32-token

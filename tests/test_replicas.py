@@ -14,7 +14,7 @@ import pytest
 from conftest import job_config, part_contents, read_parts
 
 import batchgen.job.replica_job as replica_job
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.core.stats import EngineStats
 from batchgen.job.coordinator import combine_stats
 from batchgen.job.local_replicas import LocalReplicas
 from batchgen.job.run import EXIT_INTERRUPTED, EXIT_OK, run_job

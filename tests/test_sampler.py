@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from batchgen.engine.sampler import Sampler, SamplingRow, _apply_penalties, _filtered_probs
+from batchgen.engine.worker.sampler import Sampler, SamplingRow, _apply_penalties, _filtered_probs
 from batchgen.sampling_params import SamplingParams
 
 V = 50

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_cache import KVCacheManager
-from batchgen.engine.output_processor import OutputProcessor
-from batchgen.engine.request_group import RequestGroup
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput, unservable
-from batchgen.engine.sequence import Request, SequenceStatus
-from batchgen.engine.stop import StopRules
+from batchgen.engine.core.output_processor import OutputProcessor
+from batchgen.engine.kv.kv_cache import KVCacheManager
+from batchgen.engine.sched.request_group import RequestGroup
+from batchgen.engine.sched.scheduler import Scheduler, SchedulerOutput, unservable
+from batchgen.engine.sched.sequence import Request, SequenceStatus
+from batchgen.engine.sched.stop import StopRules
 from batchgen.sampling_params import SamplingParams
 
 BS = 4

@@ -15,7 +15,7 @@ from batchgen.data.manifest import Manifest, WindowRecord, diff_config
 from batchgen.data.output_dir import OutputDir
 from batchgen.data.parts import PartLayout, build_part
 from batchgen.data.prompts import PromptRow
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
 from batchgen.errors import ConfigError
 
 

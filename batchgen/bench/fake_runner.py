@@ -1,7 +1,7 @@
-"""The engine's real :class:`~batchgen.engine.scheduler.Scheduler` and KV cache manager, driven with fake tokens.
+"""The engine's real :class:`~batchgen.engine.sched.scheduler.Scheduler` and KV cache manager, driven with fake tokens.
 
 No model runs: each step is ``schedule()`` then ``update()`` with one random token per sampled sequence, exactly
-what :class:`~batchgen.engine.llm_engine.LLMEngine` does around its forward pass. So the figures the block-manager
+what :class:`~batchgen.engine.core.llm_engine.LLMEngine` does around its forward pass. So the figures the block-manager
 and memory benchmarks report for batchgen (KV utilization, fragmentation, prefix hits, preemptions,
 copy-on-write copies, concurrent sequences) are the scheduler's own (:class:`EngineStats` and the manager's
 :class:`KVCacheStats`), with its admission watermark, preemption order, chunked prefill and forks.
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_cache import KVCacheManager, KVCacheStats
-from batchgen.engine.output_processor import OutputProcessor
-from batchgen.engine.scheduler import Scheduler, unservable
-from batchgen.engine.sequence import Request
-from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
-from batchgen.engine.stop import StopRules
+from batchgen.engine.core.output_processor import OutputProcessor
+from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
+from batchgen.engine.kv.kv_cache import KVCacheManager, KVCacheStats
+from batchgen.engine.sched.scheduler import Scheduler, unservable
+from batchgen.engine.sched.sequence import Request
+from batchgen.engine.sched.stop import StopRules
 from batchgen.sampling_params import SamplingParams
 
 

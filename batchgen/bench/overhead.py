@@ -3,7 +3,7 @@
 The model is a random Llama of one layer, hidden size 32 (built once into the batchgen cache with
 :func:`batchgen.models.tiny.cached_checkpoint`), so the forward costs little and what remains is the engine's
 own work per step. For each mix and each sequence cap ``N`` (``--seqs``, default 64, 256, 512) one
-:class:`~batchgen.engine.llm_engine.LLMEngine` runs ``--warmup`` steps to reach a steady state, then
+:class:`~batchgen.engine.core.llm_engine.LLMEngine` runs ``--warmup`` steps to reach a steady state, then
 ``--steps`` measured steps, while a feeder keeps requests waiting so the engine never drains:
 
 * ``decode``: prompts of 16–48 tokens, 16–240 generated tokens: nearly every step is N decodes plus a few
@@ -142,7 +142,7 @@ class Result:
 def _engine(mix: Mix, n: int, seed: int, device: str, model: str | None, overlap: bool = False) -> Any:
     """The engine of one configuration: N sequences, the mix's token budget, a pool that fits ~5N/4 of them."""
     from batchgen.engine.config import EngineConfig
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     bs = 16
     per_seq = -(-(mix.prompt[1] + mix.output[1]) // bs)

@@ -230,7 +230,7 @@ def _batchgen_once(
 def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, Any]:
     """The pipeline (``run_job``) with a fresh engine per repeat; or LLM.generate for ``batchgen_llm``.
     With ``profile``, one more run under the profiler (not timed)."""
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     system, via = _batchgen_route(spec["system"])
     w = _load_workload(spec)

@@ -90,7 +90,7 @@ class EngineConfig:
     async_scheduling: bool = False
     """Overlap the engine's Python with the forward: while step N's forward and sampling run (in a worker
     thread), step N+1 is scheduled and its inputs prepared, the tokens of N standing in as placeholders
-    (:mod:`batchgen.engine.executor`). Token ids, texts and finish reasons are identical to it off (logprobs
+    (:mod:`batchgen.engine.worker.executor`). Token ids, texts and finish reasons are identical to it off (logprobs
     to float rounding). Steps involving beam search, structured outputs, prompt logprobs or swapping, or a
     pool too full to rule out preemption, run synchronously (the pipeline drains first). Composes with
     tensor_parallel_size > 1 (each launched step is broadcast to the other ranks)."""

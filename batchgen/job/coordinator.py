@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from batchgen.engine.outputs import RequestOutput
-from batchgen.engine.stats import _COUNTERS, EngineStats
+from batchgen.engine.core.outputs import RequestOutput
+from batchgen.engine.core.stats import _COUNTERS, EngineStats
 from batchgen.errors import ConfigError, WorkerLost
 from batchgen.job.feeder import StopFlag, WindowWork, pull_window
 from batchgen.job.replica import ReplicaReport, ReplicaSetup, WindowRequests

@@ -35,8 +35,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from batchgen.data.prompts import PromptRow
 from batchgen.data.reader import WindowSpec
-from batchgen.engine.interface import Engine
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.core.interface import Engine
+from batchgen.engine.core.outputs import RequestOutput
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ that runs in a replica's process or Ray actor, fed whole windows by the coordina
 
 A replica knows nothing of the input or the output directory: it receives *window requests* (a window's
 index and its rows to run, each ``(request id, prompt token ids, sampling params)``, already in prefix-trie
-order) and hands back the engine's :class:`~batchgen.engine.outputs.RequestOutput` of every finished request
+order) and hands back the engine's :class:`~batchgen.engine.core.outputs.RequestOutput` of every finished request
 with a snapshot of its engine's stats. The coordinator owns every decision about what is done.
 
 Invariants:
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.outputs import RequestOutput
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.core.outputs import RequestOutput
+from batchgen.engine.core.stats import EngineStats
 from batchgen.errors import WorkerLost
 from batchgen.lora_request import LoRARequest
 from batchgen.sampling_params import SamplingParams
@@ -83,7 +83,7 @@ def start_engine(setup: ReplicaSetup) -> Any:
 
         os.environ["OMP_NUM_THREADS"] = str(setup.threads)
         torch.set_num_threads(setup.threads)
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     return LLMEngine(setup.model_path, setup.engine, dtype=setup.dtype, implementation=setup.implementation)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from batchgen.atomic import atomic_write_text
 from batchgen.data.manifest import Manifest
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.core.stats import EngineStats
 
 
 def _rows(manifest: Manifest) -> dict[str, int]:

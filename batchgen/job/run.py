@@ -53,8 +53,8 @@ from batchgen import startup_trace
 from batchgen.data.manifest import Manifest
 from batchgen.data.output_dir import OutputDir, on_disk_full
 from batchgen.data.remote_output import open_output_dir
-from batchgen.engine.interface import Engine
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.core.interface import Engine
+from batchgen.engine.core.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
 from batchgen.job.config import POOLING_TASKS, to_job_config
 from batchgen.job.duplicate_ids import warn_duplicate_ids
@@ -505,7 +505,7 @@ def _load_tokenizer(plan: JobPlan) -> Any:
 def _start_engine(plan: JobPlan) -> Engine:
     """The engine for the plan's checkpoint. Whatever stops it from starting (a bad checkpoint, no room for
     the KV cache, not enough memory) is a ConfigError naming the model and the setting to change."""
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     e = plan.cfg.engine
     try:

@@ -26,7 +26,7 @@ from batchgen.data.layout import POSITION_COLUMN, RESERVED_COLUMNS, RETRY_COLUMN
 from batchgen.data.parts import PartLayout, build_rows
 from batchgen.data.prompts import PromptSpec, build_prompts
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.core.outputs import RequestOutput
 from batchgen.job.config import JOB_SEED
 from batchgen.job.feeder import prefix_order
 from batchgen.sampling_params import SamplingParams
@@ -52,7 +52,7 @@ class Generator:
         dtype: str = "auto",
         model_impl: str = "auto",
     ) -> None:
-        from batchgen.engine.llm_engine import LLMEngine
+        from batchgen.engine.core.llm_engine import LLMEngine
 
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(engine or {}) - known)

@@ -1,11 +1,11 @@
 """Output processing: a step's sampled tokens become finished requests.
 
 After the scheduler has put each sampled token in place (:meth:`Scheduler.place_tokens`), the
-:class:`OutputProcessor` records its logprobs, applies the stop rules (:class:`~batchgen.engine.stop.StopRules`,
+:class:`OutputProcessor` records its logprobs, applies the stop rules (:class:`~batchgen.engine.sched.stop.StopRules`,
 the one implementation: stop ids, eos, stop strings through the incremental detokenizer, length) and names
 the sequences that finish, with their finish reason; the scheduler then frees them
 (:meth:`Scheduler.finish`). When every sample of a request has finished, :meth:`request_output` decodes the
-texts (once) and builds the :class:`~batchgen.engine.outputs.RequestOutput`: samples by index, or the best
+texts (once) and builds the :class:`~batchgen.engine.core.outputs.RequestOutput`: samples by index, or the best
 beams of a beam search, best first.
 """
 
@@ -17,11 +17,11 @@ from typing import Any
 
 from torch import Tensor
 
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput
-from batchgen.engine.sequence import Request, Sequence
-from batchgen.engine.stop import StopRules
-from batchgen.engine.structured import StructuredOutputs
+from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.features.structured import StructuredOutputs
+from batchgen.engine.sched.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.sched.sequence import Request, Sequence
+from batchgen.engine.sched.stop import StopRules
 
 Placed = tuple[Sequence, int, int]
 """A sampled token put in place: (sequence, token id, row of the step's sampled tokens)."""

@@ -1,7 +1,7 @@
 """Continuous batching of request groups under a token budget and a sequence cap, with chunked prefill and
 preemption.
 
-The scheduling atom is a :class:`~batchgen.engine.request_group.RequestGroup` (one sequence, ``n`` samples, or
+The scheduling atom is a :class:`~batchgen.engine.sched.request_group.RequestGroup` (one sequence, ``n`` samples, or
 the live beams of a beam search): groups are admitted, scheduled, preempted, swapped and resumed whole, and
 each kind plans its own tokens under the budget. ``schedule()`` decides one step: running groups first —
 decoding groups before unfinished prefills — then swapped-out groups are swapped back in, then (only when
@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_cache import KVCacheManager
-from batchgen.engine.request_group import BeamGroup, RequestGroup, make_group
-from batchgen.engine.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
-from batchgen.engine.stats import SchedulerCounters
-from batchgen.engine.stop import StopRules
+from batchgen.engine.core.stats import SchedulerCounters
+from batchgen.engine.kv.kv_cache import KVCacheManager
+from batchgen.engine.sched.request_group import BeamGroup, RequestGroup, make_group
+from batchgen.engine.sched.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
+from batchgen.engine.sched.stop import StopRules
 
 if TYPE_CHECKING:
-    from batchgen.engine.lora_manager import LoRAManager
+    from batchgen.engine.features.lora_manager import LoRAManager
 
 
 @dataclass(slots=True)
@@ -85,8 +85,8 @@ class SchedulerOutput:
     step that completes a request's prompt with ``n > 1``, its forks sample from the same row.
     ``beam_rows``: rows of ``seqs`` whose last-token log-softmax feeds beam search, grouped by beam group in
     beam order: ``beam_groups[g]`` takes the next ``len(beam_groups[g].seqs)`` of them.
-    A pooling sequence (:mod:`batchgen.engine.pooling`) never gets a row: nothing is sampled for it, and the
-    update finishes it in the step that completes its prompt (:func:`batchgen.engine.pooling.completed`).
+    A pooling sequence (:mod:`batchgen.engine.features.pooling`) never gets a row: nothing is sampled for it, and the
+    update finishes it in the step that completes its prompt (:func:`batchgen.engine.features.pooling.completed`).
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)

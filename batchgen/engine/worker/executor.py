@@ -1,9 +1,9 @@
 """Executors run plain step inputs on the model runner: in process (inline), or pipelined (async scheduling).
 
-:class:`Executor` runs each :class:`~batchgen.engine.step_input.StepInput` through ``runner.execute`` and
-returns a future :class:`~batchgen.engine.step_input.RunnerOutput`: inline (the future is done when
+:class:`Executor` runs each :class:`~batchgen.engine.worker.step_input.StepInput` through ``runner.execute`` and
+returns a future :class:`~batchgen.engine.worker.step_input.RunnerOutput`: inline (the future is done when
 ``submit`` returns), or in one worker thread (``pipelined``). Tensor parallelism is the runner's business
-(:class:`~batchgen.engine.tensor_parallel.TPModelRunner` broadcasts each input to the other ranks first), so
+(:class:`~batchgen.engine.worker.tensor_parallel.TPModelRunner` broadcasts each input to the other ranks first), so
 it composes with both.
 
 Async ("overlapped") scheduling: the engine's Python for step N+1 runs while step N's forward does.
@@ -13,7 +13,7 @@ With ``engine.async_scheduling=true`` one :meth:`LLMEngine.step` goes:
 1. step N's forward and sampling are in flight (launched by the previous call: the pipelined
    :class:`Executor`'s thread runs them; on CUDA the kernels are queued anyway);
 2. meanwhile the scheduler plans step N+1 as if every sequence sampled in N had its token
-   (:meth:`Scheduler.mark_launched` appended a :data:`~batchgen.engine.sequence.PLACEHOLDER`, whose slot is
+   (:meth:`Scheduler.mark_launched` appended a :data:`~batchgen.engine.sched.sequence.PLACEHOLDER`, whose slot is
    allocated but whose block is not hashed into the prefix cache until the token is known), and the runner
    builds N+1's inputs; the input id of each placeholder is noted as ``(flat index, row of N's samples)``;
 3. N's sampled tokens come back (the only wait); :meth:`Scheduler.update` puts them in place of the
@@ -58,8 +58,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from batchgen.engine.scheduler import SchedulerOutput
-from batchgen.engine.step_input import ForwardInput, RunnerOutput, StepInput
+from batchgen.engine.sched.scheduler import SchedulerOutput
+from batchgen.engine.worker.step_input import ForwardInput, RunnerOutput, StepInput
 from batchgen.threads import ThreadMonitor, set_threads
 
 

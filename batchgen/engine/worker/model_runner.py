@@ -1,6 +1,6 @@
-"""Runs one plain :class:`~batchgen.engine.step_input.StepInput` over the paged KV cache: the block moves,
+"""Runs one plain :class:`~batchgen.engine.worker.step_input.StepInput` over the paged KV cache: the block moves,
 the packed forward, the logits of the rows it asks for, sampling; returns a
-:class:`~batchgen.engine.step_input.RunnerOutput`. It never sees a sequence or a request.
+:class:`~batchgen.engine.worker.step_input.RunnerOutput`. It never sees a sequence or a request.
 
 Also owns the KV cache tensor and its sizing: on CUDA a profiling forward at the full token budget measures
 peak activation memory and the pool takes ``total * gpu_memory_utilization - weights - activations``; on CPU
@@ -19,10 +19,11 @@ from torch import Tensor
 
 from batchgen import malloc_tuning
 from batchgen.attention import AttentionMetadata, ForwardContext, PagedAttention
-from batchgen.engine import pooling, prompt_logprobs
 from batchgen.engine.config import EngineConfig, parse_bytes
-from batchgen.engine.sampler import Sampler
-from batchgen.engine.step_input import (
+from batchgen.engine.features import pooling, prompt_logprobs
+from batchgen.engine.kv.swap import BlockSwapper
+from batchgen.engine.worker.sampler import Sampler
+from batchgen.engine.worker.step_input import (
     BlockMoves,
     ForwardInput,
     LoRALoad,
@@ -30,7 +31,6 @@ from batchgen.engine.step_input import (
     SamplingInput,
     StepInput,
 )
-from batchgen.engine.swap import BlockSwapper
 from batchgen.kernels import cpu_kernel
 from batchgen.lora_request import LoRARequest
 from batchgen.models.lora import LoRASlots
@@ -268,7 +268,7 @@ class ModelRunner:
         self, fwd: ForwardInput, fill: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor | None, prompt_logprobs.PromptLogprobs | None, Tensor | None]:
         """The forward of ``fwd``: float32 logits of its ``last`` rows (None when it has none: a step of
-        pooling requests only), its prompt logprobs and its pooled segments (:mod:`batchgen.engine.pooling`).
+        pooling requests only), its prompt logprobs and its pooled segments (:mod:`batchgen.engine.features.pooling`).
         ``fill``:
         ``(index, tokens)``: placeholder input ids written in first (async scheduling)."""
         ids, pos, meta, last = fwd.ids, fwd.positions, fwd.meta, fwd.last

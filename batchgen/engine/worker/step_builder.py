@@ -1,6 +1,6 @@
-"""Builds a step's plain :class:`~batchgen.engine.step_input.StepInput` from the scheduler's output, once per
-step: the flat forward tensors in the persistent :class:`~batchgen.engine.input_batch.InputBatch`, the
-sampling rows and per-row settings (persistent :class:`~batchgen.engine.sampler.SamplingBatch`), the grammar
+"""Builds a step's plain :class:`~batchgen.engine.worker.step_input.StepInput` from the scheduler's output, once per
+step: the flat forward tensors in the persistent :class:`~batchgen.engine.worker.input_batch.InputBatch`, the
+sampling rows and per-row settings (persistent :class:`~batchgen.engine.worker.sampler.SamplingBatch`), the grammar
 mask and the prompt-logprob rows. Live objects (sequences, requests) are read here and nowhere below.
 
 The forward part and the sampling part are built separately because async scheduling prepares a step's
@@ -14,14 +14,14 @@ from collections.abc import Callable
 
 import torch
 
-from batchgen.engine import pooling, prompt_logprobs
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.input_batch import InputBatch
-from batchgen.engine.sampler import SamplingBatch, SamplingRow, SamplingTensors
-from batchgen.engine.scheduler import SchedulerOutput
-from batchgen.engine.step_input import BlockMoves, ForwardInput, SamplingInput
-from batchgen.engine.stop import StopRules
-from batchgen.engine.structured import StructuredOutputs
+from batchgen.engine.features import pooling, prompt_logprobs
+from batchgen.engine.features.structured import StructuredOutputs
+from batchgen.engine.sched.scheduler import SchedulerOutput
+from batchgen.engine.sched.stop import StopRules
+from batchgen.engine.worker.input_batch import InputBatch
+from batchgen.engine.worker.sampler import SamplingBatch, SamplingRow, SamplingTensors
+from batchgen.engine.worker.step_input import BlockMoves, ForwardInput, SamplingInput
 
 
 class StepBuilder:

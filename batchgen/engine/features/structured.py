@@ -9,7 +9,7 @@ A request whose :class:`~batchgen.sampling_params.SamplingParams` sets one of ``
   rejects becomes the request's error (``RequestOutput.error``, ``finish_reason="error"``); it never raises
   out of the engine.
 * **mask** (every step, :meth:`mask`, applied by the runner: :class:`LogitsMask`): each constrained row of the step has a matcher (one per sequence,
-  held in a weak map keyed by the :class:`~batchgen.engine.sequence.Sequence`, so it goes away with it);
+  held in a weak map keyed by the :class:`~batchgen.engine.sched.sequence.Sequence`, so it goes away with it);
   the matcher catches up with the tokens the sequence gained since the last step (so forks, preemption and
   recompute need no hook), the rows' bitmasks are filled in one batched, multi-threaded call, and
   ``apply_token_bitmask_inplace`` sets every disallowed logit (including padding ids beyond the tokenizer's
@@ -47,7 +47,7 @@ from torch import Tensor
 from batchgen.tokenizer import as_transformers
 
 if TYPE_CHECKING:
-    from batchgen.engine.sequence import Sequence
+    from batchgen.engine.sched.sequence import Sequence
     from batchgen.sampling_params import SamplingParams
 
 CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")

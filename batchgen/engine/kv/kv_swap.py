@@ -1,5 +1,5 @@
 """The CPU swap space of the KV cache manager: a refcounted CPU :class:`BlockPool` (no prefix cache) and the
-block moves of swap-mode preemption, side by side with the GPU pool (see :mod:`batchgen.engine.kv_cache` for
+block moves of swap-mode preemption, side by side with the GPU pool (see :mod:`batchgen.engine.kv.kv_cache` for
 the rules: a set of sequences goes out together, a block shared with a sequence outside the set stays on the
 GPU, a CPU block that held a registered prefix is served again from the prefix cache on swap-in when it can).
 
@@ -10,8 +10,8 @@ side (its pool, the prefix-cache entry each CPU block came from, its counters).
 
 from __future__ import annotations
 
-from batchgen.engine.block_pool import BlockHash, BlockPool
-from batchgen.engine.block_table import BlockTable
+from batchgen.engine.kv.block_pool import BlockHash, BlockPool
+from batchgen.engine.kv.block_table import BlockTable
 
 CacheEntry = tuple[BlockHash, BlockHash | None, tuple[int, ...]]
 

@@ -1,7 +1,7 @@
 """Running totals of an engine: the figures the job report and progress bar print.
 
 Each component owns its counters and alone writes them: the scheduler its :class:`SchedulerCounters`, the
-engine its :class:`EngineCounters`, the KV cache manager its :class:`~batchgen.engine.kv_cache.KVCacheStats`.
+engine its :class:`EngineCounters`, the KV cache manager its :class:`~batchgen.engine.kv.kv_cache.KVCacheStats`.
 One :class:`StatsCollector` snapshots them into the public :class:`EngineStats` (once per step, and whenever
 ``llm.engine.stats`` is read), where it also keeps the peaks.
 """
@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from batchgen.engine.kv_cache import KVCacheManager
+    from batchgen.engine.kv.kv_cache import KVCacheManager
 
 
 @dataclass

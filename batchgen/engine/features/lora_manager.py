@@ -8,7 +8,7 @@
   one; :meth:`can_acquire` says whether that is possible now, so a scheduler admits a request only when its
   adapter can be made resident, and rows of resident adapters never wait for a load.
 * The manager only decides: the weights are written by the model runner, from the
-  :class:`~batchgen.engine.step_input.LoRALoad` list the engine takes (:meth:`take_loads`) into the next step
+  :class:`~batchgen.engine.worker.step_input.LoRALoad` list the engine takes (:meth:`take_loads`) into the next step
   it launches. Steps run in launch order, so a slot is rewritten only after the forward of every step launched
   before, including one still in flight under async scheduling that holds a row of the slot's previous,
   finished request; under tensor parallelism the list reaches every rank with its step.
@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.step_input import LoRALoad
+from batchgen.engine.worker.step_input import LoRALoad
 from batchgen.lora_request import LoRARequest
 from batchgen.models.config import ModelConfig
 from batchgen.models.lora import LoRASlots, attach_lora, whole_model_config

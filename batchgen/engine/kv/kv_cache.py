@@ -59,9 +59,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from batchgen.engine.block_pool import BlockHash, BlockPool, hash_block_tokens
-from batchgen.engine.block_table import BlockTable
-from batchgen.engine.kv_swap import SwapSpace
+from batchgen.engine.kv.block_pool import BlockHash, BlockPool, hash_block_tokens
+from batchgen.engine.kv.block_table import BlockTable
+from batchgen.engine.kv.kv_swap import SwapSpace
 
 SeqId = Hashable
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from batchgen.engine.step_input import PoolRows
+from batchgen.engine.worker.step_input import PoolRows
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Invariant: ``len(table) == ceil(num_tokens / block_size)``; ``block_hashes[:num_registered]`` are the hashes of
 the leading full blocks registered in (or taken from) the prefix cache. While ``swapped``, entries ``< 0`` are
-CPU blocks ``~entry`` of the swap space. Owned by the :class:`~batchgen.engine.kv_cache.KVCacheManager`, which
+CPU blocks ``~entry`` of the swap space. Owned by the :class:`~batchgen.engine.kv.kv_cache.KVCacheManager`, which
 never hands one out: callers get copies of ``table``.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchgen.engine.block_pool import BlockHash
+from batchgen.engine.kv.block_pool import BlockHash
 
 
 @dataclass(slots=True)

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchgen.engine.detokenizer import IncrementalDetokenizer
+from batchgen.engine.sched.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from batchgen.engine.beam import BeamSearch
-    from batchgen.engine.request_group import RequestGroup
+    from batchgen.engine.features.beam import BeamSearch
+    from batchgen.engine.sched.request_group import RequestGroup
     from batchgen.lora_request import LoRARequest
     from batchgen.sampling_params import SamplingParams
 
@@ -42,7 +42,7 @@ class Request:
     """A request of ``params.n`` samples. Its first sequence is created at arrival; the other ``n - 1`` are
     forked from it by the scheduler in the step that completes its prompt (they share every prompt block).
 
-    A beam-search request (``params.beam_width > 1``) has a :class:`~batchgen.engine.beam.BeamSearch` in
+    A beam-search request (``params.beam_width > 1``) has a :class:`~batchgen.engine.features.beam.BeamSearch` in
     ``beam``; its sequences are the live beams (``seqs`` is kept equal to ``beam.beams``), and its outputs are
     the search's best finished hypotheses.
 
@@ -64,7 +64,7 @@ class Request:
     """Greedy with no penalties, min_tokens or logprobs: sampling is a bare argmax (no per-row settings)."""
     plain_sampling: bool = field(init=False)
     """No penalties, min_tokens, logprobs or seed (greedy or not): the sampler needs only the per-row filter
-    settings (:class:`~batchgen.engine.sampler.SamplingBatch`), no per-row state."""
+    settings (:class:`~batchgen.engine.worker.sampler.SamplingBatch`), no per-row state."""
     simple_stop: bool = field(init=False)
     """No stop token ids, stop strings or min_tokens: only eos and length can stop it (the update fast path)."""
 
@@ -88,11 +88,11 @@ class Request:
             return None
         return hashlib.sha256(f"lora:{self.lora_request.lora_int_id}".encode()).digest()
 
-    # Prompt logprobs (batchgen.engine.prompt_logprobs): wanted from this position on (None: only if
+    # Prompt logprobs (batchgen.engine.features.prompt_logprobs): wanted from this position on (None: only if
     # params.prompt_logprobs), and the entries computed so far (one per prompt token, entry 0 None).
     prompt_logprobs_start: int | None = None
     pooling: Any = None
-    """A pooling request's :class:`~batchgen.engine.pooling.PoolingState` (None: a generation)."""
+    """A pooling request's :class:`~batchgen.engine.features.pooling.PoolingState` (None: a generation)."""
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def new_sequence(self, token_ids: list[int], sample_index: int) -> Sequence:
@@ -136,14 +136,14 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Async scheduling (batchgen.engine.executor): while the step that samples this sequence's next token is
+    # Async scheduling (batchgen.engine.worker.executor): while the step that samples this sequence's next token is
     # in flight, that token is a placeholder at the end of token_ids (counted for slots, never hashed) and
     # pending_row is its row in the step's sampled tokens (-1: no placeholder); finishing: that token is its
     # last (max_tokens / max_model_len), so it is not scheduled again.
     pending_row: int = -1
     finishing: bool = False
     group: RequestGroup | None = None
-    """The scheduling group it belongs to (:mod:`batchgen.engine.request_group`)."""
+    """The scheduling group it belongs to (:mod:`batchgen.engine.sched.request_group`)."""
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,7 @@
 Two ways to get N ranks:
 
 - **spawned** (``LLM(...)``, the CLI, one Slurm task with N GPUs): the engine's process is rank 0; it opens a
-  TCP rendezvous store on 127.0.0.1 and starts ranks 1..N-1 as ``python -m batchgen.engine.tp_launch`` child
+  TCP rendezvous store on 127.0.0.1 and starts ranks 1..N-1 as ``python -m batchgen.engine.worker.tp_launch`` child
   processes (no re-import of the caller's ``__main__``), each on its own device (``cuda:i``; the CPU with
   gloo). Rank 0 watches them: a worker that exits makes the current step fail with
   :class:`~batchgen.errors.WorkerLost` (the job exits 75: rerun or requeue to resume); if a collective does
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.tensor_parallel import StepChannel, TPModelRunner, serve
+from batchgen.engine.worker.tensor_parallel import StepChannel, TPModelRunner, serve
 from batchgen.errors import WorkerLost
 
 logger = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ def start(setup: WorkerSetup) -> TPGroup:
         )  # fmt: skip
         for r in range(1, tp):
             args = [str(r), str(tp), str(store.port), str(devices[r]), str(os.getpid())]
-            procs.append(subprocess.Popen([sys.executable, "-m", "batchgen.engine.tp_launch", *args]))
+            procs.append(subprocess.Popen([sys.executable, "-m", "batchgen.engine.worker.tp_launch", *args]))
     try:
         init_process_group(store, 0, tp, device)
     except Exception as e:
@@ -246,7 +246,7 @@ def _env_store(rank: int, world: int) -> dist.Store:
 def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -> None:
     """A worker rank: join, receive the setup, load this rank's shard, agree on the KV pool, serve steps."""
     from batchgen.attention import resolve_backend
-    from batchgen.engine.lora_manager import attach_worker_slots
+    from batchgen.engine.features.lora_manager import attach_worker_slots
     from batchgen.models.loader import load_model
 
     init_process_group(store, rank, world, device)
@@ -301,7 +301,7 @@ def _watch_parent(parent: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Entry of a spawned worker: ``python -m batchgen.engine.tp_launch RANK WORLD PORT DEVICE PARENT_PID``."""
+    """Entry of a spawned worker: ``python -m batchgen.engine.worker.tp_launch RANK WORLD PORT DEVICE PARENT_PID``."""
     rank, world, port = int(argv[0]), int(argv[1]), int(argv[2])
     device, parent = torch.device(argv[3]), int(argv[4])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
@@ -316,6 +316,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":  # run the imported module's main: pickled messages name its classes
-    from batchgen.engine import tp_launch
+    from batchgen.engine.worker import tp_launch
 
     sys.exit(tp_launch.main(sys.argv[1:]))

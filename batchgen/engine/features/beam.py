@@ -4,7 +4,7 @@ One :class:`BeamSearch` per request with ``beam_width = k > 1``. The scheduler o
 only decides. Each step it takes the log-softmax of the raw (float32) logits of the ``k`` running beams —
 ``1`` row at the first step, which stands for ``k`` identical copies of the prompt — and returns the ``k``
 continuations to keep as ``(parent beam, token)`` pairs, in order. The scheduler then forks every parent kept
-more than once (:meth:`~batchgen.engine.kv_cache.KVCacheManager.fork`: the beams share every block, and only
+more than once (:meth:`~batchgen.engine.kv.kv_cache.KVCacheManager.fork`: the beams share every block, and only
 the partial last block is copied when a beam writes into it), reuses a parent kept once and frees the parents
 not kept.
 
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from batchgen.engine.sequence import Sequence
+    from batchgen.engine.sched.sequence import Sequence
     from batchgen.sampling_params import SamplingParams
 
 _NEG = -1.0e9

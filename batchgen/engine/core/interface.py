@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from batchgen.engine.outputs import RequestOutput
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.core.outputs import RequestOutput
+from batchgen.engine.core.stats import EngineStats
 from batchgen.sampling_params import SamplingParams
 
 
@@ -28,7 +28,7 @@ StepListener = Callable[[StepInfo], None]
 
 @runtime_checkable
 class Engine(Protocol):
-    """What :class:`~batchgen.engine.llm_engine.LLMEngine` offers its callers.
+    """What :class:`~batchgen.engine.core.llm_engine.LLMEngine` offers its callers.
 
     ``step`` returns the requests that finished in it; a request that cannot be served finishes with
     ``error`` set instead of raising. ``stats`` are running totals since the engine started (take

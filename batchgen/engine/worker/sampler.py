@@ -21,7 +21,7 @@ Pipeline for each row (every stage is vectorised over the rows that need it; row
 When every row is greedy and nothing else is asked for, the call is a single ``argmax`` (the hot path).
 
 Beam-search rows are not sampled: :meth:`Sampler.beam_logprobs` returns their float32 log-softmax of the raw
-logits, which :mod:`batchgen.engine.beam` scores (transformers' beam search works on the same values).
+logits, which :mod:`batchgen.engine.features.beam` scores (transformers' beam search works on the same values).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class SamplingRow:
     """Everything the sampler needs to know about one row of the logits batch (built by the engine).
 
     ``generator`` must be set for requests with a seed: each sequence owns one, seeded with
-    ``sample_seed(seed, sample_index)`` (:mod:`batchgen.engine.sequence`), passed every step; the
+    ``sample_seed(seed, sample_index)`` (:mod:`batchgen.engine.sched.sequence`), passed every step; the
     sampler advances it by exactly one draw of V numbers per random (non-greedy) step. It may live on the CPU
     even when the logits are on CUDA (the draw is then copied over).
     """

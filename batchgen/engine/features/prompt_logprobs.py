@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from batchgen.engine import pooling
-from batchgen.engine.sequence import Request, Sequence
-from batchgen.engine.step_input import PromptLogprobs, PromptRows
+from batchgen.engine.features import pooling
+from batchgen.engine.sched.sequence import Request, Sequence
+from batchgen.engine.worker.step_input import PromptLogprobs, PromptRows
 
 
 def wants_prompt_logprobs(request: Request) -> bool:

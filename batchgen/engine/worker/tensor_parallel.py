@@ -2,7 +2,7 @@
 
 Rank 0 runs the whole engine (scheduler, KV block manager, sampler) with a :class:`TPModelRunner`; ranks
 1..N-1 run only :func:`serve` (the worker loop) over their own model shard and KV cache shard. Each step,
-rank 0's runner broadcasts the plain part of the step's :class:`~batchgen.engine.step_input.StepInput`
+rank 0's runner broadcasts the plain part of the step's :class:`~batchgen.engine.worker.step_input.StepInput`
 (:class:`StepMessage`: the block moves, the LoRA slot loads and the forward with its LoRA plan, on the CPU,
 placeholders already filled in) to every
 worker with ``torch.distributed.broadcast_object_list`` over a gloo group of its own (:class:`StepChannel`);
@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from batchgen.attention import ForwardContext
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.step_input import BlockMoves, ForwardInput, LoRALoad, RunnerOutput, StepInput
+from batchgen.engine.worker.model_runner import ModelRunner
+from batchgen.engine.worker.step_input import BlockMoves, ForwardInput, LoRALoad, RunnerOutput, StepInput
 from batchgen.errors import WorkerLost
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from batchgen.engine.detokenizer import find_stop
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.sched.detokenizer import find_stop
+from batchgen.engine.sched.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ preempted, swapped and resumed as one.
   block, the partial last one included), each into a one-sequence group of its own: samples are independent,
   so each is preempted and resumed alone (a pool that holds one sample at a time still serves the request).
 * :class:`BeamGroup` — the live beams of a beam search. The beams decode together (a group never half-runs);
-  each step :meth:`BeamGroup.absorb` hands their log-softmax rows to :class:`~batchgen.engine.beam.BeamSearch`
+  each step :meth:`BeamGroup.absorb` hands their log-softmax rows to :class:`~batchgen.engine.features.beam.BeamSearch`
   (the arithmetic) and forks, keeps or frees beams as it decides. A group re-admitted after a recompute
   (:meth:`BeamGroup.allocate`) brings the first beam back through the prefix cache and forks every other from
   the earlier beam it shares the longest block-aligned prefix with; each beam is prefilled up to, not
@@ -24,10 +24,10 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from batchgen.engine.beam import BeamSearch
-from batchgen.engine.kv_cache import KVCacheManager
-from batchgen.engine.prompt_logprobs import cache_lookup_tokens
-from batchgen.engine.sequence import Request, Sequence, SequenceStatus
+from batchgen.engine.features.beam import BeamSearch
+from batchgen.engine.features.prompt_logprobs import cache_lookup_tokens
+from batchgen.engine.kv.kv_cache import KVCacheManager
+from batchgen.engine.sched.sequence import Request, Sequence, SequenceStatus
 
 Plan = list[tuple[Sequence, int]]
 """(sequence, tokens it computes this step); sequences computing nothing are left out."""

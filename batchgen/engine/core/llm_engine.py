@@ -13,28 +13,28 @@ import torch
 
 from batchgen import startup_trace, threads
 from batchgen.attention import resolve_backend
-from batchgen.engine import pooling as pooling_step
-from batchgen.engine import prompt_logprobs
 from batchgen.engine.config import EngineConfig, logprobs_error
-from batchgen.engine.executor import Executor, InFlight, Prepared, fill_tensors, placeholder_rows
-from batchgen.engine.interface import StepInfo, StepListener
-from batchgen.engine.kv_cache import KVCacheManager
-from batchgen.engine.lora_manager import LoRAManager
-from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.output_processor import OutputProcessor, error_output
-from batchgen.engine.outputs import RequestOutput
-from batchgen.engine.pooling import PoolingState
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput, unservable
-from batchgen.engine.sequence import Request
-from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
-from batchgen.engine.step_builder import StepBuilder
-from batchgen.engine.step_input import RunnerOutput, SamplingInput, StepInput
-from batchgen.engine.stop import StopRules
-from batchgen.engine.structured import StructuredOutputs
-from batchgen.engine.structured import is_available as structured_available
-from batchgen.engine.tensor_parallel import TPModelRunner
-from batchgen.engine.tp_launch import TPGroup, WorkerSetup
-from batchgen.engine.tp_launch import start as start_ranks
+from batchgen.engine.core.interface import StepInfo, StepListener
+from batchgen.engine.core.output_processor import OutputProcessor, error_output
+from batchgen.engine.core.outputs import RequestOutput
+from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
+from batchgen.engine.features import pooling as pooling_step
+from batchgen.engine.features import prompt_logprobs
+from batchgen.engine.features.lora_manager import LoRAManager
+from batchgen.engine.features.pooling import PoolingState
+from batchgen.engine.features.structured import StructuredOutputs
+from batchgen.engine.features.structured import is_available as structured_available
+from batchgen.engine.kv.kv_cache import KVCacheManager
+from batchgen.engine.sched.scheduler import Scheduler, SchedulerOutput, unservable
+from batchgen.engine.sched.sequence import Request
+from batchgen.engine.sched.stop import StopRules
+from batchgen.engine.worker.executor import Executor, InFlight, Prepared, fill_tensors, placeholder_rows
+from batchgen.engine.worker.model_runner import ModelRunner
+from batchgen.engine.worker.step_builder import StepBuilder
+from batchgen.engine.worker.step_input import RunnerOutput, SamplingInput, StepInput
+from batchgen.engine.worker.tensor_parallel import TPModelRunner
+from batchgen.engine.worker.tp_launch import TPGroup, WorkerSetup
+from batchgen.engine.worker.tp_launch import start as start_ranks
 from batchgen.lora_request import LoRARequest
 from batchgen.models.llama import CausalLM
 from batchgen.models.loader import check_tensor_parallel, load_model, load_tokenizer
@@ -72,7 +72,7 @@ def resolve_device(device: str) -> torch.device:
 
 class LLMEngine:
     """Turns requests into generations over the paged KV cache (implements
-    :class:`batchgen.engine.interface.Engine`).
+    :class:`batchgen.engine.core.interface.Engine`).
 
     ``add_request`` queues a request; ``step`` runs one scheduler step and returns the requests that finished
     in it (in completion order); ``has_unfinished`` tells whether more steps are needed. A request that cannot
@@ -80,15 +80,15 @@ class LLMEngine:
     ``error`` set; it never disturbs the others.
 
     With ``engine_config.tensor_parallel_size > 1`` this process is rank 0 of a tensor-parallel group
-    (:mod:`batchgen.engine.tp_launch`): it starts the worker ranks (stopped when the engine is collected or at
-    exit) and steps them with a :class:`~batchgen.engine.tensor_parallel.TPModelRunner`; everything else here is
+    (:mod:`batchgen.engine.worker.tp_launch`): it starts the worker ranks (stopped when the engine is collected or at
+    exit) and steps them with a :class:`~batchgen.engine.worker.tensor_parallel.TPModelRunner`; everything else here is
     unchanged. ``tp_group`` is None on one device.
 
     One step is ``schedule → execute → update``: the :class:`Scheduler` plans it, the :class:`StepBuilder`
     turns the plan into a plain :class:`StepInput`, the :class:`Executor` runs it on the runner, and the
     :class:`RunnerOutput` is applied by ``update``. With ``engine_config.async_scheduling`` the executor is
     pipelined and the next step is scheduled and prepared while the current one's forward runs
-    (:mod:`batchgen.engine.executor`): ``step`` still completes one step per call, but may return with the
+    (:mod:`batchgen.engine.worker.executor`): ``step`` still completes one step per call, but may return with the
     next one in flight (``has_unfinished`` is true until it is collected).
     """
 
@@ -235,7 +235,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request. ``prompt_logprobs_start``: compute the logprobs of the prompt tokens from this
         position on (scoring: the continuation's first token), reusing the prefix cache before it.
-        ``pooling``: a prefill-only pooling request (:mod:`batchgen.engine.pooling`; no ``params``) whose
+        ``pooling``: a prefill-only pooling request (:mod:`batchgen.engine.features.pooling`; no ``params``) whose
         pooled hidden state is written into the given state; it gets no logit row and samples nothing: the
         step that completes its prompt finishes it. ``lora_request``: the adapter to run it under
         (needs ``enable_lora``; an adapter that cannot be read or applied fails this request alone)."""
@@ -383,7 +383,7 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- async scheduling
     def _may_launch(self, out: SchedulerOutput) -> bool:
-        """Whether a freshly scheduled step may run pipelined (see :mod:`batchgen.engine.executor`)."""
+        """Whether a freshly scheduled step may run pipelined (see :mod:`batchgen.engine.worker.executor`)."""
         return not (self._sync_ids or out.swap_out or out.swap_in or out.beam_groups)
 
     def _plan_ahead(self, flight: InFlight) -> Prepared | None:

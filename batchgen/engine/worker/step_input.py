@@ -1,7 +1,7 @@
 """The plain-data messages of one step: what the executor runs (:class:`StepInput`) and what it returns
 (:class:`RunnerOutput`).
 
-A step input is built once per step from the scheduler's output (:mod:`batchgen.engine.step_builder`) and
+A step input is built once per step from the scheduler's output (:mod:`batchgen.engine.worker.step_builder`) and
 holds no live engine objects (no sequences, requests or KV manager): block moves as lists of block ids, the
 flat forward tensors, the rows of the logits to sample, to feed beam search and to score as prompt logprobs.
 So the same input can run in this process, in the pipelined executor's thread, or be broadcast to every
@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from batchgen.attention import AttentionMetadata
-from batchgen.engine.sampler import SamplingRow, SamplingTensors
-from batchgen.engine.structured import LogitsMask
+from batchgen.engine.features.structured import LogitsMask
+from batchgen.engine.worker.sampler import SamplingRow, SamplingTensors
 from batchgen.kernels.lora import LoRAPlan
 from batchgen.lora_request import LoRARequest
 from batchgen.models.lora_adapter import LoRAAdapter
@@ -55,7 +55,7 @@ class PromptRows:
 
 @dataclass
 class PoolRows:
-    """Pooling of one step (:mod:`batchgen.engine.pooling`): segment i is the packed rows
+    """Pooling of one step (:mod:`batchgen.engine.features.pooling`): segment i is the packed rows
     ``starts[i]:ends[i]``, reduced by ``ops[i]``: ``first``, ``last`` or ``sum``."""
 
     starts: list[int]
