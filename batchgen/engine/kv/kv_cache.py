@@ -61,7 +61,7 @@ from dataclasses import dataclass
 
 from batchgen.engine.kv.block_pool import BlockHash, BlockPool, hash_block_tokens
 from batchgen.engine.kv.block_table import BlockTable
-from batchgen.engine.kv.kv_swap import SwapSpace
+from batchgen.engine.kv.swap import SwapSpace
 
 SeqId = Hashable
 
