@@ -332,11 +332,6 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     @property
-    def use_beam_search(self) -> bool:
-        """True when ``beam_width > 1``."""
-        return self.beam_width > 1
-
-    @property
     def needs_penalties(self) -> bool:
         """True when any of the repetition / presence / frequency penalties is active."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

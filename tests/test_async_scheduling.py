@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import job_config
-from engine_helpers import hf_greedy
+from engine_helpers import hf_greedy, pad_decodes_on_cpu
 from test_hotloop import _checked_engine
 
 from batchgen import LLM, SamplingParams
@@ -193,14 +193,6 @@ def test_structured_outputs_drain(llama_ckpt: str) -> None:
     ]
     _, eng = both(llama_ckpt, prompts, params, num_blocks=64)
     assert eng.stats.drained_steps > 0
-
-
-def test_inline_worker_gives_the_same_outputs(llama_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(LLMEngine, "async_threaded", False)
-    prompts = prompts_of([3, 14, 22], seed=9)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    _, eng = both(llama_ckpt, prompts, params, num_blocks=64)
-    assert eng.executor.pipelined and eng.executor._pool is None and eng.stats.async_steps > 0
 
 
 def test_finished_sequence_keeps_its_blocks_until_the_next_forward(llama_ckpt: str) -> None:
@@ -384,9 +376,7 @@ def test_abort_while_in_flight_and_last_step_cancelled(llama_ckpt: str) -> None:
 def test_padded_decode_buckets_with_async(llama_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA-graph input path (decode batches padded to buckets; forced on CPU): placeholders are filled
     before padding, outputs unchanged."""
-    from batchgen.engine.worker.model_runner import ModelRunner
-
-    monkeypatch.setattr(ModelRunner, "pad_on_cpu", True)
+    pad_decodes_on_cpu(monkeypatch)
     prompts = prompts_of([3, 9, 14, 20, 5], seed=13)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     _, eng = both(llama_ckpt, prompts, params, num_blocks=64, max_num_seqs=5)

@@ -17,10 +17,11 @@ import random
 
 import pytest
 import torch
+from engine_helpers import pad_decodes_on_cpu
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.llm_engine import LLMEngine
-from batchgen.engine.worker.model_runner import ModelRunner, decode_buckets
+from batchgen.engine.worker.model_runner import decode_buckets
 from batchgen.engine.worker.sampler import SamplingBatch, SamplingTensors, _argmax
 from batchgen.sampling_params import SamplingParams
 
@@ -157,7 +158,7 @@ def test_decode_buckets() -> None:
 
 
 def _generate(ckpt: str, prompts, params, padded: bool, monkeypatch: pytest.MonkeyPatch, **cfg):
-    monkeypatch.setattr(ModelRunner, "pad_on_cpu", padded)
+    pad_decodes_on_cpu(monkeypatch, padded)
     engine = LLMEngine(ckpt, EngineConfig(device="cpu", **cfg))
     assert engine.runner.pad_decodes is padded
     for i, p in enumerate(prompts):
@@ -185,7 +186,6 @@ def test_padded_decode_buckets_give_identical_tokens(
 
 def test_enforce_eager_config() -> None:
     assert EngineConfig().enforce_eager is False
-    assert not ModelRunner.pad_on_cpu  # CPU engines run unpadded unless a test asks
 
 
 def test_numpy_argmax_matches_torch() -> None:

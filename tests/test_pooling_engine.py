@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from engine_helpers import pad_decodes_on_cpu
 
 from batchgen import SamplingParams
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.features.pooling import PoolingState
-from batchgen.engine.worker.model_runner import ModelRunner
 
 GEN = [[1, 5, 9, 33, 7], list(range(10, 40)), [4, 4, 4, 100, 200]]
 # the 110-token CLS prompt is prefilled in chunks (22 + 29 + 29 + 29 tokens beside the decodes, 32-token
@@ -55,7 +55,7 @@ def test_pooling_rows_get_no_logits_and_leave_generation_unchanged(
 ) -> None:
     """``padded``: decode-only steps padded to a bucket (the CUDA-graph path's layout, here on the CPU), with
     a pooling chunk of one token among them."""
-    monkeypatch.setattr(ModelRunner, "pad_on_cpu", padded)
+    pad_decodes_on_cpu(monkeypatch, padded)
     alone = _engine(llama_ckpt)
     for i, p in enumerate(GEN):
         alone.add_request(f"g{i}", p, GREEDY)

@@ -8,10 +8,8 @@ checkpointed rows of unfinished windows included); throughput and engine figures
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from batchgen.atomic import atomic_write_text
 from batchgen.data.manifest import Manifest
 from batchgen.engine.core.stats import EngineStats
 
@@ -104,11 +102,6 @@ def build_report(
 def report_text(report: dict[str, Any]) -> str:
     """The report as the JSON text of ``_report.json``."""
     return json.dumps(report, indent=1, default=str) + "\n"
-
-
-def write_report(path: str | Path, report: dict[str, Any]) -> None:
-    """Write the report as JSON, atomically."""
-    atomic_write_text(path, report_text(report))
 
 
 def _si(x: float) -> str:

@@ -92,10 +92,6 @@ class LLMEngine:
     next one in flight (``has_unfinished`` is true until it is collected).
     """
 
-    async_threaded = True
-    """Async scheduling runs forwards in a worker thread (False: inline, same order, no overlap; a
-    benchmark/test hook)."""
-
     def __init__(
         self,
         model: str,
@@ -139,7 +135,7 @@ class LLMEngine:
         self._listeners: list[StepListener] = []
         # The executor (pipelined with async scheduling), the launched steps not yet updated (oldest first),
         # and the live requests that need synchronous steps (beam search, structured outputs, prompt logprobs)
-        self.executor = Executor(self.runner, config.async_scheduling, self.async_threaded, self._threads)
+        self.executor = Executor(self.runner, config.async_scheduling, self._threads)
         weakref.finalize(self, self.executor.close)
         self._flights: deque[InFlight] = deque()
         self._sync_ids: set[str | int] = set()

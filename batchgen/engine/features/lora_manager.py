@@ -168,10 +168,6 @@ class LoRAManager:
         self.stats.evictions += 1
         return slot
 
-    @property
-    def num_resident(self) -> int:
-        return len(self.slot_of)
-
 
 def cpu_capacity(config: EngineConfig) -> int:
     """Parsed adapters kept in CPU memory: ``max_cpu_loras``, at least ``max_loras``."""

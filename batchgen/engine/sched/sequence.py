@@ -129,7 +129,6 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    admitted_at: int = -1  # admission counter: the most recently admitted is preempted first
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
@@ -172,10 +171,9 @@ class Sequence:
         return child
 
     def fork_beam(self) -> Sequence:
-        """A new beam of the same beam-search request: a copy of this beam's tokens (computed as far, same
-        admission time, so the group is preempted as one); not registered in ``request.seqs``."""
+        """A new beam of the same beam-search request: a copy of this beam's tokens (computed as far); not
+        registered in ``request.seqs``."""
         child = Sequence(self.request, list(self.token_ids), self.num_prompt_tokens)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
-        child.admitted_at = self.admitted_at
         return child

@@ -69,23 +69,19 @@ class Runner(Protocol):
 
 class Executor:
     """Runs step inputs on the runner: inline, or (``pipelined``) in one background thread
-    (torch releases the GIL inside its ops, so the engine's scheduling overlaps them). ``threaded=False``
-    keeps the pipelined engine's order of operations without the thread (a test hook). ``threads``: the CPU
+    (torch releases the GIL inside its ops, so the engine's scheduling overlaps them). ``threads``: the CPU
     thread monitor; a count it re-decides is set in the thread that runs the forwards, between two steps."""
 
     def __init__(
         self,
         runner: Runner,
         pipelined: bool = False,
-        threaded: bool = True,
         threads: ThreadMonitor | None = None,
     ) -> None:
         self.runner = runner
         self.pipelined = pipelined
         self.threads = threads
-        self._pool = (
-            ThreadPoolExecutor(1, thread_name_prefix="batchgen-step") if pipelined and threaded else None
-        )
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="batchgen-step") if pipelined else None
 
     def submit(self, step: StepInput) -> Future[RunnerOutput]:
         if self._pool is not None:

@@ -70,15 +70,11 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     """Invariant: ``kv_cache`` is zero-initialised and only ever holds finite K/V written by ``store_kv``.
 
-    **Padded decode buckets.** With ``pad_decodes`` (CUDA without ``engine.enforce_eager``; tests set it on
-    CPU), a decode-only step of B sequences runs as a batch of ``bucket(B)`` rows: the padding rows decode
+    **Padded decode buckets.** With ``pad_decodes`` (CUDA without ``engine.enforce_eager``), a decode-only step of B sequences runs as a batch of ``bucket(B)`` rows: the padding rows decode
     token 0 at position 0 into a scratch block that the block pool never hands out (the KV cache holds one
     block more than the pool), and their logits are not read. On CUDA each bucket's forward is captured once
     into a CUDA graph over static input buffers and replayed (capture failure: eager, logged once).
     """
-
-    pad_on_cpu = False
-    """Test hook: pad decode batches to buckets on CPU too (the graph-free path; CUDA graphs need CUDA)."""
 
     def __init__(
         self,
@@ -104,7 +100,7 @@ class ModelRunner:
         self.kv_cache: Tensor | None = None
         self.swapper: BlockSwapper | None = None
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
-        self.pad_decodes = self.use_cuda_graphs or (device.type == "cpu" and self.pad_on_cpu)
+        self.pad_decodes = self.use_cuda_graphs
         self.buckets = decode_buckets(config.max_num_seqs)
         self.max_model_len = max_model_len
         self.sampler = Sampler(seed=config.seed)
