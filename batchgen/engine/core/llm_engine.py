@@ -248,7 +248,7 @@ class LLMEngine:
         token_ids = (
             list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         )
-        request = Request(request_id, token_ids, params, prompt_text, self.tokenizer, self.device)
+        request = Request(request_id, token_ids, params, prompt_text, self.tokenizer)
         request.pooling = pooling
         request.lora_request = lora_request
         if prompt_logprobs_start is not None or params.prompt_logprobs is not None:
@@ -307,7 +307,13 @@ class LLMEngine:
         self._sync_ids.discard(request_id)
         if request is not None:
             self.scheduler.abort_request(request)
-            self._release_lora(request)
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        """A request leaves the engine: its adapter slot and its samples' generators go."""
+        if request.params.seed is not None:
+            self.builder.released += [s.seq_id for s in request.seqs]
+        self._release_lora(request)
 
     def _release_lora(self, request: Request) -> None:
         if request.lora_slot >= 0 and self.lora is not None and request.lora_request is not None:
@@ -440,6 +446,6 @@ class LLMEngine:
         """The output of a request whose every sample finished (texts decoded once, by the output processor)."""
         self.requests.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
-        self._release_lora(request)
+        self._release(request)
         self.counters.num_finished_requests += 1
         return self.outputs.request_output(request)

@@ -8,8 +8,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from batchgen.engine.sched.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -46,15 +44,13 @@ class Request:
     ``beam``; its sequences are the live beams (``seqs`` is kept equal to ``beam.beams``), and its outputs are
     the search's best finished hypotheses.
 
-    ``tokenizer`` and ``device`` are what a new sequence of this request needs (stop-string detokenizer,
-    seeded generator)."""
+    ``tokenizer`` is what a new sequence of this request needs for stop strings (its detokenizer)."""
 
     request_id: str | int
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
     tokenizer: Any = None
-    device: torch.device | None = None
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted: bool = False
@@ -100,8 +96,7 @@ class Request:
         params = self.params
         seq = Sequence(self, token_ids, len(self.prompt_token_ids), sample_index=sample_index)
         if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device or "cpu")
-            seq.generator.manual_seed(sample_seed(params.seed, sample_index))
+            seq.seed = sample_seed(params.seed, sample_index)
         if params.stop:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens
@@ -129,7 +124,9 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    generator: torch.Generator | None = None
+    seed: int | None = None
+    """A seeded request's per-sample seed: the sampler draws this sequence's tokens from a generator of its
+    own, seeded with it (keyed by ``seq_id``)."""
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
     logprobs: list[dict[int, float]] | None = None

@@ -241,6 +241,7 @@ class ModelRunner:
         sampling of its logit rows."""
         self.apply_moves(step.moves)
         self.apply_lora_loads(step.lora_loads)
+        self.sampler.release(step.sampling.release)
         if step.forward is None:
             return RunnerOutput()
         logits, prompt, pooled = self.forward(step.forward, step.fill)

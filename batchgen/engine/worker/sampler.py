@@ -14,9 +14,9 @@ Pipeline for each row (every stage is vectorised over the rows that need it; row
    (``torch.argmax``), as in transformers.
 5. **random rows**: temperature, top-k, top-p, min-p (transformers' order; top-p acts on the distribution
    renormalised after top-k), then one draw by the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``,
-   which samples exactly from ``p`` (``q = -log(u)``, ``u`` uniform). A row with its own ``torch.Generator`` (seeded request) draws its
-   ``q`` from that generator alone, so its tokens do not depend on the other rows of the batch; the other
-   rows share the Sampler's generator.
+   which samples exactly from ``p`` (``q = -log(u)``, ``u`` uniform). A row with a seed (seeded request) draws its ``q`` from a
+   generator of its own (the sampler keeps one per row key, seeded at first use), so its tokens do not depend
+   on the other rows of the batch; the other rows share the Sampler's generator.
 
 When every row is greedy and nothing else is asked for, the call is a single ``argmax`` (the hot path).
 
@@ -40,16 +40,17 @@ from batchgen.sampling_params import GREEDY_EPS, SamplingParams
 class SamplingRow:
     """Everything the sampler needs to know about one row of the logits batch (built by the engine).
 
-    ``generator`` must be set for requests with a seed: each sequence owns one, seeded with
-    ``sample_seed(seed, sample_index)`` (:mod:`batchgen.engine.sched.sequence`), passed every step; the
-    sampler advances it by exactly one draw of V numbers per random (non-greedy) step. It may live on the CPU
-    even when the logits are on CUDA (the draw is then copied over).
+    Plain data. ``seed`` is set for requests with a seed (``sample_seed(seed, sample_index)``,
+    :mod:`batchgen.engine.sched.sequence`) and ``key`` names the row's generator across steps (the sequence
+    id): the sampler seeds a generator of its own for a new key on the logits' device and advances it by
+    exactly one draw of V numbers per random (non-greedy) step, until :meth:`Sampler.release` drops it.
     """
 
     params: SamplingParams
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    seed: int | None = None
+    key: int = -1
     banned_token_ids: list[int] = field(default_factory=list)
 
 
@@ -151,17 +152,32 @@ class SamplingBatch:
 
 
 class Sampler:
-    """Stateless apart from its random generator(s) (one per device, seeded with ``seed``)."""
+    """Stateless apart from its random generators: its own (one per device, seeded with ``seed``) and one per
+    seeded row key (:class:`SamplingRow`)."""
 
     def __init__(self, seed: int = 0):
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._row_generators: dict[int, torch.Generator] = {}
+
+    def release(self, keys: list[int]) -> None:
+        """Drop the generators of these row keys (their sequences are done)."""
+        for key in keys:
+            self._row_generators.pop(key, None)
+
+    def row_generator(self, row: SamplingRow, device: torch.device) -> torch.Generator:
+        """The generator of a seeded row, seeded with ``row.seed`` on ``device`` the first time its key is seen."""
+        gen = self._row_generators.get(row.key)
+        if gen is None:
+            assert row.seed is not None
+            gen = torch.Generator(device=_device(device))
+            gen.manual_seed(row.seed)
+            self._row_generators[row.key] = gen
+        return gen
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The sampler's own generator on ``device`` (used by rows without a seed)."""
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _device(device)
         gen = self._generators.get(device)
         if gen is None:
             gen = torch.Generator(device=device)
@@ -236,7 +252,10 @@ class Sampler:
         device = x.device
         num_rows = x.shape[0]
         rand_idx = np.flatnonzero(settings.temperature >= GREEDY_EPS).tolist()
-        generators = [None if rows is None else rows[i].generator for i in rand_idx]
+        generators = [
+            None if rows is None or rows[i].seed is None else self.row_generator(rows[i], device)
+            for i in rand_idx
+        ]
         all_random = len(rand_idx) == num_rows
         if all_random:
             sampled = torch.empty(num_rows, dtype=torch.int64, device=device)
@@ -267,6 +286,13 @@ class Sampler:
         q = u.log_().neg_()
         sampled[idx] = (probs / q).argmax(dim=-1)
         return sampled
+
+
+def _device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _argmax(x: Tensor) -> Tensor:

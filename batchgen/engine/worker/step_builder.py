@@ -44,6 +44,8 @@ class StepBuilder:
         self.sampling_batch = SamplingBatch(config.max_num_seqs)
         self.stop = stop
         self._structured = structured
+        self.released: list[int] = []
+        """Keys of seeded sequences that are done: their generators are dropped with the next sampling."""
         self.wants_prompt_logprobs = False
         """Set once a request asks for prompt logprobs (until then no step plans them)."""
         self.wants_pooling = False
@@ -69,7 +71,8 @@ class StepBuilder:
         rows, settings = self.sampling_inputs(out)
         structured = self._structured()
         mask = structured.mask(out.sample_seqs) if structured is not None and out.sample_seqs else None
-        return SamplingInput(len(out.sample_rows), rows, settings, mask, len(out.beam_rows))
+        release, self.released = self.released, []
+        return SamplingInput(len(out.sample_rows), rows, settings, mask, len(out.beam_rows), release)
 
     def sampling_inputs(
         self, out: SchedulerOutput
@@ -89,7 +92,8 @@ class StepBuilder:
                 params=seq.params,
                 prompt_token_ids=seq.request.prompt_token_ids,
                 output_token_ids=seq.output_token_ids,
-                generator=seq.generator,
+                seed=seq.seed,
+                key=seq.seq_id,
                 banned_token_ids=self.stop.banned_token_ids(seq),
             )
             for seq in out.sample_seqs

@@ -107,13 +107,15 @@ class ForwardInput:
 @dataclass
 class SamplingInput:
     """How the first ``num_rows`` logit rows are sampled (``rows`` None: plain rows, ``settings`` None: all
-    greedy), the grammar mask applied first, and how many beam rows follow them."""
+    greedy), the grammar mask applied first, and how many beam rows follow them. ``release``: row keys whose
+    generators the sampler drops first (seeded sequences that are done)."""
 
     num_rows: int = 0
     rows: list[SamplingRow] | None = None
     settings: SamplingTensors | None = None
     mask: LogitsMask | None = None
     num_beam_rows: int = 0
+    release: list[int] = field(default_factory=list)
 
 
 @dataclass
