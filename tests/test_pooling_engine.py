@@ -103,6 +103,6 @@ def test_a_pooling_only_step_has_zero_logit_rows(llama_ckpt: str) -> None:
     assert forwards
     for step, out in forwards:
         assert step.forward.last.numel() == 0
-        assert step.sampling.num_rows == 0 and step.sampling.num_beam_rows == 0
+        assert step.sampling.num_rows == 0 and step.sampling.num_score_rows == 0
         assert out.token_ids == [] and out.pooled is not None
     assert engine.stats.generated_tokens == 0

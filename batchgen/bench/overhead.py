@@ -20,7 +20,7 @@ wrapping, on this one engine instance, the calls its step makes (measurement onl
 * sample rows: ``engine.builder.sampling_inputs`` (the sampler inputs built every step: per-row
   settings, and row objects only for rows with penalties, bans, logprobs or seeds);
 * sampler: ``engine.runner.sampler`` (penalties, filters, argmax or draw);
-* update/stop: ``engine.outputs.update`` (append tokens, stop rules, finish, free blocks);
+* update/stop: ``engine.scheduler.update`` (append tokens, stop rules, beam steps, free blocks);
 * detokenize: ``engine._request_output`` (decode the finished requests' texts, build outputs);
 * other: the rest of ``step()`` (copy-on-write copies, logits to float32, listeners).
 
@@ -113,7 +113,7 @@ class PhaseTimer:
         self.wrap(engine.runner.model, "compute_logits", "forward")
         self.wrap(engine.builder, "sampling_inputs", "sample rows")
         self.wrap(engine.runner, "sampler", "sampler")
-        self.wrap(engine.outputs, "update", "update")
+        self.wrap(engine.scheduler, "update", "update")
         self.wrap(engine, "_request_output", "detokenize")
 
     def take(self) -> dict[str, float]:

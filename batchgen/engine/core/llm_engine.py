@@ -18,14 +18,14 @@ from batchgen.engine.core.interface import StepInfo, StepListener
 from batchgen.engine.core.output_processor import OutputProcessor, error_output
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
-from batchgen.engine.features import pooling as pooling_step
-from batchgen.engine.features import prompt_logprobs
 from batchgen.engine.features.lora_manager import LoRAManager
 from batchgen.engine.features.pooling import PoolingState
 from batchgen.engine.features.structured import StructuredOutputs
 from batchgen.engine.features.structured import is_available as structured_available
 from batchgen.engine.kv.kv_cache import KVCacheManager
-from batchgen.engine.sched.scheduler import Scheduler, SchedulerOutput, unservable
+from batchgen.engine.sched.kinds import make_group
+from batchgen.engine.sched.output import SchedulerOutput
+from batchgen.engine.sched.scheduler import Scheduler
 from batchgen.engine.sched.sequence import Request
 from batchgen.engine.sched.stop import StopRules
 from batchgen.engine.worker.executor import Executor, InFlight, Prepared, fill_tensors, placeholder_rows
@@ -129,7 +129,7 @@ class LLMEngine:
         self.builder = StepBuilder(
             config, self.max_model_len, self.device, self.stop, lambda: self._structured
         )
-        self.outputs = OutputProcessor(self.stop, self.tokenizer, lambda: self._structured)
+        self.outputs = OutputProcessor(self.tokenizer, lambda: self._structured)
         self.requests: dict[str | int, Request] = {}
         self._errors: list[RequestOutput] = []
         self._listeners: list[StepListener] = []
@@ -237,10 +237,8 @@ class LLMEngine:
         (needs ``enable_lora``; an adapter that cannot be read or applied fails this request alone)."""
         if lora_request is not None and self.lora is None:
             raise ValueError("a lora_request needs an engine built with enable_lora=True")
-        if pooling is not None:
-            if params is not None:
-                raise ValueError("a pooling request takes no sampling params")
-            self.builder.wants_pooling = True
+        if pooling is not None and params is not None:
+            raise ValueError("a pooling request takes no sampling params")
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -251,11 +249,12 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, prompt_text, self.tokenizer)
         request.pooling = pooling
         request.lora_request = lora_request
-        if prompt_logprobs_start is not None or params.prompt_logprobs is not None:
-            request.prompt_logprobs_start = prompt_logprobs_start
-            self.builder.wants_prompt_logprobs = True
+        request.prompt_logprobs_start = prompt_logprobs_start
+        group = make_group(request, request.new_sequence(list(token_ids), 0), self.stop)
         self.counters.num_requests += 1
         error = self._validate(token_ids, params, pooling is not None)
+        if error is None:
+            error = group.unservable(self.scheduler.kv, self.config.max_num_seqs, self.stop)
         if error is None and lora_request is not None:
             assert self.lora is not None
             error = self.lora.check(lora_request)
@@ -267,14 +266,9 @@ class LLMEngine:
             self._errors.append(error_output(request, error))
             return
         self.requests[request_id] = request
-        if (
-            params.beam_width > 1
-            or params.constrained
-            or prompt_logprobs.wants_prompt_logprobs(request)
-            or pooling
-        ):
+        if not group.overlappable():
             self._sync_ids.add(request_id)
-        self.scheduler.add(request.new_sequence(list(token_ids), 0))
+        self.scheduler.add(group)
         self.counters.prompt_tokens += len(token_ids)
 
     def _validate(self, token_ids: list[int], params: SamplingParams, pooling: bool = False) -> str | None:
@@ -298,9 +292,7 @@ class LLMEngine:
                 f"prompt has {n} tokens but engine.max_model_len is {self.max_model_len}: it must leave room "
                 f"for at least one generated token; shorten the prompt or raise engine.max_model_len"
             )
-        kv, cap = self.scheduler.kv, self.config.max_num_seqs
-        max_tokens = 0 if pooling else params.max_tokens  # pooling: the prompt's blocks only
-        return unservable(kv, cap, n, max_tokens, self.max_model_len, params.beam_width)
+        return None
 
     def abort_request(self, request_id: str | int) -> None:
         request = self.requests.pop(request_id, None)
@@ -365,19 +357,10 @@ class LLMEngine:
         return flight
 
     def _update(self, out: SchedulerOutput, output: RunnerOutput) -> list[RequestOutput]:
-        """Apply a step's output: prompt logprobs; tokens put in place (scheduler), stop rules (output
-        processor), finished sequences freed and beam steps taken (scheduler); the outputs of the requests it
-        finished."""
-        if output.prompt_logprobs is not None:
-            prompt_logprobs.fill(prompt_logprobs.plan(out)[0], output.prompt_logprobs)
-        if output.pooled is not None:
-            pooling_step.fill(pooling_step.plan(out)[0], output.pooled)
+        """Apply a step's output (:meth:`Scheduler.update`); the outputs of the requests it finished."""
         if not out.seqs:  # a step that only moved blocks
             return []
-        pooled = pooling_step.completed(out) if self.builder.wants_pooling else []
-        done = self.outputs.update(
-            self.scheduler, out, output.token_ids, output.logprobs, output.beam_logprobs, pooled
-        )
+        done = self.scheduler.update(out, output)
         self._collector.collect()  # per step: the peaks see every step
         if startup_trace.enabled and output.token_ids:
             startup_trace.mark("first_token")
@@ -386,7 +369,7 @@ class LLMEngine:
     # ----------------------------------------------------------------------------- async scheduling
     def _may_launch(self, out: SchedulerOutput) -> bool:
         """Whether a freshly scheduled step may run pipelined (see :mod:`batchgen.engine.worker.executor`)."""
-        return not (self._sync_ids or out.swap_out or out.swap_in or out.beam_groups)
+        return not (self._sync_ids or out.swap_out or out.swap_in)
 
     def _plan_ahead(self, flight: InFlight) -> Prepared | None:
         """Schedule and prepare the next step while ``flight`` runs, when nothing needs its results first: it

@@ -1,80 +1,29 @@
-"""Output processing: a step's sampled tokens become finished requests.
+"""Output processing: a finished request becomes its :class:`~batchgen.engine.core.outputs.RequestOutput`.
 
-After the scheduler has put each sampled token in place (:meth:`Scheduler.place_tokens`), the
-:class:`OutputProcessor` records its logprobs, applies the stop rules (:class:`~batchgen.engine.sched.stop.StopRules`,
-the one implementation: stop ids, eos, stop strings through the incremental detokenizer, length) and names
-the sequences that finish, with their finish reason; the scheduler then frees them
-(:meth:`Scheduler.finish`). When every sample of a request has finished, :meth:`request_output` decodes the
-texts (once) and builds the :class:`~batchgen.engine.core.outputs.RequestOutput`: samples by index, or the best
-beams of a beam search, best first.
+The scheduler's update has applied the stop rules and freed every sample (:meth:`Scheduler.update`); when every
+sample of a request has finished, :meth:`OutputProcessor.request_output` decodes the texts (once) and builds
+the output: samples by index, or the best beams of a beam search, best first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from collections.abc import Sequence as Seq
 from typing import Any
-
-from torch import Tensor
 
 from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
 from batchgen.engine.features.structured import StructuredOutputs
-from batchgen.engine.sched.scheduler import Scheduler, SchedulerOutput
-from batchgen.engine.sched.sequence import Request, Sequence
-from batchgen.engine.sched.stop import StopRules
-
-Placed = tuple[Sequence, int, int]
-"""A sampled token put in place: (sequence, token id, row of the step's sampled tokens)."""
+from batchgen.engine.sched.sequence import Request
 
 
 class OutputProcessor:
-    """Stop rules, logprobs and detokenisation for one engine. ``structured`` returns the engine's
-    structured-output state (None while no constrained request was seen)."""
+    """Request outputs for one engine. ``structured`` returns the engine's structured-output state (None while
+    no constrained request was seen)."""
 
     def __init__(
-        self,
-        stop: StopRules,
-        tokenizer: Any = None,
-        structured: Callable[[], StructuredOutputs | None] = lambda: None,
+        self, tokenizer: Any = None, structured: Callable[[], StructuredOutputs | None] = lambda: None
     ) -> None:
-        self.stop = stop
         self.tokenizer = tokenizer
         self._structured = structured
-
-    def update(
-        self,
-        scheduler: Scheduler,
-        out: SchedulerOutput,
-        token_ids: list[int],
-        logprobs: list[dict[int, float] | None],
-        beam_logprobs: Tensor | None = None,
-        pooled: Seq[Sequence] = (),
-    ) -> list[Request]:
-        """Apply one step's sampled tokens: put in place by the scheduler, stop rules here, stopped sequences
-        freed and beam steps taken by the scheduler. ``pooled``: pooling sequences whose prompt the step
-        completed, finished here too (``finish_reason="stop"``, no token). Returns the requests whose every
-        sample finished."""
-        placed = scheduler.place_tokens(out, token_ids)
-        stopped = self.process(placed, logprobs)
-        for seq in pooled:
-            seq.finish_reason = "stop"
-            stopped.append(seq)
-        return scheduler.finish(out, stopped, beam_logprobs)
-
-    def process(self, placed: list[Placed], logprobs: list[dict[int, float] | None]) -> list[Sequence]:
-        """Record each placed token's logprobs and apply the stop rules; returns the sequences that finished
-        (``finish_reason`` and ``stop_reason`` set), in row order."""
-        check = self.stop.check
-        finished: list[Sequence] = []
-        for seq, token, row in placed:
-            lp = logprobs[row]
-            if seq.logprobs is not None and lp is not None:
-                seq.logprobs.append(lp)
-            reason = check(seq, token)
-            if reason is not None:
-                seq.finish_reason = reason
-                finished.append(seq)
-        return finished
 
     def request_output(self, request: Request) -> RequestOutput:
         """The output of a request whose every sample finished (texts decoded here, once)."""

@@ -29,15 +29,20 @@ way):
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from batchgen.engine.kv.kv_cache import KVCacheManager
+from batchgen.engine.sched.output import GroupStep, SchedulerOutput
+from batchgen.engine.sched.request_group import Absorbed, Entry, Plan, RequestGroup, UpdateContext, unservable
+from batchgen.engine.sched.sequence import Request, Sequence
+from batchgen.engine.sched.stop import StopRules
+
 if TYPE_CHECKING:
-    from batchgen.engine.sched.sequence import Sequence
+    from batchgen.engine.worker.step_input import RunnerOutput
     from batchgen.sampling_params import SamplingParams
 
 _NEG = -1.0e9
@@ -77,15 +82,8 @@ class BeamSearch:
     done: bool = False
 
     @classmethod
-    def build(
-        cls, params: SamplingParams, prompt_len: int, eos_token_ids: Collection[int], max_model_len: int
-    ) -> BeamSearch:
-        stop = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop |= set(eos_token_ids)
-        limit = (
-            max_model_len if params.max_tokens is None else min(max_model_len, prompt_len + params.max_tokens)
-        )
+    def build(cls, params: SamplingParams, prompt_len: int, stop: StopRules) -> BeamSearch:
+        """A search whose beams end on the engine's stop tokens and length limit (:class:`StopRules`)."""
         return cls(
             num_beams=params.beam_width,
             num_return=params.n,
@@ -93,8 +91,8 @@ class BeamSearch:
             early_stopping=params.early_stopping,
             min_tokens=params.min_tokens,
             prompt_len=prompt_len,
-            max_len=limit,
-            stop_ids=sorted(stop),
+            max_len=stop.length_limit(params, prompt_len),
+            stop_ids=stop.stop_token_ids(params),
             user_stop_ids=frozenset(params.stop_token_ids or ()),
         )
 
@@ -249,3 +247,177 @@ class BeamSearch:
         for h in self.finished[: self.num_return]:
             out.append(h if h is not None else Hypothesis([], _NEG, _NEG, "length"))
         return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The request-group kind of a beam search: the scheduler's side of the search.
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class BeamGroup(RequestGroup):
+    """The live beams of a beam-search request (``search.beams``, in beam order)."""
+
+    def __init__(self, request: Request, seq: Sequence, search: BeamSearch) -> None:
+        super().__init__(request, seq)
+        self.search = search
+        search.beams = self.seqs
+        request.beam = search
+        # Resumed beams forked from another beam of the group: (parent, shared tokens) until computed.
+        self.deps: dict[int, tuple[Sequence, int]] = {}
+
+    def seats(self) -> int:
+        return self.search.num_beams if len(self.seqs) == 1 else len(self.seqs)
+
+    def plan(self, budget: int) -> Plan:
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return super().plan(budget)
+        if all(s.num_tokens - s.num_computed_tokens == 1 for s in seqs):
+            return [(s, 1) for s in seqs] if budget >= len(seqs) else []  # the group decodes as a whole
+        # Resuming after a recompute: prefill each beam up to its last token (held back so that the group
+        # samples together), a forked beam only once its parent computes the prefix they share (in this step
+        # at the latest: every layer stores the batch's K/V before attending).
+        plan: Plan = []
+        after: dict[int, int] = {}
+        for s in seqs:
+            todo = s.num_tokens - 1 - s.num_computed_tokens
+            if todo <= 0:
+                continue
+            dep = self.deps.get(s.seq_id)
+            if dep is not None and after.get(dep[0].seq_id, dep[0].num_computed_tokens) < dep[1]:
+                continue
+            if budget <= 0:
+                break
+            n = min(todo, budget)
+            plan.append((s, n))
+            budget -= n
+            after[s.seq_id] = s.num_computed_tokens + n
+        return plan
+
+    def allocate(self, kv: KVCacheManager, reserve: int, wait_for_lead: bool = False) -> bool:
+        """All beams or none: the first through the prefix cache, each other forked from the earlier beam it
+        shares the longest block-aligned prefix with (short of its last token)."""
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return super().allocate(kv, reserve, wait_for_lead)
+        bs = kv.block_size
+        plan: list[tuple[int | None, int]] = []  # (beam to fork from, tokens shared) or (None, 0): allocate
+        cost = 0
+        for j, s in enumerate(seqs):
+            parent, shared = None, 0
+            for i in range(j):
+                n = min(_common_prefix(seqs[i].token_ids, s.token_ids), s.num_tokens - 1) // bs * bs
+                if n > shared:
+                    parent, shared = i, n
+            if parent is None:
+                cost += kv.allocate_cost(s.token_ids, s.num_tokens, self.request.cache_root)
+            else:
+                cost += _cdiv(s.num_tokens, bs) - shared // bs
+            plan.append((parent, shared))
+        if cost + reserve > kv.num_free_blocks:
+            return False
+        done: list[Sequence] = []
+        for s, (parent, shared) in zip(seqs, plan):
+            if parent is None:
+                num_cached = kv.allocate(s.seq_id, s.token_ids, s.num_tokens, root=self.request.cache_root)
+                ok = num_cached is not None
+                if ok:
+                    done.append(s)
+                    s.num_computed_tokens = num_cached
+            else:
+                kv.fork(seqs[parent].seq_id, s.seq_id, shared)
+                done.append(s)
+                ok = kv.append_slots(s.seq_id, s.num_tokens) is not None
+                s.num_computed_tokens = shared
+                self.deps[s.seq_id] = (seqs[parent], shared)
+            if not ok:  # nothing was registered in the prefix cache yet: freeing undoes it all
+                for d in done:
+                    kv.free(d.seq_id)
+                    d.num_computed_tokens = 0
+                self.deps.clear()
+                return False
+        return True
+
+    def reset(self) -> None:
+        super().reset()
+        self.deps.clear()
+
+    def unservable(self, kv: KVCacheManager, max_num_seqs: int, stop: StopRules) -> str | None:
+        """The beams share the prompt; each may need its own blocks for all it generates (+ a partial copy)."""
+        k, n, bs = self.search.num_beams, len(self.request.prompt_token_ids), kv.block_size
+        if k > max_num_seqs:
+            return f"beam_width={k} exceeds engine.max_num_seqs={max_num_seqs}"
+        longest = stop.length_limit(self.request.params, n)
+        need = _cdiv(n, bs) + k * (_cdiv(longest - n, bs) + 1)
+        return unservable(kv, need, f"prompt ({n} tokens) plus max_tokens for {k} beams")
+
+    def overlappable(self) -> bool:
+        return False  # each step forks and drops beams from the previous one's scores
+
+    def plan_outputs(
+        self, entries: list[Entry], out: SchedulerOutput, kv: KVCacheManager
+    ) -> list[RequestGroup]:
+        """The beams' rows are scored (their log-softmax returned), in beam order; a group is scheduled whole,
+        so all its beams complete together."""
+        step = self._prompt_step(entries, out)
+        rows = {s.seq.seq_id: row for row, s, _ in entries if s.completes}
+        if rows:
+            if any(b.seq_id not in rows for b in self.seqs):
+                raise RuntimeError("a beam group was scheduled in part")
+            step.scores = out.score([rows[b.seq_id] for b in self.seqs])
+        if step:
+            out.parts.append((self, step))
+        return []
+
+    def absorb(self, step: GroupStep, output: RunnerOutput, ctx: UpdateContext) -> Absorbed:
+        """One beam step over the beams' log-softmax rows: keep the best continuations, fork parents kept more
+        than once, drop the others (all of them when the search is done)."""
+        done = super().absorb(step, output, ctx)  # the prompt-logprobs add-on
+        if step.scores is None:
+            return done
+        lo, hi = step.scores
+        if output.scores is None or output.scores.shape[0] < hi:
+            raise ValueError(f"update needs the scored rows {lo}:{hi} of the beam groups")
+        log_probs = output.scores[lo:hi]
+        parents = list(self.seqs)
+        request = self.request
+        chosen = self.search.step(log_probs, [p.output_token_ids for p in parents])
+        self.deps.clear()
+        if self.search.done:
+            done.left += parents
+            done.num_tokens += len(parents)
+            done.finished = True
+            self.seqs.clear()
+            request.seqs = []
+            request.num_finished = request.params.n
+            return done
+        kept: set[int] = set()
+        children: list[tuple[Sequence, int]] = []
+        for i, token in chosen:
+            parent = parents[i]
+            if parent.seq_id in kept:  # a second continuation of the same beam: fork it (before it grows)
+                child = parent.fork_beam()
+                child.group = self
+                ctx.kv.fork(parent.seq_id, child.seq_id)
+            else:
+                kept.add(parent.seq_id)
+                child = parent
+            children.append((child, token))
+        done.left += [p for p in parents if p.seq_id not in kept]  # their blocks go (shared ones stay)
+        for child, token in children:
+            child.token_ids.append(token)
+        self.seqs[:] = [c for c, _ in children]
+        request.seqs = list(self.seqs)
+        done.num_tokens += len(children)
+        return done

@@ -18,15 +18,17 @@ Logprobs are the ``log_softmax`` of the raw float32 logits, like ``SamplingParam
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from batchgen.engine.features import pooling
-from batchgen.engine.sched.sequence import Request, Sequence
 from batchgen.engine.worker.step_input import PromptLogprobs, PromptRows
+
+if TYPE_CHECKING:
+    from batchgen.engine.sched.output import ScheduledSeq, SchedulerOutput
+    from batchgen.engine.sched.sequence import Request, Sequence
 
 
 def wants_prompt_logprobs(request: Request) -> bool:
@@ -38,7 +40,7 @@ def cache_lookup_tokens(seq: Sequence) -> list[int]:
     prompt tokens: then only up to, not including, the first position whose logits it needs)."""
     request = seq.request
     if not wants_prompt_logprobs(request):
-        return pooling.cache_lookup_tokens(seq, seq.token_ids)
+        return seq.token_ids
     first_needed = max(0, _start(request) - 1)  # the position whose logits predict the first wanted token
     # KVCacheManager matches full blocks of token_ids, never the last token's: at most first_needed tokens.
     return seq.token_ids[: first_needed + 1]
@@ -61,30 +63,21 @@ class PromptJob:
     top_k: int
 
 
-def plan(out) -> tuple[list[PromptJob], PromptRows | None]:
-    """The prompt-logprob jobs of the step ``out`` (kept by the engine) and the rows of the packed batch
-    whose logits the runner scores for them (None when no chunk needs any)."""
-    offsets = itertools.accumulate((s.num_tokens for s in out.seqs), initial=0)
-    jobs: list[PromptJob] = []
-    index: list[int] = []
-    targets: list[int] = []
-    for sched, off in zip(out.seqs, offsets):
-        request = sched.seq.request
-        if not wants_prompt_logprobs(request):
-            continue
-        num_prompt = len(request.prompt_token_ids)
-        lo = max(sched.start, _start(request) - 1)
-        hi = min(sched.start + sched.num_tokens, num_prompt - 1)  # positions lo .. hi-1 predict lo+1 .. hi
-        if lo >= hi:
-            continue  # a decode, or a chunk before the wanted tokens
-        k = request.params.prompt_logprobs or 0
-        k = max(k, 1) if request.prompt_logprobs_start is not None else k  # scoring: the argmax too
-        jobs.append(PromptJob(request, lo + 1, hi - lo, len(index), k))
-        targets.extend(request.prompt_token_ids[lo + 1 : hi + 1])
-        index.extend(range(off + lo - sched.start, off + hi - sched.start))
-    if not jobs:
-        return [], None
-    return jobs, PromptRows(index, targets, max(j.top_k for j in jobs))
+def plan_chunk(sched: ScheduledSeq, offset: int, out: SchedulerOutput) -> PromptJob | None:
+    """The prompt-logprob job of one scheduled chunk (its first token at packed row ``offset``), its rows
+    declared on the step ``out``; None when the chunk needs none (a decode, or a chunk before the wanted
+    tokens)."""
+    request = sched.seq.request
+    num_prompt = len(request.prompt_token_ids)
+    lo = max(sched.start, _start(request) - 1)
+    hi = min(sched.start + sched.num_tokens, num_prompt - 1)  # positions lo .. hi-1 predict lo+1 .. hi
+    if lo >= hi:
+        return None
+    k = request.params.prompt_logprobs or 0
+    k = max(k, 1) if request.prompt_logprobs_start is not None else k  # scoring: the argmax too
+    targets = request.prompt_token_ids[lo + 1 : hi + 1]
+    base = out.prompt_rows(list(range(offset + lo - sched.start, offset + hi - sched.start)), targets, k)
+    return PromptJob(request, lo + 1, hi - lo, base, k)
 
 
 def compute(model, hidden: Tensor, rows: PromptRows) -> PromptLogprobs:
@@ -101,9 +94,11 @@ def compute(model, hidden: Tensor, rows: PromptRows) -> PromptLogprobs:
     return PromptLogprobs(chosen, ti.tolist(), tv.tolist())
 
 
-def fill(jobs: list[PromptJob], result: PromptLogprobs) -> None:
+def fill(jobs: list[PromptJob], result: PromptLogprobs | None) -> None:
     """Write each job's logprobs (and top-k) from the runner's ``result`` into its request, by position (so
     chunks accumulate and a recomputed prefill rewrites the same values)."""
+    if result is None:
+        raise ValueError(f"the step returned no prompt logprobs for {len(jobs)} chunks")
     for job in jobs:
         request, k = job.request, job.top_k
         if request.prompt_logprobs is None:

@@ -1,9 +1,9 @@
 """Continuous batching of request groups under a token budget and a sequence cap, with chunked prefill and
 preemption.
 
-The scheduling atom is a :class:`~batchgen.engine.sched.request_group.RequestGroup` (one sequence, ``n`` samples, or
-the live beams of a beam search): groups are admitted, scheduled, preempted, swapped and resumed whole, and
-each kind plans its own tokens under the budget. ``schedule()`` decides one step: running groups first —
+The scheduling atom is a :class:`~batchgen.engine.sched.request_group.RequestGroup`: groups are admitted,
+scheduled, preempted, swapped and resumed whole, and the scheduler never asks their kind: each plans its own
+tokens under the budget, declares what it needs from the step's output and absorbs its slice of it. ``schedule()`` decides one step: running groups first —
 decoding groups before unfinished prefills — then swapped-out groups are swapped back in, then (only when
 nothing is swapped out) waiting groups are admitted in arrival order while the token budget, the sequence cap
 and the block pool (above a watermark) allow.
@@ -17,9 +17,10 @@ the CPU block pool (``SchedulerOutput.swap_out``) and it waits in the swapped qu
 whose blocks do not fit in the CPU pool, or the only running group, falls back to recompute. No group is
 swapped back in a step that preempted, and no new group is admitted while one is swapped out.
 
-A step's results come back in two halves around the output processor (which applies the stop rules):
-``place_tokens`` appends the sampled tokens (or fills the placeholders of a launched step); ``finish`` frees the
-sequences that stopped, lets each beam group absorb its step and returns the requests that finished.
+A step reads ``schedule() -> SchedulerOutput``, then (once the runner has executed it)
+``update(scheduler_output, runner_output) -> finished requests``: each group absorbs its claim on the output
+(:meth:`RequestGroup.absorb`: sampled tokens placed and the stop rules applied, a beam step, pooled vectors),
+and the sequences that left their group are freed.
 
 The scheduler is the only user of the :class:`KVCacheManager`, and keeps the scheduling figures of
 :class:`SchedulerCounters` (preemptions, swaps, prefix hits, tokens computed, copy-on-write copies, queue sizes).
@@ -29,130 +30,19 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from torch import Tensor
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.stats import SchedulerCounters
 from batchgen.engine.kv.kv_cache import KVCacheManager
-from batchgen.engine.sched.request_group import BeamGroup, RequestGroup, make_group
+from batchgen.engine.sched.output import ScheduledSeq, SchedulerOutput
+from batchgen.engine.sched.request_group import Entry, RequestGroup
 from batchgen.engine.sched.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
 from batchgen.engine.sched.stop import StopRules
 
 if TYPE_CHECKING:
     from batchgen.engine.features.lora_manager import LoRAManager
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One sequence's work in a step: positions ``start .. start + num_tokens - 1`` are computed, reading and
-    writing the KV cache through ``block_table`` (which covers at least ``start + num_tokens`` tokens)."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    block_table: list[int]
-    """A copy of the sequence's table, never the KV manager's own."""
-    table_unchanged: bool = False
-    """The table is, entry for entry, the one the sequence had the last time it was scheduled (the decode
-    fast path: it neither grew nor was copied on write, swapped or re-admitted since)."""
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.num_tokens]
-
-    @property
-    def completes(self) -> bool:
-        """Whether this step computes the sequence's last token (so a new token is sampled from it)."""
-        return self.start + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """What runs in one step.
-
-    ``seqs``: decodes (one token each) first, then prefill chunks — the attention kernels rely on that order.
-    ``copies``: block copies ``(src, dst)`` to perform before the forward: copies on write, then the copies
-    that start a newly admitted sequence's block with a cached prefix ending inside it
-    (``KVCacheManager.end_schedule``).
-    ``swap_out``: ``(gpu_block, cpu_block)`` copies of preempted groups; ``swap_in``: ``(cpu_block, gpu_block)``
-    copies of resumed ones. The runner performs swap-outs, then swap-ins, then ``copies``, then the forward
-    (a block freed by a swap-out or a preemption may be handed out again in the same step; a copy may read a
-    block just swapped in).
-    ``sample_seqs[i]`` gets a token sampled from the last-token logits of ``seqs[sample_rows[i]]``; at the
-    step that completes a request's prompt with ``n > 1``, its forks sample from the same row.
-    ``beam_rows``: rows of ``seqs`` whose last-token log-softmax feeds beam search, grouped by beam group in
-    beam order: ``beam_groups[g]`` takes the next ``len(beam_groups[g].seqs)`` of them.
-    A pooling sequence (:mod:`batchgen.engine.features.pooling`) never gets a row: nothing is sampled for it, and the
-    update finishes it in the step that completes its prompt (:func:`batchgen.engine.features.pooling.completed`).
-    """
-
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    num_decodes: int = 0
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)
-    sample_seqs: list[Sequence] = field(default_factory=list)
-    beam_rows: list[int] = field(default_factory=list)
-    beam_groups: list[BeamGroup] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    ahead: bool = False
-    """Scheduled while the previous step was in flight (async scheduling)."""
-    launched: bool = False
-    """Launched asynchronously (:meth:`Scheduler.mark_launched`): its sequences were advanced at launch."""
-    plain_greedy: bool = True
-    """Every sampled sequence is greedy with no penalty, banned token, seed-dependent draw or logprobs
-    (:attr:`Request.plain_greedy`): the step's sampling is one argmax and needs no per-row settings."""
-    plain_sampling: bool = True
-    """Every sampled sequence is :attr:`Request.plain_sampling`: the sampler needs the rows' filter settings
-    only (no per-row penalties, banned tokens, logprobs or generators)."""
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
-
-    @property
-    def logit_rows(self) -> list[int]:
-        """Rows of ``seqs`` whose last-token logits the runner returns: ``sample_rows`` then ``beam_rows``."""
-        return self.sample_rows + self.beam_rows
-
-    def __bool__(self) -> bool:
-        return bool(self.seqs)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def unservable(
-    kv: KVCacheManager,
-    max_num_seqs: int,
-    num_prompt_tokens: int,
-    max_tokens: int | None,
-    max_model_len: int,
-    beam_width: int = 1,
-) -> str | None:
-    """Why a request of this size can never run in this pool (None if it can). ``max_tokens`` None: up to
-    ``max_model_len``; 0: the prompt alone (a pooling request)."""
-    longest = min(num_prompt_tokens + (max_model_len if max_tokens is None else max_tokens), max_model_len)
-    bs = kv.block_size
-    if beam_width > 1:
-        if beam_width > max_num_seqs:
-            return f"beam_width={beam_width} exceeds engine.max_num_seqs={max_num_seqs}"
-        # The beams share the prompt; each may need its own blocks for all it generates (+ a partial copy).
-        need = _cdiv(num_prompt_tokens, bs) + beam_width * (_cdiv(longest - num_prompt_tokens, bs) + 1)
-        what = f"prompt ({num_prompt_tokens} tokens) plus max_tokens for {beam_width} beams"
-    else:
-        need = _cdiv(longest, bs)
-        what = f"prompt ({num_prompt_tokens} tokens) plus max_tokens"
-    if need <= kv.num_blocks:
-        return None
-    return (
-        f"{what} needs {need} KV blocks but the pool holds "
-        f"{kv.num_blocks}; raise engine.kv_cache_memory / num_blocks or lower max_tokens"
-    )
+    from batchgen.engine.worker.step_input import RunnerOutput
 
 
 def _count_reuse(stats: SchedulerCounters, request: Request, reused: int, block_size: int) -> None:
@@ -163,21 +53,6 @@ def _count_reuse(stats: SchedulerCounters, request: Request, reused: int, block_
     request.num_cached_tokens = reused // block_size * block_size
     stats.prompt_tokens_cached += request.num_cached_tokens
     stats.prompt_tokens_copied += reused - request.num_cached_tokens
-
-
-def _plan_beam_rows(out: SchedulerOutput, beam_rows: dict[int, int]) -> None:
-    """``out.beam_groups`` and their rows (``beam_rows``: seq id -> row), in beam order, group by group."""
-    seen: set[int] = set()
-    for s in out.seqs:
-        group = s.seq.group
-        if not isinstance(group, BeamGroup) or id(group) in seen or s.seq.seq_id not in beam_rows:
-            continue
-        seen.add(id(group))
-        rows = [beam_rows.get(b.seq_id) for b in group.seqs]
-        if any(r is None for r in rows):
-            raise RuntimeError("a beam group was scheduled in part")
-        out.beam_groups.append(group)
-        out.beam_rows.extend(rows)  # type: ignore[arg-type]
 
 
 class Scheduler:
@@ -204,13 +79,14 @@ class Scheduler:
         self._ahead: deque[set[int]] = deque()
         self._deferred_free: list[int] = []
         self._planning_ahead = False
+        self._placing_launched = False
         self.watermark_blocks = max(1, kv.num_blocks // 100)  # free blocks admission leaves for growth
 
     # ----------------------------------------------------------------------------------------- queues
-    def add(self, seq: Sequence) -> None:
-        """Queue a new request's first sequence, in a group of the request's kind."""
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(make_group(seq.request, seq, self.stop.eos_token_ids, self.stop.max_model_len))
+    def add(self, group: RequestGroup) -> None:
+        """Queue a new request's group (of the request's kind: :func:`batchgen.engine.sched.kinds.make_group`)."""
+        group.set_status(SequenceStatus.WAITING)
+        self.waiting.append(group)
 
     def abort_request(self, request: Request) -> None:
         """Abort every live sequence of the request (each group, wherever it is)."""
@@ -266,7 +142,7 @@ class Scheduler:
         if unordered:  # a decode came after a prefill: stable sort, decodes first
             out.seqs.sort(key=lambda s: s.num_tokens != 1)
         out.num_decodes = num_decodes
-        self._plan_sampling(out)
+        self._plan_outputs(out)
         self.stats.num_cow_copies += len(out.copies)
         out.copies += self.kv.end_schedule()  # partial-block prefix copies
         self.stats.num_swapped_out_blocks += len(out.swap_out)
@@ -450,33 +326,21 @@ class Scheduler:
         # (Async scheduling: a placeholder token's block is hashed once the token is known.)
         self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, start + num_new - (seq.pending_row >= 0))
 
-    def _plan_sampling(self, out: SchedulerOutput) -> None:
-        """Which sequences sample from which rows (a group's fan-out samples from its parent's row); which
-        rows feed each beam group (a group is scheduled whole, so all its beams complete together). Nothing
-        is sampled from a chunk that does not complete its sequence, nor for a pooling sequence."""
-        beam_rows: dict[int, int] = {}
-        sample_rows, sample_seqs = out.sample_rows, out.sample_seqs
-        plain = plain_sampling = True
+    def _plan_outputs(self, out: SchedulerOutput) -> None:
+        """Every scheduled group, in the order of its first sequence in ``out.seqs``, declares what it needs
+        from the step (its kind's :meth:`RequestGroup.plan_outputs`); groups forked now (the samples of an
+        ``n > 1`` request) join the running list."""
+        entries: dict[int, tuple[RequestGroup, list[Entry]]] = {}
+        offset = 0
         for row, s in enumerate(out.seqs):
-            seq = s.seq
-            if s.start + s.num_tokens != len(seq.token_ids) or seq.request.pooling is not None:
-                continue
-            request = seq.request
-            if request.beam is not None:
-                beam_rows[seq.seq_id] = row
-                continue
-            sample_rows.append(row)
-            sample_seqs.append(seq)
-            plain = plain and request.plain_greedy
-            plain_sampling = plain_sampling and request.plain_sampling
-            for group in seq.group.fan_out(seq, self.kv):  # type: ignore[union-attr]
-                group.admitted_at = next(self._admissions)
-                self.running.append(group)
-                sample_rows.append(row)
-                sample_seqs.append(group.seqs[0])
-        out.plain_greedy, out.plain_sampling = plain, plain_sampling
-        if beam_rows:
-            _plan_beam_rows(out, beam_rows)
+            group = s.seq.group
+            assert group is not None
+            entries.setdefault(id(group), (group, []))[1].append((row, s, offset))
+            offset += s.num_tokens
+        for group, mine in entries.values():
+            for fork in group.plan_outputs(mine, out, self.kv):
+                fork.admitted_at = next(self._admissions)
+                self.running.append(fork)
 
     def _preempt(self, group: RequestGroup) -> None:
         """Swap the group out (swap mode, CPU room, another group running) or free it for recompute."""
@@ -501,66 +365,53 @@ class Scheduler:
         self._preempted = True
 
     # ----------------------------------------------------------------------------------------- update
-    def place_tokens(self, out: SchedulerOutput, token_ids: list[int]) -> list[tuple[Sequence, int, int]]:
-        """The first half of a step's update: ``token_ids[i]`` belongs to ``out.sample_seqs[i]``; append it
-        (or, for a launched step, put it in place of the placeholder). Returns ``(sequence, token, i)`` of the
-        tokens placed (a launched step's token for a sequence finished meanwhile is dropped). Steps are
-        updated in the order they were scheduled."""
+    def update(self, out: SchedulerOutput, output: RunnerOutput) -> list[Request]:
+        """Apply one step's output: every group absorbs its claim (tokens placed and stop rules applied, a
+        beam step taken, pooled vectors and prompt logprobs filled in), and the sequences that left their
+        group are freed. Returns the requests whose every sample finished in this step. Steps are updated in
+        the order they were scheduled."""
+        self._begin_update(out)
+        finished: list[Request] = []
+        for group, step in out.parts:
+            done = group.absorb(step, output, self)
+            self.stats.generated_tokens += done.num_tokens
+            for seq in done.left:
+                self._release(seq)
+            if done.left and not group.seqs:
+                self.running.remove(group)
+            if done.finished:
+                finished.append(group.request)
+        self._record_gauges()
+        return finished
+
+    def _begin_update(self, out: SchedulerOutput) -> None:
+        """The step's forward ran: its sequences are computed as far as it went (async scheduling: a launched
+        step advanced them at launch)."""
         if out.ahead:
             self._ahead.popleft()  # its forward is done: blocks it held for finished sequences can go
         self._free_deferred()
-        launched = out.launched
-        if not launched:
+        self._placing_launched = out.launched
+        if not out.launched:
             for s in out.seqs:
                 s.seq.num_computed_tokens = s.start + s.num_tokens
-        bs = self.kv.block_size
-        placed: list[tuple[Sequence, int, int]] = []
-        for i, (seq, token) in enumerate(zip(out.sample_seqs, token_ids)):
-            tokens = seq.token_ids
-            if not launched:
-                tokens.append(token)
-                seq.num_computed_tokens = len(tokens) - 1  # forks: computed as far as their parent
-            elif seq.status is SequenceStatus.FINISHED:  # finished or aborted meanwhile: work discarded
-                continue
-            elif seq.pending_row >= 0:
-                tokens[-1] = token
-                seq.pending_row = -1
-                if len(tokens) % bs == 0:  # the token completed its block: hash it now that it is known
-                    self.kv.cache_resolved_block(seq.seq_id, tokens)
-            else:  # finishing: it had no placeholder
-                tokens.append(token)
-            placed.append((seq, token, i))
-        self.stats.generated_tokens += len(placed)
-        return placed
 
-    def finish(
-        self, out: SchedulerOutput, stopped: list[Sequence], beam_logprobs: Tensor | None = None
-    ) -> list[Request]:
-        """The second half: free the ``stopped`` sequences (the output processor applied the stop rules),
-        then let each beam group of ``out`` absorb its rows (``beam_logprobs``: float32
-        ``[len(out.beam_rows), V]``, the log-softmax of the raw logits of ``out.beam_rows``). Returns the
-        requests whose every sample finished in this step."""
-        finished: list[Request] = []
-        for seq in stopped:
-            self._finish(seq)
-            seq.request.num_finished += 1
-            if seq.request.is_finished:
-                finished.append(seq.request)
-        if out.beam_groups:
-            if beam_logprobs is None or beam_logprobs.shape[0] != len(out.beam_rows):
-                raise ValueError(f"update needs beam_logprobs for the {len(out.beam_rows)} beam rows")
-            offset = 0
-            for group in out.beam_groups:
-                m = len(group.seqs)
-                self.stats.generated_tokens += group.absorb(
-                    beam_logprobs[offset : offset + m], self.kv, self._release
-                )
-                offset += m
-                if not group.seqs:
-                    self.running.remove(group)
-                    finished.append(group.request)
-        self._record_gauges()
-        return finished
+    def place(self, seq: Sequence, token: int, index: int) -> bool:
+        """Append ``seq``'s sampled token (or, for a launched step, put it in place of the placeholder);
+        False when a launched step's token is dropped (the sequence finished or was aborted meanwhile)."""
+        tokens = seq.token_ids
+        if not self._placing_launched:
+            tokens.append(token)
+            seq.num_computed_tokens = len(tokens) - 1  # forks: computed as far as their parent
+        elif seq.status is SequenceStatus.FINISHED:  # finished or aborted meanwhile: work discarded
+            return False
+        elif seq.pending_row >= 0:
+            tokens[-1] = token
+            seq.pending_row = -1
+            if len(tokens) % self.kv.block_size == 0:  # the token completed its block: hash it now
+                self.kv.cache_resolved_block(seq.seq_id, tokens)
+        else:  # finishing: it had no placeholder
+            tokens.append(token)
+        return True
 
     # ------------------------------------------------------------------------------ async scheduling
     def mark_launched(self, out: SchedulerOutput) -> None:
@@ -573,19 +424,15 @@ class Scheduler:
         out.launched = True
         for s in out.seqs:
             s.seq.num_computed_tokens = s.start + s.num_tokens
-        last = self.stop.max_model_len - 1  # a sequence of this many tokens ends with the token in flight
         finished = SequenceStatus.FINISHED
         for row, seq in enumerate(out.sample_seqs):
             if seq.status is finished:
                 continue
-            tokens = seq.token_ids
-            n = len(tokens)
-            seq.num_computed_tokens = n  # forks: computed as far as their parent
-            max_tokens = seq.request.params.max_tokens
-            if n >= last or (max_tokens is not None and n - seq.num_prompt_tokens >= max_tokens - 1):
+            seq.num_computed_tokens = seq.num_tokens  # forks: computed as far as their parent
+            if self.stop.last_by_length(seq):
                 seq.finishing = True
             else:
-                tokens.append(PLACEHOLDER)
+                seq.token_ids.append(PLACEHOLDER)
                 seq.pending_row = row
 
     def cancel(self, out: SchedulerOutput) -> None:
@@ -595,15 +442,6 @@ class Scheduler:
             self._ahead.pop()
         if not self._ahead:
             self._free_deferred()
-
-    def _finish(self, seq: Sequence) -> None:
-        """A stopped sequence leaves its group (and the group the running list with its last sequence)."""
-        self._release(seq)
-        group = seq.group
-        assert group is not None
-        group.remove(seq)
-        if not group.seqs:
-            self.running.remove(group)
 
     def _release(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED

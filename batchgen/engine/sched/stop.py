@@ -1,18 +1,25 @@
-"""Stop rules: when a sequence ends after a new token, and which tokens it may not sample yet.
+"""Stop rules, in one place: when a sequence ends after a new token, and which tokens it may not sample yet.
 
 A sequence stops, in this order of precedence, on: a stop token id (``params.stop_token_ids``), an eos token
-(unless ``ignore_eos``), a stop string found in its text, then length (``max_tokens`` generated, or the
-sequence reaching ``max_model_len``). Stop tokens, eos and stop strings count only once ``min_tokens`` tokens
-are generated; until then eos and stop token ids are banned from sampling.
+(unless ``ignore_eos``), a stop string found in its text, then length (:meth:`StopRules.length_limit`:
+``max_tokens`` generated, or the sequence reaching ``max_model_len``). Stop tokens, eos and stop strings count
+only once ``min_tokens`` tokens are generated; until then eos and stop token ids are banned from sampling.
+Beam search ends its beams on the same stop tokens (:meth:`StopRules.stop_token_ids`) and length limit;
+async scheduling asks whether a sequence's next token will be its last by length
+(:meth:`StopRules.last_by_length`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from batchgen.engine.sched.detokenizer import find_stop
 from batchgen.engine.sched.sequence import Sequence
+
+if TYPE_CHECKING:
+    from batchgen.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,24 @@ class StopRules:
     @classmethod
     def build(cls, eos_token_ids: Iterable[int], max_model_len: int) -> StopRules:
         return cls(frozenset(eos_token_ids), max_model_len)
+
+    def length_limit(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """The longest a sequence may grow (prompt included): ``max_tokens`` generated, or ``max_model_len``."""
+        if params.max_tokens is None:
+            return self.max_model_len
+        return min(self.max_model_len, num_prompt_tokens + params.max_tokens)
+
+    def stop_token_ids(self, params: SamplingParams) -> list[int]:
+        """The tokens that end a sequence (once ``min_tokens`` are out): the stop ids, and eos unless
+        ``ignore_eos``."""
+        stop = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop |= self.eos_token_ids
+        return sorted(stop)
+
+    def last_by_length(self, seq: Sequence) -> bool:
+        """Whether the token sampled next for ``seq`` (not yet appended) will be its last by length."""
+        return seq.num_tokens + 1 >= self.length_limit(seq.params, seq.num_prompt_tokens)
 
     def banned_token_ids(self, seq: Sequence) -> list[int]:
         """Tokens ``seq`` may not sample now: eos and stop ids while fewer than ``min_tokens`` are out."""
@@ -45,9 +70,7 @@ class StopRules:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.stop_reason = None
                 return "stop"
-            if (params.max_tokens is not None and num_out >= params.max_tokens) or (
-                seq.num_tokens >= self.max_model_len
-            ):
+            if seq.num_tokens >= self.length_limit(params, seq.num_prompt_tokens):
                 return "length"
             return None
         may_stop = num_out >= params.min_tokens
@@ -65,9 +88,6 @@ class StopRules:
                 if hit is not None:
                     seq.text, idx = hit
                     reason, seq.stop_reason = "stop", params.stop[idx]
-        if reason is None and (
-            (params.max_tokens is not None and num_out >= params.max_tokens)
-            or seq.num_tokens >= self.max_model_len
-        ):
+        if reason is None and seq.num_tokens >= self.length_limit(params, seq.num_prompt_tokens):
             reason = "length"
         return reason

@@ -58,7 +58,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from batchgen.engine.sched.scheduler import SchedulerOutput
+from batchgen.engine.sched.output import SchedulerOutput
 from batchgen.engine.worker.step_input import ForwardInput, RunnerOutput, StepInput
 from batchgen.threads import ThreadMonitor, set_threads
 

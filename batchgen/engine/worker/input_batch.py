@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from batchgen.attention import AttentionMetadata
-from batchgen.engine.sched.scheduler import SchedulerOutput
+from batchgen.engine.sched.output import SchedulerOutput
 from batchgen.kernels.lora import LoRAPlan
 
 _FLAT = ("ids", "pos", "slots")  # int64, one entry per token

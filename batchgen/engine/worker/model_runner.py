@@ -252,13 +252,13 @@ class ModelRunner:
 
     def sample(self, logits: Tensor, sampling: SamplingInput) -> RunnerOutput:
         """Sample the first ``sampling.num_rows`` rows of ``logits`` (grammar mask first); the log-softmax of
-        the beam rows after them."""
+        the scored rows after them."""
         n = sampling.num_rows
         if sampling.mask is not None:
             sampling.mask.apply(logits[:n])
         sampled = self.sampler(logits[:n], sampling.rows, sampling.settings)
-        beam = self.sampler.beam_logprobs(logits[n:]) if sampling.num_beam_rows else None
-        return RunnerOutput(sampled.token_ids, sampled.logprobs, sampled.sampled, beam)
+        scores = self.sampler.log_softmax(logits[n:]) if sampling.num_score_rows else None
+        return RunnerOutput(sampled.token_ids, sampled.logprobs, sampled.sampled, scores)
 
     @torch.inference_mode()
     def forward(

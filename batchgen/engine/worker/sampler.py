@@ -20,8 +20,8 @@ Pipeline for each row (every stage is vectorised over the rows that need it; row
 
 When every row is greedy and nothing else is asked for, the call is a single ``argmax`` (the hot path).
 
-Beam-search rows are not sampled: :meth:`Sampler.beam_logprobs` returns their float32 log-softmax of the raw
-logits, which :mod:`batchgen.engine.features.beam` scores (transformers' beam search works on the same values).
+Scored rows are not sampled: :meth:`Sampler.log_softmax` returns their float32 log-softmax of the raw logits
+(beam search works on these values, as transformers' does).
 """
 
 from __future__ import annotations
@@ -241,9 +241,9 @@ class Sampler:
 
     @staticmethod
     @torch.inference_mode()
-    def beam_logprobs(logits: Tensor) -> Tensor:
-        """Float32 log-softmax of the raw logits ``[N, V]`` of beam-search rows (on the CPU: the beam step
-        works there, one small ``[k, V]`` block per group)."""
+    def log_softmax(logits: Tensor) -> Tensor:
+        """Float32 log-softmax of the raw logits ``[N, V]`` of scored rows, on the CPU (their consumer works
+        there, one small block per group)."""
         return torch.log_softmax(logits.float(), dim=-1).cpu()
 
     def _sample(self, x: Tensor, rows: list[SamplingRow] | None, settings: SamplingTensors) -> Tensor:

@@ -1,7 +1,8 @@
 """Builds a step's plain :class:`~batchgen.engine.worker.step_input.StepInput` from the scheduler's output, once per
 step: the flat forward tensors in the persistent :class:`~batchgen.engine.worker.input_batch.InputBatch`, the
-sampling rows and per-row settings (persistent :class:`~batchgen.engine.worker.sampler.SamplingBatch`), the grammar
-mask and the prompt-logprob rows. Live objects (sequences, requests) are read here and nowhere below.
+sampling rows and per-row settings (persistent :class:`~batchgen.engine.worker.sampler.SamplingBatch`) and the
+grammar mask; the prompt-logprob rows and pooled segments the groups declared when the step was scheduled.
+Live objects (sequences, requests) are read here and nowhere below.
 
 The forward part and the sampling part are built separately because async scheduling prepares a step's
 forward while the previous step runs, and its sampling rows only once the previous step's tokens are in
@@ -15,9 +16,8 @@ from collections.abc import Callable
 import torch
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.features import pooling, prompt_logprobs
 from batchgen.engine.features.structured import StructuredOutputs
-from batchgen.engine.sched.scheduler import SchedulerOutput
+from batchgen.engine.sched.output import SchedulerOutput
 from batchgen.engine.sched.stop import StopRules
 from batchgen.engine.worker.input_batch import InputBatch
 from batchgen.engine.worker.sampler import SamplingBatch, SamplingRow, SamplingTensors
@@ -46,10 +46,6 @@ class StepBuilder:
         self._structured = structured
         self.released: list[int] = []
         """Keys of seeded sequences that are done: their generators are dropped with the next sampling."""
-        self.wants_prompt_logprobs = False
-        """Set once a request asks for prompt logprobs (until then no step plans them)."""
-        self.wants_pooling = False
-        """Set once a pooling request arrives (until then no step plans pooling)."""
 
     @staticmethod
     def moves(out: SchedulerOutput) -> BlockMoves:
@@ -60,10 +56,8 @@ class StepBuilder:
         if not out.seqs:
             return None
         step = self.input_batch.build(out)
-        prompt = prompt_logprobs.plan(out)[1] if self.wants_prompt_logprobs else None
-        pool = pooling.plan(out)[1] if self.wants_pooling else None
         return ForwardInput(
-            step.ids, step.positions, step.meta, step.last, len(out.seqs), prompt, pool=pool, lora=step.lora
+            step.ids, step.positions, step.meta, step.last, len(out.seqs), out.prompt, out.pool, step.lora
         )
 
     def sampling_input(self, out: SchedulerOutput) -> SamplingInput:
@@ -72,7 +66,7 @@ class StepBuilder:
         structured = self._structured()
         mask = structured.mask(out.sample_seqs) if structured is not None and out.sample_seqs else None
         release, self.released = self.released, []
-        return SamplingInput(len(out.sample_rows), rows, settings, mask, len(out.beam_rows), release)
+        return SamplingInput(len(out.sample_rows), rows, settings, mask, len(out.score_rows), release)
 
     def sampling_inputs(
         self, out: SchedulerOutput

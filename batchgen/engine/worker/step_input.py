@@ -3,12 +3,13 @@
 
 A step input is built once per step from the scheduler's output (:mod:`batchgen.engine.worker.step_builder`) and
 holds no live engine objects (no sequences, requests or KV manager): block moves as lists of block ids, the
-flat forward tensors, the rows of the logits to sample, to feed beam search and to score as prompt logprobs.
+flat forward tensors, the rows of the logits to sample, to score (their log-softmax returned) and to score as
+prompt logprobs.
 So the same input can run in this process, in the pipelined executor's thread, or be broadcast to every
 tensor-parallel rank (the :class:`ForwardInput` and :class:`BlockMoves` parts: sampling runs on rank 0 only).
 
 Invariants: ``forward.last`` indexes the packed tokens, one entry per logit row: the ``sampling.num_rows``
-sampled rows, then ``sampling.num_beam_rows`` beam rows; the runner performs ``moves`` in the order
+sampled rows, then ``sampling.num_score_rows`` scored rows; the runner performs ``moves`` in the order
 swap-outs, swap-ins, copies on write, then writes ``lora_loads`` into their adapter slots, before the forward.
 Slot loads travel with the steps, in step order: a slot is only written between two steps' forwards, so a step
 in flight (async scheduling) never sees its slots change, and every tensor-parallel rank loads the same slots
@@ -107,14 +108,15 @@ class ForwardInput:
 @dataclass
 class SamplingInput:
     """How the first ``num_rows`` logit rows are sampled (``rows`` None: plain rows, ``settings`` None: all
-    greedy), the grammar mask applied first, and how many beam rows follow them. ``release``: row keys whose
-    generators the sampler drops first (seeded sequences that are done)."""
+        greedy), the grammar mask applied first, and how many scored rows follow them (their log-softmax is
+    returned, not sampled). ``release``: row keys whose
+        generators the sampler drops first (seeded sequences that are done)."""
 
     num_rows: int = 0
     rows: list[SamplingRow] | None = None
     settings: SamplingTensors | None = None
     mask: LogitsMask | None = None
-    num_beam_rows: int = 0
+    num_score_rows: int = 0
     release: list[int] = field(default_factory=list)
 
 
@@ -143,13 +145,13 @@ class PromptLogprobs:
 @dataclass
 class RunnerOutput:
     """What one step produced: ``token_ids[i]`` / ``logprobs[i]`` of sampled row i (``sampled``: the same
-    tokens as a device tensor, for the next step's placeholders), the log-softmax of the beam rows, and the
-    prompt logprobs asked for, the pooled segments."""
+    tokens as a device tensor, for the next step's placeholders), ``scores``: the float32 log-softmax of the
+    scored rows (``[num_score_rows, V]`` on the CPU), the prompt logprobs asked for, the pooled segments."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
     sampled: Tensor | None = None
-    beam_logprobs: Tensor | None = None
+    scores: Tensor | None = None
     prompt_logprobs: PromptLogprobs | None = None
     pooled: Tensor | None = None
     """The step's :class:`PoolRows` reduced: ``[segments, H]`` float32 on the CPU."""
