@@ -65,8 +65,8 @@ INSTRUCTION = (
 def _checkpoint(name: str, config_name: str, model_class: str, sizes: dict[str, Any], st: bool) -> str:
     import transformers
 
-    from batchgen.atomic import build_dir_once
     from batchgen.models.tiny import build_random_checkpoint, special_token_kwargs
+    from batchgen.runtime.atomic import build_dir_once
 
     def build(tmp: str) -> str:
         def config(ids: dict[str, int]):

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchgen.atomic import atomic_write_text
 from batchgen.data.manifest import Manifest
 from batchgen.engine.stats import EngineStats
+from batchgen.runtime.atomic import atomic_write_text
 
 
 def _rows(manifest: Manifest) -> dict[str, int]:
