@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen import threads
 from batchgen.driver import EngineRequest, run_requests
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.outputs import RequestOutput
@@ -28,6 +27,7 @@ from batchgen.pooling.checkpoint import (
 from batchgen.pooling.encoder import length_batches, load_encoder
 from batchgen.pooling.params import PoolingParams, PoolingSpec
 from batchgen.pooling.pooler import class_probs, finish_embedding, pool
+from batchgen.runtime import threads
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from batchgen.bench.common import machine_info
-from batchgen.disk_cache import cache_root
+from batchgen.runtime.disk_cache import cache_root
 
 _VERSION = 1
 _BERT = dict(

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from batchgen.disk_cache import cache_root
 from batchgen.runtime.atomic import build_dir_once
+from batchgen.runtime.disk_cache import cache_root
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|pad|>", "<|bos|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START, IM_END = SPECIAL_TOKENS
