@@ -15,7 +15,7 @@ from batchgen.lora_request import LoRARequest
 from batchgen.pooling.checkpoint import read_checkpoint, resolve_task
 from batchgen.pooling.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput
 from batchgen.pooling.params import POOLING_TASKS, PoolingParams
-from batchgen.pooling_runner import PoolingRunner
+from batchgen.pooling.runner import PoolingRunner
 from batchgen.prompt_inputs import ParsedPrompt, Prompt, parse_prompts
 from batchgen.sampling_params import SamplingParams
 from batchgen.scoring import Score, rolling_loglikelihood, score_token_pairs, split_pair
