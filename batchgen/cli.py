@@ -42,12 +42,12 @@ from pathlib import Path  # noqa: E402
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from batchgen import startup_trace  # noqa: E402
 from batchgen.data.layout import STATUS_NAME  # noqa: E402
 from batchgen.job.cli_args import single_strings_as_lists, wants_version  # noqa: E402
 from batchgen.job.hydra_setup import MULTIRUN_FAILURES, register_configs, register_resolvers  # noqa: E402
 from batchgen.job.result import EXIT_CONFIG  # noqa: E402
 from batchgen.job.shard_env import missing_count_message  # noqa: E402
+from batchgen.runtime import startup_trace  # noqa: E402
 
 register_configs()
 register_resolvers()

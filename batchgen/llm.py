@@ -7,6 +7,7 @@ from dataclasses import fields
 
 from tqdm.auto import tqdm
 
+from batchgen.driver import EngineRequest, run_requests
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.core.outputs import RequestOutput
@@ -14,7 +15,7 @@ from batchgen.lora_request import LoRARequest
 from batchgen.pooling.checkpoint import read_checkpoint, resolve_task
 from batchgen.pooling.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput
 from batchgen.pooling.params import POOLING_TASKS, PoolingParams
-from batchgen.pooling_runner import PoolingRunner
+from batchgen.pooling.runner import PoolingRunner
 from batchgen.prompt_inputs import ParsedPrompt, Prompt, parse_prompts
 from batchgen.sampling_params import SamplingParams
 from batchgen.scoring import Score, rolling_loglikelihood, score_token_pairs, split_pair
@@ -153,23 +154,24 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         loras = _per_prompt(lora_request, len(prompts))
-        engine = self.engine
-        base = engine.stats.num_requests
+        base = self.engine.stats.num_requests
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
-        for rid, prompt, p, lora in zip(ids, prompts, params, loras):
-            engine.add_request(rid, prompt.engine_prompt, p, lora_request=lora)
-        results: dict[str, RequestOutput] = {}
+        requests = [
+            EngineRequest(rid, prompt.engine_prompt, p, lora_request=lora)
+            for rid, prompt, p, lora in zip(ids, prompts, params, loras)
+        ]
+        results: dict[str | int, RequestOutput] = {}
+
+        def collect(finished: list[RequestOutput]) -> None:
+            for out in finished:
+                results[out.request_id] = out
+            bar.update(len(finished))
+
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            while engine.has_unfinished():
-                for out in engine.step():
-                    results[out.request_id] = out
-                    bar.update(1)
+            run_requests(self.engine, requests, collect)
         finally:
             bar.close()
-            for rid in ids:
-                if rid not in results:
-                    engine.abort_request(rid)
         outs = [results[rid] for rid in ids]
         for out, prompt in zip(outs, prompts):
             if prompt.token_ids is not None and prompt.text is not None:

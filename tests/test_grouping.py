@@ -44,7 +44,7 @@ class FakeEngine:
     aborted: list = field(default_factory=list)
     unfinished_at_step: list = field(default_factory=list)
 
-    def add_request(self, rid, prompt, params) -> None:
+    def add_request(self, rid, prompt, params, **options) -> None:
         self.waiting.append([rid, list(prompt), params, []])
         self.added.append(rid)
         self.peak_unfinished = max(self.peak_unfinished, self.num_unfinished())

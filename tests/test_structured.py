@@ -319,7 +319,7 @@ def _structured(llm: LLM):
 
 def _byte_tokens(llm: LLM, data: bytes) -> list[int]:
     """Token ids spelling `data` one byte each (a byte-level BPE vocabulary holds every single byte)."""
-    from batchgen.tokenizer import as_transformers
+    from batchgen.models.tokenizer import as_transformers
 
     # GPT-2's byte -> character map of byte-level BPE vocabularies
     printable = [

@@ -71,8 +71,8 @@ MIXES = {
 
 def overhead_model() -> str:
     """The near-null checkpoint: Llama, 1 layer, hidden 32, 2 heads / 1 KV head (built once, then cached)."""
-    from batchgen.disk_cache import cache_root
     from batchgen.models.tiny import cached_checkpoint
+    from batchgen.runtime.disk_cache import cache_root
 
     spec: dict[str, Any] = dict(
         arch="llama", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64

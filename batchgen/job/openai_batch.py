@@ -25,7 +25,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.atomic import atomic_write, atomic_write_bytes
 from batchgen.data.layout import MANIFEST_NAME
 from batchgen.data.manifest import Manifest
 from batchgen.data.openai_batch import (
@@ -39,6 +38,7 @@ from batchgen.data.storage import Location, is_url
 from batchgen.errors import ConfigError
 from batchgen.job.config import JobConfig, to_job_config
 from batchgen.job.result import EXIT_CONFIG, EXIT_OK, EXIT_TOO_MANY_ERRORS, JobResult
+from batchgen.runtime.atomic import atomic_write, atomic_write_bytes
 
 logger = logging.getLogger("batchgen.job")
 

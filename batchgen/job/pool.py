@@ -1,7 +1,7 @@
 """``batchgen task=embed`` / ``task=classify``: pooling instead of generation, window by window, resumable.
 
 Each window's ``data.prompt_column`` texts are tokenised in one batch and pooled by a
-:class:`~batchgen.pooling_runner.PoolingRunner` (length-sorted inside the window: unpadded encoder batches, or
+:class:`~batchgen.pooling.runner.PoolingRunner` (length-sorted inside the window: unpadded encoder batches, or
 token order on the paged engine so shared instruction prefixes hit the prefix cache); the window's part is
 committed atomically with its manifest entry, so a job killed at any moment resumes from the first window not
 committed and duplicates nothing. Output columns, one row per input row in input order: ``id``, the kept
@@ -47,7 +47,7 @@ def pooling_model_facts(cfg: Any, path: str) -> Any:
 def start_runner(plan: Any) -> Any:
     """The :class:`PoolingRunner` of the plan's checkpoint (a failure to load is a ConfigError)."""
     from batchgen.pooling.checkpoint import read_checkpoint
-    from batchgen.pooling_runner import PoolingRunner
+    from batchgen.pooling.runner import PoolingRunner
 
     cfg = plan.cfg
     try:

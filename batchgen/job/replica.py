@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.driver import Driver, EngineRequest
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.engine.core.stats import EngineStats
@@ -89,13 +90,15 @@ def start_engine(setup: ReplicaSetup) -> Any:
 
 
 class ReplicaCore:
-    """An engine fed with windows: :meth:`add` queues a window's requests, :meth:`run` steps the engine."""
+    """An engine fed with windows: :meth:`add` queues a window's requests, :meth:`run` drives the engine (it
+    is the replica's :class:`~batchgen.driver.Task`)."""
 
     def __init__(self, setup: ReplicaSetup, engine: Any = None) -> None:
         self.setup = setup
         self.engine = engine if engine is not None else start_engine(setup)
-        self.max_in_flight = max(1, setup.max_in_flight)
         self.feed: deque[Request] = deque()
+        self.finished: list[RequestOutput] = []
+        self.driver = Driver(self.engine, self, setup.max_in_flight)
 
     @property
     def busy(self) -> bool:
@@ -105,27 +108,21 @@ class ReplicaCore:
         for w in windows:
             self.feed.extend(w.requests)
 
-    def _admit(self) -> None:
-        engine = self.engine
-        while self.feed and engine.num_unfinished() < self.max_in_flight:
-            rid, token_ids, params, lora = self.feed.popleft()
-            if lora is None:
-                engine.add_request(rid, token_ids, params)
-            else:
-                engine.add_request(rid, token_ids, params, lora_request=lora)
+    def next_request(self) -> EngineRequest | None:
+        return EngineRequest(*self.feed.popleft()) if self.feed else None
+
+    def finish(self, outputs: list[RequestOutput]) -> None:
+        self.finished.extend(outputs)
 
     def run(self, budget_s: float) -> list[RequestOutput]:
         """Step the engine until ``budget_s`` has passed (at least one step when busy) or nothing is left;
         returns the requests that finished."""
-        out: list[RequestOutput] = []
         deadline = time.monotonic() + budget_s
-        while True:
-            self._admit()
-            if not self.engine.has_unfinished():
-                return out
-            out.extend(self.engine.step())
+        for _ in self.driver.steps():
             if time.monotonic() >= deadline:
-                return out
+                break
+        out, self.finished = self.finished, []
+        return out
 
     def report(self, outputs: list[RequestOutput]) -> ReplicaReport:
         return ReplicaReport(self.setup.replica, outputs, self.engine.stats.snapshot(), self.busy)

@@ -49,7 +49,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchgen import startup_trace
 from batchgen.data.manifest import Manifest
 from batchgen.data.output_dir import OutputDir, on_disk_full
 from batchgen.data.remote_output import open_output_dir
@@ -75,6 +74,7 @@ from batchgen.job.signals import StopSignal
 from batchgen.job.tally import RowTally
 from batchgen.job.windows import iter_window_work
 from batchgen.job.writer import PartWriter
+from batchgen.runtime import startup_trace
 
 logger = logging.getLogger("batchgen.job")
 

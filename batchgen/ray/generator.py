@@ -25,6 +25,7 @@ import pyarrow as pa
 from batchgen.data.layout import POSITION_COLUMN, RESERVED_COLUMNS, RETRY_COLUMN
 from batchgen.data.parts import PartLayout, build_rows
 from batchgen.data.prompts import PromptSpec, build_prompts
+from batchgen.driver import EngineRequest, run_requests
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.job.config import JOB_SEED
@@ -105,20 +106,16 @@ class Generator:
 
     def _generate(self, rows: list[Any]) -> list[RequestOutput | None]:
         """The engine's result of every valid row (prefix-trie order in, input order out)."""
-        engine = self.engine
         results: list[RequestOutput | None] = [None] * len(rows)
         valid = [r.position for r in rows if r.ok]
         feed = [valid[i] for i in prefix_order([rows[p].token_ids for p in valid])]
-        for pos in feed:
-            engine.add_request(f"ray-{pos}", rows[pos].token_ids, rows[pos].params)
-        try:
-            while engine.has_unfinished():
-                for out in engine.step():
-                    results[int(str(out.request_id)[4:])] = out
-        finally:
-            for pos in feed:
-                if results[pos] is None:
-                    engine.abort_request(f"ray-{pos}")
+        requests = [EngineRequest(pos, rows[pos].token_ids, rows[pos].params, rows[pos].lora) for pos in feed]
+
+        def collect(finished: list[RequestOutput]) -> None:
+            for out in finished:
+                results[int(out.request_id)] = out
+
+        run_requests(self.engine, requests, collect)
         return results
 
 

@@ -9,6 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.engine.core.stats import EngineStats
+from batchgen.lora_request import LoRARequest
 from batchgen.sampling_params import SamplingParams
 
 
@@ -40,8 +41,18 @@ class Engine(Protocol):
     stats: EngineStats
 
     def add_request(
-        self, request_id: str | int, prompt: str | Sequence[int], params: SamplingParams | None = None
-    ) -> None: ...
+        self,
+        request_id: str | int,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt_logprobs_start: int | None = None,
+        pooling: Any = None,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        """Queue a request: ``prompt_logprobs_start`` (score the prompt from there), ``pooling`` (a
+        prefill-only pooling request and its state), ``lora_request`` (its adapter; None: the base model)."""
+        ...
 
     def abort_request(self, request_id: str | int) -> None: ...
 

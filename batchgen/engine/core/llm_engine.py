@@ -11,7 +11,6 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from batchgen import startup_trace, threads
 from batchgen.attention import resolve_backend
 from batchgen.engine.config import EngineConfig, logprobs_error
 from batchgen.engine.core.interface import StepInfo, StepListener
@@ -39,6 +38,7 @@ from batchgen.lora_request import LoRARequest
 from batchgen.models.llama import CausalLM
 from batchgen.models.loader import check_tensor_parallel, load_model, load_tokenizer
 from batchgen.models.lora import LoRASlots, attach_lora, whole_model_config
+from batchgen.runtime import startup_trace, threads
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

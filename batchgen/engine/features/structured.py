@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from batchgen.tokenizer import as_transformers
+from batchgen.models.tokenizer import as_transformers
 
 if TYPE_CHECKING:
     from batchgen.engine.sched.sequence import Sequence

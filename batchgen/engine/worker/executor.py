@@ -60,7 +60,7 @@ from torch import Tensor
 
 from batchgen.engine.sched.output import SchedulerOutput
 from batchgen.engine.worker.step_input import ForwardInput, RunnerOutput, StepInput
-from batchgen.threads import ThreadMonitor, set_threads
+from batchgen.runtime.threads import ThreadMonitor, set_threads
 
 
 class Runner(Protocol):

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from batchgen import malloc_tuning
 from batchgen.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine.config import EngineConfig, parse_bytes
 from batchgen.engine.features import pooling, prompt_logprobs
@@ -35,6 +34,7 @@ from batchgen.kernels import cpu_kernel
 from batchgen.lora_request import LoRARequest
 from batchgen.models.lora import LoRASlots
 from batchgen.models.lora_adapter import LoRAAdapter
+from batchgen.runtime import malloc_tuning
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class ModelRunner:
         self.attn = PagedAttention(backend)
         if device.type == "cpu" and backend == "torch":
             cpu_kernel.start_build()  # the C decode kernel compiles in the background (kernels/cpu_kernel.py)
-            malloc_tuning.keep_freed_memory()  # no per-step page faults for activations (batchgen/malloc_tuning.py)
+            malloc_tuning.keep_freed_memory()  # no per-step page faults for activations (batchgen/runtime/malloc_tuning.py)
         self.kv_cache: Tensor | None = None
         self.swapper: BlockSwapper | None = None
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager

@@ -4,7 +4,7 @@ does not redo (and import transformers for) work whose inputs have not changed.
 Invariants: an entry is named by a caller's key — the SHA-256 of everything the result depends on, always
 including `environment_key` (the installed transformers and torch versions) and the source of the module
 computing it; every read or write failure is silent (a miss): the cache can save time, never fail a run.
-Entries are written atomically (:mod:`batchgen.atomic`), so a reader never sees a partial entry.
+Entries are written atomically (:mod:`batchgen.runtime.atomic`), so a reader never sees a partial entry.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from batchgen.atomic import atomic_write_text
+from batchgen.runtime.atomic import atomic_write_text
 
 
 def cache_root() -> Path:
@@ -56,7 +56,7 @@ def read(kind: str, key: str) -> Any:
 
 
 def write(kind: str, key: str, value: Any) -> None:
-    """Store `value` (JSON-serialisable) as the entry (:func:`batchgen.atomic.atomic_write_text`); silently
+    """Store `value` (JSON-serialisable) as the entry (:func:`batchgen.runtime.atomic.atomic_write_text`); silently
     nothing on failure."""
     try:
         folder = cache_root() / kind

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen import threads
+from batchgen.driver import EngineRequest, run_requests
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.core.outputs import RequestOutput
 from batchgen.pooling.checkpoint import (
     ENCODER_MODEL_TYPES,
     UNSUPPORTED_ENCODER_MODEL_TYPES,
@@ -26,6 +27,7 @@ from batchgen.pooling.checkpoint import (
 from batchgen.pooling.encoder import length_batches, load_encoder
 from batchgen.pooling.params import PoolingParams, PoolingSpec
 from batchgen.pooling.pooler import class_probs, finish_embedding, pool
+from batchgen.runtime import threads
 
 logger = logging.getLogger(__name__)
 
@@ -202,29 +204,28 @@ class PoolingRunner:
         assert engine is not None
         base = engine.stats.num_requests
         states: dict[str, tuple[int, PoolingState]] = {}
+        requests = []
         pad = self.info.pad_token_id if self.task == "classify" else None
         # rows sharing a prefix next to each other: the prefix cache serves them (last-token pooling)
         for i in sorted(todo, key=lambda i: list(token_lists[i])):
             rid = f"pool-{base + i}"
             states[rid] = (i, PoolingState(spec.method))
-            engine.add_request(rid, head_tokens(token_lists[i], pad), pooling=states[rid][1])
-        try:
-            while engine.has_unfinished():
-                finished = engine.step()
-                ok = [(states[o.request_id], o) for o in finished]
-                for (i, _), o in ok:
-                    if o.error is not None:
-                        results[i] = PooledRow(error=o.error)
-                good = [(i, s) for (i, s), o in ok if o.error is None]
-                if good:
-                    vectors = torch.stack([s.vector for _, s in good])
-                    for (i, _), row in zip(good, self._finish(vectors, spec)):
-                        results[i] = row
-                if on_done is not None and finished:
-                    on_done(len(finished))
-        finally:
-            for rid in states:
-                engine.abort_request(rid)
+            requests.append(EngineRequest(rid, head_tokens(token_lists[i], pad), pooling=states[rid][1]))
+
+        def collect(finished: list[RequestOutput]) -> None:
+            ok = [(states[o.request_id], o) for o in finished]
+            for (i, _), o in ok:
+                if o.error is not None:
+                    results[i] = PooledRow(error=o.error)
+            good = [(i, s) for (i, s), o in ok if o.error is None]
+            if good:
+                vectors = torch.stack([s.vector for _, s in good])
+                for (i, _), row in zip(good, self._finish(vectors, spec)):
+                    results[i] = row
+            if on_done is not None and finished:
+                on_done(len(finished))
+
+        run_requests(engine, requests, collect)
 
 
 def head_tokens(tokens: Sequence[int], pad: int | None) -> list[int]:

@@ -1,6 +1,6 @@
 """Train the embedded default model (`model=tiny`, shipped in `batchgen/models/tiny_lm/`).
 
-    python -m batchgen.tiny_training     # rewrites batchgen/models/tiny_lm/ and tests/data/tiny_lm_heldout.json
+    python -m batchgen.models.tiny_training     # rewrites batchgen/models/tiny_lm/ and tests/data/tiny_lm_heldout.json
 
 Corpus: English text that ships with CPython (the running interpreter's standard library), 10,185 documents
 (3.17M characters on CPython 3.11.7) in a fixed order:
@@ -516,7 +516,7 @@ def _metadata(cfg: TrainConfig, n_params: int, history: list) -> dict:
     import transformers
 
     return {
-        "command": "python -m batchgen.tiny_training " + " ".join(sys.argv[1:]),
+        "command": "python -m batchgen.models.tiny_training " + " ".join(sys.argv[1:]),
         "train_config": asdict(cfg),
         "model_spec": MODEL_SPEC,
         "parameters": n_params,
@@ -566,7 +566,9 @@ def _write_checkpoint(
 
 def main(argv: list[str] | None = None) -> None:
     defaults = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m batchgen.tiny_training", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m batchgen.models.tiny_training", description=__doc__.split("\n")[0]
+    )
     p.add_argument(
         "--out", type=Path, default=SHIPPED_DIR, help="checkpoint directory (default: the shipped one)"
     )

@@ -15,7 +15,7 @@ names the generic class (``PreTrainedTokenizerFast`` / ``TokenizersBackend``), u
 `_PLAIN_KEYS`, asks for no text cleanup on decode, every special token it names is already a special added
 token of ``tokenizer.json``, there is no ``special_tokens_map.json``, and (verdict) ``AutoTokenizer`` loaded
 from the same files once gave that generic class around an identical pipeline (``to_str()``) with the same
-special token ids and length. The verdict is kept in `batchgen.disk_cache` (``$BATCHGEN_CACHE/tokenizer/``)
+special token ids and length. The verdict is kept in `batchgen.runtime.disk_cache` (``$BATCHGEN_CACHE/tokenizer/``)
 keyed by the files' hashes and the library versions, so later runs skip transformers; without a cached
 verdict the run loads ``AutoTokenizer`` and decides. Like transformers' encode (no truncation, no padding by
 default), truncation and padding stored in ``tokenizer.json`` are switched off.
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from batchgen import disk_cache
+from batchgen.runtime import disk_cache
 
 VERDICTS = "tokenizer"
 _VERDICT_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "special_tokens_map.json")
