@@ -9,7 +9,8 @@ Exit status (README's table): 0 done (or nothing left to do); 3 done, but more e
 disk is full or a tensor-parallel rank was lost — rerun to resume; 2 invalid configuration, input or output
 directory (one line, before any work where it can be detected); 1 anything else, including Hydra's own errors (a misspelt key, a wrong type).
 No Python traceback unless ``HYDRA_FULL_ERROR=1`` (or ``BATCHGEN_DEBUG=1``). The job never changes the working
-directory; Hydra's run files go to ``<output>/_logs/<timestamp>/`` (per shard).
+directory; Hydra's run files go to ``<output>/_logs/<timestamp>/`` (per shard; for a results file
+``results.jsonl``, into its bookkeeping directory ``_results.jsonl.batchgen/_logs/``).
 
 In a multirun (``-m``, e.g. the submitit launchers) each job writes its status into its Hydra job directory
 (:data:`~batchgen.data.layout.STATUS_NAME`); when the sweep is over,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import job_config, signal_after
+from conftest import batchgen_cli, job_config, signal_after
 from s3_server import S3, s3, s3_endpoint  # noqa: F401 - fixtures
 
 from batchgen import LLM, SamplingParams
@@ -171,6 +171,29 @@ def test_completions_file_resumes_after_a_stop(llama_ckpt: str, tmp_path: Path) 
     assert _run(ref).exit_code == EXIT_OK
     texts = pq.read_table(tmp_path / "ref").column("generated_text").to_pylist()
     assert [x["response"]["body"]["choices"][0]["text"] for x in got] == texts
+
+
+def test_documented_command_writes_the_results_file(llama_ckpt: str, tmp_path: Path) -> None:
+    """docs/openai-batch.md's command, typed in a fresh directory: the results file is a file (Hydra's run
+    files go into the bookkeeping directory beside it), and the rerun finds nothing to do."""
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    (tmp_path / "requests.jsonl").write_text(
+        "\n".join([_req("a", {"messages": msgs}), _req("b", {"messages": msgs, "temperature": 0})]) + "\n"
+    )
+    cmd = [f"model.path={llama_ckpt}", "data.input=requests.jsonl", "data.output=results.jsonl"]
+    cmd += ["sampling.max_tokens=3", "engine.num_blocks=64"]
+    for _ in range(2):
+        p = batchgen_cli(cmd, tmp_path)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        assert "Traceback" not in p.stderr
+        lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+        assert [x["custom_id"] for x in lines] == ["a", "b"] and all(x["error"] is None for x in lines)
+    assert sorted(x.name for x in tmp_path.iterdir()) == [
+        "_results.jsonl.batchgen",
+        "requests.jsonl",
+        "results.jsonl",
+    ]
+    assert list((tmp_path / "_results.jsonl.batchgen" / "_logs").glob("*/.hydra/config.yaml"))
 
 
 def test_batch_file_needs_a_jsonl_output(llama_ckpt: str, tmp_path: Path) -> None:
