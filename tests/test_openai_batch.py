@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -175,24 +176,26 @@ def test_completions_file_resumes_after_a_stop(llama_ckpt: str, tmp_path: Path) 
 
 def test_documented_command_writes_the_results_file(llama_ckpt: str, tmp_path: Path) -> None:
     """docs/openai-batch.md's command, typed in a fresh directory: the results file is a file (Hydra's run
-    files go into the bookkeeping directory beside it), and the rerun finds nothing to do."""
-    msgs = [{"role": "user", "content": "Name a colour."}]
-    (tmp_path / "requests.jsonl").write_text(
-        "\n".join([_req("a", {"messages": msgs}), _req("b", {"messages": msgs, "temperature": 0})]) + "\n"
-    )
+    files go into the bookkeeping directory beside it), the summary counts the error lines by their own
+    reasons, and the rerun finds nothing to do."""
+    _chat_file(tmp_path / "requests.jsonl")
     cmd = [f"model.path={llama_ckpt}", "data.input=requests.jsonl", "data.output=results.jsonl"]
-    cmd += ["sampling.max_tokens=3", "engine.num_blocks=64"]
-    for _ in range(2):
-        p = batchgen_cli(cmd, tmp_path)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-        assert "Traceback" not in p.stderr
-        lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
-        assert [x["custom_id"] for x in lines] == ["a", "b"] and all(x["error"] is None for x in lines)
-    assert sorted(x.name for x in tmp_path.iterdir()) == [
-        "_results.jsonl.batchgen",
-        "requests.jsonl",
-        "results.jsonl",
-    ]
+    cmd += ["sampling.max_tokens=3", "engine.num_blocks=64", "run.max_error_fraction=1", "run.progress=off"]
+    p = batchgen_cli(cmd, tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    reasons = [x["error"]["message"] for x in lines if x["error"]]
+    assert len(lines) == 8 and len(reasons) == 4
+    assert "8 result line(s) in results.jsonl, 4 with an error" in p.stdout
+    top = re.findall(r"^(?:top errors)? +(\d+) x (.*)$", p.stdout, re.MULTILINE)
+    assert len(top) == 3 and all(n == "1" and r in reasons for n, r in top), p.stdout
+    assert "is null" not in p.stdout
+    p = batchgen_cli(cmd, tmp_path)
+    assert p.returncode == 0 and "nothing to do" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()][4] == lines[4]
+    names = sorted(x.name for x in tmp_path.iterdir())
+    assert names == ["_results.jsonl.batchgen", "requests.jsonl", "results.jsonl"]
     assert list((tmp_path / "_results.jsonl.batchgen" / "_logs").glob("*/.hydra/config.yaml"))
 
 
