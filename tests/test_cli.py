@@ -51,12 +51,22 @@ def test_cfg_job_prints_the_resolved_config(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_misspelt_key_is_reported_by_hydra(tmp_path: Path) -> None:
-    p = _run(["data.windw_rows=3"], tmp_path)
-    assert p.returncode == 1
-    assert "Key 'windw_rows' not in 'DataOptions'" in p.stderr and "full_key: data.windw_rows" in p.stderr
-    p = _run(["sampling.temperature=hot"], tmp_path)
-    assert p.returncode == 1 and "sampling.temperature" in p.stderr
+def test_misspelt_key_or_wrong_type_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """README's table: a configuration error is exit status 2 and one line, for a plain typo as for ``+``."""
+    for args, want in (
+        (
+            ["data.windw_rows=5"],
+            "unknown configuration key: data.windw_rows (did you mean data.window_rows?)",
+        ),
+        (["+data.windw_rows=5"], "data.windw_rows (did you mean data.window_rows?)"),
+        (["data.window_rows=abc"], "data.window_rows=abc: Value 'abc' of type 'str' could not be converted"),
+        (["sampling.temperature=hot"], "sampling.temperature=hot: Value 'hot'"),
+        (["-m", "engine.max_num_seq=1,2"], "did you mean engine.max_num_seqs?"),
+    ):
+        p = _run([*args, "data.output=out"], tmp_path)
+        said = p.stdout + p.stderr
+        assert p.returncode == 2 and want in said and len(said.strip().splitlines()) == 1, (args, said)
+        assert "+data" not in said
     assert list(tmp_path.iterdir()) == []
 
 

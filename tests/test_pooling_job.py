@@ -8,7 +8,7 @@ import pooling_zoo as zoo
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import job_config
+from conftest import batchgen_cli, job_config
 
 from batchgen import LLM
 from batchgen.data.output_dir import OutputDir
@@ -97,6 +97,24 @@ def test_classify_job_refuses_an_embedder(tmp_path):
     pq.write_table(pa.table({"prompt": TEXTS}), tmp_path / "in.parquet")
     res = run_job(_job(path, tmp_path, "out", "classify"), print_summary=False, handle_signals=False)
     assert res.exit_code == 2 and "ForSequenceClassification" in res.message
+
+
+def test_generation_over_a_classifier_or_encoder_names_the_task(tmp_path):
+    """The default task (generate) over a checkpoint that is not a language model: one line saying which task
+    it is for, exit status 2, nothing written."""
+    pq.write_table(pa.table({"prompt": ["hello there"]}), tmp_path / "in.parquet")
+    cases = {
+        "classify": zoo.encoder(tmp_path / "cls", "bert", "BertForSequenceClassification", num_labels=3),
+        "embed": zoo.encoder(tmp_path / "enc", "bert", "BertModel"),
+    }
+    for task, path in cases.items():
+        p = batchgen_cli([f"model.path={path}", "data.input=in.parquet", "data.output=out"], tmp_path)
+        said = (p.stdout + p.stderr).strip().splitlines()
+        assert p.returncode == 2 and len(said) == 1, p.stdout + p.stderr
+        kind = "a sequence classifier" if task == "classify" else "an encoder"
+        assert f"this is {kind}" in said[0] and said[0].endswith(f"use task={task}"), said
+        assert "native:" not in said[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_help_documents_the_task_keys():

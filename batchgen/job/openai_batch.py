@@ -38,6 +38,7 @@ from batchgen.data.storage import Location, is_url
 from batchgen.errors import ConfigError
 from batchgen.job.config import JobConfig, to_job_config
 from batchgen.job.result import EXIT_CONFIG, EXIT_OK, EXIT_TOO_MANY_ERRORS, JobResult
+from batchgen.job.tally import RowTally
 from batchgen.runtime.atomic import atomic_write, atomic_write_bytes
 
 logger = logging.getLogger("batchgen.job")
@@ -136,8 +137,12 @@ def _check(job: JobConfig) -> None:
         )
 
 
-def run_openai_batch(cfg: Any, run: Callable[[JobConfig], JobResult]) -> JobResult:
-    """Run the batch file job described by `cfg` with `run` (:func:`batchgen.job.run.run_job`)."""
+def run_openai_batch(
+    cfg: Any, run: Callable[[JobConfig], JobResult], print_summary: bool = False
+) -> JobResult:
+    """Run the batch file job described by `cfg` with `run` (:func:`batchgen.job.run.run_job`, which prints
+    no summary); with `print_summary`, print the summary table once the results file is written, its error
+    counts those of the result lines (a line's own reason: a bad body, an unsupported parameter...)."""
     try:
         job = to_job_config(cfg)
         d = job.data
@@ -163,10 +168,11 @@ def run_openai_batch(cfg: Any, run: Callable[[JobConfig], JobResult]) -> JobResu
     result = run(derived)
     if result.exit_code in (EXIT_OK, EXIT_TOO_MANY_ERRORS):
         try:
-            n, errors = write_results(derived, reqs.table, d.output, opts)
+            n, tally = write_results(derived, reqs.table, d.output, opts)
         except ConfigError as e:
             logger.error("%s", e)
             return JobResult(EXIT_CONFIG, "error", d.output, result.report_path, result.report, str(e))
+        errors = sum(tally.errors.values())
         msg = f"{n} result line(s) in {d.output}, {errors} with an error"
         limit = job.run.max_error_fraction
         if n and errors / n > limit:
@@ -175,10 +181,14 @@ def run_openai_batch(cfg: Any, run: Callable[[JobConfig], JobResult]) -> JobResu
                 f"(exit status {EXIT_TOO_MANY_ERRORS})"
             )
             logger.error("%s", msg)
+            if print_summary:
+                _print_summary(result, tally, n, limit, msg)
             return dataclasses.replace(
                 result, exit_code=EXIT_TOO_MANY_ERRORS, status="failed", output_dir=d.output, message=msg
             )
         logger.info("%s", msg)
+        if print_summary:
+            _print_summary(result, tally, n, limit, msg)
         result = dataclasses.replace(
             result,
             exit_code=EXIT_OK,
@@ -187,6 +197,25 @@ def run_openai_batch(cfg: Any, run: Callable[[JobConfig], JobResult]) -> JobResu
             message=f"{result.message}; {msg}",
         )
     return result
+
+
+def _print_summary(result: JobResult, tally: RowTally, lines: int, limit: float, msg: str) -> None:
+    """The job's summary table with the results file's error figures (the most common reasons of its error
+    lines, their fraction against run.max_error_fraction), then `msg`."""
+    from batchgen.job.report import format_table
+
+    if result.report is not None:
+        errors = sum(tally.errors.values())
+        frac = errors / lines if lines else 0.0
+        top = [(tally.error_examples[k], c) for k, c in tally.errors.most_common(3)]
+        report = {
+            **result.report,
+            "errors": {"fraction": frac, "max_fraction": limit, "exceeded": frac > limit, "top": top},
+        }
+        if frac > limit:
+            report["status"] = "failed"
+        print(format_table(report))
+    print(msg)
 
 
 def _parts(derived: JobConfig, opts: dict[str, Any]) -> Iterator[pa.Table]:
@@ -214,8 +243,8 @@ def _decoder(derived: JobConfig) -> Callable[[int], str] | None:
 
 def _result_lines(
     derived: JobConfig, requests: pa.Table, opts: dict[str, Any]
-) -> Iterator[tuple[bytes, bool]]:
-    """Each request's output line, and whether it is an error line."""
+) -> Iterator[tuple[bytes, str | None]]:
+    """Each request's output line, and its error message (None for a response line)."""
     n = derived.sampling.n
     model = derived.model.path or "tiny-default"
     created = int(time.time())
@@ -226,28 +255,33 @@ def _result_lines(
         for i in range(0, len(rows), n):
             req = next(reqs)
             line = response_line(req, rows[i : i + n], model, created, decode)
-            yield (json.dumps(line, ensure_ascii=False) + "\n").encode(), line["error"] is not None
+            error = line["error"]
+            yield (
+                (json.dumps(line, ensure_ascii=False) + "\n").encode(),
+                None if error is None else str(error["message"]),
+            )
 
 
 def write_results(
     derived: JobConfig, requests: pa.Table, output: str, opts: dict[str, Any]
-) -> tuple[int, int]:
+) -> tuple[int, RowTally]:
     """Write the results file from the complete job `derived` (atomically); returns its number of lines and
-    of error lines."""
-    count = errors = 0
+    the tally of its error lines by reason."""
+    count = 0
+    tally = RowTally()
     if is_url(output):
         parent, name = output.rsplit("/", 1)
         chunks = []
-        for line, failed in _result_lines(derived, requests, opts):
+        for line, error in _result_lines(derived, requests, opts):
             chunks.append(line)
-            errors += failed
+            tally.count(error is None, error)
         Location(parent, opts, key="data.output").put(name, b"".join(chunks))
-        return len(chunks), errors
+        return len(chunks), tally
     target = Path(output).expanduser()
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(target) as tmp, open(tmp, "wb") as f:
-        for line, failed in _result_lines(derived, requests, opts):
+        for line, error in _result_lines(derived, requests, opts):
             f.write(line)
             count += 1
-            errors += failed
-    return count, errors
+            tally.count(error is None, error)
+    return count, tally

@@ -102,12 +102,10 @@ def run_job(
     if is_batch_file(_data_input(cfg)):  # an OpenAI batch file: converted, run as a job, results written
         from batchgen.job.openai_batch import run_openai_batch
 
-        def inner(c: Any) -> JobResult:
-            return run_job(
-                c, engine=engine, stop=stop, handle_signals=handle_signals, print_summary=print_summary
-            )
+        def inner(c: Any) -> JobResult:  # the summary is the results file's, printed by run_openai_batch
+            return run_job(c, engine=engine, stop=stop, handle_signals=handle_signals, print_summary=False)
 
-        return run_openai_batch(cfg, inner)
+        return run_openai_batch(cfg, inner, print_summary)
     job = _Job(cfg, engine, stop, print_summary)
     with stop.installed() if handle_signals else contextlib.nullcontext(stop):
         try:
