@@ -17,9 +17,12 @@ from test_hotloop import _checked_engine
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.core.async_engine import AsyncLLMEngine
 from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.kv.kv_cache import hash_block_tokens
-from batchgen.engine.sched.sequence import PLACEHOLDER
+from batchgen.engine.sched.async_scheduler import PLACEHOLDER, AsyncScheduler
+from batchgen.engine.sched.scheduler import Scheduler
+from batchgen.engine.worker.executor import Executor
 from batchgen.job.run import EXIT_OK, run_job
 
 BS = 8
@@ -62,9 +65,16 @@ def guard_placeholders(engine: LLMEngine) -> None:
 
 
 def both(ckpt: str, prompts, params, **engine) -> tuple[list[tuple], LLMEngine]:
-    """Outputs with async scheduling off and on (asserted equal); returns them and the async engine."""
-    sync, _ = generate(ckpt, prompts, params, **engine)
+    """Outputs with async scheduling off and on (asserted equal); returns them and the async engine. The
+    synchronous engine carries none of async scheduling: its subclasses are the async engine's alone."""
+    sync, sync_eng = generate(ckpt, prompts, params, **engine)
+    assert (type(sync_eng), type(sync_eng.scheduler), type(sync_eng.executor)) == (
+        LLMEngine,
+        Scheduler,
+        Executor,
+    )
     over, eng = generate(ckpt, prompts, params, async_scheduling=True, **engine)
+    assert isinstance(eng, AsyncLLMEngine) and isinstance(eng.scheduler, AsyncScheduler)
     assert_same(over, sync)
     return over, eng
 
@@ -235,7 +245,7 @@ def test_length_finishing_sequence_is_not_scheduled_again(llama_ckpt: str) -> No
     inner = engine.builder.prepare_inputs
 
     def prepare(out):
-        assert not any(s.seq.finishing for s in out.seqs)
+        assert not any(engine.scheduler.is_finishing(s.seq) for s in out.seqs)
         positions.extend(s.start for s in out.seqs if s.seq is seq)
         return inner(out)
 

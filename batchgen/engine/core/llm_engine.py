@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
+from torch import Tensor
 
 from batchgen.attention import resolve_backend
 from batchgen.engine.config import EngineConfig, logprobs_error
@@ -24,13 +24,14 @@ from batchgen.engine.features.structured import is_available as structured_avail
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.kinds import make_group
 from batchgen.engine.sched.output import SchedulerOutput
+from batchgen.engine.sched.request_group import RequestGroup
 from batchgen.engine.sched.scheduler import Scheduler
 from batchgen.engine.sched.sequence import Request
 from batchgen.engine.sched.stop import StopRules
-from batchgen.engine.worker.executor import Executor, InFlight, Prepared, fill_tensors, placeholder_rows
+from batchgen.engine.worker.executor import Executor
 from batchgen.engine.worker.model_runner import ModelRunner
 from batchgen.engine.worker.step_builder import StepBuilder
-from batchgen.engine.worker.step_input import RunnerOutput, SamplingInput, StepInput
+from batchgen.engine.worker.step_input import ForwardInput, RunnerOutput, SamplingInput, StepInput
 from batchgen.engine.worker.tensor_parallel import TPModelRunner
 from batchgen.engine.worker.tp_launch import TPGroup, WorkerSetup
 from batchgen.engine.worker.tp_launch import start as start_ranks
@@ -85,12 +86,20 @@ class LLMEngine:
     unchanged. ``tp_group`` is None on one device.
 
     One step is ``schedule → execute → update``: the :class:`Scheduler` plans it, the :class:`StepBuilder`
-    turns the plan into a plain :class:`StepInput`, the :class:`Executor` runs it on the runner, and the
-    :class:`RunnerOutput` is applied by ``update``. With ``engine_config.async_scheduling`` the executor is
-    pipelined and the next step is scheduled and prepared while the current one's forward runs
-    (:mod:`batchgen.engine.worker.executor`): ``step`` still completes one step per call, but may return with the
-    next one in flight (``has_unfinished`` is true until it is collected).
+    turns the plan into a plain :class:`StepInput`, the :class:`Executor` runs it on the runner, and
+    :meth:`Scheduler.update` applies the :class:`RunnerOutput`. ``LLMEngine(..., engine_config)`` with
+    ``async_scheduling`` builds the subclass :class:`~batchgen.engine.core.async_engine.AsyncLLMEngine`.
     """
+
+    scheduler_class: type[Scheduler] = Scheduler
+    executor_class: type[Executor] = Executor
+
+    def __new__(cls, model: str, engine_config: EngineConfig | None = None, *args, **kwargs) -> LLMEngine:
+        if cls is LLMEngine and engine_config is not None and engine_config.async_scheduling:
+            from batchgen.engine.core.async_engine import AsyncLLMEngine
+
+            cls = AsyncLLMEngine
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -122,7 +131,7 @@ class LLMEngine:
             num_cpu_blocks=num_swap_blocks,
         )
         self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
-        self.scheduler = Scheduler(config, kv, self.stop, self.lora)
+        self.scheduler = self.scheduler_class(config, kv, self.stop, self.lora)
         self.counters = EngineCounters()
         self._collector = StatsCollector(self._stats, self.scheduler.stats, kv, self.counters)
         self._structured: StructuredOutputs | None = None  # built by the first constrained request
@@ -133,12 +142,8 @@ class LLMEngine:
         self.requests: dict[str | int, Request] = {}
         self._errors: list[RequestOutput] = []
         self._listeners: list[StepListener] = []
-        # The executor (pipelined with async scheduling), the launched steps not yet updated (oldest first),
-        # and the live requests that need synchronous steps (beam search, structured outputs, prompt logprobs)
-        self.executor = Executor(self.runner, config.async_scheduling, self._threads)
+        self.executor = self.executor_class(self.runner, self._threads)
         weakref.finalize(self, self.executor.close)
-        self._flights: deque[InFlight] = deque()
-        self._sync_ids: set[str | int] = set()
 
     def _attach_lora(self, path: str, config: EngineConfig) -> tuple[LoRAManager, LoRASlots]:
         """Adapter slots in the model (before the KV cache is sized: they count as weights) and their manager."""
@@ -265,11 +270,13 @@ class LLMEngine:
             self.counters.num_error_requests += 1
             self._errors.append(error_output(request, error))
             return
-        self.requests[request_id] = request
-        if not group.overlappable():
-            self._sync_ids.add(request_id)
-        self.scheduler.add(group)
+        self._queue(request, group)
         self.counters.prompt_tokens += len(token_ids)
+
+    def _queue(self, request: Request, group: RequestGroup) -> None:
+        """A valid request enters the scheduler, in a group of its kind."""
+        self.requests[request.request_id] = request
+        self.scheduler.add(group)
 
     def _validate(self, token_ids: list[int], params: SamplingParams, pooling: bool = False) -> str | None:
         n = len(token_ids)
@@ -295,14 +302,15 @@ class LLMEngine:
         return None
 
     def abort_request(self, request_id: str | int) -> None:
-        request = self.requests.pop(request_id, None)
-        self._sync_ids.discard(request_id)
+        request = self.requests.get(request_id)
         if request is not None:
             self.scheduler.abort_request(request)
-            self._release(request)
+            self._forget(request)
 
-    def _release(self, request: Request) -> None:
-        """A request leaves the engine: its adapter slot and its samples' generators go."""
+    def _forget(self, request: Request) -> None:
+        """A request leaves the engine (finished or aborted): its adapter slot and its samples' generators
+        go."""
+        self.requests.pop(request.request_id, None)
         if request.params.seed is not None:
             self.builder.released += [s.seq_id for s in request.seqs]
         self._release_lora(request)
@@ -313,7 +321,7 @@ class LLMEngine:
             request.lora_slot = -1
 
     def has_unfinished(self) -> bool:
-        return bool(self._errors) or self.scheduler.has_unfinished() or bool(self._flights)
+        return bool(self._errors) or self.scheduler.has_unfinished()
 
     def num_unfinished(self) -> int:
         return len(self.requests) + len(self._errors)
@@ -327,34 +335,28 @@ class LLMEngine:
         """One step: schedule, execute (run the model, sample), update. Returns the requests finished in it."""
         t0 = time.perf_counter()
         finished, self._errors = self._errors, []
-        flight = self._flights.popleft() if self._flights else self._launch(self.scheduler.schedule())
-        if flight is not None:
-            ahead = self._plan_ahead(flight)  # async scheduling: step N+1 planned while N runs
-            output = flight.result.result()
-            finished += self._update(flight.out, output)
-            self._launch_ahead(ahead, output)
+        out = self.scheduler.schedule()
+        if out or out.swap_out or out.swap_in:
+            output = self.executor.execute(self._step_input(out))
+            finished += self._update(out, output)
         elif self.scheduler.has_unfinished() and not finished:
             raise RuntimeError("scheduler made no progress with requests pending (pool too small?)")
-        self._notify(finished, flight.out if flight is not None else None, t0)
+        self._notify(finished, out, t0)
         return finished
 
-    def _launch(self, out: SchedulerOutput, prepared: Prepared | None = None, fill=None) -> InFlight | None:
-        """Build the step's input (its forward from ``prepared`` when planned ahead) and submit it; a
-        launched step of the pipelined executor advances its sequences with placeholders
-        (:meth:`Scheduler.mark_launched`). None when the step does nothing."""
-        if not out and not (out.swap_out or out.swap_in):
-            return None
-        pipelined = self.executor.pipelined and bool(out)
-        if prepared is None and pipelined:
-            self.counters.drained_steps += 1
-        forward = prepared.forward if prepared is not None else self.builder.prepare_inputs(out)
+    def _step_input(
+        self,
+        out: SchedulerOutput,
+        forward: ForwardInput | None = None,
+        fill: tuple[Tensor, Tensor] | None = None,
+    ) -> StepInput:
+        """The step's plain input: block moves, the forward (built now unless given), the sampling (built now:
+        it sees every token so far), the adapter slot loads in step order (:mod:`~batchgen.engine.features.lora_manager`)."""
+        if forward is None:
+            forward = self.builder.prepare_inputs(out)
         sampling = self.builder.sampling_input(out) if out else SamplingInput()
-        loads = self.lora.take_loads() if self.lora is not None else []  # in step order (lora_manager)
-        step = StepInput(self.builder.moves(out), forward, sampling, fill, loads)
-        flight = InFlight(out, self.executor.submit(step))
-        if pipelined and (prepared is not None or self._may_launch(out)):
-            self.scheduler.mark_launched(out)
-        return flight
+        loads = self.lora.take_loads() if self.lora is not None else []
+        return StepInput(self.builder.moves(out), forward, sampling, fill, loads)
 
     def _update(self, out: SchedulerOutput, output: RunnerOutput) -> list[RequestOutput]:
         """Apply a step's output (:meth:`Scheduler.update`); the outputs of the requests it finished."""
@@ -365,35 +367,6 @@ class LLMEngine:
         if startup_trace.enabled and output.token_ids:
             startup_trace.mark("first_token")
         return [self._request_output(r) for r in done]
-
-    # ----------------------------------------------------------------------------- async scheduling
-    def _may_launch(self, out: SchedulerOutput) -> bool:
-        """Whether a freshly scheduled step may run pipelined (see :mod:`batchgen.engine.worker.executor`)."""
-        return not (self._sync_ids or out.swap_out or out.swap_in)
-
-    def _plan_ahead(self, flight: InFlight) -> Prepared | None:
-        """Schedule and prepare the next step while ``flight`` runs, when nothing needs its results first: it
-        was launched pipelined, no request needs synchronous steps, and the step cannot preempt."""
-        if not flight.out.launched or self._sync_ids or not self.scheduler.can_plan_ahead():
-            return None
-        nxt = self.scheduler.schedule(ahead=True)
-        if not nxt:
-            return None
-        dst, src = placeholder_rows(nxt)
-        return Prepared(nxt, self.builder.prepare_inputs(nxt), dst, src)
-
-    def _launch_ahead(self, prepared: Prepared | None, output: RunnerOutput) -> None:
-        """Launch the step planned ahead, its placeholders taking ``output``'s sampled tokens (or drop it
-        when every sequence in it finished meanwhile, e.g. the batch's last requests)."""
-        if prepared is None:
-            return
-        if all(s.seq.is_finished for s in prepared.out.seqs):
-            self.scheduler.cancel(prepared.out)
-            return
-        self.counters.async_steps += 1
-        flight = self._launch(prepared.out, prepared, fill_tensors(prepared, output.sampled))
-        assert flight is not None
-        self._flights.append(flight)
 
     @property
     def stats(self) -> EngineStats:
@@ -427,8 +400,6 @@ class LLMEngine:
 
     def _request_output(self, request: Request) -> RequestOutput:
         """The output of a request whose every sample finished (texts decoded once, by the output processor)."""
-        self.requests.pop(request.request_id, None)
-        self._sync_ids.discard(request.request_id)
-        self._release(request)
+        self._forget(request)
         self.counters.num_finished_requests += 1
         return self.outputs.request_output(request)

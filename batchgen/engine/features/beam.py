@@ -257,6 +257,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _fork_beam(parent: Sequence) -> Sequence:
+    """A new beam of the same request: a copy of ``parent``'s tokens (computed as far); not registered in
+    ``request.seqs`` (the group keeps it equal to its beams)."""
+    child = Sequence(parent.request, list(parent.token_ids), parent.num_prompt_tokens)
+    child.num_computed_tokens = parent.num_computed_tokens
+    child.status = parent.status
+    return child
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -407,7 +416,7 @@ class BeamGroup(RequestGroup):
         for i, token in chosen:
             parent = parents[i]
             if parent.seq_id in kept:  # a second continuation of the same beam: fork it (before it grows)
-                child = parent.fork_beam()
+                child = _fork_beam(parent)
                 child.group = self
                 ctx.kv.fork(parent.seq_id, child.seq_id)
             else:

@@ -10,7 +10,7 @@
 * The manager only decides: the weights are written by the model runner, from the
   :class:`~batchgen.engine.worker.step_input.LoRALoad` list the engine takes (:meth:`take_loads`) into the next step
   it launches. Steps run in launch order, so a slot is rewritten only after the forward of every step launched
-  before, including one still in flight under async scheduling that holds a row of the slot's previous,
+  before, including one still in flight (pipelined) that holds a row of the slot's previous,
   finished request; under tensor parallelism the list reaches every rank with its step.
 
 Invariants: ``slot_of`` and ``id_in`` are inverse maps of the resident adapters (as they are once the pending

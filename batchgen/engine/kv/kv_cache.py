@@ -418,7 +418,7 @@ class KVCacheManager:
         """Decode fast path: ``append_slots(seq_id, len(token_ids))`` then ``cache_full_blocks(seq_id,
         token_ids, len(token_ids))`` for a resident sequence growing by one token that fits in its exclusive
         last block (no new block, no copy on write): O(1), hashing only when the token fills its block.
-        ``defer_last``: the last token is not known yet (async scheduling's placeholder): hash only the
+        ``defer_last``: the last token is not known yet (a placeholder): hash only the
         blocks before it (a later call, or :meth:`cache_full_blocks`, hashes its block once it is known).
 
         Returns a copy of the sequence's block table, or None, changing nothing, when the general path is
@@ -477,7 +477,7 @@ class KVCacheManager:
         s.num_registered = num_full
 
     def cache_resolved_block(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
-        """Async scheduling: a placeholder that completed its block just became a known token: register the
+        """A placeholder that completed its block just became a known token: register the
         block in the prefix cache if it is allocated (the step scheduled meanwhile computes it)."""
         n = len(token_ids)
         if self.enable_prefix_caching and self._get(seq_id).num_tokens >= n:

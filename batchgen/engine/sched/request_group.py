@@ -126,24 +126,20 @@ class RequestGroup:
 
     # ------------------------------------------------------------------------------------------ a step
     def overlappable(self) -> bool:
-        """Whether the group's next step may be scheduled before its current step's output is applied (async
-        scheduling): not when a grammar mask or prompt logprobs need that output first."""
+        """Whether the group's next step may be scheduled before its current step's output is applied: not
+        when a grammar mask or prompt logprobs need that output first."""
         return not self.request.params.constrained and not prompt_logprobs.wants_prompt_logprobs(self.request)
 
     def decoding(self) -> bool:
         """Every sequence that runs this step computes exactly its last token."""
-        return all(len(s.token_ids) - s.num_computed_tokens == 1 for s in self.seqs if not s.finishing)
-
-    def active(self) -> bool:
-        """Some sequence has work (async scheduling: one whose in-flight token is its last has none)."""
-        return any(not s.finishing for s in self.seqs)
+        return all(len(s.token_ids) - s.num_computed_tokens == 1 for s in self.seqs)
 
     def plan(self, budget: int) -> Plan:
         """How many tokens each sequence computes this step, in order, under ``budget`` (here: the one
         sequence's next chunk)."""
         s = self.seqs[0]
         todo = s.num_tokens - s.num_computed_tokens
-        if s.finishing or todo <= 0 or budget <= 0:
+        if todo <= 0 or budget <= 0:
             return []
         return [(s, min(todo, budget))]
 

@@ -37,7 +37,7 @@ from batchgen.engine.core.stats import SchedulerCounters
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.output import ScheduledSeq, SchedulerOutput
 from batchgen.engine.sched.request_group import Entry, RequestGroup
-from batchgen.engine.sched.sequence import PLACEHOLDER, Request, Sequence, SequenceStatus
+from batchgen.engine.sched.sequence import Request, Sequence, SequenceStatus
 from batchgen.engine.sched.stop import StopRules
 
 if TYPE_CHECKING:
@@ -74,12 +74,6 @@ class Scheduler:
         self._swap = config.preemption_mode == "swap" and kv.num_cpu_blocks > 0
         self._out: SchedulerOutput | None = None  # the step being planned (preemptions add swap-outs)
         self._preempted = False
-        # Async scheduling: ids of the sequences of each step scheduled ahead and not yet updated; blocks of
-        # sequences finished or aborted while in one of them are freed only once its forward is done.
-        self._ahead: deque[set[int]] = deque()
-        self._deferred_free: list[int] = []
-        self._planning_ahead = False
-        self._placing_launched = False
         self.watermark_blocks = max(1, kv.num_blocks // 100)  # free blocks admission leaves for growth
 
     # ----------------------------------------------------------------------------------------- queues
@@ -112,20 +106,12 @@ class Scheduler:
         """The running sequences, group by group in admission order (a new list)."""
         return [s for g in self.running for s in g.seqs]
 
-    def can_plan_ahead(self) -> bool:
-        """Whether a step scheduled now cannot preempt (async scheduling plans ahead only then): nothing is
-        swapped out and every running sequence has a free block to grow into."""
-        return not self.swapped and self.kv.num_free_blocks >= sum(len(g.seqs) for g in self.running)
-
     # --------------------------------------------------------------------------------------- schedule
-    def schedule(self, ahead: bool = False) -> SchedulerOutput:
-        """Plan the next step. ``ahead``: the previous step is still in flight (async scheduling; see
-        :meth:`mark_launched`): the step's sequences are remembered until its update, so that sequences
-        finishing meanwhile keep their blocks while its forward may write them."""
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step: its work, its block moves and what each scheduled group needs from it."""
         out = SchedulerOutput()
         self._out = out
         self._preempted = False
-        self._planning_ahead = ahead
         scheduled: set[int] = set()  # ids of the groups scheduled in this step (never preemption victims)
         budget = self._schedule_running(out, scheduled, self.config.max_num_batched_tokens)
         budget = self._swap_in(out, scheduled, budget)
@@ -148,10 +134,6 @@ class Scheduler:
         self.stats.num_swapped_out_blocks += len(out.swap_out)
         self.stats.num_swapped_in_blocks += len(out.swap_in)
         self._out = None
-        self._planning_ahead = False
-        if ahead and out.seqs:
-            out.ahead = True
-            self._ahead.append({s.seq.seq_id for s in out.seqs} | {s.seq_id for s in out.sample_seqs})
         return out
 
     def _schedule_running(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> int:
@@ -165,12 +147,12 @@ class Scheduler:
         prefills: list[RequestGroup] = []
         for g in self.running:
             seqs = g.seqs
+            if self._sits_out(g):
+                continue
             if len(seqs) == 1:
                 s = seqs[0]
-                if s.finishing:  # async: its in-flight token is its last
-                    continue
                 (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else prefills).append(g)
-            elif g.active():
+            else:
                 (decodes if g.decoding() else prefills).append(g)
         append_one = self.kv.append_one
         seqs_out = out.seqs
@@ -183,7 +165,7 @@ class Scheduler:
             if first.status is not running:  # preempted earlier in this loop
                 continue
             if len(g.seqs) == 1:
-                table = append_one(first.seq_id, first.token_ids, first.pending_row >= 0)
+                table = append_one(first.seq_id, first.token_ids, self._placeholder(first))
                 if table is not None:
                     start = len(first.token_ids) - 1
                     seqs_out.append(ScheduledSeq(first, start, 1, table, True))
@@ -323,8 +305,8 @@ class Scheduler:
         # Blocks completed by this step's tokens become prefix-cache hits for later sequences; the forward
         # stores every new token's K/V before any attention reads it, so even a sequence admitted in this
         # same step can share them.
-        # (Async scheduling: a placeholder token's block is hashed once the token is known.)
-        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, start + num_new - (seq.pending_row >= 0))
+        # (A placeholder token's block is hashed once the token is known.)
+        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, start + num_new - self._placeholder(seq))
 
     def _plan_outputs(self, out: SchedulerOutput) -> None:
         """Every scheduled group, in the order of its first sequence in ``out.seqs``, declares what it needs
@@ -344,8 +326,6 @@ class Scheduler:
 
     def _preempt(self, group: RequestGroup) -> None:
         """Swap the group out (swap mode, CPU room, another group running) or free it for recompute."""
-        if self._planning_ahead:  # the engine plans ahead only with a free block per running sequence
-            raise RuntimeError("async scheduling: a step planned ahead would preempt a sequence in flight")
         ids = [s.seq_id for s in group.seqs]
         copies = None
         if self._swap and len(self.running) > 1:
@@ -385,80 +365,33 @@ class Scheduler:
         return finished
 
     def _begin_update(self, out: SchedulerOutput) -> None:
-        """The step's forward ran: its sequences are computed as far as it went (async scheduling: a launched
-        step advanced them at launch)."""
-        if out.ahead:
-            self._ahead.popleft()  # its forward is done: blocks it held for finished sequences can go
-        self._free_deferred()
-        self._placing_launched = out.launched
-        if not out.launched:
-            for s in out.seqs:
-                s.seq.num_computed_tokens = s.start + s.num_tokens
-
-    def place(self, seq: Sequence, token: int, index: int) -> bool:
-        """Append ``seq``'s sampled token (or, for a launched step, put it in place of the placeholder);
-        False when a launched step's token is dropped (the sequence finished or was aborted meanwhile)."""
-        tokens = seq.token_ids
-        if not self._placing_launched:
-            tokens.append(token)
-            seq.num_computed_tokens = len(tokens) - 1  # forks: computed as far as their parent
-        elif seq.status is SequenceStatus.FINISHED:  # finished or aborted meanwhile: work discarded
-            return False
-        elif seq.pending_row >= 0:
-            tokens[-1] = token
-            seq.pending_row = -1
-            if len(tokens) % self.kv.block_size == 0:  # the token completed its block: hash it now
-                self.kv.cache_resolved_block(seq.seq_id, tokens)
-        else:  # finishing: it had no placeholder
-            tokens.append(token)
-        return True
-
-    # ------------------------------------------------------------------------------ async scheduling
-    def mark_launched(self, out: SchedulerOutput) -> None:
-        """Async scheduling: ``out``'s forward and sampling are in flight. Advance its sequences as if it had
-        run, so the next step can be scheduled before the sampled tokens are known: computed tokens move on,
-        and each sampled sequence gets a :data:`PLACEHOLDER` token at the end (its slot is allocated like a
-        real token's; ``pending_row`` is its row in the step's sampled tokens), except one whose token will be
-        its last by length (``max_tokens``, ``max_model_len``): it is marked ``finishing`` and not scheduled
-        again. Sequences finished or aborted since ``out`` was scheduled are left alone (work discarded)."""
-        out.launched = True
+        """The step's forward ran: its sequences are computed as far as it went."""
         for s in out.seqs:
             s.seq.num_computed_tokens = s.start + s.num_tokens
-        finished = SequenceStatus.FINISHED
-        for row, seq in enumerate(out.sample_seqs):
-            if seq.status is finished:
-                continue
-            seq.num_computed_tokens = seq.num_tokens  # forks: computed as far as their parent
-            if self.stop.last_by_length(seq):
-                seq.finishing = True
-            else:
-                seq.token_ids.append(PLACEHOLDER)
-                seq.pending_row = row
 
-    def cancel(self, out: SchedulerOutput) -> None:
-        """Async scheduling: ``out``, scheduled ahead, will not run (every sequence in it finished or was
-        aborted meanwhile): forget it, and free the blocks finished sequences kept for it."""
-        if out.ahead:
-            self._ahead.pop()
-        if not self._ahead:
-            self._free_deferred()
+    def place(self, seq: Sequence, token: int, index: int) -> bool:
+        """Append ``seq``'s sampled token (``index``: its row of the step's samples); True: it was placed."""
+        seq.token_ids.append(token)
+        seq.num_computed_tokens = len(seq.token_ids) - 1  # forks: computed as far as their parent
+        return True
+
+    # ------------------------------------------------------------------------------------------ hooks
+    # Overridden by :class:`~batchgen.engine.sched.async_scheduler.AsyncScheduler`.
+    def _sits_out(self, group: RequestGroup) -> bool:
+        """A running group with nothing to compute in the step being scheduled."""
+        return False
+
+    def _placeholder(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s last token is not known yet (its block is not hashed until it is)."""
+        return False
+
+    def _free_blocks(self, seq_id: int) -> None:
+        """Free the sequence's blocks."""
+        self.kv.free(seq_id)
 
     def _release(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self._free_blocks(seq.seq_id)
-
-    def _free_blocks(self, seq_id: int) -> None:
-        """Free the sequence's blocks now, or after the forward of a step in flight that holds it."""
-        if any(seq_id in ids for ids in self._ahead):
-            self._deferred_free.append(seq_id)
-        else:
-            self.kv.free(seq_id)
-
-    def _free_deferred(self) -> None:
-        """Free the blocks :meth:`_free_blocks` kept for a step whose forward has now run (or will not)."""
-        for seq_id in self._deferred_free:
-            self.kv.free(seq_id)
-        self._deferred_free = []
 
     def _record_gauges(self) -> None:
         st = self.stats

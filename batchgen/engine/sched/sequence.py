@@ -18,9 +18,6 @@ if TYPE_CHECKING:
 
 _seq_ids = itertools.count()
 
-PLACEHOLDER = -1
-"""The token id standing for a sampled token not yet known (async scheduling); never fed to the model."""
-
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -132,12 +129,6 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Async scheduling (batchgen.engine.worker.executor): while the step that samples this sequence's next token is
-    # in flight, that token is a placeholder at the end of token_ids (counted for slots, never hashed) and
-    # pending_row is its row in the step's sampled tokens (-1: no placeholder); finishing: that token is its
-    # last (max_tokens / max_model_len), so it is not scheduled again.
-    pending_row: int = -1
-    finishing: bool = False
     group: RequestGroup | None = None
     """The scheduling group it belongs to (:mod:`batchgen.engine.sched.request_group`)."""
 
@@ -165,12 +156,4 @@ class Sequence:
         """A new sample of the same request holding a copy of this sequence's tokens (computed as far)."""
         child = self.request.new_sequence(list(self.token_ids), sample_index)
         child.num_computed_tokens = self.num_computed_tokens
-        return child
-
-    def fork_beam(self) -> Sequence:
-        """A new beam of the same beam-search request: a copy of this beam's tokens (computed as far); not
-        registered in ``request.seqs``."""
-        child = Sequence(self.request, list(self.token_ids), self.num_prompt_tokens)
-        child.num_computed_tokens = self.num_computed_tokens
-        child.status = self.status
         return child

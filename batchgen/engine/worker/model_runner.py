@@ -110,6 +110,9 @@ class ModelRunner:
         self._graphs_failed = False
         self.lora_slots: LoRASlots | None = None
         """The model's LoRA adapter slots (engine.enable_lora), written by each step's ``lora_loads``."""
+        self.capture_error_mode = "global"
+        """CUDA-graph capture mode: an executor that runs steps in a thread of its own while the main thread
+        keeps working sets ``thread_local``."""
         self.lora_source: Callable[[LoRARequest], LoRAAdapter] | None = None
         """Reads a load's adapter when the step carries none (a tensor-parallel worker's own cache)."""
 
@@ -267,7 +270,7 @@ class ModelRunner:
         """The forward of ``fwd``: float32 logits of its ``last`` rows (None when it has none: a step of
         pooling requests only), its prompt logprobs and its pooled segments (:mod:`batchgen.engine.features.pooling`).
         ``fill``:
-        ``(index, tokens)``: placeholder input ids written in first (async scheduling)."""
+        ``(index, tokens)``: placeholder input ids written in first (a step planned ahead)."""
         ids, pos, meta, last = fwd.ids, fwd.positions, fwd.meta, fwd.last
         if fill is not None:
             ids[fill[0]] = fill[1]
@@ -374,8 +377,6 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         pool = next(iter(self._graphs.values()))[0].pool() if self._graphs else None
-        # async scheduling captures in the step worker while the main thread prepares the next step
-        mode = "thread_local" if self.config.async_scheduling else "global"
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
             hidden = self.model(g["ids"][:bucket], g["pos"][:bucket], ctx)
         return graph, hidden

@@ -63,7 +63,7 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     sampled: Tensor | None = None
-    """The token ids as an int64 tensor on the logits' device (async scheduling feeds them to the next
+    """The token ids as an int64 tensor on the logits' device (a pipelined engine feeds them to the next
     step's inputs without a host round trip)."""
 
 

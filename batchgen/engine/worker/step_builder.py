@@ -4,7 +4,7 @@ sampling rows and per-row settings (persistent :class:`~batchgen.engine.worker.s
 grammar mask; the prompt-logprob rows and pooled segments the groups declared when the step was scheduled.
 Live objects (sequences, requests) are read here and nowhere below.
 
-The forward part and the sampling part are built separately because async scheduling prepares a step's
+The forward part and the sampling part are built separately because a pipelined engine prepares a step's
 forward while the previous step runs, and its sampling rows only once the previous step's tokens are in
 (penalties and ``min_tokens`` see every token so far).
 """

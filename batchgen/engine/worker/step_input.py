@@ -12,7 +12,7 @@ Invariants: ``forward.last`` indexes the packed tokens, one entry per logit row:
 sampled rows, then ``sampling.num_score_rows`` scored rows; the runner performs ``moves`` in the order
 swap-outs, swap-ins, copies on write, then writes ``lora_loads`` into their adapter slots, before the forward.
 Slot loads travel with the steps, in step order: a slot is only written between two steps' forwards, so a step
-in flight (async scheduling) never sees its slots change, and every tensor-parallel rank loads the same slots
+in flight (pipelined) never sees its slots change, and every tensor-parallel rank loads the same slots
 at the same point.
 """
 
@@ -123,7 +123,7 @@ class SamplingInput:
 @dataclass
 class StepInput:
     """One step. ``fill``: ``(index, tokens)`` device tensors: the input ids at ``index`` are placeholders
-    for the previous step's sampled ``tokens`` (async scheduling), written in before the forward.
+    for the previous step's sampled ``tokens`` (a step planned while that one ran), written in before the forward.
     ``lora_loads``: adapters written into their slots first (in list order)."""
 
     moves: BlockMoves

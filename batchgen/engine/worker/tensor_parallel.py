@@ -8,7 +8,7 @@ placeholders already filled in) to every
 worker with ``torch.distributed.broadcast_object_list`` over a gloo group of its own (:class:`StepChannel`);
 then every rank performs the same block moves on its KV shard and the same forward, whose all-reduces meet in
 lockstep, and the LM-head shards are gathered on rank 0, which samples as one process would. The runner is
-called by the executor, inline or from the pipelined executor's thread, so async scheduling composes.
+called by the executor, inline or from the pipelined executor's thread, so pipelining composes.
 
 Invariants:
 - every rank applies the same messages in the same order (one broadcast per step, in step order), so the
