@@ -1,10 +1,12 @@
 """The paged-attention engine, in folders by role.
 
 * ``config`` — :class:`EngineConfig`, the engine's options.
-* ``core`` — the ``schedule → execute → update`` loop (``llm_engine``), the engine as callers see it
-  (``interface``), request outputs (``outputs``, ``output_processor``) and figures (``stats``).
-* ``sched`` — what runs each step: requests and sequences (``sequence``), request groups and their kinds
-  (``request_group``), the scheduler, stop rules (``stop``, ``detokenizer``).
+* ``core`` — the ``schedule → execute → update`` loop (``llm_engine``; ``async_engine``: the pipelined one),
+  the engine as callers see it (``interface``), request outputs (``outputs``, ``output_processor``) and
+  figures (``stats``).
+* ``sched`` — what runs each step: requests and sequences (``sequence``), request groups, the features' one
+  hook (``request_group``, one kind per request: ``kinds``), the scheduler and its output (``scheduler``,
+  ``output``; ``async_scheduler``), stop rules (``stop``, ``detokenizer``).
 * ``kv`` — KV memory: the block pool, block tables, the KV cache manager and the CPU swap space.
 * ``worker`` — what runs a step: the plain step input and its builder, the executor, the model runner and its
   input batch, the sampler, tensor parallelism.

@@ -68,7 +68,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     """What happens to a sequence preempted when KV blocks run out: 'recompute' (free its blocks, recompute its
     prompt and output later) or 'swap' (copy its blocks to CPU memory, engine.swap_space, and back; falls back
-    to recompute when the CPU pool is full). A beam group is preempted as one."""
+    to recompute when the CPU pool is full). A request group is preempted as one."""
     swap_space: str = "4GiB"
     """CPU memory for swapped-out KV blocks with preemption_mode=swap, e.g. '4GiB' (pinned on CUDA)."""
     num_swap_blocks: int | None = None

@@ -31,11 +31,10 @@ during async scheduling is captured in ``thread_local`` error mode (the main thr
 path is written for the GPU but measured only on the CPU so far.
 
 Scope: the next step is only planned ahead when nothing in the engine needs the previous step's results
-before scheduling — no live beam-search, structured-output or prompt-logprobs request, nothing swapped out,
-and at least one free KV block per running sequence (so the step cannot preempt). Otherwise the pipeline
-drains: N completes, and the next step is scheduled and run synchronously (``EngineStats.drained_steps``).
-Which requests need that is their group kind's say (:meth:`RequestGroup.overlappable`). With tensor
-parallelism the worker thread broadcasts each launched input to the other ranks. ``n > 1`` requests run
+before scheduling — no live request whose group kind needs synchronous steps
+(:meth:`RequestGroup.overlappable`), nothing swapped out, and at least one free KV block per running sequence
+(so the step cannot preempt). Otherwise the pipeline drains: N completes, and the next step is scheduled and
+run synchronously (``EngineStats.drained_steps``). With tensor parallelism the worker thread broadcasts each launched input to the other ranks. ``n > 1`` requests run
 overlapped: their samples are forked in the step that completes the prompt, from a sequence that has no
 placeholder. A block completed by a placeholder is registered in the prefix cache only once its token is known
 (at the update, or the sequence's next scheduling), so a prompt admitted in between cannot hit it yet; with

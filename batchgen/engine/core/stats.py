@@ -23,7 +23,7 @@ class EngineStats:
     blocks, like each output's ``num_cached_tokens``); ``prompt_tokens_copied`` the tokens of a cached prefix
     ending inside a block, copied from a cached block at admission instead of computed;
     ``prompt_tokens_computed`` counts tokens run through the model as prefill (recomputation after a
-    preemption included). ``num_preemptions`` counts preempted request groups (a sequence, or a whole beam group);
+    preemption included). ``num_preemptions`` counts preempted request groups (each with all its sequences);
     ``num_swapped_out_blocks`` / ``num_swapped_in_blocks`` count KV blocks copied to / from CPU memory by
     swap-mode preemption (``swapped_seqs``: sequences swapped out now). KV figures: ``kv_usage`` is blocks in use ÷ pool size; ``kv_utilization`` is token
     slots holding live tokens ÷ slots in allocated blocks; ``kv_fragmentation`` is 1 − kv_utilization.

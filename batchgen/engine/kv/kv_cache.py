@@ -37,9 +37,9 @@ written yet and is never a source; when one would continue the prompt at least
 for it (``allocate`` returns None) instead of recomputing the difference.
 
 **Swapping** (``num_cpu_blocks > 0``): :meth:`KVCacheManager.swap_out` moves a set of sequences (a preempted
-unit: one sequence, or every beam of a beam group) to a second, CPU :class:`BlockPool` without caching. Each
+unit: every sequence of a request group) to a second, CPU :class:`BlockPool` without caching. Each
 block referenced *only* by the set is copied once to one CPU block (shared blocks inside the set, e.g. the
-common history of beams, are copied once and the CPU block's refcount counts the set's references) and its GPU
+common history of a group's sequences, are copied once and the CPU block's refcount counts the set's references) and its GPU
 block is freed; a block that a sequence outside the set also references stays on the GPU, still referenced by
 the swapped sequence (it cannot be freed anyway, and full blocks are never written again). A swapped
 sequence's table entries are GPU block ids (``>= 0``) or ``~cpu_block_id`` (``< 0``). :meth:`swap_in` maps
@@ -489,8 +489,8 @@ class KVCacheManager:
         Needs no free block; the first write of either sequence into a shared partial block copies it.
         With ``num_tokens`` (a multiple of block_size, at most the parent's live tokens) the child shares only
         the parent's first ``num_tokens // block_size`` (full) blocks and has ``num_tokens`` live tokens: a
-        sequence that shares a prefix with the parent and continues differently (beams resumed after a
-        preemption). Its next :meth:`append_slots` allocates fresh blocks (no copy).
+        sequence that shares a prefix with the parent and continues differently (a group's sequences resumed
+        after a preemption). Its next :meth:`append_slots` allocates fresh blocks (no copy).
         """
         p = self._get_resident(parent_id)
         if child_id in self._seqs:

@@ -19,8 +19,8 @@ swapped back in a step that preempted, and no new group is admitted while one is
 
 A step reads ``schedule() -> SchedulerOutput``, then (once the runner has executed it)
 ``update(scheduler_output, runner_output) -> finished requests``: each group absorbs its claim on the output
-(:meth:`RequestGroup.absorb`: sampled tokens placed and the stop rules applied, a beam step, pooled vectors),
-and the sequences that left their group are freed.
+(:meth:`RequestGroup.absorb`: for a sampling group, its tokens placed and the stop rules applied), and the
+sequences that left their group are freed.
 
 The scheduler is the only user of the :class:`KVCacheManager`, and keeps the scheduling figures of
 :class:`SchedulerCounters` (preemptions, swaps, prefix hits, tokens computed, copy-on-write copies, queue sizes).
@@ -346,9 +346,8 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, output: RunnerOutput) -> list[Request]:
-        """Apply one step's output: every group absorbs its claim (tokens placed and stop rules applied, a
-        beam step taken, pooled vectors and prompt logprobs filled in), and the sequences that left their
-        group are freed. Returns the requests whose every sample finished in this step. Steps are updated in
+        """Apply one step's output: every group absorbs its claim (:meth:`RequestGroup.absorb`), and the
+        sequences that left their group are freed. Returns the requests whose every sample finished in this step. Steps are updated in
         the order they were scheduled."""
         self._begin_update(out)
         finished: list[Request] = []

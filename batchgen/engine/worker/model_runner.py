@@ -217,8 +217,8 @@ class ModelRunner:
 
     def apply_moves(self, moves: BlockMoves) -> None:
         """The step's block moves, in the only safe order: swap-outs (their freed blocks may be handed out
-        again in the step), swap-ins, then copies on write (a copy may read a block just swapped in: the beams
-        of a swapped-in group share their partial block)."""
+        again in the step), swap-ins, then copies on write (a copy may read a block just swapped in: the
+        sequences of a swapped-in group may share their partial block)."""
         if self.swapper is not None:
             self.swapper.flush()
             self.swapper.swap_out(moves.swap_out)

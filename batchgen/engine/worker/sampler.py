@@ -21,7 +21,7 @@ Pipeline for each row (every stage is vectorised over the rows that need it; row
 When every row is greedy and nothing else is asked for, the call is a single ``argmax`` (the hot path).
 
 Scored rows are not sampled: :meth:`Sampler.log_softmax` returns their float32 log-softmax of the raw logits
-(beam search works on these values, as transformers' does).
+(for the group kind that asked for them to score).
 """
 
 from __future__ import annotations
