@@ -61,10 +61,10 @@ from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
 from batchgen.job.input_versions import input_versions_unchanged
-from batchgen.job.openai_batch import is_batch_file
+from batchgen.job.openai_batch import is_batch_file, open_batch_file
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
-from batchgen.job.replica_job import run_replicas, uses_replicas
+from batchgen.job.replicas.run import run_replicas, uses_replicas
 from batchgen.job.report import format_table
 from batchgen.job.result import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, JobResult, one_line
 from batchgen.job.result import EXIT_OK as EXIT_OK  # re-exported: the exit statuses are run_job's
@@ -99,21 +99,21 @@ def run_job(
     disk or an unexpected error (each is one log line and its exit status; see the module docstring).
     """
     stop = stop or StopSignal()
-    if is_batch_file(_data_input(cfg)):  # an OpenAI batch file: converted, run as a job, results written
-        from batchgen.job.openai_batch import run_openai_batch
-
-        def inner(c: Any) -> JobResult:
-            return run_job(
-                c, engine=engine, stop=stop, handle_signals=handle_signals, print_summary=print_summary
-            )
-
-        return run_openai_batch(cfg, inner)
+    batch = None
+    if is_batch_file(_data_input(cfg)):  # an OpenAI batch file: its requests in, its results file out
+        try:
+            batch = open_batch_file(cfg)
+        except ConfigError as e:
+            logger.error("%s", e)
+            return JobResult(EXIT_CONFIG, "error", str(cfg.data.output), None, None, str(e))
+        cfg = batch.job
     job = _Job(cfg, engine, stop, print_summary)
     with stop.installed() if handle_signals else contextlib.nullcontext(stop):
         try:
-            return _run_guarded(job, stop)
+            result = _run_guarded(job, stop)
         finally:
             job.close()
+    return batch.results(result) if batch is not None else result
 
 
 def _run_guarded(job: _Job, stop: StopSignal) -> JobResult:

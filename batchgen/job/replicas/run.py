@@ -1,6 +1,6 @@
 """A job over several engine replicas (``engine.data_parallel_size > 1`` or ``run.executor=ray``): the same
 plan, output directory, gate, writer and report as the one-engine job (:mod:`batchgen.job.run`), with the
-engine loop replaced by a :class:`~batchgen.job.coordinator.Coordinator` over replica processes or actors.
+engine loop replaced by a :class:`~batchgen.job.replicas.coordinator.Coordinator` over replica processes or actors.
 
 Only this process writes the output: parts, checkpoints and manifest are committed exactly as with one engine,
 so resume, exactly-once and the layout do not depend on how many replicas ran, or where.
@@ -21,9 +21,9 @@ from typing import Any
 
 from batchgen.errors import ConfigError
 from batchgen.job.config import JobConfig
-from batchgen.job.coordinator import Coordinator
 from batchgen.job.feeder import ReadAhead, WindowWork
-from batchgen.job.replica import ReplicaSetup
+from batchgen.job.replicas.coordinator import Coordinator
+from batchgen.job.replicas.replica import ReplicaSetup
 from batchgen.job.result import JobResult
 
 logger = logging.getLogger("batchgen.job")
@@ -94,10 +94,10 @@ def replica_setups(cfg: JobConfig, model_path: str) -> list[ReplicaSetup]:
 
 def make_executor(cfg: JobConfig) -> Any:
     if cfg.run.executor == "ray":
-        from batchgen.ray.executor import RayReplicas
+        from batchgen.job.replicas.ray_actors import RayReplicas
 
         return RayReplicas(cfg.run.ray_address)
-    from batchgen.job.local_replicas import LocalReplicas
+    from batchgen.job.replicas.local import LocalReplicas
 
     return LocalReplicas()
 
