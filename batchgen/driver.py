@@ -1,6 +1,7 @@
 """The one loop that drives an engine: every caller that runs requests on an
 :class:`~batchgen.engine.core.interface.Engine` (``LLM.generate`` / ``score`` / ``embed``, the job's feeder and its
-replicas, the Ray generator) goes through :class:`Driver`; nothing else calls ``engine.step()``.
+replicas, the Ray generator, the throughput benchmark) goes through :class:`Driver`; only the benchmarks that
+time the step itself call ``engine.step()`` directly.
 
 A *task* (generate, score, pool, a job's windows, a replica's feed) supplies requests and consumes finished
 outputs (:class:`Task`). The driver does the rest, once for all of them:

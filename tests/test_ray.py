@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import job_config, part_contents, read_parts
 
-import batchgen.job.replica_job as replica_job
+import batchgen.job.replicas.run as replicas_run
 from batchgen.job.run import EXIT_OK, run_job
 from batchgen.llm import LLM
 from batchgen.ray import Generator
@@ -109,7 +109,7 @@ def _cfg(ckpt: str, inp: Path, out: Path, executor: str, dp: int):
 def test_ray_executor_equals_local_and_replaces_a_killed_actor(
     local_ray, llama_ckpt, dataset, tmp_path, monkeypatch
 ):
-    from batchgen.ray.executor import RayReplicas
+    from batchgen.job.replicas.ray_actors import RayReplicas
 
     single = tmp_path / "single"
     assert (
@@ -131,7 +131,7 @@ def test_ray_executor_equals_local_and_replaces_a_killed_actor(
                     Killing.killed += 1
             return out
 
-    monkeypatch.setattr(replica_job, "make_executor", lambda cfg: Killing(cfg.run.ray_address))
+    monkeypatch.setattr(replicas_run, "make_executor", lambda cfg: Killing(cfg.run.ray_address))
     res = run_job(
         _cfg(llama_ckpt, dataset, tmp_path / "ray", "ray", 2), handle_signals=False, print_summary=False
     )

@@ -3,7 +3,8 @@
 1. The request file is parsed (:mod:`batchgen.data.openai_batch`) into ``requests.parquet`` in the bookkeeping
    directory beside the results file (``_results.jsonl.batchgen/``, a name dataset readers skip): the same
    lines always give the same file, so a rerun resumes.
-2. An ordinary job runs over it into ``_results.jsonl.batchgen/out/`` (parts, manifest, checkpoints: resumable
+2. An ordinary job runs over it (the job runner runs it like any other: this module only adapts its input
+   and output, :class:`BatchFile`) into ``_results.jsonl.batchgen/out/`` (parts, manifest, checkpoints: resumable
    and exactly-once like any job), chat requests through the chat template, each request's parameters as its
    row's sampling overrides; with ``task=embed``, an embedding job over the embeddings requests' inputs.
 3. When that job is complete, the results file is written in one atomic step (a rename locally, one PUT on
@@ -115,7 +116,7 @@ def _derived(cfg: JobConfig, reqs: BatchRequests, book: str) -> JobConfig:
         logprobs = 0
     sampling = dataclasses.replace(cfg.sampling, n=reqs.n, logprobs=logprobs)
     # failed requests are result lines, not a sign of an impossible job: the error fraction is checked on the
-    # results (run_openai_batch), not by the early stop of a job whose first rows all fail
+    # results (BatchFile.results), not by the early stop of a job whose first rows all fail
     run = dataclasses.replace(cfg.run, max_error_fraction=1.0)
     return dataclasses.replace(cfg, data=data, sampling=sampling, run=run)
 
@@ -137,44 +138,34 @@ def _check(job: JobConfig) -> None:
         )
 
 
-def run_openai_batch(
-    cfg: Any, run: Callable[[JobConfig], JobResult], print_summary: bool = False
-) -> JobResult:
-    """Run the batch file job described by `cfg` with `run` (:func:`batchgen.job.run.run_job`, which prints
-    no summary); with `print_summary`, print the summary table once the results file is written, its error
-    counts those of the result lines (a line's own reason: a bad body, an unsupported parameter...)."""
-    try:
-        job = to_job_config(cfg)
-        d = job.data
-        _check(job)
-        opts = dict(d.storage_options)
-        reqs = parse_requests(_lines(str(d.input), opts), job.task)
-        for msg in reqs.bad_lines:
-            logger.warning("%s: %s (written as an error line without custom_id)", d.input, msg)
-        book = bookkeeping_dir(d.output)
-        buf = io.BytesIO()
-        pq.write_table(reqs.table, buf)
-        if _get(book, REQUESTS_NAME, opts) != buf.getvalue():
-            _put(book, REQUESTS_NAME, buf.getvalue(), opts)
-        derived = _derived(job, reqs, book)
-    except ConfigError as e:
-        logger.error("%s", e)
-        return JobResult(EXIT_CONFIG, "error", str(cfg.data.output), None, None, str(e))
-    logger.info(
-        "%s: %d request(s) to %s (%d that cannot run), bookkeeping in %s",
-        d.input, reqs.table.num_rows, reqs.endpoint,
-        sum(e is not None for e in reqs.table.column("request_error").to_pylist()), book,
-    )  # fmt: skip
-    result = run(derived)
-    if result.exit_code in (EXIT_OK, EXIT_TOO_MANY_ERRORS):
+@dataclasses.dataclass(frozen=True)
+class BatchFile:
+    """An OpenAI batch request file as a job's input and output adapter: :func:`open_batch_file` converts the
+    requests (input) and gives the ordinary job to run (``job``); :meth:`results` writes the results file from
+    that job's output once it is complete (output)."""
+
+    requested: JobConfig
+    """The configuration as given (``data.input`` the request file, ``data.output`` the results file)."""
+    requests: BatchRequests
+    job: JobConfig
+    """The job over the converted requests (its output in the bookkeeping directory)."""
+
+    def results(self, result: JobResult, print_summary: bool = False) -> JobResult:
+        """The batch file's result from the job's ``result``: the results file written when the job is
+        complete (exit 0, or 3 with too many error rows: failed requests are result lines), its error
+        fraction checked against ``run.max_error_fraction``; with `print_summary`, the summary table printed once
+        the results file is written, its error counts those of the result lines; any other result as it is."""
+        if result.exit_code not in (EXIT_OK, EXIT_TOO_MANY_ERRORS):
+            return result
+        d = self.requested.data
         try:
-            n, tally = write_results(derived, reqs.table, d.output, opts)
+            n, tally = write_results(self.job, self.requests.table, d.output, dict(d.storage_options))
         except ConfigError as e:
             logger.error("%s", e)
             return JobResult(EXIT_CONFIG, "error", d.output, result.report_path, result.report, str(e))
         errors = sum(tally.errors.values())
         msg = f"{n} result line(s) in {d.output}, {errors} with an error"
-        limit = job.run.max_error_fraction
+        limit = self.requested.run.max_error_fraction
         if n and errors / n > limit:
             msg += (
                 f": {errors / n:.1%} of the requests failed, more than run.max_error_fraction={limit:g} "
@@ -189,14 +180,36 @@ def run_openai_batch(
         logger.info("%s", msg)
         if print_summary:
             _print_summary(result, tally, n, limit, msg)
-        result = dataclasses.replace(
+        return dataclasses.replace(
             result,
             exit_code=EXIT_OK,
             status="complete",
             output_dir=d.output,
             message=f"{result.message}; {msg}",
         )
-    return result
+
+
+def open_batch_file(cfg: Any) -> BatchFile:
+    """Parse the request file of `cfg` and stage it as ``requests.parquet`` in the bookkeeping directory
+    (rewritten only when it changed, so a rerun resumes); raises ConfigError for a job that cannot run."""
+    job = to_job_config(cfg)
+    d = job.data
+    _check(job)
+    opts = dict(d.storage_options)
+    reqs = parse_requests(_lines(str(d.input), opts), job.task)
+    for msg in reqs.bad_lines:
+        logger.warning("%s: %s (written as an error line without custom_id)", d.input, msg)
+    book = bookkeeping_dir(d.output)
+    buf = io.BytesIO()
+    pq.write_table(reqs.table, buf)
+    if _get(book, REQUESTS_NAME, opts) != buf.getvalue():
+        _put(book, REQUESTS_NAME, buf.getvalue(), opts)
+    logger.info(
+        "%s: %d request(s) to %s (%d that cannot run), bookkeeping in %s",
+        d.input, reqs.table.num_rows, reqs.endpoint,
+        sum(e is not None for e in reqs.table.column("request_error").to_pylist()), book,
+    )  # fmt: skip
+    return BatchFile(job, reqs, _derived(job, reqs, book))
 
 
 def _print_summary(result: JobResult, tally: RowTally, lines: int, limit: float, msg: str) -> None:

@@ -2,9 +2,9 @@
 
 Each replica is a fresh interpreter (``python -c``: no CUDA context or threads inherited, and no re-import of
 the caller's ``__main__``, so a script needs no ``if __name__ == "__main__"`` guard) running
-:func:`batchgen.job.replica.main` in its own session (a Ctrl-C at the terminal reaches only the job, which
+:func:`batchgen.job.replicas.replica.main` in its own session (a Ctrl-C at the terminal reaches only the job, which
 decides), talking to the coordinator over one end of a socket pair; the first message is its
-:class:`~batchgen.job.replica.ReplicaSetup`. A replica whose process ends without being told to — killed, out
+:class:`~batchgen.job.replicas.replica.ReplicaSetup`. A replica whose process ends without being told to — killed, out
 of memory, a crash — is reported ``lost`` once, after every message it sent before dying has been delivered.
 """
 
@@ -16,15 +16,15 @@ import sys
 from multiprocessing.connection import wait
 from typing import Any
 
-from batchgen.job.replica import ReplicaSetup, WindowRequests
+from batchgen.job.replicas.replica import ReplicaSetup, WindowRequests
 
-REPLICA_MAIN = "import sys; from batchgen.job.replica import main; main(sys.argv[1:])"
+REPLICA_MAIN = "import sys; from batchgen.job.replicas.replica import main; main(sys.argv[1:])"
 EXIT_WAIT_S = 5.0
 """Seconds a replica told to exit may take before it is killed."""
 
 
 class LocalReplicas:
-    """Replica processes on this machine, by replica slot (see :mod:`batchgen.job.coordinator` for events)."""
+    """Replica processes on this machine, by replica slot (see :mod:`batchgen.job.replicas.coordinator` for events)."""
 
     def __init__(self) -> None:
         self.procs: dict[int, subprocess.Popen] = {}

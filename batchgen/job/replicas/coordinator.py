@@ -1,8 +1,8 @@
 """The coordinator of a job over several engine replicas: hands windows to replicas as they free up, collects
 their finished rows, replaces lost replicas.
 
-The replicas (:mod:`batchgen.job.replica`) run in other processes — local ones
-(:class:`~batchgen.job.local_replicas.LocalReplicas`) or Ray actors (:mod:`batchgen.ray.executor`); an
+The replicas (:mod:`batchgen.job.replicas.replica`) run in other processes — local ones
+(:class:`~batchgen.job.replicas.local.LocalReplicas`) or Ray actors (:mod:`batchgen.job.replicas.ray_actors`); an
 *executor* starts them, carries messages and reports their events: ``("ready", replica, max_model_len)``,
 ``("report", replica, ReplicaReport)``, ``("lost", replica, reason)`` (the process or actor is gone) and
 ``("failed", replica, message)`` (its engine could not start: the job exits 2) and ``("error", replica,
@@ -34,7 +34,7 @@ from batchgen.engine.core.outputs import RequestOutput
 from batchgen.engine.core.stats import _COUNTERS, EngineStats
 from batchgen.errors import ConfigError, WorkerLost
 from batchgen.job.feeder import StopFlag, WindowWork, pull_window
-from batchgen.job.replica import ReplicaReport, ReplicaSetup, WindowRequests
+from batchgen.job.replicas.replica import ReplicaReport, ReplicaSetup, WindowRequests
 
 logger = logging.getLogger("batchgen.job")
 

@@ -1,10 +1,10 @@
 """The Ray executor of engine replicas (``run.executor=ray``): each replica is a Ray actor; the coordinator
-(:mod:`batchgen.job.coordinator`) and the output directory stay in the job's process.
+(:mod:`batchgen.job.replicas.coordinator`) and the output directory stay in the job's process.
 
 The cluster is ``run.ray_address``, else ``$RAY_ADDRESS``, else a local Ray started for the job. An actor
 requests ``engine.tensor_parallel_size`` GPUs on CUDA (Ray sets its ``CUDA_VISIBLE_DEVICES``), or its share
 of threads in CPUs. Each actor has at most one call in flight: :meth:`ReplicaActor.work` adds the windows
-sent since the last call and steps the engine for :data:`~batchgen.job.replica.STEP_BUDGET_S`, returning
+sent since the last call and steps the engine for :data:`~batchgen.job.replicas.replica.STEP_BUDGET_S`, returning
 the finished requests; the next call is made at once while the replica is busy. An actor that dies (its
 process killed, its node lost) is reported ``lost``: the coordinator requeues its windows and starts a
 replacement actor. Ray's own actor restarts are off (``max_restarts=0``): the coordinator decides.
@@ -19,7 +19,13 @@ from typing import Any
 
 import ray
 
-from batchgen.job.replica import STEP_BUDGET_S, ReplicaCore, ReplicaReport, ReplicaSetup, WindowRequests
+from batchgen.job.replicas.replica import (
+    STEP_BUDGET_S,
+    ReplicaCore,
+    ReplicaReport,
+    ReplicaSetup,
+    WindowRequests,
+)
 
 logger = logging.getLogger("batchgen.job")
 
@@ -57,7 +63,7 @@ def _uses_gpu(setup: ReplicaSetup) -> bool:
 
 
 class RayReplicas:
-    """Replica actors on a Ray cluster, by replica slot (see :mod:`batchgen.job.coordinator` for events)."""
+    """Replica actors on a Ray cluster, by replica slot (see :mod:`batchgen.job.replicas.coordinator` for events)."""
 
     def __init__(self, address: str | None = None) -> None:
         if not ray.is_initialized():

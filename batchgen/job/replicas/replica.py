@@ -1,6 +1,6 @@
 """One engine replica of a job with several (``engine.data_parallel_size``, ``run.executor``): the engine loop
 that runs in a replica's process or Ray actor, fed whole windows by the coordinator
-(:mod:`batchgen.job.coordinator`).
+(:mod:`batchgen.job.replicas.coordinator`).
 
 A replica knows nothing of the input or the output directory: it receives *window requests* (a window's
 index and its rows to run, each ``(request id, prompt token ids, sampling params)``, already in prefix-trie
@@ -191,7 +191,7 @@ def _drain(conn: Any, inbox: queue.Queue[tuple]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """A local replica process (:class:`~batchgen.job.local_replicas.LocalReplicas` starts
+    """A local replica process (:class:`~batchgen.job.replicas.local.LocalReplicas` starts
     ``python -c "...main(sys.argv[1:])" FD``) on the inherited socket ``FD``, whose first message is the
     :class:`ReplicaSetup`."""
     from multiprocessing.connection import Connection

@@ -1,6 +1,6 @@
 """A job over several engine replicas (``engine.data_parallel_size > 1`` or ``run.executor=ray``): the same
 plan, output directory, gate, writer and report as the one-engine job (:mod:`batchgen.job.run`), with the
-engine loop replaced by a :class:`~batchgen.job.coordinator.Coordinator` over replica processes or actors.
+engine loop replaced by a :class:`~batchgen.job.replicas.coordinator.Coordinator` over replica processes or actors.
 
 Only this process writes the output: parts, checkpoints and manifest are committed exactly as with one engine,
 so resume, exactly-once and the layout do not depend on how many replicas ran, or where.
@@ -21,9 +21,9 @@ from typing import Any
 
 from batchgen.errors import ConfigError
 from batchgen.job.config import JobConfig
-from batchgen.job.coordinator import Coordinator
 from batchgen.job.feeder import ReadAhead, WindowWork
-from batchgen.job.replica import ReplicaSetup
+from batchgen.job.replicas.coordinator import Coordinator
+from batchgen.job.replicas.replica import ReplicaSetup
 from batchgen.job.result import JobResult
 
 logger = logging.getLogger("batchgen.job")
@@ -94,10 +94,10 @@ def replica_setups(cfg: JobConfig, model_path: str) -> list[ReplicaSetup]:
 
 def make_executor(cfg: JobConfig) -> Any:
     if cfg.run.executor == "ray":
-        from batchgen.ray.executor import RayReplicas
+        from batchgen.job.replicas.ray_actors import RayReplicas
 
         return RayReplicas(cfg.run.ray_address)
-    from batchgen.job.local_replicas import LocalReplicas
+    from batchgen.job.replicas.local import LocalReplicas
 
     return LocalReplicas()
 
@@ -125,8 +125,8 @@ def run_replicas(job: Any, works: Any, first: list[WindowWork], tokenizer: Any, 
     setups = replica_setups(cfg, plan.model_path)
     _warn_idle_replicas(m.num_windows - len(m.windows), len(setups))
     coord = Coordinator(make_executor(cfg), setups, next_window, tokenizer, stop,
-                        cfg.run.max_replica_restarts, job._on_output, on_step, on_ready)  # fmt: skip
-    job.feeder = coord  # what a stop or an error saves: the finished rows of its unfinished windows
+                        cfg.run.max_replica_restarts, job.on_output, on_step, on_ready)  # fmt: skip
+    job.in_flight = coord  # what a stop or an error saves: the finished rows of its unfinished windows
     job.engine = coord  # the engines' stats and tokenizer, as the report and the examples read them
     try:
         logger.info(
@@ -135,7 +135,7 @@ def run_replicas(job: Any, works: Any, first: list[WindowWork], tokenizer: Any, 
         )  # fmt: skip
         coord.start()
         t_run = time.monotonic()
-        job.progress = job._progress(initial=m.rows_done - retry_rows)
+        job.start_progress(initial=m.rows_done - retry_rows)
         for work in coord.run():
             gate.window_finished(work)
         if stop.requested:
@@ -160,8 +160,7 @@ def _warn_idle_replicas(left: int, replicas: int) -> None:
 
 def _finish(job: Any, coord: Coordinator, t_run: float) -> JobResult:
     """The job's report and result, with the replicas' own figures."""
-    job.progress.close()
-    job.progress = None
+    job.end_progress()
     wall = time.monotonic() - t_run
     status = "complete" if job.manifest.complete else "incomplete"
     extra = {
@@ -170,4 +169,4 @@ def _finish(job: Any, coord: Coordinator, t_run: float) -> JobResult:
         "replicas": coord.replica_report(wall),
         "replica_restarts": coord.restarts,
     }
-    return job._finish(job._report(status, wall, extra, coord.stats))
+    return job.conclude(job.report(status, wall, extra, coord.stats))
