@@ -78,6 +78,7 @@ def test_map_batches_equals_llm_generate(local_ray, llama_ckpt: str) -> None:
             "engine": ENGINE,
         },
         concurrency=2,
+        num_cpus=0.5,  # docs/replicas.md's CPU setup
         batch_size=4,
     ).take_all()
     got = {r["i"]: (r["generated_text"], list(r["token_ids"]), r["status"]) for r in out}
@@ -148,21 +149,17 @@ import batchgen.ray
 model, data = sys.argv[1], sys.argv[2]
 ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"BATCHGEN_RAY_IDLE_WARNING_S": "2"}})
 kwargs = {"model": model, "sampling": {"max_tokens": 2}, "engine": {"device": "cpu", "num_blocks": 64}}
-# docs/replicas.md's CPU setup: half a CPU per actor, one CPU left for the read tasks
-rows = ray.data.read_parquet(data).map_batches(
-    batchgen.ray.Generator, fn_constructor_kwargs=kwargs, concurrency=2, num_cpus=0.5, batch_size=2
-).take_all()
-print("documented setup:", sorted(r["status"] for r in rows), flush=True)
-# the actors take both CPUs: the read tasks never run; each actor says so on stderr
+# two actors of one CPU each take both CPUs: the read tasks never run; each actor says so on stderr
 ray.data.read_parquet(data).map_batches(
     batchgen.ray.Generator, fn_constructor_kwargs=kwargs, concurrency=2, batch_size=2
 ).take_all()
 """
 
 
-def test_cpu_node_documented_setup_runs_and_a_starved_one_says_so(llama_ckpt: str, tmp_path: Path) -> None:
-    """Ray with 2 CPUs: docs/replicas.md's CPU setup finishes; two actors of one CPU each starve the read
-    tasks, and instead of waiting silently an actor prints the one-line warning naming the fix."""
+def test_cpu_node_actors_starving_the_reads_say_so(llama_ckpt: str, tmp_path: Path) -> None:
+    """Ray with 2 CPUs and map_batches(Generator, concurrency=2): the actors hold both CPUs and the read tasks
+    never run; instead of waiting silently an actor prints the one-line warning naming docs/replicas.md's CPU
+    setup (num_cpus per actor below the node's; that setup runs as test_map_batches_equals_llm_generate)."""
     import subprocess
     import sys
     import time
@@ -187,8 +184,6 @@ def test_cpu_node_documented_setup_runs_and_a_starved_one_says_so(llama_ckpt: st
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
-    said = out.read_text()
-    assert "documented setup: ['ok', 'ok', 'ok', 'ok']" in said, said + err.read_text()[-3000:]
     warning = [line for line in err.read_text().splitlines() if "batchgen.ray.Generator: no batch" in line]
     assert warning and "num_cpus=0.5" in warning[0] and "docs/replicas.md" in warning[0], err.read_text()[
         -3000:
