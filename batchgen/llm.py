@@ -15,7 +15,7 @@ from batchgen.lora_request import LoRARequest
 from batchgen.pooling.checkpoint import read_checkpoint, resolve_task
 from batchgen.pooling.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput
 from batchgen.pooling.params import POOLING_TASKS, PoolingParams
-from batchgen.pooling.runner import PoolingRunner
+from batchgen.pooling.runner import PooledRow, PoolingRunner
 from batchgen.prompt_inputs import ParsedPrompt, Prompt, parse_prompts
 from batchgen.sampling_params import SamplingParams
 from batchgen.scoring import Score, rolling_loglikelihood, score_token_pairs, split_pair
@@ -114,7 +114,8 @@ class LLM:
         return self.pooler
 
     def _pool(self, runner, prompts, spec, task: str, use_tqdm: bool) -> list[PoolingRequestOutput]:
-        token_lists = _token_lists(runner.tokenize, parse_prompts(prompts))
+        parsed = parse_prompts(prompts)
+        token_lists = _token_lists(runner.tokenize, parsed)
         bar = tqdm(total=len(token_lists), desc=task, disable=not use_tqdm, dynamic_ncols=True)
         try:
             rows = runner.run(token_lists, spec, on_done=bar.update)
@@ -122,6 +123,8 @@ class LLM:
             bar.close()
         outs = []
         for i, (toks, row) in enumerate(zip(token_lists, rows)):
+            if parsed[i].token_ids is None and not parsed[i].text:  # no tokens: an error row, as in a job
+                row = PooledRow(error=EMPTY_PROMPT)
             if row.error is not None:
                 value = None
             elif task == "embed":
@@ -256,11 +259,16 @@ def _per_prompt(
     return loras
 
 
+EMPTY_PROMPT = "prompt must be a non-empty string"
+"""The error of an empty text prompt to :meth:`LLM.embed` / :meth:`LLM.classify` (a job's error row says the
+same, naming its prompt column)."""
+
+
 def _token_lists(tokenize, prompts: list[ParsedPrompt]) -> list[list[int]]:
     """Token ids of each prompt: texts tokenised in one batch by ``tokenize`` (texts -> id lists), token ids as
-    given."""
-    texts = [i for i, p in enumerate(prompts) if p.token_ids is None]
-    out = [p.token_ids for p in prompts]
+    given; an empty text has none (an error row, never the tokenizer's special tokens alone)."""
+    texts = [i for i, p in enumerate(prompts) if p.token_ids is None and p.text]
+    out = [p.token_ids if p.token_ids is not None else [] for p in prompts]
     for i, t in zip(texts, tokenize([prompts[i].text for i in texts])):
         out[i] = t
     return out  # type: ignore[return-value]

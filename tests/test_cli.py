@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from conftest import env_without_slurm
 
@@ -94,7 +95,18 @@ def test_embedded_default_runs_with_no_arguments(tmp_path: Path) -> None:
     assert report["tokens"]["prefix_hit_rate"] > 0.5
     assert sorted(p.name for p in out.glob("part-*.parquet")) == ["part-000000.parquet"]
     assert (out / "_logs").is_dir() and sorted(x.name for x in tmp_path.iterdir()) == ["batchgen_output"]
+    # README: the sample's per-row `sampling` column (max_tokens 24) wins over the job's sampling.max_tokens (16)
+    generated = pq.read_table(out, columns=["num_generated_tokens"]).column(0).to_pylist()
+    assert max(generated) > 16
     print(f"embedded default run: {elapsed:.1f} s")
+
+
+def test_demo_per_row_sampling_column_can_be_ignored(tmp_path: Path) -> None:
+    """README's quick start: with data.sampling_column=null the command line's sampling.max_tokens counts."""
+    p = _run(["sampling.max_tokens=3", "data.sampling_column=null", "run.progress=off"], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    t = pq.read_table(tmp_path / "batchgen_output", columns=["num_generated_tokens", "status"])
+    assert set(t.column("status").to_pylist()) == {"ok"} and max(t.column(0).to_pylist()) == 3
 
 
 def test_unknown_key_added_with_plus_exits_2_naming_it(tmp_path: Path) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 
 import pooling_zoo as zoo
 import pyarrow as pa
@@ -115,6 +117,33 @@ def test_generation_over_a_classifier_or_encoder_names_the_task(tmp_path):
         assert f"this is {kind}" in said[0] and said[0].endswith(f"use task={task}"), said
         assert "native:" not in said[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_embed_job_summary_shows_the_pooling_run(tmp_path):
+    """`batchgen task=embed` prints the rows, the tokens it pooled and its rate, not generation figures."""
+    path = zoo.encoder(tmp_path / "enc", "bert", "BertModel")
+    pq.write_table(
+        pa.table({"prompt": ["hello there", "", "a longer passage of text"]}), tmp_path / "in.parquet"
+    )
+    args = [
+        "task=embed",
+        f"model.path={path}",
+        "data.input=in.parquet",
+        "data.output=out",
+        "run.progress=off",
+    ]
+    p = batchgen_cli([*args, "run.max_error_fraction=0.5"], tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    tokens = sum(x for x in pq.read_table(tmp_path / "out").column("num_prompt_tokens").to_pylist() if x)
+    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    assert report["task"] == "embed" and report["pooling"]["prompt_tokens"] == tokens > 0
+    rate = report["pooling"]["prompt_tokens_per_s"]
+    assert rate == pytest.approx(tokens / report["run"]["wall_time_s"], rel=0.05)
+    body = p.stdout.split("\n-")[1].splitlines()[1:]  # the rows between the table's two rules
+    table = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in body if line[:1].isalpha())
+    assert table["rows ok / error"].startswith("2 / 1") and table["prompt tokens pooled"] == str(tokens)
+    assert float(table["rows/s"]) > 0 and float(table["prompt tok/s"]) > 0
+    assert not any(k.startswith(("generated", "KV", "peak", "preemptions")) for k in table), p.stdout
 
 
 def test_help_documents_the_task_keys():

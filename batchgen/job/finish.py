@@ -77,6 +77,7 @@ def job_report(
         engine_stats=stats if stats is not None else EngineStats(),
         model=plan.cfg.model.path or "tiny-default",
         extra={
+            "task": plan.cfg.task,
             **extra,
             "interrupted_by": signal_name,
             "shard": m.shard,

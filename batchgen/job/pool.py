@@ -101,9 +101,9 @@ def _pool_window(plan: Any, runner: Any, table: pa.Table, spec: Any) -> tuple[di
 
 def run_pool_windows(
     plan: Any, outdir: Any, runner: Any, todo: list[Any], stop: Any, progress: Any
-) -> tuple[int, int]:
-    """Pool and commit each unfinished window; returns (windows, rows) done. Stops between windows on a
-    signal (a window is the unit of resume)."""
+) -> tuple[int, int, int]:
+    """Pool and commit each unfinished window; returns (windows, rows, prompt tokens pooled) done. Stops
+    between windows on a signal (a window is the unit of resume)."""
     from batchgen.pooling.params import PoolingParams
 
     d, p = plan.cfg.data, plan.cfg.pooling
@@ -111,7 +111,7 @@ def run_pool_windows(
         spec = runner.spec(PoolingParams(p.method, p.normalize, p.dimensions))
     except ValueError as e:
         raise ConfigError(f"pooling: {e}") from e
-    windows = rows = 0
+    windows = rows = tokens = 0
     for w in iter_windows(plan.input, todo, plan.columns):
         if stop.requested:
             break
@@ -121,4 +121,5 @@ def run_pool_windows(
         progress.update(w.spec.num_rows)
         windows += 1
         rows += w.spec.num_rows
-    return windows, rows
+        tokens += prompt_tokens
+    return windows, rows, tokens

@@ -65,7 +65,7 @@ from batchgen.job.openai_batch import is_batch_file, open_batch_file
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
 from batchgen.job.replicas.run import run_replicas, uses_replicas
-from batchgen.job.report import format_table
+from batchgen.job.report import format_table, pooling_figures
 from batchgen.job.result import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, JobResult, one_line
 from batchgen.job.result import EXIT_OK as EXIT_OK  # re-exported: the exit statuses are run_job's
 from batchgen.job.result import EXIT_TOO_MANY_ERRORS as EXIT_TOO_MANY_ERRORS
@@ -440,7 +440,7 @@ class _Job:
         self.start_progress(initial=self.manifest.rows_done)
         try:
             specs = [t.spec for t in todo]
-            self.writer.windows_done, self.writer.rows_done = run_pool_windows(
+            self.writer.windows_done, self.writer.rows_done, pooled = run_pool_windows(
                 self.plan, self.outdir, runner, specs, self.stop, self.progress
             )
         finally:
@@ -448,7 +448,7 @@ class _Job:
         wall = time.monotonic() - t_run
         status = "complete" if self.manifest.complete else "incomplete"
         delta = stats.delta(before) if stats is not None else None
-        extra = {"startup_s": round(t_run - self.t_start, 3)}
+        extra = {"startup_s": round(t_run - self.t_start, 3), "pooling": pooling_figures(pooled, wall)}
         return self.conclude(self.report(status, wall, extra, delta))
 
     def _end(self, engine: Engine, before: Any, t_run: float) -> JobResult:
