@@ -62,6 +62,7 @@ from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
 from batchgen.job.input_versions import input_versions_unchanged
+from batchgen.job.metrics import JobMetrics, open_metrics
 from batchgen.job.openai_batch import is_batch_file
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
@@ -202,6 +203,7 @@ class _Job:
         self.gate: FirstSuccessGate | None = None
         self.feeder: EngineFeeder | None = None
         self.progress: Progress | None = None
+        self.metrics: JobMetrics | None = None
         self.tally = RowTally()
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -209,6 +211,9 @@ class _Job:
         if self.progress is not None:
             self.progress.close()
             self.progress = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self.outdir is not None:
             self.outdir.close()
 
@@ -225,6 +230,10 @@ class _Job:
         self.stop.grace_s = job.run.stop_grace_s
         self.out_dir = job.data.output
         plan = self.plan = plan_job(job)
+        if job.run.dry_run:  # the plan of the job instead of the job (batchgen.job.dry_run)
+            from batchgen.job.dry_run import dry_run_job
+
+            return dry_run_job(plan, self.engine, self.print_summary)
         self.tally.lora = bool(job.model.lora_modules)
         startup_trace.mark("plan")
         d = job.data
@@ -320,13 +329,20 @@ class _Job:
         return engine
 
     def _progress(self, initial: int) -> Progress:
-        assert self.plan is not None
+        """The progress display (ETA from the dry run's ``_plan.json`` when the output holds one) and the
+        metrics endpoint / textfile when ``run.metrics_port`` / ``run.metrics_file`` is set."""
+        assert self.plan is not None and self.outdir is not None
         plan = self.plan
+        from batchgen.job.plan_report import planned_work
+
+        if self.metrics is None:
+            self.metrics = open_metrics(plan.cfg.run.metrics_port, plan.cfg.run.metrics_file)
         return Progress(
             total=plan.row_end - plan.row_start,
             initial=initial,
             mode=plan.cfg.run.progress,
-            interval_s=plan.cfg.run.log_interval_s,
+            interval_s=plan.cfg.run.progress_interval_s,
+            planned=planned_work(self.outdir),
         )
 
     def _generate(self, engine: Engine, next_window: Any) -> None:
@@ -341,6 +357,8 @@ class _Job:
         for work in self.feeder.run():
             with self.stop.saving():
                 self.gate.window_finished(work)
+            if self.metrics is not None:
+                self._update_metrics()
         if self.stop.requested:
             self.save_finished_rows()
         elif self.gate.held:
@@ -425,13 +443,15 @@ class _Job:
         self.tally.count(ok, error)
         self.tally.adapter_row(lora_name, ok)
         if self.progress is not None:
-            self.progress.update(1)
+            self.progress.update(1, errors=int(not ok))
 
     def _on_output(self, work: WindowWork, pos: int, out: RequestOutput) -> None:
         ok = self.tally.engine_output(out)
         self.tally.adapter_row(work.rows[pos].lora_name, ok)
         if self.progress is not None:
-            self.progress.update(1)
+            self.progress.update(1, errors=int(not ok))
+        if self.metrics is not None and self.engine is not None:
+            self.metrics.finished(out, self.engine.stats.num_steps)
         assert self.gate is not None
         if ok and self.gate.closed:
             self.gate.open()
@@ -440,11 +460,23 @@ class _Job:
         assert self.progress is not None and self.engine is not None
         assert self.gate is not None and self.writer is not None
         self.progress.update(0, stats=self.engine.stats)
+        if self.metrics is not None:
+            self._update_metrics()
         if self.gate.closed:
             self.gate.check()
             return
         if self.writer.checkpoint_due():
             self.writer.checkpoint(list(self.feeder.active.values()) if self.feeder else [])
+
+    def _update_metrics(self) -> None:
+        assert self.metrics is not None and self.progress is not None and self.writer is not None
+        if self.engine is not None:
+            self.metrics.step(self.engine.stats, self.feeder.where.keys() if self.feeder else ())
+        p = self.progress
+        self.metrics.job(
+            rows_total=p.total, rows_done=p.done, error_rows=p.errors,
+            windows_committed=self.writer.windows_done, eta_s=p.eta_s(),
+        )  # fmt: skip
 
     def save_finished_rows(self) -> bool:
         """After a stop or an error: commit held windows and checkpoint every finished row of the windows in

@@ -1,0 +1,93 @@
+"""Prometheus metrics of a running job: scraped over HTTP while it runs, and the node-exporter textfile."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.request
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from conftest import EngineAtStep, job_config
+from prometheus_client.parser import text_string_to_metric_families
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.llm_engine import LLMEngine
+from batchgen.job.run import run_job
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.labels or set(s.labels) == {"le"} and s.labels["le"] == "+Inf":
+                out[s.name] = s.value
+    return out
+
+
+def test_metrics_scraped_while_the_job_runs(tiny_ckpt: str, tmp_path: Path) -> None:
+    inp = tmp_path / "in.parquet"
+    shared = "You are a helpful assistant. Answer the question in one short sentence, please. "
+    pq.write_table(
+        pa.table({"prompt": [shared + f"Question {i}: what is {i} + {i}?" for i in range(12)]}), inp
+    )
+    port = _free_port()
+    textfile = tmp_path / "node" / "batchgen.prom"
+    textfile.parent.mkdir()
+    cfg = job_config(tiny_ckpt, inp, tmp_path / "out", data={"window_rows": 4}, engine={"max_num_seqs": 2})
+    cfg.run.metrics_port = port
+    cfg.run.metrics_file = str(textfile)
+    scraped: list[dict[str, float]] = []
+    got = threading.Event()
+
+    def scrape() -> None:  # a Prometheus server's view: poll /metrics until one scrape shows work
+        while not got.is_set():
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                continue
+            s = _samples(text)
+            scraped.append(s)
+            if s.get("batchgen:generation_tokens_total", 0) > 0 and s.get("batchgen:job_rows_done", 0) > 0:
+                got.set()
+
+    engine = LLMEngine(tiny_ckpt, EngineConfig(device="cpu", num_blocks=256, max_num_seqs=2))
+    thread = threading.Thread(target=scrape, daemon=True)
+    thread.start()
+    waiting = EngineAtStep(engine, 12, lambda: got.wait(30))  # hold the job mid-run until a scrape saw work
+    result = run_job(cfg, engine=waiting, handle_signals=False, print_summary=False)
+    got.set()
+    thread.join(10)
+    assert result.exit_code == 0
+    mid = next(s for s in scraped if s.get("batchgen:job_rows_done", 0) > 0)
+    assert 0 < mid["batchgen:job_rows_done"] < 12  # taken while the job ran
+    assert mid["batchgen:job_rows_total"] == 12
+    for name in ("batchgen:prompt_tokens_total", "batchgen:generation_tokens_total",
+                 "batchgen:kv_cache_usage_perc", "batchgen:num_requests_running", "batchgen:num_requests_waiting",
+                 "batchgen:prefix_cache_hits_total", "batchgen:prefix_cache_queries_total",
+                 "batchgen:time_to_first_token_seconds_count", "batchgen:time_per_output_token_seconds_count",
+                 "batchgen:job_error_rows", "batchgen:job_windows_committed", "batchgen:job_eta_seconds"):  # fmt: skip
+        assert name in mid, name
+    assert mid["batchgen:time_per_output_token_seconds_count"] > 0
+    # the textfile holds the final figures, in the same format
+    final = _samples(textfile.read_text())
+    assert final["batchgen:job_rows_done"] == 12 and final["batchgen:job_eta_seconds"] == 0
+    assert final["batchgen:job_windows_committed"] == 3
+    assert final["batchgen:time_to_first_token_seconds_count"] == 12
+    assert final["batchgen:prefix_cache_hits_total"] > 0
+    assert final["batchgen:generation_tokens_total"] == engine.stats.generated_tokens
+    assert not list(textfile.parent.glob("*.tmp*"))  # written atomically
+    # the server is gone once the job returns
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+        served = True
+    except OSError:
+        served = False
+    assert not served
