@@ -92,6 +92,11 @@ def job_report(
     )
     if report["errors"]["exceeded"]:
         report["status"] = "failed"
+    from batchgen.job.plan_report import prediction_section, read_plan
+
+    planned = read_plan(outdir)  # a dry run's _plan.json: its predictions beside what happened
+    if planned is not None and "predicted" in planned:
+        report["prediction"] = prediction_section(planned, report)
     try:
         outdir.save_report(report_text(report))
     except (
