@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from conftest import EngineAtStep, job_config
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -91,3 +92,35 @@ def test_metrics_scraped_while_the_job_runs(tiny_ckpt: str, tmp_path: Path) -> N
     except OSError:
         served = False
     assert not served
+
+
+def test_dashboard_charts_only_exported_metrics() -> None:
+    import json
+    import re
+
+    from batchgen.job.metrics import JobMetrics
+
+    root = Path(__file__).resolve().parents[1]
+    dash = json.loads((root / "jobs" / "grafana" / "batchgen-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"batchgen:[a-z_]+", e)}
+    exported = set()
+    for fam in text_string_to_metric_families(JobMetrics().text()):
+        exported |= {s.name for s in fam.samples} | {fam.name}
+    assert used and used <= exported, used - exported
+
+
+def test_eta_counts_the_tokens_that_remain() -> None:
+    from batchgen.engine.stats import EngineStats
+    from batchgen.job.eta import PlannedWork, TokenETA
+
+    # the plan: 10 rows, 1000 prompt tokens to compute, 2000 output tokens; half of each done in 10 s of steps
+    eta = TokenETA(10, 0, PlannedWork(10, 1000.0, 2000.0))
+    eta.step(EngineStats(), 0.0, 0.0)
+    for i in range(1, 11):  # steps of 50 prefill + 100 decode tokens, 1 s each
+        eta.step(EngineStats(prompt_tokens_computed=50 * i, generated_tokens=100 * i), 1.0, float(i))
+    # rows x mean would say 10 s more for 5 rows left after 5 done; the tokens left say the same work: 10 s
+    assert eta.eta_s(5) == pytest.approx(10.0, rel=0.05)
+    # a long tail: 9 of 10 rows done but only half the tokens: still 10 s, not 10 s / 9
+    assert eta.eta_s(9) == pytest.approx(10.0, rel=0.05)
+    assert eta.eta_s(10) == 0.0
