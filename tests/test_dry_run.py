@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import job_config
+from s3_server import S3, s3, s3_endpoint  # noqa: F401 - fixtures
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
@@ -161,3 +162,15 @@ def test_llm_plan(tiny_ckpt: str) -> None:
     assert plan["rows"]["total"] == 10 and plan["output_tokens"]["bound"] == 40
     assert 0 < plan.prefix_hit_rate < 1
     assert "predicted wall time" in str(plan)
+
+
+def test_dry_run_reads_and_writes_an_object_store(tiny_ckpt: str, s3) -> None:  # noqa: ANN001, F811
+    s3.put_table("in/a.parquet", pa.table({"prompt": [INSTRUCTION + f"Question {i}?" for i in range(10)]}))
+    cfg = job_config(tiny_ckpt, s3.url("in/"), s3.url("out"))
+    cfg.run.dry_run = True
+    cfg.plan.calibrate = False
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == 0, res.message
+    assert s3.keys("out/") == ["out/_plan.json"]  # no manifest, no lease, no part
+    plan = json.loads(s3.get("out/_plan.json"))
+    assert plan["rows"]["total"] == 10 and plan["predicted"]["prefix_hit_rate"] > 0.3

@@ -185,9 +185,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply each workload's rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--dir", help="keep the inputs, plans and reports here (default: a temporary directory)")
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="batchgen-predictor-") as tmp:
+        if args.dir:
+            Path(args.dir).mkdir(parents=True, exist_ok=True)
+            tmp = args.dir
         for name in args.workloads.split(","):
             r = run_workload(WORKLOADS[name], Path(tmp), args.scale, args.seed)
             rows.append(r)

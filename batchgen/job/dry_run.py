@@ -514,8 +514,9 @@ def _calibrate(engine, fed, strata, lens, bounds, ns, cached, inp, ecfg, pc, sca
                               ecfg.max_num_batched_tokens, pool).seconds  # fmt: skip
         return pc.calibration_fraction * t * cal.overhead * scale / max(1, replicas)
 
-    # the first batch runs at a lower concurrency than the job (dearer per row): half the budget's rows
-    first = max(2, min(ecfg.max_num_seqs, round(len(fed) * scale * pc.calibration_fraction / 2)))
+    # the first batch runs at a lower concurrency than the job, its tail one sequence at a time: a row costs
+    # about 3 times what it costs in the job, so it takes a third of the budget's rows
+    first = max(2, min(ecfg.max_num_seqs, round(len(fed) * scale * pc.calibration_fraction / 3)))
     max_rows = min(pc.calibration_rows, len(order))
     return run_calibration(engine, order, max_rows, budget, first, ecfg.max_num_seqs)
 
