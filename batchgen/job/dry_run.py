@@ -72,28 +72,103 @@ class PlanRow:
     """The row's prompt as given (the column's text, or its chat messages), for the sharing analysis."""
 
 
-@dataclass
-class PlanWindow:
-    """A window's rows and the order the job feeds them to the engine (positions into ``rows``)."""
-
-    rows: list[PlanRow]
-    feed: list[int]
+KEEP_ROWS = 4096
+"""Rows whose tokens the dry run keeps (an even sample of the fed rows): the calibration's candidates and the
+sample of the sharing analysis across windows. Every other row is reduced to its counts as it is read."""
+SORTED_ANALYSIS_ROWS = 50_000
+"""Up to this many rows, the order that would share most is simulated over all of them; above, over the kept
+sample."""
 
 
 @dataclass
 class PlanInput:
-    """The rows the dry run read, as the job would run them."""
+    """The rows the dry run read, reduced as they are read (:meth:`add_window`) to per-row counts in the job's
+    feed order, the prefix cache simulated over them; only an even sample of rows keeps its tokens."""
 
-    windows: list[PlanWindow]
     rows_total: int
-    rows_read: int
-    read_seconds: float
     block_size: int
     max_model_len: int
+    num_blocks: int | None = None
     prompt_column: str | None = None
     messages_column: str | None = None
     group_by_prefix: bool = True
     shard: dict[str, Any] = field(default_factory=dict)
+    keep_every: int = 1
+    rows_read: int = 0
+    read_seconds: float = 0.0
+    lens: list[int] = field(default_factory=list)
+    """Per fed row (the job's order): prompt tokens; then tokens the cache serves, tokens copied, the output
+    bound per sample, samples, and a hash of the first block (the row's prefix group)."""
+    cached: list[int] = field(default_factory=list)
+    copied: list[int] = field(default_factory=list)
+    bounds: list[int] = field(default_factory=list)
+    ns: list[int] = field(default_factory=list)
+    heads: list[int] = field(default_factory=list)
+    kept: dict[int, PlanRow] = field(default_factory=dict)
+    """Fed index -> row (with its tokens), every ``keep_every``-th."""
+    first: list[PlanRow] = field(default_factory=list)
+    """The first rows fed (with their source text): the sample of the sharing analysis."""
+    errors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    window_sizes: list[int] = field(default_factory=list)
+    grouped_cached: int = 0
+    """Tokens the cache would serve with each window ordered by tokens (data.group_by_prefix=true)."""
+    all_tokens: list[tuple[Any, list[int]]] | None = field(default_factory=list)
+    """(root, tokens) of every fed row while there are at most SORTED_ANALYSIS_ROWS; then None."""
+    _sim: Any = None
+    _grouped_sim: Any = None
+
+    def add_window(self, rows: list[PlanRow], feed: list[int]) -> None:
+        """One window's rows (input order) and the positions the job feeds, in its order."""
+        from batchgen.job.prefix_sim import PrefixCacheSim
+
+        if self._sim is None:
+            self._sim = PrefixCacheSim(self.block_size, self.num_blocks)
+            self._grouped_sim = PrefixCacheSim(self.block_size, self.num_blocks)
+        self.rows_read += len(rows)
+        self.window_sizes.append(len(feed))
+        bs = self.block_size
+        for r in rows:
+            if r.error is not None:
+                e = self.errors.setdefault(
+                    error_key(r.error), {"rows": 0, "example": r.error, "first_ids": []}
+                )
+                e["rows"] += 1
+                if len(e["first_ids"]) < NUM_ERROR_IDS:
+                    e["first_ids"].append(r.id if r.id is not None else r.index)
+        for pos in feed:
+            r = rows[pos]
+            toks = r.token_ids
+            assert toks is not None
+            root = _root(r)
+            c, k = self._sim.admit(toks, root)
+            i = len(self.lens)
+            self.lens.append(len(toks))
+            self.cached.append(c)
+            self.copied.append(k)
+            self.bounds.append(output_bound(len(toks), r.params, self.max_model_len))
+            self.ns.append(max(1, getattr(r.params, "n", 1) or 1))
+            self.heads.append(hash(tuple(toks[:bs])))
+            if i % self.keep_every == 0:
+                self.kept[i] = r
+            if len(self.first) < SHARING_SAMPLE:
+                self.first.append(r)
+            if self.all_tokens is not None:
+                self.all_tokens.append((root, toks))
+                if len(self.all_tokens) > SORTED_ANALYSIS_ROWS:
+                    self.all_tokens = None
+        if not self.group_by_prefix:
+            for pos in sorted(feed, key=lambda p: rows[p].token_ids):  # type: ignore[arg-type,return-value]
+                self.grouped_cached += self._grouped_sim.admit(rows[pos].token_ids, _root(rows[pos]))[0]
+
+    @property
+    def saved(self) -> list[int]:
+        """Prompt tokens each fed row does not compute (cached or copied)."""
+        return [c + k for c, k in zip(self.cached, self.copied)]
+
+    @property
+    def hit_rate(self) -> float:
+        total = sum(self.lens)
+        return sum(self.cached) / total if total else 0.0
 
 
 @dataclass
@@ -153,29 +228,14 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
     source_col = cfg.data.messages_column or cfg.data.prompt_column
     extra_cols = list(dict.fromkeys([f.name for f in plan.part_layout.kept] + (
         [cfg.data.id_column] if cfg.data.id_column else [])))  # fmt: skip
-    t0 = time.perf_counter()
-    windows: list[PlanWindow] = []
-    for win in iter_windows(plan.input, chosen, plan.columns, schema=plan.read_schema):
-        rows = build_prompts(win.table, win.spec.row_start, plan.prompt_spec, tokenizer, win.unreadable)
-        for name in extra_cols:  # as the job does: text that is not UTF-8 makes the row an error row
-            _fixed, bad = sanitize_utf8(win.table.column(name))
-            for pos, byte in bad.items():
-                rows[pos].fail(f"column {name!r} is not valid UTF-8 at byte {byte}")
-                rows[pos].token_ids = rows[pos].params = None
-        work = WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
-        src = win.table.column(source_col).to_pylist() if len(windows) < 2 else [None] * len(rows)
-        prs = [
-            PlanRow(r.row_index, r.id, r.token_ids, r.params, r.error, r.lora, src[r.position]) for r in rows
-        ]
-        windows.append(PlanWindow(prs, list(work.feed)))
     d = cfg.data
-    return PlanInput(
-        windows=windows,
-        rows_total=plan.row_end - plan.row_start,
-        rows_read=sum(len(w.rows) for w in windows),
-        read_seconds=time.perf_counter() - t0,
+    rows_total = plan.row_end - plan.row_start
+    rows_chosen = sum(w.num_rows for w in chosen)
+    inp = PlanInput(
+        rows_total=rows_total,
         block_size=cfg.engine.block_size,
         max_model_len=plan.prompt_spec.max_model_len,
+        num_blocks=cfg.engine.num_blocks,
         prompt_column=None if d.messages_column else d.prompt_column,
         messages_column=d.messages_column,
         group_by_prefix=d.group_by_prefix,
@@ -186,11 +246,35 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
             "row_end": plan.row_end,
             "windows": len(specs),
         },  # fmt: skip
+        keep_every=max(1, rows_chosen // KEEP_ROWS),
     )
+    t0 = time.perf_counter()
+    for win in iter_windows(plan.input, chosen, plan.columns, schema=plan.read_schema):
+        rows = build_prompts(win.table, win.spec.row_start, plan.prompt_spec, tokenizer, win.unreadable)
+        for name in extra_cols:  # as the job does: text that is not UTF-8 makes the row an error row
+            _fixed, bad = sanitize_utf8(win.table.column(name))
+            for pos, byte in bad.items():
+                rows[pos].fail(f"column {name!r} is not valid UTF-8 at byte {byte}")
+                rows[pos].token_ids = rows[pos].params = None
+        work = WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
+        need_src = len(inp.first) < SHARING_SAMPLE
+        src = win.table.column(source_col).to_pylist() if need_src else [None] * len(rows)
+        prs = [
+            PlanRow(r.row_index, r.id, r.token_ids, r.params, r.error, r.lora, src[r.position]) for r in rows
+        ]
+        inp.add_window(prs, list(work.feed))
+    inp.read_seconds = time.perf_counter() - t0
+    return inp
 
 
 def prompt_rows(
-    tokenizer: Any, prompts: Sequence[Any], params: Any, max_model_len: int, block_size: int, lora: Any = None
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    params: Any,
+    max_model_len: int,
+    block_size: int,
+    lora: Any = None,
+    num_blocks: int | None = None,
 ) -> PlanInput:
     """The Python API's prompts (``LLM.generate``'s forms) as one window fed in input order, as
     ``LLM.generate`` feeds them."""
@@ -216,13 +300,14 @@ def prompt_rows(
         elif len(ids) >= max_model_len:
             err = f"prompt of {len(ids)} tokens does not fit max_model_len={max_model_len}"
         rows.append(PlanRow(i, i, None if err else ids, sp, err, lr, p.text))
-    feed = [r.index for r in rows if r.error is None]
-    return PlanInput(
-        windows=[PlanWindow(rows, feed)], rows_total=len(rows), rows_read=len(rows),
-        read_seconds=time.perf_counter() - t0, block_size=block_size, max_model_len=max_model_len,
-        prompt_column="prompt", group_by_prefix=False,
+    inp = PlanInput(
+        rows_total=len(rows), block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
+        prompt_column="prompt", group_by_prefix=False, keep_every=max(1, len(rows) // KEEP_ROWS),
         shard={"index": 0, "count": 1, "row_start": 0, "row_end": len(rows), "windows": 1},
     )  # fmt: skip
+    inp.add_window(rows, [r.index for r in rows if r.error is None])
+    inp.read_seconds = time.perf_counter() - t0
+    return inp
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -239,26 +324,9 @@ def _percentiles(values: list[int]) -> dict[str, float]:
     }
 
 
-def _fed(inp: PlanInput) -> list[PlanRow]:
-    """The valid rows in the order the job feeds them (window after window)."""
-    return [w.rows[p] for w in inp.windows for p in w.feed]
-
-
-def _roots(rows: Sequence[PlanRow]) -> list[Any]:
-    return [None if r.lora is None else getattr(r.lora, "lora_int_id", r.lora) for r in rows]
-
-
-def _errors(inp: PlanInput) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for w in inp.windows:
-        for r in w.rows:
-            if r.error is None:
-                continue
-            e = out.setdefault(error_key(r.error), {"rows": 0, "example": r.error, "first_ids": []})
-            e["rows"] += 1
-            if len(e["first_ids"]) < NUM_ERROR_IDS:
-                e["first_ids"].append(r.id if r.id is not None else r.index)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]["rows"]))
+def _root(r: PlanRow) -> Any:
+    """The row's prefix-cache root: its adapter (None: the base model)."""
+    return None if r.lora is None else getattr(r.lora, "lora_int_id", r.lora)
 
 
 def _where_rows_differ(rows: list[PlanRow], tokenizer: Any, inp: PlanInput, lcp: int) -> str | None:
@@ -333,18 +401,22 @@ def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list
                              f"start at character {first_char}, after per-row text: put that text after them "
                              f"(the shared part first) and the hit rate becomes about {better:.0%}")  # fmt: skip
     # orders that would share more
-    all_rows = [r for w in inp.windows for r in w.rows if r.token_ids]
-    if not inp.group_by_prefix and all_rows:
-        grouped = [sorted((w.rows[p] for p in w.feed), key=lambda r: r.token_ids) for w in inp.windows]
-        flat = [r for g in grouped for r in g]
-        rate = simulate_prefix_cache([r.token_ids for r in flat], bs, _roots(flat)).hit_rate  # type: ignore[misc]
+    if not inp.group_by_prefix and inp.lens:
+        rate = inp.grouped_cached / sum(inp.lens)
         out["hit_rate_grouped"] = rate
         if rate > hit_rate + 0.01:
             notes.append(f"data.group_by_prefix=true (order each window by tokens) would share {rate:.0%}")
-    if len(inp.windows) > 1 and all_rows:
-        flat = sorted(all_rows, key=lambda r: r.token_ids)  # type: ignore[arg-type,return-value]
-        rate = simulate_prefix_cache([r.token_ids for r in flat], bs, _roots(flat)).hit_rate  # type: ignore[misc]
+    if len(inp.window_sizes) > 1 and inp.lens:
+        pairs = (
+            inp.all_tokens
+            if inp.all_tokens is not None
+            else [(_root(r), r.token_ids) for r in inp.kept.values()]
+        )
+        flat = sorted(pairs, key=lambda x: x[1])  # type: ignore[arg-type,return-value]
+        rate = simulate_prefix_cache([t for _, t in flat], bs, [r for r, _ in flat]).hit_rate  # type: ignore[misc]
         out["hit_rate_input_sorted"] = rate
+        if inp.all_tokens is None:
+            out["hit_rate_input_sorted_sample_rows"] = len(pairs)
         if rate > hit_rate + 0.05:
             notes.append(f"rows sharing a prefix sit in different windows: sorting the input by prompt (or a "
                          f"larger data.window_rows) would share {rate:.0%}")  # fmt: skip
@@ -418,14 +490,12 @@ def build_plan(
     pc = plan_cfg or PlanOptions()
     bs = inp.block_size
     scale = inp.rows_total / inp.rows_read if inp.rows_read else 1.0
-    fed = _fed(inp)
-    lens = [len(r.token_ids) for r in fed]  # type: ignore[arg-type]
-    sim = simulate_prefix_cache([r.token_ids for r in fed], bs, _roots(fed), engine_cfg.num_blocks)  # type: ignore[misc]
-    saved = [c + k for c, k in zip(sim.cached, sim.copied)]  # prompt tokens not computed, per row
-    errors = _errors(inp)
+    lens, bounds, ns = inp.lens, inp.bounds, inp.ns
+    saved = inp.saved  # prompt tokens not computed, per fed row
+    hit_rate = inp.hit_rate
+    errors = dict(sorted(inp.errors.items(), key=lambda kv: -kv[1]["rows"]))
     n_err = sum(e["rows"] for e in errors.values())
-    ns = [max(1, getattr(r.params, "n", 1) or 1) for r in fed]
-    bounds = [output_bound(n, r.params, inp.max_model_len) for n, r in zip(lens, fed)]
+    n_fed = len(lens)
     pct = _percentiles(lens)
     data: dict[str, Any] = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -434,21 +504,21 @@ def build_plan(
         "rows": {
             "total": inp.rows_total,
             "sampled": inp.rows_read,
-            "valid": round(len(fed) * scale),
+            "valid": round(n_fed * scale),
             "error": round(n_err * scale),
         },
         "errors": errors,
         "prompt_tokens": {"total": round(sum(lens) * scale), **pct},
-        "sharing": sharing_analysis(inp, tokenizer, sim.hit_rate, fed),
+        "sharing": sharing_analysis(inp, tokenizer, hit_rate, inp.first),
         "read_seconds": round(inp.read_seconds, 3),
     }
     bound_total = sum(b * n for b, n in zip(bounds, ns))
     # ----- calibration and time
-    strata = _strata(fed, lens, bs)
+    strata = _strata(lens, inp.heads)
     cal: Calibration | None = None
-    if engine is not None and pc.calibrate and fed:
-        cal = _calibrate(engine, fed, strata, lens, bounds, ns, saved, inp, engine_cfg, pc, scale, replicas)
-    expected = _expected_outputs(fed, strata, bounds, cal)
+    if engine is not None and pc.calibrate and n_fed:
+        cal = _calibrate(engine, strata, saved, inp, engine_cfg, pc, scale, replicas)
+    expected = _expected_outputs(strata, bounds, cal)
     out_expected = sum(e * n for e, n in zip(expected, ns))
     data["output_tokens"] = {
         "bound": round(bound_total * scale),
@@ -456,10 +526,10 @@ def build_plan(
         "source": "calibration" if cal is not None and cal.ratios else "the bound (no calibration)",
     }
     predicted: dict[str, Any] = {
-        "prefix_hit_rate": sim.hit_rate,
+        "prefix_hit_rate": hit_rate,
         "prompt_tokens": round(sum(lens) * scale),
         "prompt_tokens_to_compute": round((sum(lens) - sum(saved)) * scale),
-        "prompt_tokens_copied": round(sim.copied_tokens * scale),
+        "prompt_tokens_copied": round(sum(inp.copied) * scale),
         "output_tokens": round(out_expected * scale),
     }
     data["predicted"] = predicted
@@ -471,14 +541,14 @@ def build_plan(
         pool_tokens = engine_cfg.num_blocks * bs
     if pool_tokens is None and kv_tok:
         pool_tokens = parse_bytes(engine_cfg.kv_cache_memory) // kv_tok
-    mean_seq = (sum(lens) - sum(saved) + out_expected) / max(1, len(fed)) if fed else 1.0
+    mean_seq = (sum(lens) - sum(saved) + out_expected) / max(1, n_fed) if n_fed else 1.0
     fit = int(pool_tokens // max(mean_seq, 1)) if pool_tokens else None
     dev_name, dev_mem, n_dev = _device_memory(engine)
     data["memory"] = {"kv_bytes_per_token": kv_tok, "kv_pool_tokens": pool_tokens, "sequences_that_fit": fit,
                       "weights_bytes": _weights_bytes(model_path), "device": dev_name, "device_memory": dev_mem}  # fmt: skip
     data["recommended"] = _recommend(data, fit, kv_tok, pct, bounds, engine_cfg, inp, dev_mem, n_dev)
     if cal is not None:
-        _predict_time(data, predicted, cal, fed, lens, saved, expected, ns, inp, engine_cfg, scale,
+        _predict_time(data, predicted, cal, lens, saved, expected, ns, inp, engine_cfg, scale,
                       replicas, pool_tokens, pc, dev_name)  # fmt: skip
     else:
         predicted["wall_time_s"] = None
@@ -486,42 +556,41 @@ def build_plan(
     return Plan(data)
 
 
-def _strata(fed: list[PlanRow], lens: list[int], bs: int) -> list[tuple[int, int]]:
-    """Each row's stratum: (prompt-length quartile, prefix group among the 3 largest, else 3)."""
-    if not fed:
+def _strata(lens: list[int], heads: list[int]) -> list[tuple[int, int]]:
+    """Each fed row's stratum: (prompt-length quartile, prefix group among the 3 largest, else 3)."""
+    if not lens:
         return []
     qs = np.percentile(np.asarray(lens), [25, 50, 75]).tolist()
-    heads: dict[tuple[int, ...], int] = {}
-    for r in fed:
-        h = tuple(r.token_ids[:bs])  # type: ignore[index]
-        heads[h] = heads.get(h, 0) + 1
-    top = {h: i for i, (h, _) in enumerate(sorted(heads.items(), key=lambda kv: -kv[1])[:3])}
-    return [(bisect.bisect_left(qs, n), top.get(tuple(r.token_ids[:bs]), 3)) for r, n in zip(fed, lens)]  # type: ignore[index]
+    counts: dict[int, int] = {}
+    for h in heads:
+        counts[h] = counts.get(h, 0) + 1
+    top = {h: i for i, (h, _) in enumerate(sorted(counts.items(), key=lambda kv: -kv[1])[:3])}
+    return [(bisect.bisect_left(qs, n), top.get(h, 3)) for n, h in zip(lens, heads)]
 
 
-def _sim_requests(fed, lens, cached, outputs, ns) -> list[SimRequest]:  # noqa: ANN001
-    return [SimRequest(n - c, n, max(1, int(round(o))), k) for n, c, o, k in zip(lens, cached, outputs, ns)]
+def _sim_requests(lens, saved, outputs, ns) -> list[SimRequest]:  # noqa: ANN001
+    return [SimRequest(n - c, n, max(1, int(round(o))), k) for n, c, o, k in zip(lens, saved, outputs, ns)]
 
 
-def _calibrate(engine, fed, strata, lens, bounds, ns, cached, inp, ecfg, pc, scale, replicas) -> Calibration:  # noqa: ANN001
-    rows = [CalibrationRow(i, r.token_ids, r.params, s, r.lora) for i, (r, s) in enumerate(zip(fed, strata))]  # type: ignore[arg-type]
+def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas) -> Calibration:  # noqa: ANN001
+    rows = [CalibrationRow(i, r.token_ids, r.params, strata[i], r.lora) for i, r in inp.kept.items()]  # type: ignore[arg-type]
     order = strata_order(rows)
     pool = engine.stats.num_blocks * engine.stats.block_size or None
 
     def budget(cal: Calibration) -> float:
-        expected = _expected_outputs(fed, strata, bounds, cal)
-        t = simulate_schedule(_sim_requests(fed, lens, cached, expected, ns), cal.model, ecfg.max_num_seqs,
-                              ecfg.max_num_batched_tokens, pool).seconds  # fmt: skip
+        expected = _expected_outputs(strata, inp.bounds, cal)
+        reqs = _sim_requests(inp.lens, saved, expected, inp.ns)
+        t = simulate_schedule(reqs, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool).seconds
         return pc.calibration_fraction * t * cal.overhead * scale / max(1, replicas)
 
     # the first batch runs at a lower concurrency than the job, its tail one sequence at a time: a row costs
     # about 3 times what it costs in the job, so it takes a third of the budget's rows
-    first = max(2, min(ecfg.max_num_seqs, round(len(fed) * scale * pc.calibration_fraction / 3)))
+    first = max(2, min(ecfg.max_num_seqs, round(len(inp.lens) * scale * pc.calibration_fraction / 3)))
     max_rows = min(pc.calibration_rows, len(order))
     return run_calibration(engine, order, max_rows, budget, first, ecfg.max_num_seqs)
 
 
-def _expected_outputs(fed, strata, bounds, cal: Calibration | None) -> list[float]:  # noqa: ANN001
+def _expected_outputs(strata, bounds, cal: Calibration | None) -> list[float]:  # noqa: ANN001
     """Each row's expected output tokens: its bound times a ratio its stratum showed in the calibration (the
     ratios of a stratum handed out in turn, so the spread of lengths is kept), else the bound."""
     if cal is None or not cal.ratios:
@@ -538,11 +607,11 @@ def _expected_outputs(fed, strata, bounds, cal: Calibration | None) -> list[floa
 
 
 def _predict_time(
-    data, predicted, cal, fed, lens, cached, expected, ns, inp, ecfg, scale, replicas, pool, pc, dev_name
+    data, predicted, cal, lens, cached, expected, ns, inp, ecfg, scale, replicas, pool, pc, dev_name
 ) -> None:  # noqa: ANN001
-    reqs = _sim_requests(fed, lens, cached, expected, ns)
+    reqs = _sim_requests(lens, cached, expected, ns)
     # replicas take whole windows in turn; each replica's part is simulated on its own
-    per_window = [len(w.feed) for w in inp.windows]
+    per_window = inp.window_sizes
     parts: list[list[SimRequest]] = [[] for _ in range(max(1, replicas))]
     i = 0
     for wi, n in enumerate(per_window):
@@ -555,8 +624,8 @@ def _predict_time(
     wall = max(times) if times else 0.0
     # reading and tokenizing the windows after the first runs beside the engine: on a CPU it competes for
     # the same cores, on an accelerator it is hidden
-    if dev_name == "cpu" and len(inp.windows) > 1:
-        wall += inp.read_seconds * scale * (1 - 1 / len(inp.windows))
+    if dev_name == "cpu" and len(inp.window_sizes) > 1:
+        wall += inp.read_seconds * scale * (1 - 1 / len(inp.window_sizes))
     e = relative_spread(cal)
     predicted["wall_time_s"] = wall
     predicted["wall_time_range_s"] = [wall * (1 - e), wall * (1 + e)]
@@ -625,7 +694,7 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
     inp = read_job_rows(plan, tokenizer, cfg.plan.sample_rows)
     logger.info("dry run: read and tokenized %d of %d rows in %.1f s", inp.rows_read, inp.rows_total,
                 inp.read_seconds)  # fmt: skip
-    if engine is None and cfg.plan.calibrate and any(w.feed for w in inp.windows):
+    if engine is None and cfg.plan.calibrate and inp.lens:
         engine = _start_engine(plan)
     replicas = max(1, cfg.engine.data_parallel_size)
     p = build_plan(inp, cfg.engine, tokenizer=tokenizer, engine=engine, plan_cfg=cfg.plan,
@@ -645,6 +714,8 @@ def plan_prompts(engine: Any, prompts: Any, params: Any = None, lora_request: An
                  plan_cfg: Any = None) -> Plan:  # fmt: skip
     """``LLM.plan``: the plan of ``LLM.generate(prompts, params)`` on ``engine`` (calibrated on it)."""
     cfg = engine.config
-    inp = prompt_rows(engine.tokenizer, prompts, params, engine.max_model_len, cfg.block_size, lora_request)
+    inp = prompt_rows(
+        engine.tokenizer, prompts, params, engine.max_model_len, cfg.block_size, lora_request, cfg.num_blocks
+    )
     return build_plan(inp, cfg, tokenizer=engine.tokenizer, engine=engine, plan_cfg=plan_cfg,
                       model=getattr(engine, "model_path", None))  # fmt: skip

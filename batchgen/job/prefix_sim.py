@@ -38,6 +38,60 @@ class CacheResult:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+MAX_CHILDREN = 8
+"""Cached children remembered per block for the partial-block copy: in the job's trie order the block that
+continues a prompt furthest is one of its latest siblings."""
+
+
+class PrefixCacheSim:
+    """The cache's state as prompts are admitted one after another (module docstring)."""
+
+    def __init__(self, block_size: int, capacity: int | None = None) -> None:
+        self.bs, self.capacity = block_size, capacity
+        self.cache: OrderedDict[Hashable, None] = OrderedDict()
+        self.children: dict[Hashable, list[tuple[int, ...]]] = {}  # parent -> tokens of cached child blocks
+
+    def admit(self, toks: Sequence[int], root: Hashable = None) -> tuple[int, int]:
+        """Admit one prompt: (tokens served by whole cached blocks, tokens copied from a cached block)."""
+        bs, cache, children = self.bs, self.cache, self.children
+        n = len(toks)
+        parent: Hashable = root
+        keys = []
+        for b in range(n // bs):
+            key = hash((parent, tuple(toks[b * bs : (b + 1) * bs])))
+            keys.append(key)
+            parent = key
+        hit = 0
+        for b in range((n - 1) // bs if n >= 2 else 0):
+            if keys[b] not in cache:
+                break
+            hit += 1
+            cache.move_to_end(keys[b])
+        # the registered block under the last shared one continuing the prompt furthest (never its last token)
+        start, lead = hit * bs, 0
+        end = min(start + bs, n - 1)
+        if end > start:
+            want = tuple(toks[start:end])
+            for child in reversed(children.get(keys[hit - 1] if hit else root, ())):
+                if child[0] == want[0]:
+                    lead = max(lead, common_prefix_len(want, child))
+                    if lead == len(want):
+                        break
+        for b in range(hit, len(keys)):
+            key = keys[b]
+            if key not in cache:
+                kids = children.setdefault(keys[b - 1] if b else root, [])
+                kids.append(tuple(toks[b * bs : (b + 1) * bs]))
+                if len(kids) > MAX_CHILDREN:
+                    del kids[0]
+            cache[key] = None
+            cache.move_to_end(key)
+        if self.capacity is not None:
+            while len(cache) > self.capacity:
+                cache.popitem(last=False)
+        return hit * bs, lead
+
+
 def simulate_prefix_cache(
     prompts: Sequence[Sequence[int]],
     block_size: int,
@@ -46,54 +100,14 @@ def simulate_prefix_cache(
 ) -> CacheResult:
     """Tokens the prefix cache serves to each prompt of ``prompts`` admitted in this order (module docstring);
     ``roots[i]`` starts prompt i's hash chain (its adapter; None = the base model)."""
-    cache: OrderedDict[Hashable, None] = OrderedDict()
-    children: dict[Hashable, list[tuple[int, ...]]] = {}  # parent -> tokens of its cached child blocks
-    cached: list[int] = []
-    copied: list[int] = []
-    total = 0
-    bs = block_size
+    sim = PrefixCacheSim(block_size, capacity)
+    res = CacheResult([], 0, [])
     for i, toks in enumerate(prompts):
-        n = len(toks)
-        total += n
-        parent: Hashable = roots[i] if roots is not None else None
-        hit = 0
-        shareable = (n - 1) // bs if n >= 2 else 0
-        keys = []
-        for b in range(n // bs):
-            key = hash((parent, tuple(toks[b * bs : (b + 1) * bs])))
-            keys.append(key)
-            parent = key
-        for b in range(shareable):
-            if keys[b] in cache:
-                hit += 1
-                cache.move_to_end(keys[b])
-            else:
-                break
-        cached.append(hit * bs)
-        # the registered block under the last shared one continuing the prompt furthest (never its last token)
-        start = hit * bs
-        end = min(start + bs, n - 1)
-        lead = 0
-        if end > start:
-            want = tuple(toks[start:end])
-            par = keys[hit - 1] if hit else (roots[i] if roots is not None else None)
-            for child in children.get(par, ()):
-                lead = max(lead, common_prefix_len(want, child))
-        copied.append(lead)
-        for b in range(hit, len(keys)):
-            key = keys[b]
-            if key not in cache:
-                par = keys[b - 1] if b else (roots[i] if roots is not None else None)
-                kids = children.setdefault(par, [])
-                kids.append(tuple(toks[b * bs : (b + 1) * bs]))
-                if len(kids) > 16:
-                    del kids[0]
-            cache[key] = None
-            cache.move_to_end(key)
-        if capacity is not None:
-            while len(cache) > capacity:
-                cache.popitem(last=False)
-    return CacheResult(cached, total, copied)
+        c, k = sim.admit(toks, roots[i] if roots is not None else None)
+        res.cached.append(c)
+        res.copied.append(k)
+        res.prompt_tokens += len(toks)
+    return res
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
