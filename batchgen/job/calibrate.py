@@ -243,44 +243,60 @@ def run_calibration(
     first_batch: int,
     max_batch: int,
 ) -> Calibration:
-    """Run ``order``'s rows through ``engine`` in growing batches until ``max_rows`` have run or the next batch
-    would pass the budget (``budget_s(calibration) -> seconds``: the budget given what is measured so far)."""
+    """Run ``order``'s rows through ``engine`` in growing batches until ``max_rows`` have run, the next batch
+    would pass the budget, or the budget is spent (the batch running then is aborted: a hard cap).
+    ``budget_s(calibration) -> seconds`` is the budget given what is measured so far; before the first batch it
+    is taken from a timed short request (a model of a fixed time per step, which underestimates larger
+    batches: the first budget errs low)."""
     samples: list[tuple[float, float, float, float]] = []
     cal = Calibration(fit_step_model([]))
-    _warm_up(engine, order[0])
+    _warm_up(engine, order[0], None)  # not timed: lazy initialisation
     t_start = time.perf_counter()
+    warm: list[tuple[float, float, float, float]] = []
+    _warm_up(engine, order[0], warm)
+    mean_step = sum(s[3] for s in warm) / max(1, len(warm))
+    cal.model = StepModel((mean_step, 0.0, 0.0, 0.0), 0.0)
+    budget = budget_s(cal)
     pos = 0
     batch = max(1, min(len(order), max_rows, first_batch, max_batch))
     while pos < len(order) and cal.rows < max_rows:
         rows = order[pos : pos + batch]
         pos += len(rows)
-        _run_batch(engine, rows, samples, cal)
-        cal.rows += len(rows)
+        finished = _run_batch(engine, rows, samples, cal, t_start + budget)
+        cal.rows += finished
         cal.model = fit_step_model(samples)
         cal.seconds = time.perf_counter() - t_start
         cal.steps = len(samples)
         predicted_steps = sum(cal.model.step_time(*s[:3]) for s in samples)
         cal.step_seconds = sum(s[3] for s in samples)
         cal.overhead = max(1.0, cal.seconds / predicted_steps) if predicted_steps > 0 else 1.0
+        if finished < len(rows):
+            cal.note = f"stopped at its cap of {budget:.2f} s, {len(rows) - finished} row(s) unfinished"
+            break
+        budget = budget_s(cal)
         batch = min(max_batch, 2 * batch, max_rows - cal.rows)
         if batch <= 0:
             break
         per_row = cal.seconds / max(cal.rows, 1)
-        if cal.seconds + per_row * batch * 0.6 > budget_s(
-            cal
-        ):  # batching amortizes: a batch costs less per row
+        if cal.seconds + per_row * batch * 0.6 > budget:  # batching amortizes: a batch costs less per row
             break
     return cal
 
 
-def _warm_up(engine: Any, row: CalibrationRow) -> None:
-    """One short request first: lazy initialisation (kernels, graphs, allocator) out of the timings."""
+def _warm_up(
+    engine: Any, row: CalibrationRow, samples: list[tuple[float, float, float, float]] | None
+) -> None:
+    """One short request (2 tokens of ``row``): lazy initialisation (kernels, graphs, allocator) out of the
+    timings when ``samples`` is None; else its steps timed into ``samples``."""
     from dataclasses import replace
 
     params = replace(row.params, max_tokens=2, min_tokens=0) if row.params is not None else None
-    engine.add_request("batchgen-calibration-warmup", list(row.token_ids), params)
+    engine.add_request(f"batchgen-calibration-warmup-{samples is None}", list(row.token_ids), params)
     while engine.has_unfinished():
+        t0 = time.perf_counter()
         engine.step()
+        if samples is not None:
+            samples.append((1.0, 1.0, float(len(row.token_ids)), time.perf_counter() - t0))
 
 
 def _run_batch(
@@ -288,7 +304,9 @@ def _run_batch(
     rows: Sequence[CalibrationRow],
     samples: list[tuple[float, float, float, float]],
     cal: Calibration,
-) -> None:
+    deadline: float,
+) -> int:
+    """Run ``rows`` to their end, or until ``deadline`` (the rest aborted); returns how many finished."""
     ids = {}
     for r in rows:
         rid = f"batchgen-calibration-{r.index}"
@@ -300,7 +318,14 @@ def _run_batch(
     st = engine.stats
     bs = max(1, st.block_size)
     prev = st.snapshot()
+    finished = 0
     while engine.has_unfinished():
+        if time.perf_counter() > deadline:
+            for rid in ids:
+                engine.abort_request(rid)
+            while engine.has_unfinished():  # aborted requests leave at the next step
+                engine.step()
+            break
         t0 = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t0
@@ -312,13 +337,17 @@ def _run_batch(
         if p or d:
             samples.append((float(p), float(d), float(k), dt))
         for out in outs:
-            r = ids.get(out.request_id)
-            if r is None or out.error:
+            r = ids.pop(out.request_id, None)
+            if r is None:
+                continue
+            finished += 1
+            if out.error:
                 continue
             n = max((len(c.token_ids) for c in out.outputs), default=0)
             bound = output_bound(len(r.token_ids), r.params, engine.max_model_len)
             if bound > 0:
                 cal.ratios.setdefault(r.stratum, []).append(min(1.0, n / bound))
+    return finished
 
 
 def relative_spread(cal: Calibration, floor: float = 0.2, cap: float = 0.6) -> float:

@@ -75,6 +75,9 @@ class PlanRow:
 KEEP_ROWS = 4096
 """Rows whose tokens the dry run keeps (an even sample of the fed rows): the calibration's candidates and the
 sample of the sharing analysis across windows. Every other row is reduced to its counts as it is read."""
+MIN_CALIBRATION_S = 0.5
+"""The calibration may always spend this long (a job of a few seconds still gets its output lengths measured);
+beyond it, at most ``plan.calibration_fraction`` of the predicted time."""
 SORTED_ANALYSIS_ROWS = 50_000
 """Up to this many rows, the order that would share most is simulated over all of them; above, over the kept
 sample."""
@@ -581,7 +584,7 @@ def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas)
         expected = _expected_outputs(strata, inp.bounds, cal)
         reqs = _sim_requests(inp.lens, saved, expected, inp.ns)
         t = simulate_schedule(reqs, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool).seconds
-        return pc.calibration_fraction * t * cal.overhead * scale / max(1, replicas)
+        return max(MIN_CALIBRATION_S, pc.calibration_fraction * t * cal.overhead * scale / max(1, replicas))
 
     # the first batch runs at a lower concurrency than the job, its tail one sequence at a time: a row costs
     # about 3 times what it costs in the job, so it takes a third of the budget's rows

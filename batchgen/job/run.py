@@ -471,7 +471,7 @@ class _Job:
     def _update_metrics(self) -> None:
         assert self.metrics is not None and self.progress is not None and self.writer is not None
         if self.engine is not None:
-            self.metrics.step(self.engine.stats, self.feeder.where.keys() if self.feeder else ())
+            self.metrics.step(self.engine.stats, getattr(self.feeder, "where", {}).keys())
         p = self.progress
         self.metrics.job(
             rows_total=p.total, rows_done=p.done, error_rows=p.errors,
