@@ -244,10 +244,11 @@ def run_calibration(
     max_batch: int,
 ) -> Calibration:
     """Run ``order``'s rows through ``engine`` in growing batches until ``max_rows`` have run, the next batch
-    would pass the budget, or the budget is spent (the batch running then is aborted: a hard cap).
-    ``budget_s(calibration) -> seconds`` is the budget given what is measured so far; before the first batch it
-    is taken from a timed short request (a model of a fixed time per step, which underestimates larger
-    batches: the first budget errs low)."""
+    would pass the budget, or the budget is spent: a batch after the first still running then is aborted, its
+    output lengths discarded (the rows that finished first are the short ones: a biased sample) and its steps
+    kept. ``budget_s(calibration) -> seconds`` is the budget given what is measured so far. The first batch
+    always runs to its end (at least ``first_batch`` rows, fewer when a timed short request says they would
+    pass the budget, but at least 2): without one complete batch there is no output length to go by."""
     samples: list[tuple[float, float, float, float]] = []
     cal = Calibration(fit_step_model([]))
     _warm_up(engine, order[0], None)  # not timed: lazy initialisation
@@ -259,10 +260,15 @@ def run_calibration(
     budget = budget_s(cal)
     pos = 0
     batch = max(1, min(len(order), max_rows, first_batch, max_batch))
+    bound = sum(output_bound(len(r.token_ids), r.params, engine.max_model_len) for r in order[:batch]) / batch
+    affordable = int(budget / max(mean_step * (bound + 1), 1e-9))  # rows in parallel, one token a step each
+    batch = max(min(2, len(order)), min(batch, affordable))
+    first = True
     while pos < len(order) and cal.rows < max_rows:
         rows = order[pos : pos + batch]
         pos += len(rows)
-        finished = _run_batch(engine, rows, samples, cal, t_start + budget)
+        finished = _run_batch(engine, rows, samples, cal, None if first else t_start + budget)
+        first = False
         cal.rows += finished
         cal.model = fit_step_model(samples)
         cal.seconds = time.perf_counter() - t_start
@@ -304,9 +310,10 @@ def _run_batch(
     rows: Sequence[CalibrationRow],
     samples: list[tuple[float, float, float, float]],
     cal: Calibration,
-    deadline: float,
+    deadline: float | None,
 ) -> int:
-    """Run ``rows`` to their end, or until ``deadline`` (the rest aborted); returns how many finished."""
+    """Run ``rows`` to their end, or until ``deadline`` (the rest aborted and the batch's output lengths
+    discarded); returns how many finished."""
     ids = {}
     for r in rows:
         rid = f"batchgen-calibration-{r.index}"
@@ -319,13 +326,14 @@ def _run_batch(
     bs = max(1, st.block_size)
     prev = st.snapshot()
     finished = 0
+    ratios: list[tuple[tuple[int, int], float]] = []
     while engine.has_unfinished():
-        if time.perf_counter() > deadline:
+        if deadline is not None and time.perf_counter() > deadline:
             for rid in ids:
                 engine.abort_request(rid)
             while engine.has_unfinished():  # aborted requests leave at the next step
                 engine.step()
-            break
+            return finished
         t0 = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t0
@@ -346,7 +354,9 @@ def _run_batch(
             n = max((len(c.token_ids) for c in out.outputs), default=0)
             bound = output_bound(len(r.token_ids), r.params, engine.max_model_len)
             if bound > 0:
-                cal.ratios.setdefault(r.stratum, []).append(min(1.0, n / bound))
+                ratios.append((r.stratum, min(1.0, n / bound)))
+    for stratum, ratio in ratios:
+        cal.ratios.setdefault(stratum, []).append(ratio)
     return finished
 
 
