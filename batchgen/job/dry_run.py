@@ -702,6 +702,7 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
     replicas = max(1, cfg.engine.data_parallel_size)
     p = build_plan(inp, cfg.engine, tokenizer=tokenizer, engine=engine, plan_cfg=cfg.plan,
                    model=cfg.model.path or "tiny (embedded)", model_path=plan.model_path, replicas=replicas)  # fmt: skip
+    p.data["fingerprint"] = plan.fingerprint  # the report compares only a plan of the same configuration
     d = cfg.data
     outdir = open_output_dir(d.output, d.shard.index, d.shard.count, dict(d.storage_options), d.lease_ttl_s)
     where = write_plan(outdir, p.data)

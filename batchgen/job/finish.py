@@ -94,8 +94,10 @@ def job_report(
         report["status"] = "failed"
     from batchgen.job.plan_report import prediction_section, read_plan
 
-    planned = read_plan(outdir)  # a dry run's _plan.json: its predictions beside what happened
-    if planned is not None and "predicted" in planned:
+    planned = read_plan(
+        outdir
+    )  # a dry run's _plan.json of this configuration: its predictions beside the run
+    if planned is not None and "predicted" in planned and planned.get("fingerprint") == plan.fingerprint:
         report["prediction"] = prediction_section(planned, report)
     try:
         outdir.save_report(report_text(report))
