@@ -124,3 +124,21 @@ def test_eta_counts_the_tokens_that_remain() -> None:
     # a long tail: 9 of 10 rows done but only half the tokens: still 10 s, not 10 s / 9
     assert eta.eta_s(9) == pytest.approx(10.0, rel=0.05)
     assert eta.eta_s(10) == 0.0
+
+
+def test_progress_line_shows_errors_and_the_eta(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from batchgen.engine.stats import EngineStats
+    from batchgen.job.eta import PlannedWork
+    from batchgen.job.progress import Progress
+
+    caplog.set_level(logging.INFO, logger="batchgen.progress")
+    p = Progress(total=10, mode="log", interval_s=1e-9, planned=PlannedWork(10, 100.0, 1000.0))
+    p.update(0, stats=EngineStats())
+    p.update(1, errors=1)
+    p.update(1, stats=EngineStats(prompt_tokens=20, prompt_tokens_computed=20, generated_tokens=200))
+    line = caplog.records[-1].getMessage()
+    assert "2/10 rows" in line and "errors 1" in line
+    eta = line.rsplit("ETA ", 1)[1]
+    assert eta != "?" and p.eta_s() > 0
