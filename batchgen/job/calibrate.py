@@ -351,7 +351,7 @@ def _run_batch(
             finished += 1
             if out.error:
                 continue
-            n = max((len(c.token_ids) for c in out.outputs), default=0)
+            n = sum(len(c.token_ids) for c in out.outputs) / max(1, len(out.outputs))  # per sample
             bound = output_bound(len(r.token_ids), r.params, engine.max_model_len)
             if bound > 0:
                 ratios.append((r.stratum, min(1.0, n / bound)))
