@@ -174,3 +174,16 @@ def test_dry_run_reads_and_writes_an_object_store(tiny_ckpt: str, s3) -> None:  
     assert s3.keys("out/") == ["out/_plan.json"]  # no manifest, no lease, no part
     plan = json.loads(s3.get("out/_plan.json"))
     assert plan["rows"]["total"] == 10 and plan["predicted"]["prefix_hit_rate"] > 0.3
+
+
+def test_a_shard_of_an_array_plans_its_slice_and_estimates_the_array(tiny_ckpt: str, tmp_path: Path) -> None:
+    inp = _input(tmp_path, 16)
+    cfg = job_config(tiny_ckpt, inp, tmp_path / "out", data={"shard": {"index": 1, "count": 2}})
+    cfg.run.dry_run = True
+    cfg.plan.cost_per_hour = 1.0
+    assert run_job(cfg, engine=_engine(tiny_ckpt), handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((tmp_path / "out" / "shard-00001-of-00002" / "_plan.json").read_text())
+    assert plan["shard"]["row_start"] == 8 and plan["rows"]["total"] == 8
+    alls = plan["predicted"]["all_shards"]
+    assert alls["shards"] == 2 and alls["rows"] == 16
+    assert alls["device_hours"] == pytest.approx(2 * plan["predicted"]["device_hours"])

@@ -703,6 +703,18 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
     p = build_plan(inp, cfg.engine, tokenizer=tokenizer, engine=engine, plan_cfg=cfg.plan,
                    model=cfg.model.path or "tiny (embedded)", model_path=plan.model_path, replicas=replicas)  # fmt: skip
     p.data["fingerprint"] = plan.fingerprint  # the report compares only a plan of the same configuration
+    pred, count = p.data["predicted"], cfg.data.shard.count
+    if count > 1 and pred.get("device_hours") is not None:
+        # a Slurm array: every task plans its own shard; the whole array, estimated from this one
+        total = plan.input.num_rows
+        share = total / max(1, plan.row_end - plan.row_start)
+        pred["all_shards"] = {
+            "shards": count,
+            "rows": total,
+            "device_hours": pred["device_hours"] * share,
+            "cost": pred["cost"] * share if pred.get("cost") is not None else None,
+            "note": "estimated from this shard; run the dry run in each array task for each shard's own plan",
+        }
     d = cfg.data
     outdir = open_output_dir(d.output, d.shard.index, d.shard.count, dict(d.storage_options), d.lease_ttl_s)
     where = write_plan(outdir, p.data)

@@ -154,6 +154,11 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(("predicted wall time", f"{_dur(pred.get('wall_time_s'))} [{_dur(rng[0])} - {_dur(rng[1])}]"
                   + (f", {pred['device_hours']:.4g} device-hours" if pred.get("device_hours") is not None else "")
                   + (f", cost {pred['cost']:.4g}" if pred.get("cost") is not None else "")))  # fmt: skip
+    alls = pred.get("all_shards")
+    if alls:
+        lines.append(("all shards", f"{alls['shards']} shards, {alls['rows']} rows: about "
+                      f"{alls['device_hours']:.4g} device-hours" + (f", cost {alls['cost']:.4g}" if alls.get("cost")
+                                                                     is not None else "")))  # fmt: skip
     cal = plan.get("calibration") or {}
     if cal:
         lines.append(("calibration", f"{cal.get('rows', 0)} rows in {_dur(cal.get('seconds'))} on "
