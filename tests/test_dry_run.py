@@ -162,6 +162,11 @@ def test_llm_plan(tiny_ckpt: str) -> None:
     assert plan["rows"]["total"] == 10 and plan["output_tokens"]["bound"] == 40
     assert 0 < plan.prefix_hit_rate < 1
     assert "predicted wall time" in str(plan)
+    off = LLM(tiny_ckpt, device="cpu", num_blocks=256, max_num_seqs=4, enable_prefix_caching=False)
+    plan = off.plan(prompts, SamplingParams(max_tokens=4, temperature=0))
+    assert plan.prefix_hit_rate == 0.0
+    outs = off.generate(prompts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in outs) == 0
 
 
 def test_dry_run_reads_and_writes_an_object_store(tiny_ckpt: str, s3) -> None:  # noqa: ANN001, F811

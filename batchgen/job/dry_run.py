@@ -95,6 +95,8 @@ class PlanInput:
     prompt_column: str | None = None
     messages_column: str | None = None
     group_by_prefix: bool = True
+    prefix_caching: bool = True
+    """engine.enable_prefix_caching: without it nothing is shared."""
     shard: dict[str, Any] = field(default_factory=dict)
     keep_every: int = 1
     rows_read: int = 0
@@ -143,7 +145,7 @@ class PlanInput:
             toks = r.token_ids
             assert toks is not None
             root = _root(r)
-            c, k = self._sim.admit(toks, root)
+            c, k = self._sim.admit(toks, root) if self.prefix_caching else (0, 0)
             i = len(self.lens)
             self.lens.append(len(toks))
             self.cached.append(c)
@@ -159,7 +161,7 @@ class PlanInput:
                 self.all_tokens.append((root, toks))
                 if len(self.all_tokens) > SORTED_ANALYSIS_ROWS:
                     self.all_tokens = None
-        if not self.group_by_prefix:
+        if not self.group_by_prefix and self.prefix_caching:
             for pos in sorted(feed, key=lambda p: rows[p].token_ids):  # type: ignore[arg-type,return-value]
                 self.grouped_cached += self._grouped_sim.admit(rows[pos].token_ids, _root(rows[pos]))[0]
 
@@ -238,8 +240,9 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
         rows_total=rows_total,
         block_size=cfg.engine.block_size,
         max_model_len=plan.prompt_spec.max_model_len,
-        num_blocks=cfg.engine.num_blocks,
+        num_blocks=_pool_blocks(cfg, plan.model_path),
         prompt_column=None if d.messages_column else d.prompt_column,
+        prefix_caching=cfg.engine.enable_prefix_caching,
         messages_column=d.messages_column,
         group_by_prefix=d.group_by_prefix,
         shard={
@@ -270,6 +273,26 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
     return inp
 
 
+def _pool_blocks(cfg: Any, model_path: str | None) -> int | None:
+    """The KV pool's blocks as the engine will size it: ``engine.num_blocks``, else on the CPU
+    ``engine.kv_cache_memory`` over the model's bytes per block; None (no eviction simulated) on an accelerator,
+    whose pool is only known once the engine has measured its memory."""
+    e = cfg.engine
+    if e.num_blocks:
+        return e.num_blocks
+    try:
+        import torch
+
+        on_cpu = e.device == "cpu" or (e.device == "auto" and not torch.cuda.is_available())
+    except ImportError:
+        on_cpu = True
+    dtype_bytes = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
+    kv = _kv_bytes_per_token(None, model_path, dtype_bytes)
+    if not on_cpu or not kv:
+        return None
+    return max(1, parse_bytes(e.kv_cache_memory) // (kv * e.block_size))
+
+
 def prompt_rows(
     tokenizer: Any,
     prompts: Sequence[Any],
@@ -278,6 +301,7 @@ def prompt_rows(
     block_size: int,
     lora: Any = None,
     num_blocks: int | None = None,
+    prefix_caching: bool = True,
 ) -> PlanInput:
     """The Python API's prompts (``LLM.generate``'s forms) as one window fed in input order, as
     ``LLM.generate`` feeds them."""
@@ -305,6 +329,7 @@ def prompt_rows(
         rows.append(PlanRow(i, i, None if err else ids, sp, err, lr, p.text))
     inp = PlanInput(
         rows_total=len(rows), block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
+        prefix_caching=prefix_caching,
         prompt_column="prompt", group_by_prefix=False, keep_every=max(1, len(rows) // KEEP_ROWS),
         shard={"index": 0, "count": 1, "row_start": 0, "row_end": len(rows), "windows": 1},
     )  # fmt: skip
@@ -731,7 +756,8 @@ def plan_prompts(engine: Any, prompts: Any, params: Any = None, lora_request: An
     """``LLM.plan``: the plan of ``LLM.generate(prompts, params)`` on ``engine`` (calibrated on it)."""
     cfg = engine.config
     inp = prompt_rows(
-        engine.tokenizer, prompts, params, engine.max_model_len, cfg.block_size, lora_request, cfg.num_blocks
-    )
+        engine.tokenizer, prompts, params, engine.max_model_len, cfg.block_size, lora_request,
+        engine.stats.num_blocks or cfg.num_blocks, cfg.enable_prefix_caching,
+    )  # fmt: skip
     return build_plan(inp, cfg, tokenizer=engine.tokenizer, engine=engine, plan_cfg=plan_cfg,
                       model=getattr(engine, "model_path", None))  # fmt: skip
