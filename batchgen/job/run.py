@@ -211,7 +211,13 @@ class _Job:
         if self.progress is not None:
             self.progress.close()
             self.progress = None
-        if self.metrics is not None:
+        if self.metrics is not None:  # the final figures, then the last textfile
+            if self.writer is not None and self.manifest is not None:
+                m = self.manifest
+                self.metrics.job(
+                    rows_done=m.rows_done, windows_committed=self.writer.windows_done,
+                    eta_s=0.0 if m.complete else self.metrics.figures.eta_s,
+                )  # fmt: skip
             self.metrics.close()
             self.metrics = None
         if self.outdir is not None:
