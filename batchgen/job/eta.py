@@ -113,7 +113,7 @@ class TokenETA:
             share = (self.rows_total - self.rows_initial) / pl.rows if pl.rows else 1.0
             left_p = pl.prompt_tokens_to_compute * share - done_p
             left_d = pl.output_tokens * share - done_d
-            # rows are left but the plan's tokens are used up: the rows left at the plan's mean per row
+            # rows are left but the plan's tokens are used up: a floor of a tenth of its mean per row left
             per_row = rows_left / pl.rows
             return (max(left_p, per_row * pl.prompt_tokens_to_compute * 0.1),
                     max(left_d, per_row * pl.output_tokens * 0.1))  # fmt: skip
