@@ -181,6 +181,21 @@ class LLM:
                 out.prompt = prompt.text  # a TokensPrompt's own text
         return outs
 
+    def plan(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ):
+        """The plan of ``generate(prompts, sampling_params)`` before running it (a
+        :class:`batchgen.job.dry_run.Plan`: ``str(plan)`` prints it, ``plan.data`` is its dict): prompt tokens,
+        the predicted prefix hit rate in generate's order, memory figures, and the predicted wall time from a
+        short calibration of this engine on a stratified sample of the prompts (whose blocks then stay in its prefix
+        cache: a ``generate`` right after may share more than predicted)."""
+        from batchgen.job.dry_run import plan_prompts
+
+        return plan_prompts(self.engine, prompts, sampling_params, lora_request)
+
     # ------------------------------------------------------------------------------------------- chat
     def chat(
         self,

@@ -34,7 +34,7 @@ from batchgen.job.run import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 PROMPTS = [f"prompt {i} " + "word " * (i % 7) for i in range(40)]
 BASE = ["engine.device=cpu", "engine.num_blocks=256", "engine.max_num_seqs=8", "sampling.max_tokens=6", "sampling.temperature=0.8",
-        "run.progress=log", "run.log_interval_s=0.2", "data.shard.index=0", "data.shard.count=1"]  # fmt: skip
+        "run.progress=log", "run.progress_interval_s=0.2", "data.shard.index=0", "data.shard.count=1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def _cli(ckpt: str, inp: Path, out: Path) -> list[str]:
     return [
         sys.executable, "-m", "batchgen.cli", f"model.path={ckpt}", f"data.input={inp}", f"data.output={out}",
         f"data.window_rows={WINDOW}", "data.shard.index=0", "data.shard.count=1", "run.progress=log",
-        "run.log_interval_s=0.2",
+        "run.progress_interval_s=0.2",
         *[f"engine.{k}={v}" for k, v in ENGINE.items()], *[f"sampling.{k}={v}" for k, v in SAMPLING.items()],
     ]  # fmt: skip
 

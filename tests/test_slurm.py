@@ -74,7 +74,7 @@ class Workload:
             "engine.num_blocks=128",
             "engine.max_num_seqs=4",
             "run.progress=log",
-            "run.log_interval_s=5",
+            "run.progress_interval_s=5",
             *extra,
         ]
 

@@ -130,8 +130,8 @@ class RunOptions:
 
     progress: str = "auto"
     """auto (a tqdm bar on a terminal, periodic log lines otherwise, e.g. in Slurm logs), bar, log or off."""
-    log_interval_s: float = 30.0
-    """Seconds between progress log lines when the progress bar is not used."""
+    progress_interval_s: float = 30.0
+    """Seconds between progress log lines when the progress bar is not used (rows done and errors, tokens/s, prefix hit rate, KV use, ETA)."""
     stop_grace_s: float = 0.0
     """After SIGINT/SIGTERM/SIGUSR1: at most this many seconds to finish the windows already started (their remaining rows are still run; no new window starts), exiting as soon as they are done; what is unfinished then is abandoned. 0 = abandon the rows in flight at once. Either way every finished row is saved and the job exits with 75."""
     checkpoint_interval_s: float = 60.0
@@ -142,6 +142,12 @@ class RunOptions:
     """Where engine replicas run: local (processes on this machine; one replica with engine.data_parallel_size=1 runs in the job's own process) or ray (Ray actors on the cluster at run.ray_address / $RAY_ADDRESS, a local Ray when neither is set)."""
     ray_address: str | None = None
     """run.executor=ray: the Ray cluster to join (e.g. 'ray://head:10001' or 'auto'); null = $RAY_ADDRESS, else start a local Ray."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics (text format, /metrics) on this port while the job runs: vLLM's metric names under a batchgen: prefix (prompt/generation tokens, KV use, running/waiting requests, time-to-first-token and per-token histograms, prefix cache hits/queries) and job gauges (rows done, error rows, windows committed, ETA); 0 = a free port (logged); null = off."""
+    metrics_file: str | None = None
+    """Write the same metrics as a node-exporter textfile at this path (rewritten atomically every few seconds and at the end), e.g. for Slurm nodes; null = off."""
+    dry_run: bool = False
+    """Plan the job without running it: read and tokenize the input as the job would (plan.sample_rows), simulate the prefix cache over the job's grouping, calibrate the engine on a small stratified sample, print the plan (rows, would-be error rows, tokens, prefix hit rate and where sharing is lost, memory and batch recommendations, predicted wall time with a range, device-hours, cost) and write _plan.json in the output directory; the output's rows and manifest are not touched."""
     max_replica_restarts: int = 3
     """Replicas (engine.data_parallel_size / run.executor=ray): how many lost replicas (a killed process, a lost Ray actor) are replaced in one run, their unfinished windows handed to the others; one more loss stops the job with exit status 75 (rerun to resume)."""
 
@@ -150,8 +156,12 @@ class RunOptions:
             raise ConfigError(
                 f"run.progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}"
             )
-        if self.log_interval_s <= 0:
-            raise ConfigError(f"run.log_interval_s must be > 0, got {self.log_interval_s}")
+        if self.progress_interval_s <= 0:
+            raise ConfigError(f"run.progress_interval_s must be > 0, got {self.progress_interval_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"run.metrics_port must be a port in [0, 65535] or null, got {self.metrics_port}"
+            )
         if self.stop_grace_s < 0:
             raise ConfigError(f"run.stop_grace_s must be >= 0, got {self.stop_grace_s}")
         if self.checkpoint_interval_s < 0:
@@ -187,6 +197,32 @@ class PoolingOptions:
             raise ConfigError(f"pooling.dimensions must be >= 1 or null, got {self.dimensions}")
 
 
+@dataclass
+class PlanOptions:
+    """``plan.*``: the dry run's plan (run.dry_run=true)."""
+
+    sample_rows: int | None = None
+    """Tokenize at most this many rows of the shard (an even sample over its windows; the plan states it and scales its totals); null = every row."""
+    cost_per_hour: float | None = None
+    """Price of one device-hour (any currency): the plan adds the predicted cost; null = no cost."""
+    calibrate: bool = True
+    """Run the real engine over a small stratified sample of rows to predict the wall time and the output tokens (capped at plan.calibration_fraction of the predicted time); false = tokens and memory only."""
+    calibration_fraction: float = 0.05
+    """Most of the job's predicted wall time the calibration may spend (at least 0.5 s); it stops, aborting the rows it runs, when that is spent."""
+    calibration_rows: int = 64
+    """Most rows the calibration runs (fewer when plan.calibration_fraction caps it)."""
+
+    def __post_init__(self) -> None:
+        if self.sample_rows is not None and self.sample_rows < 1:
+            raise ConfigError(f"plan.sample_rows must be >= 1 or null, got {self.sample_rows}")
+        if self.cost_per_hour is not None and self.cost_per_hour < 0:
+            raise ConfigError(f"plan.cost_per_hour must be >= 0 or null, got {self.cost_per_hour}")
+        if not 0.0 < self.calibration_fraction <= 1.0:
+            raise ConfigError(f"plan.calibration_fraction must be in (0, 1], got {self.calibration_fraction}")
+        if self.calibration_rows < 1:
+            raise ConfigError(f"plan.calibration_rows must be >= 1, got {self.calibration_rows}")
+
+
 TASKS = ("generate", "score", "embed", "classify")
 POOLING_TASKS = ("embed", "classify")
 
@@ -201,6 +237,7 @@ class JobConfig:
     sampling: SamplingParams = field(default_factory=default_sampling)
     run: RunOptions = field(default_factory=RunOptions)
     pooling: PoolingOptions = field(default_factory=PoolingOptions)
+    plan: PlanOptions = field(default_factory=PlanOptions)
     task: str = "generate"
     """'generate' (completions); 'score': log-likelihoods of data.continuation_column given data.prompt_column,
     or, without a continuation column, the rolling log-likelihood / perplexity of data.prompt_column; 'embed': an
@@ -219,6 +256,7 @@ GROUPS: dict[str, type] = {
     "sampling": SamplingParams,
     "run": RunOptions,
     "pooling": PoolingOptions,
+    "plan": PlanOptions,
 }
 """The config groups, in the order of ``batchgen --help``."""
 

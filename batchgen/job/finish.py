@@ -93,6 +93,13 @@ def job_report(
     )
     if report["errors"]["exceeded"]:
         report["status"] = "failed"
+    from batchgen.job.plan_report import prediction_section, read_plan
+
+    planned = read_plan(
+        outdir
+    )  # a dry run's _plan.json of this configuration: its predictions beside the run
+    if planned is not None and "predicted" in planned and planned.get("fingerprint") == plan.fingerprint:
+        report["prediction"] = prediction_section(planned, report)
     try:
         outdir.save_report(report_text(report))
     except (

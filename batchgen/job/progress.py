@@ -1,8 +1,10 @@
 """Progress over a job's rows: a tqdm bar on a terminal, periodic one-line log records otherwise.
 
-The bar's postfix shows generated tokens/s, the prefix-cache hit rate and KV-cache usage. When stderr is not
-a terminal (Slurm logs, pipes) carriage-return redraws would flood the log, so ``mode="auto"`` switches to a
-``logging`` record every ``interval_s`` seconds (and one at the end).
+The bar's postfix shows error rows, generated tokens/s, the prefix-cache hit rate, KV-cache usage and an ETA
+from the tokens that remain (:class:`~batchgen.job.eta.TokenETA`: prompt tokens left to compute and output
+tokens expected, from the dry run's plan when there is one). When stderr is not a terminal (Slurm logs, pipes)
+carriage-return redraws would flood the log, so ``mode="auto"`` switches to a ``logging`` record every
+``interval_s`` seconds (``run.progress_interval_s``, and one at the end).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from typing import Any
 
 from batchgen.engine.core.stats import EngineStats
+from batchgen.job.eta import PlannedWork, TokenETA
 
 logger = logging.getLogger("batchgen.progress")  # the name progress log lines carry
 
@@ -41,10 +44,19 @@ class Progress:
     """Counts finished rows out of `total` (`initial` already done by an earlier run)."""
 
     def __init__(
-        self, total: int, initial: int = 0, mode: str = "auto", interval_s: float = 30.0, desc: str = "rows"
+        self,
+        total: int,
+        initial: int = 0,
+        mode: str = "auto",
+        interval_s: float = 30.0,
+        desc: str = "rows",
+        planned: PlannedWork | None = None,
     ) -> None:
         self.total, self.done = total, initial
         self.initial = initial
+        self.errors = 0
+        self.eta = TokenETA(total, initial, planned)
+        self._last_step = time.monotonic()
         self.mode = resolve_mode(mode)
         self.interval_s = interval_s
         self.t0 = time.monotonic()
@@ -61,19 +73,40 @@ class Progress:
 
     def _postfix(self) -> dict[str, str]:
         elapsed = max(time.monotonic() - self.t0, 1e-9)
-        out = {"gen tok/s": f"{self._gen_tokens / elapsed:.0f}"}
+        out = {"errors": str(self.errors), "gen tok/s": f"{self._gen_tokens / elapsed:.0f}"}
         st = self._stats
         if st is not None:
             out["prefix hit"] = f"{st.prefix_hit_rate:.0%}"
             out["KV"] = f"{st.kv_usage:.0%}"
+        out["ETA"] = _fmt_duration(self.eta_s())
         return out
 
+    def eta_s(self) -> float:
+        """Seconds left (NaN while unknown): from the tokens that remain when the engine's stats are fed."""
+        if self.done >= self.total:
+            return 0.0
+        eta = self.eta.eta_s(self.done)
+        if eta == eta:
+            return eta
+        elapsed = time.monotonic() - self.t0
+        rate = (self.done - self.initial) / elapsed if elapsed > 0 else 0.0
+        return (self.total - self.done) / rate if rate > 0 else float("nan")
+
     def update(
-        self, rows: int = 0, stats: EngineStats | None = None, generated_tokens: int | None = None
+        self,
+        rows: int = 0,
+        stats: EngineStats | None = None,
+        generated_tokens: int | None = None,
+        errors: int = 0,
     ) -> None:
-        """Add finished `rows`; `stats` is the engine's EngineStats (its generated_tokens drive tok/s)."""
+        """Add finished `rows` (`errors` of them error rows); `stats` is the engine's EngineStats after a step
+        (its generated_tokens drive tok/s, its token counts the ETA)."""
+        self.errors += errors
         if stats is not None:
             self._stats = stats
+            now = time.monotonic()
+            self.eta.step(stats, now - self._last_step, now - self.t0)
+            self._last_step = now
             if generated_tokens is None:
                 generated_tokens = stats.generated_tokens
         if generated_tokens is not None:
@@ -93,14 +126,13 @@ class Progress:
     def log_line(self) -> str:
         elapsed = max(time.monotonic() - self.t0, 1e-9)
         rate = (self.done - self.initial) / elapsed
-        left = self.total - self.done
-        eta = left / rate if rate > 0 else float("inf")
         pct = self.done / self.total if self.total else 1.0
         pf = self._postfix()
+        eta = pf.pop("ETA")
         line = (
             f"progress: {self.done}/{self.total} rows ({pct:.1%}) | {rate:.1f} rows/s | "
             + " | ".join(f"{k} {v}" for k, v in pf.items())
-            + f" | elapsed {_fmt_duration(elapsed)} | ETA {_fmt_duration(eta) if left else '0m00s'}"
+            + f" | elapsed {_fmt_duration(elapsed)} | ETA {eta}"
         )
         logger.info(line)
         return line

@@ -4,7 +4,8 @@ Row counts (``rows.*``, ``errors.*``) cover the whole shard output so far (from 
 checkpointed rows of unfinished windows included); throughput and engine figures (``run.*``, ``tokens.*``,
 ``kv.*``, ``scheduler.*``, and ``pooling.*`` of a task=embed / task=classify job) cover this run only. An
 encoder's pooling job has no paged engine: its ``tokens``, ``kv`` and ``scheduler`` figures are zeros, and the
-table shows the pooling figures instead.
+table shows the pooling figures instead. When the output directory holds a dry run's ``_plan.json``,
+``prediction`` sets its predictions (wall time and range, tokens, prefix hit rate) beside this run's figures.
 """
 
 from __future__ import annotations
@@ -158,6 +159,10 @@ def format_table(report: dict[str, Any]) -> str:
         restarts = f", {rep['restarts']} restart(s)" if rep.get("restarts") else ""
         lines.append((f"replica {rep['replica']}", f"{rep['rows']} rows, {rep['rows_per_s']:.2f} rows/s, "
                       f"{rep['generated_tokens_per_s']:.1f} gen tok/s{restarts}"))  # fmt: skip
+    if report.get("prediction"):  # the dry run's plan beside what happened
+        from batchgen.job.plan_report import prediction_lines
+
+        lines += prediction_lines(report["prediction"])
     for i, (msg, count) in enumerate(err.get("top") or []):
         text = f"{count} x {msg}"
         lines.insert(2 + i, ("top errors" if i == 0 else "", text if len(text) <= 100 else text[:97] + "..."))

@@ -61,6 +61,7 @@ from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
 from batchgen.job.input_versions import input_versions_unchanged
+from batchgen.job.metrics import JobMetrics, open_metrics
 from batchgen.job.openai_batch import is_batch_file, open_batch_file
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
@@ -119,7 +120,12 @@ def _run_guarded(cfg: Any, engine: Engine | None, stop: StopSignal, print_summar
     opening = _Opening()
     job: _Job | None = None
     try:
-        job = opening.open(cfg, engine, stop, print_summary)
+        plan = opening.plan(cfg, stop)
+        if plan.cfg.run.dry_run:  # the plan of the job instead of the job (batchgen.job.dry_run)
+            from batchgen.job.dry_run import dry_run_job
+
+            return dry_run_job(plan, engine, print_summary)
+        job = opening.open(plan, engine, stop, print_summary)
         return job.run()
     except ConfigError as e:
         return _failed(job, opening, EXIT_CONFIG, "error", str(e))
@@ -229,17 +235,23 @@ class _Opening:
     def __init__(self) -> None:
         self.out_dir = "?"
         self.outdir: OutputDir | None = None
+        self.t_start = time.monotonic()
 
-    def open(self, cfg: Any, engine: Engine | None, stop: StopSignal, print_summary: bool) -> _Job:
-        """Plan the job (no model yet), lock the output directory and read its manifest (the module
-        docstring's step 1); raises ConfigError for a job that cannot run, _Stopped on a stop."""
-        t_start = time.monotonic()
+    def plan(self, cfg: Any, stop: StopSignal) -> JobPlan:
+        """Plan the job (no model yet; the module docstring's step 1); raises ConfigError for a job that
+        cannot run."""
         job = to_job_config(cfg)
         stop.grace_s = job.run.stop_grace_s
         self.out_dir = job.data.output
         plan = plan_job(job)
         startup_trace.mark("plan")
-        d = job.data
+        return plan
+
+    def open(self, plan: JobPlan, engine: Engine | None, stop: StopSignal, print_summary: bool) -> _Job:
+        """Lock the output directory of the planned job and read its manifest; raises ConfigError for a job
+        that cannot run, _Stopped on a stop."""
+        t_start = self.t_start
+        d = plan.cfg.data
         outdir = self.outdir = open_output_dir(
             d.output, d.shard.index, d.shard.count, dict(d.storage_options), d.lease_ttl_s
         )
@@ -309,10 +321,21 @@ class _Job:
         """What a stop or an error saves the finished rows of: the feeder, or the replicas' coordinator."""
         self.progress = Progress(total=0, mode="off")
         """The run's progress (a bar or log lines), set when the work starts."""
+        self.metrics: JobMetrics | None = None
+        """The Prometheus endpoint / textfile (``run.metrics_port`` / ``run.metrics_file``), opened when the
+        work starts."""
 
     # ------------------------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         self.progress.close()
+        if self.metrics is not None:  # the final figures, then the last textfile
+            m = self.manifest
+            self.metrics.job(
+                rows_done=m.rows_done, windows_committed=self.writer.windows_done,
+                eta_s=0.0 if m.complete else self.metrics.figures.eta_s,
+            )  # fmt: skip
+            self.metrics.close()
+            self.metrics = None
         self.outdir.close()
 
     def run(self) -> JobResult:
@@ -383,10 +406,21 @@ class _Job:
         return engine
 
     def start_progress(self, initial: int) -> None:
-        """The run's work starts: its progress from ``initial`` finished rows."""
+        """The run's work starts: its progress from ``initial`` finished rows (its ETA from the dry run's
+        ``_plan.json`` when the output holds one), and the metrics endpoint / textfile when
+        ``run.metrics_port`` / ``run.metrics_file`` is set."""
+        from batchgen.job.plan_report import planned_work
+
         cfg = self.plan.cfg
-        total = self.plan.row_end - self.plan.row_start
-        self.progress = Progress(total, initial, mode=cfg.run.progress, interval_s=cfg.run.log_interval_s)
+        if self.metrics is None:
+            self.metrics = open_metrics(cfg.run.metrics_port, cfg.run.metrics_file)
+        self.progress = Progress(
+            total=self.plan.row_end - self.plan.row_start,
+            initial=initial,
+            mode=cfg.run.progress,
+            interval_s=cfg.run.progress_interval_s,
+            planned=planned_work(self.outdir),
+        )
 
     def end_progress(self) -> None:
         self.progress.close()
@@ -403,6 +437,8 @@ class _Job:
         for work in feeder.run():
             with self.stop.saving():
                 self.gate.window_finished(work)
+            if self.metrics is not None:
+                self._update_metrics()
         if self.stop.requested:
             self.save_finished_rows()
         elif self.gate.held:
@@ -479,24 +515,38 @@ class _Job:
     def _count(self, ok: bool, error: str | None, lora_name: str | None = None) -> None:
         self.tally.count(ok, error)
         self.tally.adapter_row(lora_name, ok)
-        self.progress.update(1)
+        self.progress.update(1, errors=int(not ok))
 
     def on_output(self, work: WindowWork, pos: int, out: RequestOutput) -> None:
         """A row finished in the engine: counted, and the gate opened by the first success."""
         ok = self.tally.engine_output(out)
         self.tally.adapter_row(work.rows[pos].lora_name, ok)
-        self.progress.update(1)
+        self.progress.update(1, errors=int(not ok))
+        if self.metrics is not None and self.engine is not None:
+            self.metrics.finished(out, self.engine.stats.num_steps)
         if ok and self.gate.closed:
             self.gate.open()
 
     def _on_step(self) -> None:
         assert self.engine is not None
         self.progress.update(0, stats=self.engine.stats)
+        if self.metrics is not None:
+            self._update_metrics()
         if self.gate.closed:
             self.gate.check()
             return
         if self.writer.checkpoint_due():
             self.writer.checkpoint(list(self.in_flight.active.values()))
+
+    def _update_metrics(self) -> None:
+        assert self.metrics is not None
+        if self.engine is not None:
+            self.metrics.step(self.engine.stats, getattr(self.in_flight, "where", {}).keys())
+        p = self.progress
+        self.metrics.job(
+            rows_total=p.total, rows_done=p.done, error_rows=p.errors,
+            windows_committed=self.writer.windows_done, eta_s=p.eta_s(),
+        )  # fmt: skip
 
     def save_finished_rows(self) -> bool:
         """After a stop or an error: commit held windows and checkpoint every finished row of the windows in

@@ -117,6 +117,8 @@ def run_replicas(job: Any, works: Any, first: list[WindowWork], tokenizer: Any, 
 
     def on_step() -> None:
         job.progress.update(0, stats=coord.stats)
+        if job.metrics is not None:
+            job._update_metrics()
         if gate.closed:
             gate.check()
         elif writer.checkpoint_due():

@@ -1,0 +1,213 @@
+"""Predictor benchmark: how far to trust the dry run's plan.
+
+    python -m batchgen.bench.predictor                      # every workload
+    python -m batchgen.bench.predictor --workloads mix --scale 2 --json out.json
+
+Each workload (an input built here, seeded; none was used to tune the predictor) runs as a dry run
+(``run.dry_run=true``: tokenizing, prefix-cache simulation, calibration on this machine), then as the real job
+into the same output, each with its own engine. The table puts the plan's ``predicted.wall_time_s`` (and its
+range) beside the report's ``run.wall_time_s``, and ``predicted.prefix_hit_rate`` beside
+``tokens.prefix_hit_rate``, with the calibration's cost as a fraction of the predicted time. Goals: wall time
+within +-25 percent and inside the range, hit rate within 0.05, calibration <= 5 percent. Figures, not
+assertions: no test times this. The machine's load (``os.getloadavg``) is printed with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+WORDS = ("what is the capital of a country number and why how many people live there in which year did the "
+         "river flow through city mountain north south east west old new large small").split()  # fmt: skip
+INSTRUCTION = (
+    "You are a careful assistant. Read the question and answer it briefly and precisely, in one sentence, "
+    "without repeating the question and without citing any sources. "
+)
+
+
+def _words(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+@dataclass
+class Workload:
+    """One input and its job settings."""
+
+    name: str
+    describe: str
+    rows: Callable[[random.Random, int], list[str]]
+    num_rows: int
+    sampling: dict[str, Any]
+    engine: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    model: str = "tiny"
+
+
+def _shared_instruction(rng: random.Random, n: int) -> list[str]:
+    return [INSTRUCTION + f"Question {i}: {_words(rng, 3, 60)}?" for i in range(n)]
+
+
+def _per_row_first(rng: random.Random, n: int) -> list[str]:
+    return [f"Ticket {rng.randint(0, 10**6)} ({_words(rng, 1, 4)}): " + INSTRUCTION + _words(rng, 5, 15)
+            for _ in range(n)]  # fmt: skip
+
+
+def _long_short(rng: random.Random, n: int) -> list[str]:
+    return [_words(rng, 150, 300) if rng.random() < 0.15 else _words(rng, 5, 20) for _ in range(n)]
+
+
+def _few_prefixes(rng: random.Random, n: int) -> list[str]:
+    heads = [INSTRUCTION * (k + 1) for k in range(3)]
+    return [rng.choice(heads) + _words(rng, 2, 30) for _ in range(n)]
+
+
+WORKLOADS = {
+    "shared": Workload(
+        "shared",
+        "shared instruction first, mixed question lengths; greedy, 32 tokens, tiny",
+        _shared_instruction,
+        480,
+        {"temperature": 0.0, "max_tokens": 32},
+        {"max_num_seqs": 16},
+        {"window_rows": 128},
+    ),  # fmt: skip
+    "per-row-first": Workload(
+        "per-row-first",
+        "per-row ticket id before the shared instruction; T=0.8 top_p=0.9, 48 tokens, tiny",
+        _per_row_first,
+        400,
+        {"temperature": 0.8, "top_p": 0.9, "max_tokens": 48},
+        {"max_num_seqs": 32},
+        {"window_rows": 100},
+    ),  # fmt: skip
+    "mix": Workload(
+        "mix",
+        "15% long (150-300 words) / 85% short prompts, no sharing; T=1.0, 24 tokens, random "
+        "llama (hidden 64, 2 layers)",
+        _long_short,
+        320,
+        {"temperature": 1.0, "max_tokens": 24},
+        {"max_num_seqs": 16},
+        {"window_rows": 64},
+        model="llama",
+    ),  # fmt: skip
+    "stop": Workload(
+        "stop",
+        "3 instruction prefixes of 1-3x, input order (data.group_by_prefix=false); T=0.7, "
+        "stop at '.', 64 tokens, tiny",
+        _few_prefixes,
+        360,
+        {"temperature": 0.7, "max_tokens": 64, "stop": ["."]},
+        {"max_num_seqs": 24},
+        {"window_rows": 90, "group_by_prefix": False},
+    ),  # fmt: skip
+}
+
+
+def _model_path(kind: str, root: Path) -> str | None:
+    if kind == "tiny":
+        return None
+    from batchgen.models.tiny import build_checkpoint
+
+    out = root / "ckpt-llama"
+    if not out.exists():
+        build_checkpoint(out, "llama", hidden_size=64, num_layers=2)
+    return str(out)
+
+
+def run_workload(w: Workload, root: Path, scale: float = 1.0, seed: int = 0) -> dict[str, Any]:
+    """Dry run, then the job; the figures of both."""
+    from batchgen.engine.config import EngineConfig
+    from batchgen.job.config import DataOptions, JobConfig, ModelOptions, RunOptions, default_sampling
+    from batchgen.job.run import run_job
+
+    rng = random.Random(seed)
+    n = max(8, int(w.num_rows * scale))
+    inp = root / f"{w.name}.parquet"
+    pq.write_table(pa.table({"prompt": w.rows(rng, n)}), inp)
+    out = root / f"out-{w.name}"
+    cfg = JobConfig(
+        model=ModelOptions(path=_model_path(w.model, root)),
+        data=DataOptions(input=str(inp), output=str(out), **w.data),
+        engine=EngineConfig(device="cpu", **w.engine),
+        sampling=dataclasses.replace(default_sampling(), **w.sampling),
+        run=RunOptions(progress="off", dry_run=True),
+    )
+    t0 = time.perf_counter()
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    dry_s = time.perf_counter() - t0
+    assert res.exit_code == 0, res.message
+    plan = json.loads((out / "_plan.json").read_text())
+    cfg.run.dry_run = False
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == 0, res.message
+    report = json.loads((out / "_report.json").read_text())
+    p = report["prediction"]
+    pw, aw = p["wall_time_s"]["predicted"], p["wall_time_s"]["actual"]
+    return {
+        "workload": w.name,
+        "describe": w.describe,
+        "rows": n,
+        "predicted_wall_s": pw,
+        "range_s": p["wall_time_s"]["range"],
+        "actual_wall_s": aw,
+        "wall_error": (pw - aw) / aw,
+        "inside_range": p["wall_time_s"].get("inside_range"),
+        "predicted_hit_rate": p["prefix_hit_rate"]["predicted"],
+        "actual_hit_rate": p["prefix_hit_rate"]["actual"],
+        "predicted_output_tokens": p["generated_tokens"]["predicted"],
+        "actual_output_tokens": p["generated_tokens"]["actual"],
+        "calibration_s": plan["calibration"]["seconds"],
+        "calibration_rows": plan["calibration"]["rows"],
+        "calibration_fraction": plan["calibration"]["seconds"] / pw if pw else None,
+        "dry_run_s": dry_s,
+        "load": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS)
+    )
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply each workload's rows")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--dir", help="keep the inputs, plans and reports here (default: a temporary directory)")
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="batchgen-predictor-") as tmp:
+        if args.dir:
+            Path(args.dir).mkdir(parents=True, exist_ok=True)
+            tmp = args.dir
+        for name in args.workloads.split(","):
+            r = run_workload(WORKLOADS[name], Path(tmp), args.scale, args.seed)
+            rows.append(r)
+            print(
+                f"{r['workload']:<14} rows {r['rows']:>5}  wall predicted {r['predicted_wall_s']:7.1f} s "
+                f"[{r['range_s'][0]:.1f}-{r['range_s'][1]:.1f}] actual {r['actual_wall_s']:7.1f} s "
+                f"({r['wall_error']:+.0%}, {'inside' if r['inside_range'] else 'OUTSIDE'})  hit rate "
+                f"{r['predicted_hit_rate']:.3f} vs {r['actual_hit_rate']:.3f}  output tokens "
+                f"{r['predicted_output_tokens']} vs {r['actual_output_tokens']}  calibration "
+                f"{r['calibration_rows']} rows {r['calibration_s']:.2f} s ({r['calibration_fraction']:.1%})  "
+                f"load {r['load']:.1f}",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

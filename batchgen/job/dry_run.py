@@ -1,0 +1,763 @@
+"""The dry run (``run.dry_run=true``, ``LLM.plan``): what a job will cost before it runs.
+
+The input is read exactly as the job reads it (streamed, this shard's windows, any store), every row rendered
+and tokenized by the job's own code (or an even sample of whole windows with ``plan.sample_rows``: the plan
+says so and scales its totals), and each window grouped as the job groups it. From those rows:
+
+- rows, and the rows that would be error rows, by reason with the first ids of each;
+- prompt tokens (total, p50/p90/p99/max) and those left to compute after prefix sharing, from a simulation
+  of the engine's block-level prefix cache over the job's feed order (:mod:`.prefix_sim`): the predicted
+  ``tokens.prefix_hit_rate``; where sharing is lost (the first token position at which rows differ, mapped
+  back to the column or chat message and the characters there; a long run of text most rows share after a
+  per-row part) and which order would share more;
+- the output-token bound, and the output tokens expected from a calibration (:mod:`.calibrate`: the real
+  engine over a stratified sample of rows, at most ``plan.calibration_fraction`` of the predicted time);
+- KV bytes per token, sequences that fit, recommended ``engine.max_num_seqs``, ``data.window_rows``,
+  ``engine.kv_cache_memory``, tensor parallelism and replicas;
+- the predicted wall time of the run's work (what the report's ``run.wall_time_s`` measures: engine start-up
+  excluded) with a low-high range, device-hours and, with ``plan.cost_per_hour``, a cost; per replica.
+
+The plan is printed and written to ``_plan.json`` in the shard's output directory; the output's rows and
+manifest are never touched (no lock, lease or manifest is taken: a job may be running into it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from batchgen.engine.config import parse_bytes
+from batchgen.job.calibrate import (
+    Calibration,
+    CalibrationRow,
+    SimRequest,
+    StepModel,
+    output_bound,
+    relative_spread,
+    run_calibration,
+    simulate_schedule,
+    strata_order,
+)
+from batchgen.job.prefix_sim import common_prefix_len, shared_run_after_start, simulate_prefix_cache
+from batchgen.job.tally import error_key
+
+logger = logging.getLogger("batchgen.job")
+
+NUM_ERROR_IDS = 5
+"""Ids shown per error reason."""
+SHARING_SAMPLE = 256
+"""Rows the sharing analysis (where rows stop sharing) looks at."""
+
+
+@dataclass
+class PlanRow:
+    """One row as the plan sees it: its tokens and parameters, or its error."""
+
+    index: int
+    id: Any
+    token_ids: list[int] | None
+    params: Any
+    error: str | None = None
+    lora: Any = None
+    source: Any = None
+    """The row's prompt as given (the column's text, or its chat messages), for the sharing analysis."""
+
+
+KEEP_ROWS = 4096
+"""Rows whose tokens the dry run keeps (an even sample of the fed rows): the calibration's candidates and the
+sample of the sharing analysis across windows. Every other row is reduced to its counts as it is read."""
+MIN_CALIBRATION_S = 0.5
+"""The calibration may always spend this long (a job of a few seconds still gets its output lengths measured);
+beyond it, at most ``plan.calibration_fraction`` of the predicted time."""
+SORTED_ANALYSIS_ROWS = 50_000
+"""Up to this many rows, the order that would share most is simulated over all of them; above, over the kept
+sample."""
+
+
+@dataclass
+class PlanInput:
+    """The rows the dry run read, reduced as they are read (:meth:`add_window`) to per-row counts in the job's
+    feed order, the prefix cache simulated over them; only an even sample of rows keeps its tokens."""
+
+    rows_total: int
+    block_size: int
+    max_model_len: int
+    num_blocks: int | None = None
+    prompt_column: str | None = None
+    messages_column: str | None = None
+    group_by_prefix: bool = True
+    prefix_caching: bool = True
+    """engine.enable_prefix_caching: without it nothing is shared."""
+    shard: dict[str, Any] = field(default_factory=dict)
+    keep_every: int = 1
+    rows_read: int = 0
+    read_seconds: float = 0.0
+    lens: list[int] = field(default_factory=list)
+    """Per fed row (the job's order): prompt tokens; then tokens the cache serves, tokens copied, the output
+    bound per sample, samples, and a hash of the first block (the row's prefix group)."""
+    cached: list[int] = field(default_factory=list)
+    copied: list[int] = field(default_factory=list)
+    bounds: list[int] = field(default_factory=list)
+    ns: list[int] = field(default_factory=list)
+    heads: list[int] = field(default_factory=list)
+    kept: dict[int, PlanRow] = field(default_factory=dict)
+    """Fed index -> row (with its tokens), every ``keep_every``-th."""
+    first: list[PlanRow] = field(default_factory=list)
+    """The first rows fed (with their source text): the sample of the sharing analysis."""
+    errors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    window_sizes: list[int] = field(default_factory=list)
+    grouped_cached: int = 0
+    """Tokens the cache would serve with each window ordered by tokens (data.group_by_prefix=true)."""
+    all_tokens: list[tuple[Any, list[int]]] | None = field(default_factory=list)
+    """(root, tokens) of every fed row while there are at most SORTED_ANALYSIS_ROWS; then None."""
+    _sim: Any = None
+    _grouped_sim: Any = None
+
+    def add_window(self, rows: list[PlanRow], feed: list[int]) -> None:
+        """One window's rows (input order) and the positions the job feeds, in its order."""
+        from batchgen.job.prefix_sim import PrefixCacheSim
+
+        if self._sim is None:
+            self._sim = PrefixCacheSim(self.block_size, self.num_blocks)
+            self._grouped_sim = PrefixCacheSim(self.block_size, self.num_blocks)
+        self.rows_read += len(rows)
+        self.window_sizes.append(len(feed))
+        bs = self.block_size
+        for r in rows:
+            if r.error is not None:
+                e = self.errors.setdefault(
+                    error_key(r.error), {"rows": 0, "example": r.error, "first_ids": []}
+                )
+                e["rows"] += 1
+                if len(e["first_ids"]) < NUM_ERROR_IDS:
+                    e["first_ids"].append(r.id if r.id is not None else r.index)
+        for pos in feed:
+            r = rows[pos]
+            toks = r.token_ids
+            assert toks is not None
+            root = _root(r)
+            c, k = self._sim.admit(toks, root) if self.prefix_caching else (0, 0)
+            i = len(self.lens)
+            self.lens.append(len(toks))
+            self.cached.append(c)
+            self.copied.append(k)
+            self.bounds.append(output_bound(len(toks), r.params, self.max_model_len))
+            self.ns.append(max(1, getattr(r.params, "n", 1) or 1))
+            self.heads.append(hash(tuple(toks[:bs])))
+            if i % self.keep_every == 0:
+                self.kept[i] = r
+            if len(self.first) < SHARING_SAMPLE:
+                self.first.append(r)
+            if self.all_tokens is not None:
+                self.all_tokens.append((root, toks))
+                if len(self.all_tokens) > SORTED_ANALYSIS_ROWS:
+                    self.all_tokens = None
+        if not self.group_by_prefix and self.prefix_caching:
+            for pos in sorted(feed, key=lambda p: rows[p].token_ids):  # type: ignore[arg-type,return-value]
+                self.grouped_cached += self._grouped_sim.admit(rows[pos].token_ids, _root(rows[pos]))[0]
+
+    @property
+    def saved(self) -> list[int]:
+        """Prompt tokens each fed row does not compute (cached or copied)."""
+        return [c + k for c, k in zip(self.cached, self.copied)]
+
+    @property
+    def hit_rate(self) -> float:
+        total = sum(self.lens)
+        return sum(self.cached) / total if total else 0.0
+
+
+@dataclass
+class Plan:
+    """A dry run's plan (``_plan.json``): ``plan.data`` is its dict; the main figures are attributes."""
+
+    data: dict[str, Any]
+
+    @property
+    def wall_time_s(self) -> float | None:
+        return self.data["predicted"].get("wall_time_s")
+
+    @property
+    def wall_time_range_s(self) -> list[float] | None:
+        return self.data["predicted"].get("wall_time_range_s")
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.data["predicted"]["prefix_hit_rate"]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.data
+
+    def __str__(self) -> str:
+        from batchgen.job.plan_report import format_plan
+
+        return format_plan(self.data)
+
+
+# ------------------------------------------------------------------------------------------- reading
+def _sample_windows(n_windows: int, window_rows: list[int], sample_rows: int | None) -> list[int]:
+    """Indices of the windows to read: all, or evenly spaced ones holding about ``sample_rows`` rows."""
+    total = sum(window_rows)
+    if sample_rows is None or sample_rows >= total or n_windows == 0:
+        return list(range(n_windows))
+    mean = total / n_windows
+    k = max(1, min(n_windows, math.ceil(sample_rows / max(mean, 1))))
+    return sorted({int(i * n_windows / k) for i in range(k)})
+
+
+def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> PlanInput:
+    """This shard's rows read, rendered, tokenized and grouped exactly as :func:`batchgen.job.run.run_job`
+    does (module docstring)."""
+    from batchgen.data.prompts import build_prompts
+    from batchgen.data.reader import iter_windows
+    from batchgen.data.values import sanitize_utf8
+    from batchgen.job.feeder import WindowWork
+
+    cfg = plan.cfg
+    plan.prompt_spec.max_model_len = cfg.engine.max_model_len or plan.model_max_len
+    specs = list(plan.windows)
+    pick = _sample_windows(len(specs), [w.num_rows for w in specs], cfg.plan.sample_rows)
+    chosen = [specs[i] for i in pick]
+    source_col = cfg.data.messages_column or cfg.data.prompt_column
+    extra_cols = list(dict.fromkeys([f.name for f in plan.part_layout.kept] + (
+        [cfg.data.id_column] if cfg.data.id_column else [])))  # fmt: skip
+    d = cfg.data
+    rows_total = plan.row_end - plan.row_start
+    rows_chosen = sum(w.num_rows for w in chosen)
+    inp = PlanInput(
+        rows_total=rows_total,
+        block_size=cfg.engine.block_size,
+        max_model_len=plan.prompt_spec.max_model_len,
+        num_blocks=_pool_blocks(cfg, plan.model_path),
+        prompt_column=None if d.messages_column else d.prompt_column,
+        prefix_caching=cfg.engine.enable_prefix_caching,
+        messages_column=d.messages_column,
+        group_by_prefix=d.group_by_prefix,
+        shard={
+            "index": d.shard.index,
+            "count": d.shard.count,
+            "row_start": plan.row_start,
+            "row_end": plan.row_end,
+            "windows": len(specs),
+        },  # fmt: skip
+        keep_every=max(1, rows_chosen // KEEP_ROWS),
+    )
+    t0 = time.perf_counter()
+    for win in iter_windows(plan.input, chosen, plan.columns, schema=plan.read_schema):
+        rows = build_prompts(win.table, win.spec.row_start, plan.prompt_spec, tokenizer, win.unreadable)
+        for name in extra_cols:  # as the job does: text that is not UTF-8 makes the row an error row
+            _fixed, bad = sanitize_utf8(win.table.column(name))
+            for pos, byte in bad.items():
+                rows[pos].fail(f"column {name!r} is not valid UTF-8 at byte {byte}")
+                rows[pos].token_ids = rows[pos].params = None
+        work = WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
+        need_src = len(inp.first) < SHARING_SAMPLE
+        src = win.table.column(source_col).to_pylist() if need_src else [None] * len(rows)
+        prs = [
+            PlanRow(r.row_index, r.id, r.token_ids, r.params, r.error, r.lora, src[r.position]) for r in rows
+        ]
+        inp.add_window(prs, list(work.feed))
+    inp.read_seconds = time.perf_counter() - t0
+    return inp
+
+
+def _pool_blocks(cfg: Any, model_path: str | None) -> int | None:
+    """The KV pool's blocks as the engine will size it: ``engine.num_blocks``, else on the CPU
+    ``engine.kv_cache_memory`` over the model's bytes per block; None (no eviction simulated) on an accelerator,
+    whose pool is only known once the engine has measured its memory."""
+    e = cfg.engine
+    if e.num_blocks:
+        return e.num_blocks
+    try:
+        import torch
+
+        on_cpu = e.device == "cpu" or (e.device == "auto" and not torch.cuda.is_available())
+    except ImportError:
+        on_cpu = True
+    dtype_bytes = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
+    kv = _kv_bytes_per_token(None, model_path, dtype_bytes)
+    if not on_cpu or not kv:
+        return None
+    return max(1, parse_bytes(e.kv_cache_memory) // (kv * e.block_size))
+
+
+def prompt_rows(
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    params: Any,
+    max_model_len: int,
+    block_size: int,
+    lora: Any = None,
+    num_blocks: int | None = None,
+    prefix_caching: bool = True,
+) -> PlanInput:
+    """The Python API's prompts (``LLM.generate``'s forms) as one window fed in input order, as
+    ``LLM.generate`` feeds them."""
+    from batchgen.llm import _per_prompt
+    from batchgen.prompt_inputs import parse_prompts
+    from batchgen.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    parsed = parse_prompts(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        plist = [params or SamplingParams()] * len(parsed)
+    else:
+        plist = list(params)
+        if len(plist) != len(parsed):
+            raise ValueError(f"got {len(plist)} sampling params for {len(parsed)} prompts")
+    loras = _per_prompt(lora, len(parsed))
+    rows = []
+    for i, (p, sp, lr) in enumerate(zip(parsed, plist, loras)):
+        ids = p.token_ids if p.token_ids is not None else list(tokenizer.encode(p.text))
+        err = None
+        if not ids:
+            err = "empty prompt"
+        elif len(ids) >= max_model_len:
+            err = f"prompt of {len(ids)} tokens does not fit max_model_len={max_model_len}"
+        rows.append(PlanRow(i, i, None if err else ids, sp, err, lr, p.text))
+    inp = PlanInput(
+        rows_total=len(rows), block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
+        prefix_caching=prefix_caching,
+        prompt_column="prompt", group_by_prefix=False, keep_every=max(1, len(rows) // KEEP_ROWS),
+        shard={"index": 0, "count": 1, "row_start": 0, "row_end": len(rows), "windows": 1},
+    )  # fmt: skip
+    inp.add_window(rows, [r.index for r in rows if r.error is None])
+    inp.read_seconds = time.perf_counter() - t0
+    return inp
+
+
+# ------------------------------------------------------------------------------------------ analysis
+def _percentiles(values: list[int]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0, "p90": 0, "p99": 0, "max": 0, "mean": 0.0}
+    a = np.asarray(values)
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+        "max": int(a.max()),
+        "mean": float(a.mean()),
+    }
+
+
+def _root(r: PlanRow) -> Any:
+    """The row's prefix-cache root: its adapter (None: the base model)."""
+    return None if r.lora is None else getattr(r.lora, "lora_int_id", r.lora)
+
+
+def _where_rows_differ(rows: list[PlanRow], tokenizer: Any, inp: PlanInput, lcp: int) -> str | None:
+    """The first token position at which the sampled rows differ, in the words of the input."""
+    r0 = rows[0]
+    if tokenizer is None or r0.token_ids is None:
+        return None
+    head = tokenizer.decode(r0.token_ids[:lcp])
+    nxt = tokenizer.decode(r0.token_ids[: min(len(r0.token_ids), lcp + 8)])[len(head) :]
+    where = f"token {lcp}"
+    src = r0.source
+    if inp.messages_column and isinstance(src, (list, str)):
+        msgs = src
+        if isinstance(msgs, str):
+            import json
+
+            try:
+                msgs = json.loads(msgs)
+            except ValueError:
+                msgs = []
+        rendered = tokenizer.decode(r0.token_ids)
+        c = len(head)
+        for k, m in enumerate(msgs or []):
+            content = (m or {}).get("content") if isinstance(m, dict) else None
+            if not isinstance(content, str) or not content:
+                continue
+            at = rendered.find(content)
+            if at >= 0 and at <= c < at + len(content):
+                return (f"rows differ from {where}: message {k} ({m.get('role')}) of data.messages_column "
+                        f"{inp.messages_column!r}, at character {c - at} of its content ({nxt!r}...)")  # fmt: skip
+            if at > c:
+                return (f"rows differ from {where}, in the chat template's text before message {k} "
+                        f"({nxt!r}...): a per-row value (a date, an id) in the system prompt or template")  # fmt: skip
+        return f"rows differ from {where} of the rendered chat prompt ({nxt!r}...)"
+    col = inp.prompt_column or "prompt"
+    texts = [r.source for r in rows if isinstance(r.source, str)]
+    at = min((common_prefix_len(texts[0], t) for t in texts[1:]), default=len(head))
+    if texts:
+        nxt = texts[0][at : at + 20]
+    return f"rows differ from {where}: character {at} of column {col!r} ({nxt!r}...)"
+
+
+def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list[PlanRow]) -> dict[str, Any]:
+    """Where sharing is lost and what would share more (module docstring)."""
+    bs = inp.block_size
+    notes: list[str] = []
+    out: dict[str, Any] = {"notes": notes}
+    sample = [r for r in rows if r.token_ids][:SHARING_SAMPLE]
+    if len(sample) < 2:
+        return out
+    lcp = min(common_prefix_len(sample[0].token_ids, r.token_ids) for r in sample[1:])  # type: ignore[arg-type]
+    mean_len = float(np.mean([len(r.token_ids) for r in sample]))  # type: ignore[arg-type]
+    out["common_prefix_tokens"] = lcp
+    out["common_prefix_blocks"] = lcp // bs
+    where = _where_rows_differ(sample, tokenizer, inp, lcp)
+    if where:
+        out["first_difference"] = where
+        notes.append(f"{where}; the {lcp} tokens before it are shared ({lcp // bs} whole blocks of {bs})")
+    # a long run of text most rows hold, after a per-row part: moving it first would share it
+    texts = [r.source for r in sample if isinstance(r.source, str)]
+    if texts and tokenizer is not None:
+        found = shared_run_after_start(texts[:64])
+        if found is not None:
+            run, held, first_char = found
+            run_tokens = len(tokenizer.encode(run, add_special_tokens=False))
+            if held >= 0.5 and run_tokens >= 2 * bs and first_char > 0:
+                moved = [tokenizer.encode(run + t.replace(run, "", 1)) for t in texts if run in t]
+                better = simulate_prefix_cache(sorted(moved), bs).hit_rate
+                out["shared_run"] = {"text": run[:200], "tokens": run_tokens, "rows_fraction": held,
+                                     "first_char": first_char, "hit_rate_if_first": better}  # fmt: skip
+                notes.append(f"{run_tokens} tokens ({run[:40]!r}...) are held by {held:.0%} of the rows but "
+                             f"start at character {first_char}, after per-row text: put that text after them "
+                             f"(the shared part first) and the hit rate becomes about {better:.0%}")  # fmt: skip
+    # orders that would share more
+    if not inp.group_by_prefix and inp.lens:
+        rate = inp.grouped_cached / sum(inp.lens)
+        out["hit_rate_grouped"] = rate
+        if rate > hit_rate + 0.01:
+            notes.append(f"data.group_by_prefix=true (order each window by tokens) would share {rate:.0%}")
+    if len(inp.window_sizes) > 1 and inp.lens:
+        pairs = (
+            inp.all_tokens
+            if inp.all_tokens is not None
+            else [(_root(r), r.token_ids) for r in inp.kept.values()]
+        )
+        flat = sorted(pairs, key=lambda x: x[1])  # type: ignore[arg-type,return-value]
+        rate = simulate_prefix_cache([t for _, t in flat], bs, [r for r, _ in flat]).hit_rate  # type: ignore[misc]
+        out["hit_rate_input_sorted"] = rate
+        if inp.all_tokens is None:
+            out["hit_rate_input_sorted_sample_rows"] = len(pairs)
+        if rate > hit_rate + 0.05:
+            notes.append(f"rows sharing a prefix sit in different windows: sorting the input by prompt (or a "
+                         f"larger data.window_rows) would share {rate:.0%}")  # fmt: skip
+    if not notes or (lcp < bs and mean_len > 2 * bs and hit_rate < 0.05):
+        notes.append(f"rows share {lcp} leading tokens: less than a block of {bs}, so nothing is shared")
+    return out
+
+
+def _kv_bytes_per_token(engine: Any, model_path: str | None, dtype_bytes: int = 4) -> int | None:
+    st = getattr(engine, "stats", None) if engine is not None else None
+    if st is not None and st.block_size and st.bytes_per_block:
+        return st.bytes_per_block // st.block_size
+    if model_path is None:
+        return None
+    import json
+
+    try:
+        c = json.loads((Path(model_path) / "config.json").read_text())
+        c = c.get("text_config", c)
+        heads = c.get("num_attention_heads")
+        kv = c.get("num_key_value_heads", heads)
+        hd = c.get("head_dim") or c["hidden_size"] // heads
+        return 2 * c["num_hidden_layers"] * kv * hd * dtype_bytes
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{math.ceil(n / div * 10) / 10:g}{unit}"
+    return f"{int(n)}"
+
+
+def _weights_bytes(model_path: str | None) -> int:
+    if not model_path:
+        return 0
+    p = Path(model_path)
+    return sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else 0
+
+
+def _device_memory(engine: Any) -> tuple[str, int | None, int]:
+    """(device name, memory bytes of one device or None, devices visible)."""
+    try:
+        import torch
+
+        dev = str(getattr(engine, "device", "cpu")) if engine is not None else "cpu"
+        if dev.startswith("cuda") and torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return props.name, int(props.total_memory), torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no device information: CPU figures
+        pass
+    return "cpu", None, 1
+
+
+# ----------------------------------------------------------------------------------------- the plan
+def build_plan(
+    inp: PlanInput,
+    engine_cfg: Any,
+    *,
+    tokenizer: Any,
+    engine: Any = None,
+    plan_cfg: Any = None,
+    model: str | None = None,
+    model_path: str | None = None,
+    replicas: int = 1,
+) -> Plan:
+    """The plan of the rows ``inp`` (module docstring); ``engine`` (started) runs the calibration."""
+    from batchgen.job.config import PlanOptions
+
+    pc = plan_cfg or PlanOptions()
+    bs = inp.block_size
+    scale = inp.rows_total / inp.rows_read if inp.rows_read else 1.0
+    lens, bounds, ns = inp.lens, inp.bounds, inp.ns
+    saved = inp.saved  # prompt tokens not computed, per fed row
+    hit_rate = inp.hit_rate
+    errors = dict(sorted(inp.errors.items(), key=lambda kv: -kv[1]["rows"]))
+    n_err = sum(e["rows"] for e in errors.values())
+    n_fed = len(lens)
+    pct = _percentiles(lens)
+    data: dict[str, Any] = {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": model,
+        "shard": inp.shard,
+        "rows": {
+            "total": inp.rows_total,
+            "sampled": inp.rows_read,
+            "valid": round(n_fed * scale),
+            "error": round(n_err * scale),
+        },
+        "errors": errors,
+        "prompt_tokens": {"total": round(sum(lens) * scale), **pct},
+        "sharing": sharing_analysis(inp, tokenizer, hit_rate, inp.first),
+        "read_seconds": round(inp.read_seconds, 3),
+    }
+    bound_total = sum(b * n for b, n in zip(bounds, ns))
+    # ----- calibration and time
+    strata = _strata(lens, inp.heads)
+    cal: Calibration | None = None
+    if engine is not None and pc.calibrate and n_fed:
+        cal = _calibrate(engine, strata, saved, inp, engine_cfg, pc, scale, replicas)
+    expected = _expected_outputs(strata, bounds, cal)
+    out_expected = sum(e * n for e, n in zip(expected, ns))
+    data["output_tokens"] = {
+        "bound": round(bound_total * scale),
+        "expected": round(out_expected * scale),
+        "source": "calibration" if cal is not None and cal.ratios else "the bound (no calibration)",
+    }
+    predicted: dict[str, Any] = {
+        "prefix_hit_rate": hit_rate,
+        "prompt_tokens": round(sum(lens) * scale),
+        "prompt_tokens_to_compute": round((sum(lens) - sum(saved)) * scale),
+        "prompt_tokens_copied": round(sum(inp.copied) * scale),
+        "output_tokens": round(out_expected * scale),
+    }
+    data["predicted"] = predicted
+    # ----- memory and recommendations
+    kv_tok = _kv_bytes_per_token(engine, model_path)
+    st = getattr(engine, "stats", None) if engine is not None else None
+    pool_tokens = st.num_blocks * st.block_size if st is not None and st.num_blocks else None
+    if pool_tokens is None and engine_cfg.num_blocks:
+        pool_tokens = engine_cfg.num_blocks * bs
+    if pool_tokens is None and kv_tok:
+        pool_tokens = parse_bytes(engine_cfg.kv_cache_memory) // kv_tok
+    mean_seq = (sum(lens) - sum(saved) + out_expected) / max(1, n_fed) if n_fed else 1.0
+    fit = int(pool_tokens // max(mean_seq, 1)) if pool_tokens else None
+    dev_name, dev_mem, n_dev = _device_memory(engine)
+    data["memory"] = {"kv_bytes_per_token": kv_tok, "kv_pool_tokens": pool_tokens, "sequences_that_fit": fit,
+                      "weights_bytes": _weights_bytes(model_path), "device": dev_name, "device_memory": dev_mem}  # fmt: skip
+    data["recommended"] = _recommend(data, fit, kv_tok, pct, bounds, engine_cfg, inp, dev_mem, n_dev)
+    if cal is not None:
+        _predict_time(data, predicted, cal, lens, saved, expected, ns, inp, engine_cfg, scale,
+                      replicas, pool_tokens, pc, dev_name)  # fmt: skip
+    else:
+        predicted["wall_time_s"] = None
+        predicted["wall_time_range_s"] = None
+    return Plan(data)
+
+
+def _strata(lens: list[int], heads: list[int]) -> list[tuple[int, int]]:
+    """Each fed row's stratum: (prompt-length quartile, prefix group among the 3 largest, else 3)."""
+    if not lens:
+        return []
+    qs = np.percentile(np.asarray(lens), [25, 50, 75]).tolist()
+    counts: dict[int, int] = {}
+    for h in heads:
+        counts[h] = counts.get(h, 0) + 1
+    top = {h: i for i, (h, _) in enumerate(sorted(counts.items(), key=lambda kv: -kv[1])[:3])}
+    return [(bisect.bisect_left(qs, n), top.get(h, 3)) for n, h in zip(lens, heads)]
+
+
+def _sim_requests(lens, saved, outputs, ns) -> list[SimRequest]:  # noqa: ANN001
+    return [SimRequest(n - c, n, max(1, int(round(o))), k) for n, c, o, k in zip(lens, saved, outputs, ns)]
+
+
+def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas) -> Calibration:  # noqa: ANN001
+    rows = [CalibrationRow(i, r.token_ids, r.params, strata[i], r.lora) for i, r in inp.kept.items()]  # type: ignore[arg-type]
+    order = strata_order(rows)
+    pool = engine.stats.num_blocks * engine.stats.block_size or None
+
+    def budget(cal: Calibration) -> float:
+        expected = _expected_outputs(strata, inp.bounds, cal)
+        reqs = _sim_requests(inp.lens, saved, expected, inp.ns)
+        t = simulate_schedule(reqs, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool).seconds
+        return max(MIN_CALIBRATION_S, pc.calibration_fraction * t * cal.overhead * scale / max(1, replicas))
+
+    # the first batch runs at a lower concurrency than the job, its tail one sequence at a time: a row costs
+    # about 3 times what it costs in the job, so it takes a third of the budget's rows
+    first = max(2, min(ecfg.max_num_seqs, round(len(inp.lens) * scale * pc.calibration_fraction / 3)))
+    max_rows = min(pc.calibration_rows, len(order))
+    return run_calibration(engine, order, max_rows, budget, first, ecfg.max_num_seqs)
+
+
+def _expected_outputs(strata, bounds, cal: Calibration | None) -> list[float]:  # noqa: ANN001
+    """Each row's expected output tokens: its bound times a ratio its stratum showed in the calibration (the
+    ratios of a stratum handed out in turn, so the spread of lengths is kept), else the bound."""
+    if cal is None or not cal.ratios:
+        return [float(b) for b in bounds]
+    pooled = cal.all_ratios()
+    turn: dict[tuple[int, int], int] = {}
+    out = []
+    for s, b in zip(strata, bounds):
+        rs = cal.ratios.get(s) or pooled
+        i = turn.get(s, 0)
+        turn[s] = i + 1
+        out.append(b * rs[i % len(rs)])
+    return out
+
+
+def _predict_time(
+    data, predicted, cal, lens, cached, expected, ns, inp, ecfg, scale, replicas, pool, pc, dev_name
+) -> None:  # noqa: ANN001
+    reqs = _sim_requests(lens, cached, expected, ns)
+    # replicas take whole windows in turn; each replica's part is simulated on its own
+    per_window = inp.window_sizes
+    parts: list[list[SimRequest]] = [[] for _ in range(max(1, replicas))]
+    i = 0
+    for wi, n in enumerate(per_window):
+        parts[wi % len(parts)].extend(reqs[i : i + n])
+        i += n
+    times = []
+    for part in parts:
+        sim = simulate_schedule(part, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool)
+        times.append(sim.seconds * cal.overhead * scale)
+    wall = max(times) if times else 0.0
+    # reading and tokenizing the windows after the first runs beside the engine: on a CPU it competes for
+    # the same cores, on an accelerator it is hidden
+    if dev_name == "cpu" and len(inp.window_sizes) > 1:
+        wall += inp.read_seconds * scale * (1 - 1 / len(inp.window_sizes))
+    e = relative_spread(cal)
+    predicted["wall_time_s"] = wall
+    predicted["wall_time_range_s"] = [wall * (1 - e), wall * (1 + e)]
+    devices = max(1, replicas) * max(1, ecfg.tensor_parallel_size)
+    predicted["device_hours"] = wall * devices / 3600.0
+    predicted["cost"] = predicted["device_hours"] * pc.cost_per_hour if pc.cost_per_hour is not None else None
+    if replicas > 1:
+        data["shards"] = [{"index": k, "rows": round(len(p) * scale), "wall_time_s": t}
+                          for k, (p, t) in enumerate(zip(parts, times))]  # fmt: skip
+    data["calibration"] = {
+        "rows": cal.rows,
+        "seconds": round(cal.seconds, 3),
+        "fraction_of_predicted": cal.seconds / wall if wall > 0 else None,
+        "steps": cal.steps,
+        "device": dev_name,
+        "overhead": cal.overhead,
+        "step_model": cal.model.to_dict(),
+        "output_ratio_mean": float(np.mean(cal.all_ratios())) if cal.ratios else None,
+        "seconds_per_prefill_token": cal.model.coef[1] * cal.overhead or None,
+        "seconds_per_output_token": _per_output_token(cal.model, ecfg.max_num_seqs) * cal.overhead,
+    }
+
+
+def _per_output_token(model: StepModel, concurrency: int) -> float:
+    c = model.coef
+    return c[2] + c[0] / max(1, concurrency)
+
+
+def _recommend(data, fit, kv_tok, pct, bounds, ecfg, inp, dev_mem, n_dev) -> dict[str, Any]:  # noqa: ANN001
+    rec: dict[str, Any] = {}
+    if fit:
+        seqs = max(1, min(512, fit))
+        if seqs >= 8:
+            seqs -= seqs % 8
+        rec["engine.max_num_seqs"] = seqs
+        rec["data.window_rows"] = int(min(max(inp.rows_total, 1), max(1024, 4 * seqs)))
+        if kv_tok:
+            p90_bound = float(np.percentile(np.asarray(bounds), 90)) if bounds else 0.0
+            need = seqs * (pct["p90"] + p90_bound) * kv_tok * 1.1
+            rec["engine.kv_cache_memory"] = _fmt_bytes(max(need, 16 * kv_tok * ecfg.block_size))
+    weights = data["memory"]["weights_bytes"]
+    tp = 1
+    if dev_mem:
+        while weights / tp > 0.6 * dev_mem and tp < 8:
+            tp *= 2
+    rec["engine.tensor_parallel_size"] = tp
+    rec["engine.data_parallel_size"] = max(1, n_dev // tp)
+    return rec
+
+
+# ------------------------------------------------------------------------------------------ the job
+def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
+    """``run.dry_run=true``: the plan of the job described by ``plan`` (a :class:`JobPlan`), printed and
+    written to ``_plan.json``; returns the JobResult (exit status 0)."""
+    from batchgen.data.remote_output import open_output_dir
+    from batchgen.job.plan_report import format_plan, write_plan
+    from batchgen.job.result import EXIT_OK, JobResult
+    from batchgen.job.run import _load_tokenizer, _start_engine
+
+    cfg = plan.cfg
+    if cfg.task != "generate":
+        from batchgen.errors import ConfigError
+
+        raise ConfigError(f"run.dry_run plans task=generate jobs; task={cfg.task} is not supported")
+    tokenizer = engine.tokenizer if engine is not None else _load_tokenizer(plan)
+    inp = read_job_rows(plan, tokenizer, cfg.plan.sample_rows)
+    logger.info("dry run: read and tokenized %d of %d rows in %.1f s", inp.rows_read, inp.rows_total,
+                inp.read_seconds)  # fmt: skip
+    if engine is None and cfg.plan.calibrate and inp.lens:
+        engine = _start_engine(plan)
+    replicas = max(1, cfg.engine.data_parallel_size)
+    p = build_plan(inp, cfg.engine, tokenizer=tokenizer, engine=engine, plan_cfg=cfg.plan,
+                   model=cfg.model.path or "tiny (embedded)", model_path=plan.model_path, replicas=replicas)  # fmt: skip
+    p.data["fingerprint"] = plan.fingerprint  # the report compares only a plan of the same configuration
+    pred, count = p.data["predicted"], cfg.data.shard.count
+    if count > 1 and pred.get("device_hours") is not None:
+        # a Slurm array: every task plans its own shard; the whole array, estimated from this one
+        total = plan.input.num_rows
+        share = total / max(1, plan.row_end - plan.row_start)
+        pred["all_shards"] = {
+            "shards": count,
+            "rows": total,
+            "device_hours": pred["device_hours"] * share,
+            "cost": pred["cost"] * share if pred.get("cost") is not None else None,
+            "note": "estimated from this shard; run the dry run in each array task for each shard's own plan",
+        }
+    d = cfg.data
+    outdir = open_output_dir(d.output, d.shard.index, d.shard.count, dict(d.storage_options), d.lease_ttl_s)
+    where = write_plan(outdir, p.data)
+    msg = f"dry run: plan written to {where} (nothing else was written)"
+    if print_summary:
+        print(format_plan(p.data))
+        print(msg)
+    logger.info(msg)
+    return JobResult(EXIT_OK, "planned", str(outdir.path), None, None, msg)
+
+
+def plan_prompts(engine: Any, prompts: Any, params: Any = None, lora_request: Any = None,
+                 plan_cfg: Any = None) -> Plan:  # fmt: skip
+    """``LLM.plan``: the plan of ``LLM.generate(prompts, params)`` on ``engine`` (calibrated on it)."""
+    cfg = engine.config
+    inp = prompt_rows(
+        engine.tokenizer, prompts, params, engine.max_model_len, cfg.block_size, lora_request,
+        engine.stats.num_blocks or cfg.num_blocks, cfg.enable_prefix_caching,
+    )  # fmt: skip
+    return build_plan(inp, cfg, tokenizer=engine.tokenizer, engine=engine, plan_cfg=plan_cfg,
+                      model=getattr(engine, "model_path", None))  # fmt: skip

@@ -1,0 +1,171 @@
+"""The dry run's plan on disk and on screen: ``_plan.json`` in the shard's output directory, the printed plan,
+and the prediction set beside what a run did (the report's ``prediction`` section).
+
+``_plan.json`` is written beside the parts but is none of batchgen's output files: ``data.overwrite`` and the
+cleanup of a killed run leave it alone, and the output's rows and manifest are never touched by a dry run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from batchgen.job.eta import PlannedWork
+from batchgen.runtime.atomic import atomic_write_text
+
+PLAN_NAME = "_plan.json"
+
+
+def _location(outdir: Any) -> Any:
+    """The object-store location of a remote output directory (None for a local one)."""
+    return getattr(outdir, "loc", None)
+
+
+def write_plan(outdir: Any, plan: dict[str, Any]) -> str:
+    """Write ``_plan.json`` into the shard's output directory (atomically); returns where."""
+    text = json.dumps(plan, indent=1, default=str) + "\n"
+    loc = _location(outdir)
+    if loc is not None:
+        loc.put(PLAN_NAME, text.encode())
+        return str(loc.url_of(PLAN_NAME))
+    outdir.path.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(outdir.path / PLAN_NAME, text)
+    return str(outdir.path / PLAN_NAME)
+
+
+def read_plan(outdir: Any) -> dict[str, Any] | None:
+    """The shard's ``_plan.json`` (None when there is none, or it cannot be read)."""
+    try:
+        loc = _location(outdir)
+        if loc is not None:
+            raw = loc.read_bytes(PLAN_NAME)
+            return None if raw is None else json.loads(raw.decode())
+        p = outdir.path / PLAN_NAME
+        return json.loads(p.read_text()) if p.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def planned_work(outdir: Any) -> PlannedWork | None:
+    """The work ``_plan.json`` predicts for the shard, for the live ETA (None without a plan)."""
+    plan = read_plan(outdir)
+    return PlannedWork.from_plan(plan) if plan else None
+
+
+def prediction_section(plan: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """The plan's predictions beside what the run did (``report["prediction"]``): wall time (the run's work,
+    engine start-up excluded, as in ``run.wall_time_s``), prompt and generated tokens, prefix hit rate."""
+    p = plan.get("predicted") or {}
+    run, tok = report.get("run") or {}, report.get("tokens") or {}
+    rng = p.get("wall_time_range_s")
+    actual_wall = run.get("wall_time_s")
+    out: dict[str, Any] = {
+        "plan_created": plan.get("created"),
+        "wall_time_s": {"predicted": p.get("wall_time_s"), "range": rng, "actual": actual_wall},
+        "prefix_hit_rate": {"predicted": p.get("prefix_hit_rate"), "actual": tok.get("prefix_hit_rate")},
+        "prompt_tokens": {"predicted": p.get("prompt_tokens"), "actual": tok.get("prompt_admitted")},
+        "prompt_tokens_computed": {
+            "predicted": p.get("prompt_tokens_to_compute"),
+            "actual": tok.get("prompt_computed"),
+        },
+        "generated_tokens": {"predicted": p.get("output_tokens"), "actual": tok.get("generated")},
+    }
+    pw = p.get("wall_time_s")
+    if pw and actual_wall:
+        out["wall_time_s"]["error"] = (pw - actual_wall) / actual_wall
+        if rng:
+            out["wall_time_s"]["inside_range"] = rng[0] <= actual_wall <= rng[1]
+    ph, ah = p.get("prefix_hit_rate"), tok.get("prefix_hit_rate")
+    if ph is not None and ah is not None:
+        out["prefix_hit_rate"]["difference"] = ph - ah
+    return out
+
+
+def _num(x: Any, fmt: str = ".0f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "?"
+    return format(x, fmt)
+
+
+def _dur(s: float | None) -> str:
+    if s is None or s != s:
+        return "?"
+    if s < 60:
+        return f"{s:.1f} s"
+    h, rem = divmod(int(s), 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s"
+
+
+def prediction_lines(pred: dict[str, Any]) -> list[tuple[str, str]]:
+    """Rows of the report table for its ``prediction`` section."""
+    w, h = pred["wall_time_s"], pred["prefix_hit_rate"]
+    lines = []
+    if w.get("predicted") is not None:
+        rng = w.get("range") or [None, None]
+        inside = "" if "inside_range" not in w else (" (inside)" if w["inside_range"] else " (outside)")
+        err = f", {w['error']:+.0%}" if "error" in w else ""
+        lines.append(("planned wall time", f"{_dur(w['predicted'])} [{_dur(rng[0])} - {_dur(rng[1])}]; "
+                      f"actual {_dur(w.get('actual'))}{err}{inside}"))  # fmt: skip
+    if h.get("predicted") is not None:
+        lines.append(
+            ("planned prefix hit rate", f"{h['predicted']:.1%}; actual {_num(h.get('actual'), '.1%')}")
+        )
+    g = pred["generated_tokens"]
+    if g.get("predicted") is not None:
+        lines.append(("planned generated tokens", f"{_num(g['predicted'])}; actual {_num(g.get('actual'))}"))
+    return lines
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """The plan as the dry run prints it."""
+    rows, tok, pred = plan["rows"], plan["prompt_tokens"], plan["predicted"]
+    lines: list[tuple[str, str]] = [
+        ("model", str(plan.get("model"))),
+        ("shard", f"{plan['shard']['index']}/{plan['shard']['count']}: rows [{plan['shard']['row_start']}, "
+                  f"{plan['shard']['row_end']}), {plan['shard']['windows']} window(s)"),  # fmt: skip
+        ("rows", f"{rows['total']} ({rows['valid']} valid, {rows['error']} would be error rows)"
+         + (f"; {rows['sampled']} tokenized, totals scaled" if rows.get("sampled") != rows["total"] else "")),
+    ]  # fmt: skip
+    for reason, e in (plan.get("errors") or {}).items():
+        ids = ", ".join(str(i) for i in e["first_ids"])
+        lines.append(("  error rows", f"{e['rows']} x {reason} (ids {ids})"))
+    lines += [
+        ("prompt tokens", f"{_num(tok['total'])} (p50 {_num(tok['p50'])}, p90 {_num(tok['p90'])}, "
+                          f"p99 {_num(tok['p99'])}, max {_num(tok['max'])})"),
+        ("prompt tokens to compute", f"{_num(pred['prompt_tokens_to_compute'])} after prefix sharing "
+                                     f"(predicted prefix hit rate {pred['prefix_hit_rate']:.1%})"),
+    ]  # fmt: skip
+    for note in (plan.get("sharing") or {}).get("notes") or []:
+        lines.append(("  sharing", note))
+    out = plan.get("output_tokens") or {}
+    lines.append(("output tokens", f"bound {_num(out.get('bound'))}, expected {_num(pred.get('output_tokens'))}"
+                  + (f" ({out['source']})" if out.get("source") else "")))  # fmt: skip
+    mem = plan.get("memory") or {}
+    if mem:
+        lines.append(("KV cache", f"{_num(mem.get('kv_bytes_per_token'))} bytes/token; pool of "
+                      f"{_num(mem.get('kv_pool_tokens'))} tokens holds {_num(mem.get('sequences_that_fit'))} "
+                      "average sequences"))  # fmt: skip
+    rec = plan.get("recommended") or {}
+    if rec:
+        lines.append(("recommended", ", ".join(f"{k}={v}" for k, v in rec.items())))
+    rng = pred.get("wall_time_range_s") or [None, None]
+    lines.append(("predicted wall time", f"{_dur(pred.get('wall_time_s'))} [{_dur(rng[0])} - {_dur(rng[1])}]"
+                  + (f", {pred['device_hours']:.4g} device-hours" if pred.get("device_hours") is not None else "")
+                  + (f", cost {pred['cost']:.4g}" if pred.get("cost") is not None else "")))  # fmt: skip
+    alls = pred.get("all_shards")
+    if alls:
+        lines.append(("all shards", f"{alls['shards']} shards, {alls['rows']} rows: about "
+                      f"{alls['device_hours']:.4g} device-hours" + (f", cost {alls['cost']:.4g}" if alls.get("cost")
+                                                                     is not None else "")))  # fmt: skip
+    cal = plan.get("calibration") or {}
+    if cal:
+        lines.append(("calibration", f"{cal.get('rows', 0)} rows in {_dur(cal.get('seconds'))} on "
+                      f"{cal.get('device')}" + (f" ({cal['note']})" if cal.get("note") else "")))  # fmt: skip
+    for sh in plan.get("shards") or []:
+        lines.append((f"shard {sh['index']}", f"{sh['rows']} rows, {_dur(sh['wall_time_s'])}"))
+    w = max(len(k) for k, _ in lines)
+    bar = "-" * (w + 2 + max(len(v) for _, v in lines))
+    body = "\n".join(f"{k.ljust(w)}  {v}" for k, v in lines)
+    return f"{bar}\n{body}\n{bar}"

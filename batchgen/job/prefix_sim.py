@@ -1,0 +1,135 @@
+"""The engine's prefix cache, simulated over a job's prompts in the order the job feeds them, and where a
+dataset's prompts stop sharing.
+
+The simulation follows :mod:`batchgen.engine.kv.kv_cache`: only whole blocks of ``block_size`` tokens are shared,
+chained by their parent (and a LoRA adapter's root), never the block holding a prompt's last token (at most
+``(len - 1) // block_size`` blocks), and a prompt's full blocks are registered as it is scheduled (a request
+admitted right after it shares them). Cached blocks are evicted least recently used once ``capacity`` blocks
+are held (None: never). The figure it predicts is the report's ``tokens.prefix_hit_rate`` (whole-block hits
+over prompt tokens admitted).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class CacheResult:
+    """Per prompt (in the order given): tokens the cache served (whole blocks) and tokens copied from a cached
+    block continuing the prompt (a shared prefix ending inside a block); with totals."""
+
+    cached: list[int]
+    prompt_tokens: int
+    copied: list[int]
+
+    @property
+    def copied_tokens(self) -> int:
+        return sum(self.copied)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+MAX_CHILDREN = 8
+"""Cached children remembered per block for the partial-block copy: in the job's trie order the block that
+continues a prompt furthest is one of its latest siblings."""
+
+
+class PrefixCacheSim:
+    """The cache's state as prompts are admitted one after another (module docstring)."""
+
+    def __init__(self, block_size: int, capacity: int | None = None) -> None:
+        self.bs, self.capacity = block_size, capacity
+        self.cache: OrderedDict[Hashable, None] = OrderedDict()
+        self.children: dict[Hashable, list[tuple[int, ...]]] = {}  # parent -> tokens of cached child blocks
+
+    def admit(self, toks: Sequence[int], root: Hashable = None) -> tuple[int, int]:
+        """Admit one prompt: (tokens served by whole cached blocks, tokens copied from a cached block)."""
+        bs, cache, children = self.bs, self.cache, self.children
+        n = len(toks)
+        parent: Hashable = root
+        keys = []
+        for b in range(n // bs):
+            key = hash((parent, tuple(toks[b * bs : (b + 1) * bs])))
+            keys.append(key)
+            parent = key
+        hit = 0
+        for b in range((n - 1) // bs if n >= 2 else 0):
+            if keys[b] not in cache:
+                break
+            hit += 1
+            cache.move_to_end(keys[b])
+        # the registered block under the last shared one continuing the prompt furthest (never its last token)
+        start, lead = hit * bs, 0
+        end = min(start + bs, n - 1)
+        if end > start:
+            want = tuple(toks[start:end])
+            for child in reversed(children.get(keys[hit - 1] if hit else root, ())):
+                if child[0] == want[0]:
+                    lead = max(lead, common_prefix_len(want, child))
+                    if lead == len(want):
+                        break
+        for b in range(hit, len(keys)):
+            key = keys[b]
+            if key not in cache:
+                kids = children.setdefault(keys[b - 1] if b else root, [])
+                kids.append(tuple(toks[b * bs : (b + 1) * bs]))
+                if len(kids) > MAX_CHILDREN:
+                    del kids[0]
+            cache[key] = None
+            cache.move_to_end(key)
+        if self.capacity is not None:
+            while len(cache) > self.capacity:
+                cache.popitem(last=False)
+        return hit * bs, lead
+
+
+def simulate_prefix_cache(
+    prompts: Sequence[Sequence[int]],
+    block_size: int,
+    roots: Sequence[Hashable] | None = None,
+    capacity: int | None = None,
+) -> CacheResult:
+    """Tokens the prefix cache serves to each prompt of ``prompts`` admitted in this order (module docstring);
+    ``roots[i]`` starts prompt i's hash chain (its adapter; None = the base model)."""
+    sim = PrefixCacheSim(block_size, capacity)
+    res = CacheResult([], 0, [])
+    for i, toks in enumerate(prompts):
+        c, k = sim.admit(toks, roots[i] if roots is not None else None)
+        res.cached.append(c)
+        res.copied.append(k)
+        res.prompt_tokens += len(toks)
+    return res
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def shared_run_after_start(texts: Sequence[str], min_chars: int = 40) -> tuple[str, float, int] | None:
+    """The longest text two of ``texts`` share, when it is at least ``min_chars`` long and not at their start:
+    (the text, the fraction of ``texts`` holding it, where it starts in the first text); None otherwise."""
+    import difflib
+
+    if len(texts) < 2:
+        return None
+    a, b = texts[0], texts[len(texts) // 2] if texts[len(texts) // 2] != texts[0] else texts[-1]
+    m = difflib.SequenceMatcher(None, a, b, autojunk=False).find_longest_match(0, len(a), 0, len(b))
+    if m.size < min_chars or (m.a == 0 and m.b == 0):
+        return None
+    run = a[m.a : m.a + m.size]
+    held = sum(run in t for t in texts) / len(texts)
+    return run, held, m.a

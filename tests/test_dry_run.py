@@ -1,0 +1,194 @@
+"""The dry run: a plan read from the input as the job reads it, its prefix-cache prediction checked against
+the engine, its sharing notes, the Python API, and the report's prediction section after the real run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import job_config
+from s3_server import S3, s3, s3_endpoint  # noqa: F401 - fixtures
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.job.calibrate import SimRequest, StepModel, fit_step_model, simulate_schedule
+from batchgen.job.prefix_sim import simulate_prefix_cache
+from batchgen.job.run import run_job
+from batchgen.sampling_params import SamplingParams
+
+INSTRUCTION = (
+    "Answer the question below in one short sentence. Be precise, cite no sources and do not repeat "
+    "the question. Keep the answer under twenty words. "
+)
+
+
+def _engine(ckpt: str, **kw) -> LLMEngine:
+    return LLMEngine(
+        ckpt, EngineConfig(device="cpu", num_blocks=256, max_num_seqs=kw.pop("max_num_seqs", 4), **kw)
+    )
+
+
+def test_prefix_cache_simulation_matches_the_engine(tiny_ckpt: str) -> None:
+    engine = _engine(tiny_ckpt)
+    tok = engine.tokenizer
+    texts = [INSTRUCTION + f"Question {i}: what is {i} times {i + 3}?" for i in range(6)] + ["x" * 40, "abc"]
+    prompts = [tok.encode(t) for t in texts]
+    for i, p in enumerate(prompts):
+        engine.add_request(i, p, SamplingParams(max_tokens=2, temperature=0))
+        while engine.has_unfinished():  # one at a time: each sees every block registered before it
+            engine.step()
+    sim = simulate_prefix_cache(prompts, engine.stats.block_size)
+    assert sim.cached_tokens == engine.stats.prompt_tokens_cached
+    assert sim.copied_tokens == engine.stats.prompt_tokens_copied
+    assert sim.hit_rate == pytest.approx(engine.stats.prefix_hit_rate)
+
+
+def test_schedule_simulation_and_step_model() -> None:
+    unit = StepModel((1.0, 0.0, 0.0, 0.0))
+    # one request: its prefill step gives the first token, then 4 decode steps
+    assert simulate_schedule([SimRequest(10, 10, 5)], unit, 4, 4096, None).steps == 5
+    # four at once under a cap of 2: two rounds of 5 steps
+    reqs = [SimRequest(10, 10, 5) for _ in range(4)]
+    assert simulate_schedule(reqs, unit, 2, 4096, None).seconds == pytest.approx(10.0)
+    # a token budget of 8 splits a 20-token prompt into 3 chunks
+    assert simulate_schedule([SimRequest(20, 20, 1)], unit, 4, 8, None).steps == 3
+    m = fit_step_model([(p, d, 0.0, 0.01 + 0.001 * p + 0.002 * d) for p in (0, 5, 40) for d in (1, 3, 8)])
+    assert (
+        m.coef[0] == pytest.approx(0.01)
+        and m.coef[1] == pytest.approx(0.001)
+        and m.coef[2] == pytest.approx(0.002)
+    )
+
+
+def _input(tmp_path: Path, n: int = 24) -> Path:
+    prompts: list[str | None] = [INSTRUCTION + f"Question {i}: what is {i} plus {2 * i}?" for i in range(n)]
+    prompts[5] = None  # an error row
+    prompts[9] = ""
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": prompts, "key": [f"k{i}" for i in range(n)]}), inp)
+    return inp
+
+
+def test_dry_run_plans_without_touching_the_output_then_the_report_compares(
+    tiny_ckpt: str, tmp_path: Path
+) -> None:
+    inp = _input(tmp_path)
+    out = tmp_path / "out"
+    cfg = job_config(tiny_ckpt, inp, out, data={"window_rows": 8, "id_column": "key"})
+    cfg.run.dry_run = True
+    cfg.plan.cost_per_hour = 2.0
+    res = run_job(cfg, engine=_engine(tiny_ckpt), handle_signals=False, print_summary=False)
+    assert res.exit_code == 0 and res.status == "planned"
+    assert sorted(p.name for p in out.iterdir()) == ["_plan.json"]  # no rows, no manifest, no lock
+    plan = json.loads((out / "_plan.json").read_text())
+    assert plan["rows"] == {"total": 24, "sampled": 24, "valid": 22, "error": 2}
+    assert sum(e["rows"] for e in plan["errors"].values()) == 2
+    assert sorted(i for e in plan["errors"].values() for i in e["first_ids"]) == ["k5", "k9"]
+    tok = _engine(tiny_ckpt).tokenizer
+    valid = [INSTRUCTION + f"Question {i}: what is {i} plus {2 * i}?" for i in range(24) if i not in (5, 9)]
+    lens = [len(tok.encode(t)) for t in valid]
+    assert plan["prompt_tokens"]["total"] == sum(lens) and plan["prompt_tokens"]["max"] == max(lens)
+    pred = plan["predicted"]
+    assert plan["output_tokens"]["bound"] == 22 * 6
+    assert 0 < pred["output_tokens"] <= 22 * 6
+    assert (
+        pred["wall_time_s"] > 0
+        and pred["wall_time_range_s"][0] < pred["wall_time_s"] < pred["wall_time_range_s"][1]
+    )
+    assert pred["cost"] == pytest.approx(pred["device_hours"] * 2.0)
+    assert plan["calibration"]["rows"] >= 2
+    assert plan["memory"]["kv_bytes_per_token"] > 0 and plan["recommended"]["engine.max_num_seqs"] >= 1
+    assert "character" in plan["sharing"]["first_difference"]
+    # the real job, on a fresh engine: the report sets the prediction beside what happened
+    cfg.run.dry_run = False
+    res = run_job(cfg, engine=_engine(tiny_ckpt), handle_signals=False, print_summary=False)
+    assert res.exit_code == 0
+    report = json.loads((out / "_report.json").read_text())
+    p = report["prediction"]
+    assert p["prefix_hit_rate"]["predicted"] == pytest.approx(report["tokens"]["prefix_hit_rate"], abs=0.02)
+    assert p["prompt_tokens"]["actual"] == p["prompt_tokens"]["predicted"]
+    assert p["wall_time_s"]["actual"] == report["run"]["wall_time_s"] and "error" in p["wall_time_s"]
+    from batchgen.job.report import format_table
+
+    assert "planned wall time" in format_table(report)
+
+
+def test_sample_rows_and_sharing_notes(tiny_ckpt: str, tmp_path: Path) -> None:
+    # a per-row field before a long shared instruction: the plan says what to move first
+    rows = [f"Ticket {i * 7919 % 1000}: " + INSTRUCTION + f"Topic {i}." for i in range(32)]
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": rows}), inp)
+    cfg = job_config(tiny_ckpt, inp, tmp_path / "out", data={"window_rows": 8})
+    cfg.run.dry_run = True
+    cfg.plan.sample_rows = 8
+    cfg.plan.calibrate = False
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == 0
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert plan["rows"]["total"] == 32 and plan["rows"]["sampled"] == 8
+    assert plan["predicted"]["wall_time_s"] is None  # no calibration: tokens and memory only
+    run = plan["sharing"]["shared_run"]
+    assert run["rows_fraction"] == 1.0 and run["first_char"] > 0 and "Answer the question" in run["text"]
+    assert run["hit_rate_if_first"] > plan["predicted"]["prefix_hit_rate"] + 0.3
+    assert any("put that text after them" in n for n in plan["sharing"]["notes"])
+
+
+def test_chat_system_prompt_that_differs_is_named(qwen2_ckpt: str, tmp_path: Path) -> None:
+    msgs = [
+        [{"role": "system", "content": f"Today is 2026-01-{i + 10:02d}. " + INSTRUCTION},
+         {"role": "user", "content": f"What is {i} + {i}?"}]
+        for i in range(6)
+    ]  # fmt: skip
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"messages": [json.dumps(m) for m in msgs]}), inp)
+    cfg = job_config(qwen2_ckpt, inp, tmp_path / "out", data={"messages_column": "messages"})
+    cfg.run.dry_run = True
+    cfg.plan.calibrate = False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert "message 0 (system)" in plan["sharing"]["first_difference"]
+
+
+def test_llm_plan(tiny_ckpt: str) -> None:
+    from batchgen import LLM
+
+    llm = LLM(tiny_ckpt, device="cpu", num_blocks=256, max_num_seqs=4)
+    prompts = [INSTRUCTION + f"Question {i}?" for i in range(10)]
+    plan = llm.plan(prompts, SamplingParams(max_tokens=4, temperature=0))
+    assert plan.wall_time_s is not None and plan.wall_time_s > 0
+    assert plan["rows"]["total"] == 10 and plan["output_tokens"]["bound"] == 40
+    assert 0 < plan.prefix_hit_rate < 1
+    assert "predicted wall time" in str(plan)
+    off = LLM(tiny_ckpt, device="cpu", num_blocks=256, max_num_seqs=4, enable_prefix_caching=False)
+    plan = off.plan(prompts, SamplingParams(max_tokens=4, temperature=0))
+    assert plan.prefix_hit_rate == 0.0
+    outs = off.generate(prompts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in outs) == 0
+
+
+def test_dry_run_reads_and_writes_an_object_store(tiny_ckpt: str, s3) -> None:  # noqa: ANN001, F811
+    s3.put_table("in/a.parquet", pa.table({"prompt": [INSTRUCTION + f"Question {i}?" for i in range(10)]}))
+    cfg = job_config(tiny_ckpt, s3.url("in/"), s3.url("out"))
+    cfg.run.dry_run = True
+    cfg.plan.calibrate = False
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == 0, res.message
+    assert s3.keys("out/") == ["out/_plan.json"]  # no manifest, no lease, no part
+    plan = json.loads(s3.get("out/_plan.json"))
+    assert plan["rows"]["total"] == 10 and plan["predicted"]["prefix_hit_rate"] > 0.3
+
+
+def test_a_shard_of_an_array_plans_its_slice_and_estimates_the_array(tiny_ckpt: str, tmp_path: Path) -> None:
+    inp = _input(tmp_path, 16)
+    cfg = job_config(tiny_ckpt, inp, tmp_path / "out", data={"shard": {"index": 1, "count": 2}})
+    cfg.run.dry_run = True
+    cfg.plan.cost_per_hour = 1.0
+    assert run_job(cfg, engine=_engine(tiny_ckpt), handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((tmp_path / "out" / "shard-00001-of-00002" / "_plan.json").read_text())
+    assert plan["shard"]["row_start"] == 8 and plan["rows"]["total"] == 8
+    alls = plan["predicted"]["all_shards"]
+    assert alls["shards"] == 2 and alls["rows"] == 16
+    assert alls["device_hours"] == pytest.approx(2 * plan["predicted"]["device_hours"])

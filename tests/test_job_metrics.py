@@ -1,0 +1,144 @@
+"""Prometheus metrics of a running job: scraped over HTTP while it runs, and the node-exporter textfile."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.request
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import EngineAtStep, job_config
+from prometheus_client.parser import text_string_to_metric_families
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.job.run import run_job
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.labels or set(s.labels) == {"le"} and s.labels["le"] == "+Inf":
+                out[s.name] = s.value
+    return out
+
+
+def test_metrics_scraped_while_the_job_runs(tiny_ckpt: str, tmp_path: Path) -> None:
+    inp = tmp_path / "in.parquet"
+    shared = "You are a helpful assistant. Answer the question in one short sentence, please. "
+    pq.write_table(
+        pa.table({"prompt": [shared + f"Question {i}: what is {i} + {i}?" for i in range(12)]}), inp
+    )
+    port = _free_port()
+    textfile = tmp_path / "node" / "batchgen.prom"
+    textfile.parent.mkdir()
+    cfg = job_config(tiny_ckpt, inp, tmp_path / "out", data={"window_rows": 4}, engine={"max_num_seqs": 2})
+    cfg.run.metrics_port = port
+    cfg.run.metrics_file = str(textfile)
+    scraped: list[dict[str, float]] = []
+    got = threading.Event()
+
+    def scrape() -> None:  # a Prometheus server's view: poll /metrics until one scrape shows work
+        while not got.is_set():
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                continue
+            s = _samples(text)
+            scraped.append(s)
+            if s.get("batchgen:generation_tokens_total", 0) > 0 and s.get("batchgen:job_rows_done", 0) > 0:
+                got.set()
+
+    engine = LLMEngine(tiny_ckpt, EngineConfig(device="cpu", num_blocks=256, max_num_seqs=2))
+    thread = threading.Thread(target=scrape, daemon=True)
+    thread.start()
+    waiting = EngineAtStep(engine, 12, lambda: got.wait(30))  # hold the job mid-run until a scrape saw work
+    result = run_job(cfg, engine=waiting, handle_signals=False, print_summary=False)
+    got.set()
+    thread.join(10)
+    assert result.exit_code == 0
+    mid = next(s for s in scraped if s.get("batchgen:job_rows_done", 0) > 0)
+    assert 0 < mid["batchgen:job_rows_done"] < 12  # taken while the job ran
+    assert mid["batchgen:job_rows_total"] == 12
+    for name in ("batchgen:prompt_tokens_total", "batchgen:generation_tokens_total",
+                 "batchgen:kv_cache_usage_perc", "batchgen:num_requests_running", "batchgen:num_requests_waiting",
+                 "batchgen:prefix_cache_hits_total", "batchgen:prefix_cache_queries_total",
+                 "batchgen:time_to_first_token_seconds_count", "batchgen:time_per_output_token_seconds_count",
+                 "batchgen:job_error_rows", "batchgen:job_windows_committed", "batchgen:job_eta_seconds"):  # fmt: skip
+        assert name in mid, name
+    assert mid["batchgen:time_per_output_token_seconds_count"] > 0
+    # the textfile holds the final figures, in the same format
+    final = _samples(textfile.read_text())
+    assert final["batchgen:job_rows_done"] == 12 and final["batchgen:job_eta_seconds"] == 0
+    assert final["batchgen:job_windows_committed"] == 3
+    assert final["batchgen:time_to_first_token_seconds_count"] == 12
+    assert final["batchgen:prefix_cache_hits_total"] > 0
+    assert final["batchgen:generation_tokens_total"] == engine.stats.generated_tokens
+    assert not list(textfile.parent.glob("*.tmp*"))  # written atomically
+    # the server is gone once the job returns
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+        served = True
+    except OSError:
+        served = False
+    assert not served
+
+
+def test_dashboard_charts_only_exported_metrics() -> None:
+    import json
+    import re
+
+    from batchgen.job.metrics import JobMetrics
+
+    root = Path(__file__).resolve().parents[1]
+    dash = json.loads((root / "jobs" / "grafana" / "batchgen-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"batchgen:[a-z_]+", e)}
+    exported = set()
+    for fam in text_string_to_metric_families(JobMetrics().text()):
+        exported |= {s.name for s in fam.samples} | {fam.name}
+    assert used and used <= exported, used - exported
+
+
+def test_eta_counts_the_tokens_that_remain() -> None:
+    from batchgen.engine.core.stats import EngineStats
+    from batchgen.job.eta import PlannedWork, TokenETA
+
+    # the plan: 10 rows, 1000 prompt tokens to compute, 2000 output tokens; half of each done in 10 s of steps
+    eta = TokenETA(10, 0, PlannedWork(10, 1000.0, 2000.0))
+    eta.step(EngineStats(), 0.0, 0.0)
+    for i in range(1, 11):  # steps of 50 prefill + 100 decode tokens, 1 s each
+        eta.step(EngineStats(prompt_tokens_computed=50 * i, generated_tokens=100 * i), 1.0, float(i))
+    # rows x mean would say 10 s more for 5 rows left after 5 done; the tokens left say the same work: 10 s
+    assert eta.eta_s(5) == pytest.approx(10.0, rel=0.05)
+    # a long tail: 9 of 10 rows done but only half the tokens: still 10 s, not 10 s / 9
+    assert eta.eta_s(9) == pytest.approx(10.0, rel=0.05)
+    assert eta.eta_s(10) == 0.0
+
+
+def test_progress_line_shows_errors_and_the_eta(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from batchgen.engine.core.stats import EngineStats
+    from batchgen.job.eta import PlannedWork
+    from batchgen.job.progress import Progress
+
+    caplog.set_level(logging.INFO, logger="batchgen.progress")
+    p = Progress(total=10, mode="log", interval_s=1e-9, planned=PlannedWork(10, 100.0, 1000.0))
+    p.update(0, stats=EngineStats())
+    p.update(1, errors=1)
+    p.update(1, stats=EngineStats(prompt_tokens=20, prompt_tokens_computed=20, generated_tokens=200))
+    line = caplog.records[-1].getMessage()
+    assert "2/10 rows" in line and "errors 1" in line
+    eta = line.rsplit("ETA ", 1)[1]
+    assert eta != "?" and p.eta_s() > 0
