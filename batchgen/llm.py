@@ -156,10 +156,34 @@ class LLM:
         engine = self.engine
         base = engine.stats.num_requests
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
-        for rid, prompt, p, lora in zip(ids, prompts, params, loras):
-            engine.add_request(rid, prompt.engine_prompt, p, lora_request=lora)
         results: dict[str, RequestOutput] = {}
+        with_images = [i for i, p in enumerate(prompts) if p.images]
+        if with_images:  # prepared ahead, in worker threads (batchgen.multimodal.prepare)
+            from batchgen.multimodal import prepare
+
+            toks = [
+                prompts[i].token_ids or list(engine.tokenizer.encode(prompts[i].text)) for i in with_images
+            ]
+            ready = dict(
+                zip(
+                    with_images,
+                    prepare.prepare(
+                        prepare.image_prompts_for(engine),
+                        [(t, prompts[i].images) for t, i in zip(toks, with_images)],
+                    ),
+                )
+            )
+        for i, (rid, prompt, p, lora) in enumerate(zip(ids, prompts, params, loras)):
+            if prompt.images:
+                item = ready[i]
+                if isinstance(item, str):  # its images cannot be used: an error output, never sent
+                    results[rid] = prepare.error_output(rid, prompt.token_ids or [], p.n, item, prompt.text)
+                    continue
+                engine.add_request(rid, item.token_ids, p, lora_request=lora, images=item.images)
+                continue
+            engine.add_request(rid, prompt.engine_prompt, p, lora_request=lora)
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
+        bar.update(len(results))
         try:
             while engine.has_unfinished():
                 for out in engine.step():
@@ -172,8 +196,8 @@ class LLM:
                     engine.abort_request(rid)
         outs = [results[rid] for rid in ids]
         for out, prompt in zip(outs, prompts):
-            if prompt.token_ids is not None and prompt.text is not None:
-                out.prompt = prompt.text  # a TokensPrompt's own text
+            if prompt.text is not None and (prompt.token_ids is not None or prompt.images):
+                out.prompt = prompt.text  # a TokensPrompt's own text; an image prompt's text
         return outs
 
     # ------------------------------------------------------------------------------------------- chat

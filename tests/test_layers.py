@@ -27,6 +27,7 @@ _ABOVE_ENGINE = [
     "batchgen.llm",
     "batchgen.pooling_runner",
     "batchgen.data",
+    "batchgen.multimodal",
     "batchgen.job",
     "batchgen.bench",
     "batchgen.cli",

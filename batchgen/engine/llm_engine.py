@@ -21,6 +21,7 @@ from batchgen.engine.interface import StepInfo, StepListener
 from batchgen.engine.kv_cache import KVCacheManager
 from batchgen.engine.lora_manager import LoRAManager
 from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.multimodal import EngineImages, ImageSlot
 from batchgen.engine.output_processor import OutputProcessor, error_output
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.pooling import PoolingState
@@ -143,6 +144,7 @@ class LLMEngine:
         weakref.finalize(self, self.executor.close)
         self._flights: deque[InFlight] = deque()
         self._sync_ids: set[str | int] = set()
+        self.images = EngineImages(self.model, config)
 
     def _attach_lora(self, path: str, config: EngineConfig) -> tuple[LoRAManager, LoRASlots]:
         """Adapter slots in the model (before the KV cache is sized: they count as weights) and their manager."""
@@ -232,13 +234,15 @@ class LLMEngine:
         prompt_logprobs_start: int | None = None,
         pooling: PoolingState | None = None,
         lora_request: LoRARequest | None = None,
+        images: Seq[ImageSlot] = (),
     ) -> None:
         """Queue a request. ``prompt_logprobs_start``: compute the logprobs of the prompt tokens from this
         position on (scoring: the continuation's first token), reusing the prefix cache before it.
         ``pooling``: a prefill-only pooling request (:mod:`batchgen.engine.pooling`; no ``params``) whose
         pooled hidden state is written into the given state; it gets no logit row and samples nothing: the
         step that completes its prompt finishes it. ``lora_request``: the adapter to run it under
-        (needs ``enable_lora``; an adapter that cannot be read or applied fails this request alone)."""
+        (needs ``enable_lora``; an adapter that cannot be read or applied fails this request alone). ``images``: the
+        prompt's images, their placeholders already expanded in ``prompt`` (:mod:`batchgen.engine.multimodal`)."""
         if lora_request is not None and self.lora is None:
             raise ValueError("a lora_request needs an engine built with enable_lora=True")
         if pooling is not None:
@@ -266,6 +270,9 @@ class LLMEngine:
         # A constraint is compiled (cached) now, so a bad schema or regex fails this request alone.
         if error is None and params.constrained:
             error = self.structured.validate(params) if structured_available() else _NO_XGRAMMAR
+        seq_ids = self.images.place(request_id, token_ids, images) if images and error is None else token_ids
+        if isinstance(seq_ids, str):
+            error = seq_ids
         if error is not None:
             self.counters.num_error_requests += 1
             self._errors.append(error_output(request, error))
@@ -278,7 +285,7 @@ class LLMEngine:
             or pooling
         ):
             self._sync_ids.add(request_id)
-        self.scheduler.add(request.new_sequence(list(token_ids), 0))
+        self.scheduler.add(request.new_sequence(list(seq_ids), 0))
         self.counters.prompt_tokens += len(token_ids)
 
     def _validate(self, token_ids: list[int], params: SamplingParams, pooling: bool = False) -> str | None:
@@ -312,6 +319,7 @@ class LLMEngine:
         if request is not None:
             self.scheduler.abort_request(request)
             self._release_lora(request)
+            self.images.release(request_id)
 
     def _release_lora(self, request: Request) -> None:
         if request.lora_slot >= 0 and self.lora is not None and request.lora_request is not None:
@@ -445,5 +453,6 @@ class LLMEngine:
         self.requests.pop(request.request_id, None)
         self._sync_ids.discard(request.request_id)
         self._release_lora(request)
+        self.images.release(request.request_id)
         self.counters.num_finished_requests += 1
         return self.outputs.request_output(request)
