@@ -213,10 +213,20 @@ class LLM:
         """Generate replies to one conversation (a list of ``{role, content}`` messages) or a list of them,
         rendered with the tokenizer's chat template (``chat_template`` overrides it; ``chat_template_kwargs``
         go to ``apply_chat_template``, e.g. ``{"enable_thinking": False}``). ``content`` is a string or a list
-        of OpenAI ``{"type": "text", "text": ...}`` parts. Like vLLM's ``LLM.chat``."""
+        of OpenAI ``{"type": "text", "text": ...}`` parts, and for an image-text model image parts
+        (``{"type": "image_url", "image_url": {"url": ...}}``), rendered by the checkpoint's processor chat
+        template (:mod:`batchgen.multimodal.chat`). Like vLLM's ``LLM.chat``."""
         from batchgen.chat import render
+        from batchgen.multimodal.chat import has_images
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if any(has_images(c) for c in conversations):
+            from batchgen.multimodal.prepare import chat_prompts
+
+            image_prompts = chat_prompts(
+                self.engine, conversations, add_generation_prompt, chat_template, chat_template_kwargs
+            )
+            return self.generate(image_prompts, sampling_params, use_tqdm=use_tqdm)
         prompts = [
             render(self.tokenizer, c, add_generation_prompt, chat_template, chat_template_kwargs)
             for c in conversations

@@ -120,3 +120,50 @@ def test_a_text_model_refuses_images(llama_ckpt):
         {"prompt": "hi", "multi_modal_data": {"image": random_image(8, 8, 0)}}, GREEDY, use_tqdm=False
     )
     assert "takes no images" in out[0].error
+
+
+def test_chat_with_image_parts_uses_the_processor_template(llava, llm, tmp_path):
+    a, b = random_image(70, 50, 21), random_image(50, 70, 22)
+    import base64
+
+    data_url = "data:image/png;base64," + base64.b64encode(png_bytes(b)).decode()
+    path = tmp_path / "a.png"
+    path.write_bytes(png_bytes(a))
+    conversations = [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": f"file://{path}"}},
+                    {"type": "text", "text": "What is shown?"},
+                ],
+            }
+        ],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Compare"},
+                    {"type": "image_url", "image_url": {"url": data_url}},
+                    {"type": "image", "image": a},
+                ],
+            }
+        ],
+        [{"role": "user", "content": "plain text turn"}],
+    ]
+    outs = llm.chat(conversations, GREEDY, use_tqdm=False)
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(llava)
+    rows = []
+    for conv, images in zip(conversations, [[a], [b, a], []]):
+        hf_conv = [
+            {**m, "content": [{"type": "image"} if p["type"] != "text" else p for p in m["content"]]}
+            if isinstance(m["content"], list)
+            else m
+            for m in conv
+        ]
+        rows.append((proc.apply_chat_template(hf_conv, add_generation_prompt=True), images))
+    assert [o.prompt for o in outs] == [r[0] for r in rows]
+    assert [o.error for o in outs] == [None] * 3
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llava, rows, GREEDY.max_tokens)

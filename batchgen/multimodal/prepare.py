@@ -64,3 +64,43 @@ def error_output(
 
 def tokenize(tokenizer: Any) -> Callable[[str], list[int]]:
     return lambda text: list(tokenizer.encode(text))
+
+
+def chat_prompts(
+    engine: Any,
+    conversations: Sequence[Sequence[Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> list[dict[str, Any]]:
+    """Each conversation rendered by the processor's chat template as a prompt dict (token ids, text and
+    its images); ValueError when the model takes no images or a message is malformed."""
+    from batchgen.chat import render as render_text
+    from batchgen.multimodal.chat import has_images, render, split_images
+
+    side = image_prompts_for(engine)
+    if isinstance(side, str):
+        raise ValueError(side)
+    prompts = []
+    for conversation in conversations:
+        if has_images(conversation):
+            messages, images = split_images(conversation)
+            text = render(
+                side.processor,
+                engine.tokenizer,
+                messages,
+                add_generation_prompt,
+                chat_template,
+                chat_template_kwargs,
+            )
+        else:
+            images = []
+            text = render_text(
+                engine.tokenizer, conversation, add_generation_prompt, chat_template, chat_template_kwargs
+            )
+        ids = list(engine.tokenizer.encode(text, add_special_tokens=False))  # the template wrote them
+        prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        prompts.append(prompt)
+    return prompts
