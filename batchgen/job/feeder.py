@@ -142,7 +142,7 @@ class WindowWork:
         first), each group in prefix-trie order; or input order."""
         valid = [r.position for r in rows if r.ok and r.position not in skip]
         if group_by_prefix:
-            keys = [rows[p].token_ids for p in valid]
+            keys = [(rows[p].image_hashes, rows[p].token_ids) for p in valid]  # rows of one image together
             valid = [valid[i] for i in prefix_order(keys)]  # type: ignore[arg-type]
             if any(rows[p].lora is not None for p in valid):  # stable: prefix order within each adapter
                 valid.sort(key=lambda p: _adapter_id(rows[p]))
@@ -266,7 +266,11 @@ class EngineFeeder:
             pos = work.feed.popleft()
             row = work.rows[pos]
             self.where[row.row_index] = (work, pos)
-            if row.lora is None:
+            if row.images:
+                engine.add_request(
+                    row.row_index, row.token_ids, row.params, lora_request=row.lora, images=row.images
+                )
+            elif row.lora is None:
                 engine.add_request(row.row_index, row.token_ids, row.params)
             else:
                 engine.add_request(row.row_index, row.token_ids, row.params, lora_request=row.lora)
