@@ -4,6 +4,7 @@ rows with image parts, error rows for bad images, output equal to the API's (whi
 from __future__ import annotations
 
 import base64
+import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -72,6 +73,9 @@ def test_image_job_matches_the_api_and_bad_images_are_error_rows(llava, tmp_path
     assert "but the row has no image" in got[3]["error"]  # the placeholders of row 3 with no image in 'image'
     assert "corrupt or truncated" in got[4]["error"]
     assert "no such file" in got[5]["error"]
+    figures = json.loads((out / "_report.json").read_text())["images"]
+    assert (figures["references"], figures["distinct"], figures["encoded"]) == (4, 3, 3)
+    assert 0 < figures["encoder_share"] < 1
     llm = LLM(llava, kv_cache_memory="32MiB")
     ok = [0, 1, 2, 6, 7]
     api = llm.generate(
@@ -211,3 +215,15 @@ def test_image_job_killed_with_sigkill_resumes_identically(llava, tmp_path):
     resumed = dataclasses.replace(ref, data=dataclasses.replace(ref.data, output=str(out)))
     assert run_job(resumed, print_summary=False, handle_signals=False).exit_code == 0
     assert part_contents(out) == part_contents(tmp_path / "ref")
+
+
+def test_help_documents_the_image_keys():
+    from batchgen.job.help import render_options
+
+    text = render_options()
+    for key in (
+        "data.image_column=null",
+        "engine.encoder_cache_memory=1GiB",
+        "engine.limit_mm_per_prompt=null",
+    ):
+        assert key in text

@@ -68,3 +68,19 @@ class EngineImages:
     def release(self, request_id: str | int) -> None:
         for h in self._held.pop(request_id, ()):
             self.inputs.release(h)
+
+    def report(self, wall_time_s: float) -> dict[str, Any]:
+        """The job report's ``images`` section (empty when no request showed an image): image slots of the
+        rows, distinct images, encoder runs, encoder seconds and their share of the wall time."""
+        s = self.stats
+        if not s.references:
+            return {}
+        return {
+            "images": {
+                "references": s.references,
+                "distinct": s.distinct,
+                "encoded": s.encoded,
+                "encoder_time_s": round(s.encoder_seconds, 4),
+                "encoder_share": s.encoder_seconds / max(wall_time_s, 1e-9),
+            }
+        }

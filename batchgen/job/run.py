@@ -466,6 +466,8 @@ class _Job:
         plan, outdir, m, writer = self.plan, self.outdir, self.manifest, self.writer
         assert plan is not None and outdir is not None and m is not None and writer is not None
         this_run = (writer.rows_done, writer.windows_done)
+        images = getattr(self.engine, "images", None)  # image-text models: the encoder's figures
+        extra = {**extra, **(images.report(wall) if images is not None else {})}
         return job_report(
             plan, outdir, m, self.tally, this_run, self.stop.signal_name, status, wall, extra, stats
         )
