@@ -224,6 +224,19 @@ def test_help_documents_the_image_keys():
     for key in (
         "data.image_column=null",
         "engine.encoder_cache_memory=1GiB",
-        "engine.limit_mm_per_prompt=null",
+        "engine.limit_mm_per_prompt={}",
     ):
         assert key in text
+
+
+def test_cli_takes_the_image_limit_per_prompt():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchgen.cli", "--cfg", "job", "engine.limit_mm_per_prompt={image: 2}",
+         "data.image_column=img"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    assert "limit_mm_per_prompt:\n    image: 2" in proc.stdout and "image_column: img" in proc.stdout

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _UNITS = {
     "": 1,
@@ -114,9 +114,9 @@ class EngineConfig:
     encoder_cache_memory: str = "1GiB"
     """Image-text models: bytes of vision-encoder outputs kept for reuse (least recently used evicted first),
     so an image shown by many rows is encoded once while its features fit."""
-    limit_mm_per_prompt: dict[str, int] | None = None
-    """Image-text models: most items per prompt by modality, e.g. ``{"image": 4}`` (vLLM's name); a row with
-    more fails alone. None: no limit."""
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    """Image-text models: most items per prompt by modality, e.g. ``{image: 4}`` (vLLM's name); a row with
+    more fails alone. A modality not named has no limit."""
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
