@@ -167,3 +167,26 @@ def test_chat_with_image_parts_uses_the_processor_template(llava, llm, tmp_path)
     assert [o.prompt for o in outs] == [r[0] for r in rows]
     assert [o.error for o in outs] == [None] * 3
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llava, rows, GREEDY.max_tokens)
+
+
+def test_llava_next_any_resolution_equals_transformers(tmp_path_factory):
+    """LLaVA-NeXT: the token count follows each image's size and aspect ratio (tiles, unpadding, newlines)."""
+    ckpt = build_llava(tmp_path_factory.mktemp("llava_next"), next_grid=[[56, 112], [112, 56], [112, 112]])
+    imgs = [
+        random_image(w, h, 30 + i) for i, (w, h) in enumerate([(56, 56), (120, 60), (60, 130), (300, 200)])
+    ]
+    rows = [
+        ("<image> what is it?", [imgs[0]]),
+        ("Compare <image> and <image>", [imgs[1], imgs[2]]),
+        (_chat("Describe it."), [imgs[3]]),
+        (_chat("Again"), [imgs[1]]),
+    ]
+    llm = LLM(ckpt, kv_cache_memory="32MiB")
+    outs = llm.generate(
+        [{"prompt": t, "multi_modal_data": {"image": ims}} for t, ims in rows], GREEDY, use_tqdm=False
+    )
+    assert [o.error for o in outs] == [None] * len(rows)
+    counts = [o.prompt_token_ids.count(llm.engine.model.image_token_id) for o in outs]
+    assert counts[0] != counts[3] and counts[2] != counts[3]  # each image's size gives its own token count
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, rows, GREEDY.max_tokens)
+    assert llm.engine.images.stats.encoded == 4

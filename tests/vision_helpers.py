@@ -23,10 +23,10 @@ def png_bytes(image) -> bytes:
 def hf_greedy(ckpt: str, rows, max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy tokens for each ``(text, images)`` row, one row at a time (the reference)."""
     import torch
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     proc = AutoProcessor.from_pretrained(ckpt)
-    model = LlavaForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
     out = []
     for text, images in rows:
         enc = proc(text=[text], images=images or None, return_tensors="pt")

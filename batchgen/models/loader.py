@@ -154,8 +154,10 @@ _MULTIMODAL_PREFIXES = (  # (checkpoint prefix, ours): transformers 4.x and 5.x 
 _VISION_PREFIXES = (
     "vision_tower.",
     "multi_modal_projector.",
+    "image_newline",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    "model.image_newline",
 )
 
 

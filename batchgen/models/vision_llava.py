@@ -1,4 +1,7 @@
-"""LLaVA (1.5): a CLIP vision tower and a two-layer projector in front of a native Llama-family decoder.
+"""LLaVA (1.5) and LLaVA-NeXT: a CLIP vision tower and a two-layer projector in front of a native Llama-family
+decoder; NeXT tiles each image at any resolution (a base view plus a grid of crops), unpads the grid's features
+to the image's aspect ratio and ends each row with the learnt ``image_newline`` (transformers'
+``pack_image_features``), so its token count depends on the image size.
 
 The vision tower and projector are transformers' own module classes built from the checkpoint's config and
 loaded from its ``vision_tower.*`` / ``multi_modal_projector.*`` tensors (transformers 4.x and 5.x layouts), so
@@ -20,7 +23,9 @@ from batchgen.models.config import ModelConfig
 _PREFIXES = (
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.image_newline", "image_newline"),
 )
+_OURS = ("vision_tower.", "multi_modal_projector.", "image_newline")
 
 
 class LlavaEncoder(nn.Module):
@@ -43,13 +48,52 @@ class LlavaEncoder(nn.Module):
         dtype = next(self.parameters()).dtype
         device = next(self.parameters()).device
         batch = torch.stack([p["pixel_values"] for p in pixels]).to(device=device, dtype=dtype)
+        return list(self.project(batch))
+
+    def project(self, batch: Tensor) -> Tensor:
+        """[N, 3, H, W] pixels -> [N, tokens, hidden] projected features of the selected layer(s)."""
         out = self.vision_tower(batch, output_hidden_states=True, return_dict=True)
         layers = [self.feature_layer] if isinstance(self.feature_layer, int) else list(self.feature_layer)
         hs = [out.hidden_states[i] for i in layers]
         if self.select_strategy == "default":
             hs = [h[:, 1:] for h in hs]
-        feats = self.multi_modal_projector(hs[0] if len(hs) == 1 else torch.cat(hs, dim=-1))
-        return list(feats)
+        return self.multi_modal_projector(hs[0] if len(hs) == 1 else torch.cat(hs, dim=-1))
+
+
+class LlavaNextEncoder(LlavaEncoder):
+    """LLaVA-NeXT: every crop of every image through the tower in one batch, then transformers'
+    ``LlavaNextModel.pack_image_features`` per image (exactly ``LlavaNextModel.get_image_features``)."""
+
+    def __init__(self, hf_config) -> None:
+        super().__init__(hf_config)
+        self.config = hf_config  # read by pack_image_features
+        self.image_newline = nn.Parameter(torch.zeros(hf_config.text_config.hidden_size))
+
+    @torch.inference_mode()
+    def encode(self, pixels: list[dict[str, Tensor]]) -> list[Tensor]:
+        from transformers.models.llava_next.modeling_llava_next import (
+            LlavaNextModel,
+            image_size_to_num_patches,
+        )
+
+        cfg = self.config
+        dtype = next(self.parameters()).dtype
+        device = next(self.parameters()).device
+        sizes = [p["image_sizes"] for p in pixels]
+        counts = [
+            image_size_to_num_patches(
+                image_size=s, grid_pinpoints=cfg.image_grid_pinpoints, patch_size=cfg.vision_config.image_size
+            )
+            for s in sizes
+        ]
+        batch = torch.cat([p["pixel_values"][:n] for p, n in zip(pixels, counts)]).to(
+            device=device, dtype=dtype
+        )
+        feats = torch.split(self.project(batch), counts, dim=0)
+        packed, _ = LlavaNextModel.pack_image_features(
+            self, feats, torch.stack(sizes), self.select_strategy, image_newline=self.image_newline
+        )
+        return list(packed)
 
 
 def load_llava(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
@@ -62,7 +106,11 @@ def load_llava(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
 
     language_model = load_native_model(ckpt, config, dtype=dtype, device=device)
     hf = AutoConfig.from_pretrained(str(ckpt))
-    encoder = LlavaEncoder(hf)
+    encoder = (
+        LlavaNextEncoder(hf)
+        if config.architecture == "LlavaNextForConditionalGeneration"
+        else LlavaEncoder(hf)
+    )
     state: dict[str, Tensor] = {}
     for file in safetensors_files(ckpt):
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -73,7 +121,7 @@ def load_llava(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
                         break
                 else:
                     name_ours = name
-                if name_ours.startswith(("vision_tower.", "multi_modal_projector.")):
+                if name_ours.startswith(_OURS):
                     state[name_ours] = f.get_tensor(name)
     missing, unexpected = encoder.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.endswith("position_ids")]

@@ -37,16 +37,23 @@ def build_llava(
     vision_hidden_size: int = 32,
     vocab_size: int = 4096,
     seed: int = 0,
+    next_grid: list[list[int]] | None = None,
 ) -> str:
     """Build the tiny LLaVA checkpoint and processor in `out_dir`; returns its path.
 
-    Each image becomes ``(image_size / patch_size)**2`` placeholder tokens (16 by default)."""
+    Each image becomes ``(image_size / patch_size)**2`` placeholder tokens (16 by default). With ``next_grid``
+    (``image_grid_pinpoints``, multiples of ``image_size``) it is a LLaVA-NeXT checkpoint instead
+    (``LlavaNextForConditionalGeneration``, any-resolution tiling: the token count depends on the image size)."""
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
         LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
         LlavaProcessor,
     )
 
@@ -78,7 +85,7 @@ def build_llava(
         projection_dim=vision_hidden_size,
         initializer_range=0.08,
     )
-    cfg = LlavaConfig(
+    common = dict(
         vision_config=vision,
         text_config=text,
         image_token_index=image_token_id,
@@ -86,18 +93,37 @@ def build_llava(
         vision_feature_layer=-2,
         projector_hidden_act="gelu",
     )
+    cfg = (
+        LlavaConfig(**common)
+        if next_grid is None
+        else LlavaNextConfig(**common, image_grid_pinpoints=next_grid)
+    )
     cfg.initializer_range = 0.08
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlavaForConditionalGeneration(cfg)
+        model = (LlavaForConditionalGeneration if next_grid is None else LlavaNextForConditionalGeneration)(
+            cfg
+        )
+        if next_grid is not None:
+            with torch.no_grad():
+                model.model.image_newline.normal_(0.0, 0.5)
     model.generation_config.bos_token_id = tok.bos_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(str(out))
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
-    )
-    processor = LlavaProcessor(
+    if next_grid is not None:
+        image_processor = LlavaNextImageProcessorPil(
+            size={"shortest_edge": image_size},
+            crop_size={"height": image_size, "width": image_size},
+            image_grid_pinpoints=next_grid,
+        )
+        processor_class = LlavaNextProcessor
+    else:
+        image_processor = CLIPImageProcessorPil(
+            size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+        )
+        processor_class = LlavaProcessor
+    processor = processor_class(
         image_processor=image_processor,
         tokenizer=tok,
         patch_size=patch_size,
