@@ -240,3 +240,22 @@ def test_cli_takes_the_image_limit_per_prompt():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-1000:]
     assert "limit_mm_per_prompt:\n    image: 2" in proc.stdout and "image_column: img" in proc.stdout
+
+
+def test_a_window_runs_the_rows_of_one_image_together():
+    from types import SimpleNamespace
+
+    from batchgen.data.prompts import PromptRow
+    from batchgen.data.reader import WindowSpec
+    from batchgen.job.feeder import WindowWork
+
+    def row(pos: int, image: str | None, ids: list[int]) -> PromptRow:
+        r = PromptRow(pos, pos, pos, token_ids=ids)
+        r.images = [SimpleNamespace(hash=image)] if image else None
+        return r
+
+    # the same text before different images must not interleave the rows of one image
+    rows = [row(0, "b", [5, 9, 1]), row(1, "a", [5, 9, 2]), row(2, "b", [5, 9, 0]), row(3, None, [7]),
+            row(4, "a", [5, 9, 0])]  # fmt: skip
+    work = WindowWork.create(WindowSpec(0, 0, 5), rows, group_by_prefix=True)
+    assert list(work.feed) == [3, 4, 1, 2, 0]

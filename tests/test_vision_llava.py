@@ -190,3 +190,19 @@ def test_llava_next_any_resolution_equals_transformers(tmp_path_factory):
     assert counts[0] != counts[3] and counts[2] != counts[3]  # each image's size gives its own token count
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, rows, GREEDY.max_tokens)
     assert llm.engine.images.stats.encoded == 4
+
+
+def test_preemption_and_async_scheduling_keep_image_rows_exact(llava):
+    """A pool too small for every row at once preempts (recompute: the image's features come back from the
+    encoder cache or are encoded again), and async scheduling runs forwards in a worker thread: same tokens."""
+    imgs = [random_image(56 + 8 * i, 56, 50 + i) for i in range(4)]
+    rows = [(_chat(f"question {i}"), [imgs[i % 4]]) for i in range(8)]
+    ref = hf_greedy(llava, rows, 24)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=False)
+    inputs = [{"prompt": t, "multi_modal_data": {"image": ims}} for t, ims in rows]
+    small = LLM(llava, num_blocks=12, block_size=8, max_num_seqs=8, encoder_cache_memory="5KiB")
+    outs = small.generate(inputs, params, use_tqdm=False)
+    assert small.engine.stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    pipelined = LLM(llava, kv_cache_memory="32MiB", async_scheduling=True)
+    assert [o.outputs[0].token_ids for o in pipelined.generate(inputs, params, use_tqdm=False)] == ref
