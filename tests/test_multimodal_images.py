@@ -77,3 +77,15 @@ def test_pixel_limit_and_reduced_jpeg_decoding():
     small = ImageLoader(target_side=50).load(big)  # decoded at a reduced scale (JPEG draft), not whole
     assert small.size[0] < 400 and min(small.size) >= 100
     assert small.hash == ImageLoader().load(big).hash  # the hash is of the bytes, whatever the decode scale
+
+
+def test_text_only_use_never_imports_pillow():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, batchgen, batchgen.llm, batchgen.job.run, batchgen.multimodal.inputs, "
+        "batchgen.multimodal.rows, batchgen.engine.llm_engine; print('PIL' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
