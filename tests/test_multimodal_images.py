@@ -1,5 +1,7 @@
 """Image sources, content hashes and the error of each bad-image case (batchgen.multimodal.images)."""
 
+# ruff: noqa: F811 - the s3 fixture is imported from s3_server and used as an argument
+
 from __future__ import annotations
 
 import base64
@@ -9,6 +11,7 @@ import pytest
 
 pytest.importorskip("PIL", reason="image inputs need the vision extra (Pillow)")
 from PIL import Image  # noqa: E402
+from s3_server import s3, s3_endpoint  # noqa: E402, F401 - fixtures
 
 from batchgen.multimodal.images import ImageError, ImageLoader  # noqa: E402
 
@@ -50,6 +53,15 @@ def test_object_store_urls_go_through_the_storage_layer():
     assert loader.load("memory://imgs/x.png").size == (24, 16)
     with pytest.raises(ImageError, match="no such object"):
         loader.load("memory://imgs/missing.png")
+
+
+def test_s3_images_through_a_local_s3_server(s3):
+    data = _png(color=(1, 2, 3))
+    s3.client.put_object(Bucket=s3.bucket, Key="imgs/a.png", Body=data)
+    loader = ImageLoader()
+    assert loader.load(s3.url("imgs/a.png")).hash == ImageLoader().load(data).hash
+    with pytest.raises(ImageError, match="no such object"):
+        loader.load(s3.url("imgs/none.png"))
 
 
 @pytest.mark.parametrize(
