@@ -34,13 +34,16 @@ def test_greedy_equals_transformers_batched(llava, llm, tmp_path):
     a, b, c, d = (
         random_image(w, h, s) for s, (w, h) in enumerate([(56, 56), (120, 60), (40, 90), (300, 200)])
     )
-    path = tmp_path / "d.png"
-    path.write_bytes(png_bytes(d))
+    path = tmp_path / "d.jpg"  # a JPEG far larger than the processor's 56 px: decoded at full scale
+    d.save(path, format="JPEG")
+    from PIL import Image
+
+    jpeg = Image.open(path).convert("RGB")
     rows = [
         (_chat("What is in the picture?"), [a]),
         ("Compare <image> with <image>, please.", [b, c]),
         (_chat("Describe it."), [a]),  # the same image again, other text
-        ("<image>", [d]),
+        ("<image>", [jpeg]),
         ("No image here, only text.", []),
         (_chat("Two of them", 2), [c, d]),
     ]

@@ -9,9 +9,9 @@ Invariants:
 
 - The content hash is the SHA-256 of the encoded bytes (or, for a ``PIL.Image``, of its mode, size and pixels):
   two rows naming the same file, or carrying the same bytes, get the same hash, and the encoder runs once.
-- Decoding is bounded: an image over ``max_pixels`` (Pillow's decompression-bomb guard) is refused, and a JPEG
-  larger than the processor needs is decoded at a reduced scale (``draft``), never held whole, whenever
-  ``target_side`` is given.
+- Decoding is bounded: an image over ``max_pixels`` is refused before its pixels are decoded. With
+  ``target_side`` a JPEG more than twice that size is decoded at a reduced scale (``draft``); off by default, since
+  the processor's resize of the full-scale pixels is what transformers computes.
 - Every failure — a missing file, unreadable object, truncated or corrupt bytes, an unknown format — is an
   :class:`ImageError` whose message names the source (credentials redacted) and the reason.
 """

@@ -81,7 +81,8 @@ class ImagePrompts:
         self.image_token_id = image_token_id
         self.image_token = self.processor.tokenizer.convert_ids_to_tokens(image_token_id)
         self.max_images = max_images
-        self.loader = loader or ImageLoader(target_side=_target_side(self.processor))
+        # full-scale decoding: the processor resizes from the original pixels, as transformers does
+        self.loader = loader or ImageLoader()
         self._pixels: OrderedDict[str, tuple[dict[str, Tensor], int]] = OrderedDict()
         self._cache_items = cache_items
         self._lock = threading.Lock()
@@ -164,12 +165,3 @@ def _placeholder_runs(token_ids: Sequence[int], token: int) -> list[tuple[int, i
         else:
             i += 1
     return runs
-
-
-def _target_side(processor: Any) -> int | None:
-    """The shortest side the image processor resizes to, when it says (lets JPEG decoding downscale)."""
-    size = getattr(getattr(processor, "image_processor", None), "size", None) or {}
-    if isinstance(size, dict):
-        side = size.get("shortest_edge") or size.get("height")
-        return int(side) if side else None
-    return None

@@ -30,7 +30,7 @@ def image_prompts_for(engine: Any, storage_options: dict[str, Any] | None = None
     limit = (engine.config.limit_mm_per_prompt or {}).get("image")
     side = ImagePrompts(engine.model_path, model.image_token_id, max_images=limit)
     if storage_options:
-        side.loader = ImageLoader(storage_options, target_side=side.loader.target_side)
+        side.loader = ImageLoader(storage_options)
     engine._image_prompts = side
     return side
 

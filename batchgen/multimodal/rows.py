@@ -50,7 +50,7 @@ def image_side(
             if token is None:
                 raise ValueError(f"{checkpoint} is not an image-text checkpoint batchgen runs")
             side = ImagePrompts(checkpoint, token, max_images=max_images)
-            side.loader = ImageLoader(storage_options, target_side=side.loader.target_side)
+            side.loader = ImageLoader(storage_options)
             _SIDES[key] = side
         return side
 
