@@ -129,7 +129,8 @@ class ImageInputs:
                 img.pixels = {}
 
     def features(self, keys: list[int], encode) -> dict[int, Tensor]:
-        """Features of each key: from the cache, the rest encoded in one batch by ``encode(pixel list)``."""
+        """Features of each key: from the cache, the rest encoded in one batch by ``encode(pixel list)``. A key
+        whose pixels were released is left out: only a step in flight when its request was aborted asks for it."""
         out: dict[int, Tensor] = {}
         missing: list[int] = []
         with self._lock:
@@ -140,9 +141,11 @@ class ImageInputs:
                 else:
                     out[k] = t
             pixels = [self._by_key[k][1].pixels for k in missing]
+        released = [k for k, p in zip(missing, pixels) if not p]
+        if released:  # only a step already in flight when its request was aborted (its tokens are dropped)
+            missing = [k for k, p in zip(missing, pixels) if p]
+            pixels = [p for p in pixels if p]
         if missing:
-            if any(not p for p in pixels):
-                raise RuntimeError("an image's features are needed after its last request released it")
             t0 = time.perf_counter()
             computed = encode(pixels)
             elapsed = time.perf_counter() - t0
@@ -180,6 +183,10 @@ class ImageTextModel(nn.Module):
         keys, offsets = rel >> OFFSET_BITS, rel & (MAX_IMAGE_TOKENS - 1)
         uniq = sorted(set(keys.tolist()))
         feats = self.images.features(uniq, self.encoder.encode)
+        for k in uniq:  # an aborted request's image in a step already in flight: its rows are discarded
+            if k not in feats:
+                n = int(offsets[keys == k].max()) + 1
+                feats[k] = torch.zeros(n, embeds.shape[-1], dtype=embeds.dtype, device=embeds.device)
         table = torch.cat([feats[k] for k in uniq]).to(embeds.dtype)
         starts = torch.tensor([0] + [feats[k].shape[0] for k in uniq], device=embeds.device).cumsum(0)
         index = torch.searchsorted(torch.tensor(uniq, device=keys.device), keys)
