@@ -8,9 +8,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from batchgen import threads as _threads  # noqa: E402  (no torch: imports only os and sys)
+from batchgen.runtime import threads as _threads  # noqa: E402  (no torch: imports only os and sys)
 
-_threads.prepare()  # before torch loads OpenMP: its wait policy can only be chosen now (batchgen/threads.py)
+_threads.prepare()  # before torch loads OpenMP: its wait policy can only be chosen now (batchgen/runtime/threads.py)
 
 __all__ = [
     "LLM",

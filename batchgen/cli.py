@@ -7,9 +7,11 @@
 Exit status (README's table): 0 done (or nothing left to do); 3 done, but more error rows than
 ``run.max_error_fraction``; 75 incomplete — interrupted by SIGINT/SIGTERM/SIGUSR1 (start-up included), the
 disk is full or a tensor-parallel rank was lost — rerun to resume; 2 invalid configuration, input or output
-directory (one line, before any work where it can be detected); 1 anything else, including Hydra's own errors (a misspelt key, a wrong type).
+directory (one line, before any work where it can be detected), a misspelt key or a value of the wrong type
+included; 1 anything else, including Hydra's own errors.
 No Python traceback unless ``HYDRA_FULL_ERROR=1`` (or ``BATCHGEN_DEBUG=1``). The job never changes the working
-directory; Hydra's run files go to ``<output>/_logs/<timestamp>/`` (per shard).
+directory; Hydra's run files go to ``<output>/_logs/<timestamp>/`` (per shard; for a results file
+``results.jsonl``, into its bookkeeping directory ``_results.jsonl.batchgen/_logs/``).
 
 In a multirun (``-m``, e.g. the submitit launchers) each job writes its status into its Hydra job directory
 (:data:`~batchgen.data.layout.STATUS_NAME`); when the sweep is over,
@@ -42,12 +44,12 @@ from pathlib import Path  # noqa: E402
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from batchgen import startup_trace  # noqa: E402
 from batchgen.data.layout import STATUS_NAME  # noqa: E402
-from batchgen.job.cli_args import single_strings_as_lists, wants_version  # noqa: E402
+from batchgen.job.cli_args import override_problem, single_strings_as_lists, wants_version  # noqa: E402
 from batchgen.job.hydra_setup import MULTIRUN_FAILURES, register_configs, register_resolvers  # noqa: E402
 from batchgen.job.result import EXIT_CONFIG  # noqa: E402
 from batchgen.job.shard_env import missing_count_message  # noqa: E402
+from batchgen.runtime import startup_trace  # noqa: E402
 
 register_configs()
 register_resolvers()
@@ -136,12 +138,20 @@ def assign_lora_modules(args: list[str]) -> list[str]:
     return ["+" + a if a.startswith(lora) else a for a in args]
 
 
+def _schema() -> DictConfig:
+    """The typed root config (the ConfigStore's ``batchgen_schema``) that overrides are checked against."""
+    from hydra.core.config_store import ConfigStore
+
+    return ConfigStore.instance().load("batchgen_schema.yaml").node
+
+
 def main() -> None:
     """Console entry point (``batchgen``). ``--cfg job`` prints the config with interpolations resolved."""
     startup_trace.mark("imports")
     argv = sys.argv[1:]
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and os.environ.get("RANK", "0") != "0":
-        from batchgen.engine.tp_launch import serve_from_env  # torchrun / srun: a tensor-parallel worker rank
+        # torchrun / srun: a tensor-parallel worker rank
+        from batchgen.engine.worker.tp_launch import serve_from_env
 
         sys.exit(serve_from_env())
     if wants_version(argv):
@@ -160,6 +170,10 @@ def main() -> None:
             sys.argv.append("--resolve")
     problem = missing_count_message()
     if problem and not any(a.lstrip("+").startswith("data.shard.count=") for a in argv):
+        print(f"batchgen: {problem}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    problem = override_problem(argv, _schema())
+    if problem:
         print(f"batchgen: {problem}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     sys.argv[1:] = assign_lora_modules(sys.argv[1:])

@@ -7,14 +7,15 @@ from dataclasses import fields
 
 from tqdm.auto import tqdm
 
+from batchgen.driver import EngineRequest, run_requests
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.engine.core.outputs import RequestOutput
 from batchgen.lora_request import LoRARequest
 from batchgen.pooling.checkpoint import read_checkpoint, resolve_task
 from batchgen.pooling.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput
 from batchgen.pooling.params import POOLING_TASKS, PoolingParams
-from batchgen.pooling_runner import PoolingRunner
+from batchgen.pooling.runner import PooledRow, PoolingRunner
 from batchgen.prompt_inputs import ParsedPrompt, Prompt, parse_prompts
 from batchgen.sampling_params import SamplingParams
 from batchgen.scoring import Score, rolling_loglikelihood, score_token_pairs, split_pair
@@ -113,7 +114,8 @@ class LLM:
         return self.pooler
 
     def _pool(self, runner, prompts, spec, task: str, use_tqdm: bool) -> list[PoolingRequestOutput]:
-        token_lists = _token_lists(runner.tokenize, parse_prompts(prompts))
+        parsed = parse_prompts(prompts)
+        token_lists = _token_lists(runner.tokenize, parsed)
         bar = tqdm(total=len(token_lists), desc=task, disable=not use_tqdm, dynamic_ncols=True)
         try:
             rows = runner.run(token_lists, spec, on_done=bar.update)
@@ -121,6 +123,8 @@ class LLM:
             bar.close()
         outs = []
         for i, (toks, row) in enumerate(zip(token_lists, rows)):
+            if parsed[i].token_ids is None and not parsed[i].text:  # no tokens: an error row, as in a job
+                row = PooledRow(error=EMPTY_PROMPT)
             if row.error is not None:
                 value = None
             elif task == "embed":
@@ -153,10 +157,10 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         loras = _per_prompt(lora_request, len(prompts))
-        engine = self.engine
-        base = engine.stats.num_requests
+        base = self.engine.stats.num_requests
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
-        results: dict[str, RequestOutput] = {}
+        engine = self.engine
+        results: dict[str | int, RequestOutput] = {}
         with_images = [i for i, p in enumerate(prompts) if p.images]
         if with_images:  # prepared ahead, in worker threads (batchgen.multimodal.prepare)
             from batchgen.multimodal import prepare
@@ -173,27 +177,30 @@ class LLM:
                     ),
                 )
             )
+        requests = []
         for i, (rid, prompt, p, lora) in enumerate(zip(ids, prompts, params, loras)):
-            if prompt.images:
-                item = ready[i]
-                if isinstance(item, str):  # its images cannot be used: an error output, never sent
-                    results[rid] = prepare.error_output(rid, prompt.token_ids or [], p.n, item, prompt.text)
-                    continue
-                engine.add_request(rid, item.token_ids, p, lora_request=lora, images=item.images)
+            if not prompt.images:
+                requests.append(EngineRequest(rid, prompt.engine_prompt, p, lora_request=lora))
                 continue
-            engine.add_request(rid, prompt.engine_prompt, p, lora_request=lora)
+            item = ready[i]
+            if isinstance(item, str):  # its images cannot be used: an error output, never sent
+                results[rid] = prepare.error_output(rid, prompt.token_ids or [], p.n, item, prompt.text)
+            else:
+                requests.append(
+                    EngineRequest(rid, item.token_ids, p, lora_request=lora, images=tuple(item.images))
+                )
+
+        def collect(finished: list[RequestOutput]) -> None:
+            for out in finished:
+                results[out.request_id] = out
+            bar.update(len(finished))
+
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         bar.update(len(results))
         try:
-            while engine.has_unfinished():
-                for out in engine.step():
-                    results[out.request_id] = out
-                    bar.update(1)
+            run_requests(self.engine, requests, collect)
         finally:
             bar.close()
-            for rid in ids:
-                if rid not in results:
-                    engine.abort_request(rid)
         outs = [results[rid] for rid in ids]
         for out, prompt in zip(outs, prompts):
             if prompt.text is not None and (prompt.token_ids is not None or prompt.images):
@@ -288,11 +295,16 @@ def _per_prompt(
     return loras
 
 
+EMPTY_PROMPT = "prompt must be a non-empty string"
+"""The error of an empty text prompt to :meth:`LLM.embed` / :meth:`LLM.classify` (a job's error row says the
+same, naming its prompt column)."""
+
+
 def _token_lists(tokenize, prompts: list[ParsedPrompt]) -> list[list[int]]:
     """Token ids of each prompt: texts tokenised in one batch by ``tokenize`` (texts -> id lists), token ids as
-    given."""
-    texts = [i for i, p in enumerate(prompts) if p.token_ids is None]
-    out = [p.token_ids for p in prompts]
+    given; an empty text has none (an error row, never the tokenizer's special tokens alone)."""
+    texts = [i for i, p in enumerate(prompts) if p.token_ids is None and p.text]
+    out = [p.token_ids if p.token_ids is not None else [] for p in prompts]
     for i, t in zip(texts, tokenize([prompts[i].text for i in texts])):
         out[i] = t
     return out  # type: ignore[return-value]

@@ -19,7 +19,7 @@ Semantics follow vLLM / the OpenAI API where they exist, so a config written for
   supported with it (a ValueError says so); eos, ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` and
   ``max_tokens`` apply to every beam.
 * Structured outputs (``json_schema``, ``regex``, ``choice``, ``grammar``; at most one): every token is drawn
-  from those the grammar allows (:mod:`batchgen.engine.structured`); not with beam search, ``ignore_eos``
+  from those the grammar allows (:mod:`batchgen.engine.features.structured`); not with beam search, ``ignore_eos``
   or ``min_tokens``.
 
 Validation happens in ``__post_init__`` (also after ``dataclasses.replace``): a bad value raises a
@@ -330,11 +330,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding is greedy (temperature < 1e-5): the argmax of the penalised logits."""
         return self.temperature < GREEDY_EPS
-
-    @property
-    def use_beam_search(self) -> bool:
-        """True when ``beam_width > 1``."""
-        return self.beam_width > 1
 
     @property
     def needs_penalties(self) -> bool:

@@ -2,7 +2,7 @@
 ``loglikelihood``), and the rolling log-likelihood of a whole text (perplexity).
 
 Each (context, continuation) pair runs as one request over ``context + continuation`` whose prompt logprobs are
-computed from the continuation's first token on (:mod:`batchgen.engine.prompt_logprobs`): the context may come
+computed from the continuation's first token on (:mod:`batchgen.engine.features.prompt_logprobs`): the context may come
 from the prefix cache, so many continuations of one context compute the context once. Requests are submitted
 in token order (like the job's grouper) so continuations of one context run next to each other.
 """
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from batchgen.driver import EngineRequest, run_requests
+from batchgen.engine.core.outputs import RequestOutput
 from batchgen.lora_request import LoRARequest
 from batchgen.sampling_params import SamplingParams
 
@@ -49,33 +51,36 @@ def score_token_pairs(
         return (lora.lora_int_id if lora is not None else 0), [*pairs[i][0], *pairs[i][1]]
 
     order = sorted(range(len(pairs)), key=key)
-    ids: dict[str, int] = {}
+    requests, ids = [], {}
     for i in order:
         ctx, cont = pairs[i]
         if len(ctx) == 0 or len(cont) == 0:
             raise ValueError(f"pair {i}: context and continuation need at least one token each")
         rid = f"score-{base + i}"
         ids[rid] = i
-        engine.add_request(rid, [*ctx, *cont], params, prompt_logprobs_start=len(ctx), lora_request=loras[i])
+        requests.append(
+            EngineRequest(rid, [*ctx, *cont], params, lora_request=loras[i], prompt_logprobs_start=len(ctx))
+        )
     results: list[Score | None] = [None] * len(pairs)
+
+    def collect(finished: list[RequestOutput]) -> None:
+        for out in finished:
+            i = ids[out.request_id]
+            if out.error is not None:
+                raise ValueError(f"pair {i} cannot be scored: {out.error}")
+            n_ctx = len(pairs[i][0])
+            lps, greedy = [], True
+            for tok, d in zip(out.prompt_token_ids[n_ctx:], out.prompt_logprobs[n_ctx:]):
+                lps.append(d[tok])
+                greedy = greedy and next(iter(d)) == tok  # the first key is the top-1 token
+            results[i] = Score(math.fsum(lps), len(lps), greedy, out.num_cached_tokens, lps)
+            bar.update(1)
+
     bar = tqdm(total=len(pairs), desc="score", disable=not use_tqdm, dynamic_ncols=True)
     try:
-        while engine.has_unfinished():
-            for out in engine.step():
-                i = ids[out.request_id]
-                if out.error is not None:
-                    raise ValueError(f"pair {i} cannot be scored: {out.error}")
-                n_ctx = len(pairs[i][0])
-                lps, greedy = [], True
-                for tok, d in zip(out.prompt_token_ids[n_ctx:], out.prompt_logprobs[n_ctx:]):
-                    lps.append(d[tok])
-                    greedy = greedy and next(iter(d)) == tok  # the first key is the top-1 token
-                results[i] = Score(math.fsum(lps), len(lps), greedy, out.num_cached_tokens, lps)
-                bar.update(1)
+        run_requests(engine, requests, collect)
     finally:
         bar.close()
-        for rid in ids:
-            engine.abort_request(rid)
     return results  # type: ignore[return-value]
 
 

@@ -11,7 +11,7 @@ OpenMP. Semantics: :mod:`.reference` (scale, sliding window, soft-capping, sinks
 
 Build: plain C, no torch headers (< 1 s), with the C compiler of ``$CC``, else Python's configured ``CC``, else
 ``cc``/``gcc`` on ``PATH``, flags :data:`FLAGS`, into ``<batchgen cache>/cpu_kernels/<key>/`` (the cache root
-of :mod:`batchgen.disk_cache`, ``$BATCHGEN_CACHE``; built atomically by :func:`batchgen.atomic.build_dir_once`).
+of :mod:`batchgen.runtime.disk_cache`, ``$BATCHGEN_CACHE``; built atomically by :func:`batchgen.runtime.atomic.build_dir_once`).
 The key hashes the source, the compiler (its binary's path, size and mtime), the flags, the machine and the CPU's flags, so a home
 directory shared by different cluster nodes never loads a binary built for another CPU. The ``.so`` links
 ``libgomp.so.1``, the soname torch's wheel bundles: loaded after torch, it shares torch's OpenMP runtime.
@@ -121,8 +121,8 @@ def build_key(cc: list[str], defines: tuple[str, ...] = ()) -> str:
 def build(cc: list[str], defines: tuple[str, ...] = ()) -> Path:
     """Compile the kernels (or find them built) and return the ``.so`` path; raises on failure. ``defines``:
     preprocessor macros (``BATCHGEN_GENERIC``: the plain-C loops instead of the AVX2 ones; tests build both)."""
-    from batchgen.atomic import build_dir_once
-    from batchgen.disk_cache import cache_root
+    from batchgen.runtime.atomic import build_dir_once
+    from batchgen.runtime.disk_cache import cache_root
 
     def compile_into(tmp: Path) -> None:
         out = ["-o", str(tmp / LIB_NAME), *map(str, SOURCES), "-lm"]

@@ -12,7 +12,7 @@ Plain helpers shared by the job tests (import them: ``from conftest import job_c
 `job_config` (a small CPU JobConfig), `part_contents` (what must be identical after a resume),
 `windows_done` (a manifest's finished windows), `env_without_slurm` (a subprocess environment whose shard
 defaults are not taken from a surrounding Slurm array), `random_seed` (fixed unless asked otherwise),
-`read_parts` (an output's parts as one table), `write_invalid_utf8` (a string array holding bytes that are
+`batchgen_cli` (the ``batchgen`` command run as a subprocess), `read_parts` (an output's parts as one table), `write_invalid_utf8` (a string array holding bytes that are
 not UTF-8), `try_mount_tmpfs` (a small tmpfs, or None where mounting is not allowed), `EngineAtStep` / `signal_after` (an engine that
 runs an action, e.g. sends a signal, just before a given step).
 """
@@ -157,6 +157,18 @@ def env_without_slurm(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT")}
     env.update(extra)
     return env
+
+
+def batchgen_cli(args: list[str], cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """The ``batchgen`` command as a user types it (the console script of this environment), run in `cwd`
+    without a surrounding Slurm array's shard defaults; stdout and stderr captured as text."""
+    import sys
+
+    script = Path(sys.executable).with_name("batchgen")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "batchgen.cli"]
+    return subprocess.run(
+        [*cmd, *args], cwd=cwd, env=env_without_slurm(**env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def random_seed() -> int:

@@ -52,3 +52,19 @@ def make_llm(path: str, impl: str = "auto", **engine) -> LLM:
     options = dict(block_size=8, num_blocks=48, max_num_seqs=4, max_num_batched_tokens=24)
     options.update(engine)
     return LLM(path, model_impl=impl, **options)
+
+
+def pad_decodes_on_cpu(monkeypatch, padded: bool = True) -> None:
+    """Engines built after this call run the CUDA-graph input layout on the CPU (decode batches padded to
+    buckets, a scratch block past the pool): the engine builds a runner subclass that pads, a test fake."""
+    if not padded:
+        return
+    from batchgen.engine.core import llm_engine
+    from batchgen.engine.worker.model_runner import ModelRunner
+
+    class PaddingRunner(ModelRunner):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.pad_decodes = True
+
+    monkeypatch.setattr(llm_engine, "ModelRunner", PaddingRunner)

@@ -1,4 +1,4 @@
-"""Async scheduling (``engine.async_scheduling``, :mod:`batchgen.engine.executor`): outputs identical to
+"""Async scheduling (``engine.async_scheduling``, :mod:`batchgen.engine.worker.executor`): outputs identical to
 synchronous stepping, the async path really taken (``EngineStats.async_steps``), drains where the scope
 says, deferred frees and prefix-cache hashing, and a consistent KV manager under random admit/finish/abort.
 """
@@ -12,14 +12,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import job_config
-from engine_helpers import hf_greedy
+from engine_helpers import hf_greedy, pad_decodes_on_cpu
 from test_hotloop import _checked_engine
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_cache import hash_block_tokens
-from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.sequence import PLACEHOLDER
+from batchgen.engine.core.async_engine import AsyncLLMEngine
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.engine.kv.kv_cache import hash_block_tokens
+from batchgen.engine.sched.async_scheduler import PLACEHOLDER, AsyncScheduler
+from batchgen.engine.sched.scheduler import Scheduler
+from batchgen.engine.worker.executor import Executor
 from batchgen.job.run import EXIT_OK, run_job
 
 BS = 8
@@ -62,9 +65,16 @@ def guard_placeholders(engine: LLMEngine) -> None:
 
 
 def both(ckpt: str, prompts, params, **engine) -> tuple[list[tuple], LLMEngine]:
-    """Outputs with async scheduling off and on (asserted equal); returns them and the async engine."""
-    sync, _ = generate(ckpt, prompts, params, **engine)
+    """Outputs with async scheduling off and on (asserted equal); returns them and the async engine. The
+    synchronous engine carries none of async scheduling: its subclasses are the async engine's alone."""
+    sync, sync_eng = generate(ckpt, prompts, params, **engine)
+    assert (type(sync_eng), type(sync_eng.scheduler), type(sync_eng.executor)) == (
+        LLMEngine,
+        Scheduler,
+        Executor,
+    )
     over, eng = generate(ckpt, prompts, params, async_scheduling=True, **engine)
+    assert isinstance(eng, AsyncLLMEngine) and isinstance(eng.scheduler, AsyncScheduler)
     assert_same(over, sync)
     return over, eng
 
@@ -195,14 +205,6 @@ def test_structured_outputs_drain(llama_ckpt: str) -> None:
     assert eng.stats.drained_steps > 0
 
 
-def test_inline_worker_gives_the_same_outputs(llama_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(LLMEngine, "async_threaded", False)
-    prompts = prompts_of([3, 14, 22], seed=9)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    _, eng = both(llama_ckpt, prompts, params, num_blocks=64)
-    assert eng.executor.pipelined and eng.executor._pool is None and eng.stats.async_steps > 0
-
-
 def test_finished_sequence_keeps_its_blocks_until_the_next_forward(llama_ckpt: str) -> None:
     """A request stopped by a token at step N was scheduled in N+1 too: its blocks stay allocated while N+1
     is in flight and are freed when N+1 is collected; nothing of N+1 reaches its output."""
@@ -243,7 +245,7 @@ def test_length_finishing_sequence_is_not_scheduled_again(llama_ckpt: str) -> No
     inner = engine.builder.prepare_inputs
 
     def prepare(out):
-        assert not any(s.seq.finishing for s in out.seqs)
+        assert not any(engine.scheduler.is_finishing(s.seq) for s in out.seqs)
         positions.extend(s.start for s in out.seqs if s.seq is seq)
         return inner(out)
 
@@ -384,9 +386,7 @@ def test_abort_while_in_flight_and_last_step_cancelled(llama_ckpt: str) -> None:
 def test_padded_decode_buckets_with_async(llama_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA-graph input path (decode batches padded to buckets; forced on CPU): placeholders are filled
     before padding, outputs unchanged."""
-    from batchgen.engine.model_runner import ModelRunner
-
-    monkeypatch.setattr(ModelRunner, "pad_on_cpu", True)
+    pad_decodes_on_cpu(monkeypatch)
     prompts = prompts_of([3, 9, 14, 20, 5], seed=13)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     _, eng = both(llama_ckpt, prompts, params, num_blocks=64, max_num_seqs=5)

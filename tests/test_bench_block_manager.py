@@ -9,12 +9,13 @@ import pytest
 
 from batchgen.bench import block_manager
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_cache import KVCacheManager
-from batchgen.engine.output_processor import OutputProcessor
-from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.sequence import Request
-from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
-from batchgen.engine.stop import StopRules
+from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
+from batchgen.engine.kv.kv_cache import KVCacheManager
+from batchgen.engine.sched.kinds import make_group
+from batchgen.engine.sched.scheduler import Scheduler
+from batchgen.engine.sched.sequence import Request
+from batchgen.engine.sched.stop import StopRules
+from batchgen.engine.worker.step_input import RunnerOutput
 from batchgen.sampling_params import SamplingParams
 
 
@@ -52,13 +53,13 @@ def test_simulated_workload_figures_are_the_schedulers():
         req = Request(
             i, r.prompt, SamplingParams(n=r.n, temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
         )
-        sched.add(req.new_sequence(list(r.prompt), 0))
+        sched.add(make_group(req, req.new_sequence(list(r.prompt), 0), sched.stop))
     rng = np.random.default_rng(1)
     utilization, running = [], []
     while sched.has_unfinished():
         out = sched.schedule()
         n = len(out.sample_seqs)
-        OutputProcessor(sched.stop).update(sched, out, rng.integers(32000, size=n).tolist(), [None] * n)
+        sched.update(out, RunnerOutput(rng.integers(32000, size=n).tolist(), [None] * n))
         st = collector.collect()
         utilization.append(st.kv_utilization)
         running.append(st.running_seqs)

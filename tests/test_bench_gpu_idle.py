@@ -6,7 +6,7 @@ import time
 
 from batchgen.bench.gpu_idle import ForwardEvents, describe
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.sampling_params import SamplingParams
 
 

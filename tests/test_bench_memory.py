@@ -12,12 +12,13 @@ from batchgen.bench import memory
 from batchgen.bench.fake_runner import FakeRequest
 from batchgen.bench.memory import FirstFitContiguousKV
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_cache import KVCacheManager
-from batchgen.engine.output_processor import OutputProcessor
-from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.sequence import Request
-from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
-from batchgen.engine.stop import StopRules
+from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
+from batchgen.engine.kv.kv_cache import KVCacheManager
+from batchgen.engine.sched.kinds import make_group
+from batchgen.engine.sched.scheduler import Scheduler
+from batchgen.engine.sched.sequence import Request
+from batchgen.engine.sched.stop import StopRules
+from batchgen.engine.worker.step_input import RunnerOutput
 from batchgen.sampling_params import SamplingParams
 
 
@@ -83,15 +84,13 @@ def _drive_scheduler_by_hand(config: EngineConfig, requests: list[FakeRequest], 
     for i, r in enumerate(requests):
         params = SamplingParams(n=r.n, temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
         req = Request(i, list(r.prompt), params)
-        sched.add(req.new_sequence(list(r.prompt), 0))
+        sched.add(make_group(req, req.new_sequence(list(r.prompt), 0), sched.stop))
     rng = np.random.default_rng(seed)
     per_step = []
     while sched.has_unfinished():
         out = sched.schedule()
         n = len(out.sample_seqs)
-        OutputProcessor(sched.stop).update(
-            sched, out, rng.integers(memory.VOCAB, size=n).tolist(), [None] * n
-        )
+        sched.update(out, RunnerOutput(rng.integers(memory.VOCAB, size=n).tolist(), [None] * n))
         st = collector.collect()
         per_step.append(
             (

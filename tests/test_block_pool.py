@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from batchgen.engine.block_pool import BlockPool, NoFreeBlocksError, hash_block_tokens
+from batchgen.engine.kv.block_pool import BlockPool, NoFreeBlocksError, hash_block_tokens
 
 
 def _fill(pool: BlockPool, blocks: list[int], first_token: int) -> list[bytes]:
@@ -142,7 +142,9 @@ def test_hash_chained_and_stable_across_processes():
     assert h1 == hash_block_tokens(None, [1, 2, 3, 4]) and len(h1) == 32
     assert h1 != hash_block_tokens(None, [1, 2, 3, 5])
     assert hash_block_tokens(h1, [1, 2]) != hash_block_tokens(None, [1, 2])
-    code = "from batchgen.engine.block_pool import hash_block_tokens as h; print(h(None, [1, 2, 3, 4]).hex())"
+    code = (
+        "from batchgen.engine.kv.block_pool import hash_block_tokens as h; print(h(None, [1, 2, 3, 4]).hex())"
+    )
     outs = {
         subprocess.run(
             [sys.executable, "-c", code],

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from conftest import env_without_slurm
 
@@ -51,12 +52,22 @@ def test_cfg_job_prints_the_resolved_config(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_misspelt_key_is_reported_by_hydra(tmp_path: Path) -> None:
-    p = _run(["data.windw_rows=3"], tmp_path)
-    assert p.returncode == 1
-    assert "Key 'windw_rows' not in 'DataOptions'" in p.stderr and "full_key: data.windw_rows" in p.stderr
-    p = _run(["sampling.temperature=hot"], tmp_path)
-    assert p.returncode == 1 and "sampling.temperature" in p.stderr
+def test_misspelt_key_or_wrong_type_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """README's table: a configuration error is exit status 2 and one line, for a plain typo as for ``+``."""
+    for args, want in (
+        (
+            ["data.windw_rows=5"],
+            "unknown configuration key: data.windw_rows (did you mean data.window_rows?)",
+        ),
+        (["+data.windw_rows=5"], "data.windw_rows (did you mean data.window_rows?)"),
+        (["data.window_rows=abc"], "data.window_rows=abc: Value 'abc' of type 'str' could not be converted"),
+        (["sampling.temperature=hot"], "sampling.temperature=hot: Value 'hot'"),
+        (["-m", "engine.max_num_seq=1,2"], "did you mean engine.max_num_seqs?"),
+    ):
+        p = _run([*args, "data.output=out"], tmp_path)
+        said = p.stdout + p.stderr
+        assert p.returncode == 2 and want in said and len(said.strip().splitlines()) == 1, (args, said)
+        assert "+data" not in said
     assert list(tmp_path.iterdir()) == []
 
 
@@ -84,7 +95,18 @@ def test_embedded_default_runs_with_no_arguments(tmp_path: Path) -> None:
     assert report["tokens"]["prefix_hit_rate"] > 0.5
     assert sorted(p.name for p in out.glob("part-*.parquet")) == ["part-000000.parquet"]
     assert (out / "_logs").is_dir() and sorted(x.name for x in tmp_path.iterdir()) == ["batchgen_output"]
+    # README: the sample's per-row `sampling` column (max_tokens 24) wins over the job's sampling.max_tokens (16)
+    generated = pq.read_table(out, columns=["num_generated_tokens"]).column(0).to_pylist()
+    assert max(generated) > 16
     print(f"embedded default run: {elapsed:.1f} s")
+
+
+def test_demo_per_row_sampling_column_can_be_ignored(tmp_path: Path) -> None:
+    """README's quick start: with data.sampling_column=null the command line's sampling.max_tokens counts."""
+    p = _run(["sampling.max_tokens=3", "data.sampling_column=null", "run.progress=off"], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    t = pq.read_table(tmp_path / "batchgen_output", columns=["num_generated_tokens", "status"])
+    assert set(t.column("status").to_pylist()) == {"ok"} and max(t.column(0).to_pylist()) == 3
 
 
 def test_unknown_key_added_with_plus_exits_2_naming_it(tmp_path: Path) -> None:

@@ -8,10 +8,10 @@ import json
 import pytest
 from model_zoo import ARCHS, _config
 
-from batchgen import disk_cache
 from batchgen.models.config import NATIVE_ARCHITECTURES, NATIVE_TEXT_OF_MULTIMODAL, ModelConfig
 from batchgen.models.config_cache import KIND, _decode, _encode
 from batchgen.models.tiny import TINY_LM_DIR
+from batchgen.runtime import disk_cache
 
 NATIVE_ZOO = [a for a, (_, arch, _) in ARCHS.items() if arch in NATIVE_ARCHITECTURES]
 IDS = {"<|bos|>": 1, "<|endoftext|>": 2, "<|pad|>": 0}

@@ -11,12 +11,12 @@ import pytest
 from batchgen.data.prompts import PromptRow
 from batchgen.data.reader import WindowSpec
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.core.stats import EngineStats
 from batchgen.errors import WorkerLost
-from batchgen.job.coordinator import Coordinator
 from batchgen.job.feeder import WindowWork
-from batchgen.job.replica import ReplicaReport, ReplicaSetup
+from batchgen.job.replicas.coordinator import Coordinator
+from batchgen.job.replicas.replica import ReplicaReport, ReplicaSetup
 from batchgen.sampling_params import SamplingParams
 
 

@@ -121,7 +121,7 @@ def test_deterministic_and_independent_of_threads_and_items(monkeypatch) -> None
 
 @needs_compiler
 def test_built_under_the_cache_root_not_the_source_tree() -> None:
-    from batchgen.disk_cache import cache_root
+    from batchgen.runtime.disk_cache import cache_root
 
     lib = cpu_kernel.library()
     assert lib is not None

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from batchgen.engine.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer, find_stop
+from batchgen.engine.sched.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer, find_stop
 
 MULTILINGUAL = "Grüße, naïve café — 日本語のテキスト 🙂👍🏽 Ελληνικά, русский, עברית, emoji 🧪 end.\n"
 

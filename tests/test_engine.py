@@ -178,6 +178,13 @@ def test_n_forks_share_prompt_blocks_and_free_everything(llama_ckpt: str) -> Non
     assert all(len(o.token_ids) == 8 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     assert engine.stats.num_cow_copies >= 3  # the shared partial prompt block is copied on divergence
+    # the samples' generators (plain seeds in the step input, one generator each in the sampler) are
+    # released with the next step
+    assert len(engine.runner.sampler._row_generators) == 4 and len(engine.builder.released) == 4
+    engine.add_request("next", prompt, SamplingParams(temperature=0.0, max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine.runner.sampler._row_generators and not engine.builder.released
     s = engine.scheduler.kv.stats()
     assert s.blocks_used == 0 and s.num_seqs == 0
     # Deterministic: the same request again gives the same 4 samples.

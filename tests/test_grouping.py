@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from batchgen.data.prompts import PromptRow
 from batchgen.data.reader import WindowSpec
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
 from batchgen.job.feeder import EngineFeeder, WindowWork, prefix_order
 from batchgen.sampling_params import SamplingParams
 
@@ -44,7 +44,7 @@ class FakeEngine:
     aborted: list = field(default_factory=list)
     unfinished_at_step: list = field(default_factory=list)
 
-    def add_request(self, rid, prompt, params) -> None:
+    def add_request(self, rid, prompt, params, **options) -> None:
         self.waiting.append([rid, list(prompt), params, []])
         self.added.append(rid)
         self.peak_unfinished = max(self.peak_unfinished, self.num_unfinished())

@@ -1,11 +1,11 @@
 """The engine's hot-loop fast paths agree with from-scratch rebuilds (issue 17).
 
 * decode fast path (``KVCacheManager.append_one``, block tables) and the persistent input buffers
-  (:class:`~batchgen.engine.input_batch.InputBatch`): at every step of random workloads that admit, finish,
+  (:class:`~batchgen.engine.worker.input_batch.InputBatch`): at every step of random workloads that admit, finish,
   abort, preempt (recompute and swap) and fork (n > 1, beams), every scheduled block table equals the KV
   manager's table, the persistent block-table rows equal the step's tables, and the runner's inputs equal a
   straightforward per-sequence rebuild (the pre-issue-17 code, kept here as the reference);
-* the persistent per-row sampling settings (:class:`~batchgen.engine.sampler.SamplingBatch`) equal the rows'
+* the persistent per-row sampling settings (:class:`~batchgen.engine.worker.sampler.SamplingBatch`) equal the rows'
   params at every step;
 * padded decode buckets (the CUDA-graph input path, forced on CPU) give identical tokens.
 """
@@ -17,11 +17,12 @@ import random
 
 import pytest
 import torch
+from engine_helpers import pad_decodes_on_cpu
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.model_runner import ModelRunner, decode_buckets
-from batchgen.engine.sampler import SamplingBatch, SamplingTensors, _argmax
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.engine.worker.model_runner import decode_buckets
+from batchgen.engine.worker.sampler import SamplingBatch, SamplingTensors, _argmax
 from batchgen.sampling_params import SamplingParams
 
 
@@ -157,7 +158,7 @@ def test_decode_buckets() -> None:
 
 
 def _generate(ckpt: str, prompts, params, padded: bool, monkeypatch: pytest.MonkeyPatch, **cfg):
-    monkeypatch.setattr(ModelRunner, "pad_on_cpu", padded)
+    pad_decodes_on_cpu(monkeypatch, padded)
     engine = LLMEngine(ckpt, EngineConfig(device="cpu", **cfg))
     assert engine.runner.pad_decodes is padded
     for i, p in enumerate(prompts):
@@ -185,7 +186,6 @@ def test_padded_decode_buckets_give_identical_tokens(
 
 def test_enforce_eager_config() -> None:
     assert EngineConfig().enforce_eager is False
-    assert not ModelRunner.pad_on_cpu  # CPU engines run unpadded unless a test asks
 
 
 def test_numpy_argmax_matches_torch() -> None:

@@ -330,7 +330,7 @@ def test_resume_with_another_checkpoint_is_refused(
 def test_signal_stops_cleanly_and_resume_is_identical(
     llama_ckpt: str, dataset: Path, tmp_path: Path, sig: int, grace: float
 ) -> None:
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     ref_dir = tmp_path / "ref"
     assert (
@@ -373,7 +373,7 @@ def test_config_errors_before_any_work(llama_ckpt: str, dataset: Path, tmp_path:
 def test_progress_log_lines(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from batchgen.engine.stats import EngineStats
+    from batchgen.engine.core.stats import EngineStats
     from batchgen.job.progress import Progress, resolve_mode
 
     assert resolve_mode("auto", open(os.devnull, "w")) == "log" and resolve_mode("bar") == "bar"

@@ -108,7 +108,7 @@ def test_a_kv_cache_larger_than_the_machine_is_one_line_exit_2(
     res = run_job(_cfg(llama_ckpt, inp, tmp_path / "o1", engine={"num_blocks": blocks}), handle_signals=False)
     assert res.exit_code == EXIT_CONFIG and f"engine.num_blocks={blocks} is a KV cache of" in res.message
     # an allocation the engine cannot make (MemoryError from numpy) is the same kind of error
-    import batchgen.engine.llm_engine as le
+    import batchgen.engine.core.llm_engine as le
 
     def no_memory(*a, **k):
         raise MemoryError("Unable to allocate 500. GiB for an array with shape (536870912000,)")
@@ -281,7 +281,7 @@ def test_kill_9_loses_at_most_the_rows_since_the_last_checkpoint(
 def test_an_unexpected_engine_error_is_one_line_exit_1_and_keeps_finished_rows(
     llama_ckpt: str, inp: Path, tmp_path: Path
 ) -> None:
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     def crash() -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

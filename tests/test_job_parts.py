@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchgen.atomic import build_dir_once
 from batchgen.errors import ConfigError
 from batchgen.job.early_failure import EARLY_ROWS, FirstSuccessGate
 from batchgen.job.tally import RowTally, error_key
+from batchgen.runtime.atomic import build_dir_once
 
 
 def _output(error: str | None = None, reason: str = "length", text: str = "hi") -> SimpleNamespace:

@@ -332,7 +332,7 @@ def test_a_failed_start_does_not_block_the_corrected_command(
 def test_a_stop_saves_every_finished_row_whatever_window_it_belongs_to(
     llama_ckpt: str, tmp_path: Path, window_rows: int
 ) -> None:
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": [f"prompt {i} " + "word " * (i % 7) for i in range(24)]}), inp)

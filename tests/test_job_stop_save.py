@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import job_config, signal_after
 
-from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.job import writer as job_writer
 from batchgen.job.run import EXIT_INTERRUPTED, run_job
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.engine.kv_cache import WAIT_FOR_LEAD_MIN_TOKENS, KVCacheError, KVCacheManager
+from batchgen.engine.kv.kv_cache import WAIT_FOR_LEAD_MIN_TOKENS, KVCacheError, KVCacheManager
 
 BS = 4
 

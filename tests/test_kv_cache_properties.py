@@ -16,7 +16,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from batchgen.engine.kv_cache import KVCacheManager
+from batchgen.engine.kv.kv_cache import KVCacheManager
 
 
 def _cdiv(a: int, b: int) -> int:

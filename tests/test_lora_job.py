@@ -172,7 +172,7 @@ def test_report_counts_rows_per_adapter_across_resumed_runs(llama_ckpt, adapters
     runs by adapter (``rows_this_run`` only the resume's); the summary shows the totals."""
     from conftest import signal_after
 
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
     from batchgen.job.report import format_table
     from batchgen.job.run import EXIT_INTERRUPTED
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from lora_helpers import adapter
 
-from batchgen.engine.lora_manager import LoRAManager
+from batchgen.engine.features.lora_manager import LoRAManager
 from batchgen.lora_request import LoRARequest
 from batchgen.models.config import ModelConfig
 

@@ -1,4 +1,4 @@
-"""batchgen/malloc_tuning.py: applied once per process on glibc, never over the user's own malloc settings."""
+"""batchgen/runtime/malloc_tuning.py: applied once per process on glibc, never over the user's own malloc settings."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-CODE = "from batchgen import malloc_tuning as m; print(m.keep_freed_memory(), m.keep_freed_memory())"
+CODE = "from batchgen.runtime import malloc_tuning as m; print(m.keep_freed_memory(), m.keep_freed_memory())"
 
 
 def _run(env: dict[str, str]) -> str:
@@ -36,7 +36,7 @@ def test_huge_pages_for_a_lazy_buffer(monkeypatch) -> None:
     buffer stays lazily allocated and usable; BATCHGEN_MALLOC_TUNING=0 turns it off."""
     import numpy as np
 
-    from batchgen import malloc_tuning as m
+    from batchgen.runtime import malloc_tuning as m
 
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     buf = np.zeros(16 << 20, dtype=np.uint8)

@@ -97,7 +97,7 @@ def test_text_only_use_never_imports_pillow():
 
     code = (
         "import sys, batchgen, batchgen.llm, batchgen.job.run, batchgen.multimodal.inputs, "
-        "batchgen.multimodal.rows, batchgen.engine.llm_engine; print('PIL' in sys.modules)"
+        "batchgen.multimodal.rows, batchgen.engine.core.llm_engine; print('PIL' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import job_config, signal_after
+from conftest import batchgen_cli, job_config, signal_after
 from s3_server import S3, s3, s3_endpoint  # noqa: F401 - fixtures
 
 from batchgen import LLM, SamplingParams
@@ -139,7 +140,7 @@ def test_completions_file_resumes_after_a_stop(llama_ckpt: str, tmp_path: Path) 
     openai_types = pytest.importorskip(
         "openai.types", reason="the openai package is not installed (test extra)"
     )
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     prompts = [f"Item {i}: the quick brown fox" for i in range(6)]
     lines = [
@@ -171,6 +172,31 @@ def test_completions_file_resumes_after_a_stop(llama_ckpt: str, tmp_path: Path) 
     assert _run(ref).exit_code == EXIT_OK
     texts = pq.read_table(tmp_path / "ref").column("generated_text").to_pylist()
     assert [x["response"]["body"]["choices"][0]["text"] for x in got] == texts
+
+
+def test_documented_command_writes_the_results_file(llama_ckpt: str, tmp_path: Path) -> None:
+    """docs/openai-batch.md's command, typed in a fresh directory: the results file is a file (Hydra's run
+    files go into the bookkeeping directory beside it), the summary counts the error lines by their own
+    reasons, and the rerun finds nothing to do."""
+    _chat_file(tmp_path / "requests.jsonl")
+    cmd = [f"model.path={llama_ckpt}", "data.input=requests.jsonl", "data.output=results.jsonl"]
+    cmd += ["sampling.max_tokens=3", "engine.num_blocks=64", "run.max_error_fraction=1", "run.progress=off"]
+    p = batchgen_cli(cmd, tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    reasons = [x["error"]["message"] for x in lines if x["error"]]
+    assert len(lines) == 8 and len(reasons) == 4
+    assert "8 result line(s) in results.jsonl, 4 with an error" in p.stdout
+    top = re.findall(r"^(?:top errors)? +(\d+) x (.*)$", p.stdout, re.MULTILINE)
+    assert len(top) == 3 and all(n == "1" and r in reasons for n, r in top), p.stdout
+    assert "is null" not in p.stdout
+    p = batchgen_cli(cmd, tmp_path)
+    assert p.returncode == 0 and "nothing to do" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()][4] == lines[4]
+    names = sorted(x.name for x in tmp_path.iterdir())
+    assert names == ["_results.jsonl.batchgen", "requests.jsonl", "results.jsonl"]
+    assert list((tmp_path / "_results.jsonl.batchgen" / "_logs").glob("*/.hydra/config.yaml"))
 
 
 def test_batch_file_needs_a_jsonl_output(llama_ckpt: str, tmp_path: Path) -> None:

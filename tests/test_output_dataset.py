@@ -26,7 +26,7 @@ from batchgen.job.run import EXIT_INTERRUPTED, EXIT_OK, run_job
 def output(llama_ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
     """A 2-shard output: shard 0 complete, shard 1 stopped part-way (checkpoint files, a partial manifest).
     Returns the directory and the ids of the committed rows."""
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     root = tmp_path_factory.mktemp("dataset")
     inp = root / "in.parquet"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.sampler import Sampler, SamplingRow, SamplingTensors
-from batchgen.engine.sequence import Request
-from batchgen.engine.step_builder import StepBuilder
+from batchgen.engine.sched.sequence import Request
+from batchgen.engine.worker.sampler import Sampler, SamplingRow, SamplingTensors
+from batchgen.engine.worker.step_builder import StepBuilder
 
 PLAIN = [
     SamplingParams(temperature=0.8),

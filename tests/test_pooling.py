@@ -176,6 +176,19 @@ def test_error_rows_do_not_disturb_others(qwen3_embedder):
         llm.classify(["x"], use_tqdm=False)
 
 
+def test_empty_text_is_an_error_row_as_in_a_job(root):
+    """docs/pooling.md: an empty row comes back with ``error`` set and no outputs, also on an encoder whose
+    tokenizer would give it [CLS] [SEP]; the job's error row says the same for its prompt column."""
+    path = zoo.encoder(root / "bert-empty", "bert", "BertModel", seed=5)
+    llm = LLM(path)
+    empty, text, ids = llm.embed(["", "a b", [7, 8]], use_tqdm=False)
+    assert empty.error == "prompt must be a non-empty string" and empty.outputs is None
+    assert empty.prompt_token_ids == []
+    assert (
+        text.error is None and ids.error is None and len(text.outputs.embedding) == len(ids.outputs.embedding)
+    )
+
+
 # ------------------------------------------------------------------------------------------- encoders
 @pytest.mark.parametrize(
     "kind,model_class",

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from engine_helpers import pad_decodes_on_cpu
 
 from batchgen import SamplingParams
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.pooling import PoolingState
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.engine.features.pooling import PoolingState
 
 GEN = [[1, 5, 9, 33, 7], list(range(10, 40)), [4, 4, 4, 100, 200]]
 # the 110-token CLS prompt is prefilled in chunks (22 + 29 + 29 + 29 tokens beside the decodes, 32-token
@@ -55,7 +55,7 @@ def test_pooling_rows_get_no_logits_and_leave_generation_unchanged(
 ) -> None:
     """``padded``: decode-only steps padded to a bucket (the CUDA-graph path's layout, here on the CPU), with
     a pooling chunk of one token among them."""
-    monkeypatch.setattr(ModelRunner, "pad_on_cpu", padded)
+    pad_decodes_on_cpu(monkeypatch, padded)
     alone = _engine(llama_ckpt)
     for i, p in enumerate(GEN):
         alone.add_request(f"g{i}", p, GREEDY)
@@ -103,6 +103,6 @@ def test_a_pooling_only_step_has_zero_logit_rows(llama_ckpt: str) -> None:
     assert forwards
     for step, out in forwards:
         assert step.forward.last.numel() == 0
-        assert step.sampling.num_rows == 0 and step.sampling.num_beam_rows == 0
+        assert step.sampling.num_rows == 0 and step.sampling.num_score_rows == 0
         assert out.token_ids == [] and out.pooled is not None
     assert engine.stats.generated_tokens == 0

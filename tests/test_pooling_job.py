@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 
 import pooling_zoo as zoo
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import job_config
+from conftest import batchgen_cli, job_config
 
 from batchgen import LLM
 from batchgen.data.output_dir import OutputDir
@@ -97,6 +99,51 @@ def test_classify_job_refuses_an_embedder(tmp_path):
     pq.write_table(pa.table({"prompt": TEXTS}), tmp_path / "in.parquet")
     res = run_job(_job(path, tmp_path, "out", "classify"), print_summary=False, handle_signals=False)
     assert res.exit_code == 2 and "ForSequenceClassification" in res.message
+
+
+def test_generation_over_a_classifier_or_encoder_names_the_task(tmp_path):
+    """The default task (generate) over a checkpoint that is not a language model: one line saying which task
+    it is for, exit status 2, nothing written."""
+    pq.write_table(pa.table({"prompt": ["hello there"]}), tmp_path / "in.parquet")
+    cases = {
+        "classify": zoo.encoder(tmp_path / "cls", "bert", "BertForSequenceClassification", num_labels=3),
+        "embed": zoo.encoder(tmp_path / "enc", "bert", "BertModel"),
+    }
+    for task, path in cases.items():
+        p = batchgen_cli([f"model.path={path}", "data.input=in.parquet", "data.output=out"], tmp_path)
+        said = (p.stdout + p.stderr).strip().splitlines()
+        assert p.returncode == 2 and len(said) == 1, p.stdout + p.stderr
+        kind = "a sequence classifier" if task == "classify" else "an encoder"
+        assert f"this is {kind}" in said[0] and said[0].endswith(f"use task={task}"), said
+        assert "native:" not in said[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_embed_job_summary_shows_the_pooling_run(tmp_path):
+    """`batchgen task=embed` prints the rows, the tokens it pooled and its rate, not generation figures."""
+    path = zoo.encoder(tmp_path / "enc", "bert", "BertModel")
+    pq.write_table(
+        pa.table({"prompt": ["hello there", "", "a longer passage of text"]}), tmp_path / "in.parquet"
+    )
+    args = [
+        "task=embed",
+        f"model.path={path}",
+        "data.input=in.parquet",
+        "data.output=out",
+        "run.progress=off",
+    ]
+    p = batchgen_cli([*args, "run.max_error_fraction=0.5"], tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    tokens = sum(x for x in pq.read_table(tmp_path / "out").column("num_prompt_tokens").to_pylist() if x)
+    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    assert report["task"] == "embed" and report["pooling"]["prompt_tokens"] == tokens > 0
+    rate = report["pooling"]["prompt_tokens_per_s"]
+    assert rate == pytest.approx(tokens / report["run"]["wall_time_s"], rel=0.05)
+    body = p.stdout.split("\n-")[1].splitlines()[1:]  # the rows between the table's two rules
+    table = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in body if line[:1].isalpha())
+    assert table["rows ok / error"].startswith("2 / 1") and table["prompt tokens pooled"] == str(tokens)
+    assert float(table["rows/s"]) > 0 and float(table["prompt tok/s"]) > 0
+    assert not any(k.startswith(("generated", "KV", "peak", "preemptions")) for k in table), p.stdout
 
 
 def test_help_documents_the_task_keys():

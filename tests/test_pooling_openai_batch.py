@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pooling_zoo as zoo
 import pytest
-from conftest import job_config
+from conftest import batchgen_cli, job_config
 
 from batchgen import LLM
 from batchgen.job.run import EXIT_CONFIG, EXIT_OK, run_job
@@ -75,3 +75,19 @@ def test_classify_jobs_refuse_batch_files(tmp_path: Path) -> None:
         _job("unused", inp, tmp_path / "r.jsonl", task="classify"), print_summary=False, handle_signals=False
     )
     assert res.exit_code == EXIT_CONFIG and "task=embed" in res.message
+
+
+def test_documented_embed_command_writes_the_results_file(tmp_path: Path) -> None:
+    """README's /v1/embeddings command as a subprocess: the results file is a file, not Hydra's log directory."""
+    path = zoo.encoder(tmp_path / "bert", "bert", "BertModel", seed=21)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "requests.jsonl").write_text(_req("a", {"input": "a short query"}) + "\n")
+    p = batchgen_cli(
+        ["task=embed", f"model.path={path}", "data.input=requests.jsonl", "data.output=results.jsonl"], work
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (line,) = [json.loads(x) for x in (work / "results.jsonl").read_text().splitlines()]
+    assert line["custom_id"] == "a" and line["error"] is None
+    want = LLM(path).embed(["a short query"], use_tqdm=False)[0].outputs.embedding
+    assert line["response"]["body"]["data"][0]["embedding"] == pytest.approx(want, abs=1e-5)

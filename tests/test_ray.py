@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import job_config, part_contents, read_parts
 
-import batchgen.job.replica_job as replica_job
+import batchgen.job.replicas.run as replicas_run
 from batchgen.job.run import EXIT_OK, run_job
 from batchgen.llm import LLM
 from batchgen.ray import Generator
@@ -78,6 +78,7 @@ def test_map_batches_equals_llm_generate(local_ray, llama_ckpt: str) -> None:
             "engine": ENGINE,
         },
         concurrency=2,
+        num_cpus=0.5,  # docs/replicas.md's CPU setup
         batch_size=4,
     ).take_all()
     got = {r["i"]: (r["generated_text"], list(r["token_ids"]), r["status"]) for r in out}
@@ -109,7 +110,7 @@ def _cfg(ckpt: str, inp: Path, out: Path, executor: str, dp: int):
 def test_ray_executor_equals_local_and_replaces_a_killed_actor(
     local_ray, llama_ckpt, dataset, tmp_path, monkeypatch
 ):
-    from batchgen.ray.executor import RayReplicas
+    from batchgen.job.replicas.ray_actors import RayReplicas
 
     single = tmp_path / "single"
     assert (
@@ -131,7 +132,7 @@ def test_ray_executor_equals_local_and_replaces_a_killed_actor(
                     Killing.killed += 1
             return out
 
-    monkeypatch.setattr(replica_job, "make_executor", lambda cfg: Killing(cfg.run.ray_address))
+    monkeypatch.setattr(replicas_run, "make_executor", lambda cfg: Killing(cfg.run.ray_address))
     res = run_job(
         _cfg(llama_ckpt, dataset, tmp_path / "ray", "ray", 2), handle_signals=False, print_summary=False
     )
@@ -139,3 +140,51 @@ def test_ray_executor_equals_local_and_replaces_a_killed_actor(
     assert Killing.killed == 1 and res.report["replica_restarts"] == 1 and res.report["executor"] == "ray"
     assert part_contents(tmp_path / "ray") == part_contents(single)
     assert sorted(read_parts(tmp_path / "ray").column("id").to_pylist()) == [f"u{i:02d}" for i in range(20)]
+
+
+CPU_NODE_SCRIPT = """
+import sys, ray, ray.data
+import batchgen.ray
+
+model, data = sys.argv[1], sys.argv[2]
+ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"BATCHGEN_RAY_IDLE_WARNING_S": "2"}})
+kwargs = {"model": model, "sampling": {"max_tokens": 2}, "engine": {"device": "cpu", "num_blocks": 64}}
+# two actors of one CPU each take both CPUs: the read tasks never run; each actor says so on stderr
+ray.data.read_parquet(data).map_batches(
+    batchgen.ray.Generator, fn_constructor_kwargs=kwargs, concurrency=2, batch_size=2
+).take_all()
+"""
+
+
+def test_cpu_node_actors_starving_the_reads_say_so(llama_ckpt: str, tmp_path: Path) -> None:
+    """Ray with 2 CPUs and map_batches(Generator, concurrency=2): the actors hold both CPUs and the read tasks
+    never run; instead of waiting silently an actor prints the one-line warning naming docs/replicas.md's CPU
+    setup (num_cpus per actor below the node's; that setup runs as test_map_batches_equals_llm_generate)."""
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'batchgen[ray]')")
+    pq.write_table(pa.table({"prompt": PROMPTS[:4]}), tmp_path / "in.parquet")
+    script = tmp_path / "pipeline.py"
+    script.write_text(CPU_NODE_SCRIPT)
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), llama_ckpt, str(tmp_path / "in.parquet")],
+            stdout=o, stderr=e, cwd=tmp_path, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if "no CPU of the Ray cluster is free" in err.read_text():
+                break
+            time.sleep(1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    warning = [line for line in err.read_text().splitlines() if "batchgen.ray.Generator: no batch" in line]
+    assert warning and "num_cpus=0.5" in warning[0] and "docs/replicas.md" in warning[0], err.read_text()[
+        -3000:
+    ]

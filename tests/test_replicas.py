@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import job_config, part_contents, read_parts
 
-import batchgen.job.replica_job as replica_job
-from batchgen.engine.stats import EngineStats
-from batchgen.job.coordinator import combine_stats
-from batchgen.job.local_replicas import LocalReplicas
+import batchgen.job.replicas.run as replicas_run
+from batchgen.engine.core.stats import EngineStats
+from batchgen.job.replicas.coordinator import combine_stats
+from batchgen.job.replicas.local import LocalReplicas
 from batchgen.job.run import EXIT_INTERRUPTED, EXIT_OK, run_job
 
 PREFIXES = ["Summarise the report on river levels in spring:", "Translate to French: good morning and"]
@@ -99,7 +99,7 @@ def test_sigkilled_replica_is_replaced(llama_ckpt, dataset, single, tmp_path, mo
     """A SIGKILL mid-window (rows of its windows unfinished) is absorbed: the windows go back to the queue, a
     replacement starts (1 of run.max_replica_restarts=1), and the output is identical to one engine's."""
     killer = KillingReplicas(victim=0, after=1, times=1)
-    monkeypatch.setattr(replica_job, "make_executor", lambda cfg: killer)
+    monkeypatch.setattr(replicas_run, "make_executor", lambda cfg: killer)
     out = tmp_path / "out"
     res = run_job(_cfg(llama_ckpt, dataset, out, dp=2, restarts=1), handle_signals=False, print_summary=False)
     assert killer.killed == 1
@@ -114,7 +114,7 @@ def test_sigkilled_replica_past_the_bound_exits_75_and_rerun_completes(
     """With run.max_replica_restarts=0, the first loss of a replica with unfinished windows is past the
     bound: exit 75 with every finished row saved; a rerun completes exactly once."""
     killer = KillingReplicas(victim=0, after=1, times=1)
-    monkeypatch.setattr(replica_job, "make_executor", lambda cfg: killer)
+    monkeypatch.setattr(replicas_run, "make_executor", lambda cfg: killer)
     out = tmp_path / "out"
     res = run_job(_cfg(llama_ckpt, dataset, out, dp=2, restarts=0), handle_signals=False, print_summary=False)
     assert killer.killed == 1
@@ -155,12 +155,12 @@ def test_replica_resources(llama_ckpt, dataset, tmp_path, monkeypatch) -> None:
     cfg.engine.device = "cuda"
     cfg.engine.tensor_parallel_size = 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7,0,1,2")
-    setups = replica_job.replica_setups(cfg, llama_ckpt)
+    setups = replicas_run.replica_setups(cfg, llama_ckpt)
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in setups] == ["4,5", "6,7", "0,1"]
     assert all(s.engine.device == "cuda" and s.engine.data_parallel_size == 1 for s in setups)
     cfg.engine.data_parallel_size = 4
     with pytest.raises(ConfigError, match="needs 8 GPUs; 7 are visible"):
-        replica_job.replica_setups(cfg, llama_ckpt)
+        replicas_run.replica_setups(cfg, llama_ckpt)
     cfg.engine.device, cfg.engine.tensor_parallel_size, cfg.engine.data_parallel_size = "cpu", 1, 2
-    monkeypatch.setattr(replica_job, "_cpu_count", lambda: 16)
-    assert [(s.threads, s.env) for s in replica_job.replica_setups(cfg, llama_ckpt)] == [(8, {}), (8, {})]
+    monkeypatch.setattr(replicas_run, "_cpu_count", lambda: 16)
+    assert [(s.threads, s.env) for s in replicas_run.replica_setups(cfg, llama_ckpt)] == [(8, {}), (8, {})]

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
-from batchgen.engine.sampler import Sampler, SamplingRow, _apply_penalties, _filtered_probs
+from batchgen.engine.worker.sampler import Sampler, SamplingRow, _apply_penalties, _filtered_probs
 from batchgen.sampling_params import SamplingParams
 
 V = 50
 
 
+_keys = itertools.count()
+
+
 def row(params: SamplingParams | None = None, seed: int | None = None, **kw) -> SamplingRow:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SamplingRow(params=params or SamplingParams(), generator=gen, **kw)
+    """A row; seeded rows get a key of their own (the sampler's generator for it persists across calls)."""
+    return SamplingRow(params=params or SamplingParams(), seed=seed, key=next(_keys), **kw)
 
 
 def rand_logits(n: int, v: int = V, seed: int = 0) -> torch.Tensor:
@@ -222,9 +226,8 @@ def test_seeded_row_independent_of_batch_composition_and_order(device):
     target_logits = [rand_logits(1, seed=100 + s)[0] for s in range(steps)]
 
     def tokens_for(batch_size: int, position: int, neighbours: list[SamplingParams], seed_others: bool):
-        gen = torch.Generator(device=device).manual_seed(1234)
-        others = [  # the neighbours' generators live on the CPU: also tests CPU draws for CUDA logits
-            SamplingRow(params=q, generator=torch.Generator().manual_seed(99 + j) if seed_others else None)
+        others = [
+            SamplingRow(params=q, seed=99 + j if seed_others else None, key=1 + j)
             for j, q in enumerate(neighbours)
         ]
         sampler = Sampler(seed=batch_size)  # different sampler seeds must not matter either
@@ -232,7 +235,7 @@ def test_seeded_row_independent_of_batch_composition_and_order(device):
         for s in range(steps):
             noise = rand_logits(batch_size, seed=1000 * batch_size + s)
             rows = list(others[: batch_size - 1])
-            rows.insert(position, SamplingRow(params=target, generator=gen))
+            rows.insert(position, SamplingRow(params=target, seed=1234, key=0))
             logits = noise.clone()
             logits[position] = target_logits[s]
             result.append(sampler(logits.to(device), rows).token_ids[position])
@@ -347,14 +350,27 @@ def test_logprobs_k_larger_than_vocab():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_matches_semantics_and_cpu_generators_work():
+def test_cuda_matches_semantics_and_seeded_rows_work():
     logits = rand_logits(8, seed=5).cuda()
     greedy = Sampler()(logits, [row(SamplingParams(temperature=0)) for _ in range(8)])
     assert greedy.token_ids == logits.argmax(-1).tolist()
     p = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, min_p=0.05, logprobs=2)
-    rows = [row(p, seed=i) if i % 2 else row(p) for i in range(8)]  # CPU generators on CUDA logits
-    rows.append(SamplingRow(params=p, generator=torch.Generator(device="cuda").manual_seed(1)))
+    rows = [row(p, seed=i) if i % 2 else row(p) for i in range(8)]  # seeded rows' generators on CUDA
+    rows.append(row(p, seed=1))
     out = Sampler()(torch.cat([logits, logits[:1]]), rows)
     probs = _filtered_probs(torch.cat([logits, logits[:1]]), [p] * 9)
     assert all(probs[i, t] > 0 for i, t in enumerate(out.token_ids))
     torch.testing.assert_close(probs.cpu(), _filtered_probs(torch.cat([logits, logits[:1]]).cpu(), [p] * 9))
+
+
+def test_a_released_key_starts_its_generator_again():
+    """Seeded rows are plain data (seed, key): the sampler keeps one generator per key until released."""
+    p = SamplingParams(temperature=1.0)
+    logits = rand_logits(1, v=1000, seed=4)
+    sampler = Sampler()
+    seeded = SamplingRow(params=p, seed=5, key=7)
+    first = [sampler(logits, [seeded]).token_ids[0] for _ in range(6)]
+    assert len(set(first)) > 1  # the generator advances step after step
+    sampler.release([7])
+    assert [sampler(logits, [seeded]).token_ids[0] for _ in range(6)] == first
+    assert Sampler()(logits, [SamplingRow(params=p, seed=5, key=8)]).token_ids[0] == first[0]

@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_cache import KVCacheManager
-from batchgen.engine.output_processor import OutputProcessor
-from batchgen.engine.request_group import RequestGroup
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput, unservable
-from batchgen.engine.sequence import Request, SequenceStatus
-from batchgen.engine.stop import StopRules
+from batchgen.engine.kv.kv_cache import KVCacheManager
+from batchgen.engine.sched.kinds import make_group
+from batchgen.engine.sched.output import SchedulerOutput
+from batchgen.engine.sched.request_group import RequestGroup
+from batchgen.engine.sched.scheduler import Scheduler
+from batchgen.engine.sched.sequence import Request, SequenceStatus
+from batchgen.engine.sched.stop import StopRules
+from batchgen.engine.worker.step_input import RunnerOutput
 from batchgen.sampling_params import SamplingParams
 
 BS = 4
@@ -34,16 +36,14 @@ def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 100, firs
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n)
     request = Request(rid, [first_token + i for i in range(prompt_len)], params)
     seq = request.new_sequence(list(request.prompt_token_ids), 0)
-    sched.add(seq)
+    sched.add(make_group(request, seq, sched.stop))
     return seq
 
 
 def step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
     out = sched.schedule()
-    done = OutputProcessor(sched.stop).update(
-        sched, out, [token] * len(out.sample_seqs), [None] * len(out.sample_seqs)
-    )
-    return out, done
+    n = len(out.sample_seqs)
+    return out, sched.update(out, RunnerOutput([token] * n, [None] * n))
 
 
 def scheduled(out: SchedulerOutput) -> list[tuple[str, int, int]]:
@@ -169,8 +169,14 @@ def test_stop_rules_finish_and_free():
 @pytest.mark.parametrize("cap", [1, 3])
 def test_unservable_request_is_reported(cap):
     sched = make_scheduler(num_blocks=cap)
-    assert unservable(sched.kv, sched.config.max_num_seqs, 4 * cap, 1, 1000) is not None
-    assert unservable(sched.kv, sched.config.max_num_seqs, 2, 1, 1000) is None
+
+    def why(prompt_len: int) -> str | None:
+        request = Request("r", list(range(prompt_len)), SamplingParams(max_tokens=1))
+        group = make_group(request, request.new_sequence(list(request.prompt_token_ids), 0), sched.stop)
+        return group.unservable(sched.kv, sched.config.max_num_seqs, sched.stop)
+
+    assert why(4 * cap) is not None
+    assert why(2) is None
 
 
 # ------------------------------------------------------------------------------ beam groups and swapping
@@ -189,7 +195,7 @@ def add_beam(
 ):
     params = SamplingParams(max_tokens=max_tokens, beam_width=k, n=k, **kw)
     request = Request(rid, [(first_token + i) % V for i in range(prompt_len)], params)
-    sched.add(request.new_sequence(list(request.prompt_token_ids), 0))
+    sched.add(make_group(request, request.new_sequence(list(request.prompt_token_ids), 0), sched.stop))
     return request
 
 
@@ -201,10 +207,10 @@ def fake_step(sched: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
         if beam is not None and s.completes:
             assert all(b.seq_id in completing for b in beam.beams), "a beam group sampled in part"
     tokens = [int(fake_logprobs(s.token_ids).argmax()) for s in out.sample_seqs]
-    beam_lp = None
-    if out.beam_rows:
-        beam_lp = torch.stack([fake_logprobs(out.seqs[r].seq.token_ids) for r in out.beam_rows])
-    done = OutputProcessor(sched.stop).update(sched, out, tokens, [None] * len(tokens), beam_lp)
+    scores = None
+    if out.score_rows:
+        scores = torch.stack([fake_logprobs(out.seqs[r].seq.token_ids) for r in out.score_rows])
+    done = sched.update(out, RunnerOutput(tokens, [None] * len(tokens), scores=scores))
     check_units(sched)
     return out, done
 
@@ -246,14 +252,14 @@ def test_beam_group_forks_share_blocks_and_copy_only_the_partial_block():
     sched = make_scheduler(num_blocks=64)
     request = add_beam(sched, "b", 10, k=4, max_tokens=6, ignore_eos=True)  # 3 blocks, the last holds 2
     out, _ = fake_step(sched)
-    assert out.beam_rows == [0] and out.sample_rows == []
+    assert out.score_rows == [0] and out.sample_rows == []
     beams = request.beam.beams
     assert len(beams) == 4 and all(b.status is SequenceStatus.RUNNING for b in beams)
     tables = [sched.kv.block_table(b.seq_id) for b in beams]
     assert all(t == tables[0] for t in tables) and len(tables[0]) == 3
     assert sched.kv.stats().blocks_used == 3  # 12 logical blocks, 3 physical
     out, _ = fake_step(sched)
-    assert out.num_decodes == 4 and len(out.beam_rows) == 4
+    assert out.num_decodes == 4 and len(out.score_rows) == 4
     assert len(out.copies) == 3  # the shared partial block: copied for 3 beams, written in place by the 4th
     assert {src for src, _ in out.copies} == {tables[0][2]}
     run_all(sched)
@@ -371,7 +377,7 @@ def test_a_prefix_ending_inside_a_block_waits_a_step_then_is_copied():
     prompt = list(range(14)) + [50, 51, 52, 53]  # shares a's first block and 8..13 of its second
     request = Request("b", prompt, SamplingParams(max_tokens=5, temperature=0.0))
     b = request.new_sequence(list(prompt), 0)
-    sched.add(b)
+    sched.add(make_group(request, b, sched.stop))
     out, _ = step(sched)
     # b would copy 8..13 from a's second block, which this step computes: b waits
     assert scheduled(out) == [("a", 0, 20)] and out.copies == []

@@ -302,7 +302,7 @@ def test_hydra_sampling_config_builds_params() -> None:
 
 
 def test_without_xgrammar_constrained_requests_fail_alone(llm: LLM, monkeypatch) -> None:
-    import batchgen.engine.llm_engine as le
+    import batchgen.engine.core.llm_engine as le
 
     monkeypatch.setattr(le, "structured_available", lambda: False)
     outs = _run(llm, [SamplingParams(regex="a+"), SamplingParams(max_tokens=2)])
@@ -311,7 +311,7 @@ def test_without_xgrammar_constrained_requests_fail_alone(llm: LLM, monkeypatch)
 
 
 def _structured(llm: LLM):
-    from batchgen.engine.structured import StructuredOutputs
+    from batchgen.engine.features.structured import StructuredOutputs
 
     engine = llm.engine
     return StructuredOutputs(engine.tokenizer, engine.model.config.vocab_size, engine.eos_token_ids)
@@ -319,7 +319,7 @@ def _structured(llm: LLM):
 
 def _byte_tokens(llm: LLM, data: bytes) -> list[int]:
     """Token ids spelling `data` one byte each (a byte-level BPE vocabulary holds every single byte)."""
-    from batchgen.tokenizer import as_transformers
+    from batchgen.models.tokenizer import as_transformers
 
     # GPT-2's byte -> character map of byte-level BPE vocabularies
     printable = [
@@ -373,7 +373,7 @@ class NoTriton:
             raise ImportError("Triton is not installed")
 sys.meta_path.insert(0, NoTriton())
 import torch
-from batchgen.engine.structured import StructuredOutputs
+from batchgen.engine.features.structured import StructuredOutputs
 from batchgen.models.loader import load_tokenizer
 from batchgen.sampling_params import SamplingParams
 tok = load_tokenizer({llama_ckpt!r})

@@ -10,9 +10,9 @@ import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.model_runner import copy_runs
-from batchgen.engine.stats import EngineStats
-from batchgen.engine.swap import BlockSwapper
+from batchgen.engine.core.stats import EngineStats
+from batchgen.engine.kv.swap import BlockSwapper
+from batchgen.engine.worker.model_runner import copy_runs
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)

@@ -154,7 +154,7 @@ def test_a_hung_worker_times_out_instead_of_hanging(ckpt_factory, monkeypatch) -
     llm = LLM(ckpt_factory("llama"), device="cpu", num_blocks=64, tensor_parallel_size=2)
     llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     (worker,) = [
-        c for c in psutil.Process().children() if "batchgen.engine.tp_launch" in " ".join(c.cmdline())
+        c for c in psutil.Process().children() if "batchgen.engine.worker.tp_launch" in " ".join(c.cmdline())
     ]
     worker.send_signal(signal.SIGSTOP)
     t0 = time.monotonic()
@@ -177,7 +177,7 @@ def _workers(proc: subprocess.Popen) -> list[psutil.Process]:
         children = psutil.Process(proc.pid).children()
     except psutil.NoSuchProcess:
         return []
-    return [c for c in children if "batchgen.engine.tp_launch" in " ".join(c.cmdline())]
+    return [c for c in children if "batchgen.engine.worker.tp_launch" in " ".join(c.cmdline())]
 
 
 def test_killed_worker_exits_75_then_the_rerun_resumes_exactly_once(ckpt_factory, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The engine's thread policy: one decision (batchgen.threads) for the Python API and the command line."""
+"""The engine's thread policy: one decision (batchgen.runtime.threads) for the Python API and the command line."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from batchgen import threads
+from batchgen.runtime import threads
 
 
 def test_idle_cores_keep_spinning_and_use_every_cpu() -> None:
@@ -115,7 +115,7 @@ time.sleep(0.5)
 import {module}
 for p in loops:
     p.kill()
-from batchgen import threads
+from batchgen.runtime import threads
 print(os.environ.get("OMP_WAIT_POLICY"), threads._wait_policy_at_start, "torch" in sys.modules)
 """
 

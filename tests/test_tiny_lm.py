@@ -6,7 +6,7 @@ arguments writes mostly dictionary words with it.
 
 "Dictionary": `/usr/share/dict/words` where it exists. Where it does not (as on the machines this was
 written on), the alphabetic words of CPython's `LICENSE.txt` plus those of the held-out documents
-(`tests/data/tiny_lm_heldout.json`, written by `python -m batchgen.tiny_training`): English text the
+(`tests/data/tiny_lm_heldout.json`, written by `python -m batchgen.models.tiny_training`): English text the
 model never trained on, so the word list is not built from the training corpus. It is a small list (a few
 thousand words), so real English words outside it count as misses: the fraction is a lower bound.
 """
@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from batchgen import LLM, SamplingParams
 from batchgen.models import load_model
 from batchgen.models.tiny import CHAT_TEMPLATE, EOS_TOKEN, IM_END, TINY_LM_DIR, tiny_default_checkpoint
-from batchgen.tiny_training import MODEL_SPEC, heldout_loss
+from batchgen.models.tiny_training import MODEL_SPEC, heldout_loss
 
 HELDOUT = Path(__file__).parent / "data" / "tiny_lm_heldout.json"
 

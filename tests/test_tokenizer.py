@@ -1,4 +1,4 @@
-"""`batchgen.tokenizer.FastTokenizer` gives exactly the ids and text of transformers' `AutoTokenizer`, and
+"""`batchgen.models.tokenizer.FastTokenizer` gives exactly the ids and text of transformers' `AutoTokenizer`, and
 `load_tokenizer` falls back to transformers wherever that is not guaranteed."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from batchgen.models.loader import load_tokenizer
 from batchgen.models.tiny import TINY_LM_DIR
-from batchgen.tokenizer import FastTokenizer, as_transformers
+from batchgen.models.tokenizer import FastTokenizer, as_transformers
 
 TEXTS = [
     "Q: What does pathlib.Path.read_text() do? A:",

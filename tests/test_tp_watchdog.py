@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from batchgen.engine import tp_launch
+from batchgen.engine.worker import tp_launch
 
 
 class _DeadProc:

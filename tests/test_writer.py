@@ -9,14 +9,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.atomic import atomic_write
 from batchgen.data.layout import TEMP_PREFIX, is_own_file, part_name
 from batchgen.data.manifest import Manifest, WindowRecord, diff_config
 from batchgen.data.output_dir import OutputDir
 from batchgen.data.parts import PartLayout, build_part
 from batchgen.data.prompts import PromptRow
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
 from batchgen.errors import ConfigError
+from batchgen.runtime.atomic import atomic_write
 
 
 def _manifest(

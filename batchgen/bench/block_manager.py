@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 from batchgen.bench import fake_runner
 from batchgen.bench.fake_runner import FakeRequest
-from batchgen.engine.block_pool import BlockPool
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.kv.block_pool import BlockPool
 
 # ---------------------------------------------------------------- allocators under comparison
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from batchgen.bench.common import machine_info
-from batchgen.disk_cache import cache_root
+from batchgen.runtime.disk_cache import cache_root
 
 _VERSION = 1
 _BERT = dict(
@@ -65,8 +65,8 @@ INSTRUCTION = (
 def _checkpoint(name: str, config_name: str, model_class: str, sizes: dict[str, Any], st: bool) -> str:
     import transformers
 
-    from batchgen.atomic import build_dir_once
     from batchgen.models.tiny import build_random_checkpoint, special_token_kwargs
+    from batchgen.runtime.atomic import build_dir_once
 
     def build(tmp: str) -> str:
         def config(ids: dict[str, int]):

@@ -1,7 +1,7 @@
-"""The engine's real :class:`~batchgen.engine.scheduler.Scheduler` and KV cache manager, driven with fake tokens.
+"""The engine's real :class:`~batchgen.engine.sched.scheduler.Scheduler` and KV cache manager, driven with fake tokens.
 
 No model runs: each step is ``schedule()`` then ``update()`` with one random token per sampled sequence, exactly
-what :class:`~batchgen.engine.llm_engine.LLMEngine` does around its forward pass. So the figures the block-manager
+what :class:`~batchgen.engine.core.llm_engine.LLMEngine` does around its forward pass. So the figures the block-manager
 and memory benchmarks report for batchgen (KV utilization, fragmentation, prefix hits, preemptions,
 copy-on-write copies, concurrent sequences) are the scheduler's own (:class:`EngineStats` and the manager's
 :class:`KVCacheStats`), with its admission watermark, preemption order, chunked prefill and forks.
@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_cache import KVCacheManager, KVCacheStats
-from batchgen.engine.output_processor import OutputProcessor
-from batchgen.engine.scheduler import Scheduler, unservable
-from batchgen.engine.sequence import Request
-from batchgen.engine.stats import EngineCounters, EngineStats, StatsCollector
-from batchgen.engine.stop import StopRules
+from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
+from batchgen.engine.kv.kv_cache import KVCacheManager, KVCacheStats
+from batchgen.engine.sched.kinds import make_group
+from batchgen.engine.sched.scheduler import Scheduler
+from batchgen.engine.sched.sequence import Request
+from batchgen.engine.sched.stop import StopRules
+from batchgen.engine.worker.step_input import RunnerOutput
 from batchgen.sampling_params import SamplingParams
 
 
@@ -85,12 +86,13 @@ def add_requests(
 ) -> None:
     """Queue the requests as the engine's ``add_request`` does (ids 0, 1, ...; prompt tokens counted)."""
     for i, r in enumerate(requests):
-        why = unservable(sched.kv, sched.config.max_num_seqs, len(r.prompt), r.max_tokens, max_model_len)
-        if why is not None:
-            raise ValueError(f"request {i} can never run: {why}")
         params = SamplingParams(n=r.n, temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
         request = Request(i, list(r.prompt), params)
-        sched.add(request.new_sequence(list(r.prompt), 0))
+        group = make_group(request, request.new_sequence(list(r.prompt), 0), sched.stop)
+        why = group.unservable(sched.kv, sched.config.max_num_seqs, sched.stop)
+        if why is not None:
+            raise ValueError(f"request {i} can never run: {why}")
+        sched.add(group)
         counters.num_requests += 1
         counters.prompt_tokens += len(r.prompt)
 
@@ -115,7 +117,6 @@ def run(
     result = FakeRun(collector.stats, sched.kv.stats())
     steps = result.steps
     clock = time.perf_counter
-    outputs = OutputProcessor(sched.stop)
     while sched.has_unfinished():
         t0 = clock()
         out = sched.schedule()
@@ -125,7 +126,7 @@ def run(
         n = len(out.sample_seqs)
         tokens = rng.integers(vocab_size, size=n).tolist()
         t2 = clock()
-        outputs.update(sched, out, tokens, [None] * n)
+        sched.update(out, RunnerOutput(tokens, [None] * n))
         collector.collect()
         result.scheduler_s += t1 - t0 + clock() - t2
         result.seq_steps += len(out.seqs)

@@ -120,7 +120,7 @@ def command(system: str, python: str, spec_path: Path, out_path: Path) -> list[s
 
 def child_env(threads: int, system: str = "") -> dict[str, str]:
     """The environment of a system's process: ``threads`` OpenMP/MKL threads, except for batchgen's systems,
-    whose engine takes its own thread decision (batchgen.threads: the CPUs other processes leave
+    whose engine takes its own thread decision (batchgen.runtime.threads: the CPUs other processes leave
     free), capped at ``threads`` by ``torch.set_num_threads`` in batchgen.bench.systems, and vLLM, which binds
     its own compute threads to CPUs (``VLLM_CPU_OMP_THREADS_BIND``): with ``OMP_NUM_THREADS`` set above the
     CPUs it binds, its OpenMP threads share one CPU and its generation runs at half speed or less (measured:
@@ -177,7 +177,7 @@ def settle(max_s: float = SETTLE_MAX_S, quiet: float = 0.5) -> tuple[float, floa
     """Wait until other processes keep less than `quiet` CPUs busy (measured over 0.5 s), at most `max_s`:
     a system must not start while the previous one's processes are still exiting (its thread policy, and
     anyone's speed, would see their load). Returns (seconds waited, the last load measured)."""
-    from batchgen.threads import other_load
+    from batchgen.runtime.threads import other_load
 
     t0 = time.perf_counter()
     while True:

@@ -38,8 +38,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchgen.bench.common import machine_info
-from batchgen.disk_cache import cache_root
 from batchgen.lora_request import LoRARequest
+from batchgen.runtime.disk_cache import cache_root
 from batchgen.sampling_params import SamplingParams
 
 _TARGETS = {

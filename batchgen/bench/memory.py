@@ -12,7 +12,7 @@ Systems (same byte budget for all):
   admission (HF static batches, FasterTransformer); n>1 samples each get their own buffer.
 * ``contiguous (exact, first-fit)``: each sequence reserves exactly ``prompt + output`` tokens (an oracle
   that knows the output length, Orca-Oracle style) from a first-fit allocator over one address space.
-* ``paged bs=B`` (ours): batchgen's :class:`~batchgen.engine.scheduler.Scheduler` over a pool of
+* ``paged bs=B`` (ours): batchgen's :class:`~batchgen.engine.sched.scheduler.Scheduler` over a pool of
   ``budget // B`` blocks of B tokens; prefix caching on unless noted; n>1 samples are forks sharing the prompt
   blocks (partial last block included, copy-on-write).
 

@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from batchgen.atomic import build_dir_once
-from batchgen.disk_cache import cache_root
 from batchgen.models.tiny import build_random_checkpoint, special_token_kwargs
+from batchgen.runtime.atomic import build_dir_once
+from batchgen.runtime.disk_cache import cache_root
 
 BENCH_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),

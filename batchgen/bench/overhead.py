@@ -3,7 +3,7 @@
 The model is a random Llama of one layer, hidden size 32 (built once into the batchgen cache with
 :func:`batchgen.models.tiny.cached_checkpoint`), so the forward costs little and what remains is the engine's
 own work per step. For each mix and each sequence cap ``N`` (``--seqs``, default 64, 256, 512) one
-:class:`~batchgen.engine.llm_engine.LLMEngine` runs ``--warmup`` steps to reach a steady state, then
+:class:`~batchgen.engine.core.llm_engine.LLMEngine` runs ``--warmup`` steps to reach a steady state, then
 ``--steps`` measured steps, while a feeder keeps requests waiting so the engine never drains:
 
 * ``decode``: prompts of 16–48 tokens, 16–240 generated tokens: nearly every step is N decodes plus a few
@@ -20,7 +20,7 @@ wrapping, on this one engine instance, the calls its step makes (measurement onl
 * sample rows: ``engine.builder.sampling_inputs`` (the sampler inputs built every step: per-row
   settings, and row objects only for rows with penalties, bans, logprobs or seeds);
 * sampler: ``engine.runner.sampler`` (penalties, filters, argmax or draw);
-* update/stop: ``engine.outputs.update`` (append tokens, stop rules, finish, free blocks);
+* update/stop: ``engine.scheduler.update`` (append tokens, stop rules, beam steps, free blocks);
 * detokenize: ``engine._request_output`` (decode the finished requests' texts, build outputs);
 * other: the rest of ``step()`` (copy-on-write copies, logits to float32, listeners).
 
@@ -71,8 +71,8 @@ MIXES = {
 
 def overhead_model() -> str:
     """The near-null checkpoint: Llama, 1 layer, hidden 32, 2 heads / 1 KV head (built once, then cached)."""
-    from batchgen.disk_cache import cache_root
     from batchgen.models.tiny import cached_checkpoint
+    from batchgen.runtime.disk_cache import cache_root
 
     spec: dict[str, Any] = dict(
         arch="llama", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64
@@ -113,7 +113,7 @@ class PhaseTimer:
         self.wrap(engine.runner.model, "compute_logits", "forward")
         self.wrap(engine.builder, "sampling_inputs", "sample rows")
         self.wrap(engine.runner, "sampler", "sampler")
-        self.wrap(engine.outputs, "update", "update")
+        self.wrap(engine.scheduler, "update", "update")
         self.wrap(engine, "_request_output", "detokenize")
 
     def take(self) -> dict[str, float]:
@@ -142,7 +142,7 @@ class Result:
 def _engine(mix: Mix, n: int, seed: int, device: str, model: str | None, overlap: bool = False) -> Any:
     """The engine of one configuration: N sequences, the mix's token budget, a pool that fits ~5N/4 of them."""
     from batchgen.engine.config import EngineConfig
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     bs = 16
     per_seq = -(-(mix.prompt[1] + mix.output[1]) // bs)

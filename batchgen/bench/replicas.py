@@ -61,7 +61,7 @@ def _threads(replicas: int) -> int:
 
     if replicas == 1:
         return torch.get_num_threads()
-    from batchgen.job.replica_job import _cpu_count
+    from batchgen.job.replicas.run import _cpu_count
 
     return max(1, _cpu_count() // replicas)
 

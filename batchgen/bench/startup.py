@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from batchgen.startup_trace import ENV_VAR, PHASES, PREFIX
+from batchgen.runtime.startup_trace import ENV_VAR, PHASES, PREFIX
 
 ALL_PHASES = (*PHASES, "exit")
 

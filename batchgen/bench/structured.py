@@ -2,7 +2,7 @@
 
 Two figures, on the same workload (``--rows`` prompts, temperature 1, seeded, ``--max-tokens``):
 
-* **mask µs per row-step**: the time :meth:`batchgen.engine.structured.StructuredOutputs.mask` takes per
+* **mask µs per row-step**: the time :meth:`batchgen.engine.features.structured.StructuredOutputs.mask` takes per
   constrained row and step (matcher catch-up with the last token, batched bitmask fill; the in-place masking
   of the logits, in the runner, is not counted), timed around each call during the constrained runs, for each constraint kind (a nested JSON
   schema with arrays, enums, integers and optional fields; a regex; a choice).

@@ -179,12 +179,12 @@ def _read_job_output(out_dir: str) -> tuple[dict[int, list[int]], dict[int, int]
 
 
 def _warm_engine(engine: Any, w: dict[str, Any]) -> None:
+    from batchgen.driver import EngineRequest, run_requests
     from batchgen.sampling_params import SamplingParams
 
-    for i, p in enumerate(_warm_prompts(w)):
-        engine.add_request(f"warmup-{i}", p, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    warm = [EngineRequest(f"warmup-{i}", p, params) for i, p in enumerate(_warm_prompts(w))]
+    run_requests(engine, warm, lambda finished: None)
 
 
 def _batchgen_route(system: str) -> tuple[str, str]:
@@ -230,7 +230,7 @@ def _batchgen_once(
 def run_batchgen(spec: dict[str, Any], profile: str | None = None) -> dict[str, Any]:
     """The pipeline (``run_job``) with a fresh engine per repeat; or LLM.generate for ``batchgen_llm``.
     With ``profile``, one more run under the profiler (not timed)."""
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     system, via = _batchgen_route(spec["system"])
     w = _load_workload(spec)
@@ -300,17 +300,23 @@ def _kv_sizing(engine: Any, init_s: float) -> dict[str, Any]:
 
 
 def _run_llm(engine: Any, w: dict[str, Any]) -> tuple[dict[int, list[int]], dict[int, int]]:
+    from batchgen.driver import EngineRequest, run_requests
     from batchgen.sampling_params import SamplingParams
 
-    for rid, p, mt in zip(w["ids"], w["token_ids"], w["max_tokens"]):
-        engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True))
+    requests = [
+        EngineRequest(rid, p, SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True))
+        for rid, p, mt in zip(w["ids"], w["token_ids"], w["max_tokens"])
+    ]
     tokens, cached = {}, {}
-    while engine.has_unfinished():
-        for out in engine.step():
+
+    def collect(finished: list[Any]) -> None:
+        for out in finished:
             if out.error:
                 raise RuntimeError(f"request {out.request_id} failed: {out.error}")
             tokens[out.request_id] = list(out.outputs[0].token_ids)
             cached[out.request_id] = out.num_cached_tokens
+
+    run_requests(engine, requests, collect)
     return tokens, cached
 
 

@@ -62,8 +62,8 @@ def print_volumes(models: list[tuple[str, int, int, int]], tps: list[int]) -> No
 
 def small_model() -> str:
     """A Llama small enough for the CPU but with real-sized collectives: hidden 512, 4 layers, 8 heads."""
-    from batchgen.disk_cache import cache_root
     from batchgen.models.tiny import cached_checkpoint
+    from batchgen.runtime.disk_cache import cache_root
 
     spec = dict(
         arch="llama", hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1024

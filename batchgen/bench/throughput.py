@@ -55,9 +55,9 @@ from batchgen.bench.common import (
 from batchgen.bench.gpu_idle import describe as describe_gpu_idle
 from batchgen.bench.launch import Servers, run_system
 from batchgen.bench.workloads import WORKLOADS, WorkloadSpec, describe, make_workload, write_workload
-from batchgen.disk_cache import cache_root
 from batchgen.engine.config import EngineConfig
 from batchgen.models.config import ModelConfig
+from batchgen.runtime.disk_cache import cache_root
 
 DEFAULT_ROWS = {"shared_prefix": 256, "unique": 128, "long_tail": 128}
 REFERENCE = "hf_generate"

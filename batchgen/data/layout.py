@@ -32,7 +32,7 @@ LOGS_DIR = "_logs"  # also spelled out in conf/config.yaml (hydra.run.dir and hy
 CHECKPOINT_DIR = "_checkpoint"
 LOCK_NAME = ".batchgen.lock"
 TEMP_PREFIX = ".tmp-"
-"""Prefix of files being written: :func:`batchgen.atomic.atomic_write` names its temporary files so."""
+"""Prefix of files being written: :func:`batchgen.runtime.atomic.atomic_write` names its temporary files so."""
 METADATA_KEY = b"batchgen"
 """Key of the JSON document in every part's Parquet schema metadata."""
 STATUS_NAME = "_batchgen_status.json"

@@ -1,6 +1,6 @@
 """The manifest of an output directory: which windows are finished, under which configuration.
 
-``_manifest.json`` is rewritten atomically (:func:`batchgen.atomic.atomic_write_bytes`) after each part file
+``_manifest.json`` is rewritten atomically (:func:`batchgen.runtime.atomic.atomic_write_bytes`) after each part file
 or checkpoint file is in place, so at any moment it lists only files that are complete on disk. A part or
 checkpoint file without a manifest entry (killed between the two renames) is removed and redone on the next
 run.
@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchgen.atomic import atomic_write_bytes
 from batchgen.data.layout import MANIFEST_NAME
+from batchgen.runtime.atomic import atomic_write_bytes
 
 FORMAT = "batchgen-manifest/2"
 

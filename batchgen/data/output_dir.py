@@ -2,7 +2,7 @@
 
 File names are those of :mod:`batchgen.data.layout`. Invariants:
 - A part or checkpoint file appears under its final name only complete and fsynced
-  (:func:`batchgen.atomic.atomic_write`); the manifest is updated (atomically) only after that rename, so every
+  (:func:`batchgen.runtime.atomic.atomic_write`); the manifest is updated (atomically) only after that rename, so every
   file it lists is complete. A window's checkpoint files are deleted only after the manifest lists its part.
 - Opening removes temp files, parts and checkpoint files the manifest does not list (leftovers of a killed
   run), and refuses (ConfigError) an output written with a different configuration, input or shard layout
@@ -26,7 +26,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.atomic import atomic_write, atomic_write_text
 from batchgen.data.layout import (
     CHECKPOINT_DIR,
     CHECKPOINT_RE,
@@ -45,6 +44,7 @@ from batchgen.data.layout import (
 from batchgen.data.manifest import Manifest, PartialRecord, WindowRecord, describe_model_change, diff_config
 from batchgen.data.parts import part_as_piece, part_stats
 from batchgen.errors import ConfigError
+from batchgen.runtime.atomic import atomic_write, atomic_write_text
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import pyarrow as pa
 from batchgen.data.layout import METADATA_KEY, POSITION_COLUMN, RESERVED_COLUMNS, RETRY_COLUMN
 from batchgen.data.prompts import PromptRow
 from batchgen.data.structured import parse_column
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass

@@ -3,7 +3,7 @@
     python -m batchgen.data.sample [OUT]     # default: the package's sample_data/prompts.parquet
 
 Questions and openings about Python, which the embedded model (trained on CPython's own documentation, see
-``batchgen.tiny_training``) can continue plausibly. Shaped like a real batch job: a few-shot template
+``batchgen.models.tiny_training``) can continue plausibly. Shaped like a real batch job: a few-shot template
 shared by many rows (the prefix cache serves it once), concept questions, and standalone openings, shuffled so
 that rows sharing a prefix are *not* adjacent (prefix grouping has work to do). Columns:
 

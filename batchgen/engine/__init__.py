@@ -1,8 +1,14 @@
-"""The paged-attention engine.
+"""The paged-attention engine, in folders by role.
 
-One concept per module: ``block_pool`` (physical blocks, refcounts, prefix-cache hashes), ``kv_cache`` (block
-tables, copy-on-write, forks), ``sequence`` (requests and their samples), ``scheduler`` (what runs each step),
-``stop`` (stop rules), ``beam`` (beam-search decisions, transformers' arithmetic), ``model_runner`` (batch
-tensors, forward, KV pool sizing), ``swap`` (the CPU swap pool and its block copies), ``sampler`` (logits to tokens), ``llm_engine`` (the ``schedule → run → update`` loop),
-``interface`` (the engine as callers see it).
+* ``config`` — :class:`EngineConfig`, the engine's options.
+* ``core`` — the ``schedule → execute → update`` loop (``llm_engine``; ``async_engine``: the pipelined one),
+  the engine as callers see it (``interface``), request outputs (``outputs``, ``output_processor``) and
+  figures (``stats``).
+* ``sched`` — what runs each step: requests and sequences (``sequence``), request groups, the features' one
+  hook (``request_group``, one kind per request: ``kinds``), the scheduler and its output (``scheduler``,
+  ``output``; ``async_scheduler``), stop rules (``stop``, ``detokenizer``).
+* ``kv`` — KV memory: the block pool, block tables, the KV cache manager and the CPU swap space.
+* ``worker`` — what runs a step: the plain step input and its builder, the executor, the model runner and its
+  input batch, the sampler, tensor parallelism.
+* ``features`` — one file per feature: beam search, pooling, prompt logprobs, structured outputs, LoRA.
 """

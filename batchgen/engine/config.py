@@ -68,7 +68,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     """What happens to a sequence preempted when KV blocks run out: 'recompute' (free its blocks, recompute its
     prompt and output later) or 'swap' (copy its blocks to CPU memory, engine.swap_space, and back; falls back
-    to recompute when the CPU pool is full). A beam group is preempted as one."""
+    to recompute when the CPU pool is full). A request group is preempted as one."""
     swap_space: str = "4GiB"
     """CPU memory for swapped-out KV blocks with preemption_mode=swap, e.g. '4GiB' (pinned on CUDA)."""
     num_swap_blocks: int | None = None
@@ -90,7 +90,7 @@ class EngineConfig:
     async_scheduling: bool = False
     """Overlap the engine's Python with the forward: while step N's forward and sampling run (in a worker
     thread), step N+1 is scheduled and its inputs prepared, the tokens of N standing in as placeholders
-    (:mod:`batchgen.engine.executor`). Token ids, texts and finish reasons are identical to it off (logprobs
+    (:mod:`batchgen.engine.worker.executor`). Token ids, texts and finish reasons are identical to it off (logprobs
     to float rounding). Steps involving beam search, structured outputs, prompt logprobs or swapping, or a
     pool too full to rule out preemption, run synchronously (the pipeline drains first). Composes with
     tensor_parallel_size > 1 (each launched step is broadcast to the other ranks)."""

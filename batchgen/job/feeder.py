@@ -35,8 +35,9 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from batchgen.data.prompts import PromptRow
 from batchgen.data.reader import WindowSpec
-from batchgen.engine.interface import Engine
-from batchgen.engine.outputs import RequestOutput
+from batchgen.driver import Driver, EngineRequest
+from batchgen.engine.core.interface import Engine
+from batchgen.engine.core.outputs import RequestOutput
 
 T = TypeVar("T")
 
@@ -194,7 +195,8 @@ class EngineFeeder:
     ``run()`` yields finished :class:`WindowWork` objects in completion order and returns when every window
     is done, or when a stop was requested and the in-flight windows are finished or past the deadline
     (``self.abandoned`` then lists the windows given up). ``on_output(work, position, output)`` is called for
-    each finished request, ``on_step()`` after each engine step.
+    each finished request, ``on_step()`` after each engine step. It is the job's :class:`~batchgen.driver.Task`:
+    a :class:`~batchgen.driver.Driver` admits its rows and steps the engine.
     """
 
     def __init__(
@@ -248,67 +250,55 @@ class EngineFeeder:
         self.active[work.spec.index] = work
         return work
 
-    def _admit(self) -> None:
-        """Add requests up to ``max_in_flight``; after a stop, only rows of windows already started (``_pull``
-        starts no new window then), and none once the grace deadline has passed."""
-        engine = self.engine
-        while not self._past_deadline() and engine.num_unfinished() < self.max_in_flight:
-            if not self.feeding or not self.feeding[0].feed:
-                if self.feeding and not self.feeding[0].feed:
-                    self.feeding.popleft()
-                if not self.feeding:
-                    work = self._pull()
-                    if work is None:
-                        return
-                    self.feeding.append(work)
+    def next_request(self) -> EngineRequest | None:
+        """The next row to admit (the driver asks while the engine has room): rows of the window being fed,
+        then of the next one; after a stop, only rows of windows already started (``_pull`` starts no new
+        window then), and none once the grace deadline has passed."""
+        while not self._past_deadline():
+            if self.feeding and not self.feeding[0].feed:
+                self.feeding.popleft()
+            if not self.feeding:
+                work = self._pull()
+                if work is None:
+                    return None
+                self.feeding.append(work)
                 continue
             work = self.feeding[0]
             pos = work.feed.popleft()
             row = work.rows[pos]
             self.where[row.row_index] = (work, pos)
-            if row.images:
-                engine.add_request(
-                    row.row_index, row.token_ids, row.params, lora_request=row.lora, images=row.images
-                )
-            elif row.lora is None:
-                engine.add_request(row.row_index, row.token_ids, row.params)
-            else:
-                engine.add_request(row.row_index, row.token_ids, row.params, lora_request=row.lora)
+            return EngineRequest(
+                row.row_index, row.token_ids, row.params, row.lora, images=tuple(row.images or ())
+            )
+        return None
 
-    def _finish(self, out: RequestOutput) -> None:
-        work, pos = self.where.pop(out.request_id)
-        work.results[pos] = out
-        work.pending -= 1
-        if self.on_output is not None:
-            self.on_output(work, pos, out)
-        if work.done:
-            work.finished_at = time.monotonic()
-            self.active.pop(work.spec.index, None)
-            self._ready.append(work)
+    def finish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            work, pos = self.where.pop(out.request_id)
+            work.results[pos] = out
+            work.pending -= 1
+            if self.on_output is not None:
+                self.on_output(work, pos, out)
+            if work.done:
+                work.finished_at = time.monotonic()
+                self.active.pop(work.spec.index, None)
+                self._ready.append(work)
 
     def run(self) -> Iterator[WindowWork]:
-        engine = self.engine
-        while True:
-            self._admit()
-            while self._ready:
-                yield self._ready.popleft()
-            if self._stopping() and (self._past_deadline() or not self.active):
-                break  # past the grace period, or every started window is finished
-            if not engine.has_unfinished():
-                if self.exhausted or self._stopping():
-                    break
-                if self.active:
-                    raise RuntimeError("the engine has no unfinished requests but windows are still pending")
-                continue  # nothing in flight: _admit pulls the next window
-            for out in engine.step():
-                self._finish(out)
+        driver = Driver(self.engine, self, self.max_in_flight)
+        for _ in driver.steps():
             if self.on_step is not None:
                 self.on_step()
             while self._ready:
                 yield self._ready.popleft()
+            if self._stopping() and (self._past_deadline() or not self.active):
+                break  # past the grace period, or every started window is finished
+        while self._ready:  # windows without rows to run, pulled after the last step
+            yield self._ready.popleft()
+        if self.active and not self._stopping():
+            raise RuntimeError("the engine has no unfinished requests but windows are still pending")
         self.abandoned = sorted(self.active.values(), key=lambda w: w.spec.index)
-        for rid in list(self.where):
-            engine.abort_request(rid)
+        driver.abort()
         self.where.clear()
         self.active.clear()
         self.feeding.clear()

@@ -63,7 +63,7 @@ def job_report(
 ) -> dict[str, Any]:
     """Build and write ``_report.json`` (a write failure is only a warning); ``this_run``: the rows and
     windows this run committed. A complete run with too many error rows has status ``failed``."""
-    from batchgen.engine.stats import EngineStats
+    from batchgen.engine.core.stats import EngineStats
 
     frac = error_fraction(m)
     top = [(tally.error_examples[k], c) for k, c in tally.errors.most_common(3)]
@@ -77,6 +77,7 @@ def job_report(
         engine_stats=stats if stats is not None else EngineStats(),
         model=plan.cfg.model.path or "tiny-default",
         extra={
+            "task": plan.cfg.task,
             **extra,
             "interrupted_by": signal_name,
             "shard": m.shard,

@@ -5,7 +5,8 @@ group (``model=tiny``, ``data=default``, ``engine=default``, ``sampling=default`
 ``run=default``) and ``hydra/help=batchgen`` (the ``--help`` text of :mod:`batchgen.job.help`).
 
 Resolvers: ``${batchgen.shard_dir:output,index,count}`` (a shard's output directory, used by
-``hydra.run.dir``; a directory under the system's temp dir when the output cannot hold Hydra's log files, see
+``hydra.run.dir``; beside a results file, never at its name, see :func:`log_parent`; a directory under the
+system's temp dir when the output cannot hold Hydra's log files, see
 :func:`usable_log_root`), ``${batchgen.sweep_root:}`` (where a multirun's logs go, used by ``hydra.sweep.dir``) and
 ``${batchgen.shard_env:index|count}`` (the shard defaults from a Slurm job array or a Kubernetes Indexed Job,
 :mod:`batchgen.job.shard_env`). The registrations are
@@ -116,9 +117,19 @@ def fallback_log_root(directory: str) -> Path:
     return Path(tempfile.gettempdir()) / "batchgen-logs" / name
 
 
+def log_parent(output: str) -> str:
+    """The directory Hydra's run files go under for the output `output`: the output directory itself, or,
+    when the output is one file (an OpenAI batch results file, ``results.jsonl``), the bookkeeping directory
+    beside it (``_results.jsonl.batchgen``), so that the file's name is never taken by a directory."""
+    from batchgen.job.openai_batch import bookkeeping_dir, is_batch_file
+
+    out = str(output).rstrip("/") or "/"
+    return bookkeeping_dir(out) if is_batch_file(out) else out
+
+
 def _shard_dir_resolver(output: Any, index: Any, count: Any) -> str:
     sub = shard_dir_name(int(index), int(count))
-    out = str(output).rstrip("/") or "/"
+    out = log_parent(str(output))
     return usable_log_root(f"{out}/{sub}" if sub else out)
 
 
@@ -132,7 +143,7 @@ def _sweep_root_resolver(*, _root_: Any) -> str:
         prefix = raw.split("${hydra:", 1)[0]
         root = prefix if prefix.endswith("/") else os.path.dirname(prefix)
         return usable_log_root(root.rstrip("/") or ".")
-    return usable_log_root(str(_root_.data.output).rstrip("/") or ".")
+    return usable_log_root(log_parent(str(_root_.data.output).rstrip("/") or "."))
 
 
 def register_resolvers() -> None:

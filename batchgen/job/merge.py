@@ -9,7 +9,7 @@ unfinished shards, and rows whose ``status`` is ``error`` (those are covered: th
 Invariants:
 - :attr:`MergeReport.ok` only when nothing is missing, duplicated or unknown.
 - :func:`write_merged` produces the rows of every shard in input order (shard, then window, then row order,
-  which the writer guarantees; sorted explicitly if it ever is not), atomically (:mod:`batchgen.atomic`).
+  which the writer guarantees; sorted explicitly if it ever is not), atomically (:mod:`batchgen.runtime.atomic`).
 - Memory: verification holds the id columns only; writing streams one part at a time (in order).
 """
 
@@ -26,13 +26,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.atomic import atomic_write
 from batchgen.data.layout import MANIFEST_NAME, METADATA_KEY
 from batchgen.data.manifest import Manifest
 from batchgen.data.reader import InputError, open_input, shard_range
 from batchgen.data.values import sanitize_utf8
 from batchgen.job.result import one_line
 from batchgen.job.shards import MergeError, PartRef, Shard, find_shards
+from batchgen.runtime.atomic import atomic_write
 
 
 # ----------------------------------------------------------------------------------------------- input

@@ -3,7 +3,8 @@
 1. The request file is parsed (:mod:`batchgen.data.openai_batch`) into ``requests.parquet`` in the bookkeeping
    directory beside the results file (``_results.jsonl.batchgen/``, a name dataset readers skip): the same
    lines always give the same file, so a rerun resumes.
-2. An ordinary job runs over it into ``_results.jsonl.batchgen/out/`` (parts, manifest, checkpoints: resumable
+2. An ordinary job runs over it (the job runner runs it like any other: this module only adapts its input
+   and output, :class:`BatchFile`) into ``_results.jsonl.batchgen/out/`` (parts, manifest, checkpoints: resumable
    and exactly-once like any job), chat requests through the chat template, each request's parameters as its
    row's sampling overrides; with ``task=embed``, an embedding job over the embeddings requests' inputs.
 3. When that job is complete, the results file is written in one atomic step (a rename locally, one PUT on
@@ -25,7 +26,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.atomic import atomic_write, atomic_write_bytes
 from batchgen.data.layout import MANIFEST_NAME
 from batchgen.data.manifest import Manifest
 from batchgen.data.openai_batch import (
@@ -39,6 +39,8 @@ from batchgen.data.storage import Location, is_url
 from batchgen.errors import ConfigError
 from batchgen.job.config import JobConfig, to_job_config
 from batchgen.job.result import EXIT_CONFIG, EXIT_OK, EXIT_TOO_MANY_ERRORS, JobResult
+from batchgen.job.tally import RowTally
+from batchgen.runtime.atomic import atomic_write, atomic_write_bytes
 
 logger = logging.getLogger("batchgen.job")
 
@@ -114,7 +116,7 @@ def _derived(cfg: JobConfig, reqs: BatchRequests, book: str) -> JobConfig:
         logprobs = 0
     sampling = dataclasses.replace(cfg.sampling, n=reqs.n, logprobs=logprobs)
     # failed requests are result lines, not a sign of an impossible job: the error fraction is checked on the
-    # results (run_openai_batch), not by the early stop of a job whose first rows all fail
+    # results (BatchFile.results), not by the early stop of a job whose first rows all fail
     run = dataclasses.replace(cfg.run, max_error_fraction=1.0)
     return dataclasses.replace(cfg, data=data, sampling=sampling, run=run)
 
@@ -136,57 +138,97 @@ def _check(job: JobConfig) -> None:
         )
 
 
-def run_openai_batch(cfg: Any, run: Callable[[JobConfig], JobResult]) -> JobResult:
-    """Run the batch file job described by `cfg` with `run` (:func:`batchgen.job.run.run_job`)."""
-    try:
-        job = to_job_config(cfg)
-        d = job.data
-        _check(job)
-        opts = dict(d.storage_options)
-        reqs = parse_requests(_lines(str(d.input), opts), job.task)
-        for msg in reqs.bad_lines:
-            logger.warning("%s: %s (written as an error line without custom_id)", d.input, msg)
-        book = bookkeeping_dir(d.output)
-        buf = io.BytesIO()
-        pq.write_table(reqs.table, buf)
-        if _get(book, REQUESTS_NAME, opts) != buf.getvalue():
-            _put(book, REQUESTS_NAME, buf.getvalue(), opts)
-        derived = _derived(job, reqs, book)
-    except ConfigError as e:
-        logger.error("%s", e)
-        return JobResult(EXIT_CONFIG, "error", str(cfg.data.output), None, None, str(e))
-    logger.info(
-        "%s: %d request(s) to %s (%d that cannot run), bookkeeping in %s",
-        d.input, reqs.table.num_rows, reqs.endpoint,
-        sum(e is not None for e in reqs.table.column("request_error").to_pylist()), book,
-    )  # fmt: skip
-    result = run(derived)
-    if result.exit_code in (EXIT_OK, EXIT_TOO_MANY_ERRORS):
+@dataclasses.dataclass(frozen=True)
+class BatchFile:
+    """An OpenAI batch request file as a job's input and output adapter: :func:`open_batch_file` converts the
+    requests (input) and gives the ordinary job to run (``job``); :meth:`results` writes the results file from
+    that job's output once it is complete (output)."""
+
+    requested: JobConfig
+    """The configuration as given (``data.input`` the request file, ``data.output`` the results file)."""
+    requests: BatchRequests
+    job: JobConfig
+    """The job over the converted requests (its output in the bookkeeping directory)."""
+
+    def results(self, result: JobResult, print_summary: bool = False) -> JobResult:
+        """The batch file's result from the job's ``result``: the results file written when the job is
+        complete (exit 0, or 3 with too many error rows: failed requests are result lines), its error
+        fraction checked against ``run.max_error_fraction``; with `print_summary`, the summary table printed once
+        the results file is written, its error counts those of the result lines; any other result as it is."""
+        if result.exit_code not in (EXIT_OK, EXIT_TOO_MANY_ERRORS):
+            return result
+        d = self.requested.data
         try:
-            n, errors = write_results(derived, reqs.table, d.output, opts)
+            n, tally = write_results(self.job, self.requests.table, d.output, dict(d.storage_options))
         except ConfigError as e:
             logger.error("%s", e)
             return JobResult(EXIT_CONFIG, "error", d.output, result.report_path, result.report, str(e))
+        errors = sum(tally.errors.values())
         msg = f"{n} result line(s) in {d.output}, {errors} with an error"
-        limit = job.run.max_error_fraction
+        limit = self.requested.run.max_error_fraction
         if n and errors / n > limit:
             msg += (
                 f": {errors / n:.1%} of the requests failed, more than run.max_error_fraction={limit:g} "
                 f"(exit status {EXIT_TOO_MANY_ERRORS})"
             )
             logger.error("%s", msg)
+            if print_summary:
+                _print_summary(result, tally, n, limit, msg)
             return dataclasses.replace(
                 result, exit_code=EXIT_TOO_MANY_ERRORS, status="failed", output_dir=d.output, message=msg
             )
         logger.info("%s", msg)
-        result = dataclasses.replace(
+        if print_summary:
+            _print_summary(result, tally, n, limit, msg)
+        return dataclasses.replace(
             result,
             exit_code=EXIT_OK,
             status="complete",
             output_dir=d.output,
             message=f"{result.message}; {msg}",
         )
-    return result
+
+
+def open_batch_file(cfg: Any) -> BatchFile:
+    """Parse the request file of `cfg` and stage it as ``requests.parquet`` in the bookkeeping directory
+    (rewritten only when it changed, so a rerun resumes); raises ConfigError for a job that cannot run."""
+    job = to_job_config(cfg)
+    d = job.data
+    _check(job)
+    opts = dict(d.storage_options)
+    reqs = parse_requests(_lines(str(d.input), opts), job.task)
+    for msg in reqs.bad_lines:
+        logger.warning("%s: %s (written as an error line without custom_id)", d.input, msg)
+    book = bookkeeping_dir(d.output)
+    buf = io.BytesIO()
+    pq.write_table(reqs.table, buf)
+    if _get(book, REQUESTS_NAME, opts) != buf.getvalue():
+        _put(book, REQUESTS_NAME, buf.getvalue(), opts)
+    logger.info(
+        "%s: %d request(s) to %s (%d that cannot run), bookkeeping in %s",
+        d.input, reqs.table.num_rows, reqs.endpoint,
+        sum(e is not None for e in reqs.table.column("request_error").to_pylist()), book,
+    )  # fmt: skip
+    return BatchFile(job, reqs, _derived(job, reqs, book))
+
+
+def _print_summary(result: JobResult, tally: RowTally, lines: int, limit: float, msg: str) -> None:
+    """The job's summary table with the results file's error figures (the most common reasons of its error
+    lines, their fraction against run.max_error_fraction), then `msg`."""
+    from batchgen.job.report import format_table
+
+    if result.report is not None:
+        errors = sum(tally.errors.values())
+        frac = errors / lines if lines else 0.0
+        top = [(tally.error_examples[k], c) for k, c in tally.errors.most_common(3)]
+        report = {
+            **result.report,
+            "errors": {"fraction": frac, "max_fraction": limit, "exceeded": frac > limit, "top": top},
+        }
+        if frac > limit:
+            report["status"] = "failed"
+        print(format_table(report))
+    print(msg)
 
 
 def _parts(derived: JobConfig, opts: dict[str, Any]) -> Iterator[pa.Table]:
@@ -214,8 +256,8 @@ def _decoder(derived: JobConfig) -> Callable[[int], str] | None:
 
 def _result_lines(
     derived: JobConfig, requests: pa.Table, opts: dict[str, Any]
-) -> Iterator[tuple[bytes, bool]]:
-    """Each request's output line, and whether it is an error line."""
+) -> Iterator[tuple[bytes, str | None]]:
+    """Each request's output line, and its error message (None for a response line)."""
     n = derived.sampling.n
     model = derived.model.path or "tiny-default"
     created = int(time.time())
@@ -226,28 +268,33 @@ def _result_lines(
         for i in range(0, len(rows), n):
             req = next(reqs)
             line = response_line(req, rows[i : i + n], model, created, decode)
-            yield (json.dumps(line, ensure_ascii=False) + "\n").encode(), line["error"] is not None
+            error = line["error"]
+            yield (
+                (json.dumps(line, ensure_ascii=False) + "\n").encode(),
+                None if error is None else str(error["message"]),
+            )
 
 
 def write_results(
     derived: JobConfig, requests: pa.Table, output: str, opts: dict[str, Any]
-) -> tuple[int, int]:
+) -> tuple[int, RowTally]:
     """Write the results file from the complete job `derived` (atomically); returns its number of lines and
-    of error lines."""
-    count = errors = 0
+    the tally of its error lines by reason."""
+    count = 0
+    tally = RowTally()
     if is_url(output):
         parent, name = output.rsplit("/", 1)
         chunks = []
-        for line, failed in _result_lines(derived, requests, opts):
+        for line, error in _result_lines(derived, requests, opts):
             chunks.append(line)
-            errors += failed
+            tally.count(error is None, error)
         Location(parent, opts, key="data.output").put(name, b"".join(chunks))
-        return len(chunks), errors
+        return len(chunks), tally
     target = Path(output).expanduser()
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(target) as tmp, open(tmp, "wb") as f:
-        for line, failed in _result_lines(derived, requests, opts):
+        for line, error in _result_lines(derived, requests, opts):
             f.write(line)
             count += 1
-            errors += failed
-    return count, errors
+            tally.count(error is None, error)
+    return count, tally

@@ -1,7 +1,7 @@
 """``batchgen task=embed`` / ``task=classify``: pooling instead of generation, window by window, resumable.
 
 Each window's ``data.prompt_column`` texts are tokenised in one batch and pooled by a
-:class:`~batchgen.pooling_runner.PoolingRunner` (length-sorted inside the window: unpadded encoder batches, or
+:class:`~batchgen.pooling.runner.PoolingRunner` (length-sorted inside the window: unpadded encoder batches, or
 token order on the paged engine so shared instruction prefixes hit the prefix cache); the window's part is
 committed atomically with its manifest entry, so a job killed at any moment resumes from the first window not
 committed and duplicates nothing. Output columns, one row per input row in input order: ``id``, the kept
@@ -47,7 +47,7 @@ def pooling_model_facts(cfg: Any, path: str) -> Any:
 def start_runner(plan: Any) -> Any:
     """The :class:`PoolingRunner` of the plan's checkpoint (a failure to load is a ConfigError)."""
     from batchgen.pooling.checkpoint import read_checkpoint
-    from batchgen.pooling_runner import PoolingRunner
+    from batchgen.pooling.runner import PoolingRunner
 
     cfg = plan.cfg
     try:
@@ -101,9 +101,9 @@ def _pool_window(plan: Any, runner: Any, table: pa.Table, spec: Any) -> tuple[di
 
 def run_pool_windows(
     plan: Any, outdir: Any, runner: Any, todo: list[Any], stop: Any, progress: Any
-) -> tuple[int, int]:
-    """Pool and commit each unfinished window; returns (windows, rows) done. Stops between windows on a
-    signal (a window is the unit of resume)."""
+) -> tuple[int, int, int]:
+    """Pool and commit each unfinished window; returns (windows, rows, prompt tokens pooled) done. Stops
+    between windows on a signal (a window is the unit of resume)."""
     from batchgen.pooling.params import PoolingParams
 
     d, p = plan.cfg.data, plan.cfg.pooling
@@ -111,7 +111,7 @@ def run_pool_windows(
         spec = runner.spec(PoolingParams(p.method, p.normalize, p.dimensions))
     except ValueError as e:
         raise ConfigError(f"pooling: {e}") from e
-    windows = rows = 0
+    windows = rows = tokens = 0
     for w in iter_windows(plan.input, todo, plan.columns):
         if stop.requested:
             break
@@ -121,4 +121,5 @@ def run_pool_windows(
         progress.update(w.spec.num_rows)
         windows += 1
         rows += w.spec.num_rows
-    return windows, rows
+        tokens += prompt_tokens
+    return windows, rows, tokens

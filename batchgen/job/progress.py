@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.core.stats import EngineStats
 
 logger = logging.getLogger("batchgen.progress")  # the name progress log lines carry
 

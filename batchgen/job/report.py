@@ -2,18 +2,18 @@
 
 Row counts (``rows.*``, ``errors.*``) cover the whole shard output so far (from the manifest, all runs,
 checkpointed rows of unfinished windows included); throughput and engine figures (``run.*``, ``tokens.*``,
-``kv.*``, ``scheduler.*``) cover this run only.
+``kv.*``, ``scheduler.*``, and ``pooling.*`` of a task=embed / task=classify job) cover this run only. An
+encoder's pooling job has no paged engine: its ``tokens``, ``kv`` and ``scheduler`` figures are zeros, and the
+table shows the pooling figures instead.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from batchgen.atomic import atomic_write_text
 from batchgen.data.manifest import Manifest
-from batchgen.engine.stats import EngineStats
+from batchgen.engine.core.stats import EngineStats
 
 
 def _rows(manifest: Manifest) -> dict[str, int]:
@@ -101,14 +101,17 @@ def build_report(
     return report
 
 
+POOLING_TASKS = ("embed", "classify")
+
+
+def pooling_figures(prompt_tokens: int, wall_time_s: float) -> dict[str, float]:
+    """The report's ``pooling`` section: prompt tokens pooled this run and their rate."""
+    return {"prompt_tokens": prompt_tokens, "prompt_tokens_per_s": prompt_tokens / max(wall_time_s, 1e-9)}
+
+
 def report_text(report: dict[str, Any]) -> str:
     """The report as the JSON text of ``_report.json``."""
     return json.dumps(report, indent=1, default=str) + "\n"
-
-
-def write_report(path: str | Path, report: dict[str, Any]) -> None:
-    """Write the report as JSON, atomically."""
-    atomic_write_text(path, report_text(report))
 
 
 def _si(x: float) -> str:
@@ -127,7 +130,7 @@ def _bytes(n: float) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     """The end-of-job summary table."""
-    r, t, run, kv, sch = report["rows"], report["tokens"], report["run"], report["kv"], report["scheduler"]
+    r = report["rows"]
     status = report["status"]
     err = report.get("errors") or {}
     if err.get("exceeded"):
@@ -142,19 +145,8 @@ def format_table(report: dict[str, Any]) -> str:
             "windows",
             f"{report['windows']['done']} / {report['windows']['total']} ({report['windows']['this_run']} this run)",
         ),
-        ("prompt tokens computed", _si(t["prompt_computed"])),
-        ("prompt tokens reused", f"{_si(t['prompt_reused'])}  (prefix hit rate {t['prefix_hit_rate']:.1%})"),
-        *([("prompt tokens copied", _si(t["prompt_copied"]))] if t.get("prompt_copied") else []),
-        ("generated tokens", _si(t["generated"])),
-        ("wall time", f"{run['wall_time_s']:.1f} s"),
-        ("rows/s", f"{run['rows_per_s']:.2f}"),
-        ("generated tok/s", f"{run['generated_tokens_per_s']:.1f}"),
-        ("KV blocks", f"{kv['num_blocks']} x {kv['block_size']} tokens ({_bytes(kv['pool_bytes'])})"),
-        ("peak KV usage", f"{kv['peak_usage']:.1%}"),
-        ("KV fragmentation (peak)", f"{kv['peak_fragmentation']:.1%}"),
-        ("peak concurrent seqs", str(sch["peak_running_seqs"])),
-        ("preemptions", str(sch["preemptions"])),
     ]
+    lines += _pooling_lines(report) if report.get("task") in POOLING_TASKS else _generation_lines(report)
     lora = (report.get("lora") or {}).get("rows") or (report.get("lora") or {}).get("rows_this_run")
     if lora:  # every run's rows (committed windows)
         per = ", ".join(
@@ -175,3 +167,50 @@ def format_table(report: dict[str, Any]) -> str:
     bar = "-" * (w + 2 + max(len(v) for _, v in lines))
     body = "\n".join(f"{k.ljust(w)}  {v}" for k, v in lines)
     return f"{bar}\n{body}\n{bar}"
+
+
+def _generation_lines(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The token, throughput and engine rows of a generation (or scoring) job's table."""
+    t, run, kv, sch = report["tokens"], report["run"], report["kv"], report["scheduler"]
+    return [
+        ("prompt tokens computed", _si(t["prompt_computed"])),
+        ("prompt tokens reused", f"{_si(t['prompt_reused'])}  (prefix hit rate {t['prefix_hit_rate']:.1%})"),
+        *([("prompt tokens copied", _si(t["prompt_copied"]))] if t.get("prompt_copied") else []),
+        ("generated tokens", _si(t["generated"])),
+        ("wall time", f"{run['wall_time_s']:.1f} s"),
+        ("rows/s", f"{run['rows_per_s']:.2f}"),
+        ("generated tok/s", f"{run['generated_tokens_per_s']:.1f}"),
+        ("KV blocks", f"{kv['num_blocks']} x {kv['block_size']} tokens ({_bytes(kv['pool_bytes'])})"),
+        ("peak KV usage", f"{kv['peak_usage']:.1%}"),
+        ("KV fragmentation (peak)", f"{kv['peak_fragmentation']:.1%}"),
+        ("peak concurrent seqs", str(sch["peak_running_seqs"])),
+        ("preemptions", str(sch["preemptions"])),
+    ]
+
+
+def _pooling_lines(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The token and throughput rows of a task=embed / task=classify job's table; the engine rows only for a
+    decoder on the paged engine (an encoder has none)."""
+    t, run, kv = report["tokens"], report["run"], report["kv"]
+    pooled = report.get("pooling") or {}
+    paged = bool(kv["num_blocks"])
+    lines = [("prompt tokens pooled", _si(pooled.get("prompt_tokens", t["prompt_admitted"])))]
+    if paged:
+        lines += [
+            ("prompt tokens computed", _si(t["prompt_computed"])),
+            (
+                "prompt tokens reused",
+                f"{_si(t['prompt_reused'])}  (prefix hit rate {t['prefix_hit_rate']:.1%})",
+            ),
+        ]
+    lines += [
+        ("wall time", f"{run['wall_time_s']:.1f} s"),
+        ("rows/s", f"{run['rows_per_s']:.2f}"),
+        ("prompt tok/s", f"{pooled.get('prompt_tokens_per_s', 0.0):.1f}"),
+    ]
+    if paged:
+        lines += [
+            ("KV blocks", f"{kv['num_blocks']} x {kv['block_size']} tokens ({_bytes(kv['pool_bytes'])})"),
+            ("peak KV usage", f"{kv['peak_usage']:.1%}"),
+        ]
+    return lines

@@ -47,14 +47,13 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from batchgen import startup_trace
 from batchgen.data.manifest import Manifest
 from batchgen.data.output_dir import OutputDir, on_disk_full
 from batchgen.data.remote_output import open_output_dir
-from batchgen.engine.interface import Engine
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.core.interface import Engine
+from batchgen.engine.core.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
 from batchgen.job.config import POOLING_TASKS, to_job_config
 from batchgen.job.duplicate_ids import warn_duplicate_ids
@@ -62,11 +61,11 @@ from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
 from batchgen.job.input_versions import input_versions_unchanged
-from batchgen.job.openai_batch import is_batch_file
+from batchgen.job.openai_batch import is_batch_file, open_batch_file
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
-from batchgen.job.replica_job import run_replicas, uses_replicas
-from batchgen.job.report import format_table
+from batchgen.job.replicas.run import run_replicas, uses_replicas
+from batchgen.job.report import format_table, pooling_figures
 from batchgen.job.result import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, JobResult, one_line
 from batchgen.job.result import EXIT_OK as EXIT_OK  # re-exported: the exit statuses are run_job's
 from batchgen.job.result import EXIT_TOO_MANY_ERRORS as EXIT_TOO_MANY_ERRORS
@@ -75,6 +74,7 @@ from batchgen.job.signals import StopSignal
 from batchgen.job.tally import RowTally
 from batchgen.job.windows import iter_window_work
 from batchgen.job.writer import PartWriter
+from batchgen.runtime import startup_trace
 
 logger = logging.getLogger("batchgen.job")
 
@@ -99,31 +99,34 @@ def run_job(
     disk or an unexpected error (each is one log line and its exit status; see the module docstring).
     """
     stop = stop or StopSignal()
-    if is_batch_file(_data_input(cfg)):  # an OpenAI batch file: converted, run as a job, results written
-        from batchgen.job.openai_batch import run_openai_batch
-
-        def inner(c: Any) -> JobResult:
-            return run_job(
-                c, engine=engine, stop=stop, handle_signals=handle_signals, print_summary=print_summary
-            )
-
-        return run_openai_batch(cfg, inner)
-    job = _Job(cfg, engine, stop, print_summary)
-    with stop.installed() if handle_signals else contextlib.nullcontext(stop):
+    batch = None
+    if is_batch_file(_data_input(cfg)):  # an OpenAI batch file: its requests in, its results file out
         try:
-            return _run_guarded(job, stop)
-        finally:
-            job.close()
+            batch = open_batch_file(cfg)
+        except ConfigError as e:
+            logger.error("%s", e)
+            return JobResult(EXIT_CONFIG, "error", str(cfg.data.output), None, None, str(e))
+        cfg = batch.job
+    with stop.installed() if handle_signals else contextlib.nullcontext(stop):
+        # a batch file's summary is its results file's, printed once that file is written
+        result = _run_guarded(cfg, engine, stop, print_summary and batch is None)
+    return batch.results(result, print_summary) if batch is not None else result
 
 
-def _run_guarded(job: _Job, stop: StopSignal) -> JobResult:
-    """``job.run()``, every failure mapped to its exit status and one line (the module docstring)."""
+def _run_guarded(cfg: Any, engine: Engine | None, stop: StopSignal, print_summary: bool) -> JobResult:
+    """Open the job whole, then run it; every failure mapped to its exit status and one line (the module
+    docstring)."""
+    opening = _Opening()
+    job: _Job | None = None
     try:
+        job = opening.open(cfg, engine, stop, print_summary)
         return job.run()
     except ConfigError as e:
-        return job.fail(EXIT_CONFIG, "error", str(e))
+        return _failed(job, opening, EXIT_CONFIG, "error", str(e))
     except _Stopped as e:
-        return job.fail(
+        return _failed(
+            job,
+            opening,
             EXIT_INTERRUPTED,
             "incomplete",
             f"stopped by {stop.signal_name or 'a signal'} during {e.when}; nothing new was written: rerun the "
@@ -132,38 +135,72 @@ def _run_guarded(job: _Job, stop: StopSignal) -> JobResult:
         )
     except WorkerLost as e:
         _note_exit_reason("worker-lost")
-        saved = job.save_finished_rows()
-        where = f"; every finished row is saved in {job.out_dir}" if saved else ""
-        return job.fail(
+        where = _saved_where(job)
+        return _failed(
+            job,
+            opening,
             EXIT_INTERRUPTED,
             "incomplete",
             f"stopped: {one_line(e)}{where}; rerun the same command (or let Slurm requeue) to resume",
         )
     except KeyboardInterrupt:
-        saved = job.save_finished_rows()
-        where = f"; every finished row is saved in {job.out_dir}" if saved else ""
-        return job.fail(
-            EXIT_INTERRUPTED, "incomplete", f"aborted{where}: rerun the same command to resume", warn=True
-        )
+        where = _saved_where(job)
+        msg = f"aborted{where}: rerun the same command to resume"
+        return _failed(job, opening, EXIT_INTERRUPTED, "incomplete", msg, warn=True)
     except Exception as e:  # noqa: BLE001 - the job's boundary: one clear line, the right status
-        if on_disk_full(e) and not debug_tracebacks():
-            return job.fail(
-                EXIT_INTERRUPTED,
-                "incomplete",
-                f"disk full writing {job.out_dir} ({one_line(e)}): every row committed so far is kept; "
-                "free space and rerun the same command to resume",
-            )
-        if debug_tracebacks():
-            raise
-        saved = job.save_finished_rows()
-        logger.debug("unexpected error", exc_info=True)
-        return job.fail(
-            EXIT_FAILED,
-            "error",
-            f"failed: {type(e).__name__}: {one_line(e)}"
-            + (f" (finished rows are saved in {job.out_dir}; rerun to resume)" if saved else "")
-            + " — set HYDRA_FULL_ERROR=1 for the traceback",
+        return _unexpected(job, opening, e)
+    finally:
+        if job is not None:
+            job.close()
+        else:
+            opening.close()
+
+
+def _unexpected(job: _Job | None, opening: _Opening, e: Exception) -> JobResult:
+    """An unexpected error: exit 75 for a full disk, else 1 (or the traceback with ``HYDRA_FULL_ERROR=1``)."""
+    out_dir = job.out_dir if job is not None else opening.out_dir
+    if on_disk_full(e) and not debug_tracebacks():
+        return _failed(
+            job,
+            opening,
+            EXIT_INTERRUPTED,
+            "incomplete",
+            f"disk full writing {out_dir} ({one_line(e)}): every row committed so far is kept; "
+            "free space and rerun the same command to resume",
         )
+    if debug_tracebacks():
+        raise e
+    saved = job is not None and job.save_finished_rows()
+    logger.debug("unexpected error", exc_info=True)
+    return _failed(
+        job,
+        opening,
+        EXIT_FAILED,
+        "error",
+        f"failed: {type(e).__name__}: {one_line(e)}"
+        + (f" (finished rows are saved in {out_dir}; rerun to resume)" if saved else "")
+        + " — set HYDRA_FULL_ERROR=1 for the traceback",
+    )
+
+
+def _saved_where(job: _Job | None) -> str:
+    """After a stop or an error: save the finished rows; where they are, for the message ('' when none)."""
+    if job is None or not job.save_finished_rows():
+        return ""
+    return f"; every finished row is saved in {job.out_dir}"
+
+
+def _failed(
+    job: _Job | None, opening: _Opening, code: int, status: str, msg: str, warn: bool = False
+) -> JobResult:
+    (logger.warning if warn else logger.error)("%s", msg)
+    if job is None:
+        return JobResult(code, status, opening.out_dir, None, None, msg)
+    report = None
+    if code == EXIT_INTERRUPTED:
+        with contextlib.suppress(Exception):
+            report = job.report("incomplete", 0.0, {})
+    return JobResult(code, status, job.out_dir, None, report, msg)
 
 
 def _data_input(cfg: Any) -> Any:
@@ -185,61 +222,101 @@ def _note_exit_reason(reason: str) -> None:
             Path(path).write_text(reason + "\n")
 
 
-class _Job:
-    """One run of a job: the state the steps of :func:`run_job` share (module docstring). The parts live in
-    their own modules: what to do (:mod:`.resume`), reading windows (:mod:`.windows`), counting rows
-    (:mod:`.tally`), stopping an impossible job (:mod:`.early_failure`), writing (:mod:`.writer`), the end
-    (:mod:`.finish`)."""
+class _Opening:
+    """Opening a job: what is open until the job stands whole (:meth:`open`), for the failure of a step before
+    that — the output directory to name in the message, and to close."""
 
-    def __init__(self, cfg: Any, engine: Engine | None, stop: StopSignal, print_summary: bool) -> None:
-        self.cfg, self.engine, self.stop, self.print_summary = cfg, engine, stop, print_summary
-        self.t_start = time.monotonic()
+    def __init__(self) -> None:
         self.out_dir = "?"
-        self.plan: JobPlan | None = None
         self.outdir: OutputDir | None = None
-        self.manifest: Manifest | None = None
-        self.writer: PartWriter | None = None
-        self.gate: FirstSuccessGate | None = None
-        self.feeder: EngineFeeder | None = None
-        self.progress: Progress | None = None
-        self.tally = RowTally()
 
-    # ------------------------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.close()
-            self.progress = None
-        if self.outdir is not None:
-            self.outdir.close()
-
-    def fail(self, code: int, status: str, msg: str, warn: bool = False) -> JobResult:
-        (logger.warning if warn else logger.error)("%s", msg)
-        report = None
-        if code == EXIT_INTERRUPTED and self.manifest is not None and self.outdir is not None:
-            with contextlib.suppress(Exception):
-                report = self._report("incomplete", 0.0, {})
-        return JobResult(code, status, self.out_dir, None, report, msg)
-
-    def run(self) -> JobResult:
-        job = to_job_config(self.cfg)
-        self.stop.grace_s = job.run.stop_grace_s
+    def open(self, cfg: Any, engine: Engine | None, stop: StopSignal, print_summary: bool) -> _Job:
+        """Plan the job (no model yet), lock the output directory and read its manifest (the module
+        docstring's step 1); raises ConfigError for a job that cannot run, _Stopped on a stop."""
+        t_start = time.monotonic()
+        job = to_job_config(cfg)
+        stop.grace_s = job.run.stop_grace_s
         self.out_dir = job.data.output
-        plan = self.plan = plan_job(job)
-        self.tally.lora = bool(job.model.lora_modules)
+        plan = plan_job(job)
         startup_trace.mark("plan")
         d = job.data
         outdir = self.outdir = open_output_dir(
             d.output, d.shard.index, d.shard.count, dict(d.storage_options), d.lease_ttl_s
         )
-        self.writer = PartWriter(plan, outdir, last_checkpoint=self.t_start)
         self.out_dir = str(outdir.path)
-        self._check_stop("start-up")
-        m = self.manifest = outdir.open(
+        _check_stop(stop, "start-up")
+        manifest = outdir.open(
             fresh_manifest(plan),
-            overwrite=job.data.overwrite,
+            overwrite=d.overwrite,
             retry_keys=RETRY_KEYS,
-            retry_errors=job.data.retry_errors,
+            retry_errors=d.retry_errors,
         )
+        return _Job(plan, outdir, manifest, engine, stop, print_summary, t_start)
+
+    def close(self) -> None:
+        if self.outdir is not None:
+            self.outdir.close()
+
+
+class InFlight(Protocol):
+    """The windows a run has in flight (the feeder, or the replicas' coordinator): the active ones, whose
+    finished rows a checkpoint saves, and every one not handed back (what a stop or an error saves)."""
+
+    active: dict[int, WindowWork]
+
+    def unfinished_windows(self) -> list[WindowWork]: ...
+
+
+class _NothingInFlight:
+    """The windows in flight before any engine runs: none."""
+
+    active: dict[int, WindowWork] = {}
+
+    def unfinished_windows(self) -> list[WindowWork]:
+        return []
+
+
+class _Job:
+    """One run of a job, built whole before it runs (:meth:`_Opening.open`): its plan, the locked output
+    directory and its manifest, the writer, the first-success gate and the row tally. Running adds the engine
+    (unless one was given), the progress of the run and the windows in flight (the feeder, or the replicas'
+    coordinator). The parts live in their own modules: what to do (:mod:`.resume`), reading windows
+    (:mod:`.windows`), counting rows (:mod:`.tally`), stopping an impossible job (:mod:`.early_failure`),
+    writing (:mod:`.writer`), the end (:mod:`.finish`)."""
+
+    def __init__(
+        self,
+        plan: JobPlan,
+        outdir: OutputDir,
+        manifest: Manifest,
+        engine: Engine | None,
+        stop: StopSignal,
+        print_summary: bool,
+        t_start: float,
+    ) -> None:
+        self.plan, self.outdir, self.manifest = plan, outdir, manifest
+        self.engine, self.stop, self.print_summary, self.t_start = engine, stop, print_summary, t_start
+        self.out_dir = str(outdir.path)
+        self.tally = RowTally()
+        self.tally.lora = bool(plan.cfg.model.lora_modules)
+        self.writer = PartWriter(plan, outdir, last_checkpoint=t_start)
+        nothing_ok_yet = not any(r.rows_ok for r in manifest.windows.values()) and not any(
+            p.rows_ok for p in manifest.partial.values()
+        )
+        closed = plan.cfg.run.max_error_fraction < 1.0 and nothing_ok_yet
+        self.gate = FirstSuccessGate(closed, self.writer.commit, self.tally)
+        self.in_flight: InFlight = _NothingInFlight()
+        """What a stop or an error saves the finished rows of: the feeder, or the replicas' coordinator."""
+        self.progress = Progress(total=0, mode="off")
+        """The run's progress (a bar or log lines), set when the work starts."""
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        self.progress.close()
+        self.outdir.close()
+
+    def run(self) -> JobResult:
+        plan, outdir, m = self.plan, self.outdir, self.manifest
         todo = windows_to_do(plan, m, outdir)
         # changed input is refused also when nothing is left to do; unchanged store versions (ETags) need no
         # re-read of the rows
@@ -248,22 +325,12 @@ class _Job:
         if not todo:
             return nothing_to_do(plan, outdir, m, self.print_summary, checked)
         warn_duplicate_ids(plan)
-        self._check_stop("start-up")
+        _check_stop(self.stop, "start-up")
         return self._execute(todo)
-
-    def _check_stop(self, when: str) -> None:
-        if self.stop.requested:
-            raise _Stopped(when)
 
     # ------------------------------------------------------------------------------------ execution
     def _execute(self, todo: list[WindowTodo]) -> JobResult:
-        plan, m, writer = self.plan, self.manifest, self.writer
-        assert plan is not None and m is not None and writer is not None
-        nothing_ok_yet = not any(r.rows_ok for r in m.windows.values()) and not any(
-            p.rows_ok for p in m.partial.values()
-        )
-        closed = plan.cfg.run.max_error_fraction < 1.0 and nothing_ok_yet
-        self.gate = FirstSuccessGate(closed, writer.commit, self.tally)
+        plan, m = self.plan, self.manifest
         retry_rows = sum(len(t.retry_rows) for t in todo)
         self._log_input(todo, retry_rows)
         if plan.cfg.task == "score":
@@ -279,15 +346,13 @@ class _Job:
         ahead = ReadAhead(works)  # the next window is read and tokenised while the engine runs
         before = engine.stats.snapshot()
         t_run = time.monotonic()
-        self.progress = self._progress(initial=m.rows_done - retry_rows)
+        self.start_progress(initial=m.rows_done - retry_rows)
         self._generate(engine, self.window_source(first, ahead))
-        self.progress.close()
-        self.progress = None
+        self.end_progress()
         return self._end(engine, before, t_run)
 
     def _log_input(self, todo: list[WindowTodo], retry_rows: int) -> None:
         plan, outdir = self.plan, self.outdir
-        assert plan is not None and outdir is not None
         d = plan.cfg.data
         logger.info(
             "input: %d file(s), %d rows; shard %d/%d = rows [%d, %d); %d window(s) of %d rows, %d to do%s; output: %s",
@@ -299,46 +364,43 @@ class _Job:
     def _read_first_windows(self, todo: list[WindowTodo]) -> tuple[Any, list[WindowWork], list[Any]]:
         """Before the engine starts: the windows as a lazy stream (prompts built with ``tokenizer_ref[0]``),
         the first of them read by the preflight, and ``tokenizer_ref`` (the tokenizer alone until then)."""
-        plan, outdir, gate = self.plan, self.outdir, self.gate
-        assert plan is not None and outdir is not None and gate is not None
+        plan = self.plan
         tokenizer = self.engine.tokenizer if self.engine is not None else _load_tokenizer(plan)
         _require_chat_template(plan, tokenizer)
         plan.prompt_spec.max_model_len = plan.cfg.engine.max_model_len or plan.model_max_len
         tokenizer_ref = [tokenizer]
-        works = iter_window_work(plan, outdir, todo, tokenizer_ref)
-        first = preflight(works, plan, gate.closed)
-        self._check_stop("start-up")
+        works = iter_window_work(plan, self.outdir, todo, tokenizer_ref)
+        first = preflight(works, plan, self.gate.closed)
+        _check_stop(self.stop, "start-up")
         return works, first, tokenizer_ref
 
     def _started_engine(self) -> Engine:
-        assert self.plan is not None
         engine = self.engine
         if engine is None:
             engine = self.engine = _start_engine(self.plan)
             startup_trace.mark("model_loaded")
-        self._check_stop("start-up")
+        _check_stop(self.stop, "start-up")
         return engine
 
-    def _progress(self, initial: int) -> Progress:
-        assert self.plan is not None
-        plan = self.plan
-        return Progress(
-            total=plan.row_end - plan.row_start,
-            initial=initial,
-            mode=plan.cfg.run.progress,
-            interval_s=plan.cfg.run.log_interval_s,
-        )
+    def start_progress(self, initial: int) -> None:
+        """The run's work starts: its progress from ``initial`` finished rows."""
+        cfg = self.plan.cfg
+        total = self.plan.row_end - self.plan.row_start
+        self.progress = Progress(total, initial, mode=cfg.run.progress, interval_s=cfg.run.log_interval_s)
+
+    def end_progress(self) -> None:
+        self.progress.close()
+        self.progress = Progress(total=0, mode="off")
 
     def _generate(self, engine: Engine, next_window: Any) -> None:
         """Feed every window through the engine, committing each as it finishes; on a stop, save the
         finished rows; at the end, commit the windows still held (or stop: nothing succeeded)."""
-        assert self.plan is not None and self.gate is not None
         cfg = self.plan.cfg
         max_in_flight = max(1, 2 * cfg.engine.max_num_seqs // cfg.sampling.n)
-        self.feeder = EngineFeeder(
-            engine, next_window, max_in_flight, self.stop, on_output=self._on_output, on_step=self._on_step
+        feeder = self.in_flight = EngineFeeder(
+            engine, next_window, max_in_flight, self.stop, on_output=self.on_output, on_step=self._on_step
         )
-        for work in self.feeder.run():
+        for work in feeder.run():
             with self.stop.saving():
                 self.gate.window_finished(work)
         if self.stop.requested:
@@ -352,20 +414,17 @@ class _Job:
         time (the unit of resume)."""
         from batchgen.job.score import run_score_windows
 
-        plan, m, writer = self.plan, self.manifest, self.writer
-        assert plan is not None and self.outdir is not None and m is not None and writer is not None
         engine = self._started_engine()
         before = engine.stats.snapshot()
         t_run = time.monotonic()
-        self.progress = self._progress(initial=m.rows_done)
+        self.start_progress(initial=self.manifest.rows_done)
         try:
             specs = [t.spec for t in todo]
-            writer.windows_done, writer.rows_done = run_score_windows(
-                plan, self.outdir, engine, specs, self.stop, self.progress, self.tally.adapter_row
+            self.writer.windows_done, self.writer.rows_done = run_score_windows(
+                self.plan, self.outdir, engine, specs, self.stop, self.progress, self.tally.adapter_row
             )
         finally:
-            self.progress.close()
-            self.progress = None
+            self.end_progress()
         return self._end(engine, before, t_run)
 
     def _execute_pool(self, todo: list[WindowTodo]) -> JobResult:
@@ -373,37 +432,33 @@ class _Job:
         a window at a time (the unit of resume)."""
         from batchgen.job.pool import run_pool_windows, start_runner
 
-        plan, m, writer = self.plan, self.manifest, self.writer
-        assert plan is not None and self.outdir is not None and m is not None and writer is not None
-        runner = start_runner(plan)
-        self._check_stop("start-up")
+        runner = start_runner(self.plan)
+        _check_stop(self.stop, "start-up")
         stats = runner.engine.stats if runner.engine is not None else None
         before = stats.snapshot() if stats is not None else None
         t_run = time.monotonic()
-        self.progress = self._progress(initial=m.rows_done)
+        self.start_progress(initial=self.manifest.rows_done)
         try:
             specs = [t.spec for t in todo]
-            writer.windows_done, writer.rows_done = run_pool_windows(
-                plan, self.outdir, runner, specs, self.stop, self.progress
+            self.writer.windows_done, self.writer.rows_done, pooled = run_pool_windows(
+                self.plan, self.outdir, runner, specs, self.stop, self.progress
             )
         finally:
-            self.progress.close()
-            self.progress = None
+            self.end_progress()
         wall = time.monotonic() - t_run
-        status = "complete" if m.complete else "incomplete"
+        status = "complete" if self.manifest.complete else "incomplete"
         delta = stats.delta(before) if stats is not None else None
-        extra = {"startup_s": round(t_run - self.t_start, 3)}
-        return self._finish(self._report(status, wall, extra, delta))
+        extra = {"startup_s": round(t_run - self.t_start, 3), "pooling": pooling_figures(pooled, wall)}
+        return self.conclude(self.report(status, wall, extra, delta))
 
     def _end(self, engine: Engine, before: Any, t_run: float) -> JobResult:
         """Report and result of a run whose work started at ``t_run`` (engine stats since ``before``)."""
-        assert self.manifest is not None
         wall = time.monotonic() - t_run
         status = "complete" if self.manifest.complete else "incomplete"
-        report = self._report(
+        report = self.report(
             status, wall, {"startup_s": round(t_run - self.t_start, 3)}, engine.stats.delta(before)
         )
-        return self._finish(report)
+        return self.conclude(report)
 
     def window_source(self, first: list[WindowWork], ahead: ReadAhead) -> Callable[[], WindowWork | None]:
         """The windows to run, in order (the preflight's `first`, then those `ahead` reads), as a function
@@ -424,65 +479,64 @@ class _Job:
     def _count(self, ok: bool, error: str | None, lora_name: str | None = None) -> None:
         self.tally.count(ok, error)
         self.tally.adapter_row(lora_name, ok)
-        if self.progress is not None:
-            self.progress.update(1)
+        self.progress.update(1)
 
-    def _on_output(self, work: WindowWork, pos: int, out: RequestOutput) -> None:
+    def on_output(self, work: WindowWork, pos: int, out: RequestOutput) -> None:
+        """A row finished in the engine: counted, and the gate opened by the first success."""
         ok = self.tally.engine_output(out)
         self.tally.adapter_row(work.rows[pos].lora_name, ok)
-        if self.progress is not None:
-            self.progress.update(1)
-        assert self.gate is not None
+        self.progress.update(1)
         if ok and self.gate.closed:
             self.gate.open()
 
     def _on_step(self) -> None:
-        assert self.progress is not None and self.engine is not None
-        assert self.gate is not None and self.writer is not None
+        assert self.engine is not None
         self.progress.update(0, stats=self.engine.stats)
         if self.gate.closed:
             self.gate.check()
             return
         if self.writer.checkpoint_due():
-            self.writer.checkpoint(list(self.feeder.active.values()) if self.feeder else [])
+            self.writer.checkpoint(list(self.in_flight.active.values()))
 
     def save_finished_rows(self) -> bool:
         """After a stop or an error: commit held windows and checkpoint every finished row of the windows in
-        flight. Best effort (a full disk, a second Ctrl-C); returns whether anything is on disk."""
-        if self.outdir is None or self.manifest is None or self.feeder is None:
+        flight. Best effort (a full disk, a second Ctrl-C); returns whether anything is on disk (False before
+        any window was in flight: nothing of this run to save)."""
+        if isinstance(self.in_flight, _NothingInFlight):
             return False
-        assert self.gate is not None and self.writer is not None
         try:
             with self.stop.saving():
                 if self.gate.held:
                     self.gate.open()
-                self.writer.checkpoint(self.feeder.unfinished_windows())
+                self.writer.checkpoint(self.in_flight.unfinished_windows())
         except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - keep the first error's message
             logger.warning("could not save every finished row (%s)", one_line(e) or type(e).__name__)
         return self.manifest.committed_anything
 
     # ------------------------------------------------------------------------------------------ end
-    def _report(self, status: str, wall: float, extra: dict[str, Any], stats: Any = None) -> dict[str, Any]:
-        plan, outdir, m, writer = self.plan, self.outdir, self.manifest, self.writer
-        assert plan is not None and outdir is not None and m is not None and writer is not None
-        this_run = (writer.rows_done, writer.windows_done)
+    def report(self, status: str, wall: float, extra: dict[str, Any], stats: Any = None) -> dict[str, Any]:
+        this_run = (self.writer.rows_done, self.writer.windows_done)
         images = getattr(self.engine, "images", None)  # image-text models: the encoder's figures
         extra = {**extra, **(images.report(wall) if images is not None else {})}
         return job_report(
-            plan, outdir, m, self.tally, this_run, self.stop.signal_name, status, wall, extra, stats
-        )
+            self.plan, self.outdir, self.manifest, self.tally, this_run, self.stop.signal_name, status, wall,
+            extra, stats,
+        )  # fmt: skip
 
-    def _finish(self, report: dict[str, Any]) -> JobResult:
+    def conclude(self, report: dict[str, Any]) -> JobResult:
         """The result (0 complete, 3 too many error rows, 75 stopped early), logged and printed with the table."""
-        plan, outdir, m = self.plan, self.outdir, self.manifest
-        assert plan is not None and outdir is not None and m is not None
-        result = finish(plan, outdir, m, report, self.stop.signal_name)
+        result = finish(self.plan, self.outdir, self.manifest, report, self.stop.signal_name)
         if self.print_summary:
             print(format_table(report))
             tokenizer = getattr(self.engine, "tokenizer", None) if self.tally.examples else None
-            print(examples_text(str(outdir.path), self.tally.examples, tokenizer))
+            print(examples_text(str(self.outdir.path), self.tally.examples, tokenizer))
             print(result.message)
         return result
+
+
+def _check_stop(stop: StopSignal, when: str) -> None:
+    if stop.requested:
+        raise _Stopped(when)
 
 
 class _Stopped(KeyboardInterrupt):
@@ -507,7 +561,7 @@ def _load_tokenizer(plan: JobPlan) -> Any:
 def _start_engine(plan: JobPlan) -> Engine:
     """The engine for the plan's checkpoint. Whatever stops it from starting (a bad checkpoint, no room for
     the KV cache, not enough memory) is a ConfigError naming the model and the setting to change."""
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.core.llm_engine import LLMEngine
 
     e = plan.cfg.engine
     try:

@@ -7,7 +7,7 @@ import collections
 import re
 from dataclasses import dataclass, field
 
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.core.outputs import RequestOutput
 
 NUM_EXAMPLES = 3  # rows shown in the summary
 BASE_MODEL = "base model"  # the by-adapter key of rows without an adapter

@@ -42,8 +42,12 @@ def checkpoint_facts(path: str | Path, implementation: str = "auto") -> Checkpoi
         if implementation == "native":
             raise e.for_native_only() from e
         native = e
+    from batchgen.models.transformers_backend import WrongTaskError
+
     try:
         return _transformers_facts(Path(path))
+    except WrongTaskError:  # not a language model at all: which task it is for, not every architecture
+        raise
     except ValueError as e:  # neither road: say why for both
         raise ValueError(f"{native}; nor can transformers' modeling code run it: {e}") from e
 

@@ -3,7 +3,7 @@
 Parsing a native checkpoint's config goes through transformers' configuration classes and RoPE functions
 (`batchgen.models.config`), which costs the import of transformers: about 1.5 s of every run's start-up on a
 2-core VM, for a result that only depends on the two JSON files. The result is stored as JSON in
-`batchgen.disk_cache` (``$BATCHGEN_CACHE/model-config/``, default ``~/.cache/batchgen``) and reused.
+`batchgen.runtime.disk_cache` (``$BATCHGEN_CACHE/model-config/``, default ``~/.cache/batchgen``) and reused.
 
 Invariants:
 - The key is the SHA-256 of the parsed ``config.json`` and ``generation_config.json`` contents, the installed
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from batchgen import disk_cache
 from batchgen.models import config as config_module
+from batchgen.runtime import disk_cache
 
 KIND = "model-config"
 _DATACLASSES = {

@@ -364,9 +364,9 @@ def _check_complete(
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The checkpoint's tokenizer: a `batchgen.tokenizer.FastTokenizer` read from tokenizer.json where that is
+    """The checkpoint's tokenizer: a `batchgen.models.tokenizer.FastTokenizer` read from tokenizer.json where that is
     known to give exactly transformers' ids and text (no transformers import), else `AutoTokenizer` (local
     files only, no remote code)."""
-    from batchgen.tokenizer import load_checkpoint_tokenizer
+    from batchgen.models.tokenizer import load_checkpoint_tokenizer
 
     return load_checkpoint_tokenizer(_checkpoint_dir(path))

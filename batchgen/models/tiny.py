@@ -6,7 +6,7 @@ embedded default model.
   transformers architecture from its config class.
 - `tiny_default_checkpoint`: the embedded default model (`model=tiny`), a small Llama trained on English text
   that ships with CPython and shipped as package data in `tiny_lm/` (weights and tokenizer);
-  `python -m batchgen.tiny_training` reproduces it.
+  `python -m batchgen.models.tiny_training` reproduces it.
 
 Invariants:
 - Deterministic: the same arguments give byte-identical tokenizer files and weights in the same
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from batchgen.atomic import build_dir_once
-from batchgen.disk_cache import cache_root
+from batchgen.runtime.atomic import build_dir_once
+from batchgen.runtime.disk_cache import cache_root
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|pad|>", "<|bos|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START, IM_END = SPECIAL_TOKENS
@@ -418,6 +418,6 @@ def tiny_default_checkpoint() -> str:
         raise FileNotFoundError(
             f"the embedded default model is incomplete: {', '.join(missing)} missing from {TINY_LM_DIR} "
             "(batchgen was installed without its package data; reinstall it, or rebuild the model with "
-            "`python -m batchgen.tiny_training`)"
+            "`python -m batchgen.models.tiny_training`)"
         )
     return str(TINY_LM_DIR)

@@ -64,6 +64,37 @@ class UnsupportedModelError(ValueError):
     """The checkpoint cannot run on batchgen's engine (the message says why)."""
 
 
+class WrongTaskError(UnsupportedModelError):
+    """The checkpoint is not a language model but runs as another task (a sequence classifier: ``task=classify``;
+    an encoder or a base model without a head: ``task=embed``); the message says which, in one line."""
+
+
+def task_of_architecture(archs: list[str]) -> str | None:
+    """``classify`` for a sequence classifier or reward model, ``embed`` for a base model without a head
+    (``BertModel``, ``Qwen3Model``), None for anything else (a language model, or unknown)."""
+    arch = archs[0] if archs else ""
+    if arch.endswith(("ForSequenceClassification", "ForRewardModel")):
+        return "classify"
+    if arch.endswith("Model") and not arch.endswith(
+        ("LMHeadModel", "ForCausalLM", "ForConditionalGeneration")
+    ):
+        return "embed"
+    return None
+
+
+def wrong_task_error(archs: list[str], source: str) -> WrongTaskError | None:
+    """The one-line refusal of a generation job over a checkpoint that :func:`task_of_architecture` places
+    under another task; None when it does not."""
+    task = task_of_architecture(archs)
+    if task == "classify":
+        return WrongTaskError(f"this is a sequence classifier ({archs[0]}, {source}): use task=classify")
+    if task == "embed":
+        return WrongTaskError(
+            f"this is an encoder or embedding model ({archs[0]}, no language-model head; {source}): use task=embed"
+        )
+    return None
+
+
 # ------------------------------------------------------------------------------------------ attention hook
 _STATE: contextvars.ContextVar[Any] = contextvars.ContextVar("batchgen_attention_state", default=None)
 
@@ -412,6 +443,8 @@ def inspect_checkpoint(path: str | os.PathLike, causal_head: bool = True) -> Any
     config, _ = read_config_files(path)
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
+    if causal_head and (wrong := wrong_task_error(archs, source)) is not None:
+        raise wrong
     try:
         hf = hf_config_from_dict(config, source)
     except ValueError as e:

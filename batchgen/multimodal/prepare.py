@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
 from batchgen.multimodal.images import ImageError
 from batchgen.multimodal.inputs import ImagePrompt, ImagePrompts
 

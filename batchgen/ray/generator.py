@@ -13,10 +13,20 @@ guarantees are Ray's — a batch whose actor dies is retried on another actor an
 twice (at-least-once; no manifest, no resume of a stopped pipeline, no exactly-once). Sampling is seeded per
 row from ``id_column`` when one is given (the same texts as the job with the same ``data.id_column``);
 without it, from the row's position in its batch, which depends on how Ray batches the dataset.
+
+Resources: Ray Data gives each actor one CPU unless ``map_batches`` says otherwise, and an actor holds it for
+the whole pipeline. On a CPU node whose CPUs the actors take all of (``concurrency=2`` on a Ray with 2 CPUs)
+the read tasks never get one and nothing reaches the actors: the pipeline waits forever. Give the actors
+fewer CPUs than the node has (``num_cpus=0.5`` each with ``concurrency=2`` on 2 CPUs; docs/replicas.md). An
+actor that has had no batch for :data:`IDLE_WARNING_S` seconds while no CPU of the cluster is free says so,
+in one line on stderr (forwarded to the driver by Ray), with that advice.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from dataclasses import fields, replace
 from typing import Any
 
@@ -25,11 +35,47 @@ import pyarrow as pa
 from batchgen.data.layout import POSITION_COLUMN, RESERVED_COLUMNS, RETRY_COLUMN
 from batchgen.data.parts import PartLayout, build_rows
 from batchgen.data.prompts import PromptSpec, build_prompts
+from batchgen.driver import EngineRequest, run_requests
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.core.outputs import RequestOutput
 from batchgen.job.config import JOB_SEED
 from batchgen.job.feeder import prefix_order
 from batchgen.sampling_params import SamplingParams
+
+IDLE_WARNING_S = float(os.environ.get("BATCHGEN_RAY_IDLE_WARNING_S", "60"))
+"""Seconds an actor waits for its first batch before checking whether the pipeline is starved of CPUs."""
+
+
+def starved_message(free_cpus: float, total_cpus: float, held_cpus: float, waited_s: float) -> str | None:
+    """The one-line warning of an actor that has had no batch for `waited_s` seconds, holding `held_cpus` of
+    the cluster's `total_cpus` CPUs while `free_cpus` are free; None when a CPU is free (the read tasks can
+    run: the input is only slow)."""
+    if free_cpus >= 1 or held_cpus <= 0:
+        return None
+    return (
+        f"batchgen.ray.Generator: no batch after {waited_s:.0f} s and no CPU of the Ray cluster is free (this "
+        f"actor holds {held_cpus:g} of {total_cpus:g}): the actors may hold every CPU while Ray Data's read "
+        "tasks wait for one; give each actor less, e.g. map_batches(..., concurrency=2, num_cpus=0.5) on 2 "
+        "CPUs (docs/replicas.md)"
+    )
+
+
+def _watch_first_batch(arrived: threading.Event, wait_s: float) -> None:
+    """In a Ray actor: after `wait_s` seconds without a batch, print :func:`starved_message` if it applies."""
+    ray = sys.modules.get(
+        "ray"
+    )  # in an actor Ray is imported; elsewhere (a plain call) there is nothing to watch
+    if ray is None or not ray.is_initialized() or arrived.wait(wait_s):
+        return
+    try:
+        held = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+        free = ray.available_resources().get("CPU", 0.0)
+        total = ray.cluster_resources().get("CPU", 0.0)
+    except Exception:  # noqa: BLE001 - a warning must never fail the actor
+        return
+    msg = starved_message(free, total, held, wait_s)
+    if msg and not arrived.is_set():
+        print(msg, file=sys.stderr, flush=True)
 
 
 class Generator:
@@ -52,7 +98,7 @@ class Generator:
         dtype: str = "auto",
         model_impl: str = "auto",
     ) -> None:
-        from batchgen.engine.llm_engine import LLMEngine
+        from batchgen.engine.core.llm_engine import LLMEngine
 
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(engine or {}) - known)
@@ -75,10 +121,15 @@ class Generator:
         )
         self.spec.max_model_len = self.engine.max_model_len
         self.layout = PartLayout(id_type=pa.int64(), kept=[], n=params.n, logprobs=False, metadata={})
+        self._batch_arrived = threading.Event()
+        threading.Thread(
+            target=_watch_first_batch, args=(self._batch_arrived, IDLE_WARNING_S), daemon=True
+        ).start()
 
     def __call__(self, batch: Any) -> Any:
         """``batch``: a dict of NumPy arrays (Ray Data's default), a pandas DataFrame or a pyarrow Table;
         returns the same kind."""
+        self._batch_arrived.set()
         table, kind = _to_arrow(batch)
         clash = sorted(set(table.column_names) & (set(RESERVED_COLUMNS) - {"id"}))
         if clash:
@@ -105,20 +156,16 @@ class Generator:
 
     def _generate(self, rows: list[Any]) -> list[RequestOutput | None]:
         """The engine's result of every valid row (prefix-trie order in, input order out)."""
-        engine = self.engine
         results: list[RequestOutput | None] = [None] * len(rows)
         valid = [r.position for r in rows if r.ok]
         feed = [valid[i] for i in prefix_order([rows[p].token_ids for p in valid])]
-        for pos in feed:
-            engine.add_request(f"ray-{pos}", rows[pos].token_ids, rows[pos].params)
-        try:
-            while engine.has_unfinished():
-                for out in engine.step():
-                    results[int(str(out.request_id)[4:])] = out
-        finally:
-            for pos in feed:
-                if results[pos] is None:
-                    engine.abort_request(f"ray-{pos}")
+        requests = [EngineRequest(pos, rows[pos].token_ids, rows[pos].params, rows[pos].lora) for pos in feed]
+
+        def collect(finished: list[RequestOutput]) -> None:
+            for out in finished:
+                results[int(out.request_id)] = out
+
+        run_requests(self.engine, requests, collect)
         return results
 
 

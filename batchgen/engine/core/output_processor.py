@@ -1,0 +1,92 @@
+"""Output processing: a finished request becomes its :class:`~batchgen.engine.core.outputs.RequestOutput`.
+
+The scheduler's update has applied the stop rules and freed every sample (:meth:`Scheduler.update`); when every
+sample of a request has finished, :meth:`OutputProcessor.request_output` decodes the texts (once) and builds
+the output: samples by index, or the best beams of a beam search, best first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.features.structured import StructuredOutputs
+from batchgen.engine.sched.sequence import Request
+
+
+class OutputProcessor:
+    """Request outputs for one engine. ``structured`` returns the engine's structured-output state (None while
+    no constrained request was seen)."""
+
+    def __init__(
+        self, tokenizer: Any = None, structured: Callable[[], StructuredOutputs | None] = lambda: None
+    ) -> None:
+        self.tokenizer = tokenizer
+        self._structured = structured
+
+    def request_output(self, request: Request) -> RequestOutput:
+        """The output of a request whose every sample finished (texts decoded here, once)."""
+        outputs = self._beam_outputs(request) if request.beam is not None else self._sample_outputs(request)
+        return RequestOutput(
+            request.request_id,
+            request.prompt_token_ids,
+            outputs,
+            request.num_cached_tokens,
+            None,
+            request.prompt,
+            _prompt_logprobs(request),
+        )
+
+    def _sample_outputs(self, request: Request) -> list[CompletionOutput]:
+        """One output per sample, by sample index."""
+        structured = self._structured()
+        outputs = []
+        for s in sorted(request.seqs, key=lambda s: s.sample_index):
+            if not isinstance(s.stop_reason, str):  # a stop string already cut the text
+                s.text = self.tokenizer.decode(
+                    s.output_token_ids, skip_special_tokens=s.params.skip_special_tokens
+                )
+            outputs.append(
+                CompletionOutput(
+                    s.sample_index,
+                    s.text,
+                    s.output_token_ids,
+                    s.finish_reason or "length",
+                    s.logprobs,
+                    s.stop_reason,
+                    constraint_satisfied=structured.satisfied(s) if structured is not None else None,
+                )
+            )
+        return outputs
+
+    def _beam_outputs(self, request: Request) -> list[CompletionOutput]:
+        """The ``n`` best finished beams of a beam-search request, best first."""
+        assert request.beam is not None
+        skip = request.params.skip_special_tokens
+        return [
+            CompletionOutput(
+                index=i,
+                text=self.tokenizer.decode(h.token_ids, skip_special_tokens=skip),
+                token_ids=h.token_ids,
+                finish_reason=h.finish_reason,
+                stop_reason=h.stop_reason,
+                cumulative_logprob=h.cumulative_logprob,
+            )
+            for i, h in enumerate(request.beam.results())
+        ]
+
+
+def error_output(request: Request, error: str) -> RequestOutput:
+    """The output of a request that cannot be served: every sample ``finish_reason="error"``."""
+    outputs = [
+        CompletionOutput(index=i, text="", token_ids=[], finish_reason="error")
+        for i in range(request.params.n)
+    ]
+    return RequestOutput(request.request_id, request.prompt_token_ids, outputs, 0, error, request.prompt)
+
+
+def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
+    if request.prompt_logprobs is None and request.params.prompt_logprobs is None:
+        return None
+    return request.prompt_logprobs or [None] * len(request.prompt_token_ids)

@@ -1,0 +1,182 @@
+"""Which LoRA adapters the engine knows, and which are resident in the model's ``max_loras`` slots.
+
+* :meth:`LoRAManager.check` validates a request's adapter once per ``lora_int_id`` (reads and parses it: an
+  unreadable or unfit adapter fails that request alone, with the reason), and keeps parsed adapters in a CPU
+  cache of ``max_cpu_loras`` (:class:`AdapterCache`, LRU; an evicted one is read again when next loaded).
+* Residency: a request *pins* its adapter's slot from admission (:meth:`acquire`) to its end
+  (:meth:`release`). :meth:`acquire` assigns the adapter a free slot, else the least recently used unpinned
+  one; :meth:`can_acquire` says whether that is possible now, so a scheduler admits a request only when its
+  adapter can be made resident, and rows of resident adapters never wait for a load.
+* The manager only decides: the weights are written by the model runner, from the
+  :class:`~batchgen.engine.worker.step_input.LoRALoad` list the engine takes (:meth:`take_loads`) into the next step
+  it launches. Steps run in launch order, so a slot is rewritten only after the forward of every step launched
+  before, including one still in flight (pipelined) that holds a row of the slot's previous,
+  finished request; under tensor parallelism the list reaches every rank with its step.
+
+Invariants: ``slot_of`` and ``id_in`` are inverse maps of the resident adapters (as they are once the pending
+loads are applied); a pinned adapter is resident; ``pins[id] > 0`` only for resident ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.worker.step_input import LoRALoad
+from batchgen.lora_request import LoRARequest
+from batchgen.models.config import ModelConfig
+from batchgen.models.lora import LoRASlots, attach_lora, whole_model_config
+from batchgen.models.lora_adapter import LoRAAdapter, LoRAAdapterError, load_adapter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoRAStats:
+    loads: int = 0
+    """Adapters written into a slot (a load on demand, including reloads after an eviction)."""
+    evictions: int = 0
+    """Resident adapters replaced to make room for another."""
+    disk_reads: int = 0
+    """Adapter directories read and parsed (validation, and reloads after leaving the CPU cache)."""
+
+
+class AdapterCache:
+    """Parsed adapters by ``lora_int_id``; the ``capacity`` most recently used stay in CPU memory, the others
+    are read again from their directory. ``config`` is the whole model's (adapters are validated against the
+    full sizes; a tensor-parallel rank takes its shard when it writes a slot)."""
+
+    def __init__(
+        self, config: ModelConfig, max_rank: int, capacity: int, stats: LoRAStats | None = None
+    ) -> None:
+        self.config = config
+        self.max_rank = max_rank
+        self.capacity = capacity
+        self.stats = stats or LoRAStats()
+        self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
+
+    def get(self, req: LoRARequest) -> LoRAAdapter:
+        """The parsed adapter of ``req``; raises :class:`LoRAAdapterError` when it cannot be read or applied."""
+        cached = self.adapters.get(req.lora_int_id)
+        if cached is not None:
+            self.adapters.move_to_end(req.lora_int_id)
+            return cached
+        adapter = load_adapter(req.lora_name, req.lora_path, self.config, self.max_rank)
+        self.stats.disk_reads += 1
+        self.adapters[req.lora_int_id] = adapter
+        while len(self.adapters) > self.capacity:
+            self.adapters.popitem(last=False)
+        return adapter
+
+    def __len__(self) -> int:
+        return len(self.adapters)
+
+
+class LoRAManager:
+    def __init__(
+        self, max_loras: int, max_rank: int, config: ModelConfig, max_cpu_loras: int | None = None
+    ) -> None:
+        """``config``: the whole model's (see :class:`AdapterCache`)."""
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.stats = LoRAStats()
+        self.known: dict[int, LoRARequest] = {}
+        self.errors: dict[int, str] = {}
+        self.cpu = AdapterCache(config, max_rank, self.max_cpu_loras, self.stats)
+        self.slot_of: dict[int, int] = {}
+        self.id_in: list[int | None] = [None] * max_loras
+        self.lru: OrderedDict[int, None] = OrderedDict()  # resident ids, least recently used first
+        self.pins: dict[int, int] = {}
+        self.pending: list[LoRALoad] = []
+        """Slot loads decided and not yet taken into a launched step, oldest first."""
+
+    # ------------------------------------------------------------------------------------- validation
+    def check(self, req: LoRARequest) -> str | None:
+        """None when ``req``'s adapter can be applied, else the error for the request (see module doc)."""
+        known = self.known.get(req.lora_int_id)
+        if known is not None and (known.lora_name, known.lora_path) != (req.lora_name, req.lora_path):
+            return (
+                f"lora_int_id {req.lora_int_id} is already adapter {known.lora_name!r} ({known.lora_path}); "
+                f"give {req.lora_name!r} ({req.lora_path}) its own id"
+            )
+        if req.lora_int_id in self.errors:
+            return self.errors[req.lora_int_id]
+        if known is not None:
+            return None
+        try:
+            self.cpu.get(req)
+        except LoRAAdapterError as e:
+            self.errors[req.lora_int_id] = str(e)
+            self.known[req.lora_int_id] = req
+            return str(e)
+        self.known[req.lora_int_id] = req
+        return None
+
+    # -------------------------------------------------------------------------------------- residency
+    def can_acquire(self, lora_int_id: int) -> bool:
+        """Whether :meth:`acquire` would succeed now (resident, a free slot, or an unpinned one to evict)."""
+        if lora_int_id in self.slot_of:
+            return True
+        return len(self.slot_of) < self.max_loras or any(self.pins.get(i, 0) == 0 for i in self.lru)
+
+    def acquire(self, lora_int_id: int) -> int:
+        """Pin the adapter and return its slot; a load into the slot is decided on demand (:meth:`take_loads`).
+        Raises RuntimeError when every slot is pinned (call :meth:`can_acquire` first),
+        :class:`LoRAAdapterError` when the adapter can no longer be read."""
+        slot = self.slot_of.get(lora_int_id)
+        if slot is None:
+            request = self.known[lora_int_id]
+            adapter = self.cpu.get(request)  # read (or fail) before any slot changes hands
+            slot = self._free_slot()
+            self.pending.append(LoRALoad(slot, request, adapter))
+            self.stats.loads += 1
+            self.slot_of[lora_int_id] = slot
+            self.id_in[slot] = lora_int_id
+            logger.debug("LoRA adapter %s goes into slot %d", adapter.name, slot)
+        self.lru[lora_int_id] = None
+        self.lru.move_to_end(lora_int_id)
+        self.pins[lora_int_id] = self.pins.get(lora_int_id, 0) + 1
+        return slot
+
+    def release(self, lora_int_id: int) -> None:
+        """Unpin once (the adapter stays resident until its slot is needed)."""
+        n = self.pins.get(lora_int_id, 0)
+        if n <= 1:
+            self.pins.pop(lora_int_id, None)
+        else:
+            self.pins[lora_int_id] = n - 1
+
+    def take_loads(self) -> list[LoRALoad]:
+        """The slot loads decided since the last call, in order (the next launched step applies them before
+        its forward)."""
+        loads, self.pending = self.pending, []
+        return loads
+
+    def _free_slot(self) -> int:
+        for slot, owner in enumerate(self.id_in):
+            if owner is None:
+                return slot
+        victim = next((i for i in self.lru if self.pins.get(i, 0) == 0), None)
+        if victim is None:
+            raise RuntimeError(f"all {self.max_loras} LoRA slots are pinned by running requests")
+        slot = self.slot_of.pop(victim)
+        del self.lru[victim]
+        self.id_in[slot] = None  # the load that follows overwrites every part of the slot
+        self.stats.evictions += 1
+        return slot
+
+
+def cpu_capacity(config: EngineConfig) -> int:
+    """Parsed adapters kept in CPU memory: ``max_cpu_loras``, at least ``max_loras``."""
+    return max(config.max_cpu_loras or config.max_loras, config.max_loras)
+
+
+def attach_worker_slots(model, model_path: str, config: EngineConfig) -> tuple[LoRASlots, AdapterCache]:
+    """A tensor-parallel worker's LoRA slots (its shard of every adapter, as rank 0's) and the cache it reads
+    the adapters of rank 0's slot loads from (their directories: every rank reads the same files)."""
+    slots = attach_lora(model, config.max_loras, config.max_lora_rank)
+    whole = whole_model_config(model_path, model.config)
+    return slots, AdapterCache(whole, config.max_lora_rank, cpu_capacity(config))

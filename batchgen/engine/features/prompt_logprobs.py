@@ -1,0 +1,112 @@
+"""Prompt logprobs: the log-probability of every prompt token (and the top-k at each position), computed in
+the prefill from the logits of *all* positions of a prefill chunk, not only the last one.
+
+Position ``i``'s logits predict token ``i + 1``; so the chunk ``[start, start + n)`` of a prompt of ``P``
+tokens yields the logprobs of tokens ``start + 1 .. min(start + n, P - 1)``. Entries are written by target
+position, so chunked prefill accumulates across chunks and a prefill recomputed after a preemption rewrites
+the same values. Entry 0 is always ``None`` (vLLM's convention: the first token has no context).
+
+**Prefix cache.** A token whose K/V comes from the prefix cache has no forward, so no logits. A request that
+asks for the logprobs of tokens from position ``s`` on (``Request.prompt_logprobs_start``; 1 for
+``SamplingParams(prompt_logprobs=k)``, the continuation's first token for scoring) only takes prefix-cache hits
+on its first ``s - 1`` tokens (:func:`cache_lookup_tokens`): every token whose logprob it needs is computed.
+So a plain ``prompt_logprobs`` request never *reads* the prefix cache (it still fills it for others), while a
+scoring request reuses a shared context and computes only its continuation.
+
+Logprobs are the ``log_softmax`` of the raw float32 logits, like ``SamplingParams.logprobs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from batchgen.engine.worker.step_input import PromptLogprobs, PromptRows
+
+if TYPE_CHECKING:
+    from batchgen.engine.sched.output import ScheduledSeq, SchedulerOutput
+    from batchgen.engine.sched.sequence import Request, Sequence
+
+
+def wants_prompt_logprobs(request: Request) -> bool:
+    return request.params.prompt_logprobs is not None or request.prompt_logprobs_start is not None
+
+
+def cache_lookup_tokens(seq: Sequence) -> list[int]:
+    """The tokens whose cached prefix ``seq`` may reuse at admission (all of them unless it needs logprobs of
+    prompt tokens: then only up to, not including, the first position whose logits it needs)."""
+    request = seq.request
+    if not wants_prompt_logprobs(request):
+        return seq.token_ids
+    first_needed = max(0, _start(request) - 1)  # the position whose logits predict the first wanted token
+    # KVCacheManager matches full blocks of token_ids, never the last token's: at most first_needed tokens.
+    return seq.token_ids[: first_needed + 1]
+
+
+def _start(request: Request) -> int:
+    s = request.prompt_logprobs_start
+    return 1 if s is None else max(1, s)
+
+
+@dataclass
+class PromptJob:
+    """One prefill chunk's share of a step's prompt logprobs: rows ``base ..`` of the step's
+    :class:`PromptRows` are the request's prompt positions ``first ..``."""
+
+    request: Request
+    first: int
+    num_targets: int
+    base: int
+    top_k: int
+
+
+def plan_chunk(sched: ScheduledSeq, offset: int, out: SchedulerOutput) -> PromptJob | None:
+    """The prompt-logprob job of one scheduled chunk (its first token at packed row ``offset``), its rows
+    declared on the step ``out``; None when the chunk needs none (a decode, or a chunk before the wanted
+    tokens)."""
+    request = sched.seq.request
+    num_prompt = len(request.prompt_token_ids)
+    lo = max(sched.start, _start(request) - 1)
+    hi = min(sched.start + sched.num_tokens, num_prompt - 1)  # positions lo .. hi-1 predict lo+1 .. hi
+    if lo >= hi:
+        return None
+    k = request.params.prompt_logprobs or 0
+    k = max(k, 1) if request.prompt_logprobs_start is not None else k  # scoring: the argmax too
+    targets = request.prompt_token_ids[lo + 1 : hi + 1]
+    base = out.prompt_rows(list(range(offset + lo - sched.start, offset + hi - sched.start)), targets, k)
+    return PromptJob(request, lo + 1, hi - lo, base, k)
+
+
+def compute(model, hidden: Tensor, rows: PromptRows) -> PromptLogprobs:
+    """After a forward: the logprob of each row's target and the top-k, from ``hidden`` (the packed
+    ``[num_batched_tokens, H]`` output). One logits matmul, log-softmax and top-k for all the rows."""
+    h = hidden[torch.tensor(rows.index, dtype=torch.long, device=hidden.device)]
+    logp = torch.log_softmax(model.compute_logits(h).float(), dim=-1)
+    tgt = torch.tensor(rows.targets, dtype=torch.long, device=logp.device)
+    chosen = logp.gather(1, tgt[:, None]).squeeze(1).tolist()
+    k = min(rows.top_k, logp.shape[1])
+    if k == 0:
+        return PromptLogprobs(chosen, [], [])
+    tv, ti = logp.topk(k, dim=-1)
+    return PromptLogprobs(chosen, ti.tolist(), tv.tolist())
+
+
+def fill(jobs: list[PromptJob], result: PromptLogprobs | None) -> None:
+    """Write each job's logprobs (and top-k) from the runner's ``result`` into its request, by position (so
+    chunks accumulate and a recomputed prefill rewrites the same values)."""
+    if result is None:
+        raise ValueError(f"the step returned no prompt logprobs for {len(jobs)} chunks")
+    for job in jobs:
+        request, k = job.request, job.top_k
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None] * len(request.prompt_token_ids)
+        dest = request.prompt_logprobs
+        targets = request.prompt_token_ids[job.first : job.first + job.num_targets]
+        for j, t in enumerate(targets):
+            r = job.base + j
+            d: dict[int, float] = dict(zip(result.top_ids[r][:k], result.top_values[r][:k])) if k else {}
+            d[t] = result.chosen[r]
+            dest[job.first + j] = d
