@@ -46,6 +46,9 @@ class EngineRequest:
     """A prefill-only pooling request: the engine's pooling state that receives its pooled hidden state."""
     prompt_logprobs_start: int | None = None
     """Compute the prompt's logprobs from this position on (scoring)."""
+    images: tuple[Any, ...] = ()
+    """Image-text models: the prompt's images, placeholders already expanded
+    (:class:`batchgen.multimodal.inputs.ImageItem`)."""
 
 
 class Task(Protocol):
@@ -84,6 +87,7 @@ class Driver:
                 lora_request=request.lora_request,
                 pooling=request.pooling,
                 prompt_logprobs_start=request.prompt_logprobs_start,
+                **({"images": request.images} if request.images else {}),
             )
 
     def steps(self) -> Iterator[list[RequestOutput]]:

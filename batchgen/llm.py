@@ -159,11 +159,36 @@ class LLM:
         loras = _per_prompt(lora_request, len(prompts))
         base = self.engine.stats.num_requests
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
-        requests = [
-            EngineRequest(rid, prompt.engine_prompt, p, lora_request=lora)
-            for rid, prompt, p, lora in zip(ids, prompts, params, loras)
-        ]
+        engine = self.engine
         results: dict[str | int, RequestOutput] = {}
+        with_images = [i for i, p in enumerate(prompts) if p.images]
+        if with_images:  # prepared ahead, in worker threads (batchgen.multimodal.prepare)
+            from batchgen.multimodal import prepare
+
+            toks = [
+                prompts[i].token_ids or list(engine.tokenizer.encode(prompts[i].text)) for i in with_images
+            ]
+            ready = dict(
+                zip(
+                    with_images,
+                    prepare.prepare(
+                        prepare.image_prompts_for(engine),
+                        [(t, prompts[i].images) for t, i in zip(toks, with_images)],
+                    ),
+                )
+            )
+        requests = []
+        for i, (rid, prompt, p, lora) in enumerate(zip(ids, prompts, params, loras)):
+            if not prompt.images:
+                requests.append(EngineRequest(rid, prompt.engine_prompt, p, lora_request=lora))
+                continue
+            item = ready[i]
+            if isinstance(item, str):  # its images cannot be used: an error output, never sent
+                results[rid] = prepare.error_output(rid, prompt.token_ids or [], p.n, item, prompt.text)
+            else:
+                requests.append(
+                    EngineRequest(rid, item.token_ids, p, lora_request=lora, images=tuple(item.images))
+                )
 
         def collect(finished: list[RequestOutput]) -> None:
             for out in finished:
@@ -171,14 +196,15 @@ class LLM:
             bar.update(len(finished))
 
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
+        bar.update(len(results))
         try:
             run_requests(self.engine, requests, collect)
         finally:
             bar.close()
         outs = [results[rid] for rid in ids]
         for out, prompt in zip(outs, prompts):
-            if prompt.token_ids is not None and prompt.text is not None:
-                out.prompt = prompt.text  # a TokensPrompt's own text
+            if prompt.text is not None and (prompt.token_ids is not None or prompt.images):
+                out.prompt = prompt.text  # a TokensPrompt's own text; an image prompt's text
         return outs
 
     def plan(
@@ -209,10 +235,20 @@ class LLM:
         """Generate replies to one conversation (a list of ``{role, content}`` messages) or a list of them,
         rendered with the tokenizer's chat template (``chat_template`` overrides it; ``chat_template_kwargs``
         go to ``apply_chat_template``, e.g. ``{"enable_thinking": False}``). ``content`` is a string or a list
-        of OpenAI ``{"type": "text", "text": ...}`` parts. Like vLLM's ``LLM.chat``."""
+        of OpenAI ``{"type": "text", "text": ...}`` parts, and for an image-text model image parts
+        (``{"type": "image_url", "image_url": {"url": ...}}``), rendered by the checkpoint's processor chat
+        template (:mod:`batchgen.multimodal.chat`). Like vLLM's ``LLM.chat``."""
         from batchgen.chat import render
+        from batchgen.multimodal.chat import has_images
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if any(has_images(c) for c in conversations):
+            from batchgen.multimodal.prepare import chat_prompts
+
+            image_prompts = chat_prompts(
+                self.engine, conversations, add_generation_prompt, chat_template, chat_template_kwargs
+            )
+            return self.generate(image_prompts, sampling_params, use_tqdm=use_tqdm)
         prompts = [
             render(self.tokenizer, c, add_generation_prompt, chat_template, chat_template_kwargs)
             for c in conversations

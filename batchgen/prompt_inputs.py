@@ -19,9 +19,12 @@ from typing_extensions import NotRequired
 
 
 class TextPrompt(TypedDict):
-    """A prompt as text (tokenised with the model's tokenizer, special tokens added)."""
+    """A prompt as text (tokenised with the model's tokenizer, special tokens added). ``multi_modal_data``:
+    ``{"image": image_or_list}`` for an image-text model (an image is a PIL image, bytes, a path or a URL; the
+    text holds the model's image placeholder once per image)."""
 
     prompt: str
+    multi_modal_data: NotRequired[dict]
 
 
 class TokensPrompt(TypedDict):
@@ -29,11 +32,12 @@ class TokensPrompt(TypedDict):
 
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
+    multi_modal_data: NotRequired[dict]
 
 
 Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
 
-_KEYS = ("prompt", "prompt_token_ids")
+_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class ParsedPrompt:
 
     text: str | None
     token_ids: list[int] | None
+    images: list | None = None
+    """The prompt's images (``multi_modal_data["image"]``), None for a text-only prompt."""
 
     @property
     def engine_prompt(self) -> str | list[int]:
@@ -68,6 +74,18 @@ def parse_prompts(prompts: Prompt | Sequence[Prompt]) -> list[ParsedPrompt]:
 
 
 def _parse(index: int, prompt: object) -> ParsedPrompt:
+    if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, Mapping) or any(k != "image" for k in data):
+            raise ValueError(
+                f"prompt {index}: 'multi_modal_data' must be {{'image': image_or_list}} (images are the only "
+                "modality batchgen takes)"
+            )
+        from batchgen.multimodal.inputs import as_image_list
+
+        base = _parse(index, {k: v for k, v in prompt.items() if k != "multi_modal_data"})
+        images = as_image_list(data.get("image"))
+        return ParsedPrompt(base.text, base.token_ids, images or None)
     if isinstance(prompt, str):
         return ParsedPrompt(prompt, None)
     if isinstance(prompt, Mapping):

@@ -29,6 +29,7 @@ _ABOVE_ENGINE = [
     "batchgen.llm",
     "batchgen.pooling.runner",
     "batchgen.data",
+    "batchgen.multimodal",
     "batchgen.job",
     "batchgen.bench",
     "batchgen.cli",

@@ -29,7 +29,7 @@ def test_parse_forms_and_single_prompts():
     "prompts, message",
     [
         ([[1, 2], {"text": "x"}], "prompt 1: unsupported key(s) ['text']"),
-        ([{"prompt": "x", "multi_modal_data": {}}], "prompt 0: unsupported key(s) ['multi_modal_data']"),
+        ([{"prompt": "x", "multi_modal_data": {"audio": b""}}], "prompt 0: 'multi_modal_data' must be"),
         ([{}], "prompt 0: a prompt dict needs 'prompt'"),
         (["a", {"prompt": 3}], "prompt 1: 'prompt' must be a string"),
         (["a", "b", None], "prompt 2: a prompt must be a string, a list of token ids or a prompt dict"),

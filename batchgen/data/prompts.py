@@ -60,6 +60,11 @@ class PromptSpec:
     max_model_len: int = 1 << 30
     lora_column: str | None = None
     lora_requests: dict[str, LoRARequest] = field(default_factory=dict)  # adapter name -> request
+    image_column: str | None = None
+    image_checkpoint: str | None = None
+    """An image-text checkpoint: rows' images (``image_column``, chat image parts) go through its processor."""
+    max_images: int | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +87,12 @@ class PromptRow:
     """The row's LoRA adapter (None: the base model)."""
     lora_name: str | None = None
     """The adapter name the row gives (also when unknown: the report counts rows by it)."""
+    images: list[Any] | None = None
+    """Image rows: sources while the prompt is built, then :class:`batchgen.multimodal.inputs.ImageItem` s."""
+
+    @property
+    def image_hashes(self) -> tuple[str, ...]:
+        return tuple(getattr(i, "hash", "") for i in self.images or ())
 
     @property
     def ok(self) -> bool:
@@ -211,12 +222,20 @@ def _new_rows(
     return rows
 
 
-def _chat_texts(rows: list[PromptRow], values: list[Any], tokenizer: Any) -> list[str | None]:
+def _chat_texts(
+    rows: list[PromptRow], values: list[Any], tokenizer: Any, spec: PromptSpec | None = None
+) -> list[str | None]:
     """Each row's messages rendered with the chat template (None for rows in error)."""
     texts: list[str | None] = [None] * len(rows)
     for r, v in zip(rows, values):
         if r.error:
             continue
+        if spec is not None and spec.image_checkpoint is not None:
+            from batchgen.multimodal import rows as image_rows
+
+            if image_rows.chat_has_images(v):
+                texts[r.position] = image_rows.render_image_chat(r, v, tokenizer, spec)
+                continue
         msgs = check_messages(v)
         if isinstance(msgs, str):
             r.fail(msgs)
@@ -348,7 +367,7 @@ def build_prompts(
     chat = spec.messages_column is not None
     if chat:
         values = _column(table, spec.messages_column, rows, "messages")
-        texts = _chat_texts(rows, values, tokenizer)  # type: ignore[arg-type]
+        texts = _chat_texts(rows, values, tokenizer, spec)  # type: ignore[arg-type]
     else:
         texts = _plain_texts(rows, _column(table, spec.prompt_column, rows, "prompt"))  # type: ignore[arg-type]
     overrides = _column(table, spec.sampling_column, rows, f"sampling column {spec.sampling_column!r} value")
@@ -357,7 +376,18 @@ def build_prompts(
         _row_adapters(
             rows, _column(table, spec.lora_column, rows, f"LoRA column {spec.lora_column!r} value"), spec
         )
+    if spec.image_column is not None:
+        images = _column(table, spec.image_column, rows, f"image column {spec.image_column!r} value")
+        for r in rows:
+            if not r.error and images[r.position] is not None:  # type: ignore[index]
+                from batchgen.multimodal.rows import column_images
+
+                r.images = (r.images or []) + column_images(images[r.position])  # type: ignore[index]
     _tokenize(rows, texts, tokenizer, chat, spec.max_model_len)
+    if spec.image_checkpoint is not None:
+        from batchgen.multimodal.rows import prepare_images
+
+        prepare_images(rows, spec)
     for r in rows:
         if r.error is not None:
             r.params = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _UNITS = {
     "": 1,
@@ -111,6 +111,13 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     """With enable_lora: parsed adapters kept in CPU memory for reloading (default: max_loras)."""
 
+    encoder_cache_memory: str = "1GiB"
+    """Image-text models: bytes of vision-encoder outputs kept for reuse (least recently used evicted first),
+    so an image shown by many rows is encoded once while its features fit."""
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    """Image-text models: most items per prompt by modality, e.g. ``{image: 4}`` (vLLM's name); a row with
+    more fails alone. A modality not named has no limit."""
+
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"engine.block_size must be one of 8, 16, 32, 64, got {self.block_size}")
@@ -135,6 +142,7 @@ class EngineConfig:
                 f"engine.preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
             )
         parse_bytes(self.swap_space)
+        parse_bytes(self.encoder_cache_memory)
         if self.num_swap_blocks is not None and self.num_swap_blocks < 1:
             raise ValueError(f"engine.num_swap_blocks must be >= 1, got {self.num_swap_blocks}")
         for name in ("max_loras", "max_lora_rank"):

@@ -110,6 +110,8 @@ class DataOptions:
     """Discard batchgen's files (parts, manifest, report) already in the output directory instead of resuming or refusing."""
     retry_errors: bool = False
     """On resume, recompute the error rows caused by the run's resources or settings (KV pool too small, engine.max_model_len, a chat template or tokenizer that failed, unreadable input) and rewrite their parts atomically; engine.max_model_len and the chat template may change for it. Errors in the data itself (null, empty, wrong type, invalid UTF-8) stay."""
+    image_column: str | None = None
+    """Image-text models: column of each row's image or list of images: Hugging Face datasets' Image struct {bytes, path}, a binary column of encoded images, or strings (paths or URLs: file://, s3://, gs://, az://, hf://, data:). The prompt text holds the model's image placeholder (e.g. <image>) once per image; chat rows (data.messages_column) may instead carry OpenAI image parts. A row whose image is missing, corrupt, of an unknown format, beyond engine.limit_mm_per_prompt or too long for engine.max_model_len becomes an error row."""
     lora_column: str | None = None
     """String column naming each row's LoRA adapter (a key of model.lora_modules); null values run on the base model; an unknown name makes the row an error row."""
     parse_json: bool = False

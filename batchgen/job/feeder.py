@@ -143,7 +143,7 @@ class WindowWork:
         first), each group in prefix-trie order; or input order."""
         valid = [r.position for r in rows if r.ok and r.position not in skip]
         if group_by_prefix:
-            keys = [rows[p].token_ids for p in valid]
+            keys = [(rows[p].image_hashes, rows[p].token_ids) for p in valid]  # rows of one image together
             valid = [valid[i] for i in prefix_order(keys)]  # type: ignore[arg-type]
             if any(rows[p].lora is not None for p in valid):  # stable: prefix order within each adapter
                 valid.sort(key=lambda p: _adapter_id(rows[p]))
@@ -267,7 +267,9 @@ class EngineFeeder:
             pos = work.feed.popleft()
             row = work.rows[pos]
             self.where[row.row_index] = (work, pos)
-            return EngineRequest(row.row_index, row.token_ids, row.params, row.lora)
+            return EngineRequest(
+                row.row_index, row.token_ids, row.params, row.lora, images=tuple(row.images or ())
+            )
         return None
 
     def finish(self, outputs: list[RequestOutput]) -> None:

@@ -43,18 +43,28 @@ def _open_storage_options(node: Any, group: str | None) -> Any:
     return node
 
 
+def _open_mm_limits(node: Any, group: str | None) -> Any:
+    """`node` with ``engine.limit_mm_per_prompt`` out of struct mode (its keys are modalities:
+    ``engine.limit_mm_per_prompt={image: 4}``)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.set_struct((node[group] if group else node).limit_mm_per_prompt, False)
+    return node
+
+
 def register_configs() -> None:
     """Register the schema, group options and the help text in Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
     cs = ConfigStore.instance()
-    cs.store(name="batchgen_schema", node=_open_storage_options(OmegaConf.structured(JobConfig), "data"))
+    schema = _open_storage_options(OmegaConf.structured(JobConfig), "data")
+    cs.store(name="batchgen_schema", node=_open_mm_limits(schema, "engine"))
     cs.store(group="model", name="tiny", node=ModelOptions())
     cs.store(
         group="data", name="default", node=_open_storage_options(OmegaConf.structured(DataOptions), None)
     )
-    cs.store(group="engine", name="default", node=EngineConfig())
+    cs.store(group="engine", name="default", node=_open_mm_limits(OmegaConf.structured(EngineConfig), None))
     cs.store(group="sampling", name="default", node=default_sampling())
     cs.store(group="sampling", name="greedy", node=dataclasses.replace(default_sampling(), temperature=0.0))
     cs.store(group="run", name="default", node=RunOptions())

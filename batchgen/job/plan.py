@@ -39,6 +39,7 @@ from batchgen.engine.config import parse_bytes
 from batchgen.errors import ConfigError
 from batchgen.job.config import POOLING_TASKS, DataOptions, JobConfig
 from batchgen.lora_request import LoRARequest
+from batchgen.multimodal.rows import image_options
 
 DEFAULT_SAMPLING_COLUMN = "sampling"
 RETRY_KEYS = ("engine.max_model_len", "model.chat_template")
@@ -207,11 +208,14 @@ def _check_columns(d: DataOptions, inp: InputSet) -> tuple[list[str], str | None
         _require_column(inp, d.continuation_column, "data.continuation_column")
     if d.lora_column:
         _require_column(inp, d.lora_column, "data.lora_column")
+    if d.image_column:
+        _require_column(inp, d.image_column, "data.image_column")
     sampling_col = _sampling_column(d, inp)
     columns = [source] + ([d.id_column] if d.id_column else []) + list(d.keep_columns)
     columns += [sampling_col] if sampling_col else []
     columns += [d.continuation_column] if d.continuation_column else []
     columns += [d.lora_column] if d.lora_column else []
+    columns += [d.image_column] if d.image_column else []
     return list(dict.fromkeys(columns)), sampling_col
 
 
@@ -419,6 +423,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         base_sampling=cfg.sampling,
         lora_column=d.lora_column,
         lora_requests=lora_requests(cfg),
+        **image_options(cfg, model_path),
     )
     return JobPlan(
         cfg=cfg,

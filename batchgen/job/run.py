@@ -566,6 +566,8 @@ class _Job:
     # ------------------------------------------------------------------------------------------ end
     def report(self, status: str, wall: float, extra: dict[str, Any], stats: Any = None) -> dict[str, Any]:
         this_run = (self.writer.rows_done, self.writer.windows_done)
+        images = getattr(self.engine, "images", None)  # image-text models: the encoder's figures
+        extra = {**extra, **(images.report(wall) if images is not None else {})}
         return job_report(
             self.plan, self.outdir, self.manifest, self.tally, this_run, self.stop.signal_name, status, wall,
             extra, stats,

@@ -37,11 +37,20 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3_text",
     "GraniteForCausalLM": "granite",
     "Gemma3ForConditionalGeneration": "gemma3_text",  # a vision-language checkpoint: its language model
+    "LlavaForConditionalGeneration": "llama",  # with its vision encoder (batchgen.models.vision_llava)
+    "LlavaNextForConditionalGeneration": "llama",
 }
 # Vision-language checkpoints whose language model we run natively (text only): architecture -> model_type of
 # the `text_config`. Their vision tower and projector weights are skipped.
 NATIVE_TEXT_OF_MULTIMODAL: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3_text",
+    "LlavaForConditionalGeneration": "llama",
+    "LlavaNextForConditionalGeneration": "llama",
+}
+# Vision-language architectures whose images batchgen runs (batchgen.models.vision): architecture -> loader module.
+IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
+    "LlavaForConditionalGeneration": "batchgen.models.vision_llava",
+    "LlavaNextForConditionalGeneration": "batchgen.models.vision_llava",
 }
 # model_type -> the causal-LM architecture that runs it (a checkpoint naming no native architecture: a bare
 # backbone, a classifier, or none at all); never a vision-language one.

@@ -279,7 +279,8 @@ class _Backbone(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.rope)
         self.local_rotary_emb = RotaryEmbedding(config.local_rope) if config.local_rope is not None else None
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token embeddings [T, hidden], scaled as the model says (what image features are placed among)."""
         c = self.config
         x = self.embed_tokens(input_ids)
         if (
@@ -288,6 +289,15 @@ class _Backbone(nn.Module):
             x = x * torch.tensor(c.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
         if c.embedding_multiplier != 1.0:
             x = x * c.embedding_multiplier
+        return x
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, inputs_embeds: Tensor | None = None
+    ) -> Tensor:
+        """``inputs_embeds`` [T, hidden]: the input vectors themselves (``input_ids`` unused), e.g. token
+        embeddings with image features placed at the image's positions."""
+        c = self.config
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         long = _long_rope_tokens(c, ctx) if c.rope.long_inv_freq is not None else None
         cos, sin = rope_tables(*self.rotary_emb(positions, x.dtype, long))
         local = (

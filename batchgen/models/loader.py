@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 
 from batchgen.kernels import cpu_kernel
-from batchgen.models.config import ModelConfig, NativeUnsupportedError, parse_dtype
+from batchgen.models.config import IMAGE_TEXT_ARCHITECTURES, ModelConfig, NativeUnsupportedError, parse_dtype
 from batchgen.models.llama import CausalLM
 from batchgen.models.meta_init import materialize, skip_init
 from batchgen.models.packed_linear import fast_cpu_weights
@@ -154,8 +154,10 @@ _MULTIMODAL_PREFIXES = (  # (checkpoint prefix, ours): transformers 4.x and 5.x 
 _VISION_PREFIXES = (
     "vision_tower.",
     "multi_modal_projector.",
+    "image_newline",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    "model.image_newline",
 )
 
 
@@ -225,6 +227,10 @@ def load_model(
 
         logger.info("no native implementation (%s): using the transformers backend", e)
         return load_transformers_model(ckpt, dtype=dtype, device=device)
+    if config.architecture in IMAGE_TEXT_ARCHITECTURES:
+        from batchgen.models.vision_llava import load_llava
+
+        return load_llava(ckpt, config, dtype, device)
     return load_native_model(ckpt, config, dtype=dtype, device=device)
 
 
@@ -243,6 +249,10 @@ def check_tensor_parallel(path: str | os.PathLike, implementation: str, tp_size:
         config = ModelConfig.from_pretrained(_checkpoint_dir(path))
     except NativeUnsupportedError as e:
         raise ValueError(f"{refused} ({e})") from e
+    if config.architecture in IMAGE_TEXT_ARCHITECTURES:
+        raise ValueError(
+            f"{config.architecture} (images) runs on one device; set engine.tensor_parallel_size=1"
+        )
     check_divisible(config, tp_size)
     return config
 

@@ -18,6 +18,7 @@ from batchgen.engine.core.output_processor import OutputProcessor, error_output
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
 from batchgen.engine.features.lora_manager import LoRAManager
+from batchgen.engine.features.multimodal import EngineImages, ImageSlot
 from batchgen.engine.features.pooling import PoolingState
 from batchgen.engine.features.structured import StructuredOutputs
 from batchgen.engine.features.structured import is_available as structured_available
@@ -144,6 +145,7 @@ class LLMEngine:
         self._listeners: list[StepListener] = []
         self.executor = self.executor_class(self.runner, self._threads)
         weakref.finalize(self, self.executor.close)
+        self.images = EngineImages(self.model, config)
 
     def _attach_lora(self, path: str, config: EngineConfig) -> tuple[LoRAManager, LoRASlots]:
         """Adapter slots in the model (before the KV cache is sized: they count as weights) and their manager."""
@@ -233,13 +235,15 @@ class LLMEngine:
         prompt_logprobs_start: int | None = None,
         pooling: PoolingState | None = None,
         lora_request: LoRARequest | None = None,
+        images: Seq[ImageSlot] = (),
     ) -> None:
         """Queue a request. ``prompt_logprobs_start``: compute the logprobs of the prompt tokens from this
         position on (scoring: the continuation's first token), reusing the prefix cache before it.
         ``pooling``: a prefill-only pooling request (:mod:`batchgen.engine.features.pooling`; no ``params``) whose
         pooled hidden state is written into the given state; it gets no logit row and samples nothing: the
         step that completes its prompt finishes it. ``lora_request``: the adapter to run it under
-        (needs ``enable_lora``; an adapter that cannot be read or applied fails this request alone)."""
+        (needs ``enable_lora``; an adapter that cannot be read or applied fails this request alone). ``images``: the
+        prompt's images, their placeholders already expanded in ``prompt`` (:mod:`batchgen.engine.features.multimodal`)."""
         if lora_request is not None and self.lora is None:
             raise ValueError("a lora_request needs an engine built with enable_lora=True")
         if pooling is not None and params is not None:
@@ -266,10 +270,15 @@ class LLMEngine:
         # A constraint is compiled (cached) now, so a bad schema or regex fails this request alone.
         if error is None and params.constrained:
             error = self.structured.validate(params) if structured_available() else _NO_XGRAMMAR
+        seq_ids = self.images.place(request_id, token_ids, images) if images and error is None else token_ids
+        if isinstance(seq_ids, str):
+            error = seq_ids
         if error is not None:
             self.counters.num_error_requests += 1
             self._errors.append(error_output(request, error))
             return
+        if images:  # the sequence carries the images' token ids (batchgen.engine.features.multimodal)
+            request.seqs[0].token_ids[:] = seq_ids
         self._queue(request, group)
         self.counters.prompt_tokens += len(token_ids)
 
@@ -308,12 +317,13 @@ class LLMEngine:
             self._forget(request)
 
     def _forget(self, request: Request) -> None:
-        """A request leaves the engine (finished or aborted): its adapter slot and its samples' generators
-        go."""
+        """A request leaves the engine (finished or aborted): its adapter slot, its samples' generators and its
+        images' pixels go."""
         self.requests.pop(request.request_id, None)
         if request.params.seed is not None:
             self.builder.released += [s.seq_id for s in request.seqs]
         self._release_lora(request)
+        self.images.release(request.request_id)
 
     def _release_lora(self, request: Request) -> None:
         if request.lora_slot >= 0 and self.lora is not None and request.lora_request is not None:

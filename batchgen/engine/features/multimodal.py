@@ -1,0 +1,86 @@
+"""The engine's hook for image-bearing requests: a request that shows images needs *encoder embeddings placed*
+at its image positions. Here that need is turned into the sequence's token ids: each image's placeholder
+positions get the image token ids of :mod:`batchgen.models.vision` (keyed by the image's content hash), and the
+image's pixels are held by the model's :class:`~batchgen.models.vision.ImageInputs` while the request lives. The
+scheduler, the KV cache manager and the runner see ordinary token ids: the prefix cache keys placeholder blocks
+by image, and the model's forward places the (cached or freshly encoded) features.
+
+Invariants: ``Request.prompt_token_ids`` keeps the checkpoint's placeholder token (what outputs report and
+penalties see); only the sequence's token ids carry image token ids. Every image acquired by ``place`` is
+released exactly once, when its request finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from batchgen.engine.config import EngineConfig, parse_bytes
+from batchgen.models.vision import MAX_IMAGE_TOKENS, EncoderStats, image_token_ids
+
+
+class ImageSlot(Protocol):
+    """One image of a request: content hash, the processor's tensors, its first placeholder position and its
+    number of placeholder tokens (:class:`batchgen.multimodal.inputs.ImageItem`)."""
+
+    hash: str
+    pixels: dict[str, Tensor]
+    start: int
+    num_tokens: int
+
+
+class EngineImages:
+    """Places images for the engine (``images`` of the model, None when it takes no images)."""
+
+    def __init__(self, model: Any, config: EngineConfig) -> None:
+        self.inputs = getattr(model, "images", None)
+        self.architecture = model.config.architecture
+        if self.inputs is not None:
+            self.inputs.cache.capacity = parse_bytes(config.encoder_cache_memory)
+        self._held: dict[str | int, list[str]] = {}
+
+    @property
+    def stats(self) -> EncoderStats:
+        return self.inputs.stats if self.inputs is not None else EncoderStats()
+
+    def place(
+        self, request_id: str | int, token_ids: list[int], images: Sequence[ImageSlot]
+    ) -> list[int] | str:
+        """The sequence's token ids with each image's positions set to its image token ids, or why not."""
+        if self.inputs is None:
+            return f"this model ({self.architecture}) takes no images; use an image-text checkpoint"
+        for i, item in enumerate(images):
+            end = item.start + item.num_tokens
+            if item.num_tokens > MAX_IMAGE_TOKENS or end > len(token_ids) or item.start < 0:
+                return (
+                    f"image {i}: {item.num_tokens} placeholder tokens at {item.start} do not fit the prompt"
+                )
+        seq = list(token_ids)
+        held = self._held.setdefault(request_id, [])
+        for item in images:
+            key = self.inputs.acquire(item.hash, item.pixels)
+            held.append(item.hash)
+            seq[item.start : item.start + item.num_tokens] = image_token_ids(key, item.num_tokens)
+        return seq
+
+    def release(self, request_id: str | int) -> None:
+        for h in self._held.pop(request_id, ()):
+            self.inputs.release(h)
+
+    def report(self, wall_time_s: float) -> dict[str, Any]:
+        """The job report's ``images`` section (empty when no request showed an image): image slots of the
+        rows, distinct images, encoder runs, encoder seconds and their share of the wall time."""
+        s = self.stats
+        if not s.references:
+            return {}
+        return {
+            "images": {
+                "references": s.references,
+                "distinct": s.distinct,
+                "encoded": s.encoded,
+                "encoder_time_s": round(s.encoder_seconds, 4),
+                "encoder_share": s.encoder_seconds / max(wall_time_s, 1e-9),
+            }
+        }

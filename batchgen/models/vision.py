@@ -1,0 +1,197 @@
+"""Image-text models over the paged KV cache: the language model is a native decoder; the vision encoder
+(tower + projector) runs outside the cache, in batches of images, and its outputs replace the input embeddings
+at the image's placeholder positions.
+
+**Image token ids.** The engine gives each image's placeholder positions *image token ids* instead of the
+checkpoint's placeholder token: ``IMAGE_ID_BASE + (key << OFFSET_BITS) + offset``, where ``key`` is the small
+integer :class:`ImageInputs` assigned to the image's content hash and ``offset`` the token's index inside the
+image's features. The forward needs nothing else to place features (the step input stays plain token ids), and
+the prefix cache, which hashes token ids, keys a placeholder block by the image: two rows with the same image
+and the same tokens before it share blocks; different images never do (distinct hashes get distinct keys, a
+collision of the short key is probed away).
+
+**Invariants.** An image's pixels stay in :class:`ImageInputs` while a request that shows it is in the engine
+(``acquire`` / ``release``), so its features can always be (re)computed; computed features live in the
+:class:`EncoderCache` (LRU, bounded in bytes) and each distinct image is encoded once as long as it fits there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+IMAGE_ID_BASE = 1 << 62
+OFFSET_BITS = 16
+MAX_IMAGE_TOKENS = 1 << OFFSET_BITS
+_KEY_MASK = (1 << (62 - OFFSET_BITS)) - 1
+
+
+def image_token_ids(key: int, num_tokens: int) -> list[int]:
+    """The image token ids of image ``key``'s ``num_tokens`` placeholder positions."""
+    base = IMAGE_ID_BASE + (key << OFFSET_BITS)
+    return list(range(base, base + num_tokens))
+
+
+@dataclass
+class EncoderStats:
+    """``references``: image slots of the requests added; ``distinct``: distinct images among them;
+    ``encoded``: images run through the encoder (more than ``distinct`` only after a cache eviction);
+    ``encoder_seconds``: wall time spent in the encoder."""
+
+    references: int = 0
+    distinct: int = 0
+    encoded: int = 0
+    encoder_seconds: float = 0.0
+
+
+class EncoderCache:
+    """Encoder outputs by image key, least recently used evicted first once over ``capacity_bytes``."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity = capacity_bytes
+        self.used = 0
+        self._entries: OrderedDict[int, Tensor] = OrderedDict()
+
+    def get(self, key: int) -> Tensor | None:
+        t = self._entries.get(key)
+        if t is not None:
+            self._entries.move_to_end(key)
+        return t
+
+    def put(self, key: int, features: Tensor) -> None:
+        if key in self._entries:
+            return
+        size = features.numel() * features.element_size()
+        while self._entries and self.used + size > self.capacity:
+            _, old = self._entries.popitem(last=False)
+            self.used -= old.numel() * old.element_size()
+        if size <= self.capacity:
+            self._entries[key] = features
+            self.used += size
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass
+class _Image:
+    key: int
+    pixels: dict[str, Tensor]
+    refs: int = 0
+
+
+@dataclass
+class ImageInputs:
+    """The images of the requests in the engine: content hash -> key, key -> pixels (reference-counted), and
+    the encoder cache. Thread-safe (async scheduling runs forwards in a worker thread)."""
+
+    cache: EncoderCache
+    stats: EncoderStats = field(default_factory=EncoderStats)
+    _by_hash: dict[str, _Image] = field(default_factory=dict)
+    _by_key: dict[int, tuple[str, _Image]] = field(default_factory=dict)
+    _seen: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def acquire(self, content_hash: str, pixels: dict[str, Tensor]) -> int:
+        """Register one reference to the image (its pixel inputs kept while referenced); returns its key."""
+        with self._lock:
+            self.stats.references += 1
+            if content_hash not in self._seen:
+                self._seen.add(content_hash)
+                self.stats.distinct += 1
+            img = self._by_hash.get(content_hash)
+            if img is None:
+                key = int(content_hash[:16], 16) & _KEY_MASK
+                while key in self._by_key and self._by_key[key][0] != content_hash:
+                    key = (key + 1) & _KEY_MASK  # a short-key collision: probe
+                known = self._by_key.get(key)
+                img = known[1] if known is not None else _Image(key, pixels)
+                img.pixels = pixels
+                self._by_hash[content_hash] = img
+                self._by_key[key] = (content_hash, img)
+            img.refs += 1
+            return img.key
+
+    def release(self, content_hash: str) -> None:
+        """Drop one reference; the pixels go with the last one (the key and cached features stay)."""
+        with self._lock:
+            img = self._by_hash.get(content_hash)
+            if img is None:
+                return
+            img.refs -= 1
+            if img.refs <= 0:
+                del self._by_hash[content_hash]
+                img.pixels = {}
+
+    def features(self, keys: list[int], encode) -> dict[int, Tensor]:
+        """Features of each key: from the cache, the rest encoded in one batch by ``encode(pixel list)``. A key
+        whose pixels were released is left out: only a step in flight when its request was aborted asks for it."""
+        out: dict[int, Tensor] = {}
+        missing: list[int] = []
+        with self._lock:
+            for k in keys:
+                t = self.cache.get(k)
+                if t is None:
+                    missing.append(k)
+                else:
+                    out[k] = t
+            pixels = [self._by_key[k][1].pixels for k in missing]
+        released = [k for k, p in zip(missing, pixels) if not p]
+        if released:  # only a step already in flight when its request was aborted (its tokens are dropped)
+            missing = [k for k, p in zip(missing, pixels) if p]
+            pixels = [p for p in pixels if p]
+        if missing:
+            t0 = time.perf_counter()
+            computed = encode(pixels)
+            elapsed = time.perf_counter() - t0
+            with self._lock:
+                self.stats.encoded += len(missing)
+                self.stats.encoder_seconds += elapsed
+                for k, t in zip(missing, computed):
+                    out[k] = t
+                    self.cache.put(k, t)
+        return out
+
+
+class ImageTextModel(nn.Module):
+    """A native language model (``language_model``: :class:`~batchgen.models.llama.CausalLM`) fed image
+    features from ``encoder`` (a module with ``encode(list of pixel dicts) -> list of [tokens, hidden]``).
+    ``config`` is the language model's; ``image_token_id`` the checkpoint's placeholder token."""
+
+    def __init__(self, language_model: nn.Module, encoder: nn.Module, image_token_id: int, cache_bytes: int):
+        super().__init__()
+        self.language_model = language_model
+        self.encoder = encoder
+        self.config = language_model.config
+        self.image_token_id = image_token_id
+        self.images = ImageInputs(EncoderCache(cache_bytes))
+
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx) -> Tensor:
+        backbone = self.language_model.model
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return backbone(input_ids, positions, ctx)  # a captured decode step carries no image tokens
+        is_image = input_ids >= IMAGE_ID_BASE
+        if not bool(is_image.any()):
+            return backbone(input_ids, positions, ctx)
+        embeds = backbone.embed(torch.where(is_image, 0, input_ids))
+        rel = input_ids[is_image] - IMAGE_ID_BASE
+        keys, offsets = rel >> OFFSET_BITS, rel & (MAX_IMAGE_TOKENS - 1)
+        uniq = sorted(set(keys.tolist()))
+        feats = self.images.features(uniq, self.encoder.encode)
+        for k in uniq:  # an aborted request's image in a step already in flight: its rows are discarded
+            if k not in feats:
+                n = int(offsets[keys == k].max()) + 1
+                feats[k] = torch.zeros(n, embeds.shape[-1], dtype=embeds.dtype, device=embeds.device)
+        table = torch.cat([feats[k] for k in uniq]).to(embeds.dtype)
+        starts = torch.tensor([0] + [feats[k].shape[0] for k in uniq], device=embeds.device).cumsum(0)
+        index = torch.searchsorted(torch.tensor(uniq, device=keys.device), keys)
+        embeds[is_image] = table[starts[index] + offsets]
+        return backbone(input_ids, positions, ctx, inputs_embeds=embeds)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.language_model.compute_logits(hidden)

@@ -1,0 +1,102 @@
+"""Chat messages with OpenAI image parts, rendered by the checkpoint's own processor chat template.
+
+A message's ``content`` is a string or a list of parts: ``{"type": "text", "text": ...}``,
+``{"type": "image_url", "image_url": {"url": ...}}`` (or ``"image_url": "..."``; any URL or path
+:class:`~batchgen.multimodal.images.ImageLoader` reads, ``data:`` included) and ``{"type": "image", "image":
+...}`` (a PIL image, bytes, a path or a URL). :func:`split_images` turns image parts into the ``{"type":
+"image"}`` parts Hugging Face chat templates expect and returns the images in prompt order; the template puts
+the model's image placeholder where each one was.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+_IMAGE_TYPES = ("image_url", "image", "input_image")
+
+
+def _parts(content: Any) -> list[Any] | None:
+    if hasattr(content, "tolist") and not isinstance(content, (str, Mapping)):
+        content = content.tolist()
+    if isinstance(content, str) or not isinstance(content, Sequence):
+        return None
+    out = []
+    for part in content:
+        if isinstance(part, str) and part.lstrip().startswith("{"):
+            part = json.loads(part)
+        out.append(part)
+    return out
+
+
+def has_images(messages: Any) -> bool:
+    """Whether any message of the conversation has an image part."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str):
+        return False
+    for m in messages:
+        parts = _parts(m.get("content")) if isinstance(m, Mapping) else None
+        if parts and any(isinstance(p, Mapping) and p.get("type") in _IMAGE_TYPES for p in parts):
+            return True
+    return False
+
+
+def split_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """``(messages with image parts as {"type": "image"}, the images in order)``; ValueError naming the message
+    and part when a part is malformed."""
+    out: list[dict[str, Any]] = []
+    images: list[Any] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+        msg = {k: v for k, v in m.items() if v is not None}
+        parts = _parts(m.get("content"))
+        if parts is not None:
+            content = []
+            for j, part in enumerate(parts):
+                if isinstance(part, str):
+                    part = {"type": "text", "text": part}
+                if not isinstance(part, Mapping):
+                    raise ValueError(f"messages[{i}].content[{j}] must be a {{type, ...}} object")
+                kind = part.get("type", "text")
+                if kind == "text":
+                    content.append({"type": "text", "text": part.get("text")})
+                elif kind in _IMAGE_TYPES:
+                    images.append(_image_of(part, kind, i, j))
+                    content.append({"type": "image"})
+                else:
+                    raise ValueError(
+                        f"messages[{i}].content[{j}] has type {kind!r}; text and image parts are supported"
+                    )
+            msg["content"] = content
+        out.append(msg)
+    return out, images
+
+
+def _image_of(part: Mapping[str, Any], kind: str, i: int, j: int) -> Any:
+    value = part.get(kind)
+    if kind in ("image_url", "input_image") and isinstance(value, Mapping):
+        value = value.get("url")
+    if value is None or value == "":
+        raise ValueError(f"messages[{i}].content[{j}] ({kind}) has no image")
+    return value
+
+
+def render(
+    processor: Any,
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The conversation (image parts already split) rendered by the processor's chat template, else the
+    tokenizer's."""
+    owner = processor if getattr(processor, "chat_template", None) or chat_template else tokenizer
+    return owner.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
+        **dict(chat_template_kwargs or {}),
+    )

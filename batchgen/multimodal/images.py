@@ -1,0 +1,203 @@
+"""One image from any source a row can name, decoded and content-hashed, or a clear :class:`ImageError`.
+
+A source is a ``PIL.Image.Image``, raw encoded bytes, a Hugging Face ``datasets`` Image value
+(``{"bytes": ..., "path": ...}``), a local path, or a URL: ``file://``, ``data:`` (base64), or any object store
+through batchgen's storage layer (``s3://``, ``gs://``, ``az://``, ``hf://``). ``http(s)://`` is refused (a
+batch job reads its inputs from storage it was given, never from the open web).
+
+Invariants:
+
+- The content hash is the SHA-256 of the encoded bytes (or, for a ``PIL.Image``, of its mode, size and pixels):
+  two rows naming the same file, or carrying the same bytes, get the same hash, and the encoder runs once.
+- Decoding is bounded: an image over ``max_pixels`` is refused before its pixels are decoded. With
+  ``target_side`` a JPEG more than twice that size is decoded at a reduced scale (``draft``); off by default, since
+  the processor's resize of the full-scale pixels is what transformers computes.
+- Every failure — a missing file, unreadable object, truncated or corrupt bytes, an unknown format — is an
+  :class:`ImageError` whose message names the source (credentials redacted) and the reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+VISION_EXTRA_HINT = "image inputs need Pillow: pip install 'batchgen[vision]'"
+
+DEFAULT_MAX_PIXELS = 100_000_000
+"""Images with more pixels than this are refused (a 100-megapixel scan is ~300 MB decoded)."""
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message names the source and the reason (one line)."""
+
+
+@dataclass(frozen=True)
+class LoadedImage:
+    """A decoded RGB image and the content hash (hex SHA-256) that keys its encoder output and KV blocks."""
+
+    image: Any  # PIL.Image.Image
+    hash: str
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.image.size
+
+
+def pil():
+    """The ``PIL.Image`` module, or an ImageError saying which extra to install."""
+    try:
+        from PIL import Image
+    except ImportError as e:  # pragma: no cover - the vision extra is installed wherever images are used
+        raise ImageError(VISION_EXTRA_HINT) from e
+    return Image
+
+
+def describe(source: Any) -> str:
+    """A short, credential-free name of `source` for messages."""
+    if isinstance(source, str):
+        if source.startswith("data:"):
+            return source[:30] + "..."
+        from batchgen.data.storage import redact_url
+
+        return redact_url(source) if "://" in source else source
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return f"<{len(source)} bytes>"
+    if isinstance(source, Mapping):
+        return describe(source.get("path") or source.get("bytes") or "<empty image value>")
+    return f"<{type(source).__name__}>"
+
+
+class ImageLoader:
+    """Loads images (thread-safe: one loader serves the preprocessing workers). ``storage_options`` go to the
+    object stores; filesystems are opened once per bucket and reused."""
+
+    def __init__(
+        self,
+        storage_options: dict[str, Any] | None = None,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        target_side: int | None = None,
+    ) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.max_pixels = max_pixels
+        self.target_side = target_side
+        self._locations: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def load(self, source: Any) -> LoadedImage:
+        """The decoded image of `source` and its hash; ImageError when it cannot be used."""
+        Image = pil()
+        if isinstance(source, Image.Image):
+            return self._from_pil(source)
+        data = self.read_bytes(source)
+        return self.decode(data, describe(source))
+
+    # ----------------------------------------------------------------------------------------- bytes
+    def read_bytes(self, source: Any) -> bytes:
+        """The encoded bytes `source` names (bytes as given; a datasets Image value's bytes, else its path)."""
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            return bytes(source)
+        if isinstance(source, Mapping):
+            data, path = source.get("bytes"), source.get("path")
+            if data is not None:
+                return self.read_bytes(data)
+            if path:
+                return self.read_bytes(path)
+            raise ImageError("image value has neither 'bytes' nor 'path'")
+        if not isinstance(source, str):
+            raise ImageError(
+                f"unsupported image value of type {type(source).__name__}: pass a PIL image, bytes, a path or "
+                "a URL (file://, data:, s3://, gs://, az://, hf://)"
+            )
+        if not source:
+            raise ImageError("empty image path")
+        if source.startswith("data:"):
+            return _data_url_bytes(source)
+        scheme = urlsplit(source).scheme.lower() if "://" in source else ""
+        if scheme in ("", "file"):
+            path = unquote(urlsplit(source).path) if scheme == "file" else source
+            try:
+                with open(os.path.expanduser(path), "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                raise ImageError(f"image {describe(source)!r}: no such file") from None
+            except OSError as e:
+                raise ImageError(f"image {describe(source)!r}: cannot read: {e.strerror or e}") from None
+        if scheme in ("http", "https"):
+            raise ImageError(
+                f"image {describe(source)!r}: http(s) URLs are not fetched; put the images in object storage "
+                "(s3://, gs://, az://, hf://) or pass their bytes"
+            )
+        return self._read_url(source)
+
+    def _read_url(self, url: str) -> bytes:
+        from batchgen.data.storage import Location, StorageError
+
+        parent, _, name = url.rstrip("/").rpartition("/")
+        try:
+            with self._lock:
+                loc = self._locations.get(parent)
+                if loc is None:
+                    loc = self._locations[parent] = Location(parent, self.storage_options, key="image")
+            data = loc.read_bytes(name)
+        except StorageError as e:
+            raise ImageError(str(e)) from None
+        if data is None:
+            raise ImageError(f"image {describe(url)!r}: no such object")
+        return data
+
+    # -------------------------------------------------------------------------------------- decoding
+    def decode(self, data: bytes, name: str = "<bytes>") -> LoadedImage:
+        """Decode encoded image bytes (any format Pillow reads) to RGB, bounded as the class says."""
+        Image = pil()
+        if not data:
+            raise ImageError(f"image {name!r}: empty (0 bytes)")
+        digest = hashlib.sha256(data).hexdigest()
+        try:
+            img = Image.open(io.BytesIO(data))
+            w, h = img.size
+            if w * h > self.max_pixels:
+                raise ImageError(
+                    f"image {name!r}: {w}x{h} pixels exceeds the limit of {self.max_pixels} pixels"
+                )
+            if self.target_side and img.format == "JPEG" and min(w, h) > 2 * self.target_side:
+                img.draft("RGB", (2 * self.target_side, 2 * self.target_side))  # decode at a reduced scale
+            img.load()
+            img = img.convert("RGB")
+        except ImageError:
+            raise
+        except Image.UnidentifiedImageError:
+            raise ImageError(f"image {name!r}: unknown or unsupported image format") from None
+        except Image.DecompressionBombError as e:
+            raise ImageError(f"image {name!r}: too large ({e})") from None
+        except (OSError, SyntaxError, ValueError) as e:  # truncated / corrupt data
+            raise ImageError(f"image {name!r}: corrupt or truncated image data ({e})") from None
+        return LoadedImage(img, digest)
+
+    def _from_pil(self, img: Any) -> LoadedImage:
+        w, h = img.size
+        if w * h > self.max_pixels:
+            raise ImageError(f"image <PIL image>: {w}x{h} pixels exceeds the limit of {self.max_pixels}")
+        rgb = img.convert("RGB")
+        h_ = hashlib.sha256(f"pil:{rgb.mode}:{w}x{h}:".encode())
+        h_.update(rgb.tobytes())
+        return LoadedImage(rgb, h_.hexdigest())
+
+
+def _data_url_bytes(url: str) -> bytes:
+    head, sep, payload = url.partition(",")
+    if not sep:
+        raise ImageError(f"image {describe(url)!r}: a data: URL needs a ',' before its payload")
+    if not head.endswith(";base64"):
+        raise ImageError(f"image {describe(url)!r}: only base64 data: URLs are supported")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError(f"image {describe(url)!r}: invalid base64 payload") from None

@@ -1,0 +1,167 @@
+"""A prompt and its images -> the engine's inputs, with the checkpoint's own processor.
+
+:class:`ImagePrompts` loads the checkpoint's processor once (``AutoProcessor``; without torchvision
+transformers falls back to its PIL image processors). For each prompt it
+
+- loads every image (:class:`~batchgen.multimodal.images.ImageLoader`: any source, content-hashed),
+- runs the processor's pixel work per distinct image (cached by content hash, so an image shown by many rows
+  is preprocessed once while it stays in the small LRU),
+- finds the image placeholders in the prompt's token ids (one ``<image>`` token per image, as in vLLM; a run
+  already expanded to the image's length counts as one) and expands each to the image's number of feature
+  tokens, exactly as the processor does.
+
+Every failure is an :class:`~batchgen.multimodal.images.ImageError` naming the image's index and the reason:
+a bad image, more images than ``limit_mm_per_prompt`` allows, or a placeholder count that differs from the
+number of images.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from batchgen.multimodal.images import ImageError, ImageLoader, LoadedImage
+
+
+@dataclass(frozen=True)
+class ImageItem:
+    """One image of a prompt, ready for the engine: content hash, the processor's tensors for this image
+    (``pixel_values`` ...), and where its ``num_tokens`` placeholder positions start in the token ids."""
+
+    hash: str
+    pixels: dict[str, Tensor]
+    start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt's token ids with every image placeholder expanded, and its images in prompt order."""
+
+    token_ids: list[int]
+    images: list[ImageItem]
+
+
+def as_image_list(value: Any) -> list[Any]:
+    """``multi_modal_data["image"]``: one image or a list/tuple of them (a datasets Image dict is one)."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if hasattr(value, "tolist") and not hasattr(value, "convert"):  # a numpy array of values from Parquet
+        return list(value.tolist())
+    return [value]
+
+
+class ImagePrompts:
+    """The image side of one image-text checkpoint (thread-safe: prompts may be prepared in worker threads)."""
+
+    def __init__(
+        self,
+        checkpoint: str,
+        image_token_id: int,
+        max_images: int | None = None,
+        loader: ImageLoader | None = None,
+        cache_items: int = 512,
+    ) -> None:
+        from transformers import AutoProcessor
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the torchvision fallback warning: PIL processors are intended here
+        try:
+            self.processor = AutoProcessor.from_pretrained(checkpoint)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        self.image_token_id = image_token_id
+        self.image_token = self.processor.tokenizer.convert_ids_to_tokens(image_token_id)
+        self.max_images = max_images
+        # full-scale decoding: the processor resizes from the original pixels, as transformers does
+        self.loader = loader or ImageLoader()
+        self._pixels: OrderedDict[str, tuple[dict[str, Tensor], int]] = OrderedDict()
+        self._cache_items = cache_items
+        self._lock = threading.Lock()
+
+    def load(self, images: Sequence[Any]) -> list[LoadedImage]:
+        """Load (decode, hash) each image; ImageError naming the first bad one's index."""
+        if self.max_images is not None and len(images) > self.max_images:
+            raise ImageError(
+                f"{len(images)} images but the model takes at most {self.max_images} per prompt "
+                "(engine.limit_mm_per_prompt)"
+            )
+        out = []
+        for i, src in enumerate(images):
+            try:
+                out.append(self.loader.load(src))
+            except ImageError as e:
+                raise ImageError(f"image {i}: {e}") from None
+        return out
+
+    def pixels(self, image: LoadedImage) -> tuple[dict[str, Tensor], int]:
+        """The processor's tensors for one image and its number of feature tokens (cached by hash)."""
+        with self._lock:
+            hit = self._pixels.get(image.hash)
+            if hit is not None:
+                self._pixels.move_to_end(image.hash)
+                return hit
+        enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
+        ids = enc["input_ids"][0]
+        n = int((ids == self.image_token_id).sum())
+        pixels = {k: v[0] for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+        with self._lock:
+            self._pixels[image.hash] = (pixels, n)
+            while len(self._pixels) > self._cache_items:
+                self._pixels.popitem(last=False)
+        return pixels, n
+
+    def build(self, token_ids: Sequence[int], images: Sequence[Any]) -> ImagePrompt:
+        """Expand ``token_ids``' placeholders for ``images``; ImageError when they do not fit together."""
+        loaded = self.load(images)
+        out: list[int] = []
+        items: list[ImageItem] = []
+        pos = 0
+        for start, length in _placeholder_runs(token_ids, self.image_token_id):
+            out.extend(token_ids[pos:start])
+            pos = start + length
+            while length > 0:
+                if len(items) == len(loaded):
+                    items.append(None)  # type: ignore[arg-type]  # counted for the message below
+                    break
+                image = loaded[len(items)]
+                pixels, n = self.pixels(image)
+                used = n if length == n else 1  # a run already expanded for this image, or one placeholder
+                items.append(ImageItem(image.hash, pixels, len(out), n))
+                out.extend([self.image_token_id] * n)
+                length -= used
+        if len(items) != len(loaded) or (items and items[-1] is None):
+            found = "more" if items and items[-1] is None else str(len(items))
+            raise ImageError(
+                f"the prompt has {found} image placeholder(s) ({self.image_token!r}) than the {len(loaded)} "
+                f"image(s) given"
+                if found == "more"
+                else f"the prompt has {found} image placeholder(s) "
+                f"({self.image_token!r}) but {len(loaded)} image(s) were given: put one {self.image_token!r} "
+                "in the prompt where each image goes"
+            )
+        out.extend(token_ids[pos:])
+        return ImagePrompt(out, items)
+
+
+def _placeholder_runs(token_ids: Sequence[int], token: int) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    i, n = 0, len(token_ids)
+    while i < n:
+        if token_ids[i] == token:
+            j = i
+            while j < n and token_ids[j] == token:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs

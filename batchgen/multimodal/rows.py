@@ -1,0 +1,147 @@
+"""Images in a job's rows: ``data.image_column`` (one image or a list per row: Hugging Face ``datasets``'
+Image struct ``{bytes, path}``, a binary column, or string paths/URLs) and image parts of chat messages
+(``data.messages_column``), turned into each row's expanded token ids and :class:`ImageItem` list.
+
+Runs where the window's prompts are built (the window read-ahead thread), images of a window prepared in worker
+threads; a row whose images cannot be used becomes an error row naming the image and the reason. The pixel
+tensors of a window's distinct images are held until its rows are in the engine: ``data.window_rows`` bounds
+that memory.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from batchgen.multimodal.inputs import ImagePrompts, as_image_list
+
+_SIDES: dict[tuple[str, Any], ImagePrompts] = {}
+_LOCK = threading.Lock()
+
+
+def image_token_id(checkpoint: str) -> int | None:
+    """The checkpoint's image placeholder token id when batchgen runs its images (an image-text
+    architecture), else None."""
+    from batchgen.models.config import IMAGE_TEXT_ARCHITECTURES
+
+    try:
+        cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not set(cfg.get("architectures") or []) & set(IMAGE_TEXT_ARCHITECTURES):
+        return None
+    token = cfg.get("image_token_index", cfg.get("image_token_id"))
+    return int(token) if token is not None else None
+
+
+def image_side(
+    checkpoint: str, max_images: int | None, storage_options: dict[str, Any] | None
+) -> ImagePrompts:
+    """The checkpoint's :class:`ImagePrompts` (one per process and settings)."""
+    key = (checkpoint, max_images, json.dumps(storage_options or {}, sort_keys=True, default=str))
+    with _LOCK:
+        side = _SIDES.get(key)
+        if side is None:
+            from batchgen.multimodal.images import ImageLoader
+
+            token = image_token_id(checkpoint)
+            if token is None:
+                raise ValueError(f"{checkpoint} is not an image-text checkpoint batchgen runs")
+            side = ImagePrompts(checkpoint, token, max_images=max_images)
+            side.loader = ImageLoader(storage_options)
+            _SIDES[key] = side
+        return side
+
+
+def column_images(value: Any) -> list[Any]:
+    """A row's image column value as a list of image sources (one value, or a list of them)."""
+    return as_image_list(value)
+
+
+def chat_has_images(messages: Any) -> bool:
+    from batchgen.multimodal.chat import has_images
+
+    if isinstance(messages, str):
+        try:
+            messages = json.loads(messages)
+        except ValueError:
+            return False
+    return has_images(messages)
+
+
+def render_image_chat(row: Any, messages: Any, tokenizer: Any, spec: Any) -> str | None:
+    """A chat row with image parts rendered by the processor's chat template; its images recorded on the row
+    (an error row, returning None, when a message is malformed or the template fails)."""
+    from batchgen.multimodal.chat import render, split_images
+
+    if isinstance(messages, str):
+        messages = json.loads(messages)
+    try:
+        msgs, images = split_images(messages)
+        side = image_side(spec.image_checkpoint, spec.max_images, spec.storage_options)
+        text = render(side.processor, tokenizer, msgs)
+    except ValueError as e:
+        row.fail(str(e))
+        return None
+    except Exception as e:  # noqa: BLE001 - jinja2 errors, template-raised exceptions: this row fails
+        row.fail(f"chat template failed: {type(e).__name__}: {e}", retryable=True)
+        return None
+    row.images = images
+    return text
+
+
+def prepare_images(rows: list[Any], spec: Any) -> None:
+    """Every valid row with images: expanded token ids and its :class:`ImageItem` list, or an error row
+    (the images of the rows prepared in worker threads)."""
+    from batchgen.multimodal.prepare import prepare
+
+    side = image_side(spec.image_checkpoint, spec.max_images, spec.storage_options)
+    for r in rows:  # placeholders without images: a data error, not text to run
+        if r.error is None and not r.images and side.image_token_id in (r.token_ids or ()):
+            r.fail(f"the prompt has image placeholder(s) ({side.image_token!r}) but the row has no image")
+    todo = [r for r in rows if r.error is None and r.images]
+    for r, ready in zip(todo, prepare(side, [(r.token_ids, r.images) for r in todo])):
+        if isinstance(ready, str):
+            r.fail(ready)
+            continue
+        n = r.num_prompt_tokens = len(ready.token_ids)
+        if n >= spec.max_model_len:
+            r.fail(
+                f"prompt has {n} tokens with its images expanded but engine.max_model_len is "
+                f"{spec.max_model_len}: it must leave room for at least one generated token",
+                retryable=True,
+            )
+            continue
+        r.token_ids, r.images = ready.token_ids, ready.images
+    for r in rows:
+        if r.error is not None:
+            r.images = None
+
+
+def image_options(cfg: Any, model_path: str) -> dict[str, Any]:
+    """The :class:`~batchgen.data.prompts.PromptSpec` image fields of a job; ConfigError when
+    ``data.image_column`` is set for a model that takes no images."""
+    from batchgen.errors import ConfigError
+
+    d = cfg.data
+    token = image_token_id(model_path)
+    if token is None:
+        if d.image_column:
+            raise ConfigError(
+                f"data.image_column={d.image_column!r} but the model ({model_path}) is not an image-text "
+                "checkpoint batchgen runs (LLaVA, LLaVA-NeXT); unset data.image_column or choose such a model"
+            )
+        return {}
+    if cfg.engine.data_parallel_size > 1:
+        raise ConfigError(
+            f"engine.data_parallel_size={cfg.engine.data_parallel_size}: an image-text model runs as one engine "
+            "replica per job; set engine.data_parallel_size=1 and split the input with data.shard.count instead"
+        )
+    return {
+        "image_column": d.image_column,
+        "image_checkpoint": model_path,
+        "max_images": (cfg.engine.limit_mm_per_prompt or {}).get("image"),
+        "storage_options": dict(d.storage_options or {}),
+    }

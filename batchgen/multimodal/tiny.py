@@ -1,0 +1,137 @@
+"""Tiny random image-text checkpoints built offline with the real processors (tests and benchmarks).
+
+`build_llava(out)`: a LLaVA 1.5 checkpoint (``LlavaForConditionalGeneration``: a small CLIP vision tower, the
+two-layer projector, a 2-layer Llama) saved with a ``LlavaProcessor`` (``CLIPImageProcessor``'s PIL
+implementation, our byte-level BPE tokenizer with ``<image>`` added as a special token) and a chat template that
+puts ``<image>`` where a message has an image part. Weights are drawn with ``initializer_range=0.08`` so greedy
+output does not collapse into a repeated token.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from batchgen.models.tiny import build_tokenizer
+
+IMAGE_TOKEN = "<image>"
+
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_llava(
+    out_dir: str | os.PathLike,
+    *,
+    image_size: int = 56,
+    patch_size: int = 14,
+    hidden_size: int = 64,
+    vision_hidden_size: int = 32,
+    vocab_size: int = 4096,
+    seed: int = 0,
+    next_grid: list[list[int]] | None = None,
+) -> str:
+    """Build the tiny LLaVA checkpoint and processor in `out_dir`; returns its path.
+
+    Each image becomes ``(image_size / patch_size)**2`` placeholder tokens (16 by default). With ``next_grid``
+    (``image_grid_pinpoints``, multiples of ``image_size``) it is a LLaVA-NeXT checkpoint instead
+    (``LlavaNextForConditionalGeneration``, any-resolution tiling: the token count depends on the image size)."""
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+        LlavaProcessor,
+    )
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    tok.add_tokens([IMAGE_TOKEN], special_tokens=True)
+    image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    text = LlamaConfig(
+        vocab_size=vocab_size + 64,  # room for <image> (and padding), as real LLaVA checkpoints have
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.08,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=vision_hidden_size,
+        intermediate_size=2 * vision_hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch_size,
+        projection_dim=vision_hidden_size,
+        initializer_range=0.08,
+    )
+    common = dict(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token_id,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        projector_hidden_act="gelu",
+    )
+    cfg = (
+        LlavaConfig(**common)
+        if next_grid is None
+        else LlavaNextConfig(**common, image_grid_pinpoints=next_grid)
+    )
+    cfg.initializer_range = 0.08
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = (LlavaForConditionalGeneration if next_grid is None else LlavaNextForConditionalGeneration)(
+            cfg
+        )
+        if next_grid is not None:
+            with torch.no_grad():
+                model.model.image_newline.normal_(0.0, 0.5)
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(str(out))
+    if next_grid is not None:
+        image_processor = LlavaNextImageProcessorPil(
+            size={"shortest_edge": image_size},
+            crop_size={"height": image_size, "width": image_size},
+            image_grid_pinpoints=next_grid,
+        )
+        processor_class = LlavaNextProcessor
+    else:
+        image_processor = CLIPImageProcessorPil(
+            size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+        )
+        processor_class = LlavaProcessor
+    processor = processor_class(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(str(out))
+    tok.chat_template = LLAVA_CHAT_TEMPLATE
+    tok.save_pretrained(str(out))
+    return str(out)

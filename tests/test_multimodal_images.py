@@ -1,0 +1,103 @@
+"""Image sources, content hashes and the error of each bad-image case (batchgen.multimodal.images)."""
+
+# ruff: noqa: F811 - the s3 fixture is imported from s3_server and used as an argument
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+
+pytest.importorskip("PIL", reason="image inputs need the vision extra (Pillow)")
+from PIL import Image  # noqa: E402
+from s3_server import s3, s3_endpoint  # noqa: E402, F401 - fixtures
+
+from batchgen.multimodal.images import ImageError, ImageLoader  # noqa: E402
+
+
+def _png(color=(10, 200, 30), size=(24, 16), fmt="PNG") -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def test_every_source_decodes_and_same_bytes_hash_the_same(tmp_path):
+    data = _png()
+    path = tmp_path / "a.png"
+    path.write_bytes(data)
+    loader = ImageLoader()
+    sources = [
+        data,
+        str(path),
+        f"file://{path}",
+        "data:image/png;base64," + base64.b64encode(data).decode(),
+        {"bytes": data, "path": None},
+        {"bytes": None, "path": str(path)},
+    ]
+    loaded = [loader.load(s) for s in sources]
+    assert {im.hash for im in loaded} == {loaded[0].hash}
+    assert all(im.size == (24, 16) and im.image.mode == "RGB" for im in loaded)
+    assert loader.load(_png(color=(11, 200, 30))).hash != loaded[0].hash
+    # a PIL image is hashed by its pixels: the same picture twice is one image, another picture is not
+    pil = loader.load(Image.new("RGBA", (5, 5), (1, 2, 3, 255)))
+    assert pil.hash == loader.load(Image.new("RGB", (5, 5), (1, 2, 3))).hash
+    assert pil.hash != loader.load(Image.new("RGB", (5, 5), (1, 2, 4))).hash
+
+
+def test_object_store_urls_go_through_the_storage_layer():
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/imgs/x.png", _png())
+    loader = ImageLoader()
+    assert loader.load("memory://imgs/x.png").size == (24, 16)
+    with pytest.raises(ImageError, match="no such object"):
+        loader.load("memory://imgs/missing.png")
+
+
+def test_s3_images_through_a_local_s3_server(s3):
+    data = _png(color=(1, 2, 3))
+    s3.client.put_object(Bucket=s3.bucket, Key="imgs/a.png", Body=data)
+    loader = ImageLoader()
+    assert loader.load(s3.url("imgs/a.png")).hash == ImageLoader().load(data).hash
+    with pytest.raises(ImageError, match="no such object"):
+        loader.load(s3.url("imgs/none.png"))
+
+
+@pytest.mark.parametrize(
+    ("source", "reason"),
+    [
+        (b"not an image at all", "unknown or unsupported image format"),
+        (_png()[:60], "corrupt or truncated"),
+        (b"", "empty"),
+        ("/nonexistent/dir/img.png", "no such file"),
+        ("https://example.com/a.png", "http\\(s\\) URLs are not fetched"),
+        ("data:image/png;base64,@@@", "invalid base64"),
+        ({"bytes": None, "path": None}, "neither 'bytes' nor 'path'"),
+        (12, "unsupported image value of type int"),
+    ],
+)
+def test_bad_images_are_clear_errors(source, reason):
+    with pytest.raises(ImageError, match=reason):
+        ImageLoader().load(source)
+
+
+def test_pixel_limit_and_reduced_jpeg_decoding():
+    big = _png(size=(400, 300), fmt="JPEG")
+    with pytest.raises(ImageError, match="exceeds the limit"):
+        ImageLoader(max_pixels=1000).load(big)
+    small = ImageLoader(target_side=50).load(big)  # decoded at a reduced scale (JPEG draft), not whole
+    assert small.size[0] < 400 and min(small.size) >= 100
+    assert small.hash == ImageLoader().load(big).hash  # the hash is of the bytes, whatever the decode scale
+
+
+def test_text_only_use_never_imports_pillow():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, batchgen, batchgen.llm, batchgen.job.run, batchgen.multimodal.inputs, "
+        "batchgen.multimodal.rows, batchgen.engine.core.llm_engine; print('PIL' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,269 @@
+"""An image job: data.image_column in every layout users have (datasets' Image struct, binary, paths/URLs), chat
+rows with image parts, error rows for bad images, output equal to the API's (which equals transformers)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+pytest.importorskip("PIL", reason="image inputs need the vision extra (Pillow)")
+
+from conftest import job_config, read_parts  # noqa: E402
+from vision_helpers import png_bytes, random_image  # noqa: E402
+
+from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen.job.run import run_job  # noqa: E402
+from batchgen.multimodal.tiny import build_llava  # noqa: E402
+
+GREEDY = {"max_tokens": 8, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> str:
+    return build_llava(tmp_path_factory.mktemp("llava_job"))
+
+
+def _images(tmp_path):
+    imgs = [random_image(w, h, 40 + i) for i, (w, h) in enumerate([(56, 56), (90, 60), (60, 90)])]
+    paths = []
+    for i, im in enumerate(imgs):
+        p = tmp_path / f"img{i}.png"
+        p.write_bytes(png_bytes(im))
+        paths.append(str(p))
+    return imgs, paths
+
+
+def test_image_job_matches_the_api_and_bad_images_are_error_rows(llava, tmp_path):
+    imgs, paths = _images(tmp_path)
+    data = [png_bytes(im) for im in imgs]
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    prompts = [
+        "<image> What is it?",
+        "<image> Describe the colours.",
+        "<image> What is it?",
+        "Compare <image> and <image>.",
+        "<image> broken",
+        "<image> missing file",
+        "text only",
+        "<image> What is it?",
+    ]
+    images = [
+        {"bytes": data[0], "path": None},
+        {"bytes": None, "path": paths[1]},
+        {"bytes": data[0], "path": "ignored.png"},  # the same image again: encoded once
+        None,
+        {"bytes": data[1][:70], "path": None},
+        {"bytes": None, "path": str(tmp_path / "nope.png")},
+        None,
+        {"bytes": data[2], "path": None},
+    ]
+    table = pa.table({"prompt": prompts, "image": pa.array(images, type=struct)})
+    inp = tmp_path / "in.parquet"
+    pq.write_table(table, inp)
+    out = tmp_path / "out"
+    cfg = job_config(llava, inp, out, data={"image_column": "image"}, sampling=GREEDY)
+    cfg.run.max_error_fraction = 1.0
+    assert run_job(cfg).exit_code == 0
+    got = read_parts(out).to_pylist()
+    assert [r["status"] for r in got] == ["ok", "ok", "ok", "error", "error", "error", "ok", "ok"]
+    assert "but the row has no image" in got[3]["error"]  # the placeholders of row 3 with no image in 'image'
+    assert "corrupt or truncated" in got[4]["error"]
+    assert "no such file" in got[5]["error"]
+    figures = json.loads((out / "_report.json").read_text())["images"]
+    assert (figures["references"], figures["distinct"], figures["encoded"]) == (4, 3, 3)
+    assert 0 < figures["encoder_share"] < 1
+    llm = LLM(llava, kv_cache_memory="32MiB")
+    ok = [0, 1, 2, 6, 7]
+    api = llm.generate(
+        [
+            {"prompt": prompts[i], "multi_modal_data": {"image": images[i]}} if images[i] else prompts[i]
+            for i in ok
+        ],
+        SamplingParams(**GREEDY),
+        use_tqdm=False,
+    )
+    assert [got[i]["token_ids"] for i in ok] == [o.outputs[0].token_ids for o in api]
+    # a list column of binary images, and a string column of paths / data URLs
+    data_url = "data:image/png;base64," + base64.b64encode(data[2]).decode()
+    t2 = pa.table(
+        {"prompt": ["Compare <image> and <image>.", "<image> ok"], "img": [[paths[1], data_url], [paths[0]]]}
+    )
+    pq.write_table(t2, tmp_path / "in2.parquet")
+    run_job(
+        job_config(
+            llava, tmp_path / "in2.parquet", tmp_path / "out2", data={"image_column": "img"}, sampling=GREEDY
+        )
+    )
+    rows2 = read_parts(tmp_path / "out2").to_pylist()
+    api2 = llm.generate(
+        [{"prompt": r["prompt"], "multi_modal_data": {"image": r["img"]}} for r in t2.to_pylist()],
+        SamplingParams(**GREEDY),
+        use_tqdm=False,
+    )
+    assert [r["token_ids"] for r in rows2] == [o.outputs[0].token_ids for o in api2]
+
+
+def test_chat_rows_with_image_parts(llava, tmp_path):
+    imgs, paths = _images(tmp_path)
+    part = pa.struct(
+        [("type", pa.string()), ("text", pa.string()), ("image_url", pa.struct([("url", pa.string())]))]
+    )
+    msg = pa.struct([("role", pa.string()), ("content", pa.list_(part))])
+    conversations = [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "text": None, "image_url": {"url": paths[0]}},
+                    {"type": "text", "text": "What is it?", "image_url": None},
+                ],
+            }
+        ],
+        [{"role": "user", "content": [{"type": "text", "text": "Only text", "image_url": None}]}],
+        [{"role": "user", "content": [{"type": "image_url", "text": None, "image_url": {"url": "s3:/bad"}}]}],
+    ]
+    pq.write_table(
+        pa.table({"messages": pa.array(conversations, type=pa.list_(msg))}), tmp_path / "chat.parquet"
+    )
+    run_job(
+        job_config(
+            llava,
+            tmp_path / "chat.parquet",
+            tmp_path / "outc",
+            data={"messages_column": "messages", "prompt_column": "messages"},
+            sampling=GREEDY,
+        )
+    )
+    rows = read_parts(tmp_path / "outc").to_pylist()
+    assert [r["status"] for r in rows] == ["ok", "ok", "error"]
+    llm = LLM(llava, kv_cache_memory="32MiB")
+    api = llm.chat(
+        [
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": paths[0]}},
+                        {"type": "text", "text": "What is it?"},
+                    ],
+                }
+            ],
+            [{"role": "user", "content": "Only text"}],
+        ],
+        SamplingParams(**GREEDY),
+        use_tqdm=False,
+    )
+    assert [r["token_ids"] for r in rows[:2]] == [o.outputs[0].token_ids for o in api]
+
+
+def test_image_column_needs_an_image_text_model(llama_ckpt, tmp_path):
+    pq.write_table(pa.table({"prompt": ["a"], "image": [b"x"]}), tmp_path / "in.parquet")
+    result = run_job(
+        job_config(llama_ckpt, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"})
+    )
+    assert result.exit_code == 2 and "not an image-text checkpoint" in result.message
+
+
+@pytest.mark.slow
+def test_image_job_killed_with_sigkill_resumes_identically(llava, tmp_path):
+    import dataclasses
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import env_without_slurm, part_contents, wait_for_rows_done
+
+    imgs, paths = _images(tmp_path)
+    n = 36
+    table = pa.table(
+        {
+            "prompt": [f"<image> question {i % 5}" for i in range(n)],
+            "image": [paths[i % 3] if i % 11 else str(tmp_path / "gone.png") for i in range(n)],
+        }
+    )
+    pq.write_table(table, tmp_path / "in.parquet")
+    sampling = {"max_tokens": 24, "temperature": 0.0}
+    ref = job_config(
+        llava,
+        tmp_path / "in.parquet",
+        tmp_path / "ref",
+        data={"image_column": "image", "window_rows": 4},
+        sampling=sampling,
+    )
+    ref.run.max_error_fraction = 1.0
+    assert run_job(ref, print_summary=False, handle_signals=False).exit_code == 0
+    out = tmp_path / "killed"
+    cmd = [
+        sys.executable, "-m", "batchgen.cli", f"model.path={llava}", f"data.input={tmp_path / 'in.parquet'}",
+        f"data.output={out}", "data.window_rows=4", "data.image_column=image", "sampling.max_tokens=24",
+        "sampling.temperature=0", "run.max_error_fraction=1.0", "data.shard.index=0", "data.shard.count=1",
+        "run.progress=off", "engine.device=cpu", "engine.num_blocks=256", "engine.max_num_seqs=8",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env_without_slurm(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        done = wait_for_rows_done(proc, out, 8)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert 8 <= done < n, done  # killed mid-run
+    resumed = dataclasses.replace(ref, data=dataclasses.replace(ref.data, output=str(out)))
+    assert run_job(resumed, print_summary=False, handle_signals=False).exit_code == 0
+    assert part_contents(out) == part_contents(tmp_path / "ref")
+
+
+def test_help_documents_the_image_keys():
+    from batchgen.job.help import render_options
+
+    text = render_options()
+    for key in (
+        "data.image_column=null",
+        "engine.encoder_cache_memory=1GiB",
+        "engine.limit_mm_per_prompt={}",
+    ):
+        assert key in text
+
+
+def test_cli_takes_the_image_limit_per_prompt():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchgen.cli", "--cfg", "job", "engine.limit_mm_per_prompt={image: 2}",
+         "data.image_column=img"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-1000:]
+    assert "limit_mm_per_prompt:\n    image: 2" in proc.stdout and "image_column: img" in proc.stdout
+
+
+def test_a_window_runs_the_rows_of_one_image_together():
+    from types import SimpleNamespace
+
+    from batchgen.data.prompts import PromptRow
+    from batchgen.data.reader import WindowSpec
+    from batchgen.job.feeder import WindowWork
+
+    def row(pos: int, image: str | None, ids: list[int]) -> PromptRow:
+        r = PromptRow(pos, pos, pos, token_ids=ids)
+        r.images = [SimpleNamespace(hash=image)] if image else None
+        return r
+
+    # the same text before different images must not interleave the rows of one image
+    rows = [row(0, "b", [5, 9, 1]), row(1, "a", [5, 9, 2]), row(2, "b", [5, 9, 0]), row(3, None, [7]),
+            row(4, "a", [5, 9, 0])]  # fmt: skip
+    work = WindowWork.create(WindowSpec(0, 0, 5), rows, group_by_prefix=True)
+    assert list(work.feed) == [3, 4, 1, 2, 0]
+
+
+def test_image_jobs_refuse_replicas(llava, tmp_path):
+    pq.write_table(pa.table({"prompt": ["<image> a"], "image": [b"x"]}), tmp_path / "in.parquet")
+    cfg = job_config(llava, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"},
+                     engine={"data_parallel_size": 2})  # fmt: skip
+    result = run_job(cfg)
+    assert result.exit_code == 2 and "engine.data_parallel_size=1" in result.message

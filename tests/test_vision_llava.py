@@ -1,0 +1,211 @@
+"""LLaVA through batchgen: greedy output equals transformers token for token (float32, CPU) with images of
+several sizes and aspect ratios, several images per row, batched; each distinct image encoded once; placeholder
+blocks shared by the prefix cache only for the same image; a bad image fails its row alone."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("PIL", reason="image inputs need the vision extra (Pillow)")
+
+from vision_helpers import hf_greedy, png_bytes, random_image  # noqa: E402
+
+from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen.multimodal.tiny import build_llava  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> str:
+    return build_llava(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def llm(llava) -> LLM:
+    return LLM(llava, kv_cache_memory="32MiB", max_num_seqs=8)
+
+
+def _chat(text: str, n_images: int = 1) -> str:
+    return f"<|im_start|>user\n{'<image>' * n_images}\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_greedy_equals_transformers_batched(llava, llm, tmp_path):
+    a, b, c, d = (
+        random_image(w, h, s) for s, (w, h) in enumerate([(56, 56), (120, 60), (40, 90), (300, 200)])
+    )
+    path = tmp_path / "d.jpg"  # a JPEG far larger than the processor's 56 px: decoded at full scale
+    d.save(path, format="JPEG")
+    from PIL import Image
+
+    jpeg = Image.open(path).convert("RGB")
+    rows = [
+        (_chat("What is in the picture?"), [a]),
+        ("Compare <image> with <image>, please.", [b, c]),
+        (_chat("Describe it."), [a]),  # the same image again, other text
+        ("<image>", [jpeg]),
+        ("No image here, only text.", []),
+        (_chat("Two of them", 2), [c, d]),
+    ]
+    ref = hf_greedy(llava, rows, GREEDY.max_tokens)
+    inputs = [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in rows]
+    inputs[3] = {"prompt": "<image>", "multi_modal_data": {"image": str(path)}}  # a path, not a PIL image
+    outs = llm.generate(inputs, GREEDY, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(rows)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert outs[1].prompt == rows[1][0]
+    # the images matter: the same question about another image answers differently
+    other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": b}}, GREEDY, use_tqdm=False)
+    assert other[0].outputs[0].token_ids != ref[0]
+
+
+def test_each_distinct_image_encoded_once_and_blocks_shared_by_image(llava):
+    llm = LLM(llava, kv_cache_memory="32MiB", max_num_seqs=8, block_size=8)
+    a, b = random_image(64, 64, 10), random_image(64, 64, 11)
+    prompt = "<image> " + "and the question is long enough to fill blocks"
+    q = [{"prompt": prompt + f" number {i}", "multi_modal_data": {"image": a}} for i in range(4)]
+    first = llm.generate(q[:1], GREEDY, use_tqdm=False)
+    rest = llm.generate(q[1:], GREEDY, use_tqdm=False)
+    stats = llm.engine.images.stats
+    assert (stats.references, stats.distinct, stats.encoded) == (4, 1, 1)
+    assert first[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= 16 for o in rest)  # the image's 16 placeholder tokens: 2 full blocks
+    # a different image with the same text shares no placeholder block
+    other = llm.generate(
+        {"prompt": prompt + " number 0", "multi_modal_data": {"image": b}}, GREEDY, use_tqdm=False
+    )
+    assert other[0].num_cached_tokens == 0
+    assert llm.engine.images.stats.encoded == 2
+
+
+def test_evicted_features_are_encoded_again_and_still_exact(llava):
+    llm = LLM(llava, kv_cache_memory="32MiB", encoder_cache_memory="1KiB", enable_prefix_caching=False)
+    a = random_image(56, 56, 3)
+    rows = [(_chat("first"), [a]), (_chat("second"), [a])]
+    outs = [
+        llm.generate({"prompt": t, "multi_modal_data": {"image": ims}}, GREEDY, use_tqdm=False)[0]
+        for t, ims in rows
+    ]
+    assert llm.engine.images.stats.encoded == 2  # 16 x 64 float32 features never fit 1 KiB
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llava, rows, GREEDY.max_tokens)
+
+
+def test_bad_images_fail_their_row_alone(llava, tmp_path):
+    llm = LLM(llava, kv_cache_memory="32MiB", max_model_len=40, limit_mm_per_prompt={"image": 2})
+    good = random_image(56, 56, 1)
+    rows = [
+        {"prompt": "<image> ok", "multi_modal_data": {"image": good}},
+        {"prompt": "<image> corrupt", "multi_modal_data": {"image": png_bytes(good)[:80]}},
+        {"prompt": "<image> missing", "multi_modal_data": {"image": str(tmp_path / "nope.png")}},
+        {"prompt": "<image><image><image> three", "multi_modal_data": {"image": [good] * 3}},
+        {
+            "prompt": "<image><image> is too long for forty tokens once both images are expanded",
+            "multi_modal_data": {"image": [good, good]},
+        },
+        {"prompt": "no placeholder", "multi_modal_data": {"image": good}},
+        {"prompt": "<image> <image> one image", "multi_modal_data": {"image": good}},
+    ]
+    outs = llm.generate(rows, GREEDY, use_tqdm=False)
+    errors = [o.error for o in outs]
+    assert errors[0] is None and len(outs[0].outputs[0].token_ids) > 0
+    assert "image 0" in errors[1] and "corrupt or truncated" in errors[1]
+    assert "no such file" in errors[2]
+    assert "at most 2 per prompt" in errors[3]
+    assert "engine.max_model_len is 40" in errors[4]
+    assert "0 image placeholder(s)" in errors[5]
+    assert "more image placeholder(s)" in errors[6]
+    assert all(o.outputs[0].finish_reason == "error" for o in outs[1:])
+
+
+def test_a_text_model_refuses_images(llama_ckpt):
+    llm = LLM(llama_ckpt, kv_cache_memory="16MiB")
+    out = llm.generate(
+        {"prompt": "hi", "multi_modal_data": {"image": random_image(8, 8, 0)}}, GREEDY, use_tqdm=False
+    )
+    assert "takes no images" in out[0].error
+
+
+def test_chat_with_image_parts_uses_the_processor_template(llava, llm, tmp_path):
+    a, b = random_image(70, 50, 21), random_image(50, 70, 22)
+    import base64
+
+    data_url = "data:image/png;base64," + base64.b64encode(png_bytes(b)).decode()
+    path = tmp_path / "a.png"
+    path.write_bytes(png_bytes(a))
+    conversations = [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": f"file://{path}"}},
+                    {"type": "text", "text": "What is shown?"},
+                ],
+            }
+        ],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Compare"},
+                    {"type": "image_url", "image_url": {"url": data_url}},
+                    {"type": "image", "image": a},
+                ],
+            }
+        ],
+        [{"role": "user", "content": "plain text turn"}],
+    ]
+    outs = llm.chat(conversations, GREEDY, use_tqdm=False)
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(llava)
+    rows = []
+    for conv, images in zip(conversations, [[a], [b, a], []]):
+        hf_conv = [
+            {**m, "content": [{"type": "image"} if p["type"] != "text" else p for p in m["content"]]}
+            if isinstance(m["content"], list)
+            else m
+            for m in conv
+        ]
+        rows.append((proc.apply_chat_template(hf_conv, add_generation_prompt=True), images))
+    assert [o.prompt for o in outs] == [r[0] for r in rows]
+    assert [o.error for o in outs] == [None] * 3
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llava, rows, GREEDY.max_tokens)
+
+
+def test_llava_next_any_resolution_equals_transformers(tmp_path_factory):
+    """LLaVA-NeXT: the token count follows each image's size and aspect ratio (tiles, unpadding, newlines)."""
+    ckpt = build_llava(tmp_path_factory.mktemp("llava_next"), next_grid=[[56, 112], [112, 56], [112, 112]])
+    imgs = [
+        random_image(w, h, 30 + i) for i, (w, h) in enumerate([(56, 56), (120, 60), (60, 130), (300, 200)])
+    ]
+    rows = [
+        ("<image> what is it?", [imgs[0]]),
+        ("Compare <image> and <image>", [imgs[1], imgs[2]]),
+        (_chat("Describe it."), [imgs[3]]),
+        (_chat("Again"), [imgs[1]]),
+    ]
+    llm = LLM(ckpt, kv_cache_memory="32MiB")
+    outs = llm.generate(
+        [{"prompt": t, "multi_modal_data": {"image": ims}} for t, ims in rows], GREEDY, use_tqdm=False
+    )
+    assert [o.error for o in outs] == [None] * len(rows)
+    counts = [o.prompt_token_ids.count(llm.engine.model.image_token_id) for o in outs]
+    assert counts[0] != counts[3] and counts[2] != counts[3]  # each image's size gives its own token count
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, rows, GREEDY.max_tokens)
+    assert llm.engine.images.stats.encoded == 4
+
+
+def test_preemption_and_async_scheduling_keep_image_rows_exact(llava):
+    """A pool too small for every row at once preempts (recompute: the image's features come back from the
+    encoder cache or are encoded again), and async scheduling runs forwards in a worker thread: same tokens."""
+    imgs = [random_image(56 + 8 * i, 56, 50 + i) for i in range(4)]
+    rows = [(_chat(f"question {i}"), [imgs[i % 4]]) for i in range(8)]
+    ref = hf_greedy(llava, rows, 24)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=False)
+    inputs = [{"prompt": t, "multi_modal_data": {"image": ims}} for t, ims in rows]
+    small = LLM(llava, num_blocks=12, block_size=8, max_num_seqs=8, encoder_cache_memory="5KiB")
+    outs = small.generate(inputs, params, use_tqdm=False)
+    assert small.engine.stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    pipelined = LLM(llava, kv_cache_memory="32MiB", async_scheduling=True)
+    assert [o.outputs[0].token_ids for o in pipelined.generate(inputs, params, use_tqdm=False)] == ref
