@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +20,6 @@ from torch import Tensor
 
 from batchgen.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine.config import EngineConfig, parse_bytes
-from batchgen.engine.features import pooling, prompt_logprobs
 from batchgen.engine.kv.swap import BlockSwapper
 from batchgen.engine.worker.sampler import Sampler
 from batchgen.engine.worker.step_input import (
@@ -247,10 +247,9 @@ class ModelRunner:
         self.sampler.release(step.sampling.release)
         if step.forward is None:
             return RunnerOutput()
-        logits, prompt, pooled = self.forward(step.forward, step.fill)
+        logits, reads = self.forward(step.forward, step.fill)
         out = RunnerOutput() if logits is None else self.sample(logits, step.sampling)
-        out.prompt_logprobs = prompt
-        out.pooled = pooled
+        out.reads = reads
         return out
 
     def sample(self, logits: Tensor, sampling: SamplingInput) -> RunnerOutput:
@@ -266,9 +265,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self, fwd: ForwardInput, fill: tuple[Tensor, Tensor] | None = None
-    ) -> tuple[Tensor | None, prompt_logprobs.PromptLogprobs | None, Tensor | None]:
+    ) -> tuple[Tensor | None, dict[type, Any]]:
         """The forward of ``fwd``: float32 logits of its ``last`` rows (None when it has none: a step of
-        pooling requests only), its prompt logprobs and its pooled segments (:mod:`batchgen.engine.features.pooling`).
+        pooling requests only), and the result of each of its reads of the hidden states, in order.
         ``fill``:
         ``(index, tokens)``: placeholder input ids written in first (a step planned ahead)."""
         ids, pos, meta, last = fwd.ids, fwd.positions, fwd.meta, fwd.last
@@ -277,7 +276,7 @@ class ModelRunner:
         nd = meta.num_decode_seqs
         if (
             self.pad_decodes
-            and fwd.pool is None
+            and not fwd.reads
             and fwd.lora is None
             and nd == fwd.num_seqs
             and nd <= self.buckets[-1]
@@ -288,12 +287,11 @@ class ModelRunner:
                 hidden = self._run_graph(ids, pos, meta, bucket)
                 if hidden is not None:  # (no logit rows: only pooling chunks of one token, e.g. CLS's last)
                     logits = self.model.compute_logits(hidden[last]).float() if last.numel() else None
-                    return logits, None, None
+                    return logits, {}
         hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache, lora=fwd.lora))
-        prompt = prompt_logprobs.compute(self.model, hidden, fwd.prompt) if fwd.prompt else None
-        pooled = pooling.compute(hidden, fwd.pool) if fwd.pool else None
+        reads = {kind: read.compute(self.model, hidden) for kind, read in fwd.reads.items()}
         logits = self.model.compute_logits(hidden[last]).float() if last.numel() else None
-        return logits, prompt, pooled
+        return logits, reads
 
     def pad_decode_batch(
         self, ids: Tensor, pos: Tensor, meta: AttentionMetadata, bucket: int

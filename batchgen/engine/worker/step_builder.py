@@ -1,7 +1,7 @@
 """Builds a step's plain :class:`~batchgen.engine.worker.step_input.StepInput` from the scheduler's output, once per
 step: the flat forward tensors in the persistent :class:`~batchgen.engine.worker.input_batch.InputBatch`, the
 sampling rows and per-row settings (persistent :class:`~batchgen.engine.worker.sampler.SamplingBatch`) and the
-grammar mask; the prompt-logprob rows and pooled segments the groups declared when the step was scheduled.
+grammar mask; the reads of the hidden states the groups declared when the step was scheduled.
 Live objects (sequences, requests) are read here and nowhere below.
 
 The forward part and the sampling part are built separately because a pipelined engine prepares a step's
@@ -57,7 +57,7 @@ class StepBuilder:
             return None
         step = self.input_batch.build(out)
         return ForwardInput(
-            step.ids, step.positions, step.meta, step.last, len(out.seqs), out.prompt, out.pool, step.lora
+            step.ids, step.positions, step.meta, step.last, len(out.seqs), out.reads, step.lora
         )
 
     def sampling_input(self, out: SchedulerOutput) -> SamplingInput:

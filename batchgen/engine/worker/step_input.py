@@ -3,8 +3,8 @@
 
 A step input is built once per step from the scheduler's output (:mod:`batchgen.engine.worker.step_builder`) and
 holds no live engine objects (no sequences, requests or KV manager): block moves as lists of block ids, the
-flat forward tensors, the rows of the logits to sample, to score (their log-softmax returned) and to score as
-prompt logprobs.
+flat forward tensors, the rows of the logits to sample, to score (their log-softmax returned), and the
+features' reads of the hidden states (:class:`HiddenRead`).
 So the same input can run in this process, in the pipelined executor's thread, or be broadcast to every
 tensor-parallel rank (the :class:`ForwardInput` and :class:`BlockMoves` parts: sampling runs on rank 0 only).
 
@@ -19,6 +19,7 @@ at the same point.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -44,24 +45,18 @@ class BlockMoves:
         return bool(self.swap_out or self.copies or self.swap_in)
 
 
-@dataclass
-class PromptRows:
-    """Prompt logprobs of one step: packed-token ``index[i]`` predicts prompt token ``targets[i]``; ``top_k``
-    entries (besides the target) are kept per row."""
+class HiddenRead(Protocol):
+    """A feature's rows of one step's packed hidden states, read after the forward (plain data, declared by
+    the request groups when the step is scheduled: :meth:`SchedulerOutput.read`). Rank 0 runs
+    :meth:`compute` (its result goes back in ``RunnerOutput.reads``), every other tensor-parallel rank
+    :meth:`follow` (the same collectives); the groups' claims are handed the result by :meth:`fill`."""
 
-    index: list[int]
-    targets: list[int]
-    top_k: int
+    def compute(self, model: Any, hidden: Tensor) -> Any: ...
 
+    def follow(self, model: Any, hidden: Tensor) -> None: ...
 
-@dataclass
-class PoolRows:
-    """Pooling of one step (:mod:`batchgen.engine.features.pooling`): segment i is the packed rows
-    ``starts[i]:ends[i]``, reduced by ``ops[i]``: ``first``, ``last`` or ``sum``."""
-
-    starts: list[int]
-    ends: list[int]
-    ops: list[str]
+    @staticmethod
+    def fill(jobs: list, result: Any) -> None: ...
 
 
 @dataclass
@@ -77,15 +72,14 @@ class LoRALoad:
 @dataclass
 class ForwardInput:
     """One packed forward (decodes first, then prefill chunks) and the rows of its hidden states whose
-    logits are needed (``last``; ``prompt`` for prompt logprobs)."""
+    logits are needed (``last``), and the features' reads of its hidden states (``reads``, in order)."""
 
     ids: Tensor
     positions: Tensor
     meta: AttentionMetadata
     last: Tensor
     num_seqs: int
-    prompt: PromptRows | None = None
-    pool: PoolRows | None = None
+    reads: dict[type, HiddenRead] = field(default_factory=dict)
     lora: LoRAPlan | None = None
     """Each token's LoRA adapter slot (-1: the base model); None: no token of the step has an adapter."""
 
@@ -102,7 +96,7 @@ class ForwardInput:
         )
         ids, pos, last = self.ids.to(device), self.positions.to(device), self.last.to(device)
         lora = self.lora.to(device) if self.lora is not None else None
-        return ForwardInput(ids, pos, meta, last, self.num_seqs, self.prompt, self.pool, lora)
+        return ForwardInput(ids, pos, meta, last, self.num_seqs, self.reads, lora)
 
 
 @dataclass
@@ -134,24 +128,13 @@ class StepInput:
 
 
 @dataclass
-class PromptLogprobs:
-    """The runner's result for :class:`PromptRows`: the target's logprob per row and the top-k per row."""
-
-    chosen: list[float]
-    top_ids: list[list[int]]
-    top_values: list[list[float]]
-
-
-@dataclass
 class RunnerOutput:
     """What one step produced: ``token_ids[i]`` / ``logprobs[i]`` of sampled row i (``sampled``: the same
     tokens as a device tensor, for the next step's placeholders), ``scores``: the float32 log-softmax of the
-    scored rows (``[num_score_rows, V]`` on the CPU), the prompt logprobs asked for, the pooled segments."""
+    scored rows (``[num_score_rows, V]`` on the CPU), each :class:`HiddenRead`'s result by its type."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
     sampled: Tensor | None = None
     scores: Tensor | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    pooled: Tensor | None = None
-    """The step's :class:`PoolRows` reduced: ``[segments, H]`` float32 on the CPU."""
+    reads: dict[type, Any] = field(default_factory=dict)

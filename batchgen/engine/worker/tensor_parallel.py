@@ -147,7 +147,7 @@ class TPModelRunner(ModelRunner):
     @torch.inference_mode()
     def follow(self, msg: StepMessage) -> None:
         """A worker's share of one step: the block moves, then the forward and the logits collectives rank 0
-        runs (prompt-logprob rows first, then the sampled rows, as :meth:`ModelRunner.forward` does)."""
+        runs (each read of the hidden states first, then the sampled rows, as :meth:`ModelRunner.forward` does)."""
         self.apply_moves(msg.moves)
         self.apply_lora_loads(msg.lora_loads)
         fwd = msg.forward
@@ -156,9 +156,8 @@ class TPModelRunner(ModelRunner):
         fwd = fwd.to(self.device)
         ctx = ForwardContext(self.attn, fwd.meta, self.kv_cache, lora=fwd.lora)
         hidden = self.model(fwd.ids, fwd.positions, ctx)
-        if fwd.prompt is not None:
-            index = torch.tensor(fwd.prompt.index, dtype=torch.long, device=hidden.device)
-            self.model.compute_logits(hidden[index])
+        for read in fwd.reads.values():
+            read.follow(self.model, hidden)
         if fwd.last.numel():  # as rank 0: a step of pooling requests only has no logit rows
             self.model.compute_logits(hidden[fwd.last])
 
