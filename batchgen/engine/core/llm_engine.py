@@ -131,7 +131,9 @@ class LLMEngine:
             num_cpu_blocks=num_swap_blocks,
         )
         self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
-        self.scheduler = self.scheduler_class(config, kv, self.stop, self.lora)
+        self.scheduler = self.scheduler_class(
+            config, kv, self.stop, [self.lora] if self.lora is not None else []
+        )
         self.counters = EngineCounters()
         self._collector = StatsCollector(self._stats, self.scheduler.stats, kv, self.counters)
         self._structured: StructuredOutputs | None = None  # built by the first constrained request
@@ -308,17 +310,13 @@ class LLMEngine:
             self._forget(request)
 
     def _forget(self, request: Request) -> None:
-        """A request leaves the engine (finished or aborted): its adapter slot and its samples' generators
-        go."""
+        """A request leaves the engine (finished or aborted): what it held besides KV blocks (its adapter slot:
+        the scheduler's admission gates) and its samples' generators go."""
         self.requests.pop(request.request_id, None)
         if request.params.seed is not None:
             self.builder.released += [s.seq_id for s in request.seqs]
-        self._release_lora(request)
-
-    def _release_lora(self, request: Request) -> None:
-        if request.lora_slot >= 0 and self.lora is not None and request.lora_request is not None:
-            self.lora.release(request.lora_request.lora_int_id)
-            request.lora_slot = -1
+        for gate in self.scheduler.gates:
+            gate.give_back(request)
 
     def has_unfinished(self) -> bool:
         return bool(self._errors) or self.scheduler.has_unfinished()

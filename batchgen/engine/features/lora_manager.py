@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.worker.step_input import LoRALoad
@@ -29,6 +30,9 @@ from batchgen.lora_request import LoRARequest
 from batchgen.models.config import ModelConfig
 from batchgen.models.lora import LoRASlots, attach_lora, whole_model_config
 from batchgen.models.lora_adapter import LoRAAdapter, LoRAAdapterError, load_adapter
+
+if TYPE_CHECKING:
+    from batchgen.engine.sched.sequence import Request
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +152,23 @@ class LoRAManager:
             self.pins.pop(lora_int_id, None)
         else:
             self.pins[lora_int_id] = n - 1
+
+    # ------------------------------------------------------------- the scheduler's admission gate
+    def ready(self, request: Request) -> bool:
+        """Whether ``request`` may be admitted now: no adapter, its slot already pinned, or one it can pin."""
+        adapter = request.lora_request
+        return adapter is None or request.lora_slot >= 0 or self.can_acquire(adapter.lora_int_id)
+
+    def take(self, request: Request) -> None:
+        """Pin ``request``'s adapter slot at its first admission (kept through preemptions until it ends)."""
+        if request.lora_request is not None and request.lora_slot < 0:
+            request.lora_slot = self.acquire(request.lora_request.lora_int_id)
+
+    def give_back(self, request: Request) -> None:
+        """``request`` ended (finished or aborted): unpin its adapter slot."""
+        if request.lora_request is not None and request.lora_slot >= 0:
+            self.release(request.lora_request.lora_int_id)
+            request.lora_slot = -1
 
     def take_loads(self) -> list[LoRALoad]:
         """The slot loads decided since the last call, in order (the next launched step applies them before
