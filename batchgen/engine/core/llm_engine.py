@@ -17,7 +17,7 @@ from batchgen.engine.core.interface import StepInfo, StepListener
 from batchgen.engine.core.output_processor import OutputProcessor, error_output
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
-from batchgen.engine.features.lora_manager import LoRAManager
+from batchgen.engine.features.lora_manager import AdapterSlots, LoRAManager, token_slots
 from batchgen.engine.features.pooling import PoolingState
 from batchgen.engine.features.structured import StructuredOutputs
 from batchgen.engine.features.structured import is_available as structured_available
@@ -38,7 +38,7 @@ from batchgen.engine.worker.tp_launch import start as start_ranks
 from batchgen.lora_request import LoRARequest
 from batchgen.models.llama import CausalLM
 from batchgen.models.loader import check_tensor_parallel, load_model, load_tokenizer
-from batchgen.models.lora import LoRASlots, attach_lora, whole_model_config
+from batchgen.models.lora import attach_lora, whole_model_config
 from batchgen.runtime import startup_trace, threads
 from batchgen.sampling_params import SamplingParams
 
@@ -116,14 +116,14 @@ class LLMEngine:
         self.config = config = engine_config or EngineConfig()
         backend = self._load(model, config, dtype, implementation, load)
         self.tokenizer = load_tokenizer(tokenizer or model)
-        self.lora, lora_slots = self._attach_lora(model, config) if config.enable_lora else (None, None)
+        self.lora, adapters = self._attach_lora(model, config) if config.enable_lora else (None, None)
         self.max_model_len = _max_model_len(config, self.model.config)
         eos = set(self.model.config.eos_token_ids or [])
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         num_blocks, num_swap_blocks = self._build_runner(config, backend)
-        self.runner.lora_slots = lora_slots  # written by the steps' slot loads (lora_manager)
+        self.runner.adapters = adapters  # written by the steps' slot loads (lora_manager)
         kv = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -140,6 +140,8 @@ class LLMEngine:
         self.builder = StepBuilder(
             config, self.max_model_len, self.device, self.stop, lambda: self._structured
         )
+        if self.lora is not None:  # each token's adapter slot goes into the forward
+            self.builder.input_batch.token_inputs.append(token_slots)
         self.outputs = OutputProcessor(self.tokenizer, lambda: self._structured)
         self.requests: dict[str | int, Request] = {}
         self._errors: list[RequestOutput] = []
@@ -147,7 +149,7 @@ class LLMEngine:
         self.executor = self.executor_class(self.runner, self._threads)
         weakref.finalize(self, self.executor.close)
 
-    def _attach_lora(self, path: str, config: EngineConfig) -> tuple[LoRAManager, LoRASlots]:
+    def _attach_lora(self, path: str, config: EngineConfig) -> tuple[LoRAManager, AdapterSlots]:
         """Adapter slots in the model (before the KV cache is sized: they count as weights) and their manager."""
         if not isinstance(self.model, CausalLM):
             raise ValueError(
@@ -156,7 +158,9 @@ class LLMEngine:
             )
         slots = attach_lora(self.model, config.max_loras, config.max_lora_rank)
         whole = whole_model_config(path, self.model.config)
-        return LoRAManager(config.max_loras, config.max_lora_rank, whole, config.max_cpu_loras), slots
+        return LoRAManager(config.max_loras, config.max_lora_rank, whole, config.max_cpu_loras), AdapterSlots(
+            slots
+        )
 
     def _load(
         self,

@@ -40,7 +40,6 @@ class StepBuilder:
         self.input_batch = InputBatch(
             config.max_num_batched_tokens, config.max_num_seqs, width, config.block_size, device
         )
-        self.input_batch.with_lora = config.enable_lora
         self.sampling_batch = SamplingBatch(config.max_num_seqs)
         self.stop = stop
         self._structured = structured
@@ -57,7 +56,7 @@ class StepBuilder:
             return None
         step = self.input_batch.build(out)
         return ForwardInput(
-            step.ids, step.positions, step.meta, step.last, len(out.seqs), out.reads, step.lora
+            step.ids, step.positions, step.meta, step.last, len(out.seqs), out.reads, step.context
         )
 
     def sampling_input(self, out: SchedulerOutput) -> SamplingInput:

@@ -10,7 +10,7 @@ tensor-parallel rank (the :class:`ForwardInput` and :class:`BlockMoves` parts: s
 
 Invariants: ``forward.last`` indexes the packed tokens, one entry per logit row: the ``sampling.num_rows``
 sampled rows, then ``sampling.num_score_rows`` scored rows; the runner performs ``moves`` in the order
-swap-outs, swap-ins, copies on write, then writes ``lora_loads`` into their adapter slots, before the forward.
+swap-outs, swap-ins, copies on write, then applies ``loads`` (adapters into their slots), before the forward.
 Slot loads travel with the steps, in step order: a slot is only written between two steps' forwards, so a step
 in flight (pipelined) never sees its slots change, and every tensor-parallel rank loads the same slots
 at the same point.
@@ -27,9 +27,6 @@ from torch import Tensor
 from batchgen.attention import AttentionMetadata
 from batchgen.engine.features.structured import LogitsMask
 from batchgen.engine.worker.sampler import SamplingRow, SamplingTensors
-from batchgen.kernels.lora import LoRAPlan
-from batchgen.lora_request import LoRARequest
-from batchgen.models.lora_adapter import LoRAAdapter
 
 
 @dataclass
@@ -59,14 +56,15 @@ class HiddenRead(Protocol):
     def fill(jobs: list, result: Any) -> None: ...
 
 
-@dataclass
-class LoRALoad:
-    """Write adapter ``request`` into LoRA slot ``slot`` before the step's forward. ``adapter``: rank 0's
-    parsed copy (None in the message to tensor-parallel workers: they read ``request.lora_path`` themselves)."""
+class SlotLoad(Protocol):
+    """A write into the model's adapter slots before a step's forward, in step order, on every rank
+    (:mod:`batchgen.engine.features.lora_manager`). ``slots``: the runner's :attr:`ModelRunner.adapters`."""
 
-    slot: int
-    request: LoRARequest
-    adapter: LoRAAdapter | None = None
+    def apply(self, slots: Any) -> None: ...
+
+    def for_workers(self) -> SlotLoad:
+        """The load as tensor-parallel workers receive it (without rank 0's parsed copy)."""
+        ...
 
 
 @dataclass
@@ -80,8 +78,9 @@ class ForwardInput:
     last: Tensor
     num_seqs: int
     reads: dict[type, HiddenRead] = field(default_factory=dict)
-    lora: LoRAPlan | None = None
-    """Each token's LoRA adapter slot (-1: the base model); None: no token of the step has an adapter."""
+    context: dict[str, Any] = field(default_factory=dict)
+    """The model's per-token inputs features add (keywords of its ``ForwardContext``: each token's adapter
+    slot); each value has ``.to(device)``."""
 
     def to(self, device: torch.device) -> ForwardInput:
         m = self.meta
@@ -95,8 +94,8 @@ class ForwardInput:
             max_query_len=m.max_query_len,
         )
         ids, pos, last = self.ids.to(device), self.positions.to(device), self.last.to(device)
-        lora = self.lora.to(device) if self.lora is not None else None
-        return ForwardInput(ids, pos, meta, last, self.num_seqs, self.reads, lora)
+        context = {k: v.to(device) for k, v in self.context.items()}
+        return ForwardInput(ids, pos, meta, last, self.num_seqs, self.reads, context)
 
 
 @dataclass
@@ -118,13 +117,13 @@ class SamplingInput:
 class StepInput:
     """One step. ``fill``: ``(index, tokens)`` device tensors: the input ids at ``index`` are placeholders
     for the previous step's sampled ``tokens`` (a step planned while that one ran), written in before the forward.
-    ``lora_loads``: adapters written into their slots first (in list order)."""
+    ``loads``: adapters written into their slots first (in list order)."""
 
     moves: BlockMoves
     forward: ForwardInput | None = None
     sampling: SamplingInput = field(default_factory=SamplingInput)
     fill: tuple[Tensor, Tensor] | None = None
-    lora_loads: list[LoRALoad] = field(default_factory=list)
+    loads: list[SlotLoad] = field(default_factory=list)
 
 
 @dataclass
