@@ -102,10 +102,6 @@ class SchedulerOutput:
     parts: list[tuple[RequestGroup, GroupStep]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
-    ahead: bool = False
-    """Scheduled while the previous step was in flight (async scheduling)."""
-    launched: bool = False
-    """Launched asynchronously: its sequences were advanced at launch."""
     plain_greedy: bool = True
     """Every sampled sequence is greedy with no penalty, banned token, seed-dependent draw or logprobs
     (:attr:`Request.plain_greedy`): the step's sampling is one argmax and needs no per-row settings."""

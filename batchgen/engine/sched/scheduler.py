@@ -72,6 +72,9 @@ class Scheduler:
     """Owns the waiting queue, the running list and the swapped queue of request groups, and the KV cache
     manager. ``running`` is in admission order; ``swapped`` holds the next group to resume first."""
 
+    output_class: type[SchedulerOutput] = SchedulerOutput
+    """What :meth:`schedule` returns (a subclass may carry more per step)."""
+
     def __init__(
         self, config: EngineConfig, kv: KVCacheManager, stop: StopRules, gates: Iterable[AdmissionGate] = ()
     ) -> None:
@@ -123,7 +126,7 @@ class Scheduler:
     # --------------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: its work, its block moves and what each scheduled group needs from it."""
-        out = SchedulerOutput()
+        out = self.output_class()
         self._out = out
         self._preempted = False
         scheduled: set[int] = set()  # ids of the groups scheduled in this step (never preemption victims)
