@@ -19,14 +19,14 @@ from batchgen.engine.core.outputs import RequestOutput
 from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
 from batchgen.engine.features.lora_manager import AdapterSlots, LoRAManager, token_slots
 from batchgen.engine.features.pooling import PoolingState
-from batchgen.engine.features.structured import StructuredOutputs
+from batchgen.engine.features.structured import LogitsMask, StructuredOutputs
 from batchgen.engine.features.structured import is_available as structured_available
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.kinds import make_group
 from batchgen.engine.sched.output import SchedulerOutput
 from batchgen.engine.sched.request_group import RequestGroup
 from batchgen.engine.sched.scheduler import Scheduler
-from batchgen.engine.sched.sequence import Request
+from batchgen.engine.sched.sequence import Request, Sequence
 from batchgen.engine.sched.stop import StopRules
 from batchgen.engine.worker.executor import Executor
 from batchgen.engine.worker.model_runner import ModelRunner
@@ -137,12 +137,10 @@ class LLMEngine:
         self.counters = EngineCounters()
         self._collector = StatsCollector(self._stats, self.scheduler.stats, kv, self.counters)
         self._structured: StructuredOutputs | None = None  # built by the first constrained request
-        self.builder = StepBuilder(
-            config, self.max_model_len, self.device, self.stop, lambda: self._structured
-        )
+        self.builder = StepBuilder(config, self.max_model_len, self.device, self.stop, self._grammar_mask)
         if self.lora is not None:  # each token's adapter slot goes into the forward
             self.builder.input_batch.token_inputs.append(token_slots)
-        self.outputs = OutputProcessor(self.tokenizer, lambda: self._structured)
+        self.outputs = OutputProcessor(self.tokenizer, self._satisfied)
         self.requests: dict[str | int, Request] = {}
         self._errors: list[RequestOutput] = []
         self._listeners: list[StepListener] = []
@@ -380,6 +378,14 @@ class LLMEngine:
     def thread_policy(self) -> threads.ThreadPolicy:
         """The CPU thread decision in force (re-taken while the engine runs: :class:`threads.ThreadMonitor`)."""
         return self._threads.policy if self._threads is not None else self._thread_policy
+
+    def _grammar_mask(self, seqs: list[Sequence]) -> LogitsMask | None:
+        """The grammar mask of a step's sampled sequences (None while no constrained request was seen)."""
+        return self._structured.mask(seqs) if self._structured is not None else None
+
+    def _satisfied(self, seq: Sequence) -> bool | None:
+        """Whether ``seq``'s output completes its grammar (None: unconstrained)."""
+        return self._structured.satisfied(seq) if self._structured is not None else None
 
     @property
     def structured(self) -> StructuredOutputs:

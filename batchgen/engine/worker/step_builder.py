@@ -16,17 +16,17 @@ from collections.abc import Callable
 import torch
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.features.structured import StructuredOutputs
 from batchgen.engine.sched.output import SchedulerOutput
+from batchgen.engine.sched.sequence import Sequence
 from batchgen.engine.sched.stop import StopRules
 from batchgen.engine.worker.input_batch import InputBatch
 from batchgen.engine.worker.sampler import SamplingBatch, SamplingRow, SamplingTensors
-from batchgen.engine.worker.step_input import BlockMoves, ForwardInput, SamplingInput
+from batchgen.engine.worker.step_input import BlockMoves, ForwardInput, RowMask, SamplingInput
 
 
 class StepBuilder:
-    """The engine's step-input builder (persistent buffers across steps). ``structured`` returns the
-    engine's structured-output state, or None while no constrained request was seen."""
+    """The engine's step-input builder (persistent buffers across steps). ``mask`` returns the mask of a
+    step's sampled sequences' logit rows (None: no row is masked; the engine's grammar masks)."""
 
     def __init__(
         self,
@@ -34,7 +34,7 @@ class StepBuilder:
         max_model_len: int,
         device: torch.device,
         stop: StopRules,
-        structured: Callable[[], StructuredOutputs | None],
+        mask: Callable[[list[Sequence]], RowMask | None],
     ) -> None:
         width = -(-max_model_len // config.block_size)
         self.input_batch = InputBatch(
@@ -42,7 +42,7 @@ class StepBuilder:
         )
         self.sampling_batch = SamplingBatch(config.max_num_seqs)
         self.stop = stop
-        self._structured = structured
+        self._mask = mask
         self.released: list[int] = []
         """Keys of seeded sequences that are done: their generators are dropped with the next sampling."""
 
@@ -62,8 +62,7 @@ class StepBuilder:
     def sampling_input(self, out: SchedulerOutput) -> SamplingInput:
         """How the step's logit rows are sampled (built when the sampled sequences hold every token so far)."""
         rows, settings = self.sampling_inputs(out)
-        structured = self._structured()
-        mask = structured.mask(out.sample_seqs) if structured is not None and out.sample_seqs else None
+        mask = self._mask(out.sample_seqs) if out.sample_seqs else None
         release, self.released = self.released, []
         return SamplingInput(len(out.sample_rows), rows, settings, mask, len(out.score_rows), release)
 

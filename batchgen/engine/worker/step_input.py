@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from batchgen.attention import AttentionMetadata
-from batchgen.engine.features.structured import LogitsMask
 from batchgen.engine.worker.sampler import SamplingRow, SamplingTensors
 
 
@@ -54,6 +53,13 @@ class HiddenRead(Protocol):
 
     @staticmethod
     def fill(jobs: list, result: Any) -> None: ...
+
+
+class RowMask(Protocol):
+    """A mask over the sampled rows' logits, applied in place before sampling (structured outputs' grammar
+    mask, :mod:`batchgen.engine.features.structured`)."""
+
+    def apply(self, logits: Tensor) -> None: ...
 
 
 class SlotLoad(Protocol):
@@ -108,7 +114,7 @@ class SamplingInput:
     num_rows: int = 0
     rows: list[SamplingRow] | None = None
     settings: SamplingTensors | None = None
-    mask: LogitsMask | None = None
+    mask: RowMask | None = None
     num_score_rows: int = 0
     release: list[int] = field(default_factory=list)
 
