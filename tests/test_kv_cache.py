@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.engine.kv.kv_cache import WAIT_FOR_LEAD_MIN_TOKENS, KVCacheError, KVCacheManager
+from batchgen.engine.kv.kv_cache import KVCacheError, KVCacheManager
+from batchgen.engine.kv.prefix_reuse import WAIT_FOR_LEAD_MIN_TOKENS
 
 BS = 4
 

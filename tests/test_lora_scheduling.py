@@ -42,7 +42,7 @@ def _order_plan_ahead_inside_forward(engine) -> list[bool]:
     def slots() -> list[torch.Tensor]:
         return [
             t.clone()
-            for layer in runner.lora_slots.layers.values()
+            for layer in runner.adapters.slots.layers.values()
             for t in (layer.weights.a, *layer.weights.b)
         ]
 

@@ -12,7 +12,7 @@ from engine_helpers import pad_decodes_on_cpu
 from batchgen import SamplingParams
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.llm_engine import LLMEngine
-from batchgen.engine.features.pooling import PoolingState
+from batchgen.engine.features.pooling import PoolingState, PoolRows
 
 GEN = [[1, 5, 9, 33, 7], list(range(10, 40)), [4, 4, 4, 100, 200]]
 # the 110-token CLS prompt is prefilled in chunks (22 + 29 + 29 + 29 tokens beside the decodes, 32-token
@@ -104,5 +104,5 @@ def test_a_pooling_only_step_has_zero_logit_rows(llama_ckpt: str) -> None:
     for step, out in forwards:
         assert step.forward.last.numel() == 0
         assert step.sampling.num_rows == 0 and step.sampling.num_score_rows == 0
-        assert out.token_ids == [] and out.pooled is not None
+        assert out.token_ids == [] and list(out.reads) == [PoolRows]
     assert engine.stats.generated_tokens == 0

@@ -8,7 +8,8 @@ import torch
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.features.beam import BeamGroup, BeamSearch
-from batchgen.engine.features.pooling import PoolingGroup, PoolingState
+from batchgen.engine.features.pooling import PoolingGroup, PoolingState, PoolRows
+from batchgen.engine.features.prompt_logprobs import PromptLogprobs, PromptRows
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.kinds import make_group
 from batchgen.engine.sched.output import GroupStep, SchedulerOutput
@@ -16,7 +17,7 @@ from batchgen.engine.sched.request_group import Absorbed, Entry, RequestGroup, S
 from batchgen.engine.sched.scheduler import Scheduler
 from batchgen.engine.sched.sequence import Request
 from batchgen.engine.sched.stop import StopRules
-from batchgen.engine.worker.step_input import PromptLogprobs, RunnerOutput
+from batchgen.engine.worker.step_input import RunnerOutput
 from batchgen.sampling_params import SamplingParams
 
 BS = 4
@@ -129,10 +130,11 @@ def test_pooling_group_pools_its_chunks_and_finishes_at_its_prompt() -> None:
     while sched.has_unfinished():
         out = sched.schedule()
         assert out.sample_rows == [] and out.score_rows == []
-        assert out.pool is not None and out.pool.ops == ["sum"]
-        seg = out.pool.ends[0] - out.pool.starts[0]
+        rows = out.reads[PoolRows]
+        assert list(out.reads) == [PoolRows] and rows.ops == ["sum"]
+        seg = rows.ends[0] - rows.starts[0]
         sums.append(torch.full((1, 3), float(len(sums) + 1)) * seg)
-        finished += sched.update(out, RunnerOutput(pooled=sums[-1]))
+        finished += sched.update(out, RunnerOutput(reads={PoolRows: sums[-1]}))
     # chunks of 4, 4, 2 tokens valued 1, 2, 3: the mean over the 10 tokens
     assert finished == [req] and req.seqs[0].finish_reason == "stop"
     torch.testing.assert_close(state.vector, torch.full((3,), (4 * 1 + 4 * 2 + 2 * 3) / 10))
@@ -146,12 +148,13 @@ def test_prompt_logprobs_are_an_add_on_of_the_sampling_kind() -> None:
     finished = []
     while sched.has_unfinished():
         out = sched.schedule()
-        rows = out.prompt
-        assert rows is not None
+        rows = out.reads[PromptRows]
         result = PromptLogprobs([-float(t) for t in rows.targets], [], [])
         finished += sched.update(
             out,
-            RunnerOutput([1] * len(out.sample_seqs), [None] * len(out.sample_seqs), prompt_logprobs=result),
+            RunnerOutput(
+                [1] * len(out.sample_seqs), [None] * len(out.sample_seqs), reads={PromptRows: result}
+            ),
         )
     assert finished == [req]
     assert req.prompt_logprobs == [None, {6: -6.0}, {7: -7.0}, {8: -8.0}, {9: -9.0}]

@@ -7,7 +7,8 @@
 * ``sched`` — what runs each step: requests and sequences (``sequence``), request groups, the features' one
   hook (``request_group``, one kind per request: ``kinds``), the scheduler and its output (``scheduler``,
   ``output``; ``async_scheduler``), stop rules (``stop``, ``detokenizer``).
-* ``kv`` — KV memory: the block pool, block tables, the KV cache manager and the CPU swap space.
+* ``kv`` — KV memory: the block pool, block tables, the KV cache manager, prefix reuse at admission and the CPU
+  swap space.
 * ``worker`` — what runs a step: the plain step input and its builder, the executor, the model runner and its
   input batch, the sampler, tensor parallelism.
 * ``features`` — one file per feature: beam search, pooling, prompt logprobs, structured outputs, LoRA.

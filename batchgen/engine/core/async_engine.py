@@ -54,8 +54,7 @@ from torch import Tensor
 
 from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.core.outputs import RequestOutput
-from batchgen.engine.sched.async_scheduler import AsyncScheduler
-from batchgen.engine.sched.output import SchedulerOutput
+from batchgen.engine.sched.async_scheduler import AsyncScheduler, AsyncSchedulerOutput
 from batchgen.engine.sched.request_group import RequestGroup
 from batchgen.engine.sched.sequence import Request
 from batchgen.engine.worker.executor import Executor, Runner
@@ -84,7 +83,7 @@ class ThreadedExecutor(Executor):
 class InFlight:
     """A launched step: its schedule and its future output."""
 
-    out: SchedulerOutput
+    out: AsyncSchedulerOutput
     result: Future[RunnerOutput]
 
 
@@ -93,7 +92,7 @@ class Prepared:
     """A step planned while the previous one is in flight: its forward, and where its placeholders are:
     flat input index ``dst[i]`` takes the previous step's sampled token of row ``src[i]``."""
 
-    out: SchedulerOutput
+    out: AsyncSchedulerOutput
     forward: ForwardInput | None
     dst: list[int]
     src: list[int]
@@ -153,7 +152,9 @@ class AsyncLLMEngine(LLMEngine):
         self._notify(finished, flight.out if flight is not None else None, t0)
         return finished
 
-    def _launch(self, out: SchedulerOutput, prepared: Prepared | None = None, fill=None) -> InFlight | None:
+    def _launch(
+        self, out: AsyncSchedulerOutput, prepared: Prepared | None = None, fill=None
+    ) -> InFlight | None:
         """Build the step's input (its forward from ``prepared`` when planned ahead) and submit it; a step
         that may run pipelined advances its sequences with placeholders (:meth:`AsyncScheduler.mark_launched`).
         None when the step does nothing."""
@@ -167,7 +168,7 @@ class AsyncLLMEngine(LLMEngine):
             self.scheduler.mark_launched(out)
         return flight
 
-    def _may_launch(self, out: SchedulerOutput) -> bool:
+    def _may_launch(self, out: AsyncSchedulerOutput) -> bool:
         """Whether a freshly scheduled step may run pipelined."""
         return not (self._sync_ids or out.swap_out or out.swap_in)
 

@@ -17,17 +17,17 @@ from batchgen.engine.core.interface import StepInfo, StepListener
 from batchgen.engine.core.output_processor import OutputProcessor, error_output
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
-from batchgen.engine.features.lora_manager import LoRAManager
+from batchgen.engine.features.lora_manager import AdapterSlots, LoRAManager, token_slots
 from batchgen.engine.features.multimodal import EngineImages, ImageSlot
 from batchgen.engine.features.pooling import PoolingState
-from batchgen.engine.features.structured import StructuredOutputs
+from batchgen.engine.features.structured import LogitsMask, StructuredOutputs
 from batchgen.engine.features.structured import is_available as structured_available
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.kinds import make_group
 from batchgen.engine.sched.output import SchedulerOutput
 from batchgen.engine.sched.request_group import RequestGroup
 from batchgen.engine.sched.scheduler import Scheduler
-from batchgen.engine.sched.sequence import Request
+from batchgen.engine.sched.sequence import Request, Sequence
 from batchgen.engine.sched.stop import StopRules
 from batchgen.engine.worker.executor import Executor
 from batchgen.engine.worker.model_runner import ModelRunner
@@ -39,7 +39,7 @@ from batchgen.engine.worker.tp_launch import start as start_ranks
 from batchgen.lora_request import LoRARequest
 from batchgen.models.llama import CausalLM
 from batchgen.models.loader import check_tensor_parallel, load_model, load_tokenizer
-from batchgen.models.lora import LoRASlots, attach_lora, whole_model_config
+from batchgen.models.lora import attach_lora, whole_model_config
 from batchgen.runtime import startup_trace, threads
 from batchgen.sampling_params import SamplingParams
 
@@ -117,14 +117,14 @@ class LLMEngine:
         self.config = config = engine_config or EngineConfig()
         backend = self._load(model, config, dtype, implementation, load)
         self.tokenizer = load_tokenizer(tokenizer or model)
-        self.lora, lora_slots = self._attach_lora(model, config) if config.enable_lora else (None, None)
+        self.lora, adapters = self._attach_lora(model, config) if config.enable_lora else (None, None)
         self.max_model_len = _max_model_len(config, self.model.config)
         eos = set(self.model.config.eos_token_ids or [])
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         num_blocks, num_swap_blocks = self._build_runner(config, backend)
-        self.runner.lora_slots = lora_slots  # written by the steps' slot loads (lora_manager)
+        self.runner.adapters = adapters  # written by the steps' slot loads (lora_manager)
         kv = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -132,14 +132,16 @@ class LLMEngine:
             num_cpu_blocks=num_swap_blocks,
         )
         self.stop = StopRules.build(self.eos_token_ids, self.max_model_len)
-        self.scheduler = self.scheduler_class(config, kv, self.stop, self.lora)
+        self.scheduler = self.scheduler_class(
+            config, kv, self.stop, [self.lora] if self.lora is not None else []
+        )
         self.counters = EngineCounters()
         self._collector = StatsCollector(self._stats, self.scheduler.stats, kv, self.counters)
         self._structured: StructuredOutputs | None = None  # built by the first constrained request
-        self.builder = StepBuilder(
-            config, self.max_model_len, self.device, self.stop, lambda: self._structured
-        )
-        self.outputs = OutputProcessor(self.tokenizer, lambda: self._structured)
+        self.builder = StepBuilder(config, self.max_model_len, self.device, self.stop, self._grammar_mask)
+        if self.lora is not None:  # each token's adapter slot goes into the forward
+            self.builder.input_batch.token_inputs.append(token_slots)
+        self.outputs = OutputProcessor(self.tokenizer, self._satisfied)
         self.requests: dict[str | int, Request] = {}
         self._errors: list[RequestOutput] = []
         self._listeners: list[StepListener] = []
@@ -147,7 +149,7 @@ class LLMEngine:
         weakref.finalize(self, self.executor.close)
         self.images = EngineImages(self.model, config)
 
-    def _attach_lora(self, path: str, config: EngineConfig) -> tuple[LoRAManager, LoRASlots]:
+    def _attach_lora(self, path: str, config: EngineConfig) -> tuple[LoRAManager, AdapterSlots]:
         """Adapter slots in the model (before the KV cache is sized: they count as weights) and their manager."""
         if not isinstance(self.model, CausalLM):
             raise ValueError(
@@ -156,7 +158,9 @@ class LLMEngine:
             )
         slots = attach_lora(self.model, config.max_loras, config.max_lora_rank)
         whole = whole_model_config(path, self.model.config)
-        return LoRAManager(config.max_loras, config.max_lora_rank, whole, config.max_cpu_loras), slots
+        return LoRAManager(config.max_loras, config.max_lora_rank, whole, config.max_cpu_loras), AdapterSlots(
+            slots
+        )
 
     def _load(
         self,
@@ -317,18 +321,14 @@ class LLMEngine:
             self._forget(request)
 
     def _forget(self, request: Request) -> None:
-        """A request leaves the engine (finished or aborted): its adapter slot, its samples' generators and its
-        images' pixels go."""
+        """A request leaves the engine (finished or aborted): what it held besides KV blocks (its adapter slot:
+        the scheduler's admission gates), its samples' generators and its images' pixels go."""
         self.requests.pop(request.request_id, None)
         if request.params.seed is not None:
             self.builder.released += [s.seq_id for s in request.seqs]
-        self._release_lora(request)
+        for gate in self.scheduler.gates:
+            gate.give_back(request)
         self.images.release(request.request_id)
-
-    def _release_lora(self, request: Request) -> None:
-        if request.lora_slot >= 0 and self.lora is not None and request.lora_request is not None:
-            self.lora.release(request.lora_request.lora_int_id)
-            request.lora_slot = -1
 
     def has_unfinished(self) -> bool:
         return bool(self._errors) or self.scheduler.has_unfinished()
@@ -388,6 +388,14 @@ class LLMEngine:
     def thread_policy(self) -> threads.ThreadPolicy:
         """The CPU thread decision in force (re-taken while the engine runs: :class:`threads.ThreadMonitor`)."""
         return self._threads.policy if self._threads is not None else self._thread_policy
+
+    def _grammar_mask(self, seqs: list[Sequence]) -> LogitsMask | None:
+        """The grammar mask of a step's sampled sequences (None while no constrained request was seen)."""
+        return self._structured.mask(seqs) if self._structured is not None else None
+
+    def _satisfied(self, seq: Sequence) -> bool | None:
+        """Whether ``seq``'s output completes its grammar (None: unconstrained)."""
+        return self._structured.satisfied(seq) if self._structured is not None else None
 
     @property
     def structured(self) -> StructuredOutputs:

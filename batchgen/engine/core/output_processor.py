@@ -11,19 +11,18 @@ from collections.abc import Callable
 from typing import Any
 
 from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
-from batchgen.engine.features.structured import StructuredOutputs
-from batchgen.engine.sched.sequence import Request
+from batchgen.engine.sched.sequence import Request, Sequence
 
 
 class OutputProcessor:
-    """Request outputs for one engine. ``structured`` returns the engine's structured-output state (None while
-    no constrained request was seen)."""
+    """Request outputs for one engine. ``satisfied`` says whether a sample's output completes its constraint
+    (None: unconstrained; the engine's structured outputs)."""
 
     def __init__(
-        self, tokenizer: Any = None, structured: Callable[[], StructuredOutputs | None] = lambda: None
+        self, tokenizer: Any = None, satisfied: Callable[[Sequence], bool | None] = lambda seq: None
     ) -> None:
         self.tokenizer = tokenizer
-        self._structured = structured
+        self._satisfied = satisfied
 
     def request_output(self, request: Request) -> RequestOutput:
         """The output of a request whose every sample finished (texts decoded here, once)."""
@@ -40,7 +39,6 @@ class OutputProcessor:
 
     def _sample_outputs(self, request: Request) -> list[CompletionOutput]:
         """One output per sample, by sample index."""
-        structured = self._structured()
         outputs = []
         for s in sorted(request.seqs, key=lambda s: s.sample_index):
             if not isinstance(s.stop_reason, str):  # a stop string already cut the text
@@ -55,7 +53,7 @@ class OutputProcessor:
                     s.finish_reason or "length",
                     s.logprobs,
                     s.stop_reason,
-                    constraint_satisfied=structured.satisfied(s) if structured is not None else None,
+                    constraint_satisfied=self._satisfied(s),
                 )
             )
         return outputs

@@ -21,16 +21,66 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.worker.step_input import LoRALoad
+from batchgen.kernels.lora import LoRAPlan
 from batchgen.lora_request import LoRARequest
 from batchgen.models.config import ModelConfig
 from batchgen.models.lora import LoRASlots, attach_lora, whole_model_config
 from batchgen.models.lora_adapter import LoRAAdapter, LoRAAdapterError, load_adapter
 
+if TYPE_CHECKING:
+    from batchgen.engine.sched.output import ScheduledSeq
+    from batchgen.engine.sched.sequence import Request
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterSlots:
+    """A runner's LoRA slots (its :attr:`ModelRunner.adapters`) and where it reads the adapter of a load that
+    carries none (a tensor-parallel worker: from the adapter's directory)."""
+
+    slots: LoRASlots
+    source: Callable[[LoRARequest], LoRAAdapter] | None = None
+
+
+@dataclass
+class LoRALoad:
+    """Write adapter ``request`` into LoRA slot ``slot`` before the step's forward (a
+    :class:`~batchgen.engine.worker.step_input.SlotLoad`). ``adapter``: rank 0's parsed copy (None in the
+    message to tensor-parallel workers: they read ``request.lora_path`` themselves)."""
+
+    slot: int
+    request: LoRARequest
+    adapter: LoRAAdapter | None = None
+
+    def apply(self, slots: AdapterSlots | None) -> None:
+        if slots is None:
+            raise RuntimeError("a LoRA slot load was sent to a runner without LoRA slots")
+        adapter = self.adapter
+        if adapter is None:
+            assert slots.source is not None
+            adapter = slots.source(self.request)
+        slots.slots.load(self.slot, adapter)
+
+    def for_workers(self) -> LoRALoad:
+        return LoRALoad(self.slot, self.request)
+
+
+def token_slots(seqs: list[ScheduledSeq], seq_idx: np.ndarray, device: torch.device) -> dict[str, Any]:
+    """The step's per-token model input (an :class:`~batchgen.engine.worker.input_batch.InputBatch` token
+    input): each token's adapter slot, from its request's (-1: the base model); none when no token has one."""
+    seq_slots = np.fromiter((s.seq.request.lora_slot for s in seqs), dtype=np.int64, count=len(seqs))
+    if not (seq_slots >= 0).any():
+        return {}
+    return {"lora": LoRAPlan.build(seq_slots[seq_idx], device)}
 
 
 @dataclass
@@ -149,6 +199,23 @@ class LoRAManager:
         else:
             self.pins[lora_int_id] = n - 1
 
+    # ------------------------------------------------------------- the scheduler's admission gate
+    def ready(self, request: Request) -> bool:
+        """Whether ``request`` may be admitted now: no adapter, its slot already pinned, or one it can pin."""
+        adapter = request.lora_request
+        return adapter is None or request.lora_slot >= 0 or self.can_acquire(adapter.lora_int_id)
+
+    def take(self, request: Request) -> None:
+        """Pin ``request``'s adapter slot at its first admission (kept through preemptions until it ends)."""
+        if request.lora_request is not None and request.lora_slot < 0:
+            request.lora_slot = self.acquire(request.lora_request.lora_int_id)
+
+    def give_back(self, request: Request) -> None:
+        """``request`` ended (finished or aborted): unpin its adapter slot."""
+        if request.lora_request is not None and request.lora_slot >= 0:
+            self.release(request.lora_request.lora_int_id)
+            request.lora_slot = -1
+
     def take_loads(self) -> list[LoRALoad]:
         """The slot loads decided since the last call, in order (the next launched step applies them before
         its forward)."""
@@ -174,9 +241,9 @@ def cpu_capacity(config: EngineConfig) -> int:
     return max(config.max_cpu_loras or config.max_loras, config.max_loras)
 
 
-def attach_worker_slots(model, model_path: str, config: EngineConfig) -> tuple[LoRASlots, AdapterCache]:
-    """A tensor-parallel worker's LoRA slots (its shard of every adapter, as rank 0's) and the cache it reads
-    the adapters of rank 0's slot loads from (their directories: every rank reads the same files)."""
+def attach_worker_slots(model, model_path: str, config: EngineConfig) -> AdapterSlots:
+    """A tensor-parallel worker's LoRA slots (its shard of every adapter, as rank 0's), reading the adapters
+    of rank 0's slot loads through a cache of their own (their directories: every rank reads the same files)."""
     slots = attach_lora(model, config.max_loras, config.max_lora_rank)
     whole = whole_model_config(model_path, model.config)
-    return slots, AdapterCache(whole, config.max_lora_rank, cpu_capacity(config))
+    return AdapterSlots(slots, AdapterCache(whole, config.max_lora_rank, cpu_capacity(config)).get)

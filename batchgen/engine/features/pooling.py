@@ -5,8 +5,8 @@ normalisation).
 
 The request's group kind is :class:`PoolingGroup`. When a step is scheduled, the group declares each chunk's
 segment (:func:`plan_segment`: row ranges of the packed batch and how to reduce each, plain
-:class:`PoolRows` carried by the step's ``ForwardInput``); the runner reduces them (:func:`compute`) into
-``RunnerOutput.pooled``; the group absorbs them into the request's state (:func:`fill`) and finishes the
+:class:`PoolRows`, a read of the hidden states carried by the step's ``ForwardInput``); the runner
+reduces them (:func:`compute`) into ``RunnerOutput.reads[PoolRows]``; the group absorbs them into the request's state (:func:`fill`) and finishes the
 sequence in the step that completes its prompt.
 
 - ``last``: the hidden state of the prompt's last token, from the chunk that completes the prompt. Only that
@@ -19,8 +19,8 @@ sequence in the step that completes its prompt.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -30,7 +30,6 @@ from batchgen.engine.sched.output import GroupStep, ScheduledSeq, SchedulerOutpu
 from batchgen.engine.sched.request_group import Absorbed, Entry, RequestGroup, UpdateContext, unservable
 from batchgen.engine.sched.sequence import Sequence
 from batchgen.engine.sched.stop import StopRules
-from batchgen.engine.worker.step_input import PoolRows
 
 if TYPE_CHECKING:
     from batchgen.engine.worker.step_input import RunnerOutput
@@ -44,6 +43,26 @@ class PoolingState:
     vector: Tensor | None = None
     _sum: Tensor | None = None
     _count: int = 0
+
+
+@dataclass
+class PoolRows:
+    """Pooling of one step (a :class:`~batchgen.engine.worker.step_input.HiddenRead`): segment i is the packed
+    rows ``starts[i]:ends[i]``, reduced by ``ops[i]``: ``first``, ``last`` or ``sum``."""
+
+    starts: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+
+    def compute(self, model: Any, hidden: Tensor) -> Tensor:
+        return compute(hidden, self)
+
+    def follow(self, model: Any, hidden: Tensor) -> None:
+        """A tensor-parallel worker has nothing to do: rank 0 reduces its own (whole) hidden states."""
+
+    @staticmethod
+    def fill(jobs: list[PoolJob], pooled: Tensor) -> None:
+        fill(jobs, pooled)
 
 
 @dataclass
@@ -82,7 +101,7 @@ class PoolingGroup(RequestGroup):
         for _, s, offset in entries:
             job = plan_segment(self.request.pooling, s, offset, out)
             if job is not None:
-                step.pooled.append(job)
+                step.claim(PoolRows, job)
             if s.completes:
                 step.completed.append(s.seq)
         if step:
@@ -90,10 +109,7 @@ class PoolingGroup(RequestGroup):
         return []
 
     def absorb(self, step: GroupStep, output: RunnerOutput, ctx: UpdateContext) -> Absorbed:
-        if step.pooled:
-            if output.pooled is None:
-                raise ValueError(f"the step returned no pooled segments for {len(step.pooled)} jobs")
-            fill(step.pooled, output.pooled)
+        step.fill_reads(output)
         done = Absorbed()
         for seq in step.completed:
             seq.finish_reason = "stop"
@@ -122,7 +138,11 @@ def plan_segment(
         if not done:
             return None
         op, lo, hi = "last", offset + end - start - 1, offset + end - start
-    return PoolJob(state, out.pool_rows(lo, hi, op), end - start, start == 0, done)
+    rows = out.read(PoolRows)
+    rows.starts.append(lo)
+    rows.ends.append(hi)
+    rows.ops.append(op)
+    return PoolJob(state, len(rows.ops) - 1, end - start, start == 0, done)
 
 
 def compute(hidden: Tensor, rows: PoolRows) -> Tensor:

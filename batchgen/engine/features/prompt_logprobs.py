@@ -18,13 +18,11 @@ Logprobs are the ``log_softmax`` of the raw float32 logits, like ``SamplingParam
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-
-from batchgen.engine.worker.step_input import PromptLogprobs, PromptRows
 
 if TYPE_CHECKING:
     from batchgen.engine.sched.output import ScheduledSeq, SchedulerOutput
@@ -52,6 +50,36 @@ def _start(request: Request) -> int:
 
 
 @dataclass
+class PromptLogprobs:
+    """The runner's result for :class:`PromptRows`: the target's logprob per row and the top-k per row."""
+
+    chosen: list[float]
+    top_ids: list[list[int]]
+    top_values: list[list[float]]
+
+
+@dataclass
+class PromptRows:
+    """Prompt logprobs of one step (a :class:`~batchgen.engine.worker.step_input.HiddenRead`): packed-token
+    ``index[i]`` predicts prompt token ``targets[i]``; ``top_k`` entries (besides the target) are kept per row."""
+
+    index: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    top_k: int = 0
+
+    def compute(self, model: Any, hidden: Tensor) -> PromptLogprobs:
+        return compute(model, hidden, self)
+
+    def follow(self, model: Any, hidden: Tensor) -> None:
+        """A tensor-parallel worker's share: the logits collectives rank 0's :meth:`compute` runs."""
+        model.compute_logits(hidden[torch.tensor(self.index, dtype=torch.long, device=hidden.device)])
+
+    @staticmethod
+    def fill(jobs: list[PromptJob], result: PromptLogprobs) -> None:
+        fill(jobs, result)
+
+
+@dataclass
 class PromptJob:
     """One prefill chunk's share of a step's prompt logprobs: rows ``base ..`` of the step's
     :class:`PromptRows` are the request's prompt positions ``first ..``."""
@@ -76,7 +104,11 @@ def plan_chunk(sched: ScheduledSeq, offset: int, out: SchedulerOutput) -> Prompt
     k = request.params.prompt_logprobs or 0
     k = max(k, 1) if request.prompt_logprobs_start is not None else k  # scoring: the argmax too
     targets = request.prompt_token_ids[lo + 1 : hi + 1]
-    base = out.prompt_rows(list(range(offset + lo - sched.start, offset + hi - sched.start)), targets, k)
+    rows = out.read(PromptRows)
+    base = len(rows.index)
+    rows.index.extend(range(offset + lo - sched.start, offset + hi - sched.start))
+    rows.targets.extend(targets)
+    rows.top_k = max(rows.top_k, k)
     return PromptJob(request, lo + 1, hi - lo, base, k)
 
 
@@ -94,11 +126,9 @@ def compute(model, hidden: Tensor, rows: PromptRows) -> PromptLogprobs:
     return PromptLogprobs(chosen, ti.tolist(), tv.tolist())
 
 
-def fill(jobs: list[PromptJob], result: PromptLogprobs | None) -> None:
+def fill(jobs: list[PromptJob], result: PromptLogprobs) -> None:
     """Write each job's logprobs (and top-k) from the runner's ``result`` into its request, by position (so
     chunks accumulate and a recomputed prefill rewrites the same values)."""
-    if result is None:
-        raise ValueError(f"the step returned no prompt logprobs for {len(jobs)} chunks")
     for job in jobs:
         request, k = job.request, job.top_k
         if request.prompt_logprobs is None:

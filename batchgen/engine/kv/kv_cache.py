@@ -24,17 +24,8 @@ Invariants (documented here, checked after every step by ``tests/test_kv_cache_p
    rewrites it before the copy runs.
 7. Failure to find memory returns ``None`` and changes nothing; invalid use raises :class:`KVCacheError`.
 
-**Partial blocks.** Block hashes cover whole blocks, so a shared prompt prefix (a system prompt, few-shot
-examples) that ends inside a block would leave its last ``< block_size`` tokens to be recomputed by every
-sequence. :meth:`KVCacheManager.allocate` instead looks, after the last whole cached block, for a registered
-block under the same parent whose leading tokens continue the prompt (the longest such run,
-:meth:`BlockPool.longest_lead`), and copies that block into the sequence's own next block: those tokens count
-as cached, and the sequence computes from the first token that differs. The copy (``(src, dst)``, returned by
-:meth:`KVCacheManager.end_schedule` with the step's other copies) runs before the forward; the tokens after
-the copied run are written over by the sequence's own. A block registered in the step being scheduled is not
-written yet and is never a source; when one would continue the prompt at least
-``WAIT_FOR_LEAD_MIN_TOKENS`` further than any written block, ``wait_for_lead`` makes the request wait a step
-for it (``allocate`` returns None) instead of recomputing the difference.
+**Partial blocks**: a prefix that ends inside a block is reused by copying
+(:mod:`batchgen.engine.kv.prefix_reuse`, what an admission reuses of the prefix cache).
 
 **Swapping** (``num_cpu_blocks > 0``): :meth:`KVCacheManager.swap_out` moves a set of sequences (a preempted
 unit: every sequence of a request group) to a second, CPU :class:`BlockPool` without caching. Each
@@ -61,14 +52,10 @@ from dataclasses import dataclass
 
 from batchgen.engine.kv.block_pool import BlockHash, BlockPool, hash_block_tokens
 from batchgen.engine.kv.block_table import BlockTable
+from batchgen.engine.kv.prefix_reuse import PrefixReuse
 from batchgen.engine.kv.swap import SwapSpace
 
 SeqId = Hashable
-
-WAIT_FOR_LEAD_MIN_TOKENS = 4
-"""``allocate(wait_for_lead=True)`` waits for a block being computed only when it would copy at least this many
-more tokens than a written block can: unrelated prompts often share a token or two (BOS, a digit), and a wait
-holds back every admission behind the request for a step."""
 
 
 class KVCacheError(Exception):
@@ -142,48 +129,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass
-class _PrefixMatch:
-    """What the prefix cache holds of a prompt: whole blocks to share, then a block to copy a leading run from."""
-
-    blocks: list[int]
-    hashes: list[BlockHash]
-    lead_block: int = -1
-    """A registered block whose first ``lead_tokens`` tokens continue the prompt after ``blocks`` (-1: none)."""
-    lead_tokens: int = 0
-    pending_tokens: int = 0
-    """The longest such run in a block registered by the step being scheduled (not written yet: it cannot be
-    copied now)."""
-
-
-def _match_prefix(pool: BlockPool, token_ids: Sequence[int], root: BlockHash | None) -> _PrefixMatch:
-    """Longest run of cached full blocks at the start of token_ids, never the last token's block, then the
-    registered block continuing it furthest (short of the last token); ``root`` starts the hash chain (a LoRA
-    adapter's key: None for the base model)."""
-    match = _PrefixMatch([], [])
-    if len(token_ids) < 2:
-        return match
-    bs = pool.block_size
-    lookup = pool.lookup
-    parent: BlockHash | None = root
-    for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
-        toks = token_ids[start : start + bs]
-        h = hash_block_tokens(parent, toks)
-        b = lookup(h, parent, toks)
-        if b is None:
-            break
-        match.blocks.append(b)
-        match.hashes.append(h)
-        parent = h
-    start = len(match.blocks) * bs
-    end = min(start + bs, len(token_ids) - 1)
-    if end > start:
-        match.lead_block, match.lead_tokens, match.pending_tokens = pool.longest_lead(
-            parent, token_ids[start:end]
-        )
-    return match
-
-
 class KVCacheManager:
     """Block tables of all live sequences over one :class:`BlockPool` (see the module docstring)."""
 
@@ -198,13 +143,10 @@ class KVCacheManager:
         self._seqs: dict[SeqId, BlockTable] = {}
         self._live_slots = 0
         self._logical_tokens = 0
-        self._hit_tokens = 0
-        self._queried_tokens = 0
         self._cow_copies = 0
         self._peak_used = 0
-        # This schedule's partial-block copies (src, dst); each src holds one reference until end_schedule.
-        self._lead_copies: list[tuple[int, int]] = []
-        self._num_lead_copies = 0
+        self.reuse = PrefixReuse(self.pool, enable_prefix_caching)
+        """What admissions reuse of the prefix cache: the matches, the step's partial-block copies, hit figures."""
 
     # ----------------------------------------------------------------- queries
     @property
@@ -262,23 +204,9 @@ class KVCacheManager:
             raise KVCacheError(f"sequence {seq_id!r} is swapped out; swap it in first")
         return s
 
-    def _match_prefix(self, token_ids: Sequence[int], root: BlockHash | None = None) -> _PrefixMatch:
-        if not self.enable_prefix_caching:
-            return _PrefixMatch([], [])
-        return _match_prefix(self.pool, token_ids, root)
-
-    def _blocks_needed(self, match: _PrefixMatch, num_tokens: int) -> int:
-        rc = self.pool.ref_counts
-        cached = match.blocks
-        revived = sum(1 for b in cached if rc[b] == 0)  # evictable now, so they use up free blocks
-        if match.lead_tokens and rc[match.lead_block] == 0:
-            revived += 1  # the copy's source is held until the schedule ends
-        live = max(num_tokens, len(cached) * self.block_size + match.lead_tokens)
-        return _cdiv(live, self.block_size) - len(cached) + revived
-
     def allocate_cost(self, token_ids: Sequence[int], num_tokens: int, root: BlockHash | None = None) -> int:
         """Free blocks :meth:`allocate` would take for this sequence now (prefix hits counted); changes nothing."""
-        return self._blocks_needed(self._match_prefix(token_ids, root), num_tokens)
+        return self.reuse.blocks_needed(self.reuse.match(token_ids, root), num_tokens)
 
     # ------------------------------------------------------------- mutations
     def allocate(
@@ -292,7 +220,7 @@ class KVCacheManager:
         wait_for_lead: bool = False,
     ) -> int | None:
         """Start a sequence: share the longest cached full-block prefix, copy the run of a cached block that
-        continues it (module docstring, "Partial blocks"), then allocate the rest.
+        continues it (:mod:`~batchgen.engine.kv.prefix_reuse`, "Partial blocks"), then allocate the rest.
 
         The table covers ``max(num_tokens, num_cached_tokens)`` live tokens. Returns the number of tokens
         already cached (at most ``len(token_ids) - 1``), or None, changing nothing, if the pool cannot hold it
@@ -305,44 +233,31 @@ class KVCacheManager:
             raise KVCacheError(f"sequence {seq_id!r} is already allocated")
         if num_tokens < 0:
             raise KVCacheError(f"num_tokens must be >= 0, got {num_tokens}")
-        match = self._match_prefix(token_ids, root)
-        if wait_for_lead and match.pending_tokens >= match.lead_tokens + WAIT_FOR_LEAD_MIN_TOKENS:
+        reuse = self.reuse
+        match = reuse.match(token_ids, root)
+        if wait_for_lead and reuse.should_wait(match):
             return None
         pool = self.pool
-        if self._blocks_needed(match, num_tokens) + reserve_blocks > pool.num_free_blocks:
+        if reuse.blocks_needed(match, num_tokens) + reserve_blocks > pool.num_free_blocks:
             return None
         bs = self.block_size
-        rc = pool.ref_counts
         cached = match.blocks
         shared = len(cached) * bs
-        copied = match.lead_tokens
-        live = max(num_tokens, shared + copied)
-        revived = sum(1 for b in cached if rc[b] == 0)
-        pool.incref(cached)  # revive before allocating so allocation cannot evict them
-        if copied:
-            pool.incref((match.lead_block,))  # the copy's source, held until end_schedule
+        live = max(num_tokens, shared + match.lead_tokens)
+        revived = reuse.hold(match)  # before allocating, so allocation cannot evict them
         table = cached + pool.allocate(_cdiv(live, bs) - len(cached))
-        if copied:
-            self._lead_copies.append((match.lead_block, table[len(cached)]))
+        reused = reuse.admitted(match, table, len(token_ids))
         self._seqs[seq_id] = BlockTable(table, live, match.hashes, len(cached), root=root)
         self._live_slots += revived * bs + (live - shared)
         self._logical_tokens += live
-        if self.enable_prefix_caching:
-            self._hit_tokens += shared + copied
-            self._queried_tokens += len(token_ids)
         self._update_peak()
-        return shared + copied
+        return reused
 
     def end_schedule(self) -> list[tuple[int, int]]:
         """The step being scheduled is planned: returns the ``(src, dst)`` block copies that :meth:`allocate`
         made for partial prefixes since the last call (to run before the step's forward, with its copies on
-        write), releases their sources, and marks every block registered so far as written before any later
-        step's copies run. The scheduler calls it once at the end of each schedule."""
-        copies, self._lead_copies = self._lead_copies, []
-        self._num_lead_copies += len(copies)
-        self.pool.free(src for src, _ in copies)
-        self.pool.settle()
-        return copies
+        write); see :meth:`PrefixReuse.end_schedule`. The scheduler calls it once at the end of each schedule."""
+        return self.reuse.end_schedule()
 
     def _append_cost(self, s: BlockTable, num_tokens: int) -> tuple[int, list[int]]:
         """(blocks needed, logical indices of shared blocks the new tokens would be written into)."""
@@ -609,10 +524,10 @@ class KVCacheManager:
             live_token_slots=self._live_slots,
             allocated_token_slots=used * self.block_size,
             logical_tokens=self._logical_tokens,
-            prefix_hit_tokens=self._hit_tokens,
-            prefix_queried_tokens=self._queried_tokens,
+            prefix_hit_tokens=self.reuse.hit_tokens,
+            prefix_queried_tokens=self.reuse.queried_tokens,
             num_cow_copies=self._cow_copies,
-            num_prefix_copies=self._num_lead_copies,
+            num_prefix_copies=self.reuse.num_copies,
             num_evictions=pool.num_evictions,
             peak_blocks_used=self._peak_used,
             num_swapped_seqs=sw.num_swapped_seqs if sw else 0,

@@ -21,6 +21,7 @@ reasons and texts are those of synchronous stepping.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from batchgen.engine.sched.output import SchedulerOutput
 from batchgen.engine.sched.request_group import RequestGroup
@@ -31,8 +32,20 @@ PLACEHOLDER = -1
 """The token id standing for a sampled token not yet known; never fed to the model."""
 
 
+@dataclass
+class AsyncSchedulerOutput(SchedulerOutput):
+    """A step of the async scheduler: whether it was planned ahead and launched ahead."""
+
+    ahead: bool = False
+    """Scheduled while the previous step was in flight."""
+    launched: bool = False
+    """Launched asynchronously: its sequences were advanced at launch."""
+
+
 class AsyncScheduler(Scheduler):
     """A scheduler that can plan a step while the previous one is in flight."""
+
+    output_class = AsyncSchedulerOutput
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -53,11 +66,12 @@ class AsyncScheduler(Scheduler):
         """Whether ``seq``'s in-flight token is its last (it is not scheduled again)."""
         return seq.seq_id in self._finishing
 
-    def schedule(self, ahead: bool = False) -> SchedulerOutput:
+    def schedule(self, ahead: bool = False) -> AsyncSchedulerOutput:
         """Plan the next step; ``ahead``: the previous step is still in flight."""
         self._planning_ahead = ahead
         try:
             out = super().schedule()
+            assert isinstance(out, AsyncSchedulerOutput)
         finally:
             self._planning_ahead = False
         if ahead and out.seqs:
@@ -65,7 +79,7 @@ class AsyncScheduler(Scheduler):
             self._ahead.append({s.seq.seq_id for s in out.seqs} | {s.seq_id for s in out.sample_seqs})
         return out
 
-    def mark_launched(self, out: SchedulerOutput) -> None:
+    def mark_launched(self, out: AsyncSchedulerOutput) -> None:
         """``out``'s forward and sampling are in flight: advance its sequences as if it had run (see the module
         docstring). Sequences finished or aborted since ``out`` was scheduled are left alone."""
         out.launched = True
@@ -93,7 +107,7 @@ class AsyncScheduler(Scheduler):
                 src.append(row)
         return dst, src
 
-    def cancel(self, out: SchedulerOutput) -> None:
+    def cancel(self, out: AsyncSchedulerOutput) -> None:
         """``out``, scheduled ahead, will not run (every sequence in it finished or was aborted meanwhile):
         forget it, and free the blocks finished sequences kept for it."""
         if out.ahead:
@@ -102,7 +116,7 @@ class AsyncScheduler(Scheduler):
             self._free_deferred()
 
     # ------------------------------------------------------------------------------- the hooks filled
-    def _begin_update(self, out: SchedulerOutput) -> None:
+    def _begin_update(self, out: AsyncSchedulerOutput) -> None:  # type: ignore[override]
         if out.ahead:
             self._ahead.popleft()  # its forward is done: blocks it held for finished sequences can go
         self._free_deferred()

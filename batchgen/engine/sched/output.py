@@ -3,7 +3,7 @@ the step's output (:class:`GroupStep`).
 
 The scheduler fills the work (``seqs``, block moves); then every scheduled group declares what it needs from the
 step through the collector methods (:meth:`SchedulerOutput.sample`, :meth:`~SchedulerOutput.score`,
-:meth:`~SchedulerOutput.prompt_rows`, :meth:`~SchedulerOutput.pool_rows`) and keeps its claim in ``parts``.
+:meth:`~SchedulerOutput.read`: a feature's rows of the hidden states) and keeps its claim in ``parts``.
 The step builder reads the plain rows and plans from here; :meth:`Scheduler.update` hands each group its
 claim back with the runner's output. Each plan is computed once, when the step is scheduled.
 """
@@ -11,13 +11,15 @@ claim back with the runner's output. Each plan is computed once, when the step i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from batchgen.engine.worker.step_input import PoolRows, PromptRows
+from batchgen.engine.worker.step_input import HiddenRead, RunnerOutput
 
 if TYPE_CHECKING:
     from batchgen.engine.sched.request_group import RequestGroup
     from batchgen.engine.sched.sequence import Sequence
+
+R = TypeVar("R", bound=HiddenRead)
 
 
 @dataclass(slots=True)
@@ -47,17 +49,28 @@ class ScheduledSeq:
 @dataclass
 class GroupStep:
     """A group's claim on one step's output: its sampled sequences with their index in the step's samples,
-    its rows of the step's scored rows (``lo, hi``), its pooled segments and prompt-logprob chunks (the
-    feature modules' jobs), and the sequences whose prompt the step completes."""
+    its rows of the step's scored rows (``lo, hi``), its jobs on each of the step's hidden-state reads (the
+    feature modules' jobs, by read type), and the sequences whose prompt the step completes."""
 
     samples: list[tuple[Sequence, int]] = field(default_factory=list)
     scores: tuple[int, int] | None = None
-    pooled: list = field(default_factory=list)
-    prompt: list = field(default_factory=list)
+    reads: dict[type, list[Any]] = field(default_factory=dict)
     completed: list[Sequence] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.samples or self.scores or self.pooled or self.prompt or self.completed)
+        return bool(self.samples or self.scores or self.reads or self.completed)
+
+    def claim(self, kind: type[HiddenRead], job: Any) -> None:
+        """``job`` takes its share of the step's read of type ``kind`` when the output comes back."""
+        self.reads.setdefault(kind, []).append(job)
+
+    def fill_reads(self, output: RunnerOutput) -> None:
+        """Hand each read's jobs the runner's result (:meth:`HiddenRead.fill`)."""
+        for kind, jobs in self.reads.items():
+            result = output.reads.get(kind)
+            if result is None:
+                raise ValueError(f"the step returned no {kind.__name__} result for {len(jobs)} jobs")
+            kind.fill(jobs, result)
 
 
 @dataclass
@@ -74,8 +87,8 @@ class SchedulerOutput:
     block just swapped in).
     ``sample_seqs[i]`` gets a token sampled from the last-token logits of ``seqs[sample_rows[i]]`` (the forks
     of an ``n > 1`` request sample from their parent's row). ``score_rows``: rows of ``seqs`` whose
-    last-token float32 log-softmax the runner returns instead. ``prompt`` / ``pool``: the packed rows the
-    runner scores as prompt logprobs / reduces as pooled segments. ``parts``: each group with something to
+    last-token float32 log-softmax the runner returns instead. ``reads``: the features' reads of the packed
+    hidden states (:class:`HiddenRead`, one per type), computed by the runner after the forward. ``parts``: each group with something to
     absorb from the step, and its claim.
     """
 
@@ -85,15 +98,10 @@ class SchedulerOutput:
     sample_rows: list[int] = field(default_factory=list)
     sample_seqs: list[Sequence] = field(default_factory=list)
     score_rows: list[int] = field(default_factory=list)
-    prompt: PromptRows | None = None
-    pool: PoolRows | None = None
+    reads: dict[type, HiddenRead] = field(default_factory=dict)
     parts: list[tuple[RequestGroup, GroupStep]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
-    ahead: bool = False
-    """Scheduled while the previous step was in flight (async scheduling)."""
-    launched: bool = False
-    """Launched asynchronously: its sequences were advanced at launch."""
     plain_greedy: bool = True
     """Every sampled sequence is greedy with no penalty, banned token, seed-dependent draw or logprobs
     (:attr:`Request.plain_greedy`): the step's sampling is one argmax and needs no per-row settings."""
@@ -129,22 +137,10 @@ class SchedulerOutput:
         self.score_rows.extend(rows)
         return lo, len(self.score_rows)
 
-    def prompt_rows(self, index: list[int], targets: list[int], top_k: int) -> int:
-        """Packed rows ``index`` are scored as the logprobs of ``targets`` (and the top ``top_k``); returns the
-        first one's position in the step's prompt rows."""
-        if self.prompt is None:
-            self.prompt = PromptRows([], [], 0)
-        base = len(self.prompt.index)
-        self.prompt.index.extend(index)
-        self.prompt.targets.extend(targets)
-        self.prompt.top_k = max(self.prompt.top_k, top_k)
-        return base
-
-    def pool_rows(self, lo: int, hi: int, op: str) -> int:
-        """Packed rows ``lo:hi`` are reduced by ``op``; returns the segment's index."""
-        if self.pool is None:
-            self.pool = PoolRows([], [], [])
-        self.pool.starts.append(lo)
-        self.pool.ends.append(hi)
-        self.pool.ops.append(op)
-        return len(self.pool.ops) - 1
+    def read(self, kind: type[R]) -> R:
+        """The step's read of type ``kind`` (a feature's rows of the hidden states), created empty on first use
+        for the groups to append their rows to."""
+        r = self.reads.get(kind)
+        if r is None:
+            r = self.reads[kind] = kind()
+        return r  # type: ignore[return-value]

@@ -163,7 +163,7 @@ class RequestGroup:
             for _, s, offset in entries:
                 job = prompt_logprobs.plan_chunk(s, offset, out)
                 if job is not None:
-                    step.prompt.append(job)
+                    step.claim(prompt_logprobs.PromptRows, job)
         return step
 
     def fan_out(
@@ -176,8 +176,7 @@ class RequestGroup:
     def absorb(self, step: GroupStep, output: RunnerOutput, ctx: UpdateContext) -> Absorbed:
         """Take the group's slice of the step's output: prompt logprobs filled in; each sampled token put in
         place, its logprobs recorded and the stop rules applied (a stopped sequence leaves the group)."""
-        if step.prompt:
-            prompt_logprobs.fill(step.prompt, output.prompt_logprobs)
+        step.fill_reads(output)
         done = Absorbed()
         for seq, i in step.samples:
             token = output.token_ids[i]

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.stats import SchedulerCounters
@@ -41,8 +42,20 @@ from batchgen.engine.sched.sequence import Request, Sequence, SequenceStatus
 from batchgen.engine.sched.stop import StopRules
 
 if TYPE_CHECKING:
-    from batchgen.engine.features.lora_manager import LoRAManager
     from batchgen.engine.worker.step_input import RunnerOutput
+
+
+class AdmissionGate(Protocol):
+    """Something besides KV blocks a request holds from its first admission to its end (an adapter slot:
+    :class:`~batchgen.engine.features.lora_manager.LoRAManager`). A group is admitted only when every gate is
+    :meth:`ready` for its request, and :meth:`take` is called as it is; both see a request that already holds
+    the gate (resumed after a preemption) as served. The engine calls :meth:`give_back` when the request ends."""
+
+    def ready(self, request: Request) -> bool: ...
+
+    def take(self, request: Request) -> None: ...
+
+    def give_back(self, request: Request) -> None: ...
 
 
 def _count_reuse(stats: SchedulerCounters, request: Request, reused: int, block_size: int) -> None:
@@ -59,11 +72,15 @@ class Scheduler:
     """Owns the waiting queue, the running list and the swapped queue of request groups, and the KV cache
     manager. ``running`` is in admission order; ``swapped`` holds the next group to resume first."""
 
+    output_class: type[SchedulerOutput] = SchedulerOutput
+    """What :meth:`schedule` returns (a subclass may carry more per step)."""
+
     def __init__(
-        self, config: EngineConfig, kv: KVCacheManager, stop: StopRules, lora: LoRAManager | None = None
+        self, config: EngineConfig, kv: KVCacheManager, stop: StopRules, gates: Iterable[AdmissionGate] = ()
     ) -> None:
         self.config = config
-        self.lora = lora  # LoRA slots: a request is admitted only once its adapter can be made resident
+        self.gates = list(gates)
+        """What a request holds besides KV blocks (see :class:`AdmissionGate`)."""
         self.kv = kv
         self.stop = stop
         self.stats = SchedulerCounters()  # written by the scheduler alone
@@ -109,7 +126,7 @@ class Scheduler:
     # --------------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: its work, its block moves and what each scheduled group needs from it."""
-        out = SchedulerOutput()
+        out = self.output_class()
         self._out = out
         self._preempted = False
         scheduled: set[int] = set()  # ids of the groups scheduled in this step (never preemption victims)
@@ -263,19 +280,16 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> None:
         """Admit waiting groups while budget, sequence cap (seats for the forks a prompt will spawn included)
-        and blocks (above the watermark) allow. A first admission whose LoRA adapter can get no slot now is
-        passed over and keeps its place."""
+        and blocks (above the watermark) allow. A group whose request some :class:`AdmissionGate` cannot serve
+        now (its adapter can get no slot) is passed over and keeps its place."""
         slots = sum(g.seats() for g in self.running)
         held: list[RequestGroup] = []
         while self.waiting and budget > 0:
             group = self.waiting[0]
             request = group.request
-            adapter = request.lora_request if request.lora_slot < 0 else None
-            if adapter is not None:
-                assert self.lora is not None
-                if not self.lora.can_acquire(adapter.lora_int_id):
-                    held.append(self.waiting.popleft())
-                    continue
+            if not all(gate.ready(request) for gate in self.gates):
+                held.append(self.waiting.popleft())
+                continue
             seats = group.seats()
             if slots + seats > self.config.max_num_seqs and self.running:
                 break
@@ -283,9 +297,8 @@ class Scheduler:
             if not group.allocate(self.kv, reserve, wait_for_lead=bool(out.seqs)):
                 break
             self.waiting.popleft()
-            if adapter is not None:  # pinned until the request ends (LLMEngine releases it)
-                assert self.lora is not None
-                request.lora_slot = self.lora.acquire(adapter.lora_int_id)
+            for gate in self.gates:  # held until the request ends (LLMEngine releases it)
+                gate.take(request)
             group.set_status(SequenceStatus.RUNNING)
             group.admitted_at = next(self._admissions)
             if not request.admitted:

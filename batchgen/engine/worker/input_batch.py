@@ -21,15 +21,20 @@ buffer too small for a step (more tokens or rows than the engine's caps) is regr
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from batchgen.attention import AttentionMetadata
-from batchgen.engine.sched.output import SchedulerOutput
-from batchgen.kernels.lora import LoRAPlan
+from batchgen.engine.sched.output import ScheduledSeq, SchedulerOutput
+
+TokenInputs = Callable[[list[ScheduledSeq], np.ndarray, torch.device], dict[str, Any]]
+"""A feature's per-token model inputs for one step: ``(seqs, seq_idx, device)`` (``seq_idx``: each packed
+token's index in ``seqs``) to ``ForwardContext`` keywords (none when no token of the step needs them)."""
 
 _FLAT = ("ids", "pos", "slots")  # int64, one entry per token
 
@@ -74,8 +79,8 @@ class StepInputs:
     positions: Tensor
     meta: AttentionMetadata
     last: Tensor
-    lora: LoRAPlan | None = None
-    """Each token's LoRA adapter slot (None: no token has one), built when :attr:`InputBatch.with_lora`."""
+    context: dict[str, Any] = field(default_factory=dict)
+    """The per-token model inputs of :attr:`InputBatch.token_inputs` (``ForwardInput.context``)."""
 
 
 class InputBatch:
@@ -95,8 +100,9 @@ class InputBatch:
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self._sets = [_BufferSet(max_tokens, max_rows, width, device) for _ in range(2)]
         self._next = 0
-        self.with_lora = False
-        """Build each step's LoRA plan (the engine serves adapters)."""
+        self.token_inputs: list[TokenInputs] = []
+        """Features' per-token model inputs, built each step (each token's adapter slot when the engine serves
+        adapters)."""
         self.rows_written = 0
         """Rows rewritten in the last build (0 in a steady decode step): the incremental work."""
 
@@ -212,11 +218,9 @@ class InputBatch:
         max_blocks = int(self.row_lens[rows].max())
         buf.tables(num_seqs, max_blocks)[:] = tables[rows, :max_blocks]
         last = cu_host[np.array(out.logit_rows, dtype=np.int64) + 1] - 1
-        lora = None
-        if self.with_lora:  # each token's adapter slot, from its request's (-1: the base model)
-            seq_slots = np.fromiter((s.seq.request.lora_slot for s in seqs), dtype=np.int64, count=num_seqs)
-            if (seq_slots >= 0).any():
-                lora = LoRAPlan.build(seq_slots[seq_idx], self.device)
+        context: dict[str, Any] = {}
+        for inputs in self.token_inputs:
+            context.update(inputs(seqs, seq_idx, self.device))
         meta = AttentionMetadata(
             slot_mapping=buf.tensor("slots", num_tokens),
             num_decode_seqs=out.num_decodes,
@@ -231,5 +235,5 @@ class InputBatch:
             positions=buf.tensor("pos", num_tokens),
             meta=meta,
             last=torch.from_numpy(last.astype(np.int64)).to(self.device),
-            lora=lora,
+            context=context,
         )

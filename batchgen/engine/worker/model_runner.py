@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,21 +19,17 @@ from torch import Tensor
 
 from batchgen.attention import AttentionMetadata, ForwardContext, PagedAttention
 from batchgen.engine.config import EngineConfig, parse_bytes
-from batchgen.engine.features import pooling, prompt_logprobs
 from batchgen.engine.kv.swap import BlockSwapper
 from batchgen.engine.worker.sampler import Sampler
 from batchgen.engine.worker.step_input import (
     BlockMoves,
     ForwardInput,
-    LoRALoad,
     RunnerOutput,
     SamplingInput,
+    SlotLoad,
     StepInput,
 )
 from batchgen.kernels import cpu_kernel
-from batchgen.lora_request import LoRARequest
-from batchgen.models.lora import LoRASlots
-from batchgen.models.lora_adapter import LoRAAdapter
 from batchgen.runtime import malloc_tuning
 
 logger = logging.getLogger(__name__)
@@ -108,13 +104,12 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._graph_inputs: dict[str, Tensor] = {}
         self._graphs_failed = False
-        self.lora_slots: LoRASlots | None = None
-        """The model's LoRA adapter slots (engine.enable_lora), written by each step's ``lora_loads``."""
+        self.adapters: Any = None
+        """The model's adapter slots (engine.enable_lora), written by each step's ``loads``; built and read
+        by the feature that sends the loads (``lora_manager.AdapterSlots``)."""
         self.capture_error_mode = "global"
         """CUDA-graph capture mode: an executor that runs steps in a thread of its own while the main thread
         keeps working sets ``thread_local``."""
-        self.lora_source: Callable[[LoRARequest], LoRAAdapter] | None = None
-        """Reads a load's adapter when the step carries none (a tensor-parallel worker's own cache)."""
 
     # ------------------------------------------------------------------------------------------ sizing
     @property
@@ -227,30 +222,23 @@ class ModelRunner:
             raise RuntimeError("swap copies scheduled but no swap space was allocated")
         self.copy_blocks(moves.copies)
 
-    def apply_lora_loads(self, loads: list[LoRALoad]) -> None:
-        """Write each load's adapter (this rank's shard) into its slot, in order."""
+    def apply_loads(self, loads: list[SlotLoad]) -> None:
+        """Write each load (this rank's shard) into :attr:`adapters`, in order."""
         for load in loads:
-            if self.lora_slots is None:
-                raise RuntimeError("a LoRA slot load was sent to a runner without LoRA slots")
-            adapter = load.adapter
-            if adapter is None:
-                assert self.lora_source is not None
-                adapter = self.lora_source(load.request)
-            self.lora_slots.load(load.slot, adapter)
+            load.apply(self.adapters)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> RunnerOutput:
         """Run one step: block moves, then (unless the step only moves blocks) the packed forward and the
         sampling of its logit rows."""
         self.apply_moves(step.moves)
-        self.apply_lora_loads(step.lora_loads)
+        self.apply_loads(step.loads)
         self.sampler.release(step.sampling.release)
         if step.forward is None:
             return RunnerOutput()
-        logits, prompt, pooled = self.forward(step.forward, step.fill)
+        logits, reads = self.forward(step.forward, step.fill)
         out = RunnerOutput() if logits is None else self.sample(logits, step.sampling)
-        out.prompt_logprobs = prompt
-        out.pooled = pooled
+        out.reads = reads
         return out
 
     def sample(self, logits: Tensor, sampling: SamplingInput) -> RunnerOutput:
@@ -266,9 +254,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self, fwd: ForwardInput, fill: tuple[Tensor, Tensor] | None = None
-    ) -> tuple[Tensor | None, prompt_logprobs.PromptLogprobs | None, Tensor | None]:
+    ) -> tuple[Tensor | None, dict[type, Any]]:
         """The forward of ``fwd``: float32 logits of its ``last`` rows (None when it has none: a step of
-        pooling requests only), its prompt logprobs and its pooled segments (:mod:`batchgen.engine.features.pooling`).
+        pooling requests only), and the result of each of its reads of the hidden states, in order.
         ``fill``:
         ``(index, tokens)``: placeholder input ids written in first (a step planned ahead)."""
         ids, pos, meta, last = fwd.ids, fwd.positions, fwd.meta, fwd.last
@@ -277,8 +265,8 @@ class ModelRunner:
         nd = meta.num_decode_seqs
         if (
             self.pad_decodes
-            and fwd.pool is None
-            and fwd.lora is None
+            and not fwd.reads
+            and not fwd.context
             and nd == fwd.num_seqs
             and nd <= self.buckets[-1]
         ):
@@ -288,12 +276,11 @@ class ModelRunner:
                 hidden = self._run_graph(ids, pos, meta, bucket)
                 if hidden is not None:  # (no logit rows: only pooling chunks of one token, e.g. CLS's last)
                     logits = self.model.compute_logits(hidden[last]).float() if last.numel() else None
-                    return logits, None, None
-        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache, lora=fwd.lora))
-        prompt = prompt_logprobs.compute(self.model, hidden, fwd.prompt) if fwd.prompt else None
-        pooled = pooling.compute(hidden, fwd.pool) if fwd.pool else None
+                    return logits, {}
+        hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache, **fwd.context))
+        reads = {kind: read.compute(self.model, hidden) for kind, read in fwd.reads.items()}
         logits = self.model.compute_logits(hidden[last]).float() if last.numel() else None
-        return logits, prompt, pooled
+        return logits, reads
 
     def pad_decode_batch(
         self, ids: Tensor, pos: Tensor, meta: AttentionMetadata, bucket: int

@@ -1,7 +1,7 @@
 """Builds a step's plain :class:`~batchgen.engine.worker.step_input.StepInput` from the scheduler's output, once per
 step: the flat forward tensors in the persistent :class:`~batchgen.engine.worker.input_batch.InputBatch`, the
 sampling rows and per-row settings (persistent :class:`~batchgen.engine.worker.sampler.SamplingBatch`) and the
-grammar mask; the prompt-logprob rows and pooled segments the groups declared when the step was scheduled.
+grammar mask; the reads of the hidden states the groups declared when the step was scheduled.
 Live objects (sequences, requests) are read here and nowhere below.
 
 The forward part and the sampling part are built separately because a pipelined engine prepares a step's
@@ -16,17 +16,17 @@ from collections.abc import Callable
 import torch
 
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.features.structured import StructuredOutputs
 from batchgen.engine.sched.output import SchedulerOutput
+from batchgen.engine.sched.sequence import Sequence
 from batchgen.engine.sched.stop import StopRules
 from batchgen.engine.worker.input_batch import InputBatch
 from batchgen.engine.worker.sampler import SamplingBatch, SamplingRow, SamplingTensors
-from batchgen.engine.worker.step_input import BlockMoves, ForwardInput, SamplingInput
+from batchgen.engine.worker.step_input import BlockMoves, ForwardInput, RowMask, SamplingInput
 
 
 class StepBuilder:
-    """The engine's step-input builder (persistent buffers across steps). ``structured`` returns the
-    engine's structured-output state, or None while no constrained request was seen."""
+    """The engine's step-input builder (persistent buffers across steps). ``mask`` returns the mask of a
+    step's sampled sequences' logit rows (None: no row is masked; the engine's grammar masks)."""
 
     def __init__(
         self,
@@ -34,16 +34,15 @@ class StepBuilder:
         max_model_len: int,
         device: torch.device,
         stop: StopRules,
-        structured: Callable[[], StructuredOutputs | None],
+        mask: Callable[[list[Sequence]], RowMask | None],
     ) -> None:
         width = -(-max_model_len // config.block_size)
         self.input_batch = InputBatch(
             config.max_num_batched_tokens, config.max_num_seqs, width, config.block_size, device
         )
-        self.input_batch.with_lora = config.enable_lora
         self.sampling_batch = SamplingBatch(config.max_num_seqs)
         self.stop = stop
-        self._structured = structured
+        self._mask = mask
         self.released: list[int] = []
         """Keys of seeded sequences that are done: their generators are dropped with the next sampling."""
 
@@ -57,14 +56,13 @@ class StepBuilder:
             return None
         step = self.input_batch.build(out)
         return ForwardInput(
-            step.ids, step.positions, step.meta, step.last, len(out.seqs), out.prompt, out.pool, step.lora
+            step.ids, step.positions, step.meta, step.last, len(out.seqs), out.reads, step.context
         )
 
     def sampling_input(self, out: SchedulerOutput) -> SamplingInput:
         """How the step's logit rows are sampled (built when the sampled sequences hold every token so far)."""
         rows, settings = self.sampling_inputs(out)
-        structured = self._structured()
-        mask = structured.mask(out.sample_seqs) if structured is not None and out.sample_seqs else None
+        mask = self._mask(out.sample_seqs) if out.sample_seqs else None
         release, self.released = self.released, []
         return SamplingInput(len(out.sample_rows), rows, settings, mask, len(out.score_rows), release)
 

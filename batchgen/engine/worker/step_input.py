@@ -3,14 +3,14 @@
 
 A step input is built once per step from the scheduler's output (:mod:`batchgen.engine.worker.step_builder`) and
 holds no live engine objects (no sequences, requests or KV manager): block moves as lists of block ids, the
-flat forward tensors, the rows of the logits to sample, to score (their log-softmax returned) and to score as
-prompt logprobs.
+flat forward tensors, the rows of the logits to sample, to score (their log-softmax returned), and the
+features' reads of the hidden states (:class:`HiddenRead`).
 So the same input can run in this process, in the pipelined executor's thread, or be broadcast to every
 tensor-parallel rank (the :class:`ForwardInput` and :class:`BlockMoves` parts: sampling runs on rank 0 only).
 
 Invariants: ``forward.last`` indexes the packed tokens, one entry per logit row: the ``sampling.num_rows``
 sampled rows, then ``sampling.num_score_rows`` scored rows; the runner performs ``moves`` in the order
-swap-outs, swap-ins, copies on write, then writes ``lora_loads`` into their adapter slots, before the forward.
+swap-outs, swap-ins, copies on write, then applies ``loads`` (adapters into their slots), before the forward.
 Slot loads travel with the steps, in step order: a slot is only written between two steps' forwards, so a step
 in flight (pipelined) never sees its slots change, and every tensor-parallel rank loads the same slots
 at the same point.
@@ -19,16 +19,13 @@ at the same point.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from batchgen.attention import AttentionMetadata
-from batchgen.engine.features.structured import LogitsMask
 from batchgen.engine.worker.sampler import SamplingRow, SamplingTensors
-from batchgen.kernels.lora import LoRAPlan
-from batchgen.lora_request import LoRARequest
-from batchgen.models.lora_adapter import LoRAAdapter
 
 
 @dataclass
@@ -44,50 +41,52 @@ class BlockMoves:
         return bool(self.swap_out or self.copies or self.swap_in)
 
 
-@dataclass
-class PromptRows:
-    """Prompt logprobs of one step: packed-token ``index[i]`` predicts prompt token ``targets[i]``; ``top_k``
-    entries (besides the target) are kept per row."""
+class HiddenRead(Protocol):
+    """A feature's rows of one step's packed hidden states, read after the forward (plain data, declared by
+    the request groups when the step is scheduled: :meth:`SchedulerOutput.read`). Rank 0 runs
+    :meth:`compute` (its result goes back in ``RunnerOutput.reads``), every other tensor-parallel rank
+    :meth:`follow` (the same collectives); the groups' claims are handed the result by :meth:`fill`."""
 
-    index: list[int]
-    targets: list[int]
-    top_k: int
+    def compute(self, model: Any, hidden: Tensor) -> Any: ...
 
+    def follow(self, model: Any, hidden: Tensor) -> None: ...
 
-@dataclass
-class PoolRows:
-    """Pooling of one step (:mod:`batchgen.engine.features.pooling`): segment i is the packed rows
-    ``starts[i]:ends[i]``, reduced by ``ops[i]``: ``first``, ``last`` or ``sum``."""
-
-    starts: list[int]
-    ends: list[int]
-    ops: list[str]
+    @staticmethod
+    def fill(jobs: list, result: Any) -> None: ...
 
 
-@dataclass
-class LoRALoad:
-    """Write adapter ``request`` into LoRA slot ``slot`` before the step's forward. ``adapter``: rank 0's
-    parsed copy (None in the message to tensor-parallel workers: they read ``request.lora_path`` themselves)."""
+class RowMask(Protocol):
+    """A mask over the sampled rows' logits, applied in place before sampling (structured outputs' grammar
+    mask, :mod:`batchgen.engine.features.structured`)."""
 
-    slot: int
-    request: LoRARequest
-    adapter: LoRAAdapter | None = None
+    def apply(self, logits: Tensor) -> None: ...
+
+
+class SlotLoad(Protocol):
+    """A write into the model's adapter slots before a step's forward, in step order, on every rank
+    (:mod:`batchgen.engine.features.lora_manager`). ``slots``: the runner's :attr:`ModelRunner.adapters`."""
+
+    def apply(self, slots: Any) -> None: ...
+
+    def for_workers(self) -> SlotLoad:
+        """The load as tensor-parallel workers receive it (without rank 0's parsed copy)."""
+        ...
 
 
 @dataclass
 class ForwardInput:
     """One packed forward (decodes first, then prefill chunks) and the rows of its hidden states whose
-    logits are needed (``last``; ``prompt`` for prompt logprobs)."""
+    logits are needed (``last``), and the features' reads of its hidden states (``reads``, in order)."""
 
     ids: Tensor
     positions: Tensor
     meta: AttentionMetadata
     last: Tensor
     num_seqs: int
-    prompt: PromptRows | None = None
-    pool: PoolRows | None = None
-    lora: LoRAPlan | None = None
-    """Each token's LoRA adapter slot (-1: the base model); None: no token of the step has an adapter."""
+    reads: dict[type, HiddenRead] = field(default_factory=dict)
+    context: dict[str, Any] = field(default_factory=dict)
+    """The model's per-token inputs features add (keywords of its ``ForwardContext``: each token's adapter
+    slot); each value has ``.to(device)``."""
 
     def to(self, device: torch.device) -> ForwardInput:
         m = self.meta
@@ -101,8 +100,8 @@ class ForwardInput:
             max_query_len=m.max_query_len,
         )
         ids, pos, last = self.ids.to(device), self.positions.to(device), self.last.to(device)
-        lora = self.lora.to(device) if self.lora is not None else None
-        return ForwardInput(ids, pos, meta, last, self.num_seqs, self.prompt, self.pool, lora)
+        context = {k: v.to(device) for k, v in self.context.items()}
+        return ForwardInput(ids, pos, meta, last, self.num_seqs, self.reads, context)
 
 
 @dataclass
@@ -115,7 +114,7 @@ class SamplingInput:
     num_rows: int = 0
     rows: list[SamplingRow] | None = None
     settings: SamplingTensors | None = None
-    mask: LogitsMask | None = None
+    mask: RowMask | None = None
     num_score_rows: int = 0
     release: list[int] = field(default_factory=list)
 
@@ -124,34 +123,23 @@ class SamplingInput:
 class StepInput:
     """One step. ``fill``: ``(index, tokens)`` device tensors: the input ids at ``index`` are placeholders
     for the previous step's sampled ``tokens`` (a step planned while that one ran), written in before the forward.
-    ``lora_loads``: adapters written into their slots first (in list order)."""
+    ``loads``: adapters written into their slots first (in list order)."""
 
     moves: BlockMoves
     forward: ForwardInput | None = None
     sampling: SamplingInput = field(default_factory=SamplingInput)
     fill: tuple[Tensor, Tensor] | None = None
-    lora_loads: list[LoRALoad] = field(default_factory=list)
-
-
-@dataclass
-class PromptLogprobs:
-    """The runner's result for :class:`PromptRows`: the target's logprob per row and the top-k per row."""
-
-    chosen: list[float]
-    top_ids: list[list[int]]
-    top_values: list[list[float]]
+    loads: list[SlotLoad] = field(default_factory=list)
 
 
 @dataclass
 class RunnerOutput:
     """What one step produced: ``token_ids[i]`` / ``logprobs[i]`` of sampled row i (``sampled``: the same
     tokens as a device tensor, for the next step's placeholders), ``scores``: the float32 log-softmax of the
-    scored rows (``[num_score_rows, V]`` on the CPU), the prompt logprobs asked for, the pooled segments."""
+    scored rows (``[num_score_rows, V]`` on the CPU), each :class:`HiddenRead`'s result by its type."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
     sampled: Tensor | None = None
     scores: Tensor | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    pooled: Tensor | None = None
-    """The step's :class:`PoolRows` reduced: ``[segments, H]`` float32 on the CPU."""
+    reads: dict[type, Any] = field(default_factory=dict)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from batchgen.attention import ForwardContext
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.worker.model_runner import ModelRunner
-from batchgen.engine.worker.step_input import BlockMoves, ForwardInput, LoRALoad, RunnerOutput, StepInput
+from batchgen.engine.worker.step_input import BlockMoves, ForwardInput, RunnerOutput, SlotLoad, StepInput
 from batchgen.errors import WorkerLost
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class StepMessage:
 
     moves: BlockMoves
     forward: ForwardInput | None
-    lora_loads: list[LoRALoad] = field(default_factory=list)
+    loads: list[SlotLoad] = field(default_factory=list)
 
 
 class StepChannel:
@@ -121,7 +121,7 @@ class TPModelRunner(ModelRunner):
         if fwd is not None and step.fill is not None:
             fwd.ids[step.fill[0]] = step.fill[1]
             step = replace(step, fill=None)
-        loads = [LoRALoad(load.slot, load.request) for load in step.lora_loads]
+        loads = [load.for_workers() for load in step.loads]
         msg = StepMessage(step.moves, fwd.to(torch.device("cpu")) if fwd is not None else None, loads)
         self.in_step = True
         try:
@@ -147,18 +147,17 @@ class TPModelRunner(ModelRunner):
     @torch.inference_mode()
     def follow(self, msg: StepMessage) -> None:
         """A worker's share of one step: the block moves, then the forward and the logits collectives rank 0
-        runs (prompt-logprob rows first, then the sampled rows, as :meth:`ModelRunner.forward` does)."""
+        runs (each read of the hidden states first, then the sampled rows, as :meth:`ModelRunner.forward` does)."""
         self.apply_moves(msg.moves)
-        self.apply_lora_loads(msg.lora_loads)
+        self.apply_loads(msg.loads)
         fwd = msg.forward
         if fwd is None:
             return
         fwd = fwd.to(self.device)
-        ctx = ForwardContext(self.attn, fwd.meta, self.kv_cache, lora=fwd.lora)
+        ctx = ForwardContext(self.attn, fwd.meta, self.kv_cache, **fwd.context)
         hidden = self.model(fwd.ids, fwd.positions, ctx)
-        if fwd.prompt is not None:
-            index = torch.tensor(fwd.prompt.index, dtype=torch.long, device=hidden.device)
-            self.model.compute_logits(hidden[index])
+        for read in fwd.reads.values():
+            read.follow(self.model, hidden)
         if fwd.last.numel():  # as rank 0: a step of pooling requests only has no logit rows
             self.model.compute_logits(hidden[fwd.last])
 

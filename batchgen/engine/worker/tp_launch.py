@@ -260,10 +260,9 @@ def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -
     )  # fmt: skip
     max_model_len = cfg.max_model_len or model.config.max_model_len
     backend = resolve_backend(cfg.attention_backend, device)
-    lora = attach_worker_slots(model, setup.model, cfg) if cfg.enable_lora else None  # before KV sizing
+    adapters = attach_worker_slots(model, setup.model, cfg) if cfg.enable_lora else None  # before KV sizing
     runner = TPModelRunner(model, cfg, device, backend, max_model_len, channel)
-    if lora is not None:
-        runner.lora_slots, runner.lora_source = lora[0], lora[1].get
+    runner.adapters = adapters
     runner.allocate_kv_cache(runner.determine_num_blocks())
     runner.allocate_swap_space(runner.determine_num_swap_blocks() if cfg.preemption_mode == "swap" else 0)
     serve(runner)
