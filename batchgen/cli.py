@@ -26,14 +26,21 @@ import sys
 
 
 def _interrupted_while_starting(signum: int, frame: object) -> None:
-    sys.stderr.write("batchgen: interrupted during start-up; nothing was written: rerun the same command\n")
+    name = signal.Signals(signum).name
+    sys.stderr.write(
+        f"batchgen: stopped by {name} during start-up; nothing was written: rerun the same command\n"
+    )
     os._exit(75)
 
 
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+
 if os.path.basename(sys.argv[0] if sys.argv else "") in ("batchgen", "cli.py"):
-    # Run as the command (not imported): a Ctrl-C while the imports below load is one line and exit 75, not a
+    # Run as the command (not imported): a signal while the imports below load is one line and exit 75, not a
     # traceback; main() hands SIGINT back to Python (KeyboardInterrupt, handled there) and the job's handlers.
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
+    for _name in STOP_SIGNALS:
+        if hasattr(signal, _name):
+            signal.signal(getattr(signal, _name), _interrupted_while_starting)
 
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -176,6 +183,11 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(EXIT_INTERRUPTED)
+    except SystemExit:
+        for name in STOP_SIGNALS:  # the job is over: a signal now cannot change its status to 130/143
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
+        raise
     if MULTIRUN_FAILURES:
         for num, overrides, code, message in MULTIRUN_FAILURES:
             print(f"batchgen: job {num} ({overrides}) exited with status {code}: {message}", file=sys.stderr)

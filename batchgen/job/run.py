@@ -50,9 +50,10 @@ from pathlib import Path
 from typing import Any
 
 from batchgen import startup_trace
+from batchgen.data.lease import LeaseLost
 from batchgen.data.manifest import Manifest
-from batchgen.data.output_dir import OutputDir, on_disk_full
-from batchgen.data.remote_output import open_output_dir
+from batchgen.data.output_dir import OutputDir, on_disk_full, open_output_dir
+from batchgen.data.storage import StorageUnavailable
 from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
@@ -138,6 +139,12 @@ def _run_guarded(job: _Job, stop: StopSignal) -> JobResult:
             EXIT_INTERRUPTED,
             "incomplete",
             f"stopped: {one_line(e)}{where}; rerun the same command (or let Slurm requeue) to resume",
+        )
+    except (LeaseLost, StorageUnavailable) as e:
+        return job.fail(
+            EXIT_INTERRUPTED,
+            "incomplete",
+            f"stopped: {one_line(e)}; every committed row is kept: rerun the same command to resume",
         )
     except KeyboardInterrupt:
         saved = job.save_finished_rows()
