@@ -307,8 +307,14 @@ class Location:
 
     def read_bytes(self, name: str) -> bytes | None:
         """The content of object `name`, or None when there is none."""
+        path = self.path(name)
+
+        def cat() -> bytes:
+            self.fs.invalidate_cache(path)  # a cached "not found" must not answer for an object written since
+            return self.fs.cat_file(path)
+
         try:
-            return self._call("read", name, lambda: self.fs.cat_file(self.path(name)))
+            return self._call("read", name, cat)
         except FileNotFoundError:
             return None
         except StorageUnavailable:
