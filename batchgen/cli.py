@@ -73,7 +73,21 @@ class JobFailed(RuntimeError):
 
 @hydra.main(config_path="pkg://batchgen.conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> int:
-    """Run one job; exits the process with the job's status (in a multirun: records it, see the module doc)."""
+    """Run one job; exits the process with the job's status (in a multirun: records it, see the module doc).
+    Any error escaping the job is one line without secrets, never Hydra's echo of the overrides."""
+    try:
+        return _job_main(cfg)
+    except Exception as e:  # noqa: BLE001 - Hydra would print every override, secrets included
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("BATCHGEN_DEBUG") == "1":
+            raise
+        from batchgen.job.redact import job_secrets, scrub_text
+
+        line = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+        print(f"batchgen: failed: {scrub_text(line, job_secrets(cfg))}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _job_main(cfg: DictConfig) -> int:
     startup_trace.mark("config")
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

@@ -117,13 +117,13 @@ def test_a_storage_outage_is_retried_then_exit_75(
     assert s3.parts("out") == expected
 
 
-def _job(ckpt: str, inp: str, out: str, env: dict, *over: str) -> subprocess.Popen:
+def _job(ckpt: str, inp: str, out: str, env: dict, cwd: Path, *over: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "batchgen.cli", f"model.path={ckpt}", f"data.input={inp}", f"data.output={out}",
          f"data.window_rows={WINDOW}", "engine.device=cpu", "engine.num_blocks=128", "engine.max_num_seqs=4",
          "sampling.max_tokens=3", "sampling.temperature=0.9", "hydra.run.dir=.", "hydra.output_subdir=null",
          *over],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
 
@@ -139,7 +139,12 @@ def test_a_partition_longer_than_the_lease_neither_commits_nor_deletes(
     ttl = 3.0
     proxy.rules.append(Rule("PUT", r"/part-000000\.parquet", "delay", on_match=proxy.partition))
     a = _job(
-        llama_ckpt, inp, s3.url("out"), {**s3.env(), "AWS_ENDPOINT_URL": proxy.url}, f"data.lease_ttl_s={ttl}"
+        llama_ckpt,
+        inp,
+        s3.url("out"),
+        {**s3.env(), "AWS_ENDPOINT_URL": proxy.url},
+        tmp_path,
+        f"data.lease_ttl_s={ttl}",
     )
     deadline = time.monotonic() + 120
     while not proxy.rules[0].fired and a.poll() is None:
@@ -163,7 +168,7 @@ def test_a_partition_longer_than_the_lease_neither_commits_nor_deletes(
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("target", [RECORD, r"/part-000001\.parquet"])
 def test_kill_9_at_a_commit_write_on_an_object_store(
-    llama_ckpt: str, reference, s3: S3, proxy: FaultProxy, when: str, target: str
+    llama_ckpt: str, reference, s3: S3, proxy: FaultProxy, when: str, target: str, tmp_path: Path
 ) -> None:
     """kill -9 the job the moment it sends a commit write: before the store acts on it, or after (the write
     landed, the job never knew). The rerun completes with every row exactly once."""
@@ -179,7 +184,7 @@ def test_kill_9_at_a_commit_write_on_an_object_store(
     rule = Rule("PUT", target, "refuse" if when == "before" else "drop", skip=skip)
     rule.on_match, rule.after_forward = (kill, None) if when == "before" else (None, kill)
     proxy.rules.append(rule)
-    procs.append(_job(llama_ckpt, inp, s3.url("out"), {**s3.env(), "AWS_ENDPOINT_URL": proxy.url}))
+    procs.append(_job(llama_ckpt, inp, s3.url("out"), {**s3.env(), "AWS_ENDPOINT_URL": proxy.url}, tmp_path))
     text, _ = procs[0].communicate(timeout=180)
     assert procs[0].returncode == -signal.SIGKILL and rule.fired == 1, text[-2000:]
     os.environ["AWS_ENDPOINT_URL"] = s3.endpoint

@@ -66,6 +66,7 @@ from batchgen.job.input_versions import input_versions_unchanged
 from batchgen.job.openai_batch import is_batch_file
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
+from batchgen.job.redact import job_secrets, scrub_text
 from batchgen.job.replica_job import run_replicas, uses_replicas
 from batchgen.job.report import format_table
 from batchgen.job.result import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, JobResult, one_line
@@ -220,6 +221,9 @@ class _Job:
             self.outdir.close()
 
     def fail(self, code: int, status: str, msg: str, warn: bool = False) -> JobResult:
+        msg = scrub_text(
+            msg, job_secrets(self.cfg)
+        )  # a credential in a URL or an option never reaches a message
         (logger.warning if warn else logger.error)("%s", msg)
         report = None
         if code == EXIT_INTERRUPTED and self.manifest is not None and self.outdir is not None:
