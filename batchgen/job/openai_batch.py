@@ -61,12 +61,12 @@ def _lines(spec: str, options: dict[str, Any]) -> Iterator[str]:
         parent, name = spec.rsplit("/", 1)
         loc = Location(parent, options, key="data.input")
         with loc.open_read(name) as f:
-            yield from io.TextIOWrapper(f, encoding="utf-8", errors="replace")
+            yield from io.TextIOWrapper(f, encoding="utf-8", errors="surrogateescape")
         return
     p = Path(spec).expanduser()
     if not p.is_file():
         raise ConfigError(f"data.input: {spec!r} does not exist (an OpenAI batch request file)")
-    with open(p, encoding="utf-8", errors="replace") as f:
+    with open(p, encoding="utf-8", errors="surrogateescape") as f:  # bad bytes: error lines
         yield from f
 
 
