@@ -152,3 +152,14 @@ def test_a_planted_symlink_is_refused_never_written_through(tmp_path: Path, name
     with pytest.raises((ConfigError, StorageError), match="symbolic link"):
         OutputDir(out_dir).open(_manifest())
     assert victim.read_text() == "precious"
+
+
+def test_a_killed_atomic_write_leaves_nothing_a_rerun_keeps(tmp_path: Path) -> None:
+    from batchgen.atomic import atomic_write_bytes, remove_stale_temps
+
+    target = tmp_path / "results.jsonl"
+    (tmp_path / ".tmp-results.jsonl.abc123").write_bytes(b"half")  # a kill -9 during the write
+    (tmp_path / ".tmp-other.jsonl.x").write_bytes(b"not ours to remove")
+    assert remove_stale_temps(target) == 1
+    atomic_write_bytes(target, b"done\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-other.jsonl.x", "results.jsonl"]

@@ -25,7 +25,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.atomic import atomic_write, atomic_write_bytes
+from batchgen.atomic import atomic_write, atomic_write_bytes, remove_stale_temps
 from batchgen.data.layout import MANIFEST_NAME
 from batchgen.data.manifest import Manifest
 from batchgen.data.openai_batch import (
@@ -245,6 +245,7 @@ def write_results(
         return len(chunks), errors
     target = Path(output).expanduser()
     target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(target)  # a run killed while writing it left its temporary file
     with atomic_write(target) as tmp, open(tmp, "wb") as f:
         for line, failed in _result_lines(derived, requests, opts):
             f.write(line)
