@@ -163,3 +163,30 @@ def test_a_killed_atomic_write_leaves_nothing_a_rerun_keeps(tmp_path: Path) -> N
     assert remove_stale_temps(target) == 1
     atomic_write_bytes(target, b"done\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-other.jsonl.x", "results.jsonl"]
+
+
+def test_the_cost_of_a_commit_does_not_grow_with_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the 1st and the 300th commit write: one part and one record of the same size (no manifest)."""
+    n = 300
+    out = OutputDir(tmp_path)
+    out.open(_manifest(num_windows=n))
+    writes: list[tuple[str, int]] = []
+    real = LocalLocation.put
+
+    def put(self, name, data, **kw):
+        writes.append((name, len(data)))
+        return real(self, name, data, **kw)
+
+    monkeypatch.setattr(LocalLocation, "put", put)
+    per_commit = []
+    for w in range(n):
+        writes.clear()
+        out.commit(w, _table(0), WindowRecord("", w * 10, w * 10 + 10, 10, 10, 0, 0, 0, 0))
+        per_commit.append(list(writes))
+    assert all(len(c) == 2 and c[0][0] == part_name(i) for i, c in enumerate(per_commit))
+    first, last = per_commit[0][1][1], per_commit[-1][1][1]
+    assert last - first <= 16  # only the digits of the numbers in it grow
+    out.close()
+    assert Manifest.load(tmp_path).complete
