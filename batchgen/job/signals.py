@@ -4,8 +4,8 @@ A signal sets :attr:`StopSignal.requested` and a grace :attr:`StopSignal.deadlin
 from now); the feeder stops admitting rows, finishes the rows already admitted until the deadline, the job
 saves every finished row (parts and checkpoints) and exits with status 75. A second SIGINT raises
 KeyboardInterrupt (abort the rows in flight at once; still 75) — except inside :meth:`StopSignal.saving`,
-where the save of finished rows runs: there further SIGINTs are noted and the save completes. Once a stop
-was requested, leaving the block ignores further INT/TERM/USR1, so the status stays 75. The handlers are installed for the duration of
+where the save of finished rows runs: there further SIGINTs are noted and the save completes. The command
+(:mod:`batchgen.cli`) keeps a later signal at exit status 75 once the handlers are restored. The handlers are installed for the duration of
 :meth:`StopSignal.installed` (the whole of :func:`batchgen.job.run.run_job`, start-up included), and only in
 the main thread.
 """
@@ -22,10 +22,6 @@ from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger("batchgen.job")
-
-
-def _hand_on_sig(name: str | None) -> Any:
-    return getattr(signal, name, None) if name else None
 
 
 class StopSignal:
@@ -105,9 +101,7 @@ class StopSignal:
             yield self
         finally:
             for sig, h in old.items():
-                # after a stop the job ends with 75 whatever comes next: a second signal while it shuts down
-                # must not turn that into 130/143 (the previous handler may be the default one)
-                signal.signal(sig, signal.SIG_IGN if self.requested and sig != _hand_on_sig(hand_on) else h)
+                signal.signal(sig, h)
             if hand_on is not None and self.signal_name == hand_on:
                 sig = getattr(signal, hand_on)
                 previous = old.get(sig)
