@@ -8,6 +8,32 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+
+def _stop_while_starting() -> None:
+    """Run as the ``batchgen`` command: SIGINT, SIGTERM and SIGUSR1 from the first instant are one line and exit
+    75 (retry), never a traceback or 130/143/138; the job's own handlers replace these once it runs."""
+    import os
+    import signal
+    import sys
+
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if not (os.path.basename(sys.argv[0] if sys.argv else "") == "batchgen" or "batchgen.cli" in argv):
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        sys.stderr.write(
+            f"batchgen: stopped by {name} during start-up; nothing was written: rerun the same command\n"
+        )
+        os._exit(75)
+
+    for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), stop)
+
+
+_stop_while_starting()
+
 from batchgen.runtime import threads as _threads  # noqa: E402  (no torch: imports only os and sys)
 
 _threads.prepare()  # before torch loads OpenMP: its wait policy can only be chosen now (batchgen/runtime/threads.py)

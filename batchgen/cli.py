@@ -28,14 +28,21 @@ import sys
 
 
 def _interrupted_while_starting(signum: int, frame: object) -> None:
-    sys.stderr.write("batchgen: interrupted during start-up; nothing was written: rerun the same command\n")
+    name = signal.Signals(signum).name
+    sys.stderr.write(
+        f"batchgen: stopped by {name} during start-up; nothing was written: rerun the same command\n"
+    )
     os._exit(75)
 
 
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+
 if os.path.basename(sys.argv[0] if sys.argv else "") in ("batchgen", "cli.py"):
-    # Run as the command (not imported): a Ctrl-C while the imports below load is one line and exit 75, not a
+    # Run as the command (not imported): a signal while the imports below load is one line and exit 75, not a
     # traceback; main() hands SIGINT back to Python (KeyboardInterrupt, handled there) and the job's handlers.
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
+    for _name in STOP_SIGNALS:
+        if hasattr(signal, _name):
+            signal.signal(getattr(signal, _name), _interrupted_while_starting)
 
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -68,7 +75,21 @@ class JobFailed(RuntimeError):
 
 @hydra.main(config_path="pkg://batchgen.conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> int:
-    """Run one job; exits the process with the job's status (in a multirun: records it, see the module doc)."""
+    """Run one job; exits the process with the job's status (in a multirun: records it, see the module doc).
+    Any error escaping the job is one line without secrets, never Hydra's echo of the overrides."""
+    try:
+        return _job_main(cfg)
+    except Exception as e:  # noqa: BLE001 - Hydra would print every override, secrets included
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("BATCHGEN_DEBUG") == "1":
+            raise
+        from batchgen.job.redact import job_secrets, scrub_text
+
+        line = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+        print(f"batchgen: failed: {scrub_text(line, job_secrets(cfg))}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _job_main(cfg: DictConfig) -> int:
     startup_trace.mark("config")
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -190,6 +211,11 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(EXIT_INTERRUPTED)
+    except SystemExit:
+        for name in STOP_SIGNALS:  # the job is over: a signal now cannot change its status to 130/143
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
+        raise
     if MULTIRUN_FAILURES:
         for num, overrides, code, message in MULTIRUN_FAILURES:
             print(f"batchgen: job {num} ({overrides}) exited with status {code}: {message}", file=sys.stderr)

@@ -128,11 +128,15 @@ def part_contents(directory: Path) -> dict[str, tuple]:
 
 
 def _manifest(directory: Path) -> dict:
-    """The manifest of a shard directory ({} while it has none or is being replaced)."""
+    """The state of a shard directory, as ``_manifest.json`` with the commit log applied ({} while it has none or
+    is being replaced)."""
+    from batchgen.data.manifest import Manifest
+
     try:
-        return json.loads((Path(directory) / "_manifest.json").read_text())
-    except (OSError, ValueError):
+        m = Manifest.load(Path(directory))
+    except (OSError, ValueError, KeyError, TypeError):
         return {}
+    return json.loads(m.to_json()) if m is not None else {}
 
 
 def windows_done(directory: Path) -> int:

@@ -136,7 +136,6 @@ def test_disk_full_keeps_every_committed_window_and_resumes_exactly_once(
 ) -> None:
     """An injected ENOSPC: while writing the 3rd part, the manifest after the 2nd part, or a checkpoint."""
     from batchgen.data import output_dir as od
-    from batchgen.data.manifest import Manifest
 
     window = 40 if where == "checkpoint" else 8
     ref = tmp_path / "ref"
@@ -146,22 +145,25 @@ def test_disk_full_keeps_every_committed_window_and_resumes_exactly_once(
     cfg = _cfg(llama_ckpt, inp, out, data={"window_rows": window})
     fail = _enospc_after(2)
     if where == "part":
-        real = od.OutputDir.write_part
+        real = od.OutputDir._put_unit
 
-        def write_part(self, window, table):
+        def put_unit(self, name, data):
+            if name.startswith("part-"):
+                fail()
+            return real(self, name, data)
+
+        monkeypatch.setattr(od.OutputDir, "_put_unit", put_unit)
+    elif where == "manifest":  # the commit record of the 3rd window
+        from batchgen.data.commit_log import CommitLog
+
+        real_append = CommitLog.append
+        fail = _enospc_after(3)  # open's record, then two windows
+
+        def append(self, rec, m=None):
             fail()
-            return real(self, window, table)
+            return real_append(self, rec, m)
 
-        monkeypatch.setattr(od.OutputDir, "write_part", write_part)
-    elif where == "manifest":
-        real_save = Manifest.save
-        fail = _enospc_after(3)  # open's save, then two windows
-
-        def save(self, directory):
-            fail()
-            return real_save(self, directory)
-
-        monkeypatch.setattr(Manifest, "save", save)
+        monkeypatch.setattr(CommitLog, "append", append)
     else:
         cfg.run.checkpoint_interval_s = 1e-9  # a checkpoint after every engine step
         real_ck = od.OutputDir.write_checkpoint

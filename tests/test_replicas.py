@@ -164,3 +164,36 @@ def test_replica_resources(llama_ckpt, dataset, tmp_path, monkeypatch) -> None:
     cfg.engine.device, cfg.engine.tensor_parallel_size, cfg.engine.data_parallel_size = "cpu", 1, 2
     monkeypatch.setattr(replicas_run, "_cpu_count", lambda: 16)
     assert [(s.threads, s.env) for s in replicas_run.replica_setups(cfg, llama_ckpt)] == [(8, {}), (8, {})]
+
+
+class StoppingReplicas(LocalReplicas):
+    """Local replicas; SIGSTOPs replica 0 after its first report that leaves rows unfinished (it stays alive
+    but silent: no report, no heartbeat)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopped = 0
+
+    def events(self, timeout: float):
+        out = super().events(timeout)
+        for kind, r, payload in out:
+            if r == 0 and kind == "report" and payload.busy and not self.stopped:
+                os.kill(self.pid(r), signal.SIGSTOP)
+                self.stopped = self.pid(r)
+        return out
+
+
+def test_a_silent_replica_is_declared_lost_and_its_windows_requeued(
+    llama_ckpt, dataset, single, tmp_path, monkeypatch
+):
+    from batchgen.job.replicas import coordinator
+
+    monkeypatch.setattr(coordinator, "SILENT_S", 3.0)
+    stopper = StoppingReplicas()
+    monkeypatch.setattr(replicas_run, "make_executor", lambda cfg: stopper)
+    out = tmp_path / "out"
+    res = run_job(_cfg(llama_ckpt, dataset, out, dp=2, restarts=1), handle_signals=False, print_summary=False)
+    assert stopper.stopped
+    assert res.exit_code == EXIT_OK, res.message
+    assert part_contents(out) == part_contents(single)
+    _rows_exactly_once(out, 27)

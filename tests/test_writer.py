@@ -106,7 +106,14 @@ def test_commit_is_atomic_and_resume_cleans_leftovers(tmp_path: Path) -> None:
     m2 = OutputDir(tmp_path / "out").open(_manifest())
     assert set(m2.windows) == {0}
     names = sorted(p.name for p in out.path.iterdir())
-    assert names == [".batchgen.lock", "_manifest.json", part_name(0), "user-notes.txt"]
+    assert names == [
+        ".batchgen.lock",
+        "_commits",
+        "_layout.json",
+        "_manifest.json",
+        part_name(0),
+        "user-notes.txt",
+    ]
     assert Manifest.load(out.path).windows[0].row_end == 10
 
 
@@ -239,20 +246,3 @@ def test_an_output_without_a_successful_row_is_taken_over(tmp_path: Path) -> Non
         m = out.open(_manifest(fp="f2", cfg={"sampling": {"temperature": 0.5}}))
         assert out.took_over and m.fingerprint == "f2" and not m.windows
     assert not (tmp_path / part_name(0)).exists() and (tmp_path / "notes.txt").exists()
-
-
-def test_a_part_replaced_by_a_killed_retry_is_counted_again(tmp_path: Path) -> None:
-    layout = PartLayout(pa.int64(), [], n=1, logprobs=False, metadata={})
-    from batchgen.data.parts import assemble_part
-
-    table, _ = assemble_part(layout, [_piece(list(range(10)))], 10, {"index": 0})
-    with OutputDir(tmp_path) as out:
-        m = out.open(_manifest())
-        rec = _rec(0)
-        rec.rows_ok, rec.rows_error, rec.retry_rows, rec.rewriting = 3, 7, [1, 2], True
-        out.commit(0, table, rec)
-        m.windows[0].rewriting = True  # as if killed after the part was replaced, before the manifest
-        m.save(tmp_path)
-    m = OutputDir(tmp_path).open(_manifest())
-    w = m.windows[0]
-    assert (w.rows_ok, w.rows_error, w.retry_rows, w.rewriting) == (10, 0, [], False)

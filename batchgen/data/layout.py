@@ -11,9 +11,14 @@ directory holds:
 - ``_report.json``: the figures of the last run;
 - ``_checkpoint/``: rows already finished in windows not yet complete (``part-{window:06d}.{seq:06d}.arrow``,
   Arrow IPC files listed in the manifest; folded into the window's part when it completes);
+- ``_commits/``: the commit log, one small record per commit since the manifest was last compacted
+  (``{seq:012d}.json``, :mod:`batchgen.data.commit_log`);
 - ``_logs/<time>/``: Hydra's run directory (config record, job log);
 - ``.batchgen.lock``: held (flock) by the one process writing the directory;
 - ``.tmp-*``: files being written (renamed into place when complete).
+
+``data.output`` itself holds ``_layout.json``, naming the shard layout (``shard_count``) that owns it: a job of
+another layout is refused. On object stores ``_lease.json`` (:mod:`batchgen.data.lease`) takes the lock's place.
 
 Every name except the parts starts with ``_`` or ``.``, which Hive-style dataset readers skip, and nothing
 but a part ends with ``.parquet``, so glob readers (polars, DuckDB) see exactly the output rows.
@@ -31,6 +36,8 @@ REPORT_NAME = "_report.json"
 LOGS_DIR = "_logs"  # also spelled out in conf/config.yaml (hydra.run.dir and hydra.sweep.dir)
 CHECKPOINT_DIR = "_checkpoint"
 LOCK_NAME = ".batchgen.lock"
+LAYOUT_NAME = "_layout.json"
+COMMITS_DIR = "_commits"
 TEMP_PREFIX = ".tmp-"
 """Prefix of files being written: :func:`batchgen.runtime.atomic.atomic_write` names its temporary files so."""
 METADATA_KEY = b"batchgen"

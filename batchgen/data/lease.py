@@ -11,6 +11,12 @@ clock). Invariants:
   write. A renewal that fails (another job took the lease over after it expired) marks the lease lost:
   :meth:`Lease.check` raises from then on, so the job stops before its next commit.
 - Releasing deletes the object only if it is still this holder's.
+- Each holder has an epoch one above every epoch it could see (the previous lease's, and the output's commit
+  log's, :mod:`batchgen.data.commit_log`): commit records carry it, and a record of a lower epoch after a
+  holder's ``open`` record is ignored — a stale holder can no longer commit.
+- The holder counts its lease lost by its own clock too: when no renewal succeeded for ``ttl_s`` (a partition,
+  a paused process) :meth:`Lease.check` raises, so it never deletes or commits after another job could have
+  taken over.
 Expiry compares the holder's clock with the taker's: hosts writing the same output need clocks within a small
 fraction of the TTL (NTP); ``docs/storage.md`` explains why the manifest's conditional writes keep the output
 consistent even when they are not.
@@ -18,6 +24,7 @@ consistent even when they are not.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -33,8 +40,9 @@ LEASE_NAME = "_lease.json"
 logger = logging.getLogger("batchgen.job")
 
 
-class LeaseLost(ConfigError):
-    """Another job took this job's lease over (it had expired): this job must stop writing."""
+class LeaseLost(RuntimeError):
+    """Another job took this job's lease over (it had expired), or this job could not renew it in time: this
+    job stops writing and exits 75; the rows it committed are kept."""
 
 
 class Lease:
@@ -47,6 +55,11 @@ class Lease:
         self.token = uuid.uuid4().hex
         self.etag: str | None = None
         self.lost: str | None = None
+        self.previous_epoch = 0
+        """The epoch of the lease this one replaced (0 when there was none)."""
+        self.epoch = 0
+        """This holder's epoch: set by the output directory once it has read the commit log."""
+        self._valid_until = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -58,16 +71,19 @@ class Lease:
             "expires_at": time.time() + self.ttl_s,
             "ttl_s": self.ttl_s,
             "process": self.process,
+            "epoch": max(self.epoch, self.previous_epoch),
         }
         return (json.dumps(d) + "\n").encode()
 
     def acquire(self) -> None:
         """Hold the lease (taking over an expired one) and start renewing it; ConfigError when another job holds
         it."""
+        t0 = time.monotonic()
         try:
             self.etag = self.loc.put(LEASE_NAME, self._body(), if_absent=True)
         except PreconditionFailed:
             self._take_over()
+        self._valid_until = t0 + self.ttl_s
         self._thread = threading.Thread(target=self._renew_loop, name="batchgen-lease", daemon=True)
         self._thread.start()
 
@@ -75,6 +91,8 @@ class Lease:
         info = self.loc.info(LEASE_NAME)
         raw = self.loc.read_bytes(LEASE_NAME) if info is not None else None
         held = _parse(raw)
+        if held is not None:
+            self.previous_epoch = int(held.get("epoch") or 0)
         now = time.time()
         dead = held is not None and _holder_is_dead(held)
         if info is not None and held is not None and float(held.get("expires_at", 0)) > now and not dead:
@@ -107,8 +125,10 @@ class Lease:
         with self._lock:
             if self.lost is not None or self.etag is None:
                 return
+            t0 = time.monotonic()
             try:
                 self.etag = self.loc.put(LEASE_NAME, self._body(), if_match=self.etag)
+                self._valid_until = t0 + self.ttl_s
             except PreconditionFailed:
                 held = _parse(self.loc.read_bytes(LEASE_NAME)) or {}
                 self.lost = (
@@ -125,8 +145,21 @@ class Lease:
 
     def check(self) -> None:
         """Raise LeaseLost when the lease was taken over (before a commit)."""
+        if self.lost is None and self.etag is not None and time.monotonic() > self._valid_until:
+            self.lost = (
+                f"could not renew the lease on {self.loc.url!r} for {self.ttl_s:g} s (data.lease_ttl_s): another "
+                "job may have taken over; this job stops; the rows it committed are kept"
+            )
         if self.lost is not None:
             raise LeaseLost(self.lost)
+
+    @staticmethod
+    def is_held(loc: Location) -> bool:
+        """Whether a live job holds the lease on `loc` (an unexpired lease object)."""
+        held = _parse(loc.read_bytes(LEASE_NAME))
+        return (
+            held is not None and float(held.get("expires_at", 0)) > time.time() and not _holder_is_dead(held)
+        )
 
     def release(self) -> None:
         """Stop renewing; delete the lease object if it is still this holder's."""
@@ -146,6 +179,77 @@ class Lease:
                 except Exception as e:  # noqa: BLE001 - it expires by itself
                     logger.warning("could not release the lease on %s: %s", self.loc.url, e)
             self.etag = None
+
+
+class FileLock:
+    """The holder of a local output directory: an exclusive ``flock`` on its lock file, opened without
+    following links (a planted link is refused, never truncated through). The same interface as
+    :class:`Lease`; a local lock cannot be lost while the process lives."""
+
+    def __init__(self, directory: str | os.PathLike, name: str) -> None:
+        self.file = os.path.join(os.fspath(directory), name)
+        self.previous_epoch = 0
+        self.epoch = 0
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        try:
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ConfigError(
+                    f"data.output: {self.file!r} is a symbolic link; batchgen never writes its lock through a "
+                    "link: remove it"
+                ) from None
+            raise
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            except OSError:
+                holder = "?"
+            os.close(fd)
+            raise ConfigError(
+                f"another batchgen process ({holder or 'unknown pid'}) is writing "
+                f"{os.path.dirname(self.file)!r}; wait for it to finish or stop it (in a sweep, give each job its "
+                "own data.output, e.g. data.output=out/${hydra:job.num})"
+            ) from None
+        except (ImportError, OSError) as e:  # no flock on this filesystem: carry on unlocked
+            logger.warning("cannot lock %s (%s); make sure no other job writes the same output", self.file, e)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+        self._fd = fd
+
+    def check(self) -> None:
+        """A flock held by this process is never lost."""
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+    @staticmethod
+    def is_held(directory: str | os.PathLike, name: str) -> bool:
+        """Whether a live process holds the lock of `directory` (tried without waiting)."""
+        path = os.path.join(os.fspath(directory), name)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return False
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        except (ImportError, OSError):
+            return False
+        finally:
+            os.close(fd)
 
 
 def _stat(pid: int) -> list[bytes] | None:

@@ -1,9 +1,10 @@
 """The manifest of an output directory: which windows are finished, under which configuration.
 
-``_manifest.json`` is rewritten atomically (:func:`batchgen.runtime.atomic.atomic_write_bytes`) after each part file
-or checkpoint file is in place, so at any moment it lists only files that are complete on disk. A part or
-checkpoint file without a manifest entry (killed between the two renames) is removed and redone on the next
-run.
+``_manifest.json`` is the commit log (:mod:`batchgen.data.commit_log`) compacted up to record ``log_seq``:
+a job writes it when it opens the directory and when it closes it, and each commit in between adds one small
+record, so a commit costs the same however many came before. The state of an output is this manifest with
+the later records applied (:meth:`Manifest.load` does it). Every part and checkpoint it names is recorded
+with its size and sha256, checked before a run trusts it.
 
 - ``windows``: finished windows (their part holds every row of the window), with the rows whose error may be
   retried (``data.retry_errors``) and a hash of the window's input rows (checked when a resume skips it);
@@ -11,7 +12,7 @@ run.
 - ``model``: names describing the checkpoint (path, architecture, per-file hashes) for readable refusals;
   only ``config`` (hashed into ``fingerprint``) decides whether a rerun may resume.
 
-Format ``batchgen-manifest/2``; any other format is refused as unreadable.
+Format ``batchgen-manifest/3``; any other format is refused as unreadable.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from batchgen.data.layout import MANIFEST_NAME
 from batchgen.runtime.atomic import atomic_write_bytes
 
-FORMAT = "batchgen-manifest/2"
+FORMAT = "batchgen-manifest/3"
 
 
 @dataclass
@@ -47,9 +48,10 @@ class WindowRecord:
     ``data.retry_errors=true`` recomputes."""
     input_sha256: str | None = None
     """Hash of the window's input rows (the columns the job reads); None when the input was unreadable."""
-    rewriting: bool = False
-    """Set while the part is being replaced (a retry): the counts above are re-derived from the part if a
-    run dies in between."""
+    size: int = 0
+    sha256: str = ""
+    version: str | None = None
+    """The part's size, content hash and store version (ETag, local inode/mtime) when it was committed."""
     rows_by_adapter: dict[str, dict[str, int]] | None = None
     """A LoRA job's input rows by adapter name (``base model``: rows without one): ``{"ok": n, "error": m}``;
     None when not counted (not a LoRA job, or counts re-derived from the part after a crash)."""
@@ -65,6 +67,8 @@ class PartialRecord:
     rows_ok: int = 0
     """Of those, rows without error."""
     input_sha256: str | None = None
+    checks: dict[str, list] = field(default_factory=dict)
+    """``file -> [size, sha256, version]`` of each checkpoint file when it was committed."""
 
 
 @dataclass
@@ -85,6 +89,10 @@ class Manifest:
     windows: dict[int, WindowRecord] = field(default_factory=dict)
     partial: dict[int, PartialRecord] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
+    epoch: int = 0
+    """The epoch of the last holder that opened the output (records of lower epochs after it are fenced)."""
+    log_seq: int = 0
+    """The last commit record compacted into this manifest."""
     format: str = FORMAT
 
     @property
@@ -133,6 +141,8 @@ class Manifest:
             windows=windows,
             partial=partial,
             model=d.get("model") or {},
+            epoch=int(d.get("epoch", 0)),
+            log_seq=int(d.get("log_seq", 0)),
             format=d["format"],
         )
 
@@ -147,10 +157,11 @@ class Manifest:
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Manifest | None:
-        p = cls.path_in(directory)
-        if p is None:
-            return None
-        return cls.from_json(p.read_text())
+        """The state of the output in `directory`: its manifest with the later commit records applied."""
+        from batchgen.data.commit_log import read_state
+        from batchgen.data.local_storage import LocalLocation
+
+        return read_state(LocalLocation(directory))[0]
 
 
 def diff_config(old: Any, new: Any, prefix: str = "") -> list[str]:

@@ -26,12 +26,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+
+from batchgen.data.json_limits import JsonLimitError, loads_bounded
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -102,6 +105,8 @@ def _sampling(body: dict, chat: bool) -> tuple[dict[str, Any], int | None]:
     for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         if k in out and (isinstance(out[k], bool) or not isinstance(out[k], (int, float))):
             raise _Bad(f"body.{k} must be a number, got {out[k]!r}")
+    if "temperature" in out and out["temperature"] < 0:
+        raise _Bad(f"body.temperature must be >= 0, got {out['temperature']!r}")
     if "seed" in out:
         _int(body, "seed", lo=-(1 << 63))
     mt = _int(body, "max_completion_tokens", 1) if chat else None
@@ -158,12 +163,30 @@ def _embedding_body(body: dict, row: dict[str, Any]) -> None:
     row["dimensions"] = _int(body, "dimensions", 1)
 
 
+_CUSTOM_ID_RE = re.compile(r'"custom_id"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+def _printable_custom_id(text: str) -> str | None:
+    """The custom_id of a line refused as a whole (too deep, too large, invalid UTF-8, a lone surrogate), made
+    printable (``\\udcff`` escapes), so its error line still names the request; None when none is found."""
+    m = _CUSTOM_ID_RE.search(text)
+    try:
+        cid = json.loads(m.group(1)) if m else None
+    except ValueError:
+        return None
+    return cid.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(cid, str) and cid else None
+
+
 def _parse_line(text: str, lineno: int, endpoint: str | None, task: str = "generate") -> dict[str, Any]:
     """One request line as a row (``request_error`` set when it cannot run)."""
     row: dict[str, Any] = {"line": lineno}
     try:
-        req = json.loads(text)
-    except ValueError as e:
+        req = loads_bounded(text)
+    except JsonLimitError as e:
+        row["request_error"] = f"line {lineno}: {e}"
+        row["custom_id"] = _printable_custom_id(text)
+        return row
+    except json.JSONDecodeError as e:
         row["request_error"] = f"line {lineno}: not valid JSON ({e.msg} at column {e.colno})"
         return row
     if not isinstance(req, dict):

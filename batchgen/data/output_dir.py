@@ -1,34 +1,45 @@
-"""The output directory of one shard: the lock, resume checks, cleanup of a killed run, atomic commits.
+"""The output directory of one shard: policy (resume checks, layout ownership, the commit protocol) over a
+storage location (a local directory or an object-store prefix, :func:`batchgen.data.storage.open_location`).
 
-File names are those of :mod:`batchgen.data.layout`. Invariants:
-- A part or checkpoint file appears under its final name only complete and fsynced
-  (:func:`batchgen.runtime.atomic.atomic_write`); the manifest is updated (atomically) only after that rename, so every
-  file it lists is complete. A window's checkpoint files are deleted only after the manifest lists its part.
-- Opening removes temp files, parts and checkpoint files the manifest does not list (leftovers of a killed
-  run), and refuses (ConfigError) an output written with a different configuration, input or shard layout
-  unless ``overwrite`` (which deletes batchgen's own files only, :func:`~batchgen.data.layout.is_own_file`) —
-  or unless that output holds no successful row at all (a failed start, a run whose every row failed): then
-  the new configuration takes it over, saying so in the log.
-- One process per shard directory: an exclusive ``flock`` on the lock file, held until :meth:`OutputDir.close`.
+File names are those of :mod:`batchgen.data.layout`; the commit protocol is that of
+:mod:`batchgen.data.commit_log`. Invariants:
+- One holder per shard location: a ``flock`` locally, a lease object on object stores. Opening takes it,
+  writes an ``open`` record of a new epoch (fencing every earlier holder), then checks every committed part
+  and checkpoint file (size, store version, else sha256): a missing or changed one is dropped from the state
+  and its window recomputed, never reported complete.
+- A commit writes the part (or checkpoint file) whole, then one commit record naming it with its size and
+  sha256. Nothing a committed record names is ever deleted; a failed or ambiguous write deletes nothing:
+  the next holder resolves it by reading the log back. Garbage (temp files, parts and checkpoint files no
+  record names, records already compacted) is removed only by the current holder, after its ``open`` record.
+- ``_manifest.json`` is rewritten (conditionally, resolved by read-back) only on open and close.
+- ``data.output`` names its shard layout in ``_layout.json``; a job of another layout is refused unless
+  ``data.overwrite`` or the other layout holds no successful row and no live holder.
+- A different configuration, input or shard is refused (ConfigError) unless ``overwrite`` (which deletes
+  batchgen's own files only, :func:`~batchgen.data.layout.is_own_file`) or that output holds no successful
+  row (then taken over, said in the log).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import io
+import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.data.commit_log import CommitLog, apply, put_resolved, read_state, sha256
 from batchgen.data.layout import (
     CHECKPOINT_DIR,
     CHECKPOINT_RE,
+    COMMITS_DIR,
+    LAYOUT_NAME,
     LOCK_NAME,
     MANIFEST_NAME,
     PART_RE,
@@ -41,13 +52,14 @@ from batchgen.data.layout import (
     part_name,
     shard_dir_name,
 )
-from batchgen.data.manifest import Manifest, PartialRecord, WindowRecord, describe_model_change, diff_config
-from batchgen.data.parts import part_as_piece, part_stats
+from batchgen.data.lease import FileLock, Lease, LeaseLost
+from batchgen.data.manifest import Manifest, WindowRecord, describe_model_change, diff_config
+from batchgen.data.storage import PreconditionFailed, is_url, open_location, table_to_parquet_bytes
 from batchgen.errors import ConfigError
-from batchgen.runtime.atomic import atomic_write, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_LEASE_TTL_S = 120.0
 _RESUME_HINT = (
     "Rerun with the original settings to resume, choose another data.output, or pass "
     "data.overwrite=true to discard the existing output."
@@ -86,49 +98,36 @@ def _setup_errors(path: Path, doing: str) -> Iterator[None]:
 
 
 class OutputDir:
-    """One shard's output directory: ``output`` itself, or its shard sub-directory when ``shard_count > 1``."""
+    """One shard's output: ``output`` itself, or its shard sub-directory when ``shard_count > 1``. ``path`` is a
+    Path for a local directory, the redacted URL for an object store."""
 
-    def __init__(self, output: str | os.PathLike, shard_index: int = 0, shard_count: int = 1) -> None:
-        self.root = Path(output)
+    def __init__(
+        self,
+        output: str | os.PathLike,
+        shard_index: int = 0,
+        shard_count: int = 1,
+        storage_options: dict[str, Any] | None = None,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+    ) -> None:
         self.shard_index, self.shard_count = int(shard_index), int(shard_count)
-        sub = shard_dir_name(self.shard_index, self.shard_count)
-        self.path = self.root / sub if sub else self.root
-        self._lock_fd: int | None = None
+        self.root_loc = open_location(output, storage_options, key="data.output")
+        self.loc = self.root_loc.child(shard_dir_name(self.shard_index, self.shard_count))
+        self.remote = is_url(output)
+        self.root: Any = self.root_loc.display
+        self.path: Any = self.loc.display
+        self.holder: Any = Lease(self.loc, lease_ttl_s) if self.remote else FileLock(self.loc.dir, LOCK_NAME)
+        self.log = CommitLog(self.loc)
         self.manifest: Manifest | None = None
+        self._manifest_version: str | None = None
+        self._held = False
+        self._named: set[str] = set()
+        """Every part or checkpoint file a committed record named (never deleted)."""
         self.took_over: str | None = None
         """Why :meth:`open` discarded the previous output of another configuration (None when it did not)."""
         self.previous_input: dict[str, Any] = {}
         """The input description of the manifest :meth:`open` resumed ({} when it started anew)."""
 
     # ------------------------------------------------------------------------------------ lifecycle
-    def _lock(self) -> None:
-        fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            import fcntl
-
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            except OSError:
-                holder = "?"
-            os.close(fd)
-            raise ConfigError(
-                f"another batchgen process ({holder or 'unknown pid'}) is writing {str(self.path)!r}; "
-                "wait for it to finish or stop it (in a sweep, give each job its own data.output, e.g. "
-                "data.output=out/${hydra:job.num})"
-            ) from None
-        except (ImportError, OSError) as e:  # no flock on this filesystem: carry on unlocked
-            logger.warning("cannot lock %s (%s); make sure no other job writes the same output", self.path, e)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
-        self._lock_fd = fd
-
-    def close(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
-
     def __enter__(self) -> OutputDir:
         return self
 
@@ -136,99 +135,8 @@ class OutputDir:
         self.close()
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return self.path / CHECKPOINT_DIR
-
-    def _clear(self, directory: Path) -> int:
-        """Delete batchgen's files in `directory` and its checkpoint directory (never anything else)."""
-        count = 0
-        if not directory.is_dir():
-            return 0
-        for p in directory.iterdir():
-            if p.is_file() and is_own_file(p.name):
-                p.unlink(missing_ok=True)
-                count += 1
-        ck = directory / CHECKPOINT_DIR
-        if ck.is_dir():
-            for p in ck.iterdir():
-                if p.is_file() and is_own_checkpoint(p.name):
-                    p.unlink(missing_ok=True)
-                    count += 1
-            try:
-                ck.rmdir()
-            except OSError:
-                pass
-        return count
-
-    def _other_layouts(self) -> list[Path]:
-        """Directories under data.output holding a manifest of a different shard layout than ours."""
-        found = []
-        if self.shard_count > 1 and Manifest.path_in(self.root) is not None:
-            found.append(self.root)
-        if self.root.is_dir():
-            for p in sorted(self.root.iterdir()):
-                m = SHARD_RE.match(p.name)
-                if m and p.is_dir() and int(m.group(2)) != self.shard_count and Manifest.path_in(p):
-                    found.append(p)
-        return found
-
-    def _clear_other_layouts(self, overwrite: bool) -> None:
-        others = self._other_layouts()
-        valuable = [p for p in others if self._holds_results_at(p)]
-        if valuable and not overwrite:
-            where = ", ".join(str(p) for p in valuable)
-            raise ConfigError(
-                f"data.output {str(self.root)!r} already holds output of another shard layout ({where}); "
-                "use another data.output or data.overwrite=true to discard it"
-            )
-        for p in others:
-            if not overwrite:
-                logger.warning(
-                    "taking over %s: the output of another shard layout there holds no successful row", p
-                )
-            self._clear(p)
-
-    def _existing_manifest(self, overwrite: bool) -> Manifest | None:
-        """The manifest to resume from: None when there is none or `overwrite` discards it (and the files)."""
-        try:
-            existing = self._load_manifest()
-        except (ValueError, KeyError, TypeError) as e:
-            if not overwrite:
-                raise ConfigError(
-                    f"{self.path}/{MANIFEST_NAME} is unreadable ({e}); use data.overwrite=true to start over"
-                ) from e
-            existing = None
-        if overwrite:
-            n = self._clear(self.path)
-            if n:
-                logger.info("data.overwrite=true: removed %d file(s) of a previous run from %s", n, self.path)
-            return None
-        return existing
-
-    def _remove_leftovers(self, manifest: Manifest) -> None:
-        """A killed run's unfinished temp files, parts written whose window never reached the manifest, and
-        checkpoint files the manifest does not list (or of windows already finished)."""
-        keep = {r.part for r in manifest.windows.values()}
-        for name in self._files():
-            if name.startswith(TEMP_PREFIX) or (PART_RE.match(name) and name not in keep):
-                self._delete(name)
-        listed = {f for w, rec in manifest.partial.items() if w not in manifest.windows for f in rec.files}
-        for w in [w for w in manifest.partial if w in manifest.windows]:
-            del manifest.partial[w]
-        for name in self._files(CHECKPOINT_DIR):
-            if is_own_checkpoint(name) and name not in listed:
-                self._delete(f"{CHECKPOINT_DIR}/{name}")
-        for w, rec in manifest.windows.items():
-            if rec.rewriting:  # killed while replacing the part: count what the part holds now
-                self._rederive(w, rec, manifest)
-
-    def _rederive(self, w: int, rec: WindowRecord, manifest: Manifest) -> None:
-        n = int((manifest.config.get("sampling") or {}).get("n", 1) or 1)
-        st = part_stats(part_as_piece(self._read_table(rec.part), n), n)
-        for name, value in asdict(st).items():  # a part's stats are its record's counts, field for field
-            setattr(rec, name, value)
-        rec.rows_by_adapter = None  # the part holds no adapter names: no longer known
-        rec.rewriting = False
+    def checkpoint_dir(self) -> Any:
+        return self.path / CHECKPOINT_DIR if isinstance(self.path, Path) else f"{self.path}/{CHECKPOINT_DIR}"
 
     def open(
         self,
@@ -237,7 +145,8 @@ class OutputDir:
         retry_keys: tuple[str, ...] = (),
         retry_errors: bool = False,
     ) -> Manifest:
-        """Lock the directory, clean leftovers, and return the manifest to continue (or `fresh`).
+        """Take the holder, fence earlier holders, check and clean, and return the state to continue (or
+        `fresh`).
 
         Raises ConfigError when the directory holds output of another configuration, input or shard layout
         (unless `overwrite`, which discards it, or that output holds no successful row: taken over).
@@ -245,20 +154,66 @@ class OutputDir:
         (rows already generated keep their output, error rows are recomputed).
         """
         with _setup_errors(self.path, "create the output directory"):
-            self._makedirs()
+            self.loc.prepare()
         with _setup_errors(self.path, "write into"):
-            self._lock()
+            self.holder.acquire()
+        self._held = True
         try:
             with _setup_errors(self.path, "write into"):
-                self._clear_other_layouts(overwrite)
-                manifest = self._manifest_to_continue(fresh, overwrite, retry_keys, retry_errors)
-                self._remove_leftovers(manifest)
-                self._save_manifest(manifest)  # atomic; its directory fsync also makes the removals durable
+                self._claim_layout(overwrite)
+                m = self._manifest_to_continue(fresh, overwrite, retry_keys, retry_errors)
+                self._fence(m)
+                self._verify(m)
+                self._remove_leftovers(m)
+                self._compact(m, prune=False)
         except BaseException:
-            self.close()
+            self._release()
             raise
-        self.manifest = manifest
-        return manifest
+        self.manifest = m
+        return m
+
+    def close(self) -> None:
+        """Compact the log into the manifest (when this job still holds the output) and release it."""
+        if self._held and self.manifest is not None:
+            try:
+                self.holder.check()
+                self._catch_up(self.manifest)
+                self._remove_leftovers(self.manifest)
+                self._compact(self.manifest)
+            except Exception as e:  # noqa: BLE001 - the log stays authoritative; the next open compacts
+                logger.warning(
+                    "could not compact the commit log of %s: %s", self.path, " ".join(str(e).split())
+                )
+        self._release()
+
+    def _release(self) -> None:
+        if self._held:
+            self._held = False
+            self.holder.release()
+
+    # --------------------------------------------------------------------------------- the state
+    def _load(self, loc: Any) -> Manifest | None:
+        m, version, log = read_state(loc)
+        if loc is self.loc:
+            self._manifest_version, self.log = version, log
+        return m
+
+    def _existing_manifest(self, overwrite: bool) -> Manifest | None:
+        """The state to resume from: None when there is none or `overwrite` discards it (and the files)."""
+        try:
+            existing = self._load(self.loc)
+        except (ValueError, KeyError, TypeError) as e:
+            if not overwrite:
+                raise ConfigError(
+                    f"{self.path}/{MANIFEST_NAME} is unreadable ({e}); use data.overwrite=true to start over"
+                ) from e
+            existing = None
+        if overwrite:
+            n = self._clear(self.loc)
+            if n:
+                logger.info("data.overwrite=true: removed %d file(s) of a previous run from %s", n, self.path)
+            return None
+        return existing
 
     def _manifest_to_continue(
         self, fresh: Manifest, overwrite: bool, retry_keys: tuple[str, ...], retry_errors: bool
@@ -275,7 +230,7 @@ class OutputDir:
         if _manifest_holds_results(existing):
             raise ConfigError(problem)
         self.took_over = " ".join(problem.split("\n")[:2])
-        n = self._clear(self.path)
+        n = self._clear(self.loc)
         diff = "; ".join(x.strip() for x in problem.split("\n") if x.startswith("  "))
         logger.warning(
             "%s: a new configuration takes over this output directory, which holds no successful row "
@@ -341,90 +296,261 @@ class OutputDir:
         old.batchgen_version = new.batchgen_version
         return None
 
+    def _fence(self, m: Manifest) -> None:
+        """Write this holder's ``open`` record, of an epoch above every one seen: from now on no earlier holder
+        can commit. Records another writer created meanwhile are applied to `m` first."""
+        self._named = {r.part for r in m.windows.values()} | {f for p in m.partial.values() for f in p.files}
+        epoch = max(m.epoch, self.holder.previous_epoch) + 1
+        self.holder.epoch = epoch
+        self.log.append({"kind": "open", "epoch": epoch}, m)
+        m.epoch = epoch
+
+    def _catch_up(self, m: Manifest) -> None:
+        """Apply records created after the last one this job knows (a write of ours whose answer was lost)."""
+        for rec in self.log.read_from(self.log.next_seq):
+            if apply(m, rec):
+                self._named |= set(_names(rec))
+
+    def _compact(self, m: Manifest, prune: bool = True) -> None:
+        """``_manifest.json`` := the state up to the last record; then (`prune`) the records it holds go. On
+        open they stay: a stale holder then finds every number up to this holder's ``open`` record taken."""
+        self.holder.check()
+        m.log_seq = self.log.next_seq - 1
+        data = m.to_json().encode()
+        try:
+            if self._manifest_version is None:
+                self._manifest_version = put_resolved(self.loc, MANIFEST_NAME, data, if_absent=True)
+            else:
+                self._manifest_version = put_resolved(
+                    self.loc, MANIFEST_NAME, data, if_match=self._manifest_version
+                )
+        except PreconditionFailed:
+            raise LeaseLost(
+                f"{self.loc.url_of(MANIFEST_NAME)} was changed by another job (this job's lease was taken over): "
+                "this job stops; the rows committed before are kept"
+            ) from None
+        if prune:
+            self.holder.check()
+            self.log.delete_through(m.log_seq)
+            self.loc.remove_dir(COMMITS_DIR)
+
+    def _verify(self, m: Manifest) -> None:
+        """Drop from `m` every window whose part, and every checkpoint file, that is missing or changed since
+        its commit (the window is recomputed); what the record names is kept on disk."""
+        parts = self.loc.list()
+        for w, rec in sorted(m.windows.items()):
+            why = self._changed(parts, rec.part, rec.size, rec.sha256, rec.version)
+            if why:
+                logger.warning(
+                    "%s/%s %s since it was committed: window %d is recomputed", self.path, rec.part, why, w
+                )
+                del m.windows[w]
+        cks = self.loc.list(CHECKPOINT_DIR)
+        for w, p in sorted(m.partial.items()):
+            for f in p.files:
+                size, digest, version = (p.checks.get(f) or [0, "", None])[:3]
+                why = self._changed(cks, f"{CHECKPOINT_DIR}/{f}", size, digest, version, cks.get(f))
+                if why:
+                    logger.warning("%s/%s/%s %s: its rows are recomputed", self.path, CHECKPOINT_DIR, f, why)
+                    del m.partial[w]
+                    break
+
+    def _changed(
+        self, listing: dict, name: str, size: int, digest: str, version: str | None, info: Any = None
+    ) -> str | None:
+        info = info if info is not None else listing.get(name)
+        if info is None:
+            return "is missing"
+        if not digest:
+            return None  # recorded without a checksum
+        if size and info.size != size:
+            return f"changed size ({size} -> {info.size} bytes)"
+        if version is not None and info.etag == version:
+            return None
+        data = self.loc.read_bytes(name)
+        return None if data is not None and sha256(data) == digest else "changed content"
+
+    def _remove_leftovers(self, m: Manifest) -> None:
+        """Garbage no committed record names: temp files, parts, checkpoint files, compacted records. Only the
+        current holder (after its ``open`` record) runs this."""
+        self.holder.check()
+        for w in [w for w in m.partial if w in m.windows]:
+            del m.partial[w]
+        keep = {r.part for r in m.windows.values()} | self._named
+        for name in self.loc.list():
+            if name.startswith(TEMP_PREFIX) or (PART_RE.match(name) and name not in keep):
+                self.loc.delete(name)
+        listed = {f for rec in m.partial.values() for f in rec.files} | self._named
+        for name in self.loc.list(CHECKPOINT_DIR):
+            if is_own_checkpoint(name) and name not in listed:
+                self.loc.delete(f"{CHECKPOINT_DIR}/{name}")
+        if not m.partial:
+            self.loc.remove_dir(CHECKPOINT_DIR)
+
+    def _clear(self, loc: Any) -> int:
+        """Delete batchgen's files in `loc`, its checkpoints and commit log (never anything else)."""
+        count = 0
+        for name in loc.list():
+            if is_own_file(name):
+                loc.delete(name)
+                count += 1
+        for sub, own in ((CHECKPOINT_DIR, is_own_checkpoint), (COMMITS_DIR, lambda n: n.endswith(".json"))):
+            for name in loc.list(sub):
+                if own(name):
+                    loc.delete(f"{sub}/{name}")
+                    count += 1
+            loc.remove_dir(sub)
+        if loc is self.loc:
+            self._manifest_version = None
+            self.log = CommitLog(self.loc)
+        return count
+
+    # ------------------------------------------------------------------------------ layout ownership
+    def _claim_layout(self, overwrite: bool) -> None:
+        """Make this job's shard layout the owner of data.output (``_layout.json``), or refuse."""
+        mine = (json.dumps({"shard_count": self.shard_count}) + "\n").encode()
+        raw = self.root_loc.read_bytes(LAYOUT_NAME)
+        owner = _parse_layout(raw)
+        if owner == self.shard_count:
+            return
+        others = self._other_layouts()
+        valuable = [loc for loc in others if _holds_results(loc) or self._held_by_other(loc)]
+        if owner is not None and not valuable and not others and not overwrite:
+            valuable = []  # the owner's output is gone: take it over
+        if valuable and not overwrite:
+            where = ", ".join(str(loc.display) for loc in valuable)
+            shown = f"data.shard.count={owner}" if owner is not None else "another shard layout"
+            raise ConfigError(
+                f"data.output {str(self.root)!r} already holds output of another shard layout ({shown}: {where}); "
+                f"this job's is data.shard.count={self.shard_count}: use another data.output or "
+                "data.overwrite=true to discard it"
+            )
+        for loc in others:
+            if not overwrite:
+                logger.warning(
+                    "taking over %s: the output of another shard layout there holds no successful row",
+                    loc.display,
+                )
+            self._clear(loc)
+        try:
+            if raw is None:
+                put_resolved(self.root_loc, LAYOUT_NAME, mine, if_absent=True)
+            else:
+                self.root_loc.put(LAYOUT_NAME, mine)
+        except PreconditionFailed:  # another job claimed it at the same moment
+            if _parse_layout(self.root_loc.read_bytes(LAYOUT_NAME)) != self.shard_count:
+                raise ConfigError(
+                    f"data.output {str(self.root)!r} was claimed by a job of another shard layout at the same "
+                    "moment; use another data.output"
+                ) from None
+
+    def _other_layouts(self) -> list[Any]:
+        """Locations under data.output holding a manifest of a different shard layout than ours."""
+        found = []
+        if self.shard_count > 1 and self.root_loc.info(MANIFEST_NAME) is not None:
+            found.append(self.root_loc)
+        for name in self.root_loc.list_dirs():
+            m = SHARD_RE.match(name)
+            if m and int(m.group(2)) != self.shard_count:
+                loc = self.root_loc.child(name)
+                if loc.info(MANIFEST_NAME) is not None:
+                    found.append(loc)
+        return found
+
+    def _held_by_other(self, loc: Any) -> bool:
+        return Lease.is_held(loc) if self.remote else FileLock.is_held(loc.dir, LOCK_NAME)
+
     # -------------------------------------------------------------------------------------- writing
-    def write_part(self, window: int, table: pa.Table) -> str:
-        """Write `table` as the window's part file (atomically); returns its name."""
-        name = part_name(window)
-        self._write_table(name, table)
-        return name
+    def _put_unit(self, name: str, data: bytes) -> list:
+        """Write a part or checkpoint file whole; returns ``[size, sha256, version]``. A name no record names
+        is created only if absent, so a stale holder's late write cannot replace it; an object found there
+        that no record names (such a late write) is replaced."""
+        self.holder.check()
+        try:
+            if name in self._named:
+                version = self.loc.put(name, data)
+            else:
+                version = put_resolved(self.loc, name, data, if_absent=True)
+        except (
+            PreconditionFailed
+        ):  # an object no record names (a stale holder's late write): ours replaces it
+            self.holder.check()
+            version = self.loc.put(name, data)
+        return [len(data), sha256(data), version]
 
     def commit(self, window: int, table: pa.Table, record: WindowRecord) -> None:
-        """Make a finished window durable: its part first, then the manifest entry, then its checkpoint files
-        go. Replacing a committed part (a retry) flags the record first, so a crash in between is repaired on
-        the next open."""
+        """Make a finished window durable: its part, then its commit record; then its checkpoint files go.
+        On a failure nothing is deleted and the state in memory stays what the log holds."""
         assert self.manifest is not None, "open() first"
         m = self.manifest
-        prev = m.windows.get(window)
-        if prev is not None:
-            prev.rewriting = True
-            self._save_manifest(m)
-        record.part = self.write_part(window, table)
-        m.windows[window] = record
-        done = m.partial.pop(window, None)
-        try:
-            self._save_manifest(m)
-        except BaseException:
-            # not recorded (a full disk...): readers must not see the part, and the manifest in memory stays
-            # what is on disk; a replaced part is a complete part of the window either way (rewriting=True)
-            if prev is None:
-                del m.windows[window]
-                self._delete(record.part)
-            else:
-                m.windows[window] = prev
-            if done is not None:
-                m.partial[window] = done
-            raise
-        for name in done.files if done is not None else []:
-            self._delete(f"{CHECKPOINT_DIR}/{name}")
-        if done is not None and not m.partial:
-            self._checkpoint_dir_done()
+        name = part_name(window)
+        record.part = name
+        record.size, record.sha256, record.version = self._put_unit(name, _table_bytes(name, table))
+        self.holder.check()
+        rec = {"kind": "window", "epoch": m.epoch, "window": window, "record": _asdict(record)}
+        done = list(m.partial[window].files) if window in m.partial else []
+        self.log.append(rec)
+        apply(m, rec)
+        self._named.add(name)
+        for f in done:
+            self.holder.check()
+            self.loc.delete(f"{CHECKPOINT_DIR}/{f}")
+            self._named.discard(f)
+        if done and not m.partial:
+            self.loc.remove_dir(CHECKPOINT_DIR)
+
+    def write_part(self, window: int, table: pa.Table) -> str:
+        """Write `table` as the window's part file (not committed); returns its name."""
+        name = part_name(window)
+        self._put_unit(name, _table_bytes(name, table))
+        return name
 
     def write_checkpoint(
         self, window: int, table: pa.Table, rows: int, rows_ok: int, input_sha256: str | None
     ) -> str:
         """Add `table` (finished rows of an unfinished window, with the extra piece columns) as a checkpoint
-        file of `window` and record it in the manifest; returns the file name."""
+        file of `window` and commit it; returns the file name."""
         assert self.manifest is not None, "open() first"
         m = self.manifest
-        rec = m.partial.get(window)
-        seq = 1 + max((int(CHECKPOINT_RE.match(f).group(2)) for f in rec.files), default=-1) if rec else 0  # type: ignore[union-attr]
+        prev = m.partial.get(window)
+        seq = 1 + max((int(CHECKPOINT_RE.match(f).group(2)) for f in prev.files), default=-1) if prev else 0  # type: ignore[union-attr]
         name = checkpoint_name(window, seq)
-        self._write_table(f"{CHECKPOINT_DIR}/{name}", table)
-        new = rec is None
-        if rec is None:
-            rec = m.partial[window] = PartialRecord(files=[], rows=0, rows_ok=0, input_sha256=input_sha256)
-        rec.files.append(name)
-        rec.rows += rows
-        rec.rows_ok += rows_ok
-        try:
-            self._save_manifest(m)
-        except BaseException:
-            rec.files.pop()
-            rec.rows -= rows
-            rec.rows_ok -= rows_ok
-            if new:
-                del m.partial[window]
-            self._delete(f"{CHECKPOINT_DIR}/{name}")
-            raise
+        size, digest, version = self._put_unit(f"{CHECKPOINT_DIR}/{name}", _table_bytes(name, table))
+        self.holder.check()
+        rec = {
+            "kind": "checkpoint", "epoch": m.epoch, "window": window, "file": name, "rows": rows,
+            "rows_ok": rows_ok, "input_sha256": input_sha256, "size": size, "sha256": digest, "version": version,
+        }  # fmt: skip
+        self.log.append(rec)
+        apply(m, rec)
+        self._named.add(name)
         return name
 
     def checkpoint_pieces(self, window: int) -> list[pa.Table]:
         """The checkpointed rows of `window` (tables with the extra piece columns)."""
         assert self.manifest is not None, "open() first"
         rec = self.manifest.partial.get(window)
-        out = []
-        for name in rec.files if rec is not None else []:
-            out.append(self._read_table(f"{CHECKPOINT_DIR}/{name}"))
-        return out
+        return [
+            self._read_table(f"{CHECKPOINT_DIR}/{name}") for name in (rec.files if rec is not None else [])
+        ]
 
     def read_part(self, window: int) -> pa.Table:
         """The committed part of `window`."""
         assert self.manifest is not None, "open() first"
         return self._read_table(self.manifest.windows[window].part)
 
+    def _read_table(self, name: str) -> pa.Table:
+        raw = self.loc.read_bytes(name)
+        if raw is None:
+            raise FileNotFoundError(f"{self.loc.url_of(name)} is missing")
+        if name.endswith(".parquet"):
+            return pq.read_table(io.BytesIO(raw))
+        return pa.ipc.open_file(pa.BufferReader(raw)).read_all()
+
+    # --------------------------------------------------------------------------------------- report
     @property
-    def report_path(self) -> Path:
-        return self.path / REPORT_NAME
+    def report_path(self) -> Any:
+        return self.path / REPORT_NAME if isinstance(self.path, Path) else self.loc.url_of(REPORT_NAME)
 
     @property
     def report_location(self) -> str:
@@ -432,58 +558,42 @@ class OutputDir:
         return str(self.report_path)
 
     def has_report(self) -> bool:
-        return self.report_path.is_file()
+        return self.loc.info(REPORT_NAME) is not None
 
     def save_report(self, text: str) -> None:
-        """Write ``_report.json`` (atomically)."""
-        atomic_write_text(self.report_path, text)
+        """Write ``_report.json`` (one atomic write)."""
+        self.loc.put(REPORT_NAME, text.encode())
 
-    # ------------------------------------------------------------------- storage (local files; see RemoteOutputDir)
-    def _makedirs(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
 
-    def _load_manifest(self) -> Manifest | None:
-        return Manifest.load(self.path)
+def _names(rec: dict[str, Any]) -> list[str]:
+    if rec.get("kind") == "window":
+        return [rec["record"]["part"]]
+    if rec.get("kind") == "checkpoint":
+        return [rec["file"]]
+    return []
 
-    def _save_manifest(self, m: Manifest) -> None:
-        m.save(self.path)
 
-    def _files(self, sub: str = "") -> list[str]:
-        """Names of the files directly in the directory (or its sub-directory `sub`)."""
-        d = self.path / sub if sub else self.path
-        return [p.name for p in d.iterdir() if p.is_file()] if d.is_dir() else []
+def _asdict(record: WindowRecord) -> dict[str, Any]:
+    from dataclasses import asdict
 
-    def _delete(self, name: str) -> None:
-        (self.path / name).unlink(missing_ok=True)
+    return asdict(record)
 
-    def _write_table(self, name: str, table: pa.Table) -> None:
-        """`table` as file `name` (Parquet for ``.parquet``, else Arrow IPC), atomically."""
-        target = self.path / name
-        target.parent.mkdir(exist_ok=True)
-        with atomic_write(target) as tmp:
-            if name.endswith(".parquet"):
-                pq.write_table(table, tmp, compression="zstd")
-            else:
-                opts = pa.ipc.IpcWriteOptions(compression="zstd")
-                with (
-                    pa.OSFile(str(tmp), "wb") as sink,
-                    pa.ipc.new_file(sink, table.schema, options=opts) as w,
-                ):
-                    w.write_table(table)
 
-    def _read_table(self, name: str) -> pa.Table:
-        if name.endswith(".parquet"):
-            return pq.read_table(self.path / name)
-        with pa.memory_map(str(self.path / name)) as src:
-            return pa.ipc.open_file(src).read_all()
+def _table_bytes(name: str, table: pa.Table) -> bytes:
+    """`table` as file bytes: Parquet for ``.parquet``, else Arrow IPC."""
+    if name.endswith(".parquet"):
+        return table_to_parquet_bytes(table, compression="zstd")
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
 
-    def _checkpoint_dir_done(self) -> None:
-        """Every checkpoint of the directory is folded into its part: remove the (empty) checkpoint directory."""
-        with contextlib.suppress(OSError):
-            self.checkpoint_dir.rmdir()  # only when empty
 
-    def _holds_results_at(self, directory: Any) -> bool:
-        return _holds_results(directory)
+def _parse_layout(raw: bytes | None) -> int | None:
+    try:
+        return int(json.loads(raw)["shard_count"]) if raw is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _manifest_holds_results(m: Manifest) -> bool:
@@ -491,9 +601,9 @@ def _manifest_holds_results(m: Manifest) -> bool:
     return any(r.rows_ok for r in m.windows.values()) or any(p.rows_ok for p in m.partial.values())
 
 
-def _holds_results(directory: Path) -> bool:
+def _holds_results(loc: Any) -> bool:
     try:
-        m = Manifest.load(directory)
+        m = read_state(loc)[0]
     except (ValueError, KeyError, TypeError, OSError):
         return True  # unreadable: do not assume it is worthless
     return m is not None and _manifest_holds_results(m)
@@ -511,3 +621,14 @@ def on_disk_full(e: BaseException) -> bool:
             return True
         cur = cur.__cause__ or cur.__context__
     return False
+
+
+def open_output_dir(
+    output: str,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    storage_options: dict[str, Any] | None = None,
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+) -> OutputDir:
+    """The output directory of a shard: a local path or a URL of an object store."""
+    return OutputDir(output, shard_index, shard_count, storage_options, lease_ttl_s)

@@ -31,7 +31,6 @@ overrides set ``seed``, so its samples do not depend on the batch, the grouping 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.chat import normalize_messages
+from batchgen.data.json_limits import JsonLimitError, loads_bounded
 from batchgen.data.values import safe_pylist
 from batchgen.lora_request import LoRARequest
 from batchgen.sampling_params import SamplingParams
@@ -120,7 +120,9 @@ def check_messages(value: Any) -> list[dict[str, str]] | str:
         return "messages is null"
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = loads_bounded(value)
+        except JsonLimitError as e:
+            return f"messages is a JSON string {e}"
         except ValueError as e:
             return f"messages is a string but not valid JSON: {e}"
     if isinstance(value, Mapping) or not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
@@ -159,7 +161,9 @@ def parse_overrides(value: Any) -> dict[str, Any] | str:
         if not value.strip():
             return {}
         try:
-            value = json.loads(value)
+            value = loads_bounded(value)
+        except JsonLimitError as e:
+            return f"sampling overrides: the JSON string is {e}"
         except ValueError as e:
             return f"sampling overrides are not valid JSON: {e}"
     if isinstance(value, list) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):

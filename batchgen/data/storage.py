@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -33,6 +36,7 @@ _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "
              "abfss": "adlfs", "hf": "huggingface_hub"}  # fmt: skip
 _SECRET_KEY_RE = re.compile(r"key|secret|token|pass|cred|sas|sig|auth|session|private", re.IGNORECASE)
 REDACTED = "***"
+logger = logging.getLogger("batchgen.job")
 
 
 class StorageError(ConfigError):
@@ -41,6 +45,37 @@ class StorageError(ConfigError):
 
 class PreconditionFailed(Exception):
     """A conditional write found the object in another state than the one it was conditioned on."""
+
+
+class StorageUnavailable(RuntimeError):
+    """The store did not answer (connection refused or reset, a timeout, a 5xx) after the retries: the job
+    exits 75 (retryable) and a rerun resumes."""
+
+
+TRANSIENT_CODES = ("500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown",
+                   "RequestTimeout", "RequestTimeoutException", "ThrottlingException")  # fmt: skip
+RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 4.0)
+"""Pauses between the tries of an operation that met a transient error (then StorageUnavailable)."""
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether `e` (or what caused it) is an outage worth retrying: connection refused/reset, a timeout, a 5xx
+    or throttling answer."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        name = type(cur).__name__
+        if isinstance(cur, (ConnectionError, TimeoutError)) or name in (
+            "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+            "ServerDisconnectedError", "ClientConnectorError", "ClientOSError", "ClientPayloadError",
+            "ResponseStreamingError", "IncompleteReadError", "ProtocolError",
+        ):  # fmt: skip
+            return True
+        if _client_error_code(cur) in TRANSIENT_CODES:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 @dataclass(frozen=True)
@@ -204,6 +239,14 @@ class Location:
             )
         return loc
 
+    @property
+    def display(self) -> str:
+        """What messages and callers show for this location (its redacted URL)."""
+        return self.url
+
+    def remove_dir(self, sub: str) -> None:
+        """Object stores have no directories: nothing to remove."""
+
     def path(self, name: str = "") -> str:
         """The filesystem path of `name` (the fsspec path, without the protocol)."""
         return f"{self.root}/{name}" if name else self.root
@@ -215,17 +258,43 @@ class Location:
     def _error(self, e: BaseException, doing: str, name: str = "") -> StorageError:
         return storage_error(e, self.raw_url + (f"/{name}" if name else ""), self.key, doing)
 
+    def _call(self, doing: str, name: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, retried with backoff on transient errors (StorageUnavailable when they last); other errors
+        propagate. FileNotFoundError is an answer, not an outage."""
+        for delay in (*RETRY_DELAYS_S, None):
+            try:
+                return fn()
+            except FileNotFoundError:
+                raise
+            except Exception as e:  # noqa: BLE001 - classified below
+                if not is_transient(e) or isinstance(e, PreconditionFailed):
+                    raise
+                if delay is None:
+                    why = " ".join(str(e).split())[:160] or type(e).__name__
+                    raise StorageUnavailable(
+                        f"{self.key}: the store does not answer to {doing} {self.url_of(name)!r} ({why}) after "
+                        f"{len(RETRY_DELAYS_S) + 1} tries: rerun the same command to resume"
+                    ) from e
+                logger.warning(
+                    "%s %s: %s; retrying in %.1f s", doing, self.url_of(name), type(e).__name__, delay
+                )
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
     # ------------------------------------------------------------------------------------------ reads
     def info(self, name: str) -> ObjectInfo | None:
         """Size and version of object `name`, or None when there is none."""
+        path = self.path(name)
         try:
-            d = (
-                self.fs.info(self.path(name), refresh=True)
-                if self._refreshable
-                else self.fs.info(self.path(name))
+            d = self._call(
+                "read",
+                name,
+                lambda: self.fs.info(path, refresh=True) if self._refreshable else self.fs.info(path),
             )
         except FileNotFoundError:
             return None
+        except StorageUnavailable:
+            raise
         except Exception as e:  # noqa: BLE001 - any store error is one line for the user
             raise self._error(e, "read", name) from e
         if d.get("type") == "directory":
@@ -238,10 +307,18 @@ class Location:
 
     def read_bytes(self, name: str) -> bytes | None:
         """The content of object `name`, or None when there is none."""
+        path = self.path(name)
+
+        def cat() -> bytes:
+            self.fs.invalidate_cache(path)  # a cached "not found" must not answer for an object written since
+            return self.fs.cat_file(path)
+
         try:
-            return self.fs.cat_file(self.path(name))
+            return self._call("read", name, cat)
         except FileNotFoundError:
             return None
+        except StorageUnavailable:
+            raise
         except Exception as e:  # noqa: BLE001
             raise self._error(e, "read", name) from e
 
@@ -252,18 +329,26 @@ class Location:
         except Exception as e:  # noqa: BLE001
             raise self._error(e, "read", name) from e
 
-    def list(self, sub: str = "") -> dict[str, ObjectInfo]:
-        """Objects directly below `sub` (names relative to `sub`): the 'files' of a directory."""
+    def _ls(self, sub: str) -> list[dict[str, Any]]:
         base = self.path(sub)
-        try:
+
+        def ls() -> list[dict[str, Any]]:
             self.fs.invalidate_cache(base)
-            entries = self.fs.ls(base, detail=True)
+            return self.fs.ls(base, detail=True)
+
+        try:
+            return self._call("list", sub, ls)
         except FileNotFoundError:
-            return {}
+            return []
+        except StorageUnavailable:
+            raise
         except Exception as e:  # noqa: BLE001
             raise self._error(e, "list", sub) from e
+
+    def list(self, sub: str = "") -> dict[str, ObjectInfo]:
+        """Objects directly below `sub` (names relative to `sub`): the 'files' of a directory."""
         out = {}
-        for d in entries:
+        for d in self._ls(sub):
             if d.get("type") == "directory":
                 continue
             name = str(d["name"]).rstrip("/").rsplit("/", 1)[-1]
@@ -272,25 +357,26 @@ class Location:
 
     def list_dirs(self) -> list[str]:
         """Names of the 'directories' (common prefixes) directly below this location."""
-        try:
-            self.fs.invalidate_cache(self.root)
-            entries = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError:
-            return []
-        except Exception as e:  # noqa: BLE001
-            raise self._error(e, "list") from e
         return sorted(
-            str(d["name"]).rstrip("/").rsplit("/", 1)[-1] for d in entries if d.get("type") == "directory"
+            str(d["name"]).rstrip("/").rsplit("/", 1)[-1]
+            for d in self._ls("")
+            if d.get("type") == "directory"
         )
+
+    def prepare(self) -> None:
+        """StorageError when the bucket (container, repository) of this location is missing or unreachable."""
+        self.check_bucket()
 
     def check_bucket(self, doing: str = "write into") -> None:
         """StorageError when the bucket (container, repository) of this location is missing or unreachable."""
         bucket = self.root.split("/", 1)[0]
         try:
             if self.protocol in ("s3", "s3a"):
-                self.fs.call_s3("head_bucket", Bucket=bucket)
+                self._call(doing, "", lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
             else:
-                self.fs.ls(bucket)
+                self._call(doing, "", lambda: self.fs.ls(bucket))
+        except StorageUnavailable:
+            raise
         except Exception as e:  # noqa: BLE001
             if isinstance(e, FileNotFoundError) or _client_error_code(e) in ("404", "NoSuchBucket"):
                 raise StorageError(
@@ -303,7 +389,11 @@ class Location:
         self, name: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None
     ) -> str | None:
         """Write `data` as object `name` in one atomic write; returns the new version (ETag) when the store
-        says it. With `if_absent` / `if_match`, raises PreconditionFailed when the condition does not hold."""
+        says it. With `if_absent` / `if_match`, raises PreconditionFailed when the condition does not hold.
+
+        A write whose answer was lost is retried (by the client and here); a retried conditional write may
+        then fail its condition against its own first try: callers resolve PreconditionFailed by reading the
+        object back (:func:`batchgen.data.commit_log.put_resolved`)."""
         path = self.path(name)
         if self.conditional:
             kwargs: dict[str, Any] = {}
@@ -312,7 +402,9 @@ class Location:
             elif if_match is not None:
                 kwargs["IfMatch"] = if_match
             try:
-                out = self.fs.pipe_file(path, data, **kwargs)
+                out = self._call("write into", name, lambda: self.fs.pipe_file(path, data, **kwargs))
+            except StorageUnavailable:
+                raise
             except Exception as e:  # noqa: BLE001
                 gone = isinstance(e, FileNotFoundError) or _client_error_code(e) in ("NoSuchKey", "404")
                 if (
@@ -331,7 +423,9 @@ class Location:
             ):
                 raise PreconditionFailed(self.url_of(name))
         try:
-            self.fs.pipe_file(path, data)
+            self._call("write into", name, lambda: self.fs.pipe_file(path, data))
+        except StorageUnavailable:
+            raise
         except Exception as e:  # noqa: BLE001
             raise self._error(e, "write into", name) from e
         info = self.info(name)
@@ -340,13 +434,25 @@ class Location:
     def delete(self, name: str) -> None:
         """Remove object `name` (no error when it is already gone)."""
         try:
-            self.fs.rm_file(self.path(name))
+            self._call("delete from", name, lambda: self.fs.rm_file(self.path(name)))
         except FileNotFoundError:
             pass
+        except StorageUnavailable:
+            raise
         except Exception as e:  # noqa: BLE001
             if getattr(e, "errno", None) == errno.ENOENT:
                 return
             raise self._error(e, "delete from", name) from e
+
+
+def open_location(spec: Any, storage_options: dict[str, Any] | None = None, key: str = "data.output") -> Any:
+    """The location `spec` names: a :class:`Location` for a URL, else a local
+    :class:`~batchgen.data.local_storage.LocalLocation` (the same methods)."""
+    if is_url(spec):
+        return Location(str(spec), storage_options, key=key)
+    from batchgen.data.local_storage import LocalLocation
+
+    return LocalLocation(str(spec).removeprefix("file://"), key=key)
 
 
 def object_version(d: dict[str, Any]) -> str | None:

@@ -708,7 +708,7 @@ def _recommend(data, fit, kv_tok, pct, bounds, ecfg, inp, dev_mem, n_dev) -> dic
 def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
     """``run.dry_run=true``: the plan of the job described by ``plan`` (a :class:`JobPlan`), printed and
     written to ``_plan.json``; returns the JobResult (exit status 0)."""
-    from batchgen.data.remote_output import open_output_dir
+    from batchgen.data.output_dir import open_output_dir
     from batchgen.job.plan_report import format_plan, write_plan
     from batchgen.job.result import EXIT_OK, JobResult
     from batchgen.job.run import _load_tokenizer, _start_engine

@@ -40,7 +40,7 @@ from batchgen.errors import ConfigError
 from batchgen.job.config import JobConfig, to_job_config
 from batchgen.job.result import EXIT_CONFIG, EXIT_OK, EXIT_TOO_MANY_ERRORS, JobResult
 from batchgen.job.tally import RowTally
-from batchgen.runtime.atomic import atomic_write, atomic_write_bytes
+from batchgen.runtime.atomic import atomic_write, atomic_write_bytes, remove_stale_temps
 
 logger = logging.getLogger("batchgen.job")
 
@@ -63,12 +63,12 @@ def _lines(spec: str, options: dict[str, Any]) -> Iterator[str]:
         parent, name = spec.rsplit("/", 1)
         loc = Location(parent, options, key="data.input")
         with loc.open_read(name) as f:
-            yield from io.TextIOWrapper(f, encoding="utf-8", errors="replace")
+            yield from io.TextIOWrapper(f, encoding="utf-8", errors="surrogateescape")
         return
     p = Path(spec).expanduser()
     if not p.is_file():
         raise ConfigError(f"data.input: {spec!r} does not exist (an OpenAI batch request file)")
-    with open(p, encoding="utf-8", errors="replace") as f:
+    with open(p, encoding="utf-8", errors="surrogateescape") as f:  # bad bytes: error lines
         yield from f
 
 
@@ -292,6 +292,7 @@ def write_results(
         return len(chunks), tally
     target = Path(output).expanduser()
     target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(target)  # a run killed while writing it left its temporary file
     with atomic_write(target) as tmp, open(tmp, "wb") as f:
         for line, error in _result_lines(derived, requests, opts):
             f.write(line)

@@ -5,6 +5,7 @@ strings of URLs (``s3://KEY:SECRET@bucket``, ``?sig=...``) are replaced by ``***
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -41,10 +42,22 @@ def secret_values(cfg: Any) -> list[str]:
     return sorted((s for s in out if len(s) >= 3), key=len, reverse=True)
 
 
+_URL_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@'\"]+@")
+
+
 def scrub_text(text: str, secrets: list[str]) -> str:
+    """`text` with every secret replaced by ``***``, and any ``scheme://user:password@`` user info too."""
     for s in secrets:
         text = text.replace(s, REDACTED)
-    return text
+    return _URL_USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", text)
+
+
+def job_secrets(cfg: Any) -> list[str]:
+    """:func:`secret_values` of `cfg`, or none when the config cannot be read (never raises)."""
+    try:
+        return secret_values(cfg)
+    except Exception:  # noqa: BLE001 - an unreadable config: the URL pattern still applies
+        return []
 
 
 def scrub_files(directory: str | Path, secrets: list[str]) -> None:

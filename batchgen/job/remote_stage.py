@@ -9,8 +9,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from batchgen.data.commit_log import read_state
 from batchgen.data.layout import MANIFEST_NAME, SHARD_RE
-from batchgen.data.manifest import Manifest
 from batchgen.data.storage import Location
 
 
@@ -24,13 +24,13 @@ def staged_output(url: str) -> Iterator[Path]:
         subs = [""] + [d for d in root.list_dirs() if SHARD_RE.match(d)]
         for sub in subs:
             loc = root.child(sub)
-            raw = loc.read_bytes(MANIFEST_NAME)
-            if raw is None:
+            m = read_state(loc)[0]  # the manifest with any commit record after it applied
+            if m is None:
                 continue
             d = local / sub if sub else local
             d.mkdir(exist_ok=True)
-            (d / MANIFEST_NAME).write_bytes(raw)
-            for rec in Manifest.from_json(raw.decode()).windows.values():
+            (d / MANIFEST_NAME).write_text(m.to_json())
+            for rec in m.windows.values():
                 data = loc.read_bytes(rec.part)
                 if data is not None:
                     (d / rec.part).write_bytes(data)

@@ -49,9 +49,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from batchgen.data.lease import LeaseLost
 from batchgen.data.manifest import Manifest
-from batchgen.data.output_dir import OutputDir, on_disk_full
-from batchgen.data.remote_output import open_output_dir
+from batchgen.data.output_dir import OutputDir, on_disk_full, open_output_dir
+from batchgen.data.storage import StorageUnavailable
 from batchgen.engine.core.interface import Engine
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
@@ -65,6 +66,7 @@ from batchgen.job.metrics import JobMetrics, open_metrics
 from batchgen.job.openai_batch import is_batch_file, open_batch_file
 from batchgen.job.plan import RETRY_KEYS, JobPlan, fresh_manifest, plan_job
 from batchgen.job.progress import Progress
+from batchgen.job.redact import job_secrets, scrub_text
 from batchgen.job.replicas.run import run_replicas, uses_replicas
 from batchgen.job.report import format_table, pooling_figures
 from batchgen.job.result import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, JobResult, one_line
@@ -149,6 +151,14 @@ def _run_guarded(cfg: Any, engine: Engine | None, stop: StopSignal, print_summar
             "incomplete",
             f"stopped: {one_line(e)}{where}; rerun the same command (or let Slurm requeue) to resume",
         )
+    except (LeaseLost, StorageUnavailable) as e:
+        return _failed(
+            job,
+            opening,
+            EXIT_INTERRUPTED,
+            "incomplete",
+            f"stopped: {one_line(e)}; every committed row is kept: rerun the same command to resume",
+        )
     except KeyboardInterrupt:
         where = _saved_where(job)
         msg = f"aborted{where}: rerun the same command to resume"
@@ -199,6 +209,7 @@ def _saved_where(job: _Job | None) -> str:
 def _failed(
     job: _Job | None, opening: _Opening, code: int, status: str, msg: str, warn: bool = False
 ) -> JobResult:
+    msg = scrub_text(msg, opening.secrets)  # a credential in a URL or an option never reaches a message
     (logger.warning if warn else logger.error)("%s", msg)
     if job is None:
         return JobResult(code, status, opening.out_dir, None, None, msg)
@@ -236,10 +247,13 @@ class _Opening:
         self.out_dir = "?"
         self.outdir: OutputDir | None = None
         self.t_start = time.monotonic()
+        self.secrets: list[str] = []
+        """The job's credentials (:func:`~batchgen.job.redact.job_secrets`), scrubbed from every message."""
 
     def plan(self, cfg: Any, stop: StopSignal) -> JobPlan:
         """Plan the job (no model yet; the module docstring's step 1); raises ConfigError for a job that
         cannot run."""
+        self.secrets = job_secrets(cfg)
         job = to_job_config(cfg)
         stop.grace_s = job.run.stop_grace_s
         self.out_dir = job.data.output

@@ -4,7 +4,8 @@ A signal sets :attr:`StopSignal.requested` and a grace :attr:`StopSignal.deadlin
 from now); the feeder stops admitting rows, finishes the rows already admitted until the deadline, the job
 saves every finished row (parts and checkpoints) and exits with status 75. A second SIGINT raises
 KeyboardInterrupt (abort the rows in flight at once; still 75) — except inside :meth:`StopSignal.saving`,
-where the save of finished rows runs: there further SIGINTs are noted and the save completes. The handlers are installed for the duration of
+where the save of finished rows runs: there further SIGINTs are noted and the save completes. The command
+(:mod:`batchgen.cli`) keeps a later signal at exit status 75 once the handlers are restored. The handlers are installed for the duration of
 :meth:`StopSignal.installed` (the whole of :func:`batchgen.job.run.run_job`, start-up included), and only in
 the main thread.
 """

@@ -64,6 +64,24 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Path]:
     fsync_dir(path.parent)
 
 
+def remove_stale_temps(path: str | os.PathLike) -> int:
+    """Remove the temporary files :func:`atomic_write` left beside ``path`` when a process writing it was killed
+    (``.tmp-<name>.*``: only names it makes); call it only while no other process writes ``path``. Returns how
+    many it removed."""
+    path = Path(path)
+    prefix = f".tmp-{path.name}."
+    count = 0
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return 0
+    for e in entries:
+        if e.name.startswith(prefix) and e.is_file(follow_symlinks=False):
+            _unlink_quietly(e.path)
+            count += 1
+    return count
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (see :func:`atomic_write`)."""
     with atomic_write(path) as tmp:

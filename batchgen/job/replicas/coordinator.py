@@ -42,6 +42,9 @@ DEPTH = 2
 """Windows a replica holds at most: the one it runs and the next (no idle gap at a window boundary)."""
 POLL_S = 0.25
 """Longest wait for a replica's event before the coordinator's own work (progress, checkpoints, signals)."""
+SILENT_S = 60.0
+"""A ready replica holding windows that sent nothing (not even its heartbeat) for this long — a stopped or
+hung process — is killed, so it is reported lost and its windows are requeued."""
 
 _SUMMED = (*_COUNTERS, "num_blocks", "running_seqs", "waiting_seqs", "swapped_seqs", "peak_running_seqs",
            "kv_blocks_used")  # fmt: skip
@@ -90,6 +93,8 @@ class ReplicaSlot:
     rows: int = 0
     windows_done: int = 0
     restarts: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    """When the current replica last sent anything (its heartbeat included)."""
 
     def total_stats(self) -> EngineStats:
         return add_stats(self.retired, self.stats)
@@ -187,6 +192,7 @@ class Coordinator:
             elif self.exhausted and not self.active:
                 break
             self._handle(self.executor.events(POLL_S))
+            self._check_silent()
             if self.on_step is not None:
                 self.on_step()
             while self._ready:
@@ -231,9 +237,25 @@ class Coordinator:
             slot.windows.append(work.spec.index)
             self.executor.send(r, [WindowRequests(work.spec.index, requests)])
 
+    def _check_silent(self) -> None:
+        """Kill a replica that holds windows and has been silent for :data:`SILENT_S` (its executor then
+        reports it lost); executors without ``kill`` are left to their own liveness checks."""
+        kill = getattr(self.executor, "kill", None)
+        now = time.monotonic()
+        for r, slot in self.slots.items():
+            if kill is not None and slot.ready and slot.windows and now - slot.last_seen > SILENT_S:
+                logger.warning(
+                    "engine replica %d sent nothing for %.0f s: declared lost", r, now - slot.last_seen
+                )
+                slot.last_seen = now
+                kill(r)
+
     def _handle(self, events: list[tuple[str, int, Any]]) -> None:
         for kind, r, payload in events:
             slot = self.slots[r]
+            slot.last_seen = time.monotonic()
+            if kind == "heartbeat":
+                continue
             if kind == "ready":
                 slot.ready = True
                 if self.on_ready is not None:

@@ -51,6 +51,12 @@ class LocalReplicas:
         proc = self.procs.get(replica)
         return proc.pid if proc is not None else None
 
+    def kill(self, replica: int) -> None:
+        """SIGKILL replica ``replica`` (a stopped process too); :meth:`events` then reports it lost."""
+        proc = self.procs.get(replica)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
     def send(self, replica: int, windows: list[WindowRequests]) -> None:
         try:
             self.conns[replica].send(("work", windows))

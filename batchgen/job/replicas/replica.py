@@ -143,6 +143,7 @@ def replica_main(conn: Any, setup: ReplicaSetup) -> None:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     inbox: queue.Queue[tuple] = queue.Queue()
     threading.Thread(target=_drain, args=(conn, inbox), name="batchgen-replica-inbox", daemon=True).start()
+    threading.Thread(target=_heartbeat, args=(conn,), name="batchgen-replica-heartbeat", daemon=True).start()
     try:
         core = ReplicaCore(setup)
     except BaseException as e:  # noqa: BLE001 - told to the coordinator, which decides what it means
@@ -172,13 +173,25 @@ def replica_main(conn: Any, setup: ReplicaSetup) -> None:
             return  # the coordinator is gone
 
 
+HEARTBEAT_S = 1.0
+"""Seconds between a replica's ``("heartbeat", None)`` messages: a replica that stops sending them (a
+SIGSTOPped or hung process) is declared lost by the coordinator (:data:`batchgen.job.replicas.coordinator.SILENT_S`)."""
+_SEND_LOCK = threading.Lock()
+
+
 def _send(conn: Any, msg: tuple) -> bool:
     """Send ``msg`` to the coordinator; False when it is gone (the replica then exits quietly)."""
     try:
-        conn.send(msg)
+        with _SEND_LOCK:
+            conn.send(msg)
         return True
     except OSError:
         return False
+
+
+def _heartbeat(conn: Any) -> None:
+    while _send(conn, ("heartbeat", None)):
+        time.sleep(HEARTBEAT_S)
 
 
 def _drain(conn: Any, inbox: queue.Queue[tuple]) -> None:

@@ -1,0 +1,90 @@
+"""kill -9 at each step of a commit on a local disk: after the part is written, before and after its commit
+record, and during the compaction of the manifest. The rerun ends with the uninterrupted run's output, each
+row exactly once."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import env_without_slurm, job_config, part_contents
+
+from batchgen.job.run import EXIT_OK, run_job
+
+OVER = {"data": {"window_rows": 3}, "sampling": {"max_tokens": 3}}
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, re, signal, sys
+    sys.path.insert(0, {tests!r})
+    from conftest import job_config
+    from batchgen.data.local_storage import LocalLocation
+    from batchgen.job.run import run_job
+
+    real, seen = LocalLocation.put, [0]
+
+    def put(self, name, data, **kw):
+        hit = re.search({pattern!r}, str(self.dir / name)) is not None
+        seen[0] += hit
+        if hit and seen[0] == {nth} and {when!r} == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = real(self, name, data, **kw)
+        if hit and seen[0] == {nth} and {when!r} == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    LocalLocation.put = put
+    run_job(job_config({ckpt!r}, {inp!r}, {out!r}, **{over!r}), handle_signals=False, print_summary=False)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("killref")
+    pq.write_table(
+        pa.table({"prompt": [f"Row {i}: a {'b ' * (i % 3)}c" for i in range(9)]}), root / "in.parquet"
+    )
+    cfg = job_config(llama_ckpt, root / "in.parquet", root / "out", **OVER)
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
+    return root, part_contents(root / "out")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "pattern,nth,when",
+    [
+        (r"part-000001\.parquet$", 1, "after"),  # the part is written, no record names it
+        (r"_commits/\d+\.json$", 3, "before"),  # the 2nd window's record never written
+        (r"_commits/\d+\.json$", 3, "after"),  # the record written, the job never knew
+        (r"_manifest\.json$", 2, "before"),  # the compaction when the job closes
+    ],
+)
+def test_kill_9_at_a_commit_step(
+    llama_ckpt: str, reference, tmp_path: Path, pattern: str, nth: int, when: str
+) -> None:
+    root, expected = reference
+    out = tmp_path / "out"
+    script = SCRIPT.format(
+        tests=str(Path(__file__).parent), pattern=pattern, nth=nth, when=when, ckpt=llama_ckpt,
+        inp=str(root / "in.parquet"), out=str(out), over=OVER,
+    )  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env_without_slurm(), capture_output=True, text=True
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    res = run_job(
+        job_config(llama_ckpt, root / "in.parquet", out, **OVER), handle_signals=False, print_summary=False
+    )
+    assert res.exit_code == EXIT_OK, res.message
+    assert part_contents(out) == expected  # rows lost 0, rows duplicated 0
+    res = run_job(
+        job_config(llama_ckpt, root / "in.parquet", out, **OVER), handle_signals=False, print_summary=False
+    )
+    assert res.exit_code == EXIT_OK and "nothing to do" in res.message, res.message

@@ -1,0 +1,58 @@
+"""Exit statuses keep the requeue contract: a signal from the first instant of start-up, and a second signal
+while a stopped job shuts down, both end with 75 (retry), never 130/138/143."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import env_without_slurm
+
+ARGS = ["engine.device=cpu", "engine.num_blocks=128", "hydra.run.dir=.", "hydra.output_subdir=null"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_right_at_start_exits_75(tmp_path: Path, sig: signal.Signals) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchgen.cli", f"data.input={tmp_path}/in.parquet", f"data.output={tmp_path}/o"],
+        cwd=tmp_path, env=env_without_slurm(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    time.sleep(0.5)
+    proc.send_signal(sig)
+    text, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, (proc.returncode, text[-2000:])
+    assert "Traceback" not in text
+
+
+@pytest.mark.slow
+def test_a_second_signal_while_stopping_keeps_75(llama_ckpt: str, tmp_path: Path) -> None:
+    pq.write_table(
+        pa.table({"prompt": [f"row {i} about a long story" for i in range(16)]}), tmp_path / "in.parquet"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchgen.cli", f"model.path={llama_ckpt}", f"data.input={tmp_path}/in.parquet",
+         f"data.output={tmp_path}/out", "data.window_rows=4", "engine.max_num_seqs=1", "sampling.max_tokens=32",
+         "run.progress=log", *ARGS],
+        cwd=tmp_path, env={**env_without_slurm(), "BATCHGEN_TRACE_STARTUP": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    head = ""
+    for line in proc.stdout:
+        head += line
+        if line.startswith("batchgen-startup: plan"):
+            break
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    for delay in (0.3, 0.2, 0.2):
+        time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 75, (proc.returncode, (head + text)[-3000:])
