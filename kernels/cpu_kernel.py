@@ -168,9 +168,10 @@ def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         + [f32, i32, i32, ptr, ptr, i32]
     )
     prefill_fn.restype = i32
-    linear = lib.batchgen_linear_f32
-    linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64] + [i32] * 4
-    linear.restype = i32
+    for name in ("f32", "bf16w", "f16w"):
+        linear = getattr(lib, f"batchgen_linear_{name}")
+        linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64] + [i32] * 4
+        linear.restype = i32
     lib.batchgen_rms_norm_f32.argtypes = [
         ptr,
         i64,

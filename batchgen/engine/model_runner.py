@@ -35,6 +35,7 @@ from batchgen.kernels import cpu_kernel
 from batchgen.lora_request import LoRARequest
 from batchgen.models.lora import LoRASlots
 from batchgen.models.lora_adapter import LoRAAdapter
+from batchgen.models.quant import activation_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class ModelRunner:
         self.num_layers = mc.num_layers
         self.num_kv_heads = mc.num_kv_heads
         self.head_dim = mc.head_dim
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = activation_dtype(model)
         self.block_size = config.block_size
         self.attn = PagedAttention(backend)
         if device.type == "cpu" and backend == "torch":

@@ -281,7 +281,7 @@ class _Backbone(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
         c = self.config
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(c.dtype)  # a narrow table widens its rows (quant.weight_dtype)
         if (
             c.embed_scale is not None
         ):  # float32, then the dtype, as transformers rounds it (sqrt(3072) -> 55.5)

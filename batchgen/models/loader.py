@@ -36,6 +36,7 @@ from batchgen.models.llama import CausalLM
 from batchgen.models.meta_init import materialize, skip_init
 from batchgen.models.packed_linear import fast_cpu_weights
 from batchgen.models.parallel import check_divisible, shard_config
+from batchgen.models.quant.weight_dtype import compute_dtype
 from batchgen.models.sharding import read_shard
 
 logger = logging.getLogger(__name__)
@@ -197,8 +198,10 @@ def load_model(
     `implementation`: ``native`` (our own decoders; fails for an architecture we have no code for),
     ``transformers`` (transformers' modeling code over our paged attention, any decoder-only architecture),
     or ``auto`` (native when we have it, else transformers). `dtype`: 'auto' (the checkpoint's
-    `dtype`/`torch_dtype`, float32 if absent), 'float32', 'bfloat16', 'float16' or a torch.dtype.
-    `model.config.dtype` reports the dtype actually used, `model.config.implementation` the path taken.
+    `dtype`/`torch_dtype`, float32 if absent), 'float32', 'bfloat16', 'float16' or a torch.dtype: the dtype the
+    weights are held in. A native model on the CPU computes a bfloat16/float16 model in float32
+    (`batchgen.models.quant.weight_dtype`); `model.config.dtype` reports the dtype computed in,
+    `model.config.weight_dtype` the weights', `model.config.implementation` the path taken.
     `tp_rank` / `tp_size`: load rank `tp_rank`'s shard for tensor parallelism over `tp_size` ranks (native
     architectures only; anything else is a ValueError naming `engine.tensor_parallel_size`).
     """
@@ -258,9 +261,12 @@ def load_native_model(
     """Build our `CausalLM` for `config` (one rank's shard when `config.tp_size > 1`) and stream the
     checkpoint's safetensors into it. `rename` maps a stored tensor name to ours (None: not this model's, e.g.
     a classification head read by the caller)."""
-    config = dataclasses.replace(config, dtype=_resolve_dtype(config.dtype, dtype))
-    files = safetensors_files(ckpt)
+    weight_dtype = _resolve_dtype(config.dtype, dtype)
     device = torch.device(device)
+    config = dataclasses.replace(
+        config, dtype=compute_dtype(weight_dtype, device), weight_dtype=weight_dtype
+    )  # narrow weights on the CPU compute in float32 (batchgen.models.quant.weight_dtype)
+    files = safetensors_files(ckpt)
 
     model = _empty_model(config, device)
     params = dict(model.named_parameters())  # tied lm_head is deduplicated: only embed_tokens
@@ -270,7 +276,7 @@ def load_native_model(
     for file in files:
         _copy_file(file, config, params, lookup, written, seen, rename)
     _check_complete(ckpt, files, params, canonical, written, seen)
-    fast_cpu_weights(model, keep=[model.model.embed_tokens.weight])
+    fast_cpu_weights(model, keep=[model.model.embed_tokens.weight], narrow=config.dtype != weight_dtype)
     return model
 
 
@@ -278,7 +284,7 @@ def _empty_model(config: ModelConfig, device: torch.device) -> CausalLM:
     """An uninitialised `CausalLM` in eval mode, no grads, on `device` (a tied head shares the embedding)."""
     with torch.device("meta"), skip_init():  # meta parameters hold no data: nothing to initialise
         model = CausalLM(config)
-    model = materialize(model, config.dtype, device)  # as .to(dtype).to_empty(device), without meta ops
+    model = materialize(model, config.weight_dtype or config.dtype, device)  # .to(dtype).to_empty(device)
     if config.tie_word_embeddings:  # to_empty may give each module its own copy of a shared parameter
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().requires_grad_(False)
