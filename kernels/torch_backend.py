@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import cpu_kernel, cpu_ops
+from .kv_cache_dtype import narrow, storage_view
 from .options import AttentionOptions
 from .paged_kv import PagedKV
 
@@ -76,8 +77,9 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     keep = slots >= 0
     if not bool(keep.all()):
         key, value, slots = key[keep], value[keep], slots[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    for new, cache in ((key, k_cache), (value, v_cache)):  # rounded into a narrow cache (kv_cache_dtype.py)
+        rows = storage_view(narrow(new, cache.dtype))
+        storage_view(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, rows)
 
 
 def _gather(

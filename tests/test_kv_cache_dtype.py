@@ -1,0 +1,137 @@
+"""engine.kv_cache_dtype: each attention implementation over a narrow cache (bfloat16, float16, fp8 e4m3/e5m2)
+against the float64 reference on the rounded K/V; the rounding itself; the pool counting narrower blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from batchgen.kernels import kv_cache_dtype as kvd
+from batchgen.kernels import torch_backend as tb
+from batchgen.kernels.testing import make_paged_batch, reference_attention
+
+NARROW = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+# The output of attention over rounded K/V, against float64 over the same rounded values: float32 arithmetic.
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def narrow_batch(batch, dtype):
+    """(the batch with its caches in `dtype`, the batch with those rounded values in float32)."""
+    k, v = kvd.narrow(batch.k_cache, dtype), kvd.narrow(batch.v_cache, dtype)
+    return (
+        dataclasses.replace(batch, k_cache=k, v_cache=v),
+        dataclasses.replace(batch, k_cache=k.float(), v_cache=v.float()),
+    )
+
+
+def test_names_and_rounding() -> None:
+    assert kvd.cache_dtype("auto", torch.float32) == torch.float32
+    assert kvd.cache_dtype("fp8", torch.float32) == kvd.cache_dtype("fp8_e4m3", torch.bfloat16)
+    assert kvd.cache_dtype("fp8_e5m2", torch.float32) == torch.float8_e5m2
+    with pytest.raises(ValueError, match="engine.kv_cache_dtype must be one of auto"):
+        kvd.check("int4")
+    x = torch.tensor([1e6, -1e6, 0.1, 3.0])
+    assert kvd.round_trip(x, torch.float8_e4m3fn).tolist()[:2] == [448.0, -448.0]  # saturates
+    assert kvd.round_trip(x, torch.float8_e5m2).tolist()[:2] == [57344.0, -57344.0]
+    assert kvd.round_trip(x, torch.bfloat16)[3] == 3.0
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.parametrize("workspace", [False, True])
+def test_torch_decode_over_narrow_cache(dtype, workspace) -> None:
+    batch = make_paged_batch([1, 15, 16, 17, 83], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16)
+    narrow, rounded = narrow_batch(batch, dtype)
+    ws = tb.Workspace() if workspace else None
+    out = tb.paged_decode_attention(narrow.q, narrow.kv, narrow.options(), workspace=ws)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference_attention(rounded), **TOL)
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+def test_torch_prefill_over_narrow_cache(dtype) -> None:
+    spec = [(1, 0), (17, 15), (5, 80), (40, 9)]
+    batch = make_paged_batch(
+        [n + c for n, c in spec],
+        [n for n, _ in spec],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+    )
+    narrow, rounded = narrow_batch(batch, dtype)
+    out = tb.paged_prefill_attention(
+        narrow.q, narrow.cu_seqlens_q, narrow.kv, narrow.options(), workspace=tb.Workspace()
+    )
+    torch.testing.assert_close(out.double(), reference_attention(rounded), **TOL)
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+def test_store_rounds_into_the_cache(dtype) -> None:
+    k_cache, v_cache = torch.zeros(3, 4, 2, 8, dtype=dtype), torch.zeros(3, 4, 2, 8, dtype=dtype)
+    key, value = torch.randn(5, 2, 8) * 100, torch.randn(5, 2, 8)
+    slots = torch.tensor([0, 5, -1, 11, 7])
+    tb.store_kv(key, value, k_cache, v_cache, slots)
+    flat = k_cache.view(-1, 2, 8).float()
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat[s], kvd.round_trip(key[i], dtype))
+            assert torch.equal(v_cache.view(-1, 2, 8)[s].float(), kvd.round_trip(value[i], dtype))
+
+
+# ------------------------------------------------------------------------------------------- the engine
+BS = 16
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 4096, (n,), generator=g).tolist() for n in lengths]
+
+
+def _tokens(outs) -> list[list[list[int]]]:
+    return [[o.token_ids for o in r.outputs] for r in outs]
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
+def test_engine_narrow_cache_swap_prefix_cow_beam_unchanged(llama_ckpt, kv) -> None:
+    """With a narrow cache the engine's block machinery changes nothing: a pool small enough for many
+    preemptions (swap and recompute), prefix caching off, and beam groups (copy-on-write) all give the tokens
+    of a large pool, and the cache really is narrow."""
+    from batchgen import LLM, SamplingParams
+
+    shared = _prompts([BS + 3], seed=40)[0]
+    prompts = [shared + p for p in _prompts([1, BS, 9, BS + 1], seed=41)] + _prompts([BS + 3, 12], seed=42)
+    params = [
+        SamplingParams(beam_width=3, n=2, max_tokens=16, ignore_eos=True)
+        if i % 3 == 0
+        else SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    ref_llm = LLM(llama_ckpt, num_blocks=256, block_size=BS, kv_cache_dtype=kv)
+    assert ref_llm.engine.runner.kv_cache.dtype == kvd.cache_dtype(kv, torch.float32)
+    ref = _tokens(ref_llm.generate(prompts, params, use_tqdm=False))
+    for opts in (
+        dict(num_blocks=14, preemption_mode="swap", num_swap_blocks=64),
+        dict(num_blocks=14, preemption_mode="recompute"),
+        dict(num_blocks=256, enable_prefix_caching=False),
+    ):
+        llm = LLM(llama_ckpt, block_size=BS, kv_cache_dtype=kv, **opts)
+        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == ref, opts
+        if opts["num_blocks"] == 14:
+            assert llm.engine.stats.num_preemptions > 0
+        if opts.get("preemption_mode") == "swap":
+            assert llm.engine.stats.num_swapped_out_blocks > 0
+    assert ref_llm.engine.stats.num_cow_copies > 0
+
+
+def test_pool_counts_narrower_blocks(llama_ckpt) -> None:
+    from batchgen import LLM
+
+    blocks = {
+        kv: LLM(
+            llama_ckpt, block_size=BS, kv_cache_memory="1MiB", kv_cache_dtype=kv
+        ).engine.runner.kv_cache.shape[2]
+        for kv in ("auto", "bfloat16", "fp8")
+    }
+    assert blocks["bfloat16"] == 2 * blocks["auto"] and blocks["fp8"] == 4 * blocks["auto"]
