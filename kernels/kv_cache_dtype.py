@@ -66,3 +66,15 @@ def storage_view(t: Tensor) -> Tensor:
     """`t` as bytes' worth of plain integers where torch lacks the op for fp8 (index_copy_, copies by index):
     a uint8 view of an fp8 tensor, `t` itself otherwise."""
     return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
+def store_rows(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` rounded into the paged caches at ``slots`` ``[T]`` int64 (−1 =
+    skip)."""
+    keep = slots >= 0
+    if not bool(keep.all()):
+        key, value, slots = key[keep], value[keep], slots[keep]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    for new, cache in ((key, k_cache), (value, v_cache)):
+        rows = storage_view(narrow(new, cache.dtype))
+        storage_view(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, rows)

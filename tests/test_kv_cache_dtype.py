@@ -135,3 +135,86 @@ def test_pool_counts_narrower_blocks(llama_ckpt) -> None:
         for kv in ("auto", "bfloat16", "fp8")
     }
     assert blocks["bfloat16"] == 2 * blocks["auto"] and blocks["fp8"] == 4 * blocks["auto"]
+
+
+# ------------------------------------------------------------------------------- the CPU C kernels
+from batchgen.kernels import cpu_kernel, reference  # noqa: E402
+from batchgen.kernels.options import AttentionOptions  # noqa: E402
+from batchgen.kernels.paged_kv import PagedKV  # noqa: E402
+
+needs_compiler = pytest.mark.skipif(cpu_kernel.compiler() is None, reason="no C compiler (cc/gcc/$CC) found")
+
+
+@pytest.fixture
+def _kernel(monkeypatch):
+    monkeypatch.delenv(cpu_kernel.ENV_SWITCH, raising=False)
+    cpu_kernel.reset()
+    yield
+    cpu_kernel.reset()
+
+
+def _shared_prefix(dtype, head_dim: int = 64, block_size: int = 16):
+    """40 decode sequences sharing 5 blocks, 5 sharing 2, 3 alone; caches in `dtype` and rounded in float32."""
+    g = torch.Generator().manual_seed(9)
+    sizes, shared, nb = [40, 5, 1, 1, 1], [5, 2, 0, 0, 0], 8
+    batch = sum(sizes)
+    num_blocks = batch * nb + 3
+    tables = torch.randperm(num_blocks, generator=g)[: batch * nb].view(batch, nb).int()
+    lens = torch.randint(6 * block_size + 1, nb * block_size + 1, (batch,), generator=g)
+    at = 0
+    for n, s in zip(sizes, shared):
+        tables[at : at + n, :s] = tables[at, :s]
+        at += n
+    k = kvd.narrow(torch.randn(num_blocks, block_size, 2, head_dim, generator=g), dtype)
+    v = kvd.narrow(torch.randn(num_blocks, block_size, 2, head_dim, generator=g), dtype)
+    q = torch.randn(batch, 8, head_dim, generator=g)
+    return q, PagedKV(k, v, tables, lens.int()), PagedKV(k.float(), v.float(), tables, lens.int())
+
+
+@needs_compiler
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize("dtype", NARROW)
+def test_cpu_kernels_widen_narrow_caches(_kernel, monkeypatch, dtype, generic) -> None:
+    """Decode (with the step's own rows stored rounded), prefill and the cascade's prefix half, AVX2 and plain C,
+    against the float64 reference over the rounded K/V."""
+    if generic:
+        lib = cpu_kernel._load(("BATCHGEN_GENERIC",))
+        assert lib is not None
+        monkeypatch.setitem(cpu_kernel._state, "lib", lib)
+    monkeypatch.setattr(cpu_kernel, "CASCADE_MIN_GROUP_BLOCKS", 0)
+    batch = make_paged_batch(
+        [1, 15, 16, 17, 83, 40], num_q_heads=8, num_kv_heads=2, head_dim=80, block_size=16
+    )
+    narrow, rounded = narrow_batch(batch, dtype)
+    assert cpu_kernel.supports(narrow.q, narrow.k_cache, narrow.v_cache)
+    out = cpu_kernel.decode(narrow.q, narrow.kv, narrow.options())
+    assert out is not None
+    torch.testing.assert_close(out.double(), reference_attention(rounded), **TOL)
+    # the step's own K/V: rounded into the cache, then attended
+    new_k, new_v = torch.randn(6, 2, 80), torch.randn(6, 2, 80)
+    lens = batch.seq_lens.long() - 1
+    slots = (batch.block_tables.long().gather(1, (lens // 16)[:, None])[:, 0] * 16 + lens % 16).contiguous()
+    new = cpu_kernel.NewKV(new_k, new_v, slots)
+    out = cpu_kernel.decode(narrow.q, narrow.kv, narrow.options(), new)
+    assert out is not None and new.written
+    flat_k, flat_v = rounded.k_cache.view(-1, 2, 80), rounded.v_cache.view(-1, 2, 80)
+    flat_k[slots], flat_v[slots] = kvd.round_trip(new_k, dtype), kvd.round_trip(new_v, dtype)
+    assert torch.equal(narrow.k_cache.float(), rounded.k_cache)
+    torch.testing.assert_close(out.double(), reference_attention(rounded), **TOL)
+    # prefill over a cached context
+    pre = make_paged_batch(
+        [90, 33, 17], [90, 5, 17], num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16
+    )
+    pn, pr = narrow_batch(pre, dtype)
+    got = cpu_kernel.prefill(pn.q, pn.cu_seqlens_q, pn.kv, 0.2)
+    assert got is not None
+    want = reference.paged_prefill_attention(pr.q, pr.cu_seqlens_q, pr.kv, AttentionOptions(0.2))
+    torch.testing.assert_close(got[0].double(), want, **TOL)
+    # cascade: suffixes and each shared prefix once, through the engine's call
+    q, kv, kv_rounded = _shared_prefix(dtype)
+    want = reference.paged_decode_attention(q, kv_rounded, AttentionOptions(0.15))
+    merged, real = [], cpu_kernel.merge_prefix
+    monkeypatch.setattr(cpu_kernel, "merge_prefix", lambda *a: merged.append(real(*a)) or merged[-1])
+    out = tb.paged_decode_attention(q, kv, AttentionOptions(0.15), workspace=tb.Workspace(), plan_cache={})
+    assert merged == [True]  # the prefix half ran in C over the narrow cache
+    torch.testing.assert_close(out.double(), want, **TOL)
