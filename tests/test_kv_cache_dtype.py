@@ -218,3 +218,43 @@ def test_cpu_kernels_widen_narrow_caches(_kernel, monkeypatch, dtype, generic) -
     out = tb.paged_decode_attention(q, kv, AttentionOptions(0.15), workspace=tb.Workspace(), plan_cache={})
     assert merged == [True]  # the prefix half ran in C over the narrow cache
     torch.testing.assert_close(out.double(), want, **TOL)
+
+
+# ------------------------------------------------------------------------- the Triton kernels (interpreter)
+@pytest.mark.parametrize("dtype", NARROW)
+def test_triton_kernels_over_narrow_caches(dtype) -> None:
+    """Store (rounded exactly as the torch backend rounds), copy, decode and prefill over a narrow cache, in
+    Triton's interpreter on the CPU, against the float64 reference over the rounded K/V."""
+    pytest.importorskip("triton")
+    from batchgen.kernels.copy_blocks import copy_blocks
+    from batchgen.kernels.decode_attention import paged_decode_attention
+    from batchgen.kernels.prefill_attention import paged_prefill_attention
+    from batchgen.kernels.store_kv import store_kv
+
+    k_cache, v_cache = torch.zeros(4, 8, 2, 16, dtype=dtype), torch.zeros(4, 8, 2, 16, dtype=dtype)
+    key, value = torch.randn(3, 2, 16) * 1000, torch.randn(3, 2, 16)
+    store_kv(key, value, k_cache, v_cache, torch.tensor([0, 9, -1]))
+    assert torch.equal(k_cache.view(-1, 2, 16)[9].float(), kvd.round_trip(key[1], dtype))
+    assert torch.equal(v_cache.view(-1, 2, 16)[0].float(), kvd.round_trip(value[0], dtype))
+    pool = torch.stack([k_cache, v_cache])[None].contiguous()
+    copy_blocks(pool, torch.tensor([[1, 3]]))
+    assert torch.equal(pool[0, :, 3].float(), pool[0, :, 1].float())
+
+    batch = make_paged_batch([1, 17, 40], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
+    narrow, rounded = narrow_batch(batch, dtype)
+    out = paged_decode_attention(narrow.q, narrow.kv, narrow.options(), max_seq_len=narrow.max_seq_len)
+    torch.testing.assert_close(out.double(), reference_attention(rounded), **TOL)
+    spec = [(1, 0), (17, 15), (5, 40)]
+    batch = make_paged_batch(
+        [n + c for n, c in spec],
+        [n for n, _ in spec],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+    )
+    narrow, rounded = narrow_batch(batch, dtype)
+    out = paged_prefill_attention(
+        narrow.q, narrow.cu_seqlens_q, narrow.kv, narrow.options(), max_query_len=narrow.max_query_len
+    )
+    torch.testing.assert_close(out.double(), reference_attention(rounded), **TOL)
