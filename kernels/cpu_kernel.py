@@ -1,7 +1,8 @@
 """The CPU's C kernels, compiled on first use into one library and loaded with ctypes: paged attention
 (``csrc/paged_attention_cpu.c``: decode, prefill, the cascade's prefix half; called by
 :func:`.torch_backend.paged_decode_attention` instead of its gather + SDPA, and by its prefill path), the
-float32 linear layer (``csrc/linear_cpu.c``, through :mod:`.cpu_linear`) and a decoder layer's elementwise
+float32 linear layer (``csrc/linear_cpu.c``, through :mod:`.cpu_linear`), the weight-only quantized one
+(``csrc/quant_linear_cpu.c``, through :mod:`.cpu_quant_linear`) and a decoder layer's elementwise
 steps (``csrc/layer_ops_cpu.c``, through :mod:`.cpu_ops`).
 
 The decode kernel reads K/V blocks where they lie in the paged cache (no gather into a workspace), handles the query
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention_cpu.c", "linear_cpu.c", "layer_ops_cpu.c")
+    for name in ("paged_attention_cpu.c", "linear_cpu.c", "layer_ops_cpu.c", "quant_linear_cpu.c")
 )
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIB_NAME = "batchgen_cpu.so"
@@ -192,6 +193,9 @@ def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         i32,
         i32,
     ]
+    lib.batchgen_quant_linear.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64] + [i32] * 4
+    lib.batchgen_quant_dequantize.argtypes = [ptr, i64, i32, ptr, i32, i32]
+    lib.batchgen_quant_linear.restype = lib.batchgen_quant_dequantize.restype = i32
     lib.batchgen_silu_mul_f32.argtypes = [ptr, i64, ptr, i32, i32, i32]
     lib.batchgen_rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr] + [i32] * 5
     lib.batchgen_store_kv_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i32, i32, i32]
