@@ -36,6 +36,12 @@ from batchgen.models.llama import CausalLM
 from batchgen.models.meta_init import materialize, skip_init
 from batchgen.models.packed_linear import fast_cpu_weights
 from batchgen.models.parallel import check_divisible, shard_config
+from batchgen.models.quant.gguf_checkpoint import (
+    UnsupportedCheckpoint,
+    gguf_path,
+    load_gguf_model,
+    load_gguf_tokenizer,
+)
 from batchgen.models.quant.weight_dtype import compute_dtype
 from batchgen.models.sharding import read_shard
 
@@ -193,7 +199,8 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
 ):
-    """Load a checkpoint directory (config.json + safetensors) for the engine.
+    """Load a checkpoint directory (config.json + safetensors), or a GGUF file (`path` ending in ``.gguf``:
+    `batchgen.models.quant.gguf_checkpoint`), for the engine.
 
     `implementation`: ``native`` (our own decoders; fails for an architecture we have no code for),
     ``transformers`` (transformers' modeling code over our paged attention, any decoder-only architecture),
@@ -209,6 +216,15 @@ def load_model(
         raise ValueError(
             f"unknown model implementation {implementation!r}: use one of {', '.join(IMPLEMENTATIONS)}"
         )
+    gguf_file = gguf_path(path)
+    if gguf_file is not None:  # a GGUF file: its own loader (batchgen.models.quant.gguf_checkpoint)
+        if tp_size > 1 or implementation == "transformers":
+            raise UnsupportedCheckpoint(
+                "a GGUF checkpoint runs on batchgen's native code on one device: set "
+                "engine.tensor_parallel_size=1 and model.implementation auto or native"
+            )
+        cpu_kernel.start_build()
+        return load_gguf_model(gguf_file, dtype=dtype, device=device)
     ckpt = _checkpoint_dir(path)
     if torch.device(device).type == "cpu":
         cpu_kernel.start_build()  # the C kernels (linear layers, attention) compile while the weights load
@@ -365,4 +381,7 @@ def load_tokenizer(path: str | os.PathLike):
     files only, no remote code)."""
     from batchgen.tokenizer import load_checkpoint_tokenizer
 
+    gguf_file = gguf_path(path)
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file)
     return load_checkpoint_tokenizer(_checkpoint_dir(path))
