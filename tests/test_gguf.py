@@ -91,34 +91,70 @@ def test_gguf_tokenizer_from_the_file_and_packed_bytes(llama_256, tmp_path) -> N
     assert packed / dense == pytest.approx(18 / 128)
 
 
-def test_unsupported_tensor_format_refused_by_name(llama_256, tmp_path) -> None:
-    """Q5_K is a valid GGUF format batchgen does not multiply: refused at load, naming the tensor and format."""
+def _with_q5k_tensor(src: Path, out: Path) -> Path:
+    """A copy of the GGUF file `src` whose blk.1.ffn_down.weight is Q5_K (a valid format batchgen does not run)."""
     import numpy as np
 
-    src = Path(write_gguf(llama_256, tmp_path / "base.gguf", Q8_0))
     reader = gguf.GGUFReader(str(src))
-    writer = gguf.GGUFWriter(str(tmp_path / "q5k.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(out), "llama")
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
-        writer.add_key_value(
-            field.name, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None
-        )
+        sub = field.types[-1] if len(field.types) > 1 else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub)
     for t in reader.tensors:
         if t.name == "blk.1.ffn_down.weight":
-            rows, cols = t.data.shape[0], int(t.shape[0])
-            writer.add_tensor(
-                t.name,
-                np.zeros((rows, cols // 256 * 176), np.uint8),
-                raw_dtype=gguf.GGMLQuantizationType.Q5_K,
-            )
+            q5k = np.zeros((t.data.shape[0], int(t.shape[0]) // 256 * 176), np.uint8)
+            writer.add_tensor(t.name, q5k, raw_dtype=gguf.GGMLQuantizationType.Q5_K)
         else:
             writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def test_unsupported_tensor_format_refused_by_name(llama_256, tmp_path) -> None:
+    bad = _with_q5k_tensor(Path(write_gguf(llama_256, tmp_path / "base.gguf", Q8_0)), tmp_path / "q5k.gguf")
     with pytest.raises(
         UnsupportedCheckpoint, match="blk.1.ffn_down.weight in q5k.gguf is Q5_K: batchgen runs"
     ):
-        LLM(str(tmp_path / "q5k.gguf"), num_blocks=64, block_size=8)
+        LLM(str(bad), num_blocks=64, block_size=8)
+
+
+def test_job_runs_a_gguf_file_and_refuses_an_unsupported_one(llama_256, tmp_path) -> None:
+    """model.path=file.gguf and model.gguf_file= run the file (greedy output equal to transformers'); a file with
+    a tensor format batchgen does not run ends the job with exit status 2 and one line naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import job_config
+
+    from batchgen.job.run import EXIT_CONFIG, EXIT_OK, run_job
+
+    path = Path(write_gguf(llama_256, tmp_path / "q8.gguf", Q8_0))
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["def main():", "Once upon a time"]}), inp)
+    for i, (model_path, gguf_file) in enumerate([(str(path), None), (str(tmp_path), "q8.gguf")]):
+        cfg = job_config(
+            model_path, inp, tmp_path / f"out{i}", sampling={"temperature": 0.0, "max_tokens": 5}
+        )
+        cfg.model.gguf_file = gguf_file
+        cfg.sampling.ignore_eos = True
+        res = run_job(cfg, handle_signals=False, print_summary=False)
+        assert res.exit_code == EXIT_OK, res.message
+        out = pa.concat_tables(
+            pq.read_table(p) for p in sorted((tmp_path / f"out{i}").glob("part-*.parquet"))
+        )
+        got = out.sort_by("id").to_pydict()["token_ids"]
+        llm = LLM(str(path), num_blocks=64, block_size=8)
+        want = llm.generate(
+            ["def main():", "Once upon a time"],
+            SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        )
+        assert got == [o.outputs[0].token_ids for o in want]
+    bad = _with_q5k_tensor(path, tmp_path / "q5k.gguf")
+    cfg = job_config(str(bad), inp, tmp_path / "bad")
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_CONFIG and "\n" not in res.message
+    assert "blk.1.ffn_down.weight in q5k.gguf is Q5_K" in res.message

@@ -79,8 +79,15 @@ def read_config(path: Path) -> ModelConfig:
 
 
 def _architecture(path: Path) -> str:
+    """The file's architecture, once it and every tensor's format are known to be runnable."""
     gguf = _require_gguf()
     reader = gguf.GGUFReader(str(path))
+    for t in reader.tensors:
+        if int(t.tensor_type) not in FORMATS and int(t.tensor_type) not in _FLOAT_TYPES:
+            raise UnsupportedCheckpoint(
+                f"GGUF tensor {t.name} in {path.name} is {t.tensor_type.name}: batchgen runs "
+                f"{', '.join(f.name for f in FORMATS.values())}, F32, F16 and BF16 tensors"
+            )
     arch = reader.fields["general.architecture"].contents()
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedCheckpoint(
@@ -119,12 +126,6 @@ def load_gguf_model(path: Path, dtype: torch.dtype | str = "auto", device: str |
     reader = gguf.GGUFReader(str(path))
     arch_name = reader.fields["general.architecture"].contents()
     tensors = {t.name: t for t in reader.tensors}
-    for t in reader.tensors:
-        if int(t.tensor_type) not in FORMATS and int(t.tensor_type) not in _FLOAT_TYPES:
-            raise UnsupportedCheckpoint(
-                f"GGUF tensor {t.name} in {path.name} is {t.tensor_type.name}: batchgen runs "
-                f"{', '.join(f.name for f in FORMATS.values())}, F32, F16 and BF16 tensors"
-            )
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch_name)
     name_map = gguf.get_tensor_name_map(arch_id, config.num_layers)
     heads = (config.num_heads, config.num_kv_heads)
