@@ -108,3 +108,30 @@ def dequantize(packed: Tensor, type_id: int, in_features: int) -> Tensor:
         if status != 0:
             raise RuntimeError(f"batchgen_quant_dequantize rejected {FORMATS[type_id].name} x {in_features}")
     return out
+
+
+def int_linear(
+    x: Tensor, packed: Tensor, bits: int, scales: Tensor, group: int, bias: Tensor | None = None,
+    round_bf16: bool = False, out: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """``x [..., in] @ wᵀ + bias`` for integer weights with group scales (compressed-tensors' pack-quantized,
+    symmetric: the C file's second half): ``packed`` ``[rows, in * bits / 32]`` int32 (or the same bytes as
+    uint8), ``scales`` ``[rows, in / group]`` float32. ``out`` as in :func:`linear`."""
+    rows_out, in_features = packed.shape[0], packed.shape[1] * packed.element_size() * 8 // bits
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < in_features):
+        rows = rows.contiguous()
+    if out is None:
+        out = torch.empty(rows.shape[0], rows_out, dtype=torch.float32)
+    if rows.shape[0] and rows_out:
+        status = _lib().batchgen_int_linear(
+            rows.data_ptr(), max(rows.stride(0), in_features), packed.data_ptr(), bits, scales.data_ptr(), group,
+            int(round_bf16), None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), rows_out),
+            rows.shape[0], in_features, rows_out, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(
+                f"batchgen_int_linear rejected int{bits} group {group} [{rows.shape[0]}, {in_features}]"
+            )
+    return out.view(*lead, rows_out) if out.is_contiguous() else out

@@ -36,6 +36,7 @@ from batchgen.models.llama import CausalLM
 from batchgen.models.meta_init import materialize, skip_init
 from batchgen.models.packed_linear import fast_cpu_weights
 from batchgen.models.parallel import check_divisible, shard_config
+from batchgen.models.quant.compressed_tensors import quantization_scheme, replace_linears
 from batchgen.models.quant.gguf_checkpoint import (
     UnsupportedCheckpoint,
     gguf_path,
@@ -235,9 +236,17 @@ def load_model(
         from batchgen.models.transformers_backend import load_transformers_model
 
         return load_transformers_model(ckpt, dtype=dtype, device=device)
+    if quantization_scheme(ckpt) is not None and implementation == "transformers":
+        raise UnsupportedCheckpoint(
+            f"quantized checkpoint {ckpt} runs on batchgen's native code: use model.implementation auto or native"
+        )
     try:
         config = ModelConfig.from_pretrained(ckpt)
     except NativeUnsupportedError as e:
+        if quantization_scheme(ckpt) is not None:
+            raise UnsupportedCheckpoint(
+                f"{e}: quantized checkpoints run on batchgen's native code only"
+            ) from e
         if implementation == "native":
             raise e.for_native_only() from e
         from batchgen.models.transformers_backend import load_transformers_model
@@ -285,6 +294,14 @@ def load_native_model(
     files = safetensors_files(ckpt)
 
     model = _empty_model(config, device)
+    scheme = quantization_scheme(ckpt)  # compressed-tensors: packed integer projections (models/quant)
+    if scheme is not None:
+        if device.type != "cpu":
+            raise UnsupportedCheckpoint(
+                f"quantized checkpoint {ckpt} runs on the CPU here: set engine.device=cpu"
+            )
+        replace_linears(model, scheme)
+        rename = _without_shapes(rename)
     params = dict(model.named_parameters())  # tied lm_head is deduplicated: only embed_tokens
     lookup, canonical = _weight_map(config, params)
     written = dict.fromkeys(params, 0)  # elements written per parameter
@@ -294,6 +311,17 @@ def load_native_model(
     _check_complete(ckpt, files, params, canonical, written, seen)
     fast_cpu_weights(model, keep=[model.model.embed_tokens.weight], narrow=config.dtype != weight_dtype)
     return model
+
+
+def _without_shapes(rename: Callable[[str], str | None] | None) -> Callable[[str], str | None]:
+    """`rename`, also skipping compressed-tensors' `*.weight_shape` records (the shapes are the model's)."""
+
+    def skip(name: str) -> str | None:
+        if name.endswith(".weight_shape"):
+            return None
+        return name if rename is None else rename(name)
+
+    return skip
 
 
 def _empty_model(config: ModelConfig, device: torch.device) -> CausalLM:

@@ -162,7 +162,12 @@ def use_column_major_weights(model: nn.Module, skip: set[int] = frozenset()) -> 
     batchgen.bench.model_impls --gemm-layout`). From 16 rows on the results are bit for bit the same. Costs one
     parameter's copy at a time.
     """
-    packed = {id(p) for m in model.modules() if isinstance(m, PackedLinear) for p in m.parameters()}
+    packed = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, PackedLinear) or getattr(m, "keeps_layout", False)  # quantized layers' scales
+        for p in m.parameters()
+    }
     for param in model.parameters():
         if param.device.type != "cpu" or param.dtype != torch.float32 or param.dim() < 2 or param.is_mkldnn:
             continue

@@ -9,11 +9,11 @@
  * w = (d sc) (q - 32)). Dequantization is ggml's (and gguf-py's) arithmetic, operation for operation, in
  * float32 without contraction: the widened weights are bit for bit gguf.quants.dequantize's.
  *
- * Each output y[m, n] = bias[n] (or 0) + sum over blocks in order of the block's dot product with x (8 lane
- * partial sums reduced in a fixed order): a row's result depends only on that row, never on M, the batch or the
- * thread count. Blocking: threads split the output rows n; for each n the weight row is dequantized one block
- * at a time into a 256-float buffer (L1) and dotted with up to MB input rows (their partial sums in a
- * per-thread array), so the weights are read once per MB rows and never widened in memory.
+ * Each output y[m, n] = bias[n] (or 0) + its eight lane sums over k in order, reduced in a fixed order: a
+ * row's result depends only on that row, never on M, the batch or the thread count. Blocking (gemm below):
+ * threads split the output rows in groups of NR; a group's weights are dequantized one chunk (a block) at a
+ * time into an L1 buffer and multiplied with up to MB input rows, each x value loaded once for the NR rows, so
+ * the packed weights are read once per MB rows and never widened in memory.
  */
 #pragma GCC optimize("fp-contract=off")
 #include <stdint.h>
@@ -106,12 +106,60 @@ static void dequant_block(int qtype, const uint8_t *b, float *out) {
     }
 }
 
-/* sum_i a[i] b[i] over n (a multiple of 8) values: eight lane sums, reduced in a fixed order. */
-static inline float dot8(const float *a, const float *b, int n) {
-    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int i = 0; i < n; i += 8)
-        for (int l = 0; l < 8; l++) s[l] = __builtin_fmaf(a[i + l], b[i + l], s[l]);
-    return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+#define NR 8 /* output rows dequantized together: each x value loaded once for all of them */
+
+/* A source of weight values: `fill(ctx, n, k0, len, out)` writes w[n, k0 .. k0 + len) as float32. */
+typedef void (*fill_fn)(const void *ctx, int n, int k0, int len, float *out);
+
+/* y[m, n] = bias[n] + sum_k x[m, k] w[n, k], the weights produced chunk by chunk (`chunk` values, a multiple
+ * of 8 dividing K) for NR output rows at a time into an L1 buffer; for each input row, eight lane sums per
+ * output row accumulate over all of K and are reduced in a fixed order at the end. A row's result depends only
+ * on that row: not on M, the batch or the thread count. */
+static void gemm(const float *x, int64_t lda, const void *ctx, fill_fn fill, int chunk, const float *bias, float *y,
+                 int64_t ldy, int M, int K, int N, int num_threads) {
+    const int groups = (N + NR - 1) / NR;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float wb[NR * 256];
+        float acc[MB][NR][8];
+#pragma omp for schedule(static)
+        for (int g = 0; g < groups; g++) {
+            const int n0 = g * NR, nr = N - n0 < NR ? N - n0 : NR;
+            for (int m0 = 0; m0 < M; m0 += MB) {
+                const int rows = M - m0 < MB ? M - m0 : MB;
+                memset(acc, 0, sizeof(float) * (size_t)rows * NR * 8);
+                for (int k0 = 0; k0 < K; k0 += chunk) {
+                    for (int r = 0; r < nr; r++) fill(ctx, n0 + r, k0, chunk, wb + r * chunk);
+                    for (int r = nr; r < NR; r++) memset(wb + r * chunk, 0, sizeof(float) * chunk);
+                    for (int m = 0; m < rows; m++) {
+                        const float *xm = x + (int64_t)(m0 + m) * lda + k0;
+                        for (int i = 0; i < chunk; i += 8)
+                            for (int r = 0; r < NR; r++)
+                                for (int l = 0; l < 8; l++)
+                                    acc[m][r][l] = __builtin_fmaf(xm[i + l], wb[r * chunk + i + l], acc[m][r][l]);
+                    }
+                }
+                for (int m = 0; m < rows; m++)
+                    for (int r = 0; r < nr; r++) {
+                        const float *s = acc[m][r];
+                        const float dot = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+                        y[(int64_t)(m0 + m) * ldy + n0 + r] = (bias ? bias[n0 + r] : 0.0f) + dot;
+                    }
+            }
+        }
+    }
+}
+
+typedef struct {
+    const uint8_t *w;
+    int64_t row_bytes;
+    int qtype, qk, bb;
+} BlockSource;
+
+static void fill_blocks(const void *ctx, int n, int k0, int len, float *out) {
+    const BlockSource *s = (const BlockSource *)ctx;
+    for (int k = k0; k < k0 + len; k += s->qk)
+        dequant_block(s->qtype, s->w + (int64_t)n * s->row_bytes + (int64_t)(k / s->qk) * s->bb, out + (k - k0));
 }
 
 /* y = x w^T + bias (bias may be NULL). Returns 0, or -1 on a bad argument (unknown format, K not a whole
@@ -122,25 +170,8 @@ int batchgen_quant_linear(const float *x, int64_t lda, const uint8_t *w, int64_t
     format_of(qtype, &qk, &bb);
     if (qk == 0 || M < 0 || K <= 0 || N <= 0 || K % qk != 0 || row_bytes != (int64_t)(K / qk) * bb || lda < K)
         return -1;
-    const int blocks = K / qk;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float wb[256], acc[MB];
-#pragma omp for schedule(static)
-        for (int n = 0; n < N; n++) {
-            const uint8_t *row = w + (int64_t)n * row_bytes;
-            for (int m0 = 0; m0 < M; m0 += MB) {
-                const int rows = M - m0 < MB ? M - m0 : MB;
-                for (int r = 0; r < rows; r++) acc[r] = 0.0f;
-                for (int j = 0; j < blocks; j++) {
-                    dequant_block(qtype, row + (int64_t)j * bb, wb);
-                    for (int r = 0; r < rows; r++) acc[r] += dot8(x + (int64_t)(m0 + r) * lda + (int64_t)j * qk, wb, qk);
-                }
-                const float b = bias ? bias[n] : 0.0f;
-                for (int r = 0; r < rows; r++) y[(int64_t)(m0 + r) * ldy + n] = b + acc[r];
-            }
-        }
-    }
+    const BlockSource src = {w, row_bytes, qtype, qk, bb};
+    gemm(x, lda, &src, fill_blocks, qk, bias, y, ldy, M, K, N, num_threads);
     return 0;
 }
 
@@ -151,5 +182,60 @@ int batchgen_quant_dequantize(const uint8_t *w, int64_t row_bytes, int qtype, fl
     if (qk == 0 || K <= 0 || N < 0 || K % qk != 0 || row_bytes != (int64_t)(K / qk) * bb) return -1;
     for (int64_t n = 0; n < N; n++)
         for (int j = 0; j < K / qk; j++) dequant_block(qtype, w + n * row_bytes + (int64_t)j * bb, out + n * K + (int64_t)j * qk);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Integer weights with group scales (compressed-tensors' pack-quantized W4A16 / W8A16, symmetric):
+ * row n holds K values of `bits` bits (4 or 8) packed little-endian (value j at bit bits * j of the row, as
+ * compressed-tensors' pack_to_int32 lays int32 words out), each stored with an offset of 2^(bits - 1);
+ * scales [N, K / group] float32. w[n, j] = (q - offset) * scale[n, j / group], the product rounded to bfloat16
+ * when round_bf16 (compressed-tensors computes it in the scale's dtype: a bfloat16 checkpoint's scales).
+ * The same gemm as the GGUF path, over chunks of up to 256 values that never straddle a group. */
+static inline float round_to_bf16(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    if ((bits & 0x7f800000u) != 0x7f800000u) bits += 0x7fffu + ((bits >> 16) & 1u); /* to nearest even */
+    bits &= 0xffff0000u;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static void dequant_int(const uint8_t *row, int bits, int j0, int n, float scale, int round_bf16, float *out) {
+    const int offset = 1 << (bits - 1);
+    for (int i = 0; i < n; i++) {
+        const int j = j0 + i;
+        const int q = bits == 8 ? (int)row[j] : (int)((row[j >> 1] >> ((j & 1) * 4)) & 0x0f);
+        const float v = (float)(q - offset) * scale;
+        out[i] = round_bf16 ? round_to_bf16(v) : v;
+    }
+}
+
+typedef struct {
+    const uint8_t *w;
+    const float *scales;
+    int64_t row_bytes, groups;
+    int bits, group, round_bf16;
+} IntSource;
+
+static void fill_int(const void *ctx, int n, int k0, int len, float *out) {
+    const IntSource *s = (const IntSource *)ctx;
+    dequant_int(s->w + (int64_t)n * s->row_bytes, s->bits, k0, len, s->scales[(int64_t)n * s->groups + k0 / s->group],
+                s->round_bf16, out);
+}
+
+int batchgen_int_linear(const float *x, int64_t lda, const uint8_t *w, int bits, const float *scales, int group,
+                        int round_bf16, const float *bias, float *y, int64_t ldy, int M, int K, int N,
+                        int num_threads) {
+    if ((bits != 4 && bits != 8) || group <= 0 || group % 8 != 0 || K % group != 0 || M < 0 || N <= 0 || lda < K)
+        return -1;
+    int chunk = 8; /* the largest multiple of 8 up to 256 dividing the group: chunks never straddle a scale */
+    for (int c = 256; c >= 8; c -= 8)
+        if (group % c == 0) {
+            chunk = c;
+            break;
+        }
+    const IntSource src = {w, scales, (int64_t)K * bits / 8, K / group, bits, group, round_bf16};
+    gemm(x, lda, &src, fill_int, chunk, bias, y, ldy, M, K, N, num_threads);
     return 0;
 }
