@@ -26,7 +26,7 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _batchgen(path: str, batch: int, args, **options) -> float:
+def _batchgen(path: str, batch: int, args, **options) -> tuple[float, int, list[list[int]]]:
     from batchgen import LLM, SamplingParams
 
     llm = LLM(path, max_num_seqs=64, kv_cache_memory="1GiB", **options)
@@ -38,8 +38,17 @@ def _batchgen(path: str, batch: int, args, **options) -> float:
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return batch * args.new / (time.perf_counter() - start), _weight_bytes(llm.engine.model)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    return batch * args.new / (time.perf_counter() - start), _weight_bytes(llm.engine.model), tokens
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of generated tokens before each sequence's first difference (greedy agreement)."""
+    same = 0
+    for x, y in zip(a, b):
+        same += next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
+    return same / max(1, sum(map(len, a)))
 
 
 def _llama_cpp(path: str, batch: int, args) -> float | None:
@@ -110,16 +119,19 @@ def main() -> None:
         systems[f"batchgen GGUF {name}"] = (path, {})
     rows = []
     for batch in map(int, args.batches.split(",")):
+        base = None
         for name, (path, opts) in systems.items():
-            tps, wbytes = _batchgen(path, batch, args, **opts)
-            rows.append(
-                {
-                    "system": name,
-                    "seqs": batch,
-                    "tok_s": round(tps, 1),
-                    "weight_MiB": round(wbytes / 2**20, 2),
-                }
-            )
+            tps, wbytes, tokens = _batchgen(path, batch, args, **opts)
+            base = tokens if base is None else base
+            row = {
+                "system": name,
+                "seqs": batch,
+                "tok_s": round(tps, 1),
+                "weight_MiB": round(wbytes / 2**20, 2),
+            }
+            if "KV" in name:  # greedy agreement with the float32 cache on the same weights
+                row["greedy_agreement_vs_f32_kv"] = round(_agreement(tokens, base), 3)
+            rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
         for name, path in ggufs.items():
             tps = _llama_cpp(path, batch, args)
