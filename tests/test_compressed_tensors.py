@@ -135,3 +135,9 @@ def test_job_refuses_a_scheme_with_exit_2(llama_256, tmp_path) -> None:
     res = run_job(job_config(path, inp, tmp_path / "out"), handle_signals=False, print_summary=False)
     assert res.exit_code == EXIT_CONFIG and "\n" not in res.message
     assert "quant_method='gptq' is not supported" in res.message
+
+
+def test_tensor_parallel_refused_for_quantized_checkpoints(llama_256, tmp_path) -> None:
+    path = write_compressed_tensors(llama_256, tmp_path / "ct")
+    with pytest.raises(UnsupportedCheckpoint, match="quantized checkpoints run on one device"):
+        LLM(path, tensor_parallel_size=2, device="cpu", num_blocks=64, block_size=8)

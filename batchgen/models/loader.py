@@ -267,6 +267,11 @@ def check_tensor_parallel(path: str | os.PathLike, implementation: str, tp_size:
     )
     if implementation == "transformers":
         raise ValueError(refused)
+    if gguf_path(path) is not None or quantization_scheme(_checkpoint_dir(path)) is not None:
+        raise UnsupportedCheckpoint(
+            f"engine.tensor_parallel_size={tp_size}: quantized checkpoints run on one device here; set "
+            "engine.tensor_parallel_size=1"
+        )
     try:
         config = ModelConfig.from_pretrained(_checkpoint_dir(path))
     except NativeUnsupportedError as e:
