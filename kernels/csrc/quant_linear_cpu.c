@@ -131,12 +131,15 @@ static void gemm(const float *x, int64_t lda, const void *ctx, fill_fn fill, int
                 for (int k0 = 0; k0 < K; k0 += chunk) {
                     for (int r = 0; r < nr; r++) fill(ctx, n0 + r, k0, chunk, wb + r * chunk);
                     for (int r = nr; r < NR; r++) memset(wb + r * chunk, 0, sizeof(float) * chunk);
-                    for (int m = 0; m < rows; m++) {
+                    for (int m = 0; m < rows; m++) { /* the row's NR x 8 sums stay in registers over the chunk */
                         const float *xm = x + (int64_t)(m0 + m) * lda + k0;
+                        float a[NR][8];
+                        memcpy(a, acc[m], sizeof a);
                         for (int i = 0; i < chunk; i += 8)
                             for (int r = 0; r < NR; r++)
                                 for (int l = 0; l < 8; l++)
-                                    acc[m][r][l] = __builtin_fmaf(xm[i + l], wb[r * chunk + i + l], acc[m][r][l]);
+                                    a[r][l] = __builtin_fmaf(xm[i + l], wb[r * chunk + i + l], a[r][l]);
+                        memcpy(acc[m], a, sizeof a);
                     }
                 }
                 for (int m = 0; m < rows; m++)
