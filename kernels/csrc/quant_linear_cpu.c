@@ -174,7 +174,13 @@ int batchgen_quant_linear(const float *x, int64_t lda, const uint8_t *w, int64_t
     if (qk == 0 || M < 0 || K <= 0 || N <= 0 || K % qk != 0 || row_bytes != (int64_t)(K / qk) * bb || lda < K)
         return -1;
     const BlockSource src = {w, row_bytes, qtype, qk, bb};
-    gemm(x, lda, &src, fill_blocks, qk, bias, y, ldy, M, K, N, num_threads);
+    int chunk = qk; /* whole blocks, up to 256 values, dividing K: fewer passes over each row's sums */
+    for (int c = 256; c > qk; c -= qk)
+        if (c % qk == 0 && K % c == 0) {
+            chunk = c;
+            break;
+        }
+    gemm(x, lda, &src, fill_blocks, chunk, bias, y, ldy, M, K, N, num_threads);
     return 0;
 }
 
