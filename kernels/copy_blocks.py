@@ -14,6 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._jit import kernel
+from .kv_cache_dtype import storage_view
 
 
 @kernel
@@ -42,6 +43,7 @@ def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:
     if block_mapping.numel() == 0:
         return
     assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    kv_cache = storage_view(kv_cache)  # an fp8 cache moves as bytes
     num_layers, two, num_blocks = kv_cache.shape[:3]
     block_numel = kv_cache[0, 0, 0].numel()
     mapping = block_mapping.to(device=kv_cache.device, dtype=torch.int64).contiguous()

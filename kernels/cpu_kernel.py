@@ -1,7 +1,8 @@
 """The CPU's C kernels, compiled on first use into one library and loaded with ctypes: paged attention
 (``csrc/paged_attention_cpu.c``: decode, prefill, the cascade's prefix half; called by
 :func:`.torch_backend.paged_decode_attention` instead of its gather + SDPA, and by its prefill path), the
-float32 linear layer (``csrc/linear_cpu.c``, through :mod:`.cpu_linear`) and a decoder layer's elementwise
+float32 linear layer (``csrc/linear_cpu.c``, through :mod:`.cpu_linear`), the weight-only quantized one
+(``csrc/quant_linear_cpu.c``, through :mod:`.cpu_quant_linear`) and a decoder layer's elementwise
 steps (``csrc/layer_ops_cpu.c``, through :mod:`.cpu_ops`).
 
 The decode kernel reads K/V blocks where they lie in the paged cache (no gather into a workspace), handles the query
@@ -16,9 +17,12 @@ The key hashes the source, the compiler (its binary's path, size and mtime), the
 directory shared by different cluster nodes never loads a binary built for another CPU. The ``.so`` links
 ``libgomp.so.1``, the soname torch's wheel bundles: loaded after torch, it shares torch's OpenMP runtime.
 
+A narrow cache (``engine.kv_cache_dtype``: bfloat16, float16, fp8) is read in place and widened to float32 as it
+is read (``KV_KINDS``); the step's own K/V are then stored rounded before the kernel attends.
+
 Invariants: :func:`decode` returns None — and the caller takes the torch path — whenever the kernel cannot
-serve the call (``BATCHGEN_CPU_KERNEL=0``, no compiler, a failed build or load, a non-CPU tensor, a dtype
-other than float32, a cache whose last three dims are not contiguous, more than 256 query heads per KV head);
+serve the call (``BATCHGEN_CPU_KERNEL=0``, no compiler, a failed build or load, a non-CPU tensor, queries
+other than float32, a cache dtype outside ``KV_KINDS``, a cache whose last three dims are not contiguous, more than 256 query heads per KV head);
 the first such failure of the build is logged once at INFO, never raised. :func:`start_build` compiles in a
 background thread (the engine calls it when it is built), so the first decode step rarely waits for it.
 """
@@ -43,6 +47,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .kv_cache_dtype import store_rows
 from .options import AttentionOptions
 from .paged_kv import PagedKV
 
@@ -50,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention_cpu.c", "linear_cpu.c", "layer_ops_cpu.c")
+    for name in ("paged_attention_cpu.c", "linear_cpu.c", "layer_ops_cpu.c", "quant_linear_cpu.c")
 )
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIB_NAME = "batchgen_cpu.so"
@@ -151,26 +156,27 @@ def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr]
         + [i32] * 5
         + [f32, i32, f32, ptr, i32, i32, i64, i64, ptr, ptr]
-        + [ptr, i64, i64, ptr, i64, i64, ptr]
+        + [ptr, i64, i64, ptr, i64, i64, ptr, i32]
     )
     fn.restype = i32
     prefix = lib.batchgen_cascade_prefix_f32
     prefix.argtypes = (
         [ptr, i64, i64, ptr, ptr, i64, i64, i32, ptr, ptr, ptr, i64, ptr, ptr, ptr]
         + [i32] * 5
-        + [f32, i32, i32]
+        + [f32, i32, i32, i32]
     )
     prefix.restype = i32
     prefill_fn = lib.batchgen_paged_prefill_f32
     prefill_fn.argtypes = (
         [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr]
         + [i32] * 5
-        + [f32, i32, i32, ptr, ptr, i32]
+        + [f32, i32, i32, ptr, ptr, i32, i32]
     )
     prefill_fn.restype = i32
-    linear = lib.batchgen_linear_f32
-    linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64] + [i32] * 4
-    linear.restype = i32
+    for name in ("f32", "bf16w", "f16w"):
+        linear = getattr(lib, f"batchgen_linear_{name}")
+        linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64] + [i32] * 4
+        linear.restype = i32
     lib.batchgen_rms_norm_f32.argtypes = [
         ptr,
         i64,
@@ -187,6 +193,11 @@ def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         i32,
         i32,
     ]
+    lib.batchgen_quant_linear.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64] + [i32] * 4
+    lib.batchgen_quant_dequantize.argtypes = [ptr, i64, i32, ptr, i32, i32]
+    lib.batchgen_quant_linear.restype = lib.batchgen_quant_dequantize.restype = i32
+    lib.batchgen_int_linear.argtypes = [ptr, i64, ptr, i32, ptr, i32, i32, ptr, ptr, i64] + [i32] * 4
+    lib.batchgen_int_linear.restype = i32
     lib.batchgen_silu_mul_f32.argtypes = [ptr, i64, ptr, i32, i32, i32]
     lib.batchgen_rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr] + [i32] * 5
     lib.batchgen_store_kv_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i32, i32, i32]
@@ -253,11 +264,22 @@ def serves(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
     return enabled() and supports(q, k_cache, v_cache) and library() is not None
 
 
+KV_KINDS = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 4,
+}
+"""Cache dtypes the kernels read (``kv_kind`` in the C source: narrow ones are widened as they are read)."""
+
+
 def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
-    """Whether the kernel can serve these tensors (CPU, float32, caches contiguous within a block)."""
+    """Whether the kernel can serve these tensors (CPU, float32 queries, a float32 or narrow cache of
+    :data:`KV_KINDS`, caches contiguous within a block)."""
     if q.device.type != "cpu" or k_cache.device.type != "cpu":
         return False
-    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
+    if q.dtype != torch.float32 or k_cache.dtype != v_cache.dtype or k_cache.dtype not in KV_KINDS:
         return False
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
@@ -346,6 +368,10 @@ def _call(
     num_kv_heads = k_cache.shape[2]
     if not _storable(new_kv, batch, num_kv_heads, head_dim):
         return None
+    kind = KV_KINDS[k_cache.dtype]
+    if kind and new_kv is not None and not new_kv.written:  # a narrow cache: rounded rows stored first
+        store_rows(new_kv.key, new_kv.value, k_cache, v_cache, new_kv.slots)
+        new_kv.written = True
     tables = _int32(block_tables)
     lens = _int32(seq_lens)
     sinks = options.sinks
@@ -362,7 +388,7 @@ def _call(
         options.softcap or 0.0, None if sinks is None else sinks.data_ptr(), threads,
         heads_per_item(batch, num_kv_heads, num_q_heads // num_kv_heads, threads), tables.shape[1],
         k_cache.shape[0], None if starts is None else starts.data_ptr(), None if lse is None else lse.data_ptr(),
-        *_new_kv_args(new_kv),
+        *_new_kv_args(new_kv), kind,
     )  # fmt: skip
     if status != 0:
         return None
@@ -422,7 +448,7 @@ def merge_prefix(
         k_cache.shape[0], groups.offsets.numel() - 1, groups.offsets.data_ptr(), groups.seqs.data_ptr(),
         groups.tables.data_ptr(), groups.tables.stride(0), groups.num_blocks.data_ptr(), out.data_ptr(),
         lse.data_ptr(), batch, num_q_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, PREFIX_CHUNK,
-        torch.get_num_threads(),
+        torch.get_num_threads(), KV_KINDS[k_cache.dtype],
     )  # fmt: skip
     return status == 0
 
@@ -451,6 +477,7 @@ def prefill(
         k_cache.shape[0], tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(), cu.data_ptr(),
         lens.numel(), num_q_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, int(causal),
         PREFILL_CHUNK, out.data_ptr(), None if lse is None else lse.data_ptr(), torch.get_num_threads(),
+        KV_KINDS[k_cache.dtype],
     )  # fmt: skip
     return (out, lse) if status == 0 else None
 

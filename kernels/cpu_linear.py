@@ -1,5 +1,6 @@
-"""The float32 linear layer of the CPU models: ``y = x wᵀ + b`` by the C kernel ``csrc/linear_cpu.c`` over a
-weight packed once into 16-column panels.
+"""The linear layer of the CPU models: ``y = x wᵀ + b`` in float32 by the C kernel ``csrc/linear_cpu.c`` over a
+weight packed once into 16-column panels, held in float32, bfloat16 or float16 (narrow weights are widened to
+float32 in registers: the result is bit for bit the float32 kernel's on the widened weights).
 
 :func:`pack` lays a ``[out, in]`` weight out as the kernel reads it (``[ceil(out / 16), in, 16]``, zero past
 ``out``; the bias padded to match); :func:`linear` multiplies. Each output element is one chain of fused
@@ -31,11 +32,20 @@ def available() -> bool:
     return cpu_kernel.enabled() and cpu_kernel.library() is not None
 
 
+WEIGHT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16w", torch.float16: "f16w"}
+"""Panel dtypes the kernel multiplies by, with the suffix of their C entry point."""
+
+
 def pack(weight: Tensor) -> Tensor:
-    """``[out, in]`` float32 CPU weight → ``[ceil(out / 16), in, 16]`` contiguous panels (zero past ``out``)."""
+    """``[out, in]`` CPU weight (float32, bfloat16 or float16) → ``[ceil(out / 16), in, 16]`` contiguous panels
+    of the same dtype (zero past ``out``)."""
+    if weight.dtype not in WEIGHT_DTYPES:
+        raise TypeError(
+            f"the CPU linear kernel packs float32, bfloat16 or float16 weights, not {weight.dtype}"
+        )
     out_features, in_features = weight.shape
     panels = -(-out_features // PANEL)
-    padded = torch.zeros(panels * PANEL, in_features, dtype=torch.float32)
+    padded = torch.zeros(panels * PANEL, in_features, dtype=weight.dtype)
     padded[:out_features] = weight.detach()
     return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
 
@@ -68,13 +78,13 @@ def linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) ->
         raise TypeError(f"the CPU linear kernel takes float32 inputs, not {rows.dtype}")
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     if rows.shape[0]:
-        status = lib.batchgen_linear_f32(
+        status = getattr(lib, f"batchgen_linear_{WEIGHT_DTYPES[packed.dtype]}")(
             rows.data_ptr(), max(rows.stride(0), in_features), packed.data_ptr(),
             None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, rows.shape[0], in_features,
             out_features, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(
-                f"batchgen_linear_f32 rejected [{rows.shape[0]}, {in_features}] x {out_features}"
+                f"batchgen_linear_{WEIGHT_DTYPES[packed.dtype]} rejected [{rows.shape[0]}, {in_features}] x {out_features}"
             )
     return out.view(*lead, out_features)

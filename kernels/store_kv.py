@@ -11,6 +11,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._jit import kernel
+from .kv_cache_dtype import narrow, storage_view
 
 
 @kernel
@@ -53,6 +54,10 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     _, _, num_kv_heads, head_dim = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "paged caches must be contiguous"
     assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim)
+    # Rounded into the cache dtype by torch (to nearest even, fp8 saturating: kv_cache_dtype.narrow), so the
+    # kernel only moves bits (fp8 as bytes): the same values on every backend.
+    key, value = storage_view(narrow(key, k_cache.dtype)), storage_view(narrow(value, v_cache.dtype))
+    k_cache, v_cache = storage_view(k_cache), storage_view(v_cache)
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import cpu_kernel, cpu_ops
+from .kv_cache_dtype import store_rows
 from .options import AttentionOptions
 from .paged_kv import PagedKV
 
@@ -69,15 +70,10 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     """Write ``key``/``value`` ``[T, Hkv, D]`` into the paged caches at ``slot_mapping`` ``[T]`` (−1 = skip)."""
     if key.shape[0] == 0:
         return
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping.long()
     if cpu_ops.store_kv(key, value, k_cache, v_cache, slots):  # float32: one C pass
         return
-    keep = slots >= 0
-    if not bool(keep.all()):
-        key, value, slots = key[keep], value[keep], slots[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    store_rows(key, value, k_cache, v_cache, slots)  # rounded into a narrow cache (kv_cache_dtype.py)
 
 
 def _gather(
@@ -409,7 +405,7 @@ def _decode_cascade(
     all layers share the grouping.
     """
     k_cache, v_cache = kv.k_cache, kv.v_cache
-    if _CPU_FLASH_WITH_LSE is None or q.device.type != "cpu" or q.dtype != k_cache.dtype:
+    if _CPU_FLASH_WITH_LSE is None or q.device.type != "cpu" or (q.dtype != k_cache.dtype and not kernel):
         return None
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = kv.num_kv_heads
@@ -429,6 +425,8 @@ def _decode_cascade(
         if res is not None and cpu_kernel.merge_prefix(q, kv, scale, plan.prefix, *res):
             return res[0].to(q.dtype)
     _store_new(new_kv, kv)
+    if q.dtype != k_cache.dtype:  # the flash op takes one dtype: the plain path widens a narrow cache
+        return None
     # The `group` query heads of one kv head act as `group` queries of that head: GQA without repeating K/V.
     qg = q.view(batch, num_kv_heads, group, head_dim)
     try:

@@ -121,3 +121,44 @@ def test_packed_linear_module(monkeypatch) -> None:
     assert "layout=panels" in repr(model[0])
     monkeypatch.setenv(cpu_kernel.ENV_SWITCH, "0")
     assert not cpu_linear.available()
+
+
+NARROW = [torch.bfloat16, torch.float16]
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.parametrize("rows, k, n", [(1, 7, 5), (13, 300, 37), (145, 513, 100)])
+def test_narrow_weights_widen_in_registers(dtype, rows, k, n) -> None:
+    """bfloat16 / float16 panels: within float32 rounding of the float64 product on the rounded weights, and bit
+    for bit the float32 kernel on those weights widened (the same chains of fused multiply-adds); half the
+    bytes."""
+    g = torch.Generator().manual_seed(rows + k + n)
+    w, x, b = (
+        torch.randn(n, k, generator=g).to(dtype),
+        torch.randn(rows, k, generator=g),
+        torch.randn(n, generator=g),
+    )
+    w[0, :3] = torch.tensor([6.0e-8, -3.0e-5, 0.0]).to(dtype)  # subnormal float16 values widen exactly too
+    packed, pb = cpu_linear.pack(w), cpu_linear.pack_bias(b, n)
+    assert packed.dtype == dtype and torch.equal(cpu_linear.unpack(packed, n), w)
+    got = cpu_linear.linear(x, packed, pb, n)
+    assert torch.equal(got, cpu_linear.linear(x, cpu_linear.pack(w.float()), pb, n))
+    want = _reference(x, w.float(), b)
+    scale = x.abs().double() @ w.abs().double().t()
+    assert ((got.double() - want).abs() <= 1e-6 * scale + 1e-6).all()
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", NARROW)
+def test_narrow_weights_generic_build_equals_avx2_build(monkeypatch, dtype) -> None:
+    g = torch.Generator().manual_seed(6)
+    w, x = torch.randn(37, 300, generator=g).to(dtype), torch.randn(13, 300, generator=g)
+    w[1, :4] = torch.tensor([6.0e-8, -3.0e-5, float("inf"), 1.0e-6]).to(dtype)
+    x[:, 2] = 0.0  # inf * 0 is nan in both builds; keep the rest finite
+    packed = cpu_linear.pack(w)
+    fast = cpu_linear.linear(x, packed, None, 37)
+    generic = cpu_kernel._load(("BATCHGEN_GENERIC",))
+    assert generic is not None
+    monkeypatch.setitem(cpu_kernel._state, "lib", generic)
+    torch.testing.assert_close(cpu_linear.linear(x, packed, None, 37), fast, rtol=0, atol=0, equal_nan=True)

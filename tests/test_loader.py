@@ -97,14 +97,19 @@ def test_missing_shard_named(ckpt_factory, tmp_path):
 
 def test_dtype_auto_and_override(ckpt_factory, qwen2_ckpt):
     assert load_model(qwen2_ckpt).config.dtype == torch.float32
-    m16 = load_model(qwen2_ckpt, dtype="float16")
-    assert m16.config.dtype == torch.float16 and {p.dtype for p in m16.parameters()} == {torch.float16}
+    m16 = load_model(qwen2_ckpt, dtype="float16")  # held in float16, computed in float32 on the CPU
+    assert m16.config.weight_dtype == torch.float16 and m16.config.dtype == torch.float32
+    attn = m16.model.layers[0].self_attn
+    assert attn.qkv_proj.weight.dtype == m16.model.embed_tokens.weight.dtype == torch.float16
+    assert attn.qkv_proj.bias.dtype == m16.model.norm.weight.dtype == torch.float32
     ref = load_model(qwen2_ckpt, dtype=torch.float32)
     w = "model.layers.0.self_attn.qkv_proj.weight"
-    assert torch.equal(m16.state_dict()[w], dense_state_dict(ref)[w].half())
+    assert torch.equal(dense_state_dict(m16)[w], dense_state_dict(ref)[w].half())
     bf = ckpt_factory("qwen2", seed=2, dtype=torch.bfloat16)
     assert json.loads((Path(bf) / "config.json").read_text())["dtype"] == "bfloat16"
-    assert {p.dtype for p in load_model(bf).parameters()} == {torch.bfloat16}
+    auto = load_model(bf)
+    assert (auto.config.weight_dtype, auto.config.dtype) == (torch.bfloat16, torch.float32)
+    assert {p.dtype for p in auto.parameters()} == {torch.bfloat16, torch.float32}
     assert {p.dtype for p in load_model(bf, dtype="float32").parameters()} == {torch.float32}
     with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
         load_model(qwen2_ckpt, dtype="int8")
@@ -162,7 +167,7 @@ def test_float32_cpu_projections_packed(ckpt_factory, qwen2_ckpt, monkeypatch, l
     assert model.model.layers[0].input_layernorm.weight.is_contiguous()
     bf16 = load_model(qwen2_ckpt, dtype="bfloat16")
     assert all(p.is_contiguous() for p in bf16.parameters())
-    assert type(bf16.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+    assert bf16.model.layers[0].self_attn.o_proj.weight.dtype == torch.bfloat16
     experts = load_model(model_zoo.checkpoint("qwen3_moe")).model.layers[0].mlp.experts
     assert experts.gate_up_proj.transpose(-2, -1).is_contiguous()
     tied = load_model(ckpt_factory("qwen2", tie_word_embeddings=True, seed=11))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from batchgen.kernels import kv_cache_dtype
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -57,6 +59,10 @@ class EngineConfig:
     """CPU: bytes for the KV cache pool, e.g. '4GiB'."""
     num_blocks: int | None = None
     """Exact number of KV blocks; overrides gpu_memory_utilization and kv_cache_memory."""
+    kv_cache_dtype: str = "auto"
+    """K/V element type (vLLM's names): 'auto' (the model's activation dtype: float32 on the CPU), 'float32',
+    'bfloat16', 'float16', 'fp8' (= 'fp8_e4m3') or 'fp8_e5m2' (scale 1, saturating). A narrower cache fits
+    proportionally more blocks in the same memory; attention widens it on load (exact over the rounded K/V)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical token prefixes across requests."""
     attention_backend: str = "auto"
@@ -131,6 +137,7 @@ class EngineConfig:
                 f"engine.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         parse_bytes(self.kv_cache_memory)
+        kv_cache_dtype.check(self.kv_cache_dtype)
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"engine.num_blocks must be >= 1, got {self.num_blocks}")
         if self.attention_backend not in ("auto", "torch", "triton"):

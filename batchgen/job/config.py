@@ -55,8 +55,11 @@ class ModelOptions:
 
     path: str | None = None
     """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files); null = the embedded tiny Llama shipped in the package (2.4M parameters trained on CPython's documentation, batchgen/models/tiny_lm/)."""
+    gguf_file: str | None = None
+    """A GGUF file inside model.path to run (model.path may also name a .gguf file itself): its model, config and tokenizer all come from the file; projections in Q4_0, Q8_0, Q4_K or Q6_K stay packed and are multiplied by batchgen's weight-only GEMM (CPU). Needs the gguf extra (pip install 'batchgen[gguf]')."""
     dtype: str = "auto"
-    """Weights and activations dtype: auto (the engine's choice for the checkpoint and device), float32, bfloat16 or float16."""
+    """Weights dtype: auto (the checkpoint's), float32, bfloat16 or float16; on the CPU a bfloat16/float16 model is
+    held narrow and computed in float32 (widened in registers), on a GPU computed in its dtype."""
     implementation: str = "auto"
     """Model code: auto (batchgen's native code when it has the architecture, else transformers' modeling code over batchgen's paged attention), native, or transformers. Also picks the decoder backbone of task=embed / task=classify (encoders always run transformers' code)."""
     lora_modules: dict[str, str] = field(default_factory=dict)

@@ -58,6 +58,9 @@ def _file_digests(path: str) -> dict[str, bytes]:
     templates, and the size and header of each safetensors file (not the full weights)."""
     out: dict[str, bytes] = {}
     p = Path(path)
+    if p.is_file():  # a GGUF file: its size and its header (metadata and tensor table come first)
+        with open(p, "rb") as fh:
+            return {p.name: f"{p.stat().st_size}\0".encode() + hashlib.sha256(fh.read(1 << 24)).digest()}
     for name in sorted(os.listdir(p)):
         f = p / name
         if not f.is_file():
@@ -227,6 +230,11 @@ def _model_path(cfg: JobConfig) -> str:
 
         return tiny_default_checkpoint()
     path = os.path.expanduser(cfg.model.path)
+    if cfg.model.gguf_file or path.lower().endswith(".gguf"):  # one GGUF file: model, config and tokenizer
+        path = os.path.join(path, cfg.model.gguf_file) if cfg.model.gguf_file else path
+        if not os.path.isfile(path):
+            raise ConfigError(f"model.path: GGUF file {path!r} does not exist")
+        return path
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(
             f"model.path: {cfg.model.path!r} is not a Hugging Face checkpoint directory (no config.json)"

@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 
 from batchgen.models.config import ModelConfig, NativeUnsupportedError, parse_dtype
+from batchgen.models.quant.compressed_tensors import quantization_scheme
+from batchgen.models.quant.gguf_checkpoint import gguf_path
+from batchgen.models.quant.gguf_checkpoint import read_config as read_gguf_config
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,17 @@ class CheckpointFacts:
 def checkpoint_facts(path: str | Path, implementation: str = "auto") -> CheckpointFacts:
     """The facts of `path` for `implementation` (auto, native, transformers); ValueError (or
     NativeUnsupportedError / UnsupportedModelError, both ValueErrors) for a checkpoint that road cannot run."""
+    gguf_file = gguf_path(path)
+    if gguf_file is not None:  # the loader's GGUF road: native code only
+        if implementation == "transformers":
+            raise ValueError(
+                "a GGUF checkpoint runs on batchgen's native code: use model.implementation auto or native"
+            )
+        return _native_facts(read_gguf_config(gguf_file))
+    if quantization_scheme(path) is not None and implementation == "transformers":  # refuses others by name
+        raise ValueError(
+            "a quantized checkpoint runs on batchgen's native code: use model.implementation auto"
+        )
     if implementation == "transformers":
         return _transformers_facts(Path(path))
     try:

@@ -211,7 +211,8 @@ class ModelConfig(ContextFacts):
     fused_checkpoint: bool = False  # checkpoint already stores qkv_proj / gate_up_proj (Phi-3)
     multimodal: bool = False  # a vision-language checkpoint: its language model's weights, vision skipped
     moe: MoESpec | None = None
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # the activations' (batchgen.models.quant.weight_dtype)
+    weight_dtype: torch.dtype | None = None  # the projections' and embedding's in memory (None: `dtype`)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None

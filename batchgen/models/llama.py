@@ -282,7 +282,7 @@ class _Backbone(nn.Module):
     def embed(self, input_ids: Tensor) -> Tensor:
         """Token embeddings [T, hidden], scaled as the model says (what image features are placed among)."""
         c = self.config
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(c.dtype)  # a narrow table widens its rows (quant.weight_dtype)
         if (
             c.embed_scale is not None
         ):  # float32, then the dtype, as transformers rounds it (sqrt(3072) -> 55.5)

@@ -36,6 +36,14 @@ from batchgen.models.llama import CausalLM
 from batchgen.models.meta_init import materialize, skip_init
 from batchgen.models.packed_linear import fast_cpu_weights
 from batchgen.models.parallel import check_divisible, shard_config
+from batchgen.models.quant.compressed_tensors import quantization_scheme, replace_linears
+from batchgen.models.quant.gguf_checkpoint import (
+    UnsupportedCheckpoint,
+    gguf_path,
+    load_gguf_model,
+    load_gguf_tokenizer,
+)
+from batchgen.models.quant.weight_dtype import compute_dtype
 from batchgen.models.sharding import read_shard
 
 logger = logging.getLogger(__name__)
@@ -194,13 +202,16 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
 ):
-    """Load a checkpoint directory (config.json + safetensors) for the engine.
+    """Load a checkpoint directory (config.json + safetensors), or a GGUF file (`path` ending in ``.gguf``:
+    `batchgen.models.quant.gguf_checkpoint`), for the engine.
 
     `implementation`: ``native`` (our own decoders; fails for an architecture we have no code for),
     ``transformers`` (transformers' modeling code over our paged attention, any decoder-only architecture),
     or ``auto`` (native when we have it, else transformers). `dtype`: 'auto' (the checkpoint's
-    `dtype`/`torch_dtype`, float32 if absent), 'float32', 'bfloat16', 'float16' or a torch.dtype.
-    `model.config.dtype` reports the dtype actually used, `model.config.implementation` the path taken.
+    `dtype`/`torch_dtype`, float32 if absent), 'float32', 'bfloat16', 'float16' or a torch.dtype: the dtype the
+    weights are held in. A native model on the CPU computes a bfloat16/float16 model in float32
+    (`batchgen.models.quant.weight_dtype`); `model.config.dtype` reports the dtype computed in,
+    `model.config.weight_dtype` the weights', `model.config.implementation` the path taken.
     `tp_rank` / `tp_size`: load rank `tp_rank`'s shard for tensor parallelism over `tp_size` ranks (native
     architectures only; anything else is a ValueError naming `engine.tensor_parallel_size`).
     """
@@ -208,6 +219,15 @@ def load_model(
         raise ValueError(
             f"unknown model implementation {implementation!r}: use one of {', '.join(IMPLEMENTATIONS)}"
         )
+    gguf_file = gguf_path(path)
+    if gguf_file is not None:  # a GGUF file: its own loader (batchgen.models.quant.gguf_checkpoint)
+        if tp_size > 1 or implementation == "transformers":
+            raise UnsupportedCheckpoint(
+                "a GGUF checkpoint runs on batchgen's native code on one device: set "
+                "engine.tensor_parallel_size=1 and model.implementation auto or native"
+            )
+        cpu_kernel.start_build()
+        return load_gguf_model(gguf_file, dtype=dtype, device=device)
     ckpt = _checkpoint_dir(path)
     if torch.device(device).type == "cpu":
         cpu_kernel.start_build()  # the C kernels (linear layers, attention) compile while the weights load
@@ -218,9 +238,17 @@ def load_model(
         from batchgen.models.transformers_backend import load_transformers_model
 
         return load_transformers_model(ckpt, dtype=dtype, device=device)
+    if quantization_scheme(ckpt) is not None and implementation == "transformers":
+        raise UnsupportedCheckpoint(
+            f"quantized checkpoint {ckpt} runs on batchgen's native code: use model.implementation auto or native"
+        )
     try:
         config = ModelConfig.from_pretrained(ckpt)
     except NativeUnsupportedError as e:
+        if quantization_scheme(ckpt) is not None:
+            raise UnsupportedCheckpoint(
+                f"{e}: quantized checkpoints run on batchgen's native code only"
+            ) from e
         if implementation == "native":
             raise e.for_native_only() from e
         from batchgen.models.transformers_backend import load_transformers_model
@@ -245,6 +273,11 @@ def check_tensor_parallel(path: str | os.PathLike, implementation: str, tp_size:
     )
     if implementation == "transformers":
         raise ValueError(refused)
+    if gguf_path(path) is not None or quantization_scheme(_checkpoint_dir(path)) is not None:
+        raise UnsupportedCheckpoint(
+            f"engine.tensor_parallel_size={tp_size}: quantized checkpoints run on one device here; set "
+            "engine.tensor_parallel_size=1"
+        )
     try:
         config = ModelConfig.from_pretrained(_checkpoint_dir(path))
     except NativeUnsupportedError as e:
@@ -268,11 +301,22 @@ def load_native_model(
     """Build our `CausalLM` for `config` (one rank's shard when `config.tp_size > 1`) and stream the
     checkpoint's safetensors into it. `rename` maps a stored tensor name to ours (None: not this model's, e.g.
     a classification head read by the caller)."""
-    config = dataclasses.replace(config, dtype=_resolve_dtype(config.dtype, dtype))
-    files = safetensors_files(ckpt)
+    weight_dtype = _resolve_dtype(config.dtype, dtype)
     device = torch.device(device)
+    config = dataclasses.replace(
+        config, dtype=compute_dtype(weight_dtype, device), weight_dtype=weight_dtype
+    )  # narrow weights on the CPU compute in float32 (batchgen.models.quant.weight_dtype)
+    files = safetensors_files(ckpt)
 
     model = _empty_model(config, device)
+    scheme = quantization_scheme(ckpt)  # compressed-tensors: packed integer projections (models/quant)
+    if scheme is not None:
+        if device.type != "cpu":
+            raise UnsupportedCheckpoint(
+                f"quantized checkpoint {ckpt} runs on the CPU here: set engine.device=cpu"
+            )
+        replace_linears(model, scheme)
+        rename = _without_shapes(rename)
     params = dict(model.named_parameters())  # tied lm_head is deduplicated: only embed_tokens
     lookup, canonical = _weight_map(config, params)
     written = dict.fromkeys(params, 0)  # elements written per parameter
@@ -280,15 +324,26 @@ def load_native_model(
     for file in files:
         _copy_file(file, config, params, lookup, written, seen, rename)
     _check_complete(ckpt, files, params, canonical, written, seen)
-    fast_cpu_weights(model, keep=[model.model.embed_tokens.weight])
+    fast_cpu_weights(model, keep=[model.model.embed_tokens.weight], narrow=config.dtype != weight_dtype)
     return model
+
+
+def _without_shapes(rename: Callable[[str], str | None] | None) -> Callable[[str], str | None]:
+    """`rename`, also skipping compressed-tensors' `*.weight_shape` records (the shapes are the model's)."""
+
+    def skip(name: str) -> str | None:
+        if name.endswith(".weight_shape"):
+            return None
+        return name if rename is None else rename(name)
+
+    return skip
 
 
 def _empty_model(config: ModelConfig, device: torch.device) -> CausalLM:
     """An uninitialised `CausalLM` in eval mode, no grads, on `device` (a tied head shares the embedding)."""
     with torch.device("meta"), skip_init():  # meta parameters hold no data: nothing to initialise
         model = CausalLM(config)
-    model = materialize(model, config.dtype, device)  # as .to(dtype).to_empty(device), without meta ops
+    model = materialize(model, config.weight_dtype or config.dtype, device)  # .to(dtype).to_empty(device)
     if config.tie_word_embeddings:  # to_empty may give each module its own copy of a shared parameter
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().requires_grad_(False)
@@ -369,4 +424,7 @@ def load_tokenizer(path: str | os.PathLike):
     files only, no remote code)."""
     from batchgen.models.tokenizer import load_checkpoint_tokenizer
 
+    gguf_file = gguf_path(path)
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file)
     return load_checkpoint_tokenizer(_checkpoint_dir(path))

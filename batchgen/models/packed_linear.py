@@ -15,6 +15,11 @@ packed once, in one of two layouts:
 Stacked expert weights (not `nn.Linear`) are stored column-major instead, and so is every projection where
 neither layout is available (`use_column_major_weights`).
 
+Narrow weights (bfloat16 / float16, :mod:`batchgen.models.quant.weight_dtype`): `fast_cpu_weights(...,
+narrow=True)` packs them into panels of their own dtype, which the GEMM widens to float32 in registers; where
+the C kernels are off, they stay ``dense`` (`[out, in]`, widened per call). Either way the module takes and
+returns float32; every other floating parameter but the kept tables is widened to float32 once.
+
 Why: on the 2-CPU AVX2 machine the benchmarks run on, a decode step's projections (64 rows) of the benchmark
 model took 38.1 ms with batchgen's GEMM, 46.4 ms with oneDNN and 55.2 ms with MKL's column-major GEMM, and
 batchgen's GEMM was the fastest from 1 row to 1,024 (`python -m batchgen.bench.decode_ceiling`,
@@ -25,7 +30,8 @@ Invariants: a `PackedLinear`'s `weight` is a non-trainable parameter in its `lay
 in, 16]`; onednn: an mkldnn tensor of shape `[out, in]`), and `dense_weight()` equals the loaded weight bit for
 bit; its forward accepts any leading shape, like `nn.Linear`. A tied LM head (one table with the embedding)
 gets a packed copy when the table is at most `TIED_HEAD_COPY_MAX_BYTES`; a larger one stays shared and
-unpacked, so packing never costs more than that in memory. Only float32 CPU weights are touched.
+unpacked, so packing never costs more than that in memory (a narrow one then multiplies the shared table
+``dense``). Only CPU weights are touched.
 """
 
 from __future__ import annotations
@@ -66,7 +72,12 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.layout = layout or packed_layout() or "onednn"
-        if self.layout == "panels":
+        if weight.dtype != torch.float32 and self.layout == "onednn":
+            self.layout = "dense"  # oneDNN's packed float32 linear has no narrow-weight form here
+        if self.layout == "dense":
+            packed = weight.detach()
+            bias = None if bias is None else bias.detach().float().contiguous()
+        elif self.layout == "panels":
             packed = cpu_linear.pack(weight)
             bias = None if bias is None else cpu_linear.pack_bias(bias, self.out_features)
         else:
@@ -82,12 +93,16 @@ class PackedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.layout == "panels":
             return cpu_linear.linear(x, self.weight, self.bias, self.out_features)
+        if self.layout == "dense":
+            return nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def dense_weight(self) -> Tensor:
         """The `[out, in]` weight as loaded (a copy)."""
         if self.layout == "panels":
             return cpu_linear.unpack(self.weight, self.out_features)
+        if self.layout == "dense":
+            return self.weight.clone()
         return self.weight.to_dense()
 
     def dense_bias(self) -> Tensor | None:
@@ -101,31 +116,38 @@ class PackedLinear(nn.Module):
         )
 
 
-def _packable(module: nn.Module) -> bool:
+NARROW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _packable(module: nn.Module, narrow: bool = False) -> bool:
     w = getattr(module, "weight", None)
     return (
         type(module) is nn.Linear
         and w is not None
         and w.device.type == "cpu"
-        and w.dtype == torch.float32
+        and (w.dtype == torch.float32 or (narrow and w.dtype in NARROW_DTYPES))
         and not w.is_mkldnn
     )
 
 
-def pack_linears(model: nn.Module, layout: str, shared: set[int] = frozenset()) -> int:
+def pack_linears(model: nn.Module, layout: str, shared: set[int] = frozenset(), narrow: bool = False) -> int:
     """Replace each packable `nn.Linear` under `model` with a `PackedLinear` in `layout`, in place, one at a
     time (peak memory: the model plus one weight); a linear whose weight is in `shared` (ids of tensors other
-    modules read too) is packed as a copy only within `TIED_HEAD_COPY_MAX_BYTES`. Returns how many were
-    packed."""
-    names = [name for name, m in model.named_modules() if _packable(m)]
+    modules read too) is packed as a copy only within `TIED_HEAD_COPY_MAX_BYTES` (a narrow one is otherwise
+    multiplied ``dense`` over the shared table). `narrow`: bfloat16 / float16 weights are packed too, in their
+    dtype. Returns how many were packed."""
+    names = [name for name, m in model.named_modules() if _packable(m, narrow)]
     count = 0
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         w = getattr(parent, attr).weight
+        how = layout
         if id(w) in shared and w.numel() * w.element_size() > TIED_HEAD_COPY_MAX_BYTES:
-            continue
-        setattr(parent, attr, PackedLinear.from_linear(getattr(parent, attr), layout))
+            if w.dtype == torch.float32:
+                continue
+            how = "dense"
+        setattr(parent, attr, PackedLinear.from_linear(getattr(parent, attr), how))
         count += 1
     return count
 
@@ -140,7 +162,12 @@ def use_column_major_weights(model: nn.Module, skip: set[int] = frozenset()) -> 
     batchgen.bench.model_impls --gemm-layout`). From 16 rows on the results are bit for bit the same. Costs one
     parameter's copy at a time.
     """
-    packed = {id(p) for m in model.modules() if isinstance(m, PackedLinear) for p in m.parameters()}
+    packed = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, PackedLinear) or getattr(m, "keeps_layout", False)  # quantized layers' scales
+        for p in m.parameters()
+    }
     for param in model.parameters():
         if param.device.type != "cpu" or param.dtype != torch.float32 or param.dim() < 2 or param.is_mkldnn:
             continue
@@ -162,14 +189,30 @@ def pack_transformers_linears(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def fast_cpu_weights(model: nn.Module, keep: list[Tensor]) -> None:
-    """Lay out a loaded model's float32 CPU weights for speed (module docstring). `keep` are tables read row by
-    row (embeddings), which keep their layout; a linear sharing one of them is a tied head."""
+def fast_cpu_weights(model: nn.Module, keep: list[Tensor], narrow: bool = False) -> None:
+    """Lay out a loaded model's CPU weights for speed (module docstring). `keep` are tables read row by row
+    (embeddings), which keep their layout and dtype; a linear sharing one of them is a tied head. `narrow`:
+    the model was loaded in bfloat16 / float16 to compute in float32: its linears are packed narrow (``dense``
+    without the C kernels) and every other floating parameter and buffer is widened to float32."""
     kept = {id(t) for t in keep}
     layout = packed_layout()
-    if layout is not None:
-        pack_linears(model, layout, shared=kept)
+    if layout is not None or narrow:
+        pack_linears(model, layout or "dense", shared=kept, narrow=narrow)
+    if narrow:
+        _widen_the_rest(model, kept)
     use_column_major_weights(model, skip=kept)
+
+
+def _widen_the_rest(model: nn.Module, kept: set[int]) -> None:
+    """Every floating parameter and buffer to float32, except `PackedLinear` weights and the kept tables."""
+    packed = {id(m.weight) for m in model.modules() if isinstance(m, PackedLinear)}
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != torch.float32 and id(param) not in kept | packed:
+            param.data = param.data.float()
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                setattr(module, name, buf.float())
 
 
 def dense_state_dict(model: nn.Module) -> dict[str, Tensor]:

@@ -3,8 +3,7 @@
  * Layout: the packed weight of an [N, K] matrix w is [ceil(N / 16), K, 16] contiguous: panel p holds the
  * columns p * 16 .. p * 16 + 15 of w^T, row k of the panel being w[p * 16 + c, k] for c = 0..15 (zero past N);
  * the bias, when given, is padded the same way to ceil(N / 16) * 16 floats. x [M, K] has rows lda floats
- * apart (unit stride within a row); y [M, N] has rows ldy floats apart. The caller keeps the packed weight
- * 32-byte aligned (it is read with aligned loads).
+ * apart (unit stride within a row); y [M, N] has rows ldy floats apart.
  *
  * Each output y[m, n] is bias[n] (or 0) followed by one chain of fused multiply-adds over k = 0 .. K - 1 in
  * order: the result of a row depends on nothing but that row, its weights and K -- not on M, the other rows,
@@ -19,7 +18,12 @@
  *
  * SIMD: AVX2 and FMA (and BATCHGEN_GENERIC undefined) run the tile with intrinsics; otherwise the same loops
  * in plain C (with the compiler's own vectorisation), same packed layout, same order of operations per
- * output (fmaf), so both builds give the same results. */
+ * output (fmaf), so both builds give the same results.
+ *
+ * Narrow weights: the same panels may hold bfloat16 or float16 values (2 bytes each, same [ceil(N / 16), K, 16]
+ * layout). They are widened to float32 in registers as each panel row is loaded (bfloat16: a 16-bit shift;
+ * float16: F16C's vcvtph2ps, or an exact bit conversion in the plain-C build) and the arithmetic is the float32
+ * kernel's, in the same order: the result is bit for bit the float32 kernel's on the widened weights. */
 
 #include <math.h>
 #include <stdint.h>
@@ -30,14 +34,36 @@
 #define KC 512 /* k per chunk */
 #define MC 144 /* rows per block: a multiple of TILE_ROWS */
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(BATCHGEN_GENERIC)
+enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 }; /* weight element kinds */
+
+static inline int64_t weight_bytes(const int W) { return W == W_F32 ? 4 : 2; }
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(BATCHGEN_GENERIC)
 #include <immintrin.h>
+
+/* Row k of a panel chunk as two vectors of 8 float32 (columns 0..7 and 8..15). */
+static inline __attribute__((always_inline)) void load_panel_row(const void *b, int k, const int W, __m256 *b0,
+                                                                  __m256 *b1) {
+    if (W == W_F32) {
+        const float *f = (const float *)b + (int64_t)k * PANEL;
+        *b0 = _mm256_loadu_ps(f), *b1 = _mm256_loadu_ps(f + 8);
+        return;
+    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)b + (int64_t)k * PANEL));
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    if (W == W_BF16) {
+        *b0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
+        *b1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
+    } else {
+        *b0 = _mm256_cvtph_ps(lo), *b1 = _mm256_cvtph_ps(hi);
+    }
+}
 
 /* c[r, 0..15] (r < R; rows ldc apart) = (first ? bias or 0 : c) + sum_k a[r, k] b[k, 0..15] over kc values of
  * k; b is a panel's chunk (16 floats per k, aligned). R is a constant once inlined. */
-static inline __attribute__((always_inline)) void tile(const float *a, int64_t lda, const float *b, int kc,
+static inline __attribute__((always_inline)) void tile(const float *a, int64_t lda, const void *b, int kc,
                                                         const float *bias, float *c, int64_t ldc, const int R,
-                                                        int first) {
+                                                        int first, const int W) {
     __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
     const __m256 z0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
     const __m256 z1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
@@ -50,7 +76,8 @@ static inline __attribute__((always_inline)) void tile(const float *a, int64_t l
 #undef LOAD
     }
     for (int k = 0; k < kc; k++) {
-        const __m256 b0 = _mm256_load_ps(b + k * PANEL), b1 = _mm256_load_ps(b + k * PANEL + 8);
+        __m256 b0, b1;
+        load_panel_row(b, k, W, &b0, &b1);
 #define FMA(r)                                                                                                \
     if (R > r) {                                                                                              \
         const __m256 ar = _mm256_broadcast_ss(a + r * lda + k);                                               \
@@ -66,26 +93,66 @@ static inline __attribute__((always_inline)) void tile(const float *a, int64_t l
 #undef STORE
 }
 
-static void tile_rows(const float *a, int64_t lda, const float *b, int kc, const float *bias, float *c,
-                      int64_t ldc, int rows, int first) {
-    switch (rows) {
-    case 6: tile(a, lda, b, kc, bias, c, ldc, 6, first); break;
-    case 5: tile(a, lda, b, kc, bias, c, ldc, 5, first); break;
-    case 4: tile(a, lda, b, kc, bias, c, ldc, 4, first); break;
-    case 3: tile(a, lda, b, kc, bias, c, ldc, 3, first); break;
-    case 2: tile(a, lda, b, kc, bias, c, ldc, 2, first); break;
-    default: tile(a, lda, b, kc, bias, c, ldc, 1, first); break;
+#define TILE_ROWS_FOR(W)                                                                                      \
+    static void tile_rows_##W(const float *a, int64_t lda, const void *b, int kc, const float *bias, float *c, \
+                              int64_t ldc, int rows, int first) {                                             \
+        switch (rows) {                                                                                       \
+        case 6: tile(a, lda, b, kc, bias, c, ldc, 6, first, W); break;                                        \
+        case 5: tile(a, lda, b, kc, bias, c, ldc, 5, first, W); break;                                        \
+        case 4: tile(a, lda, b, kc, bias, c, ldc, 4, first, W); break;                                        \
+        case 3: tile(a, lda, b, kc, bias, c, ldc, 3, first, W); break;                                        \
+        case 2: tile(a, lda, b, kc, bias, c, ldc, 2, first, W); break;                                        \
+        default: tile(a, lda, b, kc, bias, c, ldc, 1, first, W); break;                                       \
+        }                                                                                                     \
     }
+TILE_ROWS_FOR(W_F32)
+TILE_ROWS_FOR(W_BF16)
+TILE_ROWS_FOR(W_F16)
+#undef TILE_ROWS_FOR
+
+static void tile_rows(const float *a, int64_t lda, const void *b, int kc, const float *bias, float *c,
+                      int64_t ldc, int rows, int first, int W) {
+    if (W == W_BF16) tile_rows_W_BF16(a, lda, b, kc, bias, c, ldc, rows, first);
+    else if (W == W_F16) tile_rows_W_F16(a, lda, b, kc, bias, c, ldc, rows, first);
+    else tile_rows_W_F32(a, lda, b, kc, bias, c, ldc, rows, first);
 }
 #else
-static void tile_rows(const float *a, int64_t lda, const float *b, int kc, const float *bias, float *c,
-                      int64_t ldc, int rows, int first) {
+/* IEEE half -> float, exact (subnormals, infinities and NaNs included). */
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (mant << 13);
+    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (mant << 13);
+    else if (mant == 0) bits = sign;
+    else { /* subnormal: normalise */
+        int e = -1;
+        uint32_t m = mant;
+        do { m <<= 1, e++; } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float weight_at(const void *b, int64_t i, int W) {
+    if (W == W_F32) return ((const float *)b)[i];
+    const uint16_t h = ((const uint16_t *)b)[i];
+    if (W == W_F16) return half_to_float(h);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static void tile_rows(const float *a, int64_t lda, const void *b, int kc, const float *bias, float *c,
+                      int64_t ldc, int rows, int first, int W) {
     for (int r = 0; r < rows; r++) {
         float acc[PANEL];
         for (int j = 0; j < PANEL; j++) acc[j] = first ? (bias ? bias[j] : 0.0f) : c[r * ldc + j];
         for (int k = 0; k < kc; k++) {
             const float ar = a[r * lda + k];
-            for (int j = 0; j < PANEL; j++) acc[j] = fmaf(ar, b[k * PANEL + j], acc[j]);
+            for (int j = 0; j < PANEL; j++) acc[j] = fmaf(ar, weight_at(b, (int64_t)k * PANEL + j, W), acc[j]);
         }
         memcpy(c + r * ldc, acc, sizeof acc);
     }
@@ -94,8 +161,8 @@ static void tile_rows(const float *a, int64_t lda, const float *b, int kc, const
 
 /* Rows m0 .. m1 - 1 of panel p into y (cols valid columns of the panel; a partial panel goes through a
  * 16-column scratch so nothing past column N is written). */
-static void panel_rows(const float *x, int64_t lda, int K, const float *panel, const float *bias, float *y,
-                       int64_t ldy, int m0, int m1, int cols) {
+static void panel_rows(const float *x, int64_t lda, int K, const char *panel, const float *bias, float *y,
+                       int64_t ldy, int m0, int m1, int cols, int W) {
     float scratch[MC * PANEL];
     float *c = cols == PANEL ? y + m0 * ldy : scratch;
     const int64_t ldc = cols == PANEL ? ldy : PANEL;
@@ -103,17 +170,16 @@ static void panel_rows(const float *x, int64_t lda, int K, const float *panel, c
         const int kc = K - k0 < KC ? K - k0 : KC;
         for (int m = m0; m < m1; m += TILE_ROWS) {
             const int rows = m1 - m < TILE_ROWS ? m1 - m : TILE_ROWS;
-            tile_rows(x + m * lda + k0, lda, panel + (int64_t)k0 * PANEL, kc, bias, c + (m - m0) * ldc, ldc, rows,
-                      k0 == 0);
+            tile_rows(x + m * lda + k0, lda, panel + (int64_t)k0 * PANEL * weight_bytes(W), kc, bias,
+                      c + (m - m0) * ldc, ldc, rows, k0 == 0, W);
         }
     }
     if (c == scratch)
         for (int m = m0; m < m1; m++) memcpy(y + m * ldy, scratch + (m - m0) * PANEL, sizeof(float) * cols);
 }
 
-/* y = x w^T + bias (bias may be NULL). Returns 0, or -1 on a bad argument. */
-int batchgen_linear_f32(const float *x, int64_t lda, const float *packed, const float *bias, float *y,
-                        int64_t ldy, int M, int K, int N, int num_threads) {
+static int linear(const float *x, int64_t lda, const void *packed, const float *bias, float *y, int64_t ldy,
+                  int M, int K, int N, int num_threads, int W) {
     if (M < 0 || K <= 0 || N <= 0 || lda < K || ldy < N) return -1;
     const int panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel num_threads(num_threads)
@@ -122,9 +188,26 @@ int batchgen_linear_f32(const float *x, int64_t lda, const float *packed, const 
 #pragma omp for schedule(static) nowait
         for (int p = 0; p < panels; p++) {
             const int cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-            panel_rows(x, lda, K, packed + (int64_t)p * K * PANEL, bias ? bias + p * PANEL : NULL, y + p * PANEL,
-                       ldy, m0, m1, cols);
+            panel_rows(x, lda, K, (const char *)packed + (int64_t)p * K * PANEL * weight_bytes(W),
+                       bias ? bias + p * PANEL : NULL, y + p * PANEL, ldy, m0, m1, cols, W);
         }
     }
     return 0;
+}
+
+/* y = x w^T + bias (bias may be NULL), w in float32 / bfloat16 / float16 panels. Returns 0, or -1 on a bad
+ * argument. */
+int batchgen_linear_f32(const float *x, int64_t lda, const float *packed, const float *bias, float *y,
+                        int64_t ldy, int M, int K, int N, int num_threads) {
+    return linear(x, lda, packed, bias, y, ldy, M, K, N, num_threads, W_F32);
+}
+
+int batchgen_linear_bf16w(const float *x, int64_t lda, const uint16_t *packed, const float *bias, float *y,
+                          int64_t ldy, int M, int K, int N, int num_threads) {
+    return linear(x, lda, packed, bias, y, ldy, M, K, N, num_threads, W_BF16);
+}
+
+int batchgen_linear_f16w(const float *x, int64_t lda, const uint16_t *packed, const float *bias, float *y,
+                         int64_t ldy, int M, int K, int N, int num_threads) {
+    return linear(x, lda, packed, bias, y, ldy, M, K, N, num_threads, W_F16);
 }

@@ -34,6 +34,14 @@
  * (value sums) where block size and head dim are multiples of 8; otherwise the same loops run in plain C. All
  * are exact to float32 rounding and deterministic; they may differ from each other in the last bits.
  *
+ * Narrow caches (engine.kv_cache_dtype; kv_kind: 0 float32, 1 bfloat16, 2 float16, 3 fp8 e4m3fn, 4 fp8 e5m2): the
+ * caches hold 4, 2 or 1 bytes per value, indexed as above in elements. What an item reads is widened to float32
+ * as it is read -- each token's span of K/V rows (decode), each block's rows of a head (prefill, the prefix
+ * half) -- into a per-thread buffer that stays in L1, and the float32 code runs on it: exact attention over the
+ * rounded values, the memory traffic of the narrow cache. bfloat16 widens by a shift, float16 by F16C (exact
+ * bit conversion in plain C), fp8 through a 256-entry table. The decode kernel writes the step's own K/V only
+ * into a float32 cache (the caller stores rounded rows itself first otherwise).
+ *
  * Layout: q [B, Hq, D] with strides (q_stride_b, q_stride_h, 1); caches [NB, BS, Hkv, D] with the last three
  * dims contiguous and cache_stride_block elements between blocks; block_tables [B, table_stride] int32;
  * seq_lens [B] int32 (>= 1); out [B, Hq, D] contiguous. Plain C, no torch headers. Block ids and lengths are
@@ -289,6 +297,90 @@ static __thread Buffer tls_floats = {NULL, 0};
 
 static float *scratch(size_t n) { return (float *)grow(&tls_floats, n * sizeof(float)); }
 
+/* ------------------------------------------------------------------ narrow caches: widening on load */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_E4M3 = 3, KV_E5M2 = 4 };
+
+static inline int64_t kv_bytes(int kind) { return kind == KV_F32 ? 4 : (kind <= KV_F16 ? 2 : 1); }
+
+/* IEEE half -> float, exact (subnormals, infinities and NaNs included). */
+static float half_bits_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (mant << 13);
+    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (mant << 13);
+    else if (mant == 0) bits = sign;
+    else {
+        int e = -1;
+        uint32_t m = mant;
+        do { m <<= 1, e++; } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static float fp8_table[2][256]; /* [0]: e4m3fn, [1]: e5m2 (the top byte of a half) */
+
+__attribute__((constructor)) static void init_fp8_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 0xf, m = b & 7;
+        float v = (e == 15 && m == 7) ? NAN : (e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10));
+        fp8_table[0][b] = (b & 0x80) ? -v : v;
+        fp8_table[1][b] = half_bits_to_float((uint16_t)(b << 8));
+    }
+}
+
+/* dst[0..n) = the n values of kind `kind` at src, as float32. */
+static void widen_span(const char *src, int kind, int n, float *dst) {
+    int i = 0;
+    if (kind == KV_BF16) {
+        const uint16_t *h = (const uint16_t *)src;
+#if SIMD
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i))), 16)));
+#endif
+        for (; i < n; i++) {
+            const uint32_t bits = (uint32_t)h[i] << 16;
+            memcpy(dst + i, &bits, sizeof bits);
+        }
+    } else if (kind == KV_F16) {
+        const uint16_t *h = (const uint16_t *)src;
+#if SIMD && defined(__F16C__)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+        for (; i < n; i++) dst[i] = half_bits_to_float(h[i]);
+    } else if (kind == KV_E4M3 || kind == KV_E5M2) {
+        const float *table = fp8_table[kind - KV_E4M3];
+        const uint8_t *b = (const uint8_t *)src;
+        for (; i < n; i++) dst[i] = table[b[i]];
+    } else {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    }
+}
+
+static __thread Buffer tls_wide = {NULL, 0};  /* a decode item's widened token span */
+static __thread Buffer tls_block = {NULL, 0}; /* a block's widened rows of one head */
+
+/* Block `id`'s rows of one head (`offset` elements into each token row of `row` elements) as float32: in place
+ * for a float32 cache (*stride = row), else widened into a per-thread buffer (*stride = head_dim); NULL when the
+ * buffer cannot be allocated. */
+static const float *block_head(const char *cache, int kind, int32_t id, int64_t stride_block, int64_t row,
+                               int64_t offset, int block_size, int head_dim, int64_t *stride) {
+    const int64_t esize = kv_bytes(kind);
+    const char *base = cache + ((int64_t)id * stride_block + offset) * esize;
+    if (kind == KV_F32) {
+        *stride = row;
+        return (const float *)base;
+    }
+    float *out = (float *)grow(&tls_block, sizeof(float) * (size_t)block_size * (size_t)head_dim);
+    if (out == NULL) return NULL;
+    for (int r = 0; r < block_size; r++) widen_span(base + r * row * esize, kind, head_dim, out + (size_t)r * head_dim);
+    *stride = head_dim;
+    return out;
+}
+
 /* A query row of the prefix and prefill items: its query, and how many keys it attends to (the first `keys`
  * of the item's block table). */
 typedef struct {
@@ -305,16 +397,18 @@ static QueryRow *row_scratch(size_t n) { return (QueryRow *)grow(&tls_rows, n * 
  * maximum, stats[2r + 1]: its sum of exps), and acc[r] = sum_t p_rt v_t, unnormalised. Keys are visited block
  * by block: each block's K (then V) rows of the head stay in L1 across the rows. The plain-C form, and what
  * serves block sizes or head dims that are not multiples of 8. */
-static void attend_rows_plain(const QueryRow *qr, int rows, int keys, const int32_t *table, const float *k_cache,
-                              const float *v_cache, int64_t cache_stride_block, int64_t row, int64_t offset,
-                              int head_dim, int block_size, float scale, float *s, size_t ss, float *acc,
-                              float *stats) {
+static int attend_rows_plain(const QueryRow *qr, int rows, int keys, const int32_t *table, const char *k_cache,
+                             const char *v_cache, int kind, int64_t cache_stride_block, int64_t row, int64_t offset,
+                             int head_dim, int block_size, float scale, float *s, size_t ss, float *acc,
+                             float *stats) {
+    int64_t rs;
     for (int j = 0; j * block_size < keys; j++) {
-        const float *kb = k_cache + (int64_t)table[j] * cache_stride_block + offset;
+        const float *kb = block_head(k_cache, kind, table[j], cache_stride_block, row, offset, block_size, head_dim, &rs);
+        if (kb == NULL) return -1;
         for (int r = 0; r < rows; r++) {
             const int m = qr[r].keys - j * block_size;
             if (m > 0)
-                scores_span(qr[r].q, kb, row, m < block_size ? m : block_size, head_dim, scale,
+                scores_span(qr[r].q, kb, rs, m < block_size ? m : block_size, head_dim, scale,
                             s + (size_t)r * ss + (size_t)j * block_size);
         }
     }
@@ -325,14 +419,16 @@ static void attend_rows_plain(const QueryRow *qr, int rows, int keys, const int3
     }
     memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
     for (int j = 0; j * block_size < keys; j++) {
-        const float *vb = v_cache + (int64_t)table[j] * cache_stride_block + offset;
+        const float *vb = block_head(v_cache, kind, table[j], cache_stride_block, row, offset, block_size, head_dim, &rs);
+        if (vb == NULL) return -1;
         for (int r = 0; r < rows; r++) {
             const int m = qr[r].keys - j * block_size;
             if (m > 0)
-                accumulate_span(s + (size_t)r * ss + (size_t)j * block_size, vb, row,
+                accumulate_span(s + (size_t)r * ss + (size_t)j * block_size, vb, rs,
                                 m < block_size ? m : block_size, head_dim, acc + (size_t)r * head_dim);
         }
     }
+    return 0;
 }
 
 
@@ -466,8 +562,8 @@ static __thread Buffer tls_keys = {NULL, 0};
  * 16 keys per step (q broadcast, the panel's two vectors: 12 FMAs for 8 loads), and the value sums likewise
  * (16 dims of TILE_ROWS rows per step). A row's entries past its own keys are computed against real keys or
  * zeros and set to 0 before the value pass, so they add nothing. Returns -1 when scratch cannot be allocated. */
-static int attend_rows_tiled(const QueryRow *qr, int rows, int keys, const int32_t *table, const float *k_cache,
-                             const float *v_cache, int64_t cache_stride_block, int64_t row, int64_t offset,
+static int attend_rows_tiled(const QueryRow *qr, int rows, int keys, const int32_t *table, const char *k_cache,
+                             const char *v_cache, int kind, int64_t cache_stride_block, int64_t row, int64_t offset,
                              int head_dim, int block_size, float scale, float *s, size_t ss, float *acc,
                              float *stats) {
     float *kt = (float *)grow(&tls_keys, sizeof(float) * (size_t)head_dim * (size_t)block_size);
@@ -476,7 +572,10 @@ static int attend_rows_tiled(const QueryRow *qr, int rows, int keys, const int32
     for (int j = 0; j * block_size < keys; j++) {
         const int base = j * block_size;
         const int mb = keys - base < block_size ? keys - base : block_size;
-        pack_keys_t(k_cache + (int64_t)table[j] * cache_stride_block + offset, row, mb, block_size, head_dim, kt);
+        int64_t rs;
+        const float *kb = block_head(k_cache, kind, table[j], cache_stride_block, row, offset, block_size, head_dim, &rs);
+        if (kb == NULL) return -1;
+        pack_keys_t(kb, rs, mb, block_size, head_dim, kt);
         for (int r0 = 0; r0 < rows; r0 += TILE_ROWS) {
             const int R = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
             int most = 0;
@@ -494,14 +593,16 @@ static int attend_rows_tiled(const QueryRow *qr, int rows, int keys, const int32
     memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
     for (int j = 0; j * block_size < keys; j++) {
         const int base = j * block_size;
-        const float *vb = v_cache + (int64_t)table[j] * cache_stride_block + offset;
+        int64_t rs;
+        const float *vb = block_head(v_cache, kind, table[j], cache_stride_block, row, offset, block_size, head_dim, &rs);
+        if (vb == NULL) return -1;
         for (int r0 = 0; r0 < rows; r0 += TILE_ROWS) {
             const int R = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
             int most = 0;
             for (int r = r0; r < r0 + R; r++) most = qr[r].keys > most ? qr[r].keys : most;
             const int need = most - base < block_size ? most - base : block_size;
             if (need > 0)
-                values_block(s + (size_t)r0 * ss + base, ss, R, vb, row, need, acc + (size_t)r0 * head_dim, head_dim);
+                values_block(s + (size_t)r0 * ss + base, ss, R, vb, rs, need, acc + (size_t)r0 * head_dim, head_dim);
         }
     }
     return 0;
@@ -516,39 +617,48 @@ static inline size_t score_stride(int keys, int block_size) {
 
 /* The rows x keys core (see attend_rows_plain), by register tiles where the shapes allow. s: rows x
  * score_stride(keys, block_size) floats. Returns 0, or -1 when scratch memory could not be allocated. */
-static int attend_rows(const QueryRow *qr, int rows, int keys, const int32_t *table, const float *k_cache,
-                       const float *v_cache, int64_t cache_stride_block, int64_t row, int64_t offset, int head_dim,
-                       int block_size, float scale, float *s, float *acc, float *stats) {
+static int attend_rows(const QueryRow *qr, int rows, int keys, const int32_t *table, const void *k_cache,
+                       const void *v_cache, int kind, int64_t cache_stride_block, int64_t row, int64_t offset,
+                       int head_dim, int block_size, float scale, float *s, float *acc, float *stats) {
     const size_t ss = score_stride(keys, block_size);
 #if SIMD
     if (block_size % 8 == 0 && head_dim % 8 == 0)
-        return attend_rows_tiled(qr, rows, keys, table, k_cache, v_cache, cache_stride_block, row, offset, head_dim,
-                                 block_size, scale, s, ss, acc, stats);
+        return attend_rows_tiled(qr, rows, keys, table, k_cache, v_cache, kind, cache_stride_block, row, offset,
+                                 head_dim, block_size, scale, s, ss, acc, stats);
 #endif
-    attend_rows_plain(qr, rows, keys, table, k_cache, v_cache, cache_stride_block, row, offset, head_dim, block_size,
-                      scale, s, ss, acc, stats);
-    return 0;
+    return attend_rows_plain(qr, rows, keys, table, k_cache, v_cache, kind, cache_stride_block, row, offset, head_dim,
+                             block_size, scale, s, ss, acc, stats);
 }
 
 /* Prefetch the `bytes` bytes at p (one hint per cache line). */
-static inline void prefetch_span(const float *p, int64_t bytes) {
+static inline void prefetch_span(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
 }
 
 /* Where token t's rows of heads h0.. start in `cache` (offset: h0 * head_dim); the same token row of the next
  * block of the table is prefetched (`span` bytes) while the caller reads this one. */
-static inline const float *token_rows(const float *cache, const int32_t *table, int t, int block_size,
-                                      int last_block, int64_t stride_block, int64_t row, int64_t offset,
-                                      int64_t span) {
+static inline const char *token_rows(const char *cache, int64_t esize, const int32_t *table, int t, int block_size,
+                                     int last_block, int64_t stride_block, int64_t row, int64_t offset,
+                                     int64_t span) {
     const int j = t / block_size, r = t % block_size;
-    if (j < last_block) prefetch_span(cache + (int64_t)table[j + 1] * stride_block + r * row + offset, span);
-    return cache + (int64_t)table[j] * stride_block + r * row + offset;
+    if (j < last_block) prefetch_span(cache + ((int64_t)table[j + 1] * stride_block + r * row + offset) * esize, span);
+    return cache + ((int64_t)table[j] * stride_block + r * row + offset) * esize;
+}
+
+/* token_rows, as float32: in place, or widened into `wide` (n values) for a narrow cache. */
+static inline const float *token_floats(const char *cache, int kind, const int32_t *table, int t, int block_size,
+                                        int last_block, int64_t stride_block, int64_t row, int64_t offset,
+                                        int64_t span, int n, float *wide) {
+    const char *p = token_rows(cache, kv_bytes(kind), table, t, block_size, last_block, stride_block, row, offset, span);
+    if (kind == KV_F32) return (const float *)p;
+    widen_span(p, kind, n, wide);
+    return wide;
 }
 
 /* One item: sequence `len` tokens long (table: its block table), keys from position `start` on, KV heads
  * h0 .. h1 - 1 and their query heads (q, out, lse: the first of them; lse may be NULL). Returns 0, or -1 when
  * scratch memory could not be allocated. */
-static int attend_item(const float *q, int64_t q_stride_h, const float *k_cache, const float *v_cache,
+static int attend_item(const float *q, int64_t q_stride_h, const char *k_cache, const char *v_cache, int kind,
                        int64_t cache_stride_block, const int32_t *table, int len, int start, int group,
                        int num_kv_heads, int h0, int h1, int head_dim, int block_size, float scale, int window,
                        float softcap, const float *sinks, float *out, float *lse) {
@@ -565,13 +675,17 @@ static int attend_item(const float *q, int64_t q_stride_h, const float *k_cache,
     float *s = scratch((size_t)heads * (size_t)n);
     if (s == NULL) return -1;
     const int64_t row = (int64_t)num_kv_heads * head_dim;
-    const int64_t span = (int64_t)(h1 - h0) * head_dim * (int64_t)sizeof(float); /* bytes read per token */
+    const int64_t span = (int64_t)(h1 - h0) * head_dim * kv_bytes(kind); /* bytes read per token */
+    const int width = (h1 - h0) * head_dim;                              /* values read per token */
+    float *wide = kind == KV_F32 ? NULL : (float *)grow(&tls_wide, sizeof(float) * (size_t)width);
+    if (kind != KV_F32 && wide == NULL) return -1;
     const int last_block = (len - 1) / block_size;
     const int64_t offset = (int64_t)h0 * head_dim;
     /* Pass 1: scores. Each token's K rows of heads h0..h1 are one contiguous span, read once for all the
      * query heads; the same token's span in the next block is prefetched meanwhile. */
     for (int t = first; t < len; t++) {
-        const float *base = token_rows(k_cache, table, t, block_size, last_block, cache_stride_block, row, offset, span);
+        const float *base = token_floats(k_cache, kind, table, t, block_size, last_block, cache_stride_block, row,
+                                         offset, span, width, wide);
 #if SIMD
         if (head_dim % 8 == 0) { /* eight query heads at a time: their dots' lanes summed together (sum8x8) */
             for (int qh = 0; qh < heads; qh += 8) {
@@ -611,7 +725,8 @@ static int attend_item(const float *q, int64_t q_stride_h, const float *k_cache,
     /* Pass 2: out_qh = sum_t p_qh[t] v_t, each token's V span read once for all the query heads. */
     memset(out, 0, sizeof(float) * (size_t)heads * head_dim);
     for (int t = first; t < len; t++) {
-        const float *base = token_rows(v_cache, table, t, block_size, last_block, cache_stride_block, row, offset, span);
+        const float *base = token_floats(v_cache, kind, table, t, block_size, last_block, cache_stride_block, row,
+                                         offset, span, width, wide);
         for (int h = 0; h < h1 - h0; h++) {
             const float *vrow = base + h * head_dim;
             for (int g = 0; g < group; g++) {
@@ -644,15 +759,16 @@ static int table_ok(const int32_t *table, int len, int window, int block_size, i
 /* Returns 0 on success, -1 on a bad argument or allocation failure (out is then unspecified).
  * Items: (sequence, range of `heads_per_item` KV heads); the caller picks heads_per_item (a divisor of
  * num_kv_heads) so that there are enough items for the threads. */
-int batchgen_paged_decode_f32(const float *q, int64_t q_stride_b, int64_t q_stride_h, float *k_cache,
-                              float *v_cache, int64_t cache_stride_block, const int32_t *block_tables,
+int batchgen_paged_decode_f32(const float *q, int64_t q_stride_b, int64_t q_stride_h, void *k_cache,
+                              void *v_cache, int64_t cache_stride_block, const int32_t *block_tables,
                               int64_t table_stride, const int32_t *seq_lens, float *out, int batch,
                               int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                               int window, float softcap, const float *sinks, int num_threads, int heads_per_item,
                               int64_t table_cols, int64_t num_blocks, const int32_t *starts, float *lse,
                               const float *k_new, int64_t kn_stride_b, int64_t kn_stride_h, const float *v_new,
-                              int64_t vn_stride_b, int64_t vn_stride_h, const int64_t *slots) {
+                              int64_t vn_stride_b, int64_t vn_stride_h, const int64_t *slots, int kv_kind) {
     if (batch < 0 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return -1;
+    if (kv_kind < KV_F32 || kv_kind > KV_E5M2 || (k_new != NULL && kv_kind != KV_F32)) return -1;
     if (heads_per_item <= 0 || num_kv_heads % heads_per_item != 0) return -1;
     const int group = num_q_heads / num_kv_heads;
     if (heads_per_item * group > MAX_HEADS) return -1;
@@ -675,16 +791,16 @@ int batchgen_paged_decode_f32(const float *q, int64_t q_stride_b, int64_t q_stri
             }
             const int64_t at = slot / block_size * cache_stride_block + slot % block_size * num_kv_heads * head_dim;
             for (int h = h0; h < h0 + heads_per_item; h++) {
-                memcpy(k_cache + at + (int64_t)h * head_dim, k_new + b * kn_stride_b + h * kn_stride_h,
+                memcpy((float *)k_cache + at + (int64_t)h * head_dim, k_new + b * kn_stride_b + h * kn_stride_h,
                        sizeof(float) * head_dim);
-                memcpy(v_cache + at + (int64_t)h * head_dim, v_new + b * vn_stride_b + h * vn_stride_h,
+                memcpy((float *)v_cache + at + (int64_t)h * head_dim, v_new + b * vn_stride_b + h * vn_stride_h,
                        sizeof(float) * head_dim);
             }
         }
         const float *qb = q + b * q_stride_b + (int64_t)h0 * group * q_stride_h;
         float *ob = out + ((int64_t)b * num_q_heads + (int64_t)h0 * group) * head_dim;
         float *lb = lse ? lse + (int64_t)b * num_q_heads + (int64_t)h0 * group : NULL;
-        status |= attend_item(qb, q_stride_h, k_cache, v_cache, cache_stride_block,
+        status |= attend_item(qb, q_stride_h, k_cache, v_cache, kv_kind, cache_stride_block,
                               block_tables + b * table_stride, len, starts ? starts[b] : 0, group,
                               num_kv_heads, h0, h0 + heads_per_item, head_dim, block_size, scale, window,
                               softcap, sinks, ob, lb) != 0;
@@ -707,14 +823,15 @@ int batchgen_paged_decode_f32(const float *q, int64_t q_stride_b, int64_t q_stri
  * at a time per row. Each row's result depends only on its own query and the prefix, in a fixed key order:
  * results do not depend on the thread count or the chunking. Returns 0, or -1 on a bad argument, a block id
  * out of range or an allocation failure (out and lse are then unspecified). */
-int batchgen_cascade_prefix_f32(const float *q, int64_t q_stride_b, int64_t q_stride_h, const float *k_cache,
-                                const float *v_cache, int64_t cache_stride_block, int64_t num_blocks,
+int batchgen_cascade_prefix_f32(const float *q, int64_t q_stride_b, int64_t q_stride_h, const void *k_cache,
+                                const void *v_cache, int64_t cache_stride_block, int64_t num_blocks,
                                 int num_groups, const int32_t *group_offsets, const int32_t *group_seqs,
                                 const int32_t *prefix_tables, int64_t prefix_table_stride,
                                 const int32_t *prefix_blocks, float *out, float *lse, int batch, int num_q_heads,
                                 int num_kv_heads, int head_dim, int block_size, float scale, int chunk,
-                                int num_threads) {
+                                int num_threads, int kv_kind) {
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || chunk <= 0 || num_groups < 0) return -1;
+    if (kv_kind < KV_F32 || kv_kind > KV_E5M2) return -1;
     const int group = num_q_heads / num_kv_heads;
     int64_t items = 0;
     for (int g = 0; g < num_groups; g++) {
@@ -762,7 +879,7 @@ int batchgen_cascade_prefix_f32(const float *q, int64_t q_stride_b, int64_t q_st
             qr[r].q = q + (int64_t)seqs[r / group] * q_stride_b + (int64_t)(h * group + r % group) * q_stride_h;
             qr[r].keys = keys;
         }
-        if (attend_rows(qr, rows, keys, table, k_cache, v_cache, cache_stride_block, row, (int64_t)h * head_dim,
+        if (attend_rows(qr, rows, keys, table, k_cache, v_cache, kv_kind, cache_stride_block, row, (int64_t)h * head_dim,
                         head_dim, block_size, scale, s, acc, stats) != 0) {
             status |= 1;
             continue;
@@ -797,14 +914,15 @@ int batchgen_cascade_prefix_f32(const float *q, int64_t q_stride_b, int64_t q_st
  * stopping at its own last key; exact two-pass softmax per row. Each row depends only on its own query and
  * keys, in a fixed order: results do not depend on the thread count or the chunking. Returns 0, or -1 on a
  * bad argument, a block id out of range or an allocation failure. */
-int batchgen_paged_prefill_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h, const float *k_cache,
-                               const float *v_cache, int64_t cache_stride_block, int64_t num_blocks,
+int batchgen_paged_prefill_f32(const float *q, int64_t q_stride_t, int64_t q_stride_h, const void *k_cache,
+                               const void *v_cache, int64_t cache_stride_block, int64_t num_blocks,
                                const int32_t *block_tables, int64_t table_stride, int64_t table_cols,
                                const int32_t *seq_lens, const int32_t *cu_q, int batch, int num_q_heads,
                                int num_kv_heads, int head_dim, int block_size, float scale, int causal, int chunk,
-                               float *out, float *lse, int num_threads) {
+                               float *out, float *lse, int num_threads, int kv_kind) {
     if (batch < 0 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || chunk <= 0 || block_size <= 0)
         return -1;
+    if (kv_kind < KV_F32 || kv_kind > KV_E5M2) return -1;
     const int group = num_q_heads / num_kv_heads;
     int64_t items = 0;
     for (int b = 0; b < batch; b++) {
@@ -851,7 +969,7 @@ int batchgen_paged_prefill_f32(const float *q, int64_t q_stride_t, int64_t q_str
             qr[r].q = q + t * q_stride_t + (int64_t)(h * group + r % group) * q_stride_h;
             qr[r].keys = causal ? ctx + c0 + r / group + 1 : len; /* a causal row: keys up to its position */
         }
-        if (attend_rows(qr, rows, keys, table, k_cache, v_cache, cache_stride_block, row, (int64_t)h * head_dim,
+        if (attend_rows(qr, rows, keys, table, k_cache, v_cache, kv_kind, cache_stride_block, row, (int64_t)h * head_dim,
                         head_dim, block_size, scale, s, acc, stats) != 0) {
             status |= 1;
             continue;

@@ -29,7 +29,8 @@ from batchgen.engine.worker.step_input import (
     SlotLoad,
     StepInput,
 )
-from batchgen.kernels import cpu_kernel
+from batchgen.kernels import cpu_kernel, kv_cache_dtype
+from batchgen.models.quant import activation_dtype
 from batchgen.runtime import malloc_tuning
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class ModelRunner:
         self.num_layers = mc.num_layers
         self.num_kv_heads = mc.num_kv_heads
         self.head_dim = mc.head_dim
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = kv_cache_dtype.cache_dtype(config.kv_cache_dtype, activation_dtype(model))
         self.block_size = config.block_size
         self.attn = PagedAttention(backend)
         if device.type == "cpu" and backend == "torch":
@@ -186,7 +187,8 @@ class ModelRunner:
     def allocate_swap_space(self, num_cpu_blocks: int) -> None:
         """The CPU block pool swapped-out blocks are copied to (after :meth:`allocate_kv_cache`)."""
         assert self.kv_cache is not None
-        self.swapper = BlockSwapper(self.kv_cache, num_cpu_blocks) if num_cpu_blocks > 0 else None
+        pool = kv_cache_dtype.storage_view(self.kv_cache)  # fp8 blocks move as bytes
+        self.swapper = BlockSwapper(pool, num_cpu_blocks) if num_cpu_blocks > 0 else None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if self.pad_decodes:  # one scratch block past the pool's blocks, for the padding rows

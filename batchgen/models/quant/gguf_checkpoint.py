@@ -1,0 +1,203 @@
+"""GGUF checkpoints (llama.cpp's single-file format): ``model.path=file.gguf`` (or ``model.gguf_file=`` inside a
+directory) loads the model, its configuration and its tokenizer from the file.
+
+The configuration and the tokenizer are transformers' own readings of the file's metadata (``gguf_file=``), so
+they are what ``AutoModelForCausalLM.from_pretrained(..., gguf_file=)`` builds; the weights are read with the
+``gguf`` package. Projections in a block format the CPU GEMM multiplies (:data:`FORMATS`: Q4_0, Q8_0, Q4_K,
+Q6_K) stay packed (:class:`~batchgen.models.quant.quant_linear.QuantLinear`: a fused q/k/v or gate/up keeps each
+part's format); float tensors (F32, F16, BF16) and quantized embeddings and norms are widened to float32 once, with
+transformers' transforms (llama.cpp's q/k row order reversed, on the packed rows). The model computes in
+float32 on the CPU: greedy output equals transformers' (which dequantizes everything to float32) token for token.
+
+Invariants: every parameter is written exactly once, and a tensor in a format batchgen does not run, or an
+architecture it has no GGUF mapping for, is refused by name before anything is computed
+(:class:`UnsupportedCheckpoint`, a ValueError).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from batchgen.kernels.cpu_quant_linear import FORMATS
+from batchgen.models.config import CAUSAL_ARCHITECTURE_OF_TYPE, ModelConfig
+from batchgen.models.quant.quant_linear import QuantLinear
+
+logger = logging.getLogger(__name__)
+
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+"""GGUF ``general.architecture`` values batchgen loads (natively implemented, plain tensor layouts)."""
+_FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A checkpoint format, scheme or tensor type batchgen does not run (named in the message)."""
+
+
+def gguf_path(path: str | Path, gguf_file: str | None = None) -> Path | None:
+    """The GGUF file a model path names (``path`` itself when it ends in ``.gguf``, or ``path/gguf_file``), else
+    None."""
+    if gguf_file:
+        return Path(path) / gguf_file
+    p = Path(path)
+    return p if p.suffix.lower() == ".gguf" else None
+
+
+def _require_gguf():
+    try:
+        import gguf
+    except ImportError as e:
+        raise UnsupportedCheckpoint(
+            "GGUF checkpoints need the gguf package: pip install 'batchgen[gguf]'"
+        ) from e
+    return gguf
+
+
+def _check_file(path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+
+
+def read_config(path: Path) -> ModelConfig:
+    """The file's model configuration (transformers' reading of its metadata), computing in float32."""
+    from transformers import AutoConfig
+
+    _require_gguf()
+    _check_file(path)
+    arch_name = _architecture(path)
+    hf = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    arch = next(iter(hf.architectures or []), None) or CAUSAL_ARCHITECTURE_OF_TYPE.get(hf.model_type)
+    if arch is None:
+        raise UnsupportedCheckpoint(f"GGUF architecture {arch_name!r} in {path} has no native implementation")
+    config = ModelConfig.from_hf(hf, arch, None, source=str(path))
+    return dataclasses.replace(config, dtype=torch.float32, weight_dtype=None)
+
+
+def _architecture(path: Path) -> str:
+    """The file's architecture, once it and every tensor's format are known to be runnable."""
+    gguf = _require_gguf()
+    reader = gguf.GGUFReader(str(path))
+    for t in reader.tensors:
+        if int(t.tensor_type) not in FORMATS and int(t.tensor_type) not in _FLOAT_TYPES:
+            raise UnsupportedCheckpoint(
+                f"GGUF tensor {t.name} in {path.name} is {t.tensor_type.name}: batchgen runs "
+                f"{', '.join(f.name for f in FORMATS.values())}, F32, F16 and BF16 tensors"
+            )
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedCheckpoint(
+            f"GGUF architecture {arch!r} in {path} is not supported: batchgen loads GGUF files of "
+            f"{', '.join(GGUF_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def load_gguf_tokenizer(path: Path):
+    """The tokenizer stored in the file, as transformers builds it (``AutoTokenizer(..., gguf_file=)``)."""
+    from transformers import AutoTokenizer
+
+    _check_file(path)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@torch.no_grad()
+def load_gguf_model(path: Path, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"):
+    """The native model of a GGUF file, projections packed in their block formats (module docstring)."""
+    from batchgen.models.llama import CausalLM
+    from batchgen.models.loader import _checkpoint_names, _empty_model
+    from batchgen.models.packed_linear import fast_cpu_weights
+
+    gguf = _require_gguf()
+    device = torch.device(device)
+    if device.type != "cpu":
+        raise UnsupportedCheckpoint(
+            f"GGUF checkpoints run on the CPU here, not on {device}: set engine.device=cpu"
+        )
+    if not (isinstance(dtype, str) and dtype.lower() in ("auto", "float32")) and dtype != torch.float32:
+        raise UnsupportedCheckpoint(
+            f"a GGUF checkpoint computes in float32 on the CPU: use dtype auto, not {dtype}"
+        )
+    config = read_config(path)
+    reader = gguf.GGUFReader(str(path))
+    arch_name = reader.fields["general.architecture"].contents()
+    tensors = {t.name: t for t in reader.tensors}
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch_name)
+    name_map = gguf.get_tensor_name_map(arch_id, config.num_layers)
+    heads = (config.num_heads, config.num_kv_heads)
+
+    def gguf_name(hf_name: str) -> str:
+        base, _, suffix = hf_name.rpartition(".")
+        mapped = name_map.get_name(base)
+        if hf_name == "lm_head.weight" and "output.weight" not in tensors:
+            return "token_embd.weight"  # llama.cpp drops a tied head
+        if mapped is None:
+            raise UnsupportedCheckpoint(f"no GGUF tensor name for {hf_name} ({arch_name})")
+        return f"{mapped}.{suffix}"
+
+    def rows(name: str, data: np.ndarray) -> np.ndarray:
+        """transformers' llama transform: llama.cpp's q/k row order back to Hugging Face's (rows only, so it
+        applies to packed rows as they are)."""
+        if arch_name != "llama" or not (".attn_q." in name or ".attn_k." in name):
+            return data
+        n_head = heads[0] if ".attn_q." in name else heads[1]
+        dim = data.shape[0] // n_head // 2
+        return data.reshape(n_head, dim, 2, *data.shape[1:]).swapaxes(2, 1).reshape(data.shape)
+
+    model: CausalLM = _empty_model(config, device)  # float32, uninitialised (untouched pages cost nothing)
+    used: set[str] = set()
+    linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+    for name, linear in linears.items():
+        parts = _checkpoint_names(config, f"{name}.weight", tuple(linear.weight.shape))[0]
+        names = [gguf_name(hf) for hf, _ in parts]
+        if not all(int(tensors[n].tensor_type) in FORMATS for n in names if n in tensors):
+            continue  # float tensors: read below like any parameter, packed by fast_cpu_weights
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"GGUF file {path.name} is missing tensor(s) {', '.join(missing)}")
+        packed = [
+            (torch.from_numpy(np.array(rows(n, np.asarray(tensors[n].data)))), int(tensors[n].tensor_type))
+            for n in names
+        ]
+        bias = None
+        if linear.bias is not None:
+            bias = torch.cat(
+                [_dense(tensors, rows, gguf_name(hf.replace(".weight", ".bias"))) for hf, _ in parts]
+            )
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, QuantLinear(linear.in_features, packed, bias))
+        used.update(names)  # a tied head quantized on its own: the table stays the embedding's
+    quantized = tuple(f"{q}." for q, m in model.named_modules() if isinstance(m, QuantLinear))
+    for pname, param in model.named_parameters():
+        if pname.startswith(quantized):
+            continue
+        for hf, src in _checkpoint_names(config, pname, tuple(param.shape))[0]:
+            n = gguf_name(hf)
+            if n not in tensors:
+                raise ValueError(f"GGUF file {path.name} is missing tensor {n} (for {hf})")
+            value = _dense(tensors, rows, n)
+            dest = param if src.rows < 0 else param.narrow(0, src.offset, src.rows)
+            if tuple(value.shape) != tuple(dest.shape):
+                raise ValueError(
+                    f"GGUF tensor {n} has shape {tuple(value.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(value)
+            used.add(n)
+    unused = sorted(set(tensors) - used)
+    if unused:
+        logger.info("GGUF tensors not used by %s: %s", config.architecture, ", ".join(unused))
+    fast_cpu_weights(model, keep=[model.model.embed_tokens.weight])
+    return model
+
+
+def _dense(tensors: dict, rows, name: str) -> torch.Tensor:
+    """A GGUF tensor widened to float32 (dequantized if quantized), in Hugging Face's layout."""
+    from gguf.quants import dequantize
+
+    t = tensors[name]
+    data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    return torch.from_numpy(np.array(rows(name, data)))

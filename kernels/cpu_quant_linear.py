@@ -1,0 +1,137 @@
+"""Weight-only quantized linear layer for the CPU: ``y = x wᵀ + b`` in float32 by the C kernel
+``csrc/quant_linear_cpu.c``, the weight held in GGUF's (ggml's) block formats and dequantized a block at a time
+in L1 as the GEMM reads it (the formats and the arithmetic: the C file's docstring).
+
+A packed weight is ``[out, row_bytes]`` uint8: each row the blocks of one output's weights along ``in``, as a GGUF
+file stores them, so rows can be sliced (tensor parallelism), permuted or concatenated (fused projections) as
+bytes. :func:`dequantize` gives the float32 weights, bit for bit gguf-py's ``gguf.quants.dequantize``.
+
+Invariants: :func:`linear` takes CPU float32 inputs whose last dimension is ``in`` and returns a new contiguous
+``[..., out]`` tensor (or writes into ``out``'s columns); each output row depends only on its input row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import cpu_kernel
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A ggml block format: its name, type id, values and bytes per block."""
+
+    name: str
+    type_id: int
+    block_values: int
+    block_bytes: int
+
+    def row_bytes(self, in_features: int) -> int:
+        return in_features // self.block_values * self.block_bytes
+
+
+FORMATS: dict[int, BlockFormat] = {
+    f.type_id: f
+    for f in (
+        BlockFormat("Q4_0", 2, 32, 18),
+        BlockFormat("Q8_0", 8, 32, 34),
+        BlockFormat("Q4_K", 12, 256, 144),
+        BlockFormat("Q6_K", 14, 256, 210),
+    )
+}
+"""The block formats the kernel multiplies by, by ggml type id."""
+
+
+def available() -> bool:
+    """Whether the C kernel can run here (the library enabled, built and loaded; waits for a build)."""
+    return cpu_kernel.enabled() and cpu_kernel.library() is not None
+
+
+def _lib():
+    lib = cpu_kernel.library()
+    if lib is None:
+        raise RuntimeError(
+            "the CPU quantized linear kernel is unavailable (BATCHGEN_CPU_KERNEL=0 or no C compiler)"
+        )
+    return lib
+
+
+def linear(
+    x: Tensor,
+    packed: Tensor,
+    type_id: int,
+    in_features: int,
+    bias: Tensor | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``x [..., in] @ wᵀ + bias`` → ``[..., rows]`` for the ``[rows, row_bytes]`` packed weight. With ``out``
+    (a ``[M, *]`` float32 view whose rows are contiguous, e.g. a column slice of a wider output) the result is
+    written there and returned."""
+    fmt = FORMATS[type_id]
+    rows_out = packed.shape[0]
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < in_features):
+        rows = rows.contiguous()
+    if rows.dtype != torch.float32:
+        raise TypeError(f"the CPU quantized linear kernel takes float32 inputs, not {rows.dtype}")
+    if out is None:
+        out = torch.empty(rows.shape[0], rows_out, dtype=torch.float32)
+    if rows.shape[0] and rows_out:
+        status = _lib().batchgen_quant_linear(
+            rows.data_ptr(), max(rows.stride(0), in_features), packed.data_ptr(), packed.shape[1], type_id,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), rows_out),
+            rows.shape[0], in_features, rows_out, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(
+                f"batchgen_quant_linear rejected {fmt.name} [{rows.shape[0]}, {in_features}] x {rows_out}"
+            )
+    return out.view(*lead, rows_out) if out.is_contiguous() else out
+
+
+def dequantize(packed: Tensor, type_id: int, in_features: int) -> Tensor:
+    """The ``[rows, in]`` float32 weights of a packed one."""
+    out = torch.empty(packed.shape[0], in_features, dtype=torch.float32)
+    if packed.shape[0]:
+        if not available():
+            import numpy as np
+            from gguf.quants import dequantize as gguf_dequantize
+
+            return torch.from_numpy(np.ascontiguousarray(gguf_dequantize(packed.numpy(), type_id)))
+        status = _lib().batchgen_quant_dequantize(
+            packed.data_ptr(), packed.shape[1], type_id, out.data_ptr(), in_features, packed.shape[0]
+        )
+        if status != 0:
+            raise RuntimeError(f"batchgen_quant_dequantize rejected {FORMATS[type_id].name} x {in_features}")
+    return out
+
+
+def int_linear(
+    x: Tensor, packed: Tensor, bits: int, scales: Tensor, group: int, bias: Tensor | None = None,
+    round_bf16: bool = False, out: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """``x [..., in] @ wᵀ + bias`` for integer weights with group scales (compressed-tensors' pack-quantized,
+    symmetric: the C file's second half): ``packed`` ``[rows, in * bits / 32]`` int32 (or the same bytes as
+    uint8), ``scales`` ``[rows, in / group]`` float32. ``out`` as in :func:`linear`."""
+    rows_out, in_features = packed.shape[0], packed.shape[1] * packed.element_size() * 8 // bits
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < in_features):
+        rows = rows.contiguous()
+    if out is None:
+        out = torch.empty(rows.shape[0], rows_out, dtype=torch.float32)
+    if rows.shape[0] and rows_out:
+        status = _lib().batchgen_int_linear(
+            rows.data_ptr(), max(rows.stride(0), in_features), packed.data_ptr(), bits, scales.data_ptr(), group,
+            int(round_bf16), None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), rows_out),
+            rows.shape[0], in_features, rows_out, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(
+                f"batchgen_int_linear rejected int{bits} group {group} [{rows.shape[0]}, {in_features}]"
+            )
+    return out.view(*lead, rows_out) if out.is_contiguous() else out

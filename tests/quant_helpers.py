@@ -1,0 +1,72 @@
+"""Test helpers for quantized checkpoints (re-exported from the package's fixture writer)."""
+
+import torch
+
+from batchgen.models.quant.gguf_writer import random_blocks, write_gguf
+
+__all__ = ["random_blocks", "write_compressed_tensors", "write_gguf"]
+
+
+def write_compressed_tensors(
+    ckpt: str, out, bits: int = 4, group_size: int | None = 128, dtype=None, ignore=("lm_head",)
+) -> str:
+    """A compressed-tensors pack-quantized (W4A16 / W8A16, symmetric) copy of the tiny checkpoint `ckpt`, laid
+    out as llm-compressor saves one: each Linear's weight_packed (compressed-tensors' own pack_to_int32),
+    weight_scale (absmax / qmax per group, in the checkpoint dtype), weight_shape; a quantization_config."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(ckpt), Path(out)
+    shutil.copytree(src, out)
+    cfg = json.loads((src / "config.json").read_text())
+    dtype = dtype or getattr(torch, str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"))
+    state = load_file(str(src / "model.safetensors"))
+    qmax = (1 << (bits - 1)) - 1
+    tensors = {}
+    for name, w in state.items():
+        module = name.removesuffix(".weight")
+        if w.dim() != 2 or "embed_tokens" in name or module.split(".")[-1] in ignore or module in ignore:
+            tensors[name] = w.to(dtype) if w.is_floating_point() else w
+            continue
+        rows, cols = w.shape
+        g = group_size or cols
+        groups = w.float().reshape(rows, cols // g, g)
+        scale = (groups.abs().amax(-1) / qmax).clamp(min=1e-8).to(dtype)
+        q = (
+            torch.round(groups / scale.float()[..., None])
+            .clamp(-qmax - 1, qmax)
+            .reshape(rows, cols)
+            .to(torch.int8)
+        )
+        tensors[f"{module}.weight_packed"] = pack_to_int32(q, bits)
+        tensors[f"{module}.weight_scale"] = scale.contiguous()
+        tensors[f"{module}.weight_shape"] = torch.tensor([rows, cols], dtype=torch.int64)
+    (out / "model.safetensors").unlink()
+    save_file(tensors, str(out / "model.safetensors"))
+    strategy = "group" if group_size else "channel"
+    weights = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": strategy, "group_size": group_size,
+               "dynamic": False, "observer": "minmax", "actorder": None}  # fmt: skip
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },  # fmt: skip
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+    }
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return str(out)

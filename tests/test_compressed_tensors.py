@@ -1,0 +1,143 @@
+"""compressed-tensors pack-quantized checkpoints (W4A16, W8A16; group and channel scales; float32 and bfloat16
+scales): greedy output equal token for token to transformers' own loading (compressed-tensors decompresses to
+float32), the integer GEMM against float64 on the dequantized weights, and every other scheme or quant_method
+refused by name (at load, and as exit status 2 in a job)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from quant_helpers import write_compressed_tensors
+
+from batchgen import LLM, SamplingParams
+from batchgen.kernels import cpu_kernel, cpu_quant_linear
+from batchgen.models.quant.compressed_tensors import IntQuantLinear
+from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
+
+pytest.importorskip(
+    "compressed_tensors", reason="compressed-tensors (transformers' decompressor) not installed"
+)
+needs_compiler = pytest.mark.skipif(cpu_kernel.compiler() is None, reason="no C compiler (cc/gcc/$CC) found")
+PROMPTS = [[1, 17, 33, 90], [1, 200, 5, 9, 77, 31, 8], [1, 64]]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def llama_256(ckpt_factory) -> str:
+    return ckpt_factory("llama", seed=33, hidden_size=256, intermediate_size=512)
+
+
+@pytest.mark.parametrize(
+    "bits, group, dtype", [(4, 128, torch.float32), (8, None, torch.float32), (4, 64, torch.bfloat16)]
+)
+def test_pack_quantized_greedy_equals_transformers(llama_256, tmp_path, bits, group, dtype) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = write_compressed_tensors(llama_256, tmp_path / "ct", bits=bits, group_size=group, dtype=dtype)
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
+    quantized = [m for m in llm.engine.model.modules() if isinstance(m, IntQuantLinear)]
+    assert len(quantized) == 2 * 4 and all(m.weight_packed.dtype == torch.int32 for m in quantized)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        want = [
+            hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in PROMPTS
+        ]
+    assert got == want and len({t for row in got for t in row}) > 6
+    # dequantized weights are transformers' decompressed ones, bit for bit
+    qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj
+    ref = torch.cat([getattr(hf.model.layers[0].self_attn, f"{n}_proj").weight for n in "qkv"])
+    assert torch.equal(qkv.dense_weight(), ref)
+    if bits == 4:  # int4 + scales: under 30% of bfloat16's bytes
+        packed = sum(p.numel() * p.element_size() for m in quantized for p in m.parameters())
+        assert packed <= 0.3 * sum(m.in_features * m.out_features * 2 for m in quantized)
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits, group, round_bf16", [(4, 32, False), (8, 96, False), (4, 256, True)])
+def test_int_linear_matches_float64_on_dequantized(bits, group, round_bf16) -> None:
+    from batchgen.models.quant.compressed_tensors import IntScheme
+
+    g = torch.Generator().manual_seed(bits + group)
+    layer = IntQuantLinear(768, 45, True, IntScheme(bits, group, (), round_bf16))
+    layer.weight_packed.copy_(torch.randint(-(2**31), 2**31 - 1, layer.weight_packed.shape, generator=g))
+    layer.weight_scale.copy_(torch.rand(layer.weight_scale.shape, generator=g) * 0.01)
+    layer.bias.copy_(torch.randn(45, generator=g))
+    x = torch.randn(7, 768, generator=g)
+    w = layer.dense_weight()
+    got = layer(x)
+    want = torch.nn.functional.linear(x.double(), w.double(), layer.bias.double())
+    scale = x.abs().double() @ w.abs().double().t()
+    assert ((got.double() - want).abs() <= 1e-6 * scale + 1e-6).all()
+    assert torch.equal(cpu_quant_linear.int_linear(x[3:4], layer.weight_packed, bits, layer.weight_scale, group,
+                                                   layer.bias, round_bf16)[0], got[3])  # fmt: skip
+
+
+REFUSED = {
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method='gptq' is not supported"),
+    "awq": ({"quant_method": "awq", "bits": 4}, "quant_method='awq' is not supported"),
+    "fp8": ({"format": "float-quantized"}, "format float-quantized is not supported"),
+    "w8a8": (
+        {"input_activations": {"num_bits": 8, "type": "int"}},
+        "quantized input activations (W8A8 / fp8)",
+    ),
+    "asym": ({"symmetric": False}, "asymmetric weights (zero points)"),
+}
+
+
+def _variant(path: str, out: Path, change: dict) -> str:
+    import shutil
+
+    shutil.copytree(path, out)
+    cfg = json.loads((out / "config.json").read_text())
+    q = cfg["quantization_config"]
+    group = q["config_groups"]["group_0"]
+    if "quant_method" in change:
+        cfg["quantization_config"] = change
+    elif "format" in change:
+        q["format"] = group["format"] = change["format"]
+    elif "input_activations" in change:
+        group["input_activations"] = change["input_activations"]
+    else:
+        group["weights"].update(change)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_schemes_not_run_are_refused_by_name(llama_256, tmp_path, case) -> None:
+    path = write_compressed_tensors(llama_256, tmp_path / "ct")
+    change, message = REFUSED[case]
+    with pytest.raises(UnsupportedCheckpoint, match=message.replace("(", r"\(").replace(")", r"\)")):
+        LLM(_variant(path, tmp_path / case, change), num_blocks=64, block_size=8)
+
+
+def test_job_refuses_a_scheme_with_exit_2(llama_256, tmp_path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import job_config
+
+    from batchgen.job.run import EXIT_CONFIG, run_job
+
+    path = _variant(
+        write_compressed_tensors(llama_256, tmp_path / "ct"), tmp_path / "gptq", REFUSED["gptq"][0]
+    )
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["hello"]}), inp)
+    res = run_job(job_config(path, inp, tmp_path / "out"), handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_CONFIG and "\n" not in res.message
+    assert "quant_method='gptq' is not supported" in res.message
+
+
+def test_tensor_parallel_refused_for_quantized_checkpoints(llama_256, tmp_path) -> None:
+    path = write_compressed_tensors(llama_256, tmp_path / "ct")
+    with pytest.raises(UnsupportedCheckpoint, match="quantized checkpoints run on one device"):
+        LLM(path, tensor_parallel_size=2, device="cpu", num_blocks=64, block_size=8)

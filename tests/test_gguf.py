@@ -1,0 +1,160 @@
+"""GGUF checkpoints (model path ending in .gguf): greedy output equal token for token to transformers'
+`from_pretrained(..., gguf_file=)` (which dequantizes to float32) on a tiny llama written with the gguf package's
+writer, per block format and with llama.cpp-style mixes; projections stay packed; the tokenizer comes from the
+file; a tensor format batchgen does not run is refused by name."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from quant_helpers import write_gguf
+
+from batchgen import LLM, SamplingParams
+from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
+from batchgen.models.quant.quant_linear import QuantLinear
+
+gguf = pytest.importorskip("gguf", reason="the gguf extra (pip install batchgen[gguf]) is not installed")
+
+Q4_0, Q8_0, Q4_K, Q6_K = 2, 8, 12, 14
+MIXES = {
+    "Q8_0": Q8_0,
+    "Q4_0": Q4_0,
+    "Q4_K": Q4_K,
+    "Q6_K": Q6_K,
+    # llama.cpp's Q4_K_M-like mix: a fused q/k/v and gate/up hold parts in different formats
+    "mixed": {
+        "attn_q": Q4_K,
+        "attn_k": Q4_0,
+        "attn_v": Q6_K,
+        "attn_output": Q8_0,
+        "ffn_gate": Q4_K,
+        "ffn_up": Q4_0,
+    },
+}
+PROMPTS = [[1, 17, 33, 90], [1, 200, 5, 9, 77, 31, 8, 12, 400], [1, 64]]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def llama_256(ckpt_factory) -> str:
+    """K-quants need rows of whole 256-value blocks."""
+    return ckpt_factory("llama", seed=31, hidden_size=256, intermediate_size=512)
+
+
+@cache
+def _hf_greedy(path: str) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        return [
+            model.generate(torch.tensor([q]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[
+                0, len(q) :
+            ].tolist()
+            for q in PROMPTS
+        ]
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_gguf_greedy_equals_transformers(llama_256, tmp_path, mix) -> None:
+    path = write_gguf(llama_256, tmp_path / f"{mix}.gguf", MIXES[mix], seed=len(mix))
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
+    model = llm.engine.model
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(quantized) == 2 * 4  # qkv, o, gate_up, down per layer: kept packed
+    assert all(p.dtype == torch.uint8 for m in quantized for p in m.weights)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert got == _hf_greedy(path)
+    assert len({t for row in got for t in row}) > 6  # not a degenerate repetition
+
+
+def test_gguf_tokenizer_from_the_file_and_packed_bytes(llama_256, tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    path = Path(write_gguf(llama_256, tmp_path / "q4.gguf", Q4_0))
+    llm = LLM(str(path), num_blocks=64, block_size=8, max_num_seqs=4)
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = "Return the sum of a list of numbers."
+    assert llm.tokenizer.encode(text) == ref.encode(text)
+    out = llm.generate([text], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.prompt_token_ids == ref.encode(text)
+    # Q4_0: 18 bytes per 32 weights, 14% of float32's bytes
+    quantized = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+    packed = sum(p.numel() for m in quantized for p in m.weights)
+    dense = sum(m.in_features * m.out_features * 4 for m in quantized)
+    assert packed / dense == pytest.approx(18 / 128)
+
+
+def _with_q5k_tensor(src: Path, out: Path) -> Path:
+    """A copy of the GGUF file `src` whose blk.1.ffn_down.weight is Q5_K (a valid format batchgen does not run)."""
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub = field.types[-1] if len(field.types) > 1 else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub)
+    for t in reader.tensors:
+        if t.name == "blk.1.ffn_down.weight":
+            q5k = np.zeros((t.data.shape[0], int(t.shape[0]) // 256 * 176), np.uint8)
+            writer.add_tensor(t.name, q5k, raw_dtype=gguf.GGMLQuantizationType.Q5_K)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_unsupported_tensor_format_refused_by_name(llama_256, tmp_path) -> None:
+    bad = _with_q5k_tensor(Path(write_gguf(llama_256, tmp_path / "base.gguf", Q8_0)), tmp_path / "q5k.gguf")
+    with pytest.raises(
+        UnsupportedCheckpoint, match="blk.1.ffn_down.weight in q5k.gguf is Q5_K: batchgen runs"
+    ):
+        LLM(str(bad), num_blocks=64, block_size=8)
+
+
+def test_job_runs_a_gguf_file_and_refuses_an_unsupported_one(llama_256, tmp_path) -> None:
+    """model.path=file.gguf and model.gguf_file= run the file (greedy output equal to transformers'); a file with
+    a tensor format batchgen does not run ends the job with exit status 2 and one line naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import job_config
+
+    from batchgen.job.run import EXIT_CONFIG, EXIT_OK, run_job
+
+    path = Path(write_gguf(llama_256, tmp_path / "q8.gguf", Q8_0))
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["def main():", "Once upon a time"]}), inp)
+    for i, (model_path, gguf_file) in enumerate([(str(path), None), (str(tmp_path), "q8.gguf")]):
+        cfg = job_config(
+            model_path, inp, tmp_path / f"out{i}", sampling={"temperature": 0.0, "max_tokens": 5}
+        )
+        cfg.model.gguf_file = gguf_file
+        cfg.sampling.ignore_eos = True
+        res = run_job(cfg, handle_signals=False, print_summary=False)
+        assert res.exit_code == EXIT_OK, res.message
+        out = pa.concat_tables(
+            pq.read_table(p) for p in sorted((tmp_path / f"out{i}").glob("part-*.parquet"))
+        )
+        got = out.sort_by("id").to_pydict()["token_ids"]
+        llm = LLM(str(path), num_blocks=64, block_size=8)
+        want = llm.generate(
+            ["def main():", "Once upon a time"],
+            SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        )
+        assert got == [o.outputs[0].token_ids for o in want]
+    bad = _with_q5k_tensor(path, tmp_path / "q5k.gguf")
+    cfg = job_config(str(bad), inp, tmp_path / "bad")
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_CONFIG and "\n" not in res.message
+    assert "blk.1.ffn_down.weight in q5k.gguf is Q5_K" in res.message

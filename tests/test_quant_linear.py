@@ -1,0 +1,46 @@
+"""The weight-only quantized GEMM (kernels/csrc/quant_linear_cpu.c via kernels/cpu_quant_linear.py): its
+dequantization bit for bit gguf-py's, its product within float32 rounding of the float64 product with the
+dequantized weights, rows independent of their batch, results written into column slices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from quant_helpers import random_blocks
+
+from batchgen.kernels import cpu_kernel, cpu_quant_linear
+
+gguf = pytest.importorskip("gguf", reason="the gguf extra (pip install batchgen[gguf]) is not installed")
+needs_compiler = pytest.mark.skipif(cpu_kernel.compiler() is None, reason="no C compiler (cc/gcc/$CC) found")
+TYPES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", sorted(TYPES))
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_quant_linear_matches_float64_on_dequantized_weights(name, rows) -> None:
+    type_id = TYPES[name]
+    k, n = 512, 37
+    packed = random_blocks(n, k, type_id, seed=rows)
+    want_w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(packed.numpy(), type_id)))
+    w = cpu_quant_linear.dequantize(packed, type_id, k)
+    assert w.shape == (n, k) and torch.equal(w, want_w)  # gguf-py's dequantization, bit for bit
+    g = torch.Generator().manual_seed(rows)
+    x, b = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    got = cpu_quant_linear.linear(x, packed, type_id, k, b)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    scale = x.abs().double() @ w.abs().double().t()
+    assert got.shape == (rows, n) and ((got.double() - want).abs() <= 1e-6 * scale + 1e-6).all()
+    # a row's output does not depend on its batch; a column slice of a wider output is written in place
+    assert torch.equal(cpu_quant_linear.linear(x[-1:], packed, type_id, k, b)[0], got[-1])
+    wide = torch.zeros(rows, n + 10)
+    cpu_quant_linear.linear(x, packed, type_id, k, b, out=wide[:, 4 : 4 + n])
+    assert torch.equal(wide[:, 4 : 4 + n], got) and not wide[:, :4].any() and not wide[:, 4 + n :].any()
+
+
+@needs_compiler
+def test_bad_shapes_are_refused() -> None:
+    packed = random_blocks(4, 64, 8)
+    with pytest.raises(RuntimeError, match="rejected Q8_0"):
+        cpu_quant_linear.linear(torch.randn(2, 48), packed[:, :51], 8, 48)
