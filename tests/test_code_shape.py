@@ -1,5 +1,6 @@
-"""The code stays readable: no class over ~450 lines in the engine, no function over ~60 lines anywhere in the
-package (the Triton kernels, one GPU program each, excepted)."""
+"""The code stays readable: no class over ~450 lines in the engine, no function over ~120 lines anywhere in the
+package (the Triton kernels, one GPU program each, excepted). These are backstops against sprawl, not targets:
+code is split by concept, never to fit a gauge."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ ENGINE = Path(batchgen.engine.__file__).parent
 PACKAGE = ENGINE.parent
 TRITON_KERNELS = {"_decode_kernel", "_prefill_kernel", "_decode_reduce_kernel"}
 MAX_CLASS_LINES = 450
-MAX_FUNCTION_LINES = 60
+MAX_FUNCTION_LINES = 120
 
 
 def _too_long(tree: ast.AST, path: Path) -> list[str]:

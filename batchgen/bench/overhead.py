@@ -19,7 +19,7 @@ wrapping, on this one engine instance, the calls its step makes (measurement onl
 * forward: ``engine.runner.model.forward`` + ``compute_logits`` (the near-null model);
 * sample rows: ``engine.builder.sampling_inputs`` (the sampler inputs built every step: per-row
   settings, and row objects only for rows with penalties, bans, logprobs or seeds);
-* sampler: ``engine.runner.sampler`` (penalties, filters, argmax or draw);
+* sampler: ``engine.runner.sample`` (penalties, filters, argmax or draw);
 * update/stop: ``engine.scheduler.update`` (append tokens, stop rules, beam steps, free blocks);
 * detokenize: ``engine._request_output`` (decode the finished requests' texts, build outputs);
 * other: the rest of ``step()`` (copy-on-write copies, logits to float32, listeners).
@@ -112,7 +112,7 @@ class PhaseTimer:
         self.wrap(engine.runner.model, "forward", "forward")
         self.wrap(engine.runner.model, "compute_logits", "forward")
         self.wrap(engine.builder, "sampling_inputs", "sample rows")
-        self.wrap(engine.runner, "sampler", "sampler")
+        self.wrap(engine.runner, "sample", "sampler")
         self.wrap(engine.scheduler, "update", "update")
         self.wrap(engine, "_request_output", "detokenize")
 

@@ -296,11 +296,15 @@ def _warm_up(
     timings when ``samples`` is None; else its steps timed into ``samples``."""
     from dataclasses import replace
 
+    from batchgen.driver import Driver, EngineRequest, Requests
+
     params = replace(row.params, max_tokens=2, min_tokens=0) if row.params is not None else None
-    engine.add_request(f"batchgen-calibration-warmup-{samples is None}", list(row.token_ids), params)
-    while engine.has_unfinished():
+    request = EngineRequest(f"batchgen-calibration-warmup-{samples is None}", list(row.token_ids), params)
+    steps = Driver(engine, Requests([request], lambda outs: None)).steps()
+    while True:
         t0 = time.perf_counter()
-        engine.step()
+        if next(steps, None) is None:
+            return
         if samples is not None:
             samples.append((1.0, 1.0, float(len(row.token_ids)), time.perf_counter() - t0))
 
@@ -314,28 +318,29 @@ def _run_batch(
 ) -> int:
     """Run ``rows`` to their end, or until ``deadline`` (the rest aborted and the batch's output lengths
     discarded); returns how many finished."""
-    ids = {}
-    for r in rows:
-        rid = f"batchgen-calibration-{r.index}"
-        ids[rid] = r
-        if r.lora is None:
-            engine.add_request(rid, list(r.token_ids), r.params)
-        else:
-            engine.add_request(rid, list(r.token_ids), r.params, lora_request=r.lora)
+    from batchgen.driver import Driver, EngineRequest, Requests
+
+    ids = {f"batchgen-calibration-{r.index}": r for r in rows}
+    requests = [
+        EngineRequest(rid, list(r.token_ids), r.params, lora_request=r.lora) for rid, r in ids.items()
+    ]
+    driver = Driver(engine, Requests(requests, lambda outs: None))
+    steps = driver.steps()
     st = engine.stats
     bs = max(1, st.block_size)
     prev = st.snapshot()
     finished = 0
     ratios: list[tuple[tuple[int, int], float]] = []
-    while engine.has_unfinished():
+    while True:
         if deadline is not None and time.perf_counter() > deadline:
-            for rid in ids:
-                engine.abort_request(rid)
-            while engine.has_unfinished():  # aborted requests leave at the next step
-                engine.step()
+            driver.abort()
+            for _ in steps:  # aborted requests leave at the next step
+                pass
             return finished
         t0 = time.perf_counter()
-        outs = engine.step()
+        outs = next(steps, None)
+        if outs is None:
+            break
         dt = time.perf_counter() - t0
         st = engine.stats
         p = st.prompt_tokens_computed - prev.prompt_tokens_computed
