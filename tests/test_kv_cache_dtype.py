@@ -258,3 +258,10 @@ def test_triton_kernels_over_narrow_caches(dtype) -> None:
         narrow.q, narrow.cu_seqlens_q, narrow.kv, narrow.options(), max_query_len=narrow.max_query_len
     )
     torch.testing.assert_close(out.double(), reference_attention(rounded), **TOL)
+
+
+def test_the_config_accepts_exactly_the_kernels_cache_dtypes() -> None:
+    from batchgen.engine import config as engine_config
+    from batchgen.kernels import kv_cache_dtype as kernel_dtypes
+
+    assert engine_config.KV_CACHE_DTYPES == kernel_dtypes.KV_CACHE_DTYPES

@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from batchgen.kernels import kv_cache_dtype
-
 _UNITS = {
     "": 1,
     "b": 1,
@@ -39,6 +37,11 @@ def parse_bytes(value: str | int | float) -> int:
     if n <= 0:
         raise ValueError(f"memory size must be positive, got {value!r}")
     return n
+
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""``engine.kv_cache_dtype``'s values (vLLM's); :mod:`batchgen.kernels.kv_cache_dtype` maps each to a torch dtype.
+Checked here without torch: the command builds an EngineConfig before torch may load."""
 
 
 @dataclass
@@ -137,7 +140,10 @@ class EngineConfig:
                 f"engine.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         parse_bytes(self.kv_cache_memory)
-        kv_cache_dtype.check(self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"engine.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"engine.num_blocks must be >= 1, got {self.num_blocks}")
         if self.attention_backend not in ("auto", "torch", "triton"):

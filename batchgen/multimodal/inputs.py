@@ -21,9 +21,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
+if TYPE_CHECKING:  # torch loads only when an image is processed (the CLI decides threads before torch)
+    from torch import Tensor
 
 from batchgen.multimodal.images import ImageError, ImageLoader, LoadedImage
 
