@@ -24,10 +24,10 @@ import glob
 import hashlib
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -278,14 +278,55 @@ class WindowSpec:
         return self.row_end - self.row_start
 
 
-def plan_windows(row_start: int, row_end: int, window_rows: int) -> list[WindowSpec]:
-    """Split a shard's row range into windows of `window_rows` rows (the last one may be shorter)."""
-    if window_rows < 1:
-        raise ValueError("window_rows must be >= 1")
-    return [
-        WindowSpec(w, s, min(s + window_rows, row_end))
-        for w, s in enumerate(range(row_start, row_end, window_rows))
-    ]
+class WindowPlan(Sequence[WindowSpec]):
+    """The windows of a shard's row range ``[row_start, row_end)``, ``window_rows`` rows each (the last one may
+    be shorter), computed arithmetically: window ``w`` is rows ``[row_start + w*W, min(row_start + (w+1)*W,
+    row_end))``. Holds three integers whatever the number of windows; iterating yields them one at a time."""
+
+    def __init__(self, row_start: int, row_end: int, window_rows: int) -> None:
+        if window_rows < 1:
+            raise ValueError("window_rows must be >= 1")
+        self.row_start, self.row_end, self.window_rows = row_start, max(row_start, row_end), window_rows
+
+    def __len__(self) -> int:
+        return -(-(self.row_end - self.row_start) // self.window_rows)
+
+    @overload
+    def __getitem__(self, w: int) -> WindowSpec: ...
+    @overload
+    def __getitem__(self, w: slice) -> Sequence[WindowSpec]: ...
+    def __getitem__(self, w: int | slice) -> WindowSpec | Sequence[WindowSpec]:
+        if isinstance(w, slice):
+            return [self[i] for i in range(*w.indices(len(self)))]
+        n = len(self)
+        if w < 0:
+            w += n
+        if not 0 <= w < n:
+            raise IndexError(f"window {w} outside [0, {n})")
+        s = self.row_start + w * self.window_rows
+        return WindowSpec(w, s, min(s + self.window_rows, self.row_end))
+
+    def __iter__(self) -> Iterator[WindowSpec]:
+        for w in range(len(self)):
+            yield self[w]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WindowPlan):
+            return (self.row_start, self.row_end, self.window_rows) == (
+                other.row_start, other.row_end, other.window_rows,
+            )  # fmt: skip
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.row_start, self.row_end, self.window_rows))
+
+    def __repr__(self) -> str:
+        return f"WindowPlan(rows [{self.row_start}, {self.row_end}) in {len(self)} window(s) of {self.window_rows})"
+
+
+def plan_windows(row_start: int, row_end: int, window_rows: int) -> WindowPlan:
+    """Split a shard's row range into windows of `window_rows` rows (the last one may be shorter), lazily."""
+    return WindowPlan(row_start, row_end, window_rows)
 
 
 @dataclass
@@ -304,9 +345,11 @@ class Window:
         return self.spec.index
 
 
-def _row_group_ranges(inp: InputSet) -> Iterator[tuple[InputFile, int, int, int]]:
-    """(file, row_group, global_start, global_end) in global order, skipping empty row groups."""
-    for f in inp.files:
+def _row_group_ranges(inp: InputSet, start: int = 0) -> Iterator[tuple[InputFile, int, int, int]]:
+    """(file, row_group, global_start, global_end) in global order from the file holding row `start` on
+    (found by bisection over the files' first rows), skipping empty row groups."""
+    first = max(0, bisect.bisect_right(inp.files, start, key=lambda f: f.row_start) - 1)
+    for f in inp.files[first:]:
         s = f.row_start
         for rg, n in enumerate(f.row_group_rows):
             if n:
@@ -425,34 +468,30 @@ def iter_windows(
 ) -> Iterator[Window]:
     """Stream the given windows (ascending, non-overlapping) with only `columns`, one at a time.
 
+    `windows` is consumed lazily (a generator over millions of windows is fine: nothing is held per window).
     Only row groups that intersect a requested window are decoded, one row group at a time, in batches of at
     most `batch_rows` rows; rows outside the requested windows are dropped as they stream by. Windows come in
     `schema` (default: :meth:`InputSet.read_schema` of `columns`); rows that cannot be decoded are null and
     listed in :attr:`Window.unreadable`.
     """
-    wins = [w for w in sorted(windows, key=lambda w: w.row_start) if w.num_rows > 0]
-    if not wins:
+    wins = _ascending(windows)
+    cur = next(wins, None)
+    if cur is None:
         return
     schema = schema if schema is not None else inp.read_schema(columns)
-    ends = [w.row_end for w in wins]
-    wi = 0  # current window
     have = 0  # rows of the current window collected so far
     pieces: list[pa.Table] = []
     unreadable: list[tuple[int, int, str]] = []
     open_file: tuple[str, pq.ParquetFile | BaseException] | None = None
-    for f, rg, g0, g1 in _row_group_ranges(inp):
-        if g1 <= wins[wi].row_start + have:
+    for f, rg, g0, g1 in _row_group_ranges(inp, cur.row_start):
+        if g1 <= cur.row_start + have:
             continue  # entirely before the next row we need
-        k = bisect.bisect_right(ends, g0, lo=wi)  # first window ending after g0
-        if k >= len(wins) or wins[k].row_start >= g1:
-            continue  # only rows of windows we were not asked for
         open_file = _file_for(open_file, f)
         pos = g0
         for batch, error in _safe_batches(f, open_file[1], rg, g0, columns, schema, batch_rows):
             b0, b1 = pos, pos + batch.num_rows
             pos = b1
-            while wi < len(wins):
-                cur = wins[wi]
+            while cur is not None:
                 need = cur.row_start + have  # next global row the current window needs
                 if need >= b1:
                     break
@@ -466,13 +505,30 @@ def iter_windows(
                 if have < cur.num_rows:
                     break
                 yield Window(cur, _concat(pieces, schema).combine_chunks(), unreadable)
-                pieces, have, wi, unreadable = [], 0, wi + 1, []
-            if wi >= len(wins):
+                pieces, have, unreadable = [], 0, []
+                cur = next(wins, None)
+            if cur is None:
                 return
+            if cur.row_start >= g1:
+                pos = g1  # the next window is in a later row group: the rest of this one is not decoded
+                break
         if pos != g1:
             raise InputError(
                 f"data.input: {f.path!r} row group {rg} has {pos - g0} rows, its footer says {g1 - g0}"
             )
-    if wi < len(wins):
-        w = wins[wi]
-        raise InputError(f"data.input: expected rows {w.row_start}..{w.row_end} but the files ended early")
+    if cur is not None:
+        raise InputError(
+            f"data.input: expected rows {cur.row_start}..{cur.row_end} but the files ended early"
+        )
+
+
+def _ascending(windows: Iterable[WindowSpec]) -> Iterator[WindowSpec]:
+    """The non-empty windows of `windows`, checked to be ascending and non-overlapping (consumed lazily)."""
+    end = None
+    for w in windows:
+        if w.num_rows <= 0:
+            continue
+        if end is not None and w.row_start < end:
+            raise ValueError(f"windows must be ascending and non-overlapping: {w} starts before row {end}")
+        end = w.row_end
+        yield w

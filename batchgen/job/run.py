@@ -57,7 +57,7 @@ from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
 from batchgen.job.config import POOLING_TASKS, to_job_config
-from batchgen.job.duplicate_ids import warn_duplicate_ids
+from batchgen.job.duplicate_ids import DuplicateIdCheck
 from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
@@ -70,7 +70,7 @@ from batchgen.job.report import format_table
 from batchgen.job.result import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, JobResult, one_line
 from batchgen.job.result import EXIT_OK as EXIT_OK  # re-exported: the exit statuses are run_job's
 from batchgen.job.result import EXIT_TOO_MANY_ERRORS as EXIT_TOO_MANY_ERRORS
-from batchgen.job.resume import WindowTodo, verify_skipped_input, windows_to_do
+from batchgen.job.resume import WindowsTodo, verify_skipped_input, windows_to_do
 from batchgen.job.signals import StopSignal
 from batchgen.job.tally import RowTally
 from batchgen.job.windows import iter_window_work
@@ -203,6 +203,7 @@ class _Job:
         self.feeder: EngineFeeder | None = None
         self.progress: Progress | None = None
         self.tally = RowTally()
+        self.duplicate_ids: DuplicateIdCheck | None = None
 
     # ------------------------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -247,7 +248,8 @@ class _Job:
         checked = (0, 0.0) if unchanged else verify_skipped_input(plan, m, self.out_dir)
         if not todo:
             return nothing_to_do(plan, outdir, m, self.print_summary, checked)
-        warn_duplicate_ids(plan)
+        if not m.committed_anything:  # a resumed output was checked by the run that started it
+            self.duplicate_ids = DuplicateIdCheck(plan)
         self._check_stop("start-up")
         return self._execute(todo)
 
@@ -256,7 +258,7 @@ class _Job:
             raise _Stopped(when)
 
     # ------------------------------------------------------------------------------------ execution
-    def _execute(self, todo: list[WindowTodo]) -> JobResult:
+    def _execute(self, todo: WindowsTodo) -> JobResult:
         plan, m, writer = self.plan, self.manifest, self.writer
         assert plan is not None and m is not None and writer is not None
         nothing_ok_yet = not any(r.rows_ok for r in m.windows.values()) and not any(
@@ -264,7 +266,7 @@ class _Job:
         )
         closed = plan.cfg.run.max_error_fraction < 1.0 and nothing_ok_yet
         self.gate = FirstSuccessGate(closed, writer.commit, self.tally)
-        retry_rows = sum(len(t.retry_rows) for t in todo)
+        retry_rows = todo.retry_rows
         self._log_input(todo, retry_rows)
         if plan.cfg.task == "score":
             return self._execute_score(todo)
@@ -285,7 +287,7 @@ class _Job:
         self.progress = None
         return self._end(engine, before, t_run)
 
-    def _log_input(self, todo: list[WindowTodo], retry_rows: int) -> None:
+    def _log_input(self, todo: WindowsTodo, retry_rows: int) -> None:
         plan, outdir = self.plan, self.outdir
         assert plan is not None and outdir is not None
         d = plan.cfg.data
@@ -296,7 +298,7 @@ class _Job:
             f" ({retry_rows} error rows to retry)" if retry_rows else "", outdir.path,
         )  # fmt: skip
 
-    def _read_first_windows(self, todo: list[WindowTodo]) -> tuple[Any, list[WindowWork], list[Any]]:
+    def _read_first_windows(self, todo: WindowsTodo) -> tuple[Any, list[WindowWork], list[Any]]:
         """Before the engine starts: the windows as a lazy stream (prompts built with ``tokenizer_ref[0]``),
         the first of them read by the preflight, and ``tokenizer_ref`` (the tokenizer alone until then)."""
         plan, outdir, gate = self.plan, self.outdir, self.gate
@@ -347,7 +349,7 @@ class _Job:
             self.gate.check(final=True)
             self.gate.release()
 
-    def _execute_score(self, todo: list[WindowTodo]) -> JobResult:
+    def _execute_score(self, todo: WindowsTodo) -> JobResult:
         """``task=score``: log-likelihoods instead of generations (:mod:`batchgen.job.score`), a window at a
         time (the unit of resume)."""
         from batchgen.job.score import run_score_windows
@@ -359,7 +361,7 @@ class _Job:
         t_run = time.monotonic()
         self.progress = self._progress(initial=m.rows_done)
         try:
-            specs = [t.spec for t in todo]
+            specs = todo.specs()
             writer.windows_done, writer.rows_done = run_score_windows(
                 plan, self.outdir, engine, specs, self.stop, self.progress, self.tally.adapter_row
             )
@@ -368,7 +370,7 @@ class _Job:
             self.progress = None
         return self._end(engine, before, t_run)
 
-    def _execute_pool(self, todo: list[WindowTodo]) -> JobResult:
+    def _execute_pool(self, todo: WindowsTodo) -> JobResult:
         """``task=embed`` / ``task=classify``: pooled vectors instead of generations (:mod:`batchgen.job.pool`),
         a window at a time (the unit of resume)."""
         from batchgen.job.pool import run_pool_windows, start_runner
@@ -382,7 +384,7 @@ class _Job:
         t_run = time.monotonic()
         self.progress = self._progress(initial=m.rows_done)
         try:
-            specs = [t.spec for t in todo]
+            specs = todo.specs()
             writer.windows_done, writer.rows_done = run_pool_windows(
                 plan, self.outdir, runner, specs, self.stop, self.progress
             )
@@ -474,6 +476,8 @@ class _Job:
         """The result (0 complete, 3 too many error rows, 75 stopped early), logged and printed with the table."""
         plan, outdir, m = self.plan, self.outdir, self.manifest
         assert plan is not None and outdir is not None and m is not None
+        if self.duplicate_ids is not None:
+            self.duplicate_ids.join()  # its warning belongs to the run's log
         result = finish(plan, outdir, m, report, self.stop.signal_name)
         if self.print_summary:
             print(format_table(report))

@@ -3,7 +3,8 @@ built, the rows already done skipped (their output rows loaded as pieces of the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -20,15 +21,24 @@ from batchgen.job.resume import WindowTodo
 
 
 def iter_window_work(
-    plan: JobPlan, outdir: OutputDir, todo: list[WindowTodo], tokenizer_ref: list[Any]
+    plan: JobPlan, outdir: OutputDir, todo: Iterable[WindowTodo], tokenizer_ref: list[Any]
 ) -> Iterator[WindowWork]:
-    """Each window of ``todo`` as a WindowWork, its prompts built with ``tokenizer_ref[0]`` (read when the
-    window is: the caller may swap the tokenizer between windows)."""
-    by_index = {t.spec.index: t for t in todo}
+    """Each window of ``todo`` (ascending, consumed lazily) as a WindowWork, its prompts built with
+    ``tokenizer_ref[0]`` (read when the window is: the caller may swap the tokenizer between windows)."""
+    pending: deque[WindowTodo] = deque()  # the todos handed to the reader and not yet read: one or two
+
+    def specs() -> Iterator[Any]:
+        for t in todo:
+            pending.append(t)
+            yield t.spec
+
     extra_cols = list(dict.fromkeys([f.name for f in plan.part_layout.kept] + (
         [plan.cfg.data.id_column] if plan.cfg.data.id_column else [])))  # fmt: skip
-    for win in iter_windows(plan.input, [t.spec for t in todo], plan.columns, schema=plan.read_schema):
-        yield _window_work(plan, outdir, win, by_index[win.index], tokenizer_ref[0], extra_cols)
+    for win in iter_windows(plan.input, specs(), plan.columns, schema=plan.read_schema):
+        t = pending.popleft()
+        while t.spec.index != win.index:  # an empty window (never read)
+            t = pending.popleft()
+        yield _window_work(plan, outdir, win, t, tokenizer_ref[0], extra_cols)
 
 
 def _window_work(
