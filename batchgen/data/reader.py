@@ -164,8 +164,9 @@ def resolve_files(spec: str) -> tuple[list[str], str]:
     raise InputError(f"data.input: {spec!r} does not exist (expected a Parquet file, a directory or a glob)")
 
 
-def _footer_sha256(path: str, size: int) -> str:
-    """Hash of the Parquet footer (schema, row groups, column statistics): changes when the content does."""
+def read_footer(path: str, size: int) -> tuple[str, pq.FileMetaData]:
+    """(sha256 of the Parquet footer, its metadata), from one read of the file's tail: the footer holds the
+    schema, row groups and column statistics, so its hash changes when the content does."""
     with open(path, "rb") as f:
         if size < 12:
             raise InputError(f"data.input: {path!r} is not a Parquet file (too small)")
@@ -174,8 +175,23 @@ def _footer_sha256(path: str, size: int) -> str:
         if tail[4:] != b"PAR1":
             raise InputError(f"data.input: {path!r} is not a Parquet file")
         footer_len = int.from_bytes(tail[:4], "little")
-        f.seek(max(0, size - 8 - footer_len))
-        return hashlib.sha256(f.read(footer_len)).hexdigest()
+        if footer_len + 12 > size:
+            raise InputError(f"data.input: {path!r} is not a Parquet file (its footer is cut off)")
+        f.seek(size - 8 - footer_len)
+        footer = f.read(footer_len)
+    md = pq.read_metadata(pa.BufferReader(b"PAR1" + footer + tail))
+    return hashlib.sha256(footer).hexdigest(), md
+
+
+class SchemaPool:
+    """One :class:`pyarrow.Schema` object per distinct schema: 100,000 files of one schema hold one."""
+
+    def __init__(self) -> None:
+        self._seen: dict[pa.Schema, pa.Schema] = {}
+
+    def __call__(self, md: pq.FileMetaData) -> pa.Schema:
+        schema = md.schema.to_arrow_schema()
+        return self._seen.setdefault(schema, schema)
 
 
 OUTPUT_MARKER = "_manifest.json"
@@ -230,12 +246,12 @@ def open_input(
         raise InputError(f"data.input: {spec!r} holds no input files outside batchgen output directories")
     files: list[InputFile] = []
     start = 0
+    schemas = SchemaPool()
     for p in paths:
         try:
             size = os.path.getsize(p)
-            footer = _footer_sha256(p, size)
-            md = pq.read_metadata(p)
-            schema = md.schema.to_arrow_schema()
+            footer, md = read_footer(p, size)
+            schema = schemas(md)
         except InputError:
             raise
         except (OSError, pa.ArrowException) as e:
