@@ -32,10 +32,11 @@ from batchgen.data.layout import (
     CHECKPOINT_RE,
     LOCK_NAME,
     MANIFEST_NAME,
-    PART_RE,
+    PIECE_RE,
     REPORT_NAME,
     SHARD_RE,
     TEMP_PREFIX,
+    WINDOWS_DIR,
     checkpoint_name,
     is_own_checkpoint,
     is_own_file,
@@ -209,9 +210,12 @@ class OutputDir:
         """A killed run's unfinished temp files, parts written whose window never reached the manifest, and
         checkpoint files the manifest does not list (or of windows already finished)."""
         keep = {r.part for r in manifest.windows.values()}
-        for name in self._files():
-            if name.startswith(TEMP_PREFIX) or (PART_RE.match(name) and name not in keep):
+        for name in self._files():  # the parts are batchgen.data.part_roll's to check
+            if name.startswith(TEMP_PREFIX):
                 self._delete(name)
+        for name in self._files(WINDOWS_DIR):  # window pieces (part_name)
+            if name.startswith(TEMP_PREFIX) or (PIECE_RE.match(name) and f"{WINDOWS_DIR}/{name}" not in keep):
+                self._delete(f"{WINDOWS_DIR}/{name}")
         listed = {f for w, rec in manifest.partial.items() if w not in manifest.windows for f in rec.files}
         for w in [w for w in manifest.partial if w in manifest.windows]:
             del manifest.partial[w]

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import batchgen
+from batchgen.data.layout import PART_RE
 from batchgen.data.manifest import Manifest
 from batchgen.data.output_dir import OutputDir
 from batchgen.errors import ConfigError
@@ -127,7 +128,8 @@ def finish(
             msg += f"; {m.retry_rows} may be retried: fix the cause and rerun with data.retry_errors=true"
         code, status = EXIT_TOO_MANY_ERRORS, "failed"
     elif m.complete:
-        msg = f"done: {len(plan.windows)} part(s) in {outdir.path}; report: {outdir.report_location}"
+        parts = len([n for n in outdir._files() if PART_RE.match(n)])
+        msg = f"done: {parts} part(s) in {outdir.path}; report: {outdir.report_location}"
         code, status = EXIT_OK, "complete"
     else:
         left = m.num_windows - len(m.windows)

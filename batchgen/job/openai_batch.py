@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.atomic import atomic_write, atomic_write_bytes
-from batchgen.data.layout import MANIFEST_NAME
+from batchgen.data.layout import MANIFEST_NAME, PARTS_NAME
 from batchgen.data.manifest import Manifest
 from batchgen.data.openai_batch import (
     CHAT_URL,
@@ -35,6 +35,7 @@ from batchgen.data.openai_batch import (
     parse_requests,
     response_line,
 )
+from batchgen.data.part_roll import committed_parts
 from batchgen.data.storage import Location, is_url
 from batchgen.errors import ConfigError
 from batchgen.job.config import JobConfig, to_job_config
@@ -195,10 +196,10 @@ def _parts(derived: JobConfig, opts: dict[str, Any]) -> Iterator[pa.Table]:
     if raw is None:
         raise ConfigError(f"{out}: no manifest; rerun the same command")
     m = Manifest.from_json(raw.decode())
-    for _, rec in sorted(m.windows.items()):
-        data = _get(out, rec.part, opts)
+    for part in committed_parts(_get(out, PARTS_NAME, opts), m.windows):
+        data = _get(out, part.name, opts)
         if data is None:
-            raise ConfigError(f"{out}/{rec.part} is missing; rerun the same command")
+            raise ConfigError(f"{out}/{part.name} is missing; rerun the same command")
         yield pq.read_table(io.BytesIO(data))
 
 

@@ -9,14 +9,15 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from batchgen.data.layout import MANIFEST_NAME, SHARD_RE
+from batchgen.data.layout import MANIFEST_NAME, PARTS_NAME, SHARD_RE
 from batchgen.data.manifest import Manifest
+from batchgen.data.part_roll import committed_parts
 from batchgen.data.storage import Location
 
 
 @contextlib.contextmanager
 def staged_output(url: str) -> Iterator[Path]:
-    """A local copy of the job output at `url` (manifests and the parts they list; leftovers are not copied)."""
+    """A local copy of the job output at `url` (manifests and the parts of the windows they list; leftovers are not copied)."""
     root = Location(url, key="output")
     with tempfile.TemporaryDirectory(prefix="batchgen-stage-") as tmp:
         local = Path(tmp) / "output"
@@ -30,10 +31,14 @@ def staged_output(url: str) -> Iterator[Path]:
             d = local / sub if sub else local
             d.mkdir(exist_ok=True)
             (d / MANIFEST_NAME).write_bytes(raw)
-            for rec in Manifest.from_json(raw.decode()).windows.values():
-                data = loc.read_bytes(rec.part)
+            windows = Manifest.from_json(raw.decode()).windows
+            parts = loc.read_bytes(PARTS_NAME)
+            if parts is not None:
+                (d / PARTS_NAME).write_bytes(parts)
+            for part in committed_parts(parts, windows):
+                data = loc.read_bytes(part.name)
                 if data is not None:
-                    (d / rec.part).write_bytes(data)
+                    (d / part.name).write_bytes(data)
         yield local
 
 

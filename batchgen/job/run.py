@@ -52,7 +52,9 @@ from typing import Any
 from batchgen import startup_trace
 from batchgen.data.manifest import Manifest
 from batchgen.data.output_dir import OutputDir, on_disk_full
+from batchgen.data.part_roll import PartRoller
 from batchgen.data.remote_output import open_output_dir
+from batchgen.engine.config import parse_bytes
 from batchgen.engine.interface import Engine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
@@ -204,6 +206,7 @@ class _Job:
         self.progress: Progress | None = None
         self.tally = RowTally()
         self.duplicate_ids: DuplicateIdCheck | None = None
+        self.roller: PartRoller | None = None
 
     # ------------------------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -241,6 +244,9 @@ class _Job:
             retry_keys=RETRY_KEYS,
             retry_errors=job.data.retry_errors,
         )
+        self.roller = PartRoller(outdir, parse_bytes(d.part_size), d.part_rows)
+        with self.stop.saving():
+            self.roller.open()  # parts a killed run left half done are finished first
         todo = windows_to_do(plan, m, outdir)
         # changed input is refused also when nothing is left to do; unchanged store versions (ETags) need no
         # re-read of the rows
@@ -265,7 +271,7 @@ class _Job:
             p.rows_ok for p in m.partial.values()
         )
         closed = plan.cfg.run.max_error_fraction < 1.0 and nothing_ok_yet
-        self.gate = FirstSuccessGate(closed, writer.commit, self.tally)
+        self.gate = FirstSuccessGate(closed, self._commit, self.tally)
         retry_rows = todo.retry_rows
         self._log_input(todo, retry_rows)
         if plan.cfg.task == "score":
@@ -287,6 +293,12 @@ class _Job:
         self.progress = None
         return self._end(engine, before, t_run)
 
+    def _commit(self, work: WindowWork) -> None:
+        """Commit a finished window, then roll the parts it completes."""
+        assert self.writer is not None and self.roller is not None
+        self.writer.commit(work)
+        self.roller.roll_ready()
+
     def _log_input(self, todo: WindowsTodo, retry_rows: int) -> None:
         plan, outdir = self.plan, self.outdir
         assert plan is not None and outdir is not None
@@ -307,7 +319,7 @@ class _Job:
         _require_chat_template(plan, tokenizer)
         plan.prompt_spec.max_model_len = plan.cfg.engine.max_model_len or plan.model_max_len
         tokenizer_ref = [tokenizer]
-        works = iter_window_work(plan, outdir, todo, tokenizer_ref)
+        works = iter_window_work(plan, outdir, todo, tokenizer_ref, self.roller)
         first = preflight(works, plan, gate.closed)
         self._check_stop("start-up")
         return works, first, tokenizer_ref
@@ -363,7 +375,14 @@ class _Job:
         try:
             specs = todo.specs()
             writer.windows_done, writer.rows_done = run_score_windows(
-                plan, self.outdir, engine, specs, self.stop, self.progress, self.tally.adapter_row
+                plan,
+                self.outdir,
+                engine,
+                specs,
+                self.stop,
+                self.progress,
+                self.tally.adapter_row,
+                after_commit=self.roller.roll_ready if self.roller is not None else None,
             )
         finally:
             self.progress.close()
@@ -386,7 +405,13 @@ class _Job:
         try:
             specs = todo.specs()
             writer.windows_done, writer.rows_done = run_pool_windows(
-                plan, self.outdir, runner, specs, self.stop, self.progress
+                plan,
+                self.outdir,
+                runner,
+                specs,
+                self.stop,
+                self.progress,
+                after_commit=self.roller.roll_ready if self.roller is not None else None,
             )
         finally:
             self.progress.close()
@@ -478,6 +503,9 @@ class _Job:
         assert plan is not None and outdir is not None and m is not None
         if self.duplicate_ids is not None:
             self.duplicate_ids.join()  # its warning belongs to the run's log
+        if m.complete and self.roller is not None:
+            with self.stop.saving():
+                self.roller.finish()
         result = finish(plan, outdir, m, report, self.stop.signal_name)
         if self.print_summary:
             print(format_table(report))

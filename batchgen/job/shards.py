@@ -1,8 +1,9 @@
 """The shards of a job's output: where they are, which parts count, whether they belong together.
 
 ``data.output`` holds either one shard's output (``data.shard.count == 1``: its manifest at the top) or the
-``shard-IIIII-of-NNNNN/`` directories of a sharded job (:mod:`batchgen.data.layout`). Only parts listed in a
-shard's manifest count: a part without a manifest entry is an unfinished leftover.
+``shard-IIIII-of-NNNNN/`` directories of a sharded job (:mod:`batchgen.data.layout`). Only the parts of windows
+a shard's manifest lists count (:func:`batchgen.data.part_roll.committed_parts`): any other is an unfinished
+leftover.
 
 Invariant: :func:`find_shards` returns the shards sorted by index, or raises :class:`MergeError` when there are
 none, when one has no readable manifest, or when they were written with different configurations, inputs or
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from batchgen.data.layout import MANIFEST_NAME, SHARD_RE
 from batchgen.data.manifest import Manifest
+from batchgen.data.part_roll import local_parts
 
 
 class MergeError(Exception):
@@ -25,7 +27,7 @@ class MergeError(Exception):
 
 @dataclass
 class PartRef:
-    """A finished window of a shard: its part file and global row range."""
+    """A part of a shard: its file, its first window and its global row range."""
 
     shard: int
     window: int
@@ -45,9 +47,13 @@ class Shard:
 
     @property
     def parts(self) -> list[PartRef]:
+        """The shard's parts (:mod:`batchgen.data.part_roll`) in input order; ``window``: a part's first."""
+        windows = self.manifest.windows
         return [
-            PartRef(self.index, w, self.path / r.part, r.row_start, r.row_end)
-            for w, r in sorted(self.manifest.windows.items())
+            PartRef(
+                self.index, p.first, self.path / p.name, windows[p.first].row_start, windows[p.last].row_end
+            )
+            for p in local_parts(self.path, windows)
         ]
 
 
