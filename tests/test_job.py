@@ -99,7 +99,12 @@ def test_output_equals_llm_generate(llama_ckpt: str, dataset: Path, tmp_path: Pa
     meta = json.loads(pq.read_schema(tmp_path / "out" / "part-000000.parquet").metadata[b"batchgen"])
     assert meta["sampling"]["temperature"] == 0.8 and meta["id_column"] == "uid"
     assert meta["model"]["path"] == llama_ckpt and meta["input"]["num_rows"] == 30
-    assert meta["part"] == {"index": 0, "windows": [0, 3], "row_start": 0, "row_end": 30}  # one part: 4 windows
+    assert meta["part"] == {
+        "index": 0,
+        "windows": [0, 3],
+        "row_start": 0,
+        "row_end": 30,
+    }  # one part: 4 windows
     report = json.loads((tmp_path / "out" / "_report.json").read_text())
     assert report["rows"]["ok"] == 30 and report["status"] == "complete"
     assert report["tokens"]["generated"] == sum(len(o.outputs[0].token_ids) for o in ref)
