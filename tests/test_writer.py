@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.atomic import atomic_write
-from batchgen.data.layout import TEMP_PREFIX, is_own_file, part_name, rolled_part_name
+from batchgen.data.layout import PIECE_RE, TEMP_PREFIX, is_own_file, part_name, rolled_part_name
 from batchgen.data.manifest import Manifest, WindowRecord, diff_config
 from batchgen.data.output_dir import OutputDir
 from batchgen.data.parts import PartLayout, build_part
@@ -181,7 +181,7 @@ def test_layout_names_what_batchgen_owns(tmp_path: Path) -> None:
     # atomic_write's temporary files are what the output directory cleans up after a killed run
     with atomic_write(tmp_path / rolled_part_name(3)) as tmp:
         assert tmp.name.startswith(TEMP_PREFIX) and is_own_file(tmp.name)
-    assert is_own_file(rolled_part_name(3)) and is_own_file(Path(part_name(3)).name)
+    assert is_own_file(rolled_part_name(3)) and PIECE_RE.match(Path(part_name(3)).name)
     assert is_own_file("_manifest.json") and is_own_file("_report.json")
     assert not is_own_file("manifest.json") and not is_own_file("report.json")
     assert not is_own_file("part-3.parquet") and not is_own_file("notes.txt") and not is_own_file("_logs")
