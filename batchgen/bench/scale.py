@@ -113,7 +113,7 @@ def run_until_windows(inp: Path, out: Path, windows: int) -> int:
 
 
 _PLAN_CHILD = """
-import json, resource, sys, time
+import json, sys, time
 from batchgen.job.config import JobConfig
 from batchgen.job.plan import fresh_manifest, plan_job
 from batchgen.job.resume import windows_to_do
@@ -125,18 +125,18 @@ def plan(inp, out):
     todo = windows_to_do(plan, fresh_manifest(plan), None)
     return plan, todo, next(iter(todo)).spec
 
-def rss_mib():
+def status_mib(key):  # VmRSS now, VmHWM the peak (ru_maxrss would count the parent's peak: kept over exec)
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
 
 plan(sys.argv[3], sys.argv[2])  # a one-file input first: the imports planning needs (the model's config)
-rss0 = rss_mib()
+rss0 = status_mib("VmRSS")
 t0 = time.perf_counter()
 p, todo, first = plan(sys.argv[1], sys.argv[2])
 t1 = time.perf_counter()
 print(json.dumps({"rows": p.input.num_rows, "files": len(p.input.files), "windows": len(p.windows),
                   "todo": len(todo), "first": [first.row_start, first.row_end], "plan_s": t1 - t0,
-                  "rss_before_mib": rss0, "rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "rss_before_mib": rss0, "rss_peak_mib": status_mib("VmHWM")}))
 """
 
 
