@@ -482,10 +482,8 @@ def iter_windows(
     batch_rows: int = READ_BATCH_ROWS,
     schema: pa.Schema | None = None,
 ) -> Iterator[Window]:
-    """Stream the given windows (ascending, non-overlapping) with only `columns`, one at a time.
-
-    `windows` is consumed lazily (a generator over millions of windows is fine: nothing is held per window).
-    Only row groups that intersect a requested window are decoded, one row group at a time, in batches of at
+    """Stream the given windows (ascending, non-overlapping; consumed lazily, nothing held per window) with
+    only `columns`, one at a time. Only row groups that intersect a requested window are decoded, one row group at a time, in batches of at
     most `batch_rows` rows; rows outside the requested windows are dropped as they stream by. Windows come in
     `schema` (default: :meth:`InputSet.read_schema` of `columns`); rows that cannot be decoded are null and
     listed in :attr:`Window.unreadable`.
