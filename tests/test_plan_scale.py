@@ -4,6 +4,7 @@ no row. Structure is asserted (types, counts of calls, bytes allocated), never t
 
 from __future__ import annotations
 
+import json
 import tracemalloc
 from pathlib import Path
 
@@ -128,3 +129,18 @@ def test_planning_reads_each_footer_once_and_no_row(
     assert sorted(footers) == sorted(str(p) for p in inp.glob("*.parquet"))  # each footer once
     assert plan.input.num_rows == sum(1 + i % 5 for i in range(60))
     assert len({id(f.schema) for f in plan.input.files}) == 1  # one schema object for files of one schema
+
+
+def test_many_remote_files_keep_the_manifest_small() -> None:
+    from batchgen.job.input_versions import input_versions_unchanged
+
+    def remote(n: int, changed: int | None = None) -> reader.InputSet:
+        files = [InputFile(f"s3://b/f{i}", f"f{i}", 10, 1, i, [1], SCHEMA, "x", None, "v2" if i == changed else "v1")
+                 for i in range(n)]  # fmt: skip
+        return input_set("s3://b", files)
+
+    few, many = remote(3).describe(), remote(reader.LISTED_VERSIONS + 1).describe()
+    assert set(few["versions"]) == {"f0", "f1", "f2"} and "versions" not in many
+    assert len(json.dumps(many)) < 500  # one digest, not a line per object
+    assert input_versions_unchanged(many, remote(reader.LISTED_VERSIONS + 1).describe())
+    assert not input_versions_unchanged(many, remote(reader.LISTED_VERSIONS + 1, changed=7).describe())

@@ -35,6 +35,8 @@ import pyarrow.parquet as pq
 from batchgen.errors import ConfigError
 
 READ_BATCH_ROWS = 4096
+LISTED_VERSIONS = 1000
+"""Most input files whose store versions the manifest lists one by one (beyond: one digest of them all)."""
 logger = logging.getLogger("batchgen.job")
 
 
@@ -71,7 +73,8 @@ class InputSet:
     columns: list[str] = field(default_factory=list)
 
     def describe(self) -> dict:
-        """JSON-friendly summary stored in manifests and schema metadata (the versions of remote files)."""
+        """JSON-friendly summary stored in manifests and schema metadata: the versions of remote files (up to
+        :data:`LISTED_VERSIONS` files; beyond, a digest of them, when every file has one)."""
         d = {
             "spec": self.spec,
             "num_files": len(self.files),
@@ -79,7 +82,13 @@ class InputSet:
             "fingerprint": self.fingerprint,
         }
         if any(f.version for f in self.files):
-            d["versions"] = {f.rel_path: [f.size, f.version] for f in self.files}
+            if len(self.files) <= LISTED_VERSIONS:
+                d["versions"] = {f.rel_path: [f.size, f.version] for f in self.files}
+            elif all(f.version for f in self.files):  # the manifest stays small: one digest of them all
+                h = hashlib.sha256()
+                for f in self.files:
+                    h.update(f"{f.rel_path}\0{f.size}\0{f.version}\n".encode())
+                d["versions_sha256"] = h.hexdigest()
         return d
 
     def column_type(self, name: str) -> pa.DataType | None:
