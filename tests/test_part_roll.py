@@ -141,3 +141,34 @@ def test_kill_9_during_a_part_roll_keeps_every_row_once(
     assert _rows(out) == _rows(ref)  # every row exactly once, as an uninterrupted run wrote it
     assert not (out / "_windows").exists() and not [p for p in out.iterdir() if p.name.startswith(".tmp")]
     assert sorted(p.name for p in out.glob("*.parquet")) == sorted(p.name for p in ref.glob("*.parquet"))
+
+
+def test_retried_error_rows_rewrite_the_parts_holding_them(llama_ckpt: str, tmp_path: Path) -> None:
+    from test_job_robust import LONG
+
+    inp = tmp_path / "in.parquet"
+    rows = [
+        (LONG if i % 9 == 4 else "short ") + f"row {i}" for i in range(ROWS)
+    ]  # rows 4, 13, 22: windows 1, 3, 5
+    pq.write_table(pa.table({"prompt": rows}), inp)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_job(_cfg(llama_ckpt, inp, ref, part_rows=10), handle_signals=False).exit_code == EXIT_OK
+    small = _cfg(llama_ckpt, inp, out, part_rows=10)
+    small.engine.num_blocks = 1  # the long rows do not fit: error rows, retryable
+    small.run.max_error_fraction = 1.0
+    assert run_job(small, handle_signals=False, print_summary=False).exit_code == EXIT_OK
+    assert _rows(out).column("status").to_pylist().count("error") == 3 and _parts(out) == [
+        [0, 2],
+        [3, 5],
+        [6, 7],
+    ]
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet")}
+
+    retry = _cfg(llama_ckpt, inp, out, part_rows=10, retry_errors=True)
+    res = run_job(retry, handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_OK and res.report["run"]["rows"] == 3, res.message
+    assert _rows(out) == _rows(ref) and _parts(out) == [[0, 2], [3, 5], [6, 7]]
+    after = {p.name: p.stat().st_mtime_ns for p in out.glob("*.parquet")}
+    changed = sorted(k for k in before if after[k] != before[k])
+    assert changed == ["part-000000.parquet", "part-000001.parquet"]  # the parts holding retried rows
+    assert not (out / "_windows").exists()
