@@ -14,8 +14,9 @@
    them, ...), the configuration makes the job impossible: exit 2 before the model loads.
 4. Start the engine; stream the windows through prompts → grouping → engine
    (:class:`~batchgen.job.feeder.EngineFeeder`). Finished rows of unfinished windows are checkpointed every
-   ``run.checkpoint_interval_s`` and on a stop signal; a window whose every row is finished becomes one
-   part file (its checkpointed rows folded in), committed atomically, then recorded in the manifest. While
+   ``run.checkpoint_interval_s`` and on a stop signal; a window whose every row is finished is committed
+   atomically (its checkpointed rows folded in), then recorded in the manifest; consecutive committed windows
+   are rolled into parts of ``data.part_size`` (:mod:`batchgen.data.part_roll`). While
    the output holds no successful row, nothing is written until one succeeds: if the first
    :data:`EARLY_ROWS` rows of the run all fail in the engine, the job stops with exit 2 and an empty output.
 5. Write ``_report.json``, print the summary table. Exit 0, or 3 when error rows exceed
@@ -244,14 +245,14 @@ class _Job:
             retry_keys=RETRY_KEYS,
             retry_errors=job.data.retry_errors,
         )
-        self.roller = PartRoller(outdir, parse_bytes(d.part_size), d.part_rows)
-        with self.stop.saving():
-            self.roller.open()  # parts a killed run left half done are finished first
         todo = windows_to_do(plan, m, outdir)
         # changed input is refused also when nothing is left to do; unchanged store versions (ETags) need no
         # re-read of the rows
         unchanged = input_versions_unchanged(outdir.previous_input, plan.input.describe())
         checked = (0, 0.0) if unchanged else verify_skipped_input(plan, m, self.out_dir)
+        self.roller = PartRoller(outdir, parse_bytes(d.part_size), d.part_rows)
+        with self.stop.saving():
+            self.roller.open()  # a part a killed run left half written is finished first
         if not todo:
             return nothing_to_do(plan, outdir, m, self.print_summary, checked)
         if not m.committed_anything:  # a resumed output was checked by the run that started it
