@@ -5,8 +5,10 @@ Invariants:
   in that order (row counts come from the Parquet footers, no data is read to compute them).
 - Shard ``i`` of ``n`` is the contiguous global row range ``[i*N//n, (i+1)*N//n)``: the shards of one input
   cover every row exactly once, whatever ``n``.
-- Window ``w`` of a shard is rows ``[start + w*W, min(start + (w+1)*W, end))``; windows depend only on the
-  input, the shard and ``W`` (never on what was already processed), so a rerun sees the same windows.
+- Window ``w`` of a shard is rows ``[start + w*W, min(start + (w+1)*W, end))``, computed from ``w``
+  (:class:`WindowPlan`: no list of windows exists, planning costs O(files) at any row count); windows depend
+  only on the input, the shard and ``W`` (never on what was already processed), so a rerun sees the same
+  windows. Footers are read once per file; files of one schema share one schema object.
 - Memory is bounded by one window plus one decoded record batch: row groups are streamed one at a time
   with ``ParquetFile.iter_batches`` (which decodes page by page; the ``pyarrow.dataset`` scanner materialises
   a whole row group, measured 3x the memory), and row groups holding only finished windows are skipped.
