@@ -134,7 +134,7 @@ def _enospc_after(n: int):
 def test_disk_full_keeps_every_committed_window_and_resumes_exactly_once(
     llama_ckpt: str, inp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """An injected ENOSPC: while writing the 3rd part, the manifest after the 2nd part, or a checkpoint."""
+    """An injected ENOSPC: while writing the 3rd window, its commit record, or a checkpoint."""
     from batchgen.data import output_dir as od
 
     window = 40 if where == "checkpoint" else 8
@@ -148,7 +148,7 @@ def test_disk_full_keeps_every_committed_window_and_resumes_exactly_once(
         real = od.OutputDir._put_unit
 
         def put_unit(self, name, data):
-            if name.startswith("part-"):
+            if name.startswith("_windows/part-"):  # a window's object
                 fail()
             return real(self, name, data)
 
