@@ -70,7 +70,8 @@ def _rerun_is_complete(ckpt: str, inp: str, s3: S3, expected: dict) -> None:
     "method,target",
     [
         ("PUT", RECORD),
-        ("PUT", r"/part-000001\.parquet"),
+        ("PUT", r"/_windows/part-000001\.arrow"),
+        ("PUT", r"/part-000000\.parquet"),  # the rolled part
         ("PUT", r"/_manifest\.json"),
         ("PUT", r"/_layout\.json"),
     ],
@@ -100,7 +101,7 @@ def test_a_storage_outage_is_retried_then_exit_75(
     monkeypatch.setattr(storage, "RETRY_DELAYS_S", (0.05, 0.1))
     root, expected = reference
     inp = _input(s3, root)
-    proxy.rules.append(Rule("PUT", r"/part-000001\.parquet", "refuse", times=10**6))
+    proxy.rules.append(Rule("PUT", r"/_windows/part-000001\.arrow", "refuse", times=10**6))
     res = _run(
         _config(
             llama_ckpt,
@@ -137,7 +138,7 @@ def test_a_partition_longer_than_the_lease_neither_commits_nor_deletes(
     root, expected = reference
     inp = _input(s3, root)
     ttl = 3.0
-    proxy.rules.append(Rule("PUT", r"/part-000000\.parquet", "delay", on_match=proxy.partition))
+    proxy.rules.append(Rule("PUT", r"/_windows/part-000000\.arrow", "delay", on_match=proxy.partition))
     a = _job(
         llama_ckpt,
         inp,
@@ -166,7 +167,7 @@ def test_a_partition_longer_than_the_lease_neither_commits_nor_deletes(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize("target", [RECORD, r"/part-000001\.parquet"])
+@pytest.mark.parametrize("target", [RECORD, r"/_windows/part-000001\.arrow", r"/part-000000\.parquet"])
 def test_kill_9_at_a_commit_write_on_an_object_store(
     llama_ckpt: str, reference, s3: S3, proxy: FaultProxy, when: str, target: str, tmp_path: Path
 ) -> None:

@@ -1,5 +1,5 @@
-"""kill -9 at each step of a commit on a local disk: after the part is written, before and after its commit
-record, and during the compaction of the manifest. The rerun ends with the uninterrupted run's output, each
+"""kill -9 at each step of a commit on a local disk: after the window (or the rolled part) is written, before and
+after its commit record, and during the compaction of the manifest. The rerun ends with the uninterrupted run's output, each
 row exactly once."""
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def reference(llama_ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> tupl
 @pytest.mark.parametrize(
     "pattern,nth,when",
     [
-        (r"part-000001\.parquet$", 1, "after"),  # the part is written, no record names it
+        (r"_windows/part-000001\.arrow$", 1, "after"),  # the window is written, no record names it
+        (r"/part-000000\.parquet$", 1, "after"),  # the part is rolled, no record names it
         (r"_commits/\d+\.json$", 3, "before"),  # the 2nd window's record never written
         (r"_commits/\d+\.json$", 3, "after"),  # the record written, the job never knew
         (r"_manifest\.json$", 2, "before"),  # the compaction when the job closes

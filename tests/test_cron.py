@@ -42,7 +42,12 @@ def drop(path: Path, rows: int) -> None:
 def test_second_run_processes_only_the_new_file(tmp_path: Path, llama_ckpt: str) -> None:
     inbox, outbox = tmp_path / "inbox", tmp_path / "outbox"
     inbox.mkdir()
-    overrides = [f"model.path={llama_ckpt}", "data.window_rows=4", *FAST]
+    overrides = [
+        f"model.path={llama_ckpt}",
+        "data.window_rows=4",
+        "data.part_rows=4",
+        *FAST,
+    ]  # a part per window
     drop(inbox / "a.parquet", 6)
     r1 = run_inbox(inbox, outbox, *overrides)
     assert r1.returncode == 0, r1.stdout + r1.stderr + (outbox / "a.log").read_text()

@@ -99,7 +99,12 @@ def test_output_equals_llm_generate(llama_ckpt: str, dataset: Path, tmp_path: Pa
     meta = json.loads(pq.read_schema(tmp_path / "out" / "part-000000.parquet").metadata[b"batchgen"])
     assert meta["sampling"]["temperature"] == 0.8 and meta["id_column"] == "uid"
     assert meta["model"]["path"] == llama_ckpt and meta["input"]["num_rows"] == 30
-    assert meta["window"] == {"index": 0, "row_start": 0, "row_end": 8}
+    assert meta["part"] == {
+        "index": 0,
+        "windows": [0, 3],
+        "row_start": 0,
+        "row_end": 30,
+    }  # one part: 4 windows
     report = json.loads((tmp_path / "out" / "_report.json").read_text())
     assert report["rows"]["ok"] == 30 and report["status"] == "complete"
     assert report["tokens"]["generated"] == sum(len(o.outputs[0].token_ids) for o in ref)
@@ -346,7 +351,9 @@ def test_signal_stops_cleanly_and_resume_is_identical(
     assert res.report["interrupted_by"] == signal.Signals(sig).name
     done = json.loads((out / "_manifest.json").read_text())
     assert 0 < len(done["windows"]) < 4 and not done["complete"]
-    assert sorted(p.name for p in out.glob("part-*")) == sorted(w["part"] for w in done["windows"].values())
+    pieces = sorted(str(p.relative_to(out)) for p in out.glob("_windows/part-*"))
+    assert pieces == sorted(w["part"] for w in done["windows"].values())
+    assert not list(out.glob("part-*"))  # no part is complete yet: a dataset reader sees none
     assert signal.getsignal(sig) is not None and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
     res = run_job(cfg, print_summary=False)
     assert res.exit_code == EXIT_OK

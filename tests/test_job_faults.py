@@ -134,7 +134,7 @@ def _enospc_after(n: int):
 def test_disk_full_keeps_every_committed_window_and_resumes_exactly_once(
     llama_ckpt: str, inp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """An injected ENOSPC: while writing the 3rd part, the manifest after the 2nd part, or a checkpoint."""
+    """An injected ENOSPC: while writing the 3rd window, its commit record, or a checkpoint."""
     from batchgen.data import output_dir as od
 
     window = 40 if where == "checkpoint" else 8
@@ -148,7 +148,7 @@ def test_disk_full_keeps_every_committed_window_and_resumes_exactly_once(
         real = od.OutputDir._put_unit
 
         def put_unit(self, name, data):
-            if name.startswith("part-"):
+            if name.startswith("_windows/part-"):  # a window's object
                 fail()
             return real(self, name, data)
 
@@ -178,7 +178,8 @@ def test_disk_full_keeps_every_committed_window_and_resumes_exactly_once(
     assert res.exit_code == EXIT_INTERRUPTED and res.message.startswith("disk full writing"), res.message
     assert "free space and rerun the same command to resume" in res.message and "\n" not in res.message
     m = json.loads((out / "_manifest.json").read_text())
-    assert sorted(p.name for p in out.glob("part-*")) == sorted(w["part"] for w in m["windows"].values())
+    pieces = sorted(str(p.relative_to(out)) for p in out.glob("_windows/part-*"))
+    assert pieces == sorted(w["part"] for w in m["windows"].values())  # committed windows, in no part yet
     assert not list(out.glob(".tmp-*")) and not list(out.glob("_checkpoint/.tmp-*"))
     listed = {f for p in m["partial"].values() for f in p["files"]}
     assert {p.name for p in out.glob("_checkpoint/*")} == listed

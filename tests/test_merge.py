@@ -10,9 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.data.layout import METADATA_KEY, shard_dir_name
-from batchgen.data.manifest import Manifest, WindowRecord
+from batchgen.data.layout import METADATA_KEY, rolled_part_name, shard_dir_name
+from batchgen.data.manifest import Manifest, PartRecord, WindowRecord
 from batchgen.data.output_dir import OutputDir
+from batchgen.data.part_roll import PartRoller
 from batchgen.data.reader import open_input, plan_windows, shard_range
 from batchgen.job.merge import verify
 from batchgen.job.merge_cli import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, main
@@ -74,6 +75,7 @@ def fake_job(
             if (index, w.index) in skip_windows:
                 continue
             od.commit(w.index, part_table(ids_all[w.row_start : w.row_end], n, w.index), record(w))
+        PartRoller(od, part_rows=1).open()  # a part per window, as far as the windows are contiguous
         od.close()
 
 
@@ -91,11 +93,14 @@ def record(w) -> WindowRecord:
     return WindowRecord("", w.row_start, w.row_end, w.num_rows, w.num_rows, 0, 0, 0, 0)
 
 
-def add_part(shard_dir: Path, window: int, table: pa.Table, row_start: int, row_end: int) -> None:
-    """Register an extra part in an existing shard's manifest (to fake duplicates / unknown ids)."""
+def add_part(shard_dir: Path, table: pa.Table, row_start: int, row_end: int) -> None:
+    """Register an extra part after a shard's last (to fake duplicates / unknown ids): a window of its own in
+    the manifest, the next part in its ``parts``."""
     m = Manifest.load(shard_dir)
-    name = f"part-{window:06d}.parquet"
+    window = m.parts[-1].last + 1
+    name = rolled_part_name(len(m.parts))
     pq.write_table(table, shard_dir / name)
+    m.parts.append(PartRecord(name, window, window))
     m.windows[window] = WindowRecord(name, row_start, row_end, table.num_rows, table.num_rows, 0, 0, 0, 0)
     m.num_windows = max(m.num_windows, len(m.windows))
     m.save(shard_dir)
@@ -132,19 +137,20 @@ def test_missing_shard_and_unfinished_window_are_reported(tmp_path: Path, capsys
     r = verify(tmp_path / "out", max_examples=3)
     assert not r.ok
     assert r.shards_missing == [1] and r.shards_incomplete == {3: "2/3 windows"}
-    # shard 1 = rows 5..9 (5 rows), shard 3 window 1 = rows 17..18
-    assert r.missing == 5 + 2 and r.duplicated == 0
+    # shard 1 = rows 5..9 (5 rows), shard 3 window 1 = rows 17..18, and its window 2 (row 19): committed, but
+    # no part holds it before window 1 is done (parts are contiguous)
+    assert r.missing == 5 + 2 + 1 and r.duplicated == 0
     assert [(p.id, p.row, p.shard) for p in r.missing_examples] == [(5, 5, 1), (6, 6, 1), (7, 7, 1)]
     assert main([str(tmp_path / "out")]) == EXIT_INCOMPLETE
     out = capsys.readouterr().out
     assert "missing shard(s): 1" in out and "shard 3 unfinished: 2/3 windows" in out
-    assert "FAILED: missing 7" in out
+    assert "FAILED: missing 8" in out
     # --write refuses an incomplete merge unless --force
     dest = tmp_path / "m.parquet"
     assert main([str(tmp_path / "out"), "--write", str(dest)]) == EXIT_INCOMPLETE
     assert not dest.exists()
     assert main([str(tmp_path / "out"), "--write", str(dest), "--force"]) == EXIT_INCOMPLETE
-    assert pq.read_table(dest).num_rows == 13
+    assert pq.read_table(dest).num_rows == 12
 
 
 def test_duplicated_and_unknown_ids(tmp_path: Path, capsys) -> None:
@@ -152,7 +158,7 @@ def test_duplicated_and_unknown_ids(tmp_path: Path, capsys) -> None:
     fake_job(tmp_path / "out", inp, shards=2, window_rows=3)
     shard0 = tmp_path / "out" / shard_dir_name(0, 2)
     # rows 2 and 3 written again in an extra part, plus an id the input does not have
-    add_part(shard0, 7, part_table([2, 3, 99], 1, 7), 2, 5)
+    add_part(shard0, part_table([2, 3, 99], 1, 7), 2, 5)
     r = verify(tmp_path / "out")
     assert (r.missing, r.duplicated, r.unknown) == (0, 2, 1)
     assert [(p.id, p.count) for p in r.duplicated_examples] == [(2, 2), (3, 2)]
@@ -209,10 +215,9 @@ def test_samples_per_row(tmp_path: Path) -> None:
     assert r.ok and r.samples_per_row == 3 and r.expected_rows == 18 == r.output_rows
     # one sample of row 4 lost, one sample of row 1 twice
     shard1 = tmp_path / "out" / shard_dir_name(1, 2)
-    m = Manifest.load(shard1)
-    t = pq.read_table(shard1 / m.windows[0].part)  # rows 3, 4
-    pq.write_table(t.slice(0, 4), shard1 / m.windows[0].part)  # drops (4, sample 1) and (4, 2)
-    add_part(shard1, 5, part_table([1], 3, 5).slice(1, 1), 1, 2)
+    t = pq.read_table(shard1 / rolled_part_name(0))  # window 0: rows 3, 4
+    pq.write_table(t.slice(0, 4), shard1 / rolled_part_name(0))  # drops (4, sample 1) and (4, 2)
+    add_part(shard1, part_table([1], 3, 5).slice(1, 1), 1, 2)
     r = verify(tmp_path / "out")
     assert (r.missing, r.duplicated, r.unknown) == (2, 1, 0)
     assert [(p.id, p.sample_index) for p in r.missing_examples] == [(4, 1), (4, 2)]

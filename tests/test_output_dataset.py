@@ -32,10 +32,11 @@ def output(llama_ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     inp = root / "in.parquet"
     pq.write_table(pa.table({"prompt": [f"prompt {i} " + "word " * (i % 5) for i in range(40)]}), inp)
     out = root / "out"
-    cfg = job_config(llama_ckpt, inp, out, data={"shard": {"index": 0, "count": 2}, "window_rows": 10},
+    data = {"window_rows": 10, "part_rows": 10}  # a part per window: each is readable once committed
+    cfg = job_config(llama_ckpt, inp, out, data={"shard": {"index": 0, "count": 2}, **data},
                      engine={"max_num_seqs": 4})  # fmt: skip
     assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
-    cfg = job_config(llama_ckpt, inp, out, data={"shard": {"index": 1, "count": 2}, "window_rows": 10},
+    cfg = job_config(llama_ckpt, inp, out, data={"shard": {"index": 1, "count": 2}, **data},
                      engine={"max_num_seqs": 4})  # fmt: skip
     res = run_job(
         cfg, engine=signal_after(LLMEngine(llama_ckpt, cfg.engine), 12, signal.SIGTERM), print_summary=False

@@ -71,7 +71,7 @@ def test_embed_job_writes_embeddings_and_resumes(tmp_path, monkeypatch):
     crashed = dataclasses.replace(job, data=dataclasses.replace(job.data, output=str(tmp_path / "crash")))
     assert run_job(crashed, print_summary=False, handle_signals=False).exit_code == 1
     monkeypatch.setattr(OutputDir, "commit", real_commit)
-    assert len(list((tmp_path / "crash").glob("part-*.parquet"))) == 1
+    assert len(list((tmp_path / "crash").glob("_windows/part-*.arrow"))) == 1  # committed, in no part yet
     assert run_job(crashed, print_summary=False, handle_signals=False).exit_code == 0
     assert _read(tmp_path / "crash").to_pydict() == out
 

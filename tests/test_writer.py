@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.data.layout import TEMP_PREFIX, is_own_file, part_name
+from batchgen.data.layout import PIECE_RE, TEMP_PREFIX, is_own_file, part_name, rolled_part_name
 from batchgen.data.manifest import Manifest, WindowRecord, diff_config
 from batchgen.data.output_dir import OutputDir
 from batchgen.data.parts import PartLayout, build_part
@@ -102,6 +102,7 @@ def test_commit_is_atomic_and_resume_cleans_leftovers(tmp_path: Path) -> None:
     # leftovers of a killed run: a temp file and a part the manifest never recorded
     (out.path / ".tmp-part-000001.parquet.abc").write_bytes(b"partial")
     pq.write_table(_table(), out.path / part_name(2))
+    pq.write_table(_table(), out.path / rolled_part_name(0))  # a part no record names
     (out.path / "user-notes.txt").write_text("keep me")
     m2 = OutputDir(tmp_path / "out").open(_manifest())
     assert set(m2.windows) == {0}
@@ -111,9 +112,10 @@ def test_commit_is_atomic_and_resume_cleans_leftovers(tmp_path: Path) -> None:
         "_commits",
         "_layout.json",
         "_manifest.json",
-        part_name(0),
+        "_windows",
         "user-notes.txt",
     ]
+    assert [p.name for p in (out.path / "_windows").iterdir()] == [Path(part_name(0)).name]
     assert Manifest.load(out.path).windows[0].row_end == 10
 
 
@@ -186,9 +188,10 @@ def test_a_manifest_of_another_format_is_refused_as_unreadable(tmp_path: Path) -
 
 def test_layout_names_what_batchgen_owns(tmp_path: Path) -> None:
     # atomic_write's temporary files are what the output directory cleans up after a killed run
-    with atomic_write(tmp_path / part_name(3)) as tmp:
+    with atomic_write(tmp_path / rolled_part_name(3)) as tmp:
         assert tmp.name.startswith(TEMP_PREFIX) and is_own_file(tmp.name)
-    assert is_own_file(part_name(3)) and is_own_file("_manifest.json") and is_own_file("_report.json")
+    assert is_own_file(rolled_part_name(3)) and PIECE_RE.match(Path(part_name(3)).name)
+    assert is_own_file("_manifest.json") and is_own_file("_report.json")
     assert not is_own_file("manifest.json") and not is_own_file("report.json")
     assert not is_own_file("part-3.parquet") and not is_own_file("notes.txt") and not is_own_file("_logs")
 

@@ -8,8 +8,10 @@ is the manifest with every record after ``log_seq`` applied in order (:func:`rea
 Records (JSON): ``{"seq", "epoch", "kind", ...}`` with kind
 - ``open``: a holder starts writing; its ``epoch`` is above every earlier one. From here on records of a lower
   epoch are ignored: a stale holder (its lease expired and was taken over) can no longer commit;
-- ``window``: a finished window; ``record`` is its :class:`~batchgen.data.manifest.WindowRecord` (part name,
-  size, sha256, version);
+- ``window``: a finished window; ``record`` is its :class:`~batchgen.data.manifest.WindowRecord` (its piece,
+  ``_windows/part-{window}.arrow``, with size, sha256, version);
+- ``part``: a rolled part (name, first and last window, size, sha256, version), written whole before; from
+  this record on, the windows it holds name the part, and their pieces are garbage;
 - ``checkpoint``: finished rows of an unfinished window in one checkpoint file (name, rows, size, sha256).
 
 Invariants: a record names only objects fully written before it was created; an ambiguous write (its answer
@@ -26,7 +28,7 @@ from typing import Any
 
 from batchgen.data.layout import COMMITS_DIR
 from batchgen.data.lease import LeaseLost
-from batchgen.data.manifest import Manifest, PartialRecord, WindowRecord
+from batchgen.data.manifest import Manifest, PartialRecord, PartRecord, WindowRecord
 from batchgen.data.storage import PreconditionFailed
 
 
@@ -68,6 +70,13 @@ def apply(m: Manifest, rec: dict[str, Any]) -> bool:
         w = int(rec["window"])
         m.windows[w] = WindowRecord(**rec["record"])
         m.partial.pop(w, None)
+    elif kind == "part":
+        part = PartRecord(**rec["part"])
+        m.parts = [p for p in m.parts if p.name != part.name] + [part]
+        m.parts.sort(key=lambda p: p.first)
+        for w in range(part.first, part.last + 1):
+            if w in m.windows:
+                m.windows[w].part = part.name  # its piece is no longer named: garbage
     elif kind == "checkpoint":
         w = int(rec["window"])
         p = m.partial.get(w)

@@ -4,8 +4,12 @@
 directly; otherwise each shard has its own ``shard-{index:05d}-of-{count:05d}/`` directory. A shard's
 directory holds:
 
-- ``part-{window:06d}.parquet``: the output rows of one finished window — the only files a Parquet dataset
-  reader sees (``pyarrow.parquet.read_table(out)``, ``pandas.read_parquet(out)``, ``out/**/*.parquet``);
+- ``part-{k:06d}.parquet``: part ``k`` of the output, the rows of consecutive finished windows in input order,
+  sized by ``data.part_size`` / ``data.part_rows`` (:mod:`batchgen.data.part_roll`) — the only files a Parquet
+  dataset reader sees (``pyarrow.parquet.read_table(out)``, ``pandas.read_parquet(out)``, ``out/**/*.parquet``);
+  names sort in input order;
+- ``_windows/part-{window:06d}.arrow``: the output rows of one finished window not yet rolled into a part (Arrow
+  IPC; garbage once a committed ``part`` record holds its rows);
 - ``_manifest.json``: the finished windows (and the rows checkpointed in unfinished ones) and the
   configuration that wrote them;
 - ``_report.json``: the figures of the last run;
@@ -35,6 +39,7 @@ MANIFEST_NAME = "_manifest.json"
 REPORT_NAME = "_report.json"
 LOGS_DIR = "_logs"  # also spelled out in conf/config.yaml (hydra.run.dir and hydra.sweep.dir)
 CHECKPOINT_DIR = "_checkpoint"
+WINDOWS_DIR = "_windows"
 LOCK_NAME = ".batchgen.lock"
 LAYOUT_NAME = "_layout.json"
 COMMITS_DIR = "_commits"
@@ -46,6 +51,9 @@ STATUS_NAME = "_batchgen_status.json"
 """Written by each job of a multirun into its Hydra job directory: its exit status and message."""
 
 PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
+"""A part of the output."""
+PIECE_RE = re.compile(r"^part-(\d{6,})\.arrow$")
+"""A window's piece (in :data:`WINDOWS_DIR`)."""
 CHECKPOINT_RE = re.compile(r"^part-(\d{6,})\.(\d{6,})\.arrow$")
 SHARD_RE = re.compile(r"^shard-(\d{5,})-of-(\d{5,})$")
 
@@ -76,8 +84,13 @@ RETRY_COLUMN = "_retryable"
 
 
 def part_name(window: int) -> str:
-    """File name of window `window`'s part."""
-    return f"part-{window:06d}.parquet"
+    """Name (in :data:`WINDOWS_DIR`) of window `window`'s piece: the unit the commit layer writes."""
+    return f"{WINDOWS_DIR}/part-{window:06d}.arrow"
+
+
+def rolled_part_name(index: int) -> str:
+    """File name of part `index` of the output."""
+    return f"part-{index:06d}.parquet"
 
 
 def checkpoint_name(window: int, seq: int) -> str:

@@ -3,11 +3,12 @@
 ``_manifest.json`` is the commit log (:mod:`batchgen.data.commit_log`) compacted up to record ``log_seq``:
 a job writes it when it opens the directory and when it closes it, and each commit in between adds one small
 record, so a commit costs the same however many came before. The state of an output is this manifest with
-the later records applied (:meth:`Manifest.load` does it). Every part and checkpoint it names is recorded
-with its size and sha256, checked before a run trusts it.
+the later records applied (:meth:`Manifest.load` does it). Every piece, part and checkpoint it names is
+recorded with its size and sha256, checked before a run trusts it.
 
 - ``windows``: finished windows (their part holds every row of the window), with the rows whose error may be
   retried (``data.retry_errors``) and a hash of the window's input rows (checked when a resume skips it);
+- ``parts``: the rolled parts (the dataset's files), each with the windows it holds;
 - ``partial``: windows not finished yet whose finished rows are checkpointed (:data:`CHECKPOINT_DIR` files);
 - ``model``: names describing the checkpoint (path, architecture, per-file hashes) for readable refusals;
   only ``config`` (hashed into ``fingerprint``) decides whether a rerun may resume.
@@ -58,6 +59,19 @@ class WindowRecord:
 
 
 @dataclass
+class PartRecord:
+    """A rolled part of the output: the rows of windows ``first`` to ``last`` (both included), in input order,
+    in one Parquet file of the dataset (:mod:`batchgen.data.part_roll`)."""
+
+    name: str
+    first: int
+    last: int
+    size: int = 0
+    sha256: str = ""
+    version: str | None = None
+
+
+@dataclass
 class PartialRecord:
     """An unfinished window whose finished rows are checkpointed in ``files`` (under ``_checkpoint/``)."""
 
@@ -89,6 +103,9 @@ class Manifest:
     windows: dict[int, WindowRecord] = field(default_factory=dict)
     partial: dict[int, PartialRecord] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
+    parts: list[PartRecord] = field(default_factory=list)
+    """The rolled parts, contiguous from window 0 in input order; a window a part holds has its name as
+    ``part`` unless the window was committed again since (its newer rows are in its piece)."""
     epoch: int = 0
     """The epoch of the last holder that opened the output (records of lower epochs after it are fenced)."""
     log_seq: int = 0
@@ -118,6 +135,7 @@ class Manifest:
         d = asdict(self)
         d["windows"] = {str(k): asdict(v) for k, v in sorted(self.windows.items())}
         d["partial"] = {str(k): asdict(v) for k, v in sorted(self.partial.items())}
+        d["parts"] = [asdict(p) for p in self.parts]
         d["complete"] = self.complete
         d["rows_done"] = self.rows_done
         d["format"] = FORMAT
@@ -141,6 +159,7 @@ class Manifest:
             windows=windows,
             partial=partial,
             model=d.get("model") or {},
+            parts=[PartRecord(**p) for p in d.get("parts", [])],
             epoch=int(d.get("epoch", 0)),
             log_seq=int(d.get("log_seq", 0)),
             format=d["format"],

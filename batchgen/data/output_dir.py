@@ -4,13 +4,15 @@ storage location (a local directory or an object-store prefix, :func:`batchgen.d
 File names are those of :mod:`batchgen.data.layout`; the commit protocol is that of
 :mod:`batchgen.data.commit_log`. Invariants:
 - One holder per shard location: a ``flock`` locally, a lease object on object stores. Opening takes it,
-  writes an ``open`` record of a new epoch (fencing every earlier holder), then checks every committed part
-  and checkpoint file (size, store version, else sha256): a missing or changed one is dropped from the state
-  and its window recomputed, never reported complete.
-- A commit writes the part (or checkpoint file) whole, then one commit record naming it with its size and
-  sha256. Nothing a committed record names is ever deleted; a failed or ambiguous write deletes nothing:
-  the next holder resolves it by reading the log back. Garbage (temp files, parts and checkpoint files no
-  record names, records already compacted) is removed only by the current holder, after its ``open`` record.
+  writes an ``open`` record of a new epoch (fencing every earlier holder), then checks every committed piece,
+  part and checkpoint file (size, store version, else sha256): a missing or changed one is dropped from the
+  state and its windows recomputed, never reported complete (a part: with the parts after it).
+- A commit writes the window's piece (or checkpoint file) whole, then one commit record naming it with its
+  size and sha256. A roll (:mod:`batchgen.data.part_roll`) writes a part whole, then one ``part`` record naming
+  it and the windows it holds: only from then on are those windows' pieces garbage. Nothing the state names is
+  ever deleted; a failed or ambiguous write deletes nothing: the next holder resolves it by reading the log
+  back. Garbage (temp files, pieces, parts and checkpoint files the state does not name, records already
+  compacted) is removed only by the current holder, after its ``open`` record.
 - ``_manifest.json`` is rewritten (conditionally, resolved by read-back) only on open and close.
 - ``data.output`` names its shard layout in ``_layout.json``; a job of another layout is refused unless
   ``data.overwrite`` or the other layout holds no successful row and no live holder.
@@ -43,9 +45,11 @@ from batchgen.data.layout import (
     LOCK_NAME,
     MANIFEST_NAME,
     PART_RE,
+    PIECE_RE,
     REPORT_NAME,
     SHARD_RE,
     TEMP_PREFIX,
+    WINDOWS_DIR,
     checkpoint_name,
     is_own_checkpoint,
     is_own_file,
@@ -53,7 +57,7 @@ from batchgen.data.layout import (
     shard_dir_name,
 )
 from batchgen.data.lease import FileLock, Lease, LeaseLost
-from batchgen.data.manifest import Manifest, WindowRecord, describe_model_change, diff_config
+from batchgen.data.manifest import Manifest, PartRecord, WindowRecord, describe_model_change, diff_config
 from batchgen.data.storage import PreconditionFailed, is_url, open_location, table_to_parquet_bytes
 from batchgen.errors import ConfigError
 
@@ -300,6 +304,7 @@ class OutputDir:
         """Write this holder's ``open`` record, of an epoch above every one seen: from now on no earlier holder
         can commit. Records another writer created meanwhile are applied to `m` first."""
         self._named = {r.part for r in m.windows.values()} | {f for p in m.partial.values() for f in p.files}
+        self._named |= {p.name for p in m.parts}
         epoch = max(m.epoch, self.holder.previous_epoch) + 1
         self.holder.epoch = epoch
         self.log.append({"kind": "open", "epoch": epoch}, m)
@@ -310,6 +315,10 @@ class OutputDir:
         for rec in self.log.read_from(self.log.next_seq):
             if apply(m, rec):
                 self._named |= set(_names(rec))
+                if rec.get("kind") == "part":
+                    self._named -= {
+                        part_name(w) for w in range(rec["part"]["first"], rec["part"]["last"] + 1)
+                    }
 
     def _compact(self, m: Manifest, prune: bool = True) -> None:
         """``_manifest.json`` := the state up to the last record; then (`prune`) the records it holds go. On
@@ -338,8 +347,20 @@ class OutputDir:
         """Drop from `m` every window whose part, and every checkpoint file, that is missing or changed since
         its commit (the window is recomputed); what the record names is kept on disk."""
         parts = self.loc.list()
+        self._verify_parts(m, parts)
+        rolled = {p.name for p in m.parts}
+        pieces = self.loc.list(WINDOWS_DIR)
         for w, rec in sorted(m.windows.items()):
-            why = self._changed(parts, rec.part, rec.size, rec.sha256, rec.version)
+            if rec.part in rolled:
+                continue
+            why = self._changed(
+                pieces,
+                rec.part,
+                rec.size,
+                rec.sha256,
+                rec.version,
+                pieces.get(rec.part[len(WINDOWS_DIR) + 1 :]),
+            )
             if why:
                 logger.warning(
                     "%s/%s %s since it was committed: window %d is recomputed", self.path, rec.part, why, w
@@ -354,6 +375,25 @@ class OutputDir:
                     logger.warning("%s/%s/%s %s: its rows are recomputed", self.path, CHECKPOINT_DIR, f, why)
                     del m.partial[w]
                     break
+
+    def _verify_parts(self, m: Manifest, listing: dict) -> None:
+        """Drop from `m` the first rolled part that is missing or changed since its ``part`` record, the parts
+        after it and the windows they hold (recomputed: parts stay contiguous from window 0)."""
+        for k, part in enumerate(m.parts):
+            why = self._changed(listing, part.name, part.size, part.sha256, part.version)
+            if why:
+                dropped = {p.name for p in m.parts[k:]}
+                logger.warning(
+                    "%s/%s %s since it was committed: windows %d..%d are recomputed",
+                    self.path, part.name, why, part.first, m.parts[-1].last,
+                )  # fmt: skip
+                for w in [w for w, rec in m.windows.items() if rec.part in dropped]:
+                    del m.windows[w]
+                del m.parts[k:]
+                self._named -= (
+                    dropped  # garbage now (a reader must not see their rows twice once rolled again)
+                )
+                return
 
     def _changed(
         self, listing: dict, name: str, size: int, digest: str, version: str | None, info: Any = None
@@ -376,10 +416,15 @@ class OutputDir:
         self.holder.check()
         for w in [w for w in m.partial if w in m.windows]:
             del m.partial[w]
-        keep = {r.part for r in m.windows.values()} | self._named
+        keep = {r.part for r in m.windows.values()} | {p.name for p in m.parts} | self._named
         for name in self.loc.list():
             if name.startswith(TEMP_PREFIX) or (PART_RE.match(name) and name not in keep):
                 self.loc.delete(name)
+        for name in self.loc.list(WINDOWS_DIR):
+            if name.startswith(TEMP_PREFIX) or (PIECE_RE.match(name) and f"{WINDOWS_DIR}/{name}" not in keep):
+                self.loc.delete(f"{WINDOWS_DIR}/{name}")
+        if not any(PIECE_RE.match(n) for n in self.loc.list(WINDOWS_DIR)):
+            self.loc.remove_dir(WINDOWS_DIR)
         listed = {f for rec in m.partial.values() for f in rec.files} | self._named
         for name in self.loc.list(CHECKPOINT_DIR):
             if is_own_checkpoint(name) and name not in listed:
@@ -394,7 +439,11 @@ class OutputDir:
             if is_own_file(name):
                 loc.delete(name)
                 count += 1
-        for sub, own in ((CHECKPOINT_DIR, is_own_checkpoint), (COMMITS_DIR, lambda n: n.endswith(".json"))):
+        for sub, own in (
+            (CHECKPOINT_DIR, is_own_checkpoint),
+            (COMMITS_DIR, lambda n: n.endswith(".json")),
+            (WINDOWS_DIR, lambda n: bool(PIECE_RE.match(n)) or n.startswith(TEMP_PREFIX)),
+        ):
             for name in loc.list(sub):
                 if own(name):
                     loc.delete(f"{sub}/{name}")
@@ -499,6 +548,39 @@ class OutputDir:
         if done and not m.partial:
             self.loc.remove_dir(CHECKPOINT_DIR)
 
+    def commit_part(self, part: PartRecord, data: bytes) -> None:
+        """Roll-up: write `data` (the Parquet file of `part`, windows ``part.first..last``) whole, then the
+        ``part`` record naming it; only then are the covered windows' pieces garbage, deleted here (by the
+        current holder). On a failure before the record nothing is deleted: the pieces stay what the state
+        names, and the part file, named by no record, is the next holder's garbage."""
+        assert self.manifest is not None, "open() first"
+        m = self.manifest
+        part.size, part.sha256, part.version = self._put_unit(part.name, data)
+        self.holder.check()
+        rec = {"kind": "part", "epoch": m.epoch, "part": _asdict(part)}
+        pieces = [
+            w.part
+            for i, w in sorted(m.windows.items())
+            if part.first <= i <= part.last and w.part != part.name
+        ]
+        self.log.append(rec)
+        apply(m, rec)
+        self._named.add(part.name)
+        for name in pieces:
+            self.holder.check()
+            self._named.discard(name)
+            self.loc.delete(name)
+
+    def read_piece(self, name: str) -> pa.Table:
+        """A committed piece or part (by name)."""
+        return self._read_table(name)
+
+    def piece_size(self, window: int) -> int:
+        """The size of `window`'s committed piece (0 when a part holds it)."""
+        assert self.manifest is not None, "open() first"
+        rec = self.manifest.windows.get(window)
+        return rec.size if rec is not None and rec.part.startswith(WINDOWS_DIR) else 0
+
     def write_part(self, window: int, table: pa.Table) -> str:
         """Write `table` as the window's part file (not committed); returns its name."""
         name = part_name(window)
@@ -570,6 +652,8 @@ def _names(rec: dict[str, Any]) -> list[str]:
         return [rec["record"]["part"]]
     if rec.get("kind") == "checkpoint":
         return [rec["file"]]
+    if rec.get("kind") == "part":
+        return [rec["part"]["name"]]
     return []
 
 

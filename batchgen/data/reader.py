@@ -5,8 +5,10 @@ Invariants:
   in that order (row counts come from the Parquet footers, no data is read to compute them).
 - Shard ``i`` of ``n`` is the contiguous global row range ``[i*N//n, (i+1)*N//n)``: the shards of one input
   cover every row exactly once, whatever ``n``.
-- Window ``w`` of a shard is rows ``[start + w*W, min(start + (w+1)*W, end))``; windows depend only on the
-  input, the shard and ``W`` (never on what was already processed), so a rerun sees the same windows.
+- Window ``w`` of a shard is rows ``[start + w*W, min(start + (w+1)*W, end))``, computed from ``w``
+  (:class:`WindowPlan`: no list of windows exists, planning costs O(files) at any row count); windows depend
+  only on the input, the shard and ``W`` (never on what was already processed), so a rerun sees the same
+  windows. Footers are read once per file; files of one schema share one schema object.
 - Memory is bounded by one window plus one decoded record batch: row groups are streamed one at a time
   with ``ParquetFile.iter_batches`` (which decodes page by page; the ``pyarrow.dataset`` scanner materialises
   a whole row group, measured 3x the memory), and row groups holding only finished windows are skipped.
@@ -24,10 +26,10 @@ import glob
 import hashlib
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -35,6 +37,8 @@ import pyarrow.parquet as pq
 from batchgen.errors import ConfigError
 
 READ_BATCH_ROWS = 4096
+LISTED_VERSIONS = 1000
+"""Most input files whose store versions the manifest lists one by one (beyond: one digest of them all)."""
 logger = logging.getLogger("batchgen.job")
 
 
@@ -71,7 +75,8 @@ class InputSet:
     columns: list[str] = field(default_factory=list)
 
     def describe(self) -> dict:
-        """JSON-friendly summary stored in manifests and schema metadata (the versions of remote files)."""
+        """JSON-friendly summary stored in manifests and schema metadata: the versions of remote files (up to
+        :data:`LISTED_VERSIONS` files; beyond, a digest of them, when every file has one)."""
         d = {
             "spec": self.spec,
             "num_files": len(self.files),
@@ -79,7 +84,13 @@ class InputSet:
             "fingerprint": self.fingerprint,
         }
         if any(f.version for f in self.files):
-            d["versions"] = {f.rel_path: [f.size, f.version] for f in self.files}
+            if len(self.files) <= LISTED_VERSIONS:
+                d["versions"] = {f.rel_path: [f.size, f.version] for f in self.files}
+            elif all(f.version for f in self.files):  # the manifest stays small: one digest of them all
+                h = hashlib.sha256()
+                for f in self.files:
+                    h.update(f"{f.rel_path}\0{f.size}\0{f.version}\n".encode())
+                d["versions_sha256"] = h.hexdigest()
         return d
 
     def column_type(self, name: str) -> pa.DataType | None:
@@ -164,8 +175,9 @@ def resolve_files(spec: str) -> tuple[list[str], str]:
     raise InputError(f"data.input: {spec!r} does not exist (expected a Parquet file, a directory or a glob)")
 
 
-def _footer_sha256(path: str, size: int) -> str:
-    """Hash of the Parquet footer (schema, row groups, column statistics): changes when the content does."""
+def read_footer(path: str, size: int) -> tuple[str, pq.FileMetaData]:
+    """(sha256 of the Parquet footer, its metadata), from one read of the file's tail: the footer holds the
+    schema, row groups and column statistics, so its hash changes when the content does."""
     with open(path, "rb") as f:
         if size < 12:
             raise InputError(f"data.input: {path!r} is not a Parquet file (too small)")
@@ -174,8 +186,23 @@ def _footer_sha256(path: str, size: int) -> str:
         if tail[4:] != b"PAR1":
             raise InputError(f"data.input: {path!r} is not a Parquet file")
         footer_len = int.from_bytes(tail[:4], "little")
-        f.seek(max(0, size - 8 - footer_len))
-        return hashlib.sha256(f.read(footer_len)).hexdigest()
+        if footer_len + 12 > size:
+            raise InputError(f"data.input: {path!r} is not a Parquet file (its footer is cut off)")
+        f.seek(size - 8 - footer_len)
+        footer = f.read(footer_len)
+    md = pq.read_metadata(pa.BufferReader(b"PAR1" + footer + tail))
+    return hashlib.sha256(footer).hexdigest(), md
+
+
+class SchemaPool:
+    """One :class:`pyarrow.Schema` object per distinct schema: 100,000 files of one schema hold one."""
+
+    def __init__(self) -> None:
+        self._seen: dict[pa.Schema, pa.Schema] = {}
+
+    def __call__(self, md: pq.FileMetaData) -> pa.Schema:
+        schema = md.schema.to_arrow_schema()
+        return self._seen.setdefault(schema, schema)
 
 
 OUTPUT_MARKER = "_manifest.json"
@@ -230,12 +257,12 @@ def open_input(
         raise InputError(f"data.input: {spec!r} holds no input files outside batchgen output directories")
     files: list[InputFile] = []
     start = 0
+    schemas = SchemaPool()
     for p in paths:
         try:
             size = os.path.getsize(p)
-            footer = _footer_sha256(p, size)
-            md = pq.read_metadata(p)
-            schema = md.schema.to_arrow_schema()
+            footer, md = read_footer(p, size)
+            schema = schemas(md)
         except InputError:
             raise
         except (OSError, pa.ArrowException) as e:
@@ -278,14 +305,55 @@ class WindowSpec:
         return self.row_end - self.row_start
 
 
-def plan_windows(row_start: int, row_end: int, window_rows: int) -> list[WindowSpec]:
-    """Split a shard's row range into windows of `window_rows` rows (the last one may be shorter)."""
-    if window_rows < 1:
-        raise ValueError("window_rows must be >= 1")
-    return [
-        WindowSpec(w, s, min(s + window_rows, row_end))
-        for w, s in enumerate(range(row_start, row_end, window_rows))
-    ]
+class WindowPlan(Sequence[WindowSpec]):
+    """The windows of a shard's row range ``[row_start, row_end)``, ``window_rows`` rows each (the last one may
+    be shorter), computed arithmetically: window ``w`` is rows ``[row_start + w*W, min(row_start + (w+1)*W,
+    row_end))``. Holds three integers whatever the number of windows; iterating yields them one at a time."""
+
+    def __init__(self, row_start: int, row_end: int, window_rows: int) -> None:
+        if window_rows < 1:
+            raise ValueError("window_rows must be >= 1")
+        self.row_start, self.row_end, self.window_rows = row_start, max(row_start, row_end), window_rows
+
+    def __len__(self) -> int:
+        return -(-(self.row_end - self.row_start) // self.window_rows)
+
+    @overload
+    def __getitem__(self, w: int) -> WindowSpec: ...
+    @overload
+    def __getitem__(self, w: slice) -> Sequence[WindowSpec]: ...
+    def __getitem__(self, w: int | slice) -> WindowSpec | Sequence[WindowSpec]:
+        if isinstance(w, slice):
+            return [self[i] for i in range(*w.indices(len(self)))]
+        n = len(self)
+        if w < 0:
+            w += n
+        if not 0 <= w < n:
+            raise IndexError(f"window {w} outside [0, {n})")
+        s = self.row_start + w * self.window_rows
+        return WindowSpec(w, s, min(s + self.window_rows, self.row_end))
+
+    def __iter__(self) -> Iterator[WindowSpec]:
+        for w in range(len(self)):
+            yield self[w]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WindowPlan):
+            return (self.row_start, self.row_end, self.window_rows) == (
+                other.row_start, other.row_end, other.window_rows,
+            )  # fmt: skip
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.row_start, self.row_end, self.window_rows))
+
+    def __repr__(self) -> str:
+        return f"WindowPlan(rows [{self.row_start}, {self.row_end}) in {len(self)} window(s) of {self.window_rows})"
+
+
+def plan_windows(row_start: int, row_end: int, window_rows: int) -> WindowPlan:
+    """Split a shard's row range into windows of `window_rows` rows (the last one may be shorter), lazily."""
+    return WindowPlan(row_start, row_end, window_rows)
 
 
 @dataclass
@@ -304,9 +372,11 @@ class Window:
         return self.spec.index
 
 
-def _row_group_ranges(inp: InputSet) -> Iterator[tuple[InputFile, int, int, int]]:
-    """(file, row_group, global_start, global_end) in global order, skipping empty row groups."""
-    for f in inp.files:
+def _row_group_ranges(inp: InputSet, start: int = 0) -> Iterator[tuple[InputFile, int, int, int]]:
+    """(file, row_group, global_start, global_end) in global order from the file holding row `start` on
+    (found by bisection over the files' first rows), skipping empty row groups."""
+    first = max(0, bisect.bisect_right(inp.files, start, key=lambda f: f.row_start) - 1)
+    for f in inp.files[first:]:
         s = f.row_start
         for rg, n in enumerate(f.row_group_rows):
             if n:
@@ -423,36 +493,30 @@ def iter_windows(
     batch_rows: int = READ_BATCH_ROWS,
     schema: pa.Schema | None = None,
 ) -> Iterator[Window]:
-    """Stream the given windows (ascending, non-overlapping) with only `columns`, one at a time.
-
-    Only row groups that intersect a requested window are decoded, one row group at a time, in batches of at
+    """Stream the given windows (ascending, non-overlapping; consumed lazily, nothing held per window) with
+    only `columns`, one at a time. Only row groups that intersect a requested window are decoded, one row group at a time, in batches of at
     most `batch_rows` rows; rows outside the requested windows are dropped as they stream by. Windows come in
     `schema` (default: :meth:`InputSet.read_schema` of `columns`); rows that cannot be decoded are null and
     listed in :attr:`Window.unreadable`.
     """
-    wins = [w for w in sorted(windows, key=lambda w: w.row_start) if w.num_rows > 0]
-    if not wins:
+    wins = _ascending(windows)
+    cur = next(wins, None)
+    if cur is None:
         return
     schema = schema if schema is not None else inp.read_schema(columns)
-    ends = [w.row_end for w in wins]
-    wi = 0  # current window
     have = 0  # rows of the current window collected so far
     pieces: list[pa.Table] = []
     unreadable: list[tuple[int, int, str]] = []
     open_file: tuple[str, pq.ParquetFile | BaseException] | None = None
-    for f, rg, g0, g1 in _row_group_ranges(inp):
-        if g1 <= wins[wi].row_start + have:
+    for f, rg, g0, g1 in _row_group_ranges(inp, cur.row_start):
+        if g1 <= cur.row_start + have:
             continue  # entirely before the next row we need
-        k = bisect.bisect_right(ends, g0, lo=wi)  # first window ending after g0
-        if k >= len(wins) or wins[k].row_start >= g1:
-            continue  # only rows of windows we were not asked for
         open_file = _file_for(open_file, f)
         pos = g0
         for batch, error in _safe_batches(f, open_file[1], rg, g0, columns, schema, batch_rows):
             b0, b1 = pos, pos + batch.num_rows
             pos = b1
-            while wi < len(wins):
-                cur = wins[wi]
+            while cur is not None:
                 need = cur.row_start + have  # next global row the current window needs
                 if need >= b1:
                     break
@@ -466,13 +530,30 @@ def iter_windows(
                 if have < cur.num_rows:
                     break
                 yield Window(cur, _concat(pieces, schema).combine_chunks(), unreadable)
-                pieces, have, wi, unreadable = [], 0, wi + 1, []
-            if wi >= len(wins):
+                pieces, have, unreadable = [], 0, []
+                cur = next(wins, None)
+            if cur is None:
                 return
+            if cur.row_start >= g1:
+                pos = g1  # the next window is in a later row group: the rest of this one is not decoded
+                break
         if pos != g1:
             raise InputError(
                 f"data.input: {f.path!r} row group {rg} has {pos - g0} rows, its footer says {g1 - g0}"
             )
-    if wi < len(wins):
-        w = wins[wi]
-        raise InputError(f"data.input: expected rows {w.row_start}..{w.row_end} but the files ended early")
+    if cur is not None:
+        raise InputError(
+            f"data.input: expected rows {cur.row_start}..{cur.row_end} but the files ended early"
+        )
+
+
+def _ascending(windows: Iterable[WindowSpec]) -> Iterator[WindowSpec]:
+    """The non-empty windows of `windows`, checked to be ascending and non-overlapping (consumed lazily)."""
+    end = None
+    for w in windows:
+        if w.num_rows <= 0:
+            continue
+        if end is not None and w.row_start < end:
+            raise ValueError(f"windows must be ascending and non-overlapping: {w} starts before row {end}")
+        end = w.row_end
+        yield w

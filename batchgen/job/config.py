@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.data.layout import RESERVED_COLUMNS
-from batchgen.engine.config import EngineConfig, logprobs_error
+from batchgen.engine.config import EngineConfig, logprobs_error, parse_bytes
 from batchgen.errors import ConfigError
 from batchgen.sampling_params import SamplingParams
 
@@ -106,7 +106,11 @@ class DataOptions:
     sampling_column: str | None = "sampling"
     """Optional struct (or JSON string) column of per-row overrides of sampling.* (e.g. {max_tokens: 64, temperature: 0.2}); null fields keep the job's value. Ignored when the input has no column of this name and the name is the default 'sampling'; set to null to ignore it always. 'n' cannot be overridden per row."""
     window_rows: int = 1024
-    """Rows per window: the unit of tokenization, prefix grouping, output part files and resume. Must stay the same across reruns into the same output."""
+    """Rows per window: the unit of tokenization, prefix grouping, commit and resume. Must stay the same across reruns into the same output."""
+    part_size: str = "256MB"
+    """Target size of an output part file (bytes, or with a unit: 64MB, 1GiB): consecutive committed windows are rolled into one part once their rows reach it (the last part is smaller). Independent of data.window_rows; may change between runs."""
+    part_rows: int | None = None
+    """Output rows per part file instead of data.part_size (null = size by data.part_size)."""
     group_by_prefix: bool = True
     """Order each window's prompts by token ids (prefix-trie order) so shared prefixes hit the prefix cache; false = input order (output order is input order either way)."""
     overwrite: bool = False
@@ -325,6 +329,12 @@ def _validate_lora(cfg: JobConfig) -> None:
 def _validate_data(d: DataOptions) -> None:
     if d.window_rows < 1:
         raise ConfigError(f"data.window_rows must be >= 1, got {d.window_rows}")
+    if d.part_rows is not None and d.part_rows < 1:
+        raise ConfigError(f"data.part_rows must be >= 1 (or null), got {d.part_rows}")
+    try:
+        parse_bytes(d.part_size)
+    except ValueError as e:
+        raise ConfigError(f"data.part_size: {e}") from None
     if d.lease_ttl_s <= 0:
         raise ConfigError(f"data.lease_ttl_s must be > 0, got {d.lease_ttl_s}")
     if d.shard.count < 1:

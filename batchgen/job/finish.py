@@ -135,7 +135,7 @@ def finish(
             msg += f"; {m.retry_rows} may be retried: fix the cause and rerun with data.retry_errors=true"
         code, status = EXIT_TOO_MANY_ERRORS, "failed"
     elif m.complete:
-        msg = f"done: {len(plan.windows)} part(s) in {outdir.path}; report: {outdir.report_location}"
+        msg = f"done: {len(m.parts)} part(s) in {outdir.path}; report: {outdir.report_location}"
         code, status = EXIT_OK, "complete"
     else:
         left = m.num_windows - len(m.windows)

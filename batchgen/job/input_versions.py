@@ -15,8 +15,11 @@ def input_versions_unchanged(previous: dict[str, Any], current: dict[str, Any]) 
     versions, every file having a version (local files have none: their rows are hashed instead)."""
     old, new = previous.get("versions"), current.get("versions")
     same = bool(new) and old == new and all(v[1] for v in new.values())
+    digest = current.get("versions_sha256")
+    same = same or (digest is not None and previous.get("versions_sha256") == digest)
     if same:
         logger.info(
-            "input unchanged since the last run: the %d object(s) have the same versions (ETags)", len(new)
+            "input unchanged since the last run: the %d object(s) have the same versions (ETags)",
+            current.get("num_files", 0),
         )
     return same

@@ -237,10 +237,10 @@ def _parts(derived: JobConfig, opts: dict[str, Any]) -> Iterator[pa.Table]:
     if raw is None:
         raise ConfigError(f"{out}: no manifest; rerun the same command")
     m = Manifest.from_json(raw.decode())
-    for _, rec in sorted(m.windows.items()):
-        data = _get(out, rec.part, opts)
+    for part in m.parts:  # the rolled parts, in input order
+        data = _get(out, part.name, opts)
         if data is None:
-            raise ConfigError(f"{out}/{rec.part} is missing; rerun the same command")
+            raise ConfigError(f"{out}/{part.name} is missing; rerun the same command")
         yield pq.read_table(io.BytesIO(data))
 
 

@@ -100,10 +100,11 @@ def _pool_window(plan: Any, runner: Any, table: pa.Table, spec: Any) -> tuple[di
 
 
 def run_pool_windows(
-    plan: Any, outdir: Any, runner: Any, todo: list[Any], stop: Any, progress: Any
+    plan: Any, outdir: Any, runner: Any, todo: Any, stop: Any, progress: Any, after_commit: Any = None
 ) -> tuple[int, int, int]:
     """Pool and commit each unfinished window; returns (windows, rows, prompt tokens pooled) done. Stops
-    between windows on a signal (a window is the unit of resume)."""
+    between windows on a signal (a window is the unit of resume). ``after_commit()``: called after each
+    commit."""
     from batchgen.pooling.params import PoolingParams
 
     d, p = plan.cfg.data, plan.cfg.pooling
@@ -118,6 +119,9 @@ def run_pool_windows(
         t0 = time.time()
         cols, prompt_tokens = _pool_window(plan, runner, w.table, spec)
         commit_window(outdir, stop, w, d, plan.cfg.task, cols, t0, prompt_tokens)
+        if after_commit is not None:
+            with stop.saving():
+                after_commit()
         progress.update(w.spec.num_rows)
         windows += 1
         rows += w.spec.num_rows

@@ -30,10 +30,10 @@ def staged_output(url: str) -> Iterator[Path]:
             d = local / sub if sub else local
             d.mkdir(exist_ok=True)
             (d / MANIFEST_NAME).write_text(m.to_json())
-            for rec in m.windows.values():
-                data = loc.read_bytes(rec.part)
+            for part in m.parts:  # the rolled parts (windows not rolled yet are no dataset's rows)
+                data = loc.read_bytes(part.name)
                 if data is not None:
-                    (d / rec.part).write_bytes(data)
+                    (d / part.name).write_bytes(data)
         yield local
 
 

@@ -14,8 +14,9 @@
    them, ...), the configuration makes the job impossible: exit 2 before the model loads.
 4. Start the engine; stream the windows through prompts → grouping → engine
    (:class:`~batchgen.job.feeder.EngineFeeder`). Finished rows of unfinished windows are checkpointed every
-   ``run.checkpoint_interval_s`` and on a stop signal; a window whose every row is finished becomes one
-   part file (its checkpointed rows folded in), committed atomically, then recorded in the manifest. While
+   ``run.checkpoint_interval_s`` and on a stop signal; a window whose every row is finished is committed
+   (its checkpointed rows folded in); consecutive committed windows are rolled into parts of
+   ``data.part_size``, each committed by a record of its own (:mod:`batchgen.data.part_roll`). While
    the output holds no successful row, nothing is written until one succeeds: if the first
    :data:`EARLY_ROWS` rows of the run all fail in the engine, the job stops with exit 2 and an empty output.
 5. Write ``_report.json``, print the summary table. Exit 0, or 3 when error rows exceed
@@ -52,12 +53,14 @@ from typing import Any, Protocol
 from batchgen.data.lease import LeaseLost
 from batchgen.data.manifest import Manifest
 from batchgen.data.output_dir import OutputDir, on_disk_full, open_output_dir
+from batchgen.data.part_roll import PartRoller
 from batchgen.data.storage import StorageUnavailable
+from batchgen.engine.config import parse_bytes
 from batchgen.engine.core.interface import Engine
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.errors import ConfigError, WorkerLost
 from batchgen.job.config import POOLING_TASKS, to_job_config
-from batchgen.job.duplicate_ids import warn_duplicate_ids
+from batchgen.job.duplicate_ids import DuplicateIdCheck
 from batchgen.job.early_failure import FirstSuccessGate, preflight
 from batchgen.job.feeder import EngineFeeder, ReadAhead, WindowWork
 from batchgen.job.finish import examples_text, finish, job_report, nothing_to_do
@@ -72,7 +75,7 @@ from batchgen.job.report import format_table, pooling_figures
 from batchgen.job.result import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, JobResult, one_line
 from batchgen.job.result import EXIT_OK as EXIT_OK  # re-exported: the exit statuses are run_job's
 from batchgen.job.result import EXIT_TOO_MANY_ERRORS as EXIT_TOO_MANY_ERRORS
-from batchgen.job.resume import WindowTodo, verify_skipped_input, windows_to_do
+from batchgen.job.resume import WindowsTodo, verify_skipped_input, windows_to_do
 from batchgen.job.signals import StopSignal
 from batchgen.job.tally import RowTally
 from batchgen.job.windows import iter_window_work
@@ -330,7 +333,9 @@ class _Job:
             p.rows_ok for p in manifest.partial.values()
         )
         closed = plan.cfg.run.max_error_fraction < 1.0 and nothing_ok_yet
-        self.gate = FirstSuccessGate(closed, self.writer.commit, self.tally)
+        self.gate = FirstSuccessGate(closed, self._commit, self.tally)
+        self.roller = PartRoller(outdir, parse_bytes(plan.cfg.data.part_size), plan.cfg.data.part_rows)
+        self.duplicate_ids: DuplicateIdCheck | None = None
         self.in_flight: InFlight = _NothingInFlight()
         """What a stop or an error saves the finished rows of: the feeder, or the replicas' coordinator."""
         self.progress = Progress(total=0, mode="off")
@@ -359,16 +364,19 @@ class _Job:
         # re-read of the rows
         unchanged = input_versions_unchanged(outdir.previous_input, plan.input.describe())
         checked = (0, 0.0) if unchanged else verify_skipped_input(plan, m, self.out_dir)
+        with self.stop.saving():
+            self.roller.open()  # parts whose windows a killed run committed are rolled first
         if not todo:
             return nothing_to_do(plan, outdir, m, self.print_summary, checked)
-        warn_duplicate_ids(plan)
+        if not m.committed_anything:  # a resumed output was checked by the run that started it
+            self.duplicate_ids = DuplicateIdCheck(plan)
         _check_stop(self.stop, "start-up")
         return self._execute(todo)
 
     # ------------------------------------------------------------------------------------ execution
-    def _execute(self, todo: list[WindowTodo]) -> JobResult:
+    def _execute(self, todo: WindowsTodo) -> JobResult:
         plan, m = self.plan, self.manifest
-        retry_rows = sum(len(t.retry_rows) for t in todo)
+        retry_rows = todo.retry_rows
         self._log_input(todo, retry_rows)
         if plan.cfg.task == "score":
             return self._execute_score(todo)
@@ -388,7 +396,12 @@ class _Job:
         self.end_progress()
         return self._end(engine, before, t_run)
 
-    def _log_input(self, todo: list[WindowTodo], retry_rows: int) -> None:
+    def _commit(self, work: WindowWork) -> None:
+        """Commit a finished window, then roll the parts it completes."""
+        self.writer.commit(work)
+        self.roller.roll_ready()
+
+    def _log_input(self, todo: WindowsTodo, retry_rows: int) -> None:
         plan, outdir = self.plan, self.outdir
         d = plan.cfg.data
         logger.info(
@@ -398,7 +411,7 @@ class _Job:
             f" ({retry_rows} error rows to retry)" if retry_rows else "", outdir.path,
         )  # fmt: skip
 
-    def _read_first_windows(self, todo: list[WindowTodo]) -> tuple[Any, list[WindowWork], list[Any]]:
+    def _read_first_windows(self, todo: WindowsTodo) -> tuple[Any, list[WindowWork], list[Any]]:
         """Before the engine starts: the windows as a lazy stream (prompts built with ``tokenizer_ref[0]``),
         the first of them read by the preflight, and ``tokenizer_ref`` (the tokenizer alone until then)."""
         plan = self.plan
@@ -406,7 +419,7 @@ class _Job:
         _require_chat_template(plan, tokenizer)
         plan.prompt_spec.max_model_len = plan.cfg.engine.max_model_len or plan.model_max_len
         tokenizer_ref = [tokenizer]
-        works = iter_window_work(plan, self.outdir, todo, tokenizer_ref)
+        works = iter_window_work(plan, self.outdir, todo, tokenizer_ref, self.roller)
         first = preflight(works, plan, self.gate.closed)
         _check_stop(self.stop, "start-up")
         return works, first, tokenizer_ref
@@ -459,7 +472,7 @@ class _Job:
             self.gate.check(final=True)
             self.gate.release()
 
-    def _execute_score(self, todo: list[WindowTodo]) -> JobResult:
+    def _execute_score(self, todo: WindowsTodo) -> JobResult:
         """``task=score``: log-likelihoods instead of generations (:mod:`batchgen.job.score`), a window at a
         time (the unit of resume)."""
         from batchgen.job.score import run_score_windows
@@ -469,15 +482,22 @@ class _Job:
         t_run = time.monotonic()
         self.start_progress(initial=self.manifest.rows_done)
         try:
-            specs = [t.spec for t in todo]
+            specs = todo.specs()
             self.writer.windows_done, self.writer.rows_done = run_score_windows(
-                self.plan, self.outdir, engine, specs, self.stop, self.progress, self.tally.adapter_row
+                self.plan,
+                self.outdir,
+                engine,
+                specs,
+                self.stop,
+                self.progress,
+                self.tally.adapter_row,
+                after_commit=self.roller.roll_ready,
             )
         finally:
             self.end_progress()
         return self._end(engine, before, t_run)
 
-    def _execute_pool(self, todo: list[WindowTodo]) -> JobResult:
+    def _execute_pool(self, todo: WindowsTodo) -> JobResult:
         """``task=embed`` / ``task=classify``: pooled vectors instead of generations (:mod:`batchgen.job.pool`),
         a window at a time (the unit of resume)."""
         from batchgen.job.pool import run_pool_windows, start_runner
@@ -489,9 +509,15 @@ class _Job:
         t_run = time.monotonic()
         self.start_progress(initial=self.manifest.rows_done)
         try:
-            specs = [t.spec for t in todo]
+            specs = todo.specs()
             self.writer.windows_done, self.writer.rows_done, pooled = run_pool_windows(
-                self.plan, self.outdir, runner, specs, self.stop, self.progress
+                self.plan,
+                self.outdir,
+                runner,
+                specs,
+                self.stop,
+                self.progress,
+                after_commit=self.roller.roll_ready,
             )
         finally:
             self.end_progress()
@@ -589,6 +615,11 @@ class _Job:
 
     def conclude(self, report: dict[str, Any]) -> JobResult:
         """The result (0 complete, 3 too many error rows, 75 stopped early), logged and printed with the table."""
+        if self.duplicate_ids is not None:
+            self.duplicate_ids.join()  # its warning belongs to the run's log
+        if self.manifest.complete:
+            with self.stop.saving():
+                self.roller.finish()
         result = finish(self.plan, self.outdir, self.manifest, report, self.stop.signal_name)
         if self.print_summary:
             print(format_table(report))

@@ -119,10 +119,12 @@ def _score_window(plan, engine, table: pa.Table) -> tuple[dict[str, list], int, 
     return cols, prompt_tokens, sum(cached)
 
 
-def run_score_windows(plan, outdir, engine, todo, stop, progress, count_adapter) -> tuple[int, int]:
+def run_score_windows(
+    plan, outdir, engine, todo, stop, progress, count_adapter, after_commit=None
+) -> tuple[int, int]:
     """Score and commit each unfinished window; returns (windows, rows) done. Stops between windows on a
     signal (a window is the unit of resume). ``count_adapter(name, ok)``: called for each row of a job with
-    ``model.lora_modules`` (name None: the base model)."""
+    ``model.lora_modules`` (name None: the base model). ``after_commit()``: called after each commit."""
     d = plan.cfg.data
     windows = rows = 0
     for w in iter_windows(plan.input, todo, plan.columns):
@@ -140,6 +142,9 @@ def run_score_windows(plan, outdir, engine, todo, stop, progress, count_adapter)
                 count_adapter(name, good)
         cols = {k: pa.array(v, _TYPES[k]) for k, v in cols.items()}
         commit_window(outdir, stop, w, d, "score", cols, t0, prompt_tokens, cached, by_adapter)
+        if after_commit is not None:
+            with stop.saving():
+                after_commit()
         progress.update(w.spec.num_rows)
         windows += 1
         rows += w.spec.num_rows

@@ -1,8 +1,8 @@
 """The shards of a job's output: where they are, which parts count, whether they belong together.
 
 ``data.output`` holds either one shard's output (``data.shard.count == 1``: its manifest at the top) or the
-``shard-IIIII-of-NNNNN/`` directories of a sharded job (:mod:`batchgen.data.layout`). Only parts listed in a
-shard's manifest count: a part without a manifest entry is an unfinished leftover.
+``shard-IIIII-of-NNNNN/`` directories of a sharded job (:mod:`batchgen.data.layout`). Only the parts a shard's
+state lists count (``Manifest.parts``, :mod:`batchgen.data.part_roll`): any other is an unfinished leftover.
 
 Invariant: :func:`find_shards` returns the shards sorted by index, or raises :class:`MergeError` when there are
 none, when one has no readable manifest, or when they were written with different configurations, inputs or
@@ -25,7 +25,7 @@ class MergeError(Exception):
 
 @dataclass
 class PartRef:
-    """A finished window of a shard: its part file and global row range."""
+    """A part of a shard: its file, its first window and its global row range."""
 
     shard: int
     window: int
@@ -45,9 +45,13 @@ class Shard:
 
     @property
     def parts(self) -> list[PartRef]:
+        """The shard's parts (:mod:`batchgen.data.part_roll`) in input order; ``window``: a part's first."""
+        windows = self.manifest.windows
         return [
-            PartRef(self.index, w, self.path / r.part, r.row_start, r.row_end)
-            for w, r in sorted(self.manifest.windows.items())
+            PartRef(
+                self.index, p.first, self.path / p.name, windows[p.first].row_start, windows[p.last].row_end
+            )
+            for p in self.manifest.parts
         ]
 
 

@@ -3,13 +3,15 @@ built, the rows already done skipped (their output rows loaded as pieces of the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchgen.data.output_dir import OutputDir
+from batchgen.data.part_roll import PartRoller
 from batchgen.data.parts import part_as_piece
 from batchgen.data.prompts import build_prompts
 from batchgen.data.reader import Window, iter_windows
@@ -20,21 +22,40 @@ from batchgen.job.resume import WindowTodo
 
 
 def iter_window_work(
-    plan: JobPlan, outdir: OutputDir, todo: list[WindowTodo], tokenizer_ref: list[Any]
+    plan: JobPlan,
+    outdir: OutputDir,
+    todo: Iterable[WindowTodo],
+    tokenizer_ref: list[Any],
+    roller: PartRoller,
 ) -> Iterator[WindowWork]:
-    """Each window of ``todo`` as a WindowWork, its prompts built with ``tokenizer_ref[0]`` (read when the
-    window is: the caller may swap the tokenizer between windows)."""
-    by_index = {t.spec.index: t for t in todo}
+    """Each window of ``todo`` (ascending, consumed lazily) as a WindowWork, its prompts built with
+    ``tokenizer_ref[0]`` (read when the window is: the caller may swap the tokenizer between windows)."""
+    pending: deque[WindowTodo] = deque()  # the todos handed to the reader and not yet read: one or two
+
+    def specs() -> Iterator[Any]:
+        for t in todo:
+            pending.append(t)
+            yield t.spec
+
     extra_cols = list(dict.fromkeys([f.name for f in plan.part_layout.kept] + (
         [plan.cfg.data.id_column] if plan.cfg.data.id_column else [])))  # fmt: skip
-    for win in iter_windows(plan.input, [t.spec for t in todo], plan.columns, schema=plan.read_schema):
-        yield _window_work(plan, outdir, win, by_index[win.index], tokenizer_ref[0], extra_cols)
+    for win in iter_windows(plan.input, specs(), plan.columns, schema=plan.read_schema):
+        t = pending.popleft()
+        while t.spec.index != win.index:  # an empty window (never read)
+            t = pending.popleft()
+        yield _window_work(plan, outdir, roller, win, t, tokenizer_ref[0], extra_cols)
 
 
 def _window_work(
-    plan: JobPlan, outdir: OutputDir, win: Window, t: WindowTodo, tokenizer: Any, extra_cols: list[str]
+    plan: JobPlan,
+    outdir: OutputDir,
+    roller: PartRoller,
+    win: Window,
+    t: WindowTodo,
+    tokenizer: Any,
+    extra_cols: list[str],
 ) -> WindowWork:
-    pieces = _pieces_done(plan, outdir, win.index, t)
+    pieces = _pieces_done(plan, outdir, roller, win.index, t)
     done: set[int] = set()
     for p in pieces:
         done.update(p.column("_position").to_pylist())
@@ -56,12 +77,14 @@ def _window_work(
     return work
 
 
-def _pieces_done(plan: JobPlan, outdir: OutputDir, window: int, t: WindowTodo) -> list[pa.Table]:
+def _pieces_done(
+    plan: JobPlan, outdir: OutputDir, roller: PartRoller, window: int, t: WindowTodo
+) -> list[pa.Table]:
     """The output rows of ``window`` already done: the part's rows kept when retrying its error rows, and the
     checkpointed rows (less the retryable error rows with ``data.retry_errors``)."""
     pieces: list[pa.Table] = []
     if t.retry_part:
-        part = part_as_piece(outdir.read_part(window), plan.cfg.sampling.n)
+        part = part_as_piece(roller.window_table(window), plan.cfg.sampling.n)
         retry = set(t.retry_rows)
         keep = [i for i, p in enumerate(part.column("_position").to_pylist()) if p not in retry]
         pieces.append(part.take(pa.array(keep, type=pa.int64())))
