@@ -57,6 +57,8 @@ SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in ("paged_attention_cpu.c", "linear_cpu.c", "layer_ops_cpu.c", "quant_linear_cpu.c")
 )
+HEADERS = (Path(__file__).parent / "csrc" / "half.h",)
+"""Headers the sources include (part of the build key)."""
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIB_NAME = "batchgen_cpu.so"
 MAX_HEADS = 256  # query heads one work item of the kernel may hold (so: per KV head at most)
@@ -118,7 +120,7 @@ def _compiler_identity(cc: list[str]) -> str:
 def build_key(cc: list[str], defines: tuple[str, ...] = ()) -> str:
     """SHA-256 (hex, 16 chars) of everything the binary depends on."""
     flags = [*FLAGS, *(f"-D{d}" for d in defines)]
-    sources = [src.read_bytes().hex() for src in SOURCES]
+    sources = [src.read_bytes().hex() for src in (*SOURCES, *HEADERS)]
     parts = [*sources, _compiler_identity(cc), " ".join(cc), *flags, platform.machine()]
     return hashlib.sha256("\0".join([*parts, _cpu_flags()]).encode()).hexdigest()[:16]
 

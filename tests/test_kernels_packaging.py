@@ -85,6 +85,8 @@ def test_wheel_installs_kernels_only_under_batchgen(tmp_path):
         "batchgen/kernels/cpu_kernel.py",
         "batchgen/kernels/csrc/paged_attention_cpu.c",
         "batchgen/kernels/csrc/linear_cpu.c",
+        "batchgen/kernels/csrc/quant_linear_cpu.c",
+        "batchgen/kernels/csrc/half.h",
         "batchgen/conf/config.yaml",
         "batchgen/sample_data/prompts.parquet",
     ):

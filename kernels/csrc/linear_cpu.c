@@ -29,6 +29,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
+
 #define PANEL 16 /* columns per panel */
 #define TILE_ROWS 6
 #define KC 512 /* k per chunk */
@@ -117,28 +119,10 @@ static void tile_rows(const float *a, int64_t lda, const void *b, int kc, const 
     else tile_rows_W_F32(a, lda, b, kc, bias, c, ldc, rows, first);
 }
 #else
-/* IEEE half -> float, exact (subnormals, infinities and NaNs included). */
-static float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (mant << 13);
-    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (mant << 13);
-    else if (mant == 0) bits = sign;
-    else { /* subnormal: normalise */
-        int e = -1;
-        uint32_t m = mant;
-        do { m <<= 1, e++; } while (!(m & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static inline float weight_at(const void *b, int64_t i, int W) {
     if (W == W_F32) return ((const float *)b)[i];
     const uint16_t h = ((const uint16_t *)b)[i];
-    if (W == W_F16) return half_to_float(h);
+    if (W == W_F16) return half_bits_to_float(h);
     const uint32_t bits = (uint32_t)h << 16;
     float f;
     memcpy(&f, &bits, sizeof f);

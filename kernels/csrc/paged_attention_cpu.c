@@ -52,6 +52,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
+
 #define LANES 16
 #define MAX_HEADS 256 /* query heads per item */
 
@@ -301,24 +303,6 @@ static float *scratch(size_t n) { return (float *)grow(&tls_floats, n * sizeof(f
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_E4M3 = 3, KV_E5M2 = 4 };
 
 static inline int64_t kv_bytes(int kind) { return kind == KV_F32 ? 4 : (kind <= KV_F16 ? 2 : 1); }
-
-/* IEEE half -> float, exact (subnormals, infinities and NaNs included). */
-static float half_bits_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (mant << 13);
-    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (mant << 13);
-    else if (mant == 0) bits = sign;
-    else {
-        int e = -1;
-        uint32_t m = mant;
-        do { m <<= 1, e++; } while (!(m & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 static float fp8_table[2][256]; /* [0]: e4m3fn, [1]: e5m2 (the top byte of a half) */
 

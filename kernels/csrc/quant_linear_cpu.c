@@ -19,31 +19,16 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
+
 #define MB 64 /* input rows per pass over a weight row */
 
 enum { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
-static float half_bits(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (mant << 13);
-    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (mant << 13);
-    else if (mant == 0) bits = sign;
-    else {
-        int e = -1;
-        uint32_t m = mant;
-        do { m <<= 1, e++; } while (!(m & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static inline float load_half(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-    return half_bits(h);
+    return half_bits_to_float(h);
 }
 
 /* (values per block, bytes per block) of a format; 0 values: unknown. */
