@@ -236,3 +236,62 @@ class EngineAtStep:
 def signal_after(engine, at: int, sig: int = signal.SIGINT) -> EngineAtStep:
     """`engine`, sending `sig` to this process at step `at` (the job's real handlers catch it)."""
     return EngineAtStep(engine, at, lambda: os.kill(os.getpid(), sig))
+
+
+_NOT_SOURCES = (
+    ".git", "build", "dist", "*.egg-info", "__pycache__", ".venv*", ".pytest_cache", ".ruff_cache",
+    ".hypothesis", "outputs", "multirun", "batchgen_output", ".whl", ".gpu", "tests",
+)  # fmt: skip
+"""What a source checkout may hold besides the package sources: never copied into the out-of-tree build."""
+
+
+def _unmet_build_requirements(repo: Path) -> list[str]:
+    """pyproject.toml's build-system requirements this interpreter lacks (the build runs without isolation:
+    no network)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import tomllib
+    from packaging.requirements import Requirement
+
+    unmet = []
+    for spec in tomllib.loads((repo / "pyproject.toml").read_text())["build-system"]["requires"]:
+        req = Requirement(spec)
+        try:
+            if not req.specifier.contains(version(req.name), prereleases=True):
+                unmet.append(spec)
+        except PackageNotFoundError:
+            unmet.append(spec)
+    return unmet
+
+
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """batchgen's wheel, built once per session from a copy of the checkout (setuptools writes build/ and
+    *.egg-info/ beside the sources); building it leaves the source tree as it found it."""
+    import shutil
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    if unmet := _unmet_build_requirements(repo):
+        pytest.skip(f"this environment cannot build the wheel offline: it lacks {unmet}")
+    before = sorted(p.name for p in repo.iterdir())
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(repo, src, ignore=shutil.ignore_patterns(*_NOT_SOURCES))
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(tmp),
+        ".",
+    ]
+    out = subprocess.run(cmd, cwd=src, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in repo.iterdir()) == before, "building the wheel wrote into the source tree"
+    (whl,) = tmp.glob("batchgen-*.whl")
+    return whl

@@ -3,7 +3,6 @@ fresh virtual environment, it runs ``LLM.generate`` and ``LLM.embed`` from a dir
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,55 +13,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # The source folders that install under another name (pyproject.toml's package-dir).
 MAPPED = {"batchgen": "batchgen", "kernels": "batchgen.kernels", "conf": "batchgen.conf"}
-_NOT_SOURCES = shutil.ignore_patterns(
-    ".git", "build", "dist", "*.egg-info", "__pycache__", ".venv*", ".pytest_cache", ".ruff_cache",
-    ".hypothesis", "outputs", "multirun", "batchgen_output", ".whl", ".gpu", "tests",
-)  # fmt: skip
-
-
-def _unmet_build_requirements() -> list[str]:
-    """pyproject.toml's build-system requirements this interpreter lacks (the build runs without isolation:
-    no network)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import tomllib
-    from packaging.requirements import Requirement
-
-    unmet = []
-    for spec in tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]:
-        req = Requirement(spec)
-        try:
-            if not req.specifier.contains(version(req.name), prereleases=True):
-                unmet.append(spec)
-        except PackageNotFoundError:
-            unmet.append(spec)
-    return unmet
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The wheel, built from a copy of the checkout (setuptools writes build/ beside the sources)."""
-    if unmet := _unmet_build_requirements():
-        pytest.skip(f"this environment cannot build the wheel offline: it lacks {unmet}")
-    tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"
-    shutil.copytree(REPO, src, ignore=_NOT_SOURCES)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "-q",
-        "--no-deps",
-        "--no-build-isolation",
-        "-w",
-        str(tmp),
-        ".",
-    ]
-    out = subprocess.run(cmd, cwd=src, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    (whl,) = tmp.glob("batchgen-*.whl")
-    return whl
 
 
 def _source_packages() -> set[str]:
@@ -76,8 +26,8 @@ def _source_packages() -> set[str]:
     return found
 
 
-def test_every_source_package_is_in_the_wheel(wheel):
-    names = set(zipfile.ZipFile(wheel).namelist())
+def test_every_source_package_is_in_the_wheel(built_wheel):
+    names = set(zipfile.ZipFile(built_wheel).namelist())
     packages = _source_packages()
     assert {"batchgen", "batchgen.pooling", "batchgen.kernels", "batchgen.conf"} <= packages
     missing = sorted(p for p in packages if p.replace(".", "/") + "/__init__.py" not in names)
@@ -93,7 +43,7 @@ def test_every_source_package_is_in_the_wheel(wheel):
 
 
 @pytest.mark.slow
-def test_installed_wheel_generates_and_embeds_outside_the_checkout(wheel, tmp_path):
+def test_installed_wheel_generates_and_embeds_outside_the_checkout(built_wheel, tmp_path):
     # A fresh venv holding only the wheel (--no-deps), its dependencies seen through a .pth to this
     # interpreter's site-packages (which may hold an editable batchgen: its finder .pth is not processed there).
     venv = tmp_path / "venv"
@@ -111,7 +61,7 @@ def test_installed_wheel_generates_and_embeds_outside_the_checkout(wheel, tmp_pa
         if ("site-packages" in p or "dist-packages" in p) and not Path(p).resolve().is_relative_to(REPO)
     ]
     Path(site, "_deps.pth").write_text("\n".join(deps) + "\n")
-    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, str(wheel)]
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, str(built_wheel)]
     out = subprocess.run(install, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     run = tmp_path / "elsewhere"
