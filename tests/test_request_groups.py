@@ -9,7 +9,7 @@ import torch
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.features.beam import BeamGroup, BeamSearch
 from batchgen.engine.features.pooling import PoolingGroup, PoolingState, PoolRows
-from batchgen.engine.features.prompt_logprobs import PromptLogprobs, PromptRows
+from batchgen.engine.features.prompt_logprobs import PromptLogprobs, PromptLogprobsAddOn, PromptRows
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.kinds import make_group
 from batchgen.engine.sched.output import GroupStep, SchedulerOutput
@@ -30,11 +30,18 @@ def scheduler(num_blocks: int = 64, max_model_len: int = 64, **config) -> Schedu
     return Scheduler(EngineConfig(block_size=8, **config), kv, StopRules.build([EOS], max_model_len))
 
 
-def add(sched: Scheduler, rid: str, prompt: list[int], params: SamplingParams | None = None, **request):
+def add(
+    sched: Scheduler,
+    rid: str,
+    prompt: list[int],
+    params: SamplingParams | None = None,
+    pooling: PoolingState | None = None,
+    **request,
+):
     req = Request(rid, prompt, params or SamplingParams(temperature=0.0, max_tokens=8))
     for key, value in request.items():
         setattr(req, key, value)
-    group = make_group(req, req.new_sequence(list(prompt), 0), sched.stop)
+    group = make_group(req, req.new_sequence(list(prompt), 0), sched.stop, pooling)
     sched.add(group)
     return req, group
 
@@ -107,7 +114,7 @@ def test_beam_group_scores_rows_and_finishes_with_the_search() -> None:
         assert len(out.score_rows) == 2 and out.num_decodes == 2
         finished += sched.update(out, RunnerOutput(scores=_scores(2, [30, 40])))
     assert finished == [req] and req.is_finished and not sched.running
-    assert [len(h.token_ids) for h in req.beam.results()] == [3, 3]
+    assert [len(h.token_ids) for h in req.ranked.results()] == [3, 3]
     assert sched.kv.stats().blocks_used == 0
 
 
@@ -144,7 +151,8 @@ def test_pooling_group_pools_its_chunks_and_finishes_at_its_prompt() -> None:
 def test_prompt_logprobs_are_an_add_on_of_the_sampling_kind() -> None:
     sched = scheduler(max_num_batched_tokens=3)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    req, group = add(sched, "r", [5, 6, 7, 8, 9], params)
+    addon = PromptLogprobsAddOn(top_k=0)
+    req, group = add(sched, "r", [5, 6, 7, 8, 9], params, addons=[addon])
     finished = []
     while sched.has_unfinished():
         out = sched.schedule()
@@ -157,7 +165,7 @@ def test_prompt_logprobs_are_an_add_on_of_the_sampling_kind() -> None:
             ),
         )
     assert finished == [req]
-    assert req.prompt_logprobs == [None, {6: -6.0}, {7: -7.0}, {8: -8.0}, {9: -9.0}]
+    assert addon.entries == [None, {6: -6.0}, {7: -7.0}, {8: -8.0}, {9: -9.0}]
 
 
 class _EchoGroup(RequestGroup):

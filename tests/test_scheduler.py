@@ -203,7 +203,7 @@ def fake_step(sched: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
     out = sched.schedule()
     completing = {s.seq.seq_id for s in out.seqs if s.completes}
     for s in out.seqs:  # a beam group samples as a whole or not at all
-        beam = s.seq.request.beam
+        beam = s.seq.request.ranked
         if beam is not None and s.completes:
             assert all(b.seq_id in completing for b in beam.beams), "a beam group sampled in part"
     tokens = [int(fake_logprobs(s.token_ids).argmax()) for s in out.sample_seqs]
@@ -241,8 +241,8 @@ def run_all(sched: Scheduler, max_steps: int = 2000) -> None:
 def results(requests: list[Request]) -> list[list[list[int]]]:
     out = []
     for r in requests:
-        if r.beam is not None:
-            out.append([h.token_ids for h in r.beam.results()])
+        if r.ranked is not None:
+            out.append([h.token_ids for h in r.ranked.results()])
         else:
             out.append([s.output_token_ids for s in r.seqs])
     return out
@@ -253,7 +253,7 @@ def test_beam_group_forks_share_blocks_and_copy_only_the_partial_block():
     request = add_beam(sched, "b", 10, k=4, max_tokens=6, ignore_eos=True)  # 3 blocks, the last holds 2
     out, _ = fake_step(sched)
     assert out.score_rows == [0] and out.sample_rows == []
-    beams = request.beam.beams
+    beams = request.ranked.beams
     assert len(beams) == 4 and all(b.status is SequenceStatus.RUNNING for b in beams)
     tables = [sched.kv.block_table(b.seq_id) for b in beams]
     assert all(t == tables[0] for t in tables) and len(tables[0]) == 3
@@ -263,8 +263,8 @@ def test_beam_group_forks_share_blocks_and_copy_only_the_partial_block():
     assert len(out.copies) == 3  # the shared partial block: copied for 3 beams, written in place by the 4th
     assert {src for src, _ in out.copies} == {tables[0][2]}
     run_all(sched)
-    assert request.num_finished == 4 and len(request.beam.results()) == 4
-    assert [len(h.token_ids) for h in request.beam.results()] == [6] * 4
+    assert request.num_finished == 4 and len(request.ranked.results()) == 4
+    assert [len(h.token_ids) for h in request.ranked.results()] == [6] * 4
     assert sched.kv.stats().blocks_used == 0 and not sched.running
 
 

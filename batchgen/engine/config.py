@@ -100,8 +100,9 @@ class EngineConfig:
     """Overlap the engine's Python with the forward: while step N's forward and sampling run (in a worker
     thread), step N+1 is scheduled and its inputs prepared, the tokens of N standing in as placeholders
     (:mod:`batchgen.engine.worker.executor`). Token ids, texts and finish reasons are identical to it off (logprobs
-    to float rounding). Steps involving beam search, structured outputs, prompt logprobs or swapping, or a
-    pool too full to rule out preemption, run synchronously (the pipeline drains first). Composes with
+    to float rounding). Steps of requests whose features need a step's output before the next step is planned
+    (:meth:`~batchgen.engine.sched.request_group.RequestGroup.overlappable`), steps that swap, and steps with a
+    pool too full to rule out preemption run synchronously (the pipeline drains first). Composes with
     tensor_parallel_size > 1 (each launched step is broadcast to the other ranks)."""
 
     data_parallel_size: int = 1

@@ -17,10 +17,12 @@ from batchgen.engine.core.interface import StepInfo, StepListener
 from batchgen.engine.core.output_processor import OutputProcessor, error_output
 from batchgen.engine.core.outputs import RequestOutput
 from batchgen.engine.core.stats import EngineCounters, EngineStats, StatsCollector
-from batchgen.engine.features.lora_manager import AdapterSlots, LoRAManager, token_slots
+from batchgen.engine.features.lora_manager import LoRAManager, token_slots, worker_attach
+from batchgen.engine.features.lora_manager import attach as attach_lora
 from batchgen.engine.features.multimodal import EngineImages, ImageSlot
 from batchgen.engine.features.pooling import PoolingState
-from batchgen.engine.features.structured import LogitsMask, StructuredOutputs
+from batchgen.engine.features.prompt_logprobs import PromptLogprobsAddOn
+from batchgen.engine.features.structured import GRAMMAR, LogitsMask, StructuredOutputs
 from batchgen.engine.features.structured import is_available as structured_available
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.kinds import make_group
@@ -37,9 +39,7 @@ from batchgen.engine.worker.tensor_parallel import TPModelRunner
 from batchgen.engine.worker.tp_launch import TPGroup, WorkerSetup
 from batchgen.engine.worker.tp_launch import start as start_ranks
 from batchgen.lora_request import LoRARequest
-from batchgen.models.llama import CausalLM
 from batchgen.models.loader import check_tensor_parallel, load_model, load_tokenizer
-from batchgen.models.lora import attach_lora, whole_model_config
 from batchgen.runtime import startup_trace, threads
 from batchgen.sampling_params import SamplingParams
 
@@ -117,7 +117,10 @@ class LLMEngine:
         self.config = config = engine_config or EngineConfig()
         backend = self._load(model, config, dtype, implementation, load)
         self.tokenizer = load_tokenizer(tokenizer or model)
-        self.lora, adapters = self._attach_lora(model, config) if config.enable_lora else (None, None)
+        self.lora: LoRAManager | None = None
+        adapters = None
+        if config.enable_lora:
+            self.lora, adapters = attach_lora(self.model, model, config)
         self.max_model_len = _max_model_len(config, self.model.config)
         eos = set(self.model.config.eos_token_ids or [])
         if self.tokenizer.eos_token_id is not None:
@@ -149,19 +152,6 @@ class LLMEngine:
         weakref.finalize(self, self.executor.close)
         self.images = EngineImages(self.model, config)
 
-    def _attach_lora(self, path: str, config: EngineConfig) -> tuple[LoRAManager, AdapterSlots]:
-        """Adapter slots in the model (before the KV cache is sized: they count as weights) and their manager."""
-        if not isinstance(self.model, CausalLM):
-            raise ValueError(
-                f"engine.enable_lora=true needs a native architecture ({self.model.config.architecture} runs on "
-                f"transformers' modeling code here); use one of batchgen's native architectures"
-            )
-        slots = attach_lora(self.model, config.max_loras, config.max_lora_rank)
-        whole = whole_model_config(path, self.model.config)
-        return LoRAManager(config.max_loras, config.max_lora_rank, whole, config.max_cpu_loras), AdapterSlots(
-            slots
-        )
-
     def _load(
         self,
         model: str,
@@ -178,7 +168,8 @@ class LLMEngine:
         if tp > 1:
             if load is None:  # a custom loader checks its own model before the ranks start
                 check_tensor_parallel(model, implementation, tp)
-            self.tp_group = start_ranks(WorkerSetup(model, dtype, implementation, config, load))
+            setup = WorkerSetup(model, dtype, implementation, config, load, worker_attach(model, config))
+            self.tp_group = start_ranks(setup)
             weakref.finalize(self, self.tp_group.close)  # workers stop when the engine is collected
             self.device = self.tp_group.device
         else:
@@ -260,17 +251,17 @@ class LLMEngine:
             list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         )
         request = Request(request_id, token_ids, params, prompt_text, self.tokenizer)
-        request.pooling = pooling
-        request.lora_request = lora_request
-        request.prompt_logprobs_start = prompt_logprobs_start
-        group = make_group(request, request.new_sequence(list(token_ids), 0), self.stop)
+        request.addons = PromptLogprobsAddOn.wanted(params, prompt_logprobs_start)
+        if params.constrained:
+            request.addons.append(GRAMMAR)
+        group = make_group(request, request.new_sequence(list(token_ids), 0), self.stop, pooling)
         self.counters.num_requests += 1
         error = self._validate(token_ids, params, pooling is not None)
         if error is None:
             error = group.unservable(self.scheduler.kv, self.config.max_num_seqs, self.stop)
         if error is None and lora_request is not None:
             assert self.lora is not None
-            error = self.lora.check(lora_request)
+            error = self.lora.bind(request, lora_request)
         # A constraint is compiled (cached) now, so a bad schema or regex fails this request alone.
         if error is None and params.constrained:
             error = self.structured.validate(params) if structured_available() else _NO_XGRAMMAR

@@ -2,7 +2,8 @@
 
 The scheduler's update has applied the stop rules and freed every sample (:meth:`Scheduler.update`); when every
 sample of a request has finished, :meth:`OutputProcessor.request_output` decodes the texts (once) and builds
-the output: samples by index, or the best beams of a beam search, best first.
+the output: samples by index, or the ranked results of a kind that ranks its own (``Request.ranked``), best
+first; then each of the request's add-ons completes it (:meth:`AddOn.finish`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from batchgen.engine.sched.sequence import Request, Sequence
 
 
 class OutputProcessor:
-    """Request outputs for one engine. ``satisfied`` says whether a sample's output completes its constraint
-    (None: unconstrained; the engine's structured outputs)."""
+    """Request outputs for one engine. ``satisfied`` says whether a sample's output completes the constraint
+    it was sampled under (None: unconstrained)."""
 
     def __init__(
         self, tokenizer: Any = None, satisfied: Callable[[Sequence], bool | None] = lambda seq: None
@@ -26,16 +27,20 @@ class OutputProcessor:
 
     def request_output(self, request: Request) -> RequestOutput:
         """The output of a request whose every sample finished (texts decoded here, once)."""
-        outputs = self._beam_outputs(request) if request.beam is not None else self._sample_outputs(request)
-        return RequestOutput(
+        outputs = (
+            self._ranked_outputs(request) if request.ranked is not None else self._sample_outputs(request)
+        )
+        output = RequestOutput(
             request.request_id,
             request.prompt_token_ids,
             outputs,
             request.num_cached_tokens,
             None,
             request.prompt,
-            _prompt_logprobs(request),
         )
+        for addon in request.addons:
+            addon.finish(request, output)
+        return output
 
     def _sample_outputs(self, request: Request) -> list[CompletionOutput]:
         """One output per sample, by sample index."""
@@ -58,9 +63,9 @@ class OutputProcessor:
             )
         return outputs
 
-    def _beam_outputs(self, request: Request) -> list[CompletionOutput]:
-        """The ``n`` best finished beams of a beam-search request, best first."""
-        assert request.beam is not None
+    def _ranked_outputs(self, request: Request) -> list[CompletionOutput]:
+        """The ranked results of the request's kind, best first (``index``: the rank)."""
+        assert request.ranked is not None
         skip = request.params.skip_special_tokens
         return [
             CompletionOutput(
@@ -71,7 +76,7 @@ class OutputProcessor:
                 stop_reason=h.stop_reason,
                 cumulative_logprob=h.cumulative_logprob,
             )
-            for i, h in enumerate(request.beam.results())
+            for i, h in enumerate(request.ranked.results())
         ]
 
 
@@ -82,9 +87,3 @@ def error_output(request: Request, error: str) -> RequestOutput:
         for i in range(request.params.n)
     ]
     return RequestOutput(request.request_id, request.prompt_token_ids, outputs, 0, error, request.prompt)
-
-
-def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
-    if request.prompt_logprobs is None and request.params.prompt_logprobs is None:
-        return None
-    return request.prompt_logprobs or [None] * len(request.prompt_token_ids)

@@ -61,8 +61,8 @@ class EngineStats:
     """engine.async_scheduling: steps scheduled and prepared while the previous step's forward ran."""
     drained_steps: int = 0
     """engine.async_scheduling: steps scheduled with nothing in flight (the first after idling, or after
-    the pipeline drained: beam search, structured outputs, prompt logprobs, swapping, a pool too full to
-    rule out preemption); with async_steps, every step that ran a forward."""
+    the pipeline drained: a request needing synchronous steps, swapping, a pool too full to rule out
+    preemption); with async_steps, every step that ran a forward."""
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -281,7 +281,7 @@ class BeamGroup(RequestGroup):
         super().__init__(request, seq)
         self.search = search
         search.beams = self.seqs
-        request.beam = search
+        request.ranked = search  # the request's outputs: the search's best hypotheses
         # Resumed beams forked from another beam of the group: (parent, shared tokens) until computed.
         self.deps: dict[int, tuple[Sequence, int]] = {}
 
@@ -379,7 +379,7 @@ class BeamGroup(RequestGroup):
     ) -> list[RequestGroup]:
         """The beams' rows are scored (their log-softmax returned), in beam order; a group is scheduled whole,
         so all its beams complete together."""
-        step = self._prompt_step(entries, out)
+        step = self._addon_step(entries, out)
         rows = {s.seq.seq_id: row for row, s, _ in entries if s.completes}
         if rows:
             if any(b.seq_id not in rows for b in self.seqs):
@@ -392,7 +392,7 @@ class BeamGroup(RequestGroup):
     def absorb(self, step: GroupStep, output: RunnerOutput, ctx: UpdateContext) -> Absorbed:
         """One beam step over the beams' log-softmax rows: keep the best continuations, fork parents kept more
         than once, drop the others (all of them when the search is done)."""
-        done = super().absorb(step, output, ctx)  # the prompt-logprobs add-on
+        done = super().absorb(step, output, ctx)  # the request's add-ons
         if step.scores is None:
             return done
         lo, hi = step.scores

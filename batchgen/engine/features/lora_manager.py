@@ -19,6 +19,8 @@ loads are applied); a pinned adapter is resident; ``pins[id] > 0`` only for resi
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -32,6 +34,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.kernels.lora import LoRAPlan
 from batchgen.lora_request import LoRARequest
 from batchgen.models.config import ModelConfig
+from batchgen.models.llama import CausalLM
 from batchgen.models.lora import LoRASlots, attach_lora, whole_model_config
 from batchgen.models.lora_adapter import LoRAAdapter, LoRAAdapterError, load_adapter
 
@@ -77,7 +80,7 @@ class LoRALoad:
 def token_slots(seqs: list[ScheduledSeq], seq_idx: np.ndarray, device: torch.device) -> dict[str, Any]:
     """The step's per-token model input (an :class:`~batchgen.engine.worker.input_batch.InputBatch` token
     input): each token's adapter slot, from its request's (-1: the base model); none when no token has one."""
-    seq_slots = np.fromiter((s.seq.request.lora_slot for s in seqs), dtype=np.int64, count=len(seqs))
+    seq_slots = np.fromiter((s.seq.request.adapter_slot for s in seqs), dtype=np.int64, count=len(seqs))
     if not (seq_slots >= 0).any():
         return {}
     return {"lora": LoRAPlan.build(seq_slots[seq_idx], device)}
@@ -143,7 +146,15 @@ class LoRAManager:
         self.pending: list[LoRALoad] = []
         """Slot loads decided and not yet taken into a launched step, oldest first."""
 
-    # ------------------------------------------------------------------------------------- validation
+    # ------------------------------------------------------------------------------------- requests
+    def bind(self, request: Request, lora_request: LoRARequest) -> str | None:
+        """Run ``request`` under ``lora_request``'s adapter: the request's weights key and its prefix-cache root
+        (so the same prompt under two adapters shares no block). Returns the request's error if the adapter
+        cannot be applied (:meth:`check`)."""
+        request.adapter = lora_request
+        request.cache_root = adapter_root(lora_request)
+        return self.check(lora_request)
+
     def check(self, req: LoRARequest) -> str | None:
         """None when ``req``'s adapter can be applied, else the error for the request (see module doc)."""
         known = self.known.get(req.lora_int_id)
@@ -202,19 +213,19 @@ class LoRAManager:
     # ------------------------------------------------------------- the scheduler's admission gate
     def ready(self, request: Request) -> bool:
         """Whether ``request`` may be admitted now: no adapter, its slot already pinned, or one it can pin."""
-        adapter = request.lora_request
-        return adapter is None or request.lora_slot >= 0 or self.can_acquire(adapter.lora_int_id)
+        adapter = request.adapter
+        return adapter is None or request.adapter_slot >= 0 or self.can_acquire(adapter.lora_int_id)
 
     def take(self, request: Request) -> None:
         """Pin ``request``'s adapter slot at its first admission (kept through preemptions until it ends)."""
-        if request.lora_request is not None and request.lora_slot < 0:
-            request.lora_slot = self.acquire(request.lora_request.lora_int_id)
+        if request.adapter is not None and request.adapter_slot < 0:
+            request.adapter_slot = self.acquire(request.adapter.lora_int_id)
 
     def give_back(self, request: Request) -> None:
         """``request`` ended (finished or aborted): unpin its adapter slot."""
-        if request.lora_request is not None and request.lora_slot >= 0:
-            self.release(request.lora_request.lora_int_id)
-            request.lora_slot = -1
+        if request.adapter is not None and request.adapter_slot >= 0:
+            self.release(request.adapter.lora_int_id)
+            request.adapter_slot = -1
 
     def take_loads(self) -> list[LoRALoad]:
         """The slot loads decided since the last call, in order (the next launched step applies them before
@@ -234,6 +245,33 @@ class LoRAManager:
         self.id_in[slot] = None  # the load that follows overwrites every part of the slot
         self.stats.evictions += 1
         return slot
+
+
+def adapter_root(lora_request: LoRARequest) -> bytes:
+    """The root of the prefix-cache hash chain of requests under this adapter."""
+    return hashlib.sha256(f"lora:{lora_request.lora_int_id}".encode()).digest()
+
+
+def attach(model: Any, model_path: str, config: EngineConfig) -> tuple[LoRAManager, AdapterSlots]:
+    """Rank 0's adapter slots in ``model`` (before the KV cache is sized: they count as weights) and their
+    manager. Native architectures only."""
+    if not isinstance(model, CausalLM):
+        raise ValueError(
+            f"engine.enable_lora=true needs a native architecture ({model.config.architecture} runs on "
+            f"transformers' modeling code here); use one of batchgen's native architectures"
+        )
+    slots = attach_lora(model, config.max_loras, config.max_lora_rank)
+    whole = whole_model_config(model_path, model.config)
+    manager = LoRAManager(config.max_loras, config.max_lora_rank, whole, config.max_cpu_loras)
+    return manager, AdapterSlots(slots)
+
+
+def worker_attach(model_path: str, config: EngineConfig) -> Callable[[Any], AdapterSlots] | None:
+    """What a tensor-parallel worker runs on its model before sizing its KV cache (picklable): its adapter
+    slots (:func:`attach_worker_slots`); None without ``enable_lora``."""
+    if not config.enable_lora:
+        return None
+    return functools.partial(attach_worker_slots, model_path=model_path, config=config)
 
 
 def cpu_capacity(config: EngineConfig) -> int:

@@ -54,9 +54,7 @@ class EngineImages:
         for i, item in enumerate(images):
             end = item.start + item.num_tokens
             if item.num_tokens > MAX_IMAGE_TOKENS or end > len(token_ids) or item.start < 0:
-                return (
-                    f"image {i}: {item.num_tokens} placeholder tokens at {item.start} do not fit the prompt"
-                )
+                return f"image {i}: its {item.num_tokens} image tokens at position {item.start} do not fit the prompt"
         seq = list(token_ids)
         held = self._held.setdefault(request_id, [])
         for item in images:

@@ -1,4 +1,4 @@
-"""Pooling requests in the engine: a request that carries a :class:`PoolingState` runs its prompt (prefill
+"""Pooling requests in the engine: a request added with a :class:`PoolingState` runs its prompt (prefill
 only: the step that completes its prompt gives it no logit row and samples nothing; the update finishes it)
 and its final hidden states are pooled into ``state.vector`` (float32 ``[H]``, before any head or
 normalisation).
@@ -28,7 +28,7 @@ from torch import Tensor
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.output import GroupStep, ScheduledSeq, SchedulerOutput
 from batchgen.engine.sched.request_group import Absorbed, Entry, RequestGroup, UpdateContext, unservable
-from batchgen.engine.sched.sequence import Sequence
+from batchgen.engine.sched.sequence import Request, Sequence
 from batchgen.engine.sched.stop import StopRules
 
 if TYPE_CHECKING:
@@ -79,7 +79,11 @@ class PoolJob:
 
 class PoolingGroup(RequestGroup):
     """A pooling request's one sequence: prefill only, no logit row; finished by the step that completes its
-    prompt, its pooled segments folded into ``request.pooling``."""
+    prompt, its pooled segments folded into ``state``."""
+
+    def __init__(self, request: Request, seq: Sequence, state: PoolingState) -> None:
+        super().__init__(request, seq)
+        self.state = state
 
     def unservable(self, kv: KVCacheManager, max_num_seqs: int, stop: StopRules) -> str | None:
         n = len(self.request.prompt_token_ids)
@@ -90,7 +94,7 @@ class PoolingGroup(RequestGroup):
 
     def lookup_tokens(self, seq: Sequence) -> list[int]:
         """``mean`` / ``cls`` need every prompt token's hidden state: no prefix-cache hit."""
-        if self.request.pooling.method == "last":
+        if self.state.method == "last":
             return seq.token_ids
         return seq.token_ids[:1]  # the manager never matches a sequence's last token: no hit
 
@@ -99,7 +103,7 @@ class PoolingGroup(RequestGroup):
     ) -> list[RequestGroup]:
         step = GroupStep()
         for _, s, offset in entries:
-            job = plan_segment(self.request.pooling, s, offset, out)
+            job = plan_segment(self.state, s, offset, out)
             if job is not None:
                 step.claim(PoolRows, job)
             if s.completes:

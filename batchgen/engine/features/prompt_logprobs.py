@@ -7,11 +7,15 @@ position, so chunked prefill accumulates across chunks and a prefill recomputed 
 the same values. Entry 0 is always ``None`` (vLLM's convention: the first token has no context).
 
 **Prefix cache.** A token whose K/V comes from the prefix cache has no forward, so no logits. A request that
-asks for the logprobs of tokens from position ``s`` on (``Request.prompt_logprobs_start``; 1 for
+asks for the logprobs of tokens from position ``s`` on (``prompt_logprobs_start`` of ``add_request``; 1 for
 ``SamplingParams(prompt_logprobs=k)``, the continuation's first token for scoring) only takes prefix-cache hits
-on its first ``s - 1`` tokens (:func:`cache_lookup_tokens`): every token whose logprob it needs is computed.
+on its first ``s - 1`` tokens (:meth:`PromptLogprobsAddOn.lookup_tokens`): every token whose logprob it needs is computed.
 So a plain ``prompt_logprobs`` request never *reads* the prefix cache (it still fills it for others), while a
 scoring request reuses a shared context and computes only its continuation.
+
+The feature enters the engine as a request add-on (:class:`PromptLogprobsAddOn`, which every group kind
+carries): it plans each chunk's rows, limits prefix reuse, asks for synchronous steps (not planned before
+the previous step's output is applied), and writes ``RequestOutput.prompt_logprobs``.
 
 Logprobs are the ``log_softmax`` of the raw float32 logits, like ``SamplingParams.logprobs``.
 """
@@ -24,29 +28,55 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from batchgen.engine.sched.request_group import AddOn
+
 if TYPE_CHECKING:
-    from batchgen.engine.sched.output import ScheduledSeq, SchedulerOutput
+    from batchgen.engine.core.outputs import RequestOutput
+    from batchgen.engine.sched.output import GroupStep, ScheduledSeq, SchedulerOutput
     from batchgen.engine.sched.sequence import Request, Sequence
+    from batchgen.sampling_params import SamplingParams
 
 
-def wants_prompt_logprobs(request: Request) -> bool:
-    return request.params.prompt_logprobs is not None or request.prompt_logprobs_start is not None
+@dataclass(eq=False)
+class PromptLogprobsAddOn(AddOn):
+    """A request's prompt logprobs: ``top_k`` per position (``SamplingParams.prompt_logprobs``; None when only
+    scoring asks), wanted from position ``start`` on (None: from 1), and the entries computed so far (one per
+    prompt token, entry 0 None)."""
 
+    top_k: int | None = None
+    start: int | None = None
+    entries: list[dict[int, float] | None] | None = None
 
-def cache_lookup_tokens(seq: Sequence) -> list[int]:
-    """The tokens whose cached prefix ``seq`` may reuse at admission (all of them unless it needs logprobs of
-    prompt tokens: then only up to, not including, the first position whose logits it needs)."""
-    request = seq.request
-    if not wants_prompt_logprobs(request):
-        return seq.token_ids
-    first_needed = max(0, _start(request) - 1)  # the position whose logits predict the first wanted token
-    # KVCacheManager matches full blocks of token_ids, never the last token's: at most first_needed tokens.
-    return seq.token_ids[: first_needed + 1]
+    @classmethod
+    def wanted(cls, params: SamplingParams, start: int | None) -> list[AddOn]:
+        """The add-on a request with these params (and scoring ``start``) needs: none when it asks for none."""
+        if params.prompt_logprobs is None and start is None:
+            return []
+        return [cls(params.prompt_logprobs, start)]
 
+    @property
+    def first(self) -> int:
+        """The first prompt position whose logprob is wanted."""
+        return 1 if self.start is None else max(1, self.start)
 
-def _start(request: Request) -> int:
-    s = request.prompt_logprobs_start
-    return 1 if s is None else max(1, s)
+    def lookup_tokens(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Only up to, not including, the first position whose logits it needs."""
+        first_needed = max(0, self.first - 1)  # the position whose logits predict the first wanted token
+        # KVCacheManager matches full blocks of token_ids, never the last token's: at most first_needed tokens.
+        return tokens[: first_needed + 1]
+
+    def overlappable(self) -> bool:
+        return False
+
+    def plan_chunk(self, sched: ScheduledSeq, offset: int, out: SchedulerOutput, step: GroupStep) -> None:
+        job = plan_chunk(self, sched, offset, out)
+        if job is not None:
+            step.claim(PromptRows, job)
+
+    def finish(self, request: Request, output: RequestOutput) -> None:
+        if self.entries is None and self.top_k is None:
+            return
+        output.prompt_logprobs = self.entries or [None] * len(request.prompt_token_ids)
 
 
 @dataclass
@@ -82,34 +112,37 @@ class PromptRows:
 @dataclass
 class PromptJob:
     """One prefill chunk's share of a step's prompt logprobs: rows ``base ..`` of the step's
-    :class:`PromptRows` are the request's prompt positions ``first ..``."""
+    :class:`PromptRows` are the prompt positions ``first ..`` of the request whose add-on is ``state``."""
 
-    request: Request
+    state: PromptLogprobsAddOn
+    prompt_token_ids: list[int]
     first: int
     num_targets: int
     base: int
     top_k: int
 
 
-def plan_chunk(sched: ScheduledSeq, offset: int, out: SchedulerOutput) -> PromptJob | None:
+def plan_chunk(
+    state: PromptLogprobsAddOn, sched: ScheduledSeq, offset: int, out: SchedulerOutput
+) -> PromptJob | None:
     """The prompt-logprob job of one scheduled chunk (its first token at packed row ``offset``), its rows
     declared on the step ``out``; None when the chunk needs none (a decode, or a chunk before the wanted
     tokens)."""
     request = sched.seq.request
     num_prompt = len(request.prompt_token_ids)
-    lo = max(sched.start, _start(request) - 1)
+    lo = max(sched.start, state.first - 1)
     hi = min(sched.start + sched.num_tokens, num_prompt - 1)  # positions lo .. hi-1 predict lo+1 .. hi
     if lo >= hi:
         return None
-    k = request.params.prompt_logprobs or 0
-    k = max(k, 1) if request.prompt_logprobs_start is not None else k  # scoring: the argmax too
+    k = state.top_k or 0
+    k = max(k, 1) if state.start is not None else k  # scoring: the argmax too
     targets = request.prompt_token_ids[lo + 1 : hi + 1]
     rows = out.read(PromptRows)
     base = len(rows.index)
     rows.index.extend(range(offset + lo - sched.start, offset + hi - sched.start))
     rows.targets.extend(targets)
     rows.top_k = max(rows.top_k, k)
-    return PromptJob(request, lo + 1, hi - lo, base, k)
+    return PromptJob(state, request.prompt_token_ids, lo + 1, hi - lo, base, k)
 
 
 def compute(model, hidden: Tensor, rows: PromptRows) -> PromptLogprobs:
@@ -127,14 +160,14 @@ def compute(model, hidden: Tensor, rows: PromptRows) -> PromptLogprobs:
 
 
 def fill(jobs: list[PromptJob], result: PromptLogprobs) -> None:
-    """Write each job's logprobs (and top-k) from the runner's ``result`` into its request, by position (so
-    chunks accumulate and a recomputed prefill rewrites the same values)."""
+    """Write each job's logprobs (and top-k) from the runner's ``result`` into its request's add-on, by
+    position (so chunks accumulate and a recomputed prefill rewrites the same values)."""
     for job in jobs:
-        request, k = job.request, job.top_k
-        if request.prompt_logprobs is None:
-            request.prompt_logprobs = [None] * len(request.prompt_token_ids)
-        dest = request.prompt_logprobs
-        targets = request.prompt_token_ids[job.first : job.first + job.num_targets]
+        state, k, prompt = job.state, job.top_k, job.prompt_token_ids
+        if state.entries is None:
+            state.entries = [None] * len(prompt)
+        dest = state.entries
+        targets = prompt[job.first : job.first + job.num_targets]
         for j, t in enumerate(targets):
             r = job.base + j
             d: dict[int, float] = dict(zip(result.top_ids[r][:k], result.top_values[r][:k])) if k else {}

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from batchgen.engine.sched.request_group import AddOn
 from batchgen.models.tokenizer import as_transformers
 
 if TYPE_CHECKING:
@@ -52,6 +53,18 @@ if TYPE_CHECKING:
 
 CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
 """The SamplingParams fields that constrain the output (at most one may be set)."""
+
+
+class GrammarAddOn(AddOn):
+    """A constrained request's add-on: its next step's mask needs this step's token, so its steps are never
+    planned before the previous step's output is applied."""
+
+    def overlappable(self) -> bool:
+        return False
+
+
+GRAMMAR = GrammarAddOn()
+"""The one (stateless) add-on every constrained request carries."""
 
 
 @dataclass

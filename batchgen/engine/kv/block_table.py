@@ -24,7 +24,7 @@ class BlockTable:
     swapped: bool = False
     """Swapped out: entries ``< 0`` of ``table`` are CPU blocks ``~entry``."""
     root: BlockHash | None = None
-    """Start of the hash chain (a LoRA adapter's key; None: the base model's)."""
+    """Start of the hash chain (the key of the weights its request runs under, e.g. an adapter's; None: the base model's)."""
 
     def live_in_block(self, i: int, block_size: int) -> int:
         """Live token slots of logical block ``i`` (a shared block is equally full in every sharer: sequences

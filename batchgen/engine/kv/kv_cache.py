@@ -227,7 +227,7 @@ class KVCacheManager:
         while keeping ``reserve_blocks`` free afterwards (an admission watermark that leaves room for running
         sequences to grow), or if ``wait_for_lead`` and a run to copy that is being computed by the step being
         scheduled continues the prompt ``WAIT_FOR_LEAD_MIN_TOKENS`` further than any written one. ``root`` keys
-        the sequence's prefix-cache hash chain (a LoRA adapter's; None: the base model).
+        the sequence's prefix-cache hash chain (the key of the weights its request runs under, e.g. an adapter's; None: the base model).
         """
         if seq_id in self._seqs:
             raise KVCacheError(f"sequence {seq_id!r} is already allocated")

@@ -47,8 +47,8 @@ class PrefixMatch:
 
 def match_prefix(pool: BlockPool, token_ids: Sequence[int], root: BlockHash | None) -> PrefixMatch:
     """Longest run of cached full blocks at the start of token_ids, never the last token's block, then the
-    registered block continuing it furthest (short of the last token); ``root`` starts the hash chain (a LoRA
-    adapter's key: None for the base model)."""
+    registered block continuing it furthest (short of the last token); ``root`` starts the hash chain (the key of
+    the weights the request runs under, e.g. an adapter's: None for the base model)."""
     match = PrefixMatch([], [])
     if len(token_ids) < 2:
         return match

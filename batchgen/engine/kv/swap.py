@@ -18,7 +18,7 @@ ids]`` moved to the front) is one contiguous tensor. On CUDA the pool is pinned.
 * **CPU device**: both copies are one batched tensor index copy (``index_select`` + ``index_copy_``).
 * **CUDA**: copies run on a side stream. A swap-out gathers the blocks into one contiguous GPU tensor (a
   batched ``index_select``), after which the compute stream may overwrite the source blocks (it waits on an
-  event recorded right after the gather), then copies it asynchronously into pinned staging memory while the
+  event recorded right after the gather), then copies it without blocking into pinned staging memory while the
   forward runs; the staged blocks are scattered into the pool (a CPU ``index_copy_``) when
   :meth:`BlockSwapper.flush` is called (before the next swap-in and at the start of the next step). A swap-in
   gathers the CPU blocks into pinned staging memory, copies them to the GPU and scatters them into the KV

@@ -142,7 +142,7 @@ class AsyncScheduler(Scheduler):
     def _sits_out(self, group: RequestGroup) -> bool:
         return all(s.seq_id in self._finishing for s in group.seqs)
 
-    def _placeholder(self, seq: Sequence) -> bool:
+    def _token_pending(self, seq: Sequence) -> bool:
         return seq.seq_id in self._pending
 
     def _preempt(self, group: RequestGroup) -> None:

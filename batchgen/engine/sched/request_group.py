@@ -6,18 +6,21 @@ scheduler schedules groups without knowing their kind; a kind says
 * what it needs of the KV pool (:meth:`RequestGroup.unservable`, :meth:`~RequestGroup.allocate`, the tokens it
   may reuse from the prefix cache :meth:`~RequestGroup.lookup_tokens`) and of each step's budget
   (:meth:`~RequestGroup.plan`);
-* what it needs from a step's output (:meth:`~RequestGroup.plan_outputs`: sampled rows, scored rows, pooled
-  segments, prompt-logprob rows — declared on the :class:`SchedulerOutput` when the step is scheduled);
-* how it absorbs its slice of the step's output (:meth:`~RequestGroup.absorb`: tokens placed and the stop
-  rules applied, a beam step taken, pooled vectors folded in), returning the sequences that leave it.
+* what it needs from a step's output (:meth:`~RequestGroup.plan_outputs`: sampled rows, scored rows, reads of
+  the hidden states — declared on the :class:`SchedulerOutput` when the step is scheduled);
+* how it absorbs its slice of the step's output (:meth:`~RequestGroup.absorb`), returning the sequences that
+  leave it.
 
-Kinds: :class:`RequestGroup` (one sampled sequence, ``n = 1``), :class:`SampleGroup` (the first sample of an
-``n > 1`` request: it holds seats for all ``n`` until the step that completes its prompt, which forks the other
-``n - 1`` (:meth:`SampleGroup.fan_out`; they share every block, the partial last one included), each into a
-one-sequence group of its own: samples are independent, so each is preempted and resumed alone),
-:class:`~batchgen.engine.features.beam.BeamGroup` and :class:`~batchgen.engine.features.pooling.PoolingGroup`
-(:mod:`batchgen.engine.sched.kinds` picks one per request). Prompt logprobs are an add-on every kind carries
-(:mod:`batchgen.engine.features.prompt_logprobs`).
+The base kinds live here: :class:`RequestGroup` (one sampled sequence, ``n = 1``) and :class:`SampleGroup`
+(the first sample of an ``n > 1`` request: it holds seats for all ``n`` until the step that completes its
+prompt, which forks the other ``n - 1`` (:meth:`SampleGroup.fan_out`; they share every block, the partial
+last one included), each into a one-sequence group of its own: samples are independent, so each is preempted
+and resumed alone). Other kinds subclass :class:`RequestGroup` in their feature's module;
+:func:`batchgen.engine.sched.kinds.make_group` picks one per request.
+
+Besides its kind, a request may carry :class:`AddOn` s (``Request.addons``): what it asks of every step on
+top of its kind's own work (rows read from a chunk's hidden states, a limit on prefix reuse, a need for
+synchronous steps, a field of its output). Every kind runs them through the same calls.
 
 Invariant: every sequence of ``seqs`` has the group's status (waiting, running or swapped); a group holds KV
 blocks for all of them while running or swapped, for none while waiting.
@@ -26,15 +29,15 @@ blocks for all of them while running or swapped, for none while waiting.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from batchgen.engine.features import prompt_logprobs
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.output import GroupStep, ScheduledSeq, SchedulerOutput
 from batchgen.engine.sched.sequence import Request, Sequence, SequenceStatus
 from batchgen.engine.sched.stop import StopRules
 
 if TYPE_CHECKING:
+    from batchgen.engine.core.outputs import RequestOutput
     from batchgen.engine.worker.step_input import RunnerOutput
 
 Plan = list[tuple[Sequence, int]]
@@ -65,6 +68,35 @@ class Absorbed:
     left: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0
     finished: bool = False
+
+
+class AddOn:
+    """What a request asks of its steps besides its kind's own work (``Request.addons``); a feature subclasses
+    it and overrides what it needs. Every kind calls these hooks for every add-on of its request."""
+
+    def lookup_tokens(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """The part of ``tokens`` (a prefix of ``seq``'s) whose cached prefix ``seq`` may reuse at admission."""
+        return tokens
+
+    def overlappable(self) -> bool:
+        """Whether the request's next step may be scheduled before its current step's output is applied."""
+        return True
+
+    def plan_chunk(self, sched: ScheduledSeq, offset: int, out: SchedulerOutput, step: GroupStep) -> None:
+        """One scheduled chunk of the request (its first token at packed row ``offset``): declare on ``out``
+        what it needs from the step and claim it on ``step`` (filled in by :meth:`GroupStep.fill_reads`)."""
+
+    def finish(self, request: Request, output: RequestOutput) -> None:
+        """Complete the finished request's output with the add-on's part."""
+
+
+class RankedResults(Protocol):
+    """Set as ``Request.ranked`` by a kind whose outputs are ranked results rather than its sequences."""
+
+    def results(self) -> list[Any]:
+        """The finished results, best first: each with ``token_ids``, ``finish_reason``, ``stop_reason`` and
+        ``cumulative_logprob``."""
+        ...
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -102,8 +134,11 @@ class RequestGroup:
         return len(self.seqs)
 
     def lookup_tokens(self, seq: Sequence) -> list[int]:
-        """The tokens whose cached prefix ``seq`` may reuse at admission."""
-        return prompt_logprobs.cache_lookup_tokens(seq)
+        """The tokens whose cached prefix ``seq`` may reuse at admission (as its add-ons allow)."""
+        tokens = seq.token_ids
+        for addon in self.request.addons:
+            tokens = addon.lookup_tokens(seq, tokens)
+        return tokens
 
     def allocate(self, kv: KVCacheManager, reserve: int, wait_for_lead: bool = False) -> bool:
         """Admission: blocks for the sequence (prefix-cache hits counted as computed), keeping ``reserve``
@@ -127,8 +162,8 @@ class RequestGroup:
     # ------------------------------------------------------------------------------------------ a step
     def overlappable(self) -> bool:
         """Whether the group's next step may be scheduled before its current step's output is applied: not
-        when a grammar mask or prompt logprobs need that output first."""
-        return not self.request.params.constrained and not prompt_logprobs.wants_prompt_logprobs(self.request)
+        when one of its add-ons needs that output first."""
+        return all(addon.overlappable() for addon in self.request.addons)
 
     def decoding(self) -> bool:
         """Every sequence that runs this step computes exactly its last token."""
@@ -147,23 +182,21 @@ class RequestGroup:
         self, entries: list[Entry], out: SchedulerOutput, kv: KVCacheManager
     ) -> list[RequestGroup]:
         """Declare on ``out`` what the group needs from the step and claim it (``out.parts``): here a token
-        sampled for each sequence the step completes, and the prompt logprobs of its chunks. Returns the
+        sampled for each sequence the step completes, and what its add-ons need of its chunks. Returns the
         groups forked now (running, claimed too)."""
-        step = self._prompt_step(entries, out)
+        step = self._addon_step(entries, out)
         completed = [(row, s.seq) for row, s, _ in entries if s.completes]
         step.samples = [(seq, out.sample(row, seq)) for row, seq in completed]
         if step:
             out.parts.append((self, step))
         return [g for row, seq in completed for g in self.fan_out(seq, row, out, kv)]
 
-    def _prompt_step(self, entries: list[Entry], out: SchedulerOutput) -> GroupStep:
-        """A claim holding the prompt-logprob chunks of these entries (the add-on every kind carries)."""
+    def _addon_step(self, entries: list[Entry], out: SchedulerOutput) -> GroupStep:
+        """A claim holding what the request's add-ons need of these entries (every kind carries them)."""
         step = GroupStep()
-        if prompt_logprobs.wants_prompt_logprobs(self.request):
+        for addon in self.request.addons:
             for _, s, offset in entries:
-                job = prompt_logprobs.plan_chunk(s, offset, out)
-                if job is not None:
-                    step.claim(prompt_logprobs.PromptRows, job)
+                addon.plan_chunk(s, offset, out, step)
         return step
 
     def fan_out(
@@ -174,7 +207,7 @@ class RequestGroup:
         return []
 
     def absorb(self, step: GroupStep, output: RunnerOutput, ctx: UpdateContext) -> Absorbed:
-        """Take the group's slice of the step's output: prompt logprobs filled in; each sampled token put in
+        """Take the group's slice of the step's output: the add-ons' reads filled in; each sampled token put in
         place, its logprobs recorded and the stop rules applied (a stopped sequence leaves the group)."""
         step.fill_reads(output)
         done = Absorbed()

@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 
 
 class AdmissionGate(Protocol):
-    """Something besides KV blocks a request holds from its first admission to its end (an adapter slot:
-    :class:`~batchgen.engine.features.lora_manager.LoRAManager`). A group is admitted only when every gate is
+    """Something besides KV blocks a request holds from its first admission to its end (e.g. the slot of
+    the weights it runs under). A group is admitted only when every gate is
     :meth:`ready` for its request, and :meth:`take` is called as it is; both see a request that already holds
     the gate (resumed after a preemption) as served. The engine calls :meth:`give_back` when the request ends."""
 
@@ -182,7 +182,7 @@ class Scheduler:
             if first.status is not running:  # preempted earlier in this loop
                 continue
             if len(g.seqs) == 1:
-                table = append_one(first.seq_id, first.token_ids, self._placeholder(first))
+                table = append_one(first.seq_id, first.token_ids, self._token_pending(first))
                 if table is not None:
                     start = len(first.token_ids) - 1
                     seqs_out.append(ScheduledSeq(first, start, 1, table, True))
@@ -318,8 +318,8 @@ class Scheduler:
         # Blocks completed by this step's tokens become prefix-cache hits for later sequences; the forward
         # stores every new token's K/V before any attention reads it, so even a sequence admitted in this
         # same step can share them.
-        # (A placeholder token's block is hashed once the token is known.)
-        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, start + num_new - self._placeholder(seq))
+        # (A block ending in a token not known yet is hashed once the token is known.)
+        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, start + num_new - self._token_pending(seq))
 
     def _plan_outputs(self, out: SchedulerOutput) -> None:
         """Every scheduled group, in the order of its first sequence in ``out.seqs``, declares what it needs
@@ -388,12 +388,12 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------------------------------------ hooks
-    # Overridden by :class:`~batchgen.engine.sched.async_scheduler.AsyncScheduler`.
+    # Overridden by a scheduler that plans a step while the previous one is in flight.
     def _sits_out(self, group: RequestGroup) -> bool:
         """A running group with nothing to compute in the step being scheduled."""
         return False
 
-    def _placeholder(self, seq: Sequence) -> bool:
+    def _token_pending(self, seq: Sequence) -> bool:
         """Whether ``seq``'s last token is not known yet (its block is not hashed until it is)."""
         return False
 

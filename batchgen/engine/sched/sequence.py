@@ -11,9 +11,7 @@ from typing import TYPE_CHECKING, Any
 from batchgen.engine.sched.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from batchgen.engine.features.beam import BeamSearch
-    from batchgen.engine.sched.request_group import RequestGroup
-    from batchgen.lora_request import LoRARequest
+    from batchgen.engine.sched.request_group import AddOn, RankedResults, RequestGroup
     from batchgen.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -37,9 +35,8 @@ class Request:
     """A request of ``params.n`` samples. Its first sequence is created at arrival; the other ``n - 1`` are
     forked from it by the scheduler in the step that completes its prompt (they share every prompt block).
 
-    A beam-search request (``params.beam_width > 1``) has a :class:`~batchgen.engine.features.beam.BeamSearch` in
-    ``beam``; its sequences are the live beams (``seqs`` is kept equal to ``beam.beams``), and its outputs are
-    the search's best finished hypotheses.
+    A request whose kind ranks its own results (``ranked`` set by its group) reports those, best first, instead
+    of one output per sequence; its sequences are then the kind's live candidates.
 
     ``tokenizer`` is what a new sequence of this request needs for stop strings (its detokenizer)."""
 
@@ -52,7 +49,19 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted: bool = False
     num_finished: int = 0
-    beam: BeamSearch | None = None
+    ranked: RankedResults | None = None
+    """Set by a kind whose outputs are ranked results rather than its sequences (None: one output per
+    sample)."""
+    addons: list[AddOn] = field(default_factory=list)
+    """What the request asks of its steps besides its kind's own work (each feature's state)."""
+    adapter: Any = None
+    """The weights the request runs under besides the model's (the adapter feature's key; None: the base
+    model)."""
+    adapter_slot: int = -1
+    """The slot holding those weights while the request pins it (-1: not pinned)."""
+    cache_root: bytes | None = None
+    """Root of the request's prefix-cache hash chain: the key of its weights (None: the base model's), so
+    the same prompt under two sets of weights shares no block."""
     plain_greedy: bool = field(init=False)
     """Greedy with no penalties, min_tokens or logprobs: sampling is a bare argmax (no per-row settings)."""
     plain_sampling: bool = field(init=False)
@@ -68,25 +77,6 @@ class Request:
         self.plain_sampling = self.plain_greedy or (
             not p.needs_penalties and p.logprobs is None and p.min_tokens == 0 and p.seed is None
         )
-
-    # LoRA: the request's adapter (None: the base model) and its slot while pinned (-1: not pinned).
-    lora_request: LoRARequest | None = None
-    lora_slot: int = -1
-
-    @property
-    def cache_root(self) -> bytes | None:
-        """Root of the request's prefix-cache hash chain: the adapter's (None: the base model's), so the same
-        prompt under two adapters shares no block."""
-        if self.lora_request is None:
-            return None
-        return hashlib.sha256(f"lora:{self.lora_request.lora_int_id}".encode()).digest()
-
-    # Prompt logprobs (batchgen.engine.features.prompt_logprobs): wanted from this position on (None: only if
-    # params.prompt_logprobs), and the entries computed so far (one per prompt token, entry 0 None).
-    prompt_logprobs_start: int | None = None
-    pooling: Any = None
-    """A pooling request's :class:`~batchgen.engine.features.pooling.PoolingState` (None: a generation)."""
-    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def new_sequence(self, token_ids: list[int], sample_index: int) -> Sequence:
         """Create and register sample ``sample_index`` of this request, holding ``token_ids``."""

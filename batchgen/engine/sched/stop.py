@@ -4,8 +4,8 @@ A sequence stops, in this order of precedence, on: a stop token id (``params.sto
 (unless ``ignore_eos``), a stop string found in its text, then length (:meth:`StopRules.length_limit`:
 ``max_tokens`` generated, or the sequence reaching ``max_model_len``). Stop tokens, eos and stop strings count
 only once ``min_tokens`` tokens are generated; until then eos and stop token ids are banned from sampling.
-Beam search ends its beams on the same stop tokens (:meth:`StopRules.stop_token_ids`) and length limit; a
-step planned before the previous one's tokens are known asks whether a sequence's next token will be its last
+A kind that ends its sequences itself uses the same stop tokens (:meth:`StopRules.stop_token_ids`) and length
+limit; a step planned before the previous one's tokens are known asks whether a sequence's next token will be its last
 by length (:meth:`StopRules.last_by_length`).
 """
 

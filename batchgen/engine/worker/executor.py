@@ -3,8 +3,7 @@
 :class:`Executor` runs each :class:`~batchgen.engine.worker.step_input.StepInput` through ``runner.execute`` in
 this process and returns the :class:`~batchgen.engine.worker.step_input.RunnerOutput`. Tensor parallelism is the
 runner's business (:class:`~batchgen.engine.worker.tensor_parallel.TPModelRunner` broadcasts each input to the
-other ranks first), so it composes with any executor; the pipelined one runs steps in a worker thread
-(:class:`~batchgen.engine.core.async_engine.ThreadedExecutor`).
+other ranks first), so it composes with any executor, including one that runs steps in a worker thread.
 """
 
 from __future__ import annotations

@@ -106,8 +106,8 @@ class ModelRunner:
         self._graph_inputs: dict[str, Tensor] = {}
         self._graphs_failed = False
         self.adapters: Any = None
-        """The model's adapter slots (engine.enable_lora), written by each step's ``loads``; built and read
-        by the feature that sends the loads (``lora_manager.AdapterSlots``)."""
+        """The model's adapter slots (None: none), written by each step's ``loads``; built and read by the
+        feature that sends the loads."""
         self.capture_error_mode = "global"
         """CUDA-graph capture mode: an executor that runs steps in a thread of its own while the main thread
         keeps working sets ``thread_local``."""
@@ -169,7 +169,7 @@ class ModelRunner:
             max_query_len=tokens,
         )
         hidden = self.model(ids, positions, ForwardContext(self.attn, meta, self.kv_cache))
-        if getattr(self.model, "has_lm_head", True):  # a pooling model computes no logits
+        if getattr(self.model, "has_lm_head", True):  # a model without an LM head computes no logits
             self.model.compute_logits(hidden[-min(tokens, self.config.max_num_seqs) :])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
@@ -244,7 +244,7 @@ class ModelRunner:
         return out
 
     def sample(self, logits: Tensor, sampling: SamplingInput) -> RunnerOutput:
-        """Sample the first ``sampling.num_rows`` rows of ``logits`` (grammar mask first); the log-softmax of
+        """Sample the first ``sampling.num_rows`` rows of ``logits`` (row mask first); the log-softmax of
         the scored rows after them."""
         n = sampling.num_rows
         if sampling.mask is not None:
@@ -258,7 +258,7 @@ class ModelRunner:
         self, fwd: ForwardInput, fill: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor | None, dict[type, Any]]:
         """The forward of ``fwd``: float32 logits of its ``last`` rows (None when it has none: a step of
-        pooling requests only), and the result of each of its reads of the hidden states, in order.
+        hidden-state reads only), and the result of each of its reads of the hidden states, in order.
         ``fill``:
         ``(index, tokens)``: placeholder input ids written in first (a step planned ahead)."""
         ids, pos, meta, last = fwd.ids, fwd.positions, fwd.meta, fwd.last
@@ -276,7 +276,7 @@ class ModelRunner:
             ids, pos, meta = self.pad_decode_batch(ids, pos, meta, bucket)
             if self.use_cuda_graphs and not self._graphs_failed:
                 hidden = self._run_graph(ids, pos, meta, bucket)
-                if hidden is not None:  # (no logit rows: only pooling chunks of one token, e.g. CLS's last)
+                if hidden is not None:  # (no logit rows: only reads of one-token chunks)
                     logits = self.model.compute_logits(hidden[last]).float() if last.numel() else None
                     return logits, {}
         hidden = self.model(ids, pos, ForwardContext(self.attn, meta, self.kv_cache, **fwd.context))

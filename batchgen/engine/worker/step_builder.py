@@ -1,7 +1,7 @@
 """Builds a step's plain :class:`~batchgen.engine.worker.step_input.StepInput` from the scheduler's output, once per
 step: the flat forward tensors in the persistent :class:`~batchgen.engine.worker.input_batch.InputBatch`, the
 sampling rows and per-row settings (persistent :class:`~batchgen.engine.worker.sampler.SamplingBatch`) and the
-grammar mask; the reads of the hidden states the groups declared when the step was scheduled.
+row mask; the reads of the hidden states the groups declared when the step was scheduled.
 Live objects (sequences, requests) are read here and nowhere below.
 
 The forward part and the sampling part are built separately because a pipelined engine prepares a step's
@@ -26,7 +26,7 @@ from batchgen.engine.worker.step_input import BlockMoves, ForwardInput, RowMask,
 
 class StepBuilder:
     """The engine's step-input builder (persistent buffers across steps). ``mask`` returns the mask of a
-    step's sampled sequences' logit rows (None: no row is masked; the engine's grammar masks)."""
+    step's sampled sequences' logit rows (None: no row is masked; the engine's constraints)."""
 
     def __init__(
         self,

@@ -56,15 +56,15 @@ class HiddenRead(Protocol):
 
 
 class RowMask(Protocol):
-    """A mask over the sampled rows' logits, applied in place before sampling (structured outputs' grammar
-    mask, :mod:`batchgen.engine.features.structured`)."""
+    """A mask over the sampled rows' logits, applied in place before sampling (a feature's constraint on
+    which tokens a row may sample)."""
 
     def apply(self, logits: Tensor) -> None: ...
 
 
 class SlotLoad(Protocol):
-    """A write into the model's adapter slots before a step's forward, in step order, on every rank
-    (:mod:`batchgen.engine.features.lora_manager`). ``slots``: the runner's :attr:`ModelRunner.adapters`."""
+    """A write into the model's adapter slots before a step's forward, in step order, on every rank (the
+    adapter feature's). ``slots``: the runner's :attr:`ModelRunner.adapters`."""
 
     def apply(self, slots: Any) -> None: ...
 
@@ -107,7 +107,7 @@ class ForwardInput:
 @dataclass
 class SamplingInput:
     """How the first ``num_rows`` logit rows are sampled (``rows`` None: plain rows, ``settings`` None: all
-        greedy), the grammar mask applied first, and how many scored rows follow them (their log-softmax is
+        greedy), the row mask applied first, and how many scored rows follow them (their log-softmax is
     returned, not sampled). ``release``: row keys whose
         generators the sampler drops first (seeded sequences that are done)."""
 

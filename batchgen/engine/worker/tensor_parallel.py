@@ -3,8 +3,8 @@
 Rank 0 runs the whole engine (scheduler, KV block manager, sampler) with a :class:`TPModelRunner`; ranks
 1..N-1 run only :func:`serve` (the worker loop) over their own model shard and KV cache shard. Each step,
 rank 0's runner broadcasts the plain part of the step's :class:`~batchgen.engine.worker.step_input.StepInput`
-(:class:`StepMessage`: the block moves, the LoRA slot loads and the forward with its LoRA plan, on the CPU,
-placeholders already filled in) to every
+(:class:`StepMessage`: the block moves, the adapter slot loads and the forward with its per-token inputs, on
+the CPU, tokens of the previous step already filled in) to every
 worker with ``torch.distributed.broadcast_object_list`` over a gloo group of its own (:class:`StepChannel`);
 then every rank performs the same block moves on its KV shard and the same forward, whose all-reduces meet in
 lockstep, and the LM-head shards are gathered on rank 0, which samples as one process would. The runner is
@@ -12,8 +12,8 @@ called by the executor, inline or from the pipelined executor's thread, so pipel
 
 Invariants:
 - every rank applies the same messages in the same order (one broadcast per step, in step order), so the
-  collectives of a forward pair up, the KV shards hold the same blocks and the LoRA slots the same adapters
-  (each rank its shard, read from the adapter's directory by the worker itself);
+  collectives of a forward pair up, the KV shards hold the same blocks and the adapter slots the same
+  adapters (each rank its shard, read by the worker itself);
 - the KV pool has the same number of blocks on every rank: the minimum of what each rank can hold;
 - workers wait for the next message under a long idle timeout (``IDLE_WAIT``: rank 0 may be idle between
   steps for long); rank 0's broadcasts and the collectives inside a step fail after
@@ -44,7 +44,7 @@ IDLE_WAIT = datetime.timedelta(days=30)
 
 @dataclass
 class StepMessage:
-    """One step as the workers need it: block moves, LoRA slot loads (without rank 0's parsed adapters), then
+    """One step as the workers need it: block moves, adapter slot loads (without rank 0's parsed copies), then
     the forward (None: a step that only moves blocks)."""
 
     moves: BlockMoves
@@ -158,7 +158,7 @@ class TPModelRunner(ModelRunner):
         hidden = self.model(fwd.ids, fwd.positions, ctx)
         for read in fwd.reads.values():
             read.follow(self.model, hidden)
-        if fwd.last.numel():  # as rank 0: a step of pooling requests only has no logit rows
+        if fwd.last.numel():  # as rank 0: a step may have no logit rows (reads of the hidden states only)
             self.model.compute_logits(hidden[fwd.last])
 
 

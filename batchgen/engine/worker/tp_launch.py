@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,13 +53,16 @@ GRACE_S = 15.0
 @dataclass
 class WorkerSetup:
     """What rank 0 tells every worker before loading: the same model, dtype, implementation and engine;
-    ``load(device, rank, world)`` (picklable) builds the rank's model instead of ``load_model`` (pooling)."""
+    ``load(device, rank, world)`` (picklable) builds the rank's model instead of ``load_model`` (a custom
+    model); ``attach(model)`` (picklable) adds what the features write into the model's weights before the KV
+    cache is sized, returned as the runner's :attr:`ModelRunner.adapters`."""
 
     model: str
     dtype: str
     implementation: str
     config: EngineConfig
     load: Callable[[torch.device, int, int], torch.nn.Module] | None = None
+    attach: Callable[[torch.nn.Module], Any] | None = None
 
 
 def env_rank() -> tuple[int, int, int] | None:
@@ -200,10 +204,10 @@ def start(setup: WorkerSetup) -> TPGroup:
         logger.warning("a new tensor-parallel engine starts: the previous one in this process is shut down")
         _ACTIVE.close()
     tp = setup.config.tensor_parallel_size
-    launched = env_rank()
+    outside = env_rank()
     procs: list[subprocess.Popen] = []
-    if launched is not None:
-        rank, world, local = launched
+    if outside is not None:
+        rank, world, local = outside
         if world != tp:
             raise ValueError(
                 f"engine.tensor_parallel_size={tp} but the launcher started WORLD_SIZE={world} ranks; "
@@ -246,7 +250,6 @@ def _env_store(rank: int, world: int) -> dist.Store:
 def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -> None:
     """A worker rank: join, receive the setup, load this rank's shard, agree on the KV pool, serve steps."""
     from batchgen.attention import resolve_backend
-    from batchgen.engine.features.lora_manager import attach_worker_slots
     from batchgen.models.loader import load_model
 
     init_process_group(store, rank, world, device)
@@ -260,7 +263,7 @@ def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -
     )  # fmt: skip
     max_model_len = cfg.max_model_len or model.config.max_model_len
     backend = resolve_backend(cfg.attention_backend, device)
-    adapters = attach_worker_slots(model, setup.model, cfg) if cfg.enable_lora else None  # before KV sizing
+    adapters = setup.attach(model) if setup.attach is not None else None  # before KV sizing
     runner = TPModelRunner(model, cfg, device, backend, max_model_len, channel)
     runner.adapters = adapters
     runner.allocate_kv_cache(runner.determine_num_blocks())
@@ -271,9 +274,9 @@ def run_worker(store: dist.Store, rank: int, world: int, device: torch.device) -
 
 def serve_from_env() -> int:
     """A worker rank started by torchrun / srun: serve rank 0 until it is done. Returns the exit status."""
-    launched = env_rank()
-    assert launched is not None
-    rank, world, local = launched
+    outside = env_rank()
+    assert outside is not None
+    rank, world, local = outside
     device = rank_device("cpu" if not torch.cuda.is_available() else "cuda", local)
     return _serve(lambda: _env_store(rank, world), rank, world, device)
 
