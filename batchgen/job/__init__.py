@@ -24,7 +24,8 @@ The Parquet side (reader, prompts, parts, output directory, manifest, file names
 
 from __future__ import annotations
 
-from batchgen.job.plan import DEFAULT_SAMPLING_COLUMN, JobPlan, plan_job, sample_input_path
+from batchgen.data.columns import DEFAULT_SAMPLING_COLUMN
+from batchgen.job.plan import JobPlan, plan_job, sample_input_path
 from batchgen.job.run import (
     EXIT_CONFIG,
     EXIT_FAILED,

@@ -250,7 +250,7 @@ def _decoder(derived: JobConfig) -> Callable[[int], str] | None:
     from batchgen.job.plan import _model_path
     from batchgen.models.loader import load_tokenizer
 
-    tok = load_tokenizer(_model_path(derived))
+    tok = load_tokenizer(_model_path(derived.model.path, derived.model.gguf_file))
     return lambda t: tok.decode([int(t)], skip_special_tokens=False)
 
 

@@ -11,9 +11,11 @@ Invariants:
   Performance settings (engine memory and batch sizes, device, ``data.group_by_prefix``) and the model's
   path (only its files count) are left out, so they may change between runs.
 - Windows depend only on the input, the shard and ``data.window_rows``: a rerun sees the same windows.
-- Every file of the input holds the columns the job reads, with types that unify (:meth:`InputSet.read_schema`),
-  and the prompt column can hold a prompt (a string, or for chat a list or a JSON string): a job in which
-  no row could ever succeed is refused here, before the model loads.
+- Every file of the input holds the columns the job reads, with types that unify, and the prompt column can
+  hold a prompt (a string, or for chat a list or a JSON string): a job in which no row could ever succeed is
+  refused here, before the model loads (:func:`batchgen.data.columns.select_columns`).
+- The job config is read once, into :class:`PlanSettings`; every step of the plan takes plain values from it
+  (no step below :func:`plan_job` sees the config).
 """
 
 from __future__ import annotations
@@ -30,18 +32,19 @@ from typing import Any
 import pyarrow as pa
 
 import batchgen
+from batchgen.data.columns import ColumnSpec, select_columns
 from batchgen.data.manifest import Manifest
 from batchgen.data.parts import PartLayout
-from batchgen.data.prompts import PromptSpec, struct_override_problems
+from batchgen.data.prompts import PromptSpec
 from batchgen.data.reader import InputSet, WindowSpec, open_input, plan_windows, shard_range
 from batchgen.data.structured import arrow_type
 from batchgen.engine.config import parse_bytes
 from batchgen.errors import ConfigError
-from batchgen.job.config import POOLING_TASKS, DataOptions, JobConfig
+from batchgen.job.config import POOLING_TASKS, JobConfig
 from batchgen.lora_request import LoRARequest
 from batchgen.multimodal.rows import image_options
+from batchgen.sampling_params import SamplingParams
 
-DEFAULT_SAMPLING_COLUMN = "sampling"
 RETRY_KEYS = ("engine.max_model_len", "model.chat_template")
 """Fingerprint keys that may change when resuming with ``data.retry_errors=true``: they decide which rows
 fail (too long, template errors), and fixing them is what a retry is for."""
@@ -137,121 +140,128 @@ class JobPlan:
     """The model's own limit on prompt + generation (before ``engine.max_model_len``)."""
 
 
-# ------------------------------------------------------------------------------------------- columns
-def _require_column(inp: InputSet, name: str, key: str) -> None:
-    """ConfigError naming `key` unless every input file has column `name`."""
-    missing = [f.rel_path for f in inp.files if f.schema.get_field_index(name) < 0]
-    if missing:
-        first = next(f for f in inp.files if f.rel_path == missing[0])
-        avail = ", ".join(first.schema.names[:30])
-        if len(missing) == len(inp.files):
-            where, cols = "the input", f"columns: {avail}"
-        else:
-            where, cols = f"{len(missing)} file(s), e.g. {missing[0]!r}", f"its columns: {avail}"
-        raise ConfigError(f"{key}: column {name!r} is missing from {where} ({cols})")
+# ------------------------------------------------------------------------------------- the settings
+@dataclass(frozen=True)
+class KVRequest:
+    """What the KV memory check reads: the engine's pool options and the weights' dtype option."""
+
+    device: str
+    kv_cache_memory: str
+    num_blocks: int | None
+    block_size: int
+    dtype: str
 
 
-def _sampling_column(d: DataOptions, inp: InputSet) -> str | None:
-    """The per-row sampling column in effect: None when unset, or when it is the default name and absent."""
-    name = d.sampling_column
-    if not name:
-        return None
-    if not inp.has_column(name):
-        if name == DEFAULT_SAMPLING_COLUMN and inp.column_type(name) is None:
-            return None  # the default name, absent: no per-row overrides
-        _require_column(inp, name, "data.sampling_column")
-    problem = struct_override_problems(inp.column_type(name))  # type: ignore[arg-type]
-    if problem:
-        raise ConfigError(f"data.sampling_column: column {name!r} {problem}")
-    return name
+@dataclass(frozen=True)
+class PlanSettings:
+    """What planning reads of the job config, as plain values, built once (:meth:`of`): every step of the plan
+    takes the values it needs from here, none of them the config."""
 
+    task: str
+    input: str
+    output: str
+    storage_options: dict[str, Any]
+    columns: ColumnSpec
+    shard_index: int
+    shard_count: int
+    window_rows: int
+    parse_json: bool
+    model_given: str | None
+    """``model.path`` as given (None: the embedded tiny model)."""
+    gguf_file: str | None
+    implementation: str
+    dtype: str
+    lora_modules: dict[str, str]
+    sampling: SamplingParams
+    max_model_len: int | None
+    pooling: dict[str, Any]
+    kv: KVRequest
+    data_parallel_size: int
+    limit_mm_per_prompt: dict[str, int]
 
-def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or str(t) == "string_view"
-
-
-def _check_prompt_type(d: DataOptions, schema: pa.Schema) -> None:
-    """ConfigError when the prompt (or messages) column's type can never hold a valid prompt: every row
-    would be an error row."""
-    if d.messages_column:
-        t = schema.field(d.messages_column).type
-        if not (_is_text(t) or pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_null(t)):
-            raise ConfigError(
-                f"data.messages_column: column {d.messages_column!r} has type {t}; expected a list of "
-                "{role, content} structs or a JSON string, so every row would fail"
-            )
-        what, t, key = d.messages_column, t, "data.messages_column"
-    else:
-        t = schema.field(d.prompt_column).type
-        if not (_is_text(t) or pa.types.is_null(t)):
-            raise ConfigError(
-                f"data.prompt_column: column {d.prompt_column!r} has type {t}, not string, so every row "
-                "would fail; choose a string column (or data.messages_column for chat messages)"
-            )
-        what, key = d.prompt_column, "data.prompt_column"
-    if pa.types.is_null(t):
-        raise ConfigError(
-            f"{key}: column {what!r} holds only nulls in every input file, so every row would fail"
+    @classmethod
+    def of(cls, cfg: JobConfig) -> PlanSettings:
+        """The values of ``cfg`` planning reads (``data.input`` null: the shipped sample)."""
+        d, e = cfg.data, cfg.engine
+        return cls(
+            task=cfg.task,
+            input=d.input if d.input else sample_input_path(),
+            output=d.output,
+            storage_options=dict(d.storage_options),
+            columns=ColumnSpec(
+                prompt_column=d.prompt_column,
+                messages_column=d.messages_column,
+                id_column=d.id_column,
+                keep_columns=tuple(d.keep_columns),
+                sampling_column=d.sampling_column,
+                continuation_column=d.continuation_column,
+                lora_column=d.lora_column,
+                image_column=d.image_column,
+            ),
+            shard_index=d.shard.index,
+            shard_count=d.shard.count,
+            window_rows=d.window_rows,
+            parse_json=d.parse_json,
+            model_given=cfg.model.path or None,
+            gguf_file=cfg.model.gguf_file,
+            implementation=cfg.model.implementation,
+            dtype=cfg.model.dtype,
+            lora_modules=dict(cfg.model.lora_modules or {}),
+            sampling=cfg.sampling,
+            max_model_len=e.max_model_len,
+            pooling=dataclasses.asdict(cfg.pooling),
+            kv=KVRequest(e.device, e.kv_cache_memory, e.num_blocks, e.block_size, cfg.model.dtype),
+            data_parallel_size=e.data_parallel_size,
+            limit_mm_per_prompt=dict(e.limit_mm_per_prompt or {}),
         )
 
 
-def _check_columns(d: DataOptions, inp: InputSet) -> tuple[list[str], str | None]:
-    """(input columns to read, effective sampling column); ConfigError for a column the input lacks."""
-    if d.messages_column:
-        _require_column(inp, d.messages_column, "data.messages_column")
-        source = d.messages_column
-    else:
-        _require_column(inp, d.prompt_column, "data.prompt_column")
-        source = d.prompt_column
-    if d.id_column:
-        _require_column(inp, d.id_column, "data.id_column")
-    for c in d.keep_columns:
-        _require_column(inp, c, "data.keep_columns")
-    if d.continuation_column:
-        _require_column(inp, d.continuation_column, "data.continuation_column")
-    if d.lora_column:
-        _require_column(inp, d.lora_column, "data.lora_column")
-    if d.image_column:
-        _require_column(inp, d.image_column, "data.image_column")
-    sampling_col = _sampling_column(d, inp)
-    columns = [source] + ([d.id_column] if d.id_column else []) + list(d.keep_columns)
-    columns += [sampling_col] if sampling_col else []
-    columns += [d.continuation_column] if d.continuation_column else []
-    columns += [d.lora_column] if d.lora_column else []
-    columns += [d.image_column] if d.image_column else []
-    return list(dict.fromkeys(columns)), sampling_col
-
-
 # --------------------------------------------------------------------------------------------- model
-def _model_path(cfg: JobConfig) -> str:
-    """The checkpoint directory: model.path, or the embedded tiny model shipped in the package."""
-    if not cfg.model.path:
+def _model_path(given: str | None, gguf_file: str | None) -> str:
+    """The checkpoint directory: ``model.path`` (``given``; with ``model.gguf_file``, that file in it), or the
+    embedded tiny model shipped in the package."""
+    if not given:
         from batchgen.models.tiny import tiny_default_checkpoint
 
         return tiny_default_checkpoint()
-    path = os.path.expanduser(cfg.model.path)
-    if cfg.model.gguf_file or path.lower().endswith(".gguf"):  # one GGUF file: model, config and tokenizer
-        path = os.path.join(path, cfg.model.gguf_file) if cfg.model.gguf_file else path
+    path = os.path.expanduser(given)
+    if gguf_file or path.lower().endswith(".gguf"):  # one GGUF file: model, config and tokenizer
+        path = os.path.join(path, gguf_file) if gguf_file else path
         if not os.path.isfile(path):
             raise ConfigError(f"model.path: GGUF file {path!r} does not exist")
         return path
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(
-            f"model.path: {cfg.model.path!r} is not a Hugging Face checkpoint directory (no config.json)"
+            f"model.path: {given!r} is not a Hugging Face checkpoint directory (no config.json)"
         )
     return path
 
 
-def _model_config(cfg: JobConfig, path: str) -> Any:
-    """The checkpoint's facts on the road ``model.implementation`` takes (config files only: no weights are
-    read); an unsupported or malformed one is a ConfigError here, before anything loads."""
+def lora_requests(lora_modules: dict[str, str]) -> dict[str, LoRARequest]:
+    """``model.lora_modules`` as the engine's requests: ids 1..N in name order, absolute paths."""
+    return {
+        name: LoRARequest(name, i + 1, os.path.abspath(os.path.expanduser(path)))
+        for i, (name, path) in enumerate(sorted(lora_modules.items()))
+    }
+
+
+def _model_facts(s: PlanSettings, path: str) -> Any:
+    """The checkpoint's facts (architecture, max length) for the task, from its config files only (no weights
+    are read); an unsupported or malformed one is a ConfigError here, before anything loads. A generation
+    checkpoint's CPU KV pool must fit the machine (:func:`_check_kv_memory`)."""
+    if s.task in POOLING_TASKS:
+        from batchgen.job.pool import pooling_model_facts
+
+        return pooling_model_facts(s.task, path)
     from batchgen.models.checkpoint_facts import checkpoint_facts
 
     try:
-        return checkpoint_facts(path, cfg.model.implementation)
+        facts = checkpoint_facts(path, s.implementation)
     except (ValueError, KeyError, TypeError, OSError) as e:
-        where = cfg.model.path or "the embedded tiny model"
+        where = s.model_given or "the embedded tiny model"
         raise ConfigError(f"model.path: cannot use {where!r}: {e}") from e
+    _check_kv_memory(s.kv, facts)
+    return facts
 
 
 def _physical_memory() -> int | None:
@@ -261,13 +271,12 @@ def _physical_memory() -> int | None:
         return None
 
 
-def _check_kv_memory(cfg: JobConfig, model_cfg: Any) -> None:
+def _check_kv_memory(kv: KVRequest, model_cfg: Any) -> None:
     """A CPU KV cache pool larger than the machine's memory can never be allocated: refuse it now (from
     ``engine.kv_cache_memory``, or ``engine.num_blocks`` times the block size of this model)."""
-    e = cfg.engine
-    if e.device.startswith("cuda"):
+    if kv.device.startswith("cuda"):
         return
-    if e.device == "auto":
+    if kv.device == "auto":
         try:
             import torch
 
@@ -278,11 +287,11 @@ def _check_kv_memory(cfg: JobConfig, model_cfg: Any) -> None:
     have = _physical_memory()
     if have is None:
         return
-    if e.num_blocks is None:
-        want = parse_bytes(e.kv_cache_memory)
+    if kv.num_blocks is None:
+        want = parse_bytes(kv.kv_cache_memory)
         if want > have:
             raise ConfigError(
-                f"engine.kv_cache_memory={e.kv_cache_memory} ({want / 2**30:.1f} GiB) is more than this machine's "
+                f"engine.kv_cache_memory={kv.kv_cache_memory} ({want / 2**30:.1f} GiB) is more than this machine's "
                 f"memory ({have / 2**30:.1f} GiB); lower engine.kv_cache_memory (or set engine.num_blocks)"
             )
         return
@@ -290,103 +299,99 @@ def _check_kv_memory(cfg: JobConfig, model_cfg: Any) -> None:
 
     from batchgen.models.config import parse_dtype
 
-    dtype = model_cfg.dtype if cfg.model.dtype == "auto" else parse_dtype(cfg.model.dtype)
+    dtype = model_cfg.dtype if kv.dtype == "auto" else parse_dtype(kv.dtype)
     elem = torch.tensor([], dtype=dtype).element_size()
-    per_block = 2 * model_cfg.num_layers * e.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * elem
-    want = e.num_blocks * per_block
+    per_block = 2 * model_cfg.num_layers * kv.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * elem
+    want = kv.num_blocks * per_block
     if want > have:
         raise ConfigError(
-            f"engine.num_blocks={e.num_blocks} is a KV cache of {want / 2**30:.1f} GiB for this model, more than "
+            f"engine.num_blocks={kv.num_blocks} is a KV cache of {want / 2**30:.1f} GiB for this model, more than "
             f"this machine's memory ({have / 2**30:.1f} GiB); lower engine.num_blocks"
         )
 
 
 # -------------------------------------------------------------------------------- what the output records
 def _fingerprint_config(
-    cfg: JobConfig,
+    s: PlanSettings,
     model_fp: str,
     sampling_col: str | None,
-    template_fp: str | None = None,
+    template_fp: str | None,
+    loras: dict[str, LoRARequest],
 ) -> dict[str, Any]:
     """The settings that change the output (see the module docstring), as recorded in the manifest."""
-    d = cfg.data
-    model: dict[str, Any] = {"fingerprint": model_fp, "dtype": cfg.model.dtype}
-    if d.messages_column:
+    c = s.columns
+    model: dict[str, Any] = {"fingerprint": model_fp, "dtype": s.dtype}
+    if c.messages_column:
         model["chat_template"] = template_fp
     score: dict[str, Any] = {}
-    if cfg.task == "score":
-        score = {"task": "score", "continuation_column": d.continuation_column}
-    elif cfg.task in POOLING_TASKS:
-        score = {"task": cfg.task, "pooling": dataclasses.asdict(cfg.pooling)}
+    if s.task == "score":
+        score = {"task": "score", "continuation_column": c.continuation_column}
+    elif s.task in POOLING_TASKS:
+        score = {"task": s.task, "pooling": s.pooling}
     lora = {}
-    if cfg.model.lora_modules:  # the adapters change the output: a rerun with others does not resume
-        lora = {
-            "lora": {
-                "modules": {n: r.lora_path for n, r in lora_requests(cfg).items()},
-                "column": d.lora_column,
-            }
-        }
+    if loras:  # the adapters change the output: a rerun with others does not resume
+        lora = {"lora": {"modules": {n: r.lora_path for n, r in loras.items()}, "column": c.lora_column}}
     return {
         **score,
         **lora,
         "model": model,
         "data": {
-            "prompt_column": None if d.messages_column else d.prompt_column,
-            "messages_column": d.messages_column,
-            "id_column": d.id_column,
-            "keep_columns": list(d.keep_columns),
+            "prompt_column": None if c.messages_column else c.prompt_column,
+            "messages_column": c.messages_column,
+            "id_column": c.id_column,
+            "keep_columns": list(c.keep_columns),
             "sampling_column": sampling_col,
-            "window_rows": d.window_rows,
+            "window_rows": s.window_rows,
         },
         # pooling reads no sampling settings: changing them does not change the output
-        "sampling": None if cfg.task in POOLING_TASKS else cfg.sampling.to_dict(),
-        "engine": {"max_model_len": cfg.engine.max_model_len},
+        "sampling": None if s.task in POOLING_TASKS else s.sampling.to_dict(),
+        "engine": {"max_model_len": s.max_model_len},
     }
 
 
-def _part_metadata(cfg: JobConfig, inp: InputSet, model_fp: str, sampling_col: str | None) -> dict[str, Any]:
+def _part_metadata(s: PlanSettings, inp: InputSet, model_fp: str, sampling_col: str | None) -> dict[str, Any]:
     """The schema metadata of every part (the window's range is added per part)."""
-    d = cfg.data
+    c = s.columns
     return {
         "batchgen_version": batchgen.__version__,
-        "model": {
-            "path": cfg.model.path or "tiny-default",
-            "fingerprint": model_fp,
-            "dtype": cfg.model.dtype,
-        },
-        "sampling": cfg.sampling.to_dict(),
-        "prompt": {"messages_column": d.messages_column}
-        if d.messages_column
-        else {"prompt_column": d.prompt_column},
+        "model": {"path": s.model_given or "tiny-default", "fingerprint": model_fp, "dtype": s.dtype},
+        "sampling": s.sampling.to_dict(),
+        "prompt": {"messages_column": c.messages_column}
+        if c.messages_column
+        else {"prompt_column": c.prompt_column},
         "sampling_column": sampling_col,
-        "id_column": d.id_column,
+        "id_column": c.id_column,
         "input": {"fingerprint": inp.fingerprint, "num_files": len(inp.files), "num_rows": inp.num_rows},
-        "shard": {"index": d.shard.index, "count": d.shard.count},
-        "engine": {"max_model_len": cfg.engine.max_model_len},
+        "shard": {"index": s.shard_index, "count": s.shard_count},
+        "engine": {"max_model_len": s.max_model_len},
     }
 
 
-def _part_layout(cfg: JobConfig, schema: pa.Schema, metadata: dict[str, Any]) -> PartLayout:
-    d = cfg.data
-    id_type = schema.field(d.id_column).type if d.id_column else pa.int64()
+def _json_type(s: PlanSettings) -> pa.DataType | None:
+    """The Arrow type of the parsed ``generated_json`` column (None: not written)."""
+    if not s.parse_json:
+        return None
+    if s.sampling.json_schema is None:
+        raise ConfigError("data.parse_json=true needs sampling.json_schema (the schema of the parsed column)")
+    return arrow_type(s.sampling.json_schema)
+
+
+def _part_layout(
+    s: PlanSettings, schema: pa.Schema, metadata: dict[str, Any], json_type: pa.DataType | None
+) -> PartLayout:
+    c = s.columns
+    id_type = schema.field(c.id_column).type if c.id_column else pa.int64()
     kept = [
-        pa.field(c, schema.field(c).type) for c in d.keep_columns if not (c == "id" and d.id_column == "id")
+        pa.field(k, schema.field(k).type) for k in c.keep_columns if not (k == "id" and c.id_column == "id")
     ]
-    json_type = None
-    if d.parse_json:
-        if cfg.sampling.json_schema is None:
-            raise ConfigError(
-                "data.parse_json=true needs sampling.json_schema (the schema of the parsed column)"
-            )
-        json_type = arrow_type(cfg.sampling.json_schema)
     return PartLayout(
         id_type=id_type,
         kept=kept,
-        n=cfg.sampling.n,
-        logprobs=cfg.sampling.logprobs is not None,
+        n=s.sampling.n,
+        logprobs=s.sampling.logprobs is not None,
         metadata=metadata,
-        id_source=d.id_column,
-        structured=cfg.sampling.constrained or metadata.get("sampling_column") is not None,
+        id_source=c.id_column,
+        structured=s.sampling.constrained or metadata.get("sampling_column") is not None,
         json_type=json_type,
     )
 
@@ -395,59 +400,50 @@ def _hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def lora_requests(cfg: JobConfig) -> dict[str, LoRARequest]:
-    """``model.lora_modules`` as the engine's requests: ids 1..N in name order, absolute paths."""
-    return {
-        name: LoRARequest(name, i + 1, os.path.abspath(os.path.expanduser(path)))
-        for i, (name, path) in enumerate(sorted((cfg.model.lora_modules or {}).items()))
-    }
-
-
 def plan_job(cfg: JobConfig) -> JobPlan:
-    """Resolve input, columns, shard, windows, model and fingerprints; raises ConfigError on any problem."""
-    d = cfg.data
-    inp = open_input(
-        d.input if d.input else sample_input_path(), output=d.output, storage_options=dict(d.storage_options)
-    )
-    columns, sampling_col = _check_columns(d, inp)
-    schema = inp.read_schema(columns)
-    _check_prompt_type(d, schema)
-    row_start, row_end = shard_range(inp.num_rows, d.shard.index, d.shard.count)
-    model_path = _model_path(cfg)
-    if cfg.task in POOLING_TASKS:
-        from batchgen.job.pool import pooling_model_facts
+    """Resolve input, columns, shard, windows, model and fingerprints; raises ConfigError on any problem.
 
-        model_cfg = pooling_model_facts(cfg, model_path)
-    else:
-        model_cfg = _model_config(cfg, model_path)
-        _check_kv_memory(cfg, model_cfg)
+    The config is read once, into :class:`PlanSettings`; each step below takes the plain values it needs."""
+    s = PlanSettings.of(cfg)
+    inp = open_input(s.input, output=s.output, storage_options=s.storage_options)
+    row_start, row_end = shard_range(inp.num_rows, s.shard_index, s.shard_count)
+    windows = plan_windows(row_start, row_end, s.window_rows)
+    cols = select_columns(inp, s.columns)
+    model_path = _model_path(s.model_given, s.gguf_file)
+    model_cfg = _model_facts(s, model_path)
     model_fp, template_fp, files = model_identity(model_path)
-    fp_config = _fingerprint_config(cfg, model_fp, sampling_col, template_fp)
-    spec = PromptSpec(
-        prompt_column=d.prompt_column,
-        messages_column=d.messages_column,
-        id_column=d.id_column,
-        sampling_column=sampling_col,
-        base_sampling=cfg.sampling,
-        lora_column=d.lora_column,
-        lora_requests=lora_requests(cfg),
-        **image_options(cfg, model_path),
+    loras = lora_requests(s.lora_modules)
+    fp_config = _fingerprint_config(s, model_fp, cols.sampling_column, template_fp, loras)
+    c = s.columns
+    images = image_options(
+        c.image_column, model_path, s.data_parallel_size, s.limit_mm_per_prompt, s.storage_options
     )
+    spec = PromptSpec(
+        prompt_column=c.prompt_column,
+        messages_column=c.messages_column,
+        id_column=c.id_column,
+        sampling_column=cols.sampling_column,
+        base_sampling=s.sampling,
+        lora_column=c.lora_column,
+        lora_requests=loras,
+        **images,
+    )
+    metadata = _part_metadata(s, inp, model_fp, cols.sampling_column)
     return JobPlan(
         cfg=cfg,
         input=inp,
         model_path=model_path,
-        columns=columns,
+        columns=cols.names,
         prompt_spec=spec,
         row_start=row_start,
         row_end=row_end,
-        windows=plan_windows(row_start, row_end, d.window_rows),
+        windows=windows,
         fingerprint=_hash(fp_config),
         fingerprint_config=fp_config,
-        part_layout=_part_layout(cfg, schema, _part_metadata(cfg, inp, model_fp, sampling_col)),
-        read_schema=schema,
+        part_layout=_part_layout(s, cols.schema, metadata, _json_type(s)),
+        read_schema=cols.schema,
         model_info={
-            "path": os.path.abspath(model_path) if cfg.model.path else "tiny-default",
+            "path": os.path.abspath(model_path) if s.model_given else "tiny-default",
             "architecture": model_cfg.architecture,
             "files": files,
         },

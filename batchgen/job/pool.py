@@ -25,7 +25,7 @@ from batchgen.errors import ConfigError
 from batchgen.job.window_output import commit_window
 
 
-def pooling_model_facts(cfg: Any, path: str) -> Any:
+def pooling_model_facts(task: str, path: str) -> Any:
     """What planning needs from a pooling checkpoint (architecture, max length), from its config files only;
     a checkpoint that cannot do the task is a ConfigError naming ``model.path`` / ``task``."""
     from batchgen.pooling.checkpoint import read_checkpoint
@@ -33,8 +33,8 @@ def pooling_model_facts(cfg: Any, path: str) -> Any:
     try:
         info = read_checkpoint(path)
     except (ValueError, OSError) as e:
-        raise ConfigError(f"model.path: cannot use {path!r} for task={cfg.task}: {e}") from e
-    if cfg.task == "classify" and info.task != "classify":
+        raise ConfigError(f"model.path: cannot use {path!r} for task={task}: {e}") from e
+    if task == "classify" and info.task != "classify":
         raise ConfigError(
             f"task=classify needs a *ForSequenceClassification checkpoint; {path!r} is "
             f"{info.architecture or info.model_type} (use task=embed or task=generate)"

@@ -120,28 +120,34 @@ def prepare_images(rows: list[Any], spec: Any) -> None:
             r.images = None
 
 
-def image_options(cfg: Any, model_path: str) -> dict[str, Any]:
-    """The :class:`~batchgen.data.prompts.PromptSpec` image fields of a job; ConfigError when
-    ``data.image_column`` is set for a model that takes no images."""
+def image_options(
+    image_column: str | None,
+    model_path: str,
+    data_parallel_size: int,
+    limit_mm_per_prompt: dict[str, int] | None,
+    storage_options: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The :class:`~batchgen.data.prompts.PromptSpec` image fields of a job (``data.image_column``, the
+    checkpoint, ``engine.data_parallel_size`` and ``limit_mm_per_prompt``, ``data.storage_options``);
+    ConfigError when ``data.image_column`` is set for a model that takes no images."""
     from batchgen.errors import ConfigError
 
-    d = cfg.data
     token = image_token_id(model_path)
     if token is None:
-        if d.image_column:
+        if image_column:
             raise ConfigError(
-                f"data.image_column={d.image_column!r} but the model ({model_path}) is not an image-text "
+                f"data.image_column={image_column!r} but the model ({model_path}) is not an image-text "
                 "checkpoint batchgen runs (LLaVA, LLaVA-NeXT); unset data.image_column or choose such a model"
             )
         return {}
-    if cfg.engine.data_parallel_size > 1:
+    if data_parallel_size > 1:
         raise ConfigError(
-            f"engine.data_parallel_size={cfg.engine.data_parallel_size}: an image-text model runs as one engine "
+            f"engine.data_parallel_size={data_parallel_size}: an image-text model runs as one engine "
             "replica per job; set engine.data_parallel_size=1 and split the input with data.shard.count instead"
         )
     return {
-        "image_column": d.image_column,
+        "image_column": image_column,
         "image_checkpoint": model_path,
-        "max_images": (cfg.engine.limit_mm_per_prompt or {}).get("image"),
-        "storage_options": dict(d.storage_options or {}),
+        "max_images": (limit_mm_per_prompt or {}).get("image"),
+        "storage_options": dict(storage_options or {}),
     }
