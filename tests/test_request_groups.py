@@ -7,13 +7,21 @@ from __future__ import annotations
 import torch
 
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.core.output_processor import OutputProcessor
 from batchgen.engine.features.beam import BeamGroup, BeamSearch
 from batchgen.engine.features.pooling import PoolingGroup, PoolingState, PoolRows
 from batchgen.engine.features.prompt_logprobs import PromptLogprobs, PromptLogprobsAddOn, PromptRows
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.kinds import make_group
 from batchgen.engine.sched.output import GroupStep, SchedulerOutput
-from batchgen.engine.sched.request_group import Absorbed, Entry, RequestGroup, SampleGroup, UpdateContext
+from batchgen.engine.sched.request_group import (
+    Absorbed,
+    AddOn,
+    Entry,
+    RequestGroup,
+    SampleGroup,
+    UpdateContext,
+)
 from batchgen.engine.sched.scheduler import Scheduler
 from batchgen.engine.sched.sequence import Request
 from batchgen.engine.sched.stop import StopRules
@@ -197,3 +205,45 @@ def test_a_new_kind_needs_no_scheduler_change() -> None:
     assert out.score_rows == [0] and out.sample_rows == []
     assert sched.update(out, RunnerOutput(scores=_scores(1, [42]))) == [req]
     assert req.seqs[0].output_token_ids == [42] and sched.kv.stats().blocks_used == 0
+
+
+class _CountingAddOn(AddOn):
+    """An add-on of the test's own: it reuses no cached prefix, asks for synchronous steps, counts the tokens
+    of the chunks it is shown and writes the count into the output. Every kind runs it through the same hooks."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def lookup_tokens(self, seq, tokens: list[int]) -> list[int]:
+        return tokens[:1]
+
+    def overlappable(self) -> bool:
+        return False
+
+    def plan_chunk(self, sched, offset: int, out: SchedulerOutput, step: GroupStep) -> None:
+        self.tokens += sched.num_tokens
+
+    def finish(self, request: Request, output) -> None:
+        output.prompt = f"{self.tokens} tokens"
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_an_add_on_needs_no_kind_or_scheduler_change() -> None:
+    sched = scheduler()
+    for params in (SamplingParams(temperature=0.0, max_tokens=2), SamplingParams(beam_width=2, max_tokens=2)):
+        addon = _CountingAddOn()
+        req, group = add(sched, f"r{params.beam_width}", [1, 2, 3, 4, 5], params, addons=[addon])
+        assert not group.overlappable() and group.lookup_tokens(req.seqs[0]) == [1]
+        finished = []
+        while sched.has_unfinished():
+            out = sched.schedule()
+            n = len(out.sample_seqs)
+            scores = _scores(len(out.score_rows), [7, 8]) if out.score_rows else None
+            finished += sched.update(out, RunnerOutput([7] * n, [None] * n, scores=scores))
+        assert finished == [req]
+        output = OutputProcessor(_Tokenizer()).request_output(req)
+        assert output.prompt == f"{addon.tokens} tokens" and addon.tokens >= 5
