@@ -165,7 +165,9 @@ class PlanSettings:
     shard_index: int
     shard_count: int
     window_rows: int
-    parse_json: bool
+    json_schema: Any
+    """The schema of the parsed ``generated_json`` column (``sampling.json_schema`` with
+    ``data.parse_json=true``; None: no such column)."""
     model_given: str | None
     """``model.path`` as given (None: the embedded tiny model)."""
     gguf_file: str | None
@@ -201,7 +203,7 @@ class PlanSettings:
             shard_index=d.shard.index,
             shard_count=d.shard.count,
             window_rows=d.window_rows,
-            parse_json=d.parse_json,
+            json_schema=_parsed_json_schema(d.parse_json, cfg.sampling.json_schema),
             model_given=cfg.model.path or None,
             gguf_file=cfg.model.gguf_file,
             implementation=cfg.model.implementation,
@@ -367,18 +369,19 @@ def _part_metadata(s: PlanSettings, inp: InputSet, model_fp: str, sampling_col: 
     }
 
 
-def _json_type(s: PlanSettings) -> pa.DataType | None:
-    """The Arrow type of the parsed ``generated_json`` column (None: not written)."""
-    if not s.parse_json:
+def _parsed_json_schema(parse_json: bool, json_schema: Any) -> Any:
+    """The schema ``data.parse_json`` parses outputs with (None: off); ConfigError when it has none."""
+    if not parse_json:
         return None
-    if s.sampling.json_schema is None:
+    if json_schema is None:
         raise ConfigError("data.parse_json=true needs sampling.json_schema (the schema of the parsed column)")
-    return arrow_type(s.sampling.json_schema)
+    return json_schema
 
 
 def _part_layout(
     s: PlanSettings, schema: pa.Schema, metadata: dict[str, Any], json_type: pa.DataType | None
 ) -> PartLayout:
+    """How every output part is laid out: id and kept columns' types, samples, logprobs, the parsed JSON column."""
     c = s.columns
     id_type = schema.field(c.id_column).type if c.id_column else pa.int64()
     kept = [
@@ -409,11 +412,13 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     row_start, row_end = shard_range(inp.num_rows, s.shard_index, s.shard_count)
     windows = plan_windows(row_start, row_end, s.window_rows)
     cols = select_columns(inp, s.columns)
+    json_type = arrow_type(s.json_schema) if s.json_schema is not None else None
     model_path = _model_path(s.model_given, s.gguf_file)
     model_cfg = _model_facts(s, model_path)
     model_fp, template_fp, files = model_identity(model_path)
     loras = lora_requests(s.lora_modules)
     fp_config = _fingerprint_config(s, model_fp, cols.sampling_column, template_fp, loras)
+    layout = _part_layout(s, cols.schema, _part_metadata(s, inp, model_fp, cols.sampling_column), json_type)
     c = s.columns
     images = image_options(
         c.image_column, model_path, s.data_parallel_size, s.limit_mm_per_prompt, s.storage_options
@@ -428,7 +433,6 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         lora_requests=loras,
         **images,
     )
-    metadata = _part_metadata(s, inp, model_fp, cols.sampling_column)
     return JobPlan(
         cfg=cfg,
         input=inp,
@@ -440,7 +444,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
         windows=windows,
         fingerprint=_hash(fp_config),
         fingerprint_config=fp_config,
-        part_layout=_part_layout(s, cols.schema, metadata, _json_type(s)),
+        part_layout=layout,
         read_schema=cols.schema,
         model_info={
             "path": os.path.abspath(model_path) if s.model_given else "tiny-default",
