@@ -134,11 +134,6 @@ def image_options(cfg: Any, model_path: str) -> dict[str, Any]:
                 "checkpoint batchgen runs (LLaVA, LLaVA-NeXT); unset data.image_column or choose such a model"
             )
         return {}
-    if cfg.engine.data_parallel_size > 1:
-        raise ConfigError(
-            f"engine.data_parallel_size={cfg.engine.data_parallel_size}: an image-text model runs as one engine "
-            "replica per job; set engine.data_parallel_size=1 and split the input with data.shard.count instead"
-        )
     return {
         "image_column": d.image_column,
         "image_checkpoint": model_path,
