@@ -55,6 +55,7 @@ def test_image_parts_in_a_batch_file(llava: str, s3: S3, tmp_path: Path) -> None
     got = {x["custom_id"]: x for x in map(json.loads, (tmp_path / "res.jsonl").read_text().splitlines())}
     assert list(got) == ["data", "path", "file", "s3", "corrupt", "missing"]
     assert got["corrupt"]["response"] is None and "image 0" in got["corrupt"]["error"]["message"]
+    assert got["corrupt"]["error"]["code"] == got["missing"]["error"]["code"] == "invalid_image"
     assert got["missing"]["response"] is None and "gone.png" in got["missing"]["error"]["message"]
     # the summary: image a three times, image b in both samples of "s3"; each encoded once
     assert "5 references, 2 distinct, 2 encoded" in p.stdout and "image encoder" in p.stdout

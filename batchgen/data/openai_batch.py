@@ -377,6 +377,8 @@ def response_line(
         code = "invalid_request" if request.get("request_error") else "generation_failed"
         if "max_model_len" in error:
             code = "context_length_exceeded"
+        elif re.match(r"image \d+: |.*\bimage placeholder", error):  # a bad, missing or extra image
+            code = "invalid_image"
         out.update(response=None, error={"code": code, "message": error, "line": line})
         return out
     if request["endpoint"] == EMBEDDINGS_URL:

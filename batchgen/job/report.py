@@ -163,7 +163,9 @@ def format_table(report: dict[str, Any]) -> str:
     if img:  # an image-text job: how often the encoder ran for the images the rows showed
         lines.append(("images", f"{img['references']} references, {img['distinct']} distinct, "
                       f"{img['encoded']} encoded"))  # fmt: skip
-        lines.append(("image encoder", f"{img['encoder_time_s']:.2f} s ({img['encoder_share']:.1%} of wall time)"))
+        lines.append(
+            ("image encoder", f"{img['encoder_time_s']:.2f} s ({img['encoder_share']:.1%} of wall time)")
+        )
     if report.get("prediction"):  # the dry run's plan beside what happened
         from batchgen.job.plan_report import prediction_lines
 
