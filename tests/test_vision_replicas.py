@@ -79,6 +79,7 @@ def test_cli_image_job_on_two_replicas_equals_one_engine(llava, image_rows, one_
     assert images["references"] == N - 1 and images["distinct"] == 3
     assert 3 <= images["encoded"] <= 6  # each replica encodes the images of its windows once
     assert 0.0 <= images["encoder_share"] <= 1.0
+    assert 0.0 <= report["kv"]["peak_fragmentation"] <= 1.0  # the replicas' KV figures combined
     assert f"{N - 1} references, 3 distinct, {images['encoded']} encoded" in p.stdout
     assert "image encoder" in p.stdout and "replica 1" in p.stdout
 
