@@ -56,7 +56,7 @@ class FakeReplicas:
                 continue
             q, done = self.queues[r], []
             for _ in range(min(self.speed[r], len(q))):
-                rid, tokens, _params, _lora = q.popleft()
+                rid, tokens, _params, _lora, _images = q.popleft()
                 done.append(RequestOutput(rid, tokens, [CompletionOutput(0, f"t{rid}", [rid], "length")]))
                 self.ran.append((r, rid))
             if done:

@@ -69,11 +69,15 @@ def test_parse_requests_maps_parameters_and_errors() -> None:
         ]
     )  # fmt: skip
     rows = reqs.table.to_pylist()
-    assert reqs.endpoint == CHAT and reqs.n == 1
+    assert reqs.endpoint == CHAT
+    assert [(r["custom_id"], r["n"], r["sample_index"]) for r in rows] == [
+        ("a", 1, 0), ("b", 2, 0), ("b", 2, 1), ("c", 1, 0), ("d", 1, 0),
+    ]  # fmt: skip
+    rows.pop(2)
     assert json.loads(rows[0]["sampling"]) == {
         "max_tokens": 3, "stop": ["\n"], "seed": 1, "temperature": 0.5, "json_schema": {"type": "object"},
     }  # fmt: skip
-    assert "n=2 differs" in rows[1]["request_error"]
+    assert rows[1]["request_error"] is None
     assert "differs from the file's /v1/chat/completions" in rows[2]["request_error"]
     assert "max_tokens must be an integer >= 1" in rows[3]["request_error"]
 

@@ -259,11 +259,3 @@ def test_a_window_runs_the_rows_of_one_image_together():
             row(4, "a", [5, 9, 0])]  # fmt: skip
     work = WindowWork.create(WindowSpec(0, 0, 5), rows, group_by_prefix=True)
     assert list(work.feed) == [3, 4, 1, 2, 0]
-
-
-def test_image_jobs_refuse_replicas(llava, tmp_path):
-    pq.write_table(pa.table({"prompt": ["<image> a"], "image": [b"x"]}), tmp_path / "in.parquet")
-    cfg = job_config(llava, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"},
-                     engine={"data_parallel_size": 2})  # fmt: skip
-    result = run_job(cfg)
-    assert result.exit_code == 2 and "engine.data_parallel_size=1" in result.message

@@ -5,16 +5,19 @@ Input: one JSON object per line, ``{custom_id, method: POST, url, body}`` with `
 ``/v1/embeddings`` (``body.input``: a string or a list of one string; ``dimensions``; ``encoding_format``
 ``float`` or ``base64``) for a ``task=embed`` job. A line for an endpoint the job's task does not serve is an
 error line. Invariants:
-- Every line becomes exactly one row, in file order, and later exactly one output line: a request that cannot
-  run (not JSON, unsupported endpoint or parameter, a bad body, a duplicate ``custom_id``) is a row carrying
-  its ``request_error``, written as a line with ``error`` set. A line that is not JSON has no ``custom_id``; its
-  error names its line number.
+- Every line becomes one row per sample (``n`` rows, ``sample_index`` 0..n-1, consecutive, in file order) and
+  later exactly one output line whose ``choices`` hold the ``n`` samples (``choices[i].index == i``): a request
+  that cannot run (not JSON, unsupported endpoint or parameter, a bad body, a duplicate ``custom_id``) is one
+  row carrying its ``request_error``, written as a line with ``error`` set. A line that is not JSON has no
+  ``custom_id``; its error names its line number.
 - Sampling fields map onto :class:`~batchgen.sampling_params.SamplingParams` per row (a JSON ``sampling``
   column): ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
   ``presence_penalty``, ``frequency_penalty``, ``logprobs``/``top_logprobs``, ``response_format``
-  (``json_schema`` → its schema, ``json_object`` → any JSON object) → structured outputs. ``n`` is one value per
-  file (the job's ``sampling.n``); a request asking another ``n`` fails alone. Likewise an embeddings
-  request's ``dimensions`` (the job's ``pooling.dimensions``).
+  (``json_schema`` → its schema, ``json_object`` → any JSON object) → structured outputs. ``n`` (1 to
+  :data:`MAX_N`) is per request, the job's ``sampling.n`` for a request that gives none; a seeded request's
+  sample ``i > 0`` runs with the seed the engine gives sample ``i`` of an ``n``-sample request
+  (:func:`~batchgen.engine.sched.sequence.sample_seed`), so its samples differ and are reproducible. An
+  embeddings request's ``dimensions`` is one value per file (the job's ``pooling.dimensions``).
 - Output bodies are ``chat.completion`` / ``text_completion`` objects whose ids derive from the ``custom_id``
   and the line, so writing the file again (a resumed job) gives the same ids; an embeddings request's body is
   OpenAI's embeddings response (``{"object": "list", "data": [{"object": "embedding", "index": 0,
@@ -35,6 +38,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.data.json_limits import JsonLimitError, loads_bounded
+from batchgen.engine.sched.sequence import sample_seed
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -43,6 +47,8 @@ ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 TASK_ENDPOINTS = {"generate": ENDPOINTS, "embed": (EMBEDDINGS_URL,)}
 """The endpoints a job of each task serves."""
 _ENCODINGS = ("float", "base64")
+MAX_N = 128
+"""Most samples one request may ask for (OpenAI's limit)."""
 
 _SAMPLING_KEYS = {"temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty"}
 _IGNORED = {"model", "user", "metadata", "store", "stream", "stream_options", "service_tier", "n",
@@ -55,6 +61,8 @@ REQUEST_SCHEMA = pa.schema(
     [
         ("custom_id", pa.string()),
         ("line", pa.int64()),
+        ("n", pa.int32()),
+        ("sample_index", pa.int32()),
         ("endpoint", pa.string()),
         ("model", pa.string()),
         ("prompt", pa.string()),
@@ -65,17 +73,16 @@ REQUEST_SCHEMA = pa.schema(
         ("request_error", pa.string()),
     ]
 )
-"""The rows a request file becomes (``messages`` and ``sampling`` as JSON text)."""
+"""The rows a request file becomes, one per sample (``messages`` and ``sampling`` as JSON text)."""
 
 
 @dataclass
 class BatchRequests:
-    """A parsed request file: its rows (:data:`REQUEST_SCHEMA`), the endpoint it runs, its ``n``, whether
+    """A parsed request file: its rows (:data:`REQUEST_SCHEMA`, one per sample), the endpoint it runs, whether
     any request asks for logprobs, and its embeddings' ``dimensions`` (None: the model's size)."""
 
     table: pa.Table
     endpoint: str
-    n: int = 1
     logprobs: bool = False
     bad_lines: list[str] = field(default_factory=list)
     dimensions: int | None = None
@@ -231,14 +238,33 @@ def _parse_line(text: str, lineno: int, endpoint: str | None, task: str = "gener
         sampling, top = _sampling(body, chat)
         row["sampling"] = json.dumps(sampling, sort_keys=True)
         row["top_logprobs"] = top
-        row["n"] = _int(body, "n", 1) or 1
+        row["n"] = _int(body, "n", 1)
+        if row["n"] is not None and row["n"] > MAX_N:
+            raise _Bad(f"body.n must be at most {MAX_N}, got {row['n']}")
     except _Bad as e:
         row["request_error"] = str(e)
     return row
 
 
-def parse_requests(lines: Iterable[str], task: str = "generate") -> BatchRequests:
-    """Rows of a request file (its lines, in order) for a job of ``task``; see the module docstring."""
+def _samples(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A request's rows, one per sample (an error row, or an embeddings request: one)."""
+    if row.get("request_error") is not None or row.get("sampling") is None:
+        return [{**row, "n": 1, "sample_index": 0}]
+    n, sampling = row["n"], json.loads(row["sampling"])
+    out = []
+    for k in range(n):
+        s = sampling
+        if k and sampling.get("seed") is not None:
+            s = {**sampling, "seed": sample_seed(int(sampling["seed"]), k)}
+        out.append(
+            {**row, "sample_index": k, "sampling": json.dumps(s, sort_keys=True) if k else row["sampling"]}
+        )
+    return out
+
+
+def parse_requests(lines: Iterable[str], task: str = "generate", n: int = 1) -> BatchRequests:
+    """Rows of a request file (its lines, in order) for a job of ``task``, ``n`` samples for a request that
+    gives no ``n``; see the module docstring."""
     rows: list[dict[str, Any]] = []
     endpoint: str | None = None
     seen: set[str] = set()
@@ -252,12 +278,11 @@ def parse_requests(lines: Iterable[str], task: str = "generate") -> BatchRequest
                 row["request_error"] = f"duplicate custom_id {row['custom_id']!r} (line {lineno})"
             seen.add(row["custom_id"])
         rows.append(row)
-    n = next((r.get("n", 1) for r in rows if r.get("request_error") is None), 1)
     dims = next((r.get("dimensions") for r in rows if r.get("request_error") is None), None)
     for r in rows:
-        if r.get("request_error") is None and r.get("n", 1) != n:
-            r["request_error"] = f"n={r['n']} differs from the file's n={n}: one n per batch file"
-        elif r.get("request_error") is None and r.get("dimensions") != dims:
+        if r.get("n") is None:
+            r["n"] = n
+        if r.get("request_error") is None and r.get("dimensions") != dims:
             r["request_error"] = (
                 f"dimensions={r.get('dimensions')} differs from the file's dimensions={dims}: one dimensions "
                 "per batch file"
@@ -267,11 +292,25 @@ def parse_requests(lines: Iterable[str], task: str = "generate") -> BatchRequest
             r["prompt"], r["messages"], r["sampling"] = None, None, None
     logprobs = any(r.get("top_logprobs") is not None for r in rows if r.get("request_error") is None)
     table = pa.Table.from_pylist(
-        [{k: r.get(k) for k in REQUEST_SCHEMA.names} for r in rows], schema=REQUEST_SCHEMA
+        [{k: s.get(k) for k in REQUEST_SCHEMA.names} for r in rows for s in _samples(r)],
+        schema=REQUEST_SCHEMA,
     )
     bad = [r["request_error"] for r in rows if r.get("custom_id") is None and r.get("request_error")]
     default = TASK_ENDPOINTS.get(task, ENDPOINTS)[0]
-    return BatchRequests(table, endpoint or default, n, logprobs, bad, dims)
+    return BatchRequests(table, endpoint or default, logprobs, bad, dims)
+
+
+def group_samples(rows: Iterable[dict[str, Any]]) -> Iterable[list[dict[str, Any]]]:
+    """Consecutive rows of one request (one per sample, the request's ``n``) as lists, in file order; each
+    row may carry its output fields (a row of the request table zipped with the job's output row)."""
+    group: list[dict[str, Any]] = []
+    for r in rows:
+        group.append(r)
+        if len(group) == (r.get("n") or 1):  # an error row is one row (n=1)
+            yield group
+            group = []
+    if group:
+        raise ValueError(f"line {group[0]['line']}: {len(group)} of its {group[0]['n']} sample rows")
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -338,6 +377,8 @@ def response_line(
         code = "invalid_request" if request.get("request_error") else "generation_failed"
         if "max_model_len" in error:
             code = "context_length_exceeded"
+        elif re.match(r"image \d+: |.*\bimage placeholder", error):  # a bad, missing or extra image
+            code = "invalid_image"
         out.update(response=None, error={"code": code, "message": error, "line": line})
         return out
     if request["endpoint"] == EMBEDDINGS_URL:

@@ -32,6 +32,7 @@ from batchgen.data.openai_batch import (
     CHAT_URL,
     TASK_ENDPOINTS,
     BatchRequests,
+    group_samples,
     parse_requests,
     response_line,
 )
@@ -114,7 +115,7 @@ def _derived(cfg: JobConfig, reqs: BatchRequests, book: str) -> JobConfig:
     logprobs = cfg.sampling.logprobs
     if reqs.logprobs and logprobs is None:
         logprobs = 0
-    sampling = dataclasses.replace(cfg.sampling, n=reqs.n, logprobs=logprobs)
+    sampling = dataclasses.replace(cfg.sampling, n=1, logprobs=logprobs)  # a row per sample (parse_requests)
     # failed requests are result lines, not a sign of an impossible job: the error fraction is checked on the
     # results (BatchFile.results), not by the early stop of a job whose first rows all fail
     run = dataclasses.replace(cfg.run, max_error_fraction=1.0)
@@ -196,7 +197,7 @@ def open_batch_file(cfg: Any) -> BatchFile:
     d = job.data
     _check(job)
     opts = dict(d.storage_options)
-    reqs = parse_requests(_lines(str(d.input), opts), job.task)
+    reqs = parse_requests(_lines(str(d.input), opts), job.task, n=job.sampling.n)
     for msg in reqs.bad_lines:
         logger.warning("%s: %s (written as an error line without custom_id)", d.input, msg)
     book = bookkeeping_dir(d.output)
@@ -204,10 +205,11 @@ def open_batch_file(cfg: Any) -> BatchFile:
     pq.write_table(reqs.table, buf)
     if _get(book, REQUESTS_NAME, opts) != buf.getvalue():
         _put(book, REQUESTS_NAME, buf.getvalue(), opts)
+    first = [k == 0 for k in reqs.table.column("sample_index").to_pylist()]
+    errors = reqs.table.column("request_error").to_pylist()
     logger.info(
-        "%s: %d request(s) to %s (%d that cannot run), bookkeeping in %s",
-        d.input, reqs.table.num_rows, reqs.endpoint,
-        sum(e is not None for e in reqs.table.column("request_error").to_pylist()), book,
+        "%s: %d request(s) to %s (%d that cannot run, %d sample row(s) in all), bookkeeping in %s",
+        d.input, sum(first), reqs.endpoint, sum(e is not None for e in errors), reqs.table.num_rows, book,
     )  # fmt: skip
     return BatchFile(job, reqs, _derived(job, reqs, book))
 
@@ -257,22 +259,25 @@ def _decoder(derived: JobConfig) -> Callable[[int], str] | None:
 def _result_lines(
     derived: JobConfig, requests: pa.Table, opts: dict[str, Any]
 ) -> Iterator[tuple[bytes, str | None]]:
-    """Each request's output line, and its error message (None for a response line)."""
-    n = derived.sampling.n
+    """Each request's output line (its sample rows' outputs as its choices), and its error message (None for
+    a response line)."""
     model = derived.model.path or "tiny-default"
     created = int(time.time())
     decode = _decoder(derived)
     reqs = iter(requests.to_pylist())
-    for part in _parts(derived, opts):
-        rows = part.to_pylist()
-        for i in range(0, len(rows), n):
-            req = next(reqs)
-            line = response_line(req, rows[i : i + n], model, created, decode)
-            error = line["error"]
-            yield (
-                (json.dumps(line, ensure_ascii=False) + "\n").encode(),
-                None if error is None else str(error["message"]),
-            )
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for part in _parts(derived, opts):
+            for out in part.to_pylist():  # one output row per sample row, in the same order
+                yield {**next(reqs), "_output": out}
+
+    for group in group_samples(rows()):
+        line = response_line(group[0], [g["_output"] for g in group], model, created, decode)
+        error = line["error"]
+        yield (
+            (json.dumps(line, ensure_ascii=False) + "\n").encode(),
+            None if error is None else str(error["message"]),
+        )
 
 
 def write_results(

@@ -178,7 +178,6 @@ class PlanSettings:
     max_model_len: int | None
     pooling: dict[str, Any]
     kv: KVRequest
-    data_parallel_size: int
     limit_mm_per_prompt: dict[str, int]
 
     @classmethod
@@ -213,7 +212,6 @@ class PlanSettings:
             max_model_len=e.max_model_len,
             pooling=dataclasses.asdict(cfg.pooling),
             kv=KVRequest(e.device, e.kv_cache_memory, e.num_blocks, e.block_size, cfg.model.dtype),
-            data_parallel_size=e.data_parallel_size,
             limit_mm_per_prompt=dict(e.limit_mm_per_prompt or {}),
         )
 
@@ -420,9 +418,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     fp_config = _fingerprint_config(s, model_fp, cols.sampling_column, template_fp, loras)
     layout = _part_layout(s, cols.schema, _part_metadata(s, inp, model_fp, cols.sampling_column), json_type)
     c = s.columns
-    images = image_options(
-        c.image_column, model_path, s.data_parallel_size, s.limit_mm_per_prompt, s.storage_options
-    )
+    images = image_options(c.image_column, model_path, s.limit_mm_per_prompt, s.storage_options)
     spec = PromptSpec(
         prompt_column=c.prompt_column,
         messages_column=c.messages_column,

@@ -159,6 +159,13 @@ def format_table(report: dict[str, Any]) -> str:
         restarts = f", {rep['restarts']} restart(s)" if rep.get("restarts") else ""
         lines.append((f"replica {rep['replica']}", f"{rep['rows']} rows, {rep['rows_per_s']:.2f} rows/s, "
                       f"{rep['generated_tokens_per_s']:.1f} gen tok/s{restarts}"))  # fmt: skip
+    img = report.get("images")
+    if img:  # an image-text job: how often the encoder ran for the images the rows showed
+        lines.append(("images", f"{img['references']} references, {img['distinct']} distinct, "
+                      f"{img['encoded']} encoded"))  # fmt: skip
+        lines.append(
+            ("image encoder", f"{img['encoder_time_s']:.2f} s ({img['encoder_share']:.1%} of wall time)")
+        )
     if report.get("prediction"):  # the dry run's plan beside what happened
         from batchgen.job.plan_report import prediction_lines
 

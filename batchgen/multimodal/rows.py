@@ -123,12 +123,11 @@ def prepare_images(rows: list[Any], spec: Any) -> None:
 def image_options(
     image_column: str | None,
     model_path: str,
-    data_parallel_size: int,
     limit_mm_per_prompt: dict[str, int] | None,
     storage_options: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The :class:`~batchgen.data.prompts.PromptSpec` image fields of a job (``data.image_column``, the
-    checkpoint, ``engine.data_parallel_size`` and ``limit_mm_per_prompt``, ``data.storage_options``);
+    checkpoint, ``limit_mm_per_prompt``, ``data.storage_options``);
     ConfigError when ``data.image_column`` is set for a model that takes no images."""
     from batchgen.errors import ConfigError
 
@@ -140,11 +139,6 @@ def image_options(
                 "checkpoint batchgen runs (LLaVA, LLaVA-NeXT); unset data.image_column or choose such a model"
             )
         return {}
-    if data_parallel_size > 1:
-        raise ConfigError(
-            f"engine.data_parallel_size={data_parallel_size}: an image-text model runs as one engine "
-            "replica per job; set engine.data_parallel_size=1 and split the input with data.shard.count instead"
-        )
     return {
         "image_column": image_column,
         "image_checkpoint": model_path,

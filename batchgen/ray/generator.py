@@ -6,7 +6,9 @@ Each batch comes back with its input columns and the job's output columns: ``gen
 (``ok``/``error``) and ``error`` (plus ``sample_index`` when ``n > 1``: one output row per sample, the input
 columns repeated). Rows are validated and turned into prompts exactly as the job does (prompt or chat
 ``messages`` column, per-row ``sampling`` overrides, too-long prompts): a bad row becomes an error row, never
-an exception that fails the batch.
+an exception that fails the batch. On an image-text checkpoint, ``image_column`` (the job's ``data.image_column``
+layouts) and chat image parts give rows their images; a batch's rows of one image run together, and the
+actor's encoder cache encodes each distinct image once while it holds it; a bad image is an error row.
 
 How it differs from the job (``batchgen ...``): Ray Data owns the input, the output and the retries, so the
 guarantees are Ray's — a batch whose actor dies is retried on another actor and its rows may be written
@@ -97,6 +99,8 @@ class Generator:
         sampling_column: str | None = "sampling",
         dtype: str = "auto",
         model_impl: str = "auto",
+        image_column: str | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         from batchgen.engine.core.llm_engine import LLMEngine
 
@@ -120,6 +124,17 @@ class Generator:
             base_sampling=params,
         )
         self.spec.max_model_len = self.engine.max_model_len
+        from batchgen.multimodal.rows import image_token_id
+
+        if image_token_id(model) is not None:  # an image-text checkpoint: rows' images through its processor
+            limits = (engine or {}).get("limit_mm_per_prompt") or {}
+            self.spec.image_column, self.spec.image_checkpoint = image_column, model
+            self.spec.max_images, self.spec.storage_options = limits.get("image"), dict(storage_options or {})
+        elif image_column is not None:
+            raise ValueError(
+                f"image_column={image_column!r} but the model ({model}) is not an image-text checkpoint batchgen "
+                "runs; unset image_column or choose such a model"
+            )
         self.layout = PartLayout(id_type=pa.int64(), kept=[], n=params.n, logprobs=False, metadata={})
         self._batch_arrived = threading.Event()
         threading.Thread(
@@ -158,8 +173,14 @@ class Generator:
         """The engine's result of every valid row (prefix-trie order in, input order out)."""
         results: list[RequestOutput | None] = [None] * len(rows)
         valid = [r.position for r in rows if r.ok]
-        feed = [valid[i] for i in prefix_order([rows[p].token_ids for p in valid])]
-        requests = [EngineRequest(pos, rows[pos].token_ids, rows[pos].params, rows[pos].lora) for pos in feed]
+        keys = [(rows[p].image_hashes, rows[p].token_ids) for p in valid]  # rows of one image together
+        feed = [valid[i] for i in prefix_order(keys)]  # type: ignore[arg-type]
+        requests = [
+            EngineRequest(
+                p, rows[p].token_ids, rows[p].params, rows[p].lora, images=tuple(rows[p].images or ())
+            )
+            for p in feed
+        ]
 
         def collect(finished: list[RequestOutput]) -> None:
             for out in finished:

@@ -76,7 +76,10 @@ class KVCacheStats:
     blocks_cached: int
     """Evictable blocks still holding a cached prefix (included in ``blocks_free``)."""
     live_token_slots: int
-    """Physical token slots holding a live token (a slot shared by several sequences counts once)."""
+    """Physical token slots holding a live token (a slot shared by several sequences counts once; a partial
+    copy's source held until ``end_schedule`` counts whole). Invariant: ``0 <= live_token_slots <=
+    allocated_token_slots``, and after ``end_schedule`` it equals a recount over the block tables
+    (:meth:`KVCacheManager.recount_live_slots`)."""
     allocated_token_slots: int
     """``blocks_used * block_size``."""
     logical_tokens: int
@@ -257,7 +260,11 @@ class KVCacheManager:
         """The step being scheduled is planned: returns the ``(src, dst)`` block copies that :meth:`allocate`
         made for partial prefixes since the last call (to run before the step's forward, with its copies on
         write); see :meth:`PrefixReuse.end_schedule`. The scheduler calls it once at the end of each schedule."""
-        return self.reuse.end_schedule()
+        copies, released = self.reuse.end_schedule()
+        self._live_slots -= (
+            released * self.block_size
+        )  # held sources counted live since allocate revived them
+        return copies
 
     def _append_cost(self, s: BlockTable, num_tokens: int) -> tuple[int, list[int]]:
         """(blocks needed, logical indices of shared blocks the new tokens would be written into)."""
@@ -504,6 +511,23 @@ class KVCacheManager:
             s.num_registered = 0
             s.block_hashes = []
         return self.pool.reset_prefix_cache()
+
+    def recount_live_slots(self) -> int:
+        """Live token slots counted from the block tables (O(tokens)): what ``stats().live_token_slots`` keeps
+        incrementally, once the schedule's partial-copy sources are released (:meth:`end_schedule`)."""
+        bs = self.block_size
+        full: set[int] = set()
+        tails: dict[int, int] = {}
+        for s in self._seqs.values():
+            for i, b in enumerate(s.table):
+                if b < 0:
+                    continue  # a CPU block of a swapped sequence
+                n = s.live_in_block(i, bs)
+                if n >= bs:
+                    full.add(b)
+                else:
+                    tails[b] = max(tails.get(b, 0), n)
+        return len(full) * bs + sum(n for b, n in tails.items() if b not in full)
 
     def _update_peak(self) -> None:
         used = self.pool.num_used_blocks

@@ -111,11 +111,13 @@ class PrefixReuse:
 
     def hold(self, match: PrefixMatch) -> int:
         """Take a reference on the shared blocks and the copy's source (before allocating the rest, so that
-        allocation cannot evict them); returns how many shared blocks were evictable (revived)."""
+        allocation cannot evict them); returns how many of these blocks were evictable (revived: each is a
+        full block whose slots count as live while it is held, the copy's source included)."""
         rc = self.pool.ref_counts
         revived = sum(1 for b in match.blocks if rc[b] == 0)
         self.pool.incref(match.blocks)
         if match.lead_tokens:
+            revived += rc[match.lead_block] == 0
             self.pool.incref((match.lead_block,))  # the copy's source, held until end_schedule
         return revived
 
@@ -130,11 +132,12 @@ class PrefixReuse:
             self.queried_tokens += num_queried
         return reused
 
-    def end_schedule(self) -> list[tuple[int, int]]:
-        """The ``(src, dst)`` partial-block copies queued since the last call; releases their sources and marks
-        every block registered so far as written before any later step's copies run."""
+    def end_schedule(self) -> tuple[list[tuple[int, int]], int]:
+        """The ``(src, dst)`` partial-block copies queued since the last call and how many of their sources
+        this releases (no sequence and no other copy holds them any more: their live slots end); marks every
+        block registered so far as written before any later step's copies run."""
         copies, self._copies = self._copies, []
         self.num_copies += len(copies)
-        self.pool.free(src for src, _ in copies)
+        released = self.pool.free(src for src, _ in copies)
         self.pool.settle()
-        return copies
+        return copies, released

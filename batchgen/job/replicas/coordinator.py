@@ -80,6 +80,32 @@ def add_stats(a: EngineStats, b: EngineStats) -> EngineStats:
 
 
 @dataclass
+class ReplicaImages:
+    """The job report's ``images`` section over several replicas: image slots and encoder runs summed, distinct
+    images those of the rows handed out (an image whose rows went to two replicas counts once), the encoder's
+    share of the replicas' time (its seconds over wall time x replicas)."""
+
+    parts: list[Any]
+    distinct: int
+    replicas: int
+
+    def report(self, wall_time_s: float) -> dict[str, Any]:
+        refs = sum(p.references for p in self.parts)
+        if not refs:
+            return {}
+        seconds = sum(p.encoder_seconds for p in self.parts)
+        return {
+            "images": {
+                "references": refs,
+                "distinct": self.distinct,
+                "encoded": sum(p.encoded for p in self.parts),
+                "encoder_time_s": round(seconds, 4),
+                "encoder_share": seconds / max(wall_time_s * self.replicas, 1e-9),
+            }
+        }
+
+
+@dataclass
 class ReplicaSlot:
     """One replica slot: its current process or actor and what the slot did in this run."""
 
@@ -95,6 +121,9 @@ class ReplicaSlot:
     restarts: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     """When the current replica last sent anything (its heartbeat included)."""
+    images: Any = None
+    """An image-text model: the current replica's encoder totals; ``retired_images``: its predecessors'."""
+    retired_images: list[Any] = field(default_factory=list)
 
     def total_stats(self) -> EngineStats:
         return add_stats(self.retired, self.stats)
@@ -131,11 +160,18 @@ class Coordinator:
         self.exhausted = False
         self.restarts = 0
         self._ready: deque[WindowWork] = deque()
+        self.image_hashes: set[str] = set()
 
     # ------------------------------------------------------------------------------------ engine-like
     @property
     def stats(self) -> EngineStats:
         return combine_stats([s.total_stats() for s in self.slots.values()])
+
+    @property
+    def images(self) -> ReplicaImages | None:
+        """The replicas' encoder figures as one (None: no replica runs an image-text model)."""
+        parts = [x for s in self.slots.values() for x in (*s.retired_images, s.images) if x is not None]
+        return ReplicaImages(parts, len(self.image_hashes), len(self.slots)) if parts else None
 
     @property
     def max_model_len(self) -> int:
@@ -212,6 +248,8 @@ class Coordinator:
             self.exhausted = True
             return None
         self.order[work.spec.index] = list(work.feed)
+        for row in work.rows:  # the job's distinct images, whichever replicas encode them
+            self.image_hashes.update(row.image_hashes)
         work.feed.clear()  # the rows are the replica's to feed; `pending` counts them until done
         self.active[work.spec.index] = work
         return work
@@ -233,7 +271,9 @@ class Coordinator:
                 if work.results[pos] is None:
                     row = work.rows[pos]
                     self.where[row.row_index] = (work, pos)
-                    requests.append((row.row_index, row.token_ids, row.params, row.lora))
+                    requests.append(
+                        (row.row_index, row.token_ids, row.params, row.lora, tuple(row.images or ()))
+                    )
             slot.windows.append(work.spec.index)
             self.executor.send(r, [WindowRequests(work.spec.index, requests)])
 
@@ -271,6 +311,8 @@ class Coordinator:
 
     def _report(self, slot: ReplicaSlot, report: ReplicaReport) -> None:
         slot.stats = report.stats
+        if report.images is not None:
+            slot.images = report.images
         for out in report.outputs:
             loc = self.where.pop(out.request_id, None)
             if loc is None:
@@ -293,6 +335,9 @@ class Coordinator:
         """Requeue the lost replica's unfinished windows and start its replacement (or raise WorkerLost)."""
         r = slot.setup.replica
         slot.retired, slot.stats = slot.total_stats(), EngineStats()
+        if slot.images is not None:
+            slot.retired_images.append(slot.images)
+            slot.images = None
         back = sorted((self.active[i] for i in slot.windows if i in self.active), key=lambda w: w.spec.index)
         slot.windows, slot.ready = [], False
         if not back and self.exhausted and not self.requeue:

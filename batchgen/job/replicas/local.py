@@ -11,6 +11,7 @@ of memory, a crash — is reported ``lost`` once, after every message it sent be
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import subprocess
 import sys
 from multiprocessing.connection import wait
@@ -58,8 +59,11 @@ class LocalReplicas:
             proc.kill()
 
     def send(self, replica: int, windows: list[WindowRequests]) -> None:
+        # plain pickle: the multiprocessing pickler would pass an image's pixel tensors as shared-memory file
+        # descriptors, which a replica started as a fresh interpreter cannot take (the send would hang)
+        data = pickle.dumps(("work", windows), protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            self.conns[replica].send(("work", windows))
+            self.conns[replica].send_bytes(data)
         except (OSError, KeyError):
             pass  # the replica is gone: its end is reported by events()
 

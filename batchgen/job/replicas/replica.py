@@ -3,8 +3,8 @@ that runs in a replica's process or Ray actor, fed whole windows by the coordina
 (:mod:`batchgen.job.replicas.coordinator`).
 
 A replica knows nothing of the input or the output directory: it receives *window requests* (a window's
-index and its rows to run, each ``(request id, prompt token ids, sampling params)``, already in prefix-trie
-order) and hands back the engine's :class:`~batchgen.engine.core.outputs.RequestOutput` of every finished request
+index and its rows to run, each ``(request id, prompt token ids, sampling params, adapter, images)``, already
+in prefix-trie order, the rows of one image together) and hands back the engine's :class:`~batchgen.engine.core.outputs.RequestOutput` of every finished request
 with a snapshot of its engine's stats. The coordinator owns every decision about what is done.
 
 Invariants:
@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchgen.driver import Driver, EngineRequest
@@ -37,8 +37,10 @@ from batchgen.errors import WorkerLost
 from batchgen.lora_request import LoRARequest
 from batchgen.sampling_params import SamplingParams
 
-Request = tuple[int, list[int], SamplingParams, LoRARequest | None]
-"""``(request id = global row index, prompt token ids, sampling params, LoRA adapter or None)``."""
+Request = tuple[int, list[int], SamplingParams, LoRARequest | None, tuple[Any, ...]]
+"""``(request id = global row index, prompt token ids, sampling params, LoRA adapter or None, images)``: an
+image row's :class:`~batchgen.multimodal.inputs.ImageItem` s (content hash, the processor's pixels, placeholder
+span), so the replica's encoder cache keys them by the same hash as one engine does."""
 
 
 @dataclass
@@ -74,6 +76,8 @@ class ReplicaReport:
     stats: EngineStats
     busy: bool
     """Whether requests are still unfinished (or waiting to be admitted) in this replica."""
+    images: Any = None
+    """An image-text model: its encoder's running totals (:class:`~batchgen.models.vision.EncoderStats`)."""
 
 
 def start_engine(setup: ReplicaSetup) -> Any:
@@ -109,7 +113,10 @@ class ReplicaCore:
             self.feed.extend(w.requests)
 
     def next_request(self) -> EngineRequest | None:
-        return EngineRequest(*self.feed.popleft()) if self.feed else None
+        if not self.feed:
+            return None
+        rid, ids, params, lora, images = self.feed.popleft()
+        return EngineRequest(rid, ids, params, lora, images=images)
 
     def finish(self, outputs: list[RequestOutput]) -> None:
         self.finished.extend(outputs)
@@ -125,7 +132,9 @@ class ReplicaCore:
         return out
 
     def report(self, outputs: list[RequestOutput]) -> ReplicaReport:
-        return ReplicaReport(self.setup.replica, outputs, self.engine.stats.snapshot(), self.busy)
+        images = getattr(self.engine, "images", None)
+        enc = replace(images.stats) if images is not None and images.inputs is not None else None
+        return ReplicaReport(self.setup.replica, outputs, self.engine.stats.snapshot(), self.busy, enc)
 
 
 STEP_BUDGET_S = 0.05
