@@ -1,7 +1,8 @@
 """A prompt and its images -> the engine's inputs, with the checkpoint's own processor.
 
 :class:`ImagePrompts` loads the checkpoint's processor once (``AutoProcessor``; without torchvision
-transformers falls back to its PIL image processors). For each prompt it
+transformers falls back to its PIL image processors, and a processor class that needs torchvision, as
+Qwen2-VL's does, is replaced by its image processor and the tokenizer). For each prompt it
 
 - loads every image (:class:`~batchgen.multimodal.images.ImageLoader`: any source, content-hashed),
 - runs the processor's pixel work per distinct image (cached by content hash, so an image shown by many rows
@@ -70,15 +71,25 @@ class ImagePrompts:
         loader: ImageLoader | None = None,
         cache_items: int = 512,
     ) -> None:
-        from transformers import AutoProcessor
+        from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the torchvision fallback warning: PIL processors are intended here
         try:
-            self.processor = AutoProcessor.from_pretrained(checkpoint)
+            try:
+                self.processor = AutoProcessor.from_pretrained(checkpoint)
+            except ImportError:  # a processor class that needs torchvision (Qwen2-VL's): its image processor
+                self.processor = AutoImageProcessor.from_pretrained(checkpoint)
         finally:
             hf_logging.set_verbosity(verbosity)
+        image_processor = getattr(self.processor, "image_processor", self.processor)
+        self.image_processor = image_processor
+        # dynamic resolution (Qwen2-VL): an image's tokens are its grid of patches merged merge_size x merge_size
+        dynamic = "image_grid_thw" in getattr(image_processor, "model_input_names", ())
+        self.merge_size: int | None = int(image_processor.merge_size) if dynamic else None
+        if not hasattr(self.processor, "tokenizer"):
+            self.processor.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.image_token_id = image_token_id
         self.image_token = self.processor.tokenizer.convert_ids_to_tokens(image_token_id)
         self.max_images = max_images
@@ -110,10 +121,16 @@ class ImagePrompts:
             if hit is not None:
                 self._pixels.move_to_end(image.hash)
                 return hit
-        enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
-        ids = enc["input_ids"][0]
-        n = int((ids == self.image_token_id).sum())
-        pixels = {k: v[0] for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+        if self.merge_size is not None:  # an image processor alone (dynamic resolution): merged patches
+            enc = self.image_processor(images=[image.image], return_tensors="pt")
+            grid = enc["image_grid_thw"][0]
+            n = int(grid.prod()) // self.merge_size**2
+            pixels = {"pixel_values": enc["pixel_values"], "image_grid_thw": grid}
+        else:
+            enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
+            ids = enc["input_ids"][0]
+            n = int((ids == self.image_token_id).sum())
+            pixels = {k: v[0] for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
         with self._lock:
             self._pixels[image.hash] = (pixels, n)
             while len(self._pixels) > self._cache_items:

@@ -131,7 +131,7 @@ def image_options(cfg: Any, model_path: str) -> dict[str, Any]:
         if d.image_column:
             raise ConfigError(
                 f"data.image_column={d.image_column!r} but the model ({model_path}) is not an image-text "
-                "checkpoint batchgen runs (LLaVA, LLaVA-NeXT); unset data.image_column or choose such a model"
+                "checkpoint batchgen runs (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL); unset data.image_column or choose such a model"
             )
         return {}
     if cfg.engine.data_parallel_size > 1:
