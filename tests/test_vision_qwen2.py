@@ -132,3 +132,45 @@ def test_flat_config_of_the_first_releases_parses():
     assert (cfg.rope.rope_type, cfg.rope.theta, cfg.multimodal) == ("default", 1000000.0, True)
     assert (cfg.num_layers, cfg.hidden_size) == (2, 64)
     assert _mrope_section(flat) == [2, 3, 3]
+
+
+def test_preemption_and_async_scheduling_keep_positions_exact(qwen_vl):
+    """Preempted rows recompute their prompt and generated tokens with the same M-RoPE positions; async
+    scheduling builds a step's positions while the previous one runs: same tokens as transformers."""
+    imgs = [random_image(56 + 28 * i, 56, 50 + i) for i in range(3)]
+    rows = [(f"{IMG} question {i}", [imgs[i % 3]]) for i in range(6)]
+    ref = hf_greedy_qwen_vl(qwen_vl, rows, 20)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    inputs = [{"prompt": t, "multi_modal_data": {"image": ims}} for t, ims in rows]
+    small = LLM(qwen_vl, num_blocks=8, block_size=8, max_num_seqs=6, encoder_cache_memory="1KiB")
+    outs = small.generate(inputs, params, use_tqdm=False)
+    assert small.engine.stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    pipelined = LLM(qwen_vl, kv_cache_memory="32MiB", async_scheduling=True)
+    assert [o.outputs[0].token_ids for o in pipelined.generate(inputs, params, use_tqdm=False)] == ref
+
+
+def test_image_job_equals_transformers(qwen_vl, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import job_config, read_parts
+    from vision_helpers import png_bytes
+
+    from batchgen.job.run import run_job
+
+    rows = _rows()
+    table = pa.table(
+        {
+            "prompt": [t for t, _ in rows],
+            "image": [[png_bytes(im) for im in ims] for _, ims in rows],
+        }
+    )
+    pq.write_table(table, tmp_path / "in.parquet")
+    sampling = {"max_tokens": 8, "temperature": 0.0}
+    cfg = job_config(
+        qwen_vl, tmp_path / "in.parquet", tmp_path / "out", data={"image_column": "image"}, sampling=sampling
+    )
+    assert run_job(cfg).exit_code == 0
+    got = read_parts(tmp_path / "out").to_pylist()
+    assert [r["status"] for r in got] == ["ok"] * len(rows)
+    assert [r["token_ids"] for r in got] == hf_greedy_qwen_vl(qwen_vl, rows, 8)
