@@ -59,6 +59,19 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "batchgen.models.vision_qwen2",
     "Qwen2_5_VLForConditionalGeneration": "batchgen.models.vision_qwen2",
 }
+IMAGE_FAMILIES = "LLaVA 1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL"
+
+
+def no_images_reason(architecture: str) -> str:
+    """Why a model of ``architecture`` takes no images here (one line, naming what does)."""
+    if architecture.endswith(("ForConditionalGeneration", "ForImageTextToText", "VLForCausalLM")):
+        return (
+            f"{architecture}: batchgen does not run this architecture's images (it runs those of "
+            f"{IMAGE_FAMILIES}); use such a checkpoint, or send text only"
+        )
+    return f"this model ({architecture}) takes no images; use an image-text checkpoint ({IMAGE_FAMILIES})"
+
+
 # model_type -> the causal-LM architecture that runs it (a checkpoint naming no native architecture: a bare
 # backbone, a classifier, or none at all); never a vision-language one.
 CAUSAL_ARCHITECTURE_OF_TYPE: dict[str, str] = {

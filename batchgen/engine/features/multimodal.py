@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from batchgen.engine.config import EngineConfig, parse_bytes
+from batchgen.models.config import no_images_reason
 from batchgen.models.vision import MAX_IMAGE_TOKENS, EncoderStats, image_token_ids
 
 
@@ -62,7 +63,7 @@ class EngineImages:
     ) -> list[int] | str:
         """The sequence's token ids with each image's positions set to its image token ids, or why not."""
         if self.inputs is None:
-            return f"this model ({self.architecture}) takes no images; use an image-text checkpoint"
+            return no_images_reason(self.architecture)
         for i, item in enumerate(images):
             end = item.start + item.num_tokens
             if item.num_tokens > MAX_IMAGE_TOKENS or end > len(token_ids) or item.start < 0:
