@@ -173,7 +173,7 @@ def test_image_families_not_run_are_refused_by_name(tmp_path):
     architecture and the families that do run."""
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(
-        json.dumps({"architectures": ["Idefics3ForConditionalGeneration"]})
+        json.dumps({"architectures": ["PaliGemmaForConditionalGeneration"]})
     )
     from batchgen.errors import ConfigError
     from batchgen.multimodal.rows import image_options
@@ -183,7 +183,7 @@ def test_image_families_not_run_are_refused_by_name(tmp_path):
     )
     with pytest.raises(ConfigError) as e:  # a ConfigError ends the job with exit status 2
         image_options(cfg, str(tmp_path / "m"))
-    assert "Idefics3ForConditionalGeneration" in str(e.value) and "Qwen2-VL" in str(e.value)
+    assert "PaliGemmaForConditionalGeneration" in str(e.value) and "Qwen2-VL" in str(e.value)
     assert "\n" not in str(e.value)
     from batchgen.models.config import no_images_reason
 

@@ -41,6 +41,7 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "LlavaNextForConditionalGeneration": "llama",
     "Qwen2VLForConditionalGeneration": "qwen2",  # with its vision encoder (batchgen.models.vision_qwen2)
     "Qwen2_5_VLForConditionalGeneration": "qwen2",
+    "Idefics3ForConditionalGeneration": "llama",  # with its vision encoder (batchgen.models.vision_idefics3)
 }
 # Vision-language checkpoints whose language model we run natively (text only): architecture -> model_type of
 # the `text_config`. Their vision tower and projector weights are skipped.
@@ -50,6 +51,7 @@ NATIVE_TEXT_OF_MULTIMODAL: dict[str, str] = {
     "LlavaNextForConditionalGeneration": "llama",
     "Qwen2VLForConditionalGeneration": "qwen2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2",
+    "Idefics3ForConditionalGeneration": "llama",
 }
 # Vision-language architectures whose images batchgen runs (batchgen.models.vision): architecture -> loader
 # module (its ``load(ckpt, config, dtype, device)``).
@@ -58,8 +60,9 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
     "LlavaNextForConditionalGeneration": "batchgen.models.vision_llava",
     "Qwen2VLForConditionalGeneration": "batchgen.models.vision_qwen2",
     "Qwen2_5_VLForConditionalGeneration": "batchgen.models.vision_qwen2",
+    "Idefics3ForConditionalGeneration": "batchgen.models.vision_idefics3",
 }
-IMAGE_FAMILIES = "LLaVA 1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL"
+IMAGE_FAMILIES = "LLaVA 1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM"
 
 
 def no_images_reason(architecture: str) -> str:

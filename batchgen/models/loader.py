@@ -158,10 +158,13 @@ _MULTIMODAL_PREFIXES = (  # (checkpoint prefix, ours): transformers 4.x and 5.x 
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),
+    ("model.text_model.", "model."),
 )
 _VISION_PREFIXES = (
     "visual.",
     "model.visual.",
+    "model.vision_model.",
+    "model.connector.",
     "vision_tower.",
     "multi_modal_projector.",
     "image_newline",

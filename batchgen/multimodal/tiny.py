@@ -243,3 +243,71 @@ def build_qwen2_vl(
     tok.chat_template = QWEN_VL_CHAT_TEMPLATE
     tok.save_pretrained(str(out))
     return str(out)
+
+
+def build_idefics3(
+    out_dir: str | os.PathLike,
+    *,
+    hidden_size: int = 64,
+    vision_hidden_size: int = 32,
+    vocab_size: int = 4096,
+    seed: int = 0,
+) -> str:
+    """Build a tiny Idefics3 checkpoint (``Idefics3ForConditionalGeneration``: a 2-layer vision transformer on
+    56-px tiles of 14-px patches, the pixel-shuffle connector with ``scale_factor=2``: 4 tokens per tile, a
+    2-layer Llama) in `out_dir`, saved with the real ``Idefics3Processor`` (``Idefics3ImageProcessor``'s PIL
+    implementation: images up to 112 px split into 56-px tiles plus a global view); returns its path."""
+    import transformers
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    specials = ["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>"]
+    specials += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    tok.add_tokens(specials, special_tokens=True)
+    text = transformers.LlamaConfig(
+        vocab_size=vocab_size + 64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.08,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    vision = transformers.Idefics3VisionConfig(
+        hidden_size=vision_hidden_size,
+        intermediate_size=2 * vision_hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=56,
+        patch_size=14,
+        initializer_range=0.08,
+    )
+    cfg = transformers.Idefics3Config(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=2,
+        image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+        tie_word_embeddings=False,
+    )
+    cfg.initializer_range = 0.08
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Idefics3ForConditionalGeneration(cfg)
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(str(out))
+    image_processor = transformers.Idefics3ImageProcessorPil(
+        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
+    )
+    processor = transformers.Idefics3Processor(
+        image_processor=image_processor, tokenizer=tok, image_seq_len=4
+    )
+    processor.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return str(out)

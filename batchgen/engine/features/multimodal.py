@@ -32,13 +32,15 @@ from batchgen.models.vision import MAX_IMAGE_TOKENS, EncoderStats, image_token_i
 
 
 class ImageSlot(Protocol):
-    """One image of a request: content hash, the processor's tensors, its first placeholder position and its
-    number of placeholder tokens (:class:`batchgen.multimodal.inputs.ImageItem`)."""
+    """One image of a request: content hash, the processor's tensors, its first placeholder position, its
+    number of placeholder tokens and, when they are not contiguous, their offsets from the first
+    (:class:`batchgen.multimodal.inputs.ImageItem`)."""
 
     hash: str
     pixels: dict[str, Tensor]
     start: int
     num_tokens: int
+    offsets: tuple[int, ...] | None
 
 
 class EngineImages:
@@ -65,7 +67,7 @@ class EngineImages:
         if self.inputs is None:
             return no_images_reason(self.architecture)
         for i, item in enumerate(images):
-            end = item.start + item.num_tokens
+            end = item.start + (item.num_tokens if item.offsets is None else item.offsets[-1] + 1)
             if item.num_tokens > MAX_IMAGE_TOKENS or end > len(token_ids) or item.start < 0:
                 return (
                     f"image {i}: {item.num_tokens} placeholder tokens at {item.start} do not fit the prompt"
@@ -75,7 +77,12 @@ class EngineImages:
         for item in images:
             key = self.inputs.acquire(item.hash, item.pixels)
             held.append(item.hash)
-            seq[item.start : item.start + item.num_tokens] = image_token_ids(key, item.num_tokens)
+            ids = image_token_ids(key, item.num_tokens)
+            if item.offsets is None:
+                seq[item.start : item.start + item.num_tokens] = ids
+            else:  # feature tokens interleaved with text tokens
+                for offset, token in zip(item.offsets, ids):
+                    seq[item.start + offset] = token
         if self.position_fn is not None:
             self._positions[request_id] = self.position_fn(len(seq), images)
         return seq
