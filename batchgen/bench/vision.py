@@ -90,7 +90,7 @@ def run_vllm(
         return paths[img]
 
     spec = {
-        "model": model,
+        "model": _vllm_layout(model, tmp / "vllm_ckpt"),
         "engine": ENGINE,
         "warmup": [[WARMUP, path_of(_images(1, 99)[0])]],
         "workloads": {
@@ -112,6 +112,31 @@ def run_vllm(
     if res.get("status") != "ok":
         print(proc.stderr[-4000:], file=sys.stderr)
     return res
+
+
+def _vllm_layout(model: str, out: Path) -> str:
+    """The checkpoint with its vision tower's tensors under the names vLLM's LLaVA loader reads
+    (``vision_tower.vision_model.*``, as transformers 4.x wrote them; 5.x writes ``vision_tower.*``): the same
+    tensors, the other files linked."""
+    from safetensors.torch import load_file, save_file
+
+    src = Path(model)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    for f in src.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        renamed = {
+            (
+                "vision_tower.vision_model." + k[len("vision_tower.") :]
+                if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.")
+                else k
+            ): v
+            for k, v in tensors.items()
+        }
+        save_file(renamed, str(out / f.name), metadata={"format": "pt"})
+    return str(out)
 
 
 def run_batchgen(model: str, rows: list[tuple[str, bytes]], max_tokens: int) -> dict[str, Any]:
