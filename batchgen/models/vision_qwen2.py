@@ -128,7 +128,10 @@ def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
             f"unexpected {unexpected[:3]})"
         )
     lm_dtype = next(language_model.parameters()).dtype
+    rotary = encoder.visual.rotary_pos_emb
+    inv_freq = rotary.inv_freq.clone()  # float32 in transformers whatever the weights' dtype
     encoder = encoder.to(device=device, dtype=lm_dtype).eval().requires_grad_(False)
+    rotary.inv_freq = inv_freq.to(device)
     raw = json.loads((Path(ckpt) / "config.json").read_text())
     return QwenVLModel(
         language_model, encoder, int(raw["image_token_id"]), cache_bytes=1 << 30, sections=_mrope_section(raw)
