@@ -38,12 +38,15 @@ def build_llava(
     vocab_size: int = 4096,
     seed: int = 0,
     next_grid: list[list[int]] | None = None,
+    vip_layers: list[int] | None = None,
 ) -> str:
     """Build the tiny LLaVA checkpoint and processor in `out_dir`; returns its path.
 
     Each image becomes ``(image_size / patch_size)**2`` placeholder tokens (16 by default). With ``next_grid``
     (``image_grid_pinpoints``, multiples of ``image_size``) it is a LLaVA-NeXT checkpoint instead
-    (``LlavaNextForConditionalGeneration``, any-resolution tiling: the token count depends on the image size)."""
+    (``LlavaNextForConditionalGeneration``, any-resolution tiling: the token count depends on the image size).
+    With ``vip_layers`` (vision layers whose features are concatenated) it is a VipLLaVA checkpoint
+    (``VipLlavaForConditionalGeneration``: its own projector, the same processor)."""
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
@@ -93,17 +96,26 @@ def build_llava(
         vision_feature_layer=-2,
         projector_hidden_act="gelu",
     )
-    cfg = (
-        LlavaConfig(**common)
-        if next_grid is None
-        else LlavaNextConfig(**common, image_grid_pinpoints=next_grid)
-    )
+    if vip_layers is not None:
+        from transformers import VipLlavaConfig, VipLlavaForConditionalGeneration
+
+        cfg = VipLlavaConfig(
+            vision_config=vision,
+            text_config=text,
+            image_token_index=image_token_id,
+            vision_feature_layers=vip_layers,
+            projector_hidden_act="gelu",
+        )
+        model_class = VipLlavaForConditionalGeneration
+    elif next_grid is None:
+        cfg, model_class = LlavaConfig(**common), LlavaForConditionalGeneration
+    else:
+        cfg = LlavaNextConfig(**common, image_grid_pinpoints=next_grid)
+        model_class = LlavaNextForConditionalGeneration
     cfg.initializer_range = 0.08
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = (LlavaForConditionalGeneration if next_grid is None else LlavaNextForConditionalGeneration)(
-            cfg
-        )
+        model = model_class(cfg)
         if next_grid is not None:
             with torch.no_grad():
                 model.model.image_newline.normal_(0.0, 0.5)
