@@ -80,6 +80,9 @@ class ForwardContext:
     kv_cache: Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     lora: LoRAPlan | None = None
     """Each token's LoRA adapter slot (:mod:`batchgen.models.lora`); None: the base model for every token."""
+    rope_positions: Tensor | None = None
+    """``[S, T]`` position ids of a model whose positions are not the cache positions (multimodal RoPE), from
+    its feature's per-token input; None: the cache positions."""
 
 
 class AttentionBackend(Protocol):

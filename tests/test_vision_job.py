@@ -168,6 +168,31 @@ def test_image_column_needs_an_image_text_model(llama_ckpt, tmp_path):
     assert result.exit_code == 2 and "not an image-text checkpoint" in result.message
 
 
+def test_image_families_not_run_are_refused_by_name(tmp_path):
+    """An image job on an image-text architecture batchgen does not run with images: one line naming the
+    architecture and the families that do run."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(
+        json.dumps({"architectures": ["PaliGemmaForConditionalGeneration"]})
+    )
+    from batchgen.errors import ConfigError
+    from batchgen.multimodal.rows import image_options
+
+    cfg = job_config(
+        str(tmp_path / "m"), tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"}
+    )
+    with pytest.raises(ConfigError) as e:  # a ConfigError ends the job with exit status 2
+        image_options(cfg, str(tmp_path / "m"))
+    assert "PaliGemmaForConditionalGeneration" in str(e.value) and "Qwen2-VL" in str(e.value)
+    assert "\n" not in str(e.value)
+    from batchgen.models.config import no_images_reason
+
+    assert no_images_reason("Gemma3ForConditionalGeneration").startswith(
+        "Gemma3ForConditionalGeneration: batchgen does not run this architecture's images"
+    )
+    assert "takes no images" in no_images_reason("LlamaForCausalLM")
+
+
 @pytest.mark.slow
 def test_image_job_killed_with_sigkill_resumes_identically(llava, tmp_path):
     import dataclasses

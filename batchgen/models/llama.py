@@ -89,11 +89,21 @@ class RotaryEmbedding(nn.Module):
             if spec.long_inv_freq is not None
             else None
         )
+        self.section_of: Tensor | None = None
+        """Multimodal RoPE: each frequency's row of ``[S, T]`` positions (:meth:`set_sections`)."""
+
+    def set_sections(self, sections: list[int]) -> None:
+        """Multimodal RoPE: the first ``sections[0]`` frequencies follow position row 0, the next
+        ``sections[1]`` row 1, ... (transformers' ``mrope_section``)."""
+        if sum(sections) != self.inv_freq.numel():
+            raise ValueError(f"mrope_section {sections} must add up to {self.inv_freq.numel()} frequencies")
+        self.section_of = torch.repeat_interleave(torch.arange(len(sections)), torch.tensor(sections))
 
     def forward(
         self, positions: Tensor, dtype: torch.dtype, long: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """`long` [T] bool (LongRoPE only): tokens of sequences longer than the original context."""
+        """`positions` [T], or [S, T] for multimodal RoPE (`set_sections`). `long` [T] bool (LongRoPE only):
+        tokens of sequences longer than the original context."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
             if self.long_inv_freq is not None:
@@ -101,7 +111,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self.inv_freq
         if long is not None and self.long_inv_freq is not None and bool(long.any()):
             inv_freq = torch.where(long[:, None], self.long_inv_freq, self.inv_freq)
-        freqs = positions[:, None].float() * inv_freq
+        if positions.dim() == 2:  # multimodal RoPE: [S, T], frequency i rotated by positions[section_of[i]]
+            freqs = positions.float()[self.section_of.to(positions.device)].T * inv_freq
+        else:
+            freqs = positions[:, None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         if self.spec.attention_scaling != 1.0:

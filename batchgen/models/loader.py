@@ -158,8 +158,13 @@ _MULTIMODAL_PREFIXES = (  # (checkpoint prefix, ours): transformers 4.x and 5.x 
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),
+    ("model.text_model.", "model."),
 )
 _VISION_PREFIXES = (
+    "visual.",
+    "model.visual.",
+    "model.vision_model.",
+    "model.connector.",
     "vision_tower.",
     "multi_modal_projector.",
     "image_newline",
@@ -256,9 +261,10 @@ def load_model(
         logger.info("no native implementation (%s): using the transformers backend", e)
         return load_transformers_model(ckpt, dtype=dtype, device=device)
     if config.architecture in IMAGE_TEXT_ARCHITECTURES:
-        from batchgen.models.vision_llava import load_llava
+        import importlib
 
-        return load_llava(ckpt, config, dtype, device)
+        family = importlib.import_module(IMAGE_TEXT_ARCHITECTURES[config.architecture])
+        return family.load(ckpt, config, dtype, device)
     return load_native_model(ckpt, config, dtype=dtype, device=device)
 
 

@@ -96,7 +96,7 @@ class LlavaNextEncoder(LlavaEncoder):
         return list(packed)
 
 
-def load_llava(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
+def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
     """The LLaVA checkpoint in ``ckpt``: native language model (``config``: its text config), vision encoder
     from transformers' classes, both in the language model's dtype on ``device``."""
     from transformers import AutoConfig

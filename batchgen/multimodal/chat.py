@@ -92,7 +92,8 @@ def render(
 ) -> str:
     """The conversation (image parts already split) rendered by the processor's chat template, else the
     tokenizer's."""
-    owner = processor if getattr(processor, "chat_template", None) or chat_template else tokenizer
+    own = hasattr(processor, "apply_chat_template")  # an image processor alone has no template
+    owner = processor if own and (getattr(processor, "chat_template", None) or chat_template) else tokenizer
     return owner.apply_chat_template(
         messages,
         tokenize=False,

@@ -1,7 +1,8 @@
 """A prompt and its images -> the engine's inputs, with the checkpoint's own processor.
 
 :class:`ImagePrompts` loads the checkpoint's processor once (``AutoProcessor``; without torchvision
-transformers falls back to its PIL image processors). For each prompt it
+transformers falls back to its PIL image processors, and a processor class that needs torchvision, as
+Qwen2-VL's does, is replaced by its image processor and the tokenizer). For each prompt it
 
 - loads every image (:class:`~batchgen.multimodal.images.ImageLoader`: any source, content-hashed),
 - runs the processor's pixel work per distinct image (cached by content hash, so an image shown by many rows
@@ -32,12 +33,25 @@ from batchgen.multimodal.images import ImageError, ImageLoader, LoadedImage
 @dataclass(frozen=True)
 class ImageItem:
     """One image of a prompt, ready for the engine: content hash, the processor's tensors for this image
-    (``pixel_values`` ...), and where its ``num_tokens`` placeholder positions start in the token ids."""
+    (``pixel_values`` ...), and where its ``num_tokens`` placeholder positions are in the token ids:
+    ``start .. start + num_tokens - 1``, or ``start + o`` for each ``o`` of ``offsets`` when the processor
+    interleaves them with text tokens (Idefics3's tile rows)."""
 
     hash: str
     pixels: dict[str, Tensor]
     start: int
     num_tokens: int
+    offsets: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class _Processed:
+    """One image through the processor: its tensors, and the token ids its placeholder becomes (``offsets``:
+    where the image's feature tokens are among them; None when they are all feature tokens)."""
+
+    pixels: dict[str, Tensor]
+    expansion: tuple[int, ...]
+    offsets: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)
@@ -70,21 +84,35 @@ class ImagePrompts:
         loader: ImageLoader | None = None,
         cache_items: int = 512,
     ) -> None:
-        from transformers import AutoProcessor
+        from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the torchvision fallback warning: PIL processors are intended here
         try:
-            self.processor = AutoProcessor.from_pretrained(checkpoint)
+            try:
+                self.processor = AutoProcessor.from_pretrained(checkpoint)
+            except ImportError:  # a processor class that needs torchvision (Qwen2-VL's): its image processor
+                self.processor = AutoImageProcessor.from_pretrained(checkpoint)
         finally:
             hf_logging.set_verbosity(verbosity)
+        image_processor = getattr(self.processor, "image_processor", self.processor)
+        self.image_processor = image_processor
+        # dynamic resolution (Qwen2-VL): an image's tokens are its grid of patches merged merge_size x merge_size
+        dynamic = "image_grid_thw" in getattr(image_processor, "model_input_names", ())
+        self.merge_size: int | None = int(image_processor.merge_size) if dynamic else None
+        if not hasattr(self.processor, "tokenizer"):
+            self.processor.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.image_token_id = image_token_id
         self.image_token = self.processor.tokenizer.convert_ids_to_tokens(image_token_id)
         self.max_images = max_images
         # full-scale decoding: the processor resizes from the original pixels, as transformers does
         self.loader = loader or ImageLoader()
-        self._pixels: OrderedDict[str, tuple[dict[str, Tensor], int]] = OrderedDict()
+        self._pixels: OrderedDict[str, _Processed] = OrderedDict()
+        tok = self.processor.tokenizer
+        with_specials = list(tok(self.image_token, add_special_tokens=True)["input_ids"])
+        at = with_specials.index(image_token_id) if image_token_id in with_specials else 0
+        self._specials = (with_specials[:at], with_specials[at + 1 :])  # what the tokenizer adds around text
         self._cache_items = cache_items
         self._lock = threading.Lock()
 
@@ -103,22 +131,36 @@ class ImagePrompts:
                 raise ImageError(f"image {i}: {e}") from None
         return out
 
-    def pixels(self, image: LoadedImage) -> tuple[dict[str, Tensor], int]:
-        """The processor's tensors for one image and its number of feature tokens (cached by hash)."""
+    def pixels(self, image: LoadedImage) -> _Processed:
+        """The processor's tensors for one image and what its placeholder expands to (cached by hash)."""
         with self._lock:
             hit = self._pixels.get(image.hash)
             if hit is not None:
                 self._pixels.move_to_end(image.hash)
                 return hit
-        enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
-        ids = enc["input_ids"][0]
-        n = int((ids == self.image_token_id).sum())
-        pixels = {k: v[0] for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+        if self.merge_size is not None:  # an image processor alone (dynamic resolution): merged patches
+            enc = self.image_processor(images=[image.image], return_tensors="pt")
+            grid = enc["image_grid_thw"][0]
+            n = int(grid.prod()) // self.merge_size**2
+            pixels = {"pixel_values": enc["pixel_values"], "image_grid_thw": grid}
+            done = _Processed(pixels, (self.image_token_id,) * n, None)
+        else:
+            enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
+            ids = enc["input_ids"][0].tolist()
+            head, tail = self._specials
+            if head and ids[: len(head)] == head:
+                ids = ids[len(head) :]
+            if tail and ids[-len(tail) :] == tail:
+                ids = ids[: -len(tail)]
+            offsets = tuple(i for i, t in enumerate(ids) if t == self.image_token_id)
+            pure = len(offsets) == len(ids)
+            pixels = {k: v[0] for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+            done = _Processed(pixels, tuple(ids), None if pure else offsets)
         with self._lock:
-            self._pixels[image.hash] = (pixels, n)
+            self._pixels[image.hash] = done
             while len(self._pixels) > self._cache_items:
                 self._pixels.popitem(last=False)
-        return pixels, n
+        return done
 
     def build(self, token_ids: Sequence[int], images: Sequence[Any]) -> ImagePrompt:
         """Expand ``token_ids``' placeholders for ``images``; ImageError when they do not fit together."""
@@ -134,10 +176,12 @@ class ImagePrompts:
                     items.append(None)  # type: ignore[arg-type]  # counted for the message below
                     break
                 image = loaded[len(items)]
-                pixels, n = self.pixels(image)
-                used = n if length == n else 1  # a run already expanded for this image, or one placeholder
-                items.append(ImageItem(image.hash, pixels, len(out), n))
-                out.extend([self.image_token_id] * n)
+                done = self.pixels(image)
+                n = len(done.expansion) if done.offsets is None else len(done.offsets)
+                # a run already expanded for this image (all feature tokens), or one placeholder
+                used = n if length == n and done.offsets is None else 1
+                items.append(ImageItem(image.hash, done.pixels, len(out), n, done.offsets))
+                out.extend(done.expansion)
                 length -= used
         if len(items) != len(loaded) or (items and items[-1] is None):
             found = "more" if items and items[-1] is None else str(len(items))

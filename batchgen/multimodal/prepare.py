@@ -24,7 +24,9 @@ def image_prompts_for(engine: Any, storage_options: dict[str, Any] | None = None
         return cached
     model = engine.model
     if getattr(model, "images", None) is None:
-        return f"this model ({model.config.architecture}) takes no images; use an image-text checkpoint"
+        from batchgen.models.config import no_images_reason
+
+        return no_images_reason(model.config.architecture)
     from batchgen.multimodal.images import ImageLoader
 
     limit = (engine.config.limit_mm_per_prompt or {}).get("image")

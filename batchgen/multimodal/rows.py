@@ -36,6 +36,14 @@ def image_token_id(checkpoint: str) -> int | None:
     return int(token) if token is not None else None
 
 
+def _architecture(checkpoint: str) -> str | None:
+    try:
+        archs = json.loads((Path(checkpoint) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(archs[0]) if archs else None
+
+
 def image_side(
     checkpoint: str, max_images: int | None, storage_options: dict[str, Any] | None
 ) -> ImagePrompts:
@@ -134,9 +142,13 @@ def image_options(
     token = image_token_id(model_path)
     if token is None:
         if image_column:
+            from batchgen.models.config import IMAGE_FAMILIES
+
+            arch = _architecture(model_path)
             raise ConfigError(
-                f"data.image_column={image_column!r} but the model ({model_path}) is not an image-text "
-                "checkpoint batchgen runs (LLaVA, LLaVA-NeXT); unset data.image_column or choose such a model"
+                f"data.image_column={image_column!r} but the model ({model_path}{', ' + arch if arch else ''}) "
+                f"is not an image-text checkpoint batchgen runs ({IMAGE_FAMILIES}); unset data.image_column or "
+                "choose such a model"
             )
         return {}
     return {

@@ -38,12 +38,15 @@ def build_llava(
     vocab_size: int = 4096,
     seed: int = 0,
     next_grid: list[list[int]] | None = None,
+    vip_layers: list[int] | None = None,
 ) -> str:
     """Build the tiny LLaVA checkpoint and processor in `out_dir`; returns its path.
 
     Each image becomes ``(image_size / patch_size)**2`` placeholder tokens (16 by default). With ``next_grid``
     (``image_grid_pinpoints``, multiples of ``image_size``) it is a LLaVA-NeXT checkpoint instead
-    (``LlavaNextForConditionalGeneration``, any-resolution tiling: the token count depends on the image size)."""
+    (``LlavaNextForConditionalGeneration``, any-resolution tiling: the token count depends on the image size).
+    With ``vip_layers`` (vision layers whose features are concatenated) it is a VipLLaVA checkpoint
+    (``VipLlavaForConditionalGeneration``: its own projector, the same processor)."""
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
@@ -93,17 +96,26 @@ def build_llava(
         vision_feature_layer=-2,
         projector_hidden_act="gelu",
     )
-    cfg = (
-        LlavaConfig(**common)
-        if next_grid is None
-        else LlavaNextConfig(**common, image_grid_pinpoints=next_grid)
-    )
+    if vip_layers is not None:
+        from transformers import VipLlavaConfig, VipLlavaForConditionalGeneration
+
+        cfg = VipLlavaConfig(
+            vision_config=vision,
+            text_config=text,
+            image_token_index=image_token_id,
+            vision_feature_layers=vip_layers,
+            projector_hidden_act="gelu",
+        )
+        model_class = VipLlavaForConditionalGeneration
+    elif next_grid is None:
+        cfg, model_class = LlavaConfig(**common), LlavaForConditionalGeneration
+    else:
+        cfg = LlavaNextConfig(**common, image_grid_pinpoints=next_grid)
+        model_class = LlavaNextForConditionalGeneration
     cfg.initializer_range = 0.08
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = (LlavaForConditionalGeneration if next_grid is None else LlavaNextForConditionalGeneration)(
-            cfg
-        )
+        model = model_class(cfg)
         if next_grid is not None:
             with torch.no_grad():
                 model.model.image_newline.normal_(0.0, 0.5)
@@ -133,5 +145,181 @@ def build_llava(
     )
     processor.save_pretrained(str(out))
     tok.chat_template = LLAVA_CHAT_TEMPLATE
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}" + QWEN_IMAGE + "{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_qwen2_vl(
+    out_dir: str | os.PathLike,
+    *,
+    version: str = "2",
+    hidden_size: int = 64,
+    vision_hidden_size: int = 32,
+    vocab_size: int = 4096,
+    max_pixels: int = 28 * 28 * 16,
+    seed: int = 0,
+) -> str:
+    """Build a tiny Qwen2-VL (``version="2"``) or Qwen2.5-VL (``"2.5"``: window attention over 2x2 merged
+    patches in its first block, full attention in the last) checkpoint in `out_dir`; returns its path.
+
+    Saved with the real ``Qwen2VLImageProcessor`` (``min_pixels`` 56², ``max_pixels`` as given: an image
+    becomes 1 to ``max_pixels / 28²`` placeholder tokens depending on its size) and our byte-level BPE
+    tokenizer with Qwen's vision tokens added; the chat template puts
+    ``<|vision_start|><|image_pad|><|vision_end|>`` where a message has an image part. The processor class
+    itself (``Qwen2VLProcessor``) needs torchvision, so only its parts are saved."""
+    import transformers
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok.add_tokens(specials, special_tokens=True)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
+    head_dim = hidden_size // 4
+    quarter = head_dim // 2 // 4
+    text = dict(
+        vocab_size=vocab_size + 64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.08,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [head_dim // 2 - 2 * quarter * 3 // 2, quarter * 3 // 2, quarter * 3 // 2],
+        },
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        depth=2,
+        num_heads=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        initializer_range=0.08,
+    )
+    if version == "2":
+        vision.update(embed_dim=vision_hidden_size, hidden_size=hidden_size, mlp_ratio=2)
+        cfg_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    elif version == "2.5":
+        vision.update(
+            hidden_size=vision_hidden_size,
+            intermediate_size=2 * vision_hidden_size,
+            out_hidden_size=hidden_size,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        )
+        cfg_class, model_class = (
+            transformers.Qwen2_5_VLConfig,
+            transformers.Qwen2_5_VLForConditionalGeneration,
+        )
+    else:
+        raise ValueError(f"version must be '2' or '2.5', not {version!r}")
+    cfg = cfg_class(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    cfg.initializer_range = 0.08
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(cfg)
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(str(out))
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        min_pixels=56 * 56, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
+    )
+    image_processor.save_pretrained(str(out))
+    tok.chat_template = QWEN_VL_CHAT_TEMPLATE
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+def build_idefics3(
+    out_dir: str | os.PathLike,
+    *,
+    hidden_size: int = 64,
+    vision_hidden_size: int = 32,
+    vocab_size: int = 4096,
+    seed: int = 0,
+) -> str:
+    """Build a tiny Idefics3 checkpoint (``Idefics3ForConditionalGeneration``: a 2-layer vision transformer on
+    56-px tiles of 14-px patches, the pixel-shuffle connector with ``scale_factor=2``: 4 tokens per tile, a
+    2-layer Llama) in `out_dir`, saved with the real ``Idefics3Processor`` (``Idefics3ImageProcessor``'s PIL
+    implementation: images up to 112 px split into 56-px tiles plus a global view); returns its path."""
+    import transformers
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    specials = ["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>"]
+    specials += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    tok.add_tokens(specials, special_tokens=True)
+    text = transformers.LlamaConfig(
+        vocab_size=vocab_size + 64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.08,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    vision = transformers.Idefics3VisionConfig(
+        hidden_size=vision_hidden_size,
+        intermediate_size=2 * vision_hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=56,
+        patch_size=14,
+        initializer_range=0.08,
+    )
+    cfg = transformers.Idefics3Config(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=2,
+        image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+        tie_word_embeddings=False,
+    )
+    cfg.initializer_range = 0.08
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Idefics3ForConditionalGeneration(cfg)
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(str(out))
+    image_processor = transformers.Idefics3ImageProcessorPil(
+        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
+    )
+    processor = transformers.Idefics3Processor(
+        image_processor=image_processor, tokenizer=tok, image_seq_len=4
+    )
+    processor.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return str(out)

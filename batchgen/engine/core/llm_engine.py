@@ -151,6 +151,8 @@ class LLMEngine:
         self.executor = self.executor_class(self.runner, self._threads)
         weakref.finalize(self, self.executor.close)
         self.images = EngineImages(self.model, config)
+        if self.images.position_fn is not None:  # positions that depend on a row's images (multimodal RoPE)
+            self.builder.input_batch.token_inputs.append(self.images.token_positions)
 
     def _load(
         self,

@@ -5,9 +5,16 @@ image's pixels are held by the model's :class:`~batchgen.models.vision.ImageInpu
 scheduler, the KV cache manager and the runner see ordinary token ids: the prefix cache keys placeholder blocks
 by image, and the model's forward places the (cached or freshly encoded) features.
 
+A model whose positions depend on its images (multimodal RoPE: ``rope_positions(num_tokens, images)`` ->
+``([S, n] prompt positions, decode delta)``) gets them through the step's per-token inputs
+(:meth:`EngineImages.token_positions`, an :class:`~batchgen.engine.worker.input_batch.InputBatch` token input):
+each request's table is computed once when it is placed; a token at cache position ``p`` takes column ``p``
+of its prompt's table, or ``p + delta`` in every row past the prompt (generated tokens, any sample or beam of
+the request). Rows without images, and whole steps without them, keep the cache positions.
+
 Invariants: ``Request.prompt_token_ids`` keeps the checkpoint's placeholder token (what outputs report and
 penalties see); only the sequence's token ids carry image token ids. Every image acquired by ``place`` is
-released exactly once, when its request finishes or is aborted.
+released exactly once, when its request finishes or is aborted; its position table goes with it.
 """
 
 from __future__ import annotations
@@ -15,20 +22,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
+import torch
 from torch import Tensor
 
 from batchgen.engine.config import EngineConfig, parse_bytes
+from batchgen.models.config import no_images_reason
 from batchgen.models.vision import MAX_IMAGE_TOKENS, EncoderStats, image_token_ids
 
 
 class ImageSlot(Protocol):
-    """One image of a request: content hash, the processor's tensors, its first placeholder position and its
-    number of placeholder tokens (:class:`batchgen.multimodal.inputs.ImageItem`)."""
+    """One image of a request: content hash, the processor's tensors, its first placeholder position, its
+    number of placeholder tokens and, when they are not contiguous, their offsets from the first
+    (:class:`batchgen.multimodal.inputs.ImageItem`)."""
 
     hash: str
     pixels: dict[str, Tensor]
     start: int
     num_tokens: int
+    offsets: tuple[int, ...] | None
 
 
 class EngineImages:
@@ -40,6 +52,9 @@ class EngineImages:
         if self.inputs is not None:
             self.inputs.cache.capacity = parse_bytes(config.encoder_cache_memory)
         self._held: dict[str | int, list[str]] = {}
+        self.position_fn = getattr(model, "rope_positions", None)
+        """The model's own position ids of a row with images (None: positions are cache positions)."""
+        self._positions: dict[str | int, tuple[np.ndarray, int]] = {}
 
     @property
     def stats(self) -> EncoderStats:
@@ -50,9 +65,9 @@ class EngineImages:
     ) -> list[int] | str:
         """The sequence's token ids with each image's positions set to its image token ids, or why not."""
         if self.inputs is None:
-            return f"this model ({self.architecture}) takes no images; use an image-text checkpoint"
+            return no_images_reason(self.architecture)
         for i, item in enumerate(images):
-            end = item.start + item.num_tokens
+            end = item.start + (item.num_tokens if item.offsets is None else item.offsets[-1] + 1)
             if item.num_tokens > MAX_IMAGE_TOKENS or end > len(token_ids) or item.start < 0:
                 return f"image {i}: its {item.num_tokens} image tokens at position {item.start} do not fit the prompt"
         seq = list(token_ids)
@@ -60,12 +75,41 @@ class EngineImages:
         for item in images:
             key = self.inputs.acquire(item.hash, item.pixels)
             held.append(item.hash)
-            seq[item.start : item.start + item.num_tokens] = image_token_ids(key, item.num_tokens)
+            ids = image_token_ids(key, item.num_tokens)
+            if item.offsets is None:
+                seq[item.start : item.start + item.num_tokens] = ids
+            else:  # feature tokens interleaved with text tokens
+                for offset, token in zip(item.offsets, ids):
+                    seq[item.start + offset] = token
+        if self.position_fn is not None:
+            self._positions[request_id] = self.position_fn(len(seq), images)
         return seq
 
     def release(self, request_id: str | int) -> None:
         for h in self._held.pop(request_id, ()):
             self.inputs.release(h)
+        self._positions.pop(request_id, None)
+
+    def token_positions(self, seqs: list[Any], seq_idx: np.ndarray, device: torch.device) -> dict[str, Any]:
+        """The step's ``rope_positions`` ``[S, T]`` (a per-token input of the step): none when no scheduled
+        sequence belongs to a request with images."""
+        tables = [self._positions.get(s.seq.request.request_id) for s in seqs] if self._positions else []
+        if not any(t is not None for t in tables):
+            return {}
+        rows = next(t for t in tables if t is not None)[0].shape[0]
+        starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=len(seqs))
+        cu = np.concatenate([[0], np.cumsum([s.num_tokens for s in seqs])])
+        pos = starts[seq_idx] + (np.arange(seq_idx.shape[0]) - cu[seq_idx])
+        out = np.repeat(pos[None, :], rows, axis=0)
+        for i, t in enumerate(tables):
+            if t is None:
+                continue
+            table, delta = t
+            lo, hi = cu[i], cu[i + 1]
+            p = pos[lo:hi]
+            inside = p < table.shape[1]
+            out[:, lo:hi] = np.where(inside, table[:, np.minimum(p, table.shape[1] - 1)], p + delta)
+        return {"rope_positions": torch.from_numpy(out).to(device)}
 
     def report(self, wall_time_s: float) -> dict[str, Any]:
         """The job report's ``images`` section (empty when no request showed an image): image slots of the

@@ -1,0 +1,104 @@
+"""vLLM as a system of the image-text benchmark, run as a script under vLLM's own interpreter.
+
+    /path/to/vllm-venv/bin/python batchgen/bench/vision_vllm_child.py SPEC.json RESULT.json
+
+Imports nothing from batchgen (vLLM pins its own torch and transformers). The spec names the checkpoint, the
+engine budgets and, per workload, the rows (prompt text with the model's ``<image>`` placeholder, the path of
+the image's encoded bytes) and ``max_tokens``. The engine starts once and is warmed up with an unrelated image
+row; each workload is then timed from the encoded bytes (decode and vLLM's processor inside the wall time, as
+for the other systems), its prefix and multimodal caches reset first. The result: per workload ``wall_s``,
+``token_ids`` (row order) and ``prompt_tokens_cached``; ``status`` ``ok``, ``skipped`` (vLLM cannot be
+imported) or ``error`` with the reason.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]  # our siblings never shadow packages
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    try:
+        import vllm
+        from PIL import Image
+        from vllm import LLM, SamplingParams
+    except ImportError as e:
+        if e.name not in ("vllm", "PIL"):
+            raise
+        return {"status": "skipped", "reason": f"{e.name} cannot be imported by {sys.executable} ({e})"}
+    e = spec["engine"]
+    kw = dict(
+        model=spec["model"],
+        dtype="float32",
+        seed=0,
+        max_model_len=int(e["max_model_len"]),
+        enable_prefix_caching=True,
+        max_num_seqs=int(e["max_num_seqs"]),
+        max_num_batched_tokens=int(e["max_num_batched_tokens"]),
+        enforce_eager=True,
+        gpu_memory_utilization=0.5,
+        kv_cache_memory_bytes=int(e["kv_cache_bytes"]),
+        limit_mm_per_prompt={"image": 1},
+    )
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    init_s = time.perf_counter() - t0
+
+    def rows_of(rows: list[list[str]]) -> list[dict[str, Any]]:
+        out = []
+        for prompt, path in rows:
+            image = Image.open(io.BytesIO(Path(path).read_bytes())).convert("RGB")
+            out.append({"prompt": prompt, "multi_modal_data": {"image": image}})
+        return out
+
+    warm = rows_of(spec["warmup"])
+    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    results: dict[str, Any] = {}
+    for name, w in spec["workloads"].items():
+        llm.reset_prefix_cache()
+        if hasattr(llm, "reset_mm_cache"):
+            llm.reset_mm_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=int(w["max_tokens"]), ignore_eos=True)
+        load0 = os.getloadavg()[0]
+        t = time.perf_counter()
+        outs = llm.generate(rows_of(w["rows"]), params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        results[name] = {
+            "wall_s": wall,
+            "loadavg": [load0, os.getloadavg()[0]],
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "prompt_tokens_cached": sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outs),
+        }
+    return {
+        "status": "ok",
+        "via": f"vllm {vllm.__version__} LLM.generate with multi_modal_data (eager)",
+        "engine_init_s": init_s,
+        "settings": {k: v for k, v in kw.items() if k != "model"},
+        "workloads": results,
+    }
+
+
+def main() -> None:
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    spec = json.loads(Path(spec_path).read_text())
+    try:
+        res = run(spec)
+    except Exception as e:  # the parent reports it as this system's error
+        traceback.print_exc()
+        res = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
+    tmp = Path(out_path + ".tmp")
+    tmp.write_text(json.dumps(res))
+    tmp.replace(out_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Image-text checkpoints whose vision side runs on transformers' own model code: the checkpoint's
+``get_image_features`` (vision tower and projector, as its class defines them) computes the image features,
+batchgen's native decoder runs the language model on the paged KV cache.
+
+Used for architectures whose prompt expansion is the processor's (feature tokens placed where the processor
+writes the image token) and whose language model is a native architecture with plain causal attention and
+RoPE positions (:data:`batchgen.models.config.IMAGE_TEXT_ARCHITECTURES` names the ones tested for greedy
+equality with transformers). Only the transformers model's non-language tensors are loaded (:func:`load`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from batchgen.models.config import ModelConfig
+from batchgen.models.vision import ImageTextModel
+
+_LANGUAGE = ("language_model.", "model.language_model.", "lm_head.", "model.text_model.", "text_model.")
+
+
+class TransformersImageEncoder(nn.Module):
+    """Pixels of several images -> one ``[tokens, hidden]`` feature tensor each, through the transformers
+    model's ``get_image_features`` (the whole batch in one call)."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+
+    @torch.inference_mode()
+    def encode(self, pixels: list[dict[str, Tensor]]) -> list[Tensor]:
+        param = next(self.hf.parameters())
+        device, dtype = param.device, param.dtype
+        batch = torch.stack([p["pixel_values"] for p in pixels]).to(device=device, dtype=dtype)
+        out = self.hf.get_image_features(pixel_values=batch)
+        feats = getattr(out, "pooler_output", out)
+        return [f.reshape(-1, f.shape[-1]) for f in feats]
+
+
+def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
+    """The checkpoint in ``ckpt``: native language model (``config``: its text config) and transformers'
+    vision side (every tensor that is not the language model's), in the language model's dtype on ``device``.
+    The transformers model is built with a language model of no layers and a one-token vocabulary (its
+    vision side does not read it), so the language model's weights are held once, by the native decoder."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from batchgen.models.loader import load_native_model, safetensors_files
+
+    language_model = load_native_model(ckpt, config, dtype=dtype, device=device)
+    lm_dtype = next(language_model.parameters()).dtype
+    hf_config = AutoConfig.from_pretrained(str(ckpt))
+    text = hf_config.get_text_config()
+    text.num_hidden_layers, text.vocab_size = 0, 1
+    if hasattr(text, "layer_types"):
+        text.layer_types = []
+    hf = AutoModelForImageTextToText.from_config(hf_config).model  # the base model: no lm_head
+    ours = {n for n in hf.state_dict() if not n.startswith(_LANGUAGE)}
+    state: dict[str, Tensor] = {}
+    for file in safetensors_files(ckpt):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                for candidate in (name, name.removeprefix("model.")):
+                    if candidate in ours:
+                        state[candidate] = f.get_tensor(name)
+                        break
+    missing = sorted(ours - set(state))
+    if missing:
+        raise ValueError(f"{ckpt}: the vision side's tensors are missing from the checkpoint ({missing[:3]})")
+    hf.load_state_dict(state, strict=False)
+    hf = hf.to(device=device, dtype=lm_dtype).eval().requires_grad_(False)
+    raw: dict[str, Any] = json.loads((Path(ckpt) / "config.json").read_text())
+    token = raw.get("image_token_index", raw.get("image_token_id"))
+    return ImageTextModel(language_model, TransformersImageEncoder(hf), int(token), cache_bytes=1 << 30)

@@ -1,0 +1,78 @@
+"""Idefics3 / SmolVLM through batchgen: image splitting into tiles and a global view, the pixel-shuffle
+connector, feature tokens interleaved with the processor's tile tokens; greedy output equals transformers token
+for token (float32, CPU) with images of several sizes and aspect ratios, several images per row, batched and
+shuffled; each distinct image encoded once and its blocks shared by the prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("PIL", reason="image inputs need the vision extra (Pillow)")
+
+from vision_helpers import random_image  # noqa: E402
+
+from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen.multimodal.tiny import build_idefics3  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory) -> str:
+    return build_idefics3(tmp_path_factory.mktemp("idefics3"))
+
+
+def hf_greedy_nested(ckpt: str, rows, max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens per ``(text, images)`` row, one row at a time (the processor takes a list
+    of images per text)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(ckpt)
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
+    out = []
+    for text, images in rows:
+        enc = proc(text=[text], images=[images] if images else None, return_tensors="pt")
+        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+        out.append(gen[0, enc["input_ids"].shape[1] :].tolist())
+    return out
+
+
+def test_greedy_equals_transformers_batched_and_shuffled(idefics3):
+    a, b, c, d = (
+        random_image(w, h, s) for s, (w, h) in enumerate([(56, 56), (120, 60), (40, 90), (300, 200)])
+    )
+    rows = [
+        ("User:<image>What is in the picture?<end_of_utterance>\nAssistant:", [a]),
+        ("Compare <image> with <image>, please.", [b, c]),  # split into tiles: tokens between feature runs
+        ("<image>", [d]),
+        ("No image here, only text.", []),
+        ("<image> again, other text", [a]),
+    ]
+    ref = hf_greedy_nested(idefics3, rows, GREEDY.max_tokens)
+    llm = LLM(idefics3, kv_cache_memory="32MiB", max_num_seqs=8)
+    order = [2, 0, 4, 3, 1]
+    inputs = [
+        {"prompt": rows[i][0], "multi_modal_data": {"image": rows[i][1]}} if rows[i][1] else rows[i][0]
+        for i in order
+    ]
+    outs = llm.generate(inputs, GREEDY, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(rows)
+    assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
+    stats = llm.engine.images.stats
+    assert (stats.references, stats.distinct, stats.encoded) == (5, 4, 4)
+    # the same question about another image answers differently: the features are placed
+    other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": c}}, GREEDY, use_tqdm=False)
+    assert other[0].outputs[0].token_ids != ref[0]
+
+
+def test_blocks_shared_only_for_the_same_image(idefics3):
+    llm = LLM(idefics3, kv_cache_memory="32MiB", max_num_seqs=8, block_size=8)
+    a, b = random_image(112, 112, 10), random_image(112, 112, 11)  # 4 tiles and a global view: 20 tokens
+    prompt = "<image> and the question is long enough to fill blocks"
+    first = llm.generate({"prompt": prompt + " 1", "multi_modal_data": {"image": a}}, GREEDY, use_tqdm=False)
+    again = llm.generate({"prompt": prompt + " 2", "multi_modal_data": {"image": a}}, GREEDY, use_tqdm=False)
+    other = llm.generate({"prompt": prompt + " 1", "multi_modal_data": {"image": b}}, GREEDY, use_tqdm=False)
+    assert first[0].num_cached_tokens == 0 and again[0].num_cached_tokens >= 24
+    assert other[0].num_cached_tokens == 0
+    assert llm.engine.images.stats.encoded == 2
