@@ -178,11 +178,8 @@ def test_image_families_not_run_are_refused_by_name(tmp_path):
     from batchgen.errors import ConfigError
     from batchgen.multimodal.rows import image_options
 
-    cfg = job_config(
-        str(tmp_path / "m"), tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"}
-    )
     with pytest.raises(ConfigError) as e:  # a ConfigError ends the job with exit status 2
-        image_options(cfg, str(tmp_path / "m"))
+        image_options("image", str(tmp_path / "m"), None, None)
     assert "PaliGemmaForConditionalGeneration" in str(e.value) and "Qwen2-VL" in str(e.value)
     assert "\n" not in str(e.value)
     from batchgen.models.config import no_images_reason
