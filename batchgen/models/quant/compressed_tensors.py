@@ -26,7 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from batchgen.kernels import cpu_quant_linear
+from batchgen.models.quant.fp8 import Fp8Scheme, block_fp8_scheme
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
+from batchgen.models.quant.gptq_awq import awq_scheme, gptq_scheme
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,10 @@ class IntScheme:
     round_bf16: bool = False
 
 
-def quantization_scheme(path: str | Path) -> IntScheme | None:
-    """The checkpoint's quantization scheme (None: not quantized), or UnsupportedCheckpoint naming what is not
-    run."""
+def quantization_scheme(path: str | Path):
+    """The checkpoint's quantization scheme (None: not quantized): an :class:`IntScheme` (compressed-tensors
+    pack-quantized), a :class:`~batchgen.models.quant.gptq_awq.GPTQScheme` / ``AWQScheme`` or a
+    :class:`~batchgen.models.quant.fp8.Fp8Scheme`; or UnsupportedCheckpoint naming what is not run."""
     file = Path(path) / "config.json"
     try:
         config = json.loads(file.read_text())
@@ -55,25 +58,52 @@ def quantization_scheme(path: str | Path) -> IntScheme | None:
         return None
     where = f"quantization_config in {file}"
     method = q.get("quant_method")
+    if method == "gptq":
+        return gptq_scheme(q, where)
+    if method == "awq":
+        return awq_scheme(q, where)
+    if method == "fp8":
+        return block_fp8_scheme(q, where)
     if method != "compressed-tensors":
         raise UnsupportedCheckpoint(
-            f"{where}: quant_method={method!r} is not supported; batchgen runs compressed-tensors pack-quantized "
-            "int4/int8 weights (W4A16, W8A16) and GGUF files"
+            f"{where}: quant_method={method!r} is not supported; batchgen runs compressed-tensors (int4/int8 "
+            "W4A16/W8A16, fp8 weights), gptq, awq, fp8 (block) and GGUF files"
+        )
+    if q.get("kv_cache_scheme") and not _kv_scheme_supported(q["kv_cache_scheme"]):
+        raise UnsupportedCheckpoint(
+            f"{where}: kv_cache_scheme {q['kv_cache_scheme']} is not supported; batchgen reads per-tensor or "
+            "per-head fp8 k_scale / v_scale"
         )
     groups = list((q.get("config_groups") or {}).values())
+    if not groups and q.get("kv_cache_scheme"):
+        return None  # only the KV cache is quantized: the weights are float
     formats = {g.get("format") or q.get("format") for g in groups}
-    if formats != {"pack-quantized"} or len(groups) != 1:
+    if not formats <= {"pack-quantized", "float-quantized", "naive-quantized"} or len(groups) != 1:
         raise UnsupportedCheckpoint(
             f"{where}: compressed-tensors format {', '.join(sorted(map(str, formats)))} is not supported; batchgen "
-            "runs pack-quantized (W4A16, W8A16) with one scheme for all Linear layers"
+            "runs pack-quantized (W4A16, W8A16) and float-quantized (fp8 weights) with one scheme for all "
+            "Linear layers"
         )
     (group,) = groups
+    (fmt,) = formats
     weights, acts = group.get("weights") or {}, group.get("input_activations")
     problems = []
     if group.get("targets") != ["Linear"]:
         problems.append(f"targets {group.get('targets')}")
     if acts:
         problems.append("quantized input activations (W8A8 / fp8)")
+    if weights.get("type") == "float" and fmt != "pack-quantized":
+        if weights.get("num_bits") != 8:
+            problems.append(f"float weights of {weights.get('num_bits')} bits")
+        if weights.get("strategy") not in ("tensor", "channel", "block"):
+            problems.append(f"strategy {weights.get('strategy')!r}")
+        if problems:
+            raise UnsupportedCheckpoint(f"{where}: compressed-tensors {', '.join(problems)} not supported; batchgen "
+                                        "runs fp8 weight-only quantization (tensor, channel or block scales)")  # fmt: skip
+        block = weights.get("block_structure") if weights.get("strategy") == "block" else None
+        return Fp8Scheme("weight_scale", tuple(block) if block else None, "compressed-tensors fp8")
+    if fmt != "pack-quantized":
+        problems.append(f"format {fmt} with {weights.get('type')} weights")
     if weights.get("type") != "int" or weights.get("num_bits") not in (4, 8):
         problems.append(f"{weights.get('type')} weights of {weights.get('num_bits')} bits")
     if not weights.get("symmetric", False):
@@ -87,6 +117,14 @@ def quantization_scheme(path: str | Path) -> IntScheme | None:
                                     "symmetric int4/int8 weight-only group or channel quantization (W4A16, W8A16)")  # fmt: skip
     group_size = weights.get("group_size") if weights.get("strategy") == "group" else None
     return IntScheme(int(weights["num_bits"]), group_size, tuple(q.get("ignore") or ()))
+
+
+def _kv_scheme_supported(kv: dict) -> bool:
+    return (
+        kv.get("type") == "float"
+        and kv.get("num_bits") == 8
+        and kv.get("strategy") in ("tensor", "attn_head")
+    )
 
 
 class IntQuantLinear(nn.Module):
