@@ -82,9 +82,9 @@ def test_int_linear_matches_float64_on_dequantized(bits, group, round_bf16) -> N
 
 
 REFUSED = {
-    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method='gptq' is not supported"),
-    "awq": ({"quant_method": "awq", "bits": 4}, "quant_method='awq' is not supported"),
-    "fp8": ({"format": "float-quantized"}, "format float-quantized is not supported"),
+    "bnb": ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes' is not supported"),
+    "marlin": ({"format": "marlin-24"}, "compressed-tensors format marlin-24 is not supported"),
+    "fp8-format-int-weights": ({"format": "float-quantized"}, "format float-quantized with int weights"),
     "w8a8": (
         {"input_activations": {"num_bits": 8, "type": "int"}},
         "quantized input activations (W8A8 / fp8)",
@@ -128,13 +128,13 @@ def test_job_refuses_a_scheme_with_exit_2(llama_256, tmp_path) -> None:
     from batchgen.job.run import EXIT_CONFIG, run_job
 
     path = _variant(
-        write_compressed_tensors(llama_256, tmp_path / "ct"), tmp_path / "gptq", REFUSED["gptq"][0]
+        write_compressed_tensors(llama_256, tmp_path / "ct"), tmp_path / "bnb", REFUSED["bnb"][0]
     )
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["hello"]}), inp)
     res = run_job(job_config(path, inp, tmp_path / "out"), handle_signals=False, print_summary=False)
     assert res.exit_code == EXIT_CONFIG and "\n" not in res.message
-    assert "quant_method='gptq' is not supported" in res.message
+    assert "quant_method='bitsandbytes' is not supported" in res.message
 
 
 def test_tensor_parallel_refused_for_quantized_checkpoints(llama_256, tmp_path) -> None:
