@@ -127,9 +127,7 @@ def test_job_refuses_a_scheme_with_exit_2(llama_256, tmp_path) -> None:
 
     from batchgen.job.run import EXIT_CONFIG, run_job
 
-    path = _variant(
-        write_compressed_tensors(llama_256, tmp_path / "ct"), tmp_path / "bnb", REFUSED["bnb"][0]
-    )
+    path = _variant(write_compressed_tensors(llama_256, tmp_path / "ct"), tmp_path / "bnb", REFUSED["bnb"][0])
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["hello"]}), inp)
     res = run_job(job_config(path, inp, tmp_path / "out"), handle_signals=False, print_summary=False)
