@@ -43,7 +43,8 @@ from batchgen.models.quant.gguf_checkpoint import (
     load_gguf_model,
     load_gguf_tokenizer,
 )
-from batchgen.models.quant.linear_loader import load_quantized_linears
+from batchgen.models.quant.kv_scales import attach_kv_scales
+from batchgen.models.quant.linear_loader import TensorReader, kv_scale_names, load_quantized_linears
 from batchgen.models.quant.weight_dtype import compute_dtype
 from batchgen.models.sharding import read_shard
 
@@ -324,6 +325,9 @@ def load_native_model(
             read, modules = load_quantized_linears(model, config, files, scheme)
             replaced = tuple(f"{m}." for m in modules)
             rename = _skipping(read, rename)
+    if scales := kv_scale_names(files):  # fp8 KV-cache scales, kept by the attention layers
+        get = TensorReader(files)
+        rename = _skipping(attach_kv_scales(model, get, scales), rename)
     params = {  # tied lm_head is deduplicated: only embed_tokens
         n: p for n, p in model.named_parameters() if not n.startswith(replaced)
     }

@@ -20,7 +20,7 @@ from batchgen.models.config import ModelConfig
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
 
 
-class _Reader:
+class TensorReader:
     """Tensors by name over a checkpoint's safetensors files (headers listed once, files opened lazily)."""
 
     def __init__(self, files: list[Path]) -> None:
@@ -53,7 +53,7 @@ def load_quantized_linears(
     Returns (checkpoint tensor names read, replaced module names)."""
     from batchgen.models.loader import _checkpoint_names
 
-    get = _Reader(files)
+    get = TensorReader(files)
     replaced = []
     for name, linear in list(model.named_modules()):
         if type(linear) is not nn.Linear or (name == "lm_head" and config.tie_word_embeddings):
@@ -92,3 +92,14 @@ def load_quantized_linears(
 
 def _scheme_leaves(scheme) -> tuple[str, ...]:
     return getattr(scheme, "tensors", None) or (scheme.scale_name,)
+
+
+def kv_scale_names(files: list[Path]) -> list[str]:
+    """The checkpoint's fp8 KV-cache scale tensors (:mod:`batchgen.models.quant.kv_scales`), from the headers."""
+    from batchgen.models.quant.kv_scales import is_kv_scale
+
+    names = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names += [n for n in f.keys() if is_kv_scale(n)]
+    return names
