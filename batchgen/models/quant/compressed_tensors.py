@@ -10,10 +10,12 @@ arithmetic (``(q - offset) * scale``, the scales widened to float32 as transform
 them), so greedy output equals transformers' own loading of
 the checkpoint (which decompresses to float32) token for token.
 
-Invariant: anything else in a ``quantization_config`` — another ``quant_method`` (GPTQ, AWQ, fp8, bitsandbytes...),
-another compressed-tensors format or scheme (fp8, W8A8, asymmetric zero points, activation ordering,
-per-layer targets) — is refused by name at load and at planning (:func:`quantization_scheme`, an
-:class:`~batchgen.models.quant.gguf_checkpoint.UnsupportedCheckpoint`).
+Invariant: :func:`quantization_scheme` is the one reading of a ``quantization_config``: it returns the scheme of
+each format batchgen runs (this module's :class:`IntScheme`; GPTQ / AWQ: :mod:`.gptq_awq`; fp8 weights, which
+compressed-tensors calls ``float-quantized``: :mod:`.fp8`) and refuses anything else by name at load and at
+planning — another ``quant_method`` (bitsandbytes...), another compressed-tensors format or scheme (W8A8 and fp8
+activations, asymmetric zero points, activation ordering, per-layer targets) — with an
+:class:`~batchgen.models.quant.gguf_checkpoint.UnsupportedCheckpoint`.
 """
 
 from __future__ import annotations
