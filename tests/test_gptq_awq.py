@@ -180,3 +180,23 @@ def test_asymmetric_8bit_with_far_zero_points_is_refused(llama_256, tmp_path) ->
         UnsupportedCheckpoint, match="8-bit asymmetric weights whose zero points are far from 128"
     ):
         LLM(path, num_blocks=64, block_size=8)
+
+
+def test_job_runs_an_awq_checkpoint_and_refuses_a_scheme_with_exit_2(llama_256, tmp_path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import job_config, read_parts
+
+    from batchgen.job.run import EXIT_CONFIG, EXIT_OK, run_job
+
+    path = writers.write_awq(llama_256, tmp_path / "awq")
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["hello", "the quick brown fox", "a"]}), inp)
+    res = run_job(job_config(path, inp, tmp_path / "out"), handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_OK
+    assert read_parts(tmp_path / "out").column("status").to_pylist() == ["ok"] * 3
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    cfg["quantization_config"]["version"] = "gemv"
+    (Path(path) / "config.json").write_text(json.dumps(cfg))
+    res = run_job(job_config(path, inp, tmp_path / "out2"), handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_CONFIG and "\n" not in res.message and "version='gemv'" in res.message
