@@ -19,9 +19,13 @@ from pathlib import Path
 
 import torch
 
-from batchgen.bench.quant import _agreement
-
 FP8_MAX = 448.0
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of generated tokens before each sequence's first difference (greedy agreement)."""
+    same = sum(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) for x, y in zip(a, b))
+    return same / max(1, sum(map(len, a)))
 
 
 def calibrate(path: str, prompts: list[list[int]], new: int) -> tuple[torch.Tensor, torch.Tensor]:
