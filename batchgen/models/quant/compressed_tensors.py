@@ -1,6 +1,7 @@
 """compressed-tensors checkpoints (what vLLM's llm-compressor writes), loaded from their ``quantization_config``
-without dequantizing the model: the ``pack-quantized`` format with symmetric integer weights (W4A16 / W8A16:
-4- or 8-bit, ``group`` or ``channel`` strategy, activations unquantized).
+without dequantizing the model: the ``pack-quantized`` format with integer weights (W4A16 / W8A16: 4- or 8-bit,
+``group`` or ``channel`` strategy, activations unquantized). Symmetric weights stream in as they are stored;
+asymmetric ones (``weight_zero_point``) are repacked at load (:class:`ZeroPointScheme`).
 
 Each target projection becomes an :class:`IntQuantLinear` holding the checkpoint's own tensors —
 ``weight_packed`` (int32 words, compressed-tensors' bit layout) and ``weight_scale`` (widened to float32) — so the
@@ -14,7 +15,7 @@ Invariant: :func:`quantization_scheme` is the one reading of a ``quantization_co
 each format batchgen runs (this module's :class:`IntScheme`; GPTQ / AWQ: :mod:`.gptq_awq`; fp8 weights, which
 compressed-tensors calls ``float-quantized``: :mod:`.fp8`) and refuses anything else by name at load and at
 planning — another ``quant_method`` (bitsandbytes...), another compressed-tensors format or scheme (W8A8 and fp8
-activations, asymmetric zero points, activation ordering, per-layer targets) — with an
+activations, activation ordering, per-layer targets) — with an
 :class:`~batchgen.models.quant.gguf_checkpoint.UnsupportedCheckpoint`.
 """
 
@@ -108,17 +109,48 @@ def quantization_scheme(path: str | Path):
         problems.append(f"format {fmt} with {weights.get('type')} weights")
     if weights.get("type") != "int" or weights.get("num_bits") not in (4, 8):
         problems.append(f"{weights.get('type')} weights of {weights.get('num_bits')} bits")
-    if not weights.get("symmetric", False):
-        problems.append("asymmetric weights (zero points)")
     if weights.get("strategy") not in ("group", "channel"):
         problems.append(f"strategy {weights.get('strategy')!r}")
     if weights.get("actorder"):
         problems.append(f"actorder={weights.get('actorder')!r}")
+    if not weights.get("symmetric", False) and weights.get("num_bits") == 8:
+        problems.append("asymmetric 8-bit weights (zero points)")
     if problems:
         raise UnsupportedCheckpoint(f"{where}: compressed-tensors {', '.join(problems)} not supported; batchgen runs "
-                                    "symmetric int4/int8 weight-only group or channel quantization (W4A16, W8A16)")  # fmt: skip
+                                    "int4 (symmetric or with zero points) and symmetric int8 weight-only group or channel "
+                                    "quantization (W4A16, W8A16)")  # fmt: skip
     group_size = weights.get("group_size") if weights.get("strategy") == "group" else None
+    if not weights.get("symmetric", False):
+        return ZeroPointScheme(int(weights["num_bits"]))
     return IntScheme(int(weights["num_bits"]), group_size, tuple(q.get("ignore") or ()))
+
+
+@dataclass(frozen=True)
+class ZeroPointScheme:
+    """Asymmetric pack-quantized weights: ``weight_packed`` (as :class:`IntScheme`), ``weight_scale`` ``[N, G]``
+    and ``weight_zero_point`` ``[N * bits / 32, G]`` int32 (packed along the outputs, stored with the same offset
+    of 2^(bits-1)); ``w = (q - zero_point) * scale``. Repacked at load into a
+    :class:`~batchgen.models.quant.group_linear.GroupQuantLinear` (zero points folded into the values)."""
+
+    bits: int
+    method: str = "compressed-tensors asymmetric"
+    tensors = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+    def is_quantized(self, prefix: str, names) -> bool:
+        return f"{prefix}.weight_packed" in names
+
+    def build(self, in_features: int, prefixes: list[str], get, bias):
+        from batchgen.models.quant.gptq_awq import to_part
+        from batchgen.models.quant.group_linear import GroupQuantLinear, unpack_words
+
+        parts = []
+        for p in prefixes:
+            get(f"{p}.weight_shape", None)  # the shape is the model's
+            q = unpack_words(get(f"{p}.weight_packed"), self.bits, dim=1)  # [N, K], offset values
+            z = unpack_words(get(f"{p}.weight_zero_point"), self.bits, dim=0)  # [N, G]
+            scale = get(f"{p}.weight_scale").float()  # [N, G]
+            parts.append(to_part(p, q.t(), z.t(), scale.t(), self.bits, in_features, None))
+        return GroupQuantLinear(in_features, parts, bias)
 
 
 def _kv_scheme_supported(kv: dict) -> bool:

@@ -123,7 +123,7 @@ def to_part(
         if int(values.min()) < 0 or int(values.max()) > 255:
             raise UnsupportedCheckpoint(
                 f"{prefix}: 8-bit asymmetric weights whose zero points are far from 128 are not supported "
-                "(batchgen runs symmetric 8-bit and symmetric or asymmetric 4-bit GPTQ/AWQ)"
+                "(batchgen runs symmetric 8-bit and symmetric or asymmetric 4-bit weights)"
             )
     return IntPart(
         values.to(torch.uint8).contiguous(), scales.float().t().contiguous(), out_bits, group, perm
@@ -140,10 +140,12 @@ def gptq_scheme(q: dict, where: str) -> GPTQScheme:
         problems.append(f"bits={bits}")
     if fmt not in ("gptq", "gptq_v2"):
         problems.append(f"checkpoint_format={fmt!r}")
+    if bits == 8 and q.get("sym") is False:
+        problems.append("asymmetric 8-bit (sym=false)")
     if problems:
         raise UnsupportedCheckpoint(
             f"{where}: GPTQ {', '.join(problems)} not supported; batchgen runs 4- and 8-bit GPTQ "
-            "(checkpoint_format gptq or gptq_v2; any group size, desc_act, sym or asym 4-bit)"
+            "(checkpoint_format gptq or gptq_v2; any group size, desc_act; symmetric, or asymmetric 4-bit)"
         )
     return GPTQScheme(int(bits), v1=fmt == "gptq")
 
