@@ -198,3 +198,11 @@ def test_job_runs_an_awq_checkpoint_and_refuses_a_scheme_with_exit_2(llama_256, 
     (Path(path) / "config.json").write_text(json.dumps(cfg))
     res = run_job(job_config(path, inp, tmp_path / "out2"), handle_signals=False, print_summary=False)
     assert res.exit_code == EXIT_CONFIG and "\n" not in res.message and "version='gemv'" in res.message
+
+
+def test_the_transformers_implementation_is_refused_for_a_quantized_checkpoint(llama_256, tmp_path) -> None:
+    from batchgen.models.loader import load_model
+
+    path = writers.write_gptq(llama_256, tmp_path / "q")
+    with pytest.raises(UnsupportedCheckpoint, match="runs on batchgen's native code"):
+        load_model(path, implementation="transformers")

@@ -237,13 +237,14 @@ def load_model(
         config = check_tensor_parallel(ckpt, implementation, tp_size)
         return load_native_model(ckpt, shard_config(config, tp_rank, tp_size), dtype=dtype, device=device)
     if implementation == "transformers":
+        if quantization_scheme(ckpt) is not None:
+            raise UnsupportedCheckpoint(
+                f"quantized checkpoint {ckpt} runs on batchgen's native code: use model.implementation auto or "
+                "native"
+            )
         from batchgen.models.transformers_backend import load_transformers_model
 
         return load_transformers_model(ckpt, dtype=dtype, device=device)
-    if quantization_scheme(ckpt) is not None and implementation == "transformers":
-        raise UnsupportedCheckpoint(
-            f"quantized checkpoint {ckpt} runs on batchgen's native code: use model.implementation auto or native"
-        )
     try:
         config = ModelConfig.from_pretrained(ckpt)
     except NativeUnsupportedError as e:
