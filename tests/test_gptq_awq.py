@@ -206,3 +206,14 @@ def test_the_transformers_implementation_is_refused_for_a_quantized_checkpoint(l
     path = writers.write_gptq(llama_256, tmp_path / "q")
     with pytest.raises(UnsupportedCheckpoint, match="runs on batchgen's native code"):
         load_model(path, implementation="transformers")
+
+
+def test_qwen2_with_projection_biases(ckpt_factory, tmp_path) -> None:
+    """q/k/v biases (float16 beside the packed weights) reach the fused projection."""
+    base = ckpt_factory("qwen2", seed=3, hidden_size=256, intermediate_size=512)
+    path = writers.write_gptq(base, tmp_path / "q", bits=4, group_size=64, desc_act=True)
+    llm = LLM(path, num_blocks=64, block_size=8)
+    assert llm.engine.model.model.layers[0].self_attn.qkv_proj.bias is not None
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert got == _greedy_hf(_dequantized_checkpoint(path, tmp_path / "dense", "gptq", 4, True))
