@@ -90,7 +90,6 @@ REFUSED = {
         "quantized input activations (W8A8 / fp8)",
     ),
     "actorder": ({"actorder": "group"}, "actorder='group'"),
-    "asym8": ({"symmetric": False, "num_bits": 8}, "asymmetric 8-bit weights (zero points)"),
 }
 
 
@@ -142,7 +141,7 @@ def test_tensor_parallel_refused_for_quantized_checkpoints(llama_256, tmp_path) 
         LLM(path, tensor_parallel_size=2, device="cpu", num_blocks=64, block_size=8)
 
 
-@pytest.mark.parametrize("bits, group", [(4, 64), (4, None)])
+@pytest.mark.parametrize("bits, group", [(4, 64), (8, None)])
 def test_asymmetric_pack_quantized_greedy_equals_the_dequantized_model(
     llama_256, tmp_path, bits, group
 ) -> None:
@@ -182,7 +181,10 @@ def test_asymmetric_pack_quantized_greedy_equals_the_dequantized_model(
     cfg["dtype"] = "float32"
     (tmp_path / "dense" / "config.json").write_text(json.dumps(cfg))
     down = "model.layers.1.mlp.down_proj.weight"
-    assert torch.equal(llm.engine.model.model.layers[1].mlp.down_proj.dense_weight(), dense[down])
+    ours = llm.engine.model.model.layers[
+        1
+    ].mlp.down_proj.dense_weight()  # zero points' share added in float32
+    assert (ours - dense[down]).abs().max() <= 1e-6 * dense[down].abs().max()
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     with torch.inference_mode():

@@ -113,12 +113,9 @@ def quantization_scheme(path: str | Path):
         problems.append(f"strategy {weights.get('strategy')!r}")
     if weights.get("actorder"):
         problems.append(f"actorder={weights.get('actorder')!r}")
-    if not weights.get("symmetric", False) and weights.get("num_bits") == 8:
-        problems.append("asymmetric 8-bit weights (zero points)")
     if problems:
         raise UnsupportedCheckpoint(f"{where}: compressed-tensors {', '.join(problems)} not supported; batchgen runs "
-                                    "int4 (symmetric or with zero points) and symmetric int8 weight-only group or channel "
-                                    "quantization (W4A16, W8A16)")  # fmt: skip
+                                    "int4/int8 weight-only group or channel quantization (W4A16, W8A16)")  # fmt: skip
     group_size = weights.get("group_size") if weights.get("strategy") == "group" else None
     if not weights.get("symmetric", False):
         return ZeroPointScheme(int(weights["num_bits"]))

@@ -13,13 +13,13 @@ The layouts, as AutoGPTQ / GPTQModel and AutoAWQ write them (``K`` inputs, ``N``
   order (value ``i`` of word ``c`` is output ``8c + [0, 2, 4, 6, 1, 3, 5, 7][i]``); ``qzeros`` ``[G, N / 8]``
   packed the same way (no offset); ``scales`` ``[G, N]`` float16. ``w[n, k] = (q[k, n] - z[k // g, n]) * s``.
 
-Dequantized weights are exact in float32 (a ≤ 9-bit integer times a float16 scale), so
-:meth:`GroupQuantLinear.dense_weight` equals a float64 dequantization bit for bit.
+Symmetric weights dequantize exactly in float32 (a ≤ 8-bit integer times a float16 scale): their
+:meth:`GroupQuantLinear.dense_weight` equals a float64 dequantization bit for bit; other zero points add their
+share after the GEMM (:mod:`.group_linear`), equal to it up to float32 rounding.
 
 Refused by name (:class:`UnsupportedCheckpoint`): other bit widths (GPTQ 2/3-bit, AWQ other than 4-bit),
-other serialisations (GPTQ ``marlin``/``bitblas``, AWQ ``gemv``/``gemv_fast``/``marlin``/``exllama``), an
-8-bit part whose zero points do not fold into int8 values, and ``g_idx`` assigning unequal numbers of inputs to
-groups.
+other serialisations (GPTQ ``marlin``/``bitblas``, AWQ ``gemv``/``gemv_fast``/``marlin``/``exllama``), and
+``g_idx`` assigning unequal numbers of inputs to groups.
 """
 
 from __future__ import annotations
@@ -114,19 +114,12 @@ def to_part(
                 )
             perm = torch.argsort(g_idx, stable=True)
     values = (q if perm is None else q.index_select(0, perm)).t()  # [N, K] in group order
-    zeros = z.t().repeat_interleave(group, dim=1)  # [N, K]
     offset = 1 << (bits - 1)
-    out_bits = bits
-    if not bool((zeros == offset).all()):  # zero points folded into the stored values
-        out_bits = 8
-        values = values.to(torch.int32) - zeros + 128
-        if int(values.min()) < 0 or int(values.max()) > 255:
-            raise UnsupportedCheckpoint(
-                f"{prefix}: 8-bit asymmetric weights whose zero points are far from 128 are not supported "
-                "(batchgen runs symmetric 8-bit and symmetric or asymmetric 4-bit weights)"
-            )
+    zero_term = None
+    if not bool((z == offset).all()):  # the zero points' share, added after the GEMM (group_linear)
+        zero_term = ((offset - z).double() * scales.double()).t().float()
     return IntPart(
-        values.to(torch.uint8).contiguous(), scales.float().t().contiguous(), out_bits, group, perm
+        values.to(torch.uint8).contiguous(), scales.float().t().contiguous(), bits, group, perm, zero_term
     )
 
 
@@ -140,12 +133,10 @@ def gptq_scheme(q: dict, where: str) -> GPTQScheme:
         problems.append(f"bits={bits}")
     if fmt not in ("gptq", "gptq_v2"):
         problems.append(f"checkpoint_format={fmt!r}")
-    if bits == 8 and q.get("sym") is False:
-        problems.append("asymmetric 8-bit (sym=false)")
     if problems:
         raise UnsupportedCheckpoint(
             f"{where}: GPTQ {', '.join(problems)} not supported; batchgen runs 4- and 8-bit GPTQ "
-            "(checkpoint_format gptq or gptq_v2; any group size, desc_act; symmetric, or asymmetric 4-bit)"
+            "(checkpoint_format gptq or gptq_v2; any group size, desc_act, sym or asym)"
         )
     return GPTQScheme(int(bits), v1=fmt == "gptq")
 

@@ -5,16 +5,18 @@ values packed along the inputs into int32 words, lowest bits first, stored with 
 
 Checkpoints in other layouts (GPTQ, AWQ: :mod:`.gptq_awq`) are repacked into it once at load:
 
-* a checkpoint's zero points are folded into the stored values (``u = q - zero + 2^(bits-1)``): exact, since the
-  kernel's offset is fixed; an int4 part whose zero points are not all 8 is stored as int8 values for this
-  (twice the bytes of int4, still a quarter of float32's);
+* symmetric weights (every zero point ``2^(bits-1)``) are the kernel's layout as they are; other zero points
+  stay int4 / int8 and add their share after the GEMM: ``w = (u - 2^(bits-1)) s + (2^(bits-1) - zero) s``, so
+  ``y += (x summed over each group) @ ((2^(bits-1) - zero) s)ᵀ`` (`zero_term`, ``[rows, in / group]`` float32:
+  a small GEMM of one column per group). Exact in real arithmetic; in float32 it differs from multiplying by
+  ``(u - zero) s`` by rounding only;
 * groups that are not runs of consecutive inputs (GPTQ's activation order, ``g_idx``) are made consecutive by a
   permutation of the inputs: the part keeps it (`perm`) and gathers the input columns in that order before the
   GEMM (``x[:, perm] @ w[:, perm]ᵀ = x @ wᵀ``).
 
 A fused projection (q/k/v, gate/up) holds one :class:`IntPart` per distinct (bits, group, permutation); each
 writes its own columns of the output. Invariants: `dense_weight()` is the dequantized ``[out, in]`` float32
-weight in the checkpoint's input order; the forward takes and returns float32, any leading shape, like
+weight in the checkpoint's input order (exact for symmetric parts; ``(u - 2^(bits-1)) s + zero_term`` otherwise); the forward takes and returns float32, any leading shape, like
 `nn.Linear`. Without the C kernels it multiplies by `dense_weight()` (correct, slow).
 """
 
@@ -31,19 +33,23 @@ from batchgen.kernels import cpu_quant_linear
 
 @dataclass
 class IntPart:
-    """Rows of one projection: `values` ``[rows, in]`` unsigned stored values (``q - zero + 2^(bits-1)``, in
-    the order of `perm` when set), `scales` ``[rows, in / group]`` float32, `perm` ``[in]`` int64 or None."""
+    """Rows of one projection: `values` ``[rows, in]`` unsigned stored values (in the order of `perm` when set),
+    `scales` ``[rows, in / group]`` float32, `perm` ``[in]`` int64 or None, `zero_term` ``[rows, in / group]``
+    float32 ``(2^(bits-1) - zero) * scale`` or None (symmetric)."""
 
     values: Tensor
     scales: Tensor
     bits: int
     group: int
     perm: Tensor | None = None
+    zero_term: Tensor | None = None
 
     def same_layout(self, other: IntPart) -> bool:
         if (self.bits, self.group) != (other.bits, other.group) or (self.perm is None) != (
             other.perm is None
         ):
+            return False
+        if (self.zero_term is None) != (other.zero_term is None):
             return False
         return self.perm is None or torch.equal(self.perm, other.perm)
 
@@ -87,8 +93,9 @@ class GroupQuantLinear(nn.Module):
         for p in parts:  # consecutive parts of one layout become one (fewer kernel calls, one gather)
             if merged and merged[-1].same_layout(p):
                 last = merged[-1]
+                zero = None if p.zero_term is None else torch.cat([last.zero_term, p.zero_term])
                 merged[-1] = IntPart(torch.cat([last.values, p.values]), torch.cat([last.scales, p.scales]),
-                                     p.bits, p.group, p.perm)  # fmt: skip
+                                     p.bits, p.group, p.perm, zero)  # fmt: skip
             else:
                 merged.append(p)
         self.in_features = in_features
@@ -103,6 +110,8 @@ class GroupQuantLinear(nn.Module):
         )
         for i, p in enumerate(merged):
             self.register_buffer(f"perm{i}", p.perm, persistent=False)
+            zero = None if p.zero_term is None else p.zero_term.float().contiguous()
+            self.register_buffer(f"zero{i}", zero, persistent=False)
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         )
@@ -123,6 +132,12 @@ class GroupQuantLinear(nn.Module):
             bias = None if self.bias is None else self.bias[col : col + n]
             cpu_quant_linear.int_linear(inputs, packed, self.bits[i], scales, self.groups[i], bias,
                                         out=out[:, col : col + n])  # fmt: skip
+            zero = getattr(self, f"zero{i}")
+            if (
+                zero is not None
+            ):  # the zero points' share: each group's input sum times (offset - zero) * scale
+                sums = inputs.reshape(inputs.shape[0], -1, self.groups[i]).sum(-1)
+                out[:, col : col + n].addmm_(sums, zero.t())
             col += n
         return out.view(*lead, self.out_features)
 
@@ -133,6 +148,9 @@ class GroupQuantLinear(nn.Module):
             b = self.bits[i]
             u = unpack_words(packed.data, b, dim=1)
             w = (u - (1 << (b - 1))).float() * scales.repeat_interleave(self.groups[i], dim=1)
+            zero = getattr(self, f"zero{i}")
+            if zero is not None:
+                w += zero.repeat_interleave(self.groups[i], dim=1)
             perm = self._perm(i)
             if perm is not None:
                 w = torch.empty_like(w).index_copy_(1, perm, w)
