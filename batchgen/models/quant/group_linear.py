@@ -110,8 +110,12 @@ class GroupQuantLinear(nn.Module):
         )
         for i, p in enumerate(merged):
             self.register_buffer(f"perm{i}", p.perm, persistent=False)
-            zero = None if p.zero_term is None else p.zero_term.float().contiguous()
-            self.register_buffer(f"zero{i}", zero, persistent=False)
+            zero = (
+                None
+                if p.zero_term is None
+                else nn.Parameter(p.zero_term.float().contiguous(), requires_grad=False)
+            )
+            self.register_parameter(f"zero{i}", zero)  # a parameter: the engine's memory sizing counts it
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         )
