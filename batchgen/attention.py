@@ -243,6 +243,34 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+@dataclass(frozen=True)
+class KVScales:
+    """One layer's fp8 KV-cache scales (vLLM's ``k_scale`` / ``v_scale``): ``[Hkv]`` float32 (a per-tensor scale
+    repeated). The cache holds ``k / k_scale`` and ``v / v_scale`` rounded to fp8; attention reads them as
+    ``k_scale * k_cached``. The scales are folded around the backend instead of into its kernels:
+    ``q · (s k_c) = (s q) · k_c`` and ``Σ p (s v_c) = s Σ p v_c`` per head, so every backend's KV read is the
+    plain widening it already does. Only fp8 caches use them (vLLM's rule): any other cache stores K/V as they
+    are."""
+
+    k: Tensor
+    v: Tensor
+
+    @classmethod
+    def of(cls, k: Tensor, v: Tensor, num_kv_heads: int) -> KVScales:
+        """Per-tensor (one value) or per-head (``num_kv_heads`` values, any shape) scales, as ``[Hkv]``."""
+        out = []
+        for name, s in (("k_scale", k), ("v_scale", v)):
+            s = s.detach().float().reshape(-1)
+            if s.numel() == 1:
+                s = s.expand(num_kv_heads)
+            if s.numel() != num_kv_heads or not bool((s > 0).all()) or not bool(s.isfinite().all()):
+                raise ValueError(
+                    f"{name} must be one positive scale or one per KV head ({num_kv_heads}), got {tuple(s.shape)}"
+                )
+            out.append(s.contiguous())
+        return cls(*out)
+
+
 class PagedAttention:
     """Stores K/V and computes attention for a packed batch (one per engine) with one backend, given by name
     (``"torch"``, ``"triton"``: see :func:`resolve_backend`) or as an :class:`AttentionBackend` object.
@@ -269,8 +297,10 @@ class PagedAttention:
         v_cache: Tensor,
         meta: AttentionMetadata,
         options: AttentionOptions,
+        kv_scales: KVScales | None = None,
     ) -> Tensor:
         """``q [T,Hq,D]``, ``k/v [T,Hkv,D]`` → ``[T,Hq,D]``: store k/v at ``meta.slot_mapping``, then attend.
+        `kv_scales`: the layer's fp8 KV-cache scales (:class:`KVScales`; used with an fp8 cache only).
 
         ``options`` (semantics: :mod:`batchgen.kernels.reference`), per call so each layer passes its own: the
         scale; ``sliding_window`` — a query at position ``p`` sees keys ``p - sliding_window < k <= p`` (itself
@@ -278,6 +308,12 @@ class PagedAttention:
         ``softcap * tanh(logits / softcap)`` (Gemma 2); ``sinks [Hq]`` — one extra logit per head in the
         softmax denominator (gpt-oss). None = plain causal attention, exactly as without them.
         """
+        if kv_scales is not None and k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            group = q.shape[1] // k.shape[1]
+            ks, vs = kv_scales.k.to(q.device)[:, None], kv_scales.v.to(q.device)[:, None]
+            q = q * ks.repeat_interleave(group, dim=0)
+            out = self.forward(q, k / ks, v / vs, k_cache, v_cache, meta, options)
+            return out.mul_(vs.repeat_interleave(group, dim=0))
         impl = self.impl
         nd = meta.num_decode_seqs
         kv = PagedKV(k_cache, v_cache, meta.block_tables, meta.seq_lens)

@@ -8,8 +8,9 @@ __all__ = ["random_blocks", "write_compressed_tensors", "write_gguf"]
 
 
 def write_compressed_tensors(
-    ckpt: str, out, bits: int = 4, group_size: int | None = 128, dtype=None, ignore=("lm_head",)
-) -> str:
+    ckpt: str, out, bits: int = 4, group_size: int | None = 128, dtype=None, ignore=("lm_head",),
+    symmetric: bool = True,
+) -> str:  # fmt: skip
     """A compressed-tensors pack-quantized (W4A16 / W8A16, symmetric) copy of the tiny checkpoint `ckpt`, laid
     out as llm-compressor saves one: each Linear's weight_packed (compressed-tensors' own pack_to_int32),
     weight_scale (absmax / qmax per group, in the checkpoint dtype), weight_shape; a quantization_config."""
@@ -35,9 +36,16 @@ def write_compressed_tensors(
         rows, cols = w.shape
         g = group_size or cols
         groups = w.float().reshape(rows, cols // g, g)
-        scale = (groups.abs().amax(-1) / qmax).clamp(min=1e-8).to(dtype)
+        if symmetric:
+            scale = (groups.abs().amax(-1) / qmax).clamp(min=1e-8).to(dtype)
+            zp = torch.zeros(scale.shape)
+        else:  # min/max over 2^bits - 1 steps, zero point in the signed range
+            lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+            scale = ((hi - lo) / (2 * qmax + 1)).clamp(min=1e-8).to(dtype)
+            zp = (-qmax - 1 - torch.round(lo / scale.float())).clamp(-qmax - 1, qmax)
+            tensors[f"{module}.weight_zero_point"] = pack_to_int32(zp.to(torch.int8), bits, packed_dim=0)
         q = (
-            torch.round(groups / scale.float()[..., None])
+            (torch.round(groups / scale.float()[..., None]) + zp[..., None])
             .clamp(-qmax - 1, qmax)
             .reshape(rows, cols)
             .to(torch.int8)
@@ -48,7 +56,7 @@ def write_compressed_tensors(
     (out / "model.safetensors").unlink()
     save_file(tensors, str(out / "model.safetensors"))
     strategy = "group" if group_size else "channel"
-    weights = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": strategy, "group_size": group_size,
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy, "group_size": group_size,
                "dynamic": False, "observer": "minmax", "actorder": None}  # fmt: skip
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors",

@@ -82,14 +82,14 @@ def test_int_linear_matches_float64_on_dequantized(bits, group, round_bf16) -> N
 
 
 REFUSED = {
-    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method='gptq' is not supported"),
-    "awq": ({"quant_method": "awq", "bits": 4}, "quant_method='awq' is not supported"),
-    "fp8": ({"format": "float-quantized"}, "format float-quantized is not supported"),
+    "bnb": ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes' is not supported"),
+    "marlin": ({"format": "marlin-24"}, "compressed-tensors format marlin-24 is not supported"),
+    "fp8-format-int-weights": ({"format": "float-quantized"}, "format float-quantized with int weights"),
     "w8a8": (
         {"input_activations": {"num_bits": 8, "type": "int"}},
         "quantized input activations (W8A8 / fp8)",
     ),
-    "asym": ({"symmetric": False}, "asymmetric weights (zero points)"),
+    "actorder": ({"actorder": "group"}, "actorder='group'"),
 }
 
 
@@ -127,17 +127,71 @@ def test_job_refuses_a_scheme_with_exit_2(llama_256, tmp_path) -> None:
 
     from batchgen.job.run import EXIT_CONFIG, run_job
 
-    path = _variant(
-        write_compressed_tensors(llama_256, tmp_path / "ct"), tmp_path / "gptq", REFUSED["gptq"][0]
-    )
+    path = _variant(write_compressed_tensors(llama_256, tmp_path / "ct"), tmp_path / "bnb", REFUSED["bnb"][0])
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["hello"]}), inp)
     res = run_job(job_config(path, inp, tmp_path / "out"), handle_signals=False, print_summary=False)
     assert res.exit_code == EXIT_CONFIG and "\n" not in res.message
-    assert "quant_method='gptq' is not supported" in res.message
+    assert "quant_method='bitsandbytes' is not supported" in res.message
 
 
 def test_tensor_parallel_refused_for_quantized_checkpoints(llama_256, tmp_path) -> None:
     path = write_compressed_tensors(llama_256, tmp_path / "ct")
     with pytest.raises(UnsupportedCheckpoint, match="quantized checkpoints run on one device"):
         LLM(path, tensor_parallel_size=2, device="cpu", num_blocks=64, block_size=8)
+
+
+@pytest.mark.parametrize("bits, group", [(4, 64), (8, None)])
+def test_asymmetric_pack_quantized_greedy_equals_the_dequantized_model(
+    llama_256, tmp_path, bits, group
+) -> None:
+    """Zero points (weight_zero_point, packed along the outputs) folded into the stored values at load. The
+    reference is compressed-tensors' own unpacking, dequantized in float64, run by transformers in float32:
+    transformers 5 cannot load packed zero points itself (it expects them unpacked and re-initialises them)."""
+    import shutil
+
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.models.quant.group_linear import GroupQuantLinear
+
+    path = write_compressed_tensors(llama_256, tmp_path / "ct", bits=bits, group_size=group, symmetric=False)
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
+    quantized = [m for m in llm.engine.model.modules() if isinstance(m, GroupQuantLinear)]
+    assert len(quantized) == 2 * 4
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    state, dense = load_file(str(Path(path) / "model.safetensors")), {}
+    for name, t in state.items():
+        if name.endswith(".weight_packed"):
+            m = name.removesuffix(".weight_packed")
+            shape = tuple(state[f"{m}.weight_shape"].tolist())
+            scale = state[f"{m}.weight_scale"].double()
+            q = unpack_from_int32(t, bits, torch.Size(shape)).double()
+            zp = unpack_from_int32(state[f"{m}.weight_zero_point"], bits, scale.shape, packed_dim=0).double()
+            g = shape[1] // scale.shape[1]
+            dense[f"{m}.weight"] = ((q - zp.repeat_interleave(g, 1)) * scale.repeat_interleave(g, 1)).float()
+        elif not name.endswith((".weight_scale", ".weight_zero_point", ".weight_shape")):
+            dense[name] = t.float()
+    shutil.copytree(path, tmp_path / "dense")
+    save_file(dense, str(tmp_path / "dense" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "dense" / "config.json").read_text())
+    del cfg["quantization_config"]
+    cfg["dtype"] = "float32"
+    (tmp_path / "dense" / "config.json").write_text(json.dumps(cfg))
+    down = "model.layers.1.mlp.down_proj.weight"
+    ours = llm.engine.model.model.layers[
+        1
+    ].mlp.down_proj.dense_weight()  # zero points' share added in float32
+    assert (ours - dense[down]).abs().max() <= 1e-6 * dense[down].abs().max()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        want = [
+            hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in PROMPTS
+        ]
+    assert got == want and len({t for row in got for t in row}) > 6

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from batchgen.attention import AttentionOptions
+from batchgen.attention import AttentionOptions, KVScales
 from batchgen.kernels import cpu_ops
 from batchgen.models import parallel
 from batchgen.models.config import ModelConfig, RopeSpec
@@ -163,6 +163,7 @@ class Attention(nn.Module):
             self.k_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps, config.gemma_norm)
         else:
             self.q_norm = self.k_norm = None
+        self.kv_scales: KVScales | None = None  # a checkpoint's fp8 KV-cache scales (set by the loader)
         # How this layer attends; a layer without a window or soft-capping calls the plain kernel.
         window = config.layer_windows[layer_idx] if config.layer_windows else None
         softcap = config.attn_softcap
@@ -184,7 +185,9 @@ class Attention(nn.Module):
             qk = rms_norm(qk, weight, self.q_norm.eps, self.q_norm.gemma)
         qk = apply_rope(qk, cos, sin)
         kv = ctx.kv_cache[self.layer_idx]
-        out = ctx.attn.forward(qk[:, :nq], qk[:, nq:], v, kv[0], kv[1], ctx.meta, self.attn_options)
+        out = ctx.attn.forward(
+            qk[:, :nq], qk[:, nq:], v, kv[0], kv[1], ctx.meta, self.attn_options, self.kv_scales
+        )
         return self.o_proj(out.reshape(t, self.q_size))
 
 

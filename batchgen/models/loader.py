@@ -36,13 +36,15 @@ from batchgen.models.llama import CausalLM
 from batchgen.models.meta_init import materialize, skip_init
 from batchgen.models.packed_linear import fast_cpu_weights
 from batchgen.models.parallel import check_divisible, shard_config
-from batchgen.models.quant.compressed_tensors import quantization_scheme, replace_linears
+from batchgen.models.quant.compressed_tensors import IntScheme, quantization_scheme, replace_linears
 from batchgen.models.quant.gguf_checkpoint import (
     UnsupportedCheckpoint,
     gguf_path,
     load_gguf_model,
     load_gguf_tokenizer,
 )
+from batchgen.models.quant.kv_scales import attach_kv_scales
+from batchgen.models.quant.linear_loader import TensorReader, kv_scale_names, load_quantized_linears
 from batchgen.models.quant.weight_dtype import compute_dtype
 from batchgen.models.sharding import read_shard
 
@@ -240,13 +242,14 @@ def load_model(
         config = check_tensor_parallel(ckpt, implementation, tp_size)
         return load_native_model(ckpt, shard_config(config, tp_rank, tp_size), dtype=dtype, device=device)
     if implementation == "transformers":
+        if quantization_scheme(ckpt) is not None:
+            raise UnsupportedCheckpoint(
+                f"quantized checkpoint {ckpt} runs on batchgen's native code: use model.implementation auto or "
+                "native"
+            )
         from batchgen.models.transformers_backend import load_transformers_model
 
         return load_transformers_model(ckpt, dtype=dtype, device=device)
-    if quantization_scheme(ckpt) is not None and implementation == "transformers":
-        raise UnsupportedCheckpoint(
-            f"quantized checkpoint {ckpt} runs on batchgen's native code: use model.implementation auto or native"
-        )
     try:
         config = ModelConfig.from_pretrained(ckpt)
     except NativeUnsupportedError as e:
@@ -315,15 +318,26 @@ def load_native_model(
     files = safetensors_files(ckpt)
 
     model = _empty_model(config, device)
-    scheme = quantization_scheme(ckpt)  # compressed-tensors: packed integer projections (models/quant)
+    scheme = quantization_scheme(ckpt)  # quantized projections (batchgen.models.quant)
+    replaced: tuple[str, ...] = ()
     if scheme is not None:
         if device.type != "cpu":
             raise UnsupportedCheckpoint(
                 f"quantized checkpoint {ckpt} runs on the CPU here: set engine.device=cpu"
             )
-        replace_linears(model, scheme)
-        rename = _without_shapes(rename)
-    params = dict(model.named_parameters())  # tied lm_head is deduplicated: only embed_tokens
+        if isinstance(scheme, IntScheme):  # compressed-tensors' packed tensors stream in like float ones
+            replace_linears(model, scheme)
+            rename = _without_shapes(rename)
+        else:  # GPTQ, AWQ, fp8: read and repacked per projection first
+            read, modules = load_quantized_linears(model, config, files, scheme)
+            replaced = tuple(f"{m}." for m in modules)
+            rename = _skipping(read, rename)
+    if scales := kv_scale_names(files):  # fp8 KV-cache scales, kept by the attention layers
+        get = TensorReader(files)
+        rename = _skipping(attach_kv_scales(model, get, scales), rename)
+    params = {  # tied lm_head is deduplicated: only embed_tokens
+        n: p for n, p in model.named_parameters() if not n.startswith(replaced)
+    }
     lookup, canonical = _weight_map(config, params)
     written = dict.fromkeys(params, 0)  # elements written per parameter
     seen: dict[str, str] = {}  # HF tensor name -> file it came from
@@ -332,6 +346,17 @@ def load_native_model(
     _check_complete(ckpt, files, params, canonical, written, seen)
     fast_cpu_weights(model, keep=[model.model.embed_tokens.weight], narrow=config.dtype != weight_dtype)
     return model
+
+
+def _skipping(names: set[str], rename: Callable[[str], str | None] | None) -> Callable[[str], str | None]:
+    """`rename`, also skipping the tensors already read into quantized projections."""
+
+    def skip(name: str) -> str | None:
+        if name in names:
+            return None
+        return name if rename is None else rename(name)
+
+    return skip
 
 
 def _without_shapes(rename: Callable[[str], str | None] | None) -> Callable[[str], str | None]:

@@ -58,8 +58,10 @@ class LoRALinear(nn.Module):
     ) -> None:
         super().__init__()
         self.base = base
-        w = base.weight
-        self.weights = LoRAWeights.empty(max_loras, base.in_features, sizes, max_rank, w.dtype, w.device)
+        w = getattr(base, "weight", None)  # quantized projections have none: their adapters are float32
+        dtype = w.dtype if w is not None and w.is_floating_point() else torch.float32
+        device = w.device if w is not None else next(base.parameters()).device
+        self.weights = LoRAWeights.empty(max_loras, base.in_features, sizes, max_rank, dtype, device)
         self.lora_a = nn.Parameter(self.weights.a, requires_grad=False)
         self.lora_b = nn.ParameterList(nn.Parameter(b, requires_grad=False) for b in self.weights.b)
         self.state = state

@@ -1,0 +1,105 @@
+"""Load the projections of a GPTQ, AWQ or fp8 checkpoint into their quantized modules, before the rest of the
+checkpoint streams into the model as float tensors.
+
+A projection is quantized when the checkpoint holds its scheme's tensors (``qweight``, a ``weight_scale``...):
+layers a checkpoint leaves in float (``lm_head``, ``modules_to_not_convert``, compressed-tensors' ``ignore``) are
+found by their absence, never by parsing module lists. A fused projection (q/k/v, gate/up) is built from its
+parts' tensors by the scheme (each part in its own layout). Invariant: every tensor read here is returned, so
+the float loader skips exactly those and still checks that every other parameter is written once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from batchgen.models.config import ModelConfig
+from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
+
+
+class TensorReader:
+    """Tensors by name over a checkpoint's safetensors files (headers listed once, files opened lazily)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.where: dict[str, Path] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                self.where.update(dict.fromkeys(f.keys(), file))
+        self.read: set[str] = set()
+        self._open: dict[Path, object] = {}
+
+    _MISSING = object()
+
+    def __call__(self, name: str, default=_MISSING) -> torch.Tensor:
+        if name not in self.where:
+            if default is not self._MISSING:
+                return default
+            raise ValueError(f"quantized checkpoint is missing tensor {name!r}")
+        file = self.where[name]
+        if file not in self._open:
+            self._open[file] = safe_open(str(file), framework="pt", device="cpu")
+        self.read.add(name)
+        return self._open[file].get_tensor(name)
+
+
+@torch.no_grad()
+def load_quantized_linears(
+    model: nn.Module, config: ModelConfig, files: list[Path], scheme
+) -> tuple[set[str], list[str]]:
+    """Replace each projection the checkpoint quantizes with the module `scheme.build` makes from its tensors.
+    Returns (checkpoint tensor names read, replaced module names)."""
+    from batchgen.models.loader import _checkpoint_names
+
+    get = TensorReader(files)
+    replaced = []
+    for name, linear in list(model.named_modules()):
+        if type(linear) is not nn.Linear or (name == "lm_head" and config.tie_word_embeddings):
+            continue
+        parts = _checkpoint_names(config, f"{name}.weight", tuple(linear.weight.shape))[0]
+        prefixes = [hf.removesuffix(".weight") for hf, _ in parts]
+        quantized = [scheme.is_quantized(p, get.where) for p in prefixes]
+        if not any(quantized):
+            continue
+        if not all(quantized):
+            raise ValueError(
+                f"{', '.join(prefixes)} of fused {name} mix quantized and float tensors ({scheme.method})"
+            )
+        bias = None
+        if linear.bias is not None:
+            bias = torch.cat([get(f"{p}.bias").float() for p in prefixes])
+        module = scheme.build(linear.in_features, prefixes, get, bias)
+        if module.out_features != linear.out_features:
+            raise ValueError(f"{name}: the checkpoint's {scheme.method} tensors hold {module.out_features} outputs, "
+                             f"the model has {linear.out_features}")  # fmt: skip
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, module)
+        replaced.append(name)
+    if not replaced:
+        raise UnsupportedCheckpoint(f"no projection of the checkpoint holds {scheme.method} tensors")
+    leftover = sorted(
+        n for n in get.where if n not in get.read and n.rsplit(".", 1)[-1] in _scheme_leaves(scheme)
+    )
+    if leftover:  # e.g. quantized MoE experts (stacked in batchgen): not run
+        raise UnsupportedCheckpoint(
+            f"{scheme.method} tensor {leftover[0]} (+{len(leftover) - 1} more) belongs to no projection batchgen "
+            "quantizes (quantized MoE experts are not supported)"
+        )
+    return get.read, replaced
+
+
+def _scheme_leaves(scheme) -> tuple[str, ...]:
+    return getattr(scheme, "tensors", None) or (scheme.scale_name,)
+
+
+def kv_scale_names(files: list[Path]) -> list[str]:
+    """The checkpoint's fp8 KV-cache scale tensors (:mod:`batchgen.models.quant.kv_scales`), from the headers."""
+    from batchgen.models.quant.kv_scales import is_kv_scale
+
+    names = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names += [n for n in f.keys() if is_kv_scale(n)]
+    return names

@@ -1,0 +1,108 @@
+"""fp8 weights: fine-grained block fp8 (``quant_method: fp8``, ``weight_scale_inv``) and compressed-tensors
+``float-quantized`` (per-channel and per-tensor ``weight_scale``): greedy output equal token for token to
+transformers' own CPU loading of the same checkpoint (which dequantizes to float32), the dequantized weights bit
+for bit transformers', one byte per weight in memory; schemes not run refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen import LLM, SamplingParams
+from batchgen.models.quant import writers
+from batchgen.models.quant.fp8 import Fp8Linear
+from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
+
+PROMPTS = [[1, 17, 33, 90], [1, 200, 5, 9, 77, 31, 8], [1, 64]]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def llama_256(ckpt_factory) -> str:
+    return ckpt_factory("llama", seed=34, hidden_size=256, intermediate_size=512)
+
+
+def _write(kind: str, base: str, out: Path) -> str:
+    if kind == "block":
+        return writers.write_block_fp8(base, out, block=(32, 64))
+    if kind == "block-ragged":  # blocks that do not divide the shapes (ceil-sized scale grids)
+        return writers.write_block_fp8(base, out, block=(48, 96))
+    pytest.importorskip(
+        "compressed_tensors", reason="compressed-tensors (transformers' decompressor) not installed"
+    )
+    return writers.write_compressed_fp8(base, out, strategy=kind.removeprefix("ct-"))
+
+
+@pytest.mark.parametrize("kind", ["block", "ct-channel", "ct-tensor"])
+def test_greedy_equals_transformers(llama_256, tmp_path, kind) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = _write(kind, llama_256, tmp_path / "fp8")
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
+    model = llm.engine.model
+    quantized = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(quantized) == 4 * model.config.num_layers
+    assert all(w.dtype == torch.uint8 for m in quantized for w in m.weights)  # one byte per weight
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        want = [
+            hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in PROMPTS
+        ]
+    assert got == want and len({t for row in got for t in row}) > 6
+    layer, ref = model.model.layers[1], hf.model.layers[1]
+    assert torch.equal(
+        layer.self_attn.qkv_proj.dense_weight(),
+        torch.cat([getattr(ref.self_attn, f"{n}_proj").weight for n in "qkv"]),
+    )
+    assert torch.equal(layer.mlp.down_proj.dense_weight(), ref.mlp.down_proj.weight)
+
+
+def test_block_scales_that_do_not_divide_the_shapes(llama_256, tmp_path) -> None:
+    """Scale grids of ceil(N / bn) x ceil(K / bk): each weight times its block's scale, float64 reference."""
+    from safetensors.torch import load_file
+
+    path = _write("block-ragged", llama_256, tmp_path / "fp8")
+    model = LLM(path, num_blocks=64, block_size=8).engine.model
+    state = load_file(str(Path(path) / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj"
+    w, s = state[f"{name}.weight"].double(), state[f"{name}.weight_scale_inv"].double()
+    rows = torch.arange(w.shape[0]) // 48
+    cols = torch.arange(w.shape[1]) // 96
+    # the exact product rounded once to float32 (what transformers' float32 multiplication gives)
+    assert torch.equal(model.model.layers[0].mlp.down_proj.dense_weight(), (w * s[rows][:, cols]).float())
+
+
+REFUSED = {
+    "static activations": ({"activation_scheme": "static"}, "activation_scheme='static'"),
+    "no block size": ({"weight_block_size": None}, "weight_block_size=None"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_block_fp8_schemes_not_run_are_refused_by_name(llama_256, tmp_path, case) -> None:
+    path = _write("block", llama_256, tmp_path / "fp8")
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    change, message = REFUSED[case]
+    cfg["quantization_config"].update(change)
+    (Path(path) / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedCheckpoint, match=message):
+        LLM(path, num_blocks=64, block_size=8)
+
+
+def test_fp8_dynamic_activations_are_refused_by_name(llama_256, tmp_path) -> None:
+    path = _write("ct-channel", llama_256, tmp_path / "fp8")
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    group = cfg["quantization_config"]["config_groups"]["group_0"]
+    group["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    (Path(path) / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedCheckpoint, match=r"quantized input activations \(W8A8 / fp8\)"):
+        LLM(path, num_blocks=64, block_size=8)
