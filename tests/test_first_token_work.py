@@ -121,3 +121,40 @@ def test_work_before_the_first_token_does_not_grow_with_the_dataset(
         # + the three kept windows' input, read back to check it did not change
         assert resumed.get("row_groups", 0) <= 2 and resumed.get("windows_read", 0) <= 5, seen
         assert resumed.get("window_specs", 0) <= 9, seen
+
+
+def test_the_resume_check_of_kept_input_decodes_a_bounded_number_of_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8,192 windows kept over 8 row groups of 16,384 rows: the windows whose input a resume re-reads are at
+    most VERIFY_WINDOWS, and reading them decodes about one row group plus one batch per other row group, not
+    the rows before each sampled window in its row group (the whole input, for windows spread evenly)."""
+    from types import SimpleNamespace
+
+    from batchgen.job.resume import VERIFY_WINDOWS, _sample
+
+    rows, rg = 131_072, 16_384
+    pq.write_table(
+        pa.table({"prompt": [f"r{i}" for i in range(rows)]}), tmp_path / "in.parquet", row_group_size=rg
+    )
+    inp = reader.open_input(str(tmp_path / "in.parquet"))
+    plan = SimpleNamespace(
+        input=inp, windows=reader.plan_windows(0, rows, 16), row_start=0, row_end=rows,
+        cfg=SimpleNamespace(data=SimpleNamespace(window_rows=16)),
+    )  # fmt: skip
+    kept = list(range(len(plan.windows)))
+    picked = _sample(plan, kept, {700})  # type: ignore[arg-type]
+    assert len(picked) <= VERIFY_WINDOWS + 1 and 0 in picked and 700 in picked  # + a checkpointed window
+    assert {w * 16 // rg for w in picked} == set(range(8))  # every row group is looked at
+    decoded = Counter()
+    safe_batches = reader._safe_batches
+
+    def _safe(*a, **k):
+        for batch, err in safe_batches(*a, **k):
+            decoded["rows"] += batch.num_rows
+            yield batch, err
+
+    monkeypatch.setattr(reader, "_safe_batches", _safe)
+    got = [w.index for w in reader.iter_windows(inp, (plan.windows[w] for w in picked), ["prompt"])]
+    assert got == picked
+    assert decoded["rows"] <= rg + 8 * reader.READ_BATCH_ROWS, decoded  # not the 131,072 rows
