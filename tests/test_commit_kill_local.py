@@ -27,19 +27,19 @@ SCRIPT = textwrap.dedent(
     from batchgen.data.local_storage import LocalLocation
     from batchgen.job.run import run_job
 
-    real, seen = LocalLocation.put, [0]
+    real, seen = LocalLocation.put_stream, [0]  # every write (put writes through it)
 
-    def put(self, name, data, **kw):
+    def put(self, name, write, **kw):
         hit = re.search({pattern!r}, str(self.dir / name)) is not None
         seen[0] += hit
         if hit and seen[0] == {nth} and {when!r} == "before":
             os.kill(os.getpid(), signal.SIGKILL)
-        out = real(self, name, data, **kw)
+        out = real(self, name, write, **kw)
         if hit and seen[0] == {nth} and {when!r} == "after":
             os.kill(os.getpid(), signal.SIGKILL)
         return out
 
-    LocalLocation.put = put
+    LocalLocation.put_stream = put
     run_job(job_config({ckpt!r}, {inp!r}, {out!r}, **{over!r}), handle_signals=False, print_summary=False)
     """
 )

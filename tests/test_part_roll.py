@@ -88,10 +88,9 @@ class Writer(pr.pq.ParquetWriter):
 pr.pq.ParquetWriter = Writer
 write, append, delete = pr.PartRoller._write, CommitLog.append, LocalLocation.delete
 
-def _write(self, part, tables):
-    data = write(self, part, tables)
+def _write(self, *args):
+    write(self, *args)
     rolls["write"] += 1
-    return data
 
 def _append(self, rec, m=None):
     if rec.get("kind") == "part":
@@ -213,3 +212,138 @@ def test_parts_are_commit_records_checked_on_open(tmp_path: Path) -> None:
         m = od.open(fresh())
         assert m.parts == [] and m.windows == {}
         assert not list(tmp_path.glob("*.parquet"))  # no longer named: a reader sees no stale rows
+
+
+def test_a_part_is_streamed_a_piece_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A roll reads one piece, writes it as row groups into the file being written, then reads the next: the
+    part never exists in memory (its size is many pieces), and a rewrite streams the old part the same way."""
+    import os
+    import tracemalloc
+
+    import batchgen.data.part_roll as pr
+    from batchgen.data.manifest import WindowRecord
+    from batchgen.data.output_dir import OutputDir
+
+    windows, rows = 8, 300
+    monkeypatch.setattr(pr, "ROW_GROUP_BYTES", 1)  # every piece is a row group of its own
+    events: list[str] = []
+    writer_cls = pr.pq.ParquetWriter
+
+    class Writer(writer_cls):  # type: ignore[misc, valid-type]
+        def write_table(self, table: pa.Table, *a, **k) -> None:
+            events.append(f"write {table.num_rows}")
+            super().write_table(table, *a, **k)
+
+    monkeypatch.setattr(pr.pq, "ParquetWriter", Writer)
+    fresh = Manifest("fp", {}, {"fingerprint": "i"}, {"index": 0, "count": 1}, rows, windows, "test")
+    with OutputDir(tmp_path) as od:
+        m = od.open(fresh)
+        for w in range(windows):  # incompressible text: ~0.5 MB a piece in memory, the part ~2 MB
+            text = [os.urandom(1300).hex() for _ in range(rows)]
+            table = pa.table({"id": range(w * rows, (w + 1) * rows), "generated_text": text})
+            od.commit(w, table, WindowRecord("", w * rows, (w + 1) * rows, rows, rows, 0, 0, 0, 0))
+        read_piece = od.read_piece
+        monkeypatch.setattr(od, "read_piece", lambda name: events.append(f"read {name}") or read_piece(name))
+        roller = pr.PartRoller(od, part_rows=10**9)
+        tracemalloc.start()
+        roller.finish()  # every window committed: one part of all of them
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert [(p.first, p.last) for p in m.parts] == [(0, windows - 1)]
+        size = (tmp_path / "part-000000.parquet").stat().st_size
+        assert size > 2 << 20 and peak < size / 3, (peak, size)  # about one piece, never the part
+        expect = [e for w in range(windows) for e in (f"read _windows/part-{w:06d}.arrow", f"write {rows}")]
+        assert events == expect  # each piece written before the next is read
+        md = pq.read_metadata(tmp_path / "part-000000.parquet")
+        assert [md.row_group(i).num_rows for i in range(md.num_row_groups)] == [rows] * windows
+        assert m.parts[0].size == size and not list((tmp_path / "_windows").glob("*.arrow"))
+
+        # a rewrite (a window committed again) streams the old part: the same bound
+        redo = pa.table({"id": range(3 * rows, 4 * rows), "generated_text": ["again"] * rows})
+        od.commit(3, redo, WindowRecord("", 3 * rows, 4 * rows, rows, rows, 0, 0, 0, 0))
+        tracemalloc.start()
+        roller.finish()
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak < size / 3, (peak, size)
+    table = pq.read_table(tmp_path)
+    assert table.column("id").to_pylist() == list(range(windows * rows))
+    assert table.column("generated_text").to_pylist()[3 * rows : 4 * rows] == ["again"] * rows
+
+
+_CHECKPOINT_KILLER = """
+import json, os, signal, sys
+import batchgen.data.output_dir as od
+
+point, at, note = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+calls = [0]
+write_checkpoint, put_unit = od.OutputDir.write_checkpoint, od.OutputDir._put_unit
+
+def die(self):
+    json.dump({"saved": self.manifest.rows_done}, open(note, "w"))  # what the state held (recorded)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def _put_unit(self, name, data):
+    out = put_unit(self, name, data)
+    if point == "file" and name.startswith("_checkpoint/") and calls[0] == at:
+        die(self)  # the checkpoint file written, its record not
+    return out
+
+def _write_checkpoint(self, *a, **k):
+    calls[0] += 1
+    name = write_checkpoint(self, *a, **k)
+    if point == "record" and calls[0] == at:
+        die(self)  # recorded
+    return name
+
+od.OutputDir.write_checkpoint, od.OutputDir._put_unit = _write_checkpoint, _put_unit
+"""
+
+
+@pytest.mark.parametrize("point", ["file", "record"])
+def test_kill_9_during_an_interval_checkpoint_with_parts_far_larger_than_windows(
+    llama_ckpt: str, prompts: Path, tmp_path: Path, point: str
+) -> None:
+    """Windows of 8 rows, one part for the whole job (``data.part_rows`` far above the window), a checkpoint
+    after every engine step: killed during the third checkpoint, the run keeps every window committed (as
+    pieces: no part rolled yet) and every row of the checkpoints before it; the rerun recomputes only the rest
+    and the output is the uninterrupted run's, each row exactly once."""
+    from batchgen.data.commit_log import read_state
+    from batchgen.data.local_storage import LocalLocation
+
+    kw = {"window_rows": 8, "part_rows": 10_000}
+    ref = tmp_path / "ref"
+    assert run_job(_cfg(llama_ckpt, prompts, ref, **kw), handle_signals=False).exit_code == EXIT_OK
+    out, note = tmp_path / "out", tmp_path / "note.json"
+    script = _CHECKPOINT_KILLER + textwrap.dedent(f"""
+        from batchgen.engine.config import EngineConfig
+        from batchgen.job.config import DataOptions, JobConfig, ModelOptions, RunOptions, default_sampling
+        from batchgen.job.run import run_job
+        import dataclasses
+        cfg = JobConfig(
+            model=ModelOptions(path={llama_ckpt!r}),
+            data=DataOptions(input={str(prompts)!r}, output={str(out)!r}, window_rows=8, part_rows=10_000),
+            engine=EngineConfig(device="cpu", num_blocks=256, max_num_seqs=2),
+            sampling=dataclasses.replace(default_sampling(), max_tokens=3, temperature=0),
+            run=RunOptions(progress="off", checkpoint_interval_s=1e-9),
+        )
+        sys.exit(run_job(cfg, handle_signals=False, print_summary=False).exit_code)
+    """)
+    args = [sys.executable, "-c", script, point, "3", str(note)]
+    proc = subprocess.run(args, env=env_without_slurm(), capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+
+    state = read_state(LocalLocation(out))[0]
+    assert state is not None and state.parts == []  # the part was far from full: windows are pieces
+    before = json.loads(note.read_text())["saved"]
+    assert state.rows_done >= before > 0  # nothing the earlier checkpoints (and commits) held was lost
+    if point == "record":  # `before` counts the checkpoint recorded before the kill: its rows are kept
+        assert state.rows_done == before and state.partial
+    assert not list(out.glob("*.parquet"))  # a reader sees no part yet, never a partial one
+
+    res = run_job(_cfg(llama_ckpt, prompts, out, **kw), handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_OK, res.message
+    assert res.report["run"]["rows"] <= ROWS - state.rows_done  # only what no checkpoint held is redone
+    assert _parts(out) == [[0, 3]]
+    assert _rows(out) == _rows(ref)
+    assert not (out / "_checkpoint").exists() and not (out / "_windows").exists()

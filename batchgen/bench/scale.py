@@ -16,6 +16,9 @@ Inputs are generated into a temporary directory (removed at the end):
    seconds, and the peak RSS against the RSS before it.
 3. *Commit cost*: ``--commits`` one-row windows committed into a local output directory (the job's commit and
    part roll-up); the mean milliseconds of the first and of the last 100 commits.
+4. *Part roll memory*: ``--roll-windows`` committed windows of about ``--roll-window-mib`` MiB of incompressible
+   text each rolled into one part in a fresh process; the part's size and the peak RSS of the roll beyond the
+   RSS before it (the peak counter reset through ``/proc/self/clear_refs``).
 
 Figures, not assertions: no test times this.
 """
@@ -97,13 +100,17 @@ def first_token_s(inp: Path, out: Path, extra: list[str] = ()) -> float:
 def run_until_windows(inp: Path, out: Path, windows: int) -> int:
     """Run the job on `inp` until `windows` windows are committed, then kill it (-9); returns the count."""
     cmd = _batchgen([f"data.input={inp}", f"data.output={out}", "sampling.max_tokens=1", "run.progress=off"])
+    from batchgen.data.commit_log import read_state
+    from batchgen.data.local_storage import LocalLocation
+
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     done = 0
     try:
         while proc.poll() is None and done < windows:
             time.sleep(0.5)
-            try:
-                done = len(json.loads((out / "_manifest.json").read_text())["windows"])
+            try:  # the manifest and the commit records after it
+                state = read_state(LocalLocation(out))[0]
+                done = len(state.windows) if state is not None else 0
             except (OSError, ValueError, KeyError):
                 pass
     finally:
@@ -150,6 +157,50 @@ def plan_billion(inp: Path, out: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+_ROLL_CHILD = """
+import os, sys, time
+import pyarrow as pa
+from batchgen.data.manifest import Manifest, WindowRecord
+from batchgen.data.output_dir import OutputDir
+from batchgen.data.part_roll import PartRoller
+
+out, windows, mib = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+rows = 256
+def status_mib(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
+od = OutputDir(out)
+od.open(Manifest("fp", {}, {}, {"index": 0, "count": 1}, rows, windows, "bench"))
+size = int(mib * (1 << 20) / rows / 2)
+for w in range(windows):
+    text = pa.array([os.urandom(size).hex() for _ in range(rows)])
+    table = pa.table({"id": pa.array(range(w * rows, (w + 1) * rows)), "generated_text": text})
+    od.commit(w, table, WindowRecord("", w * rows, (w + 1) * rows, rows, rows, 0, rows, 0, rows))
+del text, table
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak RSS counter starts again from the RSS now
+rss0 = status_mib("VmRSS")
+t0 = time.perf_counter()
+PartRoller(od, part_rows=10**12).finish()
+t1 = time.perf_counter()
+part = od.manifest.parts[0]
+print(part.size, rss0, status_mib("VmHWM"), t1 - t0)
+od.close()
+"""
+
+
+def roll_memory(out: Path, windows: int, window_mib: float) -> dict:
+    """Roll `windows` windows of about `window_mib` MiB into one part in a fresh process: the part's bytes, the
+    RSS before the roll and its peak (MiB), and its seconds."""
+    cmd = [sys.executable, "-c", _ROLL_CHILD, str(out), str(windows), str(window_mib)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the roll failed: {proc.stderr[-2000:]}")
+    size, rss0, peak, secs = proc.stdout.split()
+    return {"part_mib": int(size) / 2**20, "rss_before_mib": float(rss0), "rss_peak_mib": float(peak),
+            "roll_s": float(secs)}  # fmt: skip
+
+
 def commit_costs(out: Path, commits: int) -> tuple[list[float], int]:
     """Seconds of each of `commits` one-row window commits (the job's commit, then its part roll-up), and the
     manifest's size in bytes at the end."""
@@ -186,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=1000, help="files of the planning input")
     ap.add_argument("--rows-per-file", type=int, default=1_000_000)
     ap.add_argument("--commits", type=int, default=2000)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["first-token", "plan", "commits"])
+    ap.add_argument("--roll-windows", type=int, default=64, help="windows rolled into one part")
+    ap.add_argument("--roll-window-mib", type=float, default=4.0, help="MiB of text per rolled window")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["first-token", "plan", "commits", "roll"])
     args = ap.parse_args(argv)
     print(f"load average before: {load_average()}  (cpus: {os.cpu_count()})")
     with tempfile.TemporaryDirectory(prefix="batchgen-scale-") as tmp:
@@ -228,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
             first, last = statistics.mean(times_c[:k]) * 1e3, statistics.mean(times_c[-k:]) * 1e3
             print(f"commit cost: first {k} commits {first:.2f} ms each, last {k} (of {len(times_c):,}) "
                   f"{last:.2f} ms each; manifest {size / 1024:.0f} KiB at the end")  # fmt: skip
+        if "roll" not in args.skip:
+            r = roll_memory(work / "out-roll", args.roll_windows, args.roll_window_mib)
+            print(f"part roll: {args.roll_windows} windows of {args.roll_window_mib:g} MiB of text into one part "
+                  f"of {r['part_mib']:.0f} MiB in {r['roll_s']:.1f} s; peak RSS {r['rss_peak_mib'] - r['rss_before_mib']:.0f} "
+                  f"MiB beyond the {r['rss_before_mib']:.0f} MiB before the roll")  # fmt: skip
     print(f"load average after: {load_average()}")
     return 0
 

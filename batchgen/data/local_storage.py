@@ -1,7 +1,8 @@
 """A directory on the local disk behind the storage location interface of :class:`batchgen.data.storage.Location`.
 
 Invariants:
-- :meth:`LocalLocation.put` writes a temporary file beside the target, fsyncs it, then makes it the target in
+- :meth:`LocalLocation.put` (and :meth:`~LocalLocation.put_stream`, from a writer function: memory holds
+  nothing of the file) writes a temporary file beside the target, fsyncs it, then makes it the target in
   one step and fsyncs the directory: ``os.link`` for a create-exclusive write (``if_absent``; EEXIST is
   PreconditionFailed), ``os.replace`` otherwise. Readers see the old content or the new one, never a part.
 - Nothing is read or written through a symbolic link: files are opened with ``O_NOFOLLOW`` and a target that
@@ -18,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from batchgen.data.storage import ObjectInfo, PreconditionFailed, StorageError
+from batchgen.data.storage import HashingWriter, ObjectInfo, PreconditionFailed, StorageError, Writer
 from batchgen.runtime.atomic import file_mode, fsync_dir
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -119,6 +120,12 @@ class LocalLocation:
     def put(
         self, name: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None
     ) -> str | None:
+        return self.put_stream(name, lambda f: f.write(data), if_absent=if_absent, if_match=if_match)[2]
+
+    def put_stream(
+        self, name: str, write: Writer, *, if_absent: bool = False, if_match: str | None = None
+    ) -> tuple[int, str, str | None]:
+        """Write file `name` from ``write(file)`` (module doc); ``(size, sha256, version)``."""
         target = Path(self.path(name))
         target.parent.mkdir(parents=True, exist_ok=True)
         cur = self.info(name)  # refuses a planted link
@@ -130,7 +137,8 @@ class LocalLocation:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, file_mode())
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                sink = HashingWriter(f)
+                write(sink)
                 f.flush()
                 os.fsync(f.fileno())
             if if_absent:
@@ -148,7 +156,7 @@ class LocalLocation:
                 pass
             raise
         fsync_dir(target.parent)
-        return _version(os.lstat(target))
+        return sink.size, sink.hexdigest(), _version(os.lstat(target))
 
     def delete(self, name: str) -> None:
         try:

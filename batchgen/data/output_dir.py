@@ -58,7 +58,7 @@ from batchgen.data.layout import (
 )
 from batchgen.data.lease import FileLock, Lease, LeaseLost
 from batchgen.data.manifest import Manifest, PartRecord, WindowRecord, describe_model_change, diff_config
-from batchgen.data.storage import PreconditionFailed, is_url, open_location, table_to_parquet_bytes
+from batchgen.data.storage import PreconditionFailed, Writer, is_url, open_location, table_to_parquet_bytes
 from batchgen.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -548,14 +548,26 @@ class OutputDir:
         if done and not m.partial:
             self.loc.remove_dir(CHECKPOINT_DIR)
 
-    def commit_part(self, part: PartRecord, data: bytes) -> None:
-        """Roll-up: write `data` (the Parquet file of `part`, windows ``part.first..last``) whole, then the
-        ``part`` record naming it; only then are the covered windows' pieces garbage, deleted here (by the
-        current holder). On a failure before the record nothing is deleted: the pieces stay what the state
-        names, and the part file, named by no record, is the next holder's garbage."""
+    def _put_stream_unit(self, name: str, write: Writer) -> list:
+        """:meth:`_put_unit` of the file ``write(file)`` writes, streamed (never whole in memory)."""
+        self.holder.check()
+        try:
+            return list(self.loc.put_stream(name, write, if_absent=name not in self._named))
+        except (
+            PreconditionFailed
+        ):  # an object no record names (a stale holder's late write): ours replaces it
+            self.holder.check()
+            return list(self.loc.put_stream(name, write))
+
+    def commit_part(self, part: PartRecord, write: Writer) -> None:
+        """Roll-up: write the Parquet file of `part` (windows ``part.first..last``) streamed from ``write(file)``
+        and complete, then the ``part`` record naming it; only then are the covered windows' pieces garbage,
+        deleted here (by the current holder). On a failure before the record nothing is deleted: the pieces
+        stay what the state names, and the part file (a temporary file, an aborted upload, or a complete file
+        named by no record) is the next holder's garbage."""
         assert self.manifest is not None, "open() first"
         m = self.manifest
-        part.size, part.sha256, part.version = self._put_unit(part.name, data)
+        part.size, part.sha256, part.version = self._put_stream_unit(part.name, write)
         self.holder.check()
         rec = {"kind": "part", "epoch": m.epoch, "part": _asdict(part)}
         pieces = [

@@ -17,15 +17,16 @@ Invariants:
   written whole: an atomic rename, or one PUT).
 - A window committed again after its part was rolled (a retry of its error rows) names its new piece; the part
   is rewritten with the piece's rows and committed again (:meth:`PartRoller.finish`).
-- Cost: a commit costs nothing more; a roll reads its pieces once. Memory: one part.
+- Cost: a commit costs nothing more; a roll reads its pieces once. Memory: one piece plus one row group
+  (at most :data:`ROW_GROUP_ROWS` rows and about :data:`ROW_GROUP_BYTES` of Arrow data), whatever the part's
+  size; a rewrite streams the old part row group by row group.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -38,7 +39,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PART_SIZE = 256 << 20
 ROW_GROUP_ROWS = 1 << 17
-"""Rows per row group of a part (fewer when a part is smaller)."""
+"""Most rows per row group of a part."""
+ROW_GROUP_BYTES = 32 << 20
+"""Pieces are buffered into one row group until they hold this much Arrow data (or :data:`ROW_GROUP_ROWS`
+rows): the bound on what a roll holds beyond one piece."""
 _WINDOW_KEY = b"batchgen.window"  # score and pooling pieces' metadata
 
 
@@ -111,24 +115,24 @@ class PartRoller:
     # ------------------------------------------------------------------------------------ rolling
     def _roll(self, first: int, last: int) -> None:
         part = PartRecord(rolled_part_name(len(self.parts)), first, last)
-        self._commit(part, (self._read(part_name(w)) for w in range(first, last + 1)))
+        self._commit(part, lambda: (self._read(part_name(w)) for w in range(first, last + 1)))
         self._bytes = self._rows = 0
         logger.info("part %s: windows %d..%d", part.name, first, last)
 
     def _reroll(self, part: PartRecord, newer: set[int]) -> None:
         """Rewrite `part` with the rows of the pieces of `newer` (its windows committed again) and commit it
         again: the pieces become garbage."""
-        old = self._read(part.name)
         windows = self._manifest.windows
 
         def tables() -> Iterator[pa.Table]:
-            offset = 0
+            old = _window_slices(self.outdir.loc.open_read(part.name))
+            next(old)
             for w in range(part.first, part.last + 1):
-                n = windows[w].num_output_rows
-                yield self._read(windows[w].part) if w in newer else old.slice(offset, n)
-                offset += n
+                kept = old.send(windows[w].num_output_rows)  # the old rows are read past either way
+                yield self._read(windows[w].part) if w in newer else kept
+            old.close()
 
-        self._commit(PartRecord(part.name, part.first, part.last), tables())
+        self._commit(PartRecord(part.name, part.first, part.last), tables)
         logger.info("part %s rewritten with %d window(s) committed again", part.name, len(newer))
 
     def window_table(self, window: int) -> pa.Table:
@@ -140,7 +144,11 @@ class PartRoller:
             return self._read(rec.part)
         part = next(p for p in self.parts if p.first <= window <= p.last)
         offset = sum(windows[w].num_output_rows for w in range(part.first, window))
-        table = self._read(part.name).slice(offset, rec.num_output_rows)
+        rows = _window_slices(self.outdir.loc.open_read(part.name))  # streamed: never the whole part
+        next(rows)
+        rows.send(offset)
+        table = rows.send(rec.num_output_rows)
+        rows.close()
         meta = _metadata(table.schema.metadata, None)
         doc = json.loads(meta.get(METADATA_KEY, b"{}"))
         doc["window"] = {"index": window, "row_start": rec.row_start, "row_end": rec.row_end}
@@ -149,36 +157,61 @@ class PartRoller:
         meta[METADATA_KEY] = json.dumps(doc, sort_keys=True).encode()
         return table.replace_schema_metadata(meta)
 
-    def _commit(self, part: PartRecord, tables: Iterator[pa.Table]) -> None:
-        """Write `part` from `tables` (in order, row groups of :data:`ROW_GROUP_ROWS` rows) and commit it."""
-        self.outdir.commit_part(part, self._write(part, tables))
+    def _commit(self, part: PartRecord, tables: Callable[[], Iterator[pa.Table]]) -> None:
+        """Write `part` streamed from ``tables()`` (its windows' tables in order; called again when the write
+        starts over) and commit it."""
+        self.outdir.commit_part(part, lambda sink: self._write(part, tables(), sink))
 
-    def _write(self, part: PartRecord, tables: Iterator[pa.Table]) -> bytes:
-        """The Parquet bytes of `part` from `tables`."""
+    def _write(self, part: PartRecord, tables: Iterator[pa.Table], sink: Any) -> None:
+        """Write the Parquet file of `part` from `tables` into the binary file `sink`, a row group at a time
+        (pieces buffered up to :data:`ROW_GROUP_ROWS` rows or :data:`ROW_GROUP_BYTES` bytes)."""
         windows = self._manifest.windows
         index = int(part.name.split("-")[1].split(".")[0])
         info = {"index": index, "windows": [part.first, part.last]}
         info.update(row_start=windows[part.first].row_start, row_end=windows[part.last].row_end)
-        sink = io.BytesIO()
         writer: pq.ParquetWriter | None = None
         held: list[pa.Table] = []
-        rows = 0
+        rows = size = 0
         try:
             for t in tables:
                 if writer is None:
                     schema = _part_schema(t.schema, info)
                     writer = pq.ParquetWriter(sink, schema, compression="zstd")
                 held.append(_conform(t, schema))
-                rows += t.num_rows
-                if rows >= ROW_GROUP_ROWS:
+                rows, size = rows + t.num_rows, size + t.nbytes
+                if rows >= ROW_GROUP_ROWS or size >= ROW_GROUP_BYTES:
                     writer.write_table(pa.concat_tables(held), row_group_size=ROW_GROUP_ROWS)
-                    held, rows = [], 0
+                    held, rows, size = [], 0, 0
             if writer is not None and held:
                 writer.write_table(pa.concat_tables(held), row_group_size=ROW_GROUP_ROWS)
         finally:
             if writer is not None:
                 writer.close()
-        return sink.getvalue()
+
+
+def _window_slices(f: Any) -> Generator[pa.Table | None, int, None]:
+    """A generator over the rows of the Parquet file `f`, streamed row group by row group: each ``send(n)``
+    answers the next `n` rows as a table (with the file's schema). Closes `f` at the end."""
+    try:
+        pf = pq.ParquetFile(f)
+        schema = pf.schema_arrow
+        batches = (  # a row group at a time: a batch never spans several
+            b for rg in range(pf.num_row_groups) for b in pf.iter_batches(8192, row_groups=[rg])
+        )
+        left: list[pa.RecordBatch] = []
+        n = yield None
+        while True:
+            have = sum(b.num_rows for b in left)
+            while have < n:
+                b = next(batches)
+                left.append(b)
+                have += b.num_rows
+            t = pa.Table.from_batches(left, schema=schema)
+            out, rest = t.slice(0, n), t.slice(n)
+            left = rest.to_batches()
+            n = yield out
+    finally:
+        f.close()
 
 
 def _metadata(meta: dict[bytes, bytes] | None, part: dict[str, Any] | None) -> dict[bytes, bytes]:

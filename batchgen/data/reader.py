@@ -73,6 +73,8 @@ class InputSet:
     num_rows: int
     fingerprint: str
     columns: list[str] = field(default_factory=list)
+    versions_sha256: str | None = None
+    """One digest of every file's (path, size, store version) when every file has a version (else None)."""
 
     def describe(self) -> dict:
         """JSON-friendly summary stored in manifests and schema metadata: the versions of remote files (up to
@@ -86,11 +88,8 @@ class InputSet:
         if any(f.version for f in self.files):
             if len(self.files) <= LISTED_VERSIONS:
                 d["versions"] = {f.rel_path: [f.size, f.version] for f in self.files}
-            elif all(f.version for f in self.files):  # the manifest stays small: one digest of them all
-                h = hashlib.sha256()
-                for f in self.files:
-                    h.update(f"{f.rel_path}\0{f.size}\0{f.version}\n".encode())
-                d["versions_sha256"] = h.hexdigest()
+            elif self.versions_sha256 is not None:  # the manifest stays small: one digest of them all
+                d["versions_sha256"] = self.versions_sha256
         return d
 
     def column_type(self, name: str) -> pa.DataType | None:
@@ -276,13 +275,28 @@ def open_input(
 
 def input_set(spec: str, files: list[InputFile]) -> InputSet:
     """The input set of `files` (in order, row starts set): its fingerprint covers each file's path relative to
-    the input root, size, row count and footer hash; its columns are every file's, in first-seen order."""
-    h = hashlib.sha256()
+    the input root, size, row count and footer hash; its versions digest each file's path, size and store
+    version (when all have one); its columns are every file's, in first-seen order. One pass, file by file."""
+    h, v = hashlib.sha256(), hashlib.sha256()
+    versioned = bool(files)
     columns: list[str] = []
+    schemas: set[int] = set()
     for f in files:
         h.update(f"{f.rel_path}\0{f.size}\0{f.num_rows}\0{f.footer_sha256}\n".encode())
-        columns += [name for name in f.schema.names if name not in columns]
-    return InputSet(spec, files, sum(f.num_rows for f in files), h.hexdigest(), columns)
+        versioned = versioned and bool(f.version)
+        if versioned:
+            v.update(f"{f.rel_path}\0{f.size}\0{f.version}\n".encode())
+        if id(f.schema) not in schemas:  # files of one schema share one object (SchemaPool)
+            schemas.add(id(f.schema))
+            columns += [name for name in f.schema.names if name not in columns]
+    return InputSet(
+        spec,
+        files,
+        sum(f.num_rows for f in files),
+        h.hexdigest(),
+        columns,
+        v.hexdigest() if versioned else None,
+    )
 
 
 def shard_range(num_rows: int, index: int, count: int) -> tuple[int, int]:

@@ -9,6 +9,9 @@ any fsspec protocol) opened through fsspec. Credentials and endpoints come from 
 Invariants:
 - :meth:`Location.put` is one single-object write: readers see the previous object or the new one, never a
   part of it (S3, GCS and Azure commit an object on the completion of its PUT or multipart upload).
+- :meth:`Location.put_stream` writes an object too large to hold in memory from a writer function, as a
+  multipart upload of :data:`UPLOAD_BLOCK` bytes a part (one PUT when smaller): the store makes it visible
+  whole when the upload completes, or not at all; memory holds one block.
 - ``put(if_absent=True)`` succeeds only when no object has the name, ``put(if_match=etag)`` only when the object
   still has that ETag; otherwise :class:`PreconditionFailed`. S3 (and S3-compatible servers) do this in the
   store (``If-None-Match: *`` / ``If-Match``); on stores without conditional writes it is a check before the
@@ -19,7 +22,9 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import io
 import logging
 import re
@@ -56,6 +61,42 @@ TRANSIENT_CODES = ("500", "502", "503", "504", "InternalError", "ServiceUnavaila
                    "RequestTimeout", "RequestTimeoutException", "ThrottlingException")  # fmt: skip
 RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 4.0)
 """Pauses between the tries of an operation that met a transient error (then StorageUnavailable)."""
+UPLOAD_BLOCK = 8 << 20
+"""Bytes per part of a streamed multipart upload (:meth:`Location.put_stream`; S3's least is 5 MiB)."""
+
+
+class HashingWriter:
+    """A write-only binary file over `f` that counts the bytes written and hashes them (sha256): what a
+    streamed write (:meth:`Location.put_stream`) records of the object without holding it."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.size, self._h = f, 0, hashlib.sha256()
+        self.closed = False
+
+    def write(self, b: Any) -> int:
+        n = self.f.write(b)
+        self._h.update(b)
+        self.size += len(memoryview(b).cast("B"))
+        return n if n is not None else len(b)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:  # the caller closes (or discards) the file underneath
+        self.closed = True
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+Writer = Callable[[Any], None]
+"""Writes an object's bytes into the binary file it is given (called again when a write starts over)."""
 
 
 def is_transient(e: BaseException) -> bool:
@@ -430,6 +471,57 @@ class Location:
             raise self._error(e, "write into", name) from e
         info = self.info(name)
         return info.etag if info is not None else None
+
+    def put_stream(self, name: str, write: Writer, *, if_absent: bool = False) -> tuple[int, str, str | None]:
+        """Write object `name` from ``write(file)`` streamed to the store (a multipart upload of
+        :data:`UPLOAD_BLOCK`-byte parts, or one PUT when smaller), visible whole when it completes; returns
+        ``(size, sha256, version)``. `write` is called again when a transient error makes the upload start
+        over. With `if_absent`, PreconditionFailed when another object has the name (an object holding the
+        same bytes — our own retried completion — is the write landing)."""
+        path = self.path(name)
+        exclusive = if_absent and self.conditional
+
+        def attempt() -> tuple[int, str]:
+            f = self.fs.open(path, "xb" if exclusive else "wb", block_size=UPLOAD_BLOCK)
+            sink = HashingWriter(f)
+            try:
+                write(sink)
+            except BaseException:
+                discard = getattr(f, "discard", None)
+                with contextlib.suppress(Exception):
+                    discard() if discard is not None else f.close()
+                raise
+            try:
+                f.close()
+            except Exception as e:  # noqa: BLE001
+                if exclusive and (_is_precondition_failure(e) or isinstance(e, FileExistsError)):
+                    if self._sha256(name) == sink.hexdigest():
+                        return sink.size, sink.hexdigest()  # our completion, retried after a lost answer
+                    raise PreconditionFailed(self.url_of(name)) from e
+                raise
+            return sink.size, sink.hexdigest()
+
+        if if_absent and not self.conditional and self.info(name) is not None:
+            raise PreconditionFailed(self.url_of(name))
+        try:
+            size, digest = self._call("write into", name, attempt)
+        except (StorageUnavailable, PreconditionFailed):
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self._error(e, "write into", name) from e
+        info = self.info(name)
+        return size, digest, info.etag if info is not None else None
+
+    def _sha256(self, name: str) -> str | None:
+        """The sha256 of object `name` read in blocks (None when there is none)."""
+        h = hashlib.sha256()
+        try:
+            with self.open_read(name) as f:
+                while block := f.read(UPLOAD_BLOCK):
+                    h.update(block)
+        except (FileNotFoundError, StorageError):
+            return None
+        return h.hexdigest()
 
     def delete(self, name: str) -> None:
         """Remove object `name` (no error when it is already gone)."""

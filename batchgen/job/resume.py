@@ -6,13 +6,16 @@ Invariants:
   (window indexes are arithmetic, :class:`~batchgen.data.reader.WindowPlan`) and counts what is left from the
   commit record alone, so a resume holds no list of windows and reads no input to know what to do.
 - The input check reads the rows of at most :data:`VERIFY_WINDOWS` of the windows kept (all of them when there
-  are that few; else windows spread evenly over the output, the first and the last included, plus every window
-  with checkpointed rows): its cost does not grow with the rows already done. The input's fingerprint (every
+  are that few; else windows spread evenly over the output that are cheap to read — the first kept window
+  starting in each input row group, whose read decodes at most a window's rows before it — topped up with
+  windows of the first kept window's row group, plus every window with checkpointed rows): its cost does not
+  grow with the rows already done (about two windows a check, and one row group). The input's fingerprint (every
   file's size, row count and footer hash, or its store version) covers the rest.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Iterator
@@ -80,12 +83,40 @@ def windows_to_do(plan: JobPlan, manifest: Manifest, outdir: OutputDir) -> Windo
     return WindowsTodo(plan, manifest)
 
 
-def _sample(kept: list[int], partial: set[int]) -> list[int]:
-    """At most :data:`VERIFY_WINDOWS` of `kept` (sorted), spread evenly with the first and last, plus `partial`."""
+def _spread(items: list[int], n: int) -> set[int]:
+    """At most `n` of `items` (sorted), spread evenly, the first and the last included."""
+    if len(items) <= n:
+        return set(items)
+    step = (len(items) - 1) / (n - 1)
+    return {items[round(i * step)] for i in range(n)}
+
+
+def _row_group_starts(plan: JobPlan) -> list[int]:
+    """The global first row of every row group of the input (ascending)."""
+    starts = []
+    for f in plan.input.files:
+        s = f.row_start
+        for n in f.row_group_rows:
+            starts.append(s)
+            s += n
+    return starts
+
+
+def _sample(plan: JobPlan, kept: list[int], partial: set[int]) -> list[int]:
+    """At most :data:`VERIFY_WINDOWS` of `kept` (sorted) cheap to read (module doc), plus `partial`."""
     if len(kept) <= VERIFY_WINDOWS:
         return kept
-    step = (len(kept) - 1) / (VERIFY_WINDOWS - 1)
-    picked = {kept[round(i * step)] for i in range(VERIFY_WINDOWS)}
+    done, w0, rows = set(kept), plan.row_start, plan.cfg.data.window_rows
+    starts = _row_group_starts(plan)
+    firsts = {-(-(s - w0) // rows) for s in starts if s >= w0}  # the first window starting in each row group
+    picked = _spread(sorted((firsts & done) | {kept[0]}), VERIFY_WINDOWS)
+    if (
+        len(picked) < VERIFY_WINDOWS
+    ):  # few row groups: more of the first one's windows (read in the same pass)
+        i = bisect.bisect_right(starts, plan.windows[kept[0]].row_start)
+        end = starts[i] if i < len(starts) else plan.row_end
+        same = kept[: bisect.bisect_left(kept, -(-(end - w0) // rows))]
+        picked |= _spread(same, VERIFY_WINDOWS - len(picked))
     return sorted(picked | partial)
 
 
@@ -99,7 +130,7 @@ def verify_skipped_input(plan: JobPlan, manifest: Manifest, out_dir: str) -> tup
         return 0, 0.0
     t0 = time.monotonic()
     n = len(plan.windows)
-    picked = _sample(sorted(w for w in hashes if 0 <= w < n), set(w for w in partial if 0 <= w < n))
+    picked = _sample(plan, sorted(w for w in hashes if 0 <= w < n), set(w for w in partial if 0 <= w < n))
     specs = (plan.windows[w] for w in picked)
     for win in iter_windows(plan.input, specs, plan.columns, schema=plan.read_schema):
         if win.unreadable or window_sha256(win.table) != hashes[win.index]:
