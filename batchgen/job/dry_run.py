@@ -27,6 +27,7 @@ import bisect
 import logging
 import math
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -101,14 +102,14 @@ class PlanInput:
     keep_every: int = 1
     rows_read: int = 0
     read_seconds: float = 0.0
-    lens: list[int] = field(default_factory=list)
-    """Per fed row (the job's order): prompt tokens; then tokens the cache serves, tokens copied, the output
-    bound per sample, samples, and a hash of the first block (the row's prefix group)."""
-    cached: list[int] = field(default_factory=list)
-    copied: list[int] = field(default_factory=list)
-    bounds: list[int] = field(default_factory=list)
-    ns: list[int] = field(default_factory=list)
-    heads: list[int] = field(default_factory=list)
+    lens: array = field(default_factory=lambda: array("q"))
+    """Per fed row (the job's order; 8 bytes a row each): prompt tokens; then tokens the cache serves, tokens
+    copied, the output bound per sample, samples, and a hash of the first block (the row's prefix group)."""
+    cached: array = field(default_factory=lambda: array("q"))
+    copied: array = field(default_factory=lambda: array("q"))
+    bounds: array = field(default_factory=lambda: array("q"))
+    ns: array = field(default_factory=lambda: array("q"))
+    heads: array = field(default_factory=lambda: array("q"))
     kept: dict[int, PlanRow] = field(default_factory=dict)
     """Fed index -> row (with its tokens), every ``keep_every``-th."""
     first: list[PlanRow] = field(default_factory=list)
