@@ -72,3 +72,30 @@ def test_simulation_reproduces_the_scheduler_under_a_known_time_model(
     sim = simulate_schedule(sim_reqs, MODEL, cfg.max_num_seqs, cfg.max_num_batched_tokens, pool)
     assert sim.seconds == pytest.approx(actual, rel=0.03)
     assert sim.steps == pytest.approx(steps, rel=0.03)
+
+
+def test_output_lengths_from_censored_samples() -> None:
+    from batchgen.job.calibrate import OutputLengths
+
+    rng = random.Random(0)
+    # natural lengths geometric with mean 20; the calibration stops after 12 tokens (most samples censored)
+    natural = [1 + int(rng.expovariate(1 / 19.5)) for _ in range(400)]
+    obs = [(n, True) if n <= 12 else (12, False) for n in natural]
+    km = OutputLengths.fit(obs)
+    for bound in (8, 30, 64):
+        truth = sum(min(n, bound) for n in natural) / len(natural)
+        assert km.expected(bound) == pytest.approx(truth, rel=0.1)
+        qs = km.quantiles([bound] * 400)
+        assert sum(qs) / len(qs) == pytest.approx(truth, rel=0.1) and max(qs) <= bound
+    # no sample ended (every one reached its bound or was cut): every row runs to its bound
+    assert OutputLengths.fit([(5, False), (9, False)]).expected(40) == pytest.approx(40)
+    # dropping the censored samples would bias short; the estimate keeps them
+    assert km.expected(64) > 1.3 * OutputLengths.fit([o for o in obs if o[1]]).expected(64)
+    assert 0 < km.spread(64) < 0.5
+
+
+def test_load_widens_the_range() -> None:
+    from batchgen.job.calibrate import load_spread
+
+    assert load_spread(1.5, cpus=2) == 0.0 and load_spread(None) == 0.0
+    assert 0.2 < load_spread(10.0, cpus=2) <= 0.5
