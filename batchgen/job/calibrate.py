@@ -10,7 +10,8 @@ from the others) being dropped.
 **Calibration.** After an untimed warm-up (lazy initialisation) and a timed one-sequence request (the
 small-batch end: one prefill, one decode), a stratified sample of the job's rows — by prompt length
 (quartiles) and prefix group (the first block of tokens) — runs through the engine **at the job's
-concurrency** (``max_num_seqs`` sequences, fewer when their prefill would take over a third of the budget),
+concurrency** (up to ``max_num_seqs`` sequences, admitted a few more each step so that no step's prefill
+takes over a third of the budget),
 with the job's own sampling parameters (so seeded rows generate what the job will): its steps are timed at the
 batch sizes the job runs. The calibration stops when its budget — ``fraction`` of the wall time predicted
 from what it has measured so far, re-evaluated each time half of it is spent — is spent (after at least
@@ -371,9 +372,9 @@ def run_calibration(
     _warm_up(engine, order[0], None)  # not timed: lazy initialisation
     t_start = time.perf_counter()
     _warm_up(engine, order[-1], samples)  # one sequence: the small-batch end of the step model
-    batch = _affordable_batch(samples, order, batch, budget_s(cal))
     cal.model = StepModel((sum(s[3] for s in samples) / max(1, len(samples)), 0.0, 0.0, 0.0), 0.0)
     state = {"budget": budget_s(cal), "check": 0.0}
+    ramp = _affordable_batch(samples, order, batch, state["budget"])
 
     def refresh(running: Sequence[tuple[int, bool]] = ()) -> float:
         cal.model = fit_step_model(samples)
@@ -387,9 +388,8 @@ def run_calibration(
     rows = order[:max_rows]
     n0 = len(samples)
     t0 = time.perf_counter()
-    admitted, finished = _run_stream(engine, rows, batch, samples, cal, t_start, state, refresh)
+    admitted, finished = _run_stream(engine, rows, batch, ramp, samples, cal, t_start, state, refresh)
     batch_wall = time.perf_counter() - t0
-    cal.concurrency = min(batch, len(rows))
     cal.rows = admitted
     if finished < admitted:
         cal.note = f"stopped at its budget of {state['budget']:.2f} s, {admitted - finished} row(s) censored"
@@ -453,6 +453,7 @@ def _run_stream(
     engine: Any,
     rows: Sequence[CalibrationRow],
     concurrency: int,
+    ramp: int,
     samples: list[tuple[float, float, float, float]],
     cal: Calibration,
     t_start: float,
@@ -460,7 +461,8 @@ def _run_stream(
     refresh: Any,
 ) -> tuple[int, int]:
     """Feed ``rows`` to the engine as the job does (a finished row's place taken by the next, at most
-    ``concurrency`` unfinished), each step timed, until they are all done or the budget is spent (after at
+    ``concurrency`` unfinished, reached ``ramp`` more rows a step so no step's prefill is too long), each
+    step timed, until they are all done or the budget is spent (after at
     least :data:`MIN_BATCH_STEPS` steps): the rows still running are then aborted, their samples' lengths so
     far kept as censored observations. Returns (rows admitted, rows finished)."""
     from batchgen.driver import Driver, EngineRequest, Requests
@@ -470,7 +472,7 @@ def _run_stream(
         EngineRequest(rid, list(r.token_ids), r.params, lora_request=r.lora) for rid, r in ids.items()
     ]
     task = Requests(requests, lambda outs: None)
-    driver = Driver(engine, task, max_in_flight=concurrency)
+    driver = Driver(engine, task, max_in_flight=ramp)
     steps = driver.steps()
     st = engine.stats
     bs = max(1, st.block_size)
@@ -501,6 +503,8 @@ def _run_stream(
         prev = st.snapshot()
         if p or d:
             samples.append((float(p), float(d), float(k), dt))
+        cal.concurrency = max(cal.concurrency, int(d))
+        driver.max_in_flight = min(concurrency, (driver.max_in_flight or concurrency) + ramp)
         for out in outs:
             r = ids.pop(out.request_id, None)
             if r is None:

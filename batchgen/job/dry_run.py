@@ -225,7 +225,7 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
     from batchgen.data.prompts import build_prompts
     from batchgen.data.reader import iter_windows
     from batchgen.data.values import sanitize_utf8
-    from batchgen.job.feeder import WindowWork
+    from batchgen.job.feeder import ReadAhead, WindowWork
 
     cfg = plan.cfg
     plan.prompt_spec.max_model_len = cfg.engine.max_model_len or plan.model_max_len
@@ -257,14 +257,21 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
         keep_every=max(1, rows_chosen // KEEP_ROWS),
     )
     t0 = time.perf_counter()
-    for win in iter_windows(plan.input, chosen, plan.columns, schema=plan.read_schema):
-        rows = build_prompts(win.table, win.spec.row_start, plan.prompt_spec, tokenizer, win.unreadable)
-        for name in extra_cols:  # as the job does: text that is not UTF-8 makes the row an error row
-            _fixed, bad = sanitize_utf8(win.table.column(name))
-            for pos, byte in bad.items():
-                rows[pos].fail(f"column {name!r} is not valid UTF-8 at byte {byte}")
-                rows[pos].token_ids = rows[pos].params = None
-        work = WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
+
+    def prepared() -> Any:
+        """Each window read, rendered, tokenized and grouped: in a thread one window ahead of the prefix
+        simulation (the fast tokenizer releases the GIL)."""
+        for win in iter_windows(plan.input, chosen, plan.columns, schema=plan.read_schema):
+            rows = build_prompts(win.table, win.spec.row_start, plan.prompt_spec, tokenizer, win.unreadable)
+            for name in extra_cols:  # as the job does: text that is not UTF-8 makes the row an error row
+                _fixed, bad = sanitize_utf8(win.table.column(name))
+                for pos, byte in bad.items():
+                    rows[pos].fail(f"column {name!r} is not valid UTF-8 at byte {byte}")
+                    rows[pos].token_ids = rows[pos].params = None
+            yield win, rows, WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
+
+    ahead = ReadAhead(prepared())
+    for win, rows, work in ahead:
         need_src = len(inp.first) < SHARING_SAMPLE
         src = win.table.column(source_col).to_pylist() if need_src else [None] * len(rows)
         prs = [
