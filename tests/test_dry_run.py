@@ -197,16 +197,22 @@ def test_a_shard_of_an_array_plans_its_slice_and_estimates_the_array(tiny_ckpt: 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_plan_sizes_kv_in_the_caches_dtype(llama_ckpt: str, tmp_path: Path, kv_dtype: str) -> None:
-    # no calibration, so no engine: bytes per token come from the checkpoint's config and the cache's dtype,
+    # without calibration no engine: bytes per token come from the checkpoint's config and the cache's dtype,
     # and must equal what the engine allocates
     cfg = job_config(
         llama_ckpt, _input(tmp_path), tmp_path / "out",
         engine={"num_blocks": None, "kv_cache_memory": "1MiB", "kv_cache_dtype": kv_dtype},
     )  # fmt: skip
     cfg.run.dry_run = True
-    cfg.plan.calibrate = False
+    cfg.plan.calibrate = kv_dtype == "auto"  # then the dry run starts the engine itself and times it
     assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
-    mem = json.loads((tmp_path / "out" / "_plan.json").read_text())["memory"]
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    mem = plan["memory"]
+    if cfg.plan.calibrate:
+        pred = plan["predicted"]
+        assert pred["startup_s"] > 0 and pred["total_time_s"] == pred["startup_s"] + pred["wall_time_s"]
+    else:
+        assert plan["predicted"]["startup_s"] is None
     engine = LLMEngine(llama_ckpt, EngineConfig(device="cpu", num_blocks=16, kv_cache_dtype=kv_dtype))
     per_token = engine.stats.bytes_per_block // engine.stats.block_size
     assert mem["kv_bytes_per_token"] == per_token and mem["kv_cache_dtype"] == kv_dtype

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -138,6 +139,7 @@ def run_workload(w: Workload, root: Path, scale: float = 1.0, seed: int = 0) -> 
     inp = root / f"{w.name}.parquet"
     pq.write_table(pa.table({"prompt": w.rows(rng, n)}), inp)
     out = root / f"out-{w.name}"
+    shutil.rmtree(out, ignore_errors=True)  # a finished output of an earlier run would make the job a no-op
     cfg = JobConfig(
         model=ModelOptions(path=_model_path(w.model, root)),
         data=DataOptions(input=str(inp), output=str(out), **w.data),

@@ -788,14 +788,22 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
     inp = read_job_rows(plan, tokenizer, cfg.plan.sample_rows)
     logger.info("dry run: read and tokenized %d of %d rows in %.1f s", inp.rows_read, inp.rows_total,
                 inp.read_seconds)  # fmt: skip
+    startup_s = None
     if engine is None and cfg.plan.calibrate and inp.lens:
+        t0 = time.perf_counter()
         engine = _start_engine(plan)
+        startup_s = time.perf_counter() - t0
     replicas = max(1, cfg.engine.data_parallel_size)
     p = build_plan(inp, cfg.engine, tokenizer=tokenizer, engine=engine, plan_cfg=cfg.plan,
                    model=cfg.model.path or "tiny (embedded)", model_path=plan.model_path, replicas=replicas,
                    model_dtype=cfg.model.dtype)  # fmt: skip
     p.data["fingerprint"] = plan.fingerprint  # the report compares only a plan of the same configuration
     pred, count = p.data["predicted"], cfg.data.shard.count
+    # the engine's start-up (model load, pool allocation) as this dry run measured it: the job pays it
+    # before its run.wall_time_s starts (the report's startup_s)
+    pred["startup_s"] = startup_s
+    if startup_s is not None and pred.get("wall_time_s") is not None:
+        pred["total_time_s"] = startup_s + pred["wall_time_s"]
     if count > 1 and pred.get("device_hours") is not None:
         # a Slurm array: every task plans its own shard; the whole array, estimated from this one
         total = plan.input.num_rows

@@ -74,6 +74,7 @@ def prediction_section(plan: dict[str, Any], report: dict[str, Any]) -> dict[str
             "actual": tok.get("prompt_computed"),
         },
         "generated_tokens": {"predicted": p.get("output_tokens"), "actual": tok.get("generated")},
+        "startup_s": {"predicted": p.get("startup_s"), "actual": report.get("startup_s")},
     }
     cal = plan.get("calibration") or {}
     out["load"] = {"plan": cal.get("load"), "run": load_average(), "cpus": cal.get("cpus") or os.cpu_count()}
@@ -122,6 +123,9 @@ def prediction_lines(pred: dict[str, Any]) -> list[tuple[str, str]]:
         lines.append(
             ("planned prefix hit rate", f"{h['predicted']:.1%}; actual {_num(h.get('actual'), '.1%')}")
         )
+    su = pred.get("startup_s") or {}
+    if su.get("predicted") is not None:
+        lines.append(("planned start-up", f"{_dur(su['predicted'])}; actual {_dur(su.get('actual'))}"))
     g = pred["generated_tokens"]
     if g.get("predicted") is not None:
         lines.append(("planned generated tokens", f"{_num(g['predicted'])}; actual {_num(g.get('actual'))}"))
@@ -162,6 +166,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     if rec:
         lines.append(("recommended", ", ".join(f"{k}={v}" for k, v in rec.items())))
     rng = pred.get("wall_time_range_s") or [None, None]
+    if pred.get("startup_s") is not None:
+        lines.append(("engine start-up", f"{_dur(pred['startup_s'])} (as measured by this dry run)"))
     lines.append(("predicted wall time", f"{_dur(pred.get('wall_time_s'))} [{_dur(rng[0])} - {_dur(rng[1])}]"
                   + (f", {pred['device_hours']:.4g} device-hours" if pred.get("device_hours") is not None else "")
                   + (f", cost {pred['cost']:.4g}" if pred.get("cost") is not None else "")))  # fmt: skip
