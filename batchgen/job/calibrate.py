@@ -362,11 +362,12 @@ def run_calibration(
     budget_s: Any,
     batch: int,
 ) -> Calibration:
-    """Run ``order``'s rows through ``engine`` in batches of ``batch`` rows (the job's concurrency), each
-    step timed, until ``max_rows`` have run or the budget is spent; then the rows still running are aborted,
-    their lengths so far kept as censored observations (:class:`OutputLengths`). ``budget_s(calibration) ->
-    seconds`` is the budget given what is measured so far; it is re-evaluated each time half of it is spent
-    (the job's prediction sharpens as the steps accumulate)."""
+    """Run up to ``max_rows`` of ``order``'s rows through ``engine`` fed as the job feeds them, at most
+    ``batch`` (the job's concurrency) unfinished, each step timed, until they are done or the budget is spent;
+    then the rows still running are aborted, their lengths so far kept as censored observations
+    (:class:`OutputLengths`). ``budget_s(calibration) -> seconds`` is the budget given what is measured so
+    far; it is re-evaluated each time half of it is spent (the job's prediction sharpens as the steps
+    accumulate)."""
     samples: list[tuple[float, float, float, float]] = []
     cal = Calibration(fit_step_model([]))
     _warm_up(engine, order[0], None)  # not timed: lazy initialisation
@@ -410,9 +411,10 @@ def _affordable_batch(
     batch: int,
     budget: float,
 ) -> int:
-    """The batch size whose prefill (of the tokens the job computes, after sharing) takes at most a third of
-    the budget, by the prefill cost per token the timed warm-up showed (its first step computed its prompt, the next decoded one token): a batch of long
-    prompts must leave time to time decode steps and see output lengths."""
+    """Rows whose prefill (of the tokens the job computes, after sharing) takes at most a third of the
+    budget, by the prefill cost per token the timed warm-up showed (its first step computed its prompt, the
+    next decoded one token): the calibration admits this many more a step, so long prompts leave time to
+    time decode steps and see output lengths."""
     if len(samples) < 2 or samples[0][0] <= 0:
         return batch
     per_token = max(0.0, samples[0][3] - samples[-1][3]) / samples[0][0]
