@@ -96,7 +96,8 @@ class PrefixCacheSim:
                 cache.move_to_end(key)
         if self.capacity is not None:
             while len(cache) > self.capacity:
-                cache.popitem(last=False)
+                evicted, _ = cache.popitem(last=False)
+                children.pop(evicted, None)  # memory bounded by the pool, not by the input
         return hit * bs, lead
 
 
