@@ -271,15 +271,11 @@ class OutputLengths:
         keeping the spread of lengths, whose mean is the expectation's)."""
         if not len(bounds):
             return []
-        surv = self.survival_to(max(bounds))
-        neg = -surv  # non-decreasing
-        out = []
-        golden = 0.6180339887498949
-        for i, b in enumerate(bounds):
-            u = (0.5 + i * golden) % 1.0
-            t = int(np.searchsorted(neg, -u, side="left"))  # first t with P(L > t) <= u
-            out.append(max(1, min(t, b)) if b > 0 else 0)
-        return out
+        b = np.asarray(bounds, dtype=np.int64)
+        surv = self.survival_to(int(b.max()))
+        u = (0.5 + np.arange(len(b)) * 0.6180339887498949) % 1.0
+        t = np.searchsorted(-surv, -u, side="left")  # first t with P(L > t) <= u (-surv is non-decreasing)
+        return np.where(b > 0, np.clip(np.minimum(t, b), 1, None), 0).tolist()
 
     def spread(self, bound: int) -> float:
         """Relative standard error of the mean output per sample at ``bound``: the sampling error of the
