@@ -111,6 +111,7 @@ def test_dry_run_plans_without_touching_the_output_then_the_report_compares(
     assert p["prefix_hit_rate"]["predicted"] == pytest.approx(report["tokens"]["prefix_hit_rate"], abs=0.02)
     assert p["prompt_tokens"]["actual"] == p["prompt_tokens"]["predicted"]
     assert p["wall_time_s"]["actual"] == report["run"]["wall_time_s"] and "error" in p["wall_time_s"]
+    assert p["load"]["plan"] == plan["calibration"]["load"] and p["load"]["run"] >= 0  # why a run deviated
     from batchgen.job.report import format_table
 
     assert "planned wall time" in format_table(report)
@@ -192,3 +193,41 @@ def test_a_shard_of_an_array_plans_its_slice_and_estimates_the_array(tiny_ckpt: 
     alls = plan["predicted"]["all_shards"]
     assert alls["shards"] == 2 and alls["rows"] == 16
     assert alls["device_hours"] == pytest.approx(2 * plan["predicted"]["device_hours"])
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_plan_sizes_kv_in_the_caches_dtype(llama_ckpt: str, tmp_path: Path, kv_dtype: str) -> None:
+    # without calibration no engine: bytes per token come from the checkpoint's config and the cache's dtype,
+    # and must equal what the engine allocates
+    cfg = job_config(
+        llama_ckpt, _input(tmp_path), tmp_path / "out",
+        engine={"num_blocks": None, "kv_cache_memory": "1MiB", "kv_cache_dtype": kv_dtype},
+    )  # fmt: skip
+    cfg.run.dry_run = True
+    cfg.plan.calibrate = kv_dtype == "auto"  # then the dry run starts the engine itself and times it
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    mem = plan["memory"]
+    if cfg.plan.calibrate:
+        pred = plan["predicted"]
+        assert pred["startup_s"] > 0 and pred["total_time_s"] == pred["startup_s"] + pred["wall_time_s"]
+    else:
+        assert plan["predicted"]["startup_s"] is None
+    engine = LLMEngine(llama_ckpt, EngineConfig(device="cpu", num_blocks=16, kv_cache_dtype=kv_dtype))
+    per_token = engine.stats.bytes_per_block // engine.stats.block_size
+    assert mem["kv_bytes_per_token"] == per_token and mem["kv_cache_dtype"] == kv_dtype
+    assert mem["kv_pool_tokens"] == (1 << 20) // per_token  # a narrower cache holds proportionally more
+    assert mem["sequences_that_fit"] == pytest.approx(mem["kv_pool_tokens"] / 25, rel=0.5)
+
+
+def test_plan_weights_bytes_follow_model_dtype(llama_ckpt: str, tmp_path: Path) -> None:
+    from batchgen.job.dry_run import _weights_bytes, checkpoint_dtype, kv_element_bytes
+
+    stored = sum(f.stat().st_size for f in Path(llama_ckpt).glob("*.safetensors"))
+    ck = checkpoint_dtype(llama_ckpt)
+    assert _weights_bytes(llama_ckpt, "auto") == stored
+    half = _weights_bytes(llama_ckpt, "bfloat16")
+    assert half == (stored // 2 if ck == "float32" else stored)
+    assert kv_element_bytes("auto", "bfloat16", llama_ckpt, on_cpu=True) == 4  # computed in float32 on a CPU
+    assert kv_element_bytes("auto", "bfloat16", llama_ckpt, on_cpu=False) == 2
+    assert kv_element_bytes("fp8_e5m2", "auto", llama_ckpt, on_cpu=False) == 1

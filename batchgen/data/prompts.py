@@ -30,6 +30,7 @@ overrides set ``seed``, so its samples do not depend on the batch, the grouping 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -277,6 +278,10 @@ def _row_params(rows: list[PromptRow], overrides: list[Any] | None, base: Sampli
         if CONSTRAINT_FIELDS & ov.keys():  # a row's own constraint replaces the job's (at most one is set)
             ov = {**{k: None for k in CONSTRAINT_FIELDS}, **ov}
         if "seed" not in ov and base.seed is not None:
+            if not ov:  # the job's validated params with a derived seed (always valid): no re-validation
+                r.params = copy.copy(base)
+                r.params.seed = row_seed(base.seed, r.id)
+                continue
             ov["seed"] = row_seed(base.seed, r.id)
         try:
             r.params = replace(base, **ov)

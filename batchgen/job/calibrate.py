@@ -1,28 +1,45 @@
-"""Predicting a job's wall time: a calibration run of the real engine, a step-time model fitted to it, and a
-simulation of the engine's schedule over every row of the job.
+"""Predicting a job's wall time: a calibration run of the real engine, a step-time model fitted to it, the
+output lengths it saw, and a simulation of the engine's schedule over every row of the job.
 
 **Step-time model.** One engine step costs ``c0 + a * P + b * D + k * K`` seconds: ``P`` prompt tokens
 computed in the step (after prefix sharing), ``D`` sequences that produced a token, ``K`` thousands of tokens
 held by the running sequences (the attention's reads). The coefficients are fitted by least squares over the
-calibration's steps, a term whose coefficient comes out negative being dropped.
+calibration's timed steps, a term whose coefficient comes out negative (or that the steps do not vary apart
+from the others) being dropped.
 
-**Calibration.** A stratified sample of the job's rows — by prompt length (quartiles) and prefix group (the
-first block of tokens) — runs through the engine with the job's own sampling parameters (so seeded rows
-generate exactly what the job will), a batch at a time. Each row's output length over its bound
-(``max_tokens``, or the context left) gives the output-length ratio of its stratum. Batches stop once the
-calibration has spent its budget: ``fraction`` of the wall time predicted after the first batch.
+**Calibration.** After an untimed warm-up (lazy initialisation) and a timed one-sequence request (the
+small-batch end: one prefill, one decode), a stratified sample of the job's rows — by prompt length
+(quartiles) and prefix group (the first block of tokens) — runs through the engine **at the job's
+concurrency** (up to ``max_num_seqs`` sequences, admitted a few more each step so that no step's prefill
+takes over a third of the budget),
+with the job's own sampling parameters (so seeded rows generate what the job will): its steps are timed at the
+batch sizes the job runs. The calibration stops when its budget — ``fraction`` of the wall time predicted
+from what it has measured so far, re-evaluated each time half of it is spent — is spent (after at least
+:data:`MIN_BATCH_STEPS` steps of a batch); rows still running are aborted and kept as censored observations
+of their output length.
+
+**Output lengths.** EOS and stop strings end outputs before ``max_tokens``: the natural length distribution
+is estimated by Kaplan-Meier over the calibration's samples (:class:`OutputLengths`), each row of the job gets
+``min(L, its bound)`` at evenly spread quantiles, so the simulation sees the spread (the long tail that keeps
+a batch running) and the total is the expectation.
 
 **Schedule simulation.** The rows, in the job's feed order, go through a model of the scheduler: decodes first,
 then prefill chunks under ``max_num_batched_tokens``, admission while the sequence cap and the KV pool allow;
 a request's prefill completes with its first token, then it decodes one token per step. Each step is priced by
 the model; stretches without admissions or prefills are summed in closed form, so the simulation costs
-O(rows log rows) plus the steps that admit.
+O(rows log rows) plus the steps that admit. On the engine's real scheduler with a known step-time model it
+reproduces the total within a few percent (``tests/test_schedule_sim.py``).
+
+**Range.** Relative half-width from the step model's residual, the output lengths' standard error, and the
+machine's load at calibration (a job sharing oversubscribed CPUs runs at a speed the calibration sampled and
+the run will not keep, :func:`load_spread`), over a floor.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import os
 import random
 import time
 from collections import deque
@@ -32,6 +49,9 @@ from typing import Any
 
 import numpy as np
 
+MIN_BATCH_STEPS = 16
+"""Steps a calibration batch always runs (unless it finishes first): its prefill and enough decode steps at the
+job's concurrency to fit the step model, whatever the budget."""
 FEATURES = ("per_step", "per_prefill_token", "per_decode_seq", "per_1k_context_tokens")
 
 
@@ -58,6 +78,10 @@ def fit_step_model(samples: Sequence[tuple[float, float, float, float]]) -> Step
     x = np.array([[1.0, s[0], s[1], s[2] / 1000.0] for s in samples])
     y = np.array([s[3] for s in samples])
     keep = [0, 1, 2, 3]
+    # a term needs steps that vary it apart from the others: the context term (K) only with a few times
+    # more steps than terms and not a near-copy of the decode term (D)
+    if len(samples) < 12 or _collinear(x[:, 2], x[:, 3]):
+        keep.remove(3)
     coef = np.zeros(4)
     while keep:
         cols = [c for c in keep if np.any(x[:, c] != x[0, c]) or c == 0]
@@ -73,6 +97,12 @@ def fit_step_model(samples: Sequence[tuple[float, float, float, float]]) -> Step
     res = y - x @ coef
     rel = float(np.sqrt(np.mean(res**2)) / max(float(y.mean()), 1e-12))
     return StepModel(tuple(float(c) for c in coef), rel)  # type: ignore[arg-type]
+
+
+def _collinear(a: np.ndarray, b: np.ndarray, limit: float = 0.98) -> bool:
+    if a.std() == 0 or b.std() == 0:
+        return True
+    return abs(float(np.corrcoef(a, b)[0, 1])) > limit
 
 
 @dataclass
@@ -187,6 +217,82 @@ class CalibrationRow:
     params: Any
     stratum: tuple[int, int]
     lora: Any = None
+    compute: int | None = None
+    """Prompt tokens the job computes for the row (after prefix sharing); None: all of them."""
+
+
+@dataclass
+class OutputLengths:
+    """The natural output length ``L`` of a sample (tokens until EOS or a stop, were there no bound), estimated
+    by Kaplan-Meier from the calibration's samples: a finished sample is an event at its length, a sample that
+    reached its bound or was still running when the calibration stopped is censored (``L`` > its tokens).
+    ``survival[t] = P(L > t)`` up to the horizon (the longest run observed); beyond it the pooled hazard of
+    what was observed continues geometrically (no event seen: every sample runs to its bound)."""
+
+    survival: np.ndarray
+    hazard: float
+    observations: int
+    events: int
+
+    @classmethod
+    def fit(cls, obs: Sequence[tuple[int, bool]]) -> OutputLengths:
+        """``obs``: (tokens generated, ended by EOS or a stop) per sample."""
+        if not obs:
+            return cls(np.ones(1), 0.0, 0, 0)
+        h = max(n for n, _ in obs)
+        ev = np.zeros(h + 2)
+        cen = np.zeros(h + 2)
+        for n, ended in obs:
+            (ev if ended else cen)[n] += 1
+        # at risk at t: samples known to reach t (events at >= t, censored at >= t)
+        at_risk = (ev[::-1].cumsum()[::-1] + cen[::-1].cumsum()[::-1])[: h + 1]
+        d = ev[: h + 1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(at_risk > 0, 1.0 - d / np.maximum(at_risk, 1), 1.0)
+        q[0] = 1.0
+        surv = np.cumprod(q)
+        exposure = float(at_risk[1:].sum())
+        return cls(surv, float(d.sum()) / exposure if exposure else 0.0, len(obs), int(d.sum()))
+
+    def survival_to(self, t_max: int) -> np.ndarray:
+        """``P(L > t)`` for ``t = 0 .. t_max``."""
+        s = self.survival
+        if t_max < len(s):
+            return s[: t_max + 1]
+        tail = s[-1] * (1.0 - self.hazard) ** np.arange(1, t_max - len(s) + 2)
+        return np.concatenate([s, tail])
+
+    def expected(self, bound: int) -> float:
+        """``E[min(L, bound)]``."""
+        return float(self.survival_to(max(bound - 1, 0))[:bound].sum()) if bound > 0 else 0.0
+
+    def quantiles(self, bounds: Sequence[int]) -> list[int]:
+        """One length per row, ``min(L, bound)`` at evenly spread quantiles of ``L`` (a deterministic sample
+        keeping the spread of lengths, whose mean is the expectation's)."""
+        if not len(bounds):
+            return []
+        b = np.asarray(bounds, dtype=np.int64)
+        surv = self.survival_to(int(b.max()))
+        u = (0.5 + np.arange(len(b)) * 0.6180339887498949) % 1.0
+        t = np.searchsorted(-surv, -u, side="left")  # first t with P(L > t) <= u (-surv is non-decreasing)
+        return np.where(b > 0, np.clip(np.minimum(t, b), 1, None), 0).tolist()
+
+    def spread(self, bound: int) -> float:
+        """Relative standard error of the mean output per sample at ``bound``: the sampling error of the
+        lengths seen, plus the share of samples that outran the observation horizon (their length is an
+        extrapolation)."""
+        if bound <= 0 or self.observations == 0:
+            return 0.5
+        surv = self.survival_to(bound - 1)[:bound]
+        pmf = -np.diff(np.concatenate([[1.0], surv[1:], [0.0]]))  # P(min(L, bound) = t), t = 1 .. bound
+        t = np.arange(1, bound + 1)
+        mean = float((pmf * t).sum())
+        sd = math.sqrt(max(0.0, float((pmf * t * t).sum()) - mean**2))
+        e = sd / math.sqrt(self.observations) / max(mean, 1e-9)
+        horizon = len(self.survival) - 1
+        if horizon < bound and self.events:
+            e += 0.5 * float(self.survival[-1]) * (1 - horizon / bound)
+        return e
 
 
 @dataclass
@@ -194,18 +300,21 @@ class Calibration:
     """What the calibration measured."""
 
     model: StepModel
-    ratios: dict[tuple[int, int], list[float]] = field(default_factory=dict)
-    """Output tokens / output bound of the rows run, by stratum."""
+    lengths: OutputLengths = field(default_factory=lambda: OutputLengths.fit([]))
+    observations: list[tuple[int, bool]] = field(default_factory=list)
+    """(tokens generated, ended by EOS or a stop) per sample run."""
     rows: int = 0
     seconds: float = 0.0
     step_seconds: float = 0.0
     steps: int = 0
     overhead: float = 1.0
-    """Calibration wall time over the sum of its steps' model times (adding requests, Python between steps)."""
+    """Wall time of the calibration's batches over the sum of their steps' model times (adding requests,
+    Python between steps)."""
     note: str = ""
-
-    def all_ratios(self) -> list[float]:
-        return [r for v in self.ratios.values() for r in v]
+    load: float | None = None
+    """The machine's 1-minute load average when the calibration ended."""
+    concurrency: int = 0
+    """Most sequences the calibration ran at once."""
 
 
 def strata_order(rows: Sequence[CalibrationRow], seed: int = 0) -> list[CalibrationRow]:
@@ -235,58 +344,81 @@ def output_bound(prompt_len: int, params: Any, max_model_len: int) -> int:
     return min(room, mt) if mt is not None else room
 
 
+def load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
 def run_calibration(
     engine: Any,
     order: Sequence[CalibrationRow],
     max_rows: int,
     budget_s: Any,
-    first_batch: int,
-    max_batch: int,
+    batch: int,
 ) -> Calibration:
-    """Run ``order``'s rows through ``engine`` in growing batches until ``max_rows`` have run, the next batch
-    would pass the budget, or the budget is spent: a batch after the first still running then is aborted, its
-    output lengths discarded (the rows that finished first are the short ones: a biased sample) and its steps
-    kept. ``budget_s(calibration) -> seconds`` is the budget given what is measured so far. The first batch
-    always runs to its end (at least ``first_batch`` rows, fewer when a timed short request says they would
-    pass the budget, but at least 2): without one complete batch there is no output length to go by."""
+    """Run up to ``max_rows`` of ``order``'s rows through ``engine`` fed as the job feeds them, at most
+    ``batch`` (the job's concurrency) unfinished, each step timed, until they are done or the budget is spent;
+    then the rows still running are aborted, their lengths so far kept as censored observations
+    (:class:`OutputLengths`). ``budget_s(calibration) -> seconds`` is the budget given what is measured so
+    far; it is re-evaluated each time half of it is spent (the job's prediction sharpens as the steps
+    accumulate)."""
     samples: list[tuple[float, float, float, float]] = []
     cal = Calibration(fit_step_model([]))
     _warm_up(engine, order[0], None)  # not timed: lazy initialisation
     t_start = time.perf_counter()
-    warm: list[tuple[float, float, float, float]] = []
-    _warm_up(engine, order[0], warm)
-    mean_step = sum(s[3] for s in warm) / max(1, len(warm))
-    cal.model = StepModel((mean_step, 0.0, 0.0, 0.0), 0.0)
-    budget = budget_s(cal)
-    pos = 0
-    batch = max(1, min(len(order), max_rows, first_batch, max_batch))
-    bound = sum(output_bound(len(r.token_ids), r.params, engine.max_model_len) for r in order[:batch]) / batch
-    affordable = int(budget / max(mean_step * (bound + 1), 1e-9))  # rows in parallel, one token a step each
-    batch = max(min(2, len(order)), min(batch, affordable))
-    first = True
-    while pos < len(order) and cal.rows < max_rows:
-        rows = order[pos : pos + batch]
-        pos += len(rows)
-        finished = _run_batch(engine, rows, samples, cal, None if first else t_start + budget)
-        first = False
-        cal.rows += finished
+    _warm_up(engine, order[-1], samples)  # one sequence: the small-batch end of the step model
+    cal.model = StepModel((sum(s[3] for s in samples) / max(1, len(samples)), 0.0, 0.0, 0.0), 0.0)
+    state = {"budget": budget_s(cal), "check": 0.0}
+    ramp = _affordable_batch(samples, order, batch, state["budget"])
+
+    def refresh(running: Sequence[tuple[int, bool]] = ()) -> float:
         cal.model = fit_step_model(samples)
+        cal.lengths = OutputLengths.fit([*cal.observations, *running])
         cal.seconds = time.perf_counter() - t_start
-        cal.steps = len(samples)
-        predicted_steps = sum(cal.model.step_time(*s[:3]) for s in samples)
-        cal.step_seconds = sum(s[3] for s in samples)
-        cal.overhead = max(1.0, cal.seconds / predicted_steps) if predicted_steps > 0 else 1.0
-        if finished < len(rows):
-            cal.note = f"stopped at its cap of {budget:.2f} s, {len(rows) - finished} row(s) unfinished"
-            break
-        budget = budget_s(cal)
-        batch = min(max_batch, 2 * batch, max_rows - cal.rows)
-        if batch <= 0:
-            break
-        per_row = cal.seconds / max(cal.rows, 1)
-        if cal.seconds + per_row * batch * 0.6 > budget:  # batching amortizes: a batch costs less per row
-            break
+        state["budget"] = budget_s(cal)
+        state["check"] = cal.seconds + max(0.05, (state["budget"] - cal.seconds) / 2)
+        return state["budget"]
+
+    state["check"] = state["budget"] / 2
+    rows = order[:max_rows]
+    n0 = len(samples)
+    t0 = time.perf_counter()
+    admitted, finished = _run_stream(engine, rows, batch, ramp, samples, cal, t_start, state, refresh)
+    batch_wall = time.perf_counter() - t0
+    cal.rows = admitted
+    if finished < admitted:
+        cal.note = f"stopped at its budget of {state['budget']:.2f} s, {admitted - finished} row(s) censored"
+    cal.model = fit_step_model(samples)
+    cal.lengths = OutputLengths.fit(cal.observations)
+    cal.seconds = time.perf_counter() - t_start
+    cal.steps = len(samples)
+    cal.step_seconds = sum(x[3] for x in samples)
+    predicted = sum(cal.model.step_time(*x[:3]) for x in samples[n0:])
+    cal.overhead = max(1.0, batch_wall / predicted) if predicted > 0 else 1.0
+    cal.load = load_average()
     return cal
+
+
+def _affordable_batch(
+    samples: Sequence[tuple[float, float, float, float]],
+    order: Sequence[CalibrationRow],
+    batch: int,
+    budget: float,
+) -> int:
+    """Rows whose prefill (of the tokens the job computes, after sharing) takes at most a third of the
+    budget, by the prefill cost per token the timed warm-up showed (its first step computed its prompt, the
+    next decoded one token): the calibration admits this many more a step, so long prompts leave time to
+    time decode steps and see output lengths."""
+    if len(samples) < 2 or samples[0][0] <= 0:
+        return batch
+    per_token = max(0.0, samples[0][3] - samples[-1][3]) / samples[0][0]
+    head = order[:batch]
+    mean_prompt = sum(len(r.token_ids) if r.compute is None else r.compute for r in head) / max(1, len(head))
+    if per_token * mean_prompt <= 0:
+        return batch
+    return max(min(batch, 4), min(batch, int(budget / 3 / (per_token * mean_prompt))))
 
 
 def _warm_up(
@@ -301,42 +433,62 @@ def _warm_up(
     params = replace(row.params, max_tokens=2, min_tokens=0) if row.params is not None else None
     request = EngineRequest(f"batchgen-calibration-warmup-{samples is None}", list(row.token_ids), params)
     steps = Driver(engine, Requests([request], lambda outs: None)).steps()
+    prev = engine.stats.snapshot()
     while True:
         t0 = time.perf_counter()
         if next(steps, None) is None:
             return
+        dt = time.perf_counter() - t0
+        st = engine.stats
         if samples is not None:
-            samples.append((1.0, 1.0, float(len(row.token_ids)), time.perf_counter() - t0))
+            p = st.prompt_tokens_computed - prev.prompt_tokens_computed
+            d = st.generated_tokens - prev.generated_tokens
+            samples.append((float(p), float(d), float(st.kv_blocks_used * max(1, st.block_size)), dt))
+        prev = st.snapshot()
 
 
-def _run_batch(
+def _run_stream(
     engine: Any,
     rows: Sequence[CalibrationRow],
+    concurrency: int,
+    ramp: int,
     samples: list[tuple[float, float, float, float]],
     cal: Calibration,
-    deadline: float | None,
-) -> int:
-    """Run ``rows`` to their end, or until ``deadline`` (the rest aborted and the batch's output lengths
-    discarded); returns how many finished."""
+    t_start: float,
+    state: dict[str, float],
+    refresh: Any,
+) -> tuple[int, int]:
+    """Feed ``rows`` to the engine as the job does (a finished row's place taken by the next, at most
+    ``concurrency`` unfinished, reached ``ramp`` more rows a step so no step's prefill is too long), each
+    step timed, until they are all done or the budget is spent (after at
+    least :data:`MIN_BATCH_STEPS` steps): the rows still running are then aborted, their samples' lengths so
+    far kept as censored observations. Returns (rows admitted, rows finished)."""
     from batchgen.driver import Driver, EngineRequest, Requests
 
     ids = {f"batchgen-calibration-{r.index}": r for r in rows}
     requests = [
         EngineRequest(rid, list(r.token_ids), r.params, lora_request=r.lora) for rid, r in ids.items()
     ]
-    driver = Driver(engine, Requests(requests, lambda outs: None))
+    task = Requests(requests, lambda outs: None)
+    driver = Driver(engine, task, max_in_flight=ramp)
     steps = driver.steps()
     st = engine.stats
     bs = max(1, st.block_size)
     prev = st.snapshot()
     finished = 0
-    ratios: list[tuple[tuple[int, int], float]] = []
+    n0 = len(samples)
     while True:
-        if deadline is not None and time.perf_counter() > deadline:
+        now = time.perf_counter() - t_start
+        if now >= state["check"] and now < state["budget"]:
+            refresh(_running(engine, ids))
+        if now >= state["budget"] and len(samples) - n0 >= MIN_BATCH_STEPS:
+            cal.observations += _running(engine, ids)
+            admitted = finished + len(driver.in_flight)
+            task.queue.clear()  # nothing more is admitted
             driver.abort()
             for _ in steps:  # aborted requests leave at the next step
                 pass
-            return finished
+            return admitted, finished
         t0 = time.perf_counter()
         outs = next(steps, None)
         if outs is None:
@@ -349,6 +501,8 @@ def _run_batch(
         prev = st.snapshot()
         if p or d:
             samples.append((float(p), float(d), float(k), dt))
+        cal.concurrency = max(cal.concurrency, int(d))
+        driver.max_in_flight = min(concurrency, (driver.max_in_flight or concurrency) + ramp)
         for out in outs:
             r = ids.pop(out.request_id, None)
             if r is None:
@@ -356,31 +510,43 @@ def _run_batch(
             finished += 1
             if out.error:
                 continue
-            n = sum(len(c.token_ids) for c in out.outputs) / max(1, len(out.outputs))  # per sample
-            bound = output_bound(len(r.token_ids), r.params, engine.max_model_len)
-            if bound > 0:
-                ratios.append((r.stratum, min(1.0, n / bound)))
-    for stratum, ratio in ratios:
-        cal.ratios.setdefault(stratum, []).append(ratio)
-    return finished
+            for c in out.outputs:
+                n = len(c.token_ids)
+                ended = getattr(c, "finish_reason", None) == "stop"
+                cal.observations.append((n, ended))
+    return finished, finished
 
 
-def relative_spread(cal: Calibration, floor: float = 0.2, cap: float = 0.6) -> float:
-    """Half-width of the predicted range, relative: the fit's residual, the output ratios' standard error and a
-    floor for what neither sees (the extrapolation to larger batches), widened when the machine's CPUs are
-    oversubscribed (its other load changes the speed while the job runs)."""
-    import os
+def load_spread(load: float | None, cpus: int | None = None) -> float:
+    """Relative uncertainty from the machine's other load: with the CPUs oversubscribed (1-minute load
+    average above their count) the job gets a share ``cpus / load`` of them that the calibration measured
+    and the run will not keep; half the part of the time that share explains."""
+    cpus = cpus or os.cpu_count() or 1
+    if load is None or load <= cpus:
+        return 0.0
+    return min(0.5, 0.5 * (1.0 - cpus / load))
 
-    try:
-        if os.getloadavg()[0] > (os.cpu_count() or 1):
-            floor += 0.1
-    except OSError:
-        pass
-    ratios = cal.all_ratios()
-    e_out = 0.0
-    if len(ratios) > 1 and np.mean(ratios) > 0:
-        e_out = float(np.std(ratios) / math.sqrt(len(ratios)) / np.mean(ratios))
+
+def _running(engine: Any, ids: Any) -> list[tuple[int, bool]]:
+    """The samples of the requests ``ids`` still running: censored at their tokens so far (a sample of
+    theirs already finished below its bound: an event)."""
+    live = getattr(engine, "requests", None) or {}
+    out = []
+    for rid, row in ids.items():
+        bound = output_bound(len(row.token_ids), row.params, engine.max_model_len)
+        for seq in getattr(live.get(rid), "seqs", None) or ():
+            n = int(seq.num_output_tokens)
+            out.append((n, bool(seq.is_finished) and n < bound))
+    return out
+
+
+def relative_spread(cal: Calibration, bound: int, floor: float = 0.1, cap: float = 0.8) -> float:
+    """Half-width of the predicted range, relative, from what the calibration measured: the step model's
+    residual over its steps, the output lengths' standard error (:meth:`OutputLengths.spread` at the job's
+    typical bound), the machine's load at calibration (:func:`load_spread`), and a floor for what none of them
+    sees (the extrapolation to the whole job, fixed costs); few calibrated rows widen it."""
+    e_out = cal.lengths.spread(bound)
     e_fit = cal.model.residual_rel / math.sqrt(max(cal.steps, 1))
-    return min(
-        cap, max(floor, math.sqrt(floor**2 + e_out**2 + e_fit**2 + (0.5 if cal.rows < 4 else 0.0) ** 2))
-    )
+    e_load = load_spread(cal.load)
+    few = 0.3 if cal.rows < 4 else 0.0
+    return min(cap, math.sqrt(floor**2 + e_out**2 + e_fit**2 + e_load**2 + few**2))

@@ -218,8 +218,8 @@ class PlanOptions:
     """Run the real engine over a small stratified sample of rows to predict the wall time and the output tokens (capped at plan.calibration_fraction of the predicted time); false = tokens and memory only."""
     calibration_fraction: float = 0.05
     """Most of the job's predicted wall time the calibration may spend (at least 0.5 s); it stops, aborting the rows it runs, when that is spent."""
-    calibration_rows: int = 64
-    """Most rows the calibration runs (fewer when plan.calibration_fraction caps it)."""
+    calibration_rows: int = 512
+    """Most rows the calibration runs, fed as the job feeds them (engine.max_num_seqs at once); fewer when plan.calibration_fraction caps it."""
 
     def __post_init__(self) -> None:
         if self.sample_rows is not None and self.sample_rows < 1:

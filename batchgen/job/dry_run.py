@@ -26,7 +26,9 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import os
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -101,14 +103,14 @@ class PlanInput:
     keep_every: int = 1
     rows_read: int = 0
     read_seconds: float = 0.0
-    lens: list[int] = field(default_factory=list)
-    """Per fed row (the job's order): prompt tokens; then tokens the cache serves, tokens copied, the output
-    bound per sample, samples, and a hash of the first block (the row's prefix group)."""
-    cached: list[int] = field(default_factory=list)
-    copied: list[int] = field(default_factory=list)
-    bounds: list[int] = field(default_factory=list)
-    ns: list[int] = field(default_factory=list)
-    heads: list[int] = field(default_factory=list)
+    lens: array = field(default_factory=lambda: array("q"))
+    """Per fed row (the job's order; 8 bytes a row each): prompt tokens; then tokens the cache serves, tokens
+    copied, the output bound per sample, samples, and a hash of the first block (the row's prefix group)."""
+    cached: array = field(default_factory=lambda: array("q"))
+    copied: array = field(default_factory=lambda: array("q"))
+    bounds: array = field(default_factory=lambda: array("q"))
+    ns: array = field(default_factory=lambda: array("q"))
+    heads: array = field(default_factory=lambda: array("q"))
     kept: dict[int, PlanRow] = field(default_factory=dict)
     """Fed index -> row (with its tokens), every ``keep_every``-th."""
     first: list[PlanRow] = field(default_factory=list)
@@ -223,7 +225,7 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
     from batchgen.data.prompts import build_prompts
     from batchgen.data.reader import iter_windows
     from batchgen.data.values import sanitize_utf8
-    from batchgen.job.feeder import WindowWork
+    from batchgen.job.feeder import ReadAhead, WindowWork
 
     cfg = plan.cfg
     plan.prompt_spec.max_model_len = cfg.engine.max_model_len or plan.model_max_len
@@ -255,14 +257,21 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
         keep_every=max(1, rows_chosen // KEEP_ROWS),
     )
     t0 = time.perf_counter()
-    for win in iter_windows(plan.input, chosen, plan.columns, schema=plan.read_schema):
-        rows = build_prompts(win.table, win.spec.row_start, plan.prompt_spec, tokenizer, win.unreadable)
-        for name in extra_cols:  # as the job does: text that is not UTF-8 makes the row an error row
-            _fixed, bad = sanitize_utf8(win.table.column(name))
-            for pos, byte in bad.items():
-                rows[pos].fail(f"column {name!r} is not valid UTF-8 at byte {byte}")
-                rows[pos].token_ids = rows[pos].params = None
-        work = WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
+
+    def prepared() -> Any:
+        """Each window read, rendered, tokenized and grouped: in a thread one window ahead of the prefix
+        simulation (the fast tokenizer releases the GIL)."""
+        for win in iter_windows(plan.input, chosen, plan.columns, schema=plan.read_schema):
+            rows = build_prompts(win.table, win.spec.row_start, plan.prompt_spec, tokenizer, win.unreadable)
+            for name in extra_cols:  # as the job does: text that is not UTF-8 makes the row an error row
+                _fixed, bad = sanitize_utf8(win.table.column(name))
+                for pos, byte in bad.items():
+                    rows[pos].fail(f"column {name!r} is not valid UTF-8 at byte {byte}")
+                    rows[pos].token_ids = rows[pos].params = None
+            yield win, rows, WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
+
+    ahead = ReadAhead(prepared())
+    for win, rows, work in ahead:
         need_src = len(inp.first) < SHARING_SAMPLE
         src = win.table.column(source_col).to_pylist() if need_src else [None] * len(rows)
         prs = [
@@ -273,21 +282,26 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
     return inp
 
 
-def _pool_blocks(cfg: Any, model_path: str | None) -> int | None:
-    """The KV pool's blocks as the engine will size it: ``engine.num_blocks``, else on the CPU
-    ``engine.kv_cache_memory`` over the model's bytes per block; None (no eviction simulated) on an accelerator,
-    whose pool is only known once the engine has measured its memory."""
-    e = cfg.engine
-    if e.num_blocks:
-        return e.num_blocks
+def _on_cpu(device: str) -> bool:
     try:
         import torch
 
-        on_cpu = e.device == "cpu" or (e.device == "auto" and not torch.cuda.is_available())
+        return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     except ImportError:
-        on_cpu = True
-    dtype_bytes = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
-    kv = _kv_bytes_per_token(None, model_path, dtype_bytes)
+        return True
+
+
+def _pool_blocks(cfg: Any, model_path: str | None) -> int | None:
+    """The KV pool's blocks as the engine will size it: ``engine.num_blocks``, else on the CPU
+    ``engine.kv_cache_memory`` over the model's bytes per block (in ``engine.kv_cache_dtype``); None (no
+    eviction simulated) on an accelerator, whose pool is only known once the engine has measured its memory."""
+    e = cfg.engine
+    if e.num_blocks:
+        return e.num_blocks
+    on_cpu = _on_cpu(e.device)
+    kv = _kv_bytes_per_token(
+        None, model_path, kv_element_bytes(e.kv_cache_dtype, cfg.model.dtype, model_path, on_cpu)
+    )
     if not on_cpu or not kv:
         return None
     return max(1, parse_bytes(e.kv_cache_memory) // (kv * e.block_size))
@@ -453,22 +467,53 @@ def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list
     return out
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+"""Bytes per element of each ``engine.kv_cache_dtype`` / ``model.dtype`` name."""
+
+
+def _model_config(model_path: str | None) -> dict[str, Any]:
+    import json
+
+    if not model_path:
+        return {}
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def checkpoint_dtype(model_path: str | None) -> str:
+    """The dtype the checkpoint's floating-point weights are stored in (its config's ``torch_dtype``)."""
+    c = _model_config(model_path)
+    d = c.get("torch_dtype") or c.get("dtype") or (c.get("text_config") or {}).get("torch_dtype")
+    return d if d in DTYPE_BYTES else "float32"
+
+
+def kv_element_bytes(kv_cache_dtype: str, model_dtype: str, model_path: str | None, on_cpu: bool) -> int:
+    """Bytes of one K or V element: ``engine.kv_cache_dtype``'s, or for ``auto`` the model's activations'
+    (on the CPU a bfloat16/float16 model computes in float32)."""
+    if kv_cache_dtype != "auto":
+        return DTYPE_BYTES.get(kv_cache_dtype, 4)
+    weights = model_dtype if model_dtype != "auto" else checkpoint_dtype(model_path)
+    if on_cpu and weights in ("bfloat16", "float16"):
+        return 4
+    return DTYPE_BYTES.get(weights, 4)
+
+
 def _kv_bytes_per_token(engine: Any, model_path: str | None, dtype_bytes: int = 4) -> int | None:
+    """K and V bytes one token takes in the pool: the started engine's, else from the checkpoint's config
+    with ``dtype_bytes`` per element."""
     st = getattr(engine, "stats", None) if engine is not None else None
     if st is not None and st.block_size and st.bytes_per_block:
         return st.bytes_per_block // st.block_size
-    if model_path is None:
-        return None
-    import json
-
     try:
-        c = json.loads((Path(model_path) / "config.json").read_text())
+        c = _model_config(model_path)
         c = c.get("text_config", c)
         heads = c.get("num_attention_heads")
         kv = c.get("num_key_value_heads", heads)
         hd = c.get("head_dim") or c["hidden_size"] // heads
         return 2 * c["num_hidden_layers"] * kv * hd * dtype_bytes
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (KeyError, TypeError, ZeroDivisionError):
         return None
 
 
@@ -479,11 +524,22 @@ def _fmt_bytes(n: float) -> str:
     return f"{int(n)}"
 
 
-def _weights_bytes(model_path: str | None) -> int:
+def _weights_bytes(model_path: str | None, model_dtype: str = "auto") -> int:
+    """Bytes the weights take loaded: the checkpoint's safetensors as stored (a quantized checkpoint's packed
+    weights included), scaled to ``model.dtype`` when it differs from the checkpoint's float dtype (a
+    quantized checkpoint is held as stored)."""
     if not model_path:
         return 0
     p = Path(model_path)
-    return sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else 0
+    stored = sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else 0
+    c = _model_config(model_path)
+    if (
+        model_dtype == "auto"
+        or c.get("quantization_config")
+        or (c.get("text_config") or {}).get("quantization_config")
+    ):
+        return stored
+    return stored * DTYPE_BYTES.get(model_dtype, 4) // DTYPE_BYTES[checkpoint_dtype(model_path)]
 
 
 def _device_memory(engine: Any) -> tuple[str, int | None, int]:
@@ -511,8 +567,10 @@ def build_plan(
     model: str | None = None,
     model_path: str | None = None,
     replicas: int = 1,
+    model_dtype: str = "auto",
 ) -> Plan:
-    """The plan of the rows ``inp`` (module docstring); ``engine`` (started) runs the calibration."""
+    """The plan of the rows ``inp`` (module docstring); ``engine`` (started) runs the calibration; without
+    one, memory is sized from the checkpoint's config in ``model_dtype`` and ``engine_cfg.kv_cache_dtype``."""
     from batchgen.job.config import PlanOptions
 
     pc = plan_cfg or PlanOptions()
@@ -546,12 +604,12 @@ def build_plan(
     cal: Calibration | None = None
     if engine is not None and pc.calibrate and n_fed:
         cal = _calibrate(engine, strata, saved, inp, engine_cfg, pc, scale, replicas)
-    expected = _expected_outputs(strata, bounds, cal)
+    expected = _expected_outputs(bounds, cal)
     out_expected = sum(e * n for e, n in zip(expected, ns))
     data["output_tokens"] = {
         "bound": round(bound_total * scale),
         "expected": round(out_expected * scale),
-        "source": "calibration" if cal is not None and cal.ratios else "the bound (no calibration)",
+        "source": "calibration" if cal is not None and cal.observations else "the bound (no calibration)",
     }
     predicted: dict[str, Any] = {
         "prefix_hit_rate": hit_rate,
@@ -562,7 +620,13 @@ def build_plan(
     }
     data["predicted"] = predicted
     # ----- memory and recommendations
-    kv_tok = _kv_bytes_per_token(engine, model_path)
+    on_cpu = (
+        str(getattr(engine, "device", "cpu")).startswith("cpu")
+        if engine is not None
+        else _on_cpu(engine_cfg.device)
+    )
+    kv_el = kv_element_bytes(engine_cfg.kv_cache_dtype, model_dtype, model_path, on_cpu)
+    kv_tok = _kv_bytes_per_token(engine, model_path, kv_el)
     st = getattr(engine, "stats", None) if engine is not None else None
     pool_tokens = st.num_blocks * st.block_size if st is not None and st.num_blocks else None
     if pool_tokens is None and engine_cfg.num_blocks:
@@ -572,8 +636,8 @@ def build_plan(
     mean_seq = (sum(lens) - sum(saved) + out_expected) / max(1, n_fed) if n_fed else 1.0
     fit = int(pool_tokens // max(mean_seq, 1)) if pool_tokens else None
     dev_name, dev_mem, n_dev = _device_memory(engine)
-    data["memory"] = {"kv_bytes_per_token": kv_tok, "kv_pool_tokens": pool_tokens, "sequences_that_fit": fit,
-                      "weights_bytes": _weights_bytes(model_path), "device": dev_name, "device_memory": dev_mem}  # fmt: skip
+    data["memory"] = {"kv_cache_dtype": engine_cfg.kv_cache_dtype, "kv_bytes_per_token": kv_tok, "kv_pool_tokens": pool_tokens, "sequences_that_fit": fit,
+                      "weights_bytes": _weights_bytes(model_path, model_dtype), "device": dev_name, "device_memory": dev_mem}  # fmt: skip
     data["recommended"] = _recommend(data, fit, kv_tok, pct, bounds, engine_cfg, inp, dev_mem, n_dev)
     if cal is not None:
         _predict_time(data, predicted, cal, lens, saved, expected, ns, inp, engine_cfg, scale,
@@ -601,37 +665,32 @@ def _sim_requests(lens, saved, outputs, ns) -> list[SimRequest]:  # noqa: ANN001
 
 
 def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas) -> Calibration:  # noqa: ANN001
-    rows = [CalibrationRow(i, r.token_ids, r.params, strata[i], r.lora) for i, r in inp.kept.items()]  # type: ignore[arg-type]
+    rows = [CalibrationRow(i, r.token_ids, r.params, strata[i], r.lora, inp.lens[i] - saved[i])  # type: ignore[arg-type]
+            for i, r in inp.kept.items()]  # fmt: skip
     order = strata_order(rows)
     pool = engine.stats.num_blocks * engine.stats.block_size or None
 
     def budget(cal: Calibration) -> float:
-        expected = _expected_outputs(strata, inp.bounds, cal)
+        expected = _expected_outputs(inp.bounds, cal)
         reqs = _sim_requests(inp.lens, saved, expected, inp.ns)
         t = simulate_schedule(reqs, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool).seconds
         return max(MIN_CALIBRATION_S, pc.calibration_fraction * t * cal.overhead * scale / max(1, replicas))
 
-    # the first batch runs at a lower concurrency than the job, its tail one sequence at a time: a row costs
-    # about 3 times what it costs in the job, so it takes a third of the budget's rows
-    first = max(2, min(ecfg.max_num_seqs, round(len(inp.lens) * scale * pc.calibration_fraction / 3)))
+    # batches at the job's concurrency (its samples count against engine.max_num_seqs): the decode steps
+    # are timed at the batch sizes the job runs
+    mean_n = sum(inp.ns) / max(1, len(inp.ns))
+    batch = max(1, min(len(order), int(ecfg.max_num_seqs / max(1.0, mean_n))))
     max_rows = min(pc.calibration_rows, len(order))
-    return run_calibration(engine, order, max_rows, budget, first, ecfg.max_num_seqs)
+    return run_calibration(engine, order, max_rows, budget, batch)
 
 
-def _expected_outputs(strata, bounds, cal: Calibration | None) -> list[float]:  # noqa: ANN001
-    """Each row's expected output tokens: its bound times a ratio its stratum showed in the calibration (the
-    ratios of a stratum handed out in turn, so the spread of lengths is kept), else the bound."""
-    if cal is None or not cal.ratios:
+def _expected_outputs(bounds, cal: Calibration | None) -> list[float]:  # noqa: ANN001
+    """Each row's output tokens per sample: its bound without a calibration; else ``min(L, bound)`` at evenly
+    spread quantiles of the calibrated length distribution (:class:`OutputLengths`), so the simulation sees
+    the spread of lengths (the long tail that keeps a batch running) and their total is the expectation."""
+    if cal is None or not cal.observations:
         return [float(b) for b in bounds]
-    pooled = cal.all_ratios()
-    turn: dict[tuple[int, int], int] = {}
-    out = []
-    for s, b in zip(strata, bounds):
-        rs = cal.ratios.get(s) or pooled
-        i = turn.get(s, 0)
-        turn[s] = i + 1
-        out.append(b * rs[i % len(rs)])
-    return out
+    return [float(x) for x in cal.lengths.quantiles(bounds)]
 
 
 def _predict_time(
@@ -654,7 +713,8 @@ def _predict_time(
     # the same cores, on an accelerator it is hidden
     if dev_name == "cpu" and len(inp.window_sizes) > 1:
         wall += inp.read_seconds * scale * (1 - 1 / len(inp.window_sizes))
-    e = relative_spread(cal)
+    typical = int(np.median(np.asarray(inp.bounds))) if len(inp.bounds) else 0
+    e = relative_spread(cal, typical)
     predicted["wall_time_s"] = wall
     predicted["wall_time_range_s"] = [wall * (1 - e), wall * (1 + e)]
     devices = max(1, replicas) * max(1, ecfg.tensor_parallel_size)
@@ -671,7 +731,13 @@ def _predict_time(
         "device": dev_name,
         "overhead": cal.overhead,
         "step_model": cal.model.to_dict(),
-        "output_ratio_mean": float(np.mean(cal.all_ratios())) if cal.ratios else None,
+        "output_samples": cal.lengths.observations,
+        "output_samples_ended": cal.lengths.events,
+        "concurrency": cal.concurrency,
+        "load": cal.load,
+        "cpus": os.cpu_count(),
+        "relative_spread": e,
+        "note": cal.note or None,
         "seconds_per_prefill_token": cal.model.coef[1] * cal.overhead or None,
         "seconds_per_output_token": _per_output_token(cal.model, ecfg.max_num_seqs) * cal.overhead,
     }
@@ -722,13 +788,22 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
     inp = read_job_rows(plan, tokenizer, cfg.plan.sample_rows)
     logger.info("dry run: read and tokenized %d of %d rows in %.1f s", inp.rows_read, inp.rows_total,
                 inp.read_seconds)  # fmt: skip
+    startup_s = None
     if engine is None and cfg.plan.calibrate and inp.lens:
+        t0 = time.perf_counter()
         engine = _start_engine(plan)
+        startup_s = time.perf_counter() - t0
     replicas = max(1, cfg.engine.data_parallel_size)
     p = build_plan(inp, cfg.engine, tokenizer=tokenizer, engine=engine, plan_cfg=cfg.plan,
-                   model=cfg.model.path or "tiny (embedded)", model_path=plan.model_path, replicas=replicas)  # fmt: skip
+                   model=cfg.model.path or "tiny (embedded)", model_path=plan.model_path, replicas=replicas,
+                   model_dtype=cfg.model.dtype)  # fmt: skip
     p.data["fingerprint"] = plan.fingerprint  # the report compares only a plan of the same configuration
     pred, count = p.data["predicted"], cfg.data.shard.count
+    # the engine's start-up (model load, pool allocation) as this dry run measured it: the job pays it
+    # before its run.wall_time_s starts (the report's startup_s)
+    pred["startup_s"] = startup_s
+    if startup_s is not None and pred.get("wall_time_s") is not None:
+        pred["total_time_s"] = startup_s + pred["wall_time_s"]
     if count > 1 and pred.get("device_hours") is not None:
         # a Slurm array: every task plans its own shard; the whole array, estimated from this one
         total = plan.input.num_rows

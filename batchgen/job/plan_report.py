@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any
 
+from batchgen.job.calibrate import load_average
 from batchgen.job.eta import PlannedWork
 from batchgen.runtime.atomic import atomic_write_text
 
@@ -55,7 +57,9 @@ def planned_work(outdir: Any) -> PlannedWork | None:
 
 def prediction_section(plan: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     """The plan's predictions beside what the run did (``report["prediction"]``): wall time (the run's work,
-    engine start-up excluded, as in ``run.wall_time_s``), prompt and generated tokens, prefix hit rate."""
+    engine start-up excluded, as in ``run.wall_time_s``), prompt and generated tokens, prefix hit rate; and the
+    machine's 1-minute load average when the plan was calibrated and when the run ended (a shared machine's
+    other load changes the job's speed: the usual reason a run leaves its range)."""
     p = plan.get("predicted") or {}
     run, tok = report.get("run") or {}, report.get("tokens") or {}
     rng = p.get("wall_time_range_s")
@@ -70,7 +74,10 @@ def prediction_section(plan: dict[str, Any], report: dict[str, Any]) -> dict[str
             "actual": tok.get("prompt_computed"),
         },
         "generated_tokens": {"predicted": p.get("output_tokens"), "actual": tok.get("generated")},
+        "startup_s": {"predicted": p.get("startup_s"), "actual": report.get("startup_s")},
     }
+    cal = plan.get("calibration") or {}
+    out["load"] = {"plan": cal.get("load"), "run": load_average(), "cpus": cal.get("cpus") or os.cpu_count()}
     pw = p.get("wall_time_s")
     if pw and actual_wall:
         out["wall_time_s"]["error"] = (pw - actual_wall) / actual_wall
@@ -106,12 +113,19 @@ def prediction_lines(pred: dict[str, Any]) -> list[tuple[str, str]]:
         rng = w.get("range") or [None, None]
         inside = "" if "inside_range" not in w else (" (inside)" if w["inside_range"] else " (outside)")
         err = f", {w['error']:+.0%}" if "error" in w else ""
+        load = pred.get("load") or {}
+        at = ""
+        if load.get("plan") is not None and load.get("run") is not None:
+            at = f"; load {load['plan']:.1f} at plan, {load['run']:.1f} at run on {load.get('cpus')} CPUs"
         lines.append(("planned wall time", f"{_dur(w['predicted'])} [{_dur(rng[0])} - {_dur(rng[1])}]; "
-                      f"actual {_dur(w.get('actual'))}{err}{inside}"))  # fmt: skip
+                      f"actual {_dur(w.get('actual'))}{err}{inside}{at}"))  # fmt: skip
     if h.get("predicted") is not None:
         lines.append(
             ("planned prefix hit rate", f"{h['predicted']:.1%}; actual {_num(h.get('actual'), '.1%')}")
         )
+    su = pred.get("startup_s") or {}
+    if su.get("predicted") is not None:
+        lines.append(("planned start-up", f"{_dur(su['predicted'])}; actual {_dur(su.get('actual'))}"))
     g = pred["generated_tokens"]
     if g.get("predicted") is not None:
         lines.append(("planned generated tokens", f"{_num(g['predicted'])}; actual {_num(g.get('actual'))}"))
@@ -144,13 +158,16 @@ def format_plan(plan: dict[str, Any]) -> str:
                   + (f" ({out['source']})" if out.get("source") else "")))  # fmt: skip
     mem = plan.get("memory") or {}
     if mem:
-        lines.append(("KV cache", f"{_num(mem.get('kv_bytes_per_token'))} bytes/token; pool of "
+        lines.append(("KV cache", f"{_num(mem.get('kv_bytes_per_token'))} bytes/token "
+                      f"(kv_cache_dtype {mem.get('kv_cache_dtype', 'auto')}); pool of "
                       f"{_num(mem.get('kv_pool_tokens'))} tokens holds {_num(mem.get('sequences_that_fit'))} "
                       "average sequences"))  # fmt: skip
     rec = plan.get("recommended") or {}
     if rec:
         lines.append(("recommended", ", ".join(f"{k}={v}" for k, v in rec.items())))
     rng = pred.get("wall_time_range_s") or [None, None]
+    if pred.get("startup_s") is not None:
+        lines.append(("engine start-up", f"{_dur(pred['startup_s'])} (as measured by this dry run)"))
     lines.append(("predicted wall time", f"{_dur(pred.get('wall_time_s'))} [{_dur(rng[0])} - {_dur(rng[1])}]"
                   + (f", {pred['device_hours']:.4g} device-hours" if pred.get("device_hours") is not None else "")
                   + (f", cost {pred['cost']:.4g}" if pred.get("cost") is not None else "")))  # fmt: skip
@@ -161,8 +178,9 @@ def format_plan(plan: dict[str, Any]) -> str:
                                                                      is not None else "")))  # fmt: skip
     cal = plan.get("calibration") or {}
     if cal:
+        load = f", load {cal['load']:.1f} on {cal.get('cpus')} CPUs" if cal.get("load") is not None else ""
         lines.append(("calibration", f"{cal.get('rows', 0)} rows in {_dur(cal.get('seconds'))} on "
-                      f"{cal.get('device')}" + (f" ({cal['note']})" if cal.get("note") else "")))  # fmt: skip
+                      f"{cal.get('device')}{load}" + (f" ({cal['note']})" if cal.get("note") else "")))  # fmt: skip
     for sh in plan.get("shards") or []:
         lines.append((f"shard {sh['index']}", f"{sh['rows']} rows, {_dur(sh['wall_time_s'])}"))
     w = max(len(k) for k, _ in lines)

@@ -52,43 +52,52 @@ class PrefixCacheSim:
         self.children: dict[Hashable, list[tuple[int, ...]]] = {}  # parent -> tokens of cached child blocks
 
     def admit(self, toks: Sequence[int], root: Hashable = None) -> tuple[int, int]:
-        """Admit one prompt: (tokens served by whole cached blocks, tokens copied from a cached block)."""
+        """Admit one prompt: (tokens served by whole cached blocks, tokens copied from a cached block).
+        O(len(toks)): one hash per full block; a block past the first miss is never looked up."""
         bs, cache, children = self.bs, self.cache, self.children
         n = len(toks)
+        if type(toks) is not tuple:
+            toks = tuple(toks)
+        full = n // bs
+        shareable = (n - 1) // bs if n >= 2 else 0
         parent: Hashable = root
         keys = []
-        for b in range(n // bs):
-            key = hash((parent, tuple(toks[b * bs : (b + 1) * bs])))
+        hit = 0
+        missed = False
+        for b in range(full):
+            key = hash((parent, toks[b * bs : (b + 1) * bs]))
             keys.append(key)
             parent = key
-        hit = 0
-        for b in range((n - 1) // bs if n >= 2 else 0):
-            if keys[b] not in cache:
-                break
-            hit += 1
-            cache.move_to_end(keys[b])
+            if not missed:
+                if b < shareable and key in cache:
+                    hit += 1
+                    cache.move_to_end(key)
+                else:
+                    missed = True
         # the registered block under the last shared one continuing the prompt furthest (never its last token)
         start, lead = hit * bs, 0
         end = min(start + bs, n - 1)
         if end > start:
-            want = tuple(toks[start:end])
+            want = toks[start:end]
             for child in reversed(children.get(keys[hit - 1] if hit else root, ())):
                 if child[0] == want[0]:
                     lead = max(lead, common_prefix_len(want, child))
                     if lead == len(want):
                         break
-        for b in range(hit, len(keys)):
+        for b in range(hit, full):
             key = keys[b]
             if key not in cache:
                 kids = children.setdefault(keys[b - 1] if b else root, [])
-                kids.append(tuple(toks[b * bs : (b + 1) * bs]))
+                kids.append(toks[b * bs : (b + 1) * bs])
                 if len(kids) > MAX_CHILDREN:
                     del kids[0]
-            cache[key] = None
-            cache.move_to_end(key)
+                cache[key] = None
+            else:
+                cache.move_to_end(key)
         if self.capacity is not None:
             while len(cache) > self.capacity:
-                cache.popitem(last=False)
+                evicted, _ = cache.popitem(last=False)
+                children.pop(evicted, None)  # memory bounded by the pool, not by the input
         return hit * bs, lead
 
 
@@ -113,10 +122,16 @@ def simulate_prefix_cache(
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect on slice equality (compared in C)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def shared_run_after_start(texts: Sequence[str], min_chars: int = 40) -> tuple[str, float, int] | None:

@@ -1,0 +1,101 @@
+"""The schedule simulation that prices a plan, held to the engine's real scheduler: a fake engine runs the
+real :class:`Scheduler` and KV cache manager with fake tokens and a known step-time model, so its "wall time"
+is exact and independent of the machine's load; the simulation over the same token counts must reproduce it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from batchgen.bench.fake_runner import FakeRequest, add_requests, make_scheduler
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.core.stats import EngineCounters
+from batchgen.engine.worker.step_input import RunnerOutput
+from batchgen.job.calibrate import SimRequest, StepModel, simulate_schedule
+from batchgen.job.prefix_sim import simulate_prefix_cache
+
+MODEL = StepModel((0.004, 2e-5, 3e-4, 1e-5))
+"""Seconds per step: 4 ms, 20 us per prefill token, 0.3 ms per sampled sequence, 10 us per 1k context tokens."""
+
+
+def _fake_engine_seconds(reqs: list[FakeRequest], cfg: EngineConfig, model: StepModel) -> tuple[float, int]:
+    """The real scheduler over ``reqs``, each step priced by ``model``: (seconds, steps)."""
+    mml = max(len(r.prompt) + r.max_tokens for r in reqs)
+    sched = make_scheduler(cfg, mml)
+    add_requests(sched, reqs, mml, EngineCounters())
+    rng = random.Random(0)
+    t, steps = 0.0, 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert out, "no progress"
+        decodes = out.seqs[: out.num_decodes]
+        p = sum(s.num_tokens for s in out.seqs[out.num_decodes :])
+        k = sum(s.start + s.num_tokens for s in decodes)
+        t += model.step_time(p, len(out.sample_seqs), k)
+        steps += 1
+        n = len(out.sample_seqs)
+        sched.update(out, RunnerOutput([rng.randrange(1000) for _ in range(n)], [None] * n))
+    return t, steps
+
+
+def _workload(seed: int, rows: int, shared: bool) -> list[FakeRequest]:
+    rng = random.Random(seed)
+    head = [rng.randrange(1000) for _ in range(40)]
+    out = []
+    for _ in range(rows):
+        body = [rng.randrange(1000) for _ in range(rng.choice([3, 20, 70, 300]))]
+        out.append(FakeRequest((head if shared else []) + body, rng.randint(1, 40), rng.choice([1, 1, 1, 3])))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("seed", "shared", "engine"),
+    [
+        (0, False, {"max_num_seqs": 8, "max_num_batched_tokens": 4096}),
+        (1, True, {"max_num_seqs": 16, "max_num_batched_tokens": 256}),  # chunked prefills
+        (2, True, {"max_num_seqs": 4, "max_num_batched_tokens": 64, "block_size": 32}),
+    ],
+)
+def test_simulation_reproduces_the_scheduler_under_a_known_time_model(
+    seed: int, shared: bool, engine: dict
+) -> None:
+    reqs = _workload(seed, 120, shared)
+    cfg = EngineConfig(device="cpu", **{"num_blocks": 4096, **engine})
+    actual, steps = _fake_engine_seconds(reqs, cfg, MODEL)
+    cache = simulate_prefix_cache([r.prompt for r in reqs], cfg.block_size)
+    sim_reqs = [
+        SimRequest(len(r.prompt) - c - k, len(r.prompt), r.max_tokens, r.n)
+        for r, c, k in zip(reqs, cache.cached, cache.copied)
+    ]
+    pool = cfg.num_blocks * cfg.block_size
+    sim = simulate_schedule(sim_reqs, MODEL, cfg.max_num_seqs, cfg.max_num_batched_tokens, pool)
+    assert sim.seconds == pytest.approx(actual, rel=0.03)
+    assert sim.steps == pytest.approx(steps, rel=0.03)
+
+
+def test_output_lengths_from_censored_samples() -> None:
+    from batchgen.job.calibrate import OutputLengths
+
+    rng = random.Random(0)
+    # natural lengths geometric with mean 20; the calibration stops after 12 tokens (most samples censored)
+    natural = [1 + int(rng.expovariate(1 / 19.5)) for _ in range(400)]
+    obs = [(n, True) if n <= 12 else (12, False) for n in natural]
+    km = OutputLengths.fit(obs)
+    for bound in (8, 30, 64):
+        truth = sum(min(n, bound) for n in natural) / len(natural)
+        assert km.expected(bound) == pytest.approx(truth, rel=0.1)
+        qs = km.quantiles([bound] * 400)
+        assert sum(qs) / len(qs) == pytest.approx(truth, rel=0.1) and max(qs) <= bound
+    # no sample ended (every one reached its bound or was cut): every row runs to its bound
+    assert OutputLengths.fit([(5, False), (9, False)]).expected(40) == pytest.approx(40)
+    # dropping the censored samples would bias short; the estimate keeps them
+    assert km.expected(64) > 1.3 * OutputLengths.fit([o for o in obs if o[1]]).expected(64)
+    assert 0 < km.spread(64) < 0.5
+
+
+def test_load_widens_the_range() -> None:
+    from batchgen.job.calibrate import load_spread
+
+    assert load_spread(1.5, cpus=2) == 0.0 and load_spread(None) == 0.0
+    assert 0.2 < load_spread(10.0, cpus=2) <= 0.5
