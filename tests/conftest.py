@@ -44,6 +44,16 @@ from batchgen.job.config import (
 from batchgen.models.tiny import build_checkpoint, tiny_default_checkpoint
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker computes on one thread: two workers share the cores instead of each
+    starting torch's full pool on all of them (OpenMP threads that wait on each other's cores). Engines still
+    take their count from batchgen.runtime.threads, capped by this one."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_batchgen_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     cache = tmp_path_factory.mktemp("batchgen_cache")

@@ -98,7 +98,7 @@ def _spec(prompts: list[list[int]], max_tokens: list[int], repeats: int = 2) -> 
 def test_vllm_runs_under_the_named_interpreter(tmp_path: Path) -> None:
     exe = _fake_interpreter(tmp_path)
     prompts = [[1] * 20 + [5], [1] * 20 + [9], [3, 4]]
-    res = launch.run_system(_spec(prompts, [3, 2, 4]), tmp_path, 120, {"vllm": str(exe)})
+    res = launch.run_system(_spec(prompts, [3, 2, 4]), tmp_path, 120, {"vllm": str(exe)}, settle_max_s=0)
     assert res["status"] == "ok", res.get("log_tail")
     assert res["python"] == f"python.vllm={exe}"
     assert len(res["wall_s"]) == 2 and len(res["repeat_loadavg"]) == 2
@@ -116,10 +116,10 @@ def test_a_served_vllm_keeps_its_engine_across_runs(tmp_path: Path) -> None:
     exe = _fake_interpreter(tmp_path)
     servers = launch.Servers(tmp_path)
     try:
-        a = launch.run_system(_spec([[4, 5]], [2], 1), tmp_path, 120, {"vllm": str(exe)}, "a", servers)
+        a = launch.run_system(_spec([[4, 5]], [2], 1), tmp_path, 120, {"vllm": str(exe)}, "a", servers, 0)
         pid = servers.procs["vllm"].pid
         spec = {**_spec([[7]], [3], 1), "competing_cpu": 0}
-        b = launch.run_system(spec, tmp_path, 120, {"vllm": str(exe)}, "b", servers)
+        b = launch.run_system(spec, tmp_path, 120, {"vllm": str(exe)}, "b", servers, 0)
     finally:
         servers.close()
     assert a["status"] == b["status"] == "ok", servers.log_path("vllm").read_text()[-2000:]
@@ -137,7 +137,7 @@ def test_a_missing_interpreter_skips_the_system_with_the_reason(tmp_path: Path) 
 
 
 def test_an_interpreter_without_vllm_skips_with_the_reason(tmp_path: Path) -> None:
-    res = launch.run_system(_spec([[1, 2]], [2]), tmp_path, 120, {"vllm": sys.executable})
+    res = launch.run_system(_spec([[1, 2]], [2]), tmp_path, 120, {"vllm": sys.executable}, settle_max_s=0)
     assert res["status"] == "skipped", res
     assert "vllm cannot be imported" in res["reason"]
 
@@ -212,7 +212,7 @@ def test_vllm_cpu_matches_batchgen_greedy(tmp_path: Path) -> None:
     max_tokens = [6, 3, 8, 5]
     spec = {**_spec(prompts, max_tokens, repeats=1), "model_path": str(path), "max_model_len": 256}
     spec["kv_token_slots"], spec["kv_bytes_per_token"] = 4096, 2 * 2 * 64 * 4  # K+V, 2 layers, 1 KV head
-    res = launch.run_system(spec, tmp_path, 540, {"vllm": str(VLLM_PYTHON)})
+    res = launch.run_system(spec, tmp_path, 540, {"vllm": str(VLLM_PYTHON)}, settle_max_s=0)
     assert res["status"] == "ok", textwrap.shorten(json.dumps(res), 3000)
     llm = LLM(str(path), dtype="float32", num_blocks=64)
     ours = llm.generate(

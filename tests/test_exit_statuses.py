@@ -17,13 +17,30 @@ from conftest import env_without_slurm
 ARGS = ["engine.device=cpu", "engine.num_blocks=128", "hydra.run.dir=.", "hydra.output_subdir=null"]
 
 
+def wait_until_caught(proc: subprocess.Popen, sig: signal.Signals, timeout: float = 60) -> None:
+    """Poll (every 5 ms) until `proc` catches `sig` (its bit in /proc/PID/status SigCgt), it exits or `timeout`
+    passes: the first instant at which the command can answer the signal, whatever the machine's load."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            return
+        caught = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("SigCgt:")), 16)
+        if caught >> (sig - 1) & 1:
+            return
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_signal_right_at_start_exits_75(tmp_path: Path, sig: signal.Signals) -> None:
+    """The signal as soon as the command has a handler for it (the first lines of batchgen.cli, before its
+    imports): exit 75 and no traceback."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchgen.cli", f"data.input={tmp_path}/in.parquet", f"data.output={tmp_path}/o"],
         cwd=tmp_path, env=env_without_slurm(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    time.sleep(0.5)
+    wait_until_caught(proc, sig)
     proc.send_signal(sig)
     text, _ = proc.communicate(timeout=120)
     assert proc.returncode == 75, (proc.returncode, text[-2000:])

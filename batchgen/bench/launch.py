@@ -193,9 +193,11 @@ def run_system(
     interpreters: dict[str, str],
     tag: str = "",
     servers: Servers | None = None,
+    settle_max_s: float = SETTLE_MAX_S,
 ) -> dict[str, Any]:
     """Run one system in a subprocess (beside a competing process when ``spec['competing_cpu']`` is set;
-    through `servers` for standalone-script systems when given), once the machine has settled (:func:`settle`);
+    through `servers` for standalone-script systems when given), once the machine has settled (:func:`settle`,
+    waiting at most `settle_max_s`);
     returns its result dict: ``status`` ok, skipped (with ``reason``) or error (with the log's tail), the
     1-minute load average before and after, the wait to settle and other processes' load then, and the
     interpreter used."""
@@ -203,7 +205,7 @@ def run_system(
     tag = tag or f"{spec['workload']}-{system}"
     spec_path, out_path, log_path = (work_dir / f"{tag}.{x}" for x in ("spec.json", "result.json", "log"))
     python, how = resolve_python(system, interpreters)
-    settle_s, load_at_start = settle() if python is not None else (0.0, None)
+    settle_s, load_at_start = settle(settle_max_s) if python is not None else (0.0, None)
     load0 = os.getloadavg()
     if python is None:
         return {

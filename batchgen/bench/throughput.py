@@ -53,7 +53,7 @@ from batchgen.bench.common import (
     pyplot,
 )
 from batchgen.bench.gpu_idle import describe as describe_gpu_idle
-from batchgen.bench.launch import Servers, run_system
+from batchgen.bench.launch import SETTLE_MAX_S, Servers, run_system
 from batchgen.bench.workloads import WORKLOADS, WorkloadSpec, describe, make_workload, write_workload
 from batchgen.engine.config import EngineConfig
 from batchgen.models.config import ModelConfig
@@ -121,6 +121,9 @@ class ThroughputConfig:
     """cprofile or torch: one extra, untimed batchgen run under that profiler (profile_<workload>.txt)."""
     matmul_seconds: float = 0.3
     system_timeout_s: float = 7200.0
+    settle_max_s: float = SETTLE_MAX_S
+    """How long each system waits at most, before it starts, for other processes to leave the CPUs (0: starts
+    at once, e.g. beside other work where the figures do not matter)."""
     check: bool = False
     """Run the greedy equality check first (Triton vs torch vs transformers, float32, check_model)."""
     check_max_tokens: int = 32
@@ -396,7 +399,7 @@ def _run_workload(
             if system == "vllm":
                 spec.update(_vllm_spec(cfg, mc, wl))
             tag = f"{name}-{key}-r{r}"
-            res = run_system(spec, work_dir, cfg.system_timeout_s, cfg.python, tag, servers)
+            res = run_system(spec, work_dir, cfg.system_timeout_s, cfg.python, tag, servers, cfg.settle_max_s)
             merge_run(raw, key, res)
             _print_system(key, res)
             if res.get("profile"):
@@ -470,7 +473,7 @@ def run_check(cfg: ThroughputConfig, work_dir: Path) -> dict[str, Any]:
         "threads": cfg.threads,
         "max_tokens": cfg.check_max_tokens,
     }
-    res = run_system(spec, work_dir, cfg.system_timeout_s, {})
+    res = run_system(spec, work_dir, cfg.system_timeout_s, {}, settle_max_s=cfg.settle_max_s)
     if res["status"] != "ok":
         res["passed"] = False
         print(f"greedy check: {res['status']}: {res.get('reason')}\n{res.get('log_tail', '')}", flush=True)
