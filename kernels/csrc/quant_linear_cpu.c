@@ -283,8 +283,29 @@ static inline __attribute__((always_inline)) void span_table(const Src *s, const
 }
 #endif
 
+/* The (a, b) of the 8 spans of K-quant block `blk` of a row (what span_setup decodes span by span). */
+static inline __attribute__((always_inline)) void kblock_scales(const uint8_t *row, int blk, const int kind,
+                                                                float ab[16]) {
+    if (kind == Q4_K) {
+        const uint8_t *b = row + (int64_t)blk * 144, *s6 = b + 4;
+        const float d = half_at(b), dmin = half_at(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            if (j < 4) sc = s6[j] & 63, m = s6[j + 4] & 63;
+            else sc = (s6[j + 4] & 0x0f) | ((s6[j - 4] >> 6) << 4), m = (s6[j + 4] >> 4) | ((s6[j] >> 6) << 4);
+            ab[2 * j] = d * (float)sc, ab[2 * j + 1] = dmin * (float)m;
+        }
+    } else {
+        const uint8_t *b = row + (int64_t)blk * 210;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        for (int i = 0; i < 16; i++) ab[i] = d * (float)sc[i];
+    }
+}
+
+/* A span's constants; ab: its K-quant block's kblock_scales, or NULL to decode them here. */
 static inline __attribute__((always_inline)) void span_setup(const Src *s, const uint8_t *row, int64_t n, int sp,
-                                                             const int kind, Span *o) {
+                                                             const int kind, Span *o, const float *ab) {
 #ifdef LUT4
     o->t0 = o->t1 = _mm256_setzero_ps(); /* (set below for the 4-bit kinds) */
 #endif
@@ -292,6 +313,8 @@ static inline __attribute__((always_inline)) void span_setup(const Src *s, const
         o->a = half_at(row + (int64_t)sp * 34), o->b = 0.0f;
     } else if (kind == Q4_0) {
         o->a = half_at(row + (int64_t)sp * 18), o->b = 0.0f;
+    } else if ((kind == Q4_K || kind == Q6_K) && ab) {
+        o->a = ab[2 * (sp & 7)], o->b = ab[2 * (sp & 7) + 1];
     } else if (kind == Q4_K) {
         const uint8_t *b = row + (int64_t)(sp >> 3) * 144, *s6 = b + 4;
         const int j = sp & 7;
@@ -397,12 +420,15 @@ static inline __attribute__((always_inline)) void fused_tile(const Src *s, const
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int c = 0; c < GC; c++) acc[r][c] = _mm256_setzero_ps();
+    float ab[GC][16]; /* K-quants: the current block's span scales, per output */
     for (int sp = 0; sp < spans; sp++) {
         const float *xs = x + (int64_t)sp * 32;
+        if ((kind == Q4_K || kind == Q6_K) && (sp & 7) == 0)
+            for (int c = 0; c < GC; c++) kblock_scales(rows[c], sp >> 3, kind, ab[c]);
 #pragma GCC unroll 4
         for (int c = 0; c < GC; c++) { /* one output's span at a time: its table and weights live briefly */
             Span o;
-            span_setup(s, rows[c], ns[c], sp, kind, &o);
+            span_setup(s, rows[c], ns[c], sp, kind, &o, kind == Q4_K || kind == Q6_K ? ab[c] : NULL);
 #pragma GCC unroll 4
             for (int q = 0; q < 4; q++) {
                 const __m256 w = deq8(s, rows[c], sp, q, kind, &o);
@@ -416,15 +442,16 @@ static inline __attribute__((always_inline)) void fused_tile(const Src *s, const
         for (int c = 0; c < nc; c++) y[r * ldy + n0 + c] = (bias ? bias[n0 + c] : 0.0f) + reduce8(acc[r][c]);
 }
 
-/* Rows of a buffered chunk: sums[r][c] (kept in memory between chunks) += x[r, k0 .. k0 + kc) wb[c]. */
+/* Rows of a buffered chunk: sums[r][c] (row r at sums + r * ss, kept in memory between chunks) += x[r, k0 ..
+ * k0 + kc) wb[c] for GC buffered outputs (KC floats apart). */
 static inline __attribute__((always_inline)) void buffered_tile(const float *x, int64_t lda, const float *wb,
-                                                                int kc, float (*sums)[GC][8], int first,
+                                                                int kc, float *sums, int64_t ss, int first,
                                                                 const int R) {
     __m256 acc[BR][GC];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-        for (int c = 0; c < GC; c++) acc[r][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums[r][c]);
+        for (int c = 0; c < GC; c++) acc[r][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * ss + c * 8);
     for (int i = 0; i < kc; i += 8) {
         __m256 w[GC];
 #pragma GCC unroll 4
@@ -439,21 +466,31 @@ static inline __attribute__((always_inline)) void buffered_tile(const float *x, 
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-        for (int c = 0; c < GC; c++) _mm256_storeu_ps(sums[r][c], acc[r][c]);
+        for (int c = 0; c < GC; c++) _mm256_storeu_ps(sums + r * ss + c * 8, acc[r][c]);
 }
 
-static void buffered_rows(const float *x, int64_t lda, const float *wb, int kc, float (*sums)[GC][8], int first,
-                          int rows) {
+#define BG 16 /* outputs per group of the buffered path: each tile of input rows, in L1, serves BG / GC tiles */
+
+/* Rows r0 .. r0 + R - 1 of a buffered chunk against all BG buffered outputs. */
+static inline __attribute__((always_inline)) void buffered_rows_tile(const float *x, int64_t lda, const float *wb,
+                                                                     int kc, float *sums, int first, const int R) {
+    for (int g = 0; g < BG / GC; g++)
+        buffered_tile(x, lda, wb + g * GC * KC, kc, sums + g * GC * 8, BG * 8, first, R);
+}
+
+static void buffered_rows(const float *x, int64_t lda, const float *wb, int kc, float *sums, int first, int rows) {
     int r = 0;
-    for (; r + BR <= rows; r += BR) buffered_tile(x + r * lda, lda, wb, kc, sums + r, first, BR);
+    for (; r + BR <= rows; r += BR) buffered_rows_tile(x + r * lda, lda, wb, kc, sums + r * BG * 8, first, BR);
+    float *sr = sums + r * BG * 8;
+    const float *xr = x + r * lda;
     switch (rows - r) {
 #if BR > 5
-    case 5: buffered_tile(x + r * lda, lda, wb, kc, sums + r, first, 5); break;
-    case 4: buffered_tile(x + r * lda, lda, wb, kc, sums + r, first, 4); break;
-    case 3: buffered_tile(x + r * lda, lda, wb, kc, sums + r, first, 3); break;
+    case 5: buffered_rows_tile(xr, lda, wb, kc, sr, first, 5); break;
+    case 4: buffered_rows_tile(xr, lda, wb, kc, sr, first, 4); break;
+    case 3: buffered_rows_tile(xr, lda, wb, kc, sr, first, 3); break;
 #endif
-    case 2: buffered_tile(x + r * lda, lda, wb, kc, sums + r, first, 2); break;
-    case 1: buffered_tile(x + r * lda, lda, wb, kc, sums + r, first, 1); break;
+    case 2: buffered_rows_tile(xr, lda, wb, kc, sr, first, 2); break;
+    case 1: buffered_rows_tile(xr, lda, wb, kc, sr, first, 1); break;
     default: break;
     }
 }
@@ -464,33 +501,34 @@ static void buffered_rows(const float *x, int64_t lda, const float *wb, int kc, 
 static inline __attribute__((always_inline)) void simd_gemm_kind(const float *x, int64_t lda, const Src *s,
                                                                  const float *bias, float *y, int64_t ldy, int M,
                                                                  int K, int N, int num_threads, const int kind) {
-    const int groups = (N + GC - 1) / GC, spans = K / 32;
+    const int spans = K / 32, width = M <= FUSED_MAX ? GC : BG, groups = (N + width - 1) / width;
 #pragma omp parallel num_threads(num_threads)
     {
-        float wb[GC * KC] __attribute__((aligned(32)));
-        float sums[MBUF][GC][8];
+        float wb[BG * KC] __attribute__((aligned(32)));
+        float sums[MBUF * BG * 8];
 #pragma omp for schedule(static)
         for (int g = 0; g < groups; g++) {
-            const int64_t n0 = (int64_t)g * GC;
-            const int nc = N - n0 < GC ? (int)(N - n0) : GC;
-            const uint8_t *rows[GC];
-            int64_t ns[GC];
-            for (int c = 0; c < GC; c++) { /* past N: repeat the last row (computed, never written) */
+            const int64_t n0 = (int64_t)g * width;
+            const int nc = N - n0 < width ? (int)(N - n0) : width;
+            const uint8_t *rows[BG];
+            int64_t ns[BG];
+            for (int c = 0; c < width; c++) { /* past N: repeat the last row (computed, never written) */
                 ns[c] = n0 + (c < nc ? c : nc - 1);
                 rows[c] = s->w + ns[c] * s->row_bytes;
             }
             if (M <= FUSED_MAX) {
+                const int nq = nc;
                 int m = 0;
                 for (; m + FR <= M; m += FR)
-                    fused_tile(s, rows, ns, nc, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, FR, kind);
+                    fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, FR, kind);
                 switch (M - m) {
 #if FR > 5
-                case 5: fused_tile(s, rows, ns, nc, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 5, kind); break;
-                case 4: fused_tile(s, rows, ns, nc, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 4, kind); break;
-                case 3: fused_tile(s, rows, ns, nc, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 3, kind); break;
+                case 5: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 5, kind); break;
+                case 4: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 4, kind); break;
+                case 3: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 3, kind); break;
 #endif
-                case 2: fused_tile(s, rows, ns, nc, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 2, kind); break;
-                case 1: fused_tile(s, rows, ns, nc, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 1, kind); break;
+                case 2: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 2, kind); break;
+                case 1: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 1, kind); break;
                 default: break;
                 }
                 continue;
@@ -499,10 +537,10 @@ static inline __attribute__((always_inline)) void simd_gemm_kind(const float *x,
                 const int mr = M - m0 < MBUF ? M - m0 : MBUF;
                 for (int k0 = 0; k0 < K; k0 += KC) {
                     const int kc = K - k0 < KC ? K - k0 : KC;
-                    for (int c = 0; c < GC; c++) {
+                    for (int c = 0; c < BG; c++) {
                         for (int sp = k0 / 32; sp < (k0 + kc) / 32; sp++) {
                             Span o;
-                            span_setup(s, rows[c], ns[c], sp, kind, &o);
+                            span_setup(s, rows[c], ns[c], sp, kind, &o, NULL);
                             float *dst = wb + c * KC + (sp * 32 - k0);
                             _mm256_store_ps(dst, deq8(s, rows[c], sp, 0, kind, &o));
                             _mm256_store_ps(dst + 8, deq8(s, rows[c], sp, 1, kind, &o));
@@ -514,7 +552,8 @@ static inline __attribute__((always_inline)) void simd_gemm_kind(const float *x,
                 }
                 for (int m = 0; m < mr; m++)
                     for (int c = 0; c < nc; c++)
-                        y[(m0 + m) * ldy + n0 + c] = (bias ? bias[n0 + c] : 0.0f) + reduce8(_mm256_loadu_ps(sums[m][c]));
+                        y[(m0 + m) * ldy + n0 + c] =
+                            (bias ? bias[n0 + c] : 0.0f) + reduce8(_mm256_loadu_ps(sums + (m * BG + c) * 8));
             }
         }
     }
