@@ -165,6 +165,7 @@ def main() -> None:
     p.add_argument("--kv-seqs", type=int, default=16)
     p.add_argument("--kv-new", type=int, default=64)
     p.add_argument("--skip-weights", action="store_true", help="only the --kv-context run")
+    p.add_argument("--systems", default="", help="comma-separated substrings: only the systems they name")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="batchgen-quant-bench-"))
     shape = dict(hidden_size=args.hidden, num_layers=args.layers, num_heads=8, num_kv_heads=4,
@@ -177,7 +178,17 @@ def main() -> None:
         "batchgen float32, bf16 KV": (f32, {"kv_cache_dtype": "bfloat16"}),
         "batchgen float32, fp8 KV": (f32, {"kv_cache_dtype": "fp8"}),
     }
-    ggufs = {name: write_gguf(f32, root / f"{name}.gguf", t) for name, t in GGUF_TYPES.items()}
+    wanted = [w for w in args.systems.split(",") if w]
+
+    def keep(name: str) -> bool:
+        return not wanted or any(w in name for w in wanted)
+
+    systems = {name: v for name, v in systems.items() if keep(name)}
+    ggufs = {
+        name: write_gguf(f32, root / f"{name}.gguf", t)
+        for name, t in GGUF_TYPES.items()
+        if keep(f"GGUF {name}")
+    }
     for name, path in ggufs.items():
         systems[f"batchgen GGUF {name}"] = (path, {})
     rows: list[dict] = []
