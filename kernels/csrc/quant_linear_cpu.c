@@ -409,6 +409,10 @@ static inline float reduce8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
 }
 
+/* Bytes of packed weights per span of 32 values (K-quants: on average). */
+#define SPAN_BYTES(kind)                                                                                      \
+    ((kind) == Q8_0 ? 34 : (kind) == Q6_K ? 26 : (kind) == INT4 ? 16 : (kind) == INT8 ? 32 : 18)
+
 /* Rows m0 .. m0 + R - 1 times the GC outputs of `rows` over all of K (spans sp < spans), the weights widened in
  * registers; writes the nc valid outputs from column n0. */
 static inline __attribute__((always_inline)) void fused_tile(const Src *s, const uint8_t *const *rows,
@@ -425,6 +429,10 @@ static inline __attribute__((always_inline)) void fused_tile(const Src *s, const
         const float *xs = x + (int64_t)sp * 32;
         if ((kind == Q4_K || kind == Q6_K) && (sp & 7) == 0)
             for (int c = 0; c < GC; c++) kblock_scales(rows[c], sp >> 3, kind, ab[c]);
+        /* the next group's rows (GC rows on: rows are row_bytes apart) at this span, read a group from now: each
+         * row is a short stream (a few cache lines) that the hardware prefetcher barely learns */
+#pragma GCC unroll 4
+        for (int c = 0; c < GC; c++) __builtin_prefetch(rows[c] + GC * s->row_bytes + (int64_t)sp * SPAN_BYTES(kind), 0, 1);
 #pragma GCC unroll 4
         for (int c = 0; c < GC; c++) { /* one output's span at a time: its table and weights live briefly */
             Span o;
