@@ -36,9 +36,14 @@ WEIGHT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16w", torch.float16: "
 """Panel dtypes the kernel multiplies by, with the suffix of their C entry point."""
 
 
+BF16_ORDER = [c for i in range(PANEL // 2) for c in (i, i + PANEL // 2)]
+"""The column order within a bfloat16 panel row (0, 8, 1, 9, ...): the kernel widens its two halves with one
+shift and one mask."""
+
+
 def pack(weight: Tensor) -> Tensor:
     """``[out, in]`` CPU weight (float32, bfloat16 or float16) → ``[ceil(out / 16), in, 16]`` contiguous panels
-    of the same dtype (zero past ``out``)."""
+    of the same dtype (zero past ``out``; a bfloat16 panel's columns in :data:`BF16_ORDER`)."""
     if weight.dtype not in WEIGHT_DTYPES:
         raise TypeError(
             f"the CPU linear kernel packs float32, bfloat16 or float16 weights, not {weight.dtype}"
@@ -47,7 +52,10 @@ def pack(weight: Tensor) -> Tensor:
     panels = -(-out_features // PANEL)
     padded = torch.zeros(panels * PANEL, in_features, dtype=weight.dtype)
     padded[:out_features] = weight.detach()
-    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+    rows = padded.view(panels, PANEL, in_features)
+    if weight.dtype == torch.bfloat16:
+        rows = rows[:, BF16_ORDER]
+    return rows.transpose(1, 2).contiguous()
 
 
 def pack_bias(bias: Tensor, out_features: int) -> Tensor:
@@ -60,7 +68,10 @@ def pack_bias(bias: Tensor, out_features: int) -> Tensor:
 def unpack(packed: Tensor, out_features: int) -> Tensor:
     """The ``[out, in]`` weight back from :func:`pack`'s panels (a copy)."""
     panels, in_features, _ = packed.shape
-    return packed.transpose(1, 2).reshape(panels * PANEL, in_features)[:out_features].clone()
+    rows = packed.transpose(1, 2)
+    if packed.dtype == torch.bfloat16:
+        rows = rows[:, [BF16_ORDER.index(c) for c in range(PANEL)]]
+    return rows.reshape(panels * PANEL, in_features)[:out_features].clone()
 
 
 def linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:

@@ -4,6 +4,8 @@ dequantized weights, rows independent of their batch, results written into colum
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -44,3 +46,29 @@ def test_bad_shapes_are_refused() -> None:
     packed = random_blocks(4, 64, 8)
     with pytest.raises(RuntimeError, match="rejected Q8_0"):
         cpu_quant_linear.linear(torch.randn(2, 48), packed[:, :51], 8, 48)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [3, 29])  # the register-tiled path (few rows) and the buffered one (many)
+def test_simd_build_equals_generic_build(monkeypatch, rows) -> None:
+    """The SIMD kernels (in-register widening, table lookups, register tiles) give the plain-C loops' bits: the
+    same dequantized weights, multiplied and summed in the same order, for every format."""
+    g = torch.Generator().manual_seed(rows)
+    cases = []  # (in_features, the product as a function of x)
+    for name, type_id in TYPES.items():
+        k = 512 if name.endswith("_K") else 544  # 544: a last chunk shorter than the buffer's
+        packed = random_blocks(37, k, type_id, seed=rows)
+        cases.append((k, partial(cpu_quant_linear.linear, packed=packed, type_id=type_id, in_features=k)))
+    for bits, group, bf16 in [(4, 32, False), (4, 64, True), (8, 96, False), (4, 8, False)]:
+        k = 576
+        packed = torch.randint(-(2**31), 2**31 - 1, (37, k * bits // 32), generator=g, dtype=torch.int32)
+        scales = torch.rand(37, k // group, generator=g) * 0.01
+        product = partial(cpu_quant_linear.int_linear, packed=packed, bits=bits, scales=scales, group=group)
+        cases.append((k, partial(product, round_bf16=bf16)))
+    xs = [torch.randn(rows, k, generator=g) for k, _ in cases]
+    fast = [f(x) for (_, f), x in zip(cases, xs)]
+    generic = cpu_kernel._load(("BATCHGEN_GENERIC",))
+    assert generic is not None
+    monkeypatch.setitem(cpu_kernel._state, "lib", generic)
+    for (_, f), x, want in zip(cases, xs, fast):
+        assert torch.equal(f(x), want)

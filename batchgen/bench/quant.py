@@ -1,11 +1,22 @@
 """Quantized and half-precision weights, and narrow KV caches, side by side on one small random-weight llama:
 weight bytes in memory per format and generated tokens per second at 4 and at 64 sequences (greedy, fixed
-lengths), and llama.cpp (llama-cpp-python's batched decode) on the same GGUF files where it is installed.
+lengths), and llama.cpp's batched decode on the same GGUF files where it is installed.
 
-    python -m batchgen.bench.quant [--hidden 512 --layers 4 --new 32 --prompt 32]
+    python -m batchgen.bench.quant [--hidden 512 --layers 4 --new 32 --prompt 32] [--kv-context 1024]
 
 Each system runs the same prompts (token ids) in one process after a warm-up; the load (os.getloadavg) is printed
-with the figures. Numbers are for side-by-side comparison on one machine, never absolute claims.
+with the figures, and each row has ``tok_per_cpu_s`` beside ``tok_s``: tokens per second of this process's CPU
+time, the steadier figure on a machine shared with other work. Numbers are for side-by-side comparison on one
+machine, never absolute claims.
+
+``--kv-context N`` adds the decode-heavy narrow-cache run: ``--kv-seqs`` sequences with N-token prompts whose KV
+blocks are computed once (a one-token warm-up run fills the prefix cache), then ``--kv-new`` greedy tokens each:
+the timed run is decode steps attending over N-token contexts, per cache dtype.
+
+llama.cpp (optional peer, skipped with the reason when absent): the ``llama-batched-bench`` tool of a llama.cpp
+build (``$LLAMA_BATCHED_BENCH`` or on ``PATH``; its text-generation rate at each batch, the same prompt and new
+token counts), else llama-cpp-python (``pip install batchgen[bench-llamacpp]``) driven through ``llama_decode``
+with one sequence id per prompt.
 """
 
 from __future__ import annotations
@@ -13,13 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-GGUF_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_K": 12}
+GGUF_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_K": 12, "Q6_K": 14}
+LLAMA_CPP_TYPES = ("Q8_0", "Q4_0")  # the peer runs on these files (the issue's comparison)
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -37,10 +52,31 @@ def _batchgen(path: str, batch: int, args, **options) -> tuple[float, int, list[
     ]
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = [o.outputs[0].token_ids for o in outs]
-    return batch * args.new / (time.perf_counter() - start), _weight_bytes(llm.engine.model), tokens
+    return batch * args.new / wall, batch * args.new / cpu, _weight_bytes(llm.engine.model), tokens
+
+
+def _kv_decode(path: str, args, kv_cache_dtype: str) -> tuple[float, float, list[list[int]]]:
+    """Decode-heavy run: --kv-seqs prompts of --kv-context tokens, their KV computed by a one-token warm-up (kept
+    by the prefix cache), then --kv-new greedy tokens each, timed."""
+    from batchgen import LLM, SamplingParams
+
+    n, ctx = args.kv_seqs, args.kv_context
+    need = n * (ctx + args.kv_new + 32) * 8 * args.layers * args.hidden  # float32 K+V bytes, with room
+    llm = LLM(path, max_num_seqs=n, kv_cache_memory=f"{max(1, need // 2**20 + 64)}MiB",
+              kv_cache_dtype=kv_cache_dtype, max_model_len=ctx + args.kv_new + 32)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(5, 4000, (ctx,), generator=g).tolist()} for _ in range(n)]
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(max_tokens=args.kv_new, temperature=0.0, ignore_eos=True)
+    start, cpu = time.perf_counter(), time.process_time()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tokens = n * args.kv_new
+    return tokens / wall, tokens / cpu, [o.outputs[0].token_ids for o in outs]
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -51,11 +87,34 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(1, sum(map(len, a)))
 
 
-def _llama_cpp(path: str, batch: int, args) -> float | None:
+def _llama_batched_bench(path: str, batch: int, args) -> tuple[float | None, str]:
+    """llama.cpp's own batched decode (tools/batched-bench): its S_TG (generated tokens per second over all
+    sequences) at `batch` sequences of --prompt + --new tokens; (None, reason) when the tool is absent."""
+    exe = os.environ.get("LLAMA_BATCHED_BENCH") or shutil.which("llama-batched-bench")
+    if not exe:
+        return None, "no llama-batched-bench ($LLAMA_BATCHED_BENCH or PATH)"
+    cmd = [exe, "-m", path, "-c", str(batch * (args.prompt + args.new) + 64), "-b", "2048", "-ub", "512",
+           "-npp", str(args.prompt), "-ntg", str(args.new), "-npl", str(batch), "-t", str(torch.get_num_threads()),
+           "--no-mmap"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    rows = [r for r in run.stdout.splitlines() if re.match(r"^\|\s*\d+\s*\|", r)]
+    if run.returncode != 0 or not rows:
+        return None, f"llama-batched-bench failed: {run.stderr.strip()[-300:]}"
+    cells = [c.strip() for c in rows[-1].strip("|").split("|")]
+    return float(cells[7]), exe  # PP, TG, B, N_KV, T_PP, S_PP, T_TG, S_TG, T, S
+
+
+def _llama_cpp(path: str, batch: int, args) -> tuple[float | None, str]:
+    """llama.cpp's throughput at `batch` sequences: the batched-bench tool where there is one, else
+    llama-cpp-python's llama_decode; (None, reason) when neither is installed."""
+    tps, why = _llama_batched_bench(path, batch, args)
+    if tps is not None:
+        return tps, why
     try:
         import llama_cpp
+        import numpy as np
     except ImportError:
-        return None
+        return None, f"{why}; no llama_cpp module (pip install batchgen[bench-llamacpp])"
     llm = llama_cpp.Llama(path, n_ctx=batch * (args.prompt + args.new) + 64, n_batch=512, n_seq_max=batch,
                           n_threads=torch.get_num_threads(), verbose=False, logits_all=False)  # fmt: skip
     g = torch.Generator().manual_seed(0)
@@ -85,11 +144,11 @@ def _llama_cpp(path: str, batch: int, args) -> float | None:
     for _ in range(args.new):
         nxt = []
         for s in range(batch):
-            logits = llama_cpp.llama_get_logits_ith(ctx, last[s])
-            nxt.append([max(range(n_vocab), key=lambda j: logits[j])])
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, last[s]), shape=(n_vocab,))
+            nxt.append([int(logits.argmax())])
         submit(nxt)
     llama_cpp.llama_batch_free(b)
-    return batch * args.new / (time.perf_counter() - start)
+    return batch * args.new / (time.perf_counter() - start), "llama-cpp-python"
 
 
 def main() -> None:
@@ -102,6 +161,11 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--batches", default="4,64")
+    p.add_argument("--kv-context", type=int, default=0, help="also the decode-heavy KV run at this context")
+    p.add_argument("--kv-seqs", type=int, default=16)
+    p.add_argument("--kv-new", type=int, default=64)
+    p.add_argument("--skip-weights", action="store_true", help="only the --kv-context run")
+    p.add_argument("--systems", default="", help="comma-separated substrings: only the systems they name")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="batchgen-quant-bench-"))
     shape = dict(hidden_size=args.hidden, num_layers=args.layers, num_heads=8, num_kv_heads=4,
@@ -114,30 +178,54 @@ def main() -> None:
         "batchgen float32, bf16 KV": (f32, {"kv_cache_dtype": "bfloat16"}),
         "batchgen float32, fp8 KV": (f32, {"kv_cache_dtype": "fp8"}),
     }
-    ggufs = {name: write_gguf(f32, root / f"{name}.gguf", t) for name, t in GGUF_TYPES.items()}
+    wanted = [w for w in args.systems.split(",") if w]
+
+    def keep(name: str) -> bool:
+        return not wanted or any(w in name for w in wanted)
+
+    systems = {name: v for name, v in systems.items() if keep(name)}
+    ggufs = {
+        name: write_gguf(f32, root / f"{name}.gguf", t)
+        for name, t in GGUF_TYPES.items()
+        if keep(f"GGUF {name}")
+    }
     for name, path in ggufs.items():
         systems[f"batchgen GGUF {name}"] = (path, {})
-    rows = []
-    for batch in map(int, args.batches.split(",")):
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    for batch in map(int, args.batches.split(",")) if not args.skip_weights else ():
         base = None
         for name, (path, opts) in systems.items():
-            tps, wbytes, tokens = _batchgen(path, batch, args, **opts)
+            tps, cps, wbytes, tokens = _batchgen(path, batch, args, **opts)
             base = tokens if base is None else base
-            row = {
-                "system": name,
-                "seqs": batch,
-                "tok_s": round(tps, 1),
-                "weight_MiB": round(wbytes / 2**20, 2),
-            }
+            row = {"system": name, "seqs": batch, "tok_s": round(tps, 1), "tok_per_cpu_s": round(cps, 1),
+                   "weight_MiB": round(wbytes / 2**20, 2)}  # fmt: skip
             if "KV" in name:  # greedy agreement with the float32 cache on the same weights
                 row["greedy_agreement_vs_f32_kv"] = round(_agreement(tokens, base), 3)
-            rows.append(row)
-            print(json.dumps(rows[-1]), flush=True)
+            emit(row)
         for name, path in ggufs.items():
-            tps = _llama_cpp(path, batch, args)
-            if tps is not None:
-                rows.append({"system": f"llama.cpp GGUF {name}", "seqs": batch, "tok_s": round(tps, 1)})
-                print(json.dumps(rows[-1]), flush=True)
+            if name not in LLAMA_CPP_TYPES:
+                continue
+            tps, how = _llama_cpp(path, batch, args)
+            if tps is None:
+                print(
+                    json.dumps({"system": f"llama.cpp GGUF {name}", "seqs": batch, "skipped": how}),
+                    flush=True,
+                )
+            else:
+                emit({"system": f"llama.cpp GGUF {name}", "seqs": batch, "tok_s": round(tps, 1), "via": how})
+    if args.kv_context:
+        base = None
+        for dtype in ("float32", "bfloat16", "fp8"):
+            tps, cps, tokens = _kv_decode(f32, args, dtype)
+            base = tokens if base is None else base
+            emit({"system": f"batchgen float32, {dtype} KV, {args.kv_context}-token contexts", "seqs": args.kv_seqs,
+                  "tok_s": round(tps, 1), "tok_per_cpu_s": round(cps, 1),
+                  "greedy_agreement_vs_f32_kv": round(_agreement(tokens, base), 3)})  # fmt: skip
     print(json.dumps({"loadavg": os.getloadavg(), "threads": torch.get_num_threads(), "args": vars(args)}))
 
 

@@ -21,7 +21,9 @@
  * output (fmaf), so both builds give the same results.
  *
  * Narrow weights: the same panels may hold bfloat16 or float16 values (2 bytes each, same [ceil(N / 16), K, 16]
- * layout). They are widened to float32 in registers as each panel row is loaded (bfloat16: a 16-bit shift;
+ * layout; a bfloat16 panel row interleaves its columns as 0, 8, 1, 9, ..., 7, 15, so that the 32-bit lanes'
+ * low halves are columns 0..7 and their high halves columns 8..15). They are widened to float32 in registers as
+ * each panel row is loaded (bfloat16: a shift left by 16 and a mask of the high halves, one instruction each;
  * float16: F16C's vcvtph2ps, or an exact bit conversion in the plain-C build) and the arithmetic is the float32
  * kernel's, in the same order: the result is bit for bit the float32 kernel's on the widened weights. */
 
@@ -52,12 +54,11 @@ static inline __attribute__((always_inline)) void load_panel_row(const void *b, 
         return;
     }
     const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)b + (int64_t)k * PANEL));
-    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-    if (W == W_BF16) {
-        *b0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
-        *b1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
+    if (W == W_BF16) { /* interleaved panel (columns 0, 8, 1, 9, ...): a shift and a mask widen each half */
+        *b0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        *b1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
     } else {
-        *b0 = _mm256_cvtph_ps(lo), *b1 = _mm256_cvtph_ps(hi);
+        *b0 = _mm256_cvtph_ps(_mm256_castsi256_si128(v)), *b1 = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
     }
 }
 
@@ -121,9 +122,9 @@ static void tile_rows(const float *a, int64_t lda, const void *b, int kc, const 
 #else
 static inline float weight_at(const void *b, int64_t i, int W) {
     if (W == W_F32) return ((const float *)b)[i];
-    const uint16_t h = ((const uint16_t *)b)[i];
-    if (W == W_F16) return half_bits_to_float(h);
-    const uint32_t bits = (uint32_t)h << 16;
+    if (W == W_F16) return half_bits_to_float(((const uint16_t *)b)[i]);
+    const int64_t j = i % PANEL; /* bfloat16 panels interleave columns j and j + 8 */
+    const uint32_t bits = (uint32_t)((const uint16_t *)b)[i - j + (j < 8 ? 2 * j : 2 * (j - 8) + 1)] << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;

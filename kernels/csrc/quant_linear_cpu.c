@@ -10,7 +10,10 @@
  * float32 without contraction: the widened weights are bit for bit gguf.quants.dequantize's.
  *
  * Each output y[m, n] = bias[n] (or 0) + its eight lane sums over k in order, reduced in a fixed order: a
- * row's result depends only on that row, never on M, the batch or the thread count. Blocking (gemm below):
+ * row's result depends only on that row, never on M, the batch or the thread count. Two implementations of
+ * that one order: the SIMD kernels (AVX2 + FMA + F16C, and table lookups for 4-bit codes with AVX-512VL: the
+ * build's -march=native picks them, and the CPU's flags are in the build key; see "The SIMD path" below) and
+ * the plain-C loops (gemm below, the portable build and BATCHGEN_GENERIC), bit for bit equal. Plain-C blocking:
  * threads split the output rows in groups of NR; a group's weights are dequantized one chunk (a block) at a
  * time into an L1 buffer and multiplied with up to MB input rows, each x value loaded once for the NR rows, so
  * the packed weights are read once per MB rows and never widened in memory.
@@ -150,25 +153,6 @@ static void fill_blocks(const void *ctx, int n, int k0, int len, float *out) {
         dequant_block(s->qtype, s->w + (int64_t)n * s->row_bytes + (int64_t)(k / s->qk) * s->bb, out + (k - k0));
 }
 
-/* y = x w^T + bias (bias may be NULL). Returns 0, or -1 on a bad argument (unknown format, K not a whole
- * number of blocks, row_bytes not K's blocks). */
-int batchgen_quant_linear(const float *x, int64_t lda, const uint8_t *w, int64_t row_bytes, int qtype,
-                          const float *bias, float *y, int64_t ldy, int M, int K, int N, int num_threads) {
-    int qk, bb;
-    format_of(qtype, &qk, &bb);
-    if (qk == 0 || M < 0 || K <= 0 || N <= 0 || K % qk != 0 || row_bytes != (int64_t)(K / qk) * bb || lda < K)
-        return -1;
-    const BlockSource src = {w, row_bytes, qtype, qk, bb};
-    int chunk = qk; /* whole blocks, up to 256 values, dividing K: fewer passes over each row's sums */
-    for (int c = 256; c > qk; c -= qk)
-        if (c % qk == 0 && K % c == 0) {
-            chunk = c;
-            break;
-        }
-    gemm(x, lda, &src, fill_blocks, chunk, bias, y, ldy, M, K, N, num_threads);
-    return 0;
-}
-
 /* out [N, K] = the dequantized rows of w (same layout as above). Returns 0, or -1 on a bad argument. */
 int batchgen_quant_dequantize(const uint8_t *w, int64_t row_bytes, int qtype, float *out, int K, int N) {
     int qk, bb;
@@ -218,11 +202,397 @@ static void fill_int(const void *ctx, int n, int k0, int len, float *out) {
                 s->round_bf16, out);
 }
 
+/* ---------------------------------------------------------------------------------------------------------
+ * The SIMD path (AVX2 + FMA + F16C; BATCHGEN_GENERIC undefined): the same products in the same order as gemm()
+ * above (per output: eight lane sums, lane l over k = l mod 8 in order, reduced the same way), so both builds
+ * give the same bits. Every format is read 32 values (a span) at a time: a span has one scale (two for Q6_K,
+ * a scale and a min for Q4_K) and is widened 8 values at a time in registers (bytes to int32 lanes with
+ * vpmovzx/vpmovsx, nibbles with shifts and masks, then cvtdq2ps and ggml's multiplies), never through memory.
+ *
+ * Small batches (M <= FUSED_MAX, the memory-bound decode of a few sequences): threads split the outputs in
+ * groups of GC; a group's weights are widened in registers and multiplied at once with up to FR input rows held
+ * as FR x GC vector accumulators over all of K, so each packed byte is read once per FR rows (once per step for
+ * up to FR sequences). Larger batches: a group's weights are widened one chunk (KC values) at a time into an L1
+ * buffer shared by MB input rows, multiplied in register tiles of BR x GC whose sums are kept in memory between
+ * chunks (the order per output is unchanged). */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(BATCHGEN_GENERIC)
+#include <immintrin.h>
+#define QUANT_SIMD 1
+
+enum { INT4 = 1004, INT8 = 1008 }; /* compressed-tensors' packed integers (not ggml ids) */
+
+#define GC 4 /* outputs per group */
+#ifdef __AVX512VL__ /* 32 vector registers: FR x GC accumulators + GC weights + one input vector fit */
+#define FR 6
+#define BR 6
+#else
+#define FR 3
+#define BR 3
+#endif
+#if defined(__AVX512VL__) && defined(__AVX512F__)
+#define LUT4 1 /* 4-bit codes widened by a 16-entry table lookup (vpermt2ps ignores the index's high bits) */
+#endif
+#define FUSED_MAX (2 * FR)
+#define KC 256 /* values per buffered chunk */
+
+typedef struct {
+    const uint8_t *w;
+    int64_t row_bytes;
+    const float *scales; /* INT4 / INT8: [N, groups] */
+    int64_t groups;
+    int group, round_bf16;
+} Src;
+
+typedef struct {
+    float a, b; /* a span's scale (Q6_K: its first 16 values'), and Q4_K's min / Q6_K's second scale */
+#ifdef LUT4
+    __m256 t0, t1; /* 4-bit kinds: the span's 16 possible weights (code 0..7, 8..15), looked up by vpermt2ps */
+#endif
+} Span;
+
+static inline __attribute__((always_inline)) float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h); /* exact, subnormals included */
+}
+
+/* round_to_bf16 on 8 lanes: to nearest even by the same integer steps, infinities and NaNs kept. */
+static inline __attribute__((always_inline)) __m256 round_bf16_8(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v), e = _mm256_set1_epi32(0x7f800000);
+    const __m256i special = _mm256_cmpeq_epi32(_mm256_and_si256(bits, e), e);
+    __m256i add = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(bits, 16),
+                                                                              _mm256_set1_epi32(1)));
+    add = _mm256_andnot_si256(special, add);
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(bits, add), _mm256_set1_epi32((int)0xffff0000u));
+    return _mm256_castsi256_ps(r);
+}
+
+#ifdef LUT4
+/* The 16 weights a 4-bit code of the span can stand for, by the format's own arithmetic on each code. */
+static inline __attribute__((always_inline)) void span_table(const Src *s, const int kind, Span *o) {
+    const __m256 lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), hi = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+    if (kind == Q4_K) { /* (d sc) q - (dmin m) */
+        o->t0 = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(o->a), lo), _mm256_set1_ps(o->b));
+        o->t1 = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(o->a), hi), _mm256_set1_ps(o->b));
+        return;
+    }
+    const __m256 eight = _mm256_set1_ps(8); /* q - 8, exact */
+    o->t0 = _mm256_mul_ps(_mm256_set1_ps(o->a), _mm256_sub_ps(lo, eight));
+    o->t1 = _mm256_mul_ps(_mm256_set1_ps(o->a), _mm256_sub_ps(hi, eight));
+    if (kind == INT4 && s->round_bf16) o->t0 = round_bf16_8(o->t0), o->t1 = round_bf16_8(o->t1);
+}
+#endif
+
+/* The (a, b) of the 8 spans of K-quant block `blk` of a row (what span_setup decodes span by span). */
+static inline __attribute__((always_inline)) void kblock_scales(const uint8_t *row, int blk, const int kind,
+                                                                float ab[16]) {
+    if (kind == Q4_K) {
+        const uint8_t *b = row + (int64_t)blk * 144, *s6 = b + 4;
+        const float d = half_at(b), dmin = half_at(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            if (j < 4) sc = s6[j] & 63, m = s6[j + 4] & 63;
+            else sc = (s6[j + 4] & 0x0f) | ((s6[j - 4] >> 6) << 4), m = (s6[j + 4] >> 4) | ((s6[j] >> 6) << 4);
+            ab[2 * j] = d * (float)sc, ab[2 * j + 1] = dmin * (float)m;
+        }
+    } else {
+        const uint8_t *b = row + (int64_t)blk * 210;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        for (int i = 0; i < 16; i++) ab[i] = d * (float)sc[i];
+    }
+}
+
+/* A span's constants; ab: its K-quant block's kblock_scales, or NULL to decode them here. */
+static inline __attribute__((always_inline)) void span_setup(const Src *s, const uint8_t *row, int64_t n, int sp,
+                                                             const int kind, Span *o, const float *ab) {
+#ifdef LUT4
+    o->t0 = o->t1 = _mm256_setzero_ps(); /* (set below for the 4-bit kinds) */
+#endif
+    if (kind == Q8_0) {
+        o->a = half_at(row + (int64_t)sp * 34), o->b = 0.0f;
+    } else if (kind == Q4_0) {
+        o->a = half_at(row + (int64_t)sp * 18), o->b = 0.0f;
+    } else if ((kind == Q4_K || kind == Q6_K) && ab) {
+        o->a = ab[2 * (sp & 7)], o->b = ab[2 * (sp & 7) + 1];
+    } else if (kind == Q4_K) {
+        const uint8_t *b = row + (int64_t)(sp >> 3) * 144, *s6 = b + 4;
+        const int j = sp & 7;
+        int sc, m;
+        if (j < 4) sc = s6[j] & 63, m = s6[j + 4] & 63;
+        else sc = (s6[j + 4] & 0x0f) | ((s6[j - 4] >> 6) << 4), m = (s6[j + 4] >> 4) | ((s6[j] >> 6) << 4);
+        o->a = half_at(b) * (float)sc, o->b = half_at(b + 2) * (float)m;
+    } else if (kind == Q6_K) {
+        const uint8_t *b = row + (int64_t)(sp >> 3) * 210;
+        const int j = sp & 7;
+        const int8_t *sc = (const int8_t *)(b + 192 + (j >> 2) * 8) + 2 * (j & 3);
+        const float d = half_at(b + 208);
+        o->a = d * (float)sc[0], o->b = d * (float)sc[1];
+    } else {
+        o->a = s->scales[n * s->groups + (int64_t)sp * 32 / s->group], o->b = 0.0f;
+    }
+#ifdef LUT4
+    if (kind == Q4_0 || kind == Q4_K || kind == INT4) span_table(s, kind, o);
+#endif
+}
+
+static inline __attribute__((always_inline)) __m256i bytes8(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+/* Values 8c .. 8c + 7 of span sp of a row, widened (ggml's / compressed-tensors' arithmetic, unfused). */
+static inline __attribute__((always_inline)) __m256 deq8(const Src *s, const uint8_t *row, int sp, const int c,
+                                                         const int kind, const Span *o) {
+    const __m256i f = _mm256_set1_epi32(0x0f);
+    if (kind == Q8_0) {
+        const __m128i q = _mm_loadl_epi64((const __m128i *)(row + (int64_t)sp * 34 + 2 + c * 8));
+        return _mm256_mul_ps(_mm256_set1_ps(o->a), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+#ifdef LUT4
+    if (kind == Q4_0) { /* low nibbles for values 0..15 of the block, high for 16..31 */
+        __m256i q = bytes8(row + (int64_t)sp * 18 + 2 + (c & 1) * 8);
+        if (c >= 2) q = _mm256_srli_epi32(q, 4);
+        return _mm256_permutex2var_ps(o->t0, q, o->t1);
+    }
+    if (kind == Q4_K) {
+        __m256i q = bytes8(row + (int64_t)(sp >> 3) * 144 + 16 + ((sp & 7) >> 1) * 32 + c * 8);
+        if (sp & 1) q = _mm256_srli_epi32(q, 4);
+        return _mm256_permutex2var_ps(o->t0, q, o->t1);
+    }
+    if (kind == INT4) {
+        uint32_t word;
+        memcpy(&word, row + (int64_t)sp * 16 + c * 4, 4);
+        const __m256i q =
+            _mm256_srlv_epi32(_mm256_set1_epi32((int)word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        return _mm256_permutex2var_ps(o->t0, q, o->t1);
+    }
+#endif
+    if (kind == Q4_0) {
+        __m256i q = bytes8(row + (int64_t)sp * 18 + 2 + (c & 1) * 8);
+        q = c < 2 ? _mm256_and_si256(q, f) : _mm256_srli_epi32(q, 4);
+        q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
+        return _mm256_mul_ps(_mm256_set1_ps(o->a), _mm256_cvtepi32_ps(q));
+    }
+    if (kind == Q4_K) {
+        __m256i q = bytes8(row + (int64_t)(sp >> 3) * 144 + 16 + ((sp & 7) >> 1) * 32 + c * 8);
+        q = _mm256_and_si256(_mm256_srl_epi32(q, _mm_cvtsi32_si128((sp & 1) * 4)), f);
+        const __m256 p = _mm256_mul_ps(_mm256_set1_ps(o->a), _mm256_cvtepi32_ps(q));
+        return _mm256_sub_ps(p, _mm256_set1_ps(o->b));
+    }
+    if (kind == Q6_K) {
+        const uint8_t *b = row + (int64_t)(sp >> 3) * 210;
+        const int j = sp & 7, h = j >> 2, t = j & 3;
+        __m256i lo = bytes8(b + h * 64 + (t & 1) * 32 + c * 8);
+        lo = t < 2 ? _mm256_and_si256(lo, f) : _mm256_srli_epi32(lo, 4);
+        __m256i hi = bytes8(b + 128 + h * 32 + c * 8);
+        hi = _mm256_and_si256(_mm256_srl_epi32(hi, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi32(3));
+        const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+        return _mm256_mul_ps(_mm256_set1_ps(c < 2 ? o->a : o->b), _mm256_cvtepi32_ps(q));
+    }
+    __m256i q;
+    if (kind == INT4) {
+        uint32_t word;
+        memcpy(&word, row + (int64_t)sp * 16 + c * 4, 4);
+        q = _mm256_srlv_epi32(_mm256_set1_epi32((int)word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        q = _mm256_sub_epi32(_mm256_and_si256(q, f), _mm256_set1_epi32(8));
+    } else {
+        q = _mm256_sub_epi32(bytes8(row + (int64_t)sp * 32 + c * 8), _mm256_set1_epi32(128));
+    }
+    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(o->a));
+    return s->round_bf16 ? round_bf16_8(v) : v;
+}
+
+/* ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)), gemm()'s reduction. */
+static inline float reduce8(__m256 v) {
+    const __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+}
+
+/* Bytes of packed weights per span of 32 values (K-quants: on average). */
+#define SPAN_BYTES(kind)                                                                                      \
+    ((kind) == Q8_0 ? 34 : (kind) == Q6_K ? 26 : (kind) == INT4 ? 16 : (kind) == INT8 ? 32 : 18)
+
+/* Rows m0 .. m0 + R - 1 times the GC outputs of `rows` over all of K (spans sp < spans), the weights widened in
+ * registers; writes the nc valid outputs from column n0. */
+static inline __attribute__((always_inline)) void fused_tile(const Src *s, const uint8_t *const *rows,
+                                                             const int64_t *ns, int nc, const float *x, int64_t lda,
+                                                             int spans, const float *bias, float *y, int64_t ldy,
+                                                             int64_t n0, const int R, const int kind) {
+    __m256 acc[FR][GC];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < GC; c++) acc[r][c] = _mm256_setzero_ps();
+    float ab[GC][16]; /* K-quants: the current block's span scales, per output */
+    for (int sp = 0; sp < spans; sp++) {
+        const float *xs = x + (int64_t)sp * 32;
+        if ((kind == Q4_K || kind == Q6_K) && (sp & 7) == 0)
+            for (int c = 0; c < GC; c++) kblock_scales(rows[c], sp >> 3, kind, ab[c]);
+        /* the next group's rows (GC rows on: rows are row_bytes apart) at this span, read a group from now: each
+         * row is a short stream (a few cache lines) that the hardware prefetcher barely learns */
+#pragma GCC unroll 4
+        for (int c = 0; c < GC; c++) __builtin_prefetch(rows[c] + GC * s->row_bytes + (int64_t)sp * SPAN_BYTES(kind), 0, 1);
+#pragma GCC unroll 4
+        for (int c = 0; c < GC; c++) { /* one output's span at a time: its table and weights live briefly */
+            Span o;
+            span_setup(s, rows[c], ns[c], sp, kind, &o, kind == Q4_K || kind == Q6_K ? ab[c] : NULL);
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) {
+                const __m256 w = deq8(s, rows[c], sp, q, kind, &o);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++)
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + r * lda + q * 8), w, acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nc; c++) y[r * ldy + n0 + c] = (bias ? bias[n0 + c] : 0.0f) + reduce8(acc[r][c]);
+}
+
+/* Rows of a buffered chunk: sums[r][c] (row r at sums + r * ss, kept in memory between chunks) += x[r, k0 ..
+ * k0 + kc) wb[c] for GC buffered outputs (KC floats apart). */
+static inline __attribute__((always_inline)) void buffered_tile(const float *x, int64_t lda, const float *wb,
+                                                                int kc, float *sums, int64_t ss, int first,
+                                                                const int R) {
+    __m256 acc[BR][GC];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < GC; c++) acc[r][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * ss + c * 8);
+    for (int i = 0; i < kc; i += 8) {
+        __m256 w[GC];
+#pragma GCC unroll 4
+        for (int c = 0; c < GC; c++) w[c] = _mm256_load_ps(wb + c * KC + i);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_loadu_ps(x + r * lda + i);
+#pragma GCC unroll 4
+            for (int c = 0; c < GC; c++) acc[r][c] = _mm256_fmadd_ps(xv, w[c], acc[r][c]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < GC; c++) _mm256_storeu_ps(sums + r * ss + c * 8, acc[r][c]);
+}
+
+#define BG 16 /* outputs per group of the buffered path: each tile of input rows, in L1, serves BG / GC tiles */
+
+/* Rows r0 .. r0 + R - 1 of a buffered chunk against all BG buffered outputs. */
+static inline __attribute__((always_inline)) void buffered_rows_tile(const float *x, int64_t lda, const float *wb,
+                                                                     int kc, float *sums, int first, const int R) {
+    for (int g = 0; g < BG / GC; g++)
+        buffered_tile(x, lda, wb + g * GC * KC, kc, sums + g * GC * 8, BG * 8, first, R);
+}
+
+static void buffered_rows(const float *x, int64_t lda, const float *wb, int kc, float *sums, int first, int rows) {
+    int r = 0;
+    for (; r + BR <= rows; r += BR) buffered_rows_tile(x + r * lda, lda, wb, kc, sums + r * BG * 8, first, BR);
+    float *sr = sums + r * BG * 8;
+    const float *xr = x + r * lda;
+    switch (rows - r) {
+#if BR > 5
+    case 5: buffered_rows_tile(xr, lda, wb, kc, sr, first, 5); break;
+    case 4: buffered_rows_tile(xr, lda, wb, kc, sr, first, 4); break;
+    case 3: buffered_rows_tile(xr, lda, wb, kc, sr, first, 3); break;
+#endif
+    case 2: buffered_rows_tile(xr, lda, wb, kc, sr, first, 2); break;
+    case 1: buffered_rows_tile(xr, lda, wb, kc, sr, first, 1); break;
+    default: break;
+    }
+}
+
+#define MBUF 64 /* input rows per pass over a buffered chunk */
+
+/* The whole product for one format (a constant once inlined). */
+static inline __attribute__((always_inline)) void simd_gemm_kind(const float *x, int64_t lda, const Src *s,
+                                                                 const float *bias, float *y, int64_t ldy, int M,
+                                                                 int K, int N, int num_threads, const int kind) {
+    const int spans = K / 32, width = M <= FUSED_MAX ? GC : BG, groups = (N + width - 1) / width;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float wb[BG * KC] __attribute__((aligned(32)));
+        float sums[MBUF * BG * 8];
+#pragma omp for schedule(static)
+        for (int g = 0; g < groups; g++) {
+            const int64_t n0 = (int64_t)g * width;
+            const int nc = N - n0 < width ? (int)(N - n0) : width;
+            const uint8_t *rows[BG];
+            int64_t ns[BG];
+            for (int c = 0; c < width; c++) { /* past N: repeat the last row (computed, never written) */
+                ns[c] = n0 + (c < nc ? c : nc - 1);
+                rows[c] = s->w + ns[c] * s->row_bytes;
+            }
+            if (M <= FUSED_MAX) {
+                const int nq = nc;
+                int m = 0;
+                for (; m + FR <= M; m += FR)
+                    fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, FR, kind);
+                switch (M - m) {
+#if FR > 5
+                case 5: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 5, kind); break;
+                case 4: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 4, kind); break;
+                case 3: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 3, kind); break;
+#endif
+                case 2: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 2, kind); break;
+                case 1: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 1, kind); break;
+                default: break;
+                }
+                continue;
+            }
+            for (int m0 = 0; m0 < M; m0 += MBUF) {
+                const int mr = M - m0 < MBUF ? M - m0 : MBUF;
+                for (int k0 = 0; k0 < K; k0 += KC) {
+                    const int kc = K - k0 < KC ? K - k0 : KC;
+                    for (int c = 0; c < BG; c++) {
+                        for (int sp = k0 / 32; sp < (k0 + kc) / 32; sp++) {
+                            Span o;
+                            span_setup(s, rows[c], ns[c], sp, kind, &o, NULL);
+                            float *dst = wb + c * KC + (sp * 32 - k0);
+                            _mm256_store_ps(dst, deq8(s, rows[c], sp, 0, kind, &o));
+                            _mm256_store_ps(dst + 8, deq8(s, rows[c], sp, 1, kind, &o));
+                            _mm256_store_ps(dst + 16, deq8(s, rows[c], sp, 2, kind, &o));
+                            _mm256_store_ps(dst + 24, deq8(s, rows[c], sp, 3, kind, &o));
+                        }
+                    }
+                    buffered_rows(x + m0 * lda + k0, lda, wb, kc, sums, k0 == 0, mr);
+                }
+                for (int m = 0; m < mr; m++)
+                    for (int c = 0; c < nc; c++)
+                        y[(m0 + m) * ldy + n0 + c] =
+                            (bias ? bias[n0 + c] : 0.0f) + reduce8(_mm256_loadu_ps(sums + (m * BG + c) * 8));
+            }
+        }
+    }
+}
+
+/* kind is a ggml type id or INT4 / INT8; K a multiple of 32 (and INT groups of 32). */
+static void simd_gemm(const float *x, int64_t lda, const Src *s, int kind, const float *bias, float *y,
+                      int64_t ldy, int M, int K, int N, int num_threads) {
+    switch (kind) {
+    case Q4_0: simd_gemm_kind(x, lda, s, bias, y, ldy, M, K, N, num_threads, Q4_0); break;
+    case Q8_0: simd_gemm_kind(x, lda, s, bias, y, ldy, M, K, N, num_threads, Q8_0); break;
+    case Q4_K: simd_gemm_kind(x, lda, s, bias, y, ldy, M, K, N, num_threads, Q4_K); break;
+    case Q6_K: simd_gemm_kind(x, lda, s, bias, y, ldy, M, K, N, num_threads, Q6_K); break;
+    case INT4: simd_gemm_kind(x, lda, s, bias, y, ldy, M, K, N, num_threads, INT4); break;
+    default: simd_gemm_kind(x, lda, s, bias, y, ldy, M, K, N, num_threads, INT8); break;
+    }
+}
+#endif
+
 int batchgen_int_linear(const float *x, int64_t lda, const uint8_t *w, int bits, const float *scales, int group,
                         int round_bf16, const float *bias, float *y, int64_t ldy, int M, int K, int N,
                         int num_threads) {
     if ((bits != 4 && bits != 8) || group <= 0 || group % 8 != 0 || K % group != 0 || M < 0 || N <= 0 || lda < K)
         return -1;
+#ifdef QUANT_SIMD
+    if (group % 32 == 0) {
+        const Src simd_src = {w, (int64_t)K * bits / 8, scales, K / group, group, round_bf16};
+        simd_gemm(x, lda, &simd_src, bits == 4 ? INT4 : INT8, bias, y, ldy, M, K, N, num_threads);
+        return 0;
+    }
+#endif
     int chunk = 8; /* the largest multiple of 8 up to 256 dividing the group: chunks never straddle a scale */
     for (int c = 256; c >= 8; c -= 8)
         if (group % c == 0) {
@@ -231,5 +601,29 @@ int batchgen_int_linear(const float *x, int64_t lda, const uint8_t *w, int bits,
         }
     const IntSource src = {w, scales, (int64_t)K * bits / 8, K / group, bits, group, round_bf16};
     gemm(x, lda, &src, fill_int, chunk, bias, y, ldy, M, K, N, num_threads);
+    return 0;
+}
+
+/* y = x w^T + bias (bias may be NULL). Returns 0, or -1 on a bad argument (unknown format, K not a whole
+ * number of blocks, row_bytes not K's blocks). */
+int batchgen_quant_linear(const float *x, int64_t lda, const uint8_t *w, int64_t row_bytes, int qtype,
+                          const float *bias, float *y, int64_t ldy, int M, int K, int N, int num_threads) {
+    int qk, bb;
+    format_of(qtype, &qk, &bb);
+    if (qk == 0 || M < 0 || K <= 0 || N <= 0 || K % qk != 0 || row_bytes != (int64_t)(K / qk) * bb || lda < K)
+        return -1;
+#ifdef QUANT_SIMD
+    const Src simd_src = {w, row_bytes, NULL, 0, 0, 0};
+    simd_gemm(x, lda, &simd_src, qtype, bias, y, ldy, M, K, N, num_threads);
+    return 0;
+#endif
+    const BlockSource src = {w, row_bytes, qtype, qk, bb};
+    int chunk = qk; /* whole blocks, up to 256 values, dividing K: fewer passes over each row's sums */
+    for (int c = 256; c > qk; c -= qk)
+        if (c % qk == 0 && K % c == 0) {
+            chunk = c;
+            break;
+        }
+    gemm(x, lda, &src, fill_blocks, chunk, bias, y, ldy, M, K, N, num_threads);
     return 0;
 }
