@@ -54,9 +54,29 @@ sequence (a query chunk's first query has the earliest window): a cache manager 
 anything in those entries. Entries past a sequence's last block (padding) must still be valid block ids.
 """
 
-from .options import AttentionOptions
-from .paged_kv import PagedKV
-from .torch_backend import Workspace
+if __name__ == "kernels":
+    # This folder reached as a top-level ``kernels`` rather than as ``batchgen.kernels``: a checkout's root is on
+    # sys.path (the current directory of ``python -c``, the driver's directory Ray adds to its workers). An
+    # installed ``kernels`` distribution (Hugging Face's, which transformers imports) takes the name instead, so
+    # a checkout never shadows it; without one this stays an empty module, which transformers reads as absent.
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
+
+    _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _elsewhere = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _checkout]
+    _spec = _machinery.PathFinder.find_spec("kernels", _elsewhere)
+    if _spec is not None:
+        _installed = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = (
+            _installed  # the import system hands out what sys.modules holds after this runs
+        )
+        _spec.loader.exec_module(_installed)
+else:
+    from .options import AttentionOptions
+    from .paged_kv import PagedKV
+    from .torch_backend import Workspace
 
 __all__ = ["AttentionOptions", "PagedKV", "Workspace", "triton_available"]
 

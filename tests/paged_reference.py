@@ -62,7 +62,8 @@ class ReferencePagedAttention(PagedAttention):
         super().__init__("torch")
         self.calls: list[dict] = []
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, options):
+    def forward(self, q, k, v, k_cache, v_cache, meta, options, kv_scales=None):
+        assert kv_scales is None, "the reference reads unscaled caches"
         self.calls.append(dict(vars(options)))  # scale, sliding_window, softcap, sinks
         self.impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_reference(q, k_cache, v_cache, meta, options)

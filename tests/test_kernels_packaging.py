@@ -3,6 +3,7 @@ distribution that transformers probes and imports), and importing it does not ne
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -17,12 +18,39 @@ def test_batchgen_kernels_maps_to_the_kernels_folder():
     assert Path(batchgen.kernels.__file__).resolve() == REPO / "kernels" / "__init__.py"
 
 
-def test_transformers_does_not_see_a_kernels_distribution():
-    # Run from the repository root, where a bare `kernels` folder is on sys.path: the worst case.
-    code = "from transformers.utils import is_kernels_available; print(is_kernels_available())"
+def test_transformers_sees_only_an_installed_kernels_distribution():
+    # Run from the repository root, where the bare `kernels` folder is on sys.path: the worst case. transformers
+    # reports kernels available exactly when a `kernels` distribution is installed, never because of the folder.
+    code = (
+        "import importlib.metadata as m\n"
+        "from transformers.utils import is_kernels_available\n"
+        "try:\n    m.version('kernels'); installed = True\n"
+        "except m.PackageNotFoundError:\n    installed = False\n"
+        "print(is_kernels_available() == installed)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "False"
+    assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_the_folder_stands_aside_for_an_installed_kernels_package(tmp_path):
+    # An installed `kernels` package (here a stand-in on PYTHONPATH, behind the repository root that `python -c`
+    # puts first) is what `import kernels` gives, even from the repository root; batchgen.kernels is unchanged.
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("from kernels.layer import CUDAProperties\n")
+    (tmp_path / "kernels" / "layer.py").write_text("class CUDAProperties:\n    pass\n")
+    code = (
+        "import kernels, batchgen.kernels\n"
+        "from kernels import CUDAProperties\n"
+        "print(kernels.__file__)\n"
+        "print(batchgen.kernels.PagedKV.__module__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(tmp_path / "kernels" / "__init__.py"), "batchgen.kernels.paged_kv"]
 
 
 def test_package_and_engine_import_without_triton():
