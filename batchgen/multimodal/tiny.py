@@ -50,7 +50,6 @@ def build_llava(
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
-        LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaNextConfig,
@@ -64,20 +63,7 @@ def build_llava(
     tok = build_tokenizer(out, vocab_size=vocab_size)
     tok.add_tokens([IMAGE_TOKEN], special_tokens=True)
     image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
-    text = LlamaConfig(
-        vocab_size=vocab_size + 64,  # room for <image> (and padding), as real LLaVA checkpoints have
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.08,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    text = _llama_text_config(tok, vocab_size, hidden_size)
     vision = CLIPVisionConfig(
         hidden_size=vision_hidden_size,
         intermediate_size=2 * vision_hidden_size,
@@ -276,20 +262,7 @@ def build_idefics3(
     specials = ["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>"]
     specials += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
     tok.add_tokens(specials, special_tokens=True)
-    text = transformers.LlamaConfig(
-        vocab_size=vocab_size + 64,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.08,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    text = _llama_text_config(tok, vocab_size, hidden_size)
     vision = transformers.Idefics3VisionConfig(
         hidden_size=vision_hidden_size,
         intermediate_size=2 * vision_hidden_size,
@@ -323,3 +296,24 @@ def build_idefics3(
     processor.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return str(out)
+
+
+def _llama_text_config(tok, vocab_size: int, hidden_size: int):
+    """The 2-layer Llama language model of the tiny image-text checkpoints, with room above the tokenizer's
+    vocabulary for the image tokens (and padding), as real checkpoints have."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size + 64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.08,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
