@@ -195,3 +195,31 @@ class ImageTextModel(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.language_model.compute_logits(hidden)
+
+
+def load_vision_weights(
+    encoder: nn.Module, ckpt: str, prefixes: tuple[tuple[str, str], ...], ignore_missing: tuple[str, ...] = ()
+) -> None:
+    """Load into ``encoder`` the checkpoint's tensors named under one of ``prefixes`` (checkpoint prefix, ours:
+    the first that matches renames the tensor; the others are not the encoder's). ValueError naming the
+    checkpoint when the tensors and the encoder's parameters differ (missing names ending in one of
+    ``ignore_missing`` aside)."""
+    from safetensors import safe_open
+
+    from batchgen.models.loader import safetensors_files
+
+    state: dict[str, Tensor] = {}
+    for file in safetensors_files(ckpt):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                for theirs, ours in prefixes:
+                    if name.startswith(theirs):
+                        state[ours + name[len(theirs) :]] = f.get_tensor(name)
+                        break
+    missing, unexpected = encoder.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.endswith(ignore_missing)] if ignore_missing else missing
+    if missing or unexpected:
+        raise ValueError(
+            f"{ckpt}: the vision encoder's tensors do not match its config (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 
 from batchgen.models.config import ModelConfig
-from batchgen.models.vision import ImageTextModel
+from batchgen.models.vision import ImageTextModel, load_vision_weights
 
 _PREFIXES = (("model.vision_model.", "vision_model."), ("model.connector.", "connector."))
 
@@ -64,25 +63,12 @@ def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
     vision encoder from transformers' classes, in the language model's dtype on ``device``."""
     from transformers import AutoConfig
 
-    from batchgen.models.loader import load_native_model, safetensors_files
+    from batchgen.models.loader import load_native_model
 
     language_model = load_native_model(ckpt, config, dtype=dtype, device=device)
     hf = AutoConfig.from_pretrained(str(ckpt))
     encoder = Idefics3Encoder(hf)
-    state: dict[str, Tensor] = {}
-    for file in safetensors_files(ckpt):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                for theirs, ours in _PREFIXES:
-                    if name.startswith(theirs):
-                        state[ours + name[len(theirs) :]] = f.get_tensor(name)
-                        break
-    missing, unexpected = encoder.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"{ckpt}: the vision encoder's tensors do not match its config (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})"
-        )
+    load_vision_weights(encoder, ckpt, _PREFIXES)
     lm_dtype = next(language_model.parameters()).dtype
     encoder = encoder.to(device=device, dtype=lm_dtype).eval().requires_grad_(False)
     raw = json.loads((Path(ckpt) / "config.json").read_text())

@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 
 from batchgen.models.config import ModelConfig
@@ -101,8 +100,8 @@ def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
     from transformers' classes, both in the language model's dtype on ``device``."""
     from transformers import AutoConfig
 
-    from batchgen.models.loader import load_native_model, safetensors_files
-    from batchgen.models.vision import ImageTextModel
+    from batchgen.models.loader import load_native_model
+    from batchgen.models.vision import ImageTextModel, load_vision_weights
 
     language_model = load_native_model(ckpt, config, dtype=dtype, device=device)
     hf = AutoConfig.from_pretrained(str(ckpt))
@@ -111,25 +110,9 @@ def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
         if config.architecture == "LlavaNextForConditionalGeneration"
         else LlavaEncoder(hf)
     )
-    state: dict[str, Tensor] = {}
-    for file in safetensors_files(ckpt):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                for theirs, ours in _PREFIXES:
-                    if name.startswith(theirs):
-                        name_ours = ours + name[len(theirs) :]
-                        break
-                else:
-                    name_ours = name
-                if name_ours.startswith(_OURS):
-                    state[name_ours] = f.get_tensor(name)
-    missing, unexpected = encoder.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.endswith("position_ids")]
-    if missing or unexpected:
-        raise ValueError(
-            f"{ckpt}: the vision encoder's tensors do not match its config (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})"
-        )
+    # transformers 4.x names (under model.) and 5.x names (ours already)
+    prefixes = _PREFIXES + tuple((ours, ours) for ours in _OURS)
+    load_vision_weights(encoder, ckpt, prefixes, ignore_missing=("position_ids",))
     lm_dtype = next(language_model.parameters()).dtype
     encoder = encoder.to(device=device, dtype=lm_dtype).eval().requires_grad_(False)
     image_token_id = int(

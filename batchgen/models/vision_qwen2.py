@@ -26,11 +26,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 
 from batchgen.models.config import ModelConfig
-from batchgen.models.vision import ImageTextModel
+from batchgen.models.vision import ImageTextModel, load_vision_weights
 
 _VISUAL_PREFIXES = ("model.visual.", "visual.")
 
@@ -108,25 +107,12 @@ def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
     config) and the vision encoder from transformers' classes, in the language model's dtype on ``device``."""
     from transformers import AutoConfig
 
-    from batchgen.models.loader import load_native_model, safetensors_files
+    from batchgen.models.loader import load_native_model
 
     language_model = load_native_model(ckpt, config, dtype=dtype, device=device)
     hf = AutoConfig.from_pretrained(str(ckpt))
     encoder = QwenVisionEncoder(hf)
-    state: dict[str, Tensor] = {}
-    for file in safetensors_files(ckpt):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                for prefix in _VISUAL_PREFIXES:
-                    if name.startswith(prefix):
-                        state["visual." + name[len(prefix) :]] = f.get_tensor(name)
-                        break
-    missing, unexpected = encoder.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"{ckpt}: the vision encoder's tensors do not match its config (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})"
-        )
+    load_vision_weights(encoder, ckpt, tuple((prefix, "visual.") for prefix in _VISUAL_PREFIXES))
     lm_dtype = next(language_model.parameters()).dtype
     rotary = encoder.visual.rotary_pos_emb
     inv_freq = rotary.inv_freq.clone()  # float32 in transformers whatever the weights' dtype
