@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -48,14 +49,26 @@ def _cfg(ckpt: str, inp: Path, out: Path, dp: int = 1, restarts: int = 3):
     return cfg
 
 
-class KillingReplicas(LocalReplicas):
-    """Local replicas; SIGKILLs replica ``victim``'s process after its ``after``-th report that leaves rows
-    unfinished (some of its rows are back, its windows are not), then, up to ``times`` kills, each
-    replacement as it starts (before its engine is ready)."""
+class ReportingReplicas(LocalReplicas):
+    """Local replicas; replica ``victim`` reports after every engine step (``step_budget_s=0``), so that its
+    first reports leave rows unfinished however fast the machine (row 5 alone takes 40 steps)."""
+
+    def __init__(self, victim: int = 0) -> None:
+        super().__init__()
+        self.victim = victim
+
+    def start(self, setup) -> None:
+        super().start(replace(setup, step_budget_s=0.0) if setup.replica == self.victim else setup)
+
+
+class KillingReplicas(ReportingReplicas):
+    """SIGKILLs replica ``victim``'s process after its ``after``-th report that leaves rows unfinished (some
+    of its rows are back, its windows are not), then, up to ``times`` kills, each replacement as it starts
+    (before its engine is ready)."""
 
     def __init__(self, victim: int = 0, after: int = 1, times: int = 1) -> None:
-        super().__init__()
-        self.victim, self.after, self.times, self.reports, self.killed = victim, after, times, 0, 0
+        super().__init__(victim)
+        self.after, self.times, self.reports, self.killed = after, times, 0, 0
 
     def events(self, timeout: float):
         out = super().events(timeout)
@@ -166,18 +179,18 @@ def test_replica_resources(llama_ckpt, dataset, tmp_path, monkeypatch) -> None:
     assert [(s.threads, s.env) for s in replicas_run.replica_setups(cfg, llama_ckpt)] == [(8, {}), (8, {})]
 
 
-class StoppingReplicas(LocalReplicas):
-    """Local replicas; SIGSTOPs replica 0 after its first report that leaves rows unfinished (it stays alive
-    but silent: no report, no heartbeat)."""
+class StoppingReplicas(ReportingReplicas):
+    """SIGSTOPs replica 0 after its first report that leaves rows unfinished (it stays alive but silent: no
+    report, no heartbeat)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(victim=0)
         self.stopped = 0
 
     def events(self, timeout: float):
         out = super().events(timeout)
         for kind, r, payload in out:
-            if r == 0 and kind == "report" and payload.busy and not self.stopped:
+            if r == self.victim and kind == "report" and payload.busy and not self.stopped:
                 os.kill(self.pid(r), signal.SIGSTOP)
                 self.stopped = self.pid(r)
         return out

@@ -35,6 +35,7 @@ BATCHGEN = BIN_DIR / "batchgen"
 ROWS = 48
 WINDOW_ROWS = 4
 COPIES = 24  # the time-limit test's input: the dataset repeated, so that its run lasts well past the warning
+SUBMITIT_COPIES = 3  # the submitit requeue test's input: long enough to be signalled mid-run
 # What must be identical between runs (num_cached_tokens depends on what else was in the prefix cache).
 COMPARE = [
     "id",
@@ -206,12 +207,16 @@ def test_sbatch_task_sent_usr1_mid_run_is_requeued_and_resumes(cluster, workload
     assert "(restart 1)" in text and "finished" in text
     saved = int(text.split("incomplete (stopped by SIGUSR1): ")[1].split("/")[0])
     assert 1 <= saved < COPIES * ROWS // WINDOW_ROWS // 2, text  # interrupted mid-run, finished windows kept
-    table, ref = merged(out, rows=COPIES * ROWS), workload.reference()
+    assert_repeated(merged(out, rows=COPIES * ROWS), workload.reference())
+
+
+def assert_repeated(table: pa.Table, reference: pa.Table, copies: int = COPIES) -> None:
+    """``table`` is the reference's rows ``copies`` times over, under the keys of :func:`_repeated_input`."""
     assert table.column("id").to_pylist() == [
-        f"copy{c}-{k}" for c in range(COPIES) for k in ref.column("id").to_pylist()
+        f"copy{c}-{k}" for c in range(copies) for k in reference.column("id").to_pylist()
     ]
     for name in COMPARE[1:]:
-        assert table.column(name).to_pylist() == ref.column(name).to_pylist() * COPIES, name
+        assert table.column(name).to_pylist() == reference.column(name).to_pylist() * copies, name
 
 
 def _last_time_limit_pass() -> dt.datetime:
@@ -226,16 +231,19 @@ def _last_time_limit_pass() -> dt.datetime:
     return last
 
 
-def _repeated_input(workload: Workload) -> Path:
-    """The workload's prompts repeated COPIES times under new keys (greedy: a repeated prompt gets the
-    reference row's output), so that a run lasts ~14 s and more, however fast the machine."""
+def _repeated_input(workload: Workload, copies: int = COPIES) -> Path:
+    """The workload's prompts repeated ``copies`` times under new keys (greedy: a repeated prompt gets the
+    reference row's output), so that a run lasts long enough to be signalled mid-run (COPIES: ~14 s and more,
+    however fast the machine)."""
     source = pq.read_table(workload.input)
-    big = workload.dir / "timelimit-input.parquet"
+    big = workload.dir / f"repeated-{copies}.parquet"
+    if big.exists():
+        return big
     pq.write_table(
         pa.table(
             {
-                "key": [f"copy{c}-{k}" for c in range(COPIES) for k in source.column("key").to_pylist()],
-                "prompt": source.column("prompt").to_pylist() * COPIES,
+                "key": [f"copy{c}-{k}" for c in range(copies) for k in source.column("key").to_pylist()],
+                "prompt": source.column("prompt").to_pylist() * copies,
             }
         ),
         big,
@@ -286,12 +294,7 @@ def test_sbatch_task_hit_by_its_time_limit_warning_is_requeued_and_resumes(
     assert [r.state for r in runs] == ["REQUEUED", "COMPLETED"], (runs, text)
     assert "received SIGUSR1" in text and f"requeueing {job}" in text and "(restart 1)" in text
     assert "incomplete (stopped by SIGUSR1)" in text, text  # batchgen was running when warned
-    table, ref = merged(out, rows=COPIES * ROWS), workload.reference()
-    assert table.column("id").to_pylist() == [
-        f"copy{c}-{k}" for c in range(COPIES) for k in ref.column("id").to_pylist()
-    ]
-    for name in COMPARE[1:]:
-        assert table.column(name).to_pylist() == ref.column(name).to_pylist() * COPIES, name
+    assert_repeated(merged(out, rows=COPIES * ROWS), workload.reference())
 
 
 def test_sbatch_script_rejects_an_array_that_does_not_start_at_zero(tmp_path: Path) -> None:
@@ -329,7 +332,7 @@ def test_sbatch_script_passes_arguments_through_unevaluated(tmp_path: Path) -> N
 
 
 # --------------------------------------------------------------------------------- Hydra submitit
-def sweep(workload: Workload, out: Path, launcher: list[str]) -> subprocess.Popen:
+def sweep(workload: Workload, out: Path, launcher: list[str], *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [
             str(BATCHGEN),
@@ -337,7 +340,7 @@ def sweep(workload: Workload, out: Path, launcher: list[str]) -> subprocess.Pope
             *launcher,
             "data.shard.count=2",
             "data.shard.index=range(2)",
-            *workload.overrides(out),
+            *workload.overrides(out, *extra),
         ],
         cwd=workload.dir,
         env=workload.env,
@@ -350,9 +353,13 @@ def sweep(workload: Workload, out: Path, launcher: list[str]) -> subprocess.Pope
 @pytest.mark.slurm
 def test_submitit_slurm_sweep_over_two_shards_requeues_a_warned_task(cluster, workload: Workload) -> None:
     """USR2 is submitit's signal (the time-limit warning, --signal=USR2@signal_delay_s): its handler
-    checkpoints the Hydra job, `scontrol requeue`s it and exits; the requeued task resumes from the manifest."""
+    checkpoints the Hydra job, `scontrol requeue`s it and exits; the requeued task resumes from the manifest.
+    On the input repeated SUBMITIT_COPIES times (18 windows a task), so that the signal lands mid-run however
+    fast the engine is (on the 48-row input a task could finish between the poll and the signal, and a USR2
+    after submitit's handler is gone ends the task FAILED)."""
     out = workload.dir / "submitit_slurm"
     name = f"bg-{uuid.uuid4().hex[:8]}"
+    big = _repeated_input(workload, SUBMITIT_COPIES)
     proc = sweep(
         workload,
         out,
@@ -363,6 +370,7 @@ def test_submitit_slurm_sweep_over_two_shards_requeues_a_warned_task(cluster, wo
             "hydra.launcher.mem_gb=2",
             "hydra.launcher.timeout_min=10",
         ],
+        f"data.input={big}",
     )
     try:
         wait_for_windows(out / "shard-00000-of-00002", 1)
@@ -376,7 +384,7 @@ def test_submitit_slurm_sweep_over_two_shards_requeues_a_warned_task(cluster, wo
     assert proc.returncode == 0, text
     runs = sc.runs(task0.split("_")[0])
     assert [r.state for r in runs if r.job_id == task0] == ["REQUEUED", "COMPLETED"], runs
-    assert_same(merged(out), workload.reference())
+    assert_repeated(merged(out, rows=SUBMITIT_COPIES * ROWS), workload.reference(), SUBMITIT_COPIES)
 
 
 def test_submitit_local_sweep_over_two_shards(workload: Workload) -> None:

@@ -4,7 +4,7 @@
 The cluster is ``run.ray_address``, else ``$RAY_ADDRESS``, else a local Ray started for the job. An actor
 requests ``engine.tensor_parallel_size`` GPUs on CUDA (Ray sets its ``CUDA_VISIBLE_DEVICES``), or its share
 of threads in CPUs. Each actor has at most one call in flight: :meth:`ReplicaActor.work` adds the windows
-sent since the last call and steps the engine for :data:`~batchgen.job.replicas.replica.STEP_BUDGET_S`, returning
+sent since the last call and steps the engine for its setup's ``step_budget_s``, returning
 the finished requests; the next call is made at once while the replica is busy. An actor that dies (its
 process killed, its node lost) is reported ``lost``: the coordinator requeues its windows and starts a
 replacement actor. Ray's own actor restarts are off (``max_restarts=0``): the coordinator decides.
@@ -20,7 +20,6 @@ from typing import Any
 import ray
 
 from batchgen.job.replicas.replica import (
-    STEP_BUDGET_S,
     ReplicaCore,
     ReplicaReport,
     ReplicaSetup,
@@ -48,10 +47,10 @@ class ReplicaActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def work(self, windows: list[WindowRequests], budget_s: float) -> ReplicaReport:
+    def work(self, windows: list[WindowRequests]) -> ReplicaReport:
         assert self.core is not None
         self.core.add(windows)
-        return self.core.report(self.core.run(budget_s))
+        return self.core.report(self.core.run(self.core.setup.step_budget_s))
 
 
 def _uses_gpu(setup: ReplicaSetup) -> bool:
@@ -103,7 +102,7 @@ class RayReplicas:
     def _call(self, r: int) -> None:
         windows, self.waiting[r] = self.waiting[r], []
         actor = self.actors[r]
-        self.calls[actor.work.remote(windows, STEP_BUDGET_S)] = (r, "work", actor)
+        self.calls[actor.work.remote(windows)] = (r, "work", actor)
         self.in_flight.add(r)
 
     def events(self, timeout: float) -> list[tuple[str, int, Any]]:

@@ -43,6 +43,11 @@ image row's :class:`~batchgen.multimodal.inputs.ImageItem` s (content hash, the 
 span), so the replica's encoder cache keys them by the same hash as one engine does."""
 
 
+STEP_BUDGET_S = 0.05
+"""Seconds of engine steps between two reports of a busy replica (finished rows reach the coordinator, its
+progress bar and its checkpoints with at most this delay)."""
+
+
 @dataclass
 class WindowRequests:
     """The rows of one window a replica has to run, in feed order."""
@@ -65,6 +70,8 @@ class ReplicaSetup:
     """CPU: torch intra-op threads of this replica (its share of the cores); None = torch's default."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment set before the engine starts (``CUDA_VISIBLE_DEVICES`` of a local GPU replica)."""
+    step_budget_s: float = STEP_BUDGET_S
+    """Seconds of engine steps between two reports while busy (0: a report after every step)."""
 
 
 @dataclass
@@ -137,11 +144,6 @@ class ReplicaCore:
         return ReplicaReport(self.setup.replica, outputs, self.engine.stats.snapshot(), self.busy, enc)
 
 
-STEP_BUDGET_S = 0.05
-"""Seconds of engine steps between two reports of a busy replica (finished rows reach the coordinator, its
-progress bar and its checkpoints with at most this delay)."""
-
-
 def replica_main(conn: Any, setup: ReplicaSetup) -> None:
     """A local replica process: start the engine, then serve ``("work", [WindowRequests])`` and ``("exit",)``
     messages from ``conn`` until told to exit or the coordinator is gone. Sends ``("ready", max_model_len)``
@@ -172,7 +174,7 @@ def replica_main(conn: Any, setup: ReplicaSetup) -> None:
             core.add(msg[1])
             continue  # take every message waiting before stepping
         try:
-            outs = core.run(STEP_BUDGET_S)
+            outs = core.run(setup.step_budget_s)
         except WorkerLost:
             os._exit(75)  # a tensor-parallel rank of this replica died: the replica is lost
         except Exception as e:  # noqa: BLE001 - an engine failure: the coordinator fails the job with it
