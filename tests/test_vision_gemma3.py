@@ -1,0 +1,160 @@
+"""Gemma 3 through batchgen: the SigLIP tower and projector, ``<start_of_image>`` placeholders expanded as the
+processor writes them, image tokens attending to each other both ways during prefill; greedy output equals
+transformers token for token (float32, CPU) with images of several sizes, several images per row, batched and
+shuffled, with chunked prefill and prefix caching (an image's tokens never split across chunks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.kernels import torch_backend
+from batchgen.kernels.testing import make_paged_batch
+
+GREEDY_TOKENS = 8
+
+
+def _dense_reference(batch, options, key_end: torch.Tensor) -> torch.Tensor:
+    """float64: query ``t`` at position ``p`` sees keys ``k < max(p + 1, key_end[t])``, ``k > p - window``."""
+    bs = batch.k_cache.shape[1]
+    out = torch.empty(batch.q.shape, dtype=torch.float64)
+    cu = batch.cu_seqlens_q.tolist()
+    for b, n in enumerate(batch.seq_lens.tolist()):
+        pos = torch.arange(n)
+        slots = batch.block_tables[b, pos // bs].long() * bs + pos % bs
+        k = batch.k_cache.flatten(0, 1)[slots].double()
+        v = batch.v_cache.flatten(0, 1)[slots].double()
+        group = batch.q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        q = batch.q[cu[b] : cu[b + 1]].double()
+        qpos = torch.arange(n - q.shape[0], n)[:, None]
+        allowed = (pos[None] <= qpos) | (pos[None] < key_end[cu[b] : cu[b + 1], None])
+        if options.sliding_window is not None:
+            allowed &= pos[None] > qpos - options.sliding_window
+        s = torch.einsum("qhd,khd->hqk", q, k) * options.scale
+        s = s.masked_fill(~allowed, float("-inf"))
+        out[cu[b] : cu[b + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_prefill_with_bidirectional_spans_matches_float64_reference(window):
+    q_lens, seq_lens = [12, 3, 9], [20, 3, 30]
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    positions = torch.cat([torch.arange(n - q, n) for q, n in zip(q_lens, seq_lens)])
+    key_end = positions + 1
+    key_end[2:7] = 8 + 7  # sequence 0: positions 10..14 form a span (ends at 15)
+    key_end[12:14] = 2  # sequence 1: positions 0..1
+    key_end[19:24] = 30  # sequence 2: its last 5 tokens
+    options = batch.options(sliding_window=window)
+    out = torch_backend.paged_prefill_attention(
+        batch.q, batch.cu_seqlens_q, batch.kv, options, key_end=key_end
+    )
+    torch.testing.assert_close(out.double(), _dense_reference(batch, options, key_end), atol=1e-5, rtol=1e-5)
+
+
+def test_image_runs_stay_whole_in_chunks():
+    from types import SimpleNamespace
+
+    from batchgen.engine.features.multimodal import ImageSpans, image_runs
+
+    item = SimpleNamespace(start=3, num_tokens=4, offsets=(1, 2, 4, 5))
+    assert image_runs(item) == [(4, 6), (7, 9)]
+    spans = ImageSpans([(4, 20), (30, 46)])
+    seq = SimpleNamespace(num_computed_tokens=0)
+    assert spans.chunk(seq, 10) == 4  # would end inside the first run: ends before it
+    assert spans.chunk(seq, 4) == 4 and spans.chunk(seq, 20) == 20 and spans.chunk(seq, 25) == 25
+    seq.num_computed_tokens = 4
+    assert spans.chunk(seq, 10) == 0  # starts at the run and cannot finish it: waits for more budget
+    assert spans.chunk(seq, 16) == 16
+    seq.num_computed_tokens = 8  # inside a run (a prefix-cache hit): the rest of it whole, or nothing
+    assert spans.chunk(seq, 5) == 0 and spans.chunk(seq, 12) == 12 and spans.chunk(seq, 30) == 22
+
+
+pytest.importorskip("PIL", reason="image inputs need the vision extra (Pillow)")
+
+from vision_helpers import hf_greedy, random_image  # noqa: E402
+
+from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen.multimodal.tiny import build_gemma3  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> str:
+    return build_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+def _chat(text: str, n_images: int = 1) -> str:
+    return f"<start_of_turn>user\n{'<start_of_image>' * n_images}{text}<end_of_turn>\n<start_of_turn>model\n"
+
+
+@pytest.fixture(scope="module")
+def rows_and_reference(gemma3):
+    a, b, c, d = (
+        random_image(w, h, s) for s, (w, h) in enumerate([(56, 56), (120, 60), (40, 90), (300, 200)])
+    )
+    rows = [
+        (_chat("What is in the picture?"), [a]),  # the template's newline merges with the processor's
+        ("Compare <start_of_image> with <start_of_image>, please.", [b, c]),
+        ("<start_of_image>", [d]),
+        ("No image here, only text, and long enough to pass the sliding window of the local layer.", []),
+        (_chat("Two of them, and a question long enough to pass the window", 2), [c, a]),
+        ("<start_of_image>", [d]),  # the same prompt again: a prefix-cache hit that ends inside the image
+    ]
+    return rows, hf_greedy(gemma3, rows, GREEDY_TOKENS)
+
+
+def _inputs(rows, order):
+    return [
+        {"prompt": rows[i][0], "multi_modal_data": {"image": rows[i][1]}} if rows[i][1] else rows[i][0]
+        for i in order
+    ]
+
+
+def test_greedy_equals_transformers_batched_and_shuffled(gemma3, rows_and_reference):
+    rows, ref = rows_and_reference
+    llm = LLM(gemma3, kv_cache_memory="32MiB", max_num_seqs=8)
+    order = [2, 0, 4, 3, 1, 5]
+    outs = llm.generate(_inputs(rows, order), GREEDY, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(rows)
+    assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
+    stats = llm.engine.images.stats
+    assert (stats.references, stats.distinct, stats.encoded) == (7, 4, 4)
+    # the image matters: the same question about another image answers differently
+    other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": rows[1][1][0]}}, GREEDY)
+    assert other[0].outputs[0].token_ids != ref[0]
+
+
+def test_chunked_prefill_and_prefix_caching_keep_image_tokens_together(gemma3, rows_and_reference):
+    """A token budget of 20 splits prompts into chunks, never inside an image's 16 tokens; rows run one
+    after another reuse cached blocks, one ending inside an image; every row still equals transformers."""
+    rows, ref = rows_and_reference
+    llm = LLM(gemma3, kv_cache_memory="32MiB", max_num_seqs=4, block_size=8, max_num_batched_tokens=20)
+    chunks: list[tuple[int, int]] = []
+    scheduler = llm.engine.scheduler
+    real_add = scheduler._add
+
+    def record(out, seq, num_new):
+        chunks.append((seq.num_computed_tokens, num_new))
+        real_add(out, seq, num_new)
+
+    scheduler._add = record
+    outs = llm.generate(_inputs(rows, range(len(rows))), GREEDY, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(rows)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert any(n < 20 and start > 0 for start, n in chunks if n > 1)  # prompts did go in several chunks
+    again = llm.generate(_inputs(rows, [5, 0]), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [ref[5], ref[0]]
+    assert again[0].num_cached_tokens == 16  # two blocks of the 20-token prompt: the hit ends in the image
+
+
+def test_image_longer_than_the_token_budget_fails_its_row(gemma3):
+    llm = LLM(gemma3, kv_cache_memory="32MiB", max_num_batched_tokens=12, max_model_len=64)
+    outs = llm.generate(
+        [{"prompt": "<start_of_image>", "multi_modal_data": {"image": random_image(30, 30, 1)}}, "text"],
+        GREEDY,
+        use_tqdm=False,
+    )
+    assert "engine.max_num_batched_tokens" in outs[0].error and outs[1].error is None
