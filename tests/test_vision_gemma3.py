@@ -53,6 +53,43 @@ def test_prefill_with_bidirectional_spans_matches_float64_reference(window):
     torch.testing.assert_close(out.double(), _dense_reference(batch, options, key_end), atol=1e-5, rtol=1e-5)
 
 
+def test_paged_attention_takes_the_masked_prefill_for_spans_on_any_backend():
+    """A mixed step (decodes, then prefill chunks) with spans: the prefill part is the torch backend's masked
+    path even when the engine's backend is another (the Triton and C prefill kernels are causal only)."""
+    from batchgen.attention import AttentionMetadata, PagedAttention, TorchBackend
+
+    class CausalOnly(TorchBackend):
+        name = "causal-only"
+
+        def prefill(self, *args, **kwargs):
+            raise AssertionError("a step with spans must not reach a causal-only prefill")
+
+    q_lens, seq_lens = [1, 1, 12, 9], [7, 17, 20, 30]
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    positions = torch.cat([torch.arange(n - q, n) for q, n in zip(q_lens, seq_lens)])
+    tables = batch.block_tables.long()
+    seq_of = torch.repeat_interleave(torch.arange(4), torch.tensor(q_lens))
+    slots = tables[seq_of, positions // 8] * 8 + positions % 8
+    k_new, v_new = batch.k_cache.flatten(0, 1)[slots], batch.v_cache.flatten(0, 1)[slots]
+    key_end = positions + 1
+    key_end[4:9] = 15  # sequence 2: positions 10..14 form a span
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        num_decode_seqs=2,
+        seq_lens=batch.seq_lens,
+        cu_seqlens_q=batch.cu_seqlens_q,
+        block_tables=batch.block_tables,
+        max_seq_len=max(seq_lens),
+        max_query_len=max(q_lens),
+        key_end=key_end,
+    )
+    options = batch.options(sliding_window=6)
+    out = PagedAttention(CausalOnly()).forward(
+        batch.q, k_new, v_new, batch.k_cache, batch.v_cache, meta, options
+    )
+    torch.testing.assert_close(out.double(), _dense_reference(batch, options, key_end), atol=1e-5, rtol=1e-5)
+
+
 def test_image_runs_stay_whole_in_chunks():
     from types import SimpleNamespace
 
@@ -158,3 +195,71 @@ def test_image_longer_than_the_token_budget_fails_its_row(gemma3):
         use_tqdm=False,
     )
     assert "engine.max_num_batched_tokens" in outs[0].error and outs[1].error is None
+
+
+def test_chat_parts_and_expanded_token_ids_equal_transformers(gemma3, rows_and_reference):
+    """A chat with image parts rendered by the processor's template, and the processor's own (expanded) token
+    ids given as ``prompt_token_ids``: both equal transformers."""
+    import base64
+
+    from transformers import AutoProcessor
+    from vision_helpers import png_bytes
+
+    rows, ref = rows_and_reference
+    a, b = random_image(70, 50, 21), random_image(50, 70, 22)
+    data_url = "data:image/png;base64," + base64.b64encode(png_bytes(b)).decode()
+    conversation = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Compare"},
+                {"type": "image_url", "image_url": {"url": data_url}},
+                {"type": "image", "image": a},
+                {"type": "text", "text": "please."},
+            ],
+        }
+    ]
+    llm = LLM(gemma3, kv_cache_memory="32MiB", max_num_seqs=8)
+    out = llm.chat([conversation], GREEDY, use_tqdm=False)[0]
+    proc = AutoProcessor.from_pretrained(gemma3)
+    parts = [{"type": "image"} if p["type"] != "text" else p for p in conversation[0]["content"]]
+    hf_conv = [{**conversation[0], "content": parts}]
+    text = proc.apply_chat_template(hf_conv, add_generation_prompt=True)
+    assert out.prompt == text and out.error is None
+    assert out.outputs[0].token_ids == hf_greedy(gemma3, [(text, [b, a])], GREEDY_TOKENS)[0]
+    ids = proc(text=[rows[4][0]], images=[rows[4][1]], return_tensors="pt")["input_ids"][0].tolist()
+    given = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": rows[4][1]}}, GREEDY)
+    assert given[0].error is None and given[0].outputs[0].token_ids == ref[4]
+
+
+def test_image_job_equals_transformers(gemma3, rows_and_reference, tmp_path):
+    """An image job (a list column of image paths) with prompts split into chunks: equal to transformers."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import job_config, read_parts
+    from vision_helpers import png_bytes
+
+    from batchgen.job.run import run_job
+
+    rows, ref = rows_and_reference
+    paths = []
+    for i, (_, images) in enumerate(rows):
+        paths.append([])
+        for j, im in enumerate(images):
+            p = tmp_path / f"{i}_{j}.png"
+            p.write_bytes(png_bytes(im))
+            paths[-1].append(str(p))
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [t for t, _ in rows], "image": paths}), inp)
+    cfg = job_config(
+        gemma3,
+        inp,
+        tmp_path / "out",
+        data={"image_column": "image"},
+        engine={"max_num_batched_tokens": 24, "block_size": 8},
+        sampling={"max_tokens": GREEDY_TOKENS, "temperature": 0.0},
+    )
+    assert run_job(cfg).exit_code == 0
+    got = read_parts(tmp_path / "out").to_pylist()
+    assert [r["status"] for r in got] == ["ok"] * len(rows)
+    assert [r["token_ids"] for r in got] == ref

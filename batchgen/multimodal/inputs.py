@@ -176,26 +176,32 @@ class ImagePrompts:
 
     def build(self, token_ids: Sequence[int], images: Sequence[Any]) -> ImagePrompt:
         """Expand ``token_ids``' placeholders for ``images``; ImageError when they do not fit together."""
-        prompt = self._build(token_ids, images)
-        return self._retokenized(prompt) if prompt.images and self._text_edges else prompt
-
-    def _retokenized(self, prompt: ImagePrompt) -> ImagePrompt:
-        """``prompt`` decoded and tokenized again as one text, as the processor tokenizes it; each image's
-        features then sit in one run of feature tokens (ImageError when the runs do not match the images)."""
+        loaded = self.load(images)
+        if self.image_token_id != self.feature_token_id and self.feature_token_id in token_ids:
+            return self._placed(list(token_ids), loaded)  # expanded already (the processor's own ids)
+        prompt = self._build(token_ids, loaded)
+        if not (prompt.images and self._text_edges):
+            return prompt
+        # tokenized again as one text, as the processor tokenizes it
         tok = self.processor.tokenizer
         text = tok.decode(prompt.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        return self._placed(list(tok(text, add_special_tokens=False)["input_ids"]), loaded)
+
+    def _placed(self, ids: list[int], loaded: list[LoadedImage]) -> ImagePrompt:
+        """``ids`` whose images are expanded already, each one run of feature tokens (a processor whose
+        placeholder is not its feature token: Gemma 3); ImageError when the runs do not match the images."""
         runs = _placeholder_runs(ids, self.feature_token_id)
-        if [n for _, n in runs] != [item.num_tokens for item in prompt.images]:
+        done = [self.pixels(image) for image in loaded]
+        counts = [len(d.expansion) if d.offsets is None else len(d.offsets) for d in done]
+        if [n for _, n in runs] != counts:
             raise ImageError(
-                f"the prompt's text next to its image placeholders ({self.image_token!r}) changes how the "
-                "image tokens are written; put whitespace or text around each placeholder"
+                f"the prompt's image tokens (runs of {[n for _, n in runs]}) do not match its {len(loaded)} "
+                f"image(s) ({counts} tokens): put one {self.image_token!r} in the prompt where each image goes"
             )
-        items = [ImageItem(item.hash, item.pixels, start, n) for item, (start, n) in zip(prompt.images, runs)]
+        items = [ImageItem(im.hash, d.pixels, start, n) for im, d, (start, n) in zip(loaded, done, runs)]
         return ImagePrompt(ids, items)
 
-    def _build(self, token_ids: Sequence[int], images: Sequence[Any]) -> ImagePrompt:
-        loaded = self.load(images)
+    def _build(self, token_ids: Sequence[int], loaded: list[LoadedImage]) -> ImagePrompt:
         out: list[int] = []
         items: list[ImageItem] = []
         pos = 0
