@@ -139,6 +139,7 @@ def rows_and_reference(gemma3):
         ("No image here, only text, and long enough to pass the sliding window of the local layer.", []),
         (_chat("Two of them, and a question long enough to pass the window", 2), [c, a]),
         ("<start_of_image>", [d]),  # the same prompt again: a prefix-cache hit that ends inside the image
+        ("A question long enough to push the image past a chunk's end: <start_of_image> what is it?", [b]),
     ]
     return rows, hf_greedy(gemma3, rows, GREEDY_TOKENS)
 
@@ -153,12 +154,12 @@ def _inputs(rows, order):
 def test_greedy_equals_transformers_batched_and_shuffled(gemma3, rows_and_reference):
     rows, ref = rows_and_reference
     llm = LLM(gemma3, kv_cache_memory="32MiB", max_num_seqs=8)
-    order = [2, 0, 4, 3, 1, 5]
+    order = [2, 0, 4, 6, 3, 1, 5]
     outs = llm.generate(_inputs(rows, order), GREEDY, use_tqdm=False)
     assert [o.error for o in outs] == [None] * len(rows)
     assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
     stats = llm.engine.images.stats
-    assert (stats.references, stats.distinct, stats.encoded) == (7, 4, 4)
+    assert (stats.references, stats.distinct, stats.encoded) == (8, 4, 4)
     # the image matters: the same question about another image answers differently
     other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": rows[1][1][0]}}, GREEDY)
     assert other[0].outputs[0].token_ids != ref[0]
@@ -167,21 +168,29 @@ def test_greedy_equals_transformers_batched_and_shuffled(gemma3, rows_and_refere
 def test_chunked_prefill_and_prefix_caching_keep_image_tokens_together(gemma3, rows_and_reference):
     """A token budget of 20 splits prompts into chunks, never inside an image's 16 tokens; rows run one
     after another reuse cached blocks, one ending inside an image; every row still equals transformers."""
+    from batchgen.models.vision import IMAGE_ID_BASE
+
     rows, ref = rows_and_reference
     llm = LLM(gemma3, kv_cache_memory="32MiB", max_num_seqs=4, block_size=8, max_num_batched_tokens=20)
-    chunks: list[tuple[int, int]] = []
+    chunks: list[tuple[list[int], int, int]] = []
     scheduler = llm.engine.scheduler
     real_add = scheduler._add
 
     def record(out, seq, num_new):
-        chunks.append((seq.num_computed_tokens, num_new))
+        chunks.append((seq.token_ids, seq.num_computed_tokens, num_new))
         real_add(out, seq, num_new)
 
     scheduler._add = record
     outs = llm.generate(_inputs(rows, range(len(rows))), GREEDY, use_tqdm=False)
     assert [o.error for o in outs] == [None] * len(rows)
     assert [o.outputs[0].token_ids for o in outs] == ref
-    assert any(n < 20 and start > 0 for start, n in chunks if n > 1)  # prompts did go in several chunks
+    cut_before_image = 0
+    for ids, start, n in chunks:
+        end = start + n
+        if 0 < end < len(ids):  # a chunk ending inside a prompt: never between two image tokens
+            assert not (ids[end - 1] >= IMAGE_ID_BASE and ids[end] >= IMAGE_ID_BASE), (start, n)
+            cut_before_image += ids[end] >= IMAGE_ID_BASE and n < 20
+    assert cut_before_image  # some chunk did stop short of an image it could not finish
     again = llm.generate(_inputs(rows, [5, 0]), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [ref[5], ref[0]]
     assert again[0].num_cached_tokens == 16  # two blocks of the 20-token prompt: the hit ends in the image
