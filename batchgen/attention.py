@@ -44,6 +44,11 @@ class AttentionMetadata:
     block_tables: Tensor  # [B, max_blocks] int32
     max_seq_len: int
     max_query_len: int
+    key_end: Tensor | None = None
+    """[T] int64 or None (causal): token ``t`` at position ``p`` attends to keys ``< max(p + 1, key_end[t])``.
+    A model whose tokens attend bidirectionally within a span of a prefill chunk (Gemma 3's image tokens) sets
+    it to the span's end for the span's tokens; a chunk never ends inside such a span (the scheduler keeps
+    it whole), so every key a token sees is stored by this forward or cached before it."""
     scratch: dict = field(default_factory=dict)
     """Per-forward memo for values derived from this batch alone (e.g. the cascade plan), shared by all layers."""
 
@@ -321,12 +326,22 @@ class PagedAttention:
         if nd == meta.seq_lens.shape[0]:
             return impl.store_and_decode(q, k, v, meta.slot_mapping, kv, options, **decode)
         impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        prefill = impl.prefill if meta.key_end is None else self._prefill_spans(meta.key_end[nd:])
         if nd == 0:
-            return impl.prefill(q, meta.cu_seqlens_q, kv, options, max_query_len=meta.max_query_len)
+            return prefill(q, meta.cu_seqlens_q, kv, options, max_query_len=meta.max_query_len)
         out = torch.empty_like(q)
         out[:nd] = impl.decode(q[:nd], kv.select(slice(None, nd)), options, **decode)
         cu = meta.cu_seqlens_q[nd:] - nd
-        out[nd:] = impl.prefill(
-            q[nd:], cu, kv.select(slice(nd, None)), options, max_query_len=meta.max_query_len
-        )
+        out[nd:] = prefill(q[nd:], cu, kv.select(slice(nd, None)), options, max_query_len=meta.max_query_len)
         return out
+
+    def _prefill_spans(self, key_end: Tensor):
+        """The prefill of a step whose chunks hold bidirectional spans (``AttentionMetadata.key_end``): the
+        torch backend's masked path, on any device (the C and Triton kernels are causal only)."""
+        workspace = getattr(self.impl, "workspace", None)
+
+        def prefill(q: Tensor, cu: Tensor, kv: PagedKV, options: AttentionOptions, *, max_query_len: int):
+            ws = workspace if q.device.type == "cpu" else None
+            return torch_backend.paged_prefill_attention(q, cu, kv, options, workspace=ws, key_end=key_end)
+
+        return prefill

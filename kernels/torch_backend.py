@@ -480,6 +480,7 @@ def paged_prefill_attention(
     options: AttentionOptions,
     *,
     workspace: Workspace | None = None,
+    key_end: Tensor | None = None,
 ) -> Tensor:
     """Variable-length query chunks attending causally to their cached context plus themselves.
 
@@ -488,11 +489,17 @@ def paged_prefill_attention(
     all read from the paged cache (the new tokens' K/V must already be stored). ``q [T,Hq,D]`` → ``[T,Hq,D]``.
     Given a ``workspace`` (the engine's CPU call), chunks of sequences that share a cached prefix attend to it
     once per group (:func:`_prefill_cascade`).
+
+    ``key_end [T]`` (int64, absolute positions): query ``t`` at position ``p`` attends to keys
+    ``< max(p + 1, key_end[t])`` instead (a window still bounds them from below): a token inside a span of
+    its own chunk that attends bidirectionally sees the whole span. ``key_end[t] <= kv.seq_lens[b]``.
     """
     total = q.shape[0]
     batch = cu_seqlens_q.numel() - 1
     if total == 0 or batch == 0:
         return q.new_empty(q.shape)
+    if key_end is not None:  # spans seen bidirectionally: the masked path, whatever the options
+        return _prefill_padded(q, cu_seqlens_q, kv, options, workspace, key_end)
     plain = options.plain
     cu = cu_seqlens_q.tolist()
     lens = kv.seq_lens.tolist()
@@ -708,10 +715,16 @@ def _merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
 
 
 def _prefill_padded(
-    q: Tensor, cu_seqlens_q: Tensor, kv: PagedKV, options: AttentionOptions, workspace: Workspace | None
+    q: Tensor,
+    cu_seqlens_q: Tensor,
+    kv: PagedKV,
+    options: AttentionOptions,
+    workspace: Workspace | None,
+    key_end: Tensor | None = None,
 ) -> Tensor:
     """All sequences at once, queries padded to the longest chunk and keys to the longest context (with a
-    window: to the longest span of blocks any query of a sequence can see, starting at the first such block)."""
+    window: to the longest span of blocks any query of a sequence can see, starting at the first such block).
+    ``key_end``: as in :func:`paged_prefill_attention`."""
     sliding_window = options.sliding_window
     total, num_q_heads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
@@ -747,6 +760,10 @@ def _prefill_padded(
     # Padding query rows (past q_len) sit at positions >= seq_len: they still see keys 0..seq_len-1, so no row
     # is empty; they are dropped below.
     mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] < lens[:, None, None])
+    if key_end is not None:  # each query's keys end at its own bound (never past its sequence's length)
+        end = torch.zeros(batch, max_q, dtype=torch.long, device=device)
+        end[seq_of_token, idx_in_seq] = key_end.to(device).long()
+        mask |= k_pos[:, None, :] < torch.minimum(end, lens[:, None])[:, :, None]
     if sliding_window is not None:
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
     if options.softcap is None and options.sinks is None:

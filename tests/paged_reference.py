@@ -1,7 +1,8 @@
 """A slow, obviously-correct paged attention for model tests: per sequence, gather K/V through the block table
 and compute eager attention with the causal rule, an optional sliding window (a query at position p sees keys
-at positions > p - window, transformers' convention), optional logit soft-capping and optional attention sinks
-(one more logit per head in the softmax denominator, gpt-oss).
+at positions > p - window, transformers' convention), optional logit soft-capping, optional attention sinks
+(one more logit per head in the softmax denominator, gpt-oss) and optional per-query key bounds
+(``AttentionMetadata.key_end``: bidirectional spans).
 
 `ReferencePagedAttention` has the engine's `PagedAttention.forward` signature (an `AttentionOptions` per call)
 and records each call's options, so models can be checked against it independently of the kernels.
@@ -43,6 +44,8 @@ def paged_attention_reference(
             scores = torch.tanh(scores / softcap) * softcap
         qpos = torch.arange(seq_len - n, seq_len)[:, None]
         allowed = pos[None, :] <= qpos
+        if meta.key_end is not None:  # bidirectional spans: a query sees keys before its bound
+            allowed |= pos[None, :] < meta.key_end[lo:hi].long()[:, None]
         if sliding_window is not None:
             allowed &= pos[None, :] > qpos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))

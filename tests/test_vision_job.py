@@ -184,8 +184,8 @@ def test_image_families_not_run_are_refused_by_name(tmp_path):
     assert "\n" not in str(e.value)
     from batchgen.models.config import no_images_reason
 
-    assert no_images_reason("Gemma3ForConditionalGeneration").startswith(
-        "Gemma3ForConditionalGeneration: batchgen does not run this architecture's images"
+    assert no_images_reason("PaliGemmaForConditionalGeneration").startswith(
+        "PaliGemmaForConditionalGeneration: batchgen does not run this architecture's images"
     )
     assert "takes no images" in no_images_reason("LlamaForCausalLM")
 

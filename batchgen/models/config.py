@@ -36,7 +36,7 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "GraniteForCausalLM": "granite",
-    "Gemma3ForConditionalGeneration": "gemma3_text",  # a vision-language checkpoint: its language model
+    "Gemma3ForConditionalGeneration": "gemma3_text",  # with its vision encoder (batchgen.models.vision_gemma3)
     "LlavaForConditionalGeneration": "llama",  # with its vision encoder (batchgen.models.vision_llava)
     "LlavaNextForConditionalGeneration": "llama",
     "Qwen2VLForConditionalGeneration": "qwen2",  # with its vision encoder (batchgen.models.vision_qwen2)
@@ -63,9 +63,10 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "batchgen.models.vision_qwen2",
     "Qwen2_5_VLForConditionalGeneration": "batchgen.models.vision_qwen2",
     "Idefics3ForConditionalGeneration": "batchgen.models.vision_idefics3",
+    "Gemma3ForConditionalGeneration": "batchgen.models.vision_gemma3",
     "VipLlavaForConditionalGeneration": "batchgen.models.vision_transformers",
 }
-IMAGE_FAMILIES = "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM"
+IMAGE_FAMILIES = "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM, Gemma 3"
 
 
 def no_images_reason(architecture: str) -> str:

@@ -17,6 +17,7 @@ collision of the short key is probed away).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -161,14 +162,28 @@ class ImageInputs:
 class ImageTextModel(nn.Module):
     """A native language model (``language_model``: :class:`~batchgen.models.llama.CausalLM`) fed image
     features from ``encoder`` (a module with ``encode(list of pixel dicts) -> list of [tokens, hidden]``).
-    ``config`` is the language model's; ``image_token_id`` the checkpoint's placeholder token."""
+    ``config`` is the language model's; ``image_token_id`` the checkpoint's placeholder token.
 
-    def __init__(self, language_model: nn.Module, encoder: nn.Module, image_token_id: int, cache_bytes: int):
+    ``bidirectional_images``: an image's tokens attend to each other both ways during prefill (Gemma 3): each
+    run of consecutive image tokens in a sequence's chunk is one span (transformers' ``token_type_ids``
+    groups), passed to attention as ``AttentionMetadata.key_end``. The engine keeps a span in one chunk
+    (:class:`~batchgen.engine.features.multimodal.ImageSpans`); a chunk that starts inside a span (its first
+    part a prefix-cache hit) sees that part causally, which is all of it."""
+
+    def __init__(
+        self,
+        language_model: nn.Module,
+        encoder: nn.Module,
+        image_token_id: int,
+        cache_bytes: int,
+        bidirectional_images: bool = False,
+    ):
         super().__init__()
         self.language_model = language_model
         self.encoder = encoder
         self.config = language_model.config
         self.image_token_id = image_token_id
+        self.bidirectional_images = bidirectional_images
         self.images = ImageInputs(EncoderCache(cache_bytes))
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx) -> Tensor:
@@ -191,10 +206,33 @@ class ImageTextModel(nn.Module):
         starts = torch.tensor([0] + [feats[k].shape[0] for k in uniq], device=embeds.device).cumsum(0)
         index = torch.searchsorted(torch.tensor(uniq, device=keys.device), keys)
         embeds[is_image] = table[starts[index] + offsets]
+        if self.bidirectional_images:
+            key_end = image_span_ends(is_image, positions, ctx.meta.cu_seqlens_q)
+            if key_end is not None:
+                ctx = dataclasses.replace(ctx, meta=dataclasses.replace(ctx.meta, key_end=key_end))
         return backbone(input_ids, positions, ctx, inputs_embeds=embeds)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.language_model.compute_logits(hidden)
+
+
+def image_span_ends(is_image: Tensor, positions: Tensor, cu_seqlens_q: Tensor) -> Tensor | None:
+    """``[T]`` key bounds (``AttentionMetadata.key_end``) of a packed batch: for a token of a run of
+    consecutive image tokens inside one sequence's chunk, the position after the run; for any other token its
+    own position + 1. None when no run has two tokens (nothing to see beyond causal)."""
+    t = is_image.shape[0]
+    first = torch.zeros(t, dtype=torch.bool, device=is_image.device)
+    first[cu_seqlens_q[:-1].long().clamp(max=max(t - 1, 0))] = True
+    prev = torch.cat([is_image.new_zeros(1), is_image[:-1]])
+    run_start = is_image & (first | ~prev)
+    if int(is_image.sum()) <= int(run_start.sum()):
+        return None
+    group = torch.cumsum(run_start.long(), 0) - 1
+    ends = positions.long() + 1
+    last = torch.zeros(int(run_start.sum()), dtype=torch.long, device=ends.device)
+    last.scatter_reduce_(0, group[is_image], ends[is_image], reduce="amax")
+    ends[is_image] = last[group[is_image]]
+    return ends
 
 
 def load_vision_weights(

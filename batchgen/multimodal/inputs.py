@@ -103,18 +103,27 @@ class ImagePrompts:
         self.merge_size: int | None = int(image_processor.merge_size) if dynamic else None
         if not hasattr(self.processor, "tokenizer"):
             self.processor.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        self.image_token_id = image_token_id
-        self.image_token = self.processor.tokenizer.convert_ids_to_tokens(image_token_id)
+        tok = self.processor.tokenizer
+        self.feature_token_id = image_token_id
+        # the prompt's placeholder: the feature token, or the processor's own (Gemma 3: <start_of_image>)
+        placeholder = getattr(self.processor, "image_token", None)
+        placeholder_id = tok.convert_tokens_to_ids(placeholder) if isinstance(placeholder, str) else None
+        if not isinstance(placeholder_id, int) or placeholder_id == tok.unk_token_id:
+            placeholder_id = image_token_id
+        self.image_token_id = placeholder_id
+        self.image_token = tok.convert_ids_to_tokens(placeholder_id)
         self.max_images = max_images
         # full-scale decoding: the processor resizes from the original pixels, as transformers does
         self.loader = loader or ImageLoader()
         self._pixels: OrderedDict[str, _Processed] = OrderedDict()
-        tok = self.processor.tokenizer
         with_specials = list(tok(self.image_token, add_special_tokens=True)["input_ids"])
-        at = with_specials.index(image_token_id) if image_token_id in with_specials else 0
+        at = with_specials.index(placeholder_id) if placeholder_id in with_specials else 0
         self._specials = (with_specials[:at], with_specials[at + 1 :])  # what the tokenizer adds around text
         self._cache_items = cache_items
         self._lock = threading.Lock()
+        self._text_edges = False
+        """The processor writes text around an image's tokens (Gemma 3's ``\\n\\n``): the tokenizer may merge
+        it with the prompt's text next to it, so a prompt with images is tokenized again as a whole."""
 
     def load(self, images: Sequence[Any]) -> list[LoadedImage]:
         """Load (decode, hash) each image; ImageError naming the first bad one's index."""
@@ -143,7 +152,7 @@ class ImagePrompts:
             grid = enc["image_grid_thw"][0]
             n = int(grid.prod()) // self.merge_size**2
             pixels = {"pixel_values": enc["pixel_values"], "image_grid_thw": grid}
-            done = _Processed(pixels, (self.image_token_id,) * n, None)
+            done = _Processed(pixels, (self.feature_token_id,) * n, None)
         else:
             enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
             ids = enc["input_ids"][0].tolist()
@@ -152,8 +161,11 @@ class ImagePrompts:
                 ids = ids[len(head) :]
             if tail and ids[-len(tail) :] == tail:
                 ids = ids[: -len(tail)]
-            offsets = tuple(i for i, t in enumerate(ids) if t == self.image_token_id)
+            offsets = tuple(i for i, t in enumerate(ids) if t == self.feature_token_id)
             pure = len(offsets) == len(ids)
+            added = self.processor.tokenizer.added_tokens_decoder  # never merged with text next to them
+            if ids and (ids[0] not in added or ids[-1] not in added):
+                self._text_edges = True
             pixels = {k: v[0] for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
             done = _Processed(pixels, tuple(ids), None if pure else offsets)
         with self._lock:
@@ -165,6 +177,31 @@ class ImagePrompts:
     def build(self, token_ids: Sequence[int], images: Sequence[Any]) -> ImagePrompt:
         """Expand ``token_ids``' placeholders for ``images``; ImageError when they do not fit together."""
         loaded = self.load(images)
+        if self.image_token_id != self.feature_token_id and self.feature_token_id in token_ids:
+            return self._placed(list(token_ids), loaded)  # expanded already (the processor's own ids)
+        prompt = self._build(token_ids, loaded)
+        if not (prompt.images and self._text_edges):
+            return prompt
+        # tokenized again as one text, as the processor tokenizes it
+        tok = self.processor.tokenizer
+        text = tok.decode(prompt.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self._placed(list(tok(text, add_special_tokens=False)["input_ids"]), loaded)
+
+    def _placed(self, ids: list[int], loaded: list[LoadedImage]) -> ImagePrompt:
+        """``ids`` whose images are expanded already, each one run of feature tokens (a processor whose
+        placeholder is not its feature token: Gemma 3); ImageError when the runs do not match the images."""
+        runs = _placeholder_runs(ids, self.feature_token_id)
+        done = [self.pixels(image) for image in loaded]
+        counts = [len(d.expansion) if d.offsets is None else len(d.offsets) for d in done]
+        if [n for _, n in runs] != counts:
+            raise ImageError(
+                f"the prompt's image tokens (runs of {[n for _, n in runs]}) do not match its {len(loaded)} "
+                f"image(s) ({counts} tokens): put one {self.image_token!r} in the prompt where each image goes"
+            )
+        items = [ImageItem(im.hash, d.pixels, start, n) for im, d, (start, n) in zip(loaded, done, runs)]
+        return ImagePrompt(ids, items)
+
+    def _build(self, token_ids: Sequence[int], loaded: list[LoadedImage]) -> ImagePrompt:
         out: list[int] = []
         items: list[ImageItem] = []
         pos = 0

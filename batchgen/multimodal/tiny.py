@@ -317,3 +317,105 @@ def _llama_text_config(tok, vocab_size: int, hidden_size: int):
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
     )
+
+
+GEMMA3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<start_of_turn>{{ 'model' if message['role'] == 'assistant' else "
+    "message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def build_gemma3(
+    out_dir: str | os.PathLike,
+    *,
+    hidden_size: int = 64,
+    vision_hidden_size: int = 32,
+    vocab_size: int = 4096,
+    sliding_window: int = 24,
+    seed: int = 0,
+) -> str:
+    """Build a tiny Gemma 3 image-text checkpoint (``Gemma3ForConditionalGeneration``: a 2-layer SigLIP tower
+    on 56-px images of 7-px patches, the projector pooling its 8x8 patches to 16 image tokens, a 2-layer
+    Gemma 3 decoder with one sliding-window layer of ``sliding_window`` and one global layer) in `out_dir`,
+    saved with the real ``Gemma3Processor`` (``Gemma3ImageProcessor``'s PIL implementation; our byte-level
+    BPE tokenizer with Gemma 3's ``<start_of_image>``, ``<end_of_image>`` and ``<image_soft_token>``) and a
+    Gemma-style chat template; returns its path. Norm weights and the projection are drawn wide enough that
+    greedy output depends on the image."""
+    import transformers
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    specials = {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    }
+    tok.add_tokens([*specials.values(), "<start_of_turn>", "<end_of_turn>"], special_tokens=True)
+    tok._set_model_specific_special_tokens(
+        special_tokens=specials
+    )  # tokenizer.boi_token, ... (the processor)
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in specials.items()}
+    text = transformers.Gemma3TextConfig(
+        vocab_size=vocab_size + 64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=hidden_size // 4,
+        max_position_embeddings=1024,
+        initializer_range=0.08,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=vision_hidden_size,
+        intermediate_size=2 * vision_hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=56,
+        patch_size=7,
+    )
+    cfg = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=16,
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+        initializer_range=0.08,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Gemma3ForConditionalGeneration(cfg)
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.3)
+            for name, p in model.named_parameters():
+                if p.dim() == 1 and "norm" in name:  # away from the (1 + 0) init
+                    p.normal_(0.0, 0.3)
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(str(out))
+    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    processor = transformers.Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        image_seq_length=16,
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(str(out))
+    tok.chat_template = GEMMA3_CHAT_TEMPLATE
+    tok.save_pretrained(str(out))
+    return str(out)

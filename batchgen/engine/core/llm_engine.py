@@ -276,6 +276,9 @@ class LLMEngine:
             return
         if images:  # the sequence carries the images' token ids (batchgen.engine.features.multimodal)
             request.seqs[0].token_ids[:] = seq_ids
+            spans = self.images.addon(images)
+            if spans is not None:
+                request.addons.append(spans)
         self._queue(request, group)
         self.counters.prompt_tokens += len(token_ids)
 

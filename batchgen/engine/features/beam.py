@@ -308,7 +308,9 @@ class BeamGroup(RequestGroup):
                 continue
             if budget <= 0:
                 break
-            n = min(todo, budget)
+            n = self.chunk(s, min(todo, budget))
+            if n <= 0:
+                continue
             plan.append((s, n))
             budget -= n
             after[s.seq_id] = s.num_computed_tokens + n

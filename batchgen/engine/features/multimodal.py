@@ -12,6 +12,10 @@ each request's table is computed once when it is placed; a token at cache positi
 of its prompt's table, or ``p + delta`` in every row past the prompt (generated tokens, any sample or beam of
 the request). Rows without images, and whole steps without them, keep the cache positions.
 
+A model whose image tokens attend to each other both ways (``bidirectional_images``: Gemma 3) needs each run
+of an image's tokens computed in one prefill chunk: the request carries :class:`ImageSpans`, an add-on that
+never lets a chunk end inside a run (a run longer than ``max_num_batched_tokens`` fails its request).
+
 Invariants: ``Request.prompt_token_ids`` keeps the checkpoint's placeholder token (what outputs report and
 penalties see); only the sequence's token ids carry image token ids. Every image acquired by ``place`` is
 released exactly once, when its request finishes or is aborted; its position table goes with it.
@@ -27,6 +31,8 @@ import torch
 from torch import Tensor
 
 from batchgen.engine.config import EngineConfig, parse_bytes
+from batchgen.engine.sched.request_group import AddOn
+from batchgen.engine.sched.sequence import Sequence as Seq
 from batchgen.models.config import no_images_reason
 from batchgen.models.vision import MAX_IMAGE_TOKENS, EncoderStats, image_token_ids
 
@@ -55,6 +61,9 @@ class EngineImages:
         self.position_fn = getattr(model, "rope_positions", None)
         """The model's own position ids of a row with images (None: positions are cache positions)."""
         self._positions: dict[str | int, tuple[np.ndarray, int]] = {}
+        self.bidirectional = bool(getattr(model, "bidirectional_images", False))
+        """Each run of an image's tokens is computed in one chunk (:class:`ImageSpans`)."""
+        self.max_chunk = config.max_num_batched_tokens
 
     @property
     def stats(self) -> EncoderStats:
@@ -70,6 +79,13 @@ class EngineImages:
             end = item.start + (item.num_tokens if item.offsets is None else item.offsets[-1] + 1)
             if item.num_tokens > MAX_IMAGE_TOKENS or end > len(token_ids) or item.start < 0:
                 return f"image {i}: its {item.num_tokens} image tokens at position {item.start} do not fit the prompt"
+        if self.bidirectional:
+            longest = max((e - s for item in images for s, e in image_runs(item)), default=0)
+            if longest > self.max_chunk:
+                return (
+                    f"an image's {longest} image tokens attend to each other, so they are computed in one "
+                    f"step, but engine.max_num_batched_tokens is {self.max_chunk}; raise it to {longest} or more"
+                )
         seq = list(token_ids)
         held = self._held.setdefault(request_id, [])
         for item in images:
@@ -84,6 +100,12 @@ class EngineImages:
         if self.position_fn is not None:
             self._positions[request_id] = self.position_fn(len(seq), images)
         return seq
+
+    def addon(self, images: Sequence[ImageSlot]) -> AddOn | None:
+        """What a request showing ``images`` asks of its chunks: its image runs kept whole, or nothing."""
+        if not self.bidirectional:
+            return None
+        return ImageSpans(sorted(r for item in images for r in image_runs(item)))
 
     def release(self, request_id: str | int) -> None:
         for h in self._held.pop(request_id, ()):
@@ -126,3 +148,37 @@ class EngineImages:
                 "encoder_share": s.encoder_seconds / max(wall_time_s, 1e-9),
             }
         }
+
+
+def image_runs(item: ImageSlot) -> list[tuple[int, int]]:
+    """The ``[start, end)`` position runs of an image's consecutive tokens in its prompt."""
+    if item.offsets is None:
+        return [(item.start, item.start + item.num_tokens)] if item.num_tokens else []
+    runs: list[tuple[int, int]] = []
+    for o in item.offsets:
+        p = item.start + o
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
+
+
+class ImageSpans(AddOn):
+    """A request's image runs (sorted, disjoint ``[start, end)``), each computed in one prefill chunk: a chunk
+    that would end inside a run ends before it (or waits, when it starts inside or at the run and the
+    budget does not reach its end). A chunk starting inside a run (its first part a prefix-cache hit)
+    therefore takes the rest of it whole."""
+
+    def __init__(self, runs: list[tuple[int, int]]) -> None:
+        self.runs = runs
+
+    def chunk(self, seq: Seq, num_new: int) -> int:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        for s, e in self.runs:
+            if s < end < e:
+                return max(0, s - start)
+            if s >= end:
+                break
+        return num_new

@@ -19,8 +19,8 @@ and resumed alone). Other kinds subclass :class:`RequestGroup` in their feature'
 :func:`batchgen.engine.sched.kinds.make_group` picks one per request.
 
 Besides its kind, a request may carry :class:`AddOn` s (``Request.addons``): what it asks of every step on
-top of its kind's own work (rows read from a chunk's hidden states, a limit on prefix reuse, a need for
-synchronous steps, a field of its output). Every kind runs them through the same calls.
+top of its kind's own work (rows read from a chunk's hidden states, a limit on prefix reuse, where a chunk
+may end, a need for synchronous steps, a field of its output). Every kind runs them through the same calls.
 
 Invariant: every sequence of ``seqs`` has the group's status (waiting, running or swapped); a group holds KV
 blocks for all of them while running or swapped, for none while waiting.
@@ -81,6 +81,11 @@ class AddOn:
     def overlappable(self) -> bool:
         """Whether the request's next step may be scheduled before its current step's output is applied."""
         return True
+
+    def chunk(self, seq: Sequence, num_new: int) -> int:
+        """How many of the ``num_new`` tokens planned for ``seq`` (from ``seq.num_computed_tokens`` on) its
+        chunk may take this step: at most ``num_new``; 0 puts it off to a step with more budget."""
+        return num_new
 
     def plan_chunk(self, sched: ScheduledSeq, offset: int, out: SchedulerOutput, step: GroupStep) -> None:
         """One scheduled chunk of the request (its first token at packed row ``offset``): declare on ``out``
@@ -176,7 +181,14 @@ class RequestGroup:
         todo = s.num_tokens - s.num_computed_tokens
         if todo <= 0 or budget <= 0:
             return []
-        return [(s, min(todo, budget))]
+        n = self.chunk(s, min(todo, budget))
+        return [(s, n)] if n > 0 else []
+
+    def chunk(self, seq: Sequence, num_new: int) -> int:
+        """``num_new`` tokens of ``seq`` as far as the request's add-ons let one chunk take them."""
+        for addon in self.request.addons:
+            num_new = addon.chunk(seq, num_new)
+        return num_new
 
     def plan_outputs(
         self, entries: list[Entry], out: SchedulerOutput, kv: KVCacheManager
