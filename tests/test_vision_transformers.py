@@ -1,5 +1,6 @@
-"""An image-text architecture whose vision side runs on transformers' own ``get_image_features`` (VipLLaVA:
-features of several vision layers concatenated, its own projector) before batchgen's native decoder: greedy
+"""Image-text architectures whose vision side runs on transformers' own ``get_image_features`` before
+batchgen's native decoder (VipLLaVA: several vision layers concatenated; Idefics2: image splitting into crops
+padded under a pixel mask, the perceiver resampler, its processor's seams between images and text): greedy
 output equals transformers token for token (float32, CPU), batched and shuffled; images encoded once."""
 
 from __future__ import annotations
@@ -12,22 +13,19 @@ from vision_helpers import hf_greedy, random_image  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
 from batchgen.multimodal.tiny import build_llava  # noqa: E402
+from batchgen.multimodal.tiny_transformers import build_idefics2  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
 
-def test_vipllava_equals_transformers(tmp_path):
-    ckpt = build_llava(tmp_path / "vip", vip_layers=[-2, -1])
-    a, b, c = (random_image(w, h, s) for s, (w, h) in enumerate([(56, 56), (120, 60), (40, 90)]))
-    rows = [
-        ("<image> What is it?", [a]),
-        ("Compare <image> with <image>", [b, c]),
-        ("text only", []),
-        ("<image> again, other words", [a]),
-    ]
+def _images(*sizes):
+    return [random_image(w, h, s) for s, (w, h) in enumerate(sizes)]
+
+
+def _run_shuffled(ckpt: str, rows, order: list[int]):
+    """batchgen's outputs for ``rows`` given in ``order``, checked against transformers' greedy tokens."""
     ref = hf_greedy(ckpt, rows, GREEDY.max_tokens)
-    llm = LLM(ckpt, kv_cache_memory="32MiB")
-    order = [3, 1, 2, 0]
+    llm = LLM(ckpt, kv_cache_memory="32MiB", max_num_seqs=8)
     inputs = [
         {"prompt": rows[i][0], "multi_modal_data": {"image": rows[i][1]}} if rows[i][1] else rows[i][0]
         for i in order
@@ -35,7 +33,39 @@ def test_vipllava_equals_transformers(tmp_path):
     outs = llm.generate(inputs, GREEDY, use_tqdm=False)
     assert [o.error for o in outs] == [None] * len(rows)
     assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
+    return llm, ref
+
+
+def test_vipllava_equals_transformers(tmp_path):
+    ckpt = build_llava(tmp_path / "vip", vip_layers=[-2, -1])
+    a, b, c = _images((56, 56), (120, 60), (40, 90))
+    rows = [
+        ("<image> What is it?", [a]),
+        ("Compare <image> with <image>", [b, c]),
+        ("text only", []),
+        ("<image> again, other words", [a]),
+    ]
+    llm, ref = _run_shuffled(ckpt, rows, [3, 1, 2, 0])
     stats = llm.engine.images.stats
     assert (stats.references, stats.distinct, stats.encoded) == (4, 3, 3)
     other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": b}}, GREEDY, use_tqdm=False)
+    assert other[0].outputs[0].token_ids != ref[0]
+
+
+def test_idefics2_equals_transformers(tmp_path):
+    """Crops of one image differ in size (padded, masked); a word right after an image and two adjacent
+    images take the processor's seams (a space; one shared fake token)."""
+    ckpt = build_idefics2(tmp_path / "idefics2", splitting=True)
+    a, b, c, d = _images((56, 56), (120, 60), (40, 90), (300, 200))
+    rows = [
+        ("User:<image>What is in the picture?<end_of_utterance>\nAssistant:", [a]),
+        ("Compare <image> with <image>, please.", [b, c]),
+        ("No image here, only text.", []),
+        ("Two <image><image> adjacent", [d, b]),
+        ("<image> again, other text", [a]),
+    ]
+    llm, ref = _run_shuffled(ckpt, rows, [4, 1, 3, 2, 0])
+    stats = llm.engine.images.stats
+    assert (stats.references, stats.distinct, stats.encoded) == (6, 4, 4)
+    other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": c}}, GREEDY, use_tqdm=False)
     assert other[0].outputs[0].token_ids != ref[0]

@@ -10,6 +10,7 @@ equality with transformers). Only the transformers model's non-language tensors 
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -26,20 +27,45 @@ _LANGUAGE = ("language_model.", "model.language_model.", "lm_head.", "model.text
 
 class TransformersImageEncoder(nn.Module):
     """Pixels of several images -> one ``[tokens, hidden]`` feature tensor each, through the transformers
-    model's ``get_image_features`` (the whole batch in one call)."""
+    model's ``get_image_features`` with every tensor the processor made for the image that it takes
+    (``pixel_values``, and ``pixel_attention_mask``, ``image_sizes``... where the family has them).
+
+    Images whose tensors have the same shapes run in one call (one batch row each); the features of a call
+    split evenly between its images, in order (each image's tokens are its rows of the output)."""
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
         self.hf = hf_model
+        params = inspect.signature(hf_model.get_image_features).parameters
+        self._takes = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
 
     @torch.inference_mode()
     def encode(self, pixels: list[dict[str, Tensor]]) -> list[Tensor]:
         param = next(self.hf.parameters())
         device, dtype = param.device, param.dtype
-        batch = torch.stack([p["pixel_values"] for p in pixels]).to(device=device, dtype=dtype)
-        out = self.hf.get_image_features(pixel_values=batch)
-        feats = getattr(out, "pooler_output", out)
-        return [f.reshape(-1, f.shape[-1]) for f in feats]
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(pixels):
+            groups.setdefault(
+                tuple((k, tuple(v.shape)) for k, v in sorted(p.items()) if k in self._takes), []
+            ).append(i)
+        out: list[Tensor | None] = [None] * len(pixels)
+        for members in groups.values():
+            kwargs = {}
+            for k in pixels[members[0]]:
+                if k not in self._takes:
+                    continue
+                v = torch.stack([pixels[i][k] for i in members]).to(device)
+                kwargs[k] = v.to(dtype) if v.is_floating_point() else v
+            feats = self.hf.get_image_features(**kwargs)
+            feats = getattr(feats, "pooler_output", feats)
+            flat = (
+                torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+                if isinstance(feats, (list, tuple))
+                else (feats.reshape(-1, feats.shape[-1]))
+            )
+            for i, f in zip(members, flat.view(len(members), -1, flat.shape[-1])):
+                out[i] = f
+        return out  # type: ignore[return-value]
 
 
 def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:

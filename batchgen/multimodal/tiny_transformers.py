@@ -1,0 +1,99 @@
+"""Tiny random checkpoints of image-text families whose vision side runs on transformers' own model code
+(:mod:`batchgen.models.vision_transformers`), built offline with the real processors (tests).
+
+Each has a 2-layer language model of a native family, a tiny vision side of its own classes, our byte-level
+BPE tokenizer with the family's image tokens added, and weights drawn with ``initializer_range=0.08`` so greedy
+output does not collapse into a repeated token.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchgen.models.tiny import build_tokenizer
+
+
+def _text(tok, vocab_size: int, hidden_size: int, **extra: Any) -> dict[str, Any]:
+    """A 2-layer decoder's config fields, with room above the tokenizer's vocabulary for the image tokens."""
+    return dict(
+        vocab_size=vocab_size + 64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.08,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        **extra,
+    )
+
+
+def _save(model_class, cfg, tok, out: Path, seed: int) -> None:
+    cfg.initializer_range = 0.08
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(cfg)
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(str(out))
+
+
+def build_idefics2(
+    out_dir: str | os.PathLike,
+    *,
+    splitting: bool = True,
+    hidden_size: int = 64,
+    vocab_size: int = 4096,
+    seed: int = 0,
+) -> str:
+    """An ``Idefics2ForConditionalGeneration`` (a 2-layer SigLIP-style tower on images of at most 56 px in
+    14-px patches, the perceiver resampler: 8 latent tokens per image or crop, a 2-layer Mistral) saved with
+    the real ``Idefics2Processor`` (``Idefics2ImageProcessor``'s PIL implementation; with ``splitting`` each
+    image becomes 4 crops and the whole, padded to the largest with a pixel mask); returns its path."""
+    import transformers
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    tok.add_tokens(["<fake_token_around_image>", "<image>", "<end_of_utterance>"], special_tokens=True)
+    cfg = transformers.Idefics2Config(
+        text_config=transformers.MistralConfig(**_text(tok, vocab_size, hidden_size, sliding_window=None)),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+            initializer_range=0.08,
+        ),
+        perceiver_config=dict(
+            hidden_size=hidden_size,
+            resampler_n_latents=8,
+            resampler_depth=2,
+            resampler_n_heads=4,
+            resampler_head_dim=16,
+            num_key_value_heads=2,
+            initializer_range=0.08,
+        ),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=False,
+    )
+    _save(transformers.Idefics2ForConditionalGeneration, cfg, tok, out, seed)
+    image_processor = transformers.Idefics2ImageProcessorPil(
+        size={"shortest_edge": 28, "longest_edge": 56}, do_image_splitting=splitting
+    )
+    processor = transformers.Idefics2Processor(
+        image_processor=image_processor, tokenizer=tok, image_seq_len=8
+    )
+    processor.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return str(out)
