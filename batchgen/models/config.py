@@ -44,6 +44,7 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "Idefics3ForConditionalGeneration": "llama",  # with its vision encoder (batchgen.models.vision_idefics3)
     "VipLlavaForConditionalGeneration": "llama",  # with transformers' vision side (models.vision_transformers)
     "Idefics2ForConditionalGeneration": "mistral",
+    "LightOnOcrForConditionalGeneration": "qwen3",
 }
 # Vision-language checkpoints whose language model we run natively (text only): architecture -> model_type of
 # the `text_config`. Their vision tower and projector weights are skipped.
@@ -56,6 +57,7 @@ NATIVE_TEXT_OF_MULTIMODAL: dict[str, str] = {
     "Idefics3ForConditionalGeneration": "llama",
     "VipLlavaForConditionalGeneration": "llama",
     "Idefics2ForConditionalGeneration": "mistral",
+    "LightOnOcrForConditionalGeneration": "qwen3",
 }
 # Vision-language architectures whose images batchgen runs (batchgen.models.vision): architecture -> loader
 # module (its ``load(ckpt, config, dtype, device)``).
@@ -67,6 +69,7 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
     "Idefics3ForConditionalGeneration": "batchgen.models.vision_idefics3",
     "VipLlavaForConditionalGeneration": "batchgen.models.vision_transformers",
     "Idefics2ForConditionalGeneration": "batchgen.models.vision_transformers",
+    "LightOnOcrForConditionalGeneration": "batchgen.models.vision_transformers",
 }
 IMAGE_FAMILIES = "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM"
 

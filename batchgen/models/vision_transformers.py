@@ -77,8 +77,6 @@ def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
 
     from batchgen.models.loader import load_native_model, safetensors_files
 
-    language_model = load_native_model(ckpt, config, dtype=dtype, device=device)
-    lm_dtype = next(language_model.parameters()).dtype
     hf_config = AutoConfig.from_pretrained(str(ckpt))
     text = hf_config.get_text_config()
     text.num_hidden_layers, text.vocab_size = 0, 1
@@ -87,16 +85,22 @@ def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
     hf = AutoModelForImageTextToText.from_config(hf_config).model  # the base model: no lm_head
     ours = {n for n in hf.state_dict() if not n.startswith(_LANGUAGE)}
     state: dict[str, Tensor] = {}
+    stored: set[str] = set()  # the checkpoint's names of the vision side's tensors
     for file in safetensors_files(ckpt):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 for candidate in (name, name.removeprefix("model.")):
                     if candidate in ours:
                         state[candidate] = f.get_tensor(name)
+                        stored.add(name)
                         break
     missing = sorted(ours - set(state))
     if missing:
         raise ValueError(f"{ckpt}: the vision side's tensors are missing from the checkpoint ({missing[:3]})")
+    language_model = load_native_model(
+        ckpt, config, dtype=dtype, device=device, rename=lambda n: None if n in stored else n
+    )
+    lm_dtype = next(language_model.parameters()).dtype
     hf.load_state_dict(state, strict=False)
     hf = hf.to(device=device, dtype=lm_dtype).eval().requires_grad_(False)
     raw: dict[str, Any] = json.loads((Path(ckpt) / "config.json").read_text())

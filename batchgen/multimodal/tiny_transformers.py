@@ -36,11 +36,15 @@ def _text(tok, vocab_size: int, hidden_size: int, **extra: Any) -> dict[str, Any
     )
 
 
-def _save(model_class, cfg, tok, out: Path, seed: int) -> None:
+def _save(model_class, cfg, tok, out: Path, seed: int, newline: bool = False) -> None:
+    """Random weights (``newline``: ``image_newline`` drawn too, it starts at zero) saved in ``out``."""
     cfg.initializer_range = 0.08
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(cfg)
+        if newline:
+            with torch.no_grad():
+                model.model.image_newline.normal_(0.0, 0.5)
     model.generation_config.bos_token_id = tok.bos_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
@@ -93,6 +97,99 @@ def build_idefics2(
     )
     processor = transformers.Idefics2Processor(
         image_processor=image_processor, tokenizer=tok, image_seq_len=8
+    )
+    processor.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+def build_llava_onevision(
+    out_dir: str | os.PathLike, *, hidden_size: int = 64, vocab_size: int = 4096, seed: int = 0
+) -> str:
+    """A ``LlavaOnevisionForConditionalGeneration`` (a 2-layer SigLIP tower on 56-px crops of 14-px patches:
+    16 tokens per crop, any-resolution tiling over 56/112-px grids with unpadding and ``image_newline``, a
+    2-layer Qwen2) saved with the real ``LlavaOnevisionProcessor`` (its image processor's PIL
+    implementation); returns its path."""
+    import transformers
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    tok.add_tokens(["<image>", "<video>"], special_tokens=True)
+    grid = [[56, 56], [56, 112], [112, 56], [112, 112]]
+    cfg = transformers.LlavaOnevisionConfig(
+        text_config=transformers.Qwen2Config(**_text(tok, vocab_size, hidden_size)),
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+        ),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        video_token_index=tok.convert_tokens_to_ids("<video>"),
+        image_grid_pinpoints=grid,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        tie_word_embeddings=False,
+    )
+    _save(transformers.LlavaOnevisionForConditionalGeneration, cfg, tok, out, seed, newline=True)
+    image_processor = transformers.LlavaOnevisionImageProcessorPil(
+        size={"height": 56, "width": 56}, crop_size={"height": 56, "width": 56}, image_grid_pinpoints=grid
+    )
+    processor = transformers.LlavaOnevisionProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        num_image_tokens=16,
+        vision_feature_select_strategy="full",
+    )
+    processor.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+def build_lighton_ocr(
+    out_dir: str | os.PathLike, *, hidden_size: int = 64, vocab_size: int = 4096, seed: int = 0
+) -> str:
+    """A ``LightOnOcrForConditionalGeneration`` (a 2-layer Pixtral tower: 2-D RoPE over 14-px patches of
+    images resized to at most 112 px and any aspect ratio, the 2x2 patch merger and projector; a 2-layer
+    Qwen3) saved with the real ``LightOnOcrProcessor`` (``PixtralImageProcessor``'s PIL implementation: an
+    image becomes ``(h / 28) * (w / 28)`` tokens); returns its path."""
+    import transformers
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    names = {
+        "image_token": "<|image_pad|>",
+        "image_break_token": "<|vision_pad|>",
+        "image_end_token": "<|vision_end|>",
+    }
+    tok.add_tokens(list(names.values()), special_tokens=True)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok.backend_tokenizer,
+        extra_special_tokens=names,
+        **{k: getattr(tok, k) for k in ("bos_token", "eos_token", "pad_token")},
+    )
+    cfg = transformers.LightOnOcrConfig(
+        text_config=transformers.Qwen3Config(**_text(tok, vocab_size, hidden_size, head_dim=16)),
+        vision_config=transformers.PixtralVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=112,
+            patch_size=14,
+        ),
+        spatial_merge_size=2,
+        image_token_id=tok.convert_tokens_to_ids(names["image_token"]),
+        tie_word_embeddings=False,
+    )
+    _save(transformers.LightOnOcrForConditionalGeneration, cfg, tok, out, seed)
+    image_processor = transformers.PixtralImageProcessorPil(
+        size={"longest_edge": 112}, patch_size={"height": 28, "width": 28}
+    )
+    processor = transformers.LightOnOcrProcessor(
+        image_processor=image_processor, tokenizer=tok, patch_size=14, spatial_merge_size=2
     )
     processor.save_pretrained(str(out))
     tok.save_pretrained(str(out))
