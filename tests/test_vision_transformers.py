@@ -1,19 +1,29 @@
 """Image-text architectures whose vision side runs on transformers' own ``get_image_features`` before
 batchgen's native decoder (VipLLaVA: several vision layers concatenated; Idefics2: image splitting into crops
-padded under a pixel mask, the perceiver resampler, its processor's seams between images and text): greedy
-output equals transformers token for token (float32, CPU), batched and shuffled; images encoded once."""
+padded under a pixel mask, the perceiver resampler, its processor's seams between images and text;
+LightOnOCR: Pixtral's tower at each image's own size): greedy output equals transformers token for token
+(float32, CPU), batched and shuffled; images encoded once. Architectures that cannot run are refused by name."""
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 pytest.importorskip("PIL", reason="image inputs need the vision extra (Pillow)")
 
+from conftest import job_config  # noqa: E402
 from vision_helpers import hf_greedy, random_image  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen.job.run import run_job  # noqa: E402
+from batchgen.models.config import no_images_reason  # noqa: E402
 from batchgen.multimodal.tiny import build_llava  # noqa: E402
-from batchgen.multimodal.tiny_transformers import build_idefics2  # noqa: E402
+from batchgen.multimodal.tiny_transformers import (  # noqa: E402
+    build_idefics2,
+    build_lighton_ocr,
+    build_paligemma,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
@@ -69,3 +79,43 @@ def test_idefics2_equals_transformers(tmp_path):
     assert (stats.references, stats.distinct, stats.encoded) == (6, 4, 4)
     other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": c}}, GREEDY, use_tqdm=False)
     assert other[0].outputs[0].token_ids != ref[0]
+
+
+def test_lighton_ocr_equals_transformers(tmp_path):
+    """Pixtral's tower takes each image at its own size and aspect ratio (``image_sizes``); a Qwen3 decoder."""
+    ckpt = build_lighton_ocr(tmp_path / "lighton")
+    a, b, c, d = _images((56, 56), (120, 60), (40, 90), (300, 200))
+    rows = [
+        ("User:<|image_pad|>What is in the picture?\nAssistant:", [a]),
+        ("Compare <|image_pad|> with <|image_pad|>, please.", [b, c]),
+        ("No image here, only text.", []),
+        ("<|image_pad|> again, other text", [d]),
+    ]
+    llm, ref = _run_shuffled(ckpt, rows, [3, 1, 2, 0])
+    assert llm.engine.images.stats.encoded == 4
+    other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": b}}, GREEDY, use_tqdm=False)
+    assert other[0].outputs[0].token_ids != ref[0]
+
+
+def test_architectures_that_cannot_run_are_refused_by_name(tmp_path):
+    """An image job on an architecture whose images cannot run here ends with exit status 2 and one line
+    naming it and why; the API's image prompts get the same line as their error."""
+    ckpt = build_paligemma(tmp_path / "paligemma")
+    pq.write_table(pa.table({"prompt": ["<image> a"], "image": [b"x"]}), tmp_path / "in.parquet")
+    result = run_job(
+        job_config(ckpt, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"})
+    )
+    assert result.exit_code == 2
+    assert "PaliGemmaForConditionalGeneration" in result.message and "bidirectionally" in result.message
+    assert "\n" not in result.message
+    for arch, why in [
+        ("MllamaForConditionalGeneration", "cross-attention"),
+        ("Mistral3ForConditionalGeneration", "torchvision"),
+        ("Qwen3VLForConditionalGeneration", "M-RoPE"),
+        ("Florence2ForConditionalGeneration", "encoder-decoder"),
+    ]:
+        assert why in no_images_reason(arch), arch
+    aya = {"architectures": ["AyaVisionForConditionalGeneration"], "text_config": {"model_type": "cohere2"}}
+    assert "language model (cohere2) has no native implementation" in no_images_reason(
+        aya["architectures"][0], aya
+    )

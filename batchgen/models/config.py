@@ -71,15 +71,23 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
     "Idefics2ForConditionalGeneration": "batchgen.models.vision_transformers",
     "LightOnOcrForConditionalGeneration": "batchgen.models.vision_transformers",
 }
-IMAGE_FAMILIES = "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM"
+IMAGE_FAMILIES = (
+    "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, LightOnOCR"
+)
 
 
-def no_images_reason(architecture: str) -> str:
-    """Why a model of ``architecture`` takes no images here (one line, naming what does)."""
-    if architecture.endswith(("ForConditionalGeneration", "ForImageTextToText", "VLForCausalLM")):
+def no_images_reason(architecture: str, config: dict[str, Any] | None = None) -> str:
+    """Why a model of ``architecture`` takes no images here (one line, naming what does); ``config``: its
+    ``config.json`` when known (it may name the reason)."""
+    if architecture.endswith(
+        ("ForConditionalGeneration", "ForImageTextToText", "VLForCausalLM", "Text2Text")
+    ):
+        from batchgen.models.image_refusals import refusal_reason
+
         return (
-            f"{architecture}: batchgen does not run this architecture's images (it runs those of "
-            f"{IMAGE_FAMILIES}); use such a checkpoint, or send text only"
+            f"{architecture}: batchgen does not run this architecture's images "
+            f"({refusal_reason(architecture, config)}); it runs those of {IMAGE_FAMILIES}: use such a "
+            "checkpoint, or send text only"
         )
     return f"this model ({architecture}) takes no images; use an image-text checkpoint ({IMAGE_FAMILIES})"
 

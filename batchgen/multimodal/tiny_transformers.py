@@ -194,3 +194,35 @@ def build_lighton_ocr(
     processor.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return str(out)
+
+
+def build_paligemma(
+    out_dir: str | os.PathLike, *, hidden_size: int = 64, vocab_size: int = 4096, seed: int = 0
+) -> str:
+    """A ``PaliGemmaForConditionalGeneration`` (a 2-layer SigLIP tower on 56-px images, a 2-layer Gemma that
+    attends bidirectionally over the image and the prompt) saved with the real ``PaliGemmaProcessor``: an
+    architecture whose images batchgen refuses; returns its path."""
+    import transformers
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    tok.add_tokens(["<image>"], special_tokens=True)
+    cfg = transformers.PaliGemmaConfig(
+        text_config=transformers.GemmaConfig(**_text(tok, vocab_size, hidden_size, head_dim=16)),
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+            projection_dim=hidden_size,
+        ),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        projection_dim=hidden_size,
+    )
+    _save(transformers.PaliGemmaForConditionalGeneration, cfg, tok, out, seed)
+    image_processor = transformers.SiglipImageProcessorPil(size={"height": 56, "width": 56})
+    transformers.PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return str(out)
