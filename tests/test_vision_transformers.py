@@ -20,6 +20,7 @@ from batchgen.job.run import run_job  # noqa: E402
 from batchgen.models.config import no_images_reason  # noqa: E402
 from batchgen.multimodal.tiny import build_llava  # noqa: E402
 from batchgen.multimodal.tiny_transformers import (  # noqa: E402
+    build_deepseek_vl,
     build_idefics2,
     build_lighton_ocr,
     build_paligemma,
@@ -95,6 +96,20 @@ def test_lighton_ocr_equals_transformers(tmp_path):
     assert llm.engine.images.stats.encoded == 4
     other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": b}}, GREEDY, use_tqdm=False)
     assert other[0].outputs[0].token_ids != ref[0]
+
+
+@pytest.mark.parametrize("janus", [False, True], ids=["deepseek_vl", "janus"])
+def test_deepseek_vl_and_janus_equal_transformers(tmp_path, janus):
+    """Every image resized to the tower's size: a step's images are encoded in one call."""
+    ckpt = build_deepseek_vl(tmp_path / "ds", janus=janus)
+    a, b, c = _images((56, 56), (120, 60), (40, 90))
+    rows = [
+        ("User:<image_placeholder>What is it?", [a]),
+        ("Compare <image_placeholder> with <image_placeholder>.", [b, c]),
+        ("<image_placeholder> again", [a]),
+    ]
+    llm, ref = _run_shuffled(ckpt, rows, [2, 0, 1])
+    assert llm.engine.images.stats.encoded == 3
 
 
 def test_architectures_that_cannot_run_are_refused_by_name(tmp_path):

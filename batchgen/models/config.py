@@ -22,6 +22,15 @@ from typing import Any
 
 import torch
 
+# Image-text architectures whose vision side runs on transformers' own modeling code before a native language
+# model (batchgen.models.vision_transformers): architecture -> the model_type of its `text_config`.
+TRANSFORMERS_VISION: dict[str, str] = {
+    "VipLlavaForConditionalGeneration": "llama",
+    "Idefics2ForConditionalGeneration": "mistral",
+    "LightOnOcrForConditionalGeneration": "qwen3",
+    "DeepseekVLForConditionalGeneration": "llama",
+    "JanusForConditionalGeneration": "llama",
+}
 # Hugging Face architecture name -> model_type, for every architecture with a native implementation.
 NATIVE_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -42,9 +51,7 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "qwen2",  # with its vision encoder (batchgen.models.vision_qwen2)
     "Qwen2_5_VLForConditionalGeneration": "qwen2",
     "Idefics3ForConditionalGeneration": "llama",  # with its vision encoder (batchgen.models.vision_idefics3)
-    "VipLlavaForConditionalGeneration": "llama",  # with transformers' vision side (models.vision_transformers)
-    "Idefics2ForConditionalGeneration": "mistral",
-    "LightOnOcrForConditionalGeneration": "qwen3",
+    **TRANSFORMERS_VISION,
 }
 # Vision-language checkpoints whose language model we run natively (text only): architecture -> model_type of
 # the `text_config`. Their vision tower and projector weights are skipped.
@@ -55,9 +62,7 @@ NATIVE_TEXT_OF_MULTIMODAL: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "qwen2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2",
     "Idefics3ForConditionalGeneration": "llama",
-    "VipLlavaForConditionalGeneration": "llama",
-    "Idefics2ForConditionalGeneration": "mistral",
-    "LightOnOcrForConditionalGeneration": "qwen3",
+    **TRANSFORMERS_VISION,
 }
 # Vision-language architectures whose images batchgen runs (batchgen.models.vision): architecture -> loader
 # module (its ``load(ckpt, config, dtype, device)``).
@@ -67,9 +72,7 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "batchgen.models.vision_qwen2",
     "Qwen2_5_VLForConditionalGeneration": "batchgen.models.vision_qwen2",
     "Idefics3ForConditionalGeneration": "batchgen.models.vision_idefics3",
-    "VipLlavaForConditionalGeneration": "batchgen.models.vision_transformers",
-    "Idefics2ForConditionalGeneration": "batchgen.models.vision_transformers",
-    "LightOnOcrForConditionalGeneration": "batchgen.models.vision_transformers",
+    **{a: "batchgen.models.vision_transformers" for a in TRANSFORMERS_VISION},
 }
 IMAGE_FAMILIES = (
     "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, LightOnOCR"

@@ -36,6 +36,19 @@ def _text(tok, vocab_size: int, hidden_size: int, **extra: Any) -> dict[str, Any
     )
 
 
+def _tokenizer_naming(out: Path, vocab_size: int, names: dict[str, str]):
+    """Our tokenizer with ``names``' tokens added as special tokens and readable as its attributes
+    (``tokenizer.image_token``...), as the processors of some families expect."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    tok.add_tokens(list(names.values()), special_tokens=True)
+    specials = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "pad_token")}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok.backend_tokenizer, extra_special_tokens=names, **specials
+    )
+
+
 def _save(model_class, cfg, tok, out: Path, seed: int, newline: bool = False) -> None:
     """Random weights (``newline``: ``image_newline`` drawn too, it starts at zero) saved in ``out``."""
     cfg.initializer_range = 0.08
@@ -158,18 +171,12 @@ def build_lighton_ocr(
     import transformers
 
     out = Path(out_dir)
-    tok = build_tokenizer(out, vocab_size=vocab_size)
     names = {
         "image_token": "<|image_pad|>",
         "image_break_token": "<|vision_pad|>",
         "image_end_token": "<|vision_end|>",
     }
-    tok.add_tokens(list(names.values()), special_tokens=True)
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok.backend_tokenizer,
-        extra_special_tokens=names,
-        **{k: getattr(tok, k) for k in ("bos_token", "eos_token", "pad_token")},
-    )
+    tok = _tokenizer_naming(out, vocab_size, names)
     cfg = transformers.LightOnOcrConfig(
         text_config=transformers.Qwen3Config(**_text(tok, vocab_size, hidden_size, head_dim=16)),
         vision_config=transformers.PixtralVisionConfig(
@@ -224,5 +231,66 @@ def build_paligemma(
     _save(transformers.PaliGemmaForConditionalGeneration, cfg, tok, out, seed)
     image_processor = transformers.SiglipImageProcessorPil(size={"height": 56, "width": 56})
     transformers.PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+def build_deepseek_vl(
+    out_dir: str | os.PathLike,
+    *,
+    janus: bool = False,
+    hidden_size: int = 64,
+    vocab_size: int = 4096,
+    seed: int = 0,
+) -> str:
+    """A ``DeepseekVLForConditionalGeneration`` (a 2-layer SigLIP tower on 56-px images: 16 tokens each, its
+    aligner, a 2-layer Llama) or, with ``janus``, a ``JanusForConditionalGeneration`` (the same understanding
+    path beside a tiny VQ image generator that image-to-text never runs), saved with the family's real
+    processor (its image processor's PIL implementation); returns its path."""
+    import transformers
+
+    out = Path(out_dir)
+    names = {"image_token": "<image_placeholder>"}
+    if janus:
+        names.update(boi_token="<begin_of_image>", eoi_token="<end_of_image>")
+    tok = _tokenizer_naming(out, vocab_size, names)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56
+    )
+    common = dict(
+        text_config=transformers.LlamaConfig(**_text(tok, vocab_size, hidden_size)),
+        image_token_id=tok.convert_tokens_to_ids(names["image_token"]),
+        tie_word_embeddings=False,
+    )
+    if janus:
+        cfg = transformers.JanusConfig(
+            vision_config=dict(vision, patch_size=14, projection_dim=hidden_size),
+            vq_config=dict(
+                embed_dim=8,
+                num_embeddings=32,
+                base_channels=32,
+                channel_multiplier=[1, 1],
+                num_res_blocks=1,
+                projection_dim=hidden_size,
+                image_token_embed_dim=hidden_size,
+                num_patches=4,
+            ),
+            **common,
+        )
+        model_class, processor_class = transformers.JanusForConditionalGeneration, transformers.JanusProcessor
+        image_processor = transformers.JanusImageProcessorPil(size={"height": 56, "width": 56})
+    else:
+        cfg = transformers.DeepseekVLConfig(
+            vision_config=transformers.SiglipVisionConfig(**vision, patch_size=14), **common
+        )
+        model_class, processor_class = (
+            transformers.DeepseekVLForConditionalGeneration,
+            transformers.DeepseekVLProcessor,
+        )
+        image_processor = transformers.DeepseekVLImageProcessorPil(size={"height": 56, "width": 56})
+    _save(model_class, cfg, tok, out, seed)
+    processor_class(image_processor=image_processor, tokenizer=tok, num_image_tokens=16).save_pretrained(
+        str(out)
+    )
     tok.save_pretrained(str(out))
     return str(out)
