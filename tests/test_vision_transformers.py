@@ -21,6 +21,7 @@ from batchgen.models.config import no_images_reason  # noqa: E402
 from batchgen.multimodal.tiny import build_llava  # noqa: E402
 from batchgen.multimodal.tiny_transformers import (  # noqa: E402
     build_deepseek_vl,
+    build_got_ocr2,
     build_idefics2,
     build_lighton_ocr,
     build_paligemma,
@@ -109,6 +110,15 @@ def test_deepseek_vl_and_janus_equal_transformers(tmp_path, janus):
         ("<image_placeholder> again", [a]),
     ]
     llm, ref = _run_shuffled(ckpt, rows, [2, 0, 1])
+    assert llm.engine.images.stats.encoded == 3
+
+
+def test_got_ocr2_equals_transformers(tmp_path):
+    """A SAM-style tower with convolutions after it; every GOT-OCR2 prompt shows an image."""
+    ckpt = build_got_ocr2(tmp_path / "got")
+    a, b, c = _images((56, 56), (120, 60), (300, 200))
+    rows = [("<img><imgpad></img>\nOCR: ", [a]), ("Two <imgpad><imgpad>, compare.", [b, c])]
+    llm, _ = _run_shuffled(ckpt, rows, [1, 0])
     assert llm.engine.images.stats.encoded == 3
 
 

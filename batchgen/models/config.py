@@ -30,6 +30,7 @@ TRANSFORMERS_VISION: dict[str, str] = {
     "LightOnOcrForConditionalGeneration": "qwen3",
     "DeepseekVLForConditionalGeneration": "llama",
     "JanusForConditionalGeneration": "llama",
+    "GotOcr2ForConditionalGeneration": "qwen2",
 }
 # Hugging Face architecture name -> model_type, for every architecture with a native implementation.
 NATIVE_ARCHITECTURES: dict[str, str] = {
@@ -75,7 +76,8 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
     **{a: "batchgen.models.vision_transformers" for a in TRANSFORMERS_VISION},
 }
 IMAGE_FAMILIES = (
-    "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, LightOnOCR"
+    "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, DeepSeek-VL, Janus, "
+    "GOT-OCR2, LightOnOCR"
 )
 
 

@@ -294,3 +294,40 @@ def build_deepseek_vl(
     )
     tok.save_pretrained(str(out))
     return str(out)
+
+
+def build_got_ocr2(
+    out_dir: str | os.PathLike, *, hidden_size: int = 64, vocab_size: int = 4096, seed: int = 0
+) -> str:
+    """A ``GotOcr2ForConditionalGeneration`` (a 2-layer SAM-style tower, windowed then global attention with
+    relative positions, over 128-px images in 2-px patches; two stride-2 convolutions make its 64x64 patches
+    the 256 tokens GOT-OCR2's processor writes; a 2-layer Qwen2) saved with the real ``GotOcr2Processor``
+    (``GotOcr2ImageProcessor``'s PIL implementation); returns its path."""
+    import transformers
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    tok.add_tokens(["<img>", "</img>", "<imgpad>"], special_tokens=True)
+    cfg = transformers.GotOcr2Config(
+        text_config=transformers.Qwen2Config(**_text(tok, vocab_size, hidden_size)),
+        vision_config=dict(
+            hidden_size=16,
+            output_channels=8,
+            num_hidden_layers=2,
+            num_attention_heads=1,
+            image_size=128,
+            patch_size=2,
+            window_size=8,
+            global_attn_indexes=[1],
+            mlp_dim=32,
+            initializer_range=0.08,
+        ),
+        image_token_index=tok.convert_tokens_to_ids("<imgpad>"),
+        image_seq_length=256,
+        tie_word_embeddings=False,
+    )
+    _save(transformers.GotOcr2ForConditionalGeneration, cfg, tok, out, seed)
+    image_processor = transformers.GotOcr2ImageProcessorPil(size={"height": 128, "width": 128})
+    transformers.GotOcr2Processor(image_processor=image_processor, tokenizer=tok).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return str(out)
