@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("PIL", reason="image inputs need the vision extra (Pillow)")
 
-from conftest import job_config  # noqa: E402
-from vision_helpers import hf_greedy, random_image  # noqa: E402
+from conftest import job_config, read_parts  # noqa: E402
+from vision_helpers import hf_greedy, png_bytes, random_image  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
 from batchgen.job.run import run_job  # noqa: E402
@@ -81,6 +81,16 @@ def test_idefics2_equals_transformers(tmp_path):
     assert (stats.references, stats.distinct, stats.encoded) == (6, 4, 4)
     other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": c}}, GREEDY, use_tqdm=False)
     assert other[0].outputs[0].token_ids != ref[0]
+    # an image job (a list of images per row) writes the same tokens
+    job = [0, 1, 3]
+    images = pa.array([[png_bytes(im) for im in rows[i][1]] for i in job], type=pa.list_(pa.binary()))
+    pq.write_table(pa.table({"prompt": [rows[i][0] for i in job], "image": images}), tmp_path / "in.parquet")
+    sampling = {"max_tokens": GREEDY.max_tokens, "temperature": 0.0}
+    cfg = job_config(
+        ckpt, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"}, sampling=sampling
+    )
+    assert run_job(cfg).exit_code == 0
+    assert [r["token_ids"] for r in read_parts(tmp_path / "o").to_pylist()] == [ref[i] for i in job]
 
 
 def test_lighton_ocr_equals_transformers(tmp_path):
