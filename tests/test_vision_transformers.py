@@ -109,6 +109,51 @@ def test_lighton_ocr_equals_transformers(tmp_path):
     assert other[0].outputs[0].token_ids != ref[0]
 
 
+def _metaspace_tokenizer(legacy: bool):
+    """A SentencePiece-style tokenizer (Llama's, as Idefics2 checkpoints ship): ``▁`` for spaces, one
+    prepended at the start of the text (``legacy``: by the normalizer, so after every added token too)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    if legacy:
+        tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    corpus = ["What is in the picture? Compare this with that, please. again other text adjacent"] * 20
+    tk.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.add_tokens(["<fake_token_around_image>", "<image>", "<end_of_utterance>"], special_tokens=True)
+    return tok
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_idefics2_seams_equal_the_processor_with_sentencepiece_style_tokenizers(tmp_path, legacy):
+    from transformers import Idefics2ImageProcessorPil, Idefics2Processor
+
+    from batchgen.multimodal.inputs import ImagePrompts
+
+    tok = _metaspace_tokenizer(legacy)
+    image_processor = Idefics2ImageProcessorPil(size={"shortest_edge": 28, "longest_edge": 56})
+    proc = Idefics2Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=8)
+    proc.save_pretrained(str(tmp_path))
+    side = ImagePrompts(str(tmp_path), tok.convert_tokens_to_ids("<image>"))
+    a, b = _images((56, 56), (120, 60))
+    for text, images in [
+        ("User:<image>What is in the picture?", [a]),
+        ("Compare <image> with <image>, please.", [a, b]),
+        ("Two <image><image> adjacent", [a, b]),
+        ("x <image>\nWhat", [a]),
+    ]:
+        want = proc(text=[text], images=[images])["input_ids"][0]
+        assert side.build(tok.encode(text), images).token_ids == want, text
+
+
 @pytest.mark.parametrize("janus", [False, True], ids=["deepseek_vl", "janus"])
 def test_deepseek_vl_and_janus_equal_transformers(tmp_path, janus):
     """Every image resized to the tower's size: a step's images are encoded in one call."""

@@ -31,6 +31,7 @@ class Idefics2Joins(Joins):
 
     def __init__(self, tokenizer: Any, fake_token: str) -> None:
         self.tokenizer = tokenizer
+        self.fake_token = fake_token
         self.fake = int(tokenizer.convert_tokens_to_ids(fake_token))
         self.added = set(tokenizer.added_tokens_decoder) | set(tokenizer.all_special_ids)
 
@@ -45,10 +46,12 @@ class Idefics2Joins(Joins):
         n = next((i for i, t in enumerate(ids) if t in self.added), len(ids))
         if n == 0:
             return ids
-        text = self.tokenizer.decode(ids[:n])
+        text = self.tokenizer.decode(ids[:n], clean_up_tokenization_spaces=False)
         if not text or text[0].isspace() or text[0] == "<":
             return ids
-        return list(self.tokenizer.encode(" " + text, add_special_tokens=False)) + ids[n:]
+        # tokenized in context, right after the fake token, as the processor's string is
+        spaced = list(self.tokenizer.encode(self.fake_token + " " + text, add_special_tokens=False))
+        return spaced[spaced.index(self.fake) + 1 :] + ids[n:]
 
 
 def joins_for(processor: Any) -> Joins:
