@@ -1,11 +1,15 @@
 """Image-text checkpoints whose vision side runs on transformers' own model code: the checkpoint's
-``get_image_features`` (vision tower and projector, as its class defines them) computes the image features,
-batchgen's native decoder runs the language model on the paged KV cache.
+``get_image_features`` (vision tower, resampler or connector and projector, as its class defines them) computes
+the image features, batchgen's native decoder runs the language model on the paged KV cache.
 
-Used for architectures whose prompt expansion is the processor's (feature tokens placed where the processor
-writes the image token) and whose language model is a native architecture with plain causal attention and
-RoPE positions (:data:`batchgen.models.config.IMAGE_TEXT_ARCHITECTURES` names the ones tested for greedy
-equality with transformers). Only the transformers model's non-language tensors are loaded (:func:`load`).
+Used for the architectures of :data:`batchgen.models.config.TRANSFORMERS_VISION` (each tested for greedy
+equality with transformers: VipLLaVA, Idefics2, DeepSeek-VL, Janus, GOT-OCR2, LightOnOCR). What they share,
+and what an architecture needs to be added: the processor writes each image's placeholder tokens into the prompt
+(:class:`~batchgen.multimodal.inputs.ImagePrompts` reproduces them, seams included:
+:mod:`batchgen.multimodal.joins`), the vision side's output rows replace those tokens' embeddings in order, and
+the language model is a native architecture with plain causal attention and 1-D RoPE positions.
+:mod:`batchgen.models.image_refusals` says why the other architectures' images do not run. Only the
+transformers model's non-language tensors are loaded into it (:func:`load`).
 """
 
 from __future__ import annotations
@@ -41,31 +45,29 @@ class TransformersImageEncoder(nn.Module):
 
     @torch.inference_mode()
     def encode(self, pixels: list[dict[str, Tensor]]) -> list[Tensor]:
-        param = next(self.hf.parameters())
-        device, dtype = param.device, param.dtype
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(pixels):
-            groups.setdefault(
-                tuple((k, tuple(v.shape)) for k, v in sorted(p.items()) if k in self._takes), []
-            ).append(i)
-        out: list[Tensor | None] = [None] * len(pixels)
-        for members in groups.values():
-            kwargs = {}
-            for k in pixels[members[0]]:
-                if k not in self._takes:
-                    continue
-                v = torch.stack([pixels[i][k] for i in members]).to(device)
-                kwargs[k] = v.to(dtype) if v.is_floating_point() else v
-            feats = self.hf.get_image_features(**kwargs)
-            feats = getattr(feats, "pooler_output", feats)
-            flat = (
-                torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
-                if isinstance(feats, (list, tuple))
-                else (feats.reshape(-1, feats.shape[-1]))
-            )
+            shapes = tuple((k, tuple(v.shape)) for k, v in sorted(p.items()) if k in self._takes)
+            groups.setdefault(shapes, []).append(i)
+        out: list[Tensor] = [None] * len(pixels)  # type: ignore[list-item]
+        for shapes, members in groups.items():
+            flat = self._features({k: torch.stack([pixels[i][k] for i in members]) for k, _ in shapes})
             for i, f in zip(members, flat.view(len(members), -1, flat.shape[-1])):
                 out[i] = f
-        return out  # type: ignore[return-value]
+        return out
+
+    def _features(self, batch: dict[str, Tensor]) -> Tensor:
+        """``get_image_features`` of one batch (floating tensors in the model's dtype): ``[rows, hidden]``."""
+        param = next(self.hf.parameters())
+        kwargs = {
+            k: v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device)
+            for k, v in batch.items()
+        }
+        feats = self.hf.get_image_features(**kwargs)
+        feats = getattr(feats, "pooler_output", feats)  # an output object, a tensor or a list per image
+        if isinstance(feats, (list, tuple)):
+            return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+        return feats.reshape(-1, feats.shape[-1])
 
 
 def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
