@@ -40,6 +40,8 @@ REFUSED: dict[str, str] = {
     "Glm4vForConditionalGeneration": _MROPE,
     "Glm4vMoeForConditionalGeneration": _MROPE,
     "Glm46VForConditionalGeneration": _MROPE,
+    "Ovis2ForConditionalGeneration": "its image indicator tokens take embeddings from its visual embedding table, "
+    "not from the language model's",
     "ChameleonForConditionalGeneration": _VQ,
     "Emu3ForConditionalGeneration": _VQ,
     "Florence2ForConditionalGeneration": _ENCODER_DECODER,
