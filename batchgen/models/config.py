@@ -81,12 +81,17 @@ IMAGE_FAMILIES = (
 )
 
 
+def is_image_text_name(architecture: str) -> bool:
+    """Whether ``architecture`` is named as transformers names image-text (or other conditional) models."""
+    return architecture.endswith(
+        ("ForConditionalGeneration", "ForImageTextToText", "VLForCausalLM", "Text2Text")
+    )
+
+
 def no_images_reason(architecture: str, config: dict[str, Any] | None = None) -> str:
     """Why a model of ``architecture`` takes no images here (one line, naming what does); ``config``: its
     ``config.json`` when known (it may name the reason)."""
-    if architecture.endswith(
-        ("ForConditionalGeneration", "ForImageTextToText", "VLForCausalLM", "Text2Text")
-    ):
+    if is_image_text_name(architecture):
         from batchgen.models.image_refusals import refusal_reason
 
         return (

@@ -148,10 +148,10 @@ def image_options(
     token = image_token_id(model_path)
     if token is None:
         if image_column:
-            from batchgen.models.config import IMAGE_FAMILIES, no_images_reason
+            from batchgen.models.config import IMAGE_FAMILIES, is_image_text_name, no_images_reason
 
             arch = _architecture(model_path)
-            if arch is not None and arch.endswith(("ForConditionalGeneration", "ForImageTextToText")):
+            if arch is not None and is_image_text_name(arch):
                 raise ConfigError(
                     f"data.image_column={image_column!r}: {no_images_reason(arch, checkpoint_config(model_path))}"
                 )
