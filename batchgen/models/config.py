@@ -82,10 +82,12 @@ IMAGE_FAMILIES = (
 
 
 def is_image_text_name(architecture: str) -> bool:
-    """Whether ``architecture`` is named as transformers names image-text (or other conditional) models."""
-    return architecture.endswith(
-        ("ForConditionalGeneration", "ForImageTextToText", "VLForCausalLM", "Text2Text")
-    )
+    """Whether ``architecture`` is named as transformers names image-text (or other conditional) models, or is
+    an image-text model refused by name (:data:`batchgen.models.image_refusals.REFUSED`)."""
+    from batchgen.models.image_refusals import REFUSED
+
+    suffixes = ("ForConditionalGeneration", "ForImageTextToText", "VLForCausalLM", "Text2Text")
+    return architecture.endswith(suffixes) or architecture in REFUSED
 
 
 def no_images_reason(architecture: str, config: dict[str, Any] | None = None) -> str:

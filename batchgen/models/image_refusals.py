@@ -30,6 +30,7 @@ REFUSED: dict[str, str] = {
     "IdeficsForVisionText2Text": _CROSS_ATTENTION,
     "Llama4ForConditionalGeneration": "its language model (Llama 4: mixture of experts, chunked attention) "
     "has no native implementation",
+    "FuyuForCausalLM": "its language model (Persimmon) has no native implementation",
     "Mistral3ForConditionalGeneration": _TORCHVISION + " (PixtralProcessor)",
     "MistralLarge4ForConditionalGeneration": _TORCHVISION + " (PixtralProcessor)",
     "LlavaOnevisionForConditionalGeneration": _TORCHVISION + " (its video processor)",
