@@ -412,13 +412,13 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     cols = select_columns(inp, s.columns)
     json_type = arrow_type(s.json_schema) if s.json_schema is not None else None
     model_path = _model_path(s.model_given, s.gguf_file)
+    c = s.columns  # an image job on a model whose images cannot run: that reason first
+    images = image_options(c.image_column, model_path, s.limit_mm_per_prompt, s.storage_options)
     model_cfg = _model_facts(s, model_path)
     model_fp, template_fp, files = model_identity(model_path)
     loras = lora_requests(s.lora_modules)
     fp_config = _fingerprint_config(s, model_fp, cols.sampling_column, template_fp, loras)
     layout = _part_layout(s, cols.schema, _part_metadata(s, inp, model_fp, cols.sampling_column), json_type)
-    c = s.columns
-    images = image_options(c.image_column, model_path, s.limit_mm_per_prompt, s.storage_options)
     spec = PromptSpec(
         prompt_column=c.prompt_column,
         messages_column=c.messages_column,

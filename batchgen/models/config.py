@@ -22,6 +22,16 @@ from typing import Any
 
 import torch
 
+# Image-text architectures whose vision side runs on transformers' own modeling code before a native language
+# model (batchgen.models.vision_transformers): architecture -> the model_type of its `text_config`.
+TRANSFORMERS_VISION: dict[str, str] = {
+    "VipLlavaForConditionalGeneration": "llama",
+    "Idefics2ForConditionalGeneration": "mistral",
+    "LightOnOcrForConditionalGeneration": "qwen3",
+    "DeepseekVLForConditionalGeneration": "llama",
+    "JanusForConditionalGeneration": "llama",
+    "GotOcr2ForConditionalGeneration": "qwen2",
+}
 # Hugging Face architecture name -> model_type, for every architecture with a native implementation.
 NATIVE_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -42,7 +52,7 @@ NATIVE_ARCHITECTURES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "qwen2",  # with its vision encoder (batchgen.models.vision_qwen2)
     "Qwen2_5_VLForConditionalGeneration": "qwen2",
     "Idefics3ForConditionalGeneration": "llama",  # with its vision encoder (batchgen.models.vision_idefics3)
-    "VipLlavaForConditionalGeneration": "llama",  # with transformers' vision side (models.vision_transformers)
+    **TRANSFORMERS_VISION,
 }
 # Vision-language checkpoints whose language model we run natively (text only): architecture -> model_type of
 # the `text_config`. Their vision tower and projector weights are skipped.
@@ -53,7 +63,7 @@ NATIVE_TEXT_OF_MULTIMODAL: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "qwen2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2",
     "Idefics3ForConditionalGeneration": "llama",
-    "VipLlavaForConditionalGeneration": "llama",
+    **TRANSFORMERS_VISION,
 }
 # Vision-language architectures whose images batchgen runs (batchgen.models.vision): architecture -> loader
 # module (its ``load(ckpt, config, dtype, device)``).
@@ -64,17 +74,33 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "batchgen.models.vision_qwen2",
     "Idefics3ForConditionalGeneration": "batchgen.models.vision_idefics3",
     "Gemma3ForConditionalGeneration": "batchgen.models.vision_gemma3",
-    "VipLlavaForConditionalGeneration": "batchgen.models.vision_transformers",
+    **{a: "batchgen.models.vision_transformers" for a in TRANSFORMERS_VISION},
 }
-IMAGE_FAMILIES = "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM, Gemma 3"
+IMAGE_FAMILIES = (
+    "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, Gemma 3, DeepSeek-VL, "
+    "Janus, GOT-OCR2, LightOnOCR"
+)
 
 
-def no_images_reason(architecture: str) -> str:
-    """Why a model of ``architecture`` takes no images here (one line, naming what does)."""
-    if architecture.endswith(("ForConditionalGeneration", "ForImageTextToText", "VLForCausalLM")):
+def is_image_text_name(architecture: str) -> bool:
+    """Whether ``architecture`` is named as transformers names image-text (or other conditional) models, or is
+    an image-text model refused by name (:data:`batchgen.models.image_refusals.REFUSED`)."""
+    from batchgen.models.image_refusals import REFUSED
+
+    suffixes = ("ForConditionalGeneration", "ForImageTextToText", "VLForCausalLM", "Text2Text")
+    return architecture.endswith(suffixes) or architecture in REFUSED
+
+
+def no_images_reason(architecture: str, config: dict[str, Any] | None = None) -> str:
+    """Why a model of ``architecture`` takes no images here (one line, naming what does); ``config``: its
+    ``config.json`` when known (it may name the reason)."""
+    if is_image_text_name(architecture):
+        from batchgen.models.image_refusals import refusal_reason
+
         return (
-            f"{architecture}: batchgen does not run this architecture's images (it runs those of "
-            f"{IMAGE_FAMILIES}); use such a checkpoint, or send text only"
+            f"{architecture}: batchgen does not run this architecture's images "
+            f"({refusal_reason(architecture, config)}); it runs those of {IMAGE_FAMILIES}: use such a "
+            "checkpoint, or send text only"
         )
     return f"this model ({architecture}) takes no images; use an image-text checkpoint ({IMAGE_FAMILIES})"
 

@@ -1,15 +1,20 @@
 """Image-text checkpoints whose vision side runs on transformers' own model code: the checkpoint's
-``get_image_features`` (vision tower and projector, as its class defines them) computes the image features,
-batchgen's native decoder runs the language model on the paged KV cache.
+``get_image_features`` (vision tower, resampler or connector and projector, as its class defines them) computes
+the image features, batchgen's native decoder runs the language model on the paged KV cache.
 
-Used for architectures whose prompt expansion is the processor's (feature tokens placed where the processor
-writes the image token) and whose language model is a native architecture with plain causal attention and
-RoPE positions (:data:`batchgen.models.config.IMAGE_TEXT_ARCHITECTURES` names the ones tested for greedy
-equality with transformers). Only the transformers model's non-language tensors are loaded (:func:`load`).
+Used for the architectures of :data:`batchgen.models.config.TRANSFORMERS_VISION` (each tested for greedy
+equality with transformers: VipLLaVA, Idefics2, DeepSeek-VL, Janus, GOT-OCR2, LightOnOCR). What they share,
+and what an architecture needs to be added: the processor writes each image's placeholder tokens into the prompt
+(:class:`~batchgen.multimodal.inputs.ImagePrompts` reproduces them, seams included:
+:mod:`batchgen.multimodal.joins`), the vision side's output rows replace those tokens' embeddings in order, and
+the language model is a native architecture with plain causal attention and 1-D RoPE positions.
+:mod:`batchgen.models.image_refusals` says why the other architectures' images do not run. Only the
+transformers model's non-language tensors are loaded into it (:func:`load`).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -26,20 +31,43 @@ _LANGUAGE = ("language_model.", "model.language_model.", "lm_head.", "model.text
 
 class TransformersImageEncoder(nn.Module):
     """Pixels of several images -> one ``[tokens, hidden]`` feature tensor each, through the transformers
-    model's ``get_image_features`` (the whole batch in one call)."""
+    model's ``get_image_features`` with every tensor the processor made for the image that it takes
+    (``pixel_values``, and ``pixel_attention_mask``, ``image_sizes``... where the family has them).
+
+    Images whose tensors have the same shapes run in one call (one batch row each); the features of a call
+    split evenly between its images, in order (each image's tokens are its rows of the output)."""
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
         self.hf = hf_model
+        params = inspect.signature(hf_model.get_image_features).parameters
+        self._takes = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
 
     @torch.inference_mode()
     def encode(self, pixels: list[dict[str, Tensor]]) -> list[Tensor]:
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(pixels):
+            shapes = tuple((k, tuple(v.shape)) for k, v in sorted(p.items()) if k in self._takes)
+            groups.setdefault(shapes, []).append(i)
+        out: list[Tensor] = [None] * len(pixels)  # type: ignore[list-item]
+        for shapes, members in groups.items():
+            flat = self._features({k: torch.stack([pixels[i][k] for i in members]) for k, _ in shapes})
+            for i, f in zip(members, flat.view(len(members), -1, flat.shape[-1])):
+                out[i] = f
+        return out
+
+    def _features(self, batch: dict[str, Tensor]) -> Tensor:
+        """``get_image_features`` of one batch (floating tensors in the model's dtype): ``[rows, hidden]``."""
         param = next(self.hf.parameters())
-        device, dtype = param.device, param.dtype
-        batch = torch.stack([p["pixel_values"] for p in pixels]).to(device=device, dtype=dtype)
-        out = self.hf.get_image_features(pixel_values=batch)
-        feats = getattr(out, "pooler_output", out)
-        return [f.reshape(-1, f.shape[-1]) for f in feats]
+        kwargs = {
+            k: v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device)
+            for k, v in batch.items()
+        }
+        feats = self.hf.get_image_features(**kwargs)
+        feats = getattr(feats, "pooler_output", feats)  # an output object, a tensor or a list per image
+        if isinstance(feats, (list, tuple)):
+            return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+        return feats.reshape(-1, feats.shape[-1])
 
 
 def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
@@ -51,8 +79,6 @@ def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
 
     from batchgen.models.loader import load_native_model, safetensors_files
 
-    language_model = load_native_model(ckpt, config, dtype=dtype, device=device)
-    lm_dtype = next(language_model.parameters()).dtype
     hf_config = AutoConfig.from_pretrained(str(ckpt))
     text = hf_config.get_text_config()
     text.num_hidden_layers, text.vocab_size = 0, 1
@@ -61,16 +87,22 @@ def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
     hf = AutoModelForImageTextToText.from_config(hf_config).model  # the base model: no lm_head
     ours = {n for n in hf.state_dict() if not n.startswith(_LANGUAGE)}
     state: dict[str, Tensor] = {}
+    stored: set[str] = set()  # the checkpoint's names of the vision side's tensors
     for file in safetensors_files(ckpt):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 for candidate in (name, name.removeprefix("model.")):
                     if candidate in ours:
                         state[candidate] = f.get_tensor(name)
+                        stored.add(name)
                         break
     missing = sorted(ours - set(state))
     if missing:
         raise ValueError(f"{ckpt}: the vision side's tensors are missing from the checkpoint ({missing[:3]})")
+    language_model = load_native_model(
+        ckpt, config, dtype=dtype, device=device, rename=lambda n: None if n in stored else n
+    )
+    lm_dtype = next(language_model.parameters()).dtype
     hf.load_state_dict(state, strict=False)
     hf = hf.to(device=device, dtype=lm_dtype).eval().requires_grad_(False)
     raw: dict[str, Any] = json.loads((Path(ckpt) / "config.json").read_text())

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # torch loads only when an image is processed (the CLI decide
     from torch import Tensor
 
 from batchgen.multimodal.images import ImageError, ImageLoader, LoadedImage
+from batchgen.multimodal.joins import joins_for
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class ImagePrompts:
         self._text_edges = False
         """The processor writes text around an image's tokens (Gemma 3's ``\\n\\n``): the tokenizer may merge
         it with the prompt's text next to it, so a prompt with images is tokenized again as a whole."""
+        self.joins = joins_for(self.processor)
 
     def load(self, images: Sequence[Any]) -> list[LoadedImage]:
         """Load (decode, hash) each image; ImageError naming the first bad one's index."""
@@ -206,7 +208,8 @@ class ImagePrompts:
         items: list[ImageItem] = []
         pos = 0
         for start, length in _placeholder_runs(token_ids, self.image_token_id):
-            out.extend(token_ids[pos:start])
+            text = list(token_ids[pos:start])
+            out.extend(self.joins.text_after(text) if items else text)
             pos = start + length
             while length > 0:
                 if len(items) == len(loaded):
@@ -217,8 +220,11 @@ class ImagePrompts:
                 n = len(done.expansion) if done.offsets is None else len(done.offsets)
                 # a run already expanded for this image (all feature tokens), or one placeholder
                 used = n if length == n and done.offsets is None else 1
-                items.append(ImageItem(image.hash, done.pixels, len(out), n, done.offsets))
-                out.extend(done.expansion)
+                expansion = self.joins.expansion(out, done.expansion)
+                skip = len(done.expansion) - len(expansion)
+                offsets = None if done.offsets is None else tuple(o - skip for o in done.offsets)
+                items.append(ImageItem(image.hash, done.pixels, len(out), n, offsets))
+                out.extend(expansion)
                 length -= used
         if len(items) != len(loaded) or (items and items[-1] is None):
             found = "more" if items and items[-1] is None else str(len(items))
@@ -230,7 +236,8 @@ class ImagePrompts:
                 f"({self.image_token!r}) but {len(loaded)} image(s) were given: put one {self.image_token!r} "
                 "in the prompt where each image goes"
             )
-        out.extend(token_ids[pos:])
+        rest = list(token_ids[pos:])
+        out.extend(self.joins.text_after(rest) if items else rest)
         return ImagePrompt(out, items)
 
 

@@ -25,8 +25,9 @@ def image_prompts_for(engine: Any, storage_options: dict[str, Any] | None = None
     model = engine.model
     if getattr(model, "images", None) is None:
         from batchgen.models.config import no_images_reason
+        from batchgen.multimodal.rows import checkpoint_config
 
-        return no_images_reason(model.config.architecture)
+        return no_images_reason(model.config.architecture, checkpoint_config(str(engine.model_path)))
     from batchgen.multimodal.images import ImageLoader
 
     limit = (engine.config.limit_mm_per_prompt or {}).get("image")

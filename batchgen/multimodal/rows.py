@@ -36,12 +36,18 @@ def image_token_id(checkpoint: str) -> int | None:
     return int(token) if token is not None else None
 
 
-def _architecture(checkpoint: str) -> str | None:
+def checkpoint_config(checkpoint: str) -> dict[str, Any]:
+    """The checkpoint's config.json ({} when unreadable)."""
     try:
-        archs = json.loads((Path(checkpoint) / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return None
-    return str(archs[0]) if archs else None
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _architecture(checkpoint: str) -> str | None:
+    archs = checkpoint_config(checkpoint).get("architectures") or []
+    return str(archs[0]) if isinstance(archs, list) and archs else None
 
 
 def image_side(
@@ -142,9 +148,13 @@ def image_options(
     token = image_token_id(model_path)
     if token is None:
         if image_column:
-            from batchgen.models.config import IMAGE_FAMILIES
+            from batchgen.models.config import IMAGE_FAMILIES, is_image_text_name, no_images_reason
 
             arch = _architecture(model_path)
+            if arch is not None and is_image_text_name(arch):
+                raise ConfigError(
+                    f"data.image_column={image_column!r}: {no_images_reason(arch, checkpoint_config(model_path))}"
+                )
             raise ConfigError(
                 f"data.image_column={image_column!r} but the model ({model_path}{', ' + arch if arch else ''}) "
                 f"is not an image-text checkpoint batchgen runs ({IMAGE_FAMILIES}); unset data.image_column or "
