@@ -1,6 +1,7 @@
 """Quantized and half-precision weights, and narrow KV caches, side by side on one small random-weight llama:
 weight bytes in memory per format and generated tokens per second at 4 and at 64 sequences (greedy, fixed
-lengths), and llama.cpp's batched decode on the same GGUF files where it is installed.
+lengths), and llama.cpp's batched decode on the same GGUF files where it is installed. The GGUF files hold the
+LM head as llama.cpp's quantizer writes it (Q8_0 in a Q8_0 file, else Q6_K), the token embedding float32.
 
     python -m batchgen.bench.quant [--hidden 512 --layers 4 --new 32 --prompt 32] [--kv-context 1024]
 
@@ -197,7 +198,7 @@ def _llama_cpp(path: str, batch: int, args) -> tuple[float | None, str]:
 
 
 def main() -> None:
-    from batchgen.models.quant.gguf_writer import write_gguf
+    from batchgen.models.quant.gguf_writer import llama_cpp_output_type, write_gguf
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p)
@@ -223,7 +224,7 @@ def main() -> None:
 
     systems = {name: v for name, v in systems.items() if keep(name)}
     ggufs = {
-        name: write_gguf(f32, root / f"{name}.gguf", t)
+        name: write_gguf(f32, root / f"{name}.gguf", t, output_type=llama_cpp_output_type(t, args.hidden))
         for name, t in GGUF_TYPES.items()
         if keep(f"GGUF {name}")
     }
