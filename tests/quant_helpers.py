@@ -1,10 +1,49 @@
-"""Test helpers for quantized checkpoints (re-exported from the package's fixture writer)."""
+"""Test helpers for quantized checkpoints: the fixture writers (GGUF re-exported from the package's) and the
+greedy comparison with transformers every format's equality test makes."""
 
 import torch
 
 from batchgen.models.quant.gguf_writer import random_blocks, write_gguf
 
-__all__ = ["random_blocks", "write_compressed_tensors", "write_gguf"]
+__all__ = [
+    "NEW", "PROMPTS", "batchgen_greedy", "random_blocks", "transformers_greedy", "transformers_model",
+    "write_compressed_tensors", "write_gguf",
+]  # fmt: skip
+
+PROMPTS = [[1, 17, 33, 90], [1, 200, 5, 9, 77, 31, 8], [1, 64]]
+NEW = 12
+
+
+def batchgen_greedy(llm, prompts=PROMPTS, new: int = NEW) -> list[list[int]]:
+    """`new` greedy tokens per prompt (token ids) from a batchgen LLM, EOS ignored."""
+    from batchgen import SamplingParams
+
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def transformers_model(path, gguf_file: str | None = None):
+    """transformers' own float32 loading of the checkpoint (``gguf_file=`` for a GGUF file in ``path``), EOS off."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **extra).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def transformers_greedy(hf, prompts=PROMPTS, new: int = NEW) -> list[list[int]]:
+    """`new` greedy tokens per prompt from transformers' ``generate`` (a model or a checkpoint path), one
+    prompt at a time (no padding)."""
+    if not isinstance(hf, torch.nn.Module):
+        hf = transformers_model(hf)
+    with torch.inference_mode():
+        return [
+            hf.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
 
 
 def write_compressed_tensors(

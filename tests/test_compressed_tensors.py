@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_helpers import write_compressed_tensors
+from quant_helpers import batchgen_greedy, transformers_greedy, transformers_model, write_compressed_tensors
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM
 from batchgen.kernels import cpu_kernel, cpu_quant_linear
 from batchgen.models.quant.compressed_tensors import IntQuantLinear
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
@@ -21,8 +21,6 @@ pytest.importorskip(
     "compressed_tensors", reason="compressed-tensors (transformers' decompressor) not installed"
 )
 needs_compiler = pytest.mark.skipif(cpu_kernel.compiler() is None, reason="no C compiler (cc/gcc/$CC) found")
-PROMPTS = [[1, 17, 33, 90], [1, 200, 5, 9, 77, 31, 8], [1, 64]]
-NEW = 12
 
 
 @pytest.fixture(scope="module")
@@ -34,23 +32,13 @@ def llama_256(ckpt_factory) -> str:
     "bits, group, dtype", [(4, 128, torch.float32), (8, None, torch.float32), (4, 64, torch.bfloat16)]
 )
 def test_pack_quantized_greedy_equals_transformers(llama_256, tmp_path, bits, group, dtype) -> None:
-    from transformers import AutoModelForCausalLM
-
     path = write_compressed_tensors(llama_256, tmp_path / "ct", bits=bits, group_size=group, dtype=dtype)
     llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
     quantized = [m for m in llm.engine.model.modules() if isinstance(m, IntQuantLinear)]
     assert len(quantized) == 2 * 4 and all(m.weight_packed.dtype == torch.int32 for m in quantized)
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        want = [
-            hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[
-                0, len(p) :
-            ].tolist()
-            for p in PROMPTS
-        ]
+    got = batchgen_greedy(llm)
+    hf = transformers_model(path)
+    want = transformers_greedy(hf)
     assert got == want and len({t for row in got for t in row}) > 6
     # dequantized weights are transformers' decompressed ones, bit for bit
     qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj
@@ -152,7 +140,6 @@ def test_asymmetric_pack_quantized_greedy_equals_the_dequantized_model(
 
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
 
     from batchgen.models.quant.group_linear import GroupQuantLinear
 
@@ -160,8 +147,7 @@ def test_asymmetric_pack_quantized_greedy_equals_the_dequantized_model(
     llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
     quantized = [m for m in llm.engine.model.modules() if isinstance(m, GroupQuantLinear)]
     assert len(quantized) == 2 * 4
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    got = batchgen_greedy(llm)
     state, dense = load_file(str(Path(path) / "model.safetensors")), {}
     for name, t in state.items():
         if name.endswith(".weight_packed"):
@@ -185,13 +171,5 @@ def test_asymmetric_pack_quantized_greedy_equals_the_dequantized_model(
         1
     ].mlp.down_proj.dense_weight()  # zero points' share added in float32
     assert (ours - dense[down]).abs().max() <= 1e-6 * dense[down].abs().max()
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        want = [
-            hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[
-                0, len(p) :
-            ].tolist()
-            for p in PROMPTS
-        ]
+    want = transformers_greedy(tmp_path / "dense")
     assert got == want and len({t for row in got for t in row}) > 6

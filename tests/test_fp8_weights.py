@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from quant_helpers import batchgen_greedy, transformers_greedy, transformers_model
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM
 from batchgen.models.quant import writers
 from batchgen.models.quant.fp8 import Fp8Linear
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
-
-PROMPTS = [[1, 17, 33, 90], [1, 200, 5, 9, 77, 31, 8], [1, 64]]
-NEW = 12
 
 
 @pytest.fixture(scope="module")
@@ -38,25 +36,15 @@ def _write(kind: str, base: str, out: Path) -> str:
 
 @pytest.mark.parametrize("kind", ["block", "ct-channel", "ct-tensor"])
 def test_greedy_equals_transformers(llama_256, tmp_path, kind) -> None:
-    from transformers import AutoModelForCausalLM
-
     path = _write(kind, llama_256, tmp_path / "fp8")
     llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
     model = llm.engine.model
     quantized = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert len(quantized) == 4 * model.config.num_layers
     assert all(w.dtype == torch.uint8 for m in quantized for w in m.weights)  # one byte per weight
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        want = [
-            hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[
-                0, len(p) :
-            ].tolist()
-            for p in PROMPTS
-        ]
+    got = batchgen_greedy(llm)
+    hf = transformers_model(path)
+    want = transformers_greedy(hf)
     assert got == want and len({t for row in got for t in row}) > 6
     layer, ref = model.model.layers[1], hf.model.layers[1]
     assert torch.equal(

@@ -74,6 +74,35 @@ def test_gguf_greedy_equals_transformers(llama_256, tmp_path, mix) -> None:
     assert len({t for row in got for t in row}) > 6  # not a degenerate repetition
 
 
+@pytest.mark.parametrize("head", [Q6_K, Q8_0])
+def test_gguf_quantized_lm_head_stays_packed(llama_256, tmp_path, head) -> None:
+    """A head stored quantized (llama.cpp's files: Q6_K, or Q8_0 in a Q8_0 file) is multiplied packed, greedy
+    output still equal to transformers' (which dequantizes it)."""
+    path = write_gguf(llama_256, tmp_path / "head.gguf", Q4_0, output_type=head)
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
+    lm_head = llm.engine.model.lm_head
+    assert isinstance(lm_head, QuantLinear) and lm_head.type_ids == [head]
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert got == _hf_greedy(path)
+    assert len({t for row in got for t in row}) > 6
+
+
+def test_q6_k_writer_round_trips_through_ggml_dequantization() -> None:
+    """The fixture quantizer's Q6_K blocks read back (gguf-py's dequantization) within one step of their 16
+    values (absmax / 32, rounded up to a multiple of the block's d = block absmax / 32 / 127)."""
+    import numpy as np
+
+    from batchgen.models.quant.gguf_writer import quantize_q6_k
+
+    w = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
+    w[1, :16] = 0  # an all-zero sub-block
+    back = gguf.quants.dequantize(quantize_q6_k(w), gguf.GGMLQuantizationType.Q6_K)
+    absmax = np.abs(w).reshape(4, 2, 16, 16).max(-1, keepdims=True)
+    step = absmax / 32 + absmax.max(-2, keepdims=True) / 32 / 127
+    assert (np.abs(back - w).reshape(4, 2, 16, 16) <= step * 1.01).all() and (back[1, :16] == 0).all()
+
+
 def test_gguf_tokenizer_from_the_file_and_packed_bytes(llama_256, tmp_path) -> None:
     from transformers import AutoTokenizer
 

@@ -12,14 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from quant_helpers import batchgen_greedy, transformers_greedy
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM
 from batchgen.models.quant import writers
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
 from batchgen.models.quant.group_linear import GroupQuantLinear
 
-PROMPTS = [[1, 17, 33, 90], [1, 200, 5, 9, 77, 31, 8], [1, 64]]
-NEW = 12
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -75,20 +74,6 @@ def _dequantized_checkpoint(path: str, out: Path, method: str, bits: int, v1: bo
     return str(out)
 
 
-def _greedy_hf(path: str) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        return [
-            hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[
-                0, len(p) :
-            ].tolist()
-            for p in PROMPTS
-        ]
-
-
 CASES = {  # name: (writer kwargs, bits stored in memory)
     "gptq4-sym-g32": ({"bits": 4, "group_size": 32}, 4),
     "gptq4-asym-actorder-g32": ({"bits": 4, "group_size": 32, "desc_act": True, "sym": False}, 4),
@@ -131,9 +116,8 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(llama_256, tmp_pa
             assert (ours.dense_weight().double() - want).abs().max() <= 1e-6 * want.abs().max()
     if kwargs.get("desc_act"):
         assert all(m.perm0 is not None for m in quantized)
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-    assert got == _greedy_hf(_dequantized_checkpoint(path, tmp_path / "dense", method, bits, v1))
+    got = batchgen_greedy(llm)
+    assert got == transformers_greedy(_dequantized_checkpoint(path, tmp_path / "dense", method, bits, v1))
     assert len({t for row in got for t in row}) > 6
 
 
@@ -216,6 +200,5 @@ def test_qwen2_with_projection_biases(ckpt_factory, tmp_path) -> None:
     path = writers.write_gptq(base, tmp_path / "q", bits=4, group_size=64, desc_act=True)
     llm = LLM(path, num_blocks=64, block_size=8)
     assert llm.engine.model.model.layers[0].self_attn.qkv_proj.bias is not None
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-    assert got == _greedy_hf(_dequantized_checkpoint(path, tmp_path / "dense", "gptq", 4, True))
+    got = batchgen_greedy(llm)
+    assert got == transformers_greedy(_dequantized_checkpoint(path, tmp_path / "dense", "gptq", 4, True))

@@ -220,6 +220,30 @@ def test_cpu_kernels_widen_narrow_caches(_kernel, monkeypatch, dtype, generic) -
     torch.testing.assert_close(out.double(), want, **TOL)
 
 
+@needs_compiler
+def test_cpu_decode_e4m3_spans_with_nan_codes_read_as_they_are(_kernel) -> None:
+    """e4m3fn spans without a NaN code are read at 2^-8 of their value (scaled back exactly); a token whose K or V
+    holds a NaN code (0x7f, 0xff) is read as it is: the result is bit for bit the kernel's over a float32 cache of
+    the same values (a NaN value reaches its sequence's heads)."""
+    batch = make_paged_batch([17, 40, 33], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, seed=3)
+    narrow, _ = narrow_batch(batch, torch.float8_e4m3fn)
+    k_codes = narrow.k_cache.view(torch.uint8).view(-1, 2, 64)
+    v_codes = narrow.v_cache.view(torch.uint8).view(-1, 2, 64)
+
+    def slot(b: int, t: int) -> int:
+        return int(batch.block_tables[b, t // 16]) * 16 + t % 16
+
+    k_codes[slot(1, 5), 0, 3] = 0x7F
+    v_codes[slot(2, 7), 1, 0] = 0xFF
+    rounded = dataclasses.replace(batch, k_cache=narrow.k_cache.float(), v_cache=narrow.v_cache.float())
+    out = cpu_kernel.decode(narrow.q, narrow.kv, narrow.options())
+    wide = cpu_kernel.decode(rounded.q, rounded.kv, rounded.options())
+    assert out is not None and wide is not None
+    assert torch.equal(out.isnan(), wide.isnan()) and torch.equal(out.nan_to_num(), wide.nan_to_num())
+    assert out[2, 2:, 0].isnan().all() and out[:2].isfinite().all()
+    torch.testing.assert_close(out[0].double(), reference_attention(rounded)[0], **TOL)
+
+
 # ------------------------------------------------------------------------- the Triton kernels (interpreter)
 @pytest.mark.parametrize("dtype", NARROW)
 def test_triton_kernels_over_narrow_caches(dtype) -> None:

@@ -1,6 +1,7 @@
 """Quantized and half-precision weights, and narrow KV caches, side by side on one small random-weight llama:
 weight bytes in memory per format and generated tokens per second at 4 and at 64 sequences (greedy, fixed
-lengths), and llama.cpp's batched decode on the same GGUF files where it is installed.
+lengths), and llama.cpp's batched decode on the same GGUF files where it is installed. The GGUF files hold the
+LM head as llama.cpp's quantizer writes it (Q8_0 in a Q8_0 file, else Q6_K), the token embedding float32.
 
     python -m batchgen.bench.quant [--hidden 512 --layers 4 --new 32 --prompt 32] [--kv-context 1024]
 
@@ -29,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,14 +39,52 @@ GGUF_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_K": 12, "Q6_K": 14}
 LLAMA_CPP_TYPES = ("Q8_0", "Q4_0")  # the peer runs on these files (the issue's comparison)
 
 
-def _weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The bench model's shape and the run's lengths (shared by this bench and `bench.quant_formats`)."""
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--batches", default="4,64")
 
 
-def _batchgen(path: str, batch: int, args, **options) -> tuple[float, int, list[list[int]]]:
+def bench_model(root: Path, args, **options) -> str:
+    """The random-weight llama both benches run (hidden --hidden, --layers layers, 8 heads / 4 KV heads,
+    intermediate 3 x hidden, vocab 4096), written under `root`."""
+    from batchgen.models.tiny import build_checkpoint
+
+    shape = dict(hidden_size=args.hidden, num_layers=args.layers, num_heads=8, num_kv_heads=4,
+                 intermediate_size=3 * args.hidden)  # fmt: skip
+    return build_checkpoint(root, "llama", **shape, **options)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed greedy run: wall and CPU rates, the model's weight bytes (all of them, and the decoder
+    layers' alone) and the generated tokens."""
+
+    tok_s: float
+    tok_per_cpu_s: float
+    weight_bytes: int
+    decoder_weight_bytes: int
+    tokens: list[list[int]]
+
+    def row(self, system: str, seqs: int, base: Run | None = None, **extra) -> dict:
+        """The printed row; with `base`, the greedy agreement with it."""
+        row = {"system": system, "seqs": seqs, "tok_s": round(self.tok_s, 1),
+               "tok_per_cpu_s": round(self.tok_per_cpu_s, 1), "weight_MiB": round(self.weight_bytes / 2**20, 2),
+               "decoder_weight_MiB": round(self.decoder_weight_bytes / 2**20, 2), **extra}  # fmt: skip
+        if base is not None:
+            row["greedy_agreement"] = round(_agreement(self.tokens, base.tokens), 3)
+        return row
+
+
+def generate_run(path: str, batch: int, args, kv_cache_memory: str = "1GiB", **options) -> Run:
+    """`batch` random prompts of --prompt token ids (the same for every system), --new greedy tokens each, timed
+    after a warm-up."""
     from batchgen import LLM, SamplingParams
 
-    llm = LLM(path, max_num_seqs=64, kv_cache_memory="1GiB", **options)
+    llm = LLM(path, max_num_seqs=64, kv_cache_memory=kv_cache_memory, **options)
     g = torch.Generator().manual_seed(0)
     prompts = [
         {"prompt_token_ids": torch.randint(5, 4000, (args.prompt,), generator=g).tolist()}
@@ -55,8 +95,14 @@ def _batchgen(path: str, batch: int, args, **options) -> tuple[float, int, list[
     start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    tokens = [o.outputs[0].token_ids for o in outs]
-    return batch * args.new / wall, batch * args.new / cpu, _weight_bytes(llm.engine.model), tokens
+    named = [(n, p.numel() * p.element_size()) for n, p in llm.engine.model.named_parameters()]
+    return Run(
+        tok_s=batch * args.new / wall,
+        tok_per_cpu_s=batch * args.new / cpu,
+        weight_bytes=sum(b for _, b in named),
+        decoder_weight_bytes=sum(b for n, b in named if ".layers." in n),
+        tokens=[o.outputs[0].token_ids for o in outs],
+    )
 
 
 def _kv_decode(path: str, args, kv_cache_dtype: str) -> tuple[float, float, list[list[int]]]:
@@ -152,15 +198,10 @@ def _llama_cpp(path: str, batch: int, args) -> tuple[float | None, str]:
 
 
 def main() -> None:
-    from batchgen.models.quant.gguf_writer import write_gguf
-    from batchgen.models.tiny import build_checkpoint
+    from batchgen.models.quant.gguf_writer import llama_cpp_output_type, write_gguf
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--prompt", type=int, default=32)
-    p.add_argument("--new", type=int, default=32)
-    p.add_argument("--batches", default="4,64")
+    add_model_args(p)
     p.add_argument("--kv-context", type=int, default=0, help="also the decode-heavy KV run at this context")
     p.add_argument("--kv-seqs", type=int, default=16)
     p.add_argument("--kv-new", type=int, default=64)
@@ -168,10 +209,8 @@ def main() -> None:
     p.add_argument("--systems", default="", help="comma-separated substrings: only the systems they name")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="batchgen-quant-bench-"))
-    shape = dict(hidden_size=args.hidden, num_layers=args.layers, num_heads=8, num_kv_heads=4,
-                 intermediate_size=3 * args.hidden)  # fmt: skip
-    f32 = build_checkpoint(root / "f32", "llama", **shape)
-    bf16 = build_checkpoint(root / "bf16", "llama", dtype=torch.bfloat16, **shape)
+    f32 = bench_model(root / "f32", args)
+    bf16 = bench_model(root / "bf16", args, dtype=torch.bfloat16)
     systems: dict[str, tuple[str, dict]] = {
         "batchgen float32": (f32, {}),
         "batchgen bfloat16 weights": (bf16, {}),
@@ -185,7 +224,7 @@ def main() -> None:
 
     systems = {name: v for name, v in systems.items() if keep(name)}
     ggufs = {
-        name: write_gguf(f32, root / f"{name}.gguf", t)
+        name: write_gguf(f32, root / f"{name}.gguf", t, output_type=llama_cpp_output_type(t, args.hidden))
         for name, t in GGUF_TYPES.items()
         if keep(f"GGUF {name}")
     }
@@ -200,13 +239,10 @@ def main() -> None:
     for batch in map(int, args.batches.split(",")) if not args.skip_weights else ():
         base = None
         for name, (path, opts) in systems.items():
-            tps, cps, wbytes, tokens = _batchgen(path, batch, args, **opts)
-            base = tokens if base is None else base
-            row = {"system": name, "seqs": batch, "tok_s": round(tps, 1), "tok_per_cpu_s": round(cps, 1),
-                   "weight_MiB": round(wbytes / 2**20, 2)}  # fmt: skip
-            if "KV" in name:  # greedy agreement with the float32 cache on the same weights
-                row["greedy_agreement_vs_f32_kv"] = round(_agreement(tokens, base), 3)
-            emit(row)
+            run = generate_run(path, batch, args, **opts)
+            base = run if base is None else base
+            # greedy agreement with the float32 cache on the same weights
+            emit(run.row(name, batch, base if "KV" in name else None))
         for name, path in ggufs.items():
             if name not in LLAMA_CPP_TYPES:
                 continue
@@ -225,7 +261,7 @@ def main() -> None:
             base = tokens if base is None else base
             emit({"system": f"batchgen float32, {dtype} KV, {args.kv_context}-token contexts", "seqs": args.kv_seqs,
                   "tok_s": round(tps, 1), "tok_per_cpu_s": round(cps, 1),
-                  "greedy_agreement_vs_f32_kv": round(_agreement(tokens, base), 3)})  # fmt: skip
+                  "greedy_agreement": round(_agreement(tokens, base), 3)})  # fmt: skip
     print(json.dumps({"loadavg": os.getloadavg(), "threads": torch.get_num_threads(), "args": vars(args)}))
 
 

@@ -35,10 +35,13 @@
  * are exact to float32 rounding and deterministic; they may differ from each other in the last bits.
  *
  * Narrow caches (engine.kv_cache_dtype; kv_kind: 0 float32, 1 bfloat16, 2 float16, 3 fp8 e4m3fn, 4 fp8 e5m2): the
- * caches hold 4, 2 or 1 bytes per value, indexed as above in elements. What an item reads is widened to float32
- * as it is read -- each token's span of K/V rows (decode), each block's rows of a head (prefill, the prefix
- * half) -- into a per-thread buffer that stays in L1, and the float32 code runs on it: exact attention over the
- * rounded values, the memory traffic of the narrow cache. bfloat16 widens by a shift, float16 by F16C (exact
+ * caches hold 4, 2 or 1 bytes per value, indexed as above in elements. The decode items (AVX2 + F16C, head_dim a
+ * multiple of 8) read the cache in place and widen 8 values at a time in registers as the dot products and
+ * value sums consume them (decode_scores, decode_values: every cache dtype, float32 included, through one
+ * loop); otherwise what an item reads is widened to float32 as it is read -- each token's span of K/V rows
+ * (decode), each block's rows of a head (prefill, the prefix half) -- into a per-thread buffer that stays in
+ * L1, and the float32 code runs on it. Either way: exact attention over the rounded values, the memory
+ * traffic of the narrow cache. bfloat16 widens by a shift, float16 by F16C (exact
  * bit conversion in plain C), fp8 through a 256-entry table (with F16C, 8 at a time through a half conversion:
  * the same values, NaN payloads aside). The decode kernel writes the step's own K/V only
  * into a float32 cache (the caller stores rounded rows itself first otherwise).
@@ -659,6 +662,143 @@ static inline const float *token_floats(const char *cache, int kind, const int32
     return wide;
 }
 
+#if SIMD && defined(__F16C__)
+#define WIDE_SIMD 1
+enum { KV_E4M3_SCALED = 5 }; /* e4m3fn codes widened to 2^-8 times their value, NaN codes aside (see load8) */
+
+/* Elements i .. i + 7 of kind `kind` at p, as float32 in a register: the values widen_span writes, except for
+ * KV_E4M3_SCALED: an e4m3fn code's seven low bits at a half's bit 7 are a half worth 2^-8 times its value
+ * (normal and subnormal alike), used as it is by callers that scale by 256 elsewhere, exactly (a power of two);
+ * the NaN codes (0x7f, 0xff) read as 1.875 x 2^-8 there, so a span holding one is read as KV_E4M3. */
+static inline __attribute__((always_inline)) __m256 load8(const char *p, int64_t i, const int kind) {
+    if (kind == KV_F32) return _mm256_loadu_ps((const float *)p + i);
+    if (kind == KV_BF16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    if (kind == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)p + i)));
+    if (kind == KV_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(v, 8));
+    const __m128i mag = _mm_and_si128(v, _mm_set1_epi16(0x7f));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x80)), 8);
+    const __m256 h = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(mag, 7), sign));
+    if (kind == KV_E4M3_SCALED) return h;
+    const __m256 f = _mm256_mul_ps(h, _mm256_set1_ps(256.0f)); /* e4m3fn, as widen_span */
+    const __m256 nan = _mm256_or_ps(_mm256_and_ps(f, _mm256_set1_ps(-0.0f)), _mm256_set1_ps(NAN));
+    const __m256i is_nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
+    return _mm256_blendv_ps(f, nan, _mm256_castsi256_ps(is_nan));
+}
+
+/* Whether the `bytes` e4m3fn codes at p hold a NaN code (0x7f or 0xff). */
+static inline int e4m3_nan(const char *p, int64_t bytes) {
+    int64_t i = 0;
+    for (; i + 32 <= bytes; i += 32) {
+        const __m256i v = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + i)), _mm256_set1_epi8(0x7f));
+        if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(0x7f)))) return 1;
+    }
+    for (; i < bytes; i++)
+        if ((p[i] & 0x7f) == 0x7f) return 1;
+    return 0;
+}
+
+/* One token of pass 1: dst[qh * n] = mul * (q_qh . k) for the item's query heads, k the token's K rows at base;
+ * eight query heads' dots summed together (sum8x8). */
+static inline __attribute__((always_inline)) void scores_token(const float *q, int64_t q_stride_h, const char *base,
+                                                               int heads, int group, int head_dim, float mul,
+                                                               float *dst, int n, const int kind) {
+    const int64_t es = kv_bytes(kind);
+    for (int qh = 0; qh < heads; qh += 8) {
+        const int m = heads - qh < 8 ? heads - qh : 8;
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) {
+            a[i] = _mm256_setzero_ps();
+            if (i >= m) continue;
+            const float *qq = q + (qh + i) * q_stride_h;
+            const char *kk = base + (int64_t)((qh + i) / group) * head_dim * es;
+            for (int c = 0; c < head_dim; c += 8)
+                a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qq + c), load8(kk, c, kind), a[i]);
+        }
+        float dots[8];
+        _mm256_storeu_ps(dots, _mm256_mul_ps(sum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]),
+                                             _mm256_set1_ps(mul)));
+        for (int i = 0; i < m; i++) dst[(size_t)(qh + i) * n] = dots[i];
+    }
+}
+
+/* Pass 1 of a decode item (attend_item) with the cache read in place and widened in registers: s[qh * n + t -
+ * first] = scale * q_qh . k_t (head_dim % 8 == 0). e4m3fn tokens without NaN codes are read scaled by 2^-8 and
+ * their dots multiplied by 256 * scale: the same products and sums scaled by powers of two, the same bits. */
+static inline __attribute__((always_inline)) void decode_scores(const float *q, int64_t q_stride_h,
+                                                                const char *k_cache, const int32_t *table,
+                                                                int first, int len, int block_size,
+                                                                int64_t stride_block, int64_t row, int64_t offset,
+                                                                int heads, int group, int head_dim, float scale,
+                                                                float *s, int n, const int kind) {
+    const int64_t es = kv_bytes(kind), span = (int64_t)(heads / group) * head_dim * es;
+    const int last_block = (len - 1) / block_size;
+    for (int t = first; t < len; t++) {
+        const char *base = token_rows(k_cache, es, table, t, block_size, last_block, stride_block, row, offset, span);
+        float *dst = s + (t - first);
+        if (kind == KV_E4M3 && !e4m3_nan(base, span))
+            scores_token(q, q_stride_h, base, heads, group, head_dim, 256.0f * scale, dst, n, KV_E4M3_SCALED);
+        else
+            scores_token(q, q_stride_h, base, heads, group, head_dim, scale, dst, n, kind);
+    }
+}
+
+/* One token of pass 2: out[qh] += (mul p[qh * n]) v for the item's query heads, v the token's V rows at base;
+ * each 8 values of a KV head's row widened once for its query heads. */
+static inline __attribute__((always_inline)) void values_token(const char *base, int kv_heads, int group,
+                                                               int head_dim, const float *p, int n, float mul,
+                                                               float *out, const int kind) {
+    const int64_t es = kv_bytes(kind);
+    for (int h = 0; h < kv_heads; h++) {
+        const char *vrow = base + (int64_t)h * head_dim * es;
+        const float *ph = p + (size_t)h * group * n;
+        float *o = out + (size_t)h * group * head_dim;
+        for (int c = 0; c < head_dim; c += 8) {
+            const __m256 w = load8(vrow, c, kind);
+            for (int g = 0; g < group; g++) {
+                float *og = o + (size_t)g * head_dim + c;
+                const __m256 pg = _mm256_set1_ps(mul * ph[(size_t)g * n]);
+                _mm256_storeu_ps(og, _mm256_fmadd_ps(pg, w, _mm256_loadu_ps(og)));
+            }
+        }
+    }
+}
+
+/* Pass 2 of a decode item, the cache read in place and widened in registers: out[qh] = sum_t p[qh][t] v_t
+ * (unnormalised), token after token (each token's V span of the item's heads read once, as a stream; the same
+ * row of the next block prefetched). e4m3fn tokens without NaN codes: read scaled by 2^-8, weights times 256. */
+static inline __attribute__((always_inline)) void decode_values(const char *v_cache, const int32_t *table,
+                                                                int first, int len, int block_size,
+                                                                int64_t stride_block, int64_t row, int64_t offset,
+                                                                int kv_heads, int group, int head_dim,
+                                                                const float *s, int n, float *out, const int kind) {
+    const int64_t es = kv_bytes(kind), span = (int64_t)kv_heads * head_dim * es;
+    const int last_block = (len - 1) / block_size;
+    memset(out, 0, sizeof(float) * (size_t)kv_heads * group * head_dim);
+    for (int t = first; t < len; t++) {
+        const char *base = token_rows(v_cache, es, table, t, block_size, last_block, stride_block, row, offset, span);
+        const float *p = s + (t - first);
+        if (kind == KV_E4M3 && !e4m3_nan(base, span))
+            values_token(base, kv_heads, group, head_dim, p, n, 256.0f, out, KV_E4M3_SCALED);
+        else
+            values_token(base, kv_heads, group, head_dim, p, n, 1.0f, out, kind);
+    }
+}
+
+#define BY_KIND(call_with_kind)                                                                                    \
+    switch (kind) {                                                                                               \
+    case KV_F32: call_with_kind(KV_F32); break;                                                                   \
+    case KV_BF16: call_with_kind(KV_BF16); break;                                                                 \
+    case KV_F16: call_with_kind(KV_F16); break;                                                                   \
+    case KV_E4M3: call_with_kind(KV_E4M3); break;                                                                 \
+    default: call_with_kind(KV_E5M2); break;                                                                      \
+    }
+#else
+#define WIDE_SIMD 0
+#endif
+
 /* One item: sequence `len` tokens long (table: its block table), keys from position `start` on, KV heads
  * h0 .. h1 - 1 and their query heads (q, out, lse: the first of them; lse may be NULL). Returns 0, or -1 when
  * scratch memory could not be allocated. */
@@ -681,13 +821,26 @@ static int attend_item(const float *q, int64_t q_stride_h, const char *k_cache, 
     const int64_t row = (int64_t)num_kv_heads * head_dim;
     const int64_t span = (int64_t)(h1 - h0) * head_dim * kv_bytes(kind); /* bytes read per token */
     const int width = (h1 - h0) * head_dim;                              /* values read per token */
-    float *wide = kind == KV_F32 ? NULL : (float *)grow(&tls_wide, sizeof(float) * (size_t)width);
-    if (kind != KV_F32 && wide == NULL) return -1;
+    const int narrow = kind != KV_F32 && !(WIDE_SIMD && head_dim % 8 == 0);
+    float *wide = narrow ? (float *)grow(&tls_wide, sizeof(float) * (size_t)width) : NULL;
+    if (narrow && wide == NULL) return -1;
     const int last_block = (len - 1) / block_size;
     const int64_t offset = (int64_t)h0 * head_dim;
     /* Pass 1: scores. Each token's K rows of heads h0..h1 are one contiguous span, read once for all the
      * query heads; the same token's span in the next block is prefetched meanwhile. */
-    for (int t = first; t < len; t++) {
+#if WIDE_SIMD
+    const int in_registers = head_dim % 8 == 0; /* the cache widened in registers (decode_scores, decode_values) */
+    if (in_registers) {
+#define SCORES(K)                                                                                                 \
+    decode_scores(q, q_stride_h, k_cache, table, first, len, block_size, cache_stride_block, row, offset, heads,    \
+                  group, head_dim, scale, s, n, K)
+        BY_KIND(SCORES)
+#undef SCORES
+    }
+#else
+    const int in_registers = 0;
+#endif
+    for (int t = in_registers ? len : first; t < len; t++) {
         const float *base = token_floats(k_cache, kind, table, t, block_size, last_block, cache_stride_block, row,
                                          offset, span, width, wide);
 #if SIMD
@@ -727,8 +880,17 @@ static int attend_item(const float *q, int64_t q_stride_h, const char *k_cache, 
         if (lse) lse[qh] = m + logf(total);
     }
     /* Pass 2: out_qh = sum_t p_qh[t] v_t, each token's V span read once for all the query heads. */
-    memset(out, 0, sizeof(float) * (size_t)heads * head_dim);
-    for (int t = first; t < len; t++) {
+#if WIDE_SIMD
+    if (in_registers) {
+#define VALUES(K)                                                                                                 \
+    decode_values(v_cache, table, first, len, block_size, cache_stride_block, row, offset, h1 - h0, group, head_dim, \
+                  s, n, out, K)
+        BY_KIND(VALUES)
+#undef VALUES
+    } else
+#endif
+        memset(out, 0, sizeof(float) * (size_t)heads * head_dim);
+    for (int t = in_registers ? len : first; t < len; t++) {
         const float *base = token_floats(v_cache, kind, table, t, block_size, last_block, cache_stride_block, row,
                                          offset, span, width, wide);
         for (int h = 0; h < h1 - h0; h++) {

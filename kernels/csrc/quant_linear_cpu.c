@@ -207,7 +207,8 @@ static void fill_int(const void *ctx, int n, int k0, int len, float *out) {
  * above (per output: eight lane sums, lane l over k = l mod 8 in order, reduced the same way), so both builds
  * give the same bits. Every format is read 32 values (a span) at a time: a span has one scale (two for Q6_K,
  * a scale and a min for Q4_K) and is widened 8 values at a time in registers (bytes to int32 lanes with
- * vpmovzx/vpmovsx, nibbles with shifts and masks, then cvtdq2ps and ggml's multiplies), never through memory.
+ * vpmovzx/vpmovsx, nibbles with shifts and masks, then cvtdq2ps and ggml's multiplies; Q6_K's 6-bit codes are
+ * assembled as 32 int8 values by byte operations once per span), never through memory.
  *
  * Small batches (M <= FUSED_MAX, the memory-bound decode of a few sequences): threads split the outputs in
  * groups of GC; a group's weights are widened in registers and multiplied at once with up to FR input rows held
@@ -248,6 +249,7 @@ typedef struct {
 #ifdef LUT4
     __m256 t0, t1; /* 4-bit kinds: the span's 16 possible weights (code 0..7, 8..15), looked up by vpermt2ps */
 #endif
+    __m256i q6; /* Q6_K: the span's 32 codes q - 32 as int8, assembled with byte operations once per span */
 } Span;
 
 static inline __attribute__((always_inline)) float half_at(const uint8_t *p) {
@@ -334,6 +336,19 @@ static inline __attribute__((always_inline)) void span_setup(const Src *s, const
 #ifdef LUT4
     if (kind == Q4_0 || kind == Q4_K || kind == INT4) span_table(s, kind, o);
 #endif
+    if (kind == Q6_K) { /* span j of the block: low 4 bits from ql's low (j & 3 < 2) or high nibbles, high 2
+                         * bits from qh at bit 2 (j & 3); 16-bit shifts, then byte masks drop what crossed over */
+        const uint8_t *b = row + (int64_t)(sp >> 3) * 210;
+        const int j = sp & 7, h = j >> 2, t = j & 3;
+        const __m256i f = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(b + h * 64 + (t & 1) * 32));
+        lo = _mm256_and_si256(t < 2 ? lo : _mm256_srli_epi16(lo, 4), f);
+        __m256i hi = _mm256_loadu_si256((const __m256i *)(b + 128 + h * 32));
+        hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * t)), three);
+        o->q6 = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    } else {
+        o->q6 = _mm256_setzero_si256();
+    }
 }
 
 static inline __attribute__((always_inline)) __m256i bytes8(const uint8_t *p) {
@@ -379,14 +394,9 @@ static inline __attribute__((always_inline)) __m256 deq8(const Src *s, const uin
         const __m256 p = _mm256_mul_ps(_mm256_set1_ps(o->a), _mm256_cvtepi32_ps(q));
         return _mm256_sub_ps(p, _mm256_set1_ps(o->b));
     }
-    if (kind == Q6_K) {
-        const uint8_t *b = row + (int64_t)(sp >> 3) * 210;
-        const int j = sp & 7, h = j >> 2, t = j & 3;
-        __m256i lo = bytes8(b + h * 64 + (t & 1) * 32 + c * 8);
-        lo = t < 2 ? _mm256_and_si256(lo, f) : _mm256_srli_epi32(lo, 4);
-        __m256i hi = bytes8(b + 128 + h * 32 + c * 8);
-        hi = _mm256_and_si256(_mm256_srl_epi32(hi, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi32(3));
-        const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+    if (kind == Q6_K) { /* the span's codes 8c .. 8c + 7, sign-extended */
+        const __m128i half = c < 2 ? _mm256_castsi256_si128(o->q6) : _mm256_extracti128_si256(o->q6, 1);
+        const __m256i q = _mm256_cvtepi8_epi32(c & 1 ? _mm_unpackhi_epi64(half, half) : half);
         return _mm256_mul_ps(_mm256_set1_ps(c < 2 ? o->a : o->b), _mm256_cvtepi32_ps(q));
     }
     __m256i q;

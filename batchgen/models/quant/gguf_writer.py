@@ -2,9 +2,11 @@
 `gguf` package's writer, as llama.cpp's converter lays it out (q/k rows permuted, a byte-level BPE tokenizer in
 the metadata): the test and benchmark fixtures of the GGUF loader. Needs the gguf extra.
 
-Projections are quantized with gguf-py's quantizer where it has one (Q4_0, Q8_0); for Q4_K and Q6_K (gguf-py only
-dequantizes them) the blocks are random valid ones (finite scales, weights centred), so a file's weights are
-whatever its blocks say, which is all a loader may assume.
+Projections are quantized with gguf-py's quantizer where it has one (Q4_0, Q8_0), Q6_K by :func:`quantize_q6_k`
+(absmax scales per 16 values, ggml's block layout); for Q4_K (gguf-py only dequantizes it) the blocks are random
+valid ones (finite scales, weights centred), so a file's weights are whatever its blocks say, which is all a
+loader may assume. The LM head (``output.weight``) is float32 unless ``output_type`` names its format;
+:func:`llama_cpp_output_type` is llama.cpp's own choice for a file type.
 """
 
 from __future__ import annotations
@@ -34,17 +36,58 @@ def random_blocks(
     return torch.from_numpy(data.reshape(rows, nblocks * fmt.block_bytes))
 
 
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """``[rows, in]`` float32 (``in`` a multiple of 256) as Q6_K blocks, ``[rows, in / 256 * 210]`` uint8: per
+    16 values an int8 scale of the block's fp16 ``d`` (absmax / 32 rounded up to a multiple of it), codes
+    ``round(x / (d sc)) + 32`` in 0..63 (within one step of x), laid out as ggml's block_q6_K (ql, qh, scales, d) so that ggml's dequantization reads them back."""
+    rows, cols = w.shape
+    x = w.astype(np.float32).reshape(rows, cols // 256, 16, 16)  # [rows, blocks, sub-block, value]
+    sub_scale = np.abs(x).max(-1) / 32.0
+    d = (sub_scale.max(-1) / 127.0).astype(np.float16)
+    d32 = d.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32[..., None] > 0, np.ceil(sub_scale / d32[..., None]), 0).clip(0, 127)
+        step = d32[..., None] * sc
+        q = (
+            np.where(step[..., None] > 0, np.round(x / step[..., None]), 0).clip(-32, 31).astype(np.int32)
+            + 32
+        )
+    q = q.reshape(rows, cols // 256, 2, 128)  # two halves of 128 values
+    lo, hi = q & 0x0F, q >> 4
+    ql = np.concatenate([lo[..., 0:32] | (lo[..., 64:96] << 4), lo[..., 32:64] | (lo[..., 96:128] << 4)], -1)
+    qh = hi[..., 0:32] | (hi[..., 32:64] << 2) | (hi[..., 64:96] << 4) | (hi[..., 96:128] << 6)
+    blocks = np.concatenate(
+        [
+            ql.reshape(rows, cols // 256, 128).astype(np.uint8),
+            qh.reshape(rows, cols // 256, 64).astype(np.uint8),
+            sc.astype(np.int8).view(np.uint8).reshape(rows, cols // 256, 16),
+            d.view(np.uint8).reshape(rows, cols // 256, 2),
+        ],
+        -1,
+    )
+    return blocks.reshape(rows, cols // 256 * 210)
+
+
+def llama_cpp_output_type(file_type: int, in_features: int) -> int:
+    """The LM head's format llama.cpp's quantizer picks for a file of `file_type` (its default, no
+    ``--output-tensor-type``): Q8_0 in a Q8_0 file or when rows are not whole 256-value blocks, else Q6_K."""
+    return 8 if file_type == 8 or in_features % 256 else 14
+
+
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf row order for q/k projections (transformers reverses it on load)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(ckpt: str, out_path, types: dict[str, int] | int = 8, seed: int = 0) -> str:
+def write_gguf(
+    ckpt: str, out_path, types: dict[str, int] | int = 8, seed: int = 0, output_type: int | None = None
+) -> str:
     """Write the llama checkpoint `ckpt` (a tiny one: batchgen.models.tiny.build_checkpoint) as a GGUF file with
     its tokenizer (byte-level BPE: vocabulary and merges): every 2-D projection quantized to `types` (one ggml
-    type id, or one per GGUF tensor-name suffix such as ``attn_v``, default Q8_0), embeddings and norms float32.
-    The quantized blocks come from gguf-py's quantizer where it has one (Q4_0, Q8_0) and are random valid blocks
-    otherwise (Q4_K, Q6_K: gguf-py only dequantizes them), so the file's weights are what its blocks say."""
+    type id, or one per GGUF tensor-name suffix such as ``attn_v``, default Q8_0), the LM head in `output_type`
+    (float32 when None), embeddings and norms float32. The quantized blocks come from gguf-py's quantizer where it
+    has one (Q4_0, Q8_0), from :func:`quantize_q6_k` for Q6_K, and are random valid blocks for Q4_K (gguf-py only
+    dequantizes it), so the file's weights are what its blocks say."""
     import json
     from pathlib import Path
 
@@ -109,11 +152,17 @@ def write_gguf(ckpt: str, out_path, types: dict[str, int] | int = 8, seed: int =
             arr = _llama_cpp_permute(arr, n_head)
         elif short == "attn_k":
             arr = _llama_cpp_permute(arr, n_kv)
-        if arr.ndim == 2 and gname not in ("token_embd.weight", "output.weight"):
-            type_id = types if isinstance(types, int) else types.get(short, 8)
+        quantized = gname != "token_embd.weight" and (gname != "output.weight" or output_type is not None)
+        if arr.ndim == 2 and quantized:
+            if gname == "output.weight":
+                type_id = output_type
+            else:
+                type_id = types if isinstance(types, int) else types.get(short, 8)
             qtype = gguf.GGMLQuantizationType(type_id)
             if qtype in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0):
                 data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
+            elif qtype == gguf.GGMLQuantizationType.Q6_K:
+                data = quantize_q6_k(arr)
             else:
                 rng += 1
                 data = random_blocks(arr.shape[0], arr.shape[1], type_id, seed=seed + rng, scale=0.01).numpy()
