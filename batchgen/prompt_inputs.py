@@ -116,6 +116,8 @@ def _token_ids(index: int, ids: object, what: str) -> list[int]:
             f"got {type(ids).__name__}"
         )
     values = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # numpy arrays and tensors too
+    if set(map(type, values)) <= {int}:  # the common case, checked at C speed
+        return values
     bad = next((v for v in values if not isinstance(v, numbers.Integral) or isinstance(v, bool)), None)
     if bad is not None:
         raise ValueError(f"prompt {index}: token ids must be integers, got {bad!r} ({type(bad).__name__})")
