@@ -14,9 +14,10 @@ from s3_server import S3, s3, s3_endpoint  # noqa: F401 - fixtures
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.llm_engine import LLMEngine
-from batchgen.job.calibrate import SimRequest, StepModel, fit_step_model, simulate_schedule
+from batchgen.job.calibrate import StepModel, fit_step_model
 from batchgen.job.prefix_sim import simulate_prefix_cache
 from batchgen.job.run import run_job
+from batchgen.job.schedule_sim import SimRequest, simulate_schedule
 from batchgen.sampling_params import SamplingParams
 
 INSTRUCTION = (

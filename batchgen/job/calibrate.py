@@ -23,12 +23,8 @@ is estimated by Kaplan-Meier over the calibration's samples (:class:`OutputLengt
 ``min(L, its bound)`` at evenly spread quantiles, so the simulation sees the spread (the long tail that keeps
 a batch running) and the total is the expectation.
 
-**Schedule simulation.** The rows, in the job's feed order, go through a model of the scheduler: decodes first,
-then prefill chunks under ``max_num_batched_tokens``, admission while the sequence cap and the KV pool allow;
-a request's prefill completes with its first token, then it decodes one token per step. Each step is priced by
-the model; stretches without admissions or prefills are summed in closed form, so the simulation costs
-O(rows log rows) plus the steps that admit. On the engine's real scheduler with a known step-time model it
-reproduces the total within a few percent (``tests/test_schedule_sim.py``).
+**Schedule simulation.** The rows, in the job's feed order, with these output lengths, go through a model of
+the scheduler and its KV blocks (:mod:`.schedule_sim`), each step priced by the step model.
 
 **Range.** Relative half-width from the step model's residual, the output lengths' standard error, and the
 machine's load at calibration (a job sharing oversubscribed CPUs runs at a speed the calibration sampled and
@@ -37,12 +33,10 @@ the run will not keep, :func:`load_spread`), over a floor.
 
 from __future__ import annotations
 
-import heapq
 import math
 import os
 import random
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,109 +97,6 @@ def _collinear(a: np.ndarray, b: np.ndarray, limit: float = 0.98) -> bool:
     if a.std() == 0 or b.std() == 0:
         return True
     return abs(float(np.corrcoef(a, b)[0, 1])) > limit
-
-
-@dataclass
-class SimRequest:
-    """A row as the simulation sees it: prompt tokens to compute, prompt length, output tokens, samples."""
-
-    compute: int
-    prompt: int
-    output: int
-    n: int = 1
-
-
-@dataclass
-class SimResult:
-    seconds: float
-    steps: int
-    peak_running: int
-
-
-def simulate_schedule(
-    reqs: Sequence[SimRequest],
-    model: StepModel,
-    max_num_seqs: int,
-    max_batched_tokens: int,
-    kv_tokens: int | None,
-) -> SimResult:
-    """Seconds the engine takes over ``reqs`` in this order (module docstring)."""
-    waiting = deque(reqs)
-    prefilling: deque[list[Any]] = deque()  # [tokens left to compute, request]
-    decoders: list[tuple[int, int, int, int, int]] = []  # heap: (finish step, start step, context, n, id)
-    seqs = 0  # sequences admitted and not finished (prefilling or decoding)
-    s0 = 0  # sum over decoders of n * (context at start - start step)
-    dn = 0  # decoding sequences
-    kv_used = 0
-    kv_of: dict[int, int] = {}
-    t = 0.0
-    step = 0
-    peak = 0
-    uid = 0
-
-    def need(r: SimRequest) -> int:
-        return (r.compute + r.output) * r.n + (r.prompt - r.compute)
-
-    while waiting or prefilling or decoders:
-        can_admit = bool(waiting) and (seqs == 0 or seqs + waiting[0].n <= max_num_seqs)
-        if can_admit and kv_tokens is not None and kv_used + need(waiting[0]) > kv_tokens and seqs > 0:
-            can_admit = False
-        if not prefilling and not can_admit and decoders:
-            # a pure decode stretch until the next finish: D fixed, K growing by D each step
-            nxt = decoders[0][0]
-            k = max(1, nxt - step)
-            c = model.coef
-            kk = (s0 + dn * step) * k + dn * k * (k - 1) / 2  # sum of K over the k steps
-            t += k * (c[0] + c[2] * dn) + c[3] * kk / 1000.0
-            step += k
-        else:
-            dn0, k0 = dn, s0 + dn * step  # the sequences decoding in this step, and their context
-            budget = max(0, max_batched_tokens - dn)
-            p = 0
-            done_now = 0
-            while budget > 0 and (prefilling or can_admit):
-                if not prefilling:
-                    r = waiting.popleft()
-                    seqs += r.n
-                    kv_used += need(r)
-                    prefilling.append([max(r.compute, 1), r, uid])
-                    kv_of[uid] = need(r)
-                    uid += 1
-                item = prefilling[0]
-                take = min(budget, item[0])
-                item[0] -= take
-                budget -= take
-                p += take
-                if item[0] == 0:
-                    prefilling.popleft()
-                    r = item[1]
-                    done_now += r.n
-                    left = r.output - 1
-                    if left <= 0:
-                        seqs -= r.n
-                        kv_used -= kv_of.pop(item[2])
-                    else:
-                        heapq.heappush(decoders, (step + left + 1, step + 1, r.prompt + 1, r.n, item[2]))
-                        s0 += r.n * (r.prompt + 1 - (step + 1))
-                        dn += r.n
-                can_admit = bool(waiting) and (seqs == 0 or seqs + waiting[0].n <= max_num_seqs)
-                if (
-                    can_admit
-                    and kv_tokens is not None
-                    and kv_used + need(waiting[0]) > kv_tokens
-                    and seqs > 0
-                ):
-                    can_admit = False
-            t += model.step_time(p, dn0 + done_now, k0)
-            step += 1
-        while decoders and decoders[0][0] <= step:
-            _f, start, ctx, n, rid = heapq.heappop(decoders)
-            s0 -= n * (ctx - start)
-            dn -= n
-            seqs -= n
-            kv_used -= kv_of.pop(rid)
-        peak = max(peak, seqs)
-    return SimResult(t, step, peak)
 
 
 @dataclass

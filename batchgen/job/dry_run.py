@@ -41,15 +41,14 @@ from batchgen.engine.config import parse_bytes
 from batchgen.job.calibrate import (
     Calibration,
     CalibrationRow,
-    SimRequest,
     StepModel,
     output_bound,
     relative_spread,
     run_calibration,
-    simulate_schedule,
     strata_order,
 )
 from batchgen.job.prefix_sim import common_prefix_len, shared_run_after_start, simulate_prefix_cache
+from batchgen.job.schedule_sim import SimRequest, simulate_schedule
 from batchgen.job.tally import error_key
 
 logger = logging.getLogger("batchgen.job")
@@ -668,12 +667,15 @@ def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas)
     rows = [CalibrationRow(i, r.token_ids, r.params, strata[i], r.lora, inp.lens[i] - saved[i])  # type: ignore[arg-type]
             for i, r in inp.kept.items()]  # fmt: skip
     order = strata_order(rows)
-    pool = engine.stats.num_blocks * engine.stats.block_size or None
+    bs = engine.stats.block_size or ecfg.block_size
+    pool = engine.stats.num_blocks * bs or None
 
     def budget(cal: Calibration) -> float:
         expected = _expected_outputs(inp.bounds, cal)
         reqs = _sim_requests(inp.lens, saved, expected, inp.ns)
-        t = simulate_schedule(reqs, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool).seconds
+        t = simulate_schedule(
+            reqs, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool, bs
+        ).seconds
         return max(MIN_CALIBRATION_S, pc.calibration_fraction * t * cal.overhead * scale / max(1, replicas))
 
     # batches at the job's concurrency (its samples count against engine.max_num_seqs): the decode steps
@@ -706,7 +708,9 @@ def _predict_time(
         i += n
     times = []
     for part in parts:
-        sim = simulate_schedule(part, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool)
+        sim = simulate_schedule(
+            part, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool, inp.block_size
+        )
         times.append(sim.seconds * cal.overhead * scale)
     wall = max(times) if times else 0.0
     # reading and tokenizing the windows after the first runs beside the engine: on a CPU it competes for
