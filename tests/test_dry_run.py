@@ -3,6 +3,7 @@ the engine, its sharing notes, the Python API, and the report's prediction secti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -232,3 +233,32 @@ def test_plan_weights_bytes_follow_model_dtype(llama_ckpt: str, tmp_path: Path) 
     assert kv_element_bytes("auto", "bfloat16", llama_ckpt, on_cpu=True) == 4  # computed in float32 on a CPU
     assert kv_element_bytes("auto", "bfloat16", llama_ckpt, on_cpu=False) == 2
     assert kv_element_bytes("fp8_e5m2", "auto", llama_ckpt, on_cpu=False) == 1
+
+
+def test_calibration_keeps_to_its_budget_and_a_small_sample_widens_the_range(tiny_ckpt: str) -> None:
+    from batchgen.job.calibrate import (
+        FULL_SAMPLE_STEPS,
+        MIN_BATCH_STEPS,
+        CalibrationRow,
+        relative_spread,
+        run_calibration,
+    )
+
+    engine = _engine(tiny_ckpt, max_num_seqs=8)
+    params = SamplingParams(max_tokens=FULL_SAMPLE_STEPS + 8, temperature=0.8, seed=1, ignore_eos=True)
+    rows = [
+        CalibrationRow(i, engine.tokenizer.encode(INSTRUCTION + f"Question {i}?"), params, (0, 0))
+        for i in range(24)
+    ]
+    # a budget already spent (a job far shorter than the warm-up): the floor of steps, then it stops
+    spent = run_calibration(engine, rows, len(rows), lambda cal: 0.0, batch=8)
+    assert spent.batch_steps == MIN_BATCH_STEPS and spent.rows < len(rows) and "budget" in spent.note
+    assert spent.seconds >= spent.warmup_seconds > 0 and spent.budget == 0.0
+    assert len(spent.observations) >= spent.rows  # the rows cut short are censored observations, kept
+    # an ample budget: every row runs to its end, at the job's concurrency
+    ample = run_calibration(engine, rows[:8], 8, lambda cal: 1e9, batch=8)
+    assert ample.rows == 8 and not ample.note and ample.concurrency == 8
+    assert ample.batch_steps >= FULL_SAMPLE_STEPS
+    # the same machine load for both (the load's own term is not what this compares)
+    spent, ample = dataclasses.replace(spent, load=None), dataclasses.replace(ample, load=None)
+    assert relative_spread(spent, params.max_tokens) > relative_spread(ample, params.max_tokens) + 0.05

@@ -14,9 +14,10 @@ concurrency** (up to ``max_num_seqs`` sequences, admitted a few more each step s
 takes over a third of the budget),
 with the job's own sampling parameters (so seeded rows generate what the job will): its steps are timed at the
 batch sizes the job runs. The calibration stops when its budget — ``fraction`` of the wall time predicted
-from what it has measured so far, re-evaluated each time half of it is spent — is spent (after at least
-:data:`MIN_BATCH_STEPS` steps of a batch); rows still running are aborted and kept as censored observations
-of their output length.
+from what it has measured so far, re-evaluated each time half of it is spent, the warm-ups included — is spent
+(after at least :data:`MIN_BATCH_STEPS` steps of a batch, the floor below which the step model has nothing
+to fit); rows still running are aborted and kept as censored observations of their output length. A small
+sample (few batch steps, the job's concurrency not reached) widens the range (:func:`relative_spread`).
 
 **Output lengths.** EOS and stop strings end outputs before ``max_tokens``: the natural length distribution
 is estimated by Kaplan-Meier over the calibration's samples (:class:`OutputLengths`), each row of the job gets
@@ -43,9 +44,11 @@ from typing import Any
 
 import numpy as np
 
-MIN_BATCH_STEPS = 16
-"""Steps a calibration batch always runs (unless it finishes first): its prefill and enough decode steps at the
-job's concurrency to fit the step model, whatever the budget."""
+MIN_BATCH_STEPS = 8
+"""Steps a calibration batch always runs (unless it finishes first), whatever the budget: its prefill and a few
+decode steps, the least the step model can be fitted to."""
+FULL_SAMPLE_STEPS = 48
+"""Batch steps from which the sample's size no longer widens the range (:func:`relative_spread`)."""
 FEATURES = ("per_step", "per_prefill_token", "per_decode_seq", "per_1k_context_tokens")
 
 
@@ -206,6 +209,14 @@ class Calibration:
     """The machine's 1-minute load average when the calibration ended."""
     concurrency: int = 0
     """Most sequences the calibration ran at once."""
+    target_concurrency: int = 0
+    """The job's concurrency, which the calibration ramps to."""
+    warmup_seconds: float = 0.0
+    """Of ``seconds``: the untimed warm-up (lazy initialisation) and the timed one-sequence request."""
+    budget: float = 0.0
+    """The budget the calibration ended with (``fraction`` of the predicted time)."""
+    batch_steps: int = 0
+    """Steps timed at the job's concurrency (``steps`` less the one-sequence request's)."""
 
 
 def strata_order(rows: Sequence[CalibrationRow], seed: int = 0) -> list[CalibrationRow]:
@@ -256,9 +267,9 @@ def run_calibration(
     far; it is re-evaluated each time half of it is spent (the job's prediction sharpens as the steps
     accumulate)."""
     samples: list[tuple[float, float, float, float]] = []
-    cal = Calibration(fit_step_model([]))
+    cal = Calibration(fit_step_model([]), target_concurrency=batch)
+    t_start = time.perf_counter()  # the warm-ups count against the budget: the calibration's whole cost
     _warm_up(engine, order[0], None)  # not timed: lazy initialisation
-    t_start = time.perf_counter()
     _warm_up(engine, order[-1], samples)  # one sequence: the small-batch end of the step model
     cal.model = StepModel((sum(s[3] for s in samples) / max(1, len(samples)), 0.0, 0.0, 0.0), 0.0)
     state = {"budget": budget_s(cal), "check": 0.0}
@@ -273,6 +284,7 @@ def run_calibration(
         return state["budget"]
 
     state["check"] = state["budget"] / 2
+    cal.warmup_seconds = time.perf_counter() - t_start
     rows = order[:max_rows]
     n0 = len(samples)
     t0 = time.perf_counter()
@@ -285,6 +297,8 @@ def run_calibration(
     cal.lengths = OutputLengths.fit(cal.observations)
     cal.seconds = time.perf_counter() - t_start
     cal.steps = len(samples)
+    cal.batch_steps = len(samples) - n0
+    cal.budget = state["budget"]
     cal.step_seconds = sum(x[3] for x in samples)
     predicted = sum(cal.model.step_time(*x[:3]) for x in samples[n0:])
     cal.overhead = max(1.0, batch_wall / predicted) if predicted > 0 else 1.0
@@ -368,11 +382,13 @@ def _run_stream(
     prev = st.snapshot()
     finished = 0
     n0 = len(samples)
+    dt = 0.0
     while True:
         now = time.perf_counter() - t_start
         if now >= state["check"] and now < state["budget"]:
             refresh(_running(engine, ids))
-        if now >= state["budget"] and len(samples) - n0 >= MIN_BATCH_STEPS:
+        # stop before a step that would end past the budget (a step like the last one)
+        if now + dt >= state["budget"] and len(samples) - n0 >= MIN_BATCH_STEPS:
             cal.observations += _running(engine, ids)
             admitted = finished + len(driver.in_flight)
             task.queue.clear()  # nothing more is admitted
@@ -436,9 +452,16 @@ def relative_spread(cal: Calibration, bound: int, floor: float = 0.2, cap: float
     residual over its steps, the output lengths' standard error (:meth:`OutputLengths.spread` at the job's
     typical bound), the machine's load at calibration (:func:`load_spread`), and a floor for what none of them
     sees (the extrapolation to the whole job, fixed costs: on an idle machine the prediction still missed by up to
-    17% with the other terms under 10%); few calibrated rows widen it."""
+    17% with the other terms under 10%); a small sample widens it: few calibrated rows, fewer batch steps than
+    :data:`FULL_SAMPLE_STEPS` (a budget of a few percent of a short job), the job's concurrency not reached (the
+    per-sequence cost extrapolated to it)."""
     e_out = cal.lengths.spread(bound)
     e_fit = cal.model.residual_rel / math.sqrt(max(cal.steps, 1))
     e_load = load_spread(cal.load)
     few = 0.3 if cal.rows < 4 else 0.0
-    return min(cap, math.sqrt(floor**2 + e_out**2 + e_fit**2 + e_load**2 + few**2))
+    e_steps = 0.25 * max(0.0, 1.0 - cal.batch_steps / FULL_SAMPLE_STEPS)
+    e_conc = 0.0
+    if cal.target_concurrency > 0 and cal.concurrency < cal.target_concurrency:
+        e_conc = 0.25 * (1.0 - cal.concurrency / cal.target_concurrency)
+    terms = (floor, e_out, e_fit, e_load, few, e_steps, e_conc)
+    return min(cap, math.sqrt(sum(x * x for x in terms)))

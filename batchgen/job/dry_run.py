@@ -76,9 +76,6 @@ class PlanRow:
 KEEP_ROWS = 4096
 """Rows whose tokens the dry run keeps (an even sample of the fed rows): the calibration's candidates and the
 sample of the sharing analysis across windows. Every other row is reduced to its counts as it is read."""
-MIN_CALIBRATION_S = 0.5
-"""The calibration may always spend this long (a job of a few seconds still gets its output lengths measured);
-beyond it, at most ``plan.calibration_fraction`` of the predicted time."""
 SORTED_ANALYSIS_ROWS = 50_000
 """Up to this many rows, the order that would share most is simulated over all of them; above, over the kept
 sample."""
@@ -676,7 +673,7 @@ def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas)
         t = simulate_schedule(
             reqs, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool, bs
         ).seconds
-        return max(MIN_CALIBRATION_S, pc.calibration_fraction * t * cal.overhead * scale / max(1, replicas))
+        return pc.calibration_fraction * t * cal.overhead * scale / max(1, replicas)
 
     # batches at the job's concurrency (its samples count against engine.max_num_seqs): the decode steps
     # are timed at the batch sizes the job runs
@@ -706,12 +703,13 @@ def _predict_time(
     for wi, n in enumerate(per_window):
         parts[wi % len(parts)].extend(reqs[i : i + n])
         i += n
-    times = []
+    times, sims = [], []
     for part in parts:
         sim = simulate_schedule(
             part, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool, inp.block_size
         )
         times.append(sim.seconds * cal.overhead * scale)
+        sims.append(sim)
     wall = max(times) if times else 0.0
     # reading and tokenizing the windows after the first runs beside the engine: on a CPU it competes for
     # the same cores, on an accelerator it is hidden
@@ -720,6 +718,14 @@ def _predict_time(
     typical = int(np.median(np.asarray(inp.bounds))) if len(inp.bounds) else 0
     e = relative_spread(cal, typical)
     predicted["wall_time_s"] = wall
+    # the simulated schedule (of the tokenized rows, scaled; the longest replica's steps): the load-free part of
+    # the prediction, which the report sets beside the engine's steps and preemptions
+    predicted["schedule"] = {
+        "steps": round(max(x.steps for x in sims) * scale),
+        "preemptions": round(sum(x.preemptions for x in sims) * scale),
+        "peak_running_seqs": max(x.peak_running for x in sims),
+        "peak_kv_blocks": max(x.peak_blocks for x in sims) or None,
+    }
     predicted["wall_time_range_s"] = [wall * (1 - e), wall * (1 + e)]
     devices = max(1, replicas) * max(1, ecfg.tensor_parallel_size)
     predicted["device_hours"] = wall * devices / 3600.0
@@ -730,14 +736,18 @@ def _predict_time(
     data["calibration"] = {
         "rows": cal.rows,
         "seconds": round(cal.seconds, 3),
+        "warmup_seconds": round(cal.warmup_seconds, 3),
         "fraction_of_predicted": cal.seconds / wall if wall > 0 else None,
+        "budget_fraction": pc.calibration_fraction,
         "steps": cal.steps,
+        "batch_steps": cal.batch_steps,
         "device": dev_name,
         "overhead": cal.overhead,
         "step_model": cal.model.to_dict(),
         "output_samples": cal.lengths.observations,
         "output_samples_ended": cal.lengths.events,
         "concurrency": cal.concurrency,
+        "target_concurrency": cal.target_concurrency,
         "load": cal.load,
         "cpus": os.cpu_count(),
         "relative_spread": e,
