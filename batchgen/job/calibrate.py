@@ -14,7 +14,8 @@ concurrency** (up to ``max_num_seqs`` sequences, admitted a few more each step s
 takes over a third of the budget),
 with the job's own sampling parameters (so seeded rows generate what the job will): its steps are timed at the
 batch sizes the job runs. The calibration stops when its budget — ``fraction`` of the wall time predicted
-from what it has measured so far, re-evaluated each time half of it is spent, the warm-ups included — is spent
+from what it has measured so far, re-evaluated each time half of it is spent and before stopping, the warm-ups
+included — is spent
 (after at least :data:`MIN_BATCH_STEPS` steps of a batch, the floor below which the step model has nothing
 to fit); rows still running are aborted and kept as censored observations of their output length. A small
 sample (few batch steps, the job's concurrency not reached) widens the range (:func:`relative_spread`).
@@ -39,7 +40,7 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,8 @@ import numpy as np
 MIN_BATCH_STEPS = 8
 """Steps a calibration batch always runs (unless it finishes first), whatever the budget: its prefill and a few
 decode steps, the least the step model can be fitted to."""
+WARM_UP_TOKENS = 8
+"""Prompt tokens of the untimed warm-up request."""
 FULL_SAMPLE_STEPS = 48
 """Batch steps from which the sample's size no longer widens the range (:func:`relative_spread`)."""
 FEATURES = ("per_step", "per_prefill_token", "per_decode_seq", "per_1k_context_tokens")
@@ -147,6 +150,10 @@ class OutputLengths:
         surv = np.cumprod(q)
         exposure = float(at_risk[1:].sum())
         return cls(surv, float(d.sum()) / exposure if exposure else 0.0, len(obs), int(d.sum()))
+
+    def at_least(self) -> OutputLengths:
+        """The shortest lengths the samples allow: every sample still running at the horizon ends there."""
+        return OutputLengths(self.survival, 1.0, self.observations, self.events)
 
     def survival_to(self, t_max: int) -> np.ndarray:
         """``P(L > t)`` for ``t = 0 .. t_max``."""
@@ -264,16 +271,27 @@ def run_calibration(
     ``batch`` (the job's concurrency) unfinished, each step timed, until they are done or the budget is spent;
     then the rows still running are aborted, their lengths so far kept as censored observations
     (:class:`OutputLengths`). ``budget_s(calibration) -> seconds`` is the budget given what is measured so
-    far; it is re-evaluated each time half of it is spent (the job's prediction sharpens as the steps
-    accumulate)."""
+    far; it is re-evaluated each time half of it is spent and before the calibration stops (the job's
+    prediction sharpens as the steps accumulate)."""
     samples: list[tuple[float, float, float, float]] = []
     cal = Calibration(fit_step_model([]), target_concurrency=batch)
     t_start = time.perf_counter()  # the warm-ups count against the budget: the calibration's whole cost
-    _warm_up(engine, order[0], None)  # not timed: lazy initialisation
+    # not timed: lazy initialisation (a few tokens are enough, and cost the budget least)
+    _warm_up(engine, replace(order[0], token_ids=order[0].token_ids[:WARM_UP_TOKENS]), None)
     _warm_up(engine, order[-1], samples)  # one sequence: the small-batch end of the step model
-    cal.model = StepModel((sum(s[3] for s in samples) / max(1, len(samples)), 0.0, 0.0, 0.0), 0.0)
-    state = {"budget": budget_s(cal), "check": 0.0}
-    ramp = _affordable_batch(samples, order, batch, state["budget"])
+    cal.model = _one_sequence_model(samples)
+    state = {"budget": budget_s(cal), "check": 0.0, "fitted": 0}
+    row_s = _row_prefill_seconds(samples, order, batch)
+
+    def admit(in_flight: int) -> int:
+        """Rows that may be unfinished after this step: ``in_flight`` and a step's prefills taking at most a
+        third of the budget, the rows' prefills all told at most half of it (then the job's concurrency is
+        not reached, and the range says so), at least a few."""
+        if row_s <= 0:
+            return batch
+        b = state["budget"]
+        step = max(min(batch, 4), int(b / 3 / row_s))
+        return max(min(batch, 4), min(batch, in_flight + step, int(b / 2 / row_s)))
 
     def refresh(running: Sequence[tuple[int, bool]] = ()) -> float:
         cal.model = fit_step_model(samples)
@@ -281,6 +299,7 @@ def run_calibration(
         cal.seconds = time.perf_counter() - t_start
         state["budget"] = budget_s(cal)
         state["check"] = cal.seconds + max(0.05, (state["budget"] - cal.seconds) / 2)
+        state["fitted"] = len(samples)
         return state["budget"]
 
     state["check"] = state["budget"] / 2
@@ -288,7 +307,7 @@ def run_calibration(
     rows = order[:max_rows]
     n0 = len(samples)
     t0 = time.perf_counter()
-    admitted, finished = _run_stream(engine, rows, batch, ramp, samples, cal, t_start, state, refresh)
+    admitted, finished = _run_stream(engine, rows, admit, samples, cal, t_start, state, refresh)
     batch_wall = time.perf_counter() - t0
     cal.rows = admitted
     if finished < admitted:
@@ -306,24 +325,30 @@ def run_calibration(
     return cal
 
 
-def _affordable_batch(
-    samples: Sequence[tuple[float, float, float, float]],
-    order: Sequence[CalibrationRow],
-    batch: int,
-    budget: float,
-) -> int:
-    """Rows whose prefill (of the tokens the job computes, after sharing) takes at most a third of the
-    budget, by the prefill cost per token the timed warm-up showed (its first step computed its prompt, the
-    next decoded one token): the calibration admits this many more a step, so long prompts leave time to
-    time decode steps and see output lengths."""
+def _one_sequence_model(samples: Sequence[tuple[float, float, float, float]]) -> StepModel:
+    """The first step model, from the timed one-sequence request (a prefill step, then a decode step): per
+    step the decode step's time, per prompt token the prefill step's excess over it. It errs short (a batch's
+    steps cost more), so the first budget errs small, and the budget re-evaluated before stopping grows it."""
+    if not samples:
+        return StepModel((0.0, 0.0, 0.0, 0.0), 0.0)
     if len(samples) < 2 or samples[0][0] <= 0:
-        return batch
+        return StepModel((sum(x[3] for x in samples) / len(samples), 0.0, 0.0, 0.0), 0.0)
+    decode = samples[-1][3]
+    return StepModel((decode, max(0.0, samples[0][3] - decode) / samples[0][0], 0.0, 0.0), 0.0)
+
+
+def _row_prefill_seconds(
+    samples: Sequence[tuple[float, float, float, float]], order: Sequence[CalibrationRow], batch: int
+) -> float:
+    """Seconds a row's prefill (of the tokens the job computes, after sharing) takes, by the prefill cost per
+    token the timed warm-up showed (its first step computed its prompt, the next decoded one token); 0 when
+    it cannot tell."""
+    if len(samples) < 2 or samples[0][0] <= 0:
+        return 0.0
     per_token = max(0.0, samples[0][3] - samples[-1][3]) / samples[0][0]
     head = order[:batch]
     mean_prompt = sum(len(r.token_ids) if r.compute is None else r.compute for r in head) / max(1, len(head))
-    if per_token * mean_prompt <= 0:
-        return batch
-    return max(min(batch, 4), min(batch, int(budget / 3 / (per_token * mean_prompt))))
+    return per_token * mean_prompt
 
 
 def _warm_up(
@@ -331,8 +356,6 @@ def _warm_up(
 ) -> None:
     """One short request (2 tokens of ``row``): lazy initialisation (kernels, graphs, allocator) out of the
     timings when ``samples`` is None; else its steps timed into ``samples``."""
-    from dataclasses import replace
-
     from batchgen.driver import Driver, EngineRequest, Requests
 
     params = replace(row.params, max_tokens=2, min_tokens=0) if row.params is not None else None
@@ -355,8 +378,7 @@ def _warm_up(
 def _run_stream(
     engine: Any,
     rows: Sequence[CalibrationRow],
-    concurrency: int,
-    ramp: int,
+    admit: Any,
     samples: list[tuple[float, float, float, float]],
     cal: Calibration,
     t_start: float,
@@ -364,8 +386,8 @@ def _run_stream(
     refresh: Any,
 ) -> tuple[int, int]:
     """Feed ``rows`` to the engine as the job does (a finished row's place taken by the next, at most
-    ``concurrency`` unfinished, reached ``ramp`` more rows a step so no step's prefill is too long), each
-    step timed, until they are all done or the budget is spent (after at
+    ``admit(unfinished rows allowed so far)`` unfinished: ramped to the job's concurrency so no step's prefill
+    is too long), each step timed, until they are all done or the budget is spent (after at
     least :data:`MIN_BATCH_STEPS` steps): the rows still running are then aborted, their samples' lengths so
     far kept as censored observations. Returns (rows admitted, rows finished)."""
     from batchgen.driver import Driver, EngineRequest, Requests
@@ -375,7 +397,7 @@ def _run_stream(
         EngineRequest(rid, list(r.token_ids), r.params, lora_request=r.lora) for rid, r in ids.items()
     ]
     task = Requests(requests, lambda outs: None)
-    driver = Driver(engine, task, max_in_flight=ramp)
+    driver = Driver(engine, task, max_in_flight=admit(0))
     steps = driver.steps()
     st = engine.stats
     bs = max(1, st.block_size)
@@ -385,10 +407,16 @@ def _run_stream(
     dt = 0.0
     while True:
         now = time.perf_counter() - t_start
-        if now >= state["check"] and now < state["budget"]:
+        over = now + dt >= state["budget"]  # a step like the last one would end past the budget
+        enough = len(samples) - n0 >= MIN_BATCH_STEPS
+        # the budget re-evaluated halfway, and before stopping with a quarter more steps than it was fitted
+        # to (the first estimate, from one sequence's steps, may be far off the job's)
+        if (now >= state["check"] and not over) or (
+            over and enough and len(samples) >= 1.25 * state["fitted"]
+        ):
             refresh(_running(engine, ids))
-        # stop before a step that would end past the budget (a step like the last one)
-        if now + dt >= state["budget"] and len(samples) - n0 >= MIN_BATCH_STEPS:
+            over = now + dt >= state["budget"]
+        if over and enough:
             cal.observations += _running(engine, ids)
             admitted = finished + len(driver.in_flight)
             task.queue.clear()  # nothing more is admitted
@@ -409,7 +437,7 @@ def _run_stream(
         if p or d:
             samples.append((float(p), float(d), float(k), dt))
         cal.concurrency = max(cal.concurrency, int(d))
-        driver.max_in_flight = min(concurrency, (driver.max_in_flight or concurrency) + ramp)
+        driver.max_in_flight = admit(driver.max_in_flight or 0)
         for out in outs:
             r = ids.pop(out.request_id, None)
             if r is None:

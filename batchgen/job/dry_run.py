@@ -668,7 +668,7 @@ def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas)
     pool = engine.stats.num_blocks * bs or None
 
     def budget(cal: Calibration) -> float:
-        expected = _expected_outputs(inp.bounds, cal)
+        expected = _expected_outputs(inp.bounds, cal, lower=True)
         reqs = _sim_requests(inp.lens, saved, expected, inp.ns)
         t = simulate_schedule(
             reqs, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool, bs
@@ -683,10 +683,17 @@ def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas)
     return run_calibration(engine, order, max_rows, budget, batch)
 
 
-def _expected_outputs(bounds, cal: Calibration | None) -> list[float]:  # noqa: ANN001
+def _expected_outputs(bounds, cal: Calibration | None, lower: bool = False) -> list[float]:  # noqa: ANN001
     """Each row's output tokens per sample: its bound without a calibration; else ``min(L, bound)`` at evenly
     spread quantiles of the calibrated length distribution (:class:`OutputLengths`), so the simulation sees
-    the spread of lengths (the long tail that keeps a batch running) and their total is the expectation."""
+    the spread of lengths (the long tail that keeps a batch running) and their total is the expectation.
+    ``lower``: the least the samples seen so far allow (every sample still running ends at once; one token
+    each before any was seen), for the calibration's budget: it only grows as the calibration sees longer
+    outputs, so the calibration never spends on a job it thought longer than it turns out."""
+    if lower:
+        if cal is None or not cal.lengths.observations:
+            return [1.0 if b > 0 else 0.0 for b in bounds]
+        return [float(x) for x in cal.lengths.at_least().quantiles(bounds)]
     if cal is None or not cal.observations:
         return [float(b) for b in bounds]
     return [float(x) for x in cal.lengths.quantiles(bounds)]
