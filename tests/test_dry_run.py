@@ -113,10 +113,12 @@ def test_dry_run_plans_without_touching_the_output_then_the_report_compares(
     assert p["prefix_hit_rate"]["predicted"] == pytest.approx(report["tokens"]["prefix_hit_rate"], abs=0.02)
     assert p["prompt_tokens"]["actual"] == p["prompt_tokens"]["predicted"]
     assert p["wall_time_s"]["actual"] == report["run"]["wall_time_s"] and "error" in p["wall_time_s"]
+    assert p["engine_steps"]["actual"] == report["scheduler"]["steps"]
+    assert p["engine_steps"]["predicted"] == plan["predicted"]["schedule"]["steps"] > 0
     assert p["load"]["plan"] == plan["calibration"]["load"] and p["load"]["run"] >= 0  # why a run deviated
     from batchgen.job.report import format_table
 
-    assert "planned wall time" in format_table(report)
+    assert "planned wall time" in format_table(report) and "planned engine steps" in format_table(report)
 
 
 def test_sample_rows_and_sharing_notes(tiny_ckpt: str, tmp_path: Path) -> None:

@@ -141,6 +141,9 @@ def test_output_lengths_from_censored_samples() -> None:
         assert sum(qs) / len(qs) == pytest.approx(truth, rel=0.1) and max(qs) <= bound
     # no sample ended (every one reached its bound or was cut): every row runs to its bound
     assert OutputLengths.fit([(5, False), (9, False)]).expected(40) == pytest.approx(40)
+    # the least the samples allow (what the calibration's budget assumes): the running ones end at the horizon
+    assert OutputLengths.fit([(5, False), (9, False)]).at_least().expected(40) == pytest.approx(10)
+    assert 8 < km.at_least().expected(64) <= 13 < km.expected(64)
     # dropping the censored samples would bias short; the estimate keeps them
     assert km.expected(64) > 1.3 * OutputLengths.fit([o for o in obs if o[1]]).expected(64)
     assert 0 < km.spread(64) < 0.5

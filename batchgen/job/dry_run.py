@@ -699,15 +699,12 @@ def _expected_outputs(bounds, cal: Calibration | None, lower: bool = False) -> l
     return [float(x) for x in cal.lengths.quantiles(bounds)]
 
 
-def _predict_time(
-    data, predicted, cal, lens, cached, expected, ns, inp, ecfg, scale, replicas, pool, pc, dev_name
-) -> None:  # noqa: ANN001
-    reqs = _sim_requests(lens, cached, expected, ns)
-    # replicas take whole windows in turn; each replica's part is simulated on its own
-    per_window = inp.window_sizes
+def _simulate_parts(reqs, cal, inp, ecfg, scale, replicas, pool) -> tuple[list[float], list[Any], list[int]]:  # noqa: ANN001
+    """Each replica's predicted seconds, simulation and rows: replicas take whole windows in turn, each replica's
+    part simulated on its own."""
     parts: list[list[SimRequest]] = [[] for _ in range(max(1, replicas))]
     i = 0
-    for wi, n in enumerate(per_window):
+    for wi, n in enumerate(inp.window_sizes):
         parts[wi % len(parts)].extend(reqs[i : i + n])
         i += n
     times, sims = [], []
@@ -717,11 +714,26 @@ def _predict_time(
         )
         times.append(sim.seconds * cal.overhead * scale)
         sims.append(sim)
+    return times, sims, [len(p) for p in parts]
+
+
+def _predict_time(
+    data, predicted, cal, lens, cached, expected, ns, inp, ecfg, scale, replicas, pool, pc, dev_name
+) -> None:  # noqa: ANN001
+    times, sims, rows = _simulate_parts(
+        _sim_requests(lens, cached, expected, ns), cal, inp, ecfg, scale, replicas, pool
+    )
     wall = max(times) if times else 0.0
+    # the least the calibration's samples allow (outputs still running when it stopped end at once): where
+    # it stopped short of the lengths, the range reaches down to it
+    shortest = _expected_outputs(inp.bounds, cal, lower=True)
+    wall_min = max(_simulate_parts(_sim_requests(lens, cached, shortest, ns), cal, inp, ecfg, scale, replicas,
+                                   pool)[0], default=0.0)  # fmt: skip
     # reading and tokenizing the windows after the first runs beside the engine: on a CPU it competes for
     # the same cores, on an accelerator it is hidden
     if dev_name == "cpu" and len(inp.window_sizes) > 1:
         wall += inp.read_seconds * scale * (1 - 1 / len(inp.window_sizes))
+        wall_min += inp.read_seconds * scale * (1 - 1 / len(inp.window_sizes))
     typical = int(np.median(np.asarray(inp.bounds))) if len(inp.bounds) else 0
     e = relative_spread(cal, typical)
     predicted["wall_time_s"] = wall
@@ -733,13 +745,13 @@ def _predict_time(
         "peak_running_seqs": max(x.peak_running for x in sims),
         "peak_kv_blocks": max(x.peak_blocks for x in sims) or None,
     }
-    predicted["wall_time_range_s"] = [wall * (1 - e), wall * (1 + e)]
+    predicted["wall_time_range_s"] = [min(wall, wall_min) * (1 - e), wall * (1 + e)]
     devices = max(1, replicas) * max(1, ecfg.tensor_parallel_size)
     predicted["device_hours"] = wall * devices / 3600.0
     predicted["cost"] = predicted["device_hours"] * pc.cost_per_hour if pc.cost_per_hour is not None else None
     if replicas > 1:
-        data["shards"] = [{"index": k, "rows": round(len(p) * scale), "wall_time_s": t}
-                          for k, (p, t) in enumerate(zip(parts, times))]  # fmt: skip
+        data["shards"] = [{"index": k, "rows": round(p * scale), "wall_time_s": t}
+                          for k, (p, t) in enumerate(zip(rows, times))]  # fmt: skip
     data["calibration"] = {
         "rows": cal.rows,
         "seconds": round(cal.seconds, 3),

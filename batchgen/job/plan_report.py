@@ -133,6 +133,10 @@ def prediction_lines(pred: dict[str, Any]) -> list[tuple[str, str]]:
     g = pred["generated_tokens"]
     if g.get("predicted") is not None:
         lines.append(("planned generated tokens", f"{_num(g['predicted'])}; actual {_num(g.get('actual'))}"))
+    st, pre = pred.get("engine_steps") or {}, pred.get("preemptions") or {}
+    if st.get("predicted") is not None:
+        lines.append(("planned engine steps", f"{_num(st['predicted'])} ({_num(pre.get('predicted'))} preemptions); "
+                      f"actual {_num(st.get('actual'))} ({_num(pre.get('actual'))})"))  # fmt: skip
     return lines
 
 
@@ -175,6 +179,11 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(("predicted wall time", f"{_dur(pred.get('wall_time_s'))} [{_dur(rng[0])} - {_dur(rng[1])}]"
                   + (f", {pred['device_hours']:.4g} device-hours" if pred.get("device_hours") is not None else "")
                   + (f", cost {pred['cost']:.4g}" if pred.get("cost") is not None else "")))  # fmt: skip
+    sim = pred.get("schedule")
+    if sim:
+        lines.append(("simulated schedule", f"{_num(sim.get('steps'))} engine steps, {_num(sim.get('preemptions'))} "
+                      f"preemptions, at most {_num(sim.get('peak_running_seqs'))} sequences"
+                      + (f" and {sim['peak_kv_blocks']} KV blocks" if sim.get("peak_kv_blocks") else "")))  # fmt: skip
     alls = pred.get("all_shards")
     if alls:
         lines.append(("all shards", f"{alls['shards']} shards, {alls['rows']} rows: about "
