@@ -414,8 +414,10 @@ def _run_stream(
         if (now >= state["check"] and not over) or (
             over and enough and len(samples) >= 1.25 * state["fitted"]
         ):
+            was_over = over
             refresh(_running(engine, ids))
-            over = now + dt >= state["budget"]
+            # past the budget, it goes on only for a budget grown well beyond (a noisy fit may shrink it next)
+            over = now + dt >= state["budget"] / (1.25 if was_over else 1.0)
         if over and enough:
             cal.observations += _running(engine, ids)
             admitted = finished + len(driver.in_flight)
