@@ -3,7 +3,8 @@ output lengths it saw, and a simulation of the engine's schedule over every row 
 
 **Step-time model.** One engine step costs ``c0 + a * P + b * D + k * K`` seconds: ``P`` prompt tokens
 computed in the step (after prefix sharing), ``D`` sequences that produced a token, ``K`` thousands of tokens
-held by the running sequences (the attention's reads). The coefficients are fitted by least squares over the
+in the running sequences' contexts (the attention's reads: a prefix block shared by several sequences counts
+once per sequence, as the simulation counts it). The coefficients are fitted by least squares over the
 calibration's timed steps, a term whose coefficient comes out negative (or that the steps do not vary apart
 from the others) being dropped.
 
@@ -371,7 +372,7 @@ def _warm_up(
         if samples is not None:
             p = st.prompt_tokens_computed - prev.prompt_tokens_computed
             d = st.generated_tokens - prev.generated_tokens
-            samples.append((float(p), float(d), float(st.kv_blocks_used * max(1, st.block_size)), dt))
+            samples.append((float(p), float(d), _context_tokens(engine), dt))
         prev = st.snapshot()
 
 
@@ -400,7 +401,6 @@ def _run_stream(
     driver = Driver(engine, task, max_in_flight=admit(0))
     steps = driver.steps()
     st = engine.stats
-    bs = max(1, st.block_size)
     prev = st.snapshot()
     finished = 0
     n0 = len(samples)
@@ -434,7 +434,7 @@ def _run_stream(
         st = engine.stats
         p = st.prompt_tokens_computed - prev.prompt_tokens_computed
         d = st.generated_tokens - prev.generated_tokens
-        k = st.kv_blocks_used * bs
+        k = _context_tokens(engine)
         prev = st.snapshot()
         if p or d:
             samples.append((float(p), float(d), float(k), dt))
@@ -452,6 +452,17 @@ def _run_stream(
                 ended = getattr(c, "finish_reason", None) == "stop"
                 cal.observations.append((n, ended))
     return finished, finished
+
+
+def _context_tokens(engine: Any) -> float:
+    """The step model's ``K``: tokens the running sequences attend over, each sequence's whole context (a
+    prefix block several sequences share is read by each), as the schedule simulation counts it; from the KV
+    blocks held where the engine does not show its sequences."""
+    sched = getattr(engine, "scheduler", None)
+    if sched is not None and hasattr(sched, "running_seqs"):
+        return float(sum(s.num_computed_tokens for s in sched.running_seqs()))
+    st = engine.stats
+    return float(st.kv_blocks_used * max(1, st.block_size))
 
 
 def load_spread(load: float | None, cpus: int | None = None) -> float:
