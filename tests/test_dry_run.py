@@ -102,6 +102,9 @@ def test_dry_run_plans_without_touching_the_output_then_the_report_compares(
     )
     assert pred["cost"] == pytest.approx(pred["device_hours"] * 2.0)
     assert plan["calibration"]["rows"] >= 2
+    cal = plan["calibration"]
+    assert cal["fraction_of_predicted"] == pytest.approx(cal["seconds"] / pred["wall_time_s"], rel=0.05)
+    assert cal["budget_fraction"] == 0.05 and cal["batch_steps"] >= 1 and cal["budget_s"] >= 0
     assert plan["memory"]["kv_bytes_per_token"] > 0 and plan["recommended"]["engine.max_num_seqs"] >= 1
     assert "character" in plan["sharing"]["first_difference"]
     # the real job, on a fresh engine: the report sets the prediction beside what happened

@@ -758,6 +758,7 @@ def _predict_time(
         "warmup_seconds": round(cal.warmup_seconds, 3),
         "fraction_of_predicted": cal.seconds / wall if wall > 0 else None,
         "budget_fraction": pc.calibration_fraction,
+        "budget_s": round(cal.budget, 3),
         "steps": cal.steps,
         "batch_steps": cal.batch_steps,
         "device": dev_name,
