@@ -3,6 +3,7 @@ the engine, its sharing notes, the Python API, and the report's prediction secti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,9 +15,10 @@ from s3_server import S3, s3, s3_endpoint  # noqa: F401 - fixtures
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.llm_engine import LLMEngine
-from batchgen.job.calibrate import SimRequest, StepModel, fit_step_model, simulate_schedule
+from batchgen.job.calibrate import StepModel, fit_step_model
 from batchgen.job.prefix_sim import simulate_prefix_cache
 from batchgen.job.run import run_job
+from batchgen.job.schedule_sim import SimRequest, simulate_schedule
 from batchgen.sampling_params import SamplingParams
 
 INSTRUCTION = (
@@ -100,6 +102,9 @@ def test_dry_run_plans_without_touching_the_output_then_the_report_compares(
     )
     assert pred["cost"] == pytest.approx(pred["device_hours"] * 2.0)
     assert plan["calibration"]["rows"] >= 2
+    cal = plan["calibration"]
+    assert cal["fraction_of_predicted"] == pytest.approx(cal["seconds"] / pred["wall_time_s"], rel=0.05)
+    assert cal["budget_fraction"] == 0.05 and cal["batch_steps"] >= 1 and cal["budget_s"] >= 0
     assert plan["memory"]["kv_bytes_per_token"] > 0 and plan["recommended"]["engine.max_num_seqs"] >= 1
     assert "character" in plan["sharing"]["first_difference"]
     # the real job, on a fresh engine: the report sets the prediction beside what happened
@@ -111,10 +116,12 @@ def test_dry_run_plans_without_touching_the_output_then_the_report_compares(
     assert p["prefix_hit_rate"]["predicted"] == pytest.approx(report["tokens"]["prefix_hit_rate"], abs=0.02)
     assert p["prompt_tokens"]["actual"] == p["prompt_tokens"]["predicted"]
     assert p["wall_time_s"]["actual"] == report["run"]["wall_time_s"] and "error" in p["wall_time_s"]
+    assert p["engine_steps"]["actual"] == report["scheduler"]["steps"]
+    assert p["engine_steps"]["predicted"] == plan["predicted"]["schedule"]["steps"] > 0
     assert p["load"]["plan"] == plan["calibration"]["load"] and p["load"]["run"] >= 0  # why a run deviated
     from batchgen.job.report import format_table
 
-    assert "planned wall time" in format_table(report)
+    assert "planned wall time" in format_table(report) and "planned engine steps" in format_table(report)
 
 
 def test_sample_rows_and_sharing_notes(tiny_ckpt: str, tmp_path: Path) -> None:
@@ -231,3 +238,32 @@ def test_plan_weights_bytes_follow_model_dtype(llama_ckpt: str, tmp_path: Path) 
     assert kv_element_bytes("auto", "bfloat16", llama_ckpt, on_cpu=True) == 4  # computed in float32 on a CPU
     assert kv_element_bytes("auto", "bfloat16", llama_ckpt, on_cpu=False) == 2
     assert kv_element_bytes("fp8_e5m2", "auto", llama_ckpt, on_cpu=False) == 1
+
+
+def test_calibration_keeps_to_its_budget_and_a_small_sample_widens_the_range(tiny_ckpt: str) -> None:
+    from batchgen.job.calibrate import (
+        FULL_SAMPLE_STEPS,
+        MIN_BATCH_STEPS,
+        CalibrationRow,
+        relative_spread,
+        run_calibration,
+    )
+
+    engine = _engine(tiny_ckpt, max_num_seqs=8)
+    params = SamplingParams(max_tokens=FULL_SAMPLE_STEPS + 8, temperature=0.8, seed=1, ignore_eos=True)
+    rows = [
+        CalibrationRow(i, engine.tokenizer.encode(INSTRUCTION + f"Question {i}?"), params, (0, 0))
+        for i in range(24)
+    ]
+    # a budget already spent (a job far shorter than the warm-up): the floor of steps, then it stops
+    spent = run_calibration(engine, rows, len(rows), lambda cal: 0.0, batch=8)
+    assert spent.batch_steps == MIN_BATCH_STEPS and spent.rows < len(rows) and "budget" in spent.note
+    assert spent.seconds >= spent.warmup_seconds > 0 and spent.budget == 0.0
+    assert len(spent.observations) >= spent.rows  # the rows cut short are censored observations, kept
+    # an ample budget: every row runs to its end, at the job's concurrency
+    ample = run_calibration(engine, rows[:8], 8, lambda cal: 1e9, batch=8)
+    assert ample.rows == 8 and not ample.note and ample.concurrency == 8
+    assert ample.batch_steps >= FULL_SAMPLE_STEPS
+    # the same machine load for both (the load's own term is not what this compares)
+    spent, ample = dataclasses.replace(spent, load=None), dataclasses.replace(ample, load=None)
+    assert relative_spread(spent, params.max_tokens) > relative_spread(ample, params.max_tokens) + 0.05

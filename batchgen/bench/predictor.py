@@ -114,6 +114,16 @@ WORKLOADS = {
         {"max_num_seqs": 24},
         {"window_rows": 90, "group_by_prefix": False},
     ),  # fmt: skip
+    "kv-bound": Workload(
+        "kv-bound",
+        "no sharing, 20-60 word prompts, 96 tokens at T=0.8, 48 sequences on a KV pool of 192 blocks (the pool "
+        "binds: sequences wait and are preempted as contexts grow); tiny",
+        lambda rng, n: [_words(rng, 20, 60) for _ in range(n)],
+        240,
+        {"temperature": 0.8, "max_tokens": 96},
+        {"max_num_seqs": 48, "num_blocks": 192},
+        {"window_rows": 120},
+    ),  # fmt: skip
 }
 
 
@@ -171,6 +181,10 @@ def run_workload(w: Workload, root: Path, scale: float = 1.0, seed: int = 0) -> 
         "actual_hit_rate": p["prefix_hit_rate"]["actual"],
         "predicted_output_tokens": p["generated_tokens"]["predicted"],
         "actual_output_tokens": p["generated_tokens"]["actual"],
+        "predicted_steps": (p.get("engine_steps") or {}).get("predicted"),
+        "actual_steps": (p.get("engine_steps") or {}).get("actual"),
+        "predicted_preemptions": (p.get("preemptions") or {}).get("predicted"),
+        "actual_preemptions": (p.get("preemptions") or {}).get("actual"),
         "calibration_s": plan["calibration"]["seconds"],
         "calibration_rows": plan["calibration"]["rows"],
         "calibration_fraction": plan["calibration"]["seconds"] / pw if pw else None,
@@ -203,7 +217,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"[{r['range_s'][0]:.1f}-{r['range_s'][1]:.1f}] actual {r['actual_wall_s']:7.1f} s "
                 f"({r['wall_error']:+.0%}, {'inside' if r['inside_range'] else 'OUTSIDE'})  hit rate "
                 f"{r['predicted_hit_rate']:.3f} vs {r['actual_hit_rate']:.3f}  output tokens "
-                f"{r['predicted_output_tokens']} vs {r['actual_output_tokens']}  calibration "
+                f"{r['predicted_output_tokens']} vs {r['actual_output_tokens']}  steps {r['predicted_steps']} vs "
+                f"{r['actual_steps']}  preemptions {r['predicted_preemptions']} vs {r['actual_preemptions']}  "
+                "calibration "
                 f"{r['calibration_rows']} rows {r['calibration_s']:.2f} s ({r['calibration_fraction']:.1%})  "
                 f"load {r['load_plan']:.1f} at plan, {r['load_run']:.1f} at run",
                 flush=True,

@@ -3,7 +3,8 @@ output lengths it saw, and a simulation of the engine's schedule over every row 
 
 **Step-time model.** One engine step costs ``c0 + a * P + b * D + k * K`` seconds: ``P`` prompt tokens
 computed in the step (after prefix sharing), ``D`` sequences that produced a token, ``K`` thousands of tokens
-held by the running sequences (the attention's reads). The coefficients are fitted by least squares over the
+in the running sequences' contexts (the attention's reads: a prefix block shared by several sequences counts
+once per sequence, as the simulation counts it). The coefficients are fitted by least squares over the
 calibration's timed steps, a term whose coefficient comes out negative (or that the steps do not vary apart
 from the others) being dropped.
 
@@ -14,21 +15,19 @@ concurrency** (up to ``max_num_seqs`` sequences, admitted a few more each step s
 takes over a third of the budget),
 with the job's own sampling parameters (so seeded rows generate what the job will): its steps are timed at the
 batch sizes the job runs. The calibration stops when its budget — ``fraction`` of the wall time predicted
-from what it has measured so far, re-evaluated each time half of it is spent — is spent (after at least
-:data:`MIN_BATCH_STEPS` steps of a batch); rows still running are aborted and kept as censored observations
-of their output length.
+from what it has measured so far, re-evaluated each time half of it is spent and before stopping, the warm-ups
+included — is spent
+(after at least :data:`MIN_BATCH_STEPS` steps of a batch, the floor below which the step model has nothing
+to fit); rows still running are aborted and kept as censored observations of their output length. A small
+sample (few batch steps, the job's concurrency not reached) widens the range (:func:`relative_spread`).
 
 **Output lengths.** EOS and stop strings end outputs before ``max_tokens``: the natural length distribution
 is estimated by Kaplan-Meier over the calibration's samples (:class:`OutputLengths`), each row of the job gets
 ``min(L, its bound)`` at evenly spread quantiles, so the simulation sees the spread (the long tail that keeps
 a batch running) and the total is the expectation.
 
-**Schedule simulation.** The rows, in the job's feed order, go through a model of the scheduler: decodes first,
-then prefill chunks under ``max_num_batched_tokens``, admission while the sequence cap and the KV pool allow;
-a request's prefill completes with its first token, then it decodes one token per step. Each step is priced by
-the model; stretches without admissions or prefills are summed in closed form, so the simulation costs
-O(rows log rows) plus the steps that admit. On the engine's real scheduler with a known step-time model it
-reproduces the total within a few percent (``tests/test_schedule_sim.py``).
+**Schedule simulation.** The rows, in the job's feed order, with these output lengths, go through a model of
+the scheduler and its KV blocks (:mod:`.schedule_sim`), each step priced by the step model.
 
 **Range.** Relative half-width from the step model's residual, the output lengths' standard error, and the
 machine's load at calibration (a job sharing oversubscribed CPUs runs at a speed the calibration sampled and
@@ -37,21 +36,23 @@ the run will not keep, :func:`load_spread`), over a floor.
 
 from __future__ import annotations
 
-import heapq
 import math
 import os
 import random
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-MIN_BATCH_STEPS = 16
-"""Steps a calibration batch always runs (unless it finishes first): its prefill and enough decode steps at the
-job's concurrency to fit the step model, whatever the budget."""
+MIN_BATCH_STEPS = 8
+"""Steps a calibration batch always runs (unless it finishes first), whatever the budget: its prefill and a few
+decode steps, the least the step model can be fitted to."""
+WARM_UP_TOKENS = 8
+"""Prompt tokens of the untimed warm-up request."""
+FULL_SAMPLE_STEPS = 48
+"""Batch steps from which the sample's size no longer widens the range (:func:`relative_spread`)."""
 FEATURES = ("per_step", "per_prefill_token", "per_decode_seq", "per_1k_context_tokens")
 
 
@@ -106,109 +107,6 @@ def _collinear(a: np.ndarray, b: np.ndarray, limit: float = 0.98) -> bool:
 
 
 @dataclass
-class SimRequest:
-    """A row as the simulation sees it: prompt tokens to compute, prompt length, output tokens, samples."""
-
-    compute: int
-    prompt: int
-    output: int
-    n: int = 1
-
-
-@dataclass
-class SimResult:
-    seconds: float
-    steps: int
-    peak_running: int
-
-
-def simulate_schedule(
-    reqs: Sequence[SimRequest],
-    model: StepModel,
-    max_num_seqs: int,
-    max_batched_tokens: int,
-    kv_tokens: int | None,
-) -> SimResult:
-    """Seconds the engine takes over ``reqs`` in this order (module docstring)."""
-    waiting = deque(reqs)
-    prefilling: deque[list[Any]] = deque()  # [tokens left to compute, request]
-    decoders: list[tuple[int, int, int, int, int]] = []  # heap: (finish step, start step, context, n, id)
-    seqs = 0  # sequences admitted and not finished (prefilling or decoding)
-    s0 = 0  # sum over decoders of n * (context at start - start step)
-    dn = 0  # decoding sequences
-    kv_used = 0
-    kv_of: dict[int, int] = {}
-    t = 0.0
-    step = 0
-    peak = 0
-    uid = 0
-
-    def need(r: SimRequest) -> int:
-        return (r.compute + r.output) * r.n + (r.prompt - r.compute)
-
-    while waiting or prefilling or decoders:
-        can_admit = bool(waiting) and (seqs == 0 or seqs + waiting[0].n <= max_num_seqs)
-        if can_admit and kv_tokens is not None and kv_used + need(waiting[0]) > kv_tokens and seqs > 0:
-            can_admit = False
-        if not prefilling and not can_admit and decoders:
-            # a pure decode stretch until the next finish: D fixed, K growing by D each step
-            nxt = decoders[0][0]
-            k = max(1, nxt - step)
-            c = model.coef
-            kk = (s0 + dn * step) * k + dn * k * (k - 1) / 2  # sum of K over the k steps
-            t += k * (c[0] + c[2] * dn) + c[3] * kk / 1000.0
-            step += k
-        else:
-            dn0, k0 = dn, s0 + dn * step  # the sequences decoding in this step, and their context
-            budget = max(0, max_batched_tokens - dn)
-            p = 0
-            done_now = 0
-            while budget > 0 and (prefilling or can_admit):
-                if not prefilling:
-                    r = waiting.popleft()
-                    seqs += r.n
-                    kv_used += need(r)
-                    prefilling.append([max(r.compute, 1), r, uid])
-                    kv_of[uid] = need(r)
-                    uid += 1
-                item = prefilling[0]
-                take = min(budget, item[0])
-                item[0] -= take
-                budget -= take
-                p += take
-                if item[0] == 0:
-                    prefilling.popleft()
-                    r = item[1]
-                    done_now += r.n
-                    left = r.output - 1
-                    if left <= 0:
-                        seqs -= r.n
-                        kv_used -= kv_of.pop(item[2])
-                    else:
-                        heapq.heappush(decoders, (step + left + 1, step + 1, r.prompt + 1, r.n, item[2]))
-                        s0 += r.n * (r.prompt + 1 - (step + 1))
-                        dn += r.n
-                can_admit = bool(waiting) and (seqs == 0 or seqs + waiting[0].n <= max_num_seqs)
-                if (
-                    can_admit
-                    and kv_tokens is not None
-                    and kv_used + need(waiting[0]) > kv_tokens
-                    and seqs > 0
-                ):
-                    can_admit = False
-            t += model.step_time(p, dn0 + done_now, k0)
-            step += 1
-        while decoders and decoders[0][0] <= step:
-            _f, start, ctx, n, rid = heapq.heappop(decoders)
-            s0 -= n * (ctx - start)
-            dn -= n
-            seqs -= n
-            kv_used -= kv_of.pop(rid)
-        peak = max(peak, seqs)
-    return SimResult(t, step, peak)
-
-
-@dataclass
 class CalibrationRow:
     """A row the calibration may run: its tokens, parameters and stratum."""
 
@@ -253,6 +151,10 @@ class OutputLengths:
         surv = np.cumprod(q)
         exposure = float(at_risk[1:].sum())
         return cls(surv, float(d.sum()) / exposure if exposure else 0.0, len(obs), int(d.sum()))
+
+    def at_least(self) -> OutputLengths:
+        """The shortest lengths the samples allow: every sample still running at the horizon ends there."""
+        return OutputLengths(self.survival, 1.0, self.observations, self.events)
 
     def survival_to(self, t_max: int) -> np.ndarray:
         """``P(L > t)`` for ``t = 0 .. t_max``."""
@@ -315,6 +217,14 @@ class Calibration:
     """The machine's 1-minute load average when the calibration ended."""
     concurrency: int = 0
     """Most sequences the calibration ran at once."""
+    target_concurrency: int = 0
+    """The job's concurrency, which the calibration ramps to."""
+    warmup_seconds: float = 0.0
+    """Of ``seconds``: the untimed warm-up (lazy initialisation) and the timed one-sequence request."""
+    budget: float = 0.0
+    """The budget the calibration ended with (``fraction`` of the predicted time)."""
+    batch_steps: int = 0
+    """Steps timed at the job's concurrency (``steps`` less the one-sequence request's)."""
 
 
 def strata_order(rows: Sequence[CalibrationRow], seed: int = 0) -> list[CalibrationRow]:
@@ -362,16 +272,27 @@ def run_calibration(
     ``batch`` (the job's concurrency) unfinished, each step timed, until they are done or the budget is spent;
     then the rows still running are aborted, their lengths so far kept as censored observations
     (:class:`OutputLengths`). ``budget_s(calibration) -> seconds`` is the budget given what is measured so
-    far; it is re-evaluated each time half of it is spent (the job's prediction sharpens as the steps
-    accumulate)."""
+    far; it is re-evaluated each time half of it is spent and before the calibration stops (the job's
+    prediction sharpens as the steps accumulate)."""
     samples: list[tuple[float, float, float, float]] = []
-    cal = Calibration(fit_step_model([]))
-    _warm_up(engine, order[0], None)  # not timed: lazy initialisation
-    t_start = time.perf_counter()
+    cal = Calibration(fit_step_model([]), target_concurrency=batch)
+    t_start = time.perf_counter()  # the warm-ups count against the budget: the calibration's whole cost
+    # not timed: lazy initialisation (a few tokens are enough, and cost the budget least)
+    _warm_up(engine, replace(order[0], token_ids=order[0].token_ids[:WARM_UP_TOKENS]), None)
     _warm_up(engine, order[-1], samples)  # one sequence: the small-batch end of the step model
-    cal.model = StepModel((sum(s[3] for s in samples) / max(1, len(samples)), 0.0, 0.0, 0.0), 0.0)
-    state = {"budget": budget_s(cal), "check": 0.0}
-    ramp = _affordable_batch(samples, order, batch, state["budget"])
+    cal.model = _one_sequence_model(samples)
+    state = {"budget": budget_s(cal), "check": 0.0, "fitted": 0}
+    row_s = _row_prefill_seconds(samples, order, batch)
+
+    def admit(in_flight: int) -> int:
+        """Rows that may be unfinished after this step: ``in_flight`` and a step's prefills taking at most a
+        third of the budget, the rows' prefills all told at most half of it (then the job's concurrency is
+        not reached, and the range says so), at least a few."""
+        if row_s <= 0:
+            return batch
+        b = state["budget"]
+        step = max(min(batch, 4), int(b / 3 / row_s))
+        return max(min(batch, 4), min(batch, in_flight + step, int(b / 2 / row_s)))
 
     def refresh(running: Sequence[tuple[int, bool]] = ()) -> float:
         cal.model = fit_step_model(samples)
@@ -379,13 +300,15 @@ def run_calibration(
         cal.seconds = time.perf_counter() - t_start
         state["budget"] = budget_s(cal)
         state["check"] = cal.seconds + max(0.05, (state["budget"] - cal.seconds) / 2)
+        state["fitted"] = len(samples)
         return state["budget"]
 
     state["check"] = state["budget"] / 2
+    cal.warmup_seconds = time.perf_counter() - t_start
     rows = order[:max_rows]
     n0 = len(samples)
     t0 = time.perf_counter()
-    admitted, finished = _run_stream(engine, rows, batch, ramp, samples, cal, t_start, state, refresh)
+    admitted, finished = _run_stream(engine, rows, admit, samples, cal, t_start, state, refresh)
     batch_wall = time.perf_counter() - t0
     cal.rows = admitted
     if finished < admitted:
@@ -394,6 +317,8 @@ def run_calibration(
     cal.lengths = OutputLengths.fit(cal.observations)
     cal.seconds = time.perf_counter() - t_start
     cal.steps = len(samples)
+    cal.batch_steps = len(samples) - n0
+    cal.budget = state["budget"]
     cal.step_seconds = sum(x[3] for x in samples)
     predicted = sum(cal.model.step_time(*x[:3]) for x in samples[n0:])
     cal.overhead = max(1.0, batch_wall / predicted) if predicted > 0 else 1.0
@@ -401,24 +326,30 @@ def run_calibration(
     return cal
 
 
-def _affordable_batch(
-    samples: Sequence[tuple[float, float, float, float]],
-    order: Sequence[CalibrationRow],
-    batch: int,
-    budget: float,
-) -> int:
-    """Rows whose prefill (of the tokens the job computes, after sharing) takes at most a third of the
-    budget, by the prefill cost per token the timed warm-up showed (its first step computed its prompt, the
-    next decoded one token): the calibration admits this many more a step, so long prompts leave time to
-    time decode steps and see output lengths."""
+def _one_sequence_model(samples: Sequence[tuple[float, float, float, float]]) -> StepModel:
+    """The first step model, from the timed one-sequence request (a prefill step, then a decode step): per
+    step the decode step's time, per prompt token the prefill step's excess over it. It errs short (a batch's
+    steps cost more), so the first budget errs small, and the budget re-evaluated before stopping grows it."""
+    if not samples:
+        return StepModel((0.0, 0.0, 0.0, 0.0), 0.0)
     if len(samples) < 2 or samples[0][0] <= 0:
-        return batch
+        return StepModel((sum(x[3] for x in samples) / len(samples), 0.0, 0.0, 0.0), 0.0)
+    decode = samples[-1][3]
+    return StepModel((decode, max(0.0, samples[0][3] - decode) / samples[0][0], 0.0, 0.0), 0.0)
+
+
+def _row_prefill_seconds(
+    samples: Sequence[tuple[float, float, float, float]], order: Sequence[CalibrationRow], batch: int
+) -> float:
+    """Seconds a row's prefill (of the tokens the job computes, after sharing) takes, by the prefill cost per
+    token the timed warm-up showed (its first step computed its prompt, the next decoded one token); 0 when
+    it cannot tell."""
+    if len(samples) < 2 or samples[0][0] <= 0:
+        return 0.0
     per_token = max(0.0, samples[0][3] - samples[-1][3]) / samples[0][0]
     head = order[:batch]
     mean_prompt = sum(len(r.token_ids) if r.compute is None else r.compute for r in head) / max(1, len(head))
-    if per_token * mean_prompt <= 0:
-        return batch
-    return max(min(batch, 4), min(batch, int(budget / 3 / (per_token * mean_prompt))))
+    return per_token * mean_prompt
 
 
 def _warm_up(
@@ -426,8 +357,6 @@ def _warm_up(
 ) -> None:
     """One short request (2 tokens of ``row``): lazy initialisation (kernels, graphs, allocator) out of the
     timings when ``samples`` is None; else its steps timed into ``samples``."""
-    from dataclasses import replace
-
     from batchgen.driver import Driver, EngineRequest, Requests
 
     params = replace(row.params, max_tokens=2, min_tokens=0) if row.params is not None else None
@@ -443,15 +372,14 @@ def _warm_up(
         if samples is not None:
             p = st.prompt_tokens_computed - prev.prompt_tokens_computed
             d = st.generated_tokens - prev.generated_tokens
-            samples.append((float(p), float(d), float(st.kv_blocks_used * max(1, st.block_size)), dt))
+            samples.append((float(p), float(d), _context_tokens(engine), dt))
         prev = st.snapshot()
 
 
 def _run_stream(
     engine: Any,
     rows: Sequence[CalibrationRow],
-    concurrency: int,
-    ramp: int,
+    admit: Any,
     samples: list[tuple[float, float, float, float]],
     cal: Calibration,
     t_start: float,
@@ -459,8 +387,8 @@ def _run_stream(
     refresh: Any,
 ) -> tuple[int, int]:
     """Feed ``rows`` to the engine as the job does (a finished row's place taken by the next, at most
-    ``concurrency`` unfinished, reached ``ramp`` more rows a step so no step's prefill is too long), each
-    step timed, until they are all done or the budget is spent (after at
+    ``admit(unfinished rows allowed so far)`` unfinished: ramped to the job's concurrency so no step's prefill
+    is too long), each step timed, until they are all done or the budget is spent (after at
     least :data:`MIN_BATCH_STEPS` steps): the rows still running are then aborted, their samples' lengths so
     far kept as censored observations. Returns (rows admitted, rows finished)."""
     from batchgen.driver import Driver, EngineRequest, Requests
@@ -470,18 +398,27 @@ def _run_stream(
         EngineRequest(rid, list(r.token_ids), r.params, lora_request=r.lora) for rid, r in ids.items()
     ]
     task = Requests(requests, lambda outs: None)
-    driver = Driver(engine, task, max_in_flight=ramp)
+    driver = Driver(engine, task, max_in_flight=admit(0))
     steps = driver.steps()
     st = engine.stats
-    bs = max(1, st.block_size)
     prev = st.snapshot()
     finished = 0
     n0 = len(samples)
+    dt = 0.0
     while True:
         now = time.perf_counter() - t_start
-        if now >= state["check"] and now < state["budget"]:
+        over = now + dt >= state["budget"]  # a step like the last one would end past the budget
+        enough = len(samples) - n0 >= MIN_BATCH_STEPS
+        # the budget re-evaluated halfway, and before stopping with a quarter more steps than it was fitted
+        # to (the first estimate, from one sequence's steps, may be far off the job's)
+        if (now >= state["check"] and not over) or (
+            over and enough and len(samples) >= 1.25 * state["fitted"]
+        ):
+            was_over = over
             refresh(_running(engine, ids))
-        if now >= state["budget"] and len(samples) - n0 >= MIN_BATCH_STEPS:
+            # past the budget, it goes on only for a budget grown well beyond (a noisy fit may shrink it next)
+            over = now + dt >= state["budget"] / (1.25 if was_over else 1.0)
+        if over and enough:
             cal.observations += _running(engine, ids)
             admitted = finished + len(driver.in_flight)
             task.queue.clear()  # nothing more is admitted
@@ -497,12 +434,12 @@ def _run_stream(
         st = engine.stats
         p = st.prompt_tokens_computed - prev.prompt_tokens_computed
         d = st.generated_tokens - prev.generated_tokens
-        k = st.kv_blocks_used * bs
+        k = _context_tokens(engine)
         prev = st.snapshot()
         if p or d:
             samples.append((float(p), float(d), float(k), dt))
         cal.concurrency = max(cal.concurrency, int(d))
-        driver.max_in_flight = min(concurrency, (driver.max_in_flight or concurrency) + ramp)
+        driver.max_in_flight = admit(driver.max_in_flight or 0)
         for out in outs:
             r = ids.pop(out.request_id, None)
             if r is None:
@@ -515,6 +452,17 @@ def _run_stream(
                 ended = getattr(c, "finish_reason", None) == "stop"
                 cal.observations.append((n, ended))
     return finished, finished
+
+
+def _context_tokens(engine: Any) -> float:
+    """The step model's ``K``: tokens the running sequences attend over, each sequence's whole context (a
+    prefix block several sequences share is read by each), as the schedule simulation counts it; from the KV
+    blocks held where the engine does not show its sequences."""
+    sched = getattr(engine, "scheduler", None)
+    if sched is not None and hasattr(sched, "running_seqs"):
+        return float(sum(s.num_computed_tokens for s in sched.running_seqs()))
+    st = engine.stats
+    return float(st.kv_blocks_used * max(1, st.block_size))
 
 
 def load_spread(load: float | None, cpus: int | None = None) -> float:
@@ -545,9 +493,16 @@ def relative_spread(cal: Calibration, bound: int, floor: float = 0.2, cap: float
     residual over its steps, the output lengths' standard error (:meth:`OutputLengths.spread` at the job's
     typical bound), the machine's load at calibration (:func:`load_spread`), and a floor for what none of them
     sees (the extrapolation to the whole job, fixed costs: on an idle machine the prediction still missed by up to
-    17% with the other terms under 10%); few calibrated rows widen it."""
+    17% with the other terms under 10%); a small sample widens it: few calibrated rows, fewer batch steps than
+    :data:`FULL_SAMPLE_STEPS` (a budget of a few percent of a short job), the job's concurrency not reached (the
+    per-sequence cost extrapolated to it)."""
     e_out = cal.lengths.spread(bound)
     e_fit = cal.model.residual_rel / math.sqrt(max(cal.steps, 1))
     e_load = load_spread(cal.load)
     few = 0.3 if cal.rows < 4 else 0.0
-    return min(cap, math.sqrt(floor**2 + e_out**2 + e_fit**2 + e_load**2 + few**2))
+    e_steps = 0.25 * max(0.0, 1.0 - cal.batch_steps / FULL_SAMPLE_STEPS)
+    e_conc = 0.0
+    if cal.target_concurrency > 0 and cal.concurrency < cal.target_concurrency:
+        e_conc = 0.25 * (1.0 - cal.concurrency / cal.target_concurrency)
+    terms = (floor, e_out, e_fit, e_load, few, e_steps, e_conc)
+    return min(cap, math.sqrt(sum(x * x for x in terms)))

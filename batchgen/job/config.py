@@ -217,7 +217,7 @@ class PlanOptions:
     calibrate: bool = True
     """Run the real engine over a small stratified sample of rows to predict the wall time and the output tokens (capped at plan.calibration_fraction of the predicted time); false = tokens and memory only."""
     calibration_fraction: float = 0.05
-    """Most of the job's predicted wall time the calibration may spend (at least 0.5 s); it stops, aborting the rows it runs, when that is spent."""
+    """Most of the job's predicted wall time the calibration may spend (warm-up included; a few engine steps at least, a small sample widening the range); it stops, aborting the rows it runs, when that is spent."""
     calibration_rows: int = 512
     """Most rows the calibration runs, fed as the job feeds them (engine.max_num_seqs at once); fewer when plan.calibration_fraction caps it."""
 

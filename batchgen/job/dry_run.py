@@ -41,15 +41,14 @@ from batchgen.engine.config import parse_bytes
 from batchgen.job.calibrate import (
     Calibration,
     CalibrationRow,
-    SimRequest,
     StepModel,
     output_bound,
     relative_spread,
     run_calibration,
-    simulate_schedule,
     strata_order,
 )
 from batchgen.job.prefix_sim import common_prefix_len, shared_run_after_start, simulate_prefix_cache
+from batchgen.job.schedule_sim import SimRequest, simulate_schedule
 from batchgen.job.tally import error_key
 
 logger = logging.getLogger("batchgen.job")
@@ -77,9 +76,6 @@ class PlanRow:
 KEEP_ROWS = 4096
 """Rows whose tokens the dry run keeps (an even sample of the fed rows): the calibration's candidates and the
 sample of the sharing analysis across windows. Every other row is reduced to its counts as it is read."""
-MIN_CALIBRATION_S = 0.5
-"""The calibration may always spend this long (a job of a few seconds still gets its output lengths measured);
-beyond it, at most ``plan.calibration_fraction`` of the predicted time."""
 SORTED_ANALYSIS_ROWS = 50_000
 """Up to this many rows, the order that would share most is simulated over all of them; above, over the kept
 sample."""
@@ -668,13 +664,16 @@ def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas)
     rows = [CalibrationRow(i, r.token_ids, r.params, strata[i], r.lora, inp.lens[i] - saved[i])  # type: ignore[arg-type]
             for i, r in inp.kept.items()]  # fmt: skip
     order = strata_order(rows)
-    pool = engine.stats.num_blocks * engine.stats.block_size or None
+    bs = engine.stats.block_size or ecfg.block_size
+    pool = engine.stats.num_blocks * bs or None
 
     def budget(cal: Calibration) -> float:
-        expected = _expected_outputs(inp.bounds, cal)
+        expected = _expected_outputs(inp.bounds, cal, lower=True)
         reqs = _sim_requests(inp.lens, saved, expected, inp.ns)
-        t = simulate_schedule(reqs, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool).seconds
-        return max(MIN_CALIBRATION_S, pc.calibration_fraction * t * cal.overhead * scale / max(1, replicas))
+        t = simulate_schedule(
+            reqs, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool, bs
+        ).seconds
+        return pc.calibration_fraction * t * cal.overhead * scale / max(1, replicas)
 
     # batches at the job's concurrency (its samples count against engine.max_num_seqs): the decode steps
     # are timed at the batch sizes the job runs
@@ -684,56 +683,91 @@ def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas)
     return run_calibration(engine, order, max_rows, budget, batch)
 
 
-def _expected_outputs(bounds, cal: Calibration | None) -> list[float]:  # noqa: ANN001
+def _expected_outputs(bounds, cal: Calibration | None, lower: bool = False) -> list[float]:  # noqa: ANN001
     """Each row's output tokens per sample: its bound without a calibration; else ``min(L, bound)`` at evenly
     spread quantiles of the calibrated length distribution (:class:`OutputLengths`), so the simulation sees
-    the spread of lengths (the long tail that keeps a batch running) and their total is the expectation."""
+    the spread of lengths (the long tail that keeps a batch running) and their total is the expectation.
+    ``lower``: the least the samples seen so far allow (every sample still running ends at once; one token
+    each before any was seen), for the calibration's budget: it only grows as the calibration sees longer
+    outputs, so the calibration never spends on a job it thought longer than it turns out."""
+    if lower:
+        if cal is None or not cal.lengths.observations:
+            return [1.0 if b > 0 else 0.0 for b in bounds]
+        return [float(x) for x in cal.lengths.at_least().quantiles(bounds)]
     if cal is None or not cal.observations:
         return [float(b) for b in bounds]
     return [float(x) for x in cal.lengths.quantiles(bounds)]
 
 
+def _simulate_parts(reqs, cal, inp, ecfg, scale, replicas, pool) -> tuple[list[float], list[Any], list[int]]:  # noqa: ANN001
+    """Each replica's predicted seconds, simulation and rows: replicas take whole windows in turn, each replica's
+    part simulated on its own."""
+    parts: list[list[SimRequest]] = [[] for _ in range(max(1, replicas))]
+    i = 0
+    for wi, n in enumerate(inp.window_sizes):
+        parts[wi % len(parts)].extend(reqs[i : i + n])
+        i += n
+    times, sims = [], []
+    for part in parts:
+        sim = simulate_schedule(
+            part, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool, inp.block_size
+        )
+        times.append(sim.seconds * cal.overhead * scale)
+        sims.append(sim)
+    return times, sims, [len(p) for p in parts]
+
+
 def _predict_time(
     data, predicted, cal, lens, cached, expected, ns, inp, ecfg, scale, replicas, pool, pc, dev_name
 ) -> None:  # noqa: ANN001
-    reqs = _sim_requests(lens, cached, expected, ns)
-    # replicas take whole windows in turn; each replica's part is simulated on its own
-    per_window = inp.window_sizes
-    parts: list[list[SimRequest]] = [[] for _ in range(max(1, replicas))]
-    i = 0
-    for wi, n in enumerate(per_window):
-        parts[wi % len(parts)].extend(reqs[i : i + n])
-        i += n
-    times = []
-    for part in parts:
-        sim = simulate_schedule(part, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool)
-        times.append(sim.seconds * cal.overhead * scale)
+    times, sims, rows = _simulate_parts(
+        _sim_requests(lens, cached, expected, ns), cal, inp, ecfg, scale, replicas, pool
+    )
     wall = max(times) if times else 0.0
+    # the least the calibration's samples allow (outputs still running when it stopped end at once): where
+    # it stopped short of the lengths, the range reaches down to it
+    shortest = _expected_outputs(inp.bounds, cal, lower=True)
+    wall_min = max(_simulate_parts(_sim_requests(lens, cached, shortest, ns), cal, inp, ecfg, scale, replicas,
+                                   pool)[0], default=0.0)  # fmt: skip
     # reading and tokenizing the windows after the first runs beside the engine: on a CPU it competes for
     # the same cores, on an accelerator it is hidden
     if dev_name == "cpu" and len(inp.window_sizes) > 1:
         wall += inp.read_seconds * scale * (1 - 1 / len(inp.window_sizes))
+        wall_min += inp.read_seconds * scale * (1 - 1 / len(inp.window_sizes))
     typical = int(np.median(np.asarray(inp.bounds))) if len(inp.bounds) else 0
     e = relative_spread(cal, typical)
     predicted["wall_time_s"] = wall
-    predicted["wall_time_range_s"] = [wall * (1 - e), wall * (1 + e)]
+    # the simulated schedule (of the tokenized rows, scaled; the longest replica's steps): the load-free part of
+    # the prediction, which the report sets beside the engine's steps and preemptions
+    predicted["schedule"] = {
+        "steps": round(max(x.steps for x in sims) * scale),
+        "preemptions": round(sum(x.preemptions for x in sims) * scale),
+        "peak_running_seqs": max(x.peak_running for x in sims),
+        "peak_kv_blocks": max(x.peak_blocks for x in sims) or None,
+    }
+    predicted["wall_time_range_s"] = [min(wall, wall_min) * (1 - e), wall * (1 + e)]
     devices = max(1, replicas) * max(1, ecfg.tensor_parallel_size)
     predicted["device_hours"] = wall * devices / 3600.0
     predicted["cost"] = predicted["device_hours"] * pc.cost_per_hour if pc.cost_per_hour is not None else None
     if replicas > 1:
-        data["shards"] = [{"index": k, "rows": round(len(p) * scale), "wall_time_s": t}
-                          for k, (p, t) in enumerate(zip(parts, times))]  # fmt: skip
+        data["shards"] = [{"index": k, "rows": round(p * scale), "wall_time_s": t}
+                          for k, (p, t) in enumerate(zip(rows, times))]  # fmt: skip
     data["calibration"] = {
         "rows": cal.rows,
         "seconds": round(cal.seconds, 3),
+        "warmup_seconds": round(cal.warmup_seconds, 3),
         "fraction_of_predicted": cal.seconds / wall if wall > 0 else None,
+        "budget_fraction": pc.calibration_fraction,
+        "budget_s": round(cal.budget, 3),
         "steps": cal.steps,
+        "batch_steps": cal.batch_steps,
         "device": dev_name,
         "overhead": cal.overhead,
         "step_model": cal.model.to_dict(),
         "output_samples": cal.lengths.observations,
         "output_samples_ended": cal.lengths.events,
         "concurrency": cal.concurrency,
+        "target_concurrency": cal.target_concurrency,
         "load": cal.load,
         "cpus": os.cpu_count(),
         "relative_spread": e,

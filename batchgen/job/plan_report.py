@@ -57,8 +57,8 @@ def planned_work(outdir: Any) -> PlannedWork | None:
 
 def prediction_section(plan: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     """The plan's predictions beside what the run did (``report["prediction"]``): wall time (the run's work,
-    engine start-up excluded, as in ``run.wall_time_s``), prompt and generated tokens, prefix hit rate; and the
-    machine's 1-minute load average when the plan was calibrated and when the run ended (a shared machine's
+    engine start-up excluded, as in ``run.wall_time_s``), prompt and generated tokens, prefix hit rate, the
+    engine's steps and preemptions (the simulated schedule: no machine load moves them); and the machine's 1-minute load average when the plan was calibrated and when the run ended (a shared machine's
     other load changes the job's speed: the usual reason a run leaves its range)."""
     p = plan.get("predicted") or {}
     run, tok = report.get("run") or {}, report.get("tokens") or {}
@@ -76,6 +76,10 @@ def prediction_section(plan: dict[str, Any], report: dict[str, Any]) -> dict[str
         "generated_tokens": {"predicted": p.get("output_tokens"), "actual": tok.get("generated")},
         "startup_s": {"predicted": p.get("startup_s"), "actual": report.get("startup_s")},
     }
+    sched, sim = report.get("scheduler") or {}, p.get("schedule") or {}
+    if sim:
+        out["engine_steps"] = {"predicted": sim.get("steps"), "actual": sched.get("steps")}
+        out["preemptions"] = {"predicted": sim.get("preemptions"), "actual": sched.get("preemptions")}
     cal = plan.get("calibration") or {}
     out["load"] = {"plan": cal.get("load"), "run": load_average(), "cpus": cal.get("cpus") or os.cpu_count()}
     pw = p.get("wall_time_s")
@@ -129,6 +133,10 @@ def prediction_lines(pred: dict[str, Any]) -> list[tuple[str, str]]:
     g = pred["generated_tokens"]
     if g.get("predicted") is not None:
         lines.append(("planned generated tokens", f"{_num(g['predicted'])}; actual {_num(g.get('actual'))}"))
+    st, pre = pred.get("engine_steps") or {}, pred.get("preemptions") or {}
+    if st.get("predicted") is not None:
+        lines.append(("planned engine steps", f"{_num(st['predicted'])} ({_num(pre.get('predicted'))} preemptions); "
+                      f"actual {_num(st.get('actual'))} ({_num(pre.get('actual'))})"))  # fmt: skip
     return lines
 
 
@@ -171,6 +179,11 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(("predicted wall time", f"{_dur(pred.get('wall_time_s'))} [{_dur(rng[0])} - {_dur(rng[1])}]"
                   + (f", {pred['device_hours']:.4g} device-hours" if pred.get("device_hours") is not None else "")
                   + (f", cost {pred['cost']:.4g}" if pred.get("cost") is not None else "")))  # fmt: skip
+    sim = pred.get("schedule")
+    if sim:
+        lines.append(("simulated schedule", f"{_num(sim.get('steps'))} engine steps, {_num(sim.get('preemptions'))} "
+                      f"preemptions, at most {_num(sim.get('peak_running_seqs'))} sequences"
+                      + (f" and {sim['peak_kv_blocks']} KV blocks" if sim.get("peak_kv_blocks") else "")))  # fmt: skip
     alls = pred.get("all_shards")
     if alls:
         lines.append(("all shards", f"{alls['shards']} shards, {alls['rows']} rows: about "
@@ -179,7 +192,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     cal = plan.get("calibration") or {}
     if cal:
         load = f", load {cal['load']:.1f} on {cal.get('cpus')} CPUs" if cal.get("load") is not None else ""
-        lines.append(("calibration", f"{cal.get('rows', 0)} rows in {_dur(cal.get('seconds'))} on "
+        share = cal.get("fraction_of_predicted")
+        share = f" ({share:.1%} of the predicted time)" if share is not None else ""
+        lines.append(("calibration", f"{cal.get('rows', 0)} rows in {_dur(cal.get('seconds'))}{share} on "
                       f"{cal.get('device')}{load}" + (f" ({cal['note']})" if cal.get("note") else "")))  # fmt: skip
     for sh in plan.get("shards") or []:
         lines.append((f"shard {sh['index']}", f"{sh['rows']} rows, {_dur(sh['wall_time_s'])}"))
