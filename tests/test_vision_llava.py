@@ -59,6 +59,23 @@ def test_greedy_equals_transformers_batched(llava, llm, tmp_path):
     assert other[0].outputs[0].token_ids != ref[0]
 
 
+def test_encoder_runs_only_the_layers_it_reads_with_transformers_features(llava, llm):
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    hf = LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
+    encoder = llm.engine.model.encoder
+    tower = getattr(encoder.vision_tower, "vision_model", encoder.vision_tower)  # transformers 4.x / 5.x
+    # the tiny checkpoint reads the second-to-last layer: the last one is never run
+    assert len(tower.encoder.layers) == hf.config.vision_config.num_hidden_layers - 1
+    images = [random_image(56, 56, 20), random_image(90, 40, 21)]
+    pixels = AutoProcessor.from_pretrained(llava)(text=["<image>"] * 2, images=images, return_tensors="pt")
+    with torch.inference_mode():
+        ref = hf.model.get_image_features(pixels["pixel_values"]).pooler_output
+    ours = encoder.encode([{"pixel_values": p} for p in pixels["pixel_values"]])
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+
+
 def test_each_distinct_image_encoded_once_and_blocks_shared_by_image(llava):
     llm = LLM(llava, kv_cache_memory="32MiB", max_num_seqs=8, block_size=8)
     a, b = random_image(64, 64, 10), random_image(64, 64, 11)
