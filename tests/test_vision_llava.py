@@ -76,6 +76,41 @@ def test_encoder_runs_only_the_layers_it_reads_with_transformers_features(llava,
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))
 
 
+def test_each_distinct_image_decoded_and_processed_once_across_worker_threads(llava):
+    import torch
+
+    from batchgen.multimodal.images import ImageLoader
+    from batchgen.multimodal.inputs import ImagePrompts
+    from batchgen.multimodal.prepare import prepare
+
+    class Counting(ImageLoader):
+        decoded = 0
+
+        def decode(self, *args, **kwargs):
+            Counting.decoded += 1
+            return super().decode(*args, **kwargs)
+
+    side = ImagePrompts(llava, _image_token_id(llava), loader=Counting())
+    images = [png_bytes(random_image(40 + 10 * i, 50, 30 + i)) for i in range(3)]
+    ids = side.processor.tokenizer.encode(_chat("What is it?"))
+    rows = [(ids, [images[i % 3]]) for i in range(12)] + [(ids, [images[0][:70]])]  # and a truncated one
+    ready = prepare(side, rows)
+    assert Counting.decoded == 3 + 1  # each distinct image once; the bad one (never cached) once per row
+    assert "image 0: image '<70 bytes>': corrupt or truncated" in ready[-1]
+    fresh = ImagePrompts(llava, _image_token_id(llava))
+    for (t, ims), got in zip(rows[:3], ready):
+        want = fresh.build(t, ims)
+        assert got.token_ids == want.token_ids and got.images[0].hash == want.images[0].hash
+        assert torch.equal(got.images[0].pixels["pixel_values"], want.images[0].pixels["pixel_values"])
+
+
+def _image_token_id(ckpt: str) -> int:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(ckpt) / "config.json").read_text())["image_token_index"]
+
+
 def test_each_distinct_image_encoded_once_and_blocks_shared_by_image(llava):
     llm = LLM(llava, kv_cache_memory="32MiB", max_num_seqs=8, block_size=8)
     a, b = random_image(64, 64, 10), random_image(64, 64, 11)

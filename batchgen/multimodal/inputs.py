@@ -4,9 +4,9 @@
 transformers falls back to its PIL image processors, and a processor class that needs torchvision, as
 Qwen2-VL's does, is replaced by its image processor and the tokenizer). For each prompt it
 
-- loads every image (:class:`~batchgen.multimodal.images.ImageLoader`: any source, content-hashed),
-- runs the processor's pixel work per distinct image (cached by content hash, so an image shown by many rows
-  is preprocessed once while it stays in the small LRU),
+- reads every image (:class:`~batchgen.multimodal.images.ImageLoader`: any source) and hashes its bytes,
+- decodes it and runs the processor's pixel work once per distinct image (cached by content hash, so an image
+  shown by many rows is decoded and preprocessed once while it stays in the small LRU),
 - finds the image placeholders in the prompt's token ids (one ``<image>`` token per image, as in vLLM; a run
   already expanded to the image's length counts as one) and expands each to the image's number of feature
   tokens, exactly as the processor does.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch loads only when an image is processed (the CLI decides threads before torch)
     from torch import Tensor
 
-from batchgen.multimodal.images import ImageError, ImageLoader, LoadedImage
+from batchgen.multimodal.images import EncodedImage, ImageError, ImageLoader, LoadedImage
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,11 @@ class ImagePrompts:
         self._specials = (with_specials[:at], with_specials[at + 1 :])  # what the tokenizer adds around text
         self._cache_items = cache_items
         self._lock = threading.Lock()
+        self._busy: dict[str, threading.Event] = {}  # hash -> set when the thread processing it is done
 
-    def load(self, images: Sequence[Any]) -> list[LoadedImage]:
-        """Load (decode, hash) each image; ImageError naming the first bad one's index."""
+    def load(self, images: Sequence[Any]) -> list[EncodedImage | LoadedImage]:
+        """Read and hash each image (decoding waits for :meth:`pixels`, which skips it for an image processed
+        already); ImageError naming the first bad one's index."""
         if self.max_images is not None and len(images) > self.max_images:
             raise ImageError(
                 f"{len(images)} images but the model takes at most {self.max_images} per prompt "
@@ -126,45 +128,69 @@ class ImagePrompts:
         out = []
         for i, src in enumerate(images):
             try:
-                out.append(self.loader.load(src))
+                out.append(self.loader.read(src))
             except ImageError as e:
                 raise ImageError(f"image {i}: {e}") from None
         return out
 
-    def pixels(self, image: LoadedImage) -> _Processed:
-        """The processor's tensors for one image and what its placeholder expands to (cached by hash)."""
+    def pixels(self, image: EncodedImage | LoadedImage) -> _Processed:
+        """The processor's tensors for one image and what its placeholder expands to, cached by hash: an
+        image processed already is neither decoded nor processed again, and threads asking for the same
+        image at once wait for the first one's work. ImageError when the image cannot be decoded."""
         with self._lock:
             hit = self._pixels.get(image.hash)
             if hit is not None:
                 self._pixels.move_to_end(image.hash)
                 return hit
+            busy = self._busy.get(image.hash)
+            if busy is None:
+                self._busy[image.hash] = threading.Event()
+        if busy is not None:  # another thread is processing this image: its result, unless it failed
+            busy.wait()
+            with self._lock:
+                hit = self._pixels.get(image.hash)
+            return hit if hit is not None else self._process(image)
+        try:
+            done = self._process(image)
+            with self._lock:
+                self._pixels[image.hash] = done
+                while len(self._pixels) > self._cache_items:
+                    self._pixels.popitem(last=False)
+            return done
+        finally:
+            with self._lock:
+                self._busy.pop(image.hash).set()
+
+    def _process(self, image: EncodedImage | LoadedImage) -> _Processed:
+        if isinstance(image, EncodedImage):
+            image = self.loader.decode(image.data, image.name, image.hash)
         if self.merge_size is not None:  # an image processor alone (dynamic resolution): merged patches
             enc = self.image_processor(images=[image.image], return_tensors="pt")
             grid = enc["image_grid_thw"][0]
             n = int(grid.prod()) // self.merge_size**2
             pixels = {"pixel_values": enc["pixel_values"], "image_grid_thw": grid}
-            done = _Processed(pixels, (self.image_token_id,) * n, None)
-        else:
-            enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
-            ids = enc["input_ids"][0].tolist()
-            head, tail = self._specials
-            if head and ids[: len(head)] == head:
-                ids = ids[len(head) :]
-            if tail and ids[-len(tail) :] == tail:
-                ids = ids[: -len(tail)]
-            offsets = tuple(i for i, t in enumerate(ids) if t == self.image_token_id)
-            pure = len(offsets) == len(ids)
-            pixels = {k: v[0] for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
-            done = _Processed(pixels, tuple(ids), None if pure else offsets)
-        with self._lock:
-            self._pixels[image.hash] = done
-            while len(self._pixels) > self._cache_items:
-                self._pixels.popitem(last=False)
-        return done
+            return _Processed(pixels, (self.image_token_id,) * n, None)
+        enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
+        ids = enc["input_ids"][0].tolist()
+        head, tail = self._specials
+        if head and ids[: len(head)] == head:
+            ids = ids[len(head) :]
+        if tail and ids[-len(tail) :] == tail:
+            ids = ids[: -len(tail)]
+        offsets = tuple(i for i, t in enumerate(ids) if t == self.image_token_id)
+        pure = len(offsets) == len(ids)
+        pixels = {k: v[0] for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+        return _Processed(pixels, tuple(ids), None if pure else offsets)
 
     def build(self, token_ids: Sequence[int], images: Sequence[Any]) -> ImagePrompt:
         """Expand ``token_ids``' placeholders for ``images``; ImageError when they do not fit together."""
         loaded = self.load(images)
+        processed = []
+        for i, image in enumerate(loaded):  # decoded and processed in order: the first bad one is named
+            try:
+                processed.append(self.pixels(image))
+            except ImageError as e:
+                raise ImageError(f"image {i}: {e}") from None
         out: list[int] = []
         items: list[ImageItem] = []
         pos = 0
@@ -175,8 +201,7 @@ class ImagePrompts:
                 if len(items) == len(loaded):
                     items.append(None)  # type: ignore[arg-type]  # counted for the message below
                     break
-                image = loaded[len(items)]
-                done = self.pixels(image)
+                image, done = loaded[len(items)], processed[len(items)]
                 n = len(done.expansion) if done.offsets is None else len(done.offsets)
                 # a run already expanded for this image (all feature tokens), or one placeholder
                 used = n if length == n and done.offsets is None else 1
