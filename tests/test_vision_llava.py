@@ -111,6 +111,31 @@ def _image_token_id(ckpt: str) -> int:
     return json.loads((Path(ckpt) / "config.json").read_text())["image_token_index"]
 
 
+def test_the_engine_steps_while_later_images_are_still_prepared(llava, monkeypatch):
+    import threading
+
+    from batchgen.multimodal.prepare import image_prompts_for
+
+    llm = LLM(llava, kv_cache_memory="32MiB", max_num_seqs=8)
+    stepped = threading.Event()
+    llm.engine.add_step_listener(lambda info: stepped.set())
+    side = image_prompts_for(llm.engine)
+    build, slow = side.build, random_image(60, 60, 41)
+
+    def late_build(token_ids, images):
+        if images[0] is slow:  # ready only once the engine has run the rows before it
+            assert stepped.wait(60), "the engine waited for every image before its first step"
+        return build(token_ids, images)
+
+    monkeypatch.setattr(side, "build", late_build)
+    rows = [(_chat(f"row {i}"), [random_image(56, 56, 40)]) for i in range(3)] + [(_chat("late"), [slow])]
+    outs = llm.generate(
+        [{"prompt": t, "multi_modal_data": {"image": ims}} for t, ims in rows], GREEDY, use_tqdm=False
+    )
+    assert [o.error for o in outs] == [None] * 4
+    assert outs[3].outputs[0].token_ids == hf_greedy(llava, rows[3:], GREEDY.max_tokens)[0]
+
+
 def test_each_distinct_image_encoded_once_and_blocks_shared_by_image(llava):
     llm = LLM(llava, kv_cache_memory="32MiB", max_num_seqs=8, block_size=8)
     a, b = random_image(64, 64, 10), random_image(64, 64, 11)

@@ -1,15 +1,19 @@
 """Preparing image prompts for an engine, ahead of it and in worker threads: decoding, hashing and the
-processor's pixel work release the GIL (Pillow, torch), so a batch of images is prepared on several cores while
-nothing else waits. Used by the Python API and the job alike; a prompt whose images cannot be used gets its
-error message instead of an :class:`~batchgen.multimodal.inputs.ImagePrompt`, never an exception."""
+processor's pixel work release the GIL (Pillow, torch), so images are prepared on other cores while the engine
+runs. Used by the Python API (:func:`prepare_ahead` and :class:`PreparedInOrder`: the engine starts on the first
+prepared prompts and later ones are admitted as they become ready) and the job (:func:`prepare`, in the
+window read-ahead thread) alike; a prompt whose images cannot be used gets its error message instead of an
+:class:`~batchgen.multimodal.inputs.ImagePrompt`, never an exception."""
 
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
+from batchgen.driver import EngineRequest
 from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
 from batchgen.multimodal.images import ImageError
 from batchgen.multimodal.inputs import ImagePrompt, ImagePrompts
@@ -37,23 +41,84 @@ def image_prompts_for(engine: Any, storage_options: dict[str, Any] | None = None
     return side
 
 
+def prepare_one(
+    side: ImagePrompts | str, token_ids: Sequence[int], images: Sequence[Any]
+) -> ImagePrompt | str:
+    """One prompt's :class:`ImagePrompt`, or the error message (one line)."""
+    if isinstance(side, str):
+        return side
+    try:
+        return side.build(token_ids, images)
+    except ImageError as e:
+        return str(e)
+
+
 def prepare(
     side: ImagePrompts | str, items: Sequence[tuple[Sequence[int], Sequence[Any]]]
 ) -> list[ImagePrompt | str]:
     """``(token ids, images)`` per prompt -> its :class:`ImagePrompt`, or the error message (one line)."""
-    if isinstance(side, str):
-        return [side] * len(items)
 
     def one(item: tuple[Sequence[int], Sequence[Any]]) -> ImagePrompt | str:
-        try:
-            return side.build(item[0], item[1])
-        except ImageError as e:
-            return str(e)
+        return prepare_one(side, item[0], item[1])
 
     if len(items) <= 1:
         return [one(i) for i in items]
     with ThreadPoolExecutor(_WORKERS, thread_name_prefix="batchgen-images") as pool:
         return list(pool.map(one, items))
+
+
+T = TypeVar("T")
+
+
+def prepare_ahead(make: Callable[..., T], args: Sequence[tuple[Any, ...]]) -> list[Future[T]]:
+    """``make(*a)`` for each ``a`` of ``args`` in worker threads, started now in order; their futures. The
+    threads end once the last one is done (nothing waits for them here)."""
+    pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="batchgen-images")
+    try:
+        return [pool.submit(make, *a) for a in args]
+    finally:
+        pool.shutdown(wait=False)
+
+
+class PreparedInOrder:
+    """A driver task (:class:`batchgen.driver.Task`) over requests known up front, some still being prepared
+    (a future of the request, or of the error output of a prompt whose images cannot be used): supplied in
+    the given order as each becomes ready. The next one is waited for only when ``engine_busy()`` says the
+    engine has nothing to run, so preparation overlaps the engine's steps. An error output is handed to
+    ``on_finished`` when its turn comes, and never reaches the engine."""
+
+    def __init__(
+        self,
+        entries: Sequence[EngineRequest | Future],
+        on_finished: Callable[[list[RequestOutput]], None],
+        engine_busy: Callable[[], bool],
+    ) -> None:
+        self.queue: deque[EngineRequest | Future] = deque(entries)
+        self.on_finished = on_finished
+        self.engine_busy = engine_busy
+
+    def next_request(self) -> EngineRequest | None:
+        while self.queue:
+            head = self.queue[0]
+            if isinstance(head, Future):
+                if not head.done() and self.engine_busy():
+                    return None  # the engine steps meanwhile
+                head = head.result()
+            self.queue.popleft()
+            if isinstance(head, RequestOutput):
+                self.on_finished([head])
+                continue
+            return head
+        return None
+
+    def finish(self, outputs: list[RequestOutput]) -> None:
+        self.on_finished(outputs)
+
+    def cancel(self) -> None:
+        """Cancel the preparations not started yet (the generate call is being left)."""
+        for entry in self.queue:
+            if isinstance(entry, Future):
+                entry.cancel()
 
 
 def error_output(
