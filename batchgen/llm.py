@@ -172,14 +172,18 @@ class LLM:
                 if p.images
             }
 
-            def image_request(i: int, rid: str, p: SamplingParams, lora: LoRARequest | None):
-                item = prepare.prepare_one(side, tokens[i], prompts[i].images)
-                if isinstance(item, str):  # its images cannot be used: an error output, never sent
-                    return prepare.error_output(rid, prompts[i].token_ids or [], p.n, item, prompts[i].text)
-                return EngineRequest(rid, item.token_ids, p, lora_request=lora, images=tuple(item.images))
+            def image_requests(chunk: list[tuple[int, str, SamplingParams, LoRARequest | None]]) -> list:
+                ready = prepare.prepare_many(side, [(tokens[i], prompts[i].images) for i, *_ in chunk])
+                return [
+                    # images that cannot be used: an error output, never sent
+                    prepare.error_output(rid, prompts[i].token_ids or [], p.n, item, prompts[i].text)
+                    if isinstance(item, str)
+                    else EngineRequest(rid, item.token_ids, p, lora_request=lora, images=tuple(item.images))
+                    for (i, rid, p, lora), item in zip(chunk, ready)
+                ]
 
             ahead = iter(
-                prepare.prepare_ahead(image_request, [(i, ids[i], params[i], loras[i]) for i in tokens])
+                prepare.prepare_ahead(image_requests, [(i, ids[i], params[i], loras[i]) for i in tokens])
             )
         for rid, prompt, p, lora in zip(ids, prompts, params, loras):
             if prompt.images:

@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 from batchgen.driver import EngineRequest
 from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
-from batchgen.multimodal.images import ImageError
 from batchgen.multimodal.inputs import ImagePrompt, ImagePrompts
 
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -41,43 +40,63 @@ def image_prompts_for(engine: Any, storage_options: dict[str, Any] | None = None
     return side
 
 
-def prepare_one(
-    side: ImagePrompts | str, token_ids: Sequence[int], images: Sequence[Any]
-) -> ImagePrompt | str:
-    """One prompt's :class:`ImagePrompt`, or the error message (one line)."""
+CHUNK = 8
+"""Prompts per worker task: their images not processed yet go through the processor together
+(:meth:`ImagePrompts.build_many`)."""
+
+
+def prepare_many(
+    side: ImagePrompts | str, items: Sequence[tuple[Sequence[int], Sequence[Any]]]
+) -> list[ImagePrompt | str]:
+    """``(token ids, images)`` per prompt -> its :class:`ImagePrompt`, or the error message (one line), in
+    the calling thread."""
     if isinstance(side, str):
-        return side
-    try:
-        return side.build(token_ids, images)
-    except ImageError as e:
-        return str(e)
+        return [side] * len(items)
+    return side.build_many(items)
 
 
 def prepare(
     side: ImagePrompts | str, items: Sequence[tuple[Sequence[int], Sequence[Any]]]
 ) -> list[ImagePrompt | str]:
-    """``(token ids, images)`` per prompt -> its :class:`ImagePrompt`, or the error message (one line)."""
-
-    def one(item: tuple[Sequence[int], Sequence[Any]]) -> ImagePrompt | str:
-        return prepare_one(side, item[0], item[1])
-
-    if len(items) <= 1:
-        return [one(i) for i in items]
+    """:func:`prepare_many` in worker threads, :data:`CHUNK` prompts per task."""
+    chunks = [items[i : i + CHUNK] for i in range(0, len(items), CHUNK)]
+    if len(chunks) <= 1:
+        return prepare_many(side, items)
     with ThreadPoolExecutor(_WORKERS, thread_name_prefix="batchgen-images") as pool:
-        return list(pool.map(one, items))
+        return [r for part in pool.map(lambda c: prepare_many(side, c), chunks) for r in part]
 
 
 T = TypeVar("T")
 
 
-def prepare_ahead(make: Callable[..., T], args: Sequence[tuple[Any, ...]]) -> list[Future[T]]:
-    """``make(*a)`` for each ``a`` of ``args`` in worker threads, started now in order; their futures. The
-    threads end once the last one is done (nothing waits for them here)."""
+def prepare_ahead(make_many: Callable[[list[Any]], list[T]], args: Sequence[Any]) -> list[Future[T]]:
+    """``make_many(chunk)`` over :data:`CHUNK` items of ``args`` at a time in worker threads, started now in
+    order: one future per item, in order (cancelling one before its chunk starts skips the chunk once all
+    of its items are cancelled). The threads end once the last chunk is done (nothing waits for them here)."""
+    futures: list[Future[T]] = [Future() for _ in args]
+
+    def run(lo: int) -> None:
+        part = futures[lo : lo + CHUNK]
+        if not any([f.set_running_or_notify_cancel() for f in part]):  # each one: running now, or cancelled
+            return
+        try:
+            results = make_many(list(args[lo : lo + CHUNK]))
+        except BaseException as e:
+            for f in part:
+                if not f.cancelled():
+                    f.set_exception(e)
+            return
+        for f, r in zip(part, results):
+            if not f.cancelled():
+                f.set_result(r)
+
     pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="batchgen-images")
     try:
-        return [pool.submit(make, *a) for a in args]
+        for lo in range(0, len(args), CHUNK):
+            pool.submit(run, lo)
     finally:
         pool.shutdown(wait=False)
+    return futures
 
 
 class PreparedInOrder:
