@@ -163,9 +163,12 @@ def run_batchgen(model: str, rows: list[tuple[str, bytes]], max_tokens: int) -> 
     )
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     s = llm.engine.images.stats
+    import torch
+
     return {
         "wall_s": wall,
         "cpu_s": cpu,
+        "threads": torch.get_num_threads(),
         "loadavg": [load0, os.getloadavg()[0]],
         "tokens": [o.outputs[0].token_ids for o in outs],
         "encoded": s.encoded - stats0.encoded,
@@ -251,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
                 "encoder_runs": bg["encoded"],
                 "encoder_s": round(bg["encoder_s"], 2),
                 "prompt_tokens_reused": bg["cached_prompt_tokens"],
+                "threads": bg["threads"],
                 "loadavg": bg["loadavg"],
             }
         if hf is not None:
