@@ -7,7 +7,7 @@ from dataclasses import fields
 
 from tqdm.auto import tqdm
 
-from batchgen.driver import EngineRequest, run_requests
+from batchgen.driver import Driver, EngineRequest, Requests
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.core.outputs import RequestOutput
@@ -161,34 +161,35 @@ class LLM:
         ids = [f"gen-{base + i}" for i in range(len(prompts))]
         engine = self.engine
         results: dict[str | int, RequestOutput] = {}
-        with_images = [i for i, p in enumerate(prompts) if p.images]
-        if with_images:  # prepared ahead, in worker threads (batchgen.multimodal.prepare)
+        entries: list = []
+        if any(p.images for p in prompts):  # prepared in worker threads while the engine runs
             from batchgen.multimodal import prepare
 
-            toks = [
-                prompts[i].token_ids or list(engine.tokenizer.encode(prompts[i].text)) for i in with_images
-            ]
-            ready = dict(
-                zip(
-                    with_images,
-                    prepare.prepare(
-                        prepare.image_prompts_for(engine),
-                        [(t, prompts[i].images) for t, i in zip(toks, with_images)],
-                    ),
-                )
+            side = prepare.image_prompts_for(engine)
+            tokens = {
+                i: p.token_ids or list(engine.tokenizer.encode(p.text))
+                for i, p in enumerate(prompts)
+                if p.images
+            }
+
+            def image_requests(chunk: list[tuple[int, str, SamplingParams, LoRARequest | None]]) -> list:
+                ready = prepare.prepare_many(side, [(tokens[i], prompts[i].images) for i, *_ in chunk])
+                return [
+                    # images that cannot be used: an error output, never sent
+                    prepare.error_output(rid, prompts[i].token_ids or [], p.n, item, prompts[i].text)
+                    if isinstance(item, str)
+                    else EngineRequest(rid, item.token_ids, p, lora_request=lora, images=tuple(item.images))
+                    for (i, rid, p, lora), item in zip(chunk, ready)
+                ]
+
+            ahead = iter(
+                prepare.prepare_ahead(image_requests, [(i, ids[i], params[i], loras[i]) for i in tokens])
             )
-        requests = []
-        for i, (rid, prompt, p, lora) in enumerate(zip(ids, prompts, params, loras)):
-            if not prompt.images:
-                requests.append(EngineRequest(rid, prompt.engine_prompt, p, lora_request=lora))
-                continue
-            item = ready[i]
-            if isinstance(item, str):  # its images cannot be used: an error output, never sent
-                results[rid] = prepare.error_output(rid, prompt.token_ids or [], p.n, item, prompt.text)
+        for rid, prompt, p, lora in zip(ids, prompts, params, loras):
+            if prompt.images:
+                entries.append(next(ahead))
             else:
-                requests.append(
-                    EngineRequest(rid, item.token_ids, p, lora_request=lora, images=tuple(item.images))
-                )
+                entries.append(EngineRequest(rid, prompt.engine_prompt, p, lora_request=lora))
 
         def collect(finished: list[RequestOutput]) -> None:
             for out in finished:
@@ -196,10 +197,16 @@ class LLM:
             bar.update(len(finished))
 
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
-        bar.update(len(results))
+        task = (
+            prepare.PreparedInOrder(entries, collect, engine.has_unfinished)
+            if any(p.images for p in prompts)
+            else Requests(entries, collect)
+        )
         try:
-            run_requests(self.engine, requests, collect)
+            Driver(engine, task).run()
         finally:
+            if not isinstance(task, Requests):
+                task.cancel()  # the preparations not started yet
             bar.close()
         outs = [results[rid] for rid in ids]
         for out, prompt in zip(outs, prompts):

@@ -59,6 +59,84 @@ def test_greedy_equals_transformers_batched(llava, llm, tmp_path):
     assert other[0].outputs[0].token_ids != ref[0]
 
 
+def test_encoder_runs_only_the_layers_it_reads_with_transformers_features(llava, llm):
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    hf = LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
+    encoder = llm.engine.model.encoder
+    tower = getattr(encoder.vision_tower, "vision_model", encoder.vision_tower)  # transformers 4.x / 5.x
+    # the tiny checkpoint reads the second-to-last layer: the last one is never run
+    assert len(tower.encoder.layers) == hf.config.vision_config.num_hidden_layers - 1
+    images = [random_image(56, 56, 20), random_image(90, 40, 21)]
+    pixels = AutoProcessor.from_pretrained(llava)(text=["<image>"] * 2, images=images, return_tensors="pt")
+    with torch.inference_mode():
+        ref = hf.model.get_image_features(pixels["pixel_values"]).pooler_output
+    ours = encoder.encode([{"pixel_values": p} for p in pixels["pixel_values"]])
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+
+
+def test_each_distinct_image_decoded_and_processed_once_across_worker_threads(llava):
+    import torch
+
+    from batchgen.multimodal.images import ImageLoader
+    from batchgen.multimodal.inputs import ImagePrompts
+    from batchgen.multimodal.prepare import prepare
+
+    class Counting(ImageLoader):
+        decoded: list[str] = []
+
+        def decode(self, data, name="<bytes>", digest=None):
+            image = super().decode(data, name, digest)
+            Counting.decoded.append(image.hash)
+            return image
+
+    side = ImagePrompts(llava, _image_token_id(llava), loader=Counting())
+    images = [png_bytes(random_image(40 + 10 * i, 50, 30 + i)) for i in range(3)]
+    ids = side.processor.tokenizer.encode(_chat("What is it?"))
+    rows = [(ids, [images[i % 3]]) for i in range(20)] + [(ids, [images[0][:70]])]  # and a truncated one
+    ready = prepare(side, rows)
+    assert len(Counting.decoded) == len(set(Counting.decoded)) == 3  # each distinct image decoded once
+    assert "image 0: image '<70 bytes>': corrupt or truncated" in ready[-1]
+    fresh = ImagePrompts(llava, _image_token_id(llava))
+    for (t, ims), got in zip(rows[:3], ready):
+        want = fresh.build(t, ims)
+        assert got.token_ids == want.token_ids and got.images[0].hash == want.images[0].hash
+        assert torch.equal(got.images[0].pixels["pixel_values"], want.images[0].pixels["pixel_values"])
+
+
+def _image_token_id(ckpt: str) -> int:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(ckpt) / "config.json").read_text())["image_token_index"]
+
+
+def test_the_engine_steps_while_later_images_are_still_prepared(llava, monkeypatch):
+    import threading
+
+    from batchgen.multimodal.prepare import image_prompts_for
+
+    llm = LLM(llava, kv_cache_memory="32MiB", max_num_seqs=8)
+    stepped = threading.Event()
+    llm.engine.add_step_listener(lambda info: stepped.set())
+    side = image_prompts_for(llm.engine)
+    build, slow = side.build, random_image(60, 60, 41)
+
+    def late_build(token_ids, images):
+        if images[0] is slow:  # ready only once the engine has run the rows before it
+            assert stepped.wait(60), "the engine waited for every image before its first step"
+        return build(token_ids, images)
+
+    monkeypatch.setattr(side, "build", late_build)
+    rows = [(_chat(f"row {i}"), [random_image(56, 56, 40)]) for i in range(3)] + [(_chat("late"), [slow])]
+    outs = llm.generate(
+        [{"prompt": t, "multi_modal_data": {"image": ims}} for t, ims in rows], GREEDY, use_tqdm=False
+    )
+    assert [o.error for o in outs] == [None] * 4
+    assert outs[3].outputs[0].token_ids == hf_greedy(llava, rows[3:], GREEDY.max_tokens)[0]
+
+
 def test_each_distinct_image_encoded_once_and_blocks_shared_by_image(llava):
     llm = LLM(llava, kv_cache_memory="32MiB", max_num_seqs=8, block_size=8)
     a, b = random_image(64, 64, 10), random_image(64, 64, 11)

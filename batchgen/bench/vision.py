@@ -12,11 +12,13 @@ Systems: ``batchgen`` (``LLM.generate``; each distinct image encoded once, place
 prefix cache) and ``hf_generate`` (transformers' ``LlavaForConditionalGeneration.generate`` over batches of
 ``--hf-batch`` rows, left-padded, with the processor run per batch — every row's image encoded). Figures: wall
 time, generated tok/s, images/s (distinct images per second), batchgen's encoder runs and encoder time, and the
-rows whose greedy tokens differ from transformers'. The checkpoint is a random LLaVA built locally
+rows whose greedy tokens differ from transformers'; each system's CPU seconds over the workload (this
+process's, or vLLM's engine processes') and generated tokens per CPU-second, the figure to compare on a shared
+machine. ``--systems`` picks the systems to run. The checkpoint is a random LLaVA built locally
 (``batchgen.multimodal.tiny.build_llava``, 224-px CLIP tower) unless ``--model`` names one.
 
 ``vllm``: vLLM's ``LLM.generate`` with ``multi_modal_data`` under its own interpreter (``--vllm-python``;
-:mod:`batchgen.bench.vision_vllm_child`), started once after the in-process systems, warmed up, then each
+:mod:`batchgen.bench.vision_vllm_child`), started once before the in-process systems, warmed up, then each
 workload timed from the same encoded bytes with the same budgets (``max_num_seqs``, batched tokens, KV bytes)
 and its caches reset. Skipped, with the reason, when that interpreter is missing or cannot import vLLM.
 """
@@ -30,6 +32,7 @@ import os
 import random
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -149,18 +152,27 @@ def run_batchgen(model: str, rows: list[tuple[str, bytes]], max_tokens: int) -> 
         max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
         max_model_len=ENGINE["max_model_len"],
     )
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)  # as vLLM is warmed up
+    llm.generate([{"prompt": WARMUP, "multi_modal_data": {"image": _images(1, 99)[0]}}], warm, use_tqdm=False)
+    stats0 = replace(llm.engine.images.stats)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    cpu0, t0 = time.process_time(), time.perf_counter()
     outs = llm.generate(
         [{"prompt": t, "multi_modal_data": {"image": img}} for t, img in rows], params, use_tqdm=False
     )
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     s = llm.engine.images.stats
+    import torch
+
     return {
         "wall_s": wall,
+        "cpu_s": cpu,
+        "threads": torch.get_num_threads(),
+        "loadavg": [load0, os.getloadavg()[0]],
         "tokens": [o.outputs[0].token_ids for o in outs],
-        "encoded": s.encoded,
-        "encoder_s": s.encoder_seconds,
+        "encoded": s.encoded - stats0.encoded,
+        "encoder_s": s.encoder_seconds - stats0.encoder_seconds,
         "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
     }
 
@@ -174,7 +186,7 @@ def run_hf(model: str, rows: list[tuple[str, bytes]], max_tokens: int, batch: in
     proc.tokenizer.padding_side = "left"
     hf = LlavaForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
     tokens: list[list[int]] = []
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     for i in range(0, len(rows), batch):
         chunk = rows[i : i + batch]
         images = [Image.open(io.BytesIO(img)).convert("RGB") for _, img in chunk]
@@ -182,7 +194,8 @@ def run_hf(model: str, rows: list[tuple[str, bytes]], max_tokens: int, batch: in
         with torch.inference_mode():
             gen = hf.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
         tokens += [g[enc["input_ids"].shape[1] :].tolist() for g in gen]
-    return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "encoded": len(rows)}
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "encoded": len(rows)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--workloads", default="vqa,caption")
+    ap.add_argument("--systems", default="batchgen,vllm,hf", help="comma-separated: batchgen, vllm, hf")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default=None, help="results.json path")
     ap.add_argument(
@@ -212,47 +226,52 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {"machine": machine_info(), "args": vars(args), "workloads": {}}
     names = args.workloads.split(",")
     workloads = {name: workload(name, images, args.questions, args.seed) for name in names}
-    vllm: dict[str, Any] = {"status": "skipped", "reason": "--vllm-python none"}
-    if args.vllm_python != "none":
+    systems = set(args.systems.split(","))
+    vllm: dict[str, Any] = {"status": "skipped", "reason": "not in --systems or --vllm-python none"}
+    if "vllm" in systems and args.vllm_python != "none":
         vllm = run_vllm(args.vllm_python, model, workloads, args.max_tokens, Path(tempfile.mkdtemp()))
     results["vllm"] = {k: v for k, v in vllm.items() if k != "workloads"}
     for name in names:
         rows = workloads[name]
-        bg = run_batchgen(model, rows, args.max_tokens)
-        hf = run_hf(model, rows, args.max_tokens, args.hf_batch)
         gen = len(rows) * args.max_tokens
-        differ = sum(a != b for a, b in zip(bg["tokens"], hf["tokens"]))
-        entry = {
-            "rows": len(rows),
-            "distinct_images": len(images),
-            "batchgen": {
-                "wall_s": round(bg["wall_s"], 2),
-                "gen_tok_s": round(gen / bg["wall_s"], 1),
-                "images_s": round(len(images) / bg["wall_s"], 2),
+        bg = run_batchgen(model, rows, args.max_tokens) if "batchgen" in systems else None
+        hf = run_hf(model, rows, args.max_tokens, args.hf_batch) if "hf" in systems else None
+        v = vllm.get("workloads", {}).get(name)
+
+        def figures(r: dict[str, Any], gen: int = gen) -> dict[str, Any]:
+            return {
+                "wall_s": round(r["wall_s"], 2),
+                "cpu_s": round(r["cpu_s"], 2),
+                "gen_tok_s": round(gen / r["wall_s"], 1),
+                "gen_tok_per_cpu_s": round(gen / r["cpu_s"], 1),
+                "images_s": round(len(images) / r["wall_s"], 2),
+            }
+
+        entry: dict[str, Any] = {"rows": len(rows), "distinct_images": len(images)}
+        if bg is not None:
+            entry["batchgen"] = {
+                **figures(bg),
                 "encoder_runs": bg["encoded"],
                 "encoder_s": round(bg["encoder_s"], 2),
                 "prompt_tokens_reused": bg["cached_prompt_tokens"],
-            },
-            "hf_generate": {
-                "wall_s": round(hf["wall_s"], 2),
-                "gen_tok_s": round(gen / hf["wall_s"], 1),
-                "images_s": round(len(images) / hf["wall_s"], 2),
-                "encoder_runs": hf["encoded"],
-            },
-            "speedup": round(hf["wall_s"] / bg["wall_s"], 2),
-            "rows_differing": differ,
-        }
-        v = vllm.get("workloads", {}).get(name)
+                "threads": bg["threads"],
+                "loadavg": bg["loadavg"],
+            }
+        if hf is not None:
+            entry["hf_generate"] = {**figures(hf), "encoder_runs": hf["encoded"]}
+        if bg is not None and hf is not None:
+            entry["speedup"] = round(hf["wall_s"] / bg["wall_s"], 2)
+            entry["rows_differing"] = sum(a != b for a, b in zip(bg["tokens"], hf["tokens"]))
         if v is not None:
             entry["vllm"] = {
-                "wall_s": round(v["wall_s"], 2),
-                "gen_tok_s": round(gen / v["wall_s"], 1),
-                "images_s": round(len(images) / v["wall_s"], 2),
+                **figures(v),
                 "prompt_tokens_reused": v["prompt_tokens_cached"],
                 "loadavg": v["loadavg"],
             }
-            entry["speedup_vs_vllm"] = round(v["wall_s"] / bg["wall_s"], 2)
-            entry["rows_differing_from_vllm"] = sum(a != b for a, b in zip(bg["tokens"], v["token_ids"]))
+            if bg is not None:
+                entry["speedup_vs_vllm"] = round(v["wall_s"] / bg["wall_s"], 2)
+                entry["cpu_speedup_vs_vllm"] = round(v["cpu_s"] / bg["cpu_s"], 2)
+                entry["rows_differing_from_vllm"] = sum(a != b for a, b in zip(bg["tokens"], v["token_ids"]))
         else:
             entry["vllm"] = {k: v for k, v in vllm.items() if k in ("status", "reason")}
         results["workloads"][name] = entry

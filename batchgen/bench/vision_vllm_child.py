@@ -7,7 +7,8 @@ engine budgets and, per workload, the rows (prompt text with the model's ``<imag
 the image's encoded bytes) and ``max_tokens``. The engine starts once and is warmed up with an unrelated image
 row; each workload is then timed from the encoded bytes (decode and vLLM's processor inside the wall time, as
 for the other systems), its prefix and multimodal caches reset first. The result: per workload ``wall_s``,
-``token_ids`` (row order) and ``prompt_tokens_cached``; ``status`` ``ok``, ``skipped`` (vLLM cannot be
+``cpu_s`` (CPU seconds of the processes of vLLM's engine over the workload), ``token_ids`` (row order) and
+``prompt_tokens_cached``; ``status`` ``ok``, ``skipped`` (vLLM cannot be
 imported) or ``error`` with the reason.
 """
 
@@ -24,6 +25,22 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]  # our siblings never shadow packages
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and every live process under it (vLLM's engine core and
+    worker run in child processes)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -69,11 +86,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             llm.reset_mm_cache()
         params = SamplingParams(temperature=0.0, max_tokens=int(w["max_tokens"]), ignore_eos=True)
         load0 = os.getloadavg()[0]
+        cpu0 = _tree_cpu_s()
         t = time.perf_counter()
         outs = llm.generate(rows_of(w["rows"]), params, use_tqdm=False)
         wall = time.perf_counter() - t
         results[name] = {
             "wall_s": wall,
+            "cpu_s": _tree_cpu_s() - cpu0,
             "loadavg": [load0, os.getloadavg()[0]],
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "prompt_tokens_cached": sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outs),

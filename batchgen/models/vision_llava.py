@@ -40,6 +40,20 @@ class LlavaEncoder(nn.Module):
         self.multi_modal_projector = LlavaMultiModalProjector(hf_config)
         self.feature_layer = hf_config.vision_feature_layer
         self.select_strategy = hf_config.vision_feature_select_strategy
+        layers = [self.feature_layer] if isinstance(self.feature_layer, int) else list(self.feature_layer)
+        total = hf_config.vision_config.num_hidden_layers
+        self.feature_index = [i if i >= 0 else total + 1 + i for i in layers]
+        """The selected layers as indices of the tower's hidden states (0: the embeddings, k: after layer k)."""
+
+    def drop_unused_layers(self) -> None:
+        """Remove the tower's layers after the last selected one (LLaVA reads the second-to-last layer by
+        default): their outputs are never read, so the features are unchanged and the encoder runs fewer
+        layers (vLLM builds its towers the same way)."""
+        tower = getattr(self.vision_tower, "vision_model", self.vision_tower)
+        encoder = getattr(tower, "encoder", None)
+        layers = getattr(encoder, "layers", None)
+        if isinstance(layers, nn.ModuleList) and max(self.feature_index) < len(layers):
+            encoder.layers = layers[: max(self.feature_index)]
 
     @torch.inference_mode()
     def encode(self, pixels: list[dict[str, Tensor]]) -> list[Tensor]:
@@ -52,8 +66,7 @@ class LlavaEncoder(nn.Module):
     def project(self, batch: Tensor) -> Tensor:
         """[N, 3, H, W] pixels -> [N, tokens, hidden] projected features of the selected layer(s)."""
         out = self.vision_tower(batch, output_hidden_states=True, return_dict=True)
-        layers = [self.feature_layer] if isinstance(self.feature_layer, int) else list(self.feature_layer)
-        hs = [out.hidden_states[i] for i in layers]
+        hs = [out.hidden_states[i] for i in self.feature_index]
         if self.select_strategy == "default":
             hs = [h[:, 1:] for h in hs]
         return self.multi_modal_projector(hs[0] if len(hs) == 1 else torch.cat(hs, dim=-1))
@@ -113,6 +126,7 @@ def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:
     # transformers 4.x names (under model.) and 5.x names (ours already)
     prefixes = _PREFIXES + tuple((ours, ours) for ours in _OURS)
     load_vision_weights(encoder, ckpt, prefixes, ignore_missing=("position_ids",))
+    encoder.drop_unused_layers()
     lm_dtype = next(language_model.parameters()).dtype
     encoder = encoder.to(device=device, dtype=lm_dtype).eval().requires_grad_(False)
     image_token_id = int(

@@ -40,6 +40,15 @@ class ImageError(ValueError):
 
 
 @dataclass(frozen=True)
+class EncodedImage:
+    """An image's encoded bytes and their content hash, read but not decoded yet (``name``: for messages)."""
+
+    data: bytes
+    hash: str
+    name: str
+
+
+@dataclass(frozen=True)
 class LoadedImage:
     """A decoded RGB image and the content hash (hex SHA-256) that keys its encoder output and KV blocks."""
 
@@ -93,11 +102,21 @@ class ImageLoader:
 
     def load(self, source: Any) -> LoadedImage:
         """The decoded image of `source` and its hash; ImageError when it cannot be used."""
+        read = self.read(source)
+        return read if isinstance(read, LoadedImage) else self.decode(read.data, read.name, read.hash)
+
+    def read(self, source: Any) -> EncodedImage | LoadedImage:
+        """`source`'s encoded bytes and their hash, not decoded (a ``PIL.Image`` is decoded already: it is
+        returned as it is, hashed by its pixels); ImageError when they cannot be read. Hashing before decoding
+        lets a caller that has processed the image already skip decoding it again."""
         Image = pil()
         if isinstance(source, Image.Image):
             return self._from_pil(source)
         data = self.read_bytes(source)
-        return self.decode(data, describe(source))
+        name = describe(source)
+        if not data:
+            raise ImageError(f"image {name!r}: empty (0 bytes)")
+        return EncodedImage(data, hashlib.sha256(data).hexdigest(), name)
 
     # ----------------------------------------------------------------------------------------- bytes
     def read_bytes(self, source: Any) -> bytes:
@@ -154,12 +173,13 @@ class ImageLoader:
         return data
 
     # -------------------------------------------------------------------------------------- decoding
-    def decode(self, data: bytes, name: str = "<bytes>") -> LoadedImage:
-        """Decode encoded image bytes (any format Pillow reads) to RGB, bounded as the class says."""
+    def decode(self, data: bytes, name: str = "<bytes>", digest: str | None = None) -> LoadedImage:
+        """Decode encoded image bytes (any format Pillow reads) to RGB, bounded as the class says (``digest``:
+        their hash when known)."""
         Image = pil()
         if not data:
             raise ImageError(f"image {name!r}: empty (0 bytes)")
-        digest = hashlib.sha256(data).hexdigest()
+        digest = digest or hashlib.sha256(data).hexdigest()
         try:
             img = Image.open(io.BytesIO(data))
             w, h = img.size

@@ -4,9 +4,9 @@
 transformers falls back to its PIL image processors, and a processor class that needs torchvision, as
 Qwen2-VL's does, is replaced by its image processor and the tokenizer). For each prompt it
 
-- loads every image (:class:`~batchgen.multimodal.images.ImageLoader`: any source, content-hashed),
-- runs the processor's pixel work per distinct image (cached by content hash, so an image shown by many rows
-  is preprocessed once while it stays in the small LRU),
+- reads every image (:class:`~batchgen.multimodal.images.ImageLoader`: any source) and hashes its bytes,
+- decodes it and runs the processor's pixel work once per distinct image (cached by content hash, so an image
+  shown by many rows is decoded and preprocessed once while it stays in the small LRU),
 - finds the image placeholders in the prompt's token ids (one ``<image>`` token per image, as in vLLM; a run
   already expanded to the image's length counts as one) and expands each to the image's number of feature
   tokens, exactly as the processor does.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch loads only when an image is processed (the CLI decides threads before torch)
     from torch import Tensor
 
-from batchgen.multimodal.images import ImageError, ImageLoader, LoadedImage
+from batchgen.multimodal.images import EncodedImage, ImageError, ImageLoader, LoadedImage
 from batchgen.multimodal.joins import joins_for
 
 
@@ -126,9 +126,17 @@ class ImagePrompts:
         """The processor writes text around an image's tokens (Gemma 3's ``\\n\\n``): the tokenizer may merge
         it with the prompt's text next to it, so a prompt with images is tokenized again as a whole."""
         self.joins = joins_for(self.processor)
+        self._busy: dict[str, threading.Event] = {}  # hash -> set when the thread processing it is done
+        self.fixed_size = type(self.processor).__name__ == "LlavaProcessor" and bool(
+            getattr(image_processor, "do_center_crop", False)
+        )
+        """Every image becomes pixels of one shape and one run of placeholder tokens, each image processed on
+        its own inside a processor call (LLaVA 1.5's processor: resize, center crop): :meth:`build_many` then
+        processes many images in one call, which costs far less than one call each."""
 
-    def load(self, images: Sequence[Any]) -> list[LoadedImage]:
-        """Load (decode, hash) each image; ImageError naming the first bad one's index."""
+    def load(self, images: Sequence[Any]) -> list[EncodedImage | LoadedImage]:
+        """Read and hash each image (decoding waits for :meth:`pixels`, which skips it for an image processed
+        already); ImageError naming the first bad one's index."""
         if self.max_images is not None and len(images) > self.max_images:
             raise ImageError(
                 f"{len(images)} images but the model takes at most {self.max_images} per prompt "
@@ -137,48 +145,128 @@ class ImagePrompts:
         out = []
         for i, src in enumerate(images):
             try:
-                out.append(self.loader.load(src))
+                out.append(self.loader.read(src))
             except ImageError as e:
                 raise ImageError(f"image {i}: {e}") from None
         return out
 
-    def pixels(self, image: LoadedImage) -> _Processed:
-        """The processor's tensors for one image and what its placeholder expands to (cached by hash)."""
+    def pixels(self, image: EncodedImage | LoadedImage) -> _Processed:
+        """The processor's tensors for one image and what its placeholder expands to, cached by hash: an
+        image processed already is neither decoded nor processed again, and threads asking for the same
+        image at once wait for the first one's work. ImageError when the image cannot be decoded."""
         with self._lock:
             hit = self._pixels.get(image.hash)
             if hit is not None:
                 self._pixels.move_to_end(image.hash)
                 return hit
+            busy = self._busy.get(image.hash)
+            if busy is None:
+                self._busy[image.hash] = threading.Event()
+        if busy is not None:  # another thread is processing this image: its result, unless it failed
+            busy.wait()
+            with self._lock:
+                hit = self._pixels.get(image.hash)
+            return hit if hit is not None else self._process(image)
+        try:
+            done = self._process(image)
+            with self._lock:
+                self._pixels[image.hash] = done
+                while len(self._pixels) > self._cache_items:
+                    self._pixels.popitem(last=False)
+            return done
+        finally:
+            with self._lock:
+                self._busy.pop(image.hash).set()
+
+    def _process(self, image: EncodedImage | LoadedImage) -> _Processed:
+        if isinstance(image, EncodedImage):
+            image = self.loader.decode(image.data, image.name, image.hash)
         if self.merge_size is not None:  # an image processor alone (dynamic resolution): merged patches
             enc = self.image_processor(images=[image.image], return_tensors="pt")
             grid = enc["image_grid_thw"][0]
             n = int(grid.prod()) // self.merge_size**2
             pixels = {"pixel_values": enc["pixel_values"], "image_grid_thw": grid}
-            done = _Processed(pixels, (self.feature_token_id,) * n, None)
-        else:
-            enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
-            ids = enc["input_ids"][0].tolist()
-            head, tail = self._specials
-            if head and ids[: len(head)] == head:
-                ids = ids[len(head) :]
-            if tail and ids[-len(tail) :] == tail:
-                ids = ids[: -len(tail)]
-            offsets = tuple(i for i, t in enumerate(ids) if t == self.feature_token_id)
-            pure = len(offsets) == len(ids)
-            added = self.processor.tokenizer.added_tokens_decoder  # never merged with text next to them
-            if ids and (ids[0] not in added or ids[-1] not in added):
-                self._text_edges = True
-            pixels = {k: v[0] for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
-            done = _Processed(pixels, tuple(ids), None if pure else offsets)
+            return _Processed(pixels, (self.feature_token_id,) * n, None)
+        enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
+        return self._processed(enc, 0)
+
+    def _processed(self, enc: Any, row: int) -> _Processed:
+        """Row ``row`` of the processor's output for ``[image_token] * n`` and n images."""
+        ids = enc["input_ids"][row].tolist()
+        head, tail = self._specials
+        if head and ids[: len(head)] == head:
+            ids = ids[len(head) :]
+        if tail and ids[-len(tail) :] == tail:
+            ids = ids[: -len(tail)]
+        offsets = tuple(i for i, t in enumerate(ids) if t == self.feature_token_id)
+        pure = len(offsets) == len(ids)
+        added = self.processor.tokenizer.added_tokens_decoder  # never merged with text next to them
+        if ids and (ids[0] not in added or ids[-1] not in added):
+            self._text_edges = True
+        pixels = {k: v[row] for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+        return _Processed(pixels, tuple(ids), None if pure else offsets)
+
+    def _process_together(self, images: list[EncodedImage | LoadedImage]) -> None:
+        """Decode ``images`` and run them through one processor call (:attr:`fixed_size` processors), caching
+        each one's result; an image that cannot be decoded is left out (:meth:`pixels` names its error)."""
+        decoded = []
+        for image in images:
+            try:
+                decoded.append(
+                    self.loader.decode(image.data, image.name, image.hash)
+                    if isinstance(image, EncodedImage)
+                    else image
+                )
+            except ImageError:
+                pass
+        if not decoded:
+            return
+        enc = self.processor(
+            text=[self.image_token] * len(decoded), images=[d.image for d in decoded], return_tensors="pt"
+        )
+        done = [self._processed(enc, row) for row in range(len(decoded))]
         with self._lock:
-            self._pixels[image.hash] = done
+            for image, result in zip(decoded, done):
+                self._pixels[image.hash] = result
             while len(self._pixels) > self._cache_items:
                 self._pixels.popitem(last=False)
-        return done
+
+    def build_many(self, items: Sequence[tuple[Sequence[int], Sequence[Any]]]) -> list[ImagePrompt | str]:
+        """:meth:`build` for each ``(token ids, images)``, or its error message; with a :attr:`fixed_size`
+        processor the images not processed yet are processed together first."""
+        loaded: list[list[EncodedImage | LoadedImage] | str] = []
+        for _, images in items:
+            try:
+                loaded.append(self.load(images))
+            except ImageError as e:
+                loaded.append(str(e))
+        if self.fixed_size:
+            todo: dict[str, EncodedImage | LoadedImage] = {}
+            with self._lock:
+                for images in loaded:
+                    for image in images if isinstance(images, list) else ():
+                        if image.hash not in self._pixels and image.hash not in self._busy:
+                            todo.setdefault(image.hash, image)
+                            self._busy[image.hash] = threading.Event()  # other threads wait for it
+            try:
+                self._process_together(list(todo.values()))
+            finally:
+                with self._lock:
+                    for h in todo:
+                        self._busy.pop(h).set()
+        out: list[ImagePrompt | str] = []
+        for (token_ids, _), images in zip(items, loaded):
+            try:
+                out.append(images if isinstance(images, str) else self._prompt(token_ids, images))
+            except ImageError as e:
+                out.append(str(e))
+        return out
 
     def build(self, token_ids: Sequence[int], images: Sequence[Any]) -> ImagePrompt:
         """Expand ``token_ids``' placeholders for ``images``; ImageError when they do not fit together."""
-        loaded = self.load(images)
+        return self._prompt(token_ids, self.load(images))
+
+    def _prompt(self, token_ids: Sequence[int], loaded: list[EncodedImage | LoadedImage]) -> ImagePrompt:
         if self.image_token_id != self.feature_token_id and self.feature_token_id in token_ids:
             return self._placed(list(token_ids), loaded)  # expanded already (the processor's own ids)
         prompt = self._build(token_ids, loaded)
@@ -189,11 +277,21 @@ class ImagePrompts:
         text = tok.decode(prompt.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return self._placed(list(tok(text, add_special_tokens=False)["input_ids"]), loaded)
 
-    def _placed(self, ids: list[int], loaded: list[LoadedImage]) -> ImagePrompt:
+    def _all_pixels(self, loaded: list[EncodedImage | LoadedImage]) -> list[_Processed]:
+        """:meth:`pixels` of each image, in order: the first bad one is named by its index."""
+        processed = []
+        for i, image in enumerate(loaded):
+            try:
+                processed.append(self.pixels(image))
+            except ImageError as e:
+                raise ImageError(f"image {i}: {e}") from None
+        return processed
+
+    def _placed(self, ids: list[int], loaded: list[EncodedImage | LoadedImage]) -> ImagePrompt:
         """``ids`` whose images are expanded already, each one run of feature tokens (a processor whose
         placeholder is not its feature token: Gemma 3); ImageError when the runs do not match the images."""
         runs = _placeholder_runs(ids, self.feature_token_id)
-        done = [self.pixels(image) for image in loaded]
+        done = self._all_pixels(loaded)
         counts = [len(d.expansion) if d.offsets is None else len(d.offsets) for d in done]
         if [n for _, n in runs] != counts:
             raise ImageError(
@@ -203,7 +301,8 @@ class ImagePrompts:
         items = [ImageItem(im.hash, d.pixels, start, n) for im, d, (start, n) in zip(loaded, done, runs)]
         return ImagePrompt(ids, items)
 
-    def _build(self, token_ids: Sequence[int], loaded: list[LoadedImage]) -> ImagePrompt:
+    def _build(self, token_ids: Sequence[int], loaded: list[EncodedImage | LoadedImage]) -> ImagePrompt:
+        processed = self._all_pixels(loaded)
         out: list[int] = []
         items: list[ImageItem] = []
         pos = 0
@@ -215,8 +314,7 @@ class ImagePrompts:
                 if len(items) == len(loaded):
                     items.append(None)  # type: ignore[arg-type]  # counted for the message below
                     break
-                image = loaded[len(items)]
-                done = self.pixels(image)
+                image, done = loaded[len(items)], processed[len(items)]
                 n = len(done.expansion) if done.offsets is None else len(done.offsets)
                 # a run already expanded for this image (all feature tokens), or one placeholder
                 used = n if length == n and done.offsets is None else 1

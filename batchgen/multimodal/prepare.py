@@ -1,17 +1,20 @@
 """Preparing image prompts for an engine, ahead of it and in worker threads: decoding, hashing and the
-processor's pixel work release the GIL (Pillow, torch), so a batch of images is prepared on several cores while
-nothing else waits. Used by the Python API and the job alike; a prompt whose images cannot be used gets its
-error message instead of an :class:`~batchgen.multimodal.inputs.ImagePrompt`, never an exception."""
+processor's pixel work release the GIL (Pillow, torch), so images are prepared on other cores while the engine
+runs. Used by the Python API (:func:`prepare_ahead` and :class:`PreparedInOrder`: the engine starts on the first
+prepared prompts and later ones are admitted as they become ready) and the job (:func:`prepare`, in the
+window read-ahead thread) alike; a prompt whose images cannot be used gets its error message instead of an
+:class:`~batchgen.multimodal.inputs.ImagePrompt`, never an exception."""
 
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
+from batchgen.driver import EngineRequest
 from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
-from batchgen.multimodal.images import ImageError
 from batchgen.multimodal.inputs import ImagePrompt, ImagePrompts
 
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -38,23 +41,104 @@ def image_prompts_for(engine: Any, storage_options: dict[str, Any] | None = None
     return side
 
 
+CHUNK = 8
+"""Prompts per worker task: their images not processed yet go through the processor together
+(:meth:`ImagePrompts.build_many`)."""
+
+
+def prepare_many(
+    side: ImagePrompts | str, items: Sequence[tuple[Sequence[int], Sequence[Any]]]
+) -> list[ImagePrompt | str]:
+    """``(token ids, images)`` per prompt -> its :class:`ImagePrompt`, or the error message (one line), in
+    the calling thread."""
+    if isinstance(side, str):
+        return [side] * len(items)
+    return side.build_many(items)
+
+
 def prepare(
     side: ImagePrompts | str, items: Sequence[tuple[Sequence[int], Sequence[Any]]]
 ) -> list[ImagePrompt | str]:
-    """``(token ids, images)`` per prompt -> its :class:`ImagePrompt`, or the error message (one line)."""
-    if isinstance(side, str):
-        return [side] * len(items)
-
-    def one(item: tuple[Sequence[int], Sequence[Any]]) -> ImagePrompt | str:
-        try:
-            return side.build(item[0], item[1])
-        except ImageError as e:
-            return str(e)
-
-    if len(items) <= 1:
-        return [one(i) for i in items]
+    """:func:`prepare_many` in worker threads, :data:`CHUNK` prompts per task."""
+    chunks = [items[i : i + CHUNK] for i in range(0, len(items), CHUNK)]
+    if len(chunks) <= 1:
+        return prepare_many(side, items)
     with ThreadPoolExecutor(_WORKERS, thread_name_prefix="batchgen-images") as pool:
-        return list(pool.map(one, items))
+        return [r for part in pool.map(lambda c: prepare_many(side, c), chunks) for r in part]
+
+
+T = TypeVar("T")
+
+
+def prepare_ahead(make_many: Callable[[list[Any]], list[T]], args: Sequence[Any]) -> list[Future[T]]:
+    """``make_many(chunk)`` over :data:`CHUNK` items of ``args`` at a time in worker threads, started now in
+    order: one future per item, in order (cancelling one before its chunk starts skips the chunk once all
+    of its items are cancelled). The threads end once the last chunk is done (nothing waits for them here)."""
+    futures: list[Future[T]] = [Future() for _ in args]
+
+    def run(lo: int) -> None:
+        part = futures[lo : lo + CHUNK]
+        if not any([f.set_running_or_notify_cancel() for f in part]):  # each one: running now, or cancelled
+            return
+        try:
+            results = make_many(list(args[lo : lo + CHUNK]))
+        except BaseException as e:
+            for f in part:
+                if not f.cancelled():
+                    f.set_exception(e)
+            return
+        for f, r in zip(part, results):
+            if not f.cancelled():
+                f.set_result(r)
+
+    pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="batchgen-images")
+    try:
+        for lo in range(0, len(args), CHUNK):
+            pool.submit(run, lo)
+    finally:
+        pool.shutdown(wait=False)
+    return futures
+
+
+class PreparedInOrder:
+    """A driver task (:class:`batchgen.driver.Task`) over requests known up front, some still being prepared
+    (a future of the request, or of the error output of a prompt whose images cannot be used): supplied in
+    the given order as each becomes ready. The next one is waited for only when ``engine_busy()`` says the
+    engine has nothing to run, so preparation overlaps the engine's steps. An error output is handed to
+    ``on_finished`` when its turn comes, and never reaches the engine."""
+
+    def __init__(
+        self,
+        entries: Sequence[EngineRequest | Future],
+        on_finished: Callable[[list[RequestOutput]], None],
+        engine_busy: Callable[[], bool],
+    ) -> None:
+        self.queue: deque[EngineRequest | Future] = deque(entries)
+        self.on_finished = on_finished
+        self.engine_busy = engine_busy
+
+    def next_request(self) -> EngineRequest | None:
+        while self.queue:
+            head = self.queue[0]
+            if isinstance(head, Future):
+                if not head.done() and self.engine_busy():
+                    return None  # the engine steps meanwhile
+                head = head.result()
+            self.queue.popleft()
+            if isinstance(head, RequestOutput):
+                self.on_finished([head])
+                continue
+            return head
+        return None
+
+    def finish(self, outputs: list[RequestOutput]) -> None:
+        self.on_finished(outputs)
+
+    def cancel(self) -> None:
+        """Cancel the preparations not started yet (the generate call is being left)."""
+        for entry in self.queue:
+            if isinstance(entry, Future):
+                entry.cancel()
 
 
 def error_output(
