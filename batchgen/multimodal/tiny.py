@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -298,12 +299,10 @@ def build_idefics3(
     return str(out)
 
 
-def _llama_text_config(tok, vocab_size: int, hidden_size: int):
-    """The 2-layer Llama language model of the tiny image-text checkpoints, with room above the tokenizer's
-    vocabulary for the image tokens (and padding), as real checkpoints have."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+def text_fields(tok, vocab_size: int, hidden_size: int, **extra: Any) -> dict[str, Any]:
+    """The config fields of the tiny image-text checkpoints' 2-layer decoder, with room above the tokenizer's
+    vocabulary for the image tokens (and padding), as real checkpoints have; ``extra``: the family's own."""
+    return dict(
         vocab_size=vocab_size + 64,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -316,7 +315,15 @@ def _llama_text_config(tok, vocab_size: int, hidden_size: int):
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
+        **extra,
     )
+
+
+def _llama_text_config(tok, vocab_size: int, hidden_size: int):
+    """The Llama language model of the tiny LLaVA and Idefics3 checkpoints."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**text_fields(tok, vocab_size, hidden_size))
 
 
 GEMMA3_CHAT_TEMPLATE = (
@@ -361,22 +368,15 @@ def build_gemma3(
     )  # tokenizer.boi_token, ... (the processor)
     ids = {k: tok.convert_tokens_to_ids(v) for k, v in specials.items()}
     text = transformers.Gemma3TextConfig(
-        vocab_size=vocab_size + 64,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden_size // 4,
-        sliding_window=sliding_window,
-        layer_types=["sliding_attention", "full_attention"],
-        query_pre_attn_scalar=hidden_size // 4,
-        max_position_embeddings=1024,
-        initializer_range=0.08,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
+        **text_fields(
+            tok,
+            vocab_size,
+            hidden_size,
+            head_dim=hidden_size // 4,
+            sliding_window=sliding_window,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=hidden_size // 4,
+        )
     )
     vision = transformers.SiglipVisionConfig(
         hidden_size=vision_hidden_size,

@@ -10,30 +10,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from batchgen.models.tiny import build_tokenizer
-
-
-def _text(tok, vocab_size: int, hidden_size: int, **extra: Any) -> dict[str, Any]:
-    """A 2-layer decoder's config fields, with room above the tokenizer's vocabulary for the image tokens."""
-    return dict(
-        vocab_size=vocab_size + 64,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.08,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-        **extra,
-    )
+from batchgen.multimodal.tiny import text_fields
 
 
 def _tokenizer_naming(out: Path, vocab_size: int, names: dict[str, str]):
@@ -82,7 +63,9 @@ def build_idefics2(
     tok = build_tokenizer(out, vocab_size=vocab_size)
     tok.add_tokens(["<fake_token_around_image>", "<image>", "<end_of_utterance>"], special_tokens=True)
     cfg = transformers.Idefics2Config(
-        text_config=transformers.MistralConfig(**_text(tok, vocab_size, hidden_size, sliding_window=None)),
+        text_config=transformers.MistralConfig(
+            **text_fields(tok, vocab_size, hidden_size, sliding_window=None)
+        ),
         vision_config=dict(
             hidden_size=32,
             intermediate_size=64,
@@ -130,7 +113,7 @@ def build_llava_onevision(
     tok.add_tokens(["<image>", "<video>"], special_tokens=True)
     grid = [[56, 56], [56, 112], [112, 56], [112, 112]]
     cfg = transformers.LlavaOnevisionConfig(
-        text_config=transformers.Qwen2Config(**_text(tok, vocab_size, hidden_size)),
+        text_config=transformers.Qwen2Config(**text_fields(tok, vocab_size, hidden_size)),
         vision_config=transformers.SiglipVisionConfig(
             hidden_size=32,
             intermediate_size=64,
@@ -178,7 +161,7 @@ def build_lighton_ocr(
     }
     tok = _tokenizer_naming(out, vocab_size, names)
     cfg = transformers.LightOnOcrConfig(
-        text_config=transformers.Qwen3Config(**_text(tok, vocab_size, hidden_size, head_dim=16)),
+        text_config=transformers.Qwen3Config(**text_fields(tok, vocab_size, hidden_size, head_dim=16)),
         vision_config=transformers.PixtralVisionConfig(
             hidden_size=32,
             intermediate_size=64,
@@ -215,7 +198,7 @@ def build_paligemma(
     tok = build_tokenizer(out, vocab_size=vocab_size)
     tok.add_tokens(["<image>"], special_tokens=True)
     cfg = transformers.PaliGemmaConfig(
-        text_config=transformers.GemmaConfig(**_text(tok, vocab_size, hidden_size, head_dim=16)),
+        text_config=transformers.GemmaConfig(**text_fields(tok, vocab_size, hidden_size, head_dim=16)),
         vision_config=transformers.SiglipVisionConfig(
             hidden_size=32,
             intermediate_size=64,
@@ -258,7 +241,7 @@ def build_deepseek_vl(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56
     )
     common = dict(
-        text_config=transformers.LlamaConfig(**_text(tok, vocab_size, hidden_size)),
+        text_config=transformers.LlamaConfig(**text_fields(tok, vocab_size, hidden_size)),
         image_token_id=tok.convert_tokens_to_ids(names["image_token"]),
         tie_word_embeddings=False,
     )
@@ -309,7 +292,7 @@ def build_got_ocr2(
     tok = build_tokenizer(out, vocab_size=vocab_size)
     tok.add_tokens(["<img>", "</img>", "<imgpad>"], special_tokens=True)
     cfg = transformers.GotOcr2Config(
-        text_config=transformers.Qwen2Config(**_text(tok, vocab_size, hidden_size)),
+        text_config=transformers.Qwen2Config(**text_fields(tok, vocab_size, hidden_size)),
         vision_config=dict(
             hidden_size=16,
             output_channels=8,
