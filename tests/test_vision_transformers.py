@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("PIL", reason="image inputs need the vision extra (Pillow)")
 
-from vision_helpers import hf_greedy, random_image  # noqa: E402
+from vision_helpers import hf_greedy, mixed_images, shuffled_inputs  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
 from batchgen.multimodal.tiny import build_llava  # noqa: E402
@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
 def test_vipllava_equals_transformers(tmp_path):
     ckpt = build_llava(tmp_path / "vip", vip_layers=[-2, -1])
-    a, b, c = (random_image(w, h, s) for s, (w, h) in enumerate([(56, 56), (120, 60), (40, 90)]))
+    a, b, c = mixed_images(3)
     rows = [
         ("<image> What is it?", [a]),
         ("Compare <image> with <image>", [b, c]),
@@ -28,11 +28,7 @@ def test_vipllava_equals_transformers(tmp_path):
     ref = hf_greedy(ckpt, rows, GREEDY.max_tokens)
     llm = LLM(ckpt, kv_cache_memory="32MiB")
     order = [3, 1, 2, 0]
-    inputs = [
-        {"prompt": rows[i][0], "multi_modal_data": {"image": rows[i][1]}} if rows[i][1] else rows[i][0]
-        for i in order
-    ]
-    outs = llm.generate(inputs, GREEDY, use_tqdm=False)
+    outs = llm.generate(shuffled_inputs(rows, order), GREEDY, use_tqdm=False)
     assert [o.error for o in outs] == [None] * len(rows)
     assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
     stats = llm.engine.images.stats
