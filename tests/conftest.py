@@ -152,6 +152,33 @@ def _isolated_batchgen_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterat
         os.environ["BATCHGEN_CACHE"] = old
 
 
+RUN_FIRST = (
+    "test_ray.py",
+    "test_tensor_parallel.py",
+    "test_job_faults.py",
+    "test_install.py",
+    "test_kernels.py",
+    "test_openai_batch_samples.py",
+    "test_storage_s3.py",
+    "test_exit_statuses.py",
+)
+"""The test files measured slowest, slowest first. A file runs whole on one xdist worker (``--dist loadfile``)
+and, with ``--no-loadscope-reorder``, the workers take the files in collection order: starting the longest
+ones first keeps one worker from finishing a long file alone at the end. The other files follow, those with
+more tests first (xdist's own order)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist: :data:`RUN_FIRST` first, then by tests per file (the order within a file is kept)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from collections import Counter
+
+    first = {name: i for i, name in enumerate(RUN_FIRST)}
+    per_file = Counter(item.path for item in items)
+    items.sort(key=lambda item: (first.get(item.path.name, len(first)), -per_file[item.path], str(item.path)))
+
+
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     root = tmp_path_factory.mktemp("ckpts")
