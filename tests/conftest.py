@@ -156,11 +156,15 @@ RUN_FIRST = (
     "test_ray.py",
     "test_tensor_parallel.py",
     "test_job_faults.py",
-    "test_install.py",
     "test_kernels.py",
+    "test_install.py",
     "test_openai_batch_samples.py",
     "test_storage_s3.py",
+    "test_replicas.py",
+    "test_job_resume.py",
+    "test_pooling_tp.py",
     "test_exit_statuses.py",
+    "test_lora_parallel.py",
 )
 """The test files measured slowest, slowest first. A file runs whole on one xdist worker (``--dist loadfile``)
 and, with ``--no-loadscope-reorder``, the workers take the files in collection order: starting the longest
