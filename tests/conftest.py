@@ -69,7 +69,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
     The controller of an xdist run compiles the CPU C kernels (the machine's build and the plain-C one)
     once, in the background while the workers collect, into a directory every worker's cache links to
-    (:func:`_isolated_batchgen_cache`): each worker would otherwise compile both itself."""
+    (:func:`_isolated_batchgen_cache`): each worker would otherwise compile both itself. It also sets
+    ``OMP_WAIT_POLICY=PASSIVE`` (unless set) for the workers and the processes they start."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
@@ -97,6 +98,9 @@ def pytest_configure(config: pytest.Config) -> None:
         threading.Thread(target=release, name="kernel-prebuild", daemon=True).start()
         os.environ[SHARED_KERNELS_ENV] = str(shared)
         config.stash[_prebuild_key] = (proc, shared)
+        # Two workers keep both cores busy: OpenMP's waiters sleep (what batchgen decides on busy cores), set
+        # for the workers and every process they start, so none spends a look at the load to decide it.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
