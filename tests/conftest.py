@@ -164,6 +164,7 @@ RUN_FIRST = (
     "test_install.py",
     "test_openai_batch_samples.py",
     "test_storage_s3.py",
+    "test_vision_replicas.py",
     "test_replicas.py",
     "test_job_resume.py",
     "test_pooling_tp.py",
