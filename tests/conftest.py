@@ -158,16 +158,19 @@ def _isolated_batchgen_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 RUN_FIRST = (
     "test_ray.py",
+    "test_slurm.py",
     "test_tensor_parallel.py",
     "test_job_faults.py",
     "test_kernels.py",
     "test_install.py",
+    "test_vision_replicas.py",
     "test_openai_batch_samples.py",
     "test_storage_s3.py",
-    "test_vision_replicas.py",
     "test_replicas.py",
+    "test_pooling_job.py",
     "test_job_resume.py",
     "test_pooling_tp.py",
+    "test_commit_kill_local.py",
     "test_exit_statuses.py",
     "test_lora_parallel.py",
 )
