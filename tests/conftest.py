@@ -6,7 +6,9 @@
 - `ckpt_factory(arch="llama", **kwargs) -> str`: any other variant (same keywords as
   `build_checkpoint`); identical arguments return the same directory (memoised for the session).
 - `tiny_ckpt`: the embedded default model (`tiny_default_checkpoint`) built in the session tmp dir.
-- `BATCHGEN_CACHE` points at a session tmp dir so tests never touch ~/.cache/batchgen.
+- `BATCHGEN_CACHE` points at a session tmp dir so tests never touch ~/.cache/batchgen. Under pytest-xdist the
+  controller compiles the CPU C kernels once for all workers; `link_shared_kernels(cache)` shows that build in
+  another fresh cache (a subprocess with its own `BATCHGEN_CACHE`).
 
 Plain helpers shared by the job tests (import them: ``from conftest import job_config``):
 `job_config` (a small CPU JobConfig), `part_contents` (what must be identical after a resume),
@@ -20,6 +22,7 @@ runs an action, e.g. sends a signal, just before a given step).
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import signal
@@ -43,15 +46,95 @@ from batchgen.job.config import (
 )
 from batchgen.models.tiny import build_checkpoint, tiny_default_checkpoint
 
+SHARED_KERNELS_ENV = "BATCHGEN_TEST_SHARED_KERNELS"
+"""Set by the controller of a pytest-xdist run: a directory whose ``cpu_kernels/`` every worker's cache links to."""
+_prebuild_key = pytest.StashKey[tuple]()  # the controller's build process and directory
+
+_PREBUILD = """
+import threading
+from batchgen.kernels import cpu_kernel as k
+cc = k.compiler()
+builds = [threading.Thread(target=k.build, args=(cc, d)) for d in ((), ("BATCHGEN_GENERIC",))] if cc else []
+for t in builds:
+    t.start()
+for t in builds:
+    t.join()
+"""
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist each worker computes on one thread: two workers share the cores instead of each
     starting torch's full pool on all of them (OpenMP threads that wait on each other's cores). Engines still
-    take their count from batchgen.runtime.threads, capped by this one."""
+    take their count from batchgen.runtime.threads, capped by this one.
+
+    The controller of an xdist run compiles the CPU C kernels (the machine's build and the plain-C one)
+    once, in the background while the workers collect, into a directory every worker's cache links to
+    (:func:`_isolated_batchgen_cache`): each worker would otherwise compile both itself. It also sets
+    ``OMP_WAIT_POLICY=PASSIVE`` (unless set) for the workers and the processes they start."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
+    elif getattr(config.option, "dist", "no") != "no" and not os.environ.get(SHARED_KERNELS_ENV):
+        import sys
+        import tempfile
+        import threading
+
+        shared = Path(tempfile.mkdtemp(prefix="batchgen-test-kernels-"))
+        (shared / "cpu_kernels").mkdir()
+        lock = open(shared / ".building", "w")  # noqa: SIM115 (held until the build ends)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PREBUILD],
+            env={**os.environ, "BATCHGEN_CACHE": str(shared)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+        def release() -> None:
+            proc.wait()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+        threading.Thread(target=release, name="kernel-prebuild", daemon=True).start()
+        os.environ[SHARED_KERNELS_ENV] = str(shared)
+        config.stash[_prebuild_key] = (proc, shared)
+        # Two workers keep both cores busy: OpenMP's waiters sleep (what batchgen decides on busy cores), set
+        # for the workers and every process they start, so none spends a look at the load to decide it.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if (prebuild := config.stash.get(_prebuild_key, None)) is not None:
+        import shutil
+
+        proc, shared = prebuild
+        proc.kill()
+        proc.wait()
+        os.environ.pop(SHARED_KERNELS_ENV, None)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def link_shared_kernels(cache: Path) -> None:
+    """Make the compiled CPU kernels of this xdist run visible in the batchgen cache ``cache`` (a no-op
+    outside xdist): ``cache/cpu_kernels`` links to the controller's build directory."""
+    shared = os.environ.get(SHARED_KERNELS_ENV)
+    if shared and not (cache / "cpu_kernels").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / "cpu_kernels").symlink_to(Path(shared) / "cpu_kernels", target_is_directory=True)
+
+
+def _wait_for_shared_kernels(build: Callable[..., Path]) -> Callable[..., Path]:
+    """``cpu_kernel.build``, first waiting (once) until the controller's build of the kernels has ended."""
+    waited = []
+
+    def wait_then_build(*args, **kwargs) -> Path:
+        if not waited:
+            with open(Path(os.environ[SHARED_KERNELS_ENV]) / ".building") as f:
+                fcntl.flock(f, fcntl.LOCK_SH)
+            waited.append(True)
+        return build(*args, **kwargs)
+
+    return wait_then_build
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -59,11 +142,53 @@ def _isolated_batchgen_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterat
     cache = tmp_path_factory.mktemp("batchgen_cache")
     old = os.environ.get("BATCHGEN_CACHE")
     os.environ["BATCHGEN_CACHE"] = str(cache)
+    patch = pytest.MonkeyPatch()
+    if os.environ.get(SHARED_KERNELS_ENV):
+        from batchgen.kernels import cpu_kernel
+
+        link_shared_kernels(cache)
+        patch.setattr(cpu_kernel, "build", _wait_for_shared_kernels(cpu_kernel.build))
     yield cache
+    patch.undo()
     if old is None:
         os.environ.pop("BATCHGEN_CACHE", None)
     else:
         os.environ["BATCHGEN_CACHE"] = old
+
+
+RUN_FIRST = (
+    "test_ray.py",
+    "test_slurm.py",
+    "test_tensor_parallel.py",
+    "test_job_faults.py",
+    "test_kernels.py",
+    "test_install.py",
+    "test_vision_replicas.py",
+    "test_openai_batch_samples.py",
+    "test_storage_s3.py",
+    "test_replicas.py",
+    "test_pooling_job.py",
+    "test_job_resume.py",
+    "test_pooling_tp.py",
+    "test_commit_kill_local.py",
+    "test_exit_statuses.py",
+    "test_lora_parallel.py",
+)
+"""The test files measured slowest, slowest first. A file runs whole on one xdist worker (``--dist loadfile``)
+and, with ``--no-loadscope-reorder``, the workers take the files in collection order: starting the longest
+ones first keeps one worker from finishing a long file alone at the end. The other files follow, those with
+more tests first (xdist's own order)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist: :data:`RUN_FIRST` first, then by tests per file (the order within a file is kept)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from collections import Counter
+
+    first = {name: i for i, name in enumerate(RUN_FIRST)}
+    per_file = Counter(item.path for item in items)
+    items.sort(key=lambda item: (first.get(item.path.name, len(first)), -per_file[item.path], str(item.path)))
 
 
 @pytest.fixture(scope="session")

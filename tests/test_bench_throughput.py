@@ -10,6 +10,7 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import link_shared_kernels
 
 from batchgen.bench.common import kv_bytes_per_token, layer_params, llama_13b, model_flops, num_params
 from batchgen.bench.workloads import WORKLOADS, WorkloadSpec, describe, make_workload
@@ -68,6 +69,7 @@ def test_workloads_are_deterministic(tmp_path) -> None:
 @pytest.mark.timeout(180)
 def test_throughput_smoke(tmp_path) -> None:
     out = tmp_path / "bench"
+    link_shared_kernels(tmp_path / "cache")
     env = dict(os.environ, BATCHGEN_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
     cmd = [
         sys.executable,
@@ -144,6 +146,7 @@ def test_ct2_system_matches_transformers(tmp_path) -> None:
     """CTranslate2 (float32, converted from the same checkpoint) gives transformers' greedy tokens."""
     pytest.importorskip("ctranslate2", reason="the bench-ct2 extra (ctranslate2) is not installed")
     out = tmp_path / "bench"
+    link_shared_kernels(tmp_path / "cache")
     env = dict(os.environ, BATCHGEN_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "batchgen.bench.throughput", "workload=long_tail", "rows=8", "max_tokens=4"]
     cmd += ["repeats=1", "threads=1", "matmul_seconds=0.02", "device=cpu", f"output_dir={out}"]

@@ -153,6 +153,34 @@ def test_wait_policy_needs_two_busy_looks(monkeypatch: pytest.MonkeyPatch, looks
     assert next(readings, "spent") == "spent"
 
 
+def test_no_load_measured_where_it_cannot_change_the_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenMP running with one thread (or OMP_NUM_THREADS set): the count and wait policy are fixed, so no
+    window is spent measuring; with more threads the load decides. Before OpenMP, a wait policy the user set
+    needs no look either."""
+    looks = []
+
+    def other_load(window=0.2, samples=5):
+        looks.append(window)
+        return 0.0
+
+    monkeypatch.setattr(threads, "other_load", other_load)
+    monkeypatch.setattr(threads, "openmp_started", lambda: True)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "_torch_threads", lambda: 1)
+    assert threads.current().num_threads == 1 and looks == []
+    monkeypatch.setattr(threads, "_torch_threads", lambda: 4)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads.current().num_threads == 3 and looks == []
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    threads.current()
+    assert looks == [0.2]
+    monkeypatch.setattr(threads, "openmp_started", lambda: False)
+    monkeypatch.setattr(threads, "_prepared_before_openmp", False)
+    monkeypatch.setattr(threads, "_wait_policy_at_start", None)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert threads.prepare().wait_policy == "ACTIVE" and looks == [0.2]
+
+
 @pytest.fixture
 def _restore_threads():
     n = torch.get_num_threads()

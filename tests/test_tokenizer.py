@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import link_shared_kernels
 from transformers import AutoTokenizer
 
 from batchgen.models.loader import load_tokenizer
@@ -103,6 +104,7 @@ def test_special_tokens_map_falls_back(tmp_path):
 def test_cached_verdict_skips_transformers(tmp_path):
     # First load decides (with transformers) and caches the verdict; a fresh process then loads the shipped
     # model's tokenizer, config and weights without importing transformers (nor torch._dynamo).
+    link_shared_kernels(tmp_path)  # a fresh verdict cache; the run's compiled kernels (not what is tested)
     env = {**os.environ, "BATCHGEN_CACHE": str(tmp_path)}
     code = (
         "import sys\n"

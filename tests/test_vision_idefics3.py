@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("PIL", reason="image inputs need the vision extra (Pillow)")
 
-from vision_helpers import random_image  # noqa: E402
+from vision_helpers import hf_greedy, mixed_images, random_image, shuffled_inputs  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
 from batchgen.multimodal.tiny import build_idefics3  # noqa: E402
@@ -22,26 +22,8 @@ def idefics3(tmp_path_factory) -> str:
     return build_idefics3(tmp_path_factory.mktemp("idefics3"))
 
 
-def hf_greedy_nested(ckpt: str, rows, max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy tokens per ``(text, images)`` row, one row at a time (the processor takes a list
-    of images per text)."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    proc = AutoProcessor.from_pretrained(ckpt)
-    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
-    out = []
-    for text, images in rows:
-        enc = proc(text=[text], images=[images] if images else None, return_tensors="pt")
-        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-        out.append(gen[0, enc["input_ids"].shape[1] :].tolist())
-    return out
-
-
 def test_greedy_equals_transformers_batched_and_shuffled(idefics3):
-    a, b, c, d = (
-        random_image(w, h, s) for s, (w, h) in enumerate([(56, 56), (120, 60), (40, 90), (300, 200)])
-    )
+    a, b, c, d = mixed_images()
     rows = [
         ("User:<image>What is in the picture?<end_of_utterance>\nAssistant:", [a]),
         ("Compare <image> with <image>, please.", [b, c]),  # split into tiles: tokens between feature runs
@@ -49,14 +31,10 @@ def test_greedy_equals_transformers_batched_and_shuffled(idefics3):
         ("No image here, only text.", []),
         ("<image> again, other text", [a]),
     ]
-    ref = hf_greedy_nested(idefics3, rows, GREEDY.max_tokens)
+    ref = hf_greedy(idefics3, rows, GREEDY.max_tokens, nested=True)
     llm = LLM(idefics3, kv_cache_memory="32MiB", max_num_seqs=8)
     order = [2, 0, 4, 3, 1]
-    inputs = [
-        {"prompt": rows[i][0], "multi_modal_data": {"image": rows[i][1]}} if rows[i][1] else rows[i][0]
-        for i in order
-    ]
-    outs = llm.generate(inputs, GREEDY, use_tqdm=False)
+    outs = llm.generate(shuffled_inputs(rows, order), GREEDY, use_tqdm=False)
     assert [o.error for o in outs] == [None] * len(rows)
     assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
     stats = llm.engine.images.stats

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("PIL", reason="image inputs need the vision extra (Pillow)")
 
 from conftest import job_config, read_parts  # noqa: E402
-from vision_helpers import hf_greedy, png_bytes, random_image  # noqa: E402
+from vision_helpers import hf_greedy, mixed_images, png_bytes, random_image, shuffled_inputs  # noqa: E402
 
 from batchgen import LLM, SamplingParams  # noqa: E402
 from batchgen.job.run import run_job  # noqa: E402
@@ -30,19 +30,11 @@ from batchgen.multimodal.tiny_transformers import (  # noqa: E402
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
 
-def _images(*sizes):
-    return [random_image(w, h, s) for s, (w, h) in enumerate(sizes)]
-
-
 def _run_shuffled(ckpt: str, rows, order: list[int]):
     """batchgen's outputs for ``rows`` given in ``order``, checked against transformers' greedy tokens."""
     ref = hf_greedy(ckpt, rows, GREEDY.max_tokens)
     llm = LLM(ckpt, kv_cache_memory="32MiB", max_num_seqs=8)
-    inputs = [
-        {"prompt": rows[i][0], "multi_modal_data": {"image": rows[i][1]}} if rows[i][1] else rows[i][0]
-        for i in order
-    ]
-    outs = llm.generate(inputs, GREEDY, use_tqdm=False)
+    outs = llm.generate(shuffled_inputs(rows, order), GREEDY, use_tqdm=False)
     assert [o.error for o in outs] == [None] * len(rows)
     assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
     return llm, ref
@@ -50,7 +42,7 @@ def _run_shuffled(ckpt: str, rows, order: list[int]):
 
 def test_vipllava_equals_transformers(tmp_path):
     ckpt = build_llava(tmp_path / "vip", vip_layers=[-2, -1])
-    a, b, c = _images((56, 56), (120, 60), (40, 90))
+    a, b, c = mixed_images(3)
     rows = [
         ("<image> What is it?", [a]),
         ("Compare <image> with <image>", [b, c]),
@@ -68,7 +60,7 @@ def test_idefics2_equals_transformers(tmp_path):
     """Crops of one image differ in size (padded, masked); a word right after an image and two adjacent
     images take the processor's seams (a space; one shared fake token)."""
     ckpt = build_idefics2(tmp_path / "idefics2", splitting=True)
-    a, b, c, d = _images((56, 56), (120, 60), (40, 90), (300, 200))
+    a, b, c, d = mixed_images(4)
     rows = [
         ("User:<image>What is in the picture?<end_of_utterance>\nAssistant:", [a]),
         ("Compare <image> with <image>, please.", [b, c]),
@@ -96,7 +88,7 @@ def test_idefics2_equals_transformers(tmp_path):
 def test_lighton_ocr_equals_transformers(tmp_path):
     """Pixtral's tower takes each image at its own size and aspect ratio (``image_sizes``); a Qwen3 decoder."""
     ckpt = build_lighton_ocr(tmp_path / "lighton")
-    a, b, c, d = _images((56, 56), (120, 60), (40, 90), (300, 200))
+    a, b, c, d = mixed_images(4)
     rows = [
         ("User:<|image_pad|>What is in the picture?\nAssistant:", [a]),
         ("Compare <|image_pad|> with <|image_pad|>, please.", [b, c]),
@@ -143,7 +135,7 @@ def test_idefics2_seams_equal_the_processor_with_sentencepiece_style_tokenizers(
     proc = Idefics2Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=8)
     proc.save_pretrained(str(tmp_path))
     side = ImagePrompts(str(tmp_path), tok.convert_tokens_to_ids("<image>"))
-    a, b = _images((56, 56), (120, 60))
+    a, b = mixed_images(2)
     for text, images in [
         ("User:<image>What is in the picture?", [a]),
         ("Compare <image> with <image>, please.", [a, b]),
@@ -158,7 +150,7 @@ def test_idefics2_seams_equal_the_processor_with_sentencepiece_style_tokenizers(
 def test_deepseek_vl_and_janus_equal_transformers(tmp_path, janus):
     """Every image resized to the tower's size: a step's images are encoded in one call."""
     ckpt = build_deepseek_vl(tmp_path / "ds", janus=janus)
-    a, b, c = _images((56, 56), (120, 60), (40, 90))
+    a, b, c = mixed_images(3)
     rows = [
         ("User:<image_placeholder>What is it?", [a]),
         ("Compare <image_placeholder> with <image_placeholder>.", [b, c]),
@@ -171,7 +163,7 @@ def test_deepseek_vl_and_janus_equal_transformers(tmp_path, janus):
 def test_got_ocr2_equals_transformers(tmp_path):
     """A SAM-style tower with convolutions after it; every GOT-OCR2 prompt shows an image."""
     ckpt = build_got_ocr2(tmp_path / "got")
-    a, b, c = _images((56, 56), (120, 60), (300, 200))
+    a, b, c = [*mixed_images(2), random_image(300, 200, 2)]
     rows = [("<img><imgpad></img>\nOCR: ", [a]), ("Two <imgpad><imgpad>, compare.", [b, c])]
     llm, _ = _run_shuffled(ckpt, rows, [1, 0])
     assert llm.engine.images.stats.encoded == 3

@@ -1,4 +1,5 @@
-"""Shared by the image-text tests: the tiny LLaVA checkpoint (built once per session) and small random images."""
+"""Shared by the image-text tests: small random images, the inputs of a batched and shuffled greedy comparison,
+and transformers' greedy tokens for the same rows (the reference)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,30 @@ def random_image(w: int, h: int, seed: int):
     return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
 
 
+def mixed_images(n: int = 4) -> list:
+    """``n`` (at most 4) random images of several sizes and aspect ratios: 56x56, 120x60, 40x90, 300x200 (seeds
+    0..3); the last is far larger than the tiny processors' input size."""
+    return [random_image(w, h, s) for s, (w, h) in enumerate([(56, 56), (120, 60), (40, 90), (300, 200)][:n])]
+
+
+def shuffled_inputs(rows, order: list[int]) -> list:
+    """The LLM inputs for ``rows`` (``(text, images)`` pairs) taken in ``order``: a prompt with its images, or
+    the bare text where a row has none."""
+    return [
+        {"prompt": rows[i][0], "multi_modal_data": {"image": rows[i][1]}} if rows[i][1] else rows[i][0]
+        for i in order
+    ]
+
+
 def png_bytes(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
 
 
-def hf_greedy(ckpt: str, rows, max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy tokens for each ``(text, images)`` row, one row at a time (the reference)."""
+def hf_greedy(ckpt: str, rows, max_new_tokens: int, *, nested: bool = False) -> list[list[int]]:
+    """transformers' greedy tokens for each ``(text, images)`` row, one row at a time (the reference).
+    ``nested``: the processor takes a list of images per text (Idefics3), else a flat list."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -29,7 +46,11 @@ def hf_greedy(ckpt: str, rows, max_new_tokens: int) -> list[list[int]]:
     model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
     out = []
     for text, images in rows:
-        enc = proc(text=[text], images=images or None, return_tensors="pt")
+        if not images:
+            images = None
+        elif nested:
+            images = [images]
+        enc = proc(text=[text], images=images, return_tensors="pt")
         gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
         out.append(gen[0, enc["input_ids"].shape[1] :].tolist())
     return out

@@ -241,7 +241,9 @@ def prepare() -> ThreadPolicy | None:
     if openmp_started():
         return None
     cpus = cpus_available()
-    policy = decide(cpus, other_load(window=0.1), os.environ)
+    # a wait policy the user set is kept whatever the load: nothing to measure
+    load = None if "OMP_WAIT_POLICY" in os.environ else other_load(window=0.1)
+    policy = decide(cpus, load, os.environ)
     if policy.busy and "OMP_WAIT_POLICY" not in os.environ:  # a second look before a lasting choice
         policy = decide(cpus, other_load(window=0.3), os.environ)
     if policy.wait_policy == "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ:
@@ -258,14 +260,16 @@ def current() -> ThreadPolicy:
     else:  # torch was loaded before batchgen: assume it saw the environment as it is now
         wait = os.environ.get("OMP_WAIT_POLICY")
     started = openmp_started()
-    return decide(
-        cpus_available(),
-        other_load(),
-        os.environ,
-        wait,
-        started,
-        _torch_threads() if started else None,
-    )
+    max_threads = _torch_threads() if started else None
+    # Once OpenMP runs its wait policy is fixed; with one thread at most, or the count set by OMP_NUM_THREADS,
+    # the count is too: the load would change nothing, so it is not measured (a 0.2 s window per engine).
+    fixed = started and (max_threads == 1 or _threads_set_by_user(os.environ))
+    return decide(cpus_available(), None if fixed else other_load(), os.environ, wait, started, max_threads)
+
+
+def _threads_set_by_user(env: Mapping[str, str]) -> bool:
+    value = env.get("OMP_NUM_THREADS", "").strip()
+    return value.isdigit() and int(value) > 0
 
 
 _torch_threads_before: int | None = None
