@@ -190,6 +190,22 @@ def test_image_families_not_run_are_refused_by_name(tmp_path):
     assert "takes no images" in no_images_reason("LlamaForCausalLM")
 
 
+def test_images_with_tensor_parallelism_are_one_clear_line(llava, tmp_path):
+    """An image-text checkpoint shards its language model (text only): an image job with
+    engine.tensor_parallel_size > 1 stops at validation with exit status 2, and an image prompt to such an
+    engine is told why (one line)."""
+    from batchgen.errors import ConfigError
+    from batchgen.job.config import validate
+    from batchgen.models.config import no_images_reason
+
+    cfg = job_config(llava, tmp_path / "in.parquet", tmp_path / "out", data={"image_column": "image"})
+    cfg.engine.tensor_parallel_size = 2
+    with pytest.raises(ConfigError, match=r"data.image_column='image' with engine.tensor_parallel_size=2"):
+        validate(cfg)
+    why = no_images_reason("Gemma3ForConditionalGeneration")
+    assert "engine.tensor_parallel_size=1" in why and "\n" not in why
+
+
 @pytest.mark.slow
 def test_image_job_killed_with_sigkill_resumes_identically(llava, tmp_path):
     import dataclasses

@@ -287,6 +287,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             f"task={cfg.task} reads data.prompt_column text; data.messages_column is not supported"
         )
+    if cfg.data.image_column and cfg.engine.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"data.image_column={cfg.data.image_column!r} with engine.tensor_parallel_size="
+            f"{cfg.engine.tensor_parallel_size}: an image-text model runs its images on one device; set "
+            "engine.tensor_parallel_size=1 (and engine.data_parallel_size for more replicas)"
+        )
     if cfg.task == "score":
         _validate_score_sampling(cfg.sampling)
     too_many = logprobs_error(cfg.sampling.logprobs, cfg.sampling.prompt_logprobs, cfg.engine.max_logprobs)

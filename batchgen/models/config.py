@@ -94,6 +94,12 @@ def is_image_text_name(architecture: str) -> bool:
 def no_images_reason(architecture: str, config: dict[str, Any] | None = None) -> str:
     """Why a model of ``architecture`` takes no images here (one line, naming what does); ``config``: its
     ``config.json`` when known (it may name the reason)."""
+    if architecture in IMAGE_TEXT_ARCHITECTURES:  # loaded without its vision side
+        return (
+            f"{architecture}: its images run on batchgen's native implementation on one device; this engine "
+            "runs its language model only (tensor parallelism or the transformers backend): set "
+            "engine.tensor_parallel_size=1 and model.implementation auto or native, or send text only"
+        )
     if is_image_text_name(architecture):
         from batchgen.models.image_refusals import refusal_reason
 

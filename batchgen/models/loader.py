@@ -274,7 +274,8 @@ def load_model(
 def check_tensor_parallel(path: str | os.PathLike, implementation: str, tp_size: int) -> ModelConfig:
     """The checkpoint's (whole-model) config if it can be sharded over `tp_size` ranks; else a ValueError
     naming `engine.tensor_parallel_size` (the transformers backend and non-native architectures run on one
-    device; heads and intermediate sizes must split)."""
+    device; heads and intermediate sizes must split). An image-text checkpoint shards its language model and
+    runs text only: its images run on one device."""
     refused = (
         f"engine.tensor_parallel_size={tp_size} needs a natively implemented architecture "
         "(batchgen.models.NATIVE_ARCHITECTURES) and model.implementation auto or native: the transformers "
@@ -291,11 +292,7 @@ def check_tensor_parallel(path: str | os.PathLike, implementation: str, tp_size:
         config = ModelConfig.from_pretrained(_checkpoint_dir(path))
     except NativeUnsupportedError as e:
         raise ValueError(f"{refused} ({e})") from e
-    if config.architecture in IMAGE_TEXT_ARCHITECTURES:
-        raise ValueError(
-            f"{config.architecture} (images) runs on one device; set engine.tensor_parallel_size=1"
-        )
-    check_divisible(config, tp_size)
+    check_divisible(config, tp_size)  # an image-text checkpoint: its language model, text only
     return config
 
 
