@@ -10,6 +10,7 @@ output does not collapse into a repeated token.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,30 @@ LLAVA_CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+def save_random(
+    model_class, cfg, tok, out: Path, seed: int, init: Callable[[Any], None] | None = None
+) -> None:
+    """``model_class(cfg)`` with random weights (``initializer_range`` 0.08, seeded by ``seed`` without touching
+    the global RNG; ``init`` draws more of them, under ``no_grad``) and the tokenizer's special ids as its
+    generation config, saved in ``out``."""
+    cfg.initializer_range = 0.08
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(cfg)
+        if init is not None:
+            with torch.no_grad():
+                init(model)
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(str(out))
+
+
+def draw_image_newline(model) -> None:
+    """``image_newline`` drawn (it starts at zero, so tiling would not show in the outputs)."""
+    model.model.image_newline.normal_(0.0, 0.5)
 
 
 def build_llava(
@@ -99,17 +124,7 @@ def build_llava(
     else:
         cfg = LlavaNextConfig(**common, image_grid_pinpoints=next_grid)
         model_class = LlavaNextForConditionalGeneration
-    cfg.initializer_range = 0.08
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_class(cfg)
-        if next_grid is not None:
-            with torch.no_grad():
-                model.model.image_newline.normal_(0.0, 0.5)
-    model.generation_config.bos_token_id = tok.bos_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(str(out))
+    save_random(model_class, cfg, tok, out, seed, None if next_grid is None else draw_image_newline)
     if next_grid is not None:
         image_processor = LlavaNextImageProcessorPil(
             size={"shortest_edge": image_size},
@@ -227,14 +242,7 @@ def build_qwen2_vl(
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    cfg.initializer_range = 0.08
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_class(cfg)
-    model.generation_config.bos_token_id = tok.bos_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(str(out))
+    save_random(model_class, cfg, tok, out, seed)
     image_processor = transformers.Qwen2VLImageProcessorPil(
         min_pixels=56 * 56, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
     )
@@ -280,14 +288,7 @@ def build_idefics3(
         image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
         tie_word_embeddings=False,
     )
-    cfg.initializer_range = 0.08
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.Idefics3ForConditionalGeneration(cfg)
-    model.generation_config.bos_token_id = tok.bos_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(str(out))
+    save_random(transformers.Idefics3ForConditionalGeneration, cfg, tok, out, seed)
     image_processor = transformers.Idefics3ImageProcessorPil(
         size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
     )
@@ -335,6 +336,15 @@ GEMMA3_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
+
+
+def _gemma3_wide_init(model) -> None:
+    """The projection and the norms drawn wide (norms away from their (1 + 0) init), so that greedy output
+    depends on the image."""
+    model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.3)
+    for name, p in model.named_parameters():
+        if p.dim() == 1 and "norm" in name:
+            p.normal_(0.0, 0.3)
 
 
 def build_gemma3(
@@ -396,18 +406,7 @@ def build_gemma3(
         initializer_range=0.08,
         tie_word_embeddings=False,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.Gemma3ForConditionalGeneration(cfg)
-        with torch.no_grad():
-            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.3)
-            for name, p in model.named_parameters():
-                if p.dim() == 1 and "norm" in name:  # away from the (1 + 0) init
-                    p.normal_(0.0, 0.3)
-    model.generation_config.bos_token_id = tok.bos_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(str(out))
+    save_random(transformers.Gemma3ForConditionalGeneration, cfg, tok, out, seed, _gemma3_wide_init)
     image_processor = transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
     processor = transformers.Gemma3Processor(
         image_processor=image_processor,

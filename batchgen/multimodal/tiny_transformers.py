@@ -11,10 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from batchgen.models.tiny import build_tokenizer
-from batchgen.multimodal.tiny import text_fields
+from batchgen.multimodal.tiny import draw_image_newline, save_random, text_fields
 
 
 def _tokenizer_naming(out: Path, vocab_size: int, names: dict[str, str]):
@@ -28,21 +26,6 @@ def _tokenizer_naming(out: Path, vocab_size: int, names: dict[str, str]):
     return PreTrainedTokenizerFast(
         tokenizer_object=tok.backend_tokenizer, extra_special_tokens=names, **specials
     )
-
-
-def _save(model_class, cfg, tok, out: Path, seed: int, newline: bool = False) -> None:
-    """Random weights (``newline``: ``image_newline`` drawn too, it starts at zero) saved in ``out``."""
-    cfg.initializer_range = 0.08
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_class(cfg)
-        if newline:
-            with torch.no_grad():
-                model.model.image_newline.normal_(0.0, 0.5)
-    model.generation_config.bos_token_id = tok.bos_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(str(out))
 
 
 def build_idefics2(
@@ -87,7 +70,7 @@ def build_idefics2(
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         tie_word_embeddings=False,
     )
-    _save(transformers.Idefics2ForConditionalGeneration, cfg, tok, out, seed)
+    save_random(transformers.Idefics2ForConditionalGeneration, cfg, tok, out, seed)
     image_processor = transformers.Idefics2ImageProcessorPil(
         size={"shortest_edge": 28, "longest_edge": 56}, do_image_splitting=splitting
     )
@@ -129,7 +112,7 @@ def build_llava_onevision(
         vision_feature_select_strategy="full",
         tie_word_embeddings=False,
     )
-    _save(transformers.LlavaOnevisionForConditionalGeneration, cfg, tok, out, seed, newline=True)
+    save_random(transformers.LlavaOnevisionForConditionalGeneration, cfg, tok, out, seed, draw_image_newline)
     image_processor = transformers.LlavaOnevisionImageProcessorPil(
         size={"height": 56, "width": 56}, crop_size={"height": 56, "width": 56}, image_grid_pinpoints=grid
     )
@@ -174,7 +157,7 @@ def build_lighton_ocr(
         image_token_id=tok.convert_tokens_to_ids(names["image_token"]),
         tie_word_embeddings=False,
     )
-    _save(transformers.LightOnOcrForConditionalGeneration, cfg, tok, out, seed)
+    save_random(transformers.LightOnOcrForConditionalGeneration, cfg, tok, out, seed)
     image_processor = transformers.PixtralImageProcessorPil(
         size={"longest_edge": 112}, patch_size={"height": 28, "width": 28}
     )
@@ -211,7 +194,7 @@ def build_paligemma(
         image_token_index=tok.convert_tokens_to_ids("<image>"),
         projection_dim=hidden_size,
     )
-    _save(transformers.PaliGemmaForConditionalGeneration, cfg, tok, out, seed)
+    save_random(transformers.PaliGemmaForConditionalGeneration, cfg, tok, out, seed)
     image_processor = transformers.SiglipImageProcessorPil(size={"height": 56, "width": 56})
     transformers.PaliGemmaProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(str(out))
     tok.save_pretrained(str(out))
@@ -271,7 +254,7 @@ def build_deepseek_vl(
             transformers.DeepseekVLProcessor,
         )
         image_processor = transformers.DeepseekVLImageProcessorPil(size={"height": 56, "width": 56})
-    _save(model_class, cfg, tok, out, seed)
+    save_random(model_class, cfg, tok, out, seed)
     processor_class(image_processor=image_processor, tokenizer=tok, num_image_tokens=16).save_pretrained(
         str(out)
     )
@@ -309,7 +292,7 @@ def build_got_ocr2(
         image_seq_length=256,
         tie_word_embeddings=False,
     )
-    _save(transformers.GotOcr2ForConditionalGeneration, cfg, tok, out, seed)
+    save_random(transformers.GotOcr2ForConditionalGeneration, cfg, tok, out, seed)
     image_processor = transformers.GotOcr2ImageProcessorPil(size={"height": 128, "width": 128})
     transformers.GotOcr2Processor(image_processor=image_processor, tokenizer=tok).save_pretrained(str(out))
     tok.save_pretrained(str(out))
