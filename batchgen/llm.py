@@ -162,7 +162,8 @@ class LLM:
         engine = self.engine
         results: dict[str | int, RequestOutput] = {}
         entries: list = []
-        if any(p.images for p in prompts):  # prepared in worker threads while the engine runs
+        with_images = any(p.images for p in prompts)
+        if with_images:  # prepared in worker threads while the engine runs
             from batchgen.multimodal import prepare
 
             side = prepare.image_prompts_for(engine)
@@ -199,13 +200,13 @@ class LLM:
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         task = (
             prepare.PreparedInOrder(entries, collect, engine.has_unfinished)
-            if any(p.images for p in prompts)
+            if with_images
             else Requests(entries, collect)
         )
         try:
             Driver(engine, task).run()
         finally:
-            if not isinstance(task, Requests):
+            if with_images:
                 task.cancel()  # the preparations not started yet
             bar.close()
         outs = [results[rid] for rid in ids]

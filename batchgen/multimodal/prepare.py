@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from batchgen.driver import EngineRequest
+from batchgen.driver import EngineRequest, Requests
 from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
 from batchgen.multimodal.inputs import ImagePrompt, ImagePrompts
 
@@ -100,8 +100,8 @@ def prepare_ahead(make_many: Callable[[list[Any]], list[T]], args: Sequence[Any]
     return futures
 
 
-class PreparedInOrder:
-    """A driver task (:class:`batchgen.driver.Task`) over requests known up front, some still being prepared
+class PreparedInOrder(Requests):
+    """A driver task (:class:`batchgen.driver.Requests`) over requests known up front, some still being prepared
     (a future of the request, or of the error output of a prompt whose images cannot be used): supplied in
     the given order as each becomes ready. The next one is waited for only when ``engine_busy()`` says the
     engine has nothing to run, so preparation overlaps the engine's steps. An error output is handed to
@@ -113,8 +113,8 @@ class PreparedInOrder:
         on_finished: Callable[[list[RequestOutput]], None],
         engine_busy: Callable[[], bool],
     ) -> None:
-        self.queue: deque[EngineRequest | Future] = deque(entries)
-        self.on_finished = on_finished
+        super().__init__([], on_finished)
+        self.queue: deque[EngineRequest | Future] = deque(entries)  # type: ignore[assignment]
         self.engine_busy = engine_busy
 
     def next_request(self) -> EngineRequest | None:
@@ -130,9 +130,6 @@ class PreparedInOrder:
                 continue
             return head
         return None
-
-    def finish(self, outputs: list[RequestOutput]) -> None:
-        self.on_finished(outputs)
 
     def cancel(self) -> None:
         """Cancel the preparations not started yet (the generate call is being left)."""
