@@ -32,6 +32,12 @@ TRANSFORMERS_VISION: dict[str, str] = {
     "JanusForConditionalGeneration": "llama",
     "GotOcr2ForConditionalGeneration": "qwen2",
 }
+# Image-text architectures whose language model has no native implementation: the whole model runs on
+# transformers' modeling code, the language model over batchgen's paged attention
+# (batchgen.models.vision_transformers_lm) -> the model_type of its `text_config`.
+TRANSFORMERS_LM_VISION: dict[str, str] = {
+    "AyaVisionForConditionalGeneration": "cohere2",
+}
 # Hugging Face architecture name -> model_type, for every architecture with a native implementation.
 NATIVE_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -75,10 +81,11 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
     "Idefics3ForConditionalGeneration": "batchgen.models.vision_idefics3",
     "Gemma3ForConditionalGeneration": "batchgen.models.vision_gemma3",
     **{a: "batchgen.models.vision_transformers" for a in TRANSFORMERS_VISION},
+    **{a: "batchgen.models.vision_transformers_lm" for a in TRANSFORMERS_LM_VISION},
 }
 IMAGE_FAMILIES = (
     "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, Gemma 3, DeepSeek-VL, "
-    "Janus, GOT-OCR2, LightOnOCR"
+    "Janus, GOT-OCR2, LightOnOCR, Aya Vision"
 )
 
 

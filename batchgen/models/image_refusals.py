@@ -1,11 +1,13 @@
 """Why batchgen does not run an image-text architecture's images: one clause per architecture, for the one-line
 refusal (:func:`batchgen.models.config.no_images_reason`) that an image prompt or an image job gets.
 
-An image-text checkpoint runs here when its language model is a native decoder with plain causal attention and
-1-D positions, and the vision side's output takes the place of placeholder tokens that its processor writes
-into the prompt (:mod:`batchgen.models.vision_transformers`). The architectures below break one of those
-conditions; another architecture gets the reason read from its ``config.json`` (its language model's type) or,
-when its structure would fit, the statement that its output has not been checked against transformers here.
+An image-text checkpoint runs here when its language model has plain causal attention (optionally
+sliding-window) and 1-D positions, and the vision side's output takes the place of placeholder tokens that its
+processor writes into the prompt, computed from the image alone: with a native language model
+(:mod:`batchgen.models.vision_transformers`) or, for the architectures whose output has been checked that way,
+on transformers' modeling code over the paged cache (:mod:`batchgen.models.vision_transformers_lm`). The
+architectures below break one of those conditions; another architecture gets the statement that its output has
+not been checked against transformers here (naming its language model's type when ``config.json`` does).
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ REFUSED: dict[str, str] = {
     "PaliGemmaForConditionalGeneration": _BIDIRECTIONAL,
     "MllamaForConditionalGeneration": _CROSS_ATTENTION,
     "IdeficsForVisionText2Text": _CROSS_ATTENTION,
-    "Llama4ForConditionalGeneration": "its language model (Llama 4: mixture of experts, chunked attention) "
-    "has no native implementation",
-    "FuyuForCausalLM": "its language model (Persimmon) has no native implementation",
+    "Llama4ForConditionalGeneration": "its language model (Llama 4) attends in fixed chunks on most layers, "
+    "which the paged kernels cannot apply, and its image processor needs torchvision",
+    "InstructBlipForConditionalGeneration": "its Q-Former reads the prompt's text with the image, so an image's "
+    "features depend on the prompt and cannot be encoded once and cached by the image",
+    "InstructBlipVideoForConditionalGeneration": "its Q-Former reads the prompt's text with the image, so an "
+    "image's features depend on the prompt and cannot be encoded once and cached by the image",
+    "Lfm2VlForConditionalGeneration": "its language model (LFM2) has short-convolution layers, whose state "
+    "batchgen's KV cache cannot hold",
+    "Cohere2VisionForConditionalGeneration": _TORCHVISION + " (Cohere2VisionImageProcessor)",
     "Mistral3ForConditionalGeneration": _TORCHVISION + " (PixtralProcessor)",
     "MistralLarge4ForConditionalGeneration": _TORCHVISION + " (PixtralProcessor)",
     "LlavaOnevisionForConditionalGeneration": _TORCHVISION + " (its video processor)",
@@ -62,8 +70,5 @@ def refusal_reason(architecture: str, config: dict[str, Any] | None = None) -> s
     text = (config or {}).get("text_config") or {}
     text_type = text.get("model_type") if isinstance(text, dict) else None
     if text_type:
-        from batchgen.models.config import CAUSAL_ARCHITECTURE_OF_TYPE
-
-        if text_type not in CAUSAL_ARCHITECTURE_OF_TYPE:
-            return f"its language model ({text_type}) has no native implementation"
+        return f"its output (language model: {text_type}) has not been checked against transformers here"
     return "its output has not been checked against transformers here"

@@ -203,7 +203,13 @@ class ImagePrompts:
         added = self.processor.tokenizer.added_tokens_decoder  # never merged with text next to them
         if ids and (ids[0] not in added or ids[-1] not in added):
             self._text_edges = True
-        pixels = {k: v[row] for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+        rows = len(enc["input_ids"])
+        # a processor that flattens an image's tiles into the batch axis (Aya Vision's): one image per call
+        pixels = {
+            k: v if rows == 1 and v.dim() and v.shape[0] != 1 else v[row]
+            for k, v in enc.items()
+            if k not in ("input_ids", "attention_mask")
+        }
         return _Processed(pixels, tuple(ids), None if pure else offsets)
 
     def _process_together(self, images: list[EncodedImage | LoadedImage]) -> None:

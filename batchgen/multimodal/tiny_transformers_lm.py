@@ -1,0 +1,63 @@
+"""Tiny random checkpoints of image-text families whose language model runs on transformers' own modeling code
+over batchgen's paged attention (:mod:`batchgen.models.vision_transformers_lm`), built offline with the real
+processors (tests).
+
+Each has a 2-layer language model of a family batchgen has no native decoder for, a tiny vision side of its own
+classes, our byte-level BPE tokenizer with the family's image tokens added, and weights drawn with
+``initializer_range=0.08`` so greedy output does not collapse into a repeated token.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from batchgen.models.tiny import build_tokenizer
+from batchgen.multimodal.tiny import save_random, text_fields
+
+AYA_TOKENS = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
+
+
+def build_aya_vision(
+    out_dir: str | os.PathLike, *, hidden_size: int = 64, vocab_size: int = 4096, seed: int = 0
+) -> str:
+    """An ``AyaVisionForConditionalGeneration`` (a 2-layer SigLIP tower on 56-px tiles of 14-px patches, the
+    pixel-shuffle projector: 4 tokens per tile; a 2-layer Cohere2 with a sliding-window layer and a global
+    one) saved with the real ``AyaVisionProcessor`` (``GotOcr2ImageProcessor``'s PIL implementation: an image
+    becomes up to 4 tiles by its aspect ratio and a global view, each tile's tokens after a ``TILE_k`` text
+    marker); returns its path."""
+    import transformers
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    tok.add_tokens(AYA_TOKENS, special_tokens=True)
+    text = transformers.Cohere2Config(
+        **text_fields(tok, vocab_size, hidden_size, head_dim=16),
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        logit_scale=0.5,
+    )
+    cfg = transformers.AyaVisionConfig(
+        text_config=text,
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+        ),
+        downsample_factor=2,
+        image_token_index=tok.convert_tokens_to_ids("<|IMG_PATCH|>"),
+        tie_word_embeddings=False,
+    )
+    save_random(transformers.AyaVisionForConditionalGeneration, cfg, tok, out, seed)
+    image_processor = transformers.GotOcr2ImageProcessorPil(
+        size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1, max_patches=4
+    )
+    processor = transformers.AyaVisionProcessor(
+        image_processor=image_processor, tokenizer=tok, patch_size=14, img_size=56, downsample_factor=2
+    )
+    processor.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return str(out)

@@ -1,0 +1,84 @@
+"""Image-text architectures whose language model has no native implementation run whole on transformers'
+modeling code, the language model over batchgen's paged attention (Aya Vision: a Cohere2 decoder with a
+sliding-window layer, images tiled by aspect ratio): greedy output equals transformers token for token
+(float32, CPU), images of several sizes, two images a row, batched and shuffled, through the API and a job;
+each distinct image encoded once. Architectures that still cannot run are refused by name, with the reason."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+pytest.importorskip("PIL", reason="image inputs need the vision extra (Pillow)")
+
+from conftest import job_config, read_parts  # noqa: E402
+from vision_helpers import hf_greedy, mixed_images, png_bytes, shuffled_inputs  # noqa: E402
+
+from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen.job.run import run_job  # noqa: E402
+from batchgen.models.config import no_images_reason  # noqa: E402
+from batchgen.multimodal.tiny_transformers_lm import build_aya_vision  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def aya(tmp_path_factory):
+    return build_aya_vision(tmp_path_factory.mktemp("aya") / "ckpt")
+
+
+def test_aya_vision_equals_transformers(aya, tmp_path):
+    """Tiles of one image and a global view (one to five tiles by aspect ratio), each after a text marker;
+    logits scaled by the head's ``logit_scale``; the same image in two rows encoded once."""
+    a, b, c, d = mixed_images(4)
+    rows = [
+        ("<image> What is in the picture?", [a]),
+        ("Compare <image> with <image>, please.", [b, c]),
+        ("No image here, only text.", []),
+        ("<image> a large one", [d]),
+        ("<image> What is in the picture? Say more.", [a]),
+    ]
+    order = [3, 1, 4, 2, 0]
+    ref = hf_greedy(aya, rows, GREEDY.max_tokens)
+    llm = LLM(aya, kv_cache_memory="32MiB", max_num_seqs=8)
+    assert llm.engine.model.config.implementation == "transformers"
+    outs = llm.generate(shuffled_inputs(rows, order), GREEDY, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(rows)
+    assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
+    stats = llm.engine.images.stats
+    assert (stats.references, stats.distinct, stats.encoded) == (5, 4, 4)
+    other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": b}}, GREEDY, use_tqdm=False)
+    assert other[0].outputs[0].token_ids != ref[0]
+    # an image job (a list of images per row) writes the same tokens
+    job = [1, 2, 3]
+    images = pa.array([[png_bytes(im) for im in rows[i][1]] for i in job], type=pa.list_(pa.binary()))
+    pq.write_table(pa.table({"prompt": [rows[i][0] for i in job], "image": images}), tmp_path / "in.parquet")
+    sampling = {"max_tokens": GREEDY.max_tokens, "temperature": 0.0}
+    cfg = job_config(
+        aya, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"}, sampling=sampling
+    )
+    assert run_job(cfg).exit_code == 0
+    assert [r["token_ids"] for r in read_parts(tmp_path / "o").to_pylist()] == [ref[i] for i in job]
+
+
+def test_native_only_is_refused_with_the_way_out(aya):
+    with pytest.raises(ValueError, match="model.implementation=transformers"):
+        LLM(aya, model_impl="native")
+
+
+def test_architectures_that_cannot_run_are_refused_by_name():
+    for arch, why in [
+        ("Llama4ForConditionalGeneration", "fixed chunks"),
+        ("InstructBlipForConditionalGeneration", "Q-Former reads the prompt"),
+        ("MllamaForConditionalGeneration", "cross-attention"),
+    ]:
+        assert why in no_images_reason(arch), arch
+    assert "short-convolution" in no_images_reason("Lfm2VlForConditionalGeneration")
+    exaone = {
+        "architectures": ["Exaone4_5_ForConditionalGeneration"],
+        "text_config": {"model_type": "exaone4"},
+    }
+    assert "(language model: exaone4) has not been checked" in no_images_reason(
+        exaone["architectures"][0], exaone
+    )
