@@ -18,7 +18,7 @@ from vision_helpers import hf_greedy, mixed_images, png_bytes, shuffled_inputs  
 from batchgen import LLM, SamplingParams  # noqa: E402
 from batchgen.job.run import run_job  # noqa: E402
 from batchgen.models.config import no_images_reason  # noqa: E402
-from batchgen.multimodal.tiny_transformers_lm import build_aya_vision  # noqa: E402
+from batchgen.multimodal.tiny_transformers_lm import build_aya_vision, build_blip2  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
@@ -57,6 +57,38 @@ def test_aya_vision_equals_transformers(aya, tmp_path):
     sampling = {"max_tokens": GREEDY.max_tokens, "temperature": 0.0}
     cfg = job_config(
         aya, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"}, sampling=sampling
+    )
+    assert run_job(cfg).exit_code == 0
+    assert [r["token_ids"] for r in read_parts(tmp_path / "o").to_pylist()] == [ref[i] for i in job]
+
+
+def test_blip2_equals_transformers(tmp_path):
+    """An OPT decoder; the Q-Former's query tokens go before the whole prompt (BLIP-2 takes one image a row,
+    and the prompt names no place for it); rows showing one image share its KV blocks."""
+    ckpt = build_blip2(tmp_path / "blip2")
+    a, b, c, d = mixed_images(4)
+    rows = [
+        ("Question: what is in the picture? Answer:", [a]),
+        ("A photo of", [b]),
+        ("", [c]),
+        ("Question: what is in the picture? Answer: it is", [a]),
+        ("Describe it.", [d]),
+    ]
+    order = [4, 0, 2, 3, 1]
+    ref = hf_greedy(ckpt, rows, GREEDY.max_tokens)
+    llm = LLM(ckpt, kv_cache_memory="32MiB", max_num_seqs=8)
+    outs = llm.generate(shuffled_inputs(rows, order), GREEDY, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(rows)
+    assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
+    assert llm.engine.images.stats.encoded == 4
+    two = llm.generate({"prompt": "x", "multi_modal_data": {"image": [a, b]}}, GREEDY, use_tqdm=False)
+    assert "one per prompt" in two[0].error
+    job = [0, 3, 4]
+    images = pa.array([png_bytes(rows[i][1][0]) for i in job], type=pa.binary())
+    pq.write_table(pa.table({"prompt": [rows[i][0] for i in job], "image": images}), tmp_path / "in.parquet")
+    sampling = {"max_tokens": GREEDY.max_tokens, "temperature": 0.0}
+    cfg = job_config(
+        ckpt, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"}, sampling=sampling
     )
     assert run_job(cfg).exit_code == 0
     assert [r["token_ids"] for r in read_parts(tmp_path / "o").to_pylist()] == [ref[i] for i in job]

@@ -37,6 +37,7 @@ TRANSFORMERS_VISION: dict[str, str] = {
 # (batchgen.models.vision_transformers_lm) -> the model_type of its `text_config`.
 TRANSFORMERS_LM_VISION: dict[str, str] = {
     "AyaVisionForConditionalGeneration": "cohere2",
+    "Blip2ForConditionalGeneration": "opt",
 }
 # Hugging Face architecture name -> model_type, for every architecture with a native implementation.
 NATIVE_ARCHITECTURES: dict[str, str] = {
@@ -85,7 +86,7 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
 }
 IMAGE_FAMILIES = (
     "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, Gemma 3, DeepSeek-VL, "
-    "Janus, GOT-OCR2, LightOnOCR, Aya Vision"
+    "Janus, GOT-OCR2, LightOnOCR, Aya Vision, BLIP-2"
 )
 
 

@@ -127,6 +127,10 @@ class ImagePrompts:
         it with the prompt's text next to it, so a prompt with images is tokenized again as a whole."""
         self.joins = joins_for(self.processor)
         self._busy: dict[str, threading.Event] = {}  # hash -> set when the thread processing it is done
+        query = getattr(self.processor, "num_query_tokens", None)
+        self.prefix_tokens: int | None = int(query) if isinstance(query, int) else None
+        """The processor puts the image's tokens before the whole prompt, which names no place for it (BLIP-2's:
+        one image, ``num_query_tokens`` tokens): a prompt without a placeholder gets one in front."""
         self.fixed_size = type(self.processor).__name__ == "LlavaProcessor" and bool(
             getattr(image_processor, "do_center_crop", False)
         )
@@ -187,6 +191,10 @@ class ImagePrompts:
             n = int(grid.prod()) // self.merge_size**2
             pixels = {"pixel_values": enc["pixel_values"], "image_grid_thw": grid}
             return _Processed(pixels, (self.feature_token_id,) * n, None)
+        if self.prefix_tokens is not None:  # the image processor's pixels; the tokens the processor prepends
+            enc = self.image_processor(images=[image.image], return_tensors="pt")
+            pixels = {k: v[0] for k, v in enc.items()}
+            return _Processed(pixels, (self.feature_token_id,) * self.prefix_tokens, None)
         enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
         return self._processed(enc, 0)
 
@@ -275,6 +283,11 @@ class ImagePrompts:
     def _prompt(self, token_ids: Sequence[int], loaded: list[EncodedImage | LoadedImage]) -> ImagePrompt:
         if self.image_token_id != self.feature_token_id and self.feature_token_id in token_ids:
             return self._placed(list(token_ids), loaded)  # expanded already (the processor's own ids)
+        if self.prefix_tokens is not None and loaded:
+            if len(loaded) > 1:
+                raise ImageError(f"{len(loaded)} images but the model takes one per prompt")
+            if self.image_token_id not in token_ids:
+                token_ids = [self.image_token_id, *token_ids]
         prompt = self._build(token_ids, loaded)
         if not (prompt.images and self._text_edges):
             return prompt

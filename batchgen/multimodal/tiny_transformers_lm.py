@@ -61,3 +61,60 @@ def build_aya_vision(
     processor.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return str(out)
+
+
+def build_blip2(
+    out_dir: str | os.PathLike, *, hidden_size: int = 64, vocab_size: int = 4096, seed: int = 0
+) -> str:
+    """A ``Blip2ForConditionalGeneration`` (a 2-layer BLIP vision tower on 56-px images in 14-px patches, a
+    2-layer Q-Former of 8 query tokens, its projection, a 2-layer OPT) saved with the real ``Blip2Processor``
+    (``BlipImageProcessor``'s PIL implementation; the image's 8 tokens go before the prompt); returns its
+    path."""
+    import transformers
+
+    out = Path(out_dir)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    tok.add_tokens(["<image>"], special_tokens=True)
+    text = transformers.OPTConfig(
+        vocab_size=vocab_size + 64,
+        hidden_size=hidden_size,
+        ffn_dim=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        word_embed_proj_dim=hidden_size,
+        init_std=0.08,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    cfg = transformers.Blip2Config(
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+            initializer_range=0.08,
+        ),
+        qformer_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            encoder_hidden_size=32,
+            initializer_range=0.08,
+        ),
+        text_config=text,
+        num_query_tokens=8,
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+    )
+    save_random(transformers.Blip2ForConditionalGeneration, cfg, tok, out, seed)
+    image_processor = transformers.BlipImageProcessorPil(size={"height": 56, "width": 56})
+    transformers.Blip2Processor(
+        image_processor=image_processor, tokenizer=tok, num_query_tokens=8
+    ).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return str(out)
