@@ -18,6 +18,8 @@ from vision_helpers import hf_greedy, mixed_images, png_bytes, shuffled_inputs  
 from batchgen import LLM, SamplingParams  # noqa: E402
 from batchgen.job.run import run_job  # noqa: E402
 from batchgen.models.config import no_images_reason  # noqa: E402
+from batchgen.multimodal.tiny import build_llava  # noqa: E402
+from batchgen.multimodal.tiny_transformers import build_idefics2  # noqa: E402
 from batchgen.multimodal.tiny_transformers_lm import build_aya_vision, build_blip2  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
@@ -92,6 +94,30 @@ def test_blip2_equals_transformers(tmp_path):
     )
     assert run_job(cfg).exit_code == 0
     assert [r["token_ids"] for r in read_parts(tmp_path / "o").to_pylist()] == [ref[i] for i in job]
+
+
+@pytest.mark.parametrize("family", ["llava_next", "idefics2"])
+def test_native_families_run_whole_on_transformers_with_model_impl(tmp_path, family):
+    """``model_impl="transformers"`` on an image-text checkpoint with a native language model runs it whole on
+    transformers' code too: LLaVA-NeXT (each image's token count set by its aspect ratio, taken from the
+    model's own per-image split), Idefics2 (its ``text_model``, crops under a pixel mask)."""
+    a, b, c, d = mixed_images(4)
+    if family == "llava_next":
+        ckpt = build_llava(tmp_path / family, next_grid=[[56, 112], [112, 56], [112, 112]])
+        rows = [
+            ("USER: <image>\nWhat is it? ASSISTANT:", [a]),
+            ("Compare <image> with <image>", [b, c]),
+            ("<image> big", [d]),
+        ]
+    else:
+        ckpt = build_idefics2(tmp_path / family)
+        rows = [("User:<image>What is in the picture?", [a]), ("Two <image><image> adjacent", [d, b])]
+    ref = hf_greedy(ckpt, rows, GREEDY.max_tokens)
+    llm = LLM(ckpt, kv_cache_memory="32MiB", max_num_seqs=8, model_impl="transformers")
+    assert llm.engine.model.config.implementation == "transformers"
+    order = list(range(len(rows)))[::-1]
+    outs = llm.generate(shuffled_inputs(rows, order), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
 
 
 def test_native_only_is_refused_with_the_way_out(aya):

@@ -83,11 +83,11 @@ def _transformers_facts(path: Path) -> CheckpointFacts:
     is the configuration's (the loaded model probes the real one, which the sizes here only estimate)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from batchgen.models.config import TRANSFORMERS_LM_VISION, hf_config_from_dict, read_config_files
+    from batchgen.models.config import hf_config_from_dict, read_config_files, runs_whole_on_transformers
     from batchgen.models.transformers_backend import inspect_checkpoint, max_context_len
 
     raw, _ = read_config_files(path)
-    if set(raw.get("architectures") or []) & set(TRANSFORMERS_LM_VISION):  # image-text, loaded whole
+    if runs_whole_on_transformers(list(raw.get("architectures") or []), "transformers"):  # image-text
         hf = hf_config_from_dict(raw, str(path / "config.json"))
     else:
         hf = inspect_checkpoint(path)

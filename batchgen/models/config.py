@@ -39,6 +39,24 @@ TRANSFORMERS_LM_VISION: dict[str, str] = {
     "AyaVisionForConditionalGeneration": "cohere2",
     "Blip2ForConditionalGeneration": "opt",
 }
+# Image-text architectures with a native language model that also run whole on transformers' modeling code
+# (batchgen.models.vision_transformers_lm) when model.implementation=transformers: plain causal attention and
+# 1-D positions (not Gemma 3's bidirectional image attention, not Qwen2-VL's M-RoPE).
+TRANSFORMERS_IMAGE_TEXT_OPTIONAL = frozenset(
+    {"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "Idefics3ForConditionalGeneration"}
+    | set(TRANSFORMERS_VISION)
+)
+
+
+def runs_whole_on_transformers(architectures: list[str], implementation: str) -> bool:
+    """Whether a checkpoint of ``architectures`` loads as an image-text model on transformers' modeling code
+    (batchgen.models.vision_transformers_lm) for ``implementation``."""
+    archs = set(architectures)
+    if implementation != "native" and archs & set(TRANSFORMERS_LM_VISION):
+        return True
+    return implementation == "transformers" and bool(archs & TRANSFORMERS_IMAGE_TEXT_OPTIONAL)
+
+
 # Hugging Face architecture name -> model_type, for every architecture with a native implementation.
 NATIVE_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",

@@ -241,7 +241,7 @@ def load_model(
     if tp_size > 1:
         config = check_tensor_parallel(ckpt, implementation, tp_size)
         return load_native_model(ckpt, shard_config(config, tp_rank, tp_size), dtype=dtype, device=device)
-    if implementation != "native" and _transformers_image_text(ckpt):
+    if _transformers_image_text(ckpt, implementation):
         from batchgen.models.vision_transformers_lm import load as load_image_text
 
         return load_image_text(ckpt, dtype=dtype, device=device)
@@ -275,16 +275,16 @@ def load_model(
     return load_native_model(ckpt, config, dtype=dtype, device=device)
 
 
-def _transformers_image_text(ckpt: Path) -> bool:
-    """Whether ``ckpt`` is an image-text architecture that runs on transformers' modeling code whole
-    (:data:`batchgen.models.config.TRANSFORMERS_LM_VISION`; unquantized)."""
-    from batchgen.models.config import TRANSFORMERS_LM_VISION, read_config_files
+def _transformers_image_text(ckpt: Path, implementation: str) -> bool:
+    """Whether ``ckpt`` (unquantized) loads as an image-text model on transformers' modeling code
+    (:func:`batchgen.models.config.runs_whole_on_transformers`)."""
+    from batchgen.models.config import read_config_files, runs_whole_on_transformers
 
     try:
         archs = read_config_files(ckpt)[0].get("architectures") or []
     except (OSError, ValueError):
         return False
-    return bool(set(archs) & set(TRANSFORMERS_LM_VISION)) and quantization_scheme(ckpt) is None
+    return runs_whole_on_transformers(list(archs), implementation) and quantization_scheme(ckpt) is None
 
 
 def check_tensor_parallel(path: str | os.PathLike, implementation: str, tp_size: int) -> ModelConfig:

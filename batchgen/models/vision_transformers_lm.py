@@ -48,15 +48,52 @@ from batchgen.models.vision import ImageTextModel
 from batchgen.models.vision_transformers import TransformersImageEncoder
 
 
-class FlatPatchEncoder(TransformersImageEncoder):
+class PerImageEncoder(TransformersImageEncoder):
+    """:class:`TransformersImageEncoder` whose calls take each image's features from the model's own split when
+    ``get_image_features`` returns one tensor per image (LLaVA-NeXT's: the token count of an image depends on
+    its aspect ratio, not only on its tensors' shapes), else an even split of the call's rows."""
+
+    @torch.inference_mode()
+    def encode(self, pixels: list[dict[str, Tensor]]) -> list[Tensor]:
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(pixels):
+            shapes = tuple((k, tuple(v.shape)) for k, v in sorted(p.items()) if k in self._takes)
+            groups.setdefault(shapes, []).append(i)
+        out: list[Tensor] = [None] * len(pixels)  # type: ignore[list-item]
+        for shapes, members in groups.items():
+            param = next(self.hf.parameters())
+            batch = {k: torch.stack([pixels[i][k] for i in members]) for k, _ in shapes}
+            kwargs = {
+                k: v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device)
+                for k, v in batch.items()
+            }
+            feats = self.hf.get_image_features(**kwargs)
+            feats = getattr(feats, "pooler_output", feats)
+            if isinstance(feats, (list, tuple)) and len(feats) == len(members):
+                parts = [f.reshape(-1, f.shape[-1]) for f in feats]
+            else:
+                flat = (
+                    torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+                    if isinstance(feats, (list, tuple))
+                    else feats.reshape(-1, feats.shape[-1])
+                )
+                parts = list(flat.view(len(members), -1, flat.shape[-1]))
+            for i, f in zip(members, parts):
+                out[i] = f
+        return out
+
+
+FLAT_TILES = frozenset({"AyaVisionForConditionalGeneration"})
+"""Architectures whose processor flattens every image's tiles into the batch axis (:class:`FlatPatchEncoder`)."""
+
+
+class FlatPatchEncoder(PerImageEncoder):
     """:class:`TransformersImageEncoder` for processors that flatten every image's tiles into one batch axis
     (``pixel_values [tiles, C, H, W]`` per image, Aya Vision's): a call takes the tiles of several images
     concatenated, and each image's features are its tiles' rows, in order."""
 
     @torch.inference_mode()
     def encode(self, pixels: list[dict[str, Tensor]]) -> list[Tensor]:
-        if not pixels or pixels[0]["pixel_values"].dim() != 4:
-            return super().encode(pixels)
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(pixels):
             groups.setdefault(tuple(p["pixel_values"].shape[1:]), []).append(i)
@@ -91,8 +128,9 @@ def _split(hf: nn.Module, source: str) -> _Split:
     if isinstance(lm, nn.Module) and getattr(lm, "base_model_prefix", "") and hasattr(lm, "lm_head"):
         return _Split(lm, lm, lm.base_model_prefix)
     base = getattr(hf, hf.base_model_prefix, None)
-    if isinstance(getattr(base, "language_model", None), nn.Module):
-        return _Split(hf, base, "language_model")
+    for attr in ("language_model", "text_model"):  # Idefics2/3 name it text_model
+        if isinstance(getattr(base, attr, None), nn.Module):
+            return _Split(hf, base, attr)
     raise UnsupportedModelError(f"{type(hf).__name__} ({source}): no language_model module found")
 
 
@@ -193,7 +231,8 @@ def load(ckpt: Path, config: Any = None, dtype: torch.dtype | str = "auto", devi
     token = raw.get("image_token_index", raw.get("image_token_id"))
     if token is None:
         raise UnsupportedModelError(f"{type(hf).__name__} ({source}) names no image token id")
-    return ImageTextModel(language_model, FlatPatchEncoder(hf), int(token), cache_bytes=1 << 30)
+    encoder = FlatPatchEncoder(hf) if type(hf).__name__ in FLAT_TILES else PerImageEncoder(hf)
+    return ImageTextModel(language_model, encoder, int(token), cache_bytes=1 << 30)
 
 
 _PROBE_IDS = 6
