@@ -1,8 +1,9 @@
 """Image-text architectures whose language model has no native implementation run whole on transformers'
 modeling code, the language model over batchgen's paged attention (Aya Vision: a Cohere2 decoder with a
-sliding-window layer, images tiled by aspect ratio): greedy output equals transformers token for token
-(float32, CPU), images of several sizes, two images a row, batched and shuffled, through the API and a job;
-each distinct image encoded once. Architectures that still cannot run are refused by name, with the reason."""
+sliding-window layer, images tiled by aspect ratio; BLIP-2: OPT after a Q-Former; Aria: a mixture of experts):
+greedy output equals transformers token for token (float32, CPU), images of several sizes, two images a row,
+batched and shuffled, through the API and a job; each distinct image encoded once. Architectures that still
+cannot run are refused by name, with the reason."""
 
 from __future__ import annotations
 
@@ -20,9 +21,30 @@ from batchgen.job.run import run_job  # noqa: E402
 from batchgen.models.config import no_images_reason  # noqa: E402
 from batchgen.multimodal.tiny import build_llava  # noqa: E402
 from batchgen.multimodal.tiny_transformers import build_idefics2  # noqa: E402
-from batchgen.multimodal.tiny_transformers_lm import build_aya_vision, build_blip2  # noqa: E402
+from batchgen.multimodal.tiny_transformers_lm import build_aria, build_aya_vision, build_blip2  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
+
+
+def _check(ckpt: str, rows, order: list[int], job: list[int], tmp_path, **llm_options):
+    """batchgen's greedy tokens for ``rows`` (given in ``order``, through ``LLM.generate``) and an image job's
+    (rows ``job``, a list of images each) equal transformers'; returns the LLM and the reference."""
+    ref = hf_greedy(ckpt, rows, GREEDY.max_tokens)
+    llm = LLM(ckpt, kv_cache_memory="32MiB", max_num_seqs=8, **llm_options)
+    assert llm.engine.model.config.implementation == "transformers"
+    outs = llm.generate(shuffled_inputs(rows, order), GREEDY, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(order)
+    assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
+    if job:
+        images = pa.array([[png_bytes(im) for im in rows[i][1]] for i in job], type=pa.list_(pa.binary()))
+        table = pa.table({"prompt": [rows[i][0] for i in job], "image": images})
+        pq.write_table(table, tmp_path / "in.parquet")
+        sampling = {"max_tokens": GREEDY.max_tokens, "temperature": 0.0}
+        data = {"image_column": "image"}
+        cfg = job_config(ckpt, tmp_path / "in.parquet", tmp_path / "o", data=data, sampling=sampling)
+        assert run_job(cfg).exit_code == 0
+        assert [r["token_ids"] for r in read_parts(tmp_path / "o").to_pylist()] == [ref[i] for i in job]
+    return llm, ref
 
 
 @pytest.fixture(scope="module")
@@ -41,33 +63,16 @@ def test_aya_vision_equals_transformers(aya, tmp_path):
         ("<image> a large one", [d]),
         ("<image> What is in the picture? Say more.", [a]),
     ]
-    order = [3, 1, 4, 2, 0]
-    ref = hf_greedy(aya, rows, GREEDY.max_tokens)
-    llm = LLM(aya, kv_cache_memory="32MiB", max_num_seqs=8)
-    assert llm.engine.model.config.implementation == "transformers"
-    outs = llm.generate(shuffled_inputs(rows, order), GREEDY, use_tqdm=False)
-    assert [o.error for o in outs] == [None] * len(rows)
-    assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
+    llm, ref = _check(aya, rows, [3, 1, 4, 2, 0], [1, 2, 3], tmp_path)
     stats = llm.engine.images.stats
     assert (stats.references, stats.distinct, stats.encoded) == (5, 4, 4)
     other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": b}}, GREEDY, use_tqdm=False)
     assert other[0].outputs[0].token_ids != ref[0]
-    # an image job (a list of images per row) writes the same tokens
-    job = [1, 2, 3]
-    images = pa.array([[png_bytes(im) for im in rows[i][1]] for i in job], type=pa.list_(pa.binary()))
-    pq.write_table(pa.table({"prompt": [rows[i][0] for i in job], "image": images}), tmp_path / "in.parquet")
-    sampling = {"max_tokens": GREEDY.max_tokens, "temperature": 0.0}
-    cfg = job_config(
-        aya, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"}, sampling=sampling
-    )
-    assert run_job(cfg).exit_code == 0
-    assert [r["token_ids"] for r in read_parts(tmp_path / "o").to_pylist()] == [ref[i] for i in job]
 
 
 def test_blip2_equals_transformers(tmp_path):
     """An OPT decoder; the Q-Former's query tokens go before the whole prompt (BLIP-2 takes one image a row,
-    and the prompt names no place for it); rows showing one image share its KV blocks."""
-    ckpt = build_blip2(tmp_path / "blip2")
+    and the prompt names no place for it)."""
     a, b, c, d = mixed_images(4)
     rows = [
         ("Question: what is in the picture? Answer:", [a]),
@@ -76,24 +81,22 @@ def test_blip2_equals_transformers(tmp_path):
         ("Question: what is in the picture? Answer: it is", [a]),
         ("Describe it.", [d]),
     ]
-    order = [4, 0, 2, 3, 1]
-    ref = hf_greedy(ckpt, rows, GREEDY.max_tokens)
-    llm = LLM(ckpt, kv_cache_memory="32MiB", max_num_seqs=8)
-    outs = llm.generate(shuffled_inputs(rows, order), GREEDY, use_tqdm=False)
-    assert [o.error for o in outs] == [None] * len(rows)
-    assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
+    llm, _ = _check(build_blip2(tmp_path / "blip2"), rows, [4, 0, 2, 3, 1], [0, 3, 4], tmp_path)
     assert llm.engine.images.stats.encoded == 4
     two = llm.generate({"prompt": "x", "multi_modal_data": {"image": [a, b]}}, GREEDY, use_tqdm=False)
     assert "one per prompt" in two[0].error
-    job = [0, 3, 4]
-    images = pa.array([png_bytes(rows[i][1][0]) for i in job], type=pa.binary())
-    pq.write_table(pa.table({"prompt": [rows[i][0] for i in job], "image": images}), tmp_path / "in.parquet")
-    sampling = {"max_tokens": GREEDY.max_tokens, "temperature": 0.0}
-    cfg = job_config(
-        ckpt, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"}, sampling=sampling
-    )
-    assert run_job(cfg).exit_code == 0
-    assert [r["token_ids"] for r in read_parts(tmp_path / "o").to_pylist()] == [ref[i] for i in job]
+
+
+def test_aria_equals_transformers(tmp_path):
+    """A mixture-of-experts text model; images resized into 980 px and padded under a pixel mask."""
+    a, b, c, d = mixed_images(4)
+    rows = [
+        ("<|img|> What is in the picture?", [d]),
+        ("Compare <|img|> with <|img|>, please.", [b, c]),
+        ("No image here.", []),
+        ("<|img|> again", [a]),
+    ]
+    _check(build_aria(tmp_path / "aria"), rows, [3, 1, 2, 0], [1], tmp_path)
 
 
 @pytest.mark.parametrize("family", ["llava_next", "idefics2"])
@@ -112,12 +115,7 @@ def test_native_families_run_whole_on_transformers_with_model_impl(tmp_path, fam
     else:
         ckpt = build_idefics2(tmp_path / family)
         rows = [("User:<image>What is in the picture?", [a]), ("Two <image><image> adjacent", [d, b])]
-    ref = hf_greedy(ckpt, rows, GREEDY.max_tokens)
-    llm = LLM(ckpt, kv_cache_memory="32MiB", max_num_seqs=8, model_impl="transformers")
-    assert llm.engine.model.config.implementation == "transformers"
-    order = list(range(len(rows)))[::-1]
-    outs = llm.generate(shuffled_inputs(rows, order), GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
+    _check(ckpt, rows, list(range(len(rows)))[::-1], [], tmp_path, model_impl="transformers")
 
 
 def test_native_only_is_refused_with_the_way_out(aya):

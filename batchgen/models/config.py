@@ -37,6 +37,7 @@ TRANSFORMERS_VISION: dict[str, str] = {
 # (batchgen.models.vision_transformers_lm) -> the model_type of its `text_config`.
 TRANSFORMERS_LM_VISION: dict[str, str] = {
     "AyaVisionForConditionalGeneration": "cohere2",
+    "AriaForConditionalGeneration": "aria_text",
     "Blip2ForConditionalGeneration": "opt",
 }
 # Image-text architectures with a native language model that also run whole on transformers' modeling code
@@ -104,7 +105,7 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
 }
 IMAGE_FAMILIES = (
     "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, Gemma 3, DeepSeek-VL, "
-    "Janus, GOT-OCR2, LightOnOCR, Aya Vision, BLIP-2"
+    "Janus, GOT-OCR2, LightOnOCR, Aya Vision, BLIP-2, Aria"
 )
 
 

@@ -94,13 +94,17 @@ class FlatPatchEncoder(PerImageEncoder):
 
     @torch.inference_mode()
     def encode(self, pixels: list[dict[str, Tensor]]) -> list[Tensor]:
+        # an image of one tile comes without the tile axis (the processor's batch row)
+        values = [
+            p["pixel_values"] if p["pixel_values"].dim() == 4 else p["pixel_values"][None] for p in pixels
+        ]
         groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(pixels):
-            groups.setdefault(tuple(p["pixel_values"].shape[1:]), []).append(i)
+        for i, v in enumerate(values):
+            groups.setdefault(tuple(v.shape[1:]), []).append(i)
         out: list[Tensor] = [None] * len(pixels)  # type: ignore[list-item]
         for members in groups.values():
-            tiles = [pixels[i]["pixel_values"].shape[0] for i in members]
-            flat = self._features({"pixel_values": torch.cat([pixels[i]["pixel_values"] for i in members])})
+            tiles = [values[i].shape[0] for i in members]
+            flat = self._features({"pixel_values": torch.cat([values[i] for i in members])})
             per_tile = flat.shape[0] // sum(tiles)
             for i, f in zip(members, flat.split([n * per_tile for n in tiles])):
                 out[i] = f
@@ -231,7 +235,8 @@ def load(ckpt: Path, config: Any = None, dtype: torch.dtype | str = "auto", devi
     token = raw.get("image_token_index", raw.get("image_token_id"))
     if token is None:
         raise UnsupportedModelError(f"{type(hf).__name__} ({source}) names no image token id")
-    encoder = FlatPatchEncoder(hf) if type(hf).__name__ in FLAT_TILES else PerImageEncoder(hf)
+    vision = hf if hasattr(hf, "get_image_features") else getattr(hf, hf.base_model_prefix)  # DeepSeek-VL's
+    encoder = FlatPatchEncoder(vision) if type(hf).__name__ in FLAT_TILES else PerImageEncoder(vision)
     return ImageTextModel(language_model, encoder, int(token), cache_bytes=1 << 30)
 
 

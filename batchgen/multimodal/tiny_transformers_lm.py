@@ -118,3 +118,46 @@ def build_blip2(
     ).save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return str(out)
+
+
+def build_aria(
+    out_dir: str | os.PathLike, *, hidden_size: int = 64, vocab_size: int = 4096, seed: int = 0
+) -> str:
+    """An ``AriaForConditionalGeneration`` (a 2-layer Idefics3-style tower on 980-px images in 70-px patches,
+    the cross-attention projector: 4 query tokens per image; a 2-layer Aria text model, a mixture of 4 experts,
+    top 2, and a shared one) saved with the real ``AriaProcessor`` (``AriaImageProcessor``'s PIL
+    implementation: each image resized to fit 980 px and padded, under a pixel mask); returns its path."""
+    import transformers
+
+    from batchgen.multimodal.tiny_transformers import _tokenizer_naming
+
+    out = Path(out_dir)
+    tok = _tokenizer_naming(out, vocab_size, {"image_token": "<|img|>"})
+    text = transformers.AriaTextConfig(
+        **text_fields(tok, vocab_size, hidden_size, head_dim=16),
+        moe_num_experts=4,
+        moe_topk=2,
+        moe_num_shared_experts=1,
+    )
+    cfg = transformers.AriaConfig(
+        text_config=text,
+        vision_config=dict(
+            model_type="idefics3_vision",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=980,
+            patch_size=70,
+        ),
+        projector_patch_to_query_dict={196: 4, 49: 2},
+        image_token_index=tok.convert_tokens_to_ids("<|img|>"),
+        tie_word_embeddings=False,
+    )
+    save_random(transformers.AriaForConditionalGeneration, cfg, tok, out, seed)
+    processor = transformers.AriaProcessor(
+        image_processor=transformers.AriaImageProcessorPil(), tokenizer=tok, size_conversion={980: 4, 490: 2}
+    )
+    processor.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return str(out)
