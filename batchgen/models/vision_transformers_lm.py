@@ -61,26 +61,33 @@ class PerImageEncoder(TransformersImageEncoder):
             groups.setdefault(shapes, []).append(i)
         out: list[Tensor] = [None] * len(pixels)  # type: ignore[list-item]
         for shapes, members in groups.items():
-            param = next(self.hf.parameters())
-            batch = {k: torch.stack([pixels[i][k] for i in members]) for k, _ in shapes}
-            kwargs = {
-                k: v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device)
-                for k, v in batch.items()
-            }
-            feats = self.hf.get_image_features(**kwargs)
-            feats = getattr(feats, "pooler_output", feats)
+            feats = self._raw({k: torch.stack([pixels[i][k] for i in members]) for k, _ in shapes})
             if isinstance(feats, (list, tuple)) and len(feats) == len(members):
                 parts = [f.reshape(-1, f.shape[-1]) for f in feats]
             else:
-                flat = (
-                    torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
-                    if isinstance(feats, (list, tuple))
-                    else feats.reshape(-1, feats.shape[-1])
-                )
+                flat = _rows(feats)
                 parts = list(flat.view(len(members), -1, flat.shape[-1]))
             for i, f in zip(members, parts):
                 out[i] = f
         return out
+
+    def _raw(self, batch: dict[str, Tensor]) -> Any:
+        """``get_image_features`` of one batch (floating tensors in the model's dtype): a tensor or one per
+        image."""
+        param = next(self.hf.parameters())
+        kwargs = {
+            k: v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device)
+            for k, v in batch.items()
+        }
+        feats = self.hf.get_image_features(**kwargs)
+        return getattr(feats, "pooler_output", feats)
+
+
+def _rows(feats: Any) -> Tensor:
+    """Features (a tensor or a list of them) as ``[rows, hidden]``, in order."""
+    if isinstance(feats, (list, tuple)):
+        return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+    return feats.reshape(-1, feats.shape[-1])
 
 
 FLAT_TILES = frozenset({"AyaVisionForConditionalGeneration"})
@@ -88,7 +95,7 @@ FLAT_TILES = frozenset({"AyaVisionForConditionalGeneration"})
 
 
 class FlatPatchEncoder(PerImageEncoder):
-    """:class:`TransformersImageEncoder` for processors that flatten every image's tiles into one batch axis
+    """The image encoder for processors that flatten every image's tiles into one batch axis
     (``pixel_values [tiles, C, H, W]`` per image, Aya Vision's): a call takes the tiles of several images
     concatenated, and each image's features are its tiles' rows, in order."""
 
@@ -104,7 +111,7 @@ class FlatPatchEncoder(PerImageEncoder):
         out: list[Tensor] = [None] * len(pixels)  # type: ignore[list-item]
         for members in groups.values():
             tiles = [values[i].shape[0] for i in members]
-            flat = self._features({"pixel_values": torch.cat([values[i] for i in members])})
+            flat = _rows(self._raw({"pixel_values": torch.cat([values[i] for i in members])}))
             per_tile = flat.shape[0] // sum(tiles)
             for i, f in zip(members, flat.split([n * per_tile for n in tiles])):
                 out[i] = f
