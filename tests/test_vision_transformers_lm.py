@@ -72,7 +72,7 @@ def test_aya_vision_equals_transformers(aya, tmp_path):
 
 def test_blip2_equals_transformers(tmp_path):
     """An OPT decoder; the Q-Former's query tokens go before the whole prompt (BLIP-2 takes one image a row,
-    and the prompt names no place for it)."""
+    and the prompt names no place for it), so the prefix cache keys a row's first blocks by its image."""
     a, b, c, d = mixed_images(4)
     rows = [
         ("Question: what is in the picture? Answer:", [a]),
@@ -85,6 +85,13 @@ def test_blip2_equals_transformers(tmp_path):
     assert llm.engine.images.stats.encoded == 4
     two = llm.generate({"prompt": "x", "multi_modal_data": {"image": [a, b]}}, GREEDY, use_tqdm=False)
     assert "one per prompt" in two[0].error
+    # the image's tokens come first: the same image shares its KV blocks, another image with the same text none
+    same, other = (
+        llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": im}}, GREEDY, use_tqdm=False)[0]
+        for im in (a, b)
+    )
+    assert same.num_cached_tokens > 0 and other.num_cached_tokens == 0
+    assert llm.engine.images.stats.encoded == 4
 
 
 def test_aria_equals_transformers(tmp_path):
