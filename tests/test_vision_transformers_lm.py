@@ -135,6 +135,7 @@ def test_architectures_that_cannot_run_are_refused_by_name():
         ("Llama4ForConditionalGeneration", "fixed chunks"),
         ("InstructBlipForConditionalGeneration", "Q-Former reads the prompt"),
         ("MllamaForConditionalGeneration", "cross-attention"),
+        ("FuyuForCausalLM", "rewrites the whole prompt"),
     ]:
         assert why in no_images_reason(arch), arch
     assert "short-convolution" in no_images_reason("Lfm2VlForConditionalGeneration")

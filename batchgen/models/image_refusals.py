@@ -36,6 +36,9 @@ REFUSED: dict[str, str] = {
     "features depend on the prompt and cannot be encoded once and cached by the image",
     "InstructBlipVideoForConditionalGeneration": "its Q-Former reads the prompt's text with the image, so an "
     "image's features depend on the prompt and cannot be encoded once and cached by the image",
+    "FuyuForCausalLM": "its processor rewrites the whole prompt around the image (the image's rows first, "
+    "then BOS, and a beginning-of-answer token appended), which batchgen's placeholder expansion does not "
+    "reproduce",
     "Lfm2VlForConditionalGeneration": "its language model (LFM2) has short-convolution layers, whose state "
     "batchgen's KV cache cannot hold",
     "Cohere2VisionForConditionalGeneration": _TORCHVISION + " (Cohere2VisionImageProcessor)",
