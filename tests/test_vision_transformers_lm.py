@@ -81,7 +81,7 @@ def test_blip2_equals_transformers(tmp_path):
         ("Question: what is in the picture? Answer: it is", [a]),
         ("Describe it.", [d]),
     ]
-    llm, _ = _check(build_blip2(tmp_path / "blip2"), rows, [4, 0, 2, 3, 1], [0, 3, 4], tmp_path)
+    llm, _ = _check(build_blip2(tmp_path / "blip2"), rows, [4, 0, 2, 3, 1], [0, 2, 3, 4], tmp_path)
     assert llm.engine.images.stats.encoded == 4
     two = llm.generate({"prompt": "x", "multi_modal_data": {"image": [a, b]}}, GREEDY, use_tqdm=False)
     assert "one per prompt" in two[0].error
@@ -92,6 +92,25 @@ def test_blip2_equals_transformers(tmp_path):
     )
     assert same.num_cached_tokens > 0 and other.num_cached_tokens == 0
     assert llm.engine.images.stats.encoded == 4
+
+
+def test_an_empty_prompt_needs_an_image(tmp_path):
+    """In an image job an empty prompt is a caption request when the row has an image, and an error row
+    naming the problem when it has none."""
+    ckpt = build_blip2(tmp_path / "blip2")
+    (a,) = mixed_images(1)
+    ref = hf_greedy(ckpt, [("", [a])], GREEDY.max_tokens)
+    images = pa.array([[png_bytes(a)], [], None], type=pa.list_(pa.binary()))
+    pq.write_table(pa.table({"prompt": ["", "", ""], "image": images}), tmp_path / "in.parquet")
+    sampling = {"max_tokens": GREEDY.max_tokens, "temperature": 0.0}
+    cfg = job_config(
+        ckpt, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"}, sampling=sampling
+    )
+    cfg.run.max_error_fraction = 1.0
+    assert run_job(cfg).exit_code == 0
+    out = read_parts(tmp_path / "o").to_pylist()
+    assert out[0]["token_ids"] == ref[0]
+    assert [r["error"] for r in out] == [None, "prompt is empty", "prompt is empty"]
 
 
 def test_aria_equals_transformers(tmp_path):

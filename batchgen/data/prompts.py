@@ -252,11 +252,20 @@ def _chat_texts(
     return texts
 
 
-def _plain_texts(rows: list[PromptRow], values: list[Any]) -> list[str | None]:
-    """Each row's prompt text (None for rows in error)."""
+def _has_images(value: Any) -> bool:
+    """Whether an image column value names at least one image."""
+    return value is not None and not (isinstance(value, (list, tuple)) and len(value) == 0)
+
+
+def _plain_texts(rows: list[PromptRow], values: list[Any], images: list[Any] | None) -> list[str | None]:
+    """Each row's prompt text (None for rows in error). A row with images (``images``: the image column's
+    values) may have an empty prompt, for a model that places the image itself (captioning)."""
     texts: list[str | None] = [None] * len(rows)
     for r, v in zip(rows, values):
         if r.error:
+            continue
+        if v == "" and images is not None and _has_images(images[r.position]):
+            texts[r.position] = v
             continue
         err = check_prompt(v)
         if err:
@@ -350,7 +359,7 @@ def _tokenize(
         if ids is None:
             continue
         ntok = r.num_prompt_tokens = len(ids)
-        if ntok == 0:
+        if ntok == 0 and not r.images:
             r.fail("prompt has no tokens")
         elif ntok >= max_len:
             r.fail(
@@ -373,20 +382,22 @@ def build_prompts(
     `unreadable` lists ranges of positions the reader could not decode (see
     :class:`batchgen.data.reader.Window`)."""
     rows = _new_rows(table, row_start, spec, unreadable or [])
+    images = None
+    if spec.image_column is not None:
+        images = _column(table, spec.image_column, rows, f"image column {spec.image_column!r} value")
     chat = spec.messages_column is not None
     if chat:
         values = _column(table, spec.messages_column, rows, "messages")
         texts = _chat_texts(rows, values, tokenizer, spec)  # type: ignore[arg-type]
     else:
-        texts = _plain_texts(rows, _column(table, spec.prompt_column, rows, "prompt"))  # type: ignore[arg-type]
+        texts = _plain_texts(rows, _column(table, spec.prompt_column, rows, "prompt"), images)  # type: ignore[arg-type]
     overrides = _column(table, spec.sampling_column, rows, f"sampling column {spec.sampling_column!r} value")
     _row_params(rows, overrides, spec.base_sampling)
     if spec.lora_column is not None:
         _row_adapters(
             rows, _column(table, spec.lora_column, rows, f"LoRA column {spec.lora_column!r} value"), spec
         )
-    if spec.image_column is not None:
-        images = _column(table, spec.image_column, rows, f"image column {spec.image_column!r} value")
+    if images is not None:
         for r in rows:
             if not r.error and images[r.position] is not None:  # type: ignore[index]
                 from batchgen.multimodal.rows import column_images
