@@ -14,7 +14,8 @@ Plain helpers shared by the job tests (import them: ``from conftest import job_c
 `job_config` (a small CPU JobConfig), `part_contents` (what must be identical after a resume),
 `windows_done` (a manifest's finished windows), `env_without_slurm` (a subprocess environment whose shard
 defaults are not taken from a surrounding Slurm array), `random_seed` (fixed unless asked otherwise),
-`batchgen_cli` (the ``batchgen`` command run as a subprocess), `read_parts` (an output's parts as one table), `write_invalid_utf8` (a string array holding bytes that are
+`batchgen_cli` (the ``batchgen`` command run as a subprocess), `cli_job` (the configuration that command
+composes, to run the same job in process), `read_parts` (an output's parts as one table), `write_invalid_utf8` (a string array holding bytes that are
 not UTF-8), `try_mount_tmpfs` (a small tmpfs, or None where mounting is not allowed), `EngineAtStep` / `signal_after` (an engine that
 runs an action, e.g. sends a signal, just before a given step).
 """
@@ -308,6 +309,31 @@ def batchgen_cli(args: list[str], cwd: Path, timeout: float = 300, **env: str) -
     return subprocess.run(
         [*cmd, *args], cwd=cwd, env=env_without_slurm(**env), capture_output=True, text=True, timeout=timeout
     )
+
+
+def cli_job(args: list[str]) -> object:
+    """The job configuration the ``batchgen`` command composes from `args` (its ``key=value`` overrides), to
+    run the same job in process with ``run_job`` (no interpreter start, no imports: a reference output costs
+    the generation alone). Relative paths resolve against this process's working directory: pass absolute
+    ones. The shard defaults come from no surrounding Slurm array (as :func:`env_without_slurm`)."""
+    from hydra import compose, initialize_config_module
+
+    from batchgen.job.hydra_setup import register_configs, register_resolvers
+
+    register_configs()
+    register_resolvers()
+    saved = {
+        k: os.environ.pop(k) for k in ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT") if k in os.environ
+    }
+    try:
+        with initialize_config_module(config_module="batchgen.conf", version_base="1.3"):
+            cfg = compose(config_name="config", overrides=args)
+        from omegaconf import OmegaConf
+
+        OmegaConf.resolve(cfg)  # the shard defaults read the environment now, without Slurm's
+        return cfg
+    finally:
+        os.environ.update(saved)
 
 
 def random_seed() -> int:

@@ -96,9 +96,14 @@ def test_a_lost_answer_to_a_commit_write_loses_and_duplicates_nothing(
 def test_a_storage_outage_is_retried_then_exit_75(
     llama_ckpt: str, reference, s3: S3, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import s3fs
+
     from batchgen.data import storage
 
     monkeypatch.setattr(storage, "RETRY_DELAYS_S", (0.05, 0.1))
+    # batchgen's retries are under test: s3fs's own (5 tries with backoff inside each of batchgen's) only
+    # make every refused write take seconds
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     root, expected = reference
     inp = _input(s3, root)
     proxy.rules.append(Rule("PUT", r"/_windows/part-000001\.arrow", "refuse", times=10**6))

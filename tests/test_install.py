@@ -48,11 +48,14 @@ def test_cloud_extra_resolves_beside_a_local_s3_server(tmp_path: Path) -> None:
         shutil.copytree(root / name, project / name, ignore=skip)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(root / name, project / name)
+    # A fresh venv without pip of its own (ensurepip costs seconds): this environment's pip resolves for it
+    # (`pip --python`), seeing only what that venv holds, i.e. nothing.
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
     report = tmp_path / "report.json"
     args = [a.format(project=project) for a in CLOUD_WITH_LOCAL_S3]
-    cmd = [str(venv / "bin" / "python"), "-m", "pip", "install", "--dry-run", "--report", str(report), *args]
+    cmd = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--dry-run",
+           "--report", str(report), *args]  # fmt: skip
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)

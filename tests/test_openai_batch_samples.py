@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import batchgen_cli, env_without_slurm, job_config, wait_for_rows_done
+from conftest import batchgen_cli, cli_job, env_without_slurm, job_config, wait_for_rows_done
 
 from batchgen.data.openai_batch import MAX_N, parse_requests
 from batchgen.engine.sched.sequence import sample_seed
@@ -82,8 +82,12 @@ def test_cli_n_per_request_and_the_job_default(llama_ckpt: str, tmp_path: Path) 
     assert len(set(_choices(got[1]))) > 1  # sampled with per-sample seeds, not one sample three times
     usage = got[1]["response"]["body"]["usage"]
     assert 3 <= usage["completion_tokens"] <= 3 * 6  # the three samples' tokens
-    p = batchgen_cli([*common, "data.input=comp.jsonl", "data.output=comp_out.jsonl"], tmp_path)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    # the completions file: the same job in process (the command itself ran above)
+    comp_job = cli_job(
+        [*common, f"data.input={tmp_path / 'comp.jsonl'}", f"data.output={tmp_path / 'comp_out.jsonl'}"]
+    )
+    res = run_job(comp_job, handle_signals=False, print_summary=False)
+    assert res.exit_code == 0, res.message
     assert [len(_choices(x)) for x in _results(tmp_path / "comp_out.jsonl")] == [2, 2]
 
 
@@ -96,8 +100,11 @@ def test_cli_n_per_request_killed_and_rerun_is_exactly_once(llama_ckpt: str, tmp
     (tmp_path / "req.jsonl").write_text("\n".join(lines) + "\n")
     args = [f"model.path={llama_ckpt}", "data.input=req.jsonl", "data.window_rows=2", "engine.num_blocks=64",
             "engine.max_num_seqs=2", "run.progress=off", "run.checkpoint_interval_s=0"]  # fmt: skip
-    p = batchgen_cli([*args, "data.output=ref.jsonl"], tmp_path)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    # the uninterrupted run: the same job in process
+    ref_args = [a.replace("data.input=", f"data.input={tmp_path}/") for a in args]
+    res = run_job(cli_job([*ref_args, f"data.output={tmp_path / 'ref.jsonl'}"]), handle_signals=False,
+                  print_summary=False)  # fmt: skip
+    assert res.exit_code == 0, res.message
     cmd = [sys.executable, "-m", "batchgen.cli", *args, "data.output=res.jsonl"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_without_slurm(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip

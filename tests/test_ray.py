@@ -149,32 +149,35 @@ CPU_NODE_SCRIPT = """
 import sys, ray, ray.data
 import batchgen.ray
 
-model, data = sys.argv[1], sys.argv[2]
-ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"BATCHGEN_RAY_IDLE_WARNING_S": "2"}})
+model, data, address = sys.argv[1], sys.argv[2], sys.argv[3]
+ray.init(address=address, runtime_env={"env_vars": {"BATCHGEN_RAY_IDLE_WARNING_S": "2"}})
+# two actors that take every free CPU between them (one each on a 2-CPU node): the read tasks never run; each
+# actor says so on stderr
+cpus = ray.available_resources()["CPU"] / 2
 kwargs = {"model": model, "sampling": {"max_tokens": 2}, "engine": {"device": "cpu", "num_blocks": 64}}
-# two actors of one CPU each take both CPUs: the read tasks never run; each actor says so on stderr
 ray.data.read_parquet(data).map_batches(
-    batchgen.ray.Generator, fn_constructor_kwargs=kwargs, concurrency=2, batch_size=2
+    batchgen.ray.Generator, fn_constructor_kwargs=kwargs, concurrency=2, num_cpus=cpus, batch_size=2
 ).take_all()
 """
 
 
-def test_cpu_node_actors_starving_the_reads_say_so(llama_ckpt: str, tmp_path: Path) -> None:
-    """Ray with 2 CPUs and map_batches(Generator, concurrency=2): the actors hold both CPUs and the read tasks
-    never run; instead of waiting silently an actor prints the one-line warning naming docs/replicas.md's CPU
-    setup (num_cpus per actor below the node's; that setup runs as test_map_batches_equals_llm_generate)."""
+def test_cpu_node_actors_starving_the_reads_say_so(local_ray, llama_ckpt: str, tmp_path: Path) -> None:
+    """map_batches(Generator, concurrency=2) whose two actors hold every CPU of the cluster (as one CPU each
+    does on 2 CPUs): the read tasks never run; instead of waiting silently an actor prints the one-line warning
+    naming docs/replicas.md's CPU setup (num_cpus per actor below the node's; that setup runs as
+    test_map_batches_equals_llm_generate). The pipeline is a second driver on this module's local Ray."""
     import subprocess
     import sys
     import time
 
-    pytest.importorskip("ray", reason="Ray is not installed (pip install 'batchgen[ray]')")
+    address = local_ray.get_runtime_context().gcs_address
     pq.write_table(pa.table({"prompt": PROMPTS[:4]}), tmp_path / "in.parquet")
     script = tmp_path / "pipeline.py"
     script.write_text(CPU_NODE_SCRIPT)
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(
-            [sys.executable, str(script), llama_ckpt, str(tmp_path / "in.parquet")],
+            [sys.executable, str(script), llama_ckpt, str(tmp_path / "in.parquet"), address],
             stdout=o, stderr=e, cwd=tmp_path, start_new_session=True,
         )  # fmt: skip
     try:

@@ -24,18 +24,33 @@ The Parquet side (reader, prompts, parts, output directory, manifest, file names
 
 from __future__ import annotations
 
-from batchgen.data.columns import DEFAULT_SAMPLING_COLUMN
-from batchgen.job.plan import JobPlan, plan_job, sample_input_path
-from batchgen.job.run import (
-    EXIT_CONFIG,
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_TOO_MANY_ERRORS,
-    JobResult,
-    run_job,
-)
-from batchgen.job.signals import StopSignal
+_EXPORTS = {
+    "DEFAULT_SAMPLING_COLUMN": "batchgen.data.columns",
+    "JobPlan": "batchgen.job.plan",
+    "plan_job": "batchgen.job.plan",
+    "sample_input_path": "batchgen.job.plan",
+    "EXIT_CONFIG": "batchgen.job.run",
+    "EXIT_FAILED": "batchgen.job.run",
+    "EXIT_INTERRUPTED": "batchgen.job.run",
+    "EXIT_OK": "batchgen.job.run",
+    "EXIT_TOO_MANY_ERRORS": "batchgen.job.run",
+    "JobResult": "batchgen.job.run",
+    "run_job": "batchgen.job.run",
+    "StopSignal": "batchgen.job.signals",
+}
+"""Where each name this package exports lives: loaded on first use, so that importing one module of the
+package (the command line's argument checks, its ``--help``) does not load the job (pyarrow, the planner)."""
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_SAMPLING_COLUMN",
