@@ -2,11 +2,12 @@
 
     /path/to/llamacpp-venv/bin/python batchgen/bench/llamacpp_peer.py SPEC.json RESULT.json
 
-The binding is `cyllama <https://pypi.org/project/cyllama/>`_ (a Cython binding that links llama.cpp itself;
-manylinux wheels): it lives in its own virtual environment or beside batchgen (``pip install
-batchgen[bench-llamacpp]``), and this file imports nothing from batchgen: only the standard library and
-``cyllama``. The parent (:mod:`batchgen.bench.quant`) writes the spec: ``path`` (a GGUF file), ``prompts``
-(token ids, one list per sequence), ``max_tokens``, ``threads``.
+The binding is llama-cpp-python (``llama_cpp``: ctypes over a shared llama.cpp, here built from source with
+``GGML_NATIVE``) where importable, else `cyllama <https://pypi.org/project/cyllama/>`_ (a Cython binding whose
+manylinux wheels link llama.cpp, an AVX2 build). Either lives in its own virtual environment or beside batchgen
+(``pip install batchgen[bench-llamacpp]`` installs cyllama); this file imports nothing from batchgen, only the
+standard library and the binding. The parent (:mod:`batchgen.bench.quant`) writes the spec: ``path`` (a GGUF
+file), ``prompts`` (token ids, one list per sequence), ``max_tokens``, ``threads``.
 
 What runs is llama.cpp's batched decode through its C API (``llama_batch`` / ``llama_decode``), as its
 ``batched`` example does: one sequence id per prompt, all prompts prefilled in one batch (split into
@@ -17,7 +18,7 @@ cache, flash attention ``auto``, one KV stream per sequence). ``threads`` is ``n
 ``n_threads_batch``. A short warm-up on two prompts runs first and its KV cache is cleared; model load is not
 timed.
 
-Result keys: ``status`` (``ok``; ``skipped`` with the reason when ``cyllama`` cannot be imported; ``error``),
+Result keys: ``status`` (``ok``; ``skipped`` with the reason when neither binding can be imported; ``error``),
 ``tok_s`` (generated tokens per wall second), ``tok_per_cpu_s`` (per second of this process's CPU time, all its
 threads), ``wall_s``, ``cpu_s``, ``token_ids`` (row order), ``llama_cpp`` (the llama.cpp build), ``python``.
 """

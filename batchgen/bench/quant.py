@@ -217,6 +217,8 @@ def main() -> None:
             if f"batchgen GGUF {name}" in runs:
                 ours = runs[f"batchgen GGUF {name}"]
                 row["greedy_agreement_with_batchgen"] = round(_agreement(res["token_ids"], ours.tokens), 3)
+                first = [a[:1] == b[:1] for a, b in zip(res["token_ids"], ours.tokens)]
+                row["first_token_agreement"] = round(sum(first) / len(first), 3)
             emit({**row, "threads": res["threads"], "build": res["llama_cpp"]})
     if args.kv_context:
         base = None
