@@ -75,5 +75,6 @@ def test_llama_cpp_decodes_batchgens_gguf_file_in_one_batch(llama_ckpt, tmp_path
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     # llama.cpp multiplies Q8_0 weights by int8-quantized activations: not batchgen's arithmetic, so only the
-    # first tokens are held equal (a prompt read wrongly, e.g. a position or sequence mix-up, changes them)
-    assert sum(a[0] == b[0] for a, b in zip(tokens, ours)) >= 3, (tokens, ours)
+    # first tokens are held equal (a prompt read wrongly, e.g. a position or sequence mix-up, changes them); on
+    # this model all tokens agree with llama.cpp b9190 (cyllama) and llama-cpp-python 0.3.36's llama.cpp
+    assert [t[0] for t in tokens] == [t[0] for t in ours], (tokens, ours)
