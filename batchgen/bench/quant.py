@@ -157,6 +157,7 @@ def llama_cpp_peer(python: str, path: str, batch: int, args, threads: int) -> di
 
 def main() -> None:
     from batchgen.models.quant.gguf_writer import llama_cpp_output_type, write_gguf
+    from batchgen.runtime import threads as thread_policy
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p)
@@ -207,8 +208,9 @@ def main() -> None:
         for name, path in ggufs.items():
             if name not in LLAMA_CPP_TYPES or not keep(f"llama.cpp GGUF {name}"):
                 continue
-            # as many threads as batchgen's engine ran with last
-            res = llama_cpp_peer(args.llamacpp_python, path, batch, args, torch.get_num_threads())
+            # as many threads as batchgen's engine ran with last (its thread policy's count when none ran)
+            threads = torch.get_num_threads() if runs else thread_policy.current().num_threads
+            res = llama_cpp_peer(args.llamacpp_python, path, batch, args, threads)
             row = {"system": f"llama.cpp GGUF {name}", "seqs": batch}
             if res["status"] != "ok":
                 print(json.dumps({**row, res["status"]: res["reason"]}), flush=True)
