@@ -14,10 +14,12 @@ machine, never absolute claims.
 blocks are computed once (a one-token warm-up run fills the prefix cache), then ``--kv-new`` greedy tokens each:
 the timed run is decode steps attending over N-token contexts, per cache dtype.
 
-llama.cpp (optional peer, skipped with the reason when absent): the ``llama-batched-bench`` tool of a llama.cpp
-build (``$LLAMA_BATCHED_BENCH`` or on ``PATH``; its text-generation rate at each batch, the same prompt and new
-token counts), else llama-cpp-python (``pip install batchgen[bench-llamacpp]``) driven through ``llama_decode``
-with one sequence id per prompt.
+llama.cpp (a peer on the Q8_0 and Q4_0 files; rows ``llama.cpp GGUF Q8_0`` / ``Q4_0``, chosen by ``--systems``
+as the others): :mod:`batchgen.bench.llamacpp_peer` run as a child process under ``--llamacpp-python`` (default
+``$BATCHGEN_LLAMACPP_PYTHON``, else this interpreter), with its own llama.cpp binding (llama-cpp-python or
+cyllama; ``pip install batchgen[bench-llamacpp]``): llama.cpp's batched decode of the same prompt ids, the same
+number of greedy tokens, as many threads as batchgen's engine ran with. Its row has
+``greedy_agreement_with_batchgen`` on the same file; without a binding the row says ``skipped`` and why.
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -79,17 +80,19 @@ class Run:
         return row
 
 
+def bench_prompts(batch: int, args) -> list[list[int]]:
+    """`batch` random prompts of --prompt token ids, the same for every system."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(5, 4000, (args.prompt,), generator=g).tolist() for _ in range(batch)]
+
+
 def generate_run(path: str, batch: int, args, kv_cache_memory: str = "1GiB", **options) -> Run:
     """`batch` random prompts of --prompt token ids (the same for every system), --new greedy tokens each, timed
     after a warm-up."""
     from batchgen import LLM, SamplingParams
 
     llm = LLM(path, max_num_seqs=64, kv_cache_memory=kv_cache_memory, **options)
-    g = torch.Generator().manual_seed(0)
-    prompts = [
-        {"prompt_token_ids": torch.randint(5, 4000, (args.prompt,), generator=g).tolist()}
-        for _ in range(batch)
-    ]
+    prompts = [{"prompt_token_ids": ids} for ids in bench_prompts(batch, args)]
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     start, cpu = time.perf_counter(), time.process_time()
@@ -133,72 +136,28 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(1, sum(map(len, a)))
 
 
-def _llama_batched_bench(path: str, batch: int, args) -> tuple[float | None, str]:
-    """llama.cpp's own batched decode (tools/batched-bench): its S_TG (generated tokens per second over all
-    sequences) at `batch` sequences of --prompt + --new tokens; (None, reason) when the tool is absent."""
-    exe = os.environ.get("LLAMA_BATCHED_BENCH") or shutil.which("llama-batched-bench")
-    if not exe:
-        return None, "no llama-batched-bench ($LLAMA_BATCHED_BENCH or PATH)"
-    cmd = [exe, "-m", path, "-c", str(batch * (args.prompt + args.new) + 64), "-b", "2048", "-ub", "512",
-           "-npp", str(args.prompt), "-ntg", str(args.new), "-npl", str(batch), "-t", str(torch.get_num_threads()),
-           "--no-mmap"]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    rows = [r for r in run.stdout.splitlines() if re.match(r"^\|\s*\d+\s*\|", r)]
-    if run.returncode != 0 or not rows:
-        return None, f"llama-batched-bench failed: {run.stderr.strip()[-300:]}"
-    cells = [c.strip() for c in rows[-1].strip("|").split("|")]
-    return float(cells[7]), exe  # PP, TG, B, N_KV, T_PP, S_PP, T_TG, S_TG, T, S
-
-
-def _llama_cpp(path: str, batch: int, args) -> tuple[float | None, str]:
-    """llama.cpp's throughput at `batch` sequences: the batched-bench tool where there is one, else
-    llama-cpp-python's llama_decode; (None, reason) when neither is installed."""
-    tps, why = _llama_batched_bench(path, batch, args)
-    if tps is not None:
-        return tps, why
-    try:
-        import llama_cpp
-        import numpy as np
-    except ImportError:
-        return None, f"{why}; no llama_cpp module (pip install batchgen[bench-llamacpp])"
-    llm = llama_cpp.Llama(path, n_ctx=batch * (args.prompt + args.new) + 64, n_batch=512, n_seq_max=batch,
-                          n_threads=torch.get_num_threads(), verbose=False, logits_all=False)  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(5, 4000, (args.prompt,), generator=g).tolist() for _ in range(batch)]
-    ctx, model = llm.ctx, llm.model
-    n_vocab = llama_cpp.llama_n_vocab(llama_cpp.llama_model_get_vocab(model))
-    start = time.perf_counter()
-    b = llama_cpp.llama_batch_init(batch * args.prompt, 0, batch)
-    pos = [0] * batch
-    last = [0] * batch
-
-    def submit(tokens_per_seq: list[list[int]]) -> None:
-        b.n_tokens = 0
-        for s, toks in enumerate(tokens_per_seq):
-            for i, t in enumerate(toks):
-                k = b.n_tokens
-                b.token[k], b.pos[k], b.n_seq_id[k] = t, pos[s] + i, 1
-                b.seq_id[k][0] = s
-                b.logits[k] = i == len(toks) - 1
-                b.n_tokens += 1
-            last[s] = b.n_tokens - 1
-            pos[s] += len(toks)
-        if llama_cpp.llama_decode(ctx, b) != 0:
-            raise RuntimeError("llama_decode failed")
-
-    submit(prompts)
-    for _ in range(args.new):
-        nxt = []
-        for s in range(batch):
-            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, last[s]), shape=(n_vocab,))
-            nxt.append([int(logits.argmax())])
-        submit(nxt)
-    llama_cpp.llama_batch_free(b)
-    return batch * args.new / (time.perf_counter() - start), "llama-cpp-python"
+def llama_cpp_peer(python: str, path: str, batch: int, args, threads: int) -> dict:
+    """llama.cpp's batched greedy decode of the bench prompts on the GGUF file at `path`, run by
+    :mod:`batchgen.bench.llamacpp_peer` under `python`; its result (``status`` ``ok``, ``skipped`` or
+    ``error`` with ``reason``)."""
+    if not Path(python).is_file():
+        return {"status": "skipped", "reason": f"no interpreter {python} (--llamacpp-python)"}
+    spec = {"path": path, "prompts": bench_prompts(batch, args), "max_tokens": args.new, "threads": threads}
+    with tempfile.TemporaryDirectory(prefix="batchgen-llamacpp-") as d:
+        spec_path, out_path = Path(d, "spec.json"), Path(d, "result.json")
+        spec_path.write_text(json.dumps(spec))
+        script = Path(__file__).with_name("llamacpp_peer.py")
+        run = subprocess.run(
+            [python, str(script), str(spec_path), str(out_path)], capture_output=True, text=True
+        )
+        if not out_path.is_file():
+            return {"status": "error", "reason": f"exit {run.returncode}: {run.stderr.strip()[-300:]}"}
+        return json.loads(out_path.read_text())
 
 
 def main() -> None:
     from batchgen.models.quant.gguf_writer import llama_cpp_output_type, write_gguf
+    from batchgen.runtime import threads as thread_policy
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p)
@@ -207,6 +166,8 @@ def main() -> None:
     p.add_argument("--kv-new", type=int, default=64)
     p.add_argument("--skip-weights", action="store_true", help="only the --kv-context run")
     p.add_argument("--systems", default="", help="comma-separated substrings: only the systems they name")
+    p.add_argument("--llamacpp-python", default=os.environ.get("BATCHGEN_LLAMACPP_PYTHON", sys.executable),
+                   help="the interpreter with a llama.cpp binding that runs the llama.cpp rows")  # fmt: skip
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="batchgen-quant-bench-"))
     f32 = bench_model(root / "f32", args)
@@ -226,10 +187,11 @@ def main() -> None:
     ggufs = {
         name: write_gguf(f32, root / f"{name}.gguf", t, output_type=llama_cpp_output_type(t, args.hidden))
         for name, t in GGUF_TYPES.items()
-        if keep(f"GGUF {name}")
+        if keep(f"batchgen GGUF {name}") or (name in LLAMA_CPP_TYPES and keep(f"llama.cpp GGUF {name}"))
     }
     for name, path in ggufs.items():
-        systems[f"batchgen GGUF {name}"] = (path, {})
+        if keep(f"batchgen GGUF {name}"):
+            systems[f"batchgen GGUF {name}"] = (path, {})
     rows: list[dict] = []
 
     def emit(row: dict) -> None:
@@ -237,23 +199,29 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     for batch in map(int, args.batches.split(",")) if not args.skip_weights else ():
-        base = None
+        base, runs = None, {}
         for name, (path, opts) in systems.items():
-            run = generate_run(path, batch, args, **opts)
+            run = runs[name] = generate_run(path, batch, args, **opts)
             base = run if base is None else base
             # greedy agreement with the float32 cache on the same weights
             emit(run.row(name, batch, base if "KV" in name else None))
         for name, path in ggufs.items():
-            if name not in LLAMA_CPP_TYPES:
+            if name not in LLAMA_CPP_TYPES or not keep(f"llama.cpp GGUF {name}"):
                 continue
-            tps, how = _llama_cpp(path, batch, args)
-            if tps is None:
-                print(
-                    json.dumps({"system": f"llama.cpp GGUF {name}", "seqs": batch, "skipped": how}),
-                    flush=True,
-                )
-            else:
-                emit({"system": f"llama.cpp GGUF {name}", "seqs": batch, "tok_s": round(tps, 1), "via": how})
+            # as many threads as batchgen's engine ran with last (its thread policy's count when none ran)
+            threads = torch.get_num_threads() if runs else thread_policy.current().num_threads
+            res = llama_cpp_peer(args.llamacpp_python, path, batch, args, threads)
+            row = {"system": f"llama.cpp GGUF {name}", "seqs": batch}
+            if res["status"] != "ok":
+                print(json.dumps({**row, res["status"]: res["reason"]}), flush=True)
+                continue
+            row.update(tok_s=round(res["tok_s"], 1), tok_per_cpu_s=round(res["tok_per_cpu_s"], 1))
+            if f"batchgen GGUF {name}" in runs:
+                ours = runs[f"batchgen GGUF {name}"]
+                row["greedy_agreement_with_batchgen"] = round(_agreement(res["token_ids"], ours.tokens), 3)
+                first = [a[:1] == b[:1] for a, b in zip(res["token_ids"], ours.tokens)]
+                row["first_token_agreement"] = round(sum(first) / len(first), 3)
+            emit({**row, "threads": res["threads"], "build": res["llama_cpp"]})
     if args.kv_context:
         base = None
         for dtype in ("float32", "bfloat16", "fp8"):
