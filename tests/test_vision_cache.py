@@ -54,3 +54,43 @@ def test_image_token_ids_encode_key_and_offset():
     ids = image_token_ids(5, 3)
     assert ids == [IMAGE_ID_BASE + (5 << OFFSET_BITS) + i for i in range(3)]
     assert all(i < 2**63 for i in image_token_ids((1 << (62 - OFFSET_BITS)) - 1, 4))
+
+
+def test_features_encoded_ahead_are_found_by_the_engine_within_the_cache_bound():
+    inputs = ImageInputs(EncoderCache(capacity_bytes=3 * 4 * 2 * 4))  # room for three images' features
+    calls: list[int] = []
+    pixels = {h: {"pixel_values": torch.full((1,), float(i + 1))} for i, h in enumerate("abcd")}
+    inputs.encode_ahead([("a", pixels["a"])], _encoder(calls))
+    assert calls == []  # the size of an image's features is unknown until the engine's first encode
+    ka = inputs.acquire("a", pixels["a"])
+    inputs.features([ka], _encoder(calls))
+    inputs.encode_ahead([(h, pixels[h]) for h in "bcd"], _encoder(calls))
+    assert calls == [1, 2]  # b and c in one batch; no room left for d
+    kb, kd = inputs.acquire("b", pixels["b"]), inputs.acquire("d", pixels["d"])
+    out = inputs.features([kb, kd], _encoder(calls))
+    assert calls == [1, 2, 1] and float(out[kb][0, 0]) == 2.0 and float(out[kd][0, 0]) == 4.0
+    s = inputs.stats
+    assert (s.references, s.distinct, s.encoded) == (3, 3, 4)
+
+
+def test_an_image_being_encoded_ahead_is_waited_for_never_encoded_twice():
+    import threading
+
+    inputs = ImageInputs(EncoderCache(1 << 20))
+    inputs.features([inputs.acquire("a", {"pixel_values": torch.ones(1)})], _encoder([]))  # size known
+    started, go, calls = threading.Event(), threading.Event(), []
+
+    def slow(pixels):
+        started.set()
+        go.wait(10)
+        return _encoder(calls)(pixels)
+
+    pixels = {"pixel_values": torch.full((1,), 5.0)}
+    ahead = threading.Thread(target=inputs.encode_ahead, args=([("b", pixels)], slow))
+    ahead.start()
+    assert started.wait(10)
+    key = inputs.acquire("b", pixels)
+    threading.Timer(0.2, go.set).start()
+    out = inputs.features([key], _encoder(calls))  # waits for the thread's encode
+    ahead.join()
+    assert calls == [1] and float(out[key][0, 0]) == 5.0 and inputs.stats.encoded == 2
