@@ -156,30 +156,6 @@ def test_each_distinct_image_encoded_once_and_blocks_shared_by_image(llava):
     assert llm.engine.images.stats.encoded == 2
 
 
-def test_images_encoded_ahead_by_the_preparing_threads_still_exact(llava, monkeypatch):
-    from batchgen.multimodal.prepare import chunk_bounds
-
-    assert chunk_bounds(20) == [(0, 2), (2, 6), (6, 14), (14, 20)]  # the engine starts on the first two
-    llm = LLM(llava, kv_cache_memory="32MiB", max_num_seqs=8)
-    model, ahead = llm.engine.model, []
-    encode_ahead = model.encode_ahead
-    monkeypatch.setattr(model, "encode_ahead", lambda images: (ahead.extend(images), encode_ahead(images)))
-    first = [(_chat("first"), [random_image(50, 70, 60)])]
-    llm.generate(
-        [{"prompt": first[0][0], "multi_modal_data": {"image": first[0][1]}}], GREEDY, use_tqdm=False
-    )
-    assert llm.engine.images.stats.encoded == 1  # by the engine: the size of features was unknown before
-    ahead.clear()
-    images = [random_image(40 + 6 * i, 80 - 5 * i, 61 + i) for i in range(5)]
-    rows = [(_chat(f"row {i}"), [images[i % 5]]) for i in range(10)]
-    outs = llm.generate(
-        [{"prompt": t, "multi_modal_data": {"image": ims}} for t, ims in rows], GREEDY, use_tqdm=False
-    )
-    stats = llm.engine.images.stats
-    assert len({h for h, _ in ahead}) == 5 and (stats.distinct, stats.encoded) == (6, 6)  # none twice
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llava, rows, GREEDY.max_tokens)
-
-
 def test_evicted_features_are_encoded_again_and_still_exact(llava):
     llm = LLM(llava, kv_cache_memory="32MiB", encoder_cache_memory="1KiB", enable_prefix_caching=False)
     a = random_image(56, 56, 3)

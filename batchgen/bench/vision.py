@@ -17,11 +17,13 @@ Runs: ``--repeats`` rounds per workload, each running batchgen and vLLM once (wh
 change in the machine's load falls on both alike); transformers runs once, after them. Per system: the median
 wall and CPU seconds with every run's beside and the 1-minute load average at each run's start, generated
 tok/s and tok per CPU-second, images/s (distinct images per wall second), encoder runs and encoder seconds
-(batchgen; vLLM does not expose them), prompt tokens reused from the prefix cache, and whether the repeats
-generated the same tokens. Per workload: batchgen / vLLM in wall and CPU seconds (from the medians, and per
-round) and the rows whose greedy tokens differ between each pair of systems. CPU seconds: this process's
-(batchgen, transformers), or those of vLLM's processes together. The checkpoint is a random LLaVA built
-locally (``batchgen.multimodal.tiny.build_llava``, 224-px CLIP tower) unless ``--model`` names one.
+(batchgen; vLLM does not expose them), batchgen's engine-thread CPU seconds (the thread that runs the engine's
+steps, its critical path: not the threads preparing images, nor the other intra-op threads), prompt tokens
+reused from the prefix cache, and whether the repeats generated the same tokens. Per workload: batchgen / vLLM
+in wall and CPU seconds (from the medians, and per round) and the rows whose greedy tokens differ between each
+pair of systems. CPU seconds: this process's (batchgen, transformers), or those of vLLM's processes together.
+The checkpoint is a random LLaVA built locally (``batchgen.multimodal.tiny.build_llava``, 224-px CLIP tower)
+unless ``--model`` names one.
 
 ``vllm``: vLLM's ``LLM.generate`` with ``multi_modal_data`` under its own interpreter (``--vllm-python``;
 :mod:`batchgen.bench.vision_vllm_child`), started once before the runs and warmed up; each run is timed from
@@ -238,17 +240,19 @@ def run_batchgen(model: str, rows: list[tuple[str, bytes]], max_tokens: int) -> 
     stats0 = replace(llm.engine.images.stats)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     load0 = os.getloadavg()[0]
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    cpu0, t0, engine0 = time.process_time(), time.perf_counter(), time.thread_time()
     outs = llm.generate(
         [{"prompt": t, "multi_modal_data": {"image": img}} for t, img in rows], params, use_tqdm=False
     )
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    engine_cpu = time.thread_time() - engine0
     s = llm.engine.images.stats
     import torch
 
     return {
         "wall_s": wall,
         "cpu_s": cpu,
+        "engine_thread_cpu_s": engine_cpu,
         "threads": torch.get_num_threads(),
         "loadavg": [load0, os.getloadavg()[0]],
         "tokens": [o.outputs[0].token_ids for o in outs],
@@ -388,6 +392,7 @@ def run_workload(
             **_summary(bg_runs, gen, distinct),
             "encoder_runs": bg["encoded"],
             "encoder_s": round(statistics.median(r["encoder_s"] for r in bg_runs), 3),
+            "engine_thread_cpu_s": round(statistics.median(r["engine_thread_cpu_s"] for r in bg_runs), 3),
             "prompt_tokens_reused": bg["cached_prompt_tokens"],
             "threads": bg["threads"],
             "repeats_differing": sum(r["tokens"] != bg["tokens"] for r in bg_runs[1:]),

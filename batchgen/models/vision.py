@@ -97,20 +97,6 @@ class ImageInputs:
     _by_key: dict[int, tuple[str, _Image]] = field(default_factory=dict)
     _seen: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _encoding: dict[int, threading.Event] = field(default_factory=dict)
-    """Keys being encoded now (by the engine's step or :meth:`encode_ahead`): set when done."""
-    _feature_bytes: int = 0
-    """The bytes of the last image's features encoded (what :meth:`encode_ahead` expects the next to take)."""
-
-    def _key_of(self, content_hash: str) -> int:
-        """The image's key (under the lock): its own when known, else the next free one from its hash."""
-        img = self._by_hash.get(content_hash)
-        if img is not None:
-            return img.key
-        key = int(content_hash[:16], 16) & _KEY_MASK
-        while key in self._by_key and self._by_key[key][0] != content_hash:
-            key = (key + 1) & _KEY_MASK  # a short-key collision: probe
-        return key
 
     def acquire(self, content_hash: str, pixels: dict[str, Tensor]) -> int:
         """Register one reference to the image (its pixel inputs kept while referenced); returns its key."""
@@ -121,7 +107,9 @@ class ImageInputs:
                 self.stats.distinct += 1
             img = self._by_hash.get(content_hash)
             if img is None:
-                key = self._key_of(content_hash)
+                key = int(content_hash[:16], 16) & _KEY_MASK
+                while key in self._by_key and self._by_key[key][0] != content_hash:
+                    key = (key + 1) & _KEY_MASK  # a short-key collision: probe
                 known = self._by_key.get(key)
                 img = known[1] if known is not None else _Image(key, pixels)
                 img.pixels = pixels
@@ -142,83 +130,33 @@ class ImageInputs:
                 img.pixels = {}
 
     def features(self, keys: list[int], encode) -> dict[int, Tensor]:
-        """Features of each key: from the cache, the rest encoded in one batch by ``encode(pixel list)`` (a key
-        being encoded by :meth:`encode_ahead` meanwhile is waited for). A key whose pixels were released is
-        left out: only a step in flight when its request was aborted asks for it."""
+        """Features of each key: from the cache, the rest encoded in one batch by ``encode(pixel list)``. A key
+        whose pixels were released is left out: only a step in flight when its request was aborted asks for it."""
         out: dict[int, Tensor] = {}
         missing: list[int] = []
-        waits: list[threading.Event] = []
         with self._lock:
             for k in keys:
                 t = self.cache.get(k)
-                if t is not None:
-                    out[k] = t
-                elif k in self._encoding:
-                    waits.append(self._encoding[k])
-                elif self._by_key[k][1].pixels:
+                if t is None:
                     missing.append(k)
-                # else: released, only a step already in flight when its request was aborted (tokens dropped)
+                else:
+                    out[k] = t
             pixels = [self._by_key[k][1].pixels for k in missing]
-            for k in missing:
-                self._encoding[k] = threading.Event()
-        self._encode(missing, pixels, encode, out)
-        for event in waits:
-            event.wait()
-        if waits:  # encoded ahead meanwhile (or, evicted already or failed there, encoded now)
-            out.update(self.features([k for k in keys if k not in out], encode))
-        return out
-
-    def _encode(
-        self, keys: list[int], pixels: list[dict[str, Tensor]], encode, out: dict[int, Tensor]
-    ) -> None:
-        """Encode ``keys`` (claimed in ``_encoding`` by the caller) in one batch into the cache and ``out``;
-        their claims are dropped, and their waiters woken, however it ends."""
-        try:
-            if keys:
-                t0 = time.perf_counter()
-                computed = encode(pixels)
-                elapsed = time.perf_counter() - t0
-                with self._lock:
-                    self.stats.encoded += len(keys)
-                    self.stats.encoder_seconds += elapsed
-                    for k, t in zip(keys, computed):
-                        out[k] = t
-                        self.cache.put(k, t)
-                        self._feature_bytes = t.numel() * t.element_size()
-        finally:
+        released = [k for k, p in zip(missing, pixels) if not p]
+        if released:  # only a step already in flight when its request was aborted (its tokens are dropped)
+            missing = [k for k, p in zip(missing, pixels) if p]
+            pixels = [p for p in pixels if p]
+        if missing:
+            t0 = time.perf_counter()
+            computed = encode(pixels)
+            elapsed = time.perf_counter() - t0
             with self._lock:
-                for k in keys:
-                    self._encoding.pop(k).set()
-
-    def encode_ahead(self, images: list[tuple[str, dict[str, Tensor]]], encode) -> None:
-        """Encode the images (content hash, pixels) of requests not placed yet into the cache, in one batch,
-        so that the engine's steps find their features: called from the threads preparing prompts while the
-        engine runs. An image cached already is skipped; one another thread is encoding is waited for. Only as
-        many as the cache has room for are encoded (it never evicts features for images not placed yet), so
-        the cache's bound holds and the engine encodes the rest when it places them (all of them until its
-        first encode has shown how large an image's features are)."""
-        mine: list[int] = []
-        pixels: list[dict[str, Tensor]] = []
-        waits: list[threading.Event] = []
-        with self._lock:
-            room = self.cache.capacity - self.cache.used
-            for h, p in images:
-                key = self._key_of(h)
-                if key not in self._by_key:
-                    self._by_key[key] = (h, _Image(key, {}))  # known before its first request is placed
-                if self.cache.get(key) is not None or key in mine:
-                    continue
-                if key in self._encoding:
-                    waits.append(self._encoding[key])
-                    continue
-                if not self._feature_bytes or self._feature_bytes * (len(mine) + 1) > room:
-                    break  # no room, or the size of features unknown yet (the engine's first encode tells)
-                self._encoding[key] = threading.Event()
-                mine.append(key)
-                pixels.append(p)
-        self._encode(mine, pixels, encode, {})
-        for event in waits:
-            event.wait()
+                self.stats.encoded += len(missing)
+                self.stats.encoder_seconds += elapsed
+                for k, t in zip(missing, computed):
+                    out[k] = t
+                    self.cache.put(k, t)
+        return out
 
 
 class ImageTextModel(nn.Module):
@@ -273,11 +211,6 @@ class ImageTextModel(nn.Module):
             if key_end is not None:
                 ctx = dataclasses.replace(ctx, meta=dataclasses.replace(ctx.meta, key_end=key_end))
         return backbone(input_ids, positions, ctx, inputs_embeds=embeds)
-
-    def encode_ahead(self, images: list[tuple[str, dict[str, Tensor]]]) -> None:
-        """The features of images (content hash, pixels) of prompts not in the engine yet, into the encoder
-        cache (:meth:`ImageInputs.encode_ahead`): called from the threads that prepare prompts."""
-        self.images.encode_ahead(images, self.encoder.encode)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.language_model.compute_logits(hidden)

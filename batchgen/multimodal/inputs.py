@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -126,9 +126,6 @@ class ImagePrompts:
         """The processor writes text around an image's tokens (Gemma 3's ``\\n\\n``): the tokenizer may merge
         it with the prompt's text next to it, so a prompt with images is tokenized again as a whole."""
         self.joins = joins_for(self.processor)
-        self.encode_ahead: Callable[[list[tuple[str, dict[str, Tensor]]]], None] | None = None
-        """Set for an engine's image side: :meth:`build_many` hands it the (content hash, pixels) of its
-        prompts' images, so that their features are computed before the engine places the prompts."""
         self._busy: dict[str, threading.Event] = {}  # hash -> set when the thread processing it is done
         self.fixed_size = type(self.processor).__name__ == "LlavaProcessor" and bool(
             getattr(image_processor, "do_center_crop", False)
@@ -263,10 +260,6 @@ class ImagePrompts:
                 out.append(images if isinstance(images, str) else self._prompt(token_ids, images))
             except ImageError as e:
                 out.append(str(e))
-        if self.encode_ahead is not None:
-            ahead = {i.hash: i.pixels for p in out if isinstance(p, ImagePrompt) for i in p.images}
-            if ahead:
-                self.encode_ahead(list(ahead.items()))
         return out
 
     def build(self, token_ids: Sequence[int], images: Sequence[Any]) -> ImagePrompt:

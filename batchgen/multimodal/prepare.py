@@ -37,7 +37,6 @@ def image_prompts_for(engine: Any, storage_options: dict[str, Any] | None = None
     side = ImagePrompts(engine.model_path, model.image_token_id, max_images=limit)
     if storage_options:
         side.loader = ImageLoader(storage_options)
-    side.encode_ahead = getattr(model, "encode_ahead", None)  # features computed in the preparing threads
     engine._image_prompts = side
     return side
 
