@@ -101,3 +101,22 @@ def test_text_only_use_never_imports_pillow():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_prompts_are_prepared_ahead_in_order_first_two_then_chunks_up_to_eight():
+    import threading
+
+    from batchgen.multimodal.prepare import chunk_bounds, prepare_ahead
+
+    assert chunk_bounds(20) == [(0, 2), (2, 6), (6, 14), (14, 20)]  # the engine starts on the first two
+    assert chunk_bounds(1) == [(0, 1)] and chunk_bounds(0) == []
+    seen, lock = [], threading.Lock()
+
+    def make_many(items):
+        with lock:
+            seen.append(len(items))
+        return [i * 10 for i in items]
+
+    futures = prepare_ahead(make_many, list(range(20)))
+    assert [f.result(timeout=30) for f in futures] == [i * 10 for i in range(20)]
+    assert sorted(seen) == [2, 4, 6, 8]

@@ -45,6 +45,20 @@ CHUNK = 8
 """Prompts per worker task: their images not processed yet go through the processor together
 (:meth:`ImagePrompts.build_many`)."""
 
+FIRST_CHUNK = 2
+"""Prompts of :func:`prepare_ahead`'s first task; each next task takes twice as many, up to :data:`CHUNK`: the
+engine starts on the first prompts ready instead of waiting for a whole chunk's images."""
+
+
+def chunk_bounds(n: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of :func:`prepare_ahead`'s tasks over ``n`` items: :data:`FIRST_CHUNK` items, then twice as
+    many each time, up to :data:`CHUNK`."""
+    out, lo, size = [], 0, min(FIRST_CHUNK, CHUNK)
+    while lo < n:
+        out.append((lo, min(n, lo + size)))
+        lo, size = lo + size, min(CHUNK, size * 2)
+    return out
+
 
 def prepare_many(
     side: ImagePrompts | str, items: Sequence[tuple[Sequence[int], Sequence[Any]]]
@@ -71,17 +85,17 @@ T = TypeVar("T")
 
 
 def prepare_ahead(make_many: Callable[[list[Any]], list[T]], args: Sequence[Any]) -> list[Future[T]]:
-    """``make_many(chunk)`` over :data:`CHUNK` items of ``args`` at a time in worker threads, started now in
-    order: one future per item, in order (cancelling one before its chunk starts skips the chunk once all
+    """``make_many(chunk)`` over the chunks of ``args`` (:func:`chunk_bounds`) in worker threads, started now
+    in order: one future per item, in order (cancelling one before its chunk starts skips the chunk once all
     of its items are cancelled). The threads end once the last chunk is done (nothing waits for them here)."""
     futures: list[Future[T]] = [Future() for _ in args]
 
-    def run(lo: int) -> None:
-        part = futures[lo : lo + CHUNK]
+    def run(lo: int, hi: int) -> None:
+        part = futures[lo:hi]
         if not any([f.set_running_or_notify_cancel() for f in part]):  # each one: running now, or cancelled
             return
         try:
-            results = make_many(list(args[lo : lo + CHUNK]))
+            results = make_many(list(args[lo:hi]))
         except BaseException as e:
             for f in part:
                 if not f.cancelled():
@@ -93,8 +107,8 @@ def prepare_ahead(make_many: Callable[[list[Any]], list[T]], args: Sequence[Any]
 
     pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="batchgen-images")
     try:
-        for lo in range(0, len(args), CHUNK):
-            pool.submit(run, lo)
+        for lo, hi in chunk_bounds(len(args)):
+            pool.submit(run, lo, hi)
     finally:
         pool.shutdown(wait=False)
     return futures
