@@ -73,7 +73,23 @@ class StepModel:
 
 
 def fit_step_model(samples: Sequence[tuple[float, float, float, float]]) -> StepModel:
-    """Least squares over ``(P, D, K, seconds)`` steps, non-negative by dropping negative terms."""
+    """Least squares over ``(P, D, K, seconds)`` steps, non-negative by dropping negative terms; steps far
+    slower than the fit (a stall: the OS running something else, a lazy allocation) are left out and the rest
+    fitted again. Their time is not lost: the calibration's overhead factor (wall time over the model's sum)
+    keeps it."""
+    model = _fit_least_squares(samples)
+    if len(samples) < 6:
+        return model
+    pred = np.array([model.step_time(*s[:3]) for s in samples])
+    res = np.array([s[3] for s in samples]) - pred
+    scale = 1.4826 * float(np.median(np.abs(res - np.median(res))))
+    keep = [s for s, r, q in zip(samples, res, pred) if r <= max(4.0 * scale, 0.25 * q)]
+    if len(keep) == len(samples) or len(keep) < 0.75 * len(samples):
+        return model
+    return _fit_least_squares(keep)
+
+
+def _fit_least_squares(samples: Sequence[tuple[float, float, float, float]]) -> StepModel:
     if not samples:
         return StepModel((0.0, 0.0, 0.0, 0.0), 1.0)
     x = np.array([[1.0, s[0], s[1], s[2] / 1000.0] for s in samples])
@@ -119,24 +135,82 @@ class CalibrationRow:
     """Prompt tokens the job computes for the row (after prefix sharing); None: all of them."""
 
 
+MIN_AT_RISK = 5
+"""The Kaplan-Meier part of :class:`OutputLengths` reaches as far as this many samples (fewer: all of them) are
+still at risk; beyond, the survival continues geometrically (a handful of samples would make its steps noise)."""
+
+
+def _geometric_mean_len(h: float, m: int) -> float:
+    """``E[min(G, m)]`` for ``G`` geometric on 1, 2, ... with hazard ``h``: ``sum_{k<m} (1-h)^k``."""
+    if m <= 0:
+        return 0.0
+    if h <= 0.0:
+        return float(m)
+    if h >= 1.0:
+        return 1.0
+    return (1.0 - (1.0 - h) ** m) / h
+
+
+def tail_estimate(events: int, exposure: float, m: int) -> float:
+    """An estimate of ``E[min(G, m)]`` (``G`` geometric, hazard ``h``) from ``events`` ends seen over
+    ``exposure`` token positions at risk: ``X (1 - (1 - m/X)^(d+1)) / (d+1)``, unbiased for ``d`` Poisson of mean
+    ``h X`` when ``m <= X``. (Putting the rate ``d / X`` into ``(1 - (1-h)^m) / h`` instead errs long: the mean
+    length is convex in the rate; with no end seen it is the bound.) With ``m > X`` no estimator is unbiased (a
+    length beyond what was watched cannot be told from one at the bound): ``X / (d + 1)``, short of it, and the
+    range (:meth:`OutputLengths.spread`) reaches to the bound."""
+    if m <= 0:
+        return 0.0
+    if exposure <= 0:
+        return float(m)
+    r = min(1.0, m / exposure)
+    return min(float(m), exposure * (1.0 - (1.0 - r) ** (events + 1)) / (events + 1))
+
+
+def _hazard_for(mean: float, m: int) -> float:
+    """The geometric hazard whose ``E[min(G, m)]`` is ``mean`` (``1 <= mean <= m``), by bisection."""
+    if mean >= m:
+        return 0.0
+    if mean <= 1.0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if _geometric_mean_len(mid, m) > mean:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 @dataclass
 class OutputLengths:
     """The natural output length ``L`` of a sample (tokens until EOS or a stop, were there no bound), estimated
-    by Kaplan-Meier from the calibration's samples: a finished sample is an event at its length, a sample that
-    reached its bound or was still running when the calibration stopped is censored (``L`` > its tokens).
-    ``survival[t] = P(L > t)`` up to the horizon (the longest run observed); beyond it the pooled hazard of
-    what was observed continues geometrically (no event seen: every sample runs to its bound)."""
+    from the calibration's samples: a finished sample is an event at its length, a sample that reached its
+    bound or was still running when the calibration stopped is censored (``L`` > its tokens).
+
+    ``survival[t] = P(L > t)`` by Kaplan-Meier up to the horizon ``H`` (as far as :data:`MIN_AT_RISK` samples
+    are at risk); beyond it ``L - H`` is geometric, its mean up to a bound estimated without bias from the
+    ends seen over the token positions watched (:func:`tail_estimate`), not by putting the observed rate into
+    the geometric mean (which errs long: with few ends seen, far long). The samples are a proportional
+    stratified sample of the rows (:func:`strata_order`), so each counts the same."""
 
     survival: np.ndarray
-    hazard: float
-    observations: int
     events: int
+    exposure: float
+    """Token positions watched: the sum over samples of their tokens (each was at risk of ending at each)."""
+    observations: int
+    lower: bool = False
+    """The shortest lengths the samples allow: every sample running at the horizon ends just after it."""
+
+    @property
+    def horizon(self) -> int:
+        return len(self.survival) - 1
 
     @classmethod
     def fit(cls, obs: Sequence[tuple[int, bool]]) -> OutputLengths:
         """``obs``: (tokens generated, ended by EOS or a stop) per sample."""
         if not obs:
-            return cls(np.ones(1), 0.0, 0, 0)
+            return cls(np.ones(1), 0, 0.0, 0)
         h = max(n for n, _ in obs)
         ev = np.zeros(h + 2)
         cen = np.zeros(h + 2)
@@ -148,20 +222,30 @@ class OutputLengths:
         with np.errstate(divide="ignore", invalid="ignore"):
             q = np.where(at_risk > 0, 1.0 - d / np.maximum(at_risk, 1), 1.0)
         q[0] = 1.0
-        surv = np.cumprod(q)
-        exposure = float(at_risk[1:].sum())
-        return cls(surv, float(d.sum()) / exposure if exposure else 0.0, len(obs), int(d.sum()))
+        horizon = int(np.count_nonzero(at_risk >= min(MIN_AT_RISK, len(obs)))) - 1
+        surv = np.cumprod(q)[: max(horizon, 0) + 1]
+        return cls(surv, int(d.sum()), float(sum(n for n, _ in obs)), len(obs))
 
     def at_least(self) -> OutputLengths:
         """The shortest lengths the samples allow: every sample still running at the horizon ends there."""
-        return OutputLengths(self.survival, 1.0, self.observations, self.events)
+        return replace(self, lower=True)
+
+    def tail_hazard(self, bound: int) -> float:
+        """The geometric hazard beyond the horizon, for rows of ``bound`` tokens."""
+        if self.lower:
+            return 1.0
+        m = bound - self.horizon
+        if m <= 0:
+            return 0.0
+        return _hazard_for(tail_estimate(self.events, self.exposure, m), m)
 
     def survival_to(self, t_max: int) -> np.ndarray:
         """``P(L > t)`` for ``t = 0 .. t_max``."""
         s = self.survival
         if t_max < len(s):
             return s[: t_max + 1]
-        tail = s[-1] * (1.0 - self.hazard) ** np.arange(1, t_max - len(s) + 2)
+        h = self.tail_hazard(t_max + 1)
+        tail = s[-1] * (1.0 - h) ** np.arange(1, t_max - len(s) + 2)
         return np.concatenate([s, tail])
 
     def expected(self, bound: int) -> float:
@@ -181,19 +265,24 @@ class OutputLengths:
 
     def spread(self, bound: int) -> float:
         """Relative standard error of the mean output per sample at ``bound``: the sampling error of the
-        lengths seen, plus the share of samples that outran the observation horizon (their length is an
-        extrapolation)."""
+        lengths seen, the tail's (a count of ``d`` ends: about ``1 / sqrt(d + 1)`` of it), and where fewer
+        token positions were watched than the tail spans, the distance to the bound (lengths there are not
+        told apart from the bound's)."""
         if bound <= 0 or self.observations == 0:
             return 0.5
         surv = self.survival_to(bound - 1)[:bound]
         pmf = -np.diff(np.concatenate([[1.0], surv[1:], [0.0]]))  # P(min(L, bound) = t), t = 1 .. bound
         t = np.arange(1, bound + 1)
-        mean = float((pmf * t).sum())
+        mean = max(float((pmf * t).sum()), 1e-9)
         sd = math.sqrt(max(0.0, float((pmf * t * t).sum()) - mean**2))
-        e = sd / math.sqrt(self.observations) / max(mean, 1e-9)
-        horizon = len(self.survival) - 1
-        if horizon < bound and self.events:
-            e += 0.5 * float(self.survival[-1]) * (1 - horizon / bound)
+        e = sd / math.sqrt(self.observations) / mean
+        m = bound - self.horizon
+        if m > 0 and not self.lower:
+            s_h = float(self.survival[-1])
+            tail = tail_estimate(self.events, self.exposure, m)
+            e += s_h * tail / math.sqrt(self.events + 1) / mean
+            if self.exposure < m:
+                e += s_h * (m - tail) / mean
         return e
 
 
@@ -227,9 +316,24 @@ class Calibration:
     """Steps timed at the job's concurrency (``steps`` less the one-sequence request's)."""
 
 
+@dataclass
+class BudgetState:
+    """The calibration's budget as it is re-evaluated (:func:`run_calibration`)."""
+
+    seconds: float
+    """The budget now: ``fraction`` of the wall time predicted from what is measured so far."""
+    check: float = 0.0
+    """Calibration seconds (warm-ups included) at which the budget is next re-evaluated."""
+    fitted: int = 0
+    """Timed steps the budget was last evaluated with."""
+
+
 def strata_order(rows: Sequence[CalibrationRow], seed: int = 0) -> list[CalibrationRow]:
-    """Rows in the order the calibration takes them: round robin over strata (largest first), shuffled
-    within each, so any prefix of the order is a stratified sample."""
+    """Rows in the order the calibration takes them, so that any prefix of the order is a proportional
+    stratified sample: each next row from the stratum furthest below its share (``N_h * k / N`` of the first
+    ``k``; ties to the larger stratum), shuffled within each. Proportional, each sample stands for as many rows
+    of the job as any other, so the output lengths pool without weights (an equal number per stratum would
+    give a small stratum's lengths the weight of a large one's)."""
     by: dict[tuple[int, int], list[CalibrationRow]] = {}
     for r in rows:
         by.setdefault(r.stratum, []).append(r)
@@ -237,13 +341,16 @@ def strata_order(rows: Sequence[CalibrationRow], seed: int = 0) -> list[Calibrat
     groups = sorted(by.values(), key=len, reverse=True)
     for g in groups:
         rng.shuffle(g)
+    total = len(rows)
+    taken = [0] * len(groups)
     out: list[CalibrationRow] = []
-    i = 0
-    while len(out) < len(rows):
-        for g in groups:
-            if i < len(g):
-                out.append(g[i])
-        i += 1
+    for k in range(1, total + 1):
+        j = max(
+            (i for i, g in enumerate(groups) if taken[i] < len(g)),
+            key=lambda i: (len(groups[i]) * k / total - taken[i], len(groups[i])),
+        )
+        out.append(groups[j][taken[j]])
+        taken[j] += 1
     return out
 
 
@@ -281,7 +388,7 @@ def run_calibration(
     _warm_up(engine, replace(order[0], token_ids=order[0].token_ids[:WARM_UP_TOKENS]), None)
     _warm_up(engine, order[-1], samples)  # one sequence: the small-batch end of the step model
     cal.model = _one_sequence_model(samples)
-    state = {"budget": budget_s(cal), "check": 0.0, "fitted": 0}
+    state = BudgetState(budget_s(cal))
     row_s = _row_prefill_seconds(samples, order, batch)
 
     def admit(in_flight: int) -> int:
@@ -290,7 +397,7 @@ def run_calibration(
         not reached, and the range says so), at least a few."""
         if row_s <= 0:
             return batch
-        b = state["budget"]
+        b = state.seconds
         step = max(min(batch, 4), int(b / 3 / row_s))
         return max(min(batch, 4), min(batch, in_flight + step, int(b / 2 / row_s)))
 
@@ -298,12 +405,13 @@ def run_calibration(
         cal.model = fit_step_model(samples)
         cal.lengths = OutputLengths.fit([*cal.observations, *running])
         cal.seconds = time.perf_counter() - t_start
-        state["budget"] = budget_s(cal)
-        state["check"] = cal.seconds + max(0.05, (state["budget"] - cal.seconds) / 2)
-        state["fitted"] = len(samples)
-        return state["budget"]
+        state.seconds = budget_s(cal)
+        state.check = cal.seconds + max(0.05, (state.seconds - cal.seconds) / 2)
+        state.fitted = len(samples)
+        return state.seconds
 
-    state["check"] = state["budget"] / 2
+    # the first budget takes every row to its bound (no length seen): re-evaluated early, at a quarter of it
+    state.check = state.seconds / 4
     cal.warmup_seconds = time.perf_counter() - t_start
     rows = order[:max_rows]
     n0 = len(samples)
@@ -312,13 +420,13 @@ def run_calibration(
     batch_wall = time.perf_counter() - t0
     cal.rows = admitted
     if finished < admitted:
-        cal.note = f"stopped at its budget of {state['budget']:.2f} s, {admitted - finished} row(s) censored"
+        cal.note = f"stopped at its budget of {state.seconds:.2f} s, {admitted - finished} row(s) censored"
     cal.model = fit_step_model(samples)
     cal.lengths = OutputLengths.fit(cal.observations)
     cal.seconds = time.perf_counter() - t_start
     cal.steps = len(samples)
     cal.batch_steps = len(samples) - n0
-    cal.budget = state["budget"]
+    cal.budget = state.seconds
     cal.step_seconds = sum(x[3] for x in samples)
     predicted = sum(cal.model.step_time(*x[:3]) for x in samples[n0:])
     cal.overhead = max(1.0, batch_wall / predicted) if predicted > 0 else 1.0
@@ -383,7 +491,7 @@ def _run_stream(
     samples: list[tuple[float, float, float, float]],
     cal: Calibration,
     t_start: float,
-    state: dict[str, float],
+    state: BudgetState,
     refresh: Any,
 ) -> tuple[int, int]:
     """Feed ``rows`` to the engine as the job does (a finished row's place taken by the next, at most
@@ -407,17 +515,15 @@ def _run_stream(
     dt = 0.0
     while True:
         now = time.perf_counter() - t_start
-        over = now + dt >= state["budget"]  # a step like the last one would end past the budget
+        over = now + dt >= state.seconds  # a step like the last one would end past the budget
         enough = len(samples) - n0 >= MIN_BATCH_STEPS
         # the budget re-evaluated halfway, and before stopping with a quarter more steps than it was fitted
         # to (the first estimate, from one sequence's steps, may be far off the job's)
-        if (now >= state["check"] and not over) or (
-            over and enough and len(samples) >= 1.25 * state["fitted"]
-        ):
+        if (now >= state.check and not over) or (over and enough and len(samples) >= 1.25 * state.fitted):
             was_over = over
             refresh(_running(engine, ids))
             # past the budget, it goes on only for a budget grown well beyond (a noisy fit may shrink it next)
-            over = now + dt >= state["budget"] / (1.25 if was_over else 1.0)
+            over = now + dt >= state.seconds / (1.25 if was_over else 1.0)
         if over and enough:
             cal.observations += _running(engine, ids)
             admitted = finished + len(driver.in_flight)

@@ -668,7 +668,9 @@ def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas)
     pool = engine.stats.num_blocks * bs or None
 
     def budget(cal: Calibration) -> float:
-        expected = _expected_outputs(inp.bounds, cal, lower=True)
+        # the job's time predicted from what is measured so far, output lengths at their estimate (which does
+        # not err long: :class:`OutputLengths`); before any length is seen, at their bound
+        expected = _expected_outputs(inp.bounds, cal)
         reqs = _sim_requests(inp.lens, saved, expected, inp.ns)
         t = simulate_schedule(
             reqs, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool, bs
@@ -688,13 +690,12 @@ def _expected_outputs(bounds, cal: Calibration | None, lower: bool = False) -> l
     spread quantiles of the calibrated length distribution (:class:`OutputLengths`), so the simulation sees
     the spread of lengths (the long tail that keeps a batch running) and their total is the expectation.
     ``lower``: the least the samples seen so far allow (every sample still running ends at once; one token
-    each before any was seen), for the calibration's budget: it only grows as the calibration sees longer
-    outputs, so the calibration never spends on a job it thought longer than it turns out."""
+    each before any was seen): the low end of the range."""
     if lower:
         if cal is None or not cal.lengths.observations:
             return [1.0 if b > 0 else 0.0 for b in bounds]
         return [float(x) for x in cal.lengths.at_least().quantiles(bounds)]
-    if cal is None or not cal.observations:
+    if cal is None or not cal.lengths.observations:
         return [float(b) for b in bounds]
     return [float(x) for x in cal.lengths.quantiles(bounds)]
 
@@ -746,6 +747,8 @@ def _predict_time(
         "peak_kv_blocks": max(x.peak_blocks for x in sims) or None,
     }
     predicted["wall_time_range_s"] = [min(wall, wall_min) * (1 - e), wall * (1 + e)]
+    # what the engine computes: after prefix sharing, and again for a request preempted (recompute)
+    predicted["prompt_tokens_to_compute"] = round(sum(x.prompt_tokens for x in sims) * scale)
     devices = max(1, replicas) * max(1, ecfg.tensor_parallel_size)
     predicted["device_hours"] = wall * devices / 3600.0
     predicted["cost"] = predicted["device_hours"] * pc.cost_per_hour if pc.cost_per_hour is not None else None
