@@ -126,15 +126,45 @@ WORKLOADS = {
     ),  # fmt: skip
 }
 
+HELD_OUT = {
+    "samples": Workload(
+        "samples",
+        "n=3 samples per row at T=0.9, top_k 40, 40 tokens; prompts 2-90 words, a third after a shared "
+        "instruction; 30 sequences, windows of 60; tiny",
+        lambda rng, n: [(INSTRUCTION if rng.random() < 0.33 else "") + _words(rng, 2, 90) for _ in range(n)],
+        200,
+        {"temperature": 0.9, "top_k": 40, "max_tokens": 40, "n": 3},
+        {"max_num_seqs": 30},
+        {"window_rows": 60},
+    ),  # fmt: skip
+    "wide": Workload(
+        "wide",
+        "a larger random Llama (hidden 128, 4 layers); prompts 30-120 words, a few 400; T=0.8 top_p 0.95, "
+        "64 tokens; 8 sequences, 256-token prefill chunks, windows of 50",
+        lambda rng, n: [
+            _words(rng, 400, 420) if rng.random() < 0.05 else _words(rng, 30, 120) for _ in range(n)
+        ],
+        120,
+        {"temperature": 0.8, "top_p": 0.95, "max_tokens": 64},
+        {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+        {"window_rows": 50},
+        model="llama-wide",
+    ),  # fmt: skip
+}
+"""Workloads added after the predictor's last change, for checking it on shapes it was not tuned on: other
+sampling (n > 1, top_k), another model size, chunked prefill. Run with ``--workloads samples,wide``."""
+
+MODELS = {"llama": {"hidden_size": 64, "num_layers": 2}, "llama-wide": {"hidden_size": 128, "num_layers": 4}}
+
 
 def _model_path(kind: str, root: Path) -> str | None:
     if kind == "tiny":
         return None
     from batchgen.models.tiny import build_checkpoint
 
-    out = root / "ckpt-llama"
+    out = root / f"ckpt-{kind}"
     if not out.exists():
-        build_checkpoint(out, "llama", hidden_size=64, num_layers=2)
+        build_checkpoint(out, "llama", **MODELS[kind])
     return str(out)
 
 
@@ -197,7 +227,13 @@ def run_workload(w: Workload, root: Path, scale: float = 1.0, seed: int = 0) -> 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS)
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="comma-separated: "
+        + ", ".join([*WORKLOADS, *HELD_OUT])
+        + " (default: "
+        + ", ".join(WORKLOADS)
+        + ")",
     )
     ap.add_argument("--scale", type=float, default=1.0, help="multiply each workload's rows")
     ap.add_argument("--seed", type=int, default=0)
@@ -210,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
             Path(args.dir).mkdir(parents=True, exist_ok=True)
             tmp = args.dir
         for name in args.workloads.split(","):
-            r = run_workload(WORKLOADS[name], Path(tmp), args.scale, args.seed)
+            r = run_workload({**WORKLOADS, **HELD_OUT}[name], Path(tmp), args.scale, args.seed)
             rows.append(r)
             print(
                 f"{r['workload']:<14} rows {r['rows']:>5}  wall predicted {r['predicted_wall_s']:7.1f} s "
