@@ -119,3 +119,15 @@ def test_preempted_requests_compute_their_prompt_again() -> None:
     assert free.prompt_tokens == 8 * 40 and free.preemptions == 0
     tight = simulate_schedule(reqs, unit, 8, 4096, 16 * 14, 16)
     assert tight.preemptions > 0 and tight.prompt_tokens > 8 * 40
+
+
+def test_step_cache_keeps_steps_per_setup_and_load_regime(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from batchgen.job.calibrate import Calibration, StepCache, StepModel
+
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path))
+    steps = [(float(p), 4.0, 100.0, 0.01) for p in range(5)]
+    a = StepCache.for_setup("model-a", "float32", "EngineConfig(max_num_seqs=8)", "cpu")
+    a.store(Calibration(StepModel((0.01, 0.0, 0.0, 0.0)), load=0.5), steps)
+    assert a.load(1.0) == steps  # idle then, idle now
+    assert a.load(40.0) == []  # the cores oversubscribed now: another speed
+    assert StepCache.for_setup("model-a", "float32", "EngineConfig(max_num_seqs=16)", "cpu").load(1.0) == []

@@ -313,7 +313,11 @@ class Calibration:
     budget: float = 0.0
     """The budget the calibration ended with (``fraction`` of the predicted time)."""
     batch_steps: int = 0
-    """Steps timed at the job's concurrency (``steps`` less the one-sequence request's)."""
+    """Steps timed at the job's concurrency in this calibration (less the one-sequence request's)."""
+    reused_steps: int = 0
+    """Of ``steps``: steps an earlier calibration on the same setup timed (:class:`StepCache`)."""
+    timed_steps: list[tuple[float, float, float, float]] = field(default_factory=list)
+    """(P, D, K, seconds) per step the step model is fitted to, the reused first."""
 
 
 @dataclass
@@ -374,22 +378,28 @@ def run_calibration(
     max_rows: int,
     budget_s: Any,
     batch: int,
+    reused: Sequence[tuple[float, float, float, float]] = (),
 ) -> Calibration:
     """Run up to ``max_rows`` of ``order``'s rows through ``engine`` fed as the job feeds them, at most
     ``batch`` (the job's concurrency) unfinished, each step timed, until they are done or the budget is spent;
     then the rows still running are aborted, their lengths so far kept as censored observations
     (:class:`OutputLengths`). ``budget_s(calibration) -> seconds`` is the budget given what is measured so
     far; it is re-evaluated each time half of it is spent and before the calibration stops (the job's
-    prediction sharpens as the steps accumulate)."""
-    samples: list[tuple[float, float, float, float]] = []
-    cal = Calibration(fit_step_model([]), target_concurrency=batch)
+    prediction sharpens as the steps accumulate). ``reused``: steps an earlier calibration on the same setup
+    timed (:class:`StepCache`): the step model starts from them and is fitted to them with this one's, and the
+    timed one-sequence request is left out (the budget goes to output lengths)."""
+    samples: list[tuple[float, float, float, float]] = [tuple(x) for x in reused]  # type: ignore[misc]
+    cal = Calibration(fit_step_model([]), target_concurrency=batch, reused_steps=len(samples))
     t_start = time.perf_counter()  # the warm-ups count against the budget: the calibration's whole cost
     # not timed: lazy initialisation (a few tokens are enough, and cost the budget least)
     _warm_up(engine, replace(order[0], token_ids=order[0].token_ids[:WARM_UP_TOKENS]), None)
-    _warm_up(engine, order[-1], samples)  # one sequence: the small-batch end of the step model
-    cal.model = _one_sequence_model(samples)
+    if samples:
+        cal.model = fit_step_model(samples)
+    else:
+        _warm_up(engine, order[-1], samples)  # one sequence: the small-batch end of the step model
+        cal.model = _one_sequence_model(samples)
     state = BudgetState(budget_s(cal))
-    row_s = _row_prefill_seconds(samples, order, batch)
+    row_s = _row_prefill_seconds(cal.model, order, batch)
 
     def admit(in_flight: int) -> int:
         """Rows that may be unfinished after this step: ``in_flight`` and a step's prefills taking at most a
@@ -407,7 +417,7 @@ def run_calibration(
         cal.seconds = time.perf_counter() - t_start
         state.seconds = budget_s(cal)
         state.check = cal.seconds + max(0.05, (state.seconds - cal.seconds) / 2)
-        state.fitted = len(samples)
+        state.fitted = len(samples) - cal.reused_steps
         return state.seconds
 
     # the first budget takes every row to its bound (no length seen): re-evaluated early, at a quarter of it
@@ -427,7 +437,8 @@ def run_calibration(
     cal.steps = len(samples)
     cal.batch_steps = len(samples) - n0
     cal.budget = state.seconds
-    cal.step_seconds = sum(x[3] for x in samples)
+    cal.step_seconds = sum(x[3] for x in samples[cal.reused_steps :])
+    cal.timed_steps = samples
     predicted = sum(cal.model.step_time(*x[:3]) for x in samples[n0:])
     cal.overhead = max(1.0, batch_wall / predicted) if predicted > 0 else 1.0
     cal.load = load_average()
@@ -446,15 +457,10 @@ def _one_sequence_model(samples: Sequence[tuple[float, float, float, float]]) ->
     return StepModel((decode, max(0.0, samples[0][3] - decode) / samples[0][0], 0.0, 0.0), 0.0)
 
 
-def _row_prefill_seconds(
-    samples: Sequence[tuple[float, float, float, float]], order: Sequence[CalibrationRow], batch: int
-) -> float:
-    """Seconds a row's prefill (of the tokens the job computes, after sharing) takes, by the prefill cost per
-    token the timed warm-up showed (its first step computed its prompt, the next decoded one token); 0 when
-    it cannot tell."""
-    if len(samples) < 2 or samples[0][0] <= 0:
-        return 0.0
-    per_token = max(0.0, samples[0][3] - samples[-1][3]) / samples[0][0]
+def _row_prefill_seconds(model: StepModel, order: Sequence[CalibrationRow], batch: int) -> float:
+    """Seconds a row's prefill (of the tokens the job computes, after sharing) takes, by the first step
+    model's cost per prompt token; 0 when it cannot tell."""
+    per_token = model.coef[1]
     head = order[:batch]
     mean_prompt = sum(len(r.token_ids) if r.compute is None else r.compute for r in head) / max(1, len(head))
     return per_token * mean_prompt
@@ -519,7 +525,9 @@ def _run_stream(
         enough = len(samples) - n0 >= MIN_BATCH_STEPS
         # the budget re-evaluated halfway, and before stopping with a quarter more steps than it was fitted
         # to (the first estimate, from one sequence's steps, may be far off the job's)
-        if (now >= state.check and not over) or (over and enough and len(samples) >= 1.25 * state.fitted):
+        if (now >= state.check and not over) or (
+            over and enough and len(samples) - cal.reused_steps >= 1.25 * state.fitted
+        ):
             was_over = over
             refresh(_running(engine, ids))
             # past the budget, it goes on only for a budget grown well beyond (a noisy fit may shrink it next)
@@ -571,6 +579,56 @@ def _context_tokens(engine: Any) -> float:
     return float(st.kv_blocks_used * max(1, st.block_size))
 
 
+STEP_CACHE_KIND = "step-model"
+STEP_CACHE_STEPS = 1024
+"""Most timed steps a :class:`StepCache` entry keeps (the latest)."""
+
+
+@dataclass
+class StepCache:
+    """Timed engine steps kept between dry runs under ``$BATCHGEN_CACHE/step-model/`` (:mod:`batchgen.runtime.
+    disk_cache`), one entry per setup: the model (its path and config), dtype, engine configuration, device
+    and machine (host, CPUs), the installed torch and transformers, and this module's source — the step time
+    depends on all of them, the output lengths on none of them but the model. A second dry run on the same
+    setup starts its step model from these steps and fits it to them with its own, so its budget goes to
+    output lengths. Steps timed under another load regime (:func:`load_spread` differs by 0.1 or more) are
+    not reused: a machine shared differently runs at another speed."""
+
+    key: str
+
+    @classmethod
+    def for_setup(cls, *parts: Any) -> StepCache:
+        import platform
+
+        from batchgen.runtime.disk_cache import make_key, source_key
+
+        machine = (platform.node(), platform.machine(), platform.processor(), os.cpu_count())
+        return cls(make_key(STEP_CACHE_KIND, source_key(__file__), machine, *parts))
+
+    def load(self, load: float | None) -> list[tuple[float, float, float, float]]:
+        """The kept steps, if timed under the load regime of ``load``; else none."""
+        from batchgen.runtime.disk_cache import read
+
+        entry = read(STEP_CACHE_KIND, self.key)
+        if not isinstance(entry, dict) or not isinstance(entry.get("steps"), list):
+            return []
+        if abs(load_spread(entry.get("load")) - load_spread(load)) >= 0.1:
+            return []
+        try:
+            return [tuple(float(v) for v in x[:4]) for x in entry["steps"] if len(x) >= 4]  # type: ignore[misc]
+        except (TypeError, ValueError):
+            return []
+
+    def store(self, cal: Calibration, steps: Sequence[tuple[float, float, float, float]]) -> None:
+        from batchgen.runtime.disk_cache import write
+
+        write(
+            STEP_CACHE_KIND,
+            self.key,
+            {"steps": [list(x) for x in steps[-STEP_CACHE_STEPS:]], "load": cal.load},
+        )
+
+
 def load_spread(load: float | None, cpus: int | None = None) -> float:
     """Relative uncertainty from the machine's other load: with the CPUs oversubscribed (1-minute load
     average above their count) the job gets a share ``cpus / load`` of them that the calibration measured
@@ -606,7 +664,7 @@ def relative_spread(cal: Calibration, bound: int, floor: float = 0.2, cap: float
     e_fit = cal.model.residual_rel / math.sqrt(max(cal.steps, 1))
     e_load = load_spread(cal.load)
     few = 0.3 if cal.rows < 4 else 0.0
-    e_steps = 0.25 * max(0.0, 1.0 - cal.batch_steps / FULL_SAMPLE_STEPS)
+    e_steps = 0.25 * max(0.0, 1.0 - (cal.batch_steps + cal.reused_steps) / FULL_SAMPLE_STEPS)
     e_conc = 0.0
     if cal.target_concurrency > 0 and cal.concurrency < cal.target_concurrency:
         e_conc = 0.25 * (1.0 - cal.concurrency / cal.target_concurrency)
