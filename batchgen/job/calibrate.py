@@ -330,6 +330,13 @@ class BudgetState:
     """Calibration seconds (warm-ups included) at which the budget is next re-evaluated."""
     fitted: int = 0
     """Timed steps the budget was last evaluated with."""
+    row_seconds: float = 0.0
+    """A row's prefill by the step model now (the admissions' ramp: :func:`run_calibration`)."""
+    stopped: float | None = None
+    """``time.perf_counter()`` when the budget stopped the calibration (None: every row finished)."""
+    refreshing: float = 0.0
+    """Seconds spent re-evaluating it (fitting, simulating the job): within the batch's wall time, not the job's
+    overhead."""
 
 
 def strata_order(rows: Sequence[CalibrationRow], seed: int = 0) -> list[CalibrationRow]:
@@ -399,12 +406,13 @@ def run_calibration(
         _warm_up(engine, order[-1], samples)  # one sequence: the small-batch end of the step model
         cal.model = _one_sequence_model(samples)
     state = BudgetState(budget_s(cal))
-    row_s = _row_prefill_seconds(cal.model, order, batch)
+    state.row_seconds = _row_prefill_seconds(cal.model, order, batch)
 
     def admit(in_flight: int) -> int:
         """Rows that may be unfinished after this step: ``in_flight`` and a step's prefills taking at most a
         third of the budget, the rows' prefills all told at most half of it (then the job's concurrency is
         not reached, and the range says so), at least a few."""
+        row_s = state.row_seconds
         if row_s <= 0:
             return batch
         b = state.seconds
@@ -412,12 +420,15 @@ def run_calibration(
         return max(min(batch, 4), min(batch, in_flight + step, int(b / 2 / row_s)))
 
     def refresh(running: Sequence[tuple[int, bool]] = ()) -> float:
+        t_refresh = time.perf_counter()
         cal.model = fit_step_model(samples)
         cal.lengths = OutputLengths.fit([*cal.observations, *running])
         cal.seconds = time.perf_counter() - t_start
         state.seconds = budget_s(cal)
         state.check = cal.seconds + max(0.05, (state.seconds - cal.seconds) / 2)
         state.fitted = len(samples) - cal.reused_steps
+        state.row_seconds = _row_prefill_seconds(cal.model, order, batch)
+        state.refreshing += time.perf_counter() - t_refresh
         return state.seconds
 
     # the first budget takes every row to its bound (no length seen): re-evaluated early, at a quarter of it
@@ -427,7 +438,9 @@ def run_calibration(
     n0 = len(samples)
     t0 = time.perf_counter()
     admitted, finished = _run_stream(engine, rows, admit, samples, cal, t_start, state, refresh)
-    batch_wall = time.perf_counter() - t0
+    batch_wall = (
+        state.stopped or time.perf_counter()
+    ) - t0  # aborting the rows still running is not the job's
     cal.rows = admitted
     if finished < admitted:
         cal.note = f"stopped at its budget of {state.seconds:.2f} s, {admitted - finished} row(s) censored"
@@ -437,10 +450,16 @@ def run_calibration(
     cal.steps = len(samples)
     cal.batch_steps = len(samples) - n0
     cal.budget = state.seconds
+    if cal.seconds > cal.budget and finished < admitted:
+        cal.note += (
+            f"; its floor (the warm-up and {MIN_BATCH_STEPS} batch steps) took {cal.seconds:.2f} s, over the "
+            "budget: a job this short cannot buy a useful sample within it, the range is widened instead"
+        )
     cal.step_seconds = sum(x[3] for x in samples[cal.reused_steps :])
     cal.timed_steps = samples
     predicted = sum(cal.model.step_time(*x[:3]) for x in samples[n0:])
-    cal.overhead = max(1.0, batch_wall / predicted) if predicted > 0 else 1.0
+    # the budget's re-evaluations (a simulation of the whole job each) are the calibration's, not the job's
+    cal.overhead = max(1.0, (batch_wall - state.refreshing) / predicted) if predicted > 0 else 1.0
     cal.load = load_average()
     return cal
 
@@ -533,6 +552,7 @@ def _run_stream(
             # past the budget, it goes on only for a budget grown well beyond (a noisy fit may shrink it next)
             over = now + dt >= state.seconds / (1.25 if was_over else 1.0)
         if over and enough:
+            state.stopped = time.perf_counter()
             cal.observations += _running(engine, ids)
             admitted = finished + len(driver.in_flight)
             task.queue.clear()  # nothing more is admitted
