@@ -51,6 +51,8 @@ MIN_BATCH_STEPS = 8
 decode steps, the least the step model can be fitted to."""
 WARM_UP_TOKENS = 8
 """Prompt tokens of the untimed warm-up request."""
+STOP_MARGIN = 0.95
+"""The calibration stops when a step like the last would end past this share of its budget."""
 FULL_SAMPLE_STEPS = 48
 """Batch steps from which the sample's size no longer widens the range (:func:`relative_spread`)."""
 FEATURES = ("per_step", "per_prefill_token", "per_decode_seq", "per_1k_context_tokens")
@@ -450,7 +452,7 @@ def run_calibration(
     cal.steps = len(samples)
     cal.batch_steps = len(samples) - n0
     cal.budget = state.seconds
-    if cal.seconds > cal.budget and finished < admitted:
+    if cal.seconds > cal.budget and finished < admitted and cal.batch_steps <= MIN_BATCH_STEPS:
         cal.note += (
             f"; its floor (the warm-up and {MIN_BATCH_STEPS} batch steps) took {cal.seconds:.2f} s, over the "
             "budget: a job this short cannot buy a useful sample within it, the range is widened instead"
@@ -492,7 +494,12 @@ def _warm_up(
     timings when ``samples`` is None; else its steps timed into ``samples``."""
     from batchgen.driver import Driver, EngineRequest, Requests
 
-    params = replace(row.params, max_tokens=2, min_tokens=0) if row.params is not None else None
+    # its two tokens whatever the row's stops (a prefill step, then a decode step: the one-sequence model)
+    params = (
+        replace(row.params, max_tokens=2, min_tokens=0, ignore_eos=True, stop=None, stop_token_ids=None)
+        if row.params is not None
+        else None
+    )
     request = EngineRequest(f"batchgen-calibration-warmup-{samples is None}", list(row.token_ids), params)
     steps = Driver(engine, Requests([request], lambda outs: None)).steps()
     prev = engine.stats.snapshot()
@@ -540,17 +547,23 @@ def _run_stream(
     dt = 0.0
     while True:
         now = time.perf_counter() - t_start
-        over = now + dt >= state.seconds  # a step like the last one would end past the budget
+        # a step like the last one would end past the budget (less a margin for the stop: the abort, a refit)
+        over = now + dt >= STOP_MARGIN * state.seconds
         enough = len(samples) - n0 >= MIN_BATCH_STEPS
         # the budget re-evaluated halfway, and before stopping with a quarter more steps than it was fitted
         # to (the first estimate, from one sequence's steps, may be far off the job's)
-        if (now >= state.check and not over) or (
-            over and enough and len(samples) - cal.reused_steps >= 1.25 * state.fitted
+        # and first once the floor of batch steps is timed, whatever the first budget (from one sequence's
+        # steps and every row at its bound, it may be far too large)
+        first = enough and not state.fitted
+        if (
+            (now >= state.check and not over)
+            or first
+            or (over and enough and len(samples) - cal.reused_steps >= 1.25 * state.fitted)
         ):
             was_over = over
             refresh(_running(engine, ids))
             # past the budget, it goes on only for a budget grown well beyond (a noisy fit may shrink it next)
-            over = now + dt >= state.seconds / (1.25 if was_over else 1.0)
+            over = now + dt >= STOP_MARGIN * state.seconds / (1.25 if was_over else 1.0)
         if over and enough:
             state.stopped = time.perf_counter()
             cal.observations += _running(engine, ids)
