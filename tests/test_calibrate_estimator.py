@@ -55,8 +55,9 @@ def test_the_tail_estimate_is_unbiased_where_the_plug_in_rate_errs_long() -> Non
             return m if d == 0 else (1 - (1 - d / x) ** m) / (d / x)  # noqa: B023
 
         assert _poisson_mean(plug_in, h * x) > 1.02 * truth  # the mean length is convex in the rate
-    # watched fewer positions than the tail spans: short of the bound, never above it
-    assert tail_estimate(0, 14, 35) == 14 and tail_estimate(3, 14, 35) == pytest.approx(3.5)
+    # no end seen: the bound, however few positions were watched; fewer than the tail spans, ends seen: the rate
+    assert tail_estimate(0, 14, 35) == 35 and tail_estimate(0, 500, 35) == 35
+    assert tail_estimate(3, 14, 35) == pytest.approx((1 - (1 - 3 / 14) ** 35) / (3 / 14))
     assert tail_estimate(0, 500, 35) == 35
 
 

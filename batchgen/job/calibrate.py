@@ -157,14 +157,16 @@ def tail_estimate(events: int, exposure: float, m: int) -> float:
     """An estimate of ``E[min(G, m)]`` (``G`` geometric, hazard ``h``) from ``events`` ends seen over
     ``exposure`` token positions at risk: ``X (1 - (1 - m/X)^(d+1)) / (d+1)``, unbiased for ``d`` Poisson of mean
     ``h X`` when ``m <= X``. (Putting the rate ``d / X`` into ``(1 - (1-h)^m) / h`` instead errs long: the mean
-    length is convex in the rate; with no end seen it is the bound.) With ``m > X`` no estimator is unbiased (a
-    length beyond what was watched cannot be told from one at the bound): ``X / (d + 1)``, short of it, and the
-    range (:meth:`OutputLengths.spread`) reaches to the bound."""
+    length is convex in the rate.) With no end seen it is ``m``, the bound, whatever ``X``. With ``m > X`` and
+    ends seen no estimator is unbiased (the formula swings with ``d``): the rate put into the geometric mean,
+    and the range (:meth:`OutputLengths.spread`) reaches to the bound."""
     if m <= 0:
         return 0.0
-    if exposure <= 0:
+    if exposure <= 0 or events <= 0:
         return float(m)
-    r = min(1.0, m / exposure)
+    if m > exposure:
+        return _geometric_mean_len(events / exposure, m)
+    r = m / exposure
     return min(float(m), exposure * (1.0 - (1.0 - r) ** (events + 1)) / (events + 1))
 
 
@@ -267,9 +269,9 @@ class OutputLengths:
 
     def spread(self, bound: int) -> float:
         """Relative standard error of the mean output per sample at ``bound``: the sampling error of the
-        lengths seen, the tail's (a count of ``d`` ends: about ``1 / sqrt(d + 1)`` of it), and where fewer
-        token positions were watched than the tail spans, the distance to the bound (lengths there are not
-        told apart from the bound's)."""
+        lengths seen, the tail's (its rate's standard error, about ``sqrt(d + 1) / X``), and where fewer
+        token positions were watched than the tail spans, the share not watched (lengths there are an
+        extrapolation)."""
         if bound <= 0 or self.observations == 0:
             return 0.5
         surv = self.survival_to(bound - 1)[:bound]
@@ -282,9 +284,12 @@ class OutputLengths:
         if m > 0 and not self.lower:
             s_h = float(self.survival[-1])
             tail = tail_estimate(self.events, self.exposure, m)
-            e += s_h * tail / math.sqrt(self.events + 1) / mean
-            if self.exposure < m:
-                e += s_h * (m - tail) / mean
+            # the tail's mean moved by one standard error of the rate (about sqrt(d + 1) / X)
+            h = _hazard_for(tail, m)
+            dh = math.sqrt(self.events + 1) / self.exposure if self.exposure > 0 else 1.0
+            e += s_h * abs(tail - _geometric_mean_len(min(1.0, h + dh), m)) / mean
+            if self.exposure < m:  # the part of the tail not watched
+                e += s_h * (1.0 - self.exposure / m) * tail / mean
         return e
 
 
