@@ -432,7 +432,9 @@ def run_calibration(
         cal.lengths = OutputLengths.fit([*cal.observations, *running])
         cal.seconds = time.perf_counter() - t_start
         state.seconds = budget_s(cal)
-        state.check = cal.seconds + max(0.05, (state.seconds - cal.seconds) / 2)
+        # next: halfway to the budget, or when the time spent has grown by half (an early budget, from few
+        # lengths seen, may be far too large: it must not run unchecked)
+        state.check = cal.seconds + max(0.05, min((state.seconds - cal.seconds) / 2, cal.seconds / 2))
         state.fitted = len(samples) - cal.reused_steps
         state.row_seconds = _row_prefill_seconds(cal.model, order, batch)
         state.refreshing += time.perf_counter() - t_refresh
