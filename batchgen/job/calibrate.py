@@ -6,23 +6,25 @@ computed in the step (after prefix sharing), ``D`` sequences that produced a tok
 in the running sequences' contexts (the attention's reads: a prefix block shared by several sequences counts
 once per sequence, as the simulation counts it). The coefficients are fitted by least squares over the
 calibration's timed steps, a term whose coefficient comes out negative (or that the steps do not vary apart
-from the others) being dropped.
+from the others) being dropped; steps far above the fit (stalls) are left out and the rest refitted.
 
 **Calibration.** After an untimed warm-up (lazy initialisation) and a timed one-sequence request (the
-small-batch end: one prefill, one decode), a stratified sample of the job's rows — by prompt length
+small-batch end: one prefill, one decode; left out when an earlier dry run on the same setup kept its steps,
+:class:`StepCache`), a proportional stratified sample of the job's rows — by prompt length
 (quartiles) and prefix group (the first block of tokens) — runs through the engine **at the job's
 concurrency** (up to ``max_num_seqs`` sequences, admitted a few more each step so that no step's prefill
 takes over a third of the budget),
 with the job's own sampling parameters (so seeded rows generate what the job will): its steps are timed at the
 batch sizes the job runs. The calibration stops when its budget — ``fraction`` of the wall time predicted
-from what it has measured so far, re-evaluated each time half of it is spent and before stopping, the warm-ups
-included — is spent
-(after at least :data:`MIN_BATCH_STEPS` steps of a batch, the floor below which the step model has nothing
+from what it has measured so far (output lengths at their estimate), the warm-ups included; re-evaluated once
+the floor of batch steps is timed, each time half of what is left of it is spent or the time spent has grown
+by half, and before stopping — is spent (after at least :data:`MIN_BATCH_STEPS` steps of a batch, the floor below which the step model has nothing
 to fit); rows still running are aborted and kept as censored observations of their output length. A small
 sample (few batch steps, the job's concurrency not reached) widens the range (:func:`relative_spread`).
 
 **Output lengths.** EOS and stop strings end outputs before ``max_tokens``: the natural length distribution
-is estimated by Kaplan-Meier over the calibration's samples (:class:`OutputLengths`), each row of the job gets
+is estimated by Kaplan-Meier over the calibration's samples and a geometric tail whose mean is estimated
+without bias from the ends seen (:class:`OutputLengths`, :func:`tail_estimate`), each row of the job gets
 ``min(L, its bound)`` at evenly spread quantiles, so the simulation sees the spread (the long tail that keeps
 a batch running) and the total is the expectation.
 
