@@ -18,8 +18,8 @@ with the job's own sampling parameters (so seeded rows generate what the job wil
 batch sizes the job runs. The calibration stops when its budget — ``fraction`` of the wall time predicted
 from what it has measured so far (output lengths at their estimate), the warm-ups included; re-evaluated once
 the floor of batch steps is timed, each time half of what is left of it is spent or the time spent has grown
-by half, and before stopping — is spent (after at least :data:`MIN_BATCH_STEPS` steps of a batch, the floor below which the step model has nothing
-to fit); rows still running are aborted and kept as censored observations of their output length. A small
+by half, and before stopping — is spent (after at least :data:`MIN_BATCH_STEPS` steps of a batch, the floor
+below which the step model has nothing to fit); rows still running are aborted and kept as censored observations of their output length. A small
 sample (few batch steps, the job's concurrency not reached) widens the range (:func:`relative_spread`).
 
 **Output lengths.** EOS and stop strings end outputs before ``max_tokens``: the natural length distribution
