@@ -19,8 +19,9 @@ batch sizes the job runs. The calibration stops when its budget — ``fraction``
 from what it has measured so far (output lengths at their estimate), the warm-ups included; re-evaluated once
 the floor of batch steps is timed, each time half of what is left of it is spent or the time spent has grown
 by half, and before stopping — is spent (after at least :data:`MIN_BATCH_STEPS` steps of a batch, the floor
-below which the step model has nothing to fit); rows still running are aborted and kept as censored observations of their output length. A small
-sample (few batch steps, the job's concurrency not reached) widens the range (:func:`relative_spread`).
+below which the step model has nothing to fit); rows still running are aborted and kept as censored
+observations of their output length. A small sample (few batch steps, the job's concurrency not reached)
+widens the range (:func:`relative_spread`).
 
 **Output lengths.** EOS and stop strings end outputs before ``max_tokens``: the natural length distribution
 is estimated by Kaplan-Meier over the calibration's samples and a geometric tail whose mean is estimated
