@@ -170,6 +170,14 @@ def test_llm_plan(tiny_ckpt: str) -> None:
     assert plan["rows"]["total"] == 10 and plan["output_tokens"]["bound"] == 40
     assert 0 < plan.prefix_hit_rate < 1
     assert "predicted wall time" in str(plan)
+    # the same setup again: the step model starts from the steps the first calibration timed
+    assert plan["calibration"]["reused_steps"] == 0
+    again = llm.plan(prompts, SamplingParams(max_tokens=4, temperature=0))
+    assert again["calibration"]["reused_steps"] == plan["calibration"]["steps"]
+    assert (
+        again["calibration"]["steps"]
+        == again["calibration"]["reused_steps"] + again["calibration"]["batch_steps"]
+    )
     off = LLM(tiny_ckpt, device="cpu", num_blocks=256, max_num_seqs=4, enable_prefix_caching=False)
     plan = off.plan(prompts, SamplingParams(max_tokens=4, temperature=0))
     assert plan.prefix_hit_rate == 0.0

@@ -139,10 +139,13 @@ def test_output_lengths_from_censored_samples() -> None:
         assert km.expected(bound) == pytest.approx(truth, rel=0.1)
         qs = km.quantiles([bound] * 400)
         assert sum(qs) / len(qs) == pytest.approx(truth, rel=0.1) and max(qs) <= bound
-    # no sample ended (every one reached its bound or was cut): every row runs to its bound
-    assert OutputLengths.fit([(5, False), (9, False)]).expected(40) == pytest.approx(40)
-    # the least the samples allow (what the calibration's budget assumes): the running ones end at the horizon
-    assert OutputLengths.fit([(5, False), (9, False)]).at_least().expected(40) == pytest.approx(10)
+    # no sample ended over more token positions than the rows' tails span: every row runs to its bound
+    assert OutputLengths.fit([(30, False)] * 4).expected(40) == pytest.approx(40)
+    # and over fewer (14 positions, a tail of 35 past the horizon at t=5): still the bound, the range wide
+    few = OutputLengths.fit([(5, False), (9, False)])
+    assert few.horizon == 5 and few.expected(40) == pytest.approx(40) and few.spread(40) > 0.5
+    # the least the samples allow (the range's low end): the running ones end just past the horizon
+    assert few.at_least().expected(40) == pytest.approx(6)
     assert 8 < km.at_least().expected(64) <= 13 < km.expected(64)
     # dropping the censored samples would bias short; the estimate keeps them
     assert km.expected(64) > 1.3 * OutputLengths.fit([o for o in obs if o[1]]).expected(64)

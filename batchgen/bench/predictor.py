@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -126,20 +127,54 @@ WORKLOADS = {
     ),  # fmt: skip
 }
 
+HELD_OUT = {
+    "samples": Workload(
+        "samples",
+        "n=3 samples per row at T=0.9, top_k 40, 40 tokens; prompts 2-90 words, a third after a shared "
+        "instruction; 30 sequences, windows of 60; tiny",
+        lambda rng, n: [(INSTRUCTION if rng.random() < 0.33 else "") + _words(rng, 2, 90) for _ in range(n)],
+        200,
+        {"temperature": 0.9, "top_k": 40, "max_tokens": 40, "n": 3},
+        {"max_num_seqs": 30},
+        {"window_rows": 60},
+    ),  # fmt: skip
+    "wide": Workload(
+        "wide",
+        "a larger random Llama (hidden 128, 4 layers); prompts 30-120 words, a few 400; T=0.8 top_p 0.95, "
+        "64 tokens; 8 sequences, 256-token prefill chunks, windows of 50",
+        lambda rng, n: [
+            _words(rng, 400, 420) if rng.random() < 0.05 else _words(rng, 30, 120) for _ in range(n)
+        ],
+        120,
+        {"temperature": 0.8, "top_p": 0.95, "max_tokens": 64},
+        {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+        {"window_rows": 50},
+        model="llama-wide",
+    ),  # fmt: skip
+}
+"""Workloads added after the predictor's last change, for checking it on shapes it was not tuned on: other
+sampling (n > 1, top_k), another model size, chunked prefill. Run with ``--workloads samples,wide``."""
+
+MODELS = {"llama": {"hidden_size": 64, "num_layers": 2}, "llama-wide": {"hidden_size": 128, "num_layers": 4}}
+
 
 def _model_path(kind: str, root: Path) -> str | None:
     if kind == "tiny":
         return None
     from batchgen.models.tiny import build_checkpoint
 
-    out = root / "ckpt-llama"
+    out = root / f"ckpt-{kind}"
     if not out.exists():
-        build_checkpoint(out, "llama", hidden_size=64, num_layers=2)
+        build_checkpoint(out, "llama", **MODELS[kind])
     return str(out)
 
 
-def run_workload(w: Workload, root: Path, scale: float = 1.0, seed: int = 0) -> dict[str, Any]:
-    """Dry run, then the job; the figures of both."""
+def run_workload(
+    w: Workload, root: Path, scale: float = 1.0, seed: int = 0, warm: bool = False
+) -> dict[str, Any]:
+    """Dry run, then the job; the figures of both. ``warm``: a first dry run fills the step-model cache
+    (``plan.reuse_step_model``) and the second one's plan is measured; else the cache is not used (a first dry
+    run on this setup)."""
     from batchgen.engine.config import EngineConfig
     from batchgen.job.config import DataOptions, JobConfig, ModelOptions, RunOptions, default_sampling
     from batchgen.job.run import run_job
@@ -157,6 +192,10 @@ def run_workload(w: Workload, root: Path, scale: float = 1.0, seed: int = 0) -> 
         sampling=dataclasses.replace(default_sampling(), **w.sampling),
         run=RunOptions(progress="off", dry_run=True),
     )
+    cfg.plan.reuse_step_model = warm
+    if warm:
+        res = run_job(cfg, handle_signals=False, print_summary=False)
+        assert res.exit_code == 0, res.message
     t0 = time.perf_counter()
     res = run_job(cfg, handle_signals=False, print_summary=False)
     dry_s = time.perf_counter() - t0
@@ -187,6 +226,7 @@ def run_workload(w: Workload, root: Path, scale: float = 1.0, seed: int = 0) -> 
         "actual_preemptions": (p.get("preemptions") or {}).get("actual"),
         "calibration_s": plan["calibration"]["seconds"],
         "calibration_rows": plan["calibration"]["rows"],
+        "calibration_reused_steps": plan["calibration"].get("reused_steps"),
         "calibration_fraction": plan["calibration"]["seconds"] / pw if pw else None,
         "dry_run_s": dry_s,
         "load_plan": (p.get("load") or {}).get("plan"),
@@ -197,11 +237,23 @@ def run_workload(w: Workload, root: Path, scale: float = 1.0, seed: int = 0) -> 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS)
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="comma-separated: "
+        + ", ".join([*WORKLOADS, *HELD_OUT])
+        + " (default: "
+        + ", ".join(WORKLOADS)
+        + ")",
     )
     ap.add_argument("--scale", type=float, default=1.0, help="multiply each workload's rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="plan each workload twice, measuring the second plan: its step model starts from the first's timed "
+        "steps (plan.reuse_step_model, a cache of this run's own)",
+    )
     ap.add_argument("--dir", help="keep the inputs, plans and reports here (default: a temporary directory)")
     args = ap.parse_args(argv)
     rows = []
@@ -209,8 +261,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.dir:
             Path(args.dir).mkdir(parents=True, exist_ok=True)
             tmp = args.dir
+        if args.warm:
+            os.environ["BATCHGEN_CACHE"] = str(Path(tmp) / "cache")
         for name in args.workloads.split(","):
-            r = run_workload(WORKLOADS[name], Path(tmp), args.scale, args.seed)
+            r = run_workload({**WORKLOADS, **HELD_OUT}[name], Path(tmp), args.scale, args.seed, args.warm)
             rows.append(r)
             print(
                 f"{r['workload']:<14} rows {r['rows']:>5}  wall predicted {r['predicted_wall_s']:7.1f} s "

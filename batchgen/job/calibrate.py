@@ -6,23 +6,26 @@ computed in the step (after prefix sharing), ``D`` sequences that produced a tok
 in the running sequences' contexts (the attention's reads: a prefix block shared by several sequences counts
 once per sequence, as the simulation counts it). The coefficients are fitted by least squares over the
 calibration's timed steps, a term whose coefficient comes out negative (or that the steps do not vary apart
-from the others) being dropped.
+from the others) being dropped; steps far above the fit (stalls) are left out and the rest refitted.
 
 **Calibration.** After an untimed warm-up (lazy initialisation) and a timed one-sequence request (the
-small-batch end: one prefill, one decode), a stratified sample of the job's rows — by prompt length
+small-batch end: one prefill, one decode; left out when an earlier dry run on the same setup kept its steps,
+:class:`StepCache`), a proportional stratified sample of the job's rows — by prompt length
 (quartiles) and prefix group (the first block of tokens) — runs through the engine **at the job's
 concurrency** (up to ``max_num_seqs`` sequences, admitted a few more each step so that no step's prefill
 takes over a third of the budget),
 with the job's own sampling parameters (so seeded rows generate what the job will): its steps are timed at the
 batch sizes the job runs. The calibration stops when its budget — ``fraction`` of the wall time predicted
-from what it has measured so far, re-evaluated each time half of it is spent and before stopping, the warm-ups
-included — is spent
-(after at least :data:`MIN_BATCH_STEPS` steps of a batch, the floor below which the step model has nothing
-to fit); rows still running are aborted and kept as censored observations of their output length. A small
-sample (few batch steps, the job's concurrency not reached) widens the range (:func:`relative_spread`).
+from what it has measured so far (output lengths at their estimate), the warm-ups included; re-evaluated once
+the floor of batch steps is timed, each time half of what is left of it is spent or the time spent has grown
+by half, and before stopping — is spent (after at least :data:`MIN_BATCH_STEPS` steps of a batch, the floor
+below which the step model has nothing to fit); rows still running are aborted and kept as censored
+observations of their output length. A small sample (few batch steps, the job's concurrency not reached)
+widens the range (:func:`relative_spread`).
 
 **Output lengths.** EOS and stop strings end outputs before ``max_tokens``: the natural length distribution
-is estimated by Kaplan-Meier over the calibration's samples (:class:`OutputLengths`), each row of the job gets
+is estimated by Kaplan-Meier over the calibration's samples and a geometric tail whose mean is estimated
+without bias from the ends seen (:class:`OutputLengths`, :func:`tail_estimate`), each row of the job gets
 ``min(L, its bound)`` at evenly spread quantiles, so the simulation sees the spread (the long tail that keeps
 a batch running) and the total is the expectation.
 
@@ -51,6 +54,8 @@ MIN_BATCH_STEPS = 8
 decode steps, the least the step model can be fitted to."""
 WARM_UP_TOKENS = 8
 """Prompt tokens of the untimed warm-up request."""
+STOP_MARGIN = 0.95
+"""The calibration stops when a step like the last would end past this share of its budget."""
 FULL_SAMPLE_STEPS = 48
 """Batch steps from which the sample's size no longer widens the range (:func:`relative_spread`)."""
 FEATURES = ("per_step", "per_prefill_token", "per_decode_seq", "per_1k_context_tokens")
@@ -73,7 +78,23 @@ class StepModel:
 
 
 def fit_step_model(samples: Sequence[tuple[float, float, float, float]]) -> StepModel:
-    """Least squares over ``(P, D, K, seconds)`` steps, non-negative by dropping negative terms."""
+    """Least squares over ``(P, D, K, seconds)`` steps, non-negative by dropping negative terms; steps far
+    slower than the fit (a stall: the OS running something else, a lazy allocation) are left out and the rest
+    fitted again. Their time is not lost: the calibration's overhead factor (wall time over the model's sum)
+    keeps it."""
+    model = _fit_least_squares(samples)
+    if len(samples) < 6:
+        return model
+    pred = np.array([model.step_time(*s[:3]) for s in samples])
+    res = np.array([s[3] for s in samples]) - pred
+    scale = 1.4826 * float(np.median(np.abs(res - np.median(res))))
+    keep = [s for s, r, q in zip(samples, res, pred) if r <= max(4.0 * scale, 0.25 * q)]
+    if len(keep) == len(samples) or len(keep) < 0.75 * len(samples):
+        return model
+    return _fit_least_squares(keep)
+
+
+def _fit_least_squares(samples: Sequence[tuple[float, float, float, float]]) -> StepModel:
     if not samples:
         return StepModel((0.0, 0.0, 0.0, 0.0), 1.0)
     x = np.array([[1.0, s[0], s[1], s[2] / 1000.0] for s in samples])
@@ -119,24 +140,84 @@ class CalibrationRow:
     """Prompt tokens the job computes for the row (after prefix sharing); None: all of them."""
 
 
+MIN_AT_RISK = 5
+"""The Kaplan-Meier part of :class:`OutputLengths` reaches as far as this many samples (fewer: all of them) are
+still at risk; beyond, the survival continues geometrically (a handful of samples would make its steps noise)."""
+
+
+def _geometric_mean_len(h: float, m: int) -> float:
+    """``E[min(G, m)]`` for ``G`` geometric on 1, 2, ... with hazard ``h``: ``sum_{k<m} (1-h)^k``."""
+    if m <= 0:
+        return 0.0
+    if h <= 0.0:
+        return float(m)
+    if h >= 1.0:
+        return 1.0
+    return (1.0 - (1.0 - h) ** m) / h
+
+
+def tail_estimate(events: int, exposure: float, m: int) -> float:
+    """An estimate of ``E[min(G, m)]`` (``G`` geometric, hazard ``h``) from ``events`` ends seen over
+    ``exposure`` token positions at risk: ``X (1 - (1 - m/X)^(d+1)) / (d+1)``, unbiased for ``d`` Poisson of mean
+    ``h X`` when ``m <= X``. (Putting the rate ``d / X`` into ``(1 - (1-h)^m) / h`` instead errs long: the mean
+    length is convex in the rate.) With no end seen it is ``m``, the bound, whatever ``X``. With ``m > X`` and
+    ends seen no estimator is unbiased (the formula swings with ``d``): the rate put into the geometric mean,
+    and the range (:meth:`OutputLengths.spread`) reaches to the bound."""
+    if m <= 0:
+        return 0.0
+    if exposure <= 0 or events <= 0:
+        return float(m)
+    if m > exposure:
+        return _geometric_mean_len(events / exposure, m)
+    r = m / exposure
+    return min(float(m), exposure * (1.0 - (1.0 - r) ** (events + 1)) / (events + 1))
+
+
+def _hazard_for(mean: float, m: int) -> float:
+    """The geometric hazard whose ``E[min(G, m)]`` is ``mean`` (``1 <= mean <= m``), by bisection."""
+    if mean >= m:
+        return 0.0
+    if mean <= 1.0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if _geometric_mean_len(mid, m) > mean:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 @dataclass
 class OutputLengths:
     """The natural output length ``L`` of a sample (tokens until EOS or a stop, were there no bound), estimated
-    by Kaplan-Meier from the calibration's samples: a finished sample is an event at its length, a sample that
-    reached its bound or was still running when the calibration stopped is censored (``L`` > its tokens).
-    ``survival[t] = P(L > t)`` up to the horizon (the longest run observed); beyond it the pooled hazard of
-    what was observed continues geometrically (no event seen: every sample runs to its bound)."""
+    from the calibration's samples: a finished sample is an event at its length, a sample that reached its
+    bound or was still running when the calibration stopped is censored (``L`` > its tokens).
+
+    ``survival[t] = P(L > t)`` by Kaplan-Meier up to the horizon ``H`` (as far as :data:`MIN_AT_RISK` samples
+    are at risk); beyond it ``L - H`` is geometric, its mean up to a bound estimated without bias from the
+    ends seen over the token positions watched (:func:`tail_estimate`), not by putting the observed rate into
+    the geometric mean (which errs long: with few ends seen, far long). The samples are a proportional
+    stratified sample of the rows (:func:`strata_order`), so each counts the same."""
 
     survival: np.ndarray
-    hazard: float
-    observations: int
     events: int
+    exposure: float
+    """Token positions watched: the sum over samples of their tokens (each was at risk of ending at each)."""
+    observations: int
+    lower: bool = False
+    """The shortest lengths the samples allow: every sample running at the horizon ends just after it."""
+
+    @property
+    def horizon(self) -> int:
+        return len(self.survival) - 1
 
     @classmethod
     def fit(cls, obs: Sequence[tuple[int, bool]]) -> OutputLengths:
         """``obs``: (tokens generated, ended by EOS or a stop) per sample."""
         if not obs:
-            return cls(np.ones(1), 0.0, 0, 0)
+            return cls(np.ones(1), 0, 0.0, 0)
         h = max(n for n, _ in obs)
         ev = np.zeros(h + 2)
         cen = np.zeros(h + 2)
@@ -148,20 +229,30 @@ class OutputLengths:
         with np.errstate(divide="ignore", invalid="ignore"):
             q = np.where(at_risk > 0, 1.0 - d / np.maximum(at_risk, 1), 1.0)
         q[0] = 1.0
-        surv = np.cumprod(q)
-        exposure = float(at_risk[1:].sum())
-        return cls(surv, float(d.sum()) / exposure if exposure else 0.0, len(obs), int(d.sum()))
+        horizon = int(np.count_nonzero(at_risk >= min(MIN_AT_RISK, len(obs)))) - 1
+        surv = np.cumprod(q)[: max(horizon, 0) + 1]
+        return cls(surv, int(d.sum()), float(sum(n for n, _ in obs)), len(obs))
 
     def at_least(self) -> OutputLengths:
         """The shortest lengths the samples allow: every sample still running at the horizon ends there."""
-        return OutputLengths(self.survival, 1.0, self.observations, self.events)
+        return replace(self, lower=True)
+
+    def tail_hazard(self, bound: int) -> float:
+        """The geometric hazard beyond the horizon, for rows of ``bound`` tokens."""
+        if self.lower:
+            return 1.0
+        m = bound - self.horizon
+        if m <= 0:
+            return 0.0
+        return _hazard_for(tail_estimate(self.events, self.exposure, m), m)
 
     def survival_to(self, t_max: int) -> np.ndarray:
         """``P(L > t)`` for ``t = 0 .. t_max``."""
         s = self.survival
         if t_max < len(s):
             return s[: t_max + 1]
-        tail = s[-1] * (1.0 - self.hazard) ** np.arange(1, t_max - len(s) + 2)
+        h = self.tail_hazard(t_max + 1)
+        tail = s[-1] * (1.0 - h) ** np.arange(1, t_max - len(s) + 2)
         return np.concatenate([s, tail])
 
     def expected(self, bound: int) -> float:
@@ -181,19 +272,27 @@ class OutputLengths:
 
     def spread(self, bound: int) -> float:
         """Relative standard error of the mean output per sample at ``bound``: the sampling error of the
-        lengths seen, plus the share of samples that outran the observation horizon (their length is an
+        lengths seen, the tail's (its rate's standard error, about ``sqrt(d + 1) / X``), and where fewer
+        token positions were watched than the tail spans, the share not watched (lengths there are an
         extrapolation)."""
         if bound <= 0 or self.observations == 0:
             return 0.5
         surv = self.survival_to(bound - 1)[:bound]
         pmf = -np.diff(np.concatenate([[1.0], surv[1:], [0.0]]))  # P(min(L, bound) = t), t = 1 .. bound
         t = np.arange(1, bound + 1)
-        mean = float((pmf * t).sum())
+        mean = max(float((pmf * t).sum()), 1e-9)
         sd = math.sqrt(max(0.0, float((pmf * t * t).sum()) - mean**2))
-        e = sd / math.sqrt(self.observations) / max(mean, 1e-9)
-        horizon = len(self.survival) - 1
-        if horizon < bound and self.events:
-            e += 0.5 * float(self.survival[-1]) * (1 - horizon / bound)
+        e = sd / math.sqrt(self.observations) / mean
+        m = bound - self.horizon
+        if m > 0 and not self.lower:
+            s_h = float(self.survival[-1])
+            tail = tail_estimate(self.events, self.exposure, m)
+            # the tail's mean moved by one standard error of the rate (about sqrt(d + 1) / X)
+            h = _hazard_for(tail, m)
+            dh = math.sqrt(self.events + 1) / self.exposure if self.exposure > 0 else 1.0
+            e += s_h * abs(tail - _geometric_mean_len(min(1.0, h + dh), m)) / mean
+            if self.exposure < m:  # the part of the tail not watched
+                e += s_h * (1.0 - self.exposure / m) * tail / mean
         return e
 
 
@@ -224,12 +323,38 @@ class Calibration:
     budget: float = 0.0
     """The budget the calibration ended with (``fraction`` of the predicted time)."""
     batch_steps: int = 0
-    """Steps timed at the job's concurrency (``steps`` less the one-sequence request's)."""
+    """Steps timed at the job's concurrency in this calibration (less the one-sequence request's)."""
+    reused_steps: int = 0
+    """Of ``steps``: steps an earlier calibration on the same setup timed (:class:`StepCache`)."""
+    timed_steps: list[tuple[float, float, float, float]] = field(default_factory=list)
+    """(P, D, K, seconds) per step the step model is fitted to, the reused first."""
+
+
+@dataclass
+class BudgetState:
+    """The calibration's budget as it is re-evaluated (:func:`run_calibration`)."""
+
+    seconds: float
+    """The budget now: ``fraction`` of the wall time predicted from what is measured so far."""
+    check: float = 0.0
+    """Calibration seconds (warm-ups included) at which the budget is next re-evaluated."""
+    fitted: int = 0
+    """Timed steps the budget was last evaluated with."""
+    row_seconds: float = 0.0
+    """A row's prefill by the step model now (the admissions' ramp: :func:`run_calibration`)."""
+    stopped: float | None = None
+    """``time.perf_counter()`` when the budget stopped the calibration (None: every row finished)."""
+    refreshing: float = 0.0
+    """Seconds spent re-evaluating it (fitting, simulating the job): within the batch's wall time, not the job's
+    overhead."""
 
 
 def strata_order(rows: Sequence[CalibrationRow], seed: int = 0) -> list[CalibrationRow]:
-    """Rows in the order the calibration takes them: round robin over strata (largest first), shuffled
-    within each, so any prefix of the order is a stratified sample."""
+    """Rows in the order the calibration takes them, so that any prefix of the order is a proportional
+    stratified sample: each next row from the stratum furthest below its share (``N_h * k / N`` of the first
+    ``k``; ties to the larger stratum), shuffled within each. Proportional, each sample stands for as many rows
+    of the job as any other, so the output lengths pool without weights (an equal number per stratum would
+    give a small stratum's lengths the weight of a large one's)."""
     by: dict[tuple[int, int], list[CalibrationRow]] = {}
     for r in rows:
         by.setdefault(r.stratum, []).append(r)
@@ -237,13 +362,16 @@ def strata_order(rows: Sequence[CalibrationRow], seed: int = 0) -> list[Calibrat
     groups = sorted(by.values(), key=len, reverse=True)
     for g in groups:
         rng.shuffle(g)
+    total = len(rows)
+    taken = [0] * len(groups)
     out: list[CalibrationRow] = []
-    i = 0
-    while len(out) < len(rows):
-        for g in groups:
-            if i < len(g):
-                out.append(g[i])
-        i += 1
+    for k in range(1, total + 1):
+        j = max(
+            (i for i, g in enumerate(groups) if taken[i] < len(g)),
+            key=lambda i: (len(groups[i]) * k / total - taken[i], len(groups[i])),
+        )
+        out.append(groups[j][taken[j]])
+        taken[j] += 1
     return out
 
 
@@ -267,61 +395,83 @@ def run_calibration(
     max_rows: int,
     budget_s: Any,
     batch: int,
+    reused: Sequence[tuple[float, float, float, float]] = (),
 ) -> Calibration:
     """Run up to ``max_rows`` of ``order``'s rows through ``engine`` fed as the job feeds them, at most
     ``batch`` (the job's concurrency) unfinished, each step timed, until they are done or the budget is spent;
     then the rows still running are aborted, their lengths so far kept as censored observations
     (:class:`OutputLengths`). ``budget_s(calibration) -> seconds`` is the budget given what is measured so
     far; it is re-evaluated each time half of it is spent and before the calibration stops (the job's
-    prediction sharpens as the steps accumulate)."""
-    samples: list[tuple[float, float, float, float]] = []
-    cal = Calibration(fit_step_model([]), target_concurrency=batch)
+    prediction sharpens as the steps accumulate). ``reused``: steps an earlier calibration on the same setup
+    timed (:class:`StepCache`): the step model starts from them and is fitted to them with this one's, and the
+    timed one-sequence request is left out (the budget goes to output lengths)."""
+    samples: list[tuple[float, float, float, float]] = [tuple(x) for x in reused]  # type: ignore[misc]
+    cal = Calibration(fit_step_model([]), target_concurrency=batch, reused_steps=len(samples))
     t_start = time.perf_counter()  # the warm-ups count against the budget: the calibration's whole cost
     # not timed: lazy initialisation (a few tokens are enough, and cost the budget least)
     _warm_up(engine, replace(order[0], token_ids=order[0].token_ids[:WARM_UP_TOKENS]), None)
-    _warm_up(engine, order[-1], samples)  # one sequence: the small-batch end of the step model
-    cal.model = _one_sequence_model(samples)
-    state = {"budget": budget_s(cal), "check": 0.0, "fitted": 0}
-    row_s = _row_prefill_seconds(samples, order, batch)
+    if samples:
+        cal.model = fit_step_model(samples)
+    else:
+        _warm_up(engine, order[-1], samples)  # one sequence: the small-batch end of the step model
+        cal.model = _one_sequence_model(samples)
+    state = BudgetState(budget_s(cal))
+    state.row_seconds = _row_prefill_seconds(cal.model, order, batch)
 
     def admit(in_flight: int) -> int:
         """Rows that may be unfinished after this step: ``in_flight`` and a step's prefills taking at most a
         third of the budget, the rows' prefills all told at most half of it (then the job's concurrency is
         not reached, and the range says so), at least a few."""
+        row_s = state.row_seconds
         if row_s <= 0:
             return batch
-        b = state["budget"]
+        b = state.seconds
         step = max(min(batch, 4), int(b / 3 / row_s))
         return max(min(batch, 4), min(batch, in_flight + step, int(b / 2 / row_s)))
 
     def refresh(running: Sequence[tuple[int, bool]] = ()) -> float:
+        t_refresh = time.perf_counter()
         cal.model = fit_step_model(samples)
         cal.lengths = OutputLengths.fit([*cal.observations, *running])
         cal.seconds = time.perf_counter() - t_start
-        state["budget"] = budget_s(cal)
-        state["check"] = cal.seconds + max(0.05, (state["budget"] - cal.seconds) / 2)
-        state["fitted"] = len(samples)
-        return state["budget"]
+        state.seconds = budget_s(cal)
+        # next: halfway to the budget, or when the time spent has grown by half (an early budget, from few
+        # lengths seen, may be far too large: it must not run unchecked)
+        state.check = cal.seconds + max(0.05, min((state.seconds - cal.seconds) / 2, cal.seconds / 2))
+        state.fitted = len(samples) - cal.reused_steps
+        state.row_seconds = _row_prefill_seconds(cal.model, order, batch)
+        state.refreshing += time.perf_counter() - t_refresh
+        return state.seconds
 
-    state["check"] = state["budget"] / 2
+    # the first budget takes every row to its bound (no length seen): re-evaluated early, at a quarter of it
+    state.check = state.seconds / 4
     cal.warmup_seconds = time.perf_counter() - t_start
     rows = order[:max_rows]
     n0 = len(samples)
     t0 = time.perf_counter()
     admitted, finished = _run_stream(engine, rows, admit, samples, cal, t_start, state, refresh)
-    batch_wall = time.perf_counter() - t0
+    batch_wall = (
+        state.stopped or time.perf_counter()
+    ) - t0  # aborting the rows still running is not the job's
     cal.rows = admitted
     if finished < admitted:
-        cal.note = f"stopped at its budget of {state['budget']:.2f} s, {admitted - finished} row(s) censored"
+        cal.note = f"stopped at its budget of {state.seconds:.2f} s, {admitted - finished} row(s) censored"
     cal.model = fit_step_model(samples)
     cal.lengths = OutputLengths.fit(cal.observations)
     cal.seconds = time.perf_counter() - t_start
     cal.steps = len(samples)
     cal.batch_steps = len(samples) - n0
-    cal.budget = state["budget"]
-    cal.step_seconds = sum(x[3] for x in samples)
+    cal.budget = state.seconds
+    if cal.seconds > cal.budget and finished < admitted and cal.batch_steps <= MIN_BATCH_STEPS:
+        cal.note += (
+            f"; its floor (the warm-up and {MIN_BATCH_STEPS} batch steps) took {cal.seconds:.2f} s, over the "
+            "budget: a job this short cannot buy a useful sample within it, the range is widened instead"
+        )
+    cal.step_seconds = sum(x[3] for x in samples[cal.reused_steps :])
+    cal.timed_steps = samples
     predicted = sum(cal.model.step_time(*x[:3]) for x in samples[n0:])
-    cal.overhead = max(1.0, batch_wall / predicted) if predicted > 0 else 1.0
+    # the budget's re-evaluations (a simulation of the whole job each) are the calibration's, not the job's
+    cal.overhead = max(1.0, (batch_wall - state.refreshing) / predicted) if predicted > 0 else 1.0
     cal.load = load_average()
     return cal
 
@@ -338,15 +488,10 @@ def _one_sequence_model(samples: Sequence[tuple[float, float, float, float]]) ->
     return StepModel((decode, max(0.0, samples[0][3] - decode) / samples[0][0], 0.0, 0.0), 0.0)
 
 
-def _row_prefill_seconds(
-    samples: Sequence[tuple[float, float, float, float]], order: Sequence[CalibrationRow], batch: int
-) -> float:
-    """Seconds a row's prefill (of the tokens the job computes, after sharing) takes, by the prefill cost per
-    token the timed warm-up showed (its first step computed its prompt, the next decoded one token); 0 when
-    it cannot tell."""
-    if len(samples) < 2 or samples[0][0] <= 0:
-        return 0.0
-    per_token = max(0.0, samples[0][3] - samples[-1][3]) / samples[0][0]
+def _row_prefill_seconds(model: StepModel, order: Sequence[CalibrationRow], batch: int) -> float:
+    """Seconds a row's prefill (of the tokens the job computes, after sharing) takes, by the first step
+    model's cost per prompt token; 0 when it cannot tell."""
+    per_token = model.coef[1]
     head = order[:batch]
     mean_prompt = sum(len(r.token_ids) if r.compute is None else r.compute for r in head) / max(1, len(head))
     return per_token * mean_prompt
@@ -359,7 +504,12 @@ def _warm_up(
     timings when ``samples`` is None; else its steps timed into ``samples``."""
     from batchgen.driver import Driver, EngineRequest, Requests
 
-    params = replace(row.params, max_tokens=2, min_tokens=0) if row.params is not None else None
+    # its two tokens whatever the row's stops (a prefill step, then a decode step: the one-sequence model)
+    params = (
+        replace(row.params, max_tokens=2, min_tokens=0, ignore_eos=True, stop=None, stop_token_ids=None)
+        if row.params is not None
+        else None
+    )
     request = EngineRequest(f"batchgen-calibration-warmup-{samples is None}", list(row.token_ids), params)
     steps = Driver(engine, Requests([request], lambda outs: None)).steps()
     prev = engine.stats.snapshot()
@@ -383,7 +533,7 @@ def _run_stream(
     samples: list[tuple[float, float, float, float]],
     cal: Calibration,
     t_start: float,
-    state: dict[str, float],
+    state: BudgetState,
     refresh: Any,
 ) -> tuple[int, int]:
     """Feed ``rows`` to the engine as the job does (a finished row's place taken by the next, at most
@@ -407,18 +557,25 @@ def _run_stream(
     dt = 0.0
     while True:
         now = time.perf_counter() - t_start
-        over = now + dt >= state["budget"]  # a step like the last one would end past the budget
+        # a step like the last one would end past the budget (less a margin for the stop: the abort, a refit)
+        over = now + dt >= STOP_MARGIN * state.seconds
         enough = len(samples) - n0 >= MIN_BATCH_STEPS
         # the budget re-evaluated halfway, and before stopping with a quarter more steps than it was fitted
         # to (the first estimate, from one sequence's steps, may be far off the job's)
-        if (now >= state["check"] and not over) or (
-            over and enough and len(samples) >= 1.25 * state["fitted"]
+        # and first once the floor of batch steps is timed, whatever the first budget (from one sequence's
+        # steps and every row at its bound, it may be far too large)
+        first = enough and not state.fitted
+        if (
+            (now >= state.check and not over)
+            or first
+            or (over and enough and len(samples) - cal.reused_steps >= 1.25 * state.fitted)
         ):
             was_over = over
             refresh(_running(engine, ids))
             # past the budget, it goes on only for a budget grown well beyond (a noisy fit may shrink it next)
-            over = now + dt >= state["budget"] / (1.25 if was_over else 1.0)
+            over = now + dt >= STOP_MARGIN * state.seconds / (1.25 if was_over else 1.0)
         if over and enough:
+            state.stopped = time.perf_counter()
             cal.observations += _running(engine, ids)
             admitted = finished + len(driver.in_flight)
             task.queue.clear()  # nothing more is admitted
@@ -465,6 +622,56 @@ def _context_tokens(engine: Any) -> float:
     return float(st.kv_blocks_used * max(1, st.block_size))
 
 
+STEP_CACHE_KIND = "step-model"
+STEP_CACHE_STEPS = 1024
+"""Most timed steps a :class:`StepCache` entry keeps (the latest)."""
+
+
+@dataclass
+class StepCache:
+    """Timed engine steps kept between dry runs under ``$BATCHGEN_CACHE/step-model/`` (:mod:`batchgen.runtime.
+    disk_cache`), one entry per setup: the model (its path and config), dtype, engine configuration, device
+    and machine (host, CPUs), the installed torch and transformers, and this module's source — the step time
+    depends on all of them, the output lengths on none of them but the model. A second dry run on the same
+    setup starts its step model from these steps and fits it to them with its own, so its budget goes to
+    output lengths. Steps timed under another load regime (:func:`load_spread` differs by 0.1 or more) are
+    not reused: a machine shared differently runs at another speed."""
+
+    key: str
+
+    @classmethod
+    def for_setup(cls, *parts: Any) -> StepCache:
+        import platform
+
+        from batchgen.runtime.disk_cache import make_key, source_key
+
+        machine = (platform.node(), platform.machine(), platform.processor(), os.cpu_count())
+        return cls(make_key(STEP_CACHE_KIND, source_key(__file__), machine, *parts))
+
+    def load(self, load: float | None) -> list[tuple[float, float, float, float]]:
+        """The kept steps, if timed under the load regime of ``load``; else none."""
+        from batchgen.runtime.disk_cache import read
+
+        entry = read(STEP_CACHE_KIND, self.key)
+        if not isinstance(entry, dict) or not isinstance(entry.get("steps"), list):
+            return []
+        if abs(load_spread(entry.get("load")) - load_spread(load)) >= 0.1:
+            return []
+        try:
+            return [tuple(float(v) for v in x[:4]) for x in entry["steps"] if len(x) >= 4]  # type: ignore[misc]
+        except (TypeError, ValueError):
+            return []
+
+    def store(self, cal: Calibration, steps: Sequence[tuple[float, float, float, float]]) -> None:
+        from batchgen.runtime.disk_cache import write
+
+        write(
+            STEP_CACHE_KIND,
+            self.key,
+            {"steps": [list(x) for x in steps[-STEP_CACHE_STEPS:]], "load": cal.load},
+        )
+
+
 def load_spread(load: float | None, cpus: int | None = None) -> float:
     """Relative uncertainty from the machine's other load: with the CPUs oversubscribed (1-minute load
     average above their count) the job gets a share ``cpus / load`` of them that the calibration measured
@@ -500,7 +707,7 @@ def relative_spread(cal: Calibration, bound: int, floor: float = 0.2, cap: float
     e_fit = cal.model.residual_rel / math.sqrt(max(cal.steps, 1))
     e_load = load_spread(cal.load)
     few = 0.3 if cal.rows < 4 else 0.0
-    e_steps = 0.25 * max(0.0, 1.0 - cal.batch_steps / FULL_SAMPLE_STEPS)
+    e_steps = 0.25 * max(0.0, 1.0 - (cal.batch_steps + cal.reused_steps) / FULL_SAMPLE_STEPS)
     e_conc = 0.0
     if cal.target_concurrency > 0 and cal.concurrency < cal.target_concurrency:
         e_conc = 0.25 * (1.0 - cal.concurrency / cal.target_concurrency)

@@ -220,6 +220,8 @@ class PlanOptions:
     """Most of the job's predicted wall time the calibration may spend (warm-up included; a few engine steps at least, a small sample widening the range); it stops, aborting the rows it runs, when that is spent."""
     calibration_rows: int = 512
     """Most rows the calibration runs, fed as the job feeds them (engine.max_num_seqs at once); fewer when plan.calibration_fraction caps it."""
+    reuse_step_model: bool = True
+    """Keep the calibration's timed engine steps in $BATCHGEN_CACHE/step-model/ per model, dtype, engine configuration and machine, and start a later dry run's step model from them (its budget then goes to output lengths); false = time every step model afresh."""
 
     def __post_init__(self) -> None:
         if self.sample_rows is not None and self.sample_rows < 1:

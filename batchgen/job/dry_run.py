@@ -41,7 +41,9 @@ from batchgen.engine.config import parse_bytes
 from batchgen.job.calibrate import (
     Calibration,
     CalibrationRow,
+    StepCache,
     StepModel,
+    load_average,
     output_bound,
     relative_spread,
     run_calibration,
@@ -599,7 +601,13 @@ def build_plan(
     strata = _strata(lens, inp.heads)
     cal: Calibration | None = None
     if engine is not None and pc.calibrate and n_fed:
-        cal = _calibrate(engine, strata, saved, inp, engine_cfg, pc, scale, replicas)
+        cache = None
+        if pc.reuse_step_model:
+            dev = _device_memory(engine)[0]
+            cache = StepCache.for_setup(
+                model, model_path, _config_text(model_path), model_dtype, repr(engine_cfg), dev
+            )
+        cal = _calibrate(engine, strata, saved, inp, engine_cfg, pc, scale, replicas, cache)
     expected = _expected_outputs(bounds, cal)
     out_expected = sum(e * n for e, n in zip(expected, ns))
     data["output_tokens"] = {
@@ -660,7 +668,15 @@ def _sim_requests(lens, saved, outputs, ns) -> list[SimRequest]:  # noqa: ANN001
     return [SimRequest(n - c, n, max(1, int(round(o))), k) for n, c, o, k in zip(lens, saved, outputs, ns)]
 
 
-def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas) -> Calibration:  # noqa: ANN001
+def _config_text(model_path: str | None) -> str | None:
+    """The checkpoint's config.json (what the step time depends on: the shapes), when it is a local folder."""
+    try:
+        return (Path(model_path) / "config.json").read_text() if model_path else None
+    except OSError:
+        return None
+
+
+def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas, cache) -> Calibration:  # noqa: ANN001
     rows = [CalibrationRow(i, r.token_ids, r.params, strata[i], r.lora, inp.lens[i] - saved[i])  # type: ignore[arg-type]
             for i, r in inp.kept.items()]  # fmt: skip
     order = strata_order(rows)
@@ -668,7 +684,9 @@ def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas)
     pool = engine.stats.num_blocks * bs or None
 
     def budget(cal: Calibration) -> float:
-        expected = _expected_outputs(inp.bounds, cal, lower=True)
+        # the job's time predicted from what is measured so far, output lengths at their estimate (which does
+        # not err long: :class:`OutputLengths`); before any length is seen, at their bound
+        expected = _expected_outputs(inp.bounds, cal)
         reqs = _sim_requests(inp.lens, saved, expected, inp.ns)
         t = simulate_schedule(
             reqs, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool, bs
@@ -680,7 +698,11 @@ def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas)
     mean_n = sum(inp.ns) / max(1, len(inp.ns))
     batch = max(1, min(len(order), int(ecfg.max_num_seqs / max(1.0, mean_n))))
     max_rows = min(pc.calibration_rows, len(order))
-    return run_calibration(engine, order, max_rows, budget, batch)
+    reused = cache.load(load_average()) if cache is not None else []
+    cal = run_calibration(engine, order, max_rows, budget, batch, reused)
+    if cache is not None:
+        cache.store(cal, cal.timed_steps)
+    return cal
 
 
 def _expected_outputs(bounds, cal: Calibration | None, lower: bool = False) -> list[float]:  # noqa: ANN001
@@ -688,13 +710,12 @@ def _expected_outputs(bounds, cal: Calibration | None, lower: bool = False) -> l
     spread quantiles of the calibrated length distribution (:class:`OutputLengths`), so the simulation sees
     the spread of lengths (the long tail that keeps a batch running) and their total is the expectation.
     ``lower``: the least the samples seen so far allow (every sample still running ends at once; one token
-    each before any was seen), for the calibration's budget: it only grows as the calibration sees longer
-    outputs, so the calibration never spends on a job it thought longer than it turns out."""
+    each before any was seen): the low end of the range."""
     if lower:
         if cal is None or not cal.lengths.observations:
             return [1.0 if b > 0 else 0.0 for b in bounds]
         return [float(x) for x in cal.lengths.at_least().quantiles(bounds)]
-    if cal is None or not cal.observations:
+    if cal is None or not cal.lengths.observations:
         return [float(b) for b in bounds]
     return [float(x) for x in cal.lengths.quantiles(bounds)]
 
@@ -746,6 +767,8 @@ def _predict_time(
         "peak_kv_blocks": max(x.peak_blocks for x in sims) or None,
     }
     predicted["wall_time_range_s"] = [min(wall, wall_min) * (1 - e), wall * (1 + e)]
+    # what the engine computes: after prefix sharing, and again for a request preempted (recompute)
+    predicted["prompt_tokens_to_compute"] = round(sum(x.prompt_tokens for x in sims) * scale)
     devices = max(1, replicas) * max(1, ecfg.tensor_parallel_size)
     predicted["device_hours"] = wall * devices / 3600.0
     predicted["cost"] = predicted["device_hours"] * pc.cost_per_hour if pc.cost_per_hour is not None else None
@@ -761,6 +784,7 @@ def _predict_time(
         "budget_s": round(cal.budget, 3),
         "steps": cal.steps,
         "batch_steps": cal.batch_steps,
+        "reused_steps": cal.reused_steps,
         "device": dev_name,
         "overhead": cal.overhead,
         "step_model": cal.model.to_dict(),

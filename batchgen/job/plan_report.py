@@ -156,7 +156,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines += [
         ("prompt tokens", f"{_num(tok['total'])} (p50 {_num(tok['p50'])}, p90 {_num(tok['p90'])}, "
                           f"p99 {_num(tok['p99'])}, max {_num(tok['max'])})"),
-        ("prompt tokens to compute", f"{_num(pred['prompt_tokens_to_compute'])} after prefix sharing "
+        ("prompt tokens to compute", f"{_num(pred['prompt_tokens_to_compute'])} after prefix sharing, with preemptions' recompute "
                                      f"(predicted prefix hit rate {pred['prefix_hit_rate']:.1%})"),
     ]  # fmt: skip
     for note in (plan.get("sharing") or {}).get("notes") or []:

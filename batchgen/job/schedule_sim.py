@@ -57,6 +57,8 @@ class SimResult:
     preemptions: int = 0
     peak_blocks: int = 0
     """Most KV blocks held at once (0 without a pool)."""
+    prompt_tokens: int = 0
+    """Prompt tokens computed: after prefix sharing, and again (with the tokens generated) after preemption."""
 
 
 class _Decoder:
@@ -106,6 +108,7 @@ class _Schedule:
         self.t = 0.0
         self.uid = 0
         self.peak = self.peak_blocks = self.preemptions = 0
+        self.prompt_tokens = 0
 
     # ------------------------------------------------------------------------------------------ blocks
     def used(self) -> int:
@@ -232,7 +235,7 @@ class _Schedule:
                 self.mixed_step(can_admit)
             self.finish_decoders()
             self.peak = max(self.peak, self.seqs)
-        return SimResult(self.t, self.step, self.peak, self.preemptions, self.peak_blocks)
+        return SimResult(self.t, self.step, self.peak, self.preemptions, self.peak_blocks, self.prompt_tokens)
 
     def decode_stretch(self, c: Any) -> None:
         """Decode steps until the next request finishes or the pool runs out: D fixed, K growing by D a step."""
@@ -276,6 +279,7 @@ class _Schedule:
                 self.prefilled(item)
             can_admit = self.can_admit()
         self.t += self.model.step_time(p, dn0 + done_now, k0)
+        self.prompt_tokens += p
         self.advance(1)
 
 
