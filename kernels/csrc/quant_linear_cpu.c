@@ -238,7 +238,9 @@ enum { INT4 = 1004, INT8 = 1008 }; /* compressed-tensors' packed integers (not g
 #ifndef XREG
 #define XREG 2 /* tiles of up to XREG rows (4-bit codes): x vectors loaded once per 8 values for the GC outputs */
 #endif
+#ifndef KC
 #define KC 256 /* values per buffered chunk */
+#endif
 
 typedef struct {
     const uint8_t *w;
@@ -525,7 +527,9 @@ static inline __attribute__((always_inline)) void buffered_tile(const float *x, 
         for (int c = 0; c < GC; c++) _mm256_storeu_ps(sums + r * ss + c * 8, acc[r][c]);
 }
 
+#ifndef BG
 #define BG 16 /* outputs per group of the buffered path: each tile of input rows, in L1, serves BG / GC tiles */
+#endif
 
 /* Rows r0 .. r0 + R - 1 of a buffered chunk against all BG buffered outputs. */
 static inline __attribute__((always_inline)) void buffered_rows_tile(const float *x, int64_t lda, const float *wb,
@@ -551,7 +555,9 @@ static void buffered_rows(const float *x, int64_t lda, const float *wb, int kc, 
     }
 }
 
+#ifndef MBUF
 #define MBUF 64 /* input rows per pass over a buffered chunk */
+#endif
 
 /* The whole product for one format (a constant once inlined). */
 static inline __attribute__((always_inline)) void simd_gemm_kind(const float *x, int64_t lda, const Src *s,
