@@ -38,8 +38,9 @@
  * caches hold 4, 2 or 1 bytes per value, indexed as above in elements. The decode items (AVX2 + F16C, head_dim a
  * multiple of 8) read the cache in place and widen 8 values at a time in registers as the dot products and
  * value sums consume them (decode_scores, decode_values: every cache dtype, float32 included, through one
- * loop; tokens in chunks of 8 / G for GQA groups G of 1, 2, 4, so each query or output vector is loaded once per
- * chunk and each cache vector widened once per KV head: see decode_chunks); otherwise what an item reads is widened to float32 as it is read -- each token's span of K/V rows
+ * loop; a narrow cache's tokens in chunks of 8 / G for GQA groups G of 1, 2, 4 (and 1 for multiples of 8), so
+ * each query or output vector is loaded once per chunk and each cache vector widened once per KV head: see
+ * decode_chunks); otherwise what an item reads is widened to float32 as it is read -- each token's span of K/V rows
  * (decode), each block's rows of a head (prefill, the prefix half) -- into a per-thread buffer that stays in
  * L1, and the float32 code runs on it. Either way: exact attention over the rounded values, the memory
  * traffic of the narrow cache. bfloat16 widens by a shift, float16 by F16C (exact
@@ -926,7 +927,10 @@ static inline __attribute__((always_inline)) void decode_scores(const float *q, 
                                                                 const int kind) {
     const int kv_heads = heads / group;
     float *out = NULL;
-    if (group == 1) CHUNKED(0, 1, 8, kind);
+    if (kind == KV_F32) /* one token at a time: chunks ran slower over a float32 cache in shuffled blocks */
+        decode_scores_tokenwise(q, q_stride_h, cache, table, first, len, block_size, stride_block, row, offset, heads,
+                                group, head_dim, scale, s, n, kind);
+    else if (group == 1) CHUNKED(0, 1, 8, kind);
     else if (group == 2) CHUNKED(0, 2, 4, kind);
     else if (group == 4) CHUNKED(0, 4, 2, kind);
     else if (group % 8 == 0) CHUNKED(0, 8, 1, kind);
@@ -945,7 +949,10 @@ static inline __attribute__((always_inline)) void decode_values(const char *cach
     const int64_t q_stride_h = 0;
     const float scale = 1.0f;
     float *s = (float *)s_in; /* read only (values) */
-    if (group == 1) CHUNKED(1, 1, 8, kind);
+    if (kind == KV_F32) /* one token at a time: chunks ran slower over a float32 cache in shuffled blocks */
+        decode_values_tokenwise(cache, table, first, len, block_size, stride_block, row, offset, kv_heads, group,
+                                head_dim, s_in, n, out, kind);
+    else if (group == 1) CHUNKED(1, 1, 8, kind);
     else if (group == 2) CHUNKED(1, 2, 4, kind);
     else if (group == 4) CHUNKED(1, 4, 2, kind);
     else if (group % 8 == 0) CHUNKED(1, 8, 1, kind);
