@@ -221,6 +221,24 @@ def test_cpu_kernels_widen_narrow_caches(_kernel, monkeypatch, dtype, generic) -
 
 
 @needs_compiler
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2), (8, 2), (16, 2)])
+def test_cpu_decode_over_a_narrow_cache_is_the_float32_kernel_on_the_rounded_values(_kernel, heads) -> None:
+    """Every GQA group (tokens read in chunks for groups 1, 2, 4 and multiples of 8, one at a time otherwise) and
+    lengths that end mid-chunk: a narrow cache gives bit for bit the float32 cache's result on its values, and
+    that is the float64 reference's within float32 rounding."""
+    hq, hkv = heads
+    batch = make_paged_batch(
+        [1, 3, 15, 16, 17, 70], num_q_heads=hq, num_kv_heads=hkv, head_dim=64, block_size=16
+    )
+    want = cpu_kernel.decode(batch.q, batch.kv, batch.options())
+    torch.testing.assert_close(want.double(), reference_attention(batch), **TOL)
+    for dtype in NARROW:
+        narrow, rounded = narrow_batch(batch, dtype)
+        got = cpu_kernel.decode(narrow.q, narrow.kv, narrow.options())
+        assert torch.equal(got, cpu_kernel.decode(rounded.q, rounded.kv, rounded.options())), dtype
+
+
+@needs_compiler
 def test_cpu_decode_e4m3_spans_with_nan_codes_read_as_they_are(_kernel) -> None:
     """e4m3fn spans without a NaN code are read at 2^-8 of their value (scaled back exactly); a token whose K or V
     holds a NaN code (0x7f, 0xff) is read as it is: the result is bit for bit the kernel's over a float32 cache of

@@ -49,7 +49,7 @@ def test_bad_shapes_are_refused() -> None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [3, 29])  # the register-tiled path (few rows) and the buffered one (many)
+@pytest.mark.parametrize("rows", [2, 3, 29])  # register tiles (x in registers up to 2 rows), buffered (many)
 def test_simd_build_equals_generic_build(monkeypatch, rows) -> None:
     """The SIMD kernels (in-register widening, table lookups, register tiles) give the plain-C loops' bits: the
     same dequantized weights, multiplied and summed in the same order, for every format."""

@@ -12,7 +12,10 @@ machine, never absolute claims.
 
 ``--kv-context N`` adds the decode-heavy narrow-cache run: ``--kv-seqs`` sequences with N-token prompts whose KV
 blocks are computed once (a one-token warm-up run fills the prefix cache), then ``--kv-new`` greedy tokens each:
-the timed run is decode steps attending over N-token contexts, per cache dtype.
+the timed run is decode steps attending over N-token contexts, per cache dtype of ``--kv-dtypes`` (the first is the
+base), each in the float32 cache's memory for those sequences; ``--kv-equal-memory bfloat16,fp8`` adds those dtypes
+at the sequences that memory holds in their narrower blocks (2x, 4x). ``--kv-rounds`` timed rounds run interleaved
+over the systems and each reports its best round.
 
 llama.cpp (a peer on the Q8_0 and Q4_0 files; rows ``llama.cpp GGUF Q8_0`` / ``Q4_0``, chosen by ``--systems``
 as the others): :mod:`batchgen.bench.llamacpp_peer` run as a child process under ``--llamacpp-python`` (default
@@ -108,24 +111,81 @@ def generate_run(path: str, batch: int, args, kv_cache_memory: str = "1GiB", **o
     )
 
 
-def _kv_decode(path: str, args, kv_cache_dtype: str) -> tuple[float, float, list[list[int]]]:
-    """Decode-heavy run: --kv-seqs prompts of --kv-context tokens, their KV computed by a one-token warm-up (kept
-    by the prefix cache), then --kv-new greedy tokens each, timed."""
+@dataclass
+class KVSystem:
+    """One decode-heavy configuration: a cache dtype, its sequences and its engine with their prompts' KV cached."""
+
+    name: str
+    dtype: str
+    seqs: int
+    llm: object
+    prompts: list
+    best: tuple[float, float] = (
+        0.0,
+        0.0,
+    )  # (tok / CPU-s, wall tok / s) of the round with the most tok / CPU-s
+    tokens: list | None = None
+
+
+def _kv_system(path: str, args, kv_cache_dtype: str, seqs: int, kv_bytes: int, name: str) -> KVSystem:
+    """An engine with `kv_bytes` of KV cache in `kv_cache_dtype` whose prefix cache holds `seqs` prompts of
+    --kv-context tokens (a one-token run computed them); the same prompts for every system (the first ones of
+    one seeded stream)."""
     from batchgen import LLM, SamplingParams
 
-    n, ctx = args.kv_seqs, args.kv_context
-    need = n * (ctx + args.kv_new + 32) * 8 * args.layers * args.hidden  # float32 K+V bytes, with room
-    llm = LLM(path, max_num_seqs=n, kv_cache_memory=f"{max(1, need // 2**20 + 64)}MiB",
+    ctx = args.kv_context
+    llm = LLM(path, max_num_seqs=seqs, kv_cache_memory=f"{max(1, kv_bytes // 2**20 + 64)}MiB",
               kv_cache_dtype=kv_cache_dtype, max_model_len=ctx + args.kv_new + 32)  # fmt: skip
     g = torch.Generator().manual_seed(1)
-    prompts = [{"prompt_token_ids": torch.randint(5, 4000, (ctx,), generator=g).tolist()} for _ in range(n)]
+    prompts = [
+        {"prompt_token_ids": torch.randint(5, 4000, (ctx,), generator=g).tolist()} for _ in range(seqs)
+    ]
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return KVSystem(name, kv_cache_dtype, seqs, llm, prompts)
+
+
+def _kv_round(system: KVSystem, args) -> None:
+    """One timed decode-heavy run: --kv-new greedy tokens for each of the system's prompts (their KV cached, so
+    the steps attend over --kv-context tokens); keeps the best round's rates."""
+    from batchgen import SamplingParams
+
     params = SamplingParams(max_tokens=args.kv_new, temperature=0.0, ignore_eos=True)
     start, cpu = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = system.llm.generate(system.prompts, params, use_tqdm=False)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    tokens = n * args.kv_new
-    return tokens / wall, tokens / cpu, [o.outputs[0].token_ids for o in outs]
+    tokens = system.seqs * args.kv_new
+    if tokens / cpu > system.best[0]:
+        system.best = (tokens / cpu, tokens / wall)
+    system.tokens = [o.outputs[0].token_ids for o in outs]
+
+
+def kv_decode_runs(path: str, args) -> list[dict]:
+    """The decode-heavy rows: each of --kv-dtypes at --kv-seqs sequences in the float32 cache's memory for them,
+    and each of --kv-equal-memory at as many more sequences as that memory holds in its narrower blocks; --kv-rounds
+    timed rounds interleaved over the systems (the best round's rates per system: load from other processes
+    only ever slows a round down)."""
+    from batchgen.kernels.kv_cache_dtype import cache_dtype
+
+    n, ctx = args.kv_seqs, args.kv_context
+    kv_bytes = n * (ctx + args.kv_new + 32) * 8 * args.layers * args.hidden  # float32 K+V bytes, with room
+    systems = [_kv_system(path, args, d, n, kv_bytes, f"batchgen float32, {d} KV, {ctx}-token contexts")
+               for d in args.kv_dtypes.split(",") if d]  # fmt: skip
+    for d in (d for d in args.kv_equal_memory.split(",") if d):
+        more = n * 4 // cache_dtype(d, torch.float32).itemsize
+        name = f"batchgen float32, {d} KV, {ctx}-token contexts, the float32 cache's memory"
+        systems.append(_kv_system(path, args, d, more, kv_bytes, name))
+    for _ in range(args.kv_rounds):
+        for system in systems:
+            _kv_round(system, args)
+    base = systems[0]
+    rows = []
+    for s in systems:
+        row = {"system": s.name, "seqs": s.seqs, "tok_s": round(s.best[1], 1), "tok_per_cpu_s": round(s.best[0], 1),
+               "vs_first_per_cpu_s": round(s.best[0] / base.best[0], 3), "rounds": args.kv_rounds}  # fmt: skip
+        if s.seqs == base.seqs:
+            row["greedy_agreement"] = round(_agreement(s.tokens, base.tokens), 3)
+        rows.append(row)
+    return rows
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -164,6 +224,15 @@ def main() -> None:
     p.add_argument("--kv-context", type=int, default=0, help="also the decode-heavy KV run at this context")
     p.add_argument("--kv-seqs", type=int, default=16)
     p.add_argument("--kv-new", type=int, default=64)
+    p.add_argument(
+        "--kv-dtypes", default="float32,bfloat16,fp8", help="cache dtypes of the KV run (first: base)"
+    )
+    p.add_argument(
+        "--kv-equal-memory", default="", help="dtypes also run at the sequences the base's memory holds"
+    )
+    p.add_argument(
+        "--kv-rounds", type=int, default=3, help="timed rounds per KV system (the best is reported)"
+    )
     p.add_argument("--skip-weights", action="store_true", help="only the --kv-context run")
     p.add_argument("--systems", default="", help="comma-separated substrings: only the systems they name")
     p.add_argument("--llamacpp-python", default=os.environ.get("BATCHGEN_LLAMACPP_PYTHON", sys.executable),
@@ -223,13 +292,8 @@ def main() -> None:
                 row["first_token_agreement"] = round(sum(first) / len(first), 3)
             emit({**row, "threads": res["threads"], "build": res["llama_cpp"]})
     if args.kv_context:
-        base = None
-        for dtype in ("float32", "bfloat16", "fp8"):
-            tps, cps, tokens = _kv_decode(f32, args, dtype)
-            base = tokens if base is None else base
-            emit({"system": f"batchgen float32, {dtype} KV, {args.kv_context}-token contexts", "seqs": args.kv_seqs,
-                  "tok_s": round(tps, 1), "tok_per_cpu_s": round(cps, 1),
-                  "greedy_agreement": round(_agreement(tokens, base), 3)})  # fmt: skip
+        for row in kv_decode_runs(f32, args):
+            emit(row)
     print(json.dumps({"loadavg": os.getloadavg(), "threads": torch.get_num_threads(), "args": vars(args)}))
 
 

@@ -38,7 +38,9 @@
  * caches hold 4, 2 or 1 bytes per value, indexed as above in elements. The decode items (AVX2 + F16C, head_dim a
  * multiple of 8) read the cache in place and widen 8 values at a time in registers as the dot products and
  * value sums consume them (decode_scores, decode_values: every cache dtype, float32 included, through one
- * loop); otherwise what an item reads is widened to float32 as it is read -- each token's span of K/V rows
+ * loop; a narrow cache's tokens in chunks of 8 / G for GQA groups G of 1, 2, 4 (and 1 for multiples of 8), so
+ * each query or output vector is loaded once per chunk and each cache vector widened once per KV head: see
+ * decode_chunks); otherwise what an item reads is widened to float32 as it is read -- each token's span of K/V rows
  * (decode), each block's rows of a head (prefill, the prefix half) -- into a per-thread buffer that stays in
  * L1, and the float32 code runs on it. Either way: exact attention over the rounded values, the memory
  * traffic of the narrow cache. bfloat16 widens by a shift, float16 by F16C (exact
@@ -676,12 +678,15 @@ static inline __attribute__((always_inline)) __m256 load8(const char *p, int64_t
         return _mm256_castsi256_ps(
             _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
     if (kind == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    if (kind == KV_E4M3_SCALED) { /* sign-extended code << 7: sign at bit 15 and a copy at bit 14 (cleared) */
+        const __m128i v = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)p + i)));
+        return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(v, 7), _mm_set1_epi16((short)0xbfff)));
+    }
     const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)p + i)));
     if (kind == KV_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(v, 8));
     const __m128i mag = _mm_and_si128(v, _mm_set1_epi16(0x7f));
     const __m128i sign = _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x80)), 8);
     const __m256 h = _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(mag, 7), sign));
-    if (kind == KV_E4M3_SCALED) return h;
     const __m256 f = _mm256_mul_ps(h, _mm256_set1_ps(256.0f)); /* e4m3fn, as widen_span */
     const __m256 nan = _mm256_or_ps(_mm256_and_ps(f, _mm256_set1_ps(-0.0f)), _mm256_set1_ps(NAN));
     const __m256i is_nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
@@ -727,7 +732,7 @@ static inline __attribute__((always_inline)) void scores_token(const float *q, i
 /* Pass 1 of a decode item (attend_item) with the cache read in place and widened in registers: s[qh * n + t -
  * first] = scale * q_qh . k_t (head_dim % 8 == 0). e4m3fn tokens without NaN codes are read scaled by 2^-8 and
  * their dots multiplied by 256 * scale: the same products and sums scaled by powers of two, the same bits. */
-static inline __attribute__((always_inline)) void decode_scores(const float *q, int64_t q_stride_h,
+static inline __attribute__((always_inline)) void decode_scores_tokenwise(const float *q, int64_t q_stride_h,
                                                                 const char *k_cache, const int32_t *table,
                                                                 int first, int len, int block_size,
                                                                 int64_t stride_block, int64_t row, int64_t offset,
@@ -769,7 +774,7 @@ static inline __attribute__((always_inline)) void values_token(const char *base,
 /* Pass 2 of a decode item, the cache read in place and widened in registers: out[qh] = sum_t p[qh][t] v_t
  * (unnormalised), token after token (each token's V span of the item's heads read once, as a stream; the same
  * row of the next block prefetched). e4m3fn tokens without NaN codes: read scaled by 2^-8, weights times 256. */
-static inline __attribute__((always_inline)) void decode_values(const char *v_cache, const int32_t *table,
+static inline __attribute__((always_inline)) void decode_values_tokenwise(const char *v_cache, const int32_t *table,
                                                                 int first, int len, int block_size,
                                                                 int64_t stride_block, int64_t row, int64_t offset,
                                                                 int kv_heads, int group, int head_dim,
@@ -786,6 +791,176 @@ static inline __attribute__((always_inline)) void decode_values(const char *v_ca
             values_token(base, kv_heads, group, head_dim, p, n, 1.0f, out, kind);
     }
 }
+
+/* Chunks of CT tokens (decode_scores, decode_values where the GQA group is 1, 2, 4 or a multiple of 8): the dot
+ * products of QB query heads of one KV head with CT tokens (QB x CT = 8 accumulators, one sum8x8), and the value
+ * sums of QB query heads over CT tokens at a time, so each query vector (scores) or output vector (values) is
+ * loaded once per chunk and each 8 cache values are widened once for the KV head's query heads. The products
+ * and the order of every sum are those of one token at a time: a dot's eight lanes over head_dim in order,
+ * summed by sum8x8 (the same order in every lane), and out += p_t v_t token after token. */
+
+/* dst[i * n + tt] = mul * q_i . k_tt for QB query heads (q: the first, rows q_stride_h apart) and NT <= CT
+ * tokens (k[tt]: a token's K row of their KV head). */
+static inline __attribute__((always_inline)) void scores_chunk(const float *q, int64_t q_stride_h,
+                                                               const char *const *k, int head_dim, float mul,
+                                                               float *dst, int n, const int QB, const int CT,
+                                                               const int NT, const int kind) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int c = 0; c < head_dim; c += 8) {
+        __m256 qv[8];
+        for (int i = 0; i < QB; i++) qv[i] = _mm256_loadu_ps(q + i * q_stride_h + c);
+        for (int tt = 0; tt < NT; tt++) {
+            const __m256 kv = load8(k[tt], c, kind);
+            for (int i = 0; i < QB; i++) a[i * CT + tt] = _mm256_fmadd_ps(qv[i], kv, a[i * CT + tt]);
+        }
+    }
+    float dots[8];
+    _mm256_storeu_ps(dots, _mm256_mul_ps(sum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]),
+                                         _mm256_set1_ps(mul)));
+    for (int i = 0; i < QB; i++)
+        for (int tt = 0; tt < NT; tt++) dst[(size_t)i * n + tt] = dots[i * CT + tt];
+}
+
+/* The scores of NT tokens (base[tt]: the token's K rows of the item's heads) for every query head. */
+static inline __attribute__((always_inline)) void scores_tokens(const float *q, int64_t q_stride_h,
+                                                                const char *const *base, int kv_heads, int group,
+                                                                int head_dim, float mul, float *dst, int n,
+                                                                const int QB, const int CT, const int NT,
+                                                                const int kind) {
+    const int64_t es = kv_bytes(kind);
+    for (int h = 0; h < kv_heads; h++) {
+        const char *k[8];
+        for (int tt = 0; tt < NT; tt++) k[tt] = base[tt] + (int64_t)h * head_dim * es;
+        for (int g = 0; g < group; g += QB)
+            scores_chunk(q + (int64_t)(h * group + g) * q_stride_h, q_stride_h, k, head_dim, mul,
+                         dst + (size_t)(h * group + g) * n, n, QB, CT, NT, kind);
+    }
+}
+
+/* out[qh] += sum_tt (mul p[qh * n + tt]) v_tt for NT tokens (base[tt]: the token's V rows of the item's heads),
+ * tokens in order. */
+static inline __attribute__((always_inline)) void values_tokens(const char *const *base, int kv_heads, int group,
+                                                                int head_dim, const float *p, int n, float mul,
+                                                                float *out, const int QB, const int CT,
+                                                                const int NT, const int kind) {
+    const int64_t es = kv_bytes(kind);
+    for (int h = 0; h < kv_heads; h++) {
+        const char *v[8];
+        for (int tt = 0; tt < NT; tt++) v[tt] = base[tt] + (int64_t)h * head_dim * es;
+        for (int g0 = 0; g0 < group; g0 += QB) {
+            const float *ph = p + (size_t)(h * group + g0) * n;
+            float *o = out + (size_t)(h * group + g0) * head_dim;
+            __m256 pv[8];
+            for (int i = 0; i < QB; i++)
+                for (int tt = 0; tt < NT; tt++) pv[i * CT + tt] = _mm256_set1_ps(mul * ph[(size_t)i * n + tt]);
+            for (int c = 0; c < head_dim; c += 8) {
+                __m256 w[8];
+                for (int tt = 0; tt < NT; tt++) w[tt] = load8(v[tt], c, kind);
+                for (int i = 0; i < QB; i++) {
+                    float *oi = o + (size_t)i * head_dim + c;
+                    __m256 acc = _mm256_loadu_ps(oi);
+                    for (int tt = 0; tt < NT; tt++) acc = _mm256_fmadd_ps(pv[i * CT + tt], w[tt], acc);
+                    _mm256_storeu_ps(oi, acc);
+                }
+            }
+        }
+    }
+}
+
+/* Pass 1 or 2 of a decode item (values: out zeroed first) over tokens first .. len - 1 in chunks of CT; e4m3fn
+ * chunks without NaN codes are read scaled by 2^-8 (mul times 256), the others token by token as their codes
+ * allow. */
+static inline __attribute__((always_inline)) void decode_chunks(const float *q, int64_t q_stride_h,
+                                                                const char *cache, const int32_t *table,
+                                                                int first, int len, int block_size,
+                                                                int64_t stride_block, int64_t row, int64_t offset,
+                                                                int kv_heads, int group, int head_dim, float scale,
+                                                                float *s, int n, float *out, const int values,
+                                                                const int QB, const int CT, const int kind) {
+    const int64_t es = kv_bytes(kind), span = (int64_t)kv_heads * head_dim * es;
+    const int last_block = (len - 1) / block_size;
+    if (values) memset(out, 0, sizeof(float) * (size_t)kv_heads * group * head_dim);
+#define CHUNK(B, MUL, NT, K)                                                                                       \
+    do {                                                                                                          \
+        if (values) values_tokens(B, kv_heads, group, head_dim, s + (t - first) + (B - base), n, MUL, out, QB, CT, \
+                                  NT, K);                                                                         \
+        else scores_tokens(q, q_stride_h, B, kv_heads, group, head_dim, (MUL) * scale, s + (t - first) + (B - base), \
+                           n, QB, CT, NT, K);                                                                     \
+    } while (0)
+    for (int t = first; t < len; t += CT) {
+        const int nt = len - t < CT ? len - t : CT;
+        const char *base[8];
+        for (int tt = 0; tt < nt; tt++)
+            base[tt] = token_rows(cache, es, table, t + tt, block_size, last_block, stride_block, row, offset, span);
+        if (kind == KV_E4M3) {
+            int clean = nt == CT;
+            for (int tt = 0; tt < nt && clean; tt++) clean = !e4m3_nan(base[tt], span);
+            if (clean) {
+                CHUNK(base, 256.0f, CT, KV_E4M3_SCALED);
+                continue;
+            }
+            for (int tt = 0; tt < nt; tt++) {
+                if (!e4m3_nan(base[tt], span)) CHUNK(base + tt, 256.0f, 1, KV_E4M3_SCALED);
+                else CHUNK(base + tt, 1.0f, 1, KV_E4M3);
+            }
+            continue;
+        }
+        if (nt == CT) CHUNK(base, 1.0f, CT, kind);
+        else
+            for (int tt = 0; tt < nt; tt++) CHUNK(base + tt, 1.0f, 1, kind);
+    }
+#undef CHUNK
+}
+
+#define CHUNKED(values, QB, CT, kind)                                                                              \
+    decode_chunks(q, q_stride_h, cache, table, first, len, block_size, stride_block, row, offset, kv_heads, group,  \
+                  head_dim, scale, s, n, out, values, QB, CT, kind)
+
+/* Pass 1 of a decode item (attend_item): s[qh * n + t - first] = scale * q_qh . k_t, the cache read in place and
+ * widened in registers (head_dim % 8 == 0). */
+static inline __attribute__((always_inline)) void decode_scores(const float *q, int64_t q_stride_h,
+                                                                const char *cache, const int32_t *table, int first,
+                                                                int len, int block_size, int64_t stride_block,
+                                                                int64_t row, int64_t offset, int heads, int group,
+                                                                int head_dim, float scale, float *s, int n,
+                                                                const int kind) {
+    const int kv_heads = heads / group;
+    float *out = NULL;
+    if (kind == KV_F32) /* one token at a time: chunks ran slower over a float32 cache in shuffled blocks */
+        decode_scores_tokenwise(q, q_stride_h, cache, table, first, len, block_size, stride_block, row, offset, heads,
+                                group, head_dim, scale, s, n, kind);
+    else if (group == 1) CHUNKED(0, 1, 8, kind);
+    else if (group == 2) CHUNKED(0, 2, 4, kind);
+    else if (group == 4) CHUNKED(0, 4, 2, kind);
+    else if (group % 8 == 0) CHUNKED(0, 8, 1, kind);
+    else
+        decode_scores_tokenwise(q, q_stride_h, cache, table, first, len, block_size, stride_block, row, offset, heads,
+                                group, head_dim, scale, s, n, kind);
+}
+
+/* Pass 2 of a decode item: out[qh] = sum_t p[qh][t] v_t (unnormalised), as decode_scores reads K. */
+static inline __attribute__((always_inline)) void decode_values(const char *cache, const int32_t *table, int first,
+                                                                int len, int block_size, int64_t stride_block,
+                                                                int64_t row, int64_t offset, int kv_heads, int group,
+                                                                int head_dim, const float *s_in, int n, float *out,
+                                                                const int kind) {
+    const float *q = NULL;
+    const int64_t q_stride_h = 0;
+    const float scale = 1.0f;
+    float *s = (float *)s_in; /* read only (values) */
+    if (kind == KV_F32) /* one token at a time: chunks ran slower over a float32 cache in shuffled blocks */
+        decode_values_tokenwise(cache, table, first, len, block_size, stride_block, row, offset, kv_heads, group,
+                                head_dim, s_in, n, out, kind);
+    else if (group == 1) CHUNKED(1, 1, 8, kind);
+    else if (group == 2) CHUNKED(1, 2, 4, kind);
+    else if (group == 4) CHUNKED(1, 4, 2, kind);
+    else if (group % 8 == 0) CHUNKED(1, 8, 1, kind);
+    else
+        decode_values_tokenwise(cache, table, first, len, block_size, stride_block, row, offset, kv_heads, group,
+                                head_dim, s_in, n, out, kind);
+}
+#undef CHUNKED
 
 #define BY_KIND(call_with_kind)                                                                                    \
     switch (kind) {                                                                                               \

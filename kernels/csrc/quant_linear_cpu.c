@@ -213,7 +213,8 @@ static void fill_int(const void *ctx, int n, int k0, int len, float *out) {
  * Small batches (M <= FUSED_MAX, the memory-bound decode of a few sequences): threads split the outputs in
  * groups of GC; a group's weights are widened in registers and multiplied at once with up to FR input rows held
  * as FR x GC vector accumulators over all of K, so each packed byte is read once per FR rows (once per step for
- * up to FR sequences). Larger batches: a group's weights are widened one chunk (KC values) at a time into an L1
+ * up to FR sequences). With at most XREG rows and 4-bit codes, the span's GC tables are built first and each 8 x
+ * values are loaded once for the GC outputs (the products and their order unchanged). Larger batches: a group's weights are widened one chunk (KC values) at a time into an L1
  * buffer shared by MB input rows, multiplied in register tiles of BR x GC whose sums are kept in memory between
  * chunks (the order per output is unchanged). */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(BATCHGEN_GENERIC)
@@ -234,7 +235,12 @@ enum { INT4 = 1004, INT8 = 1008 }; /* compressed-tensors' packed integers (not g
 #define LUT4 1 /* 4-bit codes widened by a 16-entry table lookup (vpermt2ps ignores the index's high bits) */
 #endif
 #define FUSED_MAX (2 * FR)
+#ifndef XREG
+#define XREG 2 /* tiles of up to XREG rows (4-bit codes): x vectors loaded once per 8 values for the GC outputs */
+#endif
+#ifndef KC
 #define KC 256 /* values per buffered chunk */
+#endif
 
 typedef struct {
     const uint8_t *w;
@@ -443,6 +449,40 @@ static inline __attribute__((always_inline)) void fused_tile(const Src *s, const
          * row is a short stream (a few cache lines) that the hardware prefetcher barely learns */
 #pragma GCC unroll 4
         for (int c = 0; c < GC; c++) __builtin_prefetch(rows[c] + GC * s->row_bytes + (int64_t)sp * SPAN_BYTES(kind), 0, 1);
+#ifdef LUT4
+        if ((kind == Q4_0 || kind == INT4) && R <= XREG) { /* x loaded once per 8 values for the GC outputs */
+            __m256 t0[GC], t1[GC];
+#pragma GCC unroll 4
+            for (int c = 0; c < GC; c++) {
+                Span o;
+                span_setup(s, rows[c], ns[c], sp, kind, &o, NULL);
+                t0[c] = o.t0, t1[c] = o.t1;
+            }
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) {
+                __m256 xv[FR];
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(xs + r * lda + q * 8);
+#pragma GCC unroll 4
+                for (int c = 0; c < GC; c++) {
+                    __m256i code;
+                    if (kind == Q4_0) {
+                        code = bytes8(rows[c] + (int64_t)sp * 18 + 2 + (q & 1) * 8);
+                        if (q >= 2) code = _mm256_srli_epi32(code, 4);
+                    } else {
+                        uint32_t word;
+                        memcpy(&word, rows[c] + (int64_t)sp * 16 + q * 4, 4);
+                        code = _mm256_srlv_epi32(_mm256_set1_epi32((int)word),
+                                                 _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+                    }
+                    const __m256 w = _mm256_permutex2var_ps(t0[c], code, t1[c]);
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(xv[r], w, acc[r][c]);
+                }
+            }
+            continue;
+        }
+#endif
 #pragma GCC unroll 4
         for (int c = 0; c < GC; c++) { /* one output's span at a time: its table and weights live briefly */
             Span o;
@@ -487,7 +527,9 @@ static inline __attribute__((always_inline)) void buffered_tile(const float *x, 
         for (int c = 0; c < GC; c++) _mm256_storeu_ps(sums + r * ss + c * 8, acc[r][c]);
 }
 
+#ifndef BG
 #define BG 16 /* outputs per group of the buffered path: each tile of input rows, in L1, serves BG / GC tiles */
+#endif
 
 /* Rows r0 .. r0 + R - 1 of a buffered chunk against all BG buffered outputs. */
 static inline __attribute__((always_inline)) void buffered_rows_tile(const float *x, int64_t lda, const float *wb,
@@ -513,7 +555,9 @@ static void buffered_rows(const float *x, int64_t lda, const float *wb, int kc, 
     }
 }
 
+#ifndef MBUF
 #define MBUF 64 /* input rows per pass over a buffered chunk */
+#endif
 
 /* The whole product for one format (a constant once inlined). */
 static inline __attribute__((always_inline)) void simd_gemm_kind(const float *x, int64_t lda, const Src *s,
