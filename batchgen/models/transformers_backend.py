@@ -96,7 +96,9 @@ def wrong_task_error(archs: list[str], source: str) -> WrongTaskError | None:
 
 
 # ------------------------------------------------------------------------------------------ attention hook
-_STATE: contextvars.ContextVar[Any] = contextvars.ContextVar("batchgen_attention_state", default=None)
+ATTENTION_STATE: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "batchgen_attention_state", default=None
+)
 
 
 def batchgen_paged_attention(
@@ -111,7 +113,7 @@ def batchgen_paged_attention(
 ) -> tuple[Tensor, None]:
     """transformers' attention-function signature: `query [1, Hq, T, D]`, `key/value [1, Hkv, T, D]` ->
     (`[1, T, Hq, D]`, None). Dispatches to the forward in progress (a paged forward or the load-time probe)."""
-    state = _STATE.get()
+    state = ATTENTION_STATE.get()
     if state is None:
         raise RuntimeError(
             f"attention implementation {ATTN_IMPLEMENTATION!r} called outside a batchgen forward: this model "
@@ -140,7 +142,7 @@ class _MaskInfo:
     window: int | None = None
 
 
-_MASKS: dict[int, _MaskInfo] = {}  # storage address of a probe mask -> its meaning (probe only)
+PROBE_MASKS: dict[int, _MaskInfo] = {}  # storage address of a probe mask -> its meaning (probe only)
 _FAR = 1 << 20  # query index at which mask functions are classified
 
 
@@ -169,7 +171,7 @@ def _probe_mask(**kwargs: Any) -> Tensor:
     from transformers.masking_utils import sdpa_mask
 
     mask = sdpa_mask(**{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
-    _MASKS[mask.untyped_storage().data_ptr()] = _classify_mask_function(kwargs["mask_function"])
+    PROBE_MASKS[mask.untyped_storage().data_ptr()] = _classify_mask_function(kwargs["mask_function"])
     return mask
 
 
@@ -184,7 +186,7 @@ class LayerAttention:
     )
 
 
-class _PagedState:
+class PagedState:
     """A paged forward: each call stores K/V in its layer's cache and attends with the engine's kernels."""
 
     def __init__(self, ctx: Any, layers: dict[int, LayerAttention]) -> None:
@@ -224,7 +226,7 @@ class _Call:
     extra: dict[str, Any]
 
 
-class _ProbeState:
+class ProbeState:
     """The load-time probe: records every attention call and computes plain causal attention (one sequence)."""
 
     def __init__(self) -> None:
@@ -243,7 +245,7 @@ class _ProbeState:
         mask_info = None
         if attention_mask is not None:
             ptr = attention_mask.untyped_storage().data_ptr() if isinstance(attention_mask, Tensor) else None
-            mask_info = _MASKS.get(ptr, _MaskInfo("foreign"))  # type: ignore[arg-type]
+            mask_info = PROBE_MASKS.get(ptr, _MaskInfo("foreign"))  # type: ignore[arg-type]
         self.calls.append(
             _Call(
                 module,
@@ -317,7 +319,7 @@ class TransformersModelConfig(ContextFacts):
     implementation = "transformers"
 
 
-class _HiddenStates(nn.Module):
+class HiddenStates(nn.Module):
     """Stands in for the backbone inside the causal-LM forward: returns the hidden states it is given."""
 
     def __init__(self) -> None:
@@ -367,18 +369,18 @@ class TransformersCausalLM(nn.Module):
         self.hf_model = hf_model
         prefix = hf_model.base_model_prefix
         self.backbone = getattr(hf_model, prefix)
-        self._stub = _HiddenStates()
+        self._stub = HiddenStates()
         setattr(hf_model, prefix, self._stub)
         self._layers = layers
-        self._backbone_kwargs = _no_cache_kwargs(self.backbone)
-        self._head_kwargs = _no_cache_kwargs(hf_model)
+        self._backbone_kwargs = no_cache_kwargs(self.backbone)
+        self._head_kwargs = no_cache_kwargs(hf_model)
 
     def _backbone(self, input_ids: Tensor, positions: Tensor, state: Any) -> Tensor:
         return _run_backbone(self.backbone, input_ids, positions, state, self._backbone_kwargs)
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: Any) -> Tensor:
         """input_ids, positions [T] int64 (packed batch) -> hidden states [T, hidden_size]."""
-        return self._backbone(input_ids, positions, _PagedState(ctx, self._layers))
+        return self._backbone(input_ids, positions, PagedState(ctx, self._layers))
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size], through the model's own head."""
@@ -395,11 +397,11 @@ def _run_backbone(
     backbone: nn.Module, input_ids: Tensor, positions: Tensor, state: Any, kwargs: dict[str, Any]
 ) -> Tensor:
     """One packed forward of a transformers base model with attention dispatched to ``state``: hidden [T, H]."""
-    token = _STATE.set(state)
+    token = ATTENTION_STATE.set(state)
     try:
         out = backbone(input_ids=input_ids[None], position_ids=positions[None], **kwargs)
     finally:
-        _STATE.reset(token)
+        ATTENTION_STATE.reset(token)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden[0]
 
@@ -416,16 +418,14 @@ class TransformersBackbone(nn.Module):
         self.config = config
         self.backbone = backbone
         self._layers = layers
-        self._kwargs = _no_cache_kwargs(backbone)
+        self._kwargs = no_cache_kwargs(backbone)
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: Any) -> Tensor:
         """input_ids, positions [T] int64 (packed batch) -> hidden states [T, hidden_size]."""
-        return _run_backbone(
-            self.backbone, input_ids, positions, _PagedState(ctx, self._layers), self._kwargs
-        )
+        return _run_backbone(self.backbone, input_ids, positions, PagedState(ctx, self._layers), self._kwargs)
 
 
-def _no_cache_kwargs(module: nn.Module) -> dict[str, Any]:
+def no_cache_kwargs(module: nn.Module) -> dict[str, Any]:
     """`use_cache=False` when the module's forward takes it (transformers' own KV cache is never used)."""
     params = inspect.signature(module.forward).parameters
     takes = "use_cache" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -500,7 +500,7 @@ def load_transformers_model(
 ) -> TransformersCausalLM:
     """Load `ckpt` with transformers' modeling code over batchgen's paged attention (see the module doc)."""
     hf_model, text, source, torch_dtype = _load(Path(ckpt), dtype, device)
-    config, layers = _probe(hf_model, text, source, torch_dtype)
+    config, layers = probe_attention(hf_model, text, source, torch_dtype)
     _, generation = read_config_files(Path(ckpt))
     config = dataclasses.replace(config, eos_token_ids=eos_token_ids(text, generation))
     model = TransformersCausalLM(hf_model, config, layers)
@@ -521,7 +521,7 @@ def load_transformers_backbone(
     ``lm_head`` is left unused). Returns the backbone and the whole transformers model (its head)."""
     hf_model, text, source, torch_dtype = _load(Path(ckpt), dtype, device, auto_class, ("lm_head.",))
     base = getattr(hf_model, hf_model.base_model_prefix, hf_model)
-    config, layers = _probe(base, text, source, torch_dtype)
+    config, layers = probe_attention(base, text, source, torch_dtype)
     _, generation = read_config_files(Path(ckpt))
     config = dataclasses.replace(config, eos_token_ids=eos_token_ids(text, generation))
     return TransformersBackbone(base, config, layers), hf_model
@@ -610,7 +610,7 @@ def _probe_inputs(vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:
     return ids, torch.arange(_PROBE_TOKENS, device=device)
 
 
-def _probe(
+def probe_attention(
     hf_model: nn.Module, text: Any, source: str, dtype: torch.dtype
 ) -> tuple[TransformersModelConfig, dict[int, LayerAttention]]:
     """Run a few tokens through the model with a recording reference attention; derive the KV layout and each
@@ -645,9 +645,9 @@ def _record_attention_calls(hf_model: nn.Module, text: Any, name: str, source: s
     """The attention calls of one probe forward, in order (at least one; the model's attention implementation
     is ``ATTN_IMPLEMENTATION`` again afterwards)."""
     device = next(hf_model.parameters()).device
-    probe = _ProbeState()
+    probe = ProbeState()
     ids, pos = _probe_inputs(int(text.vocab_size), device)
-    token = _STATE.set(probe)
+    token = ATTENTION_STATE.set(probe)
     hf_model.config._attn_implementation = PROBE_IMPLEMENTATION
     try:
         hf_model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
@@ -656,9 +656,9 @@ def _record_attention_calls(hf_model: nn.Module, text: Any, name: str, source: s
             f"{name} ({source}) cannot run a packed forward with batchgen's attention: {type(e).__name__}: {e}"
         ) from e
     finally:
-        _STATE.reset(token)
+        ATTENTION_STATE.reset(token)
         hf_model.config._attn_implementation = ATTN_IMPLEMENTATION
-        _MASKS.clear()
+        PROBE_MASKS.clear()
     if not probe.calls:
         raise UnsupportedModelError(
             f"{name} ({source}) does not call transformers' attention interface, so batchgen's paged attention "
@@ -757,22 +757,22 @@ def _check_head_split(model: TransformersCausalLM, hf_model: nn.Module, source: 
     # the model's own forward needs its real backbone: put it back for this one call
     prefix = hf_model.base_model_prefix
     setattr(hf_model, prefix, model.backbone)
-    token = _STATE.set(_ProbeState())
+    token = ATTENTION_STATE.set(ProbeState())
     hf_model.config._attn_implementation = PROBE_IMPLEMENTATION
     try:
         ref = hf_model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0].float()
         setattr(hf_model, prefix, model._stub)
-        hidden = model._backbone(ids, pos, _ProbeState())
+        hidden = model._backbone(ids, pos, ProbeState())
         logits = model.compute_logits(hidden)
     except Exception as e:
         raise UnsupportedModelError(
             f"{type(hf_model).__name__} ({source}): cannot split the backbone from the causal-LM head: {e}"
         ) from e
     finally:
-        _STATE.reset(token)
+        ATTENTION_STATE.reset(token)
         hf_model.config._attn_implementation = ATTN_IMPLEMENTATION
         setattr(hf_model, prefix, model._stub)
-        _MASKS.clear()
+        PROBE_MASKS.clear()
     if logits.shape != ref.shape or not torch.allclose(logits, ref, atol=1e-3, rtol=1e-3):
         raise UnsupportedModelError(
             f"{type(hf_model).__name__} ({source}): its causal-LM head does more than map the backbone's hidden "

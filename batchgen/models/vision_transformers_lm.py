@@ -30,18 +30,18 @@ from torch import Tensor, nn
 
 from batchgen.models.config import eos_token_ids, parse_dtype, read_config_files
 from batchgen.models.transformers_backend import (
-    _MASKS,
-    _STATE,
+    ATTENTION_STATE,
     ATTN_IMPLEMENTATION,
     PROBE_IMPLEMENTATION,
+    PROBE_MASKS,
+    HiddenStates,
     LayerAttention,
+    PagedState,
+    ProbeState,
     TransformersModelConfig,
     UnsupportedModelError,
-    _HiddenStates,
-    _no_cache_kwargs,
-    _PagedState,
-    _probe,
-    _ProbeState,
+    no_cache_kwargs,
+    probe_attention,
     register_attention,
 )
 from batchgen.models.vision import ImageTextModel
@@ -154,13 +154,13 @@ class TransformersTextModel(nn.Module):
         super().__init__()
         self.text_model = text_model
         self._layers = layers
-        self._kwargs = _no_cache_kwargs(text_model)
+        self._kwargs = no_cache_kwargs(text_model)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.text_model.get_input_embeddings()(input_ids)
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: Any, inputs_embeds: Tensor | None = None):
-        token = _STATE.set(_PagedState(ctx, self._layers))
+        token = ATTENTION_STATE.set(PagedState(ctx, self._layers))
         try:
             inputs = (
                 {"input_ids": input_ids[None]}
@@ -169,7 +169,7 @@ class TransformersTextModel(nn.Module):
             )
             out = self.text_model(position_ids=positions[None], **inputs, **self._kwargs)
         finally:
-            _STATE.reset(token)
+            ATTENTION_STATE.reset(token)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return hidden[0]
 
@@ -183,9 +183,9 @@ class TransformersImageTextLM(nn.Module):
         self.model = text
         self.config = config
         self._owner = split.owner
-        self._stub = _HiddenStates()
+        self._stub = HiddenStates()
         setattr(split.parent, split.attr, self._stub)
-        self._head_kwargs = _no_cache_kwargs(split.owner)
+        self._head_kwargs = no_cache_kwargs(split.owner)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size], through the model's own head."""
@@ -225,7 +225,7 @@ def load(ckpt: Path, config: Any = None, dtype: torch.dtype | str = "auto", devi
     text_model = split.text_model
     text_cfg = text_model.config
     text_cfg.use_cache = False  # KV lives in batchgen's paged cache
-    probe_config, layers = _probe(
+    probe_config, layers = probe_attention(
         text_model, text_cfg, source, dtype
     )  # leaves the text model on paged attention
     _, generation = read_config_files(ckpt)
@@ -258,7 +258,7 @@ def _probe_ids(vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:
 def _text_logits(split: _Split, text_model: nn.Module, vocab: int, source: str) -> Tensor:
     """The image-text model's own logits for a few text tokens (plain reference attention)."""
     ids, pos = _probe_ids(vocab, next(text_model.parameters()).device)
-    token = _STATE.set(_ProbeState())
+    token = ATTENTION_STATE.set(ProbeState())
     text_model.config._attn_implementation = PROBE_IMPLEMENTATION
     try:
         embeds = text_model.get_input_embeddings()(ids)[None]
@@ -268,25 +268,25 @@ def _text_logits(split: _Split, text_model: nn.Module, vocab: int, source: str) 
             f"{type(split.owner).__name__} ({source}) cannot run its text forward: {type(e).__name__}: {e}"
         ) from e
     finally:
-        _STATE.reset(token)
+        ATTENTION_STATE.reset(token)
         text_model.config._attn_implementation = ATTN_IMPLEMENTATION
-        _MASKS.clear()
+        PROBE_MASKS.clear()
 
 
 def _check_head_split(model: TransformersImageTextLM, reference: Tensor, source: str) -> None:
     """Text model then head (the stub) must give the image-text model's own logits."""
     text_model = model.model.text_model
     ids, pos = _probe_ids(model.config.vocab_size, reference.device)
-    token = _STATE.set(_ProbeState())
+    token = ATTENTION_STATE.set(ProbeState())
     text_model.config._attn_implementation = PROBE_IMPLEMENTATION
     try:
         out = text_model(input_ids=ids[None], position_ids=pos[None], **model.model._kwargs)
         hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[0]
         logits = model.compute_logits(hidden)
     finally:
-        _STATE.reset(token)
+        ATTENTION_STATE.reset(token)
         text_model.config._attn_implementation = ATTN_IMPLEMENTATION
-        _MASKS.clear()
+        PROBE_MASKS.clear()
     if logits.shape != reference.shape or not torch.allclose(logits, reference, atol=1e-3, rtol=1e-3):
         raise UnsupportedModelError(
             f"{model.config.architecture} ({source}): its head does more than map the text model's hidden "
