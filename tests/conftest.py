@@ -64,7 +64,7 @@ for t in builds:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist each worker computes on one thread: two workers share the cores instead of each
+    """Under pytest-xdist each worker computes on one thread: the workers share the cores instead of each
     starting torch's full pool on all of them (OpenMP threads that wait on each other's cores). Engines still
     take their count from batchgen.runtime.threads, capped by this one.
 
