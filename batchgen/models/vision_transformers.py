@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,29 +46,45 @@ class TransformersImageEncoder(nn.Module):
 
     @torch.inference_mode()
     def encode(self, pixels: list[dict[str, Tensor]]) -> list[Tensor]:
+        out: list[Tensor] = [None] * len(pixels)  # type: ignore[list-item]
+        for members, batch in self._calls(pixels):
+            for i, f in zip(members, self._split(self._raw(batch), len(members))):
+                out[i] = f
+        return out
+
+    def _calls(self, pixels: list[dict[str, Tensor]]) -> Iterator[tuple[list[int], dict[str, Tensor]]]:
+        """The images whose tensors (those ``get_image_features`` takes) have the same shapes, stacked into
+        one call each: ``(their indices, the call's tensors)``."""
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(pixels):
             shapes = tuple((k, tuple(v.shape)) for k, v in sorted(p.items()) if k in self._takes)
             groups.setdefault(shapes, []).append(i)
-        out: list[Tensor] = [None] * len(pixels)  # type: ignore[list-item]
         for shapes, members in groups.items():
-            flat = self._features({k: torch.stack([pixels[i][k] for i in members]) for k, _ in shapes})
-            for i, f in zip(members, flat.view(len(members), -1, flat.shape[-1])):
-                out[i] = f
-        return out
+            yield members, {k: torch.stack([pixels[i][k] for i in members]) for k, _ in shapes}
 
-    def _features(self, batch: dict[str, Tensor]) -> Tensor:
-        """``get_image_features`` of one batch (floating tensors in the model's dtype): ``[rows, hidden]``."""
+    def _raw(self, batch: dict[str, Tensor]) -> Any:
+        """``get_image_features`` of one call (floating tensors in the model's dtype): a tensor, or one per
+        image."""
         param = next(self.hf.parameters())
         kwargs = {
             k: v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device)
             for k, v in batch.items()
         }
         feats = self.hf.get_image_features(**kwargs)
-        feats = getattr(feats, "pooler_output", feats)  # an output object, a tensor or a list per image
-        if isinstance(feats, (list, tuple)):
-            return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
-        return feats.reshape(-1, feats.shape[-1])
+        return getattr(feats, "pooler_output", feats)  # an output object, a tensor or a list per image
+
+    def _split(self, feats: Any, n: int) -> list[Tensor]:
+        """The features of a call of ``n`` images, one ``[tokens, hidden]`` tensor each: its rows split
+        evenly, in order."""
+        flat = feature_rows(feats)
+        return list(flat.view(n, -1, flat.shape[-1]))
+
+
+def feature_rows(feats: Any) -> Tensor:
+    """Features (a tensor or a list of them) as ``[rows, hidden]``, in order."""
+    if isinstance(feats, (list, tuple)):
+        return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+    return feats.reshape(-1, feats.shape[-1])
 
 
 def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:

@@ -45,7 +45,7 @@ from batchgen.models.transformers_backend import (
     register_attention,
 )
 from batchgen.models.vision import ImageTextModel
-from batchgen.models.vision_transformers import TransformersImageEncoder
+from batchgen.models.vision_transformers import TransformersImageEncoder, feature_rows
 
 
 class PerImageEncoder(TransformersImageEncoder):
@@ -53,41 +53,10 @@ class PerImageEncoder(TransformersImageEncoder):
     ``get_image_features`` returns one tensor per image (LLaVA-NeXT's: the token count of an image depends on
     its aspect ratio, not only on its tensors' shapes), else an even split of the call's rows."""
 
-    @torch.inference_mode()
-    def encode(self, pixels: list[dict[str, Tensor]]) -> list[Tensor]:
-        groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(pixels):
-            shapes = tuple((k, tuple(v.shape)) for k, v in sorted(p.items()) if k in self._takes)
-            groups.setdefault(shapes, []).append(i)
-        out: list[Tensor] = [None] * len(pixels)  # type: ignore[list-item]
-        for shapes, members in groups.items():
-            feats = self._raw({k: torch.stack([pixels[i][k] for i in members]) for k, _ in shapes})
-            if isinstance(feats, (list, tuple)) and len(feats) == len(members):
-                parts = [f.reshape(-1, f.shape[-1]) for f in feats]
-            else:
-                flat = _rows(feats)
-                parts = list(flat.view(len(members), -1, flat.shape[-1]))
-            for i, f in zip(members, parts):
-                out[i] = f
-        return out
-
-    def _raw(self, batch: dict[str, Tensor]) -> Any:
-        """``get_image_features`` of one batch (floating tensors in the model's dtype): a tensor or one per
-        image."""
-        param = next(self.hf.parameters())
-        kwargs = {
-            k: v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device)
-            for k, v in batch.items()
-        }
-        feats = self.hf.get_image_features(**kwargs)
-        return getattr(feats, "pooler_output", feats)
-
-
-def _rows(feats: Any) -> Tensor:
-    """Features (a tensor or a list of them) as ``[rows, hidden]``, in order."""
-    if isinstance(feats, (list, tuple)):
-        return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
-    return feats.reshape(-1, feats.shape[-1])
+    def _split(self, feats: Any, n: int) -> list[Tensor]:
+        if isinstance(feats, (list, tuple)) and len(feats) == n:
+            return [f.reshape(-1, f.shape[-1]) for f in feats]
+        return super()._split(feats, n)
 
 
 FLAT_TILES = frozenset({"AyaVisionForConditionalGeneration"})
@@ -111,7 +80,7 @@ class FlatPatchEncoder(PerImageEncoder):
         out: list[Tensor] = [None] * len(pixels)  # type: ignore[list-item]
         for members in groups.values():
             tiles = [values[i].shape[0] for i in members]
-            flat = _rows(self._raw({"pixel_values": torch.cat([values[i] for i in members])}))
+            flat = feature_rows(self._raw({"pixel_values": torch.cat([values[i] for i in members])}))
             per_tile = flat.shape[0] // sum(tiles)
             for i, f in zip(members, flat.split([n * per_tile for n in tiles])):
                 out[i] = f
