@@ -272,15 +272,7 @@ def build_idefics3(
     specials += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
     tok.add_tokens(specials, special_tokens=True)
     text = _llama_text_config(tok, vocab_size, hidden_size)
-    vision = transformers.Idefics3VisionConfig(
-        hidden_size=vision_hidden_size,
-        intermediate_size=2 * vision_hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=56,
-        patch_size=14,
-        initializer_range=0.08,
-    )
+    vision = transformers.Idefics3VisionConfig(**vision_fields(vision_hidden_size, initializer_range=0.08))
     cfg = transformers.Idefics3Config(
         text_config=text,
         vision_config=vision,
@@ -298,6 +290,20 @@ def build_idefics3(
     processor.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return str(out)
+
+
+def vision_fields(hidden_size: int = 32, **extra: Any) -> dict[str, Any]:
+    """A tiny vision tower's config fields (2 layers of 2 heads, 56-px images in 14-px patches, the MLP twice
+    the width) with ``extra`` over them."""
+    return {
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": 56,
+        "patch_size": 14,
+        **extra,
+    }
 
 
 def text_fields(tok, vocab_size: int, hidden_size: int, **extra: Any) -> dict[str, Any]:
@@ -388,14 +394,7 @@ def build_gemma3(
             query_pre_attn_scalar=hidden_size // 4,
         )
     )
-    vision = transformers.SiglipVisionConfig(
-        hidden_size=vision_hidden_size,
-        intermediate_size=2 * vision_hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=56,
-        patch_size=7,
-    )
+    vision = transformers.SiglipVisionConfig(**vision_fields(vision_hidden_size, patch_size=7))
     cfg = transformers.Gemma3Config(
         text_config=text,
         vision_config=vision,

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from batchgen.models.tiny import build_tokenizer
-from batchgen.multimodal.tiny import draw_image_newline, save_random, text_fields
+from batchgen.multimodal.tiny import draw_image_newline, save_random, text_fields, vision_fields
 
 
 def _tokenizer_naming(out: Path, vocab_size: int, names: dict[str, str]):
@@ -49,15 +49,7 @@ def build_idefics2(
         text_config=transformers.MistralConfig(
             **text_fields(tok, vocab_size, hidden_size, sliding_window=None)
         ),
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=56,
-            patch_size=14,
-            initializer_range=0.08,
-        ),
+        vision_config=vision_fields(initializer_range=0.08),
         perceiver_config=dict(
             hidden_size=hidden_size,
             resampler_n_latents=8,
@@ -97,14 +89,7 @@ def build_llava_onevision(
     grid = [[56, 56], [56, 112], [112, 56], [112, 112]]
     cfg = transformers.LlavaOnevisionConfig(
         text_config=transformers.Qwen2Config(**text_fields(tok, vocab_size, hidden_size)),
-        vision_config=transformers.SiglipVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=56,
-            patch_size=14,
-        ),
+        vision_config=transformers.SiglipVisionConfig(**vision_fields()),
         image_token_index=tok.convert_tokens_to_ids("<image>"),
         video_token_index=tok.convert_tokens_to_ids("<video>"),
         image_grid_pinpoints=grid,
@@ -145,14 +130,7 @@ def build_lighton_ocr(
     tok = _tokenizer_naming(out, vocab_size, names)
     cfg = transformers.LightOnOcrConfig(
         text_config=transformers.Qwen3Config(**text_fields(tok, vocab_size, hidden_size, head_dim=16)),
-        vision_config=transformers.PixtralVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=112,
-            patch_size=14,
-        ),
+        vision_config=transformers.PixtralVisionConfig(**vision_fields(image_size=112)),
         spatial_merge_size=2,
         image_token_id=tok.convert_tokens_to_ids(names["image_token"]),
         tie_word_embeddings=False,
@@ -182,15 +160,7 @@ def build_paligemma(
     tok.add_tokens(["<image>"], special_tokens=True)
     cfg = transformers.PaliGemmaConfig(
         text_config=transformers.GemmaConfig(**text_fields(tok, vocab_size, hidden_size, head_dim=16)),
-        vision_config=transformers.SiglipVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=56,
-            patch_size=14,
-            projection_dim=hidden_size,
-        ),
+        vision_config=transformers.SiglipVisionConfig(**vision_fields(projection_dim=hidden_size)),
         image_token_index=tok.convert_tokens_to_ids("<image>"),
         projection_dim=hidden_size,
     )

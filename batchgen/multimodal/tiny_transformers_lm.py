@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from batchgen.models.tiny import build_tokenizer
-from batchgen.multimodal.tiny import save_random, text_fields
+from batchgen.multimodal.tiny import save_random, text_fields, vision_fields
 
 AYA_TOKENS = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
 
@@ -39,14 +39,7 @@ def build_aya_vision(
     )
     cfg = transformers.AyaVisionConfig(
         text_config=text,
-        vision_config=transformers.SiglipVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=56,
-            patch_size=14,
-        ),
+        vision_config=transformers.SiglipVisionConfig(**vision_fields()),
         downsample_factor=2,
         image_token_index=tok.convert_tokens_to_ids("<|IMG_PATCH|>"),
         tie_word_embeddings=False,
@@ -90,15 +83,7 @@ def build_blip2(
         tie_word_embeddings=False,
     )
     cfg = transformers.Blip2Config(
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=56,
-            patch_size=14,
-            initializer_range=0.08,
-        ),
+        vision_config=vision_fields(initializer_range=0.08),
         qformer_config=dict(
             hidden_size=32,
             intermediate_size=64,
@@ -141,15 +126,7 @@ def build_aria(
     )
     cfg = transformers.AriaConfig(
         text_config=text,
-        vision_config=dict(
-            model_type="idefics3_vision",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=980,
-            patch_size=70,
-        ),
+        vision_config=vision_fields(model_type="idefics3_vision", image_size=980, patch_size=70),
         projector_patch_to_query_dict={196: 4, 49: 2},
         image_token_index=tok.convert_tokens_to_ids("<|img|>"),
         tie_word_embeddings=False,
