@@ -287,3 +287,39 @@ def test_preemption_and_async_scheduling_keep_image_rows_exact(llava):
     assert [o.outputs[0].token_ids for o in outs] == ref
     pipelined = LLM(llava, kv_cache_memory="32MiB", async_scheduling=True)
     assert [o.outputs[0].token_ids for o in pipelined.generate(inputs, params, use_tqdm=False)] == ref
+
+
+def _transparent(mode: str):
+    """A random image in ``mode`` with transparency: an alpha band (RGBA, LA) or a palette's transparent index."""
+    import numpy as np
+    from PIL import Image
+
+    rgb = random_image(70, 50, 60)
+    if mode == "P":
+        image = rgb.convert("P", palette=Image.ADAPTIVE, colors=16)
+        image.info["transparency"] = 3
+        return image
+    base = np.array(rgb.convert(mode[:-1]))
+    alpha = np.random.default_rng(61).integers(0, 255, base.shape[:2], dtype=np.uint8)
+    return Image.fromarray(np.dstack([base, alpha]), mode)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_transparent_images_get_the_processors_pixels(llava, mode, tmp_path):
+    """Transparency is composited onto white, as transformers' processor does with the opened file."""
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    path = tmp_path / f"{mode}.png"
+    _transparent(mode).save(path, **({"transparency": 3} if mode == "P" else {}))
+    from batchgen.multimodal.inputs import ImagePrompts
+
+    want = AutoProcessor.from_pretrained(llava).image_processor(
+        images=[Image.open(path)], return_tensors="pt"
+    )
+
+    side = ImagePrompts(llava, _image_token_id(llava))
+    for source in (str(path), Image.open(path)):  # the file, and the opened image passed as it is
+        got = side.pixels(side.loader.read(source)).pixels["pixel_values"]
+        assert torch.equal(got, want["pixel_values"][0]), source

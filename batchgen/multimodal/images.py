@@ -12,6 +12,8 @@ Invariants:
 - Decoding is bounded: an image over ``max_pixels`` is refused before its pixels are decoded. With
   ``target_side`` a JPEG more than twice that size is decoded at a reduced scale (``draft``); off by default, since
   the processor's resize of the full-scale pixels is what transformers computes.
+- Every image becomes RGB as transformers' image processors make it (:func:`to_rgb`: transparency composited
+  onto white), so the processor sees the pixels it would see given the opened file itself.
 - Every failure — a missing file, unreadable object, truncated or corrupt bytes, an unknown format — is an
   :class:`ImageError` whose message names the source (credentials redacted) and the reason.
 """
@@ -190,7 +192,7 @@ class ImageLoader:
             if self.target_side and img.format == "JPEG" and min(w, h) > 2 * self.target_side:
                 img.draft("RGB", (2 * self.target_side, 2 * self.target_side))  # decode at a reduced scale
             img.load()
-            img = img.convert("RGB")
+            img = to_rgb(img)
         except ImageError:
             raise
         except Image.UnidentifiedImageError:
@@ -205,10 +207,23 @@ class ImageLoader:
         w, h = img.size
         if w * h > self.max_pixels:
             raise ImageError(f"image <PIL image>: {w}x{h} pixels exceeds the limit of {self.max_pixels}")
-        rgb = img.convert("RGB")
+        rgb = to_rgb(img)
         h_ = hashlib.sha256(f"pil:{rgb.mode}:{w}x{h}:".encode())
         h_.update(rgb.tobytes())
         return LoadedImage(rgb, h_.hexdigest())
+
+
+def to_rgb(img: Any) -> Any:
+    """``img`` as an RGB image, as transformers' image processors convert it: transparency (an alpha band, or a
+    palette's or grayscale image's transparent colour) composited onto a white background, any other mode
+    converted by Pillow (``I;16`` clips to 255, CMYK inverts to RGB). The first frame of an animated image;
+    EXIF orientation is not applied."""
+    Image = pil()
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
 
 
 def _data_url_bytes(url: str) -> bytes:
