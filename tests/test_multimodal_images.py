@@ -120,3 +120,25 @@ def test_prompts_are_prepared_ahead_in_order_first_two_then_chunks_up_to_eight()
     futures = prepare_ahead(make_many, list(range(20)))
     assert [f.result(timeout=30) for f in futures] == [i * 10 for i in range(20)]
     assert sorted(seen) == [2, 4, 6, 8]
+
+
+def test_relative_paths_are_read_from_the_base_then_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "data" / "img").mkdir(parents=True)
+    (tmp_path / "data" / "img" / "a.png").write_bytes(_png(color=(1, 1, 1)))
+    (tmp_path / "b.png").write_bytes(_png(color=(2, 2, 2)))
+    monkeypatch.chdir(tmp_path)
+    loader = ImageLoader(base=str(tmp_path / "data"))
+    assert loader.load("img/a.png").hash == ImageLoader().load(_png(color=(1, 1, 1))).hash
+    assert loader.load({"bytes": None, "path": "img/a.png"}).hash == loader.load("img/a.png").hash
+    assert loader.load("b.png").hash == ImageLoader().load(_png(color=(2, 2, 2))).hash  # not under the base
+    with pytest.raises(
+        ImageError, match=r"'img/none.png': no such file in the input's directory \(.*/data\)"
+    ):
+        loader.load("img/none.png")
+    with pytest.raises(ImageError, match="no such file"):
+        ImageLoader().load("img/a.png")  # without a base: the working directory only
+
+
+def test_a_null_image_is_named_as_such():
+    with pytest.raises(ImageError, match="null image value"):
+        ImageLoader().load(None)

@@ -87,24 +87,43 @@ def test_image_job_matches_the_api_and_bad_images_are_error_rows(llava, tmp_path
         use_tqdm=False,
     )
     assert [got[i]["token_ids"] for i in ok] == [o.outputs[0].token_ids for o in api]
-    # a list column of binary images, and a string column of paths / data URLs
+    # a list column of paths / data URLs; a path relative to the input's directory, not the working directory
     data_url = "data:image/png;base64," + base64.b64encode(data[2]).decode()
     t2 = pa.table(
-        {"prompt": ["Compare <image> and <image>.", "<image> ok"], "img": [[paths[1], data_url], [paths[0]]]}
+        {
+            "prompt": [
+                "Compare <image> and <image>.",
+                "<image> ok",
+                "<image> relative",
+                "<image> <image> null",
+            ],
+            "img": [[paths[1], data_url], [paths[0]], ["img0.png"], [paths[0], None]],
+        }
     )
     pq.write_table(t2, tmp_path / "in2.parquet")
-    run_job(
-        job_config(
-            llava, tmp_path / "in2.parquet", tmp_path / "out2", data={"image_column": "img"}, sampling=GREEDY
+    (tmp_path / "cwd").mkdir()
+    with pytest.MonkeyPatch.context() as m:
+        m.chdir(tmp_path / "cwd")
+        run_job(
+            job_config(
+                llava,
+                tmp_path / "in2.parquet",
+                tmp_path / "out2",
+                data={"image_column": "img"},
+                sampling=GREEDY,
+            )
         )
-    )
     rows2 = read_parts(tmp_path / "out2").to_pylist()
+    assert [r["status"] for r in rows2] == ["ok", "ok", "ok", "error"]
+    assert rows2[3]["error"].startswith("image column 'img': image 1: null image value")
+    t2_rows = t2.to_pylist()[:3]
+    t2_rows[2]["img"] = [paths[0]]
     api2 = llm.generate(
-        [{"prompt": r["prompt"], "multi_modal_data": {"image": r["img"]}} for r in t2.to_pylist()],
+        [{"prompt": r["prompt"], "multi_modal_data": {"image": r["img"]}} for r in t2_rows],
         SamplingParams(**GREEDY),
         use_tqdm=False,
     )
-    assert [r["token_ids"] for r in rows2] == [o.outputs[0].token_ids for o in api2]
+    assert [r["token_ids"] for r in rows2[:3]] == [o.outputs[0].token_ids for o in api2]
 
 
 def test_chat_rows_with_image_parts(llava, tmp_path):

@@ -66,6 +66,8 @@ class PromptSpec:
     """An image-text checkpoint: rows' images (``image_column``, chat image parts) go through its processor."""
     max_images: int | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
+    image_base: str | None = None
+    """Where the rows' relative image paths are looked up first (the input's root directory or URL)."""
 
 
 @dataclass

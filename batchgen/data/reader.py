@@ -75,6 +75,8 @@ class InputSet:
     columns: list[str] = field(default_factory=list)
     versions_sha256: str | None = None
     """One digest of every file's (path, size, store version) when every file has a version (else None)."""
+    root: str = ""
+    """The directory (or redacted object-store URL) the files' relative paths start from."""
 
     def describe(self) -> dict:
         """JSON-friendly summary stored in manifests and schema metadata: the versions of remote files (up to
@@ -270,10 +272,10 @@ def open_input(
         rg_rows = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
         files.append(InputFile(p, rel, size, md.num_rows, start, rg_rows, schema, footer))
         start += md.num_rows
-    return input_set(os.path.abspath(os.path.expanduser(str(spec))), files)
+    return input_set(os.path.abspath(os.path.expanduser(str(spec))), files, root)
 
 
-def input_set(spec: str, files: list[InputFile]) -> InputSet:
+def input_set(spec: str, files: list[InputFile], root: str = "") -> InputSet:
     """The input set of `files` (in order, row starts set): its fingerprint covers each file's path relative to
     the input root, size, row count and footer hash; its versions digest each file's path, size and store
     version (when all have one); its columns are every file's, in first-seen order. One pass, file by file."""
@@ -296,6 +298,7 @@ def input_set(spec: str, files: list[InputFile]) -> InputSet:
         h.hexdigest(),
         columns,
         v.hexdigest() if versioned else None,
+        root,
     )
 
 

@@ -224,4 +224,4 @@ def open_remote_input(spec: str, storage_options: dict[str, Any]) -> InputSet:
             )
             files.append(f)
             start += md.num_rows
-    return input_set(loc.url, files)
+    return input_set(loc.url, files, root.url)

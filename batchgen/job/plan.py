@@ -413,7 +413,7 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     json_type = arrow_type(s.json_schema) if s.json_schema is not None else None
     model_path = _model_path(s.model_given, s.gguf_file)
     c = s.columns  # an image job on a model whose images cannot run: that reason first
-    images = image_options(c.image_column, model_path, s.limit_mm_per_prompt, s.storage_options)
+    images = image_options(c.image_column, model_path, s.limit_mm_per_prompt, s.storage_options, inp.root)
     model_cfg = _model_facts(s, model_path)
     model_fp, template_fp, files = model_identity(model_path)
     loras = lora_requests(s.lora_modules)

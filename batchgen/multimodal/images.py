@@ -3,7 +3,8 @@
 A source is a ``PIL.Image.Image``, raw encoded bytes, a Hugging Face ``datasets`` Image value
 (``{"bytes": ..., "path": ...}``), a local path, or a URL: ``file://``, ``data:`` (base64), or any object store
 through batchgen's storage layer (``s3://``, ``gs://``, ``az://``, ``hf://``). ``http(s)://`` is refused (a
-batch job reads its inputs from storage it was given, never from the open web).
+batch job reads its inputs from storage it was given, never from the open web). A relative path is looked up
+under the loader's ``base`` (a job's input directory) first, then in the working directory.
 
 Invariants:
 
@@ -95,8 +96,12 @@ class ImageLoader:
         storage_options: dict[str, Any] | None = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         target_side: int | None = None,
+        base: str | None = None,
     ) -> None:
         self.storage_options = dict(storage_options or {})
+        self.base = base.rstrip("/") if base else None
+        """Where a relative path is looked up first (a job's input root: a directory or an object-store URL);
+        a relative path not found there is read from the working directory. None: the working directory."""
         self.max_pixels = max_pixels
         self.target_side = target_side
         self._locations: dict[str, Any] = {}
@@ -132,6 +137,8 @@ class ImageLoader:
             if path:
                 return self.read_bytes(path)
             raise ImageError("image value has neither 'bytes' nor 'path'")
+        if source is None:
+            raise ImageError("null image value: give an image, or leave the null out of the row's list")
         if not isinstance(source, str):
             raise ImageError(
                 f"unsupported image value of type {type(source).__name__}: pass a PIL image, bytes, a path or "
@@ -142,21 +149,45 @@ class ImageLoader:
         if source.startswith("data:"):
             return _data_url_bytes(source)
         scheme = urlsplit(source).scheme.lower() if "://" in source else ""
+        if not scheme and self.base and not os.path.isabs(os.path.expanduser(source)):
+            return self._read_relative(source)
         if scheme in ("", "file"):
-            path = unquote(urlsplit(source).path) if scheme == "file" else source
-            try:
-                with open(os.path.expanduser(path), "rb") as f:
-                    return f.read()
-            except FileNotFoundError:
-                raise ImageError(f"image {describe(source)!r}: no such file") from None
-            except OSError as e:
-                raise ImageError(f"image {describe(source)!r}: cannot read: {e.strerror or e}") from None
+            return self._read_file(unquote(urlsplit(source).path) if scheme == "file" else source, source)
         if scheme in ("http", "https"):
             raise ImageError(
                 f"image {describe(source)!r}: http(s) URLs are not fetched; put the images in object storage "
                 "(s3://, gs://, az://, hf://) or pass their bytes"
             )
         return self._read_url(source)
+
+    def _read_relative(self, path: str) -> bytes:
+        """A relative path's bytes: under :attr:`base`, else (not there, but in the working directory) from the
+        working directory."""
+        assert self.base is not None
+        if "://" in self.base:
+            try:
+                return self._read_url(f"{self.base}/{path}")
+            except ImageError:
+                if not os.path.isfile(path):
+                    raise
+                return self._read_file(path, path)
+        under = os.path.join(self.base, path)
+        if os.path.exists(under) or not os.path.isfile(path):
+            if not os.path.exists(under):
+                raise ImageError(
+                    f"image {path!r}: no such file in the input's directory ({self.base}) or the working directory"
+                )
+            return self._read_file(under, under)
+        return self._read_file(path, path)
+
+    def _read_file(self, path: str, name: str) -> bytes:
+        try:
+            with open(os.path.expanduser(path), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise ImageError(f"image {describe(name)!r}: no such file") from None
+        except OSError as e:
+            raise ImageError(f"image {describe(name)!r}: cannot read: {e.strerror or e}") from None
 
     def _read_url(self, url: str) -> bytes:
         from batchgen.data.storage import Location, StorageError

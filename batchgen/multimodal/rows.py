@@ -51,10 +51,14 @@ def _architecture(checkpoint: str) -> str | None:
 
 
 def image_side(
-    checkpoint: str, max_images: int | None, storage_options: dict[str, Any] | None
+    checkpoint: str,
+    max_images: int | None,
+    storage_options: dict[str, Any] | None,
+    base: str | None = None,
 ) -> ImagePrompts:
-    """The checkpoint's :class:`ImagePrompts` (one per process and settings)."""
-    key = (checkpoint, max_images, json.dumps(storage_options or {}, sort_keys=True, default=str))
+    """The checkpoint's :class:`ImagePrompts` (one per process and settings; ``base``: where relative image
+    paths are looked up first)."""
+    key = (checkpoint, max_images, json.dumps(storage_options or {}, sort_keys=True, default=str), base)
     with _LOCK:
         side = _SIDES.get(key)
         if side is None:
@@ -64,7 +68,7 @@ def image_side(
             if token is None:
                 raise ValueError(f"{checkpoint} is not an image-text checkpoint batchgen runs")
             side = ImagePrompts(checkpoint, token, max_images=max_images)
-            side.loader = ImageLoader(storage_options)
+            side.loader = ImageLoader(storage_options, base=base)
             _SIDES[key] = side
         return side
 
@@ -94,7 +98,7 @@ def render_image_chat(row: Any, messages: Any, tokenizer: Any, spec: Any) -> str
         messages = json.loads(messages)
     try:
         msgs, images = split_images(messages)
-        side = image_side(spec.image_checkpoint, spec.max_images, spec.storage_options)
+        side = image_side(spec.image_checkpoint, spec.max_images, spec.storage_options, spec.image_base)
         text = render(side.processor, tokenizer, msgs)
     except ValueError as e:
         row.fail(str(e))
@@ -111,14 +115,20 @@ def prepare_images(rows: list[Any], spec: Any) -> None:
     (the images of the rows prepared in worker threads)."""
     from batchgen.multimodal.prepare import prepare
 
-    side = image_side(spec.image_checkpoint, spec.max_images, spec.storage_options)
+    side = image_side(spec.image_checkpoint, spec.max_images, spec.storage_options, spec.image_base)
+    column = f"image column {spec.image_column!r}" if spec.image_column else None
     for r in rows:  # placeholders without images: a data error, not text to run
         if r.error is None and not r.images and side.image_token_id in (r.token_ids or ()):
-            r.fail(f"the prompt has image placeholder(s) ({side.image_token!r}) but the row has no image")
+            r.fail(
+                f"the prompt has image placeholder(s) ({side.image_token!r}) but the row has no image"
+                + (f" ({column} is null or empty)" if column else "")
+            )
     todo = [r for r in rows if r.error is None and r.images]
+    sources = [s for s in (column, spec.messages_column and f"messages column {spec.messages_column!r}") if s]
+    where = " and ".join(sources) or "the row's images"
     for r, ready in zip(todo, prepare(side, [(r.token_ids, r.images) for r in todo])):
         if isinstance(ready, str):
-            r.fail(ready)
+            r.fail(f"{where}: {ready}")  # the column the images came from, then which image and why
             continue
         n = r.num_prompt_tokens = len(ready.token_ids)
         if n >= spec.max_model_len:
@@ -139,9 +149,10 @@ def image_options(
     model_path: str,
     limit_mm_per_prompt: dict[str, int] | None,
     storage_options: dict[str, Any] | None,
+    base: str | None = None,
 ) -> dict[str, Any]:
     """The :class:`~batchgen.data.prompts.PromptSpec` image fields of a job (``data.image_column``, the
-    checkpoint, ``limit_mm_per_prompt``, ``data.storage_options``);
+    checkpoint, ``limit_mm_per_prompt``, ``data.storage_options``, the input's root for relative paths);
     ConfigError when ``data.image_column`` is set for a model that takes no images."""
     from batchgen.errors import ConfigError
 
@@ -166,4 +177,5 @@ def image_options(
         "image_checkpoint": model_path,
         "max_images": (limit_mm_per_prompt or {}).get("image"),
         "storage_options": dict(storage_options or {}),
+        "image_base": base or None,
     }
