@@ -231,22 +231,44 @@ def test_chat_with_image_parts_uses_the_processor_template(llava, llm, tmp_path)
             }
         ],
         [{"role": "user", "content": "plain text turn"}],
+        [  # vLLM's other part shapes, over turns after a system message
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [{"type": "image_pil", "image_pil": b}, {"type": "text", "text": "This?"}],
+            },
+            {"role": "assistant", "content": "A picture."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "And"},
+                    {"type": "input_image", "image_url": data_url},
+                    {"image_url": f"file://{path}"},
+                ],
+            },
+        ],
     ]
     outs = llm.chat(conversations, GREEDY, use_tqdm=False)
     from transformers import AutoProcessor
 
     proc = AutoProcessor.from_pretrained(llava)
     rows = []
-    for conv, images in zip(conversations, [[a], [b, a], []]):
+    for conv, images in zip(conversations, [[a], [b, a], [], [b, b, a]]):
         hf_conv = [
-            {**m, "content": [{"type": "image"} if p["type"] != "text" else p for p in m["content"]]}
+            {
+                **m,
+                "content": [
+                    {"type": "text", "text": p["text"]} if "text" in p else {"type": "image"}
+                    for p in m["content"]
+                ],
+            }
             if isinstance(m["content"], list)
             else m
             for m in conv
         ]
         rows.append((proc.apply_chat_template(hf_conv, add_generation_prompt=True), images))
     assert [o.prompt for o in outs] == [r[0] for r in rows]
-    assert [o.error for o in outs] == [None] * 3
+    assert [o.error for o in outs] == [None] * 4
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llava, rows, GREEDY.max_tokens)
 
 

@@ -1,9 +1,11 @@
 """Chat messages with OpenAI image parts, rendered by the checkpoint's own processor chat template.
 
-A message's ``content`` is a string or a list of parts: ``{"type": "text", "text": ...}``,
-``{"type": "image_url", "image_url": {"url": ...}}`` (or ``"image_url": "..."``; any URL or path
-:class:`~batchgen.multimodal.images.ImageLoader` reads, ``data:`` included) and ``{"type": "image", "image":
-...}`` (a PIL image, bytes, a path or a URL). :func:`split_images` turns image parts into the ``{"type":
+A message's ``content`` is a string or a list of parts, as vLLM takes them: ``{"type": "text", "text": ...}``
+(or ``"input_text"``), ``{"type": "image_url", "image_url": {"url": ...}}`` (or ``"image_url": "..."``; any URL
+or path :class:`~batchgen.multimodal.images.ImageLoader` reads, ``data:`` included), ``{"type": "input_image",
+"image_url": ...}`` (the Responses API's), ``{"type": "image_pil", "image_pil": <PIL image>}`` and ``{"type":
+"image", "image": ...}`` (a PIL image, bytes, a path or a URL); a part without ``type`` is typed by its one key
+(``{"image_url": "..."}``). :func:`split_images` turns image parts into the ``{"type":
 "image"}`` parts Hugging Face chat templates expect and returns the images in prompt order; the template puts
 the model's image placeholder where each one was.
 """
@@ -14,7 +16,19 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-_IMAGE_TYPES = ("image_url", "image", "input_image")
+_IMAGE_TYPES = ("image_url", "image", "input_image", "image_pil")
+_TEXT_TYPES = ("text", "input_text")
+_IMAGE_KEY = {"input_image": "image_url"}
+"""The key holding a part's image when it is not the part's type."""
+
+
+def part_type(part: Mapping[str, Any]) -> str:
+    """A part's type: its ``type``, else the image key it has (vLLM's untyped ``{"image_url": ...}``), else
+    text."""
+    kind = part.get("type")
+    if kind is not None:
+        return str(kind)
+    return next((k for k in _IMAGE_TYPES if part.get(k) is not None), "text")
 
 
 def _parts(content: Any) -> list[Any] | None:
@@ -36,7 +50,7 @@ def has_images(messages: Any) -> bool:
         return False
     for m in messages:
         parts = _parts(m.get("content")) if isinstance(m, Mapping) else None
-        if parts and any(isinstance(p, Mapping) and p.get("type") in _IMAGE_TYPES for p in parts):
+        if parts and any(isinstance(p, Mapping) and part_type(p) in _IMAGE_TYPES for p in parts):
             return True
     return False
 
@@ -58,8 +72,8 @@ def split_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, 
                     part = {"type": "text", "text": part}
                 if not isinstance(part, Mapping):
                     raise ValueError(f"messages[{i}].content[{j}] must be a {{type, ...}} object")
-                kind = part.get("type", "text")
-                if kind == "text":
+                kind = part_type(part)
+                if kind in _TEXT_TYPES:
                     content.append({"type": "text", "text": part.get("text")})
                 elif kind in _IMAGE_TYPES:
                     images.append(_image_of(part, kind, i, j))
@@ -74,7 +88,7 @@ def split_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, 
 
 
 def _image_of(part: Mapping[str, Any], kind: str, i: int, j: int) -> Any:
-    value = part.get(kind)
+    value = part.get(_IMAGE_KEY.get(kind, kind))
     if kind in ("image_url", "input_image") and isinstance(value, Mapping):
         value = value.get("url")
     if value is None or value == "":
