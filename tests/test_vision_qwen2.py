@@ -49,6 +49,13 @@ def test_greedy_equals_transformers_batched_and_shuffled(qwen_vl):
     outs = llm.generate(inputs, GREEDY, use_tqdm=False)
     assert [o.error for o in outs] == [None] * len(rows)
     assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in order]
+    # an image the processor refuses (aspect ratio over 200) is that prompt's error; the others run
+    thin = {"prompt": rows[0][0], "multi_modal_data": {"image": random_image(2000, 5, 7)}}
+    refused, fine = llm.generate([thin, inputs[1]], GREEDY, use_tqdm=False)
+    assert refused.error.startswith(
+        "image 0: the image processor cannot take this 2000x5 image (ValueError: "
+    )
+    assert fine.error is None and fine.outputs[0].token_ids == ref[order[1]]
     # M-RoPE matters: the same rows with plain 1-D positions answer differently
     tables = llm.engine.builder.input_batch.token_inputs
     tables.remove(llm.engine.images.token_positions)

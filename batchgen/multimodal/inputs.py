@@ -12,8 +12,8 @@ Qwen2-VL's does, is replaced by its image processor and the tokenizer). For each
   tokens, exactly as the processor does.
 
 Every failure is an :class:`~batchgen.multimodal.images.ImageError` naming the image's index and the reason:
-a bad image, more images than ``limit_mm_per_prompt`` allows, or a placeholder count that differs from the
-number of images.
+a bad image (one the processor refuses included: its size, its shape), more images than ``limit_mm_per_prompt``
+allows, or a placeholder count that differs from the number of images.
 """
 
 from __future__ import annotations
@@ -185,6 +185,14 @@ class ImagePrompts:
     def _process(self, image: EncodedImage | LoadedImage) -> _Processed:
         if isinstance(image, EncodedImage):
             image = self.loader.decode(image.data, image.name, image.hash)
+        try:
+            return self._run_processor(image)
+        except ImageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the processor's own refusal of this image (its size, its shape)
+            raise processor_error(image, e) from None
+
+    def _run_processor(self, image: LoadedImage) -> _Processed:
         if self.merge_size is not None:  # an image processor alone (dynamic resolution): merged patches
             enc = self.image_processor(images=[image.image], return_tensors="pt")
             grid = enc["image_grid_thw"][0]
@@ -222,7 +230,8 @@ class ImagePrompts:
 
     def _process_together(self, images: list[EncodedImage | LoadedImage]) -> None:
         """Decode ``images`` and run them through one processor call (:attr:`fixed_size` processors), caching
-        each one's result; an image that cannot be decoded is left out (:meth:`pixels` names its error)."""
+        each one's result; an image that cannot be decoded is left out, and all are when the processor refuses
+        the call (:meth:`pixels` names each one's error)."""
         decoded = []
         for image in images:
             try:
@@ -235,9 +244,12 @@ class ImagePrompts:
                 pass
         if not decoded:
             return
-        enc = self.processor(
-            text=[self.image_token] * len(decoded), images=[d.image for d in decoded], return_tensors="pt"
-        )
+        try:
+            enc = self.processor(
+                text=[self.image_token] * len(decoded), images=[d.image for d in decoded], return_tensors="pt"
+            )
+        except Exception:  # noqa: BLE001 - an image the processor refuses: each one alone names its error
+            return
         done = [self._processed(enc, row) for row in range(len(decoded))]
         with self._lock:
             for image, result in zip(decoded, done):
@@ -356,6 +368,13 @@ class ImagePrompts:
         rest = list(token_ids[pos:])
         out.extend(self.joins.text_after(rest) if items else rest)
         return ImagePrompt(out, items)
+
+
+def processor_error(image: LoadedImage, e: Exception) -> ImageError:
+    """The processor's refusal of ``image`` as one line naming its size."""
+    w, h = image.size
+    reason = " ".join(f"{type(e).__name__}: {e}".split())
+    return ImageError(f"the image processor cannot take this {w}x{h} image ({reason[:300]})")
 
 
 def _placeholder_runs(token_ids: Sequence[int], token: int) -> list[tuple[int, int]]:
