@@ -46,17 +46,22 @@ def test_image_parts_in_a_batch_file(llava: str, s3: S3, tmp_path: Path) -> None
         _line("s3", s3.url("img/b.png"), "What is it?", n=2),
         _line("corrupt", "data:image/png;base64," + base64.b64encode(b"not a png").decode(), "What is it?"),
         _line("missing", str(tmp_path / "gone.png"), "What is it?"),
+        _line("two", data_url, "What is it?").replace(
+            '{"type": "text"', '{"image_url": "a.png"}, {"type": "text"'
+        ),
     ]
     (tmp_path / "req.jsonl").write_text("\n".join(lines) + "\n")
     args = [f"model.path={llava}", "data.input=req.jsonl", "data.output=res.jsonl", "engine.num_blocks=256",
-            "run.max_error_fraction=1", "run.progress=off"]  # fmt: skip
+            "run.max_error_fraction=1", "run.progress=off", "engine.limit_mm_per_prompt={image: 1}"]  # fmt: skip
     p = batchgen_cli(args, tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     got = {x["custom_id"]: x for x in map(json.loads, (tmp_path / "res.jsonl").read_text().splitlines())}
-    assert list(got) == ["data", "path", "file", "s3", "corrupt", "missing"]
+    assert list(got) == ["data", "path", "file", "s3", "corrupt", "missing", "two"]
     assert got["corrupt"]["response"] is None and "image 0" in got["corrupt"]["error"]["message"]
     assert got["corrupt"]["error"]["code"] == got["missing"]["error"]["code"] == "invalid_image"
     assert got["missing"]["response"] is None and "gone.png" in got["missing"]["error"]["message"]
+    assert "2 images but the model takes at most 1" in got["two"]["error"]["message"]
+    assert got["two"]["error"]["code"] == "invalid_image"
     # the summary: image a three times, image b in both samples of "s3"; each encoded once
     assert "5 references, 2 distinct, 2 encoded" in p.stdout and "image encoder" in p.stdout
 

@@ -377,7 +377,10 @@ def response_line(
         code = "invalid_request" if request.get("request_error") else "generation_failed"
         if "max_model_len" in error:
             code = "context_length_exceeded"
-        elif re.match(r"image \d+: |.*\bimage placeholder", error):  # a bad, missing or extra image
+        elif re.search(
+            r"(^|: )image \d+: |\bimage placeholder|^(.*: )?\d+ images but the model takes", error
+        ):
+            # a bad, missing or extra image, or more than engine.limit_mm_per_prompt (after the column's name)
             code = "invalid_image"
         out.update(response=None, error={"code": code, "message": error, "line": line})
         return out
