@@ -58,23 +58,30 @@ def test_vipllava_equals_transformers(tmp_path):
 
 def test_idefics2_equals_transformers(tmp_path):
     """Crops of one image differ in size (padded, masked); a word right after an image and two adjacent
-    images take the processor's seams (a space; one shared fake token)."""
+    images take the processor's seams (a space; one shared fake token). An image with an alpha band is
+    loaded by Idefics2's processor itself (alpha dropped, not composited onto white)."""
+    import numpy as np
+    from PIL import Image
+
     ckpt = build_idefics2(tmp_path / "idefics2", splitting=True)
     a, b, c, d = mixed_images(4)
+    alpha = np.random.default_rng(5).integers(0, 255, (60, 120, 1), dtype=np.uint8)
+    rgba = Image.fromarray(np.concatenate([np.asarray(b), alpha], axis=2), "RGBA")
     rows = [
         ("User:<image>What is in the picture?<end_of_utterance>\nAssistant:", [a]),
         ("Compare <image> with <image>, please.", [b, c]),
         ("No image here, only text.", []),
         ("Two <image><image> adjacent", [d, b]),
         ("<image> again, other text", [a]),
+        ("<image> is see-through", [rgba]),
     ]
-    llm, ref = _run_shuffled(ckpt, rows, [4, 1, 3, 2, 0])
+    llm, ref = _run_shuffled(ckpt, rows, [4, 1, 5, 3, 2, 0])
     stats = llm.engine.images.stats
-    assert (stats.references, stats.distinct, stats.encoded) == (6, 4, 4)
+    assert (stats.references, stats.distinct, stats.encoded) == (7, 5, 5)
     other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": c}}, GREEDY, use_tqdm=False)
     assert other[0].outputs[0].token_ids != ref[0]
     # an image job (a list of images per row) writes the same tokens
-    job = [0, 1, 3]
+    job = [0, 1, 3, 5]
     images = pa.array([[png_bytes(im) for im in rows[i][1]] for i in job], type=pa.list_(pa.binary()))
     pq.write_table(pa.table({"prompt": [rows[i][0] for i in job], "image": images}), tmp_path / "in.parquet")
     sampling = {"max_tokens": GREEDY.max_tokens, "temperature": 0.0}

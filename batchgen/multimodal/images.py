@@ -53,10 +53,13 @@ class EncodedImage:
 
 @dataclass(frozen=True)
 class LoadedImage:
-    """A decoded RGB image and the content hash (hex SHA-256) that keys its encoder output and KV blocks."""
+    """A decoded RGB image and the content hash (hex SHA-256) that keys its encoder output and KV blocks;
+    ``opened``: the image as opened, when its mode is not plain RGB (what a processor that converts images
+    itself is given, so it computes what transformers computes from the opened file)."""
 
     image: Any  # PIL.Image.Image
     hash: str
+    opened: Any = None
 
     @property
     def size(self) -> tuple[int, int]:
@@ -223,7 +226,7 @@ class ImageLoader:
             if self.target_side and img.format == "JPEG" and min(w, h) > 2 * self.target_side:
                 img.draft("RGB", (2 * self.target_side, 2 * self.target_side))  # decode at a reduced scale
             img.load()
-            img = to_rgb(img)
+            rgb = to_rgb(img)
         except ImageError:
             raise
         except Image.UnidentifiedImageError:
@@ -232,7 +235,7 @@ class ImageLoader:
             raise ImageError(f"image {name!r}: too large ({e})") from None
         except (OSError, SyntaxError, ValueError) as e:  # truncated / corrupt data
             raise ImageError(f"image {name!r}: corrupt or truncated image data ({e})") from None
-        return LoadedImage(img, digest)
+        return LoadedImage(rgb, digest, _opened(img))
 
     def _from_pil(self, img: Any) -> LoadedImage:
         w, h = img.size
@@ -241,7 +244,16 @@ class ImageLoader:
         rgb = to_rgb(img)
         h_ = hashlib.sha256(f"pil:{rgb.mode}:{w}x{h}:".encode())
         h_.update(rgb.tobytes())
-        return LoadedImage(rgb, h_.hexdigest())
+        return LoadedImage(rgb, h_.hexdigest(), _opened(img))
+
+
+def _has_alpha(img: Any) -> bool:
+    return "A" in img.getbands() or img.info.get("transparency") is not None
+
+
+def _opened(img: Any) -> Any:
+    """``img`` when :func:`to_rgb` changes more than its type (another mode, transparency), else None."""
+    return img if img.mode != "RGB" or _has_alpha(img) else None
 
 
 def to_rgb(img: Any) -> Any:
@@ -250,7 +262,7 @@ def to_rgb(img: Any) -> Any:
     converted by Pillow (``I;16`` clips to 255, CMYK inverts to RGB). The first frame of an animated image;
     EXIF orientation is not applied."""
     Image = pil()
-    if "A" in img.getbands() or img.info.get("transparency") is not None:
+    if _has_alpha(img):
         rgba = img.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")

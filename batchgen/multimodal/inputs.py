@@ -99,6 +99,9 @@ class ImagePrompts:
             hf_logging.set_verbosity(verbosity)
         image_processor = getattr(self.processor, "image_processor", self.processor)
         self.image_processor = image_processor
+        self.converts_rgb = bool(getattr(image_processor, "do_convert_rgb", None))
+        """The image processor converts images to RGB itself: it is given each image as opened (transformers'
+        conversion, and a processor's own loading, Idefics2's, apply as they do); else the loader's RGB image."""
         # dynamic resolution (Qwen2-VL): an image's tokens are its grid of patches merged merge_size x merge_size
         dynamic = "image_grid_thw" in getattr(image_processor, "model_input_names", ())
         self.merge_size: int | None = int(image_processor.merge_size) if dynamic else None
@@ -194,17 +197,21 @@ class ImagePrompts:
 
     def _run_processor(self, image: LoadedImage) -> _Processed:
         if self.merge_size is not None:  # an image processor alone (dynamic resolution): merged patches
-            enc = self.image_processor(images=[image.image], return_tensors="pt")
+            enc = self.image_processor(images=[self._pil(image)], return_tensors="pt")
             grid = enc["image_grid_thw"][0]
             n = int(grid.prod()) // self.merge_size**2
             pixels = {"pixel_values": enc["pixel_values"], "image_grid_thw": grid}
             return _Processed(pixels, (self.feature_token_id,) * n, None)
         if self.prefix_tokens is not None:  # the image processor's pixels; the tokens the processor prepends
-            enc = self.image_processor(images=[image.image], return_tensors="pt")
+            enc = self.image_processor(images=[self._pil(image)], return_tensors="pt")
             pixels = {k: v[0] for k, v in enc.items()}
             return _Processed(pixels, (self.feature_token_id,) * self.prefix_tokens, None)
-        enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
+        enc = self.processor(text=[self.image_token], images=[self._pil(image)], return_tensors="pt")
         return self._processed(enc, 0)
+
+    def _pil(self, image: LoadedImage) -> Any:
+        """The PIL image the processor is given (see :attr:`converts_rgb`)."""
+        return image.opened if self.converts_rgb and image.opened is not None else image.image
 
     def _processed(self, enc: Any, row: int) -> _Processed:
         """Row ``row`` of the processor's output for ``[image_token] * n`` and n images."""
@@ -246,7 +253,9 @@ class ImagePrompts:
             return
         try:
             enc = self.processor(
-                text=[self.image_token] * len(decoded), images=[d.image for d in decoded], return_tensors="pt"
+                text=[self.image_token] * len(decoded),
+                images=[self._pil(d) for d in decoded],
+                return_tensors="pt",
             )
         except Exception:  # noqa: BLE001 - an image the processor refuses: each one alone names its error
             return
