@@ -68,6 +68,10 @@ class LLM:
             self.engine = LLMEngine(
                 model, config, dtype=dtype, tokenizer=tokenizer, implementation=model_impl
             )
+            if config.mm_processor_kwargs:  # refused now, not at the first image
+                from batchgen.multimodal import prepare
+
+                prepare.image_prompts_for(self.engine)
 
     @property
     def tokenizer(self):

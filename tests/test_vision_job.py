@@ -168,6 +168,29 @@ def test_image_column_needs_an_image_text_model(llama_ckpt, tmp_path):
     assert result.exit_code == 2 and "not an image-text checkpoint" in result.message
 
 
+def test_processor_options_reach_the_job_and_a_bad_one_is_one_line(llava, tmp_path):
+    """``engine.mm_processor_kwargs``: the job's image tokens follow them (its fingerprint records them); an
+    option the processor does not take stops the job at its start with exit status 2."""
+    pq.write_table(pa.table({"prompt": ["<image> What?"], "image": [png_bytes(random_image(90, 60, 3))]}),
+                   tmp_path / "in.parquet")  # fmt: skip
+    raw = {"do_normalize": False}
+    cfg = job_config(llava, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"},
+                     engine={"mm_processor_kwargs": raw}, sampling=GREEDY)  # fmt: skip
+    assert run_job(cfg, print_summary=False).exit_code == 0
+    row = [{"prompt": "<image> What?", "multi_modal_data": {"image": random_image(90, 60, 3)}}]
+    api = [
+        LLM(llava, kv_cache_memory="16MiB", **options).generate(row, SamplingParams(**GREEDY), use_tqdm=False)
+        for options in ({"mm_processor_kwargs": raw}, {})
+    ]
+    got = read_parts(tmp_path / "o").to_pylist()[0]["token_ids"]
+    assert got == api[0][0].outputs[0].token_ids != api[1][0].outputs[0].token_ids
+    bad = job_config(llava, tmp_path / "in.parquet", tmp_path / "o2", data={"image_column": "image"},
+                     engine={"mm_processor_kwargs": {"max_pixel": 1}})  # fmt: skip
+    result = run_job(bad, print_summary=False)
+    assert result.exit_code == 2 and "takes no option 'max_pixel'" in result.message
+    assert "\n" not in result.message
+
+
 def test_image_families_not_run_are_refused_by_name(tmp_path):
     """An image job on an image-text architecture batchgen does not run with images: one line naming the
     architecture and the families that do run."""

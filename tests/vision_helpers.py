@@ -56,10 +56,11 @@ def hf_greedy(ckpt: str, rows, max_new_tokens: int, *, nested: bool = False) -> 
     return out
 
 
-def hf_greedy_qwen_vl(ckpt: str, rows, max_new_tokens: int) -> list[list[int]]:
+def hf_greedy_qwen_vl(ckpt: str, rows, max_new_tokens: int, **processor_kwargs) -> list[list[int]]:
     """transformers' greedy tokens for each ``(text, images)`` row of a Qwen2-VL / Qwen2.5-VL checkpoint, one
     row at a time. ``Qwen2VLProcessor`` needs torchvision, so its work is done here as it does it: the image
-    processor's pixels and grids, each ``<|image_pad|>`` expanded to ``grid_t*grid_h*grid_w / merge**2``."""
+    processor's pixels and grids (``processor_kwargs`` given to its call), each ``<|image_pad|>`` expanded to
+    ``grid_t*grid_h*grid_w / merge**2``."""
     import torch
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
@@ -72,7 +73,7 @@ def hf_greedy_qwen_vl(ckpt: str, rows, max_new_tokens: int) -> list[list[int]]:
         ids = tok.encode(text)
         kw = {}
         if images:
-            enc = ip(images=images, return_tensors="pt")
+            enc = ip(images=images, return_tensors="pt", **processor_kwargs)
             grid = enc["image_grid_thw"]
             expanded, k = [], 0
             for t in ids:

@@ -66,6 +66,8 @@ class PromptSpec:
     """An image-text checkpoint: rows' images (``image_column``, chat image parts) go through its processor."""
     max_images: int | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    """``engine.mm_processor_kwargs``: options of every call of the checkpoint's processor."""
 
 
 @dataclass

@@ -13,7 +13,9 @@ Qwen2-VL's does, is replaced by its image processor and the tokenizer). For each
 
 Every failure is an :class:`~batchgen.multimodal.images.ImageError` naming the image's index and the reason:
 a bad image, more images than ``limit_mm_per_prompt`` allows, or a placeholder count that differs from the
-number of images.
+number of images. ``processor_kwargs`` (``engine.mm_processor_kwargs``) go to every processor call, as keyword
+arguments of transformers' processor call; a key the image processor does not declare is a ValueError when
+:class:`ImagePrompts` is built.
 """
 
 from __future__ import annotations
@@ -63,6 +65,29 @@ class ImagePrompt:
     images: list[ImageItem]
 
 
+_CALL_OWNED = frozenset({"return_tensors", "device", "data_format", "input_data_format"})
+"""Processor options batchgen sets itself (the tensors' type and layout), never taken from the user."""
+
+
+def processor_kwargs_error(processor: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why ``kwargs`` cannot go to ``processor``'s image calls (an option its image processor does not declare,
+    or one batchgen sets itself), or None. A processor that declares no options is not checked here: its first
+    call refuses an unknown one."""
+    image_processor = getattr(processor, "image_processor", processor)
+    declared = set(getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", None) or ())
+    owned = sorted(set(kwargs) & _CALL_OWNED)
+    if owned:
+        return f"engine.mm_processor_kwargs: batchgen sets {', '.join(map(repr, owned))} itself; remove it"
+    unknown = sorted(set(kwargs) - declared) if declared else []
+    if unknown:
+        takes = ", ".join(sorted(declared - _CALL_OWNED))
+        return (
+            f"engine.mm_processor_kwargs: {type(image_processor).__name__} takes no option "
+            f"{', '.join(map(repr, unknown))} (it takes: {takes})"
+        )
+    return None
+
+
 def as_image_list(value: Any) -> list[Any]:
     """``multi_modal_data["image"]``: one image or a list/tuple of them (a datasets Image dict is one)."""
     if value is None:
@@ -84,6 +109,7 @@ class ImagePrompts:
         max_images: int | None = None,
         loader: ImageLoader | None = None,
         cache_items: int = 512,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> None:
         from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -99,6 +125,10 @@ class ImagePrompts:
             hf_logging.set_verbosity(verbosity)
         image_processor = getattr(self.processor, "image_processor", self.processor)
         self.image_processor = image_processor
+        self.processor_kwargs = dict(processor_kwargs or {})
+        problem = processor_kwargs_error(self.processor, self.processor_kwargs)
+        if problem is not None:
+            raise ValueError(problem)
         # dynamic resolution (Qwen2-VL): an image's tokens are its grid of patches merged merge_size x merge_size
         dynamic = "image_grid_thw" in getattr(image_processor, "model_input_names", ())
         self.merge_size: int | None = int(image_processor.merge_size) if dynamic else None
@@ -132,7 +162,7 @@ class ImagePrompts:
         """The processor puts the image's tokens before the whole prompt, which names no place for it (BLIP-2's:
         one image, ``num_query_tokens`` tokens): a prompt without a placeholder gets one in front."""
         self.fixed_size = type(self.processor).__name__ == "LlavaProcessor" and bool(
-            getattr(image_processor, "do_center_crop", False)
+            self.processor_kwargs.get("do_center_crop", getattr(image_processor, "do_center_crop", False))
         )
         """Every image becomes pixels of one shape and one run of placeholder tokens, each image processed on
         its own inside a processor call (LLaVA 1.5's processor: resize, center crop): :meth:`build_many` then
@@ -186,16 +216,18 @@ class ImagePrompts:
         if isinstance(image, EncodedImage):
             image = self.loader.decode(image.data, image.name, image.hash)
         if self.merge_size is not None:  # an image processor alone (dynamic resolution): merged patches
-            enc = self.image_processor(images=[image.image], return_tensors="pt")
+            enc = self.image_processor(images=[image.image], return_tensors="pt", **self.processor_kwargs)
             grid = enc["image_grid_thw"][0]
             n = int(grid.prod()) // self.merge_size**2
             pixels = {"pixel_values": enc["pixel_values"], "image_grid_thw": grid}
             return _Processed(pixels, (self.feature_token_id,) * n, None)
         if self.prefix_tokens is not None:  # the image processor's pixels; the tokens the processor prepends
-            enc = self.image_processor(images=[image.image], return_tensors="pt")
+            enc = self.image_processor(images=[image.image], return_tensors="pt", **self.processor_kwargs)
             pixels = {k: v[0] for k, v in enc.items()}
             return _Processed(pixels, (self.feature_token_id,) * self.prefix_tokens, None)
-        enc = self.processor(text=[self.image_token], images=[image.image], return_tensors="pt")
+        enc = self.processor(
+            text=[self.image_token], images=[image.image], return_tensors="pt", **self.processor_kwargs
+        )
         return self._processed(enc, 0)
 
     def _processed(self, enc: Any, row: int) -> _Processed:
@@ -236,7 +268,10 @@ class ImagePrompts:
         if not decoded:
             return
         enc = self.processor(
-            text=[self.image_token] * len(decoded), images=[d.image for d in decoded], return_tensors="pt"
+            text=[self.image_token] * len(decoded),
+            images=[d.image for d in decoded],
+            return_tensors="pt",
+            **self.processor_kwargs,
         )
         done = [self._processed(enc, row) for row in range(len(decoded))]
         with self._lock:

@@ -34,7 +34,12 @@ def image_prompts_for(engine: Any, storage_options: dict[str, Any] | None = None
     from batchgen.multimodal.images import ImageLoader
 
     limit = (engine.config.limit_mm_per_prompt or {}).get("image")
-    side = ImagePrompts(engine.model_path, model.image_token_id, max_images=limit)
+    side = ImagePrompts(
+        engine.model_path,
+        model.image_token_id,
+        max_images=limit,
+        processor_kwargs=engine.config.mm_processor_kwargs,
+    )
     if storage_options:
         side.loader = ImageLoader(storage_options)
     engine._image_prompts = side
