@@ -36,9 +36,12 @@ def png_bytes(image) -> bytes:
     return buf.getvalue()
 
 
-def hf_greedy(ckpt: str, rows, max_new_tokens: int, *, nested: bool = False) -> list[list[int]]:
+def hf_greedy(
+    ckpt: str, rows, max_new_tokens: int, *, nested: bool = False, **processor_kwargs
+) -> list[list[int]]:
     """transformers' greedy tokens for each ``(text, images)`` row, one row at a time (the reference).
-    ``nested``: the processor takes a list of images per text (Idefics3), else a flat list."""
+    ``nested``: the processor takes a list of images per text (Idefics3), else a flat list;
+    ``processor_kwargs`` go to each processor call."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -50,7 +53,7 @@ def hf_greedy(ckpt: str, rows, max_new_tokens: int, *, nested: bool = False) -> 
             images = None
         elif nested:
             images = [images]
-        enc = proc(text=[text], images=images, return_tensors="pt")
+        enc = proc(text=[text], images=images, return_tensors="pt", **(processor_kwargs if images else {}))
         gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
         out.append(gen[0, enc["input_ids"].shape[1] :].tolist())
     return out

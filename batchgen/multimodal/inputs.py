@@ -342,17 +342,30 @@ class ImagePrompts:
         return processed
 
     def _placed(self, ids: list[int], loaded: list[EncodedImage | LoadedImage]) -> ImagePrompt:
-        """``ids`` whose images are expanded already, each one run of feature tokens (a processor whose
-        placeholder is not its feature token: Gemma 3); ImageError when the runs do not match the images."""
+        """``ids`` whose images are expanded already: each image's feature tokens are the next runs of them
+        whose lengths add up to its token count (one run, or one per crop or tile when the processor writes
+        text between them: Gemma 3's pan and scan); ImageError when the runs do not match the images."""
         runs = _placeholder_runs(ids, self.feature_token_id)
         done = self._all_pixels(loaded)
         counts = [len(d.expansion) if d.offsets is None else len(d.offsets) for d in done]
-        if [n for _, n in runs] != counts:
+        items, k = [], 0
+        for image, d, count in zip(loaded, done, counts):
+            first, taken = k, 0
+            while k < len(runs) and taken < count:
+                taken += runs[k][1]
+                k += 1
+            if taken != count:
+                break
+            start = runs[first][0]
+            offsets = None
+            if k - first > 1:
+                offsets = tuple(p - start for at, n in runs[first:k] for p in range(at, at + n))
+            items.append(ImageItem(image.hash, d.pixels, start, count, offsets))
+        if len(items) != len(loaded) or k != len(runs):
             raise ImageError(
                 f"the prompt's image tokens (runs of {[n for _, n in runs]}) do not match its {len(loaded)} "
                 f"image(s) ({counts} tokens): put one {self.image_token!r} in the prompt where each image goes"
             )
-        items = [ImageItem(im.hash, d.pixels, start, n) for im, d, (start, n) in zip(loaded, done, runs)]
         return ImagePrompt(ids, items)
 
     def _build(self, token_ids: Sequence[int], loaded: list[EncodedImage | LoadedImage]) -> ImagePrompt:
