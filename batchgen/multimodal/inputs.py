@@ -20,6 +20,8 @@ arguments of transformers' processor call; a key the image processor does not de
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -129,6 +131,9 @@ class ImagePrompts:
         problem = processor_kwargs_error(self.processor, self.processor_kwargs)
         if problem is not None:
             raise ValueError(problem)
+        self._options_key = json.dumps(self.processor_kwargs, sort_keys=True, default=str).encode()
+        """Mixed into each item's key when options are set: the encoder and prefix caches never mix an image's
+        features under two sets of options."""
         # dynamic resolution (Qwen2-VL): an image's tokens are its grid of patches merged merge_size x merge_size
         dynamic = "image_grid_thw" in getattr(image_processor, "model_input_names", ())
         self.merge_size: int | None = int(image_processor.merge_size) if dynamic else None
@@ -360,7 +365,7 @@ class ImagePrompts:
             offsets = None
             if k - first > 1:
                 offsets = tuple(p - start for at, n in runs[first:k] for p in range(at, at + n))
-            items.append(ImageItem(image.hash, d.pixels, start, count, offsets))
+            items.append(ImageItem(_item_key(self, image.hash), d.pixels, start, count, offsets))
         if len(items) != len(loaded) or k != len(runs):
             raise ImageError(
                 f"the prompt's image tokens (runs of {[n for _, n in runs]}) do not match its {len(loaded)} "
@@ -388,7 +393,7 @@ class ImagePrompts:
                 expansion = self.joins.expansion(out, done.expansion)
                 skip = len(done.expansion) - len(expansion)
                 offsets = None if done.offsets is None else tuple(o - skip for o in done.offsets)
-                items.append(ImageItem(image.hash, done.pixels, len(out), n, offsets))
+                items.append(ImageItem(_item_key(self, image.hash), done.pixels, len(out), n, offsets))
                 out.extend(expansion)
                 length -= used
         if len(items) != len(loaded) or (items and items[-1] is None):
@@ -404,6 +409,14 @@ class ImagePrompts:
         rest = list(token_ids[pos:])
         out.extend(self.joins.text_after(rest) if items else rest)
         return ImagePrompt(out, items)
+
+
+def _item_key(side: ImagePrompts, content_hash: str) -> str:
+    """An image's key for the engine (encoder cache, prefix-cache blocks): its content hash, with the side's
+    processor options mixed in when it has any."""
+    if side._options_key == b"{}":
+        return content_hash
+    return hashlib.sha256(content_hash.encode() + b"\0" + side._options_key).hexdigest()
 
 
 def _placeholder_runs(token_ids: Sequence[int], token: int) -> list[tuple[int, int]]:
