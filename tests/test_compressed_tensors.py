@@ -55,7 +55,7 @@ def test_int_linear_matches_float64_on_dequantized(bits, group, round_bf16) -> N
     from batchgen.models.quant.compressed_tensors import IntScheme
 
     g = torch.Generator().manual_seed(bits + group)
-    layer = IntQuantLinear(768, 45, True, IntScheme(bits, group, (), round_bf16))
+    layer = IntQuantLinear(768, 45, True, IntScheme(bits, group, round_bf16=round_bf16))
     layer.weight_packed.copy_(torch.randint(-(2**31), 2**31 - 1, layer.weight_packed.shape, generator=g))
     layer.weight_scale.copy_(torch.rand(layer.weight_scale.shape, generator=g) * 0.01)
     layer.bias.copy_(torch.randn(45, generator=g))
@@ -173,3 +173,43 @@ def test_asymmetric_pack_quantized_greedy_equals_the_dequantized_model(
     assert (ours - dense[down]).abs().max() <= 1e-6 * dense[down].abs().max()
     want = transformers_greedy(tmp_path / "dense")
     assert got == want and len({t for row in got for t in row}) > 6
+
+
+@pytest.mark.parametrize(
+    "arch, kwargs",
+    [
+        (
+            "qwen2",
+            {"ignore": ("lm_head", "re:.*mlp.down_proj")},
+        ),  # ignore by pattern: those layers stay float
+        ("qwen3", {"mlp": (8, None, True)}),  # two config groups: int4 attention, int8 per-channel MLP
+    ],
+)
+def test_layers_quantized_are_read_from_the_tensors(tmp_path, arch, kwargs) -> None:
+    """Which projections are quantized (and in which scheme) follows the checkpoint's tensors, not a reading of
+    ``ignore`` patterns or ``targets``: greedy output equals transformers'."""
+    from model_zoo import checkpoint
+
+    from batchgen.models.quant.group_linear import GroupQuantLinear
+
+    path = write_compressed_tensors(
+        checkpoint(arch, seed=3), tmp_path / "ct", bits=4, group_size=32, **kwargs
+    )
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
+    model = llm.engine.model
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, (IntQuantLinear, GroupQuantLinear)) == ("ignore" not in kwargs)
+    got = batchgen_greedy(llm)
+    assert got == transformers_greedy(path) and len({t for row in got for t in row}) > 6
+
+
+def test_tied_head_without_quantized_tensors_stays_the_embedding(tmp_path) -> None:
+    """A tied lm_head not in ``ignore`` has no packed tensors of its own: it stays the embedding table."""
+    from model_zoo import checkpoint
+
+    base = checkpoint("llama", seed=3, tie_word_embeddings=True)
+    listed = write_compressed_tensors(base, tmp_path / "ignored", bits=4, group_size=32)
+    unlisted = write_compressed_tensors(base, tmp_path / "ct", bits=4, group_size=32, ignore=())
+    llm = LLM(unlisted, num_blocks=64, block_size=8, max_num_seqs=4)
+    assert not isinstance(llm.engine.model.lm_head, IntQuantLinear)
+    assert batchgen_greedy(llm) == transformers_greedy(listed)  # the same tensors, lm_head listed in ignore
