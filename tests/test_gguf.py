@@ -187,3 +187,26 @@ def test_job_runs_a_gguf_file_and_refuses_an_unsupported_one(llama_256, tmp_path
     res = run_job(cfg, handle_signals=False, print_summary=False)
     assert res.exit_code == EXIT_CONFIG and "\n" not in res.message
     assert "blk.1.ffn_down.weight in q5k.gguf is Q5_K" in res.message
+
+
+@pytest.mark.parametrize(
+    "arch, tie, types",
+    [("qwen2", True, MIXES["mixed"]), ("llama", False, 30)],  # qwen2 without output.weight; a BF16 file
+)
+def test_other_architectures_and_float_files_equal_transformers(
+    ckpt_factory, tmp_path, arch, tie, types
+) -> None:
+    """A qwen2 file (q/k/v biases, its own Qwen2 tokenizer, tied embeddings: no output tensor) and a BF16 file
+    (projections widened at load): greedy output and tokenization equal transformers'."""
+    from transformers import AutoTokenizer
+
+    base = ckpt_factory(arch, seed=31, hidden_size=256, intermediate_size=512, tie_word_embeddings=tie)
+    path = Path(write_gguf(base, tmp_path / f"{arch}.gguf", types))
+    llm = LLM(str(path), num_blocks=64, block_size=8, max_num_seqs=4)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert got == _hf_greedy(str(path)) and len({t for row in got for t in row}) > 6
+    text = "Return  the sum of 12345 numbers.\n\tdef f(x):"
+    assert llm.tokenizer.encode(text) == AutoTokenizer.from_pretrained(
+        str(tmp_path), gguf_file=path.name
+    ).encode(text)
