@@ -210,3 +210,39 @@ def test_other_architectures_and_float_files_equal_transformers(
     assert llm.tokenizer.encode(text) == AutoTokenizer.from_pretrained(
         str(tmp_path), gguf_file=path.name
     ).encode(text)
+
+
+def test_embed_a_gguf_file(llama_256, tmp_path) -> None:
+    """task=embed on a GGUF file pools the last hidden state transformers' own ``gguf_file=`` loading computes,
+    from the API and from a job naming the file with model.gguf_file."""
+    import dataclasses
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import job_config
+    from transformers import AutoModel
+
+    from batchgen.job.run import EXIT_OK, run_job
+
+    path = Path(write_gguf(llama_256, tmp_path / "m.gguf", MIXES["mixed"]))
+    llm = LLM(str(path), task="embed", num_blocks=64, block_size=8)
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS, normalize=False, use_tqdm=False)])
+    hf = AutoModel.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = torch.stack([hf(input_ids=torch.tensor([p])).last_hidden_state[0, -1] for p in PROMPTS])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    pq.write_table(pa.table({"prompt": ["def main():", "Once upon a time"]}), tmp_path / "in.parquet")
+    job = job_config(str(tmp_path), tmp_path / "in.parquet", tmp_path / "out")
+    job.model.gguf_file = path.name
+    res = run_job(dataclasses.replace(job, task="embed"), handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_OK, res.message
+    out = pa.concat_tables(pq.read_table(p) for p in sorted((tmp_path / "out").glob("*.parquet"))).sort_by(
+        "id"
+    )
+    want = llm.embed(["def main():", "Once upon a time"], use_tqdm=False)
+    torch.testing.assert_close(
+        torch.tensor(out.column("embedding").to_pylist()),
+        torch.tensor([w.outputs.embedding for w in want]),
+        atol=1e-5,
+        rtol=1e-5,
+    )
