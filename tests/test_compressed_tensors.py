@@ -78,6 +78,9 @@ REFUSED = {
         "quantized input activations (W8A8 / fp8)",
     ),
     "actorder": ({"actorder": "group"}, "actorder='group'"),
+    "2:4 sparse": ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity format sparse-24-bitmask"),
+    "int and fp8 groups": ({"config_groups": "fp8 beside int"}, "mixing fp8 and int weights"),
+    "w8a8 int-quantized": ({"format": "int-quantized"}, "format int-quantized is not supported"),
 }
 
 
@@ -90,6 +93,15 @@ def _variant(path: str, out: Path, change: dict) -> str:
     group = q["config_groups"]["group_0"]
     if "quant_method" in change:
         cfg["quantization_config"] = change
+    elif "sparsity_config" in change:
+        q.update(change)
+    elif "config_groups" in change:  # a second group of fp8 weights
+        fp8 = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+        q["config_groups"]["group_1"] = {
+            "targets": ["re:.*mlp.*"],
+            "weights": fp8,
+            "format": "float-quantized",
+        }
     elif "format" in change:
         q["format"] = group["format"] = change["format"]
     elif "input_activations" in change:

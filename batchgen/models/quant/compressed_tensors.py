@@ -80,13 +80,15 @@ def quantization_scheme(path: str | Path):
             f"{where}: kv_cache_scheme {q['kv_cache_scheme']} is not supported; batchgen reads per-tensor or "
             "per-head fp8 k_scale / v_scale"
         )
-    groups = list((q.get("config_groups") or {}).values())
-    if not groups and q.get("kv_cache_scheme"):
-        return None  # only the KV cache is quantized: the weights are float
-    if not groups:
+    sparsity = (q.get("sparsity_config") or {}).get("format")
+    if sparsity not in (None, "dense"):
         raise UnsupportedCheckpoint(
-            f"{where}: compressed-tensors config without config_groups is not supported"
+            f"{where}: compressed-tensors sparsity format {sparsity} is not supported; batchgen runs dense "
+            "(unsparsified) weights"
         )
+    groups = list((q.get("config_groups") or {}).values())
+    if not groups:
+        return None  # only the KV cache (or nothing) is quantized: the weights are float
     schemes = [_group_scheme(g, q, where) for g in groups]
     fp8 = [s for s in schemes if isinstance(s, Fp8Scheme)]
     if fp8 and len(fp8) != len(schemes):
