@@ -225,3 +225,17 @@ def test_tied_head_without_quantized_tensors_stays_the_embedding(tmp_path) -> No
     llm = LLM(unlisted, num_blocks=64, block_size=8, max_num_seqs=4)
     assert not isinstance(llm.engine.model.lm_head, IntQuantLinear)
     assert batchgen_greedy(llm) == transformers_greedy(listed)  # the same tensors, lm_head listed in ignore
+
+
+def test_fused_parts_mixing_quantized_and_float_are_refused_by_name(tmp_path) -> None:
+    from model_zoo import checkpoint
+
+    ignore = (
+        "lm_head",
+        "re:.*k_proj",
+    )  # q and v packed, k float: one fused q/k/v projection cannot hold both
+    path = write_compressed_tensors(
+        checkpoint("llama", seed=3), tmp_path / "ct", bits=4, group_size=32, ignore=ignore
+    )
+    with pytest.raises(UnsupportedCheckpoint, match="qkv_proj mix quantized and float tensors"):
+        LLM(path, num_blocks=64, block_size=8)

@@ -271,8 +271,9 @@ def replace_linears(model: nn.Module, config, scheme: IntScheme, names) -> list[
         if not any(packed):
             continue
         if not all(packed):
-            raise ValueError(
-                f"{', '.join(prefixes)} of fused {name} mix quantized and float tensors (compressed-tensors)"
+            raise UnsupportedCheckpoint(
+                f"{', '.join(prefixes)} of fused {name} mix quantized and float tensors (compressed-tensors): batchgen "
+                "runs fused q/k/v and gate/up projections whose parts are all quantized or all float"
             )
         parent, _, attr = name.rpartition(".")
         quant = IntQuantLinear(module.in_features, module.out_features, module.bias is not None, scheme)
