@@ -145,7 +145,7 @@ def _group_scheme(group: dict, q: dict, where: str):
         raise UnsupportedCheckpoint(f"{where}: compressed-tensors {', '.join(problems)} not supported; batchgen runs "
                                     "int4/int8 weight-only group or channel quantization (W4A16, W8A16)")  # fmt: skip
     group_size = weights.get("group_size") if weights.get("strategy") == "group" else None
-    return IntScheme(int(weights["num_bits"]), group_size, symmetric=bool(weights.get("symmetric", False)))
+    return IntScheme(int(weights["num_bits"]), group_size, symmetric=bool(weights.get("symmetric", True)))
 
 
 @dataclass(frozen=True)
