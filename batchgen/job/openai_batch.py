@@ -155,9 +155,10 @@ class BatchFile:
         """The batch file's result from the job's ``result``: the results file written when the job is
         complete (exit 0, or 3 with too many error rows: failed requests are result lines), its error
         fraction checked against ``run.max_error_fraction``; with `print_summary`, the summary table printed once
-        the results file is written, its error counts those of the result lines; any other result as it is."""
-        if result.exit_code not in (EXIT_OK, EXIT_TOO_MANY_ERRORS):
-            return result
+        the results file is written, its error counts those of the result lines; any other result (a dry run's
+        plan, a failed or stopped job) as it is."""
+        if result.exit_code not in (EXIT_OK, EXIT_TOO_MANY_ERRORS) or result.status == "planned":
+            return result  # a dry run plans the job over the requests: no results file
         d = self.requested.data
         try:
             n, tally = write_results(self.job, self.requests.table, d.output, dict(d.storage_options))
