@@ -73,6 +73,39 @@ class PlanRow:
     lora: Any = None
     source: Any = None
     """The row's prompt as given (the column's text, or its chat messages), for the sharing analysis."""
+    images: tuple[tuple[str, int, int], ...] = ()
+    """The row's images in prompt order: (content hash, first placeholder position, placeholder tokens)."""
+    cache_ids: list[int] | None = None
+    """The tokens as the prefix cache keys them: ``token_ids`` with each image's placeholder positions keyed
+    by the image (as the engine does: the same image shares, different images never do); None for a row
+    without images (its ``token_ids``)."""
+
+    @property
+    def keyed(self) -> list[int] | None:
+        """The token ids the prefix cache sees (``cache_ids``, else ``token_ids``)."""
+        return self.cache_ids if self.cache_ids is not None else self.token_ids
+
+
+IMAGE_KEY_BITS = 16
+"""Offset bits of a simulated image token id: ``-((key << IMAGE_KEY_BITS) + offset) - 1`` (negative, so never a
+vocabulary id)."""
+
+
+def image_keyed_ids(token_ids: list[int], images: Any, keys: dict[str, int]) -> list[int] | None:
+    """``token_ids`` with each image's placeholder positions replaced by ids unique to its content hash
+    (``keys``: hash -> small key, extended as new images appear), as the engine's prefix cache keys them;
+    None when the row has no image."""
+    if not images:
+        return None
+    ids = list(token_ids)
+    for item in images:
+        key = keys.setdefault(item.hash, len(keys))
+        offsets = item.offsets if item.offsets is not None else range(item.num_tokens)
+        for k, off in enumerate(offsets):
+            pos = item.start + off
+            if 0 <= pos < len(ids):
+                ids[pos] = -((key << IMAGE_KEY_BITS) + k) - 1
+    return ids
 
 
 KEEP_ROWS = 4096
@@ -94,6 +127,7 @@ class PlanInput:
     num_blocks: int | None = None
     prompt_column: str | None = None
     messages_column: str | None = None
+    image_column: str | None = None
     group_by_prefix: bool = True
     prefix_caching: bool = True
     """engine.enable_prefix_caching: without it nothing is shared."""
@@ -142,7 +176,7 @@ class PlanInput:
                     e["first_ids"].append(r.id if r.id is not None else r.index)
         for pos in feed:
             r = rows[pos]
-            toks = r.token_ids
+            toks = r.keyed
             assert toks is not None
             root = _root(r)
             c, k = self._sim.admit(toks, root) if self.prefix_caching else (0, 0)
@@ -162,8 +196,8 @@ class PlanInput:
                 if len(self.all_tokens) > SORTED_ANALYSIS_ROWS:
                     self.all_tokens = None
         if not self.group_by_prefix and self.prefix_caching:
-            for pos in sorted(feed, key=lambda p: rows[p].token_ids):  # type: ignore[arg-type,return-value]
-                self.grouped_cached += self._grouped_sim.admit(rows[pos].token_ids, _root(rows[pos]))[0]
+            for pos in sorted(feed, key=lambda p: rows[p].keyed):  # type: ignore[arg-type,return-value]
+                self.grouped_cached += self._grouped_sim.admit(rows[pos].keyed, _root(rows[pos]))[0]
 
     @property
     def saved(self) -> list[int]:
@@ -244,6 +278,7 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
         prompt_column=None if d.messages_column else d.prompt_column,
         prefix_caching=cfg.engine.enable_prefix_caching,
         messages_column=d.messages_column,
+        image_column=d.image_column,
         group_by_prefix=d.group_by_prefix,
         shard={
             "index": d.shard.index,
@@ -269,12 +304,19 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
             yield win, rows, WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
 
     ahead = ReadAhead(prepared())
+    image_keys: dict[str, int] = {}
     for win, rows, work in ahead:
         need_src = len(inp.first) < SHARING_SAMPLE
         src = win.table.column(source_col).to_pylist() if need_src else [None] * len(rows)
-        prs = [
-            PlanRow(r.row_index, r.id, r.token_ids, r.params, r.error, r.lora, src[r.position]) for r in rows
-        ]
+        prs = []
+        for r in rows:
+            ok = r.error is None and r.token_ids is not None
+            items = [i for i in (r.images or ()) if hasattr(i, "hash")] if ok else []
+            prs.append(PlanRow(
+                r.row_index, r.id, r.token_ids, r.params, r.error, r.lora, src[r.position],
+                tuple((i.hash, i.start + (i.offsets[0] if i.offsets else 0), i.num_tokens) for i in items),
+                image_keyed_ids(r.token_ids, items, image_keys) if items else None,  # type: ignore[arg-type]
+            ))  # fmt: skip
         inp.add_window(prs, list(work.feed))
     inp.read_seconds = time.perf_counter() - t0
     return inp
@@ -377,6 +419,14 @@ def _where_rows_differ(rows: list[PlanRow], tokenizer: Any, inp: PlanInput, lcp:
     head = tokenizer.decode(r0.token_ids[:lcp])
     nxt = tokenizer.decode(r0.token_ids[: min(len(r0.token_ids), lcp + 8)])[len(head) :]
     where = f"token {lcp}"
+    for r in rows:
+        for k, (_h, start, n) in enumerate(r.images):
+            if start <= lcp < start + n:
+                origin = (f"data.image_column {inp.image_column!r}" if inp.image_column
+                          else f"the chat messages of {inp.messages_column or 'the prompt'!r}")  # fmt: skip
+                return (f"rows differ from {where}: image {k} (from {origin}) starts at token {start}, before "
+                        f"text the rows share; different images share nothing after them: put the image "
+                        f"after the shared text (the shared text first)")  # fmt: skip
     src = r0.source
     if inp.messages_column and isinstance(src, (list, str)):
         msgs = src
@@ -417,7 +467,7 @@ def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list
     sample = [r for r in rows if r.token_ids][:SHARING_SAMPLE]
     if len(sample) < 2:
         return out
-    lcp = min(common_prefix_len(sample[0].token_ids, r.token_ids) for r in sample[1:])  # type: ignore[arg-type]
+    lcp = min(common_prefix_len(sample[0].keyed, r.keyed) for r in sample[1:])  # type: ignore[arg-type]
     mean_len = float(np.mean([len(r.token_ids) for r in sample]))  # type: ignore[arg-type]
     out["common_prefix_tokens"] = lcp
     out["common_prefix_blocks"] = lcp // bs
@@ -448,9 +498,7 @@ def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list
             notes.append(f"data.group_by_prefix=true (order each window by tokens) would share {rate:.0%}")
     if len(inp.window_sizes) > 1 and inp.lens:
         pairs = (
-            inp.all_tokens
-            if inp.all_tokens is not None
-            else [(_root(r), r.token_ids) for r in inp.kept.values()]
+            inp.all_tokens if inp.all_tokens is not None else [(_root(r), r.keyed) for r in inp.kept.values()]
         )
         flat = sorted(pairs, key=lambda x: x[1])  # type: ignore[arg-type,return-value]
         rate = simulate_prefix_cache([t for _, t in flat], bs, [r for r, _ in flat]).hit_rate  # type: ignore[misc]
