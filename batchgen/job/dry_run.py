@@ -153,16 +153,22 @@ class PlanInput:
     """Tokens the cache would serve with each window ordered by tokens (data.group_by_prefix=true)."""
     all_tokens: list[tuple[Any, list[int]]] | None = field(default_factory=list)
     """(root, tokens) of every fed row while there are at most SORTED_ANALYSIS_ROWS; then None."""
-    _sim: Any = None
-    _grouped_sim: Any = None
+    replicas: int = 1
+    """Engine replicas (engine.data_parallel_size): each has its own prefix cache, and takes whole windows in
+    turn (window k to replica k mod replicas, as :func:`_simulate_parts` divides the work)."""
+    _sims: list[Any] = field(default_factory=list)
+    _grouped_sims: list[Any] = field(default_factory=list)
 
     def add_window(self, rows: list[PlanRow], feed: list[int]) -> None:
         """One window's rows (input order) and the positions the job feeds, in its order."""
         from batchgen.job.prefix_sim import PrefixCacheSim
 
-        if self._sim is None:
-            self._sim = PrefixCacheSim(self.block_size, self.num_blocks)
-            self._grouped_sim = PrefixCacheSim(self.block_size, self.num_blocks)
+        if not self._sims:
+            n = max(1, self.replicas)
+            self._sims = [PrefixCacheSim(self.block_size, self.num_blocks) for _ in range(n)]
+            self._grouped_sims = [PrefixCacheSim(self.block_size, self.num_blocks) for _ in range(n)]
+        sim = self._sims[len(self.window_sizes) % len(self._sims)]
+        grouped_sim = self._grouped_sims[len(self.window_sizes) % len(self._sims)]
         self.rows_read += len(rows)
         self.window_sizes.append(len(feed))
         bs = self.block_size
@@ -179,7 +185,7 @@ class PlanInput:
             toks = r.keyed
             assert toks is not None
             root = _root(r)
-            c, k = self._sim.admit(toks, root) if self.prefix_caching else (0, 0)
+            c, k = sim.admit(toks, root) if self.prefix_caching else (0, 0)
             i = len(self.lens)
             self.lens.append(len(toks))
             self.cached.append(c)
@@ -197,7 +203,7 @@ class PlanInput:
                     self.all_tokens = None
         if not self.group_by_prefix and self.prefix_caching:
             for pos in sorted(feed, key=lambda p: rows[p].keyed):  # type: ignore[arg-type,return-value]
-                self.grouped_cached += self._grouped_sim.admit(rows[pos].keyed, _root(rows[pos]))[0]
+                self.grouped_cached += grouped_sim.admit(rows[pos].keyed, _root(rows[pos]))[0]
 
     @property
     def saved(self) -> list[int]:
@@ -280,6 +286,7 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
         messages_column=d.messages_column,
         image_column=d.image_column,
         group_by_prefix=d.group_by_prefix,
+        replicas=max(1, cfg.engine.data_parallel_size),
         shard={
             "index": d.shard.index,
             "count": d.shard.count,
@@ -806,13 +813,14 @@ def _predict_time(
     typical = int(np.median(np.asarray(inp.bounds))) if len(inp.bounds) else 0
     e = relative_spread(cal, typical)
     predicted["wall_time_s"] = wall
-    # the simulated schedule (of the tokenized rows, scaled; the longest replica's steps): the load-free part of
-    # the prediction, which the report sets beside the engine's steps and preemptions
+    # the simulated schedule (of the tokenized rows, scaled): the load-free part of the prediction, which the
+    # report sets beside the engine's steps and preemptions; with replicas, all of them together (the report's
+    # scheduler figures sum the replicas' engines)
     predicted["schedule"] = {
-        "steps": round(max(x.steps for x in sims) * scale),
+        "steps": round(sum(x.steps for x in sims) * scale),
         "preemptions": round(sum(x.preemptions for x in sims) * scale),
-        "peak_running_seqs": max(x.peak_running for x in sims),
-        "peak_kv_blocks": max(x.peak_blocks for x in sims) or None,
+        "peak_running_seqs": sum(x.peak_running for x in sims),
+        "peak_kv_blocks": sum(x.peak_blocks for x in sims) or None,
     }
     predicted["wall_time_range_s"] = [min(wall, wall_min) * (1 - e), wall * (1 + e)]
     # what the engine computes: after prefix sharing, and again for a request preempted (recompute)
