@@ -156,6 +156,10 @@ class PlanInput:
     replicas: int = 1
     """Engine replicas (engine.data_parallel_size): each has its own prefix cache, and takes whole windows in
     turn (window k to replica k mod replicas, as :func:`_simulate_parts` divides the work)."""
+    cold_rows_read: int = 0
+    """Rows read in the first window of each replica (the windows that start on an empty prefix cache)."""
+    cold_fed: int = 0
+    """Fed rows of those windows: the first ``cold_fed`` entries of the per-row arrays."""
     _sims: list[Any] = field(default_factory=list)
     _grouped_sims: list[Any] = field(default_factory=list)
 
@@ -169,6 +173,9 @@ class PlanInput:
             self._grouped_sims = [PrefixCacheSim(self.block_size, self.num_blocks) for _ in range(n)]
         sim = self._sims[len(self.window_sizes) % len(self._sims)]
         grouped_sim = self._grouped_sims[len(self.window_sizes) % len(self._sims)]
+        if len(self.window_sizes) < len(self._sims):
+            self.cold_rows_read += len(rows)
+            self.cold_fed += len(feed)
         self.rows_read += len(rows)
         self.window_sizes.append(len(feed))
         bs = self.block_size
@@ -211,9 +218,21 @@ class PlanInput:
         return [c + k for c, k in zip(self.cached, self.copied)]
 
     @property
+    def warm_weight(self) -> float:
+        """How many rows of the shard each fed row stands for, past the cold windows (each replica's first,
+        which start on an empty cache and are read whatever the sample): 1 when every row was read. The cold
+        windows stand for themselves only, so a sample of a few windows does not count their misses once per
+        sampled window."""
+        rest = self.rows_read - self.cold_rows_read
+        return (self.rows_total - self.cold_rows_read) / rest if rest > 0 else 1.0
+
+    @property
     def hit_rate(self) -> float:
-        total = sum(self.lens)
-        return sum(self.cached) / total if total else 0.0
+        """The predicted ``tokens.prefix_hit_rate``: cached over admitted prompt tokens, the rows past the cold
+        windows weighted by :attr:`warm_weight`."""
+        k, w = self.cold_fed, self.warm_weight
+        total = sum(self.lens[:k]) + w * sum(self.lens[k:])
+        return (sum(self.cached[:k]) + w * sum(self.cached[k:])) / total if total else 0.0
 
 
 @dataclass
