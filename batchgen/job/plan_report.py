@@ -49,10 +49,13 @@ def read_plan(outdir: Any) -> dict[str, Any] | None:
         return None
 
 
-def planned_work(outdir: Any) -> PlannedWork | None:
-    """The work ``_plan.json`` predicts for the shard, for the live ETA (None without a plan)."""
+def planned_work(outdir: Any, fingerprint: str | None = None) -> PlannedWork | None:
+    """The work ``_plan.json`` predicts for the shard, for the live ETA (None without a plan, or with the plan
+    of another configuration: its ``fingerprint`` is not ``fingerprint``)."""
     plan = read_plan(outdir)
-    return PlannedWork.from_plan(plan) if plan else None
+    if not plan or (fingerprint is not None and plan.get("fingerprint") != fingerprint):
+        return None
+    return PlannedWork.from_plan(plan)
 
 
 def prediction_section(plan: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
