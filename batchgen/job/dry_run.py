@@ -485,6 +485,32 @@ def _where_rows_differ(rows: list[PlanRow], tokenizer: Any, inp: PlanInput, lcp:
     return f"rows differ from {where}: character {at} of column {col!r} ({nxt!r}...)"
 
 
+def _messages(src: Any) -> list[Any]:
+    """A chat row's messages (a list, or its JSON text), or [] when they cannot be read."""
+    if isinstance(src, str):
+        import json
+
+        try:
+            src = json.loads(src)
+        except ValueError:
+            return []
+    return list(src) if isinstance(src, (list, tuple)) else []
+
+
+def _run_location(run: str, row: PlanRow, inp: PlanInput) -> str:
+    """Where a shared run of text sits, in the words of the input: the column, or the chat message holding
+    its start (else the rendered chat prompt: the run starts in the template's text)."""
+    if not inp.messages_column:
+        return f"column {inp.prompt_column or 'prompt'!r}"
+    head = run.strip()[:40]
+    for k, m in enumerate(_messages(row.source)):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str) and head and head in content:
+            return (f"the rendered chat prompt, in message {k} ({m.get('role')}) of data.messages_column "
+                    f"{inp.messages_column!r}")  # fmt: skip
+    return f"the rendered chat prompt of data.messages_column {inp.messages_column!r}, in the template's text"
+
+
 def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list[PlanRow]) -> dict[str, Any]:
     """Where sharing is lost and what would share more (module docstring)."""
     bs = inp.block_size
@@ -501,21 +527,29 @@ def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list
     if where:
         out["first_difference"] = where
         notes.append(f"{where}; the {lcp} tokens before it are shared ({lcp // bs} whole blocks of {bs})")
-    # a long run of text most rows hold, after a per-row part: moving it first would share it
-    texts = [r.source for r in sample if isinstance(r.source, str)]
+    # a long run of text most rows hold, after a per-row part: moving it first would share it. Chat rows are
+    # looked at as rendered (the template's text between the messages included)
+    chat = bool(inp.messages_column)
+    if chat and tokenizer is not None:
+        texts = [tokenizer.decode(r.token_ids) for r in sample[:64] if not r.images]  # type: ignore[arg-type]
+    else:
+        texts = [r.source for r in sample if isinstance(r.source, str)]
     if texts and tokenizer is not None:
         found = shared_run_after_start(texts[:64])
         if found is not None:
             run, held, first_char = found
             run_tokens = len(tokenizer.encode(run, add_special_tokens=False))
             if held >= 0.5 and run_tokens >= 2 * bs and first_char > 0:
-                moved = [tokenizer.encode(run + t.replace(run, "", 1)) for t in texts if run in t]
+                moved = [tokenizer.encode(run + t.replace(run, "", 1), add_special_tokens=not chat)
+                         for t in texts if run in t]  # fmt: skip
                 better = simulate_prefix_cache(sorted(moved), bs).hit_rate
+                where = _run_location(run, sample[0], inp)
                 out["shared_run"] = {"text": run[:200], "tokens": run_tokens, "rows_fraction": held,
-                                     "first_char": first_char, "hit_rate_if_first": better}  # fmt: skip
+                                     "first_char": first_char, "where": where,
+                                     "hit_rate_if_first": better}  # fmt: skip
                 notes.append(f"{run_tokens} tokens ({run[:40]!r}...) are held by {held:.0%} of the rows but "
-                             f"start at character {first_char}, after per-row text: put that text after them "
-                             f"(the shared part first) and the hit rate becomes about {better:.0%}")  # fmt: skip
+                             f"start at character {first_char} of {where}, after per-row text: put that text "
+                             f"after them (the shared part first) and the hit rate becomes about {better:.0%}")  # fmt: skip
     # orders that would share more
     if not inp.group_by_prefix and inp.lens:
         rate = inp.grouped_cached / sum(inp.lens)
