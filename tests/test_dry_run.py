@@ -158,6 +158,10 @@ def test_chat_system_prompt_that_differs_is_named(qwen2_ckpt: str, tmp_path: Pat
     assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
     plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
     assert "message 0 (system)" in plan["sharing"]["first_difference"]
+    # the instruction after the date: found in the rendered prompt, named by its message
+    run = plan["sharing"]["shared_run"]
+    assert "message 0 (system)" in run["where"] and "Answer the question" in run["text"]
+    assert run["hit_rate_if_first"] > plan["predicted"]["prefix_hit_rate"] + 0.3
 
 
 def test_llm_plan(tiny_ckpt: str) -> None:
@@ -195,6 +199,45 @@ def test_dry_run_reads_and_writes_an_object_store(tiny_ckpt: str, s3) -> None:  
     assert s3.keys("out/") == ["out/_plan.json"]  # no manifest, no lease, no part
     plan = json.loads(s3.get("out/_plan.json"))
     assert plan["rows"]["total"] == 10 and plan["predicted"]["prefix_hit_rate"] > 0.3
+    # the job then runs into the same output, the plan beside it
+    cfg.run.dry_run = False
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == 0, res.message
+    report = json.loads(s3.get("out/_report.json"))
+    assert report["rows"]["ok"] == 10
+    hit = report["prediction"]["prefix_hit_rate"]
+    assert hit["predicted"] == pytest.approx(hit["actual"], abs=0.05)
+
+
+def test_a_sample_of_windows_counts_the_cold_cache_once(tiny_ckpt: str, tmp_path: Path) -> None:
+    # the first window starts on an empty cache: a sample of 2 of 10 windows must not count its misses as a
+    # fifth of the job
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [INSTRUCTION + f"Question {i}?" for i in range(40)]}), inp)
+    rates = {}
+    for sample in (None, 8, 1000):  # every row, a sample, more than the rows
+        cfg = job_config(tiny_ckpt, inp, tmp_path / f"out{sample}", data={"window_rows": 4})
+        cfg.run.dry_run, cfg.plan.calibrate, cfg.plan.sample_rows = True, False, sample
+        assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+        plan = json.loads((tmp_path / f"out{sample}" / "_plan.json").read_text())
+        assert plan["rows"]["total"] == 40 and plan["rows"]["sampled"] == (8 if sample == 8 else 40)
+        rates[sample] = plan["predicted"]["prefix_hit_rate"]
+    assert rates[1000] == rates[None]
+    assert rates[8] == pytest.approx(rates[None], abs=0.02)
+
+
+def test_each_replica_has_its_own_prefix_cache() -> None:
+    from batchgen.job.dry_run import PlanInput, PlanRow
+
+    shared = list(range(100, 148))  # three blocks of 16 every row shares
+    windows = [[shared + [w, i] for i in range(3)] for w in range(4)]
+    inp = PlanInput(rows_total=12, block_size=16, max_model_len=512, replicas=2)
+    for w in windows:
+        inp.add_window([PlanRow(i, i, t, SamplingParams(max_tokens=2)) for i, t in enumerate(w)], [0, 1, 2])
+    # windows 0 and 2 on one replica, 1 and 3 on the other: each pays the shared blocks once
+    parts = [simulate_prefix_cache(windows[k] + windows[k + 2], 16) for k in (0, 1)]
+    assert inp.hit_rate == pytest.approx(sum(p.cached_tokens for p in parts) / sum(inp.lens))
+    assert inp.hit_rate < simulate_prefix_cache([t for w in windows for t in w], 16).hit_rate
 
 
 def test_a_shard_of_an_array_plans_its_slice_and_estimates_the_array(tiny_ckpt: str, tmp_path: Path) -> None:
