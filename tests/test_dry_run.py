@@ -318,3 +318,21 @@ def test_calibration_keeps_to_its_budget_and_a_small_sample_widens_the_range(tin
     # the same machine load for both (the load's own term is not what this compares)
     spent, ample = dataclasses.replace(spent, load=None), dataclasses.replace(ample, load=None)
     assert relative_spread(spent, params.max_tokens) > relative_spread(ample, params.max_tokens) + 0.05
+
+
+def test_a_resumed_run_is_compared_with_its_part_of_the_plan() -> None:
+    from batchgen.job.plan_report import prediction_lines, prediction_section
+
+    plan = {"rows": {"total": 24}, "predicted": {"wall_time_s": 6.0, "wall_time_range_s": [3.0, 9.0],
+            "prompt_tokens": 1200, "prompt_tokens_to_compute": 300, "output_tokens": 240, "prefix_hit_rate": 0.7,
+            "schedule": {"steps": 60, "preemptions": 0}}}  # fmt: skip
+    report = {"run": {"rows": 16, "wall_time_s": 4.0}, "scheduler": {"steps": 41, "preemptions": 0},
+              "tokens": {"prompt_admitted": 800, "prompt_computed": 200, "generated": 160}}  # fmt: skip
+    p = prediction_section(plan, report)
+    assert p["fraction_of_plan"] == pytest.approx(2 / 3)
+    assert p["prompt_tokens"] == {"predicted": 800, "actual": 800}
+    assert p["generated_tokens"]["predicted"] == 160 and p["engine_steps"]["predicted"] == 40
+    assert p["wall_time_s"]["predicted"] == pytest.approx(4.0) and p["wall_time_s"]["inside_range"]
+    assert "planned for this run" in dict(prediction_lines(p))
+    report["run"]["rows"] = 24  # every planned row in this run: the plan as it is
+    assert "fraction_of_plan" not in prediction_section(plan, report)
