@@ -85,6 +85,15 @@ def test_metrics_scraped_while_the_job_runs(tiny_ckpt: str, tmp_path: Path) -> N
     assert final["batchgen:prefix_cache_hits_total"] > 0
     assert final["batchgen:generation_tokens_total"] == engine.stats.generated_tokens
     assert not list(textfile.parent.glob("*.tmp*"))  # written atomically
+    # vLLM's exposition: counters, gauges and histograms with buckets, and nothing else
+    types = {f.name: f.type for f in text_string_to_metric_families(textfile.read_text())}
+    assert types["batchgen:generation_tokens"] == types["batchgen:prefix_cache_hits"] == "counter"
+    assert types["batchgen:kv_cache_usage_perc"] == types["batchgen:job_eta_seconds"] == "gauge"
+    assert types["batchgen:time_to_first_token_seconds"] == "histogram"
+    assert not [n for n in types if n.endswith("_created")]
+    for name in ("batchgen:generation_tokens_total", "batchgen:prompt_tokens_total"):  # counters only grow
+        seen = [s[name] for s in scraped if name in s] + [final[name]]
+        assert seen == sorted(seen), name
     # the server is gone once the job returns
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)

@@ -110,6 +110,19 @@ class _Collector:
             yield g
 
 
+class _WithoutCreated:
+    """The histograms of ``registry`` without prometheus_client's ``*_created`` timestamps, which the text format
+    shows as extra gauge families (vLLM's endpoint has none)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Any]:
+        for fam in self.registry.collect():
+            fam.samples = [x for x in fam.samples if not x.name.endswith("_created")]
+            yield fam
+
+
 class JobMetrics:
     """The job's metrics registry, served on ``port`` (0 = a free one; None = not served) and/or written to
     ``textfile``. Feed it with :meth:`step` (after each engine step), :meth:`finished` (each finished request)
@@ -121,12 +134,14 @@ class JobMetrics:
         self.stats: EngineStats | None = None
         self.figures = JobFigures()
         self.registry.register(_Collector(self))
+        histograms = CollectorRegistry(auto_describe=True)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
-                              registry=self.registry, buckets=TTFT_BUCKETS)  # fmt: skip
+                              registry=histograms, buckets=TTFT_BUCKETS)  # fmt: skip
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token (inter-token "
-                              "latency).", registry=self.registry, buckets=TPOT_BUCKETS)  # fmt: skip
+                              "latency).", registry=histograms, buckets=TPOT_BUCKETS)  # fmt: skip
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency in the engine.",
-                             registry=self.registry, buckets=E2E_BUCKETS)  # fmt: skip
+                             registry=histograms, buckets=E2E_BUCKETS)  # fmt: skip
+        self.registry.register(_WithoutCreated(histograms))
         self.textfile = textfile
         self._last_write = 0.0
         self._write_failed = False
