@@ -132,6 +132,15 @@ def test_dry_run_keys_image_tokens_by_image_and_names_an_image_first(llava, tmp_
     assert plan["predicted"]["prefix_hit_rate"] == pytest.approx(
         report["tokens"]["prefix_hit_rate"], abs=0.01
     )
+    # the Python API: the same prompts with their images, planned as generate runs them
+    llm = LLM(llava, kv_cache_memory="32MiB")
+    api = [{"prompt": p, "multi_modal_data": {"image": imgs[i % 3]}} for i, p in enumerate(prompts[:6])]
+    api_plan = llm.plan(api, SamplingParams(**GREEDY))
+    outs = LLM(llava, kv_cache_memory="32MiB").generate(api, SamplingParams(**GREEDY), use_tqdm=False)
+    assert api_plan["prompt_tokens"]["total"] == sum(len(o.prompt_token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs) / api_plan["prompt_tokens"]["total"]
+    assert api_plan.prefix_hit_rate == pytest.approx(cached, abs=0.01)
+    assert "multi_modal_data" in api_plan["sharing"]["first_difference"]
 
 
 def test_chat_rows_with_image_parts(llava, tmp_path):

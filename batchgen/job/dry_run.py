@@ -382,9 +382,11 @@ def prompt_rows(
     lora: Any = None,
     num_blocks: int | None = None,
     prefix_caching: bool = True,
+    engine: Any = None,
 ) -> PlanInput:
     """The Python API's prompts (``LLM.generate``'s forms) as one window fed in input order, as
-    ``LLM.generate`` feeds them."""
+    ``LLM.generate`` feeds them; a prompt with images is prepared on ``engine``'s image side as ``generate``
+    prepares it (placeholders expanded; an image that cannot be used makes it an error row)."""
     from batchgen.llm import _per_prompt
     from batchgen.prompt_inputs import parse_prompts
     from batchgen.sampling_params import SamplingParams
@@ -398,15 +400,32 @@ def prompt_rows(
         if len(plist) != len(parsed):
             raise ValueError(f"got {len(plist)} sampling params for {len(parsed)} prompts")
     loras = _per_prompt(lora, len(parsed))
+    tokens = [p.token_ids or list(tokenizer.encode(p.text)) for p in parsed]
+    prepared: dict[int, Any] = {}
+    with_images = [i for i, p in enumerate(parsed) if p.images]
+    if with_images:
+        from batchgen.multimodal import prepare
+
+        side = prepare.image_prompts_for(engine) if engine is not None else "no engine to prepare images on"
+        ready = prepare.prepare_many(side, [(tokens[i], parsed[i].images) for i in with_images])
+        prepared = dict(zip(with_images, ready))
     rows = []
+    image_keys: dict[str, int] = {}
     for i, (p, sp, lr) in enumerate(zip(parsed, plist, loras)):
-        ids = p.token_ids if p.token_ids is not None else list(tokenizer.encode(p.text))
-        err = None
-        if not ids:
+        ids, items, err = tokens[i], [], None
+        if isinstance(prepared.get(i), str):
+            err = prepared[i]
+        elif i in prepared:
+            ids, items = prepared[i].token_ids, list(prepared[i].images)
+        if err is not None:
+            pass
+        elif not ids:
             err = "empty prompt"
         elif len(ids) >= max_model_len:
             err = f"prompt of {len(ids)} tokens does not fit max_model_len={max_model_len}"
-        rows.append(PlanRow(i, i, None if err else ids, sp, err, lr, p.text))
+        spans = tuple((x.hash, x.start + (x.offsets[0] if x.offsets else 0), x.num_tokens) for x in items)
+        keyed = image_keyed_ids(ids, items, image_keys) if items and err is None else None
+        rows.append(PlanRow(i, i, None if err else ids, sp, err, lr, p.text, spans, keyed))
     inp = PlanInput(
         rows_total=len(rows), block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
         prefix_caching=prefix_caching,
@@ -449,7 +468,8 @@ def _where_rows_differ(rows: list[PlanRow], tokenizer: Any, inp: PlanInput, lcp:
         for k, (_h, start, n) in enumerate(r.images):
             if start <= lcp < start + n:
                 origin = (f"data.image_column {inp.image_column!r}" if inp.image_column
-                          else f"the chat messages of {inp.messages_column or 'the prompt'!r}")  # fmt: skip
+                          else f"the chat messages of data.messages_column {inp.messages_column!r}"
+                          if inp.messages_column else "the prompt's multi_modal_data")  # fmt: skip
                 return (f"rows differ from {where}: image {k} (from {origin}) starts at token {start}, before "
                         f"text the rows share; different images share nothing after them: put the image "
                         f"after the shared text (the shared text first)")  # fmt: skip
@@ -999,7 +1019,7 @@ def plan_prompts(engine: Any, prompts: Any, params: Any = None, lora_request: An
     cfg = engine.config
     inp = prompt_rows(
         engine.tokenizer, prompts, params, engine.max_model_len, cfg.block_size, lora_request,
-        engine.stats.num_blocks or cfg.num_blocks, cfg.enable_prefix_caching,
+        engine.stats.num_blocks or cfg.num_blocks, cfg.enable_prefix_caching, engine,
     )  # fmt: skip
     return build_plan(inp, cfg, tokenizer=engine.tokenizer, engine=engine, plan_cfg=plan_cfg,
                       model=getattr(engine, "model_path", None))  # fmt: skip
