@@ -336,3 +336,21 @@ def test_a_resumed_run_is_compared_with_its_part_of_the_plan() -> None:
     assert "planned for this run" in dict(prediction_lines(p))
     report["run"]["rows"] = 24  # every planned row in this run: the plan as it is
     assert "fraction_of_plan" not in prediction_section(plan, report)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "sequences"), [({"n": 2}, 2), ({"beam_width": 3, "temperature": 0.0}, 3)]
+)
+def test_output_bound_counts_each_rows_max_tokens_and_sequences(
+    tiny_ckpt: str, tmp_path: Path, sampling: dict, sequences: int
+) -> None:
+    # per-row max_tokens from the sampling column; every sample, and every beam (the engine generates them all)
+    max_tokens = [1, 2, 3, None, 2, 1]
+    table = pa.table({"prompt": [INSTRUCTION + f"Question {i}?" for i in range(6)],
+                      "sampling": [{"max_tokens": m} for m in max_tokens]})  # fmt: skip
+    pq.write_table(table, tmp_path / "in.parquet")
+    cfg = job_config(tiny_ckpt, tmp_path / "in.parquet", tmp_path / "out", sampling=sampling)
+    cfg.run.dry_run, cfg.plan.calibrate = True, False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert plan["output_tokens"]["bound"] == sequences * sum(m or 6 for m in max_tokens)

@@ -91,6 +91,13 @@ IMAGE_KEY_BITS = 16
 vocabulary id)."""
 
 
+def engine_sequences(params: Any) -> int:
+    """Sequences the engine runs for a row: its ``n`` samples, or its ``beam_width`` beams under beam search
+    (the engine generates every beam's tokens, and counts them in ``tokens.generated``)."""
+    n = getattr(params, "n", 1) or 1
+    return max(1, n, getattr(params, "beam_width", 1) or 1)
+
+
 def image_keyed_ids(token_ids: list[int], images: Any, keys: dict[str, int]) -> list[int] | None:
     """``token_ids`` with each image's placeholder positions replaced by ids unique to its content hash
     (``keys``: hash -> small key, extended as new images appear), as the engine's prefix cache keys them;
@@ -137,7 +144,8 @@ class PlanInput:
     read_seconds: float = 0.0
     lens: array = field(default_factory=lambda: array("q"))
     """Per fed row (the job's order; 8 bytes a row each): prompt tokens; then tokens the cache serves, tokens
-    copied, the output bound per sample, samples, and a hash of the first block (the row's prefix group)."""
+    copied, the output bound per sequence, sequences (:func:`engine_sequences`), and a hash of the first block
+    (the row's prefix group)."""
     cached: array = field(default_factory=lambda: array("q"))
     copied: array = field(default_factory=lambda: array("q"))
     bounds: array = field(default_factory=lambda: array("q"))
@@ -198,7 +206,7 @@ class PlanInput:
             self.cached.append(c)
             self.copied.append(k)
             self.bounds.append(output_bound(len(toks), r.params, self.max_model_len))
-            self.ns.append(max(1, getattr(r.params, "n", 1) or 1))
+            self.ns.append(engine_sequences(r.params))
             self.heads.append(hash(tuple(toks[:bs])))
             if i % self.keep_every == 0:
                 self.kept[i] = r
