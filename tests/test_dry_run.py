@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import job_config
+from conftest import job_config, read_parts
 from s3_server import S3, s3, s3_endpoint  # noqa: F401 - fixtures
 
 from batchgen.engine.config import EngineConfig
@@ -19,6 +19,7 @@ from batchgen.job.calibrate import StepModel, fit_step_model
 from batchgen.job.prefix_sim import simulate_prefix_cache
 from batchgen.job.run import run_job
 from batchgen.job.schedule_sim import SimRequest, simulate_schedule
+from batchgen.job.tally import error_key
 from batchgen.sampling_params import SamplingParams
 
 INSTRUCTION = (
@@ -354,3 +355,25 @@ def test_output_bound_counts_each_rows_max_tokens_and_sequences(
     assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
     plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
     assert plan["output_tokens"]["bound"] == sequences * sum(m or 6 for m in max_tokens)
+
+
+@pytest.mark.parametrize(
+    ("engine", "sampling"),
+    [({"num_blocks": 2}, {}), ({}, {"beam_width": 12, "temperature": 0.0})],
+    ids=["pool too small", "beams over max_num_seqs"],
+)
+def test_rows_the_engine_would_refuse_are_error_rows(
+    tiny_ckpt: str, tmp_path: Path, engine: dict, sampling: dict
+) -> None:
+    cfg = job_config(tiny_ckpt, _input(tmp_path, 12), tmp_path / "out", engine=engine, sampling=sampling)
+    cfg.run.dry_run, cfg.plan.calibrate = True, False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert plan["rows"] == {"total": 12, "sampled": 12, "valid": 0, "error": 12}
+    refused = max(plan["errors"].values(), key=lambda e: e["rows"])
+    assert refused["rows"] == 10  # the two others are a null and an empty prompt
+    # the job's error rows say the same (written as error rows rather than stopping the job)
+    cfg.run.dry_run, cfg.run.max_error_fraction = False, 1.0
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    errors = [error_key(r["error"]) for r in read_parts(tmp_path / "out").to_pylist()]
+    assert errors.count(error_key(refused["example"])) == 10

@@ -168,12 +168,46 @@ class PlanInput:
     """Rows read in the first window of each replica (the windows that start on an empty prefix cache)."""
     cold_fed: int = 0
     """Fed rows of those windows: the first ``cold_fed`` entries of the per-row arrays."""
+    max_num_seqs: int | None = None
+    """engine.max_num_seqs (a beam search wider than it cannot run)."""
     _sims: list[Any] = field(default_factory=list)
     _grouped_sims: list[Any] = field(default_factory=list)
 
+    def unservable(self, num_tokens: int, params: Any) -> str | None:
+        """Why the engine would refuse a row of ``num_tokens`` prompt tokens with ``params`` (its longest
+        sequence, or its beams, need more KV blocks than the pool holds), in the engine's words; None when it
+        fits, or when the pool is not known before the engine starts (an accelerator)."""
+        bs, cap = self.block_size, self.num_blocks
+        if cap is None or params is None:
+            return None
+        longest = num_tokens + output_bound(num_tokens, params, self.max_model_len)
+        k = getattr(params, "beam_width", 1) or 1
+        if k > 1:
+            if self.max_num_seqs is not None and k > self.max_num_seqs:
+                return f"beam_width={k} exceeds engine.max_num_seqs={self.max_num_seqs}"
+            need = -(-num_tokens // bs) + k * (-(-(longest - num_tokens) // bs) + 1)
+            what = f"prompt ({num_tokens} tokens) plus max_tokens for {k} beams"
+        else:
+            need, what = -(-longest // bs), f"prompt ({num_tokens} tokens) plus max_tokens"
+        if need <= cap:
+            return None
+        return (f"{what} needs {need} KV blocks but the pool holds {cap}; raise engine.kv_cache_memory / "
+                "num_blocks or lower max_tokens")  # fmt: skip
+
     def add_window(self, rows: list[PlanRow], feed: list[int]) -> None:
-        """One window's rows (input order) and the positions the job feeds, in its order."""
+        """One window's rows (input order) and the positions the job feeds, in its order; a fed row the engine
+        would refuse (:meth:`unservable`) is an error row, as in the job."""
         from batchgen.job.prefix_sim import PrefixCacheSim
+
+        kept_feed = []
+        for pos in feed:
+            r = rows[pos]
+            why = self.unservable(len(r.token_ids), r.params) if r.token_ids is not None else None
+            if why is None:
+                kept_feed.append(pos)
+            else:
+                r.error = why
+        feed = kept_feed
 
         if not self._sims:
             n = max(1, self.replicas)
@@ -314,6 +348,7 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
         image_column=d.image_column,
         group_by_prefix=d.group_by_prefix,
         replicas=max(1, cfg.engine.data_parallel_size),
+        max_num_seqs=cfg.engine.max_num_seqs,
         shard={
             "index": d.shard.index,
             "count": d.shard.count,
@@ -436,7 +471,7 @@ def prompt_rows(
         rows.append(PlanRow(i, i, None if err else ids, sp, err, lr, p.text, spans, keyed))
     inp = PlanInput(
         rows_total=len(rows), block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
-        prefix_caching=prefix_caching,
+        prefix_caching=prefix_caching, max_num_seqs=getattr(getattr(engine, "config", None), "max_num_seqs", None),
         prompt_column="prompt", group_by_prefix=False, keep_every=max(1, len(rows) // KEEP_ROWS),
         shard={"index": 0, "count": 1, "row_start": 0, "row_end": len(rows), "windows": 1},
     )  # fmt: skip
