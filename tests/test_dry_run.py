@@ -377,3 +377,19 @@ def test_rows_the_engine_would_refuse_are_error_rows(
     assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
     errors = [error_key(r["error"]) for r in read_parts(tmp_path / "out").to_pylist()]
     assert errors.count(error_key(refused["example"])) == 10
+
+
+@pytest.mark.parametrize("prompts", [[None, "", None], []], ids=["only error rows", "empty input"])
+def test_a_plan_with_no_row_to_run(tiny_ckpt: str, tmp_path: Path, prompts: list) -> None:
+    pq.write_table(pa.table({"prompt": pa.array(prompts, pa.string())}), tmp_path / "in.parquet")
+    cfg = job_config(tiny_ckpt, tmp_path / "in.parquet", tmp_path / "out")
+    cfg.run.dry_run, cfg.plan.cost_per_hour = True, 2.0
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert plan["rows"]["error"] == len(prompts) and plan["rows"]["valid"] == 0
+    pred = plan["predicted"]
+    assert (pred["wall_time_s"], pred["wall_time_range_s"], pred["cost"]) == (0.0, [0.0, 0.0], 0.0)
+    assert "engine.max_num_seqs" not in plan["recommended"]  # nothing runs: no advice on running it
+    assert [("exit status 2" in w) for w in plan["warnings"]] == ([True] if prompts else [])
+    cfg.run.dry_run = False  # which the job confirms
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == (2 if prompts else 0)

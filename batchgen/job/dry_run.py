@@ -809,7 +809,7 @@ def build_plan(
     if pool_tokens is None and kv_tok:
         pool_tokens = parse_bytes(engine_cfg.kv_cache_memory) // kv_tok
     mean_seq = (sum(lens) - sum(saved) + out_expected) / max(1, n_fed) if n_fed else 1.0
-    fit = int(pool_tokens // max(mean_seq, 1)) if pool_tokens else None
+    fit = int(pool_tokens // max(mean_seq, 1)) if pool_tokens and n_fed else None  # nothing runs: no advice
     dev_name, dev_mem, n_dev = _device_memory(engine)
     data["memory"] = {"kv_cache_dtype": engine_cfg.kv_cache_dtype, "kv_bytes_per_token": kv_tok, "kv_pool_tokens": pool_tokens, "sequences_that_fit": fit,
                       "weights_bytes": _weights_bytes(model_path, model_dtype), "device": dev_name, "device_memory": dev_mem}  # fmt: skip
@@ -817,10 +817,28 @@ def build_plan(
     if cal is not None:
         _predict_time(data, predicted, cal, lens, saved, expected, ns, inp, engine_cfg, scale,
                       replicas, pool_tokens, pc, dev_name)  # fmt: skip
+    elif not n_fed:  # no row reaches the engine: no work to time
+        predicted.update(wall_time_s=0.0, wall_time_range_s=[0.0, 0.0], device_hours=0.0,
+                         cost=0.0 if pc.cost_per_hour is not None else None)  # fmt: skip
     else:
         predicted["wall_time_s"] = None
         predicted["wall_time_range_s"] = None
     return Plan(data)
+
+
+def outcome_warnings(rows: dict[str, Any], max_error_fraction: float) -> list[str]:
+    """What the plan's error rows mean for the job's exit status (``run.max_error_fraction``)."""
+    total, errors = rows["total"], rows["error"]
+    if not total or not errors:
+        return []
+    if not rows["valid"] and max_error_fraction < 1.0:
+        return ["every row would be an error row: the job would stop before writing anything (exit status 2); "
+                "fix the input or the configuration, or set run.max_error_fraction=1 to write them as error "
+                "rows"]  # fmt: skip
+    if errors / total > max_error_fraction:
+        return [f"{errors / total:.1%} of the rows would be error rows, more than run.max_error_fraction="
+                f"{max_error_fraction:g}: the job would end with exit status 3"]  # fmt: skip
+    return []
 
 
 def _strata(lens: list[int], heads: list[int]) -> list[tuple[int, int]]:
@@ -1028,6 +1046,7 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
                    model=cfg.model.path or "tiny (embedded)", model_path=plan.model_path, replicas=replicas,
                    model_dtype=cfg.model.dtype)  # fmt: skip
     p.data["fingerprint"] = plan.fingerprint  # the report compares only a plan of the same configuration
+    p.data["warnings"] = outcome_warnings(p.data["rows"], cfg.run.max_error_fraction)
     pred, count = p.data["predicted"], cfg.data.shard.count
     # the engine's start-up (model load, pool allocation) as this dry run measured it: the job pays it
     # before its run.wall_time_s starts (the report's startup_s)

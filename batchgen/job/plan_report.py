@@ -180,6 +180,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     for reason, e in (plan.get("errors") or {}).items():
         ids = ", ".join(str(i) for i in e["first_ids"])
         lines.append(("  error rows", f"{e['rows']} x {reason} (ids {ids})"))
+    for warning in plan.get("warnings") or []:
+        lines.append(("  warning", warning))
     lines += [
         ("prompt tokens", f"{_num(tok['total'])} (p50 {_num(tok['p50'])}, p90 {_num(tok['p90'])}, "
                           f"p99 {_num(tok['p99'])}, max {_num(tok['max'])})"),
