@@ -365,6 +365,10 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
         simulation (the fast tokenizer releases the GIL)."""
         for win in iter_windows(plan.input, chosen, plan.columns, schema=plan.read_schema):
             rows = build_prompts(win.table, win.spec.row_start, plan.prompt_spec, tokenizer, win.unreadable)
+            for r in rows:  # an adapter the engine cannot read: its rows are error rows, as in the job
+                problem = _adapter_problem(r.lora, adapter_problems) if r.error is None else None
+                if problem is not None:
+                    r.fail(problem)
             for name in extra_cols:  # as the job does: text that is not UTF-8 makes the row an error row
                 _fixed, bad = sanitize_utf8(win.table.column(name))
                 for pos, byte in bad.items():
@@ -372,6 +376,7 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
                     rows[pos].token_ids = rows[pos].params = None
             yield win, rows, WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
 
+    adapter_problems: dict[Any, str | None] = {}
     ahead = ReadAhead(prepared())
     image_keys: dict[str, int] = {}
     for win, rows, work in ahead:
@@ -389,6 +394,24 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
         inp.add_window(prs, list(work.feed))
     inp.read_seconds = time.perf_counter() - t0
     return inp
+
+
+def _adapter_problem(lora: Any, seen: dict[Any, str | None]) -> str | None:
+    """Why the engine could not read ``lora``'s adapter (its files checked once per adapter, as loading
+    checks them before the weights); None for the base model, a readable adapter or a remote one."""
+    if lora is None:
+        return None
+    key = (lora.lora_name, str(lora.lora_path))
+    if key not in seen:
+        from batchgen.models.lora_adapter import LoRAAdapterError, check_adapter_files
+
+        seen[key] = None
+        if "://" not in str(lora.lora_path):
+            try:
+                check_adapter_files(lora.lora_name, lora.lora_path)
+            except LoRAAdapterError as e:
+                seen[key] = str(e)
+    return seen[key]
 
 
 def _on_cpu(device: str) -> bool:
