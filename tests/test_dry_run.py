@@ -215,7 +215,7 @@ def test_a_sample_of_windows_counts_the_cold_cache_once(tiny_ckpt: str, tmp_path
     # fifth of the job
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": [INSTRUCTION + f"Question {i}?" for i in range(40)]}), inp)
-    rates = {}
+    rates, compute = {}, {}
     for sample in (None, 8, 1000):  # every row, a sample, more than the rows
         cfg = job_config(tiny_ckpt, inp, tmp_path / f"out{sample}", data={"window_rows": 4})
         cfg.run.dry_run, cfg.plan.calibrate, cfg.plan.sample_rows = True, False, sample
@@ -223,8 +223,10 @@ def test_a_sample_of_windows_counts_the_cold_cache_once(tiny_ckpt: str, tmp_path
         plan = json.loads((tmp_path / f"out{sample}" / "_plan.json").read_text())
         assert plan["rows"]["total"] == 40 and plan["rows"]["sampled"] == (8 if sample == 8 else 40)
         rates[sample] = plan["predicted"]["prefix_hit_rate"]
-    assert rates[1000] == rates[None]
+        compute[sample] = plan["predicted"]["prompt_tokens_to_compute"]
+    assert rates[1000] == rates[None] and compute[1000] == compute[None]
     assert rates[8] == pytest.approx(rates[None], abs=0.02)
+    assert compute[8] == pytest.approx(compute[None], rel=0.05)
 
 
 def test_each_replica_has_its_own_prefix_cache() -> None:

@@ -268,13 +268,18 @@ class PlanInput:
         rest = self.rows_read - self.cold_rows_read
         return (self.rows_total - self.cold_rows_read) / rest if rest > 0 else 1.0
 
+    def weighted(self, per_row: Sequence[int]) -> float:
+        """The shard's total of a per-fed-row figure: the cold windows' rows once, the others weighted by
+        :attr:`warm_weight`."""
+        k = self.cold_fed
+        return sum(per_row[:k]) + self.warm_weight * sum(per_row[k:])
+
     @property
     def hit_rate(self) -> float:
-        """The predicted ``tokens.prefix_hit_rate``: cached over admitted prompt tokens, the rows past the cold
-        windows weighted by :attr:`warm_weight`."""
-        k, w = self.cold_fed, self.warm_weight
-        total = sum(self.lens[:k]) + w * sum(self.lens[k:])
-        return (sum(self.cached[:k]) + w * sum(self.cached[k:])) / total if total else 0.0
+        """The predicted ``tokens.prefix_hit_rate``: cached over admitted prompt tokens, both as
+        :meth:`weighted` totals."""
+        total = self.weighted(self.lens)
+        return self.weighted(self.cached) / total if total else 0.0
 
 
 @dataclass
@@ -812,8 +817,8 @@ def build_plan(
     predicted: dict[str, Any] = {
         "prefix_hit_rate": hit_rate,
         "prompt_tokens": round(sum(lens) * scale),
-        "prompt_tokens_to_compute": round((sum(lens) - sum(saved)) * scale),
-        "prompt_tokens_copied": round(sum(inp.copied) * scale),
+        "prompt_tokens_to_compute": round(sum(lens) * scale - inp.weighted(saved)),
+        "prompt_tokens_copied": round(inp.weighted(inp.copied)),
         "output_tokens": round(out_expected * scale),
     }
     data["predicted"] = predicted
