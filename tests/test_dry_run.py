@@ -123,6 +123,14 @@ def test_dry_run_plans_without_touching_the_output_then_the_report_compares(
     from batchgen.job.report import format_table
 
     assert "planned wall time" in format_table(report) and "planned engine steps" in format_table(report)
+    # a dry run over changed input: the plan says the job would refuse the output, which stays as it is
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.name != "_plan.json"}
+    pq.write_table(pa.table({"prompt": ["another input"], "key": ["k0"]}), inp)
+    cfg.run.dry_run, cfg.plan.calibrate = True, False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    (warning,) = json.loads((out / "_plan.json").read_text())["warnings"]
+    assert "would refuse this output (exit status 2)" in warning and "different input data" in warning
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.name != "_plan.json"} == before
 
 
 def test_sample_rows_and_sharing_notes(tiny_ckpt: str, tmp_path: Path) -> None:

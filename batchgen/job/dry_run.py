@@ -1051,6 +1051,7 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
     """``run.dry_run=true``: the plan of the job described by ``plan`` (a :class:`JobPlan`), printed and
     written to ``_plan.json``; returns the JobResult (exit status 0)."""
     from batchgen.data.output_dir import open_output_dir
+    from batchgen.job.plan import RETRY_KEYS, fresh_manifest
     from batchgen.job.plan_report import format_plan, write_plan
     from batchgen.job.result import EXIT_OK, JobResult
     from batchgen.job.run import _load_tokenizer, _start_engine
@@ -1094,6 +1095,11 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
         }
     d = cfg.data
     outdir = open_output_dir(d.output, d.shard.index, d.shard.count, dict(d.storage_options), d.lease_ttl_s)
+    refused = outdir.resume_problem(fresh_manifest(plan), d.overwrite, RETRY_KEYS, d.retry_errors)
+    if refused is not None:  # read only: the job would stop on it before running
+        p.data["warnings"].insert(
+            0, f"the job would refuse this output (exit status 2): {' '.join(refused.split())}"
+        )
     where = write_plan(outdir, p.data)
     msg = f"dry run: plan written to {where} (nothing else was written)"
     if print_summary:
