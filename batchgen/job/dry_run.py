@@ -4,12 +4,15 @@ The input is read exactly as the job reads it (streamed, this shard's windows, a
 and tokenized by the job's own code (or an even sample of whole windows with ``plan.sample_rows``: the plan
 says so and scales its totals), and each window grouped as the job groups it. From those rows:
 
-- rows, and the rows that would be error rows, by reason with the first ids of each;
+- rows, and the rows that would be error rows, by reason with the first ids of each (the engine's refusals
+  included: a KV pool too small for a row, an adapter that cannot be read), and ``warnings`` when they, or an
+  output the job would refuse, would end the job with exit status 2 or 3;
 - prompt tokens (total, p50/p90/p99/max) and those left to compute after prefix sharing, from a simulation
-  of the engine's block-level prefix cache over the job's feed order (:mod:`.prefix_sim`): the predicted
+  of the engine's block-level prefix cache over the job's feed order (:mod:`.prefix_sim`; image tokens keyed
+  by the image, one cache per replica, a sample's cold windows counted once): the predicted
   ``tokens.prefix_hit_rate``; where sharing is lost (the first token position at which rows differ, mapped
-  back to the column or chat message and the characters there; a long run of text most rows share after a
-  per-row part) and which order would share more;
+  back to the column, chat message or image and the characters there; a long run of text most rows share
+  after a per-row part, chat rows as rendered) and which order would share more;
 - the output-token bound, and the output tokens expected from a calibration (:mod:`.calibrate`: the real
   engine over a stratified sample of rows, at most ``plan.calibration_fraction`` of the predicted time);
 - KV bytes per token, sequences that fit, recommended ``engine.max_num_seqs``, ``data.window_rows``,
