@@ -107,6 +107,42 @@ def test_image_job_matches_the_api_and_bad_images_are_error_rows(llava, tmp_path
     assert [r["token_ids"] for r in rows2] == [o.outputs[0].token_ids for o in api2]
 
 
+def test_dry_run_keys_image_tokens_by_image_and_names_an_image_first(llava, tmp_path):
+    """Rows with different images before a shared instruction share nothing past the image: the plan's hit
+    rate is the job's, its sharing note names the image, and undecodable images are error rows by reason."""
+    imgs, _paths = _images(tmp_path)
+    text = " Answer in one short sentence, be precise, cite no sources and do not repeat the question. Q"
+    prompts = [f"<image>{text}{i}?" for i in range(6)] + ["<image> broken"]
+    images = [png_bytes(imgs[i % 3]) for i in range(6)] + [png_bytes(imgs[0])[:70]]
+    pq.write_table(pa.table({"prompt": prompts, "image": images}), tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    cfg = job_config(llava, tmp_path / "in.parquet", out, data={"image_column": "image"}, sampling=GREEDY)
+    cfg.run.max_error_fraction = 1.0
+    cfg.run.dry_run, cfg.plan.calibrate = True, False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((out / "_plan.json").read_text())
+    assert plan["rows"]["error"] == 1
+    (reason,) = plan["errors"].values()
+    assert "corrupt or truncated" in reason["example"] and reason["first_ids"] == [6]
+    assert "image 0 (from data.image_column 'image')" in plan["sharing"]["first_difference"]
+    cfg.run.dry_run = False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    report = json.loads((out / "_report.json").read_text())
+    assert report["prediction"]["prompt_tokens"]["predicted"] == report["tokens"]["prompt_admitted"]
+    assert plan["predicted"]["prefix_hit_rate"] == pytest.approx(
+        report["tokens"]["prefix_hit_rate"], abs=0.01
+    )
+    # the Python API: the same prompts with their images, planned as generate runs them
+    llm = LLM(llava, kv_cache_memory="32MiB")
+    api = [{"prompt": p, "multi_modal_data": {"image": imgs[i % 3]}} for i, p in enumerate(prompts[:6])]
+    api_plan = llm.plan(api, SamplingParams(**GREEDY))
+    outs = LLM(llava, kv_cache_memory="32MiB").generate(api, SamplingParams(**GREEDY), use_tqdm=False)
+    assert api_plan["prompt_tokens"]["total"] == sum(len(o.prompt_token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs) / api_plan["prompt_tokens"]["total"]
+    assert api_plan.prefix_hit_rate == pytest.approx(cached, abs=0.01)
+    assert "multi_modal_data" in api_plan["sharing"]["first_difference"]
+
+
 def test_chat_rows_with_image_parts(llava, tmp_path):
     imgs, paths = _images(tmp_path)
     part = pa.struct(
