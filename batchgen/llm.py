@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import fields
 
@@ -68,6 +69,10 @@ class LLM:
             self.engine = LLMEngine(
                 model, config, dtype=dtype, tokenizer=tokenizer, implementation=model_impl
             )
+            if config.mm_processor_kwargs:  # refused now, not at the first image
+                from batchgen.multimodal import prepare
+
+                prepare.image_prompts_for(self.engine)
 
     @property
     def tokenizer(self):
@@ -166,7 +171,20 @@ class LLM:
         if with_images:  # prepared in worker threads while the engine runs
             from batchgen.multimodal import prepare
 
-            side = prepare.image_prompts_for(engine)
+            sides: dict[str, object] = {}  # one image side per set of processor options
+
+            def side_key(prompt: ParsedPrompt) -> str:
+                key = json.dumps(prompt.mm_processor_kwargs or {}, sort_keys=True, default=str)
+                if key not in sides:
+                    try:
+                        sides[key] = prepare.image_prompts_for(
+                            engine, processor_kwargs=prompt.mm_processor_kwargs
+                        )
+                    except ValueError as e:  # options its processor does not take: the prompt's error
+                        sides[key] = str(e)
+                return key
+
+            keys = {i: side_key(p) for i, p in enumerate(prompts) if p.images}
             tokens = {
                 i: p.token_ids or list(engine.tokenizer.encode(p.text))
                 for i, p in enumerate(prompts)
@@ -174,7 +192,14 @@ class LLM:
             }
 
             def image_requests(chunk: list[tuple[int, str, SamplingParams, LoRARequest | None]]) -> list:
-                ready = prepare.prepare_many(side, [(tokens[i], prompts[i].images) for i, *_ in chunk])
+                ready: list = [None] * len(chunk)
+                by_side: dict[str, list[int]] = {}
+                for j, (i, *_) in enumerate(chunk):
+                    by_side.setdefault(keys[i], []).append(j)
+                for key, js in by_side.items():
+                    items = [(tokens[chunk[j][0]], prompts[chunk[j][0]].images) for j in js]
+                    for j, item in zip(js, prepare.prepare_many(sides[key], items)):
+                        ready[j] = item
                 return [
                     # images that cannot be used: an error output, never sent
                     prepare.error_output(rid, prompts[i].token_ids or [], p.n, item, prompts[i].text)
@@ -239,13 +264,15 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{role, content}`` messages) or a list of them,
         rendered with the tokenizer's chat template (``chat_template`` overrides it; ``chat_template_kwargs``
         go to ``apply_chat_template``, e.g. ``{"enable_thinking": False}``). ``content`` is a string or a list
         of OpenAI ``{"type": "text", "text": ...}`` parts, and for an image-text model image parts
         (``{"type": "image_url", "image_url": {"url": ...}}``), rendered by the checkpoint's processor chat
-        template (:mod:`batchgen.multimodal.chat`). Like vLLM's ``LLM.chat``."""
+        template (:mod:`batchgen.multimodal.chat`); ``mm_processor_kwargs``: the image processor's options for
+        their images, over the engine's. Like vLLM's ``LLM.chat``."""
         from batchgen.chat import render
         from batchgen.multimodal.chat import has_images
 
@@ -256,6 +283,10 @@ class LLM:
             image_prompts = chat_prompts(
                 self.engine, conversations, add_generation_prompt, chat_template, chat_template_kwargs
             )
+            if mm_processor_kwargs:
+                for prompt in image_prompts:
+                    if "multi_modal_data" in prompt:
+                        prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs)
             return self.generate(image_prompts, sampling_params, use_tqdm=use_tqdm)
         prompts = [
             render(self.tokenizer, c, add_generation_prompt, chat_template, chat_template_kwargs)

@@ -21,10 +21,12 @@ from typing_extensions import NotRequired
 class TextPrompt(TypedDict):
     """A prompt as text (tokenised with the model's tokenizer, special tokens added). ``multi_modal_data``:
     ``{"image": image_or_list}`` for an image-text model (an image is a PIL image, bytes, a path or a URL; the
-    text holds the model's image placeholder once per image)."""
+    text holds the model's image placeholder once per image); ``mm_processor_kwargs``: the image processor's
+    options for this prompt's images, over the engine's."""
 
     prompt: str
     multi_modal_data: NotRequired[dict]
+    mm_processor_kwargs: NotRequired[dict]
 
 
 class TokensPrompt(TypedDict):
@@ -33,6 +35,7 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
     multi_modal_data: NotRequired[dict]
+    mm_processor_kwargs: NotRequired[dict]
 
 
 Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
@@ -49,6 +52,8 @@ class ParsedPrompt:
     token_ids: list[int] | None
     images: list | None = None
     """The prompt's images (``multi_modal_data["image"]``), None for a text-only prompt."""
+    mm_processor_kwargs: dict | None = None
+    """The image processor's options for this prompt's images (over the engine's ``mm_processor_kwargs``)."""
 
     @property
     def engine_prompt(self) -> str | list[int]:
@@ -83,13 +88,22 @@ def _parse(index: int, prompt: object) -> ParsedPrompt:
             )
         from batchgen.multimodal.inputs import as_image_list
 
-        base = _parse(index, {k: v for k, v in prompt.items() if k != "multi_modal_data"})
+        options = prompt.get("mm_processor_kwargs")
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(
+                f"prompt {index}: 'mm_processor_kwargs' must be a dict of the image processor's options, "
+                f"got {type(options).__name__}"
+            )
+        rest = {k: v for k, v in prompt.items() if k not in ("multi_modal_data", "mm_processor_kwargs")}
+        base = _parse(index, rest)
         images = as_image_list(data.get("image"))
-        return ParsedPrompt(base.text, base.token_ids, images or None)
+        return ParsedPrompt(base.text, base.token_ids, images or None, dict(options) if options else None)
     if isinstance(prompt, str):
         return ParsedPrompt(prompt, None)
     if isinstance(prompt, Mapping):
         unknown = sorted(str(k) for k in prompt if k not in _KEYS)
+        if "mm_processor_kwargs" in prompt and "multi_modal_data" not in prompt:
+            unknown = ["mm_processor_kwargs (only beside 'multi_modal_data')"]
         if unknown:
             raise ValueError(
                 f"prompt {index}: unsupported key(s) {unknown}; a prompt dict takes 'prompt' (text) or "

@@ -200,6 +200,8 @@ def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.batchgen_quant_linear.restype = lib.batchgen_quant_dequantize.restype = i32
     lib.batchgen_int_linear.argtypes = [ptr, i64, ptr, i32, ptr, i32, i32, ptr, ptr, i64] + [i32] * 4
     lib.batchgen_int_linear.restype = i32
+    lib.batchgen_fp8_linear.argtypes = [ptr, i64, ptr, ptr, i32, ptr, ptr, i64] + [i32] * 4
+    lib.batchgen_fp8_linear.restype = i32
     lib.batchgen_silu_mul_f32.argtypes = [ptr, i64, ptr, i32, i32, i32]
     lib.batchgen_rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr] + [i32] * 5
     lib.batchgen_store_kv_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i32, i32, i32]

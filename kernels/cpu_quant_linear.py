@@ -135,3 +135,43 @@ def int_linear(
                 f"batchgen_int_linear rejected int{bits} group {group} [{rows.shape[0]}, {in_features}]"
             )
     return out.view(*lead, rows_out) if out.is_contiguous() else out
+
+
+def fp8_linear(
+    x: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    group: int,
+    bias: Tensor | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``x [..., in] @ wᵀ + bias`` for fp8 (float8_e4m3fn) weights: ``packed`` ``[rows, in]`` their bytes
+    (uint8), ``scales`` ``[rows, in / group]`` float32; ``w = float32(q) * scale``, widened in registers (the C
+    file's fp8 section). ``out`` as in :func:`linear`."""
+    rows_out, in_features = packed.shape
+    if in_features % group == 0 and (
+        scales.shape != (rows_out, in_features // group)
+        or scales.dtype != torch.float32
+        or not scales.is_contiguous()
+    ):
+        raise ValueError(
+            f"fp8 scales must be contiguous float32 [{rows_out}, {in_features // group}] for group {group}, "
+            f"got {scales.dtype} {tuple(scales.shape)}"
+        )
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < in_features):
+        rows = rows.contiguous()
+    if rows.dtype != torch.float32:
+        raise TypeError(f"the CPU fp8 linear kernel takes float32 inputs, not {rows.dtype}")
+    if out is None:
+        out = torch.empty(rows.shape[0], rows_out, dtype=torch.float32)
+    if rows.shape[0] and rows_out:
+        status = _lib().batchgen_fp8_linear(
+            rows.data_ptr(), max(rows.stride(0), in_features), packed.data_ptr(), scales.data_ptr(), group,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), rows_out),
+            rows.shape[0], in_features, rows_out, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"batchgen_fp8_linear rejected group {group} [{rows.shape[0]}, {in_features}]")
+    return out.view(*lead, rows_out) if out.is_contiguous() else out

@@ -48,12 +48,16 @@ def transformers_greedy(hf, prompts=PROMPTS, new: int = NEW) -> list[list[int]]:
 
 def write_compressed_tensors(
     ckpt: str, out, bits: int = 4, group_size: int | None = 128, dtype=None, ignore=("lm_head",),
-    symmetric: bool = True,
+    symmetric: bool = True, mlp: tuple[int, int | None, bool] | None = None,
 ) -> str:  # fmt: skip
-    """A compressed-tensors pack-quantized (W4A16 / W8A16, symmetric) copy of the tiny checkpoint `ckpt`, laid
-    out as llm-compressor saves one: each Linear's weight_packed (compressed-tensors' own pack_to_int32),
-    weight_scale (absmax / qmax per group, in the checkpoint dtype), weight_shape; a quantization_config."""
+    """A compressed-tensors pack-quantized (W4A16 / W8A16, symmetric or with zero points) copy of the tiny
+    checkpoint `ckpt`, laid out as llm-compressor saves one: each Linear's weight_packed (compressed-tensors' own
+    pack_to_int32), weight_scale (absmax / qmax per group, in the checkpoint dtype), weight_shape; a
+    quantization_config. `ignore`: module names, last name parts or ``re:`` patterns left float. `mlp` (bits,
+    group_size, symmetric): a second config group for the MLP projections (``re:.*mlp.*``), the first one then
+    targeting ``re:.*self_attn.*``."""
     import json
+    import re
     import shutil
     from pathlib import Path
 
@@ -65,13 +69,17 @@ def write_compressed_tensors(
     cfg = json.loads((src / "config.json").read_text())
     dtype = dtype or getattr(torch, str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"))
     state = load_file(str(src / "model.safetensors"))
-    qmax = (1 << (bits - 1)) - 1
+    main = (bits, group_size, symmetric)
     tensors = {}
     for name, w in state.items():
         module = name.removesuffix(".weight")
-        if w.dim() != 2 or "embed_tokens" in name or module.split(".")[-1] in ignore or module in ignore:
+        ignored = any(re.match(i[3:], module) if i.startswith("re:") else i in (module, module.split(".")[-1])
+                      for i in ignore)  # fmt: skip
+        if w.dim() != 2 or "embed_tokens" in name or ignored:
             tensors[name] = w.to(dtype) if w.is_floating_point() else w
             continue
+        bits, group_size, symmetric = mlp if mlp and ".mlp." in module else main
+        qmax = (1 << (bits - 1)) - 1
         rows, cols = w.shape
         g = group_size or cols
         groups = w.float().reshape(rows, cols // g, g)
@@ -94,22 +102,22 @@ def write_compressed_tensors(
         tensors[f"{module}.weight_shape"] = torch.tensor([rows, cols], dtype=torch.int64)
     (out / "model.safetensors").unlink()
     save_file(tensors, str(out / "model.safetensors"))
-    strategy = "group" if group_size else "channel"
-    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy, "group_size": group_size,
-               "dynamic": False, "observer": "minmax", "actorder": None}  # fmt: skip
+
+    def group(targets, bits, group_size, symmetric):
+        strategy = "group" if group_size else "channel"
+        weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy,
+                   "group_size": group_size, "dynamic": False, "observer": "minmax", "actorder": None}  # fmt: skip
+        return {"targets": targets, "weights": weights, "input_activations": None, "output_activations": None,
+                "format": "pack-quantized"}  # fmt: skip
+
+    groups = {"group_0": group(["Linear"], *main)}
+    if mlp:
+        groups = {"group_0": group(["re:.*self_attn.*"], *main), "group_1": group(["re:.*mlp.*"], *mlp)}
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": weights,
-                "input_activations": None,
-                "output_activations": None,
-                "format": "pack-quantized",
-            }
-        },  # fmt: skip
+        "config_groups": groups,
         "ignore": list(ignore),
         "kv_cache_scheme": None,
         "sparsity_config": {},

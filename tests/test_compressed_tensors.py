@@ -55,7 +55,7 @@ def test_int_linear_matches_float64_on_dequantized(bits, group, round_bf16) -> N
     from batchgen.models.quant.compressed_tensors import IntScheme
 
     g = torch.Generator().manual_seed(bits + group)
-    layer = IntQuantLinear(768, 45, True, IntScheme(bits, group, (), round_bf16))
+    layer = IntQuantLinear(768, 45, True, IntScheme(bits, group, round_bf16=round_bf16))
     layer.weight_packed.copy_(torch.randint(-(2**31), 2**31 - 1, layer.weight_packed.shape, generator=g))
     layer.weight_scale.copy_(torch.rand(layer.weight_scale.shape, generator=g) * 0.01)
     layer.bias.copy_(torch.randn(45, generator=g))
@@ -78,6 +78,9 @@ REFUSED = {
         "quantized input activations (W8A8 / fp8)",
     ),
     "actorder": ({"actorder": "group"}, "actorder='group'"),
+    "2:4 sparse": ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity format sparse-24-bitmask"),
+    "int and fp8 groups": ({"config_groups": "fp8 beside int"}, "mixing fp8 and int weights"),
+    "w8a8 int-quantized": ({"format": "int-quantized"}, "format int-quantized is not supported"),
 }
 
 
@@ -90,6 +93,15 @@ def _variant(path: str, out: Path, change: dict) -> str:
     group = q["config_groups"]["group_0"]
     if "quant_method" in change:
         cfg["quantization_config"] = change
+    elif "sparsity_config" in change:
+        q.update(change)
+    elif "config_groups" in change:  # a second group of fp8 weights
+        fp8 = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+        q["config_groups"]["group_1"] = {
+            "targets": ["re:.*mlp.*"],
+            "weights": fp8,
+            "format": "float-quantized",
+        }
     elif "format" in change:
         q["format"] = group["format"] = change["format"]
     elif "input_activations" in change:
@@ -173,3 +185,57 @@ def test_asymmetric_pack_quantized_greedy_equals_the_dequantized_model(
     assert (ours - dense[down]).abs().max() <= 1e-6 * dense[down].abs().max()
     want = transformers_greedy(tmp_path / "dense")
     assert got == want and len({t for row in got for t in row}) > 6
+
+
+@pytest.mark.parametrize(
+    "arch, kwargs",
+    [
+        (
+            "qwen2",
+            {"ignore": ("lm_head", "re:.*mlp.down_proj")},
+        ),  # ignore by pattern: those layers stay float
+        ("qwen3", {"mlp": (8, None, True)}),  # two config groups: int4 attention, int8 per-channel MLP
+    ],
+)
+def test_layers_quantized_are_read_from_the_tensors(tmp_path, arch, kwargs) -> None:
+    """Which projections are quantized (and in which scheme) follows the checkpoint's tensors, not a reading of
+    ``ignore`` patterns or ``targets``: greedy output equals transformers'."""
+    from model_zoo import checkpoint
+
+    from batchgen.models.quant.group_linear import GroupQuantLinear
+
+    path = write_compressed_tensors(
+        checkpoint(arch, seed=3), tmp_path / "ct", bits=4, group_size=32, **kwargs
+    )
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
+    model = llm.engine.model
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, (IntQuantLinear, GroupQuantLinear)) == ("ignore" not in kwargs)
+    got = batchgen_greedy(llm)
+    assert got == transformers_greedy(path) and len({t for row in got for t in row}) > 6
+
+
+def test_tied_head_without_quantized_tensors_stays_the_embedding(tmp_path) -> None:
+    """A tied lm_head not in ``ignore`` has no packed tensors of its own: it stays the embedding table."""
+    from model_zoo import checkpoint
+
+    base = checkpoint("llama", seed=3, tie_word_embeddings=True)
+    listed = write_compressed_tensors(base, tmp_path / "ignored", bits=4, group_size=32)
+    unlisted = write_compressed_tensors(base, tmp_path / "ct", bits=4, group_size=32, ignore=())
+    llm = LLM(unlisted, num_blocks=64, block_size=8, max_num_seqs=4)
+    assert not isinstance(llm.engine.model.lm_head, IntQuantLinear)
+    assert batchgen_greedy(llm) == transformers_greedy(listed)  # the same tensors, lm_head listed in ignore
+
+
+def test_fused_parts_mixing_quantized_and_float_are_refused_by_name(tmp_path) -> None:
+    from model_zoo import checkpoint
+
+    ignore = (
+        "lm_head",
+        "re:.*k_proj",
+    )  # q and v packed, k float: one fused q/k/v projection cannot hold both
+    path = write_compressed_tensors(
+        checkpoint("llama", seed=3), tmp_path / "ct", bits=4, group_size=32, ignore=ignore
+    )
+    with pytest.raises(UnsupportedCheckpoint, match="qkv_proj mix quantized and float tensors"):
+        LLM(path, num_blocks=64, block_size=8)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import job_config
+from conftest import job_config, read_parts
 from s3_server import S3, s3, s3_endpoint  # noqa: F401 - fixtures
 
 from batchgen.engine.config import EngineConfig
@@ -19,6 +19,7 @@ from batchgen.job.calibrate import StepModel, fit_step_model
 from batchgen.job.prefix_sim import simulate_prefix_cache
 from batchgen.job.run import run_job
 from batchgen.job.schedule_sim import SimRequest, simulate_schedule
+from batchgen.job.tally import error_key
 from batchgen.sampling_params import SamplingParams
 
 INSTRUCTION = (
@@ -122,6 +123,14 @@ def test_dry_run_plans_without_touching_the_output_then_the_report_compares(
     from batchgen.job.report import format_table
 
     assert "planned wall time" in format_table(report) and "planned engine steps" in format_table(report)
+    # a dry run over changed input: the plan says the job would refuse the output, which stays as it is
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.name != "_plan.json"}
+    pq.write_table(pa.table({"prompt": ["another input"], "key": ["k0"]}), inp)
+    cfg.run.dry_run, cfg.plan.calibrate = True, False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    (warning,) = json.loads((out / "_plan.json").read_text())["warnings"]
+    assert "would refuse this output (exit status 2)" in warning and "different input data" in warning
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.name != "_plan.json"} == before
 
 
 def test_sample_rows_and_sharing_notes(tiny_ckpt: str, tmp_path: Path) -> None:
@@ -158,6 +167,10 @@ def test_chat_system_prompt_that_differs_is_named(qwen2_ckpt: str, tmp_path: Pat
     assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
     plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
     assert "message 0 (system)" in plan["sharing"]["first_difference"]
+    # the instruction after the date: found in the rendered prompt, named by its message
+    run = plan["sharing"]["shared_run"]
+    assert "message 0 (system)" in run["where"] and "Answer the question" in run["text"]
+    assert run["hit_rate_if_first"] > plan["predicted"]["prefix_hit_rate"] + 0.3
 
 
 def test_llm_plan(tiny_ckpt: str) -> None:
@@ -195,6 +208,47 @@ def test_dry_run_reads_and_writes_an_object_store(tiny_ckpt: str, s3) -> None:  
     assert s3.keys("out/") == ["out/_plan.json"]  # no manifest, no lease, no part
     plan = json.loads(s3.get("out/_plan.json"))
     assert plan["rows"]["total"] == 10 and plan["predicted"]["prefix_hit_rate"] > 0.3
+    # the job then runs into the same output, the plan beside it
+    cfg.run.dry_run = False
+    res = run_job(cfg, handle_signals=False, print_summary=False)
+    assert res.exit_code == 0, res.message
+    report = json.loads(s3.get("out/_report.json"))
+    assert report["rows"]["ok"] == 10
+    hit = report["prediction"]["prefix_hit_rate"]
+    assert hit["predicted"] == pytest.approx(hit["actual"], abs=0.05)
+
+
+def test_a_sample_of_windows_counts_the_cold_cache_once(tiny_ckpt: str, tmp_path: Path) -> None:
+    # the first window starts on an empty cache: a sample of 2 of 10 windows must not count its misses as a
+    # fifth of the job
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [INSTRUCTION + f"Question {i}?" for i in range(40)]}), inp)
+    rates, compute = {}, {}
+    for sample in (None, 8, 1000):  # every row, a sample, more than the rows
+        cfg = job_config(tiny_ckpt, inp, tmp_path / f"out{sample}", data={"window_rows": 4})
+        cfg.run.dry_run, cfg.plan.calibrate, cfg.plan.sample_rows = True, False, sample
+        assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+        plan = json.loads((tmp_path / f"out{sample}" / "_plan.json").read_text())
+        assert plan["rows"]["total"] == 40 and plan["rows"]["sampled"] == (8 if sample == 8 else 40)
+        rates[sample] = plan["predicted"]["prefix_hit_rate"]
+        compute[sample] = plan["predicted"]["prompt_tokens_to_compute"]
+    assert rates[1000] == rates[None] and compute[1000] == compute[None]
+    assert rates[8] == pytest.approx(rates[None], abs=0.02)
+    assert compute[8] == pytest.approx(compute[None], rel=0.05)
+
+
+def test_each_replica_has_its_own_prefix_cache() -> None:
+    from batchgen.job.dry_run import PlanInput, PlanRow
+
+    shared = list(range(100, 148))  # three blocks of 16 every row shares
+    windows = [[shared + [w, i] for i in range(3)] for w in range(4)]
+    inp = PlanInput(rows_total=12, block_size=16, max_model_len=512, replicas=2)
+    for w in windows:
+        inp.add_window([PlanRow(i, i, t, SamplingParams(max_tokens=2)) for i, t in enumerate(w)], [0, 1, 2])
+    # windows 0 and 2 on one replica, 1 and 3 on the other: each pays the shared blocks once
+    parts = [simulate_prefix_cache(windows[k] + windows[k + 2], 16) for k in (0, 1)]
+    assert inp.hit_rate == pytest.approx(sum(p.cached_tokens for p in parts) / sum(inp.lens))
+    assert inp.hit_rate < simulate_prefix_cache([t for w in windows for t in w], 16).hit_rate
 
 
 def test_a_shard_of_an_array_plans_its_slice_and_estimates_the_array(tiny_ckpt: str, tmp_path: Path) -> None:
@@ -275,3 +329,77 @@ def test_calibration_keeps_to_its_budget_and_a_small_sample_widens_the_range(tin
     # the same machine load for both (the load's own term is not what this compares)
     spent, ample = dataclasses.replace(spent, load=None), dataclasses.replace(ample, load=None)
     assert relative_spread(spent, params.max_tokens) > relative_spread(ample, params.max_tokens) + 0.05
+
+
+def test_a_resumed_run_is_compared_with_its_part_of_the_plan() -> None:
+    from batchgen.job.plan_report import prediction_lines, prediction_section
+
+    plan = {"rows": {"total": 24}, "predicted": {"wall_time_s": 6.0, "wall_time_range_s": [3.0, 9.0],
+            "prompt_tokens": 1200, "prompt_tokens_to_compute": 300, "output_tokens": 240, "prefix_hit_rate": 0.7,
+            "schedule": {"steps": 60, "preemptions": 0}}}  # fmt: skip
+    report = {"run": {"rows": 16, "wall_time_s": 4.0}, "scheduler": {"steps": 41, "preemptions": 0},
+              "tokens": {"prompt_admitted": 800, "prompt_computed": 200, "generated": 160}}  # fmt: skip
+    p = prediction_section(plan, report)
+    assert p["fraction_of_plan"] == pytest.approx(2 / 3)
+    assert p["prompt_tokens"] == {"predicted": 800, "actual": 800}
+    assert p["generated_tokens"]["predicted"] == 160 and p["engine_steps"]["predicted"] == 40
+    assert p["wall_time_s"]["predicted"] == pytest.approx(4.0) and p["wall_time_s"]["inside_range"]
+    assert "planned for this run" in dict(prediction_lines(p))
+    report["run"]["rows"] = 24  # every planned row in this run: the plan as it is
+    assert "fraction_of_plan" not in prediction_section(plan, report)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "sequences"), [({"n": 2}, 2), ({"beam_width": 3, "temperature": 0.0}, 3)]
+)
+def test_output_bound_counts_each_rows_max_tokens_and_sequences(
+    tiny_ckpt: str, tmp_path: Path, sampling: dict, sequences: int
+) -> None:
+    # per-row max_tokens from the sampling column; every sample, and every beam (the engine generates them all)
+    max_tokens = [1, 2, 3, None, 2, 1]
+    table = pa.table({"prompt": [INSTRUCTION + f"Question {i}?" for i in range(6)],
+                      "sampling": [{"max_tokens": m} for m in max_tokens]})  # fmt: skip
+    pq.write_table(table, tmp_path / "in.parquet")
+    cfg = job_config(tiny_ckpt, tmp_path / "in.parquet", tmp_path / "out", sampling=sampling)
+    cfg.run.dry_run, cfg.plan.calibrate = True, False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert plan["output_tokens"]["bound"] == sequences * sum(m or 6 for m in max_tokens)
+
+
+@pytest.mark.parametrize(
+    ("engine", "sampling"),
+    [({"num_blocks": 2}, {}), ({}, {"beam_width": 12, "temperature": 0.0})],
+    ids=["pool too small", "beams over max_num_seqs"],
+)
+def test_rows_the_engine_would_refuse_are_error_rows(
+    tiny_ckpt: str, tmp_path: Path, engine: dict, sampling: dict
+) -> None:
+    cfg = job_config(tiny_ckpt, _input(tmp_path, 12), tmp_path / "out", engine=engine, sampling=sampling)
+    cfg.run.dry_run, cfg.plan.calibrate = True, False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert plan["rows"] == {"total": 12, "sampled": 12, "valid": 0, "error": 12}
+    refused = max(plan["errors"].values(), key=lambda e: e["rows"])
+    assert refused["rows"] == 10  # the two others are a null and an empty prompt
+    # the job's error rows say the same (written as error rows rather than stopping the job)
+    cfg.run.dry_run, cfg.run.max_error_fraction = False, 1.0
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    errors = [error_key(r["error"]) for r in read_parts(tmp_path / "out").to_pylist()]
+    assert errors.count(error_key(refused["example"])) == 10
+
+
+@pytest.mark.parametrize("prompts", [[None, "", None], []], ids=["only error rows", "empty input"])
+def test_a_plan_with_no_row_to_run(tiny_ckpt: str, tmp_path: Path, prompts: list) -> None:
+    pq.write_table(pa.table({"prompt": pa.array(prompts, pa.string())}), tmp_path / "in.parquet")
+    cfg = job_config(tiny_ckpt, tmp_path / "in.parquet", tmp_path / "out")
+    cfg.run.dry_run, cfg.plan.cost_per_hour = True, 2.0
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert plan["rows"]["error"] == len(prompts) and plan["rows"]["valid"] == 0
+    pred = plan["predicted"]
+    assert (pred["wall_time_s"], pred["wall_time_range_s"], pred["cost"]) == (0.0, [0.0, 0.0], 0.0)
+    assert "engine.max_num_seqs" not in plan["recommended"]  # nothing runs: no advice on running it
+    assert [("exit status 2" in w) for w in plan["warnings"]] == ([True] if prompts else [])
+    cfg.run.dry_run = False  # which the job confirms
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == (2 if prompts else 0)

@@ -187,3 +187,62 @@ def test_job_runs_a_gguf_file_and_refuses_an_unsupported_one(llama_256, tmp_path
     res = run_job(cfg, handle_signals=False, print_summary=False)
     assert res.exit_code == EXIT_CONFIG and "\n" not in res.message
     assert "blk.1.ffn_down.weight in q5k.gguf is Q5_K" in res.message
+
+
+@pytest.mark.parametrize(
+    "arch, tie, types",
+    [("qwen2", True, MIXES["mixed"]), ("llama", False, 30)],  # qwen2 without output.weight; a BF16 file
+)
+def test_other_architectures_and_float_files_equal_transformers(
+    ckpt_factory, tmp_path, arch, tie, types
+) -> None:
+    """A qwen2 file (q/k/v biases, its own Qwen2 tokenizer, tied embeddings: no output tensor) and a BF16 file
+    (projections widened at load): greedy output equals transformers', the qwen2 tokenizer read from the
+    file the checkpoint's."""
+    from transformers import AutoTokenizer
+
+    base = ckpt_factory(arch, seed=31, hidden_size=256, intermediate_size=512, tie_word_embeddings=tie)
+    path = Path(write_gguf(base, tmp_path / f"{arch}.gguf", types))
+    llm = LLM(str(path), num_blocks=64, block_size=8, max_num_seqs=4)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert got == _hf_greedy(str(path)) and len({t for row in got for t in row}) > 6
+    if arch == "qwen2":  # the file's tokenizer (pre-tokenizer "qwen2") is the checkpoint's own
+        text = "Return  the sum of 12345 numbers.\n\tdef f(x):"
+        assert llm.tokenizer.encode(text) == AutoTokenizer.from_pretrained(base).encode(text)
+
+
+def test_embed_a_gguf_file(llama_256, tmp_path) -> None:
+    """task=embed on a GGUF file pools the last hidden state transformers' own ``gguf_file=`` loading computes,
+    from the API and from a job naming the file with model.gguf_file."""
+    import dataclasses
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import job_config
+    from transformers import AutoModel
+
+    from batchgen.job.run import EXIT_OK, run_job
+
+    path = Path(write_gguf(llama_256, tmp_path / "m.gguf", MIXES["mixed"]))
+    llm = LLM(str(path), task="embed", num_blocks=64, block_size=8)
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS, normalize=False, use_tqdm=False)])
+    hf = AutoModel.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = torch.stack([hf(input_ids=torch.tensor([p])).last_hidden_state[0, -1] for p in PROMPTS])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    pq.write_table(pa.table({"prompt": ["def main():", "Once upon a time"]}), tmp_path / "in.parquet")
+    job = job_config(str(tmp_path), tmp_path / "in.parquet", tmp_path / "out")
+    job.model.gguf_file = path.name
+    res = run_job(dataclasses.replace(job, task="embed"), handle_signals=False, print_summary=False)
+    assert res.exit_code == EXIT_OK, res.message
+    out = pa.concat_tables(pq.read_table(p) for p in sorted((tmp_path / "out").glob("*.parquet"))).sort_by(
+        "id"
+    )
+    want = llm.embed(["def main():", "Once upon a time"], use_tqdm=False)
+    torch.testing.assert_close(
+        torch.tensor(out.column("embedding").to_pylist()),
+        torch.tensor([w.outputs.embedding for w in want]),
+        atol=1e-5,
+        rtol=1e-5,
+    )

@@ -85,6 +85,15 @@ def test_metrics_scraped_while_the_job_runs(tiny_ckpt: str, tmp_path: Path) -> N
     assert final["batchgen:prefix_cache_hits_total"] > 0
     assert final["batchgen:generation_tokens_total"] == engine.stats.generated_tokens
     assert not list(textfile.parent.glob("*.tmp*"))  # written atomically
+    # vLLM's exposition: counters, gauges and histograms with buckets, and nothing else
+    types = {f.name: f.type for f in text_string_to_metric_families(textfile.read_text())}
+    assert types["batchgen:generation_tokens"] == types["batchgen:prefix_cache_hits"] == "counter"
+    assert types["batchgen:kv_cache_usage_perc"] == types["batchgen:job_eta_seconds"] == "gauge"
+    assert types["batchgen:time_to_first_token_seconds"] == "histogram"
+    assert not [n for n in types if n.endswith("_created")]
+    for name in ("batchgen:generation_tokens_total", "batchgen:prompt_tokens_total"):  # counters only grow
+        seen = [s[name] for s in scraped if name in s] + [final[name]]
+        assert seen == sorted(seen), name
     # the server is gone once the job returns
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
@@ -92,6 +101,40 @@ def test_metrics_scraped_while_the_job_runs(tiny_ckpt: str, tmp_path: Path) -> N
     except OSError:
         served = False
     assert not served
+
+
+def test_a_port_in_use_or_an_unwritable_textfile_is_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from batchgen.job.metrics import JobMetrics
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        textfile = tmp_path / "missing" / "batchgen.prom"
+        with caplog.at_level("WARNING", logger="batchgen.metrics"):
+            m = JobMetrics(busy.getsockname()[1], str(textfile))
+            m.write_textfile()
+            m.write_textfile()
+            m.close()
+    assert m.port is None and m.server is None  # the job runs on without the endpoint
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("run.metrics_port" in x and "run.metrics_port=0" in x for x in lines) == 1
+    assert sum("cannot write run.metrics_file" in x for x in lines) == 1  # once, not at every rewrite
+
+
+def test_the_live_eta_takes_only_a_plan_of_this_configuration(tmp_path: Path) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from batchgen.job.plan_report import planned_work
+
+    plan = {"fingerprint": "abc", "rows": {"total": 10},
+            "predicted": {"prompt_tokens_to_compute": 100, "output_tokens": 50}}  # fmt: skip
+    (tmp_path / "_plan.json").write_text(json.dumps(plan))
+    outdir = SimpleNamespace(path=tmp_path)
+    assert planned_work(outdir, "abc").output_tokens == 50
+    assert planned_work(outdir, "another configuration") is None
 
 
 def test_dashboard_charts_only_exported_metrics() -> None:

@@ -69,8 +69,17 @@ def _rows_equal_peft(ckpt: str, adapters: dict, out_dir: Path, max_tokens: int) 
 
 def test_job_rows_follow_their_adapter(llama_ckpt, adapters, tmp_path: Path):
     cfg = _adapter_job(llama_ckpt, adapters, tmp_path, window_rows=8, max_tokens=8)
+    # the dry run first: an unknown adapter and one that cannot be read are error rows there too
+    cfg.run.dry_run, cfg.plan.calibrate = True, False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == EXIT_OK
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert sorted(e["first_ids"][0] for e in plan["errors"].values()) == [4, 6]
+    assert any("not a directory" in e["example"] for e in plan["errors"].values())
+    cfg.run.dry_run = False
     res = run_job(cfg, handle_signals=False, print_summary=False)
     assert res.exit_code == EXIT_OK
+    hit = res.report["prediction"]["prefix_hit_rate"]
+    assert hit["predicted"] == pytest.approx(hit["actual"], abs=0.05)
     _rows_equal_peft(llama_ckpt, adapters, tmp_path / "out", 8)
     report = json.loads((tmp_path / "out" / "_report.json").read_text())
     assert report["lora"]["rows_this_run"] == {

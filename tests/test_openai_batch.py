@@ -203,6 +203,34 @@ def test_documented_command_writes_the_results_file(llama_ckpt: str, tmp_path: P
     assert list((tmp_path / "_results.jsonl.batchgen" / "_logs").glob("*/.hydra/config.yaml"))
 
 
+def test_dry_run_plans_the_requests_then_the_job_runs(llama_ckpt: str, tmp_path: Path) -> None:
+    inp = _chat_file(tmp_path / "requests.jsonl")
+    out = tmp_path / "results.jsonl"
+    cfg = _config(llama_ckpt, inp, out)
+    cfg.run.dry_run, cfg.plan.calibrate = True, False
+    res = _run(cfg)
+    assert (res.exit_code, res.status) == (EXIT_OK, "planned"), res.message
+    assert not out.exists()  # no results file, no parts, no manifest
+    book = tmp_path / "_results.jsonl.batchgen" / "out"
+    assert sorted(p.name for p in book.iterdir()) == ["_plan.json"]
+    plan = json.loads((book / "_plan.json").read_text())
+    assert plan["rows"] == {"total": 8, "sampled": 8, "valid": 4, "error": 4}
+    # each request that cannot run under its error line's reason, named by its custom_id or line
+    ids = {e["example"]: e["first_ids"] for e in plan["errors"].values()}
+    assert ids == {
+        "line 3: not valid JSON (Expecting value at column 1)": ["line 3"],
+        "endpoint /v1/embeddings needs a job with task=embed; this job has task=generate": ["emb"],
+        "unsupported parameter 'tools'": ["tools"],
+        "duplicate custom_id 'greedy' (line 7)": ["greedy"],
+    }
+    assert plan["output_tokens"]["bound"] == 5 + 4 + 12 + 6  # each request's max_tokens, else the job's
+    cfg.run.dry_run = False
+    res = _run(cfg)
+    assert res.exit_code == EXIT_OK, res.message
+    report = json.loads((book / "_report.json").read_text())
+    assert report["prediction"]["prompt_tokens"]["predicted"] == report["tokens"]["prompt_admitted"]
+
+
 def test_batch_file_needs_a_jsonl_output(llama_ckpt: str, tmp_path: Path) -> None:
     inp = tmp_path / "r.jsonl"
     inp.write_text(_req("a", {"messages": [{"role": "user", "content": "hi"}]}) + "\n")

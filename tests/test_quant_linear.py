@@ -41,6 +41,36 @@ def test_quant_linear_matches_float64_on_dequantized_weights(name, rows) -> None
     assert torch.equal(wide[:, 4 : 4 + n], got) and not wide[:, :4].any() and not wide[:, 4 + n :].any()
 
 
+def _fp8_weights(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random fp8 bytes over every value but NaN (subnormals, both zeros) and positive scales per group."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    packed[(packed & 0x7F) == 0x7F] = 0x3C
+    return packed, torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+
+
+@needs_compiler
+@pytest.mark.parametrize("group", [8, 32, 128, 384])  # 8: the plain-C loops; 384: one scale per row
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_fp8_linear_matches_float64_on_dequantized_weights(group, rows) -> None:
+    """fp8 (e4m3) bytes widened in registers: the product within float32 rounding of the float64 product with
+    torch's fp8 -> float32 cast times the scale (every byte value but NaN: subnormals and both zeros)."""
+    k, n = 384, 37
+    packed, scales = _fp8_weights(n, k, group, seed=rows)
+    w = packed.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(group, dim=1)
+    g = torch.Generator().manual_seed(rows)
+    x, b = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    got = cpu_quant_linear.fp8_linear(x, packed, scales, group, b)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    scale = x.abs().double() @ w.abs().double().t()
+    assert got.shape == (rows, n) and ((got.double() - want).abs() <= 1e-6 * scale + 1e-6).all()
+    assert torch.equal(cpu_quant_linear.fp8_linear(x[-1:], packed, scales, group, b)[0], got[-1])
+    with pytest.raises(RuntimeError, match="rejected group 40"):
+        cpu_quant_linear.fp8_linear(x, packed, scales, 40, b)
+    with pytest.raises(ValueError, match="scales must be contiguous float32"):
+        cpu_quant_linear.fp8_linear(x, packed, scales, 48, b)
+
+
 @needs_compiler
 def test_bad_shapes_are_refused() -> None:
     packed = random_blocks(4, 64, 8)
@@ -52,7 +82,7 @@ def test_bad_shapes_are_refused() -> None:
 @pytest.mark.parametrize("rows", [2, 3, 29])  # register tiles (x in registers up to 2 rows), buffered (many)
 def test_simd_build_equals_generic_build(monkeypatch, rows) -> None:
     """The SIMD kernels (in-register widening, table lookups, register tiles) give the plain-C loops' bits: the
-    same dequantized weights, multiplied and summed in the same order, for every format."""
+    same dequantized weights, multiplied and summed in the same order, for every format (fp8 included)."""
     g = torch.Generator().manual_seed(rows)
     cases = []  # (in_features, the product as a function of x)
     for name, type_id in TYPES.items():
@@ -65,6 +95,9 @@ def test_simd_build_equals_generic_build(monkeypatch, rows) -> None:
         scales = torch.rand(37, k // group, generator=g) * 0.01
         product = partial(cpu_quant_linear.int_linear, packed=packed, bits=bits, scales=scales, group=group)
         cases.append((k, partial(product, round_bf16=bf16)))
+    for group in (32, 64, 576):
+        packed, scales = _fp8_weights(37, 576, group, seed=rows + group)
+        cases.append((576, partial(cpu_quant_linear.fp8_linear, packed=packed, scales=scales, group=group)))
     xs = [torch.randn(rows, k, generator=g) for k, _ in cases]
     fast = [f(x) for (_, f), x in zip(cases, xs)]
     generic = cpu_kernel._load(("BATCHGEN_GENERIC",))

@@ -165,6 +165,26 @@ def test_greedy_equals_transformers_batched_and_shuffled(gemma3, rows_and_refere
     assert other[0].outputs[0].token_ids != ref[0]
 
 
+def test_pan_and_scan_crops_equal_transformers(gemma3):
+    """``mm_processor_kwargs={"do_pan_and_scan": True}``: a wide image becomes the whole image and its crops,
+    each its own run of image tokens between the processor's text; a square one stays one view; several views
+    of several images encode in one batch. Greedy tokens equal transformers' with the same options."""
+    wide, tall, square = random_image(200, 60, 21), random_image(50, 160, 22), random_image(56, 56, 23)
+    rows = [
+        (_chat("Describe."), [wide]),
+        (_chat("Compare them.", 2), [square, tall]),
+        (_chat("And this one?"), [square]),
+    ]
+    scan = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16, "pan_and_scan_max_num_crops": 3,
+            "pan_and_scan_min_ratio_to_activate": 1.2}  # fmt: skip
+    ref = hf_greedy(gemma3, rows, GREEDY_TOKENS, **scan)
+    llm = LLM(gemma3, kv_cache_memory="32MiB", max_num_seqs=4, mm_processor_kwargs=scan)
+    outs = llm.generate(_inputs(rows, [1, 0, 2]), GREEDY, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * 3
+    assert [o.outputs[0].token_ids for o in outs] == [ref[1], ref[0], ref[2]]
+    assert len(outs[1].prompt_token_ids) > 3 * 16  # the wide image's views: the whole image and its crops
+
+
 def test_chunked_prefill_and_prefix_caching_keep_image_tokens_together(gemma3, rows_and_reference):
     """A token budget of 20 splits prompts into chunks, never inside an image's 16 tokens; rows run one
     after another reuse cached blocks, one ending inside an image; every row still equals transformers."""

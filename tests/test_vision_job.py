@@ -126,6 +126,42 @@ def test_image_job_matches_the_api_and_bad_images_are_error_rows(llava, tmp_path
     assert [r["token_ids"] for r in rows2[:3]] == [o.outputs[0].token_ids for o in api2]
 
 
+def test_dry_run_keys_image_tokens_by_image_and_names_an_image_first(llava, tmp_path):
+    """Rows with different images before a shared instruction share nothing past the image: the plan's hit
+    rate is the job's, its sharing note names the image, and undecodable images are error rows by reason."""
+    imgs, _paths = _images(tmp_path)
+    text = " Answer in one short sentence, be precise, cite no sources and do not repeat the question. Q"
+    prompts = [f"<image>{text}{i}?" for i in range(6)] + ["<image> broken"]
+    images = [png_bytes(imgs[i % 3]) for i in range(6)] + [png_bytes(imgs[0])[:70]]
+    pq.write_table(pa.table({"prompt": prompts, "image": images}), tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    cfg = job_config(llava, tmp_path / "in.parquet", out, data={"image_column": "image"}, sampling=GREEDY)
+    cfg.run.max_error_fraction = 1.0
+    cfg.run.dry_run, cfg.plan.calibrate = True, False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((out / "_plan.json").read_text())
+    assert plan["rows"]["error"] == 1
+    (reason,) = plan["errors"].values()
+    assert "corrupt or truncated" in reason["example"] and reason["first_ids"] == [6]
+    assert "image 0 (from data.image_column 'image')" in plan["sharing"]["first_difference"]
+    cfg.run.dry_run = False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    report = json.loads((out / "_report.json").read_text())
+    assert report["prediction"]["prompt_tokens"]["predicted"] == report["tokens"]["prompt_admitted"]
+    assert plan["predicted"]["prefix_hit_rate"] == pytest.approx(
+        report["tokens"]["prefix_hit_rate"], abs=0.01
+    )
+    # the Python API: the same prompts with their images, planned as generate runs them
+    llm = LLM(llava, kv_cache_memory="32MiB")
+    api = [{"prompt": p, "multi_modal_data": {"image": imgs[i % 3]}} for i, p in enumerate(prompts[:6])]
+    api_plan = llm.plan(api, SamplingParams(**GREEDY))
+    outs = LLM(llava, kv_cache_memory="32MiB").generate(api, SamplingParams(**GREEDY), use_tqdm=False)
+    assert api_plan["prompt_tokens"]["total"] == sum(len(o.prompt_token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs) / api_plan["prompt_tokens"]["total"]
+    assert api_plan.prefix_hit_rate == pytest.approx(cached, abs=0.01)
+    assert "multi_modal_data" in api_plan["sharing"]["first_difference"]
+
+
 def test_chat_rows_with_image_parts(llava, tmp_path):
     imgs, paths = _images(tmp_path)
     part = pa.struct(
@@ -185,6 +221,29 @@ def test_image_column_needs_an_image_text_model(llama_ckpt, tmp_path):
         job_config(llama_ckpt, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"})
     )
     assert result.exit_code == 2 and "not an image-text checkpoint" in result.message
+
+
+def test_processor_options_reach_the_job_and_a_bad_one_is_one_line(llava, tmp_path):
+    """``engine.mm_processor_kwargs``: the job's image tokens follow them (its fingerprint records them); an
+    option the processor does not take stops the job at its start with exit status 2."""
+    pq.write_table(pa.table({"prompt": ["<image> What?"], "image": [png_bytes(random_image(90, 60, 3))]}),
+                   tmp_path / "in.parquet")  # fmt: skip
+    raw = {"do_normalize": False}
+    cfg = job_config(llava, tmp_path / "in.parquet", tmp_path / "o", data={"image_column": "image"},
+                     engine={"mm_processor_kwargs": raw}, sampling=GREEDY)  # fmt: skip
+    assert run_job(cfg, print_summary=False).exit_code == 0
+    row = [{"prompt": "<image> What?", "multi_modal_data": {"image": random_image(90, 60, 3)}}]
+    api = [
+        LLM(llava, kv_cache_memory="16MiB", **options).generate(row, SamplingParams(**GREEDY), use_tqdm=False)
+        for options in ({"mm_processor_kwargs": raw}, {})
+    ]
+    got = read_parts(tmp_path / "o").to_pylist()[0]["token_ids"]
+    assert got == api[0][0].outputs[0].token_ids != api[1][0].outputs[0].token_ids
+    bad = job_config(llava, tmp_path / "in.parquet", tmp_path / "o2", data={"image_column": "image"},
+                     engine={"mm_processor_kwargs": {"max_pixel": 1}})  # fmt: skip
+    result = run_job(bad, print_summary=False)
+    assert result.exit_code == 2 and "takes no option 'max_pixel'" in result.message
+    assert "\n" not in result.message
 
 
 def test_image_families_not_run_are_refused_by_name(tmp_path):

@@ -181,3 +181,48 @@ def test_image_job_equals_transformers(qwen_vl, tmp_path):
     got = read_parts(tmp_path / "out").to_pylist()
     assert [r["status"] for r in got] == ["ok"] * len(rows)
     assert [r["token_ids"] for r in got] == hf_greedy_qwen_vl(qwen_vl, rows, 8)
+
+
+def test_mm_processor_kwargs_bound_the_image_tokens_as_transformers_does(qwen_vl):
+    """``mm_processor_kwargs`` (vLLM's name) go to the processor for every image: ``max_pixels`` shrinks a large
+    image's grid, and the greedy tokens equal transformers' with the same processor options."""
+    rows = [_rows()[2], _rows()[4]]
+    bounded = {"max_pixels": 56 * 56}
+    ref = hf_greedy_qwen_vl(qwen_vl, rows, GREEDY.max_tokens, **bounded)
+    inputs = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in rows]
+    plain = LLM(qwen_vl, kv_cache_memory="16MiB").generate(inputs[:1], GREEDY, use_tqdm=False)
+    outs = LLM(qwen_vl, kv_cache_memory="16MiB", mm_processor_kwargs=bounded).generate(
+        inputs, GREEDY, use_tqdm=False
+    )
+    assert [o.error for o in outs] == [None, None]
+    assert len(outs[0].prompt_token_ids) < len(plain[0].prompt_token_ids)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_an_option_the_processor_does_not_take_is_refused_by_name(qwen_vl):
+    with pytest.raises(ValueError, match="takes no option 'max_pixel'.*max_pixels"):
+        LLM(qwen_vl, kv_cache_memory="16MiB", mm_processor_kwargs={"max_pixel": 3136})
+    with pytest.raises(ValueError, match="batchgen sets 'return_tensors' itself"):
+        LLM(qwen_vl, kv_cache_memory="16MiB", mm_processor_kwargs={"return_tensors": "np"})
+
+
+def test_per_prompt_processor_options_never_share_features_with_others(qwen_vl):
+    """A prompt's own ``mm_processor_kwargs`` (vLLM's prompt key) apply to its images alone: the same image
+    with and without them is two encodings whose features and KV blocks are never mixed; an option the
+    processor does not take fails that prompt alone."""
+    text, images = _rows()[2]
+    bounded = {"max_pixels": 56 * 56}
+    ref_bounded = hf_greedy_qwen_vl(qwen_vl, [(text, images)], GREEDY.max_tokens, **bounded)[0]
+    ref_plain = hf_greedy_qwen_vl(qwen_vl, [(text, images)], GREEDY.max_tokens)[0]
+    llm = LLM(qwen_vl, kv_cache_memory="16MiB")
+    row = {"prompt": text, "multi_modal_data": {"image": images}}
+    outs = llm.generate(
+        [{**row, "mm_processor_kwargs": bounded}, row, {**row, "mm_processor_kwargs": {"max_pixel": 1}}],
+        GREEDY,
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in outs[:2]] == [ref_bounded, ref_plain]
+    assert outs[2].error is not None and "takes no option 'max_pixel'" in outs[2].error
+    assert llm.engine.images.stats.encoded == 2
+    with pytest.raises(ValueError, match="only beside 'multi_modal_data'"):
+        llm.generate({"prompt": text, "mm_processor_kwargs": bounded}, GREEDY)

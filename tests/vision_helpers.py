@@ -36,9 +36,12 @@ def png_bytes(image) -> bytes:
     return buf.getvalue()
 
 
-def hf_greedy(ckpt: str, rows, max_new_tokens: int, *, nested: bool = False) -> list[list[int]]:
+def hf_greedy(
+    ckpt: str, rows, max_new_tokens: int, *, nested: bool = False, **processor_kwargs
+) -> list[list[int]]:
     """transformers' greedy tokens for each ``(text, images)`` row, one row at a time (the reference).
-    ``nested``: the processor takes a list of images per text (Idefics3), else a flat list."""
+    ``nested``: the processor takes a list of images per text (Idefics3), else a flat list;
+    ``processor_kwargs`` go to each processor call."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -50,16 +53,17 @@ def hf_greedy(ckpt: str, rows, max_new_tokens: int, *, nested: bool = False) -> 
             images = None
         elif nested:
             images = [images]
-        enc = proc(text=[text], images=images, return_tensors="pt")
+        enc = proc(text=[text], images=images, return_tensors="pt", **(processor_kwargs if images else {}))
         gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
         out.append(gen[0, enc["input_ids"].shape[1] :].tolist())
     return out
 
 
-def hf_greedy_qwen_vl(ckpt: str, rows, max_new_tokens: int) -> list[list[int]]:
+def hf_greedy_qwen_vl(ckpt: str, rows, max_new_tokens: int, **processor_kwargs) -> list[list[int]]:
     """transformers' greedy tokens for each ``(text, images)`` row of a Qwen2-VL / Qwen2.5-VL checkpoint, one
     row at a time. ``Qwen2VLProcessor`` needs torchvision, so its work is done here as it does it: the image
-    processor's pixels and grids, each ``<|image_pad|>`` expanded to ``grid_t*grid_h*grid_w / merge**2``."""
+    processor's pixels and grids (``processor_kwargs`` given to its call), each ``<|image_pad|>`` expanded to
+    ``grid_t*grid_h*grid_w / merge**2``."""
     import torch
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
@@ -72,7 +76,7 @@ def hf_greedy_qwen_vl(ckpt: str, rows, max_new_tokens: int) -> list[list[int]]:
         ids = tok.encode(text)
         kw = {}
         if images:
-            enc = ip(images=images, return_tensors="pt")
+            enc = ip(images=images, return_tensors="pt", **processor_kwargs)
             grid = enc["image_grid_thw"]
             expanded, k = [], 0
             for t in ids:

@@ -3,12 +3,13 @@ weight bytes in memory per format and generated tokens per second at 4 and at 64
 lengths), and llama.cpp's batched decode on the same GGUF files where it is installed. The GGUF files hold the
 LM head as llama.cpp's quantizer writes it (Q8_0 in a Q8_0 file, else Q6_K), the token embedding float32.
 
-    python -m batchgen.bench.quant [--hidden 512 --layers 4 --new 32 --prompt 32] [--kv-context 1024]
+    python -m batchgen.bench.quant [--hidden 512 --layers 4 --new 32 --prompt 32] [--drain] [--kv-context 1024]
 
 Each system runs the same prompts (token ids) in one process after a warm-up; the load (os.getloadavg) is printed
 with the figures, and each row has ``tok_per_cpu_s`` beside ``tok_s``: tokens per second of this process's CPU
 time, the steadier figure on a machine shared with other work. Numbers are for side-by-side comparison on one
-machine, never absolute claims.
+machine, never absolute claims. ``--drain`` times the decode steps alone (the prompts' KV blocks computed by an
+untimed run first): the memory-bound drain of a job, where a few sequences decode with their prompts long done.
 
 ``--kv-context N`` adds the decode-heavy narrow-cache run: ``--kv-seqs`` sequences with N-token prompts whose KV
 blocks are computed once (a one-token warm-up run fills the prefix cache), then ``--kv-new`` greedy tokens each:
@@ -50,6 +51,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--batches", default="4,64")
+    p.add_argument(
+        "--drain",
+        action="store_true",
+        help="time decoding alone: the prompts' KV blocks computed by an untimed run first (prefix cache)",
+    )
 
 
 def bench_model(root: Path, args, **options) -> str:
@@ -65,39 +71,48 @@ def bench_model(root: Path, args, **options) -> str:
 @dataclass(frozen=True)
 class Run:
     """One timed greedy run: wall and CPU rates, the model's weight bytes (all of them, and the decoder
-    layers' alone) and the generated tokens."""
+    layers' alone), the generated tokens and the prompt tokens the timed run found in the prefix cache."""
 
     tok_s: float
     tok_per_cpu_s: float
     weight_bytes: int
     decoder_weight_bytes: int
     tokens: list[list[int]]
+    cached_prompt_tokens: int = 0
 
     def row(self, system: str, seqs: int, base: Run | None = None, **extra) -> dict:
         """The printed row; with `base`, the greedy agreement with it."""
         row = {"system": system, "seqs": seqs, "tok_s": round(self.tok_s, 1),
                "tok_per_cpu_s": round(self.tok_per_cpu_s, 1), "weight_MiB": round(self.weight_bytes / 2**20, 2),
-               "decoder_weight_MiB": round(self.decoder_weight_bytes / 2**20, 2), **extra}  # fmt: skip
+               "decoder_weight_MiB": round(self.decoder_weight_bytes / 2**20, 2),
+               "cached_prompt_tokens": self.cached_prompt_tokens, **extra}  # fmt: skip
         if base is not None:
             row["greedy_agreement"] = round(_agreement(self.tokens, base.tokens), 3)
         return row
 
 
-def bench_prompts(batch: int, args) -> list[list[int]]:
-    """`batch` random prompts of --prompt token ids, the same for every system."""
-    g = torch.Generator().manual_seed(0)
+def bench_prompts(batch: int, args, seed: int = 0) -> list[list[int]]:
+    """`batch` random prompts of --prompt token ids, the same for every system (another `seed`: other prompts)."""
+    g = torch.Generator().manual_seed(seed)
     return [torch.randint(5, 4000, (args.prompt,), generator=g).tolist() for _ in range(batch)]
 
 
 def generate_run(path: str, batch: int, args, kv_cache_memory: str = "1GiB", **options) -> Run:
     """`batch` random prompts of --prompt token ids (the same for every system), --new greedy tokens each, timed
-    after a warm-up."""
+    after a warm-up on two other prompts. With --drain an untimed one-token run over the same prompts puts their KV blocks in the
+    prefix cache first, so the timed run is the decode steps of a job's drain (each prompt's last token
+    recomputed, the rest of its blocks reused)."""
     from batchgen import LLM, SamplingParams
 
     llm = LLM(path, max_num_seqs=64, kv_cache_memory=kv_cache_memory, **options)
     prompts = [{"prompt_token_ids": ids} for ids in bench_prompts(batch, args)]
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    warm_up = [
+        {"prompt_token_ids": ids} for ids in bench_prompts(2, args, seed=1)
+    ]  # shares no block with `prompts`
+    llm.generate(warm_up, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    if args.drain:
+        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
     start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -108,6 +123,7 @@ def generate_run(path: str, batch: int, args, kv_cache_memory: str = "1GiB", **o
         weight_bytes=sum(b for _, b in named),
         decoder_weight_bytes=sum(b for n, b in named if ".layers." in n),
         tokens=[o.outputs[0].token_ids for o in outs],
+        cached_prompt_tokens=sum(o.num_cached_tokens for o in outs),
     )
 
 
@@ -273,7 +289,8 @@ def main() -> None:
             run = runs[name] = generate_run(path, batch, args, **opts)
             base = run if base is None else base
             # greedy agreement with the float32 cache on the same weights
-            emit(run.row(name, batch, base if "KV" in name else None))
+            extra = {"drain": True} if args.drain else {}
+            emit(run.row(name, batch, base if "KV" in name else None, **extra))
         for name, path in ggufs.items():
             if name not in LLAMA_CPP_TYPES or not keep(f"llama.cpp GGUF {name}"):
                 continue

@@ -243,6 +243,25 @@ class OutputDir:
         )  # fmt: skip
         return fresh
 
+    def resume_problem(
+        self, fresh: Manifest, overwrite: bool, retry_keys: tuple[str, ...], retry_errors: bool
+    ) -> str | None:
+        """Why :meth:`open` would refuse this output for `fresh` (the ConfigError's message), found by reading
+        only: no holder is taken and nothing is written. None when it would resume it, start it, take it over
+        (it holds no successful row) or discard it (`overwrite`)."""
+        if overwrite:
+            return None
+        try:
+            existing = read_state(self.loc)[0]
+        except (ValueError, KeyError, TypeError) as e:
+            return f"{self.path}/{MANIFEST_NAME} is unreadable ({e}); use data.overwrite=true to start over"
+        except OSError:
+            return None  # not there yet: the job creates it
+        if existing is None:
+            return None
+        problem = self._incompatibility(existing, fresh, retry_keys, retry_errors)
+        return problem if problem is not None and _manifest_holds_results(existing) else None
+
     def _incompatibility(
         self,
         old: Manifest,

@@ -68,6 +68,8 @@ class PromptSpec:
     storage_options: dict[str, Any] = field(default_factory=dict)
     image_base: str | None = None
     """Where the rows' relative image paths are looked up first (the input's root directory or URL)."""
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    """``engine.mm_processor_kwargs``: options of every call of the checkpoint's processor."""
 
 
 @dataclass

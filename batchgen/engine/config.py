@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 _UNITS = {
     "": 1,
@@ -127,6 +128,11 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     """Image-text models: most items per prompt by modality, e.g. ``{image: 4}`` (vLLM's name); a row with
     more fails alone. A modality not named has no limit."""
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Image-text models: options of the checkpoint's image processor for every image (vLLM's name), e.g.
+    ``{max_pixels: 1003520}`` to bound Qwen2-VL's image tokens or ``{size: {shortest_edge: 448}}``; the
+    processor applies them as transformers' own processor call does. A key the processor does not take is
+    refused before the first image (a job: at start, exit status 2)."""
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):

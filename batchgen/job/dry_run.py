@@ -4,12 +4,15 @@ The input is read exactly as the job reads it (streamed, this shard's windows, a
 and tokenized by the job's own code (or an even sample of whole windows with ``plan.sample_rows``: the plan
 says so and scales its totals), and each window grouped as the job groups it. From those rows:
 
-- rows, and the rows that would be error rows, by reason with the first ids of each;
+- rows, and the rows that would be error rows, by reason with the first ids of each (the engine's refusals
+  included: a KV pool too small for a row, an adapter that cannot be read), and ``warnings`` when they, or an
+  output the job would refuse, would end the job with exit status 2 or 3;
 - prompt tokens (total, p50/p90/p99/max) and those left to compute after prefix sharing, from a simulation
-  of the engine's block-level prefix cache over the job's feed order (:mod:`.prefix_sim`): the predicted
+  of the engine's block-level prefix cache over the job's feed order (:mod:`.prefix_sim`; image tokens keyed
+  by the image, one cache per replica, a sample's cold windows counted once): the predicted
   ``tokens.prefix_hit_rate``; where sharing is lost (the first token position at which rows differ, mapped
-  back to the column or chat message and the characters there; a long run of text most rows share after a
-  per-row part) and which order would share more;
+  back to the column, chat message or image and the characters there; a long run of text most rows share
+  after a per-row part, chat rows as rendered) and which order would share more;
 - the output-token bound, and the output tokens expected from a calibration (:mod:`.calibrate`: the real
   engine over a stratified sample of rows, at most ``plan.calibration_fraction`` of the predicted time);
 - KV bytes per token, sequences that fit, recommended ``engine.max_num_seqs``, ``data.window_rows``,
@@ -73,6 +76,46 @@ class PlanRow:
     lora: Any = None
     source: Any = None
     """The row's prompt as given (the column's text, or its chat messages), for the sharing analysis."""
+    images: tuple[tuple[str, int, int], ...] = ()
+    """The row's images in prompt order: (content hash, first placeholder position, placeholder tokens)."""
+    cache_ids: list[int] | None = None
+    """The tokens as the prefix cache keys them: ``token_ids`` with each image's placeholder positions keyed
+    by the image (as the engine does: the same image shares, different images never do); None for a row
+    without images (its ``token_ids``)."""
+
+    @property
+    def keyed(self) -> list[int] | None:
+        """The token ids the prefix cache sees (``cache_ids``, else ``token_ids``)."""
+        return self.cache_ids if self.cache_ids is not None else self.token_ids
+
+
+IMAGE_KEY_BITS = 16
+"""Offset bits of a simulated image token id: ``-((key << IMAGE_KEY_BITS) + offset) - 1`` (negative, so never a
+vocabulary id)."""
+
+
+def engine_sequences(params: Any) -> int:
+    """Sequences the engine runs for a row: its ``n`` samples, or its ``beam_width`` beams under beam search
+    (the engine generates every beam's tokens, and counts them in ``tokens.generated``)."""
+    n = getattr(params, "n", 1) or 1
+    return max(1, n, getattr(params, "beam_width", 1) or 1)
+
+
+def image_keyed_ids(token_ids: list[int], images: Any, keys: dict[str, int]) -> list[int] | None:
+    """``token_ids`` with each image's placeholder positions replaced by ids unique to its content hash
+    (``keys``: hash -> small key, extended as new images appear), as the engine's prefix cache keys them;
+    None when the row has no image."""
+    if not images:
+        return None
+    ids = list(token_ids)
+    for item in images:
+        key = keys.setdefault(item.hash, len(keys))
+        offsets = item.offsets if item.offsets is not None else range(item.num_tokens)
+        for k, off in enumerate(offsets):
+            pos = item.start + off
+            if 0 <= pos < len(ids):
+                ids[pos] = -((key << IMAGE_KEY_BITS) + k) - 1
+    return ids
 
 
 KEEP_ROWS = 4096
@@ -94,6 +137,7 @@ class PlanInput:
     num_blocks: int | None = None
     prompt_column: str | None = None
     messages_column: str | None = None
+    image_column: str | None = None
     group_by_prefix: bool = True
     prefix_caching: bool = True
     """engine.enable_prefix_caching: without it nothing is shared."""
@@ -103,7 +147,8 @@ class PlanInput:
     read_seconds: float = 0.0
     lens: array = field(default_factory=lambda: array("q"))
     """Per fed row (the job's order; 8 bytes a row each): prompt tokens; then tokens the cache serves, tokens
-    copied, the output bound per sample, samples, and a hash of the first block (the row's prefix group)."""
+    copied, the output bound per sequence, sequences (:func:`engine_sequences`), and a hash of the first block
+    (the row's prefix group)."""
     cached: array = field(default_factory=lambda: array("q"))
     copied: array = field(default_factory=lambda: array("q"))
     bounds: array = field(default_factory=lambda: array("q"))
@@ -119,16 +164,63 @@ class PlanInput:
     """Tokens the cache would serve with each window ordered by tokens (data.group_by_prefix=true)."""
     all_tokens: list[tuple[Any, list[int]]] | None = field(default_factory=list)
     """(root, tokens) of every fed row while there are at most SORTED_ANALYSIS_ROWS; then None."""
-    _sim: Any = None
-    _grouped_sim: Any = None
+    replicas: int = 1
+    """Engine replicas (engine.data_parallel_size): each has its own prefix cache, and takes whole windows in
+    turn (window k to replica k mod replicas, as :func:`_simulate_parts` divides the work)."""
+    cold_rows_read: int = 0
+    """Rows read in the first window of each replica (the windows that start on an empty prefix cache)."""
+    cold_fed: int = 0
+    """Fed rows of those windows: the first ``cold_fed`` entries of the per-row arrays."""
+    max_num_seqs: int | None = None
+    """engine.max_num_seqs (a beam search wider than it cannot run)."""
+    _sims: list[Any] = field(default_factory=list)
+    _grouped_sims: list[Any] = field(default_factory=list)
+
+    def unservable(self, num_tokens: int, params: Any) -> str | None:
+        """Why the engine would refuse a row of ``num_tokens`` prompt tokens with ``params`` (its longest
+        sequence, or its beams, need more KV blocks than the pool holds), in the engine's words; None when it
+        fits, or when the pool is not known before the engine starts (an accelerator)."""
+        bs, cap = self.block_size, self.num_blocks
+        if cap is None or params is None:
+            return None
+        longest = num_tokens + output_bound(num_tokens, params, self.max_model_len)
+        k = getattr(params, "beam_width", 1) or 1
+        if k > 1:
+            if self.max_num_seqs is not None and k > self.max_num_seqs:
+                return f"beam_width={k} exceeds engine.max_num_seqs={self.max_num_seqs}"
+            need = -(-num_tokens // bs) + k * (-(-(longest - num_tokens) // bs) + 1)
+            what = f"prompt ({num_tokens} tokens) plus max_tokens for {k} beams"
+        else:
+            need, what = -(-longest // bs), f"prompt ({num_tokens} tokens) plus max_tokens"
+        if need <= cap:
+            return None
+        return (f"{what} needs {need} KV blocks but the pool holds {cap}; raise engine.kv_cache_memory / "
+                "num_blocks or lower max_tokens")  # fmt: skip
 
     def add_window(self, rows: list[PlanRow], feed: list[int]) -> None:
-        """One window's rows (input order) and the positions the job feeds, in its order."""
+        """One window's rows (input order) and the positions the job feeds, in its order; a fed row the engine
+        would refuse (:meth:`unservable`) is an error row, as in the job."""
         from batchgen.job.prefix_sim import PrefixCacheSim
 
-        if self._sim is None:
-            self._sim = PrefixCacheSim(self.block_size, self.num_blocks)
-            self._grouped_sim = PrefixCacheSim(self.block_size, self.num_blocks)
+        kept_feed = []
+        for pos in feed:
+            r = rows[pos]
+            why = self.unservable(len(r.token_ids), r.params) if r.token_ids is not None else None
+            if why is None:
+                kept_feed.append(pos)
+            else:
+                r.error = why
+        feed = kept_feed
+
+        if not self._sims:
+            n = max(1, self.replicas)
+            self._sims = [PrefixCacheSim(self.block_size, self.num_blocks) for _ in range(n)]
+            self._grouped_sims = [PrefixCacheSim(self.block_size, self.num_blocks) for _ in range(n)]
+        sim = self._sims[len(self.window_sizes) % len(self._sims)]
+        grouped_sim = self._grouped_sims[len(self.window_sizes) % len(self._sims)]
+        if len(self.window_sizes) < len(self._sims):
+            self.cold_rows_read += len(rows)
+            self.cold_fed += len(feed)
         self.rows_read += len(rows)
         self.window_sizes.append(len(feed))
         bs = self.block_size
@@ -142,16 +234,16 @@ class PlanInput:
                     e["first_ids"].append(r.id if r.id is not None else r.index)
         for pos in feed:
             r = rows[pos]
-            toks = r.token_ids
+            toks = r.keyed
             assert toks is not None
             root = _root(r)
-            c, k = self._sim.admit(toks, root) if self.prefix_caching else (0, 0)
+            c, k = sim.admit(toks, root) if self.prefix_caching else (0, 0)
             i = len(self.lens)
             self.lens.append(len(toks))
             self.cached.append(c)
             self.copied.append(k)
             self.bounds.append(output_bound(len(toks), r.params, self.max_model_len))
-            self.ns.append(max(1, getattr(r.params, "n", 1) or 1))
+            self.ns.append(engine_sequences(r.params))
             self.heads.append(hash(tuple(toks[:bs])))
             if i % self.keep_every == 0:
                 self.kept[i] = r
@@ -162,8 +254,8 @@ class PlanInput:
                 if len(self.all_tokens) > SORTED_ANALYSIS_ROWS:
                     self.all_tokens = None
         if not self.group_by_prefix and self.prefix_caching:
-            for pos in sorted(feed, key=lambda p: rows[p].token_ids):  # type: ignore[arg-type,return-value]
-                self.grouped_cached += self._grouped_sim.admit(rows[pos].token_ids, _root(rows[pos]))[0]
+            for pos in sorted(feed, key=lambda p: rows[p].keyed):  # type: ignore[arg-type,return-value]
+                self.grouped_cached += grouped_sim.admit(rows[pos].keyed, _root(rows[pos]))[0]
 
     @property
     def saved(self) -> list[int]:
@@ -171,9 +263,26 @@ class PlanInput:
         return [c + k for c, k in zip(self.cached, self.copied)]
 
     @property
+    def warm_weight(self) -> float:
+        """How many rows of the shard each fed row stands for, past the cold windows (each replica's first,
+        which start on an empty cache and are read whatever the sample): 1 when every row was read. The cold
+        windows stand for themselves only, so a sample of a few windows does not count their misses once per
+        sampled window."""
+        rest = self.rows_read - self.cold_rows_read
+        return (self.rows_total - self.cold_rows_read) / rest if rest > 0 else 1.0
+
+    def weighted(self, per_row: Sequence[int]) -> float:
+        """The shard's total of a per-fed-row figure: the cold windows' rows once, the others weighted by
+        :attr:`warm_weight`."""
+        k = self.cold_fed
+        return sum(per_row[:k]) + self.warm_weight * sum(per_row[k:])
+
+    @property
     def hit_rate(self) -> float:
-        total = sum(self.lens)
-        return sum(self.cached) / total if total else 0.0
+        """The predicted ``tokens.prefix_hit_rate``: cached over admitted prompt tokens, both as
+        :meth:`weighted` totals."""
+        total = self.weighted(self.lens)
+        return self.weighted(self.cached) / total if total else 0.0
 
 
 @dataclass
@@ -244,7 +353,10 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
         prompt_column=None if d.messages_column else d.prompt_column,
         prefix_caching=cfg.engine.enable_prefix_caching,
         messages_column=d.messages_column,
+        image_column=d.image_column,
         group_by_prefix=d.group_by_prefix,
+        replicas=max(1, cfg.engine.data_parallel_size),
+        max_num_seqs=cfg.engine.max_num_seqs,
         shard={
             "index": d.shard.index,
             "count": d.shard.count,
@@ -261,6 +373,10 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
         simulation (the fast tokenizer releases the GIL)."""
         for win in iter_windows(plan.input, chosen, plan.columns, schema=plan.read_schema):
             rows = build_prompts(win.table, win.spec.row_start, plan.prompt_spec, tokenizer, win.unreadable)
+            for r in rows:  # an adapter the engine cannot read: its rows are error rows, as in the job
+                problem = _adapter_problem(r.lora, adapter_problems) if r.error is None else None
+                if problem is not None:
+                    r.fail(problem)
             for name in extra_cols:  # as the job does: text that is not UTF-8 makes the row an error row
                 _fixed, bad = sanitize_utf8(win.table.column(name))
                 for pos, byte in bad.items():
@@ -268,16 +384,42 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
                     rows[pos].token_ids = rows[pos].params = None
             yield win, rows, WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
 
+    adapter_problems: dict[Any, str | None] = {}
     ahead = ReadAhead(prepared())
+    image_keys: dict[str, int] = {}
     for win, rows, work in ahead:
         need_src = len(inp.first) < SHARING_SAMPLE
         src = win.table.column(source_col).to_pylist() if need_src else [None] * len(rows)
-        prs = [
-            PlanRow(r.row_index, r.id, r.token_ids, r.params, r.error, r.lora, src[r.position]) for r in rows
-        ]
+        prs = []
+        for r in rows:
+            ok = r.error is None and r.token_ids is not None
+            items = [i for i in (r.images or ()) if hasattr(i, "hash")] if ok else []
+            prs.append(PlanRow(
+                r.row_index, r.id, r.token_ids, r.params, r.error, r.lora, src[r.position],
+                tuple((i.hash, i.start + (i.offsets[0] if i.offsets else 0), i.num_tokens) for i in items),
+                image_keyed_ids(r.token_ids, items, image_keys) if items else None,  # type: ignore[arg-type]
+            ))  # fmt: skip
         inp.add_window(prs, list(work.feed))
     inp.read_seconds = time.perf_counter() - t0
     return inp
+
+
+def _adapter_problem(lora: Any, seen: dict[Any, str | None]) -> str | None:
+    """Why the engine could not read ``lora``'s adapter (its files checked once per adapter, as loading
+    checks them before the weights); None for the base model, a readable adapter or a remote one."""
+    if lora is None:
+        return None
+    key = (lora.lora_name, str(lora.lora_path))
+    if key not in seen:
+        from batchgen.models.lora_adapter import LoRAAdapterError, check_adapter_files
+
+        seen[key] = None
+        if "://" not in str(lora.lora_path):
+            try:
+                check_adapter_files(lora.lora_name, lora.lora_path)
+            except LoRAAdapterError as e:
+                seen[key] = str(e)
+    return seen[key]
 
 
 def _on_cpu(device: str) -> bool:
@@ -314,9 +456,11 @@ def prompt_rows(
     lora: Any = None,
     num_blocks: int | None = None,
     prefix_caching: bool = True,
+    engine: Any = None,
 ) -> PlanInput:
     """The Python API's prompts (``LLM.generate``'s forms) as one window fed in input order, as
-    ``LLM.generate`` feeds them."""
+    ``LLM.generate`` feeds them; a prompt with images is prepared on ``engine``'s image side as ``generate``
+    prepares it (placeholders expanded; an image that cannot be used makes it an error row)."""
     from batchgen.llm import _per_prompt
     from batchgen.prompt_inputs import parse_prompts
     from batchgen.sampling_params import SamplingParams
@@ -330,18 +474,35 @@ def prompt_rows(
         if len(plist) != len(parsed):
             raise ValueError(f"got {len(plist)} sampling params for {len(parsed)} prompts")
     loras = _per_prompt(lora, len(parsed))
+    tokens = [p.token_ids or list(tokenizer.encode(p.text)) for p in parsed]
+    prepared: dict[int, Any] = {}
+    with_images = [i for i, p in enumerate(parsed) if p.images]
+    if with_images:
+        from batchgen.multimodal import prepare
+
+        side = prepare.image_prompts_for(engine) if engine is not None else "no engine to prepare images on"
+        ready = prepare.prepare_many(side, [(tokens[i], parsed[i].images) for i in with_images])
+        prepared = dict(zip(with_images, ready))
     rows = []
+    image_keys: dict[str, int] = {}
     for i, (p, sp, lr) in enumerate(zip(parsed, plist, loras)):
-        ids = p.token_ids if p.token_ids is not None else list(tokenizer.encode(p.text))
-        err = None
-        if not ids:
+        ids, items, err = tokens[i], [], None
+        if isinstance(prepared.get(i), str):
+            err = prepared[i]
+        elif i in prepared:
+            ids, items = prepared[i].token_ids, list(prepared[i].images)
+        if err is not None:
+            pass
+        elif not ids:
             err = "empty prompt"
         elif len(ids) >= max_model_len:
             err = f"prompt of {len(ids)} tokens does not fit max_model_len={max_model_len}"
-        rows.append(PlanRow(i, i, None if err else ids, sp, err, lr, p.text))
+        spans = tuple((x.hash, x.start + (x.offsets[0] if x.offsets else 0), x.num_tokens) for x in items)
+        keyed = image_keyed_ids(ids, items, image_keys) if items and err is None else None
+        rows.append(PlanRow(i, i, None if err else ids, sp, err, lr, p.text, spans, keyed))
     inp = PlanInput(
         rows_total=len(rows), block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks,
-        prefix_caching=prefix_caching,
+        prefix_caching=prefix_caching, max_num_seqs=getattr(getattr(engine, "config", None), "max_num_seqs", None),
         prompt_column="prompt", group_by_prefix=False, keep_every=max(1, len(rows) // KEEP_ROWS),
         shard={"index": 0, "count": 1, "row_start": 0, "row_end": len(rows), "windows": 1},
     )  # fmt: skip
@@ -377,6 +538,15 @@ def _where_rows_differ(rows: list[PlanRow], tokenizer: Any, inp: PlanInput, lcp:
     head = tokenizer.decode(r0.token_ids[:lcp])
     nxt = tokenizer.decode(r0.token_ids[: min(len(r0.token_ids), lcp + 8)])[len(head) :]
     where = f"token {lcp}"
+    for r in rows:
+        for k, (_h, start, n) in enumerate(r.images):
+            if start <= lcp < start + n:
+                origin = (f"data.image_column {inp.image_column!r}" if inp.image_column
+                          else f"the chat messages of data.messages_column {inp.messages_column!r}"
+                          if inp.messages_column else "the prompt's multi_modal_data")  # fmt: skip
+                return (f"rows differ from {where}: image {k} (from {origin}) starts at token {start}, before "
+                        f"text the rows share; different images share nothing after them: put the image "
+                        f"after the shared text (the shared text first)")  # fmt: skip
     src = r0.source
     if inp.messages_column and isinstance(src, (list, str)):
         msgs = src
@@ -409,6 +579,32 @@ def _where_rows_differ(rows: list[PlanRow], tokenizer: Any, inp: PlanInput, lcp:
     return f"rows differ from {where}: character {at} of column {col!r} ({nxt!r}...)"
 
 
+def _messages(src: Any) -> list[Any]:
+    """A chat row's messages (a list, or its JSON text), or [] when they cannot be read."""
+    if isinstance(src, str):
+        import json
+
+        try:
+            src = json.loads(src)
+        except ValueError:
+            return []
+    return list(src) if isinstance(src, (list, tuple)) else []
+
+
+def _run_location(run: str, row: PlanRow, inp: PlanInput) -> str:
+    """Where a shared run of text sits, in the words of the input: the column, or the chat message holding
+    its start (else the rendered chat prompt: the run starts in the template's text)."""
+    if not inp.messages_column:
+        return f"column {inp.prompt_column or 'prompt'!r}"
+    head = run.strip()[:40]
+    for k, m in enumerate(_messages(row.source)):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str) and head and head in content:
+            return (f"the rendered chat prompt, in message {k} ({m.get('role')}) of data.messages_column "
+                    f"{inp.messages_column!r}")  # fmt: skip
+    return f"the rendered chat prompt of data.messages_column {inp.messages_column!r}, in the template's text"
+
+
 def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list[PlanRow]) -> dict[str, Any]:
     """Where sharing is lost and what would share more (module docstring)."""
     bs = inp.block_size
@@ -417,7 +613,7 @@ def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list
     sample = [r for r in rows if r.token_ids][:SHARING_SAMPLE]
     if len(sample) < 2:
         return out
-    lcp = min(common_prefix_len(sample[0].token_ids, r.token_ids) for r in sample[1:])  # type: ignore[arg-type]
+    lcp = min(common_prefix_len(sample[0].keyed, r.keyed) for r in sample[1:])  # type: ignore[arg-type]
     mean_len = float(np.mean([len(r.token_ids) for r in sample]))  # type: ignore[arg-type]
     out["common_prefix_tokens"] = lcp
     out["common_prefix_blocks"] = lcp // bs
@@ -425,21 +621,29 @@ def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list
     if where:
         out["first_difference"] = where
         notes.append(f"{where}; the {lcp} tokens before it are shared ({lcp // bs} whole blocks of {bs})")
-    # a long run of text most rows hold, after a per-row part: moving it first would share it
-    texts = [r.source for r in sample if isinstance(r.source, str)]
+    # a long run of text most rows hold, after a per-row part: moving it first would share it. Chat rows are
+    # looked at as rendered (the template's text between the messages included)
+    chat = bool(inp.messages_column)
+    if chat and tokenizer is not None:
+        texts = [tokenizer.decode(r.token_ids) for r in sample[:64] if not r.images]  # type: ignore[arg-type]
+    else:
+        texts = [r.source for r in sample if isinstance(r.source, str)]
     if texts and tokenizer is not None:
         found = shared_run_after_start(texts[:64])
         if found is not None:
             run, held, first_char = found
             run_tokens = len(tokenizer.encode(run, add_special_tokens=False))
             if held >= 0.5 and run_tokens >= 2 * bs and first_char > 0:
-                moved = [tokenizer.encode(run + t.replace(run, "", 1)) for t in texts if run in t]
+                moved = [tokenizer.encode(run + t.replace(run, "", 1), add_special_tokens=not chat)
+                         for t in texts if run in t]  # fmt: skip
                 better = simulate_prefix_cache(sorted(moved), bs).hit_rate
+                where = _run_location(run, sample[0], inp)
                 out["shared_run"] = {"text": run[:200], "tokens": run_tokens, "rows_fraction": held,
-                                     "first_char": first_char, "hit_rate_if_first": better}  # fmt: skip
+                                     "first_char": first_char, "where": where,
+                                     "hit_rate_if_first": better}  # fmt: skip
                 notes.append(f"{run_tokens} tokens ({run[:40]!r}...) are held by {held:.0%} of the rows but "
-                             f"start at character {first_char}, after per-row text: put that text after them "
-                             f"(the shared part first) and the hit rate becomes about {better:.0%}")  # fmt: skip
+                             f"start at character {first_char} of {where}, after per-row text: put that text "
+                             f"after them (the shared part first) and the hit rate becomes about {better:.0%}")  # fmt: skip
     # orders that would share more
     if not inp.group_by_prefix and inp.lens:
         rate = inp.grouped_cached / sum(inp.lens)
@@ -448,9 +652,7 @@ def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list
             notes.append(f"data.group_by_prefix=true (order each window by tokens) would share {rate:.0%}")
     if len(inp.window_sizes) > 1 and inp.lens:
         pairs = (
-            inp.all_tokens
-            if inp.all_tokens is not None
-            else [(_root(r), r.token_ids) for r in inp.kept.values()]
+            inp.all_tokens if inp.all_tokens is not None else [(_root(r), r.keyed) for r in inp.kept.values()]
         )
         flat = sorted(pairs, key=lambda x: x[1])  # type: ignore[arg-type,return-value]
         rate = simulate_prefix_cache([t for _, t in flat], bs, [r for r, _ in flat]).hit_rate  # type: ignore[misc]
@@ -618,8 +820,8 @@ def build_plan(
     predicted: dict[str, Any] = {
         "prefix_hit_rate": hit_rate,
         "prompt_tokens": round(sum(lens) * scale),
-        "prompt_tokens_to_compute": round((sum(lens) - sum(saved)) * scale),
-        "prompt_tokens_copied": round(sum(inp.copied) * scale),
+        "prompt_tokens_to_compute": round(sum(lens) * scale - inp.weighted(saved)),
+        "prompt_tokens_copied": round(inp.weighted(inp.copied)),
         "output_tokens": round(out_expected * scale),
     }
     data["predicted"] = predicted
@@ -638,7 +840,7 @@ def build_plan(
     if pool_tokens is None and kv_tok:
         pool_tokens = parse_bytes(engine_cfg.kv_cache_memory) // kv_tok
     mean_seq = (sum(lens) - sum(saved) + out_expected) / max(1, n_fed) if n_fed else 1.0
-    fit = int(pool_tokens // max(mean_seq, 1)) if pool_tokens else None
+    fit = int(pool_tokens // max(mean_seq, 1)) if pool_tokens and n_fed else None  # nothing runs: no advice
     dev_name, dev_mem, n_dev = _device_memory(engine)
     data["memory"] = {"kv_cache_dtype": engine_cfg.kv_cache_dtype, "kv_bytes_per_token": kv_tok, "kv_pool_tokens": pool_tokens, "sequences_that_fit": fit,
                       "weights_bytes": _weights_bytes(model_path, model_dtype), "device": dev_name, "device_memory": dev_mem}  # fmt: skip
@@ -646,10 +848,28 @@ def build_plan(
     if cal is not None:
         _predict_time(data, predicted, cal, lens, saved, expected, ns, inp, engine_cfg, scale,
                       replicas, pool_tokens, pc, dev_name)  # fmt: skip
+    elif not n_fed:  # no row reaches the engine: no work to time
+        predicted.update(wall_time_s=0.0, wall_time_range_s=[0.0, 0.0], device_hours=0.0,
+                         cost=0.0 if pc.cost_per_hour is not None else None)  # fmt: skip
     else:
         predicted["wall_time_s"] = None
         predicted["wall_time_range_s"] = None
     return Plan(data)
+
+
+def outcome_warnings(rows: dict[str, Any], max_error_fraction: float) -> list[str]:
+    """What the plan's error rows mean for the job's exit status (``run.max_error_fraction``)."""
+    total, errors = rows["total"], rows["error"]
+    if not total or not errors:
+        return []
+    if not rows["valid"] and max_error_fraction < 1.0:
+        return ["every row would be an error row: the job would stop before writing anything (exit status 2); "
+                "fix the input or the configuration, or set run.max_error_fraction=1 to write them as error "
+                "rows"]  # fmt: skip
+    if errors / total > max_error_fraction:
+        return [f"{errors / total:.1%} of the rows would be error rows, more than run.max_error_fraction="
+                f"{max_error_fraction:g}: the job would end with exit status 3"]  # fmt: skip
+    return []
 
 
 def _strata(lens: list[int], heads: list[int]) -> list[tuple[int, int]]:
@@ -758,13 +978,14 @@ def _predict_time(
     typical = int(np.median(np.asarray(inp.bounds))) if len(inp.bounds) else 0
     e = relative_spread(cal, typical)
     predicted["wall_time_s"] = wall
-    # the simulated schedule (of the tokenized rows, scaled; the longest replica's steps): the load-free part of
-    # the prediction, which the report sets beside the engine's steps and preemptions
+    # the simulated schedule (of the tokenized rows, scaled): the load-free part of the prediction, which the
+    # report sets beside the engine's steps and preemptions; with replicas, all of them together (the report's
+    # scheduler figures sum the replicas' engines)
     predicted["schedule"] = {
-        "steps": round(max(x.steps for x in sims) * scale),
+        "steps": round(sum(x.steps for x in sims) * scale),
         "preemptions": round(sum(x.preemptions for x in sims) * scale),
-        "peak_running_seqs": max(x.peak_running for x in sims),
-        "peak_kv_blocks": max(x.peak_blocks for x in sims) or None,
+        "peak_running_seqs": sum(x.peak_running for x in sims),
+        "peak_kv_blocks": sum(x.peak_blocks for x in sims) or None,
     }
     predicted["wall_time_range_s"] = [min(wall, wall_min) * (1 - e), wall * (1 + e)]
     # what the engine computes: after prefix sharing, and again for a request preempted (recompute)
@@ -833,6 +1054,7 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
     """``run.dry_run=true``: the plan of the job described by ``plan`` (a :class:`JobPlan`), printed and
     written to ``_plan.json``; returns the JobResult (exit status 0)."""
     from batchgen.data.output_dir import open_output_dir
+    from batchgen.job.plan import RETRY_KEYS, fresh_manifest
     from batchgen.job.plan_report import format_plan, write_plan
     from batchgen.job.result import EXIT_OK, JobResult
     from batchgen.job.run import _load_tokenizer, _start_engine
@@ -856,6 +1078,7 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
                    model=cfg.model.path or "tiny (embedded)", model_path=plan.model_path, replicas=replicas,
                    model_dtype=cfg.model.dtype)  # fmt: skip
     p.data["fingerprint"] = plan.fingerprint  # the report compares only a plan of the same configuration
+    p.data["warnings"] = outcome_warnings(p.data["rows"], cfg.run.max_error_fraction)
     pred, count = p.data["predicted"], cfg.data.shard.count
     # the engine's start-up (model load, pool allocation) as this dry run measured it: the job pays it
     # before its run.wall_time_s starts (the report's startup_s)
@@ -875,6 +1098,11 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
         }
     d = cfg.data
     outdir = open_output_dir(d.output, d.shard.index, d.shard.count, dict(d.storage_options), d.lease_ttl_s)
+    refused = outdir.resume_problem(fresh_manifest(plan), d.overwrite, RETRY_KEYS, d.retry_errors)
+    if refused is not None:  # read only: the job would stop on it before running
+        p.data["warnings"].insert(
+            0, f"the job would refuse this output (exit status 2): {' '.join(refused.split())}"
+        )
     where = write_plan(outdir, p.data)
     msg = f"dry run: plan written to {where} (nothing else was written)"
     if print_summary:
@@ -890,7 +1118,7 @@ def plan_prompts(engine: Any, prompts: Any, params: Any = None, lora_request: An
     cfg = engine.config
     inp = prompt_rows(
         engine.tokenizer, prompts, params, engine.max_model_len, cfg.block_size, lora_request,
-        engine.stats.num_blocks or cfg.num_blocks, cfg.enable_prefix_caching,
+        engine.stats.num_blocks or cfg.num_blocks, cfg.enable_prefix_caching, engine,
     )  # fmt: skip
     return build_plan(inp, cfg, tokenizer=engine.tokenizer, engine=engine, plan_cfg=plan_cfg,
                       model=getattr(engine, "model_path", None))  # fmt: skip

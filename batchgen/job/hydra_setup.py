@@ -44,11 +44,13 @@ def _open_storage_options(node: Any, group: str | None) -> Any:
 
 
 def _open_mm_limits(node: Any, group: str | None) -> Any:
-    """`node` with ``engine.limit_mm_per_prompt`` out of struct mode (its keys are modalities:
-    ``engine.limit_mm_per_prompt={image: 4}``)."""
+    """`node` with ``engine.limit_mm_per_prompt`` and ``engine.mm_processor_kwargs`` out of struct mode (their
+    keys are modalities and the processor's options: ``engine.limit_mm_per_prompt={image: 4}``)."""
     from omegaconf import OmegaConf
 
-    OmegaConf.set_struct((node[group] if group else node).limit_mm_per_prompt, False)
+    engine = node[group] if group else node
+    OmegaConf.set_struct(engine.limit_mm_per_prompt, False)
+    OmegaConf.set_struct(engine.mm_processor_kwargs, False)
     return node
 
 

@@ -13,6 +13,10 @@ gauges (rows done, error rows, windows committed, ETA). Sources:
   decode steps before its last; exact without preemption) and of its finish;
 - job gauges: :meth:`JobMetrics.job` (the job's tally and progress).
 
+A port that cannot be served (in use, not allowed) does not stop the job: one warning line names the port and
+what to do, and the job runs on without the endpoint (the textfile, if set, is still written); likewise a
+textfile that cannot be written is one warning, and the job runs on.
+
 Invariant: counters only grow — each is the engine's running total since :meth:`JobMetrics.step` first saw
 the engine (a later run starts from 0 again, as a restarted vLLM server does).
 """
@@ -106,6 +110,19 @@ class _Collector:
             yield g
 
 
+class _WithoutCreated:
+    """The histograms of ``registry`` without prometheus_client's ``*_created`` timestamps, which the text format
+    shows as extra gauge families (vLLM's endpoint has none)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Any]:
+        for fam in self.registry.collect():
+            fam.samples = [x for x in fam.samples if not x.name.endswith("_created")]
+            yield fam
+
+
 class JobMetrics:
     """The job's metrics registry, served on ``port`` (0 = a free one; None = not served) and/or written to
     ``textfile``. Feed it with :meth:`step` (after each engine step), :meth:`finished` (each finished request)
@@ -117,23 +134,33 @@ class JobMetrics:
         self.stats: EngineStats | None = None
         self.figures = JobFigures()
         self.registry.register(_Collector(self))
+        histograms = CollectorRegistry(auto_describe=True)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
-                              registry=self.registry, buckets=TTFT_BUCKETS)  # fmt: skip
+                              registry=histograms, buckets=TTFT_BUCKETS)  # fmt: skip
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token (inter-token "
-                              "latency).", registry=self.registry, buckets=TPOT_BUCKETS)  # fmt: skip
+                              "latency).", registry=histograms, buckets=TPOT_BUCKETS)  # fmt: skip
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency in the engine.",
-                             registry=self.registry, buckets=E2E_BUCKETS)  # fmt: skip
+                             registry=histograms, buckets=E2E_BUCKETS)  # fmt: skip
+        self.registry.register(_WithoutCreated(histograms))
         self.textfile = textfile
         self._last_write = 0.0
+        self._write_failed = False
         self._step_end: dict[int, float] = {}  # engine step number -> when it ended (steps of live requests)
         self._first_seen: dict[Any, int] = {}  # request id -> step number before which it was first seen
         self._last_step_t = time.monotonic()
         self.server: Any = None
         self.port: int | None = None
         if port is not None:
-            self.server, _thread = start_http_server(port, registry=self.registry)
-            self.port = self.server.server_port
-            logger.info("Prometheus metrics on http://0.0.0.0:%d/metrics", self.port)
+            try:
+                self.server, _thread = start_http_server(port, registry=self.registry)
+            except OSError as e:
+                logger.warning(
+                    "run.metrics_port=%d cannot be served (%s): the job runs without /metrics; pick a free "
+                    "port, or run.metrics_port=0 for any free one (logged)", port, e.strerror or e,
+                )  # fmt: skip
+            else:
+                self.port = self.server.server_port
+                logger.info("Prometheus metrics on http://0.0.0.0:%d/metrics", self.port)
 
     # ---------------------------------------------------------------------------------------- feeding
     def step(self, stats: EngineStats, in_flight: Iterable[Any] = ()) -> None:
@@ -197,7 +224,12 @@ class JobMetrics:
         try:
             write_to_textfile(self.textfile, self.registry)
         except OSError as e:
-            logger.warning("cannot write run.metrics_file=%s: %s", self.textfile, e)
+            if not self._write_failed:  # once: it is retried at each interval, and works once the path does
+                logger.warning("cannot write run.metrics_file=%s (%s): the job runs on without it",
+                               self.textfile, e.strerror or e)  # fmt: skip
+            self._write_failed = True
+        else:
+            self._write_failed = False
 
     def close(self) -> None:
         self.write_textfile()

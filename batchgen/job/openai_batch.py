@@ -155,7 +155,11 @@ class BatchFile:
         """The batch file's result from the job's ``result``: the results file written when the job is
         complete (exit 0, or 3 with too many error rows: failed requests are result lines), its error
         fraction checked against ``run.max_error_fraction``; with `print_summary`, the summary table printed once
-        the results file is written, its error counts those of the result lines; any other result as it is."""
+        the results file is written, its error counts those of the result lines; any other result (a dry run's
+        plan, a failed or stopped job) as it is."""
+        if result.status == "planned":  # a dry run plans the job over the requests: no results file
+            self._plan_in_request_terms(print_summary)
+            return result
         if result.exit_code not in (EXIT_OK, EXIT_TOO_MANY_ERRORS):
             return result
         d = self.requested.data
@@ -188,6 +192,45 @@ class BatchFile:
             output_dir=d.output,
             message=f"{result.message}; {msg}",
         )
+
+    def _plan_in_request_terms(self, print_summary: bool) -> None:
+        """Rewrite the dry run's ``_plan.json`` (in the bookkeeping directory's ``out/``) in the request file's
+        terms: a request that cannot run counts under its own reason (the results file's), not as the empty row
+        the job runs for it, and each reason's first ids are custom_ids (``line N`` for a line without one);
+        then print it (with ``print_summary``)."""
+        from batchgen.job.dry_run import NUM_ERROR_IDS
+        from batchgen.job.plan_report import PLAN_NAME, format_plan
+        from batchgen.job.tally import error_key
+
+        out, opts = self.job.data.output, dict(self.job.data.storage_options)
+        raw = _get(out, PLAN_NAME, opts)
+        if raw is None:
+            return
+        plan = json.loads(raw.decode())
+        t = self.requests.table
+        cids, lines = t.column("custom_id").to_pylist(), t.column("line").to_pylist()
+        req_errors = t.column("request_error").to_pylist()
+
+        def name(i: Any) -> Any:
+            if not isinstance(i, int) or not 0 <= i < len(cids):
+                return i
+            return cids[i] if cids[i] is not None else f"line {lines[i]}"
+
+        # a request that cannot run is a row without prompt and messages: the job's "... is null" errors
+        errors = {k: {**e, "first_ids": [name(i) for i in e["first_ids"]]}
+                  for k, e in (plan.get("errors") or {}).items() if not k.endswith(" is null")}  # fmt: skip
+        for i, reason in enumerate(req_errors):
+            if reason is None:
+                continue
+            e = errors.setdefault(error_key(reason), {"rows": 0, "example": reason, "first_ids": []})
+            e["rows"] += 1
+            if len(e["first_ids"]) < NUM_ERROR_IDS:
+                e["first_ids"].append(name(i))
+        plan["errors"] = dict(sorted(errors.items(), key=lambda kv: -kv[1]["rows"]))
+        _put(out, PLAN_NAME, (json.dumps(plan, indent=1, default=str) + "\n").encode(), opts)
+        if print_summary:
+            print(format_plan(plan))
+            print(f"dry run: plan written to {out}/{PLAN_NAME} (nothing else was written)")
 
 
 def open_batch_file(cfg: Any) -> BatchFile:

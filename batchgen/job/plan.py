@@ -179,6 +179,7 @@ class PlanSettings:
     pooling: dict[str, Any]
     kv: KVRequest
     limit_mm_per_prompt: dict[str, int]
+    mm_processor_kwargs: dict[str, Any]
 
     @classmethod
     def of(cls, cfg: JobConfig) -> PlanSettings:
@@ -213,6 +214,7 @@ class PlanSettings:
             pooling=dataclasses.asdict(cfg.pooling),
             kv=KVRequest(e.device, e.kv_cache_memory, e.num_blocks, e.block_size, cfg.model.dtype),
             limit_mm_per_prompt=dict(e.limit_mm_per_prompt or {}),
+            mm_processor_kwargs=dict(e.mm_processor_kwargs or {}),
         )
 
 
@@ -345,8 +347,16 @@ def _fingerprint_config(
         },
         # pooling reads no sampling settings: changing them does not change the output
         "sampling": None if s.task in POOLING_TASKS else s.sampling.to_dict(),
-        "engine": {"max_model_len": s.max_model_len},
+        "engine": _engine_facts(s),
     }
+
+
+def _engine_facts(s: PlanSettings) -> dict[str, Any]:
+    """The engine settings that change the output: the length bound, and the image processor's options."""
+    facts: dict[str, Any] = {"max_model_len": s.max_model_len}
+    if s.mm_processor_kwargs:
+        facts["mm_processor_kwargs"] = s.mm_processor_kwargs
+    return facts
 
 
 def _part_metadata(s: PlanSettings, inp: InputSet, model_fp: str, sampling_col: str | None) -> dict[str, Any]:
@@ -363,7 +373,7 @@ def _part_metadata(s: PlanSettings, inp: InputSet, model_fp: str, sampling_col: 
         "id_column": c.id_column,
         "input": {"fingerprint": inp.fingerprint, "num_files": len(inp.files), "num_rows": inp.num_rows},
         "shard": {"index": s.shard_index, "count": s.shard_count},
-        "engine": {"max_model_len": s.max_model_len},
+        "engine": _engine_facts(s),
     }
 
 
@@ -413,7 +423,9 @@ def plan_job(cfg: JobConfig) -> JobPlan:
     json_type = arrow_type(s.json_schema) if s.json_schema is not None else None
     model_path = _model_path(s.model_given, s.gguf_file)
     c = s.columns  # an image job on a model whose images cannot run: that reason first
-    images = image_options(c.image_column, model_path, s.limit_mm_per_prompt, s.storage_options, inp.root)
+    images = image_options(
+        c.image_column, model_path, s.limit_mm_per_prompt, s.storage_options, s.mm_processor_kwargs, inp.root
+    )
     model_cfg = _model_facts(s, model_path)
     model_fp, template_fp, files = model_identity(model_path)
     loras = lora_requests(s.lora_modules)

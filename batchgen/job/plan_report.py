@@ -49,19 +49,41 @@ def read_plan(outdir: Any) -> dict[str, Any] | None:
         return None
 
 
-def planned_work(outdir: Any) -> PlannedWork | None:
-    """The work ``_plan.json`` predicts for the shard, for the live ETA (None without a plan)."""
+def planned_work(outdir: Any, fingerprint: str | None = None) -> PlannedWork | None:
+    """The work ``_plan.json`` predicts for the shard, for the live ETA (None without a plan, or with the plan
+    of another configuration: its ``fingerprint`` is not ``fingerprint``)."""
     plan = read_plan(outdir)
-    return PlannedWork.from_plan(plan) if plan else None
+    if not plan or (fingerprint is not None and plan.get("fingerprint") != fingerprint):
+        return None
+    return PlannedWork.from_plan(plan)
 
 
 def prediction_section(plan: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     """The plan's predictions beside what the run did (``report["prediction"]``): wall time (the run's work,
     engine start-up excluded, as in ``run.wall_time_s``), prompt and generated tokens, prefix hit rate, the
     engine's steps and preemptions (the simulated schedule: no machine load moves them); and the machine's 1-minute load average when the plan was calibrated and when the run ended (a shared machine's
-    other load changes the job's speed: the usual reason a run leaves its range)."""
-    p = plan.get("predicted") or {}
+    other load changes the job's speed: the usual reason a run leaves its range).
+
+    A run that did only part of the planned rows (a resumed run, after an earlier one did the rest) is compared
+    with that part of the plan: the plan's wall time, range, tokens, steps and preemptions scaled by the rows
+    this run did over the plan's rows (``fraction_of_plan``; absent when the run did them all)."""
+    p = dict(plan.get("predicted") or {})
     run, tok = report.get("run") or {}, report.get("tokens") or {}
+    planned_rows = (plan.get("rows") or {}).get("total") or 0
+    run_rows = run.get("rows")
+    frac = None
+    if planned_rows and run_rows is not None and 0 <= run_rows < planned_rows:
+        frac = run_rows / planned_rows
+        if p.get("wall_time_s") is not None:
+            p["wall_time_s"] = p["wall_time_s"] * frac
+        for key in ("prompt_tokens", "prompt_tokens_to_compute", "output_tokens"):
+            if p.get(key) is not None:
+                p[key] = round(p[key] * frac)
+        if p.get("wall_time_range_s"):
+            p["wall_time_range_s"] = [x * frac for x in p["wall_time_range_s"]]
+        if p.get("schedule"):
+            p["schedule"] = {k: (round(v * frac) if k in ("steps", "preemptions") and v is not None else v)
+                             for k, v in p["schedule"].items()}  # fmt: skip
     rng = p.get("wall_time_range_s")
     actual_wall = run.get("wall_time_s")
     out: dict[str, Any] = {
@@ -76,6 +98,8 @@ def prediction_section(plan: dict[str, Any], report: dict[str, Any]) -> dict[str
         "generated_tokens": {"predicted": p.get("output_tokens"), "actual": tok.get("generated")},
         "startup_s": {"predicted": p.get("startup_s"), "actual": report.get("startup_s")},
     }
+    if frac is not None:
+        out["fraction_of_plan"] = frac
     sched, sim = report.get("scheduler") or {}, p.get("schedule") or {}
     if sim:
         out["engine_steps"] = {"predicted": sim.get("steps"), "actual": sched.get("steps")}
@@ -113,6 +137,9 @@ def prediction_lines(pred: dict[str, Any]) -> list[tuple[str, str]]:
     """Rows of the report table for its ``prediction`` section."""
     w, h = pred["wall_time_s"], pred["prefix_hit_rate"]
     lines = []
+    if pred.get("fraction_of_plan") is not None:
+        lines.append(("planned for this run", f"{pred['fraction_of_plan']:.0%} of the plan's rows (the rest "
+                      "done before): its figures below are scaled to them"))  # fmt: skip
     if w.get("predicted") is not None:
         rng = w.get("range") or [None, None]
         inside = "" if "inside_range" not in w else (" (inside)" if w["inside_range"] else " (outside)")
@@ -153,6 +180,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     for reason, e in (plan.get("errors") or {}).items():
         ids = ", ".join(str(i) for i in e["first_ids"])
         lines.append(("  error rows", f"{e['rows']} x {reason} (ids {ids})"))
+    for warning in plan.get("warnings") or []:
+        lines.append(("  warning", warning))
     lines += [
         ("prompt tokens", f"{_num(tok['total'])} (p50 {_num(tok['p50'])}, p90 {_num(tok['p90'])}, "
                           f"p99 {_num(tok['p99'])}, max {_num(tok['max'])})"),

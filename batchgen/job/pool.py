@@ -39,8 +39,9 @@ def pooling_model_facts(task: str, path: str) -> Any:
             f"task=classify needs a *ForSequenceClassification checkpoint; {path!r} is "
             f"{info.architecture or info.model_type} (use task=embed or task=generate)"
         )
-    raw = json.loads((info.path / "config.json").read_text())
-    max_len = info.max_seq_length or raw.get("max_position_embeddings") or 512
+    max_len = info.max_seq_length
+    if max_len is None:
+        max_len = json.loads((info.path / "config.json").read_text()).get("max_position_embeddings") or 512
     return SimpleNamespace(architecture=info.architecture or info.model_type, max_model_len=int(max_len))
 
 

@@ -434,7 +434,7 @@ class _Job:
 
     def start_progress(self, initial: int) -> None:
         """The run's work starts: its progress from ``initial`` finished rows (its ETA from the dry run's
-        ``_plan.json`` when the output holds one), and the metrics endpoint / textfile when
+        ``_plan.json`` when the output holds one of this configuration), and the metrics endpoint / textfile when
         ``run.metrics_port`` / ``run.metrics_file`` is set."""
         from batchgen.job.plan_report import planned_work
 
@@ -446,7 +446,7 @@ class _Job:
             initial=initial,
             mode=cfg.run.progress,
             interval_s=cfg.run.progress_interval_s,
-            planned=planned_work(self.outdir),
+            planned=planned_work(self.outdir, self.plan.fingerprint),
         )
 
     def end_progress(self) -> None:

@@ -339,7 +339,7 @@ def load_native_model(
                 f"quantized checkpoint {ckpt} runs on the CPU here: set engine.device=cpu"
             )
         if isinstance(scheme, IntScheme):  # compressed-tensors' packed tensors stream in like float ones
-            replace_linears(model, scheme)
+            replace_linears(model, config, scheme, TensorReader(files).where)
             rename = _without_shapes(rename)
         else:  # GPTQ, AWQ, fp8: read and repacked per projection first
             read, modules = load_quantized_linears(model, config, files, scheme)

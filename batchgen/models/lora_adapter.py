@@ -181,6 +181,17 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     return adapter
 
 
+def check_adapter_files(name: str, path: str | Path) -> None:
+    """What :func:`load_adapter` checks before reading weights, without reading them: a directory with a
+    readable, supported ``adapter_config.json`` and an ``adapter_model.safetensors``. Raises
+    :class:`LoRAAdapterError` with the message loading would give."""
+    where = f"LoRA adapter {name!r} ({path})"
+    d = Path(path)
+    _check_config(_read_config(d, where), where)
+    if not (d / "adapter_model.safetensors").exists():
+        _read_tensors(d, where)  # raises: the message for a missing or pickle-only adapter
+
+
 def _read_config(d: Path, where: str) -> dict:
     f = d / "adapter_config.json"
     if not d.is_dir():

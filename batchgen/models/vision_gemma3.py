@@ -30,8 +30,9 @@ _PREFIXES = tuple(("model." + p, p) for p in _OURS) + tuple((p, p) for p in _OUR
 
 
 class Gemma3Encoder(nn.Module):
-    """Pixels (``pixel_values [3, H, W]`` per image, the processor's fixed size) -> ``[mm_tokens_per_image,
-    hidden]`` features per image, in one batch."""
+    """Pixels (``pixel_values [3, H, W]`` per image, the processor's fixed size, or ``[1 + crops, 3, H, W]``
+    with pan and scan: the whole image, then its crops) -> ``[views * mm_tokens_per_image, hidden]`` features
+    per image, its views in order, all views of the call in one batch."""
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
@@ -44,9 +45,11 @@ class Gemma3Encoder(nn.Module):
     @torch.inference_mode()
     def encode(self, pixels: list[dict[str, Tensor]]) -> list[Tensor]:
         param = next(self.parameters())
-        batch = torch.stack([p["pixel_values"] for p in pixels]).to(device=param.device, dtype=param.dtype)
+        views = [p["pixel_values"].reshape(-1, *p["pixel_values"].shape[-3:]) for p in pixels]
+        batch = torch.cat(views).to(device=param.device, dtype=param.dtype)
         hidden = self.vision_tower(pixel_values=batch, return_dict=True).last_hidden_state
-        return list(self.multi_modal_projector(hidden))
+        features = self.multi_modal_projector(hidden)
+        return [f.flatten(0, 1) for f in features.split([len(v) for v in views])]
 
 
 def load(ckpt: Path, config: ModelConfig, dtype, device) -> nn.Module:

@@ -13,11 +13,15 @@ Qwen2-VL's does, is replaced by its image processor and the tokenizer). For each
 
 Every failure is an :class:`~batchgen.multimodal.images.ImageError` naming the image's index and the reason:
 a bad image (one the processor refuses included: its size, its shape), more images than ``limit_mm_per_prompt``
-allows, or a placeholder count that differs from the number of images.
+allows, or a placeholder count that differs from the number of images. ``processor_kwargs``
+(``engine.mm_processor_kwargs``) go to every processor call, as keyword arguments of transformers' processor
+call; a key the image processor does not declare is a ValueError when :class:`ImagePrompts` is built.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -63,6 +67,29 @@ class ImagePrompt:
     images: list[ImageItem]
 
 
+_CALL_OWNED = frozenset({"return_tensors", "device", "data_format", "input_data_format"})
+"""Processor options batchgen sets itself (the tensors' type and layout), never taken from the user."""
+
+
+def processor_kwargs_error(processor: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why ``kwargs`` cannot go to ``processor``'s image calls (an option its image processor does not declare,
+    or one batchgen sets itself), or None. A processor that declares no options is not checked here: its first
+    call refuses an unknown one."""
+    image_processor = getattr(processor, "image_processor", processor)
+    declared = set(getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", None) or ())
+    owned = sorted(set(kwargs) & _CALL_OWNED)
+    if owned:
+        return f"engine.mm_processor_kwargs: batchgen sets {', '.join(map(repr, owned))} itself; remove it"
+    unknown = sorted(set(kwargs) - declared) if declared else []
+    if unknown:
+        takes = ", ".join(sorted(declared - _CALL_OWNED))
+        return (
+            f"engine.mm_processor_kwargs: {type(image_processor).__name__} takes no option "
+            f"{', '.join(map(repr, unknown))} (it takes: {takes})"
+        )
+    return None
+
+
 def as_image_list(value: Any) -> list[Any]:
     """``multi_modal_data["image"]``: one image or a list/tuple of them (a datasets Image dict is one)."""
     if value is None:
@@ -84,6 +111,7 @@ class ImagePrompts:
         max_images: int | None = None,
         loader: ImageLoader | None = None,
         cache_items: int = 512,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> None:
         from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -102,6 +130,13 @@ class ImagePrompts:
         self.converts_rgb = bool(getattr(image_processor, "do_convert_rgb", None))
         """The image processor converts images to RGB itself: it is given each image as opened (transformers'
         conversion, and a processor's own loading, Idefics2's, apply as they do); else the loader's RGB image."""
+        self.processor_kwargs = dict(processor_kwargs or {})
+        problem = processor_kwargs_error(self.processor, self.processor_kwargs)
+        if problem is not None:
+            raise ValueError(problem)
+        self._options_key = json.dumps(self.processor_kwargs, sort_keys=True, default=str).encode()
+        """Mixed into each item's key when options are set: the encoder and prefix caches never mix an image's
+        features under two sets of options."""
         # dynamic resolution (Qwen2-VL): an image's tokens are its grid of patches merged merge_size x merge_size
         dynamic = "image_grid_thw" in getattr(image_processor, "model_input_names", ())
         self.merge_size: int | None = int(image_processor.merge_size) if dynamic else None
@@ -135,7 +170,7 @@ class ImagePrompts:
         """The processor puts the image's tokens before the whole prompt, which names no place for it (BLIP-2's:
         one image, ``num_query_tokens`` tokens): a prompt without a placeholder gets one in front."""
         self.fixed_size = type(self.processor).__name__ == "LlavaProcessor" and bool(
-            getattr(image_processor, "do_center_crop", False)
+            self.processor_kwargs.get("do_center_crop", getattr(image_processor, "do_center_crop", False))
         )
         """Every image becomes pixels of one shape and one run of placeholder tokens, each image processed on
         its own inside a processor call (LLaVA 1.5's processor: resize, center crop): :meth:`build_many` then
@@ -197,16 +232,22 @@ class ImagePrompts:
 
     def _run_processor(self, image: LoadedImage) -> _Processed:
         if self.merge_size is not None:  # an image processor alone (dynamic resolution): merged patches
-            enc = self.image_processor(images=[self._pil(image)], return_tensors="pt")
+            enc = self.image_processor(
+                images=[self._pil(image)], return_tensors="pt", **self.processor_kwargs
+            )
             grid = enc["image_grid_thw"][0]
             n = int(grid.prod()) // self.merge_size**2
             pixels = {"pixel_values": enc["pixel_values"], "image_grid_thw": grid}
             return _Processed(pixels, (self.feature_token_id,) * n, None)
         if self.prefix_tokens is not None:  # the image processor's pixels; the tokens the processor prepends
-            enc = self.image_processor(images=[self._pil(image)], return_tensors="pt")
+            enc = self.image_processor(
+                images=[self._pil(image)], return_tensors="pt", **self.processor_kwargs
+            )
             pixels = {k: v[0] for k, v in enc.items()}
             return _Processed(pixels, (self.feature_token_id,) * self.prefix_tokens, None)
-        enc = self.processor(text=[self.image_token], images=[self._pil(image)], return_tensors="pt")
+        enc = self.processor(
+            text=[self.image_token], images=[self._pil(image)], return_tensors="pt", **self.processor_kwargs
+        )
         return self._processed(enc, 0)
 
     def _pil(self, image: LoadedImage) -> Any:
@@ -256,6 +297,7 @@ class ImagePrompts:
                 text=[self.image_token] * len(decoded),
                 images=[self._pil(d) for d in decoded],
                 return_tensors="pt",
+                **self.processor_kwargs,
             )
         except Exception:  # noqa: BLE001 - an image the processor refuses: each one alone names its error
             return
@@ -328,17 +370,30 @@ class ImagePrompts:
         return processed
 
     def _placed(self, ids: list[int], loaded: list[EncodedImage | LoadedImage]) -> ImagePrompt:
-        """``ids`` whose images are expanded already, each one run of feature tokens (a processor whose
-        placeholder is not its feature token: Gemma 3); ImageError when the runs do not match the images."""
+        """``ids`` whose images are expanded already: each image's feature tokens are the next runs of them
+        whose lengths add up to its token count (one run, or one per crop or tile when the processor writes
+        text between them: Gemma 3's pan and scan); ImageError when the runs do not match the images."""
         runs = _placeholder_runs(ids, self.feature_token_id)
         done = self._all_pixels(loaded)
         counts = [len(d.expansion) if d.offsets is None else len(d.offsets) for d in done]
-        if [n for _, n in runs] != counts:
+        items, k = [], 0
+        for image, d, count in zip(loaded, done, counts):
+            first, taken = k, 0
+            while k < len(runs) and taken < count:
+                taken += runs[k][1]
+                k += 1
+            if taken != count:
+                break
+            start = runs[first][0]
+            offsets = None
+            if k - first > 1:
+                offsets = tuple(p - start for at, n in runs[first:k] for p in range(at, at + n))
+            items.append(ImageItem(_item_key(self, image.hash), d.pixels, start, count, offsets))
+        if len(items) != len(loaded) or k != len(runs):
             raise ImageError(
                 f"the prompt's image tokens (runs of {[n for _, n in runs]}) do not match its {len(loaded)} "
                 f"image(s) ({counts} tokens): put one {self.image_token!r} in the prompt where each image goes"
             )
-        items = [ImageItem(im.hash, d.pixels, start, n) for im, d, (start, n) in zip(loaded, done, runs)]
         return ImagePrompt(ids, items)
 
     def _build(self, token_ids: Sequence[int], loaded: list[EncodedImage | LoadedImage]) -> ImagePrompt:
@@ -361,7 +416,7 @@ class ImagePrompts:
                 expansion = self.joins.expansion(out, done.expansion)
                 skip = len(done.expansion) - len(expansion)
                 offsets = None if done.offsets is None else tuple(o - skip for o in done.offsets)
-                items.append(ImageItem(image.hash, done.pixels, len(out), n, offsets))
+                items.append(ImageItem(_item_key(self, image.hash), done.pixels, len(out), n, offsets))
                 out.extend(expansion)
                 length -= used
         if len(items) != len(loaded) or (items and items[-1] is None):
@@ -384,6 +439,14 @@ def processor_error(image: LoadedImage, e: Exception) -> ImageError:
     w, h = image.size
     reason = " ".join(f"{type(e).__name__}: {e}".split())
     return ImageError(f"the image processor cannot take this {w}x{h} image ({reason[:300]})")
+
+
+def _item_key(side: ImagePrompts, content_hash: str) -> str:
+    """An image's key for the engine (encoder cache, prefix-cache blocks): its content hash, with the side's
+    processor options mixed in when it has any."""
+    if side._options_key == b"{}":
+        return content_hash
+    return hashlib.sha256(content_hash.encode() + b"\0" + side._options_key).hexdigest()
 
 
 def _placeholder_runs(token_ids: Sequence[int], token: int) -> list[tuple[int, int]]:

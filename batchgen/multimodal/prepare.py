@@ -7,6 +7,7 @@ window read-ahead thread) alike; a prompt whose images cannot be used gets its e
 
 from __future__ import annotations
 
+import json
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -20,9 +21,16 @@ from batchgen.multimodal.inputs import ImagePrompt, ImagePrompts
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
-def image_prompts_for(engine: Any, storage_options: dict[str, Any] | None = None) -> ImagePrompts | str:
-    """The engine's image side (cached on the engine), or why its model takes no images."""
-    cached = getattr(engine, "_image_prompts", None)
+def image_prompts_for(
+    engine: Any, storage_options: dict[str, Any] | None = None, processor_kwargs: dict[str, Any] | None = None
+) -> ImagePrompts | str:
+    """The engine's image side for the engine's ``mm_processor_kwargs`` updated with ``processor_kwargs`` (one
+    per set of options, cached on the engine), or why its model takes no images. ValueError when the
+    processor does not take one of the options."""
+    options = {**engine.config.mm_processor_kwargs, **(processor_kwargs or {})}
+    key = json.dumps(options, sort_keys=True, default=str)
+    sides = engine.__dict__.setdefault("_image_prompts", {})
+    cached = sides.get(key)
     if cached is not None:
         return cached
     model = engine.model
@@ -34,10 +42,15 @@ def image_prompts_for(engine: Any, storage_options: dict[str, Any] | None = None
     from batchgen.multimodal.images import ImageLoader
 
     limit = (engine.config.limit_mm_per_prompt or {}).get("image")
-    side = ImagePrompts(engine.model_path, model.image_token_id, max_images=limit)
+    side = ImagePrompts(
+        engine.model_path,
+        model.image_token_id,
+        max_images=limit,
+        processor_kwargs=options,
+    )
     if storage_options:
         side.loader = ImageLoader(storage_options)
-    engine._image_prompts = side
+    sides[key] = side
     return side
 
 

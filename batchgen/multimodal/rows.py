@@ -54,11 +54,18 @@ def image_side(
     checkpoint: str,
     max_images: int | None,
     storage_options: dict[str, Any] | None,
+    processor_kwargs: dict[str, Any] | None = None,
     base: str | None = None,
 ) -> ImagePrompts:
     """The checkpoint's :class:`ImagePrompts` (one per process and settings; ``base``: where relative image
     paths are looked up first)."""
-    key = (checkpoint, max_images, json.dumps(storage_options or {}, sort_keys=True, default=str), base)
+    key = (
+        checkpoint,
+        max_images,
+        json.dumps(storage_options or {}, sort_keys=True, default=str),
+        json.dumps(processor_kwargs or {}, sort_keys=True, default=str),
+        base,
+    )
     with _LOCK:
         side = _SIDES.get(key)
         if side is None:
@@ -67,7 +74,7 @@ def image_side(
             token = image_token_id(checkpoint)
             if token is None:
                 raise ValueError(f"{checkpoint} is not an image-text checkpoint batchgen runs")
-            side = ImagePrompts(checkpoint, token, max_images=max_images)
+            side = ImagePrompts(checkpoint, token, max_images=max_images, processor_kwargs=processor_kwargs)
             side.loader = ImageLoader(storage_options, base=base)
             _SIDES[key] = side
         return side
@@ -98,7 +105,13 @@ def render_image_chat(row: Any, messages: Any, tokenizer: Any, spec: Any) -> str
         messages = json.loads(messages)
     try:
         msgs, images = split_images(messages)
-        side = image_side(spec.image_checkpoint, spec.max_images, spec.storage_options, spec.image_base)
+        side = image_side(
+            spec.image_checkpoint,
+            spec.max_images,
+            spec.storage_options,
+            spec.processor_kwargs,
+            spec.image_base,
+        )
         text = render(side.processor, tokenizer, msgs)
     except ValueError as e:
         row.fail(str(e))
@@ -115,7 +128,9 @@ def prepare_images(rows: list[Any], spec: Any) -> None:
     (the images of the rows prepared in worker threads)."""
     from batchgen.multimodal.prepare import prepare
 
-    side = image_side(spec.image_checkpoint, spec.max_images, spec.storage_options, spec.image_base)
+    side = image_side(
+        spec.image_checkpoint, spec.max_images, spec.storage_options, spec.processor_kwargs, spec.image_base
+    )
     column = f"image column {spec.image_column!r}" if spec.image_column else None
     for r in rows:  # placeholders without images: a data error, not text to run
         if r.error is None and not r.images and side.image_token_id in (r.token_ids or ()):
@@ -149,11 +164,13 @@ def image_options(
     model_path: str,
     limit_mm_per_prompt: dict[str, int] | None,
     storage_options: dict[str, Any] | None,
+    processor_kwargs: dict[str, Any] | None = None,
     base: str | None = None,
 ) -> dict[str, Any]:
     """The :class:`~batchgen.data.prompts.PromptSpec` image fields of a job (``data.image_column``, the
-    checkpoint, ``limit_mm_per_prompt``, ``data.storage_options``, the input's root for relative paths);
-    ConfigError when ``data.image_column`` is set for a model that takes no images."""
+    checkpoint, ``limit_mm_per_prompt``, ``data.storage_options``, ``engine.mm_processor_kwargs``, the input's
+    root for relative image paths); ConfigError when ``data.image_column`` is set for a model that takes no
+    images, or when the checkpoint's processor does not take one of ``processor_kwargs``."""
     from batchgen.errors import ConfigError
 
     token = image_token_id(model_path)
@@ -172,10 +189,18 @@ def image_options(
                 "choose such a model"
             )
         return {}
+    if processor_kwargs:  # refused at the job's start, not at its first image
+        try:
+            image_side(
+                model_path, (limit_mm_per_prompt or {}).get("image"), storage_options, processor_kwargs
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return {
         "image_column": image_column,
         "image_checkpoint": model_path,
         "max_images": (limit_mm_per_prompt or {}).get("image"),
         "storage_options": dict(storage_options or {}),
+        "processor_kwargs": dict(processor_kwargs or {}),
         "image_base": base or None,
     }

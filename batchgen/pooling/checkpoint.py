@@ -89,8 +89,17 @@ class CheckpointPooling:
 
 
 def read_checkpoint(path: str | Path) -> CheckpointPooling:
-    """Parse ``config.json`` and the sentence-transformers files of a checkpoint directory."""
+    """Parse ``config.json`` and the sentence-transformers files of a checkpoint directory; a GGUF file (a
+    causal LM: ``task=embed`` pools its last hidden states) from its own metadata."""
+    from batchgen.models.quant.gguf_checkpoint import gguf_path, read_config
+
     ckpt = Path(path)
+    if gguf_path(ckpt) is not None:
+        config = read_config(ckpt)
+        return CheckpointPooling(
+            ckpt, config.architecture, config.model_type, "generate", is_encoder=False,
+            max_seq_length=config.max_position_embeddings,
+        )  # fmt: skip
     cfg_file = ckpt / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{ckpt} has no config.json: pass a Hugging Face checkpoint directory")

@@ -74,7 +74,17 @@ def load_pooling_decoder(
 ) -> PoolingDecoder:
     """Load the backbone (and the ``score`` head of a classifier) of a decoder checkpoint: rank ``tp_rank``'s
     shard of the native backbone, or transformers' (``implementation``: auto, native or transformers; the
-    transformers backbone runs on one device)."""
+    transformers backbone runs on one device). A GGUF file loads as it does for generation (native, one
+    device)."""
+    from batchgen.models.quant.gguf_checkpoint import gguf_path, load_gguf_model
+
+    if gguf_path(info.path) is not None:
+        if tp_size > 1 or implementation == "transformers":
+            raise ValueError(
+                f"{info.path}: a GGUF file is pooled by batchgen's native code on one device; set "
+                "model.implementation=auto and engine.tensor_parallel_size=1"
+            )
+        return PoolingDecoder(load_gguf_model(info.path, dtype, device), None).eval()
     config = None
     if implementation != "transformers":
         try:
@@ -107,6 +117,11 @@ def check_pooling_decoder(info: CheckpointPooling, implementation: str, tp_size:
     )
     if implementation == "transformers":
         raise ValueError(refused)
+    from batchgen.models.quant.gguf_checkpoint import gguf_path
+
+    if gguf_path(info.path) is not None:
+        raise ValueError(f"engine.tensor_parallel_size={tp_size}: a GGUF file runs on one device; set "
+                         "engine.tensor_parallel_size=1")  # fmt: skip
     try:
         config = native_config(info)
     except NativeUnsupportedError as e:

@@ -130,6 +130,7 @@ class Generator:
             limits = (engine or {}).get("limit_mm_per_prompt") or {}
             self.spec.image_column, self.spec.image_checkpoint = image_column, model
             self.spec.max_images, self.spec.storage_options = limits.get("image"), dict(storage_options or {})
+            self.spec.processor_kwargs = dict((engine or {}).get("mm_processor_kwargs") or {})
         elif image_column is not None:
             raise ValueError(
                 f"image_column={image_column!r} but the model ({model}) is not an image-text checkpoint batchgen "

@@ -203,6 +203,31 @@ static void fill_int(const void *ctx, int n, int k0, int len, float *out) {
 }
 
 /* ---------------------------------------------------------------------------------------------------------
+ * fp8 weights (float8_e4m3fn: sign, 4 exponent bits of bias 7, 3 mantissa bits; subnormals at exponent 0;
+ * S.1111.111 is NaN, no infinities), one byte per weight, row n its K bytes, with float32 scales [N, K / group]:
+ * w[n, j] = value(q) * scale[n, j / group], the value exact in float32 and one rounding in the product (what
+ * torch's fp8 -> float32 cast times the scale computes; a NaN byte, which no checkpoint holds, reads as 480).
+ * Same gemm, chunks within a group. */
+static inline float fp8_value(uint8_t q) {
+    const int e = (q >> 3) & 15, m = q & 7;
+    float v;
+    if (e == 0) {
+        v = (float)m * 0x1p-9f; /* subnormal: m / 8 * 2^-6 */
+    } else {
+        const uint32_t bits = (uint32_t)(e + 120) << 23 | (uint32_t)m << 20;
+        memcpy(&v, &bits, sizeof v);
+    }
+    return q & 0x80 ? -v : v;
+}
+
+static void fill_fp8(const void *ctx, int n, int k0, int len, float *out) {
+    const IntSource *s = (const IntSource *)ctx;
+    const uint8_t *row = s->w + (int64_t)n * s->row_bytes;
+    const float scale = s->scales[(int64_t)n * s->groups + k0 / s->group];
+    for (int i = 0; i < len; i++) out[i] = fp8_value(row[k0 + i]) * scale;
+}
+
+/* ---------------------------------------------------------------------------------------------------------
  * The SIMD path (AVX2 + FMA + F16C; BATCHGEN_GENERIC undefined): the same products in the same order as gemm()
  * above (per output: eight lane sums, lane l over k = l mod 8 in order, reduced the same way), so both builds
  * give the same bits. Every format is read 32 values (a span) at a time: a span has one scale (two for Q6_K,
@@ -221,7 +246,7 @@ static void fill_int(const void *ctx, int n, int k0, int len, float *out) {
 #include <immintrin.h>
 #define QUANT_SIMD 1
 
-enum { INT4 = 1004, INT8 = 1008 }; /* compressed-tensors' packed integers (not ggml ids) */
+enum { INT4 = 1004, INT8 = 1008, FP8 = 1108 }; /* compressed-tensors' packed integers, fp8 bytes (not ggml ids) */
 
 #define GC 4 /* outputs per group */
 #ifdef __AVX512VL__ /* 32 vector registers: FR x GC accumulators + GC weights + one input vector fit */
@@ -405,6 +430,13 @@ static inline __attribute__((always_inline)) __m256 deq8(const Src *s, const uin
         const __m256i q = _mm256_cvtepi8_epi32(c & 1 ? _mm_unpackhi_epi64(half, half) : half);
         return _mm256_mul_ps(_mm256_set1_ps(c < 2 ? o->a : o->b), _mm256_cvtepi32_ps(q));
     }
+    if (kind == FP8) { /* the e4m3 byte as the fp16 (b & 0x7f) << 7 with its sign at bit 15: 2^-8 times its value,
+                        * normals and subnormals alike, widened exactly by vcvtph2ps; the scale carries the 2^8 */
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(row + (int64_t)sp * 32 + c * 8)));
+        const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(0x3f80)),
+                                       _mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16((short)0x8000)));
+        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(o->a * 256.0f));
+    }
     __m256i q;
     if (kind == INT4) {
         uint32_t word;
@@ -427,7 +459,7 @@ static inline float reduce8(__m256 v) {
 
 /* Bytes of packed weights per span of 32 values (K-quants: on average). */
 #define SPAN_BYTES(kind)                                                                                      \
-    ((kind) == Q8_0 ? 34 : (kind) == Q6_K ? 26 : (kind) == INT4 ? 16 : (kind) == INT8 ? 32 : 18)
+    ((kind) == Q8_0 ? 34 : (kind) == Q6_K ? 26 : (kind) == INT4 ? 16 : (kind) == INT8 || (kind) == FP8 ? 32 : 18)
 
 /* Rows m0 .. m0 + R - 1 times the GC outputs of `rows` over all of K (spans sp < spans), the weights widened in
  * registers; writes the nc valid outputs from column n0. */
@@ -630,6 +662,7 @@ static void simd_gemm(const float *x, int64_t lda, const Src *s, int kind, const
     case Q4_K: simd_gemm_kind(x, lda, s, bias, y, ldy, M, K, N, num_threads, Q4_K); break;
     case Q6_K: simd_gemm_kind(x, lda, s, bias, y, ldy, M, K, N, num_threads, Q6_K); break;
     case INT4: simd_gemm_kind(x, lda, s, bias, y, ldy, M, K, N, num_threads, INT4); break;
+    case FP8: simd_gemm_kind(x, lda, s, bias, y, ldy, M, K, N, num_threads, FP8); break;
     default: simd_gemm_kind(x, lda, s, bias, y, ldy, M, K, N, num_threads, INT8); break;
     }
 }
@@ -655,6 +688,29 @@ int batchgen_int_linear(const float *x, int64_t lda, const uint8_t *w, int bits,
         }
     const IntSource src = {w, scales, (int64_t)K * bits / 8, K / group, bits, group, round_bf16};
     gemm(x, lda, &src, fill_int, chunk, bias, y, ldy, M, K, N, num_threads);
+    return 0;
+}
+
+/* y = x w^T + bias for fp8 (e4m3) weights [N, K] bytes with scales [N, K / group]. Returns 0, or -1 on a bad
+ * argument (group not a multiple of 8 dividing K). */
+int batchgen_fp8_linear(const float *x, int64_t lda, const uint8_t *w, const float *scales, int group,
+                        const float *bias, float *y, int64_t ldy, int M, int K, int N, int num_threads) {
+    if (group <= 0 || group % 8 != 0 || K % group != 0 || M < 0 || N <= 0 || lda < K) return -1;
+#ifdef QUANT_SIMD
+    if (group % 32 == 0) {
+        const Src simd_src = {w, K, scales, K / group, group, 0};
+        simd_gemm(x, lda, &simd_src, FP8, bias, y, ldy, M, K, N, num_threads);
+        return 0;
+    }
+#endif
+    int chunk = 8;
+    for (int c = 256; c >= 8; c -= 8)
+        if (group % c == 0) {
+            chunk = c;
+            break;
+        }
+    const IntSource src = {w, scales, K, K / group, 8, group, 0};
+    gemm(x, lda, &src, fill_fp8, chunk, bias, y, ldy, M, K, N, num_threads);
     return 0;
 }
 

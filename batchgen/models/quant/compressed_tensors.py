@@ -1,7 +1,8 @@
 """compressed-tensors checkpoints (what vLLM's llm-compressor writes), loaded from their ``quantization_config``
 without dequantizing the model: the ``pack-quantized`` format with integer weights (W4A16 / W8A16: 4- or 8-bit,
 ``group`` or ``channel`` strategy, activations unquantized). Symmetric weights stream in as they are stored;
-asymmetric ones (``weight_zero_point``) are repacked at load (:class:`ZeroPointScheme`).
+asymmetric ones (``weight_zero_point``) and mixes of config groups are repacked at load
+(:class:`RepackedIntScheme`).
 
 Each target projection becomes an :class:`IntQuantLinear` holding the checkpoint's own tensors —
 ``weight_packed`` (int32 words, compressed-tensors' bit layout) and ``weight_scale`` (widened to float32) — so the
@@ -15,7 +16,8 @@ Invariant: :func:`quantization_scheme` is the one reading of a ``quantization_co
 each format batchgen runs (this module's :class:`IntScheme`; GPTQ / AWQ: :mod:`.gptq_awq`; fp8 weights, which
 compressed-tensors calls ``float-quantized``: :mod:`.fp8`) and refuses anything else by name at load and at
 planning — another ``quant_method`` (bitsandbytes...), another compressed-tensors format or scheme (W8A8 and fp8
-activations, activation ordering, per-layer targets) — with an
+activations, activation ordering, targets other than ``Linear`` and ``re:`` patterns, int beside fp8 groups) —
+with an
 :class:`~batchgen.models.quant.gguf_checkpoint.UnsupportedCheckpoint`.
 """
 
@@ -36,14 +38,15 @@ from batchgen.models.quant.gptq_awq import awq_scheme, gptq_scheme
 
 @dataclass(frozen=True)
 class IntScheme:
-    """Symmetric integer weights: `bits` per value, one scale per `group_size` inputs (None: per output row),
-    projections named in `ignore` left dense. `round_bf16`: round each dequantized weight to bfloat16 (what
+    """Integer weights of one config group: `bits` per value, one scale per `group_size` inputs (None: per output
+    row), `symmetric` (no zero points). `round_bf16`: round each dequantized weight to bfloat16 (what
     compressed-tensors computes with bfloat16 scales kept in bfloat16); off for checkpoints, whose scales are
-    widened to float32 first, as transformers' float32 loading does."""
+    widened to float32 first, as transformers' float32 loading does. Which projections are quantized is read
+    from the checkpoint's tensors (:func:`replace_linears`), not from ``targets`` / ``ignore``."""
 
     bits: int
     group_size: int | None
-    ignore: tuple[str, ...]
+    symmetric: bool = True
     round_bf16: bool = False
 
 
@@ -77,22 +80,47 @@ def quantization_scheme(path: str | Path):
             f"{where}: kv_cache_scheme {q['kv_cache_scheme']} is not supported; batchgen reads per-tensor or "
             "per-head fp8 k_scale / v_scale"
         )
-    groups = list((q.get("config_groups") or {}).values())
-    if not groups and q.get("kv_cache_scheme"):
-        return None  # only the KV cache is quantized: the weights are float
-    formats = {g.get("format") or q.get("format") for g in groups}
-    if not formats <= {"pack-quantized", "float-quantized", "naive-quantized"} or len(groups) != 1:
+    sparsity = (q.get("sparsity_config") or {}).get("format")
+    if sparsity not in (None, "dense"):
         raise UnsupportedCheckpoint(
-            f"{where}: compressed-tensors format {', '.join(sorted(map(str, formats)))} is not supported; batchgen "
-            "runs pack-quantized (W4A16, W8A16) and float-quantized (fp8 weights) with one scheme for all "
-            "Linear layers"
+            f"{where}: compressed-tensors sparsity format {sparsity} is not supported; batchgen runs dense "
+            "(unsparsified) weights"
         )
-    (group,) = groups
-    (fmt,) = formats
+    groups = list((q.get("config_groups") or {}).values())
+    if not groups:
+        return None  # only the KV cache (or nothing) is quantized: the weights are float
+    schemes = [_group_scheme(g, q, where) for g in groups]
+    fp8 = [s for s in schemes if isinstance(s, Fp8Scheme)]
+    if fp8 and len(fp8) != len(schemes):
+        raise UnsupportedCheckpoint(
+            f"{where}: compressed-tensors config_groups mixing fp8 and int weights are not supported; batchgen runs "
+            "groups of int weights (W4A16, W8A16) or groups of fp8 weights"
+        )
+    if fp8:  # tensor and channel scales are told apart by their shapes; one block shape at most
+        blocks = {s.block for s in fp8 if s.block is not None}
+        if len(blocks) > 1:
+            raise UnsupportedCheckpoint(f"{where}: compressed-tensors fp8 groups with block shapes "
+                                        f"{sorted(blocks)} are not supported; batchgen runs one block shape")  # fmt: skip
+        return Fp8Scheme("weight_scale", next(iter(blocks), None), "compressed-tensors fp8")
+    if len(schemes) == 1 and schemes[0].symmetric:
+        return schemes[0]
+    return RepackedIntScheme()
+
+
+def _group_scheme(group: dict, q: dict, where: str):
+    """One config group's scheme: an :class:`IntScheme` or an :class:`Fp8Scheme`; UnsupportedCheckpoint naming
+    what is not run."""
+    fmt = group.get("format") or q.get("format")
+    if fmt not in ("pack-quantized", "float-quantized", "naive-quantized"):
+        raise UnsupportedCheckpoint(
+            f"{where}: compressed-tensors format {fmt} is not supported; batchgen runs pack-quantized (W4A16, "
+            "W8A16) and float-quantized (fp8 weights) weight-only schemes"
+        )
     weights, acts = group.get("weights") or {}, group.get("input_activations")
     problems = []
-    if group.get("targets") != ["Linear"]:
-        problems.append(f"targets {group.get('targets')}")
+    targets = group.get("targets")
+    if not targets or not all(t == "Linear" or str(t).startswith("re:") for t in targets):
+        problems.append(f"targets {targets}")
     if acts:
         problems.append("quantized input activations (W8A8 / fp8)")
     if weights.get("type") == "float" and fmt != "pack-quantized":
@@ -117,20 +145,19 @@ def quantization_scheme(path: str | Path):
         raise UnsupportedCheckpoint(f"{where}: compressed-tensors {', '.join(problems)} not supported; batchgen runs "
                                     "int4/int8 weight-only group or channel quantization (W4A16, W8A16)")  # fmt: skip
     group_size = weights.get("group_size") if weights.get("strategy") == "group" else None
-    if not weights.get("symmetric", False):
-        return ZeroPointScheme(int(weights["num_bits"]))
-    return IntScheme(int(weights["num_bits"]), group_size, tuple(q.get("ignore") or ()))
+    return IntScheme(int(weights["num_bits"]), group_size, symmetric=bool(weights.get("symmetric", True)))
 
 
 @dataclass(frozen=True)
-class ZeroPointScheme:
-    """Asymmetric pack-quantized weights: ``weight_packed`` (as :class:`IntScheme`), ``weight_scale`` ``[N, G]``
-    and ``weight_zero_point`` ``[N * bits / 32, G]`` int32 (packed along the outputs, stored with the same offset
-    of 2^(bits-1)); ``w = (q - zero_point) * scale``. Repacked at load into a
-    :class:`~batchgen.models.quant.group_linear.GroupQuantLinear` (zero points folded into the values)."""
+class RepackedIntScheme:
+    """pack-quantized weights with zero points (``symmetric: false``) or several config groups (e.g. int4
+    attention beside int8 MLP): ``weight_packed`` ``[N, K * bits / 32]`` (as :class:`IntScheme`), ``weight_scale``
+    ``[N, G]`` and, for asymmetric groups, ``weight_zero_point`` ``[N * bits / 32, G]`` int32 (packed along the
+    outputs, stored with the same offset of 2^(bits-1)); ``w = (q - zero_point) * scale``. Each projection's
+    bits and group come from its tensors' shapes. Repacked at load into a
+    :class:`~batchgen.models.quant.group_linear.GroupQuantLinear` (zero points' share added after the GEMM)."""
 
-    bits: int
-    method: str = "compressed-tensors asymmetric"
+    method: str = "compressed-tensors pack-quantized"
     tensors = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 
     def is_quantized(self, prefix: str, names) -> bool:
@@ -143,11 +170,28 @@ class ZeroPointScheme:
         parts = []
         for p in prefixes:
             get(f"{p}.weight_shape", None)  # the shape is the model's
-            q = unpack_words(get(f"{p}.weight_packed"), self.bits, dim=1)  # [N, K], offset values
-            z = unpack_words(get(f"{p}.weight_zero_point"), self.bits, dim=0)  # [N, G]
+            packed = get(f"{p}.weight_packed")
+            bits = packed_bits(p, packed.shape[1], in_features)
+            q = unpack_words(packed, bits, dim=1)  # [N, K], offset values
             scale = get(f"{p}.weight_scale").float()  # [N, G]
-            parts.append(to_part(p, q.t(), z.t(), scale.t(), self.bits, in_features, None))
+            zero = get(f"{p}.weight_zero_point", None)
+            if zero is None:  # symmetric: every zero point is the stored offset
+                z = torch.full(scale.shape, 1 << (bits - 1), dtype=torch.int64)
+            else:
+                z = unpack_words(zero, bits, dim=0)[: scale.shape[0]]  # [N, G]
+            parts.append(to_part(p, q.t(), z.t(), scale.t(), bits, in_features, None))
         return GroupQuantLinear(in_features, parts, bias)
+
+
+def packed_bits(prefix: str, words: int, in_features: int) -> int:
+    """The bits per value of a ``weight_packed`` of `words` int32 words per row over `in_features` inputs."""
+    for bits in (4, 8):
+        if words * 32 == in_features * bits:
+            return bits
+    raise UnsupportedCheckpoint(
+        f"{prefix}.weight_packed holds {words} int32 words per row for {in_features} inputs: batchgen runs "
+        "int4 and int8 pack-quantized weights"
+    )
 
 
 def _kv_scheme_supported(kv: dict) -> bool:
@@ -210,15 +254,33 @@ class IntQuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.scheme.bits}, group={self.group}"
 
 
-def replace_linears(model: nn.Module, scheme: IntScheme) -> int:
-    """Swap every `nn.Linear` not named in `scheme.ignore` for an uninitialised `IntQuantLinear` (before the
-    checkpoint is streamed in). Returns how many."""
-    count = 0
+def replace_linears(model: nn.Module, config, scheme: IntScheme, names) -> list[str]:
+    """Swap each `nn.Linear` whose checkpoint tensors (`names`: the checkpoint's tensor names) include a
+    ``weight_packed`` for an uninitialised `IntQuantLinear` (before the checkpoint is streamed in): layers the
+    checkpoint leaves in float (``ignore``, plain names or ``re:`` patterns; a tied ``lm_head``) are found by
+    their absence. Returns the replaced module names."""
+    from batchgen.models.loader import _checkpoint_names
+
+    replaced = []
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or name in scheme.ignore or name.split(".")[-1] in scheme.ignore:
+        if type(module) is not nn.Linear or (name == "lm_head" and config.tie_word_embeddings):
             continue
+        parts = _checkpoint_names(config, f"{name}.weight", tuple(module.weight.shape))[0]
+        prefixes = [hf.removesuffix(".weight") for hf, _ in parts]
+        packed = [f"{p}.weight_packed" in names for p in prefixes]
+        if not any(packed):
+            continue
+        if not all(packed):
+            raise UnsupportedCheckpoint(
+                f"{', '.join(prefixes)} of fused {name} mix quantized and float tensors (compressed-tensors): batchgen "
+                "runs fused q/k/v and gate/up projections whose parts are all quantized or all float"
+            )
         parent, _, attr = name.rpartition(".")
         quant = IntQuantLinear(module.in_features, module.out_features, module.bias is not None, scheme)
         setattr(model.get_submodule(parent), attr, quant)
-        count += 1
-    return count
+        replaced.append(name)
+    if not replaced:
+        raise UnsupportedCheckpoint(
+            "no projection of the checkpoint holds compressed-tensors weight_packed tensors"
+        )
+    return replaced

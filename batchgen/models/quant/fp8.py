@@ -8,8 +8,10 @@ as one float32 scale per output row and block of ``block_k`` inputs. The forward
 in float32 (``fp8 → float32``, times the scale: the one rounding transformers' dequantization does) and
 multiplies in float32; activations are not quantized. That is what transformers computes on a CPU: its
 fine-grained fp8 integration dequantizes on machines without an fp8 GPU, and compressed-tensors decompresses to
-float32. The dequantized weight is transient (one layer's worth at a time): fp8 checkpoints keep a quarter of
-float32's weight bytes in memory, at the cost of a dequantization per layer and step (no fp8 GEMM kernel).
+float32. On the CPU the weight-only GEMM of :mod:`batchgen.kernels.cpu_quant_linear` widens the fp8 bytes in
+registers as it multiplies (``fp8_linear``: the same dequantized values); elsewhere (a GPU, scale blocks that
+do not divide the inputs) the layer's float32 weight is widened for the step. fp8 checkpoints keep a quarter of
+float32's weight bytes in memory.
 
 Invariant: `dense_weight()` is ``float32(q) * float32(scale)`` elementwise, bit for bit transformers' and
 compressed-tensors' float32 dequantization.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from batchgen.kernels import cpu_quant_linear
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
 
 FP8 = torch.float8_e4m3fn
@@ -99,7 +102,37 @@ class Fp8Linear(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        return nn.functional.linear(x, self.dense_weight(), self.bias)
+        if not self._kernel(x):
+            return nn.functional.linear(x, self.dense_weight(), self.bias)
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if len(self.weights) == 1:
+            out = cpu_quant_linear.fp8_linear(
+                rows, self.weights[0], self.scales[0], self._group(0), self.bias
+            )
+            return out.view(*lead, self.out_features)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        col = 0
+        for i, w in enumerate(self.weights):
+            n = w.shape[0]
+            bias = None if self.bias is None else self.bias[col : col + n]
+            cpu_quant_linear.fp8_linear(
+                rows, w, self.scales[i], self._group(i), bias, out=out[:, col : col + n]
+            )
+            col += n
+        return out.view(*lead, self.out_features)
+
+    def _group(self, i: int) -> int:
+        """Inputs per scale of part ``i`` (the whole row for a per-channel or per-tensor scale)."""
+        return min(self.block_k[i], self.in_features)
+
+    def _kernel(self, x: Tensor) -> bool:
+        """Whether the C kernel multiplies (float32 CPU input, every part's scale groups whole multiples of 8
+        inputs dividing ``in_features``); else the float32 weight is widened for the step."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or not cpu_quant_linear.available():
+            return False
+        groups = [self._group(i) for i in range(len(self.weights))]
+        return all(g % 8 == 0 and self.in_features % g == 0 for g in groups)
 
     def dense_weight(self) -> Tensor:
         """The dequantized ``[out, in]`` float32 weight."""

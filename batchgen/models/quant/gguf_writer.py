@@ -82,10 +82,12 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_gguf(
     ckpt: str, out_path, types: dict[str, int] | int = 8, seed: int = 0, output_type: int | None = None
 ) -> str:
-    """Write the llama checkpoint `ckpt` (a tiny one: batchgen.models.tiny.build_checkpoint) as a GGUF file with
-    its tokenizer (byte-level BPE: vocabulary and merges): every 2-D projection quantized to `types` (one ggml
-    type id, or one per GGUF tensor-name suffix such as ``attn_v``, default Q8_0), the LM head in `output_type`
-    (float32 when None), embeddings and norms float32. The quantized blocks come from gguf-py's quantizer where it
+    """Write the llama, qwen2 or qwen3 checkpoint `ckpt` (a tiny one: batchgen.models.tiny.build_checkpoint) as a
+    GGUF file of its architecture with its tokenizer (byte-level BPE: vocabulary and merges, llama.cpp's
+    pre-tokenizer name for the architecture): every 2-D projection quantized to `types` (one ggml type id, F16 and
+    BF16 included, or one per GGUF tensor-name suffix such as ``attn_v``, default Q8_0), the LM head in
+    `output_type` (float32 when None; no ``output.weight`` for tied embeddings, as llama.cpp writes them),
+    embeddings, norms and biases float32. The quantized blocks come from gguf-py's quantizer where it
     has one (Q4_0, Q8_0), from :func:`quantize_q6_k` for Q6_K, and are random valid blocks for Q4_K (gguf-py only
     dequantizes it), so the file's weights are what its blocks say."""
     import json
@@ -99,7 +101,8 @@ def write_gguf(
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     state = load_file(str(ckpt / "model.safetensors"))
     n_layers, n_head, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    w = gguf.GGUFWriter(str(out_path), "llama")
+    arch = cfg["model_type"]
+    w = gguf.GGUFWriter(str(out_path), arch)
     w.add_block_count(n_layers)
     w.add_context_length(cfg.get("max_position_embeddings", 2048))
     w.add_embedding_length(cfg["hidden_size"])
@@ -110,7 +113,11 @@ def write_gguf(
         float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4)))
     )
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // n_head)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    w.add_rope_dimension_count(head_dim)
+    if cfg.get("head_dim"):  # as llama.cpp's converter writes it
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
     vocab = tok["model"]["vocab"]
     tokens = [None] * len(vocab)
@@ -122,7 +129,7 @@ def write_gguf(
         tokens[i] = t
     tokens = [t if t is not None else f"<unused{i}>" for i, t in enumerate(tokens)]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
     w.add_token_list(tokens)
     w.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
     merges = tok["model"].get("merges", [])
@@ -130,27 +137,17 @@ def write_gguf(
     for key, setter in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id)):
         if isinstance(cfg.get(key), int):
             setter(cfg[key])
-    names = {
-        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    }  # fmt: skip
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = gguf.get_tensor_name_map(arch_id, n_layers)
     rng = 0
     for name, tensor in state.items():
         arr = tensor.float().numpy()
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        elif name == "lm_head.weight":
-            gname = "output.weight"
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gname = f"blk.{layer}.{names[rest.removesuffix('.weight')]}.weight"
+        base, _, suffix = name.rpartition(".")
+        gname = f"{name_map.get_name(base)}.{suffix}"
         short = gname.split(".")[-2]
-        if short == "attn_q":
+        if arch == "llama" and short == "attn_q":
             arr = _llama_cpp_permute(arr, n_head)
-        elif short == "attn_k":
+        elif arch == "llama" and short == "attn_k":
             arr = _llama_cpp_permute(arr, n_kv)
         quantized = gname != "token_embd.weight" and (gname != "output.weight" or output_type is not None)
         if arr.ndim == 2 and quantized:
@@ -159,7 +156,8 @@ def write_gguf(
             else:
                 type_id = types if isinstance(types, int) else types.get(short, 8)
             qtype = gguf.GGMLQuantizationType(type_id)
-            if qtype in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0):
+            if qtype in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0,
+                         gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16):  # fmt: skip
                 data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
             elif qtype == gguf.GGMLQuantizationType.Q6_K:
                 data = quantize_q6_k(arr)

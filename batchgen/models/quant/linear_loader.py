@@ -64,8 +64,9 @@ def load_quantized_linears(
         if not any(quantized):
             continue
         if not all(quantized):
-            raise ValueError(
-                f"{', '.join(prefixes)} of fused {name} mix quantized and float tensors ({scheme.method})"
+            raise UnsupportedCheckpoint(
+                f"{', '.join(prefixes)} of fused {name} mix quantized and float tensors ({scheme.method}): batchgen "
+                "runs fused q/k/v and gate/up projections whose parts are all quantized or all float"
             )
         bias = None
         if linear.bias is not None:
