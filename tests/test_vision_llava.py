@@ -345,3 +345,41 @@ def test_transparent_images_get_the_processors_pixels(llava, mode, tmp_path):
     for source in (str(path), Image.open(path)):  # the file, and the opened image passed as it is
         got = side.pixels(side.loader.read(source)).pixels["pixel_values"]
         assert torch.equal(got, want["pixel_values"][0]), source
+
+
+def test_an_image_the_encoder_fails_on_fails_its_requests_alone(llava):
+    """The vision tower raising on one image (its batch fails, then it fails alone) fails the requests that
+    show it, with the reason; the other requests of the same steps answer as without it, and the image is not
+    encoded again for a later request."""
+    good, bad, other = random_image(60, 60, 31), random_image(70, 50, 32), random_image(50, 70, 33)
+    rows = [(_chat("What is it?"), [good]), (_chat("And this?"), [bad]), (_chat("This one?"), [other])]
+    inputs = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in rows]
+    want = LLM(llava, kv_cache_memory="16MiB").generate(inputs, GREEDY, use_tqdm=False)
+    llm = LLM(llava, kv_cache_memory="16MiB")
+    encoder = llm.engine.model.encoder
+    marker = float(encoder_input_sum(llm, bad))
+    real = encoder.encode
+
+    def fragile(pixels):
+        if any(abs(float(p["pixel_values"].sum()) - marker) < 1e-3 for p in pixels):
+            raise RuntimeError("tower\nfailed")
+        return real(pixels)
+
+    encoder.encode = fragile
+    outs = llm.generate(inputs, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [
+        want[0].outputs[0].token_ids,
+        want[2].outputs[0].token_ids,
+    ]
+    assert outs[1].error == "image 0: the vision encoder failed on this image: RuntimeError: tower failed"
+    assert outs[1].outputs[0].finish_reason == "error"
+    again = llm.generate(inputs[1], GREEDY, use_tqdm=False)[0]
+    assert again.error == outs[1].error and llm.engine.images.stats.encoded == 2
+
+
+def encoder_input_sum(llm: LLM, image) -> float:
+    """The sum of the processor's pixels for ``image`` (what the encoder is given for it)."""
+    from batchgen.multimodal.prepare import image_prompts_for
+
+    side = image_prompts_for(llm.engine)
+    return float(side.pixels(side.load([image])[0]).pixels["pixel_values"].sum())

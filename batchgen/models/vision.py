@@ -13,6 +13,9 @@ collision of the short key is probed away).
 **Invariants.** An image's pixels stay in :class:`ImageInputs` while a request that shows it is in the engine
 (``acquire`` / ``release``), so its features can always be (re)computed; computed features live in the
 :class:`EncoderCache` (LRU, bounded in bytes) and each distinct image is encoded once as long as it fits there.
+An image the encoder fails on (its batch fails, then it fails alone) gets no features (the forward places
+zeros) and is recorded with the reason: the engine fails the requests that show it after the step
+(:meth:`ImageInputs.take_failed`), and later requests showing it are not encoded again.
 """
 
 from __future__ import annotations
@@ -97,6 +100,10 @@ class ImageInputs:
     _by_key: dict[int, tuple[str, _Image]] = field(default_factory=dict)
     _seen: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _bad: dict[str, str] = field(default_factory=dict)
+    """Content hash -> why the encoder failed on that image (kept: it is never encoded again)."""
+    _failed: dict[str, str] = field(default_factory=dict)
+    """The failures of the steps since the last :meth:`take_failed`."""
 
     def acquire(self, content_hash: str, pixels: dict[str, Tensor]) -> int:
         """Register one reference to the image (its pixel inputs kept while referenced); returns its key."""
@@ -146,17 +153,49 @@ class ImageInputs:
         if released:  # only a step already in flight when its request was aborted (its tokens are dropped)
             missing = [k for k, p in zip(missing, pixels) if p]
             pixels = [p for p in pixels if p]
+        with self._lock:  # images the encoder failed on before: no features, the failure again
+            hashes = [self._by_key[k][0] for k in missing]
+            known = [h for h in hashes if h in self._bad]
+            for h in known:
+                self._failed[h] = self._bad[h]
+        if known:
+            keep = [i for i, h in enumerate(hashes) if h not in self._bad]
+            missing, pixels, hashes = (
+                [missing[i] for i in keep],
+                [pixels[i] for i in keep],
+                [hashes[i] for i in keep],
+            )
         if missing:
             t0 = time.perf_counter()
-            computed = encode(pixels)
+            try:
+                computed: list[Tensor | None] = list(encode(pixels))
+            except Exception:  # noqa: BLE001 - a bad image in the batch: each alone, the bad ones recorded
+                computed = [self._encode_alone(h, p, encode) for h, p in zip(hashes, pixels)]
             elapsed = time.perf_counter() - t0
             with self._lock:
-                self.stats.encoded += len(missing)
+                self.stats.encoded += sum(t is not None for t in computed)
                 self.stats.encoder_seconds += elapsed
                 for k, t in zip(missing, computed):
-                    out[k] = t
-                    self.cache.put(k, t)
+                    if t is not None:
+                        out[k] = t
+                        self.cache.put(k, t)
         return out
+
+    def _encode_alone(self, content_hash: str, pixels: dict[str, Tensor], encode) -> Tensor | None:
+        """One image's features, or None (its failure recorded) when the encoder fails on it."""
+        try:
+            return encode([pixels])[0]
+        except Exception as e:  # noqa: BLE001 - any encoder error fails this image's requests alone
+            reason = " ".join(f"the vision encoder failed on this image: {type(e).__name__}: {e}".split())
+            with self._lock:
+                self._bad[content_hash] = self._failed[content_hash] = reason[:500]
+            return None
+
+    def take_failed(self) -> dict[str, str]:
+        """Content hash -> reason of each image the encoder failed on since the last call."""
+        with self._lock:
+            failed, self._failed = self._failed, {}
+        return failed
 
 
 class ImageTextModel(nn.Module):

@@ -368,11 +368,35 @@ class LLMEngine:
         """Apply a step's output (:meth:`Scheduler.update`); the outputs of the requests it finished."""
         if not out.seqs:  # a step that only moved blocks
             return []
+        failed = self.images.failures()  # before the step's finished requests let their images go
+        failed_requests = {rid: self.requests.get(rid) for rid in failed}
         done = self.scheduler.update(out, output)
         self._collector.collect()  # per step: the peaks see every step
         if startup_trace.enabled and output.token_ids:
             startup_trace.mark("first_token")
-        return [self._request_output(r) for r in done]
+        outs = [self._request_output(r) for r in done]
+        if failed:
+            outs = self._fail_requests(failed, failed_requests, outs)
+        return outs
+
+    def _fail_requests(
+        self,
+        failed: dict[str | int, str],
+        requests: dict[str | int, Request | None],
+        outs: list[RequestOutput],
+    ) -> list[RequestOutput]:
+        """``outs`` with each failed request's error output: a request still running is aborted, one that
+        finished in this step (on an image without features) has its output replaced."""
+        keep = [o for o in outs if o.request_id not in failed]
+        for rid, reason in failed.items():
+            request = requests.get(rid)
+            if request is None:
+                continue
+            if rid in self.requests:
+                self.abort_request(rid)
+            self.counters.num_error_requests += 1
+            keep.append(error_output(request, reason))
+        return keep
 
     @property
     def stats(self) -> EngineStats:

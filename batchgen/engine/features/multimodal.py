@@ -107,6 +107,20 @@ class EngineImages:
             return None
         return ImageSpans(sorted(r for item in images for r in image_runs(item)))
 
+    def failures(self) -> dict[str | int, str]:
+        """Request id -> why, for each request in the engine showing an image the encoder failed on since the
+        last call (:meth:`~batchgen.models.vision.ImageInputs.take_failed`)."""
+        bad = self.inputs.take_failed() if self.inputs is not None else {}
+        if not bad:
+            return {}
+        out: dict[str | int, str] = {}
+        for request_id, hashes in self._held.items():
+            for i, h in enumerate(hashes):
+                if h in bad:
+                    out[request_id] = f"image {i}: {bad[h]}"
+                    break
+        return out
+
     def release(self, request_id: str | int) -> None:
         for h in self._held.pop(request_id, ()):
             self.inputs.release(h)
