@@ -37,6 +37,9 @@ FORMATS: dict[int, BlockFormat] = {
     f.type_id: f
     for f in (
         BlockFormat("Q4_0", 2, 32, 18),
+        BlockFormat("Q4_1", 3, 32, 20),
+        BlockFormat("Q5_0", 6, 32, 22),
+        BlockFormat("Q5_1", 7, 32, 24),
         BlockFormat("Q8_0", 8, 32, 34),
         BlockFormat("Q4_K", 12, 256, 144),
         BlockFormat("Q6_K", 14, 256, 210),

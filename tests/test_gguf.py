@@ -18,7 +18,7 @@ from batchgen.models.quant.quant_linear import QuantLinear
 
 gguf = pytest.importorskip("gguf", reason="the gguf extra (pip install batchgen[gguf]) is not installed")
 
-Q4_0, Q8_0, Q4_K, Q6_K = 2, 8, 12, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14
 MIXES = {
     "Q8_0": Q8_0,
     "Q4_0": Q4_0,
@@ -32,6 +32,15 @@ MIXES = {
         "attn_output": Q8_0,
         "ffn_gate": Q4_K,
         "ffn_up": Q4_0,
+    },
+    # the types llama.cpp's quantizer falls back to for rows a K-quant cannot split
+    "legacy": {
+        "attn_q": Q5_0,
+        "attn_k": Q4_1,
+        "attn_v": Q5_1,
+        "attn_output": Q5_0,
+        "ffn_gate": Q4_1,
+        "ffn_up": Q5_1,
     },
 }
 PROMPTS = [[1, 17, 33, 90], [1, 200, 5, 9, 77, 31, 8, 12, 400], [1, 64]]

@@ -6,7 +6,9 @@
  * Q8_0 (8; 32 values in 34 bytes: fp16 d, 32 int8 q; w = d q), Q4_K (12; 256 values in 144 bytes: fp16 d and
  * dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks, 128 bytes of 4-bit q; w = (d sc) q - (dmin m)) and
  * Q6_K (14; 256 values in 210 bytes: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, fp16 d;
- * w = (d sc) (q - 32)). Dequantization is ggml's (and gguf-py's) arithmetic, operation for operation, in
+ * w = (d sc) (q - 32)); and, through the plain-C loops only, Q4_1 (3; fp16 d and m, 4-bit q; w = d q + m), Q5_0
+ * (6; fp16 d, 32 high bits, 4-bit low q; w = d (q - 16)) and Q5_1 (7; w = d q + m), the types llama.cpp's
+ * quantizer falls back to for rows a K-quant cannot split. Dequantization is ggml's (and gguf-py's) arithmetic, operation for operation, in
  * float32 without contraction: the widened weights are bit for bit gguf.quants.dequantize's.
  *
  * Each output y[m, n] = bias[n] (or 0) + its eight lane sums over k in order, reduced in a fixed order: a
@@ -26,7 +28,7 @@
 
 #define MB 64 /* input rows per pass over a weight row */
 
-enum { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
 static inline float load_half(const uint8_t *p) {
     uint16_t h;
@@ -38,6 +40,9 @@ static inline float load_half(const uint8_t *p) {
 static void format_of(int qtype, int *qk, int *bytes) {
     switch (qtype) {
     case Q4_0: *qk = 32, *bytes = 18; break;
+    case Q4_1: *qk = 32, *bytes = 20; break;
+    case Q5_0: *qk = 32, *bytes = 22; break;
+    case Q5_1: *qk = 32, *bytes = 24; break;
     case Q8_0: *qk = 32, *bytes = 34; break;
     case Q4_K: *qk = 256, *bytes = 144; break;
     case Q6_K: *qk = 256, *bytes = 210; break;
@@ -57,6 +62,29 @@ static void dequant_block(int qtype, const uint8_t *b, float *out) {
         for (int i = 0; i < 16; i++) {
             out[i] = d * (float)((int)(q[i] & 0x0f) - 8);
             out[i + 16] = d * (float)((int)(q[i] >> 4) - 8);
+        }
+    } else if (qtype == Q4_1) { /* fp16 d and m, 16 bytes of 4-bit q: w = d q + m */
+        const float d = load_half(b), m = load_half(b + 2);
+        const uint8_t *q = b + 4;
+        for (int i = 0; i < 16; i++) {
+            out[i] = d * (float)(q[i] & 0x0f) + m;
+            out[i + 16] = d * (float)(q[i] >> 4) + m;
+        }
+    } else if (qtype == Q5_0 || qtype == Q5_1) { /* fp16 d (and m), 32 high bits, 16 bytes of low nibbles */
+        const int one = qtype == Q5_1;
+        const float d = load_half(b), m = one ? load_half(b + 2) : 0.0f;
+        uint32_t qh;
+        memcpy(&qh, b + 2 + 2 * one, 4);
+        const uint8_t *q = b + 6 + 2 * one;
+        for (int i = 0; i < 16; i++) {
+            const int lo = (q[i] & 0x0f) | (int)((qh >> i) & 1) << 4, hi = (q[i] >> 4) | (int)((qh >> (i + 16)) & 1) << 4;
+            if (one) {
+                out[i] = d * (float)lo + m;
+                out[i + 16] = d * (float)hi + m;
+            } else { /* w = d (q - 16) */
+                out[i] = d * (float)(lo - 16);
+                out[i + 16] = d * (float)(hi - 16);
+            }
         }
     } else if (qtype == Q4_K) {
         const float d = load_half(b), dmin = load_half(b + 2);
@@ -723,9 +751,11 @@ int batchgen_quant_linear(const float *x, int64_t lda, const uint8_t *w, int64_t
     if (qk == 0 || M < 0 || K <= 0 || N <= 0 || K % qk != 0 || row_bytes != (int64_t)(K / qk) * bb || lda < K)
         return -1;
 #ifdef QUANT_SIMD
-    const Src simd_src = {w, row_bytes, NULL, 0, 0, 0};
-    simd_gemm(x, lda, &simd_src, qtype, bias, y, ldy, M, K, N, num_threads);
-    return 0;
+    if (qtype == Q4_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K) { /* the others: the plain-C loops */
+        const Src simd_src = {w, row_bytes, NULL, 0, 0, 0};
+        simd_gemm(x, lda, &simd_src, qtype, bias, y, ldy, M, K, N, num_threads);
+        return 0;
+    }
 #endif
     const BlockSource src = {w, row_bytes, qtype, qk, bb};
     int chunk = qk; /* whole blocks, up to 256 values, dividing K: fewer passes over each row's sums */

@@ -16,7 +16,7 @@ import torch
 
 from batchgen.kernels.cpu_quant_linear import FORMATS
 
-SCALE_OFFSETS = {2: (0,), 8: (0,), 12: (0, 2), 14: (208,)}
+SCALE_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 14: (208,)}
 """Byte offsets of each block's fp16 scale fields, by ggml type id (the rest of a block is any bits)."""
 
 
@@ -88,7 +88,7 @@ def write_gguf(
     BF16 included, or one per GGUF tensor-name suffix such as ``attn_v``, default Q8_0), the LM head in
     `output_type` (float32 when None; no ``output.weight`` for tied embeddings, as llama.cpp writes them),
     embeddings, norms and biases float32. The quantized blocks come from gguf-py's quantizer where it
-    has one (Q4_0, Q8_0), from :func:`quantize_q6_k` for Q6_K, and are random valid blocks for Q4_K (gguf-py only
+    has one (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), from :func:`quantize_q6_k` for Q6_K, and are random valid blocks for Q4_K (gguf-py only
     dequantizes it), so the file's weights are what its blocks say."""
     import json
     from pathlib import Path
@@ -156,8 +156,7 @@ def write_gguf(
             else:
                 type_id = types if isinstance(types, int) else types.get(short, 8)
             qtype = gguf.GGMLQuantizationType(type_id)
-            if qtype in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0,
-                         gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16):  # fmt: skip
+            if qtype.name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16"):
                 data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
             elif qtype == gguf.GGMLQuantizationType.Q6_K:
                 data = quantize_q6_k(arr)
