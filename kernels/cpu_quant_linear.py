@@ -12,6 +12,7 @@ Invariants: :func:`linear` takes CPU float32 inputs whose last dimension is ``in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,32 @@ def _lib():
     return lib
 
 
+def _multiply(
+    x: Tensor,
+    in_features: int,
+    rows_out: int,
+    out: Tensor | None,
+    call: Callable[[Tensor, Tensor], int],
+    rejected: Callable[[int], str],
+    kernel: str | None = None,
+) -> Tensor:
+    """The shared frame of the products below: ``x``'s rows with unit stride (float32 ones when ``kernel``
+    names the kernel for the error), ``out`` (a new ``[M, rows_out]`` tensor, or the caller's view), the C
+    ``call(rows, out)`` unless there is nothing to multiply (RuntimeError with ``rejected(M)`` when it returns
+    non-zero), and the result in ``x``'s leading shape."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < in_features):
+        rows = rows.contiguous()
+    if kernel is not None and rows.dtype != torch.float32:
+        raise TypeError(f"the CPU {kernel} kernel takes float32 inputs, not {rows.dtype}")
+    if out is None:
+        out = torch.empty(rows.shape[0], rows_out, dtype=torch.float32)
+    if rows.shape[0] and rows_out and call(rows, out) != 0:
+        raise RuntimeError(rejected(rows.shape[0]))
+    return out.view(*lead, rows_out) if out.is_contiguous() else out
+
+
 def linear(
     x: Tensor,
     packed: Tensor,
@@ -75,25 +102,19 @@ def linear(
     written there and returned."""
     fmt = FORMATS[type_id]
     rows_out = packed.shape[0]
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, in_features)
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < in_features):
-        rows = rows.contiguous()
-    if rows.dtype != torch.float32:
-        raise TypeError(f"the CPU quantized linear kernel takes float32 inputs, not {rows.dtype}")
-    if out is None:
-        out = torch.empty(rows.shape[0], rows_out, dtype=torch.float32)
-    if rows.shape[0] and rows_out:
-        status = _lib().batchgen_quant_linear(
+
+    def call(rows: Tensor, out: Tensor) -> int:
+        return _lib().batchgen_quant_linear(
             rows.data_ptr(), max(rows.stride(0), in_features), packed.data_ptr(), packed.shape[1], type_id,
             None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), rows_out),
             rows.shape[0], in_features, rows_out, torch.get_num_threads(),
         )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(
-                f"batchgen_quant_linear rejected {fmt.name} [{rows.shape[0]}, {in_features}] x {rows_out}"
-            )
-    return out.view(*lead, rows_out) if out.is_contiguous() else out
+
+    return _multiply(
+        x, in_features, rows_out, out, call,
+        lambda m: f"batchgen_quant_linear rejected {fmt.name} [{m}, {in_features}] x {rows_out}",
+        "quantized linear",
+    )  # fmt: skip
 
 
 def dequantize(packed: Tensor, type_id: int, in_features: int) -> Tensor:
@@ -121,23 +142,18 @@ def int_linear(
     symmetric: the C file's second half): ``packed`` ``[rows, in * bits / 32]`` int32 (or the same bytes as
     uint8), ``scales`` ``[rows, in / group]`` float32. ``out`` as in :func:`linear`."""
     rows_out, in_features = packed.shape[0], packed.shape[1] * packed.element_size() * 8 // bits
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, in_features)
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < in_features):
-        rows = rows.contiguous()
-    if out is None:
-        out = torch.empty(rows.shape[0], rows_out, dtype=torch.float32)
-    if rows.shape[0] and rows_out:
-        status = _lib().batchgen_int_linear(
+
+    def call(rows: Tensor, out: Tensor) -> int:
+        return _lib().batchgen_int_linear(
             rows.data_ptr(), max(rows.stride(0), in_features), packed.data_ptr(), bits, scales.data_ptr(), group,
             int(round_bf16), None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), rows_out),
             rows.shape[0], in_features, rows_out, torch.get_num_threads(),
         )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(
-                f"batchgen_int_linear rejected int{bits} group {group} [{rows.shape[0]}, {in_features}]"
-            )
-    return out.view(*lead, rows_out) if out.is_contiguous() else out
+
+    return _multiply(
+        x, in_features, rows_out, out, call,
+        lambda m: f"batchgen_int_linear rejected int{bits} group {group} [{m}, {in_features}]",
+    )  # fmt: skip
 
 
 def fp8_linear(
@@ -161,20 +177,16 @@ def fp8_linear(
             f"fp8 scales must be contiguous float32 [{rows_out}, {in_features // group}] for group {group}, "
             f"got {scales.dtype} {tuple(scales.shape)}"
         )
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, in_features)
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < in_features):
-        rows = rows.contiguous()
-    if rows.dtype != torch.float32:
-        raise TypeError(f"the CPU fp8 linear kernel takes float32 inputs, not {rows.dtype}")
-    if out is None:
-        out = torch.empty(rows.shape[0], rows_out, dtype=torch.float32)
-    if rows.shape[0] and rows_out:
-        status = _lib().batchgen_fp8_linear(
+
+    def call(rows: Tensor, out: Tensor) -> int:
+        return _lib().batchgen_fp8_linear(
             rows.data_ptr(), max(rows.stride(0), in_features), packed.data_ptr(), scales.data_ptr(), group,
             None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), rows_out),
             rows.shape[0], in_features, rows_out, torch.get_num_threads(),
         )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(f"batchgen_fp8_linear rejected group {group} [{rows.shape[0]}, {in_features}]")
-    return out.view(*lead, rows_out) if out.is_contiguous() else out
+
+    return _multiply(
+        x, in_features, rows_out, out, call,
+        lambda m: f"batchgen_fp8_linear rejected group {group} [{m}, {in_features}]",
+        "fp8 linear",
+    )  # fmt: skip

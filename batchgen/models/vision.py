@@ -141,30 +141,23 @@ class ImageInputs:
         whose pixels were released is left out: only a step in flight when its request was aborted asks for it."""
         out: dict[int, Tensor] = {}
         missing: list[int] = []
+        hashes: list[str] = []
+        pixels: list[dict[str, Tensor]] = []
         with self._lock:
             for k in keys:
                 t = self.cache.get(k)
-                if t is None:
-                    missing.append(k)
-                else:
+                if t is not None:
                     out[k] = t
-            pixels = [self._by_key[k][1].pixels for k in missing]
-        released = [k for k, p in zip(missing, pixels) if not p]
-        if released:  # only a step already in flight when its request was aborted (its tokens are dropped)
-            missing = [k for k, p in zip(missing, pixels) if p]
-            pixels = [p for p in pixels if p]
-        with self._lock:  # images the encoder failed on before: no features, the failure again
-            hashes = [self._by_key[k][0] for k in missing]
-            known = [h for h in hashes if h in self._bad]
-            for h in known:
-                self._failed[h] = self._bad[h]
-        if known:
-            keep = [i for i, h in enumerate(hashes) if h not in self._bad]
-            missing, pixels, hashes = (
-                [missing[i] for i in keep],
-                [pixels[i] for i in keep],
-                [hashes[i] for i in keep],
-            )
+                    continue
+                h, img = self._by_key[k]
+                if not img.pixels:  # released: only a step in flight when its request was aborted asks
+                    continue
+                if h in self._bad:  # failed before: no features, the failure again
+                    self._failed[h] = self._bad[h]
+                    continue
+                missing.append(k)
+                hashes.append(h)
+                pixels.append(img.pixels)
         if missing:
             t0 = time.perf_counter()
             try:

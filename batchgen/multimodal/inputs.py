@@ -134,9 +134,12 @@ class ImagePrompts:
         problem = processor_kwargs_error(self.processor, self.processor_kwargs)
         if problem is not None:
             raise ValueError(problem)
-        self._options_key = json.dumps(self.processor_kwargs, sort_keys=True, default=str).encode()
-        """Mixed into each item's key when options are set: the encoder and prefix caches never mix an image's
-        features under two sets of options."""
+        self._options_key = (
+            json.dumps(self.processor_kwargs, sort_keys=True, default=str).encode()
+            if self.processor_kwargs
+            else None
+        )
+        """Mixed into each item's key when options are set (:meth:`item_key`)."""
         # dynamic resolution (Qwen2-VL): an image's tokens are its grid of patches merged merge_size x merge_size
         dynamic = "image_grid_thw" in getattr(image_processor, "model_input_names", ())
         self.merge_size: int | None = int(image_processor.merge_size) if dynamic else None
@@ -369,6 +372,14 @@ class ImagePrompts:
                 raise ImageError(f"image {i}: {e}") from None
         return processed
 
+    def item_key(self, content_hash: str) -> str:
+        """An image's key for the engine (encoder cache, prefix-cache blocks): its content hash, with the
+        processor options mixed in when there are any, so an image's features under two sets of options are
+        never mixed."""
+        if self._options_key is None:
+            return content_hash
+        return hashlib.sha256(content_hash.encode() + b"\0" + self._options_key).hexdigest()
+
     def _placed(self, ids: list[int], loaded: list[EncodedImage | LoadedImage]) -> ImagePrompt:
         """``ids`` whose images are expanded already: each image's feature tokens are the next runs of them
         whose lengths add up to its token count (one run, or one per crop or tile when the processor writes
@@ -388,7 +399,7 @@ class ImagePrompts:
             offsets = None
             if k - first > 1:
                 offsets = tuple(p - start for at, n in runs[first:k] for p in range(at, at + n))
-            items.append(ImageItem(_item_key(self, image.hash), d.pixels, start, count, offsets))
+            items.append(ImageItem(self.item_key(image.hash), d.pixels, start, count, offsets))
         if len(items) != len(loaded) or k != len(runs):
             raise ImageError(
                 f"the prompt's image tokens (runs of {[n for _, n in runs]}) do not match its {len(loaded)} "
@@ -416,7 +427,7 @@ class ImagePrompts:
                 expansion = self.joins.expansion(out, done.expansion)
                 skip = len(done.expansion) - len(expansion)
                 offsets = None if done.offsets is None else tuple(o - skip for o in done.offsets)
-                items.append(ImageItem(_item_key(self, image.hash), done.pixels, len(out), n, offsets))
+                items.append(ImageItem(self.item_key(image.hash), done.pixels, len(out), n, offsets))
                 out.extend(expansion)
                 length -= used
         if len(items) != len(loaded) or (items and items[-1] is None):
@@ -439,14 +450,6 @@ def processor_error(image: LoadedImage, e: Exception) -> ImageError:
     w, h = image.size
     reason = " ".join(f"{type(e).__name__}: {e}".split())
     return ImageError(f"the image processor cannot take this {w}x{h} image ({reason[:300]})")
-
-
-def _item_key(side: ImagePrompts, content_hash: str) -> str:
-    """An image's key for the engine (encoder cache, prefix-cache blocks): its content hash, with the side's
-    processor options mixed in when it has any."""
-    if side._options_key == b"{}":
-        return content_hash
-    return hashlib.sha256(content_hash.encode() + b"\0" + side._options_key).hexdigest()
 
 
 def _placeholder_runs(token_ids: Sequence[int], token: int) -> list[tuple[int, int]]:

@@ -97,6 +97,10 @@ class Fp8Linear(nn.Module):
         )  # uint8: fp8 has no CPU ops, and a float dtype would be widened with the model's other weights
         self.scales = nn.ParameterList(nn.Parameter(s, requires_grad=False) for _, s, _ in merged)
         self.block_k = [bk for _, _, bk in merged]
+        self.groups = [min(bk, in_features) for bk in self.block_k]
+        """Inputs per scale of each part (the whole row for a per-channel or per-tensor scale)."""
+        self.groups_fit = all(g % 8 == 0 and in_features % g == 0 for g in self.groups)
+        """Every part's scale groups are whole multiples of 8 inputs dividing ``in_features`` (the C kernel's)."""
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         )
@@ -108,7 +112,7 @@ class Fp8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if len(self.weights) == 1:
             out = cpu_quant_linear.fp8_linear(
-                rows, self.weights[0], self.scales[0], self._group(0), self.bias
+                rows, self.weights[0], self.scales[0], self.groups[0], self.bias
             )
             return out.view(*lead, self.out_features)
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
@@ -117,22 +121,20 @@ class Fp8Linear(nn.Module):
             n = w.shape[0]
             bias = None if self.bias is None else self.bias[col : col + n]
             cpu_quant_linear.fp8_linear(
-                rows, w, self.scales[i], self._group(i), bias, out=out[:, col : col + n]
+                rows, w, self.scales[i], self.groups[i], bias, out=out[:, col : col + n]
             )
             col += n
         return out.view(*lead, self.out_features)
 
-    def _group(self, i: int) -> int:
-        """Inputs per scale of part ``i`` (the whole row for a per-channel or per-tensor scale)."""
-        return min(self.block_k[i], self.in_features)
-
     def _kernel(self, x: Tensor) -> bool:
-        """Whether the C kernel multiplies (float32 CPU input, every part's scale groups whole multiples of 8
-        inputs dividing ``in_features``); else the float32 weight is widened for the step."""
-        if x.device.type != "cpu" or x.dtype != torch.float32 or not cpu_quant_linear.available():
-            return False
-        groups = [self._group(i) for i in range(len(self.weights))]
-        return all(g % 8 == 0 and self.in_features % g == 0 for g in groups)
+        """Whether the C kernel multiplies (float32 CPU input, :attr:`groups_fit`); else the float32 weight is
+        widened for the step."""
+        return (
+            self.groups_fit
+            and x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and cpu_quant_linear.available()
+        )
 
     def dense_weight(self) -> Tensor:
         """The dequantized ``[out, in]`` float32 weight."""
