@@ -91,6 +91,26 @@ def test_the_spread_covers_the_error_of_a_short_calibration() -> None:
     assert inside >= 85
 
 
+def test_the_longest_lengths_reach_the_truth_where_few_ends_were_seen() -> None:
+    """A calibration of a few steps sees few ends: most rows here run to the bound and a fifth end at once, and
+    the estimate from 8 steps of 4 rows misses the job's mean by over a quarter in most calibrations. The
+    lengths at their most (every sample still running goes on to its bound), with the range's floor of 20%,
+    reach it in nearly all; the estimate lies between the least and the most."""
+    rng = random.Random(7)
+    reached = missed = 0
+    for _ in range(200):
+        job = [rng.choice([2, 3, 5]) if rng.random() < 0.2 else 200 for _ in range(300)]
+        truth = sum(min(n, 32) for n in job) / len(job)
+        est = OutputLengths.fit(_stream(job, 32, 4, 8))
+        lo, hi = est.at_least().expected(32), est.at_most().expected(32)
+        assert lo <= est.expected(32) <= hi
+        reached += truth <= hi * 1.2
+        missed += abs(est.expected(32) / truth - 1) > 0.25
+        q = est.at_most().quantiles([32] * 100)
+        assert sum(q) / len(q) == pytest.approx(hi, rel=0.1) and max(q) == 32
+    assert reached >= 180 and missed >= 100
+
+
 def test_strata_order_is_a_proportional_sample_at_every_prefix() -> None:
     sizes = {(0, 0): 60, (1, 0): 25, (2, 1): 10, (3, 3): 5}
     rows = [

@@ -208,6 +208,8 @@ class OutputLengths:
     observations: int
     lower: bool = False
     """The shortest lengths the samples allow: every sample running at the horizon ends just after it."""
+    upper: bool = False
+    """The longest lengths the samples allow: every sample running at the horizon runs to its bound."""
 
     @property
     def horizon(self) -> int:
@@ -237,10 +239,17 @@ class OutputLengths:
         """The shortest lengths the samples allow: every sample still running at the horizon ends there."""
         return replace(self, lower=True)
 
+    def at_most(self) -> OutputLengths:
+        """The longest lengths the samples allow: every sample still running at the horizon runs to its bound
+        (no end beyond the horizon)."""
+        return replace(self, upper=True)
+
     def tail_hazard(self, bound: int) -> float:
         """The geometric hazard beyond the horizon, for rows of ``bound`` tokens."""
         if self.lower:
             return 1.0
+        if self.upper:
+            return 0.0
         m = bound - self.horizon
         if m <= 0:
             return 0.0
@@ -695,15 +704,18 @@ def _running(engine: Any, ids: Any) -> list[tuple[int, bool]]:
     return out
 
 
-def relative_spread(cal: Calibration, bound: int, floor: float = 0.2, cap: float = 0.8) -> float:
+def relative_spread(
+    cal: Calibration, bound: int, floor: float = 0.2, cap: float = 0.8, lengths: bool = True
+) -> float:
     """Half-width of the predicted range, relative, from what the calibration measured: the step model's
     residual over its steps, the output lengths' standard error (:meth:`OutputLengths.spread` at the job's
     typical bound), the machine's load at calibration (:func:`load_spread`), and a floor for what none of them
     sees (the extrapolation to the whole job, fixed costs: on an idle machine the prediction still missed by up to
     17% with the other terms under 10%); a small sample widens it: few calibrated rows, fewer batch steps than
     :data:`FULL_SAMPLE_STEPS` (a budget of a few percent of a short job), the job's concurrency not reached (the
-    per-sequence cost extrapolated to it)."""
-    e_out = cal.lengths.spread(bound)
+    per-sequence cost extrapolated to it). ``lengths=False``: without the output lengths' error (for a time
+    simulated with the extreme lengths the samples allow)."""
+    e_out = cal.lengths.spread(bound) if lengths else 0.0
     e_fit = cal.model.residual_rel / math.sqrt(max(cal.steps, 1))
     e_load = load_spread(cal.load)
     few = 0.3 if cal.rows < 4 else 0.0

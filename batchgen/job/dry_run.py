@@ -925,19 +925,19 @@ def _calibrate(engine, strata, saved, inp: PlanInput, ecfg, pc, scale, replicas,
     return cal
 
 
-def _expected_outputs(bounds, cal: Calibration | None, lower: bool = False) -> list[float]:  # noqa: ANN001
+def _expected_outputs(
+    bounds, cal: Calibration | None, lower: bool = False, upper: bool = False
+) -> list[float]:  # noqa: ANN001
     """Each row's output tokens per sample: its bound without a calibration; else ``min(L, bound)`` at evenly
     spread quantiles of the calibrated length distribution (:class:`OutputLengths`), so the simulation sees
     the spread of lengths (the long tail that keeps a batch running) and their total is the expectation.
     ``lower``: the least the samples seen so far allow (every sample still running ends at once; one token
-    each before any was seen): the low end of the range."""
-    if lower:
-        if cal is None or not cal.lengths.observations:
-            return [1.0 if b > 0 else 0.0 for b in bounds]
-        return [float(x) for x in cal.lengths.at_least().quantiles(bounds)]
+    each before any was seen): the low end of the range. ``upper``: the most they allow (every sample still
+    running goes on to its bound): the high end."""
     if cal is None or not cal.lengths.observations:
-        return [float(b) for b in bounds]
-    return [float(x) for x in cal.lengths.quantiles(bounds)]
+        return [1.0 if b > 0 else 0.0 for b in bounds] if lower else [float(b) for b in bounds]
+    lengths = cal.lengths.at_least() if lower else cal.lengths.at_most() if upper else cal.lengths
+    return [float(x) for x in lengths.quantiles(bounds)]
 
 
 def _simulate_parts(reqs, cal, inp, ecfg, scale, replicas, pool) -> tuple[list[float], list[Any], list[int]]:  # noqa: ANN001
@@ -965,18 +965,25 @@ def _predict_time(
         _sim_requests(lens, cached, expected, ns), cal, inp, ecfg, scale, replicas, pool
     )
     wall = max(times) if times else 0.0
+
     # the least the calibration's samples allow (outputs still running when it stopped end at once): where
     # it stopped short of the lengths, the range reaches down to it
-    shortest = _expected_outputs(inp.bounds, cal, lower=True)
-    wall_min = max(_simulate_parts(_sim_requests(lens, cached, shortest, ns), cal, inp, ecfg, scale, replicas,
+    # and the most (outputs still running when it stopped run to their bounds): where a short calibration
+    # saw few ends, the range reaches up to it
+    def simulated(outputs: list[float]) -> float:
+        return max(_simulate_parts(_sim_requests(lens, cached, outputs, ns), cal, inp, ecfg, scale, replicas,
                                    pool)[0], default=0.0)  # fmt: skip
+
+    wall_min = simulated(_expected_outputs(inp.bounds, cal, lower=True))
+    wall_max = simulated(_expected_outputs(inp.bounds, cal, upper=True))
     # reading and tokenizing the windows after the first runs beside the engine: on a CPU it competes for
     # the same cores, on an accelerator it is hidden
     if dev_name == "cpu" and len(inp.window_sizes) > 1:
-        wall += inp.read_seconds * scale * (1 - 1 / len(inp.window_sizes))
-        wall_min += inp.read_seconds * scale * (1 - 1 / len(inp.window_sizes))
+        reading = inp.read_seconds * scale * (1 - 1 / len(inp.window_sizes))
+        wall, wall_min, wall_max = wall + reading, wall_min + reading, wall_max + reading
     typical = int(np.median(np.asarray(inp.bounds))) if len(inp.bounds) else 0
     e = relative_spread(cal, typical)
+    e_time = relative_spread(cal, typical, lengths=False)  # the extremes' lengths carry their own error
     predicted["wall_time_s"] = wall
     # the simulated schedule (of the tokenized rows, scaled): the load-free part of the prediction, which the
     # report sets beside the engine's steps and preemptions; with replicas, all of them together (the report's
@@ -987,7 +994,10 @@ def _predict_time(
         "peak_running_seqs": sum(x.peak_running for x in sims),
         "peak_kv_blocks": sum(x.peak_blocks for x in sims) or None,
     }
-    predicted["wall_time_range_s"] = [min(wall, wall_min) * (1 - e), wall * (1 + e)]
+    predicted["wall_time_range_s"] = [
+        min(wall, wall_min) * (1 - e),
+        max(wall * (1 + e), wall_max * (1 + e_time)),
+    ]
     # what the engine computes: after prefix sharing, and again for a request preempted (recompute)
     predicted["prompt_tokens_to_compute"] = round(sum(x.prompt_tokens for x in sims) * scale)
     devices = max(1, replicas) * max(1, ecfg.tensor_parallel_size)

@@ -13,8 +13,7 @@
  * Blocking (GotoBLAS's order, no packing of x): rows in blocks of MC, within a block the weight's k range in
  * chunks of KC (a panel's chunk, 32 KiB, stays in L1 while the block's rows pass over it; the rows' chunk,
  * MC x KC floats, stays in L2), and register tiles of 6 rows x 16 columns: 12 vector accumulators, two panel
- * loads and six broadcasts of x per k. Threads take the panels a few at a time (OpenMP, dynamic: a core another
- * process holds delays only the panels its thread took, not a fixed share of them); each thread writes its own
+ * loads and six broadcasts of x per k. Threads split the panels (OpenMP, static): each thread writes its own
  * columns, so no two threads touch the same output.
  *
  * SIMD: AVX2 and FMA (and BATCHGEN_GENERIC undefined) run the tile with intrinsics; otherwise the same loops
@@ -171,7 +170,7 @@ static int linear(const float *x, int64_t lda, const void *packed, const float *
 #pragma omp parallel num_threads(num_threads)
     for (int m0 = 0; m0 < M; m0 += MC) {
         const int m1 = M - m0 < MC ? M : m0 + MC;
-#pragma omp for schedule(dynamic, 4) nowait
+#pragma omp for schedule(static) nowait
         for (int p = 0; p < panels; p++) {
             const int cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
             panel_rows(x, lda, K, (const char *)packed + (int64_t)p * K * PANEL * weight_bytes(W),

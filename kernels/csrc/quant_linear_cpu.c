@@ -16,8 +16,7 @@
  * that one order: the SIMD kernels (AVX2 + FMA + F16C, and table lookups for 4-bit codes with AVX-512VL: the
  * build's -march=native picks them, and the CPU's flags are in the build key; see "The SIMD path" below) and
  * the plain-C loops (gemm below, the portable build and BATCHGEN_GENERIC), bit for bit equal. Plain-C blocking:
- * threads take the output rows in groups of NR, a few groups at a time (dynamic, as the SIMD path: a core another
- * process holds delays only the groups its thread took); a group's weights are dequantized one chunk (a block) at a
+ * threads split the output rows in groups of NR; a group's weights are dequantized one chunk (a block) at a
  * time into an L1 buffer and multiplied with up to MB input rows, each x value loaded once for the NR rows, so
  * the packed weights are read once per MB rows and never widened in memory.
  */
@@ -139,7 +138,7 @@ static void gemm(const float *x, int64_t lda, const void *ctx, fill_fn fill, int
     {
         float wb[NR * 256];
         float acc[MB][NR][8];
-#pragma omp for schedule(dynamic, 8)
+#pragma omp for schedule(static)
         for (int g = 0; g < groups; g++) {
             const int n0 = g * NR, nr = N - n0 < NR ? N - n0 : NR;
             for (int m0 = 0; m0 < M; m0 += MB) {
@@ -264,8 +263,8 @@ static void fill_fp8(const void *ctx, int n, int k0, int len, float *out) {
  * vpmovzx/vpmovsx, nibbles with shifts and masks, then cvtdq2ps and ggml's multiplies; Q6_K's 6-bit codes are
  * assembled as 32 int8 values by byte operations once per span), never through memory.
  *
- * Small batches (M <= FUSED_MAX, the memory-bound decode of a few sequences): threads take the outputs in
- * groups of GC, a few groups at a time; a group's weights are widened in registers and multiplied at once with up to FR input rows held
+ * Small batches (M <= FUSED_MAX, the memory-bound decode of a few sequences): threads split the outputs in
+ * groups of GC; a group's weights are widened in registers and multiplied at once with up to FR input rows held
  * as FR x GC vector accumulators over all of K, so each packed byte is read once per FR rows (once per step for
  * up to FR sequences). With at most XREG rows and 4-bit codes, the span's GC tables are built first and each 8 x
  * values are loaded once for the GC outputs (the products and their order unchanged). Larger batches: a group's weights are widened one chunk (KC values) at a time into an L1
@@ -629,7 +628,7 @@ static inline __attribute__((always_inline)) void simd_gemm_kind(const float *x,
     {
         float wb[BG * KC] __attribute__((aligned(32)));
         float sums[MBUF * BG * 8];
-#pragma omp for schedule(dynamic, 16)
+#pragma omp for schedule(static)
         for (int g = 0; g < groups; g++) {
             const int64_t n0 = (int64_t)g * width;
             const int nc = N - n0 < width ? (int)(N - n0) : width;
