@@ -209,7 +209,11 @@ class LLM:
                 ]
 
             ahead = iter(
-                prepare.prepare_ahead(image_requests, [(i, ids[i], params[i], loras[i]) for i in tokens])
+                prepare.prepare_ahead(
+                    image_requests,
+                    [(i, ids[i], params[i], loras[i]) for i in tokens],
+                    ramp=not prepare.shares_cores(engine),
+                )
             )
         for rid, prompt, p, lora in zip(ids, prompts, params, loras):
             if prompt.images:
@@ -224,7 +228,7 @@ class LLM:
 
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm, dynamic_ncols=True)
         task = (
-            prepare.PreparedInOrder(entries, collect, engine.has_unfinished)
+            prepare.PreparedInOrder(entries, collect, prepare.engine_busy(engine))
             if with_images
             else Requests(entries, collect)
         )

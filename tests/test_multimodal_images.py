@@ -122,6 +122,39 @@ def test_prompts_are_prepared_ahead_in_order_first_two_then_chunks_up_to_eight()
     assert sorted(seen) == [2, 4, 6, 8]
 
 
+def test_a_cpu_engine_waits_for_the_images_it_has_room_for_split_evenly(monkeypatch):
+    """On the CPU the preparing threads share the engine's cores: the tasks are even (the workers finish
+    together) and the engine is busy only once it holds as many requests as it has room for; an accelerator's
+    engine steps whenever it has work."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from batchgen.multimodal import prepare
+
+    monkeypatch.setattr(prepare, "_WORKERS", 2)
+    assert prepare.chunk_bounds(16, ramp=False) == [(0, 8), (8, 16)]
+    assert prepare.chunk_bounds(20, ramp=False) == [(0, 5), (5, 10), (10, 15), (15, 20)]
+    assert prepare.chunk_bounds(3, ramp=False) == [(0, 1), (1, 3)]
+    assert prepare.chunk_bounds(1, ramp=False) == [(0, 1)] and prepare.chunk_bounds(0, ramp=False) == []
+    held = [0]
+    engine = SimpleNamespace(
+        device=torch.device("cpu"),
+        config=SimpleNamespace(max_num_seqs=3),
+        num_unfinished=lambda: held[0],
+        has_unfinished=lambda: held[0] > 0,
+    )
+    busy = prepare.engine_busy(engine)
+    assert prepare.shares_cores(engine) and not busy()
+    held[0] = 2
+    assert not busy()  # room for one more: its images are waited for
+    held[0] = 3
+    assert busy()
+    engine.device = torch.device("meta")  # any device that is not the CPU's cores
+    held[0] = 1
+    assert not prepare.shares_cores(engine) and prepare.engine_busy(engine)()
+
+
 def test_relative_paths_are_read_from_the_base_then_the_working_directory(tmp_path, monkeypatch):
     (tmp_path / "data" / "img").mkdir(parents=True)
     (tmp_path / "data" / "img" / "a.png").write_bytes(_png(color=(1, 1, 1)))

@@ -1,7 +1,8 @@
 """Preparing image prompts for an engine, ahead of it and in worker threads: decoding, hashing and the
 processor's pixel work release the GIL (Pillow, torch), so images are prepared on other cores while the engine
-runs. Used by the Python API (:func:`prepare_ahead` and :class:`PreparedInOrder`: the engine starts on the first
-prepared prompts and later ones are admitted as they become ready) and the job (:func:`prepare`, in the
+runs. Used by the Python API (:func:`prepare_ahead` and :class:`PreparedInOrder`: an accelerator's engine starts
+on the first prepared prompts and later ones are admitted as they become ready; a CPU engine first waits for the
+prompts it has room for, :func:`shares_cores`) and the job (:func:`prepare`, in the
 window read-ahead thread) alike; a prompt whose images cannot be used gets its error message instead of an
 :class:`~batchgen.multimodal.inputs.ImagePrompt`, never an exception."""
 
@@ -59,18 +60,36 @@ CHUNK = 8
 (:meth:`ImagePrompts.build_many`)."""
 
 FIRST_CHUNK = 2
-"""Prompts of :func:`prepare_ahead`'s first task; each next task takes twice as many, up to :data:`CHUNK`: the
-engine starts on the first prompts ready instead of waiting for a whole chunk's images."""
+"""Prompts of :func:`prepare_ahead`'s first task when the engine runs beside the preparation (``ramp``); each
+next task takes twice as many, up to :data:`CHUNK`: the engine starts on the first prompts ready instead of
+waiting for a whole chunk's images."""
 
 
-def chunk_bounds(n: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` of :func:`prepare_ahead`'s tasks over ``n`` items: :data:`FIRST_CHUNK` items, then twice as
-    many each time, up to :data:`CHUNK`."""
+def chunk_bounds(n: int, ramp: bool = True) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of :func:`prepare_ahead`'s tasks over ``n`` items. ``ramp``: :data:`FIRST_CHUNK` items,
+    then twice as many each time, up to :data:`CHUNK`. Else tasks of equal size (within one) up to
+    :data:`CHUNK`, as many as a multiple of the worker threads, so that the workers finish together."""
+    if not ramp:
+        tasks = -(-n // CHUNK)
+        tasks = -(-tasks // _WORKERS) * _WORKERS
+        return [
+            (n * k // tasks, n * (k + 1) // tasks)
+            for k in range(tasks)
+            if n * k // tasks < n * (k + 1) // tasks
+        ]
     out, lo, size = [], 0, min(FIRST_CHUNK, CHUNK)
     while lo < n:
         out.append((lo, min(n, lo + size)))
         lo, size = lo + size, min(CHUNK, size * 2)
     return out
+
+
+def shares_cores(engine: Any) -> bool:
+    """Whether ``engine`` computes on the cores the preparing threads run on (the CPU device): then the two
+    teams of threads slow each other (the engine's parallel regions wait for a thread whose core a preparing
+    thread holds), and the engine waits for the images of the requests it has room for instead of stepping
+    beside their preparation (:func:`engine_busy`), which is split evenly over the workers."""
+    return engine.device.type == "cpu"
 
 
 def prepare_many(
@@ -97,8 +116,10 @@ def prepare(
 T = TypeVar("T")
 
 
-def prepare_ahead(make_many: Callable[[list[Any]], list[T]], args: Sequence[Any]) -> list[Future[T]]:
-    """``make_many(chunk)`` over the chunks of ``args`` (:func:`chunk_bounds`) in worker threads, started now
+def prepare_ahead(
+    make_many: Callable[[list[Any]], list[T]], args: Sequence[Any], ramp: bool = True
+) -> list[Future[T]]:
+    """``make_many(chunk)`` over the chunks of ``args`` (:func:`chunk_bounds` with ``ramp``) in worker threads, started now
     in order: one future per item, in order (cancelling one before its chunk starts skips the chunk once all
     of its items are cancelled). The threads end once the last chunk is done (nothing waits for them here)."""
     futures: list[Future[T]] = [Future() for _ in args]
@@ -120,18 +141,28 @@ def prepare_ahead(make_many: Callable[[list[Any]], list[T]], args: Sequence[Any]
 
     pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="batchgen-images")
     try:
-        for lo, hi in chunk_bounds(len(args)):
+        for lo, hi in chunk_bounds(len(args), ramp):
             pool.submit(run, lo, hi)
     finally:
         pool.shutdown(wait=False)
     return futures
 
 
+def engine_busy(engine: Any) -> Callable[[], bool]:
+    """When :class:`PreparedInOrder` lets ``engine`` step instead of waiting for the next prompt's images:
+    whenever it has work, so its steps overlap the preparing threads; when it :func:`shares_cores` with them,
+    once it holds as many requests as it has room for (``max_num_seqs``)."""
+    if not shares_cores(engine):
+        return engine.has_unfinished
+    room = engine.config.max_num_seqs
+    return lambda: engine.num_unfinished() >= room
+
+
 class PreparedInOrder(Requests):
     """A driver task (:class:`batchgen.driver.Requests`) over requests known up front, some still being prepared
     (a future of the request, or of the error output of a prompt whose images cannot be used): supplied in
-    the given order as each becomes ready. The next one is waited for only when ``engine_busy()`` says the
-    engine has nothing to run, so preparation overlaps the engine's steps. An error output is handed to
+    the given order as each becomes ready. The next one is waited for only when ``engine_busy()`` is false
+    (:func:`engine_busy`), so preparation overlaps the engine's steps. An error output is handed to
     ``on_finished`` when its turn comes, and never reaches the engine."""
 
     def __init__(
