@@ -2,8 +2,8 @@
 processor's pixel work release the GIL (Pillow, torch), so images are prepared on other cores while the engine
 runs. Used by the Python API (:func:`prepare_ahead` and :class:`PreparedInOrder`: an accelerator's engine starts
 on the first prepared prompts and later ones are admitted as they become ready; a CPU engine first waits for the
-prompts it has room for, :func:`shares_cores`) and the job (:func:`prepare`, in the
-window read-ahead thread) alike; a prompt whose images cannot be used gets its error message instead of an
+prompts it has room for, :func:`shares_cores`) and the job (:func:`prepare`, in the window read-ahead thread)
+alike; a prompt whose images cannot be used gets its error message instead of an
 :class:`~batchgen.multimodal.inputs.ImagePrompt`, never an exception."""
 
 from __future__ import annotations
@@ -119,9 +119,10 @@ T = TypeVar("T")
 def prepare_ahead(
     make_many: Callable[[list[Any]], list[T]], args: Sequence[Any], ramp: bool = True
 ) -> list[Future[T]]:
-    """``make_many(chunk)`` over the chunks of ``args`` (:func:`chunk_bounds` with ``ramp``) in worker threads, started now
-    in order: one future per item, in order (cancelling one before its chunk starts skips the chunk once all
-    of its items are cancelled). The threads end once the last chunk is done (nothing waits for them here)."""
+    """``make_many(chunk)`` over the chunks of ``args`` (:func:`chunk_bounds` with ``ramp``) in worker threads,
+    started now in order: one future per item, in order (cancelling one before its chunk starts skips the chunk
+    once all of its items are cancelled). The threads end once the last chunk is done (nothing waits for them
+    here)."""
     futures: list[Future[T]] = [Future() for _ in args]
 
     def run(lo: int, hi: int) -> None:
