@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from batchgen.kernels import cpu_quant_linear
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
+from batchgen.models.quant.quant_linear import multiply_parts
 
 FP8 = torch.float8_e4m3fn
 _VALUES = torch.arange(256, dtype=torch.uint8).view(FP8).float()
@@ -108,23 +109,11 @@ class Fp8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self._kernel(x):
             return nn.functional.linear(x, self.dense_weight(), self.bias)
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        if len(self.weights) == 1:
-            out = cpu_quant_linear.fp8_linear(
-                rows, self.weights[0], self.scales[0], self.groups[0], self.bias
-            )
-            return out.view(*lead, self.out_features)
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        col = 0
-        for i, w in enumerate(self.weights):
-            n = w.shape[0]
-            bias = None if self.bias is None else self.bias[col : col + n]
-            cpu_quant_linear.fp8_linear(
-                rows, w, self.scales[i], self.groups[i], bias, out=out[:, col : col + n]
-            )
-            col += n
-        return out.view(*lead, self.out_features)
+
+        def product(i: int, rows: Tensor, bias: Tensor | None, out: Tensor) -> None:
+            cpu_quant_linear.fp8_linear(rows, self.weights[i], self.scales[i], self.groups[i], bias, out=out)
+
+        return multiply_parts(x, self.in_features, [w.shape[0] for w in self.weights], self.bias, product)
 
     def _kernel(self, x: Tensor) -> bool:
         """Whether the C kernel multiplies (float32 CPU input, :attr:`groups_fit`); else the float32 weight is

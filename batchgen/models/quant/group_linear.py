@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from batchgen.kernels import cpu_quant_linear
+from batchgen.models.quant.quant_linear import multiply_parts
 
 
 @dataclass
@@ -126,24 +127,19 @@ class GroupQuantLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not cpu_quant_linear.available():
             return nn.functional.linear(x, self.dense_weight(), self.bias)
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        col = 0
-        for i, (packed, scales) in enumerate(zip(self.packed, self.scales)):
-            n, perm = packed.shape[0], self._perm(i)
+
+        def product(i: int, rows: Tensor, bias: Tensor | None, out: Tensor) -> None:
+            perm = self._perm(i)
             inputs = rows if perm is None else rows.index_select(1, perm)
-            bias = None if self.bias is None else self.bias[col : col + n]
-            cpu_quant_linear.int_linear(inputs, packed, self.bits[i], scales, self.groups[i], bias,
-                                        out=out[:, col : col + n])  # fmt: skip
+            cpu_quant_linear.int_linear(inputs, self.packed[i], self.bits[i], self.scales[i], self.groups[i], bias,
+                                        out=out)  # fmt: skip
             zero = getattr(self, f"zero{i}")
             if (
                 zero is not None
             ):  # the zero points' share: each group's input sum times (offset - zero) * scale
-                sums = inputs.reshape(inputs.shape[0], -1, self.groups[i]).sum(-1)
-                out[:, col : col + n].addmm_(sums, zero.t())
-            col += n
-        return out.view(*lead, self.out_features)
+                out.addmm_(inputs.reshape(inputs.shape[0], -1, self.groups[i]).sum(-1), zero.t())
+
+        return multiply_parts(x, self.in_features, [p.shape[0] for p in self.packed], self.bias, product)
 
     def dense_weight(self) -> Tensor:
         """The dequantized ``[out, in]`` float32 weight, inputs in the checkpoint's order."""

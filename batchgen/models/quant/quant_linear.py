@@ -11,10 +11,33 @@ weight (correct, slow).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import Tensor, nn
 
 from batchgen.kernels import cpu_quant_linear
+
+
+def multiply_parts(
+    x: Tensor,
+    in_features: int,
+    rows: Sequence[int],
+    bias: Tensor | None,
+    product: Callable[[int, Tensor, Tensor | None, Tensor], object],
+) -> Tensor:
+    """``x [..., in_features]`` times a fused projection's parts -> ``[..., sum(rows)]`` float32: part ``i``
+    (``rows[i]`` outputs) writes its columns of one output with ``product(i, x_rows, bias_slice, out_view)``
+    (``x_rows`` ``[M, in_features]``, ``out_view`` the part's ``[M, rows[i]]`` columns, ``bias_slice`` its
+    slice of ``bias`` or None). The quantized layers' shared frame: one output, no concatenation."""
+    lead = x.shape[:-1]
+    x_rows = x.reshape(-1, in_features)
+    out = torch.empty(x_rows.shape[0], sum(rows), dtype=torch.float32)
+    col = 0
+    for i, n in enumerate(rows):
+        product(i, x_rows, None if bias is None else bias[col : col + n], out[:, col : col + n])
+        col += n
+    return out.view(*lead, out.shape[1])
 
 
 class QuantLinear(nn.Module):
@@ -37,23 +60,13 @@ class QuantLinear(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
         if not cpu_quant_linear.available():
             return nn.functional.linear(x, self.dense_weight(), self.bias)
-        if len(self.type_ids) == 1:
-            out = cpu_quant_linear.linear(
-                rows, self.weights[0], self.type_ids[0], self.in_features, self.bias
-            )
-            return out.view(*lead, self.out_features)
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        col = 0
-        for packed, type_id in zip(self.weights, self.type_ids):
-            n = packed.shape[0]
-            bias = None if self.bias is None else self.bias[col : col + n]
-            cpu_quant_linear.linear(rows, packed, type_id, self.in_features, bias, out=out[:, col : col + n])
-            col += n
-        return out.view(*lead, self.out_features)
+
+        def product(i: int, rows: Tensor, bias: Tensor | None, out: Tensor) -> None:
+            cpu_quant_linear.linear(rows, self.weights[i], self.type_ids[i], self.in_features, bias, out=out)
+
+        return multiply_parts(x, self.in_features, [w.shape[0] for w in self.weights], self.bias, product)
 
     def dense_weight(self) -> Tensor:
         """The dequantized ``[out, in]`` float32 weight."""
