@@ -45,7 +45,7 @@ PYEOF
 cat "$OUT/env.txt" >> "$LOG"
 
 # 1. batchgen.kernels importable (the package maps kernels/ -> batchgen.kernels in pyproject.toml).
-importable() { (cd /tmp && "$PY" -c "import batchgen.kernels.decode_attention, batchgen.engine.attention") >/dev/null 2>&1; }
+importable() { (cd /tmp && "$PY" -c "import batchgen.kernels.decode_attention, batchgen.attention") >/dev/null 2>&1; }
 if importable; then
     log "batchgen already importable: $(cd /tmp && "$PY" -c 'import batchgen; print(batchgen.__file__)')"
 else
@@ -70,7 +70,7 @@ XDIST=()
 "$PY" -c "import xdist" >/dev/null 2>&1 && XDIST=(-n 8)
 log "pytest -m gpu ${XDIST[*]} (timeout ${TEST_TIMEOUT:-150}s)"
 timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -m gpu -q -rfEs -p no:cacheprovider "${XDIST[@]}" \
-    --junitxml="$OUT/pytest_gpu.xml" tests/test_kernels.py tests/test_attention_e2e.py \
+    --junitxml="$OUT/pytest_gpu.xml" tests/test_kernels.py tests/test_attention_e2e.py tests/test_lora_kernels.py \
     >"$OUT/pytest_gpu.log" 2>&1
 TEST_RC=$?
 tail -n 15 "$OUT/pytest_gpu.log" | tee -a "$LOG"
