@@ -9,7 +9,8 @@ token tile by one adapter's factors (a segmented GEMM, no per-token gather of we
 * expand, once per part ``i``: ``y[tokens, offsets[i] + n] += (h[rows, i*R:(i+1)*R] @ B_i[slot]^T) * scale``
   for the ``j``-th tile of ``n``. Each ``(token, column)`` belongs to exactly one program: no atomics.
 
-Accumulation is float32; the delta is cast to ``y``'s dtype when added.
+Accumulation is float32; the delta is cast to ``y``'s dtype when added. With float32 ``x`` or ``y`` the products
+are exact float32 (``input_precision="ieee"``), never the tensor cores' tf32 rounding.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     m = tl.program_id(0)
     j = tl.program_id(1)
@@ -63,7 +65,10 @@ def _shrink_kernel(
             mask=r_ok[None, :] & k_ok[:, None],
             other=0.0,
         )
-        acc += tl.dot(xt.to(tl.float32), at.to(tl.float32))
+        if FP32_DOT:
+            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32))
     tl.store(
         h_ptr + rows[:, None].to(tl.int64) * stride_h + r[None, :], acc, mask=row_ok[:, None] & r_ok[None, :]
     )
@@ -90,6 +95,7 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     m = tl.program_id(0)
     j = tl.program_id(1)
@@ -113,7 +119,10 @@ def _expand_kernel(
         mask=r_ok[:, None] & n_ok[None, :],
         other=0.0,
     )
-    delta = tl.dot(ht, bt.to(tl.float32))
+    if FP32_DOT:
+        delta = tl.dot(ht, bt.to(tl.float32), input_precision="ieee")
+    else:
+        delta = tl.dot(ht, bt.to(tl.float32))
     scale = tl.load(scale_ptr + slot * num_parts + part)
     delta = delta * scale
     mask = row_ok[:, None] & n_ok[None, :]
@@ -139,11 +148,14 @@ def add_lora_triton(y: Tensor, x: Tensor, plan: LoRAPlan, w: LoRAWeights) -> Ten
     block_k = max(16, min(64, triton.next_power_of_2(in_features)))
     grid = (nblocks, triton.cdiv(total_rank, block_r))
     meta = (plan.order, plan.block_slot, plan.block_start, plan.block_end)
+    # A float32 model's products are exact float32 (FMA units); 16-bit inputs are exact in the tensor cores'
+    # default tf32 inputs, so they keep the fast path.
+    fp32_dot = x.dtype == torch.float32 or y.dtype == torch.float32
     if interpreting(device) and x.dtype == torch.bfloat16:  # the interpreter computes bfloat16 wrongly
         x = x.float()
     _shrink_kernel.on(device)[grid](
         x, a, h, *meta, in_features, total_rank, x.stride(0), a.stride(0), h.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k, FP32_DOT=fp32_dot,
     )  # fmt: skip
     block_rank = max(16, triton.next_power_of_2(rank))
     for part, (offset, size) in enumerate(zip(w.offsets, w.sizes)):
@@ -152,6 +164,6 @@ def add_lora_triton(y: Tensor, x: Tensor, plan: LoRAPlan, w: LoRAWeights) -> Ten
         grid = (nblocks, triton.cdiv(size, block_n))
         _expand_kernel.on(device)[grid](
             h, b, w.scale, y, *meta, rank, part, num_parts, size, offset, h.stride(0), b.stride(0), y.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_R=block_rank, BLOCK_N=block_n,
+            BLOCK_M=BLOCK_M, BLOCK_R=block_rank, BLOCK_N=block_n, FP32_DOT=fp32_dot,
         )  # fmt: skip
     return y
