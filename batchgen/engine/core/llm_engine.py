@@ -40,7 +40,7 @@ from batchgen.engine.worker.tp_launch import TPGroup, WorkerSetup
 from batchgen.engine.worker.tp_launch import start as start_ranks
 from batchgen.lora_request import LoRARequest
 from batchgen.models.loader import check_tensor_parallel, load_model, load_tokenizer
-from batchgen.runtime import startup_trace, threads
+from batchgen.runtime import gc_tuning, startup_trace, threads
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class LLMEngine:
         """``load(device, tp_rank, tp_size)``: builds (rank ``tp_rank``'s shard of) the model instead of the
         checkpoint's default loader (pooling models); picklable under tensor parallelism (every rank calls
         it)."""
+        gc_tuning.freeze_startup_heap()  # full collections skip the import-time heap (batchgen/runtime)
         self.config = config = engine_config or EngineConfig()
         backend = self._load(model, config, dtype, implementation, load)
         self.tokenizer = load_tokenizer(tokenizer or model)
