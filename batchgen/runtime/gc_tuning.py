@@ -10,11 +10,14 @@ requests, results).
 
 Invariant: a frozen object is still freed by reference counting, but never as part of cyclic garbage, so what is
 frozen is the import-time heap and what the caller held when it built its first engine, never an engine (its
-model, KV pool and requests are made after the freeze). No-op when ``BATCHGEN_GC_FREEZE=0``.
+model, KV pool and requests are made after the freeze). At exit the heap is unfrozen again, so the interpreter's
+shutdown reclaims it as usual (nanobind-based extensions such as Triton report objects left alive then as leaks).
+No-op when ``BATCHGEN_GC_FREEZE=0``.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 
@@ -31,4 +34,5 @@ def freeze_startup_heap() -> bool:
         return False
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)  # shutdown collects them again (extension modules check for leaks)
     return True

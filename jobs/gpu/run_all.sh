@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one prepared run (for a borrowed CUDA machine; logs and results under $OUT):
 #   1. jobs/gpu/check.sh: the Triton kernels' tests compiled for real + the kernel benchmark,
-#   2. the sampler's CUDA tests,
+#   2. the sampler's CUDA tests, then jobs/gpu/features_check.py: each engine feature on CUDA against the CPU
+#      (greedy tokens of text, n > 1 prefix sharing, LoRA, images; embeddings; fp8 KV agreement; $OUT/features.log),
 #   3. the engine check, the throughput benchmark with check=true (python -m batchgen.bench.throughput):
 #      greedy equality in float32 (Triton vs torch vs transformers; exit status 1 if Triton and torch
 #      disagree), the KV pool sized from engine.gpu_memory_utilization after a profiling forward (kv_sizing in
@@ -16,7 +17,7 @@
 #      (alternate=false: one vLLM start per workload, CUDA graphs and torch.compile on, as users run it).
 #   4. batchgen alone again with engine.async_scheduling=true on shared_prefix and unique ($OUT/async_check.log).
 # Every step fails soft: a missing tool or a failed step is logged and the next step still runs; the exit status
-# says whether the first three passed.
+# says whether the first three passed (the features check included).
 # Sizes: ENGINE_ROWS (default 256) rows per workload, ENGINE_TOKENS (default 128) generated tokens per row,
 # ENGINE_REPEATS (default 1). The defaults fit a 10-minute command on an H200 with time to spare (measured:
 # kernels and sampler about 2.5 minutes, the engine check on two workloads about 2); transformers' long_tail run
@@ -46,6 +47,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampler.py >"$OUT/sampler_gpu.log" 2>&1
 rc_sampler=$?
 tail -n 3 "$OUT/sampler_gpu.log"
+# 2b. Each engine feature on CUDA against the CPU, float32, on tiny checkpoints (text, prefix sharing with n > 1,
+#     LoRA, images, embeddings, the fp8 KV cache): one line each.
+timeout "${FEATURES_TIMEOUT:-120}" python3 jobs/gpu/features_check.py --device cuda >"$OUT/features.log" 2>&1
+rc_features=$?
+grep -v -E "^\s|Traceback|^[A-Za-z]+Error" "$OUT/features.log" | tail -n 8
 
 # vLLM's CUDA build: its own interpreter (it pins its own torch), found without importing it into ours.
 VLLM_PY="${VLLM_PYTHON:-}"
@@ -94,5 +100,5 @@ if [[ -s "$OUT/gpu_util.csv" ]]; then
     awk -F', ' '{n++; s+=$2; if ($2 < 5) idle++} END {if (n) printf "nvidia-smi samples %d: mean utilisation %.0f%%, samples under 5%%: %.0f%%\n", n, s/n, 100*idle/n}' \
         "$OUT/gpu_util.csv" | tee "$OUT/gpu_util_summary.txt"
 fi
-echo "kernels $rc_kernels, sampler $rc_sampler, engine $rc_engine, async $rc_async"
-[[ $rc_kernels == 0 && $rc_sampler == 0 && $rc_engine == 0 ]]
+echo "kernels $rc_kernels, sampler $rc_sampler, features $rc_features, engine $rc_engine, async $rc_async"
+[[ $rc_kernels == 0 && $rc_sampler == 0 && $rc_features == 0 && $rc_engine == 0 ]]
