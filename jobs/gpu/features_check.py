@@ -63,24 +63,9 @@ class Checkpoints:
         return self.get("llama", lambda p: build_checkpoint(p, hidden_size=64, num_layers=2, num_heads=4))
 
     def adapter(self) -> str:
-        def make(path: str) -> str:
-            import torch
-            from peft import LoraConfig, get_peft_model
-            from transformers import AutoModelForCausalLM
+        from batchgen.bench.lora import write_adapter
 
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_pretrained(self.llama(), dtype=torch.float32)
-            targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
-            peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
-            g = torch.Generator().manual_seed(1)
-            with torch.no_grad():
-                for name, p in peft_model.named_parameters():
-                    if "lora_" in name:
-                        p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-            peft_model.save_pretrained(path, safe_serialization=True)
-            return path
-
-        return self.get("adapter", make)
+        return self.get("adapter", lambda p: write_adapter(self.llama(), Path(p), rank=8, seed=1))
 
     def llava(self) -> str:
         from batchgen.multimodal.tiny import build_llava
