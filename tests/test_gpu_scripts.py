@@ -36,7 +36,7 @@ def test_the_features_check_runs_each_feature_against_the_cpu(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
-    for feature in ("text", "prefix_cow", "lora", "image", "embed", "kv_fp8"):
+    for feature in ("text", "prefix_cow", "lora", "image", "embed", "kv_fp8", "gptq", "fp8", "gguf"):
         assert " ok " in lines[feature], lines.get(feature)
-    assert "features: 0 of 6 not ok on cpu" in out.stdout
+    assert "features: 0 of 9 not ok on cpu" in out.stdout
     assert "leaked" not in out.stderr  # the frozen start-up heap is released at exit

@@ -333,11 +333,7 @@ def load_native_model(
     model = _empty_model(config, device)
     scheme = quantization_scheme(ckpt)  # quantized projections (batchgen.models.quant)
     replaced: tuple[str, ...] = ()
-    if scheme is not None:
-        if device.type != "cpu":
-            raise UnsupportedCheckpoint(
-                f"quantized checkpoint {ckpt} runs on the CPU here: set engine.device=cpu"
-            )
+    if scheme is not None:  # on a GPU, the Triton weight-only kernels (batchgen.kernels.quant_linear_triton)
         if isinstance(scheme, IntScheme):  # compressed-tensors' packed tensors stream in like float ones
             replace_linears(model, config, scheme, TensorReader(files).where)
             rename = _without_shapes(rename)

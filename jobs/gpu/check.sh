@@ -2,7 +2,7 @@
 # One prepared GPU check for the paged-attention kernels (issue 7), for a borrowed CUDA machine:
 #   1. makes batchgen (and batchgen.kernels, which lives in kernels/) importable from this checkout,
 #   2. runs the CUDA kernel tests compiled for real (pytest -m gpu: tests/test_kernels.py and the engine's
-#      triton-vs-torch greedy test tests/test_attention_e2e.py),
+#      triton-vs-torch greedy test tests/test_attention_e2e.py; the LoRA and weight-only quantized GEMMs),
 #   3. runs the kernel benchmark (python -m batchgen.bench.kernels).
 # Logs go to $OUT (default: a new /tmp/gpu_check.* folder): check.log, env.txt, pytest_gpu.log, pytest_gpu.xml,
 # bench_kernels.log, bench_kernels.json. Budget: under 6 minutes on an H200 even when every step runs into its
@@ -71,7 +71,7 @@ XDIST=()
 log "pytest -m gpu ${XDIST[*]} (timeout ${TEST_TIMEOUT:-150}s)"
 timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -m gpu -q -rfEs -p no:cacheprovider "${XDIST[@]}" \
     --junitxml="$OUT/pytest_gpu.xml" tests/test_kernels.py tests/test_attention_e2e.py tests/test_lora_kernels.py \
-    >"$OUT/pytest_gpu.log" 2>&1
+    tests/test_quant_linear_triton.py >"$OUT/pytest_gpu.log" 2>&1
 TEST_RC=$?
 tail -n 15 "$OUT/pytest_gpu.log" | tee -a "$LOG"
 log "tests exit status $TEST_RC"
@@ -87,6 +87,15 @@ timeout "${BENCH_TIMEOUT:-140}" "${BENCH[@]}" >"$OUT/bench_kernels.log" 2>&1
 BENCH_RC=$?
 tail -n 60 "$OUT/bench_kernels.log" | tee -a "$LOG"
 log "benchmark exit status $BENCH_RC"
+
+# 4. Weight-only quantized GEMMs (int4, int8, fp8) against torch.matmul by the dequantized bfloat16 weight.
+if [[ $DRY_RUN == 0 ]]; then
+    log "python -m batchgen.bench.quant_gemm (timeout ${QUANT_BENCH_TIMEOUT:-90}s)"
+    timeout "${QUANT_BENCH_TIMEOUT:-90}" "$PY" -m batchgen.bench.quant_gemm --json "$OUT/bench_quant_gemm.json" \
+        >"$OUT/bench_quant_gemm.log" 2>&1
+    log "quantized GEMM benchmark exit status $?"
+    tail -n 30 "$OUT/bench_quant_gemm.log" | tee -a "$LOG"
+fi
 
 log "done: tests $TEST_RC, benchmark $BENCH_RC"
 [[ $TEST_RC == 0 && $BENCH_RC == 0 ]]

@@ -6,7 +6,8 @@
 For every feature the same prompts run through ``batchgen.LLM`` twice, once with ``device=DEVICE`` and once with
 ``device=cpu`` (the reference: the CPU path is held to transformers by the test suite), and the outputs are
 compared: greedy token ids (text, LoRA adapters, images, prefix sharing with copy-on-write of ``n > 1`` greedy
-samples), embeddings by cosine similarity (pooling), and, for the fp8 KV cache, the share of rows whose tokens
+samples, quantized weights through the Triton weight-only GEMMs: GPTQ int4 with activation order and zero
+points, block fp8, a GGUF file holding every block format), embeddings by cosine similarity (pooling), and, for the fp8 KV cache, the share of rows whose tokens
 agree (an approximation on both sides: reported, not required). A line per feature says ``ok``, ``MISMATCH`` or
 ``ERROR`` with the first difference or the exception; the exit status is 1 when any feature is not ok.
 """
@@ -22,7 +23,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-FEATURES = ("text", "prefix_cow", "lora", "image", "embed", "kv_fp8")
+FEATURES = ("text", "prefix_cow", "lora", "image", "embed", "kv_fp8", "gptq", "fp8", "gguf")
+GGUF_TYPES = {
+    "attn_q": 12,
+    "attn_k": 2,
+    "attn_v": 14,
+    "attn_output": 6,
+    "ffn_gate": 3,
+    "ffn_up": 7,
+    "ffn_down": 8,
+}
+"""One projection per block format: Q4_K, Q4_0, Q6_K, Q5_0, Q4_1, Q5_1, Q8_0 (ggml type ids)."""
 NEW = 12
 
 
@@ -61,6 +72,26 @@ class Checkpoints:
         from batchgen.models.tiny import build_checkpoint
 
         return self.get("llama", lambda p: build_checkpoint(p, hidden_size=64, num_layers=2, num_heads=4))
+
+    def llama256(self) -> str:
+        """GGUF's K-quants need rows of whole 256-value blocks."""
+        from batchgen.models.tiny import build_checkpoint
+
+        return self.get("llama256", lambda p: build_checkpoint(p, hidden_size=256, intermediate_size=512,
+                                                               num_layers=2, num_heads=4))  # fmt: skip
+
+    def quantized(self, kind: str) -> str:
+        from batchgen.models.quant import writers
+
+        if kind == "gptq":
+            return self.get(
+                kind, lambda p: writers.write_gptq(self.llama256(), Path(p), desc_act=True, sym=False)
+            )
+        if kind == "fp8":
+            return self.get(kind, lambda p: writers.write_block_fp8(self.llama256(), Path(p), block=(48, 96)))
+        from batchgen.models.quant.gguf_writer import write_gguf
+
+        return self.get(kind, lambda p: write_gguf(self.llama256(), Path(p + ".gguf"), GGUF_TYPES, seed=1))
 
     def adapter(self) -> str:
         from batchgen.bench.lora import write_adapter
@@ -110,6 +141,9 @@ def run_feature(name: str, device: str, ckpt: Checkpoints) -> Any:
             {"prompt": "USER: <image><image>\nCompare. ASSISTANT:", "multi_modal_data": {"image": _images(2)}}
         )
         return _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
+    if name in ("gptq", "fp8", "gguf"):
+        llm = LLM(ckpt.quantized(name), **opts)
+        return _tokens(llm.generate(_prompts(), _greedy(), use_tqdm=False))
     if name == "embed":
         llm = LLM(ckpt.llama(), task="embed", **opts)
         out = llm.embed(_prompts(), use_tqdm=False)

@@ -2,7 +2,8 @@
 # The whole GPU check in one prepared run (for a borrowed CUDA machine; logs and results under $OUT):
 #   1. jobs/gpu/check.sh: the Triton kernels' tests compiled for real + the kernel benchmark,
 #   2. the sampler's CUDA tests, then jobs/gpu/features_check.py: each engine feature on CUDA against the CPU
-#      (greedy tokens of text, n > 1 prefix sharing, LoRA, images; embeddings; fp8 KV agreement; $OUT/features.log),
+#      (greedy tokens of text, n > 1 prefix sharing, LoRA, images, GPTQ / fp8 / GGUF weights; embeddings; fp8 KV
+#      agreement; $OUT/features.log),
 #   3. the engine check, the throughput benchmark with check=true (python -m batchgen.bench.throughput):
 #      greedy equality in float32 (Triton vs torch vs transformers; exit status 1 if Triton and torch
 #      disagree), the KV pool sized from engine.gpu_memory_utilization after a profiling forward (kv_sizing in
@@ -25,7 +26,8 @@
 # left to ENGINE_WORKLOADS=shared_prefix,unique,long_tail.
 #
 # From a borrowed machine whose image lacks Hydra (carry the wheels of hydra-core, omegaconf and
-# antlr4-python3-runtime in an ignored .whl/ folder), with every log coming back as one archive:
+# antlr4-python3-runtime in an ignored .whl/ folder, and gguf's for the GGUF feature), with every log coming back
+# as one archive:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 #   R=$OUT; OUT=/tmp/g timeout 560 bash jobs/gpu/run_all.sh; tar czf "$R/all.tgz" -C /tmp g
 #

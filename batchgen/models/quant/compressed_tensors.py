@@ -31,9 +31,11 @@ import torch
 from torch import Tensor, nn
 
 from batchgen.kernels import cpu_quant_linear
+from batchgen.kernels.quant_linear_triton import int_linear_triton
 from batchgen.models.quant.fp8 import Fp8Scheme, block_fp8_scheme
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
 from batchgen.models.quant.gptq_awq import awq_scheme, gptq_scheme
+from batchgen.models.quant.quant_linear import on_triton
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,8 @@ def _kv_scheme_supported(kv: dict) -> bool:
 class IntQuantLinear(nn.Module):
     """A projection over compressed-tensors' packed integer weights (module docstring). Invariants: `weight_packed`
     is ``[out, in * bits / 32]`` int32, `weight_scale` ``[out, in / group]`` float32 contiguous (never re-laid
-    out: `keeps_layout`); forward takes and returns float32, any leading shape."""
+    out: `keeps_layout`); forward takes any leading shape and returns `x`'s dtype (float32 on the CPU; on CUDA the
+    Triton kernel multiplies)."""
 
     keeps_layout = True
 
@@ -227,6 +230,9 @@ class IntQuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if on_triton(x):
+            return int_linear_triton(x, self.weight_packed, self.scheme.bits, self.weight_scale, self.group,
+                                     self.bias, round_bf16=self.scheme.round_bf16)  # fmt: skip
         if not cpu_quant_linear.available():
             return nn.functional.linear(x, self.dense_weight(), self.bias)
         return cpu_quant_linear.int_linear(
@@ -277,6 +283,7 @@ def replace_linears(model: nn.Module, config, scheme: IntScheme, names) -> list[
             )
         parent, _, attr = name.rpartition(".")
         quant = IntQuantLinear(module.in_features, module.out_features, module.bias is not None, scheme)
+        quant = quant.to(module.weight.device)
         setattr(model.get_submodule(parent), attr, quant)
         replaced.append(name)
     if not replaced:

@@ -9,8 +9,9 @@ in float32 (``fp8 → float32``, times the scale: the one rounding transformers'
 multiplies in float32; activations are not quantized. That is what transformers computes on a CPU: its
 fine-grained fp8 integration dequantizes on machines without an fp8 GPU, and compressed-tensors decompresses to
 float32. On the CPU the weight-only GEMM of :mod:`batchgen.kernels.cpu_quant_linear` widens the fp8 bytes in
-registers as it multiplies (``fp8_linear``: the same dequantized values); elsewhere (a GPU, scale blocks that
-do not divide the inputs) the layer's float32 weight is widened for the step. fp8 checkpoints keep a quarter of
+registers as it multiplies (``fp8_linear``: the same dequantized values), and on CUDA the Triton kernel of
+:mod:`batchgen.kernels.quant_linear_triton` decodes the bytes in registers likewise; elsewhere (CPU scale blocks
+that do not divide the inputs) the layer's float32 weight is widened for the step. fp8 checkpoints keep a quarter of
 float32's weight bytes in memory.
 
 Invariant: `dense_weight()` is ``float32(q) * float32(scale)`` elementwise, bit for bit transformers' and
@@ -25,8 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from batchgen.kernels import cpu_quant_linear
+from batchgen.kernels.quant_linear_triton import fp8_linear_triton
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
-from batchgen.models.quant.quant_linear import multiply_parts
+from batchgen.models.quant.quant_linear import multiply_parts, on_triton
 
 FP8 = torch.float8_e4m3fn
 _VALUES = torch.arange(256, dtype=torch.uint8).view(FP8).float()
@@ -107,11 +109,13 @@ class Fp8Linear(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self._kernel(x):
+        triton = on_triton(x)
+        if not triton and not self._kernel(x):
             return nn.functional.linear(x, self.dense_weight(), self.bias)
+        linear = fp8_linear_triton if triton else cpu_quant_linear.fp8_linear
 
         def product(i: int, rows: Tensor, bias: Tensor | None, out: Tensor) -> None:
-            cpu_quant_linear.fp8_linear(rows, self.weights[i], self.scales[i], self.groups[i], bias, out=out)
+            linear(rows, self.weights[i], self.scales[i], self.groups[i], bias, out=out)
 
         return multiply_parts(x, self.in_features, [w.shape[0] for w in self.weights], self.bias, product)
 

@@ -8,6 +8,8 @@ Q6_K, Q4_1, Q5_0, Q5_1) stay packed (:class:`~batchgen.models.quant.quant_linear
 part's format); float tensors (F32, F16, BF16) and quantized embeddings and norms are widened to float32 once, with
 transformers' transforms (llama.cpp's q/k row order reversed, on the packed rows). The model computes in
 float32 on the CPU: greedy output equals transformers' (which dequantizes everything to float32) token for token.
+On a GPU the projections are repacked once at load into grouped integers (:mod:`.gguf_repack`) that the Triton
+weight-only GEMM multiplies, still in float32.
 
 Invariants: every parameter is written exactly once, and a tensor in a format batchgen does not run, or an
 architecture it has no GGUF mapping for, is refused by name before anything is computed
@@ -26,6 +28,7 @@ from torch import nn
 
 from batchgen.kernels.cpu_quant_linear import FORMATS
 from batchgen.models.config import CAUSAL_ARCHITECTURE_OF_TYPE, ModelConfig
+from batchgen.models.quant.group_linear import GroupQuantLinear
 from batchgen.models.quant.quant_linear import QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -114,14 +117,8 @@ def load_gguf_model(path: Path, dtype: torch.dtype | str = "auto", device: str |
 
     gguf = _require_gguf()
     device = torch.device(device)
-    if device.type != "cpu":
-        raise UnsupportedCheckpoint(
-            f"GGUF checkpoints run on the CPU here, not on {device}: set engine.device=cpu"
-        )
     if not (isinstance(dtype, str) and dtype.lower() in ("auto", "float32")) and dtype != torch.float32:
-        raise UnsupportedCheckpoint(
-            f"a GGUF checkpoint computes in float32 on the CPU: use dtype auto, not {dtype}"
-        )
+        raise UnsupportedCheckpoint(f"a GGUF checkpoint computes in float32: use dtype auto, not {dtype}")
     config = read_config(path)
     reader = gguf.GGUFReader(str(path))
     arch_name = reader.fields["general.architecture"].contents()
@@ -169,9 +166,11 @@ def load_gguf_model(path: Path, dtype: torch.dtype | str = "auto", device: str |
                 [_dense(tensors, rows, gguf_name(hf.replace(".weight", ".bias"))) for hf, _ in parts]
             )
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, QuantLinear(linear.in_features, packed, bias))
+        setattr(model.get_submodule(parent), attr, quant_linear(linear.in_features, packed, bias, device))
         used.update(names)  # a tied head quantized on its own: the table stays the embedding's
-    quantized = tuple(f"{q}." for q, m in model.named_modules() if isinstance(m, QuantLinear))
+    quantized = tuple(
+        f"{q}." for q, m in model.named_modules() if isinstance(m, QuantLinear | GroupQuantLinear)
+    )
     for pname, param in model.named_parameters():
         if pname.startswith(quantized):
             continue
@@ -192,6 +191,20 @@ def load_gguf_model(path: Path, dtype: torch.dtype | str = "auto", device: str |
         logger.info("GGUF tensors not used by %s: %s", config.architecture, ", ".join(unused))
     fast_cpu_weights(model, keep=[model.model.embed_tokens.weight])
     return model
+
+
+def quant_linear(
+    in_features: int, parts: list[tuple[torch.Tensor, int]], bias: torch.Tensor | None, device: torch.device
+) -> nn.Module:
+    """The projection over one fused set of GGUF tensors (``(rows, type id)`` parts) on `device`: the block bytes
+    as they are for the CPU's C kernel; elsewhere repacked as grouped integers for the Triton kernel
+    (:mod:`.gguf_repack`)."""
+    if device.type == "cpu":
+        return QuantLinear(in_features, parts, bias)
+    from batchgen.models.quant.gguf_repack import repack
+
+    layer = GroupQuantLinear(in_features, [repack(p, t, in_features) for p, t in parts], bias)
+    return layer.to(device)
 
 
 def _dense(tensors: dict, rows, name: str) -> torch.Tensor:

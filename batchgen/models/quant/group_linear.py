@@ -16,8 +16,10 @@ Checkpoints in other layouts (GPTQ, AWQ: :mod:`.gptq_awq`) are repacked into it 
 
 A fused projection (q/k/v, gate/up) holds one :class:`IntPart` per distinct (bits, group, permutation); each
 writes its own columns of the output. Invariants: `dense_weight()` is the dequantized ``[out, in]`` float32
-weight in the checkpoint's input order (exact for symmetric parts; ``(u - 2^(bits-1)) s + zero_term`` otherwise); the forward takes and returns float32, any leading shape, like
-`nn.Linear`. Without the C kernels it multiplies by `dense_weight()` (correct, slow).
+weight in the checkpoint's input order (exact for symmetric parts; ``(u - 2^(bits-1)) s + zero_term`` otherwise); the forward takes any leading shape, like
+`nn.Linear`, and returns `x`'s dtype (float32 on the CPU). On CUDA the Triton kernel of
+:mod:`batchgen.kernels.quant_linear_triton` multiplies, adding `zero_term` to each weight in registers; without
+either kernel the layer multiplies by `dense_weight()` (correct, slow).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from batchgen.kernels import cpu_quant_linear
-from batchgen.models.quant.quant_linear import multiply_parts
+from batchgen.kernels.quant_linear_triton import int_linear_triton
+from batchgen.models.quant.quant_linear import multiply_parts, on_triton
 
 
 @dataclass
@@ -125,15 +128,20 @@ class GroupQuantLinear(nn.Module):
         return getattr(self, f"perm{i}")
 
     def forward(self, x: Tensor) -> Tensor:
-        if not cpu_quant_linear.available():
+        triton = on_triton(x)
+        if not triton and not cpu_quant_linear.available():
             return nn.functional.linear(x, self.dense_weight(), self.bias)
 
         def product(i: int, rows: Tensor, bias: Tensor | None, out: Tensor) -> None:
             perm = self._perm(i)
             inputs = rows if perm is None else rows.index_select(1, perm)
+            zero = getattr(self, f"zero{i}")
+            if triton:  # the zero term is added to each weight in registers
+                int_linear_triton(inputs, self.packed[i], self.bits[i], self.scales[i], self.groups[i], bias,
+                                  zero=zero, out=out)  # fmt: skip
+                return
             cpu_quant_linear.int_linear(inputs, self.packed[i], self.bits[i], self.scales[i], self.groups[i], bias,
                                         out=out)  # fmt: skip
-            zero = getattr(self, f"zero{i}")
             if (
                 zero is not None
             ):  # the zero points' share: each group's input sum times (offset - zero) * scale

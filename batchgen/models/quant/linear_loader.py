@@ -71,7 +71,7 @@ def load_quantized_linears(
         bias = None
         if linear.bias is not None:
             bias = torch.cat([get(f"{p}.bias").float() for p in prefixes])
-        module = scheme.build(linear.in_features, prefixes, get, bias)
+        module = scheme.build(linear.in_features, prefixes, get, bias).to(linear.weight.device)
         if module.out_features != linear.out_features:
             raise ValueError(f"{name}: the checkpoint's {scheme.method} tensors hold {module.out_features} outputs, "
                              f"the model has {linear.out_features}")  # fmt: skip

@@ -6,17 +6,27 @@ Q6_K beside ``attn_q`` in Q4_K): each part is one packed ``[rows, row_bytes]`` u
 columns of the output. Invariants: `out_features` is the parts' rows summed, in order; `dense_weight()` is the
 dequantized ``[out, in]`` weight (bit for bit gguf-py's dequantization); the forward takes and returns float32
 and accepts any leading shape, like `nn.Linear`. Without the C kernels the forward multiplies by the dequantized
-weight (correct, slow).
+weight (correct, slow). On a GPU a GGUF checkpoint's projections are repacked at load into
+:class:`~batchgen.models.quant.group_linear.GroupQuantLinear` (:mod:`.gguf_repack`), which the Triton kernels
+multiply by.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from batchgen.kernels import cpu_quant_linear
+
+
+def on_triton(x: Tensor) -> bool:
+    """Whether the quantized layers multiply `x` with the Triton kernels of
+    :mod:`batchgen.kernels.quant_linear_triton`: CUDA inputs, or any input under ``TRITON_INTERPRET=1`` (every
+    launch interpreted: how the CPU tests run the GPU path). Otherwise the C kernels (CPU)."""
+    return x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def multiply_parts(
@@ -26,13 +36,13 @@ def multiply_parts(
     bias: Tensor | None,
     product: Callable[[int, Tensor, Tensor | None, Tensor], object],
 ) -> Tensor:
-    """``x [..., in_features]`` times a fused projection's parts -> ``[..., sum(rows)]`` float32: part ``i``
+    """``x [..., in_features]`` times a fused projection's parts -> ``[..., sum(rows)]`` in `x`'s dtype: part ``i``
     (``rows[i]`` outputs) writes its columns of one output with ``product(i, x_rows, bias_slice, out_view)``
     (``x_rows`` ``[M, in_features]``, ``out_view`` the part's ``[M, rows[i]]`` columns, ``bias_slice`` its
     slice of ``bias`` or None). The quantized layers' shared frame: one output, no concatenation."""
     lead = x.shape[:-1]
     x_rows = x.reshape(-1, in_features)
-    out = torch.empty(x_rows.shape[0], sum(rows), dtype=torch.float32)
+    out = torch.empty(x_rows.shape[0], sum(rows), dtype=x.dtype, device=x.device)
     col = 0
     for i, n in enumerate(rows):
         product(i, x_rows, None if bias is None else bias[col : col + n], out[:, col : col + n])

@@ -1,0 +1,149 @@
+"""Weight-only GEMM benchmark: ``python -m batchgen.bench.quant_gemm [--device cuda|cpu] [--json PATH]``.
+
+Times the Triton weight-only GEMMs (:mod:`batchgen.kernels.quant_linear_triton`) against ``torch.matmul`` by the
+same weight dequantized to the activations' dtype (what a model that dequantizes up front would run), on the
+projections of a Llama-3-8B layer (``[N, K]``: q/k/v 6144 x 4096, o 4096 x 4096, gate/up 28672 x 4096, down
+4096 x 14336), at M = 1..1024 rows (decode batches to prefill chunks), bfloat16 activations:
+
+* ``int4-g128``  int4 values packed in int32 words, a float32 scale per 128 inputs (GPTQ / AWQ / W4A16),
+* ``int8-g128``  int8 likewise (W8A16, GGUF Q8_0-like),
+* ``fp8-ch``     fp8 e4m3 bytes with a scale per output row (compressed-tensors FP8 weight-only),
+* ``dense``      ``torch.matmul`` by the bfloat16 weight.
+
+Each row reports the median time, the weight bytes read per second (a decode GEMM is bound by them: int4 reads a
+quarter of bfloat16's bytes) and the largest difference from the float32 product by the dequantized weight
+(relative to that product's largest value; bfloat16 inputs round the weight tile to bfloat16). Times on CUDA are medians of
+``triton.testing.do_bench``; ``--device cpu`` runs the kernels in Triton's interpreter on small shapes, to check
+the script itself (its times say nothing about a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from batchgen.kernels.quant_linear_triton import fp8_linear_triton, int_linear_triton
+from batchgen.models.quant.group_linear import pack_along_inputs
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (1, 4, 16, 64, 256, 1024)
+CPU_SHAPES = {"small": (96, 256)}
+CPU_ROWS = (1, 17)
+GROUP = 128
+
+
+@dataclass
+class Point:
+    shape: str
+    n: int
+    k: int
+    m: int
+    times_us: dict[str, float] = field(default_factory=dict)
+    weight_bytes: dict[str, int] = field(default_factory=dict)
+    max_rel_diff: dict[str, float] = field(default_factory=dict)
+    """Largest difference from the float32 product by the dequantized weight, over that product's largest value."""
+
+
+def _time(fn, device: torch.device) -> float:
+    """Median µs of ``fn``."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=10, rep=50, return_mode="median")) * 1e3
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(runs)
+
+
+def _weights(n: int, k: int, device: torch.device) -> dict[str, tuple]:
+    """Each kernel's packed weight and its dequantized float32 weight."""
+    g = torch.Generator().manual_seed(n + k)
+    out = {}
+    for bits in (4, 8):
+        u = torch.randint(0, 1 << bits, (n, k), generator=g)
+        s = torch.rand(n, k // GROUP, generator=g) * 0.01 + 0.001
+        dense = (u - (1 << (bits - 1))).float() * s.repeat_interleave(GROUP, 1)
+        packed = pack_along_inputs(u, bits)
+        out[f"int{bits}-g128"] = ((packed.to(device), bits, s.to(device), GROUP), dense.to(device))
+    q = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    q[(q & 127) == 127] = 0
+    s = torch.rand(n, 1, generator=g) * 0.01 + 0.001
+    dense = q.view(torch.float8_e4m3fn).float() * s
+    out["fp8-ch"] = ((q.to(device), s.to(device), k), dense.to(device))
+    return out
+
+
+def run(
+    device: torch.device, shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], log=print
+) -> list[Point]:
+    points = []
+    for name, (n, k) in shapes.items():
+        weights = _weights(n, k, device)
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, torch.bfloat16)
+            p = Point(name, n, k, m)
+            dense = weights["int4-g128"][1].to(torch.bfloat16)
+            p.times_us["dense"] = _time(lambda x=x, dense=dense: x @ dense.t(), device)
+            p.weight_bytes["dense"] = dense.numel() * dense.element_size()
+            for kind, (args, w) in weights.items():
+                if kind == "fp8-ch":
+                    fn = lambda a=args, x=x: fp8_linear_triton(x, *a)  # noqa: E731
+                else:
+                    fn = lambda a=args, x=x: int_linear_triton(x, *a)  # noqa: E731
+                want = x.float() @ w.t()
+                p.max_rel_diff[kind] = float((fn().float() - want).abs().max() / want.abs().max())
+                p.times_us[kind] = _time(fn, device)
+                p.weight_bytes[kind] = sum(t.numel() * t.element_size() for t in args if torch.is_tensor(t))
+            log(format_row(p))
+            points.append(p)
+    return points
+
+
+HEADER = f"{'shape':>8} {'N x K':>12} {'M':>5}  " + "  ".join(
+    f"{k:>22}" for k in ("dense", "int4-g128", "int8-g128", "fp8-ch")
+)
+
+
+def format_row(p: Point) -> str:
+    cells = []
+    for kind in ("dense", "int4-g128", "int8-g128", "fp8-ch"):
+        us = p.times_us.get(kind, float("nan"))
+        gbs = p.weight_bytes.get(kind, 0) / (us * 1e-6) / 1e9 if us == us and us > 0 else float("nan")
+        cells.append(f"{us:>9.1f} us {gbs:>7.0f} GB/s")
+    return f"{p.shape:>8} {p.n:>5} x {p.k:<5} {p.m:>5}  " + "  ".join(f"{c:>22}" for c in cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", help="write the measurements to this JSON file")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --device cpu to run the script in Triton's interpreter")
+        return 2
+    shapes, rows = (SHAPES, ROWS) if device.type == "cuda" else (CPU_SHAPES, CPU_ROWS)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    print(f"weight-only GEMMs on {name}, bfloat16 activations; time and weight bytes read per second")
+    print(HEADER)
+    points = run(device, shapes, rows)
+    worst = max(d for p in points for d in p.max_rel_diff.values())
+    print(
+        f"largest difference from the float32 product by the dequantized weight: {worst:.3g} of its largest value"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "points": [asdict(p) for p in points]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

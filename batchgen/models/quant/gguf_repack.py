@@ -1,0 +1,133 @@
+"""GGUF's block formats as grouped integer weights: each ggml block format written as an
+:class:`~batchgen.models.quant.group_linear.IntPart` (``w = (u - 2^(bits-1)) * scale + zero_term`` per group of
+consecutive inputs), the layout the Triton weight-only GEMM multiplies by on a GPU. On the CPU the C kernel
+multiplies the block bytes as they are (:class:`~batchgen.models.quant.quant_linear.QuantLinear`); a GPU load
+repacks once, here.
+
+Per format (``d``, ``m``, ``dmin``: the block's float16 fields widened to float32; ``q``: its stored values):
+
+======  =======================  =====  =====  ==============================  ================
+format  gguf-py's dequantization  bits   group  scale, zero_term                exact?
+======  =======================  =====  =====  ==============================  ================
+Q4_0    ``d (q - 8)``            4      32     ``d``, none                     bit for bit
+Q4_1    ``d q + m``              4      32     ``d``, ``8 d + m``              to rounding
+Q5_0    ``d (q - 16)``           8      32     ``d``, none                     bit for bit
+Q5_1    ``d q + m``              8      32     ``d``, ``m`` (u = q + 128)      bit for bit
+Q8_0    ``d q`` (q int8)         8      32     ``d``, none                     bit for bit
+Q4_K    ``(d sc) q - dmin mn``   4      32     ``d sc``, ``8 d sc - dmin mn``  to rounding
+Q6_K    ``(d sc) (q - 32)``      8      16     ``d sc``, none                  bit for bit
+======  =======================  =====  =====  ==============================  ================
+
+"to rounding": the float32 sum ``(u - 8) s + zero_term`` may differ from gguf-py's ``s q + m`` in its last bit.
+The 5- and 6-bit formats take a byte per value, plus a float32 scale (and zero term) per group: a repacked
+weight is larger than its GGUF blocks (Q4_0 4.5 → 5 bits per weight, Q4_K 4.5 → 6, Q6_K 6.6 → 10, Q8_0 8.5 → 9).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from batchgen.kernels.cpu_quant_linear import FORMATS
+from batchgen.models.quant.group_linear import IntPart
+
+
+def repack(packed: Tensor, type_id: int, in_features: int) -> IntPart:
+    """The ``[rows, row_bytes]`` uint8 rows of one GGUF tensor (type `type_id`) as an :class:`IntPart`."""
+    fmt = FORMATS.get(type_id)
+    if fmt is None:
+        raise ValueError(f"unsupported block format {type_id}")
+    rows = packed.shape[0]
+    blocks = packed.numpy().reshape(rows * (in_features // fmt.block_values), fmt.block_bytes)
+    u, scale, zero, bits, group = _SPLIT[fmt.name](blocks)
+    n_groups = in_features // group
+    return IntPart(
+        values=torch.from_numpy(u.reshape(rows, in_features).astype(np.int64)),
+        scales=torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, n_groups)),
+        bits=bits,
+        group=group,
+        zero_term=None
+        if zero is None
+        else torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32).reshape(rows, n_groups)),
+    )
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """A float16 field (2 bytes per block) widened to float32 ``[blocks, 1]``."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, half: int) -> np.ndarray:
+    """ggml's 4-bit packing: in each run of `half` bytes, the low nibbles are values ``0 .. half-1`` and the high
+    nibbles values ``half .. 2 half - 1``."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, half) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & np.uint8(0x0F)).reshape(n, -1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: the fifth bit of each of 32 values, bit ``j`` of a little-endian uint32."""
+    bits = np.ascontiguousarray(qh).view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
+    return (bits & np.uint32(1)).astype(np.uint8)
+
+
+def _q4_0(b):
+    d, qs = b[:, :2], b[:, 2:]
+    return _nibbles(qs, 16), _f16(d), None, 4, 32
+
+
+def _q4_1(b):
+    d, m, qs = _f16(b[:, :2]), _f16(b[:, 2:4]), b[:, 4:]
+    return _nibbles(qs, 16), d, 8 * d + m, 4, 32
+
+
+def _q5_0(b):
+    d, qh, qs = _f16(b[:, :2]), b[:, 2:6], b[:, 6:]
+    q = _nibbles(qs, 16) | (_high_bits(qh) << np.uint8(4))
+    return q.astype(np.int64) - 16 + 128, d, None, 8, 32
+
+
+def _q5_1(b):
+    d, m, qh, qs = _f16(b[:, :2]), _f16(b[:, 2:4]), b[:, 4:8], b[:, 8:]
+    q = _nibbles(qs, 16) | (_high_bits(qh) << np.uint8(4))
+    return q.astype(np.int64) + 128, d, m, 8, 32
+
+
+def _q8_0(b):
+    d, qs = _f16(b[:, :2]), np.ascontiguousarray(b[:, 2:]).view(np.int8)
+    return qs.astype(np.int64) + 128, d, None, 8, 32
+
+
+def _q4_k(b):
+    n = b.shape[0]
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    packed = b[:, 4:16].reshape(n, 3, 4)  # 8 six-bit scales and mins (gguf-py's Q4_K.get_scale_min)
+    lo, hi, mixed = packed[:, 0], packed[:, 1], packed[:, 2]
+    sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    scale = d * sc.astype(np.float32)  # [n, 8]
+    zero = 8 * scale - dmin * mn.astype(np.float32)
+    return _nibbles(b[:, 16:], 32), scale, zero, 4, 32
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
+    low = _nibbles(ql, 64).reshape(n, -1, 32)  # [n, 8, 32]
+    high = qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    high = (high & np.uint8(3)).reshape(n, -1, 32)
+    q = (low | (high << np.uint8(4))).reshape(n, 256)
+    scale = d * np.ascontiguousarray(sc).view(np.int8).astype(np.float32)  # [n, 16]
+    return q.astype(np.int64) - 32 + 128, scale, None, 8, 16
+
+
+_SPLIT = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "Q4_K": _q4_k,
+    "Q6_K": _q6_k,
+}

@@ -1,0 +1,250 @@
+"""Weight-only quantized GEMMs in Triton: ``y = x wᵀ (+ b)`` with ``w`` dequantized tile by tile in registers,
+never widened in memory. The GPU counterpart of :mod:`.cpu_quant_linear`, over the same packed layouts:
+
+* :func:`int_linear_triton`: integer weights packed along the inputs into int32 words (value ``j`` of a word in
+  bits ``bits*j ...``, lowest first; compressed-tensors' ``pack_to_int32`` layout), stored with an offset of
+  ``2^(bits-1)``, one float32 scale per output row and group of ``group`` consecutive inputs, and optionally one
+  float32 additive term per (row, group): ``w[n, k] = (u[n, k] - 2^(bits-1)) * scale[n, k // group]
+  (+ zero[n, k // group])``; with ``round_bf16`` the weight is rounded to bfloat16 before the product
+  (compressed-tensors' decompression to a bfloat16 model). ``bits`` is 4 or 8.
+* :func:`fp8_linear_triton`: float8_e4m3fn bytes ``[N, K]`` (held as uint8) with one float32 scale per output row
+  and group of ``group`` inputs: ``w[n, k] = fp8(q[n, k]) * scale[n, k // group]``. The bytes are decoded with
+  integer arithmetic (exact; no fp8 hardware needed).
+
+Program ``(i, j)`` computes the ``BLOCK_M x BLOCK_N`` output tile ``(i, j)`` over all of ``K`` (no split-K, no
+atomics): each output element is written once. Accumulation is float32. With float32 inputs the products are
+exact float32 (``input_precision="ieee"``), so the result equals ``x @ dense_weightᵀ`` up to summation order;
+16-bit inputs multiply the weight tile rounded to the input's dtype on the tensor cores. Both run compiled on
+CUDA tensors and interpreted on CPU tensors (:mod:`._jit`), which is how the CPU test suite holds them to their
+float64 references.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._jit import interpreting, kernel
+
+
+@kernel
+def _int_linear_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_s,
+    stride_y,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    PER_WORD: tl.constexpr,
+    MASK: tl.constexpr,
+    OFFSET: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + rn.to(tl.int64)[None, :] * stride_w
+    s_rows = rn.to(tl.int64)[None, :] * stride_s
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wk_mask = k_ok[:, None] & n_ok[None, :]
+        words = tl.load(w_rows + (k // PER_WORD)[:, None], mask=wk_mask, other=0)  # [BLOCK_K, BLOCK_N]
+        u = (words >> ((k % PER_WORD) * BITS)[:, None]) & MASK  # arithmetic shift: the mask keeps the value
+        g = s_rows + (k // GROUP)[:, None]
+        w = (u - OFFSET).to(tl.float32) * tl.load(s_ptr + g, mask=wk_mask, other=0.0)
+        if HAS_ZERO:
+            w += tl.load(z_ptr + g, mask=wk_mask, other=0.0)
+        if (
+            ROUND_BF16
+        ):  # to the nearest bfloat16, ties to even, in integer bits (the interpreter's cast is wrong)
+            bits = w.to(tl.int32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+            w = bits.to(tl.float32, bitcast=True)
+        if FP32_DOT:
+            acc += tl.dot(xt.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(xt, w.to(xt.dtype))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@kernel
+def _fp8_linear_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_s,
+    stride_y,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + rn.to(tl.int64)[None, :] * stride_w
+    s_rows = rn.to(tl.int64)[None, :] * stride_s
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wk_mask = k_ok[:, None] & n_ok[None, :]
+        b = tl.load(w_rows + k[:, None], mask=wk_mask, other=0).to(tl.int32)  # [BLOCK_K, BLOCK_N]
+        # e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7f/0xff are NaN
+        exp = (b >> 3) & 15
+        man = b & 7
+        normal = ((exp + 120) << 23) | (man << 20)  # the same value's float32 bits
+        mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
+        mag = tl.where((b & 127) == 127, float("nan"), mag)
+        sign = tl.where((b & 128) != 0, -1.0, 1.0)
+        w = sign * mag * tl.load(s_ptr + s_rows + (k // GROUP)[:, None], mask=wk_mask, other=0.0)
+        if FP32_DOT:
+            acc += tl.dot(xt.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(xt, w.to(xt.dtype))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _blocks(m: int, n: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): decode batches are a few rows, prefill many; ``tl.dot`` needs 16 or more.
+    The interpreter runs whole tiles as numpy arrays, so larger tiles are cheaper there."""
+    if interpreting(device):
+        return max(16, min(64, triton.next_power_of_2(m))), 64, 64
+    return max(16, min(64, triton.next_power_of_2(m))), 64 if n >= 4096 else 32, 64
+
+
+def _interpreted_16_bit(x: Tensor, out: Tensor | None, product) -> Tensor | None:
+    """The interpreter computes and casts 16-bit values wrongly: there a 16-bit `x` is multiplied in float32
+    (``product(x_float32)``) and the result cast by torch. None when `x` is not such an input."""
+    if not (interpreting(x.device) and x.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    y = product(x.float())
+    if out is None:
+        return y.to(x.dtype)
+    return out.copy_(y.reshape(out.shape))
+
+
+def _frame(x: Tensor, n: int, out: Tensor | None) -> tuple[Tensor, Tensor, Tensor, bool]:
+    """(rows ``[M, K]`` with unit stride along K, the output ``[M, n]`` view written, the tensor returned,
+    whether the product is exact float32)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    fp32 = x.dtype == torch.float32
+    if out is None:
+        result = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+        return rows, result, result.view(*x.shape[:-1], n), fp32
+    assert out.shape == (rows.shape[0], n) and out.stride(-1) == 1
+    return rows, out, out, fp32
+
+
+def int_linear_triton(
+    x: Tensor,
+    packed: Tensor,
+    bits: int,
+    scales: Tensor,
+    group: int,
+    bias: Tensor | None = None,
+    zero: Tensor | None = None,
+    round_bf16: bool = False,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``x [..., K] @ wᵀ (+ bias)`` for packed integer weights (module docstring): `packed` ``[N, K * bits / 32]``
+    int32, `scales` (and `zero`) ``[N, K / group]`` float32. Returns ``[..., N]`` in `x`'s dtype, or writes
+    ``out`` (``[M, N]``, unit stride along N, e.g. a column slice of a fused projection's output)."""
+    assert bits in (4, 8) and packed.dtype == torch.int32
+    y16 = _interpreted_16_bit(
+        x, out, lambda x32: int_linear_triton(x32, packed, bits, scales, group, bias, zero, round_bf16)
+    )
+    if y16 is not None:
+        return y16
+    per = 32 // bits
+    n, k = packed.shape[0], packed.shape[1] * per
+    assert x.shape[-1] == k and k % group == 0 and scales.shape == (n, k // group)
+    rows, y, result, fp32 = _frame(x, n, out)
+    m = rows.shape[0]
+    if m == 0:
+        return result
+    bm, bn, bk = _blocks(m, n, x.device)
+    scales = scales.contiguous()
+    if zero is not None:
+        zero = zero.contiguous()
+        assert zero.shape == scales.shape
+    _int_linear_kernel.on(x.device)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        rows, packed, scales, scales if zero is None else zero, scales if bias is None else bias, y,
+        m, n, k, rows.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
+        GROUP=group, BITS=bits, PER_WORD=per, MASK=(1 << bits) - 1, OFFSET=1 << (bits - 1),
+        HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, FP32_DOT=fp32,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    )  # fmt: skip
+    return result
+
+
+def fp8_linear_triton(
+    x: Tensor,
+    weight: Tensor,
+    scales: Tensor,
+    group: int,
+    bias: Tensor | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``x [..., K] @ wᵀ (+ bias)`` for fp8 e4m3fn weights (module docstring): `weight` ``[N, K]`` uint8 (the fp8
+    bytes), `scales` ``[N, ceil(K / group)]`` float32. Returns ``[..., N]`` in `x`'s dtype, or writes ``out``."""
+    assert weight.dtype == torch.uint8 and weight.stride(-1) == 1
+    y16 = _interpreted_16_bit(x, out, lambda x32: fp8_linear_triton(x32, weight, scales, group, bias))
+    if y16 is not None:
+        return y16
+    n, k = weight.shape
+    assert x.shape[-1] == k and scales.shape == (n, -(-k // group))
+    rows, y, result, fp32 = _frame(x, n, out)
+    m = rows.shape[0]
+    if m == 0:
+        return result
+    bm, bn, bk = _blocks(m, n, x.device)
+    scales = scales.contiguous()
+    _fp8_linear_kernel.on(x.device)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        rows, weight, scales, scales if bias is None else bias, y,
+        m, n, k, rows.stride(0), weight.stride(0), scales.stride(0), y.stride(0),
+        GROUP=group, HAS_BIAS=bias is not None, FP32_DOT=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    )  # fmt: skip
+    return result
