@@ -48,14 +48,15 @@ def transformers_greedy(hf, prompts=PROMPTS, new: int = NEW) -> list[list[int]]:
 
 def write_compressed_tensors(
     ckpt: str, out, bits: int = 4, group_size: int | None = 128, dtype=None, ignore=("lm_head",),
-    symmetric: bool = True, mlp: tuple[int, int | None, bool] | None = None,
+    symmetric: bool = True, mlp: tuple[int, int | None, bool] | None = None, actorder: str | None = None,
 ) -> str:  # fmt: skip
     """A compressed-tensors pack-quantized (W4A16 / W8A16, symmetric or with zero points) copy of the tiny
     checkpoint `ckpt`, laid out as llm-compressor saves one: each Linear's weight_packed (compressed-tensors' own
     pack_to_int32), weight_scale (absmax / qmax per group, in the checkpoint dtype), weight_shape; a
     quantization_config. `ignore`: module names, last name parts or ``re:`` patterns left float. `mlp` (bits,
     group_size, symmetric): a second config group for the MLP projections (``re:.*mlp.*``), the first one then
-    targeting ``re:.*self_attn.*``."""
+    targeting ``re:.*self_attn.*``. `actorder`: the config's activation order; ``group`` / ``dynamic`` scatter
+    each group over the inputs (a random permutation per projection) and save its ``weight_g_idx``."""
     import json
     import re
     import shutil
@@ -82,7 +83,11 @@ def write_compressed_tensors(
         qmax = (1 << (bits - 1)) - 1
         rows, cols = w.shape
         g = group_size or cols
-        groups = w.float().reshape(rows, cols // g, g)
+        order = torch.arange(cols)
+        if actorder in ("group", "dynamic"):  # group j holds the inputs order[j*g:(j+1)*g]
+            order = torch.randperm(cols, generator=torch.Generator().manual_seed(rows + cols))
+            tensors[f"{module}.weight_g_idx"] = (torch.argsort(order) // g).to(torch.int32)
+        groups = w.float()[:, order].reshape(rows, cols // g, g)
         if symmetric:
             scale = (groups.abs().amax(-1) / qmax).clamp(min=1e-8).to(dtype)
             zp = torch.zeros(scale.shape)
@@ -97,6 +102,7 @@ def write_compressed_tensors(
             .reshape(rows, cols)
             .to(torch.int8)
         )
+        q = torch.empty_like(q).index_copy_(1, order, q)  # back to the inputs' order
         tensors[f"{module}.weight_packed"] = pack_to_int32(q, bits)
         tensors[f"{module}.weight_scale"] = scale.contiguous()
         tensors[f"{module}.weight_shape"] = torch.tensor([rows, cols], dtype=torch.int64)
@@ -106,7 +112,7 @@ def write_compressed_tensors(
     def group(targets, bits, group_size, symmetric):
         strategy = "group" if group_size else "channel"
         weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy,
-                   "group_size": group_size, "dynamic": False, "observer": "minmax", "actorder": None}  # fmt: skip
+                   "group_size": group_size, "dynamic": False, "observer": "minmax", "actorder": actorder}  # fmt: skip
         return {"targets": targets, "weights": weights, "input_activations": None, "output_activations": None,
                 "format": "pack-quantized"}  # fmt: skip
 

@@ -77,7 +77,7 @@ REFUSED = {
         {"input_activations": {"num_bits": 8, "type": "int"}},
         "quantized input activations (W8A8 / fp8)",
     ),
-    "actorder": ({"actorder": "group"}, "actorder='group'"),
+    "actorder": ({"actorder": "columns"}, "actorder='columns'"),
     "2:4 sparse": ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity format sparse-24-bitmask"),
     "int and fp8 groups": ({"config_groups": "fp8 beside int"}, "mixing fp8 and int weights"),
     "w8a8 int-quantized": ({"format": "int-quantized"}, "format int-quantized is not supported"),
@@ -239,3 +239,69 @@ def test_fused_parts_mixing_quantized_and_float_are_refused_by_name(tmp_path) ->
     )
     with pytest.raises(UnsupportedCheckpoint, match="qkv_proj mix quantized and float tensors"):
         LLM(path, num_blocks=64, block_size=8)
+
+
+def test_activation_order_weight_is_read_as_stored(llama_256, tmp_path) -> None:
+    """llm-compressor's GPTQ default (``actorder: static``, alias ``weight``) changes only the calibration: the
+    tensors are those of a checkpoint without one; greedy output equals transformers'."""
+    from batchgen.models.quant.compressed_tensors import IntScheme, quantization_scheme
+
+    path = write_compressed_tensors(llama_256, tmp_path / "static", bits=4, group_size=64, actorder="static")
+    assert quantization_scheme(path) == IntScheme(4, 64)
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
+    assert isinstance(llm.engine.model.model.layers[0].self_attn.qkv_proj, IntQuantLinear)
+    got = batchgen_greedy(llm)
+    assert got == transformers_greedy(transformers_model(path)) and len({t for row in got for t in row}) > 6
+    weight = _variant(path, tmp_path / "weight", {"actorder": "weight"})
+    assert quantization_scheme(weight) == IntScheme(4, 64)
+
+
+def _dequantized_with_g_idx(path: str, out: Path, bits: int) -> str:
+    """A float32 copy of a symmetric pack-quantized checkpoint with ``weight_g_idx``, each weight
+    ``(q - 2^(bits-1)) * scale[row, g_idx[input]]`` computed in float64 from the specification."""
+    import shutil
+
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    state = load_file(str(out / "model.safetensors"))
+    dense = {}
+    for name, t in state.items():
+        if name.endswith(".weight_packed"):
+            prefix = name.removesuffix(".weight_packed")
+            words = t.numpy().view(np.uint32).astype(np.int64)
+            q = np.stack([(words >> (bits * j)) & ((1 << bits) - 1) for j in range(32 // bits)], -1)
+            q = q.reshape(words.shape[0], -1) - (1 << (bits - 1))
+            g_idx = state[f"{prefix}.weight_g_idx"].numpy().astype(np.int64)
+            scale = state[f"{prefix}.weight_scale"].double().numpy()
+            dense[f"{prefix}.weight"] = torch.from_numpy(q * scale[:, g_idx]).float()
+        elif not name.endswith((".weight_scale", ".weight_shape", ".weight_g_idx")):
+            dense[name] = t.float()
+    save_file(dense, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["quantization_config"]
+    cfg["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+def test_activation_order_group_is_repacked_with_its_g_idx(llama_256, tmp_path) -> None:
+    """Older checkpoints with ``actorder: group`` scatter each group over the inputs (``weight_g_idx``; the
+    compressed-tensors installed here no longer loads them): repacked with the inputs in group order, the
+    dequantized weights equal the specification's, greedy output transformers' on those weights."""
+    from batchgen.models.quant.group_linear import GroupQuantLinear
+
+    path = write_compressed_tensors(llama_256, tmp_path / "g", bits=4, group_size=32, actorder="group")
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
+    dense = _dequantized_with_g_idx(path, tmp_path / "dense", bits=4)
+    model = llm.engine.model
+    quantized = [m for m in model.modules() if isinstance(m, GroupQuantLinear)]
+    assert len(quantized) == 4 * model.config.num_layers and all(m.perm0 is not None for m in quantized)
+    from safetensors.torch import load_file
+
+    ref = load_file(str(Path(dense) / "model.safetensors"))
+    down = model.model.layers[1].mlp.down_proj
+    assert torch.equal(down.dense_weight(), ref["model.layers.1.mlp.down_proj.weight"])
+    got = batchgen_greedy(llm)
+    assert got == transformers_greedy(dense) and len({t for row in got for t in row}) > 6

@@ -16,7 +16,7 @@ Invariant: :func:`quantization_scheme` is the one reading of a ``quantization_co
 each format batchgen runs (this module's :class:`IntScheme`; GPTQ / AWQ: :mod:`.gptq_awq`; fp8 weights, which
 compressed-tensors calls ``float-quantized``: :mod:`.fp8`) and refuses anything else by name at load and at
 planning — another ``quant_method`` (bitsandbytes...), another compressed-tensors format or scheme (W8A8 and fp8
-activations, activation ordering, targets other than ``Linear`` and ``re:`` patterns, int beside fp8 groups) —
+activations, targets other than ``Linear`` and ``re:`` patterns, int beside fp8 groups) —
 with an
 :class:`~batchgen.models.quant.gguf_checkpoint.UnsupportedCheckpoint`.
 """
@@ -37,19 +37,28 @@ from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
 from batchgen.models.quant.gptq_awq import awq_scheme, gptq_scheme
 from batchgen.models.quant.quant_linear import on_triton
 
+ACTORDER_CONTIGUOUS = ("weight", "static")
+"""GPTQ activation orders that change only how the weights were calibrated: the checkpoint's groups are runs of
+consecutive inputs, its tensors the same as without one."""
+ACTORDER_GROUP = ("group", "dynamic")
+"""Activation orders whose groups are scattered over the inputs, mapped by a ``weight_g_idx`` tensor ``[K]`` (older
+compressed-tensors checkpoints): repacked at load with the inputs permuted into group order."""
+
 
 @dataclass(frozen=True)
 class IntScheme:
     """Integer weights of one config group: `bits` per value, one scale per `group_size` inputs (None: per output
     row), `symmetric` (no zero points). `round_bf16`: round each dequantized weight to bfloat16 (what
     compressed-tensors computes with bfloat16 scales kept in bfloat16); off for checkpoints, whose scales are
-    widened to float32 first, as transformers' float32 loading does. Which projections are quantized is read
+    widened to float32 first, as transformers' float32 loading does. `g_idx`: groups scattered over the inputs
+    (activation order ``group``: a ``weight_g_idx`` per projection). Which projections are quantized is read
     from the checkpoint's tensors (:func:`replace_linears`), not from ``targets`` / ``ignore``."""
 
     bits: int
     group_size: int | None
     symmetric: bool = True
     round_bf16: bool = False
+    g_idx: bool = False
 
 
 def quantization_scheme(path: str | Path):
@@ -104,8 +113,8 @@ def quantization_scheme(path: str | Path):
             raise UnsupportedCheckpoint(f"{where}: compressed-tensors fp8 groups with block shapes "
                                         f"{sorted(blocks)} are not supported; batchgen runs one block shape")  # fmt: skip
         return Fp8Scheme("weight_scale", next(iter(blocks), None), "compressed-tensors fp8")
-    if len(schemes) == 1 and schemes[0].symmetric:
-        return schemes[0]
+    if len(schemes) == 1 and schemes[0].symmetric and not schemes[0].g_idx:
+        return schemes[0]  # streamed in as stored
     return RepackedIntScheme()
 
 
@@ -141,18 +150,21 @@ def _group_scheme(group: dict, q: dict, where: str):
         problems.append(f"{weights.get('type')} weights of {weights.get('num_bits')} bits")
     if weights.get("strategy") not in ("group", "channel"):
         problems.append(f"strategy {weights.get('strategy')!r}")
-    if weights.get("actorder"):
-        problems.append(f"actorder={weights.get('actorder')!r}")
+    actorder = weights.get("actorder")
+    if actorder not in (None, False, *ACTORDER_CONTIGUOUS, *ACTORDER_GROUP):
+        problems.append(f"actorder={actorder!r}")
     if problems:
         raise UnsupportedCheckpoint(f"{where}: compressed-tensors {', '.join(problems)} not supported; batchgen runs "
                                     "int4/int8 weight-only group or channel quantization (W4A16, W8A16)")  # fmt: skip
     group_size = weights.get("group_size") if weights.get("strategy") == "group" else None
-    return IntScheme(int(weights["num_bits"]), group_size, symmetric=bool(weights.get("symmetric", True)))
+    return IntScheme(int(weights["num_bits"]), group_size, symmetric=bool(weights.get("symmetric", True)),
+                     g_idx=actorder in ACTORDER_GROUP)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class RepackedIntScheme:
-    """pack-quantized weights with zero points (``symmetric: false``) or several config groups (e.g. int4
+    """pack-quantized weights with zero points (``symmetric: false``), activation order ``group`` (a
+    ``weight_g_idx`` ``[K]`` giving each input's group) or several config groups (e.g. int4
     attention beside int8 MLP): ``weight_packed`` ``[N, K * bits / 32]`` (as :class:`IntScheme`), ``weight_scale``
     ``[N, G]`` and, for asymmetric groups, ``weight_zero_point`` ``[N * bits / 32, G]`` int32 (packed along the
     outputs, stored with the same offset of 2^(bits-1)); ``w = (q - zero_point) * scale``. Each projection's
@@ -160,7 +172,7 @@ class RepackedIntScheme:
     :class:`~batchgen.models.quant.group_linear.GroupQuantLinear` (zero points' share added after the GEMM)."""
 
     method: str = "compressed-tensors pack-quantized"
-    tensors = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+    tensors = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
     def is_quantized(self, prefix: str, names) -> bool:
         return f"{prefix}.weight_packed" in names
@@ -181,7 +193,9 @@ class RepackedIntScheme:
                 z = torch.full(scale.shape, 1 << (bits - 1), dtype=torch.int64)
             else:
                 z = unpack_words(zero, bits, dim=0)[: scale.shape[0]]  # [N, G]
-            parts.append(to_part(p, q.t(), z.t(), scale.t(), bits, in_features, None))
+            g_idx = get(f"{p}.weight_g_idx", None)  # activation order "group": each input's group
+            g_idx = None if g_idx is None else g_idx.to(torch.int64)
+            parts.append(to_part(p, q.t(), z.t(), scale.t(), bits, in_features, g_idx))
         return GroupQuantLinear(in_features, parts, bias)
 
 
