@@ -73,14 +73,18 @@ REFUSED = {
     "bnb": ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes' is not supported"),
     "marlin": ({"format": "marlin-24"}, "compressed-tensors format marlin-24 is not supported"),
     "fp8-format-int-weights": ({"format": "float-quantized"}, "format float-quantized with int weights"),
-    "w8a8": (
-        {"input_activations": {"num_bits": 8, "type": "int"}},
-        "quantized input activations (W8A8 / fp8)",
+    "w4a4": (
+        {"input_activations": {"num_bits": 4, "type": "int", "strategy": "token", "dynamic": True}},
+        "int inputs of 4 bits",
+    ),
+    "static per-token inputs": (
+        {"input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": False}},
+        "static input strategy 'token'",
     ),
     "actorder": ({"actorder": "columns"}, "actorder='columns'"),
     "2:4 sparse": ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity format sparse-24-bitmask"),
     "int and fp8 groups": ({"config_groups": "fp8 beside int"}, "mixing fp8 and int weights"),
-    "w8a8 int-quantized": ({"format": "int-quantized"}, "format int-quantized is not supported"),
+    "nvfp4": ({"format": "nvfp4-pack-quantized"}, "format nvfp4-pack-quantized is not supported"),
 }
 
 

@@ -86,11 +86,13 @@ def test_block_fp8_schemes_not_run_are_refused_by_name(llama_256, tmp_path, case
         LLM(path, num_blocks=64, block_size=8)
 
 
-def test_fp8_dynamic_activations_are_refused_by_name(llama_256, tmp_path) -> None:
+def test_fp8_inputs_of_other_widths_are_refused_by_name(llama_256, tmp_path) -> None:
+    """fp8 weights with 4-bit float inputs (an NVFP4-style W4A4 group): named at load."""
     path = _write("ct-channel", llama_256, tmp_path / "fp8")
     cfg = json.loads((Path(path) / "config.json").read_text())
     group = cfg["quantization_config"]["config_groups"]["group_0"]
-    group["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    group["input_activations"] = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "dynamic": True,
+                                  "group_size": 16}  # fmt: skip
     (Path(path) / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedCheckpoint, match=r"quantized input activations \(W8A8 / fp8\)"):
+    with pytest.raises(UnsupportedCheckpoint, match=r"float inputs of 4 bits"):
         LLM(path, num_blocks=64, block_size=8)

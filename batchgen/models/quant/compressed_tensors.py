@@ -1,24 +1,25 @@
 """compressed-tensors checkpoints (what vLLM's llm-compressor writes), loaded from their ``quantization_config``
 without dequantizing the model: the ``pack-quantized`` format with integer weights (W4A16 / W8A16: 4- or 8-bit,
-``group`` or ``channel`` strategy, activations unquantized). Symmetric weights stream in as they are stored;
-asymmetric ones (``weight_zero_point``) and mixes of config groups are repacked at load
-(:class:`RepackedIntScheme`).
+``group`` or ``channel`` strategy), the ``int-quantized`` format (an int8 ``weight`` per value, W8A8) and, through
+:mod:`.fp8`, ``float-quantized`` fp8 weights. Symmetric packed weights with unquantized inputs stream in as they
+are stored; asymmetric ones (``weight_zero_point``), activation order ``group`` (``weight_g_idx``),
+``int-quantized`` weights, quantized inputs and mixes of config groups are repacked at load
+(:class:`RepackedIntScheme`); quantized input activations wrap the projection (:mod:`.input_quant`).
 
-Each target projection becomes an :class:`IntQuantLinear` holding the checkpoint's own tensors —
+Each streamed projection becomes an :class:`IntQuantLinear` holding the checkpoint's own tensors —
 ``weight_packed`` (int32 words, compressed-tensors' bit layout) and ``weight_scale`` (widened to float32) — so the
 loader streams them like any parameter (q/k/v and gate/up fuse by rows, as float weights do); the C kernel of
 :mod:`batchgen.kernels.cpu_quant_linear` dequantizes a group chunk at a time in L1 with compressed-tensors'
 arithmetic (``(q - offset) * scale``, the scales widened to float32 as transformers' float32 loading widens
-them), so greedy output equals transformers' own loading of
-the checkpoint (which decompresses to float32) token for token.
+them), so greedy output equals transformers' own loading of the checkpoint (which decompresses to float32)
+token for token.
 
 Invariant: :func:`quantization_scheme` is the one reading of a ``quantization_config``: it returns the scheme of
-each format batchgen runs (this module's :class:`IntScheme`; GPTQ / AWQ: :mod:`.gptq_awq`; fp8 weights, which
-compressed-tensors calls ``float-quantized``: :mod:`.fp8`) and refuses anything else by name at load and at
-planning — another ``quant_method`` (bitsandbytes...), another compressed-tensors format or scheme (W8A8 and fp8
-activations, targets other than ``Linear`` and ``re:`` patterns, int beside fp8 groups) —
-with an
-:class:`~batchgen.models.quant.gguf_checkpoint.UnsupportedCheckpoint`.
+each format batchgen runs (this module's :class:`IntScheme` / :class:`RepackedIntScheme`; GPTQ / AWQ:
+:mod:`.gptq_awq`; fp8 weights: :mod:`.fp8`) and refuses anything else by name at load and at planning — another
+``quant_method`` (bitsandbytes...), another compressed-tensors format or scheme (input activations other than
+8-bit int / fp8, output activations, targets other than ``Linear`` and ``re:`` patterns, int beside fp8 groups) —
+with an :class:`~batchgen.models.quant.gguf_checkpoint.UnsupportedCheckpoint`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from batchgen.kernels.quant_linear_triton import int_linear_triton
 from batchgen.models.quant.fp8 import Fp8Scheme, block_fp8_scheme
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
 from batchgen.models.quant.gptq_awq import awq_scheme, gptq_scheme
+from batchgen.models.quant.input_quant import InputQuant, with_inputs
 from batchgen.models.quant.quant_linear import on_triton
 
 ACTORDER_CONTIGUOUS = ("weight", "static")
@@ -51,7 +53,9 @@ class IntScheme:
     row), `symmetric` (no zero points). `round_bf16`: round each dequantized weight to bfloat16 (what
     compressed-tensors computes with bfloat16 scales kept in bfloat16); off for checkpoints, whose scales are
     widened to float32 first, as transformers' float32 loading does. `g_idx`: groups scattered over the inputs
-    (activation order ``group``: a ``weight_g_idx`` per projection). Which projections are quantized is read
+    (activation order ``group``: a ``weight_g_idx`` per projection). `inputs`: quantized input activations
+    (:mod:`.input_quant`). `packed`: ``pack-quantized`` (int32 words), else ``int-quantized`` (an int8 ``weight``
+    per value). Which projections are quantized is read
     from the checkpoint's tensors (:func:`replace_linears`), not from ``targets`` / ``ignore``."""
 
     bits: int
@@ -59,6 +63,13 @@ class IntScheme:
     symmetric: bool = True
     round_bf16: bool = False
     g_idx: bool = False
+    inputs: InputQuant | None = None
+    packed: bool = True
+
+    @property
+    def streams(self) -> bool:
+        """Whether the checkpoint's tensors stream in as stored (:class:`IntQuantLinear`); else repacked."""
+        return self.symmetric and not self.g_idx and self.inputs is None and self.packed
 
 
 def quantization_scheme(path: str | Path):
@@ -112,28 +123,40 @@ def quantization_scheme(path: str | Path):
         if len(blocks) > 1:
             raise UnsupportedCheckpoint(f"{where}: compressed-tensors fp8 groups with block shapes "
                                         f"{sorted(blocks)} are not supported; batchgen runs one block shape")  # fmt: skip
-        return Fp8Scheme("weight_scale", next(iter(blocks), None), "compressed-tensors fp8")
-    if len(schemes) == 1 and schemes[0].symmetric and not schemes[0].g_idx:
+        return Fp8Scheme(
+            "weight_scale", next(iter(blocks), None), "compressed-tensors fp8", _inputs(fp8, where)
+        )
+    if len(schemes) == 1 and schemes[0].streams:
         return schemes[0]  # streamed in as stored
-    return RepackedIntScheme()
+    return RepackedIntScheme(inputs=_inputs(schemes, where))
+
+
+def _inputs(schemes: list, where: str) -> InputQuant | None:
+    """The config groups' one input quantization (a fused projection's parts may come from different groups)."""
+    kinds = {s.inputs for s in schemes}
+    if len(kinds) > 1:
+        raise UnsupportedCheckpoint(f"{where}: compressed-tensors config_groups with different input_activations "
+                                    "are not supported; batchgen runs one input activation scheme per checkpoint")  # fmt: skip
+    return kinds.pop()
 
 
 def _group_scheme(group: dict, q: dict, where: str):
     """One config group's scheme: an :class:`IntScheme` or an :class:`Fp8Scheme`; UnsupportedCheckpoint naming
     what is not run."""
     fmt = group.get("format") or q.get("format")
-    if fmt not in ("pack-quantized", "float-quantized", "naive-quantized"):
+    if fmt not in ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized"):
         raise UnsupportedCheckpoint(
             f"{where}: compressed-tensors format {fmt} is not supported; batchgen runs pack-quantized (W4A16, "
-            "W8A16) and float-quantized (fp8 weights) weight-only schemes"
+            "W8A16), int-quantized (W8A8) and float-quantized (fp8 weights) schemes"
         )
-    weights, acts = group.get("weights") or {}, group.get("input_activations")
+    weights = group.get("weights") or {}
     problems = []
     targets = group.get("targets")
     if not targets or not all(t == "Linear" or str(t).startswith("re:") for t in targets):
         problems.append(f"targets {targets}")
-    if acts:
-        problems.append("quantized input activations (W8A8 / fp8)")
+    if group.get("output_activations"):
+        problems.append("quantized output activations")
+    inputs = InputQuant.parse(group.get("input_activations"), where)
     if weights.get("type") == "float" and fmt != "pack-quantized":
         if weights.get("num_bits") != 8:
             problems.append(f"float weights of {weights.get('num_bits')} bits")
@@ -143,8 +166,8 @@ def _group_scheme(group: dict, q: dict, where: str):
             raise UnsupportedCheckpoint(f"{where}: compressed-tensors {', '.join(problems)} not supported; batchgen "
                                         "runs fp8 weight-only quantization (tensor, channel or block scales)")  # fmt: skip
         block = weights.get("block_structure") if weights.get("strategy") == "block" else None
-        return Fp8Scheme("weight_scale", tuple(block) if block else None, "compressed-tensors fp8")
-    if fmt != "pack-quantized":
+        return Fp8Scheme("weight_scale", tuple(block) if block else None, "compressed-tensors fp8", inputs)
+    if fmt not in ("pack-quantized", "int-quantized"):
         problems.append(f"format {fmt} with {weights.get('type')} weights")
     if weights.get("type") != "int" or weights.get("num_bits") not in (4, 8):
         problems.append(f"{weights.get('type')} weights of {weights.get('num_bits')} bits")
@@ -158,7 +181,7 @@ def _group_scheme(group: dict, q: dict, where: str):
                                     "int4/int8 weight-only group or channel quantization (W4A16, W8A16)")  # fmt: skip
     group_size = weights.get("group_size") if weights.get("strategy") == "group" else None
     return IntScheme(int(weights["num_bits"]), group_size, symmetric=bool(weights.get("symmetric", True)),
-                     g_idx=actorder in ACTORDER_GROUP)  # fmt: skip
+                     g_idx=actorder in ACTORDER_GROUP, inputs=inputs, packed=fmt == "pack-quantized")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -172,10 +195,12 @@ class RepackedIntScheme:
     :class:`~batchgen.models.quant.group_linear.GroupQuantLinear` (zero points' share added after the GEMM)."""
 
     method: str = "compressed-tensors pack-quantized"
-    tensors = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+    tensors = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "input_scale",
+               "input_zero_point")  # fmt: skip
+    inputs: InputQuant | None = None
 
     def is_quantized(self, prefix: str, names) -> bool:
-        return f"{prefix}.weight_packed" in names
+        return f"{prefix}.weight_packed" in names or f"{prefix}.weight_scale" in names
 
     def build(self, in_features: int, prefixes: list[str], get, bias):
         from batchgen.models.quant.gptq_awq import to_part
@@ -184,19 +209,32 @@ class RepackedIntScheme:
         parts = []
         for p in prefixes:
             get(f"{p}.weight_shape", None)  # the shape is the model's
-            packed = get(f"{p}.weight_packed")
-            bits = packed_bits(p, packed.shape[1], in_features)
-            q = unpack_words(packed, bits, dim=1)  # [N, K], offset values
             scale = get(f"{p}.weight_scale").float()  # [N, G]
             zero = get(f"{p}.weight_zero_point", None)
-            if zero is None:  # symmetric: every zero point is the stored offset
-                z = torch.full(scale.shape, 1 << (bits - 1), dtype=torch.int64)
+            packed = get(f"{p}.weight_packed", None)
+            if packed is None:  # int-quantized: one int8 value per weight, zero points unpacked
+                bits, q = 8, _naive_values(p, get(f"{p}.weight"), in_features)
+                z = None if zero is None else zero.to(torch.int64) + 128
             else:
-                z = unpack_words(zero, bits, dim=0)[: scale.shape[0]]  # [N, G]
+                bits = packed_bits(p, packed.shape[1], in_features)
+                q = unpack_words(packed, bits, dim=1)  # [N, K], offset values
+                z = None if zero is None else unpack_words(zero, bits, dim=0)[: scale.shape[0]]  # [N, G]
+            if z is None:  # symmetric: every zero point is the stored offset
+                z = torch.full(scale.shape, 1 << (bits - 1), dtype=torch.int64)
             g_idx = get(f"{p}.weight_g_idx", None)  # activation order "group": each input's group
             g_idx = None if g_idx is None else g_idx.to(torch.int64)
             parts.append(to_part(p, q.t(), z.t(), scale.t(), bits, in_features, g_idx))
-        return GroupQuantLinear(in_features, parts, bias)
+        return with_inputs(GroupQuantLinear(in_features, parts, bias), self.inputs, prefixes, get)
+
+
+def _naive_values(prefix: str, weight: Tensor, in_features: int) -> Tensor:
+    """An ``int-quantized`` int8 ``weight`` ``[N, K]`` as unsigned values with the offset of 128."""
+    if weight.dtype != torch.int8 or weight.dim() != 2 or weight.shape[1] != in_features:
+        raise UnsupportedCheckpoint(
+            f"{prefix}.weight is {weight.dtype} {tuple(weight.shape)}: an int-quantized weight is int8 [out, "
+            f"{in_features}]"
+        )
+    return weight.to(torch.int64) + 128
 
 
 def packed_bits(prefix: str, words: int, in_features: int) -> int:

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from batchgen.kernels import cpu_quant_linear
 from batchgen.kernels.quant_linear_triton import fp8_linear_triton
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
+from batchgen.models.quant.input_quant import InputQuant, with_inputs
 from batchgen.models.quant.quant_linear import multiply_parts, on_triton
 
 FP8 = torch.float8_e4m3fn
@@ -43,12 +44,15 @@ class Fp8Scheme:
     scale_name: str
     block: tuple[int, int] | None = None
     method: str = "fp8"
+    inputs: InputQuant | None = None
+    """Quantized input activations (compressed-tensors FP8_DYNAMIC, static fp8 input scales), or None."""
 
     def is_quantized(self, prefix: str, names) -> bool:
         return f"{prefix}.{self.scale_name}" in names
 
-    def build(self, in_features: int, prefixes: list[str], get, bias: Tensor | None) -> Fp8Linear:
-        return Fp8Linear(in_features, [self.part(in_features, p, get) for p in prefixes], bias)
+    def build(self, in_features: int, prefixes: list[str], get, bias: Tensor | None) -> nn.Module:
+        linear = Fp8Linear(in_features, [self.part(in_features, p, get) for p in prefixes], bias)
+        return with_inputs(linear, self.inputs, prefixes, get)
 
     def part(self, k: int, prefix: str, get) -> tuple[Tensor, Tensor, int]:
         w, s = get(f"{prefix}.weight"), get(f"{prefix}.{self.scale_name}").float()

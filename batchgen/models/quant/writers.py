@@ -177,3 +177,41 @@ def write_compressed_fp8(ckpt, out, strategy: str = "channel", dtype=torch.bfloa
         "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
     }  # fmt: skip
     return _rewrite(ckpt, out, quantize, config, dtype)
+
+
+def write_compressed_w8a8(
+    ckpt, out, weights: str = "int8", inputs: str = "dynamic", dtype=torch.bfloat16, input_scale: float = 0.02
+) -> str:
+    """A compressed-tensors copy of `ckpt` with quantized input activations, as llm-compressor saves its W8A8
+    schemes: `weights` ``int8`` (the ``int-quantized`` format: int8 ``weight``, ``weight_scale`` ``[N, 1]`` per
+    channel; the ``W8A8`` preset) or ``fp8`` (``float-quantized``: float8_e4m3fn ``weight`` per channel, the
+    ``FP8_DYNAMIC`` preset); `inputs` ``dynamic`` (per token, 8-bit of the weights' type) or ``static`` (one
+    ``input_scale`` per projection, `input_scale`, the same for the parts of a fused one: their observers see
+    the same input)."""
+    kind = "int" if weights == "int8" else "float"
+    qmax = 127 if kind == "int" else 448
+
+    def quantize(module: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        scale = (w.abs().amax(dim=1, keepdim=True) / qmax).clamp(min=1e-8).to(dtype)
+        if kind == "int":
+            q = torch.round(w / scale.double()).clamp(-128, 127).to(torch.int8)
+        else:
+            q = _fp8(w, scale.double())
+        tensors = {"weight": q, "weight_scale": scale}
+        if inputs == "static":
+            tensors["input_scale"] = torch.tensor([input_scale], dtype=dtype)
+        return tensors
+
+    fmt = "int-quantized" if kind == "int" else "float-quantized"
+    wargs = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel", "dynamic": False,
+             "group_size": None, "block_structure": None, "observer": "minmax", "actorder": None}  # fmt: skip
+    aargs = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token" if inputs == "dynamic" else "tensor",
+             "dynamic": inputs == "dynamic", "group_size": None, "block_structure": None,
+             "observer": None if inputs == "dynamic" else "minmax", "actorder": None}  # fmt: skip
+    config = {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": wargs, "input_activations": aargs,
+                                      "output_activations": None, "format": fmt}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+    }  # fmt: skip
+    return _rewrite(ckpt, out, quantize, config, dtype)

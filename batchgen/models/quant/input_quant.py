@@ -1,0 +1,173 @@
+"""Quantized input activations (compressed-tensors W8A8 int8, FP8_DYNAMIC, static fp8 or int8 input scales): each
+quantized projection's input is quantized and dequantized before the weight-only GEMM, as compressed-tensors'
+forward does in transformers' loading of the checkpoint (``fake_quantize``: the same arithmetic, computed by the
+compressed-tensors library itself), so greedy output equals transformers' token for token.
+
+:class:`InputQuant` reads a config group's ``input_activations``: 8-bit ``int`` or ``float`` (fp8 e4m3),
+``dynamic`` per token (a scale from each token's own values) or static per tensor (the checkpoint's
+``input_scale``, and ``input_zero_point`` for asymmetric int8). :class:`InputQuantLinear` wraps a quantized
+projection (:class:`~batchgen.models.quant.group_linear.GroupQuantLinear`,
+:class:`~batchgen.models.quant.fp8.Fp8Linear`) with it.
+
+Invariants: per-token quantization depends on each token's values alone (rows are independent, so batching does
+not change a row's result); a fused projection (q/k/v, gate/up) quantizes its input once, so static parts must
+share one input scale (their observers saw the same input; others are refused by name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
+
+
+@dataclass(frozen=True)
+class InputQuant:
+    """A config group's ``input_activations`` (the dict as the checkpoint states it, hashed by its items)."""
+
+    items: tuple[tuple[str, object], ...]
+
+    @classmethod
+    def parse(cls, acts: dict | None, where: str) -> InputQuant | None:
+        """None for unquantized inputs; UnsupportedCheckpoint naming what batchgen does not run."""
+        if not acts:
+            return None
+        problems = []
+        if acts.get("type") not in ("int", "float") or acts.get("num_bits") != 8:
+            problems.append(f"{acts.get('type')} inputs of {acts.get('num_bits')} bits")
+        dynamic = acts.get("dynamic") in (True, "true", "local")
+        strategy = acts.get("strategy")
+        if dynamic and strategy not in ("token", "tensor"):
+            problems.append(f"dynamic input strategy {strategy!r}")
+        if not dynamic and strategy != "tensor":
+            problems.append(f"static input strategy {strategy!r}")
+        if acts.get("dynamic") == "local":
+            problems.append("dynamic 'local' input scales")
+        if problems:
+            raise UnsupportedCheckpoint(
+                f"{where}: compressed-tensors {', '.join(problems)} not supported; batchgen runs 8-bit int or fp8 "
+                "input activations, dynamic per token or per tensor, or static per tensor"
+            )
+        _library(where)
+        quant = cls(tuple(sorted((k, _hashable(v)) for k, v in acts.items())))
+        try:
+            quant.args()
+        except ValueError as e:  # pydantic's validation error names the field
+            raise UnsupportedCheckpoint(f"{where}: input_activations {acts} not understood ({e})") from e
+        return quant
+
+    @property
+    def dynamic(self) -> bool:
+        return dict(self.items).get("dynamic") in (True, "true")
+
+    @property
+    def symmetric(self) -> bool:
+        return bool(dict(self.items).get("symmetric", True))
+
+    def args(self):
+        """compressed-tensors' ``QuantizationArgs`` of these inputs."""
+        from compressed_tensors.quantization import QuantizationArgs
+
+        return QuantizationArgs(**{k: list(v) if isinstance(v, tuple) else v for k, v in self.items})
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _library(where: str) -> None:
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError as e:
+        raise UnsupportedCheckpoint(
+            f"{where}: quantized input activations are computed with the compressed-tensors library, which is not "
+            "installed: pip install 'batchgen[quant]'"
+        ) from e
+
+
+class InputQuantLinear(nn.Module):
+    """``inner(fake_quantize(x))``: a quantized projection whose input is quantized first (module docstring).
+    `input_scale` / `input_zero_point`: the static scale (and zero point) of the input, ``[1]``; None when the
+    scale is dynamic."""
+
+    keeps_layout = True
+
+    def __init__(
+        self,
+        inner: nn.Module,
+        quant: InputQuant,
+        input_scale: Tensor | None = None,
+        input_zero_point: Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        if not quant.dynamic and input_scale is None:
+            raise ValueError("static input quantization needs the checkpoint's input_scale")
+        self.inner = inner
+        self.quant = quant
+        self._args = quant.args()
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+        self.register_buffer("input_scale", input_scale, persistent=False)
+        self.register_buffer("input_zero_point", input_zero_point, persistent=False)
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.inner.bias
+
+    def quantize_input(self, x: Tensor) -> Tensor:
+        """``x`` quantized and dequantized in its own dtype (compressed-tensors' ``fake_quantize``)."""
+        from compressed_tensors.quantization import fake_quantize
+        from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+        if x.numel() == 0:
+            return x
+        if self.quant.dynamic:
+            # [1, tokens, in]: compressed-tensors reduces a token's scale over the dimensions after the first two
+            rows = x.reshape(1, -1, x.shape[-1])
+            scale, zero = compute_dynamic_scales_and_zp(rows, self._args, self)
+            return fake_quantize(rows, scale, zero, self._args).view(x.shape)
+        return fake_quantize(x, self.input_scale, self.input_zero_point, self._args)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(self.quantize_input(x))
+
+    def dense_weight(self) -> Tensor:
+        return self.inner.dense_weight()
+
+    def extra_repr(self) -> str:
+        kind = dict(self.quant.items).get("type")
+        return f"inputs {kind}8 {'dynamic' if self.quant.dynamic else 'static'}"
+
+
+def static_input_scale(get, prefixes: list[str], where: str) -> tuple[Tensor, Tensor | None]:
+    """The one ``input_scale`` (and ``input_zero_point``) of the fused parts `prefixes`, as float32 ``[1]``;
+    UnsupportedCheckpoint when the parts' scales differ."""
+    scales = [get(f"{p}.input_scale").float().reshape(-1) for p in prefixes]
+    zeros = [get(f"{p}.input_zero_point", None) for p in prefixes]
+    if any(s.numel() != 1 for s in scales):
+        raise UnsupportedCheckpoint(f"{where}: input_scale of shape {tuple(scales[0].shape)}; batchgen runs "
+                                    "one static input scale per projection")  # fmt: skip
+    if any(not torch.equal(s, scales[0]) for s in scales[1:]):
+        raise UnsupportedCheckpoint(
+            f"{where}: the fused parts {', '.join(prefixes)} have different static input scales; batchgen "
+            "quantizes a fused projection's input once"
+        )
+    zero = None
+    if zeros[0] is not None:
+        zero = zeros[0].reshape(-1)
+        if any(z is None or not torch.equal(z.reshape(-1), zero) for z in zeros[1:]):
+            raise UnsupportedCheckpoint(f"{where}: the fused parts {', '.join(prefixes)} have different input "
+                                        "zero points")  # fmt: skip
+    return scales[0], zero
+
+
+def with_inputs(module: nn.Module, quant: InputQuant | None, prefixes: list[str], get) -> nn.Module:
+    """`module` (the projection built from `prefixes`' tensors) with its input quantized when `quant` says so."""
+    if quant is None:
+        return module
+    scale = zero = None
+    if not quant.dynamic:
+        scale, zero = static_input_scale(get, prefixes, ", ".join(prefixes))
+    return InputQuantLinear(module, quant, scale, zero)
