@@ -139,9 +139,9 @@ def test_job_refuses_a_scheme_with_exit_2(llama_256, tmp_path) -> None:
     assert "quant_method='bitsandbytes' is not supported" in res.message
 
 
-def test_tensor_parallel_refused_for_quantized_checkpoints(llama_256, tmp_path) -> None:
-    path = write_compressed_tensors(llama_256, tmp_path / "ct")
-    with pytest.raises(UnsupportedCheckpoint, match="quantized checkpoints run on one device"):
+def test_tensor_parallel_refused_for_scattered_activation_order(llama_256, tmp_path) -> None:
+    path = write_compressed_tensors(llama_256, tmp_path / "ct", group_size=32, actorder="group")
+    with pytest.raises(UnsupportedCheckpoint, match="actorder group checkpoints run on one device"):
         LLM(path, tensor_parallel_size=2, device="cpu", num_blocks=64, block_size=8)
 
 

@@ -36,7 +36,12 @@ from batchgen.models.llama import CausalLM
 from batchgen.models.meta_init import materialize, skip_init
 from batchgen.models.packed_linear import fast_cpu_weights
 from batchgen.models.parallel import check_divisible, shard_config
-from batchgen.models.quant.compressed_tensors import IntScheme, quantization_scheme, replace_linears
+from batchgen.models.quant.compressed_tensors import (
+    IntScheme,
+    quantization_scheme,
+    replace_linears,
+    tensor_parallel_refusal,
+)
 from batchgen.models.quant.gguf_checkpoint import (
     UnsupportedCheckpoint,
     gguf_path,
@@ -299,11 +304,16 @@ def check_tensor_parallel(path: str | os.PathLike, implementation: str, tp_size:
     )
     if implementation == "transformers":
         raise ValueError(refused)
-    if gguf_path(path) is not None or quantization_scheme(_checkpoint_dir(path)) is not None:
+    if gguf_path(path) is not None:
         raise UnsupportedCheckpoint(
-            f"engine.tensor_parallel_size={tp_size}: quantized checkpoints run on one device here; set "
-            "engine.tensor_parallel_size=1"
+            f"engine.tensor_parallel_size={tp_size}: GGUF files run on one device; set engine.tensor_parallel_size=1"
         )
+    if quantization_scheme(_checkpoint_dir(path)) is not None:  # split by batchgen.models.sharding
+        problem = tensor_parallel_refusal(_checkpoint_dir(path))
+        if problem:
+            raise UnsupportedCheckpoint(
+                f"engine.tensor_parallel_size={tp_size}: {problem}; set engine.tensor_parallel_size=1"
+            )
     try:
         config = ModelConfig.from_pretrained(_checkpoint_dir(path))
     except NativeUnsupportedError as e:
@@ -335,7 +345,7 @@ def load_native_model(
     replaced: tuple[str, ...] = ()
     if scheme is not None:  # on a GPU, the Triton weight-only kernels (batchgen.kernels.quant_linear_triton)
         if isinstance(scheme, IntScheme):  # compressed-tensors' packed tensors stream in like float ones
-            replace_linears(model, config, scheme, TensorReader(files).where)
+            replace_linears(model, config, scheme, TensorReader(files).where)  # names only
             rename = _without_shapes(rename)
         else:  # GPTQ, AWQ, fp8: read and repacked per projection first
             read, modules = load_quantized_linears(model, config, files, scheme)

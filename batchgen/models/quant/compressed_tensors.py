@@ -72,16 +72,33 @@ class IntScheme:
         return self.symmetric and not self.g_idx and self.inputs is None and self.packed
 
 
+def tensor_parallel_refusal(path: str | Path) -> str | None:
+    """Why the quantized checkpoint at `path` cannot be split over tensor-parallel ranks (None: it can). A
+    scattered activation order (GPTQ ``desc_act``, compressed-tensors ``actorder: group``) gives each group inputs
+    all over a row-parallel projection, so no rank holds whole groups."""
+    q = _quantization_config(path) or {}
+    if q.get("quant_method") == "gptq" and q.get("desc_act"):
+        return "GPTQ desc_act (activation order) checkpoints run on one device"
+    groups = (q.get("config_groups") or {}).values() if q.get("quant_method") == "compressed-tensors" else ()
+    if any((g.get("weights") or {}).get("actorder") in ACTORDER_GROUP for g in groups):
+        return "compressed-tensors actorder group checkpoints run on one device"
+    return None
+
+
+def _quantization_config(path: str | Path) -> dict | None:
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+
+
 def quantization_scheme(path: str | Path):
     """The checkpoint's quantization scheme (None: not quantized): an :class:`IntScheme` (compressed-tensors
     pack-quantized), a :class:`~batchgen.models.quant.gptq_awq.GPTQScheme` / ``AWQScheme`` or a
     :class:`~batchgen.models.quant.fp8.Fp8Scheme`; or UnsupportedCheckpoint naming what is not run."""
     file = Path(path) / "config.json"
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None
-    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    q = _quantization_config(path)
     if not q:
         return None
     where = f"quantization_config in {file}"

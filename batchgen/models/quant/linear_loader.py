@@ -21,9 +21,12 @@ from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
 
 
 class TensorReader:
-    """Tensors by name over a checkpoint's safetensors files (headers listed once, files opened lazily)."""
+    """Tensors by name over a checkpoint's safetensors files (headers listed once, files opened lazily). With a
+    tensor-parallel `config` (``tp_size > 1``) each tensor is read as rank ``tp_rank``'s slice
+    (:func:`batchgen.models.sharding.read_shard`: only that slice is read from disk)."""
 
-    def __init__(self, files: list[Path]) -> None:
+    def __init__(self, files: list[Path], config: ModelConfig | None = None) -> None:
+        self.config = config if config is not None and config.tp_size > 1 else None
         self.where: dict[str, Path] = {}
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -42,6 +45,10 @@ class TensorReader:
         if file not in self._open:
             self._open[file] = safe_open(str(file), framework="pt", device="cpu")
         self.read.add(name)
+        if self.config is not None:
+            from batchgen.models.sharding import read_shard
+
+            return read_shard(self._open[file], name, name, self.config)
         return self._open[file].get_tensor(name)
 
 
@@ -53,7 +60,7 @@ def load_quantized_linears(
     Returns (checkpoint tensor names read, replaced module names)."""
     from batchgen.models.loader import _checkpoint_names
 
-    get = TensorReader(files)
+    get = TensorReader(files, config)
     replaced = []
     for name, linear in list(model.named_modules()):
         if type(linear) is not nn.Linear or (name == "lm_head" and config.tie_word_embeddings):
@@ -68,6 +75,9 @@ def load_quantized_linears(
                 f"{', '.join(prefixes)} of fused {name} mix quantized and float tensors ({scheme.method}): batchgen "
                 "runs fused q/k/v and gate/up projections whose parts are all quantized or all float"
             )
+        _check_block_split(
+            name, [src.rows for _, src in parts] or [linear.out_features], linear, scheme, config
+        )
         bias = None
         if linear.bias is not None:
             bias = torch.cat([get(f"{p}.bias").float() for p in prefixes])
@@ -89,6 +99,26 @@ def load_quantized_linears(
             "quantizes (quantized MoE experts are not supported)"
         )
     return get.read, replaced
+
+
+def _check_block_split(
+    name: str, part_rows: list[int], linear: nn.Linear, scheme, config: ModelConfig
+) -> None:
+    """Under tensor parallelism, a rank's rows (column-parallel parts) or inputs (row-parallel) of a block-scaled
+    projection must be whole scale blocks; else the rank's scales would belong to other rows."""
+    block = getattr(scheme, "block", None)
+    if config.tp_size == 1 or block is None:
+        return
+    bn, bk = block
+    row = name.rsplit(".", 1)[-1] in ("o_proj", "down_proj")
+    sizes, unit = (
+        ([linear.in_features], bk) if row else ([r if r > 0 else linear.out_features for r in part_rows], bn)
+    )
+    if any(n % unit for n in sizes):
+        raise UnsupportedCheckpoint(
+            f"engine.tensor_parallel_size={config.tp_size}: {name} splits into {sizes} {'inputs' if row else 'rows'} "
+            f"per rank, not whole fp8 scale blocks of {unit}; set engine.tensor_parallel_size=1"
+        )
 
 
 def _scheme_leaves(scheme) -> tuple[str, ...]:
