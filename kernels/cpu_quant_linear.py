@@ -42,7 +42,10 @@ FORMATS: dict[int, BlockFormat] = {
         BlockFormat("Q5_0", 6, 32, 22),
         BlockFormat("Q5_1", 7, 32, 24),
         BlockFormat("Q8_0", 8, 32, 34),
+        BlockFormat("Q2_K", 10, 256, 84),
+        BlockFormat("Q3_K", 11, 256, 110),
         BlockFormat("Q4_K", 12, 256, 144),
+        BlockFormat("Q5_K", 13, 256, 176),
         BlockFormat("Q6_K", 14, 256, 210),
     )
 }

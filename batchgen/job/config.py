@@ -56,7 +56,7 @@ class ModelOptions:
     path: str | None = None
     """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files); null = the embedded tiny Llama shipped in the package (2.4M parameters trained on CPython's documentation, batchgen/models/tiny_lm/)."""
     gguf_file: str | None = None
-    """A GGUF file inside model.path to run (model.path may also name a .gguf file itself): its model, config and tokenizer all come from the file; projections in Q4_0, Q8_0, Q4_K, Q6_K, Q4_1, Q5_0 or Q5_1 stay packed and are multiplied by batchgen's weight-only GEMM (CPU). Needs the gguf extra (pip install 'batchgen[gguf]')."""
+    """A GGUF file inside model.path to run (model.path may also name a .gguf file itself): its model, config and tokenizer all come from the file; projections in Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_1, Q5_0 or Q5_1 stay packed and are multiplied by batchgen's weight-only GEMM (C on the CPU, Triton on a GPU). Needs the gguf extra (pip install 'batchgen[gguf]')."""
     dtype: str = "auto"
     """Weights dtype: auto (the checkpoint's), float32, bfloat16 or float16; on the CPU a bfloat16/float16 model is
     held narrow and computed in float32 (widened in registers), on a GPU computed in its dtype."""

@@ -8,7 +8,11 @@
  * Q6_K (14; 256 values in 210 bytes: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, fp16 d;
  * w = (d sc) (q - 32)); and, through the plain-C loops only, Q4_1 (3; fp16 d and m, 4-bit q; w = d q + m), Q5_0
  * (6; fp16 d, 32 high bits, 4-bit low q; w = d (q - 16)) and Q5_1 (7; w = d q + m), the types llama.cpp's
- * quantizer falls back to for rows a K-quant cannot split. Dequantization is ggml's (and gguf-py's) arithmetic, operation for operation, in
+ * quantizer falls back to for rows a K-quant cannot split, and the other K-quants of llama.cpp's Q2_K, Q3_K_*
+ * and Q5_K_* files: Q2_K (10; 256 values in 84 bytes: 16 bytes of 4-bit scales and mins for 16 sub-blocks, 64
+ * bytes of 2-bit q, fp16 d and dmin; w = (d sc) q - (dmin m)), Q3_K (11; 110 bytes: 32 bytes of high bits, 64
+ * bytes of 2-bit low q, 12 bytes of 6-bit scales, fp16 d; w = (d (sc - 32)) (q - 4 unless the high bit)) and
+ * Q5_K (13; 176 bytes: Q4_K's fields plus 32 bytes of fifth bits; w = (d sc) q - (dmin m)). Dequantization is ggml's (and gguf-py's) arithmetic, operation for operation, in
  * float32 without contraction: the widened weights are bit for bit gguf.quants.dequantize's.
  *
  * Each output y[m, n] = bias[n] (or 0) + its eight lane sums over k in order, reduced in a fixed order: a
@@ -28,7 +32,7 @@
 
 #define MB 64 /* input rows per pass over a weight row */
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 static inline float load_half(const uint8_t *p) {
     uint16_t h;
@@ -44,7 +48,10 @@ static void format_of(int qtype, int *qk, int *bytes) {
     case Q5_0: *qk = 32, *bytes = 22; break;
     case Q5_1: *qk = 32, *bytes = 24; break;
     case Q8_0: *qk = 32, *bytes = 34; break;
+    case Q2_K: *qk = 256, *bytes = 84; break;
+    case Q3_K: *qk = 256, *bytes = 110; break;
     case Q4_K: *qk = 256, *bytes = 144; break;
+    case Q5_K: *qk = 256, *bytes = 176; break;
     case Q6_K: *qk = 256, *bytes = 210; break;
     default: *qk = 0, *bytes = 0;
     }
@@ -86,9 +93,10 @@ static void dequant_block(int qtype, const uint8_t *b, float *out) {
                 out[i + 16] = d * (float)(hi - 16);
             }
         }
-    } else if (qtype == Q4_K) {
+    } else if (qtype == Q4_K || qtype == Q5_K) {
+        const int five = qtype == Q5_K;
         const float d = load_half(b), dmin = load_half(b + 2);
-        const uint8_t *s = b + 4, *q = b + 16;
+        const uint8_t *s = b + 4, *qh = b + 16, *q = b + 16 + 32 * five;
         for (int j = 0; j < 8; j++) { /* sub-block j: 32 values, scale sc and min m (6 bits each) */
             int sc, m;
             if (j < 4) sc = s[j] & 63, m = s[j + 4] & 63;
@@ -97,9 +105,32 @@ static void dequant_block(int qtype, const uint8_t *b, float *out) {
             const uint8_t *qq = q + (j / 2) * 32;
             const int shift = (j % 2) * 4;
             for (int l = 0; l < 32; l++) {
-                const float p = ds * (float)((qq[l] >> shift) & 0x0f);
+                const int v = ((qq[l] >> shift) & 0x0f) | (five ? ((qh[l] >> j) & 1) << 4 : 0); /* Q5_K: bit j */
+                const float p = ds * (float)v;
                 out[j * 32 + l] = p - dm;
             }
+        }
+    } else if (qtype == Q2_K) { /* sub-block i (16 values): scale d (sc & 15), min dmin (sc >> 4) */
+        const uint8_t *sc = b, *q = b + 16;
+        const float d = load_half(b + 80), dmin = load_half(b + 82);
+        for (int v = 0; v < 256; v++) { /* value v = 128 h + 32 s + l: bits 2s of q[32 h + l] */
+            const int h = v / 128, sh = (v / 32) % 4, l = v % 32, i = v / 16;
+            const float dl = d * (float)(sc[i] & 0x0f), ml = dmin * (float)(sc[i] >> 4);
+            const float p = dl * (float)((q[32 * h + l] >> (2 * sh)) & 3);
+            out[v] = p - ml;
+        }
+    } else if (qtype == Q3_K) { /* sub-block i (16 values): scale d (sc - 32), sc 6 bits in two places */
+        const uint8_t *hm = b, *q = b + 32, *s = b + 96;
+        const float d = load_half(b + 108);
+        float dl[16];
+        for (int i = 0; i < 16; i++) {
+            const int lo = i < 8 ? s[i] & 0x0f : s[i - 8] >> 4, hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+            dl[i] = d * (float)((int)(int8_t)(uint8_t)(lo | hi << 4) - 32);
+        }
+        for (int v = 0; v < 256; v++) { /* low 2 bits as Q2_K's; value v's high bit: bit v / 32 of hm[v % 32] */
+            const int h = v / 128, sh = (v / 32) % 4, l = v % 32;
+            const int low = (q[32 * h + l] >> (2 * sh)) & 3, high = (hm[l] >> (v / 32)) & 1;
+            out[v] = dl[v / 16] * (float)(low - (high ? 0 : 4));
         }
     } else { /* Q6_K */
         const uint8_t *ql = b, *qh = b + 128;

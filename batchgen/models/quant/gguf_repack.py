@@ -14,7 +14,10 @@ Q4_1    ``d q + m``              4      32     ``d``, ``8 d + m``              t
 Q5_0    ``d (q - 16)``           8      32     ``d``, none                     bit for bit
 Q5_1    ``d q + m``              8      32     ``d``, ``m`` (u = q + 128)      bit for bit
 Q8_0    ``d q`` (q int8)         8      32     ``d``, none                     bit for bit
+Q2_K    ``(d sc) q - dmin mn``   4      16     ``d sc``, ``-dmin mn`` (u=q+8)  bit for bit
+Q3_K    ``(d (sc-32)) q``        8      16     ``d (sc - 32)``, none           bit for bit
 Q4_K    ``(d sc) q - dmin mn``   4      32     ``d sc``, ``8 d sc - dmin mn``  to rounding
+Q5_K    ``(d sc) q - dmin mn``   8      32     ``d sc``, ``-dmin mn``          bit for bit
 Q6_K    ``(d sc) (q - 32)``      8      16     ``d sc``, none                  bit for bit
 ======  =======================  =====  =====  ==============================  ================
 
@@ -122,12 +125,52 @@ def _q6_k(b):
     return q.astype(np.int64) - 32 + 128, scale, None, 8, 16
 
 
+def _q2_k(b):
+    n = b.shape[0]
+    sc, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    q = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    scale = d * (sc & 0x0F).astype(np.float32)  # [n, 16]
+    zero = -(dmin * (sc >> 4).astype(np.float32))
+    return q.reshape(n, 256).astype(np.int64) + 8, scale, zero, 4, 16
+
+
+def _q3_k(b):
+    n = b.shape[0]
+    hmask, qs, s, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
+    low = (s[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    high = (s[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(
+        n, 16
+    )
+    sc = ((low & 0x0F) | ((high & 3) << 4)).astype(np.int64) - 32
+    ql = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(
+        3
+    )
+    qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
+    q = ql.reshape(n, 256).astype(np.int64) - 4 * (1 - qh.reshape(n, 256).astype(np.int64))
+    return q + 128, d * sc.astype(np.float32), None, 8, 16
+
+
+def _q5_k(b):
+    n = b.shape[0]
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    packed = b[:, 4:16].reshape(n, 3, 4)
+    lo, hi, mixed = packed[:, 0], packed[:, 1], packed[:, 2]
+    sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    qh = (b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
+    q = _nibbles(b[:, 48:176], 32) | (qh.reshape(n, 256) << np.uint8(4))
+    return q.astype(np.int64) + 128, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32)), 8, 32
+
+
 _SPLIT = {
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
     "Q5_0": _q5_0,
     "Q5_1": _q5_1,
     "Q8_0": _q8_0,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
     "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
     "Q6_K": _q6_k,
 }

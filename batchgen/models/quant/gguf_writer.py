@@ -3,8 +3,8 @@
 the metadata): the test and benchmark fixtures of the GGUF loader. Needs the gguf extra.
 
 Projections are quantized with gguf-py's quantizer where it has one (Q4_0, Q8_0), Q6_K by :func:`quantize_q6_k`
-(absmax scales per 16 values, ggml's block layout); for Q4_K (gguf-py only dequantizes it) the blocks are random
-valid ones (finite scales, weights centred), so a file's weights are whatever its blocks say, which is all a
+(absmax scales per 16 values, ggml's block layout); for Q4_K, Q2_K, Q3_K and Q5_K (gguf-py only dequantizes
+them) the blocks are random valid ones (finite scales, weights centred), so a file's weights are whatever its blocks say, which is all a
 loader may assume. The LM head (``output.weight``) is float32 unless ``output_type`` names its format;
 :func:`llama_cpp_output_type` is llama.cpp's own choice for a file type.
 """
@@ -16,7 +16,8 @@ import torch
 
 from batchgen.kernels.cpu_quant_linear import FORMATS
 
-SCALE_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 14: (208,)}
+SCALE_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2),
+                 14: (208,)}  # fmt: skip
 """Byte offsets of each block's fp16 scale fields, by ggml type id (the rest of a block is any bits)."""
 
 
