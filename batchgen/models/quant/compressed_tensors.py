@@ -32,7 +32,6 @@ import torch
 from torch import Tensor, nn
 
 from batchgen.kernels import cpu_quant_linear
-from batchgen.kernels.quant_linear_triton import int_linear_triton
 from batchgen.models.quant.fp8 import Fp8Scheme, block_fp8_scheme
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
 from batchgen.models.quant.gptq_awq import awq_scheme, gptq_scheme
@@ -300,6 +299,8 @@ class IntQuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if on_triton(x):
+            from batchgen.kernels.quant_linear_triton import int_linear_triton  # Triton only where it runs
+
             return int_linear_triton(x, self.weight_packed, self.scheme.bits, self.weight_scale, self.group,
                                      self.bias, round_bf16=self.scheme.round_bf16)  # fmt: skip
         if not cpu_quant_linear.available():

@@ -26,7 +26,6 @@ import torch
 from torch import Tensor, nn
 
 from batchgen.kernels import cpu_quant_linear
-from batchgen.kernels.quant_linear_triton import fp8_linear_triton
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
 from batchgen.models.quant.input_quant import InputQuant, with_inputs
 from batchgen.models.quant.quant_linear import multiply_parts, on_triton
@@ -116,7 +115,11 @@ class Fp8Linear(nn.Module):
         triton = on_triton(x)
         if not triton and not self._kernel(x):
             return nn.functional.linear(x, self.dense_weight(), self.bias)
-        linear = fp8_linear_triton if triton else cpu_quant_linear.fp8_linear
+        linear = cpu_quant_linear.fp8_linear
+        if triton:
+            from batchgen.kernels.quant_linear_triton import fp8_linear_triton  # Triton only where it runs
+
+            linear = fp8_linear_triton
 
         def product(i: int, rows: Tensor, bias: Tensor | None, out: Tensor) -> None:
             linear(rows, self.weights[i], self.scales[i], self.groups[i], bias, out=out)

@@ -31,7 +31,6 @@ import torch
 from torch import Tensor, nn
 
 from batchgen.kernels import cpu_quant_linear
-from batchgen.kernels.quant_linear_triton import int_linear_triton
 from batchgen.models.quant.quant_linear import multiply_parts, on_triton
 
 
@@ -136,7 +135,9 @@ class GroupQuantLinear(nn.Module):
             perm = self._perm(i)
             inputs = rows if perm is None else rows.index_select(1, perm)
             zero = getattr(self, f"zero{i}")
-            if triton:  # the zero term is added to each weight in registers
+            if triton:  # the zero term is added to each weight in registers (Triton imported only here)
+                from batchgen.kernels.quant_linear_triton import int_linear_triton
+
                 int_linear_triton(inputs, self.packed[i], self.bits[i], self.scales[i], self.groups[i], bias,
                                   zero=zero, out=out)  # fmt: skip
                 return
