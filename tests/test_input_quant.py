@@ -134,3 +134,27 @@ def test_without_compressed_tensors_the_checkpoint_is_refused_with_the_extra_to_
     monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # import fails
     with pytest.raises(UnsupportedCheckpoint, match=r"pip install 'batchgen\[quant\]'"):
         InputQuant.parse({"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}, "here")
+
+
+@pytest.mark.parametrize("kind", ["int", "float"])
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_symmetric_inputs_are_compressed_tensors_arithmetic_bit_for_bit(kind, dynamic) -> None:
+    """The few tensor operations batchgen runs for symmetric 8-bit inputs against compressed-tensors' own
+    functions, over magnitudes from 1e-30 to 1e5, zero rows and one-signed rows."""
+    from compressed_tensors.quantization import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    acts = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token" if dynamic else "tensor",
+            "dynamic": dynamic}  # fmt: skip
+    quant = InputQuant.parse(acts, "test")
+    layer = InputQuantLinear(torch.nn.Linear(512, 8), quant, None if dynamic else torch.tensor([0.0371]))
+    assert layer._fast is not None  # the tensor-operation form, not the library call
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 5, 40)[:, None]
+    x[3], x[4], x[5], x[6, ::2] = 0, -x[4].abs(), x[5].abs(), 0
+    args = quant.args()
+    if dynamic:
+        rows = x.reshape(1, -1, 512)
+        want = fake_quantize(rows, *compute_dynamic_scales_and_zp(rows, args, None), args).view(x.shape)
+    else:
+        want = fake_quantize(x, layer.input_scale, None, args)
+    assert torch.equal(layer.quantize_input(x), want)

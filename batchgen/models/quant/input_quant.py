@@ -108,6 +108,7 @@ class InputQuantLinear(nn.Module):
         self.inner = inner
         self.quant = quant
         self._args = quant.args()
+        self._fast = _fast_form(self._args, quant, input_zero_point)
         self.in_features, self.out_features = inner.in_features, inner.out_features
         self.register_buffer("input_scale", input_scale, persistent=False)
         self.register_buffer("input_zero_point", input_zero_point, persistent=False)
@@ -123,6 +124,8 @@ class InputQuantLinear(nn.Module):
 
         if x.numel() == 0:
             return x
+        if self._fast is not None:
+            return _fake_quantize_symmetric(x, self._fast, self.input_scale)
         if self.quant.dynamic:
             # [1, tokens, in]: compressed-tensors reduces a token's scale over the dimensions after the first two
             rows = x.reshape(1, -1, x.shape[-1])
@@ -139,6 +142,46 @@ class InputQuantLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = dict(self.quant.items).get("type")
         return f"inputs {kind}8 {'dynamic' if self.quant.dynamic else 'static'}"
+
+
+@dataclass(frozen=True)
+class _Symmetric:
+    """The one case compressed-tensors computes with a few tensor operations: symmetric 8-bit inputs, per token
+    dynamically or by a static scale (no global scale, no rounded scale dtype). `half`: half the type's range
+    (127.5 for int8, 448 for fp8): a token's scale is its largest magnitude over it."""
+
+    fp8: bool
+    dynamic: bool
+    half: float
+    low: float
+    high: float
+
+
+def _fast_form(args, quant: InputQuant, zero_point: Tensor | None) -> _Symmetric | None:
+    if not quant.symmetric or zero_point is not None or getattr(args, "scale_dtype", None) is not None:
+        return None
+    if dict(quant.items).get("num_bits") != 8 or (
+        quant.dynamic and dict(quant.items).get("strategy") != "token"
+    ):
+        return None
+    fp8 = dict(quant.items).get("type") == "float"
+    low, high = (-448.0, 448.0) if fp8 else (-128.0, 127.0)
+    return _Symmetric(fp8, quant.dynamic, (high - low) / 2, low, high)
+
+
+def _fake_quantize_symmetric(x: Tensor, form: _Symmetric, static_scale: Tensor | None) -> Tensor:
+    """compressed-tensors' ``compute_dynamic_scales_and_zp`` + ``fake_quantize`` for a :class:`_Symmetric` form,
+    operation for operation (the tests hold the two bit for bit): scale = max |x| over the token / `half`
+    (``finfo.eps`` where that is 0) or the static scale; ``clamp(x / scale)`` rounded (half to even for int8,
+    to e4m3 for fp8), times the scale."""
+    if form.dynamic:
+        scale = x.abs().amax(dim=-1, keepdim=True) / form.half
+        scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
+    else:
+        scale = static_scale.to(x.dtype)
+    q = torch.clamp(x / scale, form.low, form.high)
+    q = q.to(torch.float8_e4m3fn).to(x.dtype) if form.fp8 else torch.round(q)
+    return q * scale
 
 
 def static_input_scale(get, prefixes: list[str], where: str) -> tuple[Tensor, Tensor | None]:
