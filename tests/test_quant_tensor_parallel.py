@@ -1,6 +1,7 @@
-"""Quantized checkpoints under tensor parallelism: each rank reads only its slice of the packed weights, scales
-and zero points (in each format's own layout), and its projections' dequantized weights are exactly its slice
-of the whole model's; greedy output over two ranks equals one process's; what cannot split is refused by name."""
+"""Quantized checkpoints and GGUF files under tensor parallelism: each rank reads only its slice of the packed
+weights, scales and zero points (in each format's own layout), and its projections' dequantized weights are
+exactly its slice of the whole model's; greedy output over two ranks equals one process's; what cannot split is
+refused by name."""
 
 from __future__ import annotations
 
@@ -90,6 +91,13 @@ def test_what_cannot_split_is_refused_by_name(llama_256, tmp_path) -> None:
     act_order = writers.write_gptq(llama_256, tmp_path / "desc", desc_act=True)
     with pytest.raises(UnsupportedCheckpoint, match="GPTQ desc_act"):
         load_model(act_order, tp_rank=0, tp_size=2)
+    # a GGUF row of one 256-value block cannot split over two ranks
+    pytest.importorskip("gguf", reason="the gguf extra is not installed")
+    from batchgen.models.quant.gguf_writer import write_gguf
+
+    k_quant = write_gguf(llama_256, tmp_path / "k.gguf", {"attn_output": 12}, seed=1)
+    with pytest.raises(UnsupportedCheckpoint, match="attn_output.weight holds 1 blocks per row"):
+        load_model(k_quant, tp_rank=0, tp_size=2)
     # fp8 blocks of 96 rows: a rank's 128 rows of q/gate would start inside a block
     blocks = writers.write_block_fp8(llama_256, tmp_path / "blocks", block=(96, 64))
     with pytest.raises(UnsupportedCheckpoint, match="not whole fp8 scale blocks of 96"):
@@ -101,3 +109,62 @@ def test_what_cannot_split_is_refused_by_name(llama_256, tmp_path) -> None:
     load_model(ct, tp_rank=1, tp_size=2)
     with pytest.raises(ValueError, match="do not split over 4 ranks"):
         load_model(ct, tp_rank=0, tp_size=4)
+
+
+GGUF_MIX = {"attn_q": 12, "attn_k": 14, "attn_v": 13, "attn_output": 8, "ffn_gate": 11, "ffn_up": 10,
+            "ffn_down": 12}  # fmt: skip
+"""Q4_K, Q6_K, Q5_K, Q8_0, Q3_K, Q2_K, Q4_K: every row-parallel row (256 or 512 inputs) splits into whole blocks."""
+
+
+def test_a_gguf_file_splits_into_each_ranks_rows_and_blocks(llama_256, tmp_path) -> None:
+    pytest.importorskip("gguf", reason="the gguf extra is not installed")
+    from batchgen.models.quant.gguf_writer import write_gguf
+
+    path = write_gguf(
+        llama_256, tmp_path / "m.gguf", GGUF_MIX, seed=2, output_type=14
+    )  # the head in Q6_K too
+    whole = load_model(path)
+    cfg = whole.config
+    q_rows, kv_rows, inter = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    vocab = whole.lm_head.dense_weight()
+    for rank in (0, 1):
+        shard = load_model(path, tp_rank=rank, tp_size=2)
+        for i in range(cfg.num_layers):
+            ours, full = shard.model.layers[i], whole.model.layers[i]
+            want_qkv = _rows(full.self_attn.qkv_proj.dense_weight(),
+                             [(rank * q_rows // 2, q_rows // 2), (q_rows + rank * kv_rows // 2, kv_rows // 2),
+                              (q_rows + kv_rows + rank * kv_rows // 2, kv_rows // 2)])  # fmt: skip
+            assert torch.equal(ours.self_attn.qkv_proj.dense_weight(), want_qkv)
+            want = _rows(full.mlp.gate_up_proj.dense_weight(),
+                         [(rank * inter // 2, inter // 2), (inter + rank * inter // 2, inter // 2)])  # fmt: skip
+            assert torch.equal(ours.mlp.gate_up_proj.dense_weight(), want)
+            for name in ("self_attn.o_proj", "mlp.down_proj"):
+                w = full.get_submodule(name).dense_weight()
+                k = w.shape[1] // 2
+                assert torch.equal(ours.get_submodule(name).dense_weight(), w[:, rank * k : (rank + 1) * k])
+        rows = -(-cfg.vocab_size // 2)  # the vocabulary-parallel head: the rank's rows, the last one padded
+        head = shard.lm_head.dense_weight()
+        part = vocab[rank * rows : (rank + 1) * rows]
+        assert torch.equal(head[: part.shape[0]], part) and not head[part.shape[0] :].any()
+
+
+def test_a_gguf_file_over_two_ranks_gives_one_process_greedy_output(llama_256, tmp_path) -> None:
+    pytest.importorskip("gguf", reason="the gguf extra is not installed")
+    from batchgen.models.quant.gguf_writer import write_gguf
+
+    path = write_gguf(
+        llama_256, tmp_path / "m.gguf", {"attn_output": 2, "ffn_down": 8}, seed=3
+    )  # Q8_0 elsewhere
+    prompts = [[1, 5, 9, 33, 7], list(range(10, 40))]
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    engine = {"device": "cpu", "num_blocks": 64, "block_size": 8}
+    want = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, greedy, use_tqdm=False)]
+    got = [
+        o.outputs[0].token_ids
+        for o in LLM(path, tensor_parallel_size=2, **engine).generate(prompts, greedy, use_tqdm=False)
+    ]
+    assert got == want and len({t for row in got for t in row}) > 6

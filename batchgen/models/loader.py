@@ -48,6 +48,7 @@ from batchgen.models.quant.gguf_checkpoint import (
     load_gguf_model,
     load_gguf_tokenizer,
 )
+from batchgen.models.quant.gguf_checkpoint import read_config as read_gguf_config
 from batchgen.models.quant.kv_scales import attach_kv_scales
 from batchgen.models.quant.linear_loader import TensorReader, kv_scale_names, load_quantized_linears
 from batchgen.models.quant.weight_dtype import compute_dtype
@@ -233,13 +234,15 @@ def load_model(
         )
     gguf_file = gguf_path(path)
     if gguf_file is not None:  # a GGUF file: its own loader (batchgen.models.quant.gguf_checkpoint)
-        if tp_size > 1 or implementation == "transformers":
+        if implementation == "transformers":
             raise UnsupportedCheckpoint(
-                "a GGUF checkpoint runs on batchgen's native code on one device: set "
-                "engine.tensor_parallel_size=1 and model.implementation auto or native"
+                "a GGUF checkpoint runs on batchgen's native code: set model.implementation auto or native"
             )
-        cpu_kernel.start_build()
-        return load_gguf_model(gguf_file, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":
+            cpu_kernel.start_build()
+        if tp_size > 1:
+            check_tensor_parallel(gguf_file, implementation, tp_size)
+        return load_gguf_model(gguf_file, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size)
     ckpt = _checkpoint_dir(path)
     if torch.device(device).type == "cpu":
         cpu_kernel.start_build()  # the C kernels (linear layers, attention) compile while the weights load
@@ -304,10 +307,10 @@ def check_tensor_parallel(path: str | os.PathLike, implementation: str, tp_size:
     )
     if implementation == "transformers":
         raise ValueError(refused)
-    if gguf_path(path) is not None:
-        raise UnsupportedCheckpoint(
-            f"engine.tensor_parallel_size={tp_size}: GGUF files run on one device; set engine.tensor_parallel_size=1"
-        )
+    if (gguf_file := gguf_path(path)) is not None:  # split by load_gguf_model
+        config = read_gguf_config(gguf_file)
+        check_divisible(config, tp_size)
+        return config
     if quantization_scheme(_checkpoint_dir(path)) is not None:  # split by batchgen.models.sharding
         problem = tensor_parallel_refusal(_checkpoint_dir(path))
         if problem:

@@ -140,6 +140,11 @@ def _split(total: int, size: int, stored: str, what: str) -> int:
     return total // size
 
 
+def splits_inputs(name: str) -> bool:
+    """Whether tensor `name` (Hugging Face's name) belongs to a row-parallel projection (its inputs split)."""
+    return _module_and_leaf(name)[0] in _ROW
+
+
 def _module_and_leaf(name: str) -> tuple[str, str]:
     """`model.layers.0.self_attn.q_proj.weight` -> (`q_proj`, `weight`); `lm_head.weight` -> (`lm_head`, ...)."""
     prefix, _, leaf = name.rpartition(".")

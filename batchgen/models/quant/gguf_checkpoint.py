@@ -9,7 +9,8 @@ part's format); float tensors (F32, F16, BF16) and quantized embeddings and norm
 transformers' transforms (llama.cpp's q/k row order reversed, on the packed rows). The model computes in
 float32 on the CPU: greedy output equals transformers' (which dequantizes everything to float32) token for token.
 On a GPU the projections are repacked once at load into grouped integers (:mod:`.gguf_repack`) that the Triton
-weight-only GEMM multiplies, still in float32.
+weight-only GEMM multiplies, still in float32. Under tensor parallelism each rank keeps its rows (column-parallel)
+or its whole blocks of each row (row-parallel) of the packed tensors.
 
 Invariants: every parameter is written exactly once, and a tensor in a format batchgen does not run, or an
 architecture it has no GGUF mapping for, is refused by name before anything is computed
@@ -109,17 +110,27 @@ def load_gguf_tokenizer(path: Path):
 
 
 @torch.no_grad()
-def load_gguf_model(path: Path, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"):
-    """The native model of a GGUF file, projections packed in their block formats (module docstring)."""
+def load_gguf_model(
+    path: Path,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+):
+    """The native model of a GGUF file, projections packed in their block formats (module docstring); with
+    `tp_size > 1`, rank `tp_rank`'s shard (:func:`batchgen.models.sharding.read_shard`'s rules on the file's
+    tensors in Hugging Face's layout: block rows for column-parallel projections, whole blocks of each row for
+    row-parallel ones)."""
     from batchgen.models.llama import CausalLM
     from batchgen.models.loader import _checkpoint_names, _empty_model
     from batchgen.models.packed_linear import fast_cpu_weights
+    from batchgen.models.parallel import shard_config
 
     gguf = _require_gguf()
     device = torch.device(device)
     if not (isinstance(dtype, str) and dtype.lower() in ("auto", "float32")) and dtype != torch.float32:
         raise UnsupportedCheckpoint(f"a GGUF checkpoint computes in float32: use dtype auto, not {dtype}")
-    config = read_config(path)
+    config = shard_config(read_config(path), tp_rank, tp_size)
     reader = gguf.GGUFReader(str(path))
     arch_name = reader.fields["general.architecture"].contents()
     tensors = {t.name: t for t in reader.tensors}
@@ -157,14 +168,23 @@ def load_gguf_model(path: Path, dtype: torch.dtype | str = "auto", device: str |
         if missing:
             raise ValueError(f"GGUF file {path.name} is missing tensor(s) {', '.join(missing)}")
         packed = [
-            (torch.from_numpy(np.array(rows(n, np.asarray(tensors[n].data)))), int(tensors[n].tensor_type))
-            for n in names
+            (
+                torch.from_numpy(
+                    np.array(rows(n, _rank_part(np.asarray(tensors[n].data), hf, config, tensors[n])))
+                ),
+                int(tensors[n].tensor_type),
+            )
+            for n, (hf, _) in zip(names, parts)
         ]
         bias = None
         if linear.bias is not None:
             bias = torch.cat(
-                [_dense(tensors, rows, gguf_name(hf.replace(".weight", ".bias"))) for hf, _ in parts]
-            )
+                [
+                    _dense(tensors, rows, gguf_name(hf.replace(".weight", ".bias")), hf.replace(".weight", ".bias"),
+                           config)
+                    for hf, _ in parts
+                ]
+            )  # fmt: skip
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, quant_linear(linear.in_features, packed, bias, device))
         used.update(names)  # a tied head quantized on its own: the table stays the embedding's
@@ -178,7 +198,7 @@ def load_gguf_model(path: Path, dtype: torch.dtype | str = "auto", device: str |
             n = gguf_name(hf)
             if n not in tensors:
                 raise ValueError(f"GGUF file {path.name} is missing tensor {n} (for {hf})")
-            value = _dense(tensors, rows, n)
+            value = _dense(tensors, rows, n, hf, config)
             dest = param if src.rows < 0 else param.narrow(0, src.offset, src.rows)
             if tuple(value.shape) != tuple(dest.shape):
                 raise ValueError(
@@ -207,10 +227,48 @@ def quant_linear(
     return layer.to(device)
 
 
-def _dense(tensors: dict, rows, name: str) -> torch.Tensor:
-    """A GGUF tensor widened to float32 (dequantized if quantized), in Hugging Face's layout."""
+def _dense(tensors: dict, rows, name: str, hf: str, config: ModelConfig) -> torch.Tensor:
+    """GGUF tensor `name` (Hugging Face's `hf`) widened to float32 (dequantized if quantized), in Hugging Face's
+    layout: this rank's part of it."""
     from gguf.quants import dequantize
 
     t = tensors[name]
     data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-    return torch.from_numpy(np.array(rows(name, data)))
+    return torch.from_numpy(np.array(rows(name, _rank_part(data, hf, config))))
+
+
+class _ArraySlice:
+    """A numpy array seen as an open safetensors file holding one tensor (``get_slice``, ``get_shape``,
+    indexing): what :func:`batchgen.models.sharding.read_shard` reads a rank's part from."""
+
+    def __init__(self, name: str, data: np.ndarray) -> None:
+        self.name, self.data = name, data
+
+    def get_slice(self, name: str) -> _ArraySlice:
+        if name != self.name:
+            raise KeyError(name)
+        return self
+
+    def get_shape(self) -> list[int]:
+        return list(self.data.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(self.data[index]))
+
+
+def _rank_part(data: np.ndarray, hf: str, config: ModelConfig, tensor=None) -> np.ndarray:
+    """Rank ``config.tp_rank``'s part of a GGUF tensor in Hugging Face's layout (all of it on one rank). For a
+    block-quantized `tensor` the columns are bytes: a row-parallel projection's rows must split into whole
+    blocks."""
+    if config.tp_size == 1:
+        return data
+    from batchgen.models.sharding import read_shard, splits_inputs
+
+    if tensor is not None and splits_inputs(hf) and int(tensor.tensor_type) in FORMATS:
+        blocks = data.shape[1] // FORMATS[int(tensor.tensor_type)].block_bytes
+        if blocks % config.tp_size:
+            raise UnsupportedCheckpoint(
+                f"GGUF tensor {tensor.name} holds {blocks} blocks per row, which do not split over "
+                f"{config.tp_size} ranks; set engine.tensor_parallel_size to a divisor"
+            )
+    return read_shard(_ArraySlice(hf, data), hf, hf, config).numpy()
