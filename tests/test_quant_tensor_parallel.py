@@ -30,9 +30,7 @@ def _ct(**kwargs):
 FORMATS = {
     "ct-int4-g64": _ct(bits=4, group_size=64),  # streamed as stored
     "ct-int8-channel-asym": _ct(bits=8, group_size=None, symmetric=False),  # zero points packed along outputs
-    "ct-int4-g32-asym": _ct(bits=4, group_size=32, symmetric=False),
     "gptq4-asym-g32": lambda b, o: writers.write_gptq(b, o, bits=4, group_size=32, sym=False),
-    "gptq8-channel": lambda b, o: writers.write_gptq(b, o, bits=8, group_size=-1),
     "awq4-g32": lambda b, o: writers.write_awq(b, o, group_size=32),  # outputs packed 8 per word
     "fp8-block": lambda b, o: writers.write_block_fp8(b, o, block=(32, 64)),
     "fp8-ct-tensor": lambda b, o: writers.write_compressed_fp8(b, o, strategy="tensor"),
