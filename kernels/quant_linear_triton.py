@@ -11,8 +11,9 @@ never widened in memory. The GPU counterpart of :mod:`.cpu_quant_linear`, over t
   and group of ``group`` inputs: ``w[n, k] = fp8(q[n, k]) * scale[n, k // group]``. The bytes are decoded with
   integer arithmetic (exact; no fp8 hardware needed).
 
-Program ``(i, j)`` computes the ``BLOCK_M x BLOCK_N`` output tile ``(i, j)`` over all of ``K`` (no split-K, no
-atomics): each output element is written once. Accumulation is float32. With float32 inputs the products are
+One kernel runs both: program ``(i, j)`` computes the ``BLOCK_M x BLOCK_N`` output tile ``(i, j)`` over all of
+``K`` (no split-K, no atomics: each output element is written once), each ``BLOCK_K`` slice of the weights
+decoded by the format's ``@helper`` (``_int_tile``, ``_fp8_tile``). Accumulation is float32. With float32 inputs the products are
 exact float32 (``input_precision="ieee"``), so the result equals ``x @ dense_weightᵀ`` up to summation order;
 16-bit inputs multiply the weight tile rounded to the input's dtype on the tensor cores. Both run compiled on
 CUDA tensors and interpreted on CPU tensors (:mod:`._jit`), which is how the CPU test suite holds them to their
@@ -26,11 +27,43 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._jit import interpreting, kernel
+from ._jit import helper, interpreting, kernel
+
+
+@helper
+def _int_tile(w_rows, s_ptr, z_ptr, s_rows, k, mask, GROUP: tl.constexpr, BITS: tl.constexpr,
+              PER_WORD: tl.constexpr, MASK: tl.constexpr, OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
+              ROUND_BF16: tl.constexpr):  # fmt: skip
+    """The float32 weights ``[BLOCK_K, BLOCK_N]`` of inputs ``k`` from packed integer words."""
+    words = tl.load(w_rows + (k // PER_WORD)[:, None], mask=mask, other=0)
+    u = (words >> ((k % PER_WORD) * BITS)[:, None]) & MASK  # arithmetic shift: the mask keeps the value
+    g = s_rows + (k // GROUP)[:, None]
+    w = (u - OFFSET).to(tl.float32) * tl.load(s_ptr + g, mask=mask, other=0.0)
+    if HAS_ZERO:
+        w += tl.load(z_ptr + g, mask=mask, other=0.0)
+    if ROUND_BF16:  # to the nearest bfloat16, ties to even, in integer bits (the interpreter's cast is wrong)
+        bits = w.to(tl.int32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+        w = bits.to(tl.float32, bitcast=True)
+    return w
+
+
+@helper
+def _fp8_tile(w_rows, s_ptr, s_rows, k, mask, GROUP: tl.constexpr):
+    """The float32 weights ``[BLOCK_K, BLOCK_N]`` of inputs ``k`` from e4m3fn bytes: sign, 4 exponent bits (bias
+    7), 3 mantissa bits; no infinities, 0x7f / 0xff are NaN."""
+    b = tl.load(w_rows + k[:, None], mask=mask, other=0).to(tl.int32)
+    exp = (b >> 3) & 15
+    man = b & 7
+    normal = ((exp + 120) << 23) | (man << 20)  # the same value's float32 bits
+    mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
+    mag = tl.where((b & 127) == 127, float("nan"), mag)
+    sign = tl.where((b & 128) != 0, -1.0, 1.0)
+    return sign * mag * tl.load(s_ptr + s_rows + (k // GROUP)[:, None], mask=mask, other=0.0)
 
 
 @kernel
-def _int_linear_kernel(
+def _linear_kernel(
     x_ptr,
     w_ptr,
     s_ptr,
@@ -44,6 +77,7 @@ def _int_linear_kernel(
     stride_w,
     stride_s,
     stride_y,
+    FP8: tl.constexpr,
     GROUP: tl.constexpr,
     BITS: tl.constexpr,
     PER_WORD: tl.constexpr,
@@ -69,72 +103,12 @@ def _int_linear_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wk_mask = k_ok[:, None] & n_ok[None, :]
-        words = tl.load(w_rows + (k // PER_WORD)[:, None], mask=wk_mask, other=0)  # [BLOCK_K, BLOCK_N]
-        u = (words >> ((k % PER_WORD) * BITS)[:, None]) & MASK  # arithmetic shift: the mask keeps the value
-        g = s_rows + (k // GROUP)[:, None]
-        w = (u - OFFSET).to(tl.float32) * tl.load(s_ptr + g, mask=wk_mask, other=0.0)
-        if HAS_ZERO:
-            w += tl.load(z_ptr + g, mask=wk_mask, other=0.0)
-        if (
-            ROUND_BF16
-        ):  # to the nearest bfloat16, ties to even, in integer bits (the interpreter's cast is wrong)
-            bits = w.to(tl.int32, bitcast=True)
-            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-            w = bits.to(tl.float32, bitcast=True)
-        if FP32_DOT:
-            acc += tl.dot(xt.to(tl.float32), w, input_precision="ieee")
+        mask = k_ok[:, None] & n_ok[None, :]
+        if FP8:
+            w = _fp8_tile(w_rows, s_ptr, s_rows, k, mask, GROUP)
         else:
-            acc += tl.dot(xt, w.to(xt.dtype))
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@kernel
-def _fp8_linear_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    b_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    stride_x,
-    stride_w,
-    stride_s,
-    stride_y,
-    GROUP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    w_rows = w_ptr + rn.to(tl.int64)[None, :] * stride_w
-    s_rows = rn.to(tl.int64)[None, :] * stride_s
-    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wk_mask = k_ok[:, None] & n_ok[None, :]
-        b = tl.load(w_rows + k[:, None], mask=wk_mask, other=0).to(tl.int32)  # [BLOCK_K, BLOCK_N]
-        # e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7f/0xff are NaN
-        exp = (b >> 3) & 15
-        man = b & 7
-        normal = ((exp + 120) << 23) | (man << 20)  # the same value's float32 bits
-        mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
-        mag = tl.where((b & 127) == 127, float("nan"), mag)
-        sign = tl.where((b & 128) != 0, -1.0, 1.0)
-        w = sign * mag * tl.load(s_ptr + s_rows + (k // GROUP)[:, None], mask=wk_mask, other=0.0)
+            w = _int_tile(w_rows, s_ptr, z_ptr, s_rows, k, mask, GROUP, BITS, PER_WORD, MASK, OFFSET, HAS_ZERO,
+                          ROUND_BF16)  # fmt: skip
         if FP32_DOT:
             acc += tl.dot(xt.to(tl.float32), w, input_precision="ieee")
         else:
@@ -210,10 +184,10 @@ def int_linear_triton(
     if zero is not None:
         zero = zero.contiguous()
         assert zero.shape == scales.shape
-    _int_linear_kernel.on(x.device)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+    _linear_kernel.on(x.device)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         rows, packed, scales, scales if zero is None else zero, scales if bias is None else bias, y,
         m, n, k, rows.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
-        GROUP=group, BITS=bits, PER_WORD=per, MASK=(1 << bits) - 1, OFFSET=1 << (bits - 1),
+        FP8=False, GROUP=group, BITS=bits, PER_WORD=per, MASK=(1 << bits) - 1, OFFSET=1 << (bits - 1),
         HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, FP32_DOT=fp32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
     )  # fmt: skip
@@ -242,9 +216,10 @@ def fp8_linear_triton(
         return result
     bm, bn, bk = _blocks(m, n, x.device)
     scales = scales.contiguous()
-    _fp8_linear_kernel.on(x.device)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        rows, weight, scales, scales if bias is None else bias, y,
+    _linear_kernel.on(x.device)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        rows, weight, scales, scales, scales if bias is None else bias, y,
         m, n, k, rows.stride(0), weight.stride(0), scales.stride(0), y.stride(0),
-        GROUP=group, HAS_BIAS=bias is not None, FP32_DOT=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        FP8=True, GROUP=group, BITS=8, PER_WORD=1, MASK=255, OFFSET=0, HAS_ZERO=False, HAS_BIAS=bias is not None,
+        ROUND_BF16=False, FP32_DOT=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
     )  # fmt: skip
     return result

@@ -131,3 +131,32 @@ def write_compressed_tensors(
     cfg["dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return str(out)
+
+
+def dequantized_copy(path: str, out, marker: str, weight, quant_suffixes: tuple[str, ...]) -> str:
+    """A float32 copy of the quantized checkpoint `path` at `out`, for transformers to run: each projection
+    holding a tensor ``<prefix>.<marker>`` gets ``weight(state, prefix)`` (its dequantization from the
+    specification) as its ``weight``; tensors ending in `quant_suffixes` are dropped, the others widened to
+    float32; no quantization_config."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    shutil.copytree(path, out)
+    state = load_file(str(out / "model.safetensors"))
+    dense = {}
+    for name, t in state.items():
+        if name.endswith(f".{marker}"):
+            prefix = name.removesuffix(f".{marker}")
+            dense[f"{prefix}.weight"] = weight(state, prefix).float()
+        elif not name.endswith(quant_suffixes):
+            dense[name] = t.float()
+    save_file(dense, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["quantization_config"]
+    cfg["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)

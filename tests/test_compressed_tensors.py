@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_helpers import batchgen_greedy, transformers_greedy, transformers_model, write_compressed_tensors
+from quant_helpers import (
+    batchgen_greedy,
+    dequantized_copy,
+    transformers_greedy,
+    transformers_model,
+    write_compressed_tensors,
+)
 
 from batchgen import LLM
 from batchgen.kernels import cpu_kernel, cpu_quant_linear
@@ -263,31 +269,18 @@ def test_activation_order_weight_is_read_as_stored(llama_256, tmp_path) -> None:
 def _dequantized_with_g_idx(path: str, out: Path, bits: int) -> str:
     """A float32 copy of a symmetric pack-quantized checkpoint with ``weight_g_idx``, each weight
     ``(q - 2^(bits-1)) * scale[row, g_idx[input]]`` computed in float64 from the specification."""
-    import shutil
-
     import numpy as np
-    from safetensors.torch import load_file, save_file
 
-    shutil.copytree(path, out)
-    state = load_file(str(out / "model.safetensors"))
-    dense = {}
-    for name, t in state.items():
-        if name.endswith(".weight_packed"):
-            prefix = name.removesuffix(".weight_packed")
-            words = t.numpy().view(np.uint32).astype(np.int64)
-            q = np.stack([(words >> (bits * j)) & ((1 << bits) - 1) for j in range(32 // bits)], -1)
-            q = q.reshape(words.shape[0], -1) - (1 << (bits - 1))
-            g_idx = state[f"{prefix}.weight_g_idx"].numpy().astype(np.int64)
-            scale = state[f"{prefix}.weight_scale"].double().numpy()
-            dense[f"{prefix}.weight"] = torch.from_numpy(q * scale[:, g_idx]).float()
-        elif not name.endswith((".weight_scale", ".weight_shape", ".weight_g_idx")):
-            dense[name] = t.float()
-    save_file(dense, str(out / "model.safetensors"))
-    cfg = json.loads((out / "config.json").read_text())
-    del cfg["quantization_config"]
-    cfg["dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(cfg))
-    return str(out)
+    def weight(state: dict, prefix: str) -> torch.Tensor:
+        words = state[f"{prefix}.weight_packed"].numpy().view(np.uint32).astype(np.int64)
+        q = np.stack([(words >> (bits * j)) & ((1 << bits) - 1) for j in range(32 // bits)], -1)
+        q = q.reshape(words.shape[0], -1) - (1 << (bits - 1))
+        g_idx = state[f"{prefix}.weight_g_idx"].numpy().astype(np.int64)
+        return torch.from_numpy(q * state[f"{prefix}.weight_scale"].double().numpy()[:, g_idx])
+
+    return dequantized_copy(
+        path, out, "weight_packed", weight, (".weight_scale", ".weight_shape", ".weight_g_idx")
+    )
 
 
 def test_activation_order_group_is_repacked_with_its_g_idx(llama_256, tmp_path) -> None:

@@ -6,13 +6,12 @@ AWQ loading needs optimum + gptqmodel, which have no CPU wheel). Schemes not run
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from quant_helpers import batchgen_greedy, transformers_greedy
+from quant_helpers import batchgen_greedy, dequantized_copy, transformers_greedy
 
 from batchgen import LLM
 from batchgen.models.quant import writers
@@ -55,23 +54,8 @@ def _reference(state: dict, prefix: str, method: str, bits: int, v1: bool) -> to
 
 
 def _dequantized_checkpoint(path: str, out: Path, method: str, bits: int, v1: bool) -> str:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(path, out)
-    state = load_file(str(out / "model.safetensors"))
-    dense = {}
-    for name, t in state.items():
-        if name.endswith(".qweight"):
-            prefix = name.removesuffix(".qweight")
-            dense[f"{prefix}.weight"] = _reference(state, prefix, method, bits, v1).float()
-        elif not name.endswith((".qzeros", ".scales", ".g_idx")):
-            dense[name] = t.float()
-    save_file(dense, str(out / "model.safetensors"))
-    cfg = json.loads((out / "config.json").read_text())
-    del cfg["quantization_config"]
-    cfg["dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(cfg))
-    return str(out)
+    return dequantized_copy(path, out, "qweight", lambda state, prefix: _reference(state, prefix, method, bits, v1),
+                            (".qzeros", ".scales", ".g_idx"))  # fmt: skip
 
 
 CASES = {  # name: (writer kwargs, bits stored in memory)

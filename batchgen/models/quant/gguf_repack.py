@@ -102,16 +102,21 @@ def _q8_0(b):
     return qs.astype(np.int64) + 128, d, None, 8, 32
 
 
-def _q4_k(b):
+def _k_scales(b) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's per-32-value scale ``d sc`` and min ``dmin m`` ``[blocks, 8]`` float32: the fp16 d and
+    dmin, then 8 six-bit scales and mins packed in 12 bytes (gguf-py's ``Q4_K.get_scale_min``)."""
     n = b.shape[0]
     d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
-    packed = b[:, 4:16].reshape(n, 3, 4)  # 8 six-bit scales and mins (gguf-py's Q4_K.get_scale_min)
+    packed = b[:, 4:16].reshape(n, 3, 4)
     lo, hi, mixed = packed[:, 0], packed[:, 1], packed[:, 2]
     sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
     mn = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=-1)
-    scale = d * sc.astype(np.float32)  # [n, 8]
-    zero = 8 * scale - dmin * mn.astype(np.float32)
-    return _nibbles(b[:, 16:], 32), scale, zero, 4, 32
+    return d * sc.astype(np.float32), dmin * mn.astype(np.float32)
+
+
+def _q4_k(b):
+    scale, low = _k_scales(b)
+    return _nibbles(b[:, 16:], 32), scale, 8 * scale - low, 4, 32
 
 
 def _q6_k(b):
@@ -152,14 +157,10 @@ def _q3_k(b):
 
 def _q5_k(b):
     n = b.shape[0]
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
-    packed = b[:, 4:16].reshape(n, 3, 4)
-    lo, hi, mixed = packed[:, 0], packed[:, 1], packed[:, 2]
-    sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    scale, low = _k_scales(b)
     qh = (b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
     q = _nibbles(b[:, 48:176], 32) | (qh.reshape(n, 256) << np.uint8(4))
-    return q.astype(np.int64) + 128, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32)), 8, 32
+    return q.astype(np.int64) + 128, scale, -low, 8, 32
 
 
 _SPLIT = {
