@@ -184,42 +184,43 @@ def _parts_of(parts, k):
 
 
 @pytest.fixture(scope="module")
-def llama_256(ckpt_factory) -> str:
-    return ckpt_factory("llama", seed=34, hidden_size=256, intermediate_size=512)
+def llama_64(ckpt_factory) -> str:
+    """Small enough for the interpreter to run every projection of a whole model quickly."""
+    return ckpt_factory("llama", seed=34, hidden_size=64, intermediate_size=128)
 
 
 @pytest.mark.parametrize("kind", ["gptq-act-order", "ct-int4-bf16", "block-fp8"])
 def test_quantized_checkpoints_on_the_gpu_path_greedy_equal_the_cpu_kernels(
-    llama_256, tmp_path, monkeypatch, kind
+    llama_64, tmp_path, monkeypatch, kind
 ) -> None:
     """The CPU path (C kernels) is held to transformers' loading of these checkpoints by the format tests."""
     if kind == "gptq-act-order":
-        path = writers.write_gptq(llama_256, tmp_path / "q", desc_act=True, sym=False, seed=3)
+        path = writers.write_gptq(llama_64, tmp_path / "q", desc_act=True, sym=False, seed=3)
     elif kind == "ct-int4-bf16":
         pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
         from quant_helpers import write_compressed_tensors
 
-        path = write_compressed_tensors(
-            llama_256, tmp_path / "q", bits=4, group_size=32, dtype=torch.bfloat16
-        )
-    else:
-        path = writers.write_block_fp8(llama_256, tmp_path / "q", block=(48, 96))
+        path = write_compressed_tensors(llama_64, tmp_path / "q", bits=4, group_size=32, dtype=torch.bfloat16)
+    else:  # blocks that divide neither the rows nor the inputs
+        path = writers.write_block_fp8(llama_64, tmp_path / "q", block=(48, 40))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     want = batchgen_greedy(LLM(path, num_blocks=64, block_size=8, max_num_seqs=4), PROMPTS[:2], new=8)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # every projection through the Triton kernels, interpreted
     assert batchgen_greedy(LLM(path, num_blocks=64, block_size=8, max_num_seqs=4), PROMPTS[:2], new=8) == want
-    assert len({t for row in want for t in row}) > 6
+    assert len({t for row in want for t in row}) > 4  # not one repeated token
 
 
 def test_a_gguf_file_repacked_for_the_gpu_path_greedy_equals_transformers(
-    llama_256, tmp_path, monkeypatch
+    llama_64, tmp_path, monkeypatch
 ) -> None:
+    """The 32-value formats on a whole model (the 256-value K-quants need wider rows: their repacking is held
+    above, format by format and through a layer)."""
     pytest.importorskip("gguf", reason="the gguf extra is not installed")
     from batchgen.models.quant.gguf_writer import write_gguf
 
-    every_format = {"attn_q": 12, "attn_k": 2, "attn_v": 14, "attn_output": 6, "ffn_gate": 3, "ffn_up": 7,
-                    "ffn_down": 8}  # Q4_K, Q4_0, Q6_K, Q5_0, Q4_1, Q5_1, Q8_0  # fmt: skip
-    path = write_gguf(llama_256, tmp_path / "m.gguf", every_format, seed=1)
+    formats = {"attn_q": 2, "attn_k": 3, "attn_v": 6, "attn_output": 7, "ffn_gate": 8, "ffn_up": 2,
+               "ffn_down": 6}  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0  # fmt: skip
+    path = write_gguf(llama_64, tmp_path / "m.gguf", formats, seed=1)
     want = transformers_greedy(transformers_model(tmp_path, gguf_file="m.gguf"), PROMPTS[:2], new=8)
     llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
     model = llm.engine.model
@@ -232,7 +233,7 @@ def test_a_gguf_file_repacked_for_the_gpu_path_greedy_equals_transformers(
             setattr(model.get_submodule(parent), attr, layer)
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert batchgen_greedy(llm, PROMPTS[:2], new=8) == want and len({t for row in want for t in row}) > 6
+    assert batchgen_greedy(llm, PROMPTS[:2], new=8) == want and len({t for row in want for t in row}) > 4
 
 
 def test_the_gemm_benchmark_times_each_kernel_and_checks_its_product(tmp_path, capsys) -> None:
