@@ -85,10 +85,10 @@ class Checkpoints:
 
         if kind == "gptq":
             return self.get(
-                kind, lambda p: writers.write_gptq(self.llama256(), Path(p), desc_act=True, sym=False)
+                kind, lambda p: writers.write_gptq(self.llama(), Path(p), desc_act=True, sym=False)
             )
         if kind == "fp8":
-            return self.get(kind, lambda p: writers.write_block_fp8(self.llama256(), Path(p), block=(48, 96)))
+            return self.get(kind, lambda p: writers.write_block_fp8(self.llama(), Path(p), block=(48, 40)))
         from batchgen.models.quant.gguf_writer import write_gguf
 
         return self.get(kind, lambda p: write_gguf(self.llama256(), Path(p + ".gguf"), GGUF_TYPES, seed=1))
