@@ -127,29 +127,40 @@ def _blocks(m: int, n: int, device: torch.device) -> tuple[int, int, int]:
     return max(16, min(64, triton.next_power_of_2(m))), 64 if n >= 4096 else 32, 64
 
 
-def _interpreted_16_bit(x: Tensor, out: Tensor | None, product) -> Tensor | None:
-    """The interpreter computes and casts 16-bit values wrongly: there a 16-bit `x` is multiplied in float32
-    (``product(x_float32)``) and the result cast by torch. None when `x` is not such an input."""
-    if not (interpreting(x.device) and x.dtype in (torch.bfloat16, torch.float16)):
-        return None
-    y = product(x.float())
-    if out is None:
-        return y.to(x.dtype)
-    return out.copy_(y.reshape(out.shape))
-
-
-def _frame(x: Tensor, n: int, out: Tensor | None) -> tuple[Tensor, Tensor, Tensor, bool]:
-    """(rows ``[M, K]`` with unit stride along K, the output ``[M, n]`` view written, the tensor returned,
-    whether the product is exact float32)."""
-    rows = x.reshape(-1, x.shape[-1])
+def _launch(x: Tensor, weight: Tensor, scales: Tensor, zero: Tensor | None, bias: Tensor | None,
+            out: Tensor | None, k: int, fmt: dict) -> Tensor:  # fmt: skip
+    """``x [..., k] @ wᵀ (+ bias)`` by :func:`_linear_kernel` with the format's constexprs `fmt`: returns
+    ``[..., N]`` in `x`'s dtype, or writes ``out`` (``[M, N]``, unit stride along N). The interpreter computes and
+    casts 16-bit values wrongly, so there a 16-bit `x` is multiplied in float32 and the result cast by torch."""
+    if interpreting(x.device) and x.dtype in (torch.bfloat16, torch.float16):
+        y = _launch(x.float(), weight, scales, zero, bias, None, k, fmt)
+        return y.to(x.dtype) if out is None else out.copy_(y.reshape(out.shape))
+    assert x.shape[-1] == k
+    n = weight.shape[0]
+    rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    fp32 = x.dtype == torch.float32
+    m = rows.shape[0]
     if out is None:
-        result = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
-        return rows, result, result.view(*x.shape[:-1], n), fp32
-    assert out.shape == (rows.shape[0], n) and out.stride(-1) == 1
-    return rows, out, out, fp32
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        result = y.view(*x.shape[:-1], n)
+    else:
+        assert out.shape == (m, n) and out.stride(-1) == 1
+        y = result = out
+    if m == 0:
+        return result
+    bm, bn, bk = _blocks(m, n, x.device)
+    scales = scales.contiguous()
+    if zero is not None:
+        zero = zero.contiguous()
+        assert zero.shape == scales.shape
+    _linear_kernel.on(x.device)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        rows, weight, scales, scales if zero is None else zero, scales if bias is None else bias, y,
+        m, n, k, rows.stride(0), weight.stride(0), scales.stride(0), y.stride(0),
+        HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, FP32_DOT=x.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **fmt,
+    )  # fmt: skip
+    return result
 
 
 def int_linear_triton(
@@ -167,31 +178,12 @@ def int_linear_triton(
     int32, `scales` (and `zero`) ``[N, K / group]`` float32. Returns ``[..., N]`` in `x`'s dtype, or writes
     ``out`` (``[M, N]``, unit stride along N, e.g. a column slice of a fused projection's output)."""
     assert bits in (4, 8) and packed.dtype == torch.int32
-    y16 = _interpreted_16_bit(
-        x, out, lambda x32: int_linear_triton(x32, packed, bits, scales, group, bias, zero, round_bf16)
-    )
-    if y16 is not None:
-        return y16
     per = 32 // bits
     n, k = packed.shape[0], packed.shape[1] * per
-    assert x.shape[-1] == k and k % group == 0 and scales.shape == (n, k // group)
-    rows, y, result, fp32 = _frame(x, n, out)
-    m = rows.shape[0]
-    if m == 0:
-        return result
-    bm, bn, bk = _blocks(m, n, x.device)
-    scales = scales.contiguous()
-    if zero is not None:
-        zero = zero.contiguous()
-        assert zero.shape == scales.shape
-    _linear_kernel.on(x.device)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        rows, packed, scales, scales if zero is None else zero, scales if bias is None else bias, y,
-        m, n, k, rows.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
-        FP8=False, GROUP=group, BITS=bits, PER_WORD=per, MASK=(1 << bits) - 1, OFFSET=1 << (bits - 1),
-        HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, FP32_DOT=fp32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-    )  # fmt: skip
-    return result
+    assert k % group == 0 and scales.shape == (n, k // group)
+    fmt = dict(FP8=False, GROUP=group, BITS=bits, PER_WORD=per, MASK=(1 << bits) - 1, OFFSET=1 << (bits - 1),
+               ROUND_BF16=round_bf16)  # fmt: skip
+    return _launch(x, packed, scales, zero, bias, out, k, fmt)
 
 
 def fp8_linear_triton(
@@ -205,21 +197,7 @@ def fp8_linear_triton(
     """``x [..., K] @ wᵀ (+ bias)`` for fp8 e4m3fn weights (module docstring): `weight` ``[N, K]`` uint8 (the fp8
     bytes), `scales` ``[N, ceil(K / group)]`` float32. Returns ``[..., N]`` in `x`'s dtype, or writes ``out``."""
     assert weight.dtype == torch.uint8 and weight.stride(-1) == 1
-    y16 = _interpreted_16_bit(x, out, lambda x32: fp8_linear_triton(x32, weight, scales, group, bias))
-    if y16 is not None:
-        return y16
     n, k = weight.shape
-    assert x.shape[-1] == k and scales.shape == (n, -(-k // group))
-    rows, y, result, fp32 = _frame(x, n, out)
-    m = rows.shape[0]
-    if m == 0:
-        return result
-    bm, bn, bk = _blocks(m, n, x.device)
-    scales = scales.contiguous()
-    _linear_kernel.on(x.device)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        rows, weight, scales, scales, scales if bias is None else bias, y,
-        m, n, k, rows.stride(0), weight.stride(0), scales.stride(0), y.stride(0),
-        FP8=True, GROUP=group, BITS=8, PER_WORD=1, MASK=255, OFFSET=0, HAS_ZERO=False, HAS_BIAS=bias is not None,
-        ROUND_BF16=False, FP32_DOT=fp32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-    )  # fmt: skip
-    return result
+    assert scales.shape == (n, -(-k // group))
+    fmt = dict(FP8=True, GROUP=group, BITS=8, PER_WORD=1, MASK=255, OFFSET=0, ROUND_BF16=False)
+    return _launch(x, weight, scales, None, bias, out, k, fmt)
