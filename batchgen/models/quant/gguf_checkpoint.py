@@ -178,13 +178,8 @@ def load_gguf_model(
         ]
         bias = None
         if linear.bias is not None:
-            bias = torch.cat(
-                [
-                    _dense(tensors, rows, gguf_name(hf.replace(".weight", ".bias")), hf.replace(".weight", ".bias"),
-                           config)
-                    for hf, _ in parts
-                ]
-            )  # fmt: skip
+            biases = [hf.removesuffix(".weight") + ".bias" for hf, _ in parts]
+            bias = torch.cat([_dense(tensors, rows, gguf_name(b), b, config) for b in biases])
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, quant_linear(linear.in_features, packed, bias, device))
         used.update(names)  # a tied head quantized on its own: the table stays the embedding's
@@ -229,12 +224,14 @@ def quant_linear(
 
 def _dense(tensors: dict, rows, name: str, hf: str, config: ModelConfig) -> torch.Tensor:
     """GGUF tensor `name` (Hugging Face's `hf`) widened to float32 (dequantized if quantized), in Hugging Face's
-    layout: this rank's part of it."""
+    layout: this rank's part of it, cut from the stored rows before they are widened (a quantized token
+    embedding is dequantized only for the rank's vocabulary)."""
     from gguf.quants import dequantize
 
     t = tensors[name]
-    data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-    return torch.from_numpy(np.array(rows(name, _rank_part(data, hf, config))))
+    part = _rank_part(np.asarray(t.data), hf, config, t)
+    data = np.asarray(dequantize(part, t.tensor_type), dtype=np.float32)
+    return torch.from_numpy(np.array(rows(name, data)))
 
 
 class _ArraySlice:
