@@ -59,13 +59,17 @@ class InputQuant:
             raise UnsupportedCheckpoint(f"{where}: input_activations {acts} not understood ({e})") from e
         return quant
 
+    def get(self, key: str, default=None):
+        """One field of ``input_activations``."""
+        return dict(self.items).get(key, default)
+
     @property
     def dynamic(self) -> bool:
-        return dict(self.items).get("dynamic") in (True, "true")
+        return self.get("dynamic") in (True, "true")
 
     @property
     def symmetric(self) -> bool:
-        return bool(dict(self.items).get("symmetric", True))
+        return bool(self.get("symmetric", True))
 
     def args(self):
         """compressed-tensors' ``QuantizationArgs`` of these inputs."""
@@ -119,13 +123,13 @@ class InputQuantLinear(nn.Module):
 
     def quantize_input(self, x: Tensor) -> Tensor:
         """``x`` quantized and dequantized in its own dtype (compressed-tensors' ``fake_quantize``)."""
-        from compressed_tensors.quantization import fake_quantize
-        from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
-
         if x.numel() == 0:
             return x
         if self._fast is not None:
             return _fake_quantize_symmetric(x, self._fast, self.input_scale)
+        from compressed_tensors.quantization import fake_quantize
+        from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
         if self.quant.dynamic:
             # [1, tokens, in]: compressed-tensors reduces a token's scale over the dimensions after the first two
             rows = x.reshape(1, -1, x.shape[-1])
@@ -140,7 +144,7 @@ class InputQuantLinear(nn.Module):
         return self.inner.dense_weight()
 
     def extra_repr(self) -> str:
-        kind = dict(self.quant.items).get("type")
+        kind = self.quant.get("type")
         return f"inputs {kind}8 {'dynamic' if self.quant.dynamic else 'static'}"
 
 
@@ -160,11 +164,9 @@ class _Symmetric:
 def _fast_form(args, quant: InputQuant, zero_point: Tensor | None) -> _Symmetric | None:
     if not quant.symmetric or zero_point is not None or getattr(args, "scale_dtype", None) is not None:
         return None
-    if dict(quant.items).get("num_bits") != 8 or (
-        quant.dynamic and dict(quant.items).get("strategy") != "token"
-    ):
+    if quant.get("num_bits") != 8 or (quant.dynamic and quant.get("strategy") != "token"):
         return None
-    fp8 = dict(quant.items).get("type") == "float"
+    fp8 = quant.get("type") == "float"
     low, high = (-448.0, 448.0) if fp8 else (-128.0, 127.0)
     return _Symmetric(fp8, quant.dynamic, (high - low) / 2, low, high)
 
