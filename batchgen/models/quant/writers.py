@@ -168,15 +168,24 @@ def write_compressed_fp8(ckpt, out, strategy: str = "channel", dtype=torch.bfloa
         return {"weight": _fp8(w, scale.double() if strategy == "channel" else scale.double()[0]),
                 "weight_scale": scale}  # fmt: skip
 
-    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
-               "group_size": None, "block_structure": None, "observer": "minmax", "actorder": None}  # fmt: skip
-    config = {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                      "output_activations": None, "format": "float-quantized"}},
+    config = _compressed_config("float-quantized", _args("float", strategy))
+    return _rewrite(ckpt, out, quantize, config, dtype)
+
+
+def _args(kind: str, strategy: str, dynamic: bool = False, observer: str | None = "minmax") -> dict:
+    """compressed-tensors' 8-bit symmetric quantization args of `kind` (``int`` / ``float``), as saved."""
+    return {"num_bits": 8, "type": kind, "symmetric": True, "strategy": strategy, "dynamic": dynamic,
+            "group_size": None, "block_structure": None, "observer": observer, "actorder": None}  # fmt: skip
+
+
+def _compressed_config(fmt: str, weights: dict, inputs: dict | None = None) -> dict:
+    """A compressed-tensors ``quantization_config`` of one config group over every ``Linear`` but ``lm_head``."""
+    return {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+                                      "output_activations": None, "format": fmt}},
         "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
     }  # fmt: skip
-    return _rewrite(ckpt, out, quantize, config, dtype)
 
 
 def write_compressed_w8a8(
@@ -202,16 +211,9 @@ def write_compressed_w8a8(
             tensors["input_scale"] = torch.tensor([input_scale], dtype=dtype)
         return tensors
 
-    fmt = "int-quantized" if kind == "int" else "float-quantized"
-    wargs = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel", "dynamic": False,
-             "group_size": None, "block_structure": None, "observer": "minmax", "actorder": None}  # fmt: skip
-    aargs = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token" if inputs == "dynamic" else "tensor",
-             "dynamic": inputs == "dynamic", "group_size": None, "block_structure": None,
-             "observer": None if inputs == "dynamic" else "minmax", "actorder": None}  # fmt: skip
-    config = {
-        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": wargs, "input_activations": aargs,
-                                      "output_activations": None, "format": fmt}},
-        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
-    }  # fmt: skip
+    dynamic = inputs == "dynamic"
+    acts = _args(kind, "token" if dynamic else "tensor", dynamic, None if dynamic else "minmax")
+    config = _compressed_config(
+        "int-quantized" if kind == "int" else "float-quantized", _args(kind, "channel"), acts
+    )
     return _rewrite(ckpt, out, quantize, config, dtype)
