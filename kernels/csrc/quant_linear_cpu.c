@@ -113,11 +113,12 @@ static void dequant_block(int qtype, const uint8_t *b, float *out) {
     } else if (qtype == Q2_K) { /* sub-block i (16 values): scale d (sc & 15), min dmin (sc >> 4) */
         const uint8_t *sc = b, *q = b + 16;
         const float d = load_half(b + 80), dmin = load_half(b + 82);
+        float dl[16], ml[16];
+        for (int i = 0; i < 16; i++) dl[i] = d * (float)(sc[i] & 0x0f), ml[i] = dmin * (float)(sc[i] >> 4);
         for (int v = 0; v < 256; v++) { /* value v = 128 h + 32 s + l: bits 2s of q[32 h + l] */
-            const int h = v / 128, sh = (v / 32) % 4, l = v % 32, i = v / 16;
-            const float dl = d * (float)(sc[i] & 0x0f), ml = dmin * (float)(sc[i] >> 4);
-            const float p = dl * (float)((q[32 * h + l] >> (2 * sh)) & 3);
-            out[v] = p - ml;
+            const int h = v / 128, sh = (v / 32) % 4, l = v % 32;
+            const float p = dl[v / 16] * (float)((q[32 * h + l] >> (2 * sh)) & 3);
+            out[v] = p - ml[v / 16];
         }
     } else if (qtype == Q3_K) { /* sub-block i (16 values): scale d (sc - 32), sc 6 bits in two places */
         const uint8_t *hm = b, *q = b + 32, *s = b + 96;
@@ -125,7 +126,7 @@ static void dequant_block(int qtype, const uint8_t *b, float *out) {
         float dl[16];
         for (int i = 0; i < 16; i++) {
             const int lo = i < 8 ? s[i] & 0x0f : s[i - 8] >> 4, hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
-            dl[i] = d * (float)((int)(int8_t)(uint8_t)(lo | hi << 4) - 32);
+            dl[i] = d * (float)((lo | hi << 4) - 32); /* 6 bits, offset 32 */
         }
         for (int v = 0; v < 256; v++) { /* low 2 bits as Q2_K's; value v's high bit: bit v / 32 of hm[v % 32] */
             const int h = v / 128, sh = (v / 32) % 4, l = v % 32;
