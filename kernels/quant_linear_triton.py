@@ -11,16 +11,24 @@ never widened in memory. The GPU counterpart of :mod:`.cpu_quant_linear`, over t
   and group of ``group`` inputs: ``w[n, k] = fp8(q[n, k]) * scale[n, k // group]``. The bytes are decoded with
   integer arithmetic (exact; no fp8 hardware needed).
 
-One kernel runs both: program ``(i, j)`` computes the ``BLOCK_M x BLOCK_N`` output tile ``(i, j)`` over all of
-``K`` (no split-K, no atomics: each output element is written once), each ``BLOCK_K`` slice of the weights
-decoded by the format's ``@helper`` (``_int_tile``, ``_fp8_tile``). Accumulation is float32. With float32 inputs the products are
-exact float32 (``input_precision="ieee"``), so the result equals ``x @ dense_weightᵀ`` up to summation order;
-16-bit inputs multiply the weight tile rounded to the input's dtype on the tensor cores. Both run compiled on
-CUDA tensors and interpreted on CPU tensors (:mod:`._jit`), which is how the CPU test suite holds them to their
-float64 references.
+One kernel runs both: program ``(i, j, s)`` computes the ``BLOCK_M x BLOCK_N`` output tile ``(i, j)`` over
+the ``s``-th of ``SPLIT`` equal slices of ``K``. The weight tile is read ``[BLOCK_N, BLOCK_K]``, along the
+inputs, which is how the weights lie in memory (each output row's words are contiguous), and decoded in registers
+by the format's ``@helper`` (``_int_tile``, ``_fp8_tile``); where a tile lies inside one scale group (``GROUP``
+a multiple of ``BLOCK_K``) each row's scale is loaded once per tile. With ``SPLIT = 1`` each output element is
+written once; with ``SPLIT > 1`` (decode batches of a few rows, where ``N / BLOCK_N`` programs would leave most of
+the device idle) each slice writes its float32 partial tile to a workspace and the slices are summed in a fixed
+order afterwards, so results are deterministic and independent of the launch. Accumulation is float32. With
+float32 inputs the products are exact float32 (``input_precision="ieee"``), so the result equals
+``x @ dense_weightᵀ`` up to summation order; 16-bit inputs multiply the weight tile rounded to the input's dtype on
+the tensor cores. Both run compiled on CUDA tensors and interpreted on CPU tensors (:mod:`._jit`), which is how
+the CPU test suite holds them, under every tile configuration the GPU picks, to their float64 references.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -31,16 +39,43 @@ from ._jit import helper, interpreting, kernel
 
 
 @helper
-def _int_tile(w_rows, s_ptr, z_ptr, s_rows, k, mask, GROUP: tl.constexpr, BITS: tl.constexpr,
-              PER_WORD: tl.constexpr, MASK: tl.constexpr, OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
-              ROUND_BF16: tl.constexpr):  # fmt: skip
-    """The float32 weights ``[BLOCK_K, BLOCK_N]`` of inputs ``k`` from packed integer words."""
-    words = tl.load(w_rows + (k // PER_WORD)[:, None], mask=mask, other=0)
-    u = (words >> ((k % PER_WORD) * BITS)[:, None]) & MASK  # arithmetic shift: the mask keeps the value
-    g = s_rows + (k // GROUP)[:, None]
-    w = (u - OFFSET).to(tl.float32) * tl.load(s_ptr + g, mask=mask, other=0.0)
+def _scales(s_ptr, z_ptr, rn, n_ok, k0, K, stride_s, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+            BLOCK_K: tl.constexpr):  # fmt: skip
+    """``(scale, zero)`` of the rows ``rn`` and inputs ``k0 .. k0 + BLOCK_K``: ``[BLOCK_N, 1]`` when the tile lies
+    in one group, else ``[BLOCK_N, BLOCK_K]``; ``zero`` is the scale itself (unused) without ``HAS_ZERO``."""
+    if GROUP % BLOCK_K == 0:
+        g = rn * stride_s + k0 // GROUP
+        mask = n_ok  # k0 < K: the loop stops at K
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        g = rn[:, None] * stride_s + (k // GROUP)[None, :]
+        mask = n_ok[:, None] & (k < K)[None, :]
+    s = tl.load(s_ptr + g, mask=mask, other=0.0)
+    z = s
     if HAS_ZERO:
-        w += tl.load(z_ptr + g, mask=mask, other=0.0)
+        z = tl.load(z_ptr + g, mask=mask, other=0.0)
+    if GROUP % BLOCK_K == 0:
+        s = s[:, None]
+        z = z[:, None]
+    return s, z
+
+
+@helper
+def _int_tile(w_ptr, s_ptr, z_ptr, rn, n_ok, k0, K, stride_w, stride_s, GROUP: tl.constexpr, BITS: tl.constexpr,
+              PER_WORD: tl.constexpr, MASK: tl.constexpr, OFFSET: tl.constexpr, HAS_ZERO: tl.constexpr,
+              ROUND_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The float32 weights ``[BLOCK_N, BLOCK_K]`` of rows ``rn``, inputs ``k0 ..``, from packed integer words: the
+    ``BLOCK_K / PER_WORD`` words of each row are loaded once and shifted apart into ``PER_WORD`` values each."""
+    kw = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    words = tl.load(w_ptr + rn[:, None] * stride_w + kw[None, :],
+                    mask=n_ok[:, None] & (kw < K // PER_WORD)[None, :], other=0)  # fmt: skip
+    shifts = tl.arange(0, PER_WORD) * BITS
+    u = (words[:, :, None] >> shifts[None, None, :]) & MASK  # arithmetic shift: the mask keeps the value
+    u = tl.reshape(u, [BLOCK_N, BLOCK_K])  # input k0 + PER_WORD * word + j, row-major: k in order
+    s, z = _scales(s_ptr, z_ptr, rn, n_ok, k0, K, stride_s, GROUP, HAS_ZERO, BLOCK_K)
+    w = (u - OFFSET).to(tl.float32) * s
+    if HAS_ZERO:
+        w += z
     if ROUND_BF16:  # to the nearest bfloat16, ties to even, in integer bits (the interpreter's cast is wrong)
         bits = w.to(tl.int32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
@@ -49,17 +84,20 @@ def _int_tile(w_rows, s_ptr, z_ptr, s_rows, k, mask, GROUP: tl.constexpr, BITS: 
 
 
 @helper
-def _fp8_tile(w_rows, s_ptr, s_rows, k, mask, GROUP: tl.constexpr):
-    """The float32 weights ``[BLOCK_K, BLOCK_N]`` of inputs ``k`` from e4m3fn bytes: sign, 4 exponent bits (bias
-    7), 3 mantissa bits; no infinities, 0x7f / 0xff are NaN."""
-    b = tl.load(w_rows + k[:, None], mask=mask, other=0).to(tl.int32)
+def _fp8_tile(w_ptr, s_ptr, rn, n_ok, k0, K, stride_w, stride_s, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The float32 weights ``[BLOCK_N, BLOCK_K]`` of rows ``rn``, inputs ``k0 ..``, from e4m3fn bytes: sign, 4
+    exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7f / 0xff are NaN."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    b = tl.load(w_ptr + rn[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0)
+    b = b.to(tl.int32)
     exp = (b >> 3) & 15
     man = b & 7
     normal = ((exp + 120) << 23) | (man << 20)  # the same value's float32 bits
     mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
     mag = tl.where((b & 127) == 127, float("nan"), mag)
     sign = tl.where((b & 128) != 0, -1.0, 1.0)
-    return sign * mag * tl.load(s_ptr + s_rows + (k // GROUP)[:, None], mask=mask, other=0.0)
+    s, _ = _scales(s_ptr, s_ptr, rn, n_ok, k0, K, stride_s, GROUP, False, BLOCK_K)
+    return sign * mag * s
 
 
 @kernel
@@ -73,6 +111,7 @@ def _linear_kernel(
     M,
     N,
     K,
+    K_SPLIT,
     stride_x,
     stride_w,
     stride_s,
@@ -87,6 +126,7 @@ def _linear_kernel(
     HAS_BIAS: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -96,44 +136,81 @@ def _linear_kernel(
     m_ok = rm < M
     n_ok = rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    w_rows = w_ptr + rn.to(tl.int64)[None, :] * stride_w
-    s_rows = rn.to(tl.int64)[None, :] * stride_s
+    rn64 = rn.to(tl.int64)
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = tl.program_id(2) * K_SPLIT  # a multiple of BLOCK_K (and of PER_WORD)
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        mask = k_ok[:, None] & n_ok[None, :]
+        xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
         if FP8:
-            w = _fp8_tile(w_rows, s_ptr, s_rows, k, mask, GROUP)
+            w = _fp8_tile(w_ptr, s_ptr, rn64, n_ok, k0, K, stride_w, stride_s, GROUP, BLOCK_K)
         else:
-            w = _int_tile(w_rows, s_ptr, z_ptr, s_rows, k, mask, GROUP, BITS, PER_WORD, MASK, OFFSET, HAS_ZERO,
-                          ROUND_BF16)  # fmt: skip
+            w = _int_tile(w_ptr, s_ptr, z_ptr, rn64, n_ok, k0, K, stride_w, stride_s, GROUP, BITS, PER_WORD, MASK,
+                          OFFSET, HAS_ZERO, ROUND_BF16, BLOCK_N, BLOCK_K)  # fmt: skip
         if FP32_DOT:
-            acc += tl.dot(xt.to(tl.float32), w, input_precision="ieee")
+            acc += tl.dot(xt.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
-            acc += tl.dot(xt, w.to(xt.dtype))
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            acc += tl.dot(xt, tl.trans(w.to(xt.dtype)))
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT > 1:  # this slice's partial sums, float32, into the workspace [SPLIT, M, N]
+        part = y_ptr + (tl.program_id(2) * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+        tl.store(part, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _blocks(m: int, n: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): decode batches are a few rows, prefill many; ``tl.dot`` needs 16 or more.
-    The interpreter runs whole tiles as numpy arrays, so larger tiles are cheaper there."""
+class Tiles(NamedTuple):
+    """A launch configuration: output tile ``block_m x block_n``, ``block_k`` inputs per step, ``split`` slices
+    of K (1: no workspace), and the compiler's ``num_warps`` / ``num_stages`` (ignored when interpreted)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gpu_tiles(m: int, n: int, k: int, group: int, per_word: int, sms: int) -> Tiles:
+    """The tiles a ``[m, k] x [k, n]`` product runs with on a GPU of ``sms`` multiprocessors (picked from a sweep
+    of candidates on an H200, ``python -m batchgen.bench.quant_gemm --sweep``). Decode batches (a few rows) are
+    bound by the weight bytes: narrow output tiles, one scale group per K step where the group allows (one scale
+    load per row and tile), and K split in slices only where the output tiles alone would leave most
+    multiprocessors idle (narrow projections such as a GQA model's k/v). Prefill chunks are bound by the tensor
+    cores: 128-row tiles. ``tl.dot`` needs every tile side to be 16 or more."""
+    bk = max(group if group in (64, 128) else 128, 2 * per_word)
+    if m <= 16:
+        bn = 16 if m <= 4 and per_word > 1 else 32
+        programs = triton.cdiv(n, bn)
+        split = 1 if 2 * programs >= sms else max(1, min(triton.cdiv(k, bk) // 4, triton.cdiv(sms, programs)))
+        return Tiles(16, bn, bk, split, 4, 4)
+    return Tiles(min(128, max(16, triton.next_power_of_2(m))), 64, 64 if group % 64 == 0 else bk, 1, 4, 4)
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def tiles_for(m: int, n: int, k: int, group: int, per_word: int, device: torch.device) -> Tiles:
+    """:func:`gpu_tiles` on CUDA; the interpreter runs whole tiles as numpy arrays, so larger tiles are cheaper
+    there."""
     if interpreting(device):
-        return max(16, min(64, triton.next_power_of_2(m))), 64, 64
-    return max(16, min(64, triton.next_power_of_2(m))), 64 if n >= 4096 else 32, 64
+        return Tiles(max(16, min(64, triton.next_power_of_2(m))), 64, 64)
+    return gpu_tiles(m, n, k, group, per_word, _multiprocessors(device.index or 0))
 
 
 def _launch(x: Tensor, weight: Tensor, scales: Tensor, zero: Tensor | None, bias: Tensor | None,
-            out: Tensor | None, k: int, fmt: dict) -> Tensor:  # fmt: skip
-    """``x [..., k] @ wᵀ (+ bias)`` by :func:`_linear_kernel` with the format's constexprs `fmt`: returns
-    ``[..., N]`` in `x`'s dtype, or writes ``out`` (``[M, N]``, unit stride along N). The interpreter computes and
-    casts 16-bit values wrongly, so there a 16-bit `x` is multiplied in float32 and the result cast by torch."""
+            out: Tensor | None, k: int, fmt: dict, tiles: Tiles | None = None) -> Tensor:  # fmt: skip
+    """``x [..., k] @ wᵀ (+ bias)`` by :func:`_linear_kernel` with the format's constexprs `fmt` and `tiles`
+    (default :func:`tiles_for`): returns ``[..., N]`` in `x`'s dtype, or writes ``out`` (``[M, N]``, unit stride
+    along N). The interpreter computes and casts 16-bit values wrongly, so there a 16-bit `x` is multiplied in
+    float32 and the result cast by torch."""
     if interpreting(x.device) and x.dtype in (torch.bfloat16, torch.float16):
-        y = _launch(x.float(), weight, scales, zero, bias, None, k, fmt)
+        y = _launch(x.float(), weight, scales, zero, bias, None, k, fmt, tiles)
         return y.to(x.dtype) if out is None else out.copy_(y.reshape(out.shape))
     assert x.shape[-1] == k
     n = weight.shape[0]
@@ -149,17 +226,29 @@ def _launch(x: Tensor, weight: Tensor, scales: Tensor, zero: Tensor | None, bias
         y = result = out
     if m == 0:
         return result
-    bm, bn, bk = _blocks(m, n, x.device)
+    t = tiles or tiles_for(m, n, k, fmt["GROUP"], fmt["PER_WORD"], x.device)
+    assert t.block_k % fmt["PER_WORD"] == 0 and t.block_k // fmt["PER_WORD"] >= 1
+    steps = triton.cdiv(k, t.block_k)
+    split = max(1, min(t.split, steps))
+    k_split = triton.cdiv(steps, split) * t.block_k
+    split = triton.cdiv(k, k_split)  # no empty slice
     scales = scales.contiguous()
     if zero is not None:
         zero = zero.contiguous()
         assert zero.shape == scales.shape
-    _linear_kernel.on(x.device)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        rows, weight, scales, scales if zero is None else zero, scales if bias is None else bias, y,
-        m, n, k, rows.stride(0), weight.stride(0), scales.stride(0), y.stride(0),
-        HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, FP32_DOT=x.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **fmt,
+    dest = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    _linear_kernel.on(x.device)[(triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)](
+        rows, weight, scales, scales if zero is None else zero, scales if bias is None else bias, dest,
+        m, n, k, k_split, rows.stride(0), weight.stride(0), scales.stride(0), y.stride(0),
+        HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, FP32_DOT=x.dtype == torch.float32, SPLIT=split,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        **fmt,
     )  # fmt: skip
+    if split > 1:  # the slices summed in a fixed order
+        total = dest.sum(0)
+        if bias is not None:
+            total += bias.float()
+        y.copy_(total)
     return result
 
 
@@ -173,6 +262,7 @@ def int_linear_triton(
     zero: Tensor | None = None,
     round_bf16: bool = False,
     out: Tensor | None = None,
+    tiles: Tiles | None = None,
 ) -> Tensor:
     """``x [..., K] @ wᵀ (+ bias)`` for packed integer weights (module docstring): `packed` ``[N, K * bits / 32]``
     int32, `scales` (and `zero`) ``[N, K / group]`` float32. Returns ``[..., N]`` in `x`'s dtype, or writes
@@ -183,7 +273,7 @@ def int_linear_triton(
     assert k % group == 0 and scales.shape == (n, k // group)
     fmt = dict(FP8=False, GROUP=group, BITS=bits, PER_WORD=per, MASK=(1 << bits) - 1, OFFSET=1 << (bits - 1),
                ROUND_BF16=round_bf16)  # fmt: skip
-    return _launch(x, packed, scales, zero, bias, out, k, fmt)
+    return _launch(x, packed, scales, zero, bias, out, k, fmt, tiles)
 
 
 def fp8_linear_triton(
@@ -193,6 +283,7 @@ def fp8_linear_triton(
     group: int,
     bias: Tensor | None = None,
     out: Tensor | None = None,
+    tiles: Tiles | None = None,
 ) -> Tensor:
     """``x [..., K] @ wᵀ (+ bias)`` for fp8 e4m3fn weights (module docstring): `weight` ``[N, K]`` uint8 (the fp8
     bytes), `scales` ``[N, ceil(K / group)]`` float32. Returns ``[..., N]`` in `x`'s dtype, or writes ``out``."""
@@ -200,4 +291,4 @@ def fp8_linear_triton(
     n, k = weight.shape
     assert scales.shape == (n, -(-k // group))
     fmt = dict(FP8=True, GROUP=group, BITS=8, PER_WORD=1, MASK=255, OFFSET=0, ROUND_BF16=False)
-    return _launch(x, weight, scales, None, bias, out, k, fmt)
+    return _launch(x, weight, scales, None, bias, out, k, fmt, tiles)

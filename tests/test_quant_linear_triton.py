@@ -15,7 +15,7 @@ pytest.importorskip(
 
 from batchgen import LLM  # noqa: E402
 from batchgen.kernels.cpu_quant_linear import FORMATS, dequantize  # noqa: E402
-from batchgen.kernels.quant_linear_triton import fp8_linear_triton, int_linear_triton  # noqa: E402
+from batchgen.kernels.quant_linear_triton import Tiles, fp8_linear_triton, gpu_tiles, int_linear_triton  # noqa: E402
 from batchgen.models.quant import writers  # noqa: E402
 from batchgen.models.quant.fp8 import Fp8Linear  # noqa: E402
 from batchgen.models.quant.group_linear import GroupQuantLinear, IntPart, pack_along_inputs  # noqa: E402
@@ -72,6 +72,41 @@ def test_int_linear_matches_float64_on_dequantized_weights(device, bits, shape) 
         )  # fmt: skip
         assert got.dtype == torch.float32 and got.shape == (m, n)
         _assert_product(got, x, _int_reference(u, scales, z, group, bits), b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+def test_the_gpu_tile_picks_and_k_split_in_slices_match_float64(device, fmt) -> None:
+    """The configurations the GPU runs (narrow decode tiles with K split in slices summed afterwards, per-tile or
+    gathered scales, wide prefill tiles), interpreted, against float64; slices that do not divide K evenly too."""
+    bits, per_word = (8, 1) if fmt == "fp8" else (int(fmt[3:]), 32 // int(fmt[3:]))
+    cases = [
+        ((m, n, k, group), gpu_tiles(m, n, k, group, per_word, sms=132))
+        for m, n, k, group in ((1, 40, 1024, 128), (9, 72, 512, 32), (40, 33, 256, 64), (130, 20, 192, 64))
+    ]
+    cases.append(((3, 24, 640, 128), Tiles(16, 16, 128, split=3)))  # 5 steps in slices of 2, 2, 1
+    assert any(t.split > 1 for _, t in cases[:-1]) and any(
+        t.block_k == group for (_, _, _, group), t in cases
+    )
+    for i, ((m, n, k, group), tiles) in enumerate(cases):
+        g = torch.Generator().manual_seed(i)
+        x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+        if fmt == "fp8":
+            q = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+            q[(q & 127) == 127] = 0
+            scales = torch.rand(n, k // group, generator=g) + 0.1
+            w = q.view(torch.float8_e4m3fn).double() * scales.double().repeat_interleave(group, 1)
+            got = fp8_linear_triton(
+                *(t.to(device) for t in (x, q, scales)), group, bias.to(device), tiles=tiles
+            )
+        else:
+            u, scales, zero = _int_case(n, k, group, bits, seed=i)
+            w = _int_reference(u, scales, zero, group, bits)
+            got = int_linear_triton(
+                x.to(device), pack_along_inputs(u, bits).to(device), bits, scales.to(device), group,
+                bias.to(device), zero=zero.to(device), tiles=tiles,
+            )  # fmt: skip
+        _assert_product(got, x, w, bias)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -250,3 +285,7 @@ def test_the_gemm_benchmark_times_each_kernel_and_checks_its_product(tmp_path, c
         assert p["weight_bytes"]["int4-g128"] < p["weight_bytes"]["int8-g128"] < p["weight_bytes"]["dense"]
         assert all(d < 4e-3 for d in p["max_rel_diff"].values())  # bfloat16 outputs
     assert "weight-only GEMMs" in capsys.readouterr().out
+    tiles = ([quant_gemm.Tiles(16, 16, 128, 2)], [quant_gemm.Tiles(32, 16, 64)])
+    found = quant_gemm.sweep(torch.device("cpu"), {"small": (48, 256)}, (1, 20), tiles, log=lambda line: None)
+    assert [(f["kind"], f["m"]) for f in found] == [(k, m) for m in (1, 20) for k in ("int4-g128", "fp8-ch")]
+    assert all(len(f["times_us"]) == 2 and min(f["times_us"].values()) > 0 for f in found)

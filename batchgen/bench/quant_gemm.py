@@ -10,6 +10,10 @@ projections of a Llama-3-8B layer (``[N, K]``: q/k/v 6144 x 4096, o 4096 x 4096,
 * ``fp8-ch``     fp8 e4m3 bytes with a scale per output row (compressed-tensors FP8 weight-only),
 * ``dense``      ``torch.matmul`` by the bfloat16 weight.
 
+``--sweep`` also times a set of candidate tile configurations (:class:`~batchgen.kernels.quant_linear_triton.Tiles`)
+for int4 and fp8 on two of the shapes at decode and prefill sizes, against the configuration the kernels pick
+(:func:`~batchgen.kernels.quant_linear_triton.gpu_tiles`), so that the picks can be checked on each GPU.
+
 Each row reports the median time, the weight bytes read per second (a decode GEMM is bound by them: int4 reads a
 quarter of bfloat16's bytes) and the largest difference from the float32 product by the dequantized weight
 (relative to that product's largest value; bfloat16 inputs round the weight tile to bfloat16). Times on CUDA are medians of
@@ -27,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from batchgen.kernels.quant_linear_triton import fp8_linear_triton, int_linear_triton
+from batchgen.kernels.quant_linear_triton import Tiles, fp8_linear_triton, gpu_tiles, int_linear_triton
 from batchgen.models.quant.group_linear import pack_along_inputs
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -107,6 +111,57 @@ def run(
     return points
 
 
+SWEEP_SHAPES = ("qkv", "down")
+SWEEP_ROWS = (1, 16, 256, 1024)
+DECODE_TILES = [Tiles(16, bn, bk, split, w, 4) for bn, bk, split, w in (
+    (16, 128, 1, 4), (16, 128, 2, 4), (16, 128, 4, 4), (16, 128, 8, 4), (32, 128, 1, 4), (32, 128, 4, 4),
+    (32, 256, 2, 4), (64, 128, 4, 4), (16, 64, 4, 2), (64, 64, 1, 4),
+)]  # fmt: skip
+PREFILL_TILES = [
+    Tiles(64, 64, 64, 1, 4, 3),
+    Tiles(64, 128, 64, 1, 4, 3),
+    Tiles(128, 128, 64, 1, 8, 3),
+    Tiles(128, 256, 64, 1, 8, 3),
+    Tiles(128, 128, 128, 1, 8, 2),
+    Tiles(128, 64, 64, 1, 4, 4),
+]
+
+
+def sweep(
+    device: torch.device,
+    shapes: dict[str, tuple[int, int]] | None = None,
+    rows: tuple[int, ...] = SWEEP_ROWS,
+    candidates: tuple[list[Tiles], list[Tiles]] = (DECODE_TILES, PREFILL_TILES),
+    log=print,
+) -> list[dict]:
+    """Each candidate tile configuration's median time (µs) beside the picked one's, per kernel, shape and M
+    (``candidates``: decode's, for M <= 16, and prefill's)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    found = []
+    for name, (n, k) in (shapes or {s: SHAPES[s] for s in SWEEP_SHAPES}).items():
+        weights = _weights(n, k, device)
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, torch.bfloat16)
+            for kind in ("int4-g128", "fp8-ch"):
+                args, _ = weights[kind]
+                call = fp8_linear_triton if kind == "fp8-ch" else int_linear_triton
+                per_word = 1 if kind == "fp8-ch" else 8
+                group = k if kind == "fp8-ch" else GROUP
+                picked = gpu_tiles(m, n, k, group, per_word, sms)
+                times = {}
+                for t in dict.fromkeys([picked, *candidates[m > 16]]):
+                    try:
+                        times[t] = _time(lambda t=t, c=call, x=x, a=args: c(x, *a, tiles=t), device)
+                    except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses is reported
+                        log(f"  {kind} {name} M={m} {tuple(t)}: {type(e).__name__}: {str(e)[:80]}")
+                best = min(times, key=times.get)
+                log(f"sweep {kind:>9} {name:>7} M={m:<5} picked {tuple(picked)} {times.get(picked, float('nan')):8.1f} us"
+                    f"   best {tuple(best)} {times[best]:8.1f} us")  # fmt: skip
+                found.append({"kind": kind, "shape": name, "m": m, "picked": list(picked),
+                              "best": list(best), "times_us": {str(tuple(t)): v for t, v in times.items()}})  # fmt: skip
+    return found
+
+
 HEADER = f"{'shape':>8} {'N x K':>12} {'M':>5}  " + "  ".join(
     f"{k:>22}" for k in ("dense", "int4-g128", "int8-g128", "fp8-ch")
 )
@@ -125,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", help="write the measurements to this JSON file")
+    ap.add_argument("--sweep", action="store_true", help="also time candidate tile configurations (CUDA)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -139,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"largest difference from the float32 product by the dequantized weight: {worst:.3g} of its largest value"
     )
+    swept = sweep(device) if args.sweep and device.type == "cuda" else []
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "points": [asdict(p) for p in points]}, f, indent=1)
+            json.dump({"device": name, "points": [asdict(p) for p in points], "sweep": swept}, f, indent=1)
     return 0
 
 
