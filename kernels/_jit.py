@@ -28,7 +28,8 @@ class Kernel:
     builtins (``tl.load``, ``tl.full``, ``tl.reduce`` with ``tl.standard._sum_combine`` / ``_elementwise_max``,
     ...), but not Triton's own library ``@triton.jit`` functions such as ``tl.zeros``, ``tl.sum``, ``tl.max`` or
     ``tl.cdiv``: those are compiled or interpreted depending on ``TRITON_INTERPRET`` at import, so only one of the
-    two backends could run them. Interpreter quirks the kernels work around (Triton 3.9): arithmetic on bfloat16
+    two backends could run them. The interpreter needs Triton 3.7 or later (3.6's turns the loops' scalar bounds
+    into arrays it cannot index with). Interpreter quirks the kernels work around (Triton 3.9): arithmetic on bfloat16
     values is wrong (the wrappers compute in float32 when interpreting) and ``tensor & scalar`` masks have an
     unsupported dtype.
     """
