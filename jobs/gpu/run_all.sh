@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one prepared run (for a borrowed CUDA machine; logs and results under $OUT):
-#   1. jobs/gpu/check.sh: the Triton kernels' tests compiled for real + the kernel benchmark,
+#   1. jobs/gpu/check.sh: the Triton kernels' tests compiled for real + the kernel benchmark + the weight-only
+#      GEMM benchmark with its tile sweep,
 #   2. the sampler's CUDA tests, then jobs/gpu/features_check.py: each engine feature on CUDA against the CPU
 #      (greedy tokens of text, n > 1 prefix sharing, LoRA, images, GPTQ / fp8 / GGUF weights; embeddings; fp8 KV
 #      agreement; $OUT/features.log),
