@@ -58,6 +58,13 @@ def _int_reference(u, scales, zero, group, bits, round_bf16=False) -> torch.Tens
     return (w.to(torch.bfloat16).float() if round_bf16 else w).double()
 
 
+def _int_product(device, x, u, bits, scales, group, bias=None, zero=None, **kwargs) -> torch.Tensor:
+    """:func:`int_linear_triton` of the values `u` packed, every tensor moved to `device`."""
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return int_linear_triton(on(x), on(pack_along_inputs(u, bits)), bits, on(scales), group, on(bias),
+                             zero=on(zero), **kwargs)  # fmt: skip
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -66,10 +73,7 @@ def test_int_linear_matches_float64_on_dequantized_weights(device, bits, shape) 
     u, scales, zero = _int_case(n, k, group, bits, seed=m + bits)
     x, bias = torch.randn(m, k), torch.randn(n)
     for z, b in ((None, None), (zero, bias)):
-        got = int_linear_triton(
-            x.to(device), pack_along_inputs(u, bits).to(device), bits, scales.to(device), group,
-            None if b is None else b.to(device), zero=None if z is None else z.to(device),
-        )  # fmt: skip
+        got = _int_product(device, x, u, bits, scales, group, b, z)
         assert got.dtype == torch.float32 and got.shape == (m, n)
         _assert_product(got, x, _int_reference(u, scales, z, group, bits), b)
 
@@ -92,20 +96,15 @@ def test_the_gpu_tile_picks_and_k_split_in_slices_match_float64(device, fmt) -> 
         g = torch.Generator().manual_seed(i)
         x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
         if fmt == "fp8":
-            q = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
-            q[(q & 127) == 127] = 0
-            scales = torch.rand(n, k // group, generator=g) + 0.1
-            w = q.view(torch.float8_e4m3fn).double() * scales.double().repeat_interleave(group, 1)
+            q, scales = _fp8_case(n, k, group, seed=i)
+            w = _fp8_reference(q, scales, group)
             got = fp8_linear_triton(
                 *(t.to(device) for t in (x, q, scales)), group, bias.to(device), tiles=tiles
             )
         else:
             u, scales, zero = _int_case(n, k, group, bits, seed=i)
             w = _int_reference(u, scales, zero, group, bits)
-            got = int_linear_triton(
-                x.to(device), pack_along_inputs(u, bits).to(device), bits, scales.to(device), group,
-                bias.to(device), zero=zero.to(device), tiles=tiles,
-            )  # fmt: skip
+            got = _int_product(device, x, u, bits, scales, group, bias, zero, tiles=tiles)
         _assert_product(got, x, w, bias)
 
 
@@ -149,13 +148,18 @@ def _fp8_case(n: int, k: int, group: int, seed: int):
     return q, scales
 
 
+def _fp8_reference(q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """The dequantized float64 weight of fp8 bytes `q` with a scale per `group` inputs."""
+    return q.view(torch.float8_e4m3fn).double() * scales.double().repeat_interleave(group, 1)[:, : q.shape[1]]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("group", [32, 96, 200])  # 200: a last scale block of the row cut short
 def test_fp8_linear_matches_float64_on_dequantized_weights(device, group) -> None:
     m, n, k = 9, 40, 256
     q, scales = _fp8_case(n, k, group, seed=group)
     x, bias = torch.randn(m, k), torch.randn(n)
-    w = q.view(torch.float8_e4m3fn).double() * scales.double().repeat_interleave(group, 1)[:, :k]
+    w = _fp8_reference(q, scales, group)
     got = fp8_linear_triton(x.to(device), q.to(device), scales.to(device), group, bias.to(device))
     _assert_product(got, x, w, bias)
 
