@@ -69,6 +69,21 @@ def _nibbles(qs: np.ndarray, half: int) -> np.ndarray:
     return (q & np.uint8(0x0F)).reshape(n, -1)
 
 
+def _crumbs(b: np.ndarray) -> np.ndarray:
+    """ggml's 2-bit packing: in each run of 32 bytes, bits ``2j .. 2j+1`` of byte ``i`` are value ``32 j + i``."""
+    n = b.shape[0]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return ((b.reshape(n, -1, 1, 32) >> shifts) & np.uint8(3)).reshape(n, -1)
+
+
+def _bit_planes(b: np.ndarray) -> np.ndarray:
+    """32 bytes per block holding one bit per value: bit ``j`` of byte ``i`` is value ``32 j + i``."""
+    n = b.shape[0]
+    return ((b.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)).reshape(
+        n, 256
+    )
+
+
 def _high_bits(qh: np.ndarray) -> np.ndarray:
     """Q5_0 / Q5_1: the fifth bit of each of 32 values, bit ``j`` of a little-endian uint32."""
     bits = np.ascontiguousarray(qh).view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
@@ -120,23 +135,17 @@ def _q4_k(b):
 
 
 def _q6_k(b):
-    n = b.shape[0]
     ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
-    low = _nibbles(ql, 64).reshape(n, -1, 32)  # [n, 8, 32]
-    high = qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    high = (high & np.uint8(3)).reshape(n, -1, 32)
-    q = (low | (high << np.uint8(4))).reshape(n, 256)
+    q = _nibbles(ql, 64) | (_crumbs(qh) << np.uint8(4))
     scale = d * np.ascontiguousarray(sc).view(np.int8).astype(np.float32)  # [n, 16]
     return q.astype(np.int64) - 32 + 128, scale, None, 8, 16
 
 
 def _q2_k(b):
-    n = b.shape[0]
     sc, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b[:, 80:82]), _f16(b[:, 82:84])
-    q = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
     scale = d * (sc & 0x0F).astype(np.float32)  # [n, 16]
     zero = -(dmin * (sc >> 4).astype(np.float32))
-    return q.reshape(n, 256).astype(np.int64) + 8, scale, zero, 4, 16
+    return _crumbs(qs).astype(np.int64) + 8, scale, zero, 4, 16
 
 
 def _q3_k(b):
@@ -147,19 +156,13 @@ def _q3_k(b):
         n, 16
     )
     sc = ((low & 0x0F) | ((high & 3) << 4)).astype(np.int64) - 32
-    ql = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(
-        3
-    )
-    qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
-    q = ql.reshape(n, 256).astype(np.int64) - 4 * (1 - qh.reshape(n, 256).astype(np.int64))
+    q = _crumbs(qs).astype(np.int64) - 4 * (1 - _bit_planes(hmask).astype(np.int64))
     return q + 128, d * sc.astype(np.float32), None, 8, 16
 
 
 def _q5_k(b):
-    n = b.shape[0]
     scale, low = _k_scales(b)
-    qh = (b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
-    q = _nibbles(b[:, 48:176], 32) | (qh.reshape(n, 256) << np.uint8(4))
+    q = _nibbles(b[:, 48:176], 32) | (_bit_planes(b[:, 16:48]) << np.uint8(4))
     return q.astype(np.int64) + 128, scale, -low, 8, 32
 
 
