@@ -47,28 +47,46 @@ def _rows(whole: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([whole[a : a + n] for a, n in ranges])
 
 
+def _assert_layers_are_rank_slices(shard, whole, rank: int) -> None:
+    """Every layer's dequantized projections on `rank` of two are exactly its slice of the whole model's: q/k/v
+    and gate/up by output rows (K/V by their heads), o and down by inputs."""
+    cfg = whole.config
+    q_rows, kv_rows, inter = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    for i in range(cfg.num_layers):
+        ours, full = shard.model.layers[i], whole.model.layers[i]
+        want_qkv = _rows(full.self_attn.qkv_proj.dense_weight(),
+                         [(rank * q_rows // 2, q_rows // 2), (q_rows + rank * kv_rows // 2, kv_rows // 2),
+                          (q_rows + kv_rows + rank * kv_rows // 2, kv_rows // 2)])  # fmt: skip
+        assert torch.equal(ours.self_attn.qkv_proj.dense_weight(), want_qkv)
+        want = _rows(full.mlp.gate_up_proj.dense_weight(),
+                     [(rank * inter // 2, inter // 2), (inter + rank * inter // 2, inter // 2)])  # fmt: skip
+        assert torch.equal(ours.mlp.gate_up_proj.dense_weight(), want)
+        for name in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: the rank's inputs
+            w = full.get_submodule(name).dense_weight()
+            k = w.shape[1] // 2
+            assert torch.equal(ours.get_submodule(name).dense_weight(), w[:, rank * k : (rank + 1) * k])
+
+
+def _greedy_one_and_two_ranks(path, prompts: list[list[int]]) -> tuple[list, list]:
+    """The greedy token ids of `prompts` from one process and over two tensor-parallel ranks."""
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    engine = {"device": "cpu", "num_blocks": 64, "block_size": 8}
+    want = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, greedy, use_tqdm=False)]
+    sharded = LLM(path, tensor_parallel_size=2, **engine)
+    return want, [o.outputs[0].token_ids for o in sharded.generate(prompts, greedy, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_each_rank_holds_exactly_its_slice_of_the_dequantized_weights(llama_256, tmp_path, fmt) -> None:
     path = FORMATS[fmt](llama_256, tmp_path / fmt)
     whole = load_model(path)
-    cfg = whole.config
-    d, heads, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    q_rows, kv_rows, inter = heads * d, kv * d, cfg.intermediate_size
     for rank in (0, 1):
         shard = load_model(path, tp_rank=rank, tp_size=2)
-        for i in range(cfg.num_layers):
-            ours, full = shard.model.layers[i], whole.model.layers[i]
-            qkv = full.self_attn.qkv_proj.dense_weight()
-            want_qkv = _rows(qkv, [(rank * q_rows // 2, q_rows // 2), (q_rows + rank * kv_rows // 2, kv_rows // 2),
-                                   (q_rows + kv_rows + rank * kv_rows // 2, kv_rows // 2)])  # fmt: skip
-            assert torch.equal(ours.self_attn.qkv_proj.dense_weight(), want_qkv)
-            gate_up = full.mlp.gate_up_proj.dense_weight()
-            want = _rows(gate_up, [(rank * inter // 2, inter // 2), (inter + rank * inter // 2, inter // 2)])
-            assert torch.equal(ours.mlp.gate_up_proj.dense_weight(), want)
-            for name in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: the rank's inputs
-                w = full.get_submodule(name).dense_weight()
-                k = w.shape[1] // 2
-                assert torch.equal(ours.get_submodule(name).dense_weight(), w[:, rank * k : (rank + 1) * k])
+        _assert_layers_are_rank_slices(shard, whole, rank)
         if fmt == "w8a8-static":
             proj = shard.model.layers[0].self_attn.qkv_proj
             assert torch.equal(proj.input_scale, whole.model.layers[0].self_attn.qkv_proj.input_scale)
@@ -76,12 +94,9 @@ def test_each_rank_holds_exactly_its_slice_of_the_dequantized_weights(llama_256,
 
 def test_greedy_over_two_ranks_equals_one_process(llama_256, tmp_path) -> None:
     path = writers.write_gptq(llama_256, tmp_path / "gptq", bits=4, group_size=32, sym=False)
-    prompts = [[1, 5, 9, 33, 7], [4, 4, 4, 100, 200, 300, 17], list(range(10, 40))]
-    greedy = SamplingParams(temperature=0, max_tokens=10)
-    engine = {"device": "cpu", "num_blocks": 64, "block_size": 8}
-    want = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, greedy, use_tqdm=False)]
-    sharded = LLM(path, tensor_parallel_size=2, **engine)
-    got = [o.outputs[0].token_ids for o in sharded.generate(prompts, greedy, use_tqdm=False)]
+    want, got = _greedy_one_and_two_ranks(
+        path, [[1, 5, 9, 33, 7], [4, 4, 4, 100, 200, 300, 17], list(range(10, 40))]
+    )
     assert got == want and len({t for row in got for t in row}) > 6
 
 
@@ -122,29 +137,13 @@ def test_a_gguf_file_splits_into_each_ranks_rows_and_blocks(llama_256, tmp_path)
         llama_256, tmp_path / "m.gguf", GGUF_MIX, seed=2, output_type=14
     )  # the head in Q6_K too
     whole = load_model(path)
-    cfg = whole.config
-    q_rows, kv_rows, inter = (
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    )
     vocab = whole.lm_head.dense_weight()
     for rank in (0, 1):
         shard = load_model(path, tp_rank=rank, tp_size=2)
-        for i in range(cfg.num_layers):
-            ours, full = shard.model.layers[i], whole.model.layers[i]
-            want_qkv = _rows(full.self_attn.qkv_proj.dense_weight(),
-                             [(rank * q_rows // 2, q_rows // 2), (q_rows + rank * kv_rows // 2, kv_rows // 2),
-                              (q_rows + kv_rows + rank * kv_rows // 2, kv_rows // 2)])  # fmt: skip
-            assert torch.equal(ours.self_attn.qkv_proj.dense_weight(), want_qkv)
-            want = _rows(full.mlp.gate_up_proj.dense_weight(),
-                         [(rank * inter // 2, inter // 2), (inter + rank * inter // 2, inter // 2)])  # fmt: skip
-            assert torch.equal(ours.mlp.gate_up_proj.dense_weight(), want)
-            for name in ("self_attn.o_proj", "mlp.down_proj"):
-                w = full.get_submodule(name).dense_weight()
-                k = w.shape[1] // 2
-                assert torch.equal(ours.get_submodule(name).dense_weight(), w[:, rank * k : (rank + 1) * k])
-        rows = -(-cfg.vocab_size // 2)  # the vocabulary-parallel head: the rank's rows, the last one padded
+        _assert_layers_are_rank_slices(shard, whole, rank)
+        rows = -(
+            -whole.config.vocab_size // 2
+        )  # the vocabulary-parallel head: the rank's rows, the last one padded
         head = shard.lm_head.dense_weight()
         part = vocab[rank * rows : (rank + 1) * rows]
         assert torch.equal(head[: part.shape[0]], part) and not head[part.shape[0] :].any()
@@ -157,12 +156,5 @@ def test_a_gguf_file_over_two_ranks_gives_one_process_greedy_output(llama_256, t
     path = write_gguf(
         llama_256, tmp_path / "m.gguf", {"attn_output": 2, "ffn_down": 8}, seed=3
     )  # Q8_0 elsewhere
-    prompts = [[1, 5, 9, 33, 7], list(range(10, 40))]
-    greedy = SamplingParams(temperature=0, max_tokens=10)
-    engine = {"device": "cpu", "num_blocks": 64, "block_size": 8}
-    want = [o.outputs[0].token_ids for o in LLM(path, **engine).generate(prompts, greedy, use_tqdm=False)]
-    got = [
-        o.outputs[0].token_ids
-        for o in LLM(path, tensor_parallel_size=2, **engine).generate(prompts, greedy, use_tqdm=False)
-    ]
+    want, got = _greedy_one_and_two_ranks(path, [[1, 5, 9, 33, 7], list(range(10, 40))])
     assert got == want and len({t for row in got for t in row}) > 6
