@@ -41,6 +41,12 @@ static inline float load_half(const uint8_t *p) {
 }
 
 /* (values per block, bytes per block) of a format; 0 values: unknown. */
+/* The 2-bit field of value v (0..255) in Q2_K's and Q3_K's 64 bytes of low bits: v = 128 h + 32 s + l lies in
+ * bits 2s of q[32 h + l]. */
+static inline int crumb_at(const uint8_t *q, int v) {
+    return (q[32 * (v / 128) + v % 32] >> (2 * ((v / 32) % 4))) & 3;
+}
+
 static void format_of(int qtype, int *qk, int *bytes) {
     switch (qtype) {
     case Q4_0: *qk = 32, *bytes = 18; break;
@@ -115,9 +121,8 @@ static void dequant_block(int qtype, const uint8_t *b, float *out) {
         const float d = load_half(b + 80), dmin = load_half(b + 82);
         float dl[16], ml[16];
         for (int i = 0; i < 16; i++) dl[i] = d * (float)(sc[i] & 0x0f), ml[i] = dmin * (float)(sc[i] >> 4);
-        for (int v = 0; v < 256; v++) { /* value v = 128 h + 32 s + l: bits 2s of q[32 h + l] */
-            const int h = v / 128, sh = (v / 32) % 4, l = v % 32;
-            const float p = dl[v / 16] * (float)((q[32 * h + l] >> (2 * sh)) & 3);
+        for (int v = 0; v < 256; v++) {
+            const float p = dl[v / 16] * (float)crumb_at(q, v);
             out[v] = p - ml[v / 16];
         }
     } else if (qtype == Q3_K) { /* sub-block i (16 values): scale d (sc - 32), sc 6 bits in two places */
@@ -129,9 +134,8 @@ static void dequant_block(int qtype, const uint8_t *b, float *out) {
             dl[i] = d * (float)((lo | hi << 4) - 32); /* 6 bits, offset 32 */
         }
         for (int v = 0; v < 256; v++) { /* low 2 bits as Q2_K's; value v's high bit: bit v / 32 of hm[v % 32] */
-            const int h = v / 128, sh = (v / 32) % 4, l = v % 32;
-            const int low = (q[32 * h + l] >> (2 * sh)) & 3, high = (hm[l] >> (v / 32)) & 1;
-            out[v] = dl[v / 16] * (float)(low - (high ? 0 : 4));
+            const int high = (hm[v % 32] >> (v / 32)) & 1;
+            out[v] = dl[v / 16] * (float)(crumb_at(q, v) - (high ? 0 : 4));
         }
     } else { /* Q6_K */
         const uint8_t *ql = b, *qh = b + 128;
