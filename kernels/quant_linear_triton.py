@@ -1,5 +1,5 @@
-"""Weight-only quantized GEMMs in Triton: ``y = x wᵀ (+ b)`` with ``w`` dequantized tile by tile in registers,
-never widened in memory. The GPU counterpart of :mod:`.cpu_quant_linear`, over the same packed layouts:
+"""Weight-only quantized GEMMs in Triton: ``y = x wᵀ (+ b)`` with ``w`` dequantized tile by tile in registers
+for decode batches, and into a dense buffer multiplied by ``torch.matmul`` for larger ones. The GPU counterpart of :mod:`.cpu_quant_linear`, over the same packed layouts:
 
 * :func:`int_linear_triton`: integer weights packed along the inputs into int32 words (value ``j`` of a word in
   bits ``bits*j ...``, lowest first; compressed-tensors' ``pack_to_int32`` layout), stored with an offset of
@@ -11,23 +11,25 @@ never widened in memory. The GPU counterpart of :mod:`.cpu_quant_linear`, over t
   and group of ``group`` inputs: ``w[n, k] = fp8(q[n, k]) * scale[n, k // group]``. The bytes are decoded with
   integer arithmetic (exact; no fp8 hardware needed).
 
-One kernel runs both: program ``(i, j, s)`` computes the ``BLOCK_M x BLOCK_N`` output tile ``(i, j)`` over
-the ``s``-th of ``SPLIT`` equal slices of ``K``. The weight tile is read ``[BLOCK_N, BLOCK_K]``, along the
-inputs, which is how the weights lie in memory (each output row's words are contiguous), and decoded in registers
-by the format's ``@helper`` (``_int_tile``, ``_fp8_tile``); where a tile lies inside one scale group (``GROUP``
-a multiple of ``BLOCK_K``) each row's scale is loaded once per tile. With ``SPLIT = 1`` each output element is
-written once; with ``SPLIT > 1`` (decode batches of a few rows, where ``N / BLOCK_N`` programs would leave most of
-the device idle) each slice writes its float32 partial tile to a workspace and the slices are summed in a fixed
-order afterwards, so results are deterministic and independent of the launch. Accumulation is float32. With
-float32 inputs the products are exact float32 (``input_precision="ieee"``), so the result equals
-``x @ dense_weightᵀ`` up to summation order; 16-bit inputs multiply the weight tile rounded to the input's dtype on
-the tensor cores. Both run compiled on CUDA tensors and interpreted on CPU tensors (:mod:`._jit`), which is how
-the CPU test suite holds them, under every tile configuration the GPU picks, to their float64 references.
+Up to :data:`DEQUANTIZE_ABOVE` rows (a decode step's batch), one kernel runs both: program ``(i, j, s)`` computes
+the ``BLOCK_M x BLOCK_N`` output tile ``(i, j)`` over the ``s``-th of ``SPLIT`` equal slices of ``K``. The weight
+tile is read ``[BLOCK_N, BLOCK_K]``, along the inputs, which is how the weights lie in memory (each output row's
+words are contiguous), and decoded in registers by the format's ``@helper`` (``_int_tile``, ``_fp8_tile``); where a
+tile lies inside one scale group (``GROUP`` a multiple of ``BLOCK_K``) each row's scale is loaded once per tile.
+With ``SPLIT = 1`` each output element is written once; with ``SPLIT > 1`` (decode batches: more programs in flight,
+each streaming a slice of the weight) each slice writes its float32 partial tile to a workspace and the slices are
+summed in a fixed order afterwards, so results are deterministic and independent of the launch. Accumulation is
+float32. With float32 inputs the products are exact float32 (``input_precision="ieee"``), so the result equals ``x @
+dense_weightᵀ`` up to summation order; 16-bit inputs multiply the weight tile rounded to the input's dtype on the
+tensor cores. Above that many rows the tensor cores bound the product, and :func:`_dequantize_kernel` writes the
+whole weight in the activations' dtype, by the same tile helpers, for cuBLAS to multiply: the same values
+multiplied, at one extra write and read of the dense weight. All run compiled on CUDA tensors and interpreted on CPU
+tensors (:mod:`._jit`), which is how the CPU test suite holds them, under every tile configuration the GPU picks, to
+their float64 references.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -100,6 +102,20 @@ def _fp8_tile(w_ptr, s_ptr, rn, n_ok, k0, K, stride_w, stride_s, GROUP: tl.const
     return sign * mag * s
 
 
+@helper
+def _weight_tile(w_ptr, s_ptr, z_ptr, rn, n_ok, k0, K, stride_w, stride_s, FP8: tl.constexpr, GROUP: tl.constexpr,
+                 BITS: tl.constexpr, PER_WORD: tl.constexpr, MASK: tl.constexpr, OFFSET: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
+    """The float32 weight tile ``[BLOCK_N, BLOCK_K]`` of rows ``rn``, inputs ``k0 ..``, in the format's layout."""
+    if FP8:
+        w = _fp8_tile(w_ptr, s_ptr, rn, n_ok, k0, K, stride_w, stride_s, GROUP, BLOCK_K)
+    else:
+        w = _int_tile(w_ptr, s_ptr, z_ptr, rn, n_ok, k0, K, stride_w, stride_s, GROUP, BITS, PER_WORD, MASK, OFFSET,
+                      HAS_ZERO, ROUND_BF16, BLOCK_N, BLOCK_K)  # fmt: skip
+    return w
+
+
 @kernel
 def _linear_kernel(
     x_ptr,
@@ -142,11 +158,8 @@ def _linear_kernel(
     for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-        if FP8:
-            w = _fp8_tile(w_ptr, s_ptr, rn64, n_ok, k0, K, stride_w, stride_s, GROUP, BLOCK_K)
-        else:
-            w = _int_tile(w_ptr, s_ptr, z_ptr, rn64, n_ok, k0, K, stride_w, stride_s, GROUP, BITS, PER_WORD, MASK,
-                          OFFSET, HAS_ZERO, ROUND_BF16, BLOCK_N, BLOCK_K)  # fmt: skip
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, rn64, n_ok, k0, K, stride_w, stride_s, FP8, GROUP, BITS, PER_WORD,
+                         MASK, OFFSET, HAS_ZERO, ROUND_BF16, BLOCK_N, BLOCK_K)  # fmt: skip
         if FP32_DOT:
             acc += tl.dot(xt.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
@@ -162,6 +175,40 @@ def _linear_kernel(
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
+@kernel
+def _dequantize_kernel(
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_w,
+    stride_s,
+    FP8: tl.constexpr,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    PER_WORD: tl.constexpr,
+    MASK: tl.constexpr,
+    OFFSET: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The dense weight ``[N, K]`` (row-major, ``out``'s dtype), tile ``(i, j)`` per program: the same tile
+    helper as :func:`_linear_kernel`, so both paths multiply the same values."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_ok = rn < N
+    rn64 = rn.to(tl.int64)
+    w = _weight_tile(w_ptr, s_ptr, z_ptr, rn64, n_ok, k0, K, stride_w, stride_s, FP8, GROUP, BITS, PER_WORD, MASK,
+                     OFFSET, HAS_ZERO, ROUND_BF16, BLOCK_N, BLOCK_K)  # fmt: skip
+    k = k0 + tl.arange(0, BLOCK_K)
+    dest = out_ptr + rn64[:, None] * K + k[None, :]
+    tl.store(dest, w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & (k < K)[None, :])
+
+
 class Tiles(NamedTuple):
     """A launch configuration: output tile ``block_m x block_n``, ``block_k`` inputs per step, ``split`` slices
     of K (1: no workspace), and the compiler's ``num_warps`` / ``num_stages`` (ignored when interpreted)."""
@@ -174,33 +221,44 @@ class Tiles(NamedTuple):
     num_stages: int = 3
 
 
-def gpu_tiles(m: int, n: int, k: int, group: int, per_word: int, sms: int) -> Tiles:
-    """The tiles a ``[m, k] x [k, n]`` product runs with on a GPU of ``sms`` multiprocessors (picked from a sweep
-    of candidates on an H200, ``python -m batchgen.bench.quant_gemm --sweep``). Decode batches (a few rows) are
-    bound by the weight bytes: narrow output tiles, one scale group per K step where the group allows (one scale
-    load per row and tile), and K split in slices only where the output tiles alone would leave most
-    multiprocessors idle (narrow projections such as a GQA model's k/v). Prefill chunks are bound by the tensor
-    cores: 128-row tiles. ``tl.dot`` needs every tile side to be 16 or more."""
-    bk = max(group if group in (64, 128) else 128, 2 * per_word)
-    if m <= 16:
-        bn = 16 if m <= 4 and per_word > 1 else 32
-        programs = triton.cdiv(n, bn)
-        split = 1 if 2 * programs >= sms else max(1, min(triton.cdiv(k, bk) // 4, triton.cdiv(sms, programs)))
-        return Tiles(16, bn, bk, split, 4, 4)
-    return Tiles(min(128, max(16, triton.next_power_of_2(m))), 64, 64 if group % 64 == 0 else bk, 1, 4, 4)
+DEQUANTIZE_ABOVE = 16
+"""Products of more rows than this dequantize the weight into a buffer and multiply it with ``torch.matmul``."""
 
 
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def gpu_tiles(m: int, k: int, group: int, per_word: int) -> Tiles | None:
+    """The tiles a ``[m, k] x [k, n]`` product runs with on a GPU, or ``None`` above
+    :data:`DEQUANTIZE_ABOVE` rows: there the weight is dequantized into a buffer of the activations' dtype (one
+    read of the packed weight, one write and read of the dense one) and multiplied by ``torch.matmul`` (cuBLAS),
+    which outruns any fused tile configuration once the tensor cores, not the weight bytes, bound the product.
+    Decode batches (a few rows) are bound by the weight bytes: narrow output tiles (16 x 32 for packed integers,
+    16 x 16 for fp8 bytes) over 64 inputs per step (one scale load per row and tile where the group is a multiple
+    of 64), K in 4 slices summed afterwards, 2 warps: of a sweep of candidates on an H200 (``python -m
+    batchgen.bench.quant_gemm --sweep``) the best for int4 on every shape and batch size tried, and within 5% of
+    the best for fp8. ``tl.dot`` needs every tile side to be 16 or more."""
+    if m > DEQUANTIZE_ABOVE:
+        return None
+    bk = max(64 if group % 64 == 0 else 128, 2 * per_word)
+    return Tiles(16, 32 if per_word > 1 else 16, bk, min(4, max(1, k // bk)), 2, 4)
 
 
-def tiles_for(m: int, n: int, k: int, group: int, per_word: int, device: torch.device) -> Tiles:
+def tiles_for(m: int, k: int, group: int, per_word: int, device: torch.device) -> Tiles | None:
     """:func:`gpu_tiles` on CUDA; the interpreter runs whole tiles as numpy arrays, so larger tiles are cheaper
-    there."""
+    there (and takes the same dequantizing path above :data:`DEQUANTIZE_ABOVE` rows)."""
     if interpreting(device):
-        return Tiles(max(16, min(64, triton.next_power_of_2(m))), 64, 64)
-    return gpu_tiles(m, n, k, group, per_word, _multiprocessors(device.index or 0))
+        return None if m > DEQUANTIZE_ABOVE else Tiles(16, 64, 64)
+    return gpu_tiles(m, k, group, per_word)
+
+
+def _dequantized(weight: Tensor, scales: Tensor, zero: Tensor | None, k: int, fmt: dict, dtype) -> Tensor:
+    """The dense ``[N, k]`` weight in ``dtype``, written by :func:`_dequantize_kernel`."""
+    n = weight.shape[0]
+    bk = max(fmt["GROUP"] if fmt["GROUP"] in (64, 128) else 128, 2 * fmt["PER_WORD"])
+    dense = torch.empty(n, k, dtype=dtype, device=weight.device)
+    _dequantize_kernel.on(weight.device)[(triton.cdiv(n, 32), triton.cdiv(k, bk))](
+        weight, scales, scales if zero is None else zero, dense, n, k, weight.stride(0), scales.stride(0),
+        HAS_ZERO=zero is not None, BLOCK_N=32, BLOCK_K=bk, num_warps=4, **fmt,
+    )  # fmt: skip
+    return dense
 
 
 def _launch(x: Tensor, weight: Tensor, scales: Tensor, zero: Tensor | None, bias: Tensor | None,
@@ -226,16 +284,25 @@ def _launch(x: Tensor, weight: Tensor, scales: Tensor, zero: Tensor | None, bias
         y = result = out
     if m == 0:
         return result
-    t = tiles or tiles_for(m, n, k, fmt["GROUP"], fmt["PER_WORD"], x.device)
+    scales = scales.contiguous()
+    if zero is not None:
+        zero = zero.contiguous()
+        assert zero.shape == scales.shape
+    t = tiles or tiles_for(m, k, fmt["GROUP"], fmt["PER_WORD"], x.device)
+    if t is None:  # many rows: dequantize, then the dense product
+        w_t = _dequantized(weight, scales, zero, k, fmt, x.dtype).t()
+        if out is not None:  # a strided column slice: the product is written whole, then copied in
+            y.copy_(rows @ w_t if bias is None else torch.addmm(bias.to(x.dtype), rows, w_t))
+        elif bias is None:
+            torch.matmul(rows, w_t, out=y)
+        else:
+            torch.addmm(bias.to(x.dtype), rows, w_t, out=y)
+        return result
     assert t.block_k % fmt["PER_WORD"] == 0 and t.block_k // fmt["PER_WORD"] >= 1
     steps = triton.cdiv(k, t.block_k)
     split = max(1, min(t.split, steps))
     k_split = triton.cdiv(steps, split) * t.block_k
     split = triton.cdiv(k, k_split)  # no empty slice
-    scales = scales.contiguous()
-    if zero is not None:
-        zero = zero.contiguous()
-        assert zero.shape == scales.shape
     dest = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _linear_kernel.on(x.device)[(triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)](
         rows, weight, scales, scales if zero is None else zero, scales if bias is None else bias, dest,

@@ -82,16 +82,20 @@ def test_int_linear_matches_float64_on_dequantized_weights(device, bits, shape) 
 @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
 def test_the_gpu_tile_picks_and_k_split_in_slices_match_float64(device, fmt) -> None:
     """The configurations the GPU runs (narrow decode tiles with K split in slices summed afterwards, per-tile or
-    gathered scales, wide prefill tiles), interpreted, against float64; slices that do not divide K evenly too."""
+    gathered scales; the dequantized weight multiplied by torch above 16 rows), interpreted, against float64;
+    slices that do not divide K evenly and the fused kernel on prefill rows too."""
     bits, per_word = (8, 1) if fmt == "fp8" else (int(fmt[3:]), 32 // int(fmt[3:]))
     cases = [
-        ((m, n, k, group), gpu_tiles(m, n, k, group, per_word, sms=132))
+        ((m, n, k, group), gpu_tiles(m, k, group, per_word))
         for m, n, k, group in ((1, 40, 1024, 128), (9, 72, 512, 32), (40, 33, 256, 64), (130, 20, 192, 64))
     ]
-    cases.append(((3, 24, 640, 128), Tiles(16, 16, 128, split=3)))  # 5 steps in slices of 2, 2, 1
-    assert any(t.split > 1 for _, t in cases[:-1]) and any(
-        t.block_k == group for (_, _, _, group), t in cases
-    )
+    cases += [
+        ((3, 24, 640, 128), Tiles(16, 16, 128, split=3)),  # 5 steps in slices of 2, 2, 1
+        ((40, 33, 256, 64), Tiles(32, 32, 64)),  # the fused kernel on prefill rows
+        ((130, 20, 192, 64), Tiles(128, 64, 64)),
+    ]
+    assert any(t is not None and t.split > 1 for _, t in cases[:4]) and any(t is None for _, t in cases[:4])
+    assert any(t is not None and t.block_k == group for (_, _, _, group), t in cases)
     for i, ((m, n, k, group), tiles) in enumerate(cases):
         g = torch.Generator().manual_seed(i)
         x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
@@ -284,12 +288,17 @@ def test_the_gemm_benchmark_times_each_kernel_and_checks_its_product(tmp_path, c
     points = json.loads((tmp_path / "r.json").read_text())["points"]
     assert len(points) == len(quant_gemm.CPU_ROWS)
     for p in points:
-        assert set(p["times_us"]) == {"dense", "int4-g128", "int8-g128", "fp8-ch"}
-        assert all(t > 0 for t in p["times_us"].values())
+        assert set(p["times_us"]) == set(p["kernel_us"]) == {"dense", "int4-g128", "int8-g128", "fp8-ch"}
+        assert all(t > 0 for t in [*p["times_us"].values(), *p["kernel_us"].values()])
         assert p["weight_bytes"]["int4-g128"] < p["weight_bytes"]["int8-g128"] < p["weight_bytes"]["dense"]
         assert all(d < 4e-3 for d in p["max_rel_diff"].values())  # bfloat16 outputs
     assert "weight-only GEMMs" in capsys.readouterr().out
-    tiles = ([quant_gemm.Tiles(16, 16, 128, 2)], [quant_gemm.Tiles(32, 16, 64)])
+    tiles = (
+        [quant_gemm.Tiles(16, 16, 128, 2), quant_gemm.Tiles(16, 32, 128)],
+        [quant_gemm.Tiles(32, 16, 64)],
+    )
     found = quant_gemm.sweep(torch.device("cpu"), {"small": (48, 256)}, (1, 20), tiles, log=lambda line: None)
     assert [(f["kind"], f["m"]) for f in found] == [(k, m) for m in (1, 20) for k in ("int4-g128", "fp8-ch")]
-    assert all(len(f["times_us"]) == 2 and min(f["times_us"].values()) > 0 for f in found)
+    assert [len(f["times_us"]) for f in found] == [3, 3, 2, 2]
+    assert [f["picked"] is None for f in found] == [False, False, True, True]  # dequantize above 16 rows
+    assert all(min(f["times_us"].values()) > 0 for f in found)

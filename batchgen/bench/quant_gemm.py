@@ -12,13 +12,17 @@ projections of a Llama-3-8B layer (``[N, K]``: q/k/v 6144 x 4096, o 4096 x 4096,
 
 ``--sweep`` also times a set of candidate tile configurations (:class:`~batchgen.kernels.quant_linear_triton.Tiles`)
 for int4 and fp8 on two of the shapes at decode and prefill sizes, against the configuration the kernels pick
-(:func:`~batchgen.kernels.quant_linear_triton.gpu_tiles`), so that the picks can be checked on each GPU.
+(:func:`~batchgen.kernels.quant_linear_triton.gpu_tiles`; above 16 rows that is the weight dequantized into a
+bfloat16 buffer and multiplied by ``torch.matmul``), so that the picks can be checked on each GPU.
 
-Each row reports the median time, the weight bytes read per second (a decode GEMM is bound by them: int4 reads a
-quarter of bfloat16's bytes) and the largest difference from the float32 product by the dequantized weight
-(relative to that product's largest value; bfloat16 inputs round the weight tile to bfloat16). Times on CUDA are medians of
-``triton.testing.do_bench``; ``--device cpu`` runs the kernels in Triton's interpreter on small shapes, to check
-the script itself (its times say nothing about a GPU).
+Each row reports, per kernel, the median time on the device alone (calls replayed from a CUDA graph, as the
+engine replays its decode steps, on copies of the weights spanning more than the L2 cache, so every call reads
+its weights from memory), the weight bytes read per second at that time (a decode GEMM is bound by them: int4
+reads a quarter of bfloat16's bytes), the median time of a call from Python (``triton.testing.do_bench``: the
+host's launch included), and the largest difference from the float32 product by the dequantized weight
+(relative to that product's largest value; bfloat16 inputs round the weight tile to bfloat16). The sweep ranks
+the candidates by their time on the device. ``--device cpu`` runs the kernels in Triton's interpreter on small
+shapes, to check the script itself (its times say nothing about a GPU).
 """
 
 from __future__ import annotations
@@ -48,13 +52,16 @@ class Point:
     k: int
     m: int
     times_us: dict[str, float] = field(default_factory=dict)
+    """Median µs of a call from Python, the host's launch included."""
+    kernel_us: dict[str, float] = field(default_factory=dict)
+    """Median µs on the device alone (calls replayed from a CUDA graph, weights read from memory)."""
     weight_bytes: dict[str, int] = field(default_factory=dict)
     max_rel_diff: dict[str, float] = field(default_factory=dict)
     """Largest difference from the float32 product by the dequantized weight, over that product's largest value."""
 
 
 def _time(fn, device: torch.device) -> float:
-    """Median µs of ``fn``."""
+    """Median µs of ``fn`` called from Python (the host's launch included)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
@@ -65,6 +72,43 @@ def _time(fn, device: torch.device) -> float:
         fn()
         runs.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(runs)
+
+
+L2_SPAN = 256 << 20
+"""Bytes of weight copies a graph cycles through: more than any GPU's L2 cache, so every call reads from memory."""
+
+
+def _graph_time(call, args: tuple, device: torch.device) -> float:
+    """Median µs per ``call(*args)`` on the device alone: calls on copies of the tensors in `args` (spanning
+    :data:`L2_SPAN` bytes, so no call finds its weights in the L2 cache) captured in one CUDA graph and replayed,
+    as the engine replays its decode steps. On the CPU: :func:`_time` of one call."""
+    if device.type != "cuda":
+        return _time(lambda: call(*args), device)
+    size = sum(t.numel() * t.element_size() for t in args if torch.is_tensor(t))
+    copies = [args] + [
+        tuple(t.clone() if torch.is_tensor(t) else t for t in args) for _ in range(min(15, L2_SPAN // size))
+    ]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        for a in copies:
+            call(*a)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for a in copies:
+            call(*a)
+    graph.replay()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(copies))
+    del graph
+    return statistics.median(times)
 
 
 def _weights(n: int, k: int, device: torch.device) -> dict[str, tuple]:
@@ -91,20 +135,21 @@ def run(
     points = []
     for name, (n, k) in shapes.items():
         weights = _weights(n, k, device)
+        dense = weights["int4-g128"][1].to(torch.bfloat16)
+        calls = {"dense": (lambda x, w: x @ w.t(), (dense,))}
+        for kind, (args, _) in weights.items():
+            calls[kind] = (fp8_linear_triton if kind == "fp8-ch" else int_linear_triton, args)
         for m in rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, torch.bfloat16)
             p = Point(name, n, k, m)
-            dense = weights["int4-g128"][1].to(torch.bfloat16)
-            p.times_us["dense"] = _time(lambda x=x, dense=dense: x @ dense.t(), device)
-            p.weight_bytes["dense"] = dense.numel() * dense.element_size()
-            for kind, (args, w) in weights.items():
-                if kind == "fp8-ch":
-                    fn = lambda a=args, x=x: fp8_linear_triton(x, *a)  # noqa: E731
-                else:
-                    fn = lambda a=args, x=x: int_linear_triton(x, *a)  # noqa: E731
-                want = x.float() @ w.t()
-                p.max_rel_diff[kind] = float((fn().float() - want).abs().max() / want.abs().max())
-                p.times_us[kind] = _time(fn, device)
+            for kind, (call, args) in calls.items():
+                if kind != "dense":
+                    want = x.float() @ weights[kind][1].t()
+                    p.max_rel_diff[kind] = float(
+                        (call(x, *args).float() - want).abs().max() / want.abs().max()
+                    )
+                p.times_us[kind] = _time(lambda c=call, a=(x, *args): c(*a), device)
+                p.kernel_us[kind] = _graph_time(call, (x, *args), device)
                 p.weight_bytes[kind] = sum(t.numel() * t.element_size() for t in args if torch.is_tensor(t))
             log(format_row(p))
             points.append(p)
@@ -112,19 +157,20 @@ def run(
 
 
 SWEEP_SHAPES = ("qkv", "down")
-SWEEP_ROWS = (1, 16, 256, 1024)
-DECODE_TILES = [Tiles(16, bn, bk, split, w, 4) for bn, bk, split, w in (
-    (16, 128, 1, 4), (16, 128, 2, 4), (16, 128, 4, 4), (16, 128, 8, 4), (32, 128, 1, 4), (32, 128, 4, 4),
-    (32, 256, 2, 4), (64, 128, 4, 4), (16, 64, 4, 2), (64, 64, 1, 4),
+SWEEP_ROWS = (1, 4, 16, 256, 1024)
+DECODE_TILES = [Tiles(*t) for t in (
+    (16, 16, 128, 1, 4, 4), (16, 16, 128, 2, 4, 4), (16, 16, 128, 4, 4, 4), (16, 32, 128, 1, 4, 4),
+    (16, 32, 256, 2, 4, 4), (16, 64, 128, 4, 4, 4), (16, 16, 64, 4, 2, 4), (16, 16, 64, 1, 2, 4),
+    (16, 16, 64, 8, 2, 4), (16, 32, 64, 4, 2, 4),
 )]  # fmt: skip
-PREFILL_TILES = [
-    Tiles(64, 64, 64, 1, 4, 3),
-    Tiles(64, 128, 64, 1, 4, 3),
-    Tiles(128, 128, 64, 1, 8, 3),
-    Tiles(128, 256, 64, 1, 8, 3),
-    Tiles(128, 128, 128, 1, 8, 2),
-    Tiles(128, 64, 64, 1, 4, 4),
-]
+PREFILL_TILES = [Tiles(*t) for t in (
+    (64, 64, 64, 1, 4, 3), (128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3), (128, 128, 128, 1, 8, 2),
+    (128, 64, 64, 1, 4, 4),
+)]  # fmt: skip
+
+
+def _label(t: Tiles | None) -> str:
+    return "dequantize+matmul" if t is None else str(tuple(t))
 
 
 def sweep(
@@ -134,9 +180,8 @@ def sweep(
     candidates: tuple[list[Tiles], list[Tiles]] = (DECODE_TILES, PREFILL_TILES),
     log=print,
 ) -> list[dict]:
-    """Each candidate tile configuration's median time (µs) beside the picked one's, per kernel, shape and M
-    (``candidates``: decode's, for M <= 16, and prefill's)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    """Each candidate tile configuration's median time on the device (µs, :func:`_graph_time`) beside the picked
+    one's, per kernel, shape and M (``candidates``: decode's, for M <= 16, and prefill's)."""
     found = []
     for name, (n, k) in (shapes or {s: SHAPES[s] for s in SWEEP_SHAPES}).items():
         weights = _weights(n, k, device)
@@ -147,33 +192,34 @@ def sweep(
                 call = fp8_linear_triton if kind == "fp8-ch" else int_linear_triton
                 per_word = 1 if kind == "fp8-ch" else 8
                 group = k if kind == "fp8-ch" else GROUP
-                picked = gpu_tiles(m, n, k, group, per_word, sms)
+                picked = gpu_tiles(m, k, group, per_word)
                 times = {}
                 for t in dict.fromkeys([picked, *candidates[m > 16]]):
                     try:
-                        times[t] = _time(lambda t=t, c=call, x=x, a=args: c(x, *a, tiles=t), device)
+                        times[t] = _graph_time(lambda *a, t=t, c=call: c(*a, tiles=t), (x, *args), device)
                     except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses is reported
-                        log(f"  {kind} {name} M={m} {tuple(t)}: {type(e).__name__}: {str(e)[:80]}")
+                        log(f"  {kind} {name} M={m} {_label(t)}: {type(e).__name__}: {str(e)[:80]}")
                 best = min(times, key=times.get)
-                log(f"sweep {kind:>9} {name:>7} M={m:<5} picked {tuple(picked)} {times.get(picked, float('nan')):8.1f} us"
-                    f"   best {tuple(best)} {times[best]:8.1f} us")  # fmt: skip
-                found.append({"kind": kind, "shape": name, "m": m, "picked": list(picked),
-                              "best": list(best), "times_us": {str(tuple(t)): v for t, v in times.items()}})  # fmt: skip
+                log(f"sweep {kind:>9} {name:>7} M={m:<5} picked {_label(picked)} {times.get(picked, float('nan')):8.1f} us"
+                    f"   best {_label(best)} {times[best]:8.1f} us")  # fmt: skip
+                found.append({"kind": kind, "shape": name, "m": m, "picked": picked and list(picked),
+                              "best": best and list(best), "times_us": {_label(t): v for t, v in times.items()}})  # fmt: skip
     return found
 
 
-HEADER = f"{'shape':>8} {'N x K':>12} {'M':>5}  " + "  ".join(
-    f"{k:>22}" for k in ("dense", "int4-g128", "int8-g128", "fp8-ch")
-)
+KINDS = ("dense", "int4-g128", "int8-g128", "fp8-ch")
+HEADER = f"{'shape':>8} {'N x K':>12} {'M':>5}  " + "  ".join(f"{k:>30}" for k in KINDS)
 
 
 def format_row(p: Point) -> str:
+    """Per kernel: µs on the device, the weight bytes it read per second, and (in brackets) µs per call from
+    Python."""
     cells = []
-    for kind in ("dense", "int4-g128", "int8-g128", "fp8-ch"):
-        us = p.times_us.get(kind, float("nan"))
+    for kind in KINDS:
+        us = p.kernel_us.get(kind, float("nan"))
         gbs = p.weight_bytes.get(kind, 0) / (us * 1e-6) / 1e9 if us == us and us > 0 else float("nan")
-        cells.append(f"{us:>9.1f} us {gbs:>7.0f} GB/s")
-    return f"{p.shape:>8} {p.n:>5} x {p.k:<5} {p.m:>5}  " + "  ".join(f"{c:>22}" for c in cells)
+        cells.append(f"{us:>8.1f} us {gbs:>5.0f} GB/s ({p.times_us.get(kind, float('nan')):>6.1f})")
+    return f"{p.shape:>8} {p.n:>5} x {p.k:<5} {p.m:>5}  " + "  ".join(f"{c:>30}" for c in cells)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shapes, rows = (SHAPES, ROWS) if device.type == "cuda" else (CPU_SHAPES, CPU_ROWS)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
-    print(f"weight-only GEMMs on {name}, bfloat16 activations; time and weight bytes read per second")
+    print(
+        f"weight-only GEMMs on {name}, bfloat16 activations: µs on the device, weight bytes read per second,"
+    )
+    print("(µs per call from Python, the launch included)")
     print(HEADER)
     points = run(device, shapes, rows)
     worst = max(d for p in points for d in p.max_rel_diff.values())

@@ -9,7 +9,7 @@
 # bench_kernels.log, bench_kernels.json, bench_quant_gemm.log, bench_quant_gemm.json. Budget: under 8 minutes on
 # an H200 even when every step runs into its timeout (install 45 s, tests 150 s, benchmarks 140 s and 150 s);
 # measured on an H200: tests 112 s (compiles spread over xdist workers), kernel benchmark 27 s, GEMM benchmark
-# about 30 s plus about 60 s of sweep. Exit status: non-zero if the tests or the kernel benchmark failed (or timed
+# and its sweep about 85 s together. Exit status: non-zero if the tests or the kernel benchmark failed (or timed
 # out).
 #
 #   bash jobs/gpu/check.sh             # on the GPU machine, from the repository root
@@ -93,7 +93,7 @@ log "benchmark exit status $BENCH_RC"
 
 # 4. Weight-only quantized GEMMs (int4, int8, fp8) against torch.matmul by the dequantized bfloat16 weight.
 if [[ $DRY_RUN == 0 ]]; then
-    # --sweep: candidate tile configurations beside the picked ones (about 60 s on an H200, compiles included)
+    # --sweep: candidate tile configurations beside the picked ones (with the grid, about 85 s on an H200)
     log "python -m batchgen.bench.quant_gemm --sweep (timeout ${QUANT_BENCH_TIMEOUT:-150}s)"
     timeout "${QUANT_BENCH_TIMEOUT:-150}" "$PY" -m batchgen.bench.quant_gemm --sweep \
         --json "$OUT/bench_quant_gemm.json" >"$OUT/bench_quant_gemm.log" 2>&1
