@@ -44,6 +44,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -417,16 +418,13 @@ class PrefixGroups:
         """From ``(sequence indices, prefix block ids)`` pairs."""
         sizes = [int(idx.numel()) for idx, _ in groups]
         widths = [int(ids.numel()) for _, ids in groups]
-        tables = torch.zeros(len(groups), max(widths, default=0), dtype=torch.int32)
+        tables = np.zeros((len(groups), max(widths, default=0)), dtype=np.int32)
         for g, (_, ids) in enumerate(groups):
-            tables[g, : widths[g]] = ids.to(device="cpu", dtype=torch.int32)
-        offsets = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int32)
-        seqs = (
-            torch.cat([idx.to(device="cpu", dtype=torch.int32) for idx, _ in groups])
-            if groups
-            else offsets[:0]
-        )
-        return cls(offsets, seqs.contiguous(), tables, torch.tensor(widths, dtype=torch.int32))
+            tables[g, : widths[g]] = ids.cpu().numpy()
+        offsets = np.array([0, *itertools.accumulate(sizes)], dtype=np.int32)
+        seqs = np.concatenate([idx.cpu().numpy() for idx, _ in groups]) if groups else offsets[:0]
+        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+        return cls(as_tensor(offsets), as_tensor(seqs), as_tensor(tables), as_tensor(widths))
 
 
 PREFIX_CHUNK = 16

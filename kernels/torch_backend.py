@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -282,40 +283,50 @@ def _shared_prefixes(
     ``visible[B]``: the keys every query of a sequence sees (decode: its length - 1; prefill: its context
     before the chunk); a shared prefix holds only whole blocks of those, so every query sees all of it and every
     sequence keeps at least its own last key. Sequences that see no whole block share nothing. Returns
-    ``start[B]`` (leading blocks each sequence shares with its group, 0 if none) and the groups as
-    ``(sequence indices, shared block ids)``.
-    """
-    batch = block_tables.shape[0]
-    start = torch.zeros(batch, dtype=torch.long, device=block_tables.device)
+    ``start[B]`` (leading blocks each sequence shares with its group, 0 if none) and the groups, in the order of
+    their first block id, as ``(sequence indices in increasing order, shared block ids)``. Computed on the host
+    in a few array operations for the whole batch (it runs once per step on the engine's critical path)."""
+    device = block_tables.device
+    full = (visible // block_size).cpu().numpy()
+    start = np.zeros(block_tables.shape[0], dtype=np.int64)
     groups: list[tuple[Tensor, Tensor]] = []
-    full = (visible // block_size).to(block_tables.device)
-    candidates = torch.nonzero(full > 0).flatten()
-    if candidates.numel() < _CASCADE_MIN_GROUP:
-        return start, groups
-    _, inverse, counts = torch.unique(block_tables[candidates, 0], return_inverse=True, return_counts=True)
-    for g in torch.nonzero(counts >= _CASCADE_MIN_GROUP).flatten().tolist():
-        idx = candidates[inverse == g]
-        rows = block_tables[idx]
-        limit = int(full[idx].min())
-        same = (rows[:, :limit] == rows[:1, :limit]).all(0)
-        n = int(same.long().cumprod(0).sum())
-        if n > 0:
-            start[idx] = n
-            groups.append((idx, rows[0, :n]))
-    return start, groups
+    cand = np.flatnonzero(full > 0)
+    if cand.size >= _CASCADE_MIN_GROUP:
+        tables = block_tables.cpu().numpy()
+        _, group_of, counts = np.unique(tables[cand, 0], return_inverse=True, return_counts=True)
+        big = counts[group_of] >= _CASCADE_MIN_GROUP
+        cand, group_of = cand[big], group_of[big]
+    if cand.size >= _CASCADE_MIN_GROUP:
+        present, first = np.unique(group_of, return_index=True)
+        leader = np.zeros(counts.size, dtype=np.int64)
+        leader[present] = cand[first]
+        limit = np.full(counts.size, tables.shape[1], dtype=np.int64)
+        np.minimum.at(limit, group_of, full[cand])  # every member sees the prefix
+        lim = limit[group_of]
+        width = int(lim.max())
+        differs = tables[cand, :width] != tables[leader[group_of], :width]
+        differs |= np.arange(width)[None, :] >= lim[:, None]
+        common = np.where(
+            differs.any(1), differs.argmax(1), width
+        )  # blocks each member shares with its leader
+        shared = np.full(counts.size, width, dtype=np.int64)
+        np.minimum.at(shared, group_of, common)
+        for g in present[shared[present] > 0]:
+            idx = cand[group_of == g]
+            start[idx] = shared[g]
+            blocks = tables[leader[g], : shared[g]].copy()
+            groups.append((torch.from_numpy(idx).to(device), torch.from_numpy(blocks).to(device)))
+    return torch.from_numpy(start).to(device), groups
 
 
 def _run_or_ids(ids: Tensor) -> Tensor | slice:
     """``ids`` as a slice when they are consecutive block ids (then the blocks are read in place, without a
     copy), else unchanged."""
-    n = ids.numel()
-    if (
-        n
-        and ids.device.type == "cpu"
-        and int(ids[-1]) - int(ids[0]) == n - 1
-        and bool((ids.diff() == 1).all())
-    ):
-        return slice(int(ids[0]), int(ids[0]) + n)
+    if ids.device.type != "cpu" or not ids.numel():
+        return ids
+    a = ids.numpy()
+    if int(a[-1]) - int(a[0]) == a.size - 1 and bool((np.diff(a) == 1).all()):
+        return slice(int(a[0]), int(a[0]) + a.size)
     return ids
 
 
@@ -365,11 +376,10 @@ def _cascade_plan(
     saved = sum((idx.numel() - 1) * blocks.numel() for idx, blocks in groups)
     if saved < min_saved * int(total_blocks.sum()):  # too few blocks saved: not worth it
         return None
-    prefix = cpu_kernel.PrefixGroups.build(groups) if kernel else None
-    groups = [(idx, _run_or_ids(blocks)) for idx, blocks in groups]
     starts = (start * block_size).to(torch.int32)
-    if kernel:
-        return CascadePlan(groups, starts, None, None, prefix)
+    if kernel:  # (the groups' blocks are read by the C kernel; as ids only where it refuses the call)
+        return CascadePlan(groups, starts, None, None, cpu_kernel.PrefixGroups.build(groups))
+    groups = [(idx, _run_or_ids(blocks)) for idx, blocks in groups]
     batch = block_tables.shape[0]
     num_suffix = int((total_blocks - start).max())
     arange = torch.arange(num_suffix, device=block_tables.device)

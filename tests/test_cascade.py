@@ -147,3 +147,52 @@ def test_prefill_cascade_matches_reference(monkeypatch, block_size, heads) -> No
     assert calls, "the groups share most of the work: the prefill cascade must be taken"
     ref = reference.paged_prefill_attention(q, cu, kv, AttentionOptions(0.2))
     assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def _shared_prefixes_reference(tables: list[list[int]], visible: list[int], block_size: int):
+    """The grouping spelled out row by row: rows that see a whole block, grouped by their first block id (groups
+    of at least tb._CASCADE_MIN_GROUP), each group's prefix the leading blocks every member has in common with
+    the first and sees whole."""
+    full = [v // block_size for v in visible]
+    start = [0] * len(tables)
+    groups = []
+    by_first: dict[int, list[int]] = {}
+    for r, row in enumerate(tables):
+        if full[r] > 0:
+            by_first.setdefault(row[0], []).append(r)
+    for first in sorted(by_first):
+        rows = by_first[first]
+        if len(rows) < tb._CASCADE_MIN_GROUP:
+            continue
+        n = 0
+        while (
+            n < min(full[r] for r in rows)
+            and n < len(tables[0])
+            and all(tables[r][n] == tables[rows[0]][n] for r in rows)
+        ):
+            n += 1
+        if n:
+            for r in rows:
+                start[r] = n
+            groups.append((rows, tables[rows[0]][:n]))
+    return start, groups
+
+
+def test_shared_prefix_groups_equal_the_row_by_row_reference() -> None:
+    rng = random.Random(0)
+    for _ in range(400):
+        batch, width, block_size = rng.randint(0, 24), rng.randint(1, 10), rng.choice([1, 4, 16])
+        heads = [[rng.randrange(40) for _ in range(width)] for _ in range(rng.randint(1, 3))]
+        tables, fresh = [], 1000
+        for _ in range(batch):  # a shared head cut at a random block, then blocks of the row's own
+            cut = rng.randint(0, width)
+            tables.append(rng.choice(heads)[:cut] + list(range(fresh, fresh + width - cut)))
+            fresh += width
+        visible = [rng.randint(0, width * block_size + 2) for _ in range(batch)]
+        start, groups = tb._shared_prefixes(
+            torch.tensor(tables, dtype=torch.int32).reshape(batch, width), torch.tensor(visible), block_size
+        )
+        want_start, want_groups = _shared_prefixes_reference(tables, visible, block_size)
+        assert start.tolist() == want_start
+        assert [(idx.tolist(), ids.tolist()) for idx, ids in groups] == want_groups
+        assert all(idx.dtype == torch.long and ids.dtype == torch.int32 for idx, ids in groups)
