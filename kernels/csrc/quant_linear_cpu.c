@@ -174,7 +174,7 @@ static void gemm(const float *x, int64_t lda, const void *ctx, fill_fn fill, int
     {
         float wb[NR * 256];
         float acc[MB][NR][8];
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 32) /* see simd_gemm_kind */
         for (int g = 0; g < groups; g++) {
             const int n0 = g * NR, nr = N - n0 < NR ? N - n0 : NR;
             for (int m0 = 0; m0 < M; m0 += MB) {
@@ -664,7 +664,9 @@ static inline __attribute__((always_inline)) void simd_gemm_kind(const float *x,
     {
         float wb[BG * KC] __attribute__((aligned(32)));
         float sums[MBUF * BG * 8];
-#pragma omp for schedule(static)
+        /* dynamic: a thread whose core runs slower (a busy sibling, a shared VM) takes fewer chunks instead of
+         * holding up the others; each output is computed whole by one thread, so results do not depend on it */
+#pragma omp for schedule(dynamic, 32)
         for (int g = 0; g < groups; g++) {
             const int64_t n0 = (int64_t)g * width;
             const int nc = N - n0 < width ? (int)(N - n0) : width;
