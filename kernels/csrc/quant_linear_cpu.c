@@ -337,7 +337,15 @@ typedef struct {
     const float *scales; /* INT4 / INT8: [N, groups] */
     int64_t groups;
     int group, round_bf16;
+    int span_shift; /* INT4 / INT8 / FP8: log2(group / 32) when that is a power of two (a span's scale index is
+                     * then a shift, not a division in the inner loop), else -1 */
 } Src;
+
+static int span_shift_of(int group) {
+    for (int shift = 0; group > 0 && group % 32 == 0 && (32 << shift) <= group; shift++)
+        if ((32 << shift) == group) return shift;
+    return -1;
+}
 
 typedef struct {
     float a, b; /* a span's scale (Q6_K: its first 16 values'), and Q4_K's min / Q6_K's second scale */
@@ -426,7 +434,8 @@ static inline __attribute__((always_inline)) void span_setup(const Src *s, const
         const float d = half_at(b + 208);
         o->a = d * (float)sc[0], o->b = d * (float)sc[1];
     } else {
-        o->a = s->scales[n * s->groups + (int64_t)sp * 32 / s->group], o->b = 0.0f;
+        const int64_t g = s->span_shift >= 0 ? sp >> s->span_shift : (int64_t)sp * 32 / s->group;
+        o->a = s->scales[n * s->groups + g], o->b = 0.0f;
     }
 #ifdef LUT4
     if (kind == Q4_0 || kind == Q4_K || kind == INT4) span_table(s, kind, o);
@@ -741,7 +750,7 @@ int batchgen_int_linear(const float *x, int64_t lda, const uint8_t *w, int bits,
         return -1;
 #ifdef QUANT_SIMD
     if (group % 32 == 0) {
-        const Src simd_src = {w, (int64_t)K * bits / 8, scales, K / group, group, round_bf16};
+        const Src simd_src = {w, (int64_t)K * bits / 8, scales, K / group, group, round_bf16, span_shift_of(group)};
         simd_gemm(x, lda, &simd_src, bits == 4 ? INT4 : INT8, bias, y, ldy, M, K, N, num_threads);
         return 0;
     }
@@ -764,7 +773,7 @@ int batchgen_fp8_linear(const float *x, int64_t lda, const uint8_t *w, const flo
     if (group <= 0 || group % 8 != 0 || K % group != 0 || M < 0 || N <= 0 || lda < K) return -1;
 #ifdef QUANT_SIMD
     if (group % 32 == 0) {
-        const Src simd_src = {w, K, scales, K / group, group, 0};
+        const Src simd_src = {w, K, scales, K / group, group, 0, span_shift_of(group)};
         simd_gemm(x, lda, &simd_src, FP8, bias, y, ldy, M, K, N, num_threads);
         return 0;
     }
@@ -790,7 +799,7 @@ int batchgen_quant_linear(const float *x, int64_t lda, const uint8_t *w, int64_t
         return -1;
 #ifdef QUANT_SIMD
     if (qtype == Q4_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K) { /* the others: the plain-C loops */
-        const Src simd_src = {w, row_bytes, NULL, 0, 0, 0};
+        const Src simd_src = {w, row_bytes, NULL, 0, 0, 0, -1};
         simd_gemm(x, lda, &simd_src, qtype, bias, y, ldy, M, K, N, num_threads);
         return 0;
     }
