@@ -264,8 +264,8 @@ def _dequantized(weight: Tensor, scales: Tensor, zero: Tensor | None, k: int, fm
 def _launch(x: Tensor, weight: Tensor, scales: Tensor, zero: Tensor | None, bias: Tensor | None,
             out: Tensor | None, k: int, fmt: dict, tiles: Tiles | None = None) -> Tensor:  # fmt: skip
     """``x [..., k] @ wᵀ (+ bias)`` by :func:`_linear_kernel` with the format's constexprs `fmt` and `tiles`
-    (default :func:`tiles_for`): returns ``[..., N]`` in `x`'s dtype, or writes ``out`` (``[M, N]``, unit stride
-    along N). The interpreter computes and casts 16-bit values wrongly, so there a 16-bit `x` is multiplied in
+    (default :func:`tiles_for`; where that is None, the weight dequantized by :func:`_dequantized` and multiplied
+    by torch): returns ``[..., N]`` in `x`'s dtype, or writes ``out`` (``[M, N]``, unit stride along N). The interpreter computes and casts 16-bit values wrongly, so there a 16-bit `x` is multiplied in
     float32 and the result cast by torch."""
     if interpreting(x.device) and x.dtype in (torch.bfloat16, torch.float16):
         y = _launch(x.float(), weight, scales, zero, bias, None, k, fmt, tiles)
