@@ -306,9 +306,8 @@ def _shared_prefixes(
         width = int(lim.max())
         differs = tables[cand, :width] != tables[leader[group_of], :width]
         differs |= np.arange(width)[None, :] >= lim[:, None]
-        common = np.where(
-            differs.any(1), differs.argmax(1), width
-        )  # blocks each member shares with its leader
+        # the leading blocks each member shares with its group's leader
+        common = np.where(differs.any(1), differs.argmax(1), width)
         shared = np.full(counts.size, width, dtype=np.int64)
         np.minimum.at(shared, group_of, common)
         for g in present[shared[present] > 0]:

@@ -74,6 +74,16 @@ def _time(fn, device: torch.device) -> float:
     return statistics.median(runs)
 
 
+def _nbytes(args: tuple) -> int:
+    """Bytes of the tensors among ``args``."""
+    return sum(t.numel() * t.element_size() for t in args if torch.is_tensor(t))
+
+
+def _kernel(kind: str):
+    """The Triton function that multiplies by the weight of ``kind`` (``int4-g128``, ``int8-g128``, ``fp8-ch``)."""
+    return fp8_linear_triton if kind == "fp8-ch" else int_linear_triton
+
+
 L2_SPAN = 256 << 20
 """Bytes of weight copies a graph cycles through: more than any GPU's L2 cache, so every call reads from memory."""
 
@@ -84,9 +94,9 @@ def _graph_time(call, args: tuple, device: torch.device) -> float:
     as the engine replays its decode steps. On the CPU: :func:`_time` of one call."""
     if device.type != "cuda":
         return _time(lambda: call(*args), device)
-    size = sum(t.numel() * t.element_size() for t in args if torch.is_tensor(t))
     copies = [args] + [
-        tuple(t.clone() if torch.is_tensor(t) else t for t in args) for _ in range(min(15, L2_SPAN // size))
+        tuple(t.clone() if torch.is_tensor(t) else t for t in args)
+        for _ in range(min(15, L2_SPAN // _nbytes(args)))
     ]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -138,7 +148,7 @@ def run(
         dense = weights["int4-g128"][1].to(torch.bfloat16)
         calls = {"dense": (lambda x, w: x @ w.t(), (dense,))}
         for kind, (args, _) in weights.items():
-            calls[kind] = (fp8_linear_triton if kind == "fp8-ch" else int_linear_triton, args)
+            calls[kind] = (_kernel(kind), args)
         for m in rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, torch.bfloat16)
             p = Point(name, n, k, m)
@@ -150,7 +160,7 @@ def run(
                     )
                 p.times_us[kind] = _time(lambda c=call, a=(x, *args): c(*a), device)
                 p.kernel_us[kind] = _graph_time(call, (x, *args), device)
-                p.weight_bytes[kind] = sum(t.numel() * t.element_size() for t in args if torch.is_tensor(t))
+                p.weight_bytes[kind] = _nbytes(args)
             log(format_row(p))
             points.append(p)
     return points
@@ -189,7 +199,7 @@ def sweep(
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, torch.bfloat16)
             for kind in ("int4-g128", "fp8-ch"):
                 args, _ = weights[kind]
-                call = fp8_linear_triton if kind == "fp8-ch" else int_linear_triton
+                call = _kernel(kind)
                 per_word = 1 if kind == "fp8-ch" else 8
                 group = k if kind == "fp8-ch" else GROUP
                 picked = gpu_tiles(m, k, group, per_word)

@@ -24,7 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-FEATURES = ("text", "prefix_cow", "lora", "image", "embed", "kv_fp8", "gptq", "fp8", "gguf")
+QUANTIZED = ("gptq", "fp8", "gguf")
+"""Features that run a quantized checkpoint (through the Triton weight-only GEMMs on CUDA)."""
+FEATURES = ("text", "prefix_cow", "lora", "image", "embed", "kv_fp8", *QUANTIZED)
 GGUF_TYPES = {
     "attn_q": 12,
     "attn_k": 2,
@@ -142,11 +144,7 @@ def run_feature(name: str, device: str, ckpt: Checkpoints) -> Any:
             {"prompt": "USER: <image><image>\nCompare. ASSISTANT:", "multi_modal_data": {"image": _images(2)}}
         )
         return _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
-    if name in (
-        "gptq",
-        "fp8",
-        "gguf",
-    ):  # decode batches of 5 (the fused GEMMs) and 20 (the dequantized weight)
+    if name in QUANTIZED:  # decode batches of 5 (the fused GEMMs) and 20 (the dequantized weight)
         llm = LLM(ckpt.quantized(name), **{**opts, "max_num_seqs": 32})
         return [_tokens(llm.generate(p, _greedy(), use_tqdm=False)) for p in (_prompts(), _prompts() * 4)]
     if name == "embed":
@@ -164,7 +162,7 @@ def compare(name: str, got: Any, ref: Any) -> tuple[bool, str]:
         a, b = torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64)
         cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
         return bool(cos.min() > 0.9999), f"min cosine {float(cos.min()):.6f} over {len(cos)} rows"
-    if name in ("gptq", "fp8", "gguf"):  # two batches
+    if name in QUANTIZED:  # two batches
         got, ref = got[0] + got[1], ref[0] + ref[1]
     rows = sum(len(r) for r in ref)
     same = sum(g == r for gr, rr in zip(got, ref) for g, r in zip(gr, rr))
