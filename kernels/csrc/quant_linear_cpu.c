@@ -40,13 +40,13 @@ static inline float load_half(const uint8_t *p) {
     return half_bits_to_float(h);
 }
 
-/* (values per block, bytes per block) of a format; 0 values: unknown. */
 /* The 2-bit field of value v (0..255) in Q2_K's and Q3_K's 64 bytes of low bits: v = 128 h + 32 s + l lies in
  * bits 2s of q[32 h + l]. */
 static inline int crumb_at(const uint8_t *q, int v) {
     return (q[32 * (v / 128) + v % 32] >> (2 * ((v / 32) % 4))) & 3;
 }
 
+/* (values per block, bytes per block) of a format; 0 values: unknown. */
 static void format_of(int qtype, int *qk, int *bytes) {
     switch (qtype) {
     case Q4_0: *qk = 32, *bytes = 18; break;
@@ -342,9 +342,8 @@ typedef struct {
 } Src;
 
 static int span_shift_of(int group) {
-    for (int shift = 0; group > 0 && group % 32 == 0 && (32 << shift) <= group; shift++)
-        if ((32 << shift) == group) return shift;
-    return -1;
+    const int spans = group / 32;
+    return group > 0 && group % 32 == 0 && (spans & (spans - 1)) == 0 ? __builtin_ctz(spans) : -1;
 }
 
 typedef struct {
