@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.engine.kv.kv_cache import KVCacheError, KVCacheManager
+from batchgen.engine.kv.kv_cache import LEAD_PENDING, KVCacheError, KVCacheManager
 from batchgen.engine.kv.prefix_reuse import WAIT_FOR_LEAD_MIN_TOKENS
 
 BS = 4
@@ -251,7 +251,7 @@ def test_a_request_waits_only_for_a_pending_run_much_longer_than_a_written_one()
     # e continues c's run 1, 2, 3, 5, 6, 7, 8 (7 tokens) against b's 3: it waits for c's block...
     e = head + [1, 2, 3, 5, 6, 7, 8, 0, 0]
     assert WAIT_FOR_LEAD_MIN_TOKENS == 4
-    assert mgr.allocate("e", e, 17, wait_for_lead=True) is None
+    assert mgr.allocate("e", e, 17, wait_for_lead=True) == LEAD_PENDING
     assert mgr.allocate("e", e, 17) == 8 + 3  # ...or copies b's shorter run
     assert len(mgr.end_schedule()) == 3  # c, d, e
     assert mgr.allocate("f", e, 17, wait_for_lead=True) == 8 + 7

@@ -16,7 +16,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from batchgen.engine.kv.kv_cache import KVCacheManager
+from batchgen.engine.kv.kv_cache import LEAD_PENDING, KVCacheManager
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -88,7 +88,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.mgr.end_schedule() == []
         before = self._snapshot()
         r = self.mgr.allocate(sid, prompt, n, wait_for_lead=wait)
-        if r is None:
+        if r is None or r == LEAD_PENDING:
             assert self._snapshot() == before, "failed allocate changed state"
             return
         assert r <= len(prompt) - 1 or r == 0

@@ -387,3 +387,20 @@ def test_a_prefix_ending_inside_a_block_waits_a_step_then_is_copied():
     assert tb[0] == ta[0] and out.copies == [(ta[1], tb[1])]
     assert request.num_cached_tokens == 8 and sched.stats.prompt_tokens_copied == 6
     assert sched.stats.num_cow_copies == 0
+
+
+def test_groups_behind_one_waiting_for_its_lead_are_admitted_meanwhile():
+    cfg = EngineConfig(block_size=8)
+    sched = Scheduler(cfg, KVCacheManager(64, 8), StopRules.build([EOS], max_model_len=1000))
+    add(sched, "a", 20)  # tokens 0..19
+    prompt = list(range(14)) + [50, 51, 52, 53]  # would copy 8..13 from the block a computes this step
+    request = Request("b", prompt, SamplingParams(max_tokens=5, temperature=0.0))
+    sched.add(make_group(request, request.new_sequence(list(prompt), 0), sched.stop))
+    add(sched, "c", 12, first_token=100)  # shares nothing: not held back by b
+    add(sched, "d", 12, first_token=200)
+    out, _ = step(sched)
+    assert scheduled(out) == [("a", 0, 20), ("c", 0, 12), ("d", 0, 12)]
+    assert [g.request.request_id for g in sched.waiting] == ["b"]
+    out, _ = step(sched)  # b's turn comes first: it copies the run a wrote
+    assert ("b", 14, 4) in scheduled(out) and len(out.copies) == 1
+    assert request.num_cached_tokens == 8 and sched.stats.prompt_tokens_copied == 6

@@ -37,7 +37,15 @@ from torch import Tensor
 
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.output import GroupStep, SchedulerOutput
-from batchgen.engine.sched.request_group import Absorbed, Entry, Plan, RequestGroup, UpdateContext, unservable
+from batchgen.engine.sched.request_group import (
+    Absorbed,
+    Admission,
+    Entry,
+    Plan,
+    RequestGroup,
+    UpdateContext,
+    unservable,
+)
 from batchgen.engine.sched.sequence import Request, Sequence
 from batchgen.engine.sched.stop import StopRules
 
@@ -316,7 +324,7 @@ class BeamGroup(RequestGroup):
             after[s.seq_id] = s.num_computed_tokens + n
         return plan
 
-    def allocate(self, kv: KVCacheManager, reserve: int, wait_for_lead: bool = False) -> bool:
+    def allocate(self, kv: KVCacheManager, reserve: int, wait_for_lead: bool = False) -> Admission:
         """All beams or none: the first through the prefix cache, each other forked from the earlier beam it
         shares the longest block-aligned prefix with (short of its last token)."""
         seqs = self.seqs
@@ -337,7 +345,7 @@ class BeamGroup(RequestGroup):
                 cost += _cdiv(s.num_tokens, bs) - shared // bs
             plan.append((parent, shared))
         if cost + reserve > kv.num_free_blocks:
-            return False
+            return Admission.NO_ROOM
         done: list[Sequence] = []
         for s, (parent, shared) in zip(seqs, plan):
             if parent is None:
@@ -357,8 +365,8 @@ class BeamGroup(RequestGroup):
                     kv.free(d.seq_id)
                     d.num_computed_tokens = 0
                 self.deps.clear()
-                return False
-        return True
+                return Admission.NO_ROOM
+        return Admission.ADMITTED
 
     def reset(self) -> None:
         super().reset()

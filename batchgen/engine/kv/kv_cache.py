@@ -57,6 +57,11 @@ from batchgen.engine.kv.swap import SwapSpace
 
 SeqId = Hashable
 
+LEAD_PENDING = -1
+"""What :meth:`KVCacheManager.allocate` returns, changing nothing, for a sequence that should wait a step for a
+prefix block the step being scheduled computes (``wait_for_lead``): unlike a pool too full to hold it, this
+holds back only sequences sharing that prefix, so the scheduler admits the ones behind it meanwhile."""
+
 
 class KVCacheError(Exception):
     """Invalid use of the KV cache manager (unknown or already freed sequence, duplicate id, ...)."""
@@ -226,10 +231,11 @@ class KVCacheManager:
         continues it (:mod:`~batchgen.engine.kv.prefix_reuse`, "Partial blocks"), then allocate the rest.
 
         The table covers ``max(num_tokens, num_cached_tokens)`` live tokens. Returns the number of tokens
-        already cached (at most ``len(token_ids) - 1``), or None, changing nothing, if the pool cannot hold it
+        already cached (at most ``len(token_ids) - 1``); None, changing nothing, if the pool cannot hold it
         while keeping ``reserve_blocks`` free afterwards (an admission watermark that leaves room for running
-        sequences to grow), or if ``wait_for_lead`` and a run to copy that is being computed by the step being
-        scheduled continues the prompt ``WAIT_FOR_LEAD_MIN_TOKENS`` further than any written one. ``root`` keys
+        sequences to grow); :data:`LEAD_PENDING`, changing nothing, if ``wait_for_lead`` and a run to copy that
+        is being computed by the step being scheduled continues the prompt ``WAIT_FOR_LEAD_MIN_TOKENS`` further
+        than any written one. ``root`` keys
         the sequence's prefix-cache hash chain (the key of the weights its request runs under, e.g. an adapter's; None: the base model).
         """
         if seq_id in self._seqs:
@@ -239,7 +245,7 @@ class KVCacheManager:
         reuse = self.reuse
         match = reuse.match(token_ids, root)
         if wait_for_lead and reuse.should_wait(match):
-            return None
+            return LEAD_PENDING
         pool = self.pool
         if reuse.blocks_needed(match, num_tokens) + reserve_blocks > pool.num_free_blocks:
             return None

@@ -28,10 +28,11 @@ blocks for all of them while running or swapped, for none while waiting.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from batchgen.engine.kv.kv_cache import KVCacheManager
+from batchgen.engine.kv.kv_cache import LEAD_PENDING, KVCacheManager
 from batchgen.engine.sched.output import GroupStep, ScheduledSeq, SchedulerOutput
 from batchgen.engine.sched.sequence import Request, Sequence, SequenceStatus
 from batchgen.engine.sched.stop import StopRules
@@ -39,6 +40,16 @@ from batchgen.engine.sched.stop import StopRules
 if TYPE_CHECKING:
     from batchgen.engine.core.outputs import RequestOutput
     from batchgen.engine.worker.step_input import RunnerOutput
+
+class Admission(enum.Enum):
+    """:meth:`RequestGroup.allocate`'s answer. ``NO_ROOM``: the pool cannot hold the group now (nothing behind it
+    is admitted either, so it keeps its turn); ``LEAD_PENDING``: part of its prefix is being computed by the step
+    being scheduled, worth a step's wait (groups behind it that do not share that prefix may go first)."""
+
+    ADMITTED = "admitted"
+    NO_ROOM = "no room"
+    LEAD_PENDING = "lead pending"
+
 
 Plan = list[tuple[Sequence, int]]
 """(sequence, tokens it computes this step); sequences computing nothing are left out."""
@@ -145,10 +156,11 @@ class RequestGroup:
             tokens = addon.lookup_tokens(seq, tokens)
         return tokens
 
-    def allocate(self, kv: KVCacheManager, reserve: int, wait_for_lead: bool = False) -> bool:
+    def allocate(self, kv: KVCacheManager, reserve: int, wait_for_lead: bool = False) -> Admission:
         """Admission: blocks for the sequence (prefix-cache hits counted as computed), keeping ``reserve``
-        blocks free; False, changing nothing, when they do not fit (or, with ``wait_for_lead``, when part of
-        its prefix is being computed by the step being scheduled: see ``KVCacheManager.allocate``)."""
+        blocks free. Changing nothing: ``NO_ROOM`` when they do not fit, ``LEAD_PENDING`` (with
+        ``wait_for_lead``) when part of its prefix is being computed by the step being scheduled (see
+        ``KVCacheManager.allocate``)."""
         s = self.seqs[0]
         root = self.request.cache_root
         num_cached = kv.allocate(
@@ -160,9 +172,11 @@ class RequestGroup:
             wait_for_lead=wait_for_lead,
         )
         if num_cached is None:
-            return False
+            return Admission.NO_ROOM
+        if num_cached == LEAD_PENDING:
+            return Admission.LEAD_PENDING
         s.num_computed_tokens = num_cached
-        return True
+        return Admission.ADMITTED
 
     # ------------------------------------------------------------------------------------------ a step
     def overlappable(self) -> bool:

@@ -37,7 +37,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.stats import SchedulerCounters
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.output import ScheduledSeq, SchedulerOutput
-from batchgen.engine.sched.request_group import Entry, RequestGroup
+from batchgen.engine.sched.request_group import Admission, Entry, RequestGroup
 from batchgen.engine.sched.sequence import Request, Sequence, SequenceStatus
 from batchgen.engine.sched.stop import StopRules
 
@@ -281,9 +281,12 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, scheduled: set[int], budget: int) -> None:
         """Admit waiting groups while budget, sequence cap (seats for the forks a prompt will spawn included)
         and blocks (above the watermark) allow. A group whose request some :class:`AdmissionGate` cannot serve
-        now (its adapter can get no slot) is passed over and keeps its place."""
+        now (its adapter can get no slot), or whose prefix this step computes (:attr:`Admission.LEAD_PENDING`:
+        it waits a step to share it), is passed over and keeps its place; at most ``max_num_seqs`` of the latter
+        are passed over per step (each costs a prefix lookup)."""
         slots = sum(g.seats() for g in self.running)
         held: list[RequestGroup] = []
+        pending = 0
         while self.waiting and budget > 0:
             group = self.waiting[0]
             request = group.request
@@ -294,7 +297,14 @@ class Scheduler:
             if slots + seats > self.config.max_num_seqs and self.running:
                 break
             reserve = self.watermark_blocks if self.running else 0
-            if not group.allocate(self.kv, reserve, wait_for_lead=bool(out.seqs)):
+            admission = group.allocate(self.kv, reserve, wait_for_lead=bool(out.seqs))
+            if admission is Admission.LEAD_PENDING:
+                held.append(self.waiting.popleft())
+                pending += 1
+                if pending >= self.config.max_num_seqs:
+                    break
+                continue
+            if admission is Admission.NO_ROOM:
                 break
             self.waiting.popleft()
             for gate in self.gates:  # held until the request ends (LLMEngine releases it)
