@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from batchgen.engine.core.outputs import RequestOutput
     from batchgen.engine.worker.step_input import RunnerOutput
 
+
 class Admission(enum.Enum):
     """:meth:`RequestGroup.allocate`'s answer. ``NO_ROOM``: the pool cannot hold the group now (nothing behind it
     is admitted either, so it keeps its turn); ``LEAD_PENDING``: part of its prefix is being computed by the step
