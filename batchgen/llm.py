@@ -208,11 +208,13 @@ class LLM:
                     for (i, rid, p, lora), item in zip(chunk, ready)
                 ]
 
+            ramp = not prepare.shares_cores(engine)  # else the engine waits for them all: group the work
             ahead = iter(
                 prepare.prepare_ahead(
                     image_requests,
                     [(i, ids[i], params[i], loras[i]) for i in tokens],
-                    ramp=not prepare.shares_cores(engine),
+                    ramp=ramp,
+                    order=None if ramp else prepare.by_images([prompts[i].images for i in tokens]),
                 )
             )
         for rid, prompt, p, lora in zip(ids, prompts, params, loras):

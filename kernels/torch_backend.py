@@ -52,6 +52,8 @@ class Workspace:
 
     def __init__(self) -> None:
         self._buffers: dict[str, Tensor] = {}
+        self.cascade: CascadeMemo | None = None
+        """The last decode step's kernel-path cascade plan (:func:`_decode_cascade`)."""
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         numel = 1
@@ -393,6 +395,46 @@ def _cascade_plan(
     return CascadePlan(groups, starts, ids, mask)
 
 
+@dataclass
+class CascadeMemo:
+    """A kernel-path cascade plan kept from one decode step to the next (:attr:`Workspace.cascade`), with what
+    it was computed from: the batch's first block per row, and ``held`` ``[B, W]``, each row's shared prefix
+    blocks (-1 past them); without a plan, the whole blocks each row saw (``seen``)."""
+
+    first: np.ndarray
+    held: np.ndarray
+    seen: np.ndarray | None
+    min_saved: float
+    plan: CascadePlan | None
+
+    @classmethod
+    def of(
+        cls, tables: np.ndarray, seen: np.ndarray, min_saved: float, plan: CascadePlan | None
+    ) -> CascadeMemo:
+        width = max((int(ids.numel()) for _, ids in plan.groups), default=0) if plan is not None else 0
+        held = np.full((tables.shape[0], width), -1, dtype=tables.dtype)
+        for idx, ids in plan.groups if plan is not None else ():
+            held[idx.numpy(), : ids.numel()] = ids.numpy()
+        return cls(tables[:, 0].copy(), held, None if plan is not None else seen.copy(), min_saved, plan)
+
+    def fits(self, tables: np.ndarray, seen: np.ndarray, min_saved: float) -> bool:
+        """Whether the plan is this batch's: the same rows (first blocks), each still holding its group's prefix
+        blocks (its own blocks appended since do not change the groups; a row that joins a group waits for the
+        batch to change), and, where there was no plan, no row seeing a new whole block (one could make
+        sharing pay)."""
+        if min_saved != self.min_saved or tables.shape[0] != self.first.shape[0] or not tables.shape[1]:
+            return False
+        if not np.array_equal(tables[:, 0], self.first):
+            return False
+        if self.seen is not None:
+            return np.array_equal(seen, self.seen)
+        width = self.held.shape[1]
+        if width > tables.shape[1]:
+            return False
+        head = tables[:, :width]
+        return bool(((head == self.held) | (self.held < 0)).all())
+
+
 def _decode_cascade(
     q: Tensor,
     kv: PagedKV,
@@ -424,7 +466,16 @@ def _decode_cascade(
         plan = plan_cache[key]
     else:
         lens = kv.seq_lens.to(q.device).long()
-        plan = _cascade_plan(kv.block_tables, lens, kv.block_size, q.dtype, min_saved, kernel)
+        if kernel and workspace is not None and q.device.type == "cpu":  # decode steps of the same batch
+            tables, seen = kv.block_tables.numpy(), ((lens - 1) // kv.block_size).numpy()
+            memo = workspace.cascade
+            if memo is not None and memo.fits(tables, seen, min_saved):
+                plan = memo.plan
+            else:
+                plan = _cascade_plan(kv.block_tables, lens, kv.block_size, q.dtype, min_saved, kernel)
+                workspace.cascade = CascadeMemo.of(tables, seen, min_saved, plan)
+        else:
+            plan = _cascade_plan(kv.block_tables, lens, kv.block_size, q.dtype, min_saved, kernel)
         if plan_cache is not None:
             plan_cache[key] = plan
     if plan is None:

@@ -196,3 +196,77 @@ def test_shared_prefix_groups_equal_the_row_by_row_reference() -> None:
         assert start.tolist() == want_start
         assert [(idx.tolist(), ids.tolist()) for idx, ids in groups] == want_groups
         assert all(idx.dtype == torch.long and ids.dtype == torch.int32 for idx, ids in groups)
+
+
+def _plan_fields(plan: tb.CascadePlan | None) -> object:
+    if plan is None:
+        return None
+    p = plan.prefix
+    assert p is not None
+    return (
+        [(idx.tolist(), ids.tolist()) for idx, ids in plan.groups],
+        plan.starts.tolist(),
+        [p.offsets.tolist(), p.seqs.tolist(), p.tables.tolist(), p.num_blocks.tolist()],
+    )
+
+
+@pytest.mark.skipif(cpu_kernel.compiler() is None, reason="no C compiler: the kernel path does not run")
+def test_kernel_cascade_plan_is_kept_across_decode_steps_of_the_same_batch(
+    monkeypatch,
+) -> None:
+    """Decode steps of a batch whose sequences grow and cross into new blocks, one of them replaced twice: the
+    plan is computed for the first step and after each change of the batch, kept in between (each kept group's
+    rows still start with its prefix), and every step's output is the float64 reference's."""
+    rng = random.Random(1)
+    block_size, heads, dim = 4, 2, 8
+    k = torch.randn(400, block_size, heads, dim)
+    v = torch.randn(400, block_size, heads, dim)
+    prefixes = [[1, 2, 3], [10, 11], [20, 21, 22, 23]]
+    fresh = iter(range(100, 400))
+
+    def new_seq(unlike: dict | None = None) -> dict:
+        head = list(rng.choice([p for p in prefixes if unlike is None or p[0] != unlike["blocks"][0]]))
+        n = len(head) * block_size + rng.randint(1, 6)
+        return {"blocks": head + [next(fresh) for _ in range(-(-n // block_size) - len(head))], "len": n}
+
+    seqs = [new_seq() for _ in range(16)]
+    ws, computed, steps, plans = tb.Workspace(), [0], 0, []
+    real = tb._cascade_plan
+
+    def counting(*args, **kwargs):
+        computed[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernel, "CASCADE_MIN_GROUP_BLOCKS", 0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tb, "_cascade_plan", counting)
+        for step in range(40):
+            if step in (15, 30):  # one sequence ends, another (of another group) starts in its row
+                row = rng.randrange(len(seqs))
+                seqs[row] = new_seq(unlike=seqs[row])
+            width = max(len(s["blocks"]) for s in seqs)
+            tables = torch.tensor(
+                [s["blocks"] + [0] * (width - len(s["blocks"])) for s in seqs], dtype=torch.int32
+            )
+            lens = torch.tensor([s["len"] for s in seqs], dtype=torch.int32)
+            kv = PagedKV(k, v, tables, lens)
+            q = torch.randn(len(seqs), 2 * heads, dim)
+            out = tb._decode_cascade(q, kv, 0.3, ws, {}, 0.0, kernel=True)
+            assert out is not None
+            assert ws.cascade is not None
+            kept, fresh_plan = ws.cascade.plan, real(tables, lens.long(), block_size, q.dtype, 0.0, True)
+            if step in (0, 15, 30):  # a new batch: planned afresh
+                assert _plan_fields(kept) == _plan_fields(fresh_plan)
+            else:  # the same rows: the groups planned before, each row's prefix still at its table's head
+                assert kept is not None and _plan_fields(kept) == _plan_fields(plans[-1])
+                for idx, ids in kept.groups:
+                    assert (tables[idx, : ids.numel()] == ids).all()
+            plans.append(kept)
+            want = reference.paged_decode_attention(q, kv, AttentionOptions(0.3))
+            assert (out.double() - want).abs().max().item() < 1e-5
+            steps += 1
+            for s in seqs:  # the next token: a new block when the last one is full
+                if s["len"] % block_size == 0:
+                    s["blocks"].append(next(fresh))
+                s["len"] += 1
+    assert computed[0] == 3  # the first step, and after each change of the batch

@@ -122,6 +122,63 @@ def test_prompts_are_prepared_ahead_in_order_first_two_then_chunks_up_to_eight()
     assert sorted(seen) == [2, 4, 6, 8]
 
 
+def test_prompts_showing_the_same_images_are_prepared_in_the_same_task(monkeypatch):
+    """The chunks of prepare_ahead's ``order`` and of the job's prepare hold whole sets of prompts showing the
+    same image (a path by its text, bytes by the object), and results come back in the prompts' order."""
+    import threading
+
+    from batchgen.multimodal import prepare
+
+    a, b, c = _png((1, 1, 1)), _png((2, 2, 2)), _png((3, 3, 3))
+    images = [[a], ["x.png"], [b], [a], [{"bytes": None, "path": "x.png"}], [b], [c], [a], [c], [b]]
+    order = prepare.by_images(images)
+    keys = [prepare.source_key(images[i]) for i in order]
+    assert sorted(order) == list(range(10)) and keys == sorted(keys)
+    assert prepare.source_key([a]) != prepare.source_key([bytes(bytearray(a))])  # another object: not known
+    monkeypatch.setattr(prepare, "_WORKERS", 2)
+    tasks, lock = [], threading.Lock()
+
+    def make_many(items):
+        with lock:
+            tasks.append({prepare.source_key(images[i]) for i in items})
+        return [i * 10 for i in items]
+
+    futures = prepare.prepare_ahead(make_many, list(range(10)), ramp=False, order=order)
+    assert [f.result(timeout=30) for f in futures] == [i * 10 for i in range(10)]
+    assert sum(len(t) for t in tasks) <= 4 + len(tasks) - 1  # each image's prompts in one task, or split once
+
+    class Side:  # prepare_many's side: records what each task was given
+        def build_many(self, items):
+            with lock:
+                tasks.append([ims for _, ims in items])
+            return [f"{ids[0]}" for ids, _ in items]
+
+    tasks.clear()
+    many = [([i], images[i % 10]) for i in range(40)]
+    assert prepare.prepare(Side(), many) == [str(i) for i in range(40)]
+    assert len(tasks) == 6 and all(len(t) <= prepare.CHUNK for t in tasks)
+
+
+def test_the_same_bytes_object_is_hashed_once_within_the_memo_budget(monkeypatch):
+    import hashlib
+
+    from batchgen.multimodal import images as images_module
+
+    data, other = _png((5, 6, 7)), _png((8, 9, 10))
+    calls = []
+    real = hashlib.sha256
+    monkeypatch.setattr(images_module.hashlib, "sha256", lambda d: calls.append(len(d)) or real(d))
+    loader = ImageLoader()
+    first = [loader.read(data).hash for _ in range(3)] + [loader.read({"bytes": data, "path": None}).hash]
+    assert first == [real(data).hexdigest()] * 4 and len(calls) == 1
+    copy = bytes(bytearray(data))  # equal content, another object: hashed again, to the same digest
+    assert loader.read(copy).hash == first[0] and len(calls) == 2
+    monkeypatch.setattr(images_module, "DIGEST_MEMO_BYTES", len(data) + len(other) - 1)
+    loader = ImageLoader()
+    loader.read(data), loader.read(other), loader.read(data)  # the budget holds one: data was evicted
+    assert len(calls) == 5 and loader._memo_bytes <= images_module.DIGEST_MEMO_BYTES
+
+
 def test_a_cpu_engine_waits_for_the_images_it_has_room_for_split_evenly(monkeypatch):
     """On the CPU the preparing threads share the engine's cores: the tasks are even (the workers finish
     together) and the engine is busy only once it holds as many requests as it has room for; an accelerator's

@@ -27,6 +27,7 @@ import hashlib
 import io
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,10 @@ VISION_EXTRA_HINT = "image inputs need Pillow: pip install 'batchgen[vision]'"
 
 DEFAULT_MAX_PIXELS = 100_000_000
 """Images with more pixels than this are refused (a 100-megapixel scan is ~300 MB decoded)."""
+
+
+DIGEST_MEMO_BYTES = 64 << 20
+"""Encoded bytes the loader keeps referenced to hash a bytes object given again only once (:meth:`ImageLoader._digest`)."""
 
 
 class ImageError(ValueError):
@@ -109,6 +114,8 @@ class ImageLoader:
         self.target_side = target_side
         self._locations: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._digests: OrderedDict[int, tuple[bytes, str]] = OrderedDict()
+        self._memo_bytes = 0
 
     def load(self, source: Any) -> LoadedImage:
         """The decoded image of `source` and its hash; ImageError when it cannot be used."""
@@ -126,7 +133,30 @@ class ImageLoader:
         name = describe(source)
         if not data:
             raise ImageError(f"image {name!r}: empty (0 bytes)")
-        return EncodedImage(data, hashlib.sha256(data).hexdigest(), name)
+        return EncodedImage(data, self._digest(data, given=_given_bytes(source) is data), name)
+
+    def _digest(self, data: bytes, given: bool) -> str:
+        """SHA-256 of ``data``; ``given``: ``data`` is the caller's own object (rows that pass the same bytes
+        object, as several questions about one image do, are hashed once). The memo holds the objects it
+        keys by ``id`` (so an id cannot be reused while it is there), at most :data:`DIGEST_MEMO_BYTES` of
+        them, least recently used out first."""
+        if not given:
+            return hashlib.sha256(data).hexdigest()
+        with self._lock:
+            hit = self._digests.get(id(data))
+            if hit is not None and hit[0] is data:
+                self._digests.move_to_end(id(data))
+                return hit[1]
+        digest = hashlib.sha256(data).hexdigest()
+        if len(data) <= DIGEST_MEMO_BYTES:
+            with self._lock:
+                old = self._digests.pop(id(data), None)
+                self._memo_bytes += len(data) - (len(old[0]) if old is not None else 0)
+                self._digests[id(data)] = (data, digest)
+                while self._memo_bytes > DIGEST_MEMO_BYTES:
+                    _, (gone, _) = self._digests.popitem(last=False)
+                    self._memo_bytes -= len(gone)
+        return digest
 
     # ----------------------------------------------------------------------------------------- bytes
     def read_bytes(self, source: Any) -> bytes:
@@ -245,6 +275,13 @@ class ImageLoader:
         h_ = hashlib.sha256(f"pil:{rgb.mode}:{w}x{h}:".encode())
         h_.update(rgb.tobytes())
         return LoadedImage(rgb, h_.hexdigest(), _opened(img))
+
+
+def _given_bytes(source: Any) -> Any:
+    """The bytes object ``source`` carries itself (bytes, or a datasets Image value's ``bytes``), else None."""
+    if isinstance(source, Mapping):
+        source = source.get("bytes")
+    return source if type(source) is bytes else None
 
 
 def _has_alpha(img: Any) -> bool:

@@ -178,6 +178,10 @@ class ImagePrompts:
         """Every image becomes pixels of one shape and one run of placeholder tokens, each image processed on
         its own inside a processor call (LLaVA 1.5's processor: resize, center crop): :meth:`build_many` then
         processes many images in one call, which costs far less than one call each."""
+        self._fixed_expansion: _Processed | None = None
+        """With :attr:`fixed_size` and no processor options: the first image's result, whose expansion every
+        image shares; later images go through the image processor alone (the processor's call would only
+        tokenize and expand the same placeholder again)."""
 
     def load(self, images: Sequence[Any]) -> list[EncodedImage | LoadedImage]:
         """Read and hash each image (decoding waits for :meth:`pixels`, which skips it for an image processed
@@ -295,16 +299,28 @@ class ImagePrompts:
                 pass
         if not decoded:
             return
+        fixed = self._fixed_expansion
         try:
-            enc = self.processor(
-                text=[self.image_token] * len(decoded),
-                images=[self._pil(d) for d in decoded],
-                return_tensors="pt",
-                **self.processor_kwargs,
-            )
+            if fixed is not None:  # the pixels alone: what the processor's call adds is the same expansion
+                enc = self.image_processor(images=[self._pil(d) for d in decoded], return_tensors="pt")
+            else:
+                enc = self.processor(
+                    text=[self.image_token] * len(decoded),
+                    images=[self._pil(d) for d in decoded],
+                    return_tensors="pt",
+                    **self.processor_kwargs,
+                )
         except Exception:  # noqa: BLE001 - an image the processor refuses: each one alone names its error
             return
-        done = [self._processed(enc, row) for row in range(len(decoded))]
+        if fixed is not None:
+            done = [
+                _Processed({k: v[row] for k, v in enc.items()}, fixed.expansion, fixed.offsets)
+                for row in range(len(decoded))
+            ]
+        else:
+            done = [self._processed(enc, row) for row in range(len(decoded))]
+            if not self.processor_kwargs:
+                self._fixed_expansion = done[0]
         with self._lock:
             for image, result in zip(decoded, done):
                 self._pixels[image.hash] = result

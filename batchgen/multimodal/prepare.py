@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -102,35 +102,65 @@ def prepare_many(
     return side.build_many(items)
 
 
+def source_key(images: Sequence[Any]) -> tuple[str, ...]:
+    """What identifies a prompt's images before they are read: a path or URL by its text, any other value (bytes,
+    a ``PIL.Image``, a datasets Image value) by the object itself. Prompts with equal keys show the same images."""
+    keys = []
+    for image in images:
+        if isinstance(image, Mapping) and isinstance(image.get("path"), str) and image.get("bytes") is None:
+            image = image["path"]
+        keys.append(image if isinstance(image, str) else f"\0{id(image)}")
+    return tuple(keys)
+
+
+def by_images(images: Sequence[Sequence[Any]]) -> list[int]:
+    """Indices of the prompts with ``images``, stably ordered by :func:`source_key`: prompts showing the same
+    images side by side, so that each worker's task holds whole sets of them (a worker never waits for an image
+    another one is processing, and the workers' shares of distinct images are even)."""
+    keys = [source_key(im) for im in images]
+    return sorted(range(len(keys)), key=keys.__getitem__)
+
+
 def prepare(
     side: ImagePrompts | str, items: Sequence[tuple[Sequence[int], Sequence[Any]]]
 ) -> list[ImagePrompt | str]:
-    """:func:`prepare_many` in worker threads, :data:`CHUNK` prompts per task."""
-    chunks = [items[i : i + CHUNK] for i in range(0, len(items), CHUNK)]
-    if len(chunks) <= 1:
+    """:func:`prepare_many` in worker threads, in tasks of up to :data:`CHUNK` prompts, prompts showing the
+    same images in the same task (:func:`by_images`); results in the order of ``items``."""
+    order = by_images([images for _, images in items])
+    bounds = chunk_bounds(len(items), ramp=False)
+    if len(bounds) <= 1:
         return prepare_many(side, items)
+    chunks = [[items[order[i]] for i in range(lo, hi)] for lo, hi in bounds]
     with ThreadPoolExecutor(_WORKERS, thread_name_prefix="batchgen-images") as pool:
-        return [r for part in pool.map(lambda c: prepare_many(side, c), chunks) for r in part]
+        done = [r for part in pool.map(lambda c: prepare_many(side, c), chunks) for r in part]
+    out: list[ImagePrompt | str] = [""] * len(items)
+    for i, r in zip(order, done):
+        out[i] = r
+    return out
 
 
 T = TypeVar("T")
 
 
 def prepare_ahead(
-    make_many: Callable[[list[Any]], list[T]], args: Sequence[Any], ramp: bool = True
+    make_many: Callable[[list[Any]], list[T]],
+    args: Sequence[Any],
+    ramp: bool = True,
+    order: Sequence[int] | None = None,
 ) -> list[Future[T]]:
     """``make_many(chunk)`` over the chunks of ``args`` (:func:`chunk_bounds` with ``ramp``) in worker threads,
     started now in order: one future per item, in order (cancelling one before its chunk starts skips the chunk
-    once all of its items are cancelled). The threads end once the last chunk is done (nothing waits for them
-    here)."""
+    once all of its items are cancelled). ``order``: a permutation of the items' indices to chunk them in
+    instead (:func:`by_images`). The threads end once the last chunk is done (nothing waits for them here)."""
     futures: list[Future[T]] = [Future() for _ in args]
+    order = list(range(len(args))) if order is None else list(order)
 
     def run(lo: int, hi: int) -> None:
-        part = futures[lo:hi]
+        part = [futures[i] for i in order[lo:hi]]
         if not any([f.set_running_or_notify_cancel() for f in part]):  # each one: running now, or cancelled
             return
         try:
-            results = make_many(list(args[lo:hi]))
+            results = make_many([args[i] for i in order[lo:hi]])
         except BaseException as e:
             for f in part:
                 if not f.cancelled():
