@@ -21,7 +21,7 @@ TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_
 
 @needs_compiler
 @pytest.mark.parametrize("name", sorted(TYPES))
-@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("rows", [1, 4, 5, 70])
 def test_quant_linear_matches_float64_on_dequantized_weights(name, rows) -> None:
     type_id = TYPES[name]
     k, n = 512, 37
@@ -80,7 +80,9 @@ def test_bad_shapes_are_refused() -> None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [2, 3, 29])  # register tiles (x in registers up to 2 rows), buffered (many)
+@pytest.mark.parametrize(
+    "rows", [2, 3, 4, 6, 29]
+)  # register tiles (x in registers up to 2 rows; 3-6 rows: 3 outputs), buffered
 def test_simd_build_equals_generic_build(monkeypatch, rows) -> None:
     """The SIMD kernels (in-register widening, table lookups, register tiles) give the plain-C loops' bits: the
     same dequantized weights, multiplied and summed in the same order, for every format (fp8 included)."""

@@ -300,9 +300,9 @@ static void fill_fp8(const void *ctx, int n, int k0, int len, float *out) {
  * assembled as 32 int8 values by byte operations once per span), never through memory.
  *
  * Small batches (M <= FUSED_MAX, the memory-bound decode of a few sequences): threads split the outputs in
- * groups of GC; a group's weights are widened in registers and multiplied at once with up to FR input rows held
- * as FR x GC vector accumulators over all of K, so each packed byte is read once per FR rows (once per step for
- * up to FR sequences). With at most XREG rows and 4-bit codes, the span's GC tables are built first and each 8 x
+ * groups of GC (with 16 vector registers and 3 to FUSED_MAX rows: GC3); a group's weights are widened in
+ * registers and multiplied at once with up to FR input rows held as vector accumulators over all of K, so each
+ * packed byte is read once per FR rows (once per step for up to FR sequences). With at most XREG rows and 4-bit codes, the span's GC tables are built first and each 8 x
  * values are loaded once for the GC outputs (the products and their order unchanged). Larger batches: a group's weights are widened one chunk (KC values) at a time into an L1
  * buffer shared by MB input rows, multiplied in register tiles of BR x GC whose sums are kept in memory between
  * chunks (the order per output is unchanged). */
@@ -316,14 +316,14 @@ enum { INT4 = 1004, INT8 = 1008, FP8 = 1108 }; /* compressed-tensors' packed int
 #ifdef __AVX512VL__ /* 32 vector registers: FR x GC accumulators + GC weights + one input vector fit */
 #define FR 6
 #define BR 6
-#else
-#define FR 3
-#define BR 3
-#endif
-#if defined(__AVX512VL__) && defined(__AVX512F__)
-#define LUT4 1 /* 4-bit codes widened by a 16-entry table lookup (vpermt2ps ignores the index's high bits) */
-#endif
 #define FUSED_MAX (2 * FR)
+#else /* 16 vector registers: 12 accumulators, as 3 rows x GC outputs, or 4 rows x GC3 outputs (below) */
+#define FR 4
+#define BR 3
+#define FUSED_MAX 6
+#endif
+#define GC3 3 /* outputs per group of the fused path on 16 registers for 4 to FUSED_MAX rows: a tile of 4 rows (the
+               * drain's few sequences) widens each weight once where 3-row tiles would widen it twice */
 #ifndef XREG
 #define XREG 2 /* tiles of up to XREG rows (4-bit codes): x vectors loaded once per 8 values for the GC outputs */
 #endif
@@ -533,31 +533,31 @@ static inline float reduce8(__m256 v) {
 #define SPAN_BYTES(kind)                                                                                      \
     ((kind) == Q8_0 ? 34 : (kind) == Q6_K ? 26 : (kind) == INT4 ? 16 : (kind) == INT8 || (kind) == FP8 ? 32 : 18)
 
-/* Rows m0 .. m0 + R - 1 times the GC outputs of `rows` over all of K (spans sp < spans), the weights widened in
- * registers; writes the nc valid outputs from column n0. */
+/* Rows m0 .. m0 + R - 1 times the G (<= GC) outputs of `rows` over all of K (spans sp < spans), the weights
+ * widened in registers; writes the nc valid outputs from column n0. */
 static inline __attribute__((always_inline)) void fused_tile(const Src *s, const uint8_t *const *rows,
                                                              const int64_t *ns, int nc, const float *x, int64_t lda,
                                                              int spans, const float *bias, float *y, int64_t ldy,
-                                                             int64_t n0, const int R, const int kind) {
+                                                             int64_t n0, const int R, const int G, const int kind) {
     __m256 acc[FR][GC];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-        for (int c = 0; c < GC; c++) acc[r][c] = _mm256_setzero_ps();
+        for (int c = 0; c < G; c++) acc[r][c] = _mm256_setzero_ps();
     float ab[GC][16]; /* K-quants: the current block's span scales, per output */
     for (int sp = 0; sp < spans; sp++) {
         const float *xs = x + (int64_t)sp * 32;
         if ((kind == Q4_K || kind == Q6_K) && (sp & 7) == 0)
-            for (int c = 0; c < GC; c++) kblock_scales(rows[c], sp >> 3, kind, ab[c]);
-        /* the next group's rows (GC rows on: rows are row_bytes apart) at this span, read a group from now: each
+            for (int c = 0; c < G; c++) kblock_scales(rows[c], sp >> 3, kind, ab[c]);
+        /* the next group's rows (G rows on: rows are row_bytes apart) at this span, read a group from now: each
          * row is a short stream (a few cache lines) that the hardware prefetcher barely learns */
 #pragma GCC unroll 4
-        for (int c = 0; c < GC; c++) __builtin_prefetch(rows[c] + GC * s->row_bytes + (int64_t)sp * SPAN_BYTES(kind), 0, 1);
+        for (int c = 0; c < G; c++) __builtin_prefetch(rows[c] + G * s->row_bytes + (int64_t)sp * SPAN_BYTES(kind), 0, 1);
 #ifdef LUT4
-        if ((kind == Q4_0 || kind == INT4) && R <= XREG) { /* x loaded once per 8 values for the GC outputs */
+        if ((kind == Q4_0 || kind == INT4) && R <= XREG) { /* x loaded once per 8 values for the G outputs */
             __m256 t0[GC], t1[GC];
 #pragma GCC unroll 4
-            for (int c = 0; c < GC; c++) {
+            for (int c = 0; c < G; c++) {
                 Span o;
                 span_setup(s, rows[c], ns[c], sp, kind, &o, NULL);
                 t0[c] = o.t0, t1[c] = o.t1;
@@ -568,7 +568,7 @@ static inline __attribute__((always_inline)) void fused_tile(const Src *s, const
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(xs + r * lda + q * 8);
 #pragma GCC unroll 4
-                for (int c = 0; c < GC; c++) {
+                for (int c = 0; c < G; c++) {
                     __m256i code;
                     if (kind == Q4_0) {
                         code = bytes8(rows[c] + (int64_t)sp * 18 + 2 + (q & 1) * 8);
@@ -588,7 +588,7 @@ static inline __attribute__((always_inline)) void fused_tile(const Src *s, const
         }
 #endif
 #pragma GCC unroll 4
-        for (int c = 0; c < GC; c++) { /* one output's span at a time: its table and weights live briefly */
+        for (int c = 0; c < G; c++) { /* one output's span at a time: its table and weights live briefly */
             Span o;
             span_setup(s, rows[c], ns[c], sp, kind, &o, kind == Q4_K || kind == Q6_K ? ab[c] : NULL);
 #pragma GCC unroll 4
@@ -650,7 +650,11 @@ static void buffered_rows(const float *x, int64_t lda, const float *wb, int kc, 
     switch (rows - r) {
 #if BR > 5
     case 5: buffered_rows_tile(xr, lda, wb, kc, sr, first, 5); break;
+#endif
+#if BR > 4
     case 4: buffered_rows_tile(xr, lda, wb, kc, sr, first, 4); break;
+#endif
+#if BR > 3
     case 3: buffered_rows_tile(xr, lda, wb, kc, sr, first, 3); break;
 #endif
     case 2: buffered_rows_tile(xr, lda, wb, kc, sr, first, 2); break;
@@ -667,7 +671,12 @@ static void buffered_rows(const float *x, int64_t lda, const float *wb, int kc, 
 static inline __attribute__((always_inline)) void simd_gemm_kind(const float *x, int64_t lda, const Src *s,
                                                                  const float *bias, float *y, int64_t ldy, int M,
                                                                  int K, int N, int num_threads, const int kind) {
-    const int spans = K / 32, width = M <= FUSED_MAX ? GC : BG, groups = (N + width - 1) / width;
+#ifdef __AVX512VL__
+    const int fg = GC, fr = FR;
+#else
+    const int fg = M >= 3 && M <= FUSED_MAX ? GC3 : GC, fr = fg == GC3 ? 4 : 3; /* see GC3 */
+#endif
+    const int spans = K / 32, width = M <= FUSED_MAX ? fg : BG, groups = (N + width - 1) / width;
 #pragma omp parallel num_threads(num_threads)
     {
         float wb[BG * KC] __attribute__((aligned(32)));
@@ -685,20 +694,25 @@ static inline __attribute__((always_inline)) void simd_gemm_kind(const float *x,
                 rows[c] = s->w + ns[c] * s->row_bytes;
             }
             if (M <= FUSED_MAX) {
-                const int nq = nc;
+#define FUSED(R)                                                                                              \
+    (fg == GC3 ? fused_tile(s, rows, ns, nc, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, R, GC3, kind) \
+               : fused_tile(s, rows, ns, nc, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, R, GC, kind))
                 int m = 0;
-                for (; m + FR <= M; m += FR)
-                    fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, FR, kind);
+                for (; m + fr <= M; m += fr) {
+                    if (fr == FR) FUSED(FR);
+                    else FUSED(3);
+                }
                 switch (M - m) {
 #if FR > 5
-                case 5: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 5, kind); break;
-                case 4: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 4, kind); break;
-                case 3: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 3, kind); break;
+                case 5: FUSED(5); break;
+                case 4: FUSED(4); break;
 #endif
-                case 2: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 2, kind); break;
-                case 1: fused_tile(s, rows, ns, nq, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, 1, kind); break;
+                case 3: FUSED(3); break;
+                case 2: FUSED(2); break;
+                case 1: FUSED(1); break;
                 default: break;
                 }
+#undef FUSED
                 continue;
             }
             for (int m0 = 0; m0 < M; m0 += MBUF) {
