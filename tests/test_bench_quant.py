@@ -26,3 +26,38 @@ def test_drain_times_decoding_over_cached_prompts(model, drain):
     # 40-token prompts in 16-token blocks: two full blocks each are reusable
     assert run.cached_prompt_tokens == (3 * 32 if drain else 0)
     assert run.row("x", 3)["cached_prompt_tokens"] == run.cached_prompt_tokens
+
+
+def test_the_cpu_gemm_benchmark_times_every_kind_against_another_build(tmp_path):
+    """``bench.quant_gemm_cpu`` on a small projection, timing the current build against itself: every kind and
+    float32 get a time, and the two builds' results are compared."""
+    import json
+
+    pytest.importorskip("gguf", reason="the gguf package writes the benchmark's Q4_0 / Q8_0 weights")
+    from batchgen.bench import quant_gemm_cpu
+    from batchgen.kernels import cpu_kernel
+
+    lib = cpu_kernel.library()
+    if lib is None:
+        pytest.skip("the C kernels are unavailable here")
+    out = tmp_path / "gemm.json"
+    argv = [
+        "--rows",
+        "1,4",
+        "--n",
+        "48",
+        "--k",
+        "256",
+        "--repeats",
+        "1",
+        "--against",
+        lib._name,
+        "--json",
+        str(out),
+    ]
+    assert quant_gemm_cpu.main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["rows"] for r in results] == [1, 4]
+    for r in results:
+        kinds = {"float32", *quant_gemm_cpu.KINDS, *(f"{k} (--against)" for k in quant_gemm_cpu.KINDS)}
+        assert set(r["ms"]) == kinds and all(ms > 0 for ms in r["ms"].values())
