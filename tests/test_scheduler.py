@@ -404,3 +404,20 @@ def test_groups_behind_one_waiting_for_its_lead_are_admitted_meanwhile():
     out, _ = step(sched)  # b's turn comes first: it copies the run a wrote
     assert ("b", 14, 4) in scheduled(out) and len(out.copies) == 1
     assert request.num_cached_tokens == 8 and sched.stats.prompt_tokens_copied == 6
+
+
+def test_a_group_waiting_for_its_lead_keeps_its_seat():
+    """Groups admitted past one waiting for its lead never take its seat: it runs in the next step, before any
+    later group that would otherwise have filled the sequence cap."""
+    cfg = EngineConfig(block_size=8, max_num_seqs=3)
+    sched = Scheduler(cfg, KVCacheManager(64, 8), StopRules.build([EOS], max_model_len=1000))
+    add(sched, "a", 20)
+    prompt = list(range(14)) + [50, 51, 52, 53]
+    request = Request("b", prompt, SamplingParams(max_tokens=5, temperature=0.0))
+    sched.add(make_group(request, request.new_sequence(list(prompt), 0), sched.stop))
+    for rid, first in (("c", 100), ("d", 200), ("e", 300)):
+        add(sched, rid, 12, first_token=first)
+    out, _ = step(sched)
+    assert [r for r, _, _ in scheduled(out)] == ["a", "c"]  # b's seat is kept: d and e wait
+    out, _ = step(sched)
+    assert [r for r, _, _ in scheduled(out)] == ["a", "c", "b"]

@@ -282,8 +282,9 @@ class Scheduler:
         """Admit waiting groups while budget, sequence cap (seats for the forks a prompt will spawn included)
         and blocks (above the watermark) allow. A group whose request some :class:`AdmissionGate` cannot serve
         now (its adapter can get no slot), or whose prefix this step computes (:attr:`Admission.LEAD_PENDING`:
-        it waits a step to share it), is passed over and keeps its place; at most ``max_num_seqs`` of the latter
-        are passed over per step (each costs a prefix lookup)."""
+        it waits a step to share it), is passed over and keeps its place; the latter keeps its seats too (a
+        later group admitted meanwhile never takes them, so later rows do not overtake it), and at most
+        ``max_num_seqs`` of them are passed over per step (each costs a prefix lookup)."""
         slots = sum(g.seats() for g in self.running)
         held: list[RequestGroup] = []
         pending = 0
@@ -298,8 +299,9 @@ class Scheduler:
                 break
             reserve = self.watermark_blocks if self.running else 0
             admission = group.allocate(self.kv, reserve, wait_for_lead=bool(out.seqs))
-            if admission is Admission.LEAD_PENDING:
+            if admission is Admission.LEAD_PENDING:  # its seats stay reserved: no later group takes them
                 held.append(self.waiting.popleft())
+                slots += seats
                 pending += 1
                 if pending >= self.config.max_num_seqs:
                     break
