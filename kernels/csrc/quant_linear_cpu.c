@@ -322,7 +322,10 @@ enum { INT4 = 1004, INT8 = 1008, FP8 = 1108 }; /* compressed-tensors' packed int
 #define BR 3
 #define FUSED_MAX 6
 #endif
-#define GC3 3 /* outputs per group of the fused path on 16 registers for 4 to FUSED_MAX rows: a tile of 4 rows (the
+#if defined(__AVX512VL__) && defined(__AVX512F__)
+#define LUT4 1 /* 4-bit codes widened by a 16-entry table lookup (vpermt2ps ignores the index's high bits) */
+#endif
+#define GC3 3 /* outputs per group of the fused path on 16 registers for 3 to FUSED_MAX rows: a tile of 4 rows (the
                * drain's few sequences) widens each weight once where 3-row tiles would widen it twice */
 #ifndef XREG
 #define XREG 2 /* tiles of up to XREG rows (4-bit codes): x vectors loaded once per 8 values for the GC outputs */
@@ -672,9 +675,9 @@ static inline __attribute__((always_inline)) void simd_gemm_kind(const float *x,
                                                                  const float *bias, float *y, int64_t ldy, int M,
                                                                  int K, int N, int num_threads, const int kind) {
 #ifdef __AVX512VL__
-    const int fg = GC, fr = FR;
+    const int fg = GC;
 #else
-    const int fg = M >= 3 && M <= FUSED_MAX ? GC3 : GC, fr = fg == GC3 ? 4 : 3; /* see GC3 */
+    const int fg = M >= 3 && M <= FUSED_MAX ? GC3 : GC; /* see GC3; with GC, M < 3: no whole FR-row tile */
 #endif
     const int spans = K / 32, width = M <= FUSED_MAX ? fg : BG, groups = (N + width - 1) / width;
 #pragma omp parallel num_threads(num_threads)
@@ -698,10 +701,7 @@ static inline __attribute__((always_inline)) void simd_gemm_kind(const float *x,
     (fg == GC3 ? fused_tile(s, rows, ns, nc, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, R, GC3, kind) \
                : fused_tile(s, rows, ns, nc, x + m * lda, lda, spans, bias, y + m * ldy, ldy, n0, R, GC, kind))
                 int m = 0;
-                for (; m + fr <= M; m += fr) {
-                    if (fr == FR) FUSED(FR);
-                    else FUSED(3);
-                }
+                for (; m + FR <= M; m += FR) FUSED(FR);
                 switch (M - m) {
 #if FR > 5
                 case 5: FUSED(5); break;
