@@ -135,6 +135,7 @@ def test_prompts_showing_the_same_images_are_prepared_in_the_same_task(monkeypat
     keys = [prepare.source_key(images[i]) for i in order]
     assert sorted(order) == list(range(10)) and keys == sorted(keys)
     assert prepare.source_key([a]) != prepare.source_key([bytes(bytearray(a))])  # another object: not known
+    assert prepare.source_key([{"bytes": a, "path": "y.png"}]) == prepare.source_key([a])  # read by its bytes
     monkeypatch.setattr(prepare, "_WORKERS", 2)
     tasks, lock = [], threading.Lock()
 

@@ -104,11 +104,12 @@ def prepare_many(
 
 def source_key(images: Sequence[Any]) -> tuple[str, ...]:
     """What identifies a prompt's images before they are read: a path or URL by its text, any other value (bytes,
-    a ``PIL.Image``, a datasets Image value) by the object itself. Prompts with equal keys show the same images."""
+    a ``PIL.Image``) by the object itself; a datasets Image value by its bytes, else its path, as the loader reads
+    it. Prompts with equal keys show the same images."""
     keys = []
     for image in images:
-        if isinstance(image, Mapping) and isinstance(image.get("path"), str) and image.get("bytes") is None:
-            image = image["path"]
+        if isinstance(image, Mapping):
+            image = image.get("bytes") if image.get("bytes") is not None else image.get("path")
         keys.append(image if isinstance(image, str) else f"\0{id(image)}")
     return tuple(keys)
 
