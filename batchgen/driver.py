@@ -49,6 +49,8 @@ class EngineRequest:
     images: tuple[Any, ...] = ()
     """Image-text models: the prompt's images, placeholders already expanded
     (:class:`batchgen.multimodal.inputs.ImageItem`)."""
+    addons: tuple[Any, ...] = ()
+    """What the caller asks of the request's steps besides (request add-ons)."""
 
 
 class Task(Protocol):
@@ -88,6 +90,7 @@ class Driver:
                 pooling=request.pooling,
                 prompt_logprobs_start=request.prompt_logprobs_start,
                 **({"images": request.images} if request.images else {}),
+                **({"addons": request.addons} if request.addons else {}),
             )
 
     def steps(self) -> Iterator[list[RequestOutput]]:

@@ -45,9 +45,12 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from batchgen.engine.features.end_probability import EndProbability
 
 MIN_BATCH_STEPS = 8
 """Steps a calibration batch always runs (unless it finishes first), whatever the budget: its prefill and a few
@@ -189,11 +192,17 @@ def _hazard_for(mean: float, m: int) -> float:
     return (lo + hi) / 2
 
 
+Observation = tuple[int, bool] | tuple[int, bool, "Sequence[float] | None"]
+"""One sample: (tokens generated, ended by EOS or a stop[, its chance of ending at each of those positions])."""
+
+
 @dataclass
 class OutputLengths:
     """The natural output length ``L`` of a sample (tokens until EOS or a stop, were there no bound), estimated
     from the calibration's samples: a finished sample is an event at its length, a sample that reached its
-    bound or was still running when the calibration stopped is censored (``L`` > its tokens).
+    bound or was still running when the calibration stopped is censored (``L`` > its tokens). A sample with
+    its chance of ending at each position (:mod:`batchgen.engine.features.end_probability`) counts those
+    chances as its ends instead (at each position at risk: the same expectation, without the draw's noise).
 
     ``survival[t] = P(L > t)`` by Kaplan-Meier up to the horizon ``H`` (as far as :data:`MIN_AT_RISK` samples
     are at risk); beyond it ``L - H`` is geometric, its mean up to a bound estimated without bias from the
@@ -203,6 +212,7 @@ class OutputLengths:
 
     survival: np.ndarray
     events: int
+    """Ends seen."""
     exposure: float
     """Token positions watched: the sum over samples of their tokens (each was at risk of ending at each)."""
     observations: int
@@ -210,30 +220,45 @@ class OutputLengths:
     """The shortest lengths the samples allow: every sample running at the horizon ends just after it."""
     upper: bool = False
     """The longest lengths the samples allow: every sample running at the horizon runs to its bound."""
+    ends: float | None = None
+    """The expected ends over the positions watched, where samples gave their chances (None: none did, the
+    ends seen count)."""
 
     @property
     def horizon(self) -> int:
         return len(self.survival) - 1
 
     @classmethod
-    def fit(cls, obs: Sequence[tuple[int, bool]]) -> OutputLengths:
-        """``obs``: (tokens generated, ended by EOS or a stop) per sample."""
+    def fit(cls, obs: Sequence[Observation]) -> OutputLengths:
+        """``obs``: (tokens generated, ended by EOS or a stop[, chance of ending at each position]) per
+        sample; a sample's chances, where given (one per token), stand for its end at each position."""
         if not obs:
             return cls(np.ones(1), 0, 0.0, 0)
-        h = max(n for n, _ in obs)
-        ev = np.zeros(h + 2)
-        cen = np.zeros(h + 2)
-        for n, ended in obs:
-            (ev if ended else cen)[n] += 1
-        # at risk at t: samples known to reach t (events at >= t, censored at >= t)
-        at_risk = (ev[::-1].cumsum()[::-1] + cen[::-1].cumsum()[::-1])[: h + 1]
-        d = ev[: h + 1]
+        h = max(o[0] for o in obs)
+        last = np.zeros(h + 2)  # samples whose last token is at t (ended or censored there)
+        d = np.zeros(h + 2)  # ends at t: seen, or the chances given
+        seen = 0
+        smooth = False
+        for o in obs:
+            n, ended = o[0], o[1]
+            chances = o[2] if len(o) > 2 else None
+            last[n] += 1
+            seen += bool(ended)
+            if chances is not None and len(chances) == n:
+                d[1 : n + 1] += np.asarray(chances, dtype=np.float64)
+                smooth = True
+            elif ended:
+                d[n] += 1
+        # at risk at t: samples known to reach t (their last token at >= t)
+        at_risk = last[::-1].cumsum()[::-1][: h + 1]
+        d = d[: h + 1]
         with np.errstate(divide="ignore", invalid="ignore"):
-            q = np.where(at_risk > 0, 1.0 - d / np.maximum(at_risk, 1), 1.0)
+            q = np.where(at_risk > 0, 1.0 - np.minimum(d / np.maximum(at_risk, 1), 1.0), 1.0)
         q[0] = 1.0
         horizon = int(np.count_nonzero(at_risk >= min(MIN_AT_RISK, len(obs)))) - 1
         surv = np.cumprod(q)[: max(horizon, 0) + 1]
-        return cls(surv, int(d.sum()), float(sum(n for n, _ in obs)), len(obs))
+        exposure = float(sum(o[0] for o in obs))
+        return cls(surv, seen, exposure, len(obs), ends=float(d.sum()) if smooth else None)
 
     def at_least(self) -> OutputLengths:
         """The shortest lengths the samples allow: every sample still running at the horizon ends there."""
@@ -253,6 +278,8 @@ class OutputLengths:
         m = bound - self.horizon
         if m <= 0:
             return 0.0
+        if self.ends is not None:  # expected ends: the rate itself (no draw's noise to correct for)
+            return min(1.0, self.ends / self.exposure) if self.exposure > 0 else 0.0
         return _hazard_for(tail_estimate(self.events, self.exposure, m), m)
 
     def survival_to(self, t_max: int) -> np.ndarray:
@@ -295,10 +322,16 @@ class OutputLengths:
         m = bound - self.horizon
         if m > 0 and not self.lower:
             s_h = float(self.survival[-1])
-            tail = tail_estimate(self.events, self.exposure, m)
-            # the tail's mean moved by one standard error of the rate (about sqrt(d + 1) / X)
-            h = _hazard_for(tail, m)
-            dh = math.sqrt(self.events + 1) / self.exposure if self.exposure > 0 else 1.0
+            if self.ends is None:
+                tail = tail_estimate(self.events, self.exposure, m)
+                h = _hazard_for(tail, m)
+            else:
+                h = min(1.0, self.ends / self.exposure) if self.exposure > 0 else 0.0
+                tail = _geometric_mean_len(h, m)
+            # the tail's mean moved by one standard error of the rate (about sqrt(d + 1) / X, the ends' count
+            # as if drawn: kept where the chances stand for them, the rows' own spread is not measured)
+            d = self.events if self.ends is None else self.ends
+            dh = math.sqrt(d + 1) / self.exposure if self.exposure > 0 else 1.0
             e += s_h * abs(tail - _geometric_mean_len(min(1.0, h + dh), m)) / mean
             if self.exposure < m:  # the part of the tail not watched
                 e += s_h * (1.0 - self.exposure / m) * tail / mean
@@ -311,8 +344,9 @@ class Calibration:
 
     model: StepModel
     lengths: OutputLengths = field(default_factory=lambda: OutputLengths.fit([]))
-    observations: list[tuple[int, bool]] = field(default_factory=list)
-    """(tokens generated, ended by EOS or a stop) per sample run."""
+    observations: list[Observation] = field(default_factory=list)
+    """(tokens generated, ended by EOS or a stop, its chance of ending at each position or None) per sample
+    run."""
     rows: int = 0
     seconds: float = 0.0
     step_seconds: float = 0.0
@@ -553,8 +587,10 @@ def _run_stream(
     from batchgen.driver import Driver, EngineRequest, Requests
 
     ids = {f"batchgen-calibration-{r.index}": r for r in rows}
+    watches = {rid: _end_watch(engine, r.params) for rid, r in ids.items()}
     requests = [
-        EngineRequest(rid, list(r.token_ids), r.params, lora_request=r.lora) for rid, r in ids.items()
+        EngineRequest(rid, list(r.token_ids), r.params, lora_request=r.lora, addons=_addons(watches[rid]))
+        for rid, r in ids.items()
     ]
     task = Requests(requests, lambda outs: None)
     driver = Driver(engine, task, max_in_flight=admit(0))
@@ -580,12 +616,12 @@ def _run_stream(
             or (over and enough and len(samples) - cal.reused_steps >= 1.25 * state.fitted)
         ):
             was_over = over
-            refresh(_running(engine, ids))
+            refresh(_running(engine, ids, watches))
             # past the budget, it goes on only for a budget grown well beyond (a noisy fit may shrink it next)
             over = now + dt >= STOP_MARGIN * state.seconds / (1.25 if was_over else 1.0)
         if over and enough:
             state.stopped = time.perf_counter()
-            cal.observations += _running(engine, ids)
+            cal.observations += _running(engine, ids, watches)
             admitted = finished + len(driver.in_flight)
             task.queue.clear()  # nothing more is admitted
             driver.abort()
@@ -613,11 +649,29 @@ def _run_stream(
             finished += 1
             if out.error:
                 continue
+            watch = watches.get(out.request_id)
             for c in out.outputs:
                 n = len(c.token_ids)
                 ended = getattr(c, "finish_reason", None) == "stop"
-                cal.observations.append((n, ended))
+                by_string = ended and isinstance(getattr(c, "stop_reason", None), str)
+                chances = watch.of(c.index, n, by_string) if watch is not None else None
+                cal.observations.append((n, ended, chances))
     return finished, finished
+
+
+def _end_watch(engine: Any, params: Any) -> EndProbability | None:
+    """An add-on recording a sampled request's chance of ending at each token (None: greedy or beam
+    requests, whose ends are as good as their chances, or an engine without stop rules)."""
+    from batchgen.engine.features.end_probability import EndProbability
+
+    stop = getattr(engine, "stop", None)
+    if stop is None or params is None or params.greedy or getattr(params, "beam_width", 1) > 1:
+        return None
+    return EndProbability(tuple(stop.stop_token_ids(params)))
+
+
+def _addons(watch: EndProbability | None) -> tuple[Any, ...]:
+    return () if watch is None else (watch,)
 
 
 def _context_tokens(engine: Any) -> float:
@@ -691,16 +745,20 @@ def load_spread(load: float | None, cpus: int | None = None) -> float:
     return min(0.5, 0.5 * (1.0 - cpus / load))
 
 
-def _running(engine: Any, ids: Any) -> list[tuple[int, bool]]:
+def _running(engine: Any, ids: Any, watches: Any = None) -> list[Observation]:
     """The samples of the requests ``ids`` still running: censored at their tokens so far (a sample of
-    theirs already finished below its bound: an event)."""
+    theirs already finished below its bound: an event), with their chances of ending where watched."""
     live = getattr(engine, "requests", None) or {}
-    out = []
+    out: list[Observation] = []
     for rid, row in ids.items():
         bound = output_bound(len(row.token_ids), row.params, engine.max_model_len)
+        watch = (watches or {}).get(rid)
         for seq in getattr(live.get(rid), "seqs", None) or ():
             n = int(seq.num_output_tokens)
-            out.append((n, bool(seq.is_finished) and n < bound))
+            ended = bool(seq.is_finished) and n < bound
+            by_string = ended and isinstance(getattr(seq, "stop_reason", None), str)
+            chances = watch.of(seq.sample_index, n, by_string) if watch is not None else None
+            out.append((n, ended, chances))
     return out
 
 

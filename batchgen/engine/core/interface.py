@@ -49,9 +49,11 @@ class Engine(Protocol):
         prompt_logprobs_start: int | None = None,
         pooling: Any = None,
         lora_request: LoRARequest | None = None,
+        addons: Sequence[Any] = (),
     ) -> None:
         """Queue a request: ``prompt_logprobs_start`` (score the prompt from there), ``pooling`` (a
-        prefill-only pooling request and its state), ``lora_request`` (its adapter; None: the base model)."""
+        prefill-only pooling request and its state), ``lora_request`` (its adapter; None: the base model),
+        ``addons`` (request add-ons: what the caller asks of its steps besides)."""
         ...
 
     def abort_request(self, request_id: str | int) -> None: ...

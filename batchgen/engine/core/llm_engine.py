@@ -27,7 +27,7 @@ from batchgen.engine.features.structured import is_available as structured_avail
 from batchgen.engine.kv.kv_cache import KVCacheManager
 from batchgen.engine.sched.kinds import make_group
 from batchgen.engine.sched.output import SchedulerOutput
-from batchgen.engine.sched.request_group import RequestGroup
+from batchgen.engine.sched.request_group import AddOn, RequestGroup
 from batchgen.engine.sched.scheduler import Scheduler
 from batchgen.engine.sched.sequence import Request, Sequence
 from batchgen.engine.sched.stop import StopRules
@@ -234,6 +234,7 @@ class LLMEngine:
         pooling: PoolingState | None = None,
         lora_request: LoRARequest | None = None,
         images: Seq[ImageSlot] = (),
+        addons: Seq[AddOn] = (),
     ) -> None:
         """Queue a request. ``prompt_logprobs_start``: compute the logprobs of the prompt tokens from this
         position on (scoring: the continuation's first token), reusing the prefix cache before it.
@@ -241,7 +242,9 @@ class LLMEngine:
         pooled hidden state is written into the given state; it gets no logit row and samples nothing: the
         step that completes its prompt finishes it. ``lora_request``: the adapter to run it under
         (needs ``enable_lora``; an adapter that cannot be read or applied fails this request alone). ``images``: the
-        prompt's images, their placeholders already expanded in ``prompt`` (:mod:`batchgen.engine.features.multimodal`)."""
+        prompt's images, their placeholders already expanded in ``prompt`` (:mod:`batchgen.engine.features.multimodal`).
+        ``addons``: what the caller asks of the request's steps besides (:class:`AddOn`: e.g.
+        :class:`~batchgen.engine.features.end_probability.EndProbability`)."""
         if lora_request is not None and self.lora is None:
             raise ValueError("a lora_request needs an engine built with enable_lora=True")
         if pooling is not None and params is not None:
@@ -257,6 +260,7 @@ class LLMEngine:
         request.addons = PromptLogprobsAddOn.wanted(params, prompt_logprobs_start)
         if params.constrained:
             request.addons.append(GRAMMAR)
+        request.addons.extend(addons)
         group = make_group(request, request.new_sequence(list(token_ids), 0), self.stop, pooling)
         self.counters.num_requests += 1
         error = self._validate(token_ids, params, pooling is not None)

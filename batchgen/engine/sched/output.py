@@ -102,6 +102,9 @@ class SchedulerOutput:
     parts: list[tuple[RequestGroup, GroupStep]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    watch: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Sample index -> tokens whose probability of being the one drawn the runner returns
+    (``RunnerOutput.watched``)."""
     plain_greedy: bool = True
     """Every sampled sequence is greedy with no penalty, banned token, seed-dependent draw or logprobs
     (:attr:`Request.plain_greedy`): the step's sampling is one argmax and needs no per-row settings."""
@@ -130,6 +133,10 @@ class SchedulerOutput:
         self.plain_greedy = self.plain_greedy and request.plain_greedy
         self.plain_sampling = self.plain_sampling and request.plain_sampling
         return len(self.sample_seqs) - 1
+
+    def watch_tokens(self, index: int, token_ids: tuple[int, ...]) -> None:
+        """The probability that sample ``index`` draws one of ``token_ids`` is returned with its token."""
+        self.watch[index] = token_ids
 
     def score(self, rows: list[int]) -> tuple[int, int]:
         """These rows' log-softmax is returned; returns their range in the step's scored rows."""

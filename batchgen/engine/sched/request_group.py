@@ -103,6 +103,12 @@ class AddOn:
         """One scheduled chunk of the request (its first token at packed row ``offset``): declare on ``out``
         what it needs from the step and claim it on ``step`` (filled in by :meth:`GroupStep.fill_reads`)."""
 
+    def plan_sample(self, seq: Sequence, index: int, out: SchedulerOutput) -> None:
+        """``seq`` samples the step's sample ``index``: declare on ``out`` what the add-on needs of the draw."""
+
+    def sampled(self, seq: Sequence, index: int, output: RunnerOutput) -> None:
+        """``seq``'s sample ``index`` came back in ``output`` and was put in place (before the stop rules)."""
+
     def finish(self, request: Request, output: RequestOutput) -> None:
         """Complete the finished request's output with the add-on's part."""
 
@@ -213,10 +219,17 @@ class RequestGroup:
         groups forked now (running, claimed too)."""
         step = self._addon_step(entries, out)
         completed = [(row, s.seq) for row, s, _ in entries if s.completes]
-        step.samples = [(seq, out.sample(row, seq)) for row, seq in completed]
+        step.samples = [(seq, self.sample(out, row, seq)) for row, seq in completed]
         if step:
             out.parts.append((self, step))
         return [g for row, seq in completed for g in self.fan_out(seq, row, out, kv)]
+
+    def sample(self, out: SchedulerOutput, row: int, seq: Sequence) -> int:
+        """``seq`` samples from row ``row``'s logits (the request's add-ons told); its index in the samples."""
+        index = out.sample(row, seq)
+        for addon in self.request.addons:
+            addon.plan_sample(seq, index, out)
+        return index
 
     def _addon_step(self, entries: list[Entry], out: SchedulerOutput) -> GroupStep:
         """A claim holding what the request's add-ons need of these entries (every kind carries them)."""
@@ -242,6 +255,8 @@ class RequestGroup:
             token = output.token_ids[i]
             if not ctx.place(seq, token, i):
                 continue
+            for addon in self.request.addons:
+                addon.sampled(seq, i, output)
             done.num_tokens += 1
             lp = output.logprobs[i]
             if seq.logprobs is not None and lp is not None:
@@ -288,6 +303,6 @@ class SampleGroup(RequestGroup):
             kv.fork(seq.seq_id, child.seq_id)
             child.status = SequenceStatus.RUNNING
             group = RequestGroup(self.request, child)
-            out.parts.append((group, GroupStep(samples=[(child, out.sample(row, child))])))
+            out.parts.append((group, GroupStep(samples=[(child, group.sample(out, row, child))])))
             groups.append(group)
         return groups

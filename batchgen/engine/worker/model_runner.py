@@ -249,9 +249,11 @@ class ModelRunner:
         n = sampling.num_rows
         if sampling.mask is not None:
             sampling.mask.apply(logits[:n])
-        sampled = self.sampler(logits[:n], sampling.rows, sampling.settings)
+        sampled = self.sampler(logits[:n], sampling.rows, sampling.settings, sampling.watch or None)
         scores = self.sampler.log_softmax(logits[n:]) if sampling.num_score_rows else None
-        return RunnerOutput(sampled.token_ids, sampled.logprobs, sampled.sampled, scores)
+        return RunnerOutput(
+            sampled.token_ids, sampled.logprobs, sampled.sampled, scores, watched=sampled.watched
+        )
 
     @torch.inference_mode()
     def forward(

@@ -20,6 +20,12 @@ Pipeline for each row (every stage is vectorised over the rows that need it; row
 
 When every row is greedy and nothing else is asked for, the call is a single ``argmax`` (the hot path).
 
+**Watched tokens** (``watch``: row -> token ids): the sampler returns the probability that the row's draw is one
+of them, under the distribution it drew from (after banned tokens, penalties and filters): for a random row its
+filtered probabilities' sum over those ids, for a greedy row 1 or 0 (whether the argmax is one of them). A
+feature that wants the chance of an event it would otherwise only see happen (a sequence ending) reads it here:
+its expectation is the event's, with none of the draw's noise.
+
 Scored rows are not sampled: :meth:`Sampler.log_softmax` returns their float32 log-softmax of the raw logits
 (for the group kind that asked for them to score).
 """
@@ -65,6 +71,8 @@ class SamplerOutput:
     sampled: Tensor | None = None
     """The token ids as an int64 tensor on the logits' device (a pipelined engine feeds them to the next
     step's inputs without a host round trip)."""
+    watched: dict[int, float] = field(default_factory=dict)
+    """Row -> the probability that its draw was one of its watched tokens (rows of ``watch`` only)."""
 
 
 _FILTER_FIELDS = ("temperature", "top_k", "top_p", "min_p")
@@ -187,11 +195,16 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: Tensor, rows: list[SamplingRow] | None, settings: SamplingTensors | None = None
+        self,
+        logits: Tensor,
+        rows: list[SamplingRow] | None,
+        settings: SamplingTensors | None = None,
+        watch: dict[int, tuple[int, ...]] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row. ``logits``: float32 ``[N, V]`` with ``N == len(rows)``; not modified.
         ``settings``: the rows' filter settings when the caller keeps them (:class:`SamplingBatch`), else
-        read from the rows' params.
+        read from the rows' params. ``watch``: rows whose probability of drawing one of the given tokens is
+        returned (``SamplerOutput.watched``).
 
         ``rows=None`` means no row asks for penalties, banned tokens, logprobs or its own seed: without
         ``settings`` every row is greedy (one argmax, no per-row settings built at all: the engine's hot
@@ -203,13 +216,15 @@ class Sampler:
                     f"logits must be [N, vocab] with one settings row each, got {tuple(logits.shape)}"
                 )
             n = logits.shape[0]
+            watched: dict[int, float] = {}
             if settings is None or not n:
                 sampled = _argmax(logits)
             else:
-                sampled = self._sample(
-                    logits.float().clone(memory_format=torch.contiguous_format), None, settings
-                )
-            return SamplerOutput(token_ids=sampled.tolist(), logprobs=[None] * n, sampled=sampled)
+                x = logits.float().clone(memory_format=torch.contiguous_format)
+                sampled = self._sample(x, None, settings, watch, watched)
+            token_ids = sampled.tolist()
+            _watch_greedy(token_ids, watch, watched)
+            return SamplerOutput(token_ids, [None] * n, sampled, watched)
         n = len(rows)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [len(rows), vocab], got {tuple(logits.shape)} for {n} rows")
@@ -221,6 +236,7 @@ class Sampler:
         needs_processing = any(r.banned_token_ids or r.params.needs_penalties for r in rows)
         want_logprobs = any(p.logprobs is not None for p in params)
 
+        watched: dict[int, float] = {}
         if all_greedy and not needs_processing:
             sampled = _argmax(logits)
         else:
@@ -231,13 +247,15 @@ class Sampler:
             if all_greedy:
                 sampled = _argmax(x)
             else:
-                sampled = self._sample(x, rows, settings or SamplingTensors.from_params(params))
+                settings = settings or SamplingTensors.from_params(params)
+                sampled = self._sample(x, rows, settings, watch, watched)
 
         token_ids = sampled.tolist()
+        _watch_greedy(token_ids, watch, watched)
         logprobs: list[dict[int, float] | None] = [None] * n
         if want_logprobs:
             _gather_logprobs(logits, rows, sampled, logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, sampled=sampled)
+        return SamplerOutput(token_ids, logprobs, sampled, watched)
 
     @staticmethod
     @torch.inference_mode()
@@ -246,9 +264,17 @@ class Sampler:
         there, one small block per group)."""
         return torch.log_softmax(logits.float(), dim=-1).cpu()
 
-    def _sample(self, x: Tensor, rows: list[SamplingRow] | None, settings: SamplingTensors) -> Tensor:
+    def _sample(
+        self,
+        x: Tensor,
+        rows: list[SamplingRow] | None,
+        settings: SamplingTensors,
+        watch: dict[int, tuple[int, ...]] | None = None,
+        watched: dict[int, float] | None = None,
+    ) -> Tensor:
         """Greedy rows take the argmax of ``x``; random rows are filtered and drawn (``rows`` None: no row
-        has its own generator). Returns ``[N]`` int64."""
+        has its own generator). Returns ``[N]`` int64; the watched random rows' probabilities go into
+        ``watched``."""
         device = x.device
         num_rows = x.shape[0]
         rand_idx = np.flatnonzero(settings.temperature >= GREEDY_EPS).tolist()
@@ -265,6 +291,8 @@ class Sampler:
         probs = _filtered_probs(
             x if all_random else x[idx], settings if all_random else settings.select(rand_idx)
         )
+        if watch and watched is not None:
+            _watch_probs(probs, rand_idx, watch, watched)
 
         # Exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. is a draw from p. q = -log(u), u ~ U[0, 1)
         # (several times cheaper than exponential_ on CPU): q > 0 always (u < 1), and u == 0 gives q = inf,
@@ -286,6 +314,37 @@ class Sampler:
         q = u.log_().neg_()
         sampled[idx] = (probs / q).argmax(dim=-1)
         return sampled
+
+
+def _watch_probs(
+    probs: Tensor, rand_idx: list[int], watch: dict[int, tuple[int, ...]], watched: dict[int, float]
+) -> None:
+    """``watched[row]``: the sum of ``probs`` over the row's watched tokens, for every watched random row
+    (``probs[j]`` is row ``rand_idx[j]``'s distribution); one gather for them all."""
+    at = {row: j for j, row in enumerate(rand_idx)}
+    vocab = probs.shape[1]
+    which = [(row, t) for row in watch if row in at for t in watch[row] if 0 <= t < vocab]
+    if not which:
+        for row in watch:
+            if row in at:
+                watched[row] = 0.0
+        return
+    flat = torch.tensor([at[row] * vocab + t for row, t in which], dtype=torch.int64, device=probs.device)
+    vals = probs.reshape(-1)[flat].double().cpu().tolist()
+    for row in watch:
+        if row in at:
+            watched[row] = 0.0
+    for (row, _), v in zip(which, vals):
+        watched[row] += v
+
+
+def _watch_greedy(
+    token_ids: list[int], watch: dict[int, tuple[int, ...]] | None, watched: dict[int, float]
+) -> None:
+    """The watched rows not drawn at random (greedy): 1 if the token taken is watched, else 0."""
+    for row, ids in (watch or {}).items():
+        if row not in watched and row < len(token_ids):
+            watched[row] = 1.0 if token_ids[row] in ids else 0.0
 
 
 def _device(device: torch.device | str) -> torch.device:

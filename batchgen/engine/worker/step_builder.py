@@ -64,7 +64,9 @@ class StepBuilder:
         rows, settings = self.sampling_inputs(out)
         mask = self._mask(out.sample_seqs) if out.sample_seqs else None
         release, self.released = self.released, []
-        return SamplingInput(len(out.sample_rows), rows, settings, mask, len(out.score_rows), release)
+        return SamplingInput(
+            len(out.sample_rows), rows, settings, mask, len(out.score_rows), release, out.watch
+        )
 
     def sampling_inputs(
         self, out: SchedulerOutput

@@ -107,9 +107,10 @@ class ForwardInput:
 @dataclass
 class SamplingInput:
     """How the first ``num_rows`` logit rows are sampled (``rows`` None: plain rows, ``settings`` None: all
-        greedy), the row mask applied first, and how many scored rows follow them (their log-softmax is
-    returned, not sampled). ``release``: row keys whose
-        generators the sampler drops first (seeded sequences that are done)."""
+    greedy), the row mask applied first, and how many scored rows follow them (their log-softmax is
+    returned, not sampled). ``release``: row keys whose generators the sampler drops first (seeded sequences
+    that are done). ``watch``: sampled rows whose probability of drawing one of the given tokens is returned
+    (:class:`~batchgen.engine.worker.sampler.Sampler`'s watched tokens)."""
 
     num_rows: int = 0
     rows: list[SamplingRow] | None = None
@@ -117,6 +118,7 @@ class SamplingInput:
     mask: RowMask | None = None
     num_score_rows: int = 0
     release: list[int] = field(default_factory=list)
+    watch: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -136,10 +138,12 @@ class StepInput:
 class RunnerOutput:
     """What one step produced: ``token_ids[i]`` / ``logprobs[i]`` of sampled row i (``sampled``: the same
     tokens as a device tensor, for the next step's placeholders), ``scores``: the float32 log-softmax of the
-    scored rows (``[num_score_rows, V]`` on the CPU), each :class:`HiddenRead`'s result by its type."""
+    scored rows (``[num_score_rows, V]`` on the CPU), each :class:`HiddenRead`'s result by its type,
+    ``watched``: sampled row -> the probability its draw was one of its watched tokens."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
     sampled: Tensor | None = None
     scores: Tensor | None = None
     reads: dict[type, Any] = field(default_factory=dict)
+    watched: dict[int, float] = field(default_factory=dict)

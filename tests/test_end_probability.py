@@ -1,0 +1,115 @@
+"""End probabilities: the chance, at each sampled token, that the draw ended the sequence, as the engine's
+sampler reports it (watched tokens), held to a float64 reference of the distribution the token was drawn from
+(the transformers model's logits, temperature, top-k, top-p, the stop ids banned until ``min_tokens``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.core.llm_engine import LLMEngine
+from batchgen.engine.features.end_probability import EndProbability
+from batchgen.engine.worker.sampler import Sampler, SamplingRow, SamplingTensors
+from batchgen.sampling_params import SamplingParams
+from engine_helpers import hf_model
+
+
+def _reference(logits: np.ndarray, params: SamplingParams, ends: list[int], banned: bool) -> float:
+    """Float64: the probability of drawing one of ``ends`` after banning (``banned``), temperature, top-k,
+    top-p (renormalised after top-k; a token is kept while the mass before it is under top_p)."""
+    x = logits.astype(np.float64).copy()
+    if banned:
+        x[ends] = -np.inf
+    if params.temperature < 1e-5:
+        return float(int(np.argmax(x)) in ends)
+    x = x / params.temperature
+    if 0 < params.top_k < x.size:
+        kth = np.sort(x)[::-1][params.top_k - 1]
+        x[x < kth] = -np.inf
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        before = np.cumsum(p[order]) - p[order]
+        keep = np.zeros_like(p, dtype=bool)
+        keep[order[(before < params.top_p) | (np.arange(p.size) == 0)]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return float(p[ends].sum())
+
+
+def test_the_sampler_returns_the_drawn_distributions_chance_of_the_watched_tokens() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    ends = (3, 7, 11)
+    params = [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.3, top_k=10),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.8),
+        SamplingParams(temperature=0.9),
+    ]
+    logits[3, 7] = 50.0  # the greedy row takes a watched token
+    watch = {i: ends for i in (0, 1, 2, 3, 4)}  # row 5 is not watched
+    rows = [SamplingRow(p, key=i, banned_token_ids=list(ends) if i == 4 else []) for i, p in enumerate(params)]
+    for out in (
+        Sampler(seed=1)(logits, rows, None, watch),  # rows built
+        Sampler(seed=1)(logits[:4], None, SamplingTensors.from_params(params[:4]), {i: ends for i in range(4)}),
+    ):
+        assert set(out.watched) == set(range(min(5, len(out.token_ids))))
+        for i, got in out.watched.items():
+            want = _reference(logits[i].numpy(), params[i], list(ends), banned=i == 4)
+            assert got == pytest.approx(want, abs=1e-6), i
+    assert out.watched[3] == 1.0
+    # greedy only: the argmax itself
+    g = Sampler()(logits[:2], None, None, {0: (int(logits[0].argmax()),), 1: (0,)})
+    assert g.watched == {0: 1.0, 1: float(int(logits[1].argmax()) == 0)}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_records_each_tokens_chance_of_ending_as_drawn(llama_ckpt: str, async_scheduling: bool) -> None:
+    engine = LLMEngine(
+        llama_ckpt,
+        EngineConfig(
+            device="cpu", num_blocks=64, block_size=8, max_num_seqs=4, async_scheduling=async_scheduling, seed=3
+        ),
+    )
+    vocab = engine.model.config.vocab_size
+    rng = np.random.default_rng(0)
+    ends = [int(t) for t in rng.choice(vocab, vocab // 8, replace=False)]  # a wide net: sequences end early
+    prompts = [rng.integers(1, vocab, size=k).tolist() for k in (5, 9, 14, 7, 11)]
+    params = [
+        SamplingParams(temperature=0.8, max_tokens=24, stop_token_ids=ends, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=30, max_tokens=24, stop_token_ids=ends, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.85, max_tokens=24, stop_token_ids=ends, ignore_eos=True, seed=5),
+        SamplingParams(temperature=1.0, max_tokens=24, stop_token_ids=ends, ignore_eos=True, min_tokens=4),
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=ends[:3], ignore_eos=True),
+    ]
+    watches = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        w = EndProbability(tuple(engine.stop.stop_token_ids(sp)))
+        watches.append(w)
+        engine.add_request(i, p, sp, addons=(w,))
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+    model = hf_model(llama_ckpt)
+    ended = 0
+    for i, (p, sp, w) in enumerate(zip(prompts, params, watches)):
+        toks = outs[i].outputs[0].token_ids
+        chances = w.of(0, len(toks), False)
+        assert chances is not None and len(chances) == len(toks)
+        ended += outs[i].outputs[0].finish_reason == "stop"
+        with torch.inference_mode():
+            logits = model(torch.tensor([p + toks])).logits[0, len(p) - 1 : -1].double().numpy()
+        end_ids = sorted(set(sp.stop_token_ids))
+        for t, got in enumerate(chances):
+            want = _reference(logits[t], sp, end_ids, banned=t < sp.min_tokens)
+            assert got == pytest.approx(want, abs=2e-4), (i, t)
+        if sp.min_tokens:
+            assert chances[: sp.min_tokens] == [0.0] * sp.min_tokens
+    assert ended >= 2  # the chances were watched where sequences did end
