@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_helpers import hf_model
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.features.end_probability import EndProbability
 from batchgen.engine.worker.sampler import Sampler, SamplingRow, SamplingTensors
 from batchgen.sampling_params import SamplingParams
-from engine_helpers import hf_model
 
 
 def _reference(logits: np.ndarray, params: SamplingParams, ends: list[int], banned: bool) -> float:
@@ -54,10 +54,14 @@ def test_the_sampler_returns_the_drawn_distributions_chance_of_the_watched_token
     ]
     logits[3, 7] = 50.0  # the greedy row takes a watched token
     watch = {i: ends for i in (0, 1, 2, 3, 4)}  # row 5 is not watched
-    rows = [SamplingRow(p, key=i, banned_token_ids=list(ends) if i == 4 else []) for i, p in enumerate(params)]
+    rows = [
+        SamplingRow(p, key=i, banned_token_ids=list(ends) if i == 4 else []) for i, p in enumerate(params)
+    ]
     for out in (
         Sampler(seed=1)(logits, rows, None, watch),  # rows built
-        Sampler(seed=1)(logits[:4], None, SamplingTensors.from_params(params[:4]), {i: ends for i in range(4)}),
+        Sampler(seed=1)(
+            logits[:4], None, SamplingTensors.from_params(params[:4]), {i: ends for i in range(4)}
+        ),
     ):
         assert set(out.watched) == set(range(min(5, len(out.token_ids))))
         for i, got in out.watched.items():
@@ -70,11 +74,18 @@ def test_the_sampler_returns_the_drawn_distributions_chance_of_the_watched_token
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_the_engine_records_each_tokens_chance_of_ending_as_drawn(llama_ckpt: str, async_scheduling: bool) -> None:
+def test_the_engine_records_each_tokens_chance_of_ending_as_drawn(
+    llama_ckpt: str, async_scheduling: bool
+) -> None:
     engine = LLMEngine(
         llama_ckpt,
         EngineConfig(
-            device="cpu", num_blocks=64, block_size=8, max_num_seqs=4, async_scheduling=async_scheduling, seed=3
+            device="cpu",
+            num_blocks=64,
+            block_size=8,
+            max_num_seqs=4,
+            async_scheduling=async_scheduling,
+            seed=3,
         ),
     )
     vocab = engine.model.config.vocab_size
@@ -84,7 +95,9 @@ def test_the_engine_records_each_tokens_chance_of_ending_as_drawn(llama_ckpt: st
     params = [
         SamplingParams(temperature=0.8, max_tokens=24, stop_token_ids=ends, ignore_eos=True),
         SamplingParams(temperature=1.2, top_k=30, max_tokens=24, stop_token_ids=ends, ignore_eos=True),
-        SamplingParams(temperature=0.9, top_p=0.85, max_tokens=24, stop_token_ids=ends, ignore_eos=True, seed=5),
+        SamplingParams(
+            temperature=0.9, top_p=0.85, max_tokens=24, stop_token_ids=ends, ignore_eos=True, seed=5
+        ),
         SamplingParams(temperature=1.0, max_tokens=24, stop_token_ids=ends, ignore_eos=True, min_tokens=4),
         SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=ends[:3], ignore_eos=True),
     ]
