@@ -88,7 +88,7 @@ def test_throughput_smoke(tmp_path) -> None:
         "model.num_heads=2",
         "model.num_kv_heads=1",
         "model.intermediate_size=64",
-        "engine.kv_cache_memory=16MiB",
+        "engine.kv_cache_memory=1MiB",  # 4,096 token slots: every row of the workload at once
         "systems=[batchgen,hf_generate,hf_generate_batch,vllm]",
         f"python.vllm={tmp_path / 'no-venv' / 'bin' / 'python'}",
         "check=true",
@@ -123,7 +123,7 @@ def test_throughput_smoke(tmp_path) -> None:
         assert s["gen_tok_s"] > 0 and 0 < s["mfu"] < 1
     assert systems["vllm"]["status"] == "skipped" and "not found" in systems["vllm"]["reason"]
     assert systems["batchgen"]["via"].startswith("pipeline")
-    assert systems["batchgen"]["kv_sizing"]["source"] == "engine.kv_cache_memory=16MiB"
+    assert systems["batchgen"]["kv_sizing"]["source"] == "engine.kv_cache_memory=1MiB"
     steps = systems["batchgen"]["engine_stats"]["num_steps"]
     assert len(res["workloads"]["long_tail"]["timeline"]["rows"]) >= steps > 0  # the step listener
     check = res["greedy_check"]

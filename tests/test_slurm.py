@@ -34,8 +34,12 @@ BIN_DIR = Path(sys.executable).parent
 BATCHGEN = BIN_DIR / "batchgen"
 ROWS = 48
 WINDOW_ROWS = 4
-COPIES = 24  # the time-limit test's input: the dataset repeated, so that its run lasts well past the warning
-SUBMITIT_COPIES = 3  # the submitit requeue test's input: long enough to be signalled mid-run
+# The signal tests' inputs: the dataset repeated, so that a run is still going when its signal lands.
+TIME_LIMIT_COPIES = 16  # 768 rows, one at a time: far more than a run gets through before its warning
+USR1_COPIES = 8  # 48 windows a task, the signal sent after the first one
+SUBMITIT_COPIES = 3  # 18 windows a task, the signal sent after the first one
+TIME_LIMIT_PASS_S = 30  # slurmctld checks time limits (and sends --signal warnings) this often
+TIME_LIMIT_LEAD_S = 14  # the time-limit job starts this long before a pass: batchgen is running when warned
 # What must be identical between runs (num_cached_tokens depends on what else was in the prefix cache).
 COMPARE = [
     "id",
@@ -180,11 +184,11 @@ def test_sbatch_array_covers_every_row_once_like_one_process(cluster, workload: 
 
 @pytest.mark.slurm
 def test_sbatch_task_sent_usr1_mid_run_is_requeued_and_resumes(cluster, workload: Workload) -> None:
-    """USR1 after the first committed window of task 1 — on the repeated input (144 windows a task), so that
+    """USR1 after the first committed window of task 1 — on the repeated input (48 windows a task), so that
     the signal lands mid-run however fast the engine is (on the 48-row input the 5 windows left could finish
     between the poll and the signal)."""
     out = workload.dir / "usr1"
-    big = _repeated_input(workload)
+    big = _repeated_input(workload, USR1_COPIES)
     job = sc.sbatch(
         "--array=0-1",
         "--gres=none",  # how a CPU-only cluster runs the script
@@ -206,11 +210,11 @@ def test_sbatch_task_sent_usr1_mid_run_is_requeued_and_resumes(cluster, workload
     assert f"batchgen exited 75 (interrupted); requeueing {job}_1" in text
     assert "(restart 1)" in text and "finished" in text
     saved = int(text.split("incomplete (stopped by SIGUSR1): ")[1].split("/")[0])
-    assert 1 <= saved < COPIES * ROWS // WINDOW_ROWS // 2, text  # interrupted mid-run, finished windows kept
-    assert_repeated(merged(out, rows=COPIES * ROWS), workload.reference())
+    assert 1 <= saved < USR1_COPIES * ROWS // WINDOW_ROWS // 2, text  # interrupted mid-run, windows kept
+    assert_repeated(merged(out, rows=USR1_COPIES * ROWS), workload.reference(), USR1_COPIES)
 
 
-def assert_repeated(table: pa.Table, reference: pa.Table, copies: int = COPIES) -> None:
+def assert_repeated(table: pa.Table, reference: pa.Table, copies: int) -> None:
     """``table`` is the reference's rows ``copies`` times over, under the keys of :func:`_repeated_input`."""
     assert table.column("id").to_pylist() == [
         f"copy{c}-{k}" for c in range(copies) for k in reference.column("id").to_pylist()
@@ -231,10 +235,9 @@ def _last_time_limit_pass() -> dt.datetime:
     return last
 
 
-def _repeated_input(workload: Workload, copies: int = COPIES) -> Path:
+def _repeated_input(workload: Workload, copies: int) -> Path:
     """The workload's prompts repeated ``copies`` times under new keys (greedy: a repeated prompt gets the
-    reference row's output), so that a run lasts long enough to be signalled mid-run (COPIES: ~14 s and more,
-    however fast the machine)."""
+    reference row's output), so that a run lasts long enough to be signalled mid-run."""
     source = pq.read_table(workload.input)
     big = workload.dir / f"repeated-{copies}.parquet"
     if big.exists():
@@ -258,16 +261,19 @@ def test_sbatch_task_hit_by_its_time_limit_warning_is_requeued_and_resumes(
     """The time-limit warning itself (`--time=1 --signal=B:USR1@59`), sent by slurmctld.
 
     slurmctld sends --signal warnings only during its time-limit passes, every ~30 s; with a 59 s lead on a
-    1 min limit the warning goes out at the first pass after the job starts. The job is started 16 s after
-    a pass (--begin), so the warning lands ~14 s in: batchgen is running. Once the task is requeued the
-    test raises its limit to 15 min so that the resumed run is not warned again before it finishes, even on a
-    loaded machine (a real job gets the same limit again and simply makes progress on every run).
+    1 min limit the warning goes out at the first pass after the job starts. The job is started
+    TIME_LIMIT_LEAD_S before the earliest pass it can still precede by that much (--begin), so the warning
+    lands that long after the start: batchgen is running, one sequence at a time, with most of its input
+    left. Once the task is requeued the test raises its limit to 15 min so that the resumed run is not warned
+    again before it finishes, even on a loaded machine (a real job gets the same limit again and simply makes
+    progress on every run).
     """
     last = _last_time_limit_pass()
-    big = _repeated_input(workload)
-    begin = last + dt.timedelta(seconds=30 + 16)
+    big = _repeated_input(workload, TIME_LIMIT_COPIES)
+    warned_at = last + dt.timedelta(seconds=TIME_LIMIT_PASS_S)
+    begin = warned_at - dt.timedelta(seconds=TIME_LIMIT_LEAD_S)
     while (begin - dt.datetime.now()).total_seconds() < 1:
-        begin += dt.timedelta(seconds=30)
+        begin += dt.timedelta(seconds=TIME_LIMIT_PASS_S)
     out = workload.dir / "timelimit"
     log = workload.dir / "timelimit.out"
     job = sc.sbatch(
@@ -294,7 +300,7 @@ def test_sbatch_task_hit_by_its_time_limit_warning_is_requeued_and_resumes(
     assert [r.state for r in runs] == ["REQUEUED", "COMPLETED"], (runs, text)
     assert "received SIGUSR1" in text and f"requeueing {job}" in text and "(restart 1)" in text
     assert "incomplete (stopped by SIGUSR1)" in text, text  # batchgen was running when warned
-    assert_repeated(merged(out, rows=COPIES * ROWS), workload.reference())
+    assert_repeated(merged(out, rows=TIME_LIMIT_COPIES * ROWS), workload.reference(), TIME_LIMIT_COPIES)
 
 
 def test_sbatch_script_rejects_an_array_that_does_not_start_at_zero(tmp_path: Path) -> None:

@@ -14,8 +14,9 @@
 # Slurm then sets CUDA_VISIBLE_DEVICES as usual and the job runs on CPU. It also declares
 # BATCHGEN_SLURM_CPUS CPUs (default: at least 4, more than a 2-core CI machine has) so that a
 # 4-task array runs at once instead of in two waves. AuthInfo=cred_expire (default 120 s, here
-# BATCHGEN_SLURM_CRED_EXPIRE=10) is also how long a requeued job waits before it may start again, and
-# the scheduler runs every 2 s (not 60/30 s), so a requeued task restarts ~12 s after it stopped.
+# BATCHGEN_SLURM_CRED_EXPIRE=5, the least Slurm accepts) is also how long a requeued job waits before it
+# may start again, and the scheduler runs every 2 s (not 60/30 s), so a requeued task restarts ~7 s after
+# it stopped.
 #
 # Env: BATCHGEN_SLURM_ROOT   state, logs, pids          (default /tmp/batchgen-slurm)
 #      BATCHGEN_SLURM_ACCOUNTING 1|0 slurmdbd+MariaDB   (default 1; a Hydra/submitit sweep needs it)
@@ -30,7 +31,7 @@ TIMEOUT=${BATCHGEN_SLURM_TIMEOUT:-90}
 NCPU=$(nproc)
 CPUS=${BATCHGEN_SLURM_CPUS:-$((NCPU > 4 ? NCPU : 4))}
 GPUS=${BATCHGEN_SLURM_GPUS:-4}
-CRED_EXPIRE=${BATCHGEN_SLURM_CRED_EXPIRE:-10}
+CRED_EXPIRE=${BATCHGEN_SLURM_CRED_EXPIRE:-5}
 NODE=localhost
 CLUSTER=batchgen
 PIDS=$ROOT/pids LOG=$ROOT/log
