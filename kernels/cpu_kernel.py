@@ -133,11 +133,27 @@ def build(cc: list[str], defines: tuple[str, ...] = ()) -> Path:
     from batchgen.runtime.disk_cache import cache_root
 
     def compile_into(tmp: Path) -> None:
-        out = ["-o", str(tmp / LIB_NAME), *map(str, SOURCES), "-lm"]
-        cmd = [*cc, *FLAGS, *(f"-D{d}" for d in defines), *out]
+        # each source compiled on its own, all at once (the two large ones take about as long each), then linked
+        flags = [*FLAGS, *(f"-D{d}" for d in defines)]
+        objects = [tmp / f"{src.stem}.o" for src in SOURCES]
+        cmds = [[*cc, *flags, "-c", "-o", str(obj), str(src)] for src, obj in zip(SOURCES, objects)]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds]
+        try:
+            for cmd, proc in zip(cmds, procs):
+                _, err = proc.communicate(timeout=300)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed: {err.strip()[-2000:]}")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        cmd = [*cc, *flags, "-o", str(tmp / LIB_NAME), *map(str, objects), "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
+        for obj in objects:
+            obj.unlink(missing_ok=True)
 
     target = cache_root() / "cpu_kernels" / build_key(cc, defines)
     return Path(build_dir_once(target, LIB_NAME, compile_into)) / LIB_NAME
