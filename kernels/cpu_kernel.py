@@ -137,7 +137,9 @@ def build(cc: list[str], defines: tuple[str, ...] = ()) -> Path:
         flags = [*FLAGS, *(f"-D{d}" for d in defines)]
         objects = [tmp / f"{src.stem}.o" for src in SOURCES]
         cmds = [[*cc, *flags, "-c", "-o", str(obj), str(src)] for src, obj in zip(SOURCES, objects)]
-        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds]
+        procs = [
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds
+        ]
         try:
             for cmd, proc in zip(cmds, procs):
                 _, err = proc.communicate(timeout=300)
