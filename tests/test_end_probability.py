@@ -114,7 +114,7 @@ def test_the_engine_records_each_tokens_chance_of_ending_as_drawn(
     ended = 0
     for i, (p, sp, w) in enumerate(zip(prompts, params, watches)):
         toks = outs[i].outputs[0].token_ids
-        chances = w.of(0, len(toks), False)
+        chances = w.of(0, len(toks), None)
         assert chances is not None and len(chances) == len(toks)
         ended += outs[i].outputs[0].finish_reason == "stop"
         with torch.inference_mode():
@@ -126,3 +126,61 @@ def test_the_engine_records_each_tokens_chance_of_ending_as_drawn(
         if sp.min_tokens:
             assert chances[: sp.min_tokens] == [0.0] * sp.min_tokens
     assert ended >= 2  # the chances were watched where sequences did end
+
+
+def test_a_one_character_stop_string_is_watched_through_the_tokens_that_hold_it(llama_ckpt: str) -> None:
+    """The calibration's watch for ``stop=["e"]``: every token whose text holds "e" (drawn, it ends the sequence);
+    a sample ended by it counts that end as its chance there, not once more as seen. A longer stop string, or
+    ``min_tokens``, leaves the strings' ends counted as seen."""
+    from batchgen.job.calibrate import _end_watch
+
+    engine = LLMEngine(
+        llama_ckpt, EngineConfig(device="cpu", num_blocks=64, block_size=8, max_num_seqs=4, seed=2)
+    )
+    tok = engine.tokenizer
+    sp = SamplingParams(temperature=1.0, max_tokens=24, stop=["e"], ignore_eos=True)
+    memo: dict = {}
+    w = _end_watch(engine, sp, memo)
+    assert w is not None and w.covered == ("e",)
+    holding = {i for i in range(len(tok)) if "e" in tok.decode([i], skip_special_tokens=True)}
+    assert holding and set(w.end_token_ids) >= {i for i in holding if "\ufffd" not in tok.decode([i])}
+    assert _end_watch(engine, sp, memo).end_token_ids is w.end_token_ids  # one tuple for the same ends
+    assert _end_watch(
+        engine, SamplingParams(temperature=1.0, stop=["e", "xy"], ignore_eos=True), memo
+    ).covered == ("e",)
+    assert (
+        _end_watch(
+            engine, SamplingParams(temperature=1.0, stop=["e"], min_tokens=2, ignore_eos=True), memo
+        ).covered
+        == ()
+    )
+    assert _end_watch(engine, SamplingParams(temperature=0.0, stop=["e"]), memo) is None
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, engine.model.config.vocab_size, size=6).tolist() for _ in range(4)]
+    watches = []
+    for i, p in enumerate(prompts):
+        watches.append(_end_watch(engine, sp, memo))
+        engine.add_request(i, p, sp, addons=(watches[-1],))
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+    model = hf_model(llama_ckpt)
+    by_string = 0
+    for i, p in enumerate(prompts):
+        c = outs[i].outputs[0]
+        toks = c.token_ids
+        chances = watches[i].of(0, len(toks), c.stop_reason if isinstance(c.stop_reason, str) else None)
+        assert chances is not None
+        with torch.inference_mode():
+            logits = model(torch.tensor([p + toks])).logits[0, len(p) - 1 : -1].double().numpy()
+        for t, got in enumerate(chances):
+            assert got == pytest.approx(
+                _reference(logits[t], sp, list(w.end_token_ids), banned=False), abs=2e-4
+            )
+        if c.stop_reason == "e":
+            by_string += 1
+            assert (
+                toks[-1] in w.end_token_ids and chances[-1] < 1.0
+            )  # the end is its chance, not added as seen
+    assert by_string >= 1

@@ -491,8 +491,11 @@ def run_calibration(
     cal.warmup_seconds = time.perf_counter() - t_start
     rows = order[:max_rows]
     n0 = len(samples)
+    memo: dict = {}  # the end watches' token sets, made before the batches are timed (not the job's work)
+    for r in rows:
+        _end_watch(engine, r.params, memo)
     t0 = time.perf_counter()
-    admitted, finished = _run_stream(engine, rows, admit, samples, cal, t_start, state, refresh)
+    admitted, finished = _run_stream(engine, rows, admit, samples, cal, t_start, state, refresh, memo)
     batch_wall = (
         state.stopped or time.perf_counter()
     ) - t0  # aborting the rows still running is not the job's
@@ -578,6 +581,7 @@ def _run_stream(
     t_start: float,
     state: BudgetState,
     refresh: Any,
+    memo: dict | None = None,
 ) -> tuple[int, int]:
     """Feed ``rows`` to the engine as the job does (a finished row's place taken by the next, at most
     ``admit(unfinished rows allowed so far)`` unfinished: ramped to the job's concurrency so no step's prefill
@@ -587,7 +591,8 @@ def _run_stream(
     from batchgen.driver import Driver, EngineRequest, Requests
 
     ids = {f"batchgen-calibration-{r.index}": r for r in rows}
-    watches = {rid: _end_watch(engine, r.params) for rid, r in ids.items()}
+    memo = {} if memo is None else memo
+    watches = {rid: _end_watch(engine, r.params, memo) for rid, r in ids.items()}
     requests = [
         EngineRequest(rid, list(r.token_ids), r.params, lora_request=r.lora, addons=_addons(watches[rid]))
         for rid, r in ids.items()
@@ -653,21 +658,57 @@ def _run_stream(
             for c in out.outputs:
                 n = len(c.token_ids)
                 ended = getattr(c, "finish_reason", None) == "stop"
-                by_string = ended and isinstance(getattr(c, "stop_reason", None), str)
-                chances = watch.of(c.index, n, by_string) if watch is not None else None
+                chances = watch.of(c.index, n, _stop_string(c, ended)) if watch is not None else None
                 cal.observations.append((n, ended, chances))
     return finished, finished
 
 
-def _end_watch(engine: Any, params: Any) -> EndProbability | None:
+def _stop_string(out: Any, ended: bool) -> str | None:
+    """The stop string that ended a sample (None: none did)."""
+    reason = getattr(out, "stop_reason", None)
+    return reason if ended and isinstance(reason, str) else None
+
+
+def _end_watch(engine: Any, params: Any, memo: dict) -> EndProbability | None:
     """An add-on recording a sampled request's chance of ending at each token (None: greedy or beam
-    requests, whose ends are as good as their chances, or an engine without stop rules)."""
+    requests, whose ends are as good as their chances, or an engine without stop rules). Its tokens: the stop
+    ids and eos, and, where no ``min_tokens`` holds them back, every token whose text holds a one-character
+    stop string (drawn, it ends the sequence). Requests with the same ends share one tuple (``memo``), so the
+    sampler sums their chances in one gather."""
     from batchgen.engine.features.end_probability import EndProbability
 
     stop = getattr(engine, "stop", None)
     if stop is None or params is None or params.greedy or getattr(params, "beam_width", 1) > 1:
         return None
-    return EndProbability(tuple(stop.stop_token_ids(params)))
+    ids = tuple(stop.stop_token_ids(params))
+    chars = tuple(sorted({s for s in params.stop or () if len(s) == 1})) if not params.min_tokens else ()
+    key = (ids, chars)
+    if key not in memo:
+        holding = _tokens_holding(getattr(engine, "tokenizer", None), chars, memo) if chars else None
+        memo[key] = (tuple(sorted(set(ids) | holding)), chars) if holding is not None else (ids, ())
+    end_ids, covered = memo[key]
+    return EndProbability(end_ids, covered)
+
+
+def _tokens_holding(tokenizer: Any, chars: tuple[str, ...], memo: dict) -> set[int] | None:
+    """The ids whose text, decoded alone, contains one of ``chars`` (none partial: text ending in an unfinished
+    character is left out); None without a tokenizer that decodes."""
+    if ("vocab", chars) in memo:
+        return memo["vocab", chars]
+    found: set[int] | None = None
+    try:
+        n = len(tokenizer)
+        ids = [[i] for i in range(n)]
+        rust = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+        if hasattr(rust, "decode_batch"):  # the Rust tokenizer's own batch: milliseconds for the vocab
+            texts = rust.decode_batch(ids, skip_special_tokens=True)
+        else:
+            texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        found = {i for i, t in enumerate(texts) if "\ufffd" not in t and any(c in t for c in chars)}
+    except Exception:  # a tokenizer without len / batch_decode: the stop strings' ends are counted as seen
+        found = None
+    memo["vocab", chars] = found
+    return found
 
 
 def _addons(watch: EndProbability | None) -> tuple[Any, ...]:
@@ -756,8 +797,7 @@ def _running(engine: Any, ids: Any, watches: Any = None) -> list[Observation]:
         for seq in getattr(live.get(rid), "seqs", None) or ():
             n = int(seq.num_output_tokens)
             ended = bool(seq.is_finished) and n < bound
-            by_string = ended and isinstance(getattr(seq, "stop_reason", None), str)
-            chances = watch.of(seq.sample_index, n, by_string) if watch is not None else None
+            chances = watch.of(seq.sample_index, n, _stop_string(seq, ended)) if watch is not None else None
             out.append((n, ended, chances))
     return out
 

@@ -6,7 +6,9 @@ Whoever estimates how long outputs run (the dry run's calibration) can sum these
 the ends it saw: the same expectation without the noise of the draw. A position's chance is the expected
 number of ends there given everything before it, so a sum of chances is an unbiased estimate of the ends over
 the same positions, with a variance from the differences between positions and rows alone. For a greedy
-sequence the chance is the end itself, 1 or 0. Stop strings are not tokens: their ends are counted as seen.
+sequence the chance is the end itself, 1 or 0. A stop string is not a token: the caller may watch the tokens
+that hold it whole (a one-character string: every token whose text contains it ends the sequence when drawn)
+and name it in ``covered``; the ends of other stop strings are counted as seen.
 
 The feature enters as a request add-on (:class:`EndProbability`): each of its sequences' draws is watched
 (:meth:`SchedulerOutput.watch_tokens`) and what comes back (``RunnerOutput.watched``) is recorded by sample.
@@ -34,6 +36,8 @@ class EndProbability(AddOn):
     token, one entry per token put in place, in order (NaN where the step returned none)."""
 
     end_token_ids: tuple[int, ...]
+    covered: tuple[str, ...] = ()
+    """Stop strings whose ends the watched tokens stand for (their chances are in the watched probability)."""
     chances: dict[int, list[float]] = field(default_factory=dict)
 
     def plan_sample(self, seq: Sequence, index: int, out: SchedulerOutput) -> None:
@@ -44,14 +48,14 @@ class EndProbability(AddOn):
         p = output.watched.get(index) if self.end_token_ids else 0.0
         self.chances.setdefault(seq.sample_index, []).append(math.nan if p is None else float(p))
 
-    def of(self, sample_index: int, num_tokens: int, ended_by_string: bool) -> list[float] | None:
-        """Sample ``sample_index``'s chance of ending at each of its ``num_tokens`` output positions, a stop
-        string's end (seen, not a token's chance) added at the last; None when a position has no chance
-        recorded."""
+    def of(self, sample_index: int, num_tokens: int, stop_string: str | None) -> list[float] | None:
+        """Sample ``sample_index``'s chance of ending at each of its ``num_tokens`` output positions; the end by
+        ``stop_string`` (the stop string that ended it, if one did), when it is not ``covered``, added at the
+        last as seen. None when a position has no chance recorded."""
         c = self.chances.get(sample_index, [])
         if len(c) != num_tokens or any(math.isnan(x) for x in c):
             return None
         c = list(c)
-        if ended_by_string and c:
+        if stop_string is not None and stop_string not in self.covered and c:
             c[-1] += 1.0
         return c

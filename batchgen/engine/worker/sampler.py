@@ -320,22 +320,48 @@ def _watch_probs(
     probs: Tensor, rand_idx: list[int], watch: dict[int, tuple[int, ...]], watched: dict[int, float]
 ) -> None:
     """``watched[row]``: the sum of ``probs`` over the row's watched tokens, for every watched random row
-    (``probs[j]`` is row ``rand_idx[j]``'s distribution); one gather for them all."""
+    (``probs[j]`` is row ``rand_idx[j]``'s distribution). Rows watching the same tuple of tokens (the same
+    object) are summed in one gather, however many tokens it holds."""
     at = {row: j for j, row in enumerate(rand_idx)}
+    groups: dict[int, tuple[tuple[int, ...], list[int], list[int]]] = {}
+    for row, ids in watch.items():
+        j = at.get(row)
+        if j is None:
+            continue
+        g = groups.get(id(ids))
+        if g is None:
+            g = groups[id(ids)] = (ids, [], [])
+        g[1].append(row)
+        g[2].append(j)
     vocab = probs.shape[1]
-    which = [(row, t) for row in watch if row in at for t in watch[row] if 0 <= t < vocab]
-    if not which:
-        for row in watch:
-            if row in at:
-                watched[row] = 0.0
-        return
-    flat = torch.tensor([at[row] * vocab + t for row, t in which], dtype=torch.int64, device=probs.device)
-    vals = probs.reshape(-1)[flat].double().cpu().tolist()
-    for row in watch:
-        if row in at:
-            watched[row] = 0.0
-    for (row, _), v in zip(which, vals):
-        watched[row] += v
+    for ids, rows, js in groups.values():
+        cols = _token_columns(ids, vocab, probs.device)
+        if cols.numel() == 0:
+            sums = [0.0] * len(rows)
+        else:
+            sel = torch.tensor(js, dtype=torch.int64, device=probs.device)
+            sums = probs.index_select(0, sel).index_select(1, cols).double().sum(dim=1).cpu().tolist()
+        for row, v in zip(rows, sums):
+            watched[row] = v
+
+
+_COLUMNS: dict[tuple[int, int, str], tuple[tuple[int, ...], Tensor]] = {}
+"""Watched token tuples as index tensors, by (the tuple's id, vocab, device); each entry keeps its tuple alive, so
+the id names it. Bounded: cleared past :data:`_COLUMNS_MAX` entries."""
+_COLUMNS_MAX = 64
+
+
+def _token_columns(ids: tuple[int, ...], vocab: int, device: torch.device) -> Tensor:
+    """The ids within the vocab as an int64 tensor on ``device`` (made once per tuple object)."""
+    key = (id(ids), vocab, str(device))
+    hit = _COLUMNS.get(key)
+    if hit is not None and hit[0] is ids:
+        return hit[1]
+    if len(_COLUMNS) >= _COLUMNS_MAX:
+        _COLUMNS.clear()
+    cols = torch.tensor([t for t in ids if 0 <= t < vocab], dtype=torch.int64, device=device)
+    _COLUMNS[key] = (ids, cols)
+    return cols
 
 
 def _watch_greedy(
@@ -344,7 +370,23 @@ def _watch_greedy(
     """The watched rows not drawn at random (greedy): 1 if the token taken is watched, else 0."""
     for row, ids in (watch or {}).items():
         if row not in watched and row < len(token_ids):
-            watched[row] = 1.0 if token_ids[row] in ids else 0.0
+            watched[row] = 1.0 if token_ids[row] in _token_set(ids) else 0.0
+
+
+_SETS: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}
+
+
+def _token_set(ids: tuple[int, ...]) -> frozenset[int] | tuple[int, ...]:
+    """``ids`` for membership tests: a frozenset made once per tuple object where the tuple is long."""
+    if len(ids) <= 8:
+        return ids
+    hit = _SETS.get(id(ids))
+    if hit is not None and hit[0] is ids:
+        return hit[1]
+    if len(_SETS) >= _COLUMNS_MAX:
+        _SETS.clear()
+    _SETS[id(ids)] = (ids, frozenset(ids))
+    return _SETS[id(ids)][1]
 
 
 def _device(device: torch.device | str) -> torch.device:
