@@ -12,7 +12,7 @@ from engine_helpers import hf_model
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.llm_engine import LLMEngine
 from batchgen.engine.features.end_probability import EndProbability
-from batchgen.engine.worker.sampler import Sampler, SamplingRow, SamplingTensors
+from batchgen.engine.worker.sampler import Sampler, SamplingRow, SamplingTensors, WatchedTokens
 from batchgen.sampling_params import SamplingParams
 
 
@@ -40,10 +40,25 @@ def _reference(logits: np.ndarray, params: SamplingParams, ends: list[int], bann
     return float(p[ends].sum())
 
 
+def _run_to_end(engine: LLMEngine) -> dict:
+    """Step ``engine`` until it has nothing unfinished; its outputs by request id."""
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+    return outs
+
+
+def _generated_logits(model, prompt: list[int], tokens: list[int]) -> np.ndarray:  # noqa: ANN001
+    """The transformers model's float64 logits at each position that drew one of ``tokens`` after ``prompt``."""
+    with torch.inference_mode():
+        return model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double().numpy()
+
+
 def test_the_sampler_returns_the_drawn_distributions_chance_of_the_watched_tokens() -> None:
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 3
-    ends = (3, 7, 11)
+    ends = WatchedTokens((3, 7, 11))
     params = [
         SamplingParams(temperature=0.8),
         SamplingParams(temperature=1.3, top_k=10),
@@ -55,7 +70,7 @@ def test_the_sampler_returns_the_drawn_distributions_chance_of_the_watched_token
     logits[3, 7] = 50.0  # the greedy row takes a watched token
     watch = {i: ends for i in (0, 1, 2, 3, 4)}  # row 5 is not watched
     rows = [
-        SamplingRow(p, key=i, banned_token_ids=list(ends) if i == 4 else []) for i, p in enumerate(params)
+        SamplingRow(p, key=i, banned_token_ids=list(ends.ids) if i == 4 else []) for i, p in enumerate(params)
     ]
     for out in (
         Sampler(seed=1)(logits, rows, None, watch),  # rows built
@@ -65,11 +80,13 @@ def test_the_sampler_returns_the_drawn_distributions_chance_of_the_watched_token
     ):
         assert set(out.watched) == set(range(min(5, len(out.token_ids))))
         for i, got in out.watched.items():
-            want = _reference(logits[i].numpy(), params[i], list(ends), banned=i == 4)
+            want = _reference(logits[i].numpy(), params[i], list(ends.ids), banned=i == 4)
             assert got == pytest.approx(want, abs=1e-6), i
     assert out.watched[3] == 1.0
     # greedy only: the argmax itself
-    g = Sampler()(logits[:2], None, None, {0: (int(logits[0].argmax()),), 1: (0,)})
+    g = Sampler()(
+        logits[:2], None, None, {0: WatchedTokens((int(logits[0].argmax()),)), 1: WatchedTokens((0,))}
+    )
     assert g.watched == {0: 1.0, 1: float(int(logits[1].argmax()) == 0)}
 
 
@@ -103,13 +120,10 @@ def test_the_engine_records_each_tokens_chance_of_ending_as_drawn(
     ]
     watches = []
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        w = EndProbability(tuple(engine.stop.stop_token_ids(sp)))
+        w = EndProbability(WatchedTokens(engine.stop.stop_token_ids(sp)))
         watches.append(w)
         engine.add_request(i, p, sp, addons=(w,))
-    outs = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs[o.request_id] = o
+    outs = _run_to_end(engine)
     model = hf_model(llama_ckpt)
     ended = 0
     for i, (p, sp, w) in enumerate(zip(prompts, params, watches)):
@@ -117,8 +131,7 @@ def test_the_engine_records_each_tokens_chance_of_ending_as_drawn(
         chances = w.of(0, len(toks), None)
         assert chances is not None and len(chances) == len(toks)
         ended += outs[i].outputs[0].finish_reason == "stop"
-        with torch.inference_mode():
-            logits = model(torch.tensor([p + toks])).logits[0, len(p) - 1 : -1].double().numpy()
+        logits = _generated_logits(model, p, toks)
         end_ids = sorted(set(sp.stop_token_ids))
         for t, got in enumerate(chances):
             want = _reference(logits[t], sp, end_ids, banned=t < sp.min_tokens)
@@ -161,10 +174,7 @@ def test_a_one_character_stop_string_is_watched_through_the_tokens_that_hold_it(
     for i, p in enumerate(prompts):
         watches.append(_end_watch(engine, sp, memo))
         engine.add_request(i, p, sp, addons=(watches[-1],))
-    outs = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs[o.request_id] = o
+    outs = _run_to_end(engine)
     model = hf_model(llama_ckpt)
     by_string = 0
     for i, p in enumerate(prompts):
@@ -172,8 +182,7 @@ def test_a_one_character_stop_string_is_watched_through_the_tokens_that_hold_it(
         toks = c.token_ids
         chances = watches[i].of(0, len(toks), c.stop_reason if isinstance(c.stop_reason, str) else None)
         assert chances is not None
-        with torch.inference_mode():
-            logits = model(torch.tensor([p + toks])).logits[0, len(p) - 1 : -1].double().numpy()
+        logits = _generated_logits(model, p, toks)
         for t, got in enumerate(chances):
             assert got == pytest.approx(
                 _reference(logits[t], sp, list(w.end_token_ids), banned=False), abs=2e-4

@@ -278,7 +278,12 @@ class OutputLengths:
         m = bound - self.horizon
         if m <= 0:
             return 0.0
-        if self.ends is not None:  # expected ends: the rate itself (no draw's noise to correct for)
+        return self._fitted_hazard(m)
+
+    def _fitted_hazard(self, m: int) -> float:
+        """The tail's hazard fitted to the samples over ``m`` positions past the horizon: with chances, the
+        expected ends' rate itself (no draw's noise to correct for); else from the ends seen, without bias."""
+        if self.ends is not None:
             return min(1.0, self.ends / self.exposure) if self.exposure > 0 else 0.0
         return _hazard_for(tail_estimate(self.events, self.exposure, m), m)
 
@@ -322,12 +327,12 @@ class OutputLengths:
         m = bound - self.horizon
         if m > 0 and not self.lower:
             s_h = float(self.survival[-1])
-            if self.ends is None:
-                tail = tail_estimate(self.events, self.exposure, m)
-                h = _hazard_for(tail, m)
-            else:
-                h = min(1.0, self.ends / self.exposure) if self.exposure > 0 else 0.0
-                tail = _geometric_mean_len(h, m)
+            h = self._fitted_hazard(m)
+            tail = (
+                tail_estimate(self.events, self.exposure, m)
+                if self.ends is None
+                else _geometric_mean_len(h, m)
+            )
             # the tail's mean moved by one standard error of the rate (about sqrt(d + 1) / X, the ends' count
             # as if drawn: kept where the chances stand for them, the rows' own spread is not measured)
             d = self.events if self.ends is None else self.ends
@@ -491,11 +496,10 @@ def run_calibration(
     cal.warmup_seconds = time.perf_counter() - t_start
     rows = order[:max_rows]
     n0 = len(samples)
-    memo: dict = {}  # the end watches' token sets, made before the batches are timed (not the job's work)
-    for r in rows:
-        _end_watch(engine, r.params, memo)
+    memo: dict = {}  # the end watches, made before the batches are timed (not the job's work)
+    watches = {r.index: _end_watch(engine, r.params, memo) for r in rows}
     t0 = time.perf_counter()
-    admitted, finished = _run_stream(engine, rows, admit, samples, cal, t_start, state, refresh, memo)
+    admitted, finished = _run_stream(engine, rows, admit, samples, cal, t_start, state, refresh, watches)
     batch_wall = (
         state.stopped or time.perf_counter()
     ) - t0  # aborting the rows still running is not the job's
@@ -581,7 +585,7 @@ def _run_stream(
     t_start: float,
     state: BudgetState,
     refresh: Any,
-    memo: dict | None = None,
+    watches: dict[int, EndProbability | None],
 ) -> tuple[int, int]:
     """Feed ``rows`` to the engine as the job does (a finished row's place taken by the next, at most
     ``admit(unfinished rows allowed so far)`` unfinished: ramped to the job's concurrency so no step's prefill
@@ -591,8 +595,7 @@ def _run_stream(
     from batchgen.driver import Driver, EngineRequest, Requests
 
     ids = {f"batchgen-calibration-{r.index}": r for r in rows}
-    memo = {} if memo is None else memo
-    watches = {rid: _end_watch(engine, r.params, memo) for rid, r in ids.items()}
+    watches = {rid: watches[r.index] for rid, r in ids.items()}  # by request id from here on
     requests = [
         EngineRequest(rid, list(r.token_ids), r.params, lora_request=r.lora, addons=_addons(watches[rid]))
         for rid, r in ids.items()
@@ -673,9 +676,10 @@ def _end_watch(engine: Any, params: Any, memo: dict) -> EndProbability | None:
     """An add-on recording a sampled request's chance of ending at each token (None: greedy or beam
     requests, whose ends are as good as their chances, or an engine without stop rules). Its tokens: the stop
     ids and eos, and, where no ``min_tokens`` holds them back, every token whose text holds a one-character
-    stop string (drawn, it ends the sequence). Requests with the same ends share one tuple (``memo``), so the
-    sampler sums their chances in one gather."""
+    stop string (drawn, it ends the sequence). Requests with the same ends share one :class:`WatchedTokens`
+    (``memo``), so the sampler sums their chances in one gather."""
     from batchgen.engine.features.end_probability import EndProbability
+    from batchgen.engine.worker.sampler import WatchedTokens
 
     stop = getattr(engine, "stop", None)
     if stop is None or params is None or params.greedy or getattr(params, "beam_width", 1) > 1:
@@ -685,9 +689,10 @@ def _end_watch(engine: Any, params: Any, memo: dict) -> EndProbability | None:
     key = (ids, chars)
     if key not in memo:
         holding = _tokens_holding(getattr(engine, "tokenizer", None), chars, memo) if chars else None
-        memo[key] = (tuple(sorted(set(ids) | holding)), chars) if holding is not None else (ids, ())
-    end_ids, covered = memo[key]
-    return EndProbability(end_ids, covered)
+        end_ids, covered = (sorted(set(ids) | holding), chars) if holding is not None else (ids, ())
+        memo[key] = (WatchedTokens(end_ids), covered)
+    tokens, covered = memo[key]
+    return EndProbability(tokens, covered)
 
 
 def _tokens_holding(tokenizer: Any, chars: tuple[str, ...], memo: dict) -> set[int] | None:

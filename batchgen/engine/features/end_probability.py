@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from batchgen.engine.sched.request_group import AddOn
+from batchgen.engine.worker.sampler import WatchedTokens
 
 if TYPE_CHECKING:
     from batchgen.engine.sched.output import SchedulerOutput
@@ -30,22 +31,27 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)
 class EndProbability(AddOn):
-    """Watches the draws of one request's sequences for ``end_token_ids``.
+    """Watches the draws of one request's sequences for ``tokens`` (requests with the same ends may share one
+    :class:`WatchedTokens`: the sampler then sums their chances in one gather).
 
     Invariant: ``chances[k][t]`` is the probability that sample ``k``'s output token ``t`` (from 0) ended it by
     token, one entry per token put in place, in order (NaN where the step returned none)."""
 
-    end_token_ids: tuple[int, ...]
+    tokens: WatchedTokens
     covered: tuple[str, ...] = ()
     """Stop strings whose ends the watched tokens stand for (their chances are in the watched probability)."""
     chances: dict[int, list[float]] = field(default_factory=dict)
 
+    @property
+    def end_token_ids(self) -> tuple[int, ...]:
+        return self.tokens.ids
+
     def plan_sample(self, seq: Sequence, index: int, out: SchedulerOutput) -> None:
-        if self.end_token_ids:
-            out.watch_tokens(index, self.end_token_ids)
+        if self.tokens:
+            out.watch_tokens(index, self.tokens)
 
     def sampled(self, seq: Sequence, index: int, output: RunnerOutput) -> None:
-        p = output.watched.get(index) if self.end_token_ids else 0.0
+        p = output.watched.get(index) if self.tokens else 0.0
         self.chances.setdefault(seq.sample_index, []).append(math.nan if p is None else float(p))
 
     def of(self, sample_index: int, num_tokens: int, stop_string: str | None) -> list[float] | None:

@@ -18,6 +18,7 @@ from batchgen.engine.worker.step_input import HiddenRead, RunnerOutput
 if TYPE_CHECKING:
     from batchgen.engine.sched.request_group import RequestGroup
     from batchgen.engine.sched.sequence import Sequence
+    from batchgen.engine.worker.sampler import WatchedTokens
 
 R = TypeVar("R", bound=HiddenRead)
 
@@ -102,7 +103,7 @@ class SchedulerOutput:
     parts: list[tuple[RequestGroup, GroupStep]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
-    watch: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    watch: dict[int, WatchedTokens] = field(default_factory=dict)
     """Sample index -> tokens whose probability of being the one drawn the runner returns
     (``RunnerOutput.watched``)."""
     plain_greedy: bool = True
@@ -134,9 +135,9 @@ class SchedulerOutput:
         self.plain_sampling = self.plain_sampling and request.plain_sampling
         return len(self.sample_seqs) - 1
 
-    def watch_tokens(self, index: int, token_ids: tuple[int, ...]) -> None:
-        """The probability that sample ``index`` draws one of ``token_ids`` is returned with its token."""
-        self.watch[index] = token_ids
+    def watch_tokens(self, index: int, tokens: WatchedTokens) -> None:
+        """The probability that sample ``index`` draws one of ``tokens`` is returned with its token."""
+        self.watch[index] = tokens
 
     def score(self, rows: list[int]) -> tuple[int, int]:
         """These rows' log-softmax is returned; returns their range in the step's scored rows."""

@@ -32,6 +32,7 @@ Scored rows are not sampled: :meth:`Sampler.log_softmax` returns their float32 l
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -73,6 +74,32 @@ class SamplerOutput:
     step's inputs without a host round trip)."""
     watched: dict[int, float] = field(default_factory=dict)
     """Row -> the probability that its draw was one of its watched tokens (rows of ``watch`` only)."""
+
+
+class WatchedTokens:
+    """Token ids whose probability of being drawn a row watches (:class:`Sampler`'s ``watch``), with the forms
+    the sampler reads them in, each made once: a set (greedy rows: is the token taken one of them) and an index
+    tensor per vocab size and device (random rows: one gather). Compared by identity: rows watching one object
+    are summed together."""
+
+    __slots__ = ("ids", "members", "_columns")
+
+    def __init__(self, ids: Iterable[int]) -> None:
+        self.ids = tuple(ids)
+        self.members = frozenset(self.ids)
+        self._columns: dict[tuple[int, str], Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def columns(self, vocab: int, device: torch.device) -> Tensor:
+        """The ids within the vocab as an int64 tensor on ``device``."""
+        key = (vocab, str(device))
+        cols = self._columns.get(key)
+        if cols is None:
+            ids = [t for t in self.ids if 0 <= t < vocab]
+            cols = self._columns[key] = torch.tensor(ids, dtype=torch.int64, device=device)
+        return cols
 
 
 _FILTER_FIELDS = ("temperature", "top_k", "top_p", "min_p")
@@ -199,7 +226,7 @@ class Sampler:
         logits: Tensor,
         rows: list[SamplingRow] | None,
         settings: SamplingTensors | None = None,
-        watch: dict[int, tuple[int, ...]] | None = None,
+        watch: dict[int, WatchedTokens] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row. ``logits``: float32 ``[N, V]`` with ``N == len(rows)``; not modified.
         ``settings``: the rows' filter settings when the caller keeps them (:class:`SamplingBatch`), else
@@ -269,7 +296,7 @@ class Sampler:
         x: Tensor,
         rows: list[SamplingRow] | None,
         settings: SamplingTensors,
-        watch: dict[int, tuple[int, ...]] | None = None,
+        watch: dict[int, WatchedTokens] | None = None,
         watched: dict[int, float] | None = None,
     ) -> Tensor:
         """Greedy rows take the argmax of ``x``; random rows are filtered and drawn (``rows`` None: no row
@@ -317,25 +344,21 @@ class Sampler:
 
 
 def _watch_probs(
-    probs: Tensor, rand_idx: list[int], watch: dict[int, tuple[int, ...]], watched: dict[int, float]
+    probs: Tensor, rand_idx: list[int], watch: dict[int, WatchedTokens], watched: dict[int, float]
 ) -> None:
     """``watched[row]``: the sum of ``probs`` over the row's watched tokens, for every watched random row
-    (``probs[j]`` is row ``rand_idx[j]``'s distribution). Rows watching the same tuple of tokens (the same
-    object) are summed in one gather, however many tokens it holds."""
+    (``probs[j]`` is row ``rand_idx[j]``'s distribution). Rows watching the same :class:`WatchedTokens` are
+    summed in one gather, however many tokens it holds."""
     at = {row: j for j, row in enumerate(rand_idx)}
-    groups: dict[int, tuple[tuple[int, ...], list[int], list[int]]] = {}
-    for row, ids in watch.items():
+    groups: dict[WatchedTokens, tuple[list[int], list[int]]] = {}
+    for row, tokens in watch.items():
         j = at.get(row)
-        if j is None:
-            continue
-        g = groups.get(id(ids))
-        if g is None:
-            g = groups[id(ids)] = (ids, [], [])
-        g[1].append(row)
-        g[2].append(j)
-    vocab = probs.shape[1]
-    for ids, rows, js in groups.values():
-        cols = _token_columns(ids, vocab, probs.device)
+        if j is not None:
+            rows, js = groups.setdefault(tokens, ([], []))
+            rows.append(row)
+            js.append(j)
+    for tokens, (rows, js) in groups.items():
+        cols = tokens.columns(probs.shape[1], probs.device)
         if cols.numel() == 0:
             sums = [0.0] * len(rows)
         else:
@@ -345,48 +368,13 @@ def _watch_probs(
             watched[row] = v
 
 
-_COLUMNS: dict[tuple[int, int, str], tuple[tuple[int, ...], Tensor]] = {}
-"""Watched token tuples as index tensors, by (the tuple's id, vocab, device); each entry keeps its tuple alive, so
-the id names it. Bounded: cleared past :data:`_COLUMNS_MAX` entries."""
-_COLUMNS_MAX = 64
-
-
-def _token_columns(ids: tuple[int, ...], vocab: int, device: torch.device) -> Tensor:
-    """The ids within the vocab as an int64 tensor on ``device`` (made once per tuple object)."""
-    key = (id(ids), vocab, str(device))
-    hit = _COLUMNS.get(key)
-    if hit is not None and hit[0] is ids:
-        return hit[1]
-    if len(_COLUMNS) >= _COLUMNS_MAX:
-        _COLUMNS.clear()
-    cols = torch.tensor([t for t in ids if 0 <= t < vocab], dtype=torch.int64, device=device)
-    _COLUMNS[key] = (ids, cols)
-    return cols
-
-
 def _watch_greedy(
-    token_ids: list[int], watch: dict[int, tuple[int, ...]] | None, watched: dict[int, float]
+    token_ids: list[int], watch: dict[int, WatchedTokens] | None, watched: dict[int, float]
 ) -> None:
     """The watched rows not drawn at random (greedy): 1 if the token taken is watched, else 0."""
-    for row, ids in (watch or {}).items():
+    for row, tokens in (watch or {}).items():
         if row not in watched and row < len(token_ids):
-            watched[row] = 1.0 if token_ids[row] in _token_set(ids) else 0.0
-
-
-_SETS: dict[int, tuple[tuple[int, ...], frozenset[int]]] = {}
-
-
-def _token_set(ids: tuple[int, ...]) -> frozenset[int] | tuple[int, ...]:
-    """``ids`` for membership tests: a frozenset made once per tuple object where the tuple is long."""
-    if len(ids) <= 8:
-        return ids
-    hit = _SETS.get(id(ids))
-    if hit is not None and hit[0] is ids:
-        return hit[1]
-    if len(_SETS) >= _COLUMNS_MAX:
-        _SETS.clear()
-    _SETS[id(ids)] = (ids, frozenset(ids))
-    return _SETS[id(ids)][1]
+            watched[row] = 1.0 if token_ids[row] in tokens.members else 0.0
 
 
 def _device(device: torch.device | str) -> torch.device:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from batchgen.attention import AttentionMetadata
-from batchgen.engine.worker.sampler import SamplingRow, SamplingTensors
+from batchgen.engine.worker.sampler import SamplingRow, SamplingTensors, WatchedTokens
 
 
 @dataclass
@@ -118,7 +118,7 @@ class SamplingInput:
     mask: RowMask | None = None
     num_score_rows: int = 0
     release: list[int] = field(default_factory=list)
-    watch: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    watch: dict[int, WatchedTokens] = field(default_factory=dict)
 
 
 @dataclass
