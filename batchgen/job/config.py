@@ -215,7 +215,7 @@ class PlanOptions:
     cost_per_hour: float | None = None
     """Price of one device-hour (any currency): the plan adds the predicted cost; null = no cost."""
     calibrate: bool = True
-    """Run the real engine over a small stratified sample of rows to predict the wall time and the output tokens (capped at plan.calibration_fraction of the predicted time); false = tokens and memory only."""
+    """Run the real engine (a pooling job: its model) over a small stratified sample of rows to predict the wall time and the output tokens (capped at plan.calibration_fraction of the predicted time); false = tokens and memory only."""
     calibration_fraction: float = 0.05
     """Most of the job's predicted wall time the calibration may spend (warm-up included; a few engine steps at least, a small sample widening the range); it stops, aborting the rows it runs, when that is spent."""
     calibration_rows: int = 512

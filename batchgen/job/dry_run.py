@@ -1063,17 +1063,18 @@ def _recommend(data, fit, kv_tok, pct, bounds, ecfg, inp, dev_mem, n_dev) -> dic
 def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
     """``run.dry_run=true``: the plan of the job described by ``plan`` (a :class:`JobPlan`), printed and
     written to ``_plan.json``; returns the JobResult (exit status 0)."""
-    from batchgen.data.output_dir import open_output_dir
-    from batchgen.job.plan import RETRY_KEYS, fresh_manifest
-    from batchgen.job.plan_report import format_plan, write_plan
-    from batchgen.job.result import EXIT_OK, JobResult
+    from batchgen.job.config import POOLING_TASKS
     from batchgen.job.run import _load_tokenizer, _start_engine
 
     cfg = plan.cfg
+    if cfg.task in POOLING_TASKS:
+        from batchgen.job.pool_plan import plan_pooling_job
+
+        return _write_plan(plan, Plan(plan_pooling_job(plan)), print_summary)
     if cfg.task != "generate":
         from batchgen.errors import ConfigError
 
-        raise ConfigError(f"run.dry_run plans task=generate jobs; task={cfg.task} is not supported")
+        raise ConfigError(f"run.dry_run plans generation and pooling jobs; task={cfg.task} is not supported")
     tokenizer = engine.tokenizer if engine is not None else _load_tokenizer(plan)
     inp = read_job_rows(plan, tokenizer, cfg.plan.sample_rows)
     logger.info("dry run: read and tokenized %d of %d rows in %.1f s", inp.rows_read, inp.rows_total,
@@ -1087,12 +1088,25 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
     p = build_plan(inp, cfg.engine, tokenizer=tokenizer, engine=engine, plan_cfg=cfg.plan,
                    model=cfg.model.path or "tiny (embedded)", model_path=plan.model_path, replicas=replicas,
                    model_dtype=cfg.model.dtype)  # fmt: skip
+    # the engine's start-up (model load, pool allocation) as this dry run measured it: the job pays it
+    # before its run.wall_time_s starts (the report's startup_s)
+    p.data["predicted"]["startup_s"] = startup_s
+    return _write_plan(plan, p, print_summary)
+
+
+def _write_plan(plan: Any, p: Plan, print_summary: bool) -> Any:
+    """The plan's job-level figures (start-up, the whole array, warnings), then ``_plan.json`` written and the
+    plan printed; returns the JobResult (exit status 0)."""
+    from batchgen.data.output_dir import open_output_dir
+    from batchgen.job.plan import RETRY_KEYS, fresh_manifest
+    from batchgen.job.plan_report import format_plan, write_plan
+    from batchgen.job.result import EXIT_OK, JobResult
+
+    cfg = plan.cfg
     p.data["fingerprint"] = plan.fingerprint  # the report compares only a plan of the same configuration
     p.data["warnings"] = outcome_warnings(p.data["rows"], cfg.run.max_error_fraction)
     pred, count = p.data["predicted"], cfg.data.shard.count
-    # the engine's start-up (model load, pool allocation) as this dry run measured it: the job pays it
-    # before its run.wall_time_s starts (the report's startup_s)
-    pred["startup_s"] = startup_s
+    startup_s = pred.get("startup_s")
     if startup_s is not None and pred.get("wall_time_s") is not None:
         pred["total_time_s"] = startup_s + pred["wall_time_s"]
     if count > 1 and pred.get("device_hours") is not None:

@@ -86,14 +86,19 @@ def prediction_section(plan: dict[str, Any], report: dict[str, Any]) -> dict[str
                              for k, v in p["schedule"].items()}  # fmt: skip
     rng = p.get("wall_time_range_s")
     actual_wall = run.get("wall_time_s")
+    pooled = (report.get("pooling") or {}).get("prompt_tokens")  # a pooling run: the tokens it pooled (an
+    # encoder runs outside the engine, whose token counts stay 0)
     out: dict[str, Any] = {
         "plan_created": plan.get("created"),
         "wall_time_s": {"predicted": p.get("wall_time_s"), "range": rng, "actual": actual_wall},
         "prefix_hit_rate": {"predicted": p.get("prefix_hit_rate"), "actual": tok.get("prefix_hit_rate")},
-        "prompt_tokens": {"predicted": p.get("prompt_tokens"), "actual": tok.get("prompt_admitted")},
+        "prompt_tokens": {
+            "predicted": p.get("prompt_tokens"),
+            "actual": tok.get("prompt_admitted") or pooled,
+        },
         "prompt_tokens_computed": {
             "predicted": p.get("prompt_tokens_to_compute"),
-            "actual": tok.get("prompt_computed"),
+            "actual": tok.get("prompt_computed") or pooled,  # an encoder's pooling computes every token
         },
         "generated_tokens": {"predicted": p.get("output_tokens"), "actual": tok.get("generated")},
         "startup_s": {"predicted": p.get("startup_s"), "actual": report.get("startup_s")},
@@ -157,7 +162,7 @@ def prediction_lines(pred: dict[str, Any]) -> list[tuple[str, str]]:
     su = pred.get("startup_s") or {}
     if su.get("predicted") is not None:
         lines.append(("planned start-up", f"{_dur(su['predicted'])}; actual {_dur(su.get('actual'))}"))
-    g = pred["generated_tokens"]
+    g = pred.get("generated_tokens") or {}
     if g.get("predicted") is not None:
         lines.append(("planned generated tokens", f"{_num(g['predicted'])}; actual {_num(g.get('actual'))}"))
     st, pre = pred.get("engine_steps") or {}, pred.get("preemptions") or {}
@@ -190,11 +195,12 @@ def format_plan(plan: dict[str, Any]) -> str:
     ]  # fmt: skip
     for note in (plan.get("sharing") or {}).get("notes") or []:
         lines.append(("  sharing", note))
-    out = plan.get("output_tokens") or {}
-    lines.append(("output tokens", f"bound {_num(out.get('bound'))}, expected {_num(pred.get('output_tokens'))}"
-                  + (f" ({out['source']})" if out.get("source") else "")))  # fmt: skip
+    out = plan.get("output_tokens")
+    if out is not None:  # a generation job (a pooling job generates nothing)
+        lines.append(("output tokens", f"bound {_num(out.get('bound'))}, expected {_num(pred.get('output_tokens'))}"
+                      + (f" ({out['source']})" if out.get("source") else "")))  # fmt: skip
     mem = plan.get("memory") or {}
-    if mem:
+    if "kv_bytes_per_token" in mem:  # a generation job's KV cache
         lines.append(("KV cache", f"{_num(mem.get('kv_bytes_per_token'))} bytes/token "
                       f"(kv_cache_dtype {mem.get('kv_cache_dtype', 'auto')}); pool of "
                       f"{_num(mem.get('kv_pool_tokens'))} tokens holds {_num(mem.get('sequences_that_fit'))} "

@@ -97,7 +97,7 @@ def _pool_window(plan: Any, runner: Any, table: pa.Table, spec: Any) -> tuple[di
     cols["num_prompt_tokens"] = pa.array([len(t) if k else None for t, k in zip(tokens, ok)], pa.int64())
     cols["status"] = pa.array(["ok" if k else "error" for k in ok], pa.string())
     cols["error"] = pa.array(why, pa.string())
-    return cols, sum(len(tokens[i]) for i in todo)
+    return cols, sum(len(t) for t, k in zip(tokens, ok) if k)  # the rows pooled (not those refused)
 
 
 def run_pool_windows(

@@ -1,0 +1,129 @@
+"""The dry run of pooling jobs (task=embed / task=classify): rows and error rows as the job makes them, prompt
+tokens, the prefix hit rate a decoder's pooling gets, a calibrated wall time, and the report's prediction after
+the job runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pooling_zoo as zoo
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import job_config
+
+from batchgen.job.config import PlanOptions, PoolingOptions
+from batchgen.job.run import run_job
+
+INSTRUCTION = (
+    "Instruct: find the passages that answer the question, a long instruction every row shares. Query: "
+)
+
+
+def _texts(n: int, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    words = "alpha beta gamma delta passage query token".split()
+    rows: list = [
+        INSTRUCTION + " ".join(rng.choice(words) for _ in range(rng.randint(1, 40))) for _ in range(n)
+    ]
+    rows[3], rows[8] = "", None  # error rows: not a non-empty string
+    rows[5] = " ".join(["alpha"] * 600)  # error row: longer than the model takes
+    return rows
+
+
+def _job(ckpt, tmp_path, task, dry_run, **plan):  # noqa: ANN001
+    job = job_config(
+        ckpt, tmp_path / "in.parquet", tmp_path / "out", data={"window_rows": 16, "id_column": "key"}
+    )
+    return dataclasses.replace(
+        job,
+        task=task,
+        pooling=PoolingOptions(),
+        plan=PlanOptions(**plan),
+        run=dataclasses.replace(job.run, dry_run=dry_run, max_error_fraction=1.0),
+    )
+
+
+def _plan_then_job(ckpt, tmp_path, task="embed", **plan) -> tuple[dict, dict, pa.Table]:  # noqa: ANN001
+    texts = _texts(60)
+    pq.write_table(
+        pa.table({"key": [f"k{i}" for i in range(len(texts))], "prompt": texts}), tmp_path / "in.parquet"
+    )
+    res = run_job(_job(ckpt, tmp_path, task, True, **plan), print_summary=False, handle_signals=False)
+    assert res.exit_code == 0, res.message
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["_plan.json"]  # nothing but the plan written
+    planned = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    res = run_job(_job(ckpt, tmp_path, task, False, **plan), print_summary=False, handle_signals=False)
+    assert res.exit_code == 0, res.message
+    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    out = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out").glob("part-*.parquet"))])
+    return planned, report, out
+
+
+def _check_rows_and_tokens(planned: dict, report: dict, out: pa.Table) -> None:
+    rows = out.to_pydict()
+    bad = [k for k, s in zip(rows["id"], rows["status"]) if s == "error"]
+    assert planned["task"] in ("embed", "classify")
+    assert planned["rows"] == {"total": 60, "sampled": 60, "valid": 57, "error": 3}
+    assert (
+        sorted(i for e in planned["errors"].values() for i in e["first_ids"])
+        == sorted(bad)
+        == ["k3", "k5", "k8"]
+    )
+    pooled = sum(n for n, s in zip(rows["num_prompt_tokens"], rows["status"]) if s == "ok")
+    assert report["pooling"]["prompt_tokens"] == pooled == planned["predicted"]["prompt_tokens"]
+    pred = report["prediction"]
+    assert pred["prompt_tokens"] == {"predicted": pooled, "actual": pooled}
+    w = pred["wall_time_s"]
+    assert 0 < w["range"][0] < w["predicted"] < w["range"][1] and w["actual"] > 0
+    cal = planned["calibration"]
+    assert cal["rows"] > 0 and cal["chunks"] >= 2 and cal["seconds_per_prompt_token"] > 0
+
+
+def test_embed_dry_run_on_an_encoder_then_the_job(tmp_path):
+    path = zoo.encoder(tmp_path / "bert", "bert", "BertModel", seed=11)
+    planned, report, out = _plan_then_job(path, tmp_path)
+    _check_rows_and_tokens(planned, report, out)
+    # an encoder computes every token: no prefix cache
+    assert planned["predicted"]["prefix_hit_rate"] == 0.0
+    assert (
+        report["prediction"]["prompt_tokens_computed"]["actual"]
+        == planned["predicted"]["prompt_tokens_to_compute"]
+    )
+
+
+def test_classify_dry_run_on_a_decoder_predicts_its_prefix_hit_rate(tmp_path):
+    labels = {"id2label": zoo.LABELS3, "label2id": {v: k for k, v in zoo.LABELS3.items()}}
+    path = zoo.decoder(tmp_path / "cls", "qwen3", "Qwen3ForSequenceClassification", seed=5, **labels)
+    planned, report, out = _plan_then_job(path, tmp_path, task="classify")
+    _check_rows_and_tokens(planned, report, out)
+    # the decoder pools in token order on the paged engine: the shared instruction's blocks are reused
+    hit = report["prediction"]["prefix_hit_rate"]
+    assert hit["predicted"] > 0.3 and hit["difference"] == pytest.approx(0.0, abs=0.05)
+    computed = report["prediction"]["prompt_tokens_computed"]
+    assert computed["predicted"] == pytest.approx(computed["actual"], rel=0.05)
+
+
+def test_pooling_dry_run_without_calibration_and_an_unsupported_task(tmp_path):
+    from batchgen.errors import ConfigError
+    from batchgen.job.dry_run import dry_run_job
+
+    path = zoo.encoder(tmp_path / "bert", "bert", "BertModel", seed=11)
+    pq.write_table(
+        pa.table({"key": ["a", "b"], "prompt": ["one text", "another text"]}), tmp_path / "in.parquet"
+    )
+    res = run_job(
+        _job(path, tmp_path, "embed", True, calibrate=False), print_summary=False, handle_signals=False
+    )
+    assert res.exit_code == 0, res.message
+    planned = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert planned["predicted"]["wall_time_s"] is None and "calibration" not in planned
+    assert planned["rows"]["valid"] == 2 and planned["predicted"]["prompt_tokens"] > 0
+
+    class Score:
+        cfg = dataclasses.replace(_job(path, tmp_path, "embed", True), task="score")
+
+    with pytest.raises(ConfigError, match="plans generation and pooling jobs; task=score"):
+        dry_run_job(Score, None, False)
