@@ -210,3 +210,24 @@ def test_groups_that_do_not_divide_the_inputs(tmp_path, desc_act) -> None:
     assert isinstance(down, GroupQuantLinear) and down.groups == [32]
     got = batchgen_greedy(llm)
     assert got == transformers_greedy(dense) and len({t for row in got for t in row}) > 6
+
+
+def test_python_m_batchgen_refuses_a_scheme_with_exit_2_in_one_line(llama_256, tmp_path) -> None:
+    """``python -m batchgen`` is the ``batchgen`` command: a GPTQ checkpoint of 3 bits is one line, exit 2."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import env_without_slurm
+
+    path = writers.write_gptq(llama_256, tmp_path / "q")
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    cfg["quantization_config"]["bits"] = 3
+    (Path(path) / "config.json").write_text(json.dumps(cfg))
+    pq.write_table(pa.table({"prompt": ["hello"]}), tmp_path / "in.parquet")
+    args = [f"model.path={path}", f"data.input={tmp_path / 'in.parquet'}", f"data.output={tmp_path / 'out'}"]
+    res = subprocess.run([sys.executable, "-m", "batchgen", *args], cwd=tmp_path, env=env_without_slurm(),
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    lines = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "GPTQ bits=3 not supported" in lines[0], lines
