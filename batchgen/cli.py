@@ -37,7 +37,10 @@ def _interrupted_while_starting(signum: int, frame: object) -> None:
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
 
-if os.path.basename(sys.argv[0] if sys.argv else "") in ("batchgen", "cli.py"):
+_ARGV0 = sys.argv[0] if sys.argv else ""
+if os.path.basename(_ARGV0) in ("batchgen", "cli.py") or _ARGV0.endswith(
+    os.path.join("batchgen", "__main__.py")
+):  # the console script, ``python -m batchgen.cli`` or ``python -m batchgen``
     # Run as the command (not imported): a signal while the imports below load is one line and exit 75, not a
     # traceback; main() hands SIGINT back to Python (KeyboardInterrupt, handled there) and the job's handlers.
     for _name in STOP_SIGNALS:

@@ -268,3 +268,18 @@ def test_embed_a_gguf_file(llama_256, tmp_path) -> None:
         atol=1e-5,
         rtol=1e-5,
     )
+
+
+def test_head_size_from_the_file_where_transformers_keeps_a_default(ckpt_factory, tmp_path) -> None:
+    """A qwen3 file whose heads are not the config class's default 128 wide (``attention.key_length`` 64):
+    transformers' reading of the file keeps 128 and cannot load it; batchgen reads the head size from the file,
+    and a float32 file's greedy output equals transformers' run of the checkpoint it was written from."""
+    from quant_helpers import transformers_greedy
+
+    base = ckpt_factory("qwen3", seed=32, hidden_size=256, intermediate_size=512, tie_word_embeddings=True)
+    path = write_gguf(base, tmp_path / "f32.gguf", 0)  # F32 tensors: the checkpoint's own weights
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
+    assert llm.engine.model.config.head_dim == 64
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert got == transformers_greedy(base, PROMPTS, NEW) and len({t for row in got for t in row}) > 6

@@ -186,3 +186,48 @@ def test_qwen2_with_projection_biases(ckpt_factory, tmp_path) -> None:
     assert llm.engine.model.model.layers[0].self_attn.qkv_proj.bias is not None
     got = batchgen_greedy(llm)
     assert got == transformers_greedy(_dequantized_checkpoint(path, tmp_path / "dense", "gptq", 4, True))
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_groups_that_do_not_divide_the_inputs(tmp_path, desc_act) -> None:
+    """GPTQ stores ceil(K / group_size) groups, the last one short (down_proj: 96 inputs in groups of 64 and
+    32; without a g_idx, the config's group size): greedy output equals transformers' run of the dequantized
+    weights."""
+    from model_zoo import checkpoint
+    from safetensors.torch import load_file, save_file
+
+    base = checkpoint("llama", seed=8, intermediate_size=96)
+    path = writers.write_gptq(base, tmp_path / "q", bits=4, group_size=64, desc_act=desc_act, sym=desc_act)
+    dense = _dequantized_checkpoint(path, tmp_path / "dense", "gptq", 4, True)
+    if not desc_act:  # a checkpoint without g_idx: the groups follow the config's group_size
+        state = load_file(str(Path(path) / "model.safetensors"))
+        save_file(
+            {k: v for k, v in state.items() if not k.endswith(".g_idx")},
+            str(Path(path) / "model.safetensors"),
+        )
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
+    down = llm.engine.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, GroupQuantLinear) and down.groups == [32]
+    got = batchgen_greedy(llm)
+    assert got == transformers_greedy(dense) and len({t for row in got for t in row}) > 6
+
+
+def test_python_m_batchgen_refuses_a_scheme_with_exit_2_in_one_line(llama_256, tmp_path) -> None:
+    """``python -m batchgen`` is the ``batchgen`` command: a GPTQ checkpoint of 3 bits is one line, exit 2."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import env_without_slurm
+
+    path = writers.write_gptq(llama_256, tmp_path / "q")
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    cfg["quantization_config"]["bits"] = 3
+    (Path(path) / "config.json").write_text(json.dumps(cfg))
+    pq.write_table(pa.table({"prompt": ["hello"]}), tmp_path / "in.parquet")
+    args = [f"model.path={path}", f"data.input={tmp_path / 'in.parquet'}", f"data.output={tmp_path / 'out'}"]
+    res = subprocess.run([sys.executable, "-m", "batchgen", *args], cwd=tmp_path, env=env_without_slurm(),
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    lines = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "GPTQ bits=3 not supported" in lines[0], lines

@@ -68,13 +68,18 @@ def _check_file(path: Path) -> None:
 
 
 def read_config(path: Path) -> ModelConfig:
-    """The file's model configuration (transformers' reading of its metadata), computing in float32."""
+    """The file's model configuration (transformers' reading of its metadata), computing in float32. The head
+    size is the file's ``attention.key_length`` where it records one (llama.cpp's converter writes the
+    checkpoint's ``head_dim`` there): transformers' reading of some architectures (qwen3) ignores it and keeps
+    the config class's default, which is another model's whenever ``head_dim`` is not that default."""
     from transformers import AutoConfig
 
     _require_gguf()
     _check_file(path)
-    arch_name = _architecture(path)
+    arch_name, key_length = _architecture(path)
     hf = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if key_length is not None:
+        hf.head_dim = key_length
     arch = next(iter(hf.architectures or []), None) or CAUSAL_ARCHITECTURE_OF_TYPE.get(hf.model_type)
     if arch is None:
         raise UnsupportedCheckpoint(f"GGUF architecture {arch_name!r} in {path} has no native implementation")
@@ -82,8 +87,9 @@ def read_config(path: Path) -> ModelConfig:
     return dataclasses.replace(config, dtype=torch.float32, weight_dtype=None)
 
 
-def _architecture(path: Path) -> str:
-    """The file's architecture, once it and every tensor's format are known to be runnable."""
+def _architecture(path: Path) -> tuple[str, int | None]:
+    """The file's architecture, once it and every tensor's format are known to be runnable, and its
+    ``attention.key_length`` (the head size; None when the file does not record it)."""
     gguf = _require_gguf()
     reader = gguf.GGUFReader(str(path))
     for t in reader.tensors:
@@ -98,7 +104,8 @@ def _architecture(path: Path) -> str:
             f"GGUF architecture {arch!r} in {path} is not supported: batchgen loads GGUF files of "
             f"{', '.join(GGUF_ARCHITECTURES)}"
         )
-    return arch
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    return arch, None if key_length is None else int(key_length.contents())
 
 
 def load_gguf_tokenizer(path: Path):

@@ -85,7 +85,7 @@ def write_gguf(
 ) -> str:
     """Write the llama, qwen2 or qwen3 checkpoint `ckpt` (a tiny one: batchgen.models.tiny.build_checkpoint) as a
     GGUF file of its architecture with its tokenizer (byte-level BPE: vocabulary and merges, llama.cpp's
-    pre-tokenizer name for the architecture): every 2-D projection quantized to `types` (one ggml type id, F16 and
+    pre-tokenizer name for the architecture): every 2-D projection quantized to `types` (one ggml type id, F32, F16 and
     BF16 included, or one per GGUF tensor-name suffix such as ``attn_v``, default Q8_0), the LM head in
     `output_type` (float32 when None; no ``output.weight`` for tied embeddings, as llama.cpp writes them),
     embeddings, norms and biases float32. The quantized blocks come from gguf-py's quantizer where it
@@ -151,11 +151,16 @@ def write_gguf(
         elif arch == "llama" and short == "attn_k":
             arr = _llama_cpp_permute(arr, n_kv)
         quantized = gname != "token_embd.weight" and (gname != "output.weight" or output_type is not None)
+        type_id = 0
         if arr.ndim == 2 and quantized:
-            if gname == "output.weight":
-                type_id = output_type
-            else:
-                type_id = types if isinstance(types, int) else types.get(short, 8)
+            type_id = (
+                output_type
+                if gname == "output.weight"
+                else types
+                if isinstance(types, int)
+                else types.get(short, 8)
+            )
+        if type_id:
             qtype = gguf.GGMLQuantizationType(type_id)
             if qtype.name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16"):
                 data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)

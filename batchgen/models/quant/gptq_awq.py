@@ -17,13 +17,15 @@ Symmetric weights dequantize exactly in float32 (a ≤ 8-bit integer times a flo
 :meth:`GroupQuantLinear.dense_weight` equals a float64 dequantization bit for bit; other zero points add their
 share after the GEMM (:mod:`.group_linear`), equal to it up to float32 rounding.
 
-Refused by name (:class:`UnsupportedCheckpoint`): other bit widths (GPTQ 2/3-bit, AWQ other than 4-bit),
-other serialisations (GPTQ ``marlin``/``bitblas``, AWQ ``gemv``/``gemv_fast``/``marlin``/``exllama``), and
-``g_idx`` assigning unequal numbers of inputs to groups.
+Groups need not divide the inputs: GPTQ stores ``ceil(K / group_size)`` groups, the last one short
+(:func:`to_part` cuts them into equal runs). Refused by name (:class:`UnsupportedCheckpoint`): other bit widths
+(GPTQ 2/3-bit, AWQ other than 4-bit), other serialisations (GPTQ ``marlin``/``bitblas``, AWQ
+``gemv``/``gemv_fast``/``marlin``/``exllama``), and group sizes sharing no multiple of 8 inputs.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +44,8 @@ class GPTQScheme:
 
     bits: int
     v1: bool = True
+    group_size: int | None = None
+    """Inputs per group (None: one group per row), for projections stored without a ``g_idx``."""
     method: str = "gptq"
     tensors = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -59,7 +63,8 @@ class GPTQScheme:
             qzeros = add_to_each_value(qzeros, self.bits)
         z = unpack_words(qzeros, self.bits, dim=1)  # [G, N]
         g_idx = get(f"{prefix}.g_idx", None)
-        return to_part(prefix, q, z, scales, self.bits, k, None if g_idx is None else g_idx.long())
+        g_idx = None if g_idx is None else g_idx.long()
+        return to_part(prefix, q, z, scales, self.bits, k, g_idx, self.group_size)
 
 
 @dataclass(frozen=True)
@@ -90,29 +95,48 @@ def _awq_columns(v: Tensor) -> Tensor:
 
 
 def to_part(
-    prefix: str, q: Tensor, z: Tensor, scales: Tensor, bits: int, k: int, g_idx: Tensor | None
+    prefix: str,
+    q: Tensor,
+    z: Tensor,
+    scales: Tensor,
+    bits: int,
+    k: int,
+    g_idx: Tensor | None,
+    group_size: int | None = None,
 ) -> IntPart:
     """One checkpoint projection as an :class:`IntPart`: `q` ``[K, N]`` and `z` ``[G, N]`` unsigned integers,
-    `scales` ``[G, N]``, `g_idx` ``[K]`` (None: ``k // (K / G)``)."""
+    `scales` ``[G, N]``, `g_idx` ``[K]`` the group of each input (None: ``k // group_size``, or ``k // (K / G)``
+    without a `group_size`).
+
+    Groups may hold unequal numbers of inputs (a last group cut short when ``group_size`` does not divide K, as
+    GPTQ quantizes such rows: ``G = ceil(K / group_size)``; act-order over such groups). The inputs are put in
+    group order (`perm`, when `g_idx` is not already sorted) and cut into runs of the greatest common divisor of
+    the group sizes, each run taking its group's scale and zero point: the same weights, in equal groups."""
     if q.shape[0] != k:
         raise ValueError(f"{prefix}.qweight holds {q.shape[0]} inputs, the model has {k}")
     groups, n = scales.shape
-    if z.shape != (groups, n) or q.shape[1] != n or k % groups:
+    if z.shape != (groups, n) or q.shape[1] != n:
         raise ValueError(
             f"{prefix}: qzeros {tuple(z.shape)} / scales {tuple(scales.shape)} do not match {k} inputs x {n} outputs"
         )
-    group = k // groups
-    perm = None
-    if g_idx is not None:
-        if g_idx.shape != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
-            raise ValueError(f"{prefix}.g_idx must hold {k} group indices in [0, {groups})")
-        if not torch.equal(g_idx, torch.arange(k) // group):
-            if not bool((torch.bincount(g_idx, minlength=groups) == group).all()):
-                raise UnsupportedCheckpoint(
-                    f"{prefix}.g_idx assigns unequal numbers of inputs to groups: batchgen runs GPTQ act-order "
-                    f"(desc_act) with {group} inputs per group"
-                )
-            perm = torch.argsort(g_idx, stable=True)
+    if g_idx is None:
+        if not group_size or group_size < 0:
+            if k % groups:
+                raise ValueError(f"{prefix}: {groups} groups of scales do not divide {k} inputs")
+            group_size = k // groups
+        g_idx = torch.arange(k) // group_size
+    if g_idx.shape != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+        raise ValueError(f"{prefix}.g_idx must hold {k} group indices in [0, {groups})")
+    perm = None if bool((g_idx[1:] >= g_idx[:-1]).all()) else torch.argsort(g_idx, stable=True)
+    sizes = torch.bincount(g_idx, minlength=groups).tolist()
+    group = math.gcd(*sizes)
+    if group % 8:
+        raise UnsupportedCheckpoint(
+            f"{prefix}: groups of {', '.join(map(str, sorted(set(sizes))))} inputs share no multiple of 8 inputs: "
+            "batchgen runs group sizes whose greatest common divisor is a multiple of 8"
+        )
+    owner = (g_idx if perm is None else g_idx.index_select(0, perm))[::group]  # each run's group
+    scales, z = scales.index_select(0, owner), z.index_select(0, owner)
     values = (q if perm is None else q.index_select(0, perm)).t()  # [N, K] in group order
     offset = 1 << (bits - 1)
     zero_term = None
@@ -138,7 +162,9 @@ def gptq_scheme(q: dict, where: str) -> GPTQScheme:
             f"{where}: GPTQ {', '.join(problems)} not supported; batchgen runs 4- and 8-bit GPTQ "
             "(checkpoint_format gptq or gptq_v2; any group size, desc_act, sym or asym)"
         )
-    return GPTQScheme(int(bits), v1=fmt == "gptq")
+    group_size = q.get("group_size")
+    group_size = int(group_size) if isinstance(group_size, int) and group_size > 0 else None
+    return GPTQScheme(int(bits), v1=fmt == "gptq", group_size=group_size)
 
 
 def awq_scheme(q: dict, where: str) -> AWQScheme:

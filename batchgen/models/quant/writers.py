@@ -87,7 +87,7 @@ def write_gptq(ckpt, out, bits: int = 4, group_size: int = 32, desc_act: bool = 
         g_idx = np.empty(k, dtype=np.int64)
         g_idx[order] = np.arange(k) // g  # the i-th input in activation order belongs to group i // g
         wt = w.numpy().T  # [K, N]
-        groups = k // g
+        groups = -(-k // g)  # a last group cut short when g does not divide k
         scales = np.empty((groups, n), dtype=np.float16)
         zeros = np.empty((groups, n), dtype=np.int64)
         for grp in range(groups):
