@@ -72,6 +72,7 @@ class PlanRow:
     id: Any
     token_ids: list[int] | None
     params: Any
+    """Its SamplingParams (a prompt-only job's: what its model needs of the row, :mod:`.prefill_plan`)."""
     error: str | None = None
     lora: Any = None
     source: Any = None
@@ -1068,13 +1069,13 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
 
     cfg = plan.cfg
     if cfg.task in POOLING_TASKS:
-        from batchgen.job.pool_plan import plan_pooling_job
+        from batchgen.job.prefill_plan import plan_pooling_job
 
         return _write_plan(plan, Plan(plan_pooling_job(plan)), print_summary)
-    if cfg.task != "generate":
-        from batchgen.errors import ConfigError
+    if cfg.task == "score":
+        from batchgen.job.prefill_plan import plan_scoring_job
 
-        raise ConfigError(f"run.dry_run plans generation and pooling jobs; task={cfg.task} is not supported")
+        return _write_plan(plan, Plan(plan_scoring_job(plan, engine)), print_summary)
     tokenizer = engine.tokenizer if engine is not None else _load_tokenizer(plan)
     inp = read_job_rows(plan, tokenizer, cfg.plan.sample_rows)
     logger.info("dry run: read and tokenized %d of %d rows in %.1f s", inp.rows_read, inp.rows_total,

@@ -60,8 +60,9 @@ def start_runner(plan: Any) -> Any:
         raise ConfigError(f"cannot load model.path={plan.model_path!r} for task={cfg.task}: {e}") from e
 
 
-def _texts_to_tokens(runner: Any, texts: list[Any], column: str) -> tuple[list[list[int]], list[str | None]]:
-    """Token ids per row (empty for a bad row) and the reason a row is bad."""
+def texts_to_tokens(runner: Any, texts: list[Any], column: str) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids per row (empty for a bad row) and the reason a row is bad: not a non-empty string, or refused
+    by the runner (:meth:`PoolingRunner.check`: no tokens, longer than the model takes)."""
     why: list[str | None] = [
         None if isinstance(t, str) and t else f"{column} must be a non-empty string" for t in texts
     ]
@@ -69,14 +70,14 @@ def _texts_to_tokens(runner: Any, texts: list[Any], column: str) -> tuple[list[l
     tokens: list[list[int]] = [[] for _ in texts]
     if good:
         for i, t in zip(good, runner.tokenize([texts[i] for i in good])):
-            tokens[i] = t
+            tokens[i], why[i] = t, runner.check(t)
     return tokens, why
 
 
 def _pool_window(plan: Any, runner: Any, table: pa.Table, spec: Any) -> tuple[dict[str, pa.Array], int]:
     d = plan.cfg.data
     texts = table.column(d.prompt_column).to_pylist()
-    tokens, why = _texts_to_tokens(runner, texts, d.prompt_column)
+    tokens, why = texts_to_tokens(runner, texts, d.prompt_column)
     todo = [i for i, w in enumerate(why) if w is None]
     rows = runner.run([tokens[i] for i in todo], spec)
     values: list[list[float] | None] = [None] * len(texts)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 
@@ -57,7 +58,22 @@ def _adapters(plan, engine, table: pa.Table) -> tuple[list[LoRARequest | None], 
     return loras, errors
 
 
-def _score_window(plan, engine, table: pa.Table) -> tuple[dict[str, list], int, int]:
+@dataclass
+class WindowPairs:
+    """A window's rows as scoring takes them: each row's ``status`` / ``error`` (its checks: a non-empty
+    context and continuation, the length limit, its adapter), and the ``(context, continuation)`` token pairs
+    the engine scores, ``owner[k]`` the row of pair ``k`` (rolling windows: several per row), ``loras[k]`` its
+    adapter."""
+
+    status: list[str]
+    error: list[str | None]
+    pairs: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    owner: list[int] = field(default_factory=list)
+    loras: list[LoRARequest | None] = field(default_factory=list)
+
+
+def window_pairs(plan, engine, table: pa.Table) -> WindowPairs:
+    """The window's token pairs and error rows (module docstring), as the job scores them."""
     d = plan.cfg.data
     tok = engine.tokenizer
     limit = engine.max_model_len - 1  # the engine samples one token after the scored input
@@ -65,9 +81,8 @@ def _score_window(plan, engine, table: pa.Table) -> tuple[dict[str, list], int, 
     conts = table.column(d.continuation_column).to_pylist() if d.continuation_column else None
     row_loras, lora_errors = _adapters(plan, engine, table)
     n = len(contexts)
-    status, error = ["ok"] * n, [None] * n
-    pairs: list[tuple[list[int], list[int]]] = []
-    owner: list[int] = []
+    w = WindowPairs(["ok"] * n, [None] * n)
+    status, error, pairs, owner = w.status, w.error, w.pairs, w.owner
     for i, ctx in enumerate(contexts):
         cont = conts[i] if conts is not None else None
         why = None
@@ -94,7 +109,15 @@ def _score_window(plan, engine, table: pa.Table) -> tuple[dict[str, list], int, 
             for c, x in rolling_windows(tok.encode(ctx, add_special_tokens=False), prefix, limit - 1):
                 pairs.append((c, x))
                 owner.append(i)
-    loras = [row_loras[i] for i in owner]
+    w.loras = [row_loras[i] for i in owner]
+    return w
+
+
+def _score_window(plan, engine, table: pa.Table) -> tuple[dict[str, list], int, int]:
+    d = plan.cfg.data
+    w = window_pairs(plan, engine, table)
+    status, error, pairs, owner, loras = w.status, w.error, w.pairs, w.owner, w.loras
+    n = len(status)
     scores = score_token_pairs(engine, pairs, loras=loras) if pairs else []
     ll, ntok, greedy, cached = [0.0] * n, [0] * n, [True] * n, [0] * n
     for i, s in zip(owner, scores):
@@ -104,7 +127,7 @@ def _score_window(plan, engine, table: pa.Table) -> tuple[dict[str, list], int, 
         cached[i] += s.num_cached_tokens
     ok = [s == "ok" for s in status]
     cols: dict[str, list] = {}
-    if conts is not None:
+    if d.continuation_column:
         cols["loglikelihood"] = [v if k else None for v, k in zip(ll, ok)]
         cols["num_continuation_tokens"] = [v if k else None for v, k in zip(ntok, ok)]
         cols["is_greedy"] = [v if k else None for v, k in zip(greedy, ok)]

@@ -1,6 +1,6 @@
-"""The dry run of pooling jobs (task=embed / task=classify): rows and error rows as the job makes them, prompt
-tokens, the prefix hit rate a decoder's pooling gets, a calibrated wall time, and the report's prediction after
-the job runs."""
+"""The dry run of the prompt-only jobs, pooling (task=embed / task=classify) and scoring (task=score): rows and
+error rows as the job makes them, prompt tokens, the prefix hit rate on the paged engine, a calibrated wall time,
+and the report's prediction after the job runs."""
 
 from __future__ import annotations
 
@@ -33,10 +33,9 @@ def _texts(n: int, seed: int = 0) -> list:
     return rows
 
 
-def _job(ckpt, tmp_path, task, dry_run, **plan):  # noqa: ANN001
-    job = job_config(
-        ckpt, tmp_path / "in.parquet", tmp_path / "out", data={"window_rows": 16, "id_column": "key"}
-    )
+def _job(ckpt, tmp_path, task, dry_run, data=None, **plan):  # noqa: ANN001
+    data = {"window_rows": 16, "id_column": "key", **(data or {})}
+    job = job_config(ckpt, tmp_path / "in.parquet", tmp_path / "out", data=data)
     return dataclasses.replace(
         job,
         task=task,
@@ -46,16 +45,18 @@ def _job(ckpt, tmp_path, task, dry_run, **plan):  # noqa: ANN001
     )
 
 
-def _plan_then_job(ckpt, tmp_path, task="embed", **plan) -> tuple[dict, dict, pa.Table]:  # noqa: ANN001
-    texts = _texts(60)
-    pq.write_table(
-        pa.table({"key": [f"k{i}" for i in range(len(texts))], "prompt": texts}), tmp_path / "in.parquet"
-    )
-    res = run_job(_job(ckpt, tmp_path, task, True, **plan), print_summary=False, handle_signals=False)
+def _plan_then_job(
+    ckpt, tmp_path, task="embed", table=None, data=None, **plan
+) -> tuple[dict, dict, pa.Table]:  # noqa: ANN001
+    if table is None:
+        texts = _texts(60)
+        table = pa.table({"key": [f"k{i}" for i in range(len(texts))], "prompt": texts})
+    pq.write_table(table, tmp_path / "in.parquet")
+    res = run_job(_job(ckpt, tmp_path, task, True, data, **plan), print_summary=False, handle_signals=False)
     assert res.exit_code == 0, res.message
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["_plan.json"]  # nothing but the plan written
     planned = json.loads((tmp_path / "out" / "_plan.json").read_text())
-    res = run_job(_job(ckpt, tmp_path, task, False, **plan), print_summary=False, handle_signals=False)
+    res = run_job(_job(ckpt, tmp_path, task, False, data, **plan), print_summary=False, handle_signals=False)
     assert res.exit_code == 0, res.message
     report = json.loads((tmp_path / "out" / "_report.json").read_text())
     out = pa.concat_tables([pq.read_table(p) for p in sorted((tmp_path / "out").glob("part-*.parquet"))])
@@ -106,10 +107,7 @@ def test_classify_dry_run_on_a_decoder_predicts_its_prefix_hit_rate(tmp_path):
     assert computed["predicted"] == pytest.approx(computed["actual"], rel=0.05)
 
 
-def test_pooling_dry_run_without_calibration_and_an_unsupported_task(tmp_path):
-    from batchgen.errors import ConfigError
-    from batchgen.job.dry_run import dry_run_job
-
+def test_pooling_dry_run_without_calibration(tmp_path):
     path = zoo.encoder(tmp_path / "bert", "bert", "BertModel", seed=11)
     pq.write_table(
         pa.table({"key": ["a", "b"], "prompt": ["one text", "another text"]}), tmp_path / "in.parquet"
@@ -122,8 +120,31 @@ def test_pooling_dry_run_without_calibration_and_an_unsupported_task(tmp_path):
     assert planned["predicted"]["wall_time_s"] is None and "calibration" not in planned
     assert planned["rows"]["valid"] == 2 and planned["predicted"]["prompt_tokens"] > 0
 
-    class Score:
-        cfg = dataclasses.replace(_job(path, tmp_path, "embed", True), task="score")
 
-    with pytest.raises(ConfigError, match="plans generation and pooling jobs; task=score"):
-        dry_run_job(Score, None, False)
+@pytest.mark.parametrize("rolling", [False, True], ids=["continuations", "rolling"])
+def test_score_dry_run_then_the_job(llama_ckpt, tmp_path, rolling):
+    rng = random.Random(3)
+    contexts = [INSTRUCTION + f"case {i % 6}." for i in range(40)]
+    conts: list = [
+        " " + " ".join(rng.choice(["yes", "no", "maybe so"]) for _ in range(rng.randint(1, 6)))
+        for _ in contexts
+    ]
+    contexts[2], conts[9] = None, ""  # error rows
+    table = pa.table({"key": [f"k{i}" for i in range(40)], "ctx": contexts, "cont": conts})
+    data = {"prompt_column": "ctx", "continuation_column": None if rolling else "cont"}
+    planned, report, out = _plan_then_job(llama_ckpt, tmp_path, "score", table, data)
+    rows = out.to_pydict()
+    bad = sorted(k for k, s in zip(rows["id"], rows["status"]) if s == "error")
+    assert bad == (["k2"] if rolling else ["k2", "k9"])
+    assert planned["task"] == "score" and planned["rows"]["error"] == len(bad)
+    assert sorted(i for e in planned["errors"].values() for i in e["first_ids"]) == bad
+    pred = report["prediction"]
+    # every row's context and continuation (or rolling windows), fed as the engine takes them: the tokens and
+    # the prefix cache's hits as the job's
+    assert pred["prompt_tokens"]["predicted"] == pred["prompt_tokens"]["actual"] > 0
+    # the shared contexts hit the cache; rolling windows score every token after the first (none can be served)
+    hit = pred["prefix_hit_rate"]["predicted"]
+    assert hit < 0.05 if rolling else hit > 0.3
+    assert pred["prefix_hit_rate"]["difference"] == pytest.approx(0.0, abs=0.05)
+    w = pred["wall_time_s"]
+    assert 0 < w["range"][0] < w["predicted"] < w["range"][1] and w["actual"] > 0
