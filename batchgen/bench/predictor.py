@@ -55,6 +55,9 @@ class Workload:
     engine: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
     model: str = "tiny"
+    task: str = "generate"
+    continuations: Callable[[random.Random, int], list[str]] | None = None
+    """A scoring workload's ``continuation`` column (None: the prompts are scored whole, rolling)."""
 
 
 def _shared_instruction(rng: random.Random, n: int) -> list[str]:
@@ -155,6 +158,44 @@ HELD_OUT = {
 """Workloads added after the predictor's last change, for checking it on shapes it was not tuned on: other
 sampling (n > 1, top_k), another model size, chunked prefill. Run with ``--workloads samples,wide``."""
 
+PROMPT_ONLY = {
+    "embed": Workload(
+        "embed",
+        "task=embed, last-token pooling on the paged engine: a shared instruction before two thirds of 5-200 "
+        "word passages; windows of 500; tiny",
+        lambda rng, n: [(INSTRUCTION if rng.random() < 0.67 else "") + _words(rng, 5, 200) for _ in range(n)],
+        3000,
+        {},
+        {},
+        {"window_rows": 500},
+        task="embed",
+    ),  # fmt: skip
+    "score": Workload(
+        "score",
+        "task=score: 1-25 word continuations of 40 shared contexts of 20-150 words; llama (hidden 64)",
+        lambda rng, n: [_words(random.Random(i % 40), 20, 150) for i in range(n)],
+        2000,
+        {},
+        {},
+        {"window_rows": 400, "continuation_column": "continuation"},
+        model="llama",
+        task="score",
+        continuations=lambda rng, n: [" " + _words(rng, 1, 25) for _ in range(n)],
+    ),  # fmt: skip
+    "score-rolling": Workload(
+        "score-rolling",
+        "task=score over whole texts of 10-300 words (rolling log-likelihood: every token's logits); tiny",
+        lambda rng, n: [_words(rng, 10, 300) for _ in range(n)],
+        1500,
+        {},
+        {},
+        {"window_rows": 300},
+        task="score",
+    ),  # fmt: skip
+}
+"""Jobs that only read their prompts (pooling, scoring): no output tokens; their plans calibrate by running a
+sample of rows. Run with ``--workloads embed,score,score-rolling``."""
+
 MODELS = {"llama": {"hidden_size": 64, "num_layers": 2}, "llama-wide": {"hidden_size": 128, "num_layers": 4}}
 
 
@@ -182,10 +223,14 @@ def run_workload(
     rng = random.Random(seed)
     n = max(8, int(w.num_rows * scale))
     inp = root / f"{w.name}.parquet"
-    pq.write_table(pa.table({"prompt": w.rows(rng, n)}), inp)
+    columns = {"prompt": w.rows(rng, n)}
+    if w.continuations is not None:
+        columns["continuation"] = w.continuations(rng, n)
+    pq.write_table(pa.table(columns), inp)
     out = root / f"out-{w.name}"
     shutil.rmtree(out, ignore_errors=True)  # a finished output of an earlier run would make the job a no-op
     cfg = JobConfig(
+        task=w.task,
         model=ModelOptions(path=_model_path(w.model, root)),
         data=DataOptions(input=str(inp), output=str(out), **w.data),
         engine=EngineConfig(device="cpu", **w.engine),
@@ -224,9 +269,12 @@ def run_workload(
         "actual_steps": (p.get("engine_steps") or {}).get("actual"),
         "predicted_preemptions": (p.get("preemptions") or {}).get("predicted"),
         "actual_preemptions": (p.get("preemptions") or {}).get("actual"),
+        "task": w.task,
         "calibration_s": plan["calibration"]["seconds"],
         "calibration_rows": plan["calibration"]["rows"],
         "calibration_reused_steps": plan["calibration"].get("reused_steps"),
+        "predicted_prompt_tokens_computed": p["prompt_tokens_computed"]["predicted"],
+        "actual_prompt_tokens_computed": p["prompt_tokens_computed"]["actual"],
         "calibration_fraction": plan["calibration"]["seconds"] / pw if pw else None,
         "dry_run_s": dry_s,
         "load_plan": (p.get("load") or {}).get("plan"),
@@ -240,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         "--workloads",
         default=",".join(WORKLOADS),
         help="comma-separated: "
-        + ", ".join([*WORKLOADS, *HELD_OUT])
+        + ", ".join([*WORKLOADS, *HELD_OUT, *PROMPT_ONLY])
         + " (default: "
         + ", ".join(WORKLOADS)
         + ")",
@@ -264,13 +312,16 @@ def main(argv: list[str] | None = None) -> None:
         if args.warm:
             os.environ["BATCHGEN_CACHE"] = str(Path(tmp) / "cache")
         for name in args.workloads.split(","):
-            r = run_workload({**WORKLOADS, **HELD_OUT}[name], Path(tmp), args.scale, args.seed, args.warm)
+            r = run_workload(
+                {**WORKLOADS, **HELD_OUT, **PROMPT_ONLY}[name], Path(tmp), args.scale, args.seed, args.warm
+            )
             rows.append(r)
             print(
                 f"{r['workload']:<14} rows {r['rows']:>5}  wall predicted {r['predicted_wall_s']:7.1f} s "
                 f"[{r['range_s'][0]:.1f}-{r['range_s'][1]:.1f}] actual {r['actual_wall_s']:7.1f} s "
                 f"({r['wall_error']:+.0%}, {'inside' if r['inside_range'] else 'OUTSIDE'})  hit rate "
-                f"{r['predicted_hit_rate']:.3f} vs {r['actual_hit_rate']:.3f}  output tokens "
+                f"{r['predicted_hit_rate']:.3f} vs {r['actual_hit_rate']:.3f}  prompt tokens computed "
+                f"{r['predicted_prompt_tokens_computed']} vs {r['actual_prompt_tokens_computed']}  output tokens "
                 f"{r['predicted_output_tokens']} vs {r['actual_output_tokens']}  steps {r['predicted_steps']} vs "
                 f"{r['actual_steps']}  preemptions {r['predicted_preemptions']} vs {r['actual_preemptions']}  "
                 "calibration "
