@@ -279,6 +279,8 @@ def run_workload(
         "dry_run_s": dry_s,
         "load_plan": (p.get("load") or {}).get("plan"),
         "load_run": (p.get("load") or {}).get("run"),
+        "threads_plan": (p.get("load") or {}).get("threads_plan"),
+        "threads_run": (p.get("load") or {}).get("threads_run"),
     }
 
 
@@ -326,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['actual_steps']}  preemptions {r['predicted_preemptions']} vs {r['actual_preemptions']}  "
                 "calibration "
                 f"{r['calibration_rows']} rows {r['calibration_s']:.2f} s ({r['calibration_fraction']:.1%})  "
-                f"load {r['load_plan']:.1f} at plan, {r['load_run']:.1f} at run",
+                f"load {r['load_plan']:.1f} at plan, {r['load_run']:.1f} at run  "
+                f"threads {r['threads_plan']} at plan, {r['threads_run']} at run",
                 flush=True,
             )
     if args.json:

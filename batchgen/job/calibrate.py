@@ -430,6 +430,16 @@ def output_bound(prompt_len: int, params: Any, max_model_len: int) -> int:
     return min(room, mt) if mt is not None else room
 
 
+def compute_threads() -> int | None:
+    """The intra-op threads the model computes with now (torch's; the engine's thread policy sets them from the
+    CPUs other processes leave free, so a plan and its job may run with different counts); None before torch
+    is loaded."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return int(torch.get_num_threads()) if torch is not None else None
+
+
 def load_average() -> float | None:
     try:
         return os.getloadavg()[0]

@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any
 
-from batchgen.job.calibrate import load_average
+from batchgen.job.calibrate import compute_threads, load_average
 from batchgen.job.eta import PlannedWork
 from batchgen.runtime.atomic import atomic_write_text
 
@@ -110,7 +110,8 @@ def prediction_section(plan: dict[str, Any], report: dict[str, Any]) -> dict[str
         out["engine_steps"] = {"predicted": sim.get("steps"), "actual": sched.get("steps")}
         out["preemptions"] = {"predicted": sim.get("preemptions"), "actual": sched.get("preemptions")}
     cal = plan.get("calibration") or {}
-    out["load"] = {"plan": cal.get("load"), "run": load_average(), "cpus": cal.get("cpus") or os.cpu_count()}
+    out["load"] = {"plan": cal.get("load"), "run": load_average(), "cpus": cal.get("cpus") or os.cpu_count(),
+                   "threads_plan": cal.get("threads"), "threads_run": compute_threads()}  # fmt: skip
     pw = p.get("wall_time_s")
     if pw and actual_wall:
         out["wall_time_s"]["error"] = (pw - actual_wall) / actual_wall
@@ -153,6 +154,9 @@ def prediction_lines(pred: dict[str, Any]) -> list[tuple[str, str]]:
         at = ""
         if load.get("plan") is not None and load.get("run") is not None:
             at = f"; load {load['plan']:.1f} at plan, {load['run']:.1f} at run on {load.get('cpus')} CPUs"
+        tp, tr = load.get("threads_plan"), load.get("threads_run")
+        if tp is not None and tr is not None and tp != tr:  # the thread policy saw other loads: a usual miss
+            at += f"; calibrated on {tp} thread(s), ran on {tr}"
         lines.append(("planned wall time", f"{_dur(w['predicted'])} [{_dur(rng[0])} - {_dur(rng[1])}]; "
                       f"actual {_dur(w.get('actual'))}{err}{inside}{at}"))  # fmt: skip
     if h.get("predicted") is not None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from batchgen.job.calibrate import CalibrationRow, load_average, load_spread, strata_order
+from batchgen.job.calibrate import CalibrationRow, compute_threads, load_average, load_spread, strata_order
 
 logger = logging.getLogger("batchgen.job")
 
@@ -265,6 +265,7 @@ def build_plan(plan: Any, task: PrefillTask, inp: Any) -> dict[str, Any]:
         "seconds_per_prompt_token": cal.per_token,
         "load": cal.load,
         "cpus": os.cpu_count(),
+        "threads": compute_threads(),
         "relative_spread": e,
         "note": cal.note,
     }
