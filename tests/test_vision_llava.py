@@ -295,6 +295,23 @@ def test_llava_next_any_resolution_equals_transformers(tmp_path_factory):
     assert llm.engine.images.stats.encoded == 4
 
 
+@pytest.mark.parametrize("next_grid", [None, [[56, 112], [112, 56]]])
+def test_a_qwen2_language_model_equals_transformers(tmp_path, next_grid):
+    """LLaVA and LLaVA-NeXT over another native family (LLaVA-Interleave's Qwen2: q/k/v biases): the language
+    model is the one ``text_config`` names, not a Llama."""
+    ckpt = build_llava(tmp_path / "ckpt", next_grid=next_grid, text_model_type="qwen2")
+    imgs = [random_image(56, 56, 80), random_image(120, 40, 81)]
+    rows = [("<image> what is it?", [imgs[0]]), ("Compare <image> and <image>", imgs), ("text only", [])]
+    llm = LLM(ckpt, kv_cache_memory="16MiB")
+    outs = llm.generate(
+        [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in rows],
+        GREEDY,
+        use_tqdm=False,
+    )
+    assert llm.engine.model.language_model.config.qkv_bias
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, rows, GREEDY.max_tokens)
+
+
 def test_preemption_and_async_scheduling_keep_image_rows_exact(llava):
     """A pool too small for every row at once preempts (recompute: the image's features come back from the
     encoder cache or are encoded again), and async scheduling runs forwards in a worker thread: same tokens."""
