@@ -312,6 +312,14 @@ def test_a_qwen2_language_model_equals_transformers(tmp_path, next_grid):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, rows, GREEDY.max_tokens)
 
 
+def test_none_for_the_image_options_is_none_given(llava):
+    """``mm_processor_kwargs=None`` and ``limit_mm_per_prompt=None`` (vLLM's defaults) mean no options."""
+    llm = LLM(llava, kv_cache_memory="16MiB", mm_processor_kwargs=None, limit_mm_per_prompt=None)
+    image = random_image(56, 56, 82)
+    out = llm.generate({"prompt": "<image> hi", "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+    assert out[0].error is None and out[0].outputs[0].token_ids
+
+
 def test_preemption_and_async_scheduling_keep_image_rows_exact(llava):
     """A pool too small for every row at once preempts (recompute: the image's features come back from the
     encoder cache or are encoded again), and async scheduling runs forwards in a worker thread: same tokens."""
