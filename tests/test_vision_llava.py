@@ -182,6 +182,7 @@ def test_bad_images_fail_their_row_alone(llava, tmp_path):
         },
         {"prompt": "no placeholder", "multi_modal_data": {"image": good}},
         {"prompt": "<image> <image> one image", "multi_modal_data": {"image": good}},
+        {"prompt": "<image> a <image> b <image> c", "multi_modal_data": {"image": good}},
     ]
     outs = llm.generate(rows, GREEDY, use_tqdm=False)
     errors = [o.error for o in outs]
@@ -191,7 +192,7 @@ def test_bad_images_fail_their_row_alone(llava, tmp_path):
     assert "at most 2 per prompt" in errors[3]
     assert "engine.max_model_len is 40" in errors[4]
     assert "0 image placeholder(s)" in errors[5]
-    assert "more image placeholder(s)" in errors[6]
+    assert "more image placeholder(s)" in errors[6] and "more image placeholder(s)" in errors[7]
     assert all(o.outputs[0].finish_reason == "error" for o in outs[1:])
 
 
