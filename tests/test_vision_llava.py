@@ -313,6 +313,21 @@ def test_a_qwen2_language_model_equals_transformers(tmp_path, next_grid):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, rows, GREEDY.max_tokens)
 
 
+def test_numpy_pixels_and_path_objects_equal_transformers(llava, llm, tmp_path):
+    """A numpy array of pixels is one image, as transformers' processor takes it; a ``pathlib.Path`` is a path."""
+    import numpy as np
+
+    a, b = np.asarray(random_image(70, 50, 83)), random_image(40, 90, 84)
+    (tmp_path / "b.png").write_bytes(png_bytes(b))
+    rows = [("<image> an array", [a]), ("<image> and <image>", [a, b])]
+    inputs = [
+        {"prompt": rows[0][0], "multi_modal_data": {"image": a}},
+        {"prompt": rows[1][0], "multi_modal_data": {"image": [a, tmp_path / "b.png"]}},
+    ]
+    outs = llm.generate(inputs, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llava, rows, GREEDY.max_tokens)
+
+
 def test_none_for_the_image_options_is_none_given(llava):
     """``mm_processor_kwargs=None`` and ``limit_mm_per_prompt=None`` (vLLM's defaults) mean no options."""
     llm = LLM(llava, kv_cache_memory="16MiB", mm_processor_kwargs=None, limit_mm_per_prompt=None)

@@ -91,7 +91,7 @@ def _image_of(part: Mapping[str, Any], kind: str, i: int, j: int) -> Any:
     value = part.get(_IMAGE_KEY.get(kind, kind))
     if kind in ("image_url", "input_image") and isinstance(value, Mapping):
         value = value.get("url")
-    if value is None or value == "":
+    if value is None or (isinstance(value, str) and not value):
         raise ValueError(f"messages[{i}].content[{j}] ({kind}) has no image")
     return value
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch loads only when an image is processed (the CLI decides threads before torch)
     from torch import Tensor
 
-from batchgen.multimodal.images import EncodedImage, ImageError, ImageLoader, LoadedImage
+from batchgen.multimodal.images import EncodedImage, ImageError, ImageLoader, LoadedImage, is_pixel_array
 from batchgen.multimodal.joins import joins_for
 
 
@@ -92,11 +92,14 @@ def processor_kwargs_error(processor: Any, kwargs: dict[str, Any]) -> str | None
 
 
 def as_image_list(value: Any) -> list[Any]:
-    """``multi_modal_data["image"]``: one image or a list/tuple of them (a datasets Image dict is one)."""
+    """``multi_modal_data["image"]``: one image or a list/tuple of them (a datasets Image dict is one, and so is
+    a numpy array of pixels)."""
     if value is None:
         return []
     if isinstance(value, (list, tuple)):
         return list(value)
+    if is_pixel_array(value):
+        return [value]
     if hasattr(value, "tolist") and not hasattr(value, "convert"):  # a numpy array of values from Parquet
         return list(value.tolist())
     return [value]
