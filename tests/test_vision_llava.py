@@ -273,6 +273,41 @@ def test_chat_with_image_parts_uses_the_processor_template(llava, llm, tmp_path)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llava, rows, GREEDY.max_tokens)
 
 
+def test_chat_takes_transformers_image_parts_as_its_processor_does(llava, llm, tmp_path):
+    """The image parts of transformers' chat format (``url``, ``path``, ``base64``): the same messages through
+    the processor's own ``apply_chat_template``, which loads the images, give the same tokens."""
+    import base64
+
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    a, b = png_bytes(random_image(70, 50, 85)), png_bytes(random_image(50, 70, 86))
+    (tmp_path / "a.png").write_bytes(a)
+    conversation = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "path": str(tmp_path / "a.png")},
+                {"type": "text", "text": "and"},
+                {"type": "image", "url": (tmp_path / "a.png").as_uri()},
+                {"type": "image", "base64": base64.b64encode(b).decode()},
+            ],
+        },
+    ]
+    out = llm.chat([conversation], GREEDY, use_tqdm=False)[0]
+    assert out.error is None
+    hf_conversation = [dict(m, content=list(m["content"])) for m in conversation]
+    hf_conversation[1]["content"][2] = {"type": "image", "path": str(tmp_path / "a.png")}  # no file:// there
+    enc = AutoProcessor.from_pretrained(llava).apply_chat_template(
+        hf_conversation, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    model = AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32).eval()
+    gen = model.generate(**enc, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    assert out.prompt_token_ids == enc["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == gen[0, enc["input_ids"].shape[1] :].tolist()
+
+
 def test_llava_next_any_resolution_equals_transformers(tmp_path_factory):
     """LLaVA-NeXT: the token count follows each image's size and aspect ratio (tiles, unpadding, newlines)."""
     ckpt = build_llava(tmp_path_factory.mktemp("llava_next"), next_grid=[[56, 112], [112, 56], [112, 112]])
