@@ -363,6 +363,20 @@ def test_numpy_pixels_and_path_objects_equal_transformers(llava, llm, tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llava, rows, GREEDY.max_tokens)
 
 
+def test_the_processors_own_ids_for_adjacent_images_equal_transformers(llava, llm):
+    """Adjacent images the processor expanded already are one run of feature tokens: it is split by the images'
+    lengths, not taken for one placeholder per token."""
+    from transformers import AutoProcessor
+
+    rows = [("Two <image><image> adjacent", [random_image(56, 56, 87), random_image(90, 40, 88)])]
+    ids = AutoProcessor.from_pretrained(llava)(text=[rows[0][0]], images=rows[0][1])["input_ids"][0]
+    out = llm.generate(
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": rows[0][1]}}, GREEDY, use_tqdm=False
+    )
+    assert out[0].error is None and out[0].prompt_token_ids == list(ids)
+    assert [out[0].outputs[0].token_ids] == hf_greedy(llava, rows, GREEDY.max_tokens)
+
+
 def test_none_for_the_image_options_is_none_given(llava):
     """``mm_processor_kwargs=None`` and ``limit_mm_per_prompt=None`` (vLLM's defaults) mean no options."""
     llm = LLM(llava, kv_cache_memory="16MiB", mm_processor_kwargs=None, limit_mm_per_prompt=None)

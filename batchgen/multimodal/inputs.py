@@ -451,7 +451,8 @@ class ImagePrompts:
                     )
                 image, done = loaded[len(items)], processed[len(items)]
                 n = len(done.expansion) if done.offsets is None else len(done.offsets)
-                given = _given_expansion(ids, pos, at, run_end, done)
+                later = [len(d.expansion) for d in processed[len(items) + 1 :]]
+                given = _given_expansion(ids, pos, at, run_end, done, later)
                 begin, end = given or (at, at + 1)
                 text = ids[pos:begin]
                 out.extend(self.joins.text_after(text) if joined else text)
@@ -474,15 +475,22 @@ class ImagePrompts:
 
 
 def _given_expansion(
-    ids: list[int], pos: int, at: int, run_end: int, done: _Processed
+    ids: list[int], pos: int, at: int, run_end: int, done: _Processed, later: list[int]
 ) -> tuple[int, int] | None:
     """``(begin, end)`` of ``done``'s whole expansion where ``ids`` hold it already around the placeholder at
     ``at`` (none of it before ``pos``), or None (``at`` is one placeholder). An expansion of feature tokens
-    only is given when the rest of the run (to ``run_end``) is exactly that long; one with text tokens among
-    them (Idefics3's tile rows) when every token matches."""
+    only is given when the rest of the run (to ``run_end``) is exactly that long, or exactly as long as it and
+    the expansions of the next images (``later``: their lengths) together (adjacent images the processor
+    expanded); one with text tokens among them (Idefics3's tile rows) when every token matches."""
     if done.offsets is None:
-        n = len(done.expansion)
-        return (at, at + n) if run_end - at == n else None
+        n, total = len(done.expansion), len(done.expansion)
+        for size in [0, *later]:
+            total += size
+            if total == run_end - at:
+                return at, at + n
+            if total > run_end - at:
+                break
+        return None
     begin = at - done.offsets[0]
     end = begin + len(done.expansion)
     if begin >= pos and ids[begin:end] == list(done.expansion):
