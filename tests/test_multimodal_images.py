@@ -34,6 +34,7 @@ def test_every_source_decodes_and_same_bytes_hash_the_same(tmp_path):
         "data:image/png;base64," + base64.b64encode(data).decode(),
         {"bytes": data, "path": None},
         {"bytes": None, "path": str(path)},
+        path,  # an os.PathLike
     ]
     loaded = [loader.load(s) for s in sources]
     assert {im.hash for im in loaded} == {loaded[0].hash}
@@ -233,3 +234,21 @@ def test_relative_paths_are_read_from_the_base_then_the_working_directory(tmp_pa
 def test_a_null_image_is_named_as_such():
     with pytest.raises(ImageError, match="null image value"):
         ImageLoader().load(None)
+
+
+def test_a_numpy_array_of_pixels_is_one_image():
+    """An ``H x W x C`` uint8 array (as vLLM and transformers take it) is one image, in multi_modal_data and in
+    a chat part; an array of another dtype is a clear error."""
+    import numpy as np
+
+    from batchgen.multimodal.chat import split_images
+    from batchgen.multimodal.inputs import as_image_list
+
+    pixels = np.random.default_rng(0).integers(0, 255, (16, 24, 3), dtype=np.uint8)
+    assert len(as_image_list(pixels)) == 1 and len(as_image_list([pixels, pixels])) == 2
+    loaded = ImageLoader().load(pixels)
+    assert loaded.size == (24, 16) and loaded.hash == ImageLoader().load(Image.fromarray(pixels)).hash
+    _, images = split_images([{"role": "user", "content": [{"type": "image_pil", "image_pil": pixels}]}])
+    assert images[0] is pixels
+    with pytest.raises(ImageError, match="uint8"):
+        ImageLoader().load(pixels.astype(np.float32))

@@ -54,3 +54,23 @@ def test_blocks_shared_only_for_the_same_image(idefics3):
     assert first[0].num_cached_tokens == 0 and again[0].num_cached_tokens >= 24
     assert other[0].num_cached_tokens == 0
     assert llm.engine.images.stats.encoded == 2
+
+
+def test_the_processors_own_token_ids_equal_transformers(idefics3):
+    """Token ids the processor expanded already (tile tokens among the feature runs) are kept as they are."""
+    from transformers import AutoProcessor
+
+    a, b = random_image(56, 56, 12), random_image(300, 40, 13)  # one tile; a row of tiles and a global view
+    rows = [("Look <image> and <image> now", [a, b]), ("<image>", [b])]
+    processor = AutoProcessor.from_pretrained(idefics3)
+    inputs = [
+        {
+            "prompt_token_ids": processor(text=[t], images=[ims])["input_ids"][0],
+            "multi_modal_data": {"image": ims},
+        }
+        for t, ims in rows
+    ]
+    llm = LLM(idefics3, kv_cache_memory="32MiB")
+    outs = llm.generate(inputs, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [i["prompt_token_ids"] for i in inputs]
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(idefics3, rows, GREEDY.max_tokens, nested=True)

@@ -182,6 +182,7 @@ def test_bad_images_fail_their_row_alone(llava, tmp_path):
         },
         {"prompt": "no placeholder", "multi_modal_data": {"image": good}},
         {"prompt": "<image> <image> one image", "multi_modal_data": {"image": good}},
+        {"prompt": "<image> a <image> b <image> c", "multi_modal_data": {"image": good}},
     ]
     outs = llm.generate(rows, GREEDY, use_tqdm=False)
     errors = [o.error for o in outs]
@@ -191,7 +192,7 @@ def test_bad_images_fail_their_row_alone(llava, tmp_path):
     assert "at most 2 per prompt" in errors[3]
     assert "engine.max_model_len is 40" in errors[4]
     assert "0 image placeholder(s)" in errors[5]
-    assert "more image placeholder(s)" in errors[6]
+    assert "more image placeholder(s)" in errors[6] and "more image placeholder(s)" in errors[7]
     assert all(o.outputs[0].finish_reason == "error" for o in outs[1:])
 
 
@@ -272,6 +273,41 @@ def test_chat_with_image_parts_uses_the_processor_template(llava, llm, tmp_path)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llava, rows, GREEDY.max_tokens)
 
 
+def test_chat_takes_transformers_image_parts_as_its_processor_does(llava, llm, tmp_path):
+    """The image parts of transformers' chat format (``url``, ``path``, ``base64``): the same messages through
+    the processor's own ``apply_chat_template``, which loads the images, give the same tokens."""
+    import base64
+
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    a, b = png_bytes(random_image(70, 50, 85)), png_bytes(random_image(50, 70, 86))
+    (tmp_path / "a.png").write_bytes(a)
+    conversation = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "path": str(tmp_path / "a.png")},
+                {"type": "text", "text": "and"},
+                {"type": "image", "url": (tmp_path / "a.png").as_uri()},
+                {"type": "image", "base64": base64.b64encode(b).decode()},
+            ],
+        },
+    ]
+    out = llm.chat([conversation], GREEDY, use_tqdm=False)[0]
+    assert out.error is None
+    hf_conversation = [dict(m, content=list(m["content"])) for m in conversation]
+    hf_conversation[1]["content"][2] = {"type": "image", "path": str(tmp_path / "a.png")}  # no file:// there
+    enc = AutoProcessor.from_pretrained(llava).apply_chat_template(
+        hf_conversation, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    model = AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32).eval()
+    gen = model.generate(**enc, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    assert out.prompt_token_ids == enc["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == gen[0, enc["input_ids"].shape[1] :].tolist()
+
+
 def test_llava_next_any_resolution_equals_transformers(tmp_path_factory):
     """LLaVA-NeXT: the token count follows each image's size and aspect ratio (tiles, unpadding, newlines)."""
     ckpt = build_llava(tmp_path_factory.mktemp("llava_next"), next_grid=[[56, 112], [112, 56], [112, 112]])
@@ -293,6 +329,60 @@ def test_llava_next_any_resolution_equals_transformers(tmp_path_factory):
     assert counts[0] != counts[3] and counts[2] != counts[3]  # each image's size gives its own token count
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, rows, GREEDY.max_tokens)
     assert llm.engine.images.stats.encoded == 4
+
+
+@pytest.mark.parametrize("next_grid", [None, [[56, 112], [112, 56]]])
+def test_a_qwen2_language_model_equals_transformers(tmp_path, next_grid):
+    """LLaVA and LLaVA-NeXT over another native family (LLaVA-Interleave's Qwen2: q/k/v biases): the language
+    model is the one ``text_config`` names, not a Llama."""
+    ckpt = build_llava(tmp_path / "ckpt", next_grid=next_grid, text_model_type="qwen2")
+    imgs = [random_image(56, 56, 80), random_image(120, 40, 81)]
+    rows = [("<image> what is it?", [imgs[0]]), ("Compare <image> and <image>", imgs), ("text only", [])]
+    llm = LLM(ckpt, kv_cache_memory="16MiB")
+    outs = llm.generate(
+        [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in rows],
+        GREEDY,
+        use_tqdm=False,
+    )
+    assert llm.engine.model.language_model.config.qkv_bias
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, rows, GREEDY.max_tokens)
+
+
+def test_numpy_pixels_and_path_objects_equal_transformers(llava, llm, tmp_path):
+    """A numpy array of pixels is one image, as transformers' processor takes it; a ``pathlib.Path`` is a path."""
+    import numpy as np
+
+    a, b = np.asarray(random_image(70, 50, 83)), random_image(40, 90, 84)
+    (tmp_path / "b.png").write_bytes(png_bytes(b))
+    rows = [("<image> an array", [a]), ("<image> and <image>", [a, b])]
+    inputs = [
+        {"prompt": rows[0][0], "multi_modal_data": {"image": a}},
+        {"prompt": rows[1][0], "multi_modal_data": {"image": [a, tmp_path / "b.png"]}},
+    ]
+    outs = llm.generate(inputs, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(llava, rows, GREEDY.max_tokens)
+
+
+def test_the_processors_own_ids_for_adjacent_images_equal_transformers(llava, llm):
+    """Adjacent images the processor expanded already are one run of feature tokens: it is split by the images'
+    lengths, not taken for one placeholder per token."""
+    from transformers import AutoProcessor
+
+    rows = [("Two <image><image> adjacent", [random_image(56, 56, 87), random_image(90, 40, 88)])]
+    ids = AutoProcessor.from_pretrained(llava)(text=[rows[0][0]], images=rows[0][1])["input_ids"][0]
+    out = llm.generate(
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": rows[0][1]}}, GREEDY, use_tqdm=False
+    )
+    assert out[0].error is None and out[0].prompt_token_ids == list(ids)
+    assert [out[0].outputs[0].token_ids] == hf_greedy(llava, rows, GREEDY.max_tokens)
+
+
+def test_none_for_the_image_options_is_none_given(llava):
+    """``mm_processor_kwargs=None`` and ``limit_mm_per_prompt=None`` (vLLM's defaults) mean no options."""
+    llm = LLM(llava, kv_cache_memory="16MiB", mm_processor_kwargs=None, limit_mm_per_prompt=None)
+    image = random_image(56, 56, 82)
+    out = llm.generate({"prompt": "<image> hi", "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+    assert out[0].error is None and out[0].outputs[0].token_ids
 
 
 def test_preemption_and_async_scheduling_keep_image_rows_exact(llava):

@@ -163,6 +163,9 @@ class EngineConfig:
             )
         parse_bytes(self.swap_space)
         parse_bytes(self.encoder_cache_memory)
+        # None (vLLM's default for both) means none given: no limit, no options
+        self.limit_mm_per_prompt = dict(self.limit_mm_per_prompt or {})
+        self.mm_processor_kwargs = dict(self.mm_processor_kwargs or {})
         if self.num_swap_blocks is not None and self.num_swap_blocks < 1:
             raise ValueError(f"engine.num_swap_blocks must be >= 1, got {self.num_swap_blocks}")
         for name in ("max_loras", "max_lora_rank"):

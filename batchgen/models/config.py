@@ -365,6 +365,7 @@ class ModelConfig(ContextFacts):
         model_type = NATIVE_ARCHITECTURES[arch]
         if arch in NATIVE_TEXT_OF_MULTIMODAL:  # the language model of a vision-language checkpoint
             text = _text_config(config)
+            model_type = text_model_type(text, model_type)
             if "tie_word_embeddings" in config:
                 text["tie_word_embeddings"] = config["tie_word_embeddings"]
             for key in ("dtype", "torch_dtype", "eos_token_id", "bos_token_id", "pad_token_id"):
@@ -372,7 +373,8 @@ class ModelConfig(ContextFacts):
                     text[key] = config[key]
             hf = hf_config_from_dict({**text, "model_type": model_type}, source)
             return dataclasses.replace(
-                cls.from_hf(hf, arch, generation_config, source=source), multimodal=True
+                cls.from_hf(hf, arch, generation_config, source=source, model_type=model_type),
+                multimodal=True,
             )
         hf = hf_config_from_dict({**config, "model_type": model_type}, source)
         return cls.from_hf(hf, arch, generation_config, source=source)
@@ -385,9 +387,11 @@ class ModelConfig(ContextFacts):
         generation_config: dict[str, Any] | None = None,
         *,
         source: str = "config.json",
+        model_type: str | None = None,
     ) -> ModelConfig:
-        """Facts from a transformers config object of a native architecture."""
-        model_type = NATIVE_ARCHITECTURES[arch]
+        """Facts from a transformers config object of a native architecture (``model_type``: the family of
+        an image-text checkpoint's language model, when it is not the architecture's usual one)."""
+        model_type = model_type or NATIVE_ARCHITECTURES[arch]
         act = _activation(hf, model_type, source)
         if getattr(hf, "use_bidirectional_attention", None):
             raise NativeUnsupportedError(f"{source}: bidirectional attention is not a causal LM")
@@ -438,6 +442,15 @@ class ModelConfig(ContextFacts):
             bos_token_id=getattr(hf, "bos_token_id", None),
             pad_token_id=getattr(hf, "pad_token_id", None),
         )
+
+
+def text_model_type(text: dict[str, Any], default: str) -> str:
+    """The native family of an image-text checkpoint's language model: its ``text_config``'s ``model_type``
+    when batchgen runs that family natively (LLaVA over Qwen2, LLaVA-NeXT over Mistral), else ``default``, the
+    architecture's usual one (a text config naming no type, or a family-specific one such as
+    ``qwen2_vl_text``)."""
+    declared = text.get("model_type")
+    return declared if declared in CAUSAL_ARCHITECTURE_OF_TYPE else default
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,8 @@ A message's ``content`` is a string or a list of parts, as vLLM takes them: ``{"
 (or ``"input_text"``), ``{"type": "image_url", "image_url": {"url": ...}}`` (or ``"image_url": "..."``; any URL
 or path :class:`~batchgen.multimodal.images.ImageLoader` reads, ``data:`` included), ``{"type": "input_image",
 "image_url": ...}`` (the Responses API's), ``{"type": "image_pil", "image_pil": <PIL image>}`` and ``{"type":
-"image", "image": ...}`` (a PIL image, bytes, a path or a URL); a part without ``type`` is typed by its one key
+"image", "image": ...}`` (a PIL image, bytes, a path or a URL) or, as transformers' chat templates take it,
+``{"type": "image", "url" | "path" | "base64": ...}``; a part without ``type`` is typed by its one key
 (``{"image_url": "..."}``). :func:`split_images` turns image parts into the ``{"type":
 "image"}`` parts Hugging Face chat templates expect and returns the images in prompt order; the template puts
 the model's image placeholder where each one was.
@@ -87,11 +88,20 @@ def split_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, 
     return out, images
 
 
+_HF_IMAGE_KEYS = ("url", "path", "base64")
+"""Where transformers' chat format puts a ``{"type": "image"}`` part's image (``base64``: the payload alone)."""
+
+
 def _image_of(part: Mapping[str, Any], kind: str, i: int, j: int) -> Any:
     value = part.get(_IMAGE_KEY.get(kind, kind))
     if kind in ("image_url", "input_image") and isinstance(value, Mapping):
         value = value.get("url")
-    if value is None or value == "":
+    if kind == "image" and value is None:
+        key = next((k for k in _HF_IMAGE_KEYS if part.get(k) is not None), None)
+        value = part.get(key) if key else None
+        if key == "base64" and isinstance(value, str) and not value.startswith("data:"):
+            value = "data:image;base64," + value
+    if value is None or (isinstance(value, str) and not value):
         raise ValueError(f"messages[{i}].content[{j}] ({kind}) has no image")
     return value
 

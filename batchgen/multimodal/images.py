@@ -1,7 +1,8 @@
 """One image from any source a row can name, decoded and content-hashed, or a clear :class:`ImageError`.
 
-A source is a ``PIL.Image.Image``, raw encoded bytes, a Hugging Face ``datasets`` Image value
-(``{"bytes": ..., "path": ...}``), a local path, or a URL: ``file://``, ``data:`` (base64), or any object store
+A source is a ``PIL.Image.Image``, a numpy array of 8-bit pixels (``H x W`` or ``H x W x C``, as vLLM and
+transformers take them), raw encoded bytes, a Hugging Face ``datasets`` Image value
+(``{"bytes": ..., "path": ...}``), a local path (a string or an ``os.PathLike``), or a URL: ``file://``, ``data:`` (base64), or any object store
 through batchgen's storage layer (``s3://``, ``gs://``, ``az://``, ``hf://``). ``http(s)://`` is refused (a
 batch job reads its inputs from storage it was given, never from the open web). A relative path is looked up
 under the loader's ``base`` (a job's input directory) first, then in the working directory.
@@ -127,6 +128,8 @@ class ImageLoader:
         returned as it is, hashed by its pixels); ImageError when they cannot be read. Hashing before decoding
         lets a caller that has processed the image already skip decoding it again."""
         Image = pil()
+        if is_pixel_array(source):
+            source = _array_image(source)
         if isinstance(source, Image.Image):
             return self._from_pil(source)
         data = self.read_bytes(source)
@@ -172,6 +175,8 @@ class ImageLoader:
             raise ImageError("image value has neither 'bytes' nor 'path'")
         if source is None:
             raise ImageError("null image value: give an image, or leave the null out of the row's list")
+        if isinstance(source, os.PathLike):
+            source = os.fspath(source)
         if not isinstance(source, str):
             raise ImageError(
                 f"unsupported image value of type {type(source).__name__}: pass a PIL image, bytes, a path or "
@@ -275,6 +280,30 @@ class ImageLoader:
         h_ = hashlib.sha256(f"pil:{rgb.mode}:{w}x{h}:".encode())
         h_.update(rgb.tobytes())
         return LoadedImage(rgb, h_.hexdigest(), _opened(img))
+
+
+def is_pixel_array(value: Any) -> bool:
+    """Whether ``value`` is one image's pixels as a numpy array (2 or 3 dimensions of numbers), not an array of
+    image values (Parquet's lists arrive as object arrays)."""
+    dtype = getattr(value, "dtype", None)
+    return (
+        type(value).__module__ == "numpy" and getattr(dtype, "kind", "O") in "biuf" and value.ndim in (2, 3)
+    )
+
+
+def _array_image(array: Any) -> Any:
+    """A numpy array of 8-bit pixels as a PIL image (``H x W``: grayscale; ``H x W x 1/3/4``: L, RGB, RGBA), as
+    transformers' processors read such an array; ImageError for another shape or dtype."""
+    Image = pil()
+    shape = tuple(array.shape)
+    if array.dtype.name != "uint8" or (len(shape) == 3 and shape[2] not in (1, 3, 4)):
+        raise ImageError(
+            f"image array of shape {shape} and dtype {array.dtype}: pass 8-bit pixels (uint8) as H x W or "
+            "H x W x C with 1, 3 or 4 channels, or a PIL image"
+        )
+    if len(shape) == 3 and shape[2] == 1:
+        array = array[:, :, 0]
+    return Image.fromarray(array)
 
 
 def _given_bytes(source: Any) -> Any:

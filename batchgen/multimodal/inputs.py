@@ -8,8 +8,9 @@ Qwen2-VL's does, is replaced by its image processor and the tokenizer). For each
 - decodes it and runs the processor's pixel work once per distinct image (cached by content hash, so an image
   shown by many rows is decoded and preprocessed once while it stays in the small LRU),
 - finds the image placeholders in the prompt's token ids (one ``<image>`` token per image, as in vLLM; a run
-  already expanded to the image's length counts as one) and expands each to the image's number of feature
-  tokens, exactly as the processor does.
+  already expanded to the image's length counts as one, and so does an image's whole expansion where the
+  processor writes text tokens among its feature tokens, as Idefics3's does) and expands each to the image's
+  number of feature tokens, exactly as the processor does.
 
 Every failure is an :class:`~batchgen.multimodal.images.ImageError` naming the image's index and the reason:
 a bad image (one the processor refuses included: its size, its shape), more images than ``limit_mm_per_prompt``
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch loads only when an image is processed (the CLI decides threads before torch)
     from torch import Tensor
 
-from batchgen.multimodal.images import EncodedImage, ImageError, ImageLoader, LoadedImage
+from batchgen.multimodal.images import EncodedImage, ImageError, ImageLoader, LoadedImage, is_pixel_array
 from batchgen.multimodal.joins import joins_for
 
 
@@ -91,11 +92,14 @@ def processor_kwargs_error(processor: Any, kwargs: dict[str, Any]) -> str | None
 
 
 def as_image_list(value: Any) -> list[Any]:
-    """``multi_modal_data["image"]``: one image or a list/tuple of them (a datasets Image dict is one)."""
+    """``multi_modal_data["image"]``: one image or a list/tuple of them (a datasets Image dict is one, and so is
+    a numpy array of pixels)."""
     if value is None:
         return []
     if isinstance(value, (list, tuple)):
         return list(value)
+    if is_pixel_array(value):
+        return [value]
     if hasattr(value, "tolist") and not hasattr(value, "convert"):  # a numpy array of values from Parquet
         return list(value.tolist())
     return [value]
@@ -424,41 +428,74 @@ class ImagePrompts:
         return ImagePrompt(ids, items)
 
     def _build(self, token_ids: Sequence[int], loaded: list[EncodedImage | LoadedImage]) -> ImagePrompt:
+        """Each placeholder replaced by its image's expansion, images in order. An expansion the ids hold in
+        full already (:func:`_given_expansion`: the processor's own ids) stands for its image's placeholder
+        and is kept as it is. ImageError as soon as a placeholder has no image left, or when images are left
+        over."""
         processed = self._all_pixels(loaded)
+        ids = list(token_ids)
         out: list[int] = []
         items: list[ImageItem] = []
-        pos = 0
-        for start, length in _placeholder_runs(token_ids, self.image_token_id):
-            text = list(token_ids[pos:start])
-            out.extend(self.joins.text_after(text) if items else text)
-            pos = start + length
-            while length > 0:
+        pos = 0  # ids[:pos] are in out
+        joined = False  # the processor's joins apply to the text after the last image (not after a given one)
+        for start, length in _placeholder_runs(ids, self.image_token_id):
+            at, run_end = start, start + length
+            while at < run_end:  # runs inside an expansion given already are skipped (at < pos)
+                if at < pos:
+                    at = pos
+                    continue
                 if len(items) == len(loaded):
-                    items.append(None)  # type: ignore[arg-type]  # counted for the message below
-                    break
+                    raise ImageError(
+                        f"the prompt has more image placeholder(s) ({self.image_token!r}) than the "
+                        f"{len(loaded)} image(s) given"
+                    )
                 image, done = loaded[len(items)], processed[len(items)]
                 n = len(done.expansion) if done.offsets is None else len(done.offsets)
-                # a run already expanded for this image (all feature tokens), or one placeholder
-                used = n if length == n and done.offsets is None else 1
-                expansion = self.joins.expansion(out, done.expansion)
+                later = [len(d.expansion) for d in processed[len(items) + 1 :]]
+                given = _given_expansion(ids, pos, at, run_end, done, later)
+                begin, end = given or (at, at + 1)
+                text = ids[pos:begin]
+                out.extend(self.joins.text_after(text) if joined else text)
+                verbatim = given is not None and done.offsets is not None
+                expansion = done.expansion if verbatim else self.joins.expansion(out, done.expansion)
                 skip = len(done.expansion) - len(expansion)
                 offsets = None if done.offsets is None else tuple(o - skip for o in done.offsets)
                 items.append(ImageItem(self.item_key(image.hash), done.pixels, len(out), n, offsets))
                 out.extend(expansion)
-                length -= used
-        if len(items) != len(loaded) or (items and items[-1] is None):
-            found = "more" if items and items[-1] is None else str(len(items))
+                joined = not verbatim
+                pos = at = end
+        if len(items) != len(loaded):
             raise ImageError(
-                f"the prompt has {found} image placeholder(s) ({self.image_token!r}) than the {len(loaded)} "
-                f"image(s) given"
-                if found == "more"
-                else f"the prompt has {found} image placeholder(s) "
-                f"({self.image_token!r}) but {len(loaded)} image(s) were given: put one {self.image_token!r} "
-                "in the prompt where each image goes"
+                f"the prompt has {len(items)} image placeholder(s) ({self.image_token!r}) but {len(loaded)} "
+                f"image(s) were given: put one {self.image_token!r} in the prompt where each image goes"
             )
-        rest = list(token_ids[pos:])
-        out.extend(self.joins.text_after(rest) if items else rest)
+        rest = ids[pos:]
+        out.extend(self.joins.text_after(rest) if joined else rest)
         return ImagePrompt(out, items)
+
+
+def _given_expansion(
+    ids: list[int], pos: int, at: int, run_end: int, done: _Processed, later: list[int]
+) -> tuple[int, int] | None:
+    """``(begin, end)`` of ``done``'s whole expansion where ``ids`` hold it already around the placeholder at
+    ``at`` (none of it before ``pos``), or None (``at`` is one placeholder). An expansion of feature tokens
+    only is given when the rest of the run (to ``run_end``) is exactly that long, or exactly as long as it and
+    the expansions of the next images (``later``: their lengths) together (adjacent images the processor
+    expanded); one with text tokens among them (Idefics3's tile rows) when every token matches."""
+    if done.offsets is None:
+        n, total = len(done.expansion), len(done.expansion)
+        for size in [0, *later]:
+            total += size
+            if total == run_end - at:
+                return at, at + n
+            if total > run_end - at:
+                break
+        return None
+    begin = at - done.offsets[0]
+    end = begin + len(done.expansion)
+    if begin >= pos and ids[begin:end] == list(done.expansion):
+        return begin, end
+    return None
 
 
 def processor_error(image: LoadedImage, e: Exception) -> ImageError:

@@ -65,6 +65,7 @@ def build_llava(
     seed: int = 0,
     next_grid: list[list[int]] | None = None,
     vip_layers: list[int] | None = None,
+    text_model_type: str = "llama",
 ) -> str:
     """Build the tiny LLaVA checkpoint and processor in `out_dir`; returns its path.
 
@@ -72,7 +73,8 @@ def build_llava(
     (``image_grid_pinpoints``, multiples of ``image_size``) it is a LLaVA-NeXT checkpoint instead
     (``LlavaNextForConditionalGeneration``, any-resolution tiling: the token count depends on the image size).
     With ``vip_layers`` (vision layers whose features are concatenated) it is a VipLLaVA checkpoint
-    (``VipLlavaForConditionalGeneration``: its own projector, the same processor)."""
+    (``VipLlavaForConditionalGeneration``: its own projector, the same processor). ``text_model_type``: the
+    language model's family (``"qwen2"``: q/k/v biases, as LLaVA-Interleave's Qwen2 has)."""
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
@@ -89,7 +91,7 @@ def build_llava(
     tok = build_tokenizer(out, vocab_size=vocab_size)
     tok.add_tokens([IMAGE_TOKEN], special_tokens=True)
     image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
-    text = _llama_text_config(tok, vocab_size, hidden_size)
+    text = _llama_text_config(tok, vocab_size, hidden_size, text_model_type)
     vision = CLIPVisionConfig(
         hidden_size=vision_hidden_size,
         intermediate_size=2 * vision_hidden_size,
@@ -326,11 +328,12 @@ def text_fields(tok, vocab_size: int, hidden_size: int, **extra: Any) -> dict[st
     )
 
 
-def _llama_text_config(tok, vocab_size: int, hidden_size: int):
-    """The Llama language model of the tiny LLaVA and Idefics3 checkpoints."""
-    from transformers import LlamaConfig
+def _llama_text_config(tok, vocab_size: int, hidden_size: int, model_type: str = "llama"):
+    """The language model of the tiny LLaVA and Idefics3 checkpoints: a Llama, or another family's
+    (``model_type``) of the same size."""
+    from transformers import CONFIG_MAPPING
 
-    return LlamaConfig(**text_fields(tok, vocab_size, hidden_size))
+    return CONFIG_MAPPING[model_type](**text_fields(tok, vocab_size, hidden_size))
 
 
 GEMMA3_CHAT_TEMPLATE = (
