@@ -252,3 +252,28 @@ def test_a_numpy_array_of_pixels_is_one_image():
     assert images[0] is pixels
     with pytest.raises(ImageError, match="uint8"):
         ImageLoader().load(pixels.astype(np.float32))
+
+
+def test_exif_orientation_turns_the_image_upright_as_vllm_and_load_image_do(tmp_path):
+    import numpy as np
+    from PIL import ImageOps
+    from transformers.image_utils import load_image
+
+    rng = np.random.default_rng(5)
+    img = Image.fromarray(rng.integers(0, 255, (40, 90, 3), dtype=np.uint8))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored sideways: shown turned 90 degrees clockwise
+    path = tmp_path / "sideways.jpg"
+    img.save(path, format="JPEG", exif=exif.tobytes())
+    want = np.asarray(load_image(str(path)))
+    assert want.shape == (90, 40, 3)  # upright: the stored width is its height
+    loader = ImageLoader()
+    for source in (str(path), path.read_bytes(), Image.open(path)):
+        got = loader.load(source)
+        assert np.array_equal(np.asarray(got.image), want), type(source)
+    plain = tmp_path / "plain.jpg"  # no orientation tag: the pixels as stored
+    img.save(plain, format="JPEG")
+    assert np.array_equal(
+        np.asarray(loader.load(str(plain)).image),
+        np.asarray(ImageOps.exif_transpose(Image.open(plain)).convert("RGB")),
+    )

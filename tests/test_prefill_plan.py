@@ -79,7 +79,8 @@ def _check_rows_and_tokens(planned: dict, report: dict, out: pa.Table) -> None:
     assert pred["prompt_tokens"] == {"predicted": pooled, "actual": pooled}
     w = pred["wall_time_s"]
     assert 0 < w["range"][0] < w["predicted"] < w["range"][1] and w["actual"] > 0
-    load = pred["load"]  # the threads each computed with (the engine's policy follows the machine's other load)
+    # the threads each computed with (the engine's policy follows the machine's other load)
+    load = pred["load"]
     assert load["threads_plan"] >= 1 and load["threads_run"] >= 1
     cal = planned["calibration"]
     assert cal["rows"] > 0 and cal["chunks"] >= 2 and cal["seconds_per_prompt_token"] > 0

@@ -261,6 +261,7 @@ class ImageLoader:
             if self.target_side and img.format == "JPEG" and min(w, h) > 2 * self.target_side:
                 img.draft("RGB", (2 * self.target_side, 2 * self.target_side))  # decode at a reduced scale
             img.load()
+            img = upright(img)
             rgb = to_rgb(img)
         except ImageError:
             raise
@@ -273,6 +274,7 @@ class ImageLoader:
         return LoadedImage(rgb, digest, _opened(img))
 
     def _from_pil(self, img: Any) -> LoadedImage:
+        img = upright(img)
         w, h = img.size
         if w * h > self.max_pixels:
             raise ImageError(f"image <PIL image>: {w}x{h} pixels exceeds the limit of {self.max_pixels}")
@@ -313,6 +315,23 @@ def _given_bytes(source: Any) -> Any:
     return source if type(source) is bytes else None
 
 
+EXIF_ORIENTATION = 0x0112
+
+
+def upright(img: Any) -> Any:
+    """``img`` turned and flipped as its EXIF orientation tag says, as a viewer shows it (what vLLM does to every
+    image, and transformers' ``load_image`` to every image it opens); ``img`` itself without such a tag."""
+    try:
+        orientation = img.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001 - unreadable EXIF: the pixels as stored
+        return img
+    if orientation in (None, 1):
+        return img
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(img)
+
+
 def _has_alpha(img: Any) -> bool:
     return "A" in img.getbands() or img.info.get("transparency") is not None
 
@@ -325,8 +344,8 @@ def _opened(img: Any) -> Any:
 def to_rgb(img: Any) -> Any:
     """``img`` as an RGB image, as transformers' image processors convert it: transparency (an alpha band, or a
     palette's or grayscale image's transparent colour) composited onto a white background, any other mode
-    converted by Pillow (``I;16`` clips to 255, CMYK inverts to RGB). The first frame of an animated image;
-    EXIF orientation is not applied."""
+    converted by Pillow (``I;16`` clips to 255, CMYK inverts to RGB). The first frame of an animated image
+    (EXIF orientation: :func:`upright`, before)."""
     Image = pil()
     if _has_alpha(img):
         rgba = img.convert("RGBA")
