@@ -473,3 +473,22 @@ def encoder_input_sum(llm: LLM, image) -> float:
 
     side = image_prompts_for(llm.engine)
     return float(side.pixels(side.load([image])[0]).pixels["pixel_values"].sum())
+
+
+def test_a_language_model_without_a_native_implementation_runs_on_transformers(tmp_path):
+    """LLaVA over a family batchgen does not run natively (Phi) runs whole on transformers' modeling code with
+    model.implementation=auto (it was read as a Llama), and is refused by name with native."""
+    from batchgen.models.config import NativeUnsupportedError
+
+    ckpt = build_llava(tmp_path / "ckpt", text_model_type="phi")
+    imgs = [random_image(56, 56, 85), random_image(90, 40, 86)]
+    rows = [("<image> what is it?", [imgs[0]]), ("Compare <image> and <image>", imgs), ("text only", [])]
+    llm = LLM(ckpt, kv_cache_memory="16MiB")
+    outs = llm.generate(
+        [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in rows],
+        GREEDY,
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, rows, GREEDY.max_tokens)
+    with pytest.raises(NativeUnsupportedError, match="'phi', which has no native implementation"):
+        LLM(ckpt, kv_cache_memory="16MiB", model_impl="native")

@@ -49,13 +49,27 @@ TRANSFORMERS_IMAGE_TEXT_OPTIONAL = frozenset(
 )
 
 
-def runs_whole_on_transformers(architectures: list[str], implementation: str) -> bool:
-    """Whether a checkpoint of ``architectures`` loads as an image-text model on transformers' modeling code
-    (batchgen.models.vision_transformers_lm) for ``implementation``."""
+def runs_whole_on_transformers(
+    architectures: list[str], implementation: str, config: dict[str, Any] | None = None
+) -> bool:
+    """Whether a checkpoint of ``architectures`` (``config``: its config.json) loads as an image-text model on
+    transformers' modeling code (batchgen.models.vision_transformers_lm) for ``implementation``: always with
+    ``transformers``; with ``auto`` when its language model has no native implementation (an architecture
+    that never has one, or one whose ``text_config`` names a family batchgen does not run)."""
     archs = set(architectures)
-    if implementation != "native" and archs & set(TRANSFORMERS_LM_VISION):
+    optional = bool(archs & TRANSFORMERS_IMAGE_TEXT_OPTIONAL)
+    if implementation != "native" and (
+        archs & set(TRANSFORMERS_LM_VISION) or (optional and foreign_text_model(config) is not None)
+    ):
         return True
-    return implementation == "transformers" and bool(archs & TRANSFORMERS_IMAGE_TEXT_OPTIONAL)
+    return implementation == "transformers" and optional
+
+
+def foreign_text_model(config: dict[str, Any] | None) -> str | None:
+    """The ``model_type`` its ``text_config`` names when batchgen has no native implementation of that family
+    (LLaVA over Phi); None when it runs the family natively or the config names none."""
+    declared = ((config or {}).get("text_config") or {}).get("model_type")
+    return declared if declared and declared not in CAUSAL_ARCHITECTURE_OF_TYPE else None
 
 
 # Hugging Face architecture name -> model_type, for every architecture with a native implementation.
@@ -364,6 +378,13 @@ class ModelConfig(ContextFacts):
                 )
         model_type = NATIVE_ARCHITECTURES[arch]
         if arch in NATIVE_TEXT_OF_MULTIMODAL:  # the language model of a vision-language checkpoint
+            foreign = foreign_text_model(config) if arch in TRANSFORMERS_IMAGE_TEXT_OPTIONAL else None
+            if foreign is not None:
+                raise NativeUnsupportedError(
+                    f"{source}: the language model of {arch} is {foreign!r}, which has no native "
+                    "implementation; model.implementation=auto or transformers runs it on transformers' "
+                    "modeling code"
+                )
             text = _text_config(config)
             model_type = text_model_type(text, model_type)
             if "tie_word_embeddings" in config:

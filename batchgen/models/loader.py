@@ -289,10 +289,13 @@ def _transformers_image_text(ckpt: Path, implementation: str) -> bool:
     from batchgen.models.config import read_config_files, runs_whole_on_transformers
 
     try:
-        archs = read_config_files(ckpt)[0].get("architectures") or []
+        config = read_config_files(ckpt)[0]
     except (OSError, ValueError):
         return False
-    return runs_whole_on_transformers(list(archs), implementation) and quantization_scheme(ckpt) is None
+    archs = config.get("architectures") or []
+    return (
+        runs_whole_on_transformers(list(archs), implementation, config) and quantization_scheme(ckpt) is None
+    )
 
 
 def check_tensor_parallel(path: str | os.PathLike, implementation: str, tp_size: int) -> ModelConfig:
