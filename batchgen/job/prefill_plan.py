@@ -11,12 +11,14 @@ An encoder computes every token.
 
 **Calibration.** The job's own model runs a proportional stratified sample of the rows (by prompt length and
 prefix group, :func:`~batchgen.job.calibrate.strata_order`) in chunks the size of the batches the job runs, each
-chunk timed, after an untimed warm-up; it stops once its time reaches ``plan.calibration_fraction`` of the job's
-time predicted so far (after at least :data:`MIN_CHUNKS` chunks), or the sample is spent. Seconds per computed
-prompt token over the sample (a ratio estimator: the sample's lengths mix as the job's) times the job's tokens
-to compute is the predicted compute time; reading and tokenizing the input (measured by this dry run, and serial
-with the compute in these jobs) is added. The range: the chunks' spread of that rate, the machine's load at
-calibration and a floor, widened for a sample of few chunks.
+chunk timed, after an untimed warm-up; on the paged engine each chunk runs twice, the second time with its
+prefixes cached (the same requests computing fewer tokens). It stops once its time reaches
+``plan.calibration_fraction`` of the job's time predicted so far (after at least :data:`MIN_CHUNKS` chunks), or
+the sample is spent. A cost per request and one per computed prompt token, fitted to the chunks
+(:meth:`PrefillCalibration.fit`; without the second runs, all per token: the sample's lengths mix as the job's),
+price the job's requests and its tokens to compute after sharing; reading and tokenizing the input (measured by
+this dry run, and serial with the compute in these jobs) is added. The range: the fit's residual over the
+chunks, the machine's load at calibration and a floor, widened for a sample of few chunks.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
+
+import numpy as np
 
 from batchgen.job.calibrate import CalibrationRow, compute_threads, load_average, load_spread, strata_order
 
@@ -68,13 +72,21 @@ class PrefillTask:
     prefix_caching: bool
     batch_rows: Callable[[float], int]
     """Rows per calibration chunk for rows of this mean length: a batch the job runs at full width."""
+    requests: Callable[[CalibrationRow], int] = lambda row: 1  # noqa: E731
+    """The model's requests for a row (scoring: one per token pair, several for a long text's rolling windows)."""
 
 
 @dataclass
 class PrefillCalibration:
-    """What running a sample of the rows measured: per timed chunk (rows, tokens computed, seconds)."""
+    """What running a sample of the rows measured: per timed chunk (requests, tokens computed, seconds), and on
+    the paged engine each chunk again (``again``: its prefixes now cached, the same requests computing fewer
+    tokens). The time model, ``per_request * requests + per_token * tokens`` (:meth:`fit`), is fitted to both:
+    a job whose rows share more (or less) than the sample's still gets its per-request cost right (the
+    requests of a job that shares a long context compute few tokens each)."""
 
     chunks: list[tuple[int, int, float]] = field(default_factory=list)
+    again: list[tuple[int, int, float]] = field(default_factory=list)
+    rows: int = 0
     warmup_seconds: float = 0.0
     seconds: float = 0.0
     """The calibration's whole wall time, the warm-up included."""
@@ -82,26 +94,34 @@ class PrefillCalibration:
     load: float | None = None
     note: str | None = None
 
-    @property
-    def rows(self) -> int:
-        return sum(c[0] for c in self.chunks)
+    def fit(self) -> tuple[float, float]:
+        """(seconds per request, seconds per computed token): least squares over every timed chunk; where the
+        chunks cannot tell the two apart (no chunk again, or a term fitted negative), all of it per token (the
+        ratio over the sample)."""
+        points = [c for c in (*self.chunks, *self.again) if c[2] > 0]
+        tokens = sum(c[1] for c in points)
+        ratio = (0.0, sum(c[2] for c in points) / tokens if tokens else 0.0)
+        if not self.again or len(points) < 3:
+            return ratio
+        x = np.array([[c[0], c[1]] for c in points], dtype=float)
+        y = np.array([c[2] for c in points])
+        (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
+        return (float(a), float(b)) if a >= 0 and b > 0 else ratio
 
-    @property
-    def per_token(self) -> float:
-        """Seconds per computed prompt token over the whole sample."""
-        tokens = sum(c[1] for c in self.chunks)
-        return sum(c[2] for c in self.chunks) / tokens if tokens else 0.0
+    def seconds_for(self, requests: float, tokens: float) -> float:
+        """Predicted seconds to run ``requests`` computing ``tokens`` prompt tokens."""
+        a, b = self.fit()
+        return a * requests + b * tokens
 
     def spread(self) -> float:
-        """The range's relative half-width (module docstring)."""
-        rates = [s / t for _, t, s in self.chunks if t > 0]
-        e_rate = (
-            statistics.stdev(rates) / statistics.mean(rates) / math.sqrt(len(rates))
-            if len(rates) > 1
-            else 0.3
-        )
+        """The range's relative half-width (module docstring): the fit's relative residual over the chunks, a
+        small sample's, the load's, and a floor."""
+        a, b = self.fit()
+        points = [c for c in (*self.chunks, *self.again) if c[2] > 0]
+        rel = [(s - (a * r + b * t)) / s for r, t, s in points]
+        e_fit = math.sqrt(sum(e * e for e in rel) / len(rel)) / math.sqrt(len(rel)) if len(rel) > 1 else 0.3
         e_few = 0.25 * max(0.0, 1.0 - len(self.chunks) / FULL_SAMPLE_CHUNKS)
-        terms = (RANGE_FLOOR, e_rate, e_few, load_spread(self.load))
+        terms = (RANGE_FLOOR, e_fit, e_few, load_spread(self.load))
         return min(0.8, math.sqrt(sum(x * x for x in terms)))
 
 
@@ -117,11 +137,12 @@ def batch_rows(max_num_seqs: int, max_num_batched_tokens: int) -> Callable[[floa
 
 
 def calibrate(
-    task: PrefillTask, rows: list[CalibrationRow], tokens_to_compute: float, fraction: float
+    task: PrefillTask, rows: list[CalibrationRow], requests: float, tokens_to_compute: float, fraction: float
 ) -> PrefillCalibration:
-    """Run ``rows`` (proportionally stratified in :func:`strata_order`'s order) chunk by chunk until the time
-    spent reaches ``fraction`` of the job's predicted time (``tokens_to_compute`` at the rate measured so
-    far), after :data:`MIN_CHUNKS` chunks, or the rows run out."""
+    """Run ``rows`` (proportionally stratified in :func:`strata_order`'s order) chunk by chunk, on the paged
+    engine each chunk twice, until the time spent reaches ``fraction`` of the job's predicted time
+    (``requests`` and ``tokens_to_compute`` at the costs measured so far), after :data:`MIN_CHUNKS` chunks, or
+    the rows run out."""
     cal = PrefillCalibration()
     t_start = time.perf_counter()
     if not rows:
@@ -130,8 +151,8 @@ def calibrate(
     task.run(order[:1])  # untimed: lazy initialisation
     cal.warmup_seconds = time.perf_counter() - t_start
     size = task.batch_rows(statistics.mean(len(r.token_ids) for r in order))
-    for i in range(0, len(order), size):
-        chunk = order[i : i + size]
+
+    def timed(chunk: list[CalibrationRow]) -> tuple[int, int, float]:
         before = task.computed()
         t0 = time.perf_counter()
         task.run(chunk)
@@ -139,9 +160,17 @@ def calibrate(
         after = task.computed()
         known = before is not None and after is not None
         computed = after - before if known else sum(len(r.token_ids) for r in chunk)  # type: ignore[operator]
-        cal.chunks.append((len(chunk), computed, dt))
+        return sum(task.requests(r) for r in chunk), computed, dt
+
+    for i in range(0, len(order), size):
+        chunk = order[i : i + size]
+        cal.rows += len(chunk)
+        cal.chunks.append(timed(chunk))
+        if task.prefix_caching:  # again, its prefixes cached: fewer tokens for the same requests
+            cal.again.append(timed(chunk))
         cal.seconds = time.perf_counter() - t_start
-        cal.budget = fraction * cal.per_token * tokens_to_compute
+        cal.budget = fraction * cal.seconds_for(requests, tokens_to_compute)
+        dt = cal.chunks[-1][2] + (cal.again[-1][2] if cal.again else 0.0)
         if len(cal.chunks) >= MIN_CHUNKS and cal.seconds + dt >= cal.budget:
             break
     cal.seconds = time.perf_counter() - t_start
@@ -244,10 +273,12 @@ def build_plan(plan: Any, task: PrefillTask, inp: Any) -> dict[str, Any]:
         return data
     strata = _strata(lens, list(inp.heads))
     candidates = [CalibrationRow(i, r.token_ids, r.params, strata[i], r.lora) for i, r in inp.kept.items()]
-    cal = calibrate(task, candidates[: pc.calibration_rows], to_compute, pc.calibration_fraction)
+    per_row = statistics.mean(task.requests(r) for r in candidates) if candidates else 1.0
+    requests = len(lens) * scale * per_row
+    cal = calibrate(task, candidates[: pc.calibration_rows], requests, to_compute, pc.calibration_fraction)
     # reading and tokenizing run between the windows' compute in the job (serial, on the same cores)
     reading = inp.read_seconds * scale
-    wall = cal.per_token * to_compute + reading
+    wall = cal.seconds_for(requests, to_compute) + reading
     e = cal.spread()
     predicted["wall_time_s"] = wall
     predicted["wall_time_range_s"] = [wall * (1 - e), wall * (1 + e)]
@@ -262,7 +293,8 @@ def build_plan(plan: Any, task: PrefillTask, inp: Any) -> dict[str, Any]:
         "budget_fraction": pc.calibration_fraction,
         "budget_s": round(cal.budget, 3),
         "device": task.device,
-        "seconds_per_prompt_token": cal.per_token,
+        "seconds_per_request": cal.fit()[0],
+        "seconds_per_prompt_token": cal.fit()[1],
         "load": cal.load,
         "cpus": os.cpu_count(),
         "threads": compute_threads(),
@@ -376,6 +408,7 @@ def scoring_task(plan: Any, engine: Any) -> PrefillTask:
         device=str(engine.device),
         prefix_caching=e.enable_prefix_caching,
         batch_rows=batch_rows(e.max_num_seqs, e.max_num_batched_tokens),
+        requests=lambda row: len(row.params),
     )
 
 
