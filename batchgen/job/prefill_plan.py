@@ -11,7 +11,7 @@ An encoder computes every token.
 
 **Calibration.** The job's own model runs a proportional stratified sample of the rows (by prompt length and
 prefix group, :func:`~batchgen.job.calibrate.strata_order`) in chunks the size of the batches the job runs, each
-chunk timed, after an untimed warm-up; on the paged engine each chunk runs twice, the second time with its
+chunk timed, after an untimed warm-up; on the paged engine a quarter of each of the first chunks runs again, its
 prefixes cached (the same requests computing fewer tokens). It stops once its time reaches
 ``plan.calibration_fraction`` of the job's time predicted so far (after at least :data:`MIN_CHUNKS` chunks), or
 the sample is spent. A cost per request and one per computed prompt token, fitted to the chunks
@@ -42,6 +42,8 @@ logger = logging.getLogger("batchgen.job")
 
 MIN_CHUNKS = 2
 """Chunks the calibration always times (unless the sample runs out first): the least a spread needs."""
+AGAIN_SHARE = 4
+"""A chunk run again (its prefixes cached) is this fraction of it: ``1 / AGAIN_SHARE`` of its rows."""
 FULL_SAMPLE_CHUNKS = 8
 """Chunks from which the sample's size no longer widens the range."""
 SCORED_KEY_BASE = -(1 << 48)
@@ -139,10 +141,10 @@ def batch_rows(max_num_seqs: int, max_num_batched_tokens: int) -> Callable[[floa
 def calibrate(
     task: PrefillTask, rows: list[CalibrationRow], requests: float, tokens_to_compute: float, fraction: float
 ) -> PrefillCalibration:
-    """Run ``rows`` (proportionally stratified in :func:`strata_order`'s order) chunk by chunk, on the paged
-    engine each chunk twice, until the time spent reaches ``fraction`` of the job's predicted time
-    (``requests`` and ``tokens_to_compute`` at the costs measured so far), after :data:`MIN_CHUNKS` chunks, or
-    the rows run out."""
+    """Run ``rows`` (proportionally stratified in :func:`strata_order`'s order) chunk by chunk (on the paged
+    engine a quarter of each of the first chunks again, its prefixes cached) until the time spent reaches
+    ``fraction`` of the job's predicted time (``requests`` and ``tokens_to_compute`` at the costs measured so
+    far), after :data:`MIN_CHUNKS` chunks, or the rows run out."""
     cal = PrefillCalibration()
     t_start = time.perf_counter()
     if not rows:
@@ -166,11 +168,13 @@ def calibrate(
         chunk = order[i : i + size]
         cal.rows += len(chunk)
         cal.chunks.append(timed(chunk))
-        if task.prefix_caching:  # again, its prefixes cached: fewer tokens for the same requests
-            cal.again.append(timed(chunk))
+        if task.prefix_caching and len(cal.again) < MIN_CHUNKS:
+            # a quarter of it again, its prefixes cached: fewer tokens for the same requests (what separates
+            # the per-request cost from the per-token one; the first chunks' are enough)
+            cal.again.append(timed(chunk[: max(4, len(chunk) // AGAIN_SHARE)]))
         cal.seconds = time.perf_counter() - t_start
         cal.budget = fraction * cal.seconds_for(requests, tokens_to_compute)
-        dt = cal.chunks[-1][2] + (cal.again[-1][2] if cal.again else 0.0)
+        dt = cal.chunks[-1][2]
         if len(cal.chunks) >= MIN_CHUNKS and cal.seconds + dt >= cal.budget:
             break
     cal.seconds = time.perf_counter() - t_start
