@@ -73,21 +73,29 @@ class PrefillTask:
     device: str
     prefix_caching: bool
     batch_rows: Callable[[float], int]
-    """Rows per calibration chunk for rows of this mean length: a batch the job runs at full width."""
+    """Rows per calibration chunk for rows computing this many tokens each (after sharing): a batch the job runs
+    at full width."""
     requests: Callable[[CalibrationRow], int] = lambda row: 1  # noqa: E731
     """The model's requests for a row (scoring: one per token pair, several for a long text's rolling windows)."""
+    scored: Callable[[CalibrationRow], int] = lambda row: 0  # noqa: E731
+    """The row's tokens whose logits are scored (scoring: its continuations' tokens)."""
+
+
+WORK_TERMS = ("requests", "computed_tokens", "scored_tokens")
+"""What a chunk of rows costs: its requests, the prompt tokens the model computes (after prefix sharing), and the
+tokens whose logits it scores (a scoring job's continuations: each a row of the vocabulary's log-softmax)."""
 
 
 @dataclass
 class PrefillCalibration:
-    """What running a sample of the rows measured: per timed chunk (requests, tokens computed, seconds), and on
-    the paged engine each chunk again (``again``: its prefixes now cached, the same requests computing fewer
-    tokens). The time model, ``per_request * requests + per_token * tokens`` (:meth:`fit`), is fitted to both:
-    a job whose rows share more (or less) than the sample's still gets its per-request cost right (the
-    requests of a job that shares a long context compute few tokens each)."""
+    """What running a sample of the rows measured: per timed chunk its work (:data:`WORK_TERMS`) and seconds,
+    and on the paged engine a part of the first chunks again (``again``: its prefixes now cached, the same
+    requests and scored tokens with fewer computed tokens). A cost per unit of each term (:meth:`fit`) is
+    fitted to all of them: a job whose rows share more (or less) than the sample's still gets each cost right
+    (the requests of a job that shares a long context compute few tokens each, most of them scored)."""
 
-    chunks: list[tuple[int, int, float]] = field(default_factory=list)
-    again: list[tuple[int, int, float]] = field(default_factory=list)
+    chunks: list[tuple[tuple[float, ...], float]] = field(default_factory=list)
+    again: list[tuple[tuple[float, ...], float]] = field(default_factory=list)
     rows: int = 0
     warmup_seconds: float = 0.0
     seconds: float = 0.0
@@ -96,31 +104,40 @@ class PrefillCalibration:
     load: float | None = None
     note: str | None = None
 
-    def fit(self) -> tuple[float, float]:
-        """(seconds per request, seconds per computed token): least squares over every timed chunk; where the
-        chunks cannot tell the two apart (no chunk again, or a term fitted negative), all of it per token (the
-        ratio over the sample)."""
-        points = [c for c in (*self.chunks, *self.again) if c[2] > 0]
-        tokens = sum(c[1] for c in points)
-        ratio = (0.0, sum(c[2] for c in points) / tokens if tokens else 0.0)
+    def fit(self) -> tuple[float, ...]:
+        """Seconds per unit of each :data:`WORK_TERMS` term: least squares over every timed chunk, non-negative
+        (a term the chunks do not vary, or whose cost fits negative, is dropped and the rest refitted); with
+        too few chunks to tell the terms apart, all of it per computed token (the ratio over the sample)."""
+        points = [(w, s) for w, s in (*self.chunks, *self.again) if s > 0]
+        tokens = sum(w[1] for w, _ in points)
+        ratio = (0.0, sum(s for _, s in points) / tokens if tokens else 0.0, 0.0)
         if not self.again or len(points) < 3:
             return ratio
-        x = np.array([[c[0], c[1]] for c in points], dtype=float)
-        y = np.array([c[2] for c in points])
-        (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
-        return (float(a), float(b)) if a >= 0 and b > 0 else ratio
+        x = np.array([w for w, _ in points], dtype=float)
+        y = np.array([s for _, s in points])
+        keep = [k for k in range(x.shape[1]) if np.any(x[:, k] > 0)]
+        while keep:
+            if len(keep) >= len(points):  # as many terms as chunks: the request term goes first
+                keep.pop(0)
+                continue
+            sol, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+            if all(v >= 0 for v in sol):
+                coef = [0.0] * x.shape[1]
+                for k, v in zip(keep, sol):
+                    coef[k] = float(v)
+                return tuple(coef) if coef[1] > 0 or coef[2] > 0 else ratio
+            keep.pop(int(np.argmin(sol)))
+        return ratio
 
-    def seconds_for(self, requests: float, tokens: float) -> float:
-        """Predicted seconds to run ``requests`` computing ``tokens`` prompt tokens."""
-        a, b = self.fit()
-        return a * requests + b * tokens
+    def seconds_for(self, work: tuple[float, ...]) -> float:
+        """Predicted seconds for ``work`` (:data:`WORK_TERMS`)."""
+        return sum(c * w for c, w in zip(self.fit(), work))
 
     def spread(self) -> float:
         """The range's relative half-width (module docstring): the fit's relative residual over the chunks, a
         small sample's, the load's, and a floor."""
-        a, b = self.fit()
-        points = [c for c in (*self.chunks, *self.again) if c[2] > 0]
-        rel = [(s - (a * r + b * t)) / s for r, t, s in points]
+        points = [(w, s) for w, s in (*self.chunks, *self.again) if s > 0]
+        rel = [(s - self.seconds_for(w)) / s for w, s in points]
         e_fit = math.sqrt(sum(e * e for e in rel) / len(rel)) / math.sqrt(len(rel)) if len(rel) > 1 else 0.3
         e_few = 0.25 * max(0.0, 1.0 - len(self.chunks) / FULL_SAMPLE_CHUNKS)
         terms = (RANGE_FLOOR, e_fit, e_few, load_spread(self.load))
@@ -139,12 +156,12 @@ def batch_rows(max_num_seqs: int, max_num_batched_tokens: int) -> Callable[[floa
 
 
 def calibrate(
-    task: PrefillTask, rows: list[CalibrationRow], requests: float, tokens_to_compute: float, fraction: float
+    task: PrefillTask, rows: list[CalibrationRow], work: tuple[float, ...], fraction: float
 ) -> PrefillCalibration:
     """Run ``rows`` (proportionally stratified in :func:`strata_order`'s order) chunk by chunk (on the paged
     engine a quarter of each of the first chunks again, its prefixes cached) until the time spent reaches
-    ``fraction`` of the job's predicted time (``requests`` and ``tokens_to_compute`` at the costs measured so
-    far), after :data:`MIN_CHUNKS` chunks, or the rows run out."""
+    ``fraction`` of the job's predicted time (its ``work``, :data:`WORK_TERMS`, at the costs measured so far),
+    after :data:`MIN_CHUNKS` chunks, or the rows run out."""
     cal = PrefillCalibration()
     t_start = time.perf_counter()
     if not rows:
@@ -152,9 +169,11 @@ def calibrate(
     order = strata_order(rows)
     task.run(order[:1])  # untimed: lazy initialisation
     cal.warmup_seconds = time.perf_counter() - t_start
-    size = task.batch_rows(statistics.mean(len(r.token_ids) for r in order))
+    # the job's batches are as wide as the tokens its rows compute after sharing (a cached context is not in
+    # them): so are the chunks
+    size = task.batch_rows(work[1] / max(1.0, work[0]))
 
-    def timed(chunk: list[CalibrationRow]) -> tuple[int, int, float]:
+    def timed(chunk: list[CalibrationRow]) -> tuple[tuple[float, ...], float]:
         before = task.computed()
         t0 = time.perf_counter()
         task.run(chunk)
@@ -162,7 +181,7 @@ def calibrate(
         after = task.computed()
         known = before is not None and after is not None
         computed = after - before if known else sum(len(r.token_ids) for r in chunk)  # type: ignore[operator]
-        return sum(task.requests(r) for r in chunk), computed, dt
+        return (sum(task.requests(r) for r in chunk), computed, sum(task.scored(r) for r in chunk)), dt
 
     for i in range(0, len(order), size):
         chunk = order[i : i + size]
@@ -173,8 +192,8 @@ def calibrate(
             # the per-request cost from the per-token one; the first chunks' are enough)
             cal.again.append(timed(chunk[: max(4, len(chunk) // AGAIN_SHARE)]))
         cal.seconds = time.perf_counter() - t_start
-        cal.budget = fraction * cal.seconds_for(requests, tokens_to_compute)
-        dt = cal.chunks[-1][2]
+        cal.budget = fraction * cal.seconds_for(work)
+        dt = cal.chunks[-1][1]
         if len(cal.chunks) >= MIN_CHUNKS and cal.seconds + dt >= cal.budget:
             break
     cal.seconds = time.perf_counter() - t_start
@@ -277,12 +296,13 @@ def build_plan(plan: Any, task: PrefillTask, inp: Any) -> dict[str, Any]:
         return data
     strata = _strata(lens, list(inp.heads))
     candidates = [CalibrationRow(i, r.token_ids, r.params, strata[i], r.lora) for i, r in inp.kept.items()]
-    per_row = statistics.mean(task.requests(r) for r in candidates) if candidates else 1.0
-    requests = len(lens) * scale * per_row
-    cal = calibrate(task, candidates[: pc.calibration_rows], requests, to_compute, pc.calibration_fraction)
+    rows = len(lens) * scale  # the job's requests and scored tokens, from the kept rows' means
+    mean = (lambda f: statistics.mean(f(r) for r in candidates)) if candidates else (lambda f: 0.0)  # noqa: E731
+    work = (rows * mean(task.requests), to_compute, rows * mean(task.scored))
+    cal = calibrate(task, candidates[: pc.calibration_rows], work, pc.calibration_fraction)
     # reading and tokenizing run between the windows' compute in the job (serial, on the same cores)
     reading = inp.read_seconds * scale
-    wall = cal.seconds_for(requests, to_compute) + reading
+    wall = cal.seconds_for(work) + reading
     e = cal.spread()
     predicted["wall_time_s"] = wall
     predicted["wall_time_range_s"] = [wall * (1 - e), wall * (1 + e)]
@@ -297,8 +317,7 @@ def build_plan(plan: Any, task: PrefillTask, inp: Any) -> dict[str, Any]:
         "budget_fraction": pc.calibration_fraction,
         "budget_s": round(cal.budget, 3),
         "device": task.device,
-        "seconds_per_request": cal.fit()[0],
-        "seconds_per_prompt_token": cal.fit()[1],
+        "seconds_per": dict(zip(WORK_TERMS, cal.fit())),
         "load": cal.load,
         "cpus": os.cpu_count(),
         "threads": compute_threads(),
@@ -413,6 +432,7 @@ def scoring_task(plan: Any, engine: Any) -> PrefillTask:
         prefix_caching=e.enable_prefix_caching,
         batch_rows=batch_rows(e.max_num_seqs, e.max_num_batched_tokens),
         requests=lambda row: len(row.params),
+        scored=lambda row: sum(len(x) for _, x in row.params),
     )
 
 
