@@ -336,7 +336,13 @@ def test_a_qwen2_language_model_equals_transformers(tmp_path, next_grid):
     """LLaVA and LLaVA-NeXT over another native family (LLaVA-Interleave's Qwen2: q/k/v biases): the language
     model is the one ``text_config`` names, not a Llama."""
     ckpt = build_llava(tmp_path / "ckpt", next_grid=next_grid, text_model_type="qwen2")
-    imgs = [random_image(56, 56, 80), random_image(120, 40, 81)]
+    llm = _equals_transformers_on_two_images(ckpt, 80)
+    assert llm.engine.model.language_model.config.qkv_bias
+
+
+def _equals_transformers_on_two_images(ckpt: str, seed: int) -> LLM:
+    """Greedy output on one image, two images and none equals transformers'; the LLM."""
+    imgs = [random_image(56, 56, seed), random_image(120, 40, seed + 1)]
     rows = [("<image> what is it?", [imgs[0]]), ("Compare <image> and <image>", imgs), ("text only", [])]
     llm = LLM(ckpt, kv_cache_memory="16MiB")
     outs = llm.generate(
@@ -344,8 +350,8 @@ def test_a_qwen2_language_model_equals_transformers(tmp_path, next_grid):
         GREEDY,
         use_tqdm=False,
     )
-    assert llm.engine.model.language_model.config.qkv_bias
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, rows, GREEDY.max_tokens)
+    return llm
 
 
 def test_numpy_pixels_and_path_objects_equal_transformers(llava, llm, tmp_path):
@@ -481,14 +487,6 @@ def test_a_language_model_without_a_native_implementation_runs_on_transformers(t
     from batchgen.models.config import NativeUnsupportedError
 
     ckpt = build_llava(tmp_path / "ckpt", text_model_type="phi")
-    imgs = [random_image(56, 56, 85), random_image(90, 40, 86)]
-    rows = [("<image> what is it?", [imgs[0]]), ("Compare <image> and <image>", imgs), ("text only", [])]
-    llm = LLM(ckpt, kv_cache_memory="16MiB")
-    outs = llm.generate(
-        [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in rows],
-        GREEDY,
-        use_tqdm=False,
-    )
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, rows, GREEDY.max_tokens)
+    _equals_transformers_on_two_images(ckpt, 85)
     with pytest.raises(NativeUnsupportedError, match="'phi', which has no native implementation"):
         LLM(ckpt, kv_cache_memory="16MiB", model_impl="native")

@@ -328,6 +328,13 @@ def _sample_windows(n_windows: int, window_rows: list[int], sample_rows: int | N
     return sorted({int(i * n_windows / k) for i in range(k)})
 
 
+def shard_facts(plan: Any, windows: int) -> dict[str, Any]:
+    """The plan's ``shard``: this shard's index and count, its rows and windows."""
+    d = plan.cfg.data
+    return {"index": d.shard.index, "count": d.shard.count, "row_start": plan.row_start, "row_end": plan.row_end,
+            "windows": windows}  # fmt: skip
+
+
 def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> PlanInput:
     """This shard's rows read, rendered, tokenized and grouped exactly as :func:`batchgen.job.run.run_job`
     does (module docstring)."""
@@ -359,13 +366,7 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
         group_by_prefix=d.group_by_prefix,
         replicas=max(1, cfg.engine.data_parallel_size),
         max_num_seqs=cfg.engine.max_num_seqs,
-        shard={
-            "index": d.shard.index,
-            "count": d.shard.count,
-            "row_start": plan.row_start,
-            "row_end": plan.row_end,
-            "windows": len(specs),
-        },  # fmt: skip
+        shard=shard_facts(plan, len(specs)),
         keep_every=max(1, rows_chosen // KEEP_ROWS),
     )
     t0 = time.perf_counter()

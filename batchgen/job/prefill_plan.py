@@ -63,7 +63,8 @@ class PrefillTask:
     :class:`~batchgen.job.dry_run.PlanRow` (tokens, or its error) and the positions the job feeds, in its
     order; ``run(rows)`` computes calibration rows as the job would (their ``params`` hold what the task
     needs of each); ``computed()`` the prompt tokens the engine has computed so far (None: the model
-    computes every token); ``tokenizer`` for the sharing analysis; ``max_model_len``, ``device``."""
+    computes every token); ``tokenizer`` for the sharing analysis; ``max_model_len``, ``device``;
+    ``prefix_caching``: the model runs on the paged engine with its prefix cache on."""
 
     window_rows: Callable[[Any, int], tuple[list[Any], list[int]]]
     run: Callable[[list[CalibrationRow]], None]
@@ -210,7 +211,7 @@ def read_rows(plan: Any, task: PrefillTask) -> Any:
     import pyarrow as pa
 
     from batchgen.data.reader import iter_windows
-    from batchgen.job.dry_run import KEEP_ROWS, PlanInput, _sample_windows
+    from batchgen.job.dry_run import KEEP_ROWS, PlanInput, _sample_windows, shard_facts
 
     cfg, d = plan.cfg, plan.cfg.data
     specs = list(plan.windows)
@@ -225,13 +226,7 @@ def read_rows(plan: Any, task: PrefillTask) -> Any:
         prompt_column=d.prompt_column,
         prefix_caching=task.prefix_caching,
         replicas=1,
-        shard={
-            "index": d.shard.index,
-            "count": d.shard.count,
-            "row_start": plan.row_start,
-            "row_end": plan.row_end,
-            "windows": len(specs),
-        },  # fmt: skip
+        shard=shard_facts(plan, len(specs)),
         keep_every=max(1, sum(w.num_rows for w in chosen) // KEEP_ROWS),
     )
     pa.array([0])  # pyarrow's one-time set-up (it imports pandas), which the job pays before its work starts
