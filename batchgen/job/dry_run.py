@@ -1064,9 +1064,10 @@ def _recommend(data, fit, kv_tok, pct, bounds, ecfg, inp, dev_mem, n_dev) -> dic
 
 
 # ------------------------------------------------------------------------------------------ the job
-def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
+def dry_run_job(plan: Any, engine: Any, print_summary: bool, t_start: float | None = None) -> Any:
     """``run.dry_run=true``: the plan of the job described by ``plan`` (a :class:`JobPlan`), printed and
-    written to ``_plan.json``; returns the JobResult (exit status 0)."""
+    written to ``_plan.json``; returns the JobResult (exit status 0). ``t_start``: when the job began opening
+    (``time.monotonic()``), for the start-up the job will pay."""
     from batchgen.job.config import POOLING_TASKS
     from batchgen.job.run import _load_tokenizer, _start_engine
 
@@ -1074,26 +1075,34 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool) -> Any:
     if cfg.task in POOLING_TASKS:
         from batchgen.job.prefill_plan import plan_pooling_job
 
-        return _write_plan(plan, Plan(plan_pooling_job(plan)), print_summary)
+        return _write_plan(plan, Plan(plan_pooling_job(plan, t_start)), print_summary)
     if cfg.task == "score":
         from batchgen.job.prefill_plan import plan_scoring_job
 
-        return _write_plan(plan, Plan(plan_scoring_job(plan, engine)), print_summary)
+        return _write_plan(plan, Plan(plan_scoring_job(plan, engine, t_start)), print_summary)
+    t_tokenizer = time.monotonic()
     tokenizer = engine.tokenizer if engine is not None else _load_tokenizer(plan)
+    t_read = time.monotonic()
     inp = read_job_rows(plan, tokenizer, cfg.plan.sample_rows)
     logger.info("dry run: read and tokenized %d of %d rows in %.1f s", inp.rows_read, inp.rows_total,
                 inp.read_seconds)  # fmt: skip
-    startup_s = None
+    engine_s = None
     if engine is None and cfg.plan.calibrate and inp.lens:
         t0 = time.perf_counter()
         engine = _start_engine(plan)
-        startup_s = time.perf_counter() - t0
+        engine_s = time.perf_counter() - t0
     replicas = max(1, cfg.engine.data_parallel_size)
     p = build_plan(inp, cfg.engine, tokenizer=tokenizer, engine=engine, plan_cfg=cfg.plan,
                    model=cfg.model.path or "tiny (embedded)", model_path=plan.model_path, replicas=replicas,
                    model_dtype=cfg.model.dtype)  # fmt: skip
-    # the engine's start-up (model load, pool allocation) as this dry run measured it: the job pays it
-    # before its run.wall_time_s starts (the report's startup_s)
+    # what the job pays before its run.wall_time_s starts (the report's startup_s), as this dry run measured it:
+    # opening the job and loading the tokenizer, reading its first window (the windows after it are read beside
+    # the engine, in the wall time), and starting the engine (model load, pool allocation)
+    startup_s = None
+    if engine_s is not None:
+        opening = t_tokenizer - t_start if t_start is not None else 0.0
+        first_window = inp.read_seconds / max(1, len(inp.window_sizes))
+        startup_s = opening + (t_read - t_tokenizer) + first_window + engine_s
     p.data["predicted"]["startup_s"] = startup_s
     return _write_plan(plan, p, print_summary)
 

@@ -214,7 +214,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(("recommended", ", ".join(f"{k}={v}" for k, v in rec.items())))
     rng = pred.get("wall_time_range_s") or [None, None]
     if pred.get("startup_s") is not None:
-        lines.append(("engine start-up", f"{_dur(pred['startup_s'])} (as measured by this dry run)"))
+        lines.append(("start-up", f"{_dur(pred['startup_s'])} (opening, the first window and the engine, as "
+                      "measured by this dry run)"))  # fmt: skip
     lines.append(("predicted wall time", f"{_dur(pred.get('wall_time_s'))} [{_dur(rng[0])} - {_dur(rng[1])}]"
                   + (f", {pred['device_hours']:.4g} device-hours" if pred.get("device_hours") is not None else "")
                   + (f", cost {pred['cost']:.4g}" if pred.get("cost") is not None else "")))  # fmt: skip

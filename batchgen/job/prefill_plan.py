@@ -205,9 +205,10 @@ def calibrate(
     return cal
 
 
-def read_rows(plan: Any, task: PrefillTask) -> Any:
+def read_rows(plan: Any, task: PrefillTask) -> tuple[Any, float]:
     """This shard's rows read and checked as the job does (``task.window_rows``), into a
-    :class:`~batchgen.job.dry_run.PlanInput` fed in the job's order."""
+    :class:`~batchgen.job.dry_run.PlanInput` fed in the job's order; and the seconds of pyarrow's one-time
+    set-up (it imports pandas on its first array), which the job pays in its first window's commit."""
     import pyarrow as pa
 
     from batchgen.data.reader import iter_windows
@@ -229,13 +230,15 @@ def read_rows(plan: Any, task: PrefillTask) -> Any:
         shard=shard_facts(plan, len(specs)),
         keep_every=max(1, sum(w.num_rows for w in chosen) // KEEP_ROWS),
     )
-    pa.array([0])  # pyarrow's one-time set-up (it imports pandas), which the job pays before its work starts
+    t_setup = time.perf_counter()
+    pa.array([0])
+    setup_s = time.perf_counter() - t_setup
     t0 = time.perf_counter()
     for win in iter_windows(plan.input, chosen, plan.columns):
         rows, feed = task.window_rows(win.table, win.spec.row_start)
         inp.add_window(rows, feed)
     inp.read_seconds = time.perf_counter() - t0
-    return inp
+    return inp, setup_s
 
 
 def _row_ids(table: Any, id_column: str | None, row_start: int) -> list[Any]:
@@ -245,9 +248,9 @@ def _row_ids(table: Any, id_column: str | None, row_start: int) -> list[Any]:
     return list(range(row_start, row_start + table.num_rows))
 
 
-def build_plan(plan: Any, task: PrefillTask, inp: Any) -> dict[str, Any]:
+def build_plan(plan: Any, task: PrefillTask, inp: Any, setup_s: float = 0.0) -> dict[str, Any]:
     """The plan's dict (``_plan.json``) of a prompt-only job over ``inp``, calibrated by ``task`` unless
-    ``plan.calibrate=false``."""
+    ``plan.calibrate=false``; ``setup_s``: one-time costs the job pays within its wall time."""
     from batchgen.job.dry_run import _percentiles, _strata, _weights_bytes, checkpoint_dtype, sharing_analysis
 
     cfg = plan.cfg
@@ -296,7 +299,7 @@ def build_plan(plan: Any, task: PrefillTask, inp: Any) -> dict[str, Any]:
     work = (rows * mean(task.requests), to_compute, rows * mean(task.scored))
     cal = calibrate(task, candidates[: pc.calibration_rows], work, pc.calibration_fraction)
     # reading and tokenizing run between the windows' compute in the job (serial, on the same cores)
-    reading = inp.read_seconds * scale
+    reading = inp.read_seconds * scale + setup_s
     wall = cal.seconds_for(work) + reading
     e = cal.spread()
     predicted["wall_time_s"] = wall
@@ -361,16 +364,17 @@ def pooling_task(plan: Any, runner: Any, spec: Any) -> PrefillTask:
     )
 
 
-def plan_pooling_job(plan: Any) -> dict[str, Any]:
+def plan_pooling_job(plan: Any, t_start: float | None = None) -> dict[str, Any]:
     """``run.dry_run=true`` for ``task=embed`` / ``task=classify``: the plan's dict (module docstring). The
-    checkpoint is loaded (its tokenizer and limits are the job's; the calibration pools with it)."""
+    checkpoint is loaded (its tokenizer and limits are the job's; the calibration pools with it). ``t_start``:
+    when the job began opening (``time.monotonic()``), for the start-up the job will pay."""
     from batchgen.errors import ConfigError
     from batchgen.job.pool import start_runner
     from batchgen.pooling.params import PoolingParams
 
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     runner = start_runner(plan)
-    startup_s = time.perf_counter() - t0
+    startup_s = time.monotonic() - (t0 if t_start is None else t_start)  # opening the job, loading the model
     p = plan.cfg.pooling
     try:
         spec = runner.spec(PoolingParams(p.method, p.normalize, p.dimensions))
@@ -431,23 +435,23 @@ def scoring_task(plan: Any, engine: Any) -> PrefillTask:
     )
 
 
-def plan_scoring_job(plan: Any, engine: Any) -> dict[str, Any]:
+def plan_scoring_job(plan: Any, engine: Any, t_start: float | None = None) -> dict[str, Any]:
     """``run.dry_run=true`` for ``task=score``: the plan's dict (module docstring) on the job's engine (started
-    here when none is given: the rows' checks need its tokenizer and adapters)."""
+    here when none is given: the rows' checks need its tokenizer and adapters); ``t_start`` as for pooling."""
     from batchgen.job.run import _start_engine
 
     startup_s = None
     if engine is None:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         engine = _start_engine(plan)
-        startup_s = time.perf_counter() - t0
+        startup_s = time.monotonic() - (t0 if t_start is None else t_start)  # opening the job, the engine
     data = _plan(plan, scoring_task(plan, engine))
     data["predicted"]["startup_s"] = startup_s
     return data
 
 
 def _plan(plan: Any, task: PrefillTask) -> dict[str, Any]:
-    inp = read_rows(plan, task)
+    inp, setup_s = read_rows(plan, task)
     logger.info("dry run: read and tokenized %d of %d rows in %.1f s", inp.rows_read, inp.rows_total,
                 inp.read_seconds)  # fmt: skip
-    return build_plan(plan, task, inp)
+    return build_plan(plan, task, inp, setup_s)

@@ -129,7 +129,7 @@ def _run_guarded(cfg: Any, engine: Engine | None, stop: StopSignal, print_summar
         if plan.cfg.run.dry_run:  # the plan of the job instead of the job (batchgen.job.dry_run)
             from batchgen.job.dry_run import dry_run_job
 
-            return dry_run_job(plan, engine, print_summary)
+            return dry_run_job(plan, engine, print_summary, opening.t_start)
         job = opening.open(plan, engine, stop, print_summary)
         return job.run()
     except ConfigError as e:
