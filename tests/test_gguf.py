@@ -8,6 +8,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+import model_zoo
 import pytest
 import torch
 from quant_helpers import write_gguf
@@ -54,6 +55,10 @@ MIXES = {
     },
 }
 PROMPTS = [[1, 17, 33, 90], [1, 200, 5, 9, 77, 31, 8, 12, 400], [1, 64]]
+LONG_PROMPTS = [
+    [1, 17, 33, 90, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
+    *PROMPTS[1:],
+]  # past a sliding window of 8
 NEW = 12
 
 
@@ -64,18 +69,23 @@ def llama_256(ckpt_factory) -> str:
 
 
 @cache
-def _hf_greedy(path: str) -> list[list[int]]:
+def _hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
     p = Path(path)
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
+    return model
+
+
+def _hf_greedy(path: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    model = _hf_model(path)
     with torch.inference_mode():
         return [
             model.generate(torch.tensor([q]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[
                 0, len(q) :
             ].tolist()
-            for q in PROMPTS
+            for q in prompts
         ]
 
 
@@ -283,3 +293,34 @@ def test_head_size_from_the_file_where_transformers_keeps_a_default(ckpt_factory
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
     assert got == transformers_greedy(base, PROMPTS, NEW) and len({t for row in got for t in row}) > 6
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, types",
+    [
+        # llama.cpp's phi3 files: fused attn_qkv and gate/up ffn_up; transformers' reading keeps Phi3Config's
+        # pad token 32000, so the vocabulary is Phi-3's 32064
+        ("phi3", dict(vocab_size=32064, head_dim=64, rope_parameters=model_zoo._ROPE), Q4_K),
+        # Gemma's norm weights stored as 1 + w; a sliding window (8) shorter than the sequences
+        ("gemma2", dict(head_dim=64), Q8_0),
+        ("gemma3_text", dict(head_dim=64), MIXES["mixed"]),
+    ],
+)
+def test_phi3_and_gemma_files_equal_transformers(tmp_path, arch, overrides, types) -> None:
+    """phi3, gemma2 and gemma3 files: greedy output and prompt logprobs equal transformers' ``gguf_file=``
+    loading (the logprobs hold every position: gemma2's random weights repeat one token greedily)."""
+    path = Path(write_gguf(model_zoo.checkpoint(arch, seed=31, hidden_size=256, intermediate_size=512, **overrides),
+                           tmp_path / f"{arch}.gguf", types))  # fmt: skip
+    llm = LLM(str(path), num_blocks=64, block_size=8, max_num_seqs=4)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in LONG_PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(str(path), LONG_PROMPTS)
+    hf = _hf_model(str(path))
+    for prompt, out in zip(LONG_PROMPTS, outs):
+        with torch.inference_mode():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1], -1)
+        want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        got = torch.tensor(
+            [float(getattr(d[t], "logprob", d[t])) for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+        )
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

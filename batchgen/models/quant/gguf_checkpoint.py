@@ -34,8 +34,11 @@ from batchgen.models.quant.quant_linear import QuantLinear
 
 logger = logging.getLogger(__name__)
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 """GGUF ``general.architecture`` values batchgen loads (natively implemented, plain tensor layouts)."""
+GEMMA_NORM_ARCHS = ("gemma2", "gemma3")
+"""Architectures whose GGUF files store norm weights as ``1 + w`` (llama.cpp's converter adds the one,
+transformers' reading takes it off)."""
 _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 
 
@@ -155,8 +158,10 @@ def load_gguf_model(
         return f"{mapped}.{suffix}"
 
     def rows(name: str, data: np.ndarray) -> np.ndarray:
-        """transformers' llama transform: llama.cpp's q/k row order back to Hugging Face's (rows only, so it
-        applies to packed rows as they are)."""
+        """transformers' transforms: a Gemma file's norm weights stored as ``1 + w`` back to ``w``; llama.cpp's
+        q/k row order back to Hugging Face's (rows only, so it applies to packed rows as they are)."""
+        if arch_name in GEMMA_NORM_ARCHS and name.endswith("norm.weight"):
+            return data - 1.0
         if arch_name != "llama" or not (".attn_q." in name or ".attn_k." in name):
             return data
         n_head = heads[0] if ".attn_q." in name else heads[1]

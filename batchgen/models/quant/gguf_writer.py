@@ -83,7 +83,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_gguf(
     ckpt: str, out_path, types: dict[str, int] | int = 8, seed: int = 0, output_type: int | None = None
 ) -> str:
-    """Write the llama, qwen2 or qwen3 checkpoint `ckpt` (a tiny one: batchgen.models.tiny.build_checkpoint) as a
+    """Write the llama, qwen2, qwen3, phi3, gemma2 or gemma3 checkpoint `ckpt` (a tiny one: batchgen.models.tiny.build_checkpoint) as a
     GGUF file of its architecture with its tokenizer (byte-level BPE: vocabulary and merges, llama.cpp's
     pre-tokenizer name for the architecture): every 2-D projection quantized to `types` (one ggml type id, F32, F16 and
     BF16 included, or one per GGUF tensor-name suffix such as ``attn_v``, default Q8_0), the LM head in
@@ -97,12 +97,14 @@ def write_gguf(
     import gguf
     from safetensors.torch import load_file
 
+    from batchgen.models.quant.gguf_checkpoint import GEMMA_NORM_ARCHS
+
     ckpt = Path(ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     state = load_file(str(ckpt / "model.safetensors"))
     n_layers, n_head, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    arch = cfg["model_type"]
+    arch = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])  # llama.cpp's name
     w = gguf.GGUFWriter(str(out_path), arch)
     w.add_block_count(n_layers)
     w.add_context_length(cfg.get("max_position_embeddings", 2048))
@@ -119,6 +121,8 @@ def write_gguf(
     if cfg.get("head_dim"):  # as llama.cpp's converter writes it
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch in GEMMA_NORM_ARCHS and cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
     w.add_vocab_size(cfg["vocab_size"])
     vocab = tok["model"]["vocab"]
     tokens = [None] * len(vocab)
@@ -146,6 +150,8 @@ def write_gguf(
         base, _, suffix = name.rpartition(".")
         gname = f"{name_map.get_name(base)}.{suffix}"
         short = gname.split(".")[-2]
+        if arch in GEMMA_NORM_ARCHS and gname.endswith("norm.weight"):
+            arr = arr + 1.0  # llama.cpp's converter stores Gemma's (1 + w) norm weights whole
         if arch == "llama" and short == "attn_q":
             arr = _llama_cpp_permute(arr, n_head)
         elif arch == "llama" and short == "attn_k":
