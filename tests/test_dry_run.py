@@ -173,6 +173,22 @@ def test_chat_system_prompt_that_differs_is_named(qwen2_ckpt: str, tmp_path: Pat
     assert run["hit_rate_if_first"] > plan["predicted"]["prefix_hit_rate"] + 0.3
 
 
+def test_a_shared_run_is_what_most_rows_hold_not_what_two_share_by_chance() -> None:
+    from batchgen.job.prefix_sim import shared_run_after_start
+
+    # the rows compared first share by chance the id's last digit before the shared text and the question's
+    # first word after it; the run is the shared text most rows hold
+    words = ["Which", "How", "Where", "Why", "When", "Who", "Name", "Give"]
+    texts = [
+        f"Request {1000 + (10 if i == 8 else i)}. " + INSTRUCTION
+        + ("What" if i in (0, 8) else words[i % 8]) + f" is {i}?"
+        for i in range(16)
+    ]  # fmt: skip
+    run, held, first_char = shared_run_after_start(texts)
+    assert held == 1.0 and INSTRUCTION.strip() in run and "0" not in run and "What" not in run
+    assert first_char == texts[0].index(run) > 0
+
+
 def test_llm_plan(tiny_ckpt: str) -> None:
     from batchgen import LLM
 

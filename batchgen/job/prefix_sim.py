@@ -135,16 +135,32 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def shared_run_after_start(texts: Sequence[str], min_chars: int = 40) -> tuple[str, float, int] | None:
-    """The longest text two of ``texts`` share, when it is at least ``min_chars`` long and not at their start:
-    (the text, the fraction of ``texts`` holding it, where it starts in the first text); None otherwise."""
+    """The longest text most of ``texts`` share, when it is at least ``min_chars`` long and not at their start:
+    (the text, the fraction of ``texts`` holding it, where it starts in the first text); None otherwise.
+
+    The run starts as the longest text the first row shares with another, then is cut down to what a spread
+    of further rows also hold: two rows may share by chance a few characters on either side of it (the same
+    last digit of an id before a system prompt, the same first word of the question after it), which fewer
+    rows hold; a row that holds no run of ``min_chars`` of it does not cut it (it is not one of the rows that
+    share it)."""
     import difflib
 
     if len(texts) < 2:
         return None
     a, b = texts[0], texts[len(texts) // 2] if texts[len(texts) // 2] != texts[0] else texts[-1]
     m = difflib.SequenceMatcher(None, a, b, autojunk=False).find_longest_match(0, len(a), 0, len(b))
-    if m.size < min_chars or (m.a == 0 and m.b == 0):
+    if m.size < min_chars:
         return None
     run = a[m.a : m.a + m.size]
+    others = texts[1:]
+    for t in others[:: max(1, len(others) // 8)]:
+        if run in t:
+            continue
+        k = difflib.SequenceMatcher(None, run, t, autojunk=False).find_longest_match(0, len(run), 0, len(t))
+        if k.size >= min_chars:
+            run = run[k.a : k.a + k.size]
+    first = a.find(run)
+    if first == 0 and b.find(run) == 0:
+        return None
     held = sum(run in t for t in texts) / len(texts)
-    return run, held, m.a
+    return run, held, first
