@@ -49,6 +49,38 @@ def test_prefix_cache_simulation_matches_the_engine(tiny_ckpt: str) -> None:
     assert sim.hit_rate == pytest.approx(engine.stats.prefix_hit_rate)
 
 
+def test_rows_asking_for_prompt_logprobs_read_nothing_from_the_cache(tiny_ckpt: str) -> None:
+    # every prompt token's logprob needs its logits: such a row computes its whole prompt (and still fills the
+    # cache for the rows after it); the plan's hit rate is the engine's
+    from batchgen.job.dry_run import PlanInput, PlanRow
+
+    engine = _engine(tiny_ckpt)
+    prompts = [engine.tokenizer.encode(INSTRUCTION + f"Question {i}?") for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1 if i % 2 else None) for i in range(6)
+    ]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(i, p, sp)
+        while engine.has_unfinished():
+            engine.step()
+    inp = PlanInput(rows_total=6, block_size=engine.stats.block_size, max_model_len=engine.max_model_len)
+    inp.add_window([PlanRow(i, i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))], list(range(6)))
+    assert list(inp.cached)[1::2] == [0, 0, 0] and sum(inp.cached) > 0
+    assert sum(inp.cached) == engine.stats.prompt_tokens_cached
+    assert inp.hit_rate == pytest.approx(engine.stats.prefix_hit_rate)
+
+
+def test_a_structured_output_job_is_calibrated(tiny_ckpt: str, tmp_path: Path) -> None:
+    pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the 'structured' extra)")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cfg = job_config(tiny_ckpt, _input(tmp_path, 12), tmp_path / "out", sampling={"json_schema": schema})
+    cfg.run.dry_run = True
+    res = run_job(cfg, engine=_engine(tiny_ckpt), handle_signals=False, print_summary=False)
+    assert res.exit_code == 0, res.message
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert plan["predicted"]["wall_time_s"] > 0 and plan["calibration"]["rows"] >= 1
+
+
 def test_schedule_simulation_and_step_model() -> None:
     unit = StepModel((1.0, 0.0, 0.0, 0.0))
     # one request: its prefill step gives the first token, then 4 decode steps

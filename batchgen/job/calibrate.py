@@ -564,12 +564,15 @@ def _warm_up(
     timings when ``samples`` is None; else its steps timed into ``samples``."""
     from batchgen.driver import Driver, EngineRequest, Requests
 
-    # its two tokens whatever the row's stops (a prefill step, then a decode step: the one-sequence model)
+    # its two tokens whatever the row's stops (a prefill step, then a decode step: the one-sequence model); a
+    # row under structured output keeps its grammar (initialised here, out of the timed steps), which ends
+    # the output itself and refuses ignore_eos
     params = (
-        replace(row.params, max_tokens=2, min_tokens=0, ignore_eos=True, stop=None, stop_token_ids=None)
+        replace(row.params, max_tokens=2, min_tokens=0, ignore_eos=not getattr(row.params, "constrained", False),
+                stop=None, stop_token_ids=None)
         if row.params is not None
         else None
-    )
+    )  # fmt: skip
     request = EngineRequest(f"batchgen-calibration-warmup-{samples is None}", list(row.token_ids), params)
     steps = Driver(engine, Requests([request], lambda outs: None)).steps()
     prev = engine.stats.snapshot()

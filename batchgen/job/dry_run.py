@@ -91,6 +91,14 @@ class PlanRow:
         return self.cache_ids if self.cache_ids is not None else self.token_ids
 
 
+def lookup_tokens(params: Any) -> int | None:
+    """The prompt's first tokens the engine may serve from the prefix cache for a row with ``params`` (None:
+    all): a row asking for its prompt's logprobs needs every prompt token's logits, so it reads nothing from
+    the cache (it still fills it), as :class:`~batchgen.engine.features.prompt_logprobs.PromptLogprobsAddOn`
+    limits it."""
+    return 1 if getattr(params, "prompt_logprobs", None) is not None else None
+
+
 IMAGE_KEY_BITS = 16
 """Offset bits of a simulated image token id: ``-((key << IMAGE_KEY_BITS) + offset) - 1`` (negative, so never a
 vocabulary id)."""
@@ -239,7 +247,7 @@ class PlanInput:
             toks = r.keyed
             assert toks is not None
             root = _root(r)
-            c, k = sim.admit(toks, root) if self.prefix_caching else (0, 0)
+            c, k = sim.admit(toks, root, lookup_tokens(r.params)) if self.prefix_caching else (0, 0)
             i = len(self.lens)
             self.lens.append(len(toks))
             self.cached.append(c)
@@ -257,7 +265,8 @@ class PlanInput:
                     self.all_tokens = None
         if not self.group_by_prefix and self.prefix_caching:
             for pos in sorted(feed, key=lambda p: rows[p].keyed):  # type: ignore[arg-type,return-value]
-                self.grouped_cached += grouped_sim.admit(rows[pos].keyed, _root(rows[pos]))[0]
+                r = rows[pos]
+                self.grouped_cached += grouped_sim.admit(r.keyed, _root(r), lookup_tokens(r.params))[0]
 
     @property
     def saved(self) -> list[int]:

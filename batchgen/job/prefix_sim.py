@@ -51,15 +51,18 @@ class PrefixCacheSim:
         self.cache: OrderedDict[Hashable, None] = OrderedDict()
         self.children: dict[Hashable, list[tuple[int, ...]]] = {}  # parent -> tokens of cached child blocks
 
-    def admit(self, toks: Sequence[int], root: Hashable = None) -> tuple[int, int]:
+    def admit(self, toks: Sequence[int], root: Hashable = None, lookup: int | None = None) -> tuple[int, int]:
         """Admit one prompt: (tokens served by whole cached blocks, tokens copied from a cached block).
-        O(len(toks)): one hash per full block; a block past the first miss is never looked up."""
+        O(len(toks)): one hash per full block; a block past the first miss is never looked up. ``lookup``: the
+        prompt's first tokens the engine may take from the cache (None: all; a request wanting its prompt's
+        logprobs computes every token, 1); its full blocks are registered for later prompts whatever it is."""
         bs, cache, children = self.bs, self.cache, self.children
         n = len(toks)
         if type(toks) is not tuple:
             toks = tuple(toks)
         full = n // bs
-        shareable = (n - 1) // bs if n >= 2 else 0
+        m = n if lookup is None else min(n, lookup)
+        shareable = (m - 1) // bs if m >= 2 else 0
         parent: Hashable = root
         keys = []
         hit = 0
@@ -76,7 +79,7 @@ class PrefixCacheSim:
                     missed = True
         # the registered block under the last shared one continuing the prompt furthest (never its last token)
         start, lead = hit * bs, 0
-        end = min(start + bs, n - 1)
+        end = min(start + bs, m - 1)
         if end > start:
             want = toks[start:end]
             for child in reversed(children.get(keys[hit - 1] if hit else root, ())):
