@@ -221,6 +221,31 @@ def test_a_shared_run_is_what_most_rows_hold_not_what_two_share_by_chance() -> N
     assert first_char == texts[0].index(run) > 0
 
 
+def test_the_first_windows_one_time_setup_is_start_up_not_work(
+    tiny_ckpt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the first window pays a one-time set-up (as a chat template's first render loads the tokenizer): the job
+    # reads it before its work starts, so the plan counts it in the start-up, not once per later window
+    import time
+
+    import batchgen.data.prompts as prompts
+
+    build, calls = prompts.build_prompts, []
+
+    def slow_first(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(1.5)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(prompts, "build_prompts", slow_first)
+    cfg = job_config(tiny_ckpt, _input(tmp_path, 32), tmp_path / "out", data={"window_rows": 8})
+    cfg.run.dry_run = True
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    pred = json.loads((tmp_path / "out" / "_plan.json").read_text())["predicted"]
+    assert len(calls) == 4 and pred["startup_s"] >= 1.5 and pred["wall_time_s"] < 0.8
+
+
 def test_llm_plan(tiny_ckpt: str) -> None:
     from batchgen import LLM
 

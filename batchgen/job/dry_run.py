@@ -155,6 +155,10 @@ class PlanInput:
     keep_every: int = 1
     rows_read: int = 0
     read_seconds: float = 0.0
+    window_reads: list[tuple[int, float]] = field(default_factory=list)
+    """Each window read, in order: (its rows, the seconds its reading, rendering, tokenizing and grouping took).
+    The first holds the one-time set-up the job pays before its work (a chat template's tokenizer loaded on
+    the first row); the others time what the job does beside the engine (:attr:`reading_beside_s`)."""
     lens: array = field(default_factory=lambda: array("q"))
     """Per fed row (the job's order; 8 bytes a row each): prompt tokens; then tokens the cache serves, tokens
     copied, the output bound per sequence, sequences (:func:`engine_sequences`), and a hash of the first block
@@ -267,6 +271,31 @@ class PlanInput:
             for pos in sorted(feed, key=lambda p: rows[p].keyed):  # type: ignore[arg-type,return-value]
                 r = rows[pos]
                 self.grouped_cached += grouped_sim.admit(r.keyed, _root(r), lookup_tokens(r.params))[0]
+
+    @property
+    def first_window_s(self) -> float:
+        """Seconds the first window's reading took (the job reads it before its work starts); without
+        per-window times, the mean window's."""
+        if self.window_reads:
+            return self.window_reads[0][1]
+        return self.read_seconds / max(1, len(self.window_sizes))
+
+    @property
+    def reading_beside_s(self) -> float:
+        """Seconds the job spends reading its windows after the first (beside the engine, within its wall
+        time): the shard's rows past the first window at the per-row time of the windows read after the first
+        one (the first's one-time set-up is not the other windows'); at the first window's own rate when it is
+        the only one read."""
+        reads = self.window_reads
+        if not reads:
+            n = len(self.window_sizes)
+            return (
+                self.read_seconds * (self.rows_total / max(1, self.rows_read)) * (1 - 1 / n) if n > 1 else 0.0
+            )
+        later = reads[1:] or reads[:1]
+        rows = sum(r for r, _ in later)
+        per_row = sum(t for _, t in later) / rows if rows else 0.0
+        return per_row * max(0, self.rows_total - reads[0][0])
 
     @property
     def saved(self) -> list[int]:
@@ -383,6 +412,7 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
     def prepared() -> Any:
         """Each window read, rendered, tokenized and grouped: in a thread one window ahead of the prefix
         simulation (the fast tokenizer releases the GIL)."""
+        t = time.perf_counter()
         for win in iter_windows(plan.input, chosen, plan.columns, schema=plan.read_schema):
             rows = build_prompts(win.table, win.spec.row_start, plan.prompt_spec, tokenizer, win.unreadable)
             for r in rows:  # an adapter the engine cannot read: its rows are error rows, as in the job
@@ -394,7 +424,10 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
                 for pos, byte in bad.items():
                     rows[pos].fail(f"column {name!r} is not valid UTF-8 at byte {byte}")
                     rows[pos].token_ids = rows[pos].params = None
-            yield win, rows, WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
+            work = WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
+            inp.window_reads.append((len(rows), time.perf_counter() - t))
+            yield win, rows, work
+            t = time.perf_counter()
 
     adapter_problems: dict[Any, str | None] = {}
     ahead = ReadAhead(prepared())
@@ -990,8 +1023,8 @@ def _predict_time(
     wall_max = simulated(_expected_outputs(inp.bounds, cal, upper=True))
     # reading and tokenizing the windows after the first runs beside the engine: on a CPU it competes for
     # the same cores, on an accelerator it is hidden
-    if dev_name == "cpu" and len(inp.window_sizes) > 1:
-        reading = inp.read_seconds * scale * (1 - 1 / len(inp.window_sizes))
+    if dev_name == "cpu":
+        reading = inp.reading_beside_s
         wall, wall_min, wall_max = wall + reading, wall_min + reading, wall_max + reading
     typical = int(np.median(np.asarray(inp.bounds))) if len(inp.bounds) else 0
     e = relative_spread(cal, typical)
@@ -1110,7 +1143,7 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool, t_start: float | No
     startup_s = None
     if engine_s is not None:
         opening = t_tokenizer - t_start if t_start is not None else 0.0
-        first_window = inp.read_seconds / max(1, len(inp.window_sizes))
+        first_window = inp.first_window_s
         startup_s = opening + (t_read - t_tokenizer) + first_window + engine_s
     p.data["predicted"]["startup_s"] = startup_s
     return _write_plan(plan, p, print_summary)
