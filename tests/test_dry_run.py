@@ -422,6 +422,33 @@ def test_a_resumed_run_is_compared_with_its_part_of_the_plan() -> None:
     assert "fraction_of_plan" not in prediction_section(plan, report)
 
 
+def test_a_dry_run_on_a_started_output_plans_what_is_left(tiny_ckpt: str, tmp_path: Path) -> None:
+    # an earlier run stopped with windows committed and rows of an unfinished window checkpointed: the plan
+    # covers the rows the job has left to do, and says so; the resumed run is compared with all of it
+    from conftest import signal_after
+
+    out = tmp_path / "out"
+    cfg = job_config(tiny_ckpt, _input(tmp_path, 24), out, data={"window_rows": 4, "id_column": "key"})
+    cfg.run.checkpoint_interval_s = 0
+    res = run_job(cfg, engine=signal_after(_engine(tiny_ckpt, max_num_seqs=8), at=12), print_summary=False)
+    assert res.exit_code == 75, res.message
+    manifest = json.loads((out / "_manifest.json").read_text())
+    cfg.run.dry_run = True
+    assert run_job(cfg, engine=_engine(tiny_ckpt), handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((out / "_plan.json").read_text())
+    resume = plan["resume"]
+    assert resume["windows_done"] == len(manifest["windows"]) and resume["windows"] == 6
+    assert (
+        0 < resume["rows_done"] and resume["rows_left"] == plan["rows"]["total"] == 24 - resume["rows_done"]
+    )
+    assert plan["shard"]["windows"] == resume["windows_left"]
+    cfg.run.dry_run = False
+    report = run_job(cfg, engine=_engine(tiny_ckpt), handle_signals=False, print_summary=False).report
+    p = report["prediction"]
+    assert "fraction_of_plan" not in p and report["run"]["rows"] == plan["rows"]["total"]
+    assert p["prompt_tokens"]["predicted"] == p["prompt_tokens"]["actual"]
+
+
 @pytest.mark.parametrize(
     ("sampling", "sequences"), [({"n": 2}, 2), ({"beam_width": 3, "temperature": 0.0}, 3)]
 )

@@ -243,6 +243,23 @@ class OutputDir:
         )  # fmt: skip
         return fresh
 
+    def manifest_to_resume(
+        self, fresh: Manifest, overwrite: bool, retry_keys: tuple[str, ...], retry_errors: bool
+    ) -> Manifest | None:
+        """The manifest :meth:`open` would continue for `fresh` (the existing one, every later record applied),
+        found by reading only: no holder is taken and nothing is written. None when it would start afresh (no
+        output yet, `overwrite`, an output it takes over), refuse the output (:meth:`resume_problem` says why),
+        or the output's state cannot be read."""
+        if overwrite:
+            return None
+        try:
+            existing = read_state(self.loc)[0]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if existing is None or self._incompatibility(existing, fresh, retry_keys, retry_errors) is not None:
+            return None
+        return existing
+
     def resume_problem(
         self, fresh: Manifest, overwrite: bool, retry_keys: tuple[str, ...], retry_errors: bool
     ) -> str | None:
@@ -639,10 +656,12 @@ class OutputDir:
         self._named.add(name)
         return name
 
-    def checkpoint_pieces(self, window: int) -> list[pa.Table]:
-        """The checkpointed rows of `window` (tables with the extra piece columns)."""
-        assert self.manifest is not None, "open() first"
-        rec = self.manifest.partial.get(window)
+    def checkpoint_pieces(self, window: int, manifest: Manifest | None = None) -> list[pa.Table]:
+        """The checkpointed rows of `window` (tables with the extra piece columns), as this holder's manifest
+        records them, or `manifest` (one read without opening: :meth:`manifest_to_resume`)."""
+        m = manifest if manifest is not None else self.manifest
+        assert m is not None, "open() first"
+        rec = m.partial.get(window)
         return [
             self._read_table(f"{CHECKPOINT_DIR}/{name}") for name in (rec.files if rec is not None else [])
         ]

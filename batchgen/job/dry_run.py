@@ -211,10 +211,16 @@ class PlanInput:
         return (f"{what} needs {need} KV blocks but the pool holds {cap}; raise engine.kv_cache_memory / "
                 "num_blocks or lower max_tokens")  # fmt: skip
 
-    def add_window(self, rows: list[PlanRow], feed: list[int]) -> None:
+    def add_window(self, rows: list[PlanRow], feed: list[int], skip: frozenset[int] = frozenset()) -> None:
         """One window's rows (input order) and the positions the job feeds, in its order; a fed row the engine
-        would refuse (:meth:`unservable`) is an error row, as in the job."""
+        would refuse (:meth:`unservable`) is an error row, as in the job. ``skip``: positions an earlier run
+        into the output already did (not fed, not counted)."""
         from batchgen.job.prefix_sim import PrefixCacheSim
+
+        if skip:
+            rows_counted = [r for pos, r in enumerate(rows) if pos not in skip]
+        else:
+            rows_counted = rows
 
         kept_feed = []
         for pos in feed:
@@ -233,12 +239,12 @@ class PlanInput:
         sim = self._sims[len(self.window_sizes) % len(self._sims)]
         grouped_sim = self._grouped_sims[len(self.window_sizes) % len(self._sims)]
         if len(self.window_sizes) < len(self._sims):
-            self.cold_rows_read += len(rows)
+            self.cold_rows_read += len(rows_counted)
             self.cold_fed += len(feed)
-        self.rows_read += len(rows)
+        self.rows_read += len(rows_counted)
         self.window_sizes.append(len(feed))
         bs = self.block_size
-        for r in rows:
+        for r in rows_counted:
             if r.error is not None:
                 e = self.errors.setdefault(
                     error_key(r.error), {"rows": 0, "example": r.error, "first_ids": []}
@@ -373,9 +379,63 @@ def shard_facts(plan: Any, windows: int) -> dict[str, Any]:
             "windows": windows}  # fmt: skip
 
 
-def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> PlanInput:
+@dataclass
+class WorkLeft:
+    """What a run into an output an earlier run started has left to do (read only, as the job will resume it):
+    the windows without a part (and, with ``data.retry_errors``, those with retryable error rows), less the
+    rows already done in them (checkpointed, or ok in the part being retried)."""
+
+    specs: list[Any]
+    """The windows the run works on, in order."""
+    skip: dict[int, frozenset[int]]
+    """Window index -> positions already done (not run again)."""
+    rows: int
+    """Rows the run works on."""
+    rows_done: int
+    windows_done: int
+
+    def facts(self, windows: int) -> dict[str, Any]:
+        """The plan's ``resume`` section (``windows``: the shard's)."""
+        return {"windows_done": self.windows_done, "rows_done": self.rows_done, "windows_left": len(self.specs),
+                "rows_left": self.rows, "windows": windows,
+                "note": f"this output holds {self.rows_done} row(s) of an earlier run: the plan covers the "
+                        f"{self.rows} row(s) the job has left to do"}  # fmt: skip
+
+
+def work_left(plan: Any, outdir: Any) -> WorkLeft | None:
+    """What the job has left to do in ``outdir`` (read only); None when it would run every row of the shard
+    (a fresh output, ``data.overwrite``, an output it would take over or refuse)."""
+    import pyarrow.compute as pc
+
+    from batchgen.job.plan import RETRY_KEYS, fresh_manifest
+    from batchgen.job.resume import WindowsTodo
+
+    d = plan.cfg.data
+    m = outdir.manifest_to_resume(fresh_manifest(plan), d.overwrite, RETRY_KEYS, d.retry_errors)
+    if m is None or not (m.windows or m.partial):
+        return None
+    specs, skip = [], {}
+    for t in WindowsTodo(plan, m):
+        done: set[int] = set()
+        if t.retry_part:  # the part's rows other than those retried stay as they are
+            retry = set(t.retry_rows)
+            done.update(p for p in range(t.spec.num_rows) if p not in retry)
+        for piece in outdir.checkpoint_pieces(t.spec.index, m):
+            if d.retry_errors:  # checkpointed error rows caused by settings are recomputed too
+                piece = piece.filter(pc.invert(piece.column("_retryable")))
+            done.update(piece.column("_position").to_pylist())
+        specs.append(t.spec)
+        if done:
+            skip[t.spec.index] = frozenset(done)
+    rows = sum(s.num_rows for s in specs) - sum(len(v) for v in skip.values())
+    return WorkLeft(specs, skip, rows, m.rows_done, len(m.windows))
+
+
+def read_job_rows(
+    plan: Any, tokenizer: Any, sample_rows: int | None = None, left: WorkLeft | None = None
+) -> PlanInput:
     """This shard's rows read, rendered, tokenized and grouped exactly as :func:`batchgen.job.run.run_job`
-    does (module docstring)."""
+    does (module docstring); with ``left``, only the rows a resumed run has left to do."""
     from batchgen.data.prompts import build_prompts
     from batchgen.data.reader import iter_windows
     from batchgen.data.values import sanitize_utf8
@@ -383,14 +443,15 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
 
     cfg = plan.cfg
     plan.prompt_spec.max_model_len = cfg.engine.max_model_len or plan.model_max_len
-    specs = list(plan.windows)
+    specs = list(plan.windows) if left is None else list(left.specs)
+    skip = {} if left is None else left.skip
     pick = _sample_windows(len(specs), [w.num_rows for w in specs], cfg.plan.sample_rows)
     chosen = [specs[i] for i in pick]
     source_col = cfg.data.messages_column or cfg.data.prompt_column
     extra_cols = list(dict.fromkeys([f.name for f in plan.part_layout.kept] + (
         [cfg.data.id_column] if cfg.data.id_column else [])))  # fmt: skip
     d = cfg.data
-    rows_total = plan.row_end - plan.row_start
+    rows_total = plan.row_end - plan.row_start if left is None else left.rows
     rows_chosen = sum(w.num_rows for w in chosen)
     inp = PlanInput(
         rows_total=rows_total,
@@ -424,7 +485,9 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
                 for pos, byte in bad.items():
                     rows[pos].fail(f"column {name!r} is not valid UTF-8 at byte {byte}")
                     rows[pos].token_ids = rows[pos].params = None
-            work = WindowWork.create(win.spec, rows, cfg.data.group_by_prefix)
+            work = WindowWork.create(
+                win.spec, rows, cfg.data.group_by_prefix, skip=skip.get(win.spec.index, frozenset())
+            )
             inp.window_reads.append((len(rows), time.perf_counter() - t))
             yield win, rows, work
             t = time.perf_counter()
@@ -444,7 +507,7 @@ def read_job_rows(plan: Any, tokenizer: Any, sample_rows: int | None = None) -> 
                 tuple((i.hash, i.start + (i.offsets[0] if i.offsets else 0), i.num_tokens) for i in items),
                 image_keyed_ids(r.token_ids, items, image_keys) if items else None,  # type: ignore[arg-type]
             ))  # fmt: skip
-        inp.add_window(prs, list(work.feed))
+        inp.add_window(prs, list(work.feed), skip.get(win.spec.index, frozenset()))
     inp.read_seconds = time.perf_counter() - t0
     return inp
 
@@ -1122,10 +1185,12 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool, t_start: float | No
         from batchgen.job.prefill_plan import plan_scoring_job
 
         return _write_plan(plan, Plan(plan_scoring_job(plan, engine, t_start)), print_summary)
+    outdir = _output_dir(plan)
+    left = work_left(plan, outdir)
     t_tokenizer = time.monotonic()
     tokenizer = engine.tokenizer if engine is not None else _load_tokenizer(plan)
     t_read = time.monotonic()
-    inp = read_job_rows(plan, tokenizer, cfg.plan.sample_rows)
+    inp = read_job_rows(plan, tokenizer, cfg.plan.sample_rows, left)
     logger.info("dry run: read and tokenized %d of %d rows in %.1f s", inp.rows_read, inp.rows_total,
                 inp.read_seconds)  # fmt: skip
     engine_s = None
@@ -1146,13 +1211,23 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool, t_start: float | No
         first_window = inp.first_window_s
         startup_s = opening + (t_read - t_tokenizer) + first_window + engine_s
     p.data["predicted"]["startup_s"] = startup_s
-    return _write_plan(plan, p, print_summary)
+    if left is not None:
+        p.data["resume"] = left.facts(len(plan.windows))
+    return _write_plan(plan, p, print_summary, outdir)
 
 
-def _write_plan(plan: Any, p: Plan, print_summary: bool) -> Any:
-    """The plan's job-level figures (start-up, the whole array, warnings), then ``_plan.json`` written and the
-    plan printed; returns the JobResult (exit status 0)."""
+def _output_dir(plan: Any) -> Any:
+    """The shard's output directory, opened for reading (no holder taken: a job may be running into it)."""
     from batchgen.data.output_dir import open_output_dir
+
+    d = plan.cfg.data
+    return open_output_dir(d.output, d.shard.index, d.shard.count, dict(d.storage_options), d.lease_ttl_s)
+
+
+def _write_plan(plan: Any, p: Plan, print_summary: bool, outdir: Any = None) -> Any:
+    """The plan's job-level figures (start-up, the whole array, warnings), then ``_plan.json`` written into
+    ``outdir`` (None: the shard's output directory) and the plan printed; returns the JobResult (exit
+    status 0)."""
     from batchgen.job.plan import RETRY_KEYS, fresh_manifest
     from batchgen.job.plan_report import format_plan, write_plan
     from batchgen.job.result import EXIT_OK, JobResult
@@ -1167,7 +1242,7 @@ def _write_plan(plan: Any, p: Plan, print_summary: bool) -> Any:
     if count > 1 and pred.get("device_hours") is not None:
         # a Slurm array: every task plans its own shard; the whole array, estimated from this one
         total = plan.input.num_rows
-        share = total / max(1, plan.row_end - plan.row_start)
+        share = total / max(1, p.data["rows"]["total"])  # the rows planned: the shard's, or what it has left
         pred["all_shards"] = {
             "shards": count,
             "rows": total,
@@ -1176,7 +1251,7 @@ def _write_plan(plan: Any, p: Plan, print_summary: bool) -> Any:
             "note": "estimated from this shard; run the dry run in each array task for each shard's own plan",
         }
     d = cfg.data
-    outdir = open_output_dir(d.output, d.shard.index, d.shard.count, dict(d.storage_options), d.lease_ttl_s)
+    outdir = outdir if outdir is not None else _output_dir(plan)
     refused = outdir.resume_problem(fresh_manifest(plan), d.overwrite, RETRY_KEYS, d.retry_errors)
     if refused is not None:  # read only: the job would stop on it before running
         p.data["warnings"].insert(

@@ -186,6 +186,10 @@ def format_plan(plan: dict[str, Any]) -> str:
         ("rows", f"{rows['total']} ({rows['valid']} valid, {rows['error']} would be error rows)"
          + (f"; {rows['sampled']} tokenized, totals scaled" if rows.get("sampled") != rows["total"] else "")),
     ]  # fmt: skip
+    resume = plan.get("resume")
+    if resume:
+        lines.append(("resumed", f"{resume['note']} ({resume['windows_done']} of {resume['windows']} window(s) "
+                      "committed)"))  # fmt: skip
     for reason, e in (plan.get("errors") or {}).items():
         ids = ", ".join(str(i) for i in e["first_ids"])
         lines.append(("  error rows", f"{e['rows']} x {reason} (ids {ids})"))
