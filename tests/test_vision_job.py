@@ -162,6 +162,24 @@ def test_dry_run_keys_image_tokens_by_image_and_names_an_image_first(llava, tmp_
     assert "multi_modal_data" in api_plan["sharing"]["first_difference"]
 
 
+def test_moving_text_before_the_images_is_advised_only_where_it_shares_more(llava, tmp_path):
+    # most rows of one image share the text after it already: the text first would share less, so the plan
+    # names the shared text without advising to move it
+    imgs, _paths = _images(tmp_path)
+    text = "Answer in one short sentence, be precise, cite no sources and do not repeat the question."
+    q = [f"Q{i}: what is {i} times {i + 3}?" for i in range(36)]
+    prompts = [f"{text} <image> {q[i]}" if i % 3 == 0 else f"<image> {text} {q[i]}" for i in range(36)]
+    images = [png_bytes(imgs[i % 3]) for i in range(36)]
+    pq.write_table(pa.table({"prompt": prompts, "image": images}), tmp_path / "in.parquet")
+    cfg = job_config(llava, tmp_path / "in.parquet", tmp_path / "out", data={"image_column": "image"})
+    cfg.run.dry_run, cfg.plan.calibrate = True, False
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    sharing = plan["sharing"]
+    assert sharing["shared_run"]["hit_rate_if_first"] < plan["predicted"]["prefix_hit_rate"]
+    assert not any("the hit rate becomes about" in n for n in sharing["notes"])
+
+
 def test_chat_rows_with_image_parts(llava, tmp_path):
     imgs, paths = _images(tmp_path)
     part = pa.struct(

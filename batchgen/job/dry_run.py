@@ -749,9 +749,12 @@ def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list
                 out["shared_run"] = {"text": run[:200], "tokens": run_tokens, "rows_fraction": held,
                                      "first_char": first_char, "where": where,
                                      "hit_rate_if_first": better}  # fmt: skip
-                notes.append(f"{run_tokens} tokens ({run[:40]!r}...) are held by {held:.0%} of the rows but "
-                             f"start at character {first_char} of {where}, after per-row text: put that text "
-                             f"after them (the shared part first) and the hit rate becomes about {better:.0%}")  # fmt: skip
+                if better > hit_rate + 0.01:  # advice only where it shares more (rows of one image share the
+                    # text after it already: moving the text before the image may share less)
+                    notes.append(f"{run_tokens} tokens ({run[:40]!r}...) are held by {held:.0%} of the rows "
+                                 f"but start at character {first_char} of {where}, after per-row text: put that "
+                                 f"text after them (the shared part first) and the hit rate becomes about "
+                                 f"{better:.0%}")  # fmt: skip
     # orders that would share more
     if not inp.group_by_prefix and inp.lens:
         rate = inp.grouped_cached / sum(inp.lens)
