@@ -124,6 +124,30 @@ def test_pooling_dry_run_without_calibration(tmp_path):
     assert planned["rows"]["valid"] == 2 and planned["predicted"]["prompt_tokens"] > 0
 
 
+def test_a_pooling_dry_run_on_a_started_output_plans_what_is_left(tmp_path, monkeypatch):
+    from batchgen.data.output_dir import OutputDir
+
+    path = zoo.encoder(tmp_path / "bert", "bert", "BertModel", seed=11)
+    texts = _texts(40)
+    pq.write_table(pa.table({"key": [f"k{i}" for i in range(40)], "prompt": texts}), tmp_path / "in.parquet")
+    real_commit = OutputDir.commit
+
+    def dying_commit(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        real_commit(self, *a, **kw)
+        raise RuntimeError("simulated crash after the first window's commit")
+
+    monkeypatch.setattr(OutputDir, "commit", dying_commit)
+    job = _job(path, tmp_path, "embed", False)
+    assert run_job(job, print_summary=False, handle_signals=False).exit_code == 1
+    monkeypatch.setattr(OutputDir, "commit", real_commit)
+    job = _job(path, tmp_path, "embed", True, calibrate=False)
+    assert run_job(job, print_summary=False, handle_signals=False).exit_code == 0
+    planned = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert planned["resume"]["windows_done"] == 1 and planned["resume"]["rows_done"] == 16
+    # rows 16..39 are left; the error rows 3, 5 and 8 were in the window done
+    assert planned["rows"] == {"total": 24, "sampled": 24, "valid": 24, "error": 0}
+
+
 @pytest.mark.parametrize("rolling", [False, True], ids=["continuations", "rolling"])
 def test_score_dry_run_then_the_job(llama_ckpt, tmp_path, rolling):
     rng = random.Random(3)

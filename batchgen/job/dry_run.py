@@ -1180,16 +1180,18 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool, t_start: float | No
     from batchgen.job.run import _load_tokenizer, _start_engine
 
     cfg = plan.cfg
+    outdir = _output_dir(plan)
+    left = work_left(plan, outdir)
     if cfg.task in POOLING_TASKS:
         from batchgen.job.prefill_plan import plan_pooling_job
 
-        return _write_plan(plan, Plan(plan_pooling_job(plan, t_start)), print_summary)
+        return _write_plan(plan, Plan(plan_pooling_job(plan, t_start, left)), print_summary, outdir, left)
     if cfg.task == "score":
         from batchgen.job.prefill_plan import plan_scoring_job
 
-        return _write_plan(plan, Plan(plan_scoring_job(plan, engine, t_start)), print_summary)
-    outdir = _output_dir(plan)
-    left = work_left(plan, outdir)
+        return _write_plan(
+            plan, Plan(plan_scoring_job(plan, engine, t_start, left)), print_summary, outdir, left
+        )
     t_tokenizer = time.monotonic()
     tokenizer = engine.tokenizer if engine is not None else _load_tokenizer(plan)
     t_read = time.monotonic()
@@ -1214,9 +1216,7 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool, t_start: float | No
         first_window = inp.first_window_s
         startup_s = opening + (t_read - t_tokenizer) + first_window + engine_s
     p.data["predicted"]["startup_s"] = startup_s
-    if left is not None:
-        p.data["resume"] = left.facts(len(plan.windows))
-    return _write_plan(plan, p, print_summary, outdir)
+    return _write_plan(plan, p, print_summary, outdir, left)
 
 
 def _output_dir(plan: Any) -> Any:
@@ -1227,15 +1227,19 @@ def _output_dir(plan: Any) -> Any:
     return open_output_dir(d.output, d.shard.index, d.shard.count, dict(d.storage_options), d.lease_ttl_s)
 
 
-def _write_plan(plan: Any, p: Plan, print_summary: bool, outdir: Any = None) -> Any:
-    """The plan's job-level figures (start-up, the whole array, warnings), then ``_plan.json`` written into
-    ``outdir`` (None: the shard's output directory) and the plan printed; returns the JobResult (exit
-    status 0)."""
+def _write_plan(
+    plan: Any, p: Plan, print_summary: bool, outdir: Any = None, left: WorkLeft | None = None
+) -> Any:
+    """The plan's job-level figures (start-up, the whole array, warnings, what an earlier run did: ``left``),
+    then ``_plan.json`` written into ``outdir`` (None: the shard's output directory) and the plan printed;
+    returns the JobResult (exit status 0)."""
     from batchgen.job.plan import RETRY_KEYS, fresh_manifest
     from batchgen.job.plan_report import format_plan, write_plan
     from batchgen.job.result import EXIT_OK, JobResult
 
     cfg = plan.cfg
+    if left is not None:
+        p.data["resume"] = left.facts(len(plan.windows))
     p.data["fingerprint"] = plan.fingerprint  # the report compares only a plan of the same configuration
     p.data["warnings"] = outcome_warnings(p.data["rows"], cfg.run.max_error_fraction)
     pred, count = p.data["predicted"], cfg.data.shard.count

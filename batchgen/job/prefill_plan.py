@@ -205,22 +205,24 @@ def calibrate(
     return cal
 
 
-def read_rows(plan: Any, task: PrefillTask) -> tuple[Any, float]:
+def read_rows(plan: Any, task: PrefillTask, left: Any = None) -> tuple[Any, float]:
     """This shard's rows read and checked as the job does (``task.window_rows``), into a
     :class:`~batchgen.job.dry_run.PlanInput` fed in the job's order; and the seconds of pyarrow's one-time
-    set-up (it imports pandas on its first array), which the job pays in its first window's commit."""
+    set-up (it imports pandas on its first array), which the job pays in its first window's commit. ``left``
+    (a :class:`~batchgen.job.dry_run.WorkLeft`): only the rows a resumed run has left to do."""
     import pyarrow as pa
 
     from batchgen.data.reader import iter_windows
     from batchgen.job.dry_run import KEEP_ROWS, PlanInput, _sample_windows, shard_facts
 
     cfg, d = plan.cfg, plan.cfg.data
-    specs = list(plan.windows)
+    specs = list(plan.windows) if left is None else list(left.specs)
+    skip = {} if left is None else left.skip
     chosen = [
         specs[i] for i in _sample_windows(len(specs), [w.num_rows for w in specs], cfg.plan.sample_rows)
     ]
     inp = PlanInput(
-        rows_total=plan.row_end - plan.row_start,
+        rows_total=plan.row_end - plan.row_start if left is None else left.rows,
         block_size=cfg.engine.block_size,
         max_model_len=task.max_model_len,
         num_blocks=None,
@@ -236,7 +238,8 @@ def read_rows(plan: Any, task: PrefillTask) -> tuple[Any, float]:
     t0 = time.perf_counter()
     for win in iter_windows(plan.input, chosen, plan.columns):
         rows, feed = task.window_rows(win.table, win.spec.row_start)
-        inp.add_window(rows, feed)
+        done = skip.get(win.spec.index, frozenset())
+        inp.add_window(rows, [i for i in feed if i not in done], done)
     inp.read_seconds = time.perf_counter() - t0
     return inp, setup_s
 
@@ -364,10 +367,11 @@ def pooling_task(plan: Any, runner: Any, spec: Any) -> PrefillTask:
     )
 
 
-def plan_pooling_job(plan: Any, t_start: float | None = None) -> dict[str, Any]:
+def plan_pooling_job(plan: Any, t_start: float | None = None, left: Any = None) -> dict[str, Any]:
     """``run.dry_run=true`` for ``task=embed`` / ``task=classify``: the plan's dict (module docstring). The
     checkpoint is loaded (its tokenizer and limits are the job's; the calibration pools with it). ``t_start``:
-    when the job began opening (``time.monotonic()``), for the start-up the job will pay."""
+    when the job began opening (``time.monotonic()``), for the start-up the job will pay; ``left``: what a
+    resumed run has left to do (None: the whole shard)."""
     from batchgen.errors import ConfigError
     from batchgen.job.pool import start_runner
     from batchgen.pooling.params import PoolingParams
@@ -380,7 +384,7 @@ def plan_pooling_job(plan: Any, t_start: float | None = None) -> dict[str, Any]:
         spec = runner.spec(PoolingParams(p.method, p.normalize, p.dimensions))
     except ValueError as e:
         raise ConfigError(f"pooling: {e}") from e
-    data = _plan(plan, pooling_task(plan, runner, spec))
+    data = _plan(plan, pooling_task(plan, runner, spec), left)
     data["predicted"]["startup_s"] = startup_s  # the checkpoint's loading, which the job pays before its work
     return data
 
@@ -435,9 +439,12 @@ def scoring_task(plan: Any, engine: Any) -> PrefillTask:
     )
 
 
-def plan_scoring_job(plan: Any, engine: Any, t_start: float | None = None) -> dict[str, Any]:
+def plan_scoring_job(
+    plan: Any, engine: Any, t_start: float | None = None, left: Any = None
+) -> dict[str, Any]:
     """``run.dry_run=true`` for ``task=score``: the plan's dict (module docstring) on the job's engine (started
-    here when none is given: the rows' checks need its tokenizer and adapters); ``t_start`` as for pooling."""
+    here when none is given: the rows' checks need its tokenizer and adapters); ``t_start`` and ``left`` as for
+    pooling."""
     from batchgen.job.run import _start_engine
 
     startup_s = None
@@ -445,13 +452,13 @@ def plan_scoring_job(plan: Any, engine: Any, t_start: float | None = None) -> di
         t0 = time.monotonic()
         engine = _start_engine(plan)
         startup_s = time.monotonic() - (t0 if t_start is None else t_start)  # opening the job, the engine
-    data = _plan(plan, scoring_task(plan, engine))
+    data = _plan(plan, scoring_task(plan, engine), left)
     data["predicted"]["startup_s"] = startup_s
     return data
 
 
-def _plan(plan: Any, task: PrefillTask) -> dict[str, Any]:
-    inp, setup_s = read_rows(plan, task)
+def _plan(plan: Any, task: PrefillTask, left: Any = None) -> dict[str, Any]:
+    inp, setup_s = read_rows(plan, task, left)
     logger.info("dry run: read and tokenized %d of %d rows in %.1f s", inp.rows_read, inp.rows_total,
                 inp.read_seconds)  # fmt: skip
     return build_plan(plan, task, inp, setup_s)
