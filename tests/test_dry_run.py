@@ -337,6 +337,27 @@ def test_a_shard_of_an_array_plans_its_slice_and_estimates_the_array(tiny_ckpt: 
     assert alls["device_hours"] == pytest.approx(2 * plan["predicted"]["device_hours"])
 
 
+def test_replicas_on_the_cpu_are_calibrated_at_their_share_of_the_cores(
+    tiny_ckpt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each of N local CPU replicas computes with cores // N threads: the calibration times steps so, then the
+    # dry run's process has its own threads back
+    import os
+
+    import torch
+
+    import batchgen.job.replicas.run as replicas_run
+
+    monkeypatch.setattr(replicas_run, "_cpu_count", lambda: 6)
+    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    cfg = job_config(tiny_ckpt, _input(tmp_path, 16), tmp_path / "out", engine={"data_parallel_size": 3})
+    cfg.run.dry_run = True
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
+    assert plan["calibration"]["threads"] == 2
+    assert torch.get_num_threads() == before and os.environ.get("OMP_NUM_THREADS") == env
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_plan_sizes_kv_in_the_caches_dtype(llama_ckpt: str, tmp_path: Path, kv_dtype: str) -> None:
     # without calibration no engine: bytes per token come from the checkpoint's config and the cache's dtype,

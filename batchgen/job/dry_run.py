@@ -32,7 +32,8 @@ import math
 import os
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -1199,14 +1200,15 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool, t_start: float | No
     logger.info("dry run: read and tokenized %d of %d rows in %.1f s", inp.rows_read, inp.rows_total,
                 inp.read_seconds)  # fmt: skip
     engine_s = None
-    if engine is None and cfg.plan.calibrate and inp.lens:
-        t0 = time.perf_counter()
-        engine = _start_engine(plan)
-        engine_s = time.perf_counter() - t0
     replicas = max(1, cfg.engine.data_parallel_size)
-    p = build_plan(inp, cfg.engine, tokenizer=tokenizer, engine=engine, plan_cfg=cfg.plan,
-                   model=cfg.model.path or "tiny (embedded)", model_path=plan.model_path, replicas=replicas,
-                   model_dtype=cfg.model.dtype)  # fmt: skip
+    with _replica_threads(cfg):  # the engine computes as each replica will
+        if engine is None and cfg.plan.calibrate and inp.lens:
+            t0 = time.perf_counter()
+            engine = _start_engine(plan)
+            engine_s = time.perf_counter() - t0
+        p = build_plan(inp, cfg.engine, tokenizer=tokenizer, engine=engine, plan_cfg=cfg.plan,
+                       model=cfg.model.path or "tiny (embedded)", model_path=plan.model_path, replicas=replicas,
+                       model_dtype=cfg.model.dtype)  # fmt: skip
     # what the job pays before its run.wall_time_s starts (the report's startup_s), as this dry run measured it:
     # opening the job and loading the tokenizer, reading its first window (the windows after it are read beside
     # the engine, in the wall time), and starting the engine (model load, pool allocation)
@@ -1217,6 +1219,33 @@ def dry_run_job(plan: Any, engine: Any, print_summary: bool, t_start: float | No
         startup_s = opening + (t_read - t_tokenizer) + first_window + engine_s
     p.data["predicted"]["startup_s"] = startup_s
     return _write_plan(plan, p, print_summary, outdir, left)
+
+
+@contextmanager
+def _replica_threads(cfg: Any) -> Iterator[None]:
+    """Within: the torch threads (and ``OMP_NUM_THREADS``, which fixes an engine started here to them) each of
+    the job's CPU replicas will compute with (:func:`~batchgen.job.replicas.run.replica_threads`), so the
+    calibration times steps as a replica runs them; unchanged for a job without replicas or on CUDA. Restored
+    after."""
+    from batchgen.job.replicas.run import replica_threads
+
+    k = replica_threads(cfg)
+    if k is None:
+        yield
+        return
+    import torch
+
+    saved_env, saved = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+    os.environ["OMP_NUM_THREADS"] = str(k)
+    torch.set_num_threads(k)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+        if saved_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_env
 
 
 def _output_dir(plan: Any) -> Any:

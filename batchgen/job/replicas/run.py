@@ -34,6 +34,15 @@ def uses_replicas(cfg: JobConfig) -> bool:
     return cfg.engine.data_parallel_size > 1 or cfg.run.executor != "local"
 
 
+def replica_threads(cfg: JobConfig) -> int | None:
+    """The torch threads each replica computes with on the CPU: its share of the cores, ``cores // N``; None
+    on CUDA, or for a job without replicas (its engine follows the thread policy of
+    :mod:`batchgen.runtime.threads`)."""
+    if not uses_replicas(cfg) or _uses_cuda(cfg.engine.device):
+        return None
+    return max(1, _cpu_count() // cfg.engine.data_parallel_size)
+
+
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -82,7 +91,7 @@ def replica_setups(cfg: JobConfig, model_path: str) -> list[ReplicaSetup]:
                 f"{len(gpus)} are visible: lower engine.data_parallel_size"
             )
         engine = dataclasses.replace(engine, device="cuda")
-    threads = None if cuda else max(1, _cpu_count() // n)
+    threads = replica_threads(cfg)
     max_in_flight = max(1, 2 * e.max_num_seqs // cfg.sampling.n)
     setups = []
     for i in range(n):
