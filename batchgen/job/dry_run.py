@@ -421,7 +421,11 @@ def work_left(plan: Any, outdir: Any) -> WorkLeft | None:
         if t.retry_part:  # the part's rows other than those retried stay as they are
             retry = set(t.retry_rows)
             done.update(p for p in range(t.spec.num_rows) if p not in retry)
-        for piece in outdir.checkpoint_pieces(t.spec.index, m):
+        try:
+            pieces = outdir.checkpoint_pieces(t.spec.index, m)
+        except OSError:  # a checkpoint that cannot be read: its rows are planned (the job says what is wrong)
+            pieces = []
+        for piece in pieces:
             if d.retry_errors:  # checkpointed error rows caused by settings are recomputed too
                 piece = piece.filter(pc.invert(piece.column("_retryable")))
             done.update(piece.column("_position").to_pylist())

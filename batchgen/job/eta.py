@@ -109,7 +109,8 @@ class TokenETA:
         rows_left = max(0, self.rows_total - rows_done)
         pl = self.planned
         if pl is not None and pl.rows:
-            # the plan covers the shard; an earlier run did rows_initial of it
+            # the plan covers the shard (an earlier run did rows_initial of it), or what was left of it when the
+            # plan was made
             share = (self.rows_total - self.rows_initial) / pl.rows if pl.rows else 1.0
             left_p = pl.prompt_tokens_to_compute * share - done_p
             left_d = pl.output_tokens * share - done_d
