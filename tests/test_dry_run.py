@@ -264,6 +264,16 @@ def test_llm_plan(tiny_ckpt: str) -> None:
         again["calibration"]["steps"]
         == again["calibration"]["reused_steps"] + again["calibration"]["batch_steps"]
     )
+    # steps timed at another thread count are another machine's speed: not reused
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        other = llm.plan(prompts, SamplingParams(max_tokens=4, temperature=0))
+    finally:
+        torch.set_num_threads(threads)
+    assert other["calibration"]["reused_steps"] == 0
     off = LLM(tiny_ckpt, device="cpu", num_blocks=256, max_num_seqs=4, enable_prefix_caching=False)
     plan = off.plan(prompts, SamplingParams(max_tokens=4, temperature=0))
     assert plan.prefix_hit_rate == 0.0

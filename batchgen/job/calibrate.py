@@ -754,7 +754,8 @@ class StepCache:
     """Timed engine steps kept between dry runs under ``$BATCHGEN_CACHE/step-model/`` (:mod:`batchgen.runtime.
     disk_cache`), one entry per setup: the model (its path and config), dtype, engine configuration, device
     and machine (host, CPUs), the installed torch and transformers, and this module's source — the step time
-    depends on all of them, the output lengths on none of them but the model. A second dry run on the same
+    depends on all of them, and on the threads the engine computes with, which the caller adds to the setup),
+    the output lengths on none of them but the model. A second dry run on the same
     setup starts its step model from these steps and fits it to them with its own, so its budget goes to
     output lengths. Steps timed under another load regime (:func:`load_spread` differs by 0.1 or more) are
     not reused: a machine shared differently runs at another speed."""

@@ -922,8 +922,16 @@ def build_plan(
         cache = None
         if pc.reuse_step_model:
             dev = _device_memory(engine)[0]
+            # the threads too: steps timed at another count (the thread policy follows the machine's other
+            # load) run at another speed
             cache = StepCache.for_setup(
-                model, model_path, _config_text(model_path), model_dtype, repr(engine_cfg), dev
+                model,
+                model_path,
+                _config_text(model_path),
+                model_dtype,
+                repr(engine_cfg),
+                dev,
+                compute_threads(),
             )
         cal = _calibrate(engine, strata, saved, inp, engine_cfg, pc, scale, replicas, cache)
     expected = _expected_outputs(bounds, cal)
