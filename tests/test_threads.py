@@ -107,6 +107,46 @@ def test_monitor_changes_the_count_when_two_looks_agree(monkeypatch: pytest.Monk
     assert look(0.0) is None and look(0.0).num_threads == 2  # never above the cap
 
 
+def test_a_look_now_decides_at_the_next_poll_from_the_load_then(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller about to time steps (the dry run's calibration) has the count decided again from a look when it
+    asks, returned by the next poll whatever the period and without a second look to agree."""
+    clock = [0.0]
+    load = [3.0]
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(threads, "cpu_sample", lambda: threads.CpuSample(clock[0], 0.0, 0.0))
+    monkeypatch.setattr(threads, "other_load", lambda *a, **k: load[0])
+    mon = threads.ThreadMonitor(threads.decide(4, 0.0, {}), cpus=4, cap=4, period=2.0)
+    assert mon.poll() is None and mon.policy.num_threads == 4
+    mon.look_now()
+    load[0] = 0.0  # the look was taken when asked for, not at the poll
+    changed = mon.poll()  # no time has passed: a plain poll would not look
+    assert changed is not None and changed.num_threads == 1 and "looked again" in changed.reason
+    mon.look_now()
+    assert mon.poll().num_threads == 4
+    assert mon.poll() is None  # one change per look
+    mon.look_now()
+    assert mon.poll() is None  # the same count: nothing to change
+
+
+def test_the_calibration_takes_the_thread_decision_again_before_timing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dry run tokenizes its whole input between building the engine and calibrating: the calibration has
+    the engine look at the load again before its first timed step."""
+    from batchgen.job import calibrate
+
+    looked = []
+
+    class Engine:
+        def look_at_threads(self) -> None:
+            looked.append(True)
+            raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        calibrate.run_calibration(Engine(), [], 1, lambda cal: 1.0, 1)
+    assert looked == [True]
+
+
 _PROBE = """
 import os, subprocess, sys, time
 n = len(os.sched_getaffinity(0)) + 2

@@ -203,8 +203,22 @@ class ThreadMonitor:
     period: float = 2.0
     _last: CpuSample | None = None
     _pending: int | None = None
+    _looked: ThreadPolicy | None = None
+
+    def look_now(self) -> None:
+        """Take the decision afresh from a look at the load now (:func:`other_load`, 0.2 s), for the next
+        :meth:`poll` to return at once (the count is set in the thread that runs the forwards): for a caller
+        about to time steps after a pause in which the load may have changed (a dry run tokenizes its whole
+        input between building the engine and calibrating it)."""
+        load = other_load()
+        if load is not None:
+            self._looked = self._decide(max(1, min(self.cap, round(self.cpus - load))), load, "looked again")
+            self._last, self._pending = None, None
 
     def poll(self) -> ThreadPolicy | None:
+        if self._looked is not None:
+            policy, self._looked = self._looked, None
+            return policy
         now = time.monotonic()
         if self._last is not None and now - self._last.wall < self.period:
             return None
@@ -218,12 +232,19 @@ class ThreadMonitor:
             self._pending = None if n == self.policy.num_threads else n
             return None
         self._pending = None
-        busy = others >= self.cpus
+        return self._decide(n, others, "re-decided while running")
+
+    def _decide(self, n: int, others: float, how: str) -> ThreadPolicy | None:
+        """The policy of `n` threads while other processes take `others` CPUs (None: the count in force)."""
+        if n == self.policy.num_threads:
+            return None
         reason = (
-            f"re-decided while running: other processes took {others:.2f} of {self.cpus} CPU(s); "
+            f"{how}: other processes took {others:.2f} of {self.cpus} CPU(s); "
             f"{n} of {self.cap} thread(s); wait policy {self.policy.wait_policy}; binding {self.policy.binding}"
         )
-        self.policy = ThreadPolicy(n, self.policy.wait_policy, self.policy.binding, busy, reason)
+        self.policy = ThreadPolicy(
+            n, self.policy.wait_policy, self.policy.binding, others >= self.cpus, reason
+        )
         return self.policy
 
 

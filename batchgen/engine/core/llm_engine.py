@@ -414,6 +414,12 @@ class LLMEngine:
         """The CPU thread decision in force (re-taken while the engine runs: :class:`threads.ThreadMonitor`)."""
         return self._threads.policy if self._threads is not None else self._thread_policy
 
+    def look_at_threads(self) -> None:
+        """Take the CPU thread decision afresh before the next step, from the load then (a caller about to time
+        steps after a pause; no-op where the count is not the engine's to change)."""
+        if self._threads is not None:
+            self._threads.look_now()
+
     def _grammar_mask(self, seqs: list[Sequence]) -> LogitsMask | None:
         """The grammar mask of a step's sampled sequences (None while no constrained request was seen)."""
         return self._structured.mask(seqs) if self._structured is not None else None
