@@ -324,3 +324,54 @@ def test_phi3_and_gemma_files_equal_transformers(tmp_path, arch, overrides, type
             [float(getattr(d[t], "logprob", d[t])) for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
         )
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, write",
+    [
+        # a Llama-2 / Mistral-like Q4_K_M release: SentencePiece vocabulary (1003 tokens), the embedding Q6_K and
+        # tied to the head, F16 norms, Llama 3.1's rope_freqs tensor, general.* and tokenizer metadata
+        ("llama", dict(vocab_size=1003, head_dim=64, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
+         dict(types={"attn_v": Q6_K, "ffn_down": Q6_K}, embed_type=Q6_K, norm_type=1, name="Mistral 7B Instruct")),
+        # Phi-3: SentencePiece in a phi3 file, embedding Q4_K, head Q8_0
+        ("phi3", dict(vocab_size=1003, head_dim=64, rope_parameters=model_zoo._ROPE),
+         dict(types=Q8_0, embed_type=Q4_K, output_type=Q8_0)),
+    ],
+)  # fmt: skip
+def test_llama_cpp_release_files_equal_transformers(tmp_path, arch, overrides, write) -> None:
+    """Files laid out as llama.cpp's converter and quantizer write them (``write_gguf(release=True)``,
+    ``tokenizer="llama"``): prompts encode, chats render (the template's BOS, none added) and greedy output
+    and prompt logprobs equal transformers' ``gguf_file=`` loading of the same file."""
+    from transformers import AutoTokenizer
+
+    base = model_zoo.checkpoint(arch, seed=31, hidden_size=256, intermediate_size=512, **overrides)
+    path = Path(write_gguf(base, tmp_path / f"{arch}.gguf", tokenizer="llama", release=True, **write))
+    llm = LLM(str(path), num_blocks=64, block_size=8, max_num_seqs=4)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    texts = ["Return the sum of a list of numbers.", "  The class\n\tdef f(x): ünïcode"]
+    prompts = [ref.encode(t) for t in texts]
+    assert all(p[0] == 1 for p in prompts)  # add_bos_token: <s>
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate(texts, params)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(str(path), prompts)
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > 6
+    assert [o.outputs[0].text for o in outs] == [ref.decode(o.outputs[0].token_ids) for o in outs]
+    hf = _hf_model(str(path))
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1], -1)
+        want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        got = torch.tensor(
+            [float(getattr(d[t], "logprob", d[t])) for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+        )
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    out = llm.chat([chat], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+    want_ids = ref.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    want_ids = list(want_ids["input_ids"] if hasattr(want_ids, "keys") else want_ids)
+    assert out.prompt_token_ids == want_ids and want_ids.count(1) == 1
