@@ -375,3 +375,29 @@ def test_llama_cpp_release_files_equal_transformers(tmp_path, arch, overrides, w
     want_ids = ref.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
     want_ids = list(want_ids["input_ids"] if hasattr(want_ids, "keys") else want_ids)
     assert out.prompt_token_ids == want_ids and want_ids.count(1) == 1
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_mixture_of_experts_files_refused_in_one_line(tmp_path, arch) -> None:
+    """A mixture-of-experts GGUF file (packed ``*_exps`` expert tensors: a qwen3moe file, or Mixtral's, whose
+    architecture is llama) is refused in one line naming it and what to run instead, from the API and ending a
+    job with exit status 2 before it reads its input (a Mixtral file was taken for a dense llama and failed
+    on a missing ``ffn_gate`` tensor once the engine started)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import job_config
+
+    from batchgen.job.run import EXIT_CONFIG, run_job
+
+    path = Path(write_gguf(model_zoo.checkpoint(arch, seed=3), tmp_path / f"{arch}.gguf", 0))
+    gguf_arch = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}[arch]
+    match = (
+        f"{path.name} is a mixture-of-experts model \\(architecture '{gguf_arch}', expert tensors such as blk"
+    )
+    with pytest.raises(UnsupportedCheckpoint, match=match):
+        LLM(str(path), num_blocks=64, block_size=8)
+    pq.write_table(pa.table({"prompt": ["def main():"]}), tmp_path / "in.parquet")
+    res = run_job(job_config(str(path), tmp_path / "in.parquet", tmp_path / "out"), handle_signals=False,
+                  print_summary=False)  # fmt: skip
+    assert res.exit_code == EXIT_CONFIG and "\n" not in res.message
+    assert "mixture-of-experts" in res.message and "Hugging Face checkpoint" in res.message

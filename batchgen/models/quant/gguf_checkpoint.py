@@ -12,8 +12,9 @@ On a GPU the projections are repacked once at load into grouped integers (:mod:`
 weight-only GEMM multiplies, still in float32. Under tensor parallelism each rank keeps its rows (column-parallel)
 or its whole blocks of each row (row-parallel) of the packed tensors.
 
-Invariants: every parameter is written exactly once, and a tensor in a format batchgen does not run, or an
-architecture it has no GGUF mapping for, is refused by name before anything is computed
+Invariants: every parameter is written exactly once, and a tensor in a format batchgen does not run, an
+architecture it has no GGUF mapping for, or a mixture-of-experts file (``qwen2moe``, ``qwen3moe``, Mixtral's
+``llama`` files: packed ``*_exps`` expert tensors) is refused by name, in one line, before anything is computed
 (:class:`UnsupportedCheckpoint`, a ValueError).
 """
 
@@ -91,22 +92,30 @@ def read_config(path: Path) -> ModelConfig:
 
 
 def _architecture(path: Path) -> tuple[str, int | None]:
-    """The file's architecture, once it and every tensor's format are known to be runnable, and its
-    ``attention.key_length`` (the head size; None when the file does not record it)."""
+    """The file's architecture, once it, the absence of expert tensors and every tensor's format are known to be
+    runnable, and its ``attention.key_length`` (the head size; None when the file does not record it)."""
     gguf = _require_gguf()
     reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    experts = next((t.name for t in reader.tensors if "_exps." in t.name), None)
+    if experts is not None:  # qwen2moe, qwen3moe, or Mixtral's llama files
+        raise UnsupportedCheckpoint(
+            f"GGUF file {path.name} is a mixture-of-experts model (architecture {arch!r}, expert tensors such "
+            f"as {experts}), which batchgen does not run from GGUF: run the model's Hugging Face checkpoint "
+            "(config.json and safetensors) instead"
+        )
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedCheckpoint(
+            f"GGUF architecture {arch!r} in {path.name} is not supported: batchgen loads GGUF files of "
+            f"{', '.join(GGUF_ARCHITECTURES)}; run the model's Hugging Face checkpoint (config.json and "
+            "safetensors) instead"
+        )
     for t in reader.tensors:
         if int(t.tensor_type) not in FORMATS and int(t.tensor_type) not in _FLOAT_TYPES:
             raise UnsupportedCheckpoint(
                 f"GGUF tensor {t.name} in {path.name} is {t.tensor_type.name}: batchgen runs "
                 f"{', '.join(f.name for f in FORMATS.values())}, F32, F16 and BF16 tensors"
             )
-    arch = reader.fields["general.architecture"].contents()
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedCheckpoint(
-            f"GGUF architecture {arch!r} in {path} is not supported: batchgen loads GGUF files of "
-            f"{', '.join(GGUF_ARCHITECTURES)}"
-        )
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     return arch, None if key_length is None else int(key_length.contents())
 
