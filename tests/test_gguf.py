@@ -377,23 +377,18 @@ def test_llama_cpp_release_files_equal_transformers(tmp_path, arch, overrides, w
     assert out.prompt_token_ids == want_ids and want_ids.count(1) == 1
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_mixture_of_experts_files_refused_in_one_line(tmp_path, arch) -> None:
-    """A mixture-of-experts GGUF file (packed ``*_exps`` expert tensors: a qwen3moe file, or Mixtral's, whose
-    architecture is llama) is refused in one line naming it and what to run instead, from the API and ending a
-    job with exit status 2 before it reads its input (a Mixtral file was taken for a dense llama and failed
-    on a missing ``ffn_gate`` tensor once the engine started)."""
+def test_mixtral_file_refused_in_one_line(tmp_path) -> None:
+    """A Mixtral GGUF file (architecture llama, packed ``*_exps`` expert tensors) is refused in one line naming it
+    and what to run instead, from the API and ending a job with exit status 2 before it reads its input (it
+    was taken for a dense llama and failed on a missing ``ffn_gate`` tensor once the engine started)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from conftest import job_config
 
     from batchgen.job.run import EXIT_CONFIG, run_job
 
-    path = Path(write_gguf(model_zoo.checkpoint(arch, seed=3), tmp_path / f"{arch}.gguf", 0))
-    gguf_arch = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}[arch]
-    match = (
-        f"{path.name} is a mixture-of-experts model \\(architecture '{gguf_arch}', expert tensors such as blk"
-    )
+    path = Path(write_gguf(model_zoo.checkpoint("mixtral", seed=3), tmp_path / "mixtral.gguf", 0))
+    match = "mixtral.gguf is a mixture-of-experts model \\(architecture 'llama', expert tensors such as blk"
     with pytest.raises(UnsupportedCheckpoint, match=match):
         LLM(str(path), num_blocks=64, block_size=8)
     pq.write_table(pa.table({"prompt": ["def main():"]}), tmp_path / "in.parquet")
@@ -401,3 +396,57 @@ def test_mixture_of_experts_files_refused_in_one_line(tmp_path, arch) -> None:
                   print_summary=False)  # fmt: skip
     assert res.exit_code == EXIT_CONFIG and "\n" not in res.message
     assert "mixture-of-experts" in res.message and "Hugging Face checkpoint" in res.message
+
+
+MOE = dict(seed=5, hidden_size=256, intermediate_size=512, head_dim=64)
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, types",
+    [
+        # transformers' reading keeps Qwen3MoeConfig's expert width (768): the file's own here
+        ("qwen3_moe", dict(moe_intermediate_size=768),
+         {"ffn_gate_exps": Q4_K, "ffn_up_exps": Q4_0, "ffn_down_exps": Q6_K, "attn_q": Q4_K}),
+        # a shared expert (sigmoid-gated, its gate stored 1-D), Qwen2MoeConfig's default widths
+        ("qwen2_moe", dict(moe_intermediate_size=1408, shared_expert_intermediate_size=5632, mlp_only_layers=[]),
+         {"ffn_gate_exps": Q8_0, "ffn_up_exps": Q4_0, "ffn_down_exps": Q4_1, "ffn_gate_shexp": Q4_0}),
+    ],
+)  # fmt: skip
+def test_moe_files_equal_transformers(tmp_path, arch, overrides, types) -> None:
+    """qwen3moe and qwen2moe files: the experts stay packed per expert (each expert's gate and up rows one
+    projection, each part its format) and greedy output and prompt logprobs equal transformers' ``gguf_file=``
+    loading (which dequantizes them)."""
+    from batchgen.models.moe import PackedExperts
+
+    path = Path(write_gguf(model_zoo.checkpoint(arch, **MOE, **overrides), tmp_path / "moe.gguf", types))
+    llm = LLM(str(path), num_blocks=64, block_size=8, max_num_seqs=4)
+    experts = llm.engine.model.model.layers[0].mlp.experts
+    assert isinstance(experts, PackedExperts) and all(isinstance(m, QuantLinear) for m in experts.gate_up)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in LONG_PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(str(path), LONG_PROMPTS)
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > 6
+    hf = _hf_model(str(path))
+    for prompt, out in zip(LONG_PROMPTS, outs):
+        with torch.inference_mode():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1], -1)
+        want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        got = torch.tensor(
+            [float(getattr(d[t], "logprob", d[t])) for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+        )
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_moe_expert_width_from_the_file(tmp_path) -> None:
+    """A qwen3moe file whose experts are not Qwen3MoeConfig's default 768 wide (``expert_feed_forward_length``
+    48): transformers' reading keeps 768 and cannot load it; batchgen reads the width from the file, and a
+    float32 file's experts (stacked, not packed) give the greedy output of transformers' run of the checkpoint
+    it was written from."""
+    from quant_helpers import transformers_greedy
+
+    base = model_zoo.checkpoint("qwen3_moe", **MOE, moe_intermediate_size=48)
+    llm = LLM(write_gguf(base, tmp_path / "f32.gguf", 0), num_blocks=64, block_size=8, max_num_seqs=4)
+    assert llm.engine.model.model.layers[0].mlp.experts.intermediate_size == 48
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert got == transformers_greedy(base, PROMPTS, NEW) and len({t for row in got for t in row}) > 6

@@ -312,6 +312,11 @@ def check_tensor_parallel(path: str | os.PathLike, implementation: str, tp_size:
         raise ValueError(refused)
     if (gguf_file := gguf_path(path)) is not None:  # split by load_gguf_model
         config = read_gguf_config(gguf_file)
+        if config.moe is not None:
+            raise UnsupportedCheckpoint(
+                f"engine.tensor_parallel_size={tp_size}: GGUF mixture-of-experts file {gguf_file.name} runs on "
+                "one rank; set engine.tensor_parallel_size=1"
+            )
         check_divisible(config, tp_size)
         return config
     if quantization_scheme(_checkpoint_dir(path)) is not None:  # split by batchgen.models.sharding

@@ -131,13 +131,14 @@ def write_gguf(
     name: str | None = None,
     release: bool = False,
 ) -> str:
-    """Write the llama, qwen2, qwen3, phi3, gemma2 or gemma3 checkpoint `ckpt` (a tiny one:
-    batchgen.models.tiny.build_checkpoint) as a GGUF file of its architecture: every 2-D projection quantized to
-    `types` (one ggml type id, F32, F16 and BF16 included, or one per GGUF tensor-name suffix such as
+    """Write the llama, mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, phi3, gemma2 or gemma3 checkpoint
+    `ckpt` (a tiny one: batchgen.models.tiny.build_checkpoint) as a GGUF file of llama.cpp's architecture for it
+    (mistral and mixtral: llama): every projection quantized to `types` (one ggml type id, F32, F16 and BF16 included, or one per GGUF tensor-name suffix such as
     ``attn_v``, default Q8_0), the LM head in `output_type` (float32 when None; no ``output.weight`` for tied
     embeddings, as llama.cpp writes them), the token embedding in `embed_type` and norms in `norm_type` (ggml
     type ids, F32 by default; llama.cpp's Q4_K_M files hold a Q4_K or Q6_K embedding, F16 files F16 norms),
-    biases float32. The quantized blocks come from gguf-py's quantizer where it has one (Q4_0, Q4_1, Q5_0,
+    biases and an MoE router float32; each layer's experts stacked (``ffn_{gate,up,down}_exps``, quantized
+    per expert row by the same rules). The quantized blocks come from gguf-py's quantizer where it has one (Q4_0, Q4_1, Q5_0,
     Q5_1, Q8_0), from :func:`quantize_q6_k` for Q6_K, and are random valid blocks for the other K-quants
     (gguf-py only dequantizes them), so the file's weights are what its blocks say.
 
@@ -272,7 +273,7 @@ def write_gguf(
             if qtype.name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16"):
                 data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
             elif qtype == gguf.GGMLQuantizationType.Q6_K:
-                data = quantize_q6_k(arr)
+                data = quantize_q6_k(arr.reshape(-1, arr.shape[-1])).reshape(*arr.shape[:-1], -1)
             else:
                 rng += 1
                 rows = int(np.prod(arr.shape[:-1]))
