@@ -450,3 +450,31 @@ def test_moe_expert_width_from_the_file(tmp_path) -> None:
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
     assert got == transformers_greedy(base, PROMPTS, NEW) and len({t for row in got for t in row}) > 6
+
+
+def test_one_part_of_a_split_file_refused_in_one_line(llama_256, tmp_path) -> None:
+    """The first part of a model llama.cpp's gguf-split cut in two (``split.count`` 2; the last layer's tensors
+    in the second file) is refused in one line saying how to merge the parts (it failed on a missing tensor)."""
+    import numpy as np
+
+    src = gguf.GGUFReader(write_gguf(llama_256, tmp_path / "whole.gguf", Q8_0))
+    out = tmp_path / "m-00001-of-00002.gguf"
+    writer = gguf.GGUFWriter(str(out), "llama")
+    for field in src.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            sub = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub)
+    writer.add_uint16("split.no", 0)
+    writer.add_uint16("split.count", 2)
+    first = [t for t in src.tensors if not t.name.startswith("blk.1.")]
+    writer.add_int32("split.tensors.count", len(src.tensors))
+    for t in first:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        UnsupportedCheckpoint, match="is part 1 of 2 of a split model: .* llama-gguf-split --merge"
+    ):
+        LLM(str(out), num_blocks=64, block_size=8)

@@ -12,9 +12,12 @@ On a GPU the projections are repacked once at load into grouped integers (:mod:`
 weight-only GEMM multiplies, still in float32. Under tensor parallelism each rank keeps its rows (column-parallel)
 or its whole blocks of each row (row-parallel) of the packed tensors.
 
+A ``qwen2moe`` / ``qwen3moe`` file's experts (``ffn_{gate,up,down}_exps``) stay packed too, one projection per
+expert (:class:`~batchgen.models.moe.PackedExperts`); in a float file they are read into the stacked experts.
+
 Invariants: every parameter is written exactly once, and a tensor in a format batchgen does not run, an
-architecture it has no GGUF mapping for, or a mixture-of-experts file (``qwen2moe``, ``qwen3moe``, Mixtral's
-``llama`` files: packed ``*_exps`` expert tensors) is refused by name, in one line, before anything is computed
+architecture it has no GGUF mapping for, expert tensors in another architecture (Mixtral's ``llama`` files) or
+one part of a split model (``split.count`` > 1) is refused by name, in one line, before anything is computed
 (:class:`UnsupportedCheckpoint`, a ValueError).
 """
 
@@ -108,6 +111,14 @@ def _architecture(path: Path) -> tuple[str, dict[str, int]]:
     gguf = _require_gguf()
     reader = gguf.GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
+    split = reader.fields.get("split.count")
+    if split is not None and int(split.contents()) > 1:  # llama.cpp's gguf-split parts
+        part = reader.fields.get("split.no")
+        raise UnsupportedCheckpoint(
+            f"GGUF file {path.name} is part {int(part.contents()) + 1 if part else '?'} of {int(split.contents())} "
+            "of a split model: batchgen loads a model from one GGUF file; merge the parts first with llama.cpp's "
+            f"llama-gguf-split --merge {path.name} merged.gguf"
+        )
     experts = next((t.name for t in reader.tensors if "_exps." in t.name), None)
     if experts is not None and arch not in MOE_ARCHITECTURES:  # Mixtral's llama files
         raise UnsupportedCheckpoint(
