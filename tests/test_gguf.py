@@ -377,25 +377,84 @@ def test_llama_cpp_release_files_equal_transformers(tmp_path, arch, overrides, w
     assert out.prompt_token_ids == want_ids and want_ids.count(1) == 1
 
 
-def test_mixtral_file_refused_in_one_line(tmp_path) -> None:
-    """A Mixtral GGUF file (architecture llama, packed ``*_exps`` expert tensors) is refused in one line naming it
-    and what to run instead, from the API and ending a job with exit status 2 before it reads its input (it
-    was taken for a dense llama and failed on a missing ``ffn_gate`` tensor once the engine started)."""
+def _rewrite_gguf(src: str, out: Path, fields: dict | None = None, tensors=None) -> Path:
+    """A copy of the GGUF file `src` at `out` with the key-values `fields` added (name: (value, type)) and each
+    tensor replaced by ``tensors(t)``'s ``(name, data, type)`` triples (unchanged when None)."""
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            sub = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub)
+    for name, (value, vtype) in (fields or {}).items():
+        writer.add_key_value(name, value, vtype)
+    for t in reader.tensors:
+        for name, data, ttype in tensors(t) if tensors else [(t.name, np.asarray(t.data), t.tensor_type)]:
+            writer.add_tensor(name, data, raw_dtype=ttype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_mixtral_files_run(tmp_path) -> None:
+    """A Mixtral GGUF file (architecture llama with ``expert_count`` and stacked ``*_exps`` experts, which
+    transformers' reading takes for a dense llama whose MLPs are missing) runs as Mixtral: a float32 file gives
+    transformers' greedy output on the checkpoint it was written from, a Q8_0 file (experts packed) the output on
+    that checkpoint with its projections quantized and dequantized as the file holds them. The experts llama.cpp
+    wrote one tensor each before 2024 are refused in one line (a job ends with exit status 2)."""
+    import shutil
+
+    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
     from conftest import job_config
+    from quant_helpers import transformers_greedy
+    from safetensors.torch import load_file, save_file
 
     from batchgen.job.run import EXIT_CONFIG, run_job
+    from batchgen.models.moe import PackedExperts
 
-    path = Path(write_gguf(model_zoo.checkpoint("mixtral", seed=3), tmp_path / "mixtral.gguf", 0))
-    match = "mixtral.gguf is a mixture-of-experts model \\(architecture 'llama', expert tensors such as blk"
-    with pytest.raises(UnsupportedCheckpoint, match=match):
-        LLM(str(path), num_blocks=64, block_size=8)
+    base = model_zoo.checkpoint("mixtral", **MOE)
+    f32 = LLM(write_gguf(base, tmp_path / "f32.gguf", 0, tokenizer="llama"), num_blocks=64, block_size=8)
+    assert f32.engine.model.config.architecture == "MixtralForCausalLM"
+    got = [o.outputs[0].token_ids for o in f32.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                        SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))]  # fmt: skip
+    assert got == transformers_greedy(base, PROMPTS, NEW) and len({t for row in got for t in row}) > 6
+    q8 = write_gguf(base, tmp_path / "q8.gguf", Q8_0, tokenizer="llama", release=True)
+    llm = LLM(q8, num_blocks=64, block_size=8, max_num_seqs=4)
+    assert isinstance(llm.engine.model.model.layers[0].mlp.experts, PackedExperts)
+    dq = tmp_path / "dq"  # the checkpoint with what the file holds: Q8_0 projections, float router
+    shutil.copytree(base, dq)
+    state, fmt = load_file(str(dq / "model.safetensors")), gguf.GGMLQuantizationType.Q8_0
+    for k, w in state.items():
+        if w.dim() == 2 and "embed" not in k and "lm_head" not in k and not k.endswith(".gate.weight"):
+            state[k] = torch.from_numpy(
+                gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), fmt), fmt).copy()
+            )
+    save_file(state, str(dq / "model.safetensors"))
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                        SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))]  # fmt: skip
+    assert got == transformers_greedy(str(dq), PROMPTS, NEW)
+
+    def one_per_expert(t):  # blk.N.ffn_gate.E.weight, as llama.cpp's converter wrote Mixtral until 2024
+        if "_exps." not in t.name:
+            return [(t.name, np.asarray(t.data), t.tensor_type)]
+        return [(t.name.replace("_exps.", f".{e}."), np.asarray(t.data[e]), t.tensor_type) for e in range(4)]
+
+    old = _rewrite_gguf(q8, tmp_path / "old.gguf", tensors=one_per_expert)
+    with pytest.raises(UnsupportedCheckpoint, match="old.gguf is a mixture-of-experts model .*4 experts.* "
+                                                     "whose expert tensors batchgen does not read"):  # fmt: skip
+        LLM(str(old), num_blocks=64, block_size=8)
     pq.write_table(pa.table({"prompt": ["def main():"]}), tmp_path / "in.parquet")
-    res = run_job(job_config(str(path), tmp_path / "in.parquet", tmp_path / "out"), handle_signals=False,
+    res = run_job(job_config(str(old), tmp_path / "in.parquet", tmp_path / "out"), handle_signals=False,
                   print_summary=False)  # fmt: skip
-    assert res.exit_code == EXIT_CONFIG and "\n" not in res.message
-    assert "mixture-of-experts" in res.message and "Hugging Face checkpoint" in res.message
+    assert (
+        res.exit_code == EXIT_CONFIG and "\n" not in res.message and "Hugging Face checkpoint" in res.message
+    )
 
 
 MOE = dict(seed=5, hidden_size=256, intermediate_size=512, head_dim=64)
@@ -457,23 +516,13 @@ def test_one_part_of_a_split_file_refused_in_one_line(llama_256, tmp_path) -> No
     in the second file) is refused in one line saying how to merge the parts (it failed on a missing tensor)."""
     import numpy as np
 
-    src = gguf.GGUFReader(write_gguf(llama_256, tmp_path / "whole.gguf", Q8_0))
-    out = tmp_path / "m-00001-of-00002.gguf"
-    writer = gguf.GGUFWriter(str(out), "llama")
-    for field in src.fields.values():
-        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
-            sub = field.types[-1] if len(field.types) > 1 else None
-            writer.add_key_value(field.name, field.contents(), field.types[0], sub)
-    writer.add_uint16("split.no", 0)
-    writer.add_uint16("split.count", 2)
-    first = [t for t in src.tensors if not t.name.startswith("blk.1.")]
-    writer.add_int32("split.tensors.count", len(src.tensors))
-    for t in first:
-        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    U16, I32 = gguf.GGUFValueType.UINT16, gguf.GGUFValueType.INT32
+    out = _rewrite_gguf(
+        write_gguf(llama_256, tmp_path / "whole.gguf", Q8_0),
+        tmp_path / "m-00001-of-00002.gguf",
+        {"split.no": (0, U16), "split.count": (2, U16), "split.tensors.count": (20, I32)},
+        lambda t: [] if t.name.startswith("blk.1.") else [(t.name, np.asarray(t.data), t.tensor_type)],
+    )
     with pytest.raises(
         UnsupportedCheckpoint, match="is part 1 of 2 of a split model: .* llama-gguf-split --merge"
     ):

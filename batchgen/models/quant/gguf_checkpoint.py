@@ -93,6 +93,11 @@ def read_config(path: Path) -> ModelConfig:
     _check_file(path)
     arch_name, sizes = _architecture(path)
     hf = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if arch_name == "llama" and "num_local_experts" in sizes:  # Mixtral: transformers reads a dense llama
+        from transformers import MixtralConfig
+
+        hf = MixtralConfig.from_dict({**hf.to_dict(), **sizes, "model_type": "mixtral", "sliding_window": None,
+                                      "architectures": ["MixtralForCausalLM"]})  # fmt: skip
     for key, value in sizes.items():
         setattr(hf, key, value)
     arch = next(iter(hf.architectures or []), None) or CAUSAL_ARCHITECTURE_OF_TYPE.get(hf.model_type)
@@ -105,9 +110,11 @@ def read_config(path: Path) -> ModelConfig:
 def _architecture(path: Path) -> tuple[str, dict[str, int]]:
     """The file's architecture, once it, its expert tensors (only in :data:`MOE_ARCHITECTURES`) and every
     tensor's format are known to be runnable, and the sizes the file records that transformers' reading may
-    leave at its config class's defaults: ``head_dim`` (``attention.key_length``), and an MoE file's
+    leave at its config class's defaults: ``head_dim`` (``attention.key_length``), an MoE file's
     ``moe_intermediate_size`` and ``shared_expert_intermediate_size`` (``expert_feed_forward_length``,
-    ``expert_shared_feed_forward_length``); absent ones are not in the dict."""
+    ``expert_shared_feed_forward_length``), and a Mixtral (llama) file's ``num_local_experts`` and
+    ``num_experts_per_tok`` (``expert_count``, ``expert_used_count``, which transformers' reading of a llama
+    file drops); absent ones are not in the dict."""
     gguf = _require_gguf()
     reader = gguf.GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
@@ -120,11 +127,15 @@ def _architecture(path: Path) -> tuple[str, dict[str, int]]:
             f"llama-gguf-split --merge {path.name} merged.gguf"
         )
     experts = next((t.name for t in reader.tensors if "_exps." in t.name), None)
-    if experts is not None and arch not in MOE_ARCHITECTURES:  # Mixtral's llama files
+    count = reader.fields.get(f"{arch}.expert_count")
+    if (experts is not None and arch not in MOE_ARCHITECTURES + ("llama",)) or (
+        experts is None and count is not None and int(count.contents()) > 0
+    ):  # another architecture's experts, or experts one tensor each (llama.cpp's files before 2024)
         raise UnsupportedCheckpoint(
-            f"GGUF file {path.name} is a mixture-of-experts model (architecture {arch!r}, expert tensors such "
-            f"as {experts}), which batchgen runs from GGUF only as {' or '.join(MOE_ARCHITECTURES)}: run the "
-            "model's Hugging Face checkpoint (config.json and safetensors) instead"
+            f"GGUF file {path.name} is a mixture-of-experts model (architecture {arch!r}, "
+            f"{int(count.contents()) if count else 'its'} experts) whose expert tensors batchgen does not read: it "
+            "runs experts stacked as ffn_gate_exps / ffn_up_exps / ffn_down_exps in llama (Mixtral), qwen2moe and "
+            "qwen3moe files; run the model's Hugging Face checkpoint (config.json and safetensors) instead"
         )
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedCheckpoint(
@@ -143,6 +154,9 @@ def _architecture(path: Path) -> tuple[str, dict[str, int]]:
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None:
         sizes["head_dim"] = int(key_length.contents())
+    if arch == "llama" and experts is not None:  # Mixtral
+        sizes["num_local_experts"] = int(count.contents())
+        sizes["num_experts_per_tok"] = int(reader.fields[f"{arch}.expert_used_count"].contents())
     return arch, sizes
 
 
