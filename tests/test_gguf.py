@@ -324,3 +324,206 @@ def test_phi3_and_gemma_files_equal_transformers(tmp_path, arch, overrides, type
             [float(getattr(d[t], "logprob", d[t])) for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
         )
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, write",
+    [
+        # a Llama-2 / Mistral-like Q4_K_M release: SentencePiece vocabulary (1003 tokens), the embedding Q6_K and
+        # tied to the head, F16 norms, Llama 3.1's rope_freqs tensor, general.* and tokenizer metadata
+        ("llama", dict(vocab_size=1003, head_dim=64, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
+         dict(types={"attn_v": Q6_K, "ffn_down": Q6_K}, embed_type=Q6_K, norm_type=1, name="Mistral 7B Instruct")),
+        # Phi-3: SentencePiece in a phi3 file, embedding Q4_K, head Q8_0
+        ("phi3", dict(vocab_size=1003, head_dim=64, rope_parameters=model_zoo._ROPE),
+         dict(types=Q8_0, embed_type=Q4_K, output_type=Q8_0)),
+    ],
+)  # fmt: skip
+def test_llama_cpp_release_files_equal_transformers(tmp_path, arch, overrides, write) -> None:
+    """Files laid out as llama.cpp's converter and quantizer write them (``write_gguf(release=True)``,
+    ``tokenizer="llama"``): prompts encode, chats render (the template's BOS, none added) and greedy output
+    and prompt logprobs equal transformers' ``gguf_file=`` loading of the same file."""
+    from transformers import AutoTokenizer
+
+    base = model_zoo.checkpoint(arch, seed=31, hidden_size=256, intermediate_size=512, **overrides)
+    path = Path(write_gguf(base, tmp_path / f"{arch}.gguf", tokenizer="llama", release=True, **write))
+    llm = LLM(str(path), num_blocks=64, block_size=8, max_num_seqs=4)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    texts = ["Return the sum of a list of numbers.", "  The class\n\tdef f(x): ünïcode"]
+    prompts = [ref.encode(t) for t in texts]
+    assert all(p[0] == 1 for p in prompts)  # add_bos_token: <s>
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate(texts, params)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(str(path), prompts)
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > 6
+    assert [o.outputs[0].text for o in outs] == [ref.decode(o.outputs[0].token_ids) for o in outs]
+    hf = _hf_model(str(path))
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1], -1)
+        want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        got = torch.tensor(
+            [float(getattr(d[t], "logprob", d[t])) for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+        )
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    out = llm.chat([chat], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+    want_ids = ref.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    want_ids = list(want_ids["input_ids"] if hasattr(want_ids, "keys") else want_ids)
+    assert out.prompt_token_ids == want_ids and want_ids.count(1) == 1
+
+
+def _rewrite_gguf(src: str, out: Path, fields: dict | None = None, tensors=None) -> Path:
+    """A copy of the GGUF file `src` at `out` with the key-values `fields` added (name: (value, type)) and each
+    tensor replaced by ``tensors(t)``'s ``(name, data, type)`` triples (unchanged when None)."""
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            sub = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub)
+    for name, (value, vtype) in (fields or {}).items():
+        writer.add_key_value(name, value, vtype)
+    for t in reader.tensors:
+        for name, data, ttype in tensors(t) if tensors else [(t.name, np.asarray(t.data), t.tensor_type)]:
+            writer.add_tensor(name, data, raw_dtype=ttype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_mixtral_files_run(tmp_path) -> None:
+    """A Mixtral GGUF file (architecture llama with ``expert_count`` and stacked ``*_exps`` experts, which
+    transformers' reading takes for a dense llama whose MLPs are missing) runs as Mixtral: a float32 file gives
+    transformers' greedy output on the checkpoint it was written from, a Q8_0 file (experts packed) the output on
+    that checkpoint with its projections quantized and dequantized as the file holds them. The experts llama.cpp
+    wrote one tensor each before 2024 are refused in one line (a job ends with exit status 2)."""
+    import shutil
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import job_config
+    from quant_helpers import transformers_greedy
+    from safetensors.torch import load_file, save_file
+
+    from batchgen.job.run import EXIT_CONFIG, run_job
+    from batchgen.models.moe import PackedExperts
+
+    base = model_zoo.checkpoint("mixtral", **MOE)
+    f32 = LLM(write_gguf(base, tmp_path / "f32.gguf", 0, tokenizer="llama"), num_blocks=64, block_size=8)
+    assert f32.engine.model.config.architecture == "MixtralForCausalLM"
+    got = [o.outputs[0].token_ids for o in f32.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                        SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))]  # fmt: skip
+    assert got == transformers_greedy(base, PROMPTS, NEW) and len({t for row in got for t in row}) > 6
+    q8 = write_gguf(base, tmp_path / "q8.gguf", Q8_0, tokenizer="llama", release=True)
+    llm = LLM(q8, num_blocks=64, block_size=8, max_num_seqs=4)
+    assert isinstance(llm.engine.model.model.layers[0].mlp.experts, PackedExperts)
+    dq = tmp_path / "dq"  # the checkpoint with what the file holds: Q8_0 projections, float router
+    shutil.copytree(base, dq)
+    state, fmt = load_file(str(dq / "model.safetensors")), gguf.GGMLQuantizationType.Q8_0
+    for k, w in state.items():
+        if w.dim() == 2 and "embed" not in k and "lm_head" not in k and not k.endswith(".gate.weight"):
+            state[k] = torch.from_numpy(
+                gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), fmt), fmt).copy()
+            )
+    save_file(state, str(dq / "model.safetensors"))
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                        SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))]  # fmt: skip
+    assert got == transformers_greedy(str(dq), PROMPTS, NEW)
+
+    def one_per_expert(t):  # blk.N.ffn_gate.E.weight, as llama.cpp's converter wrote Mixtral until 2024
+        if "_exps." not in t.name:
+            return [(t.name, np.asarray(t.data), t.tensor_type)]
+        return [(t.name.replace("_exps.", f".{e}."), np.asarray(t.data[e]), t.tensor_type) for e in range(4)]
+
+    old = _rewrite_gguf(q8, tmp_path / "old.gguf", tensors=one_per_expert)
+    with pytest.raises(UnsupportedCheckpoint, match="old.gguf is a mixture-of-experts model .*4 experts.* "
+                                                     "whose expert tensors batchgen does not read"):  # fmt: skip
+        LLM(str(old), num_blocks=64, block_size=8)
+    pq.write_table(pa.table({"prompt": ["def main():"]}), tmp_path / "in.parquet")
+    res = run_job(job_config(str(old), tmp_path / "in.parquet", tmp_path / "out"), handle_signals=False,
+                  print_summary=False)  # fmt: skip
+    assert (
+        res.exit_code == EXIT_CONFIG and "\n" not in res.message and "Hugging Face checkpoint" in res.message
+    )
+
+
+MOE = dict(seed=5, hidden_size=256, intermediate_size=512, head_dim=64)
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, types",
+    [
+        # transformers' reading keeps Qwen3MoeConfig's expert width (768): the file's own here
+        ("qwen3_moe", dict(moe_intermediate_size=768),
+         {"ffn_gate_exps": Q4_K, "ffn_up_exps": Q4_0, "ffn_down_exps": Q6_K, "attn_q": Q4_K}),
+        # a shared expert (sigmoid-gated, its gate stored 1-D), Qwen2MoeConfig's default widths
+        ("qwen2_moe", dict(moe_intermediate_size=1408, shared_expert_intermediate_size=5632, mlp_only_layers=[]),
+         {"ffn_gate_exps": Q8_0, "ffn_up_exps": Q4_0, "ffn_down_exps": Q4_1, "ffn_gate_shexp": Q4_0}),
+    ],
+)  # fmt: skip
+def test_moe_files_equal_transformers(tmp_path, arch, overrides, types) -> None:
+    """qwen3moe and qwen2moe files: the experts stay packed per expert (each expert's gate and up rows one
+    projection, each part its format) and greedy output and prompt logprobs equal transformers' ``gguf_file=``
+    loading (which dequantizes them)."""
+    from batchgen.models.moe import PackedExperts
+
+    path = Path(write_gguf(model_zoo.checkpoint(arch, **MOE, **overrides), tmp_path / "moe.gguf", types))
+    llm = LLM(str(path), num_blocks=64, block_size=8, max_num_seqs=4)
+    experts = llm.engine.model.model.layers[0].mlp.experts
+    assert isinstance(experts, PackedExperts) and all(isinstance(m, QuantLinear) for m in experts.gate_up)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in LONG_PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(str(path), LONG_PROMPTS)
+    assert len({t for o in outs for t in o.outputs[0].token_ids}) > 6
+    hf = _hf_model(str(path))
+    for prompt, out in zip(LONG_PROMPTS, outs):
+        with torch.inference_mode():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1], -1)
+        want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        got = torch.tensor(
+            [float(getattr(d[t], "logprob", d[t])) for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+        )
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_moe_expert_width_from_the_file(tmp_path) -> None:
+    """A qwen3moe file whose experts are not Qwen3MoeConfig's default 768 wide (``expert_feed_forward_length``
+    48): transformers' reading keeps 768 and cannot load it; batchgen reads the width from the file, and a
+    float32 file's experts (stacked, not packed) give the greedy output of transformers' run of the checkpoint
+    it was written from."""
+    from quant_helpers import transformers_greedy
+
+    base = model_zoo.checkpoint("qwen3_moe", **MOE, moe_intermediate_size=48)
+    llm = LLM(write_gguf(base, tmp_path / "f32.gguf", 0), num_blocks=64, block_size=8, max_num_seqs=4)
+    assert llm.engine.model.model.layers[0].mlp.experts.intermediate_size == 48
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert got == transformers_greedy(base, PROMPTS, NEW) and len({t for row in got for t in row}) > 6
+
+
+def test_one_part_of_a_split_file_refused_in_one_line(llama_256, tmp_path) -> None:
+    """The first part of a model llama.cpp's gguf-split cut in two (``split.count`` 2; the last layer's tensors
+    in the second file) is refused in one line saying how to merge the parts (it failed on a missing tensor)."""
+    import numpy as np
+
+    U16, I32 = gguf.GGUFValueType.UINT16, gguf.GGUFValueType.INT32
+    out = _rewrite_gguf(
+        write_gguf(llama_256, tmp_path / "whole.gguf", Q8_0),
+        tmp_path / "m-00001-of-00002.gguf",
+        {"split.no": (0, U16), "split.count": (2, U16), "split.tensors.count": (20, I32)},
+        lambda t: [] if t.name.startswith("blk.1.") else [(t.name, np.asarray(t.data), t.tensor_type)],
+    )
+    with pytest.raises(
+        UnsupportedCheckpoint, match="is part 1 of 2 of a split model: .* llama-gguf-split --merge"
+    ):
+        LLM(str(out), num_blocks=64, block_size=8)

@@ -111,6 +111,17 @@ class _Source:
     expert: int | None = None
 
 
+def expert_prefixes(config: ModelConfig, experts: str, e: int) -> tuple[list[str], str]:
+    """The checkpoint prefixes of expert `e` of our stacked `experts` module (``model.layers.N.mlp.experts``):
+    ``([gate, up], down)``, Mixtral's ``block_sparse_moe.experts.e.w1 / w3 / w2``, else ``experts.e.gate_proj /
+    up_proj / down_proj``."""
+    if config.model_type == "mixtral":
+        base = f"{experts.replace('.mlp.', '.block_sparse_moe.')}.{e}"
+        return [f"{base}.w1", f"{base}.w3"], f"{base}.w2"
+    base = f"{experts}.{e}"
+    return [f"{base}.gate_proj", f"{base}.up_proj"], f"{base}.down_proj"
+
+
 def _checkpoint_names(
     config: ModelConfig, name: str, shape: tuple[int, ...]
 ) -> list[list[tuple[str, _Source]]]:
@@ -120,6 +131,17 @@ def _checkpoint_names(
     """
     prefix, _, leaf = name.rpartition(".")  # leaf: weight / bias / gate_up_proj / down_proj
     head, _, module = prefix.rpartition(".")
+    if head.endswith((".experts.gate_up", ".experts.down")) and module.isdigit():  # PackedExperts' expert
+        gate_up, down = expert_prefixes(config, head.rpartition(".")[0], int(module))
+        if head.endswith(".down"):
+            return [[(f"{down}.{leaf}", _Source(name))]]
+        rows = shape[0] // 2
+        return [
+            [
+                (f"{gate_up[0]}.{leaf}", _Source(name, 0, rows)),
+                (f"{gate_up[1]}.{leaf}", _Source(name, rows, rows)),
+            ]
+        ]
     moe_prefix = head.replace(".mlp", ".block_sparse_moe") if config.model_type == "mixtral" else head
     if module == "experts" and leaf in ("gate_up_proj", "down_proj"):
         num_experts, inter = shape[0], (shape[1] // 2 if leaf == "gate_up_proj" else shape[2])
@@ -312,6 +334,11 @@ def check_tensor_parallel(path: str | os.PathLike, implementation: str, tp_size:
         raise ValueError(refused)
     if (gguf_file := gguf_path(path)) is not None:  # split by load_gguf_model
         config = read_gguf_config(gguf_file)
+        if config.moe is not None:
+            raise UnsupportedCheckpoint(
+                f"engine.tensor_parallel_size={tp_size}: GGUF mixture-of-experts file {gguf_file.name} runs on "
+                "one rank; set engine.tensor_parallel_size=1"
+            )
         check_divisible(config, tp_size)
         return config
     if quantization_scheme(_checkpoint_dir(path)) is not None:  # split by batchgen.models.sharding

@@ -56,13 +56,43 @@ class Experts(nn.Module):
         flat = top_idx.reshape(-1)
         _, order = torch.sort(flat, stable=True)  # (token, slot) pairs grouped by expert
         offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0, dtype=torch.int32)
-        xs = x.index_select(0, order // k)
-        h = grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offsets)
-        gate, up = h.split(self.intermediate_size, dim=-1)
-        ys = grouped_mm(self.act(gate) * up, self.down_proj.transpose(-2, -1), offsets)
+        ys = self.grouped(x.index_select(0, order // k), offsets)
         ys = ys * top_weights.reshape(-1).index_select(0, order)[:, None]  # float32 with Mixtral's weights
         unsorted = ys.index_select(0, torch.argsort(order))  # back to (token, slot) order
         return unsorted.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+    def grouped(self, xs: Tensor, offsets: Tensor) -> Tensor:
+        """Rows `xs` [S, H] grouped by expert (`offsets` [E]: cumulative row counts) through their experts."""
+        h = grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offsets)
+        gate, up = h.split(self.intermediate_size, dim=-1)
+        return grouped_mm(self.act(gate) * up, self.down_proj.transpose(-2, -1), offsets)
+
+
+class PackedExperts(Experts):
+    """`Experts` whose projections are modules per expert (``gate_up[e]``: gate rows then up rows, ``down[e]``),
+    such as :class:`~batchgen.models.quant.quant_linear.QuantLinear` over a GGUF file's ``ffn_*_exps`` blocks
+    kept packed; routing, grouping and the weighted sum are `Experts`' own, so results match it to the
+    projections' rounding."""
+
+    def __init__(
+        self, gate_up: list[nn.Module], down: list[nn.Module], intermediate_size: int, act: str
+    ) -> None:
+        nn.Module.__init__(self)
+        self.num_experts = len(gate_up)
+        self.intermediate_size = intermediate_size
+        self.gate_up = nn.ModuleList(gate_up)
+        self.down = nn.ModuleList(down)
+        self.act = activation(act)
+
+    def grouped(self, xs: Tensor, offsets: Tensor) -> Tensor:
+        out = torch.empty(xs.shape[0], xs.shape[1], dtype=xs.dtype, device=xs.device)
+        start = 0
+        for e, end in enumerate(offsets.tolist()):
+            if end > start:
+                gate, up = self.gate_up[e](xs[start:end]).split(self.intermediate_size, dim=-1)
+                out[start:end] = self.down[e](self.act(gate) * up)
+            start = end
+        return out
 
 
 def grouped_mm(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:

@@ -332,9 +332,10 @@ class IntQuantLinear(nn.Module):
 
 def replace_linears(model: nn.Module, config, scheme: IntScheme, names) -> list[str]:
     """Swap each `nn.Linear` whose checkpoint tensors (`names`: the checkpoint's tensor names) include a
-    ``weight_packed`` for an uninitialised `IntQuantLinear` (before the checkpoint is streamed in): layers the
-    checkpoint leaves in float (``ignore``, plain names or ``re:`` patterns; a tied ``lm_head``) are found by
-    their absence. Returns the replaced module names."""
+    ``weight_packed`` for an uninitialised `IntQuantLinear` (before the checkpoint is streamed in), and stacked
+    MoE experts whose experts have them for :class:`~batchgen.models.moe.PackedExperts` of such layers: layers
+    the checkpoint leaves in float (``ignore``, plain names or ``re:`` patterns; a tied ``lm_head``; a router)
+    are found by their absence. Returns the replaced module names."""
     from batchgen.models.loader import _checkpoint_names
 
     replaced = []
@@ -356,6 +357,16 @@ def replace_linears(model: nn.Module, config, scheme: IntScheme, names) -> list[
         quant = quant.to(module.weight.device)
         setattr(model.get_submodule(parent), attr, quant)
         replaced.append(name)
+    from batchgen.models.quant.linear_loader import replace_experts
+
+    def expert(k: int, n: int, prefixes: list[str]) -> nn.Module | None:
+        return (
+            IntQuantLinear(k, n, False, scheme)
+            if all(f"{p}.weight_packed" in names for p in prefixes)
+            else None
+        )
+
+    replaced += replace_experts(model, config, expert)  # streamed in per expert (loader's expert names)
     if not replaced:
         raise UnsupportedCheckpoint(
             "no projection of the checkpoint holds compressed-tensors weight_packed tensors"

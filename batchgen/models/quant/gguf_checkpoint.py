@@ -12,8 +12,12 @@ On a GPU the projections are repacked once at load into grouped integers (:mod:`
 weight-only GEMM multiplies, still in float32. Under tensor parallelism each rank keeps its rows (column-parallel)
 or its whole blocks of each row (row-parallel) of the packed tensors.
 
-Invariants: every parameter is written exactly once, and a tensor in a format batchgen does not run, or an
-architecture it has no GGUF mapping for, is refused by name before anything is computed
+A ``qwen2moe`` / ``qwen3moe`` file's experts (``ffn_{gate,up,down}_exps``) stay packed too, one projection per
+expert (:class:`~batchgen.models.moe.PackedExperts`); in a float file they are read into the stacked experts.
+
+Invariants: every parameter is written exactly once, and a tensor in a format batchgen does not run, an
+architecture it has no GGUF mapping for, expert tensors in another architecture (Mixtral's ``llama`` files) or
+one part of a split model (``split.count`` > 1) is refused by name, in one line, before anything is computed
 (:class:`UnsupportedCheckpoint`, a ValueError).
 """
 
@@ -29,13 +33,19 @@ from torch import nn
 
 from batchgen.kernels.cpu_quant_linear import FORMATS
 from batchgen.models.config import CAUSAL_ARCHITECTURE_OF_TYPE, ModelConfig
+from batchgen.models.moe import Experts, PackedExperts
 from batchgen.models.quant.group_linear import GroupQuantLinear
 from batchgen.models.quant.quant_linear import QuantLinear
 
 logger = logging.getLogger(__name__)
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
 """GGUF ``general.architecture`` values batchgen loads (natively implemented, plain tensor layouts)."""
+MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
+"""The architectures among them whose files hold packed experts (``ffn_{gate,up,down}_exps``,
+``[experts, rows, blocks]``)."""
+_MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
+              "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}  # fmt: skip
 GEMMA_NORM_ARCHS = ("gemma2", "gemma3")
 """Architectures whose GGUF files store norm weights as ``1 + w`` (llama.cpp's converter adds the one,
 transformers' reading takes it off)."""
@@ -73,16 +83,23 @@ def _check_file(path: Path) -> None:
 def read_config(path: Path) -> ModelConfig:
     """The file's model configuration (transformers' reading of its metadata), computing in float32. The head
     size is the file's ``attention.key_length`` where it records one (llama.cpp's converter writes the
-    checkpoint's ``head_dim`` there): transformers' reading of some architectures (qwen3) ignores it and keeps
-    the config class's default, which is another model's whenever ``head_dim`` is not that default."""
+    checkpoint's ``head_dim`` there), and an MoE file's expert widths its ``expert_feed_forward_length`` and
+    ``expert_shared_feed_forward_length``: transformers' reading of some architectures (qwen3, qwen2moe,
+    qwen3moe) ignores them and keeps the config class's defaults, which are another model's whenever the
+    file's sizes are not those defaults."""
     from transformers import AutoConfig
 
     _require_gguf()
     _check_file(path)
-    arch_name, key_length = _architecture(path)
+    arch_name, sizes = _architecture(path)
     hf = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    if key_length is not None:
-        hf.head_dim = key_length
+    if arch_name == "llama" and "num_local_experts" in sizes:  # Mixtral: transformers reads a dense llama
+        from transformers import MixtralConfig
+
+        hf = MixtralConfig.from_dict({**hf.to_dict(), **sizes, "model_type": "mixtral", "sliding_window": None,
+                                      "architectures": ["MixtralForCausalLM"]})  # fmt: skip
+    for key, value in sizes.items():
+        setattr(hf, key, value)
     arch = next(iter(hf.architectures or []), None) or CAUSAL_ARCHITECTURE_OF_TYPE.get(hf.model_type)
     if arch is None:
         raise UnsupportedCheckpoint(f"GGUF architecture {arch_name!r} in {path} has no native implementation")
@@ -90,25 +107,57 @@ def read_config(path: Path) -> ModelConfig:
     return dataclasses.replace(config, dtype=torch.float32, weight_dtype=None)
 
 
-def _architecture(path: Path) -> tuple[str, int | None]:
-    """The file's architecture, once it and every tensor's format are known to be runnable, and its
-    ``attention.key_length`` (the head size; None when the file does not record it)."""
+def _architecture(path: Path) -> tuple[str, dict[str, int]]:
+    """The file's architecture, once it, its expert tensors (only in :data:`MOE_ARCHITECTURES`) and every
+    tensor's format are known to be runnable, and the sizes the file records that transformers' reading may
+    leave at its config class's defaults: ``head_dim`` (``attention.key_length``), an MoE file's
+    ``moe_intermediate_size`` and ``shared_expert_intermediate_size`` (``expert_feed_forward_length``,
+    ``expert_shared_feed_forward_length``), and a Mixtral (llama) file's ``num_local_experts`` and
+    ``num_experts_per_tok`` (``expert_count``, ``expert_used_count``, which transformers' reading of a llama
+    file drops); absent ones are not in the dict."""
     gguf = _require_gguf()
     reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    split = reader.fields.get("split.count")
+    if split is not None and int(split.contents()) > 1:  # llama.cpp's gguf-split parts
+        part = reader.fields.get("split.no")
+        raise UnsupportedCheckpoint(
+            f"GGUF file {path.name} is part {int(part.contents()) + 1 if part else '?'} of {int(split.contents())} "
+            "of a split model: batchgen loads a model from one GGUF file; merge the parts first with llama.cpp's "
+            f"llama-gguf-split --merge {path.name} merged.gguf"
+        )
+    experts = next((t.name for t in reader.tensors if "_exps." in t.name), None)
+    count = reader.fields.get(f"{arch}.expert_count")
+    if (experts is not None and arch not in MOE_ARCHITECTURES + ("llama",)) or (
+        experts is None and count is not None and int(count.contents()) > 0
+    ):  # another architecture's experts, or experts one tensor each (llama.cpp's files before 2024)
+        raise UnsupportedCheckpoint(
+            f"GGUF file {path.name} is a mixture-of-experts model (architecture {arch!r}, "
+            f"{int(count.contents()) if count else 'its'} experts) whose expert tensors batchgen does not read: it "
+            "runs experts stacked as ffn_gate_exps / ffn_up_exps / ffn_down_exps in llama (Mixtral), qwen2moe and "
+            "qwen3moe files; run the model's Hugging Face checkpoint (config.json and safetensors) instead"
+        )
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedCheckpoint(
+            f"GGUF architecture {arch!r} in {path.name} is not supported: batchgen loads GGUF files of "
+            f"{', '.join(GGUF_ARCHITECTURES)}; run the model's Hugging Face checkpoint (config.json and "
+            "safetensors) instead"
+        )
     for t in reader.tensors:
         if int(t.tensor_type) not in FORMATS and int(t.tensor_type) not in _FLOAT_TYPES:
             raise UnsupportedCheckpoint(
                 f"GGUF tensor {t.name} in {path.name} is {t.tensor_type.name}: batchgen runs "
                 f"{', '.join(f.name for f in FORMATS.values())}, F32, F16 and BF16 tensors"
             )
-    arch = reader.fields["general.architecture"].contents()
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedCheckpoint(
-            f"GGUF architecture {arch!r} in {path} is not supported: batchgen loads GGUF files of "
-            f"{', '.join(GGUF_ARCHITECTURES)}"
-        )
+    sizes = {hf: int(reader.fields[f"{arch}.{key}"].contents()) for key, hf in _MOE_SIZES.items()
+             if f"{arch}.{key}" in reader.fields}  # fmt: skip
     key_length = reader.fields.get(f"{arch}.attention.key_length")
-    return arch, None if key_length is None else int(key_length.contents())
+    if key_length is not None:
+        sizes["head_dim"] = int(key_length.contents())
+    if arch == "llama" and experts is not None:  # Mixtral
+        sizes["num_local_experts"] = int(count.contents())
+        sizes["num_experts_per_tok"] = int(reader.fields[f"{arch}.expert_used_count"].contents())
+    return arch, sizes
 
 
 def load_gguf_tokenizer(path: Path):
@@ -170,6 +219,14 @@ def load_gguf_model(
 
     model: CausalLM = _empty_model(config, device)  # float32, uninitialised (untouched pages cost nothing)
     used: set[str] = set()
+    if arch_name in MOE_ARCHITECTURES and tp_size > 1:
+        raise UnsupportedCheckpoint(
+            f"engine.tensor_parallel_size={tp_size}: GGUF mixture-of-experts file {path.name} runs on one rank; "
+            "set engine.tensor_parallel_size=1"
+        )
+    for name, experts in list(model.named_modules()):
+        if type(experts) is Experts:
+            used.update(_pack_experts(model, name, experts, tensors, config, device))
     linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
     for name, linear in linears.items():
         parts = _checkpoint_names(config, f"{name}.weight", tuple(linear.weight.shape))[0]
@@ -201,6 +258,11 @@ def load_gguf_model(
     for pname, param in model.named_parameters():
         if pname.startswith(quantized):
             continue
+        if pname.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # float experts: stacked tensors
+            names = _expert_names(pname, "gate", "up") if "gate_up" in pname else _expert_names(pname, "down")
+            param.copy_(torch.cat([_dense(tensors, rows, n, n, config) for n in names], dim=1))
+            used.update(names)
+            continue
         for hf, src in _checkpoint_names(config, pname, tuple(param.shape))[0]:
             n = gguf_name(hf)
             if n not in tensors:
@@ -218,6 +280,43 @@ def load_gguf_model(
         logger.info("GGUF tensors not used by %s: %s", config.architecture, ", ".join(unused))
     fast_cpu_weights(model, keep=[model.model.embed_tokens.weight])
     return model
+
+
+def _expert_names(module: str, *parts: str) -> list[str]:
+    """The GGUF expert tensors (``blk.N.ffn_<part>_exps.weight``) of the layer `module` (a Hugging Face name
+    ``model.layers.N. ...``) belongs to."""
+    block = module.split(".")[2]
+    return [f"blk.{block}.ffn_{p}_exps.weight" for p in parts]
+
+
+def _pack_experts(model: nn.Module, name: str, experts: Experts, tensors: dict, config, device) -> list[str]:
+    """Replace the stacked `experts` at `name` by :class:`~batchgen.models.moe.PackedExperts` over the file's
+    expert blocks (per expert: gate and up rows in one projection, each part its format; down) when all three
+    expert tensors are in block formats; a float file's experts stay stacked (read with the parameters). The
+    GGUF tensor names used."""
+    names = _expert_names(name, "gate", "up", "down")
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"GGUF file is missing expert tensor(s) {', '.join(missing)}")
+    types = [int(tensors[n].tensor_type) for n in names]
+    if not all(t in FORMATS for t in types):
+        return []
+    gate, up, down = (np.asarray(tensors[n].data) for n in names)  # [experts, rows, row bytes]
+    if gate.shape[0] != experts.num_experts:
+        raise ValueError(
+            f"GGUF tensor {names[0]} holds {gate.shape[0]} experts, expected {experts.num_experts}"
+        )
+
+    def part(data: np.ndarray, e: int, type_id: int) -> tuple[torch.Tensor, int]:
+        return torch.from_numpy(np.array(data[e])), type_id
+
+    hidden, inter = config.hidden_size, experts.intermediate_size
+    gate_up = [quant_linear(hidden, [part(gate, e, types[0]), part(up, e, types[1])], None, device)
+               for e in range(experts.num_experts)]  # fmt: skip
+    downs = [quant_linear(inter, [part(down, e, types[2])], None, device) for e in range(experts.num_experts)]
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, PackedExperts(gate_up, downs, inter, config.hidden_act))
+    return names
 
 
 def quant_linear(
@@ -243,6 +342,8 @@ def _dense(tensors: dict, rows, name: str, hf: str, config: ModelConfig) -> torc
     t = tensors[name]
     part = _rank_part(np.asarray(t.data), hf, config, t)
     data = np.asarray(dequantize(part, t.tensor_type), dtype=np.float32)
+    if hf.endswith("shared_expert_gate.weight"):  # [1, hidden], stored as [hidden]
+        data = data.reshape(1, -1)
     return torch.from_numpy(np.array(rows(name, data)))
 
 

@@ -11,6 +11,8 @@ loader may assume. The LM head (``output.weight``) is float32 unless ``output_ty
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -80,18 +82,75 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def sentencepiece_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece vocabulary of `size` tokens as llama.cpp's converter writes a Llama-2 / Mistral one
+    (``tokenizer.ggml.model = "llama"``): ``<unk>`` (type 2), ``<s>`` and ``</s>`` (3, control), the 256 byte
+    tokens ``<0x00>`` .. ``<0xFF>`` (6), then pieces (1) with ``▁`` for a space, merged pieces first, scored
+    ``-rank`` (the merge order), the single characters after them; no piece holds a newline or tab (those fall
+    back to bytes). Trained (``tokenizers``' SentencePiece BPE, a fraction of a second) on CPython's reference manual;
+    `size` need not be a multiple of anything."""
+    from pydoc_data.topics import topics
+
+    from tokenizers import SentencePieceBPETokenizer
+
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    trainer = SentencePieceBPETokenizer()
+    trainer.train_from_iterator(list(topics.values()), vocab_size=size, min_frequency=2, show_progress=False)
+    model = json.loads(trainer.to_str())["model"]
+    merged = ["".join(m.split(" ") if isinstance(m, str) else m) for m in model["merges"]]
+    chars = [t for t in model["vocab"] if len(t) == 1 and t.isprintable()]
+    merged = [t for t in dict.fromkeys(merged) if t.isprintable() and t not in chars]
+    pieces = merged[: max(0, size - len(special) - len(chars))] + chars  # each merge's parts are in it
+    if len(special) + len(pieces) < size:
+        raise ValueError(f"the corpus gives {len(special) + len(pieces)} SentencePiece tokens, not {size}")
+    tokens = special + pieces
+    scores = [0.0] * len(special) + [-float(i) for i in range(len(pieces))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    return tokens, scores, types
+
+
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+"""Mistral-Instruct's chat template: it writes the BOS itself (so a rendered chat is encoded without adding
+another)."""
+
+
 def write_gguf(
-    ckpt: str, out_path, types: dict[str, int] | int = 8, seed: int = 0, output_type: int | None = None
+    ckpt: str,
+    out_path,
+    types: dict[str, int] | int = 8,
+    seed: int = 0,
+    output_type: int | None = None,
+    *,
+    tokenizer: str = "gpt2",
+    embed_type: int = 0,
+    norm_type: int = 0,
+    name: str | None = None,
+    release: bool = False,
 ) -> str:
-    """Write the llama, qwen2, qwen3, phi3, gemma2 or gemma3 checkpoint `ckpt` (a tiny one: batchgen.models.tiny.build_checkpoint) as a
-    GGUF file of its architecture with its tokenizer (byte-level BPE: vocabulary and merges, llama.cpp's
-    pre-tokenizer name for the architecture): every 2-D projection quantized to `types` (one ggml type id, F32, F16 and
-    BF16 included, or one per GGUF tensor-name suffix such as ``attn_v``, default Q8_0), the LM head in
-    `output_type` (float32 when None; no ``output.weight`` for tied embeddings, as llama.cpp writes them),
-    embeddings, norms and biases float32. The quantized blocks come from gguf-py's quantizer where it
-    has one (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), from :func:`quantize_q6_k` for Q6_K, and are random valid blocks for Q4_K (gguf-py only
-    dequantizes it), so the file's weights are what its blocks say."""
-    import json
+    """Write the llama, mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, phi3, gemma2 or gemma3 checkpoint
+    `ckpt` (a tiny one: batchgen.models.tiny.build_checkpoint) as a GGUF file of llama.cpp's architecture for it
+    (mistral and mixtral: llama): every projection quantized to `types` (one ggml type id, F32, F16 and BF16 included, or one per GGUF tensor-name suffix such as
+    ``attn_v``, default Q8_0), the LM head in `output_type` (float32 when None; no ``output.weight`` for tied
+    embeddings, as llama.cpp writes them), the token embedding in `embed_type` and norms in `norm_type` (ggml
+    type ids, F32 by default; llama.cpp's Q4_K_M files hold a Q4_K or Q6_K embedding, F16 files F16 norms),
+    biases and an MoE router float32; each layer's experts stacked (``ffn_{gate,up,down}_exps``, quantized
+    per expert row by the same rules). The quantized blocks come from gguf-py's quantizer where it has one (Q4_0, Q4_1, Q5_0,
+    Q5_1, Q8_0), from :func:`quantize_q6_k` for Q6_K, and are random valid blocks for the other K-quants
+    (gguf-py only dequantizes them), so the file's weights are what its blocks say.
+
+    `tokenizer`: ``"gpt2"`` writes the checkpoint's byte-level BPE (vocabulary, merges, llama.cpp's pre-tokenizer
+    name for the architecture); ``"llama"`` a SentencePiece vocabulary of the model's size
+    (:func:`sentencepiece_vocab`: scores and token types, no merges, bos 1, eos 2, unknown 0) as Llama-2,
+    Mistral, Phi-3 and Gemma files hold one. `name`: ``general.name`` (transformers reads a llama file named
+    ``mistral`` as a Mistral model). `release`: also what llama.cpp's converter and quantizer write beside the
+    tensors: ``general.file_type`` and ``quantization_version``, the chat template (the checkpoint's, or
+    :data:`MISTRAL_CHAT_TEMPLATE` for a SentencePiece vocabulary), ``add_bos_token`` (true for SentencePiece)
+    and ``add_eos_token``, the padding id, and for a llama checkpoint with llama3 RoPE scaling the
+    ``rope_freqs.weight`` tensor of Llama 3.1/3.2 files (per-frequency divisors)."""
     from pathlib import Path
 
     import gguf
@@ -104,17 +163,24 @@ def write_gguf(
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     state = load_file(str(ckpt / "model.safetensors"))
     n_layers, n_head, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    arch = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])  # llama.cpp's name
+    arch = {
+        "gemma3_text": "gemma3",
+        "mistral": "llama",
+        "mixtral": "llama",
+        "qwen2_moe": "qwen2moe",
+        "qwen3_moe": "qwen3moe",
+    }.get(cfg["model_type"], cfg["model_type"])
     w = gguf.GGUFWriter(str(out_path), arch)
+    if name is not None:
+        w.add_name(name)
     w.add_block_count(n_layers)
     w.add_context_length(cfg.get("max_position_embeddings", 2048))
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
-    w.add_rope_freq_base(
-        float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4)))
-    )
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     w.add_rope_dimension_count(head_dim)
@@ -124,31 +190,69 @@ def write_gguf(
     if arch in GEMMA_NORM_ARCHS and cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
     w.add_vocab_size(cfg["vocab_size"])
-    vocab = tok["model"]["vocab"]
-    tokens = [None] * len(vocab)
-    for t, i in vocab.items():
-        tokens[i] = t
-    added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
-    tokens += [None] * (cfg["vocab_size"] - len(tokens))
-    for i, t in added.items():
-        tokens[i] = t
-    tokens = [t if t is not None else f"<unused{i}>" for i, t in enumerate(tokens)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
-    merges = tok["model"].get("merges", [])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    for key, setter in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id)):
-        if isinstance(cfg.get(key), int):
-            setter(cfg[key])
+    if cfg.get(
+        "num_local_experts", cfg.get("num_experts")
+    ):  # mixtral (a llama file), qwen2_moe / qwen3_moe: llama.cpp's qwen2moe / qwen3moe
+        w.add_expert_count(cfg.get("num_local_experts", cfg.get("num_experts")))
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if tokenizer == "llama":
+        tokens, scores, token_types = sentencepiece_vocab(cfg["vocab_size"])
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(token_types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        template = MISTRAL_CHAT_TEMPLATE
+    elif tokenizer == "gpt2":
+        vocab = tok["model"]["vocab"]
+        tokens = [None] * len(vocab)
+        for t, i in vocab.items():
+            tokens[i] = t
+        added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
+        tokens += [None] * (cfg["vocab_size"] - len(tokens))
+        for i, t in added.items():
+            tokens[i] = t
+        tokens = [t if t is not None else f"<unused{i}>" for i, t in enumerate(tokens)]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
+        merges = tok["model"].get("merges", [])
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+        for key, setter in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id)):
+            if isinstance(cfg.get(key), int):
+                setter(cfg[key])
+        tok_cfg, jinja = ckpt / "tokenizer_config.json", ckpt / "chat_template.jinja"
+        template = json.loads(tok_cfg.read_text()).get("chat_template") if tok_cfg.is_file() else None
+        template = jinja.read_text() if jinja.is_file() else template
+    else:
+        raise ValueError(f"tokenizer must be 'gpt2' or 'llama', not {tokenizer!r}")
+    if release:
+        w.add_file_type(types if isinstance(types, int) else 15)  # 15: llama.cpp's MOSTLY_Q4_K_M
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        w.add_add_bos_token(tokenizer == "llama")
+        w.add_add_eos_token(False)
+        pad = cfg.get("pad_token_id")
+        w.add_pad_token_id(pad if isinstance(pad, int) and tokenizer == "gpt2" else 0)
+        if template:
+            w.add_chat_template(template)
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_id, n_layers)
+    tensors = _stack_experts(state)
+    if release and arch == "llama" and rope.get("rope_type") == "llama3":
+        tensors.insert(0, ("rope_freqs.weight", _llama3_rope_freqs(rope, head_dim)))
     rng = 0
-    for name, tensor in state.items():
+    for hf_name, tensor in tensors:
         arr = tensor.float().numpy()
-        base, _, suffix = name.rpartition(".")
-        gname = f"{name_map.get_name(base)}.{suffix}"
+        base, _, suffix = hf_name.rpartition(".")
+        gname = hf_name if hf_name == "rope_freqs.weight" else f"{name_map.get_name(base)}.{suffix}"
         short = gname.split(".")[-2]
         if arch in GEMMA_NORM_ARCHS and gname.endswith("norm.weight"):
             arr = arr + 1.0  # llama.cpp's converter stores Gemma's (1 + w) norm weights whole
@@ -156,25 +260,25 @@ def write_gguf(
             arr = _llama_cpp_permute(arr, n_head)
         elif arch == "llama" and short == "attn_k":
             arr = _llama_cpp_permute(arr, n_kv)
-        quantized = gname != "token_embd.weight" and (gname != "output.weight" or output_type is not None)
-        type_id = 0
-        if arr.ndim == 2 and quantized:
-            type_id = (
-                output_type
-                if gname == "output.weight"
-                else types
-                if isinstance(types, int)
-                else types.get(short, 8)
-            )
+        if gname == "token_embd.weight":
+            type_id = embed_type
+        elif gname == "output.weight":
+            type_id = output_type or 0
+        elif arr.ndim >= 2 and short != "ffn_gate_inp":  # llama.cpp's quantizer keeps the router float
+            type_id = types if isinstance(types, int) else types.get(short, 8)
+        else:
+            type_id = norm_type if gname.endswith("norm.weight") else 0
         if type_id:
             qtype = gguf.GGMLQuantizationType(type_id)
             if qtype.name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16"):
                 data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
             elif qtype == gguf.GGMLQuantizationType.Q6_K:
-                data = quantize_q6_k(arr)
+                data = quantize_q6_k(arr.reshape(-1, arr.shape[-1])).reshape(*arr.shape[:-1], -1)
             else:
                 rng += 1
-                data = random_blocks(arr.shape[0], arr.shape[1], type_id, seed=seed + rng, scale=0.01).numpy()
+                rows = int(np.prod(arr.shape[:-1]))
+                data = random_blocks(rows, arr.shape[-1], type_id, seed=seed + rng, scale=0.01).numpy()
+                data = data.reshape(*arr.shape[:-1], -1)
             w.add_tensor(gname, data, raw_dtype=qtype)
         else:
             w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
@@ -183,3 +287,45 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return str(out_path)
+
+
+def _stack_experts(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each layer's per-expert projections (``mlp.experts.N.gate_proj.weight``,
+    Mixtral's ``block_sparse_moe.experts.N.w1.weight``) stacked into one ``[experts, out, in]`` tensor
+    (``mlp.experts.gate_proj.weight``: llama.cpp's ``ffn_gate_exps``) in place of its expert 0; a shared-expert gate ``[1, hidden]`` stored as ``[hidden]``."""
+    import re
+
+    stacked: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in state.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if m is None:
+            out.append((name, t.reshape(-1) if name.endswith("shared_expert_gate.weight") else t))
+            continue
+        key = f"{m[1]}.{m[3]}.weight"
+        if key not in stacked:
+            stacked[key] = []
+            out.append((key, None))
+        stacked[key].append((int(m[2]), t))
+    return [(n, torch.stack([t for _, t in sorted(stacked[n])]) if t is None else t) for n, t in out]
+
+
+def _llama3_rope_freqs(rope: dict, head_dim: int) -> torch.Tensor:
+    """Llama 3.1's ``rope_freqs.weight`` as llama.cpp's converter computes it: per rotary frequency the factor
+    its wavelength is divided by (1 for high frequencies, ``factor`` for low ones, interpolated between)."""
+    import math
+
+    base = float(rope.get("rope_theta", 5e5))
+    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)

@@ -88,17 +88,68 @@ def load_quantized_linears(
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, module)
         replaced.append(name)
+
+    def make(k: int, n: int, prefixes: list[str]) -> nn.Module | None:
+        if not all(scheme.is_quantized(p, get.where) for p in prefixes):
+            return None
+        module = scheme.build(k, prefixes, get, None)
+        if module.out_features != n:
+            raise ValueError(f"{', '.join(prefixes)}: the checkpoint's {scheme.method} tensors hold "
+                             f"{module.out_features} outputs, the model has {n}")  # fmt: skip
+        return module
+
+    replaced += replace_experts(model, config, make)
     if not replaced:
         raise UnsupportedCheckpoint(f"no projection of the checkpoint holds {scheme.method} tensors")
     leftover = sorted(
         n for n in get.where if n not in get.read and n.rsplit(".", 1)[-1] in _scheme_leaves(scheme)
     )
-    if leftover:  # e.g. quantized MoE experts (stacked in batchgen): not run
+    if leftover:
         raise UnsupportedCheckpoint(
             f"{scheme.method} tensor {leftover[0]} (+{len(leftover) - 1} more) belongs to no projection batchgen "
-            "quantizes (quantized MoE experts are not supported)"
+            "quantizes"
         )
     return get.read, replaced
+
+
+def replace_experts(model: nn.Module, config: ModelConfig, make) -> list[str]:
+    """Swap each stacked :class:`~batchgen.models.moe.Experts` whose experts the checkpoint quantizes for a
+    :class:`~batchgen.models.moe.PackedExperts` of per-expert modules ``make(in_features, out_features,
+    prefixes)`` (None where the checkpoint holds those parts in float): gate and up rows as one projection, down.
+    Experts all float are left stacked; some quantized and some float, or quantized experts under tensor
+    parallelism, are refused by name. Returns the replaced module names."""
+    from batchgen.models.loader import expert_prefixes
+    from batchgen.models.moe import Experts, PackedExperts
+
+    replaced = []
+    for name, experts in list(model.named_modules()):
+        if type(experts) is not Experts:
+            continue
+        hidden, inter = experts.down_proj.shape[1], experts.intermediate_size
+        per = [expert_prefixes(config, name, e) for e in range(experts.num_experts)]
+        gate_up = [make(hidden, 2 * inter, gu) for gu, _ in per]
+        down = [make(inter, hidden, [d]) for _, d in per]
+        made = [m is not None for m in gate_up + down]
+        if not any(made):
+            continue
+        if not all(made):
+            raise UnsupportedCheckpoint(
+                f"the experts of {name} are partly quantized, partly float: batchgen runs a layer's experts all "
+                "quantized (in one scheme) or all float"
+            )
+        if config.tp_size > 1:
+            raise UnsupportedCheckpoint(
+                f"engine.tensor_parallel_size={config.tp_size}: quantized experts ({name}) run on one rank; set "
+                "engine.tensor_parallel_size=1"
+            )
+        device = experts.down_proj.device
+        parent, _, attr = name.rpartition(".")
+        module = PackedExperts(
+            [m.to(device) for m in gate_up], [m.to(device) for m in down], inter, config.hidden_act
+        )
+        setattr(model.get_submodule(parent), attr, module)
+        replaced.append(name)
+    return replaced
 
 
 def _check_block_split(
