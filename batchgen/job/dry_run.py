@@ -733,7 +733,8 @@ def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list
     where = _where_rows_differ(sample, tokenizer, inp, lcp)
     if where:
         out["first_difference"] = where
-        notes.append(f"{where}; the {lcp} tokens before it are shared ({lcp // bs} whole blocks of {bs})")
+        blocks = f"{lcp // bs} whole block{'s' if lcp // bs != 1 else ''} of {bs}"
+        notes.append(f"{where}; the {lcp} tokens before it are shared ({blocks})")
     # a long run of text most rows hold, after a per-row part: moving it first would share it. Chat rows are
     # looked at as rendered (the template's text between the messages included)
     chat = bool(inp.messages_column)

@@ -160,7 +160,6 @@ def write_gguf(
 
     ckpt = Path(ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
-    tok = json.loads((ckpt / "tokenizer.json").read_text())
     state = load_file(str(ckpt / "model.safetensors"))
     n_layers, n_head, n_kv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     arch = {
@@ -173,67 +172,8 @@ def write_gguf(
     w = gguf.GGUFWriter(str(out_path), arch)
     if name is not None:
         w.add_name(name)
-    w.add_block_count(n_layers)
-    w.add_context_length(cfg.get("max_position_embeddings", 2048))
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
-    w.add_rope_dimension_count(head_dim)
-    if cfg.get("head_dim"):  # as llama.cpp's converter writes it
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    if arch in GEMMA_NORM_ARCHS and cfg.get("sliding_window"):
-        w.add_sliding_window(cfg["sliding_window"])
-    w.add_vocab_size(cfg["vocab_size"])
-    if cfg.get(
-        "num_local_experts", cfg.get("num_experts")
-    ):  # mixtral (a llama file), qwen2_moe / qwen3_moe: llama.cpp's qwen2moe / qwen3moe
-        w.add_expert_count(cfg.get("num_local_experts", cfg.get("num_experts")))
-        w.add_expert_used_count(cfg["num_experts_per_tok"])
-        if cfg.get("moe_intermediate_size"):
-            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-        if cfg.get("shared_expert_intermediate_size"):
-            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if tokenizer == "llama":
-        tokens, scores, token_types = sentencepiece_vocab(cfg["vocab_size"])
-        w.add_tokenizer_model("llama")
-        w.add_tokenizer_pre("default")
-        w.add_token_list(tokens)
-        w.add_token_scores(scores)
-        w.add_token_types(token_types)
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_unk_token_id(0)
-        template = MISTRAL_CHAT_TEMPLATE
-    elif tokenizer == "gpt2":
-        vocab = tok["model"]["vocab"]
-        tokens = [None] * len(vocab)
-        for t, i in vocab.items():
-            tokens[i] = t
-        added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
-        tokens += [None] * (cfg["vocab_size"] - len(tokens))
-        for i, t in added.items():
-            tokens[i] = t
-        tokens = [t if t is not None else f"<unused{i}>" for i, t in enumerate(tokens)]
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
-        w.add_token_list(tokens)
-        w.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
-        merges = tok["model"].get("merges", [])
-        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-        for key, setter in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id)):
-            if isinstance(cfg.get(key), int):
-                setter(cfg[key])
-        tok_cfg, jinja = ckpt / "tokenizer_config.json", ckpt / "chat_template.jinja"
-        template = json.loads(tok_cfg.read_text()).get("chat_template") if tok_cfg.is_file() else None
-        template = jinja.read_text() if jinja.is_file() else template
-    else:
-        raise ValueError(f"tokenizer must be 'gpt2' or 'llama', not {tokenizer!r}")
+    rope, head_dim = _write_hparams(w, cfg, arch)
+    template = _write_tokenizer(w, cfg, ckpt, tokenizer, arch)
     if release:
         w.add_file_type(types if isinstance(types, int) else 15)  # 15: llama.cpp's MOSTLY_Q4_K_M
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -269,17 +209,10 @@ def write_gguf(
         else:
             type_id = norm_type if gname.endswith("norm.weight") else 0
         if type_id:
-            qtype = gguf.GGMLQuantizationType(type_id)
-            if qtype.name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16"):
-                data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
-            elif qtype == gguf.GGMLQuantizationType.Q6_K:
-                data = quantize_q6_k(arr.reshape(-1, arr.shape[-1])).reshape(*arr.shape[:-1], -1)
-            else:
-                rng += 1
-                rows = int(np.prod(arr.shape[:-1]))
-                data = random_blocks(rows, arr.shape[-1], type_id, seed=seed + rng, scale=0.01).numpy()
-                data = data.reshape(*arr.shape[:-1], -1)
-            w.add_tensor(gname, data, raw_dtype=qtype)
+            rng += type_id not in _QUANTIZED_BY_GGUF_PY and type_id != Q6_K
+            w.add_tensor(
+                gname, _blocks(arr, type_id, seed + rng), raw_dtype=gguf.GGMLQuantizationType(type_id)
+            )
         else:
             w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
     w.write_header_to_file()
@@ -287,6 +220,103 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return str(out_path)
+
+
+Q6_K = 14
+_QUANTIZED_BY_GGUF_PY = (1, 2, 3, 6, 7, 8, 30)  # F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16
+
+
+def _blocks(arr: np.ndarray, type_id: int, seed: int) -> np.ndarray:
+    """``arr``'s rows as blocks of ggml type ``type_id``: gguf-py's quantizer where it has one, :func:`quantize_q6_k`
+    for Q6_K, random valid blocks (seeded) for the other K-quants."""
+    import gguf
+
+    if type_id in _QUANTIZED_BY_GGUF_PY:
+        return gguf.quants.quantize(
+            np.ascontiguousarray(arr, dtype=np.float32), gguf.GGMLQuantizationType(type_id)
+        )
+    if type_id == Q6_K:
+        return quantize_q6_k(arr.reshape(-1, arr.shape[-1])).reshape(*arr.shape[:-1], -1)
+    rows = int(np.prod(arr.shape[:-1]))
+    return (
+        random_blocks(rows, arr.shape[-1], type_id, seed=seed, scale=0.01)
+        .numpy()
+        .reshape(*arr.shape[:-1], -1)
+    )
+
+
+def _write_hparams(w, cfg: dict, arch: str) -> tuple[dict, int]:
+    """The architecture's hyperparameters as llama.cpp's converter writes them; returns the RoPE parameters and
+    the head size."""
+    from batchgen.models.quant.gguf_checkpoint import GEMMA_NORM_ARCHS
+
+    n_head = cfg["num_attention_heads"]
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg.get("max_position_embeddings", 2048))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    w.add_rope_dimension_count(head_dim)
+    if cfg.get("head_dim"):  # as llama.cpp's converter writes it
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch in GEMMA_NORM_ARCHS and cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+    w.add_vocab_size(cfg["vocab_size"])
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    if experts:  # mixtral (a llama file), qwen2_moe / qwen3_moe: llama.cpp's qwen2moe / qwen3moe
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    return rope, head_dim
+
+
+def _write_tokenizer(w, cfg: dict, ckpt, tokenizer: str, arch: str) -> str | None:
+    """The vocabulary (``write_gguf``'s `tokenizer`: the checkpoint's byte-level BPE, or a SentencePiece one);
+    returns the chat template that goes with it."""
+    if tokenizer == "llama":
+        tokens, scores, token_types = sentencepiece_vocab(cfg["vocab_size"])
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(token_types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        return MISTRAL_CHAT_TEMPLATE
+    if tokenizer != "gpt2":
+        raise ValueError(f"tokenizer must be 'gpt2' or 'llama', not {tokenizer!r}")
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    added = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
+    tokens += [None] * (cfg["vocab_size"] - len(tokens))
+    for i, t in added.items():
+        tokens[i] = t
+    tokens = [t if t is not None else f"<unused{i}>" for i, t in enumerate(tokens)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
+    merges = tok["model"].get("merges", [])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    for key, setter in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id)):
+        if isinstance(cfg.get(key), int):
+            setter(cfg[key])
+    tok_cfg, jinja = ckpt / "tokenizer_config.json", ckpt / "chat_template.jinja"
+    template = json.loads(tok_cfg.read_text()).get("chat_template") if tok_cfg.is_file() else None
+    return jinja.read_text() if jinja.is_file() else template
 
 
 def _stack_experts(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
