@@ -373,17 +373,18 @@ def load_native_model(
     )  # narrow weights on the CPU compute in float32 (batchgen.models.quant.weight_dtype)
     files = safetensors_files(ckpt)
 
-    model = _empty_model(config, device)
+    model = meta_model(config)  # quantized projections are swapped in before the rest is given storage
     scheme = quantization_scheme(ckpt)  # quantized projections (batchgen.models.quant)
     replaced: tuple[str, ...] = ()
     if scheme is not None:  # on a GPU, the Triton weight-only kernels (batchgen.kernels.quant_linear_triton)
         if isinstance(scheme, IntScheme):  # compressed-tensors' packed tensors stream in like float ones
-            replace_linears(model, config, scheme, TensorReader(files).where)  # names only
+            replace_linears(model, config, scheme, TensorReader(files).where, device)  # names only
             rename = _without_shapes(rename)
         else:  # GPTQ, AWQ, fp8: read and repacked per projection first
-            read, modules = load_quantized_linears(model, config, files, scheme)
+            read, modules = load_quantized_linears(model, config, files, scheme, device)
             replaced = tuple(f"{m}." for m in modules)
             rename = _skipping(read, rename)
+    materialize_rest(model, config, device)
     if scales := kv_scale_names(files):  # fp8 KV-cache scales, kept by the attention layers
         get = TensorReader(files)
         rename = _skipping(attach_kv_scales(model, get, scales), rename)
@@ -424,13 +425,27 @@ def _without_shapes(rename: Callable[[str], str | None] | None) -> Callable[[str
 
 def _empty_model(config: ModelConfig, device: torch.device) -> CausalLM:
     """An uninitialised `CausalLM` in eval mode, no grads, on `device` (a tied head shares the embedding)."""
+    return materialize_rest(meta_model(config), config, device)
+
+
+def meta_model(config: ModelConfig) -> CausalLM:
+    """A `CausalLM` on the meta device (no storage), in eval mode, no grads: a quantized checkpoint's loader
+    swaps its quantized projections for packed modules on the target device before :func:`materialize_rest`
+    gives the rest storage, so the dense weights they replace are never allocated (on a GPU they would be, at
+    once)."""
     with torch.device("meta"), skip_init():  # meta parameters hold no data: nothing to initialise
         model = CausalLM(config)
-    model = materialize(model, config.weight_dtype or config.dtype, device)  # .to(dtype).to_empty(device)
-    if config.tie_word_embeddings:  # to_empty may give each module its own copy of a shared parameter
+    return model.eval().requires_grad_(False)
+
+
+def materialize_rest(model: CausalLM, config: ModelConfig, device: torch.device) -> CausalLM:
+    """`model` with every tensor still on the meta device given uninitialised storage on `device` (floating
+    point in the weight dtype); tensors already on a device are kept. A tied head still a plain projection
+    shares the embedding again (materializing gives each module its own copy of a shared parameter)."""
+    materialize(model, config.weight_dtype or config.dtype, device)
+    if config.tie_word_embeddings and type(model.lm_head) is torch.nn.Linear:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.eval().requires_grad_(False)
-    return model
+    return model.eval().requires_grad_(False)
 
 
 def _copy_file(

@@ -28,12 +28,15 @@ class skip_init(TorchFunctionMode):  # noqa: N801 - used like a function: `with 
 
 
 def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """`model` (built on the meta device) with uninitialised storage on `device`, floating point in `dtype`.
+    """`model` (built on the meta device) with uninitialised storage on `device` for each tensor still on the
+    meta device, floating point in `dtype`; tensors already on a device (modules swapped in since) are kept.
 
     Like ``model.to(dtype=dtype).to_empty(device=device)``, shared parameters are not kept shared: re-tie them.
     """
 
     def empty(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_meta:
+            return t
         return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
 
     return model._apply(empty)

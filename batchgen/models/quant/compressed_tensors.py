@@ -330,9 +330,9 @@ class IntQuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.scheme.bits}, group={self.group}"
 
 
-def replace_linears(model: nn.Module, config, scheme: IntScheme, names) -> list[str]:
+def replace_linears(model: nn.Module, config, scheme: IntScheme, names, device: torch.device) -> list[str]:
     """Swap each `nn.Linear` whose checkpoint tensors (`names`: the checkpoint's tensor names) include a
-    ``weight_packed`` for an uninitialised `IntQuantLinear` (before the checkpoint is streamed in), and stacked
+    ``weight_packed`` for an uninitialised `IntQuantLinear` on `device` (before the checkpoint is streamed in), and stacked
     MoE experts whose experts have them for :class:`~batchgen.models.moe.PackedExperts` of such layers: layers
     the checkpoint leaves in float (``ignore``, plain names or ``re:`` patterns; a tied ``lm_head``; a router)
     are found by their absence. Returns the replaced module names."""
@@ -354,7 +354,7 @@ def replace_linears(model: nn.Module, config, scheme: IntScheme, names) -> list[
             )
         parent, _, attr = name.rpartition(".")
         quant = IntQuantLinear(module.in_features, module.out_features, module.bias is not None, scheme)
-        quant = quant.to(module.weight.device)
+        quant = quant.to(device)
         setattr(model.get_submodule(parent), attr, quant)
         replaced.append(name)
     from batchgen.models.quant.linear_loader import replace_experts
@@ -366,7 +366,9 @@ def replace_linears(model: nn.Module, config, scheme: IntScheme, names) -> list[
             else None
         )
 
-    replaced += replace_experts(model, config, expert)  # streamed in per expert (loader's expert names)
+    replaced += replace_experts(
+        model, config, expert, device
+    )  # streamed in per expert (loader's expert names)
     if not replaced:
         raise UnsupportedCheckpoint(
             "no projection of the checkpoint holds compressed-tensors weight_packed tensors"

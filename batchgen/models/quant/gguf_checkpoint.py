@@ -181,7 +181,7 @@ def load_gguf_model(
     tensors in Hugging Face's layout: block rows for column-parallel projections, whole blocks of each row for
     row-parallel ones)."""
     from batchgen.models.llama import CausalLM
-    from batchgen.models.loader import _checkpoint_names, _empty_model
+    from batchgen.models.loader import _checkpoint_names, materialize_rest, meta_model
     from batchgen.models.packed_linear import fast_cpu_weights
     from batchgen.models.parallel import shard_config
 
@@ -217,7 +217,7 @@ def load_gguf_model(
         dim = data.shape[0] // n_head // 2
         return data.reshape(n_head, dim, 2, *data.shape[1:]).swapaxes(2, 1).reshape(data.shape)
 
-    model: CausalLM = _empty_model(config, device)  # float32, uninitialised (untouched pages cost nothing)
+    model: CausalLM = meta_model(config)  # packed projections swapped in first, then the rest given storage
     used: set[str] = set()
     if arch_name in MOE_ARCHITECTURES and tp_size > 1:
         raise UnsupportedCheckpoint(
@@ -252,6 +252,9 @@ def load_gguf_model(
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, quant_linear(linear.in_features, packed, bias, device))
         used.update(names)  # a tied head quantized on its own: the table stays the embedding's
+    materialize_rest(
+        model, config, device
+    )  # float32, uninitialised (on the CPU untouched pages cost nothing)
     quantized = tuple(
         f"{q}." for q, m in model.named_modules() if isinstance(m, QuantLinear | GroupQuantLinear)
     )

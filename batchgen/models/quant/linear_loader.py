@@ -54,10 +54,11 @@ class TensorReader:
 
 @torch.no_grad()
 def load_quantized_linears(
-    model: nn.Module, config: ModelConfig, files: list[Path], scheme
+    model: nn.Module, config: ModelConfig, files: list[Path], scheme, device: torch.device
 ) -> tuple[set[str], list[str]]:
-    """Replace each projection the checkpoint quantizes with the module `scheme.build` makes from its tensors.
-    Returns (checkpoint tensor names read, replaced module names)."""
+    """Replace each projection the checkpoint quantizes with the module `scheme.build` makes from its tensors,
+    on `device` (the model's projections may still be on the meta device). Returns (checkpoint tensor names
+    read, replaced module names)."""
     from batchgen.models.loader import _checkpoint_names
 
     get = TensorReader(files, config)
@@ -81,7 +82,7 @@ def load_quantized_linears(
         bias = None
         if linear.bias is not None:
             bias = torch.cat([get(f"{p}.bias").float() for p in prefixes])
-        module = scheme.build(linear.in_features, prefixes, get, bias).to(linear.weight.device)
+        module = scheme.build(linear.in_features, prefixes, get, bias).to(device)
         if module.out_features != linear.out_features:
             raise ValueError(f"{name}: the checkpoint's {scheme.method} tensors hold {module.out_features} outputs, "
                              f"the model has {linear.out_features}")  # fmt: skip
@@ -98,7 +99,7 @@ def load_quantized_linears(
                              f"{module.out_features} outputs, the model has {n}")  # fmt: skip
         return module
 
-    replaced += replace_experts(model, config, make)
+    replaced += replace_experts(model, config, make, device)
     if not replaced:
         raise UnsupportedCheckpoint(f"no projection of the checkpoint holds {scheme.method} tensors")
     leftover = sorted(
@@ -112,10 +113,11 @@ def load_quantized_linears(
     return get.read, replaced
 
 
-def replace_experts(model: nn.Module, config: ModelConfig, make) -> list[str]:
+def replace_experts(model: nn.Module, config: ModelConfig, make, device: torch.device) -> list[str]:
     """Swap each stacked :class:`~batchgen.models.moe.Experts` whose experts the checkpoint quantizes for a
     :class:`~batchgen.models.moe.PackedExperts` of per-expert modules ``make(in_features, out_features,
-    prefixes)`` (None where the checkpoint holds those parts in float): gate and up rows as one projection, down.
+    prefixes)`` (None where the checkpoint holds those parts in float) on `device`: gate and up rows as one
+    projection, down.
     Experts all float are left stacked; some quantized and some float, or quantized experts under tensor
     parallelism, are refused by name. Returns the replaced module names."""
     from batchgen.models.loader import expert_prefixes
@@ -142,7 +144,6 @@ def replace_experts(model: nn.Module, config: ModelConfig, make) -> list[str]:
                 f"engine.tensor_parallel_size={config.tp_size}: quantized experts ({name}) run on one rank; set "
                 "engine.tensor_parallel_size=1"
             )
-        device = experts.down_proj.device
         parent, _, attr = name.rpartition(".")
         module = PackedExperts(
             [m.to(device) for m in gate_up], [m.to(device) for m in down], inter, config.hidden_act
