@@ -98,6 +98,7 @@ def test_uneven_replicas_and_windows_every_row_once() -> None:
     assert by_replica[0] > by_replica[1] > 0  # the fast replica took more windows: no static split
     report = c.replica_report(1.0)
     assert [x["rows"] for x in report] == [by_replica[0], by_replica[1]]
+    assert all("threads" in x for x in report)
     assert c.stats.num_blocks == 20
 
 

@@ -451,6 +451,9 @@ def test_a_resumed_run_is_compared_with_its_part_of_the_plan() -> None:
     assert "planned for this run" in dict(prediction_lines(p))
     report["run"]["rows"] = 24  # every planned row in this run: the plan as it is
     assert "fraction_of_plan" not in prediction_section(plan, report)
+    # over replicas the run's threads are the replicas' (the coordinator computes nothing)
+    report["replicas"] = [{"replica": 0, "threads": 3}, {"replica": 1, "threads": 3}]
+    assert prediction_section(plan, report)["load"]["threads_run"] == 3
 
 
 def test_a_dry_run_on_a_started_output_plans_what_is_left(tiny_ckpt: str, tmp_path: Path) -> None:

@@ -110,8 +110,11 @@ def prediction_section(plan: dict[str, Any], report: dict[str, Any]) -> dict[str
         out["engine_steps"] = {"predicted": sim.get("steps"), "actual": sched.get("steps")}
         out["preemptions"] = {"predicted": sim.get("preemptions"), "actual": sched.get("preemptions")}
     cal = plan.get("calibration") or {}
+    # over replicas, the threads each replica computed with (the coordinator computes nothing)
+    replica_threads = {r.get("threads") for r in report.get("replicas") or []} - {None}
+    run_threads = max(replica_threads) if replica_threads else compute_threads()
     out["load"] = {"plan": cal.get("load"), "run": load_average(), "cpus": cal.get("cpus") or os.cpu_count(),
-                   "threads_plan": cal.get("threads"), "threads_run": compute_threads()}  # fmt: skip
+                   "threads_plan": cal.get("threads"), "threads_run": run_threads}  # fmt: skip
     pw = p.get("wall_time_s")
     if pw and actual_wall:
         out["wall_time_s"]["error"] = (pw - actual_wall) / actual_wall

@@ -185,14 +185,15 @@ class Coordinator:
         return sorted(seen.values(), key=lambda w: w.spec.index)
 
     def replica_report(self, wall_s: float) -> list[dict[str, Any]]:
-        """Per replica: rows and windows finished in this run, generated tokens, throughput, restarts."""
+        """Per replica: rows and windows finished in this run, generated tokens, throughput, restarts, and on the
+        CPU the torch threads it computed with (None: torch's default)."""
         wall = max(wall_s, 1e-9)
         out = []
         for r, s in sorted(self.slots.items()):
             gen = s.total_stats().generated_tokens
             out.append({"replica": r, "rows": s.rows, "windows": s.windows_done, "generated_tokens": gen,
                         "rows_per_s": s.rows / wall, "generated_tokens_per_s": gen / wall,
-                        "restarts": s.restarts})  # fmt: skip
+                        "restarts": s.restarts, "threads": s.setup.threads})  # fmt: skip
         return out
 
     # ------------------------------------------------------------------------------------ lifecycle
