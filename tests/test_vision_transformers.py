@@ -196,3 +196,23 @@ def test_architectures_that_cannot_run_are_refused_by_name(tmp_path):
         assert why in no_images_reason(arch), arch
     ovis = {"architectures": ["Ovis2_5ForConditionalGeneration"], "text_config": {"model_type": "qwen3"}}
     assert "language model: qwen3) has not been checked" in no_images_reason(ovis["architectures"][0], ovis)
+
+
+def test_loading_an_image_text_model_that_cannot_run_names_it_and_why(tmp_path):
+    """``LLM(path)`` and a text job over an image-text checkpoint that runs neither with its images nor as a text
+    model refuse in one line naming the architecture, why and what runs (not transformers' causal-LM mapping)."""
+    import json
+
+    from transformers import MllamaConfig
+
+    paligemma = build_paligemma(tmp_path / "paligemma")
+    with pytest.raises(ValueError, match="PaliGemmaForConditionalGeneration.*bidirectionally.*Qwen2-VL"):
+        LLM(paligemma, kv_cache_memory="16MiB")
+    mllama = tmp_path / "mllama"
+    mllama.mkdir()
+    config = MllamaConfig().to_dict() | {"architectures": ["MllamaForConditionalGeneration"]}
+    (mllama / "config.json").write_text(json.dumps(config))
+    pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "in.parquet")
+    result = run_job(job_config(str(mllama), tmp_path / "in.parquet", tmp_path / "o"), print_summary=False)
+    assert result.exit_code == 2 and "\n" not in result.message
+    assert "MllamaForConditionalGeneration" in result.message and "cross-attention" in result.message

@@ -152,6 +152,21 @@ def no_images_reason(architecture: str, config: dict[str, Any] | None = None) ->
     return f"this model ({architecture}) takes no images; use an image-text checkpoint ({IMAGE_FAMILIES})"
 
 
+def unrunnable_image_text(architectures: list[str], source: str, config: dict[str, Any] | None = None) -> str | None:
+    """The one-line refusal of loading an image-text checkpoint that batchgen runs neither with its images nor
+    as a text model (Mllama, PaliGemma...: transformers has no causal LM of the checkpoint's architecture):
+    the architecture, why its images do not run and what does; None when no architecture is image-text."""
+    arch = next((a for a in architectures if is_image_text_name(a) and a not in IMAGE_TEXT_ARCHITECTURES), None)
+    if arch is None:
+        return None
+    from batchgen.models.image_refusals import refusal_reason
+
+    return (
+        f"{arch} ({source}): batchgen runs neither this architecture's images ({refusal_reason(arch, config)}) "
+        f"nor its language model alone; it runs the images of {IMAGE_FAMILIES}: use such a checkpoint"
+    )
+
+
 # model_type -> the causal-LM architecture that runs it (a checkpoint naming no native architecture: a bare
 # backbone, a classifier, or none at all); never a vision-language one.
 CAUSAL_ARCHITECTURE_OF_TYPE: dict[str, str] = {
