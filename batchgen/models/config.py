@@ -152,11 +152,15 @@ def no_images_reason(architecture: str, config: dict[str, Any] | None = None) ->
     return f"this model ({architecture}) takes no images; use an image-text checkpoint ({IMAGE_FAMILIES})"
 
 
-def unrunnable_image_text(architectures: list[str], source: str, config: dict[str, Any] | None = None) -> str | None:
+def unrunnable_image_text(
+    architectures: list[str], source: str, config: dict[str, Any] | None = None
+) -> str | None:
     """The one-line refusal of loading an image-text checkpoint that batchgen runs neither with its images nor
     as a text model (Mllama, PaliGemma...: transformers has no causal LM of the checkpoint's architecture):
     the architecture, why its images do not run and what does; None when no architecture is image-text."""
-    arch = next((a for a in architectures if is_image_text_name(a) and a not in IMAGE_TEXT_ARCHITECTURES), None)
+    arch = next(
+        (a for a in architectures if is_image_text_name(a) and a not in IMAGE_TEXT_ARCHITECTURES), None
+    )
     if arch is None:
         return None
     from batchgen.models.image_refusals import refusal_reason
