@@ -153,10 +153,11 @@ def test_idefics2_seams_equal_the_processor_with_sentencepiece_style_tokenizers(
         assert side.build(tok.encode(text), images).token_ids == want, text
 
 
-@pytest.mark.parametrize("janus", [False, True], ids=["deepseek_vl", "janus"])
-def test_deepseek_vl_and_janus_equal_transformers(tmp_path, janus):
-    """Every image resized to the tower's size: a step's images are encoded in one call."""
-    ckpt = build_deepseek_vl(tmp_path / "ds", janus=janus)
+@pytest.mark.parametrize("variant", ["deepseek_vl", "janus", "hybrid"])
+def test_deepseek_vl_and_janus_equal_transformers(tmp_path, variant):
+    """Every image resized to the tower's size (the hybrid's also to its SAM tower's): a step's images are
+    encoded in one call."""
+    ckpt = build_deepseek_vl(tmp_path / "ds", janus=variant == "janus", hybrid=variant == "hybrid")
     a, b, c = mixed_images(3)
     rows = [
         ("User:<image_placeholder>What is it?", [a]),

@@ -29,6 +29,7 @@ TRANSFORMERS_VISION: dict[str, str] = {
     "Idefics2ForConditionalGeneration": "mistral",
     "LightOnOcrForConditionalGeneration": "qwen3",
     "DeepseekVLForConditionalGeneration": "llama",
+    "DeepseekVLHybridForConditionalGeneration": "llama",
     "JanusForConditionalGeneration": "llama",
     "GotOcr2ForConditionalGeneration": "qwen2",
 }
@@ -118,8 +119,8 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
     **{a: "batchgen.models.vision_transformers_lm" for a in TRANSFORMERS_LM_VISION},
 }
 IMAGE_FAMILIES = (
-    "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, Gemma 3, DeepSeek-VL, "
-    "Janus, GOT-OCR2, LightOnOCR, Aya Vision, BLIP-2, Aria"
+    "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, Gemma 3, DeepSeek-VL "
+    "(and its hybrid), Janus, GOT-OCR2, LightOnOCR, Aya Vision, BLIP-2, Aria"
 )
 
 
