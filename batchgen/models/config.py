@@ -40,6 +40,7 @@ TRANSFORMERS_LM_VISION: dict[str, str] = {
     "AyaVisionForConditionalGeneration": "cohere2",
     "AriaForConditionalGeneration": "aria_text",
     "Blip2ForConditionalGeneration": "opt",
+    "QianfanOCRForConditionalGeneration": "qwen3",
 }
 # Image-text architectures with a native language model that also run whole on transformers' modeling code
 # (batchgen.models.vision_transformers_lm) when model.implementation=transformers: plain causal attention and
@@ -120,7 +121,8 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
 }
 IMAGE_FAMILIES = (
     "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, Gemma 3, DeepSeek-VL "
-    "(and its hybrid), Janus, GOT-OCR2, LightOnOCR, Aya Vision, BLIP-2, Aria"
+    "(and its hybrid), Janus, GOT-OCR2, LightOnOCR, Aya Vision, BLIP-2, Aria, "
+    "Qianfan-OCR"
 )
 
 
