@@ -52,6 +52,8 @@ REFUSED: dict[str, str] = {
     "Glm4vForConditionalGeneration": _MROPE,
     "Glm4vMoeForConditionalGeneration": _MROPE,
     "Glm46VForConditionalGeneration": _MROPE,
+    "Granite4VisionForConditionalGeneration": "its image features are added inside its language model's layers "
+    "(deepstack and spatial injection), not only in place of prompt tokens",
     "Ovis2ForConditionalGeneration": "its image indicator tokens take embeddings from its visual embedding table, "
     "not from the language model's",
     "ChameleonForConditionalGeneration": _VQ,
