@@ -179,6 +179,8 @@ def test_architectures_that_cannot_run_are_refused_by_name():
         ("MllamaForConditionalGeneration", "cross-attention"),
         ("FuyuForCausalLM", "rewrites the whole prompt"),
         ("Granite4VisionForConditionalGeneration", "inside its language model's layers"),
+        ("PaddleOCRVLForConditionalGeneration", "M-RoPE"),
+        ("HunYuanVLForConditionalGeneration", "M-RoPE"),
     ]:
         assert why in no_images_reason(arch), arch
     assert "short-convolution" in no_images_reason("Lfm2VlForConditionalGeneration")
