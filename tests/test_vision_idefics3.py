@@ -76,11 +76,13 @@ def test_the_processors_own_token_ids_equal_transformers(idefics3):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(idefics3, rows, GREEDY.max_tokens, nested=True)
 
 
-def test_options_that_mismatch_features_and_tokens_fail_the_image_rows_alone(idefics3):
-    """Tiles smaller than the encoder's size (``max_image_size`` 28 px for a 56-px tower) make fewer feature
-    tokens than the processor writes: transformers raises; here the rows showing such an image end with the
-    reason and the other rows of the same steps run on."""
-    llm = LLM(idefics3, kv_cache_memory="32MiB", mm_processor_kwargs={"max_image_size": {"longest_edge": 28}})
+@pytest.mark.parametrize("tile", [28, 112])
+def test_options_that_mismatch_features_and_tokens_fail_the_image_rows_alone(idefics3, tile):
+    """Tiles of another size than the encoder's (``max_image_size`` 28 or 112 px for a 56-px tower) make fewer
+    or more feature tokens than the processor writes: transformers raises; here the rows showing such an image
+    end with the reason (never features cut to the token count) and the other rows of the same steps run on."""
+    options = {"max_image_size": {"longest_edge": tile}, "size": {"longest_edge": 2 * tile}}
+    llm = LLM(idefics3, kv_cache_memory="32MiB", mm_processor_kwargs=options)
     outs = llm.generate(
         [{"prompt": "<image> what?", "multi_modal_data": {"image": random_image(300, 100, 14)}}, "text only"],
         GREEDY,
