@@ -74,3 +74,20 @@ def test_the_processors_own_token_ids_equal_transformers(idefics3):
     outs = llm.generate(inputs, GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == [i["prompt_token_ids"] for i in inputs]
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(idefics3, rows, GREEDY.max_tokens, nested=True)
+
+
+@pytest.mark.parametrize("tile", [28, 112])
+def test_options_that_mismatch_features_and_tokens_fail_the_image_rows_alone(idefics3, tile):
+    """Tiles of another size than the encoder's (``max_image_size`` 28 or 112 px for a 56-px tower) make fewer
+    or more feature tokens than the processor writes: transformers raises; here the rows showing such an image
+    end with the reason (never features cut to the token count) and the other rows of the same steps run on."""
+    options = {"max_image_size": {"longest_edge": tile}, "size": {"longest_edge": 2 * tile}}
+    llm = LLM(idefics3, kv_cache_memory="32MiB", mm_processor_kwargs=options)
+    outs = llm.generate(
+        [{"prompt": "<image> what?", "multi_modal_data": {"image": random_image(300, 100, 14)}}, "text only"],
+        GREEDY,
+        use_tqdm=False,
+    )
+    assert "image features and image tokens do not match" in outs[0].error
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == GREEDY.max_tokens

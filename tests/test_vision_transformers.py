@@ -153,10 +153,11 @@ def test_idefics2_seams_equal_the_processor_with_sentencepiece_style_tokenizers(
         assert side.build(tok.encode(text), images).token_ids == want, text
 
 
-@pytest.mark.parametrize("janus", [False, True], ids=["deepseek_vl", "janus"])
-def test_deepseek_vl_and_janus_equal_transformers(tmp_path, janus):
-    """Every image resized to the tower's size: a step's images are encoded in one call."""
-    ckpt = build_deepseek_vl(tmp_path / "ds", janus=janus)
+@pytest.mark.parametrize("variant", ["deepseek_vl", "janus", "hybrid"])
+def test_deepseek_vl_and_janus_equal_transformers(tmp_path, variant):
+    """Every image resized to the tower's size (the hybrid's also to its SAM tower's): a step's images are
+    encoded in one call."""
+    ckpt = build_deepseek_vl(tmp_path / "ds", janus=variant == "janus", hybrid=variant == "hybrid")
     a, b, c = mixed_images(3)
     rows = [
         ("User:<image_placeholder>What is it?", [a]),
@@ -196,3 +197,23 @@ def test_architectures_that_cannot_run_are_refused_by_name(tmp_path):
         assert why in no_images_reason(arch), arch
     ovis = {"architectures": ["Ovis2_5ForConditionalGeneration"], "text_config": {"model_type": "qwen3"}}
     assert "language model: qwen3) has not been checked" in no_images_reason(ovis["architectures"][0], ovis)
+
+
+def test_loading_an_image_text_model_that_cannot_run_names_it_and_why(tmp_path):
+    """``LLM(path)`` and a text job over an image-text checkpoint that runs neither with its images nor as a text
+    model refuse in one line naming the architecture, why and what runs (not transformers' causal-LM mapping)."""
+    import json
+
+    from transformers import MllamaConfig
+
+    paligemma = build_paligemma(tmp_path / "paligemma")
+    with pytest.raises(ValueError, match="PaliGemmaForConditionalGeneration.*bidirectionally.*Qwen2-VL"):
+        LLM(paligemma, kv_cache_memory="16MiB")
+    mllama = tmp_path / "mllama"
+    mllama.mkdir()
+    config = MllamaConfig().to_dict() | {"architectures": ["MllamaForConditionalGeneration"]}
+    (mllama / "config.json").write_text(json.dumps(config))
+    pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "in.parquet")
+    result = run_job(job_config(str(mllama), tmp_path / "in.parquet", tmp_path / "o"), print_summary=False)
+    assert result.exit_code == 2 and "\n" not in result.message
+    assert "MllamaForConditionalGeneration" in result.message and "cross-attention" in result.message

@@ -21,7 +21,12 @@ from batchgen.job.run import run_job  # noqa: E402
 from batchgen.models.config import no_images_reason  # noqa: E402
 from batchgen.multimodal.tiny import build_llava  # noqa: E402
 from batchgen.multimodal.tiny_transformers import build_idefics2  # noqa: E402
-from batchgen.multimodal.tiny_transformers_lm import build_aria, build_aya_vision, build_blip2  # noqa: E402
+from batchgen.multimodal.tiny_transformers_lm import (  # noqa: E402
+    build_aria,
+    build_aya_vision,
+    build_blip2,
+    build_qianfan_ocr,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
@@ -66,6 +71,24 @@ def test_aya_vision_equals_transformers(aya, tmp_path):
     llm, ref = _check(aya, rows, [3, 1, 4, 2, 0], [1, 2, 3], tmp_path)
     stats = llm.engine.images.stats
     assert (stats.references, stats.distinct, stats.encoded) == (5, 4, 4)
+    other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": b}}, GREEDY, use_tqdm=False)
+    assert other[0].outputs[0].token_ids != ref[0]
+
+
+def test_qianfan_ocr_equals_transformers(tmp_path):
+    """Qianfan-OCR: tensors in the original layout that transformers converts when it loads them; the prompt's
+    ``<image>`` (not the processor's feature token) marks an image; up to 4 tiles and a thumbnail flattened
+    into the batch axis, each image's tiles its own rows."""
+    ckpt = build_qianfan_ocr(tmp_path / "ckpt")
+    a, b, c, d = mixed_images(4)
+    rows = [
+        ("User: <image> Read it.", [a]),
+        ("Compare <image> with <image>, please.", [b, c]),
+        ("No image here, only text.", []),
+        ("<image> a large one", [d]),
+    ]
+    llm, ref = _check(ckpt, rows, [3, 1, 2, 0], [1, 3], tmp_path)
+    assert llm.engine.images.stats.encoded == 4
     other = llm.generate({"prompt": rows[0][0], "multi_modal_data": {"image": b}}, GREEDY, use_tqdm=False)
     assert other[0].outputs[0].token_ids != ref[0]
 
@@ -155,6 +178,9 @@ def test_architectures_that_cannot_run_are_refused_by_name():
         ("InstructBlipForConditionalGeneration", "Q-Former reads the prompt"),
         ("MllamaForConditionalGeneration", "cross-attention"),
         ("FuyuForCausalLM", "rewrites the whole prompt"),
+        ("Granite4VisionForConditionalGeneration", "inside its language model's layers"),
+        ("PaddleOCRVLForConditionalGeneration", "M-RoPE"),
+        ("HunYuanVLForConditionalGeneration", "M-RoPE"),
     ]:
         assert why in no_images_reason(arch), arch
     assert "short-convolution" in no_images_reason("Lfm2VlForConditionalGeneration")

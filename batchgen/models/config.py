@@ -29,6 +29,7 @@ TRANSFORMERS_VISION: dict[str, str] = {
     "Idefics2ForConditionalGeneration": "mistral",
     "LightOnOcrForConditionalGeneration": "qwen3",
     "DeepseekVLForConditionalGeneration": "llama",
+    "DeepseekVLHybridForConditionalGeneration": "llama",
     "JanusForConditionalGeneration": "llama",
     "GotOcr2ForConditionalGeneration": "qwen2",
 }
@@ -39,6 +40,7 @@ TRANSFORMERS_LM_VISION: dict[str, str] = {
     "AyaVisionForConditionalGeneration": "cohere2",
     "AriaForConditionalGeneration": "aria_text",
     "Blip2ForConditionalGeneration": "opt",
+    "QianfanOCRForConditionalGeneration": "qwen3",
 }
 # Image-text architectures with a native language model that also run whole on transformers' modeling code
 # (batchgen.models.vision_transformers_lm) when model.implementation=transformers: plain causal attention and
@@ -118,8 +120,9 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, str] = {
     **{a: "batchgen.models.vision_transformers_lm" for a in TRANSFORMERS_LM_VISION},
 }
 IMAGE_FAMILIES = (
-    "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, Gemma 3, DeepSeek-VL, "
-    "Janus, GOT-OCR2, LightOnOCR, Aya Vision, BLIP-2, Aria"
+    "LLaVA 1.5, LLaVA-NeXT, VipLLaVA, Qwen2-VL, Qwen2.5-VL, Idefics2, Idefics3/SmolVLM, Gemma 3, DeepSeek-VL "
+    "(and its hybrid), Janus, GOT-OCR2, LightOnOCR, Aya Vision, BLIP-2, Aria, "
+    "Qianfan-OCR"
 )
 
 
@@ -150,6 +153,25 @@ def no_images_reason(architecture: str, config: dict[str, Any] | None = None) ->
             "checkpoint, or send text only"
         )
     return f"this model ({architecture}) takes no images; use an image-text checkpoint ({IMAGE_FAMILIES})"
+
+
+def unrunnable_image_text(
+    architectures: list[str], source: str, config: dict[str, Any] | None = None
+) -> str | None:
+    """The one-line refusal of loading an image-text checkpoint that batchgen runs neither with its images nor
+    as a text model (Mllama, PaliGemma...: transformers has no causal LM of the checkpoint's architecture):
+    the architecture, why its images do not run and what does; None when no architecture is image-text."""
+    arch = next(
+        (a for a in architectures if is_image_text_name(a) and a not in IMAGE_TEXT_ARCHITECTURES), None
+    )
+    if arch is None:
+        return None
+    from batchgen.models.image_refusals import refusal_reason
+
+    return (
+        f"{arch} ({source}): batchgen runs neither this architecture's images ({refusal_reason(arch, config)}) "
+        f"nor its language model alone; it runs the images of {IMAGE_FAMILIES}: use such a checkpoint"
+    )
 
 
 # model_type -> the causal-LM architecture that runs it (a checkpoint naming no native architecture: a bare

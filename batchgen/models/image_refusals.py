@@ -20,6 +20,10 @@ _ENCODER_DECODER = "an encoder-decoder model: batchgen runs decoder-only languag
 _MROPE = (
     "its language model takes 3-D (M-RoPE) positions over the image grid and image features inside its layers"
 )
+_MROPE_POSITIONS = (
+    "its language model takes multi-axis (M-RoPE) positions over the image grid, which batchgen computes for "
+    "Qwen2-VL and Qwen2.5-VL only"
+)
 _TORCHVISION = (
     "its processor needs torchvision, whose wheels are built against CUDA torch and do not load beside the "
     "CPU build"
@@ -52,6 +56,10 @@ REFUSED: dict[str, str] = {
     "Glm4vForConditionalGeneration": _MROPE,
     "Glm4vMoeForConditionalGeneration": _MROPE,
     "Glm46VForConditionalGeneration": _MROPE,
+    "PaddleOCRVLForConditionalGeneration": _MROPE_POSITIONS,
+    "HunYuanVLForConditionalGeneration": _MROPE_POSITIONS,
+    "Granite4VisionForConditionalGeneration": "its image features are added inside its language model's layers "
+    "(deepstack and spatial injection), not only in place of prompt tokens",
     "Ovis2ForConditionalGeneration": "its image indicator tokens take embeddings from its visual embedding table, "
     "not from the language model's",
     "ChameleonForConditionalGeneration": _VQ,

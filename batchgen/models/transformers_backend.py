@@ -48,6 +48,7 @@ from batchgen.models.config import (
     hf_config_from_dict,
     parse_dtype,
     read_config_files,
+    unrunnable_image_text,
 )
 from batchgen.models.packed_linear import pack_transformers_linears
 
@@ -455,12 +456,16 @@ def inspect_checkpoint(path: str | os.PathLike, causal_head: bool = True) -> Any
             "causal language models"
         )
     causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if causal_head and not any(a in causal_classes for a in archs):
+        image_text = unrunnable_image_text(archs, source, config)
+        if image_text is not None:
+            raise UnsupportedModelError(image_text)
     if causal is None:
         raise UnsupportedModelError(
             f"transformers has no causal-LM class for model_type {model_type!r} ({source}): not a decoder-only "
             "language model with an LM head"
         )
-    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     if causal_head and archs and not any(a in causal_classes for a in archs):
         raise UnsupportedModelError(
             f"the checkpoint's architecture {', '.join(archs)} ({source}) is not a causal language model "

@@ -13,9 +13,11 @@ collision of the short key is probed away).
 **Invariants.** An image's pixels stay in :class:`ImageInputs` while a request that shows it is in the engine
 (``acquire`` / ``release``), so its features can always be (re)computed; computed features live in the
 :class:`EncoderCache` (LRU, bounded in bytes) and each distinct image is encoded once as long as it fits there.
-An image the encoder fails on (its batch fails, then it fails alone) gets no features (the forward places
-zeros) and is recorded with the reason: the engine fails the requests that show it after the step
-(:meth:`ImageInputs.take_failed`), and later requests showing it are not encoded again.
+An image the encoder fails on (its batch fails, then it fails alone), or whose features are not as many as
+its placeholder tokens (the processor's options made tiles the tower was not built for: transformers'
+"image features and image tokens do not match"), gets no features (the forward places zeros) and is recorded
+with the reason: the engine fails the requests that show it after the step (:meth:`ImageInputs.take_failed`),
+and later requests showing it are not encoded again.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class _Image:
     key: int
     pixels: dict[str, Tensor]
     refs: int = 0
+    num_tokens: int | None = None
+    """The image's placeholder tokens in its prompts (its features must be as many); None: not checked."""
 
 
 @dataclass
@@ -105,8 +109,9 @@ class ImageInputs:
     _failed: dict[str, str] = field(default_factory=dict)
     """The failures of the steps since the last :meth:`take_failed`."""
 
-    def acquire(self, content_hash: str, pixels: dict[str, Tensor]) -> int:
-        """Register one reference to the image (its pixel inputs kept while referenced); returns its key."""
+    def acquire(self, content_hash: str, pixels: dict[str, Tensor], num_tokens: int | None = None) -> int:
+        """Register one reference to the image (its pixel inputs kept while referenced); returns its key.
+        ``num_tokens``: its placeholder tokens in the prompt, which its encoded features must number."""
         with self._lock:
             self.stats.references += 1
             if content_hash not in self._seen:
@@ -120,6 +125,7 @@ class ImageInputs:
                 known = self._by_key.get(key)
                 img = known[1] if known is not None else _Image(key, pixels)
                 img.pixels = pixels
+                img.num_tokens = num_tokens
                 self._by_hash[content_hash] = img
                 self._by_key[key] = (content_hash, img)
             img.refs += 1
@@ -143,6 +149,7 @@ class ImageInputs:
         missing: list[int] = []
         hashes: list[str] = []
         pixels: list[dict[str, Tensor]] = []
+        expected: list[int | None] = []
         with self._lock:
             for k in keys:
                 t = self.cache.get(k)
@@ -158,6 +165,7 @@ class ImageInputs:
                 missing.append(k)
                 hashes.append(h)
                 pixels.append(img.pixels)
+                expected.append(img.num_tokens)
         if missing:
             t0 = time.perf_counter()
             try:
@@ -168,8 +176,14 @@ class ImageInputs:
             with self._lock:
                 self.stats.encoded += sum(t is not None for t in computed)
                 self.stats.encoder_seconds += elapsed
-                for k, t in zip(missing, computed):
-                    if t is not None:
+                for k, h, t, n in zip(missing, hashes, computed, expected):
+                    if t is not None and n is not None and t.shape[0] != n:
+                        self._bad[h] = self._failed[h] = (
+                            f"the vision encoder made {t.shape[0]} feature tokens for this image but its prompt "
+                            f"holds {n} image tokens (image features and image tokens do not match: the image "
+                            "processor's options do not fit the model)"
+                        )
+                    elif t is not None:
                         out[k] = t
                         self.cache.put(k, t)
         return out

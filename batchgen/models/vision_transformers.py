@@ -3,7 +3,7 @@
 the image features, batchgen's native decoder runs the language model on the paged KV cache.
 
 Used for the architectures of :data:`batchgen.models.config.TRANSFORMERS_VISION` (each tested for greedy
-equality with transformers: VipLLaVA, Idefics2, DeepSeek-VL, Janus, GOT-OCR2, LightOnOCR). What they share,
+equality with transformers: VipLLaVA, Idefics2, DeepSeek-VL and its hybrid, Janus, GOT-OCR2, LightOnOCR). What they share,
 and what an architecture needs to be added: the processor writes each image's placeholder tokens into the prompt
 (:class:`~batchgen.multimodal.inputs.ImagePrompts` reproduces them, seams included:
 :mod:`batchgen.multimodal.joins`), the vision side's output rows replace those tokens' embeddings in order, and

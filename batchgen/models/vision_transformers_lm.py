@@ -59,8 +59,9 @@ class PerImageEncoder(TransformersImageEncoder):
         return super()._split(feats, n)
 
 
-FLAT_TILES = frozenset({"AyaVisionForConditionalGeneration"})
-"""Architectures whose processor flattens every image's tiles into the batch axis (:class:`FlatPatchEncoder`)."""
+FLAT_TILES = frozenset({"AyaVisionForConditionalGeneration", "QianfanOCRForConditionalGeneration"})
+"""Architectures whose processor flattens every image's tiles into the batch axis (:class:`FlatPatchEncoder`):
+Aya Vision's, Qianfan-OCR's (the ``GotOcr2ImageProcessor``'s crops to patches)."""
 
 
 class FlatPatchEncoder(PerImageEncoder):

@@ -151,8 +151,11 @@ class ImagePrompts:
             self.processor.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         tok = self.processor.tokenizer
         self.feature_token_id = image_token_id
-        # the prompt's placeholder: the feature token, or the processor's own (Gemma 3: <start_of_image>)
-        placeholder = getattr(self.processor, "image_token", None)
+        # the prompt's placeholder: the feature token, or the processor's own (Gemma 3: <start_of_image>), or
+        # the one its chat template writes where the processor's image_token is the feature token (Qianfan-OCR)
+        placeholder = getattr(self.processor, "image_placeholder_token", None)
+        if not isinstance(placeholder, str):
+            placeholder = getattr(self.processor, "image_token", None)
         placeholder_id = tok.convert_tokens_to_ids(placeholder) if isinstance(placeholder, str) else None
         if not isinstance(placeholder_id, int) or placeholder_id == tok.unk_token_id:
             placeholder_id = image_token_id

@@ -66,6 +66,8 @@ def build_llava(
     next_grid: list[list[int]] | None = None,
     vip_layers: list[int] | None = None,
     text_model_type: str = "llama",
+    select_strategy: str = "default",
+    feature_layer: int | list[int] = -2,
 ) -> str:
     """Build the tiny LLaVA checkpoint and processor in `out_dir`; returns its path.
 
@@ -74,7 +76,9 @@ def build_llava(
     (``LlavaNextForConditionalGeneration``, any-resolution tiling: the token count depends on the image size).
     With ``vip_layers`` (vision layers whose features are concatenated) it is a VipLLaVA checkpoint
     (``VipLlavaForConditionalGeneration``: its own projector, the same processor). ``text_model_type``: the
-    language model's family (``"qwen2"``: q/k/v biases, as LLaVA-Interleave's Qwen2 has)."""
+    language model's family (``"qwen2"``: q/k/v biases, as LLaVA-Interleave's Qwen2 has).
+    ``select_strategy`` and ``feature_layer``: ``vision_feature_select_strategy`` (``"full"`` keeps the CLS
+    position: one more token per image) and ``vision_feature_layer`` (a list: those layers concatenated)."""
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
@@ -106,8 +110,8 @@ def build_llava(
         vision_config=vision,
         text_config=text,
         image_token_index=image_token_id,
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,
+        vision_feature_select_strategy=select_strategy,
+        vision_feature_layer=feature_layer,
         projector_hidden_act="gelu",
     )
     if vip_layers is not None:
@@ -143,7 +147,7 @@ def build_llava(
         image_processor=image_processor,
         tokenizer=tok,
         patch_size=patch_size,
-        vision_feature_select_strategy="default",
+        vision_feature_select_strategy=select_strategy,
         num_additional_image_tokens=1,
         chat_template=LLAVA_CHAT_TEMPLATE,
     )

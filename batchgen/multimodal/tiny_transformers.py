@@ -171,18 +171,27 @@ def build_paligemma(
     return str(out)
 
 
+def _draw_high_res_alpha(model) -> None:
+    """DeepSeek-VL hybrid's weight of the SAM tower's global features (zero at init) drawn."""
+    model.model.high_res_vision_alpha.normal_(0.0, 0.5)
+
+
 def build_deepseek_vl(
     out_dir: str | os.PathLike,
     *,
     janus: bool = False,
+    hybrid: bool = False,
     hidden_size: int = 64,
     vocab_size: int = 4096,
     seed: int = 0,
 ) -> str:
     """A ``DeepseekVLForConditionalGeneration`` (a 2-layer SigLIP tower on 56-px images: 16 tokens each, its
     aligner, a 2-layer Llama) or, with ``janus``, a ``JanusForConditionalGeneration`` (the same understanding
-    path beside a tiny VQ image generator that image-to-text never runs), saved with the family's real
-    processor (its image processor's PIL implementation); returns its path."""
+    path beside a tiny VQ image generator that image-to-text never runs) or, with ``hybrid``, a
+    ``DeepseekVLHybridForConditionalGeneration`` (beside the SigLIP tower a 2-layer SAM tower on a 256-px copy
+    of the image, its neck and downsampling to the same 4x4 grid, both mixed by the hybrid aligner; the
+    high-resolution mixing weight drawn, as it starts at zero), saved with the family's real processor (its
+    image processor's PIL implementation); returns its path."""
     import transformers
 
     out = Path(out_dir)
@@ -193,6 +202,7 @@ def build_deepseek_vl(
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56
     )
+    init = None
     common = dict(
         text_config=transformers.LlamaConfig(**text_fields(tok, vocab_size, hidden_size)),
         image_token_id=tok.convert_tokens_to_ids(names["image_token"]),
@@ -215,6 +225,31 @@ def build_deepseek_vl(
         )
         model_class, processor_class = transformers.JanusForConditionalGeneration, transformers.JanusProcessor
         image_processor = transformers.JanusImageProcessorPil(size={"height": 56, "width": 56})
+    elif hybrid:
+        high_res = transformers.SamVisionConfig(
+            hidden_size=32,
+            output_channels=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=256,
+            patch_size=16,
+            mlp_dim=64,
+            global_attn_indexes=[1],
+            window_size=4,
+        )
+        cfg = transformers.DeepseekVLHybridConfig(
+            vision_config=transformers.SiglipVisionConfig(**vision, patch_size=14),
+            high_res_vision_config=high_res,
+            **common,
+        )
+        model_class, processor_class = (
+            transformers.DeepseekVLHybridForConditionalGeneration,
+            transformers.DeepseekVLHybridProcessor,
+        )
+        image_processor = transformers.DeepseekVLHybridImageProcessorPil(
+            size={"height": 56, "width": 56}, high_res_size={"height": 256, "width": 256}
+        )
+        init = _draw_high_res_alpha
     else:
         cfg = transformers.DeepseekVLConfig(
             vision_config=transformers.SiglipVisionConfig(**vision, patch_size=14), **common
@@ -224,7 +259,7 @@ def build_deepseek_vl(
             transformers.DeepseekVLProcessor,
         )
         image_processor = transformers.DeepseekVLImageProcessorPil(size={"height": 56, "width": 56})
-    save_random(model_class, cfg, tok, out, seed)
+    save_random(model_class, cfg, tok, out, seed, init)
     processor_class(image_processor=image_processor, tokenizer=tok, num_image_tokens=16).save_pretrained(
         str(out)
     )

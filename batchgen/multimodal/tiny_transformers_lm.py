@@ -138,3 +138,42 @@ def build_aria(
     processor.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return str(out)
+
+
+def build_qianfan_ocr(
+    out_dir: str | os.PathLike, *, hidden_size: int = 64, vocab_size: int = 4096, seed: int = 0
+) -> str:
+    """A ``QianfanOCRForConditionalGeneration`` (a 2-layer InternViT-style tower on 56-px tiles of 14-px
+    patches, pixel shuffle to 4 tokens per tile, the MLP projector; a 2-layer Qwen3) saved as transformers saves
+    it (the original InternVL tensor layout, renamed and split by transformers' conversion mapping when loaded)
+    with the real ``QianfanOCRProcessor`` (``GotOcr2ImageProcessor``'s PIL implementation: up to 4 tiles by
+    aspect ratio and a thumbnail; the prompt's ``<image>`` becomes ``<img>``, the feature tokens and
+    ``</img>``); returns its path."""
+    import transformers
+    from transformers.models.qianfan_ocr.processing_qianfan_ocr import QianfanOCRProcessor
+
+    from batchgen.multimodal.tiny_transformers import _tokenizer_naming
+
+    out = Path(out_dir)
+    names = {
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "context_image_token": "<IMG_CONTEXT>",
+        "image_token": "<image>",
+    }
+    tok = _tokenizer_naming(out, vocab_size, names)
+    cfg = transformers.QianfanOCRConfig(
+        text_config=transformers.Qwen3Config(**text_fields(tok, vocab_size, hidden_size, head_dim=16)),
+        vision_config=transformers.QianfanOCRVisionConfig(**vision_fields(32)),
+        image_token_id=tok.convert_tokens_to_ids(names["context_image_token"]),
+        image_seq_length=4,
+    )
+    save_random(transformers.QianfanOCRForConditionalGeneration, cfg, tok, out, seed)
+    image_processor = transformers.GotOcr2ImageProcessorPil(
+        size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1, max_patches=4
+    )
+    QianfanOCRProcessor(image_processor=image_processor, tokenizer=tok, image_seq_length=4).save_pretrained(
+        str(out)
+    )
+    tok.save_pretrained(str(out))
+    return str(out)

@@ -89,7 +89,7 @@ class EngineImages:
         seq = list(token_ids)
         held = self._held.setdefault(request_id, [])
         for item in images:
-            key = self.inputs.acquire(item.hash, item.pixels)
+            key = self.inputs.acquire(item.hash, item.pixels, item.num_tokens)
             held.append(item.hash)
             ids = image_token_ids(key, item.num_tokens)
             if item.offsets is None:
