@@ -185,3 +185,55 @@ def test_progress_line_shows_errors_and_the_eta(caplog: pytest.LogCaptureFixture
     assert "2/10 rows" in line and "errors 1" in line
     eta = line.rsplit("ETA ", 1)[1]
     assert eta != "?" and p.eta_s() > 0
+
+
+@pytest.mark.parametrize("task", ["score", "embed"])
+def test_prompt_only_jobs_feed_the_endpoint_while_they_run(
+    tiny_ckpt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, task: str
+) -> None:
+    """task=score / embed / classify run a window at a time outside the generation loop: each committed window
+    still reaches /metrics (rows done and total, error rows, windows, the engine's prompt tokens) and the
+    progress display's error count."""
+    import dataclasses
+
+    import pooling_zoo as zoo
+
+    from batchgen.job import pool, score
+    from batchgen.job.config import PoolingOptions
+
+    texts = [f"text number {i} to read" for i in range(8)]
+    texts[1] = ""  # an error row
+    pq.write_table(pa.table({"prompt": texts, "completion": [" yes"] * 8}), tmp_path / "in.parquet")
+    port = _free_port()
+    model = tiny_ckpt if task == "score" else zoo.encoder(tmp_path / "bert", "bert", "BertModel", seed=11)
+    cfg = job_config(model, tmp_path / "in.parquet", tmp_path / "out", data={"window_rows": 4})
+    cfg.run.metrics_port = port
+    cfg.run.max_error_fraction = 1.0
+    if task == "score":
+        cfg = dataclasses.replace(
+            cfg, task="score", data=dataclasses.replace(cfg.data, continuation_column="completion")
+        )
+    else:
+        cfg = dataclasses.replace(cfg, task="embed", pooling=PoolingOptions(method="mean"))
+    module = score if task == "score" else pool
+    real_commit = module.commit_window
+    seen: list[dict[str, float]] = []
+
+    def commit(*a, **kw):  # before the second window's commit: what a scrape shows of the first
+        if len(seen) == 0 and getattr(commit, "calls", 0) == 1:
+            seen.append(
+                _samples(
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                )
+            )
+        commit.calls = getattr(commit, "calls", 0) + 1
+        return real_commit(*a, **kw)
+
+    monkeypatch.setattr(module, "commit_window", commit)
+    assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == 0
+    mid = seen[0]
+    assert mid["batchgen:job_rows_total"] == 8 and mid["batchgen:job_rows_done"] == 4
+    assert mid["batchgen:job_windows_committed"] == 1 and mid["batchgen:job_error_rows"] == 1
+    assert mid["batchgen:job_eta_seconds"] > 0
+    if task == "score":
+        assert mid["batchgen:prompt_tokens_total"] > 0

@@ -102,11 +102,19 @@ def _pool_window(plan: Any, runner: Any, table: pa.Table, spec: Any) -> tuple[di
 
 
 def run_pool_windows(
-    plan: Any, outdir: Any, runner: Any, todo: Any, stop: Any, progress: Any, after_commit: Any = None
+    plan: Any,
+    outdir: Any,
+    runner: Any,
+    todo: Any,
+    stop: Any,
+    progress: Any,
+    after_commit: Any = None,
+    on_window: Any = None,
 ) -> tuple[int, int, int]:
     """Pool and commit each unfinished window; returns (windows, rows, prompt tokens pooled) done. Stops
     between windows on a signal (a window is the unit of resume). ``after_commit()``: called after each
-    commit."""
+    commit; then ``progress`` counts the window's rows (its error rows among them) and ``on_window(windows)``
+    is called with the windows committed so far."""
     from batchgen.pooling.params import PoolingParams
 
     d, p = plan.cfg.data, plan.cfg.pooling
@@ -124,8 +132,12 @@ def run_pool_windows(
         if after_commit is not None:
             with stop.saving():
                 after_commit()
-        progress.update(w.spec.num_rows)
+        engine = getattr(runner, "engine", None)
+        errors = sum(st != "ok" for st in cols["status"].to_pylist())
+        progress.update(w.spec.num_rows, stats=engine.stats if engine is not None else None, errors=errors)
         windows += 1
         rows += w.spec.num_rows
         tokens += prompt_tokens
+        if on_window is not None:
+            on_window(windows)
     return windows, rows, tokens

@@ -58,6 +58,7 @@ from batchgen.data.storage import StorageUnavailable
 from batchgen.engine.config import parse_bytes
 from batchgen.engine.core.interface import Engine
 from batchgen.engine.core.outputs import RequestOutput
+from batchgen.engine.core.stats import EngineStats
 from batchgen.errors import ConfigError, WorkerLost
 from batchgen.job.config import POOLING_TASKS, to_job_config
 from batchgen.job.duplicate_ids import DuplicateIdCheck
@@ -448,6 +449,8 @@ class _Job:
             interval_s=cfg.run.progress_interval_s,
             planned=planned_work(self.outdir, self.plan.fingerprint),
         )
+        if self.metrics is not None:  # the shard's rows from the first scrape on
+            self.metrics.job(rows_total=self.progress.total, rows_done=self.progress.done)
 
     def end_progress(self) -> None:
         self.progress.close()
@@ -492,6 +495,7 @@ class _Job:
                 self.progress,
                 self.tally.adapter_row,
                 after_commit=self.roller.roll_ready,
+                on_window=self._window_committed,
             )
         finally:
             self.end_progress()
@@ -518,6 +522,7 @@ class _Job:
                 self.stop,
                 self.progress,
                 after_commit=self.roller.roll_ready,
+                on_window=lambda n: self._window_committed(n, stats),
             )
         finally:
             self.end_progress()
@@ -578,10 +583,20 @@ class _Job:
         if self.writer.checkpoint_due():
             self.writer.checkpoint(list(self.in_flight.active.values()))
 
-    def _update_metrics(self) -> None:
+    def _window_committed(self, windows: int, stats: EngineStats | None = None) -> None:
+        """A prompt-only job (score, embed, classify) committed its ``windows``-th window of this run: the
+        metrics see it (with ``stats``, the engine's, when the job's engine is not ``self.engine``)."""
+        self.writer.windows_done = windows
+        if self.metrics is not None:
+            self._update_metrics(stats)
+
+    def _update_metrics(self, stats: EngineStats | None = None) -> None:
+        """The metrics get the engine's stats (``stats``, else ``self.engine``'s) and the job's figures."""
         assert self.metrics is not None
-        if self.engine is not None:
-            self.metrics.step(self.engine.stats, getattr(self.in_flight, "where", {}).keys())
+        if stats is None and self.engine is not None:
+            stats = self.engine.stats
+        if stats is not None:
+            self.metrics.step(stats, getattr(self.in_flight, "where", {}).keys())
         p = self.progress
         self.metrics.job(
             rows_total=p.total, rows_done=p.done, error_rows=p.errors,

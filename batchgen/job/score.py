@@ -143,11 +143,13 @@ def _score_window(plan, engine, table: pa.Table) -> tuple[dict[str, list], int, 
 
 
 def run_score_windows(
-    plan, outdir, engine, todo, stop, progress, count_adapter, after_commit=None
+    plan, outdir, engine, todo, stop, progress, count_adapter, after_commit=None, on_window=None
 ) -> tuple[int, int]:
     """Score and commit each unfinished window; returns (windows, rows) done. Stops between windows on a
     signal (a window is the unit of resume). ``count_adapter(name, ok)``: called for each row of a job with
-    ``model.lora_modules`` (name None: the base model). ``after_commit()``: called after each commit."""
+    ``model.lora_modules`` (name None: the base model). ``after_commit()``: called after each commit; then
+    ``progress`` counts the window's rows (its error rows among them) and ``on_window(windows)`` is called
+    with the windows committed so far."""
     d = plan.cfg.data
     windows = rows = 0
     for w in iter_windows(plan.input, todo, plan.columns):
@@ -163,12 +165,15 @@ def run_score_windows(
             by_adapter = window_adapter_rows(names, ok)
             for name, good in zip(names, ok):
                 count_adapter(name, good)
+        errors = sum(st != "ok" for st in cols["status"])
         cols = {k: pa.array(v, _TYPES[k]) for k, v in cols.items()}
         commit_window(outdir, stop, w, d, "score", cols, t0, prompt_tokens, cached, by_adapter)
         if after_commit is not None:
             with stop.saving():
                 after_commit()
-        progress.update(w.spec.num_rows)
+        progress.update(w.spec.num_rows, stats=engine.stats, errors=errors)
         windows += 1
         rows += w.spec.num_rows
+        if on_window is not None:
+            on_window(windows)
     return windows, rows
