@@ -237,3 +237,28 @@ def test_prompt_only_jobs_feed_the_endpoint_while_they_run(
     assert mid["batchgen:job_eta_seconds"] > 0
     if task == "score":
         assert mid["batchgen:prompt_tokens_total"] > 0
+
+
+def test_eta_charges_long_prompts_left_at_the_plans_token_costs() -> None:
+    """Short prompts' prefill steps cost mostly per sequence, so a per-token fit over them overprices the long
+    prompts of a length tail; with the dry run's calibrated costs the ETA weighs the tokens left by those costs
+    and scales them by the run's own pace."""
+    from batchgen.engine.core.stats import EngineStats
+    from batchgen.job.eta import PlannedWork, TokenETA
+
+    # 10 rows: 8 of 5 prompt tokens, 2 of 1000; 10 output tokens each; calibrated 1e-4 s / prompt token and
+    # 1e-2 s / output token
+    eta = TokenETA(10, 0, PlannedWork(10, 2040.0, 100.0, 1e-4, 1e-2))
+    eta.step(EngineStats(), 0.0, 0.0)
+    p = d = 0
+    t = 0.0
+    for i in range(
+        8
+    ):  # the short rows: a prefill step costs 0.05 s more than a decode step, whatever its size
+        p, d = p + (5 if i % 2 == 0 else 0), d + 10
+        dt = 0.15 if i % 2 == 0 else 0.1
+        t += dt
+        eta.step(EngineStats(prompt_tokens_computed=p, generated_tokens=d), dt, t)
+    # left: 2020 prompt tokens (0.2 s at the calibrated cost) and 20 output tokens (0.2 s); the run went at
+    # about the plan's pace: well under a second, not 2020 x the 0.01 s a prompt token cost so far
+    assert 0.2 < eta.eta_s(8) < 1.0

@@ -6,6 +6,11 @@ generate, each at its own cost. A step's wall time is modelled as ``a * prefill_
 ETA is ``a * prefill_left + b * decode_left``, scaled by how much slower the whole run has been than the sum
 of its steps' predictions (time between steps: reading, writing, Python).
 
+With a plan whose calibration gives seconds per prompt and per output token, the tokens left and the tokens
+done are weighed by those calibrated costs and the ETA is the run's time so far scaled by their ratio: a fit
+over the steps so far prices prompt tokens by the prompts seen so far (short prompts' prefill costs mostly per
+sequence), which would overprice a tail of long prompts many times over.
+
 What remains comes from the dry run's plan when one is given (``_plan.json``: the shard's prompt tokens left
 after sharing and the calibrated output tokens, minus what this run has done); without a plan, from the rows
 left times the tokens per row of the rows finished so far, the closest available estimate.
@@ -61,13 +66,14 @@ class TokenETA:
         self._step_time_sum = 0.0
         self._step_tokens = 0.0
         self._elapsed = 0.0
+        self._first_elapsed = 0.0
 
     def step(self, stats: EngineStats, dt: float, elapsed: float) -> None:
         """After engine steps taking ``dt`` seconds in all (``elapsed`` since the run's work started)."""
         snap = stats.snapshot()
         if self._first is None:
             self._first = self._last = snap
-            self._elapsed = elapsed
+            self._elapsed = self._first_elapsed = elapsed
             return
         prev = self._last
         assert prev is not None
@@ -123,12 +129,32 @@ class TokenETA:
             return math.nan, math.nan
         return rows_left * done_p / ran, rows_left * done_d / ran
 
+    def _paced_by_plan(self, left_p: float, left_d: float) -> float | None:
+        """The run's time since its first step x (tokens left / tokens done), both weighed by the plan's
+        calibrated costs; None without those costs or before any work was timed."""
+        pl, first, last = self.planned, self._first, self._last
+        if pl is None or pl.seconds_per_prefill_token is None or not pl.seconds_per_output_token:
+            return None
+        if first is None or last is None or math.isnan(left_p):
+            return None
+        a, b = pl.seconds_per_prefill_token, pl.seconds_per_output_token
+        done = (last.prompt_tokens_computed - first.prompt_tokens_computed) * a + (
+            last.generated_tokens - first.generated_tokens
+        ) * b
+        spent = self._elapsed - self._first_elapsed
+        if done <= 0 or spent <= 0:
+            return None
+        return max(0.0, spent * (max(0.0, left_p) * a + max(0.0, left_d) * b) / done)
+
     def eta_s(self, rows_done: int) -> float:
         """Seconds until the rows are done (0 when none is left; NaN while unknown)."""
         if rows_done >= self.rows_total:
             return 0.0
-        costs = self._costs()
         left_p, left_d = self.tokens_left(rows_done)
+        paced = self._paced_by_plan(left_p, left_d)
+        if paced is not None:
+            return paced
+        costs = self._costs()
         if costs is None or math.isnan(left_p):
             return math.nan
         predicted = max(0.0, left_p) * costs[0] + max(0.0, left_d) * costs[1]
