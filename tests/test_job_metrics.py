@@ -262,3 +262,28 @@ def test_eta_charges_long_prompts_left_at_the_plans_token_costs() -> None:
     # left: 2020 prompt tokens (0.2 s at the calibrated cost) and 20 output tokens (0.2 s); the run went at
     # about the plan's pace: well under a second, not 2020 x the 0.01 s a prompt token cost so far
     assert 0.2 < eta.eta_s(8) < 1.0
+
+
+def test_latency_histograms_over_replicas_count_each_engines_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over replicas the step count is the engines' sum and the job sees only some of those steps: a token's
+    time is a replica's step time (not the wall time over the summed steps), and a request's first token comes
+    (n - 1) of its own engine's steps before its last, not at its end."""
+    from batchgen.engine.core.outputs import CompletionOutput, RequestOutput
+    from batchgen.engine.core.stats import EngineStats
+    from batchgen.job import metrics
+
+    clock = [100.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
+    m = metrics.JobMetrics()
+    m.step(EngineStats(), ["a"], engines=2)
+    for i in range(1, 11):  # two engines, 0.1 s per step each, one token each per step
+        clock[0] += 0.1
+        m.step(EngineStats(num_steps=2 * i, generated_tokens=2 * i), ["a"], engines=2)
+    out = RequestOutput(request_id="a", prompt="", prompt_token_ids=[1],
+                        outputs=[CompletionOutput(0, "", list(range(10)), "length")])  # fmt: skip
+    m.finished(out, 20)
+    s = _samples(m.text())
+    assert s["batchgen:e2e_request_latency_seconds_sum"] == pytest.approx(1.0)
+    assert s["batchgen:time_to_first_token_seconds_sum"] == pytest.approx(0.1)
+    tpot = s["batchgen:time_per_output_token_seconds_sum"] / s["batchgen:time_per_output_token_seconds_count"]
+    assert tpot == pytest.approx(0.1)

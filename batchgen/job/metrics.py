@@ -7,10 +7,12 @@ gauges (rows done, error rows, windows committed, ETA). Sources:
 - engine counters and gauges: the engine's :class:`~batchgen.engine.core.stats.EngineStats`, read at scrape time
   from the last snapshot :meth:`JobMetrics.step` was given (so a scrape never touches the engine itself);
 - ``time_per_output_token_seconds``: one observation per decoding sequence per step, the step's wall time
-  (every running sequence gets at most one token per step);
+  (every running sequence gets at most one token per step); over ``engines`` replicas stepping side by side
+  the step count is their sum, so a step's wall time is the time since the last update x engines / steps;
 - ``time_to_first_token_seconds`` and ``e2e_request_latency_seconds``: per finished request, from the step at
-  which its id was first seen in flight to the step of its first token (the step ``len(outputs) - 1``
-  decode steps before its last; exact without preemption) and of its finish;
+  which its id was first seen in flight to the step of its first token (``len(outputs) - 1`` of its engine's
+  decode steps before its last, ``engines`` summed steps each; exact without preemption on one engine, the
+  last update at or before it when updates skip steps) and of its finish;
 - job gauges: :meth:`JobMetrics.job` (the job's tally and progress).
 
 A port that cannot be served (in use, not allowed) does not stop the job: one warning line names the port and
@@ -148,6 +150,7 @@ class JobMetrics:
         self._step_end: dict[int, float] = {}  # engine step number -> when it ended (steps of live requests)
         self._first_seen: dict[Any, int] = {}  # request id -> step number before which it was first seen
         self._last_step_t = time.monotonic()
+        self._engines = 1  # engines whose steps the step count sums (replicas), at the last update
         self.server: Any = None
         self.port: int | None = None
         if port is not None:
@@ -163,17 +166,19 @@ class JobMetrics:
                 logger.info("Prometheus metrics on http://0.0.0.0:%d/metrics", self.port)
 
     # ---------------------------------------------------------------------------------------- feeding
-    def step(self, stats: EngineStats, in_flight: Iterable[Any] = ()) -> None:
-        """After an engine step: its stats (copied), and the ids of the requests in flight (for latencies:
-        an id not seen before was added just before this step ran)."""
+    def step(self, stats: EngineStats, in_flight: Iterable[Any] = (), engines: int = 1) -> None:
+        """After an engine step: its stats (copied), the ids of the requests in flight (for latencies: an id
+        not seen before was added just before this step ran) and how many engines stepped side by side
+        (replicas: ``stats`` sums their steps)."""
         now = time.monotonic()
         snap = stats.snapshot()
         with self.lock:
             prev = self.stats
             self.stats = snap
         k = snap.num_steps
+        self._engines = max(1, engines)
         if prev is not None and k > prev.num_steps:
-            dt = (now - self._last_step_t) / (k - prev.num_steps)
+            dt = (now - self._last_step_t) * min(self._engines, k - prev.num_steps) / (k - prev.num_steps)
             for _ in range(max(0, snap.generated_tokens - prev.generated_tokens)):
                 self.tpot.observe(dt)
         self._last_step_t = now
@@ -192,8 +197,9 @@ class JobMetrics:
             self.e2e.observe(max(0.0, now - t0))
             n = max((len(c.token_ids) for c in out.outputs), default=0)
             if n and not out.error:
-                first = step - (n - 1)  # one token per step once decoding
-                self.ttft.observe(max(0.0, self._step_end.get(first, now) - t0))
+                first = step - (n - 1) * self._engines  # one token per step of its engine once decoding
+                seen = [x for x in self._step_end if start <= x <= first]
+                self.ttft.observe(max(0.0, (self._step_end[max(seen)] if seen else t0) - t0))
         oldest = min(self._first_seen.values(), default=step)
         for s in [s for s in self._step_end if s < oldest - 1]:
             del self._step_end[s]

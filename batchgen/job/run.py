@@ -596,7 +596,8 @@ class _Job:
         if stats is None and self.engine is not None:
             stats = self.engine.stats
         if stats is not None:
-            self.metrics.step(stats, getattr(self.in_flight, "where", {}).keys())
+            engines = getattr(self.in_flight, "busy_engines", 1)  # replicas: their steps are summed
+            self.metrics.step(stats, getattr(self.in_flight, "where", {}).keys(), engines)
         p = self.progress
         self.metrics.job(
             rows_total=p.total, rows_done=p.done, error_rows=p.errors,

@@ -168,6 +168,11 @@ class Coordinator:
         return combine_stats([s.total_stats() for s in self.slots.values()])
 
     @property
+    def busy_engines(self) -> int:
+        """Replicas holding unfinished windows (at least 1): the engines stepping side by side."""
+        return max(1, sum(bool(s.windows) for s in self.slots.values()))
+
+    @property
     def images(self) -> ReplicaImages | None:
         """The replicas' encoder figures as one (None: no replica runs an image-text model)."""
         parts = [x for s in self.slots.values() for x in (*s.retired_images, s.images) if x is not None]
