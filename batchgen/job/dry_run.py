@@ -27,6 +27,7 @@ manifest are never touched (no lock, lease or manifest is taken: a job may be ru
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
 import os
@@ -212,10 +213,13 @@ class PlanInput:
         return (f"{what} needs {need} KV blocks but the pool holds {cap}; raise engine.kv_cache_memory / "
                 "num_blocks or lower max_tokens")  # fmt: skip
 
-    def add_window(self, rows: list[PlanRow], feed: list[int], skip: frozenset[int] = frozenset()) -> None:
+    def add_window(
+        self, rows: list[PlanRow], feed: list[int], skip: frozenset[int] = frozenset(), unseen: int = 0
+    ) -> None:
         """One window's rows (input order) and the positions the job feeds, in its order; a fed row the engine
         would refuse (:meth:`unservable`) is an error row, as in the job. ``skip``: positions an earlier run
-        into the output already did (not fed, not counted)."""
+        into the output already did (not fed, not counted). ``unseen``: rows of the windows a sample left out
+        since the last one (the job admits them meanwhile)."""
         from batchgen.job.prefix_sim import PrefixCacheSim
 
         if skip:
@@ -235,10 +239,12 @@ class PlanInput:
 
         if not self._sims:
             n = max(1, self.replicas)
-            self._sims = [PrefixCacheSim(self.block_size, self.num_blocks) for _ in range(n)]
-            self._grouped_sims = [PrefixCacheSim(self.block_size, self.num_blocks) for _ in range(n)]
+            delay = self.max_num_seqs or 1  # the rows admitted with one come before its output fills a block
+            self._sims = [PrefixCacheSim(self.block_size, self.num_blocks, delay) for _ in range(n)]
+            self._grouped_sims = [PrefixCacheSim(self.block_size, self.num_blocks, delay) for _ in range(n)]
         sim = self._sims[len(self.window_sizes) % len(self._sims)]
         grouped_sim = self._grouped_sims[len(self.window_sizes) % len(self._sims)]
+        sim.elapse(unseen // len(self._sims))
         if len(self.window_sizes) < len(self._sims):
             self.cold_rows_read += len(rows_counted)
             self.cold_fed += len(feed)
@@ -258,12 +264,13 @@ class PlanInput:
             toks = r.keyed
             assert toks is not None
             root = _root(r)
-            c, k = sim.admit(toks, root, lookup_tokens(r.params)) if self.prefix_caching else (0, 0)
+            bound = output_bound(len(toks), r.params, self.max_model_len)
+            c, k = sim.admit(toks, root, lookup_tokens(r.params), bound) if self.prefix_caching else (0, 0)
             i = len(self.lens)
             self.lens.append(len(toks))
             self.cached.append(c)
             self.copied.append(k)
-            self.bounds.append(output_bound(len(toks), r.params, self.max_model_len))
+            self.bounds.append(bound)
             self.ns.append(engine_sequences(r.params))
             self.heads.append(hash(tuple(toks[:bs])))
             if i % self.keep_every == 0:
@@ -500,7 +507,10 @@ def read_job_rows(
     adapter_problems: dict[Any, str | None] = {}
     ahead = ReadAhead(prepared())
     image_keys: dict[str, int] = {}
+    ends = dict(zip((w.index for w in specs), itertools.accumulate(w.num_rows for w in specs)))
+    seen_end = 0  # rows up to the end of the last window planned, in the shard's order
     for win, rows, work in ahead:
+        unseen, seen_end = ends[win.spec.index] - win.spec.num_rows - seen_end, ends[win.spec.index]
         need_src = len(inp.first) < SHARING_SAMPLE
         src = win.table.column(source_col).to_pylist() if need_src else [None] * len(rows)
         prs = []
@@ -512,7 +522,7 @@ def read_job_rows(
                 tuple((i.hash, i.start + (i.offsets[0] if i.offsets else 0), i.num_tokens) for i in items),
                 image_keyed_ids(r.token_ids, items, image_keys) if items else None,  # type: ignore[arg-type]
             ))  # fmt: skip
-        inp.add_window(prs, list(work.feed), skip.get(win.spec.index, frozenset()))
+        inp.add_window(prs, list(work.feed), skip.get(win.spec.index, frozenset()), unseen)
     inp.read_seconds = time.perf_counter() - t0
     return inp
 

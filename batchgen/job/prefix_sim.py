@@ -4,14 +4,17 @@ dataset's prompts stop sharing.
 The simulation follows :mod:`batchgen.engine.kv.kv_cache`: only whole blocks of ``block_size`` tokens are shared,
 chained by their parent (and a LoRA adapter's root), never the block holding a prompt's last token (at most
 ``(len - 1) // block_size`` blocks), and a prompt's full blocks are registered as it is scheduled (a request
-admitted right after it shares them). Cached blocks are evicted least recently used once ``capacity`` blocks
+admitted right after it shares them). A prompt whose output fills its last, partial block has that block
+registered by the engine once the output fills it (written by the decode steps): the prompt's part of it is a
+run later prompts may copy, from ``delay`` admissions on (the job's concurrency: the prompts admitted with it
+come before the block is full). Cached blocks are evicted least recently used once ``capacity`` blocks
 are held (None: never). The figure it predicts is the report's ``tokens.prefix_hit_rate`` (whole-block hits
 over prompt tokens admitted).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -46,20 +49,32 @@ continues a prompt furthest is one of its latest siblings."""
 class PrefixCacheSim:
     """The cache's state as prompts are admitted one after another (module docstring)."""
 
-    def __init__(self, block_size: int, capacity: int | None = None) -> None:
-        self.bs, self.capacity = block_size, capacity
+    def __init__(self, block_size: int, capacity: int | None = None, delay: int = 1) -> None:
+        self.bs, self.capacity, self.delay = block_size, capacity, max(1, delay)
         self.cache: OrderedDict[Hashable, None] = OrderedDict()
         self.children: dict[Hashable, list[tuple[int, ...]]] = {}  # parent -> tokens of cached child blocks
+        self.admitted = 0
+        self.filling: deque[tuple[int, Hashable, bool, tuple[int, ...]]] = deque()
+        """Last blocks being filled by outputs: (admission from which they may be copied, parent, whether the
+        parent is a block (else the chain's root), the prompt's tokens in them)."""
 
-    def admit(self, toks: Sequence[int], root: Hashable = None, lookup: int | None = None) -> tuple[int, int]:
+    def admit(
+        self, toks: Sequence[int], root: Hashable = None, lookup: int | None = None, output: int = 0
+    ) -> tuple[int, int]:
         """Admit one prompt: (tokens served by whole cached blocks, tokens copied from a cached block).
         O(len(toks)): one hash per full block; a block past the first miss is never looked up. ``lookup``: the
         prompt's first tokens the engine may take from the cache (None: all; a request wanting its prompt's
-        logprobs computes every token, 1); its full blocks are registered for later prompts whatever it is."""
+        logprobs computes every token, 1); its full blocks are registered for later prompts whatever it is.
+        ``output``: the tokens its output will hold (filling a partial last block makes it a copy source)."""
         bs, cache, children = self.bs, self.cache, self.children
         n = len(toks)
         if type(toks) is not tuple:
             toks = tuple(toks)
+        self.admitted += 1
+        while self.filling and self.filling[0][0] <= self.admitted:
+            _, at, block, part = self.filling.popleft()
+            if not block or at in cache:  # a parent evicted meanwhile takes its children with it
+                self._child(at, part)
         full = n // bs
         m = n if lookup is None else min(n, lookup)
         shareable = (m - 1) // bs if m >= 2 else 0
@@ -90,18 +105,29 @@ class PrefixCacheSim:
         for b in range(hit, full):
             key = keys[b]
             if key not in cache:
-                kids = children.setdefault(keys[b - 1] if b else root, [])
-                kids.append(toks[b * bs : (b + 1) * bs])
-                if len(kids) > MAX_CHILDREN:
-                    del kids[0]
+                self._child(keys[b - 1] if b else root, toks[b * bs : (b + 1) * bs])
                 cache[key] = None
             else:
                 cache.move_to_end(key)
+        if n % bs and output >= bs - n % bs:  # the output fills the last block: registered then
+            parent_key = keys[-1] if full else root
+            self.filling.append((self.admitted + self.delay, parent_key, bool(full), toks[full * bs :]))
         if self.capacity is not None:
             while len(cache) > self.capacity:
                 evicted, _ = cache.popitem(last=False)
                 children.pop(evicted, None)  # memory bounded by the pool, not by the input
         return hit * bs, lead
+
+    def elapse(self, admissions: int) -> None:
+        """Count ``admissions`` the simulation did not see (the windows a sample skips) as passed."""
+        self.admitted += max(0, admissions)
+
+    def _child(self, parent: Hashable, tokens: tuple[int, ...]) -> None:
+        """Remember a registered block's tokens (or a prompt's part of one) under its parent, for copies."""
+        kids = self.children.setdefault(parent, [])
+        kids.append(tokens)
+        if len(kids) > MAX_CHILDREN:
+            del kids[0]
 
 
 def simulate_prefix_cache(
