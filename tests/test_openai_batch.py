@@ -231,6 +231,23 @@ def test_dry_run_plans_the_requests_then_the_job_runs(llama_ckpt: str, tmp_path:
     assert report["prediction"]["prompt_tokens"]["predicted"] == report["tokens"]["prompt_admitted"]
 
 
+def test_the_plan_names_where_requests_differ_in_the_files_words(llama_ckpt: str, tmp_path: Path) -> None:
+    """The sharing notes name the requests' messages, not a data.messages_column the user never set."""
+    system = "You answer questions about the solar system in one short sentence, citing no sources at all."
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": "m", "messages": [{"role": "system", "content": f"{system} Ticket {i}."},
+                                                             {"role": "user", "content": "Why is Mars red?"}]}})
+             for i in range(4)]  # fmt: skip
+    inp = tmp_path / "requests.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    cfg = _config(llama_ckpt, inp, tmp_path / "results.jsonl")
+    cfg.run.dry_run, cfg.plan.calibrate = True, False
+    assert _run(cfg).exit_code == EXIT_OK
+    plan = json.loads((tmp_path / "_results.jsonl.batchgen" / "out" / "_plan.json").read_text())
+    notes = json.dumps(plan["sharing"])
+    assert "the requests' body.messages" in notes and "data.messages_column" not in notes
+
+
 def test_batch_file_needs_a_jsonl_output(llama_ckpt: str, tmp_path: Path) -> None:
     inp = tmp_path / "r.jsonl"
     inp.write_text(_req("a", {"messages": [{"role": "user", "content": "hi"}]}) + "\n")

@@ -189,8 +189,17 @@ class PlanInput:
     """Fed rows of those windows: the first ``cold_fed`` entries of the per-row arrays."""
     max_num_seqs: int | None = None
     """engine.max_num_seqs (a beam search wider than it cannot run)."""
+    batch_file: bool = False
+    """The rows are an OpenAI batch file's requests (the chat messages are their bodies', not a column's)."""
     _sims: list[Any] = field(default_factory=list)
     _grouped_sims: list[Any] = field(default_factory=list)
+
+    @property
+    def messages_label(self) -> str:
+        """Where the chat messages come from, in the user's words."""
+        if self.batch_file:
+            return "the requests' body.messages"
+        return f"data.messages_column {self.messages_column!r}"
 
     def unservable(self, num_tokens: int, params: Any) -> str | None:
         """Why the engine would refuse a row of ``num_tokens`` prompt tokens with ``params`` (its longest
@@ -452,6 +461,7 @@ def read_job_rows(
     from batchgen.data.reader import iter_windows
     from batchgen.data.values import sanitize_utf8
     from batchgen.job.feeder import ReadAhead, WindowWork
+    from batchgen.job.openai_batch import is_batch_requests
 
     cfg = plan.cfg
     plan.prompt_spec.max_model_len = cfg.engine.max_model_len or plan.model_max_len
@@ -473,6 +483,7 @@ def read_job_rows(
         prompt_column=None if d.messages_column else d.prompt_column,
         prefix_caching=cfg.engine.enable_prefix_caching,
         messages_column=d.messages_column,
+        batch_file=is_batch_requests(d.input),
         image_column=d.image_column,
         group_by_prefix=d.group_by_prefix,
         replicas=max(1, cfg.engine.data_parallel_size),
@@ -665,7 +676,7 @@ def _where_rows_differ(rows: list[PlanRow], tokenizer: Any, inp: PlanInput, lcp:
         for k, (_h, start, n) in enumerate(r.images):
             if start <= lcp < start + n:
                 origin = (f"data.image_column {inp.image_column!r}" if inp.image_column
-                          else f"the chat messages of data.messages_column {inp.messages_column!r}"
+                          else f"the chat messages of {inp.messages_label}"
                           if inp.messages_column else "the prompt's multi_modal_data")  # fmt: skip
                 return (f"rows differ from {where}: image {k} (from {origin}) starts at token {start}, before "
                         f"text the rows share; different images share nothing after them: put the image "
@@ -688,8 +699,8 @@ def _where_rows_differ(rows: list[PlanRow], tokenizer: Any, inp: PlanInput, lcp:
                 continue
             at = rendered.find(content)
             if at >= 0 and at <= c < at + len(content):
-                return (f"rows differ from {where}: message {k} ({m.get('role')}) of data.messages_column "
-                        f"{inp.messages_column!r}, at character {c - at} of its content ({nxt!r}...)")  # fmt: skip
+                return (f"rows differ from {where}: message {k} ({m.get('role')}) of {inp.messages_label}, "
+                        f"at character {c - at} of its content ({nxt!r}...)")  # fmt: skip
             if at > c:
                 return (f"rows differ from {where}, in the chat template's text before message {k} "
                         f"({nxt!r}...): a per-row value (a date, an id) in the system prompt or template")  # fmt: skip
@@ -723,9 +734,8 @@ def _run_location(run: str, row: PlanRow, inp: PlanInput) -> str:
     for k, m in enumerate(_messages(row.source)):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, str) and head and head in content:
-            return (f"the rendered chat prompt, in message {k} ({m.get('role')}) of data.messages_column "
-                    f"{inp.messages_column!r}")  # fmt: skip
-    return f"the rendered chat prompt of data.messages_column {inp.messages_column!r}, in the template's text"
+            return f"the rendered chat prompt, in message {k} ({m.get('role')}) of {inp.messages_label}"
+    return f"the rendered chat prompt of {inp.messages_label}, in the template's text"
 
 
 def sharing_analysis(inp: PlanInput, tokenizer: Any, hit_rate: float, rows: list[PlanRow]) -> dict[str, Any]:

@@ -53,6 +53,13 @@ def is_batch_file(spec: Any) -> bool:
     return str(spec or "").lower().endswith(".jsonl")
 
 
+def is_batch_requests(spec: Any) -> bool:
+    """Whether a ``data.input`` is the requests a batch file's job reads (its bookkeeping directory's
+    ``requests.parquet``)."""
+    parent, _, name = str(spec or "").rstrip("/").rpartition("/")
+    return name == REQUESTS_NAME and parent.endswith(".batchgen")
+
+
 def bookkeeping_dir(output: str) -> str:
     """The bookkeeping directory beside the results file `output` (``dir/_results.jsonl.batchgen``)."""
     parent, _, name = str(output).rstrip("/").rpartition("/")
