@@ -68,7 +68,9 @@ def _report_of_complete_output(plan: JobPlan, outdir: OutputDir, m: Manifest) ->
         and old.get("rows") == row_counts(m)
     ):
         return True
-    job_report(plan, outdir, m, RowTally(), (0, 0), None, "complete", 0.0, {"startup_s": 0.0})
+    tally = RowTally()
+    tally.lora = bool(plan.cfg.model.lora_modules)  # the rows per adapter, from the manifest
+    job_report(plan, outdir, m, tally, (0, 0), None, "complete", 0.0, {"startup_s": 0.0})
     return outdir.has_report()
 
 
