@@ -534,3 +534,18 @@ def test_a_plan_with_no_row_to_run(tiny_ckpt: str, tmp_path: Path, prompts: list
     assert [("exit status 2" in w) for w in plan["warnings"]] == ([True] if prompts else [])
     cfg.run.dry_run = False  # which the job confirms
     assert run_job(cfg, handle_signals=False, print_summary=False).exit_code == (2 if prompts else 0)
+
+
+def test_a_dry_run_removes_the_temporary_plan_a_killed_one_left(tmp_path: Path) -> None:
+    """A dry run killed while writing ``_plan.json`` left its temporary file: the next one removes it."""
+    from types import SimpleNamespace
+
+    from batchgen.data.local_storage import LocalLocation
+    from batchgen.job.plan_report import write_plan
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".tmp-_plan.json.5e1f0c2a").write_text('{"rows": ')  # cut off by the kill
+    write_plan(SimpleNamespace(loc=LocalLocation(out), path=out), {"rows": {"total": 1}})
+    assert sorted(p.name for p in out.iterdir()) == ["_plan.json"]
+    assert json.loads((out / "_plan.json").read_text()) == {"rows": {"total": 1}}
