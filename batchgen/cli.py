@@ -102,8 +102,10 @@ def _job_main(cfg: DictConfig) -> int:
 
     scrub_hydra_record(cfg)
     result = run_job(cfg)
-    startup_trace.mark("done")
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if not multirun:  # the job is over: a signal during Hydra's teardown cannot change its status to 143/138
+        ignore_stop_signals()
+    startup_trace.mark("done")
     if multirun:
         hc = HydraConfig.get()
         status = {
@@ -127,6 +129,14 @@ def _job_main(cfg: DictConfig) -> int:
             _remove_run_dir(HydraConfig.get().runtime.output_dir)
         sys.exit(result.exit_code)
     return result.exit_code
+
+
+def ignore_stop_signals() -> None:
+    """Ignore SIGINT, SIGTERM and SIGUSR1 from now on: the job has ended, and the process exits with its status
+    (0 for a complete output) whatever signal arrives while it shuts down."""
+    for name in STOP_SIGNALS:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def _remove_run_dir(run_dir: str) -> None:
@@ -215,9 +225,7 @@ def main() -> None:
         )
         sys.exit(EXIT_INTERRUPTED)
     except SystemExit:
-        for name in STOP_SIGNALS:  # the job is over: a signal now cannot change its status to 130/143
-            if hasattr(signal, name):
-                signal.signal(getattr(signal, name), signal.SIG_IGN)
+        ignore_stop_signals()  # the job is over: a signal now cannot change its status to 130/143
         raise
     if MULTIRUN_FAILURES:
         for num, overrides, code, message in MULTIRUN_FAILURES:

@@ -1,5 +1,5 @@
 """The commit protocol on an object store under injected faults: a proxy (:mod:`fault_proxy`) between the job
-and the local S3 server loses answers after the server acted, partitions a job for longer than its lease,
+and the local S3 server loses answers after the server acted (commit writes and the lease's), partitions a job for longer than its lease,
 refuses connections, and kills the job at commit steps. Every case ends with each input row exactly once."""
 
 # ruff: noqa: F811 - the s3 fixture is imported from s3_server and used as an argument
@@ -74,6 +74,7 @@ def _rerun_is_complete(ckpt: str, inp: str, s3: S3, expected: dict) -> None:
         ("PUT", r"/part-000000\.parquet"),  # the rolled part
         ("PUT", r"/_manifest\.json"),
         ("PUT", r"/_layout\.json"),
+        ("PUT", r"/_lease\.json"),  # the lease's creation: its retry meets it (not another job's lease)
     ],
 )
 def test_a_lost_answer_to_a_commit_write_loses_and_duplicates_nothing(
@@ -91,6 +92,25 @@ def test_a_lost_answer_to_a_commit_write_loses_and_duplicates_nothing(
     assert any(what == "dropped" for _, _, what in proxy.seen)
     assert s3.parts("out") == expected
     _rerun_is_complete(llama_ckpt, inp, s3, expected)
+
+
+def test_a_lost_answer_to_a_lease_renewal_keeps_the_lease(s3: S3, proxy: FaultProxy) -> None:
+    """The renewal landed, its answer was lost, the client's retry failed its If-Match against it: the lease
+    object holds this holder's token, so the lease is still this job's (not lost to another job)."""
+    from batchgen.data.lease import Lease
+    from batchgen.data.storage import Location
+
+    lease = Lease(Location(s3.url("out")), ttl_s=600)
+    lease.acquire()
+    try:
+        rule = Rule("PUT", r"/_lease\.json", "drop")
+        proxy.rules.append(rule)
+        lease.renew()
+        assert rule.fired == 1 and lease.lost is None, lease.lost
+        lease.check()
+    finally:
+        lease.release()
+    assert s3.keys("out/") == []  # released: the object it renewed was its own
 
 
 def test_a_storage_outage_is_retried_then_exit_75(

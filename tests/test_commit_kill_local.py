@@ -1,9 +1,11 @@
-"""kill -9 at each step of a commit on a local disk: after the window (or the rolled part) is written, before and
-after its commit record, and during the compaction of the manifest. The rerun ends with the uninterrupted run's output, each
-row exactly once."""
+"""kill -9 at each step of a commit on a local disk: after the window (or the rolled part) is written, before,
+during and after its commit record, during the compaction of the manifest, and before the report. The rerun ends
+with the uninterrupted run's output, each row exactly once, a report counting every row and no temporary file
+left."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -34,6 +36,9 @@ SCRIPT = textwrap.dedent(
         seen[0] += hit
         if hit and seen[0] == {nth} and {when!r} == "before":
             os.kill(os.getpid(), signal.SIGKILL)
+        if hit and seen[0] == {nth} and {when!r} == "during":  # the temporary file written, not yet its name
+            inner = write
+            write = lambda f: (inner(f), os.kill(os.getpid(), signal.SIGKILL))
         out = real(self, name, write, **kw)
         if hit and seen[0] == {nth} and {when!r} == "after":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -63,8 +68,10 @@ def reference(llama_ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> tupl
         (r"_windows/part-000001\.arrow$", 1, "after"),  # the window is written, no record names it
         (r"/part-000000\.parquet$", 1, "after"),  # the part is rolled, no record names it
         (r"_commits/\d+\.json$", 3, "before"),  # the 2nd window's record never written
+        (r"_commits/\d+\.json$", 3, "during"),  # the record's temporary file written, never named
         (r"_commits/\d+\.json$", 3, "after"),  # the record written, the job never knew
         (r"_manifest\.json$", 2, "before"),  # the compaction when the job closes
+        (r"_report\.json$", 1, "before"),  # every row committed, no report yet: the rerun has nothing to do
     ],
 )
 def test_kill_9_at_a_commit_step(
@@ -85,6 +92,10 @@ def test_kill_9_at_a_commit_step(
     )
     assert res.exit_code == EXIT_OK, res.message
     assert part_contents(out) == expected  # rows lost 0, rows duplicated 0
+    report = json.loads((out / "_report.json").read_text())
+    assert report["status"] == "complete" and report["rows"]["done"] == report["rows"]["ok"] == 9, report
+    left = sorted(str(p.relative_to(out)) for p in out.rglob("*") if not p.is_relative_to(out / "_logs"))
+    assert left == [".batchgen.lock", "_layout.json", "_manifest.json", "_report.json", *expected], left
     res = run_job(
         job_config(llama_ckpt, root / "in.parquet", out, **OVER), handle_signals=False, print_summary=False
     )

@@ -565,3 +565,18 @@ def test_a_last_block_an_output_fills_is_copied_by_later_rows(tiny_ckpt: str, tm
     assert tokens["prompt_copied"] > tokens["prompt_computed"] / 2  # the workload copies
     assert predicted["prompt_tokens_copied"] == pytest.approx(tokens["prompt_copied"], rel=0.25)
     assert predicted["prompt_tokens_to_compute"] == pytest.approx(tokens["prompt_computed"], rel=0.25)
+
+
+def test_a_dry_run_removes_the_temporary_plan_a_killed_one_left(tmp_path: Path) -> None:
+    """A dry run killed while writing ``_plan.json`` left its temporary file: the next one removes it."""
+    from types import SimpleNamespace
+
+    from batchgen.data.local_storage import LocalLocation
+    from batchgen.job.plan_report import write_plan
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".tmp-_plan.json.5e1f0c2a").write_text('{"rows": ')  # cut off by the kill
+    write_plan(SimpleNamespace(loc=LocalLocation(out), path=out), {"rows": {"total": 1}})
+    assert sorted(p.name for p in out.iterdir()) == ["_plan.json"]
+    assert json.loads((out / "_plan.json").read_text()) == {"rows": {"total": 1}}

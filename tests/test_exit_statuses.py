@@ -1,5 +1,6 @@
 """Exit statuses keep the requeue contract: a signal from the first instant of start-up, and a second signal
-while a stopped job shuts down, both end with 75 (retry), never 130/138/143."""
+while a stopped job shuts down, both end with 75 (retry), never 130/138/143; a signal once the job has ended
+leaves its status (0 for a complete output)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,36 @@ def test_a_second_signal_while_stopping_keeps_75(llama_ckpt: str, tmp_path: Path
             proc.send_signal(signal.SIGTERM)
     text, _ = proc.communicate(timeout=180)
     assert proc.returncode == 75, (proc.returncode, (head + text)[-3000:])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_after_the_job_completed_keeps_0(
+    llama_ckpt: str, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """The signal arrives the moment the job has returned (every row committed, the report written), while the
+    command shuts down: it exits 0, not 143/138 (a Slurm script would count a complete task as failed)."""
+    pq.write_table(pa.table({"prompt": ["one", "two"]}), tmp_path / "in.parquet")
+    script = (
+        "import os, sys\n"
+        "from batchgen.runtime import startup_trace\n"
+        "real = startup_trace.mark\n"
+        "def mark(what, *a, **k):\n"
+        f"    if what == 'done': os.kill(os.getpid(), {int(sig)})\n"
+        "    return real(what, *a, **k)\n"
+        "startup_trace.mark = mark\n"
+        "from batchgen.cli import main\n"
+        "sys.argv = ['batchgen', *sys.argv[1:]]\n"
+        "main()\n"
+    )
+    args = [
+        f"model.path={llama_ckpt}",
+        f"data.input={tmp_path}/in.parquet",
+        f"data.output={tmp_path}/o",
+        *ARGS,
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=tmp_path, env=env_without_slurm(), capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "done: 1 part(s)" in proc.stdout

@@ -178,6 +178,21 @@ def test_completions_file_resumes_after_a_stop(llama_ckpt: str, tmp_path: Path) 
     assert [x["response"]["body"]["choices"][0]["text"] for x in got] == texts
 
 
+def test_a_rerun_removes_the_temporary_file_of_a_killed_staging(llama_ckpt: str, tmp_path: Path) -> None:
+    """A kill -9 while the request file was staged as requests.parquet left its temporary file in the
+    bookkeeping directory: the rerun removes it (as it does the results file's)."""
+    lines = [_req(f"r{i}", {"prompt": f"Item {i}", "max_tokens": 2}, url="/v1/completions") for i in range(3)]
+    inp = tmp_path / "req.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    book = tmp_path / "_res.jsonl.batchgen"
+    book.mkdir()
+    (book / ".tmp-requests.parquet.k9x2ab3c").write_bytes(b"PAR1 half written")
+    res = _run(_config(llama_ckpt, inp, tmp_path / "res.jsonl"))
+    assert res.exit_code == EXIT_OK, res.message
+    assert len((tmp_path / "res.jsonl").read_text().splitlines()) == 3
+    assert not [p for p in tmp_path.rglob(".tmp-*")]
+
+
 def test_documented_command_writes_the_results_file(llama_ckpt: str, tmp_path: Path) -> None:
     """docs/openai-batch.md's command, typed in a fresh directory: the results file is a file (Hydra's run
     files go into the bookkeeping directory beside it), the summary counts the error lines by their own

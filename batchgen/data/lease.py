@@ -2,6 +2,8 @@
 
 ``_lease.json`` holds the holder (``pid N on host``), a random token and an expiry (unix time, the holder's
 clock). Invariants:
+- A conditional write whose answer was lost (the store acted, the client's retry then failed the condition
+  against it) is read back: a lease object holding this holder's token is its own write, and the job goes on.
 - Acquiring creates the object only if absent (``If-None-Match: *``); an existing lease that has not expired
   refuses the second job (:class:`~batchgen.errors.ConfigError` naming the holder and the expiry); an expired
   one (a killed job) — or one whose holder ran on this host and whose process is gone (pid and start time)
@@ -82,7 +84,9 @@ class Lease:
         try:
             self.etag = self.loc.put(LEASE_NAME, self._body(), if_absent=True)
         except PreconditionFailed:
-            self._take_over()
+            self.etag = self._landed()
+            if self.etag is None:
+                self._take_over()
         self._valid_until = t0 + self.ttl_s
         self._thread = threading.Thread(target=self._renew_loop, name="batchgen-lease", daemon=True)
         self._thread.start()
@@ -108,6 +112,9 @@ class Lease:
             else:
                 self.etag = self.loc.put(LEASE_NAME, self._body(), if_match=info.etag)
         except PreconditionFailed:
+            self.etag = self._landed()
+            if self.etag is not None:
+                return
             raise ConfigError(
                 f"another batchgen job took over the lease on {self.loc.url!r} at the same moment; wait for it to "
                 "finish or stop it"
@@ -120,6 +127,16 @@ class Lease:
                 self.loc.url, held.get("owner", "an unknown job"), why,
             )  # fmt: skip
 
+    def _landed(self) -> str | None:
+        """After a conditional write of the lease failed its condition: the version of the lease object when it
+        holds this holder's token (our own write landed and the client's retry met it: the answer was lost),
+        else None. Only this holder writes its token, so the object holding it is this holder's write."""
+        info = self.loc.info(LEASE_NAME)
+        held = _parse(self.loc.read_bytes(LEASE_NAME)) if info is not None else None
+        if info is None or held is None or held.get("token") != self.token:
+            return None
+        return info.etag or ""
+
     def renew(self) -> None:
         """Extend the lease by ``ttl_s`` from now; marks it lost when another job replaced it."""
         with self._lock:
@@ -130,6 +147,10 @@ class Lease:
                 self.etag = self.loc.put(LEASE_NAME, self._body(), if_match=self.etag)
                 self._valid_until = t0 + self.ttl_s
             except PreconditionFailed:
+                landed = self._landed()
+                if landed is not None:  # our renewal landed, its answer was lost
+                    self.etag, self._valid_until = landed, t0 + self.ttl_s
+                    return
                 held = _parse(self.loc.read_bytes(LEASE_NAME)) or {}
                 self.lost = (
                     f"lost the lease on {self.loc.url!r} to another job ({held.get('owner', 'unknown')}) after it "

@@ -447,8 +447,9 @@ class OutputDir:
         return None if data is not None and sha256(data) == digest else "changed content"
 
     def _remove_leftovers(self, m: Manifest) -> None:
-        """Garbage no committed record names: temp files, parts, checkpoint files, compacted records. Only the
-        current holder (after its ``open`` record) runs this."""
+        """Garbage no committed record names: temp files (of parts, window pieces, checkpoints and records),
+        parts, checkpoint files, compacted records. Only the current holder (after its ``open`` record) runs
+        this."""
         self.holder.check()
         for w in [w for w in m.partial if w in m.windows]:
             del m.partial[w]
@@ -467,6 +468,9 @@ class OutputDir:
                 self.loc.delete(f"{CHECKPOINT_DIR}/{name}")
         if not m.partial:
             self.loc.remove_dir(CHECKPOINT_DIR)
+        for name in self.loc.list(COMMITS_DIR):  # a record whose write was killed: never a record
+            if name.startswith(TEMP_PREFIX):
+                self.loc.delete(f"{COMMITS_DIR}/{name}")
 
     def _clear(self, loc: Any) -> int:
         """Delete batchgen's files in `loc`, its checkpoints and commit log (never anything else)."""
@@ -477,7 +481,7 @@ class OutputDir:
                 count += 1
         for sub, own in (
             (CHECKPOINT_DIR, is_own_checkpoint),
-            (COMMITS_DIR, lambda n: n.endswith(".json")),
+            (COMMITS_DIR, lambda n: n.endswith(".json") or n.startswith(TEMP_PREFIX)),
             (WINDOWS_DIR, lambda n: bool(PIECE_RE.match(n)) or n.startswith(TEMP_PREFIX)),
         ):
             for name in loc.list(sub):

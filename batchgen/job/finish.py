@@ -3,15 +3,17 @@ how to read the output)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 import batchgen
+from batchgen.data.layout import REPORT_NAME
 from batchgen.data.manifest import Manifest
 from batchgen.data.output_dir import OutputDir
 from batchgen.errors import ConfigError
 from batchgen.job.plan import JobPlan
-from batchgen.job.report import build_report, error_fraction, report_text
+from batchgen.job.report import build_report, error_fraction, report_text, row_counts
 from batchgen.job.result import EXIT_INTERRUPTED, EXIT_OK, EXIT_TOO_MANY_ERRORS, JobResult, one_line
 from batchgen.job.tally import NUM_EXAMPLES, RowTally, all_adapter_rows
 
@@ -30,7 +32,7 @@ def nothing_to_do(
         msg = f"nothing to do: {outdir.path} already holds the complete output ({m.num_windows} windows"
         msg += f"; input unchanged, checked in {checked[1]:.1f} s)" if checked[0] else ")"
     frac = error_fraction(m)
-    rp = outdir.report_location if outdir.has_report() else None
+    rp = outdir.report_location if _report_of_complete_output(plan, outdir, m) else None
     if frac > plan.cfg.run.max_error_fraction:
         msg += (
             f", but {frac:.1%} of its rows are error rows, more than run.max_error_fraction="
@@ -47,6 +49,29 @@ def nothing_to_do(
     if print_summary:
         print(msg)
     return JobResult(EXIT_OK, "complete", str(outdir.path), rp, message=msg)
+
+
+def _report_of_complete_output(plan: JobPlan, outdir: OutputDir, m: Manifest) -> bool:
+    """Make ``_report.json`` describe the complete output `m` when nothing is left to do; whether it does.
+
+    Invariant: a complete output has a report whose row counts are the manifest's. A run killed after its last
+    commit, before (or while) writing its report, left none, or an earlier stopped run's ``incomplete`` one:
+    such a report is written again from the manifest (this run computed nothing). A report that already
+    matches is kept as it is (it holds the figures of the run that finished the output)."""
+    try:
+        old = json.loads(outdir.loc.read_bytes(REPORT_NAME) or b"null")
+    except (ValueError, ConfigError, OSError):
+        old = None
+    if (
+        isinstance(old, dict)
+        and old.get("status") in ("complete", "failed")
+        and old.get("rows") == row_counts(m)
+    ):
+        return True
+    tally = RowTally()
+    tally.lora = bool(plan.cfg.model.lora_modules)  # the rows per adapter, from the manifest
+    job_report(plan, outdir, m, tally, (0, 0), None, "complete", 0.0, {"startup_s": 0.0})
+    return outdir.has_report()
 
 
 def job_report(

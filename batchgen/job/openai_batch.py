@@ -85,6 +85,7 @@ def _put(target: str, name: str, data: bytes, options: dict[str, Any]) -> None:
         Location(target, options, key="data.output").put(name, data)
     else:
         Path(target).mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(Path(target) / name)  # a run killed while writing it left its temporary file
         atomic_write_bytes(Path(target) / name, data)
 
 

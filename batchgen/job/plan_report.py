@@ -12,9 +12,10 @@ import math
 import os
 from typing import Any
 
+from batchgen.data.local_storage import LocalLocation
 from batchgen.job.calibrate import compute_threads, load_average
 from batchgen.job.eta import PlannedWork
-from batchgen.runtime.atomic import atomic_write_text
+from batchgen.runtime.atomic import atomic_write_text, remove_stale_temps
 
 PLAN_NAME = "_plan.json"
 
@@ -28,6 +29,8 @@ def write_plan(outdir: Any, plan: dict[str, Any]) -> str:
     """Write ``_plan.json`` into the shard's output directory (atomically); returns where."""
     text = json.dumps(plan, indent=1, default=str) + "\n"
     loc = _location(outdir)
+    if isinstance(loc, LocalLocation):  # a dry run killed while writing it left its temporary file
+        remove_stale_temps(loc.path(PLAN_NAME))
     if loc is not None:
         loc.put(PLAN_NAME, text.encode())
         return str(loc.url_of(PLAN_NAME))

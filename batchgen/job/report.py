@@ -17,7 +17,8 @@ from batchgen.data.manifest import Manifest
 from batchgen.engine.core.stats import EngineStats
 
 
-def _rows(manifest: Manifest) -> dict[str, int]:
+def row_counts(manifest: Manifest) -> dict[str, int]:
+    """The report's ``rows`` section: the row counts of `manifest` (committed windows and checkpointed rows)."""
     recs = manifest.windows.values()
     parts = manifest.partial.values()
     return {
@@ -33,7 +34,7 @@ def _rows(manifest: Manifest) -> dict[str, int]:
 
 def error_fraction(manifest: Manifest) -> float:
     """Error rows over the shard's rows (0 for an empty shard)."""
-    r = _rows(manifest)
+    r = row_counts(manifest)
     return r["error"] / r["shard_total"] if r["shard_total"] else 0.0
 
 
@@ -83,7 +84,7 @@ def build_report(
         "status": status,
         "output_dir": output_dir,
         "model": model,
-        "rows": _rows(manifest),
+        "rows": row_counts(manifest),
         "windows": {
             "total": manifest.num_windows,
             "done": len(manifest.windows),
