@@ -51,11 +51,11 @@ def test_a_signal_right_at_start_exits_75(tmp_path: Path, sig: signal.Signals) -
 @pytest.mark.slow
 def test_a_second_signal_while_stopping_keeps_75(llama_ckpt: str, tmp_path: Path) -> None:
     pq.write_table(
-        pa.table({"prompt": [f"row {i} about a long story" for i in range(16)]}), tmp_path / "in.parquet"
-    )
+        pa.table({"prompt": [f"row {i} about a long story" for i in range(64)]}), tmp_path / "in.parquet"
+    )  # work for many seconds one sequence at a time: the signals must come while it runs, however fast the CPU
     proc = subprocess.Popen(
         [sys.executable, "-m", "batchgen.cli", f"model.path={llama_ckpt}", f"data.input={tmp_path}/in.parquet",
-         f"data.output={tmp_path}/out", "data.window_rows=4", "engine.max_num_seqs=1", "sampling.max_tokens=32",
+         f"data.output={tmp_path}/out", "data.window_rows=4", "engine.max_num_seqs=1", "sampling.max_tokens=64",
          "run.progress=log", *ARGS],
         cwd=tmp_path, env={**env_without_slurm(), "BATCHGEN_TRACE_STARTUP": "1"}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
