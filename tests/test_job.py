@@ -117,6 +117,10 @@ def test_output_equals_llm_generate(llama_ckpt: str, dataset: Path, tmp_path: Pa
                        sampling={"temperature": 0.5})  # fmt: skip
     refused = run_job(other, handle_signals=False, print_summary=False)
     assert refused.exit_code == EXIT_CONFIG and "sampling.temperature: 0.8 -> 0.5" in refused.message
+    narrow = job_config(llama_ckpt, dataset, tmp_path / "out", data={"id_column": "uid", "keep_columns": ["cat"]},
+                        sampling={"temperature": 0.8}, engine={"kv_cache_dtype": "bfloat16"})  # fmt: skip
+    refused = run_job(narrow, handle_signals=False, print_summary=False)  # rounded K/V: other output
+    assert refused.exit_code == EXIT_CONFIG and "engine.kv_cache_dtype" in refused.message, refused.message
     other.data.overwrite = True
     assert run_job(other, handle_signals=False, print_summary=False).exit_code == EXIT_OK
 

@@ -6,7 +6,8 @@ range and windows, resolves the checkpoint and fingerprints the configuration. A
 
 Invariants:
 - The *fingerprint* hashes exactly the settings that change the output (model files, dtype, the columns
-  used, sampling, window size, ``engine.max_model_len``, the chat template of a chat job); a rerun into the
+  used, sampling, window size, ``engine.max_model_len``, ``engine.kv_cache_dtype`` other than ``auto``,
+  ``engine.limit_mm_per_prompt``, the image processor's options, the chat template of a chat job); a rerun into the
   same output must match it — except :data:`RETRY_KEYS`, which may change with ``data.retry_errors=true``.
   Performance settings (engine memory and batch sizes, device, ``data.group_by_prefix``) and the model's
   path (only its files count) are left out, so they may change between runs.
@@ -180,6 +181,7 @@ class PlanSettings:
     kv: KVRequest
     limit_mm_per_prompt: dict[str, int]
     mm_processor_kwargs: dict[str, Any]
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def of(cls, cfg: JobConfig) -> PlanSettings:
@@ -215,6 +217,7 @@ class PlanSettings:
             kv=KVRequest(e.device, e.kv_cache_memory, e.num_blocks, e.block_size, cfg.model.dtype),
             limit_mm_per_prompt=dict(e.limit_mm_per_prompt or {}),
             mm_processor_kwargs=dict(e.mm_processor_kwargs or {}),
+            kv_cache_dtype=str(e.kv_cache_dtype),
         )
 
 
@@ -352,8 +355,14 @@ def _fingerprint_config(
 
 
 def _engine_facts(s: PlanSettings) -> dict[str, Any]:
-    """The engine settings that change the output: the length bound, and the image processor's options."""
+    """The engine settings that change the output: the length bound, a KV cache narrower than the model's
+    (rounded keys and values), the images a prompt may hold (more is an error row), and the image processor's
+    options."""
     facts: dict[str, Any] = {"max_model_len": s.max_model_len}
+    if s.kv_cache_dtype != "auto":
+        facts["kv_cache_dtype"] = s.kv_cache_dtype
+    if s.limit_mm_per_prompt:
+        facts["limit_mm_per_prompt"] = s.limit_mm_per_prompt
     if s.mm_processor_kwargs:
         facts["mm_processor_kwargs"] = s.mm_processor_kwargs
     return facts
