@@ -78,6 +78,20 @@ def _hf_model(path: str):
     return model
 
 
+def _assert_prompt_logprobs_equal(path: str, prompts: list[list[int]], outs) -> None:
+    """Each prompt token's logprob in batchgen's outputs (``prompt_logprobs=0``) equals transformers' loading
+    of the file's (every position: greedy tokens alone miss a model that repeats one token)."""
+    hf = _hf_model(path)
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1], -1)
+        want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        got = torch.tensor(
+            [float(getattr(d[t], "logprob", d[t])) for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+        )
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def _hf_greedy(path: str, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     model = _hf_model(path)
     with torch.inference_mode():
@@ -315,15 +329,7 @@ def test_phi3_and_gemma_files_equal_transformers(tmp_path, arch, overrides, type
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in LONG_PROMPTS], params)
     assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(str(path), LONG_PROMPTS)
-    hf = _hf_model(str(path))
-    for prompt, out in zip(LONG_PROMPTS, outs):
-        with torch.inference_mode():
-            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1], -1)
-        want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-        got = torch.tensor(
-            [float(getattr(d[t], "logprob", d[t])) for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
-        )
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    _assert_prompt_logprobs_equal(str(path), LONG_PROMPTS, outs)
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -361,15 +367,7 @@ def test_llama_cpp_release_files_equal_transformers(tmp_path, arch, overrides, w
     assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(str(path), prompts)
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 6
     assert [o.outputs[0].text for o in outs] == [ref.decode(o.outputs[0].token_ids) for o in outs]
-    hf = _hf_model(str(path))
-    for prompt, out in zip(prompts, outs):
-        with torch.inference_mode():
-            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1], -1)
-        want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-        got = torch.tensor(
-            [float(getattr(d[t], "logprob", d[t])) for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
-        )
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    _assert_prompt_logprobs_equal(str(path), prompts, outs)
     chat = [{"role": "user", "content": "What is 2+2?"}]
     out = llm.chat([chat], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
     want_ids = ref.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
@@ -485,15 +483,7 @@ def test_moe_files_equal_transformers(tmp_path, arch, overrides, types) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in LONG_PROMPTS], params)
     assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(str(path), LONG_PROMPTS)
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 6
-    hf = _hf_model(str(path))
-    for prompt, out in zip(LONG_PROMPTS, outs):
-        with torch.inference_mode():
-            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1], -1)
-        want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-        got = torch.tensor(
-            [float(getattr(d[t], "logprob", d[t])) for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
-        )
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    _assert_prompt_logprobs_equal(str(path), LONG_PROMPTS, outs)
 
 
 def test_moe_expert_width_from_the_file(tmp_path) -> None:
