@@ -145,6 +145,18 @@ def test_the_calibration_takes_the_thread_decision_again_before_timing(
     with pytest.raises(RuntimeError, match="stop here"):
         calibrate.run_calibration(Engine(), [], 1, lambda cal: 1.0, 1)
     assert looked == [True]
+    # a prompt-only plan's calibration (embed, classify, score) too, before its first (untimed) chunk
+    from batchgen.job import prefill_plan
+
+    calls: list[str] = []
+    task = prefill_plan.PrefillTask(
+        window_rows=lambda table, start: ([], []), run=lambda rows: calls.append("run"), computed=lambda: None,
+        tokenizer=None, max_model_len=64, device="cpu", prefix_caching=False, batch_rows=lambda tokens: 4,
+        look_at_threads=lambda: calls.append("look"),
+    )  # fmt: skip
+    row = calibrate.CalibrationRow(0, [1, 2, 3], None, (0, 0))
+    prefill_plan.calibrate(task, [row], (1.0, 3.0, 0.0), 0.05)
+    assert calls[:2] == ["look", "run"]
 
 
 _PROBE = """

@@ -466,8 +466,7 @@ def run_calibration(
     samples: list[tuple[float, float, float, float]] = [tuple(x) for x in reused]  # type: ignore[misc]
     # the thread count the engine took when it was built may be stale (the dry run read and tokenized the whole
     # input since): decided again from the load now, before any step is timed (not the job's work)
-    if hasattr(engine, "look_at_threads"):
-        engine.look_at_threads()
+    engine.look_at_threads()
     cal = Calibration(fit_step_model([]), target_concurrency=batch, reused_steps=len(samples))
     t_start = time.perf_counter()  # the warm-ups count against the budget: the calibration's whole cost
     # not timed: lazy initialisation (a few tokens are enough, and cost the budget least)

@@ -80,6 +80,9 @@ class PrefillTask:
     """The model's requests for a row (scoring: one per token pair, several for a long text's rolling windows)."""
     scored: Callable[[CalibrationRow], int] = lambda row: 0  # noqa: E731
     """The row's tokens whose logits are scored (scoring: its continuations' tokens)."""
+    look_at_threads: Callable[[], None] = lambda: None  # noqa: E731
+    """Take the engine's CPU thread decision afresh (:meth:`LLMEngine.look_at_threads`; no-op without a paged
+    engine): the calibration runs after the whole input was read."""
 
 
 WORK_TERMS = ("requests", "computed_tokens", "scored_tokens")
@@ -164,9 +167,10 @@ def calibrate(
     ``fraction`` of the job's predicted time (its ``work``, :data:`WORK_TERMS`, at the costs measured so far),
     after :data:`MIN_CHUNKS` chunks, or the rows run out."""
     cal = PrefillCalibration()
-    t_start = time.perf_counter()
     if not rows:
         return cal
+    task.look_at_threads()  # the count the engine took when built may be stale: decided again, untimed
+    t_start = time.perf_counter()
     order = strata_order(rows)
     task.run(order[:1])  # untimed: lazy initialisation
     cal.warmup_seconds = time.perf_counter() - t_start
@@ -364,6 +368,7 @@ def pooling_task(plan: Any, runner: Any, spec: Any) -> PrefillTask:
         device=str(engine.device if engine is not None else getattr(enc, "device", "cpu")),
         prefix_caching=engine is not None and e.enable_prefix_caching,
         batch_rows=batch_rows(e.max_num_seqs, e.max_num_batched_tokens),
+        look_at_threads=engine.look_at_threads if engine is not None else lambda: None,
     )
 
 
@@ -436,6 +441,7 @@ def scoring_task(plan: Any, engine: Any) -> PrefillTask:
         batch_rows=batch_rows(e.max_num_seqs, e.max_num_batched_tokens),
         requests=lambda row: len(row.params),
         scored=lambda row: sum(len(x) for _, x in row.params),
+        look_at_threads=engine.look_at_threads,
     )
 
 

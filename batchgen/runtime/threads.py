@@ -98,11 +98,17 @@ def decide(
     if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
         n, why = int(env["OMP_NUM_THREADS"]), "OMP_NUM_THREADS set"
     else:
-        n = max(1, min(cap, round(cpus - (load or 0.0))))
+        n = free_threads(cpus, load or 0.0, cap)
         why = f"{n} of {cap} thread(s): the CPUs other processes leave free"
     state = f"load {load:.2f} on {cpus} CPU(s)" if load is not None else f"{cpus} CPU(s), load unknown"
     state += ": busy" if busy else ""
     return ThreadPolicy(n, wait, binding, busy, f"{state}; {why}; wait policy {wait}; binding {binding}")
+
+
+def free_threads(cpus: int, load: float, cap: int) -> int:
+    """The CPUs other processes leave free while they keep ``load`` of ``cpus`` busy: at least 1, at most
+    ``cap``."""
+    return max(1, min(cap, round(cpus - load)))
 
 
 def _own_running_threads() -> int:
@@ -212,7 +218,7 @@ class ThreadMonitor:
         input between building the engine and calibrating it)."""
         load = other_load()
         if load is not None:
-            self._looked = self._decide(max(1, min(self.cap, round(self.cpus - load))), load, "looked again")
+            self._looked = self._decide(free_threads(self.cpus, load, self.cap), load, "looked again")
             self._last, self._pending = None, None
 
     def poll(self) -> ThreadPolicy | None:
@@ -227,7 +233,7 @@ class ThreadMonitor:
         if last is None or sample is None:
             return None
         others = others_between(last, sample)
-        n = max(1, min(self.cap, round(self.cpus - others)))
+        n = free_threads(self.cpus, others, self.cap)
         if n == self.policy.num_threads or self._pending != n:
             self._pending = None if n == self.policy.num_threads else n
             return None
