@@ -2,7 +2,8 @@
 (``csrc/paged_attention_cpu.c``: decode, prefill, the cascade's prefix half; called by
 :func:`.torch_backend.paged_decode_attention` instead of its gather + SDPA, and by its prefill path), the
 float32 linear layer (``csrc/linear_cpu.c``, through :mod:`.cpu_linear`), the weight-only quantized one
-(``csrc/quant_linear_cpu.c``, through :mod:`.cpu_quant_linear`) and a decoder layer's elementwise
+(``csrc/quant_linear_cpu.c``, through :mod:`.cpu_quant_linear`), the integer-activation one
+(``csrc/int8_linear_cpu.c``, through :mod:`.cpu_int8_linear`) and a decoder layer's elementwise
 steps (``csrc/layer_ops_cpu.c``, through :mod:`.cpu_ops`).
 
 The decode kernel reads K/V blocks where they lie in the paged cache (no gather into a workspace), handles the query
@@ -56,7 +57,13 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention_cpu.c", "linear_cpu.c", "layer_ops_cpu.c", "quant_linear_cpu.c")
+    for name in (
+        "paged_attention_cpu.c",
+        "linear_cpu.c",
+        "layer_ops_cpu.c",
+        "quant_linear_cpu.c",
+        "int8_linear_cpu.c",
+    )
 )
 HEADERS = (Path(__file__).parent / "csrc" / "half.h",)
 """Headers the sources include (part of the build key)."""
@@ -221,6 +228,9 @@ def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.batchgen_int_linear.restype = i32
     lib.batchgen_fp8_linear.argtypes = [ptr, i64, ptr, ptr, i32, ptr, ptr, i64] + [i32] * 4
     lib.batchgen_fp8_linear.restype = i32
+    lib.batchgen_quantize_rows_s8.argtypes = [ptr, i64, i32, i32, f32, i32, ptr, ptr, ptr]
+    lib.batchgen_int8_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i32, ptr, ptr, i64] + [i32] * 4
+    lib.batchgen_quantize_rows_s8.restype = lib.batchgen_int8_linear.restype = i32
     lib.batchgen_silu_mul_f32.argtypes = [ptr, i64, ptr, i32, i32, i32]
     lib.batchgen_rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr] + [i32] * 5
     lib.batchgen_store_kv_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i32, i32, i32]

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from batchgen.kernels import cpu_int8_linear
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
+from batchgen.models.quant.group_linear import GroupQuantLinear
+from batchgen.models.quant.quant_linear import multiply_parts
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,21 @@ class InputQuant:
         return QuantizationArgs(**{k: list(v) if isinstance(v, tuple) else v for k, v in self.items})
 
 
+def _integer_group(inner: nn.Module, form: _Symmetric | None) -> int:
+    """The group of `inner`'s weights when int8 inputs of `form` can be multiplied by them with integer dot
+    products (symmetric int8 weights in one group size, inputs in their checkpoint order), else 0."""
+    if form is None or form.fp8 or not isinstance(inner, GroupQuantLinear):
+        return 0
+    groups = set(inner.groups)
+    if set(inner.bits) != {8} or len(groups) != 1 or min(groups) > cpu_int8_linear.MAX_GROUP:
+        return 0
+    if any(
+        inner._perm(i) is not None or getattr(inner, f"zero{i}") is not None for i in range(len(inner.bits))
+    ):
+        return 0
+    return groups.pop()
+
+
 def _hashable(v):
     return tuple(v) if isinstance(v, list) else v
 
@@ -113,6 +131,7 @@ class InputQuantLinear(nn.Module):
         self.quant = quant
         self._args = quant.args()
         self._fast = _fast_form(self._args, quant, input_zero_point)
+        self._integer = _integer_group(inner, self._fast)
         self.in_features, self.out_features = inner.in_features, inner.out_features
         self.register_buffer("input_scale", input_scale, persistent=False)
         self.register_buffer("input_zero_point", input_zero_point, persistent=False)
@@ -138,7 +157,26 @@ class InputQuantLinear(nn.Module):
         return fake_quantize(x, self.input_scale, self.input_zero_point, self._args)
 
     def forward(self, x: Tensor) -> Tensor:
+        if (
+            self._integer
+            and x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and cpu_int8_linear.available()
+        ):
+            return self._integer_product(x)
         return self.inner(self.quantize_input(x))
+
+    def _integer_product(self, x: Tensor) -> Tensor:
+        """The inner int8 weights times the int8 inputs by integer dot products (:mod:`~batchgen.kernels.
+        cpu_int8_linear`): the same quantized values as :meth:`quantize_input`'s, their products summed exactly."""
+        inner = self.inner
+        static = None if self._fast.dynamic else float(self.input_scale)
+        rows = cpu_int8_linear.quantize_rows(x.reshape(-1, self.in_features), self._integer, static)
+
+        def product(i: int, _x: Tensor, bias: Tensor | None, out: Tensor) -> None:
+            cpu_int8_linear.linear(rows, inner.packed[i], inner.scales[i], bias, out=out)
+
+        return multiply_parts(x, self.in_features, [p.shape[0] for p in inner.packed], inner.bias, product)
 
     def dense_weight(self) -> Tensor:
         return self.inner.dense_weight()
