@@ -40,23 +40,30 @@ def available() -> bool:
     return cpu_kernel.enabled() and cpu_kernel.library() is not None
 
 
-def quantize_rows(x: Tensor, group: int, static_scale: float | None = None) -> QuantizedRows:
-    """``x [M, K]`` float32 → its int8 rows: scale ``max |x| / 127.5`` per row (``finfo.eps`` where 0), or
-    `static_scale`; ``q = round_half_even(clamp(x / scale, -128, 127))``."""
+def quantize_rows(x: Tensor, group: int, scales: Tensor | None = None) -> QuantizedRows:
+    """``x [M, K]`` float32 → its int8 rows: scale ``max |x| / 127.5`` per row (``finfo.eps`` where 0), or the
+    given float32 `scales` (``[M]`` per row, or ``[1]`` for every row); ``q = round_half_even(clamp(x / scale,
+    -128, 127))``."""
     if x.dtype != torch.float32 or x.dim() != 2:
         raise TypeError(f"quantize_rows takes [M, K] float32 rows, not {x.dtype} {tuple(x.shape)}")
     rows = x if x.stride(-1) == 1 else x.contiguous()
     m, k = rows.shape
     q = torch.empty(m, k, dtype=torch.int8)
-    scales = torch.empty(m, dtype=torch.float32)
+    out_scales = torch.empty(m, dtype=torch.float32)
     sums = torch.empty(m, k // group, dtype=torch.int32)
+    given, stride = None, 0
+    if scales is not None:
+        given = scales.reshape(-1).to(torch.float32).contiguous()
+        if given.numel() not in (1, m):
+            raise ValueError(f"{given.numel()} scales for {m} rows")
+        stride = 0 if given.numel() == 1 else 1
     status = cpu_kernel.library().batchgen_quantize_rows_s8(
-        rows.data_ptr(), max(rows.stride(0), k), m, k, float(static_scale or 0.0), group,
-        q.data_ptr(), scales.data_ptr(), sums.data_ptr(),
+        rows.data_ptr(), max(rows.stride(0), k), m, k, None if given is None else given.data_ptr(), stride, group,
+        q.data_ptr(), out_scales.data_ptr(), sums.data_ptr(),
     )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"batchgen_quantize_rows_s8 rejected [{m}, {k}] with group {group}")
-    return QuantizedRows(q, scales, sums, group)
+    return QuantizedRows(q, out_scales, sums, group)
 
 
 def linear(

@@ -52,7 +52,7 @@ def test_rows_are_quantized_as_compressed_tensors_does(dynamic) -> None:
     x = _inputs(7, 200)
     form = _Symmetric(fp8=False, dynamic=dynamic, half=127.5, low=-128.0, high=127.0)
     static = torch.tensor([0.037])
-    rows = cpu_int8_linear.quantize_rows(x, group=40, static_scale=None if dynamic else 0.037)
+    rows = cpu_int8_linear.quantize_rows(x, group=40, scales=None if dynamic else static)
     want = _fake_quantize_symmetric(x, form, static)
     assert torch.equal(rows.q.float() * rows.scales[:, None], want)
     assert torch.equal(rows.group_sums, rows.q.int().reshape(7, 5, 40).sum(-1).int())

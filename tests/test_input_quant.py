@@ -158,3 +158,21 @@ def test_symmetric_inputs_are_compressed_tensors_arithmetic_bit_for_bit(kind, dy
     else:
         want = fake_quantize(x, layer.input_scale, None, args)
     assert torch.equal(layer.quantize_input(x), want)
+
+
+def test_dynamic_inputs_computed_by_compressed_tensors_are_refused_over_ranks() -> None:
+    """Asymmetric per-token scales come from compressed-tensors' own functions, which see one rank's slice of a
+    row-parallel projection's input: such a checkpoint runs on one device (symmetric ones reduce over ranks)."""
+    from batchgen.models.quant.group_linear import IntPart
+    from batchgen.models.quant.input_quant import scale_tokens_over_ranks
+
+    inner = GroupQuantLinear(64, [IntPart(torch.full((8, 64), 128), torch.ones(8, 1), bits=8, group=64)])
+    acts = {"type": "int", "num_bits": 8, "dynamic": True, "strategy": "token"}
+    asym = InputQuantLinear(inner, InputQuant.parse({**acts, "symmetric": False}, "down_proj"))
+    with pytest.raises(
+        UnsupportedCheckpoint, match="down_proj: dynamic asymmetric input quantization runs on one"
+    ):
+        scale_tokens_over_ranks(asym, "down_proj")
+    sym = InputQuantLinear(inner, InputQuant.parse({**acts, "symmetric": True}, "down_proj"))
+    scale_tokens_over_ranks(sym, "down_proj")
+    assert sym.token_scales_over_ranks

@@ -158,3 +158,17 @@ def test_a_gguf_file_over_two_ranks_gives_one_process_greedy_output(llama_256, t
     )  # Q8_0 elsewhere
     want, got = _greedy_one_and_two_ranks(path, [[1, 5, 9, 33, 7], list(range(10, 40))])
     assert got == want and len({t for row in got for t in row}) > 6
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+def test_dynamic_per_token_inputs_over_two_ranks_equal_one_process(llama_256, tmp_path, weights) -> None:
+    """W8A8 / FP8_DYNAMIC: a row-parallel projection's token scale comes from the token's whole input (the
+    ranks' slices reduced), so each rank quantizes the token as one process does."""
+    path = writers.write_compressed_w8a8(llama_256, tmp_path / weights, weights=weights)
+    shard = load_model(path, tp_rank=0, tp_size=2)
+    down = shard.model.layers[0].mlp.down_proj
+    assert (
+        down.token_scales_over_ranks and not shard.model.layers[0].self_attn.qkv_proj.token_scales_over_ranks
+    )
+    want, got = _greedy_one_and_two_ranks(path, [[1, 5, 9, 33, 7], list(range(10, 40))])
+    assert got == want and len({t for row in got for t in row}) > 4

@@ -35,15 +35,18 @@
 #define VK 64        /* k per vpdpbusd */
 #define MAX_GROUP 65536
 
-/* Quantize rows of x: returns 0, or -1 on a bad argument. static_scale > 0: that scale for every row. */
-int batchgen_quantize_rows_s8(const float *x, int64_t ldx, int M, int K, float static_scale, int group, int8_t *q,
-                              float *xs, int32_t *qsum) {
-    if (M < 0 || K <= 0 || group <= 0 || K % group != 0 || ldx < K) return -1;
+/* Quantize rows of x: returns 0, or -1 on a bad argument. given: NULL (each row's scale from its own values), or
+ * the scale of row m at given[m * given_stride] (stride 0: one static scale for every row). */
+int batchgen_quantize_rows_s8(const float *x, int64_t ldx, int M, int K, const float *given, int given_stride,
+                              int group, int8_t *q, float *xs, int32_t *qsum) {
+    if (M < 0 || K <= 0 || group <= 0 || K % group != 0 || ldx < K || given_stride < 0) return -1;
     const int G = K / group;
     for (int m = 0; m < M; m++) {
         const float *row = x + (int64_t)m * ldx;
-        float s = static_scale;
-        if (!(s > 0.0f)) {
+        float s;
+        if (given) {
+            s = given[(int64_t)m * given_stride];
+        } else {
             float amax = 0.0f;
             for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
             s = amax / 127.5f;

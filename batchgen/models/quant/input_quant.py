@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from batchgen.kernels import cpu_int8_linear
@@ -81,6 +82,21 @@ class InputQuant:
         return QuantizationArgs(**{k: list(v) if isinstance(v, tuple) else v for k, v in self.items})
 
 
+def scale_tokens_over_ranks(module: nn.Module, name: str) -> None:
+    """Mark the row-parallel projection `name`, split over tensor-parallel ranks, so that its dynamic per-token
+    input scales come from each token's whole input (:attr:`InputQuantLinear.token_scales_over_ranks`).
+    UnsupportedCheckpoint where compressed-tensors' own functions compute the scales (asymmetric or per-tensor
+    dynamic inputs): those run on one device."""
+    if not isinstance(module, InputQuantLinear) or not module.quant.dynamic:
+        return
+    if module._fast is None:
+        raise UnsupportedCheckpoint(
+            f"{name}: dynamic {'asymmetric' if not module.quant.symmetric else module.quant.get('strategy')} input "
+            "quantization runs on one device; set engine.tensor_parallel_size=1"
+        )
+    module.token_scales_over_ranks = True
+
+
 def _integer_group(inner: nn.Module, form: _Symmetric | None) -> int:
     """The group of `inner`'s weights when int8 inputs of `form` can be multiplied by them with integer dot
     products (symmetric int8 weights in one group size, inputs in their checkpoint order), else 0."""
@@ -132,6 +148,9 @@ class InputQuantLinear(nn.Module):
         self._args = quant.args()
         self._fast = _fast_form(self._args, quant, input_zero_point)
         self._integer = _integer_group(inner, self._fast)
+        self.token_scales_over_ranks = False
+        """Set on a row-parallel projection split over tensor-parallel ranks: each rank holds a slice of every
+        token's input, so a token's dynamic scale is its largest magnitude over all ranks (one all-reduce)."""
         self.in_features, self.out_features = inner.in_features, inner.out_features
         self.register_buffer("input_scale", input_scale, persistent=False)
         self.register_buffer("input_zero_point", input_zero_point, persistent=False)
@@ -145,7 +164,7 @@ class InputQuantLinear(nn.Module):
         if x.numel() == 0:
             return x
         if self._fast is not None:
-            return _fake_quantize_symmetric(x, self._fast, self.input_scale)
+            return _fake_quantize_symmetric(x, self._fast, self.input_scale, self.token_scales_over_ranks)
         from compressed_tensors.quantization import fake_quantize
         from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 
@@ -170,8 +189,11 @@ class InputQuantLinear(nn.Module):
         """The inner int8 weights times the int8 inputs by integer dot products (:mod:`~batchgen.kernels.
         cpu_int8_linear`): the same quantized values as :meth:`quantize_input`'s, their products summed exactly."""
         inner = self.inner
-        static = None if self._fast.dynamic else float(self.input_scale)
-        rows = cpu_int8_linear.quantize_rows(x.reshape(-1, self.in_features), self._integer, static)
+        flat = x.reshape(-1, self.in_features)
+        scales = self.input_scale
+        if self._fast.dynamic:  # None: each row's scale from its own values, computed by the kernel
+            scales = _token_scales(flat, self._fast) if self.token_scales_over_ranks else None
+        rows = cpu_int8_linear.quantize_rows(flat, self._integer, scales)
 
         def product(i: int, _x: Tensor, bias: Tensor | None, out: Tensor) -> None:
             cpu_int8_linear.linear(rows, inner.packed[i], inner.scales[i], bias, out=out)
@@ -209,14 +231,25 @@ def _fast_form(args, quant: InputQuant, zero_point: Tensor | None) -> _Symmetric
     return _Symmetric(fp8, quant.dynamic, (high - low) / 2, low, high)
 
 
-def _fake_quantize_symmetric(x: Tensor, form: _Symmetric, static_scale: Tensor | None) -> Tensor:
+def _token_scales(x: Tensor, form: _Symmetric, over_ranks: bool = True) -> Tensor:
+    """Each token's dynamic scale ``[..., 1]``: its largest magnitude (over every tensor-parallel rank's slice of
+    its input when `over_ranks`) / `half`, ``finfo.eps`` where that is 0."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    if over_ranks and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    scale = amax / form.half
+    return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
+
+
+def _fake_quantize_symmetric(
+    x: Tensor, form: _Symmetric, static_scale: Tensor | None, over_ranks: bool = False
+) -> Tensor:
     """compressed-tensors' ``compute_dynamic_scales_and_zp`` + ``fake_quantize`` for a :class:`_Symmetric` form,
     operation for operation (the tests hold the two bit for bit): scale = max |x| over the token / `half`
-    (``finfo.eps`` where that is 0) or the static scale; ``clamp(x / scale)`` rounded (half to even for int8,
-    to e4m3 for fp8), times the scale."""
+    (``finfo.eps`` where that is 0; over the ranks' slices of the token with `over_ranks`) or the static scale;
+    ``clamp(x / scale)`` rounded (half to even for int8, to e4m3 for fp8), times the scale."""
     if form.dynamic:
-        scale = x.abs().amax(dim=-1, keepdim=True) / form.half
-        scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
+        scale = _token_scales(x, form, over_ranks)
     else:
         scale = static_scale.to(x.dtype)
     q = torch.clamp(x / scale, form.low, form.high)

@@ -18,6 +18,8 @@ from torch import nn
 
 from batchgen.models.config import ModelConfig
 from batchgen.models.quant.gguf_checkpoint import UnsupportedCheckpoint
+from batchgen.models.quant.input_quant import scale_tokens_over_ranks
+from batchgen.models.sharding import splits_inputs
 
 
 class TensorReader:
@@ -83,6 +85,8 @@ def load_quantized_linears(
         if linear.bias is not None:
             bias = torch.cat([get(f"{p}.bias").float() for p in prefixes])
         module = scheme.build(linear.in_features, prefixes, get, bias).to(device)
+        if config.tp_size > 1 and splits_inputs(f"{prefixes[0]}.weight"):
+            scale_tokens_over_ranks(module, name)
         if module.out_features != linear.out_features:
             raise ValueError(f"{name}: the checkpoint's {scheme.method} tensors hold {module.out_features} outputs, "
                              f"the model has {linear.out_features}")  # fmt: skip
