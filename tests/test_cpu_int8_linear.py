@@ -61,7 +61,13 @@ def test_rows_are_quantized_as_compressed_tensors_does(dynamic) -> None:
 
 @pytest.mark.parametrize(
     ("m", "k", "n", "group"),
-    [(1, 64, 4, 64), (3, 192, 7, 192), (5, 256, 6, 64), (9, 100, 5, 100), (17, 384, 13, 128), (4, 40, 3, 8)],
+    [(1, 64, 4, 64), (3, 192, 7, 192), (5, 256, 6, 64), (9, 100, 5, 100), (17, 384, 13, 128), (4, 40, 3, 8)]
+    + [
+        (40, 256, 50, 64),
+        (16, 192, 32, 192),
+        (70, 128, 16, 128),
+        (33, 320, 40, 320),
+    ],  # AMX tiles where there
 )
 def test_products_against_the_float64_reference_and_the_stated_order(m, k, n, group) -> None:
     x = _inputs(m, k, seed=m)

@@ -17,7 +17,11 @@
  * and a row's result never depends on M, the batch or the thread count.
  *
  * Blocking: threads take outputs in groups of NR (dynamic chunks); a group's NR weight rows stay in L1 while
- * every tile of MR input rows passes over them. */
+ * every tile of MR input rows passes over them. With AMX (Sapphire Rapids and later; the kernel asks Linux for the
+ * tile state once), from AMX_MIN_ROWS rows on, whole blocks of 16 outputs are multiplied by tdpbusd instead: the
+ * weights as they lie are the left tiles (16 outputs x 64 k), the quantized rows, laid out once per call in
+ * blocks of 16 rows as the right tiles want them (4 consecutive k of a row side by side), the right ones; each
+ * tile's int32 sums are the same exact sums, so the results are the same bits. */
 
 #pragma GCC optimize("fp-contract=off")
 #include <float.h>
@@ -28,6 +32,13 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(BATCHGEN_GENERIC)
 #include <immintrin.h>
 #define INT8_VNNI 1
+#endif
+#if defined(INT8_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define INT8_AMX 1
+#define AMX_MIN_ROWS 16 /* fewer rows: the vpdpbusd tiles (an AMX tile holds 16) */
 #endif
 
 #define MR 4         /* input rows per tile */
@@ -129,6 +140,125 @@ static void output_group(const int8_t *q, int64_t ldq, const float *xs, const in
     }
 }
 
+#ifdef INT8_AMX
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Whether this process may use the AMX tile registers (asked of Linux once: ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA), unless BATCHGEN_INT8_AMX=0 (read on every call: benchmarks compare the two paths). */
+static int amx_ready(void) {
+    static volatile int state = 0; /* 0: not asked, 1: granted, -1: refused */
+    const char *env = getenv("BATCHGEN_INT8_AMX");
+    if (env && env[0] == '0') return 0;
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* q [M, K] -> qv: for each block of 16 rows (zeros past M) and each 64 k, a 16 x 64-byte right tile whose row t
+ * holds q[row][k + 4t .. k + 4t + 3] for the block's 16 rows side by side. */
+static void lay_out_rows(const int8_t *q, int64_t ldq, int M, int K, int blocks, int8_t *qv, int num_threads) {
+    const int chunks = K / VK;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int b = 0; b < blocks; b++)
+        for (int c = 0; c < chunks; c++) {
+            int8_t *tile = qv + ((int64_t)b * chunks + c) * 1024;
+            for (int r = 0; r < 16; r++) {
+                const int m = b * 16 + r;
+                for (int t = 0; t < 16; t++)
+                    for (int j = 0; j < 4; j++) tile[t * 64 + r * 4 + j] = m < M ? q[(int64_t)m * ldq + c * VK + 4 * t + j] : 0;
+            }
+        }
+}
+
+/* Outputs n0 .. n0 + 16 * nt - 1 (nt: 1 or 2 tiles) for every row, two blocks of 16 rows at a time. */
+static void amx_output_block(const int8_t *qv, int chunks, int row_blocks, const float *xs, const int32_t *qsum,
+                             const uint8_t *u, int64_t ldu, const float *ws, int group, const float *bias, float *y,
+                             int64_t ldy, int M, int K, int n0, int nt) {
+    const int G = K / group;
+    int32_t c[4][16][16];
+    for (int mb = 0; mb < row_blocks; mb += 2) {
+        const int rb = row_blocks - mb < 2 ? 1 : 2;
+        float s[32][32] = {{0}}; /* [output][row] */
+        for (int g = 0; g < G; g++) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int k = g * group; k < (g + 1) * group; k += VK) {
+                const int8_t *right = qv + ((int64_t)mb * chunks + k / VK) * 1024;
+                _tile_loadd(4, u + (int64_t)n0 * ldu + k, ldu);
+                _tile_loadd(6, right, 64);
+                _tile_dpbusd(0, 4, 6);
+                if (rb == 2) {
+                    _tile_loadd(7, right + (int64_t)chunks * 1024, 64);
+                    _tile_dpbusd(1, 4, 7);
+                }
+                if (nt == 2) {
+                    _tile_loadd(5, u + (int64_t)(n0 + 16) * ldu + k, ldu);
+                    _tile_dpbusd(2, 5, 6);
+                    if (rb == 2) _tile_dpbusd(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+            for (int ot = 0; ot < nt; ot++)
+                for (int rt = 0; rt < rb; rt++)
+                    for (int o = 0; o < 16; o++) {
+                        const float scale = ws[(int64_t)(n0 + ot * 16 + o) * G + g];
+                        for (int r = 0; r < 16; r++) {
+                            const int m = (mb + rt) * 16 + r;
+                            if (m >= M) break;
+                            const int32_t exact = c[ot * 2 + rt][o][r] - 128 * qsum[(int64_t)m * G + g];
+                            s[ot * 16 + o][rt * 16 + r] += scale * (float)exact;
+                        }
+                    }
+        }
+        for (int r = 0; r < rb * 16; r++) {
+            const int m = mb * 16 + r;
+            if (m >= M) break;
+            for (int o = 0; o < nt * 16; o++) {
+                const float v = xs[m] * s[o][r];
+                y[(int64_t)m * ldy + n0 + o] = bias ? v + bias[n0 + o] : v;
+            }
+        }
+    }
+}
+
+/* The first N16 = N - N % 16 outputs by AMX tiles. Returns 0, or -1 when the rows' layout cannot be allocated. */
+static int amx_gemm(const int8_t *q, int64_t ldq, const float *xs, const int32_t *qsum, const uint8_t *u,
+                    int64_t ldu, const float *ws, int group, const float *bias, float *y, int64_t ldy, int M, int K,
+                    int N16, int num_threads) {
+    const int chunks = K / VK, row_blocks = (M + 15) / 16;
+    int8_t *qv = malloc((size_t)row_blocks * chunks * 1024);
+    if (!qv) return -1;
+    lay_out_rows(q, ldq, M, K, row_blocks, qv, num_threads);
+    const int pairs = (N16 / 16 + 1) / 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+        TileConfig cfg = {0};
+        cfg.palette_id = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+#pragma omp for schedule(dynamic, 2)
+        for (int p = 0; p < pairs; p++) {
+            const int n0 = p * 32, nt = N16 - n0 >= 32 ? 2 : 1;
+            amx_output_block(qv, chunks, row_blocks, xs, qsum, u, ldu, ws, group, bias, y, ldy, M, K, n0, nt);
+        }
+        _tile_release();
+    }
+    free(qv);
+    return 0;
+}
+#endif
+
 /* y = x w^T + bias (bias may be NULL) from quantized rows. Returns 0, or -1 on a bad argument. */
 int batchgen_int8_linear(const int8_t *q, int64_t ldq, const float *xs, const int32_t *qsum, const uint8_t *u,
                          int64_t ldu, const float *ws, int group, const float *bias, float *y, int64_t ldy, int M,
@@ -136,10 +266,16 @@ int batchgen_int8_linear(const int8_t *q, int64_t ldq, const float *xs, const in
     if (M < 0 || K <= 0 || N <= 0 || group <= 0 || group > MAX_GROUP || K % group != 0 || ldq < K || ldu < K ||
         ldy < N)
         return -1;
-    const int groups = (N + NR - 1) / NR;
+    int first = 0; /* the first output the vpdpbusd tiles compute */
+#ifdef INT8_AMX
+    if (M >= AMX_MIN_ROWS && group % VK == 0 && N >= 16 && amx_ready() &&
+        amx_gemm(q, ldq, xs, qsum, u, ldu, ws, group, bias, y, ldy, M, K, N - N % 16, num_threads) == 0)
+        first = N - N % 16;
+#endif
+    const int groups = (N - first + NR - 1) / NR;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 8)
     for (int t = 0; t < groups; t++) {
-        const int n0 = t * NR, nr = N - n0 < NR ? N - n0 : NR;
+        const int n0 = first + t * NR, nr = N - n0 < NR ? N - n0 : NR;
         output_group(q, ldq, xs, qsum, u, ldu, ws, group, bias, y, ldy, M, K, n0, nr);
     }
     return 0;
