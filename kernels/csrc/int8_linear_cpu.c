@@ -167,8 +167,12 @@ static void lay_out_rows(const int8_t *q, int64_t ldq, int M, int K, int blocks,
             int8_t *tile = qv + ((int64_t)b * chunks + c) * 1024;
             for (int r = 0; r < 16; r++) {
                 const int m = b * 16 + r;
-                for (int t = 0; t < 16; t++)
-                    for (int j = 0; j < 4; j++) tile[t * 64 + r * 4 + j] = m < M ? q[(int64_t)m * ldq + c * VK + 4 * t + j] : 0;
+                for (int t = 0; t < 16; t++) {
+                    if (m < M)
+                        memcpy(tile + t * 64 + r * 4, q + (int64_t)m * ldq + c * VK + 4 * t, 4);
+                    else
+                        memset(tile + t * 64 + r * 4, 0, 4);
+                }
             }
         }
 }
@@ -206,16 +210,18 @@ static void amx_output_block(const int8_t *qv, int chunks, int row_blocks, const
             _tile_stored(1, c[1], 64);
             _tile_stored(2, c[2], 64);
             _tile_stored(3, c[3], 64);
+            int32_t offset[32]; /* 128 times each row's sum of q over the group (0 past M: those rows are zeros) */
+            for (int r = 0; r < 32; r++) {
+                const int m = mb * 16 + r;
+                offset[r] = m < M ? 128 * qsum[(int64_t)m * G + g] : 0;
+            }
             for (int ot = 0; ot < nt; ot++)
                 for (int rt = 0; rt < rb; rt++)
                     for (int o = 0; o < 16; o++) {
                         const float scale = ws[(int64_t)(n0 + ot * 16 + o) * G + g];
-                        for (int r = 0; r < 16; r++) {
-                            const int m = (mb + rt) * 16 + r;
-                            if (m >= M) break;
-                            const int32_t exact = c[ot * 2 + rt][o][r] - 128 * qsum[(int64_t)m * G + g];
-                            s[ot * 16 + o][rt * 16 + r] += scale * (float)exact;
-                        }
+                        float *srow = s[ot * 16 + o] + rt * 16;
+                        const int32_t *crow = c[ot * 2 + rt][o], *orow = offset + rt * 16;
+                        for (int r = 0; r < 16; r++) srow[r] += scale * (float)(crow[r] - orow[r]);
                     }
         }
         for (int r = 0; r < rb * 16; r++) {
