@@ -176,3 +176,27 @@ def test_dynamic_inputs_computed_by_compressed_tensors_are_refused_over_ranks() 
     sym = InputQuantLinear(inner, InputQuant.parse({**acts, "symmetric": True}, "down_proj"))
     scale_tokens_over_ranks(sym, "down_proj")
     assert sym.token_scales_over_ranks
+
+
+@pytest.mark.parametrize("inputs", ["dynamic", "static"])
+def test_w8a8_layers_take_the_integer_path(tmp_path, monkeypatch, inputs) -> None:
+    """A W8A8 checkpoint's projections multiply by integer dot products, equal to the emulated float32 product
+    of the same quantized values to rounding (greedy equality with transformers: tests/test_input_quant.py)."""
+    from batchgen.kernels import cpu_int8_linear
+
+    kw = dict(inputs="static", input_scale=0.05) if inputs == "static" else {}
+    path = writers.write_compressed_w8a8(TINY_LM, tmp_path / "q", weights="int8", dtype=torch.float32, **kw)
+    model = LLM(path, num_blocks=16, block_size=8).engine.model
+    layers = [m for m in model.modules() if isinstance(m, InputQuantLinear)]
+    assert layers and all(m._integer for m in layers)
+    calls = []
+    real = cpu_int8_linear.linear
+    monkeypatch.setattr(cpu_int8_linear, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(2, 3, layers[0].in_features, generator=torch.Generator().manual_seed(2)) * 2
+    for layer in (layers[0], layers[-1]):
+        xi = x if layer is layers[0] else torch.randn(5, layer.in_features)
+        got = layer(xi)
+        want = layer.inner(layer.quantize_input(xi))
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls
