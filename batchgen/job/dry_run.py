@@ -838,20 +838,20 @@ def kv_element_bytes(kv_cache_dtype: str, model_dtype: str, model_path: str | No
 
 
 def _kv_bytes_per_token(engine: Any, model_path: str | None, dtype_bytes: int = 4) -> int | None:
-    """K and V bytes one token takes in the pool: the started engine's, else from the checkpoint's config
-    with ``dtype_bytes`` per element."""
+    """K and V bytes one token takes in the pool: the started engine's, else from the checkpoint's facts (the
+    KV shape the loader will build, a GGUF file's included) with ``dtype_bytes`` per element."""
     st = getattr(engine, "stats", None) if engine is not None else None
     if st is not None and st.block_size and st.bytes_per_block:
         return st.bytes_per_block // st.block_size
-    try:
-        c = _model_config(model_path)
-        c = c.get("text_config", c)
-        heads = c.get("num_attention_heads")
-        kv = c.get("num_key_value_heads", heads)
-        hd = c.get("head_dim") or c["hidden_size"] // heads
-        return 2 * c["num_hidden_layers"] * kv * hd * dtype_bytes
-    except (KeyError, TypeError, ZeroDivisionError):
+    if not model_path:
         return None
+    from batchgen.models.checkpoint_facts import checkpoint_facts
+
+    try:
+        f = checkpoint_facts(model_path)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+    return 2 * f.num_layers * f.num_kv_heads * f.head_dim * dtype_bytes
 
 
 def _fmt_bytes(n: float) -> str:
@@ -861,13 +861,19 @@ def _fmt_bytes(n: float) -> str:
     return f"{int(n)}"
 
 
-def _weights_bytes(model_path: str | None, model_dtype: str = "auto") -> int:
-    """Bytes the weights take loaded: the checkpoint's safetensors as stored (a quantized checkpoint's packed
-    weights included), scaled to ``model.dtype`` when it differs from the checkpoint's float dtype (a
-    quantized checkpoint is held as stored)."""
+def _weights_bytes(model_path: str | None, model_dtype: str = "auto", engine: Any = None) -> int:
+    """Bytes the weights take loaded: a started single-rank engine's parameters as they are held; else the
+    checkpoint's safetensors as stored (a quantized checkpoint's packed weights included), scaled to
+    ``model.dtype`` when it differs from the checkpoint's float dtype (a quantized checkpoint is held as
+    stored), or a GGUF file's tensors as the loader holds them (:func:`_gguf_weights_bytes`)."""
+    model = getattr(engine, "model", None) if engine is not None else None
+    if model is not None and getattr(engine.config, "tensor_parallel_size", 1) == 1:
+        return sum(p.numel() * p.element_size() for p in model.parameters())
     if not model_path:
         return 0
     p = Path(model_path)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return _gguf_weights_bytes(p)
     stored = sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else 0
     c = _model_config(model_path)
     if (
@@ -877,6 +883,32 @@ def _weights_bytes(model_path: str | None, model_dtype: str = "auto") -> int:
     ):
         return stored
     return stored * DTYPE_BYTES.get(model_dtype, 4) // DTYPE_BYTES[checkpoint_dtype(model_path)]
+
+
+def _gguf_weights_bytes(path: Path) -> int:
+    """A GGUF file's tensors as the loader holds them: projections (and a quantized head, experts) in a block
+    format the GEMM multiplies as stored, everything else (float tensors, the token embedding, norms) widened to
+    float32; without an ``output.weight`` the head holds the embedding again (its packed blocks when quantized,
+    else float32). 0 when unreadable."""
+    try:
+        import gguf
+
+        from batchgen.kernels.cpu_quant_linear import FORMATS
+
+        tensors = gguf.GGUFReader(str(path)).tensors
+    except (ImportError, OSError, ValueError):
+        return 0
+    names = {t.name for t in tensors}
+    total = 0
+    for t in tensors:
+        if t.name.startswith("rope_freqs"):  # not used by the model (docs/quantization.md)
+            continue
+        packed = int(t.tensor_type) in FORMATS
+        widened = not packed or t.name.startswith("token_embd") or "norm" in t.name
+        total += int(t.n_elements) * 4 if widened else int(t.n_bytes)
+        if t.name == "token_embd.weight" and "output.weight" not in names:  # the head is a copy of it
+            total += int(t.n_bytes) if packed else int(t.n_elements) * 4
+    return total
 
 
 def _device_memory(engine: Any) -> tuple[str, int | None, int]:
@@ -988,7 +1020,7 @@ def build_plan(
     fit = int(pool_tokens // max(mean_seq, 1)) if pool_tokens and n_fed else None  # nothing runs: no advice
     dev_name, dev_mem, n_dev = _device_memory(engine)
     data["memory"] = {"kv_cache_dtype": engine_cfg.kv_cache_dtype, "kv_bytes_per_token": kv_tok, "kv_pool_tokens": pool_tokens, "sequences_that_fit": fit,
-                      "weights_bytes": _weights_bytes(model_path, model_dtype), "device": dev_name, "device_memory": dev_mem}  # fmt: skip
+                      "weights_bytes": _weights_bytes(model_path, model_dtype, engine), "device": dev_name, "device_memory": dev_mem}  # fmt: skip
     data["recommended"] = _recommend(data, fit, kv_tok, pct, bounds, engine_cfg, inp, dev_mem, n_dev)
     if cal is not None:
         _predict_time(data, predicted, cal, lens, saved, expected, ns, inp, engine_cfg, scale,

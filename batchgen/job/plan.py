@@ -144,13 +144,15 @@ class JobPlan:
 # ------------------------------------------------------------------------------------- the settings
 @dataclass(frozen=True)
 class KVRequest:
-    """What the KV memory check reads: the engine's pool options and the weights' dtype option."""
+    """What the KV memory check reads: the engine's pool options (``engine.kv_cache_dtype`` included) and the
+    weights' dtype option."""
 
     device: str
     kv_cache_memory: str
     num_blocks: int | None
     block_size: int
     dtype: str
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,14 @@ class PlanSettings:
             sampling=cfg.sampling,
             max_model_len=e.max_model_len,
             pooling=dataclasses.asdict(cfg.pooling),
-            kv=KVRequest(e.device, e.kv_cache_memory, e.num_blocks, e.block_size, cfg.model.dtype),
+            kv=KVRequest(
+                e.device,
+                e.kv_cache_memory,
+                e.num_blocks,
+                e.block_size,
+                cfg.model.dtype,
+                str(e.kv_cache_dtype),
+            ),
             limit_mm_per_prompt=dict(e.limit_mm_per_prompt or {}),
             mm_processor_kwargs=dict(e.mm_processor_kwargs or {}),
             kv_cache_dtype=str(e.kv_cache_dtype),
@@ -253,7 +262,15 @@ def lora_requests(lora_modules: dict[str, str]) -> dict[str, LoRARequest]:
 def _model_facts(s: PlanSettings, path: str) -> Any:
     """The checkpoint's facts (architecture, max length) for the task, from its config files only (no weights
     are read); an unsupported or malformed one is a ConfigError here, before anything loads. A generation
-    checkpoint's CPU KV pool must fit the machine (:func:`_check_kv_memory`)."""
+    checkpoint's CPU KV pool must fit the machine (:func:`_check_kv_memory`); a GGUF file takes no ``model.dtype``
+    but float32, as its loader says."""
+    from batchgen.models.quant.gguf_checkpoint import check_dtype, gguf_path
+
+    if gguf_path(path) is not None:
+        try:
+            check_dtype(s.dtype)
+        except ValueError as e:
+            raise ConfigError(f"model.path: cannot use {s.model_given!r}: {e}") from e
     if s.task in POOLING_TASKS:
         from batchgen.job.pool import pooling_model_facts
 
@@ -302,9 +319,12 @@ def _check_kv_memory(kv: KVRequest, model_cfg: Any) -> None:
         return
     import torch
 
+    from batchgen.kernels.kv_cache_dtype import cache_dtype
     from batchgen.models.config import parse_dtype
+    from batchgen.models.quant.weight_dtype import compute_dtype
 
-    dtype = model_cfg.dtype if kv.dtype == "auto" else parse_dtype(kv.dtype)
+    weights = model_cfg.dtype if kv.dtype == "auto" else parse_dtype(kv.dtype)
+    dtype = cache_dtype(kv.kv_cache_dtype, compute_dtype(weights, "cpu"))  # as the engine sizes its pool
     elem = torch.tensor([], dtype=dtype).element_size()
     per_block = 2 * model_cfg.num_layers * kv.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * elem
     want = kv.num_blocks * per_block

@@ -169,6 +169,13 @@ def load_gguf_tokenizer(path: Path):
 
 
 @torch.no_grad()
+def check_dtype(dtype: torch.dtype | str) -> None:
+    """UnsupportedCheckpoint unless `dtype` (``model.dtype``) is auto or float32: a GGUF model computes in
+    float32."""
+    if not (isinstance(dtype, str) and dtype.lower() in ("auto", "float32")) and dtype != torch.float32:
+        raise UnsupportedCheckpoint(f"a GGUF checkpoint computes in float32: use dtype auto, not {dtype}")
+
+
 def load_gguf_model(
     path: Path,
     dtype: torch.dtype | str = "auto",
@@ -187,8 +194,7 @@ def load_gguf_model(
 
     gguf = _require_gguf()
     device = torch.device(device)
-    if not (isinstance(dtype, str) and dtype.lower() in ("auto", "float32")) and dtype != torch.float32:
-        raise UnsupportedCheckpoint(f"a GGUF checkpoint computes in float32: use dtype auto, not {dtype}")
+    check_dtype(dtype)
     config = shard_config(read_config(path), tp_rank, tp_size)
     reader = gguf.GGUFReader(str(path))
     arch_name = reader.fields["general.architecture"].contents()
