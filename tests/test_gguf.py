@@ -517,3 +517,14 @@ def test_one_part_of_a_split_file_refused_in_one_line(llama_256, tmp_path) -> No
         UnsupportedCheckpoint, match="is part 1 of 2 of a split model: .* llama-gguf-split --merge"
     ):
         LLM(str(out), num_blocks=64, block_size=8)
+
+
+def test_k_quant_rows_that_are_not_whole_blocks_are_refused_at_load(ckpt_factory, tmp_path) -> None:
+    """A K-quant row of 64 values cannot be whole 256-value blocks (llama.cpp stores such rows in another type):
+    refused when the file is read, not at the job's first step."""
+    small = ckpt_factory("llama", seed=3, hidden_size=64, intermediate_size=256)
+    bad = write_gguf(small, tmp_path / "k.gguf", 12)  # Q4_K everywhere: rows of 64 written as no whole block
+    with pytest.raises(
+        UnsupportedCheckpoint, match=r"k.gguf is Q4_K with rows of \d+ values, not whole 256-value"
+    ):
+        LLM(str(bad), num_blocks=16, block_size=8)

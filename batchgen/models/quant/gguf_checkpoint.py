@@ -149,6 +149,13 @@ def _architecture(path: Path) -> tuple[str, dict[str, int]]:
                 f"GGUF tensor {t.name} in {path.name} is {t.tensor_type.name}: batchgen runs "
                 f"{', '.join(f.name for f in FORMATS.values())}, F32, F16 and BF16 tensors"
             )
+        fmt = FORMATS.get(int(t.tensor_type))
+        if fmt is not None and (int(t.shape[0]) == 0 or int(t.shape[0]) % fmt.block_values):
+            raise UnsupportedCheckpoint(
+                f"GGUF tensor {t.name} in {path.name} is {fmt.name} with rows of {int(t.shape[0])} values, not whole "
+                f"{fmt.block_values}-value blocks: the file is malformed (llama.cpp stores such rows in a type whose "
+                "blocks divide them)"
+            )
     sizes = {hf: int(reader.fields[f"{arch}.{key}"].contents()) for key, hf in _MOE_SIZES.items()
              if f"{arch}.{key}" in reader.fields}  # fmt: skip
     key_length = reader.fields.get(f"{arch}.attention.key_length")
