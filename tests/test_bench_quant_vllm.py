@@ -67,6 +67,14 @@ def test_a_checkpoint_vllm_refuses_is_skipped_with_its_root_cause(model, tmp_pat
     }
 
 
+def test_a_vllm_process_past_the_timeout_is_an_error_row(model, tmp_path) -> None:
+    exe = fake_vllm_interpreter(tmp_path)
+    hangs = shutil.copytree(model, tmp_path / "hangs-forever")
+    args = _args(vllm_timeout=1.5)
+    row = quant_formats.vllm_row(str(exe), "x", str(hangs), 2, args, _ours(2), tmp_path)
+    assert row["error"] == "vLLM's process timed out after 1.5 s (--vllm-timeout)"
+
+
 def test_without_vllm_or_with_drain_the_rows_say_skipped(model, tmp_path) -> None:
     missing = tmp_path / "no" / "python"
     row = quant_formats.vllm_row(str(missing), "x", model, 2, _args(), _ours(2), tmp_path)

