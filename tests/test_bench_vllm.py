@@ -6,74 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from vllm_helpers import fake_vllm_interpreter
 
 from batchgen.bench import launch
 from batchgen.bench.throughput import COMPETING, REFERENCE, _compare, merge_run, round_order
-
-FAKE_VLLM = '''
-"""A stand-in for vllm: greedy "generation" = the prompt's last token + 1, + 2, ... (mod 100)."""
-__version__ = "0.0-fake"
-
-
-class SamplingParams:
-    def __init__(self, temperature=1.0, max_tokens=16, ignore_eos=False):
-        self.max_tokens = max_tokens
-
-
-class _Completion:
-    def __init__(self, token_ids):
-        self.token_ids = token_ids
-
-
-class _Output:
-    def __init__(self, token_ids, cached):
-        self.outputs = [_Completion(token_ids)]
-        self.num_cached_tokens = cached
-
-
-class LLM:
-    kwargs = None
-
-    def __init__(self, **kwargs):
-        LLM.kwargs = kwargs
-        self.seen = set()
-
-    def reset_prefix_cache(self):
-        self.seen = set()
-
-    def generate(self, prompts, params, use_tqdm=True):
-        if not isinstance(params, list):
-            params = [params] * len(prompts)
-        outs = []
-        for p, sp in zip(prompts, params):
-            ids = p["prompt_token_ids"]
-            cached = 16 if tuple(ids[:16]) in self.seen and len(ids) > 16 else 0
-            self.seen.add(tuple(ids[:16]))
-            outs.append(_Output([(ids[-1] + i + 1) % 100 for i in range(sp.max_tokens)], cached))
-        return outs
-'''
-
-
-def _fake_interpreter(tmp_path: Path) -> Path:
-    """An executable that runs this Python with a fake ``vllm`` package (and nothing of batchgen's) on its path."""
-    pkg = tmp_path / "fakepkgs" / "vllm"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(FAKE_VLLM)
-    (pkg / "inputs.py").write_text(
-        "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n"
-    )
-    exe = tmp_path / "venv" / "bin" / "python"
-    exe.parent.mkdir(parents=True)
-    exe.write_text(f'#!/bin/sh\nPYTHONPATH="{pkg.parent}" exec "{sys.executable}" "$@"\n')
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    return exe
 
 
 def _spec(prompts: list[list[int]], max_tokens: list[int], repeats: int = 2) -> dict:
@@ -96,7 +38,7 @@ def _spec(prompts: list[list[int]], max_tokens: list[int], repeats: int = 2) -> 
 
 
 def test_vllm_runs_under_the_named_interpreter(tmp_path: Path) -> None:
-    exe = _fake_interpreter(tmp_path)
+    exe = fake_vllm_interpreter(tmp_path)
     prompts = [[1] * 20 + [5], [1] * 20 + [9], [3, 4]]
     res = launch.run_system(_spec(prompts, [3, 2, 4]), tmp_path, 120, {"vllm": str(exe)}, settle_max_s=0)
     assert res["status"] == "ok", res.get("log_tail")
@@ -113,7 +55,7 @@ def test_vllm_runs_under_the_named_interpreter(tmp_path: Path) -> None:
 def test_a_served_vllm_keeps_its_engine_across_runs(tmp_path: Path) -> None:
     """Serve mode: one process, the engine started once, one result per request; a competing process can
     wrap a single request."""
-    exe = _fake_interpreter(tmp_path)
+    exe = fake_vllm_interpreter(tmp_path)
     servers = launch.Servers(tmp_path)
     try:
         a = launch.run_system(_spec([[4, 5]], [2], 1), tmp_path, 120, {"vllm": str(exe)}, "a", servers, 0)

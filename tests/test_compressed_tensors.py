@@ -356,3 +356,22 @@ def test_fp8_moe_experts_equal_the_dequantized_model(tmp_path) -> None:
                for k, t in state.items() if not k.endswith("_scale")}, str(dense / "model.safetensors"))  # fmt: skip
     got = batchgen_greedy(llm)
     assert got == transformers_greedy(str(dense)) and len({t for row in got for t in row}) > 6
+
+
+def test_the_package_w4a16_writer_writes_what_compressed_tensors_packs(llama_256, tmp_path) -> None:
+    """`writers.write_compressed_w4a16` (the benchmarks' W4A16 file, no compressed-tensors needed) holds the
+    tensors the test writer packs with compressed-tensors' own ``pack_to_int32``, and its config's scheme."""
+    from safetensors.torch import load_file
+
+    from batchgen.models.quant.writers import write_compressed_w4a16
+
+    ours = write_compressed_w4a16(llama_256, tmp_path / "ours", dtype=torch.bfloat16)
+    theirs = write_compressed_tensors(
+        llama_256, tmp_path / "theirs", bits=4, group_size=128, dtype=torch.bfloat16
+    )
+    a, b = load_file(f"{ours}/model.safetensors"), load_file(f"{theirs}/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    scheme = [json.loads(Path(p, "config.json").read_text())["quantization_config"] for p in (ours, theirs)]
+    weights = [q["config_groups"]["group_0"]["weights"] for q in scheme]
+    assert {**weights[0], "block_structure": None} == {**weights[1], "block_structure": None}
+    assert scheme[0]["format"] == scheme[1]["format"] == "pack-quantized"

@@ -212,6 +212,14 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(1, sum(map(len, a)))
 
 
+def peer_agreement(theirs: list[list[int]], ours: list[list[int]]) -> dict:
+    """A peer's greedy agreement with batchgen's tokens on the same file: the share of tokens before each
+    sequence's first difference, and the share of sequences whose first token is the same."""
+    first = [a[:1] == b[:1] for a, b in zip(theirs, ours)]
+    return {"greedy_agreement_with_batchgen": round(_agreement(theirs, ours), 3),
+            "first_token_agreement": round(sum(first) / max(1, len(first)), 3)}  # fmt: skip
+
+
 def llama_cpp_peer(python: str, path: str, batch: int, args, threads: int) -> dict:
     """llama.cpp's batched greedy decode of the bench prompts on the GGUF file at `path`, run by
     :mod:`batchgen.bench.llamacpp_peer` under `python`; its result (``status`` ``ok``, ``skipped`` or
@@ -303,10 +311,7 @@ def main() -> None:
                 continue
             row.update(tok_s=round(res["tok_s"], 1), tok_per_cpu_s=round(res["tok_per_cpu_s"], 1))
             if f"batchgen GGUF {name}" in runs:
-                ours = runs[f"batchgen GGUF {name}"]
-                row["greedy_agreement_with_batchgen"] = round(_agreement(res["token_ids"], ours.tokens), 3)
-                first = [a[:1] == b[:1] for a, b in zip(res["token_ids"], ours.tokens)]
-                row["first_token_agreement"] = round(sum(first) / len(first), 3)
+                row.update(peer_agreement(res["token_ids"], runs[f"batchgen GGUF {name}"].tokens))
             emit({**row, "threads": res["threads"], "build": res["llama_cpp"]})
     if args.kv_context:
         for row in kv_decode_runs(f32, args):

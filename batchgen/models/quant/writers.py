@@ -1,7 +1,7 @@
-"""Write a tiny float checkpoint (`batchgen.models.tiny.build_checkpoint`) as a GPTQ, AWQ or fp8 checkpoint,
-laid out from the formats' specifications as their quantizers save them (GPTQModel / AutoGPTQ's packer,
-AutoAWQ's ``WQLinear_GEMM.from_linear``, transformers' fine-grained fp8, llm-compressor's fp8): the test and
-benchmark fixtures of the loaders in :mod:`batchgen.models.quant`. Quantization is round-to-nearest with
+"""Write a tiny float checkpoint (`batchgen.models.tiny.build_checkpoint`) as a GPTQ, AWQ, fp8 or
+compressed-tensors checkpoint, laid out from the formats' specifications as their quantizers save them
+(GPTQModel / AutoGPTQ's packer, AutoAWQ's ``WQLinear_GEMM.from_linear``, transformers' fine-grained fp8,
+llm-compressor's fp8, W8A8 and W4A16): the test and benchmark fixtures of the loaders in :mod:`batchgen.models.quant`. Quantization is round-to-nearest with
 min/max (or absmax) scales: what matters to a loader is the layout, not how good the weights are.
 
 Every 2-D projection of the decoder layers is quantized; embeddings, norms and ``lm_head`` stay float.
@@ -217,3 +217,21 @@ def write_compressed_w8a8(
         "int-quantized" if kind == "int" else "float-quantized", _args(kind, "channel"), acts
     )
     return _rewrite(ckpt, out, quantize, config, dtype)
+
+
+def write_compressed_w4a16(ckpt, out, group_size: int = 128, dtype=torch.bfloat16) -> str:
+    """A compressed-tensors ``pack-quantized`` copy of `ckpt` (llm-compressor's ``W4A16`` preset: symmetric int4
+    weights in groups of `group_size` inputs): ``weight_packed`` int32 ``[N, K / 8]`` (value + 8, eight to a
+    word along K, the first in the low bits), ``weight_scale`` ``[N, K / group_size]`` = group absmax / 7 in the
+    checkpoint dtype, ``weight_shape`` ``[N, K]``."""
+
+    def quantize(module: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, k = w.shape
+        groups = w.reshape(n, k // group_size, group_size)
+        scale = (groups.abs().amax(-1) / 7).clamp(min=1e-8).to(dtype)
+        q = torch.round(groups / scale.double()[..., None]).clamp(-8, 7).reshape(n, k).to(torch.int64)
+        return {"weight_packed": torch.from_numpy(_pack((q + 8).numpy(), 4, axis=1)), "weight_scale": scale,
+                "weight_shape": torch.tensor([n, k], dtype=torch.int64)}  # fmt: skip
+
+    weights = {**_args("int", "group", observer="minmax"), "num_bits": 4, "group_size": group_size}
+    return _rewrite(ckpt, out, quantize, _compressed_config("pack-quantized", weights), dtype)
