@@ -59,7 +59,7 @@ def quantize_rows(x: Tensor, group: int, scales: Tensor | None = None) -> Quanti
         stride = 0 if given.numel() == 1 else 1
     status = cpu_kernel.library().batchgen_quantize_rows_s8(
         rows.data_ptr(), max(rows.stride(0), k), m, k, None if given is None else given.data_ptr(), stride, group,
-        q.data_ptr(), out_scales.data_ptr(), sums.data_ptr(),
+        q.data_ptr(), out_scales.data_ptr(), sums.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"batchgen_quantize_rows_s8 rejected [{m}, {k}] with group {group}")

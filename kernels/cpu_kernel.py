@@ -228,7 +228,7 @@ def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.batchgen_int_linear.restype = i32
     lib.batchgen_fp8_linear.argtypes = [ptr, i64, ptr, ptr, i32, ptr, ptr, i64] + [i32] * 4
     lib.batchgen_fp8_linear.restype = i32
-    lib.batchgen_quantize_rows_s8.argtypes = [ptr, i64, i32, i32, ptr, i32, i32, ptr, ptr, ptr]
+    lib.batchgen_quantize_rows_s8.argtypes = [ptr, i64, i32, i32, ptr, i32, i32, ptr, ptr, ptr, i32]
     lib.batchgen_int8_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i32, ptr, ptr, i64] + [i32] * 4
     lib.batchgen_quantize_rows_s8.restype = lib.batchgen_int8_linear.restype = i32
     lib.batchgen_silu_mul_f32.argtypes = [ptr, i64, ptr, i32, i32, i32]

@@ -49,14 +49,17 @@ def _weights(n: int, k: int, group: int, seed: int = 1) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.parametrize("dynamic", [True, False])
-def test_rows_are_quantized_as_compressed_tensors_does(dynamic) -> None:
-    x = _inputs(7, 200)
+@pytest.mark.parametrize(("k", "group"), [(200, 40), (256, 64), (208, 208), (1040, 1040)])
+def test_rows_are_quantized_as_compressed_tensors_does(dynamic, k, group) -> None:
+    """Groups of 16 values and more take the 512-bit loop where the build has it; the others plain C."""
+    x = _inputs(7, k)
+    x[4, -1] = -50.0  # the largest magnitude in a row's last value (past the last whole vector when k % 16)
     form = _Symmetric(fp8=False, dynamic=dynamic, half=127.5, low=-128.0, high=127.0)
     static = torch.tensor([0.037])
-    rows = cpu_int8_linear.quantize_rows(x, group=40, scales=None if dynamic else static)
+    rows = cpu_int8_linear.quantize_rows(x, group=group, scales=None if dynamic else static)
     want = _fake_quantize_symmetric(x, form, static)
     assert torch.equal(rows.q.float() * rows.scales[:, None], want)
-    assert torch.equal(rows.group_sums, rows.q.int().reshape(7, 5, 40).sum(-1).int())
+    assert torch.equal(rows.group_sums, rows.q.int().reshape(7, k // group, group).sum(-1).int())
     assert int(rows.q.min()) >= -128 and int(rows.q.max()) <= 127
 
 

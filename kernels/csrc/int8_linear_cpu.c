@@ -46,36 +46,71 @@
 #define VK 64        /* k per vpdpbusd */
 #define MAX_GROUP 65536
 
+/* max |row[k]| (the order of a maximum does not change it). */
+static float largest_magnitude(const float *row, int K) {
+    int k = 0;
+    float amax = 0.0f;
+#ifdef INT8_VNNI
+    __m512 acc = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) acc = _mm512_max_ps(acc, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+    amax = _mm512_reduce_max_ps(acc);
+#endif
+    for (; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+    return amax;
+}
+
+/* One row: q = round_half_even(clamp(x / s, -128, 127)); each group's sum of q into sums. */
+static void quantize_row(const float *row, int K, float s, int group, int8_t *qr, int32_t *sums) {
+    int k = 0;
+#ifdef INT8_VNNI
+    if (group % 16 == 0) {
+        const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
+        for (int g = 0; g < K / group; g++) {
+            __m512i acc = _mm512_setzero_si512();
+            for (; k < (g + 1) * group; k += 16) {
+                __m512 v = _mm512_div_ps(_mm512_loadu_ps(row + k), vs);
+                v = _mm512_min_ps(_mm512_max_ps(v, lo), hi); /* x < -128 ? -128 : x, then > 127 ? 127 : x */
+                const __m512i i = _mm512_cvtps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                _mm_storeu_si128((__m128i *)(qr + k), _mm512_cvtepi32_epi8(i));
+                acc = _mm512_add_epi32(acc, i);
+            }
+            sums[g] = _mm512_reduce_add_epi32(acc);
+        }
+        return;
+    }
+#endif
+    for (; k < K; k++) {
+        float v = row[k] / s;
+        v = v < -128.0f ? -128.0f : v;
+        v = v > 127.0f ? 127.0f : v;
+        qr[k] = (int8_t)rintf(v);
+    }
+    for (int g = 0; g < K / group; g++) {
+        int32_t t = 0;
+        for (int j = g * group; j < (g + 1) * group; j++) t += qr[j];
+        sums[g] = t;
+    }
+}
+
 /* Quantize rows of x: returns 0, or -1 on a bad argument. given: NULL (each row's scale from its own values), or
  * the scale of row m at given[m * given_stride] (stride 0: one static scale for every row). */
 int batchgen_quantize_rows_s8(const float *x, int64_t ldx, int M, int K, const float *given, int given_stride,
-                              int group, int8_t *q, float *xs, int32_t *qsum) {
+                              int group, int8_t *q, float *xs, int32_t *qsum, int num_threads) {
     if (M < 0 || K <= 0 || group <= 0 || K % group != 0 || ldx < K || given_stride < 0) return -1;
     const int G = K / group;
+#pragma omp parallel for num_threads((int64_t)M * K >= 65536 ? num_threads : 1) schedule(static)
     for (int m = 0; m < M; m++) {
         const float *row = x + (int64_t)m * ldx;
         float s;
         if (given) {
             s = given[(int64_t)m * given_stride];
         } else {
-            float amax = 0.0f;
-            for (int k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+            float amax = largest_magnitude(row, K);
             s = amax / 127.5f;
             if (s == 0.0f) s = FLT_EPSILON;
         }
         xs[m] = s;
-        int8_t *qr = q + (int64_t)m * K;
-        for (int k = 0; k < K; k++) {
-            float v = row[k] / s;
-            v = v < -128.0f ? -128.0f : v;
-            v = v > 127.0f ? 127.0f : v;
-            qr[k] = (int8_t)rintf(v);
-        }
-        for (int g = 0; g < G; g++) {
-            int32_t t = 0;
-            for (int k = g * group; k < (g + 1) * group; k++) t += qr[k];
-            qsum[(int64_t)m * G + g] = t;
-        }
+        quantize_row(row, K, s, group, q + (int64_t)m * K, qsum + (int64_t)m * G);
     }
     return 0;
 }
