@@ -237,3 +237,18 @@ def test_pages_written_with_a_checksum_are_verified(tmp_path: Path) -> None:
     w = next(iter_windows(open_input(str(p)), plan_windows(0, 20, 20), ["prompt"]))
     assert [(s, e) for s, e, _ in w.unreadable] == [(10, 20)]
     assert w.table.column("prompt").to_pylist()[:10] == [f"prompt number {i:03d}" for i in range(10)]
+
+
+def test_opening_the_input_pays_pyarrows_first_conversion(multi: Path) -> None:
+    """pyarrow imports pandas on its first conversion of Python objects (0.1-0.2 s): opening the input does it,
+    in the job's start-up, so the first window's commit (inside the job's wall time) does not."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from batchgen.data.reader import open_input; "
+        f"open_input({str(multi)!r}); print('pandas' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    pytest.importorskip("pandas", reason="pandas is not installed: pyarrow has nothing to import")
+    assert out.strip() == "True"

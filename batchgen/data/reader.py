@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import functools
 import glob
 import hashlib
 import logging
@@ -236,6 +237,13 @@ def without_outputs(paths: list[str], root: str, output: str | None) -> list[str
     return kept
 
 
+@functools.cache
+def _first_conversion() -> None:
+    """pyarrow imports pandas (where it is installed) on its first conversion of Python objects, 0.1-0.2 s: done
+    when the input is opened, in the job's start-up (and the dry run's), not in the first window's commit."""
+    pa.array([0])
+
+
 def open_input(
     spec: str, output: str | None = None, storage_options: dict[str, Any] | None = None
 ) -> InputSet:
@@ -248,6 +256,7 @@ def open_input(
     """
     from batchgen.data.storage import is_url
 
+    _first_conversion()
     if is_url(spec):
         from batchgen.data.remote_input import open_remote_input
 
