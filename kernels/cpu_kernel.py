@@ -252,6 +252,10 @@ def start_build() -> None:
         return
     with _lock:
         if _thread is None and "lib" not in _state:
+            # Python's sysconfig fills its variables on first use without a lock: the build thread reading the
+            # compiler from it while the main thread's imports first read it can leave one of them a half-filled
+            # table (AttributeError: 'userbase'); filled here, before the thread starts
+            sysconfig.get_config_vars()
             _thread = threading.Thread(target=_build_in_thread, name="batchgen-cpu-kernel", daemon=True)
             _thread.start()
 
