@@ -175,7 +175,6 @@ def load_gguf_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-@torch.no_grad()
 def check_dtype(dtype: torch.dtype | str) -> None:
     """UnsupportedCheckpoint unless `dtype` (``model.dtype``) is auto or float32: a GGUF model computes in
     float32."""
@@ -183,6 +182,7 @@ def check_dtype(dtype: torch.dtype | str) -> None:
         raise UnsupportedCheckpoint(f"a GGUF checkpoint computes in float32: use dtype auto, not {dtype}")
 
 
+@torch.no_grad()
 def load_gguf_model(
     path: Path,
     dtype: torch.dtype | str = "auto",
