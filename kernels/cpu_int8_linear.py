@@ -35,9 +35,8 @@ class QuantizedRows:
     group: int
 
 
-def available() -> bool:
-    """Whether the C kernel can run here (the library enabled, built and loaded; waits for a build)."""
-    return cpu_kernel.enabled() and cpu_kernel.library() is not None
+available = cpu_kernel.available
+"""Whether this kernel can run here (:func:`.cpu_kernel.available`)."""
 
 
 def quantize_rows(x: Tensor, group: int, scales: Tensor | None = None) -> QuantizedRows:

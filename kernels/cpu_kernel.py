@@ -91,6 +91,11 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
+def available() -> bool:
+    """Whether the C kernels can run here (the library enabled, built and loaded; waits for a build)."""
+    return enabled() and library() is not None
+
+
 def compiler() -> list[str] | None:
     """The C compiler command: ``$CC``, else Python's configured ``CC`` if on ``PATH``, else ``cc``/``gcc``."""
     for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC")):

@@ -27,9 +27,8 @@ PANEL = 16
 """Output columns per packed panel (the kernel's register tile is 6 rows x 16 columns)."""
 
 
-def available() -> bool:
-    """Whether :func:`linear` can run here (the C library enabled, built and loaded; waits for a build)."""
-    return cpu_kernel.enabled() and cpu_kernel.library() is not None
+available = cpu_kernel.available
+"""Whether this kernel can run here (:func:`.cpu_kernel.available`)."""
 
 
 WEIGHT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16w", torch.float16: "f16w"}

@@ -52,9 +52,8 @@ FORMATS: dict[int, BlockFormat] = {
 """The block formats the kernel multiplies by, by ggml type id."""
 
 
-def available() -> bool:
-    """Whether the C kernel can run here (the library enabled, built and loaded; waits for a build)."""
-    return cpu_kernel.enabled() and cpu_kernel.library() is not None
+available = cpu_kernel.available
+"""Whether this kernel can run here (:func:`.cpu_kernel.available`)."""
 
 
 def _lib():
