@@ -15,7 +15,7 @@ from s3_server import S3, s3, s3_endpoint  # noqa: F401 - fixtures
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core.llm_engine import LLMEngine
-from batchgen.job.calibrate import StepModel, fit_step_model
+from batchgen.job.calibrate import CalibrationRow, StepModel, fit_step_model
 from batchgen.job.prefix_sim import simulate_prefix_cache
 from batchgen.job.run import run_job
 from batchgen.job.schedule_sim import SimRequest, simulate_schedule
@@ -411,13 +411,7 @@ def test_plan_weights_bytes_follow_model_dtype(llama_ckpt: str, tmp_path: Path) 
 
 
 def test_calibration_keeps_to_its_budget_and_a_small_sample_widens_the_range(tiny_ckpt: str) -> None:
-    from batchgen.job.calibrate import (
-        FULL_SAMPLE_STEPS,
-        MIN_BATCH_STEPS,
-        CalibrationRow,
-        relative_spread,
-        run_calibration,
-    )
+    from batchgen.job.calibrate import FULL_SAMPLE_STEPS, MIN_BATCH_STEPS, relative_spread, run_calibration
 
     engine = _engine(tiny_ckpt, max_num_seqs=8)
     params = SamplingParams(max_tokens=FULL_SAMPLE_STEPS + 8, temperature=0.8, seed=1, ignore_eos=True)
@@ -437,6 +431,56 @@ def test_calibration_keeps_to_its_budget_and_a_small_sample_widens_the_range(tin
     # the same machine load for both (the load's own term is not what this compares)
     spent, ample = dataclasses.replace(spent, load=None), dataclasses.replace(ample, load=None)
     assert relative_spread(spent, params.max_tokens) > relative_spread(ample, params.max_tokens) + 0.05
+
+
+def test_a_calibration_short_of_the_jobs_concurrency_probes_its_decode_steps(tiny_ckpt: str) -> None:
+    # a budget that admits a few rows of a job running 16 at once: the probe times decode steps at 16
+    # sequences over contexts of the rows' length, their prompts a prefix cache hit but for one token each
+    from batchgen.job.calibrate import PROBE_TOKENS, run_calibration
+
+    engine = _engine(tiny_ckpt, max_num_seqs=16)
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True)
+    rows = [
+        CalibrationRow(i, engine.tokenizer.encode(INSTRUCTION + f"Question {i}?"), params, (0, 0))
+        for i in range(24)
+    ]
+    cal = run_calibration(engine, rows, len(rows), lambda cal: 0.0, batch=16)
+    assert cal.concurrency <= 8 and cal.probe_seqs == 16 and cal.probe_seconds > 0
+    probe = [s for s in cal.timed_steps if s[1] == 16]
+    assert len(probe) == PROBE_TOKENS  # the prefill step's tokens, then the decode steps
+    mean = sum(len(r.token_ids) for r in rows) / len(rows)
+    assert probe[0][0] == 16 and all(s[2] >= 16 * (mean - 16) for s in probe[:-1])  # K after the step
+    assert cal.model.coef[2] > 0  # the decode cost per sequence, which the batch alone left unknown
+    # reached already (an ample budget, every row at the job's concurrency): no probe
+    assert run_calibration(engine, rows[:16], 16, lambda cal: 1e9, batch=16).probe_seqs == 0
+
+
+def test_the_warm_up_is_a_one_time_cost_added_once_per_engine(tiny_ckpt: str) -> None:
+    # a fresh engine's first batch (lazy initialisation, first writes into the KV pool) is timed apart: left
+    # out of the step model, its excess over the model is added to each replica's time once
+    from batchgen.job.calibrate import Calibration, _overhead, run_calibration
+    from batchgen.job.dry_run import _simulate_parts
+
+    engine = _engine(tiny_ckpt, max_num_seqs=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    rows = [
+        CalibrationRow(i, engine.tokenizer.encode(f"Question {i} " * 8), params, (0, 0)) for i in range(4)
+    ]
+    cal = run_calibration(engine, rows, 4, lambda cal: 1e9, batch=4)
+    # the first timed step is the one-sequence request's prefill (of the last row, less the blocks the warm-up
+    # cached): the warm-up's steps are not there
+    p, d = cal.timed_steps[0][:2]
+    assert d == 1.0 and 0 < p <= len(rows[-1].token_ids) and cal.first_calls_s >= 0
+    model = StepModel((0.01, 0.0, 0.0, 0.0))
+    assert _overhead(model, [(0.0, 1.0, 0.0, 0.01)] * 10, 0.2) == pytest.approx(2.0)
+    assert _overhead(model, [(0.0, 1.0, 0.0, 0.01)] * 10, 0.05) == 1.0  # never under the model
+    reqs = [SimRequest(8, 8, 4) for _ in range(8)]
+    inp = dataclasses.make_dataclass("Inp", ["window_sizes", "block_size"])([4, 4], 16)
+    ecfg = EngineConfig(device="cpu", max_num_seqs=4)
+    base = Calibration(model)
+    times, *_ = _simulate_parts(reqs, base, inp, ecfg, 1.0, 2, None)
+    once, *_ = _simulate_parts(reqs, dataclasses.replace(base, first_calls_s=0.5), inp, ecfg, 1.0, 2, None)
+    assert [b - a for a, b in zip(times, once)] == pytest.approx([0.5, 0.5])
 
 
 def test_a_resumed_run_is_compared_with_its_part_of_the_plan() -> None:

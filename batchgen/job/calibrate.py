@@ -8,9 +8,11 @@ once per sequence, as the simulation counts it). The coefficients are fitted by 
 calibration's timed steps, a term whose coefficient comes out negative (or that the steps do not vary apart
 from the others) being dropped; steps far above the fit (stalls) are left out and the rest refitted.
 
-**Calibration.** After an untimed warm-up (lazy initialisation) and a timed one-sequence request (the
-small-batch end: one prefill, one decode; left out when an earlier dry run on the same setup kept its steps,
-:class:`StepCache`), a proportional stratified sample of the job's rows — by prompt length
+**Calibration.** After a warm-up batch (a fresh engine's one-time costs: lazy initialisation, first calls at a
+batch's shapes, first writes into the KV pool; its steps' excess over the step model is added to each engine's
+predicted time once, :attr:`Calibration.first_calls_s`, and left out of the fit) and a timed one-sequence
+request (the small-batch end: one prefill, one decode; left out when an earlier dry run on the same setup kept
+its steps, :class:`StepCache`), a proportional stratified sample of the job's rows — by prompt length
 (quartiles) and prefix group (the first block of tokens) — runs through the engine **at the job's
 concurrency** (up to ``max_num_seqs`` sequences, admitted a few more each step so that no step's prefill
 takes over a third of the budget),
@@ -21,7 +23,9 @@ the floor of batch steps is timed, each time half of what is left of it is spent
 by half, and before stopping — is spent (after at least :data:`MIN_BATCH_STEPS` steps of a batch, the floor
 below which the step model has nothing to fit); rows still running are aborted and kept as censored
 observations of their output length. A small sample (few batch steps, the job's concurrency not reached)
-widens the range (:func:`relative_spread`).
+widens the range (:func:`relative_spread`); where the batch stayed far below the job's concurrency, a probe
+times decode steps at it over contexts of the rows' mean length (:func:`_probe_concurrency`), so the cost per
+running sequence is measured, not extrapolated.
 
 **Output lengths.** EOS and stop strings end outputs before ``max_tokens``: the natural length distribution
 is estimated by Kaplan-Meier over the calibration's samples and a geometric tail whose mean is estimated
@@ -55,12 +59,21 @@ if TYPE_CHECKING:
 MIN_BATCH_STEPS = 8
 """Steps a calibration batch always runs (unless it finishes first), whatever the budget: its prefill and a few
 decode steps, the least the step model can be fitted to."""
-WARM_UP_TOKENS = 8
-"""Prompt tokens of the untimed warm-up request."""
+WARM_UP_TOKENS = 32
+"""Prompt tokens of each warm-up request (:func:`_warm_up`)."""
+WARM_UP_SEQS = 4
+"""Requests of the warm-up batch."""
 STOP_MARGIN = 0.95
 """The calibration stops when a step like the last would end past this share of its budget."""
 FULL_SAMPLE_STEPS = 48
 """Batch steps from which the sample's size no longer widens the range (:func:`relative_spread`)."""
+PROBE_TOKENS = 4
+"""Tokens each sequence of the concurrency probe generates: its prefill step, then three decode steps."""
+PROBE_MIN_S = 0.05
+"""Seconds the concurrency probe may always take, whatever the budget (a job too short for its budget to buy
+the probe still gets its decode cost per sequence)."""
+MIN_PROBE_SEQS = 8
+"""Fewest sequences worth a concurrency probe."""
 FEATURES = ("per_step", "per_prefill_token", "per_decode_seq", "per_1k_context_tokens")
 
 
@@ -367,13 +380,20 @@ class Calibration:
     target_concurrency: int = 0
     """The job's concurrency, which the calibration ramps to."""
     warmup_seconds: float = 0.0
-    """Of ``seconds``: the untimed warm-up (lazy initialisation) and the timed one-sequence request."""
+    """Of ``seconds``: the warm-up batch and the timed one-sequence request."""
     budget: float = 0.0
     """The budget the calibration ended with (``fraction`` of the predicted time)."""
     batch_steps: int = 0
     """Steps timed at the job's concurrency in this calibration (less the one-sequence request's)."""
     reused_steps: int = 0
     """Of ``steps``: steps an earlier calibration on the same setup timed (:class:`StepCache`)."""
+    first_calls_s: float = 0.0
+    """What a fresh engine's first batch costs beyond the step model, paid once per engine: the warm-up's steps'
+    excess over the model (:func:`_warm_up`), which are left out of the fit."""
+    probe_seqs: int = 0
+    """Sequences of the concurrency probe (0: none ran; :func:`_probe_concurrency`)."""
+    probe_seconds: float = 0.0
+    """Of ``seconds``: the concurrency probe's."""
     timed_steps: list[tuple[float, float, float, float]] = field(default_factory=list)
     """(P, D, K, seconds) per step the step model is fitted to, the reused first."""
 
@@ -470,11 +490,12 @@ def run_calibration(
     cal = Calibration(fit_step_model([]), target_concurrency=batch, reused_steps=len(samples))
     t_start = time.perf_counter()  # the warm-ups count against the budget: the calibration's whole cost
     # not timed: lazy initialisation (a few tokens are enough, and cost the budget least)
-    _warm_up(engine, replace(order[0], token_ids=order[0].token_ids[:WARM_UP_TOKENS]), None)
+    first: list[tuple[float, float, float, float]] = []  # its steps: one-time costs, not the model's
+    _warm_up(engine, order[:WARM_UP_SEQS], first)
     if samples:
         cal.model = fit_step_model(samples)
     else:
-        _warm_up(engine, order[-1], samples)  # one sequence: the small-batch end of the step model
+        _timed(engine, [_short_request(order[-1], "one")], samples)  # the small-batch end of the step model
         cal.model = _one_sequence_model(samples)
     state = BudgetState(budget_s(cal))
     state.row_seconds = _row_prefill_seconds(cal.model, order, batch)
@@ -517,13 +538,20 @@ def run_calibration(
         state.stopped or time.perf_counter()
     ) - t0  # aborting the rows still running is not the job's
     cal.rows = admitted
+    n1 = len(samples)
+    t_probe = time.perf_counter()
+    left = state.seconds - (t_probe - t_start)
+    cal.probe_seqs = _probe_concurrency(
+        engine, order, batch, cal.concurrency, max(left, state.seconds / 2, PROBE_MIN_S), samples
+    )
+    cal.probe_seconds = time.perf_counter() - t_probe
     if finished < admitted:
         cal.note = f"stopped at its budget of {state.seconds:.2f} s, {admitted - finished} row(s) censored"
     cal.model = fit_step_model(samples)
     cal.lengths = OutputLengths.fit(cal.observations)
     cal.seconds = time.perf_counter() - t_start
     cal.steps = len(samples)
-    cal.batch_steps = len(samples) - n0
+    cal.batch_steps = n1 - n0
     cal.budget = state.seconds
     if cal.seconds > cal.budget and finished < admitted and cal.batch_steps <= MIN_BATCH_STEPS:
         cal.note += (
@@ -532,11 +560,18 @@ def run_calibration(
         )
     cal.step_seconds = sum(x[3] for x in samples[cal.reused_steps :])
     cal.timed_steps = samples
-    predicted = sum(cal.model.step_time(*x[:3]) for x in samples[n0:])
-    # the budget's re-evaluations (a simulation of the whole job each) are the calibration's, not the job's
-    cal.overhead = max(1.0, (batch_wall - state.refreshing) / predicted) if predicted > 0 else 1.0
+    cal.overhead = _overhead(cal.model, samples[n0:n1], batch_wall - state.refreshing)
+    cal.first_calls_s = sum(max(0.0, x[3] - cal.model.step_time(*x[:3])) for x in first)
     cal.load = load_average()
     return cal
+
+
+def _overhead(model: StepModel, steps: Sequence[tuple[float, float, float, float]], wall: float) -> float:
+    """The batch's wall time (less the budget's re-evaluations: the calibration's, not the job's) over its steps'
+    model times, at least 1: what the job pays beside its steps (adding requests, Python between steps) and in
+    stalls the fit leaves out."""
+    predicted = sum(model.step_time(*x[:3]) for x in steps)
+    return max(1.0, wall / predicted) if predicted > 0 else 1.0
 
 
 def _one_sequence_model(samples: Sequence[tuple[float, float, float, float]]) -> StepModel:
@@ -560,24 +595,42 @@ def _row_prefill_seconds(model: StepModel, order: Sequence[CalibrationRow], batc
     return per_token * mean_prompt
 
 
-def _warm_up(
-    engine: Any, row: CalibrationRow, samples: list[tuple[float, float, float, float]] | None
-) -> None:
-    """One short request (2 tokens of ``row``): lazy initialisation (kernels, graphs, allocator) out of the
-    timings when ``samples`` is None; else its steps timed into ``samples``."""
-    from batchgen.driver import Driver, EngineRequest, Requests
+def _short_params(params: Any, max_tokens: int) -> Any:
+    """The row's parameters for a request that generates exactly ``max_tokens`` tokens whatever its stops; a
+    row under structured output keeps its grammar (initialised here, out of the timed steps), which ends the
+    output itself and refuses ignore_eos."""
+    if params is None:
+        return None
+    return replace(params, max_tokens=max_tokens, min_tokens=0,
+                   ignore_eos=not getattr(params, "constrained", False), stop=None, stop_token_ids=None)  # fmt: skip
 
-    # its two tokens whatever the row's stops (a prefill step, then a decode step: the one-sequence model); a
-    # row under structured output keeps its grammar (initialised here, out of the timed steps), which ends
-    # the output itself and refuses ignore_eos
-    params = (
-        replace(row.params, max_tokens=2, min_tokens=0, ignore_eos=not getattr(row.params, "constrained", False),
-                stop=None, stop_token_ids=None)
-        if row.params is not None
-        else None
-    )  # fmt: skip
-    request = EngineRequest(f"batchgen-calibration-warmup-{samples is None}", list(row.token_ids), params)
-    steps = Driver(engine, Requests([request], lambda outs: None)).steps()
+
+def _short_request(row: CalibrationRow, name: str, tokens: int | None = None) -> Any:
+    """A request of ``row`` (its first ``tokens`` prompt tokens; None: all) generating 2 tokens: a prefill
+    step, then a decode step."""
+    from batchgen.driver import EngineRequest
+
+    prompt = list(row.token_ids[:tokens] if tokens is not None else row.token_ids)
+    return EngineRequest(
+        f"batchgen-calibration-{name}", prompt, _short_params(row.params, 2), lora_request=row.lora
+    )
+
+
+def _warm_up(
+    engine: Any, rows: Sequence[CalibrationRow], first: list[tuple[float, float, float, float]]
+) -> None:
+    """A small batch of ``rows`` (their first :data:`WARM_UP_TOKENS` tokens, 2 generated) through the engine:
+    the lazy initialisation and one-time costs of a fresh engine's first batch (kernels loaded, first calls at a
+    batch's shapes, the first writes into the KV pool: tens of milliseconds on a CPU, varying run to run) are
+    paid here, its steps timed into ``first`` (:attr:`Calibration.first_calls_s`), not into the model's."""
+    _timed(engine, [_short_request(r, f"warmup-{i}", WARM_UP_TOKENS) for i, r in enumerate(rows)], first)
+
+
+def _timed(engine: Any, requests: list[Any], samples: list[tuple[float, float, float, float]] | None) -> None:
+    """Run ``requests`` to their ends, all admitted at once; each step timed into ``samples`` (unless None)."""
+    from batchgen.driver import Driver, Requests
+
+    steps = Driver(engine, Requests(requests, lambda outs: None)).steps()
     prev = engine.stats.snapshot()
     while True:
         t0 = time.perf_counter()
@@ -590,6 +643,51 @@ def _warm_up(
             d = st.generated_tokens - prev.generated_tokens
             samples.append((float(p), float(d), _context_tokens(engine), dt))
         prev = st.snapshot()
+
+
+def _probe_concurrency(
+    engine: Any,
+    order: Sequence[CalibrationRow],
+    batch: int,
+    reached: int,
+    allowance_s: float,
+    samples: list[tuple[float, float, float, float]],
+) -> int:
+    """Where the calibration's batch stayed far below the job's concurrency (its budget admits a few rows: a
+    short job, long prompts), the cost of a decode step per running sequence — its attention over a context of
+    the job's length, its sampling — is not in its steps. This probe times it: one sequence prefills a prompt
+    of the rows' mean length (cut from a row, ending one token into a block), then up to ``batch`` sequences
+    of that prompt, admitted at once, each compute its last token (the rest is a prefix cache hit) and
+    generate :data:`PROBE_TOKENS` tokens: decode steps at the job's concurrency over contexts of the job's
+    length. As many sequences as its cost by the step model so far fits in ``allowance_s``; none when that is
+    under twice ``reached`` or :data:`MIN_PROBE_SEQS`. Returns the sequences probed."""
+    from batchgen.driver import EngineRequest
+
+    model = fit_step_model(samples)
+    per_token, per_step = max(model.coef[1], 0.0), max(model.coef[0], 0.0)
+    bs = max(1, engine.stats.block_size or 16)
+    caching = getattr(getattr(engine, "config", None), "enable_prefix_caching", False)
+    mean = sum(len(r.token_ids) for r in order) / max(1, len(order))
+    length = max(2, min(max(len(r.token_ids) for r in order), int(mean) // bs * bs + 1))
+    row = next(r for r in order if len(r.token_ids) >= length)
+    prompt = list(row.token_ids[:length])
+    # a sequence's prefill (its last token with the prefix cached) and its decode steps, a decode step's
+    # sequence priced as two prompt tokens (its attention over the context, its sampling)
+    per_seq = ((1 if caching else length) + 2 * PROBE_TOKENS) * per_token
+    first = length * per_token + per_step
+    fits = int((allowance_s - first - (PROBE_TOKENS + 1) * per_step) / per_seq) if per_seq > 0 else batch
+    n = min(batch, fits)
+    if n < max(2 * reached, MIN_PROBE_SEQS):
+        return 0
+
+    def request(i: int, tokens: int) -> Any:
+        params = _short_params(row.params, tokens)
+        return EngineRequest(f"batchgen-calibration-probe-{i}", list(prompt), params, lora_request=row.lora)
+
+    if caching:
+        _timed(engine, [request(-1, 1)], samples)  # its blocks cached for the others
+    _timed(engine, [request(i, PROBE_TOKENS) for i in range(n)], samples)
+    return n
 
 
 def _run_stream(

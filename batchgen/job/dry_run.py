@@ -1130,7 +1130,7 @@ def _simulate_parts(reqs, cal, inp, ecfg, scale, replicas, pool) -> tuple[list[f
         sim = simulate_schedule(
             part, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool, inp.block_size
         )
-        times.append(sim.seconds * cal.overhead * scale)
+        times.append(sim.seconds * cal.overhead * scale + cal.first_calls_s)  # each replica's engine pays it
         sims.append(sim)
     return times, sims, [len(p) for p in parts]
 
@@ -1195,6 +1195,9 @@ def _predict_time(
         "reused_steps": cal.reused_steps,
         "device": dev_name,
         "overhead": cal.overhead,
+        "first_calls_s": round(cal.first_calls_s, 3),
+        "probe_seqs": cal.probe_seqs,
+        "probe_seconds": round(cal.probe_seconds, 3),
         "step_model": cal.model.to_dict(),
         "output_samples": cal.lengths.observations,
         "output_samples_ended": cal.lengths.events,
