@@ -433,10 +433,12 @@ def test_calibration_keeps_to_its_budget_and_a_small_sample_widens_the_range(tin
     assert relative_spread(spent, params.max_tokens) > relative_spread(ample, params.max_tokens) + 0.05
 
 
-def test_a_calibration_short_of_the_jobs_concurrency_probes_its_decode_steps(tiny_ckpt: str) -> None:
+def test_a_calibration_short_of_the_jobs_concurrency_probes_its_decode_steps(
+    tiny_ckpt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # a budget that admits a few rows of a job running 16 at once: the probe times decode steps at 16
     # sequences over contexts of the rows' length, their prompts a prefix cache hit but for one token each
-    from batchgen.job.calibrate import PROBE_TOKENS, run_calibration
+    from batchgen.job.calibrate import PROBE_TOKENS, _probe_concurrency, fit_step_model, run_calibration
 
     engine = _engine(tiny_ckpt, max_num_seqs=16)
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True)
@@ -444,14 +446,22 @@ def test_a_calibration_short_of_the_jobs_concurrency_probes_its_decode_steps(tin
         CalibrationRow(i, engine.tokenizer.encode(INSTRUCTION + f"Question {i}?"), params, (0, 0))
         for i in range(24)
     ]
-    cal = run_calibration(engine, rows, len(rows), lambda cal: 0.0, batch=16)
-    assert cal.concurrency <= 8 and cal.probe_seqs == 16 and cal.probe_seconds > 0
-    probe = [s for s in cal.timed_steps if s[1] == 16]
+    steps: list = [(40.0, 4.0, 0.0, 0.006), (0.0, 4.0, 160.0, 0.0025)] * 3
+    assert fit_step_model(steps).coef[2] == 0  # decode steps at one batch size: the cost per sequence unknown
+    assert _probe_concurrency(engine, rows, 16, 4, 10.0, steps) == 16
+    probe = [s for s in steps if s[1] == 16]
     assert len(probe) == PROBE_TOKENS  # the prefill step's tokens, then the decode steps
     mean = sum(len(r.token_ids) for r in rows) / len(rows)
-    assert probe[0][0] == 16 and all(s[2] >= 16 * (mean - 16) for s in probe[:-1])  # K after the step
-    assert cal.model.coef[2] > 0  # the decode cost per sequence, which the batch alone left unknown
-    # reached already (an ample budget, every row at the job's concurrency): no probe
+    assert probe[0][0] == 16 and all(s[2] >= 16 * (mean - 16) for s in probe[1:])
+    assert fit_step_model(steps).coef[2] > 0
+    # not worth it (the batch reached half the job's concurrency) or not affordable: no probe
+    assert _probe_concurrency(engine, rows, 16, 8, 10.0, steps) == 0
+    assert _probe_concurrency(engine, rows, 16, 4, 0.0, steps) == 0
+    # within a calibration: its budget spent at once (the probe allowed whatever this machine's speed), the
+    # probe runs unless the batch reached 8 all the same
+    monkeypatch.setattr("batchgen.job.calibrate.PROBE_MIN_S", 1e9)
+    cal = run_calibration(engine, rows, len(rows), lambda cal: 0.0, batch=16)
+    assert cal.probe_seqs == (16 if cal.concurrency < 8 else 0)
     assert run_calibration(engine, rows[:16], 16, lambda cal: 1e9, batch=16).probe_seqs == 0
 
 
@@ -472,8 +482,8 @@ def test_the_warm_up_is_a_one_time_cost_added_once_per_engine(tiny_ckpt: str) ->
     p, d = cal.timed_steps[0][:2]
     assert d == 1.0 and 0 < p <= len(rows[-1].token_ids) and cal.first_calls_s >= 0
     model = StepModel((0.01, 0.0, 0.0, 0.0))
-    assert _overhead(model, [(0.0, 1.0, 0.0, 0.01)] * 10, 0.2) == pytest.approx(2.0)
-    assert _overhead(model, [(0.0, 1.0, 0.0, 0.01)] * 10, 0.05) == 1.0  # never under the model
+    assert _overhead(model, [(0.0, 1.0, 0.0, 0.02)] * 10) == pytest.approx(2.0)
+    assert _overhead(model, [(0.0, 1.0, 0.0, 0.005)] * 10) == 1.0  # never under the model
     reqs = [SimRequest(8, 8, 4) for _ in range(8)]
     inp = dataclasses.make_dataclass("Inp", ["window_sizes", "block_size"])([4, 4], 16)
     ecfg = EngineConfig(device="cpu", max_num_seqs=4)

@@ -21,6 +21,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -210,15 +212,51 @@ def _model_path(kind: str, root: Path) -> str | None:
     return str(out)
 
 
+def _overrides(cfg: Any, w: Workload) -> list[str]:
+    """The command line of ``cfg`` (a workload's job) as Hydra overrides."""
+
+    def value(v: Any) -> str:
+        return (
+            json.dumps(v) if isinstance(v, (list, str)) else str(v).lower() if isinstance(v, bool) else str(v)
+        )
+
+    out = [f"task={w.task}", f"data.input={cfg.data.input}", f"data.output={cfg.data.output}", "engine.device=cpu",
+           "run.progress=off", f"plan.reuse_step_model={value(cfg.plan.reuse_step_model)}"]  # fmt: skip
+    if cfg.model.path:
+        out.append(f"model.path={cfg.model.path}")
+    for group, items in (("data", w.data), ("engine", w.engine), ("sampling", w.sampling)):
+        out += [f"{group}.{k}={value(v)}" for k, v in items.items()]
+    return out
+
+
+def _run(cfg: Any, w: Workload, processes: bool) -> None:
+    """The job (or its dry run, ``cfg.run.dry_run``): in this process, or as its own ``python -m batchgen``."""
+    from batchgen.job.run import run_job
+
+    if not processes:
+        res = run_job(cfg, handle_signals=False, print_summary=False)
+        assert res.exit_code == 0, res.message
+        return
+    cmd = [
+        sys.executable,
+        "-m",
+        "batchgen",
+        *_overrides(cfg, w),
+        f"run.dry_run={str(cfg.run.dry_run).lower()}",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def run_workload(
-    w: Workload, root: Path, scale: float = 1.0, seed: int = 0, warm: bool = False
+    w: Workload, root: Path, scale: float = 1.0, seed: int = 0, warm: bool = False, processes: bool = False
 ) -> dict[str, Any]:
     """Dry run, then the job; the figures of both. ``warm``: a first dry run fills the step-model cache
     (``plan.reuse_step_model``) and the second one's plan is measured; else the cache is not used (a first dry
-    run on this setup)."""
+    run on this setup). ``processes``: each runs as its own ``python -m batchgen`` (a cold engine in a new
+    process, as a user runs them); else in this process."""
     from batchgen.engine.config import EngineConfig
     from batchgen.job.config import DataOptions, JobConfig, ModelOptions, RunOptions, default_sampling
-    from batchgen.job.run import run_job
 
     rng = random.Random(seed)
     n = max(8, int(w.num_rows * scale))
@@ -239,16 +277,13 @@ def run_workload(
     )
     cfg.plan.reuse_step_model = warm
     if warm:
-        res = run_job(cfg, handle_signals=False, print_summary=False)
-        assert res.exit_code == 0, res.message
+        _run(cfg, w, processes)
     t0 = time.perf_counter()
-    res = run_job(cfg, handle_signals=False, print_summary=False)
+    _run(cfg, w, processes)
     dry_s = time.perf_counter() - t0
-    assert res.exit_code == 0, res.message
     plan = json.loads((out / "_plan.json").read_text())
     cfg.run.dry_run = False
-    res = run_job(cfg, handle_signals=False, print_summary=False)
-    assert res.exit_code == 0, res.message
+    _run(cfg, w, processes)
     report = json.loads((out / "_report.json").read_text())
     p = report["prediction"]
     pw, aw = p["wall_time_s"]["predicted"], p["wall_time_s"]["actual"]
@@ -304,6 +339,12 @@ def main(argv: list[str] | None = None) -> None:
         help="plan each workload twice, measuring the second plan: its step model starts from the first's timed "
         "steps (plan.reuse_step_model, a cache of this run's own)",
     )
+    ap.add_argument(
+        "--processes",
+        action="store_true",
+        help="run each dry run and job as its own `python -m batchgen` (a cold engine in a new process, as a user "
+        "runs them); default: both in this process",
+    )
     ap.add_argument("--dir", help="keep the inputs, plans and reports here (default: a temporary directory)")
     args = ap.parse_args(argv)
     rows = []
@@ -315,7 +356,12 @@ def main(argv: list[str] | None = None) -> None:
             os.environ["BATCHGEN_CACHE"] = str(Path(tmp) / "cache")
         for name in args.workloads.split(","):
             r = run_workload(
-                {**WORKLOADS, **HELD_OUT, **PROMPT_ONLY}[name], Path(tmp), args.scale, args.seed, args.warm
+                {**WORKLOADS, **HELD_OUT, **PROMPT_ONLY}[name],
+                Path(tmp),
+                args.scale,
+                args.seed,
+                args.warm,
+                args.processes,
             )
             rows.append(r)
             print(

@@ -370,8 +370,8 @@ class Calibration:
     step_seconds: float = 0.0
     steps: int = 0
     overhead: float = 1.0
-    """Wall time of the calibration's batches over the sum of their steps' model times (adding requests,
-    Python between steps)."""
+    """The calibration's batch steps' wall time over the sum of their model times, at least 1
+    (:func:`_overhead`)."""
     note: str = ""
     load: float | None = None
     """The machine's 1-minute load average when the calibration ended."""
@@ -410,11 +410,6 @@ class BudgetState:
     """Timed steps the budget was last evaluated with."""
     row_seconds: float = 0.0
     """A row's prefill by the step model now (the admissions' ramp: :func:`run_calibration`)."""
-    stopped: float | None = None
-    """``time.perf_counter()`` when the budget stopped the calibration (None: every row finished)."""
-    refreshing: float = 0.0
-    """Seconds spent re-evaluating it (fitting, simulating the job): within the batch's wall time, not the job's
-    overhead."""
 
 
 def strata_order(rows: Sequence[CalibrationRow], seed: int = 0) -> list[CalibrationRow]:
@@ -512,7 +507,6 @@ def run_calibration(
         return max(min(batch, 4), min(batch, in_flight + step, int(b / 2 / row_s)))
 
     def refresh(running: Sequence[tuple[int, bool]] = ()) -> float:
-        t_refresh = time.perf_counter()
         cal.model = fit_step_model(samples)
         cal.lengths = OutputLengths.fit([*cal.observations, *running])
         cal.seconds = time.perf_counter() - t_start
@@ -522,7 +516,6 @@ def run_calibration(
         state.check = cal.seconds + max(0.05, min((state.seconds - cal.seconds) / 2, cal.seconds / 2))
         state.fitted = len(samples) - cal.reused_steps
         state.row_seconds = _row_prefill_seconds(cal.model, order, batch)
-        state.refreshing += time.perf_counter() - t_refresh
         return state.seconds
 
     # the first budget takes every row to its bound (no length seen): re-evaluated early, at a quarter of it
@@ -532,11 +525,7 @@ def run_calibration(
     n0 = len(samples)
     memo: dict = {}  # the end watches, made before the batches are timed (not the job's work)
     watches = {r.index: _end_watch(engine, r.params, memo) for r in rows}
-    t0 = time.perf_counter()
     admitted, finished = _run_stream(engine, rows, admit, samples, cal, t_start, state, refresh, watches)
-    batch_wall = (
-        state.stopped or time.perf_counter()
-    ) - t0  # aborting the rows still running is not the job's
     cal.rows = admitted
     n1 = len(samples)
     t_probe = time.perf_counter()
@@ -560,18 +549,18 @@ def run_calibration(
         )
     cal.step_seconds = sum(x[3] for x in samples[cal.reused_steps :])
     cal.timed_steps = samples
-    cal.overhead = _overhead(cal.model, samples[n0:n1], batch_wall - state.refreshing)
+    cal.overhead = _overhead(cal.model, samples[n0:n1])
     cal.first_calls_s = sum(max(0.0, x[3] - cal.model.step_time(*x[:3])) for x in first)
     cal.load = load_average()
     return cal
 
 
-def _overhead(model: StepModel, steps: Sequence[tuple[float, float, float, float]], wall: float) -> float:
-    """The batch's wall time (less the budget's re-evaluations: the calibration's, not the job's) over its steps'
-    model times, at least 1: what the job pays beside its steps (adding requests, Python between steps) and in
-    stalls the fit leaves out."""
+def _overhead(model: StepModel, steps: Sequence[tuple[float, float, float, float]]) -> float:
+    """The batch's steps' wall time (each the driver's admissions, the engine's step and its outputs handed on,
+    as the job runs them; the calibration's own bookkeeping between steps left out) over their model times, at
+    least 1: stalls the fit leaves out, which the job meets too."""
     predicted = sum(model.step_time(*x[:3]) for x in steps)
-    return max(1.0, wall / predicted) if predicted > 0 else 1.0
+    return max(1.0, sum(x[3] for x in steps) / predicted) if predicted > 0 else 1.0
 
 
 def _one_sequence_model(samples: Sequence[tuple[float, float, float, float]]) -> StepModel:
@@ -633,6 +622,7 @@ def _timed(engine: Any, requests: list[Any], samples: list[tuple[float, float, f
     steps = Driver(engine, Requests(requests, lambda outs: None)).steps()
     prev = engine.stats.snapshot()
     while True:
+        k = _context_tokens(engine)  # before the step (see _run_stream)
         t0 = time.perf_counter()
         if next(steps, None) is None:
             return
@@ -641,7 +631,7 @@ def _timed(engine: Any, requests: list[Any], samples: list[tuple[float, float, f
         if samples is not None:
             p = st.prompt_tokens_computed - prev.prompt_tokens_computed
             d = st.generated_tokens - prev.generated_tokens
-            samples.append((float(p), float(d), _context_tokens(engine), dt))
+            samples.append((float(p), float(d), k, dt))
         prev = st.snapshot()
 
 
@@ -660,7 +650,7 @@ def _probe_concurrency(
     of that prompt, admitted at once, each compute its last token (the rest is a prefix cache hit) and
     generate :data:`PROBE_TOKENS` tokens: decode steps at the job's concurrency over contexts of the job's
     length. As many sequences as its cost by the step model so far fits in ``allowance_s``; none when that is
-    under twice ``reached`` or :data:`MIN_PROBE_SEQS`. Returns the sequences probed."""
+    not over twice ``reached`` or is under :data:`MIN_PROBE_SEQS`. Returns the sequences probed."""
     from batchgen.driver import EngineRequest
 
     model = fit_step_model(samples)
@@ -677,7 +667,7 @@ def _probe_concurrency(
     first = length * per_token + per_step
     fits = int((allowance_s - first - (PROBE_TOKENS + 1) * per_step) / per_seq) if per_seq > 0 else batch
     n = min(batch, fits)
-    if n < max(2 * reached, MIN_PROBE_SEQS):
+    if n <= 2 * reached or n < MIN_PROBE_SEQS:
         return 0
 
     def request(i: int, tokens: int) -> Any:
@@ -742,7 +732,6 @@ def _run_stream(
             # past the budget, it goes on only for a budget grown well beyond (a noisy fit may shrink it next)
             over = now + dt >= STOP_MARGIN * state.seconds / (1.25 if was_over else 1.0)
         if over and enough:
-            state.stopped = time.perf_counter()
             cal.observations += _running(engine, ids, watches)
             admitted = finished + len(driver.in_flight)
             task.queue.clear()  # nothing more is admitted
@@ -750,6 +739,7 @@ def _run_stream(
             for _ in steps:  # aborted requests leave at the next step
                 pass
             return admitted, finished
+        k = _context_tokens(engine)  # the contexts the step's decoders attend over, as the simulation counts
         t0 = time.perf_counter()
         outs = next(steps, None)
         if outs is None:
@@ -758,7 +748,6 @@ def _run_stream(
         st = engine.stats
         p = st.prompt_tokens_computed - prev.prompt_tokens_computed
         d = st.generated_tokens - prev.generated_tokens
-        k = _context_tokens(engine)
         prev = st.snapshot()
         if p or d:
             samples.append((float(p), float(d), float(k), dt))
@@ -835,7 +824,7 @@ def _addons(watch: EndProbability | None) -> tuple[Any, ...]:
 
 
 def _context_tokens(engine: Any) -> float:
-    """The step model's ``K``: tokens the running sequences attend over, each sequence's whole context (a
+    """The step model's ``K`` before a step: tokens its decoders attend over, each sequence's whole context (a
     prefix block several sequences share is read by each), as the schedule simulation counts it; from the KV
     blocks held where the engine does not show its sequences."""
     sched = getattr(engine, "scheduler", None)
