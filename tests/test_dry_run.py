@@ -274,6 +274,9 @@ def test_llm_plan(tiny_ckpt: str) -> None:
     finally:
         torch.set_num_threads(threads)
     assert other["calibration"]["reused_steps"] == 0
+    # and steps timed through another sampler path (drawn with top-k, log-probabilities): not reused either
+    drawn = llm.plan(prompts, SamplingParams(max_tokens=4, temperature=0.8, top_k=5, logprobs=2))
+    assert drawn["calibration"]["reused_steps"] == 0
     off = LLM(tiny_ckpt, device="cpu", num_blocks=256, max_num_seqs=4, enable_prefix_caching=False)
     plan = off.plan(prompts, SamplingParams(max_tokens=4, temperature=0))
     assert plan.prefix_hit_rate == 0.0
@@ -491,6 +494,21 @@ def test_the_warm_up_is_a_one_time_cost_added_once_per_engine(tiny_ckpt: str) ->
     times, *_ = _simulate_parts(reqs, base, inp, ecfg, 1.0, 2, None)
     once, *_ = _simulate_parts(reqs, dataclasses.replace(base, first_calls_s=0.5), inp, ecfg, 1.0, 2, None)
     assert [b - a for a, b in zip(times, once)] == pytest.approx([0.5, 0.5])
+
+
+def test_the_sampling_signature_names_the_samplers_path_not_the_rows_values() -> None:
+    from batchgen.job.calibrate import sampling_signature
+
+    greedy, drawn = SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=0.7, top_p=0.9)
+    assert sampling_signature([greedy]) == sampling_signature(
+        [SamplingParams(temperature=0, max_tokens=90, seed=3)]
+    )
+    assert len(sampling_signature([greedy, drawn, drawn, None])) == 2
+    assert sampling_signature([drawn]) != sampling_signature([dataclasses.replace(drawn, logprobs=1)])
+    assert sampling_signature([greedy]) != sampling_signature(
+        [dataclasses.replace(greedy, choice=["a", "b"])]
+    )
+    assert sampling_signature([greedy, object()])  # a prompt-only job's rows: named by their kind, sortable
 
 
 def test_a_resumed_run_is_compared_with_its_part_of_the_plan() -> None:

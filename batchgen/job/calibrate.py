@@ -844,7 +844,8 @@ class StepCache:
     """Timed engine steps kept between dry runs under ``$BATCHGEN_CACHE/step-model/`` (:mod:`batchgen.runtime.
     disk_cache`), one entry per setup: the model (its path and config), dtype, engine configuration, device
     and machine (host, CPUs), the installed torch and transformers, and this module's source — the step time
-    depends on all of them, and on the threads the engine computes with, which the caller adds to the setup),
+    depends on all of them, and on the threads the engine computes with and the sampling
+    (:func:`sampling_signature`), which the caller adds to the setup),
     the output lengths on none of them but the model. A second dry run on the same
     setup starts its step model from these steps and fits it to them with its own, so its budget goes to
     output lengths. Steps timed under another load regime (:func:`load_spread` differs by 0.1 or more) are
@@ -883,6 +884,27 @@ class StepCache:
             self.key,
             {"steps": [list(x) for x in steps[-STEP_CACHE_STEPS:]], "load": cal.load},
         )
+
+
+def sampling_signature(params: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """What of the rows' sampling parameters a step's time depends on (the sampler's path: greedy or drawn,
+    top-p/k, min-p, penalties, log-probabilities, samples and beams, a grammar, stop strings read from the
+    text), one entry per kind among ``params``, sorted: part of a :class:`StepCache` setup, so steps timed
+    under other sampling are not reused."""
+    kinds = set()
+    for p in {id(p): p for p in params if p is not None}.values():
+        if not hasattr(p, "temperature"):  # not a SamplingParams (a prompt-only job's row needs)
+            kinds.add((type(p).__name__,))
+            continue
+        constraint = next(
+            (k for k in ("json_schema", "regex", "choice", "grammar") if getattr(p, k, None)), ""
+        )
+        kinds.add((
+            p.temperature == 0, p.top_p < 1, p.top_k > 0, p.min_p > 0,
+            (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != (1.0, 0.0, 0.0),
+            p.logprobs is not None, p.prompt_logprobs is not None, p.n, p.beam_width, constraint, bool(p.stop),
+        ))  # fmt: skip
+    return sorted(kinds, key=repr)
 
 
 def load_spread(load: float | None, cpus: int | None = None) -> float:

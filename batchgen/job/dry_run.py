@@ -53,6 +53,7 @@ from batchgen.job.calibrate import (
     output_bound,
     relative_spread,
     run_calibration,
+    sampling_signature,
     strata_order,
 )
 from batchgen.job.prefix_sim import common_prefix_len, shared_run_after_start, simulate_prefix_cache
@@ -975,8 +976,8 @@ def build_plan(
         cache = None
         if pc.reuse_step_model:
             dev = _device_memory(engine)[0]
-            # the threads too: steps timed at another count (the thread policy follows the machine's other
-            # load) run at another speed
+            # the threads and the sampling too: steps timed at another count (the thread policy follows the
+            # machine's other load) or through another sampler path run at another speed
             cache = StepCache.for_setup(
                 model,
                 model_path,
@@ -985,6 +986,7 @@ def build_plan(
                 repr(engine_cfg),
                 dev,
                 compute_threads(),
+                sampling_signature([r.params for r in inp.kept.values()]),
             )
         cal = _calibrate(engine, strata, saved, inp, engine_cfg, pc, scale, replicas, cache)
     expected = _expected_outputs(bounds, cal)
