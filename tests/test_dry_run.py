@@ -494,6 +494,9 @@ def test_the_warm_up_is_a_one_time_cost_added_once_per_engine(tiny_ckpt: str) ->
     times, *_ = _simulate_parts(reqs, base, inp, ecfg, 1.0, 2, None)
     once, *_ = _simulate_parts(reqs, dataclasses.replace(base, first_calls_s=0.5), inp, ecfg, 1.0, 2, None)
     assert [b - a for a, b in zip(times, once)] == pytest.approx([0.5, 0.5])
+    # LLM.plan: the rows run on the calibrated engine itself, which paid them
+    paid = dataclasses.replace(base, first_calls_s=0.5, first_calls_paid=True)
+    assert _simulate_parts(reqs, paid, inp, ecfg, 1.0, 2, None)[0] == pytest.approx(times)
 
 
 def test_the_sampling_signature_names_the_samplers_path_not_the_rows_values() -> None:

@@ -390,6 +390,9 @@ class Calibration:
     first_calls_s: float = 0.0
     """What a fresh engine's first batch costs beyond the step model, paid once per engine: the warm-up's steps'
     excess over the model (:func:`_warm_up`), which are left out of the fit."""
+    first_calls_paid: bool = False
+    """The rows will run on the calibrated engine itself, whose one-time costs the calibration paid: not
+    predicted again."""
     probe_seqs: int = 0
     """Sequences of the concurrency probe (0: none ran; :func:`_probe_concurrency`)."""
     probe_seconds: float = 0.0

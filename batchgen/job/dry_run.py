@@ -938,9 +938,12 @@ def build_plan(
     model_path: str | None = None,
     replicas: int = 1,
     model_dtype: str = "auto",
+    runs_on_this_engine: bool = False,
 ) -> Plan:
     """The plan of the rows ``inp`` (module docstring); ``engine`` (started) runs the calibration; without
-    one, memory is sized from the checkpoint's config in ``model_dtype`` and ``engine_cfg.kv_cache_dtype``."""
+    one, memory is sized from the checkpoint's config in ``model_dtype`` and ``engine_cfg.kv_cache_dtype``.
+    ``runs_on_this_engine``: the rows will run on ``engine`` itself (``LLM.plan``), whose one-time costs the
+    calibration paid (not predicted again); else on a fresh engine of the same configuration (the job)."""
     from batchgen.job.config import PlanOptions
 
     pc = plan_cfg or PlanOptions()
@@ -989,6 +992,7 @@ def build_plan(
                 sampling_signature([r.params for r in inp.kept.values()]),
             )
         cal = _calibrate(engine, strata, saved, inp, engine_cfg, pc, scale, replicas, cache)
+        cal.first_calls_paid = runs_on_this_engine
     expected = _expected_outputs(bounds, cal)
     out_expected = sum(e * n for e, n in zip(expected, ns))
     data["output_tokens"] = {
@@ -1132,7 +1136,8 @@ def _simulate_parts(reqs, cal, inp, ecfg, scale, replicas, pool) -> tuple[list[f
         sim = simulate_schedule(
             part, cal.model, ecfg.max_num_seqs, ecfg.max_num_batched_tokens, pool, inp.block_size
         )
-        times.append(sim.seconds * cal.overhead * scale + cal.first_calls_s)  # each replica's engine pays it
+        first = 0.0 if cal.first_calls_paid else cal.first_calls_s  # each replica's fresh engine pays it
+        times.append(sim.seconds * cal.overhead * scale + first)
         sims.append(sim)
     return times, sims, [len(p) for p in parts]
 
@@ -1381,4 +1386,4 @@ def plan_prompts(engine: Any, prompts: Any, params: Any = None, lora_request: An
         engine.stats.num_blocks or cfg.num_blocks, cfg.enable_prefix_caching, engine,
     )  # fmt: skip
     return build_plan(inp, cfg, tokenizer=engine.tokenizer, engine=engine, plan_cfg=plan_cfg,
-                      model=getattr(engine, "model_path", None))  # fmt: skip
+                      model=getattr(engine, "model_path", None), runs_on_this_engine=True)  # fmt: skip
