@@ -112,7 +112,8 @@ def write_compressed_tensors(
     def group(targets, bits, group_size, symmetric):
         strategy = "group" if group_size else "channel"
         weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy,
-                   "group_size": group_size, "dynamic": False, "observer": "minmax", "actorder": actorder}  # fmt: skip
+                   "group_size": group_size, "dynamic": False, "observer": "minmax", "actorder": actorder,
+                   "observer_kwargs": {}, "scale_dtype": None, "zp_dtype": None}  # fmt: skip
         return {"targets": targets, "weights": weights, "input_activations": None, "output_activations": None,
                 "format": "pack-quantized"}  # fmt: skip
 

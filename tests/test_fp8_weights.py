@@ -96,3 +96,50 @@ def test_fp8_inputs_of_other_widths_are_refused_by_name(llama_256, tmp_path) -> 
     (Path(path) / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedCheckpoint, match=r"float inputs of 4 bits"):
         LLM(path, num_blocks=64, block_size=8)
+
+
+def test_llm_compressor_fp8_block_preset_equals_transformers(llama_256, tmp_path) -> None:
+    # FP8_BLOCK as llm-compressor writes it: 128 x 128 weight blocks, fp8 inputs quantized dynamically per
+    # token in groups of 128 inputs, every QuantizationArgs field saved (observer_kwargs a dict)
+    pytest.importorskip(
+        "compressed_tensors", reason="compressed-tensors (transformers' decompressor) not installed"
+    )
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+
+    from batchgen.models.quant.input_quant import InputQuantLinear
+
+    path = writers.write_compressed_fp8_block(llama_256, tmp_path / "fp8-block")
+    llm = LLM(path, num_blocks=64, block_size=8, max_num_seqs=4)
+    model = llm.engine.model
+    wrapped = [m for m in model.modules() if isinstance(m, InputQuantLinear)]
+    assert len(wrapped) == 4 * model.config.num_layers and all(
+        isinstance(m.inner, Fp8Linear) for m in wrapped
+    )
+    hf = transformers_model(path)
+    got = batchgen_greedy(llm)
+    assert got == transformers_greedy(hf) and len({t for row in got for t in row}) > 6
+    ours, theirs = model.model.layers[1].mlp.down_proj, hf.model.layers[1].mlp.down_proj
+    x = torch.randn(5, ours.in_features, generator=torch.Generator().manual_seed(0)) * 3
+    spiked = x.clone()
+    spiked[2, :128] *= 50  # one group of one token far larger: only that group's scale grows
+    with torch.no_grad():
+        args = theirs.quantization_scheme.input_activations
+        q = ours.quantize_input(spiked)
+        assert torch.equal(q, forward_quantize(theirs, spiked[None], "input", args)[0])
+        assert torch.equal(q[2, 128:], ours.quantize_input(x)[2, 128:]) and not torch.equal(
+            q[2], ours.quantize_input(x)[2]
+        )
+
+
+def test_input_groups_that_do_not_divide_a_projection_are_refused_at_load(tmp_path) -> None:
+    pytest.importorskip(
+        "compressed_tensors", reason="compressed-tensors (transformers' decompressor) not installed"
+    )
+    tiny = (
+        Path(__file__).resolve().parents[1] / "batchgen/models/tiny_lm"
+    )  # hidden 192: not whole groups of 128
+    path = writers.write_compressed_fp8_block(tiny, tmp_path / "fp8-block")
+    with pytest.raises(
+        UnsupportedCheckpoint, match="not whole groups of the input activations' group_size 128"
+    ):
+        LLM(path, num_blocks=16, block_size=8)

@@ -44,8 +44,10 @@ class InputQuant:
             problems.append(f"{acts.get('type')} inputs of {acts.get('num_bits')} bits")
         dynamic = acts.get("dynamic") in (True, "true", "local")
         strategy = acts.get("strategy")
-        if dynamic and strategy not in ("token", "tensor"):
+        if dynamic and strategy not in ("token", "tensor", "group"):
             problems.append(f"dynamic input strategy {strategy!r}")
+        if dynamic and strategy == "group" and not acts.get("group_size"):
+            problems.append("dynamic group inputs without a group_size")
         if not dynamic and strategy != "tensor":
             problems.append(f"static input strategy {strategy!r}")
         if acts.get("dynamic") == "local":
@@ -53,7 +55,7 @@ class InputQuant:
         if problems:
             raise UnsupportedCheckpoint(
                 f"{where}: compressed-tensors {', '.join(problems)} not supported; batchgen runs 8-bit int or fp8 "
-                "input activations, dynamic per token or per tensor, or static per tensor"
+                "input activations, dynamic per token, per group or per tensor, or static per tensor"
             )
         _library(where)
         quant = cls(tuple(sorted((k, _hashable(v)) for k, v in acts.items())))
@@ -65,7 +67,7 @@ class InputQuant:
 
     def get(self, key: str, default=None):
         """One field of ``input_activations``."""
-        return dict(self.items).get(key, default)
+        return _plain(dict(self.items).get(key, default))
 
     @property
     def dynamic(self) -> bool:
@@ -79,7 +81,7 @@ class InputQuant:
         """compressed-tensors' ``QuantizationArgs`` of these inputs."""
         from compressed_tensors.quantization import QuantizationArgs
 
-        return QuantizationArgs(**{k: list(v) if isinstance(v, tuple) else v for k, v in self.items})
+        return QuantizationArgs(**{k: _plain(v) for k, v in self.items})
 
 
 def scale_tokens_over_ranks(module: nn.Module, name: str) -> None:
@@ -113,7 +115,19 @@ def _integer_group(inner: nn.Module, form: _Symmetric | None) -> int:
 
 
 def _hashable(v):
-    return tuple(v) if isinstance(v, list) else v
+    """A field's value as a key: lists as tuples, dicts (``observer_kwargs``) as their sorted items."""
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((k, _hashable(x)) for k, x in v.items())))
+    return v
+
+
+def _plain(v):
+    """:func:`_hashable`'s value back as the checkpoint states it."""
+    if isinstance(v, tuple) and len(v) == 2 and v[0] == "dict" and isinstance(v[1], tuple):
+        return {k: _plain(x) for k, x in v[1]}
+    return [_plain(x) for x in v] if isinstance(v, tuple) else v
 
 
 def _library(where: str) -> None:
@@ -286,4 +300,10 @@ def with_inputs(module: nn.Module, quant: InputQuant | None, prefixes: list[str]
     scale = zero = None
     if not quant.dynamic:
         scale, zero = static_input_scale(get, prefixes, ", ".join(prefixes))
+    group = quant.get("group_size") if quant.get("strategy") == "group" else None
+    if group and module.in_features % int(group):
+        raise UnsupportedCheckpoint(
+            f"{', '.join(prefixes)}: {module.in_features} input features are not whole groups of the input "
+            f"activations' group_size {group}; compressed-tensors cannot quantize these inputs either"
+        )
     return InputQuantLinear(module, quant, scale, zero)

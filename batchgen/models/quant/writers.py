@@ -172,10 +172,31 @@ def write_compressed_fp8(ckpt, out, strategy: str = "channel", dtype=torch.bfloa
     return _rewrite(ckpt, out, quantize, config, dtype)
 
 
+def write_compressed_fp8_block(ckpt, out, block: int = 128, dtype=torch.bfloat16) -> str:
+    """A compressed-tensors ``float-quantized`` copy of `ckpt` as llm-compressor saves its ``FP8_BLOCK`` preset:
+    float8_e4m3fn ``weight`` with ``weight_scale`` ``[ceil(N / block), ceil(K / block)]`` float32 = block absmax
+    / 448, and fp8 input activations quantized dynamically per token in groups of `block` inputs."""
+
+    def quantize(module: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, k = w.shape
+        pad = torch.zeros(-(-n // block) * block, -(-k // block) * block, dtype=torch.float64)
+        pad[:n, :k] = w
+        blocks = pad.reshape(pad.shape[0] // block, block, pad.shape[1] // block, block)
+        scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-8).float()
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k].double()
+        return {"weight": _fp8(w, full), "weight_scale": scale}
+
+    weights = {**_args("float", "block", observer="memoryless_minmax"), "block_structure": [block, block]}
+    inputs = {**_args("float", "group", dynamic=True, observer=None), "group_size": block}
+    return _rewrite(ckpt, out, quantize, _compressed_config("float-quantized", weights, inputs), dtype)
+
+
 def _args(kind: str, strategy: str, dynamic: bool = False, observer: str | None = "minmax") -> dict:
-    """compressed-tensors' 8-bit symmetric quantization args of `kind` (``int`` / ``float``), as saved."""
+    """compressed-tensors' 8-bit symmetric quantization args of `kind` (``int`` / ``float``), as llm-compressor
+    saves them (its recent versions write every field, ``observer_kwargs`` a dict among them)."""
     return {"num_bits": 8, "type": kind, "symmetric": True, "strategy": strategy, "dynamic": dynamic,
-            "group_size": None, "block_structure": None, "observer": observer, "actorder": None}  # fmt: skip
+            "group_size": None, "block_structure": None, "observer": observer, "actorder": None,
+            "observer_kwargs": {}, "scale_dtype": None, "zp_dtype": None}  # fmt: skip
 
 
 def _compressed_config(fmt: str, weights: dict, inputs: dict | None = None) -> dict:
