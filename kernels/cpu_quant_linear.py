@@ -47,6 +47,8 @@ FORMATS: dict[int, BlockFormat] = {
         BlockFormat("Q4_K", 12, 256, 144),
         BlockFormat("Q5_K", 13, 256, 176),
         BlockFormat("Q6_K", 14, 256, 210),
+        BlockFormat("IQ4_NL", 20, 32, 18),
+        BlockFormat("IQ4_XS", 23, 256, 136),
     )
 }
 """The block formats the kernel multiplies by, by ggml type id."""

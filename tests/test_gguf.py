@@ -19,7 +19,20 @@ from batchgen.models.quant.quant_linear import QuantLinear
 
 gguf = pytest.importorskip("gguf", reason="the gguf extra (pip install batchgen[gguf]) is not installed")
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = (
+    2,
+    3,
+    6,
+    7,
+    8,
+    10,
+    11,
+    12,
+    13,
+    14,
+    20,
+    23,
+)
 MIXES = {
     "Q8_0": Q8_0,
     "Q4_0": Q4_0,
@@ -43,6 +56,16 @@ MIXES = {
         "ffn_gate": Q5_K,
         "ffn_up": Q2_K,
         "ffn_down": Q5_K,
+    },
+    # llama.cpp's IQ4_XS and IQ4_NL files: 16 non-linear levels per 4-bit index
+    "iq4": {
+        "attn_q": IQ4_XS,
+        "attn_k": IQ4_NL,
+        "attn_v": IQ4_XS,
+        "attn_output": IQ4_NL,
+        "ffn_gate": IQ4_XS,
+        "ffn_up": IQ4_NL,
+        "ffn_down": IQ4_XS,
     },
     # the types llama.cpp's quantizer falls back to for rows a K-quant cannot split
     "legacy": {
@@ -163,8 +186,8 @@ def test_gguf_tokenizer_from_the_file_and_packed_bytes(llama_256, tmp_path) -> N
     assert packed / dense == pytest.approx(18 / 128)
 
 
-def _with_iq4_nl_tensor(src: Path, out: Path) -> Path:
-    """A copy of the GGUF file `src` whose blk.1.ffn_down.weight is IQ4_NL (a valid format batchgen does not
+def _with_iq2_xxs_tensor(src: Path, out: Path) -> Path:
+    """A copy of the GGUF file `src` whose blk.1.ffn_down.weight is IQ2_XXS (a valid format batchgen does not
     run)."""
     import numpy as np
 
@@ -177,8 +200,8 @@ def _with_iq4_nl_tensor(src: Path, out: Path) -> Path:
         writer.add_key_value(field.name, field.contents(), field.types[0], sub)
     for t in reader.tensors:
         if t.name == "blk.1.ffn_down.weight":
-            iq4 = np.zeros((t.data.shape[0], int(t.shape[0]) // 32 * 18), np.uint8)
-            writer.add_tensor(t.name, iq4, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+            iq2 = np.zeros((t.data.shape[0], int(t.shape[0]) // 256 * 66), np.uint8)
+            writer.add_tensor(t.name, iq2, raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
         else:
             writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
@@ -189,11 +212,11 @@ def _with_iq4_nl_tensor(src: Path, out: Path) -> Path:
 
 
 def test_unsupported_tensor_format_refused_by_name(llama_256, tmp_path) -> None:
-    bad = _with_iq4_nl_tensor(
-        Path(write_gguf(llama_256, tmp_path / "base.gguf", Q8_0)), tmp_path / "iq4.gguf"
+    bad = _with_iq2_xxs_tensor(
+        Path(write_gguf(llama_256, tmp_path / "base.gguf", Q8_0)), tmp_path / "iq2.gguf"
     )
     with pytest.raises(
-        UnsupportedCheckpoint, match="blk.1.ffn_down.weight in iq4.gguf is IQ4_NL: batchgen runs"
+        UnsupportedCheckpoint, match="blk.1.ffn_down.weight in iq2.gguf is IQ2_XXS: batchgen runs"
     ):
         LLM(str(bad), num_blocks=64, block_size=8)
 
@@ -228,11 +251,11 @@ def test_job_runs_a_gguf_file_and_refuses_an_unsupported_one(llama_256, tmp_path
             SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
         )
         assert got == [o.outputs[0].token_ids for o in want]
-    bad = _with_iq4_nl_tensor(path, tmp_path / "iq4.gguf")
+    bad = _with_iq2_xxs_tensor(path, tmp_path / "iq2.gguf")
     cfg = job_config(str(bad), inp, tmp_path / "bad")
     res = run_job(cfg, handle_signals=False, print_summary=False)
     assert res.exit_code == EXIT_CONFIG and "\n" not in res.message
-    assert "blk.1.ffn_down.weight in iq4.gguf is IQ4_NL" in res.message
+    assert "blk.1.ffn_down.weight in iq2.gguf is IQ2_XXS" in res.message
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from batchgen.kernels import cpu_kernel, cpu_quant_linear
 gguf = pytest.importorskip("gguf", reason="the gguf extra (pip install batchgen[gguf]) is not installed")
 needs_compiler = pytest.mark.skipif(cpu_kernel.compiler() is None, reason="no C compiler (cc/gcc/$CC) found")
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-         "Q6_K": 14}  # fmt: skip
+         "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}  # fmt: skip
 
 
 @needs_compiler
@@ -88,8 +88,8 @@ def test_simd_build_equals_generic_build(monkeypatch, rows) -> None:
     same dequantized weights, multiplied and summed in the same order, for every format (fp8 included)."""
     g = torch.Generator().manual_seed(rows)
     cases = []  # (in_features, the product as a function of x)
-    for name, type_id in TYPES.items():
-        k = 512 if name.endswith("_K") else 544  # 544: a last chunk shorter than the buffer's
+    for type_id in TYPES.values():
+        k = 512 if cpu_quant_linear.FORMATS[type_id].block_values == 256 else 544  # 544: a short last chunk
         packed = random_blocks(37, k, type_id, seed=rows)
         cases.append((k, partial(cpu_quant_linear.linear, packed=packed, type_id=type_id, in_features=k)))
     for bits, group, bf16 in [(4, 32, False), (4, 64, True), (8, 96, False), (4, 8, False)]:

@@ -12,7 +12,10 @@
  * and Q5_K_* files: Q2_K (10; 256 values in 84 bytes: 16 bytes of 4-bit scales and mins for 16 sub-blocks, 64
  * bytes of 2-bit q, fp16 d and dmin; w = (d sc) q - (dmin m)), Q3_K (11; 110 bytes: 32 bytes of high bits, 64
  * bytes of 2-bit low q, 12 bytes of 6-bit scales, fp16 d; w = (d (sc - 32)) (q - 4 unless the high bit)) and
- * Q5_K (13; 176 bytes: Q4_K's fields plus 32 bytes of fifth bits; w = (d sc) q - (dmin m)). Dequantization is ggml's (and gguf-py's) arithmetic, operation for operation, in
+ * Q5_K (13; 176 bytes: Q4_K's fields plus 32 bytes of fifth bits; w = (d sc) q - (dmin m)), and the non-linear
+ * IQ4_NL (20; 32 values in 18 bytes: fp16 d, 16 bytes of 4-bit indices into 16 int8 levels; w = d level) and
+ * IQ4_XS (23; 256 values in 136 bytes: fp16 d, 6-bit scales of 8 sub-blocks, 128 bytes of indices; w = (d (sc -
+ * 32)) level). Dequantization is ggml's (and gguf-py's) arithmetic, operation for operation, in
  * float32 without contraction: the widened weights are bit for bit gguf.quants.dequantize's.
  *
  * Each output y[m, n] = bias[n] (or 0) + its eight lane sums over k in order, reduced in a fixed order: a
@@ -32,7 +35,13 @@
 
 #define MB 64 /* input rows per pass over a weight row */
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum {
+    Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+    IQ4_NL = 20, IQ4_XS = 23
+};
+
+/* IQ4_NL's and IQ4_XS's 16 non-linear levels (ggml's kvalues_iq4nl). */
+static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 static inline float load_half(const uint8_t *p) {
     uint16_t h;
@@ -59,6 +68,8 @@ static void format_of(int qtype, int *qk, int *bytes) {
     case Q4_K: *qk = 256, *bytes = 144; break;
     case Q5_K: *qk = 256, *bytes = 176; break;
     case Q6_K: *qk = 256, *bytes = 210; break;
+    case IQ4_NL: *qk = 32, *bytes = 18; break;
+    case IQ4_XS: *qk = 256, *bytes = 136; break;
     default: *qk = 0, *bytes = 0;
     }
 }
@@ -75,6 +86,26 @@ static void dequant_block(int qtype, const uint8_t *b, float *out) {
         for (int i = 0; i < 16; i++) {
             out[i] = d * (float)((int)(q[i] & 0x0f) - 8);
             out[i + 16] = d * (float)((int)(q[i] >> 4) - 8);
+        }
+    } else if (qtype == IQ4_NL) { /* fp16 d, 16 bytes of 4-bit indices into the levels: w = d level */
+        const float d = load_half(b);
+        const uint8_t *q = b + 2;
+        for (int i = 0; i < 16; i++) {
+            out[i] = d * (float)IQ4_LEVELS[q[i] & 0x0f];
+            out[i + 16] = d * (float)IQ4_LEVELS[q[i] >> 4];
+        }
+    } else if (qtype == IQ4_XS) { /* fp16 d, 6-bit scales (2 high bits in a uint16, 4 low in 4 bytes), indices */
+        const float d = load_half(b);
+        uint16_t high;
+        memcpy(&high, b + 2, 2);
+        const uint8_t *low = b + 4, *q = b + 8;
+        for (int j = 0; j < 8; j++) { /* sub-block j: 32 values, scale d (sc - 32), its indices in q[16 j ..] */
+            const int sc = ((low[j / 2] >> (4 * (j % 2))) & 0x0f) | (((high >> (2 * j)) & 3) << 4);
+            const float dl = d * (float)(sc - 32);
+            for (int i = 0; i < 16; i++) {
+                out[32 * j + i] = dl * (float)IQ4_LEVELS[q[16 * j + i] & 0x0f];
+                out[32 * j + i + 16] = dl * (float)IQ4_LEVELS[q[16 * j + i] >> 4];
+            }
         }
     } else if (qtype == Q4_1) { /* fp16 d and m, 16 bytes of 4-bit q: w = d q + m */
         const float d = load_half(b), m = load_half(b + 2);

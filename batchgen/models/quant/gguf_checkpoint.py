@@ -4,7 +4,7 @@ directory) loads the model, its configuration and its tokenizer from the file.
 The configuration and the tokenizer are transformers' own readings of the file's metadata (``gguf_file=``), so
 they are what ``AutoModelForCausalLM.from_pretrained(..., gguf_file=)`` builds; the weights are read with the
 ``gguf`` package. Projections in a block format the CPU GEMM multiplies (:data:`FORMATS`: Q4_0, Q8_0, Q2_K,
-Q3_K, Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1) stay packed (:class:`~batchgen.models.quant.quant_linear.QuantLinear`: a fused q/k/v or gate/up keeps each
+Q3_K, Q4_K, Q5_K, Q6_K, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS) stay packed (:class:`~batchgen.models.quant.quant_linear.QuantLinear`: a fused q/k/v or gate/up keeps each
 part's format); float tensors (F32, F16, BF16) and quantized embeddings and norms are widened to float32 once, with
 transformers' transforms (llama.cpp's q/k row order reversed, on the packed rows). The model computes in
 float32 on the CPU: greedy output equals transformers' (which dequantizes everything to float32) token for token.

@@ -19,6 +19,8 @@ Q3_K    ``(d (sc-32)) q``        8      16     ``d (sc - 32)``, none           b
 Q4_K    ``(d sc) q - dmin mn``   4      32     ``d sc``, ``8 d sc - dmin mn``  to rounding
 Q5_K    ``(d sc) q - dmin mn``   8      32     ``d sc``, ``-dmin mn``          bit for bit
 Q6_K    ``(d sc) (q - 32)``      8      16     ``d sc``, none                  bit for bit
+IQ4_NL  ``d level[q]``           8      32     ``d``, none (u = level + 128)   bit for bit
+IQ4_XS  ``(d (sc-32)) level[q]`` 8      32     ``d (sc - 32)``, none           bit for bit
 ======  =======================  =====  =====  ==============================  ================
 
 "to rounding": the float32 sum ``(u - 8) s + zero_term`` may differ from gguf-py's ``s q + m`` in its last bit.
@@ -117,6 +119,28 @@ def _q8_0(b):
     return qs.astype(np.int64) + 128, d, None, 8, 32
 
 
+IQ4_LEVELS = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int64
+)
+"""IQ4_NL's and IQ4_XS's 16 non-linear levels (ggml's ``kvalues_iq4nl``)."""
+
+
+def _iq4_nl(b):
+    d, qs = _f16(b[:, :2]), b[:, 2:]
+    return IQ4_LEVELS[_nibbles(qs, 16)] + 128, d, None, 8, 32
+
+
+def _iq4_xs(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    high = np.ascontiguousarray(b[:, 2:4]).view(np.uint16).reshape(n, 1) >> (
+        2 * np.arange(8, dtype=np.uint16)
+    )
+    low = (b[:, 4:8].reshape(n, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)).reshape(n, 8)
+    sc = ((low & 0x0F) | ((high & 3).astype(np.uint8) << 4)).astype(np.int64) - 32
+    return IQ4_LEVELS[_nibbles(b[:, 8:], 16)] + 128, d * sc.astype(np.float32), None, 8, 32
+
+
 def _k_scales(b) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K's and Q5_K's per-32-value scale ``d sc`` and min ``dmin m`` ``[blocks, 8]`` float32: the fp16 d and
     dmin, then 8 six-bit scales and mins packed in 12 bytes (gguf-py's ``Q4_K.get_scale_min``)."""
@@ -177,4 +201,6 @@ _SPLIT = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
 }

@@ -19,7 +19,7 @@ import torch
 from batchgen.kernels.cpu_quant_linear import FORMATS
 
 SCALE_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2),
-                 14: (208,)}  # fmt: skip
+                 14: (208,), 20: (0,), 23: (0,)}  # fmt: skip
 """Byte offsets of each block's fp16 scale fields, by ggml type id (the rest of a block is any bits)."""
 
 
