@@ -487,8 +487,7 @@ def run_calibration(
     engine.look_at_threads()
     cal = Calibration(fit_step_model([]), target_concurrency=batch, reused_steps=len(samples))
     t_start = time.perf_counter()  # the warm-ups count against the budget: the calibration's whole cost
-    # not timed: lazy initialisation (a few tokens are enough, and cost the budget least)
-    first: list[tuple[float, float, float, float]] = []  # its steps: one-time costs, not the model's
+    first: list[tuple[float, float, float, float]] = []  # the warm-up's steps: one-time costs
     _warm_up(engine, order[:WARM_UP_SEQS], first)
     if samples:
         cal.model = fit_step_model(samples)
@@ -618,8 +617,9 @@ def _warm_up(
     _timed(engine, [_short_request(r, f"warmup-{i}", WARM_UP_TOKENS) for i, r in enumerate(rows)], first)
 
 
-def _timed(engine: Any, requests: list[Any], samples: list[tuple[float, float, float, float]] | None) -> None:
-    """Run ``requests`` to their ends, all admitted at once; each step timed into ``samples`` (unless None)."""
+def _timed(engine: Any, requests: list[Any], samples: list[tuple[float, float, float, float]]) -> None:
+    """Run ``requests`` to their ends, all admitted at once; each step timed into ``samples`` as ``(P, D, K,
+    seconds)``."""
     from batchgen.driver import Driver, Requests
 
     steps = Driver(engine, Requests(requests, lambda outs: None)).steps()
@@ -631,10 +631,9 @@ def _timed(engine: Any, requests: list[Any], samples: list[tuple[float, float, f
             return
         dt = time.perf_counter() - t0
         st = engine.stats
-        if samples is not None:
-            p = st.prompt_tokens_computed - prev.prompt_tokens_computed
-            d = st.generated_tokens - prev.generated_tokens
-            samples.append((float(p), float(d), k, dt))
+        p = st.prompt_tokens_computed - prev.prompt_tokens_computed
+        d = st.generated_tokens - prev.generated_tokens
+        samples.append((float(p), float(d), k, dt))
         prev = st.snapshot()
 
 
