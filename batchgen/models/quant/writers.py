@@ -139,19 +139,26 @@ def _fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
+def _fp8_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` as float8_e4m3fn in blocks of ``bn`` x ``bk``, and the scales ``[ceil(N / bn), ceil(K / bk)]``
+    float32 = block absmax / 448 (the last blocks of a row or column cut short)."""
+    n, k = w.shape
+    pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, dtype=torch.float64)
+    pad[:n, :k] = w
+    blocks = pad.reshape(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-8).float()
+    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k].double()
+    return _fp8(w, full), scale
+
+
 def write_block_fp8(ckpt, out, block: tuple[int, int] = (32, 32), dtype=torch.bfloat16) -> str:
     """A fine-grained fp8 copy of `ckpt` (transformers' FineGrainedFP8 layout: float8_e4m3fn weight,
     ``weight_scale_inv`` ``[ceil(N / bn), ceil(K / bk)]`` float32 = block absmax / 448)."""
     bn, bk = block
 
     def quantize(module: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        n, k = w.shape
-        pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, dtype=torch.float64)
-        pad[:n, :k] = w
-        blocks = pad.reshape(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk)
-        scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-8).float()
-        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k].double()
-        return {"weight": _fp8(w, full), "weight_scale_inv": scale}
+        q, scale = _fp8_blocks(w, bn, bk)
+        return {"weight": q, "weight_scale_inv": scale}
 
     config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
               "weight_block_size": [bn, bk]}  # fmt: skip
@@ -178,13 +185,8 @@ def write_compressed_fp8_block(ckpt, out, block: int = 128, dtype=torch.bfloat16
     / 448, and fp8 input activations quantized dynamically per token in groups of `block` inputs."""
 
     def quantize(module: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        n, k = w.shape
-        pad = torch.zeros(-(-n // block) * block, -(-k // block) * block, dtype=torch.float64)
-        pad[:n, :k] = w
-        blocks = pad.reshape(pad.shape[0] // block, block, pad.shape[1] // block, block)
-        scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-8).float()
-        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k].double()
-        return {"weight": _fp8(w, full), "weight_scale": scale}
+        q, scale = _fp8_blocks(w, block, block)
+        return {"weight": q, "weight_scale": scale}
 
     weights = {**_args("float", "block", observer="memoryless_minmax"), "block_structure": [block, block]}
     inputs = {**_args("float", "group", dynamic=True, observer=None), "group_size": block}
