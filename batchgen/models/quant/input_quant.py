@@ -16,6 +16,8 @@ share one input scale (their observers saw the same input; others are refused by
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +32,10 @@ from batchgen.models.quant.quant_linear import multiply_parts
 
 @dataclass(frozen=True)
 class InputQuant:
-    """A config group's ``input_activations`` (the dict as the checkpoint states it, hashed by its items)."""
+    """A config group's ``input_activations``: the dict as the checkpoint states it, kept as its JSON text with
+    sorted keys, so that equal schemes compare and hash equal whatever their fields hold (lists, dicts)."""
 
-    items: tuple[tuple[str, object], ...]
+    text: str
 
     @classmethod
     def parse(cls, acts: dict | None, where: str) -> InputQuant | None:
@@ -58,16 +61,21 @@ class InputQuant:
                 "input activations, dynamic per token, per group or per tensor, or static per tensor"
             )
         _library(where)
-        quant = cls(tuple(sorted((k, _hashable(v)) for k, v in acts.items())))
+        quant = cls(json.dumps(acts, sort_keys=True))
         try:
             quant.args()
         except ValueError as e:  # pydantic's validation error names the field
             raise UnsupportedCheckpoint(f"{where}: input_activations {acts} not understood ({e})") from e
         return quant
 
+    @functools.cached_property
+    def fields(self) -> dict:
+        """``input_activations`` as the checkpoint states it."""
+        return json.loads(self.text)
+
     def get(self, key: str, default=None):
         """One field of ``input_activations``."""
-        return _plain(dict(self.items).get(key, default))
+        return self.fields.get(key, default)
 
     @property
     def dynamic(self) -> bool:
@@ -81,7 +89,7 @@ class InputQuant:
         """compressed-tensors' ``QuantizationArgs`` of these inputs."""
         from compressed_tensors.quantization import QuantizationArgs
 
-        return QuantizationArgs(**{k: _plain(v) for k, v in self.items})
+        return QuantizationArgs(**self.fields)
 
 
 def scale_tokens_over_ranks(module: nn.Module, name: str) -> None:
@@ -112,22 +120,6 @@ def _integer_group(inner: nn.Module, form: _Symmetric | None) -> int:
     ):
         return 0
     return groups.pop()
-
-
-def _hashable(v):
-    """A field's value as a key: lists as tuples, dicts (``observer_kwargs``) as their sorted items."""
-    if isinstance(v, list):
-        return tuple(_hashable(x) for x in v)
-    if isinstance(v, dict):
-        return ("dict", tuple(sorted((k, _hashable(x)) for k, x in v.items())))
-    return v
-
-
-def _plain(v):
-    """:func:`_hashable`'s value back as the checkpoint states it."""
-    if isinstance(v, tuple) and len(v) == 2 and v[0] == "dict" and isinstance(v[1], tuple):
-        return {k: _plain(x) for k, x in v[1]}
-    return [_plain(x) for x in v] if isinstance(v, tuple) else v
 
 
 def _library(where: str) -> None:
