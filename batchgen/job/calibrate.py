@@ -596,14 +596,14 @@ def _short_params(params: Any, max_tokens: int) -> Any:
                    ignore_eos=not getattr(params, "constrained", False), stop=None, stop_token_ids=None)  # fmt: skip
 
 
-def _short_request(row: CalibrationRow, name: str, tokens: int | None = None) -> Any:
-    """A request of ``row`` (its first ``tokens`` prompt tokens; None: all) generating 2 tokens: a prefill
-    step, then a decode step."""
+def _short_request(row: CalibrationRow, name: str, tokens: int | None = None, new: int = 2) -> Any:
+    """A request of ``row`` (its first ``tokens`` prompt tokens; None: all) generating ``new`` tokens: a prefill
+    step, then decode steps."""
     from batchgen.driver import EngineRequest
 
     prompt = list(row.token_ids[:tokens] if tokens is not None else row.token_ids)
     return EngineRequest(
-        f"batchgen-calibration-{name}", prompt, _short_params(row.params, 2), lora_request=row.lora
+        f"batchgen-calibration-{name}", prompt, _short_params(row.params, new), lora_request=row.lora
     )
 
 
@@ -653,16 +653,13 @@ def _probe_concurrency(
     generate :data:`PROBE_TOKENS` tokens: decode steps at the job's concurrency over contexts of the job's
     length. As many sequences as its cost by the step model so far fits in ``allowance_s``; none when that is
     not over twice ``reached`` or is under :data:`MIN_PROBE_SEQS`. Returns the sequences probed."""
-    from batchgen.driver import EngineRequest
-
     model = fit_step_model(samples)
     per_token, per_step = max(model.coef[1], 0.0), max(model.coef[0], 0.0)
     bs = max(1, engine.stats.block_size or 16)
     caching = getattr(getattr(engine, "config", None), "enable_prefix_caching", False)
     mean = sum(len(r.token_ids) for r in order) / max(1, len(order))
     length = max(2, min(max(len(r.token_ids) for r in order), int(mean) // bs * bs + 1))
-    row = next(r for r in order if len(r.token_ids) >= length)
-    prompt = list(row.token_ids[:length])
+    row = next(r for r in order if len(r.token_ids) >= length)  # its first `length` tokens: the prompt
     # a sequence's prefill (its last token with the prefix cached) and its decode steps, a decode step's
     # sequence priced as two prompt tokens (its attention over the context, its sampling)
     per_seq = ((1 if caching else length) + 2 * PROBE_TOKENS) * per_token
@@ -671,14 +668,9 @@ def _probe_concurrency(
     n = min(batch, fits)
     if n <= 2 * reached or n < MIN_PROBE_SEQS:
         return 0
-
-    def request(i: int, tokens: int) -> Any:
-        params = _short_params(row.params, tokens)
-        return EngineRequest(f"batchgen-calibration-probe-{i}", list(prompt), params, lora_request=row.lora)
-
-    if caching:
-        _timed(engine, [request(-1, 1)], samples)  # its blocks cached for the others
-    _timed(engine, [request(i, PROBE_TOKENS) for i in range(n)], samples)
+    if caching:  # one sequence first: its blocks cached for the others
+        _timed(engine, [_short_request(row, "probe--1", length, 1)], samples)
+    _timed(engine, [_short_request(row, f"probe-{i}", length, PROBE_TOKENS) for i in range(n)], samples)
     return n
 
 
