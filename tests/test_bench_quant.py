@@ -61,3 +61,34 @@ def test_the_cpu_gemm_benchmark_times_every_kind_against_another_build(tmp_path)
     for r in results:
         kinds = {"float32", *quant_gemm_cpu.KINDS, *(f"{k} (--against)" for k in quant_gemm_cpu.KINDS)}
         assert set(r["ms"]) == kinds and all(ms > 0 for ms in r["ms"].values())
+
+
+def test_the_cpu_gemm_benchmark_times_the_formats_asked_for(tmp_path):
+    import json
+
+    pytest.importorskip("gguf", reason="the gguf package names the benchmark's formats")
+    from batchgen.bench import quant_gemm_cpu
+    from batchgen.kernels import cpu_kernel
+
+    if cpu_kernel.library() is None:
+        pytest.skip("the C kernels are unavailable here")
+    out = tmp_path / "gemm.json"
+    argv = [
+        "--rows",
+        "2",
+        "--n",
+        "40",
+        "--k",
+        "256",
+        "--repeats",
+        "1",
+        "--kinds",
+        "IQ4_XS,IQ4_NL",
+        "--json",
+        str(out),
+    ]
+    assert quant_gemm_cpu.main(argv) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert set(r["ms"]) == {"float32", "IQ4_XS", "IQ4_NL"} and all(ms > 0 for ms in r["ms"].values())
+    with pytest.raises(SystemExit):
+        quant_gemm_cpu.main(["--kinds", "IQ2_XXS"])

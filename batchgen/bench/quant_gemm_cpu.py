@@ -4,8 +4,8 @@ Times ``kernels/csrc/quant_linear_cpu.c`` on one projection of a 1B-class Llama 
 gate/up width of a hidden-2048 model) for GGUF Q4_0, Q8_0, Q4_K and Q6_K weights, at a few input rows (the
 decode of a few sequences to a batch), beside the float32 GEMM of ``kernels/csrc/linear_cpu.c`` on the same
 weights: the median of ``--repeats`` rounds, each timing a run of calls, on ``torch.get_num_threads()``
-threads. Q4_0 and Q8_0 are the ``gguf`` package's quantization of random weights; Q4_K and Q6_K random blocks
-(their bytes decode to finite weights). ``--against`` times a second build of the kernel library (an earlier
+threads. Q4_0 and Q8_0 are the ``gguf`` package's quantization of random weights; the other formats (``--kinds``)
+random blocks (their bytes decode to finite weights). ``--against`` times a second build of the kernel library (an earlier
 commit's ``batchgen_cpu.so``, from ``$BATCHGEN_CACHE/cpu_kernels/``) round by round beside the current one and
 checks that both give the same bits.
 """
@@ -27,20 +27,18 @@ from batchgen.kernels import cpu_kernel, cpu_linear
 from batchgen.kernels.cpu_quant_linear import FORMATS
 
 KINDS = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
+"""The formats timed by default (``--kinds`` picks any of :data:`FORMATS`)."""
 
 
 def _packed(name: str, n: int, k: int, rng: np.random.Generator, weight: np.ndarray) -> np.ndarray:
     import gguf
 
+    from batchgen.models.quant.gguf_writer import random_blocks
+
     qtype = getattr(gguf.GGMLQuantizationType, name)
     if name in ("Q4_0", "Q8_0"):
         return gguf.quants.quantize(weight, qtype)
-    block_bytes = {"Q4_K": 144, "Q6_K": 210}[name]
-    raw = rng.integers(0, 256, (n, k // 256, block_bytes), dtype=np.uint8)
-    scale_at = {"Q4_K": (0, 2), "Q6_K": (208,)}[name]  # the blocks' fp16 super-scales: small and finite
-    for at in scale_at:
-        raw[:, :, at : at + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
-    return raw.reshape(n, -1)
+    return random_blocks(n, k, int(qtype), seed=int(rng.integers(1 << 31)), scale=0.01).numpy()
 
 
 def _call(lib: ctypes.CDLL, x: torch.Tensor, packed: np.ndarray, type_id: int, out: torch.Tensor) -> None:
@@ -63,7 +61,9 @@ def _time(fn, calls: int) -> float:
     return (time.perf_counter() - t) / calls * 1e3
 
 
-def run(rows: list[int], n: int, k: int, repeats: int, against: str | None) -> list[dict[str, Any]]:
+def run(
+    rows: list[int], n: int, k: int, repeats: int, against: str | None, kinds: tuple[str, ...] = KINDS
+) -> list[dict[str, Any]]:
     """One entry per row count: median ms per call of each kind (and of ``against``'s build), float32 too."""
     lib = cpu_kernel.library()
     if lib is None:
@@ -72,7 +72,7 @@ def run(rows: list[int], n: int, k: int, repeats: int, against: str | None) -> l
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((n, k)).astype(np.float32)
     ids = {FORMATS[t].name: t for t in FORMATS}
-    packs = {name: _packed(name, n, k, rng, weight) for name in KINDS}
+    packs = {name: _packed(name, n, k, rng, weight) for name in kinds}
     dense = cpu_linear.pack(torch.from_numpy(weight))
     results = []
     for m in rows:
@@ -83,7 +83,7 @@ def run(rows: list[int], n: int, k: int, repeats: int, against: str | None) -> l
             times.setdefault("float32", []).append(
                 _time(partial(cpu_linear.linear, x, dense, None, n), calls)
             )
-            for name in KINDS:
+            for name in kinds:
                 out = torch.empty(m, n)
                 times.setdefault(name, []).append(
                     _time(partial(_call, lib, x, packs[name], ids[name], out), calls)
@@ -105,12 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=5632)
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated GGUF formats: any of " +
+                    ", ".join(f.name for f in FORMATS.values()))  # fmt: skip
     ap.add_argument("--against", help="another build of the kernel library (.so) to time beside this one")
     ap.add_argument("--json", help="write the results to this JSON file")
     args = ap.parse_args(argv)
     if args.k % 256:
         ap.error("--k must be a multiple of 256 (the K-quants' blocks)")
-    results = run([int(r) for r in args.rows.split(",")], args.n, args.k, args.repeats, args.against)
+    kinds = tuple(args.kinds.split(","))
+    unknown = [name for name in kinds if name not in {f.name for f in FORMATS.values()}]
+    if unknown:
+        ap.error(f"--kinds: unknown format(s) {unknown}")
+    results = run([int(r) for r in args.rows.split(",")], args.n, args.k, args.repeats, args.against, kinds)
     print(f"weight-only GEMM, {args.n} x {args.k}, {torch.get_num_threads()} threads: ms per call (median)")
     for r in results:
         print(f"{r['rows']:>5} rows  " + "  ".join(f"{key} {ms:.2f}" for key, ms in r["ms"].items()))
