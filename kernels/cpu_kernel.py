@@ -62,10 +62,11 @@ SOURCES = tuple(
         "linear_cpu.c",
         "layer_ops_cpu.c",
         "quant_linear_cpu.c",
+        "quant_digits_cpu.c",
         "int8_linear_cpu.c",
     )
 )
-HEADERS = (Path(__file__).parent / "csrc" / "half.h",)
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("half.h", "amx.h"))
 """Headers the sources include (part of the build key)."""
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIB_NAME = "batchgen_cpu.so"
@@ -229,6 +230,8 @@ def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.batchgen_quant_linear.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64] + [i32] * 4
     lib.batchgen_quant_dequantize.argtypes = [ptr, i64, i32, ptr, i32, i32]
     lib.batchgen_quant_linear.restype = lib.batchgen_quant_dequantize.restype = i32
+    lib.batchgen_quant_integer_inputs.argtypes = []
+    lib.batchgen_quant_integer_inputs.restype = i32
     lib.batchgen_int_linear.argtypes = [ptr, i64, ptr, i32, ptr, i32, i32, ptr, ptr, i64] + [i32] * 4
     lib.batchgen_int_linear.restype = i32
     lib.batchgen_fp8_linear.argtypes = [ptr, i64, ptr, ptr, i32, ptr, ptr, i64] + [i32] * 4

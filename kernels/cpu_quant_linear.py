@@ -1,6 +1,8 @@
 """Weight-only quantized linear layer for the CPU: ``y = x wᵀ + b`` in float32 by the C kernel
 ``csrc/quant_linear_cpu.c``, the weight held in GGUF's (ggml's) block formats and dequantized a block at a time
-in L1 as the GEMM reads it (the formats and the arithmetic: the C file's docstring).
+in L1 as the GEMM reads it (the formats and the arithmetic: the C file's docstring). On CPUs with AMX the
+32-value block formats (Q8_0, Q4_0, Q5_0, IQ4_NL) multiply in integers instead, each input block held as 24-bit
+integers under its largest magnitude (``csrc/quant_digits_cpu.c``; :func:`integer_inputs`).
 
 A packed weight is ``[out, row_bytes]`` uint8: each row the blocks of one output's weights along ``in``, as a GGUF
 file stores them, so rows can be sliced (tensor parallelism), permuted or concatenated (fused projections) as
@@ -119,6 +121,16 @@ def linear(
         lambda m: f"batchgen_quant_linear rejected {fmt.name} [{m}, {in_features}] x {rows_out}",
         "quantized linear",
     )  # fmt: skip
+
+
+INTEGER_INPUT_FORMATS = (2, 6, 8, 20)
+"""The formats :func:`integer_inputs` concerns: Q4_0, Q5_0, Q8_0 and IQ4_NL."""
+
+
+def integer_inputs() -> bool:
+    """Whether this process multiplies :data:`INTEGER_INPUT_FORMATS` by integer products over 24-bit block
+    integer inputs (a CPU with AMX, and ``BATCHGEN_QUANT_AMX`` not ``0``) rather than in float32."""
+    return available() and bool(_lib().batchgen_quant_integer_inputs())
 
 
 def dequantize(packed: Tensor, type_id: int, in_features: int) -> Tensor:

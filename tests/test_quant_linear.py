@@ -37,6 +37,7 @@ def test_quant_linear_matches_float64_on_dequantized_weights(name, rows) -> None
     assert got.shape == (rows, n) and ((got.double() - want).abs() <= 1e-6 * scale + 1e-6).all()
     # a row's output does not depend on its batch; a column slice of a wider output is written in place
     assert torch.equal(cpu_quant_linear.linear(x[-1:], packed, type_id, k, b)[0], got[-1])
+    assert torch.equal(cpu_quant_linear.linear(x[:1], packed, type_id, k, b)[0], got[0])
     wide = torch.zeros(rows, n + 10)
     cpu_quant_linear.linear(x, packed, type_id, k, b, out=wide[:, 4 : 4 + n])
     assert torch.equal(wide[:, 4 : 4 + n], got) and not wide[:, :4].any() and not wide[:, 4 + n :].any()
@@ -81,8 +82,9 @@ def test_bad_shapes_are_refused() -> None:
 
 @needs_compiler
 @pytest.mark.parametrize(
-    "rows", [2, 3, 4, 6, 29]
-)  # register tiles (x in registers up to 2 rows; 3-6 rows: 3 outputs), buffered
+    "rows", [2, 3, 4, 6, 13, 20, 29]
+)  # register tiles (x in registers up to 2 rows; 3-6 rows: 3 outputs), buffered; with AMX: vectors up to 12 rows,
+# then tiles of 16 rows (13: one padded tile; 20: a tile and 4 rows by the vectors)
 def test_simd_build_equals_generic_build(monkeypatch, rows) -> None:
     """The SIMD kernels (in-register widening, table lookups, register tiles) give the plain-C loops' bits: the
     same dequantized weights, multiplied and summed in the same order, for every format (fp8 included)."""
@@ -108,3 +110,55 @@ def test_simd_build_equals_generic_build(monkeypatch, rows) -> None:
     monkeypatch.setitem(cpu_kernel._state, "lib", generic)
     for (_, f), x, want in zip(cases, xs, fast):
         assert torch.equal(f(x), want)
+
+
+def _block_integers(x: torch.Tensor) -> torch.Tensor:
+    """x as the integer path holds it: each block of 32 values as round-half-even(x / s) s, s = 2^(e - 22) for
+    2^e <= the block's largest magnitude < 2^(e + 1) (e at least -103), clamped to [-2^23, 2^23 - 1] s."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    _, e = torch.frexp(blocks.abs().amax(dim=2, keepdim=True))
+    s = torch.pow(2.0, (e - 1).clamp(min=-103) - 22).double()
+    return (torch.round(blocks / s).clamp(-(2**23), 2**23 - 1) * s).reshape(x.shape)
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL"])
+def test_the_32_value_block_formats_take_block_integer_inputs_with_amx(name, monkeypatch) -> None:
+    """With AMX these formats multiply in integers: each input block is held to 24 bits under its largest
+    magnitude (a value far under it keeps fewer bits), the rounded inputs' product is exact up to a few float
+    roundings per block, a non-finite input turns its own row's outputs to NaN and no other's, and
+    BATCHGEN_QUANT_AMX=0 sends the formats back to the float32 loops."""
+    if not cpu_quant_linear.integer_inputs():
+        pytest.skip("no AMX here (or BATCHGEN_QUANT_AMX=0): these formats multiply in float32")
+    type_id, k = TYPES[name], 96
+    packed = random_blocks(21, k, type_id, seed=3)
+    w = cpu_quant_linear.dequantize(packed, type_id, k).double()
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(3))
+    x[0, 5] = 2.0**16  # the block's other values keep 6 of their bits
+    x[1, 40:60] *= 1e-30  # tiny values beside ordinary ones
+    x[2, 64:] = 0.0  # an all-zero block
+    x[3, 64:] = torch.linspace(-1e-39, 1e-39, 32)  # subnormal values only: s stays a normal float
+    x[4, 10], x[5, 33] = float("inf"), float("nan")
+    got = cpu_quant_linear.linear(x, packed, type_id, k)
+    held = _block_integers(x[:4])
+    assert not torch.equal(held, x[:4].double())
+    want, scale = held @ w.t(), held.abs() @ w.abs().t()
+    assert ((got[:4].double() - want).abs() <= 2e-7 * scale).all()
+    assert got[4:].isnan().all() and torch.equal(cpu_quant_linear.linear(x[:4], packed, type_id, k), got[:4])
+
+    # exact arithmetic shows the rounding: integer codes with d = 1, inputs on a grid the sums keep exactly
+    codes = torch.randint(-4, 5, (3, 64), generator=torch.Generator().manual_seed(4), dtype=torch.int8)
+    codes[:, 0] = 1  # each block's sum and partial sums under 2^24
+    one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    q8 = torch.cat([torch.cat([one, codes[n, 32 * b : 32 * b + 32].view(torch.uint8)]) for n in range(3) for b in
+                    range(2)]).reshape(3, 68)  # fmt: skip
+    grid = torch.randint(-64, 64, (2, 64), generator=torch.Generator().manual_seed(5)).float() / 64
+    grid[:, 0] = 2.0**10  # s = 2^-12 in block 0: multiples of 1/64 are kept; 2^-13 is not
+    grid[:, 1] += 2.0**-13
+    exact = cpu_quant_linear.linear(grid, q8, 8, 64)
+    assert torch.equal(exact.double(), _block_integers(grid) @ codes.double().t())
+    assert not torch.equal(exact.double(), grid.double() @ codes.double().t())
+
+    monkeypatch.setenv("BATCHGEN_QUANT_AMX", "0")
+    assert not cpu_quant_linear.integer_inputs()
+    assert torch.equal(cpu_quant_linear.linear(grid, q8, 8, 64).double(), grid.double() @ codes.double().t())

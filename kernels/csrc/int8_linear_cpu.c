@@ -33,10 +33,8 @@
 #include <immintrin.h>
 #define INT8_VNNI 1
 #endif
-#if defined(INT8_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
+#if defined(INT8_VNNI) && defined(BATCHGEN_HAS_AMX)
 #define INT8_AMX 1
 #define AMX_MIN_ROWS 16 /* fewer rows: the vpdpbusd tiles (an AMX tile holds 16) */
 #endif
@@ -176,21 +174,8 @@ static void output_group(const int8_t *q, int64_t ldq, const float *xs, const in
 }
 
 #ifdef INT8_AMX
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Whether this process may use the AMX tile registers (asked of Linux once: ARCH_REQ_XCOMP_PERM for
- * XFEATURE_XTILEDATA), unless BATCHGEN_INT8_AMX=0 (read on every call: benchmarks compare the two paths). */
-static int amx_ready(void) {
-    static volatile int state = 0; /* 0: not asked, 1: granted, -1: refused */
-    const char *env = getenv("BATCHGEN_INT8_AMX");
-    if (env && env[0] == '0') return 0;
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-    return state == 1;
-}
+/* AMX unless BATCHGEN_INT8_AMX=0. */
+static int amx_ready(void) { return amx_permitted("BATCHGEN_INT8_AMX"); }
 
 /* q [M, K] -> qv: for each block of 16 rows (zeros past M) and each 64 k, a 16 x 64-byte right tile whose row t
  * holds q[row][k + 4t .. k + 4t + 3] for the block's 16 rows side by side. */

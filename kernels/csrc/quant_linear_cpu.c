@@ -40,8 +40,9 @@ enum {
     IQ4_NL = 20, IQ4_XS = 23
 };
 
-/* IQ4_NL's and IQ4_XS's 16 non-linear levels (ggml's kvalues_iq4nl). */
-static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* IQ4_NL's and IQ4_XS's 16 non-linear levels (ggml's kvalues_iq4nl; quant_digits_cpu.c reads them too). */
+#define IQ4_LEVELS batchgen_iq4_levels
+const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 static inline float load_half(const uint8_t *p) {
     uint16_t h;
@@ -854,14 +855,18 @@ int batchgen_fp8_linear(const float *x, int64_t lda, const uint8_t *w, const flo
     return 0;
 }
 
+int batchgen_quant_digits_linear(const float *x, int64_t lda, const uint8_t *w, int64_t row_bytes, int qtype,
+                                 const float *bias, float *y, int64_t ldy, int M, int K, int N, int num_threads);
+
 /* y = x w^T + bias (bias may be NULL). Returns 0, or -1 on a bad argument (unknown format, K not a whole
- * number of blocks, row_bytes not K's blocks). */
+ * number of blocks, row_bytes not K's blocks). With AMX the 32-value block formats go to quant_digits_cpu.c. */
 int batchgen_quant_linear(const float *x, int64_t lda, const uint8_t *w, int64_t row_bytes, int qtype,
                           const float *bias, float *y, int64_t ldy, int M, int K, int N, int num_threads) {
     int qk, bb;
     format_of(qtype, &qk, &bb);
     if (qk == 0 || M < 0 || K <= 0 || N <= 0 || K % qk != 0 || row_bytes != (int64_t)(K / qk) * bb || lda < K)
         return -1;
+    if (batchgen_quant_digits_linear(x, lda, w, row_bytes, qtype, bias, y, ldy, M, K, N, num_threads)) return 0;
 #ifdef QUANT_SIMD
     if (qtype == Q4_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K) { /* the others: the plain-C loops */
         const Src simd_src = {w, row_bytes, NULL, 0, 0, 0, -1};
