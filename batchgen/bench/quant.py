@@ -316,7 +316,10 @@ def main() -> None:
     if args.kv_context:
         for row in kv_decode_runs(f32, args):
             emit(row)
-    print(json.dumps({"loadavg": os.getloadavg(), "threads": torch.get_num_threads(), "args": vars(args)}))
+    from batchgen.kernels.cpu_quant_linear import integer_inputs
+
+    print(json.dumps({"loadavg": os.getloadavg(), "threads": torch.get_num_threads(),
+                      "gguf_block32_integer_inputs": integer_inputs(), "args": vars(args)}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from batchgen.kernels import cpu_kernel, cpu_linear
-from batchgen.kernels.cpu_quant_linear import FORMATS
+from batchgen.kernels.cpu_quant_linear import FORMATS, integer_inputs
 
 KINDS = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
 """The formats timed by default (``--kinds`` picks any of :data:`FORMATS`)."""
@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--kinds: unknown format(s) {unknown}")
     results = run([int(r) for r in args.rows.split(",")], args.n, args.k, args.repeats, args.against, kinds)
     print(f"weight-only GEMM, {args.n} x {args.k}, {torch.get_num_threads()} threads: ms per call (median)")
+    if integer_inputs():
+        print(
+            "(Q8_0, Q4_0, Q5_0, IQ4_NL: integer products over block-integer inputs; BATCHGEN_QUANT_AMX=0: float32)"
+        )
     for r in results:
         print(f"{r['rows']:>5} rows  " + "  ".join(f"{key} {ms:.2f}" for key, ms in r["ms"].items()))
     if args.json:

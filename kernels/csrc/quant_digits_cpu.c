@@ -14,14 +14,17 @@
  * So each input is kept to 24 bits under its block's largest (an error of at most 2^-23 of that magnitude, where
  * float32 keeps 24 bits of each value), the 32 products of a block are summed exactly, and the float rounding is a
  * few operations per block instead of one per product. The integer sums do not depend on their order: the AMX
- * tiles (tdpbusd / tdpbssd, 16 rows x 16 outputs x 32 values a block) and the plain-C loops (BATCHGEN_GENERIC)
- * give the same bits, and a row's result depends only on that row, never on M, the batch or the thread count.
+ * tiles (tdpbsud / tdpbssd, 16 rows x 16 outputs x 32 values a block, for whole tiles of 16 rows), the
+ * AVX512-VNNI vectors (vpdpbusd, 16 outputs a vector, for up to VECTOR_ROWS rows) and the plain-C loops
+ * (BATCHGEN_GENERIC) give the same bits, and a row's result depends only on that row, never on M, the batch or
+ * the thread count.
  *
  * The path is taken wherever the CPU the build targets has AMX-INT8 and Linux grants the tile state (the plain-C
  * build included, so both builds agree on one machine), unless BATCHGEN_QUANT_AMX=0; elsewhere the formats go
  * through quant_linear_cpu.c's float32 loops. */
 #pragma GCC optimize("fp-contract=off")
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -126,7 +129,10 @@ static int loops(const uint8_t *dig, const float *sx, const uint8_t *w, int64_t 
     {
         int8_t *codes = malloc((size_t)blocks * 32);
         float *d = malloc((size_t)blocks * sizeof(float));
-        if (!codes || !d) failed = 1;
+        if (!codes || !d) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic, 4)
         for (int n = 0; n < N; n++) {
             if (!codes || !d) continue;
@@ -354,7 +360,10 @@ static int tiles_product(const uint8_t *dig, const float *sx, const uint8_t *w, 
         _tile_loadconfig(&cfg);
         int8_t *tiles = aligned_alloc(64, (size_t)blocks * 512);
         float *d = aligned_alloc(64, (size_t)blocks * 64);
-        if (!tiles || !d) failed = 1;
+        if (!tiles || !d) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int g = 0; g < groups; g++) {
             if (!tiles || !d) continue;
@@ -385,25 +394,70 @@ static int digits_on(void) {
 /* Whether batchgen_quant_digits_linear takes its formats in this process (1) or leaves them to the float loops. */
 int batchgen_quant_integer_inputs(void) { return digits_on(); }
 
+#define KEEP_BYTES (8 << 20) /* scratch kept by a calling thread between calls */
+
+/* A calling thread's kept scratch memory (freed when the thread exits). */
+typedef struct {
+    uint8_t *p;
+    size_t bytes;
+} Kept;
+
+static pthread_key_t kept_key;
+static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
+
+static void kept_free(void *k) {
+    free(((Kept *)k)->p);
+    free(k);
+}
+
+static void kept_make_key(void) { pthread_key_create(&kept_key, kept_free); }
+
+/* `bytes` of scratch memory for the calling thread: kept between calls up to KEEP_BYTES (a fresh allocation per
+ * call pays its page faults every time); larger blocks are freed by scratch_done. NULL: out of memory. */
+static uint8_t *scratch(size_t bytes) {
+    if (bytes > KEEP_BYTES) return malloc(bytes);
+    pthread_once(&kept_once, kept_make_key);
+    Kept *k = pthread_getspecific(kept_key);
+    if (!k) {
+        if (!(k = calloc(1, sizeof *k))) return NULL;
+        pthread_setspecific(kept_key, k);
+    }
+    if (bytes > k->bytes) {
+        free(k->p);
+        k->p = malloc(bytes);
+        k->bytes = k->p ? bytes : 0;
+    }
+    return k->p;
+}
+
+static void scratch_done(uint8_t *p, size_t bytes) {
+    if (bytes > KEEP_BYTES) free(p);
+}
+
 /* Rows 0 .. M - 1 digitized and multiplied: by the tiles (`tiled`) or the vectors in the SIMD build. Returns 0, or
  * -1 when memory ran out. */
 static int rows_product(const float *x, int64_t lda, const uint8_t *w, int64_t row_bytes, int qtype,
                         const float *bias, float *y, int64_t ldy, int M, int K, int N, int tiled, int num_threads) {
-    const int blocks = K / 32, bb = (int)(row_bytes / blocks), padded = (M + 15) / 16 * 16;
-    uint8_t *dig = calloc((size_t)padded * blocks, DIGIT_BYTES);
-    float *sx = calloc((size_t)padded * blocks, sizeof(float));
-    int rc = -1;
-    if (dig && sx) {
-        digitize(x, lda, M, blocks, tiled, dig, sx, num_threads);
-#ifdef DIGITS_TILES
-        if (tiled) rc = tiles_product(dig, sx, w, row_bytes, bb, qtype, bias, y, ldy, M, blocks, N, num_threads);
-        else vector_product(dig, sx, w, row_bytes, bb, qtype, bias, y, ldy, M, blocks, N, num_threads), rc = 0;
-#else
-        rc = loops(dig, sx, w, row_bytes, bb, qtype, bias, y, ldy, M, blocks, N, num_threads);
-#endif
+    const int blocks = K / 32, bb = (int)(row_bytes / blocks), rows = tiled ? (M + 15) / 16 * 16 : M;
+    const size_t digit_bytes = (size_t)rows * blocks * DIGIT_BYTES;
+    uint8_t *mem = scratch(digit_bytes + (size_t)rows * blocks * sizeof(float));
+    if (!mem) return -1;
+    uint8_t *dig = mem;
+    float *sx = (float *)(mem + digit_bytes);
+    if (rows > M) { /* the last tile's rows past M: zeros */
+        const size_t tile = (size_t)(rows / 16 - 1) * blocks;
+        memset(dig + tile * 3 * 512, 0, (size_t)blocks * 3 * 512);
+        memset(sx + tile * 16, 0, (size_t)blocks * 16 * sizeof(float));
     }
-    free(dig);
-    free(sx);
+    digitize(x, lda, M, blocks, tiled, dig, sx, num_threads);
+    int rc;
+#ifdef DIGITS_TILES
+    if (tiled) rc = tiles_product(dig, sx, w, row_bytes, bb, qtype, bias, y, ldy, M, blocks, N, num_threads);
+    else vector_product(dig, sx, w, row_bytes, bb, qtype, bias, y, ldy, M, blocks, N, num_threads), rc = 0;
+#else
+    rc = loops(dig, sx, w, row_bytes, bb, qtype, bias, y, ldy, M, blocks, N, num_threads);
+#endif
+    scratch_done(mem, digit_bytes + (size_t)rows * blocks * sizeof(float));
     return rc;
 }
 
