@@ -122,7 +122,7 @@ def _block_integers(x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_compiler
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "IQ4_XS"])
 def test_the_32_value_block_formats_take_block_integer_inputs_with_amx(name, monkeypatch) -> None:
     """With AMX these formats multiply in integers: each input block is held to 24 bits under its largest
     magnitude (a value far under it keeps fewer bits), the rounded inputs' product is exact up to a few float
@@ -130,20 +130,24 @@ def test_the_32_value_block_formats_take_block_integer_inputs_with_amx(name, mon
     BATCHGEN_QUANT_AMX=0 sends the formats back to the float32 loops."""
     if not cpu_quant_linear.integer_inputs():
         pytest.skip("no AMX here (or BATCHGEN_QUANT_AMX=0): these formats multiply in float32")
-    type_id, k = TYPES[name], 96
+    type_id, k = TYPES[name], 256
     packed = random_blocks(21, k, type_id, seed=3)
     w = cpu_quant_linear.dequantize(packed, type_id, k).double()
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(3))
     x[0, 5] = 2.0**16  # the block's other values keep 6 of their bits
     x[1, 40:60] *= 1e-30  # tiny values beside ordinary ones
-    x[2, 64:] = 0.0  # an all-zero block
-    x[3, 64:] = torch.linspace(-1e-39, 1e-39, 32)  # subnormal values only: s stays a normal float
+    x[2, 64:96] = 0.0  # an all-zero block
+    x[3, 64:96] = torch.linspace(-1e-39, 1e-39, 32)  # subnormal values only: s stays a normal float
     x[4, 10], x[5, 33] = float("inf"), float("nan")
     got = cpu_quant_linear.linear(x, packed, type_id, k)
     held = _block_integers(x[:4])
     assert not torch.equal(held, x[:4].double())
-    want, scale = held @ w.t(), held.abs() @ w.abs().t()
-    assert ((got[:4].double() - want).abs() <= 2e-7 * scale).all()
+    # formats with offsets (w = a c + off) sum a c and off apart: their roundings are of |a c| + |off|, which is
+    # at most |w| + twice its block's largest |w| (off being about the weight of code 0)
+    offsets = name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+    bound = w.abs() + (2 * w.abs().reshape(21, -1, 32).amax(2).repeat_interleave(32, 1) if offsets else 0)
+    want, scale = held @ w.t(), held.abs() @ bound.t()
+    assert ((got[:4].double() - want).abs() <= 1e-6 * scale).all()
     assert got[4:].isnan().all() and torch.equal(cpu_quant_linear.linear(x[:4], packed, type_id, k), got[:4])
 
     # exact arithmetic shows the rounding: integer codes with d = 1, inputs on a grid the sums keep exactly

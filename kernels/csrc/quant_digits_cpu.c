@@ -1,19 +1,25 @@
-/* GGUF's 32-value block formats times block-integer inputs, on CPUs with AMX: y = x w^T (+ bias) for Q8_0, Q4_0,
- * Q5_0 and IQ4_NL weights by integer tile products.
+/* GGUF weights whose values come in blocks of 32 with one scale (and offset) each, times block-integer inputs, on
+ * CPUs with AMX: y = x w^T (+ bias) for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and, in 256-value super-blocks of 8
+ * such blocks, Q4_K, Q5_K and IQ4_XS, by integer tile products.
  *
- * Weights: each block of 32 values is d c, c integer codes in [-128, 127] (Q8_0 q, Q4_0 q - 8, Q5_0 q - 16,
- * IQ4_NL's levels) and d one fp16 scale, in ggml's row layout (batchgen_quant_linear's).
+ * Weights: each block of 32 values is w = a c + off, c integer codes in [-128, 127] (Q8_0 q, Q4_0 q - 8, Q5_0
+ * q - 16, Q4_1 / Q5_1 / Q4_K / Q5_K q, IQ4_NL / IQ4_XS their levels), a the block's scale (d; d sc for Q4_K and
+ * Q5_K; d (sc - 32) for IQ4_XS) and off its offset (Q4_1 and Q5_1 m; Q4_K and Q5_K -dmin m; 0 for the others),
+ * a and off exact in float32, in ggml's row layout (batchgen_quant_linear's).
  * Inputs: each row's blocks of 32 values (the weights' blocks) as 24-bit block integers: e the exponent of the
  * block's largest magnitude (2^e <= max |x| < 2^(e + 1); at least -103), s = 2^(e - 22), X = round-half-even(x / s)
  * clamped to [-2^23, 2^23 - 1], in three digits X = 65536 D2 + 256 D1 + D0 (D2 in [-128, 127], D1 and D0 in
- * [0, 255]). An all-zero block has s = 1, a block holding an infinity or NaN s = NaN (its row's outputs NaN).
- * Each output: over the blocks b in order, C_j = sum_k D_j c over the block (exact in int32: |C_j| < 32 * 255 *
- * 128), v = fmaf((float)C2, 65536, (float)(C0 + 256 C1)) and acc = fmaf(d s, v, acc) (d s exact: a power of two
- * times an fp16), from acc = 0; y = bias + acc (or acc).
+ * [0, 255]), and the block's sum of X (exact, then rounded to float). An all-zero block has s = 1, a block holding
+ * an infinity or NaN s = NaN (its row's outputs NaN).
+ * Each output: over the blocks in order, C_j = sum_k D_j c over the block (exact in int32: |C_j| < 32 * 255 *
+ * 128), v = fmaf((float)C2, 65536, (float)(C0 + 256 C1)), acc = fmaf(a s, v, acc) and, for formats with offsets,
+ * acc = fmaf(off s, sum X, acc) (a s and off s exact: powers of two times exact values), from acc = 0; y = bias +
+ * acc (or acc).
  *
  * So each input is kept to 24 bits under its block's largest (an error of at most 2^-23 of that magnitude, where
  * float32 keeps 24 bits of each value), the 32 products of a block are summed exactly, and the float rounding is a
- * few operations per block instead of one per product. The integer sums do not depend on their order: the AMX
+ * few operations per block instead of one per product (formats with offsets sum a c and off apart, as llama.cpp
+ * does: their roundings are of those terms, not of w). The integer sums do not depend on their order: the AMX
  * tiles (tdpbsud / tdpbssd, 16 rows x 16 outputs x 32 values a block, for whole tiles of 16 rows), the
  * AVX512-VNNI vectors (vpdpbusd, 16 outputs a vector, for up to VECTOR_ROWS rows) and the plain-C loops
  * (BATCHGEN_GENERIC) give the same bits, and a row's result depends only on that row, never on M, the batch or
@@ -32,39 +38,98 @@
 #include "amx.h"
 #include "half.h"
 
+
 #if defined(BATCHGEN_HAS_AMX) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(BATCHGEN_GENERIC)
 #include <immintrin.h>
 #define DIGITS_TILES 1
 #define VECTOR_ROWS 12 /* up to this many rows: AVX512-VNNI (an AMX tile's work is the same for 1 row as for 16) */
 #endif
 
-enum { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, IQ4_NL = 20 };
+static inline float load_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef DIGITS_TILES
+    return _cvtsh_ss(h); /* F16C: exact, as half_bits_to_float */
+#else
+    return half_bits_to_float(h);
+#endif
+}
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, IQ4_NL = 20, IQ4_XS = 23 };
 
 extern const int8_t batchgen_iq4_levels[16]; /* quant_linear_cpu.c */
 
 #define DIGIT_BYTES 96 /* a row's block: D0, D1, D2, 32 bytes each */
 
-/* The block's fp16 scale d and its 32 codes. */
-static float block_codes(int qtype, const uint8_t *b, int8_t *c) {
-    uint16_t h;
-    memcpy(&h, b, 2);
-    const uint8_t *q = b + 2 + (qtype == Q5_0 ? 4 : 0);
-    if (qtype == Q8_0) {
-        memcpy(c, q, 32);
-    } else if (qtype == Q5_0) {
-        uint32_t qh;
-        memcpy(&qh, b + 2, 4);
-        for (int i = 0; i < 16; i++) {
-            c[i] = (int8_t)(((q[i] & 0x0f) | (int)((qh >> i) & 1) << 4) - 16);
-            c[i + 16] = (int8_t)(((q[i] >> 4) | (int)((qh >> (i + 16)) & 1) << 4) - 16);
-        }
-    } else {
-        for (int i = 0; i < 16; i++) {
-            c[i] = qtype == Q4_0 ? (int8_t)((q[i] & 0x0f) - 8) : batchgen_iq4_levels[q[i] & 0x0f];
-            c[i + 16] = qtype == Q4_0 ? (int8_t)((q[i] >> 4) - 8) : batchgen_iq4_levels[q[i] >> 4];
-        }
+/* Whether a format is taken here, and whether its weights carry an offset per block (w = a c + off). */
+static int digits_format(int qtype) {
+    return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1 || qtype == Q8_0 || qtype == Q4_K ||
+           qtype == Q5_K || qtype == IQ4_NL || qtype == IQ4_XS;
+}
+static int has_offsets(int qtype) { return qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K; }
+static int super_blocks(int qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == IQ4_XS; }
+
+/* Q4_K's and Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4). */
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) *sc = s[j] & 63, *m = s[j + 4] & 63;
+    else *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+}
+
+/* The 32 codes of 16 nibbles at q (low nibbles first, then high), `minus` off each (through the IQ4 levels with
+ * `levels`). */
+static inline void nibble_codes(const uint8_t *q, int minus, int levels, int8_t *c) {
+    for (int i = 0; i < 16; i++) {
+        const int lo = q[i] & 0x0f, hi = q[i] >> 4;
+        c[i] = levels ? batchgen_iq4_levels[lo] : (int8_t)(lo - minus);
+        c[i + 16] = levels ? batchgen_iq4_levels[hi] : (int8_t)(hi - minus);
     }
-    return half_bits_to_float(h);
+}
+
+/* Block b (values 32 b .. 32 b + 31) of a weight row (`unit` bytes per block, or per 256-value super-block): its
+ * codes c[32], its scale a (returned) and its offset: w = a c + off, a and off exact (ggml's d, d sc, dmin m). */
+static float unit_codes(int qtype, const uint8_t *row, int64_t unit, int b, int8_t *c, float *off) {
+    *off = 0.0f;
+    if (super_blocks(qtype)) {
+        const uint8_t *sb = row + (int64_t)(b / 8) * unit;
+        const int j = b % 8;
+        const float d = load_half(sb);
+        if (qtype == IQ4_XS) {
+            uint16_t high;
+            memcpy(&high, sb + 2, 2);
+            const int sc = ((sb[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((high >> (2 * j)) & 3) << 4);
+            nibble_codes(sb + 8 + 16 * j, 0, 1, c);
+            return d * (float)(sc - 32);
+        }
+        const int five = qtype == Q5_K;
+        int sc, m;
+        k_scale_min(sb + 4, j, &sc, &m);
+        const uint8_t *qh = sb + 16, *q = sb + 16 + 32 * five + 32 * (j / 2);
+        for (int l = 0; l < 32; l++)
+            c[l] = (int8_t)(((q[l] >> (4 * (j % 2))) & 0x0f) | (five ? ((qh[l] >> j) & 1) << 4 : 0));
+        *off = -(load_half(sb + 2) * (float)m);
+        return d * (float)sc;
+    }
+    const uint8_t *blk = row + (int64_t)b * unit;
+    const float d = load_half(blk);
+    if (qtype == Q8_0) {
+        memcpy(c, blk + 2, 32);
+    } else if (qtype == Q5_0 || qtype == Q5_1) {
+        const int one = qtype == Q5_1;
+        uint32_t qh;
+        memcpy(&qh, blk + 2 + 2 * one, 4);
+        const uint8_t *q = blk + 6 + 2 * one;
+        for (int i = 0; i < 16; i++) {
+            c[i] = (int8_t)(((q[i] & 0x0f) | (int)((qh >> i) & 1) << 4) - (one ? 0 : 16));
+            c[i + 16] = (int8_t)(((q[i] >> 4) | (int)((qh >> (i + 16)) & 1) << 4) - (one ? 0 : 16));
+        }
+        if (one) *off = load_half(blk + 2);
+    } else if (qtype == Q4_1) {
+        nibble_codes(blk + 4, 0, 0, c);
+        *off = load_half(blk + 2);
+    } else {
+        nibble_codes(blk + 2, 8, qtype == IQ4_NL, c);
+    }
+    return d;
 }
 
 static inline float float_of_bits(uint32_t bits) {
@@ -73,11 +138,12 @@ static inline float float_of_bits(uint32_t bits) {
     return f;
 }
 
-/* x[0..31] as digits d[0..95] (D0, D1, D2); returns s. */
-static float digitize_block(const float *x, uint8_t *d) {
+/* x[0..31] as digits d[0..95] (D0, D1, D2); returns s, and the block's sum of X in *sum (exact: |sum| < 2^28). */
+static float digitize_block(const float *x, uint8_t *d, float *sum) {
     float amax = 0.0f;
     int finite = 1;
     for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(x[k])), finite &= fabsf(x[k]) <= 3.4028235e38f;
+    *sum = 0.0f;
     if (!finite || amax == 0.0f) { /* a NaN or an infinity; or all zeros */
         memset(d, 0, DIGIT_BYTES);
         return finite ? 1.0f : NAN;
@@ -85,116 +151,174 @@ static float digitize_block(const float *x, uint8_t *d) {
     uint32_t bits;
     memcpy(&bits, &amax, 4);
     int e = (int)(bits >> 23) - 127;
-    if (e < -103) e = -103; /* s stays a normal float, and so does d s */
+    if (e < -103) e = -103; /* s stays a normal float, and so do a s and off s */
     const float inv = float_of_bits((uint32_t)(22 - e + 127) << 23);
+    int32_t total = 0;
     for (int k = 0; k < 32; k++) {
         int32_t v = (int32_t)nearbyintf(x[k] * inv); /* |x inv| < 2^23: exact product, then half-even */
         if (v > 8388607) v = 8388607;
+        total += v;
         d[k] = (uint8_t)(v & 255), d[32 + k] = (uint8_t)((v >> 8) & 255), d[64 + k] = (uint8_t)(v >> 16);
     }
+    *sum = (float)total;
     return float_of_bits((uint32_t)(e - 22 + 127) << 23);
 }
 
+/* One product's inputs as digitized and its weights: what every path below reads. */
+typedef struct {
+    const uint8_t *dig; /* digits: [M, blocks, 96], or right tiles (see digitize) */
+    const float *sx;    /* each row's blocks' s: [M, blocks], or [M / 16, blocks, 16] */
+    const float *sum;   /* each row's blocks' sum of X, laid out as sx (the offsets' term) */
+    const uint8_t *w;   /* the weight rows */
+    int64_t row_bytes, unit; /* bytes per row; per block (per 256-value super-block for K-quants and IQ4_XS) */
+    int qtype, offsets, blocks;
+    const float *bias;
+    float *y;
+    int64_t ldy;
+} Product;
+
 /* Where row m's digits of block b go: [M, blocks, 96], scales [M, blocks]; or, `tiled`, as right tiles of 16
  * rows: tile t = m / 16, block b and digit j hold 512 bytes whose row r is the 16 rows' values 4r .. 4r + 3 side
- * by side (rows past M zeros), scales [M / 16, blocks, 16]. */
-static void digitize(const float *x, int64_t lda, int M, int blocks, int tiled, uint8_t *dig, float *sx,
+ * by side (rows past M zeros), scales and sums [M / 16, blocks, 16]. */
+static void digitize(const float *x, int64_t lda, int M, int blocks, int tiled, uint8_t *dig, float *sx, float *sum,
                      int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int m = 0; m < M; m++)
         for (int b = 0; b < blocks; b++) {
             if (!tiled) {
-                sx[(int64_t)m * blocks + b] =
-                    digitize_block(x + m * lda + b * 32, dig + ((int64_t)m * blocks + b) * DIGIT_BYTES);
+                const int64_t at = (int64_t)m * blocks + b;
+                sx[at] = digitize_block(x + m * lda + b * 32, dig + at * DIGIT_BYTES, sum + at);
                 continue;
             }
             uint8_t d[DIGIT_BYTES];
             const int64_t at = (int64_t)(m / 16) * blocks + b;
-            sx[at * 16 + m % 16] = digitize_block(x + m * lda + b * 32, d);
+            sx[at * 16 + m % 16] = digitize_block(x + m * lda + b * 32, d, sum + at * 16 + m % 16);
             for (int j = 0; j < 3; j++)
                 for (int r = 0; r < 8; r++) memcpy(dig + (at * 3 + j) * 512 + r * 64 + (m % 16) * 4, d + j * 32 + 4 * r, 4);
         }
 }
 
-static inline float combine(int32_t c0, int32_t c1, int32_t c2, float ds, float acc) {
-    return fmaf(ds, fmaf((float)c2, 65536.0f, (float)(c0 + 256 * c1)), acc);
+/* acc + a s v + off s sum, v the block's integer sum of X c (C0 + 256 C1 + 65536 C2) in float. */
+static inline float combine(int32_t c0, int32_t c1, int32_t c2, float as, float offs, float sum, int offsets,
+                            float acc) {
+    acc = fmaf(as, fmaf((float)c2, 65536.0f, (float)(c0 + 256 * c1)), acc);
+    return offsets ? fmaf(offs, sum, acc) : acc;
 }
 
 #ifndef DIGITS_TILES
 /* The plain-C loops: one output at a time, its codes decoded once for all rows. */
-static int loops(const uint8_t *dig, const float *sx, const uint8_t *w, int64_t row_bytes, int bb, int qtype,
-                 const float *bias, float *y, int64_t ldy, int M, int blocks, int N, int num_threads) {
+static int loops(const Product *p, int M, int N, int num_threads) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        int8_t *codes = malloc((size_t)blocks * 32);
-        float *d = malloc((size_t)blocks * sizeof(float));
-        if (!codes || !d) {
+        int8_t *codes = malloc((size_t)p->blocks * 32);
+        float *a = malloc((size_t)p->blocks * 2 * sizeof(float)), *off = a ? a + p->blocks : NULL;
+        if (!codes || !a) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 4)
         for (int n = 0; n < N; n++) {
-            if (!codes || !d) continue;
-            for (int b = 0; b < blocks; b++) d[b] = block_codes(qtype, w + n * row_bytes + b * bb, codes + b * 32);
+            if (!codes || !a) continue;
+            for (int b = 0; b < p->blocks; b++)
+                a[b] = unit_codes(p->qtype, p->w + n * p->row_bytes, p->unit, b, codes + b * 32, off + b);
             for (int m = 0; m < M; m++) {
                 float acc = 0.0f;
-                for (int b = 0; b < blocks; b++) {
-                    const uint8_t *dm = dig + ((int64_t)m * blocks + b) * DIGIT_BYTES;
+                for (int b = 0; b < p->blocks; b++) {
+                    const int64_t at = (int64_t)m * p->blocks + b;
+                    const uint8_t *dm = p->dig + at * DIGIT_BYTES;
                     const int8_t *c = codes + b * 32, *top = (const int8_t *)(dm + 64);
                     int32_t c0 = 0, c1 = 0, c2 = 0;
                     /* one loop per digit: GCC 12 vectorized a fused loop's signed digit as unsigned */
                     for (int k = 0; k < 32; k++) c0 += dm[k] * c[k];
                     for (int k = 0; k < 32; k++) c1 += dm[32 + k] * c[k];
                     for (int k = 0; k < 32; k++) c2 += top[k] * c[k];
-                    acc = combine(c0, c1, c2, d[b] * sx[(int64_t)m * blocks + b], acc);
+                    acc = combine(c0, c1, c2, a[b] * p->sx[at], off[b] * p->sx[at], p->sum[at], p->offsets, acc);
                 }
-                y[m * ldy + n] = bias ? bias[n] + acc : acc;
+                p->y[m * p->ldy + n] = p->bias ? p->bias[n] + acc : acc;
             }
         }
         free(codes);
-        free(d);
+        free(a);
     }
     return failed ? -1 : 0;
 }
 #else
-/* Block b of outputs n0 .. n0 + 15 (past N: the last again): their fp16 scales into h, and, with `decode`, their
- * codes into c[16][32]. */
-static void group_block(const uint8_t *w, int64_t row_bytes, int bb, int qtype, int n0, int nc, int b, int decode,
-                        int8_t *c, uint16_t *h) {
-    const __m128i low = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-    const __m128i levels = _mm_loadu_si128((const __m128i *)batchgen_iq4_levels);
-    for (int i = 0; i < 16; i++) {
-        const uint8_t *blk = w + (int64_t)(n0 + (i < nc ? i : nc - 1)) * row_bytes + (int64_t)b * bb;
-        memcpy(&h[i], blk, 2);
-        if (!decode) continue;
-        if (qtype == Q8_0) {
-            memcpy(c + i * 32, blk + 2, 32);
-        } else if (qtype == Q4_0 || qtype == IQ4_NL) {
-            const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2));
-            __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
-            if (qtype == Q4_0) lo = _mm_sub_epi8(lo, eight), hi = _mm_sub_epi8(hi, eight);
-            else lo = _mm_shuffle_epi8(levels, lo), hi = _mm_shuffle_epi8(levels, hi);
-            _mm_storeu_si128((__m128i *)(c + i * 32), lo);
-            _mm_storeu_si128((__m128i *)(c + i * 32 + 16), hi);
-        } else {
-            block_codes(qtype, blk, c + i * 32);
+/* unit_codes with the codes widened by SSE/AVX2 (the same codes, scale and offset) for the 4-bit formats and
+ * Q8_0; the 5-bit Q5_0 and Q5_1 by unit_codes itself. */
+static inline __attribute__((always_inline)) float fast_codes(int qtype, const uint8_t *row, int64_t unit, int b,
+                                                              int8_t *c, float *off) {
+    const __m128i low = _mm_set1_epi8(0x0f);
+    if (qtype == Q4_K || qtype == Q5_K) {
+        const uint8_t *sb = row + (int64_t)(b / 8) * unit;
+        const int j = b % 8, five = qtype == Q5_K;
+        int sc, m;
+        k_scale_min(sb + 4, j, &sc, &m);
+        __m256i q = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * five + 32 * (j / 2)));
+        q = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (j % 2)), _mm256_set1_epi8(0x0f));
+        if (five) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 16));
+            q = _mm256_or_si256(q, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, j), 4), _mm256_set1_epi8(0x10)));
         }
+        _mm256_storeu_si256((__m256i *)c, q);
+        *off = -(load_half(sb + 2) * (float)m);
+        return load_half(sb) * (float)sc;
     }
+    const uint8_t *q;
+    float a;
+    int minus = 0, levels = 0;
+    *off = 0.0f;
+    if (qtype == IQ4_XS) {
+        const uint8_t *sb = row + (int64_t)(b / 8) * unit;
+        const int j = b % 8;
+        uint16_t high;
+        memcpy(&high, sb + 2, 2);
+        const int sc = ((sb[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((high >> (2 * j)) & 3) << 4);
+        q = sb + 8 + 16 * j, a = load_half(sb) * (float)(sc - 32), levels = 1;
+    } else {
+        const uint8_t *blk = row + (int64_t)b * unit;
+        if (qtype == Q8_0) {
+            memcpy(c, blk + 2, 32);
+            return load_half(blk);
+        }
+        if (qtype != Q4_0 && qtype != Q4_1 && qtype != IQ4_NL) return unit_codes(qtype, row, unit, b, c, off);
+        q = blk + 2 + 2 * (qtype == Q4_1), a = load_half(blk), minus = qtype == Q4_0 ? 8 : 0, levels = qtype == IQ4_NL;
+        if (qtype == Q4_1) *off = load_half(blk + 2);
+    }
+    const __m128i v = _mm_loadu_si128((const __m128i *)q);
+    __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    if (levels) {
+        const __m128i table = _mm_loadu_si128((const __m128i *)batchgen_iq4_levels);
+        lo = _mm_shuffle_epi8(table, lo), hi = _mm_shuffle_epi8(table, hi);
+    } else {
+        lo = _mm_sub_epi8(lo, _mm_set1_epi8((char)minus)), hi = _mm_sub_epi8(hi, _mm_set1_epi8((char)minus));
+    }
+    _mm_storeu_si128((__m128i *)c, lo);
+    _mm_storeu_si128((__m128i *)(c + 16), hi);
+    return a;
 }
 
-/* 16 outputs' codes of each block as left tiles (16 x 32 bytes) into tiles[blocks][512], their scales d into
- * d[blocks][16]. Returns the left tiles' row stride: Q8_0's whole groups are read where they lie (their codes are
- * the rows' bytes; tiles is left unwritten). */
-static int64_t left_tiles(const uint8_t *w, int64_t row_bytes, int bb, int qtype, int n0, int nc, int blocks,
-                          int8_t *tiles, float *d) {
-    const int direct = qtype == Q8_0 && nc == 16;
-    for (int b = 0; b < blocks; b++) {
-        uint16_t h[16];
-        group_block(w, row_bytes, bb, qtype, n0, nc, b, !direct, tiles + (int64_t)b * 512, h);
-        _mm512_store_ps(d + b * 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
+/* Block b of outputs n0 .. n0 + 15 (past N: the last again): codes c[16][32], scales a[16], offsets off[16]. */
+static void group_block(const Product *p, int n0, int nc, int b, int8_t *c, float *a, float *off) {
+    for (int i = 0; i < 16; i++)
+        a[i] = fast_codes(p->qtype, p->w + (int64_t)(n0 + (i < nc ? i : nc - 1)) * p->row_bytes, p->unit, b,
+                          c + i * 32, off + i);
+}
+
+/* 16 outputs' codes of each block as left tiles (16 x 32 bytes) into tiles[blocks][512], their scales and offsets
+ * into a[blocks][16] and off[blocks][16]. Returns the left tiles' row stride: Q8_0's whole groups are read where
+ * they lie (their codes are the rows' bytes; tiles is left unwritten). */
+static int64_t left_tiles(const Product *p, int n0, int nc, int8_t *tiles, float *a, float *off) {
+    const int direct = p->qtype == Q8_0 && nc == 16;
+    for (int b = 0; b < p->blocks; b++) {
+        if (!direct) {
+            group_block(p, n0, nc, b, tiles + (int64_t)b * 512, a + b * 16, off + b * 16);
+            continue;
+        }
+        for (int i = 0; i < 16; i++)
+            a[b * 16 + i] = load_half(p->w + (int64_t)(n0 + i) * p->row_bytes + (int64_t)b * p->unit), off[b * 16 + i] = 0;
     }
-    return direct ? row_bytes : 32;
+    return direct ? p->row_bytes : 32;
 }
 
 /* The 32 codes of 16 rows (row n at base + n * stride) as 8 vectors: cv[r]'s 32-bit lane n holds row n's codes
@@ -217,65 +341,162 @@ static inline __attribute__((always_inline)) void transpose_codes(const uint8_t 
     }
 }
 
-/* Rows 0 .. M - 1 (M <= VECTOR_ROWS; digits [M, blocks, 96]) times outputs n0 .. n0 + nc - 1 by AVX512-VNNI:
- * lanes are the 16 outputs, each 32-bit lane 4 consecutive values of its block (gathered from the rows); the
- * signed top digit goes in offset by 128 (vpdpbusd multiplies unsigned by signed) and comes out less 128 times
- * the codes' sum: the same integers as the tiles'. */
-/* Block b of 16 outputs, row n's block at base + n * stride (its first byte): the codes as cv (see
- * transpose_codes) and the scales d. */
-static inline __attribute__((always_inline)) void vector_block(const uint8_t *base, int64_t stride, int qtype,
-                                                                __m512i cv[8], __m512 *d) {
+/* 16 outputs' 16 bytes of 4-bit codes (output n's at q0 + n * stride) as 4 vectors: word[r]'s 32-bit lane n holds
+ * output n's bytes 4r .. 4r + 3 (a 4 x 4 transpose of 32-bit words in each 128-bit lane). */
+static inline __attribute__((always_inline)) void nibble_words(const uint8_t *q0, int64_t stride, __m512i word[4]) {
+    __m512i z[4]; /* z[i]'s 128-bit lane j: output i + 4j */
+    for (int i = 0; i < 4; i++) {
+        z[i] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(q0 + i * stride)));
+        for (int j = 1; j < 4; j++)
+            z[i] = _mm512_inserti32x4(z[i], _mm_loadu_si128((const __m128i *)(q0 + (i + 4 * j) * stride)), j);
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    word[0] = _mm512_unpacklo_epi64(t0, t2), word[1] = _mm512_unpackhi_epi64(t0, t2);
+    word[2] = _mm512_unpacklo_epi64(t1, t3), word[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* A super-block's scales and offsets for its 8 blocks, 16 outputs a vector (Q4_K and Q5_K: d sc and -dmin m;
+ * IQ4_XS: d (sc - 32)), and Q5_K's fifth bits as transpose_codes lays out codes. */
+typedef struct {
+    __m512 a[8], off[8];
+    __m512i high[8];
+} SuperScales;
+
+static inline __attribute__((always_inline)) void super_scales(int qtype, const uint8_t *sb0, int64_t stride,
+                                                                SuperScales *o) {
     const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                           _mm512_set1_epi32((int)stride));
-    *d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(at, (const int *)base, 1)));
-    if (qtype == Q8_0) {
-        transpose_codes(base + 2, stride, cv);
-    } else if (qtype == Q4_0 || qtype == IQ4_NL) { /* q's 4 words: words r of 16 outputs, then their nibbles */
-        __m512i z[4];
-        for (int i = 0; i < 4; i++) { /* z[i]'s 128-bit lane j: output i + 4j */
-            z[i] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(base + i * stride + 2)));
-            for (int j = 1; j < 4; j++)
-                z[i] = _mm512_inserti32x4(z[i], _mm_loadu_si128((const __m128i *)(base + (i + 4 * j) * stride + 2)), j);
+    const __m512i head = _mm512_i32gather_epi32(at, (const int *)sb0, 1), six = _mm512_set1_epi32(63);
+    const __m512i four = _mm512_set1_epi32(15), two = _mm512_set1_epi32(3);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+    const __m512i s0 = _mm512_i32gather_epi32(at, (const int *)(sb0 + 4), 1);
+    if (qtype == IQ4_XS) { /* head's high half: the scales' 2 high bits; s0: their 4 low bits, two a byte */
+        const __m512i high = _mm512_srli_epi32(head, 16);
+        for (int j = 0; j < 8; j++) {
+            const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(s0, 8 * (j / 2) + 4 * (j % 2)), four);
+            const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, 2 * j), two), 4);
+            const __m512i sc = _mm512_sub_epi32(_mm512_or_si512(lo, hi), _mm512_set1_epi32(32));
+            o->a[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), o->off[j] = _mm512_setzero_ps();
         }
-        const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-        const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-        const __m512i word[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
-                                 _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
-        const __m512i low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+        return;
+    }
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+    const __m512i s1 = _mm512_i32gather_epi32(at, (const int *)(sb0 + 8), 1);
+    const __m512i s2 = _mm512_i32gather_epi32(at, (const int *)(sb0 + 12), 1);
+    for (int j = 0; j < 8; j++) { /* k_scale_min, 16 outputs at once */
+        __m512i sc, m;
+        if (j < 4) {
+            sc = _mm512_and_si512(_mm512_srli_epi32(s0, 8 * j), six), m = _mm512_and_si512(_mm512_srli_epi32(s1, 8 * j), six);
+        } else {
+            const int i = 8 * (j - 4);
+            const __m512i b2 = _mm512_srli_epi32(s2, i);
+            sc = _mm512_or_si512(_mm512_and_si512(b2, four),
+                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s0, i + 6), two), 4));
+            m = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(b2, 4), four),
+                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s1, i + 6), two), 4));
+        }
+        o->a[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+        o->off[j] = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)));
+    }
+    if (qtype == Q5_K) transpose_codes(sb0 + 16, stride, o->high);
+}
+
+/* Block b (of the super-block at sb0, 16 outputs stride bytes apart) of Q4_K, Q5_K or IQ4_XS as cv. */
+static inline __attribute__((always_inline)) void super_codes(int qtype, const uint8_t *sb0, int64_t stride, int j,
+                                                               const SuperScales *o, __m512i cv[8]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    if (qtype == IQ4_XS) {
+        __m512i word[4];
+        nibble_words(sb0 + 8 + 16 * j, stride, word);
         const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)batchgen_iq4_levels));
         for (int r = 0; r < 4; r++) {
-            const __m512i lo = _mm512_and_si512(word[r], low), hi = _mm512_and_si512(_mm512_srli_epi16(word[r], 4), low);
-            cv[r] = qtype == Q4_0 ? _mm512_sub_epi8(lo, eight) : _mm512_shuffle_epi8(levels, lo);
-            cv[r + 4] = qtype == Q4_0 ? _mm512_sub_epi8(hi, eight) : _mm512_shuffle_epi8(levels, hi);
+            cv[r] = _mm512_shuffle_epi8(levels, _mm512_and_si512(word[r], low));
+            cv[r + 4] = _mm512_shuffle_epi8(levels, _mm512_and_si512(_mm512_srli_epi16(word[r], 4), low));
         }
-    } else {
-        int8_t codes[16 * 32] __attribute__((aligned(64)));
-        for (int n = 0; n < 16; n++) block_codes(qtype, base + n * stride, codes + n * 32);
-        transpose_codes((const uint8_t *)codes, 32, cv);
+        return;
+    }
+    const int five = qtype == Q5_K;
+    transpose_codes(sb0 + 16 + 32 * five + 32 * (j / 2), stride, cv);
+    for (int r = 0; r < 8; r++) {
+        cv[r] = _mm512_and_si512(_mm512_srli_epi16(cv[r], 4 * (j % 2)), low);
+        if (five)
+            cv[r] = _mm512_or_si512(cv[r], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(o->high[r], j),
+                                                                              _mm512_set1_epi8(1)), 4));
     }
 }
 
-static void vector_group(const uint8_t *dig, const float *sx, const uint8_t *w, int64_t row_bytes, int bb,
-                         int qtype, const float *bias, float *y, int64_t ldy, int M, int blocks, int n0, int nc) {
-    uint8_t tail[16 * 34]; /* a last group of fewer than 16 outputs: the block's rows copied, the last repeated */
+/* Block b of 16 outputs, output n's row at row0 + n * stride: the codes as cv (see transpose_codes), the scales
+ * and offsets as vectors. */
+static inline __attribute__((always_inline)) void vector_block(const Product *p, const uint8_t *row0,
+                                                                int64_t stride, int b, __m512i cv[8], __m512 *a,
+                                                                __m512 *off) {
+    const int qtype = p->qtype;
+    *off = _mm512_setzero_ps();
+    if (qtype != Q8_0 && qtype != Q4_0 && qtype != IQ4_NL) {
+        int8_t codes[16 * 32] __attribute__((aligned(64)));
+        float as[16], offs[16];
+        for (int n = 0; n < 16; n++) as[n] = fast_codes(qtype, row0 + n * stride, p->unit, b, codes + n * 32, offs + n);
+        transpose_codes((const uint8_t *)codes, 32, cv);
+        *a = _mm512_loadu_ps(as), *off = _mm512_loadu_ps(offs);
+        return;
+    }
+    const uint8_t *base = row0 + (int64_t)b * p->unit;
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32((int)stride));
+    *a = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(at, (const int *)base, 1)));
+    if (qtype == Q8_0) {
+        transpose_codes(base + 2, stride, cv);
+        return;
+    }
+    __m512i word[4];
+    nibble_words(base + 2, stride, word);
+    const __m512i low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+    const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)batchgen_iq4_levels));
+    for (int r = 0; r < 4; r++) {
+        const __m512i lo = _mm512_and_si512(word[r], low), hi = _mm512_and_si512(_mm512_srli_epi16(word[r], 4), low);
+        cv[r] = qtype == Q4_0 ? _mm512_sub_epi8(lo, eight) : _mm512_shuffle_epi8(levels, lo);
+        cv[r + 4] = qtype == Q4_0 ? _mm512_sub_epi8(hi, eight) : _mm512_shuffle_epi8(levels, hi);
+    }
+}
+
+/* Rows 0 .. M - 1 (M <= VECTOR_ROWS; digits [M, blocks, 96]) times outputs n0 .. n0 + nc - 1 by AVX512-VNNI:
+ * lanes are the 16 outputs, each 32-bit lane 4 consecutive values of its block; the signed top digit goes in
+ * offset by 128 (vpdpbusd multiplies unsigned by signed) and comes out less 128 times the codes' sum: the same
+ * integers as the tiles'. */
+static void vector_group(const Product *p, int M, int n0, int nc) {
+    uint8_t tail[16 * 176]; /* a last group of fewer than 16 outputs: the rows' unit copied, the last repeated */
     __m512 acc[VECTOR_ROWS];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8((char)0x80);
     const __m512 high = _mm512_set1_ps(65536.0f);
-    for (int b = 0; b < blocks; b++) {
-        const uint8_t *base = w + (int64_t)n0 * row_bytes + (int64_t)b * bb;
-        int64_t stride = row_bytes;
+    const int per_unit = super_blocks(p->qtype) ? 8 : 1;
+    SuperScales ss;
+    memset(&ss, 0, sizeof ss);
+    for (int b = 0; b < p->blocks; b++) {
+        const uint8_t *row0 = p->w + (int64_t)n0 * p->row_bytes;
+        int64_t stride = p->row_bytes;
+        int bu = b; /* b within row0's rows */
         if (nc < 16) {
-            for (int n = 0; n < 16; n++) memcpy(tail + n * bb, base + (n < nc ? n : nc - 1) * row_bytes, bb);
-            base = tail, stride = bb;
+            const int64_t at = (int64_t)(b / per_unit) * p->unit;
+            for (int n = 0; n < 16; n++) memcpy(tail + n * p->unit, row0 + (n < nc ? n : nc - 1) * p->row_bytes + at, p->unit);
+            row0 = tail, stride = p->unit, bu = b % per_unit;
         }
-        __m512i cv[8], sum = _mm512_setzero_si512();
-        __m512 dv;
-        vector_block(base, stride, qtype, cv, &dv);
-        for (int r = 0; r < 8; r++) sum = _mm512_dpbusd_epi32(sum, ones, cv[r]);
-        const __m512i offset = _mm512_slli_epi32(sum, 7);
+        __m512i cv[8], codes_sum = _mm512_setzero_si512();
+        __m512 av, offv;
+        if (per_unit == 8) { /* K-quants and IQ4_XS: the super-block's scales once for its 8 blocks */
+            const uint8_t *sb0 = row0 + (int64_t)(bu / 8) * p->unit;
+            if (bu % 8 == 0 || nc < 16) super_scales(p->qtype, sb0, stride, &ss);
+            super_codes(p->qtype, sb0, stride, bu % 8, &ss, cv);
+            av = ss.a[bu % 8], offv = ss.off[bu % 8];
+        } else {
+            vector_block(p, row0, stride, bu, cv, &av, &offv);
+        }
+        for (int r = 0; r < 8; r++) codes_sum = _mm512_dpbusd_epi32(codes_sum, ones, cv[r]);
+        const __m512i offset = _mm512_slli_epi32(codes_sum, 7);
         for (int m = 0; m < M; m++) {
-            const uint8_t *dm = dig + ((int64_t)m * blocks + b) * DIGIT_BYTES;
+            const int64_t at = (int64_t)m * p->blocks + b;
+            const uint8_t *dm = p->dig + at * DIGIT_BYTES;
             __m512i c0 = _mm512_setzero_si512(), c1 = c0, c2 = c0;
             for (int r = 0; r < 8; r++) {
                 int32_t d0, d1, d2;
@@ -286,37 +507,34 @@ static void vector_group(const uint8_t *dig, const float *sx, const uint8_t *w, 
             }
             c2 = _mm512_sub_epi32(c2, offset);
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_add_epi32(c0, _mm512_slli_epi32(c1, 8)));
-            const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c2), high, lo);
-            acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(sx[(int64_t)m * blocks + b])), v, acc[m]);
+            const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c2), high, lo), s = _mm512_set1_ps(p->sx[at]);
+            acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(av, s), v, acc[m]);
+            if (p->offsets) acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(offv, s), _mm512_set1_ps(p->sum[at]), acc[m]);
         }
     }
     const __mmask16 mask = (__mmask16)((1u << nc) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    const __m512 bv = p->bias ? _mm512_maskz_loadu_ps(mask, p->bias + n0) : _mm512_setzero_ps();
     for (int m = 0; m < M; m++)
-        _mm512_mask_storeu_ps(y + (int64_t)m * ldy + n0, mask, bias ? _mm512_add_ps(bv, acc[m]) : acc[m]);
+        _mm512_mask_storeu_ps(p->y + (int64_t)m * p->ldy + n0, mask, p->bias ? _mm512_add_ps(bv, acc[m]) : acc[m]);
 }
 
-static void vector_product(const uint8_t *dig, const float *sx, const uint8_t *w, int64_t row_bytes, int bb,
-                           int qtype, const float *bias, float *y, int64_t ldy, int M, int blocks, int N,
-                           int num_threads) {
+static void vector_product(const Product *p, int M, int N, int num_threads) {
     const int groups = (N + 15) / 16;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4)
-    for (int g = 0; g < groups; g++)
-        vector_group(dig, sx, w, row_bytes, bb, qtype, bias, y, ldy, M, blocks, g * 16, N - g * 16 < 16 ? N - g * 16 : 16);
+    for (int g = 0; g < groups; g++) vector_group(p, M, g * 16, N - g * 16 < 16 ? N - g * 16 : 16);
 }
 
 /* Rows m0 .. m0 + mr - 1 (tile t = m0 / 16) times one group of 16 outputs: the left tiles at `left` (block b at
  * left + b * left_step, rows `stride` apart). */
-static void row_tile(const uint8_t *dig, const float *sx, const int8_t *left, int64_t left_step, int64_t stride,
-                     const float *d, int blocks, const float *bias, float *y, int64_t ldy, int m0, int mr, int n0,
-                     int nc) {
+static void row_tile(const Product *p, const int8_t *left, int64_t left_step, int64_t stride, const float *a,
+                     const float *off, int m0, int mr, int n0, int nc) {
     int32_t c[3][16][16] __attribute__((aligned(64)));
     __m512 acc[16]; /* lanes: the tile's rows */
     for (int o = 0; o < 16; o++) acc[o] = _mm512_setzero_ps();
     const int64_t t = m0 / 16;
     const __m512 high = _mm512_set1_ps(65536.0f);
-    for (int b = 0; b < blocks; b++) {
-        const uint8_t *right = dig + (t * blocks + b) * 3 * 512;
+    for (int b = 0; b < p->blocks; b++) {
+        const uint8_t *right = p->dig + (t * p->blocks + b) * 3 * 512;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -330,25 +548,25 @@ static void row_tile(const uint8_t *dig, const float *sx, const int8_t *left, in
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
         _tile_stored(2, c[2], 64);
-        const __m512 sv = _mm512_loadu_ps(sx + (t * blocks + b) * 16);
+        const __m512 sv = _mm512_loadu_ps(p->sx + (t * p->blocks + b) * 16);
+        const __m512 sum = _mm512_loadu_ps(p->sum + (t * p->blocks + b) * 16);
         for (int o = 0; o < 16; o++) {
             const __m512i c0 = _mm512_load_si512(c[0][o]), c1 = _mm512_load_si512(c[1][o]);
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_add_epi32(c0, _mm512_slli_epi32(c1, 8)));
             const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[2][o])), high, lo);
-            acc[o] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[b * 16 + o]), sv), v, acc[o]);
+            acc[o] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(a[b * 16 + o]), sv), v, acc[o]);
+            if (p->offsets) acc[o] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(off[b * 16 + o]), sv), sum, acc[o]);
         }
     }
     float out[16][16];
     for (int o = 0; o < 16; o++) _mm512_storeu_ps(out[o], acc[o]);
     for (int i = 0; i < mr; i++)
         for (int o = 0; o < nc; o++)
-            y[(int64_t)(m0 + i) * ldy + n0 + o] = bias ? bias[n0 + o] + out[o][i] : out[o][i];
+            p->y[(int64_t)(m0 + i) * p->ldy + n0 + o] = p->bias ? p->bias[n0 + o] + out[o][i] : out[o][i];
 }
 
-static int tiles_product(const uint8_t *dig, const float *sx, const uint8_t *w, int64_t row_bytes, int bb,
-                         int qtype, const float *bias, float *y, int64_t ldy, int M, int blocks, int N,
-                         int num_threads) {
-    const int groups = (N + 15) / 16;
+static int tiles_product(const Product *p, int M, int N, int num_threads) {
+    const int groups = (N + 15) / 16, blocks = p->blocks;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -359,24 +577,23 @@ static int tiles_product(const uint8_t *dig, const float *sx, const uint8_t *w, 
         for (int t = 4; t < 7; t++) cfg.rows[t] = 8, cfg.colsb[t] = 64;  /* digits: 8 x (16 rows x 4 values) */
         _tile_loadconfig(&cfg);
         int8_t *tiles = aligned_alloc(64, (size_t)blocks * 512);
-        float *d = aligned_alloc(64, (size_t)blocks * 64);
-        if (!tiles || !d) {
+        float *a = aligned_alloc(64, (size_t)blocks * 128), *off = a ? a + blocks * 16 : NULL;
+        if (!tiles || !a) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int g = 0; g < groups; g++) {
-            if (!tiles || !d) continue;
+            if (!tiles || !a) continue;
             const int n0 = g * 16, nc = N - n0 < 16 ? N - n0 : 16;
-            const int64_t stride = left_tiles(w, row_bytes, bb, qtype, n0, nc, blocks, tiles, d);
-            const int8_t *left = stride == 32 ? tiles : (const int8_t *)(w + (int64_t)n0 * row_bytes + 2);
-            const int64_t step = stride == 32 ? 512 : bb;
-            for (int m0 = 0; m0 < M; m0 += 16)
-                row_tile(dig, sx, left, step, stride, d, blocks, bias, y, ldy, m0, M - m0 < 16 ? M - m0 : 16, n0, nc);
+            const int64_t stride = left_tiles(p, n0, nc, tiles, a, off);
+            const int8_t *left = stride == 32 ? tiles : (const int8_t *)(p->w + (int64_t)n0 * p->row_bytes + 2);
+            const int64_t step = stride == 32 ? 512 : p->unit;
+            for (int m0 = 0; m0 < M; m0 += 16) row_tile(p, left, step, stride, a, off, m0, M - m0 < 16 ? M - m0 : 16, n0, nc);
         }
         _tile_release();
         free(tiles);
-        free(d);
+        free(a);
     }
     return failed ? -1 : 0;
 }
@@ -438,35 +655,38 @@ static void scratch_done(uint8_t *p, size_t bytes) {
  * -1 when memory ran out. */
 static int rows_product(const float *x, int64_t lda, const uint8_t *w, int64_t row_bytes, int qtype,
                         const float *bias, float *y, int64_t ldy, int M, int K, int N, int tiled, int num_threads) {
-    const int blocks = K / 32, bb = (int)(row_bytes / blocks), rows = tiled ? (M + 15) / 16 * 16 : M;
-    const size_t digit_bytes = (size_t)rows * blocks * DIGIT_BYTES;
-    uint8_t *mem = scratch(digit_bytes + (size_t)rows * blocks * sizeof(float));
+    const int blocks = K / 32, rows = tiled ? (M + 15) / 16 * 16 : M;
+    const size_t digit_bytes = (size_t)rows * blocks * DIGIT_BYTES, all = digit_bytes + (size_t)rows * blocks * 8;
+    uint8_t *mem = scratch(all);
     if (!mem) return -1;
-    uint8_t *dig = mem;
-    float *sx = (float *)(mem + digit_bytes);
+    const int units = super_blocks(qtype) ? blocks / 8 : blocks;
+    Product p = {mem, (float *)(mem + digit_bytes), (float *)(mem + digit_bytes) + (size_t)rows * blocks, w,
+                 row_bytes, row_bytes / units, qtype, has_offsets(qtype), blocks, bias, y, ldy};
     if (rows > M) { /* the last tile's rows past M: zeros */
         const size_t tile = (size_t)(rows / 16 - 1) * blocks;
-        memset(dig + tile * 3 * 512, 0, (size_t)blocks * 3 * 512);
-        memset(sx + tile * 16, 0, (size_t)blocks * 16 * sizeof(float));
+        memset(mem + tile * 3 * 512, 0, (size_t)blocks * 3 * 512);
+        memset((float *)p.sx + tile * 16, 0, (size_t)blocks * 16 * sizeof(float));
+        memset((float *)p.sum + tile * 16, 0, (size_t)blocks * 16 * sizeof(float));
     }
-    digitize(x, lda, M, blocks, tiled, dig, sx, num_threads);
+    digitize(x, lda, M, blocks, tiled, mem, (float *)p.sx, (float *)p.sum, num_threads);
     int rc;
 #ifdef DIGITS_TILES
-    if (tiled) rc = tiles_product(dig, sx, w, row_bytes, bb, qtype, bias, y, ldy, M, blocks, N, num_threads);
-    else vector_product(dig, sx, w, row_bytes, bb, qtype, bias, y, ldy, M, blocks, N, num_threads), rc = 0;
+    if (tiled) rc = tiles_product(&p, M, N, num_threads);
+    else vector_product(&p, M, N, num_threads), rc = 0;
 #else
-    rc = loops(dig, sx, w, row_bytes, bb, qtype, bias, y, ldy, M, blocks, N, num_threads);
+    rc = loops(&p, M, N, num_threads);
 #endif
-    scratch_done(mem, digit_bytes + (size_t)rows * blocks * sizeof(float));
+    scratch_done(mem, all);
     return rc;
 }
 
-/* y = x w^T + bias for the formats above, K a multiple of 32 and row_bytes K's blocks (checked by the caller).
- * Returns 1 when done here, 0 when the caller's float32 loops are to run (another format, no AMX, or no memory).
- * The SIMD build takes whole tiles of 16 rows by AMX and a remainder of up to VECTOR_ROWS rows by the vectors. */
+/* y = x w^T + bias for the formats above, K a multiple of the format's block (checked by the caller) and row_bytes
+ * K's blocks. Returns 1 when done here, 0 when the caller's float32 loops are to run (another format, no AMX, or
+ * no memory). The SIMD build takes whole tiles of 16 rows by AMX and a remainder of up to VECTOR_ROWS rows by the
+ * vectors. */
 int batchgen_quant_digits_linear(const float *x, int64_t lda, const uint8_t *w, int64_t row_bytes, int qtype,
                                  const float *bias, float *y, int64_t ldy, int M, int K, int N, int num_threads) {
-    if ((qtype != Q8_0 && qtype != Q4_0 && qtype != Q5_0 && qtype != IQ4_NL) || !digits_on()) return 0;
+    if (!digits_format(qtype) || !digits_on()) return 0;
 #ifdef DIGITS_TILES
     const int rest = M % 16 <= VECTOR_ROWS ? M % 16 : 0, tiled = M - rest;
     int rc = tiled ? rows_product(x, lda, w, row_bytes, qtype, bias, y, ldy, tiled, K, N, 1, num_threads) : 0;
