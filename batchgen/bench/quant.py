@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 GGUF_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_K": 12, "Q6_K": 14}
-LLAMA_CPP_TYPES = ("Q8_0", "Q4_0")  # the peer runs on these files (the comparison)
+LLAMA_CPP_TYPES = ("Q8_0", "Q4_0", "Q4_K")  # the files the peer runs too
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -244,6 +244,18 @@ static int loops(const Product *p, int M, int N, int num_threads) {
     return failed ? -1 : 0;
 }
 #else
+/* Block j of a Q4_K or Q5_K super-block at sb: its 32 codes (AVX2). */
+static inline __attribute__((always_inline)) void k_codes(int qtype, const uint8_t *sb, int j, int8_t *c) {
+    const int five = qtype == Q5_K;
+    __m256i q = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * five + 32 * (j / 2)));
+    q = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (j % 2)), _mm256_set1_epi8(0x0f));
+    if (five) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 16));
+        q = _mm256_or_si256(q, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, j), 4), _mm256_set1_epi8(0x10)));
+    }
+    _mm256_storeu_si256((__m256i *)c, q);
+}
+
 /* unit_codes with the codes widened by SSE/AVX2 (the same codes, scale and offset) for the 4-bit formats and
  * Q8_0; the 5-bit Q5_0 and Q5_1 by unit_codes itself. */
 static inline __attribute__((always_inline)) float fast_codes(int qtype, const uint8_t *row, int64_t unit, int b,
@@ -251,16 +263,9 @@ static inline __attribute__((always_inline)) float fast_codes(int qtype, const u
     const __m128i low = _mm_set1_epi8(0x0f);
     if (qtype == Q4_K || qtype == Q5_K) {
         const uint8_t *sb = row + (int64_t)(b / 8) * unit;
-        const int j = b % 8, five = qtype == Q5_K;
         int sc, m;
-        k_scale_min(sb + 4, j, &sc, &m);
-        __m256i q = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * five + 32 * (j / 2)));
-        q = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (j % 2)), _mm256_set1_epi8(0x0f));
-        if (five) {
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 16));
-            q = _mm256_or_si256(q, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, j), 4), _mm256_set1_epi8(0x10)));
-        }
-        _mm256_storeu_si256((__m256i *)c, q);
+        k_scale_min(sb + 4, b % 8, &sc, &m);
+        k_codes(qtype, sb, b % 8, c);
         *off = -(load_half(sb + 2) * (float)m);
         return load_half(sb) * (float)sc;
     }
@@ -303,22 +308,6 @@ static void group_block(const Product *p, int n0, int nc, int b, int8_t *c, floa
     for (int i = 0; i < 16; i++)
         a[i] = fast_codes(p->qtype, p->w + (int64_t)(n0 + (i < nc ? i : nc - 1)) * p->row_bytes, p->unit, b,
                           c + i * 32, off + i);
-}
-
-/* 16 outputs' codes of each block as left tiles (16 x 32 bytes) into tiles[blocks][512], their scales and offsets
- * into a[blocks][16] and off[blocks][16]. Returns the left tiles' row stride: Q8_0's whole groups are read where
- * they lie (their codes are the rows' bytes; tiles is left unwritten). */
-static int64_t left_tiles(const Product *p, int n0, int nc, int8_t *tiles, float *a, float *off) {
-    const int direct = p->qtype == Q8_0 && nc == 16;
-    for (int b = 0; b < p->blocks; b++) {
-        if (!direct) {
-            group_block(p, n0, nc, b, tiles + (int64_t)b * 512, a + b * 16, off + b * 16);
-            continue;
-        }
-        for (int i = 0; i < 16; i++)
-            a[b * 16 + i] = load_half(p->w + (int64_t)(n0 + i) * p->row_bytes + (int64_t)b * p->unit), off[b * 16 + i] = 0;
-    }
-    return direct ? p->row_bytes : 32;
 }
 
 /* The 32 codes of 16 rows (row n at base + n * stride) as 8 vectors: cv[r]'s 32-bit lane n holds row n's codes
@@ -522,6 +511,32 @@ static void vector_product(const Product *p, int M, int N, int num_threads) {
     const int groups = (N + 15) / 16;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4)
     for (int g = 0; g < groups; g++) vector_group(p, M, g * 16, N - g * 16 < 16 ? N - g * 16 : 16);
+}
+
+/* 16 outputs' codes of each block as left tiles (16 x 32 bytes) into tiles[blocks][512], their scales and offsets
+ * into a[blocks][16] and off[blocks][16]. Returns the left tiles' row stride: Q8_0's whole groups are read where
+ * they lie (their codes are the rows' bytes; tiles is left unwritten). */
+static int64_t left_tiles(const Product *p, int n0, int nc, int8_t *tiles, float *a, float *off) {
+    const int direct = p->qtype == Q8_0 && nc == 16;
+    if ((p->qtype == Q4_K || p->qtype == Q5_K) && nc == 16) { /* a super-block's scales once for its 8 blocks */
+        SuperScales ss;
+        for (int b = 0; b < p->blocks; b++) {
+            const uint8_t *sb0 = p->w + (int64_t)n0 * p->row_bytes + (int64_t)(b / 8) * p->unit;
+            if (b % 8 == 0) super_scales(p->qtype, sb0, p->row_bytes, &ss);
+            _mm512_store_ps(a + b * 16, ss.a[b % 8]), _mm512_store_ps(off + b * 16, ss.off[b % 8]);
+            for (int i = 0; i < 16; i++) k_codes(p->qtype, sb0 + i * p->row_bytes, b % 8, tiles + (int64_t)b * 512 + i * 32);
+        }
+        return 32;
+    }
+    for (int b = 0; b < p->blocks; b++) {
+        if (!direct) {
+            group_block(p, n0, nc, b, tiles + (int64_t)b * 512, a + b * 16, off + b * 16);
+            continue;
+        }
+        for (int i = 0; i < 16; i++)
+            a[b * 16 + i] = load_half(p->w + (int64_t)(n0 + i) * p->row_bytes + (int64_t)b * p->unit), off[b * 16 + i] = 0;
+    }
+    return direct ? p->row_bytes : 32;
 }
 
 /* Rows m0 .. m0 + mr - 1 (tile t = m0 / 16) times one group of 16 outputs: the left tiles at `left` (block b at
