@@ -55,7 +55,7 @@ static inline float load_half(const uint8_t *p) {
 #endif
 }
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, IQ4_NL = 20, IQ4_XS = 23 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
 
 extern const int8_t batchgen_iq4_levels[16]; /* quant_linear_cpu.c */
 
@@ -64,10 +64,12 @@ extern const int8_t batchgen_iq4_levels[16]; /* quant_linear_cpu.c */
 /* Whether a format is taken here, and whether its weights carry an offset per block (w = a c + off). */
 static int digits_format(int qtype) {
     return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1 || qtype == Q8_0 || qtype == Q4_K ||
-           qtype == Q5_K || qtype == IQ4_NL || qtype == IQ4_XS;
+           qtype == Q5_K || qtype == Q6_K || qtype == IQ4_NL || qtype == IQ4_XS;
 }
 static int has_offsets(int qtype) { return qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K; }
-static int super_blocks(int qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == IQ4_XS; }
+static int super_blocks(int qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == IQ4_XS; }
+/* Q6_K: a scale per 16 values, so each block of 32 has two (a for its first 16 values, `off` for the others) */
+static int halves(int qtype) { return qtype == Q6_K; }
 
 /* Q4_K's and Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4). */
 static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
@@ -89,6 +91,17 @@ static inline void nibble_codes(const uint8_t *q, int minus, int levels, int8_t 
  * codes c[32], its scale a (returned) and its offset: w = a c + off, a and off exact (ggml's d, d sc, dmin m). */
 static float unit_codes(int qtype, const uint8_t *row, int64_t unit, int b, int8_t *c, float *off) {
     *off = 0.0f;
+    if (qtype == Q6_K) { /* block j: quarter j % 4 of half j / 4 (ggml's q1 .. q4 of dequantize_row_q6_K) */
+        const uint8_t *sb = row + (int64_t)(b / 8) * unit;
+        const int h = (b % 8) / 4, qd = b % 4;
+        const uint8_t *ql = sb + 64 * h + 32 * (qd % 2), *qh = sb + 128 + 32 * h;
+        const int8_t *sc = (const int8_t *)(sb + 192 + 8 * h);
+        const float d = load_half(sb + 208);
+        for (int l = 0; l < 32; l++)
+            c[l] = (int8_t)(((qd / 2 ? ql[l] >> 4 : ql[l] & 0x0f) | (((qh[l] >> (2 * qd)) & 3) << 4)) - 32);
+        *off = d * (float)sc[2 * qd + 1];
+        return d * (float)sc[2 * qd];
+    }
     if (super_blocks(qtype)) {
         const uint8_t *sb = row + (int64_t)(b / 8) * unit;
         const int j = b % 8;
@@ -171,7 +184,7 @@ typedef struct {
     const float *sum;   /* each row's blocks' sum of X, laid out as sx (the offsets' term) */
     const uint8_t *w;   /* the weight rows */
     int64_t row_bytes, unit; /* bytes per row; per block (per 256-value super-block for K-quants and IQ4_XS) */
-    int qtype, offsets, blocks;
+    int qtype, offsets, halves, blocks;
     const float *bias;
     float *y;
     int64_t ldy;
@@ -206,6 +219,17 @@ static inline float combine(int32_t c0, int32_t c1, int32_t c2, float as, float 
 }
 
 #ifndef DIGITS_TILES
+/* The three digits' sums with codes c over values k0 .. k1 - 1 of a block (dm: its digits). */
+static void digit_sums(const uint8_t *dm, const int8_t *c, int k0, int k1, int32_t *sums) {
+    const int8_t *top = (const int8_t *)(dm + 64);
+    int32_t c0 = 0, c1 = 0, c2 = 0;
+    /* one loop per digit: GCC 12 vectorized a fused loop's signed digit as unsigned */
+    for (int k = k0; k < k1; k++) c0 += dm[k] * c[k];
+    for (int k = k0; k < k1; k++) c1 += dm[32 + k] * c[k];
+    for (int k = k0; k < k1; k++) c2 += top[k] * c[k];
+    sums[0] = c0, sums[1] = c1, sums[2] = c2;
+}
+
 /* The plain-C loops: one output at a time, its codes decoded once for all rows. */
 static int loops(const Product *p, int M, int N, int num_threads) {
     int failed = 0;
@@ -227,13 +251,16 @@ static int loops(const Product *p, int M, int N, int num_threads) {
                 for (int b = 0; b < p->blocks; b++) {
                     const int64_t at = (int64_t)m * p->blocks + b;
                     const uint8_t *dm = p->dig + at * DIGIT_BYTES;
-                    const int8_t *c = codes + b * 32, *top = (const int8_t *)(dm + 64);
-                    int32_t c0 = 0, c1 = 0, c2 = 0;
-                    /* one loop per digit: GCC 12 vectorized a fused loop's signed digit as unsigned */
-                    for (int k = 0; k < 32; k++) c0 += dm[k] * c[k];
-                    for (int k = 0; k < 32; k++) c1 += dm[32 + k] * c[k];
-                    for (int k = 0; k < 32; k++) c2 += top[k] * c[k];
-                    acc = combine(c0, c1, c2, a[b] * p->sx[at], off[b] * p->sx[at], p->sum[at], p->offsets, acc);
+                    int32_t v[3];
+                    if (p->halves) { /* Q6_K: each half of the block under its own scale */
+                        digit_sums(dm, codes + b * 32, 0, 16, v);
+                        acc = combine(v[0], v[1], v[2], a[b] * p->sx[at], 0.0f, 0.0f, 0, acc);
+                        digit_sums(dm, codes + b * 32, 16, 32, v);
+                        acc = combine(v[0], v[1], v[2], off[b] * p->sx[at], 0.0f, 0.0f, 0, acc);
+                        continue;
+                    }
+                    digit_sums(dm, codes + b * 32, 0, 32, v);
+                    acc = combine(v[0], v[1], v[2], a[b] * p->sx[at], off[b] * p->sx[at], p->sum[at], p->offsets, acc);
                 }
                 p->y[m * p->ldy + n] = p->bias ? p->bias[n] + acc : acc;
             }
@@ -261,6 +288,19 @@ static inline __attribute__((always_inline)) void k_codes(int qtype, const uint8
 static inline __attribute__((always_inline)) float fast_codes(int qtype, const uint8_t *row, int64_t unit, int b,
                                                               int8_t *c, float *off) {
     const __m128i low = _mm_set1_epi8(0x0f);
+    if (qtype == Q6_K) { /* unit_codes' arithmetic, 32 bytes at a time */
+        const uint8_t *sb = row + (int64_t)(b / 8) * unit;
+        const int h = (b % 8) / 4, qd = b % 4;
+        __m256i q = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32 * (qd % 2)));
+        q = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (qd / 2)), _mm256_set1_epi8(0x0f));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * qd), _mm256_set1_epi8(3)), 4));
+        _mm256_storeu_si256((__m256i *)c, _mm256_sub_epi8(q, _mm256_set1_epi8(32)));
+        const int8_t *sc = (const int8_t *)(sb + 192 + 8 * h);
+        const float d = load_half(sb + 208);
+        *off = d * (float)sc[2 * qd + 1];
+        return d * (float)sc[2 * qd];
+    }
     if (qtype == Q4_K || qtype == Q5_K) {
         const uint8_t *sb = row + (int64_t)(b / 8) * unit;
         int sc, m;
@@ -415,6 +455,29 @@ static inline __attribute__((always_inline)) void super_codes(int qtype, const u
     }
 }
 
+/* Block j of 16 outputs' Q6_K super-blocks (at sb0, stride bytes apart) as cv, its halves' scales as a and off:
+ * unit_codes' arithmetic on transposed words. */
+static inline __attribute__((always_inline)) void q6_block(const uint8_t *sb0, int64_t stride, int j, __m512i cv[8],
+                                                            __m512 *a, __m512 *off) {
+    const int h = j / 4, qd = j % 4;
+    __m512i high[8];
+    transpose_codes(sb0 + 64 * h + 32 * (qd % 2), stride, cv);
+    transpose_codes(sb0 + 128 + 32 * h, stride, high);
+    for (int r = 0; r < 8; r++) {
+        const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(cv[r], 4 * (qd / 2)), _mm512_set1_epi8(0x0f));
+        const __m512i hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high[r], 2 * qd), _mm512_set1_epi8(3)), 4);
+        cv[r] = _mm512_sub_epi8(_mm512_or_si512(lo, hi), _mm512_set1_epi8(32));
+    }
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32((int)stride));
+    const __m512i sc = _mm512_i32gather_epi32(at, (const int *)(sb0 + 192 + 8 * h + 2 * qd), 1);
+    /* d: the high half of the word at 206 (the word at 208 would read past the super-block) */
+    const __m512i dw = _mm512_i32gather_epi32(at, (const int *)(sb0 + 206), 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16)));
+    *a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(sc, 24), 24)));
+    *off = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(sc, 16), 24)));
+}
+
 /* Block b of 16 outputs, output n's row at row0 + n * stride: the codes as cv (see transpose_codes), the scales
  * and offsets as vectors. */
 static inline __attribute__((always_inline)) void vector_block(const Product *p, const uint8_t *row0,
@@ -454,7 +517,7 @@ static inline __attribute__((always_inline)) void vector_block(const Product *p,
  * offset by 128 (vpdpbusd multiplies unsigned by signed) and comes out less 128 times the codes' sum: the same
  * integers as the tiles'. */
 static void vector_group(const Product *p, int M, int n0, int nc) {
-    uint8_t tail[16 * 176]; /* a last group of fewer than 16 outputs: the rows' unit copied, the last repeated */
+    uint8_t tail[16 * 210]; /* a last group of fewer than 16 outputs: the rows' unit copied, the last repeated */
     __m512 acc[VECTOR_ROWS];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8((char)0x80);
@@ -471,9 +534,11 @@ static void vector_group(const Product *p, int M, int n0, int nc) {
             for (int n = 0; n < 16; n++) memcpy(tail + n * p->unit, row0 + (n < nc ? n : nc - 1) * p->row_bytes + at, p->unit);
             row0 = tail, stride = p->unit, bu = b % per_unit;
         }
-        __m512i cv[8], codes_sum = _mm512_setzero_si512();
+        __m512i cv[8];
         __m512 av, offv;
-        if (per_unit == 8) { /* K-quants and IQ4_XS: the super-block's scales once for its 8 blocks */
+        if (p->halves) {
+            q6_block(row0 + (int64_t)(bu / 8) * p->unit, stride, bu % 8, cv, &av, &offv);
+        } else if (per_unit == 8) { /* K-quants and IQ4_XS: the super-block's scales once for its 8 blocks */
             const uint8_t *sb0 = row0 + (int64_t)(bu / 8) * p->unit;
             if (bu % 8 == 0 || nc < 16) super_scales(p->qtype, sb0, stride, &ss);
             super_codes(p->qtype, sb0, stride, bu % 8, &ss, cv);
@@ -481,24 +546,31 @@ static void vector_group(const Product *p, int M, int n0, int nc) {
         } else {
             vector_block(p, row0, stride, bu, cv, &av, &offv);
         }
-        for (int r = 0; r < 8; r++) codes_sum = _mm512_dpbusd_epi32(codes_sum, ones, cv[r]);
-        const __m512i offset = _mm512_slli_epi32(codes_sum, 7);
-        for (int m = 0; m < M; m++) {
-            const int64_t at = (int64_t)m * p->blocks + b;
-            const uint8_t *dm = p->dig + at * DIGIT_BYTES;
-            __m512i c0 = _mm512_setzero_si512(), c1 = c0, c2 = c0;
-            for (int r = 0; r < 8; r++) {
-                int32_t d0, d1, d2;
-                memcpy(&d0, dm + 4 * r, 4), memcpy(&d1, dm + 32 + 4 * r, 4), memcpy(&d2, dm + 64 + 4 * r, 4);
-                c0 = _mm512_dpbusd_epi32(c0, _mm512_set1_epi32(d0), cv[r]);
-                c1 = _mm512_dpbusd_epi32(c1, _mm512_set1_epi32(d1), cv[r]);
-                c2 = _mm512_dpbusd_epi32(c2, _mm512_xor_si512(_mm512_set1_epi32(d2), flip), cv[r]);
+        /* Q6_K: the block's halves (cv[0..3], cv[4..7]) under their own scales, av and offv */
+        const int parts = p->halves ? 2 : 1, per_part = 8 / parts;
+        for (int part = 0; part < parts; part++) {
+            __m512i codes_sum = _mm512_setzero_si512();
+            for (int r = part * per_part; r < (part + 1) * per_part; r++)
+                codes_sum = _mm512_dpbusd_epi32(codes_sum, ones, cv[r]);
+            const __m512i offset = _mm512_slli_epi32(codes_sum, 7);
+            const __m512 scale = part ? offv : av;
+            for (int m = 0; m < M; m++) {
+                const int64_t at = (int64_t)m * p->blocks + b;
+                const uint8_t *dm = p->dig + at * DIGIT_BYTES;
+                __m512i c0 = _mm512_setzero_si512(), c1 = c0, c2 = c0;
+                for (int r = part * per_part; r < (part + 1) * per_part; r++) {
+                    int32_t d0, d1, d2;
+                    memcpy(&d0, dm + 4 * r, 4), memcpy(&d1, dm + 32 + 4 * r, 4), memcpy(&d2, dm + 64 + 4 * r, 4);
+                    c0 = _mm512_dpbusd_epi32(c0, _mm512_set1_epi32(d0), cv[r]);
+                    c1 = _mm512_dpbusd_epi32(c1, _mm512_set1_epi32(d1), cv[r]);
+                    c2 = _mm512_dpbusd_epi32(c2, _mm512_xor_si512(_mm512_set1_epi32(d2), flip), cv[r]);
+                }
+                c2 = _mm512_sub_epi32(c2, offset);
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_add_epi32(c0, _mm512_slli_epi32(c1, 8)));
+                const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c2), high, lo), s = _mm512_set1_ps(p->sx[at]);
+                acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(scale, s), v, acc[m]);
+                if (p->offsets) acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(offv, s), _mm512_set1_ps(p->sum[at]), acc[m]);
             }
-            c2 = _mm512_sub_epi32(c2, offset);
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_add_epi32(c0, _mm512_slli_epi32(c1, 8)));
-            const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c2), high, lo), s = _mm512_set1_ps(p->sx[at]);
-            acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(av, s), v, acc[m]);
-            if (p->offsets) acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(offv, s), _mm512_set1_ps(p->sum[at]), acc[m]);
         }
     }
     const __mmask16 mask = (__mmask16)((1u << nc) - 1);
@@ -548,31 +620,35 @@ static void row_tile(const Product *p, const int8_t *left, int64_t left_step, in
     for (int o = 0; o < 16; o++) acc[o] = _mm512_setzero_ps();
     const int64_t t = m0 / 16;
     const __m512 high = _mm512_set1_ps(65536.0f);
-    for (int b = 0; b < p->blocks; b++) {
-        const uint8_t *right = p->dig + (t * p->blocks + b) * 3 * 512;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_loadd(3, left + b * left_step, stride);
-        _tile_loadd(4, right, 64);
-        _tile_loadd(5, right + 512, 64);
-        _tile_loadd(6, right + 1024, 64);
-        _tile_dpbsud(0, 3, 4);
-        _tile_dpbsud(1, 3, 5);
-        _tile_dpbssd(2, 3, 6);
-        _tile_stored(0, c[0], 64);
-        _tile_stored(1, c[1], 64);
-        _tile_stored(2, c[2], 64);
-        const __m512 sv = _mm512_loadu_ps(p->sx + (t * p->blocks + b) * 16);
-        const __m512 sum = _mm512_loadu_ps(p->sum + (t * p->blocks + b) * 16);
-        for (int o = 0; o < 16; o++) {
-            const __m512i c0 = _mm512_load_si512(c[0][o]), c1 = _mm512_load_si512(c[1][o]);
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_add_epi32(c0, _mm512_slli_epi32(c1, 8)));
-            const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[2][o])), high, lo);
-            acc[o] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(a[b * 16 + o]), sv), v, acc[o]);
-            if (p->offsets) acc[o] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(off[b * 16 + o]), sv), sum, acc[o]);
+    const int parts = p->halves ? 2 : 1; /* Q6_K: the block's halves (K = 16 tiles) under their own scales */
+    for (int b = 0; b < p->blocks; b++)
+        for (int part = 0; part < parts; part++) {
+            const uint8_t *right = p->dig + (t * p->blocks + b) * 3 * 512 + part * 256;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_loadd(3, left + b * left_step + part * 16, stride);
+            _tile_loadd(4, right, 64);
+            _tile_loadd(5, right + 512, 64);
+            _tile_loadd(6, right + 1024, 64);
+            _tile_dpbsud(0, 3, 4);
+            _tile_dpbsud(1, 3, 5);
+            _tile_dpbssd(2, 3, 6);
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+            _tile_stored(2, c[2], 64);
+            const __m512 sv = _mm512_loadu_ps(p->sx + (t * p->blocks + b) * 16);
+            const __m512 sum = _mm512_loadu_ps(p->sum + (t * p->blocks + b) * 16);
+            const float *scale = part ? off : a;
+            for (int o = 0; o < 16; o++) {
+                const __m512i c0 = _mm512_load_si512(c[0][o]), c1 = _mm512_load_si512(c[1][o]);
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_add_epi32(c0, _mm512_slli_epi32(c1, 8)));
+                const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[2][o])), high, lo);
+                acc[o] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(scale[b * 16 + o]), sv), v, acc[o]);
+                if (p->offsets)
+                    acc[o] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(off[b * 16 + o]), sv), sum, acc[o]);
+            }
         }
-    }
     float out[16][16];
     for (int o = 0; o < 16; o++) _mm512_storeu_ps(out[o], acc[o]);
     for (int i = 0; i < mr; i++)
@@ -588,8 +664,9 @@ static int tiles_product(const Product *p, int M, int N, int num_threads) {
         TileConfig cfg = {0};
         cfg.palette_id = 1;
         for (int t = 0; t < 3; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* sums: 16 outputs x 16 rows */
-        cfg.rows[3] = 16, cfg.colsb[3] = 32;                               /* codes: 16 outputs x 32 values */
-        for (int t = 4; t < 7; t++) cfg.rows[t] = 8, cfg.colsb[t] = 64;  /* digits: 8 x (16 rows x 4 values) */
+        const int k = p->halves ? 16 : 32;                                /* values a product takes */
+        cfg.rows[3] = 16, cfg.colsb[3] = (uint16_t)k;                      /* codes: 16 outputs x k values */
+        for (int t = 4; t < 7; t++) cfg.rows[t] = (uint8_t)(k / 4), cfg.colsb[t] = 64; /* digits: k / 4 x (16 rows x 4) */
         _tile_loadconfig(&cfg);
         int8_t *tiles = aligned_alloc(64, (size_t)blocks * 512);
         float *a = aligned_alloc(64, (size_t)blocks * 128), *off = a ? a + blocks * 16 : NULL;
@@ -676,7 +753,7 @@ static int rows_product(const float *x, int64_t lda, const uint8_t *w, int64_t r
     if (!mem) return -1;
     const int units = super_blocks(qtype) ? blocks / 8 : blocks;
     Product p = {mem, (float *)(mem + digit_bytes), (float *)(mem + digit_bytes) + (size_t)rows * blocks, w,
-                 row_bytes, row_bytes / units, qtype, has_offsets(qtype), blocks, bias, y, ldy};
+                 row_bytes, row_bytes / units, qtype, has_offsets(qtype), halves(qtype), blocks, bias, y, ldy};
     if (rows > M) { /* the last tile's rows past M: zeros */
         const size_t tile = (size_t)(rows / 16 - 1) * blocks;
         memset(mem + tile * 3 * 512, 0, (size_t)blocks * 3 * 512);
