@@ -1,8 +1,8 @@
 """Weight-only quantized linear layer for the CPU: ``y = x wᵀ + b`` in float32 by the C kernel
 ``csrc/quant_linear_cpu.c``, the weight held in GGUF's (ggml's) block formats and dequantized a block at a time
 in L1 as the GEMM reads it (the formats and the arithmetic: the C file's docstring). On CPUs with AMX the formats
-whose weights come in blocks of 32 with one scale (and offset) each (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K,
-Q5_K, IQ4_XS) multiply in integers instead, each input block held as 24-bit integers under its largest magnitude
+whose weights come in blocks of 32 or 16 with one scale (and offset) each (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
+Q4_K, Q5_K, Q6_K, IQ4_XS) multiply in integers instead, each input block held as 24-bit integers under its largest magnitude
 (``csrc/quant_digits_cpu.c``; :func:`integer_inputs`).
 
 A packed weight is ``[out, row_bytes]`` uint8: each row the blocks of one output's weights along ``in``, as a GGUF
@@ -124,8 +124,8 @@ def linear(
     )  # fmt: skip
 
 
-INTEGER_INPUT_FORMATS = (2, 3, 6, 7, 8, 12, 13, 20, 23)
-"""The formats :func:`integer_inputs` concerns: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, IQ4_NL, IQ4_XS."""
+INTEGER_INPUT_FORMATS = (2, 3, 6, 7, 8, 12, 13, 14, 20, 23)
+"""The formats :func:`integer_inputs` concerns: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS."""
 
 
 def integer_inputs() -> bool:

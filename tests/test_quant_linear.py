@@ -122,7 +122,9 @@ def _block_integers(x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_compiler
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize(
+    "name", ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+)
 def test_the_32_value_block_formats_take_block_integer_inputs_with_amx(name, monkeypatch) -> None:
     """With AMX these formats multiply in integers: each input block is held to 24 bits under its largest
     magnitude (a value far under it keeps fewer bits), the rounded inputs' product is exact up to a few float

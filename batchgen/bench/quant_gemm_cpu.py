@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"weight-only GEMM, {args.n} x {args.k}, {torch.get_num_threads()} threads: ms per call (median)")
     if integer_inputs():
         print(
-            "(all but Q6_K, Q2_K, Q3_K: integer products over block-integer inputs; BATCHGEN_QUANT_AMX=0: float32)"
+            "(all but Q2_K and Q3_K: integer products over block-integer inputs; BATCHGEN_QUANT_AMX=0: float32)"
         )
     for r in results:
         print(f"{r['rows']:>5} rows  " + "  ".join(f"{key} {ms:.2f}" for key, ms in r["ms"].items()))

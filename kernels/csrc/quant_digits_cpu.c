@@ -1,10 +1,11 @@
 /* GGUF weights whose values come in blocks of 32 with one scale (and offset) each, times block-integer inputs, on
  * CPUs with AMX: y = x w^T (+ bias) for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and, in 256-value super-blocks of 8
- * such blocks, Q4_K, Q5_K and IQ4_XS, by integer tile products.
+ * such blocks, Q4_K, Q5_K, Q6_K and IQ4_XS, by integer tile products (Q6_K's blocks have a scale per 16 values:
+ * each half of a block is summed and scaled as a block of its own).
  *
  * Weights: each block of 32 values is w = a c + off, c integer codes in [-128, 127] (Q8_0 q, Q4_0 q - 8, Q5_0
- * q - 16, Q4_1 / Q5_1 / Q4_K / Q5_K q, IQ4_NL / IQ4_XS their levels), a the block's scale (d; d sc for Q4_K and
- * Q5_K; d (sc - 32) for IQ4_XS) and off its offset (Q4_1 and Q5_1 m; Q4_K and Q5_K -dmin m; 0 for the others),
+ * q - 16, Q4_1 / Q5_1 / Q4_K / Q5_K q, Q6_K q - 32, IQ4_NL / IQ4_XS their levels), a the block's scale (d; d sc
+ * for Q4_K, Q5_K and Q6_K; d (sc - 32) for IQ4_XS) and off its offset (Q4_1 and Q5_1 m; Q4_K and Q5_K -dmin m; 0 for the others),
  * a and off exact in float32, in ggml's row layout (batchgen_quant_linear's).
  * Inputs: each row's blocks of 32 values (the weights' blocks) as 24-bit block integers: e the exponent of the
  * block's largest magnitude (2^e <= max |x| < 2^(e + 1); at least -103), s = 2^(e - 22), X = round-half-even(x / s)
