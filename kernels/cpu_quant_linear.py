@@ -124,13 +124,10 @@ def linear(
     )  # fmt: skip
 
 
-INTEGER_INPUT_FORMATS = (2, 3, 6, 7, 8, 12, 13, 14, 20, 23)
-"""The formats :func:`integer_inputs` concerns: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS."""
-
-
 def integer_inputs() -> bool:
-    """Whether this process multiplies :data:`INTEGER_INPUT_FORMATS` by integer products over 24-bit block
-    integer inputs (a CPU with AMX, and ``BATCHGEN_QUANT_AMX`` not ``0``) rather than in float32."""
+    """Whether this process multiplies Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS weights by
+    integer products over 24-bit block integer inputs (a CPU with AMX, and ``BATCHGEN_QUANT_AMX`` not ``0``)
+    rather than in float32."""
     return available() and bool(_lib().batchgen_quant_integer_inputs())
 
 

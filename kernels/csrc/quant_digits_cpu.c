@@ -89,42 +89,57 @@ static inline void nibble_codes(const uint8_t *q, int minus, int levels, int8_t 
 }
 
 /* Block b (values 32 b .. 32 b + 31) of a weight row (`unit` bytes per block, or per 256-value super-block): its
- * codes c[32], its scale a (returned) and its offset: w = a c + off, a and off exact (ggml's d, d sc, dmin m). */
-static float unit_codes(int qtype, const uint8_t *row, int64_t unit, int b, int8_t *c, float *off) {
+ * scale a (returned) and offset: w = a c + off, a and off exact (ggml's d, d sc, dmin m); for Q6_K, `off` is the
+ * scale of the block's second 16 values. */
+static inline __attribute__((always_inline)) float block_scale(int qtype, const uint8_t *row, int64_t unit, int b,
+                                                                float *off) {
     *off = 0.0f;
-    if (qtype == Q6_K) { /* block j: quarter j % 4 of half j / 4 (ggml's q1 .. q4 of dequantize_row_q6_K) */
-        const uint8_t *sb = row + (int64_t)(b / 8) * unit;
-        const int h = (b % 8) / 4, qd = b % 4;
-        const uint8_t *ql = sb + 64 * h + 32 * (qd % 2), *qh = sb + 128 + 32 * h;
-        const int8_t *sc = (const int8_t *)(sb + 192 + 8 * h);
-        const float d = load_half(sb + 208);
-        for (int l = 0; l < 32; l++)
-            c[l] = (int8_t)(((qd / 2 ? ql[l] >> 4 : ql[l] & 0x0f) | (((qh[l] >> (2 * qd)) & 3) << 4)) - 32);
-        *off = d * (float)sc[2 * qd + 1];
-        return d * (float)sc[2 * qd];
-    }
     if (super_blocks(qtype)) {
         const uint8_t *sb = row + (int64_t)(b / 8) * unit;
         const int j = b % 8;
-        const float d = load_half(sb);
+        if (qtype == Q6_K) { /* block j: quarter j % 4 of half j / 4, a scale per 16 values */
+            const int8_t *sc = (const int8_t *)(sb + 192 + 8 * (j / 4));
+            const float d = load_half(sb + 208);
+            *off = d * (float)sc[2 * (j % 4) + 1];
+            return d * (float)sc[2 * (j % 4)];
+        }
         if (qtype == IQ4_XS) {
             uint16_t high;
             memcpy(&high, sb + 2, 2);
             const int sc = ((sb[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((high >> (2 * j)) & 3) << 4);
-            nibble_codes(sb + 8 + 16 * j, 0, 1, c);
-            return d * (float)(sc - 32);
+            return load_half(sb) * (float)(sc - 32);
         }
-        const int five = qtype == Q5_K;
         int sc, m;
         k_scale_min(sb + 4, j, &sc, &m);
-        const uint8_t *qh = sb + 16, *q = sb + 16 + 32 * five + 32 * (j / 2);
-        for (int l = 0; l < 32; l++)
-            c[l] = (int8_t)(((q[l] >> (4 * (j % 2))) & 0x0f) | (five ? ((qh[l] >> j) & 1) << 4 : 0));
         *off = -(load_half(sb + 2) * (float)m);
-        return d * (float)sc;
+        return load_half(sb) * (float)sc;
     }
     const uint8_t *blk = row + (int64_t)b * unit;
-    const float d = load_half(blk);
+    if (qtype == Q4_1 || qtype == Q5_1) *off = load_half(blk + 2);
+    return load_half(blk);
+}
+
+/* Block b's 32 codes c (see block_scale), in plain C. */
+static void block_codes(int qtype, const uint8_t *row, int64_t unit, int b, int8_t *c) {
+    if (super_blocks(qtype)) {
+        const uint8_t *sb = row + (int64_t)(b / 8) * unit;
+        const int j = b % 8;
+        if (qtype == Q6_K) { /* ggml's q1 .. q4 of dequantize_row_q6_K: quarter j % 4 of half j / 4 */
+            const int h = j / 4, qd = j % 4;
+            const uint8_t *ql = sb + 64 * h + 32 * (qd % 2), *qh = sb + 128 + 32 * h;
+            for (int l = 0; l < 32; l++)
+                c[l] = (int8_t)(((qd / 2 ? ql[l] >> 4 : ql[l] & 0x0f) | (((qh[l] >> (2 * qd)) & 3) << 4)) - 32);
+        } else if (qtype == IQ4_XS) {
+            nibble_codes(sb + 8 + 16 * j, 0, 1, c);
+        } else {
+            const int five = qtype == Q5_K;
+            const uint8_t *qh = sb + 16, *q = sb + 16 + 32 * five + 32 * (j / 2);
+            for (int l = 0; l < 32; l++)
+                c[l] = (int8_t)(((q[l] >> (4 * (j % 2))) & 0x0f) | (five ? ((qh[l] >> j) & 1) << 4 : 0));
+        }
+        return;
+    }
+    const uint8_t *blk = row + (int64_t)b * unit;
     if (qtype == Q8_0) {
         memcpy(c, blk + 2, 32);
     } else if (qtype == Q5_0 || qtype == Q5_1) {
@@ -136,14 +151,9 @@ static float unit_codes(int qtype, const uint8_t *row, int64_t unit, int b, int8
             c[i] = (int8_t)(((q[i] & 0x0f) | (int)((qh >> i) & 1) << 4) - (one ? 0 : 16));
             c[i + 16] = (int8_t)(((q[i] >> 4) | (int)((qh >> (i + 16)) & 1) << 4) - (one ? 0 : 16));
         }
-        if (one) *off = load_half(blk + 2);
-    } else if (qtype == Q4_1) {
-        nibble_codes(blk + 4, 0, 0, c);
-        *off = load_half(blk + 2);
     } else {
-        nibble_codes(blk + 2, 8, qtype == IQ4_NL, c);
+        nibble_codes(blk + 2 + 2 * (qtype == Q4_1), qtype == Q4_0 ? 8 : 0, qtype == IQ4_NL, c);
     }
-    return d;
 }
 
 static inline float float_of_bits(uint32_t bits) {
@@ -245,8 +255,11 @@ static int loops(const Product *p, int M, int N, int num_threads) {
 #pragma omp for schedule(dynamic, 4)
         for (int n = 0; n < N; n++) {
             if (!codes || !a) continue;
-            for (int b = 0; b < p->blocks; b++)
-                a[b] = unit_codes(p->qtype, p->w + n * p->row_bytes, p->unit, b, codes + b * 32, off + b);
+            for (int b = 0; b < p->blocks; b++) {
+                const uint8_t *row = p->w + n * p->row_bytes;
+                a[b] = block_scale(p->qtype, row, p->unit, b, off + b);
+                block_codes(p->qtype, row, p->unit, b, codes + b * 32);
+            }
             for (int m = 0; m < M; m++) {
                 float acc = 0.0f;
                 for (int b = 0; b < p->blocks; b++) {
@@ -284,12 +297,11 @@ static inline __attribute__((always_inline)) void k_codes(int qtype, const uint8
     _mm256_storeu_si256((__m256i *)c, q);
 }
 
-/* unit_codes with the codes widened by SSE/AVX2 (the same codes, scale and offset) for the 4-bit formats and
- * Q8_0; the 5-bit Q5_0 and Q5_1 by unit_codes itself. */
-static inline __attribute__((always_inline)) float fast_codes(int qtype, const uint8_t *row, int64_t unit, int b,
-                                                              int8_t *c, float *off) {
-    const __m128i low = _mm_set1_epi8(0x0f);
-    if (qtype == Q6_K) { /* unit_codes' arithmetic, 32 bytes at a time */
+/* block_codes with the codes widened by SSE/AVX2 for the 4- and 6-bit formats; Q8_0, Q5_0 and Q5_1 by
+ * block_codes itself. */
+static inline __attribute__((always_inline)) void wide_codes(int qtype, const uint8_t *row, int64_t unit, int b,
+                                                             int8_t *c) {
+    if (qtype == Q6_K) { /* block_codes' arithmetic, 32 bytes at a time */
         const uint8_t *sb = row + (int64_t)(b / 8) * unit;
         const int h = (b % 8) / 4, qd = b % 4;
         __m256i q = _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32 * (qd % 2)));
@@ -297,58 +309,38 @@ static inline __attribute__((always_inline)) float fast_codes(int qtype, const u
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
         q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * qd), _mm256_set1_epi8(3)), 4));
         _mm256_storeu_si256((__m256i *)c, _mm256_sub_epi8(q, _mm256_set1_epi8(32)));
-        const int8_t *sc = (const int8_t *)(sb + 192 + 8 * h);
-        const float d = load_half(sb + 208);
-        *off = d * (float)sc[2 * qd + 1];
-        return d * (float)sc[2 * qd];
+        return;
     }
     if (qtype == Q4_K || qtype == Q5_K) {
-        const uint8_t *sb = row + (int64_t)(b / 8) * unit;
-        int sc, m;
-        k_scale_min(sb + 4, b % 8, &sc, &m);
-        k_codes(qtype, sb, b % 8, c);
-        *off = -(load_half(sb + 2) * (float)m);
-        return load_half(sb) * (float)sc;
+        k_codes(qtype, row + (int64_t)(b / 8) * unit, b % 8, c);
+        return;
     }
     const uint8_t *q;
-    float a;
-    int minus = 0, levels = 0;
-    *off = 0.0f;
-    if (qtype == IQ4_XS) {
-        const uint8_t *sb = row + (int64_t)(b / 8) * unit;
-        const int j = b % 8;
-        uint16_t high;
-        memcpy(&high, sb + 2, 2);
-        const int sc = ((sb[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((high >> (2 * j)) & 3) << 4);
-        q = sb + 8 + 16 * j, a = load_half(sb) * (float)(sc - 32), levels = 1;
-    } else {
-        const uint8_t *blk = row + (int64_t)b * unit;
-        if (qtype == Q8_0) {
-            memcpy(c, blk + 2, 32);
-            return load_half(blk);
-        }
-        if (qtype != Q4_0 && qtype != Q4_1 && qtype != IQ4_NL) return unit_codes(qtype, row, unit, b, c, off);
-        q = blk + 2 + 2 * (qtype == Q4_1), a = load_half(blk), minus = qtype == Q4_0 ? 8 : 0, levels = qtype == IQ4_NL;
-        if (qtype == Q4_1) *off = load_half(blk + 2);
+    if (qtype == IQ4_XS) q = row + (int64_t)(b / 8) * unit + 8 + 16 * (b % 8);
+    else if (qtype == Q4_0 || qtype == Q4_1 || qtype == IQ4_NL) q = row + (int64_t)b * unit + 2 + 2 * (qtype == Q4_1);
+    else {
+        block_codes(qtype, row, unit, b, c);
+        return;
     }
-    const __m128i v = _mm_loadu_si128((const __m128i *)q);
+    const __m128i low = _mm_set1_epi8(0x0f), v = _mm_loadu_si128((const __m128i *)q);
     __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-    if (levels) {
+    if (qtype == IQ4_XS || qtype == IQ4_NL) {
         const __m128i table = _mm_loadu_si128((const __m128i *)batchgen_iq4_levels);
         lo = _mm_shuffle_epi8(table, lo), hi = _mm_shuffle_epi8(table, hi);
-    } else {
-        lo = _mm_sub_epi8(lo, _mm_set1_epi8((char)minus)), hi = _mm_sub_epi8(hi, _mm_set1_epi8((char)minus));
+    } else if (qtype == Q4_0) {
+        lo = _mm_sub_epi8(lo, _mm_set1_epi8(8)), hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
     }
     _mm_storeu_si128((__m128i *)c, lo);
     _mm_storeu_si128((__m128i *)(c + 16), hi);
-    return a;
 }
 
 /* Block b of outputs n0 .. n0 + 15 (past N: the last again): codes c[16][32], scales a[16], offsets off[16]. */
 static void group_block(const Product *p, int n0, int nc, int b, int8_t *c, float *a, float *off) {
-    for (int i = 0; i < 16; i++)
-        a[i] = fast_codes(p->qtype, p->w + (int64_t)(n0 + (i < nc ? i : nc - 1)) * p->row_bytes, p->unit, b,
-                          c + i * 32, off + i);
+    for (int i = 0; i < 16; i++) {
+        const uint8_t *row = p->w + (int64_t)(n0 + (i < nc ? i : nc - 1)) * p->row_bytes;
+        a[i] = block_scale(p->qtype, row, p->unit, b, off + i);
+        wide_codes(p->qtype, row, p->unit, b, c + i * 32);
+    }
 }
 
 /* The 32 codes of 16 rows (row n at base + n * stride) as 8 vectors: cv[r]'s 32-bit lane n holds row n's codes
@@ -386,6 +378,17 @@ static inline __attribute__((always_inline)) void nibble_words(const uint8_t *q0
     word[2] = _mm512_unpacklo_epi64(t1, t3), word[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+/* The byte offsets of 16 rows `stride` bytes apart, for gathers. */
+static inline __attribute__((always_inline)) __m512i rows_apart(int64_t stride) {
+    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                              _mm512_set1_epi32((int)stride));
+}
+
+/* The fp16 values at base + n * stride (n < 16) as float32: a block's scale d for 16 outputs. */
+static inline __attribute__((always_inline)) __m512 halves_of_rows(const uint8_t *base, int64_t stride) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(rows_apart(stride), (const int *)base, 1)));
+}
+
 /* A super-block's scales and offsets for its 8 blocks, 16 outputs a vector (Q4_K and Q5_K: d sc and -dmin m;
  * IQ4_XS: d (sc - 32)), and Q5_K's fifth bits as transpose_codes lays out codes. */
 typedef struct {
@@ -395,8 +398,7 @@ typedef struct {
 
 static inline __attribute__((always_inline)) void super_scales(int qtype, const uint8_t *sb0, int64_t stride,
                                                                 SuperScales *o) {
-    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32((int)stride));
+    const __m512i at = rows_apart(stride);
     const __m512i head = _mm512_i32gather_epi32(at, (const int *)sb0, 1), six = _mm512_set1_epi32(63);
     const __m512i four = _mm512_set1_epi32(15), two = _mm512_set1_epi32(3);
     const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
@@ -457,7 +459,7 @@ static inline __attribute__((always_inline)) void super_codes(int qtype, const u
 }
 
 /* Block j of 16 outputs' Q6_K super-blocks (at sb0, stride bytes apart) as cv, its halves' scales as a and off:
- * unit_codes' arithmetic on transposed words. */
+ * block_scale's and block_codes' arithmetic on transposed words. */
 static inline __attribute__((always_inline)) void q6_block(const uint8_t *sb0, int64_t stride, int j, __m512i cv[8],
                                                             __m512 *a, __m512 *off) {
     const int h = j / 4, qd = j % 4;
@@ -469,8 +471,7 @@ static inline __attribute__((always_inline)) void q6_block(const uint8_t *sb0, i
         const __m512i hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high[r], 2 * qd), _mm512_set1_epi8(3)), 4);
         cv[r] = _mm512_sub_epi8(_mm512_or_si512(lo, hi), _mm512_set1_epi8(32));
     }
-    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32((int)stride));
+    const __m512i at = rows_apart(stride);
     const __m512i sc = _mm512_i32gather_epi32(at, (const int *)(sb0 + 192 + 8 * h + 2 * qd), 1);
     /* d: the high half of the word at 206 (the word at 208 would read past the super-block) */
     const __m512i dw = _mm512_i32gather_epi32(at, (const int *)(sb0 + 206), 1);
@@ -489,15 +490,16 @@ static inline __attribute__((always_inline)) void vector_block(const Product *p,
     if (qtype != Q8_0 && qtype != Q4_0 && qtype != IQ4_NL) {
         int8_t codes[16 * 32] __attribute__((aligned(64)));
         float as[16], offs[16];
-        for (int n = 0; n < 16; n++) as[n] = fast_codes(qtype, row0 + n * stride, p->unit, b, codes + n * 32, offs + n);
+        for (int n = 0; n < 16; n++) {
+            as[n] = block_scale(qtype, row0 + n * stride, p->unit, b, offs + n);
+            wide_codes(qtype, row0 + n * stride, p->unit, b, codes + n * 32);
+        }
         transpose_codes((const uint8_t *)codes, 32, cv);
         *a = _mm512_loadu_ps(as), *off = _mm512_loadu_ps(offs);
         return;
     }
     const uint8_t *base = row0 + (int64_t)b * p->unit;
-    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32((int)stride));
-    *a = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(at, (const int *)base, 1)));
+    *a = halves_of_rows(base, stride);
     if (qtype == Q8_0) {
         transpose_codes(base + 2, stride, cv);
         return;
@@ -606,8 +608,8 @@ static int64_t left_tiles(const Product *p, int n0, int nc, int8_t *tiles, float
             group_block(p, n0, nc, b, tiles + (int64_t)b * 512, a + b * 16, off + b * 16);
             continue;
         }
-        for (int i = 0; i < 16; i++)
-            a[b * 16 + i] = load_half(p->w + (int64_t)(n0 + i) * p->row_bytes + (int64_t)b * p->unit), off[b * 16 + i] = 0;
+        _mm512_store_ps(a + b * 16, halves_of_rows(p->w + (int64_t)n0 * p->row_bytes + (int64_t)b * p->unit, p->row_bytes));
+        _mm512_store_ps(off + b * 16, _mm512_setzero_ps());
     }
     return direct ? p->row_bytes : 32;
 }
